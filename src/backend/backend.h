@@ -1,0 +1,123 @@
+#pragma once
+// The op interface. The Flux model is written once against this class; a backend (CPU
+// reference, CUDA) implements it. Model code never branches on the backend.
+//
+// Conventions every implementation follows (the conformance tests check them):
+// - Shapes are given by the tensors; an op checks them and fails naming the op and tensors.
+// - Within one call all tensors share one dtype: f32 (or f64 on the CPU backend, used by the
+//   finite-difference gradient checks). Saved statistics (mean, rstd, lse) use that dtype.
+// - Outputs are overwritten, except: parameter gradients (dw, db, dscale) are ACCUMULATED
+//   (+=) so that micro-batches and repeated uses of a parameter sum; input gradients are
+//   accumulated when the op's `accumulate` flag is set (residual streams).
+// - Any gradient output may be an undefined Tensor, meaning "not needed"; it is skipped.
+// - Tensors may be column windows (ld > cols) where the comment says "any ld".
+// - Batched activations are rank 3 [B, L, C]; "per sample" vectors (shift, scale, gate) are
+//   [B, C] with any ld, so they can be column windows of one modulation output [B, 6H].
+// - With bf16 activation rounding on (BackendOptions), every activation or input-gradient
+//   output is rounded to the nearest bf16 value, as the GPU stores them; statistics and
+//   parameter gradients stay at full precision.
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "core/tensor.h"
+
+namespace flux8 {
+
+struct BackendOptions {
+  bool round_activations_to_bf16 = false;  // CPU: emulate the GPU's bf16 activation storage
+  int threads = 0;                         // CPU: 0 = OpenMP default
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual const BackendOptions& options() const = 0;
+
+  // ---- memory -----------------------------------------------------------------------
+  virtual void* allocate(size_t bytes) = 0;  // 256-byte aligned, zero-filled
+  virtual void release(void* p) = 0;
+  virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void synchronize() {}
+
+  // ---- elementwise / copies (same shape [rows, cols]; any ld) --------------------------
+  virtual void fill(Tensor y, double value) = 0;
+  virtual void copy(Tensor y, Tensor x) = 0;
+  virtual void add(Tensor y, Tensor a, Tensor b) = 0;  // y = a + b
+  virtual void accumulate(Tensor y, Tensor x) = 0;     // y += x
+
+  // ---- linear: y[N,M] = x[N,K] · w[M,K]ᵀ + b[M] (b may be undefined). x, y any ld. -----
+  virtual void linear(Tensor y, Tensor x, Tensor w, Tensor b) = 0;
+  // dx[N,K] = dy·w (+= if accumulate_dx); dw[M,K] += dyᵀ·x; db[M] += Σ_rows dy.
+  virtual void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
+                               bool accumulate_dx) = 0;
+
+  // ---- activations (any ld) -----------------------------------------------------------
+  virtual void silu(Tensor y, Tensor x) = 0;  // x·σ(x)
+  virtual void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) = 0;
+  // GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+  virtual void gelu_tanh(Tensor y, Tensor x) = 0;
+  virtual void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) = 0;
+
+  // ---- modulated LayerNorm (no affine) over the last dim of x [B, L, H] ----------------
+  //   y = (1 + scale[b])·(x − μ)·rstd + shift[b],  rstd = 1/√(var + eps)  (biased var)
+  // mean, rstd: [B·L] saved for the backward. shift, scale: [B, H] any ld.
+  virtual void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift,
+                                  Tensor scale, float eps) = 0;
+  // dx (+= if accumulate_dx), dshift = Σ_l dy, dscale = Σ_l dy·x̂ (both [B, H], overwritten).
+  virtual void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy,
+                                           Tensor x, Tensor mean, Tensor rstd, Tensor scale,
+                                           bool accumulate_dx) = 0;
+
+  // ---- QK-norm: RMSNorm of every D-wide head segment of x [rows, n·D] (any ld) ---------
+  //   y = x / √(mean(x²) + eps) · scale[D];  rstd [rows·n] saved. D = scale.numel().
+  virtual void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, float eps) = 0;
+  // dx overwritten; dscale[D] accumulated.
+  virtual void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
+                                      Tensor scale) = 0;
+
+  // ---- layout: token-major [B, Ls, n·D] (any ld) <-> head-major [B, n, L, D] ----------
+  // heads[b, h, offset + l, :] = tokens[b, l, h·D : (h+1)·D], for l < Ls.
+  virtual void tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) = 0;
+  virtual void heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) = 0;
+
+  // ---- rotary position embedding --------------------------------------------------------
+  // ids [B, L, 3] positions; pe [B, L, D/2, 2] = (cos, sin) of pos_i·θ^(−2k/d_i) for axis i
+  // of width d_i (axes concatenated in order), computed in double precision.
+  virtual void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) = 0;
+  // x [B, n, L, D] in place: each adjacent pair (2p, 2p+1) rotated by [[c, −s], [s, c]];
+  // inverse = true rotates by the opposite angle, which is exactly the backward.
+  virtual void rope(Tensor x, Tensor pe, bool inverse) = 0;
+
+  // ---- attention: q, k, v, o [B, n, L, D]; non-causal, no mask -------------------------
+  //   o = softmax(q·kᵀ·scale)·v;  lse [B, n, L] = log Σ_j exp(q·k_j·scale) saved.
+  virtual void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, float scale) = 0;
+  // dq, dk, dv overwritten.
+  virtual void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                                  Tensor v, Tensor o, Tensor lse, float scale) = 0;
+
+  // ---- gated residual: x[B, L, H] += gate[b] ⊙ y[B, L, H]; gate [B, H] any ld ----------
+  virtual void gated_residual(Tensor x, Tensor y, Tensor gate) = 0;
+  // dy = gate[b] ⊙ dx; dgate[b] = Σ_l dx ⊙ y (overwritten).
+  virtual void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y,
+                                       Tensor gate) = 0;
+
+  // ---- sinusoidal embedding: out [B, dim], t [B] ---------------------------------------
+  //   t' = time_factor·t;  f_k = exp(−ln(max_period)·k/(dim/2));  out = [cos(t'f), sin(t'f)]
+  // Evaluated in f32 as the reference does.
+  virtual void timestep_embedding(Tensor out, Tensor t, float time_factor, float max_period) = 0;
+
+  // ---- joint sequence: out [B, La+Lb, C] = per-sample cat(a [B, La, C], b [B, Lb, C]) ---
+  virtual void concat_tokens(Tensor out, Tensor a, Tensor b) = 0;
+  // Inverse; a or b may be undefined (skipped).
+  virtual void split_tokens(Tensor a, Tensor b, Tensor in) = 0;
+};
+
+// "cpu" (always available) or "cuda" (when built with CUDA and a GPU is present).
+std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options = {});
+
+}  // namespace flux8

@@ -1,0 +1,92 @@
+// SiLU and tanh-GELU, elementwise over [rows, cols] with any ld; math in the tensor dtype.
+#include <cmath>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+using namespace cpu;
+
+namespace {
+
+template <typename T>
+T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+// d/dx x·σ(x) = σ(x)·(1 + x·(1 − σ(x))).
+template <typename T>
+T silu_grad(T x) {
+  const T s = sigmoid(x);
+  return s * (T(1) + x * (T(1) - s));
+}
+
+constexpr double kGeluC = 0.7978845608028654;  // √(2/π)
+constexpr double kGeluA = 0.044715;
+
+template <typename T>
+T gelu_tanh_value(T x) {
+  const T u = T(kGeluC) * (x + T(kGeluA) * x * x * x);
+  return T(0.5) * x * (T(1) + std::tanh(u));
+}
+
+// d/dx ½x(1 + tanh u) = ½(1 + tanh u) + ½x(1 − tanh²u)·√(2/π)(1 + 3a·x²).
+template <typename T>
+T gelu_tanh_grad(T x) {
+  const T th = std::tanh(T(kGeluC) * (x + T(kGeluA) * x * x * x));
+  return T(0.5) * (T(1) + th) +
+         T(0.5) * x * (T(1) - th * th) * T(kGeluC) * (T(1) + T(3 * kGeluA) * x * x);
+}
+
+// out = f(x) elementwise, or out (+)= dy ⊙ f'(x) for a backward.
+template <typename T, typename F>
+void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, const Ctx& c,
+              F f) {
+  parallel_for(x.rows(), c, [&](int64_t r) {
+    T* o = row<T>(out, r);
+    const T* xr = row<T>(x, r);
+    const T* dyr = dy.defined() ? row<T>(dy, r) : nullptr;
+    for (int64_t j = 0; j < x.cols(); ++j) {
+      const T v = dyr ? dyr[j] * f(xr[j]) : f(xr[j]);
+      o[j] = act<T>(accumulate ? o[j] + v : v, c);
+    }
+  });
+}
+
+}  // namespace
+
+void CpuBackend::silu(Tensor y, Tensor x) {
+  const DType t = call_dtype("silu", {{"y", y}, {"x", x}});
+  require_same_matrix("silu", {"y", y}, {"x", x});
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    map_rows<T>(y, x, {}, false, c, [](T v) { return v * sigmoid(v); });
+  });
+}
+
+void CpuBackend::silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) {
+  const DType t = call_dtype("silu_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
+  if (!dx.defined()) return;
+  require_same_matrix("silu_backward", {"dx", dx}, {"x", x});
+  require_same_matrix("silu_backward", {"dy", dy}, {"x", x});
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(dx, x, dy, accumulate_dx, c, silu_grad<T>); });
+}
+
+void CpuBackend::gelu_tanh(Tensor y, Tensor x) {
+  const DType t = call_dtype("gelu_tanh", {{"y", y}, {"x", x}});
+  require_same_matrix("gelu_tanh", {"y", y}, {"x", x});
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(y, x, {}, false, c, gelu_tanh_value<T>); });
+}
+
+void CpuBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) {
+  const DType t = call_dtype("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
+  if (!dx.defined()) return;
+  require_same_matrix("gelu_tanh_backward", {"dx", dx}, {"x", x});
+  require_same_matrix("gelu_tanh_backward", {"dy", dy}, {"x", x});
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(dx, x, dy, false, c, gelu_tanh_grad<T>); });
+}
+
+}  // namespace flux8

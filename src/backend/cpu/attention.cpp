@@ -1,0 +1,136 @@
+// Exact (non-causal, unmasked) softmax attention per (sample, head). Query rows are processed
+// in fixed blocks so the score matrix held at once is [kQueryBlock, L], bounded for long
+// sequences; products go through GEMM. The backward recomputes probabilities from the saved
+// log-sum-exp, as FlashAttention does, instead of storing them.
+#include <cmath>
+#include <limits>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+using namespace cpu;
+
+namespace {
+
+// Fixed (not thread-dependent) so results never depend on the machine.
+constexpr int64_t kQueryBlock = 128;
+
+void check_qkv(std::string_view op, std::initializer_list<Named> heads) {
+  const Tensor& q = heads.begin()->t;
+  require_rank(op, *heads.begin(), 4);
+  for (const Named& a : heads)
+    if (a.t.defined()) require_shape(op, a, q.shape);
+}
+
+}  // namespace
+
+void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, float scale) {
+  constexpr std::string_view op = "attention";
+  const DType t = call_dtype(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
+  check_qkv(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
+  require_defined(op, {"k", k});
+  require_defined(op, {"v", v});
+  require_defined(op, {"o", o});
+  const int64_t B = q.shape[0], n = q.shape[1], L = q.shape[2], D = q.shape[3];
+  require_shape(op, {"lse", lse}, Shape{B, n, L});
+  if (!lse.contiguous()) fail("{}: 'lse' {} must be contiguous", op, lse.str());
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    std::vector<T> s(static_cast<size_t>(std::min(kQueryBlock, L) * L));
+    for (int64_t bh = 0; bh < B * n; ++bh) {
+      const T *kh = row<T>(k, bh * L), *vh = row<T>(v, bh * L);
+      for (int64_t i0 = 0; i0 < L; i0 += kQueryBlock) {
+        const int64_t m = std::min(kQueryBlock, L - i0);
+        gemm<T>(false, true, m, L, D, static_cast<T>(scale), row<T>(q, bh * L + i0), q.ld, kh,
+                k.ld, T(0), s.data(), L);
+        // Row softmax, shifted by the row max so exp never overflows; the sum is in double.
+        parallel_for(m, c, [&](int64_t i) {
+          T* si = s.data() + i * L;
+          T mx = -std::numeric_limits<T>::infinity();
+          for (int64_t j = 0; j < L; ++j) mx = std::max(mx, si[j]);
+          double sum = 0;
+          for (int64_t j = 0; j < L; ++j) sum += (si[j] = std::exp(si[j] - mx));
+          for (int64_t j = 0; j < L; ++j) si[j] = static_cast<T>(si[j] / sum);
+          lse.ptr<T>()[bh * L + i0 + i] = static_cast<T>(mx + std::log(sum));
+        });
+        T* oh = row<T>(o, bh * L + i0);
+        gemm<T>(false, false, m, D, L, T(1), s.data(), L, vh, v.ld, T(0), oh, o.ld);
+        if (c.round_bf16)
+          parallel_for(m, c, [&](int64_t i) {
+            for (int64_t d = 0; d < D; ++d) oh[i * o.ld + d] = act<T>(oh[i * o.ld + d], c);
+          });
+      }
+    }
+  });
+}
+
+// With P = exp(S − lse), dP = dO·Vᵀ and δ_i = dO_i·O_i (= Σ_j P_ij dP_ij):
+//   dV = Pᵀ·dO,  dS = P ⊙ (dP − δ)·scale,  dQ = dS·K,  dK = dSᵀ·Q.
+void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
+                                    Tensor k, Tensor v, Tensor o, Tensor lse, float scale) {
+  constexpr std::string_view op = "attention_backward";
+  const DType t = call_dtype(op, {{"dq", dq},
+                                  {"dk", dk},
+                                  {"dv", dv},
+                                  {"dout", dout},
+                                  {"q", q},
+                                  {"k", k},
+                                  {"v", v},
+                                  {"o", o},
+                                  {"lse", lse}});
+  check_qkv(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk},
+                 {"dv", dv}});
+  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}})
+    require_defined(op, a);
+  const int64_t B = q.shape[0], n = q.shape[1], L = q.shape[2], D = q.shape[3];
+  require_shape(op, {"lse", lse}, Shape{B, n, L});
+  if (!lse.contiguous()) fail("{}: 'lse' {} must be contiguous", op, lse.str());
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    const size_t block = static_cast<size_t>(std::min(kQueryBlock, L) * L);
+    std::vector<T> p(block), dp(block);
+    for (int64_t bh = 0; bh < B * n; ++bh) {
+      const T *kh = row<T>(k, bh * L), *vh = row<T>(v, bh * L);
+      for (int64_t i0 = 0; i0 < L; i0 += kQueryBlock) {
+        const int64_t m = std::min(kQueryBlock, L - i0);
+        const T *qb = row<T>(q, bh * L + i0), *dob = row<T>(dout, bh * L + i0);
+        const T beta = i0 == 0 ? T(0) : T(1);  // dK, dV sum over query blocks
+        gemm<T>(false, true, m, L, D, static_cast<T>(scale), qb, q.ld, kh, k.ld, T(0), p.data(),
+                L);
+        parallel_for(m, c, [&](int64_t i) {
+          const T l = lse.ptr<T>()[bh * L + i0 + i];
+          for (int64_t j = 0; j < L; ++j) p[i * L + j] = std::exp(p[i * L + j] - l);
+        });
+        if (dv.defined())
+          gemm<T>(true, false, L, D, m, T(1), p.data(), L, dob, dout.ld, beta,
+                  row<T>(dv, bh * L), dv.ld);
+        if (!dq.defined() && !dk.defined()) continue;
+        gemm<T>(false, true, m, L, D, T(1), dob, dout.ld, vh, v.ld, T(0), dp.data(), L);
+        parallel_for(m, c, [&](int64_t i) {
+          const T *doi = dob + i * dout.ld, *oi = row<T>(o, bh * L + i0 + i);
+          double delta = 0;
+          for (int64_t d = 0; d < D; ++d) delta += static_cast<double>(doi[d]) * oi[d];
+          for (int64_t j = 0; j < L; ++j)
+            dp[i * L + j] = static_cast<T>(p[i * L + j] * (dp[i * L + j] - delta) * scale);
+        });
+        if (dq.defined())
+          gemm<T>(false, false, m, D, L, T(1), dp.data(), L, kh, k.ld, T(0),
+                  row<T>(dq, bh * L + i0), dq.ld);
+        if (dk.defined())
+          gemm<T>(true, false, L, D, m, T(1), dp.data(), L, qb, q.ld, beta, row<T>(dk, bh * L),
+                  dk.ld);
+      }
+    }
+    // Round once the block sums are complete, as a kernel storing bf16 results would.
+    if (c.round_bf16)
+      for (const Tensor* g : {&dq, &dk, &dv})
+        if (g->defined())
+          parallel_for(g->rows(), c, [&](int64_t r) {
+            T* gr = row<T>(*g, r);
+            for (int64_t d = 0; d < D; ++d) gr[d] = act<T>(gr[d], c);
+          });
+  });
+}
+
+}  // namespace flux8

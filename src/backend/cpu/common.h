@@ -1,0 +1,105 @@
+#pragma once
+// Helpers shared by the CPU op files: dtype dispatch, shape checks that name the op and the
+// tensors, row access that honours `ld`, bf16 activation rounding, deterministic column sums
+// and a row-major GEMM wrapper.
+#include <omp.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+
+namespace flux8::cpu {
+
+// A tensor argument with the name it has in the op's signature, for error messages.
+struct Named {
+  std::string_view name;
+  const Tensor& t;
+};
+
+// Checks that all defined tensors share one dtype (f32 or f64) and have ld >= cols; returns it.
+DType call_dtype(std::string_view op, std::initializer_list<Named> tensors);
+
+void require_defined(std::string_view op, Named a);
+void require_rank(std::string_view op, Named a, int rank);
+void require_shape(std::string_view op, Named a, const Shape& expected);
+// Same [rows, cols] matrix (the shapes may differ in how rows are grouped).
+void require_same_matrix(std::string_view op, Named a, Named b);
+// A contiguous vector of n elements (saved statistics: mean, rstd).
+void require_vector(std::string_view op, Named a, int64_t n);
+
+// What every op needs besides its tensors.
+struct Ctx {
+  bool round_bf16 = false;  // only ever true for f32 calls
+  int threads = 1;
+};
+inline Ctx make_ctx(const BackendOptions& o, DType t) {
+  // Read per call so that omp_set_num_threads() between calls takes effect.
+  return Ctx{o.round_activations_to_bf16 && t == DType::f32,
+             o.threads > 0 ? o.threads : omp_get_max_threads()};
+}
+
+// Calls f(T{}) with T = float or double according to t.
+template <typename F>
+void dispatch(DType t, F&& f) {
+  if (t == DType::f64)
+    f(double{});
+  else
+    f(float{});
+}
+
+// Runs f(r) for r in [0, rows) on the op's threads; each r must write only its own outputs.
+template <typename F>
+void parallel_for(int64_t n, const Ctx& c, F f) {
+#pragma omp parallel for num_threads(c.threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) f(i);
+}
+
+template <typename T>
+inline T* row(const Tensor& t, int64_t r) {
+  return t.ptr<T>() + r * t.ld;
+}
+
+// Value stored into an activation or input-gradient output: the bf16 value the GPU would keep.
+template <typename T>
+inline T act(T v, const Ctx& c) {
+  if constexpr (std::is_same_v<T, float>) return c.round_bf16 ? round_to_bf16(v) : v;
+  return v;
+}
+
+// sums[g·cols + c] = Σ_{r < rows} (row r of group g)[c], accumulated in double. add_row(g, r,
+// acc) adds one row's contribution into acc[0, cols). Rows are cut into chunks whose size
+// depends only on `rows`; chunk partials are combined in chunk order, so the result is the
+// same for every thread count.
+template <typename AddRow>
+std::vector<double> grouped_column_sums(int64_t groups, int64_t rows, int64_t cols, const Ctx& c,
+                                        AddRow add_row) {
+  const int64_t chunks = std::clamp<int64_t>(rows / 64, 1, 32);
+  const int64_t chunk_rows = (rows + chunks - 1) / chunks;
+  std::vector<double> partial(static_cast<size_t>(groups * chunks * cols), 0.0);
+#pragma omp parallel for num_threads(c.threads) schedule(static)
+  for (int64_t gc = 0; gc < groups * chunks; ++gc) {
+    const int64_t g = gc / chunks, r0 = (gc % chunks) * chunk_rows;
+    double* acc = partial.data() + gc * cols;
+    for (int64_t r = r0; r < std::min(rows, r0 + chunk_rows); ++r) add_row(g, r, acc);
+  }
+  std::vector<double> sums(static_cast<size_t>(groups * cols), 0.0);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t k = 0; k < chunks; ++k) {
+      const double* p = partial.data() + (g * chunks + k) * cols;
+      double* s = sums.data() + g * cols;
+      for (int64_t j = 0; j < cols; ++j) s[j] += p[j];
+    }
+  return sums;
+}
+
+// Row-major C[m,n] = alpha·op(A)·op(B) + beta·C through OpenBLAS; op(X) = Xᵀ when trans_x.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+
+}  // namespace flux8::cpu

@@ -1,0 +1,72 @@
+#pragma once
+// The CPU reference backend: plain C++ with OpenMP over independent rows/heads/samples and
+// OpenBLAS for matrix products. Every op runs on f32 and on f64 tensors (f64 is what the
+// finite-difference gradient checks use). Results never depend on the thread count: no
+// reduction is split in a way that depends on how many threads run it.
+//
+// Implementation is split by concern: memory.cpp, layout.cpp, linear.cpp, activations.cpp,
+// norms.cpp, rope.cpp, attention.cpp, embedding.cpp; shared helpers in common.h.
+#include "backend/backend.h"
+
+namespace flux8 {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const BackendOptions& options);
+
+  std::string name() const override { return "cpu"; }
+  const BackendOptions& options() const override { return options_; }
+
+  void* allocate(size_t bytes) override;
+  void release(void* p) override;
+  void upload(void* dst, const void* host_src, size_t bytes) override;
+  void download(void* host_dst, const void* src, size_t bytes) override;
+
+  // fill/copy/add/accumulate serve parameter and gradient buffers as well as activations,
+  // so they never apply the bf16 activation rounding (their callers know what they hold).
+  void fill(Tensor y, double value) override;
+  void copy(Tensor y, Tensor x) override;
+  void add(Tensor y, Tensor a, Tensor b) override;
+  void accumulate(Tensor y, Tensor x) override;
+
+  void linear(Tensor y, Tensor x, Tensor w, Tensor b) override;
+  void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
+                       bool accumulate_dx) override;
+
+  void silu(Tensor y, Tensor x) override;
+  void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) override;
+  void gelu_tanh(Tensor y, Tensor x) override;
+  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override;
+
+  void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
+                          float eps) override;
+  void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x,
+                                   Tensor mean, Tensor rstd, Tensor scale,
+                                   bool accumulate_dx) override;
+  void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, float eps) override;
+  void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
+                              Tensor scale) override;
+
+  void tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) override;
+  void heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) override;
+
+  void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) override;
+  void rope(Tensor x, Tensor pe, bool inverse) override;
+
+  void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, float scale) override;
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                          Tensor v, Tensor o, Tensor lse, float scale) override;
+
+  void gated_residual(Tensor x, Tensor y, Tensor gate) override;
+  void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override;
+
+  void timestep_embedding(Tensor out, Tensor t, float time_factor, float max_period) override;
+
+  void concat_tokens(Tensor out, Tensor a, Tensor b) override;
+  void split_tokens(Tensor a, Tensor b, Tensor in) override;
+
+ private:
+  BackendOptions options_;
+};
+
+}  // namespace flux8

@@ -1,0 +1,118 @@
+// Pure data movement between token-major and head-major layouts and along the sequence.
+// The outputs are activations, so bf16 emulation rounds them (a no-op for values that were
+// already bf16, which is what the GPU would hold).
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+using namespace cpu;
+
+namespace {
+
+// Checks tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L.
+void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens,
+                        int64_t offset) {
+  require_rank(op, {"heads", heads}, 4);
+  require_rank(op, {"tokens", tokens}, 3);
+  const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
+  if (tokens.shape[0] != B || tokens.shape[2] != n * D)
+    fail("{}: tokens {} do not match heads {}: expected [{}, Ls, {}]", op, tokens.str(),
+         heads.str(), B, n * D);
+  if (offset < 0 || offset + tokens.shape[1] > L)
+    fail("{}: tokens {} at token_offset {} do not fit in the {} positions of heads {}", op,
+         tokens.str(), offset, L, heads.str());
+}
+
+// Moves between tokens[b, l, h·D : (h+1)·D] and heads[b, h, offset + l, :]; parallel over
+// (b, h, l), each task owning one destination row segment.
+template <typename T>
+void move_heads(const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads,
+                const Ctx& c) {
+  const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
+  const int64_t Ls = tokens.shape[1];
+  parallel_for(B * n * Ls, c, [&](int64_t i) {
+    const int64_t b = i / (n * Ls), h = (i / Ls) % n, l = i % Ls;
+    T* hr = row<T>(heads, (b * n + h) * L + offset + l);
+    T* tr = row<T>(tokens, b * Ls + l) + h * D;
+    T* dst = to_heads ? hr : tr;
+    const T* src = to_heads ? tr : hr;
+    for (int64_t d = 0; d < D; ++d) dst[d] = act<T>(src[d], c);
+  });
+}
+
+// out[b, offset + l, :] <-> part[b, l, :] for l < part's length.
+template <typename T>
+void move_tokens(const Tensor& joint, const Tensor& part, int64_t offset, bool to_joint,
+                 const Ctx& c) {
+  const int64_t B = joint.shape[0], L = joint.shape[1], C = joint.shape[2], Lp = part.shape[1];
+  parallel_for(B * Lp, c, [&](int64_t i) {
+    const int64_t b = i / Lp, l = i % Lp;
+    T* jr = row<T>(joint, b * L + offset + l);
+    T* pr = row<T>(part, b * Lp + l);
+    T* dst = to_joint ? jr : pr;
+    const T* src = to_joint ? pr : jr;
+    for (int64_t j = 0; j < C; ++j) dst[j] = act<T>(src[j], c);
+  });
+}
+
+void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Tensor& b) {
+  const Tensor& joint = joint_arg.t;
+  require_rank(op, joint_arg, 3);
+  const int64_t B = joint.shape[0], C = joint.shape[2];
+  int64_t L = 0;
+  for (const Named& p : {Named{"a", a}, Named{"b", b}}) {
+    if (!p.t.defined()) continue;
+    require_rank(op, p, 3);
+    if (p.t.shape[0] != B || p.t.shape[2] != C)
+      fail("{}: tensor '{}' {} must be [{}, L, {}] to match '{}' {}", op, p.name, p.t.str(), B,
+           C, joint_arg.name, joint.str());
+    L += p.t.shape[1];
+  }
+  // With both parts present they must tile the joint sequence exactly; a lone part must fit.
+  if ((a.defined() && b.defined()) ? L != joint.shape[1] : L > joint.shape[1])
+    fail("{}: parts a {} and b {} do not tile the sequence of '{}' {}", op,
+         a.defined() ? a.str() : "undefined", b.defined() ? b.str() : "undefined",
+         joint_arg.name, joint.str());
+}
+
+}  // namespace
+
+void CpuBackend::tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) {
+  const DType t = call_dtype("tokens_to_heads", {{"heads", heads}, {"tokens", tokens}});
+  check_heads_tokens("tokens_to_heads", heads, tokens, token_offset);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) { move_heads<T>(heads, tokens, token_offset, true, c); });
+}
+
+void CpuBackend::heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) {
+  const DType t = call_dtype("heads_to_tokens", {{"tokens", tokens}, {"heads", heads}});
+  check_heads_tokens("heads_to_tokens", heads, tokens, token_offset);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) { move_heads<T>(heads, tokens, token_offset, false, c); });
+}
+
+void CpuBackend::concat_tokens(Tensor out, Tensor a, Tensor b) {
+  const DType t = call_dtype("concat_tokens", {{"out", out}, {"a", a}, {"b", b}});
+  require_defined("concat_tokens", {"a", a});
+  require_defined("concat_tokens", {"b", b});
+  check_joint("concat_tokens", {"out", out}, a, b);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    move_tokens<T>(out, a, 0, true, c);
+    move_tokens<T>(out, b, a.shape[1], true, c);
+  });
+}
+
+void CpuBackend::split_tokens(Tensor a, Tensor b, Tensor in) {
+  const DType t = call_dtype("split_tokens", {{"a", a}, {"b", b}, {"in", in}});
+  check_joint("split_tokens", {"in", in}, a, b);
+  // b is the tail of the sequence: with a undefined, its offset is what b does not cover.
+  const int64_t b_offset = in.shape[1] - (b.defined() ? b.shape[1] : 0);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    if (a.defined()) move_tokens<T>(in, a, 0, false, c);
+    if (b.defined()) move_tokens<T>(in, b, b_offset, false, c);
+  });
+}
+
+}  // namespace flux8

@@ -1,0 +1,111 @@
+// Linear layer y = x·wᵀ + b and its backward, on OpenBLAS. Leading dimensions are the tensors'
+// row strides, so column windows of fused projections are read and written in place.
+#include <cblas.h>
+
+#include <limits>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+using namespace cpu;
+
+namespace cpu {
+
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  constexpr int64_t kMax = std::numeric_limits<blasint>::max();
+  FLUX8_CHECK(m <= kMax && n <= kMax && k <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax,
+              "gemm dimensions {}x{}x{} exceed the BLAS integer range", m, n, k);
+  const auto ta = trans_a ? CblasTrans : CblasNoTrans, tb = trans_b ? CblasTrans : CblasNoTrans;
+  // BLAS requires ld >= 1 even for empty operands.
+  const auto ld = [](int64_t v) { return static_cast<blasint>(std::max<int64_t>(v, 1)); };
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
+                static_cast<blasint>(k), alpha, a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
+  else
+    cblas_dgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
+                static_cast<blasint>(k), alpha, a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
+}
+template void gemm<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                          const float*, int64_t, float, float*, int64_t);
+template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*, int64_t,
+                           const double*, int64_t, double, double*, int64_t);
+
+}  // namespace cpu
+
+void CpuBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
+  constexpr std::string_view op = "linear";
+  const DType t = call_dtype(op, {{"y", y}, {"x", x}, {"w", w}, {"b", b}});
+  require_defined(op, {"x", x});
+  require_rank(op, {"w", w}, 2);
+  const int64_t N = x.rows(), K = x.cols(), M = w.shape[0];
+  if (w.shape[1] != K)
+    fail("{}: weight 'w' {} must be [M, {}] to match input 'x' {}", op, w.str(), K, x.str());
+  require_defined(op, {"y", y});
+  if (y.rows() != N || y.cols() != M)
+    fail("{}: output 'y' {} must have {} rows of {} columns for x {} and w {}", op, y.str(), N, M,
+         x.str(), w.str());
+  if (b.defined() && (b.numel() != M || !b.contiguous()))
+    fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, b.str(), M);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    gemm<T>(false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), y.ptr<T>(),
+            y.ld);
+    // Bias after the product, as a GEMM epilogue does.
+    const T* bias = b.defined() ? b.ptr<T>() : nullptr;
+    parallel_for(N, c, [&](int64_t r) {
+      T* yr = row<T>(y, r);
+      for (int64_t j = 0; j < M; ++j) yr[j] = act<T>(bias ? yr[j] + bias[j] : yr[j], c);
+    });
+  });
+}
+
+void CpuBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
+                                 bool accumulate_dx) {
+  constexpr std::string_view op = "linear_backward";
+  const DType t =
+      call_dtype(op, {{"dx", dx}, {"dw", dw}, {"db", db}, {"dy", dy}, {"x", x}, {"w", w}});
+  require_defined(op, {"dy", dy});
+  require_rank(op, {"w", w}, 2);
+  const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
+  if (w.shape[0] != M)
+    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M,
+         dy.str());
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    if (dx.defined()) {
+      if (dx.rows() != N || dx.cols() != K)
+        fail("{}: input gradient 'dx' {} must have {} rows of {} columns", op, dx.str(), N, K);
+      gemm<T>(false, false, N, K, M, T(1), dy.ptr<T>(), dy.ld, w.ptr<T>(), w.ld,
+              accumulate_dx ? T(1) : T(0), dx.ptr<T>(), dx.ld);
+      if (c.round_bf16)
+        parallel_for(N, c, [&](int64_t r) {
+          T* dxr = row<T>(dx, r);
+          for (int64_t j = 0; j < K; ++j) dxr[j] = act<T>(dxr[j], c);
+        });
+    }
+    if (dw.defined()) {
+      require_shape(op, {"dw", dw}, w.shape);
+      require_defined(op, {"x", x});
+      if (x.rows() != N || x.cols() != K)
+        fail("{}: input 'x' {} must have {} rows of {} columns", op, x.str(), N, K);
+      gemm<T>(true, false, M, K, N, T(1), dy.ptr<T>(), dy.ld, x.ptr<T>(), x.ld, T(1), dw.ptr<T>(),
+              dw.ld);
+    }
+    if (db.defined()) {
+      if (db.numel() != M || !db.contiguous())
+        fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(),
+             M);
+      const auto s = grouped_column_sums(1, N, M, c, [&](int64_t, int64_t r, double* acc) {
+        const T* dyr = row<T>(dy, r);
+        for (int64_t j = 0; j < M; ++j) acc[j] += dyr[j];
+      });
+      for (int64_t j = 0; j < M; ++j) db.ptr<T>()[j] = static_cast<T>(db.ptr<T>()[j] + s[j]);
+    }
+  });
+}
+
+}  // namespace flux8

@@ -1,0 +1,35 @@
+#include <cblas.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+
+CpuBackend::CpuBackend(const BackendOptions& options) : options_(options) {
+  // OpenBLAS keeps its own (process-wide) thread pool; a pinned thread count applies to it too.
+  if (options_.threads > 0) openblas_set_num_threads(options_.threads);
+}
+
+void* CpuBackend::allocate(size_t bytes) {
+  constexpr size_t kAlign = 256;  // matches the CUDA allocator's guarantee
+  const size_t padded = std::max<size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  void* p = std::aligned_alloc(kAlign, padded);
+  if (!p) fail("cpu backend: out of host memory allocating {} bytes", bytes);
+  std::memset(p, 0, padded);
+  return p;
+}
+
+void CpuBackend::release(void* p) { std::free(p); }
+
+void CpuBackend::upload(void* dst, const void* host_src, size_t bytes) {
+  if (bytes) std::memcpy(dst, host_src, bytes);
+}
+
+void CpuBackend::download(void* host_dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(host_dst, src, bytes);
+}
+
+}  // namespace flux8

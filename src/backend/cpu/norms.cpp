@@ -1,0 +1,192 @@
+// Modulated LayerNorm (adaLN) and the per-head RMSNorm of QK-norm. Row statistics are
+// accumulated in double; mean/rstd are stored unrounded in the tensor dtype, and both the
+// forward and the backward normalise with those stored values so the two agree exactly.
+#include <cmath>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+using namespace cpu;
+
+void CpuBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift,
+                                    Tensor scale, float eps) {
+  constexpr std::string_view op = "layernorm_modulate";
+  const DType t = call_dtype(op, {{"y", y},
+                                  {"mean", mean},
+                                  {"rstd", rstd},
+                                  {"x", x},
+                                  {"shift", shift},
+                                  {"scale", scale}});
+  require_rank(op, {"x", x}, 3);
+  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
+  require_shape(op, {"y", y}, x.shape);
+  require_vector(op, {"mean", mean}, B * L);
+  require_vector(op, {"rstd", rstd}, B * L);
+  require_shape(op, {"shift", shift}, Shape{B, H});
+  require_shape(op, {"scale", scale}, Shape{B, H});
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    parallel_for(B * L, c, [&](int64_t r) {
+      const T* xr = row<T>(x, r);
+      double sum = 0;
+      for (int64_t j = 0; j < H; ++j) sum += xr[j];
+      const double mu = sum / static_cast<double>(H);
+      double sq = 0;  // two-pass variance: no cancellation for rows with a large mean
+      for (int64_t j = 0; j < H; ++j) sq += (xr[j] - mu) * (xr[j] - mu);
+      const T mu_t = static_cast<T>(mu);
+      const T rs_t = static_cast<T>(1.0 / std::sqrt(sq / static_cast<double>(H) + eps));
+      mean.ptr<T>()[r] = mu_t;
+      rstd.ptr<T>()[r] = rs_t;
+      const T *sh = row<T>(shift, r / L), *sc = row<T>(scale, r / L);
+      T* yr = row<T>(y, r);
+      for (int64_t j = 0; j < H; ++j) {
+        const double xhat = (static_cast<double>(xr[j]) - mu_t) * rs_t;
+        yr[j] = act<T>(static_cast<T>((1.0 + sc[j]) * xhat + sh[j]), c);
+      }
+    });
+  });
+}
+
+// With g = dy·(1 + scale) = ∂loss/∂x̂:  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)).
+void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy,
+                                             Tensor x, Tensor mean, Tensor rstd, Tensor scale,
+                                             bool accumulate_dx) {
+  constexpr std::string_view op = "layernorm_modulate_backward";
+  const DType t = call_dtype(op, {{"dx", dx},
+                                  {"dshift", dshift},
+                                  {"dscale", dscale},
+                                  {"dy", dy},
+                                  {"x", x},
+                                  {"mean", mean},
+                                  {"rstd", rstd},
+                                  {"scale", scale}});
+  require_rank(op, {"x", x}, 3);
+  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
+  require_shape(op, {"dy", dy}, x.shape);
+  require_vector(op, {"mean", mean}, B * L);
+  require_vector(op, {"rstd", rstd}, B * L);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    const auto xhat = [&](int64_t r, int64_t j) {
+      return (static_cast<double>(row<T>(x, r)[j]) - mean.ptr<T>()[r]) * rstd.ptr<T>()[r];
+    };
+    if (dx.defined()) {
+      require_shape(op, {"dx", dx}, x.shape);
+      require_shape(op, {"scale", scale}, Shape{B, H});
+      parallel_for(B * L, c, [&](int64_t r) {
+        const T *dyr = row<T>(dy, r), *sc = row<T>(scale, r / L);
+        double sum_g = 0, sum_gx = 0;
+        for (int64_t j = 0; j < H; ++j) {
+          const double g = dyr[j] * (1.0 + sc[j]);
+          sum_g += g;
+          sum_gx += g * xhat(r, j);
+        }
+        const double mean_g = sum_g / static_cast<double>(H);
+        const double mean_gx = sum_gx / static_cast<double>(H);
+        const double rs = rstd.ptr<T>()[r];
+        T* dxr = row<T>(dx, r);
+        for (int64_t j = 0; j < H; ++j) {
+          const double g = dyr[j] * (1.0 + sc[j]);
+          const T v = static_cast<T>(rs * (g - mean_g - xhat(r, j) * mean_gx));
+          dxr[j] = act<T>(accumulate_dx ? dxr[j] + v : v, c);
+        }
+      });
+    }
+    // dshift, dscale are gradients of the modulation activations: overwritten and rounded.
+    const auto store = [&](const Tensor& out, const std::vector<double>& s) {
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < H; ++j) row<T>(out, b)[j] = act<T>(static_cast<T>(s[b * H + j]), c);
+    };
+    if (dshift.defined()) {
+      require_shape(op, {"dshift", dshift}, Shape{B, H});
+      store(dshift, grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
+              const T* dyr = row<T>(dy, b * L + l);
+              for (int64_t j = 0; j < H; ++j) acc[j] += dyr[j];
+            }));
+    }
+    if (dscale.defined()) {
+      require_shape(op, {"dscale", dscale}, Shape{B, H});
+      store(dscale, grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
+              const T* dyr = row<T>(dy, b * L + l);
+              for (int64_t j = 0; j < H; ++j) acc[j] += dyr[j] * xhat(b * L + l, j);
+            }));
+    }
+  });
+}
+
+// QK-norm: every D-wide head segment of a row is normalised on its own.
+void CpuBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, float eps) {
+  constexpr std::string_view op = "rmsnorm_heads";
+  const DType t = call_dtype(op, {{"y", y}, {"rstd", rstd}, {"x", x}, {"scale", scale}});
+  require_defined(op, {"x", x});
+  require_defined(op, {"scale", scale});
+  const int64_t D = scale.numel(), rows = x.rows();
+  if (D == 0 || x.cols() % D != 0 || !scale.contiguous())
+    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op,
+         x.str(), D, scale.str());
+  const int64_t n = x.cols() / D;
+  require_same_matrix(op, {"y", y}, {"x", x});
+  require_vector(op, {"rstd", rstd}, rows * n);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    const T* sc = scale.ptr<T>();
+    parallel_for(rows * n, c, [&](int64_t i) {
+      const int64_t r = i / n, h = i % n;
+      const T* xs = row<T>(x, r) + h * D;
+      double sq = 0;
+      for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(xs[d]) * xs[d];
+      const T rs = static_cast<T>(1.0 / std::sqrt(sq / static_cast<double>(D) + eps));
+      rstd.ptr<T>()[i] = rs;
+      T* ys = row<T>(y, r) + h * D;
+      for (int64_t d = 0; d < D; ++d) ys[d] = act<T>(static_cast<T>(xs[d] * rs * sc[d]), c);
+    });
+  });
+}
+
+// With x̂ = x·rstd and g = dy·scale:  dx = rstd·(g − x̂·mean(g·x̂));  dscale += Σ dy·x̂.
+void CpuBackend::rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
+                                        Tensor scale) {
+  constexpr std::string_view op = "rmsnorm_heads_backward";
+  const DType t = call_dtype(
+      op, {{"dx", dx}, {"dscale", dscale}, {"dy", dy}, {"x", x}, {"rstd", rstd}, {"scale", scale}});
+  require_defined(op, {"x", x});
+  require_defined(op, {"scale", scale});
+  const int64_t D = scale.numel(), rows = x.rows();
+  if (D == 0 || x.cols() % D != 0 || !scale.contiguous())
+    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op,
+         x.str(), D, scale.str());
+  const int64_t n = x.cols() / D;
+  require_same_matrix(op, {"dy", dy}, {"x", x});
+  require_vector(op, {"rstd", rstd}, rows * n);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    const T *sc = scale.ptr<T>(), *rs = rstd.ptr<T>();
+    if (dx.defined()) {
+      require_same_matrix(op, {"dx", dx}, {"x", x});
+      parallel_for(rows * n, c, [&](int64_t i) {
+        const int64_t r = i / n, h = i % n;
+        const T *xs = row<T>(x, r) + h * D, *dys = row<T>(dy, r) + h * D;
+        double sum_gx = 0;
+        for (int64_t d = 0; d < D; ++d) sum_gx += static_cast<double>(dys[d]) * sc[d] * xs[d] * rs[i];
+        const double mean_gx = sum_gx / static_cast<double>(D);
+        T* dxs = row<T>(dx, r) + h * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const double g = static_cast<double>(dys[d]) * sc[d];
+          dxs[d] = act<T>(static_cast<T>(rs[i] * (g - xs[d] * rs[i] * mean_gx)), c);
+        }
+      });
+    }
+    if (dscale.defined()) {
+      require_vector(op, {"dscale", dscale}, D);
+      const auto s = grouped_column_sums(1, rows * n, D, c, [&](int64_t, int64_t i, double* acc) {
+        const int64_t r = i / n, h = i % n;
+        const T *xs = row<T>(x, r) + h * D, *dys = row<T>(dy, r) + h * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += static_cast<double>(dys[d]) * xs[d] * rs[i];
+      });
+      for (int64_t d = 0; d < D; ++d) dscale.ptr<T>()[d] = static_cast<T>(dscale.ptr<T>()[d] + s[d]);
+    }
+  });
+}
+
+}  // namespace flux8

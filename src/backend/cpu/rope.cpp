@@ -1,0 +1,71 @@
+// Rotary position embedding with Flux's multi-axis table and ADJACENT-pair rotation.
+#include <cmath>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+using namespace cpu;
+
+// pe[b, l, p] = (cos, sin) of ids[b, l, i]·ω_k with ω_k = 1/θ^(2k/d_i), where pair p is pair k
+// of axis i. Evaluated in double like the reference (which then casts to f32).
+void CpuBackend::rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) {
+  constexpr std::string_view op = "rope_table";
+  const DType t = call_dtype(op, {{"pe", pe}, {"ids", ids}});
+  require_rank(op, {"ids", ids}, 3);
+  const int64_t B = ids.shape[0], L = ids.shape[1];
+  int64_t pairs = 0;
+  for (int d : axes_dim) {
+    if (d <= 0 || d % 2 != 0)
+      fail("{}: every axis width must be positive and even, got {}", op, d);
+    pairs += d / 2;
+  }
+  if (ids.shape[2] != static_cast<int64_t>(axes_dim.size()))
+    fail("{}: ids {} must have one position per axis ({} axes)", op, ids.str(), axes_dim.size());
+  require_shape(op, {"pe", pe}, Shape{B, L, pairs, 2});
+  if (!pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, pe.str());
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    parallel_for(B * L, c, [&](int64_t r) {
+      const T* pos = row<T>(ids, r);
+      T* out = pe.ptr<T>() + r * pairs * 2;
+      for (size_t i = 0; i < axes_dim.size(); ++i) {
+        const int d = axes_dim[i];
+        for (int k = 0; k < d / 2; ++k) {
+          const double omega = 1.0 / std::pow(theta, 2.0 * k / d);
+          const double angle = static_cast<double>(pos[i]) * omega;
+          *out++ = static_cast<T>(std::cos(angle));
+          *out++ = static_cast<T>(std::sin(angle));
+        }
+      }
+    });
+  });
+}
+
+// (x0, x1) → (c·x0 − s·x1, s·x0 + c·x1); the inverse uses −s. Rotations are orthogonal, so
+// the inverse is also the backward.
+void CpuBackend::rope(Tensor x, Tensor pe, bool inverse) {
+  constexpr std::string_view op = "rope";
+  const DType t = call_dtype(op, {{"x", x}, {"pe", pe}});
+  require_rank(op, {"x", x}, 4);
+  const int64_t B = x.shape[0], n = x.shape[1], L = x.shape[2], D = x.shape[3];
+  if (D % 2 != 0) fail("{}: head dim of x {} must be even", op, x.str());
+  require_shape(op, {"pe", pe}, Shape{B, L, D / 2, 2});
+  if (!pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, pe.str());
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    parallel_for(B * n * L, c, [&](int64_t r) {
+      const int64_t b = r / (n * L), l = r % L;
+      const T* cs = pe.ptr<T>() + (b * L + l) * D;
+      T* xr = row<T>(x, r);
+      for (int64_t p = 0; p < D / 2; ++p) {
+        const T co = cs[2 * p], si = inverse ? -cs[2 * p + 1] : cs[2 * p + 1];
+        const T x0 = xr[2 * p], x1 = xr[2 * p + 1];
+        xr[2 * p] = act<T>(co * x0 - si * x1, c);
+        xr[2 * p + 1] = act<T>(si * x0 + co * x1, c);
+      }
+    });
+  });
+}
+
+}  // namespace flux8

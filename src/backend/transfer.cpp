@@ -1,0 +1,35 @@
+#include "backend/transfer.h"
+
+#include "backend/backend.h"
+#include "core/error.h"
+
+namespace flux8 {
+
+std::vector<double> to_host(Backend& backend, const Tensor& t) {
+  FLUX8_CHECK(t.contiguous(), "to_host of a strided tensor {}", t.str());
+  const size_t n = static_cast<size_t>(t.numel());
+  std::vector<double> out(n);
+  if (t.dtype == DType::f64) {
+    backend.download(out.data(), t.data, n * 8);
+  } else {
+    FLUX8_CHECK(t.dtype == DType::f32, "to_host of {}", t.str());
+    std::vector<float> tmp(n);
+    backend.download(tmp.data(), t.data, n * 4);
+    for (size_t i = 0; i < n; ++i) out[i] = tmp[i];
+  }
+  return out;
+}
+
+void from_host(Backend& backend, const Tensor& t, const std::vector<double>& values) {
+  FLUX8_CHECK(t.contiguous() && static_cast<int64_t>(values.size()) == t.numel(),
+              "from_host of {} values into {}", values.size(), t.str());
+  if (t.dtype == DType::f64) {
+    backend.upload(t.data, values.data(), values.size() * 8);
+  } else {
+    FLUX8_CHECK(t.dtype == DType::f32, "from_host into {}", t.str());
+    std::vector<float> tmp(values.begin(), values.end());
+    backend.upload(t.data, tmp.data(), tmp.size() * 4);
+  }
+}
+
+}  // namespace flux8

@@ -1,0 +1,15 @@
+#pragma once
+// Host <-> backend copies of whole tensors as f64 values, whatever the tensor's dtype (f32 or
+// f64). Used for checkpoints, CLI inputs/outputs and tests; never on a hot path.
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace flux8 {
+
+class Backend;
+
+std::vector<double> to_host(Backend& backend, const Tensor& t);
+void from_host(Backend& backend, const Tensor& t, const std::vector<double>& values);
+
+}  // namespace flux8

@@ -1,0 +1,113 @@
+// `flux8 info`: parameter counts, model FLOPs and the memory of a training step.
+#include <fmt/core.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "config/config.h"
+#include "model/flops.h"
+#include "model/flux_model.h"
+#include "model/params.h"
+
+namespace flux8::cli {
+
+namespace {
+
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
+
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+Command add_info_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("info", "parameter count, model FLOPs per sample and training-step memory of a config");
+  struct Opts {
+    ConfigOptions cfg;
+    int64_t image_size = 0, batch = 0;
+    bool json = false;
+  };
+  auto o = std::make_shared<Opts>();
+  o->cfg.add_to(*cmd);
+  cmd->add_option("--image-size", o->image_size, "image side in pixels (default: config image_size)");
+  cmd->add_option("--batch", o->batch, "samples per step (default: config micro_batch_size)");
+  cmd->add_flag("--json", o->json, "print JSON instead of text");
+  return {cmd, [o]() {
+    const Config config = Config::load(o->cfg.config, o->cfg.overrides);
+    const FluxConfig cfg = FluxConfig::from_config(config);
+    const int64_t pixels = o->image_size ? o->image_size : config.get_int("image_size");
+    const int64_t batch = o->batch ? o->batch : config.get_int("micro_batch_size");
+    const StepShape shape{batch, cfg.text_seq_len, cfg.image_tokens(pixels)};
+
+    const ParamLayout layout = ParamLayout::build(cfg);
+    std::vector<std::pair<std::string, int64_t>> components;
+    int64_t block_linear_params = 0;
+    for (const ParamInfo& p : layout.params()) {
+      if (components.empty() || components.back().first != p.component) components.push_back({p.component, 0});
+      components.back().second += p.shape.numel();
+      if (p.block_linear) block_linear_params += p.shape.numel();
+    }
+    const double P = static_cast<double>(layout.total());
+    const ModelFlops per_sample = model_flops(cfg, StepShape{1, shape.txt_tokens, shape.img_tokens});
+    const ModelFlops per_step = model_flops(cfg, shape);
+    const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape);
+
+    // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B,
+    // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
+    struct Row { const char* name; double bf16, fp8; };
+    const std::vector<Row> rows = {
+        {"weights (bf16)", 2 * P, 2 * P},
+        {"fp8 weight copies", 0, 2.0 * static_cast<double>(block_linear_params)},
+        {"fp32 master weights", 4 * P, 4 * P},
+        {"fp32 gradients", 4 * P, 4 * P},
+        {"AdamW moments (fp32)", 8 * P, 8 * P},
+        {"activations", act.gpu_bytes(false), act.gpu_bytes(true)},
+    };
+    double total_bf16 = 0, total_fp8 = 0;
+    for (const Row& r : rows) total_bf16 += r.bf16, total_fp8 += r.fp8;
+
+    if (o->json) {
+      nlohmann::json j;
+      j["model"] = cfg.name;
+      j["parameters"] = layout.total();
+      for (auto& [name, n] : components) j["parameters_by_component"][name] = n;
+      j["image_size"] = pixels;
+      j["batch"] = batch;
+      j["text_tokens"] = shape.txt_tokens;
+      j["image_tokens"] = shape.img_tokens;
+      j["flops_per_sample"] = {{"forward", per_sample.forward()}, {"training", per_sample.training()}};
+      j["flops_per_step"] = {{"forward", per_step.forward()}, {"training", per_step.training()}};
+      for (const Row& r : rows) j["memory_bytes"][r.name] = {{"bf16", r.bf16}, {"fp8", r.fp8}};
+      j["memory_bytes"]["total"] = {{"bf16", total_bf16}, {"fp8", total_fp8}};
+      fmt::print("{}\n", j.dump(2));
+      return 0;
+    }
+    fmt::print("model {} ({})\n", cfg.name, o->cfg.config);
+    fmt::print("  hidden {}, heads {} (head dim {}), mlp {}, double blocks {}, single blocks {}, guidance {}\n",
+               cfg.hidden_size, cfg.num_heads, cfg.head_dim(), cfg.mlp_hidden(), cfg.num_double_blocks,
+               cfg.num_single_blocks, cfg.guidance_embed ? "yes" : "no");
+    fmt::print("\nparameters\n");
+    for (auto& [name, n] : components) fmt::print("  {:<16}{:>18}\n", name, with_commas(n));
+    fmt::print("  {:<16}{:>18}\n", "total", with_commas(layout.total()));
+    fmt::print("\nstep: batch {} x ({} text + {} image tokens) at {} px\n", batch, shape.txt_tokens,
+               shape.img_tokens, pixels);
+    fmt::print("model FLOPs per sample: forward {:.2f} GFLOP, training step (fwd+bwd) {:.2f} GFLOP\n",
+               per_sample.forward() / 1e9, per_sample.training() / 1e9);
+    fmt::print("model FLOPs per step:   training {:.3f} TFLOP\n", per_step.training() / 1e12);
+    fmt::print("\nmemory of a training step on the GPU     {:>12} {:>12}\n", "BF16", "FP8");
+    for (const Row& r : rows) fmt::print("  {:<38}{:>12} {:>12}\n", r.name, gib(r.bf16), gib(r.fp8));
+    fmt::print("  {:<38}{:>12} {:>12}\n", "total", gib(total_bf16), gib(total_fp8));
+    fmt::print("  (activations: bf16 storage, fp32 statistics; FP8 stores saved Linear inputs in 1 byte;\n"
+               "   no recompute, no optimizer sharding; see docs/MEMORY.md)\n");
+    return 0;
+  }};
+}
+
+}  // namespace flux8::cli

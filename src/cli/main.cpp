@@ -1,0 +1,34 @@
+// flux8: trains Flux diffusion transformers. See README.md and `flux8 --help`.
+#include <cstdio>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"flux8: a C++/CUDA engine that trains Flux diffusion transformers in BF16 and FP8"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "flux8 0.1.0");
+  const std::vector<flux8::cli::Command> commands = {
+      flux8::cli::add_info_command(app),
+      flux8::cli::add_forward_command(app),
+      flux8::cli::add_init_command(app),
+      flux8::cli::add_config_command(app),
+  };
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (const auto& cmd : commands)
+      if (cmd.app->parsed()) return cmd.run();
+  } catch (const flux8::Error& e) {
+    std::fprintf(stderr, "flux8: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "flux8: unexpected error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

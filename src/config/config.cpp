@@ -1,0 +1,297 @@
+#include "config/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace fs = std::filesystem;
+
+namespace flux8 {
+namespace {
+
+constexpr const char* kKeyHelp = "all keys are listed in docs/CONFIG.md and by `flux8 config --list`";
+
+// yaml-cpp marks are 0-based; editors count from 1.
+std::string at(const std::string& file, const YAML::Mark& mark) {
+  if (mark.is_null()) return file;
+  return fmt::format("{}:{}", file, mark.line + 1);
+}
+
+[[noreturn]] void fail_unknown_key(const std::string& key, const std::string& where) {
+  const std::string guess = closest_config_key(key);
+  const std::string hint = guess.empty() ? "" : fmt::format("; did you mean '{}'?", guess);
+  fail("unknown config key '{}' in {}{} ({})", key, where, hint, kKeyHelp);
+}
+
+std::string node_text(const YAML::Node& node) {
+  if (!node.IsDefined() || node.IsNull()) return "no value";
+  if (node.IsScalar()) return "'" + node.Scalar() + "'";
+  YAML::Emitter out;
+  out << YAML::Flow << node;
+  return "'" + std::string(out.c_str()) + "'";
+}
+
+[[noreturn]] void fail_value(const KeySpec& spec, const std::string& where, const std::string& got) {
+  fail("{} in {} must be {}, got {}", spec.name, where, describe_allowed(spec), got);
+}
+
+bool parse_int(const std::string& s, int64_t& out) {
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, out);
+  return ec == std::errc() && p == end && !s.empty();
+}
+
+bool parse_real(const std::string& s, double& out) {
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, out);
+  return ec == std::errc() && p == end && !s.empty() && std::isfinite(out);
+}
+
+bool parse_bool(std::string s, bool& out) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (s == "true" || s == "yes" || s == "on") return out = true, true;
+  if (s == "false" || s == "no" || s == "off") return out = false, true;
+  return false;
+}
+
+// Number scalars must also lie in the key's range; lists check every element.
+template <typename T>
+T number(const KeySpec& spec, const YAML::Node& node, const std::string& where,
+         const std::string& whole) {
+  T v{};
+  bool ok = node.IsScalar();
+  if constexpr (std::is_same_v<T, int64_t>) ok = ok && parse_int(node.Scalar(), v);
+  else ok = ok && parse_real(node.Scalar(), v);
+  if (!ok || !spec.range.contains(static_cast<double>(v))) fail_value(spec, where, whole);
+  return v;
+}
+
+ConfigValue parse_node(const KeySpec& spec, const YAML::Node& node, const std::string& where) {
+  const std::string got = node_text(node);
+  if (spec.type == KeyType::int_list || spec.type == KeyType::float_list) {
+    if (!node.IsSequence()) fail_value(spec, where, got);
+    if (spec.type == KeyType::int_list) {
+      std::vector<int64_t> v;
+      for (const YAML::Node& e : node) v.push_back(number<int64_t>(spec, e, where, got));
+      return v;
+    }
+    std::vector<double> v;
+    for (const YAML::Node& e : node) v.push_back(number<double>(spec, e, where, got));
+    return v;
+  }
+  if (!node.IsScalar()) fail_value(spec, where, got);
+  switch (spec.type) {
+    case KeyType::integer: return number<int64_t>(spec, node, where, got);
+    case KeyType::real: return number<double>(spec, node, where, got);
+    case KeyType::boolean: {
+      bool b;
+      if (!parse_bool(node.Scalar(), b)) fail_value(spec, where, got);
+      return b;
+    }
+    case KeyType::string: return node.Scalar();
+    case KeyType::choice:
+      if (std::find(spec.choices.begin(), spec.choices.end(), node.Scalar()) == spec.choices.end())
+        fail_value(spec, where, got);
+      return node.Scalar();
+    default: break;
+  }
+  fail("flux8 bug: key type of '{}' not handled", spec.name);
+}
+
+YAML::Node load_yaml(const std::string& text, const std::string& file) {
+  try {
+    return YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    fail("{}:{}:{}: malformed YAML: {}", file, e.mark.line + 1, e.mark.column + 1, e.msg);
+  }
+}
+
+// The files named by include:/bases: (a string or a list of strings), in order.
+std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& key,
+                                                             const YAML::Node& value,
+                                                             const std::string& file) {
+  std::vector<std::pair<std::string, YAML::Mark>> out;
+  if (value.IsScalar()) {
+    out.emplace_back(value.Scalar(), value.Mark());
+    return out;
+  }
+  if (value.IsSequence()) {
+    for (const YAML::Node& e : value) {
+      if (!e.IsScalar()) break;
+      out.emplace_back(e.Scalar(), e.Mark());
+    }
+    if (out.size() == value.size()) return out;
+  }
+  fail("{} in {} must be a file path or a list of file paths, got {}", key.Scalar(),
+       at(file, value.Mark()), node_text(value));
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot read config file '{}': {}", path, std::strerror(errno));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml,
+                               const std::string& where) {
+  YAML::Node node;
+  try {
+    node = YAML::Load(value_yaml);
+  } catch (const YAML::Exception& e) {
+    fail("{} in {}: value '{}' is malformed YAML ({}); lists are written [1, 2, 3]", spec.name,
+         where, value_yaml, e.msg);
+  }
+  return parse_node(spec, node, where);
+}
+
+Config::Config() {
+  for (const KeySpec& k : config_keys()) entries_[k.name] = Entry{k.default_value, "default"};
+}
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+  if (!fs::exists(path)) fail("config file '{}' does not exist", path);
+  Config cfg;
+  cfg.path_ = path;
+  cfg.merge_file(path);
+  for (const std::string& o : overrides) cfg.apply_override(o);
+  return cfg;
+}
+
+void Config::merge_file(const std::string& path) {
+  std::vector<std::string> chain;
+  merge_file(path, chain);
+}
+
+void Config::merge_file(const std::string& path, std::vector<std::string>& chain) {
+  // Cycles are detected on the stack of files being read, so a file included twice through
+  // different branches (a diamond) is fine.
+  const std::string id = fs::weakly_canonical(path).string();
+  if (std::find(chain.begin(), chain.end(), id) != chain.end()) {
+    std::string cycle;
+    for (auto it = std::find(chain.begin(), chain.end(), id); it != chain.end(); ++it)
+      cycle += *it + " -> ";
+    fail("include cycle: {}{}", cycle, id);
+  }
+  chain.push_back(id);
+
+  const YAML::Node root = load_yaml(read_text(path), path);
+  if (root.IsNull()) {  // an empty file sets nothing
+    chain.pop_back();
+    return;
+  }
+  if (!root.IsMap())
+    fail("{}: the top level of a config file must be a mapping of key: value lines", path);
+
+  // Includes first, whatever their position in the file, so this file's keys override them.
+  std::set<std::string> seen;
+  for (const auto& kv : root) {
+    const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "";
+    if (key.empty()) fail("{}: config keys must be plain names", at(path, kv.first.Mark()));
+    if (!seen.insert(key).second)
+      fail("{}: key '{}' appears twice in the same file", at(path, kv.first.Mark()), key);
+    if (key != "include" && key != "bases") continue;
+    for (const auto& [inc, mark] : include_list(kv.first, kv.second, path)) {
+      const fs::path resolved = (fs::path(path).parent_path() / inc).lexically_normal();
+      if (!fs::exists(resolved))
+        fail("{} includes '{}', but {} does not exist (includes are relative to the including file)",
+             at(path, mark), inc, resolved.string());
+      merge_file(resolved.string(), chain);
+    }
+  }
+  for (const auto& kv : root) {
+    const std::string key = kv.first.Scalar();
+    if (key == "include" || key == "bases") continue;
+    const std::string where = at(path, kv.first.Mark());
+    const KeySpec* spec = find_config_key(key);
+    if (!spec) fail_unknown_key(key, where);
+    entries_[key] = Entry{parse_node(*spec, kv.second, at(path, kv.second.Mark())), where};
+  }
+  chain.pop_back();
+}
+
+void Config::apply_override(const std::string& key_equals_value) {
+  const size_t eq = key_equals_value.find('=');
+  if (eq == std::string::npos)
+    fail("--set '{}' must have the form key=value (e.g. --set micro_batch_size=4)",
+         key_equals_value);
+  std::string key = key_equals_value.substr(0, eq);
+  key.erase(0, key.find_first_not_of(" \t"));
+  key.erase(key.find_last_not_of(" \t") + 1);
+  set(key, key_equals_value.substr(eq + 1), "--set");
+}
+
+void Config::set(const std::string& key, const std::string& value_yaml, const std::string& source) {
+  const KeySpec* spec = find_config_key(key);
+  if (!spec) fail_unknown_key(key, source);
+  entries_[key] = Entry{parse_config_value(*spec, value_yaml, source), source};
+}
+
+const Config::Entry& Config::entry(const std::string& key) const {
+  auto it = entries_.find(key);
+  if (it == entries_.end())
+    fail("flux8 bug: config key '{}' is read but not registered in src/config/schema.cpp", key);
+  return it->second;
+}
+
+const ConfigValue& Config::get(const std::string& key) const { return entry(key).value; }
+const std::string& Config::source(const std::string& key) const { return entry(key).source; }
+
+namespace {
+template <typename T>
+const T& typed(const ConfigValue& v, const std::string& key, const char* getter) {
+  if (const T* p = std::get_if<T>(&v)) return *p;
+  fail("flux8 bug: {}('{}') called on a key of another type", getter, key);
+}
+}  // namespace
+
+int64_t Config::get_int(const std::string& key) const {
+  return typed<int64_t>(get(key), key, "get_int");
+}
+double Config::get_float(const std::string& key) const {
+  if (const int64_t* i = std::get_if<int64_t>(&get(key))) return static_cast<double>(*i);
+  return typed<double>(get(key), key, "get_float");
+}
+bool Config::get_bool(const std::string& key) const {
+  return typed<bool>(get(key), key, "get_bool");
+}
+std::string Config::get_string(const std::string& key) const {
+  return typed<std::string>(get(key), key, "get_string");
+}
+std::vector<int64_t> Config::get_int_list(const std::string& key) const {
+  return typed<std::vector<int64_t>>(get(key), key, "get_int_list");
+}
+std::vector<double> Config::get_float_list(const std::string& key) const {
+  if (const auto* i = std::get_if<std::vector<int64_t>>(&get(key)))
+    return std::vector<double>(i->begin(), i->end());
+  return typed<std::vector<double>>(get(key), key, "get_float_list");
+}
+
+std::string Config::dump() const {
+  std::string out = "# flux8 resolved config; trailing comments say where each value came from\n";
+  std::string section;
+  for (const KeySpec& k : config_keys()) {
+    if (k.section != section) {
+      section = k.section;
+      out += fmt::format("\n# ---- {} ----\n", section);
+    }
+    const Entry& e = entry(k.name);
+    out += fmt::format("{}: {}  # {}\n", k.name, format_key_value(k, e.value), e.source);
+  }
+  return out;
+}
+
+}  // namespace flux8

@@ -1,0 +1,68 @@
+#pragma once
+// A resolved flux8 configuration: one value for every registered key (schema.h) plus where each
+// value came from. Sources, lowest priority first: schema default < included files (in order,
+// depth first) < the including file < --set overrides < set() calls.
+//
+//   Config cfg = Config::load("configs/exp.yaml", {"micro_batch_size=4"});
+//   int64_t h = cfg.get_int("hidden_size");
+//   cfg.source("hidden_size");  // "configs/models/flux_535m.yaml:5"
+#include <map>
+#include <string>
+#include <vector>
+
+#include "config/schema.h"
+
+namespace flux8 {
+
+class Config {
+ public:
+  // Every key at its schema default.
+  Config();
+
+  // Reads `path` (following include:/bases:), then applies `overrides`, each "key=value" with the
+  // value in YAML syntax ("axes_dim=[16,56,56]"). Throws flux8::Error naming file, line and key.
+  static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
+
+  // Merges one YAML file (and its includes) over the current values.
+  void merge_file(const std::string& path);
+  // Applies one "key=value" command-line override.
+  void apply_override(const std::string& key_equals_value);
+  // Sets `key` from YAML text parsed with the key's type; `source` is recorded as provenance.
+  void set(const std::string& key, const std::string& value_yaml,
+           const std::string& source = "set()");
+
+  int64_t get_int(const std::string& key) const;
+  double get_float(const std::string& key) const;  // also reads int keys
+  bool get_bool(const std::string& key) const;
+  std::string get_string(const std::string& key) const;  // string and enum keys
+  std::vector<int64_t> get_int_list(const std::string& key) const;
+  std::vector<double> get_float_list(const std::string& key) const;  // also reads int lists
+  const ConfigValue& get(const std::string& key) const;
+
+  // "configs/x.yaml:3", "--set", "set()" or "default".
+  const std::string& source(const std::string& key) const;
+  // The top-level file given to load(), "" for a default Config.
+  const std::string& path() const { return path_; }
+
+  // The resolved config as YAML (sections as comments, provenance as trailing comments);
+  // loading it back gives the same values.
+  std::string dump() const;
+
+ private:
+  struct Entry {
+    ConfigValue value;
+    std::string source;
+  };
+  void merge_file(const std::string& path, std::vector<std::string>& include_chain);
+  const Entry& entry(const std::string& key) const;
+
+  std::map<std::string, Entry> entries_;
+  std::string path_;
+};
+
+// Parses YAML text as a value of `spec`'s type and checks range/choices. `where` names the
+// origin in error messages (e.g. "--set").
+ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml,
+                               const std::string& where);
+
+}  // namespace flux8

@@ -1,0 +1,210 @@
+#include "config/schema.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace flux8 {
+namespace {
+
+// Table helpers: one line per key keeps the table the single place to add a key.
+Range at_least(double lo) { return Range{lo}; }
+Range above(double lo) { return Range{lo, std::numeric_limits<double>::infinity(), true}; }
+Range any() { return Range{}; }
+
+KeySpec int_key(const char* section, const char* name, int64_t def, Range r, const char* help) {
+  return {name, section, KeyType::integer, def, r, {}, help};
+}
+KeySpec float_key(const char* section, const char* name, double def, Range r, const char* help) {
+  return {name, section, KeyType::real, def, r, {}, help};
+}
+KeySpec bool_key(const char* section, const char* name, bool def, const char* help) {
+  return {name, section, KeyType::boolean, def, any(), {}, help};
+}
+KeySpec string_key(const char* section, const char* name, const char* def, const char* help) {
+  return {name, section, KeyType::string, std::string(def), any(), {}, help};
+}
+KeySpec choice_key(const char* section, const char* name, const char* def,
+                   std::vector<std::string> choices, const char* help) {
+  return {name, section, KeyType::choice, std::string(def), any(), std::move(choices), help};
+}
+KeySpec int_list_key(const char* section, const char* name, std::vector<int64_t> def, Range r,
+                     const char* help) {
+  return {name, section, KeyType::int_list, std::move(def), r, {}, help};
+}
+
+// Defaults are the flux_12b_schnell model (DESIGN.md §2) so an empty config is a real model.
+std::vector<KeySpec> make_keys() {
+  return {
+      // ---- model: architecture (FluxConfig) ----
+      string_key("model", "model_name", "flux_12b_schnell", "name recorded in logs and checkpoints"),
+      int_key("model", "hidden_size", 3072, at_least(1), "hidden width H"),
+      int_key("model", "num_attention_heads", 24, at_least(1), "attention heads n; head dim = H / n"),
+      int_key("model", "num_double_blocks", 19, at_least(0), "double-stream (MMDiT) blocks"),
+      int_key("model", "num_single_blocks", 38, at_least(0), "single-stream blocks"),
+      int_key("model", "in_channels", 64, at_least(1), "features per image token (channels x patch^2)"),
+      int_key("model", "out_channels", 0, at_least(0), "output features per token; 0 = in_channels"),
+      int_key("model", "context_dim", 4096, at_least(1), "text-encoder (T5) features per text token"),
+      int_key("model", "vec_dim", 768, at_least(1), "pooled text (CLIP) features"),
+      float_key("model", "mlp_ratio", 4.0, above(0), "MLP hidden width = mlp_ratio * H"),
+      bool_key("model", "guidance_embed", false, "embed the guidance scale (dev models)"),
+      bool_key("model", "qkv_bias", true, "qkv projections have a bias"),
+      int_list_key("model", "axes_dim", {16, 56, 56}, at_least(1), "RoPE width per position axis; even, sums to head dim"),
+      float_key("model", "rope_theta", 10000.0, above(0), "RoPE base"),
+      float_key("model", "qk_norm_eps", 1e-6, above(0), "epsilon of the q/k RMSNorm"),
+      float_key("model", "layernorm_eps", 1e-6, above(0), "epsilon of the affine-free LayerNorms"),
+      int_key("model", "latent_channels", 16, at_least(1), "channels of the latent (or pixel) image before patching"),
+      int_key("model", "patch_size", 2, at_least(1), "side of the square patch packed into one token"),
+      int_key("model", "vae_downsample", 8, at_least(1), "pixels per latent cell; 1 = pixel-space model"),
+      int_key("model", "text_seq_len", 256, at_least(1), "text tokens per sample"),
+      int_key("model", "image_size", 256, at_least(1), "training image side in pixels"),
+      // ---- runtime ----
+      int_key("runtime", "seed", 1234, at_least(0), "seed of every random stream"),
+      int_key("runtime", "micro_batch_size", 1, at_least(1), "samples per forward/backward"),
+      choice_key("runtime", "backend", "cpu", {"cpu", "cuda"}, "compute backend"),
+      bool_key("runtime", "round_activations_to_bf16", false, "CPU: round activations to bf16 like the GPU stores them"),
+  };
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string format_number(double v) {
+  // fmt's "{}" is the shortest text that round-trips; keep a '.' or exponent so the YAML
+  // reader sees a float.
+  std::string s = fmt::format("{}", v);
+  if (std::isfinite(v) && s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+std::string Range::describe() const {
+  const bool has_lo = std::isfinite(lo), has_hi = std::isfinite(hi);
+  if (has_lo && has_hi) return fmt::format("in {}{}, {}]", lo_open ? "(" : "[", lo, hi);
+  if (has_lo) return fmt::format("{} {}", lo_open ? ">" : ">=", lo);
+  if (has_hi) return fmt::format("<= {}", hi);
+  return "";
+}
+
+const std::vector<KeySpec>& config_keys() {
+  static const std::vector<KeySpec> keys = make_keys();
+  return keys;
+}
+
+const KeySpec* find_config_key(std::string_view name) {
+  for (const KeySpec& k : config_keys())
+    if (k.name == name) return &k;
+  return nullptr;
+}
+
+std::string closest_config_key(std::string_view name) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const KeySpec& k : config_keys()) {
+    const size_t d = edit_distance(name, k.name);
+    if (d < best_d) best_d = d, best = k.name;
+  }
+  // Farther than a third of the name is a different word, not a typo...
+  if (best_d <= std::max<size_t>(2, name.size() / 3)) return best;
+  // ...unless it is an abbreviation of a key (micro_batch -> micro_batch_size).
+  best.clear();
+  if (name.size() < 4) return best;
+  for (const KeySpec& k : config_keys())
+    if (k.name.find(name) != std::string::npos && (best.empty() || k.name.size() < best.size()))
+      best = k.name;
+  return best;
+}
+
+std::string_view key_type_name(KeyType t) {
+  switch (t) {
+    case KeyType::integer: return "int";
+    case KeyType::real: return "float";
+    case KeyType::boolean: return "bool";
+    case KeyType::string: return "string";
+    case KeyType::choice: return "enum";
+    case KeyType::int_list: return "int list";
+    case KeyType::float_list: return "float list";
+  }
+  return "?";
+}
+
+std::string format_config_value(const ConfigValue& v) {
+  struct Formatter {
+    std::string operator()(int64_t x) const { return fmt::format("{}", x); }
+    std::string operator()(double x) const { return format_number(x); }
+    std::string operator()(bool x) const { return x ? "true" : "false"; }
+    std::string operator()(const std::string& x) const { return quote(x); }
+    std::string operator()(const std::vector<int64_t>& x) const {
+      return fmt::format("[{}]", fmt::join(x, ", "));
+    }
+    std::string operator()(const std::vector<double>& x) const {
+      std::vector<std::string> parts;
+      for (double d : x) parts.push_back(format_number(d));
+      return fmt::format("[{}]", fmt::join(parts, ", "));
+    }
+  };
+  return std::visit(Formatter{}, v);
+}
+
+std::string format_key_value(const KeySpec& spec, const ConfigValue& v) {
+  if (spec.type == KeyType::choice) return std::get<std::string>(v);
+  return format_config_value(v);
+}
+
+std::string describe_allowed(const KeySpec& spec) {
+  const std::string range = spec.range.describe();
+  const std::string suffix = range.empty() ? "" : " " + range;
+  switch (spec.type) {
+    case KeyType::integer: return "an integer" + suffix;
+    case KeyType::real: return "a number" + suffix;
+    case KeyType::boolean: return "true or false";
+    case KeyType::string: return "a string";
+    case KeyType::choice: return fmt::format("one of: {}", fmt::join(spec.choices, ", "));
+    case KeyType::int_list: return "a list of integers" + (range.empty() ? "" : ", each" + suffix);
+    case KeyType::float_list: return "a list of numbers" + (range.empty() ? "" : ", each" + suffix);
+  }
+  return "?";
+}
+
+std::string describe_keys() {
+  constexpr const char* kRow = "  {:<28} {:<10} {:<20} {:<12} {}\n";
+  std::string out = fmt::format(kRow, "key", "type", "default", "allowed", "meaning");
+  std::string section;
+  for (const KeySpec& k : config_keys()) {
+    if (k.section != section) {
+      section = k.section;
+      out += fmt::format("\n[{}]\n", section);
+    }
+    std::string allowed = k.type == KeyType::choice ? fmt::format("{}", fmt::join(k.choices, "|"))
+                                                    : k.range.describe();
+    out += fmt::format(kRow, k.name, key_type_name(k.type), format_key_value(k, k.default_value),
+                       allowed, k.help);
+  }
+  return out;
+}
+
+}  // namespace flux8

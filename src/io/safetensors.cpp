@@ -1,0 +1,411 @@
+#include "io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace flux8 {
+
+// The format is little-endian; raw copies below assume the host is too.
+static_assert(std::endian::native == std::endian::little, "flux8 assumes a little-endian host");
+
+namespace {
+
+using json = nlohmann::json;
+
+// Element sizes of every dtype the format defines, so files holding tensors flux8 does not
+// convert (U8 masks, FP8 weights) still open and list.
+size_t element_size(const std::string& dtype) {
+  static const std::map<std::string, size_t> sizes = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
+      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},     {"U32", 4},
+      {"F32", 4},  {"I64", 8}, {"U64", 8}, {"F64", 8}};
+  auto it = sizes.find(dtype);
+  return it == sizes.end() ? 0 : it->second;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+bool is_index(const json& j) {
+  return j.is_number_unsigned() || (j.is_number_integer() && j.get<int64_t>() >= 0);
+}
+
+template <typename Src>
+Src load(const uint8_t* p) {
+  Src v;
+  std::memcpy(&v, p, sizeof(Src));  // data may be unaligned
+  return v;
+}
+
+}  // namespace
+
+int64_t SafetensorsTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const char* safetensors_dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "F32";
+    case DType::f64: return "F64";
+    case DType::bf16: return "BF16";
+    case DType::f16: return "F16";
+  }
+  fail("dtype {} has no safetensors name", static_cast<int>(t));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open safetensors file '{}': {}", path, std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail("cannot stat safetensors file '{}': {}", path, std::strerror(err));
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    fail("safetensors file '{}' is {} bytes, too short to hold the 8-byte header length "
+         "(truncated?)", path, size);
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (map == MAP_FAILED) fail("cannot mmap safetensors file '{}': {}", path, std::strerror(err));
+  map_ = static_cast<const uint8_t*>(map);
+  map_size_ = size;
+
+  // Everything below may throw; the destructor does not run for a half-built object.
+  try {
+    const uint64_t n = load<uint64_t>(map_);
+    if (n > size - 8)
+      fail("safetensors file '{}': header length {} exceeds the {} bytes after it (truncated?)",
+           path, n, size - 8);
+    const char* text = reinterpret_cast<const char*>(map_ + 8);
+    json header;
+    try {
+      header = json::parse(text, text + n);
+    } catch (const json::parse_error& e) {
+      fail("safetensors file '{}': header is not valid JSON: {}", path, e.what());
+    }
+    if (!header.is_object()) fail("safetensors file '{}': header is not a JSON object", path);
+
+    const uint8_t* data = map_ + 8 + n;
+    const size_t data_size = size - 8 - n;
+    for (const auto& [name, entry] : header.items()) {
+      if (name == "__metadata__") {
+        if (!entry.is_object()) fail("safetensors file '{}': __metadata__ is not an object", path);
+        for (const auto& [k, v] : entry.items()) {
+          if (!v.is_string())
+            fail("safetensors file '{}': __metadata__ value of '{}' is not a string", path, k);
+          metadata_[k] = v.get<std::string>();
+        }
+        continue;
+      }
+      const auto bad = [&](const std::string& what) {
+        fail("safetensors file '{}', tensor '{}': {}", path, name, what);
+      };
+      if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+          !entry.contains("data_offsets"))
+        bad("entry must be an object with dtype, shape and data_offsets");
+      SafetensorsTensor t;
+      t.name = name;
+      if (!entry["dtype"].is_string()) bad("dtype is not a string");
+      t.dtype = entry["dtype"].get<std::string>();
+      const size_t esize = element_size(t.dtype);
+      if (esize == 0) bad(fmt::format("unknown dtype '{}'", t.dtype));
+      const json& shape = entry["shape"];
+      if (!shape.is_array()) bad("shape is not a list");
+      // Element count with an overflow guard: a corrupt shape must not wrap around to a
+      // plausible byte count.
+      uint64_t numel = 1;
+      for (const json& d : shape) {
+        if (!is_index(d)) bad(fmt::format("shape {} has an entry that is not a count", shape.dump()));
+        const uint64_t v = d.get<uint64_t>();
+        if (v != 0 && numel > (uint64_t(1) << 62) / v) bad("shape is impossibly large");
+        numel *= v;
+        t.shape.push_back(static_cast<int64_t>(v));
+      }
+      const json& off = entry["data_offsets"];
+      if (!off.is_array() || off.size() != 2 || !is_index(off[0]) || !is_index(off[1]) ||
+          off[0].get<uint64_t>() > off[1].get<uint64_t>())
+        bad(fmt::format("data_offsets {} must be [begin, end] with begin <= end", off.dump()));
+      const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+      if (end > data_size)
+        bad(fmt::format("data_offsets [{}, {}] run past the {}-byte data buffer (truncated?)",
+                        begin, end, data_size));
+      if (numel * esize != end - begin)
+        bad(fmt::format("shape {} of {} needs {} bytes but data_offsets [{}, {}] span {}",
+                        shape_text(t.shape), t.dtype, numel * esize, begin, end, end - begin));
+      t.data = data + begin;
+      t.nbytes = end - begin;
+      tensors_.push_back(std::move(t));
+    }
+
+    // The buffer must be exactly tiled by the tensors: no overlap, no gap, nothing after.
+    std::sort(tensors_.begin(), tensors_.end(), [](const auto& a, const auto& b) {
+      return a.data != b.data ? a.data < b.data : a.nbytes < b.nbytes;
+    });
+    size_t covered = 0;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      const SafetensorsTensor& t = tensors_[i];
+      const size_t begin = static_cast<size_t>(t.data - data);
+      if (begin < covered)
+        fail("safetensors file '{}': tensor '{}' (bytes {}..{}) overlaps tensor '{}'", path,
+             t.name, begin, begin + t.nbytes, tensors_[i - 1].name);
+      if (begin > covered)
+        fail("safetensors file '{}': data bytes {}..{} before tensor '{}' belong to no tensor",
+             path, covered, begin, t.name);
+      covered = begin + t.nbytes;
+      index_[t.name] = i;
+    }
+    if (covered != data_size)
+      fail("safetensors file '{}': data buffer is {} bytes but the tensors cover {}", path,
+           data_size, covered);
+  } catch (...) {
+    ::munmap(const_cast<uint8_t*>(map_), map_size_);
+    throw;
+  }
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+}
+
+SafetensorsReader::SafetensorsReader(SafetensorsReader&& o) noexcept
+    : path_(std::move(o.path_)), map_(std::exchange(o.map_, nullptr)),
+      map_size_(std::exchange(o.map_size_, 0)), tensors_(std::move(o.tensors_)),
+      index_(std::move(o.index_)), metadata_(std::move(o.metadata_)) {}
+
+SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& o) noexcept {
+  if (this != &o) {
+    if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+    path_ = std::move(o.path_);
+    map_ = std::exchange(o.map_, nullptr);
+    map_size_ = std::exchange(o.map_size_, 0);
+    tensors_ = std::move(o.tensors_);
+    index_ = std::move(o.index_);
+    metadata_ = std::move(o.metadata_);
+  }
+  return *this;
+}
+
+std::vector<std::string> SafetensorsReader::names() const {
+  std::vector<std::string> out;
+  for (const auto& t : tensors_) out.push_back(t.name);
+  return out;
+}
+
+bool SafetensorsReader::contains(const std::string& name) const { return index_.count(name) > 0; }
+
+const SafetensorsTensor& SafetensorsReader::tensor(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end())
+    fail("safetensors file '{}' has no tensor '{}' ({} tensors in the file)", path_, name,
+         tensors_.size());
+  return tensors_[it->second];
+}
+
+template <typename T>
+void SafetensorsReader::convert(const SafetensorsTensor& t, T* dst) const {
+  const int64_t n = t.numel();
+  const uint8_t* p = t.data;
+  if (t.dtype == "F32") {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(load<float>(p + 4 * i));
+  } else if (t.dtype == "F64") {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(load<double>(p + 8 * i));
+  } else if (t.dtype == "BF16") {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(bf16_bits_to_f32(load<uint16_t>(p + 2 * i)));
+  } else if (t.dtype == "F16") {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(f16_bits_to_f32(load<uint16_t>(p + 2 * i)));
+  } else if (t.dtype == "I32") {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(load<int32_t>(p + 4 * i));
+  } else if (t.dtype == "I64") {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(load<int64_t>(p + 8 * i));
+  } else {
+    fail("safetensors file '{}', tensor '{}': cannot convert dtype {} to floating point (supported: "
+         "F32, F64, BF16, F16, I32, I64)", path_, t.name, t.dtype);
+  }
+}
+
+void SafetensorsReader::check_shape(const SafetensorsTensor& t,
+                                    const std::vector<int64_t>& expected) const {
+  if (t.shape != expected)
+    fail("safetensors file '{}', tensor '{}': shape is {} but {} was expected", path_, t.name,
+         shape_text(t.shape), shape_text(expected));
+}
+
+void SafetensorsReader::read_f32(const std::string& name, float* dst) const {
+  convert(tensor(name), dst);
+}
+void SafetensorsReader::read_f32(const std::string& name, float* dst,
+                                 const std::vector<int64_t>& expected_shape) const {
+  check_shape(tensor(name), expected_shape);
+  convert(tensor(name), dst);
+}
+void SafetensorsReader::read_f64(const std::string& name, double* dst) const {
+  convert(tensor(name), dst);
+}
+void SafetensorsReader::read_f64(const std::string& name, double* dst,
+                                 const std::vector<int64_t>& expected_shape) const {
+  check_shape(tensor(name), expected_shape);
+  convert(tensor(name), dst);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+void SafetensorsWriter::add_entry(Entry e) {
+  if (e.name.empty() || e.name == "__metadata__")
+    fail("safetensors writer: invalid tensor name '{}'", e.name);
+  for (const Entry& other : entries_)
+    if (other.name == e.name) fail("safetensors writer: tensor '{}' added twice", e.name);
+  int64_t numel = 1;
+  for (int64_t d : e.shape) {
+    if (d < 0) fail("safetensors writer: tensor '{}' has negative shape {}", e.name, shape_text(e.shape));
+    numel *= d;
+  }
+  if (numel > 0 && e.data == nullptr) fail("safetensors writer: tensor '{}' has no data", e.name);
+  entries_.push_back(std::move(e));
+}
+
+void SafetensorsWriter::add(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                            const void* data) {
+  add_entry({name, dtype, dtype, shape, data});
+}
+
+void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<int64_t>& shape,
+                                   const float* data, DType target) {
+  add_entry({name, DType::f32, target, shape, data});
+}
+
+void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) {
+  metadata_[key] = value;
+}
+
+namespace {
+
+// Owns the temp file until it is renamed, so every failure path removes it.
+class TempFile {
+ public:
+  TempFile(std::string tmp, std::string final_path) : tmp_(std::move(tmp)), path_(std::move(final_path)) {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail_errno("cannot create");
+  }
+  ~TempFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  void write_all(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) fail_errno("cannot write");
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+  void commit() {
+    if (::fsync(fd_) != 0) fail_errno("cannot fsync");
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail_errno("cannot close");
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) fail_errno("cannot rename to '" + path_ + "'");
+    committed_ = true;
+    // The rename is durable only once the directory entry is on disk.
+    std::string dir = std::filesystem::path(path_).parent_path().string();
+    if (dir.empty()) dir = ".";
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) fail("cannot open directory '{}' to fsync it: {}", dir, std::strerror(errno));
+    const int rc = ::fsync(dfd), err = errno;
+    ::close(dfd);
+    if (rc != 0) fail("cannot fsync directory '{}': {}", dir, std::strerror(err));
+  }
+
+ private:
+  [[noreturn]] void fail_errno(const std::string& what) {
+    fail("safetensors writer: {} '{}': {}", what, tmp_, std::strerror(errno));
+  }
+  std::string tmp_, path_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+}  // namespace
+
+void SafetensorsWriter::write(const std::string& path) const {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  std::vector<size_t> numels;
+  uint64_t offset = 0;
+  for (const Entry& e : entries_) {
+    size_t numel = 1;
+    for (int64_t d : e.shape) numel *= static_cast<size_t>(d);
+    numels.push_back(numel);
+    const uint64_t bytes = numel * dtype_size(e.target);
+    header[e.name] = {{"dtype", safetensors_dtype_name(e.target)},
+                      {"shape", e.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  // Padding to 8 bytes puts the data buffer (file offset 8 + N) on an 8-byte boundary.
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t n = text.size();
+
+  TempFile out(fmt::format("{}.tmp.{}", path, ::getpid()), path);
+  out.write_all(&n, 8);
+  out.write_all(text.data(), text.size());
+  constexpr size_t kChunk = 1 << 20;  // elements converted per write: bounded extra memory
+  std::vector<uint8_t> buf;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    if (e.source == e.target) {
+      out.write_all(e.data, numels[i] * dtype_size(e.target));
+      continue;
+    }
+    const float* src = static_cast<const float*>(e.data);
+    const size_t esize = dtype_size(e.target);
+    buf.resize(std::min(numels[i], kChunk) * esize);
+    for (size_t begin = 0; begin < numels[i]; begin += kChunk) {
+      const size_t count = std::min(kChunk, numels[i] - begin);
+      for (size_t j = 0; j < count; ++j) {
+        const float x = src[begin + j];
+        uint8_t* p = buf.data() + j * esize;
+        if (e.target == DType::bf16) {
+          const uint16_t b = f32_to_bf16_bits(x);
+          std::memcpy(p, &b, 2);
+        } else if (e.target == DType::f16) {
+          const uint16_t b = f32_to_f16_bits(x);
+          std::memcpy(p, &b, 2);
+        } else {  // f64
+          const double d = x;
+          std::memcpy(p, &d, 8);
+        }
+      }
+      out.write_all(buf.data(), count * esize);
+    }
+  }
+  out.commit();
+}
+
+}  // namespace flux8

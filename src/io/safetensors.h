@@ -1,0 +1,96 @@
+#pragma once
+// safetensors files (https://github.com/huggingface/safetensors, format only): an 8-byte
+// little-endian header length N, N bytes of JSON
+//   {"name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...,
+//    "__metadata__": {"key": "value"}}
+// then the data buffer, offsets relative to its start. Checkpoints use this format so flux8
+// weights load in PyTorch/diffusers and reference checkpoints load here.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace flux8 {
+
+struct SafetensorsTensor {
+  std::string name;
+  std::string dtype;           // as in the file: "F32", "BF16", "F16", "F64", "I64", ...
+  std::vector<int64_t> shape;  // [] is a scalar
+  const uint8_t* data = nullptr;  // inside the read-only mapping; may be unaligned
+  size_t nbytes = 0;
+  int64_t numel() const;
+};
+
+// Maps a file read-only and validates the whole header on open, so a damaged checkpoint fails
+// before training starts, naming the file and the tensor.
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(const std::string& path);
+  ~SafetensorsReader();
+  SafetensorsReader(SafetensorsReader&& other) noexcept;
+  SafetensorsReader& operator=(SafetensorsReader&& other) noexcept;
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::vector<std::string> names() const;  // in file (data offset) order
+  bool contains(const std::string& name) const;
+  const SafetensorsTensor& tensor(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+  // Converts a F32/F64/BF16/F16/I32/I64 tensor into dst (numel elements). The overloads with
+  // `expected_shape` first check the stored shape and fail naming both shapes.
+  void read_f32(const std::string& name, float* dst) const;
+  void read_f32(const std::string& name, float* dst, const std::vector<int64_t>& expected_shape) const;
+  void read_f64(const std::string& name, double* dst) const;
+  void read_f64(const std::string& name, double* dst, const std::vector<int64_t>& expected_shape) const;
+
+ private:
+  void check_shape(const SafetensorsTensor& t, const std::vector<int64_t>& expected) const;
+  template <typename T>
+  void convert(const SafetensorsTensor& t, T* dst) const;
+
+  std::string path_;
+  const uint8_t* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::vector<SafetensorsTensor> tensors_;  // sorted by data offset
+  std::map<std::string, size_t> index_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Collects tensors (pointers only; data is read during write()) and writes them atomically.
+class SafetensorsWriter {
+ public:
+  // Stores `data` as is: `dtype` says what the bytes already are. The data must stay alive
+  // until write().
+  void add(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+           const void* data);
+  // Stores f32 data converted to `target` (bf16/f16 round to nearest even) while writing.
+  void add_f32_as(const std::string& name, const std::vector<int64_t>& shape, const float* data,
+                  DType target);
+  void set_metadata(const std::string& key, const std::string& value);
+
+  // Writes path + ".tmp.<pid>", fsyncs it, renames it over `path` and fsyncs the directory, so
+  // a crash leaves either the old file or the complete new one.
+  void write(const std::string& path) const;
+
+ private:
+  struct Entry {
+    std::string name;
+    DType source;  // what `data` holds
+    DType target;  // what the file holds
+    std::vector<int64_t> shape;
+    const void* data;
+  };
+  void add_entry(Entry e);
+
+  std::vector<Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// "F32", "F64", "BF16", "F16": the file's name for a flux8 dtype.
+const char* safetensors_dtype_name(DType t);
+
+}  // namespace flux8

@@ -1,0 +1,224 @@
+#include "model/double_block.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace flux8 {
+
+namespace {
+
+// Modulation chunks of a double-block stream: (shift, scale, gate) for attention then MLP.
+Tensor chunk(const Tensor& mod, int64_t i, int64_t H) { return mod.cols_slice(i * H, H); }
+
+DoubleStreamParams bind_stream(const ParamStore& s, const std::string& p) {
+  DoubleStreamParams d;
+  d.mod = LinearParams::bind(s, p + "_mod.lin");
+  d.qkv = LinearParams::bind(s, p + "_attn.qkv");
+  d.proj = LinearParams::bind(s, p + "_attn.proj");
+  d.mlp_in = LinearParams::bind(s, p + "_mlp.0");
+  d.mlp_out = LinearParams::bind(s, p + "_mlp.2");
+  d.q_norm = ScaleParam::bind(s, p + "_attn.norm.query_norm.scale");
+  d.k_norm = ScaleParam::bind(s, p + "_attn.norm.key_norm.scale");
+  return d;
+}
+
+DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int64_t Ls, DType t) {
+  const int64_t H = c.hidden_size, M = c.mlp_hidden(), n = c.num_heads;
+  DoubleStreamSaved s;
+  auto act = [&](int64_t cols) { return a.alloc(t, Shape{B, Ls, cols}, SlotKind::activation); };
+  auto lin = [&](int64_t cols) { return a.alloc(t, Shape{B, Ls, cols}, SlotKind::linear_input); };
+  auto stat = [&](int64_t per_token) { return a.alloc(t, Shape{B * Ls * per_token}, SlotKind::statistic); };
+  s.x_in = act(H);
+  s.mod = a.alloc(t, Shape{B, 6 * H}, SlotKind::activation);
+  s.ln1_mean = stat(1);
+  s.ln1_rstd = stat(1);
+  s.xm1 = lin(H);
+  s.qkv = act(3 * H);
+  s.q_rstd = stat(n);
+  s.k_rstd = stat(n);
+  s.attn = lin(H);
+  s.proj_out = act(H);
+  s.x_mid = act(H);
+  s.ln2_mean = stat(1);
+  s.ln2_rstd = stat(1);
+  s.xm2 = lin(H);
+  s.mlp_h = act(M);
+  s.mlp_g = lin(M);
+  s.mlp_out = act(H);
+  return s;
+}
+
+}  // namespace
+
+DoubleBlockParams DoubleBlockParams::bind(const ParamStore& store, int64_t index) {
+  const std::string b = "double_blocks." + std::to_string(index) + ".";
+  return {bind_stream(store, b + "txt"), bind_stream(store, b + "img")};
+}
+
+DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+  DoubleBlockSaved s;
+  s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t);
+  s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t);
+  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
+  s.q = a.alloc(t, heads, SlotKind::activation);
+  s.k = a.alloc(t, heads, SlotKind::activation);
+  s.v = a.alloc(t, heads, SlotKind::activation);
+  s.o = a.alloc(t, heads, SlotKind::activation);
+  s.lse = a.alloc(t, Shape{sh.batch * c.num_heads * sh.tokens()}, SlotKind::statistic);
+  return s;
+}
+
+namespace {
+
+// Stream part before attention: modulation, LayerNorm 1, qkv, QK-norm, scatter into the
+// joint head-major q/k/v at this stream's token offset.
+void stream_pre_attention(const BlockContext& ctx, const DoubleStreamParams& p,
+                          DoubleStreamSaved& s, DoubleBlockSaved& joint, Tensor x,
+                          int64_t offset) {
+  Backend& be = ctx.be;
+  const int64_t H = ctx.cfg.hidden_size;
+  const float qk_eps = static_cast<float>(ctx.cfg.qk_norm_eps);
+  be.copy(s.x_in, x);
+  be.linear(s.mod, ctx.silu_vec, p.mod.w, p.mod.b);
+  be.layernorm_modulate(s.xm1, s.ln1_mean, s.ln1_rstd, x, chunk(s.mod, 0, H), chunk(s.mod, 1, H),
+                        static_cast<float>(ctx.cfg.layernorm_eps));
+  be.linear(s.qkv, s.xm1, p.qkv.w, p.qkv.b);
+  const size_t mark = ctx.scratch.mark();
+  Tensor normed = ctx.scratch.alloc(ctx.dtype, x.shape, SlotKind::workspace);
+  be.rmsnorm_heads(normed, s.q_rstd, s.qkv.cols_slice(0, H), p.q_norm.s, qk_eps);
+  be.tokens_to_heads(joint.q, normed, offset);
+  be.rmsnorm_heads(normed, s.k_rstd, s.qkv.cols_slice(H, H), p.k_norm.s, qk_eps);
+  be.tokens_to_heads(joint.k, normed, offset);
+  be.tokens_to_heads(joint.v, s.qkv.cols_slice(2 * H, H), offset);
+  ctx.scratch.release_to(mark);
+}
+
+// Stream part after attention: projection, gated residual, LayerNorm 2, MLP, gated residual.
+void stream_post_attention(const BlockContext& ctx, const DoubleStreamParams& p,
+                           DoubleStreamSaved& s, const DoubleBlockSaved& joint, Tensor x,
+                           int64_t offset) {
+  Backend& be = ctx.be;
+  const int64_t H = ctx.cfg.hidden_size;
+  be.heads_to_tokens(s.attn, joint.o, offset);
+  be.linear(s.proj_out, s.attn, p.proj.w, p.proj.b);
+  be.gated_residual(x, s.proj_out, chunk(s.mod, 2, H));
+  be.copy(s.x_mid, x);
+  be.layernorm_modulate(s.xm2, s.ln2_mean, s.ln2_rstd, x, chunk(s.mod, 3, H), chunk(s.mod, 4, H),
+                        static_cast<float>(ctx.cfg.layernorm_eps));
+  be.linear(s.mlp_h, s.xm2, p.mlp_in.w, p.mlp_in.b);
+  be.gelu_tanh(s.mlp_g, s.mlp_h);
+  be.linear(s.mlp_out, s.mlp_g, p.mlp_out.w, p.mlp_out.b);
+  be.gated_residual(x, s.mlp_out, chunk(s.mod, 5, H));
+}
+
+// Backward of stream_post_attention: dx holds d(block output) and becomes d(x_mid); the
+// attention-output gradient is scattered into the joint dO.
+void stream_post_attention_backward(const BlockContext& ctx, const DoubleStreamParams& p,
+                                    const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
+                                    Tensor d_o, int64_t offset) {
+  Backend& be = ctx.be;
+  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
+  const Shape tok = s.x_in.shape;
+  const int64_t B = tok[0], Ls = tok[1];
+  Arena& a = ctx.scratch;
+  const size_t mark = a.mark();
+  Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);  // reused for every [B,Ls,H] grad
+  Tensor d_m = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
+  Tensor d_m2 = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
+
+  be.gated_residual_backward(d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
+  be.linear_backward(d_m, p.mlp_out.dw, p.mlp_out.db, d_h, s.mlp_g, p.mlp_out.w, false);
+  be.gelu_tanh_backward(d_m2, d_m, s.mlp_h);
+  be.linear_backward(d_h, p.mlp_in.dw, p.mlp_in.db, d_m2, s.xm2, p.mlp_in.w, false);
+  be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid,
+                                 s.ln2_mean, s.ln2_rstd, chunk(s.mod, 4, H), true);
+
+  Tensor d_attn = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+  be.gated_residual_backward(d_h, chunk(dmod, 2, H), dx, s.proj_out, chunk(s.mod, 2, H));
+  be.linear_backward(d_attn, p.proj.dw, p.proj.db, d_h, s.attn, p.proj.w, false);
+  be.tokens_to_heads(d_o, d_attn, offset);
+  a.release_to(mark);
+}
+
+// Backward of stream_pre_attention: gathers this stream's dq/dk/dv from the joint
+// gradients, and finishes d(block input) in dx.
+void stream_pre_attention_backward(const BlockContext& ctx, const DoubleStreamParams& p,
+                                   const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
+                                   const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                   int64_t offset) {
+  Backend& be = ctx.be;
+  const int64_t H = ctx.cfg.hidden_size;
+  const Shape tok = s.x_in.shape;
+  Arena& a = ctx.scratch;
+  const size_t mark = a.mark();
+  Tensor d_qkv = a.alloc(ctx.dtype, Shape{tok[0], tok[1], 3 * H}, SlotKind::workspace);
+  Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+
+  be.heads_to_tokens(d_h, dq, offset);
+  be.rmsnorm_heads_backward(d_qkv.cols_slice(0, H), p.q_norm.ds, d_h, s.qkv.cols_slice(0, H),
+                            s.q_rstd, p.q_norm.s);
+  be.heads_to_tokens(d_h, dk, offset);
+  be.rmsnorm_heads_backward(d_qkv.cols_slice(H, H), p.k_norm.ds, d_h, s.qkv.cols_slice(H, H),
+                            s.k_rstd, p.k_norm.s);
+  be.heads_to_tokens(d_qkv.cols_slice(2 * H, H), dv, offset);
+  be.linear_backward(d_h, p.qkv.dw, p.qkv.db, d_qkv, s.xm1, p.qkv.w, false);
+  be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in,
+                                 s.ln1_mean, s.ln1_rstd, chunk(s.mod, 1, H), true);
+  be.linear_backward(ctx.d_silu_vec, p.mod.dw, p.mod.db, dmod, ctx.silu_vec, p.mod.w, true);
+  a.release_to(mark);
+}
+
+}  // namespace
+
+void double_block_forward(const BlockContext& ctx, const DoubleBlockParams& p,
+                          DoubleBlockSaved& s, Tensor txt, Tensor img) {
+  const int64_t Lt = ctx.shape.txt_tokens;
+  stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0);
+  stream_pre_attention(ctx, p.img, s.img, s, img, Lt);
+  ctx.be.rope(s.q, ctx.pe, false);
+  ctx.be.rope(s.k, ctx.pe, false);
+  ctx.be.attention(s.o, s.lse, s.q, s.k, s.v,
+                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim()))));
+  stream_post_attention(ctx, p.txt, s.txt, s, txt, 0);
+  stream_post_attention(ctx, p.img, s.img, s, img, Lt);
+}
+
+void double_block_backward(const BlockContext& ctx, const DoubleBlockParams& p,
+                           const DoubleBlockSaved& s, Tensor dtxt, Tensor dimg) {
+  Backend& be = ctx.be;
+  const int64_t Lt = ctx.shape.txt_tokens, B = ctx.shape.batch, H = ctx.cfg.hidden_size;
+  Arena& a = ctx.scratch;
+  const size_t mark = a.mark();
+  Tensor dmod_txt = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
+  Tensor dmod_img = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
+  Tensor d_o = a.alloc(ctx.dtype, s.o.shape, SlotKind::workspace);
+  Tensor d_q = a.alloc(ctx.dtype, s.q.shape, SlotKind::workspace);
+  Tensor d_k = a.alloc(ctx.dtype, s.k.shape, SlotKind::workspace);
+  Tensor d_v = a.alloc(ctx.dtype, s.v.shape, SlotKind::workspace);
+
+  stream_post_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_o, 0);
+  stream_post_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_o, Lt);
+  be.attention_backward(d_q, d_k, d_v, d_o, s.q, s.k, s.v, s.o, s.lse,
+                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim()))));
+  be.rope(d_q, ctx.pe, true);  // the rotation is orthogonal: its backward is the inverse
+  be.rope(d_k, ctx.pe, true);
+  stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, 0);
+  stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, Lt);
+  a.release_to(mark);
+}
+
+void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+  // Everything double_block_backward and its helpers take, summed (an upper bound of the
+  // simultaneous use; an overflow would fail loudly in Arena::alloc).
+  const int64_t B = sh.batch, H = c.hidden_size, M = c.mlp_hidden();
+  const int64_t Lmax = std::max(sh.txt_tokens, sh.img_tokens);
+  const Shape heads{B, c.num_heads, sh.tokens(), c.head_dim()};
+  for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);
+  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
+  for (int i = 0; i < 3; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
+  for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
+  a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
+}
+
+}  // namespace flux8

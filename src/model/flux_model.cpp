@@ -1,0 +1,249 @@
+#include "model/flux_model.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+
+namespace flux8 {
+
+namespace {
+
+constexpr int64_t kTimeEmbedDim = 256;  // sinusoidal features of t and guidance
+constexpr float kTimeFactor = 1000.0f;  // t in [0, 1] is embedded as 1000·t
+constexpr float kMaxPeriod = 10000.0f;
+
+// An MLPEmbedder: out_layer(SiLU(in_layer(x))).
+struct MlpEmbedder {
+  LinearParams in_layer, out_layer;
+  static MlpEmbedder bind(const ParamStore& s, const std::string& name) {
+    return {LinearParams::bind(s, name + ".in_layer"), LinearParams::bind(s, name + ".out_layer")};
+  }
+};
+
+struct MlpEmbedderSaved {
+  Tensor x;       // embedder input (a sinusoidal embedding, or the pooled text vector)
+  Tensor hidden;  // in_layer output (SiLU input)
+  Tensor act;     // SiLU output (out_layer input)
+};
+
+}  // namespace
+
+struct ModelSaved {
+  Tensor txt, img, z;          // residual streams [B,Lt,H], [B,Li,H], joint [B,L,H]
+  Tensor ids, pe;              // joint positions [B,L,3], RoPE table [B,L,D/2,2]
+  MlpEmbedderSaved time, guidance, vector;
+  Tensor vec, silu_vec;        // [B,H]
+  Tensor final_mod, final_mean, final_rstd, final_xm, pred;
+  std::vector<DoubleBlockSaved> doubles;
+  std::vector<SingleBlockSaved> singles;
+
+  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+    const int64_t B = sh.batch, H = c.hidden_size, L = sh.tokens();
+    ModelSaved s;
+    auto act = [&](Shape shape) { return a.alloc(t, shape, SlotKind::activation); };
+    s.txt = act(Shape{B, sh.txt_tokens, H});
+    s.img = act(Shape{B, sh.img_tokens, H});
+    s.z = act(Shape{B, L, H});
+    s.ids = act(Shape{B, L, 3});
+    s.pe = a.alloc(t, Shape{B, L, c.head_dim() / 2, 2}, SlotKind::statistic);
+    auto embedder = [&](int64_t in_dim) {
+      return MlpEmbedderSaved{act(Shape{B, in_dim}), act(Shape{B, H}), act(Shape{B, H})};
+    };
+    s.time = embedder(kTimeEmbedDim);
+    if (c.guidance_embed) s.guidance = embedder(kTimeEmbedDim);
+    s.vector = MlpEmbedderSaved{Tensor{}, act(Shape{B, H}), act(Shape{B, H})};
+    s.vec = act(Shape{B, H});
+    s.silu_vec = act(Shape{B, H});
+    s.final_mod = act(Shape{B, 2 * H});
+    s.final_mean = a.alloc(t, Shape{B * sh.img_tokens}, SlotKind::statistic);
+    s.final_rstd = a.alloc(t, Shape{B * sh.img_tokens}, SlotKind::statistic);
+    s.final_xm = act(Shape{B, sh.img_tokens, H});
+    s.pred = act(Shape{B, sh.img_tokens, c.out_channels});
+    for (int64_t i = 0; i < c.num_double_blocks; ++i)
+      s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t));
+    for (int64_t i = 0; i < c.num_single_blocks; ++i)
+      s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t));
+    return s;
+  }
+};
+
+namespace {
+
+// Scratch needed besides the blocks': the model-level backward buffers.
+void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+  const int64_t B = sh.batch, H = c.hidden_size;
+  a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);  // dtxt
+  a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // dimg
+  a.alloc(t, Shape{B, sh.tokens(), H}, SlotKind::workspace);    // dz
+  a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // final dxm
+  for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
+  const size_t mark = a.mark();  // blocks run one at a time: the larger of the two counts
+  double_block_plan_scratch(a, c, sh, t);
+  a.release_to(mark);
+  single_block_plan_scratch(a, c, sh, t);
+}
+
+}  // namespace
+
+FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype)
+    : cfg_(cfg), be_(backend), dtype_(dtype) {
+  cfg_.validate("model config");
+  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
+  for (int64_t i = 0; i < cfg_.num_double_blocks; ++i)
+    double_params_.push_back(DoubleBlockParams::bind(*params_, i));
+  for (int64_t i = 0; i < cfg_.num_single_blocks; ++i)
+    single_params_.push_back(SingleBlockParams::bind(*params_, i));
+}
+
+FluxModel::~FluxModel() = default;
+
+ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape) {
+  Arena saved, scratch;  // measuring arenas
+  ModelSaved::allocate(saved, cfg, shape, DType::f32);
+  plan_model_scratch(scratch, cfg, shape, DType::f32);
+  return {saved.usage(), static_cast<int64_t>(scratch.peak() / 4)};
+}
+
+void FluxModel::plan(StepShape s) {
+  Arena saved, scratch;
+  ModelSaved::allocate(saved, cfg_, s, dtype_);
+  plan_model_scratch(scratch, cfg_, s, dtype_);
+  saved_arena_.reserve(be_, saved.peak());
+  scratch_arena_.reserve(be_, scratch.peak());
+  planned_ = s;
+}
+
+static void check_input(const Tensor& t, const char* name, Shape expected) {
+  if (!t.defined()) fail("model input '{}' is missing (expected shape {})", name, expected.str());
+  if (t.shape != expected)
+    fail("model input '{}' has shape {}, expected {}", name, t.shape.str(), expected.str());
+}
+
+Tensor FluxModel::forward(const FluxInputs& in) {
+  const FluxConfig& c = cfg_;
+  if (!in.img.defined() || in.img.shape.rank != 3 || !in.txt.defined() || in.txt.shape.rank != 3)
+    fail("model inputs 'img' and 'txt' must be rank-3 tensors [batch, tokens, features]");
+  const StepShape sh{in.img.shape[0], in.txt.shape[1], in.img.shape[1]};
+  const int64_t B = sh.batch, H = c.hidden_size;
+  check_input(in.img, "img", Shape{B, sh.img_tokens, c.in_channels});
+  check_input(in.txt, "txt", Shape{B, sh.txt_tokens, c.context_dim});
+  check_input(in.img_ids, "img_ids", Shape{B, sh.img_tokens, 3});
+  check_input(in.txt_ids, "txt_ids", Shape{B, sh.txt_tokens, 3});
+  check_input(in.timesteps, "timesteps", Shape{B});
+  check_input(in.y, "y", Shape{B, c.vec_dim});
+  if (c.guidance_embed) check_input(in.guidance, "guidance", Shape{B});
+
+  if (sh.batch > planned_.batch || sh.txt_tokens > planned_.txt_tokens ||
+      sh.img_tokens > planned_.img_tokens || sh.tokens() > planned_.tokens())
+    plan(StepShape{std::max(sh.batch, planned_.batch), std::max(sh.txt_tokens, planned_.txt_tokens),
+                   std::max(sh.img_tokens, planned_.img_tokens)});
+  shape_ = sh;
+  inputs_ = in;
+  saved_arena_.reset();
+  scratch_arena_.reset();
+  saved_ = std::make_unique<ModelSaved>(ModelSaved::allocate(saved_arena_, c, sh, dtype_));
+  ModelSaved& s = *saved_;
+  const ParamStore& P = *params_;
+
+  // Conditioning vector: vec = time_in(emb(t)) [+ guidance_in(emb(g))] + vector_in(y).
+  auto run_embedder = [&](const std::string& name, MlpEmbedderSaved& e, Tensor x, Tensor out) {
+    const MlpEmbedder m = MlpEmbedder::bind(P, name);
+    be_.linear(e.hidden, x, m.in_layer.w, m.in_layer.b);
+    be_.silu(e.act, e.hidden);
+    be_.linear(out, e.act, m.out_layer.w, m.out_layer.b);
+  };
+  const size_t mark = scratch_arena_.mark();
+  Tensor tmp = scratch_arena_.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
+  be_.timestep_embedding(s.time.x, in.timesteps, kTimeFactor, kMaxPeriod);
+  run_embedder("time_in", s.time, s.time.x, s.vec);
+  if (c.guidance_embed) {
+    be_.timestep_embedding(s.guidance.x, in.guidance, kTimeFactor, kMaxPeriod);
+    run_embedder("guidance_in", s.guidance, s.guidance.x, tmp);
+    be_.accumulate(s.vec, tmp);
+  }
+  run_embedder("vector_in", s.vector, in.y, tmp);
+  be_.accumulate(s.vec, tmp);
+  be_.silu(s.silu_vec, s.vec);
+  scratch_arena_.release_to(mark);
+
+  const LinearParams img_in = LinearParams::bind(P, "img_in"), txt_in = LinearParams::bind(P, "txt_in");
+  be_.linear(s.img, in.img, img_in.w, img_in.b);
+  be_.linear(s.txt, in.txt, txt_in.w, txt_in.b);
+  be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
+  be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
+
+  BlockContext ctx{be_, c, sh, dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}};
+  for (size_t i = 0; i < s.doubles.size(); ++i)
+    double_block_forward(ctx, double_params_[i], s.doubles[i], s.txt, s.img);
+  be_.concat_tokens(s.z, s.txt, s.img);
+  for (size_t i = 0; i < s.singles.size(); ++i) single_block_forward(ctx, single_params_[i], s.singles[i], s.z);
+  be_.split_tokens(Tensor{}, s.img, s.z);  // drop the text tokens
+
+  // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
+  const LinearParams ada = LinearParams::bind(P, "final_layer.adaLN_modulation.1");
+  const LinearParams lin = LinearParams::bind(P, "final_layer.linear");
+  be_.linear(s.final_mod, s.silu_vec, ada.w, ada.b);
+  be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
+                         s.final_mod.cols_slice(H, H), static_cast<float>(c.layernorm_eps));
+  be_.linear(s.pred, s.final_xm, lin.w, lin.b);
+  return s.pred;
+}
+
+void FluxModel::backward(const Tensor& dpred) {
+  if (!saved_) fail("FluxModel::backward called without a forward");
+  const FluxConfig& c = cfg_;
+  const StepShape sh = shape_;
+  const int64_t B = sh.batch, H = c.hidden_size;
+  if (dpred.shape != saved_->pred.shape)
+    fail("gradient of the prediction has shape {}, expected {}", dpred.shape.str(),
+         saved_->pred.shape.str());
+  ModelSaved& s = *saved_;
+  const ParamStore& P = *params_;
+  Arena& a = scratch_arena_;
+  a.reset();
+  Tensor dtxt = a.alloc(dtype_, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);
+  Tensor dimg = a.alloc(dtype_, Shape{B, sh.img_tokens, H}, SlotKind::workspace);
+  Tensor dz = a.alloc(dtype_, Shape{B, sh.tokens(), H}, SlotKind::workspace);
+  Tensor dxm = a.alloc(dtype_, Shape{B, sh.img_tokens, H}, SlotKind::workspace);
+  Tensor dmod = a.alloc(dtype_, Shape{B, 2 * H}, SlotKind::workspace);
+  Tensor d_silu_vec = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
+  Tensor dvec = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
+  Tensor dact = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
+  Tensor dhidden = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
+
+  // Final layer.
+  const LinearParams ada = LinearParams::bind(P, "final_layer.adaLN_modulation.1");
+  const LinearParams lin = LinearParams::bind(P, "final_layer.linear");
+  be_.linear_backward(dxm, lin.dw, lin.db, dpred, s.final_xm, lin.w, false);
+  be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img,
+                                  s.final_mean, s.final_rstd, s.final_mod.cols_slice(H, H), false);
+  be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, ada.w, false);
+
+  // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
+  BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec};
+  be_.fill(dtxt, 0.0);
+  be_.concat_tokens(dz, dtxt, dimg);
+  for (size_t i = s.singles.size(); i-- > 0;) single_block_backward(ctx, single_params_[i], s.singles[i], dz);
+  be_.split_tokens(dtxt, dimg, dz);
+  for (size_t i = s.doubles.size(); i-- > 0;)
+    double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
+
+  const LinearParams img_in = LinearParams::bind(P, "img_in"), txt_in = LinearParams::bind(P, "txt_in");
+  be_.linear_backward(Tensor{}, img_in.dw, img_in.db, dimg, inputs_.img, img_in.w, false);
+  be_.linear_backward(Tensor{}, txt_in.dw, txt_in.db, dtxt, inputs_.txt, txt_in.w, false);
+
+  // Conditioning vector: every embedder receives dvec.
+  be_.silu_backward(dvec, d_silu_vec, s.vec, false);
+  auto embedder_backward = [&](const std::string& name, const MlpEmbedderSaved& e, const Tensor& x) {
+    const MlpEmbedder m = MlpEmbedder::bind(P, name);
+    be_.linear_backward(dact, m.out_layer.dw, m.out_layer.db, dvec, e.act, m.out_layer.w, false);
+    be_.silu_backward(dhidden, dact, e.hidden, false);
+    be_.linear_backward(Tensor{}, m.in_layer.dw, m.in_layer.db, dhidden, x, m.in_layer.w, false);
+  };
+  embedder_backward("time_in", s.time, s.time.x);
+  if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);
+  embedder_backward("vector_in", s.vector, inputs_.y);
+}
+
+}  // namespace flux8

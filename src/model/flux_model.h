@@ -1,0 +1,73 @@
+#pragma once
+// The whole Flux transformer (DESIGN.md §2): embedders, double blocks on separate text/image
+// streams, single blocks on the joint sequence, final layer; forward and hand-written
+// backward. Activations are carved from planned arenas; nothing is allocated inside a step.
+#include <memory>
+#include <vector>
+
+#include "model/arena.h"
+#include "model/block_common.h"
+#include "model/double_block.h"
+#include "model/single_block.h"
+
+namespace flux8 {
+
+// Inputs as backend tensors in the model dtype. They must stay valid until backward().
+struct FluxInputs {
+  Tensor img;        // [B, Li, in_channels] packed latent patches
+  Tensor img_ids;    // [B, Li, 3] positions (0, row, col)
+  Tensor txt;        // [B, Lt, context_dim] text encoder features
+  Tensor txt_ids;    // [B, Lt, 3] (zeros for Flux)
+  Tensor timesteps;  // [B] in [0, 1]
+  Tensor y;          // [B, vec_dim] pooled text embedding
+  Tensor guidance;   // [B], guidance_embed models only
+};
+
+// Sizes of one training step's activation memory, from the same code that allocates it.
+struct ActivationEstimate {
+  ArenaUsage saved;             // kept from forward to backward
+  int64_t workspace_elements;   // peak temporaries of one block's backward
+  double gpu_bytes(bool fp8) const {
+    return saved.gpu_bytes(fp8) + 2.0 * static_cast<double>(workspace_elements);
+  }
+};
+
+struct EmbedderSaved;
+struct ModelSaved;
+
+class FluxModel {
+ public:
+  FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32);
+  ~FluxModel();
+
+  const FluxConfig& config() const { return cfg_; }
+  ParamStore& params() { return *params_; }
+  Backend& backend() { return be_; }
+  DType dtype() const { return dtype_; }
+
+  // Reserves activation memory for steps up to this shape. forward() re-plans if a larger
+  // shape arrives; training plans once so the step never allocates.
+  void plan(StepShape max_shape);
+
+  // Returns pred [B, Li, out_channels], valid until the next forward.
+  Tensor forward(const FluxInputs& in);
+  // Accumulates the parameter gradients of a loss whose gradient w.r.t. pred is dpred.
+  void backward(const Tensor& dpred);
+
+  static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape);
+
+ private:
+  FluxConfig cfg_;
+  Backend& be_;
+  DType dtype_;
+  std::unique_ptr<ParamStore> params_;
+  std::vector<DoubleBlockParams> double_params_;
+  std::vector<SingleBlockParams> single_params_;
+  Arena saved_arena_, scratch_arena_;
+  StepShape planned_{0, 0, 0};
+  StepShape shape_{0, 0, 0};
+  FluxInputs inputs_;
+  std::unique_ptr<ModelSaved> saved_;
+};
+
+}  // namespace flux8

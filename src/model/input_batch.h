@@ -1,0 +1,41 @@
+#pragma once
+// Model inputs read from a safetensors file (the `flux8 forward` interface and the golden
+// tests): img, img_ids, txt, txt_ids, timesteps, y, guidance; ids may omit the batch
+// dimension ([L, 3], shared by all samples, as diffusers stores them).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/flux_config.h"
+#include "model/flux_model.h"
+
+namespace flux8 {
+
+class Backend;
+class SafetensorsReader;
+
+// Owns backend copies of the inputs.
+class InputBatch {
+ public:
+  InputBatch(Backend& backend, DType dtype) : be_(backend), dtype_(dtype) {}
+  ~InputBatch();
+  InputBatch(const InputBatch&) = delete;
+  InputBatch& operator=(const InputBatch&) = delete;
+
+  // Reads `prefix + name` for every input; fails naming the file and tensor when one is
+  // missing or has the wrong shape.
+  void load(const SafetensorsReader& file, const FluxConfig& cfg, const std::string& prefix = "");
+  const FluxInputs& inputs() const { return inputs_; }
+  int64_t batch() const { return inputs_.img.shape[0]; }
+
+  // A backend tensor holding `values` with `shape` (owned by this batch).
+  Tensor make(Shape shape, const std::vector<double>& values);
+
+ private:
+  Backend& be_;
+  DType dtype_;
+  std::vector<void*> buffers_;
+  FluxInputs inputs_;
+};
+
+}  // namespace flux8

@@ -1,0 +1,126 @@
+#include "model/params.h"
+
+#include <cmath>
+
+#include "backend/backend.h"
+#include "backend/transfer.h"
+#include "core/error.h"
+#include "core/rng.h"
+
+namespace flux8 {
+
+void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string component,
+                      bool block_linear) {
+  index_.emplace(name, params_.size());
+  params_.push_back({std::move(name), shape, total_, init, std::move(component), block_linear});
+  total_ += shape.numel();
+}
+
+void ParamLayout::add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
+                             const std::string& component, bool bias, bool block_linear) {
+  add(prefix + ".weight", Shape{out, in}, init, component, block_linear);
+  if (bias) add(prefix + ".bias", Shape{out}, ParamInit::zeros, component);
+}
+
+// Order follows the reference module definition order (and so its state dict).
+ParamLayout ParamLayout::build(const FluxConfig& c) {
+  ParamLayout L;
+  const int64_t H = c.hidden_size, M = c.mlp_hidden(), D = c.head_dim();
+  const auto xavier = ParamInit::xavier_uniform, normal = ParamInit::normal_002,
+             zeros = ParamInit::zeros;
+  auto mlp_embedder = [&](const std::string& name, int64_t in) {
+    L.add_linear(name + ".in_layer", H, in, normal, name, true);
+    L.add_linear(name + ".out_layer", H, H, normal, name, true);
+  };
+  L.add_linear("img_in", H, c.in_channels, xavier, "img_in", true);
+  mlp_embedder("time_in", 256);
+  mlp_embedder("vector_in", c.vec_dim);
+  if (c.guidance_embed) mlp_embedder("guidance_in", 256);
+  L.add_linear("txt_in", H, c.context_dim, xavier, "txt_in", true);
+
+  for (int64_t i = 0; i < c.num_double_blocks; ++i) {
+    const std::string b = "double_blocks." + std::to_string(i) + ".";
+    for (const char* s : {"img", "txt"}) {
+      const std::string p = b + s;
+      L.add_linear(p + "_mod.lin", 6 * H, H, zeros, "double_blocks", true);
+      L.add_linear(p + "_attn.qkv", 3 * H, H, xavier, "double_blocks", c.qkv_bias, true);
+      L.add(p + "_attn.norm.query_norm.scale", Shape{D}, ParamInit::ones, "double_blocks");
+      L.add(p + "_attn.norm.key_norm.scale", Shape{D}, ParamInit::ones, "double_blocks");
+      L.add_linear(p + "_attn.proj", H, H, xavier, "double_blocks", true, true);
+      L.add_linear(p + "_mlp.0", M, H, xavier, "double_blocks", true, true);
+      L.add_linear(p + "_mlp.2", H, M, xavier, "double_blocks", true, true);
+    }
+  }
+  for (int64_t i = 0; i < c.num_single_blocks; ++i) {
+    const std::string b = "single_blocks." + std::to_string(i) + ".";
+    L.add_linear(b + "linear1", 3 * H + M, H, xavier, "single_blocks", true, true);
+    L.add_linear(b + "linear2", H, H + M, xavier, "single_blocks", true, true);
+    L.add(b + "norm.query_norm.scale", Shape{D}, ParamInit::ones, "single_blocks");
+    L.add(b + "norm.key_norm.scale", Shape{D}, ParamInit::ones, "single_blocks");
+    L.add_linear(b + "modulation.lin", 3 * H, H, zeros, "single_blocks", true);
+  }
+  L.add_linear("final_layer.linear", c.out_channels, H, zeros, "final_layer", true);
+  L.add_linear("final_layer.adaLN_modulation.1", 2 * H, H, zeros, "final_layer", true);
+  return L;
+}
+
+const ParamInfo* ParamLayout::find(std::string_view name) const {
+  auto it = index_.find(std::string(name));
+  return it == index_.end() ? nullptr : &params_[it->second];
+}
+
+const ParamInfo& ParamLayout::at(std::string_view name) const {
+  const ParamInfo* p = find(name);
+  if (!p) fail("no parameter named '{}' in this model", name);
+  return *p;
+}
+
+ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype)
+    : layout_(ParamLayout::build(cfg)), backend_(backend), dtype_(dtype) {
+  const size_t bytes = static_cast<size_t>(layout_.total()) * dtype_size(dtype);
+  params_ = backend.allocate(bytes);
+  grads_ = backend.allocate(bytes);
+}
+
+ParamStore::~ParamStore() {
+  backend_.release(params_);
+  backend_.release(grads_);
+}
+
+static Tensor view(void* base, DType dtype, const ParamInfo& p) {
+  return Tensor(static_cast<char*>(base) + static_cast<size_t>(p.offset) * dtype_size(dtype),
+                dtype, p.shape);
+}
+
+Tensor ParamStore::param(std::string_view name) const { return view(params_, dtype_, layout_.at(name)); }
+Tensor ParamStore::grad(std::string_view name) const { return view(grads_, dtype_, layout_.at(name)); }
+Tensor ParamStore::flat_params() const { return Tensor(params_, dtype_, Shape{layout_.total()}); }
+Tensor ParamStore::flat_grads() const { return Tensor(grads_, dtype_, Shape{layout_.total()}); }
+
+void ParamStore::init(uint64_t seed) {
+  for (size_t i = 0; i < layout_.params().size(); ++i) {
+    const ParamInfo& p = layout_.params()[i];
+    const int64_t n = p.shape.numel();
+    std::vector<double> v(static_cast<size_t>(n));
+    const uint64_t stream = rng_stream(0x706172616d73ull /*"params"*/, i);
+    switch (p.init) {
+      case ParamInit::zeros: break;
+      case ParamInit::ones: std::fill(v.begin(), v.end(), 1.0); break;
+      case ParamInit::normal_002:
+        for (int64_t j = 0; j < n; ++j) v[static_cast<size_t>(j)] = 0.02 * rng_normal(seed, stream, static_cast<uint64_t>(j));
+        break;
+      case ParamInit::xavier_uniform: {
+        // U(−a, a), a = √(6 / (fan_in + fan_out)) on the fused weight shape.
+        const double a = std::sqrt(6.0 / static_cast<double>(p.shape[0] + p.shape[1]));
+        for (int64_t j = 0; j < n; ++j)
+          v[static_cast<size_t>(j)] = a * (2.0 * rng_uniform(seed, stream, static_cast<uint64_t>(j)) - 1.0);
+        break;
+      }
+    }
+    from_host(backend_, view(params_, dtype_, p), v);
+  }
+}
+
+void ParamStore::zero_grads() { backend_.fill(flat_grads(), 0.0); }
+
+}  // namespace flux8

@@ -1,0 +1,37 @@
+#pragma once
+// Single-stream block (DESIGN.md §2) on the joint sequence z = cat(txt, img): one fused
+// Linear gives [q | k | v | mlp], attention and the MLP branch run in parallel, and one
+// Linear maps cat(attention, GELU(mlp)) back to H.
+#include "model/block_common.h"
+
+namespace flux8 {
+
+struct SingleBlockParams {
+  LinearParams mod, linear1, linear2;
+  ScaleParam q_norm, k_norm;
+  static SingleBlockParams bind(const ParamStore& store, int64_t index);
+};
+
+struct SingleBlockSaved {
+  Tensor z_in;                  // block input (LayerNorm backward)
+  Tensor mod;                   // [B, 3H]: shift, scale, gate
+  Tensor ln_mean, ln_rstd, zm;  // modulated LayerNorm and its output (linear1 input)
+  Tensor u;                     // linear1 output [B, L, 3H + M]
+  Tensor q_rstd, k_rstd;
+  Tensor q, k, v, o, lse;       // head-major, after QK-norm and RoPE
+  Tensor cat;                   // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
+  Tensor out;                   // linear2 output (gate gradient)
+  static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape,
+                                   DType dtype);
+};
+
+// z [B, L, H] updated in place.
+void single_block_forward(const BlockContext& ctx, const SingleBlockParams& p,
+                          SingleBlockSaved& saved, Tensor z);
+// dz: gradient of the output in, of the input out. Parameter grads, d_silu_vec accumulated.
+void single_block_backward(const BlockContext& ctx, const SingleBlockParams& p,
+                           const SingleBlockSaved& saved, Tensor dz);
+
+void single_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype);
+
+}  // namespace flux8

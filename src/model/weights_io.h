@@ -1,0 +1,29 @@
+#pragma once
+// Model weights <-> safetensors files in the reference (Black Forest Labs Flux.1) naming, or
+// in diffusers' FluxTransformer2DModel naming through the name map.
+#include <map>
+#include <string>
+
+#include "core/dtype.h"
+#include "model/flux_config.h"
+#include "model/params.h"
+
+namespace flux8 {
+
+enum class WeightNaming { reference, diffusers };
+
+// Detected from the file: "img_in.weight" -> reference, "x_embedder.weight" -> diffusers.
+// Names may carry `prefix` (e.g. "model.diffusion_model." as ComfyUI stores them); when
+// prefix is empty, "model.diffusion_model." is tried too.
+//
+// Checks every tensor's presence, shape and dtype (F32, BF16, F16 or F64) and fails with
+// one message listing every mismatch (missing, unexpected, wrong shape, wrong dtype).
+void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path,
+                  const std::string& prefix = "");
+
+// Writes all parameters (file dtype bf16, f32 or f16) atomically.
+void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
+                  DType file_dtype, WeightNaming naming,
+                  const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace flux8

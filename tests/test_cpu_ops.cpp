@@ -1,0 +1,342 @@
+// Forward results of the CPU ops against direct formulas, and the interface's semantics:
+// round trips, accumulate-vs-overwrite, column windows, error messages. f64 is used where a
+// result is compared with a naive formula, so the tolerances (1e-12) only absorb summation
+// order differences (≈ n·ε for n ≤ a few hundred terms).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "cpu_ops_util.h"
+
+namespace flux8::testing {
+namespace {
+
+constexpr double kExact = 1e-12;
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+class CpuOps : public ::testing::Test {
+ protected:
+  std::unique_ptr<Backend> be = make_backend("cpu");
+};
+
+TEST_F(CpuOps, LinearMatchesNaiveAndKeepsOutputPadding) {
+  const int64_t N = 7, K = 19, M = 37;
+  Buf<double> x({N, K}, 3), w({M, K}), b({M}), y({N, M}, 2);
+  x.randn(1), w.randn(2), b.randn(3), y.fill_padding(kNaN);
+  be->linear(y.t, x.t, w.t, b.t);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      double ref = b.mem[m];
+      for (int64_t k = 0; k < K; ++k) ref += x.at(n, k) * w.at(m, k);
+      EXPECT_NEAR(y.at(n, m), ref, kExact);
+    }
+  EXPECT_TRUE(y.padding_is_nan()) << "linear wrote outside its output window";
+  be->linear(y.t, x.t, w.t, Tensor{});  // no bias
+  double ref = 0;
+  for (int64_t k = 0; k < K; ++k) ref += x.at(3, k) * w.at(5, k);
+  EXPECT_NEAR(y.at(3, 5), ref, kExact);
+}
+
+TEST_F(CpuOps, ActivationsMatchKnownValues) {
+  Buf<double> x({1, 3}), y({1, 3});
+  x.mem = {-1.0, 0.0, 1.0};
+  x.t.data = x.mem.data();
+  be->silu(y.t, x.t);
+  EXPECT_NEAR(y.mem[0], -0.2689414213699951, 1e-15);
+  EXPECT_NEAR(y.mem[2], 0.7310585786300049, 1e-15);
+  be->gelu_tanh(y.t, x.t);
+  // 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715x³))) at ±1
+  EXPECT_NEAR(y.mem[0], -0.15880800939172324, 1e-15);
+  EXPECT_NEAR(y.mem[1], 0.0, 0.0);
+  EXPECT_NEAR(y.mem[2], 0.8411919906082768, 1e-15);
+}
+
+// Two naive loops: scores, softmax with the max subtracted, weighted sum. L = 300 covers
+// several query blocks of the implementation plus a remainder.
+TEST_F(CpuOps, AttentionMatchesNaiveSoftmax) {
+  const int64_t B = 2, NH = 3, L = 300, D = 12;
+  const Shape s{B, NH, L, D};
+  Buf<double> q(s), k(s), v(s, 1), o(s, 2), lse({B, NH, L});
+  q.randn(4), k.randn(5), v.randn(6), o.fill_padding(kNaN);
+  const double scale = 0.3;
+  be->attention(o.t, lse.t, q.t, k.t, v.t, static_cast<float>(scale));
+  EXPECT_TRUE(o.padding_is_nan());
+  double worst = 0;
+  for (int64_t bh = 0; bh < B * NH; bh += 5)
+    for (int64_t i = 0; i < L; i += 7) {
+      std::vector<double> sc(L);
+      double mx = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < L; ++j) {
+        sc[j] = 0;
+        for (int64_t d = 0; d < D; ++d) sc[j] += q.at(bh * L + i, d) * k.at(bh * L + j, d);
+        sc[j] *= static_cast<double>(static_cast<float>(scale));
+        mx = std::max(mx, sc[j]);
+      }
+      for (int64_t j = 0; j < L; ++j) sum += std::exp(sc[j] - mx);
+      EXPECT_NEAR(lse.mem[bh * L + i], mx + std::log(sum), kExact);
+      for (int64_t d = 0; d < D; ++d) {
+        double ref = 0;
+        for (int64_t j = 0; j < L; ++j) ref += std::exp(sc[j] - mx) / sum * v.at(bh * L + j, d);
+        worst = std::max(worst, std::abs(o.at(bh * L + i, d) - ref));
+      }
+    }
+  EXPECT_LT(worst, kExact);
+}
+
+TEST_F(CpuOps, LayerNormModulateMatchesFormula) {
+  const int64_t B = 2, L = 3, H = 21;
+  Buf<double> x({B, L, H}, 1), mod({B, 2 * H}), y({B, L, H}, 1), mean({B * L}), rstd({B * L});
+  x.randn(7, 2.0), mod.randn(8), y.fill_padding(kNaN);
+  for (double& v : x.mem) v += 10;  // a large mean: variance must not cancel
+  const float eps = 1e-6f;
+  be->layernorm_modulate(y.t, mean.t, rstd.t, x.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H),
+                         eps);
+  EXPECT_TRUE(y.padding_is_nan());
+  for (int64_t r = 0; r < B * L; ++r) {
+    double mu = 0, var = 0;
+    for (int64_t j = 0; j < H; ++j) mu += x.at(r, j) / H;
+    for (int64_t j = 0; j < H; ++j) var += (x.at(r, j) - mu) * (x.at(r, j) - mu) / H;  // biased
+    const double rs = 1 / std::sqrt(var + static_cast<double>(eps));
+    EXPECT_NEAR(mean.mem[r], mu, kExact);
+    EXPECT_NEAR(rstd.mem[r], rs, kExact * rs);
+    for (int64_t j = 0; j < H; ++j) {
+      const int64_t b = r / L;
+      const double ref = (1 + mod.at(b, H + j)) * (x.at(r, j) - mu) * rs + mod.at(b, j);
+      EXPECT_NEAR(y.at(r, j), ref, 1e-10);
+    }
+  }
+}
+
+TEST_F(CpuOps, RmsNormHeadsMatchesFormula) {
+  const int64_t rows = 7, n = 3, D = 10;
+  Buf<double> x({rows, n * D}, 5), scale({D}), y({rows, n * D}), rstd({rows * n});
+  x.randn(9), scale.randn(10);
+  be->rmsnorm_heads(y.t, rstd.t, x.t, scale.t, 1e-6f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < n; ++h) {
+      double ms = 0;
+      for (int64_t d = 0; d < D; ++d) ms += x.at(r, h * D + d) * x.at(r, h * D + d) / D;
+      const double rs = 1 / std::sqrt(ms + static_cast<double>(1e-6f));
+      EXPECT_NEAR(rstd.mem[r * n + h], rs, kExact * rs);
+      for (int64_t d = 0; d < D; ++d)
+        EXPECT_NEAR(y.at(r, h * D + d), x.at(r, h * D + d) * rs * scale.mem[d], kExact);
+    }
+}
+
+TEST_F(CpuOps, RopeTableMatchesFormula) {
+  const int axes[] = {2, 4, 6};  // 1 + 2 + 3 pairs
+  Buf<double> ids({1, 2, 3}), pe({1, 2, 6, 2});
+  ids.mem = {0, 3, 5, 1, 2, 7};
+  be->rope_table(pe.t, ids.t, axes, 10000.0);
+  int64_t p = 0;
+  for (int i = 0; i < 3; ++i)
+    for (int k = 0; k < axes[i] / 2; ++k, ++p) {
+      const double angle = ids.mem[3 + i] * std::pow(10000.0, -2.0 * k / axes[i]);
+      EXPECT_NEAR(pe.mem[(6 + p) * 2 + 0], std::cos(angle), 1e-15) << "pair " << p;
+      EXPECT_NEAR(pe.mem[(6 + p) * 2 + 1], std::sin(angle), 1e-15) << "pair " << p;
+    }
+}
+
+TEST_F(CpuOps, RopeRotatesAdjacentPairsAndInverseUndoesIt) {
+  const int axes[] = {2, 4, 4};
+  const int64_t B = 2, NH = 2, L = 5, D = 10;
+  Buf<double> ids({B, L, 3}), pe({B, L, D / 2, 2}), x({B, NH, L, D}, 3), x0({B, NH, L, D}, 3);
+  ids.randn(11, 5.0), x.randn(12);
+  be->rope_table(pe.t, ids.t, axes, 10000.0);
+  be->copy(x0.t, x.t);
+  be->rope(x.t, pe.t, false);
+  // Element pair p = 3 of head 1, sample 1, token 4: (c·x0 − s·x1, s·x0 + c·x1).
+  const int64_t r = (1 * NH + 1) * L + 4, p = 3;
+  const double c = pe.mem[((1 * L + 4) * (D / 2) + p) * 2], s = pe.mem[((1 * L + 4) * (D / 2) + p) * 2 + 1];
+  EXPECT_NEAR(x.at(r, 2 * p), c * x0.at(r, 2 * p) - s * x0.at(r, 2 * p + 1), kExact);
+  EXPECT_NEAR(x.at(r, 2 * p + 1), s * x0.at(r, 2 * p) + c * x0.at(r, 2 * p + 1), kExact);
+  be->rope(x.t, pe.t, true);
+  EXPECT_LT(rel_diff(x.values(), x0.values()), kExact);
+}
+
+// The reference evaluates in f32: freqs = exp(−ln(P)·k/half), args = (factor·t)·freqs.
+TEST_F(CpuOps, TimestepEmbeddingMatchesF32Reference) {
+  const int64_t B = 3, dim = 256, half = 128;
+  Buf<float> t({B}), out({B, dim}, 4);
+  t.mem = {0.0f, 0.37f, 1.0f};
+  be->timestep_embedding(out.t, t.t, 1000.0f, 10000.0f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t k = 0; k < half; ++k) {
+      const float freq = std::exp(static_cast<float>(-std::log(10000.0)) * static_cast<float>(k) /
+                                  static_cast<float>(half));
+      const float arg = (1000.0f * t.mem[b]) * freq;
+      EXPECT_EQ(out.at(b, k), std::cos(arg)) << b << "," << k;  // cos first
+      EXPECT_EQ(out.at(b, half + k), std::sin(arg)) << b << "," << k;
+    }
+}
+
+TEST_F(CpuOps, TokensHeadsRoundTripWithOffset) {
+  const int64_t B = 2, NH = 3, D = 4, Lt = 3, Li = 5;
+  Buf<double> txt({B, Lt, NH * D}, 2), img({B, Li, NH * D}, 1), heads({B, NH, Lt + Li, D});
+  txt.randn(13), img.randn(14);
+  be->tokens_to_heads(heads.t, txt.t, 0);
+  be->tokens_to_heads(heads.t, img.t, Lt);
+  // heads[b, h, offset + l, d] = tokens[b, l, h·D + d]
+  EXPECT_EQ(heads.at((1 * NH + 2) * (Lt + Li) + Lt + 4, 3), img.at(1 * Li + 4, 2 * D + 3));
+  EXPECT_EQ(heads.at((0 * NH + 1) * (Lt + Li) + 2, 0), txt.at(0 * Lt + 2, 1 * D + 0));
+  Buf<double> img2({B, Li, NH * D}, 3), txt2({B, Lt, NH * D});
+  be->heads_to_tokens(img2.t, heads.t, Lt);
+  be->heads_to_tokens(txt2.t, heads.t, 0);
+  EXPECT_EQ(img2.values(), img.values());
+  EXPECT_EQ(txt2.values(), txt.values());
+}
+
+TEST_F(CpuOps, ConcatSplitRoundTrip) {
+  const int64_t B = 2, La = 3, Lb = 4, C = 6;
+  Buf<double> a({B, La, C}, 1), b({B, Lb, C}, 2), joint({B, La + Lb, C}, 3);
+  a.randn(15), b.randn(16);
+  be->concat_tokens(joint.t, a.t, b.t);
+  EXPECT_EQ(joint.at(1 * (La + Lb) + La + 2, 5), b.at(1 * Lb + 2, 5));  // per sample, a first
+  EXPECT_EQ(joint.at(1 * (La + Lb) + 1, 0), a.at(1 * La + 1, 0));
+  Buf<double> a2({B, La, C}), b2({B, Lb, C}, 1);
+  be->split_tokens(a2.t, b2.t, joint.t);
+  EXPECT_EQ(a2.values(), a.values());
+  EXPECT_EQ(b2.values(), b.values());
+  Buf<double> b3({B, Lb, C});  // only the image part, as the model does before the final layer
+  be->split_tokens(Tensor{}, b3.t, joint.t);
+  EXPECT_EQ(b3.values(), b.values());
+}
+
+TEST_F(CpuOps, ElementwiseOpsHonourWindows) {
+  Buf<double> a({4, 5}, 2), b({4, 5}, 1), y({4, 5}, 3);
+  a.randn(17), b.randn(18), y.fill_padding(kNaN);
+  be->add(y.t, a.t, b.t);
+  EXPECT_EQ(y.at(3, 4), a.at(3, 4) + b.at(3, 4));
+  be->accumulate(y.t, a.t);
+  EXPECT_EQ(y.at(2, 1), (a.at(2, 1) + b.at(2, 1)) + a.at(2, 1));
+  be->copy(y.t, b.t);
+  EXPECT_EQ(y.values(), b.values());
+  be->fill(y.t, 0.25);
+  for (double v : y.values()) EXPECT_EQ(v, 0.25);
+  EXPECT_TRUE(y.padding_is_nan());
+}
+
+// dw, db, dscale (parameter gradients) accumulate over calls; input gradients accumulate only
+// when the flag says so.
+TEST_F(CpuOps, AccumulateVersusOverwrite) {
+  const int64_t N = 6, K = 5, M = 7;
+  Buf<double> x({N, K}), w({M, K}), dy({N, M});
+  x.randn(19), w.randn(20), dy.randn(21);
+  Buf<double> dx1({N, K}), dw1({M, K}), db1({M}), dx2({N, K}), dw2({M, K}), db2({M});
+  be->linear_backward(dx1.t, dw1.t, db1.t, dy.t, x.t, w.t, false);
+  be->linear_backward(dx2.t, dw2.t, db2.t, dy.t, x.t, w.t, false);
+  be->linear_backward(dx2.t, dw2.t, db2.t, dy.t, x.t, w.t, false);
+  EXPECT_EQ(dx2.values(), dx1.values()) << "dx must be overwritten without accumulate_dx";
+  for (size_t i = 0; i < dw1.mem.size(); ++i) EXPECT_NEAR(dw2.mem[i], 2 * dw1.mem[i], kExact);
+  for (size_t i = 0; i < db1.mem.size(); ++i) EXPECT_NEAR(db2.mem[i], 2 * db1.mem[i], kExact);
+  be->linear_backward(dx2.t, Tensor{}, Tensor{}, dy.t, x.t, w.t, true);
+  for (size_t i = 0; i < dx1.mem.size(); ++i) EXPECT_NEAR(dx2.mem[i], 2 * dx1.mem[i], kExact);
+
+  Buf<double> sx({N, K}), sdx({N, K}), sdx_acc({N, K});
+  sx.randn(22);
+  be->silu_backward(sdx.t, x.t, sx.t, false);
+  be->silu_backward(sdx.t, x.t, sx.t, false);
+  be->silu_backward(sdx_acc.t, x.t, sx.t, true);
+  be->silu_backward(sdx_acc.t, x.t, sx.t, true);
+  for (size_t i = 0; i < sdx.mem.size(); ++i) EXPECT_NEAR(sdx_acc.mem[i], 2 * sdx.mem[i], kExact);
+
+  // LayerNorm: dx follows the flag; dshift/dscale are overwritten.
+  const int64_t B = 2, L = 3, H = 5;
+  Buf<double> lx({B, L, H}), mod({B, 2 * H}), ly({B, L, H}), mean({B * L}), rstd({B * L});
+  Buf<double> ldy({B, L, H}), ldx({B, L, H}), dmod({B, 2 * H}), dmod2({B, 2 * H});
+  lx.randn(23), mod.randn(24), ldy.randn(25);
+  const Tensor shift = mod.t.cols_slice(0, H), scale = mod.t.cols_slice(H, H);
+  be->layernorm_modulate(ly.t, mean.t, rstd.t, lx.t, shift, scale, 1e-6f);
+  be->layernorm_modulate_backward(ldx.t, dmod.t.cols_slice(0, H), dmod.t.cols_slice(H, H), ldy.t,
+                                  lx.t, mean.t, rstd.t, scale, false);
+  const auto once = ldx.values();
+  dmod2.randn(26);  // garbage that must be overwritten
+  be->layernorm_modulate_backward(ldx.t, dmod2.t.cols_slice(0, H), dmod2.t.cols_slice(H, H),
+                                  ldy.t, lx.t, mean.t, rstd.t, scale, true);
+  EXPECT_EQ(dmod2.values(), dmod.values());
+  for (size_t i = 0; i < once.size(); ++i) EXPECT_NEAR(ldx.values()[i], 2 * once[i], kExact);
+
+  // RMSNorm: dscale accumulates, dx is overwritten.
+  Buf<double> rx({N, 2 * K}), rsc({K}), ry({N, 2 * K}), rrs({N * 2}), rdy({N, 2 * K});
+  Buf<double> rdx({N, 2 * K}), rds({K});
+  rx.randn(27), rsc.randn(28), rdy.randn(29);
+  be->rmsnorm_heads(ry.t, rrs.t, rx.t, rsc.t, 1e-6f);
+  be->rmsnorm_heads_backward(rdx.t, rds.t, rdy.t, rx.t, rrs.t, rsc.t);
+  const auto rdx1 = rdx.values(), rds1 = rds.values();
+  be->rmsnorm_heads_backward(rdx.t, rds.t, rdy.t, rx.t, rrs.t, rsc.t);
+  EXPECT_EQ(rdx.values(), rdx1);
+  for (int64_t d = 0; d < K; ++d) EXPECT_NEAR(rds.mem[d], 2 * rds1[d], kExact);
+}
+
+TEST_F(CpuOps, AttentionAndGatedGradientsAreOverwritten) {
+  const Shape s{1, 2, 9, 4};
+  Buf<double> q(s), k(s), v(s), o(s), lse({1, 2, 9}), dout(s);
+  q.randn(30), k.randn(31), v.randn(32), dout.randn(33);
+  be->attention(o.t, lse.t, q.t, k.t, v.t, 0.5f);
+  Buf<double> dq(s), dk(s), dv(s), dq2(s), dk2(s), dv2(s);
+  be->attention_backward(dq.t, dk.t, dv.t, dout.t, q.t, k.t, v.t, o.t, lse.t, 0.5f);
+  dq2.randn(34), dk2.randn(35), dv2.randn(36);
+  be->attention_backward(dq2.t, dk2.t, dv2.t, dout.t, q.t, k.t, v.t, o.t, lse.t, 0.5f);
+  EXPECT_EQ(dq2.values(), dq.values());
+  EXPECT_EQ(dk2.values(), dk.values());
+  EXPECT_EQ(dv2.values(), dv.values());
+  // Undefined gradients are skipped without touching the others.
+  Buf<double> dk3(s);
+  be->attention_backward(Tensor{}, dk3.t, Tensor{}, dout.t, q.t, k.t, v.t, o.t, lse.t, 0.5f);
+  EXPECT_EQ(dk3.values(), dk.values());
+
+  Buf<double> y({2, 3, 4}), dx({2, 3, 4}), gate({2, 4}), dgate({2, 4});
+  y.randn(37), dx.randn(38), gate.randn(39), dgate.randn(40);
+  be->gated_residual_backward(Tensor{}, dgate.t, dx.t, y.t, gate.t);
+  double ref = 0;
+  for (int64_t l = 0; l < 3; ++l) ref += dx.at(3 + l, 2) * y.at(3 + l, 2);
+  EXPECT_NEAR(dgate.at(1, 2), ref, kExact);
+}
+
+TEST_F(CpuOps, ErrorsNameOpAndTensors) {
+  Buf<double> x({3, 4}), w({5, 4}), y({3, 5});
+  Buf<float> wf({5, 4});
+  const auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string dtype_msg = message([&] { be->linear(y.t, x.t, wf.t, Tensor{}); });
+  EXPECT_NE(dtype_msg.find("linear"), std::string::npos) << dtype_msg;
+  EXPECT_NE(dtype_msg.find("'w'"), std::string::npos) << dtype_msg;
+  EXPECT_NE(dtype_msg.find("f32[5, 4]"), std::string::npos) << dtype_msg;
+  Buf<double> w_bad({5, 3});
+  const std::string shape_msg = message([&] { be->linear(y.t, x.t, w_bad.t, Tensor{}); });
+  EXPECT_NE(shape_msg.find("f64[5, 3]"), std::string::npos) << shape_msg;
+  Buf<double> lse_bad({1, 2, 8});
+  const Shape s{1, 2, 9, 4};
+  Buf<double> q(s), o(s);
+  const std::string attn_msg =
+      message([&] { be->attention(o.t, lse_bad.t, q.t, q.t, q.t, 1.0f); });
+  EXPECT_NE(attn_msg.find("attention: tensor 'lse'"), std::string::npos) << attn_msg;
+  Buf<double> a({3, 4}), bb({3, 5});
+  EXPECT_THROW(be->add(a.t, a.t, bb.t), Error);
+}
+
+TEST_F(CpuOps, AllocateIsAlignedAndZeroed) {
+  for (size_t bytes : {size_t{1}, size_t{1000}, size_t{4096 + 4}}) {
+    auto* p = static_cast<unsigned char*>(be->allocate(bytes));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 256, 0u);
+    for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(p[i], 0) << i;
+    std::vector<unsigned char> host(bytes, 7), back(bytes);
+    be->upload(p, host.data(), bytes);
+    be->download(back.data(), p, bytes);
+    EXPECT_EQ(back, host);
+    be->release(p);
+  }
+}
+
+}  // namespace
+}  // namespace flux8::testing

@@ -1,0 +1,333 @@
+// safetensors I/O: round trips of every dtype, RNE conversion on write, header layout, atomic
+// writes, and a clear error for each way a file can be damaged.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.h"
+#include "io/safetensors.h"
+
+namespace fs = std::filesystem;
+using namespace flux8;
+
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           fmt::format("flux8_{}_{}_{}", info->test_suite_name(), info->name(), ::getpid());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  ~TempDir() { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::vector<std::string> listing() const {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir_)) out.push_back(e.path().filename().string());
+    return out;
+  }
+
+ private:
+  fs::path dir_;
+};
+
+// A file assembled byte by byte, to produce damage the writer never would.
+std::string write_raw(const std::string& path, const std::string& header, const std::string& data,
+                      uint64_t header_len) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&header_len), 8);
+  out << header << data;
+  return path;
+}
+std::string write_raw(const std::string& path, const std::string& header, const std::string& data) {
+  return write_raw(path, header, data, header.size());
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a flux8::Error";
+  return "";
+}
+
+void expect_mentions(const std::string& msg, std::initializer_list<std::string> parts) {
+  for (const std::string& p : parts)
+    EXPECT_NE(msg.find(p), std::string::npos) << "message lacks '" << p << "':\n" << msg;
+}
+
+std::string bytes_of(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
+
+}  // namespace
+
+TEST(Safetensors, RoundTripEachDtype) {
+  TempDir dir;
+  const std::vector<float> f32{1.5f, -2.25f, 3e-20f, 65504.f, -0.0f, 7.f};
+  const std::vector<double> f64{1.0 / 3.0, -1e300};
+  const std::vector<uint16_t> bf16{f32_to_bf16_bits(1.5f), f32_to_bf16_bits(-3.0f), 0x7f80};
+  const std::vector<uint16_t> f16{f32_to_f16_bits(0.5f), f32_to_f16_bits(-1024.f)};
+  SafetensorsWriter w;
+  w.add("a.f32", DType::f32, {2, 3}, f32.data());
+  w.add("b.f64", DType::f64, {2}, f64.data());
+  w.add("c.bf16", DType::bf16, {3, 1}, bf16.data());
+  w.add("d.f16", DType::f16, {2}, f16.data());
+  w.add_f32_as("e.as_bf16", {6}, f32.data(), DType::bf16);
+  w.add_f32_as("f.as_f16", {6}, f32.data(), DType::f16);
+  w.add_f32_as("g.as_f64", {6}, f32.data(), DType::f64);
+  w.add_f32_as("h.as_f32", {6}, f32.data(), DType::f32);
+  w.write(dir.path("x.safetensors"));
+
+  SafetensorsReader r(dir.path("x.safetensors"));
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"a.f32", "b.f64", "c.bf16", "d.f16", "e.as_bf16",
+                                                 "f.as_f16", "g.as_f64", "h.as_f32"}));
+  const SafetensorsTensor& a = r.tensor("a.f32");
+  EXPECT_EQ(a.dtype, "F32");
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(bytes_of(a.data, a.nbytes), bytes_of(f32.data(), 24));
+  EXPECT_EQ(bytes_of(r.tensor("b.f64").data, 16), bytes_of(f64.data(), 16));
+  EXPECT_EQ(r.tensor("c.bf16").dtype, "BF16");
+  EXPECT_EQ(bytes_of(r.tensor("c.bf16").data, 6), bytes_of(bf16.data(), 6));
+  EXPECT_EQ(r.tensor("d.f16").dtype, "F16");
+  EXPECT_EQ(bytes_of(r.tensor("d.f16").data, 4), bytes_of(f16.data(), 4));
+
+  std::vector<float> got(6);
+  r.read_f32("c.bf16", got.data(), {3, 1});
+  EXPECT_EQ(got[0], 1.5f);
+  EXPECT_EQ(got[1], -3.0f);
+  EXPECT_TRUE(std::isinf(got[2]));
+  r.read_f32("d.f16", got.data());
+  EXPECT_EQ(got[0], 0.5f);
+  EXPECT_EQ(got[1], -1024.f);
+  std::vector<double> d(6);
+  r.read_f64("b.f64", d.data());
+  EXPECT_EQ(d[0], 1.0 / 3.0);
+  EXPECT_EQ(d[1], -1e300);
+  // Each stored copy of f32 reads back as that value rounded to the stored type.
+  for (const char* name : {"e.as_bf16", "f.as_f16", "g.as_f64", "h.as_f32"}) {
+    r.read_f32(name, got.data(), {6});
+    for (size_t i = 0; i < f32.size(); ++i) {
+      float want = f32[i];
+      if (std::string(name) == "e.as_bf16") want = round_to_bf16(want);
+      if (std::string(name) == "f.as_f16") want = f16_bits_to_f32(f32_to_f16_bits(want));
+      EXPECT_EQ(got[i], want) << name << "[" << i << "]";
+    }
+  }
+  EXPECT_EQ(r.tensor("g.as_f64").dtype, "F64");
+}
+
+TEST(Safetensors, ConversionOnWriteRoundsToNearestEven) {
+  TempDir dir;
+  // Exact ties: 1 + 2^-8 lies halfway between bf16 neighbours 1 and 1 + 2^-7 (rounds down to the
+  // even mantissa); 1 + 3*2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6 (rounds up to even).
+  const std::vector<float> bf{1.f + 0x1p-8f, 1.f + 3 * 0x1p-8f};
+  // Same for f16 with its 10-bit mantissa.
+  const std::vector<float> hf{1.f + 0x1p-11f, 1.f + 3 * 0x1p-11f};
+  SafetensorsWriter w;
+  w.add_f32_as("bf", {2}, bf.data(), DType::bf16);
+  w.add_f32_as("hf", {2}, hf.data(), DType::f16);
+  w.write(dir.path("x.safetensors"));
+  SafetensorsReader r(dir.path("x.safetensors"));
+  uint16_t b[2], h[2];
+  std::memcpy(b, r.tensor("bf").data, 4);
+  std::memcpy(h, r.tensor("hf").data, 4);
+  EXPECT_EQ(b[0], 0x3f80);  // 1.0
+  EXPECT_EQ(b[1], 0x3f82);  // 1 + 2^-6
+  EXPECT_EQ(h[0], 0x3c00);  // 1.0
+  EXPECT_EQ(h[1], 0x3c02);  // 1 + 2^-9
+}
+
+TEST(Safetensors, ReadsIntegerTensorsAsFloat) {
+  TempDir dir;
+  const int32_t i32[3] = {-7, 0, 1 << 20};
+  const int64_t i64[2] = {int64_t(1) << 40, -3};
+  const std::string p = write_raw(
+      dir.path("ints.safetensors"),
+      R"({"i":{"dtype":"I32","shape":[3],"data_offsets":[0,12]},"l":{"dtype":"I64","shape":[2],"data_offsets":[12,28]}})",
+      bytes_of(i32, 12) + bytes_of(i64, 16));
+  SafetensorsReader r(p);
+  float f[3];
+  r.read_f32("i", f);
+  EXPECT_EQ(f[0], -7.f);
+  EXPECT_EQ(f[2], 1048576.f);
+  double d[2];
+  r.read_f64("l", d, {2});
+  EXPECT_EQ(d[0], 1099511627776.0);
+  EXPECT_EQ(d[1], -3.0);
+}
+
+TEST(Safetensors, MetadataRoundTrip) {
+  TempDir dir;
+  const float x = 1.f;
+  SafetensorsWriter w;
+  w.set_metadata("format", "pt");
+  w.set_metadata("flux8_config", "hidden_size: 96\nmodel_name: \"tiny\"\n");
+  w.add("x", DType::f32, {}, &x);
+  w.write(dir.path("m.safetensors"));
+  SafetensorsReader r(dir.path("m.safetensors"));
+  EXPECT_EQ(r.metadata().at("format"), "pt");
+  EXPECT_EQ(r.metadata().at("flux8_config"), "hidden_size: 96\nmodel_name: \"tiny\"\n");
+  EXPECT_EQ(r.names(), std::vector<std::string>{"x"});  // __metadata__ is not a tensor
+  EXPECT_EQ(r.tensor("x").numel(), 1);                  // shape [] is a scalar
+}
+
+TEST(Safetensors, HeaderIsPaddedSoDataIs8ByteAligned) {
+  TempDir dir;
+  const std::vector<float> x(5, 2.f);
+  for (const std::string name : {"a", "ab", "abc", "abcd", "abcde", "abcdef", "abcdefg", "abcdefgh"}) {
+    SafetensorsWriter w;
+    w.add(name, DType::f32, {5}, x.data());
+    w.add("empty", DType::bf16, {0, 3}, nullptr);
+    w.write(dir.path("p.safetensors"));
+    std::ifstream in(dir.path("p.safetensors"), std::ios::binary);
+    const std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    uint64_t n;
+    std::memcpy(&n, file.data(), 8);
+    EXPECT_EQ(n % 8, 0u) << name;
+    EXPECT_EQ(file.size(), 8 + n + 20) << name;
+    EXPECT_EQ(file[8], '{');
+    EXPECT_EQ(file.substr(8 + n), bytes_of(x.data(), 20));
+    SafetensorsReader r(dir.path("p.safetensors"));
+    EXPECT_EQ(r.tensor("empty").nbytes, 0u);
+    EXPECT_EQ(r.tensor("empty").shape, (std::vector<int64_t>{0, 3}));
+  }
+}
+
+TEST(Safetensors, ShapeCheckAndMissingTensorNameTheTensor) {
+  TempDir dir;
+  const std::vector<float> x(6, 1.f);
+  SafetensorsWriter w;
+  w.add("img_in.weight", DType::f32, {2, 3}, x.data());
+  w.write(dir.path("s.safetensors"));
+  SafetensorsReader r(dir.path("s.safetensors"));
+  std::vector<float> dst(6);
+  expect_mentions(error_of([&] { r.read_f32("img_in.weight", dst.data(), {3, 2}); }),
+                  {"s.safetensors", "'img_in.weight'", "[2, 3]", "[3, 2]"});
+  expect_mentions(error_of([&] { r.read_f32("img_in.bias", dst.data()); }),
+                  {"s.safetensors", "no tensor 'img_in.bias'"});
+  EXPECT_FALSE(r.contains("img_in.bias"));
+  EXPECT_TRUE(r.contains("img_in.weight"));
+}
+
+TEST(Safetensors, UnconvertibleDtypeNamesIt) {
+  TempDir dir;
+  const std::string p = write_raw(dir.path("u8.safetensors"),
+                                  R"({"mask":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "abcd");
+  SafetensorsReader r(p);  // opens and lists fine
+  float f[4];
+  expect_mentions(error_of([&] { r.read_f32("mask", f); }), {"'mask'", "U8", "F32, F64, BF16"});
+}
+
+TEST(Safetensors, AtomicWriteReplacesAndLeavesNoTempFile) {
+  TempDir dir;
+  const float one = 1.f, two = 2.f;
+  SafetensorsWriter w1, w2;
+  w1.add("v", DType::f32, {1}, &one);
+  w2.add("v", DType::f32, {1}, &two);
+  w1.write(dir.path("ckpt.safetensors"));
+  w2.write(dir.path("ckpt.safetensors"));
+  EXPECT_EQ(dir.listing(), std::vector<std::string>{"ckpt.safetensors"});
+  float got;
+  SafetensorsReader(dir.path("ckpt.safetensors")).read_f32("v", &got);
+  EXPECT_EQ(got, 2.f);
+
+  const std::string bad = dir.path("no/such/dir/ckpt.safetensors");
+  expect_mentions(error_of([&] { w1.write(bad); }), {bad + ".tmp.", "No such file or directory"});
+  EXPECT_EQ(dir.listing(), std::vector<std::string>{"ckpt.safetensors"});
+}
+
+TEST(Safetensors, WriterRejectsBadNames) {
+  const float x = 0;
+  SafetensorsWriter w;
+  w.add("a", DType::f32, {1}, &x);
+  expect_mentions(error_of([&] { w.add("a", DType::f32, {1}, &x); }), {"'a'", "twice"});
+  expect_mentions(error_of([&] { w.add("__metadata__", DType::f32, {1}, &x); }), {"invalid"});
+  expect_mentions(error_of([&] { w.add("n", DType::f32, {-1}, &x); }), {"'n'", "negative"});
+}
+
+// ---- damaged files: each fails on open, naming the file and the problem ----
+
+TEST(SafetensorsCorrupt, Truncated) {
+  TempDir dir;
+  const std::vector<float> x(16, 1.f);
+  SafetensorsWriter w;
+  w.add("w", DType::f32, {16}, x.data());
+  const std::string p = dir.path("t.safetensors");
+  w.write(p);
+  fs::resize_file(p, fs::file_size(p) - 4);
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }),
+                  {"t.safetensors", "'w'", "run past", "truncated"});
+  fs::resize_file(p, 20);  // inside the header
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }), {"header length", "truncated"});
+  fs::resize_file(p, 5);
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }), {"5 bytes", "too short"});
+  expect_mentions(error_of([&] { SafetensorsReader r(dir.path("absent")); }),
+                  {"absent", "No such file"});
+}
+
+TEST(SafetensorsCorrupt, BadJson) {
+  TempDir dir;
+  const std::string p = write_raw(dir.path("j.safetensors"), R"({"w":{"dtype":"F32",)", "");
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }), {"j.safetensors", "not valid JSON"});
+  const std::string q = write_raw(dir.path("k.safetensors"), "[1, 2]", "");
+  expect_mentions(error_of([&] { SafetensorsReader r(q); }), {"not a JSON object"});
+  const std::string s = write_raw(dir.path("l.safetensors"), R"({"w":{"dtype":"F32"}})", "");
+  expect_mentions(error_of([&] { SafetensorsReader r(s); }), {"'w'", "data_offsets"});
+}
+
+TEST(SafetensorsCorrupt, OffsetsOutOfRange) {
+  TempDir dir;
+  const std::string p = write_raw(dir.path("o.safetensors"),
+                                  R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+                                  std::string(16, '\0'));
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }),
+                  {"o.safetensors", "'w'", "[8, 24]", "16-byte data buffer"});
+  const std::string q = write_raw(dir.path("r.safetensors"),
+                                  R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[4,0]}})", "");
+  expect_mentions(error_of([&] { SafetensorsReader r(q); }), {"'w'", "begin <= end"});
+}
+
+TEST(SafetensorsCorrupt, Overlapping) {
+  TempDir dir;
+  const std::string p = write_raw(
+      dir.path("ov.safetensors"),
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+      std::string(12, '\0'));
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }), {"ov.safetensors", "'b'", "overlaps", "'a'"});
+}
+
+TEST(SafetensorsCorrupt, WrongByteCount) {
+  TempDir dir;
+  const std::string p = write_raw(dir.path("b.safetensors"),
+                                  R"({"w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,10]}})",
+                                  std::string(10, '\0'));
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }),
+                  {"b.safetensors", "'w'", "[2, 3] of BF16 needs 12 bytes", "span 10"});
+}
+
+TEST(SafetensorsCorrupt, GapsTrailingBytesAndUnknownDtype) {
+  TempDir dir;
+  const std::string gap = write_raw(
+      dir.path("gap.safetensors"),
+      R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+      std::string(12, '\0'));
+  expect_mentions(error_of([&] { SafetensorsReader r(gap); }), {"bytes 4..8", "'b'", "no tensor"});
+  const std::string tail = write_raw(dir.path("tail.safetensors"),
+                                     R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                                     std::string(6, '\0'));
+  expect_mentions(error_of([&] { SafetensorsReader r(tail); }), {"6 bytes", "cover 4"});
+  const std::string dt = write_raw(dir.path("dt.safetensors"),
+                                   R"({"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})",
+                                   std::string(4, '\0'));
+  expect_mentions(error_of([&] { SafetensorsReader r(dt); }), {"'a'", "unknown dtype 'F33'"});
+  const std::string meta = write_raw(dir.path("meta.safetensors"), R"({"__metadata__":{"k":1}})", "");
+  expect_mentions(error_of([&] { SafetensorsReader r(meta); }), {"__metadata__", "'k'", "not a string"});
+}
