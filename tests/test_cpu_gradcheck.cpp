@@ -21,8 +21,7 @@ void expect_gradient(const char* what, const std::function<double()>& loss, Buf<
                      const Buf<double>& grad, uint64_t seed) {
   ASSERT_EQ(param.mem.size(), grad.mem.size()) << what;
   const auto r = check_directional_derivative(loss, param.mem, grad.mem, seed);
-  EXPECT_LT(r.rel_error, kTol) << what << ": analytic " << r.analytic << ", numeric "
-                               << r.numeric;
+  EXPECT_LT(r.rel_error, kTol) << what << ": analytic " << r.analytic << ", numeric " << r.numeric;
 }
 
 class CpuGradcheck : public ::testing::Test {
@@ -54,7 +53,8 @@ TEST_F(CpuGradcheck, Activations) {
       return probe_loss(y, probe);
     };
     Buf<double> dx({B, L, M}, 3);
-    gelu ? be->gelu_tanh_backward(dx.t, probe.t, x.t) : be->silu_backward(dx.t, probe.t, x.t, false);
+    gelu ? be->gelu_tanh_backward(dx.t, probe.t, x.t)
+         : be->silu_backward(dx.t, probe.t, x.t, false);
     expect_gradient(gelu ? "gelu_tanh dx" : "silu dx", loss, x, dx, 14);
   }
 }

@@ -151,26 +151,32 @@ TEST_F(CpuOps, RopeRotatesAdjacentPairsAndInverseUndoesIt) {
   be->rope(x.t, pe.t, false);
   // Element pair p = 3 of head 1, sample 1, token 4: (c·x0 − s·x1, s·x0 + c·x1).
   const int64_t r = (1 * NH + 1) * L + 4, p = 3;
-  const double c = pe.mem[((1 * L + 4) * (D / 2) + p) * 2], s = pe.mem[((1 * L + 4) * (D / 2) + p) * 2 + 1];
+  const double c = pe.mem[((1 * L + 4) * (D / 2) + p) * 2],
+               s = pe.mem[((1 * L + 4) * (D / 2) + p) * 2 + 1];
   EXPECT_NEAR(x.at(r, 2 * p), c * x0.at(r, 2 * p) - s * x0.at(r, 2 * p + 1), kExact);
   EXPECT_NEAR(x.at(r, 2 * p + 1), s * x0.at(r, 2 * p) + c * x0.at(r, 2 * p + 1), kExact);
   be->rope(x.t, pe.t, true);
   EXPECT_LT(rel_diff(x.values(), x0.values()), kExact);
 }
 
-// The reference evaluates in f32: freqs = exp(−ln(P)·k/half), args = (factor·t)·freqs.
-TEST_F(CpuOps, TimestepEmbeddingMatchesF32Reference) {
+// cos first, then sin, of (factor·t)·P^(−k/half), evaluated in double: the f64 result matches
+// an independent formula (pow instead of exp∘log) to rounding of arguments up to 10³
+// (1e3·ε ≈ 2e-13), and the f32 result is that value rounded once (half an ulp ≤ 6e-8).
+TEST_F(CpuOps, TimestepEmbeddingMatchesFormula) {
   const int64_t B = 3, dim = 256, half = 128;
-  Buf<float> t({B}), out({B, dim}, 4);
-  t.mem = {0.0f, 0.37f, 1.0f};
+  Buf<double> t({B}), out({B, dim}, 4);
+  Buf<float> t32({B}), out32({B, dim}, 4);
+  t.mem = {0.0, 0.375, 1.0};
+  for (int64_t b = 0; b < B; ++b) t32.mem[b] = static_cast<float>(t.mem[b]);
   be->timestep_embedding(out.t, t.t, 1000.0f, 10000.0f);
+  be->timestep_embedding(out32.t, t32.t, 1000.0f, 10000.0f);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t k = 0; k < half; ++k) {
-      const float freq = std::exp(static_cast<float>(-std::log(10000.0)) * static_cast<float>(k) /
-                                  static_cast<float>(half));
-      const float arg = (1000.0f * t.mem[b]) * freq;
-      EXPECT_EQ(out.at(b, k), std::cos(arg)) << b << "," << k;  // cos first
-      EXPECT_EQ(out.at(b, half + k), std::sin(arg)) << b << "," << k;
+      const double arg = 1000.0 * t.mem[b] * std::pow(10000.0, -static_cast<double>(k) / half);
+      EXPECT_NEAR(out.at(b, k), std::cos(arg), 1e-12) << b << "," << k;
+      EXPECT_NEAR(out.at(b, half + k), std::sin(arg), 1e-12) << b << "," << k;
+      EXPECT_NEAR(out32.at(b, k), out.at(b, k), 6e-8) << b << "," << k;
+      EXPECT_NEAR(out32.at(b, half + k), out.at(b, half + k), 6e-8) << b << "," << k;
     }
 }
 
@@ -255,8 +261,8 @@ TEST_F(CpuOps, AccumulateVersusOverwrite) {
                                   lx.t, mean.t, rstd.t, scale, false);
   const auto once = ldx.values();
   dmod2.randn(26);  // garbage that must be overwritten
-  be->layernorm_modulate_backward(ldx.t, dmod2.t.cols_slice(0, H), dmod2.t.cols_slice(H, H),
-                                  ldy.t, lx.t, mean.t, rstd.t, scale, true);
+  be->layernorm_modulate_backward(ldx.t, dmod2.t.cols_slice(0, H), dmod2.t.cols_slice(H, H), ldy.t,
+                                  lx.t, mean.t, rstd.t, scale, true);
   EXPECT_EQ(dmod2.values(), dmod.values());
   for (size_t i = 0; i < once.size(); ++i) EXPECT_NEAR(ldx.values()[i], 2 * once[i], kExact);
 
@@ -318,8 +324,7 @@ TEST_F(CpuOps, ErrorsNameOpAndTensors) {
   Buf<double> lse_bad({1, 2, 8});
   const Shape s{1, 2, 9, 4};
   Buf<double> q(s), o(s);
-  const std::string attn_msg =
-      message([&] { be->attention(o.t, lse_bad.t, q.t, q.t, q.t, 1.0f); });
+  const std::string attn_msg = message([&] { be->attention(o.t, lse_bad.t, q.t, q.t, q.t, 1.0f); });
   EXPECT_NE(attn_msg.find("attention: tensor 'lse'"), std::string::npos) << attn_msg;
   Buf<double> a({3, 4}), bb({3, 5});
   EXPECT_THROW(be->add(a.t, a.t, bb.t), Error);

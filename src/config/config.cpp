@@ -35,10 +35,10 @@ std::string at(const std::string& file, const YAML::Mark& mark) {
 
 std::string node_text(const YAML::Node& node) {
   if (!node.IsDefined() || node.IsNull()) return "no value";
-  if (node.IsScalar()) return "'" + node.Scalar() + "'";
+  if (node.IsScalar()) return fmt::format("'{}'", node.Scalar());
   YAML::Emitter out;
   out << YAML::Flow << node;
-  return "'" + std::string(out.c_str()) + "'";
+  return fmt::format("'{}'", out.c_str());
 }
 
 [[noreturn]] void fail_value(const KeySpec& spec, const std::string& where, const std::string& got) {

@@ -329,11 +329,14 @@ class TempFile {
     const int fd = fd_;
     fd_ = -1;
     if (::close(fd) != 0) fail_errno("cannot close");
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0) fail_errno("cannot rename to '" + path_ + "'");
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+      const int err = errno;
+      fail("safetensors writer: cannot rename '{}' to '{}': {}", tmp_, path_, std::strerror(err));
+    }
     committed_ = true;
     // The rename is durable only once the directory entry is on disk.
-    std::string dir = std::filesystem::path(path_).parent_path().string();
-    if (dir.empty()) dir = ".";
+    const std::filesystem::path parent = std::filesystem::path(path_).parent_path();
+    const std::string dir = parent.empty() ? std::string(".") : parent.string();
     const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) fail("cannot open directory '{}' to fsync it: {}", dir, std::strerror(errno));
     const int rc = ::fsync(dfd), err = errno;
@@ -342,7 +345,7 @@ class TempFile {
   }
 
  private:
-  [[noreturn]] void fail_errno(const std::string& what) {
+  [[noreturn]] void fail_errno(const char* what) {
     fail("safetensors writer: {} '{}': {}", what, tmp_, std::strerror(errno));
   }
   std::string tmp_, path_;

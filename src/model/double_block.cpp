@@ -65,7 +65,7 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.k = a.alloc(t, heads, SlotKind::activation);
   s.v = a.alloc(t, heads, SlotKind::activation);
   s.o = a.alloc(t, heads, SlotKind::activation);
-  s.lse = a.alloc(t, Shape{sh.batch * c.num_heads * sh.tokens()}, SlotKind::statistic);
+  s.lse = a.alloc(t, Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
   return s;
 }
 

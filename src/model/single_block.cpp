@@ -33,7 +33,7 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.k = a.alloc(t, heads, SlotKind::activation);
   s.v = a.alloc(t, heads, SlotKind::activation);
   s.o = a.alloc(t, heads, SlotKind::activation);
-  s.lse = a.alloc(t, Shape{B * n * L}, SlotKind::statistic);
+  s.lse = a.alloc(t, Shape{B, n, L}, SlotKind::statistic);
   s.cat = a.alloc(t, Shape{B, L, H + M}, SlotKind::linear_input);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   return s;

@@ -33,8 +33,7 @@ void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, f
   require_defined(op, {"v", v});
   require_defined(op, {"o", o});
   const int64_t B = q.shape[0], n = q.shape[1], L = q.shape[2], D = q.shape[3];
-  require_shape(op, {"lse", lse}, Shape{B, n, L});
-  if (!lse.contiguous()) fail("{}: 'lse' {} must be contiguous", op, lse.str());
+  require_vector(op, {"lse", lse}, B * n * L);  // [B, n, L] or flat, like mean/rstd
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     std::vector<T> s(static_cast<size_t>(std::min(kQueryBlock, L) * L));
@@ -42,8 +41,8 @@ void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, f
       const T *kh = row<T>(k, bh * L), *vh = row<T>(v, bh * L);
       for (int64_t i0 = 0; i0 < L; i0 += kQueryBlock) {
         const int64_t m = std::min(kQueryBlock, L - i0);
-        gemm<T>(false, true, m, L, D, static_cast<T>(scale), row<T>(q, bh * L + i0), q.ld, kh,
-                k.ld, T(0), s.data(), L);
+        gemm<T>(false, true, m, L, D, static_cast<T>(scale), row<T>(q, bh * L + i0), q.ld, kh, k.ld,
+                T(0), s.data(), L);
         // Row softmax, shifted by the row max so exp never overflows; the sum is in double.
         parallel_for(m, c, [&](int64_t i) {
           T* si = s.data() + i * L;
@@ -79,13 +78,13 @@ void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
                                   {"v", v},
                                   {"o", o},
                                   {"lse", lse}});
-  check_qkv(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk},
-                 {"dv", dv}});
+  check_qkv(
+      op,
+      {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
   for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}})
     require_defined(op, a);
   const int64_t B = q.shape[0], n = q.shape[1], L = q.shape[2], D = q.shape[3];
-  require_shape(op, {"lse", lse}, Shape{B, n, L});
-  if (!lse.contiguous()) fail("{}: 'lse' {} must be contiguous", op, lse.str());
+  require_vector(op, {"lse", lse}, B * n * L);  // [B, n, L] or flat, like mean/rstd
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const size_t block = static_cast<size_t>(std::min(kQueryBlock, L) * L);
@@ -96,15 +95,14 @@ void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
         const int64_t m = std::min(kQueryBlock, L - i0);
         const T *qb = row<T>(q, bh * L + i0), *dob = row<T>(dout, bh * L + i0);
         const T beta = i0 == 0 ? T(0) : T(1);  // dK, dV sum over query blocks
-        gemm<T>(false, true, m, L, D, static_cast<T>(scale), qb, q.ld, kh, k.ld, T(0), p.data(),
-                L);
+        gemm<T>(false, true, m, L, D, static_cast<T>(scale), qb, q.ld, kh, k.ld, T(0), p.data(), L);
         parallel_for(m, c, [&](int64_t i) {
           const T l = lse.ptr<T>()[bh * L + i0 + i];
           for (int64_t j = 0; j < L; ++j) p[i * L + j] = std::exp(p[i * L + j] - l);
         });
         if (dv.defined())
-          gemm<T>(true, false, L, D, m, T(1), p.data(), L, dob, dout.ld, beta,
-                  row<T>(dv, bh * L), dv.ld);
+          gemm<T>(true, false, L, D, m, T(1), p.data(), L, dob, dout.ld, beta, row<T>(dv, bh * L),
+                  dv.ld);
         if (!dq.defined() && !dk.defined()) continue;
         gemm<T>(false, true, m, L, D, T(1), dob, dout.ld, vh, v.ld, T(0), dp.data(), L);
         parallel_for(m, c, [&](int64_t i) {

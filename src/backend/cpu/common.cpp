@@ -7,12 +7,13 @@ DType call_dtype(std::string_view op, std::initializer_list<Named> tensors) {
   for (const Named& a : tensors) {
     if (!a.t.defined()) continue;
     if (a.t.dtype != DType::f32 && a.t.dtype != DType::f64)
-      fail("{}: tensor '{}' is {}; the CPU backend computes in f32 or f64 (convert storage "
-           "types such as bf16 first)",
-           op, a.name, a.t.str());
+      fail(
+          "{}: tensor '{}' is {}; the CPU backend computes in f32 or f64 (convert storage "
+          "types such as bf16 first)",
+          op, a.name, a.t.str());
     if (first && a.t.dtype != first->t.dtype)
-      fail("{}: tensor '{}' is {} but '{}' is {}; all tensors of one call must share one dtype",
-           op, a.name, a.t.str(), first->name, first->t.str());
+      fail("{}: tensor '{}' is {} but '{}' is {}; all tensors of one call must share one dtype", op,
+           a.name, a.t.str(), first->name, first->t.str());
     if (a.t.ld < a.t.cols())
       fail("{}: tensor '{}' ({}) has row stride {} smaller than its {} columns", op, a.name,
            a.t.str(), a.t.ld, a.t.cols());
@@ -49,8 +50,8 @@ void require_same_matrix(std::string_view op, Named a, Named b) {
 void require_vector(std::string_view op, Named a, int64_t n) {
   require_defined(op, a);
   if (a.t.numel() != n || !a.t.contiguous())
-    fail("{}: tensor '{}' is {} (ld {}) but must be a contiguous vector of {} elements", op,
-         a.name, a.t.str(), a.t.ld, n);
+    fail("{}: tensor '{}' is {} (ld {}) but must be a contiguous vector of {} elements", op, a.name,
+         a.t.str(), a.t.ld, n);
 }
 
 }  // namespace flux8::cpu

@@ -64,15 +64,15 @@ void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Te
     if (!p.t.defined()) continue;
     require_rank(op, p, 3);
     if (p.t.shape[0] != B || p.t.shape[2] != C)
-      fail("{}: tensor '{}' {} must be [{}, L, {}] to match '{}' {}", op, p.name, p.t.str(), B,
-           C, joint_arg.name, joint.str());
+      fail("{}: tensor '{}' {} must be [{}, L, {}] to match '{}' {}", op, p.name, p.t.str(), B, C,
+           joint_arg.name, joint.str());
     L += p.t.shape[1];
   }
   // With both parts present they must tile the joint sequence exactly; a lone part must fit.
   if ((a.defined() && b.defined()) ? L != joint.shape[1] : L > joint.shape[1])
     fail("{}: parts a {} and b {} do not tile the sequence of '{}' {}", op,
-         a.defined() ? a.str() : "undefined", b.defined() ? b.str() : "undefined",
-         joint_arg.name, joint.str());
+         a.defined() ? a.str() : "undefined", b.defined() ? b.str() : "undefined", joint_arg.name,
+         joint.str());
 }
 
 }  // namespace

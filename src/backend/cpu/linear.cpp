@@ -52,10 +52,10 @@ void CpuBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
     fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, b.str(), M);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    gemm<T>(false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), y.ptr<T>(),
-            y.ld);
+    gemm<T>(false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), y.ptr<T>(), y.ld);
     // Bias after the product, as a GEMM epilogue does.
     const T* bias = b.defined() ? b.ptr<T>() : nullptr;
+    if (!bias && !c.round_bf16) return;
     parallel_for(N, c, [&](int64_t r) {
       T* yr = row<T>(y, r);
       for (int64_t j = 0; j < M; ++j) yr[j] = act<T>(bias ? yr[j] + bias[j] : yr[j], c);

@@ -12,12 +12,8 @@ using namespace cpu;
 void CpuBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift,
                                     Tensor scale, float eps) {
   constexpr std::string_view op = "layernorm_modulate";
-  const DType t = call_dtype(op, {{"y", y},
-                                  {"mean", mean},
-                                  {"rstd", rstd},
-                                  {"x", x},
-                                  {"shift", shift},
-                                  {"scale", scale}});
+  const DType t = call_dtype(
+      op, {{"y", y}, {"mean", mean}, {"rstd", rstd}, {"x", x}, {"shift", shift}, {"scale", scale}});
   require_rank(op, {"x", x}, 3);
   const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
   require_shape(op, {"y", y}, x.shape);
@@ -168,7 +164,8 @@ void CpuBackend::rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Ten
         const int64_t r = i / n, h = i % n;
         const T *xs = row<T>(x, r) + h * D, *dys = row<T>(dy, r) + h * D;
         double sum_gx = 0;
-        for (int64_t d = 0; d < D; ++d) sum_gx += static_cast<double>(dys[d]) * sc[d] * xs[d] * rs[i];
+        for (int64_t d = 0; d < D; ++d)
+          sum_gx += static_cast<double>(dys[d]) * sc[d] * xs[d] * rs[i];
         const double mean_gx = sum_gx / static_cast<double>(D);
         T* dxs = row<T>(dx, r) + h * D;
         for (int64_t d = 0; d < D; ++d) {
@@ -184,7 +181,8 @@ void CpuBackend::rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Ten
         const T *xs = row<T>(x, r) + h * D, *dys = row<T>(dy, r) + h * D;
         for (int64_t d = 0; d < D; ++d) acc[d] += static_cast<double>(dys[d]) * xs[d] * rs[i];
       });
-      for (int64_t d = 0; d < D; ++d) dscale.ptr<T>()[d] = static_cast<T>(dscale.ptr<T>()[d] + s[d]);
+      for (int64_t d = 0; d < D; ++d)
+        dscale.ptr<T>()[d] = static_cast<T>(dscale.ptr<T>()[d] + s[d]);
     }
   });
 }

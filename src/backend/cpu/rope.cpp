@@ -16,8 +16,7 @@ void CpuBackend::rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim
   const int64_t B = ids.shape[0], L = ids.shape[1];
   int64_t pairs = 0;
   for (int d : axes_dim) {
-    if (d <= 0 || d % 2 != 0)
-      fail("{}: every axis width must be positive and even, got {}", op, d);
+    if (d <= 0 || d % 2 != 0) fail("{}: every axis width must be positive and even, got {}", op, d);
     pairs += d / 2;
   }
   if (ids.shape[2] != static_cast<int64_t>(axes_dim.size()))

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what flux8 needs to build and test on Debian/Ubuntu: a C++20 compiler, CMake, Ninja,
+# OpenBLAS, yaml-cpp, nlohmann-json, CLI11, fmt, GoogleTest; and the Python packages the
+# interop tests use (numpy, safetensors). Safe to run again: installed packages are skipped.
+set -euo pipefail
+
+packages=(build-essential cmake ninja-build pkg-config libopenblas-dev libyaml-cpp-dev
+          nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev python3 python3-pip)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  echo "installing: ${missing[*]}"
+  $sudo_cmd apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+python_packages=(numpy safetensors)
+if ! python3 -c "import numpy, safetensors" 2>/dev/null; then
+  echo "installing Python packages: ${python_packages[*]}"
+  python3 -m pip install -q "${python_packages[@]}" 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages "${python_packages[@]}"
+fi

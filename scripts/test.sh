@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite: installs dependencies, builds flux8 (Release) in build/, runs CTest.
+# Usage: scripts/test.sh [extra ctest arguments, e.g. -R Golden]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+jobs=$(nproc 2>/dev/null || echo 2)
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs" "$@"

@@ -1,0 +1,81 @@
+#pragma once
+// Helpers for whole-model tests: small configs with awkward sizes, random parameters and
+// inputs, and tensor comparisons.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "backend/transfer.h"
+#include "core/rng.h"
+#include "model/flux_model.h"
+#include "model/input_batch.h"
+
+namespace flux8::testing {
+
+// Sizes that are not multiples of 8 anywhere: H=20, D=10, M=47, in 5, context 7, vec 3.
+inline FluxConfig odd_config(int64_t doubles, int64_t singles, bool guidance) {
+  FluxConfig c;
+  c.name = "odd_test";
+  c.hidden_size = 20;
+  c.num_heads = 2;
+  c.num_double_blocks = doubles;
+  c.num_single_blocks = singles;
+  c.in_channels = 5;
+  c.out_channels = 5;
+  c.context_dim = 7;
+  c.vec_dim = 3;
+  c.mlp_ratio = 2.35;  // M = 47
+  c.guidance_embed = guidance;
+  c.axes_dim = {2, 4, 4};
+  return c;
+}
+
+// Every parameter N(0, 0.3²), norm scales 1 + N(0, 0.2²): unlike the MLPerf init (zero
+// modulation and final layer), nothing is zero, so every gradient path is exercised.
+inline void randomize_params(ParamStore& store, uint64_t seed) {
+  for (size_t i = 0; i < store.layout().params().size(); ++i) {
+    const ParamInfo& p = store.layout().params()[i];
+    const bool is_scale = p.name.size() > 6 && p.name.substr(p.name.size() - 6) == ".scale";
+    std::vector<double> v(static_cast<size_t>(p.shape.numel()));
+    for (size_t j = 0; j < v.size(); ++j)
+      v[j] = (is_scale ? 1.0 : 0.0) + (is_scale ? 0.2 : 0.3) * rng_normal(seed, i, j);
+    from_host(store.backend(), store.param(p.name), v);
+  }
+}
+
+// Random inputs for B samples, Lt text and Li image tokens; image ids on a grid of width 3.
+inline void random_inputs(InputBatch& batch, const FluxConfig& c, int64_t B, int64_t Lt,
+                          int64_t Li, uint64_t seed, FluxInputs& in) {
+  auto randn = [&](Shape s, uint64_t stream, double scale) {
+    std::vector<double> v(static_cast<size_t>(s.numel()));
+    for (size_t j = 0; j < v.size(); ++j) v[j] = scale * rng_normal(seed, stream, j);
+    return batch.make(s, v);
+  };
+  in.img = randn(Shape{B, Li, c.in_channels}, 1, 1.0);
+  in.txt = randn(Shape{B, Lt, c.context_dim}, 2, 1.0);
+  in.y = randn(Shape{B, c.vec_dim}, 3, 1.0);
+  std::vector<double> ids_img, ids_txt(static_cast<size_t>(B * Lt * 3), 0.0), t, g;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < Li; ++l) ids_img.insert(ids_img.end(), {0.0, double(l / 3), double(l % 3)});
+  for (int64_t b = 0; b < B; ++b) {
+    t.push_back(rng_uniform(seed, 4, static_cast<uint64_t>(b)));
+    g.push_back(1.0 + 4.0 * rng_uniform(seed, 5, static_cast<uint64_t>(b)));
+  }
+  in.img_ids = batch.make(Shape{B, Li, 3}, ids_img);
+  in.txt_ids = batch.make(Shape{B, Lt, 3}, ids_txt);
+  in.timesteps = batch.make(Shape{B}, t);
+  if (c.guidance_embed) in.guidance = batch.make(Shape{B}, g);
+}
+
+// max|a − b| / max|b|: error relative to the tensor's scale.
+inline double max_rel_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::abs(a[i] - b[i]));
+    den = std::max(den, std::abs(b[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+}  // namespace flux8::testing
