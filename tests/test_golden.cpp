@@ -65,7 +65,8 @@ void run_golden(DType dtype, double pred_tol, double grad_tol, const std::string
   const std::vector<double> got = to_host(*be, pred);
   const std::vector<double> want = read(f, "output.pred");
   ASSERT_EQ(got.size(), want.size());
-  EXPECT_LT(testing::max_rel_error(got, want), pred_tol) << "pred";
+  const double pred_err = testing::max_rel_error(got, want);
+  EXPECT_LT(pred_err, pred_tol) << "pred";
 
   const std::vector<double> probe = read(f, "input.probe");
   double loss = 0;
@@ -79,12 +80,16 @@ void run_golden(DType dtype, double pred_tol, double grad_tol, const std::string
   model.params().zero_grads();
   model.backward(batch.make(pred.shape, dpred));
   int checked = 0;
+  double worst = 0;
   for (const ParamInfo& p : model.params().layout().params()) {
     const std::vector<double> g = to_host(*be, model.params().grad(p.name));
-    EXPECT_LT(testing::max_rel_error(g, read(f, "grad." + p.name)), grad_tol) << "grad." << p.name;
+    const double err = testing::max_rel_error(g, read(f, "grad." + p.name));
+    EXPECT_LT(err, grad_tol) << "grad." << p.name;
+    worst = std::max(worst, err);
     ++checked;
   }
   EXPECT_EQ(checked, 84);
+  std::printf("  %s: pred error %.2e, worst gradient error %.2e\n", dtype_name(dtype).data(), pred_err, worst);
 }
 
 TEST(Golden, DiffusersFloat64) { run_golden(DType::f64, 1e-9, 1e-9, "param."); }

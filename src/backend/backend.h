@@ -15,7 +15,9 @@
 //   [B, C] with any ld, so they can be column windows of one modulation output [B, 6H].
 // - With bf16 activation rounding on (BackendOptions), every activation or input-gradient
 //   output is rounded to the nearest bf16 value, as the GPU stores them; statistics and
-//   parameter gradients stay at full precision.
+//   parameter gradients stay at full precision, and the generic fill/copy/add/accumulate
+//   never round (they also serve parameter and gradient buffers).
+// - Statistics (mean, rstd, lse) may be passed flat: any contiguous tensor of the stated size.
 #include <cstddef>
 #include <memory>
 #include <span>
@@ -67,7 +69,7 @@ class Backend {
   //   y = (1 + scale[b])·(x − μ)·rstd + shift[b],  rstd = 1/√(var + eps)  (biased var)
   // mean, rstd: [B·L] saved for the backward. shift, scale: [B, H] any ld.
   virtual void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift,
-                                  Tensor scale, float eps) = 0;
+                                  Tensor scale, double eps) = 0;
   // dx (+= if accumulate_dx), dshift = Σ_l dy, dscale = Σ_l dy·x̂ (both [B, H], overwritten).
   virtual void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy,
                                            Tensor x, Tensor mean, Tensor rstd, Tensor scale,
@@ -75,7 +77,7 @@ class Backend {
 
   // ---- QK-norm: RMSNorm of every D-wide head segment of x [rows, n·D] (any ld) ---------
   //   y = x / √(mean(x²) + eps) · scale[D];  rstd [rows·n] saved. D = scale.numel().
-  virtual void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, float eps) = 0;
+  virtual void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) = 0;
   // dx overwritten; dscale[D] accumulated.
   virtual void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
                                       Tensor scale) = 0;
@@ -95,10 +97,10 @@ class Backend {
 
   // ---- attention: q, k, v, o [B, n, L, D]; non-causal, no mask -------------------------
   //   o = softmax(q·kᵀ·scale)·v;  lse [B, n, L] = log Σ_j exp(q·k_j·scale) saved.
-  virtual void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, float scale) = 0;
+  virtual void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) = 0;
   // dq, dk, dv overwritten.
   virtual void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                                  Tensor v, Tensor o, Tensor lse, float scale) = 0;
+                                  Tensor v, Tensor o, Tensor lse, double scale) = 0;
 
   // ---- gated residual: x[B, L, H] += gate[b] ⊙ y[B, L, H]; gate [B, H] any ld ----------
   virtual void gated_residual(Tensor x, Tensor y, Tensor gate) = 0;
@@ -110,7 +112,7 @@ class Backend {
   //   t' = time_factor·t;  f_k = exp(−ln(max_period)·k/(dim/2));  out = [cos(t'f), sin(t'f)]
   // Evaluated in double precision, then stored (the reference's f32 evaluation loses ~1e-4 at
   // arguments near 10³).
-  virtual void timestep_embedding(Tensor out, Tensor t, float time_factor, float max_period) = 0;
+  virtual void timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) = 0;
 
   // ---- joint sequence: out [B, La+Lb, C] = per-sample cat(a [B, La, C], b [B, Lb, C]) ---
   virtual void concat_tokens(Tensor out, Tensor a, Tensor b) = 0;

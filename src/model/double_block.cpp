@@ -78,11 +78,11 @@ void stream_pre_attention(const BlockContext& ctx, const DoubleStreamParams& p,
                           int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
-  const float qk_eps = static_cast<float>(ctx.cfg.qk_norm_eps);
+  const double qk_eps = ctx.cfg.qk_norm_eps;
   be.copy(s.x_in, x);
   be.linear(s.mod, ctx.silu_vec, p.mod.w, p.mod.b);
   be.layernorm_modulate(s.xm1, s.ln1_mean, s.ln1_rstd, x, chunk(s.mod, 0, H), chunk(s.mod, 1, H),
-                        static_cast<float>(ctx.cfg.layernorm_eps));
+                        ctx.cfg.layernorm_eps);
   be.linear(s.qkv, s.xm1, p.qkv.w, p.qkv.b);
   const size_t mark = ctx.scratch.mark();
   Tensor normed = ctx.scratch.alloc(ctx.dtype, x.shape, SlotKind::workspace);
@@ -105,7 +105,7 @@ void stream_post_attention(const BlockContext& ctx, const DoubleStreamParams& p,
   be.gated_residual(x, s.proj_out, chunk(s.mod, 2, H));
   be.copy(s.x_mid, x);
   be.layernorm_modulate(s.xm2, s.ln2_mean, s.ln2_rstd, x, chunk(s.mod, 3, H), chunk(s.mod, 4, H),
-                        static_cast<float>(ctx.cfg.layernorm_eps));
+                        ctx.cfg.layernorm_eps);
   be.linear(s.mlp_h, s.xm2, p.mlp_in.w, p.mlp_in.b);
   be.gelu_tanh(s.mlp_g, s.mlp_h);
   be.linear(s.mlp_out, s.mlp_g, p.mlp_out.w, p.mlp_out.b);
@@ -179,7 +179,7 @@ void double_block_forward(const BlockContext& ctx, const DoubleBlockParams& p,
   ctx.be.rope(s.q, ctx.pe, false);
   ctx.be.rope(s.k, ctx.pe, false);
   ctx.be.attention(s.o, s.lse, s.q, s.k, s.v,
-                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim()))));
+                   1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   stream_post_attention(ctx, p.txt, s.txt, s, txt, 0);
   stream_post_attention(ctx, p.img, s.img, s, img, Lt);
 }
@@ -200,7 +200,7 @@ void double_block_backward(const BlockContext& ctx, const DoubleBlockParams& p,
   stream_post_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_o, 0);
   stream_post_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_o, Lt);
   be.attention_backward(d_q, d_k, d_v, d_o, s.q, s.k, s.v, s.o, s.lse,
-                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim()))));
+                        1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   be.rope(d_q, ctx.pe, true);  // the rotation is orthogonal: its backward is the inverse
   be.rope(d_k, ctx.pe, true);
   stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, 0);

@@ -10,8 +10,8 @@ namespace flux8 {
 namespace {
 
 constexpr int64_t kTimeEmbedDim = 256;  // sinusoidal features of t and guidance
-constexpr float kTimeFactor = 1000.0f;  // t in [0, 1] is embedded as 1000·t
-constexpr float kMaxPeriod = 10000.0f;
+constexpr double kTimeFactor = 1000.0;  // t in [0, 1] is embedded as 1000·t
+constexpr double kMaxPeriod = 10000.0;
 
 // An MLPEmbedder: out_layer(SiLU(in_layer(x))).
 struct MlpEmbedder {
@@ -185,7 +185,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   const LinearParams lin = LinearParams::bind(P, "final_layer.linear");
   be_.linear(s.final_mod, s.silu_vec, ada.w, ada.b);
   be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
-                         s.final_mod.cols_slice(H, H), static_cast<float>(c.layernorm_eps));
+                         s.final_mod.cols_slice(H, H), c.layernorm_eps);
   be_.linear(s.pred, s.final_xm, lin.w, lin.b);
   return s.pred;
 }

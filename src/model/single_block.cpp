@@ -43,11 +43,11 @@ void single_block_forward(const BlockContext& ctx, const SingleBlockParams& p,
                           SingleBlockSaved& s, Tensor z) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
-  const float qk_eps = static_cast<float>(ctx.cfg.qk_norm_eps);
+  const double qk_eps = ctx.cfg.qk_norm_eps;
   be.copy(s.z_in, z);
   be.linear(s.mod, ctx.silu_vec, p.mod.w, p.mod.b);
   be.layernorm_modulate(s.zm, s.ln_mean, s.ln_rstd, z, s.mod.cols_slice(0, H),
-                        s.mod.cols_slice(H, H), static_cast<float>(ctx.cfg.layernorm_eps));
+                        s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
   be.linear(s.u, s.zm, p.linear1.w, p.linear1.b);
 
   const size_t mark = ctx.scratch.mark();
@@ -62,7 +62,7 @@ void single_block_forward(const BlockContext& ctx, const SingleBlockParams& p,
   be.rope(s.q, ctx.pe, false);
   be.rope(s.k, ctx.pe, false);
   be.attention(s.o, s.lse, s.q, s.k, s.v,
-               static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim()))));
+               1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   be.heads_to_tokens(s.cat.cols_slice(0, H), s.o, 0);
   be.gelu_tanh(s.cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   be.linear(s.out, s.cat, p.linear2.w, p.linear2.b);
@@ -90,7 +90,7 @@ void single_block_backward(const BlockContext& ctx, const SingleBlockParams& p,
   be.gelu_tanh_backward(d_u.cols_slice(3 * H, M), d_cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   be.tokens_to_heads(d_o, d_cat.cols_slice(0, H), 0);
   be.attention_backward(d_q, d_k, d_v, d_o, s.q, s.k, s.v, s.o, s.lse,
-                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim()))));
+                        1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   be.rope(d_q, ctx.pe, true);
   be.rope(d_k, ctx.pe, true);
   be.heads_to_tokens(d_h, d_q, 0);

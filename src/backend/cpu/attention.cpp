@@ -25,7 +25,7 @@ void check_qkv(std::string_view op, std::initializer_list<Named> heads) {
 
 }  // namespace
 
-void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, float scale) {
+void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
   constexpr std::string_view op = "attention";
   const DType t = call_dtype(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
   check_qkv(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
@@ -67,7 +67,7 @@ void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, f
 // With P = exp(S − lse), dP = dO·Vᵀ and δ_i = dO_i·O_i (= Σ_j P_ij dP_ij):
 //   dV = Pᵀ·dO,  dS = P ⊙ (dP − δ)·scale,  dQ = dS·K,  dK = dSᵀ·Q.
 void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                                    Tensor k, Tensor v, Tensor o, Tensor lse, float scale) {
+                                    Tensor k, Tensor v, Tensor o, Tensor lse, double scale) {
   constexpr std::string_view op = "attention_backward";
   const DType t = call_dtype(op, {{"dq", dq},
                                   {"dk", dk},

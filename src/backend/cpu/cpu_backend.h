@@ -39,11 +39,11 @@ class CpuBackend final : public Backend {
   void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override;
 
   void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
-                          float eps) override;
+                          double eps) override;
   void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x,
                                    Tensor mean, Tensor rstd, Tensor scale,
                                    bool accumulate_dx) override;
-  void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, float eps) override;
+  void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) override;
   void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
                               Tensor scale) override;
 
@@ -53,14 +53,14 @@ class CpuBackend final : public Backend {
   void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) override;
   void rope(Tensor x, Tensor pe, bool inverse) override;
 
-  void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, float scale) override;
+  void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor o, Tensor lse, float scale) override;
+                          Tensor v, Tensor o, Tensor lse, double scale) override;
 
   void gated_residual(Tensor x, Tensor y, Tensor gate) override;
   void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override;
 
-  void timestep_embedding(Tensor out, Tensor t, float time_factor, float max_period) override;
+  void timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) override;
 
   void concat_tokens(Tensor out, Tensor a, Tensor b) override;
   void split_tokens(Tensor a, Tensor b, Tensor in) override;

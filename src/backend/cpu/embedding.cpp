@@ -11,7 +11,7 @@
 namespace flux8 {
 using namespace cpu;
 
-void CpuBackend::timestep_embedding(Tensor out, Tensor t, float time_factor, float max_period) {
+void CpuBackend::timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) {
   constexpr std::string_view op = "timestep_embedding";
   const DType dt = call_dtype(op, {{"out", out}, {"t", t}});
   require_rank(op, {"out", out}, 2);

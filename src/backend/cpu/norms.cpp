@@ -10,7 +10,7 @@ namespace flux8 {
 using namespace cpu;
 
 void CpuBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift,
-                                    Tensor scale, float eps) {
+                                    Tensor scale, double eps) {
   constexpr std::string_view op = "layernorm_modulate";
   const DType t = call_dtype(
       op, {{"y", y}, {"mean", mean}, {"rstd", rstd}, {"x", x}, {"shift", shift}, {"scale", scale}});
@@ -112,7 +112,7 @@ void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor ds
 }
 
 // QK-norm: every D-wide head segment of a row is normalised on its own.
-void CpuBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, float eps) {
+void CpuBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) {
   constexpr std::string_view op = "rmsnorm_heads";
   const DType t = call_dtype(op, {{"y", y}, {"rstd", rstd}, {"x", x}, {"scale", scale}});
   require_defined(op, {"x", x});
