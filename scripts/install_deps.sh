@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Installs what flux8 needs to build and test on Debian/Ubuntu: a C++20 compiler, CMake, Ninja,
-# OpenBLAS, yaml-cpp, nlohmann-json, CLI11, fmt, GoogleTest; and the Python packages the
+# OpenBLAS, yaml-cpp, nlohmann-json, CLI11, fmt, libpng, GoogleTest; and the Python packages the
 # interop tests use (numpy, safetensors). Safe to run again: installed packages are skipped.
 set -euo pipefail
 
 packages=(build-essential cmake ninja-build pkg-config libopenblas-dev libyaml-cpp-dev
-          nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev python3 python3-pip)
+          nlohmann-json3-dev libcli11-dev libfmt-dev libpng-dev libgtest-dev python3 python3-pip)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -6,7 +6,7 @@ only exist as safetensors files between them, so it also covers the file formats
 diffusers<->BFL name map in both directions. Needs torch + diffusers (see tests/golden/README.md).
 
     python3 tools/check_against_diffusers.py [--flux8 build-py/flux8] [--loss-grad]
-           [--weights W.safetensors] [--seed N] [--keep DIR]
+           [--weights W.safetensors] [--no-guidance] [--seed N] [--keep DIR]
 
 Two weight sources, each checked (both by default):
   diffusers-random   a FluxTransformer2DModel with every parameter seeded random (weights
@@ -16,7 +16,10 @@ Two weight sources, each checked (both by default):
                      on every value, since MLPerf init zeroes the modulation and final layer,
                      which would make pred identically zero), then loaded into diffusers with
                      load_state_dict(strict=True). The unperturbed file must load strictly too.
-  --weights W        a flux8-written file (either naming) used as is, instead of both.
+  --weights W        a flux8-written file (either naming, any dtype) used as is, instead of
+                     both; it must have DIFFUSERS_CFG's shapes (H=48, 2+2 blocks, in 16, text 32,
+                     pooled 24, guidance; flux8_overrides() prints as --set flags), and must
+                     not be a raw `flux8 init` file (its zero final layer makes pred zero).
 
 For each, flux8 runs at --precision f64 and f32 and diffusers runs in float64 twice: stock (its
 sinusoidal timestep/guidance embedding, RoPE tables and RoPE rotation are float32 even in a
@@ -31,7 +34,7 @@ Expected (reasons in tests/golden/README.md, "Precision" and "Tolerances"):
   flux8 f64 vs stock diffusers: ~1e-5 to 1e-4, diffusers' float32 timestep embedding
       (arguments ~1e3 rounded to float32) — flux8 computes that embedding in double;
   flux8 f32: ~1e-6 to 1e-5 for pred (fp32 rounding through ~20 sequential ops).
-Fails (exit 1) if flux8 f64 vs diffusers with f64 embeddings exceeds 1e-5 for pred or 1e-4 for
+Fails (exit 1) if pred is identically zero, or if flux8 f64 vs diffusers with f64 embeddings exceeds 1e-5 for pred or 1e-4 for
 any gradient: both sides then compute the same float64 function from the same bits, so
 anything above float32 output rounding times a small growth factor is a real disagreement.
 """
@@ -131,7 +134,7 @@ def diffusers_run(params_d, inp, d, f64_embeddings: bool, grads: bool):
             g = diffusers_to_bfl({k: p.grad.numpy().copy() for k, p in model.named_parameters()})
     finally:
         tf_flux.apply_rotary_emb = STOCK_ROPE
-    return pred.detach().numpy(), float(loss), g
+    return pred.detach().numpy(), loss.item(), g
 
 
 def rel(a, ref):
@@ -173,6 +176,10 @@ def check_case(name, params_d, inp, d, args, tmp):
             o["loss"] = np.array([np.mean(o["pred"].astype(np.float64) * inp["probe"])])
     dif = {emb: diffusers_run(params_d, inp, d, emb, args.loss_grad) for emb in (True, False)}
     print(f"  max|pred| (diffusers) = {np.abs(dif[True][0]).max():.4g}")
+    if not np.abs(dif[True][0]).max() > 0:
+        print("  FAIL: pred is identically zero (MLPerf init zeroes the final layer), so a "
+              "comparison would check nothing; perturb the weights first")
+        return False
     worst = None
     for prec in ("f64", "f32"):
         for emb in (True, False):
@@ -194,11 +201,12 @@ def main():
     ap.add_argument("--flux8", default=os.path.join(ROOT, "build-py", "flux8"))
     ap.add_argument("--loss-grad", action="store_true", help="also compare loss gradients")
     ap.add_argument("--weights", help="flux8-written weights (reference or diffusers names) to use as is")
+    ap.add_argument("--no-guidance", action="store_true", help="schnell-like model (no guidance_in)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", help="write the intermediate files here instead of a temp dir")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    d = dict(DIFFUSERS_CFG)
+    d = dict(DIFFUSERS_CFG, guidance_embeds=not args.no_guidance)
     rng = np.random.default_rng(args.seed)
     inp = make_inputs(rng, d)
 
@@ -208,7 +216,8 @@ def main():
         save_file(inp, os.path.join(tmp, "inputs.safetensors"))
         cases = []
         if args.weights:
-            w = load_file(args.weights)
+            from safetensors.torch import load_file as torch_load_file   # reads bf16 too
+            w = {k: v.float().numpy() for k, v in torch_load_file(args.weights).items()}
             if "img_in.weight" in w:                     # reference names -> diffusers
                 from flux_names import bfl_to_diffusers
                 w = bfl_to_diffusers(w)

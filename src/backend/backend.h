@@ -118,6 +118,26 @@ class Backend {
   virtual void concat_tokens(Tensor out, Tensor a, Tensor b) = 0;
   // Inverse; a or b may be undefined (skipped).
   virtual void split_tokens(Tensor a, Tensor b, Tensor in) = 0;
+
+  // ---- training objective and optimizer (contiguous tensors) ---------------------------
+  // Rectified flow: for sample b of x0 [B, ...], ε[b, i] = rng_normal(seed, streams[b], i),
+  //   xt = (1 − t[b])·x0 + t[b]·ε,  target = ε − x0.
+  // The noise depends only on (seed, stream, element): the same on every backend.
+  virtual void flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
+                                 std::span<const uint64_t> streams) = 0;
+  // Returns mean((pred − target)²) over all elements, accumulated in double; writes
+  // dpred = grad_scale · 2(pred − target)/numel.
+  virtual double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) = 0;
+  // Σ x² in double, summed in a fixed order (independent of thread count). NaN/inf propagate.
+  virtual double sum_squares(Tensor x) = 0;
+  // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v:
+  //   g = grad_scale·grad;  m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²
+  //   p = p·(1 − lr·wd) − lr·(m/(1−β1^step)) / (√(v/(1−β2^step)) + eps)
+  struct AdamW {
+    double lr, beta1, beta2, eps, weight_decay, grad_scale;
+    int64_t step;  // 1-based
+  };
+  virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) = 0;
 };
 
 // "cpu" (always available) or "cuda" (when built with CUDA and a GPU is present).

@@ -64,12 +64,19 @@ Command add_forward_command(CLI::App& app) {
     const Tensor pred = model.forward(batch.inputs());
     const std::vector<double> pred_host = to_host(*be, pred);
 
+    // Outputs are stored in the precision of the run (F64 for --precision f64).
     SafetensorsWriter out;
-    std::vector<std::vector<float>> keep;  // host data must outlive write()
+    std::vector<std::vector<float>> keep32;  // host data must outlive write()
+    std::vector<std::vector<double>> keep64;
     auto add = [&](const std::string& name, const Shape& shape, const std::vector<double>& v) {
-      keep.emplace_back(v.begin(), v.end());
-      out.add(name, DType::f32, std::vector<int64_t>(shape.d.begin(), shape.d.begin() + shape.rank),
-              keep.back().data());
+      const std::vector<int64_t> dims(shape.d.begin(), shape.d.begin() + shape.rank);
+      if (dtype == DType::f64) {
+        keep64.push_back(v);
+        out.add(name, DType::f64, dims, keep64.back().data());
+      } else {
+        keep32.emplace_back(v.begin(), v.end());
+        out.add(name, DType::f32, dims, keep32.back().data());
+      }
     };
     add("pred", pred.shape, pred_host);
     if (o->loss_grad) {

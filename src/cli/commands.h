@@ -24,5 +24,7 @@ Command add_info_command(CLI::App& app);
 Command add_forward_command(CLI::App& app);
 Command add_init_command(CLI::App& app);
 Command add_config_command(CLI::App& app);
+Command add_sample_command(CLI::App& app);
+Command add_train_command(CLI::App& app);
 
 }  // namespace flux8::cli

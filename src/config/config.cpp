@@ -171,6 +171,16 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   return cfg;
 }
 
+Config Config::load_text(const std::string& yaml_text, const std::string& origin,
+                         const std::vector<std::string>& overrides) {
+  Config cfg;
+  cfg.path_ = origin;
+  std::vector<std::string> chain;
+  cfg.merge_text(yaml_text, origin, chain);
+  for (const std::string& o : overrides) cfg.apply_override(o);
+  return cfg;
+}
+
 void Config::merge_file(const std::string& path) {
   std::vector<std::string> chain;
   merge_file(path, chain);
@@ -187,12 +197,14 @@ void Config::merge_file(const std::string& path, std::vector<std::string>& chain
     fail("include cycle: {}{}", cycle, id);
   }
   chain.push_back(id);
+  merge_text(read_text(path), path, chain);
+  chain.pop_back();
+}
 
-  const YAML::Node root = load_yaml(read_text(path), path);
-  if (root.IsNull()) {  // an empty file sets nothing
-    chain.pop_back();
-    return;
-  }
+void Config::merge_text(const std::string& text, const std::string& path,
+                        std::vector<std::string>& chain) {
+  const YAML::Node root = load_yaml(text, path);
+  if (root.IsNull()) return;  // an empty file sets nothing
   if (!root.IsMap())
     fail("{}: the top level of a config file must be a mapping of key: value lines", path);
 
@@ -220,7 +232,6 @@ void Config::merge_file(const std::string& path, std::vector<std::string>& chain
     if (!spec) fail_unknown_key(key, where);
     entries_[key] = Entry{parse_node(*spec, kv.second, at(path, kv.second.Mark())), where};
   }
-  chain.pop_back();
 }
 
 void Config::apply_override(const std::string& key_equals_value) {

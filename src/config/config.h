@@ -23,6 +23,12 @@ class Config {
   // value in YAML syntax ("axes_dim=[16,56,56]"). Throws flux8::Error naming file, line and key.
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
 
+  // Like load(), from YAML text instead of a file (e.g. the resolved config a checkpoint's
+  // trainer_state.json stores). `origin` stands in for the file name in provenance and errors;
+  // includes are resolved relative to its directory.
+  static Config load_text(const std::string& yaml_text, const std::string& origin,
+                          const std::vector<std::string>& overrides = {});
+
   // Merges one YAML file (and its includes) over the current values.
   void merge_file(const std::string& path);
   // Applies one "key=value" command-line override.
@@ -54,6 +60,8 @@ class Config {
     std::string source;
   };
   void merge_file(const std::string& path, std::vector<std::string>& include_chain);
+  void merge_text(const std::string& text, const std::string& path,
+                  std::vector<std::string>& include_chain);
   const Entry& entry(const std::string& key) const;
 
   std::map<std::string, Entry> entries_;

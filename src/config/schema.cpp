@@ -65,6 +65,53 @@ std::vector<KeySpec> make_keys() {
       int_key("runtime", "micro_batch_size", 1, at_least(1), "samples per forward/backward"),
       choice_key("runtime", "backend", "cpu", {"cpu", "cuda"}, "compute backend"),
       bool_key("runtime", "round_activations_to_bf16", false, "CPU: round activations to bf16 like the GPU stores them"),
+      int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
+
+      // ---- training: optimizer and schedule ----
+      int_key("training", "train_iters", 1000, at_least(1), "optimizer steps of the run"),
+      int_key("training", "global_batch_size", 0, at_least(0), "samples per optimizer step (a multiple of micro_batch_size); 0 = micro_batch_size"),
+      float_key("training", "lr", 1e-4, above(0), "peak learning rate"),
+      float_key("training", "min_lr", 0.0, at_least(0), "learning rate at the end of the decay"),
+      int_key("training", "lr_warmup_iters", 0, at_least(0), "steps of linear warmup from 0 to lr"),
+      choice_key("training", "lr_decay_style", "constant", {"constant", "cosine", "linear"}, "decay after warmup"),
+      int_key("training", "lr_decay_iters", 0, at_least(0), "step at which the decay reaches min_lr; 0 = train_iters"),
+      float_key("training", "adam_beta1", 0.9, Range{0, 1}, "AdamW beta1"),
+      float_key("training", "adam_beta2", 0.95, Range{0, 1}, "AdamW beta2"),
+      float_key("training", "adam_eps", 1e-8, above(0), "AdamW epsilon"),
+      float_key("training", "weight_decay", 0.1, at_least(0), "AdamW decoupled weight decay"),
+      float_key("training", "clip_grad", 1.0, at_least(0), "clip the global gradient norm to this; 0 = no clipping"),
+
+      // ---- objective (rectified flow) ----
+      choice_key("objective", "timestep_sampling", "uniform", {"uniform", "logit_normal"}, "distribution of t (MLPerf: uniform)"),
+      float_key("objective", "logit_mean", 0.0, any(), "mean of the logit-normal t"),
+      float_key("objective", "logit_std", 1.0, above(0), "std of the logit-normal t"),
+      bool_key("objective", "timestep_shift", false, "shift t towards noise for large images (as in sampling)"),
+      float_key("objective", "text_dropout", 0.1, Range{0, 1}, "probability of training with the empty prompt (T5 and CLIP together)"),
+      float_key("objective", "vae_scale_factor", 0.3611, above(0), "latent normalisation: scale * (z - shift)"),
+      float_key("objective", "vae_shift_factor", 0.1159, any(), "latent normalisation shift"),
+      float_key("objective", "train_guidance", 1.0, at_least(0), "guidance input during training (guidance_embed models)"),
+
+      // ---- data ----
+      string_key("data", "train_data", "", "training shards: a glob (data/train-*.tar), a list file or a directory"),
+      string_key("data", "valid_data", "", "validation shards (same forms); empty = no validation"),
+      string_key("data", "empty_prompt_file", "", "safetensors with t5 and clip of the empty prompt (text dropout); empty = zeros"),
+      int_key("data", "data_shuffle_buffer", 1000, at_least(0), "samples in the shuffle buffer; 0 = no shuffling"),
+      int_key("data", "data_prefetch", 64, at_least(1), "samples decoded ahead by the loader thread"),
+      bool_key("data", "data_skip_corrupt", false, "skip the rest of a corrupt shard with a warning instead of stopping"),
+      bool_key("data", "demo_data", false, "generate the embedded demo dataset into train_data's directory when it has no shards"),
+      int_key("data", "demo_train_samples", 4000, at_least(1), "demo dataset: training samples"),
+      int_key("data", "demo_val_samples", 256, at_least(1), "demo dataset: validation samples"),
+
+      // ---- run: checkpoints, evaluation, logging, samples ----
+      string_key("run", "save_dir", "runs/flux8", "directory of checkpoints, metrics.jsonl and samples"),
+      int_key("run", "save_interval", 0, at_least(0), "checkpoint every N steps (and at the end); 0 = only at the end"),
+      int_key("run", "keep_last_checkpoints", 3, at_least(0), "checkpoints kept; 0 = keep all"),
+      int_key("run", "eval_interval", 0, at_least(0), "validate every N steps (and at step 0 and the end); 0 = only at the start and end"),
+      int_key("run", "eval_samples", 0, at_least(0), "validation samples used; 0 = all"),
+      int_key("run", "log_interval", 1, at_least(1), "metrics line every N steps"),
+      string_key("run", "sample_prompts", "", "prompts for the sample grid written at the end, separated by ';'"),
+      int_key("run", "sample_steps", 20, at_least(1), "Euler steps of the end-of-run samples"),
+      int_key("run", "samples_per_prompt", 4, at_least(1), "images per prompt in the end-of-run grid"),
   };
 }
 

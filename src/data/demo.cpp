@@ -33,32 +33,41 @@ void check_spec(const DemoSpec& s) {
          s.train_samples + s.val_samples);
 }
 
-// Fraction of pixel (px, py) inside the shape, from 4x4 point samples.
+// Length of [a0, a1) inside [b0, b1).
+float overlap(float a0, float a1, float b0, float b1) {
+  return std::max(0.0f, std::min(a1, b1) - std::max(a0, b0));
+}
+
+// Fraction of pixel (px, py) inside the shape. The square is exact (product of the 1-D
+// overlaps). Circle and triangle integrate over four horizontal bands, each clipped to the
+// shape's vertical extent and weighted by the exact horizontal overlap of the shape's chord at
+// the clipped band's middle (midpoint rule: exact for the triangle's linear sides, except where
+// a band holds the apex; within a few percent of the circle's area at 16 px).
 float coverage(int shape, const DemoGeometry& g, int64_t px, int64_t py) {
-  int inside = 0;
-  for (int sy = 0; sy < 4; ++sy) {
-    const float y = static_cast<float>(py) + (static_cast<float>(sy) + 0.5f) * 0.25f - g.cy;
-    for (int sx = 0; sx < 4; ++sx) {
-      const float x = static_cast<float>(px) + (static_cast<float>(sx) + 0.5f) * 0.25f - g.cx;
-      bool in = false;
-      if (shape == 0) {
-        in = x * x + y * y <= g.half * g.half;
-      } else if (shape == 1) {
-        in = std::fabs(x) <= g.half && std::fabs(y) <= g.half;
-      } else {
-        // Apex at (0, -half), base from (-half, half) to (half, half): the half-width at
-        // height y grows linearly from 0 to half, i.e. (y + half) / 2.
-        in = y <= g.half && std::fabs(x) <= (y + g.half) * 0.5f;
-      }
-      inside += in;
-    }
+  const float x = static_cast<float>(px), y = static_cast<float>(py);
+  const float top = g.cy - g.half, bottom = g.cy + g.half;
+  if (shape == 1)
+    return overlap(x, x + 1, g.cx - g.half, g.cx + g.half) * overlap(y, y + 1, top, bottom);
+  float area = 0;
+  for (int b = 0; b < 4; ++b) {
+    const float y0 = std::max(y + 0.25f * static_cast<float>(b), top);
+    const float y1 = std::min(y + 0.25f * static_cast<float>(b + 1), bottom);
+    if (y1 <= y0) continue;
+    const float dy = 0.5f * (y0 + y1) - g.cy;
+    // Chord half-width: circle sqrt(h^2 - dy^2); triangle with apex (0, -h) and base from
+    // (-h, h) to (h, h) grows linearly, (dy + h) / 2.
+    const float w =
+        shape == 0 ? std::sqrt(std::max(0.0f, g.half * g.half - dy * dy)) : 0.5f * (dy + g.half);
+    area += (y1 - y0) * overlap(x, x + 1, g.cx - w, g.cx + w);
   }
-  return static_cast<float>(inside) * (1.0f / 16.0f);
+  return area;
 }
 
 void write_file(const fs::path& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) fail("demo dataset: cannot open {} for writing; check the directory is writable", path.string());
+  if (!f)
+    fail("demo dataset: cannot open {} for writing; check the directory is writable",
+         path.string());
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   if (!f) fail("demo dataset: writing {} failed (disk full?)", path.string());
 }
@@ -177,20 +186,24 @@ Sample demo_sample(const DemoSpec& spec, int64_t index) {
   s.key = demo_key(index);
   s.shard = "<demo>";
   s.caption = a.caption();
-  s.fields["image"] = render_demo_image(a, demo_geometry(spec.seed, index, spec.image_size), spec.image_size);
-  TextEncoding enc = DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode(s.caption);
+  s.fields["image"] =
+      render_demo_image(a, demo_geometry(spec.seed, index, spec.image_size), spec.image_size);
+  TextEncoding enc =
+      DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode(s.caption);
   s.fields["t5"] = std::move(enc.t5);
   s.fields["clip"] = std::move(enc.clip);
   return s;
 }
 
 std::string encode_npy_f32(const HostTensor& t) {
-  FLUX8_CHECK(static_cast<int64_t>(t.data.size()) == t.numel(), "tensor holds {} values for {} elements",
-              t.data.size(), t.numel());
+  FLUX8_CHECK(static_cast<int64_t>(t.data.size()) == t.numel(),
+              "tensor holds {} values for {} elements", t.data.size(), t.numel());
   std::string shape = "(";
   for (size_t i = 0; i < t.shape.size(); ++i) shape += fmt::format("{}, ", t.shape[i]);
-  if (t.shape.size() == 1) shape.pop_back();  // "(8,)"
-  else if (t.shape.size() > 1) shape.resize(shape.size() - 2);
+  if (t.shape.size() == 1)
+    shape.pop_back();  // "(8,)"
+  else if (t.shape.size() > 1)
+    shape.resize(shape.size() - 2);
   shape += ")";
   std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape + ", }";
   // Magic (6) + version (2) + length (2) + header, padded with spaces and ended by '\n' to a
@@ -202,14 +215,16 @@ std::string encode_npy_f32(const HostTensor& t) {
   out.push_back(static_cast<char>(header.size() & 0xFF));
   out.push_back(static_cast<char>(header.size() >> 8));
   out += header;
-  static_assert(std::endian::native == std::endian::little, "npy writer assumes a little-endian host");
+  static_assert(std::endian::native == std::endian::little,
+                "npy writer assumes a little-endian host");
   out.append(reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float));
   return out;
 }
 
 std::vector<std::string> demo_shard_names(const DemoSpec& spec, std::string_view split) {
   const int64_t n = split == "train" ? spec.train_samples : spec.val_samples;
-  const int64_t shards = spec.samples_per_shard > 0 ? (n + spec.samples_per_shard - 1) / spec.samples_per_shard : 0;
+  const int64_t shards =
+      spec.samples_per_shard > 0 ? (n + spec.samples_per_shard - 1) / spec.samples_per_shard : 0;
   std::vector<std::string> names;
   for (int64_t s = 0; s < shards; ++s) names.push_back(fmt::format("{}-{:06d}.tar", split, s));
   return names;
@@ -230,13 +245,15 @@ void write_demo_dataset(const std::string& out_dir, const DemoSpec& spec) {
   write_split(dir, spec, "train", 0, spec.train_samples);
   write_split(dir, spec, "val", spec.train_samples, spec.val_samples);
 
-  const TextEncoding empty = DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode("");
+  const TextEncoding empty =
+      DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode("");
   write_file(dir / "empty_prompt.t5.npy", encode_npy_f32(empty.t5));
   write_file(dir / "empty_prompt.clip.npy", encode_npy_f32(empty.clip));
 
   write_file(dir / "manifest.json.tmp", manifest_json(spec).dump(2) + "\n");
   fs::rename(dir / "manifest.json.tmp", dir / "manifest.json", ec);
-  if (ec) fail("demo dataset: cannot rename {}/manifest.json.tmp into place: {}", out_dir, ec.message());
+  if (ec)
+    fail("demo dataset: cannot rename {}/manifest.json.tmp into place: {}", out_dir, ec.message());
 }
 
 bool demo_dataset_matches(const std::string& out_dir, const DemoSpec& spec) {

@@ -9,8 +9,8 @@
 //   (seed, index) -> geometry   shape side about a third of the image side (+-10%), centre at
 //                         the named position (quadrant centre or image centre) +- 5% of the
 //                         side; the shape always stays inside its quadrant / the central half
-//   pixels                "image" f32 [3, H, W] in [-1, 1], edges anti-aliased by 4x4
-//                         supersampling
+//   pixels                "image" f32 [3, H, W] in [-1, 1], edges anti-aliased: a pixel
+//                         blends shape and background colour by the area it has inside the shape
 //   text                  "t5" / "clip" from DemoTextEncoder applied to the caption
 //
 // On disk (write_demo_dataset): WebDataset tar shards out_dir/train-000000.tar ... and
@@ -48,9 +48,9 @@ inline constexpr std::array<std::array<float, 3>, 7> kDemoColourRGB = {{
 inline constexpr std::array<float, 3> kDemoBackgroundRGB = {0.06f, 0.06f, 0.08f};
 
 struct DemoAttributes {
-  int colour = 0;    // index into kDemoColours
-  int shape = 0;     // index into kDemoShapes
-  int position = 0;  // index into kDemoPositions
+  int colour = 0;               // index into kDemoColours
+  int shape = 0;                // index into kDemoShapes
+  int position = 0;             // index into kDemoPositions
   std::string caption() const;  // "red circle top left"
 };
 

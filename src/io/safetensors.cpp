@@ -93,8 +93,29 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   map_ = static_cast<const uint8_t*>(map);
   map_size_ = size;
 
-  // Everything below may throw; the destructor does not run for a half-built object.
+  // parse() may throw; the destructor does not run for a half-built object.
   try {
+    parse();
+  } catch (...) {
+    ::munmap(const_cast<uint8_t*>(map_), map_size_);
+    throw;
+  }
+}
+
+SafetensorsReader::SafetensorsReader(std::vector<uint8_t> bytes, const std::string& label)
+    : path_(label), owned_(std::move(bytes)) {
+  if (owned_.size() < 8)
+    fail("safetensors file '{}' is {} bytes, too short to hold the 8-byte header length "
+         "(truncated?)", path_, owned_.size());
+  map_ = owned_.data();
+  map_size_ = owned_.size();
+  parse();
+}
+
+void SafetensorsReader::parse() {
+  const std::string& path = path_;
+  const size_t size = map_size_;
+  {
     const uint64_t n = load<uint64_t>(map_);
     if (n > size - 8)
       fail("safetensors file '{}': header length {} exceeds the {} bytes after it (truncated?)",
@@ -180,27 +201,27 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     if (covered != data_size)
       fail("safetensors file '{}': data buffer is {} bytes but the tensors cover {}", path,
            data_size, covered);
-  } catch (...) {
-    ::munmap(const_cast<uint8_t*>(map_), map_size_);
-    throw;
   }
 }
 
 SafetensorsReader::~SafetensorsReader() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+  if (map_ && owned_.empty()) ::munmap(const_cast<uint8_t*>(map_), map_size_);
 }
 
+// Moving a std::vector keeps its buffer, so tensor pointers into owned_ stay valid.
 SafetensorsReader::SafetensorsReader(SafetensorsReader&& o) noexcept
     : path_(std::move(o.path_)), map_(std::exchange(o.map_, nullptr)),
-      map_size_(std::exchange(o.map_size_, 0)), tensors_(std::move(o.tensors_)),
-      index_(std::move(o.index_)), metadata_(std::move(o.metadata_)) {}
+      map_size_(std::exchange(o.map_size_, 0)), owned_(std::move(o.owned_)),
+      tensors_(std::move(o.tensors_)), index_(std::move(o.index_)),
+      metadata_(std::move(o.metadata_)) {}
 
 SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& o) noexcept {
   if (this != &o) {
-    if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+    if (map_ && owned_.empty()) ::munmap(const_cast<uint8_t*>(map_), map_size_);
     path_ = std::move(o.path_);
     map_ = std::exchange(o.map_, nullptr);
     map_size_ = std::exchange(o.map_size_, 0);
+    owned_ = std::move(o.owned_);
     tensors_ = std::move(o.tensors_);
     index_ = std::move(o.index_);
     metadata_ = std::move(o.metadata_);

@@ -28,6 +28,9 @@ struct SafetensorsTensor {
 class SafetensorsReader {
  public:
   explicit SafetensorsReader(const std::string& path);
+  // Parses a safetensors image held in memory (e.g. a WebDataset tar member); the reader owns
+  // the bytes. `label` names the source in error messages, as the path does for files.
+  SafetensorsReader(std::vector<uint8_t> bytes, const std::string& label);
   ~SafetensorsReader();
   SafetensorsReader(SafetensorsReader&& other) noexcept;
   SafetensorsReader& operator=(SafetensorsReader&& other) noexcept;
@@ -48,13 +51,15 @@ class SafetensorsReader {
   void read_f64(const std::string& name, double* dst, const std::vector<int64_t>& expected_shape) const;
 
  private:
+  void parse();  // validates the image at map_[0, map_size_) and fills the tensor index
   void check_shape(const SafetensorsTensor& t, const std::vector<int64_t>& expected) const;
   template <typename T>
   void convert(const SafetensorsTensor& t, T* dst) const;
 
   std::string path_;
-  const uint8_t* map_ = nullptr;
+  const uint8_t* map_ = nullptr;  // the file mapping, or owned_.data() for an in-memory image
   size_t map_size_ = 0;
+  std::vector<uint8_t> owned_;    // in-memory image; empty for a mapped file
   std::vector<SafetensorsTensor> tensors_;  // sorted by data offset
   std::map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;

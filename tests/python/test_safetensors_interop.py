@@ -18,8 +18,9 @@ Checks
   4. `flux8 forward` reads inputs and checkpoints that numpy wrote: checkpoint = the diffusers
      file from (1) perturbed in numpy (so that no parameter is zero: MLPerf init zeroes the
      modulation and final layer, which would make pred identically zero), saved once under
-     diffusers names and once converted back to BFL names. Both give bit-identical pred and
-     gradients; f64 inputs and per-sample [B,L,3] ids give the same pred as f32 inputs.
+     diffusers names and once converted back to BFL names (in f32, and in f64 holding the same
+     values). All give bit-identical pred and gradients, and so do f64 inputs, per-sample
+     [B,L,3] ids and integer (I64/I32) ids holding the same values as the f32 inputs.
   5. The forward output opens with safe_open/load_file; it holds pred [B,Li,C], loss [1] and
      grad.<name> shaped like every parameter; loss == mean(pred*probe) recomputed in numpy.
   6. `--init-seed N` gives the same gradients as `--checkpoint` of `init --seed N --dtype f32`.
@@ -203,6 +204,8 @@ def main():
         batched = dict(inputs, img_ids=np.broadcast_to(img_ids, (B, Li, 3)).copy(),
                        txt_ids=np.zeros((B, Lt, 3), np.float32))
         save_file(batched, p("in_batched_ids.safetensors"))
+        save_file(dict(inputs, img_ids=img_ids.astype(np.int64), txt_ids=np.zeros((Lt, 3), np.int32)),
+                  p("in_int_ids.safetensors"))
 
         dif = {k: v.copy() for k, v in vals["f32", "diffusers"].items()}
         for k in sorted(dif):        # perturb: nothing zero, scales stay near 1
@@ -210,10 +213,11 @@ def main():
         save_file(dif, p("ckpt_diffusers.safetensors"), metadata={"format": "pt"})
         bfl = diffusers_to_bfl(dif)
         save_file({k: np.ascontiguousarray(v) for k, v in bfl.items()}, p("ckpt_bfl.safetensors"))
+        save_file({k: v.astype(np.float64) for k, v in bfl.items()}, p("ckpt_bfl_f64.safetensors"))
 
         outs = {}
-        for ck in ("diffusers", "bfl"):
-            for inp in ("f32", "f64", "batched_ids"):
+        for ck in ("diffusers", "bfl", "bfl_f64"):
+            for inp in ("f32", "f64", "batched_ids", "int_ids"):
                 out = p(f"out_{ck}_{inp}.safetensors")
                 flux8("forward", "-c", CONFIG, *SET, "--checkpoint", p(f"ckpt_{ck}.safetensors"),
                       "--inputs", p(f"in_{inp}.safetensors"), "--out", out, "--loss-grad")

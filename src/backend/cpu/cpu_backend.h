@@ -65,6 +65,12 @@ class CpuBackend final : public Backend {
   void concat_tokens(Tensor out, Tensor a, Tensor b) override;
   void split_tokens(Tensor a, Tensor b, Tensor in) override;
 
+  void flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
+                         std::span<const uint64_t> streams) override;
+  double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
+  double sum_squares(Tensor x) override;
+  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
+
  private:
   BackendOptions options_;
 };

@@ -1,0 +1,134 @@
+// The rectified-flow objective's noise, the MSE loss, the gradient norm and AdamW.
+// Reductions run over fixed chunks summed in order, so results do not depend on threads.
+#include <cmath>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+#include "core/rng.h"
+
+namespace flux8 {
+using namespace cpu;
+
+namespace {
+
+constexpr int64_t kChunk = 1 << 15;
+
+// Σ f(i) over [0, n) in double: chunk partial sums (parallel), then summed in chunk order.
+template <typename F>
+double ordered_sum(int64_t n, const Ctx& c, F f) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  parallel_for(chunks, c, [&](int64_t k) {
+    double s = 0;
+    for (int64_t i = k * kChunk; i < std::min(n, (k + 1) * kChunk); ++i) s += f(i);
+    partial[static_cast<size_t>(k)] = s;
+  });
+  double total = 0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+void require_contiguous(std::string_view op, Named a) {
+  if (a.t.defined() && !a.t.contiguous())
+    fail("{}: tensor '{}' ({}) must be contiguous", op, a.name, a.t.str());
+}
+
+}  // namespace
+
+void CpuBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
+                                   std::span<const uint64_t> streams) {
+  constexpr std::string_view op = "flow_match_inputs";
+  const DType dt = call_dtype(op, {{"xt", xt}, {"target", target}, {"x0", x0}, {"t", t}});
+  for (Named n : {Named{"xt", xt}, Named{"target", target}, Named{"x0", x0}}) require_contiguous(op, n);
+  require_shape(op, {"xt", xt}, x0.shape);
+  require_shape(op, {"target", target}, x0.shape);
+  const int64_t B = x0.shape[0], per = x0.numel() / B;
+  require_vector(op, {"t", t}, B);
+  if (static_cast<int64_t>(streams.size()) != B)
+    fail("{}: {} noise streams for a batch of {}", op, streams.size(), B);
+  const Ctx c = make_ctx(options_, dt);
+  dispatch(dt, [&]<typename T>(T) {
+    parallel_for(B, c, [&](int64_t b) {
+      const double tb = static_cast<double>(t.ptr<T>()[b]);
+      const T* x = x0.ptr<T>() + b * per;
+      T* xo = xt.ptr<T>() + b * per;
+      T* tg = target.ptr<T>() + b * per;
+      for (int64_t i = 0; i < per; ++i) {
+        const double eps = rng_normal(seed, streams[static_cast<size_t>(b)], static_cast<uint64_t>(i));
+        xo[i] = act<T>(static_cast<T>((1.0 - tb) * static_cast<double>(x[i]) + tb * eps), c);
+        tg[i] = static_cast<T>(eps - static_cast<double>(x[i]));
+      }
+    });
+  });
+}
+
+double CpuBackend::mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
+  constexpr std::string_view op = "mse_loss";
+  const DType dt = call_dtype(op, {{"dpred", dpred}, {"pred", pred}, {"target", target}});
+  for (Named n : {Named{"dpred", dpred}, Named{"pred", pred}, Named{"target", target}}) require_contiguous(op, n);
+  require_shape(op, {"target", target}, pred.shape);
+  if (dpred.defined()) require_shape(op, {"dpred", dpred}, pred.shape);
+  const int64_t n = pred.numel();
+  const Ctx c = make_ctx(options_, dt);
+  double loss = 0;
+  dispatch(dt, [&]<typename T>(T) {
+    const T *p = pred.ptr<T>(), *y = target.ptr<T>();
+    loss = ordered_sum(n, c, [&](int64_t i) {
+             const double d = static_cast<double>(p[i]) - static_cast<double>(y[i]);
+             return d * d;
+           }) / static_cast<double>(n);
+    if (dpred.defined()) {
+      T* g = dpred.ptr<T>();
+      const double k = 2.0 * grad_scale / static_cast<double>(n);
+      parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
+        for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i)
+          g[i] = act<T>(static_cast<T>(k * (static_cast<double>(p[i]) - static_cast<double>(y[i]))), c);
+      });
+    }
+  });
+  return loss;
+}
+
+double CpuBackend::sum_squares(Tensor x) {
+  const DType dt = call_dtype("sum_squares", {{"x", x}});
+  require_contiguous("sum_squares", {"x", x});
+  const Ctx c = make_ctx(options_, dt);
+  double s = 0;
+  dispatch(dt, [&]<typename T>(T) {
+    const T* p = x.ptr<T>();
+    s = ordered_sum(x.numel(), c, [&](int64_t i) { return static_cast<double>(p[i]) * static_cast<double>(p[i]); });
+  });
+  return s;
+}
+
+void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) {
+  constexpr std::string_view op = "adamw";
+  const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
+  for (Named n : {Named{"param", param}, Named{"grad", grad}, Named{"m", m}, Named{"v", v}}) {
+    require_contiguous(op, n);
+    require_vector(op, n, param.numel());
+  }
+  if (h.step < 1) fail("adamw: step must be >= 1 (1-based), got {}", h.step);
+  const int64_t n = param.numel();
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const double decay = 1.0 - h.lr * h.weight_decay;
+  const Ctx c = make_ctx(options_, dt);
+  dispatch(dt, [&]<typename T>(T) {
+    T *p = param.ptr<T>(), *mm = m.ptr<T>(), *vv = v.ptr<T>();
+    const T* g = grad.ptr<T>();
+    parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
+      for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i) {
+        const double gi = h.grad_scale * static_cast<double>(g[i]);
+        const double mi = h.beta1 * static_cast<double>(mm[i]) + (1.0 - h.beta1) * gi;
+        const double vi = h.beta2 * static_cast<double>(vv[i]) + (1.0 - h.beta2) * gi * gi;
+        mm[i] = static_cast<T>(mi);
+        vv[i] = static_cast<T>(vi);
+        p[i] = static_cast<T>(static_cast<double>(p[i]) * decay -
+                              h.lr * (mi / bc1) / (std::sqrt(vi / bc2) + h.eps));
+      }
+    });
+  });
+}
+
+}  // namespace flux8

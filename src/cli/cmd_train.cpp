@@ -1,0 +1,35 @@
+// `flux8 train`: the training loop (see src/train/trainer.h).
+#include <fmt/core.h>
+
+#include <cmath>
+
+#include "cli/commands.h"
+#include "train/trainer.h"
+
+namespace flux8::cli {
+
+Command add_train_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("train", "train a Flux model (rectified flow) from a YAML config");
+  auto o = std::make_shared<TrainOptions>();
+  cmd->add_option("-c,--config", o->config_path, "experiment YAML (e.g. configs/demo.yaml)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--set", o->overrides, "override a config key: --set key=value (repeatable)");
+  cmd->add_flag("--resume", o->resume,
+                "continue from the newest valid checkpoint in save_dir (start fresh if there is none)");
+  cmd->add_option("--init-from", o->init_from,
+                  "start from these weights (a checkpoint directory or a .safetensors in reference or "
+                  "diffusers naming, e.g. flux1-schnell.safetensors); optimizer state starts fresh");
+  cmd->add_option("--stop-after", o->stop_after,
+                  "stop after N steps of this run, saving a checkpoint, as a SIGTERM would");
+  return {cmd, [o]() {
+            const TrainResult r = run_training(*o);
+            if (!r.stopped_early && std::isfinite(r.first_val_loss) && std::isfinite(r.last_val_loss))
+              fmt::print("done: {} steps; validation loss {:.4f} -> {:.4f} ({:+.1f}%)\n", r.steps_done,
+                         r.first_val_loss, r.last_val_loss,
+                         100.0 * (r.last_val_loss - r.first_val_loss) / r.first_val_loss);
+            return 0;
+          }};
+}
+
+}  // namespace flux8::cli

@@ -1,0 +1,286 @@
+#include "data/loader.h"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <utility>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "data/webdataset.h"
+
+namespace flux8 {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr uint64_t kShardOrderPurpose = 0x7368617264736571ull;  // "shardseq"
+constexpr uint64_t kShuffleBufferPurpose = 0x73687566666c6562ull;  // "shuffleb"
+
+// Uniform integer in [0, n) from draw `index` of `stream`: one 32-bit Philox word scaled by n
+// (bias below n / 2^32, irrelevant for buffer and shard counts).
+uint64_t draw_below(uint64_t seed, uint64_t stream, uint64_t index, uint64_t n) {
+  uint32_t w[4];
+  Philox::generate(seed, stream, index >> 2, w);
+  return (static_cast<uint64_t>(w[index & 3]) * n) >> 32;
+}
+
+bool is_regular(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+
+std::string trim(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const size_t e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+}  // namespace
+
+std::vector<std::string> resolve_shards(const std::string& source) {
+  if (source.empty())
+    fail("data source is empty; give a glob (data/train-*.tar), a directory or a list file");
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (fs::is_directory(source, ec)) {
+    for (const auto& e : fs::directory_iterator(source, ec))
+      if (e.path().extension() == ".tar" && is_regular(e.path())) out.push_back(e.path().string());
+    if (ec) fail("data source {}: cannot list the directory: {}", source, ec.message());
+  } else if (source.find_first_of("*?[") != std::string::npos) {
+    glob_t g{};
+    const int rc = ::glob(source.c_str(), 0, nullptr, &g);
+    if (rc != 0 && rc != GLOB_NOMATCH) {
+      ::globfree(&g);
+      fail("data source {}: glob failed (code {})", source, rc);
+    }
+    for (size_t i = 0; i < g.gl_pathc; ++i)
+      if (is_regular(g.gl_pathv[i])) out.push_back(g.gl_pathv[i]);
+    ::globfree(&g);
+  } else if (is_regular(source) && fs::path(source).extension() == ".tar") {
+    out.push_back(source);
+  } else if (is_regular(source)) {
+    std::ifstream in(source);
+    if (!in) fail("data source {}: cannot read the list file", source);
+    const fs::path base = fs::path(source).parent_path();
+    std::string line;
+    for (int n = 1; std::getline(in, line); ++n) {
+      line = trim(line);
+      if (line.empty() || line[0] == '#') continue;
+      const fs::path p = fs::path(line).is_absolute() ? fs::path(line) : base / line;
+      if (!is_regular(p))
+        fail("data source {}, line {}: shard {} does not exist (paths are relative to the list "
+             "file)", source, n, p.string());
+      out.push_back(p.string());
+    }
+  } else {
+    fail("data source {} does not exist (expected a glob pattern, a directory of .tar shards, a "
+         ".tar file or a list file)", source);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  if (out.empty()) fail("data source {} names no .tar shards", source);
+  return out;
+}
+
+std::vector<std::string> epoch_shards(const std::vector<std::string>& sorted_shards,
+                                      uint64_t seed, uint64_t epoch, int rank, int world,
+                                      bool shuffle) {
+  if (world < 1 || rank < 0 || rank >= world)
+    fail("data loader: rank {} of world {} is not a valid data-parallel position", rank, world);
+  if (sorted_shards.size() < static_cast<size_t>(world))
+    fail("data loader: {} shards for {} data-parallel ranks; every rank needs at least one shard "
+         "(split the data into more shards or use fewer ranks)", sorted_shards.size(), world);
+  std::vector<size_t> order(sorted_shards.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  if (shuffle) {
+    const uint64_t stream = rng_stream(kShardOrderPurpose, epoch);
+    uint64_t d = 0;
+    for (size_t i = order.size(); i > 1; --i)
+      std::swap(order[i - 1], order[draw_below(seed, stream, d++, i)]);
+  }
+  std::vector<std::string> out;
+  for (size_t i = static_cast<size_t>(rank); i < order.size(); i += static_cast<size_t>(world))
+    out.push_back(sorted_shards[order[i]]);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+DataLoader::DataLoader(const LoaderOptions& options, const LoaderState& start_state)
+    : options_(options) {
+  if (options_.prefetch < 1) options_.prefetch = 1;
+  shards_ = resolve_shards(options_.source);
+  epoch_shards(shards_, options_.seed, 0, options_.rank, options_.world, false);  // validates
+  if (options_.single_pass && start_state.epoch != 0)
+    fail("data loader: single-pass loader cannot start at epoch {}", start_state.epoch);
+  start(start_state);
+}
+
+DataLoader::~DataLoader() { stop(); }
+
+void DataLoader::start(const LoaderState& s) {
+  state_ = s;
+  stop_ = done_ = false;
+  error_ = nullptr;
+  queue_.clear();
+  thread_ = std::thread([this, s] { produce(s); });
+}
+
+void DataLoader::stop() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  not_full_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void DataLoader::reset(const LoaderState& s) {
+  if (options_.single_pass && s.epoch != 0)
+    fail("data loader: single-pass loader cannot start at epoch {}", s.epoch);
+  stop();
+  start(s);
+}
+
+bool DataLoader::push(Item item) {
+  std::unique_lock<std::mutex> lk(mu_);
+  not_full_.wait(lk, [&] { return stop_ || queue_.size() < options_.prefetch; });
+  if (stop_) return false;
+  queue_.push_back(std::move(item));
+  lk.unlock();
+  not_empty_.notify_one();
+  return true;
+}
+
+bool DataLoader::next(Sample& out) {
+  std::unique_lock<std::mutex> lk(mu_);
+  not_empty_.wait(lk, [&] { return !queue_.empty() || done_ || error_; });
+  if (queue_.empty()) {
+    if (error_) std::rethrow_exception(error_);
+    return false;  // end of a single pass
+  }
+  Item item = std::move(queue_.front());
+  queue_.pop_front();
+  lk.unlock();
+  not_full_.notify_one();
+  state_ = {item.epoch, item.index + 1};
+  out = std::move(item.sample);
+  return true;
+}
+
+Sample DataLoader::next() {
+  Sample s;
+  if (!next(s))
+    fail("data loader: the single pass over {} is complete ({} samples); check next(Sample&) "
+         "for the end", options_.source, state_.consumed);
+  return s;
+}
+
+void DataLoader::skip_corrupt_warning(const std::string& shard, const std::string& what,
+                                      bool rest_of_shard) {
+  corrupt_skipped_.fetch_add(1);
+  fmt::print(stderr, "flux8: warning: {} -- skipping {} (skip_corrupt)\n", what,
+             rest_of_shard ? "the rest of shard " + shard : std::string("this sample"));
+}
+
+void DataLoader::produce(LoaderState s) {
+  try {
+    uint64_t epoch = s.epoch, skip = s.consumed;
+    for (;;) {
+      if (!run_epoch(epoch, skip)) return;  // stopped
+      if (options_.single_pass) break;
+      ++epoch;
+      skip = 0;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      done_ = true;
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(mu_);
+    error_ = std::current_exception();
+  }
+  not_empty_.notify_all();
+}
+
+bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
+  const bool shuffle = !options_.single_pass;
+  const std::vector<std::string> shards =
+      epoch_shards(shards_, options_.seed, epoch, options_.rank, options_.world, shuffle);
+  const size_t slots = shuffle ? options_.shuffle_buffer : 0;
+  const uint64_t stream =
+      rng_stream(kShuffleBufferPurpose, epoch, static_cast<uint64_t>(options_.rank));
+
+  // A buffered sample: decoded, or (while replaying up to a resume point) only located.
+  struct Entry {
+    Sample sample;
+    RawSample located;
+    bool lazy = false;
+  };
+  std::vector<Entry> buffer;
+  uint64_t draws = 0, emitted = 0;
+
+  const auto take_random = [&]() {
+    const uint64_t j = draw_below(options_.seed, stream, draws++, buffer.size());
+    std::swap(buffer[j], buffer.back());
+    Entry e = std::move(buffer.back());
+    buffer.pop_back();
+    return e;
+  };
+  // Samples before the resume point were returned by the earlier run: drop them unread.
+  const auto emit = [&](Entry e) -> bool {
+    const uint64_t index = emitted++;
+    if (index < skip) return true;
+    if (e.lazy) {
+      try {
+        e.sample = load_sample(e.located);
+      } catch (const Error& err) {
+        if (!options_.skip_corrupt) throw;
+        skip_corrupt_warning(e.located.shard, err.what(), false);
+        return true;
+      }
+    }
+    return push(Item{std::move(e.sample), epoch, index});
+  };
+
+  for (const std::string& shard : shards) {
+    try {
+      WebDatasetReader reader(shard);
+      for (;;) {
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (stop_) return false;
+        }
+        Entry e;
+        e.lazy = emitted < skip;  // may still be dropped: read headers only
+        if (!reader.next_raw(e.located, !e.lazy)) break;
+        if (!e.lazy) {
+          e.sample = decode_sample(e.located);
+          e.located = RawSample();
+        }
+        buffer.push_back(std::move(e));
+        if (buffer.size() > slots && !emit(take_random())) return false;
+      }
+    } catch (const Error& err) {
+      if (!options_.skip_corrupt) throw;
+      skip_corrupt_warning(shard, err.what(), true);
+    }
+  }
+  while (!buffer.empty())
+    if (!emit(take_random())) return false;
+
+  if (emitted < skip)
+    fail("data loader: resume state says {} samples were consumed in epoch {}, but rank {} of {} "
+         "has only {} in that epoch (were the shards or the data-parallel size changed?)", skip,
+         epoch, options_.rank, options_.world, emitted);
+  if (emitted == 0)
+    fail("data loader: epoch {} has no samples for rank {} of {} (shards: {}){}", epoch,
+         options_.rank, options_.world, fmt::join(shards, ", "),
+         corrupt_skipped() > 0 ? "; every shard was skipped as corrupt" : "");
+  return true;
+}
+
+}  // namespace flux8

@@ -1,0 +1,111 @@
+#pragma once
+// The training/validation data loader: WebDataset shards -> a deterministic stream of decoded
+// samples, read ahead on a background thread.
+//
+// Order (a pure function of seed, epoch, rank and world; never of timing or thread count):
+//   shards      sorted; per epoch permuted with Fisher-Yates driven by the counter RNG keyed by
+//               (seed, epoch), the same permutation on every rank; rank r of W takes the
+//               permuted shards i with i % W == r (fewer shards than ranks is an error)
+//   samples     read in shard order, then through a shuffle buffer of `shuffle_buffer` slots:
+//               each sample read past a full buffer swaps out a slot chosen by draw number d of
+//               stream (seed, epoch, rank); at the end of the epoch the rest leaves the same way
+//   epochs      repeat forever (the epoch counter advances), or one pass in `single_pass` mode
+//               (validation: sorted shards, no shuffling, then next() returns false)
+// Position: LoaderState {epoch, consumed}. A loader started from a state returns exactly the
+// samples an uninterrupted run returns after that point. It gets there by replaying the epoch's
+// shuffle on tar headers only: samples consumed before the state are never read or decoded;
+// those still in the shuffle buffer at that point are read by random access when they leave.
+//
+// Faults: a corrupt or truncated shard, or a member that fails to decode, is an Error naming
+// shard and member, raised by next() after the samples read before it. With skip_corrupt the
+// rest of that shard is skipped instead, with a warning line on stderr, and counted in
+// corrupt_skipped() when the reader thread meets it (it reads ahead of next()). Caveat: a
+// resumed loader does not decode the samples it skips, so a sample whose tar structure is sound
+// but whose content fails to decode, skipped while resuming, does not cut its shard short as
+// it did in the original run (one still in the shuffle buffer is skipped alone, with a warning).
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data/sample.h"
+
+namespace flux8 {
+
+struct LoaderOptions {
+  std::string source;          // glob ("data/train-*.tar"), directory of .tar, a .tar, or a list
+                               // file (one shard per line, relative to the list file; '#' comments)
+  uint64_t seed = 0;
+  int rank = 0;                // data-parallel rank and world size
+  int world = 1;
+  size_t shuffle_buffer = 1000;  // slots; 0 keeps the read order
+  size_t prefetch = 16;          // decoded samples held ready (>= 1)
+  bool single_pass = false;      // validation: one pass in sorted order, no shuffling
+  bool skip_corrupt = false;
+};
+
+struct LoaderState {
+  uint64_t epoch = 0;
+  uint64_t consumed = 0;  // samples next() returned in this epoch
+  bool operator==(const LoaderState&) const = default;
+};
+
+// Shard paths from a source as described in LoaderOptions, sorted and without duplicates;
+// fails when the source names nothing or no shards.
+std::vector<std::string> resolve_shards(const std::string& source);
+// The shards rank `rank` of `world` reads in `epoch`, in reading order.
+std::vector<std::string> epoch_shards(const std::vector<std::string>& sorted_shards,
+                                      uint64_t seed, uint64_t epoch, int rank, int world,
+                                      bool shuffle);
+
+class DataLoader {
+ public:
+  explicit DataLoader(const LoaderOptions& options, const LoaderState& start = {});
+  ~DataLoader();  // stops and joins the reader thread, also while it waits on a full queue
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
+
+  // The next sample; false only at the end of a single pass. Rethrows the reader's error.
+  bool next(Sample& out);
+  // The same, failing at the end of a single pass.
+  Sample next();
+
+  LoaderState state() const { return state_; }
+  // Restarts the stream at `state` (stops the reader, drops what it read ahead).
+  void reset(const LoaderState& state);
+
+  uint64_t corrupt_skipped() const { return corrupt_skipped_.load(); }
+  const std::vector<std::string>& shards() const { return shards_; }
+  const LoaderOptions& options() const { return options_; }
+
+ private:
+  struct Item {
+    Sample sample;
+    uint64_t epoch = 0, index = 0;
+  };
+  void start(const LoaderState& state);
+  void stop();
+  void produce(LoaderState start);
+  bool run_epoch(uint64_t epoch, uint64_t skip);  // false when stopped
+  bool push(Item item);                           // false when stopped
+  void skip_corrupt_warning(const std::string& shard, const std::string& what, bool rest_of_shard);
+
+  LoaderOptions options_;
+  std::vector<std::string> shards_;
+  LoaderState state_;  // consumer side: position after the last sample returned
+
+  std::mutex mu_;
+  std::condition_variable not_full_, not_empty_;
+  std::deque<Item> queue_;
+  bool stop_ = false, done_ = false;
+  std::exception_ptr error_;
+  std::atomic<uint64_t> corrupt_skipped_{0};
+  std::thread thread_;
+};
+
+}  // namespace flux8

@@ -1,0 +1,534 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/transfer.h"
+#include "core/error.h"
+#include "core/sha256.h"
+#include "io/safetensors.h"
+#include "model/weights_io.h"
+
+namespace flux8 {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kStateFile = "trainer_state.json";
+constexpr const char* kManifestFile = "manifest.json";
+constexpr const char* kTmpPrefix = ".tmp-";
+
+// ---- durable file-system operations ------------------------------------------------------
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) fail("cannot open '{}' to fsync it: {}", path, std::strerror(errno));
+  const int rc = ::fsync(fd), err = errno;
+  ::close(fd);
+  if (rc != 0) fail("cannot fsync '{}': {} (is the disk full or failing?)", path, std::strerror(err));
+}
+
+void write_file_durably(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("cannot create '{}': {}", path, std::strerror(errno));
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      fail("cannot write '{}': {} (is the disk full?)", path, std::strerror(err));
+    }
+    done += static_cast<size_t>(n);
+  }
+  const int rc = ::fsync(fd), err = errno;
+  ::close(fd);
+  if (rc != 0) fail("cannot fsync '{}': {}", path, std::strerror(err));
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open '{}': {}", path, std::strerror(errno));
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Swaps two directory entries atomically (Linux renameat2 RENAME_EXCHANGE); false when the
+// file system does not support it.
+bool exchange_paths(const std::string& a, const std::string& b) {
+#ifdef RENAME_EXCHANGE
+  return ::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0;
+#else
+  return false;
+#endif
+}
+
+void rename_path(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    fail("cannot rename '{}' to '{}': {}", from, to, std::strerror(errno));
+}
+
+// ---- checkpoint directories --------------------------------------------------------------
+
+std::optional<int64_t> parse_step_dir(const std::string& name) {
+  if (name.rfind("step-", 0) != 0 || name.size() <= 5 || name.size() > 5 + 18) return std::nullopt;
+  int64_t step = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+struct StepDir {
+  int64_t step;
+  std::string path;
+  std::string name;
+};
+
+// Newest first.
+std::vector<StepDir> list_step_dirs(const std::string& root) {
+  std::vector<StepDir> dirs;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return dirs;
+  for (const fs::directory_entry& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    const auto step = parse_step_dir(name);
+    if (step && e.is_directory(ec)) dirs.push_back({*step, e.path().string(), name});
+  }
+  std::sort(dirs.begin(), dirs.end(), [](const StepDir& a, const StepDir& b) {
+    return a.step != b.step ? a.step > b.step : a.name > b.name;
+  });
+  return dirs;
+}
+
+// ---- manifest ----------------------------------------------------------------------------
+
+struct FileRecord {
+  uint64_t bytes = 0;
+  std::string sha256;
+};
+
+struct Manifest {
+  int version = 0;
+  int64_t step = 0;
+  std::map<std::string, FileRecord> files;
+};
+
+// Throws an Error with a short problem (no directory prefix) when the manifest is unusable.
+Manifest read_manifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kManifestFile).string();
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    fail("{} is missing (the checkpoint was never finished, or is not a flux8 checkpoint)",
+         kManifestFile);
+  Manifest m;
+  try {
+    const json j = json::parse(read_text(path));
+    m.version = j.at("format_version").get<int>();
+    if (m.version > kCheckpointFormatVersion)
+      fail("{} has format_version {}; this flux8 reads version {} (written by a newer flux8?)",
+           kManifestFile, m.version, kCheckpointFormatVersion);
+    m.step = j.at("step").get<int64_t>();
+    for (const auto& [name, rec] : j.at("files").items()) {
+      if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+        fail("{} lists an invalid file name '{}'", kManifestFile, name);
+      m.files[name] = {rec.at("bytes").get<uint64_t>(), rec.at("sha256").get<std::string>()};
+    }
+  } catch (const json::exception& e) {
+    fail("{} is not a valid manifest: {}", kManifestFile, e.what());
+  }
+  for (const char* required : {kModelFile, kOptimizerFile, kStateFile})
+    if (!m.files.count(required)) fail("{} does not list {}", kManifestFile, required);
+  return m;
+}
+
+// Checks one file against its manifest record; "" when it matches.
+std::string check_file(const std::string& dir, const std::string& name, const FileRecord& rec,
+                       bool hash) {
+  const std::string path = (fs::path(dir) / name).string();
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec) return fmt::format("{} is missing ({})", name, ec.message());
+  if (size != rec.bytes)
+    return fmt::format("{} has {} bytes, manifest says {} (the file is incomplete: a run was "
+                       "probably killed while writing or copying it, or the disk filled up)",
+                       name, size, rec.bytes);
+  if (hash) {
+    const std::string digest = sha256_file(path);
+    if (digest != rec.sha256)
+      return fmt::format("{} has sha256 {}, manifest says {}: the file was altered or damaged on "
+                         "disk",
+                         name, digest, rec.sha256);
+  }
+  return "";
+}
+
+// "" when `dir` is a complete checkpoint; else the first problem found. `hash` = false checks
+// only presence and sizes (cheap: used when pruning).
+std::string checkpoint_problem(const std::string& dir, bool hash) {
+  try {
+    const Manifest m = read_manifest(dir);
+    const auto named = parse_step_dir(fs::path(dir).filename().string());
+    if (named && *named != m.step)
+      return fmt::format("{} is for step {}, but the directory is named for step {}",
+                         kManifestFile, m.step, *named);
+    // Presence and sizes of all files first: cheap, and the likely damage.
+    for (const bool with_hash : {false, hash})
+      for (const auto& [name, rec] : m.files) {
+        std::string p = check_file(dir, name, rec, with_hash);
+        if (!p.empty()) return p;
+      }
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// ---- contents ----------------------------------------------------------------------------
+
+std::vector<int64_t> dims(const Shape& s) {
+  return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank);
+}
+
+// The view of one parameter inside a flat buffer laid out like the parameters.
+Tensor slice_of(const Tensor& flat, const ParamInfo& p) {
+  return Tensor(static_cast<char*>(flat.data) + static_cast<size_t>(p.offset) * dtype_size(flat.dtype),
+                flat.dtype, p.shape);
+}
+
+void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what) {
+  for (const auto& [t, name] : {std::pair{&m, "adam_m"}, std::pair{&v, "adam_v"}}) {
+    if (!t->defined() || t->numel() != store.layout().total() || !t->contiguous() ||
+        (t->dtype != DType::f32 && t->dtype != DType::f64))
+      fail("{}: {} must be a contiguous f32/f64 buffer of {} elements laid out like the "
+           "parameters, got {}",
+           what, name, store.layout().total(), t->str());
+  }
+}
+
+std::string optimizer_tensor_name(const char* moment, const std::string& param) {
+  return std::string(moment) + "." + param;
+}
+
+void save_optimizer(const std::string& path, const TrainerState& state, const ParamStore& store,
+                    const Tensor& adam_m, const Tensor& adam_v) {
+  Backend& be = store.backend();
+  SafetensorsWriter writer;
+  std::vector<std::vector<float>> host;  // must outlive write()
+  host.reserve(store.layout().params().size() * 2);
+  for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}}) {
+    for (const ParamInfo& p : store.layout().params()) {
+      const std::vector<double> values = to_host(be, slice_of(*flat, p));
+      host.emplace_back(values.begin(), values.end());
+      writer.add_f32_as(optimizer_tensor_name(moment, p.name), dims(p.shape), host.back().data(),
+                        DType::f32);
+    }
+  }
+  writer.set_metadata("format", "pt");
+  writer.set_metadata("flux8_optimizer", "adamw");
+  writer.set_metadata("flux8_step", std::to_string(state.step));
+  writer.write(path);
+}
+
+void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m,
+                    const Tensor& adam_v) {
+  const SafetensorsReader file(path);
+  std::vector<std::string> problems;
+  size_t expected = 0;
+  for (const char* moment : {"exp_avg", "exp_avg_sq"})
+    for (const ParamInfo& p : store.layout().params()) {
+      ++expected;
+      const std::string name = optimizer_tensor_name(moment, p.name);
+      if (!file.contains(name)) problems.push_back("missing: " + name);
+    }
+  if (problems.empty() && file.names().size() != expected)
+    problems.push_back(fmt::format("{} tensors, the model needs {}", file.names().size(), expected));
+  if (!problems.empty())
+    fail("optimizer state {} does not match this model ({}{}); was it saved with another config?",
+         path, problems.front(), problems.size() > 1 ? fmt::format(" and {} more", problems.size() - 1) : "");
+  Backend& be = store.backend();
+  for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}})
+    for (const ParamInfo& p : store.layout().params()) {
+      std::vector<double> values(static_cast<size_t>(p.shape.numel()));
+      file.read_f64(optimizer_tensor_name(moment, p.name), values.data(), dims(p.shape));
+      from_host(be, slice_of(*flat, p), values);
+    }
+}
+
+// JSON has no NaN or infinity; a non-finite loss is stored as a string.
+json loss_to_json(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return x;
+}
+
+void remove_quietly(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) std::cerr << fmt::format("flux8: warning: could not remove '{}': {}\n", path, ec.message());
+}
+
+// .tmp-* directories whose writer is gone: ".tmp-step-0000100-<pid>" with no live <pid>.
+void remove_stale_tmp_dirs(const std::string& root) {
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(kTmpPrefix, 0) != 0) continue;
+    const size_t dash = name.rfind('-');
+    const long pid = std::strtol(name.c_str() + dash + 1, nullptr, 10);
+    const bool alive = pid > 0 && pid != ::getpid() &&
+                       (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    if (!alive) remove_quietly(e.path().string());
+  }
+}
+
+void prune(const std::string& root, const std::string& just_saved, int keep_last) {
+  if (keep_last <= 0) return;
+  int kept = 1;  // the checkpoint just written
+  for (const StepDir& d : list_step_dirs(root)) {
+    if (d.path == just_saved) continue;
+    if (kept < keep_last && checkpoint_problem(d.path, /*hash=*/false).empty()) {
+      ++kept;
+      continue;
+    }
+    // Older than the newest keep_last complete checkpoints, or incomplete.
+    remove_quietly(d.path);
+  }
+}
+
+}  // namespace
+
+std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:07d}", step); }
+
+std::string trainer_state_to_json(const TrainerState& s) {
+  json j;
+  j["step"] = s.step;
+  j["consumed_samples"] = s.consumed_samples;
+  j["data_epoch"] = s.data_epoch;
+  j["data_position"] = s.data_position;
+  j["seed"] = s.seed;
+  j["skipped_steps"] = s.skipped_steps;
+  j["last_loss"] = loss_to_json(s.last_loss);
+  j["config_yaml"] = s.config_yaml;
+  j["flux8_version"] = s.flux8_version;
+  return j.dump(2) + "\n";
+}
+
+TrainerState trainer_state_from_json(const std::string& text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    fail("{}: not valid JSON: {}", where, e.what());
+  }
+  if (!j.is_object()) fail("{}: expected a JSON object", where);
+  TrainerState s;
+  std::set<std::string> known;
+  auto field = [&](const char* key) -> const json& {
+    known.insert(key);
+    if (!j.contains(key)) fail("{}: missing field '{}'", where, key);
+    return j[key];
+  };
+  auto int_field = [&](const char* key, int64_t& out) {
+    const json& v = field(key);
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)))
+      fail("{}: field '{}' must be an integer, got {}", where, key, v.dump());
+    out = v.get<int64_t>();
+  };
+  auto string_field = [&](const char* key, std::string& out) {
+    const json& v = field(key);
+    if (!v.is_string()) fail("{}: field '{}' must be a string, got {}", where, key, v.dump());
+    out = v.get<std::string>();
+  };
+  int_field("step", s.step);
+  int_field("consumed_samples", s.consumed_samples);
+  int_field("data_epoch", s.data_epoch);
+  int_field("data_position", s.data_position);
+  int_field("skipped_steps", s.skipped_steps);
+  {
+    const json& v = field("seed");
+    if (!v.is_number_unsigned()) fail("{}: field 'seed' must be a non-negative integer, got {}", where, v.dump());
+    s.seed = v.get<uint64_t>();
+  }
+  {
+    const json& v = field("last_loss");
+    if (v.is_number()) {
+      s.last_loss = v.get<double>();
+    } else if (v == "nan") {
+      s.last_loss = std::numeric_limits<double>::quiet_NaN();
+    } else if (v == "inf" || v == "-inf") {
+      s.last_loss = (v == "inf" ? 1 : -1) * std::numeric_limits<double>::infinity();
+    } else {
+      fail("{}: field 'last_loss' must be a number, \"nan\", \"inf\" or \"-inf\", got {}", where, v.dump());
+    }
+  }
+  string_field("config_yaml", s.config_yaml);
+  string_field("flux8_version", s.flux8_version);
+  for (const auto& [key, value] : j.items())
+    if (!known.count(key))
+      fail("{}: unknown field '{}' (written by a newer flux8, or edited by hand?)", where, key);
+  return s;
+}
+
+std::string save_checkpoint(const std::string& root, const TrainerState& state,
+                            const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
+                            const Tensor& adam_v, int keep_last) {
+  check_moments(store, adam_m, adam_v, "save_checkpoint");
+  if (state.step < 0) fail("save_checkpoint: step {} is negative", state.step);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) fail("cannot create checkpoint directory '{}': {}", root, ec.message());
+
+  const std::string name = checkpoint_dir_name(state.step);
+  const std::string final_dir = (fs::path(root) / name).string();
+  const std::string tmp_dir =
+      (fs::path(root) / fmt::format("{}{}-{}", kTmpPrefix, name, ::getpid())).string();
+  fs::remove_all(tmp_dir, ec);
+  fs::create_directory(tmp_dir, ec);
+  if (ec) fail("cannot create '{}': {}", tmp_dir, ec.message());
+
+  auto in_tmp = [&](const char* file) { return (fs::path(tmp_dir) / file).string(); };
+  // Every file is written and fsynced by its writer (safetensors: temp file + rename).
+  save_weights(store, cfg, in_tmp(kModelFile), DType::f32, WeightNaming::reference,
+               {{"flux8_config", state.config_yaml},
+                {"flux8_step", std::to_string(state.step)},
+                {"flux8_version", state.flux8_version}});
+  save_optimizer(in_tmp(kOptimizerFile), state, store, adam_m, adam_v);
+  write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
+
+  json manifest;
+  manifest["format"] = "flux8-checkpoint";
+  manifest["format_version"] = kCheckpointFormatVersion;
+  manifest["step"] = state.step;
+  manifest["files"] = json::object();
+  for (const char* file : {kModelFile, kOptimizerFile, kStateFile})
+    manifest["files"][file] = {{"bytes", fs::file_size(in_tmp(file))},
+                               {"sha256", sha256_file(in_tmp(file))}};
+  write_file_durably(in_tmp(kManifestFile), manifest.dump(2) + "\n");
+  fsync_path(tmp_dir, /*directory=*/true);
+
+  if (fs::exists(final_dir, ec)) {
+    // Replacing step-N: swap atomically where the file system can, so a crash leaves one of
+    // the two complete versions under the name; the old one ends up under the .tmp name.
+    if (!exchange_paths(tmp_dir, final_dir)) {
+      const std::string old_dir = tmp_dir + "-old";
+      rename_path(final_dir, old_dir);
+      rename_path(tmp_dir, final_dir);
+      fsync_path(root, true);
+      remove_quietly(old_dir);
+    } else {
+      fsync_path(root, true);
+      remove_quietly(tmp_dir);
+    }
+  } else {
+    rename_path(tmp_dir, final_dir);
+  }
+  fsync_path(root, /*directory=*/true);
+
+  prune(root, final_dir, keep_last);
+  remove_stale_tmp_dirs(root);
+  return final_dir;
+}
+
+void verify_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) fail("checkpoint {}: no such directory", dir);
+  const std::string problem = checkpoint_problem(dir, /*hash=*/true);
+  if (!problem.empty())
+    fail("checkpoint {}: {}; it cannot be used: resume from an earlier checkpoint", dir, problem);
+}
+
+std::optional<std::string> find_latest_checkpoint(const std::string& root, std::string* report) {
+  std::vector<std::string> skipped;
+  std::optional<std::string> found;
+  for (const StepDir& d : list_step_dirs(root)) {
+    const std::string problem = checkpoint_problem(d.path, /*hash=*/true);
+    if (problem.empty()) {
+      found = d.path;
+      break;
+    }
+    skipped.push_back(fmt::format("{}: {}", d.path, problem));
+  }
+  const std::string using_what =
+      found ? "using " + fs::path(*found).filename().string() : "no complete checkpoint remains";
+  for (const std::string& s : skipped) {
+    const std::string line =
+        fmt::format("flux8: warning: checkpoint {} — skipping it; {}\n", s, using_what);
+    std::cerr << line;
+    if (report) *report += line;
+  }
+  return found;
+}
+
+void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
+                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
+  check_moments(store, adam_m, adam_v, "load_checkpoint");
+  verify_checkpoint(dir);
+  const std::string state_path = (fs::path(dir) / kStateFile).string();
+  TrainerState loaded = trainer_state_from_json(read_text(state_path), state_path);
+  const Manifest m = read_manifest(dir);
+  if (loaded.step != m.step)
+    fail("checkpoint {}: {} says step {}, {} says step {}", dir, kStateFile, loaded.step,
+         kManifestFile, m.step);
+  load_weights(store, cfg, (fs::path(dir) / kModelFile).string());
+  load_optimizer((fs::path(dir) / kOptimizerFile).string(), store, adam_m, adam_v);
+  state = std::move(loaded);
+}
+
+std::string resolve_weights_path(const std::string& path_or_dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path_or_dir, ec);
+  if (fs::is_regular_file(st)) return path_or_dir;
+  if (!fs::is_directory(st))
+    fail("--init-from '{}': no such file or directory; give a .safetensors weights file or a "
+         "checkpoint directory (ROOT/step-N)",
+         path_or_dir);
+  const fs::path dir(path_or_dir);
+  if (fs::exists(dir / kManifestFile)) {
+    const Manifest m = [&] {
+      try {
+        return read_manifest(path_or_dir);
+      } catch (const Error& e) {
+        fail("checkpoint {}: {}", path_or_dir, e.what());
+      }
+    }();
+    const std::string problem = check_file(path_or_dir, kModelFile, m.files.at(kModelFile), true);
+    if (!problem.empty()) fail("checkpoint {}: {}; it cannot be used", path_or_dir, problem);
+    return (dir / kModelFile).string();
+  }
+  if (fs::exists(dir / kModelFile)) return (dir / kModelFile).string();
+  const std::vector<StepDir> steps = list_step_dirs(path_or_dir);
+  if (!steps.empty())
+    fail("--init-from '{}' is a checkpoint root, not a checkpoint; name one of its checkpoints, "
+         "e.g. '{}'",
+         path_or_dir, steps.front().path);
+  fail("--init-from '{}' is a directory without {} or {}; give a .safetensors weights file or a "
+       "checkpoint directory (ROOT/step-N)",
+       path_or_dir, kManifestFile, kModelFile);
+}
+
+}  // namespace flux8

@@ -1,0 +1,60 @@
+#pragma once
+// Training checkpoints: everything a run needs to resume bit-exactly, as a directory
+//
+//   ROOT/step-0000100/
+//     model.safetensors      all parameters, F32, reference names (also a plain weights file)
+//     optimizer.safetensors  AdamW moments "exp_avg.<param>" and "exp_avg_sq.<param>", F32
+//     trainer_state.json     TrainerState
+//     manifest.json          format version, step, and bytes + sha256 of every other file
+//
+// A checkpoint is written into ROOT/.tmp-step-N-<pid>/ and renamed into place only when every
+// file and the directory are on disk, so a killed run leaves either no step-N or a complete
+// one. The manifest catches what renaming cannot: files truncated by a copy, a full disk, or
+// bytes altered on disk.
+#include <optional>
+#include <string>
+
+#include "core/tensor.h"
+#include "model/flux_config.h"
+#include "model/params.h"
+#include "train/trainer_state.h"
+
+namespace flux8 {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// "step-0000100" (at least 7 digits; more for steps >= 10^7).
+std::string checkpoint_dir_name(int64_t step);
+
+// Writes ROOT/step-N (N = state.step), replacing an existing one, then keeps only the newest
+// `keep_last` complete checkpoints (the one just written always among them; keep_last <= 0
+// keeps all) and removes .tmp-* directories left by killed runs. adam_m and adam_v are flat
+// moment buffers laid out like store.flat_params(). Returns the checkpoint's path.
+std::string save_checkpoint(const std::string& root, const TrainerState& state,
+                            const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
+                            const Tensor& adam_v, int keep_last);
+
+// The newest ROOT/step-N whose files all match its manifest (sizes and sha256), or nullopt
+// when there is none. Each skipped checkpoint gets a warning line on stderr naming it and the
+// failing file; the same lines are appended to *report when given.
+std::optional<std::string> find_latest_checkpoint(const std::string& root,
+                                                  std::string* report = nullptr);
+
+// Fails naming the directory, the file and the problem (missing, wrong size, checksum).
+void verify_checkpoint(const std::string& dir);
+
+// Verifies `dir`, then loads parameters, moments and state exactly as saved (F32 values into
+// f32 or f64 buffers). `state` is assigned only when everything loaded.
+void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
+                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v);
+
+// For --init-from: a checkpoint directory -> its model.safetensors (checked against the
+// manifest); a file -> itself; anything else fails saying what was expected.
+std::string resolve_weights_path(const std::string& path_or_dir);
+
+// trainer_state.json text, and its strict reader: every field must be present with its type,
+// unknown fields are refused; errors name `where` and the field.
+std::string trainer_state_to_json(const TrainerState& state);
+TrainerState trainer_state_from_json(const std::string& text, const std::string& where);
+
+}  // namespace flux8

@@ -1,0 +1,46 @@
+#include "train/optimizer.h"
+
+#include <cmath>
+
+#include "backend/backend.h"
+#include "config/config.h"
+
+namespace flux8 {
+
+AdamWConfig AdamWConfig::from_config(const Config& c) {
+  AdamWConfig a;
+  a.beta1 = c.get_float("adam_beta1");
+  a.beta2 = c.get_float("adam_beta2");
+  a.eps = c.get_float("adam_eps");
+  a.weight_decay = c.get_float("weight_decay");
+  a.clip_grad = c.get_float("clip_grad");
+  return a;
+}
+
+AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(store), cfg_(cfg) {
+  const Shape s{store.layout().total()};
+  const size_t bytes = static_cast<size_t>(s.numel()) * dtype_size(store.dtype());
+  m_ = Tensor(store.backend().allocate(bytes), store.dtype(), s);
+  v_ = Tensor(store.backend().allocate(bytes), store.dtype(), s);
+}
+
+AdamWOptimizer::~AdamWOptimizer() {
+  store_.backend().release(m_.data);
+  store_.backend().release(v_.data);
+}
+
+StepStats AdamWOptimizer::step(int64_t step, double lr) {
+  Backend& be = store_.backend();
+  StepStats s;
+  s.lr = lr;
+  s.grad_norm = std::sqrt(be.sum_squares(store_.flat_grads()));
+  if (!std::isfinite(s.grad_norm)) return s;
+  // Clipping scales the gradient inside the update (no extra pass over the gradients).
+  const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
+  be.adamw(store_.flat_params(), store_.flat_grads(), m_, v_,
+           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step});
+  s.applied = true;
+  return s;
+}
+
+}  // namespace flux8

@@ -1,0 +1,44 @@
+#pragma once
+// AdamW over the flat parameter buffer, with global-norm gradient clipping. The moments are
+// two more flat buffers laid out like the parameters (on the CPU backend the f32 parameters
+// are themselves the master weights).
+#include "model/params.h"
+#include "train/schedule.h"
+
+namespace flux8 {
+
+class Config;
+
+struct AdamWConfig {
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  double clip_grad = 1.0;  // 0 = no clipping
+  static AdamWConfig from_config(const Config& cfg);
+};
+
+struct StepStats {
+  double grad_norm = 0;   // before clipping
+  double lr = 0;
+  bool applied = false;   // false: non-finite gradient, weights unchanged
+};
+
+class AdamWOptimizer {
+ public:
+  AdamWOptimizer(ParamStore& store, AdamWConfig cfg);
+  ~AdamWOptimizer();
+  AdamWOptimizer(const AdamWOptimizer&) = delete;
+  AdamWOptimizer& operator=(const AdamWOptimizer&) = delete;
+
+  // One update from the accumulated gradients; `step` is 1-based (bias correction, schedule).
+  // A non-finite gradient norm skips the update and leaves weights and moments unchanged.
+  StepStats step(int64_t step, double lr);
+
+  Tensor exp_avg() const { return m_; }
+  Tensor exp_avg_sq() const { return v_; }
+
+ private:
+  ParamStore& store_;
+  AdamWConfig cfg_;
+  Tensor m_, v_;
+};
+
+}  // namespace flux8

@@ -1,0 +1,19 @@
+#pragma once
+// Graceful stop on SIGINT / SIGTERM (Ctrl-C, `kill`, a cluster scheduler's preemption
+// notice): the first signal only sets a flag, so the trainer finishes the current step, saves a
+// checkpoint and exits; a second signal kills the process at once with the default action, so
+// a run stuck in I/O or a collective can still be stopped.
+namespace flux8 {
+
+// Installs the handlers (idempotent) and clears any earlier request.
+void install_stop_signals();
+// Puts back the handlers that were in place before install_stop_signals() (tests, tools).
+void restore_stop_signals();
+
+bool stop_requested();
+// "SIGINT" or "SIGTERM" once a stop was requested, else "".
+const char* stop_signal_name();
+// Forgets a request (tests; a trainer that handled one and keeps running).
+void clear_stop_request();
+
+}  // namespace flux8

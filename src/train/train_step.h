@@ -1,0 +1,58 @@
+#pragma once
+// One training step's gradients: the global batch split into micro-batches, each through the
+// objective, forward, loss and backward, gradients accumulated in the flat buffer.
+#include <vector>
+
+#include "data/sample.h"
+#include "model/flux_model.h"
+#include "train/objective.h"
+
+namespace flux8 {
+
+// Backend buffers for one micro-batch, allocated once per shape (not per step).
+class StepBuffers {
+ public:
+  StepBuffers(Backend& be, DType dtype) : be_(be), dtype_(dtype) {}
+  ~StepBuffers() { release(); }
+  StepBuffers(const StepBuffers&) = delete;
+  StepBuffers& operator=(const StepBuffers&) = delete;
+
+  // Uploads a host batch and draws the flow-matching noise; returns the model inputs
+  // (img = x_t); x0, target and dpred are filled or sized to match.
+  const FluxInputs& upload(const HostBatch& b, const FluxConfig& m, uint64_t seed);
+
+  FluxInputs in;
+  Tensor x0, target, dpred;
+
+ private:
+  Tensor make(Shape s);
+  void allocate(const HostBatch& b, const FluxConfig& m);
+  void release();
+  Backend& be_;
+  DType dtype_;
+  StepShape shape_{0, 0, 0};
+  std::vector<void*> owned_;
+};
+
+struct StepContext {
+  FluxModel& model;
+  const FluxConfig& cfg;
+  const ObjectiveConfig& obj;
+  const EmptyPrompt& empty;
+  StepBuffers& buffers;
+  uint64_t seed;
+};
+
+struct StepLoss {
+  double loss = 0;     // mean loss over the global batch
+  int64_t tokens = 0;  // text + image tokens processed
+};
+
+// Zeroes the gradients, then accumulates the gradient of the step's mean loss over
+// `samples` (the whole global batch of optimizer step `step`, 0-based) in micro-batches of
+// `micro` samples. Each micro-batch's loss gradient is scaled by micro/global, so any split
+// gives the same gradient up to rounding.
+StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
+                                   int64_t micro, uint64_t step);
+
+}  // namespace flux8

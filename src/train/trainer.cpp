@@ -1,0 +1,246 @@
+#include "train/trainer.h"
+
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include "backend/backend.h"
+#include "backend/transfer.h"
+#include "config/config.h"
+#include "core/error.h"
+#include "data/loader.h"
+#include "model/flux_model.h"
+#include "model/weights_io.h"
+#include "train/checkpoint.h"
+#include "train/end_samples.h"
+#include "train/objective.h"
+#include "train/optimizer.h"
+#include "train/progress.h"
+#include "train/run_data.h"
+#include "train/signals.h"
+#include "train/train_step.h"
+
+namespace flux8 {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kMaxConsecutiveSkips = 10;
+
+// The first parameter whose gradient has a non-finite value (for the skip message).
+std::string first_nonfinite_gradient(ParamStore& store) {
+  for (const ParamInfo& p : store.layout().params()) {
+    const double s = store.backend().sum_squares(store.grad(p.name));
+    if (!std::isfinite(s)) return p.name;
+  }
+  return "(none: the loss itself was non-finite)";
+}
+
+struct Run {
+  Config cfg;
+  FluxConfig model_cfg;
+  ObjectiveConfig obj;
+  std::unique_ptr<Backend> be;
+  std::unique_ptr<FluxModel> model;
+  std::unique_ptr<AdamWOptimizer> opt;
+  LrSchedule schedule;
+  TrainerState state;
+  int64_t micro = 1, accumulation = 1, global = 1;
+  std::string save_dir;
+};
+
+// MLPerf validation score: mean over the 8 timestep buckets of the mean per-sample loss.
+struct Validation {
+  double score = std::numeric_limits<double>::quiet_NaN();
+  double by_t[8] = {0};
+};
+
+Validation validate(Run& r, const std::vector<Sample>& val, StepBuffers& buf) {
+  Validation v;
+  if (val.empty()) return v;
+  double sum[8] = {0};
+  int64_t count[8] = {0};
+  for (size_t first = 0; first < val.size(); first += static_cast<size_t>(r.micro)) {
+    const size_t n = std::min(val.size() - first, static_cast<size_t>(r.micro));
+    const std::vector<Sample> part(val.begin() + static_cast<std::ptrdiff_t>(first),
+                                   val.begin() + static_cast<std::ptrdiff_t>(first + n));
+    const HostBatch hb = make_validation_batch(part, r.model_cfg, r.obj, r.state.seed, static_cast<int64_t>(first));
+    const FluxInputs& in = buf.upload(hb, r.model_cfg, r.state.seed);
+    const Tensor pred = r.model->forward(in);
+    const int64_t per = pred.numel() / static_cast<int64_t>(n);
+    for (size_t i = 0; i < n; ++i) {
+      const Shape one{per};
+      const Tensor p(static_cast<char*>(pred.data) + i * static_cast<size_t>(per) * dtype_size(pred.dtype), pred.dtype, one);
+      const Tensor t(static_cast<char*>(buf.target.data) + i * static_cast<size_t>(per) * dtype_size(pred.dtype), pred.dtype, one);
+      const size_t bucket = (first + i) % 8;
+      sum[bucket] += r.be->mse_loss(Tensor{}, p, t, 0.0);
+      ++count[bucket];
+    }
+  }
+  double total = 0;
+  int buckets = 0;
+  for (int k = 0; k < 8; ++k) {
+    if (!count[k]) continue;
+    v.by_t[k] = sum[k] / static_cast<double>(count[k]);
+    total += v.by_t[k];
+    ++buckets;
+  }
+  v.score = total / buckets;
+  return v;
+}
+
+}  // namespace
+
+TrainResult run_training(const TrainOptions& opt) {
+  Run r;
+  r.cfg = Config::load(opt.config_path, opt.overrides);
+  r.model_cfg = FluxConfig::from_config(r.cfg);
+  r.obj = ObjectiveConfig::from_config(r.cfg);
+  BackendOptions bo;
+  bo.threads = static_cast<int>(r.cfg.get_int("threads"));
+  bo.round_activations_to_bf16 = r.cfg.get_bool("round_activations_to_bf16");
+  r.be = make_backend(r.cfg.get_string("backend"), bo);
+  r.micro = r.cfg.get_int("micro_batch_size");
+  r.global = r.cfg.get_int("global_batch_size") ? r.cfg.get_int("global_batch_size") : r.micro;
+  if (r.global % r.micro)
+    fail("global_batch_size {} ({}) is not a multiple of micro_batch_size {} ({})", r.global,
+         r.cfg.source("global_batch_size"), r.micro, r.cfg.source("micro_batch_size"));
+  r.accumulation = r.global / r.micro;
+  const int64_t train_iters = r.cfg.get_int("train_iters");
+  r.schedule = LrSchedule{r.cfg.get_float("lr"), r.cfg.get_float("min_lr"), r.cfg.get_int("lr_warmup_iters"),
+                          r.cfg.get_int("lr_decay_iters") ? r.cfg.get_int("lr_decay_iters") : train_iters,
+                          r.cfg.get_string("lr_decay_style")};
+  r.save_dir = r.cfg.get_string("save_dir");
+  fs::create_directories(r.save_dir);
+
+  // Data first: a bad path should fail before any model memory is touched.
+  prepare_demo_data(r.cfg, r.model_cfg);
+  if (r.cfg.get_string("train_data").empty())
+    fail("train_data is empty in {}: set it to your shards (a glob, a list file or a directory)", opt.config_path);
+  const EmptyPrompt empty = load_empty_prompt(r.cfg, r.model_cfg);
+  const std::vector<Sample> val = load_validation_set(r.cfg);
+
+  r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32);
+  r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
+  r.state.seed = static_cast<uint64_t>(r.cfg.get_int("seed"));
+  r.state.config_yaml = r.cfg.dump();
+
+  std::string resumed_from;
+  if (opt.resume) {
+    if (auto dir = find_latest_checkpoint(r.save_dir)) {
+      load_checkpoint(*dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq());
+      resumed_from = *dir;
+    }
+  }
+  if (resumed_from.empty()) {
+    r.model->params().init(r.state.seed);
+    if (!opt.init_from.empty()) load_weights(r.model->params(), r.model_cfg, resolve_weights_path(opt.init_from));
+  } else if (!opt.init_from.empty()) {
+    fmt::print("note: --init-from {} ignored: resuming from {}\n", opt.init_from, resumed_from);
+  }
+
+  LoaderOptions lo;
+  lo.source = r.cfg.get_string("train_data");
+  lo.seed = r.state.seed;
+  lo.shuffle_buffer = static_cast<size_t>(r.cfg.get_int("data_shuffle_buffer"));
+  lo.prefetch = static_cast<size_t>(r.cfg.get_int("data_prefetch"));
+  lo.skip_corrupt = r.cfg.get_bool("data_skip_corrupt");
+  DataLoader loader(lo, LoaderState{static_cast<uint64_t>(r.state.data_epoch), static_cast<uint64_t>(r.state.data_position)});
+
+  install_stop_signals();
+  const int64_t start_step = r.state.step;
+  Progress progress((fs::path(r.save_dir) / "metrics.jsonl").string(), !resumed_from.empty(), start_step, train_iters);
+  StepBuffers buf(*r.be, DType::f32);
+  TrainResult result;
+
+  const int64_t params = r.model->params().layout().total();
+  progress.event(fmt::format("flux8 train: model {} ({:.2f}M parameters), {} backend, batch {} = {} x {} micro, "
+                             "{} steps, {} validation samples, saving to {}",
+                             r.model_cfg.name, static_cast<double>(params) / 1e6, r.be->name(), r.global,
+                             r.accumulation, r.micro, train_iters, val.size(), r.save_dir),
+                 nullptr);
+  if (!resumed_from.empty())
+    progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f})", resumed_from, r.state.step, r.state.last_loss),
+                   {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", resumed_from}});
+
+  auto run_validation = [&](const char* when) {
+    const Validation v = validate(r, val, buf);
+    if (val.empty()) return v.score;
+    nlohmann::json rec{{"step", r.state.step}, {"val_loss", v.score}, {"val_loss_by_t", std::vector<double>(v.by_t, v.by_t + 8)}};
+    progress.event(fmt::format("validation ({}) at step {}: {:.4f}", when, r.state.step, v.score), rec);
+    return v.score;
+  };
+  auto save = [&]() {
+    result.last_checkpoint = save_checkpoint(r.save_dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(),
+                                             r.opt->exp_avg_sq(), static_cast<int>(r.cfg.get_int("keep_last_checkpoints")));
+    progress.event(fmt::format("saved checkpoint {}", result.last_checkpoint),
+                   {{"event", "checkpoint"}, {"step", r.state.step}, {"path", result.last_checkpoint}});
+  };
+
+  result.first_val_loss = run_validation(start_step == 0 ? "start" : "resume");
+  const int64_t eval_interval = r.cfg.get_int("eval_interval"), save_interval = r.cfg.get_int("save_interval");
+  const int64_t log_interval = r.cfg.get_int("log_interval");
+  int consecutive_skips = 0;
+  std::vector<Sample> samples;
+  const StepContext ctx{*r.model, r.model_cfg, r.obj, empty, buf, r.state.seed};
+  while (r.state.step < train_iters) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t step = r.state.step;  // 0-based index of the step being taken
+    samples.clear();
+    for (int64_t i = 0; i < r.global; ++i) samples.push_back(loader.next());
+    const StepLoss sl = accumulate_step_gradients(ctx, samples, r.micro, static_cast<uint64_t>(step));
+    const double loss = sl.loss;
+    const int64_t tokens = sl.tokens;
+    const double lr = r.schedule.at(step + 1);
+    StepStats st = std::isfinite(loss) ? r.opt->step(step + 1, lr) : StepStats{NAN, lr, false};
+    if (!st.applied) {
+      ++r.state.skipped_steps;
+      progress.event(fmt::format("step {}: non-finite {} (first non-finite gradient: {}); step skipped, weights kept",
+                                 step + 1, std::isfinite(loss) ? "gradient" : "loss",
+                                 first_nonfinite_gradient(r.model->params())),
+                     {{"event", "skipped_step"}, {"step", step + 1}});
+      if (++consecutive_skips >= kMaxConsecutiveSkips)
+        fail("{} consecutive steps had a non-finite loss or gradient (last at step {}); stopping. Lower lr "
+             "or check the data; the last checkpoint is intact.", consecutive_skips, step + 1);
+    } else {
+      consecutive_skips = 0;
+    }
+    const LoaderState ls = loader.state();
+    r.state.step = step + 1;
+    r.state.consumed_samples += r.global;
+    r.state.data_epoch = static_cast<int64_t>(ls.epoch);
+    r.state.data_position = static_cast<int64_t>(ls.consumed);
+    r.state.last_loss = loss;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    progress.step(StepReport{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
+                             static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs, !st.applied},
+                  r.state.step % log_interval == 0 || r.state.step == train_iters);
+
+    const bool last = r.state.step == train_iters;
+    if (eval_interval > 0 && r.state.step % eval_interval == 0 && !last) run_validation("interval");
+    const bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - start_step >= opt.stop_after);
+    if ((save_interval > 0 && r.state.step % save_interval == 0) || last || stop) save();
+    if (stop && !last) {
+      progress.event(fmt::format("stopping at step {} ({}); resume with --resume",
+                                 r.state.step, stop_requested() ? stop_signal_name() : "--stop-after"),
+                     {{"event", "stopped"}, {"step", r.state.step}});
+      result.stopped_early = true;
+      break;
+    }
+  }
+  if (!result.stopped_early) {
+    result.last_val_loss = run_validation("end");
+    write_end_of_run_samples(r.cfg, r.model_cfg, *r.model, r.save_dir, progress);
+  }
+  restore_stop_signals();
+  progress.finish();
+  result.steps_done = r.state.step;
+  result.last_loss = r.state.last_loss;
+  return result;
+}
+
+}  // namespace flux8

@@ -1,0 +1,391 @@
+// Training checkpoints: SHA-256 against the FIPS 180 examples, bit-exact save/load, refusal of
+// altered and truncated files, recovery from a run killed mid-write, pruning, and the stop
+// signals.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/sha256.h"
+#include "io/safetensors.h"
+#include "model/weights_io.h"
+#include "model_test_util.h"
+#include "train/checkpoint.h"
+#include "train/signals.h"
+
+namespace flux8 {
+namespace {
+
+namespace fs = std::filesystem;
+
+// ---- SHA-256: FIPS 180-2 appendix B / NIST example vectors ----------------------------------
+
+TEST(Sha256, FipsVectors) {
+  EXPECT_EQ(sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+}
+
+TEST(Sha256, MillionAInUnevenChunks) {
+  // Chunks of 1..97 bytes cross the 64-byte block boundary at every offset.
+  Sha256 h;
+  const std::string a(97, 'a');
+  size_t left = 1000000, n = 1;
+  while (left > 0) {
+    const size_t take = std::min(left, n);
+    h.update(a.data(), take);
+    left -= take;
+    n = n % 97 + 1;
+  }
+  EXPECT_EQ(h.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST(Sha256, FileMatchesMemory) {
+  const fs::path p = fs::temp_directory_path() / ("flux8_sha_" + std::to_string(::getpid()));
+  std::string data;
+  for (uint32_t i = 0; i < 300000; ++i) data.push_back(static_cast<char>(i * 7919u % 251u));
+  std::ofstream(p, std::ios::binary) << data;
+  EXPECT_EQ(sha256_file(p.string()), sha256_hex(data));
+  fs::remove(p);
+  EXPECT_THROW(sha256_file(p.string()), Error);
+}
+
+// ---- checkpoints ---------------------------------------------------------------------------
+
+struct TempRoot {
+  fs::path path;
+  TempRoot() {
+    path = fs::temp_directory_path() / ("flux8_ckpt_" + std::to_string(::getpid()));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempRoot() { fs::remove_all(path); }
+  std::string str() const { return path.string(); }
+};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A model with its moments: parameters random, moments distinct random values (v > 0).
+struct ModelRun {
+  FluxConfig cfg = testing::odd_config(1, 1, false);
+  std::unique_ptr<Backend> be = make_backend("cpu");
+  DType dtype;
+  ParamStore store;
+  void* m_mem;
+  void* v_mem;
+  Tensor m, v;
+  TrainerState state;
+
+  explicit ModelRun(DType t = DType::f32)
+      : dtype(t), store(cfg, *be, t) {
+    const int64_t n = store.layout().total();
+    m_mem = be->allocate(static_cast<size_t>(n) * dtype_size(t));
+    v_mem = be->allocate(static_cast<size_t>(n) * dtype_size(t));
+    m = Tensor(m_mem, t, Shape{n});
+    v = Tensor(v_mem, t, Shape{n});
+  }
+  ~ModelRun() {
+    be->release(m_mem);
+    be->release(v_mem);
+  }
+  // Values are f32-representable, as they would be after training in f32, so that saving in
+  // F32 is exact for the f64 model too.
+  void randomize(uint64_t seed) {
+    testing::randomize_params(store, seed);
+    std::vector<double> p = to_host(*be, store.flat_params());
+    for (double& x : p) x = static_cast<float>(x);
+    from_host(*be, store.flat_params(), p);
+    std::vector<double> mv(static_cast<size_t>(m.numel())), vv(mv.size());
+    for (size_t i = 0; i < mv.size(); ++i) {
+      mv[i] = static_cast<float>(1e-3 * rng_normal(seed, 100, i));
+      vv[i] = static_cast<float>(1e-6 * std::exp(rng_normal(seed, 101, i)));
+    }
+    from_host(*be, m, mv);
+    from_host(*be, v, vv);
+    state.step = 100;
+    state.consumed_samples = 1600;
+    state.data_epoch = 2;
+    state.data_position = 37;
+    state.seed = 0xfedcba9876543210ull;  // above INT64_MAX: must survive JSON as unsigned
+    state.skipped_steps = 3;
+    state.last_loss = 0.1 + 1.0 / 3.0;  // needs all 17 digits
+    state.config_yaml = "model:\n  hidden_size: 20\n  name: \"odd \\u00e9\"\n";
+    state.flux8_version = "0.1.0-test";
+  }
+  std::string save(const std::string& root, int64_t step, int keep_last = 0) {
+    state.step = step;
+    return save_checkpoint(root, state, cfg, store, m, v, keep_last);
+  }
+};
+
+void expect_same_state(const TrainerState& a, const TrainerState& b) {
+  EXPECT_EQ(a.step, b.step);
+  EXPECT_EQ(a.consumed_samples, b.consumed_samples);
+  EXPECT_EQ(a.data_epoch, b.data_epoch);
+  EXPECT_EQ(a.data_position, b.data_position);
+  EXPECT_EQ(a.seed, b.seed);
+  EXPECT_EQ(a.skipped_steps, b.skipped_steps);
+  EXPECT_EQ(std::memcmp(&a.last_loss, &b.last_loss, sizeof(double)), 0) << a.last_loss << " vs " << b.last_loss;
+  EXPECT_EQ(a.config_yaml, b.config_yaml);
+  EXPECT_EQ(a.flux8_version, b.flux8_version);
+}
+
+void flip_byte(const fs::path& file, uint64_t offset) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c;
+  f.get(c);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.put(static_cast<char>(c ^ 0x10));
+}
+
+TEST(Checkpoint, LayoutAndManifest) {
+  TempRoot root;
+  ModelRun run;
+  run.randomize(1);
+  const std::string dir = run.save(root.str(), 100);
+  EXPECT_EQ(fs::path(dir).filename(), "step-0000100");
+  for (const char* f : {"model.safetensors", "optimizer.safetensors", "trainer_state.json", "manifest.json"})
+    EXPECT_TRUE(fs::is_regular_file(fs::path(dir) / f)) << f;
+  // Only the checkpoint is left in ROOT: no temporary directory or file.
+  EXPECT_EQ(std::distance(fs::directory_iterator(root.path), fs::directory_iterator()), 1);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 4);
+
+  const nlohmann::json m = nlohmann::json::parse(std::ifstream(fs::path(dir) / "manifest.json"));
+  EXPECT_EQ(m["format_version"], kCheckpointFormatVersion);
+  EXPECT_EQ(m["step"], 100);
+  for (const char* f : {"model.safetensors", "optimizer.safetensors", "trainer_state.json"}) {
+    EXPECT_EQ(m["files"][f]["bytes"].get<uint64_t>(), fs::file_size(fs::path(dir) / f)) << f;
+    EXPECT_EQ(m["files"][f]["sha256"], sha256_file((fs::path(dir) / f).string())) << f;
+  }
+  // model.safetensors is a plain F32 weights file with the config in its metadata.
+  const SafetensorsReader model((fs::path(dir) / "model.safetensors").string());
+  EXPECT_EQ(model.tensor("img_in.weight").dtype, "F32");
+  EXPECT_EQ(model.metadata().at("flux8_config"), run.state.config_yaml);
+  const SafetensorsReader opt((fs::path(dir) / "optimizer.safetensors").string());
+  EXPECT_EQ(opt.names().size(), 2 * run.store.layout().params().size());
+  EXPECT_EQ(opt.tensor("exp_avg_sq.final_layer.linear.weight").dtype, "F32");
+  EXPECT_EQ(opt.tensor("exp_avg.img_in.weight").shape,
+            (std::vector<int64_t>{run.cfg.hidden_size, run.cfg.in_channels}));
+}
+
+void round_trip(DType dtype) {
+  TempRoot root;
+  ModelRun a(dtype), b(dtype);
+  a.randomize(2);
+  const std::string dir = a.save(root.str(), 250);
+  load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v);
+  EXPECT_EQ(to_host(*a.be, a.store.flat_params()), to_host(*b.be, b.store.flat_params()));
+  EXPECT_EQ(to_host(*a.be, a.m), to_host(*b.be, b.m));
+  EXPECT_EQ(to_host(*a.be, a.v), to_host(*b.be, b.v));
+  expect_same_state(a.state, b.state);
+  // A moment value that would land in the wrong parameter would show here: m differs from v.
+  EXPECT_NE(to_host(*b.be, b.m), to_host(*b.be, b.v));
+}
+
+TEST(Checkpoint, RoundTripBitExactF32) { round_trip(DType::f32); }
+TEST(Checkpoint, RoundTripBitExactF64) { round_trip(DType::f64); }
+
+TEST(Checkpoint, NonFiniteLossRoundTrips) {
+  TrainerState s;
+  s.last_loss = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(trainer_state_from_json(trainer_state_to_json(s), "x").last_loss));
+  s.last_loss = -std::numeric_limits<double>::infinity();
+  EXPECT_EQ(trainer_state_from_json(trainer_state_to_json(s), "x").last_loss, s.last_loss);
+}
+
+TEST(Checkpoint, TrainerStateReadStrictly) {
+  TrainerState s;
+  nlohmann::json j = nlohmann::json::parse(trainer_state_to_json(s));
+  j.erase("data_position");
+  std::string e = error_of([&] { trainer_state_from_json(j.dump(), "ckpt/trainer_state.json"); });
+  EXPECT_NE(e.find("ckpt/trainer_state.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("missing field 'data_position'"), std::string::npos) << e;
+  j = nlohmann::json::parse(trainer_state_to_json(s));
+  j["step"] = "100";
+  e = error_of([&] { trainer_state_from_json(j.dump(), "f.json"); });
+  EXPECT_NE(e.find("'step' must be an integer"), std::string::npos) << e;
+  j = nlohmann::json::parse(trainer_state_to_json(s));
+  j["learning_rate"] = 1;
+  e = error_of([&] { trainer_state_from_json(j.dump(), "f.json"); });
+  EXPECT_NE(e.find("unknown field 'learning_rate'"), std::string::npos) << e;
+}
+
+TEST(Checkpoint, AlteredByteIsRefused) {
+  TempRoot root;
+  ModelRun a, b;
+  a.randomize(3);
+  const std::string dir = a.save(root.str(), 100);
+  // A byte in the middle of the tensor data: the file still parses, only the checksum tells.
+  const fs::path model = fs::path(dir) / "model.safetensors";
+  flip_byte(model, fs::file_size(model) - 100);
+  const std::string e = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(e.find(dir), std::string::npos) << e;
+  EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+  EXPECT_NE(e.find("altered or damaged on disk"), std::string::npos) << e;
+  const std::vector<double> before = to_host(*b.be, b.store.flat_params());
+  EXPECT_EQ(error_of([&] { load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v); }), e);
+  EXPECT_EQ(to_host(*b.be, b.store.flat_params()), before);  // nothing was loaded
+  EXPECT_EQ(b.state.step, 0);
+  EXPECT_THROW(resolve_weights_path(dir), Error);
+}
+
+TEST(Checkpoint, TruncatedFileIsRefused) {
+  TempRoot root;
+  ModelRun a, b;
+  a.randomize(4);
+  const std::string dir = a.save(root.str(), 100);
+  const fs::path opt = fs::path(dir) / "optimizer.safetensors";
+  const uint64_t full = fs::file_size(opt);
+  fs::resize_file(opt, full - 1000);
+  const std::string e = error_of([&] { load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v); });
+  EXPECT_NE(e.find(fmt::format("optimizer.safetensors has {} bytes, manifest says {}", full - 1000, full)),
+            std::string::npos)
+      << e;
+  fs::remove(fs::path(dir) / "trainer_state.json");
+  const std::string missing = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(missing.find("trainer_state.json is missing"), std::string::npos) << missing;
+}
+
+TEST(Checkpoint, FindLatestSkipsCorruptAndUnfinished) {
+  TempRoot root;
+  ModelRun run;
+  run.randomize(5);
+  EXPECT_FALSE(find_latest_checkpoint(root.str()).has_value());
+  EXPECT_FALSE(find_latest_checkpoint((root.path / "absent").string()).has_value());
+  const std::string s100 = run.save(root.str(), 100);
+  const std::string s200 = run.save(root.str(), 200);
+  const std::string s1000 = run.save(root.str(), 1000);  // numeric order, not by name length
+  EXPECT_EQ(find_latest_checkpoint(root.str()), s1000);
+
+  // The newest is damaged, the one before lost its manifest (never finished), and a killed
+  // run left its half-written temporary directory, which would sort newest of all.
+  fs::resize_file(fs::path(s1000) / "optimizer.safetensors", 1234);
+  fs::remove(fs::path(s200) / "manifest.json");
+  fs::create_directory(root.path / ".tmp-step-0002000-999999");
+  std::ofstream(root.path / ".tmp-step-0002000-999999" / "model.safetensors") << "partial";
+  std::string report;
+  EXPECT_EQ(find_latest_checkpoint(root.str(), &report), s100);
+  EXPECT_NE(report.find("step-0001000: optimizer.safetensors has 1234 bytes, manifest says"),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find("step-0000200: manifest.json is missing"), std::string::npos) << report;
+  EXPECT_NE(report.find("using step-0000100"), std::string::npos) << report;
+  EXPECT_EQ(report.find(".tmp"), std::string::npos) << report;
+
+  // The next save removes the leftover temporary directory of the dead run.
+  run.save(root.str(), 300);
+  EXPECT_FALSE(fs::exists(root.path / ".tmp-step-0002000-999999"));
+}
+
+TEST(Checkpoint, ResaveSameStepReplacesIt) {
+  TempRoot root;
+  ModelRun a, b;
+  a.randomize(6);
+  const std::string dir = a.save(root.str(), 100);
+  a.randomize(7);
+  a.state.consumed_samples = 4242;
+  EXPECT_EQ(a.save(root.str(), 100), dir);
+  EXPECT_EQ(std::distance(fs::directory_iterator(root.path), fs::directory_iterator()), 1);
+  load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v);
+  EXPECT_EQ(b.state.consumed_samples, 4242);
+  EXPECT_EQ(to_host(*a.be, a.store.flat_params()), to_host(*b.be, b.store.flat_params()));
+}
+
+TEST(Checkpoint, KeepLastPrunesOldest) {
+  TempRoot root;
+  ModelRun run;
+  run.randomize(8);
+  for (int64_t step : {100, 200, 300}) run.save(root.str(), step, 2);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(root.path)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-0000200", "step-0000300"}));
+  // The checkpoint just written is kept even when newer ones exist (a run resumed from an
+  // older checkpoint); the newest other one fills the second slot.
+  run.save(root.str(), 150, 2);
+  names.clear();
+  for (const auto& e : fs::directory_iterator(root.path)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-0000150", "step-0000300"}));
+  // keep_last <= 0 keeps everything.
+  run.save(root.str(), 400, 0);
+  run.save(root.str(), 500, -1);
+  EXPECT_EQ(std::distance(fs::directory_iterator(root.path), fs::directory_iterator()), 4);
+}
+
+TEST(Checkpoint, ResolveWeightsPath) {
+  TempRoot root;
+  ModelRun a, b;
+  a.randomize(9);
+  const std::string dir = a.save(root.str(), 100);
+  const std::string model = resolve_weights_path(dir);
+  EXPECT_EQ(model, (fs::path(dir) / "model.safetensors").string());
+  EXPECT_EQ(resolve_weights_path(model), model);
+  load_weights(b.store, b.cfg, model);  // usable as a plain weights file
+  EXPECT_EQ(to_host(*a.be, a.store.flat_params()), to_host(*b.be, b.store.flat_params()));
+  std::string e = error_of([&] { resolve_weights_path(root.str()); });
+  EXPECT_NE(e.find("checkpoint root"), std::string::npos) << e;
+  EXPECT_NE(e.find("step-0000100"), std::string::npos) << e;
+  e = error_of([&] { resolve_weights_path((root.path / "nope").string()); });
+  EXPECT_NE(e.find("no such file or directory"), std::string::npos) << e;
+}
+
+TEST(Checkpoint, WrongMomentBufferIsRefused) {
+  TempRoot root;
+  ModelRun run;
+  const Tensor short_m(run.m.data, run.m.dtype, Shape{run.m.numel() - 1});
+  const std::string e = error_of([&] {
+    save_checkpoint(root.str(), run.state, run.cfg, run.store, short_m, run.v, 0);
+  });
+  EXPECT_NE(e.find("adam_m"), std::string::npos) << e;
+}
+
+// ---- signals -------------------------------------------------------------------------------
+
+TEST(Signals, FirstSignalSetsFlag) {
+  install_stop_signals();
+  EXPECT_FALSE(stop_requested());
+  EXPECT_STREQ(stop_signal_name(), "");
+  ASSERT_EQ(::raise(SIGTERM), 0);  // delivered to this thread before raise returns
+  EXPECT_TRUE(stop_requested());
+  EXPECT_STREQ(stop_signal_name(), "SIGTERM");
+  clear_stop_request();
+  ASSERT_EQ(::raise(SIGINT), 0);
+  EXPECT_STREQ(stop_signal_name(), "SIGINT");
+  restore_stop_signals();
+  clear_stop_request();
+  struct sigaction now;
+  ::sigaction(SIGTERM, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, SIG_DFL);
+}
+
+TEST(Signals, SecondSignalKills) {
+  // The second signal takes the default action: the process dies by that signal.
+  EXPECT_EXIT(
+      {
+        install_stop_signals();
+        ::raise(SIGTERM);
+        if (!stop_requested()) std::_Exit(3);
+        ::raise(SIGTERM);
+        std::_Exit(0);  // not reached
+      },
+      ::testing::KilledBySignal(SIGTERM), "second stop signal");
+}
+
+}  // namespace
+}  // namespace flux8

@@ -1,0 +1,194 @@
+// The objective, loss, optimizer and schedule against hand-computed values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "backend/backend.h"
+#include "core/rng.h"
+#include "train/objective.h"
+#include "train/schedule.h"
+
+namespace flux8 {
+namespace {
+
+Tensor view(std::vector<double>& v, Shape s) { return Tensor(v.data(), DType::f64, s); }
+
+TEST(Objective, FlowMatchInputsInterpolateAndTargetVelocity) {
+  auto be = make_backend("cpu");
+  std::vector<double> x0 = {0.5, -1.0, 2.0, 0.0, 1.5, -0.25}, t = {0.25, 0.9};
+  std::vector<double> xt(6), target(6);
+  const std::vector<uint64_t> streams = {11, 12};
+  be->flow_match_inputs(view(xt, Shape{2, 3}), view(target, Shape{2, 3}), view(x0, Shape{2, 3}),
+                        view(t, Shape{2}), 5, streams);
+  for (int b = 0; b < 2; ++b)
+    for (int i = 0; i < 3; ++i) {
+      const double eps = rng_normal(5, streams[b], static_cast<uint64_t>(i));
+      const size_t k = static_cast<size_t>(b * 3 + i);
+      EXPECT_DOUBLE_EQ(target[k], eps - x0[k]);                        // v = ε − x0
+      EXPECT_NEAR(xt[k], (1 - t[b]) * x0[k] + t[b] * eps, 1e-15);      // x_t = (1−t)x0 + tε
+    }
+  // At t = 0 the input is clean; at t = 1 it is pure noise.
+  t = {0.0, 1.0};
+  be->flow_match_inputs(view(xt, Shape{2, 3}), view(target, Shape{2, 3}), view(x0, Shape{2, 3}),
+                        view(t, Shape{2}), 5, streams);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(xt[static_cast<size_t>(i)], x0[static_cast<size_t>(i)]);
+  for (int i = 0; i < 3; ++i) EXPECT_DOUBLE_EQ(xt[static_cast<size_t>(3 + i)], rng_normal(5, 12, static_cast<uint64_t>(i)));
+}
+
+TEST(Objective, MseLossAndGradient) {
+  auto be = make_backend("cpu");
+  std::vector<double> pred = {1, 2, 3, 4}, target = {0, 2, 5, 3}, d(4);
+  const double loss = be->mse_loss(view(d, Shape{4}), view(pred, Shape{4}), view(target, Shape{4}), 0.5);
+  EXPECT_DOUBLE_EQ(loss, (1 + 0 + 4 + 1) / 4.0);
+  // dpred = grad_scale · 2(pred − target)/N
+  EXPECT_EQ(d, (std::vector<double>{0.25, 0.0, -0.5, 0.25}));
+}
+
+TEST(Optimizer, AdamWMatchesHandComputedSteps) {
+  auto be = make_backend("cpu");
+  std::vector<double> p = {1.0, -2.0}, g = {0.5, -0.1}, m = {0, 0}, v = {0, 0};
+  const Backend::AdamW h{0.1, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
+  be->adamw(view(p, Shape{2}), view(g, Shape{2}), view(m, Shape{2}), view(v, Shape{2}), h);
+  // Step 1: m = 0.1g, v = 0.05g², m̂ = g, v̂ = g², update = g/(|g| + eps) ≈ sign(g).
+  for (int i = 0; i < 2; ++i) {
+    const double g0 = i ? -0.1 : 0.5, p0 = i ? -2.0 : 1.0;
+    EXPECT_DOUBLE_EQ(m[static_cast<size_t>(i)], 0.1 * g0);
+    EXPECT_DOUBLE_EQ(v[static_cast<size_t>(i)], 0.05 * g0 * g0);
+    EXPECT_NEAR(p[static_cast<size_t>(i)], p0 * (1 - 0.1 * 0.1) - 0.1 * g0 / (std::abs(g0) + 1e-8), 1e-15);
+  }
+  // Step 2 with gradient scaling 0.5 (clipping): g' = 0.5·g2.
+  std::vector<double> p1 = p, m1 = m, v1 = v, g2 = {1.0, 0.2};
+  be->adamw(view(p, Shape{2}), view(g2, Shape{2}), view(m, Shape{2}), view(v, Shape{2}),
+            Backend::AdamW{0.1, 0.9, 0.95, 1e-8, 0.1, 0.5, 2});
+  for (size_t i = 0; i < 2; ++i) {
+    const double gs = 0.5 * g2[i];
+    const double mi = 0.9 * m1[i] + 0.1 * gs, vi = 0.95 * v1[i] + 0.05 * gs * gs;
+    const double expect = p1[i] * (1 - 0.01) - 0.1 * (mi / (1 - 0.81)) / (std::sqrt(vi / (1 - 0.9025)) + 1e-8);
+    EXPECT_NEAR(p[i], expect, 1e-14);
+  }
+}
+
+TEST(Optimizer, SumSquaresIsThreadIndependent) {
+  std::vector<float> x(100003);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = rng_normal(3, 0, i);
+  BackendOptions one, four;
+  one.threads = 1;
+  four.threads = 4;
+  auto a = make_backend("cpu", one), b = make_backend("cpu", four);
+  const Tensor t(x.data(), DType::f32, Shape{static_cast<int64_t>(x.size())});
+  EXPECT_EQ(a->sum_squares(t), b->sum_squares(t));
+  x[500] = NAN;
+  EXPECT_TRUE(std::isnan(a->sum_squares(t)));
+}
+
+TEST(Schedule, WarmupThenDecay) {
+  LrSchedule s{1.0, 0.1, 10, 110, "cosine"};
+  EXPECT_DOUBLE_EQ(s.at(1), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(10), 1.0);
+  EXPECT_NEAR(s.at(60), 0.1 + 0.9 * 0.5, 1e-15);  // halfway through the cosine
+  EXPECT_DOUBLE_EQ(s.at(110), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(500), 0.1);
+  s.style = "linear";
+  EXPECT_NEAR(s.at(35), 0.1 + 0.9 * 0.75, 1e-15);
+  s.style = "constant";
+  EXPECT_DOUBLE_EQ(s.at(5), 0.5);
+  EXPECT_DOUBLE_EQ(s.at(1000), 1.0);
+}
+
+TEST(Objective, PackPatchesFeatureOrder) {
+  // feature = c·4 + ph·2 + pw; tokens row-major over the 2×2 patch grid.
+  HostTensor x{{2, 4, 4}, std::vector<float>(32)};
+  for (size_t i = 0; i < 32; ++i) x.data[i] = static_cast<float>(i);
+  int64_t rows = 0, cols = 0;
+  const std::vector<double> p = pack_patches(x, 2, &rows, &cols);
+  EXPECT_EQ(rows, 4);
+  EXPECT_EQ(cols, 8);
+  // token 1 = patch (0, 1); channel 1, ph 1, pw 0 -> pixel (c=1, y=1, x=2) = 16 + 4 + 2
+  EXPECT_EQ(p[1 * 8 + 1 * 4 + 1 * 2 + 0], 22.0);
+  EXPECT_EQ(unpack_patches(p.data(), 2, 4, 4, 2), std::vector<double>(x.data.begin(), x.data.end()));
+  EXPECT_EQ(image_position_ids(4, 6, 2), (std::vector<double>{0, 0, 0, 0, 0, 1, 0, 0, 2, 0, 1, 0, 0, 1, 1, 0, 1, 2}));
+}
+
+TEST(Objective, TimestepShift) {
+  EXPECT_NEAR(shift_timestep(0.5, 256), std::exp(0.5) / (std::exp(0.5) + 1.0), 1e-15);
+  EXPECT_NEAR(shift_timestep(0.5, 4096), std::exp(1.15) / (std::exp(1.15) + 1.0), 1e-15);
+  EXPECT_EQ(shift_timestep(0.0, 1024), 0.0);
+  EXPECT_DOUBLE_EQ(shift_timestep(1.0, 1024), 1.0);
+}
+
+Sample demo_like(int i) {
+  Sample s;
+  s.key = std::to_string(i);
+  s.shard = "test";
+  s.fields["image"] = HostTensor{{3, 4, 4}, std::vector<float>(48, 0.1f * static_cast<float>(i))};
+  s.fields["t5"] = HostTensor{{2, 5}, std::vector<float>(10, 1.0f)};
+  s.fields["clip"] = HostTensor{{3}, std::vector<float>(3, 2.0f)};
+  return s;
+}
+
+FluxConfig tiny_pixels() {
+  FluxConfig c;
+  c.in_channels = 12;
+  c.out_channels = 12;
+  c.context_dim = 5;
+  c.vec_dim = 3;
+  c.latent_channels = 3;
+  c.vae_downsample = 1;
+  return c;
+}
+
+TEST(Objective, TrainBatchDoesNotDependOnMicroBatching) {
+  const FluxConfig m = tiny_pixels();
+  ObjectiveConfig obj;
+  obj.text_dropout = 0.5;
+  EmptyPrompt empty{HostTensor{{2, 5}, std::vector<float>(10, 0)}, HostTensor{{3}, std::vector<float>(3, 0)}};
+  std::vector<Sample> all;
+  for (int i = 0; i < 8; ++i) all.push_back(demo_like(i));
+  const HostBatch whole = make_train_batch(all, m, obj, empty, 9, 3, 0, 0);
+  const HostBatch a = make_train_batch({all.begin(), all.begin() + 4}, m, obj, empty, 9, 3, 0, 0);
+  const HostBatch b = make_train_batch({all.begin() + 4, all.end()}, m, obj, empty, 9, 3, 0, 4);
+  auto cat = [](std::vector<double> x, const std::vector<double>& y) { x.insert(x.end(), y.begin(), y.end()); return x; };
+  EXPECT_EQ(whole.t, cat(a.t, b.t));
+  EXPECT_EQ(whole.y, cat(a.y, b.y));
+  EXPECT_EQ(whole.x0, cat(a.x0, b.x0));
+  std::vector<uint64_t> streams = a.noise_streams;
+  streams.insert(streams.end(), b.noise_streams.begin(), b.noise_streams.end());
+  EXPECT_EQ(whole.noise_streams, streams);
+  // Text dropout at p = 0.5 dropped some samples (their pooled vector is the empty one) and kept others.
+  int dropped = 0;
+  for (int i = 0; i < 8; ++i) dropped += whole.y[static_cast<size_t>(3 * i)] == 0.0;
+  EXPECT_GT(dropped, 0);
+  EXPECT_LT(dropped, 8);
+  // Another step draws other timesteps.
+  EXPECT_NE(make_train_batch(all, m, obj, empty, 9, 4, 0, 0).t, whole.t);
+}
+
+TEST(Objective, ValidationUsesMlperfTimestepsAndFixedNoise) {
+  const FluxConfig m = tiny_pixels();
+  std::vector<Sample> s;
+  for (int i = 0; i < 10; ++i) s.push_back(demo_like(i));
+  const HostBatch v = make_validation_batch(s, m, ObjectiveConfig{}, 1, 0);
+  for (size_t j = 0; j < 10; ++j) EXPECT_DOUBLE_EQ(v.t[j], static_cast<double>(j % 8) / 8.0);
+  const HostBatch again = make_validation_batch({s.begin() + 2, s.end()}, m, ObjectiveConfig{}, 1, 2);
+  EXPECT_EQ(std::vector<uint64_t>(v.noise_streams.begin() + 2, v.noise_streams.end()), again.noise_streams);
+}
+
+TEST(Objective, VaeResampleAndNormalisation) {
+  FluxConfig m = tiny_pixels();
+  m.in_channels = 4;
+  m.out_channels = 4;
+  Sample s = demo_like(0);
+  s.fields.erase("image");
+  s.fields["mean"] = HostTensor{{1, 2, 2}, {1.0f, 2.0f, 3.0f, 4.0f}};
+  s.fields["logvar"] = HostTensor{{1, 2, 2}, {0.0f, -2.0f, 2.0f, -100.0f}};
+  ObjectiveConfig obj;
+  const HostBatch b = make_validation_batch({s}, m, obj, 1, 0);
+  const uint64_t stream = validation_stream(0, Draw::vae_noise);
+  for (size_t i = 0; i < 4; ++i) {
+    const double z = s.fields["mean"].data[i] + std::exp(0.5 * s.fields["logvar"].data[i]) * rng_normal(1, stream, i);
+    EXPECT_NEAR(b.x0[i], static_cast<float>(0.3611 * (z - 0.1159)), 1e-6);
+  }
+}
+
+}  // namespace
+}  // namespace flux8
