@@ -256,6 +256,7 @@ TEST(Checkpoint, TruncatedFileIsRefused) {
   EXPECT_NE(e.find(fmt::format("optimizer.safetensors has {} bytes, manifest says {}", full - 1000, full)),
             std::string::npos)
       << e;
+  a.save(root.str(), 100);  // a fresh, complete checkpoint, then lose one file
   fs::remove(fs::path(dir) / "trainer_state.json");
   const std::string missing = error_of([&] { verify_checkpoint(dir); });
   EXPECT_NE(missing.find("trainer_state.json is missing"), std::string::npos) << missing;
@@ -375,7 +376,9 @@ TEST(Signals, FirstSignalSetsFlag) {
 }
 
 TEST(Signals, SecondSignalKills) {
-  // The second signal takes the default action: the process dies by that signal.
+  // The second signal takes the default action: the process dies by that signal. "threadsafe"
+  // re-executes the binary for the child, as the OpenMP pool makes this process multi-threaded.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
         install_stop_signals();

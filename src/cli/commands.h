@@ -26,5 +26,6 @@ Command add_init_command(CLI::App& app);
 Command add_config_command(CLI::App& app);
 Command add_sample_command(CLI::App& app);
 Command add_train_command(CLI::App& app);
+Command add_data_command(CLI::App& app);
 
 }  // namespace flux8::cli

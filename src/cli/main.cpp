@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
       flux8::cli::add_forward_command(app),
       flux8::cli::add_init_command(app),
       flux8::cli::add_config_command(app),
+      flux8::cli::add_data_command(app),
       flux8::cli::add_sample_command(app),
   };
   try {

@@ -148,6 +148,8 @@ std::string read_text(const std::string& path) {
 
 ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml,
                                const std::string& where) {
+  // `--set key=` clears a string key (YAML would read an empty value as null).
+  if (value_yaml.empty() && spec.type == KeyType::string) return std::string();
   YAML::Node node;
   try {
     node = YAML::Load(value_yaml);

@@ -174,8 +174,14 @@ HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxCo
                                 const ObjectiveConfig& obj, uint64_t seed, int64_t first_index) {
   return assemble(samples, m, obj, nullptr, seed, [&](size_t i) {
     const uint64_t j = static_cast<uint64_t>(first_index) + i;
-    return PerSample{static_cast<double>(j % 8) / 8.0, false, validation_stream(j, Draw::vae_noise),
-                     validation_stream(j, Draw::flow_noise)};
+    // MLPerf's COCO validation samples carry their bucket ("timestep": 0..7) in the json.
+    const Sample& s = samples[i];
+    const double bucket = s.has("timestep") && !s.at("timestep").data.empty()
+                              ? static_cast<double>(s.at("timestep").data[0])
+                              : static_cast<double>(j % 8);
+    if (bucket < 0 || bucket > 7 || bucket != std::floor(bucket))
+      fail("validation sample {} in {}: timestep bucket {} is not an integer in 0..7", s.key, s.shard, bucket);
+    return PerSample{bucket / 8.0, false, validation_stream(j, Draw::vae_noise), validation_stream(j, Draw::flow_noise)};
   });
 }
 

@@ -59,7 +59,8 @@ double shift_timestep(double t, int64_t image_tokens);
 HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& model,
                            const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed,
                            uint64_t step, uint64_t rank, int64_t first_index);
-// Validation batch (MLPerf): sample j at t = (j mod 8)/8, fixed noise, no text dropout.
+// Validation batch (MLPerf): sample j at t = k/8 with k its "timestep" field (MLPerf's COCO
+// validation set) or j mod 8; fixed noise, no text dropout.
 HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxConfig& model,
                                 const ObjectiveConfig& obj, uint64_t seed, int64_t first_index);
 

@@ -76,7 +76,7 @@ Validation validate(Run& r, const std::vector<Sample>& val, StepBuffers& buf) {
       const Shape one{per};
       const Tensor p(static_cast<char*>(pred.data) + i * static_cast<size_t>(per) * dtype_size(pred.dtype), pred.dtype, one);
       const Tensor t(static_cast<char*>(buf.target.data) + i * static_cast<size_t>(per) * dtype_size(pred.dtype), pred.dtype, one);
-      const size_t bucket = (first + i) % 8;
+      const size_t bucket = static_cast<size_t>(std::lround(hb.t[i] * 8.0)) % 8;
       sum[bucket] += r.be->mse_loss(Tensor{}, p, t, 0.0);
       ++count[bucket];
     }

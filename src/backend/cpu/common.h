@@ -98,8 +98,31 @@ std::vector<double> grouped_column_sums(int64_t groups, int64_t rows, int64_t co
 }
 
 // Row-major C[m,n] = alpha·op(A)·op(B) + beta·C through OpenBLAS; op(X) = Xᵀ when trans_x.
+// Single-threaded: OpenBLAS runs with one thread (see CpuBackend's constructor), so it can be
+// called from inside parallel regions (attention heads) without oversubscribing the cores.
 template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
           int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+
+// The same on the op's threads: C's rows are split into one contiguous block per thread. Each
+// element is still computed by the same single-threaded kernel over the same k order, so the
+// result does not depend on the thread count.
+template <typename T>
+void parallel_gemm(const Ctx& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                   T alpha, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+                   int64_t ldc) {
+  const int64_t parts = std::min<int64_t>(ctx.threads, m);
+  if (parts <= 1 || m * n * k < (1 << 16)) {
+    gemm<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static)
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t r0 = m * p / parts, r1 = m * (p + 1) / parts;
+    // Rows r0..r1 of op(A): rows of A, or columns of A when transposed.
+    const T* a_part = trans_a ? a + r0 : a + r0 * lda;
+    gemm<T>(trans_a, trans_b, r1 - r0, n, k, alpha, a_part, lda, b, ldb, beta, c + r0 * ldc, ldc);
+  }
+}
 
 }  // namespace flux8::cpu

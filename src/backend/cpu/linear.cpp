@@ -52,7 +52,7 @@ void CpuBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
     fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, b.str(), M);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    gemm<T>(false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), y.ptr<T>(), y.ld);
+    parallel_gemm<T>(c, false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), y.ptr<T>(), y.ld);
     // Bias after the product, as a GEMM epilogue does.
     const T* bias = b.defined() ? b.ptr<T>() : nullptr;
     if (!bias && !c.round_bf16) return;
@@ -79,7 +79,7 @@ void CpuBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Ten
     if (dx.defined()) {
       if (dx.rows() != N || dx.cols() != K)
         fail("{}: input gradient 'dx' {} must have {} rows of {} columns", op, dx.str(), N, K);
-      gemm<T>(false, false, N, K, M, T(1), dy.ptr<T>(), dy.ld, w.ptr<T>(), w.ld,
+      parallel_gemm<T>(c, false, false, N, K, M, T(1), dy.ptr<T>(), dy.ld, w.ptr<T>(), w.ld,
               accumulate_dx ? T(1) : T(0), dx.ptr<T>(), dx.ld);
       if (c.round_bf16)
         parallel_for(N, c, [&](int64_t r) {
@@ -92,7 +92,7 @@ void CpuBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Ten
       require_defined(op, {"x", x});
       if (x.rows() != N || x.cols() != K)
         fail("{}: input 'x' {} must have {} rows of {} columns", op, x.str(), N, K);
-      gemm<T>(true, false, M, K, N, T(1), dy.ptr<T>(), dy.ld, x.ptr<T>(), x.ld, T(1), dw.ptr<T>(),
+      parallel_gemm<T>(c, true, false, M, K, N, T(1), dy.ptr<T>(), dy.ld, x.ptr<T>(), x.ld, T(1), dw.ptr<T>(),
               dw.ld);
     }
     if (db.defined()) {

@@ -9,8 +9,10 @@
 namespace flux8 {
 
 CpuBackend::CpuBackend(const BackendOptions& options) : options_(options) {
-  // OpenBLAS keeps its own (process-wide) thread pool; a pinned thread count applies to it too.
-  if (options_.threads > 0) openblas_set_num_threads(options_.threads);
+  // flux8 parallelises with OpenMP itself (GEMMs split by rows, attention by heads) and runs
+  // OpenBLAS single-threaded: two thread pools spinning on the same cores (OpenBLAS's threads
+  // busy-wait with sched_yield) made small-model training ~5x slower.
+  openblas_set_num_threads(1);
 }
 
 void* CpuBackend::allocate(size_t bytes) {
