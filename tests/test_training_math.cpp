@@ -52,8 +52,8 @@ TEST(Optimizer, AdamWMatchesHandComputedSteps) {
   // Step 1: m = 0.1g, v = 0.05g², m̂ = g, v̂ = g², update = g/(|g| + eps) ≈ sign(g).
   for (int i = 0; i < 2; ++i) {
     const double g0 = i ? -0.1 : 0.5, p0 = i ? -2.0 : 1.0;
-    EXPECT_DOUBLE_EQ(m[static_cast<size_t>(i)], 0.1 * g0);
-    EXPECT_DOUBLE_EQ(v[static_cast<size_t>(i)], 0.05 * g0 * g0);
+    EXPECT_DOUBLE_EQ(m[static_cast<size_t>(i)], (1 - 0.9) * g0);
+    EXPECT_DOUBLE_EQ(v[static_cast<size_t>(i)], (1 - 0.95) * g0 * g0);
     EXPECT_NEAR(p[static_cast<size_t>(i)], p0 * (1 - 0.1 * 0.1) - 0.1 * g0 / (std::abs(g0) + 1e-8), 1e-15);
   }
   // Step 2 with gradient scaling 0.5 (clipping): g' = 0.5·g2.

@@ -104,24 +104,26 @@ template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
           int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
 
-// The same on the op's threads: C's rows are split into one contiguous block per thread. Each
-// element is still computed by the same single-threaded kernel over the same k order, so the
-// result does not depend on the thread count.
+// The same on the op's threads: C's rows are cut into blocks of a fixed size (a function of
+// the shape only) and the blocks are shared among the threads. OpenBLAS may round an element
+// differently depending on where it falls in the block it is given (edge kernels), so the
+// blocks must not depend on the thread count: then the bits do not either.
 template <typename T>
 void parallel_gemm(const Ctx& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                    T alpha, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
                    int64_t ldc) {
-  const int64_t parts = std::min<int64_t>(ctx.threads, m);
-  if (parts <= 1 || m * n * k < (1 << 16)) {
+  constexpr int64_t kRowBlock = 64;
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  if (blocks <= 1 || m * n * k < (1 << 16)) {
     gemm<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
-#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static)
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t r0 = m * p / parts, r1 = m * (p + 1) / parts;
-    // Rows r0..r1 of op(A): rows of A, or columns of A when transposed.
+#pragma omp parallel for num_threads(ctx.threads) schedule(static)
+  for (int64_t p = 0; p < blocks; ++p) {
+    const int64_t r0 = p * kRowBlock, rows = std::min(kRowBlock, m - r0);
+    // Rows r0.. of op(A): rows of A, or columns of A when transposed.
     const T* a_part = trans_a ? a + r0 : a + r0 * lda;
-    gemm<T>(trans_a, trans_b, r1 - r0, n, k, alpha, a_part, lda, b, ldb, beta, c + r0 * ldc, ldc);
+    gemm<T>(trans_a, trans_b, rows, n, k, alpha, a_part, lda, b, ldb, beta, c + r0 * ldc, ldc);
   }
 }
 
