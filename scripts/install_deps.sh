@@ -18,8 +18,8 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-python_packages=(numpy safetensors)
-if ! python3 -c "import numpy, safetensors" 2>/dev/null; then
+python_packages=(numpy safetensors ml_dtypes)
+if ! python3 -c "import numpy, safetensors, ml_dtypes" 2>/dev/null; then
   echo "installing Python packages: ${python_packages[*]}"
   python3 -m pip install -q "${python_packages[@]}" 2>/dev/null ||
     python3 -m pip install -q --break-system-packages "${python_packages[@]}"

@@ -25,6 +25,8 @@
 #include <string_view>
 
 #include "core/tensor.h"
+#include "fp8/meta.h"
+#include "fp8/qtensor.h"
 
 namespace flux8 {
 
@@ -138,6 +140,28 @@ class Backend {
     int64_t step;  // 1-based
   };
   virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) = 0;
+
+  // ---- FP8 (src/fp8: recipe math and the CPU reference quantizers) ---------------------
+  // How to cast one GEMM operand. Per-tensor scaling takes its scale from `delayed_scale`
+  // (delayed recipe: the registry's scale, computed from past steps) or, when that is null,
+  // from this tensor's amax (tensorwise/current scaling). Blockwise and MX scales always come
+  // from the block. The cast's amax is max-accumulated into *amax (the registry's staging row)
+  // and its counts merged into *stats when given.
+  struct Quantize {
+    Fp8Format format = Fp8Format::e4m3;
+    Fp8Scaling scaling = Fp8Scaling::per_tensor;
+    bool pow2 = false;                     // current/blockwise scales rounded down to 2^k
+    const float* delayed_scale = nullptr;
+    float* amax = nullptr;
+    CastStats* stats = nullptr;
+  };
+  // x [rows, cols] (any ld) -> `rowwise` [rows, cols] and/or `columnwise` [cols, rows] (the
+  // quantized transpose: xᵀ's blocks run along x's columns); either may be undefined. With
+  // per-tensor scaling both copies share one scale; 128x128 tiles transpose with their scales.
+  virtual void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) = 0;
+  // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
+  // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
+  virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;
 };
 
 // "cpu" (always available) or "cuda" (when built with CUDA and a GPU is present).

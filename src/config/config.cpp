@@ -89,6 +89,10 @@ ConfigValue parse_node(const KeySpec& spec, const YAML::Node& node, const std::s
     for (const YAML::Node& e : node) v.push_back(number<double>(spec, e, where, got));
     return v;
   }
+  // Megatron writes `fp8: null` for "off": a null value selects a choice key's "none".
+  if (node.IsNull() && spec.type == KeyType::choice &&
+      std::find(spec.choices.begin(), spec.choices.end(), "none") != spec.choices.end())
+    return std::string("none");
   if (!node.IsScalar()) fail_value(spec, where, got);
   switch (spec.type) {
     case KeyType::integer: return number<int64_t>(spec, node, where, got);

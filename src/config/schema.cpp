@@ -112,6 +112,24 @@ std::vector<KeySpec> make_keys() {
       string_key("run", "sample_prompts", "", "prompts for the sample grid written at the end, separated by ';'"),
       int_key("run", "sample_steps", 20, at_least(1), "Euler steps of the end-of-run samples"),
       int_key("run", "samples_per_prompt", 4, at_least(1), "images per prompt in the end-of-run grid"),
+
+      // ---- FP8 (Transformer Engine semantics; Megatron/Primus key names) ----
+      choice_key("fp8", "fp8", "none", {"none", "e4m3", "hybrid"}, "FP8 training: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients); none (or null) = BF16"),
+      choice_key("fp8", "fp8_recipe", "delayed", {"delayed", "tensorwise", "blockwise", "mxfp8"}, "scaling recipe"),
+      int_key("fp8", "fp8_margin", 0, at_least(0), "delayed: scale = fp8_max * 2^-margin / amax"),
+      int_key("fp8", "fp8_amax_history_len", 1024, at_least(1), "delayed: steps of amax history"),
+      choice_key("fp8", "fp8_amax_compute_algo", "max", {"max", "most_recent"}, "delayed: amax from the history window's max or the newest value"),
+      bool_key("fp8", "fp8_wgrad", true, "compute weight gradients in FP8; false = from the BF16 operands"),
+      choice_key("fp8", "fp8_scale_rounding", "auto", {"auto", "power_of_2", "exact"}, "tensorwise/blockwise scales: auto = power_of_2 for blockwise, exact for tensorwise"),
+      bool_key("fp8", "fp8_modulation", false, "also run the modulation Linears in FP8 (they see one row per sample)"),
+      bool_key("fp8", "fp8_dot_product_attention", false, "attention in FP8 (cuDNN FP8 SDPA; CUDA backend, not yet available)"),
+      bool_key("fp8", "fp8_multi_head_attention", false, "FP8 attention including the qkv/proj boundaries (CUDA backend, not yet available)"),
+      bool_key("fp8", "first_last_layers_bf16", false, "keep the first/last blocks (double blocks counted first, then single) in BF16"),
+      int_key("fp8", "num_layers_at_start_in_bf16", 1, at_least(0), "blocks kept in BF16 at the start (with first_last_layers_bf16)"),
+      int_key("fp8", "num_layers_at_end_in_bf16", 1, at_least(0), "blocks kept in BF16 at the end (with first_last_layers_bf16)"),
+      int_key("fp8", "fp8_stats_interval", 100, at_least(0), "FP8 telemetry (amax, scale, saturation, underflow per tensor) every N steps; 0 = off"),
+      choice_key("training", "nan_policy", "skip", {"skip", "halt"}, "non-finite loss or gradient: skip the step (weights kept) or stop at once"),
+      int_key("training", "nan_max_consecutive_skips", 10, at_least(1), "with nan_policy skip: stop after this many bad steps in a row"),
   };
 }
 

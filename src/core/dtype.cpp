@@ -12,6 +12,7 @@ size_t dtype_size(DType t) {
     case DType::f64: return 8;
     case DType::bf16: return 2;
     case DType::f16: return 2;
+    case DType::u8: return 1;
   }
   fail("unknown dtype {}", static_cast<int>(t));
 }
@@ -22,6 +23,7 @@ std::string_view dtype_name(DType t) {
     case DType::f64: return "f64";
     case DType::bf16: return "bf16";
     case DType::f16: return "f16";
+    case DType::u8: return "u8";
   }
   return "?";
 }

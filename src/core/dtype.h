@@ -15,7 +15,7 @@
 
 namespace flux8 {
 
-enum class DType : uint8_t { f32, f64, bf16, f16 };
+enum class DType : uint8_t { f32, f64, bf16, f16, u8 };  // u8: FP8 codes (format kept beside them)
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);  // "f32", "bf16", ...

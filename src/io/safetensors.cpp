@@ -64,6 +64,7 @@ const char* safetensors_dtype_name(DType t) {
     case DType::f64: return "F64";
     case DType::bf16: return "BF16";
     case DType::f16: return "F16";
+    case DType::u8: return "U8";
   }
   fail("dtype {} has no safetensors name", static_cast<int>(t));
 }

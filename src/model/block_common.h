@@ -5,6 +5,7 @@
 #include "backend/backend.h"
 #include "model/arena.h"
 #include "model/flux_config.h"
+#include "model/linear_site.h"
 #include "model/params.h"
 
 namespace flux8 {
@@ -39,6 +40,7 @@ struct BlockContext {
   Tensor pe;          // RoPE table of the joint sequence [B, L, D/2, 2]
   Tensor silu_vec;    // SiLU(vec) [B, H], the input of every modulation Linear
   Tensor d_silu_vec;  // its gradient, accumulated by every block's backward
+  Fp8Runtime* fp8 = nullptr;  // FP8 state; null in BF16 runs
 };
 
 }  // namespace flux8

@@ -13,38 +13,43 @@ Tensor chunk(const Tensor& mod, int64_t i, int64_t H) { return mod.cols_slice(i 
 
 DoubleStreamParams bind_stream(const ParamStore& s, const std::string& p) {
   DoubleStreamParams d;
-  d.mod = LinearParams::bind(s, p + "_mod.lin");
-  d.qkv = LinearParams::bind(s, p + "_attn.qkv");
-  d.proj = LinearParams::bind(s, p + "_attn.proj");
-  d.mlp_in = LinearParams::bind(s, p + "_mlp.0");
-  d.mlp_out = LinearParams::bind(s, p + "_mlp.2");
+  d.mod = LinearSite::bind(s, p + "_mod.lin");
+  d.qkv = LinearSite::bind(s, p + "_attn.qkv");
+  d.proj = LinearSite::bind(s, p + "_attn.proj");
+  d.mlp_in = LinearSite::bind(s, p + "_mlp.0");
+  d.mlp_out = LinearSite::bind(s, p + "_mlp.2");
   d.q_norm = ScaleParam::bind(s, p + "_attn.norm.query_norm.scale");
   d.k_norm = ScaleParam::bind(s, p + "_attn.norm.key_norm.scale");
   return d;
 }
 
-DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int64_t Ls, DType t) {
+DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int64_t Ls, DType t,
+                                  const DoubleStreamParams& p, const Fp8Runtime* fp8) {
   const int64_t H = c.hidden_size, M = c.mlp_hidden(), n = c.num_heads;
   DoubleStreamSaved s;
   auto act = [&](int64_t cols) { return a.alloc(t, Shape{B, Ls, cols}, SlotKind::activation); };
-  auto lin = [&](int64_t cols) { return a.alloc(t, Shape{B, Ls, cols}, SlotKind::linear_input); };
+  auto lin = [&](const LinearSite& site, int64_t cols) {
+    return allocate_linear_input(a, site, fp8, Shape{B, Ls, cols}, t);
+  };
   auto stat = [&](int64_t per_token) { return a.alloc(t, Shape{B * Ls * per_token}, SlotKind::statistic); };
   s.x_in = act(H);
+  // SiLU(vec) is shared by every modulation Linear: only an FP8 cast of it is saved here.
+  if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 6 * H}, SlotKind::activation);
   s.ln1_mean = stat(1);
   s.ln1_rstd = stat(1);
-  s.xm1 = lin(H);
+  s.xm1 = lin(p.qkv, H);
   s.qkv = act(3 * H);
   s.q_rstd = stat(n);
   s.k_rstd = stat(n);
-  s.attn = lin(H);
+  s.attn = lin(p.proj, H);
   s.proj_out = act(H);
   s.x_mid = act(H);
   s.ln2_mean = stat(1);
   s.ln2_rstd = stat(1);
-  s.xm2 = lin(H);
+  s.xm2 = lin(p.mlp_in, H);
   s.mlp_h = act(M);
-  s.mlp_g = lin(M);
+  s.mlp_g = lin(p.mlp_out, M);
   s.mlp_out = act(H);
   return s;
 }
@@ -56,10 +61,18 @@ DoubleBlockParams DoubleBlockParams::bind(const ParamStore& store, int64_t index
   return {bind_stream(store, b + "txt"), bind_stream(store, b + "img")};
 }
 
-DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+std::vector<LinearSite*> DoubleBlockParams::sites() {
+  std::vector<LinearSite*> out;
+  for (DoubleStreamParams* p : {&txt, &img})
+    for (LinearSite* s : {&p->mod, &p->qkv, &p->proj, &p->mlp_in, &p->mlp_out}) out.push_back(s);
+  return out;
+}
+
+DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
+                                            const DoubleBlockParams& p, const Fp8Runtime* fp8) {
   DoubleBlockSaved s;
-  s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t);
-  s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t);
+  s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8);
+  s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8);
   const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
   s.q = a.alloc(t, heads, SlotKind::activation);
   s.k = a.alloc(t, heads, SlotKind::activation);
@@ -73,18 +86,20 @@ namespace {
 
 // Stream part before attention: modulation, LayerNorm 1, qkv, QK-norm, scatter into the
 // joint head-major q/k/v at this stream's token offset.
-void stream_pre_attention(const BlockContext& ctx, const DoubleStreamParams& p,
+void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
                           DoubleStreamSaved& s, DoubleBlockSaved& joint, Tensor x,
                           int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
   const double qk_eps = ctx.cfg.qk_norm_eps;
-  be.copy(s.x_in, x);
-  be.linear(s.mod, ctx.silu_vec, p.mod.w, p.mod.b);
-  be.layernorm_modulate(s.xm1, s.ln1_mean, s.ln1_rstd, x, chunk(s.mod, 0, H), chunk(s.mod, 1, H),
-                        ctx.cfg.layernorm_eps);
-  be.linear(s.qkv, s.xm1, p.qkv.w, p.qkv.b);
   const size_t mark = ctx.scratch.mark();
+  be.copy(s.x_in, x);
+  if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
+  site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
+  const Tensor xm1 = linear_input_buffer(ctx.scratch, s.xm1, x.shape, ctx.dtype);
+  be.layernorm_modulate(xm1, s.ln1_mean, s.ln1_rstd, x, chunk(s.mod, 0, H), chunk(s.mod, 1, H),
+                        ctx.cfg.layernorm_eps);
+  site_forward(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv, xm1, s.xm1);
   Tensor normed = ctx.scratch.alloc(ctx.dtype, x.shape, SlotKind::workspace);
   be.rmsnorm_heads(normed, s.q_rstd, s.qkv.cols_slice(0, H), p.q_norm.s, qk_eps);
   be.tokens_to_heads(joint.q, normed, offset);
@@ -95,26 +110,31 @@ void stream_pre_attention(const BlockContext& ctx, const DoubleStreamParams& p,
 }
 
 // Stream part after attention: projection, gated residual, LayerNorm 2, MLP, gated residual.
-void stream_post_attention(const BlockContext& ctx, const DoubleStreamParams& p,
+void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
                            DoubleStreamSaved& s, const DoubleBlockSaved& joint, Tensor x,
                            int64_t offset) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size;
-  be.heads_to_tokens(s.attn, joint.o, offset);
-  be.linear(s.proj_out, s.attn, p.proj.w, p.proj.b);
+  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
+  const size_t mark = ctx.scratch.mark();
+  const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, x.shape, ctx.dtype);
+  be.heads_to_tokens(attn, joint.o, offset);
+  site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
   be.gated_residual(x, s.proj_out, chunk(s.mod, 2, H));
   be.copy(s.x_mid, x);
-  be.layernorm_modulate(s.xm2, s.ln2_mean, s.ln2_rstd, x, chunk(s.mod, 3, H), chunk(s.mod, 4, H),
+  const Tensor xm2 = linear_input_buffer(ctx.scratch, s.xm2, x.shape, ctx.dtype);
+  be.layernorm_modulate(xm2, s.ln2_mean, s.ln2_rstd, x, chunk(s.mod, 3, H), chunk(s.mod, 4, H),
                         ctx.cfg.layernorm_eps);
-  be.linear(s.mlp_h, s.xm2, p.mlp_in.w, p.mlp_in.b);
-  be.gelu_tanh(s.mlp_g, s.mlp_h);
-  be.linear(s.mlp_out, s.mlp_g, p.mlp_out.w, p.mlp_out.b);
+  site_forward(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h, xm2, s.xm2);
+  const Tensor mlp_g = linear_input_buffer(ctx.scratch, s.mlp_g, Shape{x.shape[0], x.shape[1], M}, ctx.dtype);
+  be.gelu_tanh(mlp_g, s.mlp_h);
+  site_forward(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, mlp_g, s.mlp_g);
   be.gated_residual(x, s.mlp_out, chunk(s.mod, 5, H));
+  ctx.scratch.release_to(mark);
 }
 
 // Backward of stream_post_attention: dx holds d(block output) and becomes d(x_mid); the
 // attention-output gradient is scattered into the joint dO.
-void stream_post_attention_backward(const BlockContext& ctx, const DoubleStreamParams& p,
+void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
                                     const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
                                     Tensor d_o, int64_t offset) {
   Backend& be = ctx.be;
@@ -128,22 +148,22 @@ void stream_post_attention_backward(const BlockContext& ctx, const DoubleStreamP
   Tensor d_m2 = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
 
   be.gated_residual_backward(d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
-  be.linear_backward(d_m, p.mlp_out.dw, p.mlp_out.db, d_h, s.mlp_g, p.mlp_out.w, false);
+  site_backward(be, ctx.fp8, a, p.mlp_out, d_m, d_h, s.mlp_g, false);
   be.gelu_tanh_backward(d_m2, d_m, s.mlp_h);
-  be.linear_backward(d_h, p.mlp_in.dw, p.mlp_in.db, d_m2, s.xm2, p.mlp_in.w, false);
+  site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, s.xm2, false);
   be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid,
                                  s.ln2_mean, s.ln2_rstd, chunk(s.mod, 4, H), true);
 
   Tensor d_attn = a.alloc(ctx.dtype, tok, SlotKind::workspace);
   be.gated_residual_backward(d_h, chunk(dmod, 2, H), dx, s.proj_out, chunk(s.mod, 2, H));
-  be.linear_backward(d_attn, p.proj.dw, p.proj.db, d_h, s.attn, p.proj.w, false);
+  site_backward(be, ctx.fp8, a, p.proj, d_attn, d_h, s.attn, false);
   be.tokens_to_heads(d_o, d_attn, offset);
   a.release_to(mark);
 }
 
 // Backward of stream_pre_attention: gathers this stream's dq/dk/dv from the joint
 // gradients, and finishes d(block input) in dx.
-void stream_pre_attention_backward(const BlockContext& ctx, const DoubleStreamParams& p,
+void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
                                    const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
                                    const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                    int64_t offset) {
@@ -162,16 +182,16 @@ void stream_pre_attention_backward(const BlockContext& ctx, const DoubleStreamPa
   be.rmsnorm_heads_backward(d_qkv.cols_slice(H, H), p.k_norm.ds, d_h, s.qkv.cols_slice(H, H),
                             s.k_rstd, p.k_norm.s);
   be.heads_to_tokens(d_qkv.cols_slice(2 * H, H), dv, offset);
-  be.linear_backward(d_h, p.qkv.dw, p.qkv.db, d_qkv, s.xm1, p.qkv.w, false);
+  site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, s.xm1, false);
   be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in,
                                  s.ln1_mean, s.ln1_rstd, chunk(s.mod, 1, H), true);
-  be.linear_backward(ctx.d_silu_vec, p.mod.dw, p.mod.db, dmod, ctx.silu_vec, p.mod.w, true);
+  site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);
   a.release_to(mark);
 }
 
 }  // namespace
 
-void double_block_forward(const BlockContext& ctx, const DoubleBlockParams& p,
+void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p,
                           DoubleBlockSaved& s, Tensor txt, Tensor img) {
   const int64_t Lt = ctx.shape.txt_tokens;
   stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0);
@@ -184,7 +204,7 @@ void double_block_forward(const BlockContext& ctx, const DoubleBlockParams& p,
   stream_post_attention(ctx, p.img, s.img, s, img, Lt);
 }
 
-void double_block_backward(const BlockContext& ctx, const DoubleBlockParams& p,
+void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
                            const DoubleBlockSaved& s, Tensor dtxt, Tensor dimg) {
   Backend& be = ctx.be;
   const int64_t Lt = ctx.shape.txt_tokens, B = ctx.shape.batch, H = ctx.cfg.hidden_size;
@@ -208,7 +228,7 @@ void double_block_backward(const BlockContext& ctx, const DoubleBlockParams& p,
   a.release_to(mark);
 }
 
-void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8) {
   // Everything double_block_backward and its helpers take, summed (an upper bound of the
   // simultaneous use; an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, H = c.hidden_size, M = c.mlp_hidden();
@@ -219,6 +239,8 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   for (int i = 0; i < 3; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
   for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
+  a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
+  plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M), t);
 }
 
 }  // namespace flux8

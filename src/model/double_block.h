@@ -6,27 +6,33 @@
 namespace flux8 {
 
 struct DoubleStreamParams {
-  LinearParams mod, qkv, proj, mlp_in, mlp_out;
+  LinearSite mod, qkv, proj, mlp_in, mlp_out;
   ScaleParam q_norm, k_norm;
 };
 
 struct DoubleBlockParams {
   DoubleStreamParams txt, img;
   static DoubleBlockParams bind(const ParamStore& store, int64_t index);
+  // The block's Linears, for FP8 registration (modulation first in each stream).
+  std::vector<LinearSite*> sites();
 };
 
 // Activations saved by the forward for the backward, per stream.
 struct DoubleStreamSaved {
   Tensor x_in;                     // block input (LayerNorm 1 backward)
+  SavedLinearInput mod_in;         // SiLU(vec) as the modulation Linear saw it
   Tensor mod;                      // [B, 6H]: shift1 scale1 gate1 shift2 scale2 gate2
-  Tensor ln1_mean, ln1_rstd, xm1;  // modulated LayerNorm 1 and its output (qkv input)
+  Tensor ln1_mean, ln1_rstd;       // modulated LayerNorm 1
+  SavedLinearInput xm1;            // its output (qkv input)
   Tensor qkv;                      // [B, Ls, 3H] before QK-norm
   Tensor q_rstd, k_rstd;
-  Tensor attn;                     // attention output in token layout (proj input)
+  SavedLinearInput attn;           // attention output in token layout (proj input)
   Tensor proj_out;                 // (gate1 gradient)
   Tensor x_mid;                    // residual after attention (LayerNorm 2 backward)
-  Tensor ln2_mean, ln2_rstd, xm2;  // (mlp_in input)
-  Tensor mlp_h, mlp_g;             // GELU input and output (mlp_out input)
+  Tensor ln2_mean, ln2_rstd;
+  SavedLinearInput xm2;            // (mlp_in input)
+  Tensor mlp_h;                    // GELU input
+  SavedLinearInput mlp_g;          // GELU output (mlp_out input)
   Tensor mlp_out;                  // (gate2 gradient)
 };
 
@@ -34,18 +40,19 @@ struct DoubleBlockSaved {
   DoubleStreamSaved txt, img;
   Tensor q, k, v, o, lse;  // joint attention, head-major [B, n, L, D], after QK-norm and RoPE
   static DoubleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape,
-                                   DType dtype);
+                                   DType dtype, const DoubleBlockParams& p, const Fp8Runtime* fp8);
 };
 
 // txt [B, Lt, H] and img [B, Li, H] are updated in place.
-void double_block_forward(const BlockContext& ctx, const DoubleBlockParams& p,
+void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p,
                           DoubleBlockSaved& saved, Tensor txt, Tensor img);
 // dtxt/dimg hold the gradient of the block output and become that of its input. Parameter
 // gradients and ctx.d_silu_vec are accumulated.
-void double_block_backward(const BlockContext& ctx, const DoubleBlockParams& p,
+void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
                            const DoubleBlockSaved& saved, Tensor dtxt, Tensor dimg);
 
 // Scratch memory the block needs at most (planning).
-void double_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype);
+void double_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
+                               const Fp8Runtime* fp8);
 
 }  // namespace flux8

@@ -38,7 +38,9 @@ struct ModelSaved {
   std::vector<DoubleBlockSaved> doubles;
   std::vector<SingleBlockSaved> singles;
 
-  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
+                             const std::vector<DoubleBlockParams>& dp, const std::vector<SingleBlockParams>& sp,
+                             const Fp8Runtime* fp8) {
     const int64_t B = sh.batch, H = c.hidden_size, L = sh.tokens();
     ModelSaved s;
     auto act = [&](Shape shape) { return a.alloc(t, shape, SlotKind::activation); };
@@ -60,10 +62,8 @@ struct ModelSaved {
     s.final_rstd = a.alloc(t, Shape{B * sh.img_tokens}, SlotKind::statistic);
     s.final_xm = act(Shape{B, sh.img_tokens, H});
     s.pred = act(Shape{B, sh.img_tokens, c.out_channels});
-    for (int64_t i = 0; i < c.num_double_blocks; ++i)
-      s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t));
-    for (int64_t i = 0; i < c.num_single_blocks; ++i)
-      s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t));
+    for (const DoubleBlockParams& p : dp) s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, p, fp8));
+    for (const SingleBlockParams& p : sp) s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, p, fp8));
     return s;
   }
 };
@@ -71,7 +71,7 @@ struct ModelSaved {
 namespace {
 
 // Scratch needed besides the blocks': the model-level backward buffers.
-void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8) {
   const int64_t B = sh.batch, H = c.hidden_size;
   a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);  // dtxt
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // dimg
@@ -79,14 +79,14 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // final dxm
   for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
   const size_t mark = a.mark();  // blocks run one at a time: the larger of the two counts
-  double_block_plan_scratch(a, c, sh, t);
+  double_block_plan_scratch(a, c, sh, t, fp8);
   a.release_to(mark);
-  single_block_plan_scratch(a, c, sh, t);
+  single_block_plan_scratch(a, c, sh, t, fp8);
 }
 
 }  // namespace
 
-FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype)
+FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8)
     : cfg_(cfg), be_(backend), dtype_(dtype) {
   cfg_.validate("model config");
   params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
@@ -94,21 +94,48 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype)
     double_params_.push_back(DoubleBlockParams::bind(*params_, i));
   for (int64_t i = 0; i < cfg_.num_single_blocks; ++i)
     single_params_.push_back(SingleBlockParams::bind(*params_, i));
+  if (fp8 && fp8->enabled) {
+    if (dtype_ != DType::f32) fail("FP8 training runs the model in f32 (the CPU emulation's working type)");
+    fp8_ = std::make_unique<Fp8Runtime>(*fp8, be_);
+    std::vector<LinearSite*> all;
+    const int64_t blocks = cfg_.num_blocks();
+    int64_t index = 0;
+    auto add_block = [&](std::vector<LinearSite*> sites) {
+      const bool in_fp8 = fp8->block_in_fp8(index++, blocks);
+      for (size_t k = 0; k < sites.size(); ++k) {
+        const bool modulation = k == 0 || (sites.size() == 10 && k == 5);  // each stream's first site
+        if (in_fp8 && (!modulation || fp8->modulation)) fp8_->add_site(*sites[k]);
+        all.push_back(sites[k]);
+      }
+    };
+    for (DoubleBlockParams& p : double_params_) add_block(p.sites());
+    for (SingleBlockParams& p : single_params_) add_block(p.sites());
+    fp8_->allocate_weight_casts(all);
+  }
+}
+
+void FluxModel::end_optimizer_step() {
+  if (!fp8_) return;
+  fp8_->end_step();
+  fp8_->weights_updated();
 }
 
 FluxModel::~FluxModel() = default;
 
 ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape) {
   Arena saved, scratch;  // measuring arenas
-  ModelSaved::allocate(saved, cfg, shape, DType::f32);
-  plan_model_scratch(scratch, cfg, shape, DType::f32);
+  // BF16 plan: default sites are not FP8.
+  const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
+  const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
+  ModelSaved::allocate(saved, cfg, shape, DType::f32, dp, sp, nullptr);
+  plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr);
   return {saved.usage(), static_cast<int64_t>(scratch.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {
   Arena saved, scratch;
-  ModelSaved::allocate(saved, cfg_, s, dtype_);
-  plan_model_scratch(scratch, cfg_, s, dtype_);
+  ModelSaved::allocate(saved, cfg_, s, dtype_, double_params_, single_params_, fp8_.get());
+  plan_model_scratch(scratch, cfg_, s, dtype_, fp8_.get());
   saved_arena_.reserve(be_, saved.peak());
   scratch_arena_.reserve(be_, scratch.peak());
   planned_ = s;
@@ -142,7 +169,8 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   inputs_ = in;
   saved_arena_.reset();
   scratch_arena_.reset();
-  saved_ = std::make_unique<ModelSaved>(ModelSaved::allocate(saved_arena_, c, sh, dtype_));
+  saved_ = std::make_unique<ModelSaved>(
+      ModelSaved::allocate(saved_arena_, c, sh, dtype_, double_params_, single_params_, fp8_.get()));
   ModelSaved& s = *saved_;
   const ParamStore& P = *params_;
 
@@ -173,7 +201,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
-  BlockContext ctx{be_, c, sh, dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}};
+  BlockContext ctx{be_, c, sh, dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get()};
   for (size_t i = 0; i < s.doubles.size(); ++i)
     double_block_forward(ctx, double_params_[i], s.doubles[i], s.txt, s.img);
   be_.concat_tokens(s.z, s.txt, s.img);
@@ -221,7 +249,7 @@ void FluxModel::backward(const Tensor& dpred) {
   be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, ada.w, false);
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
-  BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec};
+  BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get()};
   be_.fill(dtxt, 0.0);
   be_.concat_tokens(dz, dtxt, dimg);
   for (size_t i = s.singles.size(); i-- > 0;) single_block_backward(ctx, single_params_[i], s.singles[i], dz);

@@ -37,7 +37,10 @@ struct ModelSaved;
 
 class FluxModel {
  public:
-  FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32);
+  // With an enabled Fp8Config the block Linears (and optionally the modulation Linears) run in
+  // FP8 as the recipe says; FP8 needs dtype f32.
+  FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32,
+            const Fp8Config* fp8 = nullptr);
   ~FluxModel();
 
   const FluxConfig& config() const { return cfg_; }
@@ -56,6 +59,12 @@ class FluxModel {
 
   static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape);
 
+  // FP8 state (null in BF16 runs).
+  Fp8Runtime* fp8() { return fp8_.get(); }
+  // After each optimizer update: the delayed-scaling update of every FP8 tensor and fresh
+  // weight casts on the next forward.
+  void end_optimizer_step();
+
  private:
   FluxConfig cfg_;
   Backend& be_;
@@ -63,6 +72,7 @@ class FluxModel {
   std::unique_ptr<ParamStore> params_;
   std::vector<DoubleBlockParams> double_params_;
   std::vector<SingleBlockParams> single_params_;
+  std::unique_ptr<Fp8Runtime> fp8_;
   Arena saved_arena_, scratch_arena_;
   StepShape planned_{0, 0, 0};
   StepShape shape_{0, 0, 0};

@@ -8,23 +8,25 @@ namespace flux8 {
 SingleBlockParams SingleBlockParams::bind(const ParamStore& s, int64_t index) {
   const std::string b = "single_blocks." + std::to_string(index) + ".";
   SingleBlockParams p;
-  p.mod = LinearParams::bind(s, b + "modulation.lin");
-  p.linear1 = LinearParams::bind(s, b + "linear1");
-  p.linear2 = LinearParams::bind(s, b + "linear2");
+  p.mod = LinearSite::bind(s, b + "modulation.lin");
+  p.linear1 = LinearSite::bind(s, b + "linear1");
+  p.linear2 = LinearSite::bind(s, b + "linear2");
   p.q_norm = ScaleParam::bind(s, b + "norm.query_norm.scale");
   p.k_norm = ScaleParam::bind(s, b + "norm.key_norm.scale");
   return p;
 }
 
-SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
+                                            const SingleBlockParams& p, const Fp8Runtime* fp8) {
   const int64_t B = sh.batch, L = sh.tokens(), H = c.hidden_size, M = c.mlp_hidden();
   const int64_t n = c.num_heads;
   SingleBlockSaved s;
   s.z_in = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
+  if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 3 * H}, SlotKind::activation);
   s.ln_mean = a.alloc(t, Shape{B * L}, SlotKind::statistic);
   s.ln_rstd = a.alloc(t, Shape{B * L}, SlotKind::statistic);
-  s.zm = a.alloc(t, Shape{B, L, H}, SlotKind::linear_input);
+  s.zm = allocate_linear_input(a, p.linear1, fp8, Shape{B, L, H}, t);
   s.u = a.alloc(t, Shape{B, L, 3 * H + M}, SlotKind::activation);
   s.q_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
@@ -34,21 +36,24 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.v = a.alloc(t, heads, SlotKind::activation);
   s.o = a.alloc(t, heads, SlotKind::activation);
   s.lse = a.alloc(t, Shape{B, n, L}, SlotKind::statistic);
-  s.cat = a.alloc(t, Shape{B, L, H + M}, SlotKind::linear_input);
+  s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   return s;
 }
 
-void single_block_forward(const BlockContext& ctx, const SingleBlockParams& p,
+void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
                           SingleBlockSaved& s, Tensor z) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const double qk_eps = ctx.cfg.qk_norm_eps;
+  const size_t outer = ctx.scratch.mark();
   be.copy(s.z_in, z);
-  be.linear(s.mod, ctx.silu_vec, p.mod.w, p.mod.b);
-  be.layernorm_modulate(s.zm, s.ln_mean, s.ln_rstd, z, s.mod.cols_slice(0, H),
+  if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
+  site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
+  const Tensor zm = linear_input_buffer(ctx.scratch, s.zm, z.shape, ctx.dtype);
+  be.layernorm_modulate(zm, s.ln_mean, s.ln_rstd, z, s.mod.cols_slice(0, H),
                         s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
-  be.linear(s.u, s.zm, p.linear1.w, p.linear1.b);
+  site_forward(be, ctx.fp8, ctx.scratch, p.linear1, s.u, zm, s.zm);
 
   const size_t mark = ctx.scratch.mark();
   Tensor normed = ctx.scratch.alloc(ctx.dtype, z.shape, SlotKind::workspace);
@@ -63,13 +68,15 @@ void single_block_forward(const BlockContext& ctx, const SingleBlockParams& p,
   be.rope(s.k, ctx.pe, false);
   be.attention(s.o, s.lse, s.q, s.k, s.v,
                1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  be.heads_to_tokens(s.cat.cols_slice(0, H), s.o, 0);
-  be.gelu_tanh(s.cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
-  be.linear(s.out, s.cat, p.linear2.w, p.linear2.b);
+  const Tensor cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
+  be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
+  be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
+  site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
   be.gated_residual(z, s.out, s.mod.cols_slice(2 * H, H));
+  ctx.scratch.release_to(outer);
 }
 
-void single_block_backward(const BlockContext& ctx, const SingleBlockParams& p,
+void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
                            const SingleBlockSaved& s, Tensor dz) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
@@ -86,7 +93,7 @@ void single_block_backward(const BlockContext& ctx, const SingleBlockParams& p,
   Tensor d_v = a.alloc(ctx.dtype, s.v.shape, SlotKind::workspace);
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
-  be.linear_backward(d_cat, p.linear2.dw, p.linear2.db, d_h, s.cat, p.linear2.w, false);
+  site_backward(be, ctx.fp8, a, p.linear2, d_cat, d_h, s.cat, false);
   be.gelu_tanh_backward(d_u.cols_slice(3 * H, M), d_cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   be.tokens_to_heads(d_o, d_cat.cols_slice(0, H), 0);
   be.attention_backward(d_q, d_k, d_v, d_o, s.q, s.k, s.v, s.o, s.lse,
@@ -100,14 +107,14 @@ void single_block_backward(const BlockContext& ctx, const SingleBlockParams& p,
   be.rmsnorm_heads_backward(d_u.cols_slice(H, H), p.k_norm.ds, d_h, s.u.cols_slice(H, H), s.k_rstd,
                             p.k_norm.s);
   be.heads_to_tokens(d_u.cols_slice(2 * H, H), d_v, 0);
-  be.linear_backward(d_h, p.linear1.dw, p.linear1.db, d_u, s.zm, p.linear1.w, false);
+  site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
   be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in,
                                  s.ln_mean, s.ln_rstd, s.mod.cols_slice(H, H), true);
-  be.linear_backward(ctx.d_silu_vec, p.mod.dw, p.mod.db, dmod, ctx.silu_vec, p.mod.w, true);
+  site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);
   a.release_to(mark);
 }
 
-void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t) {
+void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8) {
   // Everything single_block_backward takes (the forward takes less).
   const int64_t B = sh.batch, L = sh.tokens(), H = c.hidden_size, M = c.mlp_hidden();
   a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);
@@ -115,6 +122,8 @@ void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, 3 * H + M}, SlotKind::workspace);
   for (int i = 0; i < 4; ++i) a.alloc(t, Shape{B, c.num_heads, L, c.head_dim()}, SlotKind::workspace);
+  a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);  // forward: a Linear's input buffer
+  plan_site_scratch(a, fp8, B * L, 3 * H + M, t);
 }
 
 }  // namespace flux8

@@ -7,31 +7,35 @@
 namespace flux8 {
 
 struct SingleBlockParams {
-  LinearParams mod, linear1, linear2;
+  LinearSite mod, linear1, linear2;
   ScaleParam q_norm, k_norm;
   static SingleBlockParams bind(const ParamStore& store, int64_t index);
+  std::vector<LinearSite*> sites() { return {&mod, &linear1, &linear2}; }
 };
 
 struct SingleBlockSaved {
   Tensor z_in;                  // block input (LayerNorm backward)
+  SavedLinearInput mod_in;      // SiLU(vec) as the modulation Linear saw it
   Tensor mod;                   // [B, 3H]: shift, scale, gate
-  Tensor ln_mean, ln_rstd, zm;  // modulated LayerNorm and its output (linear1 input)
+  Tensor ln_mean, ln_rstd;      // modulated LayerNorm
+  SavedLinearInput zm;          // its output (linear1 input)
   Tensor u;                     // linear1 output [B, L, 3H + M]
   Tensor q_rstd, k_rstd;
   Tensor q, k, v, o, lse;       // head-major, after QK-norm and RoPE
-  Tensor cat;                   // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
+  SavedLinearInput cat;         // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
   Tensor out;                   // linear2 output (gate gradient)
   static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape,
-                                   DType dtype);
+                                   DType dtype, const SingleBlockParams& p, const Fp8Runtime* fp8);
 };
 
 // z [B, L, H] updated in place.
-void single_block_forward(const BlockContext& ctx, const SingleBlockParams& p,
+void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
                           SingleBlockSaved& saved, Tensor z);
 // dz: gradient of the output in, of the input out. Parameter grads, d_silu_vec accumulated.
-void single_block_backward(const BlockContext& ctx, const SingleBlockParams& p,
+void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
                            const SingleBlockSaved& saved, Tensor dz);
 
-void single_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype);
+void single_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
+                               const Fp8Runtime* fp8);
 
 }  // namespace flux8

@@ -23,6 +23,7 @@
 #include "backend/transfer.h"
 #include "core/error.h"
 #include "core/sha256.h"
+#include "fp8/state_io.h"
 #include "io/safetensors.h"
 #include "model/weights_io.h"
 
@@ -35,6 +36,7 @@ namespace {
 
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kFp8File = "fp8_state.safetensors";
 constexpr const char* kStateFile = "trainer_state.json";
 constexpr const char* kManifestFile = "manifest.json";
 constexpr const char* kTmpPrefix = ".tmp-";
@@ -396,7 +398,7 @@ TrainerState trainer_state_from_json(const std::string& text, const std::string&
 
 std::string save_checkpoint(const std::string& root, const TrainerState& state,
                             const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
-                            const Tensor& adam_v, int keep_last) {
+                            const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8) {
   check_moments(store, adam_m, adam_v, "save_checkpoint");
   if (state.step < 0) fail("save_checkpoint: step {} is negative", state.step);
   std::error_code ec;
@@ -419,13 +421,16 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
                 {"flux8_version", state.flux8_version}});
   save_optimizer(in_tmp(kOptimizerFile), state, store, adam_m, adam_v);
   write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
+  if (fp8) save_fp8_state(*fp8, in_tmp(kFp8File));
 
   json manifest;
   manifest["format"] = "flux8-checkpoint";
   manifest["format_version"] = kCheckpointFormatVersion;
   manifest["step"] = state.step;
   manifest["files"] = json::object();
-  for (const char* file : {kModelFile, kOptimizerFile, kStateFile})
+  std::vector<const char*> files = {kModelFile, kOptimizerFile, kStateFile};
+  if (fp8) files.push_back(kFp8File);
+  for (const char* file : files)
     manifest["files"][file] = {{"bytes", fs::file_size(in_tmp(file))},
                                {"sha256", sha256_file(in_tmp(file))}};
   write_file_durably(in_tmp(kManifestFile), manifest.dump(2) + "\n");
@@ -485,7 +490,8 @@ std::optional<std::string> find_latest_checkpoint(const std::string& root, std::
 }
 
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
-                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
+                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+                     Fp8MetaRegistry* fp8, std::string* fp8_note) {
   check_moments(store, adam_m, adam_v, "load_checkpoint");
   verify_checkpoint(dir);
   const std::string state_path = (fs::path(dir) / kStateFile).string();
@@ -496,6 +502,12 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
          kManifestFile, m.step);
   load_weights(store, cfg, (fs::path(dir) / kModelFile).string());
   load_optimizer((fs::path(dir) / kOptimizerFile).string(), store, adam_m, adam_v);
+  const bool has_fp8 = m.files.count(kFp8File) != 0;
+  std::string note;
+  if (fp8 && has_fp8) note = load_fp8_state(*fp8, (fs::path(dir) / kFp8File).string());
+  else if (fp8) note = "the checkpoint has no FP8 state (a BF16 run): FP8 scales start at 1 with empty amax histories";
+  else if (has_fp8) note = "the checkpoint's FP8 state is ignored: this run trains in BF16";
+  if (fp8_note) *fp8_note = note;
   state = std::move(loaded);
 }
 

@@ -17,6 +17,7 @@
 #include "core/tensor.h"
 #include "model/flux_config.h"
 #include "model/params.h"
+#include "fp8/meta.h"
 #include "train/trainer_state.h"
 
 namespace flux8 {
@@ -30,9 +31,10 @@ std::string checkpoint_dir_name(int64_t step);
 // `keep_last` complete checkpoints (the one just written always among them; keep_last <= 0
 // keeps all) and removes .tmp-* directories left by killed runs. adam_m and adam_v are flat
 // moment buffers laid out like store.flat_params(). Returns the checkpoint's path.
+// With `fp8`, the delayed-scaling state is saved too (fp8_state.safetensors).
 std::string save_checkpoint(const std::string& root, const TrainerState& state,
                             const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
-                            const Tensor& adam_v, int keep_last);
+                            const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
 
 // The newest ROOT/step-N whose files all match its manifest (sizes and sha256), or nullopt
 // when there is none. Each skipped checkpoint gets a warning line on stderr naming it and the
@@ -45,8 +47,12 @@ void verify_checkpoint(const std::string& dir);
 
 // Verifies `dir`, then loads parameters, moments and state exactly as saved (F32 values into
 // f32 or f64 buffers). `state` is assigned only when everything loaded.
+// With `fp8` (an FP8 run), its state is restored from the checkpoint's FP8 state, or starts
+// fresh when the checkpoint has none (a BF16 run); a BF16 run ignores a checkpoint's FP8 state.
+// What happened is described in *fp8_note.
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
-                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v);
+                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+                     Fp8MetaRegistry* fp8 = nullptr, std::string* fp8_note = nullptr);
 
 // For --init-from: a checkpoint directory -> its model.safetensors (checked against the
 // manifest); a file -> itself; anything else fails saying what was expected.

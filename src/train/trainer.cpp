@@ -22,14 +22,14 @@
 #include "train/run_data.h"
 #include "train/signals.h"
 #include "train/train_step.h"
+#include "train/fp8_report.h"
+#include "fp8/fp8_config.h"
 
 namespace flux8 {
 
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr int kMaxConsecutiveSkips = 10;
 
 // The first parameter whose gradient has a non-finite value (for the skip message).
 std::string first_nonfinite_gradient(ParamStore& store) {
@@ -49,6 +49,7 @@ struct Run {
   std::unique_ptr<AdamWOptimizer> opt;
   LrSchedule schedule;
   TrainerState state;
+  Fp8Config fp8;
   int64_t micro = 1, accumulation = 1, global = 1;
   std::string save_dir;
 };
@@ -124,15 +125,18 @@ TrainResult run_training(const TrainOptions& opt) {
   const EmptyPrompt empty = load_empty_prompt(r.cfg, r.model_cfg);
   const std::vector<Sample> val = load_validation_set(r.cfg);
 
-  r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32);
+  r.fp8 = Fp8Config::from_config(r.cfg);
+  r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32, &r.fp8);
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
   r.state.seed = static_cast<uint64_t>(r.cfg.get_int("seed"));
   r.state.config_yaml = r.cfg.dump();
 
-  std::string resumed_from;
+  std::string resumed_from, fp8_note;
   if (opt.resume) {
     if (auto dir = find_latest_checkpoint(r.save_dir)) {
-      load_checkpoint(*dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq());
+      Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
+      load_checkpoint(*dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(),
+                      registry, &fp8_note);
       resumed_from = *dir;
     }
   }
@@ -163,12 +167,18 @@ TrainResult run_training(const TrainOptions& opt) {
                              r.model_cfg.name, static_cast<double>(params) / 1e6, r.be->name(), r.global,
                              r.accumulation, r.micro, train_iters, val.size(), r.save_dir),
                  nullptr);
-  if (!resumed_from.empty())
+  progress.event(fmt::format("precision: {}", r.fp8.describe()), nullptr);
+  if (!resumed_from.empty()) {
     progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f})", resumed_from, r.state.step, r.state.last_loss),
                    {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", resumed_from}});
+    if (!fp8_note.empty()) progress.event(fp8_note, nullptr);
+  }
 
   auto run_validation = [&](const char* when) {
+    // Validation casts must not enter the delayed-scaling amax history.
+    if (r.model->fp8()) r.model->fp8()->set_recording(false);
     const Validation v = validate(r, val, buf);
+    if (r.model->fp8()) r.model->fp8()->set_recording(true);
     if (val.empty()) return v.score;
     nlohmann::json rec{{"step", r.state.step}, {"val_loss", v.score}, {"val_loss_by_t", std::vector<double>(v.by_t, v.by_t + 8)}};
     progress.event(fmt::format("validation ({}) at step {}: {:.4f}", when, r.state.step, v.score), rec);
@@ -176,7 +186,8 @@ TrainResult run_training(const TrainOptions& opt) {
   };
   auto save = [&]() {
     result.last_checkpoint = save_checkpoint(r.save_dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(),
-                                             r.opt->exp_avg_sq(), static_cast<int>(r.cfg.get_int("keep_last_checkpoints")));
+                                             r.opt->exp_avg_sq(), static_cast<int>(r.cfg.get_int("keep_last_checkpoints")),
+                                             r.model->fp8() ? &r.model->fp8()->registry() : nullptr);
     progress.event(fmt::format("saved checkpoint {}", result.last_checkpoint),
                    {{"event", "checkpoint"}, {"step", r.state.step}, {"path", result.last_checkpoint}});
   };
@@ -185,6 +196,8 @@ TrainResult run_training(const TrainOptions& opt) {
   const int64_t eval_interval = r.cfg.get_int("eval_interval"), save_interval = r.cfg.get_int("save_interval");
   const int64_t log_interval = r.cfg.get_int("log_interval");
   int consecutive_skips = 0;
+  const bool nan_halt = r.cfg.get_string("nan_policy") == "halt";
+  const int64_t max_skips = r.cfg.get_int("nan_max_consecutive_skips");
   std::vector<Sample> samples;
   const StepContext ctx{*r.model, r.model_cfg, r.obj, empty, buf, r.state.seed};
   while (r.state.step < train_iters) {
@@ -197,18 +210,26 @@ TrainResult run_training(const TrainOptions& opt) {
     const int64_t tokens = sl.tokens;
     const double lr = r.schedule.at(step + 1);
     StepStats st = std::isfinite(loss) ? r.opt->step(step + 1, lr) : StepStats{NAN, lr, false};
+    // FP8: one delayed-scaling update for all tensors (an inf/NaN amax keeps the old scale),
+    // and fresh weight casts for the next step.
+    r.model->end_optimizer_step();
     if (!st.applied) {
       ++r.state.skipped_steps;
+      const std::string first = first_nonfinite_gradient(r.model->params());
       progress.event(fmt::format("step {}: non-finite {} (first non-finite gradient: {}); step skipped, weights kept",
-                                 step + 1, std::isfinite(loss) ? "gradient" : "loss",
-                                 first_nonfinite_gradient(r.model->params())),
-                     {{"event", "skipped_step"}, {"step", step + 1}});
-      if (++consecutive_skips >= kMaxConsecutiveSkips)
+                                 step + 1, std::isfinite(loss) ? "gradient" : "loss", first),
+                     {{"event", "skipped_step"}, {"step", step + 1}, {"first_nonfinite", first}});
+      if (nan_halt)
+        fail("step {}: non-finite {} (first non-finite gradient: {}) and nan_policy is halt; the last checkpoint "
+             "is intact", step + 1, std::isfinite(loss) ? "gradient" : "loss", first);
+      if (++consecutive_skips >= max_skips)
         fail("{} consecutive steps had a non-finite loss or gradient (last at step {}); stopping. Lower lr "
              "or check the data; the last checkpoint is intact.", consecutive_skips, step + 1);
     } else {
       consecutive_skips = 0;
     }
+    if (r.model->fp8() && r.fp8.stats_interval > 0 && (step + 1) % r.fp8.stats_interval == 0)
+      report_fp8_stats(*r.model->fp8(), step + 1, progress);
     const LoaderState ls = loader.state();
     r.state.step = step + 1;
     r.state.consumed_samples += r.global;

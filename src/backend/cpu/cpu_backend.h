@@ -70,6 +70,8 @@ class CpuBackend final : public Backend {
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
+  void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
+  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;
 
  private:
   BackendOptions options_;

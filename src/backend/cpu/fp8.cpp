@@ -1,0 +1,120 @@
+// FP8 casts and the TN FP8 GEMM on the CPU: the reference quantizers of src/fp8/quantize.h
+// written into backend views, and GEMMs emulated exactly by dequantize + fp32 GEMM (an FP8
+// product is exact in fp32, so only the summation order differs from a tensor core).
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+#include "fp8/recipe.h"
+
+namespace flux8 {
+using namespace cpu;
+
+namespace {
+
+// x (any ld) as a contiguous f32 matrix, or its transpose.
+std::vector<float> gather(const Tensor& x, bool transpose, const Ctx& c) {
+  const int64_t R = x.rows(), C = x.cols();
+  std::vector<float> out(static_cast<size_t>(R * C));
+  if (!transpose) {
+    parallel_for(R, c, [&](int64_t r) { std::copy_n(row<float>(x, r), C, out.data() + r * C); });
+  } else {
+    parallel_for(C, c, [&](int64_t j) {
+      for (int64_t r = 0; r < R; ++r) out[static_cast<size_t>(j * R + r)] = row<float>(x, r)[j];
+    });
+  }
+  return out;
+}
+
+void store(const QTensor& dst, const QuantizedTensor& q, const char* which) {
+  if (dst.rows != q.rows || dst.cols != q.cols || dst.format != q.format || dst.scaling != q.scaling)
+    fail("quantize: the {} output is [{}, {}] {} {}, the cast gives [{}, {}] {} {}", which, dst.rows, dst.cols,
+         fp8_format_name(dst.format), fp8_scaling_name(dst.scaling), q.rows, q.cols, fp8_format_name(q.format),
+         fp8_scaling_name(q.scaling));
+  std::memcpy(dst.codes, q.codes.data(), q.codes.size());
+  if (q.scaling == Fp8Scaling::mx_1x32)
+    std::memcpy(dst.scale_e8m0, q.scale_e8m0.data(), q.scale_e8m0.size());
+  else
+    std::memcpy(dst.scale_inv, q.scale_inv.data(), q.scale_inv.size() * sizeof(float));
+}
+
+QuantizedTensor cast(const std::vector<float>& x, int64_t rows, int64_t cols, const Backend::Quantize& q,
+                     float per_tensor_scale, CastStats* stats) {
+  switch (q.scaling) {
+    case Fp8Scaling::per_tensor: return quantize_per_tensor(x.data(), rows, cols, q.format, per_tensor_scale, stats);
+    case Fp8Scaling::block_1x128:
+    case Fp8Scaling::block_128x128:
+      return quantize_blockwise(x.data(), rows, cols, q.format, q.scaling, CurrentScalingOptions{q.pow2, 0.0f}, stats);
+    case Fp8Scaling::mx_1x32: return quantize_mxfp8(x.data(), rows, cols, q.format, stats);
+  }
+  fail("quantize: unknown scaling");
+}
+
+// decode(code) · scale_inv of the element's block, into a contiguous f32 matrix.
+std::vector<float> dequantize_view(const QTensor& q, const Ctx& c) {
+  std::vector<float> out(static_cast<size_t>(q.numel()));
+  const int64_t br = q.scaling == Fp8Scaling::block_128x128 ? 128 : 1;
+  const int64_t bc = q.scaling == Fp8Scaling::per_tensor      ? std::max<int64_t>(q.cols, 1)
+                     : q.scaling == Fp8Scaling::mx_1x32      ? 32
+                                                             : 128;
+  const int64_t scale_cols = (q.cols + bc - 1) / bc;
+  parallel_for(q.rows, c, [&](int64_t r) {
+    for (int64_t j = 0; j < q.cols; ++j) {
+      const int64_t k = q.scaling == Fp8Scaling::per_tensor ? 0 : (r / br) * scale_cols + j / bc;
+      const float s = q.scaling == Fp8Scaling::mx_1x32 ? e8m0_decode(q.scale_e8m0[k]) : q.scale_inv[k];
+      out[static_cast<size_t>(r * q.cols + j)] = dequantize_value(q.codes[r * q.cols + j], s, q.format);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
+  constexpr std::string_view op = "quantize";
+  require_defined(op, {"x", x});
+  if (x.dtype != DType::f32)
+    fail("{}: FP8 casts take f32 input, got {} (FP8 training runs the model in f32 on the CPU)", op, x.str());
+  if (!rowwise.defined() && !columnwise.defined()) return;
+  const int64_t R = x.rows(), C = x.cols();
+  if (rowwise.defined() && (rowwise.rows != R || rowwise.cols != C))
+    fail("{}: rowwise output [{}, {}] for input {}", op, rowwise.rows, rowwise.cols, x.str());
+  if (columnwise.defined() && (columnwise.rows != C || columnwise.cols != R))
+    fail("{}: columnwise output [{}, {}] must be the transpose of input {}", op, columnwise.rows, columnwise.cols,
+         x.str());
+  const Ctx c = make_ctx(options_, DType::f32);
+  const std::vector<float> xr = gather(x, false, c);
+  // One scale for both copies under per-tensor scaling: the registry's (delayed) or this
+  // tensor's current scale.
+  const float amax = tensor_amax(xr.data(), R * C);
+  const float scale = q.delayed_scale ? *q.delayed_scale : current_scale(amax, fp8_max(q.format), q.pow2);
+  if (q.amax) *q.amax = amax_accumulate(*q.amax, amax);
+  CastStats st;
+  if (rowwise.defined()) store(rowwise, cast(xr, R, C, q, scale, &st), "rowwise");
+  if (columnwise.defined())
+    store(columnwise, cast(gather(x, true, c), C, R, q, scale, rowwise.defined() ? nullptr : &st), "columnwise");
+  if (q.stats) q.stats->merge(st);
+}
+
+void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {
+  constexpr std::string_view op = "gemm_fp8_tn";
+  require_defined(op, {"c", c});
+  if (c.dtype != DType::f32) fail("{}: output {} must be f32", op, c.str());
+  if (!a.defined() || !b.defined() || a.cols != b.cols || c.rows() != a.rows || c.cols() != b.rows)
+    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, c.str(), a.rows, a.cols, b.rows, b.cols);
+  if (bias.defined() && (bias.numel() != b.rows || bias.dtype != DType::f32))
+    fail("{}: bias {} must be f32[{}]", op, bias.str(), b.rows);
+  const Ctx ctx = make_ctx(options_, DType::f32);
+  const std::vector<float> A = dequantize_view(a, ctx), B = dequantize_view(b, ctx);
+  const int64_t m = a.rows, n = b.rows, k = a.cols;
+  parallel_gemm<float>(ctx, false, true, m, n, k, 1.0f, A.data(), k, B.data(), k, accumulate ? 1.0f : 0.0f,
+                       c.ptr<float>(), c.ld);
+  if (bias.defined() || ctx.round_bf16)
+    parallel_for(m, ctx, [&](int64_t r) {
+      float* cr = row<float>(c, r);
+      for (int64_t j = 0; j < n; ++j) cr[j] = act<float>(bias.defined() ? cr[j] + bias.ptr<float>()[j] : cr[j], ctx);
+    });
+}
+
+}  // namespace flux8

@@ -1,0 +1,91 @@
+#include "fp8/fp8_config.h"
+
+#include <fmt/core.h>
+
+#include "config/config.h"
+#include "core/error.h"
+
+namespace flux8 {
+
+const char* fp8_recipe_name(Fp8Recipe r) {
+  switch (r) {
+    case Fp8Recipe::delayed: return "delayed";
+    case Fp8Recipe::tensorwise: return "tensorwise";
+    case Fp8Recipe::blockwise: return "blockwise";
+    case Fp8Recipe::mxfp8: return "mxfp8";
+  }
+  return "?";
+}
+
+Fp8Config Fp8Config::from_config(const Config& c) {
+  Fp8Config f;
+  const std::string fmt = c.get_string("fp8");
+  f.enabled = fmt != "none";
+  f.hybrid = fmt == "hybrid";
+  const std::string recipe = c.get_string("fp8_recipe");
+  f.recipe = recipe == "tensorwise"   ? Fp8Recipe::tensorwise
+             : recipe == "blockwise" ? Fp8Recipe::blockwise
+             : recipe == "mxfp8"     ? Fp8Recipe::mxfp8
+                                     : Fp8Recipe::delayed;
+  f.margin = static_cast<int>(c.get_int("fp8_margin"));
+  f.amax_history_len = c.get_int("fp8_amax_history_len");
+  f.amax_max = c.get_string("fp8_amax_compute_algo") == "max";
+  f.wgrad = c.get_bool("fp8_wgrad");
+  f.modulation = c.get_bool("fp8_modulation");
+  f.first_last_bf16 = c.get_bool("first_last_layers_bf16");
+  f.bf16_start = c.get_int("num_layers_at_start_in_bf16");
+  f.bf16_end = c.get_int("num_layers_at_end_in_bf16");
+  f.stats_interval = c.get_int("fp8_stats_interval");
+  const std::string rounding = c.get_string("fp8_scale_rounding");
+
+  auto set = [&](const char* key) { return c.source(key) != "default"; };
+  auto where = [&](const char* key) { return fmt::format("{} ({})", key, c.source(key)); };
+
+  if (!f.enabled) {
+    // A run that asks for FP8 details but not FP8 itself would silently train in BF16.
+    for (const char* key : {"fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
+                            "fp8_wgrad", "fp8_scale_rounding", "fp8_modulation", "fp8_dot_product_attention",
+                            "fp8_multi_head_attention", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                            "num_layers_at_end_in_bf16"})
+      if (set(key))
+        fail("{} is set but fp8 is {} ({}), so the run would train in BF16; set fp8: e4m3 or hybrid, or remove {}",
+             where(key), fmt, c.source("fp8"), key);
+    return f;
+  }
+  if (c.get_bool("fp8_dot_product_attention") || c.get_bool("fp8_multi_head_attention"))
+    fail("{} / {}: FP8 attention needs the CUDA backend's cuDNN FP8 attention, which flux8 does not have "
+         "yet; set both to false", where("fp8_dot_product_attention"), where("fp8_multi_head_attention"));
+  if (f.recipe != Fp8Recipe::delayed)
+    for (const char* key : {"fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"})
+      if (set(key))
+        fail("{} applies to fp8_recipe: delayed only, but the recipe is {} ({})", where(key), recipe,
+             c.source("fp8_recipe"));
+  if (rounding != "auto" && (f.recipe == Fp8Recipe::delayed || f.recipe == Fp8Recipe::mxfp8))
+    fail("{} applies to the tensorwise and blockwise recipes; {} scales are {}", where("fp8_scale_rounding"),
+         recipe, f.recipe == Fp8Recipe::mxfp8 ? "E8M0 powers of two by definition" : "fp8_max * 2^-margin / amax");
+  f.power_of_2_scales = rounding == "power_of_2" || (rounding == "auto" && f.recipe == Fp8Recipe::blockwise);
+  if (!f.first_last_bf16 && (set("num_layers_at_start_in_bf16") || set("num_layers_at_end_in_bf16")))
+    fail("{} / {} take effect only with first_last_layers_bf16: true", where("num_layers_at_start_in_bf16"),
+         where("num_layers_at_end_in_bf16"));
+  return f;
+}
+
+bool Fp8Config::block_in_fp8(int64_t index, int64_t num_blocks) const {
+  if (!enabled) return false;
+  if (first_last_bf16 && (index < bf16_start || index >= num_blocks - bf16_end)) return false;
+  return true;
+}
+
+std::string Fp8Config::describe() const {
+  if (!enabled) return "BF16 (fp8: none)";
+  std::string s = fmt::format("FP8 {} recipe, {}", fp8_recipe_name(recipe),
+                              hybrid ? "hybrid (E4M3 forward, E5M2 gradients)" : "E4M3");
+  if (recipe == Fp8Recipe::delayed)
+    s += fmt::format(", amax history {} ({}), margin {}", amax_history_len, amax_max ? "max" : "most_recent", margin);
+  if (power_of_2_scales) s += ", power-of-2 scales";
+  if (!wgrad) s += ", BF16 wgrad";
+  if (first_last_bf16) s += fmt::format(", first {} / last {} blocks in BF16", bf16_start, bf16_end);
+  return s;
+}
+
+}  // namespace flux8

@@ -1,0 +1,36 @@
+#pragma once
+// The FP8 settings of a run, resolved and checked from the config keys (docs/FP8.md).
+#include <cstdint>
+#include <string>
+
+namespace flux8 {
+
+class Config;
+
+enum class Fp8Recipe : uint8_t { delayed, tensorwise, blockwise, mxfp8 };
+
+struct Fp8Config {
+  bool enabled = false;        // fp8: e4m3 | hybrid
+  bool hybrid = false;         // E5M2 for gradients
+  Fp8Recipe recipe = Fp8Recipe::delayed;
+  int margin = 0;
+  int64_t amax_history_len = 1024;
+  bool amax_max = true;        // fp8_amax_compute_algo: max (else most_recent)
+  bool wgrad = true;
+  bool power_of_2_scales = false;  // tensorwise / blockwise scales rounded down to 2^k
+  bool modulation = false;     // modulation Linears in FP8 too
+  bool first_last_bf16 = false;
+  int64_t bf16_start = 1, bf16_end = 1;
+  int64_t stats_interval = 100;
+
+  // Reads and cross-checks the fp8 keys; an impossible or ignored combination is an error
+  // naming the keys and where they were set.
+  static Fp8Config from_config(const Config& cfg);
+  // Whether block `index` (double blocks first, then single) runs its Linears in FP8.
+  bool block_in_fp8(int64_t index, int64_t num_blocks) const;
+  std::string describe() const;  // one line for the log
+};
+
+const char* fp8_recipe_name(Fp8Recipe r);
+
+}  // namespace flux8

@@ -1,0 +1,183 @@
+#include "model/linear_site.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "fp8/recipe.h"
+
+namespace flux8 {
+
+LinearSite LinearSite::bind(const ParamStore& store, const std::string& prefix) {
+  LinearSite s;
+  s.name = prefix;
+  s.w = store.param(prefix + ".weight");
+  s.dw = store.grad(prefix + ".weight");
+  if (store.layout().find(prefix + ".bias")) {
+    s.b = store.param(prefix + ".bias");
+    s.db = store.grad(prefix + ".bias");
+  }
+  return s;
+}
+
+Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend)
+    : cfg_(cfg), be_(backend), registry_(static_cast<int>(cfg.amax_history_len)) {}
+
+void Fp8Runtime::add_site(LinearSite& site) {
+  site.fp8 = true;
+  site.index = static_cast<int>(stats_.size());
+  first_slot_.push_back(registry_.add(site.name, Fp8Role::input));
+  registry_.add(site.name, Fp8Role::weight);
+  registry_.add(site.name, Fp8Role::grad_output);
+  stats_.push_back({site.name, {}});
+}
+
+Fp8Format Fp8Runtime::format(Operand o) const {
+  return o == Operand::grad_output && cfg_.hybrid ? Fp8Format::e5m2 : Fp8Format::e4m3;
+}
+
+Fp8Scaling Fp8Runtime::scaling(Operand o) const {
+  switch (cfg_.recipe) {
+    case Fp8Recipe::delayed:
+    case Fp8Recipe::tensorwise: return Fp8Scaling::per_tensor;
+    case Fp8Recipe::blockwise: return o == Operand::weight ? Fp8Scaling::block_128x128 : Fp8Scaling::block_1x128;
+    case Fp8Recipe::mxfp8: return Fp8Scaling::mx_1x32;
+  }
+  return Fp8Scaling::per_tensor;
+}
+
+Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
+  Backend::Quantize q;
+  q.format = format(o);
+  q.scaling = scaling(o);
+  q.pow2 = cfg_.power_of_2_scales;
+  const int slot = first_slot_[static_cast<size_t>(site.index)] + static_cast<int>(o);
+  if (cfg_.recipe == Fp8Recipe::delayed) {
+    q.delayed_scale = registry_.scale_data() + slot;
+    // Row 0 of the history (history-major) is the staging row: element `slot`.
+    q.amax = recording_ ? registry_.amax_history_data() + slot : &scratch_amax_;
+  }
+  q.stats = recording_ ? &stats_[static_cast<size_t>(site.index)].op[static_cast<int>(o)] : &scratch_stats_;
+  return q;
+}
+
+QTensor allocate_qtensor(Arena& arena, int64_t rows, int64_t cols, Fp8Format f, Fp8Scaling s, SlotKind kind) {
+  QTensor q;
+  q.rows = rows;
+  q.cols = cols;
+  q.format = f;
+  q.scaling = s;
+  q.codes = static_cast<uint8_t*>(arena.alloc(DType::u8, Shape{rows * cols}, kind).data);
+  const int64_t n = QTensor::scale_count(s, rows, cols);
+  if (s == Fp8Scaling::mx_1x32)
+    q.scale_e8m0 = static_cast<uint8_t*>(arena.alloc(DType::u8, Shape{n}, SlotKind::statistic).data);
+  else
+    q.scale_inv = static_cast<float*>(arena.alloc(DType::f32, Shape{n}, SlotKind::statistic).data);
+  if (arena.measuring()) q.codes = reinterpret_cast<uint8_t*>(1);  // "defined" while planning
+  return q;
+}
+
+void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
+  auto plan = [&](Arena& a) {
+    for (LinearSite* s : sites) {
+      if (!s->fp8) continue;
+      const int64_t M = s->w.shape[0], K = s->w.shape[1];
+      s->w_row = allocate_qtensor(a, M, K, format(Operand::weight), scaling(Operand::weight), SlotKind::activation);
+      s->w_col = allocate_qtensor(a, K, M, format(Operand::weight), scaling(Operand::weight), SlotKind::activation);
+      s->w_version = -1;
+    }
+  };
+  Arena measure;
+  plan(measure);
+  weight_arena_.reserve(be_, measure.peak());
+  plan(weight_arena_);
+}
+
+void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
+  if (site.w_version == weight_version_ && (site.w_recorded || !recording_)) return;
+  be_.quantize(site.w_row, site.w_col, site.w, quantize_args(site, Operand::weight));
+  site.w_version = weight_version_;
+  site.w_recorded = recording_;
+}
+
+void Fp8Runtime::end_step() {
+  if (cfg_.recipe == Fp8Recipe::delayed)
+    registry_.update(DelayedScalingParams{cfg_.amax_max ? AmaxAlgo::max : AmaxAlgo::most_recent, cfg_.margin,
+                                          format(Operand::input), format(Operand::grad_output)});
+  last_stats_ = stats_;
+  for (SiteStats& s : stats_)
+    for (CastStats& c : s.op) c = CastStats{};
+}
+
+float Fp8Runtime::scale_of(int site, Operand o) const {
+  if (cfg_.recipe == Fp8Recipe::delayed) return registry_.scale(first_slot_[static_cast<size_t>(site)] + static_cast<int>(o));
+  if (cfg_.recipe == Fp8Recipe::tensorwise && static_cast<size_t>(site) < last_stats_.size())
+    return current_scale(last_stats_[static_cast<size_t>(site)].op[static_cast<int>(o)].amax, fp8_max(format(o)),
+                         cfg_.power_of_2_scales);
+  return 0.0f;  // block scales: one per block, no single value
+}
+
+SavedLinearInput allocate_linear_input(Arena& arena, const LinearSite& site, const Fp8Runtime* fp8, Shape shape,
+                                       DType dtype) {
+  SavedLinearInput s;
+  if (!site.fp8 || !fp8 || !fp8->config().wgrad) {
+    s.full = arena.alloc(dtype, shape, SlotKind::linear_input);
+    return s;
+  }
+  const int64_t K = shape[-1], rows = shape.numel() / K;
+  s.cast_t = allocate_qtensor(arena, K, rows, fp8->format(Operand::input), fp8->scaling(Operand::input),
+                              SlotKind::linear_input);
+  return s;
+}
+
+Tensor linear_input_buffer(Arena& scratch, const SavedLinearInput& saved, Shape shape, DType dtype) {
+  return saved.full.defined() ? saved.full : scratch.alloc(dtype, shape, SlotKind::workspace);
+}
+
+void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y, Tensor x,
+                  SavedLinearInput& saved) {
+  if (!site.fp8 || !fp8) {
+    be.linear(y, x, site.w, site.b);
+    return;
+  }
+  const size_t mark = scratch.mark();
+  const QTensor x_row = allocate_qtensor(scratch, x.rows(), x.cols(), fp8->format(Operand::input),
+                                         fp8->scaling(Operand::input), SlotKind::workspace);
+  be.quantize(x_row, saved.cast_t, x, fp8->quantize_args(site, Operand::input));
+  fp8->ensure_weight_cast(site);
+  be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false);
+  scratch.release_to(mark);
+}
+
+void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
+                   const SavedLinearInput& saved, bool accumulate_dx) {
+  if (!site.fp8 || !fp8) {
+    be.linear_backward(dx, site.dw, site.db, dy, saved.full, site.w, accumulate_dx);
+    return;
+  }
+  const bool fp8_wgrad = fp8->config().wgrad;
+  const int64_t N = dy.rows(), M = dy.cols();
+  const size_t mark = scratch.mark();
+  const Fp8Format f = fp8->format(Operand::grad_output);
+  const Fp8Scaling sc = fp8->scaling(Operand::grad_output);
+  const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
+  const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
+  be.quantize(dy_row, dy_col, dy, fp8->quantize_args(site, Operand::grad_output));
+  if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
+  if (fp8_wgrad)
+    be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, true);  // wgrad: dyᵀ·x
+  else
+    be.linear_backward(Tensor{}, site.dw, Tensor{}, dy, saved.full, site.w, false);
+  if (site.db.defined()) be.linear_backward(Tensor{}, Tensor{}, site.db, dy, Tensor{}, site.w, false);
+  scratch.release_to(mark);
+}
+
+void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols, DType dtype) {
+  if (!fp8 || !fp8->config().enabled) return;
+  // The input buffer of a cast-only saved input, the input's rowwise cast, and the two casts
+  // of the output gradient, with their scales (an upper bound of what one site holds at once).
+  scratch.alloc(dtype, Shape{rows, max_cols}, SlotKind::workspace);
+  for (int i = 0; i < 3; ++i)
+    allocate_qtensor(scratch, rows, max_cols, Fp8Format::e4m3, Fp8Scaling::block_1x128, SlotKind::workspace);
+}
+
+}  // namespace flux8

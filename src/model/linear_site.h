@@ -1,0 +1,111 @@
+#pragma once
+// Every Linear of the double and single blocks runs through a LinearSite: in BF16 it is a
+// plain Linear; in FP8 it casts its input, weight and output gradient per the recipe and runs
+// the fprop, dgrad and wgrad GEMMs on the casts (DESIGN.md §4). The model code is the same in
+// both modes; only what the site saves for the backward differs (the input's FP8 copy, which is
+// where FP8 saves activation memory, or the input itself).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "fp8/fp8_config.h"
+#include "fp8/meta.h"
+#include "fp8/qtensor.h"
+#include "model/arena.h"
+#include "model/params.h"
+
+namespace flux8 {
+
+class Backend;
+struct LinearParams;
+
+enum class Operand : uint8_t { input = 0, weight = 1, grad_output = 2 };
+
+struct LinearSite {
+  std::string name;            // reference prefix, e.g. "double_blocks.0.img_attn.qkv"
+  Tensor w, b, dw, db;
+  bool fp8 = false;
+  int index = -1;              // into Fp8Runtime's tables (FP8 sites only)
+  QTensor w_row, w_col;        // this step's weight casts (fprop / dgrad operands)
+  int64_t w_version = -1;
+  bool w_recorded = false;     // the cast's amax went into the delayed-scaling history
+
+  static LinearSite bind(const ParamStore& store, const std::string& prefix);
+};
+
+// What a Linear keeps for its backward: the input itself (BF16, or FP8 with fp8_wgrad: false)
+// and/or the FP8 cast of its transpose (the wgrad operand).
+struct SavedLinearInput {
+  Tensor full;
+  QTensor cast_t;
+};
+
+// The FP8 state of a model: config, delayed-scaling registry, weight casts, telemetry.
+class Fp8Runtime {
+ public:
+  Fp8Runtime(const Fp8Config& cfg, Backend& backend);
+  const Fp8Config& config() const { return cfg_; }
+  Fp8MetaRegistry& registry() { return registry_; }
+  const Fp8MetaRegistry& registry() const { return registry_; }
+
+  // Registers an FP8 site (three registry slots: input, weight, grad_output).
+  void add_site(LinearSite& site);
+  // Allocates the weight-cast cache for all registered sites (once).
+  void allocate_weight_casts(std::vector<LinearSite*>& sites);
+
+  Fp8Format format(Operand o) const;
+  Fp8Scaling scaling(Operand o) const;
+  Backend::Quantize quantize_args(const LinearSite& site, Operand o);
+
+  // Weights changed (optimizer step): casts are redone on first use.
+  void weights_updated() { ++weight_version_; }
+  void ensure_weight_cast(LinearSite& site);
+
+  // Casts of validation passes must not move the delayed-scaling history.
+  void set_recording(bool on) { recording_ = on; }
+  // Once per optimizer step after the backward: the delayed-scaling update (after the amax
+  // reduction hook), and the step's cast statistics become `last_step_stats`.
+  void end_step();
+
+  struct SiteStats {
+    std::string name;
+    CastStats op[3];
+  };
+  const std::vector<SiteStats>& last_step_stats() const { return last_stats_; }
+  // The scale the next cast of (site, operand) uses; for current scaling the last one used.
+  float scale_of(int site, Operand o) const;
+
+ private:
+  Fp8Config cfg_;
+  Backend& be_;
+  Fp8MetaRegistry registry_;
+  std::vector<SiteStats> stats_, last_stats_;
+  std::vector<int> first_slot_;  // registry slot of the site's input (weight +1, grad +2)
+  Arena weight_arena_;
+  int64_t weight_version_ = 0;
+  bool recording_ = true;
+  CastStats scratch_stats_;
+  float scratch_amax_ = 0;
+};
+
+// Allocation of a Linear's saved input for a `rows x cols` input (measuring arenas too).
+// `shape` is the input's shape ([B, L, K] or [B, K]).
+SavedLinearInput allocate_linear_input(Arena& arena, const LinearSite& site, const Fp8Runtime* fp8, Shape shape,
+                                       DType dtype);
+// The buffer the producer of a Linear's input writes: the saved input itself, or (FP8 runs
+// that keep only the cast) a scratch buffer that lives until the caller releases the scratch.
+Tensor linear_input_buffer(Arena& scratch, const SavedLinearInput& saved, Shape shape, DType dtype);
+QTensor allocate_qtensor(Arena& arena, int64_t rows, int64_t cols, Fp8Format f, Fp8Scaling s, SlotKind kind);
+
+// y = x·wᵀ + b. `x` is the input (any ld); in FP8 the site casts it, keeps the transposed cast
+// in `saved`, and the input buffer may be a temporary.
+void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y, Tensor x,
+                  SavedLinearInput& saved);
+// dx (= or += when accumulate_dx; may be undefined), dw and db accumulated.
+void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
+                   const SavedLinearInput& saved, bool accumulate_dx);
+// Scratch bytes site_forward/backward need at most for a `rows x max_cols` Linear.
+void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols, DType dtype);
+
+}  // namespace flux8
