@@ -14,6 +14,7 @@
 #include "model_test_util.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
+#include "train_test_util.h"
 
 namespace flux8 {
 namespace {
@@ -69,54 +70,8 @@ TEST(TrainStep, GradientAccumulationMatchesOneBigBatch) {
   }
 }
 
-struct RunDir {
-  fs::path root;
-  RunDir() : root(fs::temp_directory_path() / ("flux8_trainer_" + std::to_string(::getpid()))) {
-    fs::remove_all(root);
-    fs::create_directories(root);
-    std::ofstream(root / "exp.yaml") << "include: " << FLUX8_SOURCE_DIR << "/configs/demo.yaml\n"
-                                     << "hidden_size: 24\nnum_attention_heads: 2\naxes_dim: [2, 4, 6]\n"
-                                     << "num_double_blocks: 1\nnum_single_blocks: 1\ncontext_dim: 8\nvec_dim: 8\n"
-                                     << "text_seq_len: 4\nimage_size: 8\nmicro_batch_size: 2\nglobal_batch_size: 4\n"
-                                     << "train_iters: 6\nlr_warmup_iters: 2\ndemo_train_samples: 48\n"
-                                     << "demo_val_samples: 8\ndata_shuffle_buffer: 16\nsave_interval: 0\n"
-                                     << "eval_interval: 0\nlog_interval: 1\nsample_prompts: \"\"\nthreads: 2\n"
-                                     << "train_data: " << (root / "data" / "train-*.tar").string() << "\n"
-                                     << "valid_data: " << (root / "data" / "val-*.tar").string() << "\n"
-                                     << "empty_prompt_file: " << (root / "data" / "empty_prompt").string() << "\n";
-  }
-  ~RunDir() { fs::remove_all(root); }
-  TrainOptions options(const std::string& save) const {
-    TrainOptions o;
-    o.config_path = (root / "exp.yaml").string();
-    o.overrides = {"save_dir=" + (root / save).string()};
-    return o;
-  }
-};
-
-std::vector<double> step_losses(const fs::path& metrics) {
-  std::vector<double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(j["loss"].get<double>());
-  }
-  return out;
-}
-
-void expect_same_tensors(const std::string& a, const std::string& b) {
-  const SafetensorsReader fa(a), fb(b);
-  ASSERT_EQ(fa.names(), fb.names());
-  for (const std::string& n : fa.names()) {
-    const auto &ta = fa.tensor(n), &tb = fb.tensor(n);
-    ASSERT_EQ(ta.nbytes, tb.nbytes) << n;
-    EXPECT_EQ(0, std::memcmp(ta.data, tb.data, ta.nbytes)) << n << " differs";
-  }
-}
-
 TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
-  const RunDir dir;
+  const testing::RunDir dir;
   const TrainResult straight = run_training(dir.options("straight"));
   EXPECT_EQ(straight.steps_done, 6);
 
@@ -130,13 +85,13 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   const TrainResult b = run_training(second);
   EXPECT_EQ(b.steps_done, 6);
 
-  const std::vector<double> l1 = step_losses(dir.root / "straight" / "metrics.jsonl");
-  const std::vector<double> l2 = step_losses(dir.root / "resumed" / "metrics.jsonl");
+  const std::vector<double> l1 = testing::step_losses(dir.root / "straight" / "metrics.jsonl");
+  const std::vector<double> l2 = testing::step_losses(dir.root / "resumed" / "metrics.jsonl");
   ASSERT_EQ(l1.size(), 6u);
   EXPECT_EQ(l1, l2);  // exact: same data order, noise and arithmetic
-  expect_same_tensors((dir.root / "straight" / "step-0000006" / "model.safetensors").string(),
+  testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "model.safetensors").string(),
                       (dir.root / "resumed" / "step-0000006" / "model.safetensors").string());
-  expect_same_tensors((dir.root / "straight" / "step-0000006" / "optimizer.safetensors").string(),
+  testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "optimizer.safetensors").string(),
                       (dir.root / "resumed" / "step-0000006" / "optimizer.safetensors").string());
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
 }
