@@ -3,11 +3,15 @@
 # prints the final validation losses as a markdown table (docs/FP8.md). About 50 minutes on
 # 2 CPU cores (FP8 is emulated bit-exactly on the CPU, ~1.9x slower than BF16 there).
 # Usage: scripts/fp8_demo_table.sh [build/flux8] [extra --set arguments...]
+# On a machine with many cores, FLUX8_TABLE_JOBS=9 runs the 9 trainings at once (each with
+# FLUX8_TABLE_THREADS threads, default ceil(cores / jobs); results do not depend on the thread
+# count) and then prints the same table; it writes each run's wall time to
+# runs/fp8_table/timings.tsv (FLUX8_TABLE_OUT moves runs/fp8_table). Default (FLUX8_TABLE_JOBS unset or 1): one run after another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build/flux8}
 shift || true
-out=runs/fp8_table
+out=${FLUX8_TABLE_OUT:-runs/fp8_table}
 mkdir -p "$out"
 run() {  # name, then --set arguments
   local name=$1; shift
@@ -15,6 +19,54 @@ run() {  # name, then --set arguments
       --set log_interval=100 --set fp8_stats_interval=0 "$@" > "$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log"; exit 1; }
   grep -o 'validation loss [0-9.]* -> [0-9.]*' "$out/$name.log" | awk '{print $5}'
 }
+recipes=(delayed tensorwise blockwise mxfp8)
+formats=(e4m3 hybrid)
+njobs=${FLUX8_TABLE_JOBS:-1}
+if [ "$njobs" -gt 1 ]; then
+  cores=$(nproc 2>/dev/null || echo 2)
+  threads=${FLUX8_TABLE_THREADS:-$(((cores + njobs - 1) / njobs))}
+  # The runs share the demo dataset: write it once first, or each run would write it at the same
+  # time (train_data's directory, runs/demo/data unless the extra arguments set it).
+  data_dir=runs/demo/data
+  for a in "$@"; do case $a in train_data=*) data_dir=$(dirname "${a#train_data=}") ;; esac; done
+  if [ ! -f "$data_dir/manifest.json" ]; then
+    "$bin" data demo --out "$data_dir" -c configs/demo.yaml "$@" > "$out/data.log" 2>&1 ||
+      { echo "writing the demo dataset failed: see $out/data.log" >&2; exit 1; }
+  fi
+  names=(bf16); args=("")
+  for recipe in "${recipes[@]}"; do
+    for format in "${formats[@]}"; do
+      names+=("${recipe}_${format}"); args+=("--set fp8=$format --set fp8_recipe=$recipe")
+    done
+  done
+  echo -e "run\tthreads\tseconds" > "$out/timings.tsv"
+  pids=(); failed=0
+  for idx in "${!names[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$njobs" ]; do wait -n || true; done
+    # shellcheck disable=SC2086  # args[idx] is a list of words
+    ( t0=$(date +%s.%N)
+      run "${names[idx]}" --set threads="$threads" ${args[idx]} "$@" > "$out/${names[idx]}.result"
+      echo -e "${names[idx]}\t$threads\t$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.0f", b-a}')" >> "$out/timings.tsv"
+    ) &
+    pids+=($!)
+  done
+  for idx in "${!pids[@]}"; do
+    wait "${pids[idx]}" || { echo "${names[idx]} failed: see $out/${names[idx]}.log" >&2; failed=1; }
+  done
+  [ "$failed" -eq 0 ] || exit 1
+  bf16=$(cat "$out/bf16.result")
+  echo "| run | final validation loss | vs BF16 |"
+  echo "|---|---|---|"
+  echo "| BF16 | $bf16 | — |"
+  for recipe in "${recipes[@]}"; do
+    for format in "${formats[@]}"; do
+      v=$(cat "$out/${recipe}_${format}.result")
+      echo "| FP8 $recipe $format | $v | $(awk -v a="$v" -v b="$bf16" 'BEGIN{printf "%+.1f%%", 100*(a-b)/b}') |"
+    done
+  done
+  exit 0
+fi
+
 bf16=$(run bf16 "$@")
 echo "| run | final validation loss | vs BF16 |"
 echo "|---|---|---|"

@@ -16,6 +16,7 @@
 #include "io/safetensors.h"
 #include "model/weights_io.h"
 #include "model_test_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/signals.h"
 
@@ -70,14 +71,7 @@ struct TempRoot {
   std::string str() const { return path.string(); }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 // A model with its moments: parameters random, moments distinct random values (v > 0).
 struct ModelRun {

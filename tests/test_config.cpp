@@ -10,49 +10,19 @@
 #include "core/error.h"
 #include "model/flux_config.h"
 
+#include "test_util.h"
+
 namespace fs = std::filesystem;
 using namespace flux8;
 
 namespace {
 
-// A fresh directory per test, so tests cannot see each other's files.
-class ConfigFiles {
- public:
-  ConfigFiles() {
-    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           fmt::format("flux8_{}_{}_{}", info->test_suite_name(), info->name(), ::getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~ConfigFiles() { fs::remove_all(dir_); }
-  std::string write(const std::string& name, const std::string& text) const {
-    const fs::path p = dir_ / name;
-    fs::create_directories(p.parent_path());
-    std::ofstream(p) << text;
-    return p.string();
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+using ConfigFiles = flux8::testing::TempDir;
+using flux8::testing::error_of;
+using flux8::testing::expect_mentions;
 
- private:
-  fs::path dir_;
-};
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a flux8::Error";
-  return "";
-}
 
-void expect_mentions(const std::string& msg, std::initializer_list<std::string> parts) {
-  for (const std::string& p : parts)
-    EXPECT_NE(msg.find(p), std::string::npos) << "message lacks '" << p << "':\n" << msg;
-}
 
 }  // namespace
 

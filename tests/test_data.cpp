@@ -21,37 +21,17 @@
 #include "data/webdataset.h"
 #include "io/safetensors.h"
 
+#include "test_util.h"
+
 namespace fs = std::filesystem;
 using namespace flux8;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           fmt::format("flux8_{}_{}_{}", info->test_suite_name(), info->name(), ::getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~TempDir() { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+using flux8::testing::TempDir;
+using flux8::testing::error_of;
 
- private:
-  fs::path dir_;
-};
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a flux8::Error";
-  return "";
-}
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -630,7 +610,7 @@ TEST(DataLoaderTest, SkipCorruptCountsAndContinues) {
   LoaderOptions o = options_for(tmp);
   o.skip_corrupt = true;
   DataLoader l(o);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   // 5 + 2 + 5 samples: the truncated header is found while looking for the end of sample
   // 000007, which is dropped with it (the reader cannot tell whether it was complete).
   const std::vector<int> e0 = take(l, 12);
@@ -639,7 +619,7 @@ TEST(DataLoaderTest, SkipCorruptCountsAndContinues) {
   EXPECT_EQ(sorted, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13, 14}));
   EXPECT_GE(l.corrupt_skipped(), 1u);
   const std::vector<int> e1 = take(l, 12);
-  const std::string warnings = testing::internal::GetCapturedStderr();
+  const std::string warnings = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(l.state(), (LoaderState{1, 12}));
   // Once per epoch; the reader may already have met it again in epoch 2 while reading ahead.
   EXPECT_GE(l.corrupt_skipped(), 2u);
@@ -648,7 +628,7 @@ TEST(DataLoaderTest, SkipCorruptCountsAndContinues) {
   EXPECT_NE(warnings.find("000008.t5.npy"), std::string::npos) << warnings;
 
   // Resuming inside an epoch with a corrupt shard still reproduces the sequence.
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   {
     DataLoader resumed(o, LoaderState{0, 6});
     EXPECT_EQ(take(resumed, 6), std::vector<int>(e0.begin() + 6, e0.end()));
@@ -660,7 +640,7 @@ TEST(DataLoaderTest, SkipCorruptCountsAndContinues) {
     EXPECT_EQ(take(once, 100).size(), 12u);
     EXPECT_EQ(once.corrupt_skipped(), 1u);
   }
-  testing::internal::GetCapturedStderr();
+  ::testing::internal::GetCapturedStderr();
 }
 
 TEST(DataLoaderTest, ErrorsPropagateFromTheReaderThread) {

@@ -16,26 +16,16 @@
 #include "data/text_encoder.h"
 #include "data/webdataset.h"
 
+#include "test_util.h"
+
 namespace fs = std::filesystem;
 using namespace flux8;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           fmt::format("flux8_{}_{}_{}", info->test_suite_name(), info->name(), ::getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~TempDir() { fs::remove_all(dir_); }
-  std::string path(const std::string& name = "") const { return (dir_ / name).string(); }
+using flux8::testing::TempDir;
+using flux8::testing::error_of;
 
- private:
-  fs::path dir_;
-};
 
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

@@ -11,31 +11,16 @@
 #include "core/error.h"
 #include "io/safetensors.h"
 
+#include "test_util.h"
+
 namespace fs = std::filesystem;
 using namespace flux8;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           fmt::format("flux8_{}_{}_{}", info->test_suite_name(), info->name(), ::getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~TempDir() { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  std::vector<std::string> listing() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(dir_)) out.push_back(e.path().filename().string());
-    return out;
-  }
+using flux8::testing::TempDir;
+using flux8::testing::error_of;
 
- private:
-  fs::path dir_;
-};
 
 // A file assembled byte by byte, to produce damage the writer never would.
 std::string write_raw(const std::string& path, const std::string& header, const std::string& data,
@@ -49,16 +34,6 @@ std::string write_raw(const std::string& path, const std::string& header, const 
   return write_raw(path, header, data, header.size());
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a flux8::Error";
-  return "";
-}
 
 void expect_mentions(const std::string& msg, std::initializer_list<std::string> parts) {
   for (const std::string& p : parts)

@@ -14,30 +14,16 @@
 #include "model/name_map.h"
 #include "model/weights_io.h"
 #include "model_test_util.h"
+#include "test_util.h"
 
 namespace flux8 {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::TempDir;
+using testing::error_of;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("flux8_weights_" + std::to_string(::getpid()));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(WeightsIo, RoundTripBothNamings) {
   const FluxConfig cfg = testing::odd_config(1, 1, true);

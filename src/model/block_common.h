@@ -18,12 +18,6 @@ struct StepShape {
   int64_t tokens() const { return txt_tokens + img_tokens; }
 };
 
-// A Linear's weight, bias and their gradient views (bias views undefined when absent).
-struct LinearParams {
-  Tensor w, b, dw, db;
-  static LinearParams bind(const ParamStore& store, const std::string& prefix);
-};
-
 // A norm scale and its gradient.
 struct ScaleParam {
   Tensor s, ds;

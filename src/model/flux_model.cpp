@@ -15,9 +15,9 @@ constexpr double kMaxPeriod = 10000.0;
 
 // An MLPEmbedder: out_layer(SiLU(in_layer(x))).
 struct MlpEmbedder {
-  LinearParams in_layer, out_layer;
+  LinearSite in_layer, out_layer;
   static MlpEmbedder bind(const ParamStore& s, const std::string& name) {
-    return {LinearParams::bind(s, name + ".in_layer"), LinearParams::bind(s, name + ".out_layer")};
+    return {LinearSite::bind(s, name + ".in_layer"), LinearSite::bind(s, name + ".out_layer")};
   }
 };
 
@@ -195,7 +195,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.silu(s.silu_vec, s.vec);
   scratch_arena_.release_to(mark);
 
-  const LinearParams img_in = LinearParams::bind(P, "img_in"), txt_in = LinearParams::bind(P, "txt_in");
+  const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
   be_.linear(s.img, in.img, img_in.w, img_in.b);
   be_.linear(s.txt, in.txt, txt_in.w, txt_in.b);
   be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
@@ -209,8 +209,8 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.split_tokens(Tensor{}, s.img, s.z);  // drop the text tokens
 
   // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
-  const LinearParams ada = LinearParams::bind(P, "final_layer.adaLN_modulation.1");
-  const LinearParams lin = LinearParams::bind(P, "final_layer.linear");
+  const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
+  const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
   be_.linear(s.final_mod, s.silu_vec, ada.w, ada.b);
   be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
                          s.final_mod.cols_slice(H, H), c.layernorm_eps);
@@ -241,8 +241,8 @@ void FluxModel::backward(const Tensor& dpred) {
   Tensor dhidden = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
 
   // Final layer.
-  const LinearParams ada = LinearParams::bind(P, "final_layer.adaLN_modulation.1");
-  const LinearParams lin = LinearParams::bind(P, "final_layer.linear");
+  const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
+  const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
   be_.linear_backward(dxm, lin.dw, lin.db, dpred, s.final_xm, lin.w, false);
   be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img,
                                   s.final_mean, s.final_rstd, s.final_mod.cols_slice(H, H), false);
@@ -257,7 +257,7 @@ void FluxModel::backward(const Tensor& dpred) {
   for (size_t i = s.doubles.size(); i-- > 0;)
     double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
 
-  const LinearParams img_in = LinearParams::bind(P, "img_in"), txt_in = LinearParams::bind(P, "txt_in");
+  const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
   be_.linear_backward(Tensor{}, img_in.dw, img_in.db, dimg, inputs_.img, img_in.w, false);
   be_.linear_backward(Tensor{}, txt_in.dw, txt_in.db, dtxt, inputs_.txt, txt_in.w, false);
 

@@ -18,10 +18,10 @@
 namespace flux8 {
 
 class Backend;
-struct LinearParams;
 
 enum class Operand : uint8_t { input = 0, weight = 1, grad_output = 2 };
 
+// A Linear's weight, bias and their gradients (views into the flat buffers), and its FP8 state.
 struct LinearSite {
   std::string name;            // reference prefix, e.g. "double_blocks.0.img_attn.qkv"
   Tensor w, b, dw, db;

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Builds and checks flux8 on the lent GPU machine (Ubuntu 24.04, CUDA 13, no package registry),
+# using the Debian packages that scripts/prepare_carry.sh unpacked into .carry/ here:
+#   device run, carry [".carry"]:  scripts/gpu_check.sh
+# Stages (GPU_CHECK_STAGES, default "info build test table"):
+#   info   nvidia-smi, nvcc, compilers, CPU, Python packages, cuDNN/NCCL folders -> $OUT/env.txt
+#   build  configure + build Release in build/ with every core against .carry (a no-op when
+#          build/ is already up to date, e.g. a second call on a machine still warm)
+#   test   the whole CTest suite -> $OUT/ctest.log (Python checks are skipped, with a note, when
+#          python3 lacks numpy/safetensors/ml_dtypes)
+#   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
+#          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl)
+# Everything printed also goes to $OUT/gpu_check.log. GPU_CHECK_DEADLINE (seconds from start,
+# default 570) bounds the table stage so that its partial logs still come back before the
+# device tool's 600 s limit. Any failure stops the script with a message and a non-zero status.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+: "${OUT:?OUT is not set: run this through the device tool (or set OUT=some/folder)}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+stages=${GPU_CHECK_STAGES:-info build test table}
+deadline=${GPU_CHECK_DEADLINE:-570}
+cores=$(nproc)
+carry=$PWD/.carry/usr
+elapsed() { echo $(($(date +%s) - start)); }
+die() { echo "GPU_CHECK FAILED ($(elapsed) s): $*" >&2; exit 1; }
+stage() { echo; echo "=== $1 ($(elapsed) s) ==="; }
+has() { [[ " $stages " == *" $1 "* ]]; }
+
+[ -d "$carry/include" ] || die ".carry/usr is missing: run scripts/prepare_carry.sh here and name .carry in carry"
+export LD_LIBRARY_PATH=$carry/lib/x86_64-linux-gnu:$carry/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+python=$(command -v python3) || die "no python3"
+
+if has info; then
+  stage info
+  {
+    echo "## host"; uname -a; grep PRETTY_NAME /etc/os-release || true; echo "nproc: $cores"
+    lscpu 2>/dev/null | grep -E '^(Model name|Socket|Core|Thread|CPU\(s\))' || true
+    free -g 2>/dev/null | head -2 || true
+    echo; echo "## nvidia-smi"; nvidia-smi || echo "nvidia-smi failed"
+    echo; echo "## nvcc"; /usr/local/cuda/bin/nvcc --version || echo "no nvcc at /usr/local/cuda/bin"
+    echo; echo "## compilers and tools"
+    for t in c++ g++ gcc cmake ninja make; do printf '%s: ' "$t"; ("$t" --version 2>/dev/null | head -1) || echo missing; done
+    echo; echo "## python: $python"; "$python" --version
+    for m in numpy safetensors ml_dtypes torch; do
+      "$python" -c "import $m; print('$m', getattr($m, '__version__', '?'))" 2>/dev/null || echo "$m: MISSING"
+    done
+    echo; echo "## cuDNN / NCCL (Python packages nvidia.cudnn, nvidia.nccl)"
+    for m in cudnn nccl; do
+      d=$("$python" -c "import nvidia.$m as m; print(list(m.__path__)[0])" 2>/dev/null) || { echo "nvidia.$m: MISSING"; continue; }
+      echo "$m dir: $d"
+      ls "$d" "$d/include" "$d/lib" 2>/dev/null | sed 's/^/  /'
+    done
+    echo; echo "## pip list"; "$python" -m pip list 2>/dev/null || true
+  } > "$OUT/env.txt" 2>&1
+  sed -n '/## host/,/## pip list/p' "$OUT/env.txt" | grep -vE '^  lib.*\.so' | head -80
+fi
+
+if has build; then
+  stage build
+  command -v c++ >/dev/null || die "no C++ compiler (c++) on this machine"
+  gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+  if [ ! -f build/CMakeCache.txt ]; then
+    cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$carry" \
+          -DFLUX8_EXTRA_PREFIX="$carry" -DPython3_EXECUTABLE="$python" || die "cmake configure failed"
+  fi
+  cmake --build build -j "$cores" --target flux8 || die "build of flux8 failed"
+  cmake --build build -j "$cores" || die "build of the tests failed"
+  missing=$(ldd build/flux8 | grep 'not found' || true)
+  [ -z "$missing" ] || die "build/flux8 cannot find shared libraries: $missing"
+  ldd build/flux8 | grep -E 'openblas|yaml|fmt|png|gfortran|gomp|stdc'
+  build/flux8 --help > /dev/null || die "build/flux8 --help failed"
+  echo "build done ($(elapsed) s)"
+fi
+
+if has test; then
+  stage test
+  [ -x build/flux8_tests ] || die "no build/flux8_tests: run the build stage"
+  ctest_args=(--test-dir build --output-on-failure -j "$cores" --timeout 300)
+  if ! "$python" -c "import numpy, safetensors, ml_dtypes" 2>/dev/null; then
+    echo "NOTE: $python lacks numpy/safetensors/ml_dtypes: skipping the Python checks (ctest -LE python)" |
+      tee "$OUT/ctest.log"
+    ctest_args+=(-LE python)
+  fi
+  set +e
+  ctest "${ctest_args[@]}" 2>&1 | tee -a "$OUT/ctest.log" | grep -vE '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .* Passed'
+  rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" -eq 0 ] || die "ctest failed (status $rc): see ctest.log"
+fi
+
+if has table; then
+  stage table
+  [ -x build/flux8 ] || die "no build/flux8: run the build stage"
+  left=$((deadline - $(elapsed)))
+  [ "$left" -gt 60 ] || die "only $left s left before GPU_CHECK_DEADLINE=$deadline: no time for the table"
+  echo "table: ${FLUX8_TABLE_JOBS:-9} runs at once on $cores cores, at most $left s"
+  rm -rf runs/fp8_table
+  set +e
+  FLUX8_TABLE_JOBS=${FLUX8_TABLE_JOBS:-9} timeout "$left" scripts/fp8_demo_table.sh build/flux8 > "$OUT/fp8_table.md"
+  rc=$?
+  set -e
+  cp runs/fp8_table/timings.tsv "$OUT/" 2>/dev/null || true
+  tar czf "$OUT/fp8_table_logs.tar.gz" runs/fp8_table/*.log runs/fp8_table/timings.tsv runs/fp8_table/*/metrics.jsonl 2>/dev/null || true
+  cat "$OUT/fp8_table.md"
+  column -t "$OUT/timings.tsv" 2>/dev/null || true
+  if [ "$rc" -ne 0 ]; then
+    for f in runs/fp8_table/*.log; do echo "--- $f"; tail -3 "$f"; done
+    [ "$rc" -eq 124 ] && die "the table did not finish in $left s (partial logs in fp8_table_logs.tar.gz)"
+    die "scripts/fp8_demo_table.sh failed (status $rc)"
+  fi
+fi
+echo; echo "GPU_CHECK OK ($(elapsed) s)"
