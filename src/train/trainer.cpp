@@ -118,14 +118,14 @@ TrainResult run_training(const TrainOptions& opt) {
   r.save_dir = r.cfg.get_string("save_dir");
   fs::create_directories(r.save_dir);
 
-  // Data first: a bad path should fail before any model memory is touched.
+  // Config and data first: a bad key or path should fail before any work is done.
+  r.fp8 = Fp8Config::from_config(r.cfg);
   prepare_demo_data(r.cfg, r.model_cfg);
   if (r.cfg.get_string("train_data").empty())
     fail("train_data is empty in {}: set it to your shards (a glob, a list file or a directory)", opt.config_path);
   const EmptyPrompt empty = load_empty_prompt(r.cfg, r.model_cfg);
   const std::vector<Sample> val = load_validation_set(r.cfg);
 
-  r.fp8 = Fp8Config::from_config(r.cfg);
   r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32, &r.fp8);
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
   r.state.seed = static_cast<uint64_t>(r.cfg.get_int("seed"));
@@ -137,6 +137,7 @@ TrainResult run_training(const TrainOptions& opt) {
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
       load_checkpoint(*dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(),
                       registry, &fp8_note);
+      r.state.config_yaml = r.cfg.dump();  // the config of this run goes into its checkpoints
       resumed_from = *dir;
     }
   }
