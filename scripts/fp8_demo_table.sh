@@ -4,10 +4,13 @@
 # 2 CPU cores (FP8 is emulated bit-exactly on the CPU, ~1.9x slower than BF16 there).
 # Usage: scripts/fp8_demo_table.sh [build/flux8] [extra --set arguments...]
 # On a machine with many cores, FLUX8_TABLE_JOBS=9 runs the 9 trainings at once (each with
-# FLUX8_TABLE_THREADS threads, default ceil(cores / jobs); results do not depend on the thread
+# FLUX8_TABLE_THREADS threads, default max(1, cores / jobs); results do not depend on the thread
 # count) and then prints the same table; it writes each run's wall time to
 # runs/fp8_table/timings.tsv (FLUX8_TABLE_OUT moves runs/fp8_table). Default (FLUX8_TABLE_JOBS unset or 1): one run after another.
 set -euo pipefail
+# The whole script is one { } block: bash reads it completely before running it, so editing this
+# file while a table is being made cannot change what the running copy does next.
+{
 cd "$(dirname "$0")/.."
 bin=${1:-build/flux8}
 shift || true
@@ -24,7 +27,7 @@ formats=(e4m3 hybrid)
 njobs=${FLUX8_TABLE_JOBS:-1}
 if [ "$njobs" -gt 1 ]; then
   cores=$(nproc 2>/dev/null || echo 2)
-  threads=${FLUX8_TABLE_THREADS:-$(((cores + njobs - 1) / njobs))}
+  threads=${FLUX8_TABLE_THREADS:-$((cores / njobs > 0 ? cores / njobs : 1))}  # no more threads than cores
   # The runs share the demo dataset: write it once first, or each run would write it at the same
   # time (train_data's directory, runs/demo/data unless the extra arguments set it).
   data_dir=runs/demo/data
@@ -44,7 +47,10 @@ if [ "$njobs" -gt 1 ]; then
   for idx in "${!names[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "$njobs" ]; do wait -n || true; done
     # shellcheck disable=SC2086  # args[idx] is a list of words
-    ( t0=$(date +%s.%N)
+    # OMP_NUM_THREADS too: the FP8 quantizers' OpenMP regions (src/fp8/quantize.cpp) do not
+    # follow the threads key and would otherwise start one thread per core in every run.
+    ( export OMP_NUM_THREADS=$threads
+      t0=$(date +%s.%N)
       run "${names[idx]}" --set threads="$threads" ${args[idx]} "$@" > "$out/${names[idx]}.result"
       echo -e "${names[idx]}\t$threads\t$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.0f", b-a}')" >> "$out/timings.tsv"
     ) &
@@ -77,3 +83,5 @@ for recipe in delayed tensorwise blockwise mxfp8; do
     echo "| FP8 $recipe $format | $v | $(awk -v a="$v" -v b="$bf16" 'BEGIN{printf "%+.1f%%", 100*(a-b)/b}') |"
   done
 done
+exit 0
+}

@@ -9,7 +9,8 @@
 #   test   the whole CTest suite -> $OUT/ctest.log (Python checks are skipped, with a note, when
 #          python3 lacks numpy/safetensors/ml_dtypes)
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
-#          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl)
+#          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
+#          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
 # Everything printed also goes to $OUT/gpu_check.log. GPU_CHECK_DEADLINE (seconds from start,
 # default 570) bounds the table stage so that its partial logs still come back before the
 # device tool's 600 s limit. Any failure stops the script with a message and a non-zero status.
@@ -94,11 +95,13 @@ if has table; then
   stage table
   [ -x build/flux8 ] || die "no build/flux8: run the build stage"
   left=$((deadline - $(elapsed)))
-  [ "$left" -gt 60 ] || die "only $left s left before GPU_CHECK_DEADLINE=$deadline: no time for the table"
+  [ "$left" -gt 20 ] || die "only $left s left before GPU_CHECK_DEADLINE=$deadline: no time for the table"
   echo "table: ${FLUX8_TABLE_JOBS:-9} runs at once on $cores cores, at most $left s"
   rm -rf runs/fp8_table
   set +e
-  FLUX8_TABLE_JOBS=${FLUX8_TABLE_JOBS:-9} timeout "$left" scripts/fp8_demo_table.sh build/flux8 > "$OUT/fp8_table.md"
+  # shellcheck disable=SC2086  # GPU_CHECK_TABLE_ARGS: extra --set arguments, split into words
+  FLUX8_TABLE_JOBS=${FLUX8_TABLE_JOBS:-9} timeout -k 15 "$left" scripts/fp8_demo_table.sh build/flux8 \
+      ${GPU_CHECK_TABLE_ARGS:-} > "$OUT/fp8_table.md"
   rc=$?
   set -e
   cp runs/fp8_table/timings.tsv "$OUT/" 2>/dev/null || true

@@ -1,4 +1,5 @@
 #include <cblas.h>
+#include <omp.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,9 @@ CpuBackend::CpuBackend(const BackendOptions& options) : options_(options) {
   // OpenBLAS single-threaded: two thread pools spinning on the same cores (OpenBLAS's threads
   // busy-wait with sched_yield) made small-model training ~5x slower.
   openblas_set_num_threads(1);
+  // A pinned thread count applies to every OpenMP region of the process, including the FP8
+  // reference quantizers (src/fp8/quantize.cpp), which run outside the backend's own loops.
+  if (options_.threads > 0) omp_set_num_threads(options_.threads);
 }
 
 void* CpuBackend::allocate(size_t bytes) {
