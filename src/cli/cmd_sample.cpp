@@ -230,15 +230,13 @@ int run_sample(const Opts& o) {
 }  // namespace
 
 Command add_sample_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand(
-      "sample",
-      "generate images with the Euler sampler (timesteps 1 -> 0). Pixel-space models "
-      "(vae_downsample 1) encode --prompt with the built-in demo text encoder and write a PNG "
-      "grid, one row per prompt. Latent models need --text-embeddings (real T5/CLIP encodings) "
-      "and write --out latents.safetensors: 'latents' [images, latent_channels, h, w], prompt-"
-      "major, already mapped back to the VAE's space (z = x / vae_scale_factor + "
-      "vae_shift_factor, the config's keys), with the prompts in the metadata; decode them with "
-      "tools/decode_latents.py");
+  auto* cmd = app.add_subcommand("sample", "generate images from a checkpoint with the Euler sampler");
+  cmd->footer(
+      "Timesteps run 1 -> 0. Pixel-space models (vae_downsample 1) encode --prompt with the built-in demo "
+      "text encoder and write a PNG grid, one row per prompt. Latent models need --text-embeddings (real "
+      "T5/CLIP encodings) and write --out latents.safetensors: 'latents' [images, latent_channels, h, w], "
+      "prompt-major, already mapped back to the VAE's space (z = x / vae_scale_factor + vae_shift_factor, "
+      "the config's keys), with the prompts in the metadata; decode them with tools/decode_latents.py");
   auto o = std::make_shared<Opts>();
   cmd->add_option("--checkpoint", o->checkpoint,
                   "checkpoint directory (ROOT/step-N, config from its trainer_state.json; a "
