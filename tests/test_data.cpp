@@ -30,17 +30,8 @@ namespace {
 
 using flux8::testing::TempDir;
 using flux8::testing::error_of;
-
-
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using flux8::testing::read_bytes;
+using flux8::testing::write_bytes;
 
 // All members of a tar as (name, data).
 std::vector<std::pair<std::string, std::string>> read_all(const std::string& path) {

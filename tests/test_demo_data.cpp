@@ -25,13 +25,7 @@ namespace {
 
 using flux8::testing::TempDir;
 using flux8::testing::error_of;
-
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  EXPECT_TRUE(f) << path;
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using flux8::testing::read_bytes;
 
 // Minimal ustar reader, independent of the writer under test: (member name, contents) in order.
 std::vector<std::pair<std::string, std::string>> read_tar(const std::string& path) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,17 @@ std::string error_of(F&& f) {
   }
   ADD_FAILURE() << "expected a flux8::Error";
   return "";
+}
+
+// A whole file's bytes (a test failure if it cannot be opened), and the reverse.
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  EXPECT_TRUE(f) << path;
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 inline void expect_mentions(const std::string& msg, std::initializer_list<std::string> parts) {
