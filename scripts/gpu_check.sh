@@ -2,12 +2,15 @@
 # Builds and checks flux8 on the lent GPU machine (Ubuntu 24.04, CUDA 13, no package registry),
 # using the Debian packages that scripts/prepare_carry.sh unpacked into .carry/ here:
 #   device run, carry [".carry"]:  scripts/gpu_check.sh
-# Stages (GPU_CHECK_STAGES, default "info build test table"):
+# Stages (GPU_CHECK_STAGES, default "info build test check demo"):
 #   info   nvidia-smi, nvcc, compilers, CPU, Python packages, cuDNN/NCCL folders -> $OUT/env.txt
 #   build  configure + build Release in build/ with every core against .carry (a no-op when
 #          build/ is already up to date, e.g. a second call on a machine still warm)
-#   test   the whole CTest suite -> $OUT/ctest.log (Python checks are skipped, with a note, when
-#          python3 lacks numpy/safetensors/ml_dtypes)
+#   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
+#          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
+#   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
+#   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
+#          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
@@ -20,7 +23,7 @@ start=$(date +%s)
 : "${OUT:?OUT is not set: run this through the device tool (or set OUT=some/folder)}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
-stages=${GPU_CHECK_STAGES:-info build test table}
+stages=${GPU_CHECK_STAGES:-info build test check demo}
 deadline=${GPU_CHECK_DEADLINE:-570}
 cores=$(nproc)
 carry=$PWD/.carry/usr
@@ -32,6 +35,12 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 [ -d "$carry/include" ] || die ".carry/usr is missing: run scripts/prepare_carry.sh here and name .carry in carry"
 export LD_LIBRARY_PATH=$carry/lib/x86_64-linux-gnu:$carry/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 python=$(command -v python3) || die "no python3"
+# cuDNN and NCCL live in the Python environment's nvidia-* wheels there (DESIGN.md §5).
+wheel_dir() { "$python" -c "import nvidia.$1 as m; print(list(m.__path__)[0])" 2>/dev/null || true; }
+cudnn_root=$(wheel_dir cudnn); nccl_root=$(wheel_dir nccl)
+for d in "$cudnn_root" "$nccl_root"; do [ -n "$d" ] && export LD_LIBRARY_PATH=$d/lib:$LD_LIBRARY_PATH; done
+# cuDNN's runtime-compiled engines need NVRTC from the toolkit.
+export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/usr/local/cuda/lib64
 
 if has info; then
   stage info
@@ -64,13 +73,15 @@ if has build; then
   gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
   if [ ! -f build/CMakeCache.txt ]; then
     cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$carry" \
-          -DFLUX8_EXTRA_PREFIX="$carry" -DPython3_EXECUTABLE="$python" || die "cmake configure failed"
+          -DFLUX8_EXTRA_PREFIX="$carry" -DPython3_EXECUTABLE="$python" -DFLUX8_CUDA=ON \
+          -DCMAKE_CUDA_ARCHITECTURES=90a ${cudnn_root:+-DFLUX8_CUDNN_ROOT="$cudnn_root"} \
+          ${nccl_root:+-DFLUX8_NCCL_ROOT="$nccl_root"} || die "cmake configure failed"
   fi
   cmake --build build -j "$cores" --target flux8 || die "build of flux8 failed"
   cmake --build build -j "$cores" || die "build of the tests failed"
   missing=$(ldd build/flux8 | grep 'not found' || true)
   [ -z "$missing" ] || die "build/flux8 cannot find shared libraries: $missing"
-  ldd build/flux8 | grep -E 'openblas|yaml|fmt|png|gfortran|gomp|stdc'
+  ldd build/flux8 | grep -E 'openblas|yaml|fmt|png|gfortran|gomp|stdc|cudnn|cublas|nccl'
   build/flux8 --help > /dev/null || die "build/flux8 --help failed"
   echo "build done ($(elapsed) s)"
 fi
@@ -89,6 +100,26 @@ if has test; then
   rc=${PIPESTATUS[0]}
   set -e
   [ "$rc" -eq 0 ] || die "ctest failed (status $rc): see ctest.log"
+fi
+
+if has check; then
+  stage check
+  build/flux8 check | tee "$OUT/check.txt" || die "flux8 check says the CUDA backend cannot run here"
+fi
+
+if has demo; then
+  stage demo
+  for run in bf16 fp8_delayed_hybrid; do
+    args=(--set backend=cuda --set save_dir=runs/gpu_demo_$run)
+    [ "$run" = bf16 ] || args+=(--set fp8=hybrid --set fp8_recipe=delayed)
+    rm -rf "runs/gpu_demo_$run"
+    t0=$(date +%s.%N)
+    build/flux8 train -c configs/demo.yaml "${args[@]}" ${GPU_CHECK_DEMO_ARGS:-} > "$OUT/demo_$run.log" 2>&1 ||
+      { tail -20 "$OUT/demo_$run.log"; die "demo training ($run) on the GPU failed: see demo_$run.log"; }
+    echo "demo $run: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s; $(grep -o 'validation loss [0-9.]* -> [0-9.]*' "$OUT/demo_$run.log")"
+    cp "runs/gpu_demo_$run/metrics.jsonl" "$OUT/demo_${run}_metrics.jsonl" 2>/dev/null || true
+  done
+  cp runs/gpu_demo_bf16/samples*.png "$OUT/" 2>/dev/null || true
 fi
 
 if has table; then

@@ -11,26 +11,25 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/op_checks.h"
 #include "core/error.h"
 
 namespace flux8::cpu {
 
-// A tensor argument with the name it has in the op's signature, for error messages.
-struct Named {
-  std::string_view name;
-  const Tensor& t;
-};
+using ops::check_heads_tokens;
+using ops::check_joint;
+using ops::Named;
+using ops::require_contiguous;
+using ops::require_defined;
+using ops::require_rank;
+using ops::require_same_matrix;
+using ops::require_shape;
+using ops::require_vector;
 
 // Checks that all defined tensors share one dtype (f32 or f64) and have ld >= cols; returns it.
-DType call_dtype(std::string_view op, std::initializer_list<Named> tensors);
-
-void require_defined(std::string_view op, Named a);
-void require_rank(std::string_view op, Named a, int rank);
-void require_shape(std::string_view op, Named a, const Shape& expected);
-// Same [rows, cols] matrix (the shapes may differ in how rows are grouped).
-void require_same_matrix(std::string_view op, Named a, Named b);
-// A contiguous vector of n elements (saved statistics: mean, rstd).
-void require_vector(std::string_view op, Named a, int64_t n);
+inline DType call_dtype(std::string_view op, std::initializer_list<Named> tensors) {
+  return ops::call_dtype(op, tensors, {DType::f32, DType::f64}, "CPU");
+}
 
 // What every op needs besides its tensors.
 struct Ctx {

@@ -9,20 +9,6 @@ using namespace cpu;
 
 namespace {
 
-// Checks tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L.
-void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens,
-                        int64_t offset) {
-  require_rank(op, {"heads", heads}, 4);
-  require_rank(op, {"tokens", tokens}, 3);
-  const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
-  if (tokens.shape[0] != B || tokens.shape[2] != n * D)
-    fail("{}: tokens {} do not match heads {}: expected [{}, Ls, {}]", op, tokens.str(),
-         heads.str(), B, n * D);
-  if (offset < 0 || offset + tokens.shape[1] > L)
-    fail("{}: tokens {} at token_offset {} do not fit in the {} positions of heads {}", op,
-         tokens.str(), offset, L, heads.str());
-}
-
 // Moves between tokens[b, l, h·D : (h+1)·D] and heads[b, h, offset + l, :]; parallel over
 // (b, h, l), each task owning one destination row segment.
 template <typename T>
@@ -53,26 +39,6 @@ void move_tokens(const Tensor& joint, const Tensor& part, int64_t offset, bool t
     const T* src = to_joint ? pr : jr;
     for (int64_t j = 0; j < C; ++j) dst[j] = act<T>(src[j], c);
   });
-}
-
-void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Tensor& b) {
-  const Tensor& joint = joint_arg.t;
-  require_rank(op, joint_arg, 3);
-  const int64_t B = joint.shape[0], C = joint.shape[2];
-  int64_t L = 0;
-  for (const Named& p : {Named{"a", a}, Named{"b", b}}) {
-    if (!p.t.defined()) continue;
-    require_rank(op, p, 3);
-    if (p.t.shape[0] != B || p.t.shape[2] != C)
-      fail("{}: tensor '{}' {} must be [{}, L, {}] to match '{}' {}", op, p.name, p.t.str(), B, C,
-           joint_arg.name, joint.str());
-    L += p.t.shape[1];
-  }
-  // With both parts present they must tile the joint sequence exactly; a lone part must fit.
-  if ((a.defined() && b.defined()) ? L != joint.shape[1] : L > joint.shape[1])
-    fail("{}: parts a {} and b {} do not tile the sequence of '{}' {}", op,
-         a.defined() ? a.str() : "undefined", b.defined() ? b.str() : "undefined", joint_arg.name,
-         joint.str());
 }
 
 }  // namespace

@@ -28,11 +28,6 @@ double ordered_sum(int64_t n, const Ctx& c, F f) {
   return total;
 }
 
-void require_contiguous(std::string_view op, Named a) {
-  if (a.t.defined() && !a.t.contiguous())
-    fail("{}: tensor '{}' ({}) must be contiguous", op, a.name, a.t.str());
-}
-
 }  // namespace
 
 void CpuBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,

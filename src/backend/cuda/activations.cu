@@ -1,0 +1,69 @@
+// SiLU and tanh-GELU on the device, elementwise over [rows, cols] with any ld; f32 math with
+// the same formulas as the CPU backend (src/backend/cpu/activations.cpp).
+#include "backend/cuda/common.cuh"
+
+namespace flux8 {
+using namespace cuda;
+
+namespace {
+
+__device__ inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ inline float silu_grad(float x) {
+  const float s = sigmoid(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+constexpr float kGeluC = 0.7978845608028654f;  // √(2/π)
+constexpr float kGeluA = 0.044715f;
+__device__ inline float gelu_value(float x) {
+  const float u = kGeluC * (x + kGeluA * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+__device__ inline float gelu_grad(float x) {
+  const float th = tanhf(kGeluC * (x + kGeluA * x * x * x));
+  return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * kGeluC * (1.0f + 3.0f * kGeluA * x * x);
+}
+
+// out = f(x), or out (+)= dy ⊙ f'(x) when dy is given.
+template <typename F>
+void map(CudaBackend& be, const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, F f) {
+  const Mat O = mat(out), X = mat(x), DY = mat_or_null(dy);
+  const int64_t cols = X.cols;
+  const bool has_dy = dy.defined();
+  for_each(be, X.rows * cols, [=] __device__(int64_t i) {
+    const int64_t r = i / cols, c = i % cols;
+    const float v = has_dy ? DY.at(r, c) * f(X.at(r, c)) : f(X.at(r, c));
+    O.at(r, c) = accumulate ? O.at(r, c) + v : v;
+  });
+}
+
+}  // namespace
+
+void CudaBackend::silu(Tensor y, Tensor x) {
+  require_f32("silu", {{"y", y}, {"x", x}});
+  require_same_matrix("silu", {"y", y}, {"x", x});
+  map(*this, y, x, {}, false, [] __device__(float v) { return v * sigmoid(v); });
+}
+
+void CudaBackend::silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) {
+  require_f32("silu_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
+  if (!dx.defined()) return;
+  require_same_matrix("silu_backward", {"dx", dx}, {"x", x});
+  require_same_matrix("silu_backward", {"dy", dy}, {"x", x});
+  map(*this, dx, x, dy, accumulate_dx, [] __device__(float v) { return silu_grad(v); });
+}
+
+void CudaBackend::gelu_tanh(Tensor y, Tensor x) {
+  require_f32("gelu_tanh", {{"y", y}, {"x", x}});
+  require_same_matrix("gelu_tanh", {"y", y}, {"x", x});
+  map(*this, y, x, {}, false, [] __device__(float v) { return gelu_value(v); });
+}
+
+void CudaBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) {
+  require_f32("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
+  if (!dx.defined()) return;
+  require_same_matrix("gelu_tanh_backward", {"dx", dx}, {"x", x});
+  require_same_matrix("gelu_tanh_backward", {"dy", dy}, {"x", x});
+  map(*this, dx, x, dy, false, [] __device__(float v) { return gelu_grad(v); });
+}
+
+}  // namespace flux8

@@ -1,0 +1,757 @@
+// The CUDA backend's attention ops: argument checks, the choice between cuDNN and the
+// reference kernel, and cuDNN's fused flash attention through the backend (graph) API.
+//
+// cuDNN recognises flash attention as a pattern of matmul / pointwise / reduction operations
+// over [B, H, S, D] tensors (the same pattern NVIDIA's cudnn-frontend emits for its SDPA
+// nodes). Graph inputs and outputs have unique ids (Uid below); the score matrices are
+// "virtual" tensors that never reach memory. Intermediates are f32, Q/K/V/O/dO and the
+// matrices fed to the second matmuls are bf16.
+//
+// Forward, S = Q·Kᵀ (K is described transposed: dims [B, H, D, S], strides swapped):
+//   Z = S·scale;  M = rowmax Z;  E = exp(Z − M);  Σ = rowsum E;
+//   Stats = M + log Σ  (= log Σ_j exp(scale·q·k_j): our lse, f32 [B, H, S, 1]);
+//   P = E / Σ (bf16);  O = P·V
+// Backward (Stats from the forward; Vᵀ described transposed like Kᵀ):
+//   δ = rowsum(dO ⊙ O)·1 (f32 [B, H, S, 1], cuDNN writes it to a buffer we provide);
+//   P = exp(Q·Kᵀ·scale − Stats);  dV = Pᵀ·dO;  dS = P ⊙ (dO·Vᵀ − δ)·scale;  dK = dSᵀ·Q;
+//   dQ_accum = dS·K (f32);  dQ = identity(dQ_accum) (bf16)
+//   or, deterministic: dQ = dS·K directly (cuDNN then keeps dP in its workspace instead of
+//   accumulating dQ with atomics; cudnn-frontend's is_deterministic_algorithm does the same).
+// The transposes are "reshape" operations that only restride. dQ_accum is cuDNN's scratch,
+// not a finished f32 dQ: on the H200 with cuDNN 9.19 its contents differ from dQ by O(1)
+// (measured rel. error 1.2), so dq is taken from the bf16 dQ like dk and dv.
+//
+// Measured on the H200 (cuDNN 9.19, B = 1, 24 heads, D = 128, conversions included):
+// forward 0.50 ms (518 TFLOP/s) and backward 1.38 ms (473 TFLOP/s counting 2.5x the forward's
+// FLOPs) at L = 4608. A plan takes 0.1-0.7 s to build (runtime compilation), once per shape.
+#include <cuda_bf16.h>
+#include <fmt/format.h>
+
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <string_view>
+#include <vector>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/common.cuh"
+
+namespace flux8::cuda {
+
+// ---- path selection and counters -------------------------------------------------------
+
+namespace {
+
+std::atomic<int> g_path{-1};           // -1: not chosen yet (read FLUX8_ATTENTION at first use)
+std::atomic<int> g_deterministic{-1};  // -1: not chosen yet (FLUX8_ATTENTION_DETERMINISTIC)
+std::atomic<int64_t> g_plans_built{0}, g_cudnn_calls{0}, g_reference_calls{0};
+
+AttentionPath path_from_environment() {
+  const char* e = std::getenv("FLUX8_ATTENTION");
+  const std::string_view v = e ? e : "";
+  if (v.empty() || v == "auto" || v == "automatic") return AttentionPath::automatic;
+  if (v == "cudnn") return AttentionPath::cudnn;
+  if (v == "reference") return AttentionPath::reference;
+  fail("FLUX8_ATTENTION={}: expected cudnn, reference or auto", v);
+}
+
+}  // namespace
+
+void set_attention_path(AttentionPath path) { g_path = static_cast<int>(path); }
+
+AttentionPath attention_path() {
+  int p = g_path.load();
+  if (p < 0) {
+    int expected = -1;
+    g_path.compare_exchange_strong(expected, static_cast<int>(path_from_environment()));
+    p = g_path.load();
+  }
+  return static_cast<AttentionPath>(p);
+}
+
+void set_attention_deterministic(bool deterministic) { g_deterministic = deterministic ? 1 : 0; }
+
+bool attention_deterministic() {
+  int d = g_deterministic.load();
+  if (d < 0) {
+    const char* e = std::getenv("FLUX8_ATTENTION_DETERMINISTIC");
+    int expected = -1;
+    g_deterministic.compare_exchange_strong(expected, e && std::string_view(e) == "0" ? 0 : 1);
+    d = g_deterministic.load();
+  }
+  return d == 1;
+}
+
+AttentionCounters attention_counters() {
+  return AttentionCounters{g_plans_built.load(), g_cudnn_calls.load(), g_reference_calls.load()};
+}
+
+// ---- f32 <-> bf16 staging ----------------------------------------------------------------
+
+namespace {
+
+// Elements [0, 4·n4) go four at a time (x 16-byte aligned), the rest one at a time.
+__global__ void to_bf16_kernel(__nv_bfloat16* __restrict__ y, const float* __restrict__ x, int64_t n4, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  __nv_bfloat162* y2 = reinterpret_cast<__nv_bfloat162*>(y);
+  for (int64_t g = first; g < n4; g += stride) {
+    const float4 a = x4[g];
+    y2[2 * g] = __floats2bfloat162_rn(a.x, a.y);
+    y2[2 * g + 1] = __floats2bfloat162_rn(a.z, a.w);
+  }
+  for (int64_t i = 4 * n4 + first; i < n; i += stride) y[i] = __float2bfloat16_rn(x[i]);
+}
+
+__global__ void to_f32_kernel(float* __restrict__ y, const __nv_bfloat16* __restrict__ x, int64_t n4, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(x);
+  float4* y4 = reinterpret_cast<float4*>(y);
+  for (int64_t g = first; g < n4; g += stride) {
+    const float2 a = __bfloat1622float2(x2[2 * g]), b = __bfloat1622float2(x2[2 * g + 1]);
+    y4[g] = make_float4(a.x, a.y, b.x, b.y);
+  }
+  for (int64_t i = 4 * n4 + first; i < n; i += stride) y[i] = __bfloat162float(x[i]);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+unsigned conversion_blocks(int64_t n) {
+  const int64_t b = (n / 4 + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > 4096 ? 4096 : b));
+}
+
+// The staging buffers are 256-byte aligned; the caller's f32 tensor may not be.
+void to_bf16(__nv_bfloat16* y, const float* x, int64_t n, cudaStream_t stream) {
+  to_bf16_kernel<<<conversion_blocks(n), kThreads, 0, stream>>>(y, x, aligned16(x) ? n / 4 : 0, n);
+  FLUX8_LAUNCH_CHECK(to_bf16_kernel);
+}
+void to_f32(float* y, const __nv_bfloat16* x, int64_t n, cudaStream_t stream) {
+  to_f32_kernel<<<conversion_blocks(n), kThreads, 0, stream>>>(y, x, aligned16(y) ? n / 4 : 0, n);
+  FLUX8_LAUNCH_CHECK(to_f32_kernel);
+}
+
+// ---- cuDNN graph construction ---------------------------------------------------------------
+
+// Graph tensor ids. Virtual (in-graph) tensors are numbered from kFirstVirtual.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kScale, kDO, kDQ, kDK, kDV, kOne, kSoftmaxSum, kDQAccum,
+  kFirstVirtual = 100,
+};
+
+// A cuDNN refusal while building a plan: the shape or this GPU/library is not supported.
+struct Refused {
+  std::string why;
+};
+
+void build_check(cudnnStatus_t s, std::string_view what) {
+  if (s == CUDNN_STATUS_SUCCESS) return;
+  char detail[1024] = {0};
+  cudnnGetLastErrorString(detail, sizeof(detail));
+  throw Refused{fmt::format("{}: {}{}{}", what, cudnnGetErrorString(s), detail[0] ? ": " : "", detail)};
+}
+
+using Dims = std::array<int64_t, 4>;
+
+// Creates descriptors (recorded in `owned`, which the plan destroys) and the operations of
+// one graph, in order.
+class GraphBuilder {
+ public:
+  explicit GraphBuilder(std::vector<cudnnBackendDescriptor_t>& owned) : owned_(owned) {}
+
+  cudnnBackendDescriptor_t create(cudnnBackendDescriptorType_t type) {
+    cudnnBackendDescriptor_t d = nullptr;
+    build_check(cudnnBackendCreateDescriptor(type, &d), fmt::format("cudnnBackendCreateDescriptor({})", int(type)));
+    owned_.push_back(d);
+    return d;
+  }
+  template <typename T>
+  static void set(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type,
+                  const T* values, int64_t count = 1) {
+    build_check(cudnnBackendSetAttribute(d, name, type, count, values),
+                fmt::format("cudnnBackendSetAttribute(attribute {})", int(name)));
+  }
+  static void finalize(cudnnBackendDescriptor_t d, std::string_view what) {
+    build_check(cudnnBackendFinalize(d), fmt::format("finalizing {}", what));
+  }
+
+  enum class Kind { memory, by_value, virtual_ };
+  cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t type, const Dims& dims, const Dims& strides,
+                                  Kind kind = Kind::memory) {
+    cudnnBackendDescriptor_t t = create(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+    const int64_t alignment = 16;
+    const bool yes = true;
+    set(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, &type);
+    set(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, dims.data(), 4);
+    set(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, strides.data(), 4);
+    set(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, &uid);
+    set(t, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, &alignment);
+    if (kind == Kind::virtual_) set(t, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, &yes);
+    if (kind == Kind::by_value) set(t, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, &yes);
+    finalize(t, fmt::format("tensor {}", uid));
+    return t;
+  }
+  cudnnBackendDescriptor_t virtual_tensor(cudnnDataType_t type, const Dims& dims, const Dims& strides) {
+    return tensor(next_virtual_++, type, dims, strides, Kind::virtual_);
+  }
+  // An f32 scalar whose value is passed with each execution (host pointer in the variant pack).
+  cudnnBackendDescriptor_t scalar(int64_t uid) {
+    return tensor(uid, CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1}, Kind::by_value);
+  }
+
+  // y = mode(x) or mode(x, b), computed in f32.
+  void pointwise(cudnnPointwiseMode_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
+                 cudnnBackendDescriptor_t y) {
+    cudnnBackendDescriptor_t pw = create(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+    set(pw, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, &mode);
+    set(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, &f32);
+    finalize(pw, "pointwise descriptor");
+    cudnnBackendDescriptor_t op = create(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    const float one = 1.0f;
+    set(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, CUDNN_TYPE_BACKEND_DESCRIPTOR, &pw);
+    set(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &x);
+    if (b) set(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &b);
+    set(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &y);
+    set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, &one);
+    set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, &one);
+    finalize(op, fmt::format("pointwise operation (mode {})", int(mode)));
+    ops_.push_back(op);
+  }
+  // y = reduction of x over the dimensions where y has extent 1, in f32.
+  void reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+    cudnnBackendDescriptor_t red = create(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
+    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+    set(red, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, &mode);
+    set(red, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &f32);
+    finalize(red, "reduction descriptor");
+    cudnnBackendDescriptor_t op = create(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
+    set(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &x);
+    set(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &y);
+    set(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &red);
+    finalize(op, fmt::format("reduction operation (mode {})", int(mode)));
+    ops_.push_back(op);
+  }
+  // c = a·b over the last two dimensions (batched over the first two), f32 accumulation.
+  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
+    cudnnBackendDescriptor_t mm = create(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
+    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+    set(mm, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &f32);
+    finalize(mm, "matmul descriptor");
+    cudnnBackendDescriptor_t op = create(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
+    set(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &a);
+    set(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &b);
+    set(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &c);
+    set(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &mm);
+    finalize(op, "matmul operation");
+    ops_.push_back(op);
+  }
+  // y = x seen with y's dims and strides (a transpose here).
+  void reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+    cudnnBackendDescriptor_t op = create(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
+    set(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &x);
+    set(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, &y);
+    finalize(op, "reshape operation");
+    ops_.push_back(op);
+  }
+
+  const std::vector<cudnnBackendDescriptor_t>& ops() const { return ops_; }
+
+ private:
+  std::vector<cudnnBackendDescriptor_t>& owned_;
+  std::vector<cudnnBackendDescriptor_t> ops_;
+  int64_t next_virtual_ = kFirstVirtual;
+};
+
+// Dims and strides of the [B, H, S, ·] tensors of one shape.
+struct Layout {
+  Dims bhsd, bhsd_stride;  // Q, K, V, O, dO, dQ, dK, dV
+  Dims bhds, bhds_stride;  // Kᵀ, Vᵀ: the same memory with the last two dims swapped
+  Dims bhss, bhss_stride;  // scores
+  Dims bhss_t_stride;      // scores transposed (restrided, same dims since S_q = S_kv)
+  Dims bhs1, bhs1_stride;  // row statistics
+  explicit Layout(const AttentionShape& s) {
+    const int64_t B = s.batch, H = s.heads, S = s.seq, D = s.head_dim;
+    bhsd = {B, H, S, D};
+    bhsd_stride = {H * S * D, S * D, D, 1};
+    bhds = {B, H, D, S};
+    bhds_stride = {H * S * D, S * D, 1, D};
+    bhss = {B, H, S, S};
+    bhss_stride = {H * S * S, S * S, S, 1};
+    bhss_t_stride = {H * S * S, S * S, 1, S};
+    bhs1 = {B, H, S, 1};
+    bhs1_stride = {H * S, S, 1, 1};
+  }
+};
+
+void build_forward_graph(GraphBuilder& g, const AttentionShape& s) {
+  const Layout l(s);
+  const cudnnDataType_t bf16 = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
+  auto q = g.tensor(kQ, bf16, l.bhsd, l.bhsd_stride);
+  auto kt = g.tensor(kK, bf16, l.bhds, l.bhds_stride);
+  auto v = g.tensor(kV, bf16, l.bhsd, l.bhsd_stride);
+  auto o = g.tensor(kO, bf16, l.bhsd, l.bhsd_stride);
+  auto stats = g.tensor(kStats, f32, l.bhs1, l.bhs1_stride);
+  auto scale = g.scalar(kScale);
+
+  auto scores = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.matmul(q, kt, scores);
+  auto z = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, scores, scale, z);
+  auto row_max = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
+  g.reduction(CUDNN_REDUCE_TENSOR_MAX, z, row_max);
+  auto shifted = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_SUB, z, row_max, shifted);
+  auto e = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, e);
+  auto row_sum = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
+  auto log_sum = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
+  g.pointwise(CUDNN_POINTWISE_LOG, row_sum, nullptr, log_sum);
+  g.pointwise(CUDNN_POINTWISE_ADD, row_max, log_sum, stats);
+  auto p = g.virtual_tensor(bf16, l.bhss, l.bhss_stride);  // bf16: the second matmul's A operand
+  g.pointwise(CUDNN_POINTWISE_DIV, e, row_sum, p);
+  g.matmul(p, v, o);
+}
+
+void build_backward_graph(GraphBuilder& g, const AttentionShape& s, bool deterministic) {
+  const Layout l(s);
+  const cudnnDataType_t bf16 = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
+  const int64_t H = s.heads, S = s.seq, D = s.head_dim;
+  auto q = g.tensor(kQ, bf16, l.bhsd, l.bhsd_stride);
+  auto kt = g.tensor(kK, bf16, l.bhds, l.bhds_stride);
+  auto vt = g.tensor(kV, bf16, l.bhds, l.bhds_stride);
+  auto o = g.tensor(kO, bf16, l.bhsd, l.bhsd_stride);
+  auto d_o = g.tensor(kDO, bf16, l.bhsd, l.bhsd_stride);
+  auto stats = g.tensor(kStats, f32, l.bhs1, l.bhs1_stride);
+  auto dq = g.tensor(kDQ, bf16, l.bhsd, l.bhsd_stride);
+  auto dk = g.tensor(kDK, bf16, l.bhsd, l.bhsd_stride);
+  auto dv = g.tensor(kDV, bf16, l.bhsd, l.bhsd_stride);
+  auto scale = g.scalar(kScale);
+  auto one = g.scalar(kOne);
+  auto softmax_sum = g.tensor(kSoftmaxSum, f32, l.bhs1, l.bhs1_stride);
+
+  // δ = rowsum(dO ⊙ O). (The product's strides are cudnn-frontend's; a virtual tensor's
+  // strides do not describe memory.)
+  auto do_o = g.virtual_tensor(f32, l.bhsd, {H * S * D, S * D, H * D, 1});
+  g.pointwise(CUDNN_POINTWISE_MUL, d_o, o, do_o);
+  auto delta = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, delta);
+  g.pointwise(CUDNN_POINTWISE_MUL, delta, one, softmax_sum);
+
+  // P = exp(Q·Kᵀ·scale − Stats); dV = Pᵀ·dO
+  auto scores = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.matmul(q, kt, scores);
+  auto z = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, scores, scale, z);
+  auto shifted = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_SUB, z, stats, shifted);
+  auto p = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, p);
+  auto p_t = g.virtual_tensor(bf16, l.bhss, l.bhss_t_stride);
+  g.reshape(p, p_t);
+  g.matmul(p_t, d_o, dv);
+
+  // dS = P ⊙ (dO·Vᵀ − δ)·scale; dK = dSᵀ·Q
+  auto dp = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.matmul(d_o, vt, dp);
+  auto dp_centered = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_SUB, dp, softmax_sum, dp_centered);
+  auto dp_p = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, dp_centered, p, dp_p);
+  auto ds = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, dp_p, scale, ds);
+  auto ds_t = g.virtual_tensor(bf16, l.bhss, l.bhss_t_stride);
+  g.reshape(ds, ds_t);
+  g.matmul(ds_t, q, dk);
+
+  // dQ = dS·K, accumulated in f32
+  auto k = g.virtual_tensor(bf16, l.bhsd, l.bhsd_stride);
+  g.reshape(kt, k);
+  if (deterministic) {
+    g.matmul(ds, k, dq);
+  } else {
+    auto dq_accum = g.tensor(kDQAccum, f32, l.bhsd, l.bhsd_stride);
+    g.matmul(ds, k, dq_accum);
+    g.pointwise(CUDNN_POINTWISE_IDENTITY, dq_accum, nullptr, dq);
+  }
+}
+
+}  // namespace
+
+// One finalized execution plan (or cuDNN's refusal) with every descriptor it was built from.
+struct CudnnPlan {
+  std::vector<cudnnBackendDescriptor_t> descriptors;
+  cudnnBackendDescriptor_t plan = nullptr;
+  int64_t workspace_bytes = 0;
+  std::string refused;  // non-empty: cuDNN does not run this graph, and why
+  bool logged = false;  // the fallback to the reference kernel was reported
+  ~CudnnPlan() {
+    for (auto it = descriptors.rbegin(); it != descriptors.rend(); ++it) cudnnBackendDestroyDescriptor(*it);
+  }
+};
+
+struct Attention::Cudnn {
+  cudaStream_t stream;
+  cudnnHandle_t handle = nullptr;
+  std::string unavailable;  // why no handle could be made ("" when it could, or not tried)
+  bool tried = false;
+  std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<CudnnPlan>> plans;
+  void* staging = nullptr;
+  size_t staging_bytes = 0;
+
+  explicit Cudnn(cudaStream_t s) : stream(s) {}
+  ~Cudnn() {
+    plans.clear();
+    if (staging) cudaFree(staging);
+    if (handle) cudnnDestroy(handle);
+  }
+
+  // The handle is made at the first cuDNN call, so a process that never runs attention on
+  // cuDNN never loads it.
+  bool ensure_handle() {
+    if (tried) return handle != nullptr;
+    tried = true;
+    const size_t version = cudnnGetVersion();
+    if (version < 90800) {
+      unavailable = fmt::format("cuDNN {} is older than 9.8, the oldest this code was written for", version);
+      return false;
+    }
+    const cudnnStatus_t s = cudnnCreate(&handle);
+    if (s != CUDNN_STATUS_SUCCESS) {
+      handle = nullptr;
+      char detail[1024] = {0};
+      cudnnGetLastErrorString(detail, sizeof(detail));
+      unavailable = fmt::format("cudnnCreate failed: {}{}{}", cudnnGetErrorString(s), detail[0] ? ": " : "", detail);
+      return false;
+    }
+    FLUX8_CUDNN_CHECK(cudnnSetStream(handle, stream));
+    return true;
+  }
+
+  CudnnPlan& plan(const AttentionShape& s, Direction d) {
+    const auto key = std::make_tuple(int(d), s.batch, s.heads, s.seq, s.head_dim);
+    auto it = plans.find(key);
+    if (it != plans.end()) return *it->second;
+    auto p = std::make_unique<CudnnPlan>();
+    if (!ensure_handle()) {
+      p->refused = unavailable;
+    } else {
+      try {
+        build(*p, s, d);
+        ++g_plans_built;
+      } catch (const Refused& r) {
+        p = std::make_unique<CudnnPlan>();  // drops the partial graph's descriptors
+        p->refused = r.why;
+      }
+    }
+    return *plans.emplace(key, std::move(p)).first->second;
+  }
+
+  void build(CudnnPlan& p, const AttentionShape& s, Direction d) {
+    GraphBuilder g(p.descriptors);
+    if (d == Direction::forward) build_forward_graph(g, s);
+    else build_backward_graph(g, s, d == Direction::backward_deterministic);
+
+    cudnnBackendDescriptor_t graph = g.create(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+    GraphBuilder::set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, g.ops().data(),
+                      static_cast<int64_t>(g.ops().size()));
+    // Optional since cuDNN 9.8 (deprecated there); cudnn-frontend still sets it.
+    GraphBuilder::set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, &handle);
+    GraphBuilder::finalize(graph, "operation graph");
+
+    cudnnBackendDescriptor_t heuristics = g.create(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+    const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+    GraphBuilder::set(heuristics, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, &graph);
+    GraphBuilder::set(heuristics, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, &mode);
+    GraphBuilder::finalize(heuristics, "engine heuristics");
+    int64_t count = 0;
+    build_check(cudnnBackendGetAttribute(heuristics, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0,
+                                         &count, nullptr),
+                "counting the heuristic's engine configurations");
+    if (count <= 0) throw Refused{"the heuristic offers no engine for this graph"};
+    std::vector<cudnnBackendDescriptor_t> configs;
+    for (int64_t i = 0; i < count; ++i) configs.push_back(g.create(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
+    int64_t returned = 0;
+    build_check(cudnnBackendGetAttribute(heuristics, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                         count, &returned, configs.data()),
+                "reading the heuristic's engine configurations");
+
+    // The first configuration that finalizes is the heuristic's best runnable one.
+    std::string first_error;
+    for (int64_t i = 0; i < returned; ++i) {
+      cudnnBackendDescriptor_t plan = g.create(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+      try {
+        GraphBuilder::set(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, &configs[i]);
+        GraphBuilder::finalize(plan, fmt::format("execution plan of engine configuration {}", i));
+        int64_t n = 0;
+        build_check(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n,
+                                             &p.workspace_bytes),
+                    "reading the plan's workspace size");
+        p.plan = plan;
+        return;
+      } catch (const Refused& r) {
+        if (first_error.empty()) first_error = r.why;
+      }
+    }
+    throw Refused{fmt::format("none of the heuristic's {} engine configurations finalizes; the first: {}", returned,
+                              first_error)};
+  }
+
+  void* staging_buffer(size_t bytes) {
+    if (bytes > staging_bytes) {
+      if (staging) {
+        FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream));  // queued work may still use it
+        FLUX8_CUDA_CHECK(cudaFree(staging));
+        staging = nullptr;
+      }
+      FLUX8_CUDA_CHECK(cudaMalloc(&staging, bytes));
+      staging_bytes = bytes;
+    }
+    return staging;
+  }
+
+  void execute(const CudnnPlan& p, const std::vector<int64_t>& ids, const std::vector<void*>& ptrs,
+               void* workspace) {
+    cudnnBackendDescriptor_t pack = nullptr;
+    FLUX8_CUDNN_CHECK(cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &pack));
+    cudnnStatus_t s = cudnnBackendSetAttribute(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,
+                                               static_cast<int64_t>(ids.size()), ids.data());
+    if (s == CUDNN_STATUS_SUCCESS)
+      s = cudnnBackendSetAttribute(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR,
+                                   static_cast<int64_t>(ptrs.size()), ptrs.data());
+    if (s == CUDNN_STATUS_SUCCESS)
+      s = cudnnBackendSetAttribute(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
+    if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendFinalize(pack);
+    if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendExecute(handle, p.plan, pack);
+    cudnnBackendDestroyDescriptor(pack);
+    FLUX8_CUDNN_CHECK(s);
+  }
+};
+
+namespace {
+
+// Byte offsets of the regions of one staging buffer, each 256-byte aligned.
+struct Regions {
+  size_t total = 0;
+  size_t take(size_t bytes) {
+    const size_t at = total;
+    total += (bytes + 255) / 256 * 256;
+    return at;
+  }
+};
+
+template <typename T>
+T* at(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+}
+
+// Why cuDNN's flash attention cannot take this shape at all ("" when it may).
+std::string static_refusal(const AttentionShape& s) {
+  if (s.head_dim % 8 != 0 || s.head_dim > 256)
+    return fmt::format("head dim {} is not a multiple of 8 up to 256", s.head_dim);
+  if (s.seq < 2) return "sequence length 1";
+  return "";
+}
+
+}  // namespace
+
+// ---- Attention -------------------------------------------------------------------------
+
+Attention::Attention(cudaStream_t stream) : stream_(stream), cudnn_(std::make_unique<Cudnn>(stream)) {}
+
+Attention::~Attention() {
+  cudnn_.reset();
+  if (delta_) cudaFree(delta_);
+}
+
+std::unique_ptr<Attention> make_attention(cudaStream_t stream) { return std::make_unique<Attention>(stream); }
+
+std::string Attention::cudnn_unsupported_reason(const AttentionShape& s) {
+  if (std::string why = static_refusal(s); !why.empty()) return why;
+  const Direction backward = attention_deterministic() ? Direction::backward_deterministic : Direction::backward;
+  for (Direction d : {Direction::forward, backward})
+    if (const CudnnPlan& p = cudnn_->plan(s, d); !p.refused.empty())
+      return fmt::format("{}: {}", d == Direction::forward ? "forward" : "backward", p.refused);
+  return "";
+}
+
+bool Attention::use_cudnn(const AttentionShape& s, Direction d) {
+  const AttentionPath path = attention_path();
+  if (path == AttentionPath::reference) return false;
+  std::string why = static_refusal(s);
+  CudnnPlan* plan = nullptr;
+  if (why.empty()) {
+    plan = &cudnn_->plan(s, d);
+    why = plan->refused;
+  }
+  if (why.empty()) return true;
+  const char* op = d == Direction::forward ? "attention" : "attention_backward";
+  if (path == AttentionPath::cudnn)
+    fail("{}: cuDNN does not run [B, n, L, D] = [{}, {}, {}, {}]: {} (FLUX8_ATTENTION=auto or reference uses the "
+         "reference kernel)",
+         op, s.batch, s.heads, s.seq, s.head_dim, why);
+  if (plan && !plan->logged) {  // shape-independent refusals (odd head dims) are expected, not logged
+    plan->logged = true;
+    fmt::print(stderr, "flux8: {}: cuDNN does not run [B, n, L, D] = [{}, {}, {}, {}] ({}); using the f32 "
+               "reference kernel\n", op, s.batch, s.heads, s.seq, s.head_dim, why);
+  }
+  return false;
+}
+
+void* Attention::delta_scratch(size_t bytes) {
+  if (bytes > delta_bytes_) {
+    if (delta_) {
+      FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      FLUX8_CUDA_CHECK(cudaFree(delta_));
+      delta_ = nullptr;
+    }
+    FLUX8_CUDA_CHECK(cudaMalloc(&delta_, bytes));
+    delta_bytes_ = bytes;
+  }
+  return delta_;
+}
+
+void Attention::forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                        const AttentionShape& s, double scale) {
+  if (s.numel() == 0) return;
+  if (!use_cudnn(s, Direction::forward)) {
+    reference_attention_forward(o, lse, q, k, v, s, static_cast<float>(scale), stream_);
+    ++g_reference_calls;
+    return;
+  }
+  const CudnnPlan& p = cudnn_->plan(s, Direction::forward);
+  const int64_t n = s.numel();
+  const size_t bf16_bytes = static_cast<size_t>(n) * sizeof(__nv_bfloat16);
+  const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
+  const bool stage_stats = !aligned16(lse);  // cuDNN writes Stats with 16-byte alignment
+  Regions r;
+  const size_t q16 = r.take(bf16_bytes), k16 = r.take(bf16_bytes), v16 = r.take(bf16_bytes), o16 = r.take(bf16_bytes);
+  const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
+  const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
+  void* base = cudnn_->staging_buffer(r.total);
+
+  to_bf16(at<__nv_bfloat16>(base, q16), q, n, stream_);
+  to_bf16(at<__nv_bfloat16>(base, k16), k, n, stream_);
+  to_bf16(at<__nv_bfloat16>(base, v16), v, n, stream_);
+  float scale_f = static_cast<float>(scale);
+  float* stats_ptr = stage_stats ? at<float>(base, stats) : lse;
+  cudnn_->execute(p, {kQ, kK, kV, kO, kStats, kScale},
+                  {at<void>(base, q16), at<void>(base, k16), at<void>(base, v16), at<void>(base, o16), stats_ptr,
+                   &scale_f},
+                  at<void>(base, ws));
+  to_f32(o, at<__nv_bfloat16>(base, o16), n, stream_);
+  if (stage_stats)
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(lse, stats_ptr, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+  ++g_cudnn_calls;
+}
+
+void Attention::backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                         const float* v, const float* o, const float* lse, const AttentionShape& s, double scale) {
+  if (s.numel() == 0 || (!dq && !dk && !dv)) return;
+  const Direction dir = attention_deterministic() ? Direction::backward_deterministic : Direction::backward;
+  if (!use_cudnn(s, dir)) {
+    float* delta = static_cast<float*>(delta_scratch(static_cast<size_t>(s.rows()) * sizeof(float)));
+    reference_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s, static_cast<float>(scale), delta, stream_);
+    ++g_reference_calls;
+    return;
+  }
+  const CudnnPlan& p = cudnn_->plan(s, dir);
+  const int64_t n = s.numel();
+  const size_t bf16_bytes = static_cast<size_t>(n) * sizeof(__nv_bfloat16);
+  const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
+  const bool stage_stats = !aligned16(lse);
+  Regions r;
+  const size_t q16 = r.take(bf16_bytes), k16 = r.take(bf16_bytes), v16 = r.take(bf16_bytes), o16 = r.take(bf16_bytes);
+  const size_t do16 = r.take(bf16_bytes), dq16 = r.take(bf16_bytes), dk16 = r.take(bf16_bytes),
+               dv16 = r.take(bf16_bytes);
+  const size_t softmax_sum = r.take(stats_bytes);
+  const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
+  const bool accumulate_dq = dir == Direction::backward;  // the graph has an f32 dQ_accum
+  const size_t dq_accum = accumulate_dq ? r.take(static_cast<size_t>(n) * sizeof(float)) : 0;
+  const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
+  void* base = cudnn_->staging_buffer(r.total);
+
+  to_bf16(at<__nv_bfloat16>(base, q16), q, n, stream_);
+  to_bf16(at<__nv_bfloat16>(base, k16), k, n, stream_);
+  to_bf16(at<__nv_bfloat16>(base, v16), v, n, stream_);
+  to_bf16(at<__nv_bfloat16>(base, o16), o, n, stream_);
+  to_bf16(at<__nv_bfloat16>(base, do16), dout, n, stream_);
+  float* stats_ptr = stage_stats ? at<float>(base, stats) : const_cast<float*>(lse);
+  if (stage_stats)
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(stats_ptr, lse, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+  float scale_f = static_cast<float>(scale), one = 1.0f;
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kOne, kSoftmaxSum};
+  std::vector<void*> pointers{at<void>(base, q16),  at<void>(base, k16),  at<void>(base, v16),
+                              at<void>(base, o16),  at<void>(base, do16), stats_ptr,
+                              at<void>(base, dq16), at<void>(base, dk16), at<void>(base, dv16),
+                              &scale_f,             &one,                 at<void>(base, softmax_sum)};
+  if (accumulate_dq) {
+    uids.push_back(kDQAccum);
+    pointers.push_back(at<void>(base, dq_accum));
+  }
+  cudnn_->execute(p, uids, pointers, at<void>(base, ws));
+  if (dq) to_f32(dq, at<__nv_bfloat16>(base, dq16), n, stream_);
+  if (dk) to_f32(dk, at<__nv_bfloat16>(base, dk16), n, stream_);
+  if (dv) to_f32(dv, at<__nv_bfloat16>(base, dv16), n, stream_);
+  ++g_cudnn_calls;
+}
+
+}  // namespace flux8::cuda
+
+// ---- the backend's ops ---------------------------------------------------------------------
+
+namespace flux8 {
+using namespace cuda;
+
+namespace {
+
+// q and every other defined head tensor: [B, n, L, D], contiguous. Returns the shape.
+AttentionShape check_heads(std::string_view op, std::initializer_list<Named> heads) {
+  const Named& q = *heads.begin();
+  require_rank(op, q, 4);
+  for (const Named& a : heads) {
+    if (!a.t.defined()) continue;
+    require_shape(op, a, q.t.shape);
+    require_contiguous(op, a);
+  }
+  return AttentionShape{q.t.shape[0], q.t.shape[1], q.t.shape[2], q.t.shape[3]};
+}
+
+}  // namespace
+
+void CudaBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
+  constexpr std::string_view op = "attention";
+  require_f32(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
+  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}}) require_defined(op, a);
+  const AttentionShape s = check_heads(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
+  require_vector(op, {"lse", lse}, s.rows());  // [B, n, L] or flat
+  FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
+  attention_->forward(o.ptr<float>(), lse.ptr<float>(), q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), s, scale);
+}
+
+void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
+                                     Tensor o, Tensor lse, double scale) {
+  constexpr std::string_view op = "attention_backward";
+  require_f32(op, {{"dq", dq},
+                   {"dk", dk},
+                   {"dv", dv},
+                   {"dout", dout},
+                   {"q", q},
+                   {"k", k},
+                   {"v", v},
+                   {"o", o},
+                   {"lse", lse}});
+  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}}) require_defined(op, a);
+  const AttentionShape s = check_heads(
+      op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
+  require_vector(op, {"lse", lse}, s.rows());
+  FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
+  attention_->backward(dq.ptr<float>(), dk.ptr<float>(), dv.ptr<float>(), dout.ptr<float>(), q.ptr<float>(),
+                       k.ptr<float>(), v.ptr<float>(), o.ptr<float>(), lse.ptr<float>(), s, scale);
+}
+
+}  // namespace flux8

@@ -1,0 +1,110 @@
+#pragma once
+// Exact (non-causal, unmasked) softmax attention on the GPU: the CUDA backend's attention and
+// attention_backward. Two implementations of the same math (backend.h):
+//
+// - cuDNN's fused flash attention (the default). The model's tensors are f32 and cuDNN's
+//   kernels take bf16 Q/K/V/O/dO, so each call converts into bf16 staging buffers, runs the
+//   cuDNN execution plan, and converts the results back (o, dq, dk, dv carry bf16 rounding).
+//   lse is cuDNN's own f32 "Stats" output (max + log Σ exp of the scaled scores: exactly our
+//   lse). The plans are built once per (B, n, L, D) and direction and reused; the scale is a
+//   by-value graph input, so one plan serves every scale. A training step builds nothing
+//   after its first iteration.
+// - A plain f32 kernel (attention_reference.cu): for head dims cuDNN does not take
+//   (D % 8 != 0, D > 256), when cuDNN refuses the graph on this GPU (a one-time log line says
+//   why), and as the tests' second opinion.
+//
+// Which one runs: set_attention_path below, or FLUX8_ATTENTION=cudnn|reference|auto in the
+// environment (read once, at first use).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+namespace flux8::cuda {
+
+enum class AttentionPath {
+  automatic,  // cuDNN where it supports the shape, else the reference kernel
+  cudnn,      // cuDNN only: an unsupported shape is an error (tests, benchmarks)
+  reference,  // the f32 reference kernel only
+};
+
+// Process-wide selection, for every CUDA backend in the process.
+void set_attention_path(AttentionPath path);
+AttentionPath attention_path();
+
+// cuDNN's backward sums dq's contributions of different key blocks with atomics, in an order
+// that varies from run to run (dq differs in the last bits). Deterministic mode asks cuDNN for
+// its deterministic backward instead, which keeps dP in its workspace (cudnn-frontend budgets
+// B·n·L² bf16 values for it) and was 13% slower at L = 4608 on the H200 (1.56 vs 1.38 ms for
+// 24 heads). The reference kernel is always deterministic. Deterministic is the default (runs
+// repeat bit for bit, resume is exact); FLUX8_ATTENTION_DETERMINISTIC=0 starts with the faster
+// atomic backward. Process-wide.
+void set_attention_deterministic(bool deterministic);
+bool attention_deterministic();
+
+// Counters since the process started (tests check that plans are cached and which path ran).
+struct AttentionCounters {
+  int64_t cudnn_plans_built = 0;  // cuDNN execution plans finalized (forward and backward)
+  int64_t cudnn_calls = 0;        // forward/backward calls run by cuDNN
+  int64_t reference_calls = 0;    // forward/backward calls run by the reference kernel
+};
+AttentionCounters attention_counters();
+
+// q, k, v, o, dq, dk, dv: [batch, heads, seq, head_dim]; lse: [batch, heads, seq]; all
+// contiguous f32 device memory.
+struct AttentionShape {
+  int64_t batch = 0, heads = 0, seq = 0, head_dim = 0;
+  int64_t rows() const { return batch * heads * seq; }  // query rows of all heads
+  int64_t numel() const { return rows() * head_dim; }
+  auto key() const { return std::make_tuple(batch, heads, seq, head_dim); }
+};
+
+// ---- the reference kernels (attention_reference.cu) --------------------------------------
+// o = softmax(scale·q·kᵀ)·v and lse = log Σ_j exp(scale·q·k_j), in f32 with an online softmax.
+void reference_attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
+                                 const AttentionShape& s, float scale, cudaStream_t stream);
+// dq, dk, dv (each may be null: not needed) from the saved lse; `delta` is scratch for
+// δ_i = dO_i·O_i, s.rows() floats. No atomics: the results are the same on every run.
+void reference_attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                                  const float* v, const float* o, const float* lse, const AttentionShape& s,
+                                  float scale, float* delta, cudaStream_t stream);
+// Head dims the reference kernels take (each lane of a warp holds D/32 elements of a row).
+constexpr int64_t kReferenceMaxHeadDim = 256;
+
+// ---- the dispatcher, owned by the CUDA backend ---------------------------------------------
+class Attention {
+ public:
+  explicit Attention(cudaStream_t stream);
+  ~Attention();
+  Attention(const Attention&) = delete;
+  Attention& operator=(const Attention&) = delete;
+
+  void forward(float* o, float* lse, const float* q, const float* k, const float* v, const AttentionShape& s,
+               double scale);
+  // dq, dk, dv may be null (not needed).
+  void backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v,
+                const float* o, const float* lse, const AttentionShape& s, double scale);
+
+  // "" when cuDNN runs this shape here (forward and backward plans built and cached), else
+  // the reason it does not.
+  std::string cudnn_unsupported_reason(const AttentionShape& s);
+
+ private:
+  struct Cudnn;  // the handle, the plan cache, the staging buffers (attention.cu)
+  enum class Direction { forward, backward, backward_deterministic };
+  // True when cuDNN should run this call; false means the reference kernel.
+  bool use_cudnn(const AttentionShape& s, Direction d);
+  void* delta_scratch(size_t bytes);
+
+  cudaStream_t stream_;
+  std::unique_ptr<Cudnn> cudnn_;
+  void* delta_ = nullptr;
+  size_t delta_bytes_ = 0;
+};
+
+std::unique_ptr<Attention> make_attention(cudaStream_t stream);
+
+}  // namespace flux8::cuda

@@ -1,0 +1,114 @@
+#pragma once
+// The CUDA backend for Hopper (sm_90a). Every op of src/backend/backend.h runs on the device
+// stream of this backend; the conformance tests (tests/gpu/) check each against the CPU
+// backend. Tensors here are f32 (the model's working type; bf16 storage comes with the speed
+// work) except where an op says otherwise.
+//
+// Files by concern: memory.cu (allocation, copies, fill/add), gemm.{h,cpp} (the one cuBLASLt
+// wrapper), linear.cu, activations.cu, norms.cu, layout.cu (token/head layout, concat/split,
+// RoPE), attention.cu (cuDNN SDPA; attention_reference.cu the plain kernel), embedding.cu,
+// training.cu (objective noise, loss, norm, AdamW), fp8.cu (casts) and fp8_gemm.cpp.
+//
+// Reductions (column sums, loss, norms, amax) use a fixed split of the work and sum partials
+// in a fixed order: results are the same on every run.
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "backend/backend.h"
+
+namespace flux8::cuda {
+class Gemm;
+class Attention;
+}  // namespace flux8::cuda
+
+namespace flux8 {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const BackendOptions& options);
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda"; }
+  const BackendOptions& options() const override { return options_; }
+  cudaStream_t stream() const { return stream_; }
+  cuda::Gemm& gemm() { return *gemm_; }
+
+  void* allocate(size_t bytes) override;
+  void release(void* p) override;
+  void upload(void* dst, const void* host_src, size_t bytes) override;
+  void download(void* host_dst, const void* src, size_t bytes) override;
+  void synchronize() override;
+
+  void fill(Tensor y, double value) override;
+  void copy(Tensor y, Tensor x) override;
+  void add(Tensor y, Tensor a, Tensor b) override;
+  void accumulate(Tensor y, Tensor x) override;
+
+  void linear(Tensor y, Tensor x, Tensor w, Tensor b) override;
+  void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
+                       bool accumulate_dx) override;
+
+  void silu(Tensor y, Tensor x) override;
+  void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) override;
+  void gelu_tanh(Tensor y, Tensor x) override;
+  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override;
+
+  void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
+                          double eps) override;
+  void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x,
+                                   Tensor mean, Tensor rstd, Tensor scale,
+                                   bool accumulate_dx) override;
+  void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) override;
+  void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
+                              Tensor scale) override;
+
+  void tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) override;
+  void heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) override;
+
+  void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) override;
+  void rope(Tensor x, Tensor pe, bool inverse) override;
+
+  void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override;
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                          Tensor v, Tensor o, Tensor lse, double scale) override;
+
+  void gated_residual(Tensor x, Tensor y, Tensor gate) override;
+  void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override;
+
+  void timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) override;
+
+  void concat_tokens(Tensor out, Tensor a, Tensor b) override;
+  void split_tokens(Tensor a, Tensor b, Tensor in) override;
+
+  void flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
+                         std::span<const uint64_t> streams) override;
+  double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
+  double sum_squares(Tensor x) override;
+  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
+  void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
+  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;
+
+  // Device scratch of at least `bytes`, valid until the next call. It grows (with a
+  // synchronisation) only when a larger size is first asked for: after the first step of a
+  // fixed shape nothing is allocated.
+  void* scratch(size_t bytes);
+  // A second, independent scratch (ops that need two at once).
+  void* scratch2(size_t bytes);
+  // Host-visible pinned buffer for small results (loss, norms, amax): `bytes` ≤ 4096.
+  void* pinned_result();
+
+ private:
+  BackendOptions options_;
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  std::unique_ptr<cuda::Attention> attention_;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  void* scratch2_ = nullptr;
+  size_t scratch2_bytes_ = 0;
+  void* pinned_ = nullptr;
+};
+
+}  // namespace flux8

@@ -1,0 +1,419 @@
+// FP8 casts on the device: CudaBackend::quantize, the twin of CpuBackend::quantize
+// (src/backend/cpu/fp8.cpp) and of the reference quantizers (src/fp8/quantize.cpp), bit for bit:
+// codes, scales and CastStats.
+//
+// One kernel per cast. A block owns a 128x128 tile of x, staged once through shared memory, and
+// in the same pass writes the rowwise codes, the columnwise codes (the tile transposed: Hopper's
+// FP8 GEMMs are TN-only, so each operand also needs a copy with the other dimension contiguous),
+// the scales of its blocks and its partial of the statistics. 128 is a multiple of every block
+// length, so each block of either copy (1x128, 128x128, 1x32 along x's rows; 128x1, 32x1 along
+// its columns for the columnwise copy, which is the quantization of xᵀ) lies inside one tile.
+// Per-tensor current scaling reduces the amax of x first: the scale must exist before any
+// element is cast. Reads and writes are coalesced: warps walk rows of the tile for x and the
+// rowwise codes, columns of it (pitch 129: conflict-free) for the columnwise codes.
+//
+// Every scale and code comes from the FLUX8_HD functions the CPU runs (quantize_value,
+// current_scale, scale_inverse, e8m0_scale_for_amax, mx_scale) on the same fp32 operands. The
+// statistics are integer counts and a max, exact in any order; tiles write partials that one
+// block sums in a fixed order.
+#include <cstring>
+
+#include "backend/cuda/common.cuh"
+#include "fp8/quantize.h"
+#include "fp8/recipe.h"
+
+namespace flux8 {
+namespace cuda {
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kPitch = kTile + 1;
+constexpr int kCastThreads = 256;
+constexpr int kWarps = kCastThreads / 32;
+constexpr size_t kTileBytes = size_t(kTile) * kPitch * sizeof(float);
+constexpr int kAmaxBlocks = 1024;  // partials of the per-tensor amax pass
+constexpr unsigned kFull = 0xffffffffu;
+
+// One copy of the cast (rowwise or columnwise); codes == nullptr: not wanted.
+struct CastDst {
+  uint8_t* codes = nullptr;
+  float* scale_inv = nullptr;  // per_tensor: [1]; blockwise: [rows of the copy / block rows, scale_cols]
+  uint8_t* e8m0 = nullptr;     // mx_1x32
+  int64_t scale_cols = 0;      // scales per block-row of this copy
+};
+
+// What one tile's counted copy saw (the element count is known on the host).
+struct StatsPartial {
+  float amax;
+  uint32_t nonzero, saturated, flushed;
+};
+struct StatsTotal {
+  float amax;
+  unsigned long long nonzero, saturated, flushed;
+};
+
+struct CastArgs {
+  const float* x;
+  int64_t rows, cols, ld;
+  int64_t tiles_x;  // tiles per row of tiles
+  Fp8Format format;
+  bool pow2;
+  const float* tensor_scale;  // per_tensor: the scale, in device memory (current scaling)...
+  float tensor_scale_value;   // ...or this value when tensor_scale is null (delayed scaling)
+  CastDst row, col;
+  bool stats_from_col;       // CastStats describe the columnwise cast (no rowwise copy)
+  StatsPartial* partials;    // [tiles], or null: no statistics wanted
+};
+
+// Amaxes here are >= +0 and never NaN (amax_accumulate drops NaN): fmaxf is exact.
+__device__ inline float warp_amax(float a) {
+  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(kFull, a, o));
+  return a;
+}
+
+// The scale of a 1-D block from its amax, and what the QTensor stores for it.
+// Block k of copy d (k: index into its scales).
+__device__ inline float block_scale(Fp8Scaling s, float amax, Fp8Format f, bool pow2, const CastDst& d, int64_t k) {
+  if (s == Fp8Scaling::mx_1x32) {
+    const uint8_t e = e8m0_scale_for_amax(amax, fp8_max(f));
+    d.e8m0[k] = e;
+    return mx_scale(e);
+  }
+  const float scale = current_scale(amax, fp8_max(f), pow2);
+  d.scale_inv[k] = scale_inverse(scale);
+  return scale;
+}
+
+template <Fp8Scaling S>
+__global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
+  extern __shared__ float tile[];  // [kTile][kPitch]
+  constexpr int kSeg = S == Fp8Scaling::mx_1x32 ? 32 : 128;  // 1-D block length
+  constexpr int kNumSeg = kTile / kSeg;
+  __shared__ float row_scale[kTile][kNumSeg];  // 1-D scalings: scale of (tile row, segment)
+  __shared__ float col_scale[kTile][kNumSeg];  // ... of (tile column, segment of rows)
+  __shared__ float tile_scale;                 // per_tensor, block_128x128
+  __shared__ float red_amax[kWarps];
+  __shared__ uint32_t red_count[3][kWarps];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t ty = blockIdx.x / a.tiles_x, tx = blockIdx.x % a.tiles_x;
+  const int64_t r0 = ty * kTile, c0 = tx * kTile;
+  const int nr = static_cast<int>(a.rows - r0 < kTile ? a.rows - r0 : kTile);
+  const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
+
+  // Stage the tile; cells outside x hold 0, which changes no amax.
+  float amax = 0.0f;
+  for (int i = warp; i < kTile; i += kWarps)
+    for (int q = 0; q < 4; ++q) {
+      const int j = lane + 32 * q;
+      const float v = i < nr && j < nc ? a.x[(r0 + i) * a.ld + c0 + j] : 0.0f;
+      tile[i * kPitch + j] = v;
+      amax = amax_accumulate(amax, v);
+    }
+  const float block_amax_w = warp_amax(amax);
+  if (lane == 0) red_amax[warp] = block_amax_w;
+  __syncthreads();
+  float tile_amax = 0.0f;
+  for (int w = 0; w < kWarps; ++w) tile_amax = fmaxf(tile_amax, red_amax[w]);
+
+  if constexpr (S == Fp8Scaling::per_tensor) {
+    if (threadIdx.x == 0) {
+      const float s = a.tensor_scale ? *a.tensor_scale : a.tensor_scale_value;
+      tile_scale = s;
+      if (blockIdx.x == 0) {
+        if (a.row.codes) a.row.scale_inv[0] = scale_inverse(s);
+        if (a.col.codes) a.col.scale_inv[0] = scale_inverse(s);
+      }
+    }
+  } else if constexpr (S == Fp8Scaling::block_128x128) {
+    // One scale per tile; the columnwise copy's tile (tx, ty) holds the same elements.
+    if (threadIdx.x == 0) {
+      const float s = current_scale(tile_amax, fp8_max(a.format), a.pow2);
+      tile_scale = s;
+      if (a.row.codes) a.row.scale_inv[ty * a.row.scale_cols + tx] = scale_inverse(s);
+      if (a.col.codes) a.col.scale_inv[tx * a.col.scale_cols + ty] = scale_inverse(s);
+    }
+  } else {
+    // Rowwise blocks: a warp per tile row, lane holds columns lane + 32q (segment q for 1x32).
+    if (a.row.codes)
+      for (int i = warp; i < nr; i += kWarps) {
+        float m[4];
+        for (int q = 0; q < 4; ++q) m[q] = warp_amax(amax_accumulate(0.0f, tile[i * kPitch + lane + 32 * q]));
+        if (kNumSeg == 1) m[0] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+        const int q = lane;
+        if (q < kNumSeg && q * kSeg < nc) {
+          const int64_t k = (r0 + i) * a.row.scale_cols + c0 / kSeg + q;
+          row_scale[i][q] = block_scale(S, m[q], a.format, a.pow2, a.row, k);
+        }
+      }
+    // Columnwise blocks (rows of xᵀ): a warp per tile column, lane holds rows lane + 32q.
+    if (a.col.codes)
+      for (int j = warp; j < nc; j += kWarps) {
+        float m[4];
+        for (int q = 0; q < 4; ++q) m[q] = warp_amax(amax_accumulate(0.0f, tile[(lane + 32 * q) * kPitch + j]));
+        if (kNumSeg == 1) m[0] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+        const int q = lane;
+        if (q < kNumSeg && q * kSeg < nr) {
+          const int64_t k = (c0 + j) * a.col.scale_cols + r0 / kSeg + q;
+          col_scale[j][q] = block_scale(S, m[q], a.format, a.pow2, a.col, k);
+        }
+      }
+  }
+  __syncthreads();
+
+  // Cast. The counts follow cast_span() in src/fp8/quantize.cpp exactly.
+  const float bound = fp8_saturation_bound(a.format);
+  uint32_t nonzero = 0, saturated = 0, flushed = 0;
+  auto count = [&](float v, float s, uint8_t code) {
+    if (v != 0.0f) {  // NaN != 0: counted as non-zero, neither saturated nor flushed
+      ++nonzero;
+      if (f32_abs(v * s) > bound)
+        ++saturated;
+      else if (!f32_is_nan(v) && (code & 0x7fu) == 0)
+        ++flushed;
+    }
+  };
+  if (a.row.codes)
+    for (int i = warp; i < nr; i += kWarps)
+      for (int q = 0; q < 4; ++q) {
+        const int j = lane + 32 * q;
+        if (j >= nc) break;
+        const float v = tile[i * kPitch + j];
+        float s;
+        if constexpr (S == Fp8Scaling::per_tensor || S == Fp8Scaling::block_128x128)
+          s = tile_scale;
+        else
+          s = row_scale[i][j / kSeg];
+        const uint8_t code = quantize_value(v, s, a.format);
+        a.row.codes[(r0 + i) * a.cols + c0 + j] = code;
+        if (!a.stats_from_col) count(v, s, code);
+      }
+  if (a.col.codes)
+    for (int j = warp; j < nc; j += kWarps)
+      for (int q = 0; q < 4; ++q) {
+        const int i = lane + 32 * q;
+        if (i >= nr) break;
+        const float v = tile[i * kPitch + j];
+        float s;
+        if constexpr (S == Fp8Scaling::per_tensor || S == Fp8Scaling::block_128x128)
+          s = tile_scale;
+        else
+          s = col_scale[j][i / kSeg];
+        const uint8_t code = quantize_value(v, s, a.format);
+        a.col.codes[(c0 + j) * a.rows + r0 + i] = code;
+        if (a.stats_from_col) count(v, s, code);
+      }
+
+  if (!a.partials) return;
+  nonzero = __reduce_add_sync(kFull, nonzero);
+  saturated = __reduce_add_sync(kFull, saturated);
+  flushed = __reduce_add_sync(kFull, flushed);
+  if (lane == 0) {
+    red_count[0][warp] = nonzero;
+    red_count[1][warp] = saturated;
+    red_count[2][warp] = flushed;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    StatsPartial p{tile_amax, 0, 0, 0};
+    for (int w = 0; w < kWarps; ++w) {
+      p.nonzero += red_count[0][w];
+      p.saturated += red_count[1][w];
+      p.flushed += red_count[2][w];
+    }
+    a.partials[blockIdx.x] = p;
+  }
+}
+
+// One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree).
+__global__ void __launch_bounds__(kCastThreads) stats_total_kernel(const StatsPartial* p, int64_t n,
+                                                                   StatsTotal* out) {
+  __shared__ float sh_amax[kCastThreads];
+  __shared__ unsigned long long sh[3][kCastThreads];
+  float amax = 0.0f;
+  unsigned long long c[3] = {0, 0, 0};
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    amax = fmaxf(amax, p[i].amax);
+    c[0] += p[i].nonzero;
+    c[1] += p[i].saturated;
+    c[2] += p[i].flushed;
+  }
+  sh_amax[threadIdx.x] = amax;
+  for (int k = 0; k < 3; ++k) sh[k][threadIdx.x] = c[k];
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      sh_amax[threadIdx.x] = fmaxf(sh_amax[threadIdx.x], sh_amax[threadIdx.x + s]);
+      for (int k = 0; k < 3; ++k) sh[k][threadIdx.x] += sh[k][threadIdx.x + s];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = StatsTotal{sh_amax[0], sh[0][0], sh[1][0], sh[2][0]};
+}
+
+// Per-tensor current scaling, pass 1: block b takes rows b, b + gridDim.x, ...
+__global__ void __launch_bounds__(kCastThreads) amax_partials_kernel(const float* x, int64_t rows, int64_t cols,
+                                                                     int64_t ld, float* partial) {
+  __shared__ float sh[kWarps];
+  float m = 0.0f;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) m = amax_accumulate(m, x[r * ld + c]);
+  m = warp_amax(m);
+  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sh[w]);
+    partial[blockIdx.x] = m;
+  }
+}
+
+// Pass 2: the tensor's amax and current scale (left on the device for the cast kernel).
+__global__ void __launch_bounds__(kCastThreads) current_scale_kernel(const float* partial, int n, Fp8Format f,
+                                                                     bool pow2, float* scale) {
+  __shared__ float sh[kWarps];
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, partial[i]);
+  m = warp_amax(m);
+  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sh[w]);
+    *scale = current_scale(m, fp8_max(f), pow2);
+  }
+}
+
+template <Fp8Scaling S>
+void launch_cast(const CastArgs& a, int64_t tiles, cudaStream_t stream) {
+  // The tile needs 66 KB of shared memory: above the 48 KB a launch gets without asking.
+  static const bool configured = [] {
+    FLUX8_CUDA_CHECK(cudaFuncSetAttribute(cast_tile_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kTileBytes)));
+    return true;
+  }();
+  (void)configured;
+  cast_tile_kernel<S><<<static_cast<unsigned>(tiles), kCastThreads, kTileBytes, stream>>>(a);
+  FLUX8_LAUNCH_CHECK(cast_tile_kernel);
+}
+
+void check_output(const QTensor& t, const Backend::Quantize& q, const char* which) {
+  if (!t.defined()) return;
+  if (t.format != q.format || t.scaling != q.scaling)
+    fail("quantize: the {} output is [{}, {}] {} {}, the cast gives {} {}", which, t.rows, t.cols,
+         fp8_format_name(t.format), fp8_scaling_name(t.scaling), fp8_format_name(q.format),
+         fp8_scaling_name(q.scaling));
+  if (q.scaling == Fp8Scaling::mx_1x32 ? !t.scale_e8m0 : !t.scale_inv)
+    fail("quantize: the {} output [{}, {}] {} has no {} buffer", which, t.rows, t.cols, fp8_scaling_name(t.scaling),
+         q.scaling == Fp8Scaling::mx_1x32 ? "E8M0 scale" : "scale_inv");
+}
+
+CastDst dst(const QTensor& t) {
+  CastDst d;
+  if (!t.defined()) return d;
+  d.codes = t.codes;
+  d.scale_inv = t.scale_inv;
+  d.e8m0 = t.scale_e8m0;
+  const int64_t bc = t.scaling == Fp8Scaling::mx_1x32 ? 32 : 128;
+  d.scale_cols = t.scaling == Fp8Scaling::per_tensor ? 1 : (t.cols + bc - 1) / bc;
+  return d;
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
+  using namespace cuda;
+  constexpr std::string_view op = "quantize";
+  require_defined(op, {"x", x});
+  if (x.dtype != DType::f32) fail("{}: FP8 casts take f32 input, got {}", op, x.str());
+  if (x.ld < x.cols()) fail("{}: input {} has row stride {} smaller than its columns", op, x.str(), x.ld);
+  if (!rowwise.defined() && !columnwise.defined()) return;
+  const int64_t R = x.rows(), C = x.cols();
+  if (rowwise.defined() && (rowwise.rows != R || rowwise.cols != C))
+    fail("{}: rowwise output [{}, {}] for input {}", op, rowwise.rows, rowwise.cols, x.str());
+  if (columnwise.defined() && (columnwise.rows != C || columnwise.cols != R))
+    fail("{}: columnwise output [{}, {}] must be the transpose of input {}", op, columnwise.rows, columnwise.cols,
+         x.str());
+  check_output(rowwise, q, "rowwise");
+  check_output(columnwise, q, "columnwise");
+
+  const bool per_tensor = q.scaling == Fp8Scaling::per_tensor;
+  const float fmax = fp8_max(q.format);
+  const bool want_stats = q.amax || q.stats;
+  if (R == 0 || C == 0) {
+    // Nothing to cast; a per-tensor copy still records its scale_inv, as on the CPU.
+    if (per_tensor) {
+      const float inv = scale_inverse(q.delayed_scale ? *q.delayed_scale : current_scale(0.0f, fmax, q.pow2));
+      float* rp = rowwise.defined() ? rowwise.scale_inv : nullptr;
+      float* cp = columnwise.defined() ? columnwise.scale_inv : nullptr;
+      for_each(*this, 1, [=] __device__(int64_t) {
+        if (rp) *rp = inv;
+        if (cp) *cp = inv;
+      });
+    }
+    if (q.stats) q.stats->merge(CastStats{});
+    return;
+  }
+
+  const int64_t tiles_x = (C + kTile - 1) / kTile, tiles = tiles_x * ((R + kTile - 1) / kTile);
+  FLUX8_CHECK(tiles < (int64_t(1) << 31), "quantize: {} tiles of 128x128 exceed one launch", tiles);
+  const bool current = per_tensor && !q.delayed_scale;
+  const int amax_blocks = static_cast<int>(R < kAmaxBlocks ? R : kAmaxBlocks);
+  // Scratch: [scale][amax partials][tile partials][total], each 256-byte aligned.
+  const size_t off_partial_amax = 256, off_tiles = off_partial_amax + align256(kAmaxBlocks * sizeof(float));
+  const size_t off_total = off_tiles + align256(static_cast<size_t>(tiles) * sizeof(StatsPartial));
+  char* s = static_cast<char*>(scratch(off_total + sizeof(StatsTotal)));
+  float* scale_dev = reinterpret_cast<float*>(s);
+  auto* partials = reinterpret_cast<StatsPartial*>(s + off_tiles);
+  auto* total = reinterpret_cast<StatsTotal*>(s + off_total);
+
+  if (current) {
+    float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
+    amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(x.ptr<float>(), R, C, x.ld, amax_partial);
+    FLUX8_LAUNCH_CHECK(amax_partials_kernel);
+    current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, q.format, q.pow2, scale_dev);
+    FLUX8_LAUNCH_CHECK(current_scale_kernel);
+  }
+
+  CastArgs a{};
+  a.x = x.ptr<float>();
+  a.rows = R;
+  a.cols = C;
+  a.ld = x.ld;
+  a.tiles_x = tiles_x;
+  a.format = q.format;
+  a.pow2 = q.pow2;
+  a.tensor_scale = current ? scale_dev : nullptr;
+  a.tensor_scale_value = per_tensor && q.delayed_scale ? *q.delayed_scale : 1.0f;
+  a.row = dst(rowwise);
+  a.col = dst(columnwise);
+  a.stats_from_col = !rowwise.defined();
+  a.partials = want_stats ? partials : nullptr;
+  switch (q.scaling) {
+    case Fp8Scaling::per_tensor: launch_cast<Fp8Scaling::per_tensor>(a, tiles, stream()); break;
+    case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
+    case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
+    case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
+  }
+  if (!want_stats) return;
+
+  // The registry (q.amax, q.stats) lives on the host for now, so the cast's amax and counts are
+  // downloaded here, with a synchronisation; the device-resident registry comes with the speed
+  // work and removes it.
+  stats_total_kernel<<<1, kCastThreads, 0, stream()>>>(partials, tiles, total);
+  FLUX8_LAUNCH_CHECK(stats_total_kernel);
+  auto* result = static_cast<StatsTotal*>(pinned_result());
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(result, total, sizeof(StatsTotal), cudaMemcpyDeviceToHost, stream()));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  CastStats st;
+  st.amax = result->amax;
+  st.elements = R * C;
+  st.nonzero = static_cast<int64_t>(result->nonzero);
+  st.saturated = static_cast<int64_t>(result->saturated);
+  st.flushed = static_cast<int64_t>(result->flushed);
+  if (q.amax) *q.amax = amax_accumulate(*q.amax, st.amax);
+  if (q.stats) q.stats->merge(st);
+}
+
+}  // namespace flux8

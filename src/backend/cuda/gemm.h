@@ -1,0 +1,78 @@
+#pragma once
+// The one cuBLASLt wrapper. Every matrix product of the CUDA backend — f32 linears, FP8
+// per-tensor and blockwise GEMMs — is described by a GemmDesc and run by Gemm::run, which
+// caches the matmul descriptor, the layouts and the heuristic's algorithm per distinct
+// description (shape, types, layout, scale modes, epilogue), so a training step does no
+// descriptor or heuristic work after its first iteration.
+//
+// Column-major, like cuBLASLt: D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, with
+// C == D (in place). Row-major callers swap operands (see linear.cu).
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+namespace flux8::cuda {
+
+struct GemmDesc {
+  cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldd = 0;
+  cudaDataType_t type_a = CUDA_R_32F, type_b = CUDA_R_32F, type_d = CUDA_R_32F;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  // FP8 operands: how the scales apply (per tensor: one f32 scale_inv on the device; blockwise:
+  // cuBLASLt's VEC128 / BLK128x128 f32 scale tensors).
+  cublasLtMatmulMatrixScale_t scale_mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  cublasLtMatmulMatrixScale_t scale_mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  bool bias = false;        // epilogue: D += bias[m] broadcast along n (f32 bias for f32 D)
+  bool fast_accum = false;  // FP8: Hopper's fast (less precise) accumulation (fprop)
+  bool accumulate = false;  // beta = 1 (D += ...), else beta = 0
+
+  auto key() const {
+    return std::make_tuple(trans_a, trans_b, m, n, k, lda, ldb, ldd, type_a, type_b, type_d, compute, scale_mode_a,
+                           scale_mode_b, bias, fast_accum, accumulate);
+  }
+};
+
+// Device pointers of one call.
+struct GemmArgs {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+  const void* bias = nullptr;
+  const float* scale_a = nullptr;  // FP8: scale_inv of A (a scalar or a scale tensor)
+  const float* scale_b = nullptr;
+  float* amax_d = nullptr;         // when set: amax of D (FP8 output cast of the next op)
+  float alpha = 1.0f;
+};
+
+class Gemm {
+ public:
+  Gemm(cudaStream_t stream);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  void run(const GemmDesc& d, const GemmArgs& args);
+  // "" when cuBLASLt has an algorithm for this description on this GPU, else the reason
+  // (used to report which FP8 recipes can run here).
+  std::string supported(const GemmDesc& d);
+  size_t cached_plans() const { return plans_.size(); }
+
+ private:
+  struct Plan;
+  Plan& plan(const GemmDesc& d);
+  cudaStream_t stream_;
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<decltype(GemmDesc{}.key()), std::unique_ptr<Plan>> plans_;
+};
+
+std::string describe(const GemmDesc& d);  // for error messages: "TN m=.. n=.. k=.. e4m3 x e5m2 -> f32"
+
+}  // namespace flux8::cuda

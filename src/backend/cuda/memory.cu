@@ -1,0 +1,152 @@
+// The CUDA backend's lifetime, memory and the generic fill/copy/add/accumulate.
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/factory.h"
+#include "backend/cuda/gemm.h"
+
+namespace flux8 {
+using namespace cuda;
+
+std::string cuda_unavailable_reason() {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return fmt::format("{} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  if (count == 0) return "no CUDA device";
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cannot query device 0";
+  if (prop.major < 9)
+    return fmt::format("{} is compute capability {}.{}; this build targets Hopper (sm_90a)", prop.name, prop.major,
+                       prop.minor);
+  if (prop.major != 9)
+    return fmt::format("{} is compute capability {}.{}; this build has sm_90a code only (rebuild with "
+                       "CMAKE_CUDA_ARCHITECTURES for it)",
+                       prop.name, prop.major, prop.minor);
+  return "";
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options) {
+  if (const std::string why = cuda_unavailable_reason(); !why.empty())
+    fail("backend 'cuda': no usable GPU here: {}. Use backend: cpu (or run on a Hopper GPU)", why);
+  return std::make_unique<CudaBackend>(options);
+}
+
+CudaBackend::CudaBackend(const BackendOptions& options) : options_(options) {
+  FLUX8_CUDA_CHECK(cudaGetDevice(&device_));
+  FLUX8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  FLUX8_CUDA_CHECK(cudaMallocHost(&pinned_, 4096));
+  gemm_ = std::make_unique<Gemm>(stream_);
+  attention_ = make_attention(stream_);
+}
+
+CudaBackend::~CudaBackend() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  attention_.reset();
+  gemm_.reset();
+  if (scratch_) cudaFree(scratch_);
+  if (scratch2_) cudaFree(scratch2_);
+  if (pinned_) cudaFreeHost(pinned_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void* CudaBackend::allocate(size_t bytes) {
+  void* p = nullptr;
+  const size_t n = bytes ? bytes : 1;
+  const cudaError_t e = cudaMalloc(&p, n);  // 256-byte aligned
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    fail("cuda backend: out of device memory allocating {:.2f} GiB ({} free of {:.1f} GiB): {}", n / 1073741824.0,
+         fmt::format("{:.2f} GiB", free_b / 1073741824.0), total_b / 1073741824.0, cudaGetErrorString(e));
+  }
+  FLUX8_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return p;
+}
+
+void CudaBackend::release(void* p) {
+  if (!p) return;
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no kernel may still use it
+  FLUX8_CUDA_CHECK(cudaFree(p));
+}
+
+void CudaBackend::upload(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+  // The host buffer may be reused by the caller right away.
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::synchronize() { FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+namespace {
+void* grow(void*& buf, size_t& have, size_t want, cudaStream_t s) {
+  if (want <= have && buf) return buf;
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (buf) FLUX8_CUDA_CHECK(cudaFree(buf));
+  const size_t n = std::max<size_t>(want + want / 4, 1 << 20);
+  FLUX8_CUDA_CHECK(cudaMalloc(&buf, n));
+  have = n;
+  return buf;
+}
+}  // namespace
+
+void* CudaBackend::scratch(size_t bytes) { return grow(scratch_, scratch_bytes_, bytes, stream_); }
+void* CudaBackend::scratch2(size_t bytes) { return grow(scratch2_, scratch2_bytes_, bytes, stream_); }
+void* CudaBackend::pinned_result() { return pinned_; }
+
+// ---- fill / copy / add / accumulate --------------------------------------------------------
+
+void CudaBackend::fill(Tensor y, double value) {
+  require_f32("fill", {{"y", y}});
+  const Mat Y = mat(y);
+  const float v = static_cast<float>(value);
+  for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.at(i / Y.cols, i % Y.cols) = v; });
+}
+
+void CudaBackend::copy(Tensor y, Tensor x) {
+  require_f32("copy", {{"y", y}, {"x", x}});
+  require_same_matrix("copy", {"y", y}, {"x", x});
+  if (y.contiguous() && x.contiguous()) {
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(y.data, x.data, x.bytes(), cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(y.data, y.ld * sizeof(float), x.data, x.ld * sizeof(float),
+                                     x.cols() * sizeof(float), x.rows(), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::add(Tensor y, Tensor a, Tensor b) {
+  require_f32("add", {{"y", y}, {"a", a}, {"b", b}});
+  require_same_matrix("add", {"y", y}, {"a", a});
+  require_same_matrix("add", {"y", y}, {"b", b});
+  const Mat Y = mat(y), A = mat(a), B = mat(b);
+  for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) {
+    const int64_t r = i / Y.cols, c = i % Y.cols;
+    Y.at(r, c) = A.at(r, c) + B.at(r, c);
+  });
+}
+
+void CudaBackend::accumulate(Tensor y, Tensor x) {
+  require_f32("accumulate", {{"y", y}, {"x", x}});
+  require_same_matrix("accumulate", {"y", y}, {"x", x});
+  const Mat Y = mat(y), X = mat(x);
+  for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) {
+    const int64_t r = i / Y.cols, c = i % Y.cols;
+    Y.at(r, c) += X.at(r, c);
+  });
+}
+
+}  // namespace flux8

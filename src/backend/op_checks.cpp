@@ -1,0 +1,100 @@
+#include "backend/op_checks.h"
+
+#include <algorithm>
+#include <string>
+
+namespace flux8::ops {
+
+DType call_dtype(std::string_view op, std::initializer_list<Named> tensors, std::initializer_list<DType> allowed,
+                 std::string_view backend) {
+  const Named* first = nullptr;
+  for (const Named& a : tensors) {
+    if (!a.t.defined()) continue;
+    if (std::find(allowed.begin(), allowed.end(), a.t.dtype) == allowed.end()) {
+      std::string names;
+      for (DType d : allowed) names += std::string(names.empty() ? "" : " or ") + std::string(dtype_name(d));
+      fail("{}: tensor '{}' is {}; the {} backend computes this op in {} (convert storage types first)", op,
+           a.name, a.t.str(), backend, names);
+    }
+    if (first && a.t.dtype != first->t.dtype)
+      fail("{}: tensor '{}' is {} but '{}' is {}; all tensors of one call must share one dtype", op,
+           a.name, a.t.str(), first->name, first->t.str());
+    if (a.t.ld < a.t.cols())
+      fail("{}: tensor '{}' ({}) has row stride {} smaller than its {} columns", op, a.name,
+           a.t.str(), a.t.ld, a.t.cols());
+    if (!first) first = &a;
+  }
+  if (!first) fail("{}: no tensor argument is defined", op);
+  return first->t.dtype;
+}
+
+void require_defined(std::string_view op, Named a) {
+  if (!a.t.defined()) fail("{}: tensor '{}' is required but undefined", op, a.name);
+}
+
+void require_rank(std::string_view op, Named a, int rank) {
+  require_defined(op, a);
+  if (a.t.shape.rank != rank)
+    fail("{}: tensor '{}' is {} but must have rank {}", op, a.name, a.t.str(), rank);
+}
+
+void require_shape(std::string_view op, Named a, const Shape& expected) {
+  require_defined(op, a);
+  if (a.t.shape != expected)
+    fail("{}: tensor '{}' is {} but must have shape {}", op, a.name, a.t.str(), expected.str());
+}
+
+void require_same_matrix(std::string_view op, Named a, Named b) {
+  require_defined(op, a);
+  require_defined(op, b);
+  if (a.t.rows() != b.t.rows() || a.t.cols() != b.t.cols())
+    fail("{}: tensors '{}' {} and '{}' {} must have the same [rows, cols]", op, a.name, a.t.str(),
+         b.name, b.t.str());
+}
+
+void require_vector(std::string_view op, Named a, int64_t n) {
+  require_defined(op, a);
+  if (a.t.numel() != n || !a.t.contiguous())
+    fail("{}: tensor '{}' is {} (ld {}) but must be a contiguous vector of {} elements", op, a.name,
+         a.t.str(), a.t.ld, n);
+}
+
+void require_contiguous(std::string_view op, Named a) {
+  if (a.t.defined() && !a.t.contiguous())
+    fail("{}: tensor '{}' ({}) must be contiguous", op, a.name, a.t.str());
+}
+
+void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens,
+                        int64_t offset) {
+  require_rank(op, {"heads", heads}, 4);
+  require_rank(op, {"tokens", tokens}, 3);
+  const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
+  if (tokens.shape[0] != B || tokens.shape[2] != n * D)
+    fail("{}: tokens {} do not match heads {}: expected [{}, Ls, {}]", op, tokens.str(),
+         heads.str(), B, n * D);
+  if (offset < 0 || offset + tokens.shape[1] > L)
+    fail("{}: tokens {} at token_offset {} do not fit in the {} positions of heads {}", op,
+         tokens.str(), offset, L, heads.str());
+}
+
+void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Tensor& b) {
+  const Tensor& joint = joint_arg.t;
+  require_rank(op, joint_arg, 3);
+  const int64_t B = joint.shape[0], C = joint.shape[2];
+  int64_t L = 0;
+  for (const Named& p : {Named{"a", a}, Named{"b", b}}) {
+    if (!p.t.defined()) continue;
+    require_rank(op, p, 3);
+    if (p.t.shape[0] != B || p.t.shape[2] != C)
+      fail("{}: tensor '{}' {} must be [{}, L, {}] to match '{}' {}", op, p.name, p.t.str(), B, C,
+           joint_arg.name, joint.str());
+    L += p.t.shape[1];
+  }
+  // With both parts present they must tile the joint sequence exactly; a lone part must fit.
+  if ((a.defined() && b.defined()) ? L != joint.shape[1] : L > joint.shape[1])
+    fail("{}: parts a {} and b {} do not tile the sequence of '{}' {}", op,
+         a.defined() ? a.str() : "undefined", b.defined() ? b.str() : "undefined", joint_arg.name,
+         joint.str());
+}
+
+}  // namespace flux8::ops

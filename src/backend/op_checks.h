@@ -1,0 +1,38 @@
+#pragma once
+// Argument checks shared by every backend: each failure names the op, the tensor (by its name
+// in the op's signature) and what was expected, so a shape bug in model code is found at once.
+#include <initializer_list>
+#include <string_view>
+
+#include "core/error.h"
+#include "core/tensor.h"
+
+namespace flux8::ops {
+
+// A tensor argument with the name it has in the op's signature, for error messages.
+struct Named {
+  std::string_view name;
+  const Tensor& t;
+};
+
+// Checks that all defined tensors share one dtype, that it is one of `allowed` (a backend's
+// compute types; `backend` names it in the message) and that ld >= cols; returns the dtype.
+DType call_dtype(std::string_view op, std::initializer_list<Named> tensors, std::initializer_list<DType> allowed,
+                 std::string_view backend);
+
+void require_defined(std::string_view op, Named a);
+void require_rank(std::string_view op, Named a, int rank);
+void require_shape(std::string_view op, Named a, const Shape& expected);
+// Same [rows, cols] matrix (the shapes may differ in how rows are grouped).
+void require_same_matrix(std::string_view op, Named a, Named b);
+// A contiguous vector of n elements (saved statistics: mean, rstd).
+void require_vector(std::string_view op, Named a, int64_t n);
+void require_contiguous(std::string_view op, Named a);
+
+// tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L (tokens_to_heads).
+void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens, int64_t offset);
+// Parts a [B, La, C], b [B, Lb, C] of a joint sequence [B, L, C]: with both present they must
+// tile it exactly; a lone part must fit (concat_tokens / split_tokens).
+void check_joint(std::string_view op, Named joint, const Tensor& a, const Tensor& b);
+
+}  // namespace flux8::ops

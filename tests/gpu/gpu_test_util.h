@@ -1,0 +1,113 @@
+#pragma once
+// Helpers for the GPU conformance tests: every test runs an op on the CUDA backend and on the
+// CPU backend with the same random inputs and compares. A machine without a usable GPU skips
+// (the tests are built and listed in CI all the same).
+//
+// Pair<T> holds one host tensor (Buf, with optional column padding so strided views are
+// exercised) and its device twin with the same shape and ld.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/factory.h"
+#include "cpu_ops_util.h"
+
+namespace flux8::testing {
+
+// Skips the calling test when there is no GPU; else returns the shared CUDA backend.
+#define FLUX8_REQUIRE_GPU()                                                            \
+  do {                                                                                 \
+    if (const std::string why = ::flux8::cuda_unavailable_reason(); !why.empty())      \
+      GTEST_SKIP() << "no usable GPU: " << why;                                        \
+  } while (0)
+
+inline Backend& gpu() {
+  static std::unique_ptr<Backend> be = make_cuda_backend({});
+  return *be;
+}
+inline Backend& cpu() {
+  static std::unique_ptr<Backend> be = make_backend("cpu");
+  return *be;
+}
+
+// A host f32 buffer and a device copy of the same layout (ld included).
+struct Pair {
+  Buf<float> host;
+  Tensor dev;
+
+  explicit Pair(Shape s, int64_t pad = 0) : host(s, pad) {
+    const size_t bytes = host.mem.size() * sizeof(float);
+    void* p = gpu().allocate(bytes ? bytes : 4);
+    dev = host.t;
+    dev.data = p;
+  }
+  ~Pair() { gpu().release(dev.data); }
+  Pair(const Pair&) = delete;
+
+  Pair& randn(uint64_t seed, double stddev = 1.0) {
+    host.randn(seed, stddev);
+    return up();
+  }
+  Pair& fill(float v) {
+    std::fill(host.mem.begin(), host.mem.end(), v);
+    return up();
+  }
+  // host -> device (whole storage, padding included)
+  Pair& up() {
+    gpu().upload(dev.data, host.mem.data(), host.mem.size() * sizeof(float));
+    return *this;
+  }
+  // The device tensor's window, row by row.
+  std::vector<float> down() const {
+    std::vector<float> all(host.mem.size());
+    gpu().download(all.data(), dev.data, all.size() * sizeof(float));
+    std::vector<float> v;
+    for (int64_t r = 0; r < dev.rows(); ++r)
+      for (int64_t c = 0; c < dev.cols(); ++c) v.push_back(all[static_cast<size_t>(r * dev.ld + c)]);
+    return v;
+  }
+  // The device storage's padding must be untouched (still what host holds there).
+  bool padding_untouched() const {
+    std::vector<float> all(host.mem.size());
+    gpu().download(all.data(), dev.data, all.size() * sizeof(float));
+    for (int64_t r = 0; r < dev.rows(); ++r)
+      for (int64_t c = dev.cols(); c < dev.ld; ++c) {
+        const size_t i = static_cast<size_t>(r * dev.ld + c);
+        if (std::memcmp(&all[i], &host.mem[i], sizeof(float)) != 0) return false;
+      }
+    return true;
+  }
+  std::vector<float> cpu_values() const { return host.values(); }
+  // The view to hand to an op: the device tensor for the GPU run, the host one for the CPU run.
+  Tensor t(bool on_gpu) const { return on_gpu ? dev : host.t; }
+};
+
+// Runs op(backend, on_gpu) on the CPU backend (host views) and on the GPU (device views): each
+// Pair's host copy then holds the CPU result and its device copy the GPU result.
+template <typename Op>
+void run_both(Op op) {
+  op(cpu(), false);
+  op(gpu(), true);
+  gpu().synchronize();
+}
+
+// ‖a − b‖₂ / ‖b‖₂ (b the CPU reference).
+inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - static_cast<double>(b[i]);
+    num += d * d;
+    den += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  if (a.size() != b.size()) return INFINITY;
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Device result of `p` vs its host (CPU-computed) values.
+inline double gpu_vs_cpu(const Pair& p) { return rel_l2(p.down(), p.cpu_values()); }
+
+}  // namespace flux8::testing

@@ -1,0 +1,420 @@
+// The CUDA FP8 ops against the CPU backend. quantize must agree BIT FOR BIT (codes, scales,
+// CastStats, amax): both run the same FLUX8_HD per-element and per-block functions on the same
+// fp32 operands, so any difference is a bug, not rounding. gemm_fp8_tn is compared by relative
+// L2 error: its summation order, and on the tensor cores its accumulation precision, are
+// backend-specific (see kTensorCoreTolerance).
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/error.h"
+#include "fp8/quantize.h"
+#include "gpu_test_util.h"
+
+namespace flux8::testing {
+namespace {
+
+// A QTensor in host memory (what the CPU backend writes) and its device twin. Both start filled
+// with a sentinel (codes 0xA5, scales NaN), so an output element the GPU never writes differs.
+struct QPair {
+  QTensor host, dev;
+  std::vector<uint8_t> codes, e8m0;
+  std::vector<float> scales;
+
+  QPair(int64_t rows, int64_t cols, Fp8Format f, Fp8Scaling s) {
+    host.rows = dev.rows = rows;
+    host.cols = dev.cols = cols;
+    host.format = dev.format = f;
+    host.scaling = dev.scaling = s;
+    const auto n = static_cast<size_t>(rows * cols);
+    const auto ns = static_cast<size_t>(QTensor::scale_count(s, rows, cols));
+    codes.assign(n, 0xA5);
+    host.codes = codes.data();
+    dev.codes = static_cast<uint8_t*>(gpu().allocate(n + 16));
+    if (s == Fp8Scaling::mx_1x32) {
+      e8m0.assign(ns, 0xA5);
+      host.scale_e8m0 = e8m0.data();
+      dev.scale_e8m0 = static_cast<uint8_t*>(gpu().allocate(ns + 16));
+    } else {
+      scales.assign(ns, std::numeric_limits<float>::quiet_NaN());
+      host.scale_inv = scales.data();
+      dev.scale_inv = static_cast<float*>(gpu().allocate(ns * sizeof(float) + 16));
+    }
+    upload();
+  }
+  ~QPair() {
+    gpu().release(dev.codes);
+    gpu().release(dev.scale_inv ? static_cast<void*>(dev.scale_inv) : dev.scale_e8m0);
+  }
+  QPair(const QPair&) = delete;
+
+  // host -> device (the GEMM tests give both backends the very same operand)
+  void upload() {
+    gpu().upload(dev.codes, codes.data(), codes.size());
+    if (dev.scale_e8m0) gpu().upload(dev.scale_e8m0, e8m0.data(), e8m0.size());
+    if (dev.scale_inv) gpu().upload(dev.scale_inv, scales.data(), scales.size() * sizeof(float));
+  }
+  std::vector<uint8_t> dev_codes() const {
+    std::vector<uint8_t> v(codes.size());
+    gpu().download(v.data(), dev.codes, v.size());
+    return v;
+  }
+  // Scales as bytes (E8M0, or the f32 bit patterns): compared exactly.
+  std::vector<uint8_t> host_scale_bytes() const {
+    if (host.scale_e8m0) return e8m0;
+    std::vector<uint8_t> v(scales.size() * sizeof(float));
+    std::memcpy(v.data(), scales.data(), v.size());
+    return v;
+  }
+  std::vector<uint8_t> dev_scale_bytes() const {
+    std::vector<uint8_t> v(host.scale_e8m0 ? e8m0.size() : scales.size() * sizeof(float));
+    gpu().download(v.data(), dev.scale_e8m0 ? static_cast<void*>(dev.scale_e8m0) : dev.scale_inv, v.size());
+    return v;
+  }
+};
+
+// "" when equal, else where they first differ.
+std::string first_difference(const std::vector<uint8_t>& gpu_bytes, const std::vector<uint8_t>& cpu_bytes,
+                             size_t element_bytes) {
+  if (gpu_bytes.size() != cpu_bytes.size()) return "sizes differ";
+  for (size_t i = 0; i < gpu_bytes.size(); ++i)
+    if (gpu_bytes[i] != cpu_bytes[i]) {
+      const size_t e = i / element_bytes;
+      std::string g, c;
+      for (size_t b = 0; b < element_bytes; ++b) {
+        g += fmt::format("{:02x}", gpu_bytes[e * element_bytes + element_bytes - 1 - b]);
+        c += fmt::format("{:02x}", cpu_bytes[e * element_bytes + element_bytes - 1 - b]);
+      }
+      return fmt::format("element {}: gpu 0x{} cpu 0x{}", e, g, c);
+    }
+  return "";
+}
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// ---- quantize ------------------------------------------------------------------------------
+
+struct Recipe {
+  const char* name;
+  Fp8Scaling scaling;
+  bool delayed;  // per_tensor: the registry's scale (kDelayedScale) instead of the current one
+  bool pow2;
+};
+// Not a power of two, so scale_inv = 1/37 is inexact and its rounding is compared too; large
+// enough that the planted -2000 and the outlier saturate.
+constexpr float kDelayedScale = 37.0f;
+
+const Recipe kRecipes[] = {
+    {"delayed", Fp8Scaling::per_tensor, true, false},
+    {"current", Fp8Scaling::per_tensor, false, false},
+    {"current_pow2", Fp8Scaling::per_tensor, false, true},
+    {"block_1x128", Fp8Scaling::block_1x128, false, true},
+    {"block_1x128_exact", Fp8Scaling::block_1x128, false, false},
+    {"block_128x128", Fp8Scaling::block_128x128, false, true},
+    {"block_128x128_exact", Fp8Scaling::block_128x128, false, false},
+    {"mx_1x32", Fp8Scaling::mx_1x32, false, false},
+};
+
+struct CastShape {
+  int64_t rows, cols, pad;
+  bool with_inf;
+};
+// Awkward on purpose: single element, smaller than every block, partial tiles on both edges,
+// and exact tiles; every input is a strided window (pad > 0).
+const CastShape kCastShapes[] = {
+    {1, 1, 3, false}, {3, 5, 2, false}, {130, 257, 5, false}, {257, 129, 1, false}, {128, 256, 4, false},
+    {130, 257, 3, true},
+};
+
+// N(0,1) plus: a zero row segment (whole 1x128 and 1x32 blocks) and, when x has two column tiles,
+// an all-zero 128x128 tile; one huge outlier (per-tensor scales shrink, small values flush);
+// a tiny value that flushes under any scale; a value that saturates under the delayed scale; a
+// NaN; optionally +inf (amax inf: scale 1 for its tensor/blocks, NaN E8M0 scale for its MX block).
+void fill_input(Buf<float>& x, uint64_t seed, bool with_inf) {
+  x.randn(seed);
+  const int64_t R = x.t.rows(), C = x.t.cols();
+  if (R * C < 8) return;
+  for (int64_t c = 0; c < std::min<int64_t>(C, 128); ++c) x.at(0, c) = 0.0f;
+  if (C > 128)
+    for (int64_t r = 0; r < std::min<int64_t>(R, 128); ++r)
+      for (int64_t c = 128; c < std::min<int64_t>(C, 256); ++c) x.at(r, c) = 0.0f;
+  x.at(R / 2, C / 2) = 5.0e4f;
+  x.at(R - 1, 0) = 1.0e-30f;
+  x.at(1, C - 2) = -2.0e3f;
+  x.at(R - 1, C - 1) = std::numeric_limits<float>::quiet_NaN();
+  if (with_inf) x.at(R / 3, C / 3) = std::numeric_limits<float>::infinity();
+}
+
+class CudaQuantize : public ::testing::TestWithParam<std::tuple<int, Fp8Format>> {};
+
+TEST_P(CudaQuantize, EqualsCpuBitForBit) {
+  FLUX8_REQUIRE_GPU();
+  const Recipe& recipe = kRecipes[std::get<0>(GetParam())];
+  const Fp8Format format = std::get<1>(GetParam());
+  uint64_t seed = 100;
+  for (const CastShape& shape : kCastShapes)
+    for (const int copies : {1, 2, 3}) {  // bit 0: rowwise, bit 1: columnwise
+      const bool want_row = copies & 1, want_col = copies & 2;
+      SCOPED_TRACE(fmt::format("{} {} x [{}, {}] (ld {}){} rowwise {} columnwise {}", recipe.name,
+                               fp8_format_name(format), shape.rows, shape.cols, shape.cols + shape.pad,
+                               shape.with_inf ? " with inf" : "", want_row, want_col));
+      Pair x(Shape{shape.rows, shape.cols}, shape.pad);
+      fill_input(x.host, ++seed, shape.with_inf);
+      x.up();
+      QPair row(shape.rows, shape.cols, format, recipe.scaling), col(shape.cols, shape.rows, format, recipe.scaling);
+
+      // Registry-like targets start non-empty, so the merge (sum of counts, max of amax) is
+      // compared as well as this cast's own numbers.
+      const CastStats start{0.5f, 10, 9, 1, 2};
+      CastStats stats_cpu = start, stats_gpu = start;
+      float amax_cpu = 0.25f, amax_gpu = 0.25f;
+      Backend::Quantize q;
+      q.format = format;
+      q.scaling = recipe.scaling;
+      q.pow2 = recipe.pow2;
+      q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+      q.amax = &amax_cpu;
+      q.stats = &stats_cpu;
+      cpu().quantize(want_row ? row.host : QTensor{}, want_col ? col.host : QTensor{}, x.host.t, q);
+      q.amax = &amax_gpu;
+      q.stats = &stats_gpu;
+      gpu().quantize(want_row ? row.dev : QTensor{}, want_col ? col.dev : QTensor{}, x.dev, q);
+
+      const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
+      if (want_row) {
+        EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "") << "rowwise codes";
+        EXPECT_EQ(first_difference(row.dev_scale_bytes(), row.host_scale_bytes(), scale_bytes), "")
+            << "rowwise scales";
+      }
+      if (want_col) {
+        EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "") << "columnwise codes";
+        EXPECT_EQ(first_difference(col.dev_scale_bytes(), col.host_scale_bytes(), scale_bytes), "")
+            << "columnwise scales";
+      }
+      EXPECT_EQ(bits(amax_gpu), bits(amax_cpu)) << amax_gpu << " vs " << amax_cpu;
+      EXPECT_EQ(bits(stats_gpu.amax), bits(stats_cpu.amax)) << stats_gpu.amax << " vs " << stats_cpu.amax;
+      EXPECT_EQ(stats_gpu.elements, stats_cpu.elements);
+      EXPECT_EQ(stats_gpu.nonzero, stats_cpu.nonzero);
+      EXPECT_EQ(stats_gpu.saturated, stats_cpu.saturated);
+      EXPECT_EQ(stats_gpu.flushed, stats_cpu.flushed);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllRecipes, CudaQuantize,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(std::size(kRecipes))),
+                                            ::testing::Values(Fp8Format::e4m3, Fp8Format::e5m2)),
+                         [](const ::testing::TestParamInfo<CudaQuantize::ParamType>& info) {
+                           return std::string(kRecipes[std::get<0>(info.param)].name) + "_" +
+                                  fp8_format_name(std::get<1>(info.param));
+                         });
+
+// Without an amax or stats target the cast skips its statistics (and their synchronisation):
+// the codes and scales must not change.
+TEST(CudaQuantize, WithoutStatisticsSameCodes) {
+  FLUX8_REQUIRE_GPU();
+  for (const Recipe& recipe : kRecipes) {
+    SCOPED_TRACE(recipe.name);
+    Pair x(Shape{257, 129}, 2);
+    fill_input(x.host, 7, false);
+    x.up();
+    QPair row(257, 129, Fp8Format::e4m3, recipe.scaling), col(129, 257, Fp8Format::e4m3, recipe.scaling);
+    Backend::Quantize q;
+    q.scaling = recipe.scaling;
+    q.pow2 = recipe.pow2;
+    q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+    cpu().quantize(row.host, col.host, x.host.t, q);
+    gpu().quantize(row.dev, col.dev, x.dev, q);
+    const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
+    EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "");
+    EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "");
+    EXPECT_EQ(first_difference(row.dev_scale_bytes(), row.host_scale_bytes(), scale_bytes), "");
+    EXPECT_EQ(first_difference(col.dev_scale_bytes(), col.host_scale_bytes(), scale_bytes), "");
+  }
+}
+
+TEST(CudaQuantize, RejectsWhatTheCpuRejects) {
+  FLUX8_REQUIRE_GPU();
+  Pair x(Shape{4, 8});
+  QPair transposed_wrong(4, 8, Fp8Format::e4m3, Fp8Scaling::per_tensor);
+  QPair wrong_recipe(4, 8, Fp8Format::e4m3, Fp8Scaling::block_1x128);
+  Backend::Quantize q;
+  EXPECT_THROW(gpu().quantize(QTensor{}, transposed_wrong.dev, x.dev, q), Error);  // columnwise must be [8, 4]
+  EXPECT_THROW(gpu().quantize(wrong_recipe.dev, QTensor{}, x.dev, q), Error);      // per_tensor cast, 1x128 output
+}
+
+// ---- gemm_fp8_tn ---------------------------------------------------------------------------
+
+// Tolerances of gemm_fp8_tn against the CPU's dequantize + fp32 GEMM (relative L2):
+// - emulated path (the GPU also dequantizes and sums in fp32): the products of the dequantized
+//   values are the same fp32 numbers on both backends (exact for power-of-2 scales); only the
+//   summation order differs, an fp32 rounding effect far below 1e-5.
+// - cuBLASLt on Hopper's FP8 tensor cores: the MMA sums the products of each k-slice keeping only
+//   about 14 significant bits (DeepSeek-V3 report, §3.3.2: FP8 GEMM accumulation on H800 "limited
+//   to retaining around 14 bits"; on an H200, 448 + 31·2^-6 summed over k = 32 returns 448), and
+//   cuBLASLt's split accumulation adds the slices in fp32. That is ~2^-13 relative per slice,
+//   measured as 0.8-1.3e-4 on these shapes (H200, cuBLAS 13); 5e-4 leaves a 4x margin and stays
+//   far below the error of a single misapplied block scale here (~1e-2).
+constexpr double kFp32Tolerance = 1e-5, kTensorCoreTolerance = 5e-4;
+
+struct GemmOperands {
+  Fp8Scaling sa, sb;
+  Fp8Format fa, fb;
+};
+// Operand pairs cuBLASLt multiplies on Hopper: per tensor x per tensor, and block pairs with at
+// least one 1x128 operand.
+bool cublas_pair(const GemmOperands& o) {
+  if (o.sa == Fp8Scaling::per_tensor || o.sb == Fp8Scaling::per_tensor) return o.sa == o.sb;
+  if (o.sa == Fp8Scaling::mx_1x32 || o.sb == Fp8Scaling::mx_1x32) return false;
+  return o.sa == Fp8Scaling::block_1x128 || o.sb == Fp8Scaling::block_1x128;
+}
+const GemmOperands kGemmOperands[] = {
+    // per tensor: every pair cuBLASLt has (fprop E4M3xE4M3; hybrid dgrad/wgrad E5M2 x E4M3)
+    {Fp8Scaling::per_tensor, Fp8Scaling::per_tensor, Fp8Format::e4m3, Fp8Format::e4m3},
+    {Fp8Scaling::per_tensor, Fp8Scaling::per_tensor, Fp8Format::e4m3, Fp8Format::e5m2},
+    {Fp8Scaling::per_tensor, Fp8Scaling::per_tensor, Fp8Format::e5m2, Fp8Format::e4m3},
+    // blockwise: fprop/dgrad (activation 1x128 · weight 128x128), wgrad (1x128 · 1x128), and the
+    // transposed pairing; 128x128 · 128x128 has no cuBLASLt kernel (emulated)
+    {Fp8Scaling::block_1x128, Fp8Scaling::block_128x128, Fp8Format::e4m3, Fp8Format::e4m3},
+    {Fp8Scaling::block_1x128, Fp8Scaling::block_128x128, Fp8Format::e5m2, Fp8Format::e4m3},
+    {Fp8Scaling::block_128x128, Fp8Scaling::block_1x128, Fp8Format::e4m3, Fp8Format::e4m3},
+    {Fp8Scaling::block_1x128, Fp8Scaling::block_1x128, Fp8Format::e5m2, Fp8Format::e4m3},
+    {Fp8Scaling::block_128x128, Fp8Scaling::block_128x128, Fp8Format::e4m3, Fp8Format::e4m3},
+    // MXFP8 (emulated on Hopper) and a per-tensor x blockwise mix (emulated)
+    {Fp8Scaling::mx_1x32, Fp8Scaling::mx_1x32, Fp8Format::e4m3, Fp8Format::e4m3},
+    {Fp8Scaling::mx_1x32, Fp8Scaling::mx_1x32, Fp8Format::e5m2, Fp8Format::e4m3},
+    {Fp8Scaling::per_tensor, Fp8Scaling::block_1x128, Fp8Format::e4m3, Fp8Format::e4m3},
+};
+
+struct GemmShape {
+  int64_t m, n, k, c_pad;
+  bool cublas;  // k % 16 == 0, m and n multiples of 8, c rows 16-byte aligned
+};
+const GemmShape kGemmShapes[] = {
+    {37, 29, 45, 3, false},     // odd k: emulated for every recipe
+    {64, 96, 80, 4, true},      // one partial k block (the 128x128 scales padded to 4 k blocks)
+    {136, 264, 656, 4, true},   // partial 128-row tiles, 6 k blocks (padded to 8)
+    {256, 384, 512, 4, true},   // the plain cuBLASLt case
+    {40, 24, 64, 3, false},     // k % 16 == 0 but c rows not 16-byte aligned: emulated
+};
+
+// x [rows, cols] quantized on the CPU with a recipe's current scales; the same bytes go to the device.
+void make_operand(QPair& q, uint64_t seed) {
+  Buf<float> x(Shape{q.host.rows, q.host.cols});
+  x.randn(seed);
+  Backend::Quantize args;
+  args.format = q.host.format;
+  args.scaling = q.host.scaling;
+  args.pow2 = false;  // inexact scale_inv: the GEMM must apply them as the CPU does
+  cpu().quantize(q.host, QTensor{}, x.t, args);
+  q.upload();
+}
+
+class CudaGemmFp8 : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaGemmFp8, MatchesCpu) {
+  FLUX8_REQUIRE_GPU();
+  const GemmOperands& o = kGemmOperands[GetParam()];
+  uint64_t seed = 1000 + 100 * static_cast<uint64_t>(GetParam());
+  for (const GemmShape& s : kGemmShapes)
+    for (const bool with_bias : {false, true})
+      for (const bool accumulate : {false, true}) {
+        SCOPED_TRACE(fmt::format("a {} {} [{}, {}] · b {} {} [{}, {}]ᵀ, c ld {}{}{}", fp8_scaling_name(o.sa),
+                                 fp8_format_name(o.fa), s.m, s.k, fp8_scaling_name(o.sb), fp8_format_name(o.fb), s.n,
+                                 s.k, s.n + s.c_pad, with_bias ? " +bias" : "", accumulate ? " +=" : ""));
+        QPair a(s.m, s.k, o.fa, o.sa), b(s.n, s.k, o.fb, o.sb);
+        make_operand(a, ++seed);
+        make_operand(b, ++seed);
+        Pair c(Shape{s.m, s.n}, s.c_pad);
+        c.host.randn(++seed).fill_padding(-7.0f);
+        c.up();
+        Pair bias(Shape{s.n});
+        bias.randn(++seed);
+        const Tensor bias_cpu = with_bias ? bias.host.t : Tensor{}, bias_gpu = with_bias ? bias.dev : Tensor{};
+        cpu().gemm_fp8_tn(c.host.t, a.host, b.host, bias_cpu, accumulate);
+        gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, bias_gpu, accumulate);
+        EXPECT_LE(gpu_vs_cpu(c), cublas_pair(o) && s.cublas ? kTensorCoreTolerance : kFp32Tolerance);
+        EXPECT_TRUE(c.padding_untouched());
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllOperandPairs, CudaGemmFp8,
+                         ::testing::Range(0, static_cast<int>(std::size(kGemmOperands))),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           const GemmOperands& o = kGemmOperands[info.param];
+                           return fmt::format("{}_{}_x_{}_{}", fp8_scaling_name(o.sa), fp8_format_name(o.fa),
+                                              fp8_scaling_name(o.sb), fp8_format_name(o.fb));
+                         });
+
+TEST(CudaGemmFp8, RejectsE5m2TimesE5m2) {
+  FLUX8_REQUIRE_GPU();
+  QPair a(32, 64, Fp8Format::e5m2, Fp8Scaling::per_tensor), b(16, 64, Fp8Format::e5m2, Fp8Scaling::per_tensor);
+  make_operand(a, 1);
+  make_operand(b, 2);
+  Pair c(Shape{32, 16});
+  try {
+    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false);
+    ADD_FAILURE() << "E5M2 x E5M2 ran";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("E5M2"), std::string::npos) << e.what();
+  }
+}
+
+// A cast on the GPU followed by its GEMM: the whole FP8 linear as the model runs it
+// (quantize_args -> quantize -> gemm_fp8_tn), against the CPU doing the same.
+TEST(CudaGemmFp8, CastThenGemmMatchesCpu) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t m = 192, n = 256, k = 384;
+  for (const auto& [sx, sw] : {std::pair{Fp8Scaling::per_tensor, Fp8Scaling::per_tensor},
+                               std::pair{Fp8Scaling::block_1x128, Fp8Scaling::block_128x128},
+                               std::pair{Fp8Scaling::mx_1x32, Fp8Scaling::mx_1x32}}) {
+    SCOPED_TRACE(fp8_scaling_name(sw));
+    Pair x(Shape{m, k}, 4), w(Shape{n, k});
+    x.randn(11);
+    w.randn(12, 0.05);
+    QPair xq(m, k, Fp8Format::e4m3, sx), wq(n, k, Fp8Format::e4m3, sw);
+    Backend::Quantize qx, qw;
+    qx.scaling = sx;
+    qw.scaling = sw;
+    qx.pow2 = qw.pow2 = true;
+    cpu().quantize(xq.host, QTensor{}, x.host.t, qx);
+    cpu().quantize(wq.host, QTensor{}, w.host.t, qw);
+    gpu().quantize(xq.dev, QTensor{}, x.dev, qx);
+    gpu().quantize(wq.dev, QTensor{}, w.dev, qw);
+    Pair y(Shape{m, n});
+    cpu().gemm_fp8_tn(y.host.t, xq.host, wq.host, Tensor{}, false);
+    gpu().gemm_fp8_tn(y.dev, xq.dev, wq.dev, Tensor{}, false);
+    // Same operands bit for bit; the tolerances are explained above kFp32Tolerance.
+    EXPECT_LE(gpu_vs_cpu(y), sx == Fp8Scaling::mx_1x32 ? kFp32Tolerance : kTensorCoreTolerance);
+  }
+}
+
+// What cuBLASLt can multiply must not fall back to the emulated path, which says on stderr why it
+// was taken (once per reason: this shape is used by no other test).
+TEST(CudaGemmFp8, SupportedRecipesRunOnTensorCores) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t m = 128, n = 256, k = 384;
+  for (const GemmOperands& o : kGemmOperands) {
+    if (!cublas_pair(o)) continue;
+    SCOPED_TRACE(fmt::format("{} {} x {} {}", fp8_scaling_name(o.sa), fp8_format_name(o.fa), fp8_scaling_name(o.sb),
+                             fp8_format_name(o.fb)));
+    QPair a(m, k, o.fa, o.sa), b(n, k, o.fb, o.sb);
+    make_operand(a, 21);
+    make_operand(b, 22);
+    Pair c(Shape{m, n});
+    ::testing::internal::CaptureStderr();
+    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false);
+    gpu().synchronize();
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(log.find("emulated"), std::string::npos) << log;
+  }
+}
+
+}  // namespace
+}  // namespace flux8::testing

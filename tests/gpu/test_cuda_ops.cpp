@@ -1,0 +1,260 @@
+// Every CUDA op of the op interface against the CPU backend on random data, with odd shapes and
+// strided (column-window) tensors. Tolerances, as ‖gpu − cpu‖₂/‖cpu‖₂:
+// - data movement (copy, layout, concat/split): exact (0);
+// - elementwise f32 ops: the same formula in f32, but the device's expf/tanhf may differ from
+//   glibc's by an ulp or two: 1e-6;
+// - row statistics and column sums: both sides accumulate in double, then round to f32: 1e-6;
+// - f32 GEMMs (cuBLASLt, fp32 compute, no TF32) vs OpenBLAS: only the summation order differs,
+//   error ~ √K·2⁻²⁴ relative: 1e-5;
+// - the objective noise: Philox bits are identical, but logf/cosf/sqrtf on the device are not
+//   glibc's: 1e-6.
+#include <gtest/gtest.h>
+
+#include <array>
+
+#include "core/error.h"
+#include "gpu_test_util.h"
+
+namespace flux8::testing {
+namespace {
+
+constexpr double kExact = 0.0, kElementwise = 1e-6, kReduce = 1e-6, kGemm = 1e-5;
+
+#define EXPECT_CLOSE(pair, tol) EXPECT_LE(gpu_vs_cpu(pair), tol) << #pair
+
+TEST(CudaOps, FillCopyAddAccumulate) {
+  FLUX8_REQUIRE_GPU();
+  Pair y({37, 53}, 3), a({37, 53}, 5), b({37, 53});
+  y.randn(1), a.randn(2), b.randn(3);
+  run_both([&](Backend& be, bool g) { be.copy(y.t(g), a.t(g)); });
+  EXPECT_CLOSE(y, kExact);
+  EXPECT_TRUE(y.padding_untouched());
+  run_both([&](Backend& be, bool g) { be.add(y.t(g), a.t(g), b.t(g)); });
+  EXPECT_CLOSE(y, kExact);
+  run_both([&](Backend& be, bool g) { be.accumulate(y.t(g), b.t(g)); });
+  EXPECT_CLOSE(y, kExact);
+  run_both([&](Backend& be, bool g) { be.fill(y.t(g), -2.5); });
+  EXPECT_CLOSE(y, kExact);
+  EXPECT_TRUE(y.padding_untouched());
+}
+
+TEST(CudaOps, LinearForwardAndBackward) {
+  FLUX8_REQUIRE_GPU();
+  for (const auto [N, K, M] : {std::array<int64_t, 3>{67, 45, 29}, {128, 256, 96}, {1, 7, 3}}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " K=" << K << " M=" << M);
+    Pair x({N, K}, 3), w({M, K}), b({M}), y({N, M}, 5);
+    x.randn(11), w.randn(12, 0.2), b.randn(13), y.randn(14);
+    run_both([&](Backend& be, bool g) { be.linear(y.t(g), x.t(g), w.t(g), b.t(g)); });
+    EXPECT_CLOSE(y, kGemm);
+    EXPECT_TRUE(y.padding_untouched());
+    run_both([&](Backend& be, bool g) { be.linear(y.t(g), x.t(g), w.t(g), Tensor{}); });
+    EXPECT_CLOSE(y, kGemm);
+
+    Pair dy({N, M}, 2), dx({N, K}, 4), dw({M, K}), db({M});
+    dy.randn(15), dx.randn(16), dw.randn(17), db.randn(18);
+    for (bool acc : {false, true}) {
+      run_both([&](Backend& be, bool g) {
+        be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc);
+      });
+      EXPECT_CLOSE(dx, kGemm);
+      EXPECT_CLOSE(dw, kGemm);
+      EXPECT_CLOSE(db, kReduce);
+      EXPECT_TRUE(dx.padding_untouched());
+    }
+  }
+}
+
+TEST(CudaOps, Activations) {
+  FLUX8_REQUIRE_GPU();
+  Pair x({41, 77}, 3), y({41, 77}, 1), dy({41, 77}, 2), dx({41, 77}, 5);
+  x.randn(21, 3.0), y.randn(22), dy.randn(23), dx.randn(24);
+  run_both([&](Backend& be, bool g) { be.silu(y.t(g), x.t(g)); });
+  EXPECT_CLOSE(y, kElementwise);
+  for (bool acc : {false, true}) {
+    run_both([&](Backend& be, bool g) { be.silu_backward(dx.t(g), dy.t(g), x.t(g), acc); });
+    EXPECT_CLOSE(dx, kElementwise);
+  }
+  run_both([&](Backend& be, bool g) { be.gelu_tanh(y.t(g), x.t(g)); });
+  EXPECT_CLOSE(y, kElementwise);
+  run_both([&](Backend& be, bool g) { be.gelu_tanh_backward(dx.t(g), dy.t(g), x.t(g)); });
+  EXPECT_CLOSE(dx, kElementwise);
+  EXPECT_TRUE(dx.padding_untouched());
+}
+
+TEST(CudaOps, LayerNormModulate) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t B = 3, L = 37, H = 203;
+  Pair x({B, L, H}, 2), y({B, L, H}, 1), mean({B * L}), rstd({B * L});
+  Pair mod({B, 6 * H});  // shift and scale are column windows of one modulation output
+  x.randn(31, 2.0), mod.randn(32, 0.5), y.randn(33);
+  // A large row mean, as the residual stream has: the two-pass variance must hold up.
+  for (int64_t c = 0; c < H; ++c) x.host.at(0, c) += 100.0f;
+  x.up();
+  auto window = [&](bool g, int64_t k) { return mod.t(g).cols_slice(k * H, H); };
+  run_both([&](Backend& be, bool g) {
+    be.layernorm_modulate(y.t(g), mean.t(g), rstd.t(g), x.t(g), window(g, 0), window(g, 1), 1e-6);
+  });
+  EXPECT_CLOSE(y, kReduce);
+  EXPECT_CLOSE(mean, kReduce);
+  EXPECT_CLOSE(rstd, kReduce);
+
+  Pair dy({B, L, H}, 3), dx({B, L, H}), dmod({B, 6 * H});
+  dy.randn(34), dx.randn(35), dmod.randn(36);
+  for (bool acc : {false, true}) {
+    run_both([&](Backend& be, bool g) {
+      be.layernorm_modulate_backward(dx.t(g), dmod.t(g).cols_slice(0, H), dmod.t(g).cols_slice(H, H), dy.t(g),
+                                     x.t(g), mean.t(g), rstd.t(g), window(g, 1), acc);
+    });
+    // dx = rstd·(g − mean g − x̂·mean(g x̂)) cancels: a few ulps of the f32 inputs, relative.
+    EXPECT_CLOSE(dx, 1e-5);
+    EXPECT_CLOSE(dmod, kReduce);
+  }
+}
+
+TEST(CudaOps, RmsNormHeads) {
+  FLUX8_REQUIRE_GPU();
+  for (const int64_t D : {int64_t{24}, int64_t{128}}) {
+    const int64_t rows = 53, n = 3;
+    Pair x({rows, n * D}, 7), y({rows, n * D}, 1), rstd({rows * n}), scale({D});
+    x.randn(41, 1.5), scale.randn(42), y.randn(43);
+    run_both([&](Backend& be, bool g) { be.rmsnorm_heads(y.t(g), rstd.t(g), x.t(g), scale.t(g), 1e-6); });
+    EXPECT_CLOSE(y, kReduce);
+    EXPECT_CLOSE(rstd, kReduce);
+    Pair dy({rows, n * D}, 2), dx({rows, n * D}, 3), dscale({D});
+    dy.randn(44), dx.randn(45), dscale.randn(46);
+    run_both([&](Backend& be, bool g) {
+      be.rmsnorm_heads_backward(dx.t(g), dscale.t(g), dy.t(g), x.t(g), rstd.t(g), scale.t(g));
+    });
+    EXPECT_CLOSE(dx, 1e-5);
+    EXPECT_CLOSE(dscale, kReduce);
+  }
+}
+
+TEST(CudaOps, LayoutAndJointSequence) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t B = 2, n = 3, D = 8, Lt = 5, Li = 11;
+  Pair heads({B, n, Lt + Li, D}), img({B, Li, n * D}, 4), txt({B, Lt, n * D});
+  heads.randn(51), img.randn(52), txt.randn(53);
+  run_both([&](Backend& be, bool g) {
+    be.tokens_to_heads(heads.t(g), txt.t(g), 0);
+    be.tokens_to_heads(heads.t(g), img.t(g), Lt);
+  });
+  EXPECT_CLOSE(heads, kExact);
+  img.randn(54);
+  run_both([&](Backend& be, bool g) { be.heads_to_tokens(img.t(g), heads.t(g), Lt); });
+  EXPECT_CLOSE(img, kExact);
+  EXPECT_TRUE(img.padding_untouched());
+
+  Pair joint({B, Lt + Li, n * D}), a({B, Lt, n * D}, 2), b({B, Li, n * D});
+  joint.randn(55), a.randn(56), b.randn(57);
+  run_both([&](Backend& be, bool g) { be.concat_tokens(joint.t(g), a.t(g), b.t(g)); });
+  EXPECT_CLOSE(joint, kExact);
+  joint.randn(58);
+  run_both([&](Backend& be, bool g) { be.split_tokens(a.t(g), b.t(g), joint.t(g)); });
+  EXPECT_CLOSE(a, kExact);
+  EXPECT_CLOSE(b, kExact);
+  b.randn(59);
+  run_both([&](Backend& be, bool g) { be.split_tokens(Tensor{}, b.t(g), joint.t(g)); });
+  EXPECT_CLOSE(b, kExact);
+}
+
+TEST(CudaOps, GatedResidual) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t B = 3, L = 29, H = 45;
+  Pair x({B, L, H}, 3), y({B, L, H}), mod({B, 3 * H}), dx({B, L, H}), dy({B, L, H}, 2), dmod({B, 3 * H});
+  x.randn(61), y.randn(62), mod.randn(63), dx.randn(64), dy.randn(65), dmod.randn(66);
+  run_both([&](Backend& be, bool g) { be.gated_residual(x.t(g), y.t(g), mod.t(g).cols_slice(H, H)); });
+  EXPECT_CLOSE(x, kElementwise);
+  run_both([&](Backend& be, bool g) {
+    be.gated_residual_backward(dy.t(g), dmod.t(g).cols_slice(2 * H, H), dx.t(g), y.t(g), mod.t(g).cols_slice(H, H));
+  });
+  EXPECT_CLOSE(dy, kElementwise);
+  EXPECT_CLOSE(dmod, kReduce);
+}
+
+TEST(CudaOps, RopeTableAndRotation) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t B = 2, L = 19, n = 3;
+  const std::array<int, 3> axes{4, 6, 6};
+  const int64_t D = 16;
+  Pair ids({B, L, 3}), pe({B, L, D / 2, 2}), x({B, n, L, D});
+  for (size_t i = 0; i < ids.host.mem.size(); ++i) ids.host.mem[i] = static_cast<float>((i * 7) % 23);
+  ids.up();
+  pe.randn(71), x.randn(72);
+  run_both([&](Backend& be, bool g) { be.rope_table(pe.t(g), ids.t(g), axes, 10000.0); });
+  // Angles in double on both sides, then sin/cos in double: equal to f32 rounding.
+  EXPECT_CLOSE(pe, 1e-7);
+  for (bool inverse : {false, true}) {
+    run_both([&](Backend& be, bool g) { be.rope(x.t(g), pe.t(g), inverse); });
+    EXPECT_CLOSE(x, kElementwise);
+  }
+}
+
+TEST(CudaOps, TimestepEmbedding) {
+  FLUX8_REQUIRE_GPU();
+  for (const int64_t dim : {int64_t{256}, int64_t{33}}) {
+    Pair out({4, dim}, 3), t({4});
+    out.randn(81);
+    t.host.mem = {0.0f, 0.25f, 0.999f, 3.5f};
+    t.up();
+    run_both([&](Backend& be, bool g) { be.timestep_embedding(out.t(g), t.t(g), 1000.0, 10000.0); });
+    EXPECT_CLOSE(out, 1e-7);
+  }
+}
+
+TEST(CudaOps, ObjectiveLossNormAdamW) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t B = 3, per = 1000;
+  Pair x0({B, 10, 100}), t({B}), xt({B, 10, 100}), target({B, 10, 100});
+  x0.randn(91), xt.randn(92), target.randn(93);
+  t.host.mem = {0.1f, 0.5f, 0.97f};
+  t.up();
+  const std::vector<uint64_t> streams{rng_stream(1, 2), rng_stream(3, 4), rng_stream(5, 6)};
+  run_both([&](Backend& be, bool g) { be.flow_match_inputs(xt.t(g), target.t(g), x0.t(g), t.t(g), 77, streams); });
+  EXPECT_CLOSE(xt, kElementwise);
+  EXPECT_CLOSE(target, kElementwise);
+  (void)per;
+
+  Pair pred({B, 10, 100}), dpred({B, 10, 100});
+  pred.randn(94), dpred.randn(95);
+  double loss[2];
+  run_both([&](Backend& be, bool g) { loss[g] = be.mse_loss(dpred.t(g), pred.t(g), target.t(g), 0.5); });
+  EXPECT_NEAR(loss[1], loss[0], 1e-9 * loss[0]);
+  EXPECT_CLOSE(dpred, kElementwise);
+
+  Pair big({70001});
+  big.randn(96);
+  double ss[2];
+  run_both([&](Backend& be, bool g) { ss[g] = be.sum_squares(big.t(g)); });
+  EXPECT_NEAR(ss[1], ss[0], 1e-12 * ss[0]);  // the same f32 inputs summed in double: order only
+  // A non-finite gradient must show in the norm (the trainer skips the step on it).
+  big.host.mem[12345] = std::numeric_limits<float>::infinity();
+  big.up();
+  EXPECT_TRUE(std::isinf(gpu().sum_squares(big.dev)));
+
+  const int64_t n = 5003;
+  Pair p({n}), gr({n}), m({n}), v({n});
+  p.randn(97), gr.randn(98, 0.01), m.randn(99, 0.001), v.fill(1e-6f);
+  for (int64_t step = 1; step <= 3; ++step) {
+    const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, step};
+    run_both([&](Backend& be, bool g) { be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h); });
+  }
+  // The same double arithmetic per element; only sqrt/pow rounding may differ in the last bit.
+  EXPECT_CLOSE(p, 1e-7);
+  EXPECT_CLOSE(m, 1e-7);
+  EXPECT_CLOSE(v, 1e-7);
+}
+
+TEST(CudaOps, ErrorsNameTheOpAndTensor) {
+  FLUX8_REQUIRE_GPU();
+  Pair x({4, 8}), w({5, 7}), y({4, 5});
+  try {
+    gpu().linear(y.dev, x.dev, w.dev, Tensor{});
+    FAIL() << "expected a shape error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("linear: weight 'w'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace flux8::testing
