@@ -9,6 +9,8 @@
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
+#   bench  `flux8 bench` (W1, W2 x BF16 and FP8 recipes; --gemm micro-benchmark; a 500-step
+#          flux_535m loss-curve run in BF16 and FP8 delayed hybrid) -> $OUT/bench*.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
@@ -23,7 +25,7 @@ start=$(date +%s)
 : "${OUT:?OUT is not set: run this through the device tool (or set OUT=some/folder)}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
-stages=${GPU_CHECK_STAGES:-info build test check demo}
+stages=${GPU_CHECK_STAGES:-info build test check demo bench}
 deadline=${GPU_CHECK_DEADLINE:-570}
 cores=$(nproc)
 carry=$PWD/.carry/usr
@@ -121,6 +123,18 @@ if has demo; then
     cp "runs/gpu_demo_$run/metrics.jsonl" "$OUT/demo_${run}_metrics.jsonl" 2>/dev/null || true
   done
   cp runs/gpu_demo_bf16/samples*.png "$OUT/" 2>/dev/null || true
+fi
+
+if has bench; then
+  stage bench
+  build/flux8 bench --gemm --steps 20 --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.txt" ||
+    die "flux8 bench --gemm failed"
+  build/flux8 bench ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" ||
+    die "flux8 bench failed"
+  if [ -n "${GPU_CHECK_CURVE_STEPS:-500}" ] && [ "${GPU_CHECK_CURVE_STEPS:-500}" -gt 0 ]; then
+    build/flux8 bench --workload W1 --precision bf16,delayed --warmup 0 --steps "${GPU_CHECK_CURVE_STEPS:-500}" \
+        --json "$OUT/bench_curve.json" 2>&1 | tee "$OUT/bench_curve.txt" || die "the W1 loss-curve run failed"
+  fi
 fi
 
 if has table; then

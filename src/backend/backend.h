@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include "core/tensor.h"
 #include "fp8/meta.h"
@@ -30,9 +31,23 @@
 
 namespace flux8 {
 
+class Config;
+
 struct BackendOptions {
   bool round_activations_to_bf16 = false;  // CPU: emulate the GPU's bf16 activation storage
   int threads = 0;                         // CPU: 0 = OpenMP default
+  // CUDA: the non-FP8 GEMMs (linear, linear_backward) round their operands to bf16 and
+  // accumulate in fp32 on the tensor cores (gemm_precision: bf16); false = exact f32 GEMMs.
+  bool bf16_gemm = false;
+
+  // From the config keys threads, round_activations_to_bf16 and gemm_precision.
+  static BackendOptions from_config(const Config& cfg);
+};
+
+// Memory handed out by allocate() (parameters, gradients, moments, arenas, buffers).
+struct MemoryUse {
+  size_t allocated = 0, peak_allocated = 0;
+  size_t device_used = 0;  // CUDA: all device memory in use (context and library workspaces too)
 };
 
 class Backend {
@@ -47,6 +62,7 @@ class Backend {
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() {}
+  virtual MemoryUse memory_use() const { return memory_; }
 
   // ---- elementwise / copies (same shape [rows, cols]; any ld) --------------------------
   virtual void fill(Tensor y, double value) = 0;
@@ -162,6 +178,15 @@ class Backend {
   // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
   // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;
+
+ protected:
+  // Implementations call these from allocate()/release() so memory_use() is known everywhere.
+  void track_allocation(void* p, size_t bytes);
+  void track_release(void* p);
+  MemoryUse memory_;
+
+ private:
+  std::unordered_map<void*, size_t> sizes_;
 };
 
 // "cpu" (always available) or "cuda" (when built with CUDA and a GPU is present).

@@ -50,8 +50,8 @@ Command add_forward_command(CLI::App& app) {
     const DType dtype = o->precision == "f64" ? DType::f64 : DType::f32;
     if (dtype == DType::f64 && o->bf16_activations)
       fail("forward: --bf16-activations needs --precision f32");
-    BackendOptions bopts;
-    bopts.round_activations_to_bf16 = o->bf16_activations || config.get_bool("round_activations_to_bf16");
+    BackendOptions bopts = BackendOptions::from_config(config);
+    bopts.round_activations_to_bf16 = bopts.round_activations_to_bf16 || o->bf16_activations;
     std::unique_ptr<Backend> be = make_backend(config.get_string("backend"), bopts);
 
     FluxModel model(cfg, *be, dtype);

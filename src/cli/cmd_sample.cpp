@@ -177,8 +177,7 @@ int run_sample(const Opts& o) {
          cfg.vae_downsample * cfg.patch_size);
   so.height = so.width = image_size / cfg.vae_downsample;
 
-  BackendOptions bopts;
-  bopts.round_activations_to_bf16 = config.get_bool("round_activations_to_bf16");
+  const BackendOptions bopts = BackendOptions::from_config(config);
   std::unique_ptr<Backend> be = make_backend(config.get_string("backend"), bopts);
   FluxModel model(cfg, *be, DType::f32);
   load_weights(model.params(), cfg, weights);

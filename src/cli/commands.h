@@ -26,6 +26,7 @@ Command add_init_command(CLI::App& app);
 Command add_config_command(CLI::App& app);
 Command add_sample_command(CLI::App& app);
 Command add_check_command(CLI::App& app);
+Command add_bench_command(CLI::App& app);
 Command add_train_command(CLI::App& app);
 Command add_data_command(CLI::App& app);
 

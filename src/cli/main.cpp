@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
       flux8::cli::add_data_command(app),
       flux8::cli::add_sample_command(app),
       flux8::cli::add_check_command(app),
+      flux8::cli::add_bench_command(app),
   };
   try {
     app.parse(argc, argv);

@@ -65,6 +65,8 @@ std::vector<KeySpec> make_keys() {
       int_key("runtime", "micro_batch_size", 1, at_least(1), "samples per forward/backward"),
       choice_key("runtime", "backend", "cpu", {"cpu", "cuda"}, "compute backend"),
       bool_key("runtime", "round_activations_to_bf16", false, "CPU: round activations to bf16 like the GPU stores them"),
+      choice_key("runtime", "gemm_precision", "bf16", {"bf16", "f32"},
+                 "CUDA: operands of the non-FP8 GEMMs (bf16 tensor cores, fp32 accumulation; f32: exact, slow); the CPU computes in f32"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
       // ---- training: optimizer and schedule ----

@@ -107,11 +107,14 @@ void ParamStore::init(uint64_t seed) {
       case ParamInit::zeros: break;
       case ParamInit::ones: std::fill(v.begin(), v.end(), 1.0); break;
       case ParamInit::normal_002:
+        // Each value is a pure function of (seed, stream, j): threads cannot change it.
+#pragma omp parallel for schedule(static) if (n >= (1 << 16))
         for (int64_t j = 0; j < n; ++j) v[static_cast<size_t>(j)] = 0.02 * rng_normal(seed, stream, static_cast<uint64_t>(j));
         break;
       case ParamInit::xavier_uniform: {
         // U(−a, a), a = √(6 / (fan_in + fan_out)) on the fused weight shape.
         const double a = std::sqrt(6.0 / static_cast<double>(p.shape[0] + p.shape[1]));
+#pragma omp parallel for schedule(static) if (n >= (1 << 16))
         for (int64_t j = 0; j < n; ++j)
           v[static_cast<size_t>(j)] = a * (2.0 * rng_uniform(seed, stream, static_cast<uint64_t>(j)) - 1.0);
         break;

@@ -101,9 +101,7 @@ TrainResult run_training(const TrainOptions& opt) {
   r.cfg = Config::load(opt.config_path, opt.overrides);
   r.model_cfg = FluxConfig::from_config(r.cfg);
   r.obj = ObjectiveConfig::from_config(r.cfg);
-  BackendOptions bo;
-  bo.threads = static_cast<int>(r.cfg.get_int("threads"));
-  bo.round_activations_to_bf16 = r.cfg.get_bool("round_activations_to_bf16");
+  const BackendOptions bo = BackendOptions::from_config(r.cfg);
   r.be = make_backend(r.cfg.get_string("backend"), bo);
   r.micro = r.cfg.get_int("micro_batch_size");
   r.global = r.cfg.get_int("global_batch_size") ? r.cfg.get_int("global_batch_size") : r.micro;

@@ -29,6 +29,15 @@ inline Backend& gpu() {
   static std::unique_ptr<Backend> be = make_cuda_backend({});
   return *be;
 }
+// A second CUDA backend whose non-FP8 GEMMs run with bf16 operands (the training default).
+inline Backend& gpu_bf16_gemm() {
+  static std::unique_ptr<Backend> be = [] {
+    BackendOptions o;
+    o.bf16_gemm = true;
+    return make_cuda_backend(o);
+  }();
+  return *be;
+}
 inline Backend& cpu() {
   static std::unique_ptr<Backend> be = make_backend("cpu");
   return *be;

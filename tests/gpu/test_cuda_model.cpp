@@ -85,9 +85,11 @@ TEST(CudaModel, FluxWidthForwardAndGradientsMatchCpu) {
 
 // FP8 delayed scaling (hybrid) on both backends, three steps so the scales come from recorded
 // amaxes; attention on the f32 reference kernel so that only FP8 effects remain. The casts are
-// bit-exact, but a GEMM summed in another order (and Hopper's FP8 MMA keeps ~14 bits inside a
-// k-slice) can move a value across an FP8 rounding boundary (one E4M3 step is 2⁻³ relative) in
-// the next cast, so a few elements differ by one FP8 step: 2e-2.
+// bit-exact, but GEMMs summed in another order (Hopper's FP8 MMA also keeps only ~14 bits
+// inside a k-slice) give amaxes that differ in the last bits, hence delayed scales that differ
+// in the last bits, and from then on every cast rounds differently: the two FP8 runs differ by
+// FP8 noise, not by ulps. So each tensor's GPU-vs-CPU difference is held to the size of the FP8
+// noise itself (CPU FP8 vs CPU f32): a broken cast, scale or GEMM on the GPU is far above it.
 TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
   FLUX8_REQUIRE_GPU();
   FluxConfig cfg = odd_config(1, 1, false);
@@ -104,9 +106,22 @@ TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
     ReferenceAttention() { cuda::set_attention_path(cuda::AttentionPath::reference); }
     ~ReferenceAttention() { cuda::set_attention_path(cuda::AttentionPath::automatic); }
   } reference_attention;
+  const ModelRun exact = run_model(cpu(), cfg, nullptr, 2, 6, 20, 3, 0.1);
   const ModelRun c = run_model(cpu(), cfg, &fp8, 2, 6, 20, 3, 0.1);
   const ModelRun g = run_model(gpu(), cfg, &fp8, 2, 6, 20, 3, 0.1);
-  expect_close(g, c, 2e-2, 5e-2);
+  auto check = [](const std::string& name, const std::vector<double>& gv, const std::vector<double>& cv,
+                  const std::vector<double>& ev) {
+    const double e_gpu = max_rel_error(gv, cv), e_fp8 = max_rel_error(cv, ev);
+    EXPECT_LE(e_gpu, 1.5 * e_fp8 + 1e-4) << name << ": GPU FP8 vs CPU FP8 " << e_gpu << ", FP8 noise " << e_fp8;
+    return std::pair{e_gpu, e_fp8};
+  };
+  const auto [pg, pn] = check("pred", g.pred, c.pred, exact.pred);
+  double worst_ratio = 0;
+  for (size_t i = 0; i < c.grads.size(); ++i) {
+    const auto [eg, en] = check(c.grads[i].first, g.grads[i].second, c.grads[i].second, exact.grads[i].second);
+    worst_ratio = std::max(worst_ratio, eg / (en + 1e-12));
+  }
+  std::printf("pred: GPU-vs-CPU FP8 %.3g, FP8 noise %.3g; worst gradient ratio %.2f\n", pg, pn, worst_ratio);
 }
 
 }  // namespace

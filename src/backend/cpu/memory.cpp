@@ -25,10 +25,14 @@ void* CpuBackend::allocate(size_t bytes) {
   void* p = std::aligned_alloc(kAlign, padded);
   if (!p) fail("cpu backend: out of host memory allocating {} bytes", bytes);
   std::memset(p, 0, padded);
+  track_allocation(p, padded);
   return p;
 }
 
-void CpuBackend::release(void* p) { std::free(p); }
+void CpuBackend::release(void* p) {
+  track_release(p);
+  std::free(p);
+}
 
 void CpuBackend::upload(void* dst, const void* host_src, size_t bytes) {
   if (bytes) std::memcpy(dst, host_src, bytes);

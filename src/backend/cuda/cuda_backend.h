@@ -7,7 +7,7 @@
 // Files by concern: memory.cu (allocation, copies, fill/add), gemm.{h,cpp} (the one cuBLASLt
 // wrapper), linear.cu, activations.cu, norms.cu, layout.cu (token/head layout, concat/split,
 // RoPE), attention.cu (cuDNN SDPA; attention_reference.cu the plain kernel), embedding.cu,
-// training.cu (objective noise, loss, norm, AdamW), fp8.cu (casts) and fp8_gemm.cpp.
+// training.cu (objective noise, loss, norm, AdamW), fp8.cu (casts) and fp8_gemm.cu.
 //
 // Reductions (column sums, loss, norms, amax) use a fixed split of the work and sum partials
 // in a fixed order: results are the same on every run.
@@ -39,6 +39,7 @@ class CudaBackend final : public Backend {
   void upload(void* dst, const void* host_src, size_t bytes) override;
   void download(void* host_dst, const void* src, size_t bytes) override;
   void synchronize() override;
+  MemoryUse memory_use() const override;
 
   void fill(Tensor y, double value) override;
   void copy(Tensor y, Tensor x) override;

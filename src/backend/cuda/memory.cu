@@ -12,6 +12,11 @@ namespace flux8 {
 using namespace cuda;
 
 std::string cuda_unavailable_reason() {
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
+    cudaGetLastError();
+    return "no NVIDIA driver on this machine (no GPU)";
+  }
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -68,11 +73,20 @@ void* CudaBackend::allocate(size_t bytes) {
   }
   FLUX8_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  track_allocation(p, n);
   return p;
+}
+
+MemoryUse CudaBackend::memory_use() const {
+  MemoryUse m = memory_;
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) m.device_used = total_b - free_b;
+  return m;
 }
 
 void CudaBackend::release(void* p) {
   if (!p) return;
+  track_release(p);
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no kernel may still use it
   FLUX8_CUDA_CHECK(cudaFree(p));
 }

@@ -1,0 +1,188 @@
+#include "bench/step_bench.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+#include "backend/transfer.h"
+#include "config/config.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "model/flops.h"
+#include "model/flux_model.h"
+#include "model/input_batch.h"
+#include "train/optimizer.h"
+
+namespace flux8 {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+
+std::vector<double> randn(uint64_t seed, uint64_t stream, int64_t n, double scale) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = scale * rng_normal(seed, stream, i);
+  return v;
+}
+
+}  // namespace
+
+StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir) {
+  const auto model_file = [&](const char* name) {
+    const std::string rel = std::string("configs/models/") + name;
+    if (std::filesystem::exists(rel)) return rel;
+    return (std::filesystem::path(source_dir) / rel).string();
+  };
+  StepBenchSpec s;
+  s.workload = id;
+  if (id == "W1") {
+    s.model = FluxConfig::from_config(Config::load(model_file("flux_535m.yaml")));
+    s.shape = StepShape{32, 256, s.model.image_tokens(256)};
+  } else if (id == "W2") {
+    s.model = FluxConfig::from_config(
+        Config::load(model_file("flux_12b_dev.yaml"), {"num_double_blocks=2", "num_single_blocks=4"}));
+    s.model.name = "flux_12b_width_slice";
+    s.shape = StepShape{2, 512, s.model.image_tokens(1024)};
+  } else {
+    fail("bench: unknown workload '{}': choose W1 or W2 (../shared/WORKLOADS.md)", id);
+  }
+  return s;
+}
+
+StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec) {
+  const auto t0 = Clock::now();
+  const FluxConfig& cfg = spec.model;
+  const StepShape sh = spec.shape;
+  StepBenchResult r;
+  r.workload = spec.workload;
+  r.precision = spec.fp8.enabled ? "FP8 " + spec.fp8.describe() : "BF16";
+  FluxModel model(cfg, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr);
+  model.params().init(spec.seed);
+  model.plan(sh);
+  AdamWConfig ac;
+  AdamWOptimizer opt(model.params(), ac);
+
+  // Synthetic data: latents, text features and pooled vectors ~ N(0, 1), uniform timesteps.
+  InputBatch batch(be, DType::f32);
+  const int64_t B = sh.batch, Lt = sh.txt_tokens, Li = sh.img_tokens;
+  FluxInputs in;
+  const Tensor x0 = batch.make(Shape{B, Li, cfg.in_channels}, randn(spec.seed, 1, B * Li * cfg.in_channels, 1.0));
+  in.img = batch.make(x0.shape, std::vector<double>(static_cast<size_t>(x0.numel()), 0.0));
+  in.txt = batch.make(Shape{B, Lt, cfg.context_dim}, randn(spec.seed, 2, B * Lt * cfg.context_dim, 1.0));
+  in.y = batch.make(Shape{B, cfg.vec_dim}, randn(spec.seed, 3, B * cfg.vec_dim, 1.0));
+  std::vector<double> img_ids, t, g;
+  const int64_t side = std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(Li))));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < Li; ++l) img_ids.insert(img_ids.end(), {0.0, double(l / side), double(l % side)});
+  for (int64_t b = 0; b < B; ++b) {
+    t.push_back(rng_uniform(spec.seed, 4, static_cast<uint64_t>(b)));
+    g.push_back(3.5);
+  }
+  in.img_ids = batch.make(Shape{B, Li, 3}, img_ids);
+  in.txt_ids = batch.make(Shape{B, Lt, 3}, std::vector<double>(static_cast<size_t>(B * Lt * 3), 0.0));
+  in.timesteps = batch.make(Shape{B}, t);
+  if (cfg.guidance_embed) in.guidance = batch.make(Shape{B}, g);
+  const Tensor target = batch.make(x0.shape, std::vector<double>(static_cast<size_t>(x0.numel()), 0.0));
+  const Tensor dpred = batch.make(Shape{B, Li, cfg.out_channels}, std::vector<double>(static_cast<size_t>(B * Li * cfg.out_channels), 0.0));
+  std::vector<uint64_t> streams(static_cast<size_t>(B));
+
+  const int total = spec.warmup + spec.steps;
+  for (int s = 0; s < total; ++s) {
+    be.synchronize();
+    const auto ts = Clock::now();
+    for (int64_t b = 0; b < B; ++b) streams[static_cast<size_t>(b)] = rng_stream(spec.seed, static_cast<uint64_t>(s), b);
+    be.flow_match_inputs(in.img, target, x0, in.timesteps, spec.seed, streams);
+    model.params().zero_grads();
+    const Tensor pred = model.forward(in);
+    const double loss = be.mse_loss(dpred, pred, target, 1.0);
+    model.backward(dpred);
+    opt.step(s + 1, 1e-4);
+    model.end_optimizer_step();
+    be.synchronize();
+    const double ms = 1e3 * seconds_since(ts);
+    if (s == 0) {
+      r.first_step_s = seconds_since(t0);
+      r.first_loss = loss;
+    }
+    r.last_loss = loss;
+    r.losses.push_back(loss);
+    if (!std::isfinite(loss)) ++r.non_finite_steps;
+    if (s >= spec.warmup) r.step_ms.push_back(ms);
+  }
+  r.median_ms = median(r.step_ms);
+  r.model_tflop = model_flops(cfg, sh).training() / 1e12;
+  r.tflops = r.median_ms > 0 ? r.model_tflop / (r.median_ms / 1e3) : 0;
+  const MemoryUse mu = be.memory_use();
+  r.peak_allocated_gib = static_cast<double>(mu.peak_allocated) / 1073741824.0;
+  r.device_used_gib = static_cast<double>(mu.device_used) / 1073741824.0;
+  r.activation_gib = FluxModel::estimate_activations(cfg, sh).gpu_bytes(spec.fp8.enabled) / 1073741824.0;
+  return r;
+}
+
+std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
+  // Flux's Linear shapes: tokens of W1 (16384) and W2 (9216) by (K, N) of qkv, proj, MLP in/out
+  // and the single block's fused linear1/linear2 at H = 3072.
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {16384, 9216, 3072}, {16384, 3072, 3072}, {16384, 12288, 3072}, {16384, 3072, 12288},
+      {16384, 21504, 3072}, {16384, 3072, 15360}, {9216, 21504, 3072}, {9216, 3072, 15360}};
+  std::vector<GemmBenchRow> rows;
+  for (const auto& [m, n, k] : shapes) {
+    auto alloc = [&](Shape s) {
+      Tensor t(be.allocate(static_cast<size_t>(s.numel()) * 4), DType::f32, s);
+      from_host(be, t, randn(7, static_cast<uint64_t>(s.numel()), s.numel(), 1.0));
+      return t;
+    };
+    const Tensor x = alloc(Shape{m, k}), w = alloc(Shape{n, k});
+    Tensor y(be.allocate(static_cast<size_t>(m * n) * 4), DType::f32, Shape{m, n});
+    auto qt = [&](int64_t r, int64_t c) {
+      QTensor q;
+      q.rows = r, q.cols = c;
+      q.codes = static_cast<uint8_t*>(be.allocate(static_cast<size_t>(r * c)));
+      q.scale_inv = static_cast<float*>(be.allocate(4));
+      return q;
+    };
+    QTensor xq = qt(m, k), wq = qt(n, k);
+    Backend::Quantize q;  // tensorwise: scale from this tensor's amax
+    auto time_ms = [&](auto&& f) {
+      f();
+      be.synchronize();
+      std::vector<double> t;
+      for (int i = 0; i < repeats; ++i) {
+        const auto ts = Clock::now();
+        f();
+        be.synchronize();
+        t.push_back(1e3 * seconds_since(ts));
+      }
+      return median(t);
+    };
+    GemmBenchRow row{m, n, k, 0, 0, 0, 0, 0, 0};
+    row.fp8_linear_ms = time_ms([&] {
+      be.quantize(xq, QTensor{}, x, q);
+      be.quantize(wq, QTensor{}, w, q);
+      be.gemm_fp8_tn(y, xq, wq, Tensor{}, false);
+    });
+    row.fp8_gemm_ms = time_ms([&] { be.gemm_fp8_tn(y, xq, wq, Tensor{}, false); });
+    row.linear_ms = time_ms([&] { be.linear(y, x, w, Tensor{}); });
+    const double tflop = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / 1e12;
+    row.fp8_linear_tflops = tflop / (row.fp8_linear_ms / 1e3);
+    row.fp8_gemm_tflops = tflop / (row.fp8_gemm_ms / 1e3);
+    row.linear_tflops = tflop / (row.linear_ms / 1e3);
+    rows.push_back(row);
+    for (void* p : {x.data, w.data, y.data, static_cast<void*>(xq.codes), static_cast<void*>(xq.scale_inv),
+                    static_cast<void*>(wq.codes), static_cast<void*>(wq.scale_inv)})
+      be.release(p);
+  }
+  return rows;
+}
+
+}  // namespace flux8

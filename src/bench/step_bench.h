@@ -1,0 +1,54 @@
+#pragma once
+// `flux8 bench`: whole training steps (objective noise, forward, loss, backward, gradient
+// clipping, AdamW and the FP8 scale update) on synthetic data of a fixed shape, timed as in
+// ../shared/WORKLOADS.md: median of N steps after warm-up, with model TFLOP/s by that file's
+// FLOP convention, memory, and the time from the start of the benchmark to the end of the
+// first step (model built, weights initialised, everything planned).
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "fp8/fp8_config.h"
+#include "model/block_common.h"
+#include "model/flux_config.h"
+
+namespace flux8 {
+
+struct StepBenchSpec {
+  std::string workload;  // "W1", "W2", or a config name
+  FluxConfig model;
+  StepShape shape;
+  Fp8Config fp8;         // enabled = false: the non-FP8 path
+  int warmup = 3, steps = 10;
+  uint64_t seed = 1234;
+};
+
+struct StepBenchResult {
+  std::string workload, precision;
+  std::vector<double> step_ms;  // every timed step
+  double median_ms = 0, tflops = 0, model_tflop = 0;
+  double first_step_s = 0;      // benchmark start (backend ready) -> end of the first step
+  double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;
+  double first_loss = 0, last_loss = 0;
+  std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)
+  int non_finite_steps = 0;     // steps whose loss was not finite
+};
+
+// The workloads of WORKLOADS.md: W1 (flux_535m, 256 px, batch 32) and W2 (12B-width slice: 2
+// double + 4 single blocks, 1024 px, batch 2). `source_dir` locates configs/models/.
+StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir);
+
+StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec);
+
+// The FP8 linear at Flux shapes: per shape, flux8's FP8 linear forward (current-scaling casts
+// of x and w included), the FP8 GEMM alone on pre-cast operands (one cuBLASLt call), and the
+// non-FP8 linear of this backend, each as median ms and TFLOP/s.
+struct GemmBenchRow {
+  int64_t m, n, k;
+  double fp8_linear_ms, fp8_gemm_ms, linear_ms;
+  double fp8_linear_tflops, fp8_gemm_tflops, linear_tflops;
+};
+std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats);
+
+}  // namespace flux8

@@ -1,0 +1,142 @@
+// `flux8 bench`: the training-step benchmark of ../shared/WORKLOADS.md (W1, W2, or the model and
+// shape of a config) in BF16 and each FP8 recipe, and a GEMM micro-benchmark at Flux shapes.
+// Prints a table and writes JSON (--json).
+#include <fmt/core.h>
+#include <fmt/format.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "bench/step_bench.h"
+#include "cli/commands.h"
+#include "config/config.h"
+#include "core/error.h"
+
+namespace flux8::cli {
+
+namespace {
+
+// PyTorch numbers measured on the same H200 (WORKLOADS.md): eager BF16, compiled BF16, torchao FP8.
+struct Peer {
+  double eager_ms, compiled_ms, torchao_fp8_ms;
+};
+const Peer* peer_for(const std::string& workload) {
+  static const Peer w1{78.6, 47.5, 39.6}, w2{154.4, 103.2, 92.4};
+  return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
+}
+
+Fp8Config fp8_for(const std::string& precision, const std::string& format) {
+  Fp8Config f;
+  if (precision == "bf16") return f;
+  f.enabled = true;
+  f.hybrid = format == "hybrid";
+  if (precision == "delayed") f.recipe = Fp8Recipe::delayed;
+  else if (precision == "tensorwise") f.recipe = Fp8Recipe::tensorwise;
+  else if (precision == "blockwise") f.recipe = Fp8Recipe::blockwise;
+  else if (precision == "mxfp8") f.recipe = Fp8Recipe::mxfp8;
+  else fail("bench: unknown precision '{}': choose bf16, delayed, tensorwise, blockwise or mxfp8", precision);
+  return f;
+}
+
+}  // namespace
+
+Command add_bench_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8; "
+               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes");
+  struct Opts {
+    std::vector<std::string> workloads{"W1", "W2"};
+    std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
+    std::string format = "hybrid", backend = "cuda", json, config;
+    std::vector<std::string> overrides;
+    int steps = 10, warmup = 3;
+    bool gemm = false;
+  };
+  auto o = std::make_shared<Opts>();
+  cmd->add_option("--workload", o->workloads, "W1 and/or W2 (default both); ignored with -c")->delimiter(',');
+  cmd->add_option("-c,--config", o->config,
+                  "benchmark this config's model at its micro_batch_size, image_size and text_seq_len instead")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--set", o->overrides, "override a config key (with -c)");
+  cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
+      ->delimiter(',');
+  cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
+  cmd->add_option("--steps", o->steps, "timed steps (median reported)")->check(CLI::Range(1, 100000));
+  cmd->add_option("--warmup", o->warmup, "untimed steps first")->check(CLI::Range(0, 100000));
+  cmd->add_option("--backend", o->backend, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
+  cmd->add_option("--json", o->json, "write the results as JSON to this file");
+  cmd->add_flag("--gemm", o->gemm, "run the GEMM micro-benchmark instead of training steps");
+  return {cmd, [o]() {
+    BackendOptions bo;
+    bo.bf16_gemm = true;
+    std::unique_ptr<Backend> be = make_backend(o->backend, bo);
+    nlohmann::json out;
+    if (o->gemm) {
+      fmt::print("{:>6} {:>6} {:>6} | {:>20} | {:>20} | {:>20}\n", "M", "N", "K", "FP8 linear (+casts)",
+                 "FP8 GEMM (cuBLASLt)", "BF16 linear");
+      for (const GemmBenchRow& r : run_gemm_bench(*be, o->steps)) {
+        fmt::print("{:>6} {:>6} {:>6} | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF\n",
+                   r.m, r.n, r.k, r.fp8_linear_ms, r.fp8_linear_tflops, r.fp8_gemm_ms, r.fp8_gemm_tflops, r.linear_ms,
+                   r.linear_tflops);
+        out["gemm"].push_back({{"m", r.m}, {"n", r.n}, {"k", r.k}, {"fp8_linear_ms", r.fp8_linear_ms},
+                               {"fp8_gemm_ms", r.fp8_gemm_ms}, {"bf16_linear_ms", r.linear_ms},
+                               {"fp8_linear_tflops", r.fp8_linear_tflops}, {"fp8_gemm_tflops", r.fp8_gemm_tflops},
+                               {"bf16_linear_tflops", r.linear_tflops}});
+      }
+    } else {
+      std::vector<StepBenchSpec> specs;
+      if (!o->config.empty()) {
+        const Config c = Config::load(o->config, o->overrides);
+        StepBenchSpec s;
+        s.model = FluxConfig::from_config(c);
+        s.workload = s.model.name;
+        s.shape = StepShape{c.get_int("micro_batch_size"), c.get_int("text_seq_len"),
+                            s.model.image_tokens(c.get_int("image_size"))};
+        specs.push_back(s);
+      } else {
+        for (const std::string& w : o->workloads) specs.push_back(workload_spec(w, FLUX8_SOURCE_DIR));
+      }
+      fmt::print("{:<22} {:<28} {:>9} {:>8} {:>8} {:>10} {:>10} {:>9}  {}\n", "workload", "precision", "step ms",
+                 "TFLOP/s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
+      for (StepBenchSpec s : specs) {
+        for (const std::string& p : o->precisions) {
+          s.fp8 = fp8_for(p, o->format);
+          s.steps = o->steps;
+          s.warmup = o->warmup;
+          // A fresh backend per run: its memory peak and plan caches are this run's alone.
+          be.reset();
+          be = make_backend(o->backend, bo);
+          const StepBenchResult r = run_step_bench(*be, s);
+          std::string vs;
+          if (const Peer* peer = peer_for(r.workload))
+            vs = fmt::format("{:.2f}x / {:.2f}x / {:.2f}x", peer->eager_ms / r.median_ms,
+                             peer->compiled_ms / r.median_ms, peer->torchao_fp8_ms / r.median_ms);
+          fmt::print("{:<22} {:<28} {:>9.2f} {:>8.1f} {:>8.2f} {:>10.2f} {:>10.2f} {:>9.2f}  {}\n",
+                     r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", p == "bf16" ? "BF16" : p + " " + o->format, r.median_ms,
+                     r.tflops, r.first_step_s, r.peak_allocated_gib, r.device_used_gib, r.activation_gib, vs);
+          std::fflush(stdout);
+          out["steps"].push_back({{"workload", r.workload},         {"model", s.model.name},
+                                  {"precision", p},                 {"fp8_format", p == "bf16" ? "" : o->format},
+                                  {"describe", r.precision},        {"batch", s.shape.batch},
+                                  {"txt_tokens", s.shape.txt_tokens}, {"img_tokens", s.shape.img_tokens},
+                                  {"median_step_ms", r.median_ms},  {"step_ms", r.step_ms},
+                                  {"model_tflop_per_step", r.model_tflop}, {"model_tflops", r.tflops},
+                                  {"first_step_s", r.first_step_s}, {"peak_allocated_gib", r.peak_allocated_gib},
+                                  {"device_used_gib", r.device_used_gib}, {"activation_estimate_gib", r.activation_gib},
+                                  {"first_loss", r.first_loss},     {"last_loss", r.last_loss},
+                                  {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},
+                                  {"backend", o->backend}});
+        }
+      }
+    }
+    if (!o->json.empty()) {
+      std::ofstream f(o->json);
+      if (!f) fail("bench: cannot write {}", o->json);
+      f << out.dump(2) << "\n";
+    }
+    return 0;
+  }};
+}
+
+}  // namespace flux8::cli
