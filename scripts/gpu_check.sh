@@ -9,7 +9,8 @@
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
-#   bench  `flux8 bench` (W1, W2 x BF16 and FP8 recipes; --gemm micro-benchmark; a 500-step
+#   bench  `flux8 bench` (GPU_CHECK_BENCH_PARTS, default "gemm steps curve": the --gemm
+#          micro-benchmark; W1, W2 x BF16 and FP8 recipes; a GPU_CHECK_CURVE_STEPS (500) step
 #          flux_535m loss-curve run in BF16 and FP8 delayed hybrid) -> $OUT/bench*.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
@@ -127,11 +128,16 @@ fi
 
 if has bench; then
   stage bench
-  build/flux8 bench --gemm --steps 20 --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.txt" ||
-    die "flux8 bench --gemm failed"
-  build/flux8 bench ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" ||
-    die "flux8 bench failed"
-  if [ -n "${GPU_CHECK_CURVE_STEPS:-500}" ] && [ "${GPU_CHECK_CURVE_STEPS:-500}" -gt 0 ]; then
+  parts=${GPU_CHECK_BENCH_PARTS:-gemm steps curve}
+  if [[ " $parts " == *" gemm "* ]]; then
+    build/flux8 bench --gemm --steps 20 --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.txt" ||
+      die "flux8 bench --gemm failed"
+  fi
+  if [[ " $parts " == *" steps "* ]]; then
+    build/flux8 bench ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" ||
+      die "flux8 bench failed"
+  fi
+  if [[ " $parts " == *" curve "* ]]; then
     build/flux8 bench --workload W1 --precision bf16,delayed --warmup 0 --steps "${GPU_CHECK_CURVE_STEPS:-500}" \
         --json "$OUT/bench_curve.json" 2>&1 | tee "$OUT/bench_curve.txt" || die "the W1 loss-curve run failed"
   fi
