@@ -97,4 +97,18 @@ void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Te
          joint.str());
 }
 
+bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x) {
+  require_defined(op, {"x", x});
+  if (x.dtype != DType::f32) fail("{}: FP8 casts take f32 input, got {}", op, x.str());
+  if (x.ld < x.cols()) fail("{}: input {} has row stride {} smaller than its columns", op, x.str(), x.ld);
+  if (!rowwise.defined() && !columnwise.defined()) return false;
+  const int64_t R = x.rows(), C = x.cols();
+  if (rowwise.defined() && (rowwise.rows != R || rowwise.cols != C))
+    fail("{}: rowwise output [{}, {}] for input {}", op, rowwise.rows, rowwise.cols, x.str());
+  if (columnwise.defined() && (columnwise.rows != C || columnwise.cols != R))
+    fail("{}: columnwise output [{}, {}] must be the transpose of input {}", op, columnwise.rows, columnwise.cols,
+         x.str());
+  return true;
+}
+
 }  // namespace flux8::ops

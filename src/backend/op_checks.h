@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "fp8/qtensor.h"
 
 namespace flux8::ops {
 
@@ -34,5 +35,8 @@ void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& 
 // Parts a [B, La, C], b [B, Lb, C] of a joint sequence [B, L, C]: with both present they must
 // tile it exactly; a lone part must fit (concat_tokens / split_tokens).
 void check_joint(std::string_view op, Named joint, const Tensor& a, const Tensor& b);
+// quantize(): x f32 (any ld), rowwise [rows, cols] and columnwise [cols, rows] when defined.
+// Returns false when there is nothing to cast (both outputs undefined).
+bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x);
 
 }  // namespace flux8::ops

@@ -72,17 +72,8 @@ std::vector<float> dequantize_view(const QTensor& q, const Ctx& c) {
 }  // namespace
 
 void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
-  constexpr std::string_view op = "quantize";
-  require_defined(op, {"x", x});
-  if (x.dtype != DType::f32)
-    fail("{}: FP8 casts take f32 input, got {} (FP8 training runs the model in f32 on the CPU)", op, x.str());
-  if (!rowwise.defined() && !columnwise.defined()) return;
+  if (!ops::check_quantize("quantize", rowwise, columnwise, x)) return;
   const int64_t R = x.rows(), C = x.cols();
-  if (rowwise.defined() && (rowwise.rows != R || rowwise.cols != C))
-    fail("{}: rowwise output [{}, {}] for input {}", op, rowwise.rows, rowwise.cols, x.str());
-  if (columnwise.defined() && (columnwise.rows != C || columnwise.cols != R))
-    fail("{}: columnwise output [{}, {}] must be the transpose of input {}", op, columnwise.rows, columnwise.cols,
-         x.str());
   const Ctx c = make_ctx(options_, DType::f32);
   const std::vector<float> xr = gather(x, false, c);
   // One scale for both copies under per-tensor scaling: the registry's (delayed) or this

@@ -325,16 +325,8 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
   using namespace cuda;
   constexpr std::string_view op = "quantize";
-  require_defined(op, {"x", x});
-  if (x.dtype != DType::f32) fail("{}: FP8 casts take f32 input, got {}", op, x.str());
-  if (x.ld < x.cols()) fail("{}: input {} has row stride {} smaller than its columns", op, x.str(), x.ld);
-  if (!rowwise.defined() && !columnwise.defined()) return;
+  if (!ops::check_quantize(op, rowwise, columnwise, x)) return;
   const int64_t R = x.rows(), C = x.cols();
-  if (rowwise.defined() && (rowwise.rows != R || rowwise.cols != C))
-    fail("{}: rowwise output [{}, {}] for input {}", op, rowwise.rows, rowwise.cols, x.str());
-  if (columnwise.defined() && (columnwise.rows != C || columnwise.cols != R))
-    fail("{}: columnwise output [{}, {}] must be the transpose of input {}", op, columnwise.rows, columnwise.cols,
-         x.str());
   check_output(rowwise, q, "rowwise");
   check_output(columnwise, q, "columnwise");
 

@@ -1,0 +1,83 @@
+// `flux8 bench` and `flux8 check` on the CPU machine: the benchmark's step loop, numbers and
+// JSON on the CPU backend with a tiny model, and check's report where no GPU is usable.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace flux8::testing {
+namespace {
+
+struct Cli {
+  TempDir dir;
+  std::string log;
+  int run(const std::string& args) {
+    const std::string out = dir.file("log.txt");
+    const int rc = std::system((std::string(FLUX8_BINARY) + " " + args + " > " + out + " 2>&1").c_str());
+    std::ifstream in(out);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    log = ss.str();
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  }
+};
+
+TEST(BenchCli, TimesTrainingStepsInEachPrecisionAndWritesJson) {
+  Cli cli;
+  const std::string yaml = cli.dir.write("tiny.yaml", "include: " + std::string(FLUX8_SOURCE_DIR) +
+                                                          "/configs/models/flux_tiny_demo.yaml\n"
+                                                          "micro_batch_size: 2\nimage_size: 16\ntext_seq_len: 8\n");
+  const std::string json = cli.dir.file("bench.json");
+  ASSERT_EQ(cli.run("bench --backend cpu -c " + yaml + " --precision bf16,delayed,blockwise --steps 3 --warmup 1 --json " +
+                    json),
+            0)
+      << cli.log;
+  std::ifstream in(json);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  ASSERT_EQ(j["steps"].size(), 3u) << j.dump();
+  const char* precisions[] = {"bf16", "delayed", "blockwise"};
+  for (size_t i = 0; i < 3; ++i) {
+    const auto& r = j["steps"][i];
+    EXPECT_EQ(r["precision"], precisions[i]);
+    EXPECT_EQ(r["step_ms"].size(), 3u);
+    EXPECT_EQ(r["losses"].size(), 4u) << "warm-up steps are in the loss curve";
+    EXPECT_GT(r["median_step_ms"].get<double>(), 0.0);
+    EXPECT_GT(r["model_tflop_per_step"].get<double>(), 0.0);
+    EXPECT_GT(r["peak_allocated_gib"].get<double>(), 0.0);
+    EXPECT_EQ(r["non_finite_steps"], 0);
+    for (double l : r["losses"]) EXPECT_TRUE(std::isfinite(l) && l > 0.1 && l < 10.0) << l;
+  }
+  // The same seed and data: every precision starts from the same first loss (up to FP8 error).
+  const double l0 = j["steps"][0]["first_loss"], l1 = j["steps"][1]["first_loss"];
+  EXPECT_NEAR(l1, l0, 0.05 * l0);
+  EXPECT_NE(cli.log.find("BF16"), std::string::npos) << cli.log;
+}
+
+TEST(BenchCli, UnknownPrecisionIsAnError) {
+  Cli cli;
+  EXPECT_NE(cli.run("bench --backend cpu --precision fp4"), 0);
+  EXPECT_NE(cli.log.find("unknown precision 'fp4'"), std::string::npos) << cli.log;
+}
+
+TEST(CheckCli, ReportsWhyTheGpuCannotRunHere) {
+  Cli cli;
+  const int rc = cli.run("check");
+  EXPECT_NE(cli.log.find("CPU backend"), std::string::npos) << cli.log;
+  EXPECT_NE(cli.log.find("CUDA backend"), std::string::npos) << cli.log;
+  if (rc == 0) {  // a GPU machine: every recipe is reported
+    for (const char* r : {"delayed", "tensorwise", "blockwise", "mxfp8"})
+      EXPECT_NE(cli.log.find(r), std::string::npos) << cli.log;
+  } else {
+    EXPECT_EQ(rc, 1) << cli.log;
+    EXPECT_TRUE(cli.log.find("not usable") != std::string::npos || cli.log.find("not built") != std::string::npos)
+        << cli.log;
+  }
+}
+
+}  // namespace
+}  // namespace flux8::testing
