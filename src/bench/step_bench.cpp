@@ -129,7 +129,7 @@ StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec) {
     const Tensor pred = model.forward(in);
     const double loss = be.mse_loss(dpred, pred, target, 1.0);
     model.backward(dpred);
-    opt.step(s + 1, 1e-4);
+    opt.step(s + 1, spec.lr);
     model.end_optimizer_step();
     be.synchronize();
     const double ms = 1e3 * seconds_since(ts);

@@ -22,6 +22,7 @@ struct StepBenchSpec {
   Fp8Config fp8;         // enabled = false: the non-FP8 path
   int warmup = 3, steps = 10;
   uint64_t seed = 1234;
+  double lr = 1e-4;      // constant learning rate of the AdamW steps
 };
 
 struct StepBenchResult {

@@ -26,17 +26,19 @@ const Peer* peer_for(const std::string& workload) {
   return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
 }
 
-Fp8Config fp8_for(const std::string& precision, const std::string& format) {
-  Fp8Config f;
-  if (precision == "bf16") return f;
-  f.enabled = true;
-  f.hybrid = format == "hybrid";
-  if (precision == "delayed") f.recipe = Fp8Recipe::delayed;
-  else if (precision == "tensorwise") f.recipe = Fp8Recipe::tensorwise;
-  else if (precision == "blockwise") f.recipe = Fp8Recipe::blockwise;
-  else if (precision == "mxfp8") f.recipe = Fp8Recipe::mxfp8;
-  else fail("bench: unknown precision '{}': choose bf16, delayed, tensorwise, blockwise or mxfp8", precision);
-  return f;
+// The FP8 settings of one run: the recipe and format of --precision / --fp8-format over the
+// other fp8_* keys of the config and --set (history, algorithm, margin, wgrad, first/last blocks
+// in BF16, ...; the schema's defaults without -c), checked like a training config.
+Fp8Config fp8_for(const std::string& precision, const std::string& format, Config cfg) {
+  if (precision == "bf16") {
+    cfg.set("fp8", "none", "flux8 bench --precision");
+    return Fp8Config::from_config(cfg);  // fails if --set asked for FP8 knobs: they would be ignored
+  }
+  if (precision != "delayed" && precision != "tensorwise" && precision != "blockwise" && precision != "mxfp8")
+    fail("bench: unknown precision '{}': choose bf16, delayed, tensorwise, blockwise or mxfp8", precision);
+  cfg.set("fp8", format, "flux8 bench --fp8-format");
+  cfg.set("fp8_recipe", precision, "flux8 bench --precision");
+  return Fp8Config::from_config(cfg);
 }
 
 }  // namespace
@@ -51,6 +53,7 @@ Command add_bench_command(CLI::App& app) {
     std::string format = "hybrid", backend = "cuda", json, config;
     std::vector<std::string> overrides;
     int steps = 10, warmup = 3;
+    double lr = 1e-4;
     bool gemm = false;
   };
   auto o = std::make_shared<Opts>();
@@ -58,12 +61,13 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_option("-c,--config", o->config,
                   "benchmark this config's model at its micro_batch_size, image_size and text_seq_len instead")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--set", o->overrides, "override a config key (with -c)");
+  cmd->add_option("--set", o->overrides, "override a config key: the FP8 runs' fp8_* keys, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
   cmd->add_option("--steps", o->steps, "timed steps (median reported)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o->warmup, "untimed steps first")->check(CLI::Range(0, 100000));
+  cmd->add_option("--lr", o->lr, "constant learning rate of the AdamW steps")->check(CLI::PositiveNumber);
   cmd->add_option("--backend", o->backend, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
   cmd->add_option("--json", o->json, "write the results as JSON to this file");
   cmd->add_flag("--gemm", o->gemm, "run the GEMM micro-benchmark instead of training steps");
@@ -86,8 +90,11 @@ Command add_bench_command(CLI::App& app) {
       }
     } else {
       std::vector<StepBenchSpec> specs;
+      Config fp8_keys;  // where the FP8 runs take their fp8_* settings from
+      for (const std::string& kv : o->overrides) fp8_keys.apply_override(kv);
       if (!o->config.empty()) {
         const Config c = Config::load(o->config, o->overrides);
+        fp8_keys = c;
         StepBenchSpec s;
         s.model = FluxConfig::from_config(c);
         s.workload = s.model.name;
@@ -101,7 +108,8 @@ Command add_bench_command(CLI::App& app) {
                  "TFLOP/s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
       for (StepBenchSpec s : specs) {
         for (const std::string& p : o->precisions) {
-          s.fp8 = fp8_for(p, o->format);
+          s.fp8 = fp8_for(p, o->format, fp8_keys);
+          s.lr = o->lr;
           s.steps = o->steps;
           s.warmup = o->warmup;
           // A fresh backend per run: its memory peak and plan caches are this run's alone.
