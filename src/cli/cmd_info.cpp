@@ -57,7 +57,8 @@ Command add_info_command(CLI::App& app) {
     const double P = static_cast<double>(layout.total());
     const ModelFlops per_sample = model_flops(cfg, StepShape{1, shape.txt_tokens, shape.img_tokens});
     const ModelFlops per_step = model_flops(cfg, shape);
-    const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape);
+    const ActivationEstimate act = FluxModel::estimate_activations(
+        cfg, shape, recompute_from_name(config.get_string("recompute_granularity")));
 
     // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B,
     // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.

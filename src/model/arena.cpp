@@ -3,6 +3,8 @@
 #include "backend/backend.h"
 #include "core/error.h"
 
+#include <algorithm>
+
 namespace flux8 {
 
 namespace {
@@ -26,7 +28,16 @@ void Arena::reserve(Backend& backend, size_t bytes) {
   base_ = static_cast<char*>(backend.allocate(bytes));
   capacity_ = bytes;
   used_ = peak_ = 0;
-  usage_ = {};
+  usage_ = peak_usage_ = {};
+  slots_.clear();
+}
+
+void Arena::release_to(size_t mark) {
+  while (!slots_.empty() && slots_.back().offset >= mark) {
+    usage_.elements[static_cast<int>(slots_.back().kind)] -= slots_.back().elements;
+    slots_.pop_back();
+  }
+  used_ = std::min(used_, mark);
 }
 
 Tensor Arena::alloc(DType dtype, Shape shape, SlotKind kind) {
@@ -36,9 +47,13 @@ Tensor Arena::alloc(DType dtype, Shape shape, SlotKind kind) {
          "than the one planned; call plan() with the largest shape)",
          bytes, used_, capacity_);
   Tensor t(measuring() ? nullptr : base_ + used_, dtype, shape);
+  slots_.push_back(Slot{used_, kind, shape.numel()});
   used_ += bytes;
-  if (used_ > peak_) peak_ = used_;
   usage_.elements[static_cast<int>(kind)] += shape.numel();
+  if (used_ > peak_) {
+    peak_ = used_;
+    peak_usage_ = usage_;
+  }
   return t;
 }
 

@@ -42,19 +42,28 @@ class Arena {
 
   Tensor alloc(DType dtype, Shape shape, SlotKind kind);
   size_t mark() const { return used_; }
-  void release_to(size_t mark) { used_ = mark; }  // frees everything allocated after mark
-  void reset() { used_ = 0; usage_ = {}; }
+  void release_to(size_t mark);  // frees everything allocated after mark
+  void reset() { release_to(0); }
 
   size_t used() const { return used_; }
   size_t peak() const { return peak_; }
   size_t capacity() const { return capacity_; }
+  // What the live slots hold now, and what they held when the arena was at its peak (the
+  // footprint to report when regions are released and reused, as with recomputation).
   const ArenaUsage& usage() const { return usage_; }
+  const ArenaUsage& peak_usage() const { return peak_usage_; }
 
  private:
+  struct Slot {
+    size_t offset;
+    SlotKind kind;
+    int64_t elements;
+  };
   Backend* backend_ = nullptr;
   char* base_ = nullptr;
   size_t capacity_ = 0, used_ = 0, peak_ = 0;
-  ArenaUsage usage_;
+  ArenaUsage usage_, peak_usage_;
+  std::vector<Slot> slots_;  // live slots, in allocation order (release_to pops them)
 };
 
 }  // namespace flux8

@@ -35,12 +35,17 @@ struct ModelSaved {
   MlpEmbedderSaved time, guidance, vector;
   Tensor vec, silu_vec;        // [B,H]
   Tensor final_mod, final_mean, final_rstd, final_xm, pred;
-  std::vector<DoubleBlockSaved> doubles;
+  std::vector<DoubleBlockSaved> doubles;  // every block's activations (Recompute::none)
   std::vector<SingleBlockSaved> singles;
+  // Recompute::full: each block's input, buffers to re-run a block's forward in, and the arena
+  // mark where the one block region (a block's activations, recomputed) starts.
+  std::vector<Tensor> double_txt_in, double_img_in, single_in;
+  Tensor work_txt, work_img, work_z;
+  size_t block_region = 0;
 
   static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
                              const std::vector<DoubleBlockParams>& dp, const std::vector<SingleBlockParams>& sp,
-                             const Fp8Runtime* fp8) {
+                             const Fp8Runtime* fp8, Recompute recompute) {
     const int64_t B = sh.batch, H = c.hidden_size, L = sh.tokens();
     ModelSaved s;
     auto act = [&](Shape shape) { return a.alloc(t, shape, SlotKind::activation); };
@@ -62,8 +67,30 @@ struct ModelSaved {
     s.final_rstd = a.alloc(t, Shape{B * sh.img_tokens}, SlotKind::statistic);
     s.final_xm = act(Shape{B, sh.img_tokens, H});
     s.pred = act(Shape{B, sh.img_tokens, c.out_channels});
-    for (const DoubleBlockParams& p : dp) s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, p, fp8));
-    for (const SingleBlockParams& p : sp) s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, p, fp8));
+    if (recompute == Recompute::none) {
+      for (const DoubleBlockParams& p : dp) s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, p, fp8));
+      for (const SingleBlockParams& p : sp) s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, p, fp8));
+      return s;
+    }
+    for (size_t i = 0; i < dp.size(); ++i) {
+      s.double_txt_in.push_back(act(Shape{B, sh.txt_tokens, H}));
+      s.double_img_in.push_back(act(Shape{B, sh.img_tokens, H}));
+    }
+    for (size_t i = 0; i < sp.size(); ++i) s.single_in.push_back(act(Shape{B, L, H}));
+    s.work_txt = act(Shape{B, sh.txt_tokens, H});
+    s.work_img = act(Shape{B, sh.img_tokens, H});
+    s.work_z = act(Shape{B, L, H});
+    // The block region holds one block at a time: measure the largest (blocks differ when
+    // some run in FP8 and others in BF16).
+    s.block_region = a.mark();
+    for (const DoubleBlockParams& p : dp) {
+      DoubleBlockSaved::allocate(a, c, sh, t, p, fp8);
+      a.release_to(s.block_region);
+    }
+    for (const SingleBlockParams& p : sp) {
+      SingleBlockSaved::allocate(a, c, sh, t, p, fp8);
+      a.release_to(s.block_region);
+    }
     return s;
   }
 };
@@ -86,8 +113,15 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, co
 
 }  // namespace
 
-FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8)
-    : cfg_(cfg), be_(backend), dtype_(dtype) {
+Recompute recompute_from_name(const std::string& name) {
+  if (name == "none") return Recompute::none;
+  if (name == "full") return Recompute::full;
+  fail("recompute_granularity '{}': choose none or full", name);
+}
+
+FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
+                     Recompute recompute)
+    : cfg_(cfg), be_(backend), dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
   params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i)
@@ -122,19 +156,19 @@ void FluxModel::end_optimizer_step() {
 
 FluxModel::~FluxModel() = default;
 
-ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape) {
+ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape, Recompute recompute) {
   Arena saved, scratch;  // measuring arenas
   // BF16 plan: default sites are not FP8.
   const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
-  ModelSaved::allocate(saved, cfg, shape, DType::f32, dp, sp, nullptr);
+  ModelSaved::allocate(saved, cfg, shape, DType::f32, dp, sp, nullptr, recompute);
   plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr);
-  return {saved.usage(), static_cast<int64_t>(scratch.peak() / 4)};
+  return {saved.peak_usage(), static_cast<int64_t>(scratch.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {
   Arena saved, scratch;
-  ModelSaved::allocate(saved, cfg_, s, dtype_, double_params_, single_params_, fp8_.get());
+  ModelSaved::allocate(saved, cfg_, s, dtype_, double_params_, single_params_, fp8_.get(), recompute_);
   plan_model_scratch(scratch, cfg_, s, dtype_, fp8_.get());
   saved_arena_.reserve(be_, saved.peak());
   scratch_arena_.reserve(be_, scratch.peak());
@@ -170,7 +204,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   saved_arena_.reset();
   scratch_arena_.reset();
   saved_ = std::make_unique<ModelSaved>(
-      ModelSaved::allocate(saved_arena_, c, sh, dtype_, double_params_, single_params_, fp8_.get()));
+      ModelSaved::allocate(saved_arena_, c, sh, dtype_, double_params_, single_params_, fp8_.get(), recompute_));
   ModelSaved& s = *saved_;
   const ParamStore& P = *params_;
 
@@ -202,10 +236,29 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
   BlockContext ctx{be_, c, sh, dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get()};
-  for (size_t i = 0; i < s.doubles.size(); ++i)
-    double_block_forward(ctx, double_params_[i], s.doubles[i], s.txt, s.img);
+  const bool full = recompute_ == Recompute::full;
+  for (size_t i = 0; i < double_params_.size(); ++i) {
+    if (!full) {
+      double_block_forward(ctx, double_params_[i], s.doubles[i], s.txt, s.img);
+      continue;
+    }
+    be_.copy(s.double_txt_in[i], s.txt);
+    be_.copy(s.double_img_in[i], s.img);
+    DoubleBlockSaved blk = DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, double_params_[i], fp8_.get());
+    double_block_forward(ctx, double_params_[i], blk, s.txt, s.img);
+    saved_arena_.release_to(s.block_region);
+  }
   be_.concat_tokens(s.z, s.txt, s.img);
-  for (size_t i = 0; i < s.singles.size(); ++i) single_block_forward(ctx, single_params_[i], s.singles[i], s.z);
+  for (size_t i = 0; i < single_params_.size(); ++i) {
+    if (!full) {
+      single_block_forward(ctx, single_params_[i], s.singles[i], s.z);
+      continue;
+    }
+    be_.copy(s.single_in[i], s.z);
+    SingleBlockSaved blk = SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, single_params_[i], fp8_.get());
+    single_block_forward(ctx, single_params_[i], blk, s.z);
+    saved_arena_.release_to(s.block_region);
+  }
   be_.split_tokens(Tensor{}, s.img, s.z);  // drop the text tokens
 
   // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
@@ -252,10 +305,48 @@ void FluxModel::backward(const Tensor& dpred) {
   BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get()};
   be_.fill(dtxt, 0.0);
   be_.concat_tokens(dz, dtxt, dimg);
-  for (size_t i = s.singles.size(); i-- > 0;) single_block_backward(ctx, single_params_[i], s.singles[i], dz);
+  const bool full = recompute_ == Recompute::full;
+  // Recomputed forwards cast with the step's scales and must not record amaxes/statistics twice.
+  struct NoFp8Recording {
+    Fp8Runtime* rt;
+    bool was;
+    explicit NoFp8Recording(Fp8Runtime* r) : rt(r), was(r && r->recording()) {
+      if (rt) rt->set_recording(false);
+    }
+    ~NoFp8Recording() {
+      if (rt) rt->set_recording(was);
+    }
+  };
+  for (size_t i = single_params_.size(); i-- > 0;) {
+    if (!full) {
+      single_block_backward(ctx, single_params_[i], s.singles[i], dz);
+      continue;
+    }
+    SingleBlockSaved blk = SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, single_params_[i], fp8_.get());
+    {
+      const NoFp8Recording quiet(fp8_.get());
+      be_.copy(s.work_z, s.single_in[i]);
+      single_block_forward(ctx, single_params_[i], blk, s.work_z);
+    }
+    single_block_backward(ctx, single_params_[i], blk, dz);
+    saved_arena_.release_to(s.block_region);
+  }
   be_.split_tokens(dtxt, dimg, dz);
-  for (size_t i = s.doubles.size(); i-- > 0;)
-    double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
+  for (size_t i = double_params_.size(); i-- > 0;) {
+    if (!full) {
+      double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
+      continue;
+    }
+    DoubleBlockSaved blk = DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, double_params_[i], fp8_.get());
+    {
+      const NoFp8Recording quiet(fp8_.get());
+      be_.copy(s.work_txt, s.double_txt_in[i]);
+      be_.copy(s.work_img, s.double_img_in[i]);
+      double_block_forward(ctx, double_params_[i], blk, s.work_txt, s.work_img);
+    }
+    double_block_backward(ctx, double_params_[i], blk, dtxt, dimg);
+    saved_arena_.release_to(s.block_region);
+  }
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
   be_.linear_backward(Tensor{}, img_in.dw, img_in.db, dimg, inputs_.img, img_in.w, false);

@@ -3,6 +3,7 @@
 // streams, single blocks on the joint sequence, final layer; forward and hand-written
 // backward. Activations are carved from planned arenas; nothing is allocated inside a step.
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/arena.h"
@@ -35,12 +36,21 @@ struct ActivationEstimate {
 struct EmbedderSaved;
 struct ModelSaved;
 
+// recompute_granularity. none: every block keeps its activations from forward to backward.
+// full: only each block's input is kept; the backward runs the block's forward again (into one
+// reused region) right before its backward — activation memory of one block instead of all,
+// for one more forward pass. Results are bit-identical (the same ops on the same inputs; FP8
+// casts reuse the step's scales and are not recorded twice).
+enum class Recompute : uint8_t { none, full };
+// From the recompute_granularity key's value.
+Recompute recompute_from_name(const std::string& name);
+
 class FluxModel {
  public:
   // With an enabled Fp8Config the block Linears (and optionally the modulation Linears) run in
   // FP8 as the recipe says; FP8 needs dtype f32.
   FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32,
-            const Fp8Config* fp8 = nullptr);
+            const Fp8Config* fp8 = nullptr, Recompute recompute = Recompute::none);
   ~FluxModel();
 
   const FluxConfig& config() const { return cfg_; }
@@ -57,7 +67,9 @@ class FluxModel {
   // Accumulates the parameter gradients of a loss whose gradient w.r.t. pred is dpred.
   void backward(const Tensor& dpred);
 
-  static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape);
+  static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape,
+                                                 Recompute recompute = Recompute::none);
+  Recompute recompute() const { return recompute_; }
 
   // FP8 state (null in BF16 runs).
   Fp8Runtime* fp8() { return fp8_.get(); }
@@ -69,6 +81,7 @@ class FluxModel {
   FluxConfig cfg_;
   Backend& be_;
   DType dtype_;
+  Recompute recompute_;
   std::unique_ptr<ParamStore> params_;
   std::vector<DoubleBlockParams> double_params_;
   std::vector<SingleBlockParams> single_params_;

@@ -64,6 +64,7 @@ class Fp8Runtime {
 
   // Casts of validation passes must not move the delayed-scaling history.
   void set_recording(bool on) { recording_ = on; }
+  bool recording() const { return recording_; }
   // Once per optimizer step after the backward: the delayed-scaling update (after the amax
   // reduction hook), and the step's cast statistics become `last_step_stats`.
   void end_step();

@@ -124,7 +124,8 @@ TrainResult run_training(const TrainOptions& opt) {
   const EmptyPrompt empty = load_empty_prompt(r.cfg, r.model_cfg);
   const std::vector<Sample> val = load_validation_set(r.cfg);
 
-  r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32, &r.fp8);
+  r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32, &r.fp8,
+                                        recompute_from_name(r.cfg.get_string("recompute_granularity")));
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
   r.state.seed = static_cast<uint64_t>(r.cfg.get_int("seed"));
   r.state.config_yaml = r.cfg.dump();
