@@ -66,7 +66,7 @@ StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec) {
   StepBenchResult r;
   r.workload = spec.workload;
   r.precision = spec.fp8.enabled ? "FP8 " + spec.fp8.describe() : "BF16";
-  FluxModel model(cfg, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr);
+  FluxModel model(cfg, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute);
   model.params().init(spec.seed);
   model.plan(sh);
   AdamWConfig ac;
@@ -148,7 +148,7 @@ StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec) {
   const MemoryUse mu = be.memory_use();
   r.peak_allocated_gib = static_cast<double>(mu.peak_allocated) / 1073741824.0;
   r.device_used_gib = static_cast<double>(mu.device_used) / 1073741824.0;
-  r.activation_gib = FluxModel::estimate_activations(cfg, sh).gpu_bytes(spec.fp8.enabled) / 1073741824.0;
+  r.activation_gib = FluxModel::estimate_activations(cfg, sh, spec.recompute).gpu_bytes(spec.fp8.enabled) / 1073741824.0;
   return r;
 }
 

@@ -12,6 +12,7 @@
 #include "fp8/fp8_config.h"
 #include "model/block_common.h"
 #include "model/flux_config.h"
+#include "model/flux_model.h"
 
 namespace flux8 {
 
@@ -23,6 +24,7 @@ struct StepBenchSpec {
   int warmup = 3, steps = 10;
   uint64_t seed = 1234;
   double lr = 1e-4;      // constant learning rate of the AdamW steps
+  Recompute recompute = Recompute::none;
 };
 
 struct StepBenchResult {

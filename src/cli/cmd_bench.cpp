@@ -61,7 +61,8 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_option("-c,--config", o->config,
                   "benchmark this config's model at its micro_batch_size, image_size and text_seq_len instead")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--set", o->overrides, "override a config key: the FP8 runs' fp8_* keys, or any key with -c");
+  cmd->add_option("--set", o->overrides,
+                  "override a config key: fp8_* keys and recompute_granularity for the runs, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
@@ -90,11 +91,11 @@ Command add_bench_command(CLI::App& app) {
       }
     } else {
       std::vector<StepBenchSpec> specs;
-      Config fp8_keys;  // where the FP8 runs take their fp8_* settings from
-      for (const std::string& kv : o->overrides) fp8_keys.apply_override(kv);
+      Config run_keys;  // where the runs take fp8_* settings and recompute_granularity from
+      for (const std::string& kv : o->overrides) run_keys.apply_override(kv);
       if (!o->config.empty()) {
         const Config c = Config::load(o->config, o->overrides);
-        fp8_keys = c;
+        run_keys = c;
         StepBenchSpec s;
         s.model = FluxConfig::from_config(c);
         s.workload = s.model.name;
@@ -108,7 +109,8 @@ Command add_bench_command(CLI::App& app) {
                  "TFLOP/s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
       for (StepBenchSpec s : specs) {
         for (const std::string& p : o->precisions) {
-          s.fp8 = fp8_for(p, o->format, fp8_keys);
+          s.fp8 = fp8_for(p, o->format, run_keys);
+          s.recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
           s.lr = o->lr;
           s.steps = o->steps;
           s.warmup = o->warmup;
