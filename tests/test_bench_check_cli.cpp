@@ -58,6 +58,34 @@ TEST(BenchCli, TimesTrainingStepsInEachPrecisionAndWritesJson) {
   EXPECT_NE(cli.log.find("BF16"), std::string::npos) << cli.log;
 }
 
+TEST(BenchCli, ProfileTimesEveryOpOfTheStep) {
+  Cli cli;
+  const std::string yaml = cli.dir.write("tiny.yaml", "include: " + std::string(FLUX8_SOURCE_DIR) +
+                                                          "/configs/models/flux_tiny_demo.yaml\n"
+                                                          "micro_batch_size: 2\nimage_size: 16\ntext_seq_len: 8\n");
+  const std::string json = cli.dir.file("bench.json");
+  ASSERT_EQ(cli.run("bench --backend cpu -c " + yaml + " --precision tensorwise --steps 2 --warmup 1 --profile --json " +
+                    json),
+            0)
+      << cli.log;
+  std::ifstream in(json);
+  const nlohmann::json ops = nlohmann::json::parse(in)["steps"][0]["ops"];
+  ASSERT_FALSE(ops.empty()) << cli.log;
+  double total = 0, previous = 1e300;
+  bool saw_fp8_gemm = false, saw_attention = false;
+  for (const auto& op : ops) {
+    const double ms = op["ms_per_step"];
+    EXPECT_LE(ms, previous) << "largest first";
+    previous = ms;
+    total += ms;
+    saw_fp8_gemm |= op["op"] == "gemm_fp8_tn";
+    saw_attention |= op["op"] == "attention_backward";
+  }
+  EXPECT_TRUE(saw_fp8_gemm && saw_attention) << ops.dump();
+  EXPECT_GT(total, 0.0);
+  EXPECT_NE(cli.log.find("share"), std::string::npos) << cli.log;
+}
+
 TEST(BenchCli, UnknownPrecisionIsAnError) {
   Cli cli;
   EXPECT_NE(cli.run("bench --backend cpu --precision fp4"), 0);

@@ -4,9 +4,11 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <filesystem>
 
 #include "backend/transfer.h"
+#include "bench/op_profiler.h"
 #include "config/config.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -59,8 +61,10 @@ StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir
   return s;
 }
 
-StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec) {
+StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   const auto t0 = Clock::now();
+  std::unique_ptr<OpProfiler> profiler = spec.profile ? std::make_unique<OpProfiler>(device) : nullptr;
+  Backend& be = profiler ? static_cast<Backend&>(*profiler) : device;
   const FluxConfig& cfg = spec.model;
   const StepShape sh = spec.shape;
   StepBenchResult r;
@@ -141,7 +145,11 @@ StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec) {
     r.losses.push_back(loss);
     if (!std::isfinite(loss)) ++r.non_finite_steps;
     if (s >= spec.warmup) r.step_ms.push_back(ms);
+    if (profiler && s + 1 == spec.warmup) profiler->reset();  // count the timed steps only
   }
+  if (profiler)
+    for (const OpProfiler::Row& row : profiler->rows())
+      r.ops.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
   r.median_ms = median(r.step_ms);
   r.model_tflop = model_flops(cfg, sh).training() / 1e12;
   r.tflops = r.median_ms > 0 ? r.model_tflop / (r.median_ms / 1e3) : 0;

@@ -25,6 +25,12 @@ struct StepBenchSpec {
   uint64_t seed = 1234;
   double lr = 1e-4;      // constant learning rate of the AdamW steps
   Recompute recompute = Recompute::none;
+  bool profile = false;  // time every op (OpProfiler); the step is slower while profiled
+};
+
+struct OpTime {
+  std::string op;
+  double calls_per_step = 0, ms_per_step = 0;
 };
 
 struct StepBenchResult {
@@ -35,6 +41,7 @@ struct StepBenchResult {
   double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;
   double first_loss = 0, last_loss = 0;
   std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)
+  std::vector<OpTime> ops;      // with profile: per-op time of a timed step, largest first
   int non_finite_steps = 0;     // steps whose loss was not finite
 };
 

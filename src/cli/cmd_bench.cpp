@@ -54,7 +54,7 @@ Command add_bench_command(CLI::App& app) {
     std::vector<std::string> overrides;
     int steps = 10, warmup = 3;
     double lr = 1e-4;
-    bool gemm = false;
+    bool gemm = false, profile = false;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("--workload", o->workloads, "W1 and/or W2 (default both); ignored with -c")->delimiter(',');
@@ -72,6 +72,8 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_option("--backend", o->backend, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
   cmd->add_option("--json", o->json, "write the results as JSON to this file");
   cmd->add_flag("--gemm", o->gemm, "run the GEMM micro-benchmark instead of training steps");
+  cmd->add_flag("--profile", o->profile,
+                "also time every op of the step (each op synchronised: the step is slower, the shares are what count)");
   return {cmd, [o]() {
     BackendOptions bo;
     bo.bf16_gemm = true;
@@ -112,6 +114,7 @@ Command add_bench_command(CLI::App& app) {
           s.fp8 = fp8_for(p, o->format, run_keys);
           s.recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
           s.lr = o->lr;
+          s.profile = o->profile;
           s.steps = o->steps;
           s.warmup = o->warmup;
           // A fresh backend per run: its memory peak and plan caches are this run's alone.
@@ -125,7 +128,19 @@ Command add_bench_command(CLI::App& app) {
           fmt::print("{:<22} {:<28} {:>9.2f} {:>8.1f} {:>8.2f} {:>10.2f} {:>10.2f} {:>9.2f}  {}\n",
                      r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", p == "bf16" ? "BF16" : p + " " + o->format, r.median_ms,
                      r.tflops, r.first_step_s, r.peak_allocated_gib, r.device_used_gib, r.activation_gib, vs);
+          if (!r.ops.empty()) {
+            double total = 0;
+            for (const OpTime& t : r.ops) total += t.ms_per_step;
+            fmt::print("  {:<30} {:>8} {:>10} {:>7}   (profiled step: {:.2f} ms of ops)\n", "op", "calls", "ms/step",
+                       "share", total);
+            for (const OpTime& t : r.ops)
+              fmt::print("  {:<30} {:>8.0f} {:>10.3f} {:>6.1f}%\n", t.op, t.calls_per_step, t.ms_per_step,
+                         100.0 * t.ms_per_step / total);
+          }
           std::fflush(stdout);
+          nlohmann::json ops = nlohmann::json::array();
+          for (const OpTime& t : r.ops)
+            ops.push_back({{"op", t.op}, {"calls_per_step", t.calls_per_step}, {"ms_per_step", t.ms_per_step}});
           out["steps"].push_back({{"workload", r.workload},         {"model", s.model.name},
                                   {"precision", p},                 {"fp8_format", p == "bf16" ? "" : o->format},
                                   {"describe", r.precision},        {"batch", s.shape.batch},
@@ -136,7 +151,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"device_used_gib", r.device_used_gib}, {"activation_estimate_gib", r.activation_gib},
                                   {"first_loss", r.first_loss},     {"last_loss", r.last_loss},
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},
-                                  {"backend", o->backend}});
+                                  {"backend", o->backend},          {"ops", ops}});
         }
       }
     }

@@ -1,0 +1,137 @@
+#pragma once
+// A Backend that runs every op on another backend and times it: the per-op breakdown of a
+// training step (`flux8 bench --profile`). Each op is bracketed by synchronize() calls, so on
+// the GPU a row is the op's own device time plus its launch (what the step would pay if
+// nothing overlapped); the step itself runs slower while profiled, the shares are what count.
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace flux8 {
+
+class OpProfiler final : public Backend {
+ public:
+  explicit OpProfiler(Backend& inner) : be_(inner) {}
+
+  struct Row {
+    std::string op;
+    int64_t calls = 0;
+    double ms = 0;
+  };
+  // Rows by total time, largest first; reset() clears them (e.g. after warm-up).
+  std::vector<Row> rows() const;
+  void reset() { totals_.clear(); }
+
+  std::string name() const override { return be_.name() + "+profiler"; }
+  const BackendOptions& options() const override { return be_.options(); }
+  void* allocate(size_t bytes) override { return be_.allocate(bytes); }
+  void release(void* p) override { be_.release(p); }
+  void upload(void* dst, const void* src, size_t bytes) override { timed("upload", [&] { be_.upload(dst, src, bytes); }); }
+  void download(void* dst, const void* src, size_t bytes) override {
+    timed("download", [&] { be_.download(dst, src, bytes); });
+  }
+  void synchronize() override { be_.synchronize(); }
+  MemoryUse memory_use() const override { return be_.memory_use(); }
+
+  void fill(Tensor y, double v) override { timed("fill", [&] { be_.fill(y, v); }); }
+  void copy(Tensor y, Tensor x) override { timed("copy", [&] { be_.copy(y, x); }); }
+  void add(Tensor y, Tensor a, Tensor b) override { timed("add", [&] { be_.add(y, a, b); }); }
+  void accumulate(Tensor y, Tensor x) override { timed("accumulate", [&] { be_.accumulate(y, x); }); }
+  void linear(Tensor y, Tensor x, Tensor w, Tensor b) override { timed("linear", [&] { be_.linear(y, x, w, b); }); }
+  void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w, bool acc) override {
+    timed("linear_backward", [&] { be_.linear_backward(dx, dw, db, dy, x, w, acc); });
+  }
+  void silu(Tensor y, Tensor x) override { timed("silu", [&] { be_.silu(y, x); }); }
+  void silu_backward(Tensor dx, Tensor dy, Tensor x, bool acc) override {
+    timed("silu_backward", [&] { be_.silu_backward(dx, dy, x, acc); });
+  }
+  void gelu_tanh(Tensor y, Tensor x) override { timed("gelu_tanh", [&] { be_.gelu_tanh(y, x); }); }
+  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override {
+    timed("gelu_tanh_backward", [&] { be_.gelu_tanh_backward(dx, dy, x); });
+  }
+  void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
+                          double eps) override {
+    timed("layernorm_modulate", [&] { be_.layernorm_modulate(y, mean, rstd, x, shift, scale, eps); });
+  }
+  void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x, Tensor mean,
+                                   Tensor rstd, Tensor scale, bool acc) override {
+    timed("layernorm_modulate_backward",
+          [&] { be_.layernorm_modulate_backward(dx, dshift, dscale, dy, x, mean, rstd, scale, acc); });
+  }
+  void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) override {
+    timed("rmsnorm_heads", [&] { be_.rmsnorm_heads(y, rstd, x, scale, eps); });
+  }
+  void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd, Tensor scale) override {
+    timed("rmsnorm_heads_backward", [&] { be_.rmsnorm_heads_backward(dx, dscale, dy, x, rstd, scale); });
+  }
+  void tokens_to_heads(Tensor heads, Tensor tokens, int64_t off) override {
+    timed("tokens_to_heads", [&] { be_.tokens_to_heads(heads, tokens, off); });
+  }
+  void heads_to_tokens(Tensor tokens, Tensor heads, int64_t off) override {
+    timed("heads_to_tokens", [&] { be_.heads_to_tokens(tokens, heads, off); });
+  }
+  void rope_table(Tensor pe, Tensor ids, std::span<const int> axes, double theta) override {
+    timed("rope_table", [&] { be_.rope_table(pe, ids, axes, theta); });
+  }
+  void rope(Tensor x, Tensor pe, bool inverse) override { timed("rope", [&] { be_.rope(x, pe, inverse); }); }
+  void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override {
+    timed("attention", [&] { be_.attention(o, lse, q, k, v, scale); });
+  }
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o,
+                          Tensor lse, double scale) override {
+    timed("attention_backward", [&] { be_.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, scale); });
+  }
+  void gated_residual(Tensor x, Tensor y, Tensor gate) override {
+    timed("gated_residual", [&] { be_.gated_residual(x, y, gate); });
+  }
+  void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override {
+    timed("gated_residual_backward", [&] { be_.gated_residual_backward(dy, dgate, dx, y, gate); });
+  }
+  void timestep_embedding(Tensor out, Tensor t, double tf, double mp) override {
+    timed("timestep_embedding", [&] { be_.timestep_embedding(out, t, tf, mp); });
+  }
+  void concat_tokens(Tensor out, Tensor a, Tensor b) override { timed("concat_tokens", [&] { be_.concat_tokens(out, a, b); }); }
+  void split_tokens(Tensor a, Tensor b, Tensor in) override { timed("split_tokens", [&] { be_.split_tokens(a, b, in); }); }
+  void flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
+                         std::span<const uint64_t> streams) override {
+    timed("flow_match_inputs", [&] { be_.flow_match_inputs(xt, target, x0, t, seed, streams); });
+  }
+  double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override {
+    double r = 0;
+    timed("mse_loss", [&] { r = be_.mse_loss(dpred, pred, target, grad_scale); });
+    return r;
+  }
+  double sum_squares(Tensor x) override {
+    double r = 0;
+    timed("sum_squares", [&] { r = be_.sum_squares(x); });
+    return r;
+  }
+  void adamw(Tensor p, Tensor g, Tensor m, Tensor v, const AdamW& h) override {
+    timed("adamw", [&] { be_.adamw(p, g, m, v, h); });
+  }
+  void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override {
+    timed("quantize (fp8 cast)", [&] { be_.quantize(rowwise, columnwise, x, q); });
+  }
+  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool acc) override {
+    timed("gemm_fp8_tn", [&] { be_.gemm_fp8_tn(c, a, b, bias, acc); });
+  }
+
+ private:
+  template <typename F>
+  void timed(const char* op, F&& f) {
+    be_.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    be_.synchronize();
+    Row& r = totals_[op];
+    ++r.calls;
+    r.ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  Backend& be_;
+  std::map<std::string, Row> totals_;
+};
+
+}  // namespace flux8
