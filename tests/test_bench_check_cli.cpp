@@ -25,20 +25,24 @@ struct Cli {
     log = ss.str();
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   }
+  // A tiny model at a small shape (2 samples, 64 image + 8 text tokens).
+  std::string tiny_config() {
+    return dir.write("tiny.yaml", "include: " + std::string(FLUX8_SOURCE_DIR) +
+                                      "/configs/models/flux_tiny_demo.yaml\n"
+                                      "micro_batch_size: 2\nimage_size: 16\ntext_seq_len: 8\n");
+  }
+  // Runs `bench --backend cpu -c tiny <args> --json F` and returns the parsed JSON.
+  nlohmann::json bench(const std::string& args) {
+    const std::string json = dir.file("bench.json");
+    EXPECT_EQ(run("bench --backend cpu -c " + tiny_config() + " " + args + " --json " + json), 0) << log;
+    std::ifstream in(json);
+    return in ? nlohmann::json::parse(in) : nlohmann::json::object();
+  }
 };
 
 TEST(BenchCli, TimesTrainingStepsInEachPrecisionAndWritesJson) {
   Cli cli;
-  const std::string yaml = cli.dir.write("tiny.yaml", "include: " + std::string(FLUX8_SOURCE_DIR) +
-                                                          "/configs/models/flux_tiny_demo.yaml\n"
-                                                          "micro_batch_size: 2\nimage_size: 16\ntext_seq_len: 8\n");
-  const std::string json = cli.dir.file("bench.json");
-  ASSERT_EQ(cli.run("bench --backend cpu -c " + yaml + " --precision bf16,delayed,blockwise --steps 3 --warmup 1 --json " +
-                    json),
-            0)
-      << cli.log;
-  std::ifstream in(json);
-  const nlohmann::json j = nlohmann::json::parse(in);
+  const nlohmann::json j = cli.bench("--precision bf16,delayed,blockwise --steps 3 --warmup 1");
   ASSERT_EQ(j["steps"].size(), 3u) << j.dump();
   const char* precisions[] = {"bf16", "delayed", "blockwise"};
   for (size_t i = 0; i < 3; ++i) {
@@ -60,16 +64,7 @@ TEST(BenchCli, TimesTrainingStepsInEachPrecisionAndWritesJson) {
 
 TEST(BenchCli, ProfileTimesEveryOpOfTheStep) {
   Cli cli;
-  const std::string yaml = cli.dir.write("tiny.yaml", "include: " + std::string(FLUX8_SOURCE_DIR) +
-                                                          "/configs/models/flux_tiny_demo.yaml\n"
-                                                          "micro_batch_size: 2\nimage_size: 16\ntext_seq_len: 8\n");
-  const std::string json = cli.dir.file("bench.json");
-  ASSERT_EQ(cli.run("bench --backend cpu -c " + yaml + " --precision tensorwise --steps 2 --warmup 1 --profile --json " +
-                    json),
-            0)
-      << cli.log;
-  std::ifstream in(json);
-  const nlohmann::json ops = nlohmann::json::parse(in)["steps"][0]["ops"];
+  const nlohmann::json ops = cli.bench("--precision tensorwise --steps 2 --warmup 1 --profile")["steps"][0]["ops"];
   ASSERT_FALSE(ops.empty()) << cli.log;
   double total = 0, previous = 1e300;
   bool saw_fp8_gemm = false, saw_attention = false;
