@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Trains the embedded demo in BF16 and in FP8 with every recipe and format (same seed), and
+# Trains the embedded demo on the CPU backend (the FP8 reference emulation; a later
+# `--set backend=auto` argument moves it to a GPU) in BF16 and in FP8 with every recipe and format (same seed), and
 # prints the final validation losses as a markdown table (docs/FP8.md). About 50 minutes on
 # 2 CPU cores (FP8 is emulated bit-exactly on the CPU, ~1.9x slower than BF16 there).
 # Usage: scripts/fp8_demo_table.sh [build/flux8] [extra --set arguments...]
@@ -18,7 +19,7 @@ out=${FLUX8_TABLE_OUT:-runs/fp8_table}
 mkdir -p "$out"
 run() {  # name, then --set arguments
   local name=$1; shift
-  "$bin" train -c configs/demo.yaml --set save_dir="$out/$name" --set sample_prompts= --set eval_interval=0 \
+  "$bin" train -c configs/demo.yaml --set backend=cpu --set save_dir="$out/$name" --set sample_prompts= --set eval_interval=0 \
       --set log_interval=100 --set fp8_stats_interval=0 "$@" > "$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log"; exit 1; }
   grep -o 'validation loss [0-9.]* -> [0-9.]*' "$out/$name.log" | awk '{print $5}'
 }

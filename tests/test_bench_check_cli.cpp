@@ -8,7 +8,12 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "backend/backend.h"
+#include "core/error.h"
 #include "test_util.h"
+#if FLUX8_HAVE_CUDA
+#include "backend/cuda/factory.h"
+#endif
 
 namespace flux8::testing {
 namespace {
@@ -99,6 +104,21 @@ TEST(CheckCli, ReportsWhyTheGpuCannotRunHere) {
     EXPECT_EQ(rc, 1) << cli.log;
     EXPECT_TRUE(cli.log.find("not usable") != std::string::npos || cli.log.find("not built") != std::string::npos)
         << cli.log;
+  }
+}
+
+TEST(BackendAuto, PicksCudaOnlyWhereItCanRun) {
+  const std::unique_ptr<Backend> be = make_backend("auto");
+#if FLUX8_HAVE_CUDA
+  EXPECT_EQ(be->name(), cuda_unavailable_reason().empty() ? "cuda" : "cpu");
+#else
+  EXPECT_EQ(be->name(), "cpu");
+#endif
+  try {
+    make_backend("tpu");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'auto'"), std::string::npos) << e.what();
   }
 }
 

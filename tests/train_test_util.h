@@ -24,7 +24,9 @@ struct RunDir {
       : root(fs::temp_directory_path() / ("flux8_" + tag + "_" + std::to_string(::getpid()))) {
     fs::remove_all(root);
     fs::create_directories(root);
+    // backend: cpu — these tests check the CPU backend's exact behaviour even on a GPU machine.
     std::ofstream(root / "exp.yaml") << "include: " << FLUX8_SOURCE_DIR << "/configs/demo.yaml\n"
+                                     << "backend: cpu\n"
                                      << "hidden_size: 24\nnum_attention_heads: 2\naxes_dim: [2, 4, 6]\n"
                                      << "num_double_blocks: 1\nnum_single_blocks: 1\ncontext_dim: 8\nvec_dim: 8\n"
                                      << "text_seq_len: 4\nimage_size: 8\nmicro_batch_size: 2\nglobal_batch_size: 4\n"

@@ -34,6 +34,12 @@ BackendOptions BackendOptions::from_config(const Config& cfg) {
 
 std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options) {
   if (name == "cpu") return std::make_unique<CpuBackend>(options);
+  if (name == "auto") {
+#if FLUX8_HAVE_CUDA
+    if (cuda_unavailable_reason().empty()) return make_cuda_backend(options);
+#endif
+    return std::make_unique<CpuBackend>(options);
+  }
   if (name == "cuda") {
 #if FLUX8_HAVE_CUDA
     return make_cuda_backend(options);
@@ -42,7 +48,7 @@ std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOption
          "rebuild with CUDA (README: GPU builds)");
 #endif
   }
-  fail("unknown backend '{}': choose 'cpu' or 'cuda'", name);
+  fail("unknown backend '{}': choose 'cpu', 'cuda' or 'auto'", name);
 }
 
 }  // namespace flux8

@@ -189,7 +189,8 @@ class Backend {
   std::unordered_map<void*, size_t> sizes_;
 };
 
-// "cpu" (always available) or "cuda" (when built with CUDA and a GPU is present).
+// "cpu" (always available), "cuda" (when built with CUDA and a GPU is present; else an error
+// saying why) or "auto" (cuda when it can run here, else cpu).
 std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options = {});
 
 }  // namespace flux8

@@ -63,7 +63,8 @@ std::vector<KeySpec> make_keys() {
       // ---- runtime ----
       int_key("runtime", "seed", 1234, at_least(0), "seed of every random stream"),
       int_key("runtime", "micro_batch_size", 1, at_least(1), "samples per forward/backward"),
-      choice_key("runtime", "backend", "cpu", {"cpu", "cuda"}, "compute backend"),
+      choice_key("runtime", "backend", "cpu", {"cpu", "cuda", "auto"},
+                 "compute backend: cpu, cuda, or auto (cuda when this build has it and a usable GPU is present, else cpu)"),
       bool_key("runtime", "round_activations_to_bf16", false, "CPU: round activations to bf16 like the GPU stores them"),
       choice_key("runtime", "gemm_precision", "bf16", {"bf16", "f32"},
                  "CUDA: operands of the non-FP8 GEMMs (bf16 tensor cores, fp32 accumulation; f32: exact, slow); the CPU computes in f32"),
