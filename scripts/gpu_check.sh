@@ -9,9 +9,10 @@
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
-#   bench  `flux8 bench` (GPU_CHECK_BENCH_PARTS, default "gemm steps profile curve": the --gemm
-#          micro-benchmark; W1, W2 x BF16 and FP8 recipes; the per-op breakdown (--profile) of
-#          W1/W2 in BF16 and FP8 delayed; a GPU_CHECK_CURVE_STEPS (500) step
+#   bench  `flux8 bench` (GPU_CHECK_BENCH_PARTS, default "gemm steps profile"; add "curve" in a
+#          call of its own, it takes ~3 min: the --gemm micro-benchmark; W1, W2 x BF16 and FP8
+#          recipes; the per-op breakdown (--profile) of W1/W2 in BF16 and FP8 delayed; curve: a
+#          GPU_CHECK_CURVE_STEPS (500) step
 #          flux_535m loss-curve run in BF16 and FP8 delayed hybrid) -> $OUT/bench*.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
@@ -129,7 +130,7 @@ fi
 
 if has bench; then
   stage bench
-  parts=${GPU_CHECK_BENCH_PARTS:-gemm steps profile curve}
+  parts=${GPU_CHECK_BENCH_PARTS:-gemm steps profile}
   if [[ " $parts " == *" gemm "* ]]; then
     build/flux8 bench --gemm --steps 20 --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.txt" ||
       die "flux8 bench --gemm failed"
