@@ -97,6 +97,59 @@ void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Te
          joint.str());
 }
 
+LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b) {
+  require_defined(op, {"x", x});
+  require_rank(op, {"w", w}, 2);
+  const int64_t N = x.rows(), K = x.cols(), M = w.shape[0];
+  if (w.shape[1] != K) fail("{}: weight 'w' {} must be [M, {}] to match input 'x' {}", op, w.str(), K, x.str());
+  require_defined(op, {"y", y});
+  if (y.rows() != N || y.cols() != M)
+    fail("{}: output 'y' {} must have {} rows of {} columns for x {} and w {}", op, y.str(), N, M, x.str(),
+         w.str());
+  if (b.defined() && (b.numel() != M || !b.contiguous()))
+    fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, b.str(), M);
+  return {N, K, M};
+}
+
+NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                                  const Tensor& x, const Tensor& shift, const Tensor& scale) {
+  require_rank(op, {"x", x}, 3);
+  const NormDims d{x.shape[0], x.shape[1], x.shape[2]};
+  require_shape(op, {"y", y}, x.shape);
+  require_vector(op, {"mean", mean}, d.B * d.L);
+  require_vector(op, {"rstd", rstd}, d.B * d.L);
+  require_shape(op, {"shift", shift}, Shape{d.B, d.H});
+  require_shape(op, {"scale", scale}, Shape{d.B, d.H});
+  return d;
+}
+
+NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
+                                           const Tensor& mean, const Tensor& rstd) {
+  require_rank(op, {"x", x}, 3);
+  const NormDims d{x.shape[0], x.shape[1], x.shape[2]};
+  require_shape(op, {"dy", dy}, x.shape);
+  require_vector(op, {"mean", mean}, d.B * d.L);
+  require_vector(op, {"rstd", rstd}, d.B * d.L);
+  return d;
+}
+
+int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale) {
+  require_defined(op, {"x", x});
+  require_defined(op, {"scale", scale});
+  const int64_t D = scale.numel();
+  if (D == 0 || x.cols() % D != 0 || !scale.contiguous())
+    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op, x.str(), D,
+         scale.str());
+  return D;
+}
+
+void check_attention_heads(std::string_view op, std::initializer_list<Named> heads) {
+  const Named& q = *heads.begin();
+  require_rank(op, q, 4);
+  for (const Named& a : heads)
+    if (a.t.defined()) require_shape(op, a, q.t.shape);
+}
+
 bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x) {
   require_defined(op, {"x", x});
   if (x.dtype != DType::f32) fail("{}: FP8 casts take f32 input, got {}", op, x.str());

@@ -35,6 +35,27 @@ void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& 
 // Parts a [B, La, C], b [B, Lb, C] of a joint sequence [B, L, C]: with both present they must
 // tile it exactly; a lone part must fit (concat_tokens / split_tokens).
 void check_joint(std::string_view op, Named joint, const Tensor& a, const Tensor& b);
+// linear(): x [N, K] (any ld), w [M, K], y [N, M], b undefined or a contiguous [M].
+struct LinearDims {
+  int64_t N, K, M;
+};
+LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b);
+
+// Modulated LayerNorm over x [B, L, H]: y like x, mean/rstd vectors of B·L, shift/scale [B, H].
+struct NormDims {
+  int64_t B, L, H;
+};
+NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                                  const Tensor& x, const Tensor& shift, const Tensor& scale);
+// The backward's common part: dy like x [B, L, H], mean/rstd vectors of B·L.
+NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
+                                           const Tensor& mean, const Tensor& rstd);
+// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
+int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale);
+
+// Attention: the first tensor (q) is rank 4 [B, n, L, D]; every other defined one has its shape.
+void check_attention_heads(std::string_view op, std::initializer_list<Named> heads);
+
 // quantize(): x f32 (any ld), rowwise [rows, cols] and columnwise [cols, rows] when defined.
 // Returns false when there is nothing to cast (both outputs undefined).
 bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x);

@@ -16,19 +16,12 @@ namespace {
 // Fixed (not thread-dependent) so results never depend on the machine.
 constexpr int64_t kQueryBlock = 128;
 
-void check_qkv(std::string_view op, std::initializer_list<Named> heads) {
-  const Tensor& q = heads.begin()->t;
-  require_rank(op, *heads.begin(), 4);
-  for (const Named& a : heads)
-    if (a.t.defined()) require_shape(op, a, q.shape);
-}
-
 }  // namespace
 
 void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
   constexpr std::string_view op = "attention";
   const DType t = call_dtype(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
-  check_qkv(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
+  ops::check_attention_heads(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
   require_defined(op, {"k", k});
   require_defined(op, {"v", v});
   require_defined(op, {"o", o});
@@ -78,7 +71,7 @@ void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
                                   {"v", v},
                                   {"o", o},
                                   {"lse", lse}});
-  check_qkv(
+  ops::check_attention_heads(
       op,
       {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
   for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}})

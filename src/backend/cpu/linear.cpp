@@ -39,17 +39,7 @@ template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const 
 void CpuBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear";
   const DType t = call_dtype(op, {{"y", y}, {"x", x}, {"w", w}, {"b", b}});
-  require_defined(op, {"x", x});
-  require_rank(op, {"w", w}, 2);
-  const int64_t N = x.rows(), K = x.cols(), M = w.shape[0];
-  if (w.shape[1] != K)
-    fail("{}: weight 'w' {} must be [M, {}] to match input 'x' {}", op, w.str(), K, x.str());
-  require_defined(op, {"y", y});
-  if (y.rows() != N || y.cols() != M)
-    fail("{}: output 'y' {} must have {} rows of {} columns for x {} and w {}", op, y.str(), N, M,
-         x.str(), w.str());
-  if (b.defined() && (b.numel() != M || !b.contiguous()))
-    fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, b.str(), M);
+  const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_gemm<T>(c, false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), y.ptr<T>(), y.ld);

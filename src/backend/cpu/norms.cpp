@@ -14,13 +14,7 @@ void CpuBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x
   constexpr std::string_view op = "layernorm_modulate";
   const DType t = call_dtype(
       op, {{"y", y}, {"mean", mean}, {"rstd", rstd}, {"x", x}, {"shift", shift}, {"scale", scale}});
-  require_rank(op, {"x", x}, 3);
-  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
-  require_shape(op, {"y", y}, x.shape);
-  require_vector(op, {"mean", mean}, B * L);
-  require_vector(op, {"rstd", rstd}, B * L);
-  require_shape(op, {"shift", shift}, Shape{B, H});
-  require_shape(op, {"scale", scale}, Shape{B, H});
+  const auto [B, L, H] = ops::check_layernorm_modulate(op, y, mean, rstd, x, shift, scale);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * L, c, [&](int64_t r) {
@@ -57,11 +51,7 @@ void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor ds
                                   {"mean", mean},
                                   {"rstd", rstd},
                                   {"scale", scale}});
-  require_rank(op, {"x", x}, 3);
-  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
-  require_shape(op, {"dy", dy}, x.shape);
-  require_vector(op, {"mean", mean}, B * L);
-  require_vector(op, {"rstd", rstd}, B * L);
+  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, dy, x, mean, rstd);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const auto xhat = [&](int64_t r, int64_t j) {
@@ -115,12 +105,7 @@ void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor ds
 void CpuBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) {
   constexpr std::string_view op = "rmsnorm_heads";
   const DType t = call_dtype(op, {{"y", y}, {"rstd", rstd}, {"x", x}, {"scale", scale}});
-  require_defined(op, {"x", x});
-  require_defined(op, {"scale", scale});
-  const int64_t D = scale.numel(), rows = x.rows();
-  if (D == 0 || x.cols() % D != 0 || !scale.contiguous())
-    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op,
-         x.str(), D, scale.str());
+  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows();
   const int64_t n = x.cols() / D;
   require_same_matrix(op, {"y", y}, {"x", x});
   require_vector(op, {"rstd", rstd}, rows * n);
@@ -146,12 +131,7 @@ void CpuBackend::rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Ten
   constexpr std::string_view op = "rmsnorm_heads_backward";
   const DType t = call_dtype(
       op, {{"dx", dx}, {"dscale", dscale}, {"dy", dy}, {"x", x}, {"rstd", rstd}, {"scale", scale}});
-  require_defined(op, {"x", x});
-  require_defined(op, {"scale", scale});
-  const int64_t D = scale.numel(), rows = x.rows();
-  if (D == 0 || x.cols() % D != 0 || !scale.contiguous())
-    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op,
-         x.str(), D, scale.str());
+  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows();
   const int64_t n = x.cols() / D;
   require_same_matrix(op, {"dy", dy}, {"x", x});
   require_vector(op, {"rstd", rstd}, rows * n);

@@ -711,14 +711,10 @@ namespace {
 
 // q and every other defined head tensor: [B, n, L, D], contiguous. Returns the shape.
 AttentionShape check_heads(std::string_view op, std::initializer_list<Named> heads) {
-  const Named& q = *heads.begin();
-  require_rank(op, q, 4);
-  for (const Named& a : heads) {
-    if (!a.t.defined()) continue;
-    require_shape(op, a, q.t.shape);
-    require_contiguous(op, a);
-  }
-  return AttentionShape{q.t.shape[0], q.t.shape[1], q.t.shape[2], q.t.shape[3]};
+  ops::check_attention_heads(op, heads);
+  for (const Named& a : heads) require_contiguous(op, a);  // cuDNN and the kernel take dense [B, n, L, D]
+  const Shape& q = heads.begin()->t.shape;
+  return AttentionShape{q[0], q[1], q[2], q[3]};
 }
 
 }  // namespace

@@ -61,16 +61,7 @@ class Operands {
 void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear";
   require_f32(op, {{"y", y}, {"x", x}, {"w", w}, {"b", b}});
-  require_defined(op, {"x", x});
-  require_rank(op, {"w", w}, 2);
-  const int64_t N = x.rows(), K = x.cols(), M = w.shape[0];
-  if (w.shape[1] != K) fail("{}: weight 'w' {} must be [M, {}] to match input 'x' {}", op, w.str(), K, x.str());
-  require_defined(op, {"y", y});
-  if (y.rows() != N || y.cols() != M)
-    fail("{}: output 'y' {} must have {} rows of {} columns for x {} and w {}", op, y.str(), N, M, x.str(),
-         w.str());
-  if (b.defined() && (b.numel() != M || !b.contiguous()))
-    fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, b.str(), M);
+  const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
   if (K == 0) {  // empty product: y = b (or 0)
     if (b.defined()) {
       const Mat Y = mat(y);

@@ -94,27 +94,13 @@ __global__ void rmsnorm_heads_dx_kernel(Mat dx, Mat dy, Mat x, const float* rstd
   }
 }
 
-int64_t head_dim_checked(std::string_view op, const Tensor& x, const Tensor& scale) {
-  const int64_t D = scale.numel();
-  if (D == 0 || x.cols() % D != 0 || !scale.contiguous())
-    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op, x.str(), D,
-         scale.str());
-  return D;
-}
-
 }  // namespace
 
 void CudaBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
                                      double eps) {
   constexpr std::string_view op = "layernorm_modulate";
   require_f32(op, {{"y", y}, {"mean", mean}, {"rstd", rstd}, {"x", x}, {"shift", shift}, {"scale", scale}});
-  require_rank(op, {"x", x}, 3);
-  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
-  require_shape(op, {"y", y}, x.shape);
-  require_vector(op, {"mean", mean}, B * L);
-  require_vector(op, {"rstd", rstd}, B * L);
-  require_shape(op, {"shift", shift}, Shape{B, H});
-  require_shape(op, {"scale", scale}, Shape{B, H});
+  const auto [B, L, H] = ops::check_layernorm_modulate(op, y, mean, rstd, x, shift, scale);
   if (B * L == 0) return;
   layernorm_modulate_kernel<<<static_cast<unsigned>(B * L), kThreads, 0, stream_>>>(
       mat(y), mean.ptr<float>(), rstd.ptr<float>(), mat(x), mat(shift), mat(scale), L, eps);
@@ -132,11 +118,7 @@ void CudaBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor d
                    {"mean", mean},
                    {"rstd", rstd},
                    {"scale", scale}});
-  require_rank(op, {"x", x}, 3);
-  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
-  require_shape(op, {"dy", dy}, x.shape);
-  require_vector(op, {"mean", mean}, B * L);
-  require_vector(op, {"rstd", rstd}, B * L);
+  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, dy, x, mean, rstd);
   if (dx.defined() && B * L > 0) {
     require_shape(op, {"dx", dx}, x.shape);
     require_shape(op, {"scale", scale}, Shape{B, H});
@@ -166,9 +148,7 @@ void CudaBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor d
 void CudaBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) {
   constexpr std::string_view op = "rmsnorm_heads";
   require_f32(op, {{"y", y}, {"rstd", rstd}, {"x", x}, {"scale", scale}});
-  require_defined(op, {"x", x});
-  require_defined(op, {"scale", scale});
-  const int64_t D = head_dim_checked(op, x, scale), rows = x.rows(), n = x.cols() / D;
+  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows(), n = x.cols() / D;
   require_same_matrix(op, {"y", y}, {"x", x});
   require_vector(op, {"rstd", rstd}, rows * n);
   const int64_t segments = rows * n;
@@ -181,9 +161,7 @@ void CudaBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, d
 void CudaBackend::rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd, Tensor scale) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
   require_f32(op, {{"dx", dx}, {"dscale", dscale}, {"dy", dy}, {"x", x}, {"rstd", rstd}, {"scale", scale}});
-  require_defined(op, {"x", x});
-  require_defined(op, {"scale", scale});
-  const int64_t D = head_dim_checked(op, x, scale), rows = x.rows(), n = x.cols() / D;
+  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows(), n = x.cols() / D;
   require_same_matrix(op, {"dy", dy}, {"x", x});
   require_vector(op, {"rstd", rstd}, rows * n);
   const int64_t segments = rows * n;
