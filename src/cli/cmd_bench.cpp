@@ -77,11 +77,11 @@ Command add_bench_command(CLI::App& app) {
   return {cmd, [o]() {
     BackendOptions bo;
     bo.bf16_gemm = true;
-    std::unique_ptr<Backend> be = make_backend(o->backend, bo);
     nlohmann::json out;
     if (o->gemm) {
       fmt::print("{:>6} {:>6} {:>6} | {:>20} | {:>20} | {:>20}\n", "M", "N", "K", "FP8 linear (+casts)",
                  "FP8 GEMM (cuBLASLt)", "BF16 linear");
+      const std::unique_ptr<Backend> be = make_backend(o->backend, bo);
       for (const GemmBenchRow& r : run_gemm_bench(*be, o->steps)) {
         fmt::print("{:>6} {:>6} {:>6} | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF\n",
                    r.m, r.n, r.k, r.fp8_linear_ms, r.fp8_linear_tflops, r.fp8_gemm_ms, r.fp8_gemm_tflops, r.linear_ms,
@@ -109,18 +109,17 @@ Command add_bench_command(CLI::App& app) {
       }
       fmt::print("{:<22} {:<28} {:>9} {:>8} {:>8} {:>10} {:>10} {:>9}  {}\n", "workload", "precision", "step ms",
                  "TFLOP/s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
+      const Recompute recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
       for (StepBenchSpec s : specs) {
+        s.recompute = recompute;
+        s.lr = o->lr;
+        s.profile = o->profile;
+        s.steps = o->steps;
+        s.warmup = o->warmup;
         for (const std::string& p : o->precisions) {
           s.fp8 = fp8_for(p, o->format, run_keys);
-          s.recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
-          s.lr = o->lr;
-          s.profile = o->profile;
-          s.steps = o->steps;
-          s.warmup = o->warmup;
           // A fresh backend per run: its memory peak and plan caches are this run's alone.
-          be.reset();
-          be = make_backend(o->backend, bo);
-          const StepBenchResult r = run_step_bench(*be, s);
+          const StepBenchResult r = run_step_bench(*make_backend(o->backend, bo), s);
           std::string vs;
           if (const Peer* peer = peer_for(r.workload))
             vs = fmt::format("{:.2f}x / {:.2f}x / {:.2f}x", peer->eager_ms / r.median_ms,
