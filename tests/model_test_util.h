@@ -79,4 +79,48 @@ inline double max_rel_error(const std::vector<double>& a, const std::vector<doub
   return den > 0 ? num / den : num;
 }
 
+// A few training-like steps of a model on `be`: random parameters and inputs, forward, a random
+// probe as the gradient of pred, backward, optimizer-step bookkeeping (FP8 scale update). The
+// result of the last step, for comparing two runs (backends, recomputation, ...).
+struct ModelRunOptions {
+  DType dtype = DType::f32;
+  const Fp8Config* fp8 = nullptr;
+  Recompute recompute = Recompute::none;
+  int64_t batch = 2, txt_tokens = 5, img_tokens = 9;
+  int steps = 1;
+  double weight_std = 0.3;
+  uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
+};
+
+struct ModelRun {
+  std::vector<double> pred;
+  std::vector<std::pair<std::string, std::vector<double>>> grads;  // (name, values), layout order
+  std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
+};
+
+inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOptions& o) {
+  FluxModel model(cfg, be, o.dtype, o.fp8, o.recompute);
+  randomize_params(model.params(), o.param_seed, o.weight_std);
+  InputBatch batch(be, o.dtype);
+  FluxInputs in;
+  random_inputs(batch, cfg, o.batch, o.txt_tokens, o.img_tokens, o.input_seed, in);
+  model.plan(StepShape{o.batch, o.txt_tokens, o.img_tokens});
+  ModelRun r;
+  for (int s = 0; s < o.steps; ++s) {
+    model.params().zero_grads();
+    const Tensor pred = model.forward(in);
+    r.pred = to_host(be, pred);
+    std::vector<double> probe(r.pred.size());
+    for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(o.probe_seed, static_cast<uint64_t>(s), i);
+    model.backward(batch.make(pred.shape, probe));
+    model.end_optimizer_step();
+  }
+  for (const ParamInfo& p : model.params().layout().params())
+    r.grads.emplace_back(p.name, to_host(be, model.params().grad(p.name)));
+  if (model.fp8())
+    for (const auto& site : model.fp8()->last_step_stats())
+      for (const CastStats& c : site.op) r.cast_elements.push_back(c.elements);
+  return r;
+}
+
 }  // namespace flux8::testing

@@ -12,41 +12,17 @@
 namespace flux8::testing {
 namespace {
 
-struct Run {
-  std::vector<double> pred;
-  std::vector<std::vector<double>> grads;
-  std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
-};
-
-Run run(const FluxConfig& cfg, DType dtype, const Fp8Config* fp8, Recompute rc, int steps) {
+ModelRun run(const FluxConfig& cfg, DType dtype, const Fp8Config* fp8, Recompute rc, int steps) {
   auto be = make_backend("cpu");
-  FluxModel model(cfg, *be, dtype, fp8, rc);
-  randomize_params(model.params(), 5);
-  InputBatch batch(*be, dtype);
-  FluxInputs in;
-  random_inputs(batch, cfg, 2, 5, 9, 21, in);
-  Run r;
-  for (int s = 0; s < steps; ++s) {
-    model.params().zero_grads();
-    const Tensor pred = model.forward(in);
-    r.pred = to_host(*be, pred);
-    std::vector<double> probe(r.pred.size());
-    for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(9, static_cast<uint64_t>(s), i);
-    model.backward(batch.make(pred.shape, probe));
-    model.end_optimizer_step();
-  }
-  if (model.fp8())
-    for (const auto& site : model.fp8()->last_step_stats())
-      for (const CastStats& c : site.op) r.cast_elements.push_back(c.elements);
-  for (const ParamInfo& p : model.params().layout().params())
-    r.grads.push_back(to_host(*be, model.params().grad(p.name)));
-  return r;
+  return run_model(*be, cfg,
+                   {.dtype = dtype, .fp8 = fp8, .recompute = rc, .steps = steps, .param_seed = 5, .input_seed = 21,
+                    .probe_seed = 9});
 }
 
-void expect_identical(const Run& a, const Run& b) {
+void expect_identical(const ModelRun& a, const ModelRun& b) {
   EXPECT_EQ(a.pred, b.pred);
   ASSERT_EQ(a.grads.size(), b.grads.size());
-  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i], b.grads[i]) << "gradient " << i;
+  for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i].second, b.grads[i].second) << a.grads[i].first;
   // A recomputed forward casts again but must not count (or record) its casts a second time.
   EXPECT_EQ(a.cast_elements, b.cast_elements);
 }

@@ -12,32 +12,11 @@
 namespace flux8::testing {
 namespace {
 
-struct ModelRun {
-  std::vector<double> pred;
-  std::vector<std::pair<std::string, std::vector<double>>> grads;
-};
-
 ModelRun run_model(Backend& be, const FluxConfig& cfg, const Fp8Config* fp8, int64_t B, int64_t Lt, int64_t Li,
                    int steps = 1, double weight_std = 0.3) {
-  FluxModel model(cfg, be, DType::f32, fp8);
-  randomize_params(model.params(), 7, weight_std);
-  InputBatch batch(be, DType::f32);
-  FluxInputs in;
-  random_inputs(batch, cfg, B, Lt, Li, 11, in);
-  model.plan(StepShape{B, Lt, Li});
-  ModelRun r;
-  for (int s = 0; s < steps; ++s) {  // FP8 delayed scaling: later steps use the recorded amax
-    model.params().zero_grads();
-    const Tensor pred = model.forward(in);
-    r.pred = to_host(be, pred);
-    std::vector<double> probe(r.pred.size());
-    for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(3, 0, i);
-    model.backward(batch.make(pred.shape, probe));
-    if (model.fp8()) model.end_optimizer_step();
-  }
-  for (const ParamInfo& p : model.params().layout().params())
-    r.grads.emplace_back(p.name, to_host(be, model.params().grad(p.name)));
-  return r;
+  return testing::run_model(be, cfg,
+                            {.fp8 = fp8, .batch = B, .txt_tokens = Lt, .img_tokens = Li, .steps = steps,
+                             .weight_std = weight_std});
 }
 
 void expect_close(const ModelRun& gpu_run, const ModelRun& cpu_run, double tol_pred, double tol_grad) {
