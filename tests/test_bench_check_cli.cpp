@@ -3,10 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -21,15 +19,7 @@ namespace {
 struct Cli {
   TempDir dir;
   std::string log;
-  int run(const std::string& args) {
-    const std::string out = dir.file("log.txt");
-    const int rc = std::system((std::string(FLUX8_BINARY) + " " + args + " > " + out + " 2>&1").c_str());
-    std::ifstream in(out);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    log = ss.str();
-    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  }
+  int run(const std::string& args) { return run_flux8(args, dir.file("log.txt"), &log); }
   // A tiny model at a small shape (2 samples, 64 image + 8 text tokens).
   std::string tiny_config() {
     return dir.write("tiny.yaml", "include: " + std::string(FLUX8_SOURCE_DIR) +

@@ -1,13 +1,10 @@
 // The Euler sampler (train/sampler.h), the PNG writer (io/png.h) and `flux8 sample`.
 #include <gtest/gtest.h>
 #include <png.h>
-#include <unistd.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include "backend/backend.h"
 #include "config/config.h"
@@ -16,6 +13,7 @@
 #include "io/safetensors.h"
 #include "model/weights_io.h"
 #include "model_test_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/objective.h"
 #include "train/sampler.h"
@@ -24,6 +22,8 @@ namespace flux8 {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::run_flux8;
+using testing::TempDir;
 
 // A tiny model whose tokens are 3-channel 2×2 patches (in_channels 12).
 FluxConfig sampler_config(bool guidance) {
@@ -213,15 +213,6 @@ TEST(Sampler, WrongShapesAreRefused) {
 
 // ---- PNG ------------------------------------------------------------------------------------
 
-struct TempDir {
-  TempDir() {
-    path = fs::temp_directory_path() / ("flux8_sample_" + std::to_string(::getpid()));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  fs::path path;
-};
 
 // Reads a PNG back through libpng's simplified API as RGB8.
 std::vector<uint8_t> read_png(const std::string& path, int64_t* w, int64_t* h) {
@@ -249,7 +240,7 @@ TEST(Png, WriteThenReadBackGivesSamePixels) {
   EXPECT_EQ(read_png(dir.file("a.png"), &w, &h), rgb);
   EXPECT_EQ(w, W);
   EXPECT_EQ(h, H);
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path), fs::directory_iterator{}), 1) << "the temporary file must be renamed, not left behind";
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator{}), 1) << "the temporary file must be renamed, not left behind";
 }
 
 TEST(Png, ErrorsNameThePath) {
@@ -333,15 +324,7 @@ struct CliFixture {
     save_weights(store, c, weights, DType::f32, WeightNaming::reference);
     return {yaml, weights};
   }
-  int run(const std::string& args) {
-    const std::string out = dir.file("log.txt");
-    const int rc = std::system((std::string(FLUX8_BINARY) + " sample " + args + " > " + out + " 2>&1").c_str());
-    std::ifstream in(out);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    log = ss.str();
-    return rc;
-  }
+  int run(const std::string& args) { return run_flux8("sample " + args, dir.file("log.txt"), &log); }
   bool logged(const std::string& s) const { return log.find(s) != std::string::npos; }
 };
 
@@ -373,7 +356,7 @@ TEST(SamplerCli, PixelModelWritesPngGridOneRowPerPrompt) {
 TEST(SamplerCli, CheckpointDirectoryCarriesItsConfig) {
   CliFixture f;
   const auto [yaml, weights] = f.model("pix", kPixelKeys);
-  const fs::path ckpt = f.dir.path / "step-0000005";
+  const fs::path ckpt = fs::path(f.dir.path()) / "step-0000005";
   fs::create_directories(ckpt);
   fs::copy_file(weights, ckpt / "model.safetensors");
   TrainerState st;

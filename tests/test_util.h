@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <sys/wait.h>
+
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -72,6 +75,16 @@ inline void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
+
+// Runs `flux8 <args>` (the binary next to the tests) with its output captured in `log_file`;
+// returns its exit status (-1 if it did not exit normally) and puts the output in *log.
+#ifdef FLUX8_BINARY
+inline int run_flux8(const std::string& args, const std::string& log_file, std::string* log) {
+  const int rc = std::system((std::string(FLUX8_BINARY) + " " + args + " > " + log_file + " 2>&1").c_str());
+  *log = read_bytes(log_file);
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+#endif
 
 inline void expect_mentions(const std::string& msg, std::initializer_list<std::string> parts) {
   for (const std::string& p : parts)
