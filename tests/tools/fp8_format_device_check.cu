@@ -1,11 +1,11 @@
 // Device = host for src/fp8/format.h: every f32 bit pattern (2^32) is encoded to E4M3, E5M2 and
 // E8M0 and used as an MX amax, every bf16 through fp8_encode_bf16, every code decoded, on the GPU
-// and on the CPU, and the results must be identical. Not part of the CMake build (the project
-// has no CUDA language yet); run by hand on a GPU machine, also with fast math to show that no
-// FTZ / approximate-division setting changes a result:
-//   nvcc -std=c++20 -O2 -arch=native -Isrc -Xcompiler -fopenmp tests/tools/fp8_format_device_check.cu \
-//        -o /tmp/fp8_check && /tmp/fp8_check
-//   (again with --use_fast_math)
+// and on the CPU, and the results must be identical. Built with the CUDA backend as
+// flux8_fp8_device_check and run by CTest (label gpu; exit 77 = skipped without a GPU). To
+// show that no FTZ / approximate-division setting changes a result, build it by hand with
+// fast math too:
+//   nvcc -std=c++20 -O2 -arch=native -Isrc -Xcompiler -fopenmp --use_fast_math \
+//        tests/tools/fp8_format_device_check.cu -o /tmp/fp8_check && /tmp/fp8_check
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -61,6 +61,11 @@ uint32_t bits(float f) {
 }  // namespace
 
 int main() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: skipped\n");
+    return 77;  // CTest SKIP_RETURN_CODE
+  }
   uint8_t* d;
   CHECK_CUDA(cudaMalloc(&d, 4 * kChunk));
   std::vector<uint8_t> h(4 * kChunk);
