@@ -162,7 +162,9 @@ class Backend {
   // (delayed recipe: the registry's scale, computed from past steps) or, when that is null,
   // from this tensor's amax (tensorwise/current scaling). Blockwise and MX scales always come
   // from the block. The cast's amax is max-accumulated into *amax (the registry's staging row)
-  // and its counts merged into *stats when given.
+  // and its counts merged into *stats when given. A backend may deliver them late (the CUDA
+  // backend keeps them on the device until the next synchronize() or download()): the targets
+  // must outlive the cast and are current after synchronize().
   struct Quantize {
     Fp8Format format = Fp8Format::e4m3;
     Fp8Scaling scaling = Fp8Scaling::per_tensor;

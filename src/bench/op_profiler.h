@@ -24,6 +24,8 @@ class OpProfiler final : public Backend {
   // Rows by total time, largest first; reset() clears them (e.g. after warm-up).
   std::vector<Row> rows() const;
   void reset() { totals_.clear(); }
+  // While paused, ops run untimed (the bench uploads each batch outside the step's clock).
+  void pause(bool paused) { paused_ = paused; }
 
   std::string name() const override { return be_.name() + "+profiler"; }
   const BackendOptions& options() const override { return be_.options(); }
@@ -122,6 +124,10 @@ class OpProfiler final : public Backend {
  private:
   template <typename F>
   void timed(const char* op, F&& f) {
+    if (paused_) {
+      f();
+      return;
+    }
     be_.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     f();
@@ -131,6 +137,7 @@ class OpProfiler final : public Backend {
     r.ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
   Backend& be_;
+  bool paused_ = false;
   std::map<std::string, Row> totals_;
 };
 

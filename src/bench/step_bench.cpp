@@ -125,8 +125,10 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
 
   const int total = spec.warmup + spec.steps;
   for (int s = 0; s < total; ++s) {
+    if (profiler) profiler->pause(true);
     load_step(s);
     be.synchronize();
+    if (profiler) profiler->pause(false);
     const auto ts = Clock::now();
     be.flow_match_inputs(in.img, target, x0, in.timesteps, spec.seed, streams);
     model.params().zero_grads();

@@ -100,6 +100,7 @@ void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
 }
 
 void Fp8Runtime::end_step() {
+  be_.synchronize();  // the step's cast amaxes and statistics are on the host after this
   if (cfg_.recipe == Fp8Recipe::delayed)
     registry_.update(DelayedScalingParams{cfg_.amax_max ? AmaxAlgo::max : AmaxAlgo::most_recent, cfg_.margin,
                                           format(Operand::input), format(Operand::grad_output)});

@@ -186,6 +186,7 @@ TEST_P(CudaQuantize, EqualsCpuBitForBit) {
       q.amax = &amax_gpu;
       q.stats = &stats_gpu;
       gpu().quantize(want_row ? row.dev : QTensor{}, want_col ? col.dev : QTensor{}, x.dev, q);
+      gpu().synchronize();  // the CUDA backend delivers amax and statistics at the next synchronisation
 
       const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
       if (want_row) {
@@ -215,7 +216,38 @@ INSTANTIATE_TEST_SUITE_P(AllRecipes, CudaQuantize,
                                   fp8_format_name(std::get<1>(info.param));
                          });
 
-// Without an amax or stats target the cast skips its statistics (and their synchronisation):
+// The CUDA backend keeps each cast's statistics on the device until the next synchronisation
+// (and flushes its pending list when full): many casts into the same targets, with no
+// synchronisation between them, must merge exactly as the CPU's immediate merges do.
+TEST(CudaQuantize, DeferredStatisticsMergeInOrder) {
+  FLUX8_REQUIRE_GPU();
+  constexpr int kCasts = 4100;  // more than the backend's pending capacity
+  Pair x(Shape{3, 37}, 2);
+  fill_input(x.host, 11, false);
+  x.up();
+  QPair row(3, 37, Fp8Format::e4m3, Fp8Scaling::per_tensor);
+  CastStats stats_cpu, stats_gpu;
+  float amax_cpu = 0.0f, amax_gpu = 0.0f;
+  Backend::Quantize q;
+  for (int i = 0; i < kCasts; ++i) {
+    q.amax = &amax_cpu;
+    q.stats = &stats_cpu;
+    cpu().quantize(row.host, QTensor{}, x.host.t, q);
+    q.amax = &amax_gpu;
+    q.stats = &stats_gpu;
+    gpu().quantize(row.dev, QTensor{}, x.dev, q);
+  }
+  gpu().synchronize();
+  EXPECT_EQ(bits(amax_gpu), bits(amax_cpu));
+  EXPECT_EQ(bits(stats_gpu.amax), bits(stats_cpu.amax));
+  EXPECT_EQ(stats_gpu.elements, int64_t{kCasts} * 3 * 37);
+  EXPECT_EQ(stats_gpu.elements, stats_cpu.elements);
+  EXPECT_EQ(stats_gpu.nonzero, stats_cpu.nonzero);
+  EXPECT_EQ(stats_gpu.saturated, stats_cpu.saturated);
+  EXPECT_EQ(stats_gpu.flushed, stats_cpu.flushed);
+}
+
+// Without an amax or stats target the cast skips its statistics:
 // the codes and scales must not change.
 TEST(CudaQuantize, WithoutStatisticsSameCodes) {
   FLUX8_REQUIRE_GPU();

@@ -40,7 +40,8 @@ TEST(CudaOps, FillCopyAddAccumulate) {
 
 TEST(CudaOps, LinearForwardAndBackward) {
   FLUX8_REQUIRE_GPU();
-  for (const auto [N, K, M] : {std::array<int64_t, 3>{67, 45, 29}, {128, 256, 96}, {1, 7, 3}}) {
+  // 601 rows: the bias gradient's column sums span several row chunks (a partial one last).
+  for (const auto [N, K, M] : {std::array<int64_t, 3>{67, 45, 29}, {128, 256, 96}, {1, 7, 3}, {601, 45, 29}}) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " K=" << K << " M=" << M);
     Pair x({N, K}, 3), w({M, K}), b({M}), y({N, M}, 5);
     x.randn(11), w.randn(12, 0.2), b.randn(13), y.randn(14);
@@ -134,8 +135,10 @@ TEST(CudaOps, LayerNormModulate) {
 
 TEST(CudaOps, RmsNormHeads) {
   FLUX8_REQUIRE_GPU();
-  for (const int64_t D : {int64_t{24}, int64_t{128}}) {
-    const int64_t rows = 53, n = 3;
+  // rows x heads = 3003 segments: dscale's column sums span several row chunks.
+  for (const auto [D, rows] : {std::array<int64_t, 2>{24, 53}, {128, 53}, {128, 1001}}) {
+    SCOPED_TRACE(::testing::Message() << "D=" << D << " rows=" << rows);
+    const int64_t n = 3;
     Pair x({rows, n * D}, 7), y({rows, n * D}, 1), rstd({rows * n}), scale({D});
     x.randn(41, 1.5), scale.randn(42), y.randn(43);
     run_both([&](Backend& be, bool g) { be.rmsnorm_heads(y.t(g), rstd.t(g), x.t(g), scale.t(g), 1e-6); });

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -96,6 +97,13 @@ class CudaBackend final : public Backend {
   void* scratch(size_t bytes);
   // A second, independent scratch (ops that need two at once).
   void* scratch2(size_t bytes);
+  // Device scratch for the partial sums of the fixed-order reductions (common.cuh), apart from
+  // the two above so that a reduction may run while their contents are in use.
+  void* reduction_scratch(size_t bytes);
+  // Delivers the amax and statistics of the FP8 casts since the last call to their host targets
+  // (Quantize::amax/stats), with one synchronisation. synchronize() and download() call it, so
+  // the targets are current whenever the host can see the step's results.
+  void flush_cast_stats();
   // Host-visible pinned buffer for small results (loss, norms, amax): `bytes` ≤ 4096.
   void* pinned_result();
 
@@ -109,7 +117,19 @@ class CudaBackend final : public Backend {
   size_t scratch_bytes_ = 0;
   void* scratch2_ = nullptr;
   size_t scratch2_bytes_ = 0;
+  void* reduction_scratch_ = nullptr;
+  size_t reduction_scratch_bytes_ = 0;
   void* pinned_ = nullptr;
+  // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
+  struct PendingCastStats {
+    float* amax;
+    CastStats* stats;
+    int64_t elements;
+  };
+  static constexpr size_t kPendingCastStats = 4096;
+  std::vector<PendingCastStats> pending_stats_;
+  void* stats_dev_ = nullptr;   // kPendingCastStats totals (fp8.cu's StatsTotal)
+  void* stats_host_ = nullptr;  // pinned mirror
 };
 
 }  // namespace flux8

@@ -352,13 +352,11 @@ void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const 
   FLUX8_CHECK(tiles < (int64_t(1) << 31), "quantize: {} tiles of 128x128 exceed one launch", tiles);
   const bool current = per_tensor && !q.delayed_scale;
   const int amax_blocks = static_cast<int>(R < kAmaxBlocks ? R : kAmaxBlocks);
-  // Scratch: [scale][amax partials][tile partials][total], each 256-byte aligned.
+  // Scratch: [scale][amax partials][tile partials], each 256-byte aligned.
   const size_t off_partial_amax = 256, off_tiles = off_partial_amax + align256(kAmaxBlocks * sizeof(float));
-  const size_t off_total = off_tiles + align256(static_cast<size_t>(tiles) * sizeof(StatsPartial));
-  char* s = static_cast<char*>(scratch(off_total + sizeof(StatsTotal)));
+  char* s = static_cast<char*>(scratch(off_tiles + static_cast<size_t>(tiles) * sizeof(StatsPartial)));
   float* scale_dev = reinterpret_cast<float*>(s);
   auto* partials = reinterpret_cast<StatsPartial*>(s + off_tiles);
-  auto* total = reinterpret_cast<StatsTotal*>(s + off_total);
 
   if (current) {
     float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
@@ -390,22 +388,40 @@ void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const 
   }
   if (!want_stats) return;
 
-  // The registry (q.amax, q.stats) lives on the host for now, so the cast's amax and counts are
-  // downloaded here, with a synchronisation; the device-resident registry comes with the speed
-  // work and removes it.
+  // The registry (q.amax, q.stats) lives on the host: the cast's totals go to a device slot and
+  // reach the host targets at the next synchronize()/download() (one synchronisation per step,
+  // not one per cast).
+  if (pending_stats_.size() == kPendingCastStats) flush_cast_stats();
+  if (!stats_dev_) {
+    FLUX8_CUDA_CHECK(cudaMalloc(&stats_dev_, kPendingCastStats * sizeof(StatsTotal)));
+    FLUX8_CUDA_CHECK(cudaMallocHost(&stats_host_, kPendingCastStats * sizeof(StatsTotal)));
+  }
+  auto* total = static_cast<StatsTotal*>(stats_dev_) + pending_stats_.size();
   stats_total_kernel<<<1, kCastThreads, 0, stream()>>>(partials, tiles, total);
   FLUX8_LAUNCH_CHECK(stats_total_kernel);
-  auto* result = static_cast<StatsTotal*>(pinned_result());
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(result, total, sizeof(StatsTotal), cudaMemcpyDeviceToHost, stream()));
+  pending_stats_.push_back(PendingCastStats{q.amax, q.stats, R * C});
+}
+
+void CudaBackend::flush_cast_stats() {
+  using cuda::StatsTotal;
+  if (pending_stats_.empty()) return;
+  const size_t n = pending_stats_.size();
+  FLUX8_CUDA_CHECK(
+      cudaMemcpyAsync(stats_host_, stats_dev_, n * sizeof(StatsTotal), cudaMemcpyDeviceToHost, stream()));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream()));
-  CastStats st;
-  st.amax = result->amax;
-  st.elements = R * C;
-  st.nonzero = static_cast<int64_t>(result->nonzero);
-  st.saturated = static_cast<int64_t>(result->saturated);
-  st.flushed = static_cast<int64_t>(result->flushed);
-  if (q.amax) *q.amax = amax_accumulate(*q.amax, st.amax);
-  if (q.stats) q.stats->merge(st);
+  const auto* totals = static_cast<const StatsTotal*>(stats_host_);
+  for (size_t i = 0; i < n; ++i) {  // in cast order, as the CPU backend merges them
+    const PendingCastStats& p = pending_stats_[i];
+    CastStats st;
+    st.amax = totals[i].amax;
+    st.elements = p.elements;
+    st.nonzero = static_cast<int64_t>(totals[i].nonzero);
+    st.saturated = static_cast<int64_t>(totals[i].saturated);
+    st.flushed = static_cast<int64_t>(totals[i].flushed);
+    if (p.amax) *p.amax = amax_accumulate(*p.amax, st.amax);
+    if (p.stats) p.stats->merge(st);
+  }
+  pending_stats_.clear();
 }
 
 }  // namespace flux8

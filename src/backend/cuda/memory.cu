@@ -56,7 +56,10 @@ CudaBackend::~CudaBackend() {
   gemm_.reset();
   if (scratch_) cudaFree(scratch_);
   if (scratch2_) cudaFree(scratch2_);
+  if (reduction_scratch_) cudaFree(reduction_scratch_);
   if (pinned_) cudaFreeHost(pinned_);
+  if (stats_dev_) cudaFree(stats_dev_);
+  if (stats_host_) cudaFreeHost(stats_host_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -102,9 +105,13 @@ void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  flush_cast_stats();
 }
 
-void CudaBackend::synchronize() { FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaBackend::synchronize() {
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  flush_cast_stats();
+}
 
 namespace {
 void* grow(void*& buf, size_t& have, size_t want, cudaStream_t s) {
@@ -120,6 +127,9 @@ void* grow(void*& buf, size_t& have, size_t want, cudaStream_t s) {
 
 void* CudaBackend::scratch(size_t bytes) { return grow(scratch_, scratch_bytes_, bytes, stream_); }
 void* CudaBackend::scratch2(size_t bytes) { return grow(scratch2_, scratch2_bytes_, bytes, stream_); }
+void* CudaBackend::reduction_scratch(size_t bytes) {
+  return grow(reduction_scratch_, reduction_scratch_bytes_, bytes, stream_);
+}
 void* CudaBackend::pinned_result() { return pinned_; }
 
 // ---- fill / copy / add / accumulate --------------------------------------------------------

@@ -1,4 +1,4 @@
-// The second pass of ordered_sum (common.cuh): one block sums the partials in a fixed order.
+// The second passes of ordered_sum and column_sums (common.cuh), in a fixed order.
 #include "backend/cuda/common.cuh"
 
 namespace flux8::cuda {
@@ -9,6 +9,20 @@ __global__ void sum_partials_kernel(const double* partial, int64_t count, double
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
   s = block_sum(s, sh);
   if (threadIdx.x == 0) *out = s;
+}
+
+// One thread per (group, column): the chunk partials added in chunk order.
+__global__ void column_partials_total_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
+                                             float* out, int64_t out_ld, bool accumulate) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < groups * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t g = i / cols, c = i % cols;
+    const double* p = partial + g * chunks * cols + c;
+    double t = 0;
+    for (int64_t k = 0; k < chunks; ++k) t += p[k * cols];
+    float* o = out + g * out_ld + c;
+    *o = accumulate ? static_cast<float>(static_cast<double>(*o) + t) : static_cast<float>(t);
+  }
 }
 
 }  // namespace flux8::cuda
