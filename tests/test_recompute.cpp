@@ -1,7 +1,10 @@
-// recompute_granularity: full keeps only block inputs and re-runs each block's forward in the
-// backward. The same ops on the same inputs give the same bits, so every gradient must be
-// identical to the run that keeps all activations — in f64, f32 and FP8 (delayed scaling,
-// several steps, where a recomputed cast must not change the recorded amaxes).
+// recompute_granularity: selective drops each block's large, cheap tensors (q, k, v, the
+// attention and GELU outputs that feed a Linear) and recomputes them in the block's backward;
+// full keeps only block inputs and re-runs each block's forward in the backward. The same ops on
+// the same inputs give the same bits, so every gradient must be identical to the run that keeps
+// all activations — in f64, f32 and FP8 (delayed scaling over several steps, where a recomputed
+// cast must not change the recorded amaxes; blockwise; tensorwise with fp8_wgrad off, where
+// FP8 Linears keep their inputs unquantized).
 #include <gtest/gtest.h>
 
 #include "backend/transfer.h"
@@ -27,13 +30,28 @@ void expect_identical(const ModelRun& a, const ModelRun& b) {
   EXPECT_EQ(a.cast_elements, b.cast_elements);
 }
 
-TEST(Recompute, FullGivesIdenticalGradientsF64AndF32) {
-  const FluxConfig cfg = odd_config(2, 3, true);
-  for (DType t : {DType::f64, DType::f32})
-    expect_identical(run(cfg, t, nullptr, Recompute::full, 1), run(cfg, t, nullptr, Recompute::none, 1));
+constexpr Recompute kRecomputing[] = {Recompute::selective, Recompute::full};
+
+const char* name_of(Recompute rc) { return rc == Recompute::selective ? "selective" : "full"; }
+
+// Each recomputing policy against `none` on the same model, precision and steps.
+void expect_identical_to_none(const FluxConfig& cfg, DType dtype, const Fp8Config* fp8, int steps) {
+  const ModelRun none = run(cfg, dtype, fp8, Recompute::none, steps);
+  for (Recompute rc : kRecomputing) {
+    SCOPED_TRACE(name_of(rc));
+    expect_identical(run(cfg, dtype, fp8, rc, steps), none);
+  }
 }
 
-TEST(Recompute, FullGivesIdenticalGradientsInFp8DelayedOverSteps) {
+TEST(Recompute, GivesIdenticalGradientsF64AndF32) {
+  const FluxConfig cfg = odd_config(2, 3, true);
+  for (DType t : {DType::f64, DType::f32}) {
+    SCOPED_TRACE(dtype_name(t));
+    expect_identical_to_none(cfg, t, nullptr, 1);
+  }
+}
+
+TEST(Recompute, GivesIdenticalGradientsInFp8OverSteps) {
   const FluxConfig cfg = odd_config(2, 2, false);
   Fp8Config fp8;
   fp8.enabled = true;
@@ -41,11 +59,23 @@ TEST(Recompute, FullGivesIdenticalGradientsInFp8DelayedOverSteps) {
   fp8.recipe = Fp8Recipe::delayed;
   fp8.amax_history_len = 3;
   fp8.first_last_bf16 = true;  // blocks of different layouts share the recompute region
-  expect_identical(run(cfg, DType::f32, &fp8, Recompute::full, 3), run(cfg, DType::f32, &fp8, Recompute::none, 3));
+  {
+    SCOPED_TRACE("delayed");
+    expect_identical_to_none(cfg, DType::f32, &fp8, 3);
+  }
   fp8.recipe = Fp8Recipe::blockwise;
   fp8.amax_history_len = 1024;
   fp8.first_last_bf16 = false;
-  expect_identical(run(cfg, DType::f32, &fp8, Recompute::full, 2), run(cfg, DType::f32, &fp8, Recompute::none, 2));
+  {
+    SCOPED_TRACE("blockwise");
+    expect_identical_to_none(cfg, DType::f32, &fp8, 2);
+  }
+  fp8.recipe = Fp8Recipe::tensorwise;
+  fp8.wgrad = false;  // recomputed Linear inputs are used as they are, not cast again
+  {
+    SCOPED_TRACE("tensorwise, fp8_wgrad off");
+    expect_identical_to_none(cfg, DType::f32, &fp8, 2);
+  }
 }
 
 TEST(Recompute, FullKeepsOneBlockOfActivations) {
@@ -56,8 +86,39 @@ TEST(Recompute, FullKeepsOneBlockOfActivations) {
   EXPECT_LT(full.gpu_bytes(false), 0.4 * none.gpu_bytes(false))
       << "full " << full.gpu_bytes(false) << " vs none " << none.gpu_bytes(false);
   EXPECT_GT(full.gpu_bytes(false), 0.0);
+}
+
+TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
+  FluxConfig cfg = odd_config(4, 8, true);
+  const StepShape sh{2, 16, 64};
+  const ActivationEstimate none = FluxModel::estimate_activations(cfg, sh, Recompute::none);
+  const ActivationEstimate selective = FluxModel::estimate_activations(cfg, sh, Recompute::selective);
+  const ActivationEstimate full = FluxModel::estimate_activations(cfg, sh, Recompute::full);
+  // Per block and token: q, k, v (3H of activations) and the input of the Linear after
+  // attention and GELU — proj and mlp_out per double-block stream, linear2 in a single block
+  // (H + M of Linear inputs). Everything else, statistics included, is kept.
+  const int64_t per_block = sh.batch * sh.tokens(), H = cfg.hidden_size, M = cfg.mlp_hidden();
+  const int64_t blocks = cfg.num_double_blocks + cfg.num_single_blocks;
+  auto kept = [](const ActivationEstimate& e, SlotKind k) { return e.saved.elements[static_cast<int>(k)]; };
+  EXPECT_EQ(kept(none, SlotKind::activation) - kept(selective, SlotKind::activation), blocks * per_block * 3 * H);
+  EXPECT_EQ(kept(none, SlotKind::linear_input) - kept(selective, SlotKind::linear_input),
+            blocks * per_block * (H + M));
+  EXPECT_EQ(kept(none, SlotKind::statistic), kept(selective, SlotKind::statistic));
+  EXPECT_EQ(kept(selective, SlotKind::workspace), 0) << "recomputed tensors belong in scratch";
+  // Between the two other policies, in BF16 and in FP8; the recomputed tensors need scratch.
+  for (bool fp8 : {false, true}) {
+    EXPECT_LT(selective.saved.gpu_bytes(fp8), none.saved.gpu_bytes(fp8)) << "fp8 " << fp8;
+    EXPECT_GT(selective.saved.gpu_bytes(fp8), full.saved.gpu_bytes(fp8)) << "fp8 " << fp8;
+    EXPECT_LT(selective.gpu_bytes(fp8), none.gpu_bytes(fp8)) << "fp8 " << fp8;
+  }
+  EXPECT_GT(selective.workspace_elements, none.workspace_elements);
+}
+
+TEST(Recompute, PolicyNames) {
+  EXPECT_EQ(recompute_from_name("none"), Recompute::none);
+  EXPECT_EQ(recompute_from_name("selective"), Recompute::selective);
   EXPECT_EQ(recompute_from_name("full"), Recompute::full);
-  EXPECT_THROW(recompute_from_name("selective"), Error);
+  EXPECT_THROW(recompute_from_name("partial"), Error);
 }
 
 }  // namespace

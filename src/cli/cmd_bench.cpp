@@ -62,7 +62,7 @@ Command add_bench_command(CLI::App& app) {
                   "benchmark this config's model at its micro_batch_size, image_size and text_seq_len instead")
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o->overrides,
-                  "override a config key: fp8_* keys and recompute_granularity for the runs, or any key with -c");
+                  "override a config key: fp8_* keys and recompute_granularity (none, selective, full) for the runs, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));

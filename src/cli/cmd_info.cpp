@@ -57,8 +57,8 @@ Command add_info_command(CLI::App& app) {
     const double P = static_cast<double>(layout.total());
     const ModelFlops per_sample = model_flops(cfg, StepShape{1, shape.txt_tokens, shape.img_tokens});
     const ModelFlops per_step = model_flops(cfg, shape);
-    const ActivationEstimate act = FluxModel::estimate_activations(
-        cfg, shape, recompute_from_name(config.get_string("recompute_granularity")));
+    const std::string recompute = config.get_string("recompute_granularity");
+    const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape, recompute_from_name(recompute));
 
     // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B,
     // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
@@ -83,6 +83,7 @@ Command add_info_command(CLI::App& app) {
       j["batch"] = batch;
       j["text_tokens"] = shape.txt_tokens;
       j["image_tokens"] = shape.img_tokens;
+      j["recompute_granularity"] = recompute;
       j["flops_per_sample"] = {{"forward", per_sample.forward()}, {"training", per_sample.training()}};
       j["flops_per_step"] = {{"forward", per_step.forward()}, {"training", per_step.training()}};
       for (const Row& r : rows) j["memory_bytes"][r.name] = {{"bf16", r.bf16}, {"fp8", r.fp8}};
@@ -106,7 +107,8 @@ Command add_info_command(CLI::App& app) {
     for (const Row& r : rows) fmt::print("  {:<38}{:>12} {:>12}\n", r.name, gib(r.bf16), gib(r.fp8));
     fmt::print("  {:<38}{:>12} {:>12}\n", "total", gib(total_bf16), gib(total_fp8));
     fmt::print("  (activations: bf16 storage, fp32 statistics; FP8 stores saved Linear inputs in 1 byte;\n"
-               "   no recompute, no optimizer sharding; see docs/MEMORY.md)\n");
+               "   recompute_granularity {} (none, selective, full); no optimizer sharding; see docs/MEMORY.md)\n",
+               recompute);
     return 0;
   }};
 }

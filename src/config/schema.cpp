@@ -72,8 +72,8 @@ std::vector<KeySpec> make_keys() {
 
       // ---- training: optimizer and schedule ----
       int_key("training", "train_iters", 1000, at_least(1), "optimizer steps of the run"),
-      choice_key("training", "recompute_granularity", "none", {"none", "full"},
-                 "activation recomputation: none, or full (keep only block inputs; re-run each block's forward in the backward)"),
+      choice_key("training", "recompute_granularity", "none", {"none", "selective", "full"},
+                 "activation recomputation: none; selective (drop q/k/v and the attention and GELU outputs that feed a Linear, recompute them in the backward without GEMMs); or full (keep only block inputs; re-run each block's forward in the backward)"),
       int_key("training", "global_batch_size", 0, at_least(0), "samples per optimizer step (a multiple of micro_batch_size); 0 = micro_batch_size"),
       float_key("training", "lr", 1e-4, above(0), "peak learning rate"),
       float_key("training", "min_lr", 0.0, at_least(0), "learning rate at the end of the decay"),

@@ -6,4 +6,24 @@ ScaleParam ScaleParam::bind(const ParamStore& store, const std::string& name) {
   return {store.param(name), store.grad(name)};
 }
 
+SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
+                                        Tensor x) {
+  SavedLinearInput s;
+  if (!site.fp8 || !fp8 || !fp8->config().wgrad) {
+    s.full = x;
+    return s;
+  }
+  s.cast_t = allocate_qtensor(scratch, x.cols(), x.rows(), fp8->format(Operand::input),
+                              fp8->scaling(Operand::input), SlotKind::workspace);
+  const NoFp8Recording quiet(fp8);
+  be.quantize(QTensor{}, s.cast_t, x, fp8->quantize_args(site, Operand::input));
+  return s;
+}
+
+void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols) {
+  if (!fp8 || !fp8->config().enabled || !fp8->config().wgrad) return;
+  allocate_qtensor(scratch, cols, rows, fp8->format(Operand::input), fp8->scaling(Operand::input),
+                   SlotKind::workspace);
+}
+
 }  // namespace flux8

@@ -37,4 +37,32 @@ struct BlockContext {
   Fp8Runtime* fp8 = nullptr;  // FP8 state; null in BF16 runs
 };
 
+// Turns FP8 amax/statistics recording off while it lives. A recomputed cast uses the step's
+// scales and gives the same codes, but the forward already recorded it once.
+class NoFp8Recording {
+ public:
+  explicit NoFp8Recording(Fp8Runtime* rt) : rt_(rt), was_(rt && rt->recording()) {
+    if (rt_) rt_->set_recording(false);
+  }
+  ~NoFp8Recording() {
+    if (rt_) rt_->set_recording(was_);
+  }
+  NoFp8Recording(const NoFp8Recording&) = delete;
+  NoFp8Recording& operator=(const NoFp8Recording&) = delete;
+
+ private:
+  Fp8Runtime* rt_;
+  bool was_;
+};
+
+// recompute_granularity: selective. A Linear input the forward did not keep, rebuilt for the
+// backward from `x`, the input recomputed exactly as the forward made it: `x` itself where the
+// site keeps its input (BF16, or FP8 with fp8_wgrad off), else the transposed FP8 cast that
+// site_forward would have kept, cast again from `x` into scratch (same scale, so same codes;
+// not recorded). Mirrors allocate_linear_input.
+SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
+                                        Tensor x);
+// Scratch recompute_linear_input takes for a rows x cols input, besides `x` (planning).
+void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols);
+
 }  // namespace flux8

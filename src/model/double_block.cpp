@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 namespace flux8 {
 
@@ -24,7 +25,7 @@ DoubleStreamParams bind_stream(const ParamStore& s, const std::string& p) {
 }
 
 DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int64_t Ls, DType t,
-                                  const DoubleStreamParams& p, const Fp8Runtime* fp8) {
+                                  const DoubleStreamParams& p, const Fp8Runtime* fp8, bool selective) {
   const int64_t H = c.hidden_size, M = c.mlp_hidden(), n = c.num_heads;
   DoubleStreamSaved s;
   auto act = [&](int64_t cols) { return a.alloc(t, Shape{B, Ls, cols}, SlotKind::activation); };
@@ -42,14 +43,14 @@ DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int6
   s.qkv = act(3 * H);
   s.q_rstd = stat(n);
   s.k_rstd = stat(n);
-  s.attn = lin(p.proj, H);
+  if (!selective) s.attn = lin(p.proj, H);
   s.proj_out = act(H);
   s.x_mid = act(H);
   s.ln2_mean = stat(1);
   s.ln2_rstd = stat(1);
   s.xm2 = lin(p.mlp_in, H);
   s.mlp_h = act(M);
-  s.mlp_g = lin(p.mlp_out, M);
+  if (!selective) s.mlp_g = lin(p.mlp_out, M);
   s.mlp_out = act(H);
   return s;
 }
@@ -68,18 +69,36 @@ std::vector<LinearSite*> DoubleBlockParams::sites() {
   return out;
 }
 
+// Selective recomputation drops what is large per token but cheap to rebuild from what stays:
+// q, k, v (3H per token, from qkv, which QK-norm's backward keeps anyway) and each stream's
+// attention output in token layout (H, a copy of o) and GELU output (M = 4H, from mlp_h) — 8H
+// of the 22H a token keeps, for no GEMM: the backward redoes QK-norm, RoPE, two layout copies,
+// one GELU and, in FP8, the two casts. mlp_h stays because GELU cannot be inverted and
+// recomputing it is the mlp_in GEMM, which in FP8 cannot even be redone bit-exactly (only the
+// transposed cast of its input is kept). o and lse stay: recomputing them is the attention
+// forward, the most expensive op that is not a GEMM.
 DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
-                                            const DoubleBlockParams& p, const Fp8Runtime* fp8) {
+                                            const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
   DoubleBlockSaved s;
-  s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8);
-  s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8);
+  s.selective = selective;
+  s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
+  s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
   const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  s.q = a.alloc(t, heads, SlotKind::activation);
-  s.k = a.alloc(t, heads, SlotKind::activation);
-  s.v = a.alloc(t, heads, SlotKind::activation);
+  if (!selective) {
+    s.q = a.alloc(t, heads, SlotKind::activation);
+    s.k = a.alloc(t, heads, SlotKind::activation);
+    s.v = a.alloc(t, heads, SlotKind::activation);
+  }
   s.o = a.alloc(t, heads, SlotKind::activation);
   s.lse = a.alloc(t, Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
   return s;
+}
+
+void DoubleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType t) {
+  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
+  q = scratch.alloc(t, heads, SlotKind::workspace);
+  k = scratch.alloc(t, heads, SlotKind::workspace);
+  v = scratch.alloc(t, heads, SlotKind::workspace);
 }
 
 namespace {
@@ -133,10 +152,11 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
 }
 
 // Backward of stream_post_attention: dx holds d(block output) and becomes d(x_mid); the
-// attention-output gradient is scattered into the joint dO.
+// attention-output gradient is scattered into the joint dO. Selective: the mlp_out and proj
+// inputs are recomputed (as stream_post_attention made them) just before their backward.
 void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
-                                    const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
-                                    Tensor d_o, int64_t offset) {
+                                    const DoubleStreamSaved& s, const DoubleBlockSaved& joint,
+                                    Tensor dmod, Tensor dx, Tensor d_o, int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const Shape tok = s.x_in.shape;
@@ -148,7 +168,15 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   Tensor d_m2 = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
 
   be.gated_residual_backward(d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
-  site_backward(be, ctx.fp8, a, p.mlp_out, d_m, d_h, s.mlp_g, false);
+  const size_t gelu_mark = a.mark();
+  SavedLinearInput mlp_g = s.mlp_g;
+  if (joint.selective) {
+    const Tensor g = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
+    be.gelu_tanh(g, s.mlp_h);
+    mlp_g = recompute_linear_input(be, ctx.fp8, a, p.mlp_out, g);
+  }
+  site_backward(be, ctx.fp8, a, p.mlp_out, d_m, d_h, mlp_g, false);
+  a.release_to(gelu_mark);
   be.gelu_tanh_backward(d_m2, d_m, s.mlp_h);
   site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, s.xm2, false);
   be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid,
@@ -156,9 +184,41 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
 
   Tensor d_attn = a.alloc(ctx.dtype, tok, SlotKind::workspace);
   be.gated_residual_backward(d_h, chunk(dmod, 2, H), dx, s.proj_out, chunk(s.mod, 2, H));
-  site_backward(be, ctx.fp8, a, p.proj, d_attn, d_h, s.attn, false);
+  SavedLinearInput attn = s.attn;
+  if (joint.selective) {
+    const Tensor x = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+    be.heads_to_tokens(x, joint.o, offset);
+    attn = recompute_linear_input(be, ctx.fp8, a, p.proj, x);
+  }
+  site_backward(be, ctx.fp8, a, p.proj, d_attn, d_h, attn, false);
   be.tokens_to_heads(d_o, d_attn, offset);
   a.release_to(mark);
+}
+
+// Selective: q, k, v (scratch views in `joint`) recomputed from each stream's kept qkv by the
+// ops of stream_pre_attention and double_block_forward — QK-norm, layout, RoPE. QK-norm's
+// statistics come out again; the kept ones are the same and stay in use.
+void recompute_joint_qkv(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& joint) {
+  Backend& be = ctx.be;
+  const int64_t H = ctx.cfg.hidden_size;
+  const double qk_eps = ctx.cfg.qk_norm_eps;
+  Arena& a = ctx.scratch;
+  int64_t offset = 0;
+  for (const auto& [sp, ss] : {std::pair{&p.txt, &joint.txt}, std::pair{&p.img, &joint.img}}) {
+    const Shape tok = ss->x_in.shape;
+    const size_t mark = a.mark();
+    const Tensor normed = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+    const Tensor rstd = a.alloc(ctx.dtype, ss->q_rstd.shape, SlotKind::workspace);
+    be.rmsnorm_heads(normed, rstd, ss->qkv.cols_slice(0, H), sp->q_norm.s, qk_eps);
+    be.tokens_to_heads(joint.q, normed, offset);
+    be.rmsnorm_heads(normed, rstd, ss->qkv.cols_slice(H, H), sp->k_norm.s, qk_eps);
+    be.tokens_to_heads(joint.k, normed, offset);
+    be.tokens_to_heads(joint.v, ss->qkv.cols_slice(2 * H, H), offset);
+    a.release_to(mark);
+    offset += tok[1];
+  }
+  be.rope(joint.q, ctx.pe, false);
+  be.rope(joint.k, ctx.pe, false);
 }
 
 // Backward of stream_pre_attention: gathers this stream's dq/dk/dv from the joint
@@ -212,15 +272,23 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   const size_t mark = a.mark();
   Tensor dmod_txt = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
   Tensor dmod_img = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
-  Tensor d_o = a.alloc(ctx.dtype, s.o.shape, SlotKind::workspace);
-  Tensor d_q = a.alloc(ctx.dtype, s.q.shape, SlotKind::workspace);
-  Tensor d_k = a.alloc(ctx.dtype, s.k.shape, SlotKind::workspace);
-  Tensor d_v = a.alloc(ctx.dtype, s.v.shape, SlotKind::workspace);
+  const Shape heads = s.o.shape;  // of q, k, v too (which selective does not keep)
+  Tensor d_o = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_q = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_k = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_v = a.alloc(ctx.dtype, heads, SlotKind::workspace);
 
-  stream_post_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_o, 0);
-  stream_post_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_o, Lt);
-  be.attention_backward(d_q, d_k, d_v, d_o, s.q, s.k, s.v, s.o, s.lse,
+  stream_post_attention_backward(ctx, p.txt, s.txt, s, dmod_txt, dtxt, d_o, 0);
+  stream_post_attention_backward(ctx, p.img, s.img, s, dmod_img, dimg, d_o, Lt);
+  const size_t qkv_mark = a.mark();
+  DoubleBlockSaved joint = s;  // views; selective: q, k, v recomputed into scratch
+  if (s.selective) {
+    joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.dtype);
+    recompute_joint_qkv(ctx, p, joint);
+  }
+  be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse,
                         1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+  a.release_to(qkv_mark);
   be.rope(d_q, ctx.pe, true);  // the rotation is orthogonal: its backward is the inverse
   be.rope(d_k, ctx.pe, true);
   stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, 0);
@@ -228,7 +296,8 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   a.release_to(mark);
 }
 
-void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8) {
+void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
+                               bool selective) {
   // Everything double_block_backward and its helpers take, summed (an upper bound of the
   // simultaneous use; an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, H = c.hidden_size, M = c.mlp_hidden();
@@ -241,6 +310,14 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M), t);
+  if (!selective) return;
+  // Recomputed q, k, v (the forward's buffers for them too), QK-norm's output and statistics
+  // while recomputing them, and one recomputed Linear input with its FP8 cast.
+  for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
+  a.alloc(t, Shape{B * Lmax * c.num_heads}, SlotKind::workspace);
+  a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
+  plan_recompute_linear_input(a, fp8, B * Lmax, M);
 }
 
 }  // namespace flux8

@@ -26,21 +26,29 @@ struct DoubleStreamSaved {
   SavedLinearInput xm1;            // its output (qkv input)
   Tensor qkv;                      // [B, Ls, 3H] before QK-norm
   Tensor q_rstd, k_rstd;
-  SavedLinearInput attn;           // attention output in token layout (proj input)
+  SavedLinearInput attn;           // attention output in token layout (proj input); not kept when selective
   Tensor proj_out;                 // (gate1 gradient)
   Tensor x_mid;                    // residual after attention (LayerNorm 2 backward)
   Tensor ln2_mean, ln2_rstd;
   SavedLinearInput xm2;            // (mlp_in input)
   Tensor mlp_h;                    // GELU input
-  SavedLinearInput mlp_g;          // GELU output (mlp_out input)
+  SavedLinearInput mlp_g;          // GELU output (mlp_out input); not kept when selective
   Tensor mlp_out;                  // (gate2 gradient)
 };
 
 struct DoubleBlockSaved {
   DoubleStreamSaved txt, img;
   Tensor q, k, v, o, lse;  // joint attention, head-major [B, n, L, D], after QK-norm and RoPE
-  static DoubleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape,
-                                   DType dtype, const DoubleBlockParams& p, const Fp8Runtime* fp8);
+  // recompute_granularity: selective. q, k, v and each stream's attn and mlp_g are not kept;
+  // the backward recomputes them in scratch (q, k, v from qkv: QK-norm, layout, RoPE; attn from
+  // o: layout; mlp_g from mlp_h: GELU) and re-casts the two Linear inputs in FP8.
+  bool selective = false;
+  static DoubleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype,
+                                   const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
+  // Selective: the forward still writes q, k, v. Points them at scratch for one forward; the
+  // caller releases the scratch after it and calls forget_recomputed().
+  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype);
+  void forget_recomputed() { q = k = v = Tensor{}; }
 };
 
 // txt [B, Lt, H] and img [B, Li, H] are updated in place.
@@ -53,6 +61,6 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
 
 // Scratch memory the block needs at most (planning).
 void double_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
-                               const Fp8Runtime* fp8);
+                               const Fp8Runtime* fp8, bool selective = false);
 
 }  // namespace flux8

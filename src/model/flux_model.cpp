@@ -35,7 +35,7 @@ struct ModelSaved {
   MlpEmbedderSaved time, guidance, vector;
   Tensor vec, silu_vec;        // [B,H]
   Tensor final_mod, final_mean, final_rstd, final_xm, pred;
-  std::vector<DoubleBlockSaved> doubles;  // every block's activations (Recompute::none)
+  std::vector<DoubleBlockSaved> doubles;  // every block's activations (Recompute::none, selective)
   std::vector<SingleBlockSaved> singles;
   // Recompute::full: each block's input, buffers to re-run a block's forward in, and the arena
   // mark where the one block region (a block's activations, recomputed) starts.
@@ -67,9 +67,12 @@ struct ModelSaved {
     s.final_rstd = a.alloc(t, Shape{B * sh.img_tokens}, SlotKind::statistic);
     s.final_xm = act(Shape{B, sh.img_tokens, H});
     s.pred = act(Shape{B, sh.img_tokens, c.out_channels});
-    if (recompute == Recompute::none) {
-      for (const DoubleBlockParams& p : dp) s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, p, fp8));
-      for (const SingleBlockParams& p : sp) s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, p, fp8));
+    if (recompute != Recompute::full) {
+      const bool selective = recompute == Recompute::selective;
+      for (const DoubleBlockParams& p : dp)
+        s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, p, fp8, selective));
+      for (const SingleBlockParams& p : sp)
+        s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, p, fp8, selective));
       return s;
     }
     for (size_t i = 0; i < dp.size(); ++i) {
@@ -98,7 +101,9 @@ struct ModelSaved {
 namespace {
 
 // Scratch needed besides the blocks': the model-level backward buffers.
-void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8) {
+void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
+                        Recompute recompute) {
+  const bool selective = recompute == Recompute::selective;
   const int64_t B = sh.batch, H = c.hidden_size;
   a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);  // dtxt
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // dimg
@@ -106,17 +111,18 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, co
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // final dxm
   for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
   const size_t mark = a.mark();  // blocks run one at a time: the larger of the two counts
-  double_block_plan_scratch(a, c, sh, t, fp8);
+  double_block_plan_scratch(a, c, sh, t, fp8, selective);
   a.release_to(mark);
-  single_block_plan_scratch(a, c, sh, t, fp8);
+  single_block_plan_scratch(a, c, sh, t, fp8, selective);
 }
 
 }  // namespace
 
 Recompute recompute_from_name(const std::string& name) {
   if (name == "none") return Recompute::none;
+  if (name == "selective") return Recompute::selective;
   if (name == "full") return Recompute::full;
-  fail("recompute_granularity '{}': choose none or full", name);
+  fail("recompute_granularity '{}': choose none, selective or full", name);
 }
 
 FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
@@ -162,14 +168,14 @@ ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepSh
   const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
   ModelSaved::allocate(saved, cfg, shape, DType::f32, dp, sp, nullptr, recompute);
-  plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr);
+  plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr, recompute);
   return {saved.peak_usage(), static_cast<int64_t>(scratch.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {
   Arena saved, scratch;
   ModelSaved::allocate(saved, cfg_, s, dtype_, double_params_, single_params_, fp8_.get(), recompute_);
-  plan_model_scratch(scratch, cfg_, s, dtype_, fp8_.get());
+  plan_model_scratch(scratch, cfg_, s, dtype_, fp8_.get(), recompute_);
   saved_arena_.reserve(be_, saved.peak());
   scratch_arena_.reserve(be_, scratch.peak());
   planned_ = s;
@@ -239,7 +245,12 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   const bool full = recompute_ == Recompute::full;
   for (size_t i = 0; i < double_params_.size(); ++i) {
     if (!full) {
-      double_block_forward(ctx, double_params_[i], s.doubles[i], s.txt, s.img);
+      DoubleBlockSaved& blk = s.doubles[i];
+      const size_t mark = scratch_arena_.mark();
+      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, dtype_);  // q, k, v: this forward only
+      double_block_forward(ctx, double_params_[i], blk, s.txt, s.img);
+      scratch_arena_.release_to(mark);
+      if (blk.selective) blk.forget_recomputed();
       continue;
     }
     be_.copy(s.double_txt_in[i], s.txt);
@@ -251,7 +262,12 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.concat_tokens(s.z, s.txt, s.img);
   for (size_t i = 0; i < single_params_.size(); ++i) {
     if (!full) {
-      single_block_forward(ctx, single_params_[i], s.singles[i], s.z);
+      SingleBlockSaved& blk = s.singles[i];
+      const size_t mark = scratch_arena_.mark();
+      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, dtype_);
+      single_block_forward(ctx, single_params_[i], blk, s.z);
+      scratch_arena_.release_to(mark);
+      if (blk.selective) blk.forget_recomputed();
       continue;
     }
     be_.copy(s.single_in[i], s.z);
@@ -305,18 +321,10 @@ void FluxModel::backward(const Tensor& dpred) {
   BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get()};
   be_.fill(dtxt, 0.0);
   be_.concat_tokens(dz, dtxt, dimg);
+  // Recompute::selective recomputes inside each block's backward; full re-runs whole blocks
+  // here. Recomputed forwards cast with the step's scales and must not record amaxes or
+  // statistics twice.
   const bool full = recompute_ == Recompute::full;
-  // Recomputed forwards cast with the step's scales and must not record amaxes/statistics twice.
-  struct NoFp8Recording {
-    Fp8Runtime* rt;
-    bool was;
-    explicit NoFp8Recording(Fp8Runtime* r) : rt(r), was(r && r->recording()) {
-      if (rt) rt->set_recording(false);
-    }
-    ~NoFp8Recording() {
-      if (rt) rt->set_recording(was);
-    }
-  };
   for (size_t i = single_params_.size(); i-- > 0;) {
     if (!full) {
       single_block_backward(ctx, single_params_[i], s.singles[i], dz);

@@ -37,11 +37,14 @@ struct EmbedderSaved;
 struct ModelSaved;
 
 // recompute_granularity. none: every block keeps its activations from forward to backward.
+// selective: every block keeps them except the large ones that are cheap to redo — q, k, v and
+// the attention/GELU outputs that feed a Linear (see DoubleBlockSaved, SingleBlockSaved); the
+// block's backward recomputes those in scratch with no GEMM and no attention forward.
 // full: only each block's input is kept; the backward runs the block's forward again (into one
 // reused region) right before its backward — activation memory of one block instead of all,
 // for one more forward pass. Results are bit-identical (the same ops on the same inputs; FP8
 // casts reuse the step's scales and are not recorded twice).
-enum class Recompute : uint8_t { none, full };
+enum class Recompute : uint8_t { none, selective, full };
 // From the recompute_granularity key's value.
 Recompute recompute_from_name(const std::string& name);
 

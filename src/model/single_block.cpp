@@ -16,11 +16,16 @@ SingleBlockParams SingleBlockParams::bind(const ParamStore& s, int64_t index) {
   return p;
 }
 
+// Selective recomputation drops q, k, v (3H per token, from u: QK-norm, layout, RoPE) and
+// linear2's input cat (H + M = 5H: a copy of o and the GELU of u's MLP part) — 8H of the 19H a
+// token keeps, for no GEMM. u and o stay: the first is a GEMM output that QK-norm's and GELU's
+// backward need anyway, the second would cost the attention forward (with lse) to recompute.
 SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
-                                            const SingleBlockParams& p, const Fp8Runtime* fp8) {
+                                            const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
   const int64_t B = sh.batch, L = sh.tokens(), H = c.hidden_size, M = c.mlp_hidden();
   const int64_t n = c.num_heads;
   SingleBlockSaved s;
+  s.selective = selective;
   s.z_in = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 3 * H}, SlotKind::activation);
@@ -31,15 +36,58 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.q_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
   const Shape heads{B, n, L, c.head_dim()};
-  s.q = a.alloc(t, heads, SlotKind::activation);
-  s.k = a.alloc(t, heads, SlotKind::activation);
-  s.v = a.alloc(t, heads, SlotKind::activation);
+  if (!selective) {
+    s.q = a.alloc(t, heads, SlotKind::activation);
+    s.k = a.alloc(t, heads, SlotKind::activation);
+    s.v = a.alloc(t, heads, SlotKind::activation);
+  }
   s.o = a.alloc(t, heads, SlotKind::activation);
   s.lse = a.alloc(t, Shape{B, n, L}, SlotKind::statistic);
-  s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
+  if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   return s;
 }
+
+void SingleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType t) {
+  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
+  q = scratch.alloc(t, heads, SlotKind::workspace);
+  k = scratch.alloc(t, heads, SlotKind::workspace);
+  v = scratch.alloc(t, heads, SlotKind::workspace);
+}
+
+namespace {
+
+// Selective: linear2's input as single_block_forward made it — the attention output in token
+// layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
+SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
+  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
+  const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M},
+                                       SlotKind::workspace);
+  ctx.be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
+  ctx.be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
+  return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
+}
+
+// Selective: q, k, v (scratch views in `r`) from the kept u, by single_block_forward's ops —
+// QK-norm, layout, RoPE. QK-norm's statistics come out again; the kept ones stay in use.
+void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& r) {
+  Backend& be = ctx.be;
+  const int64_t H = ctx.cfg.hidden_size;
+  const double qk_eps = ctx.cfg.qk_norm_eps;
+  const size_t mark = ctx.scratch.mark();
+  const Tensor normed = ctx.scratch.alloc(ctx.dtype, r.z_in.shape, SlotKind::workspace);
+  const Tensor rstd = ctx.scratch.alloc(ctx.dtype, r.q_rstd.shape, SlotKind::workspace);
+  be.rmsnorm_heads(normed, rstd, r.u.cols_slice(0, H), p.q_norm.s, qk_eps);
+  be.tokens_to_heads(r.q, normed, 0);
+  be.rmsnorm_heads(normed, rstd, r.u.cols_slice(H, H), p.k_norm.s, qk_eps);
+  be.tokens_to_heads(r.k, normed, 0);
+  be.tokens_to_heads(r.v, r.u.cols_slice(2 * H, H), 0);
+  ctx.scratch.release_to(mark);
+  be.rope(r.q, ctx.pe, false);
+  be.rope(r.k, ctx.pe, false);
+}
+
+}  // namespace
 
 void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
                           SingleBlockSaved& s, Tensor z) {
@@ -87,17 +135,28 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
   Tensor d_cat = a.alloc(ctx.dtype, Shape{B, L, H + M}, SlotKind::workspace);
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
-  Tensor d_o = a.alloc(ctx.dtype, s.o.shape, SlotKind::workspace);
-  Tensor d_q = a.alloc(ctx.dtype, s.q.shape, SlotKind::workspace);
-  Tensor d_k = a.alloc(ctx.dtype, s.k.shape, SlotKind::workspace);
-  Tensor d_v = a.alloc(ctx.dtype, s.v.shape, SlotKind::workspace);
+  const Shape heads = s.o.shape;  // of q, k, v too (which selective does not keep)
+  Tensor d_o = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_q = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_k = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_v = a.alloc(ctx.dtype, heads, SlotKind::workspace);
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
-  site_backward(be, ctx.fp8, a, p.linear2, d_cat, d_h, s.cat, false);
+  const size_t cat_mark = a.mark();
+  const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, s) : s.cat;
+  site_backward(be, ctx.fp8, a, p.linear2, d_cat, d_h, cat, false);
+  a.release_to(cat_mark);
   be.gelu_tanh_backward(d_u.cols_slice(3 * H, M), d_cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   be.tokens_to_heads(d_o, d_cat.cols_slice(0, H), 0);
-  be.attention_backward(d_q, d_k, d_v, d_o, s.q, s.k, s.v, s.o, s.lse,
+  const size_t qkv_mark = a.mark();
+  SingleBlockSaved r = s;  // views; selective: q, k, v recomputed into scratch
+  if (s.selective) {
+    r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.dtype);
+    recompute_qkv(ctx, p, r);
+  }
+  be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse,
                         1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+  a.release_to(qkv_mark);
   be.rope(d_q, ctx.pe, true);
   be.rope(d_k, ctx.pe, true);
   be.heads_to_tokens(d_h, d_q, 0);
@@ -114,16 +173,26 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   a.release_to(mark);
 }
 
-void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8) {
+void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
+                               bool selective) {
   // Everything single_block_backward takes (the forward takes less).
   const int64_t B = sh.batch, L = sh.tokens(), H = c.hidden_size, M = c.mlp_hidden();
+  const Shape heads{B, c.num_heads, L, c.head_dim()};
   a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, 3 * H + M}, SlotKind::workspace);
-  for (int i = 0; i < 4; ++i) a.alloc(t, Shape{B, c.num_heads, L, c.head_dim()}, SlotKind::workspace);
+  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * L, 3 * H + M, t);
+  if (!selective) return;
+  // Recomputed q, k, v (the forward's buffers for them too), QK-norm's output and statistics
+  // while recomputing them, and the recomputed cat with its FP8 cast.
+  for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
+  a.alloc(t, Shape{B * L * c.num_heads}, SlotKind::workspace);
+  a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);
+  plan_recompute_linear_input(a, fp8, B * L, H + M);
 }
 
 }  // namespace flux8

@@ -24,8 +24,16 @@ struct SingleBlockSaved {
   Tensor q, k, v, o, lse;       // head-major, after QK-norm and RoPE
   SavedLinearInput cat;         // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
   Tensor out;                   // linear2 output (gate gradient)
-  static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape,
-                                   DType dtype, const SingleBlockParams& p, const Fp8Runtime* fp8);
+  // recompute_granularity: selective. q, k, v and cat are not kept; the backward recomputes
+  // them in scratch (q, k, v from u: QK-norm, layout, RoPE; cat from o and u's MLP part:
+  // layout and GELU) and re-casts cat in FP8.
+  bool selective = false;
+  static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype,
+                                   const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
+  // Selective: the forward still writes q, k, v. Points them at scratch for one forward; the
+  // caller releases the scratch after it and calls forget_recomputed().
+  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype);
+  void forget_recomputed() { q = k = v = Tensor{}; }
 };
 
 // z [B, L, H] updated in place.
@@ -36,6 +44,6 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
                            const SingleBlockSaved& saved, Tensor dz);
 
 void single_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
-                               const Fp8Runtime* fp8);
+                               const Fp8Runtime* fp8, bool selective = false);
 
 }  // namespace flux8
