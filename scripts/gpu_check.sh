@@ -13,7 +13,8 @@
 #          call of its own, it takes ~3 min: the --gemm micro-benchmark; W1, W2 x BF16 and FP8
 #          recipes; the per-op breakdown (--profile) of W1/W2 in BF16 and FP8 delayed; curve: a
 #          GPU_CHECK_CURVE_STEPS (500) step
-#          flux_535m loss-curve run in BF16 and FP8 delayed hybrid) -> $OUT/bench*.json, .txt
+#          flux_535m loss-curve run in BF16 and FP8 delayed hybrid; recompute: W1, W2 in BF16 and
+#          FP8 delayed with recompute_granularity selective and full) -> $OUT/bench*.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
@@ -31,21 +32,17 @@ exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 stages=${GPU_CHECK_STAGES:-info build test check demo bench}
 deadline=${GPU_CHECK_DEADLINE:-570}
 cores=$(nproc)
-carry=$PWD/.carry/usr
 elapsed() { echo $(($(date +%s) - start)); }
 die() { echo "GPU_CHECK FAILED ($(elapsed) s): $*" >&2; exit 1; }
 stage() { echo; echo "=== $1 ($(elapsed) s) ==="; }
 has() { [[ " $stages " == *" $1 "* ]]; }
 
+source scripts/gpu_env.sh  # LD_LIBRARY_PATH for .carry, the cuDNN/NCCL wheels and the toolkit
+carry=$flux8_carry
 [ -d "$carry/include" ] || die ".carry/usr is missing: run scripts/prepare_carry.sh here and name .carry in carry"
-export LD_LIBRARY_PATH=$carry/lib/x86_64-linux-gnu:$carry/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-python=$(command -v python3) || die "no python3"
-# cuDNN and NCCL live in the Python environment's nvidia-* wheels there (DESIGN.md §5).
-wheel_dir() { "$python" -c "import nvidia.$1 as m; print(list(m.__path__)[0])" 2>/dev/null || true; }
-cudnn_root=$(wheel_dir cudnn); nccl_root=$(wheel_dir nccl)
-for d in "$cudnn_root" "$nccl_root"; do [ -n "$d" ] && export LD_LIBRARY_PATH=$d/lib:$LD_LIBRARY_PATH; done
-# cuDNN's runtime-compiled engines need NVRTC from the toolkit.
-export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/usr/local/cuda/lib64
+python=$flux8_python
+[ -n "$python" ] || die "no python3"
+cudnn_root=$flux8_cudnn_root; nccl_root=$flux8_nccl_root
 
 if has info; then
   stage info
@@ -142,6 +139,13 @@ if has bench; then
   if [[ " $parts " == *" profile "* ]]; then
     build/flux8 bench --precision bf16,delayed --profile --steps 3 --warmup 2 --json "$OUT/bench_profile.json" 2>&1 |
       tee "$OUT/bench_profile.txt" || die "flux8 bench --profile failed"
+  fi
+  if [[ " $parts " == *" recompute "* ]]; then
+    for policy in selective full; do
+      build/flux8 bench --precision bf16,delayed --set recompute_granularity=$policy --steps 5 --warmup 2 \
+          --json "$OUT/bench_recompute_$policy.json" 2>&1 | tee "$OUT/bench_recompute_$policy.txt" ||
+        die "flux8 bench with recompute_granularity=$policy failed"
+    done
   fi
   if [[ " $parts " == *" curve "* ]]; then
     build/flux8 bench --workload W1 --precision bf16,delayed --warmup 0 --steps "${GPU_CHECK_CURVE_STEPS:-500}" \

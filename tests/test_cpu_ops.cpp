@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "backend/backend.h"
@@ -17,6 +18,12 @@ namespace {
 
 constexpr double kExact = 1e-12;
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 
 class CpuOps : public ::testing::Test {
  protected:
@@ -108,6 +115,57 @@ TEST_F(CpuOps, LayerNormModulateMatchesFormula) {
       const double ref = (1 + mod.at(b, H + j)) * (x.at(r, j) - mu) * rs + mod.at(b, j);
       EXPECT_NEAR(y.at(r, j), ref, 1e-10);
     }
+  }
+}
+
+// y undefined: only mean and rstd (what a fused LayerNorm + cast needs first), the same values.
+TEST_F(CpuOps, LayerNormStatisticsOnly) {
+  const int64_t B = 2, L = 5, H = 33;
+  Buf<float> x({B, L, H}, 2), mod({B, 2 * H}), y({B, L, H}), mean({B * L}), rstd({B * L}), mean2({B * L}),
+      rstd2({B * L});
+  x.randn(17, 3.0), mod.randn(18);
+  be->layernorm_modulate(y.t, mean.t, rstd.t, x.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H), 1e-6);
+  be->layernorm_modulate(Tensor{}, mean2.t, rstd2.t, x.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H), 1e-6);
+  EXPECT_EQ(mean.mem, mean2.mem);
+  EXPECT_EQ(rstd.mem, rstd2.mem);
+  EXPECT_THROW(be->layernorm_modulate(Tensor{}, mean2.t, rstd2.t, x.t, mod.t.cols_slice(0, H - 1),
+                                      mod.t.cols_slice(H, H), 1e-6),
+               Error);
+}
+
+// Backend::quantize_fused's default (the CPU's): the op's output, then the cast — the same
+// codes, scales and statistics as doing the two by hand.
+TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
+  using Op = Backend::CastInput::Op;
+  const int64_t B = 2, L = 9, H = 140;
+  Buf<float> x({B, L, H}, 3), mod({B, 2 * H}), mean({B * L}), rstd({B * L}), y({B, L, H});
+  x.randn(21, 2.0), mod.randn(22, 0.5);
+  for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate}) {
+    SCOPED_TRACE(static_cast<int>(op));
+    Backend::CastInput in{.op = op, .x = x.t, .mean = mean.t, .rstd = rstd.t, .shift = mod.t.cols_slice(0, H),
+                          .scale = mod.t.cols_slice(H, H), .eps = 1e-6};
+    be->produce(y.t, in);
+    std::vector<uint8_t> fused(B * L * H, 0xA5), by_hand(B * L * H, 0x5A);
+    std::vector<float> s_fused(B * L * 2, -1), s_hand(B * L * 2, -2);
+    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) {
+      QTensor q;
+      q.codes = codes.data(), q.rows = B * L, q.cols = H, q.scaling = Fp8Scaling::block_1x128;
+      q.scale_inv = scales.data();
+      return q;
+    };
+    Backend::Quantize q;
+    q.scaling = Fp8Scaling::block_1x128;
+    CastStats st_fused, st_hand;
+    q.stats = &st_fused;
+    be->quantize_fused(qt(fused, s_fused), QTensor{}, in, q);
+    q.stats = &st_hand;
+    be->quantize(qt(by_hand, s_hand), QTensor{}, y.t.reshaped(Shape{B * L, H}), q);
+    EXPECT_EQ(fused, by_hand);
+    EXPECT_EQ(s_fused, s_hand);
+    EXPECT_EQ(st_fused.elements, st_hand.elements);
+    EXPECT_EQ(st_fused.nonzero, st_hand.nonzero);
+    EXPECT_EQ(st_fused.flushed, st_hand.flushed);
+    EXPECT_EQ(bits_of(st_fused.amax), bits_of(st_hand.amax));
   }
 }
 

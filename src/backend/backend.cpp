@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/op_checks.h"
 #if FLUX8_HAVE_CUDA
 #include "backend/cuda/factory.h"
 #endif
@@ -22,6 +23,35 @@ void Backend::track_release(void* p) {
   if (it == sizes_.end()) return;
   memory_.allocated -= it->second;
   sizes_.erase(it);
+}
+
+void Backend::produce(Tensor y, const CastInput& in) {
+  switch (in.op) {
+    case CastInput::Op::identity: copy(y, in.x); return;
+    case CastInput::Op::gelu_tanh: gelu_tanh(y, in.x); return;
+    case CastInput::Op::layernorm_modulate:
+      // Recomputes mean and rstd: the same values, from the same x and eps.
+      layernorm_modulate(y, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);
+      return;
+  }
+}
+
+void Backend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
+  if (in.op == CastInput::Op::identity) {
+    quantize(rowwise, columnwise, in.x, q);
+    return;
+  }
+  ops::require_defined("quantize_fused", {"x", in.x});
+  const size_t bytes = static_cast<size_t>(in.x.numel()) * dtype_size(in.x.dtype);
+  const Tensor y(allocate(bytes), in.x.dtype, in.x.shape);
+  try {
+    produce(y, in);
+    quantize(rowwise, columnwise, y, q);
+  } catch (...) {
+    release(y.data);
+    throw;
+  }
+  release(y.data);
 }
 
 BackendOptions BackendOptions::from_config(const Config& cfg) {

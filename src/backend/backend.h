@@ -85,7 +85,8 @@ class Backend {
 
   // ---- modulated LayerNorm (no affine) over the last dim of x [B, L, H] ----------------
   //   y = (1 + scale[b])·(x − μ)·rstd + shift[b],  rstd = 1/√(var + eps)  (biased var)
-  // mean, rstd: [B·L] saved for the backward. shift, scale: [B, H] any ld.
+  // mean, rstd: [B·L] saved for the backward. shift, scale: [B, H] any ld. y may be undefined:
+  // then only mean and rstd are computed (a fused cast, quantize_fused, makes y on the fly).
   virtual void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift,
                                   Tensor scale, double eps) = 0;
   // dx (+= if accumulate_dx), dshift = Σ_l dy, dscale = Σ_l dy·x̂ (both [B, H], overwritten).
@@ -177,6 +178,24 @@ class Backend {
   // quantized transpose: xᵀ's blocks run along x's columns); either may be undefined. With
   // per-tensor scaling both copies share one scale; 128x128 tiles transpose with their scales.
   virtual void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) = 0;
+  // The input of a fused cast: the element-wise op that produces the tensor to cast, so the
+  // f32 tensor between the op and the cast is never stored. identity: x itself; gelu_tanh:
+  // gelu_tanh(x); layernorm_modulate: layernorm_modulate's y from x [B, L, H], the mean and
+  // rstd it computed (with y undefined) and shift, scale [B, H].
+  struct CastInput {
+    enum class Op : uint8_t { identity, gelu_tanh, layernorm_modulate };
+    Op op = Op::identity;
+    Tensor x;
+    Tensor mean, rstd, shift, scale;  // layernorm_modulate only
+    double eps = 0.0;                 // layernorm_modulate: the eps mean/rstd were made with
+  };
+  // quantize() of the op's output, which must give the same codes, scales and statistics as
+  // running the op (produce()) and then quantize() on this backend. The default does just that,
+  // through a temporary; the CUDA backend computes the op inside the cast kernel.
+  virtual void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q);
+  // Writes the op's output to y (the unfused path, and the reference of quantize_fused).
+  void produce(Tensor y, const CastInput& in);
+
   // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
   // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;

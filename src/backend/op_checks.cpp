@@ -115,7 +115,7 @@ NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Te
                                   const Tensor& x, const Tensor& shift, const Tensor& scale) {
   require_rank(op, {"x", x}, 3);
   const NormDims d{x.shape[0], x.shape[1], x.shape[2]};
-  require_shape(op, {"y", y}, x.shape);
+  if (y.defined()) require_shape(op, {"y", y}, x.shape);  // undefined: statistics only
   require_vector(op, {"mean", mean}, d.B * d.L);
   require_vector(op, {"rstd", rstd}, d.B * d.L);
   require_shape(op, {"shift", shift}, Shape{d.B, d.H});

@@ -117,6 +117,10 @@ class OpProfiler final : public Backend {
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override {
     timed("quantize (fp8 cast)", [&] { be_.quantize(rowwise, columnwise, x, q); });
   }
+  void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override {
+    timed("quantize_fused (op + fp8 cast)", [&] { be_.quantize_fused(rowwise, columnwise, in, q); });
+  }
+
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool acc) override {
     timed("gemm_fp8_tn", [&] { be_.gemm_fp8_tn(c, a, b, bias, acc); });
   }

@@ -107,8 +107,8 @@ Command add_bench_command(CLI::App& app) {
       } else {
         for (const std::string& w : o->workloads) specs.push_back(workload_spec(w, FLUX8_SOURCE_DIR));
       }
-      fmt::print("{:<22} {:<28} {:>9} {:>8} {:>8} {:>10} {:>10} {:>9}  {}\n", "workload", "precision", "step ms",
-                 "TFLOP/s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
+      fmt::print("{:<22} {:<28} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}  {}\n", "workload", "precision", "step ms",
+                 "TFLOP/s", "setup s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
       const Recompute recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
       for (StepBenchSpec s : specs) {
         s.recompute = recompute;
@@ -124,9 +124,9 @@ Command add_bench_command(CLI::App& app) {
           if (const Peer* peer = peer_for(r.workload))
             vs = fmt::format("{:.2f}x / {:.2f}x / {:.2f}x", peer->eager_ms / r.median_ms,
                              peer->compiled_ms / r.median_ms, peer->torchao_fp8_ms / r.median_ms);
-          fmt::print("{:<22} {:<28} {:>9.2f} {:>8.1f} {:>8.2f} {:>10.2f} {:>10.2f} {:>9.2f}  {}\n",
+          fmt::print("{:<22} {:<28} {:>9.2f} {:>8.1f} {:>8.2f} {:>8.2f} {:>10.2f} {:>10.2f} {:>9.2f}  {}\n",
                      r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", p == "bf16" ? "BF16" : p + " " + o->format, r.median_ms,
-                     r.tflops, r.first_step_s, r.peak_allocated_gib, r.device_used_gib, r.activation_gib, vs);
+                     r.tflops, r.setup_s, r.first_step_s, r.peak_allocated_gib, r.device_used_gib, r.activation_gib, vs);
           if (!r.ops.empty()) {
             double total = 0;
             for (const OpTime& t : r.ops) total += t.ms_per_step;
@@ -135,6 +135,17 @@ Command add_bench_command(CLI::App& app) {
             for (const OpTime& t : r.ops)
               fmt::print("  {:<30} {:>8.0f} {:>10.3f} {:>6.1f}%\n", t.op, t.calls_per_step, t.ms_per_step,
                          100.0 * t.ms_per_step / total);
+          }
+          // A long run is a loss curve (FP8 vs BF16): its mean per 50 steps, to compare by eye.
+          if (r.losses.size() >= 100) {
+            std::string means;
+            for (size_t b = 0; b + 50 <= r.losses.size(); b += 50) {
+              double sum = 0;
+              for (size_t i = b; i < b + 50; ++i) sum += r.losses[i];
+              means += fmt::format(" {:.4f}", sum / 50);
+            }
+            fmt::print("  loss per 50 steps:{}{}\n", means,
+                       r.non_finite_steps ? fmt::format(" ({} non-finite steps)", r.non_finite_steps) : "");
           }
           std::fflush(stdout);
           nlohmann::json ops = nlohmann::json::array();
@@ -146,7 +157,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"txt_tokens", s.shape.txt_tokens}, {"img_tokens", s.shape.img_tokens},
                                   {"median_step_ms", r.median_ms},  {"step_ms", r.step_ms},
                                   {"model_tflop_per_step", r.model_tflop}, {"model_tflops", r.tflops},
-                                  {"first_step_s", r.first_step_s}, {"peak_allocated_gib", r.peak_allocated_gib},
+                                  {"first_step_s", r.first_step_s}, {"setup_s", r.setup_s}, {"peak_allocated_gib", r.peak_allocated_gib},
                                   {"device_used_gib", r.device_used_gib}, {"activation_estimate_gib", r.activation_gib},
                                   {"first_loss", r.first_loss},     {"last_loss", r.last_loss},
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},

@@ -12,6 +12,13 @@ namespace {
 // Modulation chunks of a double-block stream: (shift, scale, gate) for attention then MLP.
 Tensor chunk(const Tensor& mod, int64_t i, int64_t H) { return mod.cols_slice(i * H, H); }
 
+// LayerNorm of x modulated by chunks i (shift) and i + 1 (scale): a Linear's input.
+Backend::CastInput layernorm_input(Tensor x, Tensor mean, Tensor rstd, const Tensor& mod, int64_t i, int64_t H,
+                                   double eps) {
+  return {.op = Backend::CastInput::Op::layernorm_modulate, .x = x, .mean = mean, .rstd = rstd,
+          .shift = chunk(mod, i, H), .scale = chunk(mod, i + 1, H), .eps = eps};
+}
+
 DoubleStreamParams bind_stream(const ParamStore& s, const std::string& p) {
   DoubleStreamParams d;
   d.mod = LinearSite::bind(s, p + "_mod.lin");
@@ -115,10 +122,8 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
   be.copy(s.x_in, x);
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
-  const Tensor xm1 = linear_input_buffer(ctx.scratch, s.xm1, x.shape, ctx.dtype);
-  be.layernorm_modulate(xm1, s.ln1_mean, s.ln1_rstd, x, chunk(s.mod, 0, H), chunk(s.mod, 1, H),
-                        ctx.cfg.layernorm_eps);
-  site_forward(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv, xm1, s.xm1);
+  site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv,
+                     layernorm_input(x, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps), s.xm1, ctx.dtype);
   Tensor normed = ctx.scratch.alloc(ctx.dtype, x.shape, SlotKind::workspace);
   be.rmsnorm_heads(normed, s.q_rstd, s.qkv.cols_slice(0, H), p.q_norm.s, qk_eps);
   be.tokens_to_heads(joint.q, normed, offset);
@@ -133,20 +138,17 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
                            DoubleStreamSaved& s, const DoubleBlockSaved& joint, Tensor x,
                            int64_t offset) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
+  const int64_t H = ctx.cfg.hidden_size;
   const size_t mark = ctx.scratch.mark();
   const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, x.shape, ctx.dtype);
   be.heads_to_tokens(attn, joint.o, offset);
   site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
   be.gated_residual(x, s.proj_out, chunk(s.mod, 2, H));
   be.copy(s.x_mid, x);
-  const Tensor xm2 = linear_input_buffer(ctx.scratch, s.xm2, x.shape, ctx.dtype);
-  be.layernorm_modulate(xm2, s.ln2_mean, s.ln2_rstd, x, chunk(s.mod, 3, H), chunk(s.mod, 4, H),
-                        ctx.cfg.layernorm_eps);
-  site_forward(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h, xm2, s.xm2);
-  const Tensor mlp_g = linear_input_buffer(ctx.scratch, s.mlp_g, Shape{x.shape[0], x.shape[1], M}, ctx.dtype);
-  be.gelu_tanh(mlp_g, s.mlp_h);
-  site_forward(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, mlp_g, s.mlp_g);
+  site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h,
+                     layernorm_input(x, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps), s.xm2, ctx.dtype);
+  site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out,
+                     Backend::CastInput{.op = Backend::CastInput::Op::gelu_tanh, .x = s.mlp_h}, s.mlp_g, ctx.dtype);
   be.gated_residual(x, s.mlp_out, chunk(s.mod, 5, H));
   ctx.scratch.release_to(mark);
 }

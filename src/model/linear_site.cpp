@@ -149,6 +149,26 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
   scratch.release_to(mark);
 }
 
+void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y,
+                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype) {
+  const size_t mark = scratch.mark();
+  if (!site.fp8 || !fp8 || saved.full.defined()) {  // the f32 input is wanted: the op writes it
+    const Tensor x = linear_input_buffer(scratch, saved, in.x.shape, dtype);
+    be.produce(x, in);
+    site_forward(be, fp8, scratch, site, y, x, saved);
+    scratch.release_to(mark);
+    return;
+  }
+  if (in.op == Backend::CastInput::Op::layernorm_modulate)  // the row statistics, kept for the backward
+    be.layernorm_modulate(Tensor{}, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);
+  const QTensor x_row = allocate_qtensor(scratch, in.x.rows(), in.x.cols(), fp8->format(Operand::input),
+                                         fp8->scaling(Operand::input), SlotKind::workspace);
+  be.quantize_fused(x_row, saved.cast_t, in, fp8->quantize_args(site, Operand::input));
+  fp8->ensure_weight_cast(site);
+  be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false);
+  scratch.release_to(mark);
+}
+
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx) {
   if (!site.fp8 || !fp8) {

@@ -103,6 +103,12 @@ QTensor allocate_qtensor(Arena& arena, int64_t rows, int64_t cols, Fp8Format f, 
 // in `saved`, and the input buffer may be a temporary.
 void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y, Tensor x,
                   SavedLinearInput& saved);
+// site_forward of the output of an element-wise op (`in`: LayerNorm + modulation, GELU). In FP8
+// runs that keep only the cast of the input, the op runs inside the cast
+// (Backend::quantize_fused) and its f32 output is never stored; otherwise the op writes the
+// saved input (or a scratch buffer) first. LayerNorm's mean and rstd are written either way.
+void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y,
+                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype);
 // dx (= or += when accumulate_dx; may be undefined), dw and db accumulated.
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx);

@@ -98,10 +98,10 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
   be.copy(s.z_in, z);
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
-  const Tensor zm = linear_input_buffer(ctx.scratch, s.zm, z.shape, ctx.dtype);
-  be.layernorm_modulate(zm, s.ln_mean, s.ln_rstd, z, s.mod.cols_slice(0, H),
-                        s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
-  site_forward(be, ctx.fp8, ctx.scratch, p.linear1, s.u, zm, s.zm);
+  site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u,
+                     {.op = Backend::CastInput::Op::layernorm_modulate, .x = z, .mean = s.ln_mean, .rstd = s.ln_rstd,
+                      .shift = s.mod.cols_slice(0, H), .scale = s.mod.cols_slice(H, H), .eps = ctx.cfg.layernorm_eps},
+                     s.zm, ctx.dtype);
 
   const size_t mark = ctx.scratch.mark();
   Tensor normed = ctx.scratch.alloc(ctx.dtype, z.shape, SlotKind::workspace);

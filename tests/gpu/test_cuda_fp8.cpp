@@ -216,6 +216,63 @@ INSTANTIATE_TEST_SUITE_P(AllRecipes, CudaQuantize,
                                   fp8_format_name(std::get<1>(info.param));
                          });
 
+// quantize_fused: the cast computes LayerNorm + modulation or GELU per element instead of
+// reading a stored f32 tensor. It must give exactly what the GPU's own op followed by quantize
+// gives (the op's values against the CPU's are the op tests' business), for every recipe, on
+// a strided input with partial tiles; LayerNorm's statistics-only pass must store the same
+// mean and rstd as the full op.
+TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
+  FLUX8_REQUIRE_GPU();
+  using Op = Backend::CastInput::Op;
+  const int64_t B = 3, L = 43, H = 257;
+  Pair x({B, L, H}, 3), mod({B, 2 * H}), mean({B * L}), rstd({B * L}), mean2({B * L}), rstd2({B * L});
+  x.randn(61, 2.0), mod.randn(62, 0.5);
+  x.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
+  x.up();
+  Pair y({B, L, H});
+  for (const Op op : {Op::gelu_tanh, Op::layernorm_modulate})
+    for (const Recipe& recipe : kRecipes)
+      for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+        SCOPED_TRACE(fmt::format("{} {} {}", op == Op::gelu_tanh ? "gelu_tanh" : "layernorm_modulate", recipe.name,
+                                 fp8_format_name(format)));
+        Backend::CastInput in{.op = op, .x = x.dev};
+        if (op == Op::layernorm_modulate) {
+          in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
+          in.shift = mod.dev.cols_slice(0, H), in.scale = mod.dev.cols_slice(H, H);
+          gpu().layernorm_modulate(Tensor{}, mean.dev, rstd.dev, x.dev, in.shift, in.scale, in.eps);
+          gpu().layernorm_modulate(y.dev, mean2.dev, rstd2.dev, x.dev, in.shift, in.scale, in.eps);
+          EXPECT_EQ(mean.down(), mean2.down());
+          EXPECT_EQ(rstd.down(), rstd2.down());
+        }
+        gpu().produce(y.dev, in);
+        QPair row_f(B * L, H, format, recipe.scaling), col_f(H, B * L, format, recipe.scaling);
+        QPair row_u(B * L, H, format, recipe.scaling), col_u(H, B * L, format, recipe.scaling);
+        CastStats stats_f, stats_u;
+        float amax_f = 0, amax_u = 0;
+        Backend::Quantize q;
+        q.format = format;
+        q.scaling = recipe.scaling;
+        q.pow2 = recipe.pow2;
+        q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+        q.amax = &amax_f, q.stats = &stats_f;
+        gpu().quantize_fused(row_f.dev, col_f.dev, in, q);
+        q.amax = &amax_u, q.stats = &stats_u;
+        gpu().quantize(row_u.dev, col_u.dev, y.dev.reshaped(Shape{B * L, H}), q);
+        gpu().synchronize();
+        const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
+        EXPECT_EQ(first_difference(row_f.dev_codes(), row_u.dev_codes(), 1), "") << "rowwise codes";
+        EXPECT_EQ(first_difference(col_f.dev_codes(), col_u.dev_codes(), 1), "") << "columnwise codes";
+        EXPECT_EQ(first_difference(row_f.dev_scale_bytes(), row_u.dev_scale_bytes(), scale_bytes), "");
+        EXPECT_EQ(first_difference(col_f.dev_scale_bytes(), col_u.dev_scale_bytes(), scale_bytes), "");
+        EXPECT_EQ(bits(amax_f), bits(amax_u));
+        EXPECT_GT(stats_f.nonzero, 0);
+        EXPECT_EQ(stats_f.elements, stats_u.elements);
+        EXPECT_EQ(stats_f.nonzero, stats_u.nonzero);
+        EXPECT_EQ(stats_f.saturated, stats_u.saturated);
+        EXPECT_EQ(stats_f.flushed, stats_u.flushed);
+      }
+}
+
 // The CUDA backend keeps each cast's statistics on the device until the next synchronisation
 // (and flushes its pending list when full): many casts into the same targets, with no
 // synchronisation between them, must merge exactly as the CPU's immediate merges do.

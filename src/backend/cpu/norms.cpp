@@ -28,6 +28,7 @@ void CpuBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x
       const T rs_t = static_cast<T>(1.0 / std::sqrt(sq / static_cast<double>(H) + eps));
       mean.ptr<T>()[r] = mu_t;
       rstd.ptr<T>()[r] = rs_t;
+      if (!y.defined()) return;  // statistics only
       const T *sh = row<T>(shift, r / L), *sc = row<T>(scale, r / L);
       T* yr = row<T>(y, r);
       for (int64_t j = 0; j < H; ++j) {

@@ -1,6 +1,7 @@
 // SiLU and tanh-GELU on the device, elementwise over [rows, cols] with any ld; f32 math with
 // the same formulas as the CPU backend (src/backend/cpu/activations.cpp).
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/pointwise.cuh"
 
 namespace flux8 {
 using namespace cuda;
@@ -11,12 +12,6 @@ __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ inline float silu_grad(float x) {
   const float s = sigmoid(x);
   return s * (1.0f + x * (1.0f - s));
-}
-constexpr float kGeluC = 0.7978845608028654f;  // √(2/π)
-constexpr float kGeluA = 0.044715f;
-__device__ inline float gelu_value(float x) {
-  const float u = kGeluC * (x + kGeluA * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(u));
 }
 __device__ inline float gelu_grad(float x) {
   const float th = tanhf(kGeluC * (x + kGeluA * x * x * x));

@@ -89,6 +89,7 @@ class CudaBackend final : public Backend {
   double sum_squares(Tensor x) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
+  void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override;
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;
 
   // Device scratch of at least `bytes`, valid until the next call. It grows (with a

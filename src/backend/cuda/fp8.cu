@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/pointwise.cuh"
 #include "fp8/quantize.h"
 #include "fp8/recipe.h"
 
@@ -52,9 +53,31 @@ struct StatsTotal {
   unsigned long long nonzero, saturated, flushed;
 };
 
-struct CastArgs {
+// Where the cast's elements come from: x itself, or the value an element-wise op would have
+// stored from x (quantize_fused), computed by the op's own device function (pointwise.cuh).
+struct Source {
+  Backend::CastInput::Op op;
   const float* x;
-  int64_t rows, cols, ld;
+  int64_t ld;
+  const float *mean, *rstd;  // layernorm_modulate: per row
+  Mat shift, scale;          // layernorm_modulate: [B, cols], sample of row r = r / tokens
+  int64_t tokens;
+  __device__ float operator()(int64_t r, int64_t c) const {
+    const float v = x[r * ld + c];
+    switch (op) {
+      case Backend::CastInput::Op::gelu_tanh: return gelu_value(v);
+      case Backend::CastInput::Op::layernorm_modulate: {
+        const int64_t b = r / tokens;
+        return layernorm_modulate_value(v, mean[r], rstd[r], shift.at(b, c), scale.at(b, c));
+      }
+      default: return v;
+    }
+  }
+};
+
+struct CastArgs {
+  Source x;
+  int64_t rows, cols;
   int64_t tiles_x;  // tiles per row of tiles
   Fp8Format format;
   bool pow2;
@@ -106,7 +129,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
   for (int i = warp; i < kTile; i += kWarps)
     for (int q = 0; q < 4; ++q) {
       const int j = lane + 32 * q;
-      const float v = i < nr && j < nc ? a.x[(r0 + i) * a.ld + c0 + j] : 0.0f;
+      const float v = i < nr && j < nc ? a.x(r0 + i, c0 + j) : 0.0f;
       tile[i * kPitch + j] = v;
       amax = amax_accumulate(amax, v);
     }
@@ -252,12 +275,12 @@ __global__ void __launch_bounds__(kCastThreads) stats_total_kernel(const StatsPa
 }
 
 // Per-tensor current scaling, pass 1: block b takes rows b, b + gridDim.x, ...
-__global__ void __launch_bounds__(kCastThreads) amax_partials_kernel(const float* x, int64_t rows, int64_t cols,
-                                                                     int64_t ld, float* partial) {
+__global__ void __launch_bounds__(kCastThreads) amax_partials_kernel(Source x, int64_t rows, int64_t cols,
+                                                                     float* partial) {
   __shared__ float sh[kWarps];
   float m = 0.0f;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) m = amax_accumulate(m, x[r * ld + c]);
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) m = amax_accumulate(m, x(r, c));
   m = warp_amax(m);
   if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = m;
   __syncthreads();
@@ -323,10 +346,28 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 }  // namespace cuda
 
 void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
+  CastInput in;
+  in.x = x;
+  quantize_fused(rowwise, columnwise, in, q);
+}
+
+void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
   using namespace cuda;
-  constexpr std::string_view op = "quantize";
+  using Op = CastInput::Op;
+  const std::string_view op = in.op == Op::identity ? "quantize" : "quantize_fused";
+  const Tensor& x = in.x;
   if (!ops::check_quantize(op, rowwise, columnwise, x)) return;
   const int64_t R = x.rows(), C = x.cols();
+  Source src{in.op, x.ptr<float>(), x.ld, nullptr, nullptr, {}, {}, 1};
+  if (in.op == Op::layernorm_modulate) {
+    require_f32(op, {{"mean", in.mean}, {"rstd", in.rstd}, {"shift", in.shift}, {"scale", in.scale}});
+    const auto dims = ops::check_layernorm_modulate(op, Tensor{}, in.mean, in.rstd, x, in.shift, in.scale);
+    src.mean = in.mean.ptr<float>();
+    src.rstd = in.rstd.ptr<float>();
+    src.shift = mat(in.shift);
+    src.scale = mat(in.scale);
+    src.tokens = dims.L > 0 ? dims.L : 1;
+  }
   check_output(rowwise, q, "rowwise");
   check_output(columnwise, q, "columnwise");
 
@@ -360,17 +401,16 @@ void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const 
 
   if (current) {
     float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
-    amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(x.ptr<float>(), R, C, x.ld, amax_partial);
+    amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(src, R, C, amax_partial);
     FLUX8_LAUNCH_CHECK(amax_partials_kernel);
     current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, q.format, q.pow2, scale_dev);
     FLUX8_LAUNCH_CHECK(current_scale_kernel);
   }
 
   CastArgs a{};
-  a.x = x.ptr<float>();
+  a.x = src;
   a.rows = R;
   a.cols = C;
-  a.ld = x.ld;
   a.tiles_x = tiles_x;
   a.format = q.format;
   a.pow2 = q.pow2;

@@ -3,6 +3,7 @@
 // mean/rstd are stored as f32 and both passes normalise with the stored values. One block per
 // LayerNorm row, one warp per RMSNorm head segment; every sum has a fixed order.
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/pointwise.cuh"
 
 namespace flux8 {
 using namespace cuda;
@@ -34,10 +35,9 @@ __global__ void layernorm_modulate_kernel(Mat y, float* mean, float* rstd, Mat x
     mean[r] = mu_t;
     rstd[r] = rs_t;
   }
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
-    const double xhat = (static_cast<double>(x.at(r, j)) - mu_t) * rs_t;
-    y.at(r, j) = static_cast<float>((1.0 + scale.at(b, j)) * xhat + shift.at(b, j));
-  }
+  if (!y.p) return;  // statistics only (a fused cast makes y)
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
+    y.at(r, j) = layernorm_modulate_value(x.at(r, j), mu_t, rs_t, shift.at(b, j), scale.at(b, j));
 }
 
 __global__ void layernorm_modulate_dx_kernel(Mat dx, Mat dy, Mat x, const float* mean, const float* rstd, Mat scale,
@@ -103,7 +103,7 @@ void CudaBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor 
   const auto [B, L, H] = ops::check_layernorm_modulate(op, y, mean, rstd, x, shift, scale);
   if (B * L == 0) return;
   layernorm_modulate_kernel<<<static_cast<unsigned>(B * L), kThreads, 0, stream_>>>(
-      mat(y), mean.ptr<float>(), rstd.ptr<float>(), mat(x), mat(shift), mat(scale), L, eps);
+      mat_or_null(y), mean.ptr<float>(), rstd.ptr<float>(), mat(x), mat(shift), mat(scale), L, eps);
   FLUX8_LAUNCH_CHECK(layernorm_modulate_kernel);
 }
 
