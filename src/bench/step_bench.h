@@ -37,8 +37,8 @@ struct StepBenchResult {
   std::string workload, precision;
   std::vector<double> step_ms;  // every timed step
   double median_ms = 0, tflops = 0, model_tflop = 0;
-  double first_step_s = 0;      // benchmark start (backend ready) -> end of the first step
-  double setup_s = 0;           // ... of which before the first step: model, parameters, data
+  double setup_s = 0;           // backend ready -> model built, parameters initialised, memory planned
+  double first_step_s = 0;      // setup_s + the first step (plans, autotuning, first launches)
   double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;
   double first_loss = 0, last_loss = 0;
   std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)

@@ -24,8 +24,7 @@ void map(CudaBackend& be, const Tensor& out, const Tensor& x, const Tensor& dy, 
   const Mat O = mat(out), X = mat(x), DY = mat_or_null(dy);
   const int64_t cols = X.cols;
   const bool has_dy = dy.defined();
-  for_each(be, X.rows * cols, [=] __device__(int64_t i) {
-    const int64_t r = i / cols, c = i % cols;
+  for_each_row(be, X.rows, cols, [=] __device__(int64_t r, int c) {
     const float v = has_dy ? DY.at(r, c) * f(X.at(r, c)) : f(X.at(r, c));
     O.at(r, c) = accumulate ? O.at(r, c) + v : v;
   });

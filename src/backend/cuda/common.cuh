@@ -152,6 +152,29 @@ void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V 
   FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
 }
 
+// f(r, c) for every element of a rows x cols matrix: threads along the columns (coalesced),
+// blocks along the rows. Unlike for_each over r·cols + c, no thread divides a 64-bit index
+// (which cost the layout and elementwise kernels more than their memory traffic).
+// Short rows share a block: blockDim = (cols rounded up to a warp, kThreads / that).
+template <typename F>
+__global__ void for_each_row_kernel(int64_t rows, int cols, F f) {
+  const int c = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < rows; r += step) f(r, c);
+}
+template <typename F>
+void for_each_row(CudaBackend& be, int64_t rows, int64_t cols, F f) {
+  if (rows <= 0 || cols <= 0) return;
+  if (cols > (int64_t(1) << 30)) fail("CUDA launch over rows of {} elements: beyond 2^30 columns", cols);
+  const int tx = cols >= kThreads ? kThreads : static_cast<int>((cols + 31) / 32 * 32), ty = kThreads / tx;
+  const int64_t row_blocks = (rows + ty - 1) / ty;
+  const dim3 grid(static_cast<unsigned>((cols + tx - 1) / tx),
+                  static_cast<unsigned>(row_blocks < 65535 ? row_blocks : 65535));
+  for_each_row_kernel<<<grid, dim3(tx, ty), 0, be.stream()>>>(rows, static_cast<int>(cols), f);
+  FLUX8_LAUNCH_CHECK(for_each_row_kernel);
+}
+
 // Launches a grid-stride loop over n items: f(i) for every i in [0, n).
 template <typename F>
 __global__ void for_each_kernel(int64_t n, F f) {

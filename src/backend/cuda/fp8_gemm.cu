@@ -286,10 +286,7 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
   gemm_->run(d, args);
   if (bias_ptr && !bias_in_epilogue) {
     const Mat C = mat(c);
-    for_each(*this, m * n, [=] __device__(int64_t i) {
-      float& v = C.at(i / n, i % n);
-      v = v + bias_ptr[i % n];
-    });
+    for_each_row(*this, m, n, [=] __device__(int64_t r, int j) { C.at(r, j) = C.at(r, j) + bias_ptr[j]; });
   }
 }
 

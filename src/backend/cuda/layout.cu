@@ -13,11 +13,14 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
   const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
   const int64_t Ls = tokens.shape[1];
   const Mat H = mat(heads), T = mat(tokens);
-  // One thread per element; consecutive threads walk d, so both sides are read/written in runs.
-  for_each(be, heads.shape[0] * n * Ls * D, [=] __device__(int64_t i) {
-    const int64_t d = i % D, l = (i / D) % Ls, h = (i / (D * Ls)) % n, b = i / (D * Ls * n);
+  // A thread per element of a token row (all heads of one token); consecutive threads walk d,
+  // so both sides are read/written in runs of D.
+  const int Di = static_cast<int>(D);
+  for_each_row(be, heads.shape[0] * Ls, n * D, [=] __device__(int64_t r, int c) {
+    const int64_t b = r / Ls, l = r - b * Ls;
+    const int h = c / Di, d = c - h * Di;
     float& hv = H.at((b * n + h) * L + offset + l, d);
-    float& tv = T.at(b * Ls + l, h * D + d);
+    float& tv = T.at(r, c);
     if (to_heads) hv = tv; else tv = hv;
   });
 }
@@ -25,10 +28,10 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
 void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64_t offset, bool to_joint) {
   const int64_t L = joint.shape[1], C = joint.shape[2], Lp = part.shape[1];
   const Mat J = mat(joint), P = mat(part);
-  for_each(be, part.shape[0] * Lp * C, [=] __device__(int64_t i) {
-    const int64_t j = i % C, l = (i / C) % Lp, b = i / (C * Lp);
+  for_each_row(be, part.shape[0] * Lp, C, [=] __device__(int64_t r, int j) {
+    const int64_t b = r / Lp, l = r - b * Lp;
     float& jv = J.at(b * L + offset + l, j);
-    float& pv = P.at(b * Lp + l, j);
+    float& pv = P.at(r, j);
     if (to_joint) jv = pv; else pv = jv;
   });
 }
@@ -72,8 +75,7 @@ void CudaBackend::gated_residual(Tensor x, Tensor y, Tensor gate) {
   require_shape(op, {"gate", gate}, Shape{x.shape[0], x.shape[2]});
   const int64_t L = x.shape[1], H = x.shape[2];
   const Mat X = mat(x), Y = mat(y), G = mat(gate);
-  for_each(*this, x.rows() * H, [=] __device__(int64_t i) {
-    const int64_t r = i / H, j = i % H;
+  for_each_row(*this, x.rows(), H, [=] __device__(int64_t r, int j) {
     X.at(r, j) = X.at(r, j) + G.at(r / L, j) * Y.at(r, j);
   });
 }
@@ -88,10 +90,7 @@ void CudaBackend::gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Te
     require_shape(op, {"dy", dy}, dx.shape);
     require_shape(op, {"gate", gate}, Shape{B, H});
     const Mat DY = mat(dy), G = mat(gate);
-    for_each(*this, B * L * H, [=] __device__(int64_t i) {
-      const int64_t r = i / H, j = i % H;
-      DY.at(r, j) = G.at(r / L, j) * DX.at(r, j);
-    });
+    for_each_row(*this, B * L, H, [=] __device__(int64_t r, int j) { DY.at(r, j) = G.at(r / L, j) * DX.at(r, j); });
   }
   if (dgate.defined()) {
     require_shape(op, {"y", y}, dx.shape);
@@ -157,8 +156,8 @@ void CudaBackend::rope(Tensor x, Tensor pe, bool inverse) {
   const Mat X = mat(x);
   const float* table = pe.ptr<float>();
   const int64_t half = D / 2;
-  for_each(*this, B * n * L * half, [=] __device__(int64_t i) {
-    const int64_t p = i % half, r = i / half, b = r / (n * L), l = r % L;
+  for_each_row(*this, B * n * L, half, [=] __device__(int64_t r, int p) {
+    const int64_t b = r / (n * L), l = r % L;
     const float* cs = table + (b * L + l) * D;
     const float co = cs[2 * p], si = inverse ? -cs[2 * p + 1] : cs[2 * p + 1];
     const float x0 = X.at(r, 2 * p), x1 = X.at(r, 2 * p + 1);

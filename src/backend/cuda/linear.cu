@@ -27,7 +27,7 @@ struct Operand {
 Operand to_bf16(CudaBackend& be, const Tensor& x, __nv_bfloat16* dst) {
   const Mat X = mat(x);
   const int64_t cols = X.cols;
-  for_each(be, X.rows * cols, [=] __device__(int64_t i) { dst[i] = __float2bfloat16_rn(X.at(i / cols, i % cols)); });
+  for_each_row(be, X.rows, cols, [=] __device__(int64_t r, int c) { dst[r * cols + c] = __float2bfloat16_rn(X.at(r, c)); });
   return Operand{dst, cols, CUDA_R_16BF};
 }
 
@@ -66,7 +66,7 @@ void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
     if (b.defined()) {
       const Mat Y = mat(y);
       const float* bias = b.ptr<float>();
-      for_each(*this, N * M, [=] __device__(int64_t i) { Y.at(i / M, i % M) = bias[i % M]; });
+      for_each_row(*this, N, M, [=] __device__(int64_t r, int c) { Y.at(r, c) = bias[c]; });
     } else {
       fill(y, 0.0);
     }

@@ -1,6 +1,7 @@
 // The CUDA backend's lifetime, memory and the generic fill/copy/add/accumulate.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "backend/cuda/attention.h"
@@ -138,7 +139,12 @@ void CudaBackend::fill(Tensor y, double value) {
   require_f32("fill", {{"y", y}});
   const Mat Y = mat(y);
   const float v = static_cast<float>(value);
-  for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.at(i / Y.cols, i % Y.cols) = v; });
+  if (Y.rows * Y.cols == 0) return;
+  if (v == 0.0f && !std::signbit(v) && y.contiguous()) {  // +0.0 is all-zero bytes: a memset
+    FLUX8_CUDA_CHECK(cudaMemsetAsync(Y.p, 0, static_cast<size_t>(Y.rows * Y.cols) * sizeof(float), stream_));
+    return;
+  }
+  for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = v; });
 }
 
 void CudaBackend::copy(Tensor y, Tensor x) {
@@ -157,20 +163,14 @@ void CudaBackend::add(Tensor y, Tensor a, Tensor b) {
   require_same_matrix("add", {"y", y}, {"a", a});
   require_same_matrix("add", {"y", y}, {"b", b});
   const Mat Y = mat(y), A = mat(a), B = mat(b);
-  for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) {
-    const int64_t r = i / Y.cols, c = i % Y.cols;
-    Y.at(r, c) = A.at(r, c) + B.at(r, c);
-  });
+  for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = A.at(r, c) + B.at(r, c); });
 }
 
 void CudaBackend::accumulate(Tensor y, Tensor x) {
   require_f32("accumulate", {{"y", y}, {"x", x}});
   require_same_matrix("accumulate", {"y", y}, {"x", x});
   const Mat Y = mat(y), X = mat(x);
-  for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) {
-    const int64_t r = i / Y.cols, c = i % Y.cols;
-    Y.at(r, c) += X.at(r, c);
-  });
+  for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) += X.at(r, c); });
 }
 
 }  // namespace flux8
