@@ -2,6 +2,8 @@
 // the joint text+image sequence, gated residuals, RoPE and the sinusoidal timestep embedding.
 // Same semantics and checks as the CPU files layout.cpp, elementwise.cpp, rope.cpp and
 // embedding.cpp; tables (RoPE, timestep) are evaluated in double like the CPU backend.
+#include <cstdint>
+
 #include "backend/cuda/common.cuh"
 
 namespace flux8 {
@@ -9,10 +11,28 @@ using namespace cuda;
 
 namespace {
 
+// Rows of whole float4s: 16-byte aligned base, ld and cols multiples of 4. Moving 16 bytes per
+// thread instead of 4 takes the layout copies from ~40% of HBM bandwidth towards the copy rate.
+bool quads(const Mat& m) {
+  return reinterpret_cast<uintptr_t>(m.p) % 16 == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
+}
+__device__ inline float4& quad(const Mat& m, int64_t r, int64_t c) { return *reinterpret_cast<float4*>(&m.at(r, c)); }
+
 void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads) {
   const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
   const int64_t Ls = tokens.shape[1];
   const Mat H = mat(heads), T = mat(tokens);
+  if (D % 4 == 0 && quads(H) && quads(T)) {
+    const int Dq = static_cast<int>(D / 4);
+    for_each_row(be, heads.shape[0] * Ls, n * Dq, [=] __device__(int64_t r, int cq) {
+      const int64_t b = r / Ls, l = r - b * Ls;
+      const int h = cq / Dq, d = (cq - h * Dq) * 4;
+      float4& hv = quad(H, (b * n + h) * L + offset + l, d);
+      float4& tv = quad(T, r, h * D + d);
+      if (to_heads) hv = tv; else tv = hv;
+    });
+    return;
+  }
   // A thread per element of a token row (all heads of one token); consecutive threads walk d,
   // so both sides are read/written in runs of D.
   const int Di = static_cast<int>(D);
@@ -28,6 +48,15 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
 void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64_t offset, bool to_joint) {
   const int64_t L = joint.shape[1], C = joint.shape[2], Lp = part.shape[1];
   const Mat J = mat(joint), P = mat(part);
+  if (quads(J) && quads(P)) {
+    for_each_row(be, part.shape[0] * Lp, C / 4, [=] __device__(int64_t r, int jq) {
+      const int64_t b = r / Lp, l = r - b * Lp;
+      float4& jv = quad(J, b * L + offset + l, 4 * jq);
+      float4& pv = quad(P, r, 4 * jq);
+      if (to_joint) jv = pv; else pv = jv;
+    });
+    return;
+  }
   for_each_row(be, part.shape[0] * Lp, C, [=] __device__(int64_t r, int j) {
     const int64_t b = r / Lp, l = r - b * Lp;
     float& jv = J.at(b * L + offset + l, j);
