@@ -169,6 +169,59 @@ TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
   }
 }
 
+// Quantize::column_sums (a Linear's bias gradient taken in the cast of its output gradient):
+// exactly linear_backward's db, accumulated; also with no FP8 copy wanted; a wrong-sized
+// target is an error naming it.
+TEST_F(CpuOps, QuantizeColumnSumsAreTheBiasGradient) {
+  const int64_t N = 37, M = 130;
+  Buf<float> dy({N, M}, 3), w({M, 5}), db({M}), sums({M});
+  dy.randn(31, 2.0), w.randn(32);
+  for (int64_t j = 0; j < M; ++j) db.mem[j] = sums.mem[j] = 0.25f * static_cast<float>(j % 7);
+  be->linear_backward(Tensor{}, Tensor{}, db.t, dy.t, Tensor{}, w.t, false);
+  std::vector<uint8_t> codes(N * M);
+  std::vector<float> scale(1);
+  QTensor row;
+  row.codes = codes.data(), row.rows = N, row.cols = M, row.scale_inv = scale.data();
+  Backend::Quantize q;
+  q.column_sums = sums.t;
+  be->quantize(row, QTensor{}, dy.t, q);
+  EXPECT_EQ(sums.mem, db.mem);
+  be->quantize(QTensor{}, QTensor{}, dy.t, q);  // no copy wanted: the sums still accumulate
+  be->linear_backward(Tensor{}, Tensor{}, db.t, dy.t, Tensor{}, w.t, false);
+  EXPECT_EQ(sums.mem, db.mem);
+  q.column_sums = Tensor(sums.mem.data(), DType::f32, Shape{M - 1});
+  try {
+    be->quantize(row, QTensor{}, dy.t, q);
+    ADD_FAILURE() << "a column_sums of the wrong size was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("column_sums"), std::string::npos) << e.what();
+  }
+}
+
+// fill_random: core/rng.h's value of (seed, stream, index), scaled, for any thread count and
+// both storage types; a strided target is an error.
+TEST_F(CpuOps, FillRandomIsAPureFunctionOfTheIndex) {
+  Buf<float> a({300, 7}), b({300, 7});
+  Buf<double> d({300, 7});
+  BackendOptions one;
+  one.threads = 1;
+  const auto single = make_backend("cpu", one);
+  be->fill_random(a.t, Backend::Random::normal, 9, 4, 0.02);
+  single->fill_random(b.t, Backend::Random::normal, 9, 4, 0.02);
+  be->fill_random(d.t, Backend::Random::normal, 9, 4, 0.02);
+  EXPECT_EQ(a.mem, b.mem);
+  for (size_t i = 0; i < a.mem.size(); ++i) {
+    const double want = 0.02 * static_cast<double>(rng_normal(9, 4, i));
+    ASSERT_EQ(a.mem[i], static_cast<float>(want)) << i;
+    ASSERT_EQ(d.mem[i], want) << i;
+  }
+  be->fill_random(a.t, Backend::Random::uniform, 9, 5, 0.5);
+  for (size_t i = 0; i < a.mem.size(); ++i)
+    ASSERT_EQ(a.mem[i], static_cast<float>(0.5 * (2.0 * static_cast<double>(rng_uniform(9, 5, i)) - 1.0))) << i;
+  Buf<float> strided({4, 5}, 2);
+  EXPECT_THROW(be->fill_random(strided.t, Backend::Random::uniform, 1, 1, 1.0), Error);
+}
+
 TEST_F(CpuOps, RmsNormHeadsMatchesFormula) {
   const int64_t rows = 7, n = 3, D = 10;
   Buf<double> x({rows, n * D}, 5), scale({D}), y({rows, n * D}), rstd({rows * n});

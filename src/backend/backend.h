@@ -66,6 +66,13 @@ class Backend {
 
   // ---- elementwise / copies (same shape [rows, cols]; any ld) --------------------------
   virtual void fill(Tensor y, double value) = 0;
+  // y[i] = scale·N(0, 1) or scale·U(−1, 1) for every element i of the contiguous y, drawn from
+  // (seed, stream, i) by core/rng.h's counter-based generator, in double, rounded to y's type:
+  // the value depends on nothing else (thread count, backend). Parameter initialisation on the
+  // device. Uniform values are the same bits everywhere; normal ones go through logf/cosf,
+  // whose last bit may differ between the host's libm and the GPU (then 1 ulp of f32).
+  enum class Random : uint8_t { normal, uniform };
+  virtual void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) = 0;
   virtual void copy(Tensor y, Tensor x) = 0;
   virtual void add(Tensor y, Tensor a, Tensor b) = 0;  // y = a + b
   virtual void accumulate(Tensor y, Tensor x) = 0;     // y += x
@@ -173,6 +180,9 @@ class Backend {
     const float* delayed_scale = nullptr;
     float* amax = nullptr;
     CastStats* stats = nullptr;
+    // Defined: column_sums[c] += Σ_r x[r, c] — the bias gradient of the Linear whose output
+    // gradient x is, summed in the pass that casts it (contiguous f32 vector of cols(x)).
+    Tensor column_sums;
   };
   // x [rows, cols] (any ld) -> `rowwise` [rows, cols] and/or `columnwise` [cols, rows] (the
   // quantized transpose: xᵀ's blocks run along x's columns); either may be undefined. With

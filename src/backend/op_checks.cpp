@@ -133,6 +133,13 @@ NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy
   return d;
 }
 
+void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols) {
+  if (!sums.defined()) return;
+  if (sums.dtype != DType::f32 || !sums.contiguous() || sums.numel() != cols)
+    fail("{}: 'column_sums' {} must be a contiguous f32 vector of {} elements (one per column of the input)", op,
+         sums.str(), cols);
+}
+
 int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale) {
   require_defined(op, {"x", x});
   require_defined(op, {"scale", scale});

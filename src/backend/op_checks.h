@@ -51,6 +51,8 @@ NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Te
 NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
                                            const Tensor& mean, const Tensor& rstd);
 // QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
+// Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined).
+void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols);
 int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale);
 
 // Attention: the first tensor (q) is rank 4 [B, n, L, D]; every other defined one has its shape.

@@ -39,6 +39,9 @@ class OpProfiler final : public Backend {
   MemoryUse memory_use() const override { return be_.memory_use(); }
 
   void fill(Tensor y, double v) override { timed("fill", [&] { be_.fill(y, v); }); }
+  void fill_random(Tensor y, Random d, uint64_t seed, uint64_t stream, double scale) override {
+    timed("fill_random", [&] { be_.fill_random(y, d, seed, stream, scale); });
+  }
   void copy(Tensor y, Tensor x) override { timed("copy", [&] { be_.copy(y, x); }); }
   void add(Tensor y, Tensor a, Tensor b) override { timed("add", [&] { be_.add(y, a, b); }); }
   void accumulate(Tensor y, Tensor x) override { timed("accumulate", [&] { be_.accumulate(y, x); }); }

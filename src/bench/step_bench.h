@@ -16,6 +16,13 @@
 
 namespace flux8 {
 
+// The synthetic data of a bench run (see run_step_bench). prototypes: 64 fixed latents with
+// their text, drawn per sample (a model memorises them: the loss falls towards 0).
+// structured: fresh latents every step made from a 32-dimensional random code that the text
+// and pooled vector also carry, plus noise the text does not (a distribution to learn, with
+// an irreducible loss, like real data).
+enum class BenchData : uint8_t { prototypes, structured };
+
 struct StepBenchSpec {
   std::string workload;  // "W1", "W2", or a config name
   FluxConfig model;
@@ -26,6 +33,7 @@ struct StepBenchSpec {
   double lr = 1e-4;      // constant learning rate of the AdamW steps
   Recompute recompute = Recompute::none;
   bool profile = false;  // time every op (OpProfiler); the step is slower while profiled
+  BenchData data = BenchData::prototypes;
 };
 
 struct OpTime {

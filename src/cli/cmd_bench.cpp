@@ -50,7 +50,7 @@ Command add_bench_command(CLI::App& app) {
   struct Opts {
     std::vector<std::string> workloads{"W1", "W2"};
     std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
-    std::string format = "hybrid", backend = "cuda", json, config;
+    std::string format = "hybrid", backend = "cuda", json, config, data = "prototypes";
     std::vector<std::string> overrides;
     int steps = 10, warmup = 3;
     double lr = 1e-4;
@@ -70,6 +70,10 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_option("--warmup", o->warmup, "untimed steps first")->check(CLI::Range(0, 100000));
   cmd->add_option("--lr", o->lr, "constant learning rate of the AdamW steps")->check(CLI::PositiveNumber);
   cmd->add_option("--backend", o->backend, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
+  cmd->add_option("--data", o->data,
+                  "synthetic data: prototypes (64 fixed latents and texts, memorised: loss falls towards 0) or "
+                  "structured (fresh latents tied to the text by fixed random maps, plus noise: a loss floor)")
+      ->check(CLI::IsMember({"prototypes", "structured"}));
   cmd->add_option("--json", o->json, "write the results as JSON to this file");
   cmd->add_flag("--gemm", o->gemm, "run the GEMM micro-benchmark instead of training steps");
   cmd->add_flag("--profile", o->profile,
@@ -114,6 +118,7 @@ Command add_bench_command(CLI::App& app) {
         s.recompute = recompute;
         s.lr = o->lr;
         s.profile = o->profile;
+        s.data = o->data == "structured" ? BenchData::structured : BenchData::prototypes;
         s.steps = o->steps;
         s.warmup = o->warmup;
         for (const std::string& p : o->precisions) {
@@ -161,7 +166,8 @@ Command add_bench_command(CLI::App& app) {
                                   {"device_used_gib", r.device_used_gib}, {"activation_estimate_gib", r.activation_gib},
                                   {"first_loss", r.first_loss},     {"last_loss", r.last_loss},
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},
-                                  {"backend", o->backend},          {"ops", ops}});
+                                  {"backend", o->backend},          {"data", o->data},
+                                  {"ops", ops}});
         }
       }
     }

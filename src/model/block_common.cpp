@@ -6,6 +6,14 @@ ScaleParam ScaleParam::bind(const ParamStore& store, const std::string& name) {
   return {store.param(name), store.grad(name)};
 }
 
+void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType t, SlotKind kind, Tensor& q, Tensor& k,
+                        Tensor& v) {
+  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
+  q = a.alloc(t, heads, kind);
+  k = a.alloc(t, heads, kind);
+  v = a.alloc(t, heads, kind);
+}
+
 SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
                                         Tensor x) {
   SavedLinearInput s;

@@ -37,6 +37,11 @@ struct BlockContext {
   Fp8Runtime* fp8 = nullptr;  // FP8 state; null in BF16 runs
 };
 
+// q, k and v of a block's attention in the head-major layout [B, heads, L, D], from `a`
+// (selective recompute puts them in scratch for one forward or backward).
+void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType t, SlotKind kind, Tensor& q, Tensor& k,
+                        Tensor& v);
+
 // Turns FP8 amax/statistics recording off while it lives. A recomputed cast uses the step's
 // scales and gives the same codes, but the forward already recorded it once.
 class NoFp8Recording {

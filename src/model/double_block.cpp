@@ -91,21 +91,14 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
   s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
   const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  if (!selective) {
-    s.q = a.alloc(t, heads, SlotKind::activation);
-    s.k = a.alloc(t, heads, SlotKind::activation);
-    s.v = a.alloc(t, heads, SlotKind::activation);
-  }
+  if (!selective) allocate_heads_qkv(a, c, sh, t, SlotKind::activation, s.q, s.k, s.v);
   s.o = a.alloc(t, heads, SlotKind::activation);
   s.lse = a.alloc(t, Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
   return s;
 }
 
 void DoubleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType t) {
-  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  q = scratch.alloc(t, heads, SlotKind::workspace);
-  k = scratch.alloc(t, heads, SlotKind::workspace);
-  v = scratch.alloc(t, heads, SlotKind::workspace);
+  allocate_heads_qkv(scratch, c, sh, t, SlotKind::workspace, q, k, v);
 }
 
 namespace {

@@ -182,13 +182,14 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
   const Fp8Scaling sc = fp8->scaling(Operand::grad_output);
   const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
   const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
-  be.quantize(dy_row, dy_col, dy, fp8->quantize_args(site, Operand::grad_output));
+  Backend::Quantize q = fp8->quantize_args(site, Operand::grad_output);
+  q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
+  be.quantize(dy_row, dy_col, dy, q);
   if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
   if (fp8_wgrad)
     be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, true);  // wgrad: dyᵀ·x
   else
     be.linear_backward(Tensor{}, site.dw, Tensor{}, dy, saved.full, site.w, false);
-  if (site.db.defined()) be.linear_backward(Tensor{}, Tensor{}, site.db, dy, Tensor{}, site.w, false);
   scratch.release_to(mark);
 }
 

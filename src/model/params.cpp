@@ -98,48 +98,22 @@ Tensor ParamStore::grad(std::string_view name) const { return view(grads_, dtype
 Tensor ParamStore::flat_params() const { return Tensor(params_, dtype_, Shape{layout_.total()}); }
 Tensor ParamStore::flat_grads() const { return Tensor(grads_, dtype_, Shape{layout_.total()}); }
 
-namespace {
-
-// The initial values of one parameter in T (f32 storage: the double value rounded, as
-// from_host would; generated in parallel, no double copy: a 12B model starts in seconds).
-template <typename T>
-std::vector<T> initial_values(const ParamInfo& p, uint64_t seed, uint64_t stream) {
-  const int64_t n = p.shape.numel();
-  std::vector<T> v(static_cast<size_t>(n), T(0));
-  switch (p.init) {
-    case ParamInit::zeros: break;
-    case ParamInit::ones: std::fill(v.begin(), v.end(), T(1)); break;
-    case ParamInit::normal_002:
-      // Each value is a pure function of (seed, stream, j): threads cannot change it.
-#pragma omp parallel for schedule(static) if (n >= (1 << 16))
-      for (int64_t j = 0; j < n; ++j)
-        v[static_cast<size_t>(j)] = static_cast<T>(0.02 * rng_normal(seed, stream, static_cast<uint64_t>(j)));
-      break;
-    case ParamInit::xavier_uniform: {
-      // U(−a, a), a = √(6 / (fan_in + fan_out)) on the fused weight shape.
-      const double a = std::sqrt(6.0 / static_cast<double>(p.shape[0] + p.shape[1]));
-#pragma omp parallel for schedule(static) if (n >= (1 << 16))
-      for (int64_t j = 0; j < n; ++j)
-        v[static_cast<size_t>(j)] =
-            static_cast<T>(a * (2.0 * rng_uniform(seed, stream, static_cast<uint64_t>(j)) - 1.0));
-      break;
-    }
-  }
-  return v;
-}
-
-}  // namespace
-
 void ParamStore::init(uint64_t seed) {
+  // On the backend (the GPU for a CUDA run): 1.31B parameters start in milliseconds instead of
+  // seconds of host generation and upload. Each value is a pure function of (seed, stream, j).
   for (size_t i = 0; i < layout_.params().size(); ++i) {
     const ParamInfo& p = layout_.params()[i];
     const uint64_t stream = rng_stream(0x706172616d73ull /*"params"*/, i);
     const Tensor t = view(params_, dtype_, p);
-    if (dtype_ == DType::f32) {
-      const std::vector<float> v = initial_values<float>(p, seed, stream);
-      backend_.upload(t.data, v.data(), v.size() * sizeof(float));
-    } else {
-      from_host(backend_, t, initial_values<double>(p, seed, stream));
+    switch (p.init) {
+      case ParamInit::zeros: backend_.fill(t, 0.0); break;
+      case ParamInit::ones: backend_.fill(t, 1.0); break;
+      case ParamInit::normal_002: backend_.fill_random(t, Backend::Random::normal, seed, stream, 0.02); break;
+      case ParamInit::xavier_uniform:
+        // U(−a, a), a = √(6 / (fan_in + fan_out)) on the fused weight shape.
+        backend_.fill_random(t, Backend::Random::uniform, seed, stream,
+                             std::sqrt(6.0 / static_cast<double>(p.shape[0] + p.shape[1])));
+        break;
     }
   }
 }

@@ -36,11 +36,7 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.q_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
   const Shape heads{B, n, L, c.head_dim()};
-  if (!selective) {
-    s.q = a.alloc(t, heads, SlotKind::activation);
-    s.k = a.alloc(t, heads, SlotKind::activation);
-    s.v = a.alloc(t, heads, SlotKind::activation);
-  }
+  if (!selective) allocate_heads_qkv(a, c, sh, t, SlotKind::activation, s.q, s.k, s.v);
   s.o = a.alloc(t, heads, SlotKind::activation);
   s.lse = a.alloc(t, Shape{B, n, L}, SlotKind::statistic);
   if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
@@ -49,10 +45,7 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
 }
 
 void SingleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType t) {
-  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  q = scratch.alloc(t, heads, SlotKind::workspace);
-  k = scratch.alloc(t, heads, SlotKind::workspace);
-  v = scratch.alloc(t, heads, SlotKind::workspace);
+  allocate_heads_qkv(scratch, c, sh, t, SlotKind::workspace, q, k, v);
 }
 
 namespace {

@@ -273,6 +273,32 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
       }
 }
 
+// Quantize::column_sums, the bias gradient taken in the cast of the output gradient: the GPU
+// sums each 128-row tile's columns in the cast kernel and adds the tiles in order; the CPU
+// sums in double as linear_backward does. Both accumulate into the target. Partial tiles,
+// a strided input, and the path without any FP8 copy.
+TEST(CudaQuantize, ColumnSumsMatchCpu) {
+  FLUX8_REQUIRE_GPU();
+  for (const auto [R, C] : {std::array<int64_t, 2>{300, 257}, {5, 3}, {128, 256}})
+    for (const int copies : {0, 1, 2, 3}) {
+      SCOPED_TRACE(fmt::format("[{}, {}] copies {}", R, C, copies));
+      Pair x({R, C}, 3), sums({C});
+      x.randn(71, 3.0), sums.randn(72);
+      QPair row(R, C, Fp8Format::e5m2, Fp8Scaling::per_tensor), col(C, R, Fp8Format::e5m2, Fp8Scaling::per_tensor);
+      Backend::Quantize q;
+      q.format = Fp8Format::e5m2;
+      q.delayed_scale = &kDelayedScale;
+      for (const bool g : {false, true}) {
+        q.column_sums = sums.t(g);
+        Backend& be = g ? gpu() : cpu();
+        be.quantize(copies & 1 ? (g ? row.dev : row.host) : QTensor{}, copies & 2 ? (g ? col.dev : col.host) : QTensor{},
+                    x.t(g), q);
+      }
+      EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
+      if (copies & 1) EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "");
+    }
+}
+
 // The CUDA backend keeps each cast's statistics on the device until the next synchronisation
 // (and flushes its pending list when full): many casts into the same targets, with no
 // synchronisation between them, must merge exactly as the CPU's immediate merges do.

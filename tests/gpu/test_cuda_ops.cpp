@@ -88,19 +88,23 @@ TEST(CudaOps, LinearBf16Gemm) {
 
 TEST(CudaOps, Activations) {
   FLUX8_REQUIRE_GPU();
-  Pair x({41, 77}, 3), y({41, 77}, 1), dy({41, 77}, 2), dx({41, 77}, 5);
-  x.randn(21, 3.0), y.randn(22), dy.randn(23), dx.randn(24);
-  run_both([&](Backend& be, bool g) { be.silu(y.t(g), x.t(g)); });
-  EXPECT_CLOSE(y, kElementwise);
-  for (bool acc : {false, true}) {
-    run_both([&](Backend& be, bool g) { be.silu_backward(dx.t(g), dy.t(g), x.t(g), acc); });
+  // 77 columns: element by element; 76 with row strides of multiples of 4: four per thread.
+  for (const auto [cols, pad] : {std::array<int64_t, 2>{77, 3}, {76, 4}}) {
+    SCOPED_TRACE(::testing::Message() << "cols=" << cols);
+    Pair x({41, cols}, pad), y({41, cols}, pad), dy({41, cols}, 2 * pad), dx({41, cols}, pad);
+    x.randn(21, 3.0), y.randn(22), dy.randn(23), dx.randn(24);
+    run_both([&](Backend& be, bool g) { be.silu(y.t(g), x.t(g)); });
+    EXPECT_CLOSE(y, kElementwise);
+    for (bool acc : {false, true}) {
+      run_both([&](Backend& be, bool g) { be.silu_backward(dx.t(g), dy.t(g), x.t(g), acc); });
+      EXPECT_CLOSE(dx, kElementwise);
+    }
+    run_both([&](Backend& be, bool g) { be.gelu_tanh(y.t(g), x.t(g)); });
+    EXPECT_CLOSE(y, kElementwise);
+    run_both([&](Backend& be, bool g) { be.gelu_tanh_backward(dx.t(g), dy.t(g), x.t(g)); });
     EXPECT_CLOSE(dx, kElementwise);
+    EXPECT_TRUE(dx.padding_untouched());
   }
-  run_both([&](Backend& be, bool g) { be.gelu_tanh(y.t(g), x.t(g)); });
-  EXPECT_CLOSE(y, kElementwise);
-  run_both([&](Backend& be, bool g) { be.gelu_tanh_backward(dx.t(g), dy.t(g), x.t(g)); });
-  EXPECT_CLOSE(dx, kElementwise);
-  EXPECT_TRUE(dx.padding_untouched());
 }
 
 TEST(CudaOps, LayerNormModulate) {
@@ -273,6 +277,25 @@ TEST(CudaOps, ObjectiveLossNormAdamW) {
   EXPECT_CLOSE(p, 1e-7);
   EXPECT_CLOSE(m, 1e-7);
   EXPECT_CLOSE(v, 1e-7);
+}
+
+// Parameter initialisation on the device: the CPU's values (uniform: the same bits; normal:
+// the device's logf/cosf may round the last f32 bit differently), and the values depend on
+// (seed, stream, index) only.
+TEST(CudaOps, FillRandomMatchesCpu) {
+  FLUX8_REQUIRE_GPU();
+  Pair u({1000, 7}), n({70001});
+  for (int rep = 0; rep < 2; ++rep) {
+    run_both([&](Backend& be, bool g) { be.fill_random(u.t(g), Backend::Random::uniform, 5, 77, 0.3); });
+    EXPECT_CLOSE(u, kExact);
+    run_both([&](Backend& be, bool g) { be.fill_random(n.t(g), Backend::Random::normal, 5, 78, 0.02); });
+    EXPECT_CLOSE(n, kElementwise);
+  }
+  const std::vector<float> v = n.down();
+  double mean = 0, sq = 0;
+  for (float x : v) mean += x / v.size(), sq += double(x) * x / v.size();
+  EXPECT_NEAR(mean, 0.0, 0.001);
+  EXPECT_NEAR(std::sqrt(sq), 0.02, 0.001);
 }
 
 TEST(CudaOps, ErrorsNameTheOpAndTensor) {

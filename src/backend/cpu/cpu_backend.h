@@ -25,6 +25,7 @@ class CpuBackend final : public Backend {
   // fill/copy/add/accumulate serve parameter and gradient buffers as well as activations,
   // so they never apply the bf16 activation rounding (their callers know what they hold).
   void fill(Tensor y, double value) override;
+  void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
   void copy(Tensor y, Tensor x) override;
   void add(Tensor y, Tensor a, Tensor b) override;
   void accumulate(Tensor y, Tensor x) override;

@@ -1,6 +1,7 @@
 // fill, copy, add, accumulate and the gated residual: elementwise over [rows, cols], any ld.
 #include "backend/cpu/common.h"
 #include "backend/cpu/cpu_backend.h"
+#include "core/rng.h"
 
 namespace flux8 {
 using namespace cpu;
@@ -11,6 +12,21 @@ void CpuBackend::fill(Tensor y, double value) {
   dispatch(t, [&]<typename T>(T) {
     parallel_for(y.rows(), c, [&](int64_t r) {
       std::fill(row<T>(y, r), row<T>(y, r) + y.cols(), static_cast<T>(value));
+    });
+  });
+}
+
+void CpuBackend::fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) {
+  const DType t = call_dtype("fill_random", {{"y", y}});
+  require_contiguous("fill_random", {"y", y});
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    T* out = y.ptr<T>();
+    parallel_for(y.numel(), c, [&](int64_t i) {
+      const uint64_t k = static_cast<uint64_t>(i);
+      const double v = dist == Random::normal ? static_cast<double>(rng_normal(seed, stream, k))
+                                              : 2.0 * static_cast<double>(rng_uniform(seed, stream, k)) - 1.0;
+      out[i] = static_cast<T>(scale * v);
     });
   });
 }

@@ -6,6 +6,7 @@
 
 #include "backend/cpu/common.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/op_checks.h"
 #include "fp8/recipe.h"
 
 namespace flux8 {
@@ -72,9 +73,20 @@ std::vector<float> dequantize_view(const QTensor& q, const Ctx& c) {
 }  // namespace
 
 void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
-  if (!ops::check_quantize("quantize", rowwise, columnwise, x)) return;
-  const int64_t R = x.rows(), C = x.cols();
+  const bool any_copy = ops::check_quantize("quantize", rowwise, columnwise, x);
+  ops::check_column_sums("quantize", q.column_sums, x.cols());
   const Ctx c = make_ctx(options_, DType::f32);
+  if (q.column_sums.defined()) {  // the same sums, in the same order, as linear_backward's db
+    const int64_t R = x.rows(), C = x.cols();
+    const auto s = grouped_column_sums(1, R, C, c, [&](int64_t, int64_t r, double* acc) {
+      const float* xr = row<float>(x, r);
+      for (int64_t j = 0; j < C; ++j) acc[j] += xr[j];
+    });
+    float* out = q.column_sums.ptr<float>();
+    for (int64_t j = 0; j < C; ++j) out[j] = static_cast<float>(out[j] + s[j]);
+  }
+  if (!any_copy) return;
+  const int64_t R = x.rows(), C = x.cols();
   const std::vector<float> xr = gather(x, false, c);
   // One scale for both copies under per-tensor scaling: the registry's (delayed) or this
   // tensor's current scale.

@@ -175,6 +175,14 @@ void for_each_row(CudaBackend& be, int64_t rows, int64_t cols, F f) {
   FLUX8_LAUNCH_CHECK(for_each_row_kernel);
 }
 
+// Rows of whole float4s: 16-byte aligned base, ld and cols multiples of 4. Moving 16 bytes per
+// thread instead of 4 takes copies and elementwise kernels from ~40-50% of HBM bandwidth
+// towards the copy rate.
+inline bool quads(const Mat& m) {
+  return reinterpret_cast<uintptr_t>(m.p) % 16 == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
+}
+__device__ inline float4& quad(const Mat& m, int64_t r, int64_t c) { return *reinterpret_cast<float4*>(&m.at(r, c)); }
+
 // Launches a grid-stride loop over n items: f(i) for every i in [0, n).
 template <typename F>
 __global__ void for_each_kernel(int64_t n, F f) {

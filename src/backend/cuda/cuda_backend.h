@@ -43,6 +43,7 @@ class CudaBackend final : public Backend {
   MemoryUse memory_use() const override;
 
   void fill(Tensor y, double value) override;
+  void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
   void copy(Tensor y, Tensor x) override;
   void add(Tensor y, Tensor a, Tensor b) override;
   void accumulate(Tensor y, Tensor x) override;

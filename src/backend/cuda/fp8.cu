@@ -86,6 +86,7 @@ struct CastArgs {
   CastDst row, col;
   bool stats_from_col;       // CastStats describe the columnwise cast (no rowwise copy)
   StatsPartial* partials;    // [tiles], or null: no statistics wanted
+  double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
 };
 
 // Amaxes here are >= +0 and never NaN (amax_accumulate drops NaN): fmaxf is exact.
@@ -183,6 +184,14 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
       }
   }
   __syncthreads();
+
+  // The tile's column sums (a bias gradient summed in the pass that casts the output
+  // gradient): one thread per column, rows in order; the tiles are added in order afterwards.
+  if (a.column_partials && threadIdx.x < nc) {
+    double acc = 0;
+    for (int i = 0; i < nr; ++i) acc += tile[i * kPitch + threadIdx.x];
+    a.column_partials[ty * a.cols + c0 + threadIdx.x] = acc;
+  }
 
   // Cast. The counts follow cast_span() in src/fp8/quantize.cpp exactly.
   const float bound = fp8_saturation_bound(a.format);
@@ -356,8 +365,16 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   using Op = CastInput::Op;
   const std::string_view op = in.op == Op::identity ? "quantize" : "quantize_fused";
   const Tensor& x = in.x;
-  if (!ops::check_quantize(op, rowwise, columnwise, x)) return;
+  const bool any_copy = ops::check_quantize(op, rowwise, columnwise, x);
+  ops::check_column_sums(op, q.column_sums, x.cols());
   const int64_t R = x.rows(), C = x.cols();
+  if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
+    if (in.op != Op::identity) fail("{}: column sums are taken of a plain cast's input only", op);
+    const Mat X = mat(x);
+    column_sums(*this, 1, R, C, [=] __device__(int64_t, int64_t r, int64_t c) { return double(X.at(r, c)); },
+                q.column_sums.ptr<float>(), C, true);
+  }
+  if (!any_copy) return;
   Source src{in.op, x.ptr<float>(), x.ld, nullptr, nullptr, {}, {}, 1};
   if (in.op == Op::layernorm_modulate) {
     require_f32(op, {{"mean", in.mean}, {"rstd", in.rstd}, {"shift", in.shift}, {"scale", in.scale}});
@@ -420,11 +437,20 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   a.col = dst(columnwise);
   a.stats_from_col = !rowwise.defined();
   a.partials = want_stats ? partials : nullptr;
+  const int64_t row_tiles = (R + kTile - 1) / kTile;
+  a.column_partials = q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
+                                                    static_cast<size_t>(row_tiles * C) * sizeof(double)))
+                                              : nullptr;
   switch (q.scaling) {
     case Fp8Scaling::per_tensor: launch_cast<Fp8Scaling::per_tensor>(a, tiles, stream()); break;
     case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
     case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
     case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
+  }
+  if (a.column_partials) {
+    column_partials_total_kernel<<<blocks_for(C), kThreads, 0, stream()>>>(1, C, row_tiles, a.column_partials,
+                                                                          q.column_sums.ptr<float>(), C, true);
+    FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
   }
   if (!want_stats) return;
 

@@ -11,13 +11,6 @@ using namespace cuda;
 
 namespace {
 
-// Rows of whole float4s: 16-byte aligned base, ld and cols multiples of 4. Moving 16 bytes per
-// thread instead of 4 takes the layout copies from ~40% of HBM bandwidth towards the copy rate.
-bool quads(const Mat& m) {
-  return reinterpret_cast<uintptr_t>(m.p) % 16 == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
-}
-__device__ inline float4& quad(const Mat& m, int64_t r, int64_t c) { return *reinterpret_cast<float4*>(&m.at(r, c)); }
-
 void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads) {
   const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
   const int64_t Ls = tokens.shape[1];

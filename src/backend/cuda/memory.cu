@@ -8,6 +8,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/factory.h"
 #include "backend/cuda/gemm.h"
+#include "core/rng.h"
 
 namespace flux8 {
 using namespace cuda;
@@ -145,6 +146,19 @@ void CudaBackend::fill(Tensor y, double value) {
     return;
   }
   for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = v; });
+}
+
+void CudaBackend::fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) {
+  require_f32("fill_random", {{"y", y}});
+  require_contiguous("fill_random", {"y", y});
+  float* out = y.ptr<float>();
+  const bool normal = dist == Random::normal;
+  for_each(*this, y.numel(), [=] __device__(int64_t i) {  // the CPU backend's formula
+    const uint64_t k = static_cast<uint64_t>(i);
+    const double v = normal ? static_cast<double>(rng_normal(seed, stream, k))
+                            : 2.0 * static_cast<double>(rng_uniform(seed, stream, k)) - 1.0;
+    out[i] = static_cast<float>(scale * v);
+  });
 }
 
 void CudaBackend::copy(Tensor y, Tensor x) {
