@@ -1,6 +1,7 @@
 #include "model/linear_site.h"
 
 #include <algorithm>
+#include <exception>
 
 #include "core/error.h"
 #include "fp8/recipe.h"
@@ -21,6 +22,14 @@ LinearSite LinearSite::bind(const ParamStore& store, const std::string& prefix) 
 
 Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend)
     : cfg_(cfg), be_(backend), registry_(static_cast<int>(cfg.amax_history_len)) {}
+
+Fp8Runtime::~Fp8Runtime() {
+  try {
+    be_.synchronize();
+  } catch (const std::exception&) {
+    // A failing device is reported by whatever runs next; a destructor must not throw.
+  }
+}
 
 void Fp8Runtime::add_site(LinearSite& site) {
   site.fp8 = true;

@@ -45,6 +45,11 @@ struct SavedLinearInput {
 class Fp8Runtime {
  public:
   Fp8Runtime(const Fp8Config& cfg, Backend& backend);
+  // Synchronises the backend first: casts may still hold pointers to this runtime's registry
+  // and statistics (a backend may deliver them late, Backend::Quantize).
+  ~Fp8Runtime();
+  Fp8Runtime(const Fp8Runtime&) = delete;
+  Fp8Runtime& operator=(const Fp8Runtime&) = delete;
   const Fp8Config& config() const { return cfg_; }
   Fp8MetaRegistry& registry() { return registry_; }
   const Fp8MetaRegistry& registry() const { return registry_; }

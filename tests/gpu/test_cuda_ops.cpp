@@ -36,6 +36,17 @@ TEST(CudaOps, FillCopyAddAccumulate) {
   run_both([&](Backend& be, bool g) { be.fill(y.t(g), -2.5); });
   EXPECT_CLOSE(y, kExact);
   EXPECT_TRUE(y.padding_untouched());
+  // Contiguous tensors take flat paths (fills of 0 are memsets).
+  Pair c({37, 53}), d({37, 53});
+  c.randn(4), d.randn(5);
+  run_both([&](Backend& be, bool g) { be.add(c.t(g), d.t(g), b.t(g)); });
+  EXPECT_CLOSE(c, kExact);
+  run_both([&](Backend& be, bool g) { be.accumulate(c.t(g), d.t(g)); });
+  EXPECT_CLOSE(c, kExact);
+  for (const double v : {-2.5, 0.0, -0.0}) {
+    run_both([&](Backend& be, bool g) { be.fill(c.t(g), v); });
+    EXPECT_CLOSE(c, kExact);
+  }
 }
 
 TEST(CudaOps, LinearForwardAndBackward) {

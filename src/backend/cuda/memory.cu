@@ -145,6 +145,11 @@ void CudaBackend::fill(Tensor y, double value) {
     FLUX8_CUDA_CHECK(cudaMemsetAsync(Y.p, 0, static_cast<size_t>(Y.rows * Y.cols) * sizeof(float), stream_));
     return;
   }
+  if (y.contiguous()) {  // also flat parameter-sized vectors, beyond for_each_row's 2^30 columns
+    float* p = Y.p;
+    for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { p[i] = v; });
+    return;
+  }
   for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = v; });
 }
 
@@ -177,6 +182,10 @@ void CudaBackend::add(Tensor y, Tensor a, Tensor b) {
   require_same_matrix("add", {"y", y}, {"a", a});
   require_same_matrix("add", {"y", y}, {"b", b});
   const Mat Y = mat(y), A = mat(a), B = mat(b);
+  if (y.contiguous() && a.contiguous() && b.contiguous()) {
+    for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.p[i] = A.p[i] + B.p[i]; });
+    return;
+  }
   for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = A.at(r, c) + B.at(r, c); });
 }
 
@@ -184,6 +193,10 @@ void CudaBackend::accumulate(Tensor y, Tensor x) {
   require_f32("accumulate", {{"y", y}, {"x", x}});
   require_same_matrix("accumulate", {"y", y}, {"x", x});
   const Mat Y = mat(y), X = mat(x);
+  if (y.contiguous() && x.contiguous()) {
+    for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.p[i] += X.p[i]; });
+    return;
+  }
   for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) += X.at(r, c); });
 }
 
