@@ -142,8 +142,9 @@ TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
   x.randn(21, 2.0), mod.randn(22, 0.5);
   for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate}) {
     SCOPED_TRACE(static_cast<int>(op));
-    Backend::CastInput in{.op = op, .x = x.t, .mean = mean.t, .rstd = rstd.t, .shift = mod.t.cols_slice(0, H),
-                          .scale = mod.t.cols_slice(H, H), .eps = 1e-6};
+    Backend::CastInput in =
+        Backend::CastInput::layernorm_modulate_of(x.t, mean.t, rstd.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H), 1e-6);
+    in.op = op;
     be->produce(y.t, in);
     std::vector<uint8_t> fused(B * L * H, 0xA5), by_hand(B * L * H, 0x5A);
     std::vector<float> s_fused(B * L * 2, -1), s_hand(B * L * 2, -2);

@@ -198,6 +198,20 @@ class Backend {
     Tensor x;
     Tensor mean, rstd, shift, scale;  // layernorm_modulate only
     double eps = 0.0;                 // layernorm_modulate: the eps mean/rstd were made with
+
+    static CastInput gelu_tanh_of(Tensor x) {
+      CastInput in;
+      in.op = Op::gelu_tanh;
+      in.x = x;
+      return in;
+    }
+    static CastInput layernorm_modulate_of(Tensor x, Tensor mean, Tensor rstd, Tensor shift, Tensor scale,
+                                           double eps) {
+      CastInput in;
+      in.op = Op::layernorm_modulate;
+      in.x = x, in.mean = mean, in.rstd = rstd, in.shift = shift, in.scale = scale, in.eps = eps;
+      return in;
+    }
   };
   // quantize() of the op's output, which must give the same codes, scales and statistics as
   // running the op (produce()) and then quantize() on this backend. The default does just that,

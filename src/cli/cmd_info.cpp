@@ -62,17 +62,24 @@ Command add_info_command(CLI::App& app) {
 
     // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B,
     // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
-    struct Row { const char* name; double bf16, fp8; };
+    // Two accounts: the design (bf16 activation storage and a bf16 weight copy), and what the
+    // CUDA backend allocates today (f32 activations and workspace; bf16 GEMM operands are
+    // per-call copies, not kept).
+    struct Row { const char* name; double bf16, fp8, today_bf16, today_fp8; };
+    const double fp8_copies = 2.0 * static_cast<double>(block_linear_params);
     const std::vector<Row> rows = {
-        {"weights (bf16)", 2 * P, 2 * P},
-        {"fp8 weight copies", 0, 2.0 * static_cast<double>(block_linear_params)},
-        {"fp32 master weights", 4 * P, 4 * P},
-        {"fp32 gradients", 4 * P, 4 * P},
-        {"AdamW moments (fp32)", 8 * P, 8 * P},
-        {"activations", act.gpu_bytes(false), act.gpu_bytes(true)},
+        {"weights (bf16)", 2 * P, 2 * P, 0, 0},
+        {"fp8 weight copies", 0, fp8_copies, 0, fp8_copies},
+        {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
+        {"fp32 gradients", 4 * P, 4 * P, 4 * P, 4 * P},
+        {"AdamW moments (fp32)", 8 * P, 8 * P, 8 * P, 8 * P},
+        {"activations", act.gpu_bytes(false), act.gpu_bytes(true), act.f32_bytes(false), act.f32_bytes(true)},
     };
-    double total_bf16 = 0, total_fp8 = 0;
-    for (const Row& r : rows) total_bf16 += r.bf16, total_fp8 += r.fp8;
+    Row total{"total", 0, 0, 0, 0};
+    for (const Row& r : rows) {
+      total.bf16 += r.bf16, total.fp8 += r.fp8;
+      total.today_bf16 += r.today_bf16, total.today_fp8 += r.today_fp8;
+    }
 
     if (o->json) {
       nlohmann::json j;
@@ -86,8 +93,12 @@ Command add_info_command(CLI::App& app) {
       j["recompute_granularity"] = recompute;
       j["flops_per_sample"] = {{"forward", per_sample.forward()}, {"training", per_sample.training()}};
       j["flops_per_step"] = {{"forward", per_step.forward()}, {"training", per_step.training()}};
-      for (const Row& r : rows) j["memory_bytes"][r.name] = {{"bf16", r.bf16}, {"fp8", r.fp8}};
-      j["memory_bytes"]["total"] = {{"bf16", total_bf16}, {"fp8", total_fp8}};
+      for (const Row& r : rows) {
+        j["memory_bytes"][r.name] = {{"bf16", r.bf16}, {"fp8", r.fp8}};
+        j["memory_bytes_cuda_today"][r.name] = {{"bf16", r.today_bf16}, {"fp8", r.today_fp8}};
+      }
+      j["memory_bytes"]["total"] = {{"bf16", total.bf16}, {"fp8", total.fp8}};
+      j["memory_bytes_cuda_today"]["total"] = {{"bf16", total.today_bf16}, {"fp8", total.today_fp8}};
       fmt::print("{}\n", j.dump(2));
       return 0;
     }
@@ -103,11 +114,18 @@ Command add_info_command(CLI::App& app) {
     fmt::print("model FLOPs per sample: forward {:.2f} GFLOP, training step (fwd+bwd) {:.2f} GFLOP\n",
                per_sample.forward() / 1e9, per_sample.training() / 1e9);
     fmt::print("model FLOPs per step:   training {:.3f} TFLOP\n", per_step.training() / 1e12);
-    fmt::print("\nmemory of a training step on the GPU     {:>12} {:>12}\n", "BF16", "FP8");
-    for (const Row& r : rows) fmt::print("  {:<38}{:>12} {:>12}\n", r.name, gib(r.bf16), gib(r.fp8));
-    fmt::print("  {:<38}{:>12} {:>12}\n", "total", gib(total_bf16), gib(total_fp8));
-    fmt::print("  (activations: bf16 storage, fp32 statistics; FP8 stores saved Linear inputs in 1 byte;\n"
-               "   recompute_granularity {} (none, selective, full); no optimizer sharding; see docs/MEMORY.md)\n",
+    fmt::print("\nmemory of a training step on the GPU     {:>12} {:>12}   {:>12} {:>12}\n", "BF16", "FP8",
+               "today BF16", "today FP8");
+    for (const Row& r : rows)
+      fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", r.name, gib(r.bf16), gib(r.fp8), gib(r.today_bf16),
+                 gib(r.today_fp8));
+    fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", "total", gib(total.bf16), gib(total.fp8),
+               gib(total.today_bf16), gib(total.today_fp8));
+    fmt::print("  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now, f32\n"
+               "   activations and block scratch, no kept bf16 weights; not counted: FP8 cast scratch,\n"
+               "   cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32; FP8 saves Linear inputs in\n"
+               "   1 byte; recompute_granularity {} (none, selective, full); no optimizer sharding;\n"
+               "   see docs/MEMORY.md)\n",
                recompute);
     return 0;
   }};

@@ -12,10 +12,10 @@ constexpr size_t kAlign = 256;  // keeps every slot aligned for vector loads / T
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
-double ArenaUsage::gpu_bytes(bool fp8_linear_inputs) const {
-  return static_cast<double>(elements[0]) * (fp8_linear_inputs ? 1.0 : 2.0) +
-         static_cast<double>(elements[1]) * 2.0 + static_cast<double>(elements[2]) * 4.0 +
-         static_cast<double>(elements[3]) * 2.0;
+double ArenaUsage::bytes(double element_bytes, bool fp8_linear_inputs) const {
+  return static_cast<double>(elements[0]) * (fp8_linear_inputs ? 1.0 : element_bytes) +
+         static_cast<double>(elements[1]) * element_bytes + static_cast<double>(elements[2]) * 4.0 +
+         static_cast<double>(elements[3]) * element_bytes;
 }
 
 Arena::~Arena() {

@@ -15,8 +15,7 @@ Tensor chunk(const Tensor& mod, int64_t i, int64_t H) { return mod.cols_slice(i 
 // LayerNorm of x modulated by chunks i (shift) and i + 1 (scale): a Linear's input.
 Backend::CastInput layernorm_input(Tensor x, Tensor mean, Tensor rstd, const Tensor& mod, int64_t i, int64_t H,
                                    double eps) {
-  return {.op = Backend::CastInput::Op::layernorm_modulate, .x = x, .mean = mean, .rstd = rstd,
-          .shift = chunk(mod, i, H), .scale = chunk(mod, i + 1, H), .eps = eps};
+  return Backend::CastInput::layernorm_modulate_of(x, mean, rstd, chunk(mod, i, H), chunk(mod, i + 1, H), eps);
 }
 
 DoubleStreamParams bind_stream(const ParamStore& s, const std::string& p) {
@@ -141,7 +140,7 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
   site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h,
                      layernorm_input(x, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps), s.xm2, ctx.dtype);
   site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out,
-                     Backend::CastInput{.op = Backend::CastInput::Op::gelu_tanh, .x = s.mlp_h}, s.mlp_g, ctx.dtype);
+                     Backend::CastInput::gelu_tanh_of(s.mlp_h), s.mlp_g, ctx.dtype);
   be.gated_residual(x, s.mlp_out, chunk(s.mod, 5, H));
   ctx.scratch.release_to(mark);
 }

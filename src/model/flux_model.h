@@ -31,6 +31,8 @@ struct ActivationEstimate {
   double gpu_bytes(bool fp8) const {
     return saved.gpu_bytes(fp8) + 2.0 * static_cast<double>(workspace_elements);
   }
+  // As today's CUDA backend stores them: f32 activations and workspace.
+  double f32_bytes(bool fp8) const { return saved.bytes(4.0, fp8) + 4.0 * static_cast<double>(workspace_elements); }
 };
 
 struct EmbedderSaved;

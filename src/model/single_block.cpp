@@ -92,8 +92,8 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
   site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u,
-                     {.op = Backend::CastInput::Op::layernorm_modulate, .x = z, .mean = s.ln_mean, .rstd = s.ln_rstd,
-                      .shift = s.mod.cols_slice(0, H), .scale = s.mod.cols_slice(H, H), .eps = ctx.cfg.layernorm_eps},
+                     Backend::CastInput::layernorm_modulate_of(z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H),
+                                                               s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps),
                      s.zm, ctx.dtype);
 
   const size_t mark = ctx.scratch.mark();

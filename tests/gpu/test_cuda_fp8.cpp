@@ -235,7 +235,8 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
       for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
         SCOPED_TRACE(fmt::format("{} {} {}", op == Op::gelu_tanh ? "gelu_tanh" : "layernorm_modulate", recipe.name,
                                  fp8_format_name(format)));
-        Backend::CastInput in{.op = op, .x = x.dev};
+        Backend::CastInput in = Backend::CastInput::gelu_tanh_of(x.dev);
+        in.op = op;
         if (op == Op::layernorm_modulate) {
           in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
           in.shift = mod.dev.cols_slice(0, H), in.scale = mod.dev.cols_slice(H, H);
