@@ -2,19 +2,22 @@
 # Builds and checks flux8 on the lent GPU machine (Ubuntu 24.04, CUDA 13, no package registry),
 # using the Debian packages that scripts/prepare_carry.sh unpacked into .carry/ here:
 #   device run, carry [".carry"]:  scripts/gpu_check.sh
-# Stages (GPU_CHECK_STAGES, default "info build test check demo"):
+# Stages (GPU_CHECK_STAGES, default "info build test check demo bench"):
 #   info   nvidia-smi, nvcc, compilers, CPU, Python packages, cuDNN/NCCL folders -> $OUT/env.txt
 #   build  configure + build Release in build/ with every core against .carry (a no-op when
 #          build/ is already up to date, e.g. a second call on a machine still warm)
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
-#   bench  `flux8 bench` (GPU_CHECK_BENCH_PARTS, default "gemm steps profile"; add "curve" in a
-#          call of its own, it takes ~3 min: the --gemm micro-benchmark; W1, W2 x BF16 and FP8
-#          recipes; the per-op breakdown (--profile) of W1/W2 in BF16 and FP8 delayed; curve: a
-#          GPU_CHECK_CURVE_STEPS (500) step
-#          flux_535m loss-curve run in BF16 and FP8 delayed hybrid; recompute: W1, W2 in BF16 and
-#          FP8 delayed with recompute_granularity selective and full) -> $OUT/bench*.json, .txt
+#   bench  `flux8 bench`, the parts in GPU_CHECK_BENCH_PARTS (default "gemm steps profile"):
+#            gemm       the FP8-linear vs cuBLASLt micro-benchmark
+#            steps      W1, W2 x BF16 and the FP8 recipes (GPU_CHECK_BENCH_ARGS adds options)
+#            profile    the per-op breakdown (--profile) of W1/W2 in BF16 and FP8 delayed
+#            recompute  W1, W2 in BF16 and FP8 delayed with recompute_granularity selective, full
+#            curve      a GPU_CHECK_CURVE_STEPS (500) step flux_535m loss curve in BF16 and FP8
+#                       delayed hybrid on GPU_CHECK_CURVE_DATA (structured, or prototypes: the
+#                       memorised set); ~90 s
+#          -> $OUT/bench*.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
@@ -149,7 +152,8 @@ if has bench; then
   fi
   if [[ " $parts " == *" curve "* ]]; then
     build/flux8 bench --workload W1 --precision bf16,delayed --warmup 0 --steps "${GPU_CHECK_CURVE_STEPS:-500}" \
-        --json "$OUT/bench_curve.json" 2>&1 | tee "$OUT/bench_curve.txt" || die "the W1 loss-curve run failed"
+        --data "${GPU_CHECK_CURVE_DATA:-structured}" --json "$OUT/bench_curve.json" 2>&1 |
+      tee "$OUT/bench_curve.txt" || die "the W1 loss-curve run failed"
   fi
 fi
 
