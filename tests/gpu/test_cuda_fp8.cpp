@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -280,15 +281,18 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
 // a strided input, and the path without any FP8 copy.
 TEST(CudaQuantize, ColumnSumsMatchCpu) {
   FLUX8_REQUIRE_GPU();
+  for (const Recipe& recipe : kRecipes)
   for (const auto [R, C] : {std::array<int64_t, 2>{300, 257}, {5, 3}, {128, 256}})
     for (const int copies : {0, 1, 2, 3}) {
-      SCOPED_TRACE(fmt::format("[{}, {}] copies {}", R, C, copies));
+      SCOPED_TRACE(fmt::format("{} [{}, {}] copies {}", recipe.name, R, C, copies));
       Pair x({R, C}, 3), sums({C});
       x.randn(71, 3.0), sums.randn(72);
-      QPair row(R, C, Fp8Format::e5m2, Fp8Scaling::per_tensor), col(C, R, Fp8Format::e5m2, Fp8Scaling::per_tensor);
+      QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
       Backend::Quantize q;
       q.format = Fp8Format::e5m2;
-      q.delayed_scale = &kDelayedScale;
+      q.scaling = recipe.scaling;
+      q.pow2 = recipe.pow2;
+      q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
       for (const bool g : {false, true}) {
         q.column_sums = sums.t(g);
         Backend& be = g ? gpu() : cpu();
@@ -297,6 +301,7 @@ TEST(CudaQuantize, ColumnSumsMatchCpu) {
       }
       EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
       if (copies & 1) EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "");
+      if (copies & 2) EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "");
     }
 }
 
@@ -306,29 +311,41 @@ TEST(CudaQuantize, ColumnSumsMatchCpu) {
 TEST(CudaQuantize, DeferredStatisticsMergeInOrder) {
   FLUX8_REQUIRE_GPU();
   constexpr int kCasts = 4100;  // more than the backend's pending capacity
-  Pair x(Shape{3, 37}, 2);
-  fill_input(x.host, 11, false);
-  x.up();
-  QPair row(3, 37, Fp8Format::e4m3, Fp8Scaling::per_tensor);
-  CastStats stats_cpu, stats_gpu;
-  float amax_cpu = 0.0f, amax_gpu = 0.0f;
+  // Three inputs (different amaxes, zeros and saturation under the delayed scale) cast in turn
+  // into three targets: a total delivered to the wrong entry, a lost or doubled entry, or a bad
+  // wrap at the capacity changes some target's numbers.
+  std::vector<std::unique_ptr<Pair>> xs;
+  for (int k = 0; k < 3; ++k) {
+    xs.push_back(std::make_unique<Pair>(Shape{3 + k, 37}, 2));
+    fill_input(xs.back()->host, 11 + k, false);
+    xs.back()->host.at(0, 1) = static_cast<float>(100 * (k + 1));
+    xs.back()->up();
+  }
+  std::vector<std::unique_ptr<QPair>> rows;
+  for (int k = 0; k < 3; ++k) rows.push_back(std::make_unique<QPair>(3 + k, 37, Fp8Format::e4m3, Fp8Scaling::per_tensor));
+  CastStats stats_cpu[3], stats_gpu[3];
+  float amax_cpu[3] = {0, 0, 0}, amax_gpu[3] = {0, 0, 0};
   Backend::Quantize q;
+  q.delayed_scale = &kDelayedScale;
   for (int i = 0; i < kCasts; ++i) {
-    q.amax = &amax_cpu;
-    q.stats = &stats_cpu;
-    cpu().quantize(row.host, QTensor{}, x.host.t, q);
-    q.amax = &amax_gpu;
-    q.stats = &stats_gpu;
-    gpu().quantize(row.dev, QTensor{}, x.dev, q);
+    const int k = i % 3, t = (i / 3 + i) % 3;  // input and target vary independently
+    q.amax = &amax_cpu[t];
+    q.stats = &stats_cpu[t];
+    cpu().quantize(rows[k]->host, QTensor{}, xs[k]->host.t, q);
+    q.amax = &amax_gpu[t];
+    q.stats = &stats_gpu[t];
+    gpu().quantize(rows[k]->dev, QTensor{}, xs[k]->dev, q);
   }
   gpu().synchronize();
-  EXPECT_EQ(bits(amax_gpu), bits(amax_cpu));
-  EXPECT_EQ(bits(stats_gpu.amax), bits(stats_cpu.amax));
-  EXPECT_EQ(stats_gpu.elements, int64_t{kCasts} * 3 * 37);
-  EXPECT_EQ(stats_gpu.elements, stats_cpu.elements);
-  EXPECT_EQ(stats_gpu.nonzero, stats_cpu.nonzero);
-  EXPECT_EQ(stats_gpu.saturated, stats_cpu.saturated);
-  EXPECT_EQ(stats_gpu.flushed, stats_cpu.flushed);
+  for (int t = 0; t < 3; ++t) {
+    SCOPED_TRACE(t);
+    EXPECT_EQ(bits(amax_gpu[t]), bits(amax_cpu[t]));
+    EXPECT_EQ(bits(stats_gpu[t].amax), bits(stats_cpu[t].amax));
+    EXPECT_EQ(stats_gpu[t].elements, stats_cpu[t].elements);
+    EXPECT_EQ(stats_gpu[t].nonzero, stats_cpu[t].nonzero);
+    EXPECT_EQ(stats_gpu[t].saturated, stats_cpu[t].saturated);
+    EXPECT_EQ(stats_gpu[t].flushed, stats_cpu[t].flushed);
+  }
 }
 
 // Without an amax or stats target the cast skips its statistics:

@@ -46,6 +46,7 @@ TEST(CudaOps, FillCopyAddAccumulate) {
   for (const double v : {-2.5, 0.0, -0.0}) {
     run_both([&](Backend& be, bool g) { be.fill(c.t(g), v); });
     EXPECT_CLOSE(c, kExact);
+    for (const float e : c.down()) ASSERT_EQ(std::signbit(e), std::signbit(v)) << v;  // -0.0 is not a memset
   }
 }
 
@@ -120,31 +121,35 @@ TEST(CudaOps, Activations) {
 
 TEST(CudaOps, LayerNormModulate) {
   FLUX8_REQUIRE_GPU();
-  const int64_t B = 3, L = 37, H = 203;
-  Pair x({B, L, H}, 2), y({B, L, H}, 1), mean({B * L}), rstd({B * L});
-  Pair mod({B, 6 * H});  // shift and scale are column windows of one modulation output
-  x.randn(31, 2.0), mod.randn(32, 0.5), y.randn(33);
-  // A large row mean, as the residual stream has: the two-pass variance must hold up.
-  for (int64_t c = 0; c < H; ++c) x.host.at(0, c) += 100.0f;
-  x.up();
-  auto window = [&](bool g, int64_t k) { return mod.t(g).cols_slice(k * H, H); };
-  run_both([&](Backend& be, bool g) {
-    be.layernorm_modulate(y.t(g), mean.t(g), rstd.t(g), x.t(g), window(g, 0), window(g, 1), 1e-6);
-  });
-  EXPECT_CLOSE(y, kReduce);
-  EXPECT_CLOSE(mean, kReduce);
-  EXPECT_CLOSE(rstd, kReduce);
-
-  Pair dy({B, L, H}, 3), dx({B, L, H}), dmod({B, 6 * H});
-  dy.randn(34), dx.randn(35), dmod.randn(36);
-  for (bool acc : {false, true}) {
+  // L = 300: dshift/dscale sum 3 samples x 2 row chunks (several groups and chunks at once).
+  for (const int64_t L : {int64_t{37}, int64_t{300}}) {
+    SCOPED_TRACE(::testing::Message() << "L=" << L);
+    const int64_t B = 3, H = 203;
+    Pair x({B, L, H}, 2), y({B, L, H}, 1), mean({B * L}), rstd({B * L});
+    Pair mod({B, 6 * H});  // shift and scale are column windows of one modulation output
+    x.randn(31, 2.0), mod.randn(32, 0.5), y.randn(33);
+    // A large row mean, as the residual stream has: the two-pass variance must hold up.
+    for (int64_t c = 0; c < H; ++c) x.host.at(0, c) += 100.0f;
+    x.up();
+    auto window = [&](bool g, int64_t k) { return mod.t(g).cols_slice(k * H, H); };
     run_both([&](Backend& be, bool g) {
-      be.layernorm_modulate_backward(dx.t(g), dmod.t(g).cols_slice(0, H), dmod.t(g).cols_slice(H, H), dy.t(g),
-                                     x.t(g), mean.t(g), rstd.t(g), window(g, 1), acc);
+      be.layernorm_modulate(y.t(g), mean.t(g), rstd.t(g), x.t(g), window(g, 0), window(g, 1), 1e-6);
     });
-    // dx = rstd·(g − mean g − x̂·mean(g x̂)) cancels: a few ulps of the f32 inputs, relative.
-    EXPECT_CLOSE(dx, 1e-5);
-    EXPECT_CLOSE(dmod, kReduce);
+    EXPECT_CLOSE(y, kReduce);
+    EXPECT_CLOSE(mean, kReduce);
+    EXPECT_CLOSE(rstd, kReduce);
+
+    Pair dy({B, L, H}, 3), dx({B, L, H}), dmod({B, 6 * H});
+    dy.randn(34), dx.randn(35), dmod.randn(36);
+    for (bool acc : {false, true}) {
+      run_both([&](Backend& be, bool g) {
+        be.layernorm_modulate_backward(dx.t(g), dmod.t(g).cols_slice(0, H), dmod.t(g).cols_slice(H, H), dy.t(g),
+                                       x.t(g), mean.t(g), rstd.t(g), window(g, 1), acc);
+      });
+      // dx = rstd·(g − mean g − x̂·mean(g x̂)) cancels: a few ulps of the f32 inputs, relative.
+      EXPECT_CLOSE(dx, 1e-5);
+      EXPECT_CLOSE(dmod, kReduce);
+    }
   }
 }
 
@@ -296,13 +301,16 @@ TEST(CudaOps, ObjectiveLossNormAdamW) {
 TEST(CudaOps, FillRandomMatchesCpu) {
   FLUX8_REQUIRE_GPU();
   Pair u({1000, 7}), n({70001});
-  for (int rep = 0; rep < 2; ++rep) {
-    run_both([&](Backend& be, bool g) { be.fill_random(u.t(g), Backend::Random::uniform, 5, 77, 0.3); });
-    EXPECT_CLOSE(u, kExact);
-    run_both([&](Backend& be, bool g) { be.fill_random(n.t(g), Backend::Random::normal, 5, 78, 0.02); });
-    EXPECT_CLOSE(n, kElementwise);
-  }
+  run_both([&](Backend& be, bool g) { be.fill_random(u.t(g), Backend::Random::uniform, 5, 77, 0.3); });
+  EXPECT_CLOSE(u, kExact);
+  run_both([&](Backend& be, bool g) { be.fill_random(n.t(g), Backend::Random::normal, 5, 78, 0.02); });
+  EXPECT_CLOSE(n, kElementwise);
   const std::vector<float> v = n.down();
+  gpu().fill(n.dev, 7.0);
+  gpu().fill_random(n.dev, Backend::Random::normal, 5, 78, 0.02);
+  EXPECT_EQ(n.down(), v) << "the same (seed, stream, index), the same values";
+  gpu().fill_random(n.dev, Backend::Random::normal, 5, 79, 0.02);
+  EXPECT_NE(n.down(), v) << "another stream, other values";
   double mean = 0, sq = 0;
   for (float x : v) mean += x / v.size(), sq += double(x) * x / v.size();
   EXPECT_NEAR(mean, 0.0, 0.001);

@@ -76,8 +76,21 @@ void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Q
   const bool any_copy = ops::check_quantize("quantize", rowwise, columnwise, x);
   ops::check_column_sums("quantize", q.column_sums, x.cols());
   const Ctx c = make_ctx(options_, DType::f32);
+  const int64_t R = x.rows(), C = x.cols();
+  if (any_copy) {
+    const std::vector<float> xr = gather(x, false, c);
+    // One scale for both copies under per-tensor scaling: the registry's (delayed) or this
+    // tensor's current scale.
+    const float amax = tensor_amax(xr.data(), R * C);
+    const float scale = q.delayed_scale ? *q.delayed_scale : current_scale(amax, fp8_max(q.format), q.pow2);
+    CastStats st;
+    if (rowwise.defined()) store(rowwise, cast(xr, R, C, q, scale, &st), "rowwise");
+    if (columnwise.defined())
+      store(columnwise, cast(gather(x, true, c), C, R, q, scale, rowwise.defined() ? nullptr : &st), "columnwise");
+    if (q.amax) *q.amax = amax_accumulate(*q.amax, amax);
+    if (q.stats) q.stats->merge(st);
+  }
   if (q.column_sums.defined()) {  // the same sums, in the same order, as linear_backward's db
-    const int64_t R = x.rows(), C = x.cols();
     const auto s = grouped_column_sums(1, R, C, c, [&](int64_t, int64_t r, double* acc) {
       const float* xr = row<float>(x, r);
       for (int64_t j = 0; j < C; ++j) acc[j] += xr[j];
@@ -85,19 +98,6 @@ void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Q
     float* out = q.column_sums.ptr<float>();
     for (int64_t j = 0; j < C; ++j) out[j] = static_cast<float>(out[j] + s[j]);
   }
-  if (!any_copy) return;
-  const int64_t R = x.rows(), C = x.cols();
-  const std::vector<float> xr = gather(x, false, c);
-  // One scale for both copies under per-tensor scaling: the registry's (delayed) or this
-  // tensor's current scale.
-  const float amax = tensor_amax(xr.data(), R * C);
-  const float scale = q.delayed_scale ? *q.delayed_scale : current_scale(amax, fp8_max(q.format), q.pow2);
-  if (q.amax) *q.amax = amax_accumulate(*q.amax, amax);
-  CastStats st;
-  if (rowwise.defined()) store(rowwise, cast(xr, R, C, q, scale, &st), "rowwise");
-  if (columnwise.defined())
-    store(columnwise, cast(gather(x, true, c), C, R, q, scale, rowwise.defined() ? nullptr : &st), "columnwise");
-  if (q.stats) q.stats->merge(st);
 }
 
 void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {

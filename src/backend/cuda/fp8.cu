@@ -17,6 +17,8 @@
 // statistics are integer counts and a max, exact in any order; tiles write partials that one
 // block sums in a fixed order.
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/pointwise.cuh"
@@ -327,14 +329,14 @@ void launch_cast(const CastArgs& a, int64_t tiles, cudaStream_t stream) {
   FLUX8_LAUNCH_CHECK(cast_tile_kernel);
 }
 
-void check_output(const QTensor& t, const Backend::Quantize& q, const char* which) {
+void check_output(std::string_view op, const QTensor& t, const Backend::Quantize& q, const char* which) {
   if (!t.defined()) return;
   if (t.format != q.format || t.scaling != q.scaling)
-    fail("quantize: the {} output is [{}, {}] {} {}, the cast gives {} {}", which, t.rows, t.cols,
+    fail("{}: the {} output is [{}, {}] {} {}, the cast gives {} {}", op, which, t.rows, t.cols,
          fp8_format_name(t.format), fp8_scaling_name(t.scaling), fp8_format_name(q.format),
          fp8_scaling_name(q.scaling));
   if (q.scaling == Fp8Scaling::mx_1x32 ? !t.scale_e8m0 : !t.scale_inv)
-    fail("quantize: the {} output [{}, {}] {} has no {} buffer", which, t.rows, t.cols, fp8_scaling_name(t.scaling),
+    fail("{}: the {} output [{}, {}] {} has no {} buffer", op, which, t.rows, t.cols, fp8_scaling_name(t.scaling),
          q.scaling == Fp8Scaling::mx_1x32 ? "E8M0 scale" : "scale_inv");
 }
 
@@ -368,13 +370,6 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   const bool any_copy = ops::check_quantize(op, rowwise, columnwise, x);
   ops::check_column_sums(op, q.column_sums, x.cols());
   const int64_t R = x.rows(), C = x.cols();
-  if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
-    if (in.op != Op::identity) fail("{}: column sums are taken of a plain cast's input only", op);
-    const Mat X = mat(x);
-    column_sums(*this, 1, R, C, [=] __device__(int64_t, int64_t r, int64_t c) { return double(X.at(r, c)); },
-                q.column_sums.ptr<float>(), C, true);
-  }
-  if (!any_copy) return;
   Source src{in.op, x.ptr<float>(), x.ld, nullptr, nullptr, {}, {}, 1};
   if (in.op == Op::layernorm_modulate) {
     require_f32(op, {{"mean", in.mean}, {"rstd", in.rstd}, {"shift", in.shift}, {"scale", in.scale}});
@@ -385,8 +380,13 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     src.scale = mat(in.scale);
     src.tokens = dims.L > 0 ? dims.L : 1;
   }
-  check_output(rowwise, q, "rowwise");
-  check_output(columnwise, q, "columnwise");
+  if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
+    column_sums(*this, 1, R, C, [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); },
+                q.column_sums.ptr<float>(), C, true);
+  }
+  if (!any_copy) return;
+  check_output(op, rowwise, q, "rowwise");
+  check_output(op, columnwise, q, "columnwise");
 
   const bool per_tensor = q.scaling == Fp8Scaling::per_tensor;
   const float fmax = fp8_max(q.format);
@@ -407,7 +407,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   }
 
   const int64_t tiles_x = (C + kTile - 1) / kTile, tiles = tiles_x * ((R + kTile - 1) / kTile);
-  FLUX8_CHECK(tiles < (int64_t(1) << 31), "quantize: {} tiles of 128x128 exceed one launch", tiles);
+  FLUX8_CHECK(tiles < (int64_t(1) << 31), "{}: {} tiles of 128x128 exceed one launch", op, tiles);
   const bool current = per_tensor && !q.delayed_scale;
   const int amax_blocks = static_cast<int>(R < kAmaxBlocks ? R : kAmaxBlocks);
   // Scratch: [scale][amax partials][tile partials], each 256-byte aligned.
@@ -471,13 +471,17 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
 void CudaBackend::flush_cast_stats() {
   using cuda::StatsTotal;
   if (pending_stats_.empty()) return;
-  const size_t n = pending_stats_.size();
+  // Taken out first: if the synchronisation fails (a device error), the entries are dropped
+  // rather than delivered later into targets that may be gone by then.
+  const std::vector<PendingCastStats> pending = std::move(pending_stats_);
+  pending_stats_.clear();
+  const size_t n = pending.size();
   FLUX8_CUDA_CHECK(
       cudaMemcpyAsync(stats_host_, stats_dev_, n * sizeof(StatsTotal), cudaMemcpyDeviceToHost, stream()));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream()));
   const auto* totals = static_cast<const StatsTotal*>(stats_host_);
   for (size_t i = 0; i < n; ++i) {  // in cast order, as the CPU backend merges them
-    const PendingCastStats& p = pending_stats_[i];
+    const PendingCastStats& p = pending[i];
     CastStats st;
     st.amax = totals[i].amax;
     st.elements = p.elements;
@@ -487,7 +491,6 @@ void CudaBackend::flush_cast_stats() {
     if (p.amax) *p.amax = amax_accumulate(*p.amax, st.amax);
     if (p.stats) p.stats->merge(st);
   }
-  pending_stats_.clear();
 }
 
 }  // namespace flux8
