@@ -157,6 +157,26 @@ void check_attention_heads(std::string_view op, std::initializer_list<Named> hea
     if (a.t.defined()) require_shape(op, a, q.t.shape);
 }
 
+AttentionDims check_attention(std::string_view op, const Tensor& o, const Tensor& lse, const Tensor& q,
+                              const Tensor& k, const Tensor& v) {
+  check_attention_heads(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
+  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}}) require_defined(op, a);
+  const AttentionDims d{q.shape[0], q.shape[1], q.shape[2], q.shape[3]};
+  require_vector(op, {"lse", lse}, d.B * d.n * d.L);  // [B, n, L] or flat, like mean/rstd
+  return d;
+}
+
+AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                       const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& o, const Tensor& lse) {
+  check_attention_heads(
+      op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
+  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}}) require_defined(op, a);
+  const AttentionDims d{q.shape[0], q.shape[1], q.shape[2], q.shape[3]};
+  require_vector(op, {"lse", lse}, d.B * d.n * d.L);
+  return d;
+}
+
 bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x) {
   require_defined(op, {"x", x});
   if (x.dtype != DType::f32) fail("{}: FP8 casts take f32 input, got {}", op, x.str());

@@ -57,6 +57,16 @@ int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& sca
 
 // Attention: the first tensor (q) is rank 4 [B, n, L, D]; every other defined one has its shape.
 void check_attention_heads(std::string_view op, std::initializer_list<Named> heads);
+// The whole argument check of attention / attention_backward: q, k, v, o (and dout; dq, dk,
+// dv when defined) [B, n, L, D] alike, lse a vector of B·n·L. Returns {B, n, L, D}.
+struct AttentionDims {
+  int64_t B, n, L, D;
+};
+AttentionDims check_attention(std::string_view op, const Tensor& o, const Tensor& lse, const Tensor& q,
+                              const Tensor& k, const Tensor& v);
+AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                       const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& o, const Tensor& lse);
 
 // quantize(): x f32 (any ld), rowwise [rows, cols] and columnwise [cols, rows] when defined.
 // Returns false when there is nothing to cast (both outputs undefined).

@@ -21,12 +21,7 @@ constexpr int64_t kQueryBlock = 128;
 void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
   constexpr std::string_view op = "attention";
   const DType t = call_dtype(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
-  ops::check_attention_heads(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
-  require_defined(op, {"k", k});
-  require_defined(op, {"v", v});
-  require_defined(op, {"o", o});
-  const int64_t B = q.shape[0], n = q.shape[1], L = q.shape[2], D = q.shape[3];
-  require_vector(op, {"lse", lse}, B * n * L);  // [B, n, L] or flat, like mean/rstd
+  const auto [B, n, L, D] = ops::check_attention(op, o, lse, q, k, v);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     std::vector<T> s(static_cast<size_t>(std::min(kQueryBlock, L) * L));
@@ -71,13 +66,7 @@ void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
                                   {"v", v},
                                   {"o", o},
                                   {"lse", lse}});
-  ops::check_attention_heads(
-      op,
-      {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
-  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}})
-    require_defined(op, a);
-  const int64_t B = q.shape[0], n = q.shape[1], L = q.shape[2], D = q.shape[3];
-  require_vector(op, {"lse", lse}, B * n * L);  // [B, n, L] or flat, like mean/rstd
+  const auto [B, n, L, D] = ops::check_attention_backward(op, dq, dk, dv, dout, q, k, v, o, lse);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const size_t block = static_cast<size_t>(std::min(kQueryBlock, L) * L);

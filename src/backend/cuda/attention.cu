@@ -709,12 +709,11 @@ using namespace cuda;
 
 namespace {
 
-// q and every other defined head tensor: [B, n, L, D], contiguous. Returns the shape.
-AttentionShape check_heads(std::string_view op, std::initializer_list<Named> heads) {
-  ops::check_attention_heads(op, heads);
-  for (const Named& a : heads) require_contiguous(op, a);  // cuDNN and the kernel take dense [B, n, L, D]
-  const Shape& q = heads.begin()->t.shape;
-  return AttentionShape{q[0], q[1], q[2], q[3]};
+// cuDNN and the kernels take dense [B, n, L, D] tensors (the shapes are checked by ops::).
+AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d,
+                           std::initializer_list<Named> heads) {
+  for (const Named& a : heads) require_contiguous(op, a);
+  return AttentionShape{d.B, d.n, d.L, d.D};
 }
 
 }  // namespace
@@ -722,9 +721,8 @@ AttentionShape check_heads(std::string_view op, std::initializer_list<Named> hea
 void CudaBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
   constexpr std::string_view op = "attention";
   require_f32(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
-  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}}) require_defined(op, a);
-  const AttentionShape s = check_heads(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
-  require_vector(op, {"lse", lse}, s.rows());  // [B, n, L] or flat
+  const AttentionShape s =
+      dense_heads(op, ops::check_attention(op, o, lse, q, k, v), {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   attention_->forward(o.ptr<float>(), lse.ptr<float>(), q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), s, scale);
 }
@@ -741,10 +739,9 @@ void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dou
                    {"v", v},
                    {"o", o},
                    {"lse", lse}});
-  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}}) require_defined(op, a);
-  const AttentionShape s = check_heads(
-      op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
-  require_vector(op, {"lse", lse}, s.rows());
+  const AttentionShape s =
+      dense_heads(op, ops::check_attention_backward(op, dq, dk, dv, dout, q, k, v, o, lse),
+                  {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   attention_->backward(dq.ptr<float>(), dk.ptr<float>(), dv.ptr<float>(), dout.ptr<float>(), q.ptr<float>(),
                        k.ptr<float>(), v.ptr<float>(), o.ptr<float>(), lse.ptr<float>(), s, scale);
