@@ -96,6 +96,19 @@ std::vector<double> grouped_column_sums(int64_t groups, int64_t rows, int64_t co
   return sums;
 }
 
+// out[j] += Σ_r x[r, j] (a Linear's bias gradient from its output gradient x): the one place
+// both linear_backward's db and quantize's column_sums take it from, so they agree bit for bit.
+template <typename T>
+void add_column_sums(Tensor out, const Tensor& x, const Ctx& c) {
+  const int64_t R = x.rows(), C = x.cols();
+  const auto s = grouped_column_sums(1, R, C, c, [&](int64_t, int64_t r, double* acc) {
+    const T* xr = row<T>(x, r);
+    for (int64_t j = 0; j < C; ++j) acc[j] += xr[j];
+  });
+  T* o = out.ptr<T>();
+  for (int64_t j = 0; j < C; ++j) o[j] = static_cast<T>(o[j] + s[j]);
+}
+
 // Row-major C[m,n] = alpha·op(A)·op(B) + beta·C through OpenBLAS; op(X) = Xᵀ when trans_x.
 // Single-threaded: OpenBLAS runs with one thread (see CpuBackend's constructor), so it can be
 // called from inside parallel regions (attention heads) without oversubscribing the cores.

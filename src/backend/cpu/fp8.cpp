@@ -90,14 +90,7 @@ void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Q
     if (q.amax) *q.amax = amax_accumulate(*q.amax, amax);
     if (q.stats) q.stats->merge(st);
   }
-  if (q.column_sums.defined()) {  // the same sums, in the same order, as linear_backward's db
-    const auto s = grouped_column_sums(1, R, C, c, [&](int64_t, int64_t r, double* acc) {
-      const float* xr = row<float>(x, r);
-      for (int64_t j = 0; j < C; ++j) acc[j] += xr[j];
-    });
-    float* out = q.column_sums.ptr<float>();
-    for (int64_t j = 0; j < C; ++j) out[j] = static_cast<float>(out[j] + s[j]);
-  }
+  if (q.column_sums.defined()) add_column_sums<float>(q.column_sums, x, c);  // as linear_backward's db
 }
 
 void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {

@@ -89,11 +89,7 @@ void CpuBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Ten
       if (db.numel() != M || !db.contiguous())
         fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(),
              M);
-      const auto s = grouped_column_sums(1, N, M, c, [&](int64_t, int64_t r, double* acc) {
-        const T* dyr = row<T>(dy, r);
-        for (int64_t j = 0; j < M; ++j) acc[j] += dyr[j];
-      });
-      for (int64_t j = 0; j < M; ++j) db.ptr<T>()[j] = static_cast<T>(db.ptr<T>()[j] + s[j]);
+      add_column_sums<T>(db, dy, c);
     }
   });
 }
