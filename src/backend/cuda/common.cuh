@@ -2,6 +2,7 @@
 // What the kernel files share: argument checks (the CPU backend's, from op_checks.h), a
 // device view of a [rows, cols] matrix with its row stride, launch shapes, and the fixed-order
 // reductions that keep results identical from run to run.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -178,10 +179,14 @@ void for_each_row(CudaBackend& be, int64_t rows, int64_t cols, F f) {
 // Rows of whole float4s: 16-byte aligned base, ld and cols multiples of 4. Moving 16 bytes per
 // thread instead of 4 takes copies and elementwise kernels from ~40-50% of HBM bandwidth
 // towards the copy rate.
-inline bool quads(const Mat& m) {
-  return reinterpret_cast<uintptr_t>(m.p) % 16 == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
-}
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool quads(const Mat& m) { return aligned16(m.p) && m.ld % 4 == 0 && m.cols % 4 == 0; }
 __device__ inline float4& quad(const Mat& m, int64_t r, int64_t c) { return *reinterpret_cast<float4*>(&m.at(r, c)); }
+
+// y[i] = bf16(x[i]) (round to nearest even) / y[i] = f32(x[i]) for i < n, on `stream`; 16-byte
+// loads where the f32 side is aligned (convert.cu).
+void to_bf16(__nv_bfloat16* y, const float* x, int64_t n, cudaStream_t stream);
+void to_f32(float* y, const __nv_bfloat16* x, int64_t n, cudaStream_t stream);
 
 // Launches a grid-stride loop over n items: f(i) for every i in [0, n).
 template <typename F>

@@ -23,11 +23,16 @@ struct Operand {
   cudaDataType_t type;
 };
 
-// x (any ld) rounded to bf16 into dst as a contiguous [rows, cols] matrix.
-Operand to_bf16(CudaBackend& be, const Tensor& x, __nv_bfloat16* dst) {
+// x (any ld) rounded to bf16 into dst as a contiguous [rows, cols] matrix: a contiguous x
+// through the shared vectorised conversion (convert.cu), a strided one row by row.
+Operand bf16_operand(CudaBackend& be, const Tensor& x, __nv_bfloat16* dst) {
   const Mat X = mat(x);
   const int64_t cols = X.cols;
-  for_each_row(be, X.rows, cols, [=] __device__(int64_t r, int c) { dst[r * cols + c] = __float2bfloat16_rn(X.at(r, c)); });
+  if (x.contiguous())
+    to_bf16(dst, X.p, X.rows * cols, be.stream());
+  else
+    for_each_row(be, X.rows, cols,
+                 [=] __device__(int64_t r, int c) { dst[r * cols + c] = __float2bfloat16_rn(X.at(r, c)); });
   return Operand{dst, cols, CUDA_R_16BF};
 }
 
@@ -45,7 +50,7 @@ class Operands {
     if (!base_) return Operand{t.data, t.ld, CUDA_R_32F};
     auto* dst = reinterpret_cast<__nv_bfloat16*>(base_ + used_);
     used_ += align(t.numel() * 2);
-    return to_bf16(be_, t, dst);
+    return bf16_operand(be_, t, dst);
   }
   cudaDataType_t type() const { return base_ ? CUDA_R_16BF : CUDA_R_32F; }
 

@@ -96,8 +96,7 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   // Four elements per thread in 16-byte loads and stores where the buffers allow (the flat
   // parameter buffers do): AdamW is pure HBM traffic, 28 bytes per parameter.
   const int64_t n = param.numel();
-  const bool vec = (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(mm) | reinterpret_cast<uintptr_t>(vv) |
-                    reinterpret_cast<uintptr_t>(g)) % 16 == 0;
+  const bool vec = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
   const int64_t n4 = vec ? n / 4 : 0;
   if (n4 > 0) {
     auto *p4 = reinterpret_cast<float4*>(p), *m4 = reinterpret_cast<float4*>(mm), *v4 = reinterpret_cast<float4*>(vv);
