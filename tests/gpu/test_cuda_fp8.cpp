@@ -123,6 +123,16 @@ const Recipe kRecipes[] = {
     {"mx_1x32", Fp8Scaling::mx_1x32, false, false},
 };
 
+// The cast arguments of a recipe (no amax or statistics targets).
+Backend::Quantize quantize_for(const Recipe& recipe, Fp8Format format) {
+  Backend::Quantize q;
+  q.format = format;
+  q.scaling = recipe.scaling;
+  q.pow2 = recipe.pow2;
+  q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+  return q;
+}
+
 struct CastShape {
   int64_t rows, cols, pad;
   bool with_inf;
@@ -176,11 +186,7 @@ TEST_P(CudaQuantize, EqualsCpuBitForBit) {
       const CastStats start{0.5f, 10, 9, 1, 2};
       CastStats stats_cpu = start, stats_gpu = start;
       float amax_cpu = 0.25f, amax_gpu = 0.25f;
-      Backend::Quantize q;
-      q.format = format;
-      q.scaling = recipe.scaling;
-      q.pow2 = recipe.pow2;
-      q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+      Backend::Quantize q = quantize_for(recipe, format);
       q.amax = &amax_cpu;
       q.stats = &stats_cpu;
       cpu().quantize(want_row ? row.host : QTensor{}, want_col ? col.host : QTensor{}, x.host.t, q);
@@ -251,11 +257,7 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
         QPair row_u(B * L, H, format, recipe.scaling), col_u(H, B * L, format, recipe.scaling);
         CastStats stats_f, stats_u;
         float amax_f = 0, amax_u = 0;
-        Backend::Quantize q;
-        q.format = format;
-        q.scaling = recipe.scaling;
-        q.pow2 = recipe.pow2;
-        q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+        Backend::Quantize q = quantize_for(recipe, format);
         q.amax = &amax_f, q.stats = &stats_f;
         gpu().quantize_fused(row_f.dev, col_f.dev, in, q);
         q.amax = &amax_u, q.stats = &stats_u;
@@ -288,11 +290,7 @@ TEST(CudaQuantize, ColumnSumsMatchCpu) {
       Pair x({R, C}, 3), sums({C});
       x.randn(71, 3.0), sums.randn(72);
       QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
-      Backend::Quantize q;
-      q.format = Fp8Format::e5m2;
-      q.scaling = recipe.scaling;
-      q.pow2 = recipe.pow2;
-      q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+      Backend::Quantize q = quantize_for(recipe, Fp8Format::e5m2);
       for (const bool g : {false, true}) {
         q.column_sums = sums.t(g);
         Backend& be = g ? gpu() : cpu();
@@ -358,10 +356,7 @@ TEST(CudaQuantize, WithoutStatisticsSameCodes) {
     fill_input(x.host, 7, false);
     x.up();
     QPair row(257, 129, Fp8Format::e4m3, recipe.scaling), col(129, 257, Fp8Format::e4m3, recipe.scaling);
-    Backend::Quantize q;
-    q.scaling = recipe.scaling;
-    q.pow2 = recipe.pow2;
-    q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+    const Backend::Quantize q = quantize_for(recipe, Fp8Format::e4m3);
     cpu().quantize(row.host, col.host, x.host.t, q);
     gpu().quantize(row.dev, col.dev, x.dev, q);
     const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
