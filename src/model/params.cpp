@@ -1,10 +1,8 @@
 #include "model/params.h"
 
-#include <algorithm>
 #include <cmath>
 
 #include "backend/backend.h"
-#include "backend/transfer.h"
 #include "core/error.h"
 #include "core/rng.h"
 
