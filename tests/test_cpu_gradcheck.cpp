@@ -113,6 +113,34 @@ TEST_F(CpuGradcheck, Rope) {
   expect_gradient("rope dx", loss, x, dx, 25);
 }
 
+// One stream (L tokens at offset 3 of an (L + 3)-token joint sequence) through QK-norm, RoPE
+// and the head layout; q, k, v are column windows of one padded [Q|K|V] row, as in the model.
+TEST_F(CpuGradcheck, QkNormRopeToHeads) {
+  const int axes[] = {2, 4, 4};
+  const int64_t offset = 3, J = L + offset;
+  Buf<double> ids({B, J, 3}), pe({B, J, D / 2, 2});
+  ids.randn(48, 4.0);
+  be->rope_table(pe.t, ids.t, axes, 10000.0);
+  const Shape heads{B, NH, J, D};
+  Buf<double> qkv({B, L, 3 * H}, 1), q_scale({D}), k_scale({D}), q_rstd({B * L * NH}), k_rstd({B * L * NH});
+  Buf<double> qh(heads), kh(heads), vh(heads), pq(heads), pk(heads), pv(heads);
+  qkv.randn(49, 2.0), q_scale.randn(50, 0.5), k_scale.randn(51, 0.5), pq.randn(52), pk.randn(53), pv.randn(54);
+  const Tensor q = qkv.t.cols_slice(0, H), k = qkv.t.cols_slice(H, H), v = qkv.t.cols_slice(2 * H, H);
+  const auto loss = [&] {
+    be->qk_norm_rope_to_heads(qh.t, kh.t, vh.t, q_rstd.t, k_rstd.t, q, k, v, q_scale.t, k_scale.t, pe.t, offset,
+                              1e-6f);
+    return probe_loss(qh, pq) + probe_loss(kh, pk) + probe_loss(vh, pv);
+  };
+  loss();
+  Buf<double> dqkv({B, L, 3 * H}, 1), dq_scale({D}), dk_scale({D});
+  be->qk_norm_rope_to_heads_backward(dqkv.t.cols_slice(0, H), dqkv.t.cols_slice(H, H), dqkv.t.cols_slice(2 * H, H),
+                                     dq_scale.t, dk_scale.t, pq.t, pk.t, pv.t, q, k, q_rstd.t, k_rstd.t, q_scale.t,
+                                     k_scale.t, pe.t, offset);
+  expect_gradient("qk_norm_rope_to_heads d[Q|K|V]", loss, qkv, dqkv, 55);
+  expect_gradient("qk_norm_rope_to_heads dq_scale", loss, q_scale, dq_scale, 56);
+  expect_gradient("qk_norm_rope_to_heads dk_scale", loss, k_scale, dk_scale, 57);
+}
+
 // L = 133 spans two query blocks of the implementation (128 + 5), so the dK/dV sums over
 // blocks are checked too.
 TEST_F(CpuGradcheck, Attention) {

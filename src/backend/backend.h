@@ -121,6 +121,27 @@ class Backend {
   // inverse = true rotates by the opposite angle, which is exactly the backward.
   virtual void rope(Tensor x, Tensor pe, bool inverse) = 0;
 
+  // ---- attention inputs: QK-norm + RoPE + head-major layout of one stream, fused -------
+  // q, k, v [B, Ls, n·D] (any ld: column windows of the qkv Linear's output) are one stream
+  // of the joint sequence, at positions token_offset .. token_offset + Ls of the head-major
+  // q_heads, k_heads, v_heads [B, n, L, D]; pe is the joint table of rope(). Equal to
+  //   rmsnorm_heads(q) → tokens_to_heads → rope, the same for k, and tokens_to_heads(v)
+  // (bit for bit on the CPU backend): q_heads[b, h, token_offset + l] = rope at that joint
+  // position of (RMSNorm of q[b, l, h·D : (h+1)·D]) · q_scale. q_rstd, k_rstd [B·Ls·n] as
+  // rmsnorm_heads saves them; either may be undefined (not saved: a recomputation). D even
+  // (RoPE pairs); the CUDA backend takes D ≤ 512.
+  virtual void qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd, Tensor k_rstd,
+                                     Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe,
+                                     int64_t token_offset, double eps) = 0;
+  // Backward, from dq_heads, dk_heads, dv_heads (gradients of the joint q_heads, k_heads,
+  // v_heads), the forward's pre-norm q, k and statistics: dq, dk, dv [B, Ls, n·D] (any ld)
+  // overwritten; dq_scale, dk_scale [D] accumulated. Equal to rope(inverse) → heads_to_tokens →
+  // rmsnorm_heads_backward, and heads_to_tokens(dv_heads).
+  virtual void qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                              Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k,
+                                              Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
+                                              int64_t token_offset) = 0;
+
   // ---- attention: q, k, v, o [B, n, L, D]; non-causal, no mask -------------------------
   //   o = softmax(q·kᵀ·scale)·v;  lse [B, n, L] = log Σ_j exp(q·k_j·scale) saved.
   virtual void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) = 0;

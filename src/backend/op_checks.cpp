@@ -77,6 +77,73 @@ void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& 
          tokens.str(), offset, L, heads.str());
 }
 
+namespace {
+
+// What both directions of qk_norm_rope_to_heads check. The first tensor of `heads` and of
+// `tokens` gives the shapes (required); the other tensors of every list are checked when defined.
+QkNormRopeDims check_qk_norm_rope(std::string_view op, std::initializer_list<Named> heads,
+                                  std::initializer_list<Named> tokens, std::initializer_list<Named> stats,
+                                  std::initializer_list<Named> scales, const Tensor& pe, int64_t offset) {
+  check_attention_heads(op, heads);  // rank 4, all alike
+  const Named& h = *heads.begin();
+  QkNormRopeDims d{h.t.shape[0], h.t.shape[1], h.t.shape[2], h.t.shape[3], 0};
+  if (d.D % 2 != 0)
+    fail("{}: head dim {} of '{}' {} must be even (RoPE turns adjacent pairs)", op, d.D, h.name, h.t.str());
+  require_rank(op, *tokens.begin(), 3);
+  d.Ls = tokens.begin()->t.shape[1];
+  const Shape tok{d.B, d.Ls, d.n * d.D};
+  for (const Named& a : tokens)
+    if (a.t.defined() && a.t.shape != tok)
+      fail("{}: tensor '{}' is {} but must be [B, Ls, n·D] = {} to match '{}' {}", op, a.name, a.t.str(), tok.str(),
+           h.name, h.t.str());
+  if (offset < 0 || offset + d.Ls > d.L)
+    fail("{}: {} tokens at token_offset {} do not fit in the {} positions of '{}' {}", op, d.Ls, offset, d.L, h.name,
+         h.t.str());
+  for (const Named& a : stats)
+    if (a.t.defined()) require_vector(op, a, d.B * d.Ls * d.n);
+  for (const Named& a : scales)
+    if (a.t.defined()) require_vector(op, a, d.D);
+  require_shape(op, {"pe", pe}, Shape{d.B, d.L, d.D / 2, 2});
+  require_contiguous(op, {"pe", pe});
+  return d;
+}
+
+}  // namespace
+
+QkNormRopeDims check_qk_norm_rope_to_heads(std::string_view op, const Tensor& q_heads, const Tensor& k_heads,
+                                           const Tensor& v_heads, const Tensor& q_rstd, const Tensor& k_rstd,
+                                           const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_scale,
+                                           const Tensor& k_scale, const Tensor& pe, int64_t offset) {
+  // The statistics may be undefined (not saved: recomputation already has them).
+  for (const Named& a : {Named{"q_heads", q_heads}, Named{"k_heads", k_heads}, Named{"v_heads", v_heads},
+                         Named{"q", q}, Named{"k", k}, Named{"v", v}, Named{"q_scale", q_scale},
+                         Named{"k_scale", k_scale}})
+    require_defined(op, a);
+  return check_qk_norm_rope(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}},
+                            {{"q", q}, {"k", k}, {"v", v}}, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}},
+                            {{"q_scale", q_scale}, {"k_scale", k_scale}}, pe, offset);
+}
+
+QkNormRopeDims check_qk_norm_rope_to_heads_backward(std::string_view op, const Tensor& dq, const Tensor& dk,
+                                                    const Tensor& dv, const Tensor& dq_scale, const Tensor& dk_scale,
+                                                    const Tensor& dq_heads, const Tensor& dk_heads,
+                                                    const Tensor& dv_heads, const Tensor& q, const Tensor& k,
+                                                    const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_scale,
+                                                    const Tensor& k_scale, const Tensor& pe, int64_t offset) {
+  // Every gradient output may be undefined (skipped); dv_heads is needed only for dv.
+  for (const Named& a : {Named{"dq_heads", dq_heads}, Named{"dk_heads", dk_heads}, Named{"q", q}, Named{"k", k},
+                         Named{"q_rstd", q_rstd}, Named{"k_rstd", k_rstd}, Named{"q_scale", q_scale},
+                         Named{"k_scale", k_scale}})
+    require_defined(op, a);
+  if (dv.defined()) require_defined(op, {"dv_heads", dv_heads});
+  return check_qk_norm_rope(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}},
+                            {{"q", q}, {"k", k}, {"dq", dq}, {"dk", dk}, {"dv", dv}},
+                            {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}},
+                            {{"q_scale", q_scale}, {"k_scale", k_scale}, {"dq_scale", dq_scale},
+                             {"dk_scale", dk_scale}},
+                            pe, offset);
+}
+
 void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Tensor& b) {
   const Tensor& joint = joint_arg.t;
   require_rank(op, joint_arg, 3);

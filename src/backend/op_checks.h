@@ -32,6 +32,23 @@ void require_contiguous(std::string_view op, Named a);
 
 // tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L (tokens_to_heads).
 void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens, int64_t offset);
+// The whole argument check of qk_norm_rope_to_heads / its backward: one stream's token slices
+// [B, Ls, n·D] (any ld) at token_offset in joint head-major tensors [B, n, L, D] with D even
+// (RoPE turns adjacent pairs), statistics vectors of B·Ls·n, scales contiguous [D], pe
+// contiguous [B, L, D/2, 2]. Returns {B, n, L, D, Ls}.
+struct QkNormRopeDims {
+  int64_t B, n, L, D, Ls;
+};
+QkNormRopeDims check_qk_norm_rope_to_heads(std::string_view op, const Tensor& q_heads, const Tensor& k_heads,
+                                           const Tensor& v_heads, const Tensor& q_rstd, const Tensor& k_rstd,
+                                           const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_scale,
+                                           const Tensor& k_scale, const Tensor& pe, int64_t offset);
+QkNormRopeDims check_qk_norm_rope_to_heads_backward(std::string_view op, const Tensor& dq, const Tensor& dk,
+                                                    const Tensor& dv, const Tensor& dq_scale, const Tensor& dk_scale,
+                                                    const Tensor& dq_heads, const Tensor& dk_heads,
+                                                    const Tensor& dv_heads, const Tensor& q, const Tensor& k,
+                                                    const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_scale,
+                                                    const Tensor& k_scale, const Tensor& pe, int64_t offset);
 // Parts a [B, La, C], b [B, Lb, C] of a joint sequence [B, L, C]: with both present they must
 // tile it exactly; a lone part must fit (concat_tokens / split_tokens).
 void check_joint(std::string_view op, Named joint, const Tensor& a, const Tensor& b);

@@ -82,6 +82,19 @@ class OpProfiler final : public Backend {
     timed("rope_table", [&] { be_.rope_table(pe, ids, axes, theta); });
   }
   void rope(Tensor x, Tensor pe, bool inverse) override { timed("rope", [&] { be_.rope(x, pe, inverse); }); }
+  void qk_norm_rope_to_heads(Tensor qh, Tensor kh, Tensor vh, Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k,
+                             Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t off, double eps) override {
+    timed("qk_norm_rope_to_heads",
+          [&] { be_.qk_norm_rope_to_heads(qh, kh, vh, q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe, off, eps); });
+  }
+  void qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale, Tensor dqh,
+                                      Tensor dkh, Tensor dvh, Tensor q, Tensor k, Tensor q_rstd, Tensor k_rstd,
+                                      Tensor q_scale, Tensor k_scale, Tensor pe, int64_t off) override {
+    timed("qk_norm_rope_to_heads_backward", [&] {
+      be_.qk_norm_rope_to_heads_backward(dq, dk, dv, dq_scale, dk_scale, dqh, dkh, dvh, q, k, q_rstd, k_rstd, q_scale,
+                                         k_scale, pe, off);
+    });
+  }
   void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override {
     timed("attention", [&] { be_.attention(o, lse, q, k, v, scale); });
   }

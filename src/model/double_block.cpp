@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <utility>
 
 namespace flux8 {
 
@@ -78,11 +77,11 @@ std::vector<LinearSite*> DoubleBlockParams::sites() {
 // Selective recomputation drops what is large per token but cheap to rebuild from what stays:
 // q, k, v (3H per token, from qkv, which QK-norm's backward keeps anyway) and each stream's
 // attention output in token layout (H, a copy of o) and GELU output (M = 4H, from mlp_h) — 8H
-// of the 22H a token keeps, for no GEMM: the backward redoes QK-norm, RoPE, two layout copies,
-// one GELU and, in FP8, the two casts. mlp_h stays because GELU cannot be inverted and
-// recomputing it is the mlp_in GEMM, which in FP8 cannot even be redone bit-exactly (only the
-// transposed cast of its input is kept). o and lse stay: recomputing them is the attention
-// forward, the most expensive op that is not a GEMM.
+// of the 22H a token keeps, for no GEMM: the backward redoes QK-norm + RoPE + layout of q, k,
+// v (one op per stream), the layout copy of o, one GELU and, in FP8, the two casts. mlp_h
+// stays because GELU cannot be inverted and recomputing it is the mlp_in GEMM, which in FP8
+// cannot even be redone bit-exactly (only the transposed cast of its input is kept). o and lse
+// stay: recomputing them is the attention forward, the most expensive op that is not a GEMM.
 DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
                                             const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
   DoubleBlockSaved s;
@@ -102,26 +101,31 @@ void DoubleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, Ste
 
 namespace {
 
-// Stream part before attention: modulation, LayerNorm 1, qkv, QK-norm, scatter into the
+// q, k, v of one stream (column windows of its qkv output) into the joint head-major q, k, v
+// at the stream's token offset: QK-norm, RoPE at the joint positions and the layout, one op.
+// q_rstd, k_rstd undefined: not saved (recomputation).
+void stream_qkv_to_heads(const BlockContext& ctx, DoubleStreamParams& p, const Tensor& qkv, Tensor q_rstd,
+                         Tensor k_rstd, const DoubleBlockSaved& joint, int64_t offset) {
+  const int64_t H = ctx.cfg.hidden_size;
+  ctx.be.qk_norm_rope_to_heads(joint.q, joint.k, joint.v, q_rstd, k_rstd, qkv.cols_slice(0, H),
+                               qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe,
+                               offset, ctx.cfg.qk_norm_eps);
+}
+
+// Stream part before attention: modulation, LayerNorm 1, qkv, then QK-norm + RoPE into the
 // joint head-major q/k/v at this stream's token offset.
 void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
                           DoubleStreamSaved& s, DoubleBlockSaved& joint, Tensor x,
                           int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
-  const double qk_eps = ctx.cfg.qk_norm_eps;
   const size_t mark = ctx.scratch.mark();
   be.copy(s.x_in, x);
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
   site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv,
                      layernorm_input(x, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps), s.xm1, ctx.dtype);
-  Tensor normed = ctx.scratch.alloc(ctx.dtype, x.shape, SlotKind::workspace);
-  be.rmsnorm_heads(normed, s.q_rstd, s.qkv.cols_slice(0, H), p.q_norm.s, qk_eps);
-  be.tokens_to_heads(joint.q, normed, offset);
-  be.rmsnorm_heads(normed, s.k_rstd, s.qkv.cols_slice(H, H), p.k_norm.s, qk_eps);
-  be.tokens_to_heads(joint.k, normed, offset);
-  be.tokens_to_heads(joint.v, s.qkv.cols_slice(2 * H, H), offset);
+  stream_qkv_to_heads(ctx, p, s.qkv, s.q_rstd, s.k_rstd, joint, offset);
   ctx.scratch.release_to(mark);
 }
 
@@ -190,33 +194,15 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
 }
 
 // Selective: q, k, v (scratch views in `joint`) recomputed from each stream's kept qkv by the
-// ops of stream_pre_attention and double_block_forward — QK-norm, layout, RoPE. QK-norm's
-// statistics come out again; the kept ones are the same and stay in use.
+// op of stream_pre_attention. QK-norm's statistics are not written again: the kept ones are
+// the same values and stay in use.
 void recompute_joint_qkv(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& joint) {
-  Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size;
-  const double qk_eps = ctx.cfg.qk_norm_eps;
-  Arena& a = ctx.scratch;
-  int64_t offset = 0;
-  for (const auto& [sp, ss] : {std::pair{&p.txt, &joint.txt}, std::pair{&p.img, &joint.img}}) {
-    const Shape tok = ss->x_in.shape;
-    const size_t mark = a.mark();
-    const Tensor normed = a.alloc(ctx.dtype, tok, SlotKind::workspace);
-    const Tensor rstd = a.alloc(ctx.dtype, ss->q_rstd.shape, SlotKind::workspace);
-    be.rmsnorm_heads(normed, rstd, ss->qkv.cols_slice(0, H), sp->q_norm.s, qk_eps);
-    be.tokens_to_heads(joint.q, normed, offset);
-    be.rmsnorm_heads(normed, rstd, ss->qkv.cols_slice(H, H), sp->k_norm.s, qk_eps);
-    be.tokens_to_heads(joint.k, normed, offset);
-    be.tokens_to_heads(joint.v, ss->qkv.cols_slice(2 * H, H), offset);
-    a.release_to(mark);
-    offset += tok[1];
-  }
-  be.rope(joint.q, ctx.pe, false);
-  be.rope(joint.k, ctx.pe, false);
+  stream_qkv_to_heads(ctx, p.txt, joint.txt.qkv, Tensor{}, Tensor{}, joint, 0);
+  stream_qkv_to_heads(ctx, p.img, joint.img.qkv, Tensor{}, Tensor{}, joint, ctx.shape.txt_tokens);
 }
 
-// Backward of stream_pre_attention: gathers this stream's dq/dk/dv from the joint
-// gradients, and finishes d(block input) in dx.
+// Backward of stream_pre_attention: this stream's d(qkv) from the joint dq/dk/dv (through
+// RoPE, the layout and QK-norm in one op), then d(block input) in dx.
 void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
                                    const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
                                    const Tensor& dq, const Tensor& dk, const Tensor& dv,
@@ -229,13 +215,10 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
   Tensor d_qkv = a.alloc(ctx.dtype, Shape{tok[0], tok[1], 3 * H}, SlotKind::workspace);
   Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);
 
-  be.heads_to_tokens(d_h, dq, offset);
-  be.rmsnorm_heads_backward(d_qkv.cols_slice(0, H), p.q_norm.ds, d_h, s.qkv.cols_slice(0, H),
-                            s.q_rstd, p.q_norm.s);
-  be.heads_to_tokens(d_h, dk, offset);
-  be.rmsnorm_heads_backward(d_qkv.cols_slice(H, H), p.k_norm.ds, d_h, s.qkv.cols_slice(H, H),
-                            s.k_rstd, p.k_norm.s);
-  be.heads_to_tokens(d_qkv.cols_slice(2 * H, H), dv, offset);
+  be.qk_norm_rope_to_heads_backward(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H),
+                                    p.q_norm.ds, p.k_norm.ds, dq, dk, dv, s.qkv.cols_slice(0, H),
+                                    s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,
+                                    offset);
   site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, s.xm1, false);
   be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in,
                                  s.ln1_mean, s.ln1_rstd, chunk(s.mod, 1, H), true);
@@ -250,8 +233,6 @@ void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p,
   const int64_t Lt = ctx.shape.txt_tokens;
   stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0);
   stream_pre_attention(ctx, p.img, s.img, s, img, Lt);
-  ctx.be.rope(s.q, ctx.pe, false);
-  ctx.be.rope(s.k, ctx.pe, false);
   ctx.be.attention(s.o, s.lse, s.q, s.k, s.v,
                    1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   stream_post_attention(ctx, p.txt, s.txt, s, txt, 0);
@@ -283,8 +264,6 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse,
                         1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   a.release_to(qkv_mark);
-  be.rope(d_q, ctx.pe, true);  // the rotation is orthogonal: its backward is the inverse
-  be.rope(d_k, ctx.pe, true);
   stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, 0);
   stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, Lt);
   a.release_to(mark);
@@ -305,11 +284,9 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M), t);
   if (!selective) return;
-  // Recomputed q, k, v (the forward's buffers for them too), QK-norm's output and statistics
-  // while recomputing them, and one recomputed Linear input with its FP8 cast.
+  // Recomputed q, k, v (the forward's buffers for them too) and one recomputed Linear input
+  // with its FP8 cast.
   for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B * Lmax * c.num_heads}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
   plan_recompute_linear_input(a, fp8, B * Lmax, M);
 }

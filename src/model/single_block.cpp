@@ -16,7 +16,7 @@ SingleBlockParams SingleBlockParams::bind(const ParamStore& s, int64_t index) {
   return p;
 }
 
-// Selective recomputation drops q, k, v (3H per token, from u: QK-norm, layout, RoPE) and
+// Selective recomputation drops q, k, v (3H per token, from u: QK-norm + RoPE + layout) and
 // linear2's input cat (H + M = 5H: a copy of o and the GELU of u's MLP part) — 8H of the 19H a
 // token keeps, for no GEMM. u and o stay: the first is a GEMM output that QK-norm's and GELU's
 // backward need anyway, the second would cost the attention forward (with lse) to recompute.
@@ -61,23 +61,19 @@ SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, co
   return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
 }
 
-// Selective: q, k, v (scratch views in `r`) from the kept u, by single_block_forward's ops —
-// QK-norm, layout, RoPE. QK-norm's statistics come out again; the kept ones stay in use.
-void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& r) {
-  Backend& be = ctx.be;
+// q, k, v (column windows of u) into the head-major q, k, v of `s`: QK-norm, RoPE and the
+// layout, one op. q_rstd, k_rstd undefined: not saved (recomputation).
+void qkv_to_heads(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s, Tensor q_rstd,
+                  Tensor k_rstd) {
   const int64_t H = ctx.cfg.hidden_size;
-  const double qk_eps = ctx.cfg.qk_norm_eps;
-  const size_t mark = ctx.scratch.mark();
-  const Tensor normed = ctx.scratch.alloc(ctx.dtype, r.z_in.shape, SlotKind::workspace);
-  const Tensor rstd = ctx.scratch.alloc(ctx.dtype, r.q_rstd.shape, SlotKind::workspace);
-  be.rmsnorm_heads(normed, rstd, r.u.cols_slice(0, H), p.q_norm.s, qk_eps);
-  be.tokens_to_heads(r.q, normed, 0);
-  be.rmsnorm_heads(normed, rstd, r.u.cols_slice(H, H), p.k_norm.s, qk_eps);
-  be.tokens_to_heads(r.k, normed, 0);
-  be.tokens_to_heads(r.v, r.u.cols_slice(2 * H, H), 0);
-  ctx.scratch.release_to(mark);
-  be.rope(r.q, ctx.pe, false);
-  be.rope(r.k, ctx.pe, false);
+  ctx.be.qk_norm_rope_to_heads(s.q, s.k, s.v, q_rstd, k_rstd, s.u.cols_slice(0, H), s.u.cols_slice(H, H),
+                               s.u.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe, 0, ctx.cfg.qk_norm_eps);
+}
+
+// Selective: q, k, v (scratch views in `r`) from the kept u, by single_block_forward's op.
+// QK-norm's statistics are not written again: the kept ones are the same values and stay in use.
+void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& r) {
+  qkv_to_heads(ctx, p, r, Tensor{}, Tensor{});
 }
 
 }  // namespace
@@ -86,7 +82,6 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
                           SingleBlockSaved& s, Tensor z) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
-  const double qk_eps = ctx.cfg.qk_norm_eps;
   const size_t outer = ctx.scratch.mark();
   be.copy(s.z_in, z);
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
@@ -96,17 +91,7 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
                                                                s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps),
                      s.zm, ctx.dtype);
 
-  const size_t mark = ctx.scratch.mark();
-  Tensor normed = ctx.scratch.alloc(ctx.dtype, z.shape, SlotKind::workspace);
-  be.rmsnorm_heads(normed, s.q_rstd, s.u.cols_slice(0, H), p.q_norm.s, qk_eps);
-  be.tokens_to_heads(s.q, normed, 0);
-  be.rmsnorm_heads(normed, s.k_rstd, s.u.cols_slice(H, H), p.k_norm.s, qk_eps);
-  be.tokens_to_heads(s.k, normed, 0);
-  be.tokens_to_heads(s.v, s.u.cols_slice(2 * H, H), 0);
-  ctx.scratch.release_to(mark);
-
-  be.rope(s.q, ctx.pe, false);
-  be.rope(s.k, ctx.pe, false);
+  qkv_to_heads(ctx, p, s, s.q_rstd, s.k_rstd);
   be.attention(s.o, s.lse, s.q, s.k, s.v,
                1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   const Tensor cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
@@ -150,15 +135,9 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse,
                         1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   a.release_to(qkv_mark);
-  be.rope(d_q, ctx.pe, true);
-  be.rope(d_k, ctx.pe, true);
-  be.heads_to_tokens(d_h, d_q, 0);
-  be.rmsnorm_heads_backward(d_u.cols_slice(0, H), p.q_norm.ds, d_h, s.u.cols_slice(0, H), s.q_rstd,
-                            p.q_norm.s);
-  be.heads_to_tokens(d_h, d_k, 0);
-  be.rmsnorm_heads_backward(d_u.cols_slice(H, H), p.k_norm.ds, d_h, s.u.cols_slice(H, H), s.k_rstd,
-                            p.k_norm.s);
-  be.heads_to_tokens(d_u.cols_slice(2 * H, H), d_v, 0);
+  be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
+                                    p.q_norm.ds, p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H),
+                                    s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
   site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
   be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in,
                                  s.ln_mean, s.ln_rstd, s.mod.cols_slice(H, H), true);
@@ -179,11 +158,9 @@ void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * L, 3 * H + M, t);
   if (!selective) return;
-  // Recomputed q, k, v (the forward's buffers for them too), QK-norm's output and statistics
-  // while recomputing them, and the recomputed cat with its FP8 cast.
+  // Recomputed q, k, v (the forward's buffers for them too) and the recomputed cat with its
+  // FP8 cast.
   for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B * L * c.num_heads}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);
   plan_recompute_linear_input(a, fp8, B * L, H + M);
 }

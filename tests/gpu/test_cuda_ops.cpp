@@ -11,6 +11,8 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <bit>
+#include <cstdint>
 
 #include "core/error.h"
 #include "gpu_test_util.h"
@@ -236,6 +238,117 @@ TEST(CudaOps, RopeTableAndRotation) {
   for (bool inverse : {false, true}) {
     run_both([&](Backend& be, bool g) { be.rope(x.t(g), pe.t(g), inverse); });
     EXPECT_CLOSE(x, kElementwise);
+  }
+}
+
+// QK-norm + RoPE + head layout, fused, against the CPU backend (the composition of the unfused
+// ops). Per shape: two streams (text at offset 0, image at Lt) of one joint sequence, q/k/v as
+// column windows of a padded [Q|K|V] row (pad 2: 8-byte row starts, pairs move as float2; pad
+// 1: odd row strides, element by element); D = 6 (3 pairs: most lanes idle), 128 (Flux), 200
+// (4 pairs a lane, the last partly used); up to 3·1001·24 = 72k segments, so the backward's
+// dscale spans many chunks (the last partial) and chunks longer than 256 segments.
+// Tolerances, ‖gpu − cpu‖₂/‖cpu‖₂: q, k, rstd: rstd comes from a double sum of squares rounded
+// once to f32 (another summation order may round it an ulp apart), then f32 products and a
+// rotation the device contracts into FMAs: a few ulps, kReduce (1e-6). v, dv: copies, exact.
+// d[Q|K]: rmsnorm_heads_backward's cancellation, as in RmsNormHeads: 1e-5. dscale: double sums
+// of the same f32 products up to the rotation's ulps: kReduce. A wrong index, pair or term
+// gives errors of order 1.
+TEST(CudaOps, QkNormRopeToHeads) {
+  FLUX8_REQUIRE_GPU();
+  struct Case {
+    int64_t D, n, Li, pad;
+  };
+  for (const Case c : {Case{6, 3, 11, 2}, Case{128, 3, 37, 1}, Case{200, 3, 301, 2}, Case{128, 24, 1001, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "D=" << c.D << " n=" << c.n << " Li=" << c.Li << " pad=" << c.pad);
+    const int64_t B = 3, Lt = 5, L = Lt + c.Li, D = c.D, n = c.n, H = n * D;
+    const Shape heads{B, n, L, D};
+    Pair pe({B, L, D / 2, 2}), q_scale({D}), k_scale({D}), txt({B, Lt, 3 * H}, c.pad), img({B, c.Li, 3 * H}, c.pad);
+    Pair qh(heads), kh(heads), vh(heads);
+    Pair q_rstd_txt({B * Lt * n}), k_rstd_txt({B * Lt * n}), q_rstd_img({B * c.Li * n}), k_rstd_img({B * c.Li * n});
+    pe.randn(101), q_scale.randn(102), k_scale.randn(103), txt.randn(104, 2.0), img.randn(105, 2.0);
+    qh.randn(106), kh.randn(107), vh.randn(108);
+    struct Stream {
+      Pair &qkv, &q_rstd, &k_rstd;
+      int64_t offset;
+    };
+    const Stream streams[2] = {{txt, q_rstd_txt, k_rstd_txt, 0}, {img, q_rstd_img, k_rstd_img, Lt}};
+    const auto window = [&](const Pair& p, bool g, int64_t i) { return p.t(g).cols_slice(i * H, H); };
+    const auto forward = [&](Backend& be, bool g, Pair& q_out, Pair& k_out, Pair& v_out, bool stats) {
+      for (const Stream& s : streams)
+        be.qk_norm_rope_to_heads(q_out.t(g), k_out.t(g), v_out.t(g), stats ? s.q_rstd.t(g) : Tensor{},
+                                 stats ? s.k_rstd.t(g) : Tensor{}, window(s.qkv, g, 0), window(s.qkv, g, 1),
+                                 window(s.qkv, g, 2), q_scale.t(g), k_scale.t(g), pe.t(g), s.offset, 1e-6);
+    };
+    run_both([&](Backend& be, bool g) { forward(be, g, qh, kh, vh, true); });
+    EXPECT_CLOSE(qh, kReduce);
+    EXPECT_CLOSE(kh, kReduce);
+    EXPECT_CLOSE(vh, kExact);
+    for (const Stream& s : streams) {
+      EXPECT_CLOSE(s.q_rstd, kReduce);
+      EXPECT_CLOSE(s.k_rstd, kReduce);
+    }
+    // Statistics not saved (recomputation): the same heads.
+    Pair qh2(heads), kh2(heads), vh2(heads);
+    forward(gpu(), true, qh2, kh2, vh2, false);
+    EXPECT_EQ(qh2.down(), qh.down());
+    EXPECT_EQ(kh2.down(), kh.down());
+    EXPECT_EQ(vh2.down(), vh.down());
+
+    // The backward on both sides from the CPU's statistics, so only the backward is compared.
+    for (const Stream& s : streams) s.q_rstd.up(), s.k_rstd.up();
+    Pair dqh(heads), dkh(heads), dvh(heads), dq_scale({D}), dk_scale({D});
+    Pair dtxt({B, Lt, 3 * H}, c.pad), dimg({B, c.Li, 3 * H}, c.pad);
+    dqh.randn(111), dkh.randn(112), dvh.randn(113), dq_scale.randn(114), dk_scale.randn(115);
+    dtxt.randn(116), dimg.randn(117);  // garbage to overwrite; the scale gradients accumulate
+    const std::vector<float> dq_scale0 = dq_scale.host.mem, dk_scale0 = dk_scale.host.mem;
+    Pair* grads[2] = {&dtxt, &dimg};
+    const auto backward = [&](Backend& be, bool g) {
+      for (int i = 0; i < 2; ++i) {
+        const Stream& s = streams[i];
+        be.qk_norm_rope_to_heads_backward(window(*grads[i], g, 0), window(*grads[i], g, 1), window(*grads[i], g, 2),
+                                          dq_scale.t(g), dk_scale.t(g), dqh.t(g), dkh.t(g), dvh.t(g),
+                                          window(s.qkv, g, 0), window(s.qkv, g, 1), s.q_rstd.t(g), s.k_rstd.t(g),
+                                          q_scale.t(g), k_scale.t(g), pe.t(g), s.offset);
+      }
+    };
+    run_both(backward);
+    for (Pair* d : grads) {
+      std::vector<float> got = d->down(), want = d->cpu_values();
+      const auto cols = [&](const std::vector<float>& all, int64_t i) {  // window i of every row
+        std::vector<float> w;
+        for (size_t r = 0; r < all.size() / static_cast<size_t>(3 * H); ++r)
+          w.insert(w.end(), all.begin() + static_cast<int64_t>(r) * 3 * H + i * H,
+                   all.begin() + static_cast<int64_t>(r) * 3 * H + (i + 1) * H);
+        return w;
+      };
+      EXPECT_LE(rel_l2(cols(got, 0), cols(want, 0)), 1e-5) << "dq";
+      EXPECT_LE(rel_l2(cols(got, 1), cols(want, 1)), 1e-5) << "dk";
+      EXPECT_LE(rel_l2(cols(got, 2), cols(want, 2)), kExact) << "dv";
+      EXPECT_TRUE(d->padding_untouched());
+    }
+    EXPECT_CLOSE(dq_scale, kReduce);
+    EXPECT_CLOSE(dk_scale, kReduce);
+
+    // dscale is summed in an order fixed by the shape: two runs give the same bits.
+    const auto gpu_dscale_bits = [&] {
+      dq_scale.host.mem = dq_scale0, dk_scale.host.mem = dk_scale0;
+      dq_scale.up(), dk_scale.up();
+      backward(gpu(), true);
+      std::vector<uint32_t> bits;
+      for (const Pair* p : {&dq_scale, &dk_scale})
+        for (const float v : p->down()) bits.push_back(std::bit_cast<uint32_t>(v));
+      return bits;
+    };
+    EXPECT_EQ(gpu_dscale_bits(), gpu_dscale_bits());
+  }
+  // Head dims beyond the 512 the kernels hold in registers are refused by name.
+  Pair h({1, 1, 1, 514}), tok({1, 1, 514}), scale({514}), table({1, 1, 257, 2});
+  try {
+    gpu().qk_norm_rope_to_heads(h.dev, h.dev, h.dev, Tensor{}, Tensor{}, tok.dev, tok.dev, tok.dev, scale.dev,
+                                scale.dev, table.dev, 0, 1e-6);
+    FAIL() << "expected an error for D = 514";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("qk_norm_rope_to_heads: head dim 514"), std::string::npos) << e.what();
   }
 }
 

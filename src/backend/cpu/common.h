@@ -70,6 +70,19 @@ inline T act(T v, const Ctx& c) {
   return v;
 }
 
+// RoPE of one head row: every adjacent pair (x0, x1) of x → (c·x0 − s·x1, s·x0 + c·x1) into y,
+// with (c, s) the pair's entry of the table row cs; inverse rotates by −s. y may be x. rope() and
+// the fused qk_norm_rope_to_heads ops all rotate here, so their results agree bit for bit.
+template <typename T>
+inline void rotate_pairs(T* y, const T* x, const T* cs, int64_t D, bool inverse, const Ctx& c) {
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const T co = cs[2 * p], si = inverse ? -cs[2 * p + 1] : cs[2 * p + 1];
+    const T x0 = x[2 * p], x1 = x[2 * p + 1];
+    y[2 * p] = act<T>(co * x0 - si * x1, c);
+    y[2 * p + 1] = act<T>(si * x0 + co * x1, c);
+  }
+}
+
 // sums[g·cols + c] = Σ_{r < rows} (row r of group g)[c], accumulated in double. add_row(g, r,
 // acc) adds one row's contribution into acc[0, cols). Rows are cut into chunks whose size
 // depends only on `rows`; chunk partials are combined in chunk order, so the result is the

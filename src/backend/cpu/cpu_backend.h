@@ -53,6 +53,13 @@ class CpuBackend final : public Backend {
 
   void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) override;
   void rope(Tensor x, Tensor pe, bool inverse) override;
+  void qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd, Tensor k_rstd, Tensor q,
+                             Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
+                             double eps) override;
+  void qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                      Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k,
+                                      Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
+                                      int64_t token_offset) override;
 
   void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,

@@ -55,14 +55,7 @@ void CpuBackend::rope(Tensor x, Tensor pe, bool inverse) {
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * n * L, c, [&](int64_t r) {
       const int64_t b = r / (n * L), l = r % L;
-      const T* cs = pe.ptr<T>() + (b * L + l) * D;
-      T* xr = row<T>(x, r);
-      for (int64_t p = 0; p < D / 2; ++p) {
-        const T co = cs[2 * p], si = inverse ? -cs[2 * p + 1] : cs[2 * p + 1];
-        const T x0 = xr[2 * p], x1 = xr[2 * p + 1];
-        xr[2 * p] = act<T>(co * x0 - si * x1, c);
-        xr[2 * p + 1] = act<T>(si * x0 + co * x1, c);
-      }
+      rotate_pairs<T>(row<T>(x, r), row<T>(x, r), pe.ptr<T>() + (b * L + l) * D, D, inverse, c);
     });
   });
 }

@@ -1,0 +1,115 @@
+// The attention inputs of one stream: QK-norm, RoPE and the head-major layout as one op per
+// direction. The CUDA backend does each in one pass; here each is the unfused chain the model
+// ran before (rmsnorm_heads → tokens_to_heads → rope, and back), through the same code, so the
+// fused op and that chain agree bit for bit. The one difference is where RoPE runs: per stream,
+// on its rows of the joint tensors at joint positions offset + l, instead of once over the
+// joint sequence; the arithmetic of every row is the same (rotate_pairs).
+#include <tuple>
+#include <vector>
+
+#include "backend/cpu/common.h"
+#include "backend/cpu/cpu_backend.h"
+
+namespace flux8 {
+using namespace cpu;
+
+namespace {
+
+// Moves one stream between token rows and its head rows of the joint sequence, rotating on the
+// way: to_heads: heads[b, h, offset + l] = rope(tokens[b, l, h·D : (h+1)·D]); else
+// tokens[b, l, h·D : (h+1)·D] = rope⁻¹(heads[b, h, offset + l]). A task per head row.
+template <typename T>
+void rotate_between(const Tensor& heads, const Tensor& tokens, const Tensor& pe, int64_t offset, bool to_heads,
+                    const Ctx& c) {
+  const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
+  const int64_t Ls = tokens.shape[1];
+  parallel_for(B * n * Ls, c, [&](int64_t i) {
+    const int64_t b = i / (n * Ls), h = (i / Ls) % n, l = i % Ls;
+    T* hr = row<T>(heads, (b * n + h) * L + offset + l);
+    T* tr = row<T>(tokens, b * Ls + l) + h * D;
+    const T* cs = pe.ptr<T>() + (b * L + offset + l) * D;
+    if (to_heads)
+      rotate_pairs<T>(hr, tr, cs, D, false, c);
+    else
+      rotate_pairs<T>(tr, hr, cs, D, true, c);
+  });
+}
+
+}  // namespace
+
+void CpuBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd,
+                                       Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
+                                       Tensor pe, int64_t token_offset, double eps) {
+  constexpr std::string_view op = "qk_norm_rope_to_heads";
+  const DType t = call_dtype(op, {{"q_heads", q_heads},
+                                  {"k_heads", k_heads},
+                                  {"v_heads", v_heads},
+                                  {"q_rstd", q_rstd},
+                                  {"k_rstd", k_rstd},
+                                  {"q", q},
+                                  {"k", k},
+                                  {"v", v},
+                                  {"q_scale", q_scale},
+                                  {"k_scale", k_scale},
+                                  {"pe", pe}});
+  const auto d = ops::check_qk_norm_rope_to_heads(op, q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale,
+                                                  k_scale, pe, token_offset);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    // The normalised stream in token layout, and statistics nobody asked to keep.
+    std::vector<T> normed(static_cast<size_t>(d.B * d.Ls * d.n * d.D)), unkept;
+    const Tensor normed_t(normed.data(), t, q.shape);
+    for (auto [heads, rstd, x, scale] :
+         {std::tuple{q_heads, q_rstd, q, q_scale}, std::tuple{k_heads, k_rstd, k, k_scale}}) {
+      if (!rstd.defined()) {
+        unkept.resize(static_cast<size_t>(d.B * d.Ls * d.n));
+        rstd = Tensor(unkept.data(), t, Shape{d.B * d.Ls * d.n});
+      }
+      rmsnorm_heads(normed_t, rstd, x, scale, eps);
+      rotate_between<T>(heads, normed_t, pe, token_offset, true, c);
+    }
+  });
+  tokens_to_heads(v_heads, v, token_offset);
+}
+
+void CpuBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                                Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q,
+                                                Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
+                                                Tensor k_scale, Tensor pe, int64_t token_offset) {
+  constexpr std::string_view op = "qk_norm_rope_to_heads_backward";
+  const DType t = call_dtype(op, {{"dq", dq},
+                                  {"dk", dk},
+                                  {"dv", dv},
+                                  {"dq_scale", dq_scale},
+                                  {"dk_scale", dk_scale},
+                                  {"dq_heads", dq_heads},
+                                  {"dk_heads", dk_heads},
+                                  {"dv_heads", dv_heads},
+                                  {"q", q},
+                                  {"k", k},
+                                  {"q_rstd", q_rstd},
+                                  {"k_rstd", k_rstd},
+                                  {"q_scale", q_scale},
+                                  {"k_scale", k_scale},
+                                  {"pe", pe}});
+  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
+                                                           dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
+                                                           token_offset);
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    // The gradient w.r.t. the normalised (unrotated) stream, in token layout: rmsnorm_heads'
+    // dy, which its backward reads for dx and again for dscale.
+    std::vector<T> dnormed(static_cast<size_t>(d.B * d.Ls * d.n * d.D));
+    const Tensor dnormed_t(dnormed.data(), t, q.shape);
+    for (auto [dx, dscale, dheads, x, rstd, scale] :
+         {std::tuple{dq, dq_scale, dq_heads, q, q_rstd, q_scale},
+          std::tuple{dk, dk_scale, dk_heads, k, k_rstd, k_scale}}) {
+      if (!dx.defined() && !dscale.defined()) continue;
+      rotate_between<T>(dheads, dnormed_t, pe, token_offset, false, c);
+      rmsnorm_heads_backward(dx, dscale, dnormed_t, x, rstd, scale);
+    }
+  });
+  if (dv.defined()) heads_to_tokens(dv, dv_heads, token_offset);
+}
+
+}  // namespace flux8

@@ -1,0 +1,385 @@
+// The attention inputs of one stream on the device: QK-norm, RoPE and the head-major layout in
+// one kernel per direction, where the unfused chain made a norm pass, a layout copy and a
+// rotation pass over q and k (and in the backward a second read of both for dscale). Same
+// semantics as the CPU twin, src/backend/cpu/qk_norm_rope.cpp; head dims up to 512.
+//
+// A warp owns one (token, head) segment of D elements; lane i holds the RoPE pairs i, i + 32, …
+// in registers, so every element is read once and written once. As in norms.cu, the sum of
+// squares and the backward's Σ g·x̂ are in double with a fixed lane order, and rstd is stored in
+// f32 and used as stored. The backward's dscale is the column sum of dy·x̂ over all segments:
+// each block sums a fixed chunk of segments (its warps in a fixed stride, combined in warp
+// order) and column_partials_total_kernel (reduce.cu, the second pass of column_sums) adds
+// the chunks in order, so dscale is the same on every run.
+#include <cstdint>
+
+#include "backend/cuda/common.cuh"
+
+namespace flux8 {
+using namespace cuda;
+
+namespace {
+
+// Register budget: lanes hold kPairs pairs of each row, so D ≤ 64·kPairs; 8 covers D ≤ 512.
+constexpr int kMaxPairsPerLane = 8;
+// Backward: a block of kBackwardWarps warps per chunk of segments, and at most kMaxChunks
+// chunks, so the second pass adds few partials per column however long the sequence.
+constexpr int kBackwardWarps = 16;
+constexpr int64_t kMaxChunks = 256;
+
+// Sum over the 32 lanes of a warp (xor butterfly: the same order on every run).
+__device__ inline double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Elements (2p, 2p+1) at p: one 8-byte access when every row start is 8-byte aligned (`vec`).
+__device__ inline float2 load_pair(const float* p, bool vec) {
+  return vec ? *reinterpret_cast<const float2*>(p) : make_float2(p[0], p[1]);
+}
+__device__ inline void store_pair(float* p, float2 v, bool vec) {
+  if (vec) {
+    *reinterpret_cast<float2*>(p) = v;
+  } else {
+    p[0] = v.x;
+    p[1] = v.y;
+  }
+}
+
+// Segment s = r·n + h (the order of rmsnorm_heads' statistics): token row r = b·Ls + l, its
+// columns h·D.., head row (b·n + h)·L + offset + l and table row b·L + offset + l.
+struct Segment {
+  int64_t token_row, col, head_row, pe_row;
+};
+__device__ inline Segment segment(int64_t s, int64_t n, int64_t L, int64_t Ls, int64_t offset, int64_t D) {
+  const int64_t r = s / n, h = s - r * n, b = r / Ls, l = r - b * Ls;
+  return {r, h * D, (b * n + h) * L + offset + l, b * L + offset + l};
+}
+
+// The segment's (cos, sin) per pair the lane holds.
+template <int kPairs>
+__device__ inline void load_table(float2 (&cs)[kPairs], const float* pe, const Segment& s, int64_t D, int lane,
+                                  bool vec) {
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int64_t p = lane + 32 * j;
+    if (p < D / 2) cs[j] = load_pair(pe + s.pe_row * D + 2 * p, vec);
+  }
+}
+
+struct ForwardArgs {
+  Mat q_heads, k_heads, v_heads;
+  float *q_rstd, *k_rstd;  // null: not saved
+  Mat q, k, v;
+  const float *q_scale, *k_scale, *pe;
+  int64_t n, L, Ls, offset, D, segments;
+  double eps;
+  bool vec;
+};
+
+// out = rope(x / √(mean(x²) + eps) · scale) for one segment: the value rmsnorm_heads stores,
+// then rope's rotation of it.
+template <int kPairs>
+__device__ inline void norm_rotate(const Mat& out, float* rstd, const Mat& x, const float* scale,
+                                   const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane, int64_t D,
+                                   double eps, bool vec) {
+  float2 v[kPairs];
+  double sq = 0;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int64_t p = lane + 32 * j;
+    if (p < D / 2) {
+      v[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), vec);
+      sq += static_cast<double>(v[j].x) * v[j].x + static_cast<double>(v[j].y) * v[j].y;
+    }
+  }
+  sq = warp_sum(sq);
+  const float rs = static_cast<float>(1.0 / sqrt(sq / static_cast<double>(D) + eps));
+  if (rstd && lane == 0) rstd[seg] = rs;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int64_t p = lane + 32 * j;
+    if (p < D / 2) {
+      const float y0 = v[j].x * rs * scale[2 * p], y1 = v[j].y * rs * scale[2 * p + 1];
+      const float c = cs[j].x, sn = cs[j].y;
+      store_pair(&out.at(s.head_row, 2 * p), make_float2(c * y0 - sn * y1, sn * y0 + c * y1), vec);
+    }
+  }
+}
+
+template <int kPairs>
+__global__ void qk_norm_rope_to_heads_kernel(ForwardArgs a) {
+  const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (seg >= a.segments) return;  // whole warps leave together (the grid is warp-aligned)
+  const Segment s = segment(seg, a.n, a.L, a.Ls, a.offset, a.D);
+  float2 cs[kPairs];
+  load_table(cs, a.pe, s, a.D, lane, a.vec);
+  norm_rotate(a.q_heads, a.q_rstd, a.q, a.q_scale, cs, s, seg, lane, a.D, a.eps, a.vec);
+  norm_rotate(a.k_heads, a.k_rstd, a.k, a.k_scale, cs, s, seg, lane, a.D, a.eps, a.vec);
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int64_t p = lane + 32 * j;
+    if (p < a.D / 2)
+      store_pair(&a.v_heads.at(s.head_row, 2 * p), load_pair(&a.v.at(s.token_row, s.col + 2 * p), a.vec), a.vec);
+  }
+}
+
+struct BackwardArgs {
+  Mat dq, dk, dv;  // null (p == nullptr): not wanted
+  Mat dq_heads, dk_heads, dv_heads;
+  Mat q, k;
+  const float *q_rstd, *k_rstd, *q_scale, *k_scale, *pe;
+  double *q_partial, *k_partial;  // [chunks, D] dscale partials, or null: not wanted
+  int64_t n, L, Ls, offset, D, segments, chunk;
+  bool vec;
+};
+
+// One segment of rmsnorm_heads_backward on g = rope⁻¹(dheads) (the gradient of the normalised,
+// unrotated values): with x̂ = x·rstd, dx = rstd·(g·scale − x̂·mean(g·scale·x̂)); acc (this
+// lane's dscale columns) += g·x̂.
+template <int kPairs>
+__device__ inline void norm_rotate_backward(const Mat& dx, double (&acc)[2 * kPairs], const Mat& dheads,
+                                            const Mat& x, const float* rstd, const float* scale,
+                                            const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
+                                            int64_t D, bool vec) {
+  const double rs = rstd[seg];
+  float2 g[kPairs], xv[kPairs];
+  double sgx = 0;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int64_t p = lane + 32 * j;
+    if (p < D / 2) {
+      const float2 d = load_pair(&dheads.at(s.head_row, 2 * p), vec);
+      const float c = cs[j].x, sn = cs[j].y;
+      g[j] = make_float2(c * d.x + sn * d.y, c * d.y - sn * d.x);  // rotation by −θ: RoPE's backward
+      xv[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), vec);
+      sgx += static_cast<double>(g[j].x) * scale[2 * p] * xv[j].x * rs +
+             static_cast<double>(g[j].y) * scale[2 * p + 1] * xv[j].y * rs;
+    }
+  }
+  const double mean_gx = warp_sum(sgx) / static_cast<double>(D);
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int64_t p = lane + 32 * j;
+    if (p < D / 2) {
+      if (dx.p) {
+        const double g0 = static_cast<double>(g[j].x) * scale[2 * p];
+        const double g1 = static_cast<double>(g[j].y) * scale[2 * p + 1];
+        store_pair(&dx.at(s.token_row, s.col + 2 * p),
+                   make_float2(static_cast<float>(rs * (g0 - xv[j].x * rs * mean_gx)),
+                               static_cast<float>(rs * (g1 - xv[j].y * rs * mean_gx))),
+                   vec);
+      }
+      acc[2 * j] += static_cast<double>(g[j].x) * xv[j].x * rs;
+      acc[2 * j + 1] += static_cast<double>(g[j].y) * xv[j].y * rs;
+    }
+  }
+}
+
+// partial[c] = Σ over the block's warps, in warp order, of their column-c sums; 64 columns
+// (a pair per lane) at a time. Every thread of the block must call it.
+template <int kPairs>
+__device__ inline void store_chunk_partial(double (*tile)[64], const double (&acc)[2 * kPairs], double* partial,
+                                           int64_t D) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    if (64 * j >= D) break;  // the same for the whole block
+    tile[warp][2 * lane] = acc[2 * j];
+    tile[warp][2 * lane + 1] = acc[2 * j + 1];
+    __syncthreads();
+    const int64_t c = 64 * j + threadIdx.x;
+    if (threadIdx.x < 64 && c < D) {
+      double t = 0;
+      for (int w = 0; w < kBackwardWarps; ++w) t += tile[w][threadIdx.x];
+      partial[c] = t;
+    }
+    __syncthreads();
+  }
+}
+
+// One of the two passes of the backward kernel over the block's chunk: q's (with dv's copy)
+// or k's. Two passes instead of one keep one set of dscale accumulators live at a time (the
+// single pass spilled registers at D = 128); each element is still read once.
+template <int kPairs>
+__device__ inline void backward_pass(const BackwardArgs& a, const Mat& dx, const Mat& dheads, const Mat& x,
+                                     const float* rstd, const float* scale, double* partial, bool copy_v,
+                                     double (*tile)[64]) {
+  const bool norm = dx.p || partial;
+  if (!norm && !copy_v) return;  // the same for the whole block
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * a.chunk;
+  const int64_t end = begin + a.chunk < a.segments ? begin + a.chunk : a.segments;
+  double acc[2 * kPairs] = {};
+  for (int64_t seg = begin + warp; seg < end; seg += kBackwardWarps) {
+    const Segment s = segment(seg, a.n, a.L, a.Ls, a.offset, a.D);
+    if (norm) {
+      float2 cs[kPairs];
+      load_table(cs, a.pe, s, a.D, lane, a.vec);
+      norm_rotate_backward(dx, acc, dheads, x, rstd, scale, cs, s, seg, lane, a.D, a.vec);
+    }
+    if (copy_v) {
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        const int64_t p = lane + 32 * j;
+        if (p < a.D / 2)
+          store_pair(&a.dv.at(s.token_row, s.col + 2 * p), load_pair(&a.dv_heads.at(s.head_row, 2 * p), a.vec),
+                     a.vec);
+      }
+    }
+  }
+  if (partial) store_chunk_partial<kPairs>(tile, acc, partial + blockIdx.x * a.D, a.D);
+}
+
+// Two blocks per SM (≤ 64 registers a thread) up to D = 128: the grid is about two blocks per SM
+// at Flux sizes. Wider heads need more registers than that; they get one block per SM.
+template <int kPairs>
+__global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
+    qk_norm_rope_to_heads_backward_kernel(BackwardArgs a) {
+  __shared__ double tile[kBackwardWarps][64];
+  backward_pass<kPairs>(a, a.dq, a.dq_heads, a.q, a.q_rstd, a.q_scale, a.q_partial, a.dv.p != nullptr, tile);
+  backward_pass<kPairs>(a, a.dk, a.dk_heads, a.k, a.k_rstd, a.k_scale, a.k_partial, false, tile);
+}
+
+// Pairs per lane for head dim D: the smallest power of two with 32·kPairs ≥ D/2.
+int pairs_per_lane(std::string_view op, int64_t D) {
+  for (int k = 1; k <= kMaxPairsPerLane; k *= 2)
+    if (32 * k >= D / 2) return k;
+  fail("{}: head dim {} is beyond the {} this kernel holds in registers (Flux uses 128); the unfused "
+       "rmsnorm_heads, tokens_to_heads and rope take any even D",
+       op, D, 64 * kMaxPairsPerLane);
+}
+
+// Whether every row start of these tensors is 8-byte aligned (base and ld even): then pairs
+// move as one float2.
+bool pair_aligned(std::initializer_list<Tensor> ts) {
+  for (const Tensor& t : ts)
+    if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % 8 != 0 || t.ld % 2 != 0)) return false;
+  return true;
+}
+
+}  // namespace
+
+void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd,
+                                        Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
+                                        Tensor pe, int64_t token_offset, double eps) {
+  constexpr std::string_view op = "qk_norm_rope_to_heads";
+  require_f32(op, {{"q_heads", q_heads},
+                   {"k_heads", k_heads},
+                   {"v_heads", v_heads},
+                   {"q_rstd", q_rstd},
+                   {"k_rstd", k_rstd},
+                   {"q", q},
+                   {"k", k},
+                   {"v", v},
+                   {"q_scale", q_scale},
+                   {"k_scale", k_scale},
+                   {"pe", pe}});
+  const auto d = ops::check_qk_norm_rope_to_heads(op, q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale,
+                                                  k_scale, pe, token_offset);
+  const int pairs = pairs_per_lane(op, d.D);
+  ForwardArgs a{mat(q_heads),
+                mat(k_heads),
+                mat(v_heads),
+                q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
+                k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
+                mat(q),
+                mat(k),
+                mat(v),
+                q_scale.ptr<float>(),
+                k_scale.ptr<float>(),
+                pe.ptr<float>(),
+                d.n,
+                d.L,
+                d.Ls,
+                token_offset,
+                d.D,
+                d.B * d.Ls * d.n,
+                eps,
+                pair_aligned({q_heads, k_heads, v_heads, q, k, v, pe})};
+  if (a.segments == 0) return;
+  const unsigned blocks = exact_blocks(a.segments * 32);
+  switch (pairs) {
+    case 1: qk_norm_rope_to_heads_kernel<1><<<blocks, kThreads, 0, stream_>>>(a); break;
+    case 2: qk_norm_rope_to_heads_kernel<2><<<blocks, kThreads, 0, stream_>>>(a); break;
+    case 4: qk_norm_rope_to_heads_kernel<4><<<blocks, kThreads, 0, stream_>>>(a); break;
+    default: qk_norm_rope_to_heads_kernel<8><<<blocks, kThreads, 0, stream_>>>(a); break;
+  }
+  FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_kernel);
+}
+
+void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                                 Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q,
+                                                 Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
+                                                 Tensor k_scale, Tensor pe, int64_t token_offset) {
+  constexpr std::string_view op = "qk_norm_rope_to_heads_backward";
+  require_f32(op, {{"dq", dq},
+                   {"dk", dk},
+                   {"dv", dv},
+                   {"dq_scale", dq_scale},
+                   {"dk_scale", dk_scale},
+                   {"dq_heads", dq_heads},
+                   {"dk_heads", dk_heads},
+                   {"dv_heads", dv_heads},
+                   {"q", q},
+                   {"k", k},
+                   {"q_rstd", q_rstd},
+                   {"k_rstd", k_rstd},
+                   {"q_scale", q_scale},
+                   {"k_scale", k_scale},
+                   {"pe", pe}});
+  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
+                                                           dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
+                                                           token_offset);
+  const int pairs = pairs_per_lane(op, d.D);
+  const int64_t segments = d.B * d.Ls * d.n;
+  if (segments == 0) return;
+  // Chunks of kColumnChunk segments (column_sums' row chunk), longer where there would be more
+  // than kMaxChunks of them; a function of the shape only, so the summation order is fixed.
+  int64_t chunk = kColumnChunk;
+  if (segments > chunk * kMaxChunks) chunk = (segments + kMaxChunks - 1) / kMaxChunks;
+  const int64_t chunks = (segments + chunk - 1) / chunk;
+  double* partial = nullptr;
+  if (dq_scale.defined() || dk_scale.defined())
+    partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(2 * chunks * d.D) * sizeof(double)));
+  BackwardArgs a{mat_or_null(dq),
+                 mat_or_null(dk),
+                 mat_or_null(dv),
+                 mat(dq_heads),
+                 mat(dk_heads),
+                 mat_or_null(dv_heads),
+                 mat(q),
+                 mat(k),
+                 q_rstd.ptr<float>(),
+                 k_rstd.ptr<float>(),
+                 q_scale.ptr<float>(),
+                 k_scale.ptr<float>(),
+                 pe.ptr<float>(),
+                 dq_scale.defined() ? partial : nullptr,
+                 dk_scale.defined() ? partial + chunks * d.D : nullptr,
+                 d.n,
+                 d.L,
+                 d.Ls,
+                 token_offset,
+                 d.D,
+                 segments,
+                 chunk,
+                 pair_aligned({dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe})};
+  const unsigned blocks = static_cast<unsigned>(chunks), threads = kBackwardWarps * 32;
+  switch (pairs) {
+    case 1: qk_norm_rope_to_heads_backward_kernel<1><<<blocks, threads, 0, stream_>>>(a); break;
+    case 2: qk_norm_rope_to_heads_backward_kernel<2><<<blocks, threads, 0, stream_>>>(a); break;
+    case 4: qk_norm_rope_to_heads_backward_kernel<4><<<blocks, threads, 0, stream_>>>(a); break;
+    default: qk_norm_rope_to_heads_backward_kernel<8><<<blocks, threads, 0, stream_>>>(a); break;
+  }
+  FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
+  // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
+  for (const auto& [dscale, part] : {std::pair{dq_scale, a.q_partial}, std::pair{dk_scale, a.k_partial}}) {
+    if (!dscale.defined()) continue;
+    column_partials_total_kernel<<<blocks_for(d.D), kThreads, 0, stream_>>>(1, d.D, chunks, part,
+                                                                           dscale.ptr<float>(), d.D, true);
+    FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
+  }
+}
+
+}  // namespace flux8
