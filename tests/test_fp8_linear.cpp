@@ -124,5 +124,72 @@ TEST(Fp8Linear, BlockwiseHybrid) { check_recipe({Fp8Recipe::blockwise, true}); }
 TEST(Fp8Linear, Mxfp8E4m3) { check_recipe({Fp8Recipe::mxfp8, false}); }
 TEST(Fp8Linear, Mxfp8Hybrid) { check_recipe({Fp8Recipe::mxfp8, true}); }
 
+
+// The delayed-scaling state lives in backend memory and end_step() updates it there
+// (Backend::delayed_scaling_update). The host mirror must show exactly what the registry's own
+// update() gives on the same staged amaxes, with the all-reduce hook applied to the staging
+// row first; a state restored into the mirror (set_state, as a checkpoint load does) must be
+// what the next casts use.
+TEST(Fp8Runtime, DelayedUpdateOnBackendMatchesRegistryUpdate) {
+  auto be = make_backend("cpu");
+  Buffers buf(*be);
+  const int64_t N = 40, K = 48, M = 24;
+  Fp8Config cfg;
+  cfg.enabled = true;
+  cfg.recipe = Fp8Recipe::delayed;
+  cfg.hybrid = true;
+  cfg.amax_history_len = 4;
+  Fp8Runtime rt(cfg, *be);
+  LinearSite site;
+  site.name = "test.linear";
+  site.w = buf.randn(Shape{M, K}, 1, 0.2);
+  site.dw = buf.zeros(Shape{M, K});
+  rt.add_site(site);
+  std::vector<LinearSite*> sites = {&site};
+  rt.allocate_weight_casts(sites);
+  const Tensor x = buf.randn(Shape{N, K}, 3, 1.0), dy = buf.randn(Shape{N, M}, 4, 0.01);
+  Tensor y = buf.zeros(Shape{N, M}), dx = buf.zeros(Shape{N, K});
+  Arena saved_arena, scratch;
+  saved_arena.reserve(*be, 1 << 20);
+  scratch.reserve(*be, 1 << 20);
+
+  // A restored state: past rows and scales that are not the defaults.
+  const int n = rt.registry().size(), L = 4;
+  std::vector<float> scale(static_cast<size_t>(n)), history(static_cast<size_t>(L * n), 0.0f);
+  for (int s = 0; s < n; ++s) {
+    scale[static_cast<size_t>(s)] = 2.0f + static_cast<float>(s);
+    for (int r = 1; r < L; ++r) history[static_cast<size_t>(r * n + s)] = 0.5f * static_cast<float>(r + s);
+  }
+  rt.registry().set_state(scale, history, L);
+  auto doubling = [](float* row0, int count) {
+    for (int s = 0; s < count; ++s) row0[s] *= 2.0f;
+  };
+  rt.registry().set_allreduce_hook(doubling);
+
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    saved_arena.reset();
+    SavedLinearInput saved = allocate_linear_input(saved_arena, site, &rt, x.shape, DType::f32);
+    site_forward(*be, &rt, scratch, site, y, x, saved);
+    site_backward(*be, &rt, scratch, site, dx, dy, saved, false);
+    // The weight cast used the scale in force this step (the restored one at step 0).
+    EXPECT_EQ(site.w_row.scale_inv[0], 1.0f / rt.registry().scale(1));
+    if (step == 0) EXPECT_EQ(rt.registry().scale(1), 3.0f);
+
+    Fp8MetaRegistry ref(L);  // the host reference, from the mirror's staged state
+    for (int s = 0; s < n; ++s) ref.add(rt.registry().name(s), rt.registry().role(s));
+    ref.set_state(rt.registry().scales(), rt.registry().amax_history(), L);
+    ref.set_allreduce_hook(doubling);
+    for (int s = 0; s < n; ++s) EXPECT_GT(ref.history_at(0, s), 0.0f) << "slot " << s << " was cast";
+    EXPECT_EQ(ref.update(DelayedScalingParams{AmaxAlgo::max, 0, Fp8Format::e4m3, Fp8Format::e5m2}), n);
+
+    rt.end_step();
+    rt.weights_updated();
+    EXPECT_EQ(rt.registry().amax_history(), ref.amax_history());
+    EXPECT_EQ(rt.registry().scales(), ref.scales());
+    EXPECT_EQ(rt.registry().scale_invs(), ref.scale_invs());
+  }
+}
+
 }  // namespace
 }  // namespace flux8

@@ -177,7 +177,8 @@ class Backend {
   virtual double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) = 0;
   // Σ x² in double, summed in a fixed order (independent of thread count). NaN/inf propagate.
   virtual double sum_squares(Tensor x) = 0;
-  // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v:
+  // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in their own
+  // precision (fp32 in training, as PyTorch's fused AdamW; fp64 in gradient checks):
   //   g = grad_scale·grad;  m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²
   //   p = p·(1 − lr·wd) − lr·(m/(1−β1^step)) / (√(v/(1−β2^step)) + eps)
   struct AdamW {
@@ -190,17 +191,19 @@ class Backend {
   // How to cast one GEMM operand. Per-tensor scaling takes its scale from `delayed_scale`
   // (delayed recipe: the registry's scale, computed from past steps) or, when that is null,
   // from this tensor's amax (tensorwise/current scaling). Blockwise and MX scales always come
-  // from the block. The cast's amax is max-accumulated into *amax (the registry's staging row)
-  // and its counts merged into *stats when given. A backend may deliver them late (the CUDA
-  // backend keeps them on the device until the next synchronize() or download()): the targets
-  // must outlive the cast and are current after synchronize().
+  // from the block. `delayed_scale` and `amax` point into this backend's memory (device memory
+  // on the GPU: the scale is read and the amax written in stream order, never by the host).
+  // The cast's amax is max-accumulated into *amax (the registry's staging row) and its counts
+  // are merged into *stats (host memory) when given. A backend may deliver the counts late (the
+  // CUDA backend keeps them on the device until the next synchronize() or download()): the
+  // target must outlive the cast and is current after synchronize().
   struct Quantize {
     Fp8Format format = Fp8Format::e4m3;
     Fp8Scaling scaling = Fp8Scaling::per_tensor;
     bool pow2 = false;                     // current/blockwise scales rounded down to 2^k
-    const float* delayed_scale = nullptr;
-    float* amax = nullptr;
-    CastStats* stats = nullptr;
+    const float* delayed_scale = nullptr;  // backend memory
+    float* amax = nullptr;                 // backend memory
+    CastStats* stats = nullptr;            // host memory
     // Defined: column_sums[c] += Σ_r x[r, c] — the bias gradient of the Linear whose output
     // gradient x is, summed in the pass that casts it (contiguous f32 vector of cols(x)).
     Tensor column_sums;
@@ -240,6 +243,14 @@ class Backend {
   virtual void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q);
   // Writes the op's output to y (the unfused path, and the reference of quantize_fused).
   void produce(Tensor y, const CastInput& in);
+
+  // The delayed-scaling update of every tensor of a model in one pass (one launch on the GPU),
+  // over the registry's flat buffers in backend memory (fp8/meta.h): amax_history [L, n]
+  // (history-major; row 0 is the step's staged, already all-reduced amax), scale, scale_inv
+  // and fp8_max [n] (the largest finite value of each slot's format). delayed_update_slot() in
+  // fp8/recipe.h per slot: bit-equal on every backend.
+  virtual void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
+                                      AmaxAlgo algo, int margin) = 0;
 
   // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
   // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.

@@ -258,4 +258,19 @@ bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& 
   return true;
 }
 
+DelayedUpdateDims check_delayed_scaling_update(std::string_view op, const Tensor& amax_history, const Tensor& scale,
+                                               const Tensor& scale_inv, const Tensor& fp8_max) {
+  require_rank(op, {"amax_history", amax_history}, 2);
+  require_contiguous(op, {"amax_history", amax_history});
+  const int64_t L = amax_history.shape[0], n = amax_history.shape[1];
+  if (L < 1) fail("{}: amax_history {} has no staging row (history length must be >= 1)", op, amax_history.str());
+  require_vector(op, {"scale", scale}, n);
+  require_vector(op, {"scale_inv", scale_inv}, n);
+  require_vector(op, {"fp8_max", fp8_max}, n);
+  for (Named t : {Named{"amax_history", amax_history}, Named{"scale", scale}, Named{"scale_inv", scale_inv},
+                  Named{"fp8_max", fp8_max}})
+    if (t.t.dtype != DType::f32) fail("{}: tensor '{}' is {} but must be f32", op, t.name, t.t.str());
+  return {L, n};
+}
+
 }  // namespace flux8::ops

@@ -67,9 +67,9 @@ NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Te
 // The backward's common part: dy like x [B, L, H], mean/rstd vectors of B·L.
 NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
                                            const Tensor& mean, const Tensor& rstd);
-// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
 // Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined).
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols);
+// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
 int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale);
 
 // Attention: the first tensor (q) is rank 4 [B, n, L, D]; every other defined one has its shape.
@@ -88,5 +88,13 @@ AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, co
 // quantize(): x f32 (any ld), rowwise [rows, cols] and columnwise [cols, rows] when defined.
 // Returns false when there is nothing to cast (both outputs undefined).
 bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x);
+
+// delayed_scaling_update(): contiguous f32 amax_history [L, n] (rank 2, L >= 1) and scale,
+// scale_inv, fp8_max vectors of n. Returns {L, n}.
+struct DelayedUpdateDims {
+  int64_t L, n;
+};
+DelayedUpdateDims check_delayed_scaling_update(std::string_view op, const Tensor& amax_history, const Tensor& scale,
+                                               const Tensor& scale_inv, const Tensor& fp8_max);
 
 }  // namespace flux8::ops

@@ -133,6 +133,11 @@ class OpProfiler final : public Backend {
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override {
     timed("quantize (fp8 cast)", [&] { be_.quantize(rowwise, columnwise, x, q); });
   }
+  void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
+                              int margin) override {
+    timed("delayed_scaling_update",
+          [&] { be_.delayed_scaling_update(amax_history, scale, scale_inv, fp8_max, algo, margin); });
+  }
   void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override {
     timed("quantize_fused (op + fp8 cast)", [&] { be_.quantize_fused(rowwise, columnwise, in, q); });
   }

@@ -29,9 +29,66 @@ Fp8Runtime::~Fp8Runtime() {
   } catch (const std::exception&) {
     // A failing device is reported by whatever runs next; a destructor must not throw.
   }
+  release_state();
+}
+
+void Fp8Runtime::release_state() {
+  for (Tensor* t : {&history_dev_, &scale_dev_, &scale_inv_dev_, &fp8_max_dev_, &scratch_amax_dev_}) {
+    if (t->defined()) be_.release(t->data);
+    *t = Tensor{};
+  }
+  device_current_ = false;
+}
+
+Fp8MetaRegistry& Fp8Runtime::registry() {
+  pull_state();
+  device_current_ = false;  // the caller may change it
+  return registry_;
+}
+
+const Fp8MetaRegistry& Fp8Runtime::registry() const {
+  pull_state();
+  return registry_;
+}
+
+void Fp8Runtime::pull_state() const {
+  if (host_current_) return;
+  Fp8MetaRegistry& r = const_cast<Fp8MetaRegistry&>(registry_);  // the mirror is a cache
+  be_.download(r.amax_history_data(), history_dev_.data, history_dev_.bytes());
+  be_.download(r.scale_data(), scale_dev_.data, scale_dev_.bytes());
+  be_.download(r.scale_inv_data(), scale_inv_dev_.data, scale_inv_dev_.bytes());
+  host_current_ = true;
+}
+
+void Fp8Runtime::push_state() {
+  if (device_current_) return;
+  const int64_t n = registry_.size(), L = registry_.history_len();
+  if (!history_dev_.defined() || history_dev_.shape[0] != L || history_dev_.shape[1] != n) {
+    release_state();
+    auto alloc = [&](Shape shape) {
+      return Tensor(be_.allocate(static_cast<size_t>(std::max<int64_t>(shape.numel(), 1)) * sizeof(float)),
+                    DType::f32, shape);
+    };
+    history_dev_ = alloc(Shape{L, n});
+    scale_dev_ = alloc(Shape{n});
+    scale_inv_dev_ = alloc(Shape{n});
+    fp8_max_dev_ = alloc(Shape{n});
+    scratch_amax_dev_ = alloc(Shape{1});
+    std::vector<float> fmax(static_cast<size_t>(n));
+    for (int s = 0; s < n; ++s)
+      fmax[static_cast<size_t>(s)] = fp8_max(registry_.role(s) == Fp8Role::grad_output ? format(Operand::grad_output)
+                                                                                         : format(Operand::input));
+    be_.upload(fp8_max_dev_.data, fmax.data(), fp8_max_dev_.bytes());
+  }
+  be_.upload(history_dev_.data, registry_.amax_history().data(), history_dev_.bytes());
+  be_.upload(scale_dev_.data, registry_.scales().data(), scale_dev_.bytes());
+  be_.upload(scale_inv_dev_.data, registry_.scale_invs().data(), scale_inv_dev_.bytes());
+  device_current_ = true;
 }
 
 void Fp8Runtime::add_site(LinearSite& site) {
+  pull_state();
+  device_current_ = false;  // the backend copy is re-made with the new slots
   site.fp8 = true;
   site.index = static_cast<int>(stats_.size());
   first_slot_.push_back(registry_.add(site.name, Fp8Role::input));
@@ -61,9 +118,11 @@ Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
   q.pow2 = cfg_.power_of_2_scales;
   const int slot = first_slot_[static_cast<size_t>(site.index)] + static_cast<int>(o);
   if (cfg_.recipe == Fp8Recipe::delayed) {
-    q.delayed_scale = registry_.scale_data() + slot;
+    push_state();
+    q.delayed_scale = scale_dev_.ptr<float>() + slot;
     // Row 0 of the history (history-major) is the staging row: element `slot`.
-    q.amax = recording_ ? registry_.amax_history_data() + slot : &scratch_amax_;
+    q.amax = recording_ ? history_dev_.ptr<float>() + slot : scratch_amax_dev_.ptr<float>();
+    if (recording_) host_current_ = false;
   }
   q.stats = recording_ ? &stats_[static_cast<size_t>(site.index)].op[static_cast<int>(o)] : &scratch_stats_;
   return q;
@@ -109,17 +168,21 @@ void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
 }
 
 void Fp8Runtime::end_step() {
-  be_.synchronize();  // the step's cast amaxes and statistics are on the host after this
-  if (cfg_.recipe == Fp8Recipe::delayed)
-    registry_.update(DelayedScalingParams{cfg_.amax_max ? AmaxAlgo::max : AmaxAlgo::most_recent, cfg_.margin,
-                                          format(Operand::input), format(Operand::grad_output)});
+  if (cfg_.recipe == Fp8Recipe::delayed && registry_.size() > 0) {
+    push_state();
+    if (registry_.allreduce_hook()) registry_.allreduce_hook()(history_dev_.ptr<float>(), registry_.size());
+    be_.delayed_scaling_update(history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_,
+                               cfg_.amax_max ? AmaxAlgo::max : AmaxAlgo::most_recent, cfg_.margin);
+    host_current_ = false;
+  }
+  be_.synchronize();  // the step's cast statistics (telemetry) are on the host after this
   last_stats_ = stats_;
   for (SiteStats& s : stats_)
     for (CastStats& c : s.op) c = CastStats{};
 }
 
 float Fp8Runtime::scale_of(int site, Operand o) const {
-  if (cfg_.recipe == Fp8Recipe::delayed) return registry_.scale(first_slot_[static_cast<size_t>(site)] + static_cast<int>(o));
+  if (cfg_.recipe == Fp8Recipe::delayed) return registry().scale(first_slot_[static_cast<size_t>(site)] + static_cast<int>(o));
   if (cfg_.recipe == Fp8Recipe::tensorwise && static_cast<size_t>(site) < last_stats_.size())
     return current_scale(last_stats_[static_cast<size_t>(site)].op[static_cast<int>(o)].amax, fp8_max(format(o)),
                          cfg_.power_of_2_scales);

@@ -42,6 +42,13 @@ struct SavedLinearInput {
 };
 
 // The FP8 state of a model: config, delayed-scaling registry, weight casts, telemetry.
+//
+// The delayed-scaling state (scales, amax histories) lives in the backend's memory — on the GPU
+// the casts read their scale and max their amax into the staging row on the device, and
+// end_step() updates every slot in one launch, so the host never touches it during training.
+// registry() is the host mirror (names, roles, checkpoints, reports): reading it downloads the
+// state when the device has moved on; changing it (restoring a checkpoint) uploads it before
+// the next cast.
 class Fp8Runtime {
  public:
   Fp8Runtime(const Fp8Config& cfg, Backend& backend);
@@ -51,8 +58,10 @@ class Fp8Runtime {
   Fp8Runtime(const Fp8Runtime&) = delete;
   Fp8Runtime& operator=(const Fp8Runtime&) = delete;
   const Fp8Config& config() const { return cfg_; }
-  Fp8MetaRegistry& registry() { return registry_; }
-  const Fp8MetaRegistry& registry() const { return registry_; }
+  // The host mirror, current when returned. The mutable one may be changed (set_state,
+  // resize_history, set_allreduce_hook): the device copy is refreshed from it before its next use.
+  Fp8MetaRegistry& registry();
+  const Fp8MetaRegistry& registry() const;
 
   // Registers an FP8 site (three registry slots: input, weight, grad_output).
   void add_site(LinearSite& site);
@@ -70,8 +79,9 @@ class Fp8Runtime {
   // Casts of validation passes must not move the delayed-scaling history.
   void set_recording(bool on) { recording_ = on; }
   bool recording() const { return recording_; }
-  // Once per optimizer step after the backward: the delayed-scaling update (after the amax
-  // reduction hook), and the step's cast statistics become `last_step_stats`.
+  // Once per optimizer step after the backward: the delayed-scaling update of every slot on the
+  // backend (after the registry's amax all-reduce hook, which gets the staging row in backend
+  // memory), and the step's cast statistics become `last_step_stats`.
   void end_step();
 
   struct SiteStats {
@@ -92,7 +102,15 @@ class Fp8Runtime {
   int64_t weight_version_ = 0;
   bool recording_ = true;
   CastStats scratch_stats_;
-  float scratch_amax_ = 0;
+
+  // The registry's state in backend memory: amax_history [L, n], scale, scale_inv, fp8_max
+  // [n] (of each slot's format), and a scratch amax for casts that must not record.
+  void push_state();        // host mirror -> backend, when the backend copy is not current
+  void pull_state() const;  // backend -> host mirror, when the host copy is not current
+  void release_state();
+  Tensor history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_, scratch_amax_dev_;
+  bool device_current_ = false;       // the backend copy equals the host mirror
+  mutable bool host_current_ = true;  // the host mirror equals the backend copy
 };
 
 // Allocation of a Linear's saved input for a `rows x cols` input (measuring arenas too).

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -112,6 +113,25 @@ struct Recipe {
 // enough that the planted -2000 and the outlier saturate.
 constexpr float kDelayedScale = 37.0f;
 
+// A float in both backends' memory: Quantize::delayed_scale and ::amax point into the memory of
+// the backend that casts (device memory for the GPU).
+struct Scalar {
+  Pair p{Shape{1}};
+  explicit Scalar(float v) {
+    p.host.mem[0] = v;
+    p.up();
+  }
+  float* on(bool gpu_side) { return gpu_side ? p.dev.ptr<float>() : p.host.mem.data(); }
+  float cpu_value() const { return p.host.mem[0]; }
+  float gpu_value() const { return p.down()[0]; }
+};
+
+// kDelayedScale in the memory of the GPU or of the CPU backend (lives as long as the tests).
+const float* delayed_scale_on(bool gpu_side) {
+  static Scalar scale(kDelayedScale);
+  return scale.on(gpu_side);
+}
+
 const Recipe kRecipes[] = {
     {"delayed", Fp8Scaling::per_tensor, true, false},
     {"current", Fp8Scaling::per_tensor, false, false},
@@ -123,13 +143,13 @@ const Recipe kRecipes[] = {
     {"mx_1x32", Fp8Scaling::mx_1x32, false, false},
 };
 
-// The cast arguments of a recipe (no amax or statistics targets).
-Backend::Quantize quantize_for(const Recipe& recipe, Fp8Format format) {
+// The cast arguments of a recipe (no amax or statistics targets) for the GPU or the CPU backend.
+Backend::Quantize quantize_for(const Recipe& recipe, Fp8Format format, bool gpu_side) {
   Backend::Quantize q;
   q.format = format;
   q.scaling = recipe.scaling;
   q.pow2 = recipe.pow2;
-  q.delayed_scale = recipe.delayed ? &kDelayedScale : nullptr;
+  q.delayed_scale = recipe.delayed ? delayed_scale_on(gpu_side) : nullptr;
   return q;
 }
 
@@ -185,15 +205,17 @@ TEST_P(CudaQuantize, EqualsCpuBitForBit) {
       // compared as well as this cast's own numbers.
       const CastStats start{0.5f, 10, 9, 1, 2};
       CastStats stats_cpu = start, stats_gpu = start;
-      float amax_cpu = 0.25f, amax_gpu = 0.25f;
-      Backend::Quantize q = quantize_for(recipe, format);
-      q.amax = &amax_cpu;
+      Scalar amax(0.25f);
+      Backend::Quantize q = quantize_for(recipe, format, false);
+      q.amax = amax.on(false);
       q.stats = &stats_cpu;
       cpu().quantize(want_row ? row.host : QTensor{}, want_col ? col.host : QTensor{}, x.host.t, q);
-      q.amax = &amax_gpu;
+      q = quantize_for(recipe, format, true);
+      q.amax = amax.on(true);
       q.stats = &stats_gpu;
       gpu().quantize(want_row ? row.dev : QTensor{}, want_col ? col.dev : QTensor{}, x.dev, q);
-      gpu().synchronize();  // the CUDA backend delivers amax and statistics at the next synchronisation
+      gpu().synchronize();  // the CUDA backend delivers the statistics at the next synchronisation
+      const float amax_cpu = amax.cpu_value(), amax_gpu = amax.gpu_value();
 
       const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
       if (want_row) {
@@ -256,11 +278,11 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
         QPair row_f(B * L, H, format, recipe.scaling), col_f(H, B * L, format, recipe.scaling);
         QPair row_u(B * L, H, format, recipe.scaling), col_u(H, B * L, format, recipe.scaling);
         CastStats stats_f, stats_u;
-        float amax_f = 0, amax_u = 0;
-        Backend::Quantize q = quantize_for(recipe, format);
-        q.amax = &amax_f, q.stats = &stats_f;
+        Scalar amax_f(0.0f), amax_u(0.0f);
+        Backend::Quantize q = quantize_for(recipe, format, true);
+        q.amax = amax_f.on(true), q.stats = &stats_f;
         gpu().quantize_fused(row_f.dev, col_f.dev, in, q);
-        q.amax = &amax_u, q.stats = &stats_u;
+        q.amax = amax_u.on(true), q.stats = &stats_u;
         gpu().quantize(row_u.dev, col_u.dev, y.dev.reshaped(Shape{B * L, H}), q);
         gpu().synchronize();
         const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
@@ -268,7 +290,8 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
         EXPECT_EQ(first_difference(col_f.dev_codes(), col_u.dev_codes(), 1), "") << "columnwise codes";
         EXPECT_EQ(first_difference(row_f.dev_scale_bytes(), row_u.dev_scale_bytes(), scale_bytes), "");
         EXPECT_EQ(first_difference(col_f.dev_scale_bytes(), col_u.dev_scale_bytes(), scale_bytes), "");
-        EXPECT_EQ(bits(amax_f), bits(amax_u));
+        EXPECT_EQ(bits(amax_f.gpu_value()), bits(amax_u.gpu_value()));
+        EXPECT_GT(amax_f.gpu_value(), 0.0f);
         EXPECT_GT(stats_f.nonzero, 0);
         EXPECT_EQ(stats_f.elements, stats_u.elements);
         EXPECT_EQ(stats_f.nonzero, stats_u.nonzero);
@@ -290,8 +313,8 @@ TEST(CudaQuantize, ColumnSumsMatchCpu) {
       Pair x({R, C}, 3), sums({C});
       x.randn(71, 3.0), sums.randn(72);
       QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
-      Backend::Quantize q = quantize_for(recipe, Fp8Format::e5m2);
       for (const bool g : {false, true}) {
+        Backend::Quantize q = quantize_for(recipe, Fp8Format::e5m2, g);
         q.column_sums = sums.t(g);
         Backend& be = g ? gpu() : cpu();
         be.quantize(copies & 1 ? (g ? row.dev : row.host) : QTensor{}, copies & 2 ? (g ? col.dev : col.host) : QTensor{},
@@ -322,22 +345,23 @@ TEST(CudaQuantize, DeferredStatisticsMergeInOrder) {
   std::vector<std::unique_ptr<QPair>> rows;
   for (int k = 0; k < 3; ++k) rows.push_back(std::make_unique<QPair>(3 + k, 37, Fp8Format::e4m3, Fp8Scaling::per_tensor));
   CastStats stats_cpu[3], stats_gpu[3];
-  float amax_cpu[3] = {0, 0, 0}, amax_gpu[3] = {0, 0, 0};
+  Scalar amax[3] = {Scalar(0.0f), Scalar(0.0f), Scalar(0.0f)};
   Backend::Quantize q;
-  q.delayed_scale = &kDelayedScale;
   for (int i = 0; i < kCasts; ++i) {
     const int k = i % 3, t = (i / 3 + i) % 3;  // input and target vary independently
-    q.amax = &amax_cpu[t];
+    q.delayed_scale = delayed_scale_on(false);
+    q.amax = amax[t].on(false);
     q.stats = &stats_cpu[t];
     cpu().quantize(rows[k]->host, QTensor{}, xs[k]->host.t, q);
-    q.amax = &amax_gpu[t];
+    q.delayed_scale = delayed_scale_on(true);
+    q.amax = amax[t].on(true);
     q.stats = &stats_gpu[t];
     gpu().quantize(rows[k]->dev, QTensor{}, xs[k]->dev, q);
   }
   gpu().synchronize();
   for (int t = 0; t < 3; ++t) {
     SCOPED_TRACE(t);
-    EXPECT_EQ(bits(amax_gpu[t]), bits(amax_cpu[t]));
+    EXPECT_EQ(bits(amax[t].gpu_value()), bits(amax[t].cpu_value()));
     EXPECT_EQ(bits(stats_gpu[t].amax), bits(stats_cpu[t].amax));
     EXPECT_EQ(stats_gpu[t].elements, stats_cpu[t].elements);
     EXPECT_EQ(stats_gpu[t].nonzero, stats_cpu[t].nonzero);
@@ -356,15 +380,111 @@ TEST(CudaQuantize, WithoutStatisticsSameCodes) {
     fill_input(x.host, 7, false);
     x.up();
     QPair row(257, 129, Fp8Format::e4m3, recipe.scaling), col(129, 257, Fp8Format::e4m3, recipe.scaling);
-    const Backend::Quantize q = quantize_for(recipe, Fp8Format::e4m3);
-    cpu().quantize(row.host, col.host, x.host.t, q);
-    gpu().quantize(row.dev, col.dev, x.dev, q);
+    cpu().quantize(row.host, col.host, x.host.t, quantize_for(recipe, Fp8Format::e4m3, false));
+    gpu().quantize(row.dev, col.dev, x.dev, quantize_for(recipe, Fp8Format::e4m3, true));
     const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
     EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "");
     EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "");
     EXPECT_EQ(first_difference(row.dev_scale_bytes(), row.host_scale_bytes(), scale_bytes), "");
     EXPECT_EQ(first_difference(col.dev_scale_bytes(), col.host_scale_bytes(), scale_bytes), "");
   }
+}
+
+// Per-tensor casts encode with the GPU's FP8 conversion instruction, the CPU with integer
+// arithmetic: every bf16 bit pattern (as f32: all signs, zeros, f32 subnormals, every exponent,
+// ±inf, NaNs) plus f32 values with low mantissa bits set (ties and near-ties of both formats),
+// at a power-of-2 and an inexact scale, both formats, both copies: codes and counts bit-equal.
+TEST(CudaQuantize, PerTensorCodesEqualCpuOnEveryBf16Pattern) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t rows = 520, cols = 256;  // 133,120 values: partial tiles in both directions
+  Pair x(Shape{rows, cols}, 0);
+  std::mt19937 rng(5);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    // then random patterns: values between bf16 neighbours, ties of both formats among them
+    const uint32_t bits = i < 65536 ? static_cast<uint32_t>(i) << 16 : static_cast<uint32_t>(rng());
+    float f;
+    std::memcpy(&f, &bits, 4);
+    x.host.mem[static_cast<size_t>(i)] = f;
+  }
+  x.up();
+  for (const float scale : {1.0f, 37.0f})
+    for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+      SCOPED_TRACE(fmt::format("scale {} {}", scale, fp8_format_name(format)));
+      Scalar sc(scale);
+      QPair row(rows, cols, format, Fp8Scaling::per_tensor), col(cols, rows, format, Fp8Scaling::per_tensor);
+      CastStats st_cpu, st_gpu;
+      Backend::Quantize q;
+      q.format = format;
+      q.delayed_scale = sc.on(false);
+      q.stats = &st_cpu;
+      cpu().quantize(row.host, col.host, x.host.t, q);
+      q.delayed_scale = sc.on(true);
+      q.stats = &st_gpu;
+      gpu().quantize(row.dev, col.dev, x.dev, q);
+      gpu().synchronize();
+      EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "") << "rowwise codes";
+      EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "") << "columnwise codes";
+      EXPECT_EQ(st_gpu.nonzero, st_cpu.nonzero);
+      EXPECT_EQ(st_gpu.saturated, st_cpu.saturated);
+      EXPECT_EQ(st_gpu.flushed, st_cpu.flushed);
+      EXPECT_GT(st_cpu.saturated, 0);
+      EXPECT_GT(st_cpu.flushed, 0);
+    }
+}
+
+// ---- delayed_scaling_update -------------------------------------------------------------
+
+// The update of every slot in one launch must equal delayed_update_slot() per slot bit for bit
+// (history roll, window max, scale and scale_inv), for history lengths that leave the kernel's
+// row chunks empty, partial or full, slot counts around its 32-slot blocks, both amax
+// algorithms, a margin, both formats' maxima, and the odd cases: slots not cast this step (row 0
+// zero: nothing may change), NaN and inf in the staging row and in past rows. Three steps in a
+// row, so a roll that misplaces a row also shows up in the next step's window.
+TEST(CudaFp8, DelayedScalingUpdateMatchesCpu) {
+  FLUX8_REQUIRE_GPU();
+  const float kNaN = std::numeric_limits<float>::quiet_NaN(), kInf = std::numeric_limits<float>::infinity();
+  for (const int64_t L : {1, 2, 5, 33, 1024})
+    for (const int64_t n : {1, 31, 33, 100})
+      for (const AmaxAlgo algo : {AmaxAlgo::max, AmaxAlgo::most_recent}) {
+        const int margin = L == 5 ? 2 : 0;
+        SCOPED_TRACE(fmt::format("L {} n {} {} margin {}", L, n, amax_algo_name(algo), margin));
+        Pair history(Shape{L, n}), scale(Shape{n}), scale_inv(Shape{n}), fmax(Shape{n});
+        history.randn(static_cast<uint64_t>(L * 1000 + n), 3.0);
+        for (float& v : history.host.mem) v = std::fabs(v);
+        for (int64_t s = 0; s < n; ++s) {
+          scale.host.mem[static_cast<size_t>(s)] = 1.0f + 0.25f * static_cast<float>(s % 7);
+          scale_inv.host.mem[static_cast<size_t>(s)] = 1.0f / scale.host.mem[static_cast<size_t>(s)];
+          fmax.host.mem[static_cast<size_t>(s)] = fp8_max(s % 2 ? Fp8Format::e5m2 : Fp8Format::e4m3);
+          if (s % 5 == 3 && L > 3) history.host.mem[static_cast<size_t>(2 * n + s)] = kNaN;   // a past NaN
+          if (s % 11 == 4 && L > 4) history.host.mem[static_cast<size_t>(3 * n + s)] = kInf;  // a past overflow
+        }
+        history.up(), scale.up(), scale_inv.up(), fmax.up();
+        for (int step = 0; step < 3; ++step) {
+          for (int64_t s = 0; s < n; ++s) {  // this step's staging row, in both copies
+            float& v = history.host.mem[static_cast<size_t>(s)];
+            v = (s + step) % 4 == 0 ? 0.0f : 0.5f + static_cast<float>((s * 7 + step * 3) % 13);
+            if (s == 6 && step == 1) v = kNaN;
+            if (s == 9 && step == 2) v = kInf;
+          }
+          const std::vector<float> row0(history.host.mem.begin(), history.host.mem.begin() + n);
+          gpu().upload(history.dev.data, row0.data(), row0.size() * sizeof(float));
+          cpu().delayed_scaling_update(history.host.t, scale.host.t, scale_inv.host.t, fmax.host.t, algo, margin);
+          gpu().delayed_scaling_update(history.dev, scale.dev, scale_inv.dev, fmax.dev, algo, margin);
+          auto as_bytes = [](const std::vector<float>& v) {
+            std::vector<uint8_t> b(v.size() * sizeof(float));
+            std::memcpy(b.data(), v.data(), b.size());
+            return b;
+          };
+          EXPECT_EQ(first_difference(as_bytes(history.down()), as_bytes(history.host.mem), 4), "") << "history, step " << step;
+          EXPECT_EQ(first_difference(as_bytes(scale.down()), as_bytes(scale.host.mem), 4), "") << "scale, step " << step;
+          EXPECT_EQ(first_difference(as_bytes(scale_inv.down()), as_bytes(scale_inv.host.mem), 4), "")
+              << "scale_inv, step " << step;
+        }
+        // Not vacuous: the reference moved (slot 1 was cast at step 0, so its scale changed).
+        EXPECT_NE(scale.host.mem[1], 1.25f);
+      }
+  Pair bad(Shape{4});
+  EXPECT_THROW(gpu().delayed_scaling_update(bad.dev, bad.dev, bad.dev, bad.dev, AmaxAlgo::max, 0), Error);
 }
 
 TEST(CudaQuantize, RejectsWhatTheCpuRejects) {

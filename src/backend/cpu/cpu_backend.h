@@ -79,6 +79,8 @@ class CpuBackend final : public Backend {
   double sum_squares(Tensor x) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
+  void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
+                              int margin) override;
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;
 
  private:

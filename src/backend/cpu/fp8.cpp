@@ -93,6 +93,13 @@ void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Q
   if (q.column_sums.defined()) add_column_sums<float>(q.column_sums, x, c);  // as linear_backward's db
 }
 
+void CpuBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
+                                        AmaxAlgo algo, int margin) {
+  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", amax_history, scale, scale_inv, fp8_max);
+  delayed_update_all(amax_history.ptr<float>(), static_cast<int>(d.n), static_cast<int>(d.L), fp8_max.ptr<float>(),
+                     algo, margin, scale.ptr<float>(), scale_inv.ptr<float>());
+}
+
 void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", c});

@@ -109,18 +109,25 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
   const double decay = 1.0 - h.lr * h.weight_decay;
   const Ctx c = make_ctx(options_, dt);
+  // In the parameters' own precision (fp32 in training, fp64 in gradient checks), as PyTorch's
+  // fused AdamW computes for fp32 parameters. The CUDA kernel performs the same fp32 operations
+  // in the same order without fusing them (training.cu), so both agree bit for bit where this
+  // compiler does not contract a·b + c into an FMA (x86-64 without -mfma).
   dispatch(dt, [&]<typename T>(T) {
     T *p = param.ptr<T>(), *mm = m.ptr<T>(), *vv = v.ptr<T>();
     const T* g = grad.ptr<T>();
+    const T gs = static_cast<T>(h.grad_scale), b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
+    const T ob1 = static_cast<T>(1.0 - h.beta1), ob2 = static_cast<T>(1.0 - h.beta2);
+    const T lr = static_cast<T>(h.lr), eps = static_cast<T>(h.eps), dec = static_cast<T>(decay);
+    const T c1 = static_cast<T>(bc1), c2 = static_cast<T>(bc2);
     parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
       for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i) {
-        const double gi = h.grad_scale * static_cast<double>(g[i]);
-        const double mi = h.beta1 * static_cast<double>(mm[i]) + (1.0 - h.beta1) * gi;
-        const double vi = h.beta2 * static_cast<double>(vv[i]) + (1.0 - h.beta2) * gi * gi;
-        mm[i] = static_cast<T>(mi);
-        vv[i] = static_cast<T>(vi);
-        p[i] = static_cast<T>(static_cast<double>(p[i]) * decay -
-                              h.lr * (mi / bc1) / (std::sqrt(vi / bc2) + h.eps));
+        const T gi = gs * g[i];
+        const T mi = b1 * mm[i] + ob1 * gi;
+        const T vi = b2 * vv[i] + (ob2 * gi) * gi;
+        mm[i] = mi;
+        vv[i] = vi;
+        p[i] = p[i] * dec - (lr * (mi / c1)) / (std::sqrt(vi / c2) + eps);
       }
     });
   });

@@ -99,6 +99,8 @@ class CudaBackend final : public Backend {
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
   void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override;
+  void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
+                              int margin) override;
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;
 
   // Device scratch of at least `bytes`, valid until the next call. It grows (with a
@@ -132,7 +134,6 @@ class CudaBackend final : public Backend {
   void* pinned_ = nullptr;
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
-    float* amax;
     CastStats* stats;
     int64_t elements;
   };

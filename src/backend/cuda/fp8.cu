@@ -12,10 +12,17 @@
 // element is cast. Reads and writes are coalesced: warps walk rows of the tile for x and the
 // rowwise codes, columns of it (pitch 129: conflict-free) for the columnwise codes.
 //
-// Every scale and code comes from the FLUX8_HD functions the CPU runs (quantize_value,
-// current_scale, scale_inverse, e8m0_scale_for_amax, mx_scale) on the same fp32 operands. The
+// Per-tensor scaling (delayed, tensorwise) has its own lighter kernel (cast_per_tensor_kernel):
+// with the scale known up front it encodes while loading and keeps only codes in shared memory.
+//
+// Every scale comes from the FLUX8_HD functions the CPU runs (current_scale, scale_inverse,
+// e8m0_scale_for_amax, mx_scale) on the same fp32 operands; every code from the FP8 conversion
+// instruction applied to the same scaled fp32 value, which rounds exactly like the CPU's integer
+// encoder (encode_pair; NaN takes the integer encoder's code). The
 // statistics are integer counts and a max, exact in any order; tiles write partials that one
 // block sums in a fixed order.
+#include <cuda_fp8.h>
+
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -64,16 +71,17 @@ struct Source {
   const float *mean, *rstd;  // layernorm_modulate: per row
   Mat shift, scale;          // layernorm_modulate: [B, cols], sample of row r = r / tokens
   int64_t tokens;
-  __device__ float operator()(int64_t r, int64_t c) const {
-    const float v = x[r * ld + c];
+  // The op applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
+  __device__ float apply(float v, int64_t r, int64_t b, int64_t c) const {
     switch (op) {
       case Backend::CastInput::Op::gelu_tanh: return gelu_value(v);
-      case Backend::CastInput::Op::layernorm_modulate: {
-        const int64_t b = r / tokens;
+      case Backend::CastInput::Op::layernorm_modulate:
         return layernorm_modulate_value(v, mean[r], rstd[r], shift.at(b, c), scale.at(b, c));
-      }
       default: return v;
     }
+  }
+  __device__ float operator()(int64_t r, int64_t c) const {
+    return apply(x[r * ld + c], r, op == Backend::CastInput::Op::layernorm_modulate ? r / tokens : 0, c);
   }
 };
 
@@ -83,13 +91,31 @@ struct CastArgs {
   int64_t tiles_x;  // tiles per row of tiles
   Fp8Format format;
   bool pow2;
-  const float* tensor_scale;  // per_tensor: the scale, in device memory (current scaling)...
-  float tensor_scale_value;   // ...or this value when tensor_scale is null (delayed scaling)
+  const float* tensor_scale;  // per_tensor: the scale, in device memory (current: computed by
+                              // the amax pass; delayed: the registry's, read in stream order)
   CastDst row, col;
   bool stats_from_col;       // CastStats describe the columnwise cast (no rowwise copy)
   StatsPartial* partials;    // [tiles], or null: no statistics wanted
   double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
+  bool x_vec4;               // x and its ld allow 16-byte loads of 4 columns (per-tensor kernel)
 };
+
+// fp8_encode(y) by the FP8 conversion instruction of sm_89+ (cvt.rn.satfinite: round to nearest
+// even, |y| past the largest finite value and ±inf to ±max, subnormal results exact): the same
+// codes as the integer encoder in src/fp8/format.h, except that NaN comes out as the
+// instruction's canonical NaN, so NaN takes the encoder's code. Two values per instruction.
+__device__ inline uint32_t encode_pair(float y0, float y1, Fp8Format f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __nv_fp8x2_storage_t c =
+      __nv_cvt_float2_to_fp8x2(make_float2(y0, y1), __NV_SATFINITE, f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+  uint32_t lo = c & 0xFFu, hi = (c >> 8) & 0xFFu;
+  if (f32_is_nan(y0)) lo = fp8_encode(y0, f);
+  if (f32_is_nan(y1)) hi = fp8_encode(y1, f);
+  return lo | (hi << 8);
+#else
+  return uint32_t(fp8_encode(y0, f)) | (uint32_t(fp8_encode(y1, f)) << 8);
+#endif
+}
 
 // Amaxes here are >= +0 and never NaN (amax_accumulate drops NaN): fmaxf is exact.
 __device__ inline float warp_amax(float a) {
@@ -112,12 +138,13 @@ __device__ inline float block_scale(Fp8Scaling s, float amax, Fp8Format f, bool 
 
 template <Fp8Scaling S>
 __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
+  static_assert(S != Fp8Scaling::per_tensor, "per-tensor casts run cast_per_tensor_kernel");
   extern __shared__ float tile[];  // [kTile][kPitch]
   constexpr int kSeg = S == Fp8Scaling::mx_1x32 ? 32 : 128;  // 1-D block length
   constexpr int kNumSeg = kTile / kSeg;
   __shared__ float row_scale[kTile][kNumSeg];  // 1-D scalings: scale of (tile row, segment)
   __shared__ float col_scale[kTile][kNumSeg];  // ... of (tile column, segment of rows)
-  __shared__ float tile_scale;                 // per_tensor, block_128x128
+  __shared__ float tile_scale;                 // block_128x128
   __shared__ float red_amax[kWarps];
   __shared__ uint32_t red_count[3][kWarps];
 
@@ -142,16 +169,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
   float tile_amax = 0.0f;
   for (int w = 0; w < kWarps; ++w) tile_amax = fmaxf(tile_amax, red_amax[w]);
 
-  if constexpr (S == Fp8Scaling::per_tensor) {
-    if (threadIdx.x == 0) {
-      const float s = a.tensor_scale ? *a.tensor_scale : a.tensor_scale_value;
-      tile_scale = s;
-      if (blockIdx.x == 0) {
-        if (a.row.codes) a.row.scale_inv[0] = scale_inverse(s);
-        if (a.col.codes) a.col.scale_inv[0] = scale_inverse(s);
-      }
-    }
-  } else if constexpr (S == Fp8Scaling::block_128x128) {
+  if constexpr (S == Fp8Scaling::block_128x128) {
     // One scale per tile; the columnwise copy's tile (tx, ty) holds the same elements.
     if (threadIdx.x == 0) {
       const float s = current_scale(tile_amax, fp8_max(a.format), a.pow2);
@@ -214,11 +232,11 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
         if (j >= nc) break;
         const float v = tile[i * kPitch + j];
         float s;
-        if constexpr (S == Fp8Scaling::per_tensor || S == Fp8Scaling::block_128x128)
+        if constexpr (S == Fp8Scaling::block_128x128)
           s = tile_scale;
         else
           s = row_scale[i][j / kSeg];
-        const uint8_t code = quantize_value(v, s, a.format);
+        const uint8_t code = static_cast<uint8_t>(encode_pair(v * s, 0.0f, a.format));  // = quantize_value(v, s, f)
         a.row.codes[(r0 + i) * a.cols + c0 + j] = code;
         if (!a.stats_from_col) count(v, s, code);
       }
@@ -229,11 +247,11 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
         if (i >= nr) break;
         const float v = tile[i * kPitch + j];
         float s;
-        if constexpr (S == Fp8Scaling::per_tensor || S == Fp8Scaling::block_128x128)
+        if constexpr (S == Fp8Scaling::block_128x128)
           s = tile_scale;
         else
           s = col_scale[j][i / kSeg];
-        const uint8_t code = quantize_value(v, s, a.format);
+        const uint8_t code = static_cast<uint8_t>(encode_pair(v * s, 0.0f, a.format));  // = quantize_value(v, s, f)
         a.col.codes[(c0 + j) * a.rows + r0 + i] = code;
         if (a.stats_from_col) count(v, s, code);
       }
@@ -259,9 +277,117 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
   }
 }
 
-// One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree).
+// Per-tensor scaling (delayed and tensorwise, the recipes that matter for speed): the scale is
+// known before the tile is read, so each element is loaded once (16 bytes per thread where x
+// allows), encoded once (two per conversion instruction), and its code goes straight to the
+// rowwise copy (4 bytes per thread) and into a 16 KB byte tile from which the columnwise copy
+// is written transposed. The generic kernel above stages 64 KB of f32 and encodes every
+// element once per copy; this one runs at 8 blocks per SM. Same codes, scales, statistics and
+// column sums (the column sums in another fixed order: per warp over its rows, then warps in
+// order; the CPU comparison is to 1e-6, like the generic kernel's).
+__global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs a) {
+  __shared__ uint32_t codes[kTile][kTile / 4 + 1];  // the tile's codes, 4 per word; +1: no bank conflicts
+  __shared__ double col_sum[kWarps][kTile];
+  __shared__ float red_amax[kWarps];
+  __shared__ uint32_t red_count[3][kWarps];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t ty = blockIdx.x / a.tiles_x, tx = blockIdx.x % a.tiles_x;
+  const int64_t r0 = ty * kTile, c0 = tx * kTile;
+  const int nr = static_cast<int>(a.rows - r0 < kTile ? a.rows - r0 : kTile);
+  const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
+  const float s = *a.tensor_scale;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (a.row.codes) a.row.scale_inv[0] = scale_inverse(s);
+    if (a.col.codes) a.col.scale_inv[0] = scale_inverse(s);
+  }
+  const float bound = fp8_saturation_bound(a.format);
+  const bool layernorm = a.x.op == Backend::CastInput::Op::layernorm_modulate;
+  const int j0 = 4 * lane;  // this thread's 4 columns of the tile
+  const int nj = nc - j0 < 4 ? (nc - j0 > 0 ? nc - j0 : 0) : 4;
+  const bool row_words = a.cols % 4 == 0;  // rowwise codes of 4 columns are one aligned word
+
+  float amax = 0.0f;
+  uint32_t nonzero = 0, saturated = 0, flushed = 0;
+  double cs[4] = {0, 0, 0, 0};
+  for (int i = warp; i < nr; i += kWarps) {
+    const int64_t r = r0 + i, b = layernorm ? r / a.x.tokens : 0;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float* xr = a.x.x + r * a.x.ld + c0 + j0;
+    if (nj == 4 && a.x_vec4) {
+      const float4 q = *reinterpret_cast<const float4*>(xr);
+      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+      for (int k = 0; k < nj; ++k) v[k] = xr[k];
+    }
+    if (a.x.op != Backend::CastInput::Op::identity)
+      for (int k = 0; k < nj; ++k) v[k] = a.x.apply(v[k], r, b, c0 + j0 + k);
+    const uint32_t word = encode_pair(v[0] * s, v[1] * s, a.format) | (encode_pair(v[2] * s, v[3] * s, a.format) << 16);
+    for (int k = 0; k < nj; ++k) {
+      amax = amax_accumulate(amax, v[k]);
+      if (v[k] != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
+        ++nonzero;
+        if (f32_abs(v[k] * s) > bound)
+          ++saturated;
+        else if (!f32_is_nan(v[k]) && ((word >> (8 * k)) & 0x7Fu) == 0)
+          ++flushed;
+      }
+      cs[k] += v[k];
+    }
+    codes[i][lane] = word;
+    if (a.row.codes && nj > 0) {
+      uint8_t* dst = a.row.codes + r * a.cols + c0 + j0;
+      if (nj == 4 && row_words)
+        *reinterpret_cast<uint32_t*>(dst) = word;
+      else
+        for (int k = 0; k < nj; ++k) dst[k] = static_cast<uint8_t>(word >> (8 * k));
+    }
+  }
+  if (a.column_partials)
+    for (int k = 0; k < 4; ++k) col_sum[warp][j0 + k] = cs[k];
+  __syncthreads();
+
+  // The columnwise copy: a warp per tile column, lanes along its rows (32 consecutive bytes of
+  // the transposed copy per store); word (i, j/4) of the byte tile sits in bank (i + j/4) % 32.
+  if (a.col.codes)
+    for (int j = warp; j < nc; j += kWarps)
+      for (int i = lane; i < nr; i += 32)
+        a.col.codes[(c0 + j) * a.rows + r0 + i] = static_cast<uint8_t>(codes[i][j / 4] >> (8 * (j % 4)));
+  if (a.column_partials && threadIdx.x < nc) {
+    double t = 0;
+    for (int w = 0; w < kWarps; ++w) t += col_sum[w][threadIdx.x];
+    a.column_partials[ty * a.cols + c0 + threadIdx.x] = t;
+  }
+
+  if (!a.partials) return;
+  amax = warp_amax(amax);
+  nonzero = __reduce_add_sync(kFull, nonzero);
+  saturated = __reduce_add_sync(kFull, saturated);
+  flushed = __reduce_add_sync(kFull, flushed);
+  if (lane == 0) {
+    red_amax[warp] = amax;
+    red_count[0][warp] = nonzero;
+    red_count[1][warp] = saturated;
+    red_count[2][warp] = flushed;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    StatsPartial p{0.0f, 0, 0, 0};
+    for (int w = 0; w < kWarps; ++w) {
+      p.amax = fmaxf(p.amax, red_amax[w]);
+      p.nonzero += red_count[0][w];
+      p.saturated += red_count[1][w];
+      p.flushed += red_count[2][w];
+    }
+    a.partials[blockIdx.x] = p;
+  }
+}
+
+// One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree)
+// into *out (the host's telemetry, when wanted) and the amax max-accumulated into *amax (the
+// delayed-scaling staging slot, in device memory, when given).
 __global__ void __launch_bounds__(kCastThreads) stats_total_kernel(const StatsPartial* p, int64_t n,
-                                                                   StatsTotal* out) {
+                                                                   StatsTotal* out, float* amax_target) {
   __shared__ float sh_amax[kCastThreads];
   __shared__ unsigned long long sh[3][kCastThreads];
   float amax = 0.0f;
@@ -282,7 +408,59 @@ __global__ void __launch_bounds__(kCastThreads) stats_total_kernel(const StatsPa
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) *out = StatsTotal{sh_amax[0], sh[0][0], sh[1][0], sh[2][0]};
+  if (threadIdx.x == 0) {
+    if (out) *out = StatsTotal{sh_amax[0], sh[0][0], sh[1][0], sh[2][0]};
+    if (amax_target) *amax_target = amax_accumulate(*amax_target, sh_amax[0]);
+  }
+}
+
+// The delayed-scaling update of all slots (Backend::delayed_scaling_update): one block per 32
+// slots, the lanes of a warp on adjacent slots (each history row is read 128 bytes at a time),
+// the kUpdateWarps warps on consecutive chunks of the history rows 1..L-1. Same result as
+// delayed_update_slot() per slot: the window max is a max (exact in any order), and the roll
+// (rows 2..L-1 up by one) goes in three phases so that no row is overwritten before it is read:
+// (1) every warp takes its chunk's max; (2) each thread moves its chunk up by one within the
+// chunk, keeping the chunk's first row in a register; (3) after a barrier, it writes that row
+// into the previous chunk's last row (row 1 is the oldest and drops out).
+constexpr int kUpdateWarps = 32;
+__global__ void __launch_bounds__(32 * kUpdateWarps)
+    delayed_update_kernel(float* history, int64_t n, int64_t L, const float* fp8_max, AmaxAlgo algo, int margin,
+                          float* scale, float* scale_inv) {
+  __shared__ float chunk_max[kUpdateWarps][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t slot = int64_t(blockIdx.x) * 32 + lane;
+  const bool active = slot < n;
+  float* h = history + (active ? slot : 0);
+  const float last = active ? h[0] : 0.0f;
+  const bool rolls = active && last != 0.0f;  // 0: not cast this step, nothing changes (NaN rolls)
+  const int64_t per = (L - 1 + kUpdateWarps - 1) / kUpdateWarps;
+  const int64_t begin = 1 + warp * per, end = begin + per < L ? begin + per : L;  // rows [begin, end)
+  float m = 0.0f;
+  if (rolls)
+    for (int64_t r = begin; r < end; ++r) {
+      const float a = h[r * n];
+      if (a > m) m = a;  // NaN rows are ignored, as in delayed_update_slot
+    }
+  chunk_max[warp][lane] = m;
+  __syncthreads();
+  float first = 0.0f;
+  if (rolls && begin < end) {
+    first = h[begin * n];
+    for (int64_t r = begin + 1; r < end; ++r) h[(r - 1) * n] = h[r * n];
+  }
+  __syncthreads();
+  if (rolls && begin < end && begin > 1) h[(begin - 1) * n] = first;
+  if (warp == 0 && rolls) {
+    float window_max = last > 0.0f ? last : 0.0f;
+    for (int w = 0; w < kUpdateWarps; ++w)
+      if (chunk_max[w][lane] > window_max) window_max = chunk_max[w][lane];
+    if (L > 1) h[(L - 1) * n] = last;  // the last row is no chunk's target: no race
+    h[0] = 0.0f;
+    const float amax = algo == AmaxAlgo::most_recent ? last : window_max;
+    const float sc = delayed_scale(amax, scale[slot], fp8_max[slot], margin);
+    scale[slot] = sc;
+    scale_inv[slot] = scale_inverse(sc);
+  }
 }
 
 // Per-tensor current scaling, pass 1: block b takes rows b, b + gridDim.x, ...
@@ -394,10 +572,12 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   if (R == 0 || C == 0) {
     // Nothing to cast; a per-tensor copy still records its scale_inv, as on the CPU.
     if (per_tensor) {
-      const float inv = scale_inverse(q.delayed_scale ? *q.delayed_scale : current_scale(0.0f, fmax, q.pow2));
+      const float* delayed = q.delayed_scale;
+      const float current_inv = scale_inverse(current_scale(0.0f, fmax, q.pow2));
       float* rp = rowwise.defined() ? rowwise.scale_inv : nullptr;
       float* cp = columnwise.defined() ? columnwise.scale_inv : nullptr;
       for_each(*this, 1, [=] __device__(int64_t) {
+        const float inv = delayed ? scale_inverse(*delayed) : current_inv;
         if (rp) *rp = inv;
         if (cp) *cp = inv;
       });
@@ -431,18 +611,21 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   a.tiles_x = tiles_x;
   a.format = q.format;
   a.pow2 = q.pow2;
-  a.tensor_scale = current ? scale_dev : nullptr;
-  a.tensor_scale_value = per_tensor && q.delayed_scale ? *q.delayed_scale : 1.0f;
+  a.tensor_scale = current ? scale_dev : q.delayed_scale;
   a.row = dst(rowwise);
   a.col = dst(columnwise);
   a.stats_from_col = !rowwise.defined();
   a.partials = want_stats ? partials : nullptr;
+  a.x_vec4 = aligned16(src.x) && x.ld % 4 == 0;
   const int64_t row_tiles = (R + kTile - 1) / kTile;
   a.column_partials = q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
                                                     static_cast<size_t>(row_tiles * C) * sizeof(double)))
                                               : nullptr;
   switch (q.scaling) {
-    case Fp8Scaling::per_tensor: launch_cast<Fp8Scaling::per_tensor>(a, tiles, stream()); break;
+    case Fp8Scaling::per_tensor:
+      cast_per_tensor_kernel<<<static_cast<unsigned>(tiles), kCastThreads, 0, stream()>>>(a);
+      FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
+      break;
     case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
     case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
     case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
@@ -454,18 +637,33 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   }
   if (!want_stats) return;
 
-  // The registry (q.amax, q.stats) lives on the host: the cast's totals go to a device slot and
-  // reach the host targets at the next synchronize()/download() (one synchronisation per step,
-  // not one per cast).
-  if (pending_stats_.size() == kPendingCastStats) flush_cast_stats();
-  if (!stats_dev_) {
-    FLUX8_CUDA_CHECK(cudaMalloc(&stats_dev_, kPendingCastStats * sizeof(StatsTotal)));
-    FLUX8_CUDA_CHECK(cudaMallocHost(&stats_host_, kPendingCastStats * sizeof(StatsTotal)));
+  // The amax goes into the registry's staging slot on the device (q.amax is device memory).
+  // The telemetry (q.stats) lives on the host: the cast's totals go to a device slot and reach
+  // it at the next synchronize()/download() (one synchronisation per step, not one per cast).
+  StatsTotal* total = nullptr;
+  if (q.stats) {
+    if (pending_stats_.size() == kPendingCastStats) flush_cast_stats();
+    if (!stats_dev_) {
+      FLUX8_CUDA_CHECK(cudaMalloc(&stats_dev_, kPendingCastStats * sizeof(StatsTotal)));
+      FLUX8_CUDA_CHECK(cudaMallocHost(&stats_host_, kPendingCastStats * sizeof(StatsTotal)));
+    }
+    total = static_cast<StatsTotal*>(stats_dev_) + pending_stats_.size();
   }
-  auto* total = static_cast<StatsTotal*>(stats_dev_) + pending_stats_.size();
-  stats_total_kernel<<<1, kCastThreads, 0, stream()>>>(partials, tiles, total);
+  stats_total_kernel<<<1, kCastThreads, 0, stream()>>>(partials, tiles, total, q.amax);
   FLUX8_LAUNCH_CHECK(stats_total_kernel);
-  pending_stats_.push_back(PendingCastStats{q.amax, q.stats, R * C});
+  if (q.stats) pending_stats_.push_back(PendingCastStats{q.stats, R * C});
+}
+
+void CudaBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
+                                         AmaxAlgo algo, int margin) {
+  using cuda::delayed_update_kernel;
+  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", amax_history, scale, scale_inv, fp8_max);
+  if (d.n == 0) return;
+  const int64_t blocks = (d.n + 31) / 32;
+  delayed_update_kernel<<<static_cast<unsigned>(blocks), 32 * cuda::kUpdateWarps, 0, stream()>>>(
+      amax_history.ptr<float>(), d.n, d.L, fp8_max.ptr<float>(), algo, margin, scale.ptr<float>(),
+      scale_inv.ptr<float>());
+  FLUX8_LAUNCH_CHECK(delayed_update_kernel);
 }
 
 void CudaBackend::flush_cast_stats() {
@@ -488,8 +686,7 @@ void CudaBackend::flush_cast_stats() {
     st.nonzero = static_cast<int64_t>(totals[i].nonzero);
     st.saturated = static_cast<int64_t>(totals[i].saturated);
     st.flushed = static_cast<int64_t>(totals[i].flushed);
-    if (p.amax) *p.amax = amax_accumulate(*p.amax, st.amax);
-    if (p.stats) p.stats->merge(st);
+    p.stats->merge(st);
   }
 }
 
