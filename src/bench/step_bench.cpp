@@ -225,8 +225,19 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
       q.scale_inv = static_cast<float*>(be.allocate(4));
       return q;
     };
-    QTensor xq = qt(m, k), wq = qt(n, k);
+    QTensor xq = qt(m, k), wq = qt(n, k), xt = qt(k, m);
     Backend::Quantize q;  // tensorwise: scale from this tensor's amax
+    // The cast alone as the delayed recipe runs it: the scale already in device memory, both
+    // copies (rowwise and transposed), statistics on; then with the bias-gradient column sums
+    // of an output-gradient cast.
+    const float one = 1.0f;
+    auto* scale = static_cast<float*>(be.allocate(4));
+    be.upload(scale, &one, 4);
+    Tensor sums(be.allocate(static_cast<size_t>(k) * 4), DType::f32, Shape{k});
+    CastStats cast_stats;
+    Backend::Quantize delayed;
+    delayed.delayed_scale = scale;
+    delayed.stats = &cast_stats;
     auto time_ms = [&](auto&& f) {
       f();
       be.synchronize();
@@ -239,7 +250,7 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
       }
       return median(t);
     };
-    GemmBenchRow row{m, n, k, 0, 0, 0, 0, 0, 0};
+    GemmBenchRow row{m, n, k, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     row.fp8_linear_ms = time_ms([&] {
       be.quantize(xq, QTensor{}, x, q);
       be.quantize(wq, QTensor{}, w, q);
@@ -247,13 +258,20 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
     });
     row.fp8_gemm_ms = time_ms([&] { be.gemm_fp8_tn(y, xq, wq, Tensor{}, false); });
     row.linear_ms = time_ms([&] { be.linear(y, x, w, Tensor{}); });
+    row.cast_ms = time_ms([&] { be.quantize(xq, xt, x, delayed); });
+    Backend::Quantize with_sums = delayed;
+    with_sums.column_sums = sums;
+    row.cast_sums_ms = time_ms([&] { be.quantize(xq, xt, x, with_sums); });
+    // bytes moved by the cast: f32 in, two 1-byte copies out
+    row.cast_gbps = 6.0 * static_cast<double>(m) * static_cast<double>(k) / (row.cast_ms / 1e3) / 1e9;
     const double tflop = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / 1e12;
     row.fp8_linear_tflops = tflop / (row.fp8_linear_ms / 1e3);
     row.fp8_gemm_tflops = tflop / (row.fp8_gemm_ms / 1e3);
     row.linear_tflops = tflop / (row.linear_ms / 1e3);
     rows.push_back(row);
     for (void* p : {x.data, w.data, y.data, static_cast<void*>(xq.codes), static_cast<void*>(xq.scale_inv),
-                    static_cast<void*>(wq.codes), static_cast<void*>(wq.scale_inv)})
+                    static_cast<void*>(wq.codes), static_cast<void*>(wq.scale_inv), static_cast<void*>(xt.codes),
+                    static_cast<void*>(xt.scale_inv), static_cast<void*>(scale), sums.data})
       be.release(p);
   }
   return rows;

@@ -67,6 +67,7 @@ struct GemmBenchRow {
   int64_t m, n, k;
   double fp8_linear_ms, fp8_gemm_ms, linear_ms;
   double fp8_linear_tflops, fp8_gemm_tflops, linear_tflops;
+  double cast_ms, cast_sums_ms, cast_gbps;  // delayed-recipe cast of x [m, k], both copies (+ column sums)
 };
 std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats);
 

@@ -46,7 +46,7 @@ Fp8Config fp8_for(const std::string& precision, const std::string& format, Confi
 Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8; "
-               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes");
+               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, and the FP8 cast alone");
   struct Opts {
     std::vector<std::string> workloads{"W1", "W2"};
     std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
@@ -83,17 +83,19 @@ Command add_bench_command(CLI::App& app) {
     bo.bf16_gemm = true;
     nlohmann::json out;
     if (o->gemm) {
-      fmt::print("{:>6} {:>6} {:>6} | {:>20} | {:>20} | {:>20}\n", "M", "N", "K", "FP8 linear (+casts)",
-                 "FP8 GEMM (cuBLASLt)", "BF16 linear");
+      fmt::print("{:>6} {:>6} {:>6} | {:>20} | {:>20} | {:>20} | {:>25}\n", "M", "N", "K", "FP8 linear (+casts)",
+                 "FP8 GEMM (cuBLASLt)", "BF16 linear", "FP8 cast of x (+col sums)");
       const std::unique_ptr<Backend> be = make_backend(o->backend, bo);
       for (const GemmBenchRow& r : run_gemm_bench(*be, o->steps)) {
-        fmt::print("{:>6} {:>6} {:>6} | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF\n",
+        fmt::print("{:>6} {:>6} {:>6} | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | "
+                   "{:>6.3f} ms {:>5.0f} GB/s ({:.3f})\n",
                    r.m, r.n, r.k, r.fp8_linear_ms, r.fp8_linear_tflops, r.fp8_gemm_ms, r.fp8_gemm_tflops, r.linear_ms,
-                   r.linear_tflops);
+                   r.linear_tflops, r.cast_ms, r.cast_gbps, r.cast_sums_ms);
         out["gemm"].push_back({{"m", r.m}, {"n", r.n}, {"k", r.k}, {"fp8_linear_ms", r.fp8_linear_ms},
                                {"fp8_gemm_ms", r.fp8_gemm_ms}, {"bf16_linear_ms", r.linear_ms},
                                {"fp8_linear_tflops", r.fp8_linear_tflops}, {"fp8_gemm_tflops", r.fp8_gemm_tflops},
-                               {"bf16_linear_tflops", r.linear_tflops}});
+                               {"bf16_linear_tflops", r.linear_tflops}, {"cast_ms", r.cast_ms},
+                               {"cast_gbps", r.cast_gbps}, {"cast_column_sums_ms", r.cast_sums_ms}});
       }
     } else {
       std::vector<StepBenchSpec> specs;

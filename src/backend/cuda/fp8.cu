@@ -100,21 +100,23 @@ struct CastArgs {
   bool x_vec4;               // x and its ld allow 16-byte loads of 4 columns (per-tensor kernel)
 };
 
-// fp8_encode(y) by the FP8 conversion instruction of sm_89+ (cvt.rn.satfinite: round to nearest
-// even, |y| past the largest finite value and ±inf to ±max, subnormal results exact): the same
-// codes as the integer encoder in src/fp8/format.h, except that NaN comes out as the
-// instruction's canonical NaN, so NaN takes the encoder's code. Two values per instruction.
-__device__ inline uint32_t encode_pair(float y0, float y1, Fp8Format f) {
+// quantize_value(v0, s, f) | quantize_value(v1, s, f) << 8 by the FP8 conversion instruction of
+// sm_89+ (cvt.rn.satfinite: round to nearest even, |v·s| past the largest finite value and ±inf
+// to ±max, subnormal results exact), two values per instruction: the same codes as the CPU's
+// integer encoder (src/fp8/format.h). Except for NaN: the GPU's multiply returns the canonical
+// (positive) NaN where the CPU's keeps the input's sign, and the instruction has its own NaN
+// code, so a NaN input takes the encoder's NaN code with its own sign.
+__device__ inline uint32_t encode_pair(float v0, float v1, float s, Fp8Format f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const __nv_fp8x2_storage_t c =
-      __nv_cvt_float2_to_fp8x2(make_float2(y0, y1), __NV_SATFINITE, f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+  const __nv_fp8x2_storage_t c = __nv_cvt_float2_to_fp8x2(make_float2(v0 * s, v1 * s), __NV_SATFINITE,
+                                                          f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
   uint32_t lo = c & 0xFFu, hi = (c >> 8) & 0xFFu;
-  if (f32_is_nan(y0)) lo = fp8_encode(y0, f);
-  if (f32_is_nan(y1)) hi = fp8_encode(y1, f);
-  return lo | (hi << 8);
 #else
-  return uint32_t(fp8_encode(y0, f)) | (uint32_t(fp8_encode(y1, f)) << 8);
+  uint32_t lo = fp8_encode(v0 * s, f), hi = fp8_encode(v1 * s, f);
 #endif
+  if (f32_is_nan(v0)) lo = fp8_encode(v0, f);
+  if (f32_is_nan(v1)) hi = fp8_encode(v1, f);
+  return lo | (hi << 8);
 }
 
 // Amaxes here are >= +0 and never NaN (amax_accumulate drops NaN): fmaxf is exact.
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
           s = tile_scale;
         else
           s = row_scale[i][j / kSeg];
-        const uint8_t code = static_cast<uint8_t>(encode_pair(v * s, 0.0f, a.format));  // = quantize_value(v, s, f)
+        const uint8_t code = static_cast<uint8_t>(encode_pair(v, 0.0f, s, a.format));
         a.row.codes[(r0 + i) * a.cols + c0 + j] = code;
         if (!a.stats_from_col) count(v, s, code);
       }
@@ -251,7 +253,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
           s = tile_scale;
         else
           s = col_scale[j][i / kSeg];
-        const uint8_t code = static_cast<uint8_t>(encode_pair(v * s, 0.0f, a.format));  // = quantize_value(v, s, f)
+        const uint8_t code = static_cast<uint8_t>(encode_pair(v, 0.0f, s, a.format));
         a.col.codes[(c0 + j) * a.rows + r0 + i] = code;
         if (a.stats_from_col) count(v, s, code);
       }
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
     }
     if (a.x.op != Backend::CastInput::Op::identity)
       for (int k = 0; k < nj; ++k) v[k] = a.x.apply(v[k], r, b, c0 + j0 + k);
-    const uint32_t word = encode_pair(v[0] * s, v[1] * s, a.format) | (encode_pair(v[2] * s, v[3] * s, a.format) << 16);
+    const uint32_t word = encode_pair(v[0], v[1], s, a.format) | (encode_pair(v[2], v[3], s, a.format) << 16);
     for (int k = 0; k < nj; ++k) {
       amax = amax_accumulate(amax, v[k]);
       if (v[k] != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
