@@ -287,8 +287,13 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
 // element once per copy; this one runs at 8 blocks per SM. Same codes, scales, statistics and
 // column sums (the column sums in another fixed order: per warp over its rows, then warps in
 // order; the CPU comparison is to 1e-6, like the generic kernel's).
+__device__ inline int swizzle(int row) { return (row >> 2) & 31; }
+
 __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs a) {
-  __shared__ uint32_t codes[kTile][kTile / 4 + 1];  // the tile's codes, 4 per word; +1: no bank conflicts
+  // The tile's codes, 4 columns per word; word g of row i sits at column g ^ swizzle(i), so that
+  // both the row pass (a warp writes one row's 32 words) and the column pass (a warp reads
+  // word g of 32 groups of 4 rows) hit 32 different banks.
+  __shared__ uint32_t codes[kTile][kTile / 4];
   __shared__ double col_sum[kWarps][kTile];
   __shared__ float red_amax[kWarps];
   __shared__ uint32_t red_count[3][kWarps];
@@ -320,12 +325,18 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
       const float4 q = *reinterpret_cast<const float4*>(xr);
       v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
     } else {
-      for (int k = 0; k < nj; ++k) v[k] = xr[k];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k < nj) v[k] = xr[k];
     }
     if (a.x.op != Backend::CastInput::Op::identity)
-      for (int k = 0; k < nj; ++k) v[k] = a.x.apply(v[k], r, b, c0 + j0 + k);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k < nj) v[k] = a.x.apply(v[k], r, b, c0 + j0 + k);
     const uint32_t word = encode_pair(v[0], v[1], s, a.format) | (encode_pair(v[2], v[3], s, a.format) << 16);
-    for (int k = 0; k < nj; ++k) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k >= nj) break;
       amax = amax_accumulate(amax, v[k]);
       if (v[k] != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
         ++nonzero;
@@ -334,9 +345,9 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
         else if (!f32_is_nan(v[k]) && ((word >> (8 * k)) & 0x7Fu) == 0)
           ++flushed;
       }
-      cs[k] += v[k];
+      if (a.column_partials) cs[k] += v[k];
     }
-    codes[i][lane] = word;
+    codes[i][lane ^ swizzle(i)] = word;
     if (a.row.codes && nj > 0) {
       uint8_t* dst = a.row.codes + r * a.cols + c0 + j0;
       if (nj == 4 && row_words)
@@ -346,15 +357,38 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
     }
   }
   if (a.column_partials)
+#pragma unroll
     for (int k = 0; k < 4; ++k) col_sum[warp][j0 + k] = cs[k];
   __syncthreads();
 
-  // The columnwise copy: a warp per tile column, lanes along its rows (32 consecutive bytes of
-  // the transposed copy per store); word (i, j/4) of the byte tile sits in bank (i + j/4) % 32.
-  if (a.col.codes)
-    for (int j = warp; j < nc; j += kWarps)
-      for (int i = lane; i < nr; i += 32)
-        a.col.codes[(c0 + j) * a.rows + r0 + i] = static_cast<uint8_t>(codes[i][j / 4] >> (8 * (j % 4)));
+  // The columnwise copy: a warp per group of 4 tile columns, lane t on rows 4t..4t+3. It reads
+  // the 4x4 bytes of its rows and columns (4 words), transposes them in registers, and writes 4
+  // bytes to each of the 4 rows of the transposed copy: each store of the warp is 128
+  // consecutive bytes of one row of xᵀ.
+  if (a.col.codes) {
+    const int i0 = 4 * lane, ni = nr - i0 < 4 ? (nr - i0 > 0 ? nr - i0 : 0) : 4;
+    const bool col_words = a.rows % 4 == 0 && ni == 4;
+    for (int g = warp; 4 * g < nc; g += kWarps) {
+      uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k < ni) w[k] = codes[i0 + k][g ^ swizzle(i0 + k)];
+      // rows -> columns: t0 = (r0.b0 r1.b0 r0.b1 r1.b1), t1 = (r0.b2 r1.b2 r0.b3 r1.b3), ...
+      const uint32_t t0 = __byte_perm(w[0], w[1], 0x5140), t1 = __byte_perm(w[0], w[1], 0x7362);
+      const uint32_t t2 = __byte_perm(w[2], w[3], 0x5140), t3 = __byte_perm(w[2], w[3], 0x7362);
+      const uint32_t col[4] = {__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632), __byte_perm(t1, t3, 0x5410),
+                               __byte_perm(t1, t3, 0x7632)};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (4 * g + c >= nc) break;
+        uint8_t* dst = a.col.codes + (c0 + 4 * g + c) * a.rows + r0 + i0;
+        if (col_words)
+          *reinterpret_cast<uint32_t*>(dst) = col[c];
+        else
+          for (int k = 0; k < ni; ++k) dst[k] = static_cast<uint8_t>(col[c] >> (8 * k));
+      }
+    }
+  }
   if (a.column_partials && threadIdx.x < nc) {
     double t = 0;
     for (int w = 0; w < kWarps; ++w) t += col_sum[w][threadIdx.x];
