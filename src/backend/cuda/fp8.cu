@@ -104,8 +104,9 @@ struct CastArgs {
 // sm_89+ (cvt.rn.satfinite: round to nearest even, |v·s| past the largest finite value and ±inf
 // to ±max, subnormal results exact), two values per instruction: the same codes as the CPU's
 // integer encoder (src/fp8/format.h). Except for NaN: the GPU's multiply returns the canonical
-// (positive) NaN where the CPU's keeps the input's sign, and the instruction has its own NaN
-// code, so a NaN input takes the encoder's NaN code with its own sign.
+// (positive) NaN where the CPU's returns its NaN operand (x first), and the instruction has its
+// own NaN code, so a NaN product takes the encoder's code of that operand: v, else the scale
+// (an MX block whose amax is inf has a NaN scale).
 __device__ inline uint32_t encode_pair(float v0, float v1, float s, Fp8Format f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   const __nv_fp8x2_storage_t c = __nv_cvt_float2_to_fp8x2(make_float2(v0 * s, v1 * s), __NV_SATFINITE,
@@ -114,8 +115,8 @@ __device__ inline uint32_t encode_pair(float v0, float v1, float s, Fp8Format f)
 #else
   uint32_t lo = fp8_encode(v0 * s, f), hi = fp8_encode(v1 * s, f);
 #endif
-  if (f32_is_nan(v0)) lo = fp8_encode(v0, f);
-  if (f32_is_nan(v1)) hi = fp8_encode(v1, f);
+  if (f32_is_nan(v0) || f32_is_nan(s)) lo = fp8_encode(f32_is_nan(v0) ? v0 : s, f);
+  if (f32_is_nan(v1) || f32_is_nan(s)) hi = fp8_encode(f32_is_nan(v1) ? v1 : s, f);
   return lo | (hi << 8);
 }
 
