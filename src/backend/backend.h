@@ -73,15 +73,11 @@ class Backend {
   // whose last bit may differ between the host's libm and the GPU (then 1 ulp of f32).
   enum class Random : uint8_t { normal, uniform };
   virtual void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) = 0;
-  // y = x; y may be bf16 with x f32 (rounded to nearest even): the bf16 weight copies below.
   virtual void copy(Tensor y, Tensor x) = 0;
   virtual void add(Tensor y, Tensor a, Tensor b) = 0;  // y = a + b
   virtual void accumulate(Tensor y, Tensor x) = 0;     // y += x
 
   // ---- linear: y[N,M] = x[N,K] · w[M,K]ᵀ + b[M] (b may be undefined). x, y any ld. -----
-  // When gemm_weights_in_bf16(), w may also be a contiguous bf16 copy of the weight: the very
-  // operand the bf16 GEMM would round w to, made once per optimizer step instead of per call.
-  virtual bool gemm_weights_in_bf16() const { return false; }
   virtual void linear(Tensor y, Tensor x, Tensor w, Tensor b) = 0;
   // dx[N,K] = dy·w (+= if accumulate_dx); dw[M,K] += dyᵀ·x; db[M] += Σ_rows dy.
   virtual void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,

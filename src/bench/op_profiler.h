@@ -43,7 +43,6 @@ class OpProfiler final : public Backend {
     timed("fill_random", [&] { be_.fill_random(y, d, seed, stream, scale); });
   }
   void copy(Tensor y, Tensor x) override { timed("copy", [&] { be_.copy(y, x); }); }
-  bool gemm_weights_in_bf16() const override { return be_.gemm_weights_in_bf16(); }
   void add(Tensor y, Tensor a, Tensor b) override { timed("add", [&] { be_.add(y, a, b); }); }
   void accumulate(Tensor y, Tensor x) override { timed("accumulate", [&] { be_.accumulate(y, x); }); }
   void linear(Tensor y, Tensor x, Tensor w, Tensor b) override { timed("linear", [&] { be_.linear(y, x, w, b); }); }

@@ -152,31 +152,9 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
     for (SingleBlockParams& p : single_params_) add_block(p.sites());
     fp8_->allocate_weight_casts(all);
   }
-  if (be_.gemm_weights_in_bf16() && dtype_ == DType::f32) allocate_bf16_weights();
-}
-
-void FluxModel::allocate_bf16_weights() {
-  std::vector<LinearSite*> sites;
-  for (DoubleBlockParams& p : double_params_)
-    for (LinearSite* s : p.sites()) sites.push_back(s);
-  for (SingleBlockParams& p : single_params_)
-    for (LinearSite* s : p.sites()) sites.push_back(s);
-  auto plan = [&](Arena& a) {
-    for (LinearSite* s : sites) {
-      if (s->fp8) continue;  // FP8 sites cast their weight instead
-      s->w16 = a.alloc(DType::bf16, s->w.shape, SlotKind::activation);
-      s->weights_version = &weight_version_;
-      s->w16_version = -1;
-    }
-  };
-  Arena measure;
-  plan(measure);
-  weight16_arena_.reserve(be_, measure.peak());
-  plan(weight16_arena_);
 }
 
 void FluxModel::end_optimizer_step() {
-  ++weight_version_;
   if (!fp8_) return;
   fp8_->end_step();
   fp8_->weights_updated();

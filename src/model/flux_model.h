@@ -78,13 +78,11 @@ class FluxModel {
 
   // FP8 state (null in BF16 runs).
   Fp8Runtime* fp8() { return fp8_.get(); }
-  // After each optimizer update: the delayed-scaling update of every FP8 tensor, and fresh
-  // weight casts (FP8) and bf16 weight copies (gemm_weights_in_bf16) on the next forward.
+  // After each optimizer update: the delayed-scaling update of every FP8 tensor and fresh
+  // weight casts on the next forward.
   void end_optimizer_step();
 
  private:
-  void allocate_bf16_weights();
-
   FluxConfig cfg_;
   Backend& be_;
   DType dtype_;
@@ -94,8 +92,6 @@ class FluxModel {
   std::vector<SingleBlockParams> single_params_;
   std::unique_ptr<Fp8Runtime> fp8_;
   Arena saved_arena_, scratch_arena_;
-  Arena weight16_arena_;       // bf16 copies of the non-FP8 block weights (gemm_weights_in_bf16)
-  int64_t weight_version_ = 0;  // optimizer steps taken: when those copies are stale
   StepShape planned_{0, 0, 0};
   StepShape shape_{0, 0, 0};
   FluxInputs inputs_;

@@ -20,16 +20,6 @@ LinearSite LinearSite::bind(const ParamStore& store, const std::string& prefix) 
   return s;
 }
 
-Tensor gemm_weight(Backend& be, LinearSite& site) {
-  if (!site.w16.defined()) return site.w;
-  const int64_t version = site.weights_version ? *site.weights_version : 0;
-  if (site.w16_version != version) {
-    be.copy(site.w16, site.w);
-    site.w16_version = version;
-  }
-  return site.w16;
-}
-
 Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend)
     : cfg_(cfg), be_(backend), registry_(static_cast<int>(cfg.amax_history_len)) {}
 
@@ -219,7 +209,7 @@ Tensor linear_input_buffer(Arena& scratch, const SavedLinearInput& saved, Shape 
 void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y, Tensor x,
                   SavedLinearInput& saved) {
   if (!site.fp8 || !fp8) {
-    be.linear(y, x, gemm_weight(be, site), site.b);
+    be.linear(y, x, site.w, site.b);
     return;
   }
   const size_t mark = scratch.mark();
@@ -254,7 +244,7 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx) {
   if (!site.fp8 || !fp8) {
-    be.linear_backward(dx, site.dw, site.db, dy, saved.full, gemm_weight(be, site), accumulate_dx);
+    be.linear_backward(dx, site.dw, site.db, dy, saved.full, site.w, accumulate_dx);
     return;
   }
   const bool fp8_wgrad = fp8->config().wgrad;

@@ -30,18 +30,9 @@ struct LinearSite {
   QTensor w_row, w_col;        // this step's weight casts (fprop / dgrad operands)
   int64_t w_version = -1;
   bool w_recorded = false;     // the cast's amax went into the delayed-scaling history
-  // Non-FP8 sites on a backend whose GEMMs take bf16 weights (Backend::gemm_weights_in_bf16):
-  // w rounded to bf16, remade when *weights_version (the model's optimizer-step count) has
-  // moved past w16_version — once per step instead of once per GEMM.
-  Tensor w16;
-  const int64_t* weights_version = nullptr;
-  int64_t w16_version = -1;
 
   static LinearSite bind(const ParamStore& store, const std::string& prefix);
 };
-
-// The weight operand of a non-FP8 site's GEMMs: its bf16 copy (refreshed if stale) or w.
-Tensor gemm_weight(Backend& be, LinearSite& site);
 
 // What a Linear keeps for its backward: the input itself (BF16, or FP8 with fp8_wgrad: false)
 // and/or the FP8 cast of its transpose (the wgrad operand).

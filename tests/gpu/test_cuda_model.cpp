@@ -5,10 +5,8 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/transfer.h"
-#include "core/error.h"
 #include "fp8/fp8_config.h"
 #include "gpu_test_util.h"
-#include "model/linear_site.h"
 #include "model_test_util.h"
 
 namespace flux8::testing {
@@ -71,73 +69,6 @@ TEST(CudaModel, FluxWidthForwardAndGradientsMatchCpu) {
 // in the last bits, and from then on every cast rounds differently: the two FP8 runs differ by
 // FP8 noise, not by ulps. So each tensor's GPU-vs-CPU difference is held to the size of the FP8
 // noise itself (CPU FP8 vs CPU f32): a broken cast, scale or GEMM on the GPU is far above it.
-// Non-FP8 Linears on a bf16-GEMM backend keep a bf16 copy of their weight, remade once per
-// optimizer step (gemm_weight). The cached GEMMs must equal the per-call rounding bit for bit
-// (both round w to bf16 to nearest even), forward and backward, after the weights change and
-// the version moves; and a change without the version moving is not seen (the copy is used).
-TEST(CudaLinearSite, Bf16WeightCopyEqualsPerCallRounding) {
-  FLUX8_REQUIRE_GPU();
-  Backend& be = gpu_bf16_gemm();
-  ASSERT_TRUE(be.gemm_weights_in_bf16());
-  const int64_t N = 70, K = 96, M = 40;
-  Pair x({N, K}, 3), w({M, K}), b({M}), dy({N, M});
-  x.randn(1), w.randn(2, 0.1), b.randn(3), dy.randn(4);
-  Pair y_ref({N, M}), y({N, M}), dx_ref({N, K}), dx({N, K}), dw_ref({M, K}), dw({M, K});
-  void* w16 = be.allocate(static_cast<size_t>(M * K) * 2);
-  int64_t version = 0;
-  LinearSite site;
-  site.w = w.dev, site.b = b.dev;
-  site.w16 = Tensor(w16, DType::bf16, Shape{M, K});
-  site.weights_version = &version;
-  for (int step = 0; step < 2; ++step) {
-    SCOPED_TRACE(step);
-    be.linear(y_ref.dev, x.dev, w.dev, b.dev);
-    be.linear(y.dev, x.dev, gemm_weight(be, site), b.dev);
-    EXPECT_EQ(y.down(), y_ref.down());
-    dx_ref.fill(0), dx.fill(0), dw_ref.fill(0), dw.fill(0);
-    be.linear_backward(dx_ref.dev, dw_ref.dev, Tensor{}, dy.dev, x.dev, w.dev, false);
-    be.linear_backward(dx.dev, dw.dev, Tensor{}, dy.dev, x.dev, gemm_weight(be, site), false);
-    EXPECT_EQ(dx.down(), dx_ref.down());
-    EXPECT_EQ(dw.down(), dw_ref.down());
-    std::vector<uint16_t> copy(static_cast<size_t>(M * K));
-    be.download(copy.data(), w16, copy.size() * 2);
-    for (size_t i = 0; i < copy.size(); ++i) ASSERT_EQ(copy[i], f32_to_bf16_bits(w.host.mem[i])) << i;
-    w.randn(10 + static_cast<uint64_t>(step), 0.1);  // an optimizer step: new weights, new version
-    ++version;
-  }
-  w.randn(20, 0.1);  // changed behind the cache's back: the copy of the last version is used
-  be.linear(y_ref.dev, x.dev, w.dev, b.dev);
-  be.linear(y.dev, x.dev, gemm_weight(be, site), b.dev);
-  EXPECT_NE(y.down(), y_ref.down());
-  EXPECT_THROW(gpu().linear(y.dev, x.dev, site.w16, b.dev), Error);  // f32 GEMMs take no bf16 weight
-  be.release(w16);
-}
-
-// The model's bf16 weight copies follow the parameters across optimizer steps: a model whose
-// weights changed after a step (end_optimizer_step) predicts exactly what a fresh model with
-// those weights predicts.
-TEST(CudaModel, Bf16WeightCopiesFollowOptimizerSteps) {
-  FLUX8_REQUIRE_GPU();
-  Backend& be = gpu_bf16_gemm();
-  const FluxConfig cfg = odd_config(1, 1, true);
-  InputBatch batch(be, DType::f32);
-  FluxInputs in;
-  random_inputs(batch, cfg, 2, 5, 9, 11, in);
-  auto predict = [&](FluxModel& m) { return to_host(be, m.forward(in)); };
-  FluxModel stepped(cfg, be, DType::f32, nullptr, Recompute::none);
-  randomize_params(stepped.params(), 7, 0.3);
-  stepped.plan(StepShape{2, 5, 9});
-  const std::vector<double> before = predict(stepped);
-  randomize_params(stepped.params(), 8, 0.3);  // what an optimizer step does to the weights
-  stepped.end_optimizer_step();
-  FluxModel fresh(cfg, be, DType::f32, nullptr, Recompute::none);
-  randomize_params(fresh.params(), 8, 0.3);
-  fresh.plan(StepShape{2, 5, 9});
-  const std::vector<double> after = predict(stepped);
-  EXPECT_EQ(after, predict(fresh));
-  EXPECT_NE(after, before);
-}
-
 TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
   FLUX8_REQUIRE_GPU();
   FluxConfig cfg = odd_config(1, 1, false);

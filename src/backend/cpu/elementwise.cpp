@@ -32,15 +32,6 @@ void CpuBackend::fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stre
 }
 
 void CpuBackend::copy(Tensor y, Tensor x) {
-  if (y.dtype == DType::bf16 && x.dtype == DType::f32) {  // rounded to nearest even (bf16 weight copies)
-    require_same_matrix("copy", {"y", y}, {"x", x});
-    parallel_for(y.rows(), make_ctx(options_, DType::f32), [&](int64_t r) {
-      const float* xr = row<float>(x, r);
-      auto* yr = static_cast<uint16_t*>(y.data) + r * y.ld;
-      for (int64_t j = 0; j < x.cols(); ++j) yr[j] = f32_to_bf16_bits(xr[j]);
-    });
-    return;
-  }
   const DType t = call_dtype("copy", {{"y", y}, {"x", x}});
   require_same_matrix("copy", {"y", y}, {"x", x});
   const Ctx c = make_ctx(options_, t);

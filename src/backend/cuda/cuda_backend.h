@@ -46,7 +46,6 @@ class CudaBackend final : public Backend {
   void fill(Tensor y, double value) override;
   void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
   void copy(Tensor y, Tensor x) override;
-  bool gemm_weights_in_bf16() const override { return options_.bf16_gemm; }
   void add(Tensor y, Tensor a, Tensor b) override;
   void accumulate(Tensor y, Tensor x) override;
 

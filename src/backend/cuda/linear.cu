@@ -37,18 +37,16 @@ Operand bf16_operand(CudaBackend& be, const Tensor& x, __nv_bfloat16* dst) {
 }
 
 // The operands of one call in the precision the backend runs its GEMMs in. In bf16 mode the
-// copies share one scratch allocation (carved in 256-byte aligned pieces); a bf16 tensor (a
-// weight's copy made once per optimizer step) is used as it is.
+// copies share one scratch allocation (carved in 256-byte aligned pieces).
 class Operands {
  public:
   Operands(CudaBackend& be, std::initializer_list<const Tensor*> tensors) : be_(be) {
     if (!be.options().bf16_gemm) return;
     size_t total = 0;
-    for (const Tensor* t : tensors) total += t->defined() && t->dtype != DType::bf16 ? align(t->numel() * 2) : 0;
+    for (const Tensor* t : tensors) total += t->defined() ? align(t->numel() * 2) : 0;
     base_ = static_cast<char*>(be.scratch(total));
   }
   Operand get(const Tensor& t) {
-    if (t.dtype == DType::bf16) return Operand{t.data, t.ld, CUDA_R_16BF};
     if (!base_) return Operand{t.data, t.ld, CUDA_R_32F};
     auto* dst = reinterpret_cast<__nv_bfloat16*>(base_ + used_);
     used_ += align(t.numel() * 2);
@@ -63,22 +61,11 @@ class Operands {
   size_t used_ = 0;
 };
 
-// w: f32, or (bf16 GEMMs only) its contiguous bf16 copy.
-void check_weight(const CudaBackend& be, std::string_view op, const Tensor& w) {
-  if (w.dtype != DType::bf16) return;
-  if (!be.options().bf16_gemm)
-    fail("{}: weight 'w' {} is bf16, but this backend runs f32 GEMMs (gemm_precision: f32); pass the f32 weight",
-         op, w.str());
-  require_contiguous(op, {"w", w});
-}
-
 }  // namespace
 
 void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear";
-  check_weight(*this, op, w);
-  require_f32(op, {{"y", y}, {"x", x}, {"b", b}});
-  if (w.dtype != DType::bf16) require_f32(op, {{"w", w}});
+  require_f32(op, {{"y", y}, {"x", x}, {"w", w}, {"b", b}});
   const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
   if (K == 0) {  // empty product: y = b (or 0)
     if (b.defined()) {
@@ -105,9 +92,7 @@ void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
 void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
                                   bool accumulate_dx) {
   constexpr std::string_view op = "linear_backward";
-  check_weight(*this, op, w);
-  require_f32(op, {{"dx", dx}, {"dw", dw}, {"db", db}, {"dy", dy}, {"x", x}});
-  if (w.dtype != DType::bf16) require_f32(op, {{"w", w}});
+  require_f32(op, {{"dx", dx}, {"dw", dw}, {"db", db}, {"dy", dy}, {"x", x}, {"w", w}});
   require_defined(op, {"dy", dy});
   require_rank(op, {"w", w}, 2);
   const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];

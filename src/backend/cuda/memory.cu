@@ -167,18 +167,6 @@ void CudaBackend::fill_random(Tensor y, Random dist, uint64_t seed, uint64_t str
 }
 
 void CudaBackend::copy(Tensor y, Tensor x) {
-  if (y.dtype == DType::bf16 && x.dtype == DType::f32) {  // rounded to bf16: a GEMM weight copy
-    require_same_matrix("copy", {"y", y}, {"x", x});
-    const Mat X = mat(x);
-    auto* dst = y.ptr<__nv_bfloat16>();
-    const int64_t ldy = y.ld;
-    if (x.contiguous() && y.contiguous())
-      to_bf16(dst, X.p, X.rows * X.cols, stream_);
-    else
-      for_each_row(*this, X.rows, X.cols,
-                   [=] __device__(int64_t r, int c) { dst[r * ldy + c] = __float2bfloat16_rn(X.at(r, c)); });
-    return;
-  }
   require_f32("copy", {{"y", y}, {"x", x}});
   require_same_matrix("copy", {"y", y}, {"x", x});
   if (y.contiguous() && x.contiguous()) {
