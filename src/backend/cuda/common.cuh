@@ -110,7 +110,8 @@ double ordered_sum(CudaBackend& be, int64_t n, F f) {
 // spreads over the GPU however few groups and columns there are (RMSNorm's dscale: 128 columns
 // over a million rows took 100 ms in one pass). Chunks hold kColumnChunk rows, more when a
 // grid would need over 65535 of them. value: __device__ lambda (int64_t g, int64_t r,
-// int64_t c) -> double.
+// int64_t c) -> double, called exactly once per element (c < cols), so it may also write that
+// element's output of a fused op (gated_residual_backward writes dy while summing dgate).
 constexpr int64_t kColumnChunk = 256;
 
 template <typename V>

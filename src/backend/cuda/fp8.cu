@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fast_div.h"
 #include "backend/cuda/pointwise.cuh"
 #include "fp8/quantize.h"
 #include "fp8/recipe.h"
@@ -71,6 +72,7 @@ struct Source {
   const float *mean, *rstd;  // layernorm_modulate: per row
   Mat shift, scale;          // layernorm_modulate: [B, cols], sample of row r = r / tokens
   int64_t tokens;
+  FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   // The op applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
   __device__ float apply(float v, int64_t r, int64_t b, int64_t c) const {
     switch (op) {
@@ -81,7 +83,8 @@ struct Source {
     }
   }
   __device__ float operator()(int64_t r, int64_t c) const {
-    return apply(x[r * ld + c], r, op == Backend::CastInput::Op::layernorm_modulate ? r / tokens : 0, c);
+    return apply(x[r * ld + c], r,
+                 op == Backend::CastInput::Op::layernorm_modulate ? per_sample.divide(static_cast<uint32_t>(r)) : 0, c);
   }
 };
 
@@ -319,7 +322,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
   uint32_t nonzero = 0, saturated = 0, flushed = 0;
   double cs[4] = {0, 0, 0, 0};
   for (int i = warp; i < nr; i += kWarps) {
-    const int64_t r = r0 + i, b = layernorm ? r / a.x.tokens : 0;
+    const int64_t r = r0 + i, b = layernorm ? a.x.per_sample.divide(static_cast<uint32_t>(r)) : 0;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float* xr = a.x.x + r * a.x.ld + c0 + j0;
     if (nj == 4 && a.x_vec4) {
@@ -594,6 +597,8 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     src.shift = mat(in.shift);
     src.scale = mat(in.scale);
     src.tokens = dims.L > 0 ? dims.L : 1;
+    FLUX8_CHECK(x.rows() < (int64_t(1) << 31), "{}: {} rows: beyond the 2^31 rows one cast indexes", op, x.rows());
+    src.per_sample = FastDivisor(static_cast<uint32_t>(src.tokens));
   }
   if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
     column_sums(*this, 1, R, C, [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); },

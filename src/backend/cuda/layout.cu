@@ -5,20 +5,28 @@
 #include <cstdint>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fast_div.h"
 
 namespace flux8 {
 using namespace cuda;
 
 namespace {
 
+// The row count of a launch over rows must allow 32-bit row indices for FastDivisor.
+FastDivisor row_divisor(std::string_view op, int64_t rows, int64_t per_sample) {
+  if (rows >= (int64_t(1) << 31)) fail("{}: {} rows: beyond the 2^31 rows one launch indexes", op, rows);
+  return FastDivisor(static_cast<uint32_t>(per_sample > 1 ? per_sample : 1));  // 0: no rows to divide
+}
+
 void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads) {
   const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
   const int64_t Ls = tokens.shape[1];
   const Mat H = mat(heads), T = mat(tokens);
+  const FastDivisor per_sample = row_divisor("tokens_to_heads / heads_to_tokens", heads.shape[0] * Ls, Ls);
   if (D % 4 == 0 && quads(H) && quads(T)) {
     const int Dq = static_cast<int>(D / 4);
     for_each_row(be, heads.shape[0] * Ls, n * Dq, [=] __device__(int64_t r, int cq) {
-      const int64_t b = r / Ls, l = r - b * Ls;
+      const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
       const int h = cq / Dq, d = (cq - h * Dq) * 4;
       float4& hv = quad(H, (b * n + h) * L + offset + l, d);
       float4& tv = quad(T, r, h * D + d);
@@ -30,7 +38,7 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
   // so both sides are read/written in runs of D.
   const int Di = static_cast<int>(D);
   for_each_row(be, heads.shape[0] * Ls, n * D, [=] __device__(int64_t r, int c) {
-    const int64_t b = r / Ls, l = r - b * Ls;
+    const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
     const int h = c / Di, d = c - h * Di;
     float& hv = H.at((b * n + h) * L + offset + l, d);
     float& tv = T.at(r, c);
@@ -41,9 +49,10 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
 void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64_t offset, bool to_joint) {
   const int64_t L = joint.shape[1], C = joint.shape[2], Lp = part.shape[1];
   const Mat J = mat(joint), P = mat(part);
+  const FastDivisor per_sample = row_divisor("concat_tokens / split_tokens", part.shape[0] * Lp, Lp);
   if (quads(J) && quads(P)) {
     for_each_row(be, part.shape[0] * Lp, C / 4, [=] __device__(int64_t r, int jq) {
-      const int64_t b = r / Lp, l = r - b * Lp;
+      const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
       float4& jv = quad(J, b * L + offset + l, 4 * jq);
       float4& pv = quad(P, r, 4 * jq);
       if (to_joint) jv = pv; else pv = jv;
@@ -51,7 +60,7 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
     return;
   }
   for_each_row(be, part.shape[0] * Lp, C, [=] __device__(int64_t r, int j) {
-    const int64_t b = r / Lp, l = r - b * Lp;
+    const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
     float& jv = J.at(b * L + offset + l, j);
     float& pv = P.at(r, j);
     if (to_joint) jv = pv; else pv = jv;
@@ -97,8 +106,17 @@ void CudaBackend::gated_residual(Tensor x, Tensor y, Tensor gate) {
   require_shape(op, {"gate", gate}, Shape{x.shape[0], x.shape[2]});
   const int64_t L = x.shape[1], H = x.shape[2];
   const Mat X = mat(x), Y = mat(y), G = mat(gate);
+  const FastDivisor per_sample = row_divisor(op, x.rows(), L);
+  if (quads(X) && quads(Y) && quads(G)) {  // 16-byte loads and stores
+    for_each_row(*this, x.rows(), H / 4, [=] __device__(int64_t r, int q) {
+      const float4 g = quad(G, per_sample.divide(static_cast<uint32_t>(r)), 4 * q), yv = quad(Y, r, 4 * q);
+      float4& xv = quad(X, r, 4 * q);
+      xv = make_float4(xv.x + g.x * yv.x, xv.y + g.y * yv.y, xv.z + g.z * yv.z, xv.w + g.w * yv.w);
+    });
+    return;
+  }
   for_each_row(*this, x.rows(), H, [=] __device__(int64_t r, int j) {
-    X.at(r, j) = X.at(r, j) + G.at(r / L, j) * Y.at(r, j);
+    X.at(r, j) = X.at(r, j) + G.at(per_sample.divide(static_cast<uint32_t>(r)), j) * Y.at(r, j);
   });
 }
 
@@ -108,20 +126,31 @@ void CudaBackend::gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Te
   require_rank(op, {"dx", dx}, 3);
   const int64_t B = dx.shape[0], L = dx.shape[1], H = dx.shape[2];
   const Mat DX = mat(dx);
+  Mat DY{}, G{};
   if (dy.defined()) {
     require_shape(op, {"dy", dy}, dx.shape);
     require_shape(op, {"gate", gate}, Shape{B, H});
-    const Mat DY = mat(dy), G = mat(gate);
-    for_each_row(*this, B * L, H, [=] __device__(int64_t r, int j) { DY.at(r, j) = G.at(r / L, j) * DX.at(r, j); });
+    DY = mat(dy), G = mat(gate);
   }
   if (dgate.defined()) {
     require_shape(op, {"y", y}, dx.shape);
     require_shape(op, {"dgate", dgate}, Shape{B, H});
+    // One pass: the column-sum walk over (sample, row, column) also writes dy, so dx is read
+    // once (column_sums visits every element exactly once).
     const Mat Y = mat(y);
     column_sums(
         *this, B, L, H,
-        [=] __device__(int64_t b, int64_t l, int64_t j) { return double(DX.at(b * L + l, j)) * Y.at(b * L + l, j); },
+        [=] __device__(int64_t b, int64_t l, int64_t j) {
+          const float d = DX.at(b * L + l, j);
+          if (DY.p) DY.at(b * L + l, j) = G.at(b, j) * d;
+          return double(d) * Y.at(b * L + l, j);
+        },
         dgate.ptr<float>(), dgate.ld, false);
+  } else if (DY.p) {
+    const FastDivisor per_sample = row_divisor(op, B * L, L);
+    for_each_row(*this, B * L, H, [=] __device__(int64_t r, int j) {
+      DY.at(r, j) = G.at(per_sample.divide(static_cast<uint32_t>(r)), j) * DX.at(r, j);
+    });
   }
 }
 
