@@ -144,6 +144,11 @@ class Backend {
 
   // ---- attention: q, k, v, o [B, n, L, D]; non-causal, no mask -------------------------
   //   o = softmax(q·kᵀ·scale)·v;  lse [B, n, L] = log Σ_j exp(q·k_j·scale) saved.
+  // The element type a model stores its attention heads in (q, k, v, o, their gradients and
+  // dO; written by qk_norm_rope_to_heads and tokens_to_heads, read by heads_to_tokens): the
+  // activation type, or bf16 where this backend's attention computes on bf16 heads anyway (the
+  // CUDA backend's cuDNN path), so no conversion passes run and the results are the same bits.
+  virtual DType attention_heads_dtype(DType activations, int64_t head_dim) const { return activations; }
   virtual void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) = 0;
   // dq, dk, dv overwritten.
   virtual void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,

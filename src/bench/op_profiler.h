@@ -43,6 +43,9 @@ class OpProfiler final : public Backend {
     timed("fill_random", [&] { be_.fill_random(y, d, seed, stream, scale); });
   }
   void copy(Tensor y, Tensor x) override { timed("copy", [&] { be_.copy(y, x); }); }
+  DType attention_heads_dtype(DType activations, int64_t head_dim) const override {
+    return be_.attention_heads_dtype(activations, head_dim);
+  }
   void add(Tensor y, Tensor a, Tensor b) override { timed("add", [&] { be_.add(y, a, b); }); }
   void accumulate(Tensor y, Tensor x) override { timed("accumulate", [&] { be_.accumulate(y, x); }); }
   void linear(Tensor y, Tensor x, Tensor w, Tensor b) override { timed("linear", [&] { be_.linear(y, x, w, b); }); }

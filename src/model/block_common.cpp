@@ -6,12 +6,12 @@ ScaleParam ScaleParam::bind(const ParamStore& store, const std::string& name) {
   return {store.param(name), store.grad(name)};
 }
 
-void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType t, SlotKind kind, Tensor& q, Tensor& k,
+void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,
                         Tensor& v) {
-  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  q = a.alloc(t, heads, kind);
-  k = a.alloc(t, heads, kind);
-  v = a.alloc(t, heads, kind);
+  const Shape shape{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
+  q = a.alloc(heads, shape, kind);
+  k = a.alloc(heads, shape, kind);
+  v = a.alloc(heads, shape, kind);
 }
 
 SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,

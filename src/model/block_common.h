@@ -29,17 +29,18 @@ struct BlockContext {
   Backend& be;
   const FluxConfig& cfg;
   StepShape shape;
-  DType dtype;
+  DType dtype;        // activations
   Arena& scratch;     // temporaries; every block releases what it takes
   Tensor pe;          // RoPE table of the joint sequence [B, L, D/2, 2]
   Tensor silu_vec;    // SiLU(vec) [B, H], the input of every modulation Linear
   Tensor d_silu_vec;  // its gradient, accumulated by every block's backward
   Fp8Runtime* fp8 = nullptr;  // FP8 state; null in BF16 runs
+  DType heads_dtype = DType::f32;  // q, k, v, o and their gradients (Backend::attention_heads_dtype)
 };
 
 // q, k and v of a block's attention in the head-major layout [B, heads, L, D], from `a`
 // (selective recompute puts them in scratch for one forward or backward).
-void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType t, SlotKind kind, Tensor& q, Tensor& k,
+void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,
                         Tensor& v);
 
 // Turns FP8 amax/statistics recording off while it lives. A recomputed cast uses the step's

@@ -82,21 +82,21 @@ std::vector<LinearSite*> DoubleBlockParams::sites() {
 // stays because GELU cannot be inverted and recomputing it is the mlp_in GEMM, which in FP8
 // cannot even be redone bit-exactly (only the transposed cast of its input is kept). o and lse
 // stay: recomputing them is the attention forward, the most expensive op that is not a GEMM.
-DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
+DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t, DType ht,
                                             const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
   DoubleBlockSaved s;
   s.selective = selective;
   s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
   s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
   const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  if (!selective) allocate_heads_qkv(a, c, sh, t, SlotKind::activation, s.q, s.k, s.v);
-  s.o = a.alloc(t, heads, SlotKind::activation);
+  if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+  s.o = a.alloc(ht, heads, SlotKind::activation);
   s.lse = a.alloc(t, Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
   return s;
 }
 
-void DoubleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType t) {
-  allocate_heads_qkv(scratch, c, sh, t, SlotKind::workspace, q, k, v);
+void DoubleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
+  allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
 }
 
 namespace {
@@ -248,17 +248,17 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   Tensor dmod_txt = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
   Tensor dmod_img = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
   const Shape heads = s.o.shape;  // of q, k, v too (which selective does not keep)
-  Tensor d_o = a.alloc(ctx.dtype, heads, SlotKind::workspace);
-  Tensor d_q = a.alloc(ctx.dtype, heads, SlotKind::workspace);
-  Tensor d_k = a.alloc(ctx.dtype, heads, SlotKind::workspace);
-  Tensor d_v = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_q = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_k = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_v = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
 
   stream_post_attention_backward(ctx, p.txt, s.txt, s, dmod_txt, dtxt, d_o, 0);
   stream_post_attention_backward(ctx, p.img, s.img, s, dmod_img, dimg, d_o, Lt);
   const size_t qkv_mark = a.mark();
   DoubleBlockSaved joint = s;  // views; selective: q, k, v recomputed into scratch
   if (s.selective) {
-    joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.dtype);
+    joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
     recompute_joint_qkv(ctx, p, joint);
   }
   be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse,

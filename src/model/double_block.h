@@ -43,11 +43,12 @@ struct DoubleBlockSaved {
   // the backward recomputes them in scratch (q, k, v from qkv: QK-norm, layout, RoPE; attn from
   // o: layout; mlp_g from mlp_h: GELU) and re-casts the two Linear inputs in FP8.
   bool selective = false;
-  static DoubleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype,
+  // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
+  static DoubleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype, DType heads,
                                    const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
   // Selective: the forward still writes q, k, v. Points them at scratch for one forward; the
   // caller releases the scratch after it and calls forget_recomputed().
-  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype);
+  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType heads);
   void forget_recomputed() { q = k = v = Tensor{}; }
 };
 

@@ -43,7 +43,7 @@ struct ModelSaved {
   Tensor work_txt, work_img, work_z;
   size_t block_region = 0;
 
-  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
+  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t, DType ht,
                              const std::vector<DoubleBlockParams>& dp, const std::vector<SingleBlockParams>& sp,
                              const Fp8Runtime* fp8, Recompute recompute) {
     const int64_t B = sh.batch, H = c.hidden_size, L = sh.tokens();
@@ -70,9 +70,9 @@ struct ModelSaved {
     if (recompute != Recompute::full) {
       const bool selective = recompute == Recompute::selective;
       for (const DoubleBlockParams& p : dp)
-        s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, p, fp8, selective));
+        s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, ht, p, fp8, selective));
       for (const SingleBlockParams& p : sp)
-        s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, p, fp8, selective));
+        s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, ht, p, fp8, selective));
       return s;
     }
     for (size_t i = 0; i < dp.size(); ++i) {
@@ -87,11 +87,11 @@ struct ModelSaved {
     // some run in FP8 and others in BF16).
     s.block_region = a.mark();
     for (const DoubleBlockParams& p : dp) {
-      DoubleBlockSaved::allocate(a, c, sh, t, p, fp8);
+      DoubleBlockSaved::allocate(a, c, sh, t, ht, p, fp8);
       a.release_to(s.block_region);
     }
     for (const SingleBlockParams& p : sp) {
-      SingleBlockSaved::allocate(a, c, sh, t, p, fp8);
+      SingleBlockSaved::allocate(a, c, sh, t, ht, p, fp8);
       a.release_to(s.block_region);
     }
     return s;
@@ -127,8 +127,9 @@ Recompute recompute_from_name(const std::string& name) {
 
 FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
                      Recompute recompute)
-    : cfg_(cfg), be_(backend), dtype_(dtype), recompute_(recompute) {
+    : cfg_(cfg), be_(backend), dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
+  heads_dtype_ = be_.attention_heads_dtype(dtype_, cfg_.head_dim());
   params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i)
     double_params_.push_back(DoubleBlockParams::bind(*params_, i));
@@ -167,14 +168,14 @@ ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepSh
   // BF16 plan: default sites are not FP8.
   const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
-  ModelSaved::allocate(saved, cfg, shape, DType::f32, dp, sp, nullptr, recompute);
+  ModelSaved::allocate(saved, cfg, shape, DType::f32, DType::f32, dp, sp, nullptr, recompute);
   plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr, recompute);
   return {saved.peak_usage(), static_cast<int64_t>(scratch.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {
   Arena saved, scratch;
-  ModelSaved::allocate(saved, cfg_, s, dtype_, double_params_, single_params_, fp8_.get(), recompute_);
+  ModelSaved::allocate(saved, cfg_, s, dtype_, heads_dtype_, double_params_, single_params_, fp8_.get(), recompute_);
   plan_model_scratch(scratch, cfg_, s, dtype_, fp8_.get(), recompute_);
   saved_arena_.reserve(be_, saved.peak());
   scratch_arena_.reserve(be_, scratch.peak());
@@ -210,7 +211,8 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   saved_arena_.reset();
   scratch_arena_.reset();
   saved_ = std::make_unique<ModelSaved>(
-      ModelSaved::allocate(saved_arena_, c, sh, dtype_, double_params_, single_params_, fp8_.get(), recompute_));
+      ModelSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, double_params_, single_params_, fp8_.get(),
+                           recompute_));
   ModelSaved& s = *saved_;
   const ParamStore& P = *params_;
 
@@ -241,13 +243,13 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
-  BlockContext ctx{be_, c, sh, dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get()};
+  BlockContext ctx{be_, c, sh, dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get(), heads_dtype_};
   const bool full = recompute_ == Recompute::full;
   for (size_t i = 0; i < double_params_.size(); ++i) {
     if (!full) {
       DoubleBlockSaved& blk = s.doubles[i];
       const size_t mark = scratch_arena_.mark();
-      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, dtype_);  // q, k, v: this forward only
+      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);  // q, k, v: this forward only
       double_block_forward(ctx, double_params_[i], blk, s.txt, s.img);
       scratch_arena_.release_to(mark);
       if (blk.selective) blk.forget_recomputed();
@@ -255,7 +257,8 @@ Tensor FluxModel::forward(const FluxInputs& in) {
     }
     be_.copy(s.double_txt_in[i], s.txt);
     be_.copy(s.double_img_in[i], s.img);
-    DoubleBlockSaved blk = DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, double_params_[i], fp8_.get());
+    DoubleBlockSaved blk =
+        DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, double_params_[i], fp8_.get());
     double_block_forward(ctx, double_params_[i], blk, s.txt, s.img);
     saved_arena_.release_to(s.block_region);
   }
@@ -264,14 +267,15 @@ Tensor FluxModel::forward(const FluxInputs& in) {
     if (!full) {
       SingleBlockSaved& blk = s.singles[i];
       const size_t mark = scratch_arena_.mark();
-      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, dtype_);
+      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);
       single_block_forward(ctx, single_params_[i], blk, s.z);
       scratch_arena_.release_to(mark);
       if (blk.selective) blk.forget_recomputed();
       continue;
     }
     be_.copy(s.single_in[i], s.z);
-    SingleBlockSaved blk = SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, single_params_[i], fp8_.get());
+    SingleBlockSaved blk =
+        SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, single_params_[i], fp8_.get());
     single_block_forward(ctx, single_params_[i], blk, s.z);
     saved_arena_.release_to(s.block_region);
   }
@@ -318,7 +322,7 @@ void FluxModel::backward(const Tensor& dpred) {
   be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, ada.w, false);
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
-  BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get()};
+  BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
   be_.fill(dtxt, 0.0);
   be_.concat_tokens(dz, dtxt, dimg);
   // Recompute::selective recomputes inside each block's backward; full re-runs whole blocks
@@ -330,7 +334,8 @@ void FluxModel::backward(const Tensor& dpred) {
       single_block_backward(ctx, single_params_[i], s.singles[i], dz);
       continue;
     }
-    SingleBlockSaved blk = SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, single_params_[i], fp8_.get());
+    SingleBlockSaved blk =
+        SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, single_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
       be_.copy(s.work_z, s.single_in[i]);
@@ -345,7 +350,8 @@ void FluxModel::backward(const Tensor& dpred) {
       double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
       continue;
     }
-    DoubleBlockSaved blk = DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, double_params_[i], fp8_.get());
+    DoubleBlockSaved blk =
+        DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, double_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
       be_.copy(s.work_txt, s.double_txt_in[i]);

@@ -31,7 +31,8 @@ struct ActivationEstimate {
   double gpu_bytes(bool fp8) const {
     return saved.gpu_bytes(fp8) + 2.0 * static_cast<double>(workspace_elements);
   }
-  // As today's CUDA backend stores them: f32 activations and workspace.
+  // As today's CUDA backend stores them: f32 activations and workspace (an upper bound: on the
+  // cuDNN path the attention heads q, k, v, o are bf16, Backend::attention_heads_dtype).
   double f32_bytes(bool fp8) const { return saved.bytes(4.0, fp8) + 4.0 * static_cast<double>(workspace_elements); }
 };
 
@@ -86,6 +87,7 @@ class FluxModel {
   FluxConfig cfg_;
   Backend& be_;
   DType dtype_;
+  DType heads_dtype_;  // attention q, k, v, o and their gradients: Backend::attention_heads_dtype
   Recompute recompute_;
   std::unique_ptr<ParamStore> params_;
   std::vector<DoubleBlockParams> double_params_;

@@ -20,7 +20,7 @@ SingleBlockParams SingleBlockParams::bind(const ParamStore& s, int64_t index) {
 // linear2's input cat (H + M = 5H: a copy of o and the GELU of u's MLP part) — 8H of the 19H a
 // token keeps, for no GEMM. u and o stay: the first is a GEMM output that QK-norm's and GELU's
 // backward need anyway, the second would cost the attention forward (with lse) to recompute.
-SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t,
+SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t, DType ht,
                                             const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
   const int64_t B = sh.batch, L = sh.tokens(), H = c.hidden_size, M = c.mlp_hidden();
   const int64_t n = c.num_heads;
@@ -36,16 +36,16 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.q_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(t, Shape{B * L * n}, SlotKind::statistic);
   const Shape heads{B, n, L, c.head_dim()};
-  if (!selective) allocate_heads_qkv(a, c, sh, t, SlotKind::activation, s.q, s.k, s.v);
-  s.o = a.alloc(t, heads, SlotKind::activation);
+  if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+  s.o = a.alloc(ht, heads, SlotKind::activation);
   s.lse = a.alloc(t, Shape{B, n, L}, SlotKind::statistic);
   if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   return s;
 }
 
-void SingleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType t) {
-  allocate_heads_qkv(scratch, c, sh, t, SlotKind::workspace, q, k, v);
+void SingleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
+  allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
 }
 
 namespace {
@@ -114,10 +114,10 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   Tensor d_cat = a.alloc(ctx.dtype, Shape{B, L, H + M}, SlotKind::workspace);
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
   const Shape heads = s.o.shape;  // of q, k, v too (which selective does not keep)
-  Tensor d_o = a.alloc(ctx.dtype, heads, SlotKind::workspace);
-  Tensor d_q = a.alloc(ctx.dtype, heads, SlotKind::workspace);
-  Tensor d_k = a.alloc(ctx.dtype, heads, SlotKind::workspace);
-  Tensor d_v = a.alloc(ctx.dtype, heads, SlotKind::workspace);
+  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_q = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_k = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_v = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
   const size_t cat_mark = a.mark();
@@ -129,7 +129,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   const size_t qkv_mark = a.mark();
   SingleBlockSaved r = s;  // views; selective: q, k, v recomputed into scratch
   if (s.selective) {
-    r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.dtype);
+    r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
     recompute_qkv(ctx, p, r);
   }
   be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse,

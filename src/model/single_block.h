@@ -28,11 +28,12 @@ struct SingleBlockSaved {
   // them in scratch (q, k, v from u: QK-norm, layout, RoPE; cat from o and u's MLP part:
   // layout and GELU) and re-casts cat in FP8.
   bool selective = false;
-  static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype,
+  // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
+  static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype, DType heads,
                                    const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
   // Selective: the forward still writes q, k, v. Points them at scratch for one forward; the
   // caller releases the scratch after it and calls forget_recomputed().
-  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype);
+  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType heads);
   void forget_recomputed() { q = k = v = Tensor{}; }
 };
 

@@ -264,6 +264,59 @@ TEST(CudaAttention, DeterministicBackwardRepeatsBitForBit) {
   }
 }
 
+// bf16 heads (what Backend::attention_heads_dtype picks on the cuDNN path) give the bits f32
+// heads give: the f32 path rounds q, k, v, o, dO to bf16 for cuDNN and widens its bf16 results,
+// the bf16 path hands cuDNN the tensors as they are. On the reference kernel bf16 heads are
+// widened for the f32 kernel and its results rounded back: equal to rounding the f32 path's
+// results. Inputs are bf16 values, so both paths see the same numbers; the backward gets the
+// bf16 o and the same lse on both paths.
+TEST(CudaAttention, Bf16HeadsEqualRoundedF32Heads) {
+  FLUX8_REQUIRE_GPU();
+  for (const AttentionPath path : {AttentionPath::cudnn, AttentionPath::reference}) {
+    SCOPED_TRACE(path == AttentionPath::cudnn ? "cudnn" : "reference");
+    PathScope scope(path);
+    const Heads h{2, 3, 77, 64};
+    Pair q(h.shape()), k(h.shape()), v(h.shape()), dout(h.shape()), o(h.shape()), lse({h.B, h.n, h.L});
+    Pair dq(h.shape()), dk(h.shape()), dv(h.shape()), lse16({h.B, h.n, h.L});
+    q.randn(31), k.randn(32), v.randn(33), dout.randn(34);
+    for (Pair* p : {&q, &k, &v, &dout}) round_host_to_bf16(*p);
+    Bf16Dev q16(h.shape()), k16(h.shape()), v16(h.shape()), o16(h.shape()), do16(h.shape());
+    Bf16Dev dq16(h.shape()), dk16(h.shape()), dv16(h.shape());
+    q16.up(q.host.mem), k16.up(k.host.mem), v16.up(v.host.mem), do16.up(dout.host.mem);
+    const double scale = 0.125;
+
+    gpu().attention(o.dev, lse.dev, q.dev, k.dev, v.dev, scale);
+    gpu().attention(o16.t, lse16.dev, q16.t, k16.t, v16.t, scale);
+    EXPECT_EQ(o16.bits(), bf16_bits_of(o.down())) << "o";
+    EXPECT_EQ(lse16.down(), lse.down()) << "lse";
+
+    const std::vector<float> o_rounded = o16.down();  // both backwards get this o
+    o.host.mem.assign(o_rounded.begin(), o_rounded.end());
+    o.up();
+    gpu().attention_backward(dq.dev, dk.dev, dv.dev, dout.dev, q.dev, k.dev, v.dev, o.dev, lse.dev, scale);
+    gpu().attention_backward(dq16.t, dk16.t, dv16.t, do16.t, q16.t, k16.t, v16.t, o16.t, lse.dev, scale);
+    EXPECT_EQ(dq16.bits(), bf16_bits_of(dq.down())) << "dq";
+    EXPECT_EQ(dk16.bits(), bf16_bits_of(dk.down())) << "dk";
+    EXPECT_EQ(dv16.bits(), bf16_bits_of(dv.down())) << "dv";
+    // Partial gradients: only dv wanted.
+    Bf16Dev dv_only(h.shape());
+    gpu().attention_backward(Tensor{}, Tensor{}, dv_only.t, do16.t, q16.t, k16.t, v16.t, o16.t, lse.dev, scale);
+    EXPECT_EQ(dv_only.bits(), dv16.bits());
+  }
+  // One call's heads share a dtype; attention_heads_dtype follows the path and head dim.
+  const Heads h{1, 1, 8, 64};
+  Pair q(h.shape()), lse({1, 1, 8});
+  Bf16Dev o16(h.shape());
+  EXPECT_THROW(gpu().attention(o16.t, lse.dev, q.dev, q.dev, q.dev, 0.1), Error);
+  EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 128), DType::bf16);
+  EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 6), DType::f32);  // the reference kernel's
+  {
+    PathScope scope(AttentionPath::reference);
+    EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 128), DType::f32);
+  }
+  EXPECT_EQ(cpu().attention_heads_dtype(DType::f32, 128), DType::f32);
+}
+
 TEST(CudaAttention, RejectsStridedHeads) {
   FLUX8_REQUIRE_GPU();
   const Heads h{1, 2, 8, 16};

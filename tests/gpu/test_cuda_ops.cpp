@@ -352,6 +352,77 @@ TEST(CudaOps, QkNormRopeToHeads) {
   }
 }
 
+// bf16 attention heads (Backend::attention_heads_dtype): the QK-norm + RoPE kernel and the
+// layout copies store exactly the f32 results rounded to nearest even, and read bf16 heads as
+// the f32 path reads the same (widened) values. Bit for bit against the GPU's own f32 path;
+// D = 6 (pairs one element at a time), 128 (Flux, paired stores) with an odd offset.
+TEST(CudaOps, Bf16AttentionHeads) {
+  FLUX8_REQUIRE_GPU();
+  for (const int64_t D : {int64_t{6}, int64_t{128}}) {
+    SCOPED_TRACE(::testing::Message() << "D=" << D);
+    const int64_t B = 2, n = 3, Lt = 5, Li = 9, L = Lt + Li, H = n * D;
+    const Shape heads{B, n, L, D};
+    Pair pe({B, L, D / 2, 2}), q_scale({D}), k_scale({D}), img({B, Li, 3 * H}, 2), rq({B * Li * n}), rk({B * Li * n});
+    pe.randn(201), q_scale.randn(202), k_scale.randn(203), img.randn(204, 2.0);
+    const auto win = [&](int64_t i) { return img.dev.cols_slice(i * H, H); };
+    Pair qh(heads), kh(heads), vh(heads);
+    Bf16Dev qb(heads), kb(heads), vb(heads);
+    gpu().qk_norm_rope_to_heads(qh.dev, kh.dev, vh.dev, rq.dev, rk.dev, win(0), win(1), win(2), q_scale.dev,
+                                k_scale.dev, pe.dev, Lt, 1e-6);
+    const std::vector<float> rq32 = rq.down();
+    gpu().qk_norm_rope_to_heads(qb.t, kb.t, vb.t, rq.dev, rk.dev, win(0), win(1), win(2), q_scale.dev, k_scale.dev,
+                                pe.dev, Lt, 1e-6);
+    // Only the image stream's rows were written (offset Lt): compare those.
+    const auto rows_of_image = [&](const std::vector<uint16_t>& all) {
+      std::vector<uint16_t> w;
+      for (int64_t bh = 0; bh < B * n; ++bh)
+        w.insert(w.end(), all.begin() + (bh * L + Lt) * D, all.begin() + (bh + 1) * L * D);
+      return w;
+    };
+    EXPECT_EQ(rows_of_image(qb.bits()), rows_of_image(bf16_bits_of(qh.down()))) << "q";
+    EXPECT_EQ(rows_of_image(kb.bits()), rows_of_image(bf16_bits_of(kh.down()))) << "k";
+    EXPECT_EQ(rows_of_image(vb.bits()), rows_of_image(bf16_bits_of(vh.down()))) << "v";
+    EXPECT_EQ(rq.down(), rq32);
+
+    // Backward from bf16 gradients == from f32 gradients holding the same values.
+    Pair dqh(heads), dkh(heads), dvh(heads), d32({B, Li, 3 * H}), d16({B, Li, 3 * H}), ds32({D}), ds16({D});
+    dqh.randn(211), dkh.randn(212), dvh.randn(213);
+    for (Pair* p : {&dqh, &dkh, &dvh}) round_host_to_bf16(*p);
+    Bf16Dev dqb(heads), dkb(heads), dvb(heads);
+    dqb.up(dqh.host.mem), dkb.up(dkh.host.mem), dvb.up(dvh.host.mem);
+    ds32.fill(0.0f), ds16.fill(0.0f);
+    const auto dwin = [&](Pair& p, int64_t i) { return p.dev.cols_slice(i * H, H); };
+    gpu().qk_norm_rope_to_heads_backward(dwin(d32, 0), dwin(d32, 1), dwin(d32, 2), ds32.dev, ds32.dev, dqh.dev,
+                                         dkh.dev, dvh.dev, win(0), win(1), rq.dev, rk.dev, q_scale.dev, k_scale.dev,
+                                         pe.dev, Lt);
+    gpu().qk_norm_rope_to_heads_backward(dwin(d16, 0), dwin(d16, 1), dwin(d16, 2), ds16.dev, ds16.dev, dqb.t, dkb.t,
+                                         dvb.t, win(0), win(1), rq.dev, rk.dev, q_scale.dev, k_scale.dev, pe.dev, Lt);
+    EXPECT_EQ(d16.down(), d32.down());
+    EXPECT_EQ(ds16.down(), ds32.down());
+
+    // Layout: tokens -> bf16 heads rounds, bf16 heads -> tokens widens.
+    Pair tok({B, Li, H}, 4), back({B, Li, H}, 4), f32h(heads);
+    tok.randn(221);
+    Bf16Dev hb(heads);
+    hb.up(std::vector<float>(static_cast<size_t>(B * n * L * D), 0.0f));
+    f32h.fill(0.0f);
+    gpu().tokens_to_heads(hb.t, tok.dev, Lt);
+    gpu().tokens_to_heads(f32h.dev, tok.dev, Lt);
+    EXPECT_EQ(hb.bits(), bf16_bits_of(f32h.down()));
+    gpu().heads_to_tokens(back.dev, hb.t, Lt);
+    std::vector<float> widened = hb.down();
+    f32h.host.mem = widened;
+    f32h.up();
+    Pair back32({B, Li, H}, 4);
+    gpu().heads_to_tokens(back32.dev, f32h.dev, Lt);
+    EXPECT_EQ(back.down(), back32.down());
+    // Mixed heads in one call are refused.
+    EXPECT_THROW(gpu().qk_norm_rope_to_heads(qb.t, kh.dev, vb.t, Tensor{}, Tensor{}, win(0), win(1), win(2),
+                                             q_scale.dev, k_scale.dev, pe.dev, Lt, 1e-6),
+                 Error);
+  }
+}
+
 TEST(CudaOps, TimestepEmbedding) {
   FLUX8_REQUIRE_GPU();
   for (const int64_t dim : {int64_t{256}, int64_t{33}}) {

@@ -570,59 +570,115 @@ void* Attention::delta_scratch(size_t bytes) {
   return delta_;
 }
 
-void Attention::forward(float* o, float* lse, const float* q, const float* k, const float* v,
+bool Attention::cudnn_takes_head_dim(int64_t head_dim) {
+  return attention_path() != AttentionPath::reference && static_refusal(AttentionShape{1, 1, 2, head_dim}).empty();
+}
+
+namespace {
+// The heads of a call as cuDNN takes them: bf16 tensors as they are, f32 ones converted into a
+// staging region (`in`), or, for outputs, a staging region converted back afterwards.
+const __nv_bfloat16* bf16_input(const void* t, bool bf16, void* staging, int64_t n, cudaStream_t stream) {
+  if (bf16) return static_cast<const __nv_bfloat16*>(t);
+  to_bf16(static_cast<__nv_bfloat16*>(staging), static_cast<const float*>(t), n, stream);
+  return static_cast<const __nv_bfloat16*>(staging);
+}
+}  // namespace
+
+void Attention::forward(void* o, float* lse, const void* q, const void* k, const void* v, bool bf16,
                         const AttentionShape& s, double scale) {
   if (s.numel() == 0) return;
+  const int64_t n = s.numel();
   if (!use_cudnn(s, Direction::forward)) {
-    reference_attention_forward(o, lse, q, k, v, s, static_cast<float>(scale), stream_);
+    if (!bf16) {
+      reference_attention_forward(static_cast<float*>(o), lse, static_cast<const float*>(q),
+                                  static_cast<const float*>(k), static_cast<const float*>(v), s,
+                                  static_cast<float>(scale), stream_);
+    } else {  // bf16 heads on the f32 kernel: widen, run, round o back
+      Regions r;
+      const size_t f32_bytes = static_cast<size_t>(n) * sizeof(float);
+      const size_t q32 = r.take(f32_bytes), k32 = r.take(f32_bytes), v32 = r.take(f32_bytes), o32 = r.take(f32_bytes);
+      void* base = cudnn_->staging_buffer(r.total);
+      to_f32(at<float>(base, q32), static_cast<const __nv_bfloat16*>(q), n, stream_);
+      to_f32(at<float>(base, k32), static_cast<const __nv_bfloat16*>(k), n, stream_);
+      to_f32(at<float>(base, v32), static_cast<const __nv_bfloat16*>(v), n, stream_);
+      reference_attention_forward(at<float>(base, o32), lse, at<float>(base, q32), at<float>(base, k32),
+                                  at<float>(base, v32), s, static_cast<float>(scale), stream_);
+      to_bf16(static_cast<__nv_bfloat16*>(o), at<float>(base, o32), n, stream_);
+    }
     ++g_reference_calls;
     return;
   }
   const CudnnPlan& p = cudnn_->plan(s, Direction::forward);
-  const int64_t n = s.numel();
   const size_t bf16_bytes = static_cast<size_t>(n) * sizeof(__nv_bfloat16);
   const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
   const bool stage_stats = !aligned16(lse);  // cuDNN writes Stats with 16-byte alignment
+  const size_t staged = bf16 ? 0 : bf16_bytes;  // f32 heads: bf16 copies of q, k, v and o
   Regions r;
-  const size_t q16 = r.take(bf16_bytes), k16 = r.take(bf16_bytes), v16 = r.take(bf16_bytes), o16 = r.take(bf16_bytes);
+  const size_t q16 = r.take(staged), k16 = r.take(staged), v16 = r.take(staged), o16 = r.take(staged);
   const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
   const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
   void* base = cudnn_->staging_buffer(r.total);
 
-  to_bf16(at<__nv_bfloat16>(base, q16), q, n, stream_);
-  to_bf16(at<__nv_bfloat16>(base, k16), k, n, stream_);
-  to_bf16(at<__nv_bfloat16>(base, v16), v, n, stream_);
+  const __nv_bfloat16* qb = bf16_input(q, bf16, at<void>(base, q16), n, stream_);
+  const __nv_bfloat16* kb = bf16_input(k, bf16, at<void>(base, k16), n, stream_);
+  const __nv_bfloat16* vb = bf16_input(v, bf16, at<void>(base, v16), n, stream_);
+  void* ob = bf16 ? o : at<void>(base, o16);
   float scale_f = static_cast<float>(scale);
   float* stats_ptr = stage_stats ? at<float>(base, stats) : lse;
   cudnn_->execute(p, {kQ, kK, kV, kO, kStats, kScale},
-                  {at<void>(base, q16), at<void>(base, k16), at<void>(base, v16), at<void>(base, o16), stats_ptr,
-                   &scale_f},
+                  {const_cast<__nv_bfloat16*>(qb), const_cast<__nv_bfloat16*>(kb), const_cast<__nv_bfloat16*>(vb), ob,
+                   stats_ptr, &scale_f},
                   at<void>(base, ws));
-  to_f32(o, at<__nv_bfloat16>(base, o16), n, stream_);
+  if (!bf16) to_f32(static_cast<float*>(o), static_cast<const __nv_bfloat16*>(ob), n, stream_);
   if (stage_stats)
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(lse, stats_ptr, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
   ++g_cudnn_calls;
 }
 
-void Attention::backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
-                         const float* v, const float* o, const float* lse, const AttentionShape& s, double scale) {
+void Attention::backward(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k, const void* v,
+                         const void* o, const float* lse, bool bf16, const AttentionShape& s, double scale) {
   if (s.numel() == 0 || (!dq && !dk && !dv)) return;
+  const int64_t n = s.numel();
   const Direction dir = attention_deterministic() ? Direction::backward_deterministic : Direction::backward;
   if (!use_cudnn(s, dir)) {
     float* delta = static_cast<float*>(delta_scratch(static_cast<size_t>(s.rows()) * sizeof(float)));
-    reference_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, s, static_cast<float>(scale), delta, stream_);
+    if (!bf16) {
+      reference_attention_backward(static_cast<float*>(dq), static_cast<float*>(dk), static_cast<float*>(dv),
+                                   static_cast<const float*>(dout), static_cast<const float*>(q),
+                                   static_cast<const float*>(k), static_cast<const float*>(v),
+                                   static_cast<const float*>(o), lse, s, static_cast<float>(scale), delta, stream_);
+    } else {  // bf16 heads on the f32 kernel: widen the inputs, round the gradients back
+      Regions r;
+      const size_t f32_bytes = static_cast<size_t>(n) * sizeof(float);
+      size_t in[5], out[3];
+      for (size_t& i : in) i = r.take(f32_bytes);
+      for (size_t& i : out) i = r.take(f32_bytes);
+      void* base = cudnn_->staging_buffer(r.total);
+      const void* src[5] = {q, k, v, o, dout};
+      for (int i = 0; i < 5; ++i) to_f32(at<float>(base, in[i]), static_cast<const __nv_bfloat16*>(src[i]), n, stream_);
+      void* dst[3] = {dq, dk, dv};
+      reference_attention_backward(dq ? at<float>(base, out[0]) : nullptr, dk ? at<float>(base, out[1]) : nullptr,
+                                   dv ? at<float>(base, out[2]) : nullptr, at<float>(base, in[4]), at<float>(base, in[0]),
+                                   at<float>(base, in[1]), at<float>(base, in[2]), at<float>(base, in[3]), lse, s,
+                                   static_cast<float>(scale), delta, stream_);
+      for (int i = 0; i < 3; ++i)
+        if (dst[i]) to_bf16(static_cast<__nv_bfloat16*>(dst[i]), at<float>(base, out[i]), n, stream_);
+    }
     ++g_reference_calls;
     return;
   }
   const CudnnPlan& p = cudnn_->plan(s, dir);
-  const int64_t n = s.numel();
   const size_t bf16_bytes = static_cast<size_t>(n) * sizeof(__nv_bfloat16);
   const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
   const bool stage_stats = !aligned16(lse);
+  const size_t staged = bf16 ? 0 : bf16_bytes;  // f32 heads: bf16 copies of the inputs
   Regions r;
-  const size_t q16 = r.take(bf16_bytes), k16 = r.take(bf16_bytes), v16 = r.take(bf16_bytes), o16 = r.take(bf16_bytes);
-  const size_t do16 = r.take(bf16_bytes), dq16 = r.take(bf16_bytes), dk16 = r.take(bf16_bytes),
-               dv16 = r.take(bf16_bytes);
+  const size_t q16 = r.take(staged), k16 = r.take(staged), v16 = r.take(staged), o16 = r.take(staged);
+  const size_t do16 = r.take(staged);
+  // Gradient outputs: staged unless they are bf16 tensors given by the caller (cuDNN writes
+  // all three; one not wanted goes to staging).
+  const size_t dq16 = r.take(bf16 && dq ? 0 : bf16_bytes), dk16 = r.take(bf16 && dk ? 0 : bf16_bytes),
+               dv16 = r.take(bf16 && dv ? 0 : bf16_bytes);
   const size_t softmax_sum = r.take(stats_bytes);
   const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
   const bool accumulate_dq = dir == Direction::backward;  // the graph has an f32 dQ_accum
@@ -630,28 +686,32 @@ void Attention::backward(float* dq, float* dk, float* dv, const float* dout, con
   const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
   void* base = cudnn_->staging_buffer(r.total);
 
-  to_bf16(at<__nv_bfloat16>(base, q16), q, n, stream_);
-  to_bf16(at<__nv_bfloat16>(base, k16), k, n, stream_);
-  to_bf16(at<__nv_bfloat16>(base, v16), v, n, stream_);
-  to_bf16(at<__nv_bfloat16>(base, o16), o, n, stream_);
-  to_bf16(at<__nv_bfloat16>(base, do16), dout, n, stream_);
+  const __nv_bfloat16* qb = bf16_input(q, bf16, at<void>(base, q16), n, stream_);
+  const __nv_bfloat16* kb = bf16_input(k, bf16, at<void>(base, k16), n, stream_);
+  const __nv_bfloat16* vb = bf16_input(v, bf16, at<void>(base, v16), n, stream_);
+  const __nv_bfloat16* ob = bf16_input(o, bf16, at<void>(base, o16), n, stream_);
+  const __nv_bfloat16* dob = bf16_input(dout, bf16, at<void>(base, do16), n, stream_);
+  void* dqb = bf16 && dq ? dq : at<void>(base, dq16);
+  void* dkb = bf16 && dk ? dk : at<void>(base, dk16);
+  void* dvb = bf16 && dv ? dv : at<void>(base, dv16);
   float* stats_ptr = stage_stats ? at<float>(base, stats) : const_cast<float*>(lse);
   if (stage_stats)
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(stats_ptr, lse, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
   float scale_f = static_cast<float>(scale), one = 1.0f;
+  auto in = [](const __nv_bfloat16* p) { return static_cast<void*>(const_cast<__nv_bfloat16*>(p)); };
   std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kOne, kSoftmaxSum};
-  std::vector<void*> pointers{at<void>(base, q16),  at<void>(base, k16),  at<void>(base, v16),
-                              at<void>(base, o16),  at<void>(base, do16), stats_ptr,
-                              at<void>(base, dq16), at<void>(base, dk16), at<void>(base, dv16),
-                              &scale_f,             &one,                 at<void>(base, softmax_sum)};
+  std::vector<void*> pointers{in(qb), in(kb), in(vb), in(ob), in(dob), stats_ptr, dqb, dkb, dvb,
+                              &scale_f, &one, at<void>(base, softmax_sum)};
   if (accumulate_dq) {
     uids.push_back(kDQAccum);
     pointers.push_back(at<void>(base, dq_accum));
   }
   cudnn_->execute(p, uids, pointers, at<void>(base, ws));
-  if (dq) to_f32(dq, at<__nv_bfloat16>(base, dq16), n, stream_);
-  if (dk) to_f32(dk, at<__nv_bfloat16>(base, dk16), n, stream_);
-  if (dv) to_f32(dv, at<__nv_bfloat16>(base, dv16), n, stream_);
+  if (!bf16) {
+    if (dq) to_f32(static_cast<float*>(dq), static_cast<const __nv_bfloat16*>(dqb), n, stream_);
+    if (dk) to_f32(static_cast<float*>(dk), static_cast<const __nv_bfloat16*>(dkb), n, stream_);
+    if (dv) to_f32(static_cast<float*>(dv), static_cast<const __nv_bfloat16*>(dvb), n, stream_);
+  }
   ++g_cudnn_calls;
 }
 
@@ -673,33 +733,49 @@ AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d,
 
 }  // namespace
 
+namespace {
+// The heads tensors share one dtype, f32 or bf16 (Backend::attention_heads_dtype); lse is f32.
+bool heads_in_bf16(std::string_view op, std::initializer_list<Named> heads, const Tensor& lse) {
+  require_f32(op, {{"lse", lse}});
+  DType t = DType::f32;
+  bool first = true;
+  for (const Named& h : heads) {
+    if (!h.t.defined()) continue;
+    if (h.t.dtype != DType::f32 && h.t.dtype != DType::bf16)
+      fail("{}: tensor '{}' is {}: attention heads are f32 or bf16", op, h.name, h.t.str());
+    if (first) t = h.t.dtype, first = false;
+    if (h.t.dtype != t)
+      fail("{}: tensor '{}' is {} but the other heads are {}: all heads of one call share a dtype", op, h.name,
+           h.t.str(), dtype_name(t));
+  }
+  return t == DType::bf16;
+}
+}  // namespace
+
 void CudaBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
   constexpr std::string_view op = "attention";
-  require_f32(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
+  const bool bf16 = heads_in_bf16(op, {{"o", o}, {"q", q}, {"k", k}, {"v", v}}, lse);
   const AttentionShape s =
       dense_heads(op, ops::check_attention(op, o, lse, q, k, v), {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
-  attention_->forward(o.ptr<float>(), lse.ptr<float>(), q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), s, scale);
+  attention_->forward(o.data, lse.ptr<float>(), q.data, k.data, v.data, bf16, s, scale);
 }
 
 void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
                                      Tensor o, Tensor lse, double scale) {
   constexpr std::string_view op = "attention_backward";
-  require_f32(op, {{"dq", dq},
-                   {"dk", dk},
-                   {"dv", dv},
-                   {"dout", dout},
-                   {"q", q},
-                   {"k", k},
-                   {"v", v},
-                   {"o", o},
-                   {"lse", lse}});
+  const bool bf16 = heads_in_bf16(
+      op, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"o", o}}, lse);
   const AttentionShape s =
       dense_heads(op, ops::check_attention_backward(op, dq, dk, dv, dout, q, k, v, o, lse),
                   {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
-  attention_->backward(dq.ptr<float>(), dk.ptr<float>(), dv.ptr<float>(), dout.ptr<float>(), q.ptr<float>(),
-                       k.ptr<float>(), v.ptr<float>(), o.ptr<float>(), lse.ptr<float>(), s, scale);
+  attention_->backward(dq.data, dk.data, dv.data, dout.data, q.data, k.data, v.data, o.data, lse.ptr<float>(), bf16, s,
+                       scale);
+}
+
+DType CudaBackend::attention_heads_dtype(DType activations, int64_t head_dim) const {
+  return activations == DType::f32 && Attention::cudnn_takes_head_dim(head_dim) ? DType::bf16 : activations;
 }
 
 }  // namespace flux8

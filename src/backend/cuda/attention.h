@@ -82,11 +82,17 @@ class Attention {
   Attention(const Attention&) = delete;
   Attention& operator=(const Attention&) = delete;
 
-  void forward(float* o, float* lse, const float* q, const float* k, const float* v, const AttentionShape& s,
+  // The heads tensors (q, k, v, o and, backward, dout, dq, dk, dv) are all f32 or all bf16
+  // (`bf16`); lse is f32. bf16 heads are what cuDNN reads and writes: no conversion passes (on
+  // the reference kernel they are widened to f32 and the results rounded back).
+  void forward(void* o, float* lse, const void* q, const void* k, const void* v, bool bf16, const AttentionShape& s,
                double scale);
   // dq, dk, dv may be null (not needed).
-  void backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v,
-                const float* o, const float* lse, const AttentionShape& s, double scale);
+  void backward(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k, const void* v,
+                const void* o, const float* lse, bool bf16, const AttentionShape& s, double scale);
+  // Whether cuDNN is the path for head dim D here (FLUX8_ATTENTION not reference, D a multiple
+  // of 8 up to 256): where models may keep their attention heads in bf16.
+  static bool cudnn_takes_head_dim(int64_t head_dim);
 
   // "" when cuDNN runs this shape here (forward and backward plans built and cached), else
   // the reason it does not.

@@ -46,6 +46,7 @@ class CudaBackend final : public Backend {
   void fill(Tensor y, double value) override;
   void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
   void copy(Tensor y, Tensor x) override;
+  DType attention_heads_dtype(DType activations, int64_t head_dim) const override;
   void add(Tensor y, Tensor a, Tensor b) override;
   void accumulate(Tensor y, Tensor x) override;
 

@@ -45,6 +45,31 @@ __device__ inline void store_pair(float* p, float2 v, bool vec) {
   }
 }
 
+// The joint head-major tensors, f32 or bf16 (Backend::attention_heads_dtype: what cuDNN
+// reads): pairs are computed in f32 and rounded to nearest even when stored as bf16.
+struct Heads {
+  void* p;
+  int64_t ld;
+  bool bf16;
+  __device__ float2 load2(int64_t row, int64_t col, bool vec) const {
+    if (!bf16) return load_pair(static_cast<const float*>(p) + row * ld + col, vec);
+    const auto* b = static_cast<const __nv_bfloat16*>(p) + row * ld + col;
+    if (vec) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(b));
+    return make_float2(__bfloat162float(b[0]), __bfloat162float(b[1]));
+  }
+  __device__ void store2(int64_t row, int64_t col, float2 v, bool vec) const {
+    if (!bf16) return store_pair(static_cast<float*>(p) + row * ld + col, v, vec);
+    auto* b = static_cast<__nv_bfloat16*>(p) + row * ld + col;
+    if (vec) {
+      *reinterpret_cast<__nv_bfloat162*>(b) = __floats2bfloat162_rn(v.x, v.y);
+    } else {
+      b[0] = __float2bfloat16_rn(v.x);
+      b[1] = __float2bfloat16_rn(v.y);
+    }
+  }
+};
+Heads heads_of(const Tensor& t) { return Heads{t.data, t.ld, t.dtype == DType::bf16}; }
+
 // Segment s = r·n + h (the order of rmsnorm_heads' statistics): token row r = b·Ls + l, its
 // columns h·D.., head row (b·n + h)·L + offset + l and table row b·L + offset + l.
 struct Segment {
@@ -67,7 +92,7 @@ __device__ inline void load_table(float2 (&cs)[kPairs], const float* pe, const S
 }
 
 struct ForwardArgs {
-  Mat q_heads, k_heads, v_heads;
+  Heads q_heads, k_heads, v_heads;
   float *q_rstd, *k_rstd;  // null: not saved
   Mat q, k, v;
   const float *q_scale, *k_scale, *pe;
@@ -79,7 +104,7 @@ struct ForwardArgs {
 // out = rope(x / √(mean(x²) + eps) · scale) for one segment: the value rmsnorm_heads stores,
 // then rope's rotation of it.
 template <int kPairs>
-__device__ inline void norm_rotate(const Mat& out, float* rstd, const Mat& x, const float* scale,
+__device__ inline void norm_rotate(const Heads& out, float* rstd, const Mat& x, const float* scale,
                                    const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane, int64_t D,
                                    double eps, bool vec) {
   float2 v[kPairs];
@@ -101,7 +126,7 @@ __device__ inline void norm_rotate(const Mat& out, float* rstd, const Mat& x, co
     if (p < D / 2) {
       const float y0 = v[j].x * rs * scale[2 * p], y1 = v[j].y * rs * scale[2 * p + 1];
       const float c = cs[j].x, sn = cs[j].y;
-      store_pair(&out.at(s.head_row, 2 * p), make_float2(c * y0 - sn * y1, sn * y0 + c * y1), vec);
+      out.store2(s.head_row, 2 * p, make_float2(c * y0 - sn * y1, sn * y0 + c * y1), vec);
     }
   }
 }
@@ -120,13 +145,13 @@ __global__ void qk_norm_rope_to_heads_kernel(ForwardArgs a) {
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
     if (p < a.D / 2)
-      store_pair(&a.v_heads.at(s.head_row, 2 * p), load_pair(&a.v.at(s.token_row, s.col + 2 * p), a.vec), a.vec);
+      a.v_heads.store2(s.head_row, 2 * p, load_pair(&a.v.at(s.token_row, s.col + 2 * p), a.vec), a.vec);
   }
 }
 
 struct BackwardArgs {
   Mat dq, dk, dv;  // null (p == nullptr): not wanted
-  Mat dq_heads, dk_heads, dv_heads;
+  Heads dq_heads, dk_heads, dv_heads;
   Mat q, k;
   const float *q_rstd, *k_rstd, *q_scale, *k_scale, *pe;
   double *q_partial, *k_partial;  // [chunks, D] dscale partials, or null: not wanted
@@ -138,7 +163,7 @@ struct BackwardArgs {
 // unrotated values): with x̂ = x·rstd, dx = rstd·(g·scale − x̂·mean(g·scale·x̂)); acc (this
 // lane's dscale columns) += g·x̂.
 template <int kPairs>
-__device__ inline void norm_rotate_backward(const Mat& dx, double (&acc)[2 * kPairs], const Mat& dheads,
+__device__ inline void norm_rotate_backward(const Mat& dx, double (&acc)[2 * kPairs], const Heads& dheads,
                                             const Mat& x, const float* rstd, const float* scale,
                                             const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
                                             int64_t D, bool vec) {
@@ -149,7 +174,7 @@ __device__ inline void norm_rotate_backward(const Mat& dx, double (&acc)[2 * kPa
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
     if (p < D / 2) {
-      const float2 d = load_pair(&dheads.at(s.head_row, 2 * p), vec);
+      const float2 d = dheads.load2(s.head_row, 2 * p, vec);
       const float c = cs[j].x, sn = cs[j].y;
       g[j] = make_float2(c * d.x + sn * d.y, c * d.y - sn * d.x);  // rotation by −θ: RoPE's backward
       xv[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), vec);
@@ -202,7 +227,7 @@ __device__ inline void store_chunk_partial(double (*tile)[64], const double (&ac
 // or k's. Two passes instead of one keep one set of dscale accumulators live at a time (the
 // single pass spilled registers at D = 128); each element is still read once.
 template <int kPairs>
-__device__ inline void backward_pass(const BackwardArgs& a, const Mat& dx, const Mat& dheads, const Mat& x,
+__device__ inline void backward_pass(const BackwardArgs& a, const Mat& dx, const Heads& dheads, const Mat& x,
                                      const float* rstd, const float* scale, double* partial, bool copy_v,
                                      double (*tile)[64]) {
   const bool norm = dx.p || partial;
@@ -223,8 +248,7 @@ __device__ inline void backward_pass(const BackwardArgs& a, const Mat& dx, const
       for (int j = 0; j < kPairs; ++j) {
         const int64_t p = lane + 32 * j;
         if (p < a.D / 2)
-          store_pair(&a.dv.at(s.token_row, s.col + 2 * p), load_pair(&a.dv_heads.at(s.head_row, 2 * p), a.vec),
-                     a.vec);
+          store_pair(&a.dv.at(s.token_row, s.col + 2 * p), a.dv_heads.load2(s.head_row, 2 * p, a.vec), a.vec);
       }
     }
   }
@@ -252,6 +276,20 @@ int pairs_per_lane(std::string_view op, int64_t D) {
 
 // Whether every row start of these tensors is 8-byte aligned (base and ld even): then pairs
 // move as one float2.
+// The heads of one call: all f32 or all bf16 (undefined ones skipped).
+void check_heads_dtype(std::string_view op, std::initializer_list<Named> heads) {
+  const Tensor* first = nullptr;
+  for (const Named& h : heads) {
+    if (!h.t.defined()) continue;
+    if (h.t.dtype != DType::f32 && h.t.dtype != DType::bf16)
+      fail("{}: tensor '{}' is {}: the heads are f32 or bf16", op, h.name, h.t.str());
+    if (first && h.t.dtype != first->dtype)
+      fail("{}: tensor '{}' is {} but the other heads are {}: all heads of one call share a dtype", op, h.name,
+           h.t.str(), dtype_name(first->dtype));
+    if (!first) first = &h.t;
+  }
+}
+
 bool pair_aligned(std::initializer_list<Tensor> ts) {
   for (const Tensor& t : ts)
     if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % 8 != 0 || t.ld % 2 != 0)) return false;
@@ -264,10 +302,8 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
                                         Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
                                         Tensor pe, int64_t token_offset, double eps) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  require_f32(op, {{"q_heads", q_heads},
-                   {"k_heads", k_heads},
-                   {"v_heads", v_heads},
-                   {"q_rstd", q_rstd},
+  check_heads_dtype(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
+  require_f32(op, {{"q_rstd", q_rstd},
                    {"k_rstd", k_rstd},
                    {"q", q},
                    {"k", k},
@@ -278,9 +314,9 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   const auto d = ops::check_qk_norm_rope_to_heads(op, q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale,
                                                   k_scale, pe, token_offset);
   const int pairs = pairs_per_lane(op, d.D);
-  ForwardArgs a{mat(q_heads),
-                mat(k_heads),
-                mat(v_heads),
+  ForwardArgs a{heads_of(q_heads),
+                heads_of(k_heads),
+                heads_of(v_heads),
                 q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
                 k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
                 mat(q),
@@ -318,9 +354,6 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
                    {"dv", dv},
                    {"dq_scale", dq_scale},
                    {"dk_scale", dk_scale},
-                   {"dq_heads", dq_heads},
-                   {"dk_heads", dk_heads},
-                   {"dv_heads", dv_heads},
                    {"q", q},
                    {"k", k},
                    {"q_rstd", q_rstd},
@@ -328,6 +361,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
                    {"q_scale", q_scale},
                    {"k_scale", k_scale},
                    {"pe", pe}});
+  check_heads_dtype(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
   const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
                                                            dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
                                                            token_offset);
@@ -345,9 +379,9 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   BackwardArgs a{mat_or_null(dq),
                  mat_or_null(dk),
                  mat_or_null(dv),
-                 mat(dq_heads),
-                 mat(dk_heads),
-                 mat_or_null(dv_heads),
+                 heads_of(dq_heads),
+                 heads_of(dk_heads),
+                 heads_of(dv_heads),
                  mat(q),
                  mat(k),
                  q_rstd.ptr<float>(),
