@@ -123,10 +123,12 @@ TEST(CudaOps, Activations) {
 
 TEST(CudaOps, LayerNormModulate) {
   FLUX8_REQUIRE_GPU();
-  // L = 300: dshift/dscale sum 3 samples x 2 row chunks (several groups and chunks at once).
-  for (const int64_t L : {int64_t{37}, int64_t{300}}) {
-    SCOPED_TRACE(::testing::Message() << "L=" << L);
-    const int64_t B = 3, H = 203;
+  // L = 300: dshift/dscale sum 3 samples x 10 row chunks of the one-pass backward (several
+  // groups and chunks at once). H picks its variants: 203 (256 threads, 1 column each), 1500
+  // (512 threads x 3 of 4), 3072 (Flux: 512 x 6), 4100 (beyond 4096: the three-pass fallback).
+  for (const auto [L, H] : {std::array<int64_t, 2>{37, 203}, {300, 203}, {33, 1500}, {40, 3072}, {9, 4100}}) {
+    SCOPED_TRACE(::testing::Message() << "L=" << L << " H=" << H);
+    const int64_t B = 3;
     Pair x({B, L, H}, 2), y({B, L, H}, 1), mean({B * L}), rstd({B * L});
     Pair mod({B, 6 * H});  // shift and scale are column windows of one modulation output
     x.randn(31, 2.0), mod.randn(32, 0.5), y.randn(33);
