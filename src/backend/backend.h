@@ -147,7 +147,9 @@ class Backend {
   // The element type a model stores its attention heads in (q, k, v, o, their gradients and
   // dO; written by qk_norm_rope_to_heads and tokens_to_heads, read by heads_to_tokens): the
   // activation type, or bf16 where this backend's attention computes on bf16 heads anyway (the
-  // CUDA backend's cuDNN path), so no conversion passes run and the results are the same bits.
+  // CUDA backend's cuDNN path), so no conversion passes run and the results are the same bits
+  // (should cuDNN refuse a shape when it builds the plan, the reference kernel then computes on
+  // the bf16 values).
   virtual DType attention_heads_dtype(DType activations, int64_t head_dim) const { return activations; }
   virtual void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) = 0;
   // dq, dk, dv overwritten.

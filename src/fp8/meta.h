@@ -71,12 +71,14 @@ class Fp8MetaRegistry {
   // Called by update() with the staging row (n contiguous floats) before any slot is updated;
   // it must MAX-reduce the row across ranks in place. Unset: a no-op (one process).
   void set_allreduce_hook(std::function<void(float* row0, int n)> hook) { allreduce_ = std::move(hook); }
-  // Fp8Runtime runs the update on its backend and calls the hook itself, with the staging row in
-  // backend memory (device memory on the GPU, what NCCL wants).
+  // Fp8Runtime runs the update on its backend (Backend::delayed_scaling_update) and calls the
+  // hook itself, with the staging row copied to host memory and back.
   const std::function<void(float*, int)>& allreduce_hook() const { return allreduce_; }
 
   // Once per optimizer step, after all casts: all-reduce row 0, then delayed_update_slot() for
-  // every slot, each with fp8_max of its role's format. Also closes the step's telemetry:
+  // every slot, each with fp8_max of its role's format — the host reference of what Fp8Runtime
+  // runs as Backend::delayed_scaling_update over its backend copy of these buffers (training
+  // does not call this; its telemetry is Fp8Runtime::last_step_stats). Also closes the step's telemetry:
   // step_stats() then returns this step's counts and the counters restart at zero.
   // Returns the number of slots whose history rolled (slots cast this step).
   int update(const DelayedScalingParams& params);

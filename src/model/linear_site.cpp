@@ -26,10 +26,10 @@ Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend)
 Fp8Runtime::~Fp8Runtime() {
   try {
     be_.synchronize();
+    release_state();
   } catch (const std::exception&) {
     // A failing device is reported by whatever runs next; a destructor must not throw.
   }
-  release_state();
 }
 
 void Fp8Runtime::release_state() {
@@ -170,7 +170,15 @@ void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
 void Fp8Runtime::end_step() {
   if (cfg_.recipe == Fp8Recipe::delayed && registry_.size() > 0) {
     push_state();
-    if (registry_.allreduce_hook()) registry_.allreduce_hook()(history_dev_.ptr<float>(), registry_.size());
+    if (const auto& hook = registry_.allreduce_hook()) {
+      // The hook reduces the staging row in host memory, as the registry's own update() gives
+      // it: bring row 0 over (after every cast of the step), reduce, put it back. Only runs with
+      // more than one rank, where the synchronisation is paid once per step.
+      std::vector<float> row0(static_cast<size_t>(registry_.size()));
+      be_.download(row0.data(), history_dev_.data, row0.size() * sizeof(float));
+      hook(row0.data(), registry_.size());
+      be_.upload(history_dev_.data, row0.data(), row0.size() * sizeof(float));
+    }
     be_.delayed_scaling_update(history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_,
                                cfg_.amax_max ? AmaxAlgo::max : AmaxAlgo::most_recent, cfg_.margin);
     host_current_ = false;

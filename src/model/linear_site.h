@@ -80,7 +80,7 @@ class Fp8Runtime {
   void set_recording(bool on) { recording_ = on; }
   bool recording() const { return recording_; }
   // Once per optimizer step after the backward: the delayed-scaling update of every slot on the
-  // backend (after the registry's amax all-reduce hook, which gets the staging row in backend
+  // backend (after the registry's amax all-reduce hook, which gets the staging row in host
   // memory), and the step's cast statistics become `last_step_stats`.
   void end_step();
 

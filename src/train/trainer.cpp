@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <utility>
 
 #include "backend/backend.h"
 #include "backend/transfer.h"
@@ -187,7 +188,8 @@ TrainResult run_training(const TrainOptions& opt) {
   auto save = [&]() {
     result.last_checkpoint = save_checkpoint(r.save_dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(),
                                              r.opt->exp_avg_sq(), static_cast<int>(r.cfg.get_int("keep_last_checkpoints")),
-                                             r.model->fp8() ? &r.model->fp8()->registry() : nullptr);
+                                             // const: reading the mirror must not mark the device copy stale
+                                             r.model->fp8() ? &std::as_const(*r.model->fp8()).registry() : nullptr);
     progress.event(fmt::format("saved checkpoint {}", result.last_checkpoint),
                    {{"event", "checkpoint"}, {"step", r.state.step}, {"path", result.last_checkpoint}});
   };

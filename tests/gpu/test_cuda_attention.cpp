@@ -308,8 +308,11 @@ TEST(CudaAttention, Bf16HeadsEqualRoundedF32Heads) {
   Pair q(h.shape()), lse({1, 1, 8});
   Bf16Dev o16(h.shape());
   EXPECT_THROW(gpu().attention(o16.t, lse.dev, q.dev, q.dev, q.dev, 0.1), Error);
-  EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 128), DType::bf16);
-  EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 6), DType::f32);  // the reference kernel's
+  {
+    PathScope scope(AttentionPath::automatic);
+    EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 128), DType::bf16);
+    EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 6), DType::f32);  // the reference kernel's
+  }
   {
     PathScope scope(AttentionPath::reference);
     EXPECT_EQ(gpu().attention_heads_dtype(DType::f32, 128), DType::f32);

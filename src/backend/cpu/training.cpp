@@ -111,8 +111,8 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
   const Ctx c = make_ctx(options_, dt);
   // In the parameters' own precision (fp32 in training, fp64 in gradient checks), as PyTorch's
   // fused AdamW computes for fp32 parameters. The CUDA kernel performs the same fp32 operations
-  // in the same order without fusing them (training.cu), so both agree bit for bit where this
-  // compiler does not contract a·b + c into an FMA (x86-64 without -mfma).
+  // in the same order without fusing them (training.cu), and this file is compiled with
+  // -ffp-contract=off (CMakeLists.txt), so both agree bit for bit.
   dispatch(dt, [&]<typename T>(T) {
     T *p = param.ptr<T>(), *mm = m.ptr<T>(), *vv = v.ptr<T>();
     const T* g = grad.ptr<T>();

@@ -365,8 +365,8 @@ struct Attention::Cudnn {
     if (handle) cudnnDestroy(handle);
   }
 
-  // The handle is made at the first cuDNN call, so a process that never runs attention on
-  // cuDNN never loads it.
+  // The handle is made at the first cuDNN call (or when a model asks which dtype its attention
+  // heads get, Attention::cudnn_takes_head_dim), so a process without attention never loads it.
   bool ensure_handle() {
     if (tried) return handle != nullptr;
     tried = true;
@@ -571,7 +571,8 @@ void* Attention::delta_scratch(size_t bytes) {
 }
 
 bool Attention::cudnn_takes_head_dim(int64_t head_dim) {
-  return attention_path() != AttentionPath::reference && static_refusal(AttentionShape{1, 1, 2, head_dim}).empty();
+  return attention_path() != AttentionPath::reference && static_refusal(AttentionShape{1, 1, 2, head_dim}).empty() &&
+         cudnn_->ensure_handle();
 }
 
 namespace {
@@ -748,6 +749,10 @@ bool heads_in_bf16(std::string_view op, std::initializer_list<Named> heads, cons
       fail("{}: tensor '{}' is {} but the other heads are {}: all heads of one call share a dtype", op, h.name,
            h.t.str(), dtype_name(t));
   }
+  if (t == DType::bf16)  // handed to cuDNN as they are: its tensors are 16-byte aligned
+    for (const Named& h : heads)
+      if (h.t.defined() && !aligned16(h.t.data))
+        fail("{}: bf16 tensor '{}' is not 16-byte aligned (cuDNN reads bf16 heads in place)", op, h.name);
   return t == DType::bf16;
 }
 }  // namespace
@@ -775,7 +780,8 @@ void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dou
 }
 
 DType CudaBackend::attention_heads_dtype(DType activations, int64_t head_dim) const {
-  return activations == DType::f32 && Attention::cudnn_takes_head_dim(head_dim) ? DType::bf16 : activations;
+  FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
+  return activations == DType::f32 && attention_->cudnn_takes_head_dim(head_dim) ? DType::bf16 : activations;
 }
 
 }  // namespace flux8

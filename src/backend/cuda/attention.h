@@ -90,9 +90,10 @@ class Attention {
   // dq, dk, dv may be null (not needed).
   void backward(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k, const void* v,
                 const void* o, const float* lse, bool bf16, const AttentionShape& s, double scale);
-  // Whether cuDNN is the path for head dim D here (FLUX8_ATTENTION not reference, D a multiple
-  // of 8 up to 256): where models may keep their attention heads in bf16.
-  static bool cudnn_takes_head_dim(int64_t head_dim);
+  // Whether cuDNN is the path for head dim D here (FLUX8_ATTENTION not reference, cuDNN loads,
+  // D a multiple of 8 up to 256): where models keep their attention heads in bf16. A shape
+  // cuDNN still refuses when its plan is built runs on the reference kernel with the bf16 values.
+  bool cudnn_takes_head_dim(int64_t head_dim);
 
   // "" when cuDNN runs this shape here (forward and backward plans built and cached), else
   // the reason it does not.

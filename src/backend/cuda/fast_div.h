@@ -8,6 +8,7 @@
 // Host and device share the code, so the CPU tests check it exhaustively over small operands
 // and at the edges.
 #include <cstdint>
+#include <stdexcept>
 
 #include "core/dtype.h"  // FLUX8_HD
 
@@ -17,6 +18,7 @@ class FastDivisor {
  public:
   FastDivisor() = default;
   explicit FastDivisor(uint32_t d) : d_(d) {
+    if (d == 0) throw std::invalid_argument("FastDivisor: division by zero");
     while (shift_ < 31 && (uint32_t(1) << shift_) < d) ++shift_;
     magic_ = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << shift_) - d)) / d + 1);
   }

@@ -60,7 +60,7 @@ __global__ void layernorm_modulate_dx_kernel(Mat dx, Mat dy, Mat x, const float*
   }
 }
 
-// The whole LayerNorm backward in one pass over dy and x: a block takes kRows rows of one
+// The whole LayerNorm backward in one pass over dy and x: a block takes kLnRows rows of one
 // sample (grid: chunks x samples), thread t the columns t, t + kThreads, ... (kCols of them,
 // in registers; 512 threads for wide rows keep them at 6 a thread for Flux's 3072). Per row it forms dx like layernorm_modulate_dx_kernel (the two row sums by warp
 // butterflies and a fixed-order sum of the 8 warps), and it accumulates the columns' dshift =

@@ -274,8 +274,6 @@ int pairs_per_lane(std::string_view op, int64_t D) {
        op, D, 64 * kMaxPairsPerLane);
 }
 
-// Whether every row start of these tensors is 8-byte aligned (base and ld even): then pairs
-// move as one float2.
 // The heads of one call: all f32 or all bf16 (undefined ones skipped).
 void check_heads_dtype(std::string_view op, std::initializer_list<Named> heads) {
   const Tensor* first = nullptr;
@@ -290,6 +288,8 @@ void check_heads_dtype(std::string_view op, std::initializer_list<Named> heads) 
   }
 }
 
+// Whether every row start of these tensors is 8-byte aligned (base and ld even): then pairs
+// move as one float2 (and bf16 pairs as one 4-byte word).
 bool pair_aligned(std::initializer_list<Tensor> ts) {
   for (const Tensor& t : ts)
     if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % 8 != 0 || t.ld % 2 != 0)) return false;
