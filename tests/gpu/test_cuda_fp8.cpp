@@ -10,11 +10,14 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
+#include "fp8/fp8_config.h"
 #include "fp8/quantize.h"
 #include "gpu_test_util.h"
+#include "model/linear_site.h"
 
 namespace flux8::testing {
 namespace {
@@ -486,6 +489,75 @@ TEST(CudaFp8, DelayedScalingUpdateMatchesCpu) {
       }
   Pair bad(Shape{4});
   EXPECT_THROW(gpu().delayed_scaling_update(bad.dev, bad.dev, bad.dev, bad.dev, AmaxAlgo::max, 0), Error);
+}
+
+// The FP8 runtime with its delayed-scaling state on the GPU (casts max their amax into device
+// memory, one update launch per step, the host registry a mirror) against the same runtime on
+// the CPU backend: after every step the mirrors must hold the same history and scales, bit for
+// bit — with a restored state (uploaded before the first cast), an all-reduce hook (row 0 taken
+// to the host and back), and an unrecorded cast between steps (a validation pass: its amax goes
+// to the runtime's scratch, not the history).
+TEST(CudaFp8, RuntimeStateOnDeviceMatchesCpuRuntime) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t N = 40, K = 48, M = 24;
+  Pair x(Shape{N, K}), w(Shape{M, K}), dw(Shape{M, K}), dy(Shape{N, M}), y(Shape{N, M}), dx(Shape{N, K});
+  x.randn(1), w.randn(2, 0.2), dy.randn(3, 0.01), dw.fill(0.0f);
+  Fp8Config cfg;
+  cfg.enabled = true;
+  cfg.recipe = Fp8Recipe::delayed;
+  cfg.hybrid = true;
+  cfg.amax_history_len = 4;
+  struct Run {
+    Backend& be;
+    bool g;
+    Fp8Runtime rt;
+    LinearSite site;
+    Arena saved, scratch;
+    Run(Backend& b, bool gpu_side, const Fp8Config& c) : be(b), g(gpu_side), rt(c, b) {}
+  };
+  Run runs[2] = {Run(cpu(), false, cfg), Run(gpu(), true, cfg)};
+  const auto doubling = [](float* row0, int count) {
+    for (int s = 0; s < count; ++s) row0[s] *= 2.0f;
+  };
+  for (Run& r : runs) {
+    r.site.name = "test.linear";
+    r.site.w = w.t(r.g), r.site.dw = dw.t(r.g);
+    r.rt.add_site(r.site);
+    std::vector<LinearSite*> sites = {&r.site};
+    r.rt.allocate_weight_casts(sites);
+    r.saved.reserve(r.be, 1 << 20);
+    r.scratch.reserve(r.be, 1 << 20);
+    const int n = r.rt.registry().size();
+    std::vector<float> scale(static_cast<size_t>(n)), history(static_cast<size_t>(4 * n), 0.0f);
+    for (int s = 0; s < n; ++s) {
+      scale[static_cast<size_t>(s)] = 2.0f + static_cast<float>(s);
+      for (int row = 1; row < 4; ++row) history[static_cast<size_t>(row * n + s)] = 0.5f * static_cast<float>(row + s);
+    }
+    r.rt.registry().set_state(scale, history, 4);
+    r.rt.registry().set_allreduce_hook(doubling);
+  }
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    for (Run& r : runs) {
+      r.saved.reset();
+      SavedLinearInput saved = allocate_linear_input(r.saved, r.site, &r.rt, x.host.t.shape, DType::f32);
+      site_forward(r.be, &r.rt, r.scratch, r.site, y.t(r.g), x.t(r.g), saved);
+      site_backward(r.be, &r.rt, r.scratch, r.site, dx.t(r.g), dy.t(r.g), saved, false);
+      r.rt.end_step();
+      r.rt.weights_updated();
+      r.rt.set_recording(false);  // a validation forward: casts that must not enter the history
+      site_forward(r.be, &r.rt, r.scratch, r.site, y.t(r.g), x.t(r.g), saved);
+      r.rt.set_recording(true);
+    }
+    const Fp8MetaRegistry &c = std::as_const(runs[0].rt).registry(), &g = std::as_const(runs[1].rt).registry();
+    for (size_t i = 0; i < c.amax_history().size(); ++i)
+      ASSERT_EQ(bits(g.amax_history()[i]), bits(c.amax_history()[i])) << "history element " << i;
+    for (int s = 0; s < c.size(); ++s) {
+      EXPECT_EQ(bits(g.scale(s)), bits(c.scale(s))) << "scale of slot " << s;
+      EXPECT_EQ(bits(g.scale_inv(s)), bits(c.scale_inv(s))) << "scale_inv of slot " << s;
+      EXPECT_NE(c.scale(s), 2.0f + static_cast<float>(s)) << "slot " << s << " never moved";
+    }
+  }
 }
 
 TEST(CudaQuantize, RejectsWhatTheCpuRejects) {
