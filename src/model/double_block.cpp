@@ -247,11 +247,8 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   const size_t mark = a.mark();
   Tensor dmod_txt = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
   Tensor dmod_img = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
-  const Shape heads = s.o.shape;  // of q, k, v too (which selective does not keep)
-  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-  Tensor d_q = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-  Tensor d_k = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-  Tensor d_v = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_o = a.alloc(ctx.heads_dtype, s.o.shape, SlotKind::workspace), d_q, d_k, d_v;
+  allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
 
   stream_post_attention_backward(ctx, p.txt, s.txt, s, dmod_txt, dtxt, d_o, 0);
   stream_post_attention_backward(ctx, p.img, s.img, s, dmod_img, dimg, d_o, Lt);

@@ -113,11 +113,8 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
   Tensor d_cat = a.alloc(ctx.dtype, Shape{B, L, H + M}, SlotKind::workspace);
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
-  const Shape heads = s.o.shape;  // of q, k, v too (which selective does not keep)
-  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-  Tensor d_q = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-  Tensor d_k = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-  Tensor d_v = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+  Tensor d_o = a.alloc(ctx.heads_dtype, s.o.shape, SlotKind::workspace), d_q, d_k, d_v;
+  allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
   const size_t cat_mark = a.mark();
