@@ -735,31 +735,22 @@ AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d,
 }  // namespace
 
 namespace {
-// The heads tensors share one dtype, f32 or bf16 (Backend::attention_heads_dtype); lse is f32.
-bool heads_in_bf16(std::string_view op, std::initializer_list<Named> heads, const Tensor& lse) {
+// The heads share one dtype (heads_in_bf16); lse is f32; bf16 heads go to cuDNN as they are,
+// so they must be 16-byte aligned like its tensors.
+bool attention_heads_in_bf16(std::string_view op, std::initializer_list<Named> heads, const Tensor& lse) {
   require_f32(op, {{"lse", lse}});
-  DType t = DType::f32;
-  bool first = true;
-  for (const Named& h : heads) {
-    if (!h.t.defined()) continue;
-    if (h.t.dtype != DType::f32 && h.t.dtype != DType::bf16)
-      fail("{}: tensor '{}' is {}: attention heads are f32 or bf16", op, h.name, h.t.str());
-    if (first) t = h.t.dtype, first = false;
-    if (h.t.dtype != t)
-      fail("{}: tensor '{}' is {} but the other heads are {}: all heads of one call share a dtype", op, h.name,
-           h.t.str(), dtype_name(t));
-  }
-  if (t == DType::bf16)  // handed to cuDNN as they are: its tensors are 16-byte aligned
+  const bool bf16 = heads_in_bf16(op, heads);
+  if (bf16)
     for (const Named& h : heads)
       if (h.t.defined() && !aligned16(h.t.data))
         fail("{}: bf16 tensor '{}' is not 16-byte aligned (cuDNN reads bf16 heads in place)", op, h.name);
-  return t == DType::bf16;
+  return bf16;
 }
 }  // namespace
 
 void CudaBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
   constexpr std::string_view op = "attention";
-  const bool bf16 = heads_in_bf16(op, {{"o", o}, {"q", q}, {"k", k}, {"v", v}}, lse);
+  const bool bf16 = attention_heads_in_bf16(op, {{"o", o}, {"q", q}, {"k", k}, {"v", v}}, lse);
   const AttentionShape s =
       dense_heads(op, ops::check_attention(op, o, lse, q, k, v), {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
@@ -769,7 +760,7 @@ void CudaBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, 
 void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
                                      Tensor o, Tensor lse, double scale) {
   constexpr std::string_view op = "attention_backward";
-  const bool bf16 = heads_in_bf16(
+  const bool bf16 = attention_heads_in_bf16(
       op, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"o", o}}, lse);
   const AttentionShape s =
       dense_heads(op, ops::check_attention_backward(op, dq, dk, dv, dout, q, k, v, o, lse),

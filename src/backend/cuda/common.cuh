@@ -25,6 +25,11 @@ using ops::require_vector;
 inline void require_f32(std::string_view op, std::initializer_list<Named> tensors) {
   ops::call_dtype(op, tensors, {DType::f32}, "CUDA");
 }
+// Attention heads (Backend::attention_heads_dtype): the defined ones all f32 or all bf16.
+// Returns whether they are bf16.
+inline bool heads_in_bf16(std::string_view op, std::initializer_list<Named> heads) {
+  return ops::call_dtype(op, heads, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
+}
 
 // A [rows, cols] matrix view with row stride ld, passed to kernels by value.
 struct Mat {

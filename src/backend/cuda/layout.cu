@@ -104,22 +104,16 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
 
 }  // namespace
 
-namespace {
-// tokens f32; heads f32 or bf16 (the attention heads' dtype).
-void check_layout_dtypes(std::string_view op, const Tensor& heads, const Tensor& tokens) {
-  require_f32(op, {{"tokens", tokens}});
-  if (heads.dtype != DType::bf16) require_f32(op, {{"heads", heads}});
-}
-}  // namespace
-
 void CudaBackend::tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) {
-  check_layout_dtypes("tokens_to_heads", heads, tokens);
+  require_f32("tokens_to_heads", {{"tokens", tokens}});
+  heads_in_bf16("tokens_to_heads", {{"heads", heads}});
   ops::check_heads_tokens("tokens_to_heads", heads, tokens, token_offset);
   move_heads(*this, heads, tokens, token_offset, true);
 }
 
 void CudaBackend::heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) {
-  check_layout_dtypes("heads_to_tokens", heads, tokens);
+  require_f32("heads_to_tokens", {{"tokens", tokens}});
+  heads_in_bf16("heads_to_tokens", {{"heads", heads}});
   ops::check_heads_tokens("heads_to_tokens", heads, tokens, token_offset);
   move_heads(*this, heads, tokens, token_offset, false);
 }

@@ -274,20 +274,6 @@ int pairs_per_lane(std::string_view op, int64_t D) {
        op, D, 64 * kMaxPairsPerLane);
 }
 
-// The heads of one call: all f32 or all bf16 (undefined ones skipped).
-void check_heads_dtype(std::string_view op, std::initializer_list<Named> heads) {
-  const Tensor* first = nullptr;
-  for (const Named& h : heads) {
-    if (!h.t.defined()) continue;
-    if (h.t.dtype != DType::f32 && h.t.dtype != DType::bf16)
-      fail("{}: tensor '{}' is {}: the heads are f32 or bf16", op, h.name, h.t.str());
-    if (first && h.t.dtype != first->dtype)
-      fail("{}: tensor '{}' is {} but the other heads are {}: all heads of one call share a dtype", op, h.name,
-           h.t.str(), dtype_name(first->dtype));
-    if (!first) first = &h.t;
-  }
-}
-
 // Whether every row start of these tensors is 8-byte aligned (base and ld even): then pairs
 // move as one float2 (and bf16 pairs as one 4-byte word).
 bool pair_aligned(std::initializer_list<Tensor> ts) {
@@ -302,7 +288,6 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
                                         Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
                                         Tensor pe, int64_t token_offset, double eps) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  check_heads_dtype(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
   require_f32(op, {{"q_rstd", q_rstd},
                    {"k_rstd", k_rstd},
                    {"q", q},
@@ -313,6 +298,8 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
                    {"pe", pe}});
   const auto d = ops::check_qk_norm_rope_to_heads(op, q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale,
                                                   k_scale, pe, token_offset);
+  // After the shape checks, whose messages name a missing head tensor.
+  heads_in_bf16(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
   const int pairs = pairs_per_lane(op, d.D);
   ForwardArgs a{heads_of(q_heads),
                 heads_of(k_heads),
@@ -361,10 +348,10 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
                    {"q_scale", q_scale},
                    {"k_scale", k_scale},
                    {"pe", pe}});
-  check_heads_dtype(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
   const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
                                                            dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
                                                            token_offset);
+  heads_in_bf16(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
   const int pairs = pairs_per_lane(op, d.D);
   const int64_t segments = d.B * d.Ls * d.n;
   if (segments == 0) return;
