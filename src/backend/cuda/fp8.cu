@@ -142,6 +142,52 @@ __device__ inline float block_scale(Fp8Scaling s, float amax, Fp8Format f, bool 
   return scale;
 }
 
+// This block's 128x128 tile of x: tile row ty, column tx, first element (r0, c0), nr x nc of it
+// inside x (partial at the bottom and right edges).
+struct Tile {
+  int64_t ty, tx, r0, c0;
+  int nr, nc;
+};
+__device__ inline Tile tile_of(const CastArgs& a) {
+  Tile t;
+  t.ty = blockIdx.x / a.tiles_x, t.tx = blockIdx.x % a.tiles_x;
+  t.r0 = t.ty * kTile, t.c0 = t.tx * kTile;
+  t.nr = static_cast<int>(a.rows - t.r0 < kTile ? a.rows - t.r0 : kTile);
+  t.nc = static_cast<int>(a.cols - t.c0 < kTile ? a.cols - t.c0 : kTile);
+  return t;
+}
+
+// The tile's statistics partial (a.partials[block]): each thread's counts, summed per warp and
+// then over the warps in order by thread 0, and the max of the threads' amaxes. Every thread of
+// the block calls it.
+__device__ inline void write_tile_partial(const CastArgs& a, float amax, uint32_t nonzero, uint32_t saturated,
+                                          uint32_t flushed) {
+  __shared__ float red_amax[kWarps];
+  __shared__ uint32_t red_count[3][kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  amax = warp_amax(amax);
+  nonzero = __reduce_add_sync(kFull, nonzero);
+  saturated = __reduce_add_sync(kFull, saturated);
+  flushed = __reduce_add_sync(kFull, flushed);
+  if (lane == 0) {
+    red_amax[warp] = amax;
+    red_count[0][warp] = nonzero;
+    red_count[1][warp] = saturated;
+    red_count[2][warp] = flushed;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    StatsPartial p{0.0f, 0, 0, 0};
+    for (int w = 0; w < kWarps; ++w) {
+      p.amax = fmaxf(p.amax, red_amax[w]);
+      p.nonzero += red_count[0][w];
+      p.saturated += red_count[1][w];
+      p.flushed += red_count[2][w];
+    }
+    a.partials[blockIdx.x] = p;
+  }
+}
+
 template <Fp8Scaling S>
 __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
   static_assert(S != Fp8Scaling::per_tensor, "per-tensor casts run cast_per_tensor_kernel");
@@ -152,13 +198,9 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
   __shared__ float col_scale[kTile][kNumSeg];  // ... of (tile column, segment of rows)
   __shared__ float tile_scale;                 // block_128x128
   __shared__ float red_amax[kWarps];
-  __shared__ uint32_t red_count[3][kWarps];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t ty = blockIdx.x / a.tiles_x, tx = blockIdx.x % a.tiles_x;
-  const int64_t r0 = ty * kTile, c0 = tx * kTile;
-  const int nr = static_cast<int>(a.rows - r0 < kTile ? a.rows - r0 : kTile);
-  const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
+  const auto [ty, tx, r0, c0, nr, nc] = tile_of(a);
 
   // Stage the tile; cells outside x hold 0, which changes no amax.
   float amax = 0.0f;
@@ -262,25 +304,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
         if (a.stats_from_col) count(v, s, code);
       }
 
-  if (!a.partials) return;
-  nonzero = __reduce_add_sync(kFull, nonzero);
-  saturated = __reduce_add_sync(kFull, saturated);
-  flushed = __reduce_add_sync(kFull, flushed);
-  if (lane == 0) {
-    red_count[0][warp] = nonzero;
-    red_count[1][warp] = saturated;
-    red_count[2][warp] = flushed;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    StatsPartial p{tile_amax, 0, 0, 0};
-    for (int w = 0; w < kWarps; ++w) {
-      p.nonzero += red_count[0][w];
-      p.saturated += red_count[1][w];
-      p.flushed += red_count[2][w];
-    }
-    a.partials[blockIdx.x] = p;
-  }
+  if (a.partials) write_tile_partial(a, tile_amax, nonzero, saturated, flushed);
 }
 
 // Per-tensor scaling (delayed and tensorwise, the recipes that matter for speed): the scale is
@@ -299,14 +323,9 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
   // word g of 32 groups of 4 rows) hit 32 different banks.
   __shared__ uint32_t codes[kTile][kTile / 4];
   __shared__ double col_sum[kWarps][kTile];
-  __shared__ float red_amax[kWarps];
-  __shared__ uint32_t red_count[3][kWarps];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t ty = blockIdx.x / a.tiles_x, tx = blockIdx.x % a.tiles_x;
-  const int64_t r0 = ty * kTile, c0 = tx * kTile;
-  const int nr = static_cast<int>(a.rows - r0 < kTile ? a.rows - r0 : kTile);
-  const int nc = static_cast<int>(a.cols - c0 < kTile ? a.cols - c0 : kTile);
+  const auto [ty, tx, r0, c0, nr, nc] = tile_of(a);
   const float s = *a.tensor_scale;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (a.row.codes) a.row.scale_inv[0] = scale_inverse(s);
@@ -416,28 +435,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
     a.column_partials[ty * a.cols + c0 + threadIdx.x] = t;
   }
 
-  if (!a.partials) return;
-  amax = warp_amax(amax);
-  nonzero = __reduce_add_sync(kFull, nonzero);
-  saturated = __reduce_add_sync(kFull, saturated);
-  flushed = __reduce_add_sync(kFull, flushed);
-  if (lane == 0) {
-    red_amax[warp] = amax;
-    red_count[0][warp] = nonzero;
-    red_count[1][warp] = saturated;
-    red_count[2][warp] = flushed;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    StatsPartial p{0.0f, 0, 0, 0};
-    for (int w = 0; w < kWarps; ++w) {
-      p.amax = fmaxf(p.amax, red_amax[w]);
-      p.nonzero += red_count[0][w];
-      p.saturated += red_count[1][w];
-      p.flushed += red_count[2][w];
-    }
-    a.partials[blockIdx.x] = p;
-  }
+  if (a.partials) write_tile_partial(a, amax, nonzero, saturated, flushed);
 }
 
 // One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree)
