@@ -9,6 +9,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/fast_div.h"
 #include "backend/op_checks.h"
 
 namespace flux8::cuda {
@@ -29,6 +30,13 @@ inline void require_f32(std::string_view op, std::initializer_list<Named> tensor
 // Returns whether they are bf16.
 inline bool heads_in_bf16(std::string_view op, std::initializer_list<Named> heads) {
   return ops::call_dtype(op, heads, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
+}
+
+// The sample of row r (r / rows per sample) without a 64-bit division per element: rows of one
+// launch must have 32-bit indices. 0 rows per sample (no rows to divide) gives the divisor 1.
+inline FastDivisor row_divisor(std::string_view op, int64_t rows, int64_t per_sample) {
+  if (rows >= (int64_t(1) << 31)) fail("{}: {} rows: beyond the 2^31 rows one launch indexes", op, rows);
+  return FastDivisor(static_cast<uint32_t>(per_sample > 1 ? per_sample : 1));
 }
 
 // A [rows, cols] matrix view with row stride ld, passed to kernels by value.

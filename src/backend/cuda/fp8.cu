@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/fast_div.h"
 #include "backend/cuda/pointwise.cuh"
 #include "fp8/quantize.h"
 #include "fp8/recipe.h"
@@ -612,8 +611,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     src.shift = mat(in.shift);
     src.scale = mat(in.scale);
     src.tokens = dims.L > 0 ? dims.L : 1;
-    FLUX8_CHECK(x.rows() < (int64_t(1) << 31), "{}: {} rows: beyond the 2^31 rows one cast indexes", op, x.rows());
-    src.per_sample = FastDivisor(static_cast<uint32_t>(src.tokens));
+    src.per_sample = row_divisor(op, x.rows(), src.tokens);
   }
   if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
     column_sums(*this, 1, R, C, [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); },

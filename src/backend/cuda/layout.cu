@@ -5,18 +5,11 @@
 #include <cstdint>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/fast_div.h"
 
 namespace flux8 {
 using namespace cuda;
 
 namespace {
-
-// The row count of a launch over rows must allow 32-bit row indices for FastDivisor.
-FastDivisor row_divisor(std::string_view op, int64_t rows, int64_t per_sample) {
-  if (rows >= (int64_t(1) << 31)) fail("{}: {} rows: beyond the 2^31 rows one launch indexes", op, rows);
-  return FastDivisor(static_cast<uint32_t>(per_sample > 1 ? per_sample : 1));  // 0: no rows to divide
-}
 
 // bf16 heads (Backend::attention_heads_dtype) against f32 tokens: values rounded to nearest
 // even on the way in, widened exactly on the way out; 4 elements a thread where aligned.
