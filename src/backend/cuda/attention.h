@@ -2,9 +2,10 @@
 // Exact (non-causal, unmasked) softmax attention on the GPU: the CUDA backend's attention and
 // attention_backward. Two implementations of the same math (backend.h):
 //
-// - cuDNN's fused flash attention (the default). The model's tensors are f32 and cuDNN's
-//   kernels take bf16 Q/K/V/O/dO, so each call converts into bf16 staging buffers, runs the
-//   cuDNN execution plan, and converts the results back (o, dq, dk, dv carry bf16 rounding).
+// - cuDNN's fused flash attention (the default). cuDNN's kernels take bf16 Q/K/V/O/dO: bf16
+//   heads (what models store where cuDNN runs, Backend::attention_heads_dtype) go in as they
+//   are; f32 heads are converted into bf16 staging buffers and the results converted back (o,
+//   dq, dk, dv carry bf16 rounding either way).
 //   lse is cuDNN's own f32 "Stats" output (max + log Σ exp of the scaled scores: exactly our
 //   lse). The plans are built once per (B, n, L, D) and direction and reused; the scale is a
 //   by-value graph input, so one plan serves every scale. A training step builds nothing
@@ -54,7 +55,7 @@ struct AttentionCounters {
 AttentionCounters attention_counters();
 
 // q, k, v, o, dq, dk, dv: [batch, heads, seq, head_dim]; lse: [batch, heads, seq]; all
-// contiguous f32 device memory.
+// contiguous device memory (the heads f32 or bf16, lse f32).
 struct AttentionShape {
   int64_t batch = 0, heads = 0, seq = 0, head_dim = 0;
   int64_t rows() const { return batch * heads * seq; }  // query rows of all heads
