@@ -119,6 +119,13 @@ inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
 // Device result of `p` vs its host (CPU-computed) values.
 inline double gpu_vs_cpu(const Pair& p) { return rel_l2(p.down(), p.cpu_values()); }
 
+// f32 values -> the bf16 bit patterns they round to (nearest even).
+inline std::vector<uint16_t> bf16_bits_of(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16_bits(v[i]);
+  return b;
+}
+
 // A contiguous bf16 device tensor (attention heads in bf16: Backend::attention_heads_dtype).
 struct Bf16Dev {
   Tensor t;
@@ -127,8 +134,7 @@ struct Bf16Dev {
   Bf16Dev(const Bf16Dev&) = delete;
   // Each value rounded to nearest even.
   void up(const std::vector<float>& v) {
-    std::vector<uint16_t> b(v.size());
-    for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16_bits(v[i]);
+    const std::vector<uint16_t> b = bf16_bits_of(v);
     gpu().upload(t.data, b.data(), b.size() * 2);
   }
   std::vector<uint16_t> bits() const {
@@ -143,12 +149,6 @@ struct Bf16Dev {
   }
 };
 
-// f32 values -> the bf16 bit patterns they round to (nearest even).
-inline std::vector<uint16_t> bf16_bits_of(const std::vector<float>& v) {
-  std::vector<uint16_t> b(v.size());
-  for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16_bits(v[i]);
-  return b;
-}
 // Round a host tensor's values to bf16 in place (so f32 and bf16 runs get the same inputs).
 inline void round_host_to_bf16(Pair& p) {
   for (float& x : p.host.mem) x = round_to_bf16(x);
