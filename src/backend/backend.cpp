@@ -59,6 +59,7 @@ BackendOptions BackendOptions::from_config(const Config& cfg) {
   o.threads = static_cast<int>(cfg.get_int("threads"));
   o.round_activations_to_bf16 = cfg.get_bool("round_activations_to_bf16");
   o.bf16_gemm = cfg.get_string("gemm_precision") == "bf16";
+  o.bf16_activations = cfg.get_string("activation_precision") == "bf16";
   return o;
 }
 

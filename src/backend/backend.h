@@ -6,6 +6,12 @@
 // - Shapes are given by the tensors; an op checks them and fails naming the op and tensors.
 // - Within one call all tensors share one dtype: f32 (or f64 on the CPU backend, used by the
 //   finite-difference gradient checks). Saved statistics (mean, rstd, lse) use that dtype.
+//   One exception: a backend whose activation_dtype() is bf16 (the CUDA backend with
+//   bf16_activations) takes the ACTIVATION arguments of the ops below — inputs, outputs and
+//   input gradients, named per op — in bf16, all of one call in the same type, while
+//   parameters (w, b, scale), parameter gradients and statistics stay in the compute dtype.
+//   Kernels compute in f32 and round each stored value to nearest even: the values the CPU
+//   backend gives with round_activations_to_bf16 (up to summation order).
 // - Outputs are overwritten, except: parameter gradients (dw, db, dscale) are ACCUMULATED
 //   (+=) so that micro-batches and repeated uses of a parameter sum; input gradients are
 //   accumulated when the op's `accumulate` flag is set (residual streams).
@@ -39,8 +45,12 @@ struct BackendOptions {
   // CUDA: the non-FP8 GEMMs (linear, linear_backward) round their operands to bf16 and
   // accumulate in fp32 on the tensor cores (gemm_precision: bf16); false = exact f32 GEMMs.
   bool bf16_gemm = false;
+  // CUDA: activations stored in bf16 (activation_dtype()); their GEMMs then run on bf16
+  // operands whatever bf16_gemm says (the operands are bf16 already).
+  bool bf16_activations = false;
 
-  // From the config keys threads, round_activations_to_bf16 and gemm_precision.
+  // From the config keys threads, round_activations_to_bf16, gemm_precision and
+  // activation_precision.
   static BackendOptions from_config(const Config& cfg);
 };
 
@@ -64,7 +74,12 @@ class Backend {
   virtual void synchronize() {}
   virtual MemoryUse memory_use() const { return memory_; }
 
+  // The element type a model stores activations and their gradients in when it computes in
+  // `compute`: `compute` itself, or bf16 (CUDA backend, bf16_activations, compute f32).
+  virtual DType activation_dtype(DType compute) const { return compute; }
+
   // ---- elementwise / copies (same shape [rows, cols]; any ld) --------------------------
+  // Activations: every tensor (all of one type); copy() also converts, y's type from x's.
   virtual void fill(Tensor y, double value) = 0;
   // y[i] = scale·N(0, 1) or scale·U(−1, 1) for every element i of the contiguous y, drawn from
   // (seed, stream, i) by core/rng.h's counter-based generator, in double, rounded to y's type:

@@ -42,6 +42,15 @@ inline Backend& cpu() {
   static std::unique_ptr<Backend> be = make_backend("cpu");
   return *be;
 }
+// The CPU twin of bf16 activation storage: every activation output rounded to bf16.
+inline Backend& cpu_bf16() {
+  static std::unique_ptr<Backend> be = [] {
+    BackendOptions o;
+    o.round_activations_to_bf16 = true;
+    return make_backend("cpu", o);
+  }();
+  return *be;
+}
 
 // A host f32 buffer and a device copy of the same layout (ld included).
 struct Pair {
@@ -148,6 +157,90 @@ struct Bf16Dev {
     return v;
   }
 };
+
+// An activation in bf16 storage: a host f32 buffer holding bf16 values (the CPU backend's
+// view) and a bf16 device twin with the same shape and ld (padding included, so strided views
+// are exercised). Values written by the CPU run stay f32 on the host; down() gives the GPU's.
+struct Bf16Pair {
+  Buf<float> host;
+  Tensor dev;
+
+  explicit Bf16Pair(Shape s, int64_t pad = 0) : host(s, pad) {
+    const size_t bytes = host.mem.size() * 2;
+    dev = host.t;
+    dev.dtype = DType::bf16;
+    dev.data = gpu().allocate(bytes ? bytes : 2);
+  }
+  ~Bf16Pair() { gpu().release(dev.data); }
+  Bf16Pair(const Bf16Pair&) = delete;
+
+  // N(0, stddev²) values rounded to bf16, on both sides.
+  Bf16Pair& randn(uint64_t seed, double stddev = 1.0) {
+    host.randn(seed, stddev);
+    return up();
+  }
+  Bf16Pair& fill(float v) {
+    std::fill(host.mem.begin(), host.mem.end(), v);
+    return up();
+  }
+  // Rounds the host values to bf16 and uploads them (whole storage, padding included).
+  Bf16Pair& up() {
+    for (float& x : host.mem) x = round_to_bf16(x);
+    const std::vector<uint16_t> b = bf16_bits_of(host.mem);
+    gpu().upload(dev.data, b.data(), b.size() * 2);
+    return *this;
+  }
+  std::vector<uint16_t> all_bits() const {
+    std::vector<uint16_t> all(host.mem.size());
+    gpu().download(all.data(), dev.data, all.size() * 2);
+    return all;
+  }
+  // The device tensor's window, row by row, as f32 values.
+  std::vector<float> down() const {
+    const std::vector<uint16_t> all = all_bits();
+    std::vector<float> v;
+    for (int64_t r = 0; r < dev.rows(); ++r)
+      for (int64_t c = 0; c < dev.cols(); ++c) v.push_back(bf16_bits_to_f32(all[static_cast<size_t>(r * dev.ld + c)]));
+    return v;
+  }
+  // The padding must still hold what up() put there.
+  bool padding_untouched() const {
+    const std::vector<uint16_t> all = all_bits();
+    for (int64_t r = 0; r < dev.rows(); ++r)
+      for (int64_t c = dev.cols(); c < dev.ld; ++c) {
+        const size_t i = static_cast<size_t>(r * dev.ld + c);
+        if (all[i] != f32_to_bf16_bits(host.mem[i])) return false;
+      }
+    return true;
+  }
+  // The CPU result rounded to bf16, as the GPU stores it (ops that the CPU twin does not round,
+  // e.g. copy/add/accumulate, are compared with what bf16 storage of their result gives).
+  std::vector<float> cpu_values() const {
+    std::vector<float> v = host.values();
+    for (float& x : v) x = round_to_bf16(x);
+    return v;
+  }
+  Tensor t(bool on_gpu) const { return on_gpu ? dev : host.t; }
+};
+
+inline double gpu_vs_cpu(const Bf16Pair& p) { return rel_l2(p.down(), p.cpu_values()); }
+
+// Elements where the GPU's bf16 result and the CPU's bf16-rounded one differ in their bits.
+inline int64_t bf16_mismatches(const Bf16Pair& p) {
+  const std::vector<float> g = p.down(), c = p.cpu_values();
+  int64_t n = 0;
+  for (size_t i = 0; i < g.size(); ++i) n += f32_to_bf16_bits(g[i]) != f32_to_bf16_bits(c[i]);
+  return n;
+}
+
+// run_both for bf16 activations: the CPU backend that rounds activations to bf16 (host views),
+// then the GPU (device views, bf16 activations).
+template <typename Op>
+void run_both_bf16(Op op) {
+  op(cpu_bf16(), false);
+  op(gpu(), true);
+  gpu().synchronize();
+}
 
 // Round a host tensor's values to bf16 in place (so f32 and bf16 runs get the same inputs).
 inline void round_host_to_bf16(Pair& p) {

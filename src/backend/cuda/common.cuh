@@ -32,6 +32,21 @@ inline bool heads_in_bf16(std::string_view op, std::initializer_list<Named> head
   return ops::call_dtype(op, heads, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
 }
 
+// Activations (BackendOptions::bf16_activations: inputs, outputs and input gradients of the
+// ops, Backend::activation_dtype) are stored in f32 or bf16; parameters, parameter gradients and
+// statistics stay f32. The defined activation tensors of one call share one of the two types;
+// returns whether it is bf16 (the kernels compute in f32 either way: load widens, store rounds
+// to nearest even).
+inline bool activations_in_bf16(std::string_view op, std::initializer_list<Named> activations) {
+  return ops::call_dtype(op, activations, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
+}
+
+// Element access for the two storage types: load gives the f32 value, store rounds to it.
+__device__ __forceinline__ float load(const float& x) { return x; }
+__device__ __forceinline__ float load(const __nv_bfloat16& x) { return __bfloat162float(x); }
+__device__ __forceinline__ void store(float& y, float v) { y = v; }
+__device__ __forceinline__ void store(__nv_bfloat16& y, float v) { y = __float2bfloat16_rn(v); }
+
 // The sample of row r (r / rows per sample) without a 64-bit division per element: rows of one
 // launch must have 32-bit indices. 0 rows per sample (no rows to divide) gives the divisor 1.
 inline FastDivisor row_divisor(std::string_view op, int64_t rows, int64_t per_sample) {
@@ -47,6 +62,26 @@ struct Mat {
 };
 inline Mat mat(const Tensor& t) { return Mat{t.ptr<float>(), t.rows(), t.cols(), t.ld}; }
 inline Mat mat_or_null(const Tensor& t) { return t.defined() ? mat(t) : Mat{nullptr, 0, 0, 0}; }
+
+// The same view over elements of type T (float or __nv_bfloat16: an activation in either
+// storage type). Kernels over activations are templated on T and dispatched on
+// activations_in_bf16(); values are read with load() and written with store().
+template <typename T>
+struct MatOf {
+  T* p;
+  int64_t rows, cols, ld;
+  __device__ T& at(int64_t r, int64_t c) const { return p[r * ld + c]; }
+  __device__ float get(int64_t r, int64_t c) const { return load(p[r * ld + c]); }
+  __device__ void set(int64_t r, int64_t c, float v) const { store(p[r * ld + c], v); }
+};
+template <typename T>
+MatOf<T> mat_of(const Tensor& t) {
+  return MatOf<T>{static_cast<T*>(t.data), t.rows(), t.cols(), t.ld};
+}
+template <typename T>
+MatOf<T> mat_of_or_null(const Tensor& t) {
+  return t.defined() ? mat_of<T>(t) : MatOf<T>{nullptr, 0, 0, 0};
+}
 
 constexpr int kThreads = 256;
 

@@ -47,6 +47,9 @@ class CudaBackend final : public Backend {
   void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
   void copy(Tensor y, Tensor x) override;
   DType attention_heads_dtype(DType activations, int64_t head_dim) const override;
+  DType activation_dtype(DType compute) const override {
+    return options_.bf16_activations && compute == DType::f32 ? DType::bf16 : compute;
+  }
   void add(Tensor y, Tensor a, Tensor b) override;
   void accumulate(Tensor y, Tensor x) override;
 
