@@ -62,7 +62,8 @@ Command add_bench_command(CLI::App& app) {
                   "benchmark this config's model at its micro_batch_size, image_size and text_seq_len instead")
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o->overrides,
-                  "override a config key: fp8_* keys and recompute_granularity (none, selective, full) for the runs, or any key with -c");
+                  "override a config key: fp8_* keys, recompute_granularity (none, selective, full) and "
+                  "activation_precision (bf16, f32) for the runs, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
@@ -99,7 +100,8 @@ Command add_bench_command(CLI::App& app) {
       }
     } else {
       std::vector<StepBenchSpec> specs;
-      Config run_keys;  // where the runs take fp8_* settings and recompute_granularity from
+      // Where the runs take fp8_* settings, recompute_granularity and activation_precision from.
+      Config run_keys;
       for (const std::string& kv : o->overrides) run_keys.apply_override(kv);
       if (!o->config.empty()) {
         const Config c = Config::load(o->config, o->overrides);
@@ -116,6 +118,7 @@ Command add_bench_command(CLI::App& app) {
       fmt::print("{:<22} {:<28} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}  {}\n", "workload", "precision", "step ms",
                  "TFLOP/s", "setup s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
       const Recompute recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
+      bo.bf16_activations = run_keys.get_string("activation_precision") == "bf16";
       for (StepBenchSpec s : specs) {
         s.recompute = recompute;
         s.lr = o->lr;
@@ -169,6 +172,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"first_loss", r.first_loss},     {"last_loss", r.last_loss},
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},
                                   {"backend", o->backend},          {"data", o->data},
+                                  {"activation_precision", bo.bf16_activations ? "bf16" : "f32"},
                                   {"ops", ops}});
         }
       }

@@ -29,7 +29,7 @@ struct BlockContext {
   Backend& be;
   const FluxConfig& cfg;
   StepShape shape;
-  DType dtype;        // activations
+  DType dtype;        // activations and their gradients (Backend::activation_dtype)
   Arena& scratch;     // temporaries; every block releases what it takes
   Tensor pe;          // RoPE table of the joint sequence [B, L, D/2, 2]
   Tensor silu_vec;    // SiLU(vec) [B, H], the input of every modulation Linear
@@ -37,6 +37,11 @@ struct BlockContext {
   Fp8Runtime* fp8 = nullptr;  // FP8 state; null in BF16 runs
   DType heads_dtype = DType::f32;  // q, k, v, o and their gradients (Backend::attention_heads_dtype)
 };
+
+// The type of saved statistics (LayerNorm mean/rstd, QK-norm rstd, attention lse, RoPE table,
+// positions) next to activations of type `activations`: the compute type — f32 when the
+// activations are stored in bf16 (Backend::activation_dtype), else the activations' own.
+inline DType statistics_dtype(DType activations) { return activations == DType::bf16 ? DType::f32 : activations; }
 
 // q, k and v of a block's attention in the head-major layout [B, heads, L, D], from `a`
 // (selective recompute puts them in scratch for one forward or backward).

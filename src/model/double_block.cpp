@@ -37,7 +37,9 @@ DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int6
   auto lin = [&](const LinearSite& site, int64_t cols) {
     return allocate_linear_input(a, site, fp8, Shape{B, Ls, cols}, t);
   };
-  auto stat = [&](int64_t per_token) { return a.alloc(t, Shape{B * Ls * per_token}, SlotKind::statistic); };
+  auto stat = [&](int64_t per_token) {
+    return a.alloc(statistics_dtype(t), Shape{B * Ls * per_token}, SlotKind::statistic);
+  };
   s.x_in = act(H);
   // SiLU(vec) is shared by every modulation Linear: only an FP8 cast of it is saved here.
   if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
@@ -91,7 +93,7 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
   if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
   s.o = a.alloc(ht, heads, SlotKind::activation);
-  s.lse = a.alloc(t, Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
+  s.lse = a.alloc(statistics_dtype(t), Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
   return s;
 }
 

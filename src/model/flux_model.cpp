@@ -35,6 +35,10 @@ struct ModelSaved {
   MlpEmbedderSaved time, guidance, vector;
   Tensor vec, silu_vec;        // [B,H]
   Tensor final_mod, final_mean, final_rstd, final_xm, pred;
+  // Activations stored in another type than the model computes in (bf16 on the GPU): the
+  // inputs img, txt, y converted (the first Linears' saved inputs) and pred converted back.
+  // Otherwise undefined: the inputs are used as they are and pred is returned.
+  Tensor img_in, txt_in, y_in, pred_out;
   std::vector<DoubleBlockSaved> doubles;  // every block's activations (Recompute::none, selective)
   std::vector<SingleBlockSaved> singles;
   // Recompute::full: each block's input, buffers to re-run a block's forward in, and the arena
@@ -43,17 +47,25 @@ struct ModelSaved {
   Tensor work_txt, work_img, work_z;
   size_t block_region = 0;
 
-  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t, DType ht,
+  // io: the model's type (inputs, pred); t: the activations'; ht: the attention heads'.
+  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType io, DType t, DType ht,
                              const std::vector<DoubleBlockParams>& dp, const std::vector<SingleBlockParams>& sp,
                              const Fp8Runtime* fp8, Recompute recompute) {
     const int64_t B = sh.batch, H = c.hidden_size, L = sh.tokens();
+    const DType st = statistics_dtype(t);
     ModelSaved s;
     auto act = [&](Shape shape) { return a.alloc(t, shape, SlotKind::activation); };
+    if (t != io) {
+      s.img_in = act(Shape{B, sh.img_tokens, c.in_channels});
+      s.txt_in = act(Shape{B, sh.txt_tokens, c.context_dim});
+      s.y_in = act(Shape{B, c.vec_dim});
+      s.pred_out = a.alloc(io, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::activation);
+    }
     s.txt = act(Shape{B, sh.txt_tokens, H});
     s.img = act(Shape{B, sh.img_tokens, H});
     s.z = act(Shape{B, L, H});
-    s.ids = act(Shape{B, L, 3});
-    s.pe = a.alloc(t, Shape{B, L, c.head_dim() / 2, 2}, SlotKind::statistic);
+    s.ids = a.alloc(st, Shape{B, L, 3}, SlotKind::statistic);
+    s.pe = a.alloc(st, Shape{B, L, c.head_dim() / 2, 2}, SlotKind::statistic);
     auto embedder = [&](int64_t in_dim) {
       return MlpEmbedderSaved{act(Shape{B, in_dim}), act(Shape{B, H}), act(Shape{B, H})};
     };
@@ -63,8 +75,8 @@ struct ModelSaved {
     s.vec = act(Shape{B, H});
     s.silu_vec = act(Shape{B, H});
     s.final_mod = act(Shape{B, 2 * H});
-    s.final_mean = a.alloc(t, Shape{B * sh.img_tokens}, SlotKind::statistic);
-    s.final_rstd = a.alloc(t, Shape{B * sh.img_tokens}, SlotKind::statistic);
+    s.final_mean = a.alloc(st, Shape{B * sh.img_tokens}, SlotKind::statistic);
+    s.final_rstd = a.alloc(st, Shape{B * sh.img_tokens}, SlotKind::statistic);
     s.final_xm = act(Shape{B, sh.img_tokens, H});
     s.pred = act(Shape{B, sh.img_tokens, c.out_channels});
     if (recompute != Recompute::full) {
@@ -105,6 +117,7 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, co
                         Recompute recompute) {
   const bool selective = recompute == Recompute::selective;
   const int64_t B = sh.batch, H = c.hidden_size;
+  a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted
   a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);  // dtxt
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // dimg
   a.alloc(t, Shape{B, sh.tokens(), H}, SlotKind::workspace);    // dz
@@ -127,9 +140,10 @@ Recompute recompute_from_name(const std::string& name) {
 
 FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
                      Recompute recompute)
-    : cfg_(cfg), be_(backend), dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
+    : cfg_(cfg), be_(backend), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
-  heads_dtype_ = be_.attention_heads_dtype(dtype_, cfg_.head_dim());
+  act_dtype_ = be_.activation_dtype(dtype_);
+  heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
   params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i)
     double_params_.push_back(DoubleBlockParams::bind(*params_, i));
@@ -168,15 +182,16 @@ ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepSh
   // BF16 plan: default sites are not FP8.
   const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
-  ModelSaved::allocate(saved, cfg, shape, DType::f32, DType::f32, dp, sp, nullptr, recompute);
+  ModelSaved::allocate(saved, cfg, shape, DType::f32, DType::f32, DType::f32, dp, sp, nullptr, recompute);
   plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr, recompute);
   return {saved.peak_usage(), static_cast<int64_t>(scratch.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {
   Arena saved, scratch;
-  ModelSaved::allocate(saved, cfg_, s, dtype_, heads_dtype_, double_params_, single_params_, fp8_.get(), recompute_);
-  plan_model_scratch(scratch, cfg_, s, dtype_, fp8_.get(), recompute_);
+  ModelSaved::allocate(saved, cfg_, s, dtype_, act_dtype_, heads_dtype_, double_params_, single_params_, fp8_.get(),
+                       recompute_);
+  plan_model_scratch(scratch, cfg_, s, act_dtype_, fp8_.get(), recompute_);
   saved_arena_.reserve(be_, saved.peak());
   scratch_arena_.reserve(be_, scratch.peak());
   planned_ = s;
@@ -211,10 +226,18 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   saved_arena_.reset();
   scratch_arena_.reset();
   saved_ = std::make_unique<ModelSaved>(
-      ModelSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, double_params_, single_params_, fp8_.get(),
-                           recompute_));
+      ModelSaved::allocate(saved_arena_, c, sh, dtype_, act_dtype_, heads_dtype_, double_params_, single_params_,
+                           fp8_.get(), recompute_));
   ModelSaved& s = *saved_;
   const ParamStore& P = *params_;
+  // The inputs in the activation type (a conversion when it is not the model's).
+  auto as_activation = [&](const Tensor& converted, const Tensor& input) {
+    if (!converted.defined()) return input;
+    be_.copy(converted, input);
+    return converted;
+  };
+  const Tensor x_img = as_activation(s.img_in, in.img), x_txt = as_activation(s.txt_in, in.txt);
+  const Tensor x_y = as_activation(s.y_in, in.y);
 
   // Conditioning vector: vec = time_in(emb(t)) [+ guidance_in(emb(g))] + vector_in(y).
   auto run_embedder = [&](const std::string& name, MlpEmbedderSaved& e, Tensor x, Tensor out) {
@@ -224,7 +247,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
     be_.linear(out, e.act, m.out_layer.w, m.out_layer.b);
   };
   const size_t mark = scratch_arena_.mark();
-  Tensor tmp = scratch_arena_.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
+  Tensor tmp = scratch_arena_.alloc(act_dtype_, Shape{B, H}, SlotKind::workspace);
   be_.timestep_embedding(s.time.x, in.timesteps, kTimeFactor, kMaxPeriod);
   run_embedder("time_in", s.time, s.time.x, s.vec);
   if (c.guidance_embed) {
@@ -232,18 +255,18 @@ Tensor FluxModel::forward(const FluxInputs& in) {
     run_embedder("guidance_in", s.guidance, s.guidance.x, tmp);
     be_.accumulate(s.vec, tmp);
   }
-  run_embedder("vector_in", s.vector, in.y, tmp);
+  run_embedder("vector_in", s.vector, x_y, tmp);
   be_.accumulate(s.vec, tmp);
   be_.silu(s.silu_vec, s.vec);
   scratch_arena_.release_to(mark);
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
-  be_.linear(s.img, in.img, img_in.w, img_in.b);
-  be_.linear(s.txt, in.txt, txt_in.w, txt_in.b);
+  be_.linear(s.img, x_img, img_in.w, img_in.b);
+  be_.linear(s.txt, x_txt, txt_in.w, txt_in.b);
   be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
-  BlockContext ctx{be_, c, sh, dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get(), heads_dtype_};
+  BlockContext ctx{be_, c, sh, act_dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get(), heads_dtype_};
   const bool full = recompute_ == Recompute::full;
   for (size_t i = 0; i < double_params_.size(); ++i) {
     if (!full) {
@@ -258,7 +281,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
     be_.copy(s.double_txt_in[i], s.txt);
     be_.copy(s.double_img_in[i], s.img);
     DoubleBlockSaved blk =
-        DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, double_params_[i], fp8_.get());
+        DoubleBlockSaved::allocate(saved_arena_, c, sh, act_dtype_, heads_dtype_, double_params_[i], fp8_.get());
     double_block_forward(ctx, double_params_[i], blk, s.txt, s.img);
     saved_arena_.release_to(s.block_region);
   }
@@ -275,7 +298,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
     }
     be_.copy(s.single_in[i], s.z);
     SingleBlockSaved blk =
-        SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, single_params_[i], fp8_.get());
+        SingleBlockSaved::allocate(saved_arena_, c, sh, act_dtype_, heads_dtype_, single_params_[i], fp8_.get());
     single_block_forward(ctx, single_params_[i], blk, s.z);
     saved_arena_.release_to(s.block_region);
   }
@@ -288,7 +311,9 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
                          s.final_mod.cols_slice(H, H), c.layernorm_eps);
   be_.linear(s.pred, s.final_xm, lin.w, lin.b);
-  return s.pred;
+  if (!s.pred_out.defined()) return s.pred;
+  be_.copy(s.pred_out, s.pred);
+  return s.pred_out;
 }
 
 void FluxModel::backward(const Tensor& dpred) {
@@ -303,26 +328,32 @@ void FluxModel::backward(const Tensor& dpred) {
   const ParamStore& P = *params_;
   Arena& a = scratch_arena_;
   a.reset();
-  Tensor dtxt = a.alloc(dtype_, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);
-  Tensor dimg = a.alloc(dtype_, Shape{B, sh.img_tokens, H}, SlotKind::workspace);
-  Tensor dz = a.alloc(dtype_, Shape{B, sh.tokens(), H}, SlotKind::workspace);
-  Tensor dxm = a.alloc(dtype_, Shape{B, sh.img_tokens, H}, SlotKind::workspace);
-  Tensor dmod = a.alloc(dtype_, Shape{B, 2 * H}, SlotKind::workspace);
-  Tensor d_silu_vec = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
-  Tensor dvec = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
-  Tensor dact = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
-  Tensor dhidden = a.alloc(dtype_, Shape{B, H}, SlotKind::workspace);
+  const DType t = act_dtype_;
+  Tensor dpred_act = dpred;
+  if (t != dpred.dtype) {
+    dpred_act = a.alloc(t, dpred.shape, SlotKind::workspace);
+    be_.copy(dpred_act, dpred);
+  }
+  Tensor dtxt = a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);
+  Tensor dimg = a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);
+  Tensor dz = a.alloc(t, Shape{B, sh.tokens(), H}, SlotKind::workspace);
+  Tensor dxm = a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);
+  Tensor dmod = a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
+  Tensor d_silu_vec = a.alloc(t, Shape{B, H}, SlotKind::workspace);
+  Tensor dvec = a.alloc(t, Shape{B, H}, SlotKind::workspace);
+  Tensor dact = a.alloc(t, Shape{B, H}, SlotKind::workspace);
+  Tensor dhidden = a.alloc(t, Shape{B, H}, SlotKind::workspace);
 
   // Final layer.
   const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
   const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
-  be_.linear_backward(dxm, lin.dw, lin.db, dpred, s.final_xm, lin.w, false);
+  be_.linear_backward(dxm, lin.dw, lin.db, dpred_act, s.final_xm, lin.w, false);
   be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img,
                                   s.final_mean, s.final_rstd, s.final_mod.cols_slice(H, H), false);
   be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, ada.w, false);
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
-  BlockContext ctx{be_, c, sh, dtype_, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
+  BlockContext ctx{be_, c, sh, t, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
   be_.fill(dtxt, 0.0);
   be_.concat_tokens(dz, dtxt, dimg);
   // Recompute::selective recomputes inside each block's backward; full re-runs whole blocks
@@ -335,7 +366,7 @@ void FluxModel::backward(const Tensor& dpred) {
       continue;
     }
     SingleBlockSaved blk =
-        SingleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, single_params_[i], fp8_.get());
+        SingleBlockSaved::allocate(saved_arena_, c, sh, t, heads_dtype_, single_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
       be_.copy(s.work_z, s.single_in[i]);
@@ -351,7 +382,7 @@ void FluxModel::backward(const Tensor& dpred) {
       continue;
     }
     DoubleBlockSaved blk =
-        DoubleBlockSaved::allocate(saved_arena_, c, sh, dtype_, heads_dtype_, double_params_[i], fp8_.get());
+        DoubleBlockSaved::allocate(saved_arena_, c, sh, t, heads_dtype_, double_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
       be_.copy(s.work_txt, s.double_txt_in[i]);
@@ -363,8 +394,10 @@ void FluxModel::backward(const Tensor& dpred) {
   }
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
-  be_.linear_backward(Tensor{}, img_in.dw, img_in.db, dimg, inputs_.img, img_in.w, false);
-  be_.linear_backward(Tensor{}, txt_in.dw, txt_in.db, dtxt, inputs_.txt, txt_in.w, false);
+  be_.linear_backward(Tensor{}, img_in.dw, img_in.db, dimg, s.img_in.defined() ? s.img_in : inputs_.img, img_in.w,
+                      false);
+  be_.linear_backward(Tensor{}, txt_in.dw, txt_in.db, dtxt, s.txt_in.defined() ? s.txt_in : inputs_.txt, txt_in.w,
+                      false);
 
   // Conditioning vector: every embedder receives dvec.
   be_.silu_backward(dvec, d_silu_vec, s.vec, false);
@@ -376,7 +409,7 @@ void FluxModel::backward(const Tensor& dpred) {
   };
   embedder_backward("time_in", s.time, s.time.x);
   if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);
-  embedder_backward("vector_in", s.vector, inputs_.y);
+  embedder_backward("vector_in", s.vector, s.y_in.defined() ? s.y_in : inputs_.y);
 }
 
 }  // namespace flux8

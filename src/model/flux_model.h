@@ -63,6 +63,7 @@ class FluxModel {
   ParamStore& params() { return *params_; }
   Backend& backend() { return be_; }
   DType dtype() const { return dtype_; }
+  DType activation_dtype() const { return act_dtype_; }
 
   // Reserves activation memory for steps up to this shape. forward() re-plans if a larger
   // shape arrives; training plans once so the step never allocates.
@@ -86,7 +87,8 @@ class FluxModel {
  private:
   FluxConfig cfg_;
   Backend& be_;
-  DType dtype_;
+  DType dtype_;        // parameters, inputs, pred and dpred
+  DType act_dtype_;    // activations and their gradients: Backend::activation_dtype(dtype_)
   DType heads_dtype_;  // attention q, k, v, o and their gradients: Backend::attention_heads_dtype
   Recompute recompute_;
   std::unique_ptr<ParamStore> params_;

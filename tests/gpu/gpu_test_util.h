@@ -42,6 +42,17 @@ inline Backend& cpu() {
   static std::unique_ptr<Backend> be = make_backend("cpu");
   return *be;
 }
+// A CUDA backend that stores activations in bf16 (activation_precision: bf16) with bf16 GEMMs:
+// the training configuration.
+inline Backend& gpu_bf16_activations() {
+  static std::unique_ptr<Backend> be = [] {
+    BackendOptions o;
+    o.bf16_gemm = true;
+    o.bf16_activations = true;
+    return make_cuda_backend(o);
+  }();
+  return *be;
+}
 // The CPU twin of bf16 activation storage: every activation output rounded to bf16.
 inline Backend& cpu_bf16() {
   static std::unique_ptr<Backend> be = [] {

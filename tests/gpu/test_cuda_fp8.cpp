@@ -665,6 +665,41 @@ TEST_P(CudaGemmFp8, MatchesCpu) {
       }
 }
 
+// An output in bf16 storage (an activation: fprop's y, dgrad's dx): both backends round the fp32
+// result once (the CPU twin rounds activations to bf16). Tolerance: the fp32 results differ as
+// above, so some elements round to the neighbouring bf16 value (one ulp, ≤ 2⁻⁸ relative), and
+// cuBLASLt's bf16-D GEMMs add a bias rounded to bf16 (≤ 2⁻⁹ of it): 3e-3 relative L2, still
+// well below a misapplied block scale (~1e-2) or a missing bias (~1e-1 here).
+constexpr double kBf16OutputTolerance = 3e-3;
+
+TEST_P(CudaGemmFp8, Bf16OutputMatchesCpu) {
+  FLUX8_REQUIRE_GPU();
+  const GemmOperands& o = kGemmOperands[GetParam()];
+  uint64_t seed = 5000 + 100 * static_cast<uint64_t>(GetParam());
+  for (const GemmShape& s : kGemmShapes)
+    for (const bool with_bias : {false, true})
+      for (const bool accumulate : {false, true}) {
+        // bf16 rows are 16-byte aligned when ld % 8 == 0: pad 4 (ld % 8 == 0 for n % 8 == 4) keeps
+        // the native path where it is for f32; odd pads take the emulated one.
+        SCOPED_TRACE(fmt::format("bf16 c: a {} {} [{}, {}] · b {} {} [{}, {}]ᵀ, c ld {}{}{}", fp8_scaling_name(o.sa),
+                                 fp8_format_name(o.fa), s.m, s.k, fp8_scaling_name(o.sb), fp8_format_name(o.fb), s.n,
+                                 s.k, s.n + s.c_pad, with_bias ? " +bias" : "", accumulate ? " +=" : ""));
+        QPair a(s.m, s.k, o.fa, o.sa), b(s.n, s.k, o.fb, o.sb);
+        make_operand(a, ++seed);
+        make_operand(b, ++seed);
+        Bf16Pair c(Shape{s.m, s.n}, s.c_pad);
+        c.host.randn(++seed).fill_padding(-7.0f);
+        c.up();
+        Pair bias(Shape{s.n});
+        bias.randn(++seed);
+        const Tensor bias_cpu = with_bias ? bias.host.t : Tensor{}, bias_gpu = with_bias ? bias.dev : Tensor{};
+        cpu_bf16().gemm_fp8_tn(c.host.t, a.host, b.host, bias_cpu, accumulate);
+        gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, bias_gpu, accumulate);
+        EXPECT_LE(gpu_vs_cpu(c), kBf16OutputTolerance);
+        EXPECT_TRUE(c.padding_untouched());
+      }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllOperandPairs, CudaGemmFp8,
                          ::testing::Range(0, static_cast<int>(std::size(kGemmOperands))),
                          [](const ::testing::TestParamInfo<int>& info) {

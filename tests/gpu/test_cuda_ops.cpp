@@ -100,6 +100,39 @@ TEST(CudaOps, LinearBf16Gemm) {
   EXPECT_CLOSE(db, kReduce);  // the bias gradient is a column sum of dy in f32, not a GEMM
 }
 
+// Activations in bf16 storage (x, y, dx, dy bf16; w, b, dw, db f32) against the CPU backend
+// that rounds its activation outputs to bf16. x and dy are bf16 values on both sides; the GPU
+// also rounds w to bf16 (~2⁻⁹ relative per element, as LinearBf16Gemm) and its outputs once
+// from the fp32 sum: 5e-3 as there. Shapes: odd (cuBLASLt's unaligned kernels; x, y, dx are
+// column windows) and aligned; with and without bias; dx accumulated in bf16.
+TEST(CudaOps, LinearBf16Activations) {
+  FLUX8_REQUIRE_GPU();
+  for (const auto [N, K, M, pad] : {std::array<int64_t, 4>{67, 45, 29, 3}, {128, 256, 96, 8}, {1, 7, 3, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " K=" << K << " M=" << M);
+    Bf16Pair x({N, K}, pad), y({N, M}, pad + 2), dy({N, M}, pad), dx({N, K}, pad + 1);
+    Pair w({M, K}), b({M}), dw({M, K}), db({M});
+    x.randn(11), w.randn(12, 0.2), b.randn(13), y.randn(14), dy.randn(15), dx.randn(16), dw.randn(17), db.randn(18);
+    for (const bool bias : {true, false}) {
+      run_both_bf16([&](Backend& be, bool g) { be.linear(y.t(g), x.t(g), w.t(g), bias ? b.t(g) : Tensor{}); });
+      EXPECT_LE(gpu_vs_cpu(y), 5e-3) << "bias " << bias;
+      EXPECT_TRUE(y.padding_untouched());
+    }
+    for (const bool acc : {false, true}) {
+      run_both_bf16([&](Backend& be, bool g) {
+        be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc);
+      });
+      EXPECT_LE(gpu_vs_cpu(dx), 5e-3) << "accumulate " << acc;
+      EXPECT_CLOSE(dw, 5e-3);
+      EXPECT_CLOSE(db, kReduce);  // column sums of the same bf16 dy values, in double on both sides
+      EXPECT_TRUE(dx.padding_untouched());
+    }
+  }
+  // f32 weights with bf16 activations only: mixing activation types is an error naming the op.
+  Bf16Pair x({4, 8});
+  Pair y({4, 3}), w({3, 8});
+  EXPECT_THROW(gpu().linear(y.dev, x.dev, w.dev, Tensor{}), Error);
+}
+
 TEST(CudaOps, Activations) {
   FLUX8_REQUIRE_GPU();
   // 77 columns: element by element; 76 with row strides of multiples of 4: four per thread.

@@ -113,6 +113,9 @@ class CudaBackend final : public Backend {
   void* scratch(size_t bytes);
   // A second, independent scratch (ops that need two at once).
   void* scratch2(size_t bytes);
+  // Device scratch for the bias of a GEMM epilogue (gemm_with_bias), apart from the others,
+  // which may hold the GEMM's operands or scales.
+  void* epilogue_scratch(size_t bytes);
   // Device scratch for the partial sums of the fixed-order reductions (common.cuh), apart from
   // the two above so that a reduction may run while their contents are in use.
   void* reduction_scratch(size_t bytes);
@@ -136,6 +139,13 @@ class CudaBackend final : public Backend {
   void* reduction_scratch_ = nullptr;
   size_t reduction_scratch_bytes_ = 0;
   void* pinned_ = nullptr;
+  struct GrowingBuffer {  // freed with the backend (the other scratch buffers are freed in ~CudaBackend)
+    void* p = nullptr;
+    size_t bytes = 0;
+    ~GrowingBuffer() {
+      if (p) cudaFree(p);
+    }
+  } epilogue_scratch_;
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

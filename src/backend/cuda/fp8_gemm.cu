@@ -26,9 +26,10 @@
 // Precision: Hopper's FP8 MMA sums the products of a k-slice keeping about 14 significant bits
 // (DeepSeek-V3 report §3.3.2); split accumulation adds the slices in fp32. Results differ from the
 // CPU's fp32 sums by ~1e-4 relative, not ~1e-7 (see the tolerances in tests/gpu/test_cuda_fp8.cpp).
-// Bias: cuBLASLt has no FP8 GEMM with an f32 bias epilogue for f32 D (its FP8 bias is bf16, which
-// would round ours; on an H200 the heuristic finds no algorithm), so a kernel adds the bias after
-// the product, in the CPU's order; the epilogue is used if a cuBLASLt offers it.
+// Output c: f32, or bf16 (an activation in bf16 storage: cuBLASLt rounds D once, from the fp32
+// sum). Bias: gemm_with_bias (gemm.h) — cuBLASLt has no FP8 GEMM with an f32 bias epilogue for
+// f32 D (on an H200 the heuristic finds no algorithm), so for f32 c a kernel adds the bias after
+// the product, in the CPU's order; bf16 c takes cuBLASLt's bf16 bias epilogue.
 //
 // Emulated path, for what cuBLASLt cannot run on Hopper: MXFP8 (native on sm_100 only), odd
 // shapes, mixed scalings, 128x128·128x128. A tiled kernel dequantizes both operands per element
@@ -84,7 +85,8 @@ __device__ inline float dequantized(const Operand& q, int64_t r, int64_t c) {
 // staged dequantized in shared memory, 4x4 outputs per thread.
 constexpr int kBM = 64, kBN = 64, kBK = 16, kGemmThreads = 256;
 
-__global__ void __launch_bounds__(kGemmThreads) emulated_gemm_kernel(Operand a, Operand b, float* c, int64_t ldc,
+template <typename T>
+__global__ void __launch_bounds__(kGemmThreads) emulated_gemm_kernel(Operand a, Operand b, T* c, int64_t ldc,
                                                                      const float* bias, bool accumulate) {
   __shared__ float as[kBK][kBM + 1];
   __shared__ float bs[kBK][kBN + 1];
@@ -112,11 +114,11 @@ __global__ void __launch_bounds__(kGemmThreads) emulated_gemm_kernel(Operand a, 
     for (int j = 0; j < 4; ++j) {
       const int64_t r = m0 + ty + 16 * i, col = n0 + tx + 16 * j;
       if (r >= m || col >= n) continue;
-      float* out = c + r * ldc + col;
+      T* out = c + r * ldc + col;
       float v = acc[i][j];
-      if (accumulate) v = v + *out;  // BLAS order: product, + beta·c, then the bias
+      if (accumulate) v = v + load(*out);  // BLAS order: product, + beta·c, then the bias
       if (bias) v = v + bias[col];
-      *out = v;
+      store(*out, v);  // bf16 c: rounded once
     }
 }
 
@@ -125,8 +127,13 @@ void emulated_gemm(CudaBackend& be, const Tensor& c, const QTensor& a, const QTe
   const int64_t m = a.rows, n = b.rows;
   const int64_t gy = (m + kBM - 1) / kBM, gx = (n + kBN - 1) / kBN;
   FLUX8_CHECK(gy <= 65535 && gx < (int64_t(1) << 31), "gemm_fp8_tn: m = {}, n = {} exceed one launch", m, n);
-  emulated_gemm_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kGemmThreads, 0,
-                         be.stream()>>>(operand(a), operand(b), c.ptr<float>(), c.ld, bias, accumulate);
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+  if (c.dtype == DType::bf16)
+    emulated_gemm_kernel<<<grid, kGemmThreads, 0, be.stream()>>>(operand(a), operand(b), c.ptr<__nv_bfloat16>(),
+                                                                 c.ld, bias, accumulate);
+  else
+    emulated_gemm_kernel<<<grid, kGemmThreads, 0, be.stream()>>>(operand(a), operand(b), c.ptr<float>(), c.ld, bias,
+                                                                 accumulate);
   FLUX8_LAUNCH_CHECK(emulated_gemm_kernel);
 }
 
@@ -172,7 +179,7 @@ std::string native_blocker(const Tensor& c, const QTensor& a, const QTensor& b, 
                        "1x128 blocks",
                        m, n);
   }
-  if (!aligned16(a.codes) || !aligned16(b.codes) || !aligned16(c.data) || c.ld % 4 != 0) {
+  if (!aligned16(a.codes) || !aligned16(b.codes) || !aligned16(c.data) || (c.ld * dtype_size(c.dtype)) % 16 != 0) {
     key = "align";
     return fmt::format("operands or output not 16-byte aligned (c ld = {}): cuBLASLt FP8 needs 16-byte alignment",
                        c.ld);
@@ -216,7 +223,8 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
   using namespace cuda;
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", c});
-  if (c.dtype != DType::f32) fail("{}: output {} must be f32", op, c.str());
+  if (c.dtype != DType::f32 && c.dtype != DType::bf16)
+    fail("{}: output {} must be f32 or bf16 (an activation stored in bf16)", op, c.str());
   if (c.ld < c.cols()) fail("{}: output {} has row stride {} smaller than its columns", op, c.str(), c.ld);
   if (!a.defined() || !b.defined() || a.cols != b.cols || c.rows() != a.rows || c.cols() != b.rows)
     fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, c.str(), a.rows, a.cols, b.rows, b.cols);
@@ -243,7 +251,8 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
   d.trans_b = CUBLAS_OP_N;
   d.m = n, d.n = m, d.k = k;
   d.lda = k, d.ldb = k, d.ldd = c.ld;
-  d.type_a = cuda_type(b.format), d.type_b = cuda_type(a.format), d.type_d = CUDA_R_32F;
+  d.type_a = cuda_type(b.format), d.type_b = cuda_type(a.format);
+  d.type_d = c.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
   d.compute = CUBLAS_COMPUTE_32F;
   d.scale_mode_a = scale_mode(b.scaling), d.scale_mode_b = scale_mode(a.scaling);
   d.fast_accum = false;
@@ -273,21 +282,7 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
     args.scale_a = b.scale_inv;
     args.scale_b = a.scale_inv;
   }
-  bool bias_in_epilogue = false;
-  if (bias_ptr) {
-    GemmDesc with_bias = d;
-    with_bias.bias = true;
-    if (gemm_->supported(with_bias).empty()) {
-      d = with_bias;
-      args.bias = bias_ptr;
-      bias_in_epilogue = true;
-    }
-  }
-  gemm_->run(d, args);
-  if (bias_ptr && !bias_in_epilogue) {
-    const Mat C = mat(c);
-    for_each_row(*this, m, n, [=] __device__(int64_t r, int j) { C.at(r, j) = C.at(r, j) + bias_ptr[j]; });
-  }
+  gemm_with_bias(*this, d, args, c, bias_ptr);
 }
 
 }  // namespace flux8

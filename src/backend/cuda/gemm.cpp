@@ -34,7 +34,7 @@ void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T
 std::string describe(const GemmDesc& d) {
   return fmt::format("{}{} m={} n={} k={} lda={} ldb={} ldd={} {} x {} -> {}{}{}{}", d.trans_a == CUBLAS_OP_T ? 'T' : 'N',
                      d.trans_b == CUBLAS_OP_T ? 'T' : 'N', d.m, d.n, d.k, d.lda, d.ldb, d.ldd, type_name(d.type_a),
-                     type_name(d.type_b), type_name(d.type_d), d.bias ? " +bias" : "",
+                     type_name(d.type_b), type_name(d.type_d), d.bias ? (d.bias_type == CUDA_R_32F ? " +bias" : " +bf16 bias") : "",
                      d.accumulate ? " +=" : "",
                      d.scale_mode_a == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F     ? " scales 1x128"
                      : d.scale_mode_a == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F ? " scales 128x128"
@@ -77,7 +77,7 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b);
   if (g.bias) {
     set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_32F);
+    set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
   }
   if (fp8) {
     const int8_t fast = g.fast_accum ? 1 : 0;

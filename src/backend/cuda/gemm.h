@@ -16,6 +16,11 @@
 #include <string>
 #include <tuple>
 
+namespace flux8 {
+class CudaBackend;
+struct Tensor;
+}  // namespace flux8
+
 namespace flux8::cuda {
 
 struct GemmDesc {
@@ -28,13 +33,14 @@ struct GemmDesc {
   // cuBLASLt's VEC128 / BLK128x128 f32 scale tensors).
   cublasLtMatmulMatrixScale_t scale_mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   cublasLtMatmulMatrixScale_t scale_mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-  bool bias = false;        // epilogue: D += bias[m] broadcast along n (f32 bias for f32 D)
+  bool bias = false;        // epilogue: D += bias[m] broadcast along n
+  cudaDataType_t bias_type = CUDA_R_32F;  // f32, or bf16 (what cuBLASLt's FP8 GEMMs take for bf16 D)
   bool fast_accum = false;  // FP8: Hopper's fast (less precise) accumulation (fprop)
   bool accumulate = false;  // beta = 1 (D += ...), else beta = 0
 
   auto key() const {
     return std::make_tuple(trans_a, trans_b, m, n, k, lda, ldb, ldd, type_a, type_b, type_d, compute, scale_mode_a,
-                           scale_mode_b, bias, fast_accum, accumulate);
+                           scale_mode_b, bias, bias_type, fast_accum, accumulate);
   }
 };
 
@@ -72,6 +78,15 @@ class Gemm {
   size_t workspace_bytes_ = 0;
   std::map<decltype(GemmDesc{}.key()), std::unique_ptr<Plan>> plans_;
 };
+
+// Runs `d` (its D is the row-major c [rows, cols] = column-major [cols, rows]; args.d = c) and
+// adds bias[cols] (device, f32; null: none), in the epilogue where cuBLASLt has one for c:
+// - an f32 bias: exact, the product (+ c when accumulating) + bias rounded once to c's type;
+// - bf16 c: else a bf16 copy of the bias (cuBLASLt's FP8 GEMMs take only that for bf16 D); the
+//   bias is rounded to bf16 before it is added (≤ 2⁻⁹ of it);
+// - else the plain GEMM, then a kernel adds the bias to c in the CPU's order (product, + c,
+//   + bias); a bf16 c is then rounded twice (≤ 1 bf16 ulp more). (linear.cu)
+void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias);
 
 std::string describe(const GemmDesc& d);  // for error messages: "TN m=.. n=.. k=.. e4m3 x e5m2 -> f32"
 

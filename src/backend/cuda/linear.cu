@@ -1,9 +1,12 @@
 // Linear layer y = x·wᵀ + b and its backward through cuBLASLt (gemm.h). Two precisions:
 // - bf16 (BackendOptions::bf16_gemm, the training default): operands rounded to bf16 (RNE) into
-//   scratch, tensor-core GEMM with fp32 accumulation and f32 output — what "BF16 training"
-//   means for the GEMMs; the result differs from the exact product by the operand rounding
-//   (~2⁻⁹ relative per operand).
-// - f32: exact f32 GEMMs with fp32 compute (no TF32), the reference the tests compare with.
+//   scratch, tensor-core GEMM with fp32 accumulation — what "BF16 training" means for the
+//   GEMMs; the result differs from the exact product by the operand rounding (~2⁻⁹ relative per
+//   operand). Activations stored in bf16 (x, y, dx, dy: Backend::activation_dtype) go to
+//   cuBLASLt as they are, and y, dx come back in bf16 (rounded once from the fp32 sum); the f32
+//   weight is rounded into scratch. dw, db stay f32.
+// - f32: exact f32 GEMMs with fp32 compute (no TF32), the reference the tests compare with
+//   (f32 activations only).
 // Row-major tensors are column-major transposes, so each product is issued with the operands
 // swapped: y[N,M] = x·wᵀ  <=>  yᵀ[M,N] = wᵀ·xᵀ, with the row strides as leading dimensions.
 #include <cuda_bf16.h>
@@ -36,48 +39,127 @@ Operand bf16_operand(CudaBackend& be, const Tensor& x, __nv_bfloat16* dst) {
   return Operand{dst, cols, CUDA_R_16BF};
 }
 
-// The operands of one call in the precision the backend runs its GEMMs in. In bf16 mode the
-// copies share one scratch allocation (carved in 256-byte aligned pieces).
+// The operands of one call in the precision the backend runs its GEMMs in: bf16 when the
+// activations are bf16 or bf16_gemm is set, else f32. bf16 tensors are used in place; f32 ones
+// are rounded into copies that share one scratch allocation (carved in 256-byte pieces).
 class Operands {
  public:
-  Operands(CudaBackend& be, std::initializer_list<const Tensor*> tensors) : be_(be) {
-    if (!be.options().bf16_gemm) return;
+  Operands(CudaBackend& be, bool bf16_activations, std::initializer_list<const Tensor*> tensors)
+      : be_(be), bf16_(bf16_activations || be.options().bf16_gemm) {
+    if (!bf16_) return;
     size_t total = 0;
-    for (const Tensor* t : tensors) total += t->defined() ? align(t->numel() * 2) : 0;
-    base_ = static_cast<char*>(be.scratch(total));
+    for (const Tensor* t : tensors) total += t->defined() && t->dtype == DType::f32 ? align(t->numel() * 2) : 0;
+    if (total) base_ = static_cast<char*>(be.scratch(total));
   }
   Operand get(const Tensor& t) {
-    if (!base_) return Operand{t.data, t.ld, CUDA_R_32F};
+    if (!bf16_) return Operand{t.data, t.ld, CUDA_R_32F};
+    if (t.dtype == DType::bf16) return Operand{t.data, t.ld, CUDA_R_16BF};
     auto* dst = reinterpret_cast<__nv_bfloat16*>(base_ + used_);
     used_ += align(t.numel() * 2);
     return bf16_operand(be_, t, dst);
   }
-  cudaDataType_t type() const { return base_ ? CUDA_R_16BF : CUDA_R_32F; }
+  cudaDataType_t type() const { return bf16_ ? CUDA_R_16BF : CUDA_R_32F; }
 
  private:
   static size_t align(int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; }
   CudaBackend& be_;
+  bool bf16_;
   char* base_ = nullptr;
   size_t used_ = 0;
 };
+
+cudaDataType_t cuda_type(const Tensor& t) { return t.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// c[r, j] (+)= bias[j] after the product (gemm_with_bias's last resort), in the CPU's order.
+template <typename T>
+void add_bias(CudaBackend& be, const Tensor& c, const float* bias) {
+  const MatOf<T> C = mat_of<T>(c);
+  for_each_row(be, C.rows, C.cols, [=] __device__(int64_t r, int j) { C.set(r, j, C.get(r, j) + bias[j]); });
+}
+
+}  // namespace
+
+void* CudaBackend::epilogue_scratch(size_t bytes) {
+  GrowingBuffer& b = epilogue_scratch_;
+  if (bytes <= b.bytes && b.p) return b.p;
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (b.p) FLUX8_CUDA_CHECK(cudaFree(b.p));
+  b.p = nullptr;
+  const size_t n = std::max<size_t>(bytes, 64 << 10);
+  FLUX8_CUDA_CHECK(cudaMalloc(&b.p, n));
+  b.bytes = n;
+  return b.p;
+}
+
+namespace cuda {
+
+void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
+  Gemm& gemm = be.gemm();
+  if (bias) {
+    GemmDesc with = d;
+    with.bias = true;
+    with.bias_type = CUDA_R_32F;
+    if (gemm.supported(with).empty()) {
+      args.bias = bias;
+      gemm.run(with, args);
+      return;
+    }
+    if (c.dtype == DType::bf16) {
+      with.bias_type = CUDA_R_16BF;
+      if (gemm.supported(with).empty()) {
+        const int64_t n = c.cols();
+        auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
+        to_bf16(b16, bias, n, be.stream());
+        args.bias = b16;
+        gemm.run(with, args);
+        return;
+      }
+    }
+  }
+  gemm.run(d, args);
+  if (!bias) return;
+  if (c.dtype == DType::bf16)
+    add_bias<__nv_bfloat16>(be, c, bias);
+  else
+    add_bias<float>(be, c, bias);
+}
+
+}  // namespace cuda
+
+namespace {
+
+// Column sums of dy (f32 or bf16) into the f32 bias gradient db (accumulated).
+template <typename T>
+void bias_gradient(CudaBackend& be, const Tensor& dy, const Tensor& db) {
+  const MatOf<T> DY = mat_of<T>(dy);
+  column_sums(be, 1, DY.rows, DY.cols, [=] __device__(int64_t, int64_t r, int64_t c) { return double(DY.get(r, c)); },
+              db.ptr<float>(), DY.cols, true);
+}
+
+// y = b (or 0) for an empty product.
+template <typename T>
+void fill_bias(CudaBackend& be, const Tensor& y, const float* bias) {
+  const MatOf<T> Y = mat_of<T>(y);
+  for_each_row(be, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.set(r, c, bias[c]); });
+}
 
 }  // namespace
 
 void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear";
-  require_f32(op, {{"y", y}, {"x", x}, {"w", w}, {"b", b}});
+  const bool bf16 = activations_in_bf16(op, {{"y", y}, {"x", x}});
+  require_f32(op, {{"w", w}, {"b", b}});
   const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
   if (K == 0) {  // empty product: y = b (or 0)
-    if (b.defined()) {
-      const Mat Y = mat(y);
-      const float* bias = b.ptr<float>();
-      for_each_row(*this, N, M, [=] __device__(int64_t r, int c) { Y.at(r, c) = bias[c]; });
-    } else {
+    if (!b.defined())
       fill(y, 0.0);
-    }
+    else if (bf16)
+      fill_bias<__nv_bfloat16>(*this, y, b.ptr<float>());
+    else
+      fill_bias<float>(*this, y, b.ptr<float>());
     return;
   }
-  Operands ops(*this, {&w, &x});
+  Operands ops(*this, bf16, {&w, &x});
   const Operand W = ops.get(w), X = ops.get(x);
   GemmDesc d;
   d.trans_a = CUBLAS_OP_T;
@@ -85,14 +167,15 @@ void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   d.m = M, d.n = N, d.k = K;
   d.lda = W.ld, d.ldb = X.ld, d.ldd = y.ld;
   d.type_a = d.type_b = ops.type();
-  d.bias = b.defined();
-  gemm_->run(d, GemmArgs{.a = W.p, .b = X.p, .d = y.data, .bias = b.data});
+  d.type_d = cuda_type(y);
+  gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = y.data}, y, b.defined() ? b.ptr<float>() : nullptr);
 }
 
 void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
                                   bool accumulate_dx) {
   constexpr std::string_view op = "linear_backward";
-  require_f32(op, {{"dx", dx}, {"dw", dw}, {"db", db}, {"dy", dy}, {"x", x}, {"w", w}});
+  const bool bf16 = activations_in_bf16(op, {{"dx", dx}, {"dy", dy}, {"x", x}});
+  require_f32(op, {{"dw", dw}, {"db", db}, {"w", w}});
   require_defined(op, {"dy", dy});
   require_rank(op, {"w", w}, 2);
   const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
@@ -100,7 +183,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
     fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M, dy.str());
   const bool gemm_dx = dx.defined() && M > 0, gemm_dw = dw.defined() && N > 0;
   static const Tensor none;
-  Operands ops(*this, {&dy, gemm_dx ? &w : &none, gemm_dw ? &x : &none});
+  Operands ops(*this, bf16, {&dy, gemm_dx ? &w : &none, gemm_dw ? &x : &none});
   const Operand DY = gemm_dx || gemm_dw ? ops.get(dy) : Operand{};
   if (dx.defined()) {
     if (dx.rows() != N || dx.cols() != K)
@@ -114,6 +197,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.m = K, d.n = N, d.k = M;
       d.lda = W.ld, d.ldb = DY.ld, d.ldd = dx.ld;
       d.type_a = d.type_b = ops.type();
+      d.type_d = cuda_type(dx);
       d.accumulate = accumulate_dx;
       gemm_->run(d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data});
     }
@@ -137,9 +221,10 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
   if (db.defined()) {
     if (db.numel() != M || !db.contiguous())
       fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(), M);
-    const Mat DY = mat(dy);
-    column_sums(*this, 1, N, M, [=] __device__(int64_t, int64_t r, int64_t c) { return double(DY.at(r, c)); },
-                db.ptr<float>(), M, true);
+    if (bf16)
+      bias_gradient<__nv_bfloat16>(*this, dy, db);
+    else
+      bias_gradient<float>(*this, dy, db);
   }
 }
 
