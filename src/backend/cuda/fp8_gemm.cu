@@ -37,6 +37,7 @@
 // logged once to stderr, so a run that emulates says so.
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <set>
 
@@ -144,6 +145,22 @@ void note_emulated(const std::string& key, const std::string& what, const std::s
   const std::lock_guard<std::mutex> lock(mutex);
   if (seen.insert(key).second)
     fmt::print(stderr, "gemm_fp8_tn: {} emulated (dequantize + fp32 GEMM): {}\n", what, why);
+}
+
+// FLUX8_GEMM_BACKEND pins where FP8 GEMMs run: auto (unset or empty: cuBLASLt where it has a
+// kernel, the emulated kernel elsewhere), cublaslt (a product cuBLASLt cannot run is an error
+// naming the reason: a run that must not fall back silently) or emulated (every FP8 GEMM on the
+// dequantize + fp32 kernel: the reference, to tell a cuBLASLt problem from a cast problem).
+enum class GemmBackend : uint8_t { automatic, cublaslt, emulated };
+
+// Read at every call (a getenv is nothing next to a GEMM), so a test or tool may change it.
+GemmBackend gemm_backend() {
+  const char* e = std::getenv("FLUX8_GEMM_BACKEND");
+  const std::string_view v = e ? e : "";
+  if (v.empty() || v == "auto") return GemmBackend::automatic;
+  if (v == "cublaslt") return GemmBackend::cublaslt;
+  if (v == "emulated") return GemmBackend::emulated;
+  fail("FLUX8_GEMM_BACKEND={}: expected auto, cublaslt or emulated", v);
 }
 
 cudaDataType_t cuda_type(Fp8Format f) { return f == Fp8Format::e4m3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
@@ -258,11 +275,16 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
   d.fast_accum = false;
   d.accumulate = accumulate;
   std::string key;
-  std::string why = native_blocker(c, a, b, key);
+  const GemmBackend pinned = gemm_backend();
+  std::string why = pinned == GemmBackend::emulated ? "FLUX8_GEMM_BACKEND=emulated" : native_blocker(c, a, b, key);
+  if (pinned == GemmBackend::emulated) key = "pinned";
   if (why.empty()) {
     why = gemm_->supported(d);
     key = "heuristic " + describe(d);
   }
+  if (!why.empty() && pinned == GemmBackend::cublaslt)
+    fail("{}: FLUX8_GEMM_BACKEND=cublaslt, but cuBLASLt cannot run this GEMM (m={} n={} k={}, {} x {}): {}", op, m, n,
+         k, fp8_scaling_name(a.scaling), fp8_scaling_name(b.scaling), why);
   if (!why.empty()) {
     note_emulated(key, fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(a.scaling), m, n, k,
                                    fp8_format_name(a.format), fp8_format_name(b.format)),

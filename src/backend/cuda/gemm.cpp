@@ -2,6 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
 #include "backend/cuda/check.h"
 #include "core/error.h"
 
@@ -29,6 +36,28 @@ void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T
   FLUX8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
 }
 
+// A variable's value; unset and empty are the same ("").
+std::string env(const char* name) {
+  const char* e = std::getenv(name);
+  return e ? e : "";
+}
+
+bool autotune_from_environment() {
+  const std::string v = env("FLUX8_GEMM_AUTOTUNE");
+  if (v.empty() || v == "0" || v == "false" || v == "off") return false;
+  if (v == "1" || v == "true" || v == "on") return true;
+  fail("FLUX8_GEMM_AUTOTUNE={}: expected 1 (time cuBLASLt's candidate algorithms per GEMM shape) or 0", v);
+}
+
+std::string default_cache_path() {
+  if (const std::string xdg = env("XDG_CACHE_HOME"); !xdg.empty()) return xdg + "/flux8/gemm_autotune.tsv";
+  if (const std::string home = env("HOME"); !home.empty()) return home + "/.cache/flux8/gemm_autotune.tsv";
+  return "";
+}
+
+constexpr int kCandidates = 8;  // heuristic results timed per description
+constexpr int kTimedRuns = 5;   // per candidate, after one warm-up
+
 }  // namespace
 
 std::string describe(const GemmDesc& d) {
@@ -41,10 +70,19 @@ std::string describe(const GemmDesc& d) {
                                                                                       : "");
 }
 
+// Everything the key holds, for the autotuning cache (describe() leaves out compute type and
+// fast accumulation).
+std::string tuning_key(const GemmDesc& d) {
+  return fmt::format("{} compute={} fast_accum={} scale_b={} bias_type={}", describe(d), static_cast<int>(d.compute),
+                     d.fast_accum ? 1 : 0, static_cast<int>(d.scale_mode_b), static_cast<int>(d.bias_type));
+}
+
 struct Gemm::Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // autotuning: the heuristic's list, best-ranked first
+  bool tuned = false;                            // autotuning: algo is the chosen candidate
   bool found = false;
   std::string why_not;  // heuristic's failure, when !found
   ~Plan() {
@@ -59,6 +97,101 @@ Gemm::Gemm(cudaStream_t stream) : stream_(stream) {
   FLUX8_CUBLAS_CHECK(cublasLtCreate(&handle_));
   FLUX8_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
   workspace_bytes_ = kWorkspaceBytes;
+  autotune_ = autotune_from_environment();
+  if (autotune_) {
+    const std::string path = env("FLUX8_GEMM_AUTOTUNE_CACHE");
+    cache_path_ = path.empty() ? default_cache_path() : path;
+    int device = 0;
+    FLUX8_CUDA_CHECK(cudaGetDevice(&device));
+    cudaDeviceProp prop{};
+    FLUX8_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    device_key_ = fmt::format("{} sm_{}{} cublasLt {}", prop.name, prop.major, prop.minor, cublasLtGetVersion());
+    load_tuning_cache();
+  }
+}
+
+// The cache file: one line per tuned description, "device key \t description key \t index \t ms";
+// lines of other devices or library versions are skipped; a later line wins.
+void Gemm::load_tuning_cache() {
+  if (cache_path_.empty()) return;
+  std::ifstream f(cache_path_);
+  std::string line;
+  while (std::getline(f, line)) {
+    std::vector<std::string> fields;
+    std::stringstream ss(line);
+    for (std::string field; std::getline(ss, field, '\t');) fields.push_back(field);
+    if (fields.size() < 3 || fields[0] != device_key_) continue;
+    try {
+      cache_[fields[1]] = std::stoi(fields[2]);
+    } catch (const std::exception&) {  // a damaged line: time that description again
+    }
+  }
+}
+
+void Gemm::store_tuning(const std::string& key, int index, double ms) {
+  cache_[key] = index;
+  if (cache_path_.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(cache_path_).parent_path(), ec);
+  // One short line appended at a time: concurrent ranks tuning the same shapes interleave whole
+  // lines, and a reader takes the last choice of each description.
+  std::ofstream f(cache_path_, std::ios::app);
+  if (f) f << device_key_ << '\t' << key << '\t' << index << '\t' << fmt::format("{:.4f}", ms) << '\n';
+  static bool warned = false;
+  if (!f && !warned) {
+    warned = true;
+    fmt::print(stderr, "gemm autotune: cannot write {}: choices are kept for this run only\n", cache_path_);
+  }
+}
+
+// Times every candidate on the call's operands into a scratch output (zeroed, so accumulating
+// candidates read finite values) and keeps the fastest; ties go to the heuristic's order.
+void Gemm::tune(Plan& p, const GemmDesc& g, const GemmArgs& args) {
+  p.tuned = true;
+  const std::string key = tuning_key(g);
+  if (auto it = cache_.find(key); it != cache_.end() && it->second >= 0 &&
+                                 it->second < static_cast<int>(p.candidates.size())) {
+    p.algo = p.candidates[static_cast<size_t>(it->second)];
+    ++tuned_from_cache_;
+    return;
+  }
+  if (p.candidates.size() < 2) {  // nothing to choose from
+    ++tuned_here_;
+    store_tuning(key, 0, 0.0);
+    return;
+  }
+  const size_t elem = g.type_d == CUDA_R_32F ? 4 : g.type_d == CUDA_R_16BF || g.type_d == CUDA_R_16F ? 2 : 1;
+  const size_t bytes = static_cast<size_t>(g.ldd) * static_cast<size_t>(g.n) * elem;
+  void* out = nullptr;
+  FLUX8_CUDA_CHECK(cudaMalloc(&out, bytes));
+  FLUX8_CUDA_CHECK(cudaMemsetAsync(out, 0, bytes, stream_));
+  cudaEvent_t start = nullptr, stop = nullptr;
+  FLUX8_CUDA_CHECK(cudaEventCreate(&start));
+  FLUX8_CUDA_CHECK(cudaEventCreate(&stop));
+  const float alpha = args.alpha, beta = g.accumulate ? 1.0f : 0.0f;
+  int best = 0;
+  float best_ms = 0;
+  for (size_t i = 0; i < p.candidates.size(); ++i) {
+    auto launch = [&] {
+      return cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, out, p.d, out, p.d,
+                            &p.candidates[i], workspace_, workspace_bytes_, stream_);
+    };
+    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that refuses these operands
+    FLUX8_CUDA_CHECK(cudaEventRecord(start, stream_));
+    for (int r = 0; r < kTimedRuns; ++r) FLUX8_CUBLAS_CHECK(launch());
+    FLUX8_CUDA_CHECK(cudaEventRecord(stop, stream_));
+    FLUX8_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    FLUX8_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    ms /= kTimedRuns;
+    if (i == 0 || ms < best_ms) best = static_cast<int>(i), best_ms = ms;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  FLUX8_CUDA_CHECK(cudaFree(out));  // synchronises: the timed runs are done with it
+  p.algo = p.candidates[static_cast<size_t>(best)];
+  ++tuned_here_;
+  store_tuning(key, best, best_ms);
 }
 
 Gemm::~Gemm() {
@@ -103,14 +236,18 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   FLUX8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   FLUX8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                           &workspace_bytes_, sizeof(workspace_bytes_)));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
+  const int wanted = autotune_ ? kCandidates : 1;
   const cublasStatus_t s =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
+      cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->d, p->d, pref, wanted, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s == CUBLAS_STATUS_SUCCESS && found > 0) {
-    p->algo = result.algo;
+    p->algo = results[0].algo;
     p->found = true;
+    if (autotune_)
+      for (int i = 0; i < found; ++i)
+        if (results[i].state == CUBLAS_STATUS_SUCCESS) p->candidates.push_back(results[i].algo);
   } else {
     p->why_not = s == CUBLAS_STATUS_SUCCESS ? "no algorithm" : cublasLtGetStatusString(s);
   }
@@ -135,6 +272,8 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
   } else if (args.amax_d) {
     fail("GEMM {}: amax of D is only computed by FP8 GEMMs", describe(g));
   }
+  // After the pointers are set: the candidates are timed on this call's operands.
+  if (autotune_ && !p.tuned && g.k > 0) tune(p, g, args);
   const float alpha = args.alpha, beta = g.accumulate ? 1.0f : 0.0f;
   // k == 0: the product is empty; cuBLASLt may reject it, and D = beta·D is all it means.
   if (g.k == 0) {

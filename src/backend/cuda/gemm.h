@@ -5,6 +5,14 @@
 // description (shape, types, layout, scale modes, epilogue), so a training step does no
 // descriptor or heuristic work after its first iteration.
 //
+// Autotuning (FLUX8_GEMM_AUTOTUNE=1): the heuristic ranks algorithms by a model, and its first
+// choice is not always the fastest at a given shape. With autotuning on, the first run of each
+// distinct description times up to 8 of the heuristic's algorithms on the call's own operands
+// (into a scratch output: D is not touched) and keeps the fastest. Choices are cached on disk
+// (FLUX8_GEMM_AUTOTUNE_CACHE, default $XDG_CACHE_HOME/flux8/gemm_autotune.tsv, else
+// ~/.cache/flux8/...), keyed by GPU, cuBLASLt version and description, so a later run starts
+// without timing. An empty variable counts as unset.
+//
 // Column-major, like cuBLASLt: D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, with
 // C == D (in place). Row-major callers swap operands (see linear.cu).
 #include <cublasLt.h>
@@ -68,11 +76,22 @@ class Gemm {
   // (used to report which FP8 recipes can run here).
   std::string supported(const GemmDesc& d);
   size_t cached_plans() const { return plans_.size(); }
+  bool autotuning() const { return autotune_; }
+  // Descriptions timed by this process, and those whose choice came from the disk cache.
+  int tuned_here() const { return tuned_here_; }
+  int tuned_from_cache() const { return tuned_from_cache_; }
 
  private:
   struct Plan;
   Plan& plan(const GemmDesc& d);
+  void tune(Plan& p, const GemmDesc& d, const GemmArgs& args);  // after run() set the descriptor's pointers
+  void load_tuning_cache();
+  void store_tuning(const std::string& key, int index, double ms);
   cudaStream_t stream_;
+  bool autotune_ = false;
+  std::string cache_path_, device_key_;
+  std::map<std::string, int> cache_;  // description key -> index in the heuristic's list
+  int tuned_here_ = 0, tuned_from_cache_ = 0;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
