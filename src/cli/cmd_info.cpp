@@ -59,12 +59,13 @@ Command add_info_command(CLI::App& app) {
     const ModelFlops per_step = model_flops(cfg, shape);
     const std::string recompute = config.get_string("recompute_granularity");
     const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape, recompute_from_name(recompute));
+    const bool bf16_storage = config.get_string("activation_precision") == "bf16";
 
     // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B,
     // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
     // Two accounts: the design (bf16 activation storage and a bf16 weight copy), and what the
-    // CUDA backend allocates today (f32 activations and workspace; bf16 GEMM operands are
-    // per-call copies, not kept).
+    // CUDA backend allocates today (activations in activation_precision — bf16 by default, as
+    // the design; no kept bf16 weights: the GEMMs round the f32 weights per call).
     struct Row { const char* name; double bf16, fp8, today_bf16, today_fp8; };
     const double fp8_copies = 2.0 * static_cast<double>(block_linear_params);
     const std::vector<Row> rows = {
@@ -73,7 +74,8 @@ Command add_info_command(CLI::App& app) {
         {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
         {"fp32 gradients", 4 * P, 4 * P, 4 * P, 4 * P},
         {"AdamW moments (fp32)", 8 * P, 8 * P, 8 * P, 8 * P},
-        {"activations", act.gpu_bytes(false), act.gpu_bytes(true), act.f32_bytes(false), act.f32_bytes(true)},
+        {"activations", act.gpu_bytes(false), act.gpu_bytes(true), bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
+         bf16_storage ? act.gpu_bytes(true) : act.f32_bytes(true)},
     };
     Row total{"total", 0, 0, 0, 0};
     for (const Row& r : rows) {
@@ -121,12 +123,12 @@ Command add_info_command(CLI::App& app) {
                  gib(r.today_fp8));
     fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", "total", gib(total.bf16), gib(total.fp8),
                gib(total.today_bf16), gib(total.today_fp8));
-    fmt::print("  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now, f32\n"
-               "   activations and block scratch, no kept bf16 weights; not counted: FP8 cast scratch,\n"
-               "   cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32; FP8 saves Linear inputs in\n"
-               "   1 byte; recompute_granularity {} (none, selective, full); no optimizer sharding;\n"
-               "   see docs/MEMORY.md)\n",
-               recompute);
+    fmt::print("  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now,\n"
+               "   activations and block scratch in {} (activation_precision), no kept bf16 weights; not\n"
+               "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
+               "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
+               "   optimizer sharding; see docs/MEMORY.md)\n",
+               bf16_storage ? "bf16" : "f32", recompute);
     return 0;
   }};
 }

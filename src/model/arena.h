@@ -24,7 +24,7 @@ enum class SlotKind : uint8_t {
 struct ArenaUsage {
   int64_t elements[4] = {0, 0, 0, 0};  // per SlotKind
   // Bytes if activations were stored as on the GPU: bf16 everywhere, or FP8 (1 byte) for
-  // linear inputs; statistics fp32. (The design; today's CUDA backend: bytes(4, ...).)
+  // linear inputs; statistics fp32 (activation_precision: bf16; with f32: bytes(4, ...)).
   double gpu_bytes(bool fp8_linear_inputs) const { return bytes(2.0, fp8_linear_inputs); }
   // With `element_bytes` per stored element (statistics always fp32; FP8 linear inputs 1 byte).
   double bytes(double element_bytes, bool fp8_linear_inputs) const;

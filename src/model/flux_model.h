@@ -31,8 +31,8 @@ struct ActivationEstimate {
   double gpu_bytes(bool fp8) const {
     return saved.gpu_bytes(fp8) + 2.0 * static_cast<double>(workspace_elements);
   }
-  // As today's CUDA backend stores them: f32 activations and workspace (an upper bound: on the
-  // cuDNN path the attention heads q, k, v, o are bf16, Backend::attention_heads_dtype).
+  // With f32 activation storage (activation_precision: f32): f32 activations and workspace (an
+  // upper bound: on the cuDNN path the attention heads q, k, v, o are bf16 all the same).
   double f32_bytes(bool fp8) const { return saved.bytes(4.0, fp8) + 4.0 * static_cast<double>(workspace_elements); }
 };
 

@@ -1,8 +1,9 @@
 #pragma once
 // The CUDA backend for Hopper (sm_90a). Every op of src/backend/backend.h runs on the device
 // stream of this backend; the conformance tests (tests/gpu/) check each against the CPU
-// backend. Tensors here are f32 (the model's working type; bf16 storage comes with the speed
-// work) except where an op says otherwise.
+// backend. Parameters, gradients and statistics are f32; activations are f32 or bf16
+// (BackendOptions::bf16_activations, activation_dtype(): every kernel that touches them is
+// templated on the storage type, load() widens and store() rounds, common.cuh).
 //
 // Files by concern: memory.cu (allocation, copies, fill/add), gemm.{h,cpp} (the one cuBLASLt
 // wrapper), linear.cu, activations.cu, norms.cu, layout.cu (token/head layout, concat/split,
