@@ -260,7 +260,8 @@ class Backend {
     }
   };
   // quantize() of the op's output, which must give the same codes, scales and statistics as
-  // running the op (produce()) and then quantize() on this backend. The default does just that,
+  // running the op (produce()) and then quantize() on this backend — with bf16 activations too:
+  // the op's output is rounded to bf16 as storing it would, then cast. The default does just that,
   // through a temporary; the CUDA backend computes the op inside the cast kernel.
   virtual void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q);
   // Writes the op's output to y (the unfused path, and the reference of quantize_fused).

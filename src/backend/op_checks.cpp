@@ -244,9 +244,14 @@ AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, co
   return d;
 }
 
-bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x) {
+bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x,
+                    std::initializer_list<DType> x_types) {
   require_defined(op, {"x", x});
-  if (x.dtype != DType::f32) fail("{}: FP8 casts take f32 input, got {}", op, x.str());
+  if (std::find(x_types.begin(), x_types.end(), x.dtype) == x_types.end()) {
+    std::string names;
+    for (DType d : x_types) names += std::string(names.empty() ? "" : " or ") + std::string(dtype_name(d));
+    fail("{}: FP8 casts take {} input, got {}", op, names, x.str());
+  }
   if (x.ld < x.cols()) fail("{}: input {} has row stride {} smaller than its columns", op, x.str(), x.ld);
   if (!rowwise.defined() && !columnwise.defined()) return false;
   const int64_t R = x.rows(), C = x.cols();

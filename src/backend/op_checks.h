@@ -85,9 +85,11 @@ AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, co
                                        const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& o, const Tensor& lse);
 
-// quantize(): x f32 (any ld), rowwise [rows, cols] and columnwise [cols, rows] when defined.
+// quantize(): x (any ld) of one of `x_types` (the backend's: f32 on the CPU; the CUDA backend
+// also casts bf16 activations), rowwise [rows, cols] and columnwise [cols, rows] when defined.
 // Returns false when there is nothing to cast (both outputs undefined).
-bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x);
+bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x,
+                    std::initializer_list<DType> x_types = {DType::f32});
 
 // delayed_scaling_update(): contiguous f32 amax_history [L, n] (rank 2, L >= 1) and scale,
 // scale_inv, fp8_max vectors of n. Returns {L, n}.

@@ -1,5 +1,8 @@
 // SiLU and tanh-GELU on the device, elementwise over [rows, cols] with any ld; f32 math with
-// the same formulas as the CPU backend (src/backend/cpu/activations.cpp).
+// the same formulas as the CPU backend (src/backend/cpu/activations.cpp), on f32 or bf16
+// activations (bf16: widened on load, rounded to nearest even on store).
+#include <cstring>
+
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/pointwise.cuh"
 
@@ -18,64 +21,97 @@ __device__ inline float gelu_grad(float x) {
   return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * kGeluC * (1.0f + 3.0f * kGeluA * x * x);
 }
 
-// out = f(x), or out (+)= dy ⊙ f'(x) when dy is given.
-template <typename F>
+// Four consecutive elements of T as f32, and back: one 16-byte access for f32, one 8-byte
+// access for bf16 (stored rounded to nearest even; through a uint2, as a struct of bf16 pairs
+// would be copied member by member, in two 4-byte accesses).
+__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ inline float4 load4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  __nv_bfloat162 lo, hi;
+  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
+  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ inline void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 u;
+  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+// Rows of whole 4-element vectors: quads() for either storage type.
+template <typename T>
+bool vec4_rows(const MatOf<T>& m) {
+  return reinterpret_cast<uintptr_t>(m.p) % (4 * sizeof(T)) == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
+}
+
+// out = f(x), or out (+)= dy ⊙ f'(x) when dy is given; every tensor of element type T (f32 or
+// bf16 activations), the math in f32 either way.
+template <typename T, typename F>
 void map(CudaBackend& be, const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, F f) {
-  const Mat O = mat(out), X = mat(x), DY = mat_or_null(dy);
+  const MatOf<T> O = mat_of<T>(out), X = mat_of<T>(x), DY = mat_of_or_null<T>(dy);
   const int64_t cols = X.cols;
   const bool has_dy = dy.defined();
-  if (quads(O) && quads(X) && (!has_dy || quads(DY))) {  // four elements per thread
+  if (vec4_rows(O) && vec4_rows(X) && (!has_dy || vec4_rows(DY))) {  // four elements per thread
     for_each_row(be, X.rows, cols / 4, [=] __device__(int64_t r, int cq) {
       const int64_t c = 4 * static_cast<int64_t>(cq);
-      const float4 xv = quad(X, r, c);
+      const float4 xv = load4(&X.at(r, c));
       float4 v{f(xv.x), f(xv.y), f(xv.z), f(xv.w)};
       if (has_dy) {
-        const float4 g = quad(DY, r, c);
+        const float4 g = load4(&DY.at(r, c));
         v = float4{g.x * v.x, g.y * v.y, g.z * v.z, g.w * v.w};
       }
-      float4& o = quad(O, r, c);
       if (accumulate) {
-        const float4 old = o;
+        const float4 old = load4(&O.at(r, c));
         v = float4{old.x + v.x, old.y + v.y, old.z + v.z, old.w + v.w};
       }
-      o = v;
+      store4(&O.at(r, c), v);
     });
     return;
   }
   for_each_row(be, X.rows, cols, [=] __device__(int64_t r, int c) {
-    const float v = has_dy ? DY.at(r, c) * f(X.at(r, c)) : f(X.at(r, c));
-    O.at(r, c) = accumulate ? O.at(r, c) + v : v;
+    const float v = has_dy ? DY.get(r, c) * f(X.get(r, c)) : f(X.get(r, c));
+    O.set(r, c, accumulate ? O.get(r, c) + v : v);
   });
+}
+
+// map() over the storage type of the call's activations.
+template <typename F>
+void map_as(CudaBackend& be, bool bf16, const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, F f) {
+  if (bf16)
+    map<__nv_bfloat16>(be, out, x, dy, accumulate, f);
+  else
+    map<float>(be, out, x, dy, accumulate, f);
 }
 
 }  // namespace
 
 void CudaBackend::silu(Tensor y, Tensor x) {
-  require_f32("silu", {{"y", y}, {"x", x}});
+  const bool bf = activations_in_bf16("silu", {{"y", y}, {"x", x}});
   require_same_matrix("silu", {"y", y}, {"x", x});
-  map(*this, y, x, {}, false, [] __device__(float v) { return v * sigmoid(v); });
+  map_as(*this, bf, y, x, {}, false, [] __device__(float v) { return v * sigmoid(v); });
 }
 
 void CudaBackend::silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) {
-  require_f32("silu_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
+  const bool bf = activations_in_bf16("silu_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
   if (!dx.defined()) return;
   require_same_matrix("silu_backward", {"dx", dx}, {"x", x});
   require_same_matrix("silu_backward", {"dy", dy}, {"x", x});
-  map(*this, dx, x, dy, accumulate_dx, [] __device__(float v) { return silu_grad(v); });
+  map_as(*this, bf, dx, x, dy, accumulate_dx, [] __device__(float v) { return silu_grad(v); });
 }
 
 void CudaBackend::gelu_tanh(Tensor y, Tensor x) {
-  require_f32("gelu_tanh", {{"y", y}, {"x", x}});
+  const bool bf = activations_in_bf16("gelu_tanh", {{"y", y}, {"x", x}});
   require_same_matrix("gelu_tanh", {"y", y}, {"x", x});
-  map(*this, y, x, {}, false, [] __device__(float v) { return gelu_value(v); });
+  map_as(*this, bf, y, x, {}, false, [] __device__(float v) { return gelu_value(v); });
 }
 
 void CudaBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) {
-  require_f32("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
+  const bool bf = activations_in_bf16("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
   if (!dx.defined()) return;
   require_same_matrix("gelu_tanh_backward", {"dx", dx}, {"x", x});
   require_same_matrix("gelu_tanh_backward", {"dy", dy}, {"x", x});
-  map(*this, dx, x, dy, false, [] __device__(float v) { return gelu_grad(v); });
+  map_as(*this, bf, dx, x, dy, false, [] __device__(float v) { return gelu_grad(v); });
 }
 
 }  // namespace flux8

@@ -15,6 +15,12 @@
 // Per-tensor scaling (delayed, tensorwise) has its own lighter kernel (cast_per_tensor_kernel):
 // with the scale known up front it encodes while loading and keeps only codes in shared memory.
 //
+// x is an activation, stored in f32 or bf16 (Backend::activation_dtype; for quantize_fused's
+// LayerNorm also shift and scale, columns of the modulation Linear's output, while mean and rstd
+// stay f32). The kernels are templated on that storage type only where they load: a bf16 value
+// widens to f32 exactly, and everything after the load is the f32 code, so a bf16 x casts to
+// the codes, scales and statistics the CPU gives for the same values in f32.
+//
 // Every scale comes from the FLUX8_HD functions the CPU runs (current_scale, scale_inverse,
 // e8m0_scale_for_amax, mx_scale) on the same fp32 operands; every code from the FP8 conversion
 // instruction applied to the same scaled fp32 value, which rounds exactly like the CPU's integer
@@ -24,6 +30,7 @@
 #include <cuda_fp8.h>
 
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -62,33 +69,58 @@ struct StatsTotal {
   unsigned long long nonzero, saturated, flushed;
 };
 
+// An activation element as f32. bf16 widens by taking its bits as the high half of the f32's:
+// exact, as load() is, and NaNs keep their sign and payload, as in the CPU's bf16_bits_to_f32,
+// whatever the conversion instruction does with them (a NaN's FP8 code carries its sign).
+__device__ inline float widen(float v) { return v; }
+__device__ inline float widen_bits(uint32_t bf16_bits) { return __uint_as_float(bf16_bits << 16); }
+__device__ inline float widen(__nv_bfloat16 v) { return widen_bits(__bfloat16_as_ushort(v)); }
+
+// The value an op's output has once stored as a T: f32 as computed, bf16 rounded to nearest
+// even (the CPU's round_to_bf16, so NaNs keep their sign as there).
+template <typename T>
+__device__ inline float as_stored(float v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return round_to_bf16(v);
+}
+
 // Where the cast's elements come from: x itself, or the value an element-wise op would have
 // stored from x (quantize_fused), computed by the op's own device function (pointwise.cuh).
+// T: the storage type of the activations x, shift and scale (float or __nv_bfloat16), read
+// through widen(): the op sees the same f32 values either way. The op's result is rounded as
+// storing it in T would (as_stored), so the fused cast gives the codes of produce() then
+// quantize() on bf16 activations too, and a recomputed input (selective recompute stores the
+// op's output, then casts it) casts to the forward's codes.
+template <typename T>
 struct Source {
   Backend::CastInput::Op op;
-  const float* x;
+  const T* x;
   int64_t ld;
   const float *mean, *rstd;  // layernorm_modulate: per row
-  Mat shift, scale;          // layernorm_modulate: [B, cols], sample of row r = r / tokens
+  MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens
   int64_t tokens;
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   // The op applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
   __device__ float apply(float v, int64_t r, int64_t b, int64_t c) const {
     switch (op) {
-      case Backend::CastInput::Op::gelu_tanh: return gelu_value(v);
+      case Backend::CastInput::Op::gelu_tanh: return as_stored<T>(gelu_value(v));
       case Backend::CastInput::Op::layernorm_modulate:
-        return layernorm_modulate_value(v, mean[r], rstd[r], shift.at(b, c), scale.at(b, c));
+        return as_stored<T>(
+            layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
       default: return v;
     }
   }
   __device__ float operator()(int64_t r, int64_t c) const {
-    return apply(x[r * ld + c], r,
+    return apply(widen(x[r * ld + c]), r,
                  op == Backend::CastInput::Op::layernorm_modulate ? per_sample.divide(static_cast<uint32_t>(r)) : 0, c);
   }
 };
 
+template <typename T>
 struct CastArgs {
-  Source x;
+  Source<T> x;
   int64_t rows, cols;
   int64_t tiles_x;  // tiles per row of tiles
   Fp8Format format;
@@ -99,7 +131,7 @@ struct CastArgs {
   bool stats_from_col;       // CastStats describe the columnwise cast (no rowwise copy)
   StatsPartial* partials;    // [tiles], or null: no statistics wanted
   double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
-  bool x_vec4;               // x and its ld allow 16-byte loads of 4 columns (per-tensor kernel)
+  bool x_vec4;               // x and its ld allow loading 4 columns as one access (per-tensor kernel)
 };
 
 // quantize_value(v0, s, f) | quantize_value(v1, s, f) << 8 by the FP8 conversion instruction of
@@ -147,7 +179,8 @@ struct Tile {
   int64_t ty, tx, r0, c0;
   int nr, nc;
 };
-__device__ inline Tile tile_of(const CastArgs& a) {
+template <typename T>
+__device__ inline Tile tile_of(const CastArgs<T>& a) {
   Tile t;
   t.ty = blockIdx.x / a.tiles_x, t.tx = blockIdx.x % a.tiles_x;
   t.r0 = t.ty * kTile, t.c0 = t.tx * kTile;
@@ -159,7 +192,8 @@ __device__ inline Tile tile_of(const CastArgs& a) {
 // The tile's statistics partial (a.partials[block]): each thread's counts, summed per warp and
 // then over the warps in order by thread 0, and the max of the threads' amaxes. Every thread of
 // the block calls it.
-__device__ inline void write_tile_partial(const CastArgs& a, float amax, uint32_t nonzero, uint32_t saturated,
+template <typename T>
+__device__ inline void write_tile_partial(const CastArgs<T>& a, float amax, uint32_t nonzero, uint32_t saturated,
                                           uint32_t flushed) {
   __shared__ float red_amax[kWarps];
   __shared__ uint32_t red_count[3][kWarps];
@@ -187,8 +221,8 @@ __device__ inline void write_tile_partial(const CastArgs& a, float amax, uint32_
   }
 }
 
-template <Fp8Scaling S>
-__global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
+template <Fp8Scaling S, typename T>
+__global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs<T> a) {
   static_assert(S != Fp8Scaling::per_tensor, "per-tensor casts run cast_per_tensor_kernel");
   extern __shared__ float tile[];  // [kTile][kPitch]
   constexpr int kSeg = S == Fp8Scaling::mx_1x32 ? 32 : 128;  // 1-D block length
@@ -307,8 +341,8 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
 }
 
 // Per-tensor scaling (delayed and tensorwise, the recipes that matter for speed): the scale is
-// known before the tile is read, so each element is loaded once (16 bytes per thread where x
-// allows), encoded once (two per conversion instruction), and its code goes straight to the
+// known before the tile is read, so each element is loaded once (4 columns per access where x
+// allows: Quad), encoded once (two per conversion instruction), and its code goes straight to the
 // rowwise copy (4 bytes per thread) and into a 16 KB byte tile from which the columnwise copy
 // is written transposed. The generic kernel above stages 64 KB of f32 and encodes every
 // element once per copy; this one runs at 8 blocks per SM. Same codes, scales, statistics and
@@ -316,7 +350,48 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs a) {
 // order; the CPU comparison is to 1e-6, like the generic kernel's).
 __device__ inline int swizzle(int row) { return (row >> 2) & 31; }
 
-__global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs a) {
+// The load side of cast_per_tensor_kernel: a thread's 4 columns of one row of x, read as one
+// access where x allows (16 bytes of f32, 8 of bf16: a warp reads 256 consecutive bytes of a
+// bf16 row) and kept as loaded until the row is encoded; columns past the edge read as +0.
+template <typename T>
+struct Quad;
+template <>
+struct Quad<float> {
+  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  __device__ void load(const float* p, int n, bool vec) {
+    if (n == 4 && vec) {
+      const float4 q = *reinterpret_cast<const float4*>(p);
+      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k < n) v[k] = p[k];
+    }
+  }
+  __device__ float operator[](int k) const { return v[k]; }
+};
+template <>
+struct Quad<__nv_bfloat16> {
+  uint32_t w[2] = {0, 0};  // columns 2h (low half) and 2h + 1 (high half) in w[h]
+  __device__ void load(const __nv_bfloat16* p, int n, bool vec) {
+    if (n == 4 && vec) {
+      const uint2 q = *reinterpret_cast<const uint2*>(p);
+      w[0] = q.x, w[1] = q.y;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k < n) w[k / 2] |= static_cast<uint32_t>(__bfloat16_as_ushort(p[k])) << (16 * (k % 2));
+    }
+  }
+  // widen() of column k: an odd column's bits are already the high half of the word.
+  __device__ float operator[](int k) const {
+    const uint32_t h = w[k / 2];
+    return k % 2 ? __uint_as_float(h & 0xFFFF0000u) : widen_bits(h & 0xFFFFu);
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<T> a) {
   // The tile's codes, 4 columns per word; word g of row i sits at column g ^ swizzle(i), so that
   // both the row pass (a warp writes one row's 32 words) and the column pass (a warp reads
   // word g of 32 groups of 4 rows) hit 32 different banks.
@@ -340,41 +415,36 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs 
   uint32_t nonzero = 0, saturated = 0, flushed = 0;
   double cs[4] = {0, 0, 0, 0};
   // Rows in groups of kAhead per thread: the group's loads are issued before any of its rows is
-  // encoded, so each thread keeps kAhead 16-byte loads in flight (rows are visited in the same
-  // order as one at a time: the column sums add in the same order).
+  // encoded, so each thread keeps kAhead loads in flight (rows are visited in the same order as
+  // one at a time: the column sums add in the same order). The same 4 rows for bf16, whose
+  // loads are half as wide: 8 rows ahead (as many bytes in flight as f32) took 80 registers
+  // instead of 64 (3 blocks per SM instead of 4), and spilled when held to 64.
   constexpr int kAhead = 4;
   for (int i0 = warp; i0 < nr; i0 += kWarps * kAhead) {
-    float v[kAhead][4];
+    Quad<T> quad[kAhead];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int i = i0 + u * kWarps;
-      v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.0f;
       if (i >= nr) continue;
-      const float* xr = a.x.x + (r0 + i) * a.x.ld + c0 + j0;
-      if (nj == 4 && a.x_vec4) {
-        const float4 q = *reinterpret_cast<const float4*>(xr);
-        v[u][0] = q.x, v[u][1] = q.y, v[u][2] = q.z, v[u][3] = q.w;
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (k < nj) v[u][k] = xr[k];
-      }
+      quad[u].load(a.x.x + (r0 + i) * a.x.ld + c0 + j0, nj, a.x_vec4);
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int i = i0 + u * kWarps;
       if (i >= nr) break;
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[k] = quad[u][k];
       const int64_t r = r0 + i, b = layernorm ? a.x.per_sample.divide(static_cast<uint32_t>(r)) : 0;
       if (a.x.op != Backend::CastInput::Op::identity)
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          if (k < nj) v[u][k] = a.x.apply(v[u][k], r, b, c0 + j0 + k);
-      const uint32_t word =
-          encode_pair(v[u][0], v[u][1], s, a.format) | (encode_pair(v[u][2], v[u][3], s, a.format) << 16);
+          if (k < nj) v[k] = a.x.apply(v[k], r, b, c0 + j0 + k);
+      const uint32_t word = encode_pair(v[0], v[1], s, a.format) | (encode_pair(v[2], v[3], s, a.format) << 16);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         if (k >= nj) break;
-        const float x = v[u][k];
+        const float x = v[k];
         amax = amax_accumulate(amax, x);
         if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
           ++nonzero;
@@ -518,7 +588,8 @@ __global__ void __launch_bounds__(32 * kUpdateWarps)
 }
 
 // Per-tensor current scaling, pass 1: block b takes rows b, b + gridDim.x, ...
-__global__ void __launch_bounds__(kCastThreads) amax_partials_kernel(Source x, int64_t rows, int64_t cols,
+template <typename T>
+__global__ void __launch_bounds__(kCastThreads) amax_partials_kernel(Source<T> x, int64_t rows, int64_t cols,
                                                                      float* partial) {
   __shared__ float sh[kWarps];
   float m = 0.0f;
@@ -548,16 +619,16 @@ __global__ void __launch_bounds__(kCastThreads) current_scale_kernel(const float
   }
 }
 
-template <Fp8Scaling S>
-void launch_cast(const CastArgs& a, int64_t tiles, cudaStream_t stream) {
+template <Fp8Scaling S, typename T>
+void launch_cast(const CastArgs<T>& a, int64_t tiles, cudaStream_t stream) {
   // The tile needs 66 KB of shared memory: above the 48 KB a launch gets without asking.
   static const bool configured = [] {
-    FLUX8_CUDA_CHECK(cudaFuncSetAttribute(cast_tile_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    FLUX8_CUDA_CHECK(cudaFuncSetAttribute(cast_tile_kernel<S, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(kTileBytes)));
     return true;
   }();
   (void)configured;
-  cast_tile_kernel<S><<<static_cast<unsigned>(tiles), kCastThreads, kTileBytes, stream>>>(a);
+  cast_tile_kernel<S, T><<<static_cast<unsigned>(tiles), kCastThreads, kTileBytes, stream>>>(a);
   FLUX8_LAUNCH_CHECK(cast_tile_kernel);
 }
 
@@ -585,6 +656,28 @@ CastDst dst(const QTensor& t) {
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
+// The source of a cast whose activations (x; LayerNorm's shift and scale) are stored as T.
+template <typename T>
+Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor per_sample) {
+  Source<T> s{in.op, static_cast<const T*>(in.x.data), in.x.ld, nullptr, nullptr, {}, {}, 1, {}};
+  if (in.op == Backend::CastInput::Op::layernorm_modulate) {
+    s.mean = in.mean.ptr<float>();
+    s.rstd = in.rstd.ptr<float>();
+    s.shift = mat_of<T>(in.shift);
+    s.scale = mat_of<T>(in.scale);
+    s.tokens = tokens;
+    s.per_sample = per_sample;
+  }
+  return s;
+}
+
+// Quantize::column_sums of the cast's elements on their own (no tiles to sum them in).
+template <typename T>
+void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_t cols, float* sums) {
+  column_sums(be, 1, rows, cols, [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); }, sums,
+              cols, true);
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -599,23 +692,32 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   using Op = CastInput::Op;
   const std::string_view op = in.op == Op::identity ? "quantize" : "quantize_fused";
   const Tensor& x = in.x;
-  const bool any_copy = ops::check_quantize(op, rowwise, columnwise, x);
+  const bool any_copy = ops::check_quantize(op, rowwise, columnwise, x, {DType::f32, DType::bf16});
   ops::check_column_sums(op, q.column_sums, x.cols());
   const int64_t R = x.rows(), C = x.cols();
-  Source src{in.op, x.ptr<float>(), x.ld, nullptr, nullptr, {}, {}, 1};
+  // x, and LayerNorm's shift and scale (columns of the modulation Linear's output), are
+  // activations: all f32 or all bf16. The row statistics stay f32.
+  bool bf16 = false;
+  int64_t tokens = 1;
+  FastDivisor per_sample;
   if (in.op == Op::layernorm_modulate) {
-    require_f32(op, {{"mean", in.mean}, {"rstd", in.rstd}, {"shift", in.shift}, {"scale", in.scale}});
+    bf16 = activations_in_bf16(op, {{"x", x}, {"shift", in.shift}, {"scale", in.scale}});
+    require_f32(op, {{"mean", in.mean}, {"rstd", in.rstd}});
     const auto dims = ops::check_layernorm_modulate(op, Tensor{}, in.mean, in.rstd, x, in.shift, in.scale);
-    src.mean = in.mean.ptr<float>();
-    src.rstd = in.rstd.ptr<float>();
-    src.shift = mat(in.shift);
-    src.scale = mat(in.scale);
-    src.tokens = dims.L > 0 ? dims.L : 1;
-    src.per_sample = row_divisor(op, x.rows(), src.tokens);
+    tokens = dims.L > 0 ? dims.L : 1;
+    per_sample = row_divisor(op, x.rows(), tokens);
+  } else {
+    bf16 = activations_in_bf16(op, {{"x", x}});
   }
+  // f(source): the launches that read x, instantiated for its storage type.
+  const auto with_source = [&](auto&& f) {
+    if (bf16)
+      f(source_of<__nv_bfloat16>(in, tokens, per_sample));
+    else
+      f(source_of<float>(in, tokens, per_sample));
+  };
   if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
-    column_sums(*this, 1, R, C, [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); },
-                q.column_sums.ptr<float>(), C, true);
+    with_source([&](const auto& src) { add_column_sums(*this, src, R, C, q.column_sums.ptr<float>()); });
   }
   if (!any_copy) return;
   check_output(op, rowwise, q, "rowwise");
@@ -651,42 +753,47 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   float* scale_dev = reinterpret_cast<float*>(s);
   auto* partials = reinterpret_cast<StatsPartial*>(s + off_tiles);
 
-  if (current) {
-    float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
-    amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(src, R, C, amax_partial);
-    FLUX8_LAUNCH_CHECK(amax_partials_kernel);
-    current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, q.format, q.pow2, scale_dev);
-    FLUX8_LAUNCH_CHECK(current_scale_kernel);
-  }
-
-  CastArgs a{};
-  a.x = src;
-  a.rows = R;
-  a.cols = C;
-  a.tiles_x = tiles_x;
-  a.format = q.format;
-  a.pow2 = q.pow2;
-  a.tensor_scale = current ? scale_dev : q.delayed_scale;
-  a.row = dst(rowwise);
-  a.col = dst(columnwise);
-  a.stats_from_col = !rowwise.defined();
-  a.partials = want_stats ? partials : nullptr;
-  a.x_vec4 = aligned16(src.x) && x.ld % 4 == 0;
   const int64_t row_tiles = (R + kTile - 1) / kTile;
-  a.column_partials = q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
-                                                    static_cast<size_t>(row_tiles * C) * sizeof(double)))
-                                              : nullptr;
-  switch (q.scaling) {
-    case Fp8Scaling::per_tensor:
-      cast_per_tensor_kernel<<<static_cast<unsigned>(tiles), kCastThreads, 0, stream()>>>(a);
-      FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
-      break;
-    case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
-    case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
-    case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
-  }
-  if (a.column_partials) {
-    column_partials_total_kernel<<<blocks_for(C), kThreads, 0, stream()>>>(1, C, row_tiles, a.column_partials,
+  double* column_partials = q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
+                                                          static_cast<size_t>(row_tiles * C) * sizeof(double)))
+                                                    : nullptr;
+  with_source([&]<typename T>(const Source<T>& src) {
+    if (current) {
+      float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
+      amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(src, R, C, amax_partial);
+      FLUX8_LAUNCH_CHECK(amax_partials_kernel);
+      current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, q.format, q.pow2,
+                                                             scale_dev);
+      FLUX8_LAUNCH_CHECK(current_scale_kernel);
+    }
+
+    CastArgs<T> a{};
+    a.x = src;
+    a.rows = R;
+    a.cols = C;
+    a.tiles_x = tiles_x;
+    a.format = q.format;
+    a.pow2 = q.pow2;
+    a.tensor_scale = current ? scale_dev : q.delayed_scale;
+    a.row = dst(rowwise);
+    a.col = dst(columnwise);
+    a.stats_from_col = !rowwise.defined();
+    a.partials = want_stats ? partials : nullptr;
+    a.column_partials = column_partials;
+    // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
+    a.x_vec4 = reinterpret_cast<uintptr_t>(src.x) % (4 * sizeof(T)) == 0 && x.ld % 4 == 0;
+    switch (q.scaling) {
+      case Fp8Scaling::per_tensor:
+        cast_per_tensor_kernel<T><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream()>>>(a);
+        FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
+        break;
+      case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
+      case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
+      case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
+    }
+  });
+  if (column_partials) {
+    column_partials_total_kernel<<<blocks_for(C), kThreads, 0, stream()>>>(1, C, row_tiles, column_partials,
                                                                           q.column_sums.ptr<float>(), C, true);
     FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
   }

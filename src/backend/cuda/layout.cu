@@ -1,8 +1,13 @@
 // Data movement and the small per-token ops on the device: token-major <-> head-major layout,
 // the joint text+image sequence, gated residuals, RoPE and the sinusoidal timestep embedding.
 // Same semantics and checks as the CPU files layout.cpp, elementwise.cpp, rope.cpp and
-// embedding.cpp; tables (RoPE, timestep) are evaluated in double like the CPU backend.
+// embedding.cpp; tables (RoPE, timestep) are evaluated in double like the CPU backend. Tokens,
+// the joint sequence, residuals and the embedding may be bf16 activations (Backend::
+// activation_dtype); RoPE stays f32.
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "backend/cuda/common.cuh"
 
@@ -11,54 +16,68 @@ using namespace cuda;
 
 namespace {
 
-// bf16 heads (Backend::attention_heads_dtype) against f32 tokens: values rounded to nearest
-// even on the way in, widened exactly on the way out; 4 elements a thread where aligned.
-void move_heads_bf16(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads,
-                     const FastDivisor& per_sample) {
-  const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3], Ls = tokens.shape[1], hld = heads.ld;
-  auto* hp = static_cast<__nv_bfloat16*>(heads.data);
-  const Mat T = mat(tokens);
-  if (D % 4 == 0 && hld % 4 == 0 && reinterpret_cast<uintptr_t>(hp) % 8 == 0 && quads(T)) {
-    const int Dq = static_cast<int>(D / 4);
-    for_each_row(be, heads.shape[0] * Ls, n * Dq, [=] __device__(int64_t r, int cq) {
-      const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
-      const int h = cq / Dq, d = (cq - h * Dq) * 4;
-      auto* hv = reinterpret_cast<__nv_bfloat162*>(hp + ((b * n + h) * L + offset + l) * hld + d);
-      float4& tv = quad(T, r, h * D + d);
-      if (to_heads) {
-        hv[0] = __floats2bfloat162_rn(tv.x, tv.y);
-        hv[1] = __floats2bfloat162_rn(tv.z, tv.w);
-      } else {
-        const float2 a = __bfloat1622float2(hv[0]), c = __bfloat1622float2(hv[1]);
-        tv = make_float4(a.x, a.y, c.x, c.y);
-      }
-    });
-    return;
+using bf16 = __nv_bfloat16;
+
+// Four consecutive elements as f32, and back: one 16-byte access of f32, one 8-byte access of
+// bf16 (stored rounded to nearest even; through a uint2, as a struct of bf16 pairs would be
+// copied member by member, in two 4-byte accesses).
+__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ inline float4 load4(const bf16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  __nv_bfloat162 lo, hi;
+  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
+  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ inline void store4(bf16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 u;
+  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+// Data movement: the same type moves its bits (bf16 NaN payloads too), f32 -> bf16 rounds to
+// nearest even and bf16 -> f32 widens exactly.
+template <typename To, typename From>
+__device__ inline void move4(To* dst, const From* src) {
+  if constexpr (std::is_same_v<To, From>) {
+    using Raw = std::conditional_t<sizeof(To) == 4, float4, uint2>;
+    *reinterpret_cast<Raw*>(dst) = *reinterpret_cast<const Raw*>(src);
+  } else {
+    store4(dst, load4(src));
   }
-  const int Di = static_cast<int>(D);
-  for_each_row(be, heads.shape[0] * Ls, n * D, [=] __device__(int64_t r, int c) {
-    const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
-    const int h = c / Di, d = c - h * Di;
-    __nv_bfloat16& hv = hp[((b * n + h) * L + offset + l) * hld + d];
-    float& tv = T.at(r, c);
-    if (to_heads) hv = __float2bfloat16_rn(tv); else tv = __bfloat162float(hv);
-  });
+}
+template <typename To, typename From>
+__device__ inline void move1(To& dst, const From& src) {
+  if constexpr (std::is_same_v<To, From>)
+    dst = src;
+  else
+    store(dst, load(src));
+}
+// Rows of whole 4-element vectors: quads() for either storage type.
+template <typename T>
+bool vec4_rows(const MatOf<T>& m) {
+  return reinterpret_cast<uintptr_t>(m.p) % (4 * sizeof(T)) == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
 }
 
+// Token rows of type TT <-> heads of type HT (f32/f32, f32 tokens with bf16 heads:
+// Backend::attention_heads_dtype, or bf16/bf16: bf16 activations); 4 elements a thread where
+// both sides are aligned.
+template <typename TT, typename HT>
 void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads) {
   const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
   const int64_t Ls = tokens.shape[1];
   const FastDivisor per_sample = row_divisor("tokens_to_heads / heads_to_tokens", heads.shape[0] * Ls, Ls);
-  if (heads.dtype == DType::bf16) return move_heads_bf16(be, heads, tokens, offset, to_heads, per_sample);
-  const Mat H = mat(heads), T = mat(tokens);
-  if (D % 4 == 0 && quads(H) && quads(T)) {
+  const MatOf<HT> H = mat_of<HT>(heads);
+  const MatOf<TT> T = mat_of<TT>(tokens);
+  if (vec4_rows(H) && vec4_rows(T)) {  // D % 4 == 0 (H's columns)
     const int Dq = static_cast<int>(D / 4);
     for_each_row(be, heads.shape[0] * Ls, n * Dq, [=] __device__(int64_t r, int cq) {
       const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
       const int h = cq / Dq, d = (cq - h * Dq) * 4;
-      float4& hv = quad(H, (b * n + h) * L + offset + l, d);
-      float4& tv = quad(T, r, h * D + d);
-      if (to_heads) hv = tv; else tv = hv;
+      HT* hv = &H.at((b * n + h) * L + offset + l, d);
+      TT* tv = &T.at(r, h * D + d);
+      if (to_heads) move4(hv, tv); else move4(tv, hv);
     });
     return;
   }
@@ -68,120 +87,224 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
   for_each_row(be, heads.shape[0] * Ls, n * D, [=] __device__(int64_t r, int c) {
     const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
     const int h = c / Di, d = c - h * Di;
-    float& hv = H.at((b * n + h) * L + offset + l, d);
-    float& tv = T.at(r, c);
-    if (to_heads) hv = tv; else tv = hv;
+    HT& hv = H.at((b * n + h) * L + offset + l, d);
+    TT& tv = T.at(r, c);
+    if (to_heads) move1(hv, tv); else move1(tv, hv);
   });
 }
 
+// Checks the storage types of tokens_to_heads / heads_to_tokens and moves: heads f32 or bf16
+// (attention_heads_dtype), tokens f32 or bf16 (activations), bf16 tokens with bf16 heads only
+// (attention never runs on f32 heads when the activations are bf16; rounding on the way back
+// would not be a layout change).
+void heads_tokens(CudaBackend& be, std::string_view op, const Tensor& heads, const Tensor& tokens, int64_t offset,
+                  bool to_heads) {
+  const bool tokens_bf16 = activations_in_bf16(op, {{"tokens", tokens}});
+  const bool h_bf16 = heads_in_bf16(op, {{"heads", heads}});
+  if (tokens_bf16 && !h_bf16)
+    fail("{}: tokens {} are bf16 but heads {} are f32: bf16 activations need bf16 heads", op, tokens.str(),
+         heads.str());
+  ops::check_heads_tokens(op, heads, tokens, offset);
+  if (tokens_bf16)
+    move_heads<bf16, bf16>(be, heads, tokens, offset, to_heads);
+  else if (h_bf16)
+    move_heads<float, bf16>(be, heads, tokens, offset, to_heads);
+  else
+    move_heads<float, float>(be, heads, tokens, offset, to_heads);
+}
+
+template <typename T>
 void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64_t offset, bool to_joint) {
   const int64_t L = joint.shape[1], C = joint.shape[2], Lp = part.shape[1];
-  const Mat J = mat(joint), P = mat(part);
+  const MatOf<T> J = mat_of<T>(joint), P = mat_of<T>(part);
   const FastDivisor per_sample = row_divisor("concat_tokens / split_tokens", part.shape[0] * Lp, Lp);
-  if (quads(J) && quads(P)) {
+  if (vec4_rows(J) && vec4_rows(P)) {
     for_each_row(be, part.shape[0] * Lp, C / 4, [=] __device__(int64_t r, int jq) {
       const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
-      float4& jv = quad(J, b * L + offset + l, 4 * jq);
-      float4& pv = quad(P, r, 4 * jq);
-      if (to_joint) jv = pv; else pv = jv;
+      T* jv = &J.at(b * L + offset + l, 4 * jq);
+      T* pv = &P.at(r, 4 * jq);
+      if (to_joint) move4(jv, pv); else move4(pv, jv);
     });
     return;
   }
   for_each_row(be, part.shape[0] * Lp, C, [=] __device__(int64_t r, int j) {
     const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
-    float& jv = J.at(b * L + offset + l, j);
-    float& pv = P.at(r, j);
+    T& jv = J.at(b * L + offset + l, j);
+    T& pv = P.at(r, j);
     if (to_joint) jv = pv; else pv = jv;
+  });
+}
+
+template <typename T>
+void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& x, const Tensor& y, const Tensor& gate) {
+  const int64_t L = x.shape[1], H = x.shape[2];
+  const MatOf<T> X = mat_of<T>(x), Y = mat_of<T>(y), G = mat_of<T>(gate);
+  const FastDivisor per_sample = row_divisor(op, x.rows(), L);
+  if (vec4_rows(X) && vec4_rows(Y) && vec4_rows(G)) {  // 16-byte (f32) / 8-byte (bf16) loads and stores
+    for_each_row(be, x.rows(), H / 4, [=] __device__(int64_t r, int q) {
+      const float4 g = load4(&G.at(per_sample.divide(static_cast<uint32_t>(r)), 4 * q)), yv = load4(&Y.at(r, 4 * q));
+      const float4 xv = load4(&X.at(r, 4 * q));
+      store4(&X.at(r, 4 * q),
+             make_float4(xv.x + g.x * yv.x, xv.y + g.y * yv.y, xv.z + g.z * yv.z, xv.w + g.w * yv.w));
+    });
+    return;
+  }
+  for_each_row(be, x.rows(), H, [=] __device__(int64_t r, int j) {
+    X.set(r, j, X.get(r, j) + G.get(per_sample.divide(static_cast<uint32_t>(r)), j) * Y.get(r, j));
+  });
+}
+
+// out[g, c] = Σ_k partial[g, k, c] in chunk order, rounded to f32 and then (bf16) to nearest
+// even, as the CPU twin rounds its f32 sum: column_partials_total_kernel for bf16 outputs.
+__global__ void column_totals_bf16_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
+                                          MatOf<bf16> out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < groups * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t g = i / cols, c = i % cols;
+    const double* p = partial + g * chunks * cols + c;
+    double t = 0;
+    for (int64_t k = 0; k < chunks; ++k) t += p[k * cols];
+    out.set(g, c, static_cast<float>(t));
+  }
+}
+
+// column_sums (common.cuh) into an output of element type T, overwritten: the same chunks,
+// partial kernel and order; only the final store differs for bf16.
+template <typename T, typename V>
+void column_sums_into(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value, const Tensor& out) {
+  if constexpr (std::is_same_v<T, float>) {
+    column_sums(be, groups, rows, cols, value, out.ptr<float>(), out.ld, false);
+  } else {
+    if (groups == 0 || cols == 0) return;
+    if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
+    int64_t chunk_rows = kColumnChunk;
+    if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
+    const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
+    auto* partial =
+        static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
+    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks),
+                    static_cast<unsigned>(groups));
+    column_partials_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, chunks, chunk_rows, value, partial);
+    FLUX8_LAUNCH_CHECK(column_partials_kernel);
+    column_totals_bf16_kernel<<<blocks_for(groups * cols), kThreads, 0, be.stream()>>>(groups, cols, chunks, partial,
+                                                                                     mat_of<bf16>(out));
+    FLUX8_LAUNCH_CHECK(column_totals_bf16_kernel);
+  }
+}
+
+template <typename T>
+void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tensor& dy, const Tensor& dgate,
+                                const Tensor& dx, const Tensor& y, const Tensor& gate) {
+  const int64_t B = dx.shape[0], L = dx.shape[1], H = dx.shape[2];
+  const MatOf<T> DX = mat_of<T>(dx);
+  MatOf<T> DY{}, G{};
+  if (dy.defined()) DY = mat_of<T>(dy), G = mat_of<T>(gate);
+  if (dgate.defined()) {
+    // One pass: the column-sum walk over (sample, row, column) also writes dy, so dx is read
+    // once (column_sums visits every element exactly once).
+    const MatOf<T> Y = mat_of<T>(y);
+    column_sums_into<T>(
+        be, B, L, H,
+        [=] __device__(int64_t b, int64_t l, int64_t j) {
+          const float d = DX.get(b * L + l, j);
+          if (DY.p) DY.set(b * L + l, j, G.get(b, j) * d);
+          return double(d) * Y.get(b * L + l, j);
+        },
+        dgate);
+  } else if (DY.p) {
+    const FastDivisor per_sample = row_divisor(op, B * L, L);
+    for_each_row(be, B * L, H, [=] __device__(int64_t r, int j) {
+      DY.set(r, j, G.get(per_sample.divide(static_cast<uint32_t>(r)), j) * DX.get(r, j));
+    });
+  }
+}
+
+template <typename T>
+void timestep_embedding_as(CudaBackend& be, const Tensor& out, const Tensor& t, double time_factor,
+                           double max_period) {
+  const int64_t B = out.shape[0], dim = out.shape[1], half = dim / 2;
+  const MatOf<T> O = mat_of<T>(out);
+  const float* tv = t.ptr<float>();
+  const double neg_log_period = -log(max_period);
+  for_each(be, B * dim, [=] __device__(int64_t i) {
+    const int64_t b = i / dim, j = i % dim;
+    if (j >= 2 * half) {  // odd widths are zero-padded, as in the reference
+      O.set(b, j, 0.0f);
+      return;
+    }
+    const int64_t k = j < half ? j : j - half;
+    const double arg = time_factor * static_cast<double>(tv[b]) *
+                       exp(neg_log_period * static_cast<double>(k) / static_cast<double>(half));
+    O.set(b, j, static_cast<float>(j < half ? cos(arg) : sin(arg)));
   });
 }
 
 }  // namespace
 
 void CudaBackend::tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) {
-  require_f32("tokens_to_heads", {{"tokens", tokens}});
-  heads_in_bf16("tokens_to_heads", {{"heads", heads}});
-  ops::check_heads_tokens("tokens_to_heads", heads, tokens, token_offset);
-  move_heads(*this, heads, tokens, token_offset, true);
+  heads_tokens(*this, "tokens_to_heads", heads, tokens, token_offset, true);
 }
 
 void CudaBackend::heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) {
-  require_f32("heads_to_tokens", {{"tokens", tokens}});
-  heads_in_bf16("heads_to_tokens", {{"heads", heads}});
-  ops::check_heads_tokens("heads_to_tokens", heads, tokens, token_offset);
-  move_heads(*this, heads, tokens, token_offset, false);
+  heads_tokens(*this, "heads_to_tokens", heads, tokens, token_offset, false);
 }
 
 void CudaBackend::concat_tokens(Tensor out, Tensor a, Tensor b) {
-  require_f32("concat_tokens", {{"out", out}, {"a", a}, {"b", b}});
+  const bool bf = activations_in_bf16("concat_tokens", {{"out", out}, {"a", a}, {"b", b}});
   require_defined("concat_tokens", {"a", a});
   require_defined("concat_tokens", {"b", b});
   ops::check_joint("concat_tokens", {"out", out}, a, b);
-  move_tokens(*this, out, a, 0, true);
-  move_tokens(*this, out, b, a.shape[1], true);
+  if (bf) {
+    move_tokens<bf16>(*this, out, a, 0, true);
+    move_tokens<bf16>(*this, out, b, a.shape[1], true);
+  } else {
+    move_tokens<float>(*this, out, a, 0, true);
+    move_tokens<float>(*this, out, b, a.shape[1], true);
+  }
 }
 
 void CudaBackend::split_tokens(Tensor a, Tensor b, Tensor in) {
-  require_f32("split_tokens", {{"a", a}, {"b", b}, {"in", in}});
+  const bool bf = activations_in_bf16("split_tokens", {{"a", a}, {"b", b}, {"in", in}});
   ops::check_joint("split_tokens", {"in", in}, a, b);
   const int64_t b_offset = in.shape[1] - (b.defined() ? b.shape[1] : 0);
-  if (a.defined()) move_tokens(*this, in, a, 0, false);
-  if (b.defined()) move_tokens(*this, in, b, b_offset, false);
+  for (const auto& [part, offset] : {std::pair{a, int64_t{0}}, std::pair{b, b_offset}}) {
+    if (!part.defined()) continue;
+    if (bf)
+      move_tokens<bf16>(*this, in, part, offset, false);
+    else
+      move_tokens<float>(*this, in, part, offset, false);
+  }
 }
 
 void CudaBackend::gated_residual(Tensor x, Tensor y, Tensor gate) {
   constexpr std::string_view op = "gated_residual";
-  require_f32(op, {{"x", x}, {"y", y}, {"gate", gate}});
+  const bool bf = activations_in_bf16(op, {{"x", x}, {"y", y}, {"gate", gate}});
   require_rank(op, {"x", x}, 3);
   require_shape(op, {"y", y}, x.shape);
   require_shape(op, {"gate", gate}, Shape{x.shape[0], x.shape[2]});
-  const int64_t L = x.shape[1], H = x.shape[2];
-  const Mat X = mat(x), Y = mat(y), G = mat(gate);
-  const FastDivisor per_sample = row_divisor(op, x.rows(), L);
-  if (quads(X) && quads(Y) && quads(G)) {  // 16-byte loads and stores
-    for_each_row(*this, x.rows(), H / 4, [=] __device__(int64_t r, int q) {
-      const float4 g = quad(G, per_sample.divide(static_cast<uint32_t>(r)), 4 * q), yv = quad(Y, r, 4 * q);
-      float4& xv = quad(X, r, 4 * q);
-      xv = make_float4(xv.x + g.x * yv.x, xv.y + g.y * yv.y, xv.z + g.z * yv.z, xv.w + g.w * yv.w);
-    });
-    return;
-  }
-  for_each_row(*this, x.rows(), H, [=] __device__(int64_t r, int j) {
-    X.at(r, j) = X.at(r, j) + G.at(per_sample.divide(static_cast<uint32_t>(r)), j) * Y.at(r, j);
-  });
+  if (bf)
+    gated_residual_as<bf16>(*this, op, x, y, gate);
+  else
+    gated_residual_as<float>(*this, op, x, y, gate);
 }
 
 void CudaBackend::gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) {
   constexpr std::string_view op = "gated_residual_backward";
-  require_f32(op, {{"dy", dy}, {"dgate", dgate}, {"dx", dx}, {"y", y}, {"gate", gate}});
+  const bool bf = activations_in_bf16(op, {{"dy", dy}, {"dgate", dgate}, {"dx", dx}, {"y", y}, {"gate", gate}});
   require_rank(op, {"dx", dx}, 3);
-  const int64_t B = dx.shape[0], L = dx.shape[1], H = dx.shape[2];
-  const Mat DX = mat(dx);
-  Mat DY{}, G{};
+  const int64_t B = dx.shape[0], H = dx.shape[2];
   if (dy.defined()) {
     require_shape(op, {"dy", dy}, dx.shape);
     require_shape(op, {"gate", gate}, Shape{B, H});
-    DY = mat(dy), G = mat(gate);
   }
   if (dgate.defined()) {
     require_shape(op, {"y", y}, dx.shape);
     require_shape(op, {"dgate", dgate}, Shape{B, H});
-    // One pass: the column-sum walk over (sample, row, column) also writes dy, so dx is read
-    // once (column_sums visits every element exactly once).
-    const Mat Y = mat(y);
-    column_sums(
-        *this, B, L, H,
-        [=] __device__(int64_t b, int64_t l, int64_t j) {
-          const float d = DX.at(b * L + l, j);
-          if (DY.p) DY.at(b * L + l, j) = G.at(b, j) * d;
-          return double(d) * Y.at(b * L + l, j);
-        },
-        dgate.ptr<float>(), dgate.ld, false);
-  } else if (DY.p) {
-    const FastDivisor per_sample = row_divisor(op, B * L, L);
-    for_each_row(*this, B * L, H, [=] __device__(int64_t r, int j) {
-      DY.at(r, j) = G.at(per_sample.divide(static_cast<uint32_t>(r)), j) * DX.at(r, j);
-    });
   }
+  if (bf)
+    gated_residual_backward_as<bf16>(*this, op, dy, dgate, dx, y, gate);
+  else
+    gated_residual_backward_as<float>(*this, op, dy, dgate, dx, y, gate);
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
@@ -249,24 +372,14 @@ void CudaBackend::rope(Tensor x, Tensor pe, bool inverse) {
 
 void CudaBackend::timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) {
   constexpr std::string_view op = "timestep_embedding";
-  require_f32(op, {{"out", out}, {"t", t}});
   require_rank(op, {"out", out}, 2);
-  const int64_t B = out.shape[0], dim = out.shape[1], half = dim / 2;
-  require_vector(op, {"t", t}, B);
-  const Mat O = mat(out);
-  const float* tv = t.ptr<float>();
-  const double neg_log_period = -log(max_period);
-  for_each(*this, B * dim, [=] __device__(int64_t i) {
-    const int64_t b = i / dim, j = i % dim;
-    if (j >= 2 * half) {  // odd widths are zero-padded, as in the reference
-      O.at(b, j) = 0.0f;
-      return;
-    }
-    const int64_t k = j < half ? j : j - half;
-    const double arg = time_factor * static_cast<double>(tv[b]) *
-                       exp(neg_log_period * static_cast<double>(k) / static_cast<double>(half));
-    O.at(b, j) = static_cast<float>(j < half ? cos(arg) : sin(arg));
-  });
+  const bool bf = activations_in_bf16(op, {{"out", out}});
+  require_vector(op, {"t", t}, out.shape[0]);
+  require_f32(op, {{"t", t}});  // t is an input of the model, not an activation
+  if (bf)
+    timestep_embedding_as<bf16>(*this, out, t, time_factor, max_period);
+  else
+    timestep_embedding_as<float>(*this, out, t, time_factor, max_period);
 }
 
 }  // namespace flux8

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/common.cuh"
@@ -135,19 +136,134 @@ void* CudaBackend::reduction_scratch(size_t bytes) {
 void* CudaBackend::pinned_result() { return pinned_; }
 
 // ---- fill / copy / add / accumulate --------------------------------------------------------
+// Each of them also serves activations (Backend::activation_dtype): the tensors of one call are
+// f32 or bf16 (copy may convert), and bf16 values are computed in f32 and stored rounded to
+// nearest even. The f32 code paths are those of an f32-only backend.
 
-void CudaBackend::fill(Tensor y, double value) {
-  require_f32("fill", {{"y", y}});
-  const Mat Y = mat(y);
-  const float v = static_cast<float>(value);
-  if (Y.rows * Y.cols == 0) return;
-  if (v == 0.0f && !std::signbit(v) && y.contiguous()) {  // +0.0 is all-zero bytes: a memset
-    FLUX8_CUDA_CHECK(cudaMemsetAsync(Y.p, 0, static_cast<size_t>(Y.rows * Y.cols) * sizeof(float), stream_));
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// Four consecutive bf16 values as f32 and back (rounded to nearest even), in one 8-byte access
+// (the bf16 twin of a float4): through a uint2, as a struct of bf16 pairs would be copied
+// member by member, in two 4-byte accesses.
+__device__ inline float4 load4(const bf16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  __nv_bfloat162 lo, hi;
+  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
+  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ inline void store4(bf16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 u;
+  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+template <typename T>
+bool aligned_to(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+}
+// Rows of whole 4-element vectors (quads() for either storage type).
+template <typename T>
+bool vec4_rows(const MatOf<T>& m) {
+  return aligned_to<T>(m.p) && m.ld % 4 == 0 && m.cols % 4 == 0;
+}
+
+// y = x converted between f32 and bf16 (round to nearest even one way, exact the other).
+// Contiguous pairs go through convert.cu's flat kernels (any length; they align on the f32
+// side and need the bf16 side 4-byte aligned for their paired accesses); column windows row by
+// row, 4 elements a thread where both sides allow.
+template <typename Y, typename X>
+void convert(CudaBackend& be, const Tensor& y, const Tensor& x) {
+  const MatOf<Y> YM = mat_of<Y>(y);
+  const MatOf<X> XM = mat_of<X>(x);
+  const int64_t n = YM.rows * YM.cols;
+  if (n == 0) return;
+  if (y.contiguous() && x.contiguous()) {
+    const void* half = std::is_same_v<Y, bf16> ? static_cast<const void*>(YM.p) : static_cast<const void*>(XM.p);
+    if (reinterpret_cast<uintptr_t>(half) % 4 == 0) {
+      if constexpr (std::is_same_v<Y, bf16>)
+        to_bf16(YM.p, XM.p, n, be.stream());
+      else
+        to_f32(YM.p, XM.p, n, be.stream());
+      return;
+    }
+    Y* yp = YM.p;
+    const X* xp = XM.p;
+    for_each(be, n, [=] __device__(int64_t i) { store(yp[i], load(xp[i])); });
     return;
   }
+  if (vec4_rows(YM) && vec4_rows(XM)) {
+    for_each_row(be, YM.rows, YM.cols / 4, [=] __device__(int64_t r, int q) {
+      store4(&YM.at(r, 4 * q), load4(&XM.at(r, 4 * q)));
+    });
+    return;
+  }
+  for_each_row(be, YM.rows, YM.cols, [=] __device__(int64_t r, int c) { YM.set(r, c, XM.get(r, c)); });
+}
+
+// y = f(a, b) elementwise over bf16 tensors, computed in f32 (accumulate: a is y). Contiguous
+// tensors run flat (4 elements a thread where all three are 8-byte aligned, the tail one by
+// one), column windows row by row (4 a thread where every row allows).
+template <typename F>
+void bf16_binary(CudaBackend& be, const Tensor& y, const Tensor& a, const Tensor& b, F f) {
+  const MatOf<bf16> Y = mat_of<bf16>(y), A = mat_of<bf16>(a), B = mat_of<bf16>(b);
+  const int64_t n = Y.rows * Y.cols;
+  if (n == 0) return;
+  if (y.contiguous() && a.contiguous() && b.contiguous()) {
+    const bool vec = aligned_to<bf16>(Y.p) && aligned_to<bf16>(A.p) && aligned_to<bf16>(B.p);
+    const int64_t n4 = vec ? n / 4 : 0;
+    for_each(be, n4 + (n - 4 * n4), [=] __device__(int64_t i) {
+      if (i < n4) {
+        const float4 u = load4(A.p + 4 * i), v = load4(B.p + 4 * i);
+        store4(Y.p + 4 * i, make_float4(f(u.x, v.x), f(u.y, v.y), f(u.z, v.z), f(u.w, v.w)));
+      } else {
+        const int64_t e = 3 * n4 + i;  // 4·n4 + (i − n4)
+        store(Y.p[e], f(load(A.p[e]), load(B.p[e])));
+      }
+    });
+    return;
+  }
+  if (vec4_rows(Y) && vec4_rows(A) && vec4_rows(B)) {
+    for_each_row(be, Y.rows, Y.cols / 4, [=] __device__(int64_t r, int q) {
+      const float4 u = load4(&A.at(r, 4 * q)), v = load4(&B.at(r, 4 * q));
+      store4(&Y.at(r, 4 * q), make_float4(f(u.x, v.x), f(u.y, v.y), f(u.z, v.z), f(u.w, v.w)));
+    });
+    return;
+  }
+  for_each_row(be, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.set(r, c, f(A.get(r, c), B.get(r, c))); });
+}
+
+}  // namespace
+
+void CudaBackend::fill(Tensor y, double value) {
+  const bool bf = activations_in_bf16("fill", {{"y", y}});
+  const float v = static_cast<float>(value);
+  const int64_t n = y.rows() * y.cols();
+  if (n == 0) return;
+  if (v == 0.0f && !std::signbit(v) && y.contiguous()) {  // +0.0 is all-zero bytes (f32 and bf16): a memset
+    FLUX8_CUDA_CHECK(cudaMemsetAsync(y.data, 0, y.bytes(), stream_));
+    return;
+  }
+  if (bf) {  // the f32 value rounded once, as bf16 storage of the CPU's f32 fill holds it
+    const MatOf<bf16> Y = mat_of<bf16>(y);
+    const bf16 h = __float2bfloat16_rn(v);
+    if (y.contiguous()) {
+      bf16* p = Y.p;
+      for_each(*this, n, [=] __device__(int64_t i) { p[i] = h; });
+      return;
+    }
+    for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = h; });
+    return;
+  }
+  const Mat Y = mat(y);
   if (y.contiguous()) {  // also flat parameter-sized vectors, beyond for_each_row's 2^30 columns
     float* p = Y.p;
-    for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { p[i] = v; });
+    for_each(*this, n, [=] __device__(int64_t i) { p[i] = v; });
     return;
   }
   for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = v; });
@@ -166,21 +282,33 @@ void CudaBackend::fill_random(Tensor y, Random dist, uint64_t seed, uint64_t str
   });
 }
 
+// y's storage type may differ from x's: each is f32 or bf16, and the values convert.
 void CudaBackend::copy(Tensor y, Tensor x) {
-  require_f32("copy", {{"y", y}, {"x", x}});
+  require_defined("copy", {"y", y});
+  require_defined("copy", {"x", x});
+  const bool y_bf = activations_in_bf16("copy", {{"y", y}}), x_bf = activations_in_bf16("copy", {{"x", x}});
   require_same_matrix("copy", {"y", y}, {"x", x});
+  if (y_bf != x_bf) {
+    if (y_bf)
+      convert<bf16, float>(*this, y, x);
+    else
+      convert<float, bf16>(*this, y, x);
+    return;
+  }
+  const size_t elem = dtype_size(x.dtype);
   if (y.contiguous() && x.contiguous()) {
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(y.data, x.data, x.bytes(), cudaMemcpyDeviceToDevice, stream_));
     return;
   }
-  FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(y.data, y.ld * sizeof(float), x.data, x.ld * sizeof(float),
-                                     x.cols() * sizeof(float), x.rows(), cudaMemcpyDeviceToDevice, stream_));
+  FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(y.data, y.ld * elem, x.data, x.ld * elem, x.cols() * elem, x.rows(),
+                                     cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaBackend::add(Tensor y, Tensor a, Tensor b) {
-  require_f32("add", {{"y", y}, {"a", a}, {"b", b}});
+  const bool bf = activations_in_bf16("add", {{"y", y}, {"a", a}, {"b", b}});
   require_same_matrix("add", {"y", y}, {"a", a});
   require_same_matrix("add", {"y", y}, {"b", b});
+  if (bf) return bf16_binary(*this, y, a, b, [] __device__(float u, float v) { return u + v; });
   const Mat Y = mat(y), A = mat(a), B = mat(b);
   if (y.contiguous() && a.contiguous() && b.contiguous()) {
     for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.p[i] = A.p[i] + B.p[i]; });
@@ -190,8 +318,9 @@ void CudaBackend::add(Tensor y, Tensor a, Tensor b) {
 }
 
 void CudaBackend::accumulate(Tensor y, Tensor x) {
-  require_f32("accumulate", {{"y", y}, {"x", x}});
+  const bool bf = activations_in_bf16("accumulate", {{"y", y}, {"x", x}});
   require_same_matrix("accumulate", {"y", y}, {"x", x});
+  if (bf) return bf16_binary(*this, y, y, x, [] __device__(float u, float v) { return u + v; });
   const Mat Y = mat(y), X = mat(x);
   if (y.contiguous() && x.contiguous()) {
     for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.p[i] += X.p[i]; });

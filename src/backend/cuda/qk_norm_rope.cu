@@ -10,7 +10,14 @@
 // each block sums a fixed chunk of segments (its warps in a fixed stride, combined in warp
 // order) and column_partials_total_kernel (reduce.cu, the second pass of column_sums) adds
 // the chunks in order, so dscale is the same on every run.
+//
+// The token-side activations (q, k, v; dq, dk, dv) are f32 or bf16 (Backend::activation_dtype),
+// the heads f32 or bf16 (Backend::attention_heads_dtype), each side one type; statistics,
+// scales, dscale and the table stay f32. Only the loads and stores depend on the types: values
+// widen to f32 as loaded, the arithmetic is the f32 path's, and each stored value is rounded
+// once to nearest even (the normalised, unrotated values in between are never stored).
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/common.cuh"
 
@@ -32,9 +39,15 @@ __device__ inline double warp_sum(double v) {
   return v;
 }
 
-// Elements (2p, 2p+1) at p: one 8-byte access when every row start is 8-byte aligned (`vec`).
+// Elements (2p, 2p+1) at p as f32: one access (8 bytes of f32, 4 of bf16) when every row
+// start is pair-aligned (`vec`). bf16 pairs are widened as loaded and rounded to nearest even
+// as stored.
 __device__ inline float2 load_pair(const float* p, bool vec) {
   return vec ? *reinterpret_cast<const float2*>(p) : make_float2(p[0], p[1]);
+}
+__device__ inline float2 load_pair(const __nv_bfloat16* p, bool vec) {
+  if (vec) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+  return make_float2(__bfloat162float(p[0]), __bfloat162float(p[1]));
 }
 __device__ inline void store_pair(float* p, float2 v, bool vec) {
   if (vec) {
@@ -42,6 +55,14 @@ __device__ inline void store_pair(float* p, float2 v, bool vec) {
   } else {
     p[0] = v.x;
     p[1] = v.y;
+  }
+}
+__device__ inline void store_pair(__nv_bfloat16* p, float2 v, bool vec) {
+  if (vec) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v.x, v.y);
+  } else {
+    p[0] = __float2bfloat16_rn(v.x);
+    p[1] = __float2bfloat16_rn(v.y);
   }
 }
 
@@ -53,19 +74,11 @@ struct Heads {
   bool bf16;
   __device__ float2 load2(int64_t row, int64_t col, bool vec) const {
     if (!bf16) return load_pair(static_cast<const float*>(p) + row * ld + col, vec);
-    const auto* b = static_cast<const __nv_bfloat16*>(p) + row * ld + col;
-    if (vec) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(b));
-    return make_float2(__bfloat162float(b[0]), __bfloat162float(b[1]));
+    return load_pair(static_cast<const __nv_bfloat16*>(p) + row * ld + col, vec);
   }
   __device__ void store2(int64_t row, int64_t col, float2 v, bool vec) const {
     if (!bf16) return store_pair(static_cast<float*>(p) + row * ld + col, v, vec);
-    auto* b = static_cast<__nv_bfloat16*>(p) + row * ld + col;
-    if (vec) {
-      *reinterpret_cast<__nv_bfloat162*>(b) = __floats2bfloat162_rn(v.x, v.y);
-    } else {
-      b[0] = __float2bfloat16_rn(v.x);
-      b[1] = __float2bfloat16_rn(v.y);
-    }
+    store_pair(static_cast<__nv_bfloat16*>(p) + row * ld + col, v, vec);
   }
 };
 Heads heads_of(const Tensor& t) { return Heads{t.data, t.ld, t.dtype == DType::bf16}; }
@@ -91,10 +104,12 @@ __device__ inline void load_table(float2 (&cs)[kPairs], const float* pe, const S
   }
 }
 
+// T: the token-side activations' storage type (float or __nv_bfloat16).
+template <typename T>
 struct ForwardArgs {
   Heads q_heads, k_heads, v_heads;
   float *q_rstd, *k_rstd;  // null: not saved
-  Mat q, k, v;
+  MatOf<T> q, k, v;
   const float *q_scale, *k_scale, *pe;
   int64_t n, L, Ls, offset, D, segments;
   double eps;
@@ -103,8 +118,8 @@ struct ForwardArgs {
 
 // out = rope(x / √(mean(x²) + eps) · scale) for one segment: the value rmsnorm_heads stores,
 // then rope's rotation of it.
-template <int kPairs>
-__device__ inline void norm_rotate(const Heads& out, float* rstd, const Mat& x, const float* scale,
+template <int kPairs, typename T>
+__device__ inline void norm_rotate(const Heads& out, float* rstd, const MatOf<T>& x, const float* scale,
                                    const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane, int64_t D,
                                    double eps, bool vec) {
   float2 v[kPairs];
@@ -131,8 +146,8 @@ __device__ inline void norm_rotate(const Heads& out, float* rstd, const Mat& x, 
   }
 }
 
-template <int kPairs>
-__global__ void qk_norm_rope_to_heads_kernel(ForwardArgs a) {
+template <int kPairs, typename T>
+__global__ void qk_norm_rope_to_heads_kernel(ForwardArgs<T> a) {
   const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (seg >= a.segments) return;  // whole warps leave together (the grid is warp-aligned)
@@ -149,10 +164,11 @@ __global__ void qk_norm_rope_to_heads_kernel(ForwardArgs a) {
   }
 }
 
+template <typename T>
 struct BackwardArgs {
-  Mat dq, dk, dv;  // null (p == nullptr): not wanted
+  MatOf<T> dq, dk, dv;  // null (p == nullptr): not wanted
   Heads dq_heads, dk_heads, dv_heads;
-  Mat q, k;
+  MatOf<T> q, k;
   const float *q_rstd, *k_rstd, *q_scale, *k_scale, *pe;
   double *q_partial, *k_partial;  // [chunks, D] dscale partials, or null: not wanted
   int64_t n, L, Ls, offset, D, segments, chunk;
@@ -162,9 +178,9 @@ struct BackwardArgs {
 // One segment of rmsnorm_heads_backward on g = rope⁻¹(dheads) (the gradient of the normalised,
 // unrotated values): with x̂ = x·rstd, dx = rstd·(g·scale − x̂·mean(g·scale·x̂)); acc (this
 // lane's dscale columns) += g·x̂.
-template <int kPairs>
-__device__ inline void norm_rotate_backward(const Mat& dx, double (&acc)[2 * kPairs], const Heads& dheads,
-                                            const Mat& x, const float* rstd, const float* scale,
+template <int kPairs, typename T>
+__device__ inline void norm_rotate_backward(const MatOf<T>& dx, double (&acc)[2 * kPairs], const Heads& dheads,
+                                            const MatOf<T>& x, const float* rstd, const float* scale,
                                             const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
                                             int64_t D, bool vec) {
   const double rs = rstd[seg];
@@ -226,10 +242,10 @@ __device__ inline void store_chunk_partial(double (*tile)[64], const double (&ac
 // One of the two passes of the backward kernel over the block's chunk: q's (with dv's copy)
 // or k's. Two passes instead of one keep one set of dscale accumulators live at a time (the
 // single pass spilled registers at D = 128); each element is still read once.
-template <int kPairs>
-__device__ inline void backward_pass(const BackwardArgs& a, const Mat& dx, const Heads& dheads, const Mat& x,
-                                     const float* rstd, const float* scale, double* partial, bool copy_v,
-                                     double (*tile)[64]) {
+template <int kPairs, typename T>
+__device__ inline void backward_pass(const BackwardArgs<T>& a, const MatOf<T>& dx, const Heads& dheads,
+                                     const MatOf<T>& x, const float* rstd, const float* scale, double* partial,
+                                     bool copy_v, double (*tile)[64]) {
   const bool norm = dx.p || partial;
   if (!norm && !copy_v) return;  // the same for the whole block
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -257,9 +273,9 @@ __device__ inline void backward_pass(const BackwardArgs& a, const Mat& dx, const
 
 // Two blocks per SM (≤ 64 registers a thread) up to D = 128: the grid is about two blocks per SM
 // at Flux sizes. Wider heads need more registers than that; they get one block per SM.
-template <int kPairs>
+template <int kPairs, typename T>
 __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
-    qk_norm_rope_to_heads_backward_kernel(BackwardArgs a) {
+    qk_norm_rope_to_heads_backward_kernel(BackwardArgs<T> a) {
   __shared__ double tile[kBackwardWarps][64];
   backward_pass<kPairs>(a, a.dq, a.dq_heads, a.q, a.q_rstd, a.q_scale, a.q_partial, a.dv.p != nullptr, tile);
   backward_pass<kPairs>(a, a.dk, a.dk_heads, a.k, a.k_rstd, a.k_scale, a.k_partial, false, tile);
@@ -274,11 +290,12 @@ int pairs_per_lane(std::string_view op, int64_t D) {
        op, D, 64 * kMaxPairsPerLane);
 }
 
-// Whether every row start of these tensors is 8-byte aligned (base and ld even): then pairs
-// move as one float2 (and bf16 pairs as one 4-byte word).
+// Whether every row start of these tensors is pair-aligned (ld even, base a multiple of two
+// elements: 8 bytes of f32, 4 of bf16): then pairs move as one float2 or one bf16 pair.
 bool pair_aligned(std::initializer_list<Tensor> ts) {
   for (const Tensor& t : ts)
-    if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % 8 != 0 || t.ld % 2 != 0)) return false;
+    if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % (2 * dtype_size(t.dtype)) != 0 || t.ld % 2 != 0))
+      return false;
   return true;
 }
 
@@ -288,47 +305,49 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
                                         Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
                                         Tensor pe, int64_t token_offset, double eps) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  require_f32(op, {{"q_rstd", q_rstd},
-                   {"k_rstd", k_rstd},
-                   {"q", q},
-                   {"k", k},
-                   {"v", v},
-                   {"q_scale", q_scale},
-                   {"k_scale", k_scale},
-                   {"pe", pe}});
   const auto d = ops::check_qk_norm_rope_to_heads(op, q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale,
                                                   k_scale, pe, token_offset);
-  // After the shape checks, whose messages name a missing head tensor.
+  // The types after the shape checks, whose messages name a missing tensor: the activations
+  // (token side) f32 or bf16, the heads f32 or bf16, the rest f32.
+  const bool bf16 = activations_in_bf16(op, {{"q", q}, {"k", k}, {"v", v}});
+  require_f32(op, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}, {"q_scale", q_scale}, {"k_scale", k_scale}, {"pe", pe}});
   heads_in_bf16(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
   const int pairs = pairs_per_lane(op, d.D);
-  ForwardArgs a{heads_of(q_heads),
-                heads_of(k_heads),
-                heads_of(v_heads),
-                q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
-                k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
-                mat(q),
-                mat(k),
-                mat(v),
-                q_scale.ptr<float>(),
-                k_scale.ptr<float>(),
-                pe.ptr<float>(),
-                d.n,
-                d.L,
-                d.Ls,
-                token_offset,
-                d.D,
-                d.B * d.Ls * d.n,
-                eps,
-                pair_aligned({q_heads, k_heads, v_heads, q, k, v, pe})};
-  if (a.segments == 0) return;
-  const unsigned blocks = exact_blocks(a.segments * 32);
-  switch (pairs) {
-    case 1: qk_norm_rope_to_heads_kernel<1><<<blocks, kThreads, 0, stream_>>>(a); break;
-    case 2: qk_norm_rope_to_heads_kernel<2><<<blocks, kThreads, 0, stream_>>>(a); break;
-    case 4: qk_norm_rope_to_heads_kernel<4><<<blocks, kThreads, 0, stream_>>>(a); break;
-    default: qk_norm_rope_to_heads_kernel<8><<<blocks, kThreads, 0, stream_>>>(a); break;
-  }
-  FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_kernel);
+  const int64_t segments = d.B * d.Ls * d.n;
+  if (segments == 0) return;
+  const unsigned blocks = exact_blocks(segments * 32);
+  const auto launch = [&]<typename T>(std::type_identity<T>) {
+    ForwardArgs<T> a{heads_of(q_heads),
+                     heads_of(k_heads),
+                     heads_of(v_heads),
+                     q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
+                     k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
+                     mat_of<T>(q),
+                     mat_of<T>(k),
+                     mat_of<T>(v),
+                     q_scale.ptr<float>(),
+                     k_scale.ptr<float>(),
+                     pe.ptr<float>(),
+                     d.n,
+                     d.L,
+                     d.Ls,
+                     token_offset,
+                     d.D,
+                     segments,
+                     eps,
+                     pair_aligned({q_heads, k_heads, v_heads, q, k, v, pe})};
+    switch (pairs) {
+      case 1: qk_norm_rope_to_heads_kernel<1><<<blocks, kThreads, 0, stream_>>>(a); break;
+      case 2: qk_norm_rope_to_heads_kernel<2><<<blocks, kThreads, 0, stream_>>>(a); break;
+      case 4: qk_norm_rope_to_heads_kernel<4><<<blocks, kThreads, 0, stream_>>>(a); break;
+      default: qk_norm_rope_to_heads_kernel<8><<<blocks, kThreads, 0, stream_>>>(a); break;
+    }
+    FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_kernel);
+  };
+  if (bf16)
+    launch(std::type_identity<__nv_bfloat16>{});
+  else
+    launch(std::type_identity<float>{});
 }
 
 void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
@@ -336,21 +355,18 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
                                                  Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
                                                  Tensor k_scale, Tensor pe, int64_t token_offset) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_backward";
-  require_f32(op, {{"dq", dq},
-                   {"dk", dk},
-                   {"dv", dv},
-                   {"dq_scale", dq_scale},
+  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
+                                                           dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
+                                                           token_offset);
+  // The types after the shape checks, as in the forward.
+  const bool bf16 = activations_in_bf16(op, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"q", q}, {"k", k}});
+  require_f32(op, {{"dq_scale", dq_scale},
                    {"dk_scale", dk_scale},
-                   {"q", q},
-                   {"k", k},
                    {"q_rstd", q_rstd},
                    {"k_rstd", k_rstd},
                    {"q_scale", q_scale},
                    {"k_scale", k_scale},
                    {"pe", pe}});
-  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
-                                                           dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
-                                                           token_offset);
   heads_in_bf16(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
   const int pairs = pairs_per_lane(op, d.D);
   const int64_t segments = d.B * d.Ls * d.n;
@@ -363,39 +379,47 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   double* partial = nullptr;
   if (dq_scale.defined() || dk_scale.defined())
     partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(2 * chunks * d.D) * sizeof(double)));
-  BackwardArgs a{mat_or_null(dq),
-                 mat_or_null(dk),
-                 mat_or_null(dv),
-                 heads_of(dq_heads),
-                 heads_of(dk_heads),
-                 heads_of(dv_heads),
-                 mat(q),
-                 mat(k),
-                 q_rstd.ptr<float>(),
-                 k_rstd.ptr<float>(),
-                 q_scale.ptr<float>(),
-                 k_scale.ptr<float>(),
-                 pe.ptr<float>(),
-                 dq_scale.defined() ? partial : nullptr,
-                 dk_scale.defined() ? partial + chunks * d.D : nullptr,
-                 d.n,
-                 d.L,
-                 d.Ls,
-                 token_offset,
-                 d.D,
-                 segments,
-                 chunk,
-                 pair_aligned({dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe})};
+  double* const q_partial = dq_scale.defined() ? partial : nullptr;
+  double* const k_partial = dk_scale.defined() ? partial + chunks * d.D : nullptr;
   const unsigned blocks = static_cast<unsigned>(chunks), threads = kBackwardWarps * 32;
-  switch (pairs) {
-    case 1: qk_norm_rope_to_heads_backward_kernel<1><<<blocks, threads, 0, stream_>>>(a); break;
-    case 2: qk_norm_rope_to_heads_backward_kernel<2><<<blocks, threads, 0, stream_>>>(a); break;
-    case 4: qk_norm_rope_to_heads_backward_kernel<4><<<blocks, threads, 0, stream_>>>(a); break;
-    default: qk_norm_rope_to_heads_backward_kernel<8><<<blocks, threads, 0, stream_>>>(a); break;
-  }
-  FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
+  const auto launch = [&]<typename T>(std::type_identity<T>) {
+    BackwardArgs<T> a{mat_of_or_null<T>(dq),
+                      mat_of_or_null<T>(dk),
+                      mat_of_or_null<T>(dv),
+                      heads_of(dq_heads),
+                      heads_of(dk_heads),
+                      heads_of(dv_heads),
+                      mat_of<T>(q),
+                      mat_of<T>(k),
+                      q_rstd.ptr<float>(),
+                      k_rstd.ptr<float>(),
+                      q_scale.ptr<float>(),
+                      k_scale.ptr<float>(),
+                      pe.ptr<float>(),
+                      q_partial,
+                      k_partial,
+                      d.n,
+                      d.L,
+                      d.Ls,
+                      token_offset,
+                      d.D,
+                      segments,
+                      chunk,
+                      pair_aligned({dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe})};
+    switch (pairs) {
+      case 1: qk_norm_rope_to_heads_backward_kernel<1><<<blocks, threads, 0, stream_>>>(a); break;
+      case 2: qk_norm_rope_to_heads_backward_kernel<2><<<blocks, threads, 0, stream_>>>(a); break;
+      case 4: qk_norm_rope_to_heads_backward_kernel<4><<<blocks, threads, 0, stream_>>>(a); break;
+      default: qk_norm_rope_to_heads_backward_kernel<8><<<blocks, threads, 0, stream_>>>(a); break;
+    }
+    FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
+  };
+  if (bf16)
+    launch(std::type_identity<__nv_bfloat16>{});
+  else
+    launch(std::type_identity<float>{});
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
-  for (const auto& [dscale, part] : {std::pair{dq_scale, a.q_partial}, std::pair{dk_scale, a.k_partial}}) {
+  for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}}) {
     if (!dscale.defined()) continue;
     column_partials_total_kernel<<<blocks_for(d.D), kThreads, 0, stream_>>>(1, d.D, chunks, part,
                                                                            dscale.ptr<float>(), d.D, true);
