@@ -29,7 +29,15 @@ enum class Fp8Scaling : uint8_t { per_tensor, block_1x128, block_128x128, mx_1x3
 const char* fp8_scaling_name(Fp8Scaling s);
 
 // One element, FLUX8_HD so the kernels share it.
-FLUX8_HD inline uint8_t quantize_value(float x, float scale, Fp8Format f) { return fp8_encode(x * scale, f); }
+// A NaN product takes the code of its NaN operand, x first (the value, else an MX block's NaN
+// scale), written out: which NaN a multiply returns is not fixed (x86 returns its first
+// operand's and a compiler may swap the operands; the GPU returns a canonical one), and a NaN's
+// FP8 code carries its sign.
+FLUX8_HD inline uint8_t quantize_value(float x, float scale, Fp8Format f) {
+  if (x != x) return fp8_encode(x, f);
+  if (scale != scale) return fp8_encode(scale, f);
+  return fp8_encode(x * scale, f);
+}
 FLUX8_HD inline float dequantize_value(uint8_t code, float scale_inv, Fp8Format f) {
   return fp8_decode(code, f) * scale_inv;
 }

@@ -623,6 +623,8 @@ const GemmShape kGemmShapes[] = {
     {136, 264, 656, 4, true},   // partial 128-row tiles, 6 k blocks (padded to 8)
     {256, 384, 512, 4, true},   // the plain cuBLASLt case
     {40, 24, 64, 3, false},     // k % 16 == 0 but c rows not 16-byte aligned: emulated
+    {52, 192, 64, 0, true},     // m % 8 != 0 (a text stream's B·L): cuBLASLt, or the emulated kernel
+                                // where it refuses (bf16 c at such shapes, GemmRefused)
 };
 
 // x [rows, cols] quantized on the CPU with a recipe's current scales; the same bytes go to the device.

@@ -304,7 +304,16 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
     args.scale_a = b.scale_inv;
     args.scale_b = a.scale_inv;
   }
-  gemm_with_bias(*this, d, args, c, bias_ptr);
+  try {
+    gemm_with_bias(*this, d, args, c, bias_ptr);
+  } catch (const GemmRefused& refused) {
+    if (pinned == GemmBackend::cublaslt) throw;
+    note_emulated("refused " + describe(d),
+                  fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(a.scaling), m, n, k,
+                              fp8_format_name(a.format), fp8_format_name(b.format)),
+                  refused.what());
+    emulated_gemm(*this, c, a, b, bias_ptr, accumulate);
+  }
 }
 
 }  // namespace flux8

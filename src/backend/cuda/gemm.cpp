@@ -280,8 +280,18 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     if (!g.accumulate) fail("GEMM {}: empty reduction (k = 0) is only meaningful when accumulating", describe(g));
     return;
   }
-  FLUX8_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, args.d, p.d, args.d,
-                                    p.d, &p.algo, workspace_, workspace_bytes_, stream_));
+  const cublasStatus_t s = cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, args.d, p.d,
+                                          args.d, p.d, &p.algo, workspace_, workspace_bytes_, stream_);
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED) {
+    // The heuristic offered an algorithm the call then refuses (seen for FP8 GEMMs with a bf16
+    // D at a few small shapes). Nothing ran; the description is marked unsupported, so
+    // supported() says so from now on and callers with another path take it.
+    p.found = false;
+    p.why_not = "cuBLASLt refused the heuristic's algorithm when run (CUBLAS_STATUS_NOT_SUPPORTED)";
+    throw GemmRefused(fmt::format("GEMM {}: {}", describe(g), p.why_not));
+  }
+  if (s != CUBLAS_STATUS_SUCCESS)
+    fail("GEMM {}: cuBLASLt error {} ({})", describe(g), cublasLtGetStatusName(s), cublasLtGetStatusString(s));
 }
 
 }  // namespace flux8::cuda

@@ -24,6 +24,8 @@
 #include <string>
 #include <tuple>
 
+#include "core/error.h"
+
 namespace flux8 {
 class CudaBackend;
 struct Tensor;
@@ -50,6 +52,13 @@ struct GemmDesc {
     return std::make_tuple(trans_a, trans_b, m, n, k, lda, ldb, ldd, type_a, type_b, type_d, compute, scale_mode_a,
                            scale_mode_b, bias, bias_type, fast_accum, accumulate);
   }
+};
+
+// cuBLASLt refused to run a description its heuristic had offered an algorithm for (nothing
+// ran); Gemm::supported() answers no for it from then on.
+class GemmRefused : public Error {
+ public:
+  using Error::Error;
 };
 
 // Device pointers of one call.

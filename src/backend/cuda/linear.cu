@@ -95,25 +95,28 @@ namespace cuda {
 
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
   Gemm& gemm = be.gemm();
-  if (bias) {
+  // An epilogue variant, when cuBLASLt offers it and runs it (GemmRefused: the next option).
+  auto epilogue = [&](cudaDataType_t bias_type, const void* bias_ptr) {
     GemmDesc with = d;
     with.bias = true;
-    with.bias_type = CUDA_R_32F;
-    if (gemm.supported(with).empty()) {
-      args.bias = bias;
-      gemm.run(with, args);
-      return;
+    with.bias_type = bias_type;
+    if (!gemm.supported(with).empty()) return false;
+    GemmArgs a = args;
+    a.bias = bias_ptr;
+    try {
+      gemm.run(with, a);
+      return true;
+    } catch (const GemmRefused&) {
+      return false;
     }
+  };
+  if (bias) {
+    if (epilogue(CUDA_R_32F, bias)) return;
     if (c.dtype == DType::bf16) {
-      with.bias_type = CUDA_R_16BF;
-      if (gemm.supported(with).empty()) {
-        const int64_t n = c.cols();
-        auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
-        to_bf16(b16, bias, n, be.stream());
-        args.bias = b16;
-        gemm.run(with, args);
-        return;
-      }
+      const int64_t n = c.cols();
+      auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
+      to_bf16(b16, bias, n, be.stream());
+      if (epilogue(CUDA_R_16BF, b16)) return;
     }
   }
   gemm.run(d, args);
