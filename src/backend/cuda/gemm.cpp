@@ -84,6 +84,7 @@ struct Gemm::Plan {
   std::vector<cublasLtMatmulAlgo_t> candidates;  // autotuning: the heuristic's list, best-ranked first
   bool tuned = false;                            // autotuning: algo is the chosen candidate
   bool found = false;
+  bool refused = false;  // found, then refused when run (GemmRefused from then on)
   std::string why_not;  // heuristic's failure, when !found
   ~Plan() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -262,7 +263,10 @@ std::string Gemm::supported(const GemmDesc& d) {
 void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
   if (g.m == 0 || g.n == 0) return;
   Plan& p = plan(g);
-  if (!p.found) fail("GEMM {}: cuBLASLt found no algorithm on this GPU ({})", describe(g), p.why_not);
+  if (!p.found) {
+    if (p.refused) throw GemmRefused(fmt::format("GEMM {}: {}", describe(g), p.why_not));
+    fail("GEMM {}: cuBLASLt found no algorithm on this GPU ({})", describe(g), p.why_not);
+  }
   if (g.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
   if (is_fp8(g.type_a) || is_fp8(g.type_b)) {
     set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.scale_a));
@@ -287,6 +291,7 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     // D at a few small shapes). Nothing ran; the description is marked unsupported, so
     // supported() says so from now on and callers with another path take it.
     p.found = false;
+    p.refused = true;
     p.why_not = "cuBLASLt refused the heuristic's algorithm when run (CUBLAS_STATUS_NOT_SUPPORTED)";
     throw GemmRefused(fmt::format("GEMM {}: {}", describe(g), p.why_not));
   }

@@ -113,7 +113,9 @@ class Gemm {
 // - bf16 c: else a bf16 copy of the bias (cuBLASLt's FP8 GEMMs take only that for bf16 D); the
 //   bias is rounded to bf16 before it is added (≤ 2⁻⁹ of it);
 // - else the plain GEMM, then a kernel adds the bias to c in the CPU's order (product, + c,
-//   + bias); a bf16 c is then rounded twice (≤ 1 bf16 ulp more). (linear.cu)
+//   + bias); a bf16 c is then rounded twice (≤ 1 bf16 ulp more).
+// A non-FP8 description cuBLASLt refuses when run (GemmRefused) is computed by a plain kernel
+// (noted once on stderr); an FP8 one is rethrown for the caller's emulated path. (linear.cu)
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias);
 
 std::string describe(const GemmDesc& d);  // for error messages: "TN m=.. n=.. k=.. e4m3 x e5m2 -> f32"

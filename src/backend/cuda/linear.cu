@@ -10,6 +10,7 @@
 // Row-major tensors are column-major transposes, so each product is issued with the operands
 // swapped: y[N,M] = x·wᵀ  <=>  yᵀ[M,N] = wᵀ·xᵀ, with the row strides as leading dimensions.
 #include <cuda_bf16.h>
+#include <fmt/format.h>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.h"
@@ -77,6 +78,34 @@ void add_bias(CudaBackend& be, const Tensor& c, const float* bias) {
   for_each_row(be, C.rows, C.cols, [=] __device__(int64_t r, int j) { C.set(r, j, C.get(r, j) + bias[j]); });
 }
 
+// An element of a GEMM operand stored as f32 or bf16, by the description's type.
+__device__ inline float element(const void* p, cudaDataType_t t, int64_t i) {
+  return t == CUDA_R_16BF ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// Column-major D[m, n] = op(A)·op(B) (+ D when accumulating) (+ bias[m]), one thread per element,
+// fp32 sums in k order: for a description cuBLASLt offers an algorithm for and then refuses to
+// run (GemmRefused; seen for bf16 operands at k = 2). Slow, but only ever met at tiny shapes.
+__global__ void plain_gemm_kernel(GemmDesc d, const void* a, const void* b, void* out, const float* bias) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, j = blockIdx.y;
+  if (i >= d.m) return;
+  float acc = 0;
+  for (int64_t l = 0; l < d.k; ++l) {
+    const float x = element(a, d.type_a, d.trans_a == CUBLAS_OP_N ? i + l * d.lda : l + i * d.lda);
+    const float y = element(b, d.type_b, d.trans_b == CUBLAS_OP_N ? l + j * d.ldb : j + l * d.ldb);
+    acc += x * y;
+  }
+  const int64_t o = i + j * d.ldd;
+  if (d.accumulate) acc += element(out, d.type_d, o);
+  if (bias) acc += bias[i];
+  if (d.type_d == CUDA_R_16BF)
+    static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(acc);
+  else
+    static_cast<float*>(out)[o] = acc;
+}
+
+bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
+
 }  // namespace
 
 void* CudaBackend::epilogue_scratch(size_t bytes) {
@@ -119,7 +148,21 @@ void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c,
       if (epilogue(CUDA_R_16BF, b16)) return;
     }
   }
-  gemm.run(d, args);
+  try {
+    gemm.run(d, args);
+  } catch (const GemmRefused& refused) {
+    if (is_fp8_type(d.type_a) || is_fp8_type(d.type_b)) throw;  // FP8: the caller's emulated kernel
+    static bool noted = false;
+    if (!noted) {
+      noted = true;
+      fmt::print(stderr, "{}; computed by a plain kernel instead (noted once)\n", refused.what());
+    }
+    if (d.n > 65535) throw;
+    plain_gemm_kernel<<<dim3(exact_blocks(d.m), static_cast<unsigned>(d.n)), kThreads, 0, be.stream()>>>(
+        d, args.a, args.b, args.d, bias);
+    FLUX8_LAUNCH_CHECK(plain_gemm_kernel);
+    return;
+  }
   if (!bias) return;
   if (c.dtype == DType::bf16)
     add_bias<__nv_bfloat16>(be, c, bias);
@@ -202,7 +245,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.type_a = d.type_b = ops.type();
       d.type_d = cuda_type(dx);
       d.accumulate = accumulate_dx;
-      gemm_->run(d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data});
+      gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, nullptr);
     }
   }
   if (dw.defined()) {
@@ -218,7 +261,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
       d.type_a = d.type_b = ops.type();
       d.accumulate = true;
-      gemm_->run(d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data});
+      gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, nullptr);
     }
   }
   if (db.defined()) {
