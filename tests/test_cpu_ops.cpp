@@ -10,6 +10,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/transfer.h"
 #include "core/error.h"
 #include "cpu_ops_util.h"
 
@@ -453,6 +454,26 @@ TEST_F(CpuOps, AllocateIsAlignedAndZeroed) {
     EXPECT_EQ(back, host);
     be->release(p);
   }
+}
+
+}  // namespace
+}  // namespace flux8::testing
+
+namespace flux8::testing {
+namespace {
+
+// to_host / from_host of a bf16 tensor (an activation in bf16 storage; the CPU backend only moves
+// its bytes): values go in rounded to nearest even (ties to even) and come back widened exactly.
+TEST(Transfer, Bf16RoundsToNearestEvenAndWidensExactly) {
+  const std::unique_ptr<Backend> be = make_backend("cpu");
+  const std::vector<double> in = {1.0, 1.0 + 1.0 / 256, 1.0 + 3.0 / 256, -2.5, 1e-3, 65504.0};
+  Tensor t(be->allocate(in.size() * 2), DType::bf16, Shape{static_cast<int64_t>(in.size())});
+  from_host(*be, t, in);
+  const std::vector<double> out = to_host(*be, t);
+  // 1 + 2⁻⁸ is halfway between 1 and 1 + 2⁻⁷: to even (1); 1 + 3·2⁻⁸: to 1 + 2⁻⁶ (even mantissa).
+  const std::vector<double> want = {1.0, 1.0, 1.0 + 4.0 / 256, -2.5, round_to_bf16(1e-3f), 65536.0};
+  EXPECT_EQ(out, want);
+  be->release(t.data);
 }
 
 }  // namespace

@@ -11,6 +11,10 @@ std::vector<double> to_host(Backend& backend, const Tensor& t) {
   std::vector<double> out(n);
   if (t.dtype == DType::f64) {
     backend.download(out.data(), t.data, n * 8);
+  } else if (t.dtype == DType::bf16) {  // an activation in bf16 storage: widened exactly
+    std::vector<uint16_t> tmp(n);
+    backend.download(tmp.data(), t.data, n * 2);
+    for (size_t i = 0; i < n; ++i) out[i] = bf16_bits_to_f32(tmp[i]);
   } else {
     FLUX8_CHECK(t.dtype == DType::f32, "to_host of {}", t.str());
     std::vector<float> tmp(n);
@@ -25,6 +29,10 @@ void from_host(Backend& backend, const Tensor& t, const std::vector<double>& val
               "from_host of {} values into {}", values.size(), t.str());
   if (t.dtype == DType::f64) {
     backend.upload(t.data, values.data(), values.size() * 8);
+  } else if (t.dtype == DType::bf16) {  // rounded to nearest even through f32
+    std::vector<uint16_t> tmp(values.size());
+    for (size_t i = 0; i < values.size(); ++i) tmp[i] = f32_to_bf16_bits(static_cast<float>(values[i]));
+    backend.upload(t.data, tmp.data(), tmp.size() * 2);
   } else {
     FLUX8_CHECK(t.dtype == DType::f32, "from_host into {}", t.str());
     std::vector<float> tmp(values.begin(), values.end());

@@ -210,14 +210,18 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
       {16384, 9216, 3072}, {16384, 3072, 3072}, {16384, 12288, 3072}, {16384, 3072, 12288},
       {16384, 21504, 3072}, {16384, 3072, 15360}, {9216, 21504, 3072}, {9216, 3072, 15360}};
   std::vector<GemmBenchRow> rows;
+  // x and y are activations, stored as the model stores them (bf16 with activation_precision
+  // bf16); w is an f32 parameter.
+  const DType act = be.activation_dtype(DType::f32);
+  const double act_bytes = static_cast<double>(dtype_size(act));
   for (const auto& [m, n, k] : shapes) {
-    auto alloc = [&](Shape s) {
-      Tensor t(be.allocate(static_cast<size_t>(s.numel()) * 4), DType::f32, s);
-      from_host(be, t, randn(7, static_cast<uint64_t>(s.numel()), s.numel(), 1.0));
-      return t;
+    auto alloc = [&](Shape s, DType t) {
+      Tensor x(be.allocate(static_cast<size_t>(s.numel()) * dtype_size(t)), t, s);
+      from_host(be, x, randn(7, static_cast<uint64_t>(s.numel()), s.numel(), 1.0));
+      return x;
     };
-    const Tensor x = alloc(Shape{m, k}), w = alloc(Shape{n, k});
-    Tensor y(be.allocate(static_cast<size_t>(m * n) * 4), DType::f32, Shape{m, n});
+    const Tensor x = alloc(Shape{m, k}, act), w = alloc(Shape{n, k}, DType::f32);
+    Tensor y(be.allocate(static_cast<size_t>(m * n) * dtype_size(act)), act, Shape{m, n});
     auto qt = [&](int64_t r, int64_t c) {
       QTensor q;
       q.rows = r, q.cols = c;
@@ -262,8 +266,8 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
     Backend::Quantize with_sums = delayed;
     with_sums.column_sums = sums;
     row.cast_sums_ms = time_ms([&] { be.quantize(xq, xt, x, with_sums); });
-    // bytes moved by the cast: f32 in, two 1-byte copies out
-    row.cast_gbps = 6.0 * static_cast<double>(m) * static_cast<double>(k) / (row.cast_ms / 1e3) / 1e9;
+    // bytes moved by the cast: the activation in, two 1-byte copies out
+    row.cast_gbps = (act_bytes + 2.0) * static_cast<double>(m) * static_cast<double>(k) / (row.cast_ms / 1e3) / 1e9;
     const double tflop = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / 1e12;
     row.fp8_linear_tflops = tflop / (row.fp8_linear_ms / 1e3);
     row.fp8_gemm_tflops = tflop / (row.fp8_gemm_ms / 1e3);

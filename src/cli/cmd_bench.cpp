@@ -82,6 +82,11 @@ Command add_bench_command(CLI::App& app) {
   return {cmd, [o]() {
     BackendOptions bo;
     bo.bf16_gemm = true;
+    // Where the runs take fp8_* settings, recompute_granularity and activation_precision from
+    // (with -c: that config, below).
+    Config run_keys;
+    for (const std::string& kv : o->overrides) run_keys.apply_override(kv);
+    bo.bf16_activations = run_keys.get_string("activation_precision") == "bf16";
     nlohmann::json out;
     if (o->gemm) {
       fmt::print("{:>6} {:>6} {:>6} | {:>20} | {:>20} | {:>20} | {:>25}\n", "M", "N", "K", "FP8 linear (+casts)",
@@ -100,9 +105,6 @@ Command add_bench_command(CLI::App& app) {
       }
     } else {
       std::vector<StepBenchSpec> specs;
-      // Where the runs take fp8_* settings, recompute_granularity and activation_precision from.
-      Config run_keys;
-      for (const std::string& kv : o->overrides) run_keys.apply_override(kv);
       if (!o->config.empty()) {
         const Config c = Config::load(o->config, o->overrides);
         run_keys = c;
