@@ -14,6 +14,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/factory.h"
+#include "core/error.h"
 #include "cpu_ops_util.h"
 
 namespace flux8::testing {
@@ -139,6 +140,16 @@ inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
 // Device result of `p` vs its host (CPU-computed) values.
 inline double gpu_vs_cpu(const Pair& p) { return rel_l2(p.down(), p.cpu_values()); }
 
+// Window i of every row (`row_len` values a row, as down() and cpu_values() give them): its
+// columns [i·width, (i + 1)·width), row after row.
+inline std::vector<float> window_of_rows(const std::vector<float>& all, int64_t row_len, int64_t i, int64_t width) {
+  std::vector<float> w;
+  for (size_t r = 0; r < all.size() / static_cast<size_t>(row_len); ++r)
+    w.insert(w.end(), all.begin() + static_cast<int64_t>(r) * row_len + i * width,
+             all.begin() + static_cast<int64_t>(r) * row_len + (i + 1) * width);
+  return w;
+}
+
 // f32 values -> the bf16 bit patterns they round to (nearest even).
 inline std::vector<uint16_t> bf16_bits_of(const std::vector<float>& v) {
   std::vector<uint16_t> b(v.size());
@@ -251,6 +262,17 @@ void run_both_bf16(Op op) {
   op(cpu_bf16(), false);
   op(gpu(), true);
   gpu().synchronize();
+}
+
+// The call fails with a message that contains `what` (the op, and the tensor where it names one).
+template <typename F>
+void expect_refused(const std::string& what, F call) {
+  try {
+    call();
+    ADD_FAILURE() << "expected an error containing \"" << what << "\"";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
 }
 
 // Round a host tensor's values to bf16 in place (so f32 and bf16 runs get the same inputs).

@@ -13,13 +13,11 @@
 //   nearest even: bit for bit against the GPU's f32 path, close to the CPU (see below).
 #include <array>
 #include <bit>
-#include <cstring>
-#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "core/error.h"
+#include "fp8_test_util.h"
 #include "gpu_test_util.h"
 
 namespace flux8::testing {
@@ -27,158 +25,7 @@ namespace {
 
 // ---- FP8 casts -------------------------------------------------------------------------------
 
-// A QTensor in host memory (what the CPU backend writes) and its device twin, both prefilled
-// with a sentinel (codes 0xA5, scales NaN or 0xA5), so an output element never written differs.
-// test_cuda_fp8.cpp has the same helper, local to that file.
-struct QPair {
-  QTensor host, dev;
-  std::vector<uint8_t> codes, e8m0;
-  std::vector<float> scales;
-
-  QPair(int64_t rows, int64_t cols, Fp8Format f, Fp8Scaling s) {
-    for (QTensor* q : {&host, &dev}) {
-      q->rows = rows;
-      q->cols = cols;
-      q->format = f;
-      q->scaling = s;
-    }
-    const auto n = static_cast<size_t>(rows * cols);
-    const auto ns = static_cast<size_t>(QTensor::scale_count(s, rows, cols));
-    codes.assign(n, 0xA5);
-    host.codes = codes.data();
-    dev.codes = static_cast<uint8_t*>(gpu().allocate(n + 16));
-    gpu().upload(dev.codes, codes.data(), n);
-    if (s == Fp8Scaling::mx_1x32) {
-      e8m0.assign(ns, 0xA5);
-      host.scale_e8m0 = e8m0.data();
-      dev.scale_e8m0 = static_cast<uint8_t*>(gpu().allocate(ns + 16));
-      gpu().upload(dev.scale_e8m0, e8m0.data(), ns);
-    } else {
-      scales.assign(ns, std::numeric_limits<float>::quiet_NaN());
-      host.scale_inv = scales.data();
-      dev.scale_inv = static_cast<float*>(gpu().allocate(ns * sizeof(float) + 16));
-      gpu().upload(dev.scale_inv, scales.data(), ns * sizeof(float));
-    }
-  }
-  ~QPair() {
-    gpu().release(dev.codes);
-    gpu().release(dev.scale_inv ? static_cast<void*>(dev.scale_inv) : dev.scale_e8m0);
-  }
-  QPair(const QPair&) = delete;
-
-  const QTensor& on(bool gpu_side) const { return gpu_side ? dev : host; }
-  size_t scale_size() const { return host.scale_e8m0 ? 1 : sizeof(float); }
-  std::vector<uint8_t> dev_codes() const {
-    std::vector<uint8_t> v(codes.size());
-    gpu().download(v.data(), dev.codes, v.size());
-    return v;
-  }
-  // Scales as bytes (E8M0, or the f32 bit patterns): compared exactly.
-  std::vector<uint8_t> host_scale_bytes() const {
-    if (host.scale_e8m0) return e8m0;
-    std::vector<uint8_t> v(scales.size() * sizeof(float));
-    std::memcpy(v.data(), scales.data(), v.size());
-    return v;
-  }
-  std::vector<uint8_t> dev_scale_bytes() const {
-    std::vector<uint8_t> v(host.scale_e8m0 ? e8m0.size() : scales.size() * sizeof(float));
-    gpu().download(v.data(), dev.scale_e8m0 ? static_cast<void*>(dev.scale_e8m0) : dev.scale_inv, v.size());
-    return v;
-  }
-};
-
-// "" when equal, else where they first differ (elements of element_bytes, printed as hex).
-std::string first_difference(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, size_t element_bytes) {
-  if (got.size() != want.size()) return fmt::format("sizes differ: {} vs {}", got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i)
-    if (got[i] != want[i]) {
-      const size_t e = i / element_bytes;
-      std::string g, w;
-      for (size_t b = 0; b < element_bytes; ++b) {
-        g += fmt::format("{:02x}", got[e * element_bytes + element_bytes - 1 - b]);
-        w += fmt::format("{:02x}", want[e * element_bytes + element_bytes - 1 - b]);
-      }
-      return fmt::format("element {}: 0x{} vs 0x{}", e, g, w);
-    }
-  return "";
-}
-
-uint32_t bits(float f) { return std::bit_cast<uint32_t>(f); }
-
-std::vector<uint32_t> bits(const std::vector<float>& v) {
-  std::vector<uint32_t> b;
-  for (const float f : v) b.push_back(bits(f));
-  return b;
-}
-
-// The device copy against the CPU's, byte for byte.
-void expect_equals_cpu(const QPair& p, const char* which) {
-  EXPECT_EQ(first_difference(p.dev_codes(), p.codes, 1), "") << which << " codes";
-  EXPECT_EQ(first_difference(p.dev_scale_bytes(), p.host_scale_bytes(), p.scale_size()), "") << which << " scales";
-}
-// Two device copies, byte for byte.
-void expect_same_on_gpu(const QPair& got, const QPair& want, const char* which) {
-  EXPECT_EQ(first_difference(got.dev_codes(), want.dev_codes(), 1), "") << which << " codes";
-  EXPECT_EQ(first_difference(got.dev_scale_bytes(), want.dev_scale_bytes(), got.scale_size()), "")
-      << which << " scales";
-}
-void expect_same_stats(const CastStats& got, const CastStats& want) {
-  EXPECT_EQ(bits(got.amax), bits(want.amax)) << got.amax << " vs " << want.amax;
-  EXPECT_EQ(got.elements, want.elements);
-  EXPECT_EQ(got.nonzero, want.nonzero);
-  EXPECT_EQ(got.saturated, want.saturated);
-  EXPECT_EQ(got.flushed, want.flushed);
-}
-
-// A float in both backends' memory (Quantize::delayed_scale and ::amax point into the memory of
-// the backend that casts).
-struct Scalar {
-  Pair p{Shape{1}};
-  explicit Scalar(float v) {
-    p.host.mem[0] = v;
-    p.up();
-  }
-  float* on(bool gpu_side) { return gpu_side ? p.dev.ptr<float>() : p.host.mem.data(); }
-  float cpu_value() const { return p.host.mem[0]; }
-  float gpu_value() const { return p.down()[0]; }
-};
-
-struct Recipe {
-  const char* name;
-  Fp8Scaling scaling;
-  bool delayed;  // per_tensor: kDelayedScale instead of the tensor's current scale
-  bool pow2;
-};
-// Not a power of two (scale_inv inexact), and large enough that the planted outliers saturate.
-constexpr float kDelayedScale = 37.0f;
-
-const float* delayed_scale_on(bool gpu_side) {
-  static Scalar scale(kDelayedScale);
-  return scale.on(gpu_side);
-}
-
-// Every recipe the casts support: per-tensor delayed and current (tensorwise) scaling, 1x128
-// and 128x128 blocks with power-of-2 or exact scales, MXFP8.
-const Recipe kRecipes[] = {
-    {"delayed", Fp8Scaling::per_tensor, true, false},
-    {"current", Fp8Scaling::per_tensor, false, false},
-    {"current_pow2", Fp8Scaling::per_tensor, false, true},
-    {"block_1x128", Fp8Scaling::block_1x128, false, true},
-    {"block_1x128_exact", Fp8Scaling::block_1x128, false, false},
-    {"block_128x128", Fp8Scaling::block_128x128, false, true},
-    {"block_128x128_exact", Fp8Scaling::block_128x128, false, false},
-    {"mx_1x32", Fp8Scaling::mx_1x32, false, false},
-};
 constexpr Fp8Format kFormats[] = {Fp8Format::e4m3, Fp8Format::e5m2};
-
-Backend::Quantize quantize_for(const Recipe& recipe, Fp8Format format, bool gpu_side) {
-  Backend::Quantize q;
-  q.format = format;
-  q.scaling = recipe.scaling;
-  q.pow2 = recipe.pow2;
-  q.delayed_scale = recipe.delayed ? delayed_scale_on(gpu_side) : nullptr;
-  return q;
-}
 
 // x: columns [offset, offset + cols) of rows of offset + cols + pad bf16 elements. The per-tensor
 // kernel loads a thread's 4 columns as one 8-byte access only when the window's start and row
@@ -198,25 +45,11 @@ const CastCase kCastCases[] = {
     {130, 257, 3, 0, true},   // +inf: amax inf (scale 1 per tensor or block, NaN E8M0 scale)
 };
 
-// N(0, 1) plus what exercises the counts and scales (as test_cuda_fp8.cpp's fill_input): a zero
-// row segment, an all-zero 128x128 tile when there are two column tiles, a huge outlier, a
-// value that flushes under any scale, one that saturates under the delayed scale, a NaN and
-// optionally +inf. All rounded to bf16 on both sides.
+// N(0, 1) with plant_cast_extremes in the window, all rounded to bf16 on both sides.
 void fill_input(Bf16Pair& x, const CastCase& c, uint64_t seed) {
   x.randn(seed);
-  const int64_t R = c.rows, C = c.cols;
-  const auto at = [&](int64_t r, int64_t j) -> float& { return x.host.at(r, c.offset + j); };
-  if (R * C >= 8) {
-    for (int64_t j = 0; j < std::min<int64_t>(C, 128); ++j) at(0, j) = 0.0f;
-    if (C > 128)
-      for (int64_t r = 0; r < std::min<int64_t>(R, 128); ++r)
-        for (int64_t j = 128; j < std::min<int64_t>(C, 256); ++j) at(r, j) = 0.0f;
-    at(R / 2, C / 2) = 5.0e4f;
-    at(R - 1, 0) = 1.0e-30f;
-    at(1, C - 2) = -2.0e3f;
-    at(R - 1, C - 1) = std::numeric_limits<float>::quiet_NaN();
-    if (c.with_inf) at(R / 3, C / 3) = std::numeric_limits<float>::infinity();
-  }
+  plant_cast_extremes([&](int64_t r, int64_t j) -> float& { return x.host.at(r, c.offset + j); }, c.rows, c.cols,
+                      c.with_inf);
   x.up();
 }
 
@@ -378,25 +211,7 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
 // Partial tiles, a strided input, and the path with no FP8 copy (the sums on their own).
 TEST(CudaBf16Casts, ColumnSumsMatchCpu) {
   FLUX8_REQUIRE_GPU();
-  for (const Recipe& recipe : kRecipes)
-    for (const auto [R, C] : {std::array<int64_t, 2>{300, 257}, {5, 3}, {128, 256}})
-      for (const int copies : {0, 1, 2, 3}) {
-        SCOPED_TRACE(fmt::format("{} [{}, {}] copies {}", recipe.name, R, C, copies));
-        Bf16Pair x({R, C}, 3);
-        x.randn(71, 3.0);
-        Pair sums({C});
-        sums.randn(72);
-        QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
-        for (const bool g : {false, true}) {
-          Backend::Quantize q = quantize_for(recipe, Fp8Format::e5m2, g);
-          q.column_sums = sums.t(g);
-          (g ? gpu() : cpu())
-              .quantize(copies & 1 ? row.on(g) : QTensor{}, copies & 2 ? col.on(g) : QTensor{}, x.t(g), q);
-        }
-        EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
-        if (copies & 1) expect_equals_cpu(row, "rowwise");
-        if (copies & 2) expect_equals_cpu(col, "columnwise");
-      }
+  expect_column_sums_match_cpu<Bf16Pair>();
 }
 
 // The activation arguments of one cast share one type; statistics and column sums stay f32.
@@ -410,12 +225,7 @@ TEST(CudaBf16Casts, CastsRejectMixedTypesByName) {
   Backend::Quantize q;
   q.delayed_scale = delayed_scale_on(true);
   const auto refused = [&](const Backend::CastInput& in, const Backend::Quantize& args, const std::string& name) {
-    try {
-      gpu().quantize_fused(row.dev, QTensor{}, in, args);
-      ADD_FAILURE() << "accepted a wrong '" << name << "'";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("'" + name + "'"), std::string::npos) << e.what();
-    }
+    expect_refused("'" + name + "'", [&] { gpu().quantize_fused(row.dev, QTensor{}, in, args); });
   };
   using CastInput = Backend::CastInput;
   refused(CastInput::layernorm_modulate_of(x16.dev, mean.dev, rstd.dev, mod32.dev.cols_slice(0, H),
@@ -575,13 +385,7 @@ TEST(CudaBf16Casts, QkNormRopeMatchesCpu) {
     });
     for (const Bf16Pair* d : grads) {
       const std::vector<float> got = d->down(), want = d->cpu_values();
-      const auto cols = [&](const std::vector<float>& all, int64_t i) {  // window i of every row
-        std::vector<float> w;
-        for (size_t r = 0; r < all.size() / static_cast<size_t>(3 * H); ++r)
-          w.insert(w.end(), all.begin() + static_cast<int64_t>(r) * 3 * H + i * H,
-                   all.begin() + static_cast<int64_t>(r) * 3 * H + (i + 1) * H);
-        return w;
-      };
+      const auto cols = [&](const std::vector<float>& all, int64_t i) { return window_of_rows(all, 3 * H, i, H); };
       EXPECT_LE(rel_l2(cols(got, 0), cols(want, 0)), kRounded) << "dq";
       EXPECT_LE(rel_l2(cols(got, 1), cols(want, 1)), kRounded) << "dk";
       EXPECT_EQ(rel_l2(cols(got, 2), cols(want, 2)), 0.0) << "dv";
@@ -651,14 +455,7 @@ TEST(CudaBf16Casts, QkNormRopeRejectsMixedTypesByName) {
   Bf16Dev qh(heads), kh(heads), vh(heads), dh16(heads);
   const auto w16 = [&](int64_t i) { return tok16.dev.cols_slice(i * H, H); };
   const auto w32 = [&](int64_t i) { return tok32.dev.cols_slice(i * H, H); };
-  const auto refused = [](auto call, const std::string& name) {
-    try {
-      call();
-      ADD_FAILURE() << "accepted a wrong '" << name << "'";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("'" + name + "'"), std::string::npos) << e.what();
-    }
-  };
+  const auto refused = [](auto call, const std::string& name) { expect_refused("'" + name + "'", call); };
   refused([&] {
     gpu().qk_norm_rope_to_heads(qh.t, kh.t, vh.t, rstd.dev, rstd.dev, w16(0), w16(1), w32(2), scale.dev, scale.dev,
                                 pe.dev, 0, 1e-6);

@@ -30,7 +30,6 @@
 #include <string>
 #include <vector>
 
-#include "core/error.h"
 #include "gpu_test_util.h"
 
 namespace flux8::testing {
@@ -49,17 +48,6 @@ void expect_rounded_close(const Bf16Pair& p, const char* name) {
 #define EXPECT_ROUNDED_CLOSE(pair) expect_rounded_close(pair, #pair)
 #define EXPECT_BITS_EQUAL(pair) EXPECT_EQ(bf16_mismatches(pair), 0) << #pair
 #define EXPECT_F32_CLOSE(pair, tol) EXPECT_LE(gpu_vs_cpu(pair), tol) << #pair
-
-// The call fails with a message that contains `what` (the op, and the tensor where it names one).
-template <typename F>
-void expect_refused(const std::string& what, F call) {
-  try {
-    call();
-    ADD_FAILURE() << "expected an error containing \"" << what << "\"";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-  }
-}
 
 // Shapes of one elementwise case: columns, the pad of the outputs and of the inputs.
 struct Strides {

@@ -16,145 +16,14 @@
 #include "core/error.h"
 #include "fp8/fp8_config.h"
 #include "fp8/quantize.h"
+#include "fp8_test_util.h"
 #include "gpu_test_util.h"
 #include "model/linear_site.h"
 
 namespace flux8::testing {
 namespace {
 
-// A QTensor in host memory (what the CPU backend writes) and its device twin. Both start filled
-// with a sentinel (codes 0xA5, scales NaN), so an output element the GPU never writes differs.
-struct QPair {
-  QTensor host, dev;
-  std::vector<uint8_t> codes, e8m0;
-  std::vector<float> scales;
-
-  QPair(int64_t rows, int64_t cols, Fp8Format f, Fp8Scaling s) {
-    host.rows = dev.rows = rows;
-    host.cols = dev.cols = cols;
-    host.format = dev.format = f;
-    host.scaling = dev.scaling = s;
-    const auto n = static_cast<size_t>(rows * cols);
-    const auto ns = static_cast<size_t>(QTensor::scale_count(s, rows, cols));
-    codes.assign(n, 0xA5);
-    host.codes = codes.data();
-    dev.codes = static_cast<uint8_t*>(gpu().allocate(n + 16));
-    if (s == Fp8Scaling::mx_1x32) {
-      e8m0.assign(ns, 0xA5);
-      host.scale_e8m0 = e8m0.data();
-      dev.scale_e8m0 = static_cast<uint8_t*>(gpu().allocate(ns + 16));
-    } else {
-      scales.assign(ns, std::numeric_limits<float>::quiet_NaN());
-      host.scale_inv = scales.data();
-      dev.scale_inv = static_cast<float*>(gpu().allocate(ns * sizeof(float) + 16));
-    }
-    upload();
-  }
-  ~QPair() {
-    gpu().release(dev.codes);
-    gpu().release(dev.scale_inv ? static_cast<void*>(dev.scale_inv) : dev.scale_e8m0);
-  }
-  QPair(const QPair&) = delete;
-
-  // host -> device (the GEMM tests give both backends the very same operand)
-  void upload() {
-    gpu().upload(dev.codes, codes.data(), codes.size());
-    if (dev.scale_e8m0) gpu().upload(dev.scale_e8m0, e8m0.data(), e8m0.size());
-    if (dev.scale_inv) gpu().upload(dev.scale_inv, scales.data(), scales.size() * sizeof(float));
-  }
-  std::vector<uint8_t> dev_codes() const {
-    std::vector<uint8_t> v(codes.size());
-    gpu().download(v.data(), dev.codes, v.size());
-    return v;
-  }
-  // Scales as bytes (E8M0, or the f32 bit patterns): compared exactly.
-  std::vector<uint8_t> host_scale_bytes() const {
-    if (host.scale_e8m0) return e8m0;
-    std::vector<uint8_t> v(scales.size() * sizeof(float));
-    std::memcpy(v.data(), scales.data(), v.size());
-    return v;
-  }
-  std::vector<uint8_t> dev_scale_bytes() const {
-    std::vector<uint8_t> v(host.scale_e8m0 ? e8m0.size() : scales.size() * sizeof(float));
-    gpu().download(v.data(), dev.scale_e8m0 ? static_cast<void*>(dev.scale_e8m0) : dev.scale_inv, v.size());
-    return v;
-  }
-};
-
-// "" when equal, else where they first differ.
-std::string first_difference(const std::vector<uint8_t>& gpu_bytes, const std::vector<uint8_t>& cpu_bytes,
-                             size_t element_bytes) {
-  if (gpu_bytes.size() != cpu_bytes.size()) return "sizes differ";
-  for (size_t i = 0; i < gpu_bytes.size(); ++i)
-    if (gpu_bytes[i] != cpu_bytes[i]) {
-      const size_t e = i / element_bytes;
-      std::string g, c;
-      for (size_t b = 0; b < element_bytes; ++b) {
-        g += fmt::format("{:02x}", gpu_bytes[e * element_bytes + element_bytes - 1 - b]);
-        c += fmt::format("{:02x}", cpu_bytes[e * element_bytes + element_bytes - 1 - b]);
-      }
-      return fmt::format("element {}: gpu 0x{} cpu 0x{}", e, g, c);
-    }
-  return "";
-}
-
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
 // ---- quantize ------------------------------------------------------------------------------
-
-struct Recipe {
-  const char* name;
-  Fp8Scaling scaling;
-  bool delayed;  // per_tensor: the registry's scale (kDelayedScale) instead of the current one
-  bool pow2;
-};
-// Not a power of two, so scale_inv = 1/37 is inexact and its rounding is compared too; large
-// enough that the planted -2000 and the outlier saturate.
-constexpr float kDelayedScale = 37.0f;
-
-// A float in both backends' memory: Quantize::delayed_scale and ::amax point into the memory of
-// the backend that casts (device memory for the GPU).
-struct Scalar {
-  Pair p{Shape{1}};
-  explicit Scalar(float v) {
-    p.host.mem[0] = v;
-    p.up();
-  }
-  float* on(bool gpu_side) { return gpu_side ? p.dev.ptr<float>() : p.host.mem.data(); }
-  float cpu_value() const { return p.host.mem[0]; }
-  float gpu_value() const { return p.down()[0]; }
-};
-
-// kDelayedScale in the memory of the GPU or of the CPU backend (lives as long as the tests).
-const float* delayed_scale_on(bool gpu_side) {
-  static Scalar scale(kDelayedScale);
-  return scale.on(gpu_side);
-}
-
-const Recipe kRecipes[] = {
-    {"delayed", Fp8Scaling::per_tensor, true, false},
-    {"current", Fp8Scaling::per_tensor, false, false},
-    {"current_pow2", Fp8Scaling::per_tensor, false, true},
-    {"block_1x128", Fp8Scaling::block_1x128, false, true},
-    {"block_1x128_exact", Fp8Scaling::block_1x128, false, false},
-    {"block_128x128", Fp8Scaling::block_128x128, false, true},
-    {"block_128x128_exact", Fp8Scaling::block_128x128, false, false},
-    {"mx_1x32", Fp8Scaling::mx_1x32, false, false},
-};
-
-// The cast arguments of a recipe (no amax or statistics targets) for the GPU or the CPU backend.
-Backend::Quantize quantize_for(const Recipe& recipe, Fp8Format format, bool gpu_side) {
-  Backend::Quantize q;
-  q.format = format;
-  q.scaling = recipe.scaling;
-  q.pow2 = recipe.pow2;
-  q.delayed_scale = recipe.delayed ? delayed_scale_on(gpu_side) : nullptr;
-  return q;
-}
 
 struct CastShape {
   int64_t rows, cols, pad;
@@ -167,23 +36,10 @@ const CastShape kCastShapes[] = {
     {130, 257, 3, true},
 };
 
-// N(0,1) plus: a zero row segment (whole 1x128 and 1x32 blocks) and, when x has two column tiles,
-// an all-zero 128x128 tile; one huge outlier (per-tensor scales shrink, small values flush);
-// a tiny value that flushes under any scale; a value that saturates under the delayed scale; a
-// NaN; optionally +inf (amax inf: scale 1 for its tensor/blocks, NaN E8M0 scale for its MX block).
+// N(0,1) with plant_cast_extremes.
 void fill_input(Buf<float>& x, uint64_t seed, bool with_inf) {
   x.randn(seed);
-  const int64_t R = x.t.rows(), C = x.t.cols();
-  if (R * C < 8) return;
-  for (int64_t c = 0; c < std::min<int64_t>(C, 128); ++c) x.at(0, c) = 0.0f;
-  if (C > 128)
-    for (int64_t r = 0; r < std::min<int64_t>(R, 128); ++r)
-      for (int64_t c = 128; c < std::min<int64_t>(C, 256); ++c) x.at(r, c) = 0.0f;
-  x.at(R / 2, C / 2) = 5.0e4f;
-  x.at(R - 1, 0) = 1.0e-30f;
-  x.at(1, C - 2) = -2.0e3f;
-  x.at(R - 1, C - 1) = std::numeric_limits<float>::quiet_NaN();
-  if (with_inf) x.at(R / 3, C / 3) = std::numeric_limits<float>::infinity();
+  plant_cast_extremes([&](int64_t r, int64_t c) -> float& { return x.at(r, c); }, x.t.rows(), x.t.cols(), with_inf);
 }
 
 class CudaQuantize : public ::testing::TestWithParam<std::tuple<int, Fp8Format>> {};
@@ -220,23 +76,10 @@ TEST_P(CudaQuantize, EqualsCpuBitForBit) {
       gpu().synchronize();  // the CUDA backend delivers the statistics at the next synchronisation
       const float amax_cpu = amax.cpu_value(), amax_gpu = amax.gpu_value();
 
-      const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
-      if (want_row) {
-        EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "") << "rowwise codes";
-        EXPECT_EQ(first_difference(row.dev_scale_bytes(), row.host_scale_bytes(), scale_bytes), "")
-            << "rowwise scales";
-      }
-      if (want_col) {
-        EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "") << "columnwise codes";
-        EXPECT_EQ(first_difference(col.dev_scale_bytes(), col.host_scale_bytes(), scale_bytes), "")
-            << "columnwise scales";
-      }
+      if (want_row) expect_equals_cpu(row, "rowwise");
+      if (want_col) expect_equals_cpu(col, "columnwise");
       EXPECT_EQ(bits(amax_gpu), bits(amax_cpu)) << amax_gpu << " vs " << amax_cpu;
-      EXPECT_EQ(bits(stats_gpu.amax), bits(stats_cpu.amax)) << stats_gpu.amax << " vs " << stats_cpu.amax;
-      EXPECT_EQ(stats_gpu.elements, stats_cpu.elements);
-      EXPECT_EQ(stats_gpu.nonzero, stats_cpu.nonzero);
-      EXPECT_EQ(stats_gpu.saturated, stats_cpu.saturated);
-      EXPECT_EQ(stats_gpu.flushed, stats_cpu.flushed);
+      expect_same_stats(stats_gpu, stats_cpu);
     }
 }
 
@@ -288,11 +131,8 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
         q.amax = amax_u.on(true), q.stats = &stats_u;
         gpu().quantize(row_u.dev, col_u.dev, y.dev.reshaped(Shape{B * L, H}), q);
         gpu().synchronize();
-        const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
-        EXPECT_EQ(first_difference(row_f.dev_codes(), row_u.dev_codes(), 1), "") << "rowwise codes";
-        EXPECT_EQ(first_difference(col_f.dev_codes(), col_u.dev_codes(), 1), "") << "columnwise codes";
-        EXPECT_EQ(first_difference(row_f.dev_scale_bytes(), row_u.dev_scale_bytes(), scale_bytes), "");
-        EXPECT_EQ(first_difference(col_f.dev_scale_bytes(), col_u.dev_scale_bytes(), scale_bytes), "");
+        expect_same_on_gpu(row_f, row_u, "rowwise");
+        expect_same_on_gpu(col_f, col_u, "columnwise");
         EXPECT_EQ(bits(amax_f.gpu_value()), bits(amax_u.gpu_value()));
         EXPECT_GT(amax_f.gpu_value(), 0.0f);
         EXPECT_GT(stats_f.nonzero, 0);
@@ -309,24 +149,7 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
 // a strided input, and the path without any FP8 copy.
 TEST(CudaQuantize, ColumnSumsMatchCpu) {
   FLUX8_REQUIRE_GPU();
-  for (const Recipe& recipe : kRecipes)
-  for (const auto [R, C] : {std::array<int64_t, 2>{300, 257}, {5, 3}, {128, 256}})
-    for (const int copies : {0, 1, 2, 3}) {
-      SCOPED_TRACE(fmt::format("{} [{}, {}] copies {}", recipe.name, R, C, copies));
-      Pair x({R, C}, 3), sums({C});
-      x.randn(71, 3.0), sums.randn(72);
-      QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
-      for (const bool g : {false, true}) {
-        Backend::Quantize q = quantize_for(recipe, Fp8Format::e5m2, g);
-        q.column_sums = sums.t(g);
-        Backend& be = g ? gpu() : cpu();
-        be.quantize(copies & 1 ? (g ? row.dev : row.host) : QTensor{}, copies & 2 ? (g ? col.dev : col.host) : QTensor{},
-                    x.t(g), q);
-      }
-      EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
-      if (copies & 1) EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "");
-      if (copies & 2) EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "");
-    }
+  expect_column_sums_match_cpu<Pair>();
 }
 
 // The CUDA backend keeps each cast's statistics on the device until the next synchronisation
@@ -365,11 +188,7 @@ TEST(CudaQuantize, DeferredStatisticsMergeInOrder) {
   for (int t = 0; t < 3; ++t) {
     SCOPED_TRACE(t);
     EXPECT_EQ(bits(amax[t].gpu_value()), bits(amax[t].cpu_value()));
-    EXPECT_EQ(bits(stats_gpu[t].amax), bits(stats_cpu[t].amax));
-    EXPECT_EQ(stats_gpu[t].elements, stats_cpu[t].elements);
-    EXPECT_EQ(stats_gpu[t].nonzero, stats_cpu[t].nonzero);
-    EXPECT_EQ(stats_gpu[t].saturated, stats_cpu[t].saturated);
-    EXPECT_EQ(stats_gpu[t].flushed, stats_cpu[t].flushed);
+    expect_same_stats(stats_gpu[t], stats_cpu[t]);
   }
 }
 
@@ -385,11 +204,8 @@ TEST(CudaQuantize, WithoutStatisticsSameCodes) {
     QPair row(257, 129, Fp8Format::e4m3, recipe.scaling), col(129, 257, Fp8Format::e4m3, recipe.scaling);
     cpu().quantize(row.host, col.host, x.host.t, quantize_for(recipe, Fp8Format::e4m3, false));
     gpu().quantize(row.dev, col.dev, x.dev, quantize_for(recipe, Fp8Format::e4m3, true));
-    const size_t scale_bytes = recipe.scaling == Fp8Scaling::mx_1x32 ? 1 : 4;
-    EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "");
-    EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "");
-    EXPECT_EQ(first_difference(row.dev_scale_bytes(), row.host_scale_bytes(), scale_bytes), "");
-    EXPECT_EQ(first_difference(col.dev_scale_bytes(), col.host_scale_bytes(), scale_bytes), "");
+    expect_equals_cpu(row, "rowwise");
+    expect_equals_cpu(col, "columnwise");
   }
 }
 
@@ -639,67 +455,58 @@ void make_operand(QPair& q, uint64_t seed) {
   q.upload();
 }
 
-class CudaGemmFp8 : public ::testing::TestWithParam<int> {};
-
-TEST_P(CudaGemmFp8, MatchesCpu) {
-  FLUX8_REQUIRE_GPU();
-  const GemmOperands& o = kGemmOperands[GetParam()];
-  uint64_t seed = 1000 + 100 * static_cast<uint64_t>(GetParam());
+// gemm_fp8_tn of operand pair o on both backends (the CPU one: cpu_be) for every shape, with and
+// without bias, overwriting and accumulating, into c of type C (Pair: f32; Bf16Pair: an
+// activation in bf16 storage), within tolerance(shape) relative L2 and its padding untouched.
+template <typename C, typename Tolerance>
+void expect_gemms_match_cpu(const GemmOperands& o, uint64_t seed, Backend& cpu_be, const char* c_name,
+                            Tolerance tolerance) {
   for (const GemmShape& s : kGemmShapes)
     for (const bool with_bias : {false, true})
       for (const bool accumulate : {false, true}) {
-        SCOPED_TRACE(fmt::format("a {} {} [{}, {}] · b {} {} [{}, {}]ᵀ, c ld {}{}{}", fp8_scaling_name(o.sa),
+        SCOPED_TRACE(fmt::format("{}a {} {} [{}, {}] · b {} {} [{}, {}]ᵀ, c ld {}{}{}", c_name, fp8_scaling_name(o.sa),
                                  fp8_format_name(o.fa), s.m, s.k, fp8_scaling_name(o.sb), fp8_format_name(o.fb), s.n,
                                  s.k, s.n + s.c_pad, with_bias ? " +bias" : "", accumulate ? " +=" : ""));
         QPair a(s.m, s.k, o.fa, o.sa), b(s.n, s.k, o.fb, o.sb);
         make_operand(a, ++seed);
         make_operand(b, ++seed);
-        Pair c(Shape{s.m, s.n}, s.c_pad);
+        C c(Shape{s.m, s.n}, s.c_pad);
         c.host.randn(++seed).fill_padding(-7.0f);
         c.up();
         Pair bias(Shape{s.n});
         bias.randn(++seed);
         const Tensor bias_cpu = with_bias ? bias.host.t : Tensor{}, bias_gpu = with_bias ? bias.dev : Tensor{};
-        cpu().gemm_fp8_tn(c.host.t, a.host, b.host, bias_cpu, accumulate);
+        cpu_be.gemm_fp8_tn(c.host.t, a.host, b.host, bias_cpu, accumulate);
         gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, bias_gpu, accumulate);
-        EXPECT_LE(gpu_vs_cpu(c), cublas_pair(o) && s.cublas ? kTensorCoreTolerance : kFp32Tolerance);
+        EXPECT_LE(gpu_vs_cpu(c), tolerance(s));
         EXPECT_TRUE(c.padding_untouched());
       }
+}
+
+class CudaGemmFp8 : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaGemmFp8, MatchesCpu) {
+  FLUX8_REQUIRE_GPU();
+  const GemmOperands& o = kGemmOperands[GetParam()];
+  expect_gemms_match_cpu<Pair>(o, 1000 + 100 * static_cast<uint64_t>(GetParam()), cpu(), "",
+                               [&](const GemmShape& s) {
+                                 return cublas_pair(o) && s.cublas ? kTensorCoreTolerance : kFp32Tolerance;
+                               });
 }
 
 // An output in bf16 storage (an activation: fprop's y, dgrad's dx): both backends round the fp32
 // result once (the CPU twin rounds activations to bf16). Tolerance: the fp32 results differ as
 // above, so some elements round to the neighbouring bf16 value (one ulp, ≤ 2⁻⁸ relative), and
 // cuBLASLt's bf16-D GEMMs add a bias rounded to bf16 (≤ 2⁻⁹ of it): 3e-3 relative L2, still
-// well below a misapplied block scale (~1e-2) or a missing bias (~1e-1 here).
+// well below a misapplied block scale (~1e-2) or a missing bias (~1e-1 here). bf16 rows are
+// 16-byte aligned when ld % 8 == 0: pad 4 (ld % 8 == 0 for n % 8 == 4) keeps the native path
+// where it is for f32; odd pads take the emulated one.
 constexpr double kBf16OutputTolerance = 3e-3;
 
 TEST_P(CudaGemmFp8, Bf16OutputMatchesCpu) {
   FLUX8_REQUIRE_GPU();
-  const GemmOperands& o = kGemmOperands[GetParam()];
-  uint64_t seed = 5000 + 100 * static_cast<uint64_t>(GetParam());
-  for (const GemmShape& s : kGemmShapes)
-    for (const bool with_bias : {false, true})
-      for (const bool accumulate : {false, true}) {
-        // bf16 rows are 16-byte aligned when ld % 8 == 0: pad 4 (ld % 8 == 0 for n % 8 == 4) keeps
-        // the native path where it is for f32; odd pads take the emulated one.
-        SCOPED_TRACE(fmt::format("bf16 c: a {} {} [{}, {}] · b {} {} [{}, {}]ᵀ, c ld {}{}{}", fp8_scaling_name(o.sa),
-                                 fp8_format_name(o.fa), s.m, s.k, fp8_scaling_name(o.sb), fp8_format_name(o.fb), s.n,
-                                 s.k, s.n + s.c_pad, with_bias ? " +bias" : "", accumulate ? " +=" : ""));
-        QPair a(s.m, s.k, o.fa, o.sa), b(s.n, s.k, o.fb, o.sb);
-        make_operand(a, ++seed);
-        make_operand(b, ++seed);
-        Bf16Pair c(Shape{s.m, s.n}, s.c_pad);
-        c.host.randn(++seed).fill_padding(-7.0f);
-        c.up();
-        Pair bias(Shape{s.n});
-        bias.randn(++seed);
-        const Tensor bias_cpu = with_bias ? bias.host.t : Tensor{}, bias_gpu = with_bias ? bias.dev : Tensor{};
-        cpu_bf16().gemm_fp8_tn(c.host.t, a.host, b.host, bias_cpu, accumulate);
-        gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, bias_gpu, accumulate);
-        EXPECT_LE(gpu_vs_cpu(c), kBf16OutputTolerance);
-        EXPECT_TRUE(c.padding_untouched());
-      }
+  expect_gemms_match_cpu<Bf16Pair>(kGemmOperands[GetParam()], 5000 + 100 * static_cast<uint64_t>(GetParam()),
+                                   cpu_bf16(), "bf16 c: ", [](const GemmShape&) { return kBf16OutputTolerance; });
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOperandPairs, CudaGemmFp8,

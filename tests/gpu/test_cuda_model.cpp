@@ -32,6 +32,45 @@ void expect_close(const ModelRun& gpu_run, const ModelRun& cpu_run, double tol_p
               worst_name.c_str());
 }
 
+// The small config of the FP8 runs (H = 64, D = 16) and FP8 delayed scaling (hybrid) for it.
+FluxConfig fp8_test_config() {
+  FluxConfig cfg = odd_config(1, 1, false);
+  cfg.hidden_size = 64;
+  cfg.num_heads = 4;  // D = 16
+  cfg.mlp_ratio = 4.0;
+  cfg.axes_dim = {4, 6, 6};
+  return cfg;
+}
+Fp8Config delayed_fp8() {
+  Fp8Config fp8;
+  fp8.enabled = true;
+  fp8.hybrid = true;
+  fp8.recipe = Fp8Recipe::delayed;
+  fp8.amax_history_len = 4;
+  return fp8;
+}
+
+// Runs g (GPU) and c (CPU) that both round the same way (`what`: FP8, bf16) but not to the same
+// bits: each tensor's GPU-vs-CPU difference held to `factor` times the noise of that rounding
+// itself (c vs exact, the CPU's f32 run) plus `slack`; prints the worst.
+void expect_within_noise(const ModelRun& g, const ModelRun& c, const ModelRun& exact, const char* what, double factor,
+                         double slack) {
+  auto check = [&](const std::string& name, const std::vector<double>& gv, const std::vector<double>& cv,
+                   const std::vector<double>& ev) {
+    const double e_gpu = max_rel_error(gv, cv), e_noise = max_rel_error(cv, ev);
+    EXPECT_LE(e_gpu, factor * e_noise + slack)
+        << name << ": GPU " << what << " vs CPU " << what << " " << e_gpu << ", " << what << " noise " << e_noise;
+    return std::pair{e_gpu, e_noise};
+  };
+  const auto [pg, pn] = check("pred", g.pred, c.pred, exact.pred);
+  double worst_ratio = 0;
+  for (size_t i = 0; i < c.grads.size(); ++i) {
+    const auto [eg, en] = check(c.grads[i].first, g.grads[i].second, c.grads[i].second, exact.grads[i].second);
+    worst_ratio = std::max(worst_ratio, eg / (en + 1e-12));
+  }
+  std::printf("pred: GPU-vs-CPU %s %.3g, %s noise %.3g; worst gradient ratio %.2f\n", what, pg, what, pn, worst_ratio);
+}
+
 // Odd sizes everywhere (D = 10: attention on the plain kernel, cuDNN needs D % 8 == 0). All f32:
 // only summation orders differ; the deepest gradients pass through ~20 ops: 1e-4.
 TEST(CudaModel, OddConfigForwardAndGradientsMatchCpu) {
@@ -71,16 +110,8 @@ TEST(CudaModel, FluxWidthForwardAndGradientsMatchCpu) {
 // noise itself (CPU FP8 vs CPU f32): a broken cast, scale or GEMM on the GPU is far above it.
 TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
   FLUX8_REQUIRE_GPU();
-  FluxConfig cfg = odd_config(1, 1, false);
-  cfg.hidden_size = 64;
-  cfg.num_heads = 4;  // D = 16
-  cfg.mlp_ratio = 4.0;
-  cfg.axes_dim = {4, 6, 6};
-  Fp8Config fp8;
-  fp8.enabled = true;
-  fp8.hybrid = true;
-  fp8.recipe = Fp8Recipe::delayed;
-  fp8.amax_history_len = 4;
+  const FluxConfig cfg = fp8_test_config();
+  const Fp8Config fp8 = delayed_fp8();
   struct ReferenceAttention {
     ReferenceAttention() { cuda::set_attention_path(cuda::AttentionPath::reference); }
     ~ReferenceAttention() { cuda::set_attention_path(cuda::AttentionPath::automatic); }
@@ -88,19 +119,7 @@ TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
   const ModelRun exact = run_model(cpu(), cfg, nullptr, 2, 6, 20, 3, 0.1);
   const ModelRun c = run_model(cpu(), cfg, &fp8, 2, 6, 20, 3, 0.1);
   const ModelRun g = run_model(gpu(), cfg, &fp8, 2, 6, 20, 3, 0.1);
-  auto check = [](const std::string& name, const std::vector<double>& gv, const std::vector<double>& cv,
-                  const std::vector<double>& ev) {
-    const double e_gpu = max_rel_error(gv, cv), e_fp8 = max_rel_error(cv, ev);
-    EXPECT_LE(e_gpu, 1.5 * e_fp8 + 1e-4) << name << ": GPU FP8 vs CPU FP8 " << e_gpu << ", FP8 noise " << e_fp8;
-    return std::pair{e_gpu, e_fp8};
-  };
-  const auto [pg, pn] = check("pred", g.pred, c.pred, exact.pred);
-  double worst_ratio = 0;
-  for (size_t i = 0; i < c.grads.size(); ++i) {
-    const auto [eg, en] = check(c.grads[i].first, g.grads[i].second, c.grads[i].second, exact.grads[i].second);
-    worst_ratio = std::max(worst_ratio, eg / (en + 1e-12));
-  }
-  std::printf("pred: GPU-vs-CPU FP8 %.3g, FP8 noise %.3g; worst gradient ratio %.2f\n", pg, pn, worst_ratio);
+  expect_within_noise(g, c, exact, "FP8", 1.5, 1e-4);
 }
 
 // Activations stored in bf16 (the training configuration) against the CPU backend that rounds
@@ -115,22 +134,6 @@ TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
 // wrongly is far above it (per-op precision is checked by CudaBf16Ops / CudaBf16Casts). First
 // the odd config (attention on the reference kernel, D = 10), then with FP8 delayed scaling
 // (casts of bf16 activations, bf16 GEMM outputs).
-void expect_within_bf16_noise(const ModelRun& g, const ModelRun& c, const ModelRun& exact) {
-  auto check = [](const std::string& name, const std::vector<double>& gv, const std::vector<double>& cv,
-                  const std::vector<double>& ev) {
-    const double e_gpu = max_rel_error(gv, cv), e_bf16 = max_rel_error(cv, ev);
-    EXPECT_LE(e_gpu, 3.0 * e_bf16 + 1e-2) << name << ": GPU bf16 vs CPU bf16 " << e_gpu << ", bf16 noise " << e_bf16;
-    return std::pair{e_gpu, e_bf16};
-  };
-  const auto [pg, pn] = check("pred", g.pred, c.pred, exact.pred);
-  double worst_ratio = 0;
-  for (size_t i = 0; i < c.grads.size(); ++i) {
-    const auto [eg, en] = check(c.grads[i].first, g.grads[i].second, c.grads[i].second, exact.grads[i].second);
-    worst_ratio = std::max(worst_ratio, eg / (en + 1e-12));
-  }
-  std::printf("pred: GPU-vs-CPU bf16 %.3g, bf16 noise %.3g; worst gradient ratio %.2f\n", pg, pn, worst_ratio);
-}
-
 TEST(CudaModel, Bf16ActivationsMatchCpuRounding) {
   FLUX8_REQUIRE_GPU();
   ASSERT_EQ(gpu_bf16_activations().activation_dtype(DType::f32), DType::bf16);
@@ -138,25 +141,17 @@ TEST(CudaModel, Bf16ActivationsMatchCpuRounding) {
   const ModelRun exact = run_model(cpu(), cfg, nullptr, 2, 5, 9);
   const ModelRun c = run_model(cpu_bf16(), cfg, nullptr, 2, 5, 9);
   const ModelRun g = run_model(gpu_bf16_activations(), cfg, nullptr, 2, 5, 9);
-  expect_within_bf16_noise(g, c, exact);
+  expect_within_noise(g, c, exact, "bf16", 3.0, 1e-2);
 }
 
 TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
   FLUX8_REQUIRE_GPU();
-  FluxConfig cfg = odd_config(1, 1, false);
-  cfg.hidden_size = 64;
-  cfg.num_heads = 4;  // D = 16
-  cfg.mlp_ratio = 4.0;
-  cfg.axes_dim = {4, 6, 6};
-  Fp8Config fp8;
-  fp8.enabled = true;
-  fp8.hybrid = true;
-  fp8.recipe = Fp8Recipe::delayed;
-  fp8.amax_history_len = 4;
+  const FluxConfig cfg = fp8_test_config();
+  const Fp8Config fp8 = delayed_fp8();
   const ModelRun exact = run_model(cpu(), cfg, nullptr, 2, 6, 20, 3, 0.1);
   const ModelRun c = run_model(cpu_bf16(), cfg, &fp8, 2, 6, 20, 3, 0.1);
   const ModelRun g = run_model(gpu_bf16_activations(), cfg, &fp8, 2, 6, 20, 3, 0.1);
-  expect_within_bf16_noise(g, c, exact);
+  expect_within_noise(g, c, exact, "bf16", 3.0, 1e-2);
 }
 
 }  // namespace

@@ -352,13 +352,7 @@ TEST(CudaOps, QkNormRopeToHeads) {
     run_both(backward);
     for (Pair* d : grads) {
       std::vector<float> got = d->down(), want = d->cpu_values();
-      const auto cols = [&](const std::vector<float>& all, int64_t i) {  // window i of every row
-        std::vector<float> w;
-        for (size_t r = 0; r < all.size() / static_cast<size_t>(3 * H); ++r)
-          w.insert(w.end(), all.begin() + static_cast<int64_t>(r) * 3 * H + i * H,
-                   all.begin() + static_cast<int64_t>(r) * 3 * H + (i + 1) * H);
-        return w;
-      };
+      const auto cols = [&](const std::vector<float>& all, int64_t i) { return window_of_rows(all, 3 * H, i, H); };
       EXPECT_LE(rel_l2(cols(got, 0), cols(want, 0)), 1e-5) << "dq";
       EXPECT_LE(rel_l2(cols(got, 1), cols(want, 1)), 1e-5) << "dk";
       EXPECT_LE(rel_l2(cols(got, 2), cols(want, 2)), kExact) << "dv";

@@ -1,8 +1,6 @@
 // SiLU and tanh-GELU on the device, elementwise over [rows, cols] with any ld; f32 math with
 // the same formulas as the CPU backend (src/backend/cpu/activations.cpp), on f32 or bf16
 // activations (bf16: widened on load, rounded to nearest even on store).
-#include <cstring>
-
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/pointwise.cuh"
 
@@ -19,30 +17,6 @@ __device__ inline float silu_grad(float x) {
 __device__ inline float gelu_grad(float x) {
   const float th = tanhf(kGeluC * (x + kGeluA * x * x * x));
   return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * kGeluC * (1.0f + 3.0f * kGeluA * x * x);
-}
-
-// Four consecutive elements of T as f32, and back: one 16-byte access for f32, one 8-byte
-// access for bf16 (stored rounded to nearest even; through a uint2, as a struct of bf16 pairs
-// would be copied member by member, in two 4-byte accesses).
-__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ inline float4 load4(const __nv_bfloat16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  __nv_bfloat162 lo, hi;
-  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
-  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-__device__ inline void store4(__nv_bfloat16* p, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 u;
-  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
-  *reinterpret_cast<uint2*>(p) = u;
-}
-// Rows of whole 4-element vectors: quads() for either storage type.
-template <typename T>
-bool vec4_rows(const MatOf<T>& m) {
-  return reinterpret_cast<uintptr_t>(m.p) % (4 * sizeof(T)) == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
 }
 
 // out = f(x), or out (+)= dy ⊙ f'(x) when dy is given; every tensor of element type T (f32 or

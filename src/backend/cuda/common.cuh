@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/cuda_backend.h"
@@ -47,6 +48,26 @@ __device__ __forceinline__ float load(const __nv_bfloat16& x) { return __bfloat1
 __device__ __forceinline__ void store(float& y, float v) { y = v; }
 __device__ __forceinline__ void store(__nv_bfloat16& y, float v) { y = __float2bfloat16_rn(v); }
 
+// Four consecutive elements as f32, and back, in one access: 16 bytes of f32 (a float4), 8 of
+// bf16 (widened as load() does, rounded as store() does; through a uint2, as a struct of bf16
+// pairs would be copied member by member, in two 4-byte accesses). p must be aligned to the
+// four elements (vec4_aligned, vec4_rows).
+__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ inline float4 load4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  __nv_bfloat162 lo, hi;
+  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
+  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ inline void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 u;
+  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
 // The sample of row r (r / rows per sample) without a 64-bit division per element: rows of one
 // launch must have 32-bit indices. 0 rows per sample (no rows to divide) gives the divisor 1.
 inline FastDivisor row_divisor(std::string_view op, int64_t rows, int64_t per_sample) {
@@ -81,6 +102,17 @@ MatOf<T> mat_of(const Tensor& t) {
 template <typename T>
 MatOf<T> mat_of_or_null(const Tensor& t) {
   return t.defined() ? mat_of<T>(t) : MatOf<T>{nullptr, 0, 0, 0};
+}
+
+// Whether p may start a load4/store4 (16-byte aligned f32, 8-byte aligned bf16).
+template <typename T>
+bool vec4_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+}
+// Rows of whole 4-element vectors, every one a load4/store4 (quads() for either storage type).
+template <typename T>
+bool vec4_rows(const MatOf<T>& m) {
+  return vec4_aligned(m.p) && m.ld % 4 == 0 && m.cols % 4 == 0;
 }
 
 constexpr int kThreads = 256;
@@ -160,6 +192,8 @@ double ordered_sum(CudaBackend& be, int64_t n, F f) {
 // grid would need over 65535 of them. value: __device__ lambda (int64_t g, int64_t r,
 // int64_t c) -> double, called exactly once per element (c < cols), so it may also write that
 // element's output of a fused op (gated_residual_backward writes dy while summing dgate).
+// out: f32, or bf16 for an activation's gradient (dshift, dscale, dgate: the f32 total rounded
+// once more, to nearest even, as the CPU twin rounds its f32 value).
 constexpr int64_t kColumnChunk = 256;
 
 template <typename V>
@@ -181,11 +215,26 @@ __global__ void column_partials_kernel(int64_t rows, int64_t cols, int64_t chunk
   }
 }
 
+// For f32 and for bf16 outputs (reduce.cu; overloads, not a template: without relocatable
+// device code a kernel template cannot be instantiated in one file and launched from others).
 __global__ void column_partials_total_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
                                              float* out, int64_t out_ld, bool accumulate);
+__global__ void column_partials_total_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
+                                             __nv_bfloat16* out, int64_t out_ld, bool accumulate);
 
-template <typename V>
-void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value, float* out, int64_t out_ld,
+// The second pass on its own, for kernels that write partials [groups, chunks, cols] of their
+// own (the one-pass LayerNorm backward, the FP8 casts, the QK-norm backward): out[g, c] (=, or
+// += when accumulate) Σ_k partial[g, k, c] in chunk order.
+template <typename T>
+void column_partials_total(CudaBackend& be, int64_t groups, int64_t cols, int64_t chunks, const double* partial,
+                           T* out, int64_t out_ld, bool accumulate) {
+  column_partials_total_kernel<<<blocks_for(groups * cols), kThreads, 0, be.stream()>>>(groups, cols, chunks, partial,
+                                                                                      out, out_ld, accumulate);
+  FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
+}
+
+template <typename V, typename T>
+void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value, T* out, int64_t out_ld,
                  bool accumulate) {
   if (groups == 0 || cols == 0) return;
   if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
@@ -196,10 +245,7 @@ void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V 
   const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks), static_cast<unsigned>(groups));
   column_partials_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, chunks, chunk_rows, value, partial);
   FLUX8_LAUNCH_CHECK(column_partials_kernel);
-  const int64_t n = groups * cols;
-  column_partials_total_kernel<<<blocks_for(n), kThreads, 0, be.stream()>>>(groups, cols, chunks, partial, out, out_ld,
-                                                                          accumulate);
-  FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
+  column_partials_total(be, groups, cols, chunks, partial, out, out_ld, accumulate);
 }
 
 // f(r, c) for every element of a rows x cols matrix: threads along the columns (coalesced),

@@ -360,7 +360,7 @@ struct Quad<float> {
   float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   __device__ void load(const float* p, int n, bool vec) {
     if (n == 4 && vec) {
-      const float4 q = *reinterpret_cast<const float4*>(p);
+      const float4 q = load4(p);
       v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
     } else {
 #pragma unroll
@@ -781,7 +781,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     a.partials = want_stats ? partials : nullptr;
     a.column_partials = column_partials;
     // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
-    a.x_vec4 = reinterpret_cast<uintptr_t>(src.x) % (4 * sizeof(T)) == 0 && x.ld % 4 == 0;
+    a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
     switch (q.scaling) {
       case Fp8Scaling::per_tensor:
         cast_per_tensor_kernel<T><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream()>>>(a);
@@ -792,11 +792,8 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
       case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
     }
   });
-  if (column_partials) {
-    column_partials_total_kernel<<<blocks_for(C), kThreads, 0, stream()>>>(1, C, row_tiles, column_partials,
-                                                                          q.column_sums.ptr<float>(), C, true);
-    FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
-  }
+  if (column_partials)
+    column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<float>(), C, true);
   if (!want_stats) return;
 
   // The amax goes into the registry's staging slot on the device (q.amax is device memory).

@@ -5,7 +5,6 @@
 // the joint sequence, residuals and the embedding may be bf16 activations (Backend::
 // activation_dtype); RoPE stays f32.
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -18,24 +17,6 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-// Four consecutive elements as f32, and back: one 16-byte access of f32, one 8-byte access of
-// bf16 (stored rounded to nearest even; through a uint2, as a struct of bf16 pairs would be
-// copied member by member, in two 4-byte accesses).
-__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ inline float4 load4(const bf16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  __nv_bfloat162 lo, hi;
-  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
-  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-__device__ inline void store4(bf16* p, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 u;
-  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
-  *reinterpret_cast<uint2*>(p) = u;
-}
 // Data movement: the same type moves its bits (bf16 NaN payloads too), f32 -> bf16 rounds to
 // nearest even and bf16 -> f32 widens exactly.
 template <typename To, typename From>
@@ -54,12 +35,6 @@ __device__ inline void move1(To& dst, const From& src) {
   else
     store(dst, load(src));
 }
-// Rows of whole 4-element vectors: quads() for either storage type.
-template <typename T>
-bool vec4_rows(const MatOf<T>& m) {
-  return reinterpret_cast<uintptr_t>(m.p) % (4 * sizeof(T)) == 0 && m.ld % 4 == 0 && m.cols % 4 == 0;
-}
-
 // Token rows of type TT <-> heads of type HT (f32/f32, f32 tokens with bf16 heads:
 // Backend::attention_heads_dtype, or bf16/bf16: bf16 activations); 4 elements a thread where
 // both sides are aligned.
@@ -154,44 +129,6 @@ void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& x, co
   });
 }
 
-// out[g, c] = Σ_k partial[g, k, c] in chunk order, rounded to f32 and then (bf16) to nearest
-// even, as the CPU twin rounds its f32 sum: column_partials_total_kernel for bf16 outputs.
-__global__ void column_totals_bf16_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
-                                          MatOf<bf16> out) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < groups * cols;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t g = i / cols, c = i % cols;
-    const double* p = partial + g * chunks * cols + c;
-    double t = 0;
-    for (int64_t k = 0; k < chunks; ++k) t += p[k * cols];
-    out.set(g, c, static_cast<float>(t));
-  }
-}
-
-// column_sums (common.cuh) into an output of element type T, overwritten: the same chunks,
-// partial kernel and order; only the final store differs for bf16.
-template <typename T, typename V>
-void column_sums_into(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value, const Tensor& out) {
-  if constexpr (std::is_same_v<T, float>) {
-    column_sums(be, groups, rows, cols, value, out.ptr<float>(), out.ld, false);
-  } else {
-    if (groups == 0 || cols == 0) return;
-    if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
-    int64_t chunk_rows = kColumnChunk;
-    if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
-    const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
-    auto* partial =
-        static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
-    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks),
-                    static_cast<unsigned>(groups));
-    column_partials_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, chunks, chunk_rows, value, partial);
-    FLUX8_LAUNCH_CHECK(column_partials_kernel);
-    column_totals_bf16_kernel<<<blocks_for(groups * cols), kThreads, 0, be.stream()>>>(groups, cols, chunks, partial,
-                                                                                     mat_of<bf16>(out));
-    FLUX8_LAUNCH_CHECK(column_totals_bf16_kernel);
-  }
-}
-
 template <typename T>
 void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tensor& dy, const Tensor& dgate,
                                 const Tensor& dx, const Tensor& y, const Tensor& gate) {
@@ -203,14 +140,14 @@ void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tens
     // One pass: the column-sum walk over (sample, row, column) also writes dy, so dx is read
     // once (column_sums visits every element exactly once).
     const MatOf<T> Y = mat_of<T>(y);
-    column_sums_into<T>(
+    column_sums(
         be, B, L, H,
         [=] __device__(int64_t b, int64_t l, int64_t j) {
           const float d = DX.get(b * L + l, j);
           if (DY.p) DY.set(b * L + l, j, G.get(b, j) * d);
           return double(d) * Y.get(b * L + l, j);
         },
-        dgate);
+        dgate.ptr<T>(), dgate.ld, false);
   } else if (DY.p) {
     const FastDivisor per_sample = row_divisor(op, B * L, L);
     for_each_row(be, B * L, H, [=] __device__(int64_t r, int j) {

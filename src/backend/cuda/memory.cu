@@ -144,35 +144,6 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-// Four consecutive bf16 values as f32 and back (rounded to nearest even), in one 8-byte access
-// (the bf16 twin of a float4): through a uint2, as a struct of bf16 pairs would be copied
-// member by member, in two 4-byte accesses.
-__device__ inline float4 load4(const bf16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  __nv_bfloat162 lo, hi;
-  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
-  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-__device__ inline void store4(bf16* p, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 u;
-  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
-  *reinterpret_cast<uint2*>(p) = u;
-}
-__device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-
-template <typename T>
-bool aligned_to(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
-}
-// Rows of whole 4-element vectors (quads() for either storage type).
-template <typename T>
-bool vec4_rows(const MatOf<T>& m) {
-  return aligned_to<T>(m.p) && m.ld % 4 == 0 && m.cols % 4 == 0;
-}
-
 // y = x converted between f32 and bf16 (round to nearest even one way, exact the other).
 // Contiguous pairs go through convert.cu's flat kernels (any length; they align on the f32
 // side and need the bf16 side 4-byte aligned for their paired accesses); column windows row by
@@ -215,7 +186,7 @@ void bf16_binary(CudaBackend& be, const Tensor& y, const Tensor& a, const Tensor
   const int64_t n = Y.rows * Y.cols;
   if (n == 0) return;
   if (y.contiguous() && a.contiguous() && b.contiguous()) {
-    const bool vec = aligned_to<bf16>(Y.p) && aligned_to<bf16>(A.p) && aligned_to<bf16>(B.p);
+    const bool vec = vec4_aligned(Y.p) && vec4_aligned(A.p) && vec4_aligned(B.p);
     const int64_t n4 = vec ? n / 4 : 0;
     for_each(be, n4 + (n - 4 * n4), [=] __device__(int64_t i) {
       if (i < n4) {

@@ -3,7 +3,6 @@
 // mean/rstd are stored as f32 and both passes normalise with the stored values. One block per
 // LayerNorm row, one warp per RMSNorm head segment; every sum has a fixed order. LayerNorm's
 // activations may be bf16 (Backend::activation_dtype; statistics stay f32), RMSNorm's are f32.
-#include <cstring>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -66,23 +65,6 @@ __global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> 
     const float v = static_cast<float>(rs * (g - mean_g - (x.get(r, j) - mu) * rs * mean_gx));
     dx.set(r, j, accumulate ? dx.get(r, j) + v : v);
   }
-}
-
-// Four consecutive bf16 values as f32 and back (rounded to nearest even), in one 8-byte access:
-// through a uint2, as a struct of bf16 pairs would be copied member by member, in two 4-byte
-// accesses.
-__device__ inline float4 load4(const __nv_bfloat16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  __nv_bfloat162 lo, hi;
-  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
-  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-__device__ inline void store4(__nv_bfloat16* p, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 u;
-  memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
-  *reinterpret_cast<uint2*>(p) = u;
 }
 
 // kV consecutive elements of row r from column j as f32: kV = 1 one element, kV = 4 one
@@ -208,58 +190,6 @@ int64_t ln_rows_per_block(int64_t B, int64_t L) {
   return r < 1 ? 1 : (r > kLnMaxRows ? kLnMaxRows : r);
 }
 
-// out[g, c] = Σ_k partial[g, k, c], the chunk partials of each column added in chunk order,
-// rounded to f32 and stored (bf16: rounded once more, to nearest even, as the CPU twin rounds
-// its f32 value): column_partials_total_kernel for bf16 outputs.
-__global__ void column_totals_bf16_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
-                                          MatOf<__nv_bfloat16> out) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < groups * cols;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t g = i / cols, c = i % cols;
-    const double* p = partial + g * chunks * cols + c;
-    double t = 0;
-    for (int64_t k = 0; k < chunks; ++k) t += p[k * cols];
-    out.set(g, c, static_cast<float>(t));
-  }
-}
-
-// out [groups, cols] (overwritten) = the chunk partials [groups, chunks, cols] summed.
-template <typename T>
-void write_column_totals(CudaBackend& be, int64_t groups, int64_t cols, int64_t chunks, const double* partial,
-                         const Tensor& out) {
-  if constexpr (std::is_same_v<T, float>) {
-    column_partials_total_kernel<<<blocks_for(groups * cols), kThreads, 0, be.stream()>>>(
-        groups, cols, chunks, partial, out.ptr<float>(), out.ld, false);
-    FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
-  } else {
-    column_totals_bf16_kernel<<<blocks_for(groups * cols), kThreads, 0, be.stream()>>>(groups, cols, chunks, partial,
-                                                                                     mat_of<T>(out));
-    FLUX8_LAUNCH_CHECK(column_totals_bf16_kernel);
-  }
-}
-
-// column_sums (common.cuh) into an output of element type T, overwritten: the same chunks,
-// partial kernel and order; only the store differs for bf16.
-template <typename T, typename V>
-void column_sums_into(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value, const Tensor& out) {
-  if constexpr (std::is_same_v<T, float>) {
-    column_sums(be, groups, rows, cols, value, out.ptr<float>(), out.ld, false);
-  } else {
-    if (groups == 0 || cols == 0) return;
-    if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
-    int64_t chunk_rows = kColumnChunk;
-    if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
-    const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
-    auto* partial =
-        static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
-    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks),
-                    static_cast<unsigned>(groups));
-    column_partials_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, chunks, chunk_rows, value, partial);
-    FLUX8_LAUNCH_CHECK(column_partials_kernel);
-    write_column_totals<T>(be, groups, cols, chunks, partial, out);
-  }
-}
-
 __global__ void rmsnorm_heads_kernel(Mat y, float* rstd, Mat x, const float* scale, int64_t D, int64_t n,
                                      int64_t segments, double eps) {
   const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -325,10 +255,7 @@ void layernorm_modulate_backward_one_pass(CudaBackend& be, const Tensor& dx, con
   // of 4): at most 4 (8) columns a thread, as the f32 variants below hold 4 to 8.
   bool launched = false;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const auto groups_of_4 = [&](const MatOf<T>& m) {
-      return !m.p || (reinterpret_cast<uintptr_t>(m.p) % 8 == 0 && m.ld % 4 == 0);
-    };
-    if (H % 4 == 0 && groups_of_4(DX) && groups_of_4(DY) && groups_of_4(X)) {
+    if (vec4_rows(DY) && vec4_rows(X) && (!DX.p || vec4_rows(DX))) {
       if (H <= 512) FLUX8_LN_BACKWARD(4, 128, 1);
       else if (H <= 1024) FLUX8_LN_BACKWARD(4, 256, 1);
       else if (H <= 2048) FLUX8_LN_BACKWARD(4, 512, 1);
@@ -347,8 +274,8 @@ void layernorm_modulate_backward_one_pass(CudaBackend& be, const Tensor& dx, con
   }
 #undef FLUX8_LN_BACKWARD
   FLUX8_LAUNCH_CHECK(layernorm_modulate_backward_kernel);
-  if (shift_partial) write_column_totals<T>(be, B, H, chunks, shift_partial, dshift);
-  if (scale_partial) write_column_totals<T>(be, B, H, chunks, scale_partial, dscale);
+  if (shift_partial) column_partials_total(be, B, H, chunks, shift_partial, dshift.ptr<T>(), dshift.ld, false);
+  if (scale_partial) column_partials_total(be, B, H, chunks, scale_partial, dscale.ptr<T>(), dscale.ld, false);
 }
 
 // Rows wider than 4096 columns: dx one block per row, the column sums in their own passes.
@@ -365,16 +292,17 @@ void layernorm_modulate_backward_passes(CudaBackend& be, const Tensor& dx, const
   const MatOf<T> DY = mat_of<T>(dy), X = mat_of<T>(x);
   const float *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
   if (dshift.defined())
-    column_sums_into<T>(
-        be, B, L, H, [=] __device__(int64_t b, int64_t l, int64_t j) { return double(DY.get(b * L + l, j)); }, dshift);
+    column_sums(
+        be, B, L, H, [=] __device__(int64_t b, int64_t l, int64_t j) { return double(DY.get(b * L + l, j)); },
+        dshift.ptr<T>(), dshift.ld, false);
   if (dscale.defined())
-    column_sums_into<T>(
+    column_sums(
         be, B, L, H,
         [=] __device__(int64_t b, int64_t l, int64_t j) {
           const int64_t r = b * L + l;
           return double(DY.get(r, j)) * ((double(X.get(r, j)) - mu[r]) * rs[r]);
         },
-        dscale);
+        dscale.ptr<T>(), dscale.ld, false);
 }
 
 }  // namespace

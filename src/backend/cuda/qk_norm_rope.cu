@@ -419,12 +419,8 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   else
     launch(std::type_identity<float>{});
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
-  for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}}) {
-    if (!dscale.defined()) continue;
-    column_partials_total_kernel<<<blocks_for(d.D), kThreads, 0, stream_>>>(1, d.D, chunks, part,
-                                                                           dscale.ptr<float>(), d.D, true);
-    FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
-  }
+  for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}})
+    if (dscale.defined()) column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<float>(), d.D, true);
 }
 
 }  // namespace flux8
