@@ -90,11 +90,14 @@ TEST(CudaOps, LinearBf16Gemm) {
   x.randn(11), w.randn(12, 0.2), b.randn(13), y.randn(14), dy.randn(15), dx.randn(16), dw.fill(0.0f), db.fill(0.0f);
   cpu().linear(y.host.t, x.host.t, w.host.t, b.host.t);
   bf.linear(y.dev, x.dev, w.dev, b.dev);
+  // bf runs on its own stream; Pair reads back through gpu()'s: wait for bf first.
+  bf.synchronize();
   EXPECT_CLOSE(y, 5e-3);
   EXPECT_GT(gpu_vs_cpu(y), 1e-6) << "the bf16 path should round its operands";
   EXPECT_TRUE(y.padding_untouched());
   cpu().linear_backward(dx.host.t, dw.host.t, db.host.t, dy.host.t, x.host.t, w.host.t, true);
   bf.linear_backward(dx.dev, dw.dev, db.dev, dy.dev, x.dev, w.dev, true);
+  bf.synchronize();
   EXPECT_CLOSE(dx, 5e-3);
   EXPECT_CLOSE(dw, 5e-3);
   EXPECT_CLOSE(db, kReduce);  // the bias gradient is a column sum of dy in f32, not a GEMM
