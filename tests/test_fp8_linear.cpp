@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 
 #include "backend/backend.h"
 #include "backend/transfer.h"
@@ -188,6 +189,68 @@ TEST(Fp8Runtime, DelayedUpdateOnBackendMatchesRegistryUpdate) {
     EXPECT_EQ(rt.registry().amax_history(), ref.amax_history());
     EXPECT_EQ(rt.registry().scales(), ref.scales());
     EXPECT_EQ(rt.registry().scale_invs(), ref.scale_invs());
+  }
+}
+
+// set_collect_stats(false) (the trainer's steps between fp8_stats_interval reports) drops only
+// the telemetry counts: the casts, their amaxes, hence the delayed-scaling state and every
+// result, are those of a runtime that counts; its last_step_stats() are empty (nothing is
+// reported for those steps).
+TEST(Fp8Runtime, TelemetryCountsOnlyWhenCollected) {
+  auto be = make_backend("cpu");
+  Buffers buf(*be);
+  const int64_t N = 40, K = 48, M = 24;
+  Fp8Config cfg;
+  cfg.enabled = true;
+  cfg.recipe = Fp8Recipe::delayed;
+  cfg.hybrid = true;
+  cfg.amax_history_len = 4;
+  const Tensor x = buf.randn(Shape{N, K}, 3, 1.0), dy = buf.randn(Shape{N, M}, 4, 0.01);
+  const Tensor w = buf.randn(Shape{M, K}, 1, 0.2);
+  struct Run {
+    Run(const Fp8Config& c, Backend& b) : rt(c, b) {}
+    Fp8Runtime rt;
+    LinearSite site;
+    Tensor y, dx;
+    Arena saved, scratch;
+  };
+  auto make = [&](bool collect) {
+    auto r = std::make_unique<Run>(cfg, *be);
+    r->y = buf.zeros(Shape{N, M});
+    r->dx = buf.zeros(Shape{N, K});
+    r->site.name = "test.linear";
+    r->site.w = w;
+    r->site.dw = buf.zeros(Shape{M, K});
+    r->rt.add_site(r->site);
+    std::vector<LinearSite*> sites = {&r->site};
+    r->rt.allocate_weight_casts(sites);
+    r->rt.set_collect_stats(collect);
+    r->saved.reserve(*be, 1 << 20);
+    r->scratch.reserve(*be, 1 << 20);
+    return r;
+  };
+  const auto on = make(true), off = make(false);
+  EXPECT_FALSE(off->rt.collect_stats());
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    for (Run* r : {on.get(), off.get()}) {
+      r->saved.reset();
+      SavedLinearInput saved = allocate_linear_input(r->saved, r->site, &r->rt, x.shape, DType::f32);
+      site_forward(*be, &r->rt, r->scratch, r->site, r->y, x, saved);
+      site_backward(*be, &r->rt, r->scratch, r->site, r->dx, dy, saved, false);
+      r->rt.end_step();
+      r->rt.weights_updated();
+    }
+    EXPECT_EQ(to_host(*be, off->y), to_host(*be, on->y));
+    EXPECT_EQ(to_host(*be, off->dx), to_host(*be, on->dx));
+    EXPECT_EQ(to_host(*be, off->site.dw), to_host(*be, on->site.dw));
+    EXPECT_EQ(off->rt.registry().amax_history(), on->rt.registry().amax_history());
+    EXPECT_EQ(off->rt.registry().scales(), on->rt.registry().scales());
+    for (int o = 0; o < 3; ++o) {
+      EXPECT_GT(on->rt.last_step_stats()[0].op[o].elements, 0) << o;
+      EXPECT_GT(on->rt.last_step_stats()[0].op[o].nonzero, 0) << o;
+      EXPECT_EQ(off->rt.last_step_stats()[0].op[o].elements, 0) << o;
+    }
   }
 }
 

@@ -170,6 +170,10 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     load_step(s);
     be.synchronize();
     if (profiler) profiler->pause(false);
+    // FP8 telemetry counts on the steps a training run would report them (fp8_stats_interval),
+    // as the trainer does.
+    if (model.fp8())
+      model.fp8()->set_collect_stats(spec.fp8.stats_interval > 0 && (s + 1) % spec.fp8.stats_interval == 0);
     const auto ts = Clock::now();
     be.flow_match_inputs(in.img, target, x0, in.timesteps, spec.seed, streams);
     model.params().zero_grads();

@@ -134,7 +134,7 @@ std::vector<KeySpec> make_keys() {
       bool_key("fp8", "first_last_layers_bf16", false, "keep the first/last blocks (double blocks counted first, then single) in BF16"),
       int_key("fp8", "num_layers_at_start_in_bf16", 1, at_least(0), "blocks kept in BF16 at the start (with first_last_layers_bf16)"),
       int_key("fp8", "num_layers_at_end_in_bf16", 1, at_least(0), "blocks kept in BF16 at the end (with first_last_layers_bf16)"),
-      int_key("fp8", "fp8_stats_interval", 100, at_least(0), "FP8 telemetry (amax, scale, saturation, underflow per tensor) every N steps; 0 = off"),
+      int_key("fp8", "fp8_stats_interval", 100, at_least(0), "FP8 telemetry (amax, scale, saturation, underflow per tensor) every N steps, counted only on those steps; 0 = off"),
       choice_key("training", "nan_policy", "skip", {"skip", "halt"}, "non-finite loss or gradient: skip the step (weights kept) or stop at once"),
       int_key("training", "nan_max_consecutive_skips", 10, at_least(1), "with nan_policy skip: stop after this many bad steps in a row"),
   };

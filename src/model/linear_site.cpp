@@ -124,7 +124,8 @@ Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
     q.amax = recording_ ? history_dev_.ptr<float>() + slot : scratch_amax_dev_.ptr<float>();
     if (recording_) host_current_ = false;
   }
-  q.stats = recording_ ? &stats_[static_cast<size_t>(site.index)].op[static_cast<int>(o)] : &scratch_stats_;
+  if (collect_stats_)
+    q.stats = recording_ ? &stats_[static_cast<size_t>(site.index)].op[static_cast<int>(o)] : &scratch_stats_;
   return q;
 }
 

@@ -78,6 +78,12 @@ class Fp8Runtime {
 
   // Casts of validation passes must not move the delayed-scaling history.
   void set_recording(bool on) { recording_ = on; }
+  // Whether the casts count their telemetry (non-zero, saturated, flushed elements) for
+  // last_step_stats(). The amaxes (scaling) are kept either way; the counts cost the cast kernel
+  // a third of its instructions, so the trainer asks for them only on the steps it reports
+  // (fp8_stats_interval). On by default.
+  void set_collect_stats(bool on) { collect_stats_ = on; }
+  bool collect_stats() const { return collect_stats_; }
   bool recording() const { return recording_; }
   // Once per optimizer step after the backward: the delayed-scaling update of every slot on the
   // backend (after the registry's amax all-reduce hook, which gets the staging row in host
@@ -101,6 +107,7 @@ class Fp8Runtime {
   Arena weight_arena_;
   int64_t weight_version_ = 0;
   bool recording_ = true;
+  bool collect_stats_ = true;
   CastStats scratch_stats_;
 
   // The registry's state in backend memory: amax_history [L, n], scale, scale_inv, fp8_max

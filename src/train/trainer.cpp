@@ -207,6 +207,9 @@ TrainResult run_training(const TrainOptions& opt) {
     const int64_t step = r.state.step;  // 0-based index of the step being taken
     samples.clear();
     for (int64_t i = 0; i < r.global; ++i) samples.push_back(loader.next());
+    // FP8 telemetry counts only on the steps that report them (report_fp8_stats below).
+    const bool report_fp8 = r.model->fp8() && r.fp8.stats_interval > 0 && (step + 1) % r.fp8.stats_interval == 0;
+    if (r.model->fp8()) r.model->fp8()->set_collect_stats(report_fp8);
     const StepLoss sl = accumulate_step_gradients(ctx, samples, r.micro, static_cast<uint64_t>(step));
     const double loss = sl.loss;
     const int64_t tokens = sl.tokens;
@@ -230,8 +233,7 @@ TrainResult run_training(const TrainOptions& opt) {
     } else {
       consecutive_skips = 0;
     }
-    if (r.model->fp8() && r.fp8.stats_interval > 0 && (step + 1) % r.fp8.stats_interval == 0)
-      report_fp8_stats(*r.model->fp8(), step + 1, progress);
+    if (report_fp8) report_fp8_stats(*r.model->fp8(), step + 1, progress);
     const LoaderState ls = loader.state();
     r.state.step = step + 1;
     r.state.consumed_samples += r.global;

@@ -206,6 +206,18 @@ TEST(CudaQuantize, WithoutStatisticsSameCodes) {
     gpu().quantize(row.dev, col.dev, x.dev, quantize_for(recipe, Fp8Format::e4m3, true));
     expect_equals_cpu(row, "rowwise");
     expect_equals_cpu(col, "columnwise");
+    // The training steps between telemetry reports: the amax (delayed scaling) without the
+    // counts (the per-tensor kernel's kCount = false instantiation).
+    Scalar amax(0.0f);
+    for (const bool g : {false, true}) {
+      Backend::Quantize q = quantize_for(recipe, Fp8Format::e4m3, g);
+      q.amax = amax.on(g);
+      (g ? gpu() : cpu()).quantize(g ? row.dev : row.host, g ? col.dev : col.host, x.t(g), q);
+    }
+    expect_equals_cpu(row, "rowwise, amax only");
+    expect_equals_cpu(col, "columnwise, amax only");
+    EXPECT_EQ(bits(amax.gpu_value()), bits(amax.cpu_value()));
+    EXPECT_GT(amax.cpu_value(), 0.0f);
   }
 }
 
