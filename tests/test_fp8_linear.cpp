@@ -78,7 +78,7 @@ void check_recipe(Case c) {
   {
     Arena m1, m2;
     allocate_linear_input(m1, site, &rt, x.shape, DType::f32);
-    plan_site_scratch(m2, &rt, N, std::max(K, M), DType::f32);
+    plan_site_scratch(m2, &rt, N, std::max(K, M));
     saved_arena.reserve(*be, m1.peak());
     scratch.reserve(*be, m2.peak() + (1 << 20));
   }

@@ -281,7 +281,7 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M), t);
+  plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M));
   if (!selective) return;
   // Recomputed q, k, v (the forward's buffers for them too) and one recomputed Linear input
   // with its FP8 cast.

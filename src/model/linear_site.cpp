@@ -274,12 +274,13 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
   scratch.release_to(mark);
 }
 
-void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols, DType dtype) {
+void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols) {
   if (!fp8 || !fp8->config().enabled) return;
-  // The input buffer of a cast-only saved input, the input's rowwise cast, and the two casts
-  // of the output gradient, with their scales (an upper bound of what one site holds at once).
-  scratch.alloc(dtype, Shape{rows, max_cols}, SlotKind::workspace);
-  for (int i = 0; i < 3; ++i)
+  // What one site holds at once, with the scales: the two casts of the output gradient in the
+  // backward (the forward holds one, the input's rowwise cast). The input buffer of a cast-only
+  // saved input is the block's (its plan has "a Linear's input buffer"); counting it here too,
+  // with a third cast, over-reserved ~1 GiB on W1's single block.
+  for (int i = 0; i < 2; ++i)
     allocate_qtensor(scratch, rows, max_cols, Fp8Format::e4m3, Fp8Scaling::block_1x128, SlotKind::workspace);
 }
 

@@ -154,7 +154,7 @@ void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   a.alloc(t, Shape{B, L, 3 * H + M}, SlotKind::workspace);
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * L, 3 * H + M, t);
+  plan_site_scratch(a, fp8, B * L, 3 * H + M);
   if (!selective) return;
   // Recomputed q, k, v (the forward's buffers for them too) and the recomputed cat with its
   // FP8 cast.
