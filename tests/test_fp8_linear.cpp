@@ -126,6 +126,16 @@ TEST(Fp8Linear, Mxfp8E4m3) { check_recipe({Fp8Recipe::mxfp8, false}); }
 TEST(Fp8Linear, Mxfp8Hybrid) { check_recipe({Fp8Recipe::mxfp8, true}); }
 
 
+// Delayed scaling, hybrid formats, an amax history of `history` steps.
+Fp8Config delayed_hybrid(int history) {
+  Fp8Config cfg;
+  cfg.enabled = true;
+  cfg.recipe = Fp8Recipe::delayed;
+  cfg.hybrid = true;
+  cfg.amax_history_len = history;
+  return cfg;
+}
+
 // The delayed-scaling state lives in backend memory and end_step() updates it there
 // (Backend::delayed_scaling_update). The host mirror must show exactly what the registry's own
 // update() gives on the same staged amaxes, with the all-reduce hook applied to the staging
@@ -135,11 +145,7 @@ TEST(Fp8Runtime, DelayedUpdateOnBackendMatchesRegistryUpdate) {
   auto be = make_backend("cpu");
   Buffers buf(*be);
   const int64_t N = 40, K = 48, M = 24;
-  Fp8Config cfg;
-  cfg.enabled = true;
-  cfg.recipe = Fp8Recipe::delayed;
-  cfg.hybrid = true;
-  cfg.amax_history_len = 4;
+  const Fp8Config cfg = delayed_hybrid(4);
   Fp8Runtime rt(cfg, *be);
   LinearSite site;
   site.name = "test.linear";
@@ -200,11 +206,7 @@ TEST(Fp8Runtime, TelemetryCountsOnlyWhenCollected) {
   auto be = make_backend("cpu");
   Buffers buf(*be);
   const int64_t N = 40, K = 48, M = 24;
-  Fp8Config cfg;
-  cfg.enabled = true;
-  cfg.recipe = Fp8Recipe::delayed;
-  cfg.hybrid = true;
-  cfg.amax_history_len = 4;
+  const Fp8Config cfg = delayed_hybrid(4);
   const Tensor x = buf.randn(Shape{N, K}, 3, 1.0), dy = buf.randn(Shape{N, M}, 4, 0.01);
   const Tensor w = buf.randn(Shape{M, K}, 1, 0.2);
   struct Run {
