@@ -174,7 +174,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"first_loss", r.first_loss},     {"last_loss", r.last_loss},
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},
                                   {"backend", o->backend},          {"data", o->data},
-                                  {"activation_precision", bo.bf16_activations ? "bf16" : "f32"},
+                                  {"activation_precision", bo.bf16_activations && o->backend == "cuda" ? "bf16" : "f32"},
                                   {"ops", ops}});
         }
       }

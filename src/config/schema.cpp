@@ -67,7 +67,7 @@ std::vector<KeySpec> make_keys() {
                  "compute backend: cpu, cuda, or auto (cuda when this build has it and a usable GPU is present, else cpu)"),
       bool_key("runtime", "round_activations_to_bf16", false, "CPU: round activations to bf16 like the GPU stores them"),
       choice_key("runtime", "gemm_precision", "bf16", {"bf16", "f32"},
-                 "CUDA: operands of the non-FP8 GEMMs (bf16 tensor cores, fp32 accumulation; f32: exact, slow); the CPU computes in f32"),
+                 "CUDA: operands of the non-FP8 GEMMs (bf16 tensor cores, fp32 accumulation; f32: exact, slow, only with activation_precision f32: bf16 activations always give bf16 operands); the CPU computes in f32"),
       choice_key("runtime", "activation_precision", "bf16", {"bf16", "f32"},
                  "CUDA: storage type of activations and their gradients (bf16 halves their memory and traffic; the GEMMs then take bf16 operands); parameters, gradients and optimizer state stay f32. The CPU's twin is round_activations_to_bf16"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),

@@ -22,9 +22,14 @@ std::string fp8_gemm_support(cuda::Gemm& gemm, cudaDataType_t a, cudaDataType_t 
   d.trans_a = CUBLAS_OP_T;
   d.m = d.n = d.k = 3072;
   d.lda = d.ldb = d.ldd = 3072;
-  d.type_a = a, d.type_b = b, d.type_d = CUDA_R_32F;
+  d.type_a = a, d.type_b = b;
   d.scale_mode_a = mode_a, d.scale_mode_b = mode_b;
-  return gemm.supported(d);
+  // Both outputs training writes: bf16 (fprop and dgrad onto bf16 activations) and f32 (wgrad).
+  for (const cudaDataType_t out : {CUDA_R_16BF, CUDA_R_32F}) {
+    d.type_d = out;
+    if (std::string why = gemm.supported(d); !why.empty()) return why;
+  }
+  return "";
 }
 
 }  // namespace
@@ -65,6 +70,10 @@ CudaReport cuda_report() {
   }
   cudaStream_t s = nullptr;
   FLUX8_CUDA_CHECK(cudaStreamCreate(&s));
+  struct StreamGuard {  // destroyed on every path (Gemm refuses a bad FLUX8_GEMM_AUTOTUNE)
+    cudaStream_t s;
+    ~StreamGuard() { cudaStreamDestroy(s); }
+  } guard{s};
   {
     cuda::Gemm gemm(s);
     constexpr auto scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
@@ -83,7 +92,6 @@ CudaReport cuda_report() {
     r.fp8_recipes.push_back({"mxfp8", "emulated (dequantize + fp32 GEMM): MXFP8 GEMMs are native on sm_100 "
                                       "(Blackwell), not on Hopper"});
   }
-  cudaStreamDestroy(s);
   return r;
 }
 

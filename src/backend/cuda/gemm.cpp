@@ -94,21 +94,32 @@ struct Gemm::Plan {
   }
 };
 
-Gemm::Gemm(cudaStream_t stream) : stream_(stream) {
+Gemm::Gemm(cudaStream_t stream) : stream_(stream), autotune_(autotune_from_environment()) {
   FLUX8_CUBLAS_CHECK(cublasLtCreate(&handle_));
-  FLUX8_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
-  workspace_bytes_ = kWorkspaceBytes;
-  autotune_ = autotune_from_environment();
-  if (autotune_) {
-    const std::string path = env("FLUX8_GEMM_AUTOTUNE_CACHE");
-    cache_path_ = path.empty() ? default_cache_path() : path;
-    int device = 0;
-    FLUX8_CUDA_CHECK(cudaGetDevice(&device));
-    cudaDeviceProp prop{};
-    FLUX8_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-    device_key_ = fmt::format("{} sm_{}{} cublasLt {}", prop.name, prop.major, prop.minor, cublasLtGetVersion());
-    load_tuning_cache();
+  try {
+    FLUX8_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+    workspace_bytes_ = kWorkspaceBytes;
+    if (autotune_) {
+      const std::string path = env("FLUX8_GEMM_AUTOTUNE_CACHE");
+      cache_path_ = path.empty() ? default_cache_path() : path;
+      int device = 0;
+      FLUX8_CUDA_CHECK(cudaGetDevice(&device));
+      cudaDeviceProp prop{};
+      FLUX8_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+      device_key_ = fmt::format("{} sm_{}{} cublasLt {}", prop.name, prop.major, prop.minor, cublasLtGetVersion());
+      load_tuning_cache();
+    }
+  } catch (...) {  // the destructor does not run for a constructor that throws
+    if (workspace_) cudaFree(workspace_);
+    cublasLtDestroy(handle_);
+    throw;
   }
+}
+
+Gemm::~Gemm() {
+  plans_.clear();
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
 }
 
 // The cache file: one line per tuned description, "device key \t description key \t index \t ms";
@@ -146,7 +157,9 @@ void Gemm::store_tuning(const std::string& key, int index, double ms) {
 }
 
 // Times every candidate on the call's operands into a scratch output (zeroed, so accumulating
-// candidates read finite values) and keeps the fastest; ties go to the heuristic's order.
+// candidates read finite values) and keeps the fastest of those that run; ties go to the
+// heuristic's order. A candidate cuBLASLt refuses for these operands is skipped; when none runs,
+// nothing is cached and the heuristic's first choice stays (run() then reports the refusal).
 void Gemm::tune(Plan& p, const GemmDesc& g, const GemmArgs& args) {
   p.tuned = true;
   const std::string key = tuning_key(g);
@@ -163,42 +176,42 @@ void Gemm::tune(Plan& p, const GemmDesc& g, const GemmArgs& args) {
   }
   const size_t elem = g.type_d == CUDA_R_32F ? 4 : g.type_d == CUDA_R_16BF || g.type_d == CUDA_R_16F ? 2 : 1;
   const size_t bytes = static_cast<size_t>(g.ldd) * static_cast<size_t>(g.n) * elem;
-  void* out = nullptr;
-  FLUX8_CUDA_CHECK(cudaMalloc(&out, bytes));
-  FLUX8_CUDA_CHECK(cudaMemsetAsync(out, 0, bytes, stream_));
-  cudaEvent_t start = nullptr, stop = nullptr;
-  FLUX8_CUDA_CHECK(cudaEventCreate(&start));
-  FLUX8_CUDA_CHECK(cudaEventCreate(&stop));
+  // The scratch output and the events, released on every path (a failed launch throws).
+  struct Scratch {
+    void* out = nullptr;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    ~Scratch() {
+      if (out) cudaFree(out);  // synchronises: the timed runs are done with it
+      if (start) cudaEventDestroy(start);
+      if (stop) cudaEventDestroy(stop);
+    }
+  } t;
+  FLUX8_CUDA_CHECK(cudaMalloc(&t.out, bytes));
+  FLUX8_CUDA_CHECK(cudaMemsetAsync(t.out, 0, bytes, stream_));
+  FLUX8_CUDA_CHECK(cudaEventCreate(&t.start));
+  FLUX8_CUDA_CHECK(cudaEventCreate(&t.stop));
   const float alpha = args.alpha, beta = g.accumulate ? 1.0f : 0.0f;
-  int best = 0;
+  int best = -1;
   float best_ms = 0;
   for (size_t i = 0; i < p.candidates.size(); ++i) {
     auto launch = [&] {
-      return cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, out, p.d, out, p.d,
+      return cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, t.out, p.d, t.out, p.d,
                             &p.candidates[i], workspace_, workspace_bytes_, stream_);
     };
     if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that refuses these operands
-    FLUX8_CUDA_CHECK(cudaEventRecord(start, stream_));
+    FLUX8_CUDA_CHECK(cudaEventRecord(t.start, stream_));
     for (int r = 0; r < kTimedRuns; ++r) FLUX8_CUBLAS_CHECK(launch());
-    FLUX8_CUDA_CHECK(cudaEventRecord(stop, stream_));
-    FLUX8_CUDA_CHECK(cudaEventSynchronize(stop));
+    FLUX8_CUDA_CHECK(cudaEventRecord(t.stop, stream_));
+    FLUX8_CUDA_CHECK(cudaEventSynchronize(t.stop));
     float ms = 0;
-    FLUX8_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    FLUX8_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
     ms /= kTimedRuns;
-    if (i == 0 || ms < best_ms) best = static_cast<int>(i), best_ms = ms;
+    if (best < 0 || ms < best_ms) best = static_cast<int>(i), best_ms = ms;
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  FLUX8_CUDA_CHECK(cudaFree(out));  // synchronises: the timed runs are done with it
+  if (best < 0) return;  // no candidate runs on these operands: nothing to remember
   p.algo = p.candidates[static_cast<size_t>(best)];
   ++tuned_here_;
   store_tuning(key, best, best_ms);
-}
-
-Gemm::~Gemm() {
-  plans_.clear();
-  if (workspace_) cudaFree(workspace_);
-  if (handle_) cublasLtDestroy(handle_);
 }
 
 Gemm::Plan& Gemm::plan(const GemmDesc& g) {

@@ -86,9 +86,8 @@ __device__ inline float element(const void* p, cudaDataType_t t, int64_t i) {
 // Column-major D[m, n] = op(A)·op(B) (+ D when accumulating) (+ bias[m]), one thread per element,
 // fp32 sums in k order: for a description cuBLASLt offers an algorithm for and then refuses to
 // run (GemmRefused; seen for bf16 operands at k = 2). Slow, but only ever met at tiny shapes.
-__global__ void plain_gemm_kernel(GemmDesc d, const void* a, const void* b, void* out, const float* bias) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, j = blockIdx.y;
-  if (i >= d.m) return;
+__device__ void plain_gemm_element(const GemmDesc& d, const void* a, const void* b, void* out, const float* bias,
+                                   int64_t i, int64_t j) {
   float acc = 0;
   for (int64_t l = 0; l < d.k; ++l) {
     const float x = element(a, d.type_a, d.trans_a == CUBLAS_OP_N ? i + l * d.lda : l + i * d.lda);
@@ -102,6 +101,12 @@ __global__ void plain_gemm_kernel(GemmDesc d, const void* a, const void* b, void
     static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(acc);
   else
     static_cast<float*>(out)[o] = acc;
+}
+
+__global__ void plain_gemm_kernel(GemmDesc d, const void* a, const void* b, void* out, const float* bias) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= d.m) return;
+  for (int64_t j = blockIdx.y; j < d.n; j += gridDim.y) plain_gemm_element(d, a, b, out, bias, i, j);
 }
 
 bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
@@ -157,8 +162,8 @@ void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c,
       noted = true;
       fmt::print(stderr, "{}; computed by a plain kernel instead (noted once)\n", refused.what());
     }
-    if (d.n > 65535) throw;
-    plain_gemm_kernel<<<dim3(exact_blocks(d.m), static_cast<unsigned>(d.n)), kThreads, 0, be.stream()>>>(
+    const unsigned columns = static_cast<unsigned>(d.n < 65535 ? d.n : 65535);  // the kernel loops past
+    plain_gemm_kernel<<<dim3(exact_blocks(d.m), columns), kThreads, 0, be.stream()>>>(
         d, args.a, args.b, args.d, bias);
     FLUX8_LAUNCH_CHECK(plain_gemm_kernel);
     return;

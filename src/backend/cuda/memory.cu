@@ -48,9 +48,16 @@ std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options) {
 CudaBackend::CudaBackend(const BackendOptions& options) : options_(options) {
   FLUX8_CUDA_CHECK(cudaGetDevice(&device_));
   FLUX8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  FLUX8_CUDA_CHECK(cudaMallocHost(&pinned_, 4096));
-  gemm_ = std::make_unique<Gemm>(stream_);
-  attention_ = make_attention(stream_);
+  try {
+    FLUX8_CUDA_CHECK(cudaMallocHost(&pinned_, 4096));
+    gemm_ = std::make_unique<Gemm>(stream_);  // may refuse a bad FLUX8_GEMM_AUTOTUNE
+    attention_ = make_attention(stream_);
+  } catch (...) {  // the destructor does not run for a constructor that throws
+    gemm_.reset();
+    if (pinned_) cudaFreeHost(pinned_);
+    cudaStreamDestroy(stream_);
+    throw;
+  }
 }
 
 CudaBackend::~CudaBackend() {
