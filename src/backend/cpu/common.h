@@ -63,6 +63,20 @@ inline T* row(const Tensor& t, int64_t r) {
   return t.ptr<T>() + r * t.ld;
 }
 
+// f(head_row, token_row, b, l) for every head h, sample b and token l < Ls of one stream:
+// head_row = heads[b, h, offset + l, :] ([B, n, L, D]), token_row = tokens[b, l, h·D : (h+1)·D]
+// ([B, Ls, n·D], any ld). Parallel over (b, h, l); each call owns one head row and one token
+// segment. The layout copies and the fused QK-norm + RoPE ops walk the two layouts this way.
+template <typename T, typename F>
+void for_each_head_row(const Tensor& heads, const Tensor& tokens, int64_t offset, const Ctx& c, F f) {
+  const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
+  const int64_t B = heads.shape[0], Ls = tokens.shape[1];
+  parallel_for(B * n * Ls, c, [&](int64_t i) {
+    const int64_t b = i / (n * Ls), h = (i / Ls) % n, l = i % Ls;
+    f(row<T>(heads, (b * n + h) * L + offset + l), row<T>(tokens, b * Ls + l) + h * D, b, l);
+  });
+}
+
 // Value stored into an activation or input-gradient output: the bf16 value the GPU would keep.
 template <typename T>
 inline T act(T v, const Ctx& c) {

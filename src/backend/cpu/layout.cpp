@@ -14,12 +14,8 @@ namespace {
 template <typename T>
 void move_heads(const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads,
                 const Ctx& c) {
-  const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
-  const int64_t Ls = tokens.shape[1];
-  parallel_for(B * n * Ls, c, [&](int64_t i) {
-    const int64_t b = i / (n * Ls), h = (i / Ls) % n, l = i % Ls;
-    T* hr = row<T>(heads, (b * n + h) * L + offset + l);
-    T* tr = row<T>(tokens, b * Ls + l) + h * D;
+  const int64_t D = heads.shape[3];
+  for_each_head_row<T>(heads, tokens, offset, c, [&](T* hr, T* tr, int64_t, int64_t) {
     T* dst = to_heads ? hr : tr;
     const T* src = to_heads ? tr : hr;
     for (int64_t d = 0; d < D; ++d) dst[d] = act<T>(src[d], c);

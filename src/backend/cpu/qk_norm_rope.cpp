@@ -21,12 +21,8 @@ namespace {
 template <typename T>
 void rotate_between(const Tensor& heads, const Tensor& tokens, const Tensor& pe, int64_t offset, bool to_heads,
                     const Ctx& c) {
-  const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
-  const int64_t Ls = tokens.shape[1];
-  parallel_for(B * n * Ls, c, [&](int64_t i) {
-    const int64_t b = i / (n * Ls), h = (i / Ls) % n, l = i % Ls;
-    T* hr = row<T>(heads, (b * n + h) * L + offset + l);
-    T* tr = row<T>(tokens, b * Ls + l) + h * D;
+  const int64_t L = heads.shape[2], D = heads.shape[3];
+  for_each_head_row<T>(heads, tokens, offset, c, [&](T* hr, T* tr, int64_t b, int64_t l) {
     const T* cs = pe.ptr<T>() + (b * L + offset + l) * D;
     if (to_heads)
       rotate_pairs<T>(hr, tr, cs, D, false, c);
