@@ -278,8 +278,8 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 inline bool quads(const Mat& m) { return aligned16(m.p) && m.ld % 4 == 0 && m.cols % 4 == 0; }
 __device__ inline float4& quad(const Mat& m, int64_t r, int64_t c) { return *reinterpret_cast<float4*>(&m.at(r, c)); }
 
-// y[i] = bf16(x[i]) (round to nearest even) / y[i] = f32(x[i]) for i < n, on `stream`; 16-byte
-// loads where the f32 side is aligned (convert.cu).
+// y[i] = bf16(x[i]) (round to nearest even) / y[i] = f32(x[i]) for i < n, on `stream`; four
+// elements an access where both sides are aligned for it, any alignment otherwise (convert.cu).
 void to_bf16(__nv_bfloat16* y, const float* x, int64_t n, cudaStream_t stream);
 void to_f32(float* y, const __nv_bfloat16* x, int64_t n, cudaStream_t stream);
 

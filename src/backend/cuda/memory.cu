@@ -152,9 +152,8 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 // y = x converted between f32 and bf16 (round to nearest even one way, exact the other).
-// Contiguous pairs go through convert.cu's flat kernels (any length; they align on the f32
-// side and need the bf16 side 4-byte aligned for their paired accesses); column windows row by
-// row, 4 elements a thread where both sides allow.
+// Contiguous pairs go through convert.cu's flat kernels (any length and alignment); column
+// windows row by row, 4 elements a thread where both sides allow.
 template <typename Y, typename X>
 void convert(CudaBackend& be, const Tensor& y, const Tensor& x) {
   const MatOf<Y> YM = mat_of<Y>(y);
@@ -162,17 +161,10 @@ void convert(CudaBackend& be, const Tensor& y, const Tensor& x) {
   const int64_t n = YM.rows * YM.cols;
   if (n == 0) return;
   if (y.contiguous() && x.contiguous()) {
-    const void* half = std::is_same_v<Y, bf16> ? static_cast<const void*>(YM.p) : static_cast<const void*>(XM.p);
-    if (reinterpret_cast<uintptr_t>(half) % 4 == 0) {
-      if constexpr (std::is_same_v<Y, bf16>)
-        to_bf16(YM.p, XM.p, n, be.stream());
-      else
-        to_f32(YM.p, XM.p, n, be.stream());
-      return;
-    }
-    Y* yp = YM.p;
-    const X* xp = XM.p;
-    for_each(be, n, [=] __device__(int64_t i) { store(yp[i], load(xp[i])); });
+    if constexpr (std::is_same_v<Y, bf16>)
+      to_bf16(YM.p, XM.p, n, be.stream());
+    else
+      to_f32(YM.p, XM.p, n, be.stream());
     return;
   }
   if (vec4_rows(YM) && vec4_rows(XM)) {
