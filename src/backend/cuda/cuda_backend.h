@@ -139,14 +139,9 @@ class CudaBackend final : public Backend {
   size_t scratch2_bytes_ = 0;
   void* reduction_scratch_ = nullptr;
   size_t reduction_scratch_bytes_ = 0;
+  void* epilogue_scratch_ = nullptr;
+  size_t epilogue_scratch_bytes_ = 0;
   void* pinned_ = nullptr;
-  struct GrowingBuffer {  // freed with the backend (the other scratch buffers are freed in ~CudaBackend)
-    void* p = nullptr;
-    size_t bytes = 0;
-    ~GrowingBuffer() {
-      if (p) cudaFree(p);
-    }
-  } epilogue_scratch_;
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

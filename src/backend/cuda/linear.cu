@@ -113,30 +113,19 @@ bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8
 
 }  // namespace
 
-void* CudaBackend::epilogue_scratch(size_t bytes) {
-  GrowingBuffer& b = epilogue_scratch_;
-  if (bytes <= b.bytes && b.p) return b.p;
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (b.p) FLUX8_CUDA_CHECK(cudaFree(b.p));
-  b.p = nullptr;
-  const size_t n = std::max<size_t>(bytes, 64 << 10);
-  FLUX8_CUDA_CHECK(cudaMalloc(&b.p, n));
-  b.bytes = n;
-  return b.p;
-}
-
 namespace cuda {
 
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
   Gemm& gemm = be.gemm();
-  // An epilogue variant, when cuBLASLt offers it and runs it (GemmRefused: the next option).
-  auto epilogue = [&](cudaDataType_t bias_type, const void* bias_ptr) {
+  // An epilogue variant, when cuBLASLt offers it and runs it (GemmRefused: the next option);
+  // bias_of() gives its bias pointer, made only for a variant that is offered.
+  auto epilogue = [&](cudaDataType_t bias_type, auto&& bias_of) {
     GemmDesc with = d;
     with.bias = true;
     with.bias_type = bias_type;
     if (!gemm.supported(with).empty()) return false;
     GemmArgs a = args;
-    a.bias = bias_ptr;
+    a.bias = bias_of();
     try {
       gemm.run(with, a);
       return true;
@@ -145,13 +134,14 @@ void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c,
     }
   };
   if (bias) {
-    if (epilogue(CUDA_R_32F, bias)) return;
-    if (c.dtype == DType::bf16) {
-      const int64_t n = c.cols();
-      auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
-      to_bf16(b16, bias, n, be.stream());
-      if (epilogue(CUDA_R_16BF, b16)) return;
-    }
+    if (epilogue(CUDA_R_32F, [&] { return bias; })) return;
+    if (c.dtype == DType::bf16 && epilogue(CUDA_R_16BF, [&] {
+          const int64_t n = c.cols();
+          auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
+          to_bf16(b16, bias, n, be.stream());
+          return static_cast<const void*>(b16);
+        }))
+      return;
   }
   try {
     gemm.run(d, args);

@@ -66,6 +66,7 @@ CudaBackend::~CudaBackend() {
   gemm_.reset();
   if (scratch_) cudaFree(scratch_);
   if (scratch2_) cudaFree(scratch2_);
+  if (epilogue_scratch_) cudaFree(epilogue_scratch_);
   if (reduction_scratch_) cudaFree(reduction_scratch_);
   if (pinned_) cudaFreeHost(pinned_);
   if (stats_dev_) cudaFree(stats_dev_);
@@ -137,6 +138,9 @@ void* grow(void*& buf, size_t& have, size_t want, cudaStream_t s) {
 
 void* CudaBackend::scratch(size_t bytes) { return grow(scratch_, scratch_bytes_, bytes, stream_); }
 void* CudaBackend::scratch2(size_t bytes) { return grow(scratch2_, scratch2_bytes_, bytes, stream_); }
+void* CudaBackend::epilogue_scratch(size_t bytes) {
+  return grow(epilogue_scratch_, epilogue_scratch_bytes_, bytes, stream_);
+}
 void* CudaBackend::reduction_scratch(size_t bytes) {
   return grow(reduction_scratch_, reduction_scratch_bytes_, bytes, stream_);
 }
