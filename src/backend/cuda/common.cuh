@@ -190,7 +190,7 @@ double ordered_sum(CudaBackend& be, int64_t n, F f) {
 // spreads over the GPU however few groups and columns there are (RMSNorm's dscale: 128 columns
 // over a million rows took 100 ms in one pass). Chunks hold kColumnChunk rows, more when a
 // grid would need over 65535 of them. value: __device__ lambda (int64_t g, int64_t r,
-// int64_t c) -> double, called exactly once per element (c < cols), so it may also write that
+// int64_t c) -> double or float, called exactly once per element (c < cols), so it may also write that
 // element's output of a fused op (gated_residual_backward writes dy while summing dgate).
 // out: f32, or bf16 for an activation's gradient (dshift, dscale, dgate: the f32 total rounded
 // once more, to nearest even, as the CPU twin rounds its f32 value).
@@ -203,7 +203,10 @@ __global__ void column_partials_kernel(int64_t rows, int64_t cols, int64_t chunk
   const int64_t g = blockIdx.z, chunk = blockIdx.y;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const int64_t begin = chunk * chunk_rows, end = begin + chunk_rows < rows ? begin + chunk_rows : rows;
-  double s = 0;
+  // A thread's ≤ chunk_rows / 8 rows are summed in the value's type (float where the callers'
+  // terms are f32 products: a double add per element costs a conversion at a quarter of the
+  // f32 issue rate), the 8 thread rows and the chunks in double.
+  decltype(value(g, begin, c)) s = 0;
   if (c < cols)
     for (int64_t r = begin + threadIdx.y; r < end; r += 8) s += value(g, r, c);
   sh[threadIdx.y][threadIdx.x] = s;

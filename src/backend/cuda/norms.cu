@@ -1,8 +1,11 @@
 // Modulated LayerNorm (adaLN) and the per-head RMSNorm of QK-norm on the device. As on the CPU
-// (src/backend/cpu/norms.cpp): row statistics are accumulated in double (two-pass variance),
-// mean/rstd are stored as f32 and both passes normalise with the stored values. One block per
-// LayerNorm row, one warp per RMSNorm head segment; every sum has a fixed order. LayerNorm's
-// activations may be bf16 (Backend::activation_dtype; statistics stay f32), RMSNorm's are f32.
+// (src/backend/cpu/norms.cpp), the variance is two-pass, mean/rstd are stored as f32 and both
+// passes normalise with the stored values; every sum has a fixed order. Unlike the CPU, which
+// sums rows in double, LayerNorm computes in f32 per element (see "LayerNorm with a row in
+// registers"): the results differ from the CPU's by f32 rounding (~1e-7 relative). One block
+// per LayerNorm row (or per chunk of rows in the backward), one warp per RMSNorm head segment.
+// LayerNorm's activations may be bf16 (Backend::activation_dtype; statistics stay f32),
+// RMSNorm's are f32.
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -19,62 +22,27 @@ __device__ inline double warp_sum(double v) {
   return v;
 }
 
-// Activations (x, y, dy, dx, shift, scale, dshift, dscale) of element type T: f32 or bf16
-// (widened on load; computed in f32/f64 as for f32; rounded to nearest even on store).
-template <typename T>
-__global__ void layernorm_modulate_kernel(MatOf<T> y, float* mean, float* rstd, MatOf<T> x, MatOf<T> shift,
-                                          MatOf<T> scale, int64_t L, double eps) {
-  __shared__ double sh[kThreads];
-  const int64_t r = blockIdx.x, H = x.cols, b = r / L;
-  double s = 0;
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += x.get(r, j);
-  const double mu = block_sum(s, sh) / static_cast<double>(H);
-  double sq = 0;
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
-    const double d = x.get(r, j) - mu;
-    sq += d * d;
-  }
-  sq = block_sum(sq, sh);
-  const float mu_t = static_cast<float>(mu);
-  const float rs_t = static_cast<float>(1.0 / sqrt(sq / static_cast<double>(H) + eps));
-  if (threadIdx.x == 0) {
-    mean[r] = mu_t;
-    rstd[r] = rs_t;
-  }
-  if (!y.p) return;  // statistics only (a fused cast makes y)
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
-    y.set(r, j, layernorm_modulate_value(x.get(r, j), mu_t, rs_t, shift.get(b, j), scale.get(b, j)));
+// ---- LayerNorm with a row in registers ---------------------------------------------------
+// A thread holds kGroups groups of kV consecutive columns of a row, group i at columns
+// kV·(threadIdx.x + i·kThr) ...: kV = 4 where every row of every operand starts 4-element aligned
+// (one 16-byte f32 / 8-byte bf16 access per group: vec4_rows), kV = 1 otherwise. Per element
+// the arithmetic is f32; row sums are combined across the block in a fixed order (warp
+// butterflies, then the warps' totals in warp order), so results are the same on every run.
+// Double per element, as the CPU twin computes, made these kernels bound by instruction issue:
+// f32↔f64 conversions issue at 16 per SM and cycle on Hopper, a quarter of the f32 rate, and the
+// double shuffles and shared-memory sums cost two instructions each.
+template <int kV, int kThr>
+__device__ inline int64_t row_column(int k) {
+  return (threadIdx.x + int64_t(k / kV) * kThr) * kV + k % kV;
 }
 
-template <typename T>
-__global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean,
-                                             const float* rstd, MatOf<T> scale, int64_t L, bool accumulate) {
-  __shared__ double sh[kThreads];
-  const int64_t r = blockIdx.x, H = x.cols, b = r / L;
-  const double mu = mean[r], rs = rstd[r];
-  double sg = 0, sgx = 0;
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
-    const double g = dy.get(r, j) * (1.0 + scale.get(b, j));
-    sg += g;
-    sgx += g * ((x.get(r, j) - mu) * rs);
-  }
-  const double mean_g = block_sum(sg, sh) / static_cast<double>(H);
-  const double mean_gx = block_sum(sgx, sh) / static_cast<double>(H);
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
-    const double g = dy.get(r, j) * (1.0 + scale.get(b, j));
-    const float v = static_cast<float>(rs * (g - mean_g - (x.get(r, j) - mu) * rs * mean_gx));
-    dx.set(r, j, accumulate ? dx.get(r, j) + v : v);
-  }
-}
-
-// kV consecutive elements of row r from column j as f32: kV = 1 one element, kV = 4 one
-// 8-byte access of four bf16 (the caller checked the alignment).
+// kV consecutive elements of row r from column j as f32 (one access for kV = 4), and back.
 template <int kV, typename T>
 __device__ inline void load_vec(const MatOf<T>& m, int64_t r, int64_t j, float* v) {
   if constexpr (kV == 1) {
     v[0] = m.get(r, j);
   } else {
-    static_assert(kV == 4 && sizeof(T) == 2, "4-wide access is for bf16 rows");
+    static_assert(kV == 4, "groups are of 1 or 4 columns");
     const float4 q = load4(&m.at(r, j));
     v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
   }
@@ -84,86 +52,152 @@ __device__ inline void store_vec(const MatOf<T>& m, int64_t r, int64_t j, const 
   if constexpr (kV == 1) {
     m.set(r, j, v[0]);
   } else {
-    static_assert(kV == 4 && sizeof(T) == 2, "4-wide access is for bf16 rows");
+    static_assert(kV == 4, "groups are of 1 or 4 columns");
     store4(&m.at(r, j), make_float4(v[0], v[1], v[2], v[3]));
   }
 }
 
+// Block-wide sums of N values per thread, returned to every thread: warp butterflies, then each
+// thread adds the warps' totals in warp order. `sh` is double-buffered by `parity` (flipped
+// here), so one barrier per call suffices: a thread writes a buffer again only after the next
+// call's barrier, which every thread reaches after reading this call's totals.
+template <int N, int kWarps>
+__device__ inline void block_sums(float (&v)[N], float (&sh)[2][kWarps][N], int& parity) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    for (int o = 16; o > 0; o >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+  if (lane == 0)
+#pragma unroll
+    for (int i = 0; i < N; ++i) sh[parity][warp][i] = v[i];
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float t = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) t += sh[parity][w][i];
+    v[i] = t;
+  }
+  parity ^= 1;
+}
+
+// Row r per block: mean, then the two-pass variance from the registers (no cancellation for
+// rows with a large mean), y from the same registers: x is read once.
+template <typename T, int kV, int kThr, int kGroups>
+__global__ void __launch_bounds__(kThr) layernorm_modulate_kernel(MatOf<T> y, float* mean, float* rstd, MatOf<T> x,
+                                                                  MatOf<T> shift, MatOf<T> scale, int64_t L,
+                                                                  float eps) {
+  constexpr int kCols = kV * kGroups, kWarps = kThr / 32;
+  __shared__ float sh[2][kWarps][1];
+  int parity = 0;
+  const int64_t r = blockIdx.x, H = x.cols;
+  const float h = static_cast<float>(H);
+  float xv[kCols];
+  float s[1] = {0.0f};
+#pragma unroll
+  for (int k = 0; k < kCols; k += kV) {
+    const int64_t j = row_column<kV, kThr>(k);
+    if (j < H) {
+      load_vec<kV>(x, r, j, xv + k);
+#pragma unroll
+      for (int e = 0; e < kV; ++e) s[0] += xv[k + e];
+    }
+  }
+  block_sums(s, sh, parity);
+  const float mu = s[0] / h;
+  float sq[1] = {0.0f};
+#pragma unroll
+  for (int k = 0; k < kCols; k += kV)
+    if (row_column<kV, kThr>(k) < H)
+#pragma unroll
+      for (int e = 0; e < kV; ++e) sq[0] += (xv[k + e] - mu) * (xv[k + e] - mu);
+  block_sums(sq, sh, parity);
+  const float rs = 1.0f / sqrtf(sq[0] / h + eps);
+  if (threadIdx.x == 0) {
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+  if (!y.p) return;  // statistics only (a fused cast makes y)
+  const int64_t b = r / L;
+#pragma unroll
+  for (int k = 0; k < kCols; k += kV) {
+    const int64_t j = row_column<kV, kThr>(k);
+    if (j >= H) continue;
+    float sv[kV], cv[kV], out[kV];
+    load_vec<kV>(shift, b, j, sv);
+    load_vec<kV>(scale, b, j, cv);
+#pragma unroll
+    for (int e = 0; e < kV; ++e) out[e] = layernorm_modulate_value(xv[k + e], mu, rs, sv[e], cv[e]);
+    store_vec<kV>(y, r, j, out);
+  }
+}
+
 // The whole LayerNorm backward in one pass over dy and x: a block takes `rows` rows of one
-// sample (grid: chunks x samples). Thread t holds the column groups g = t, t + kLnThreads, ...
-// (kGroups of them, in registers; 512 threads for wide rows keep f32 rows at 6 columns a thread
-// for Flux's 3072), each kV consecutive columns from kV·g: kV = 1 for f32 rows (coalesced
-// 4-byte accesses) and bf16 rows that are not 8-byte aligned, kV = 4 for the others (8-byte
-// accesses: a warp then moves 256 bytes per load, as a warp of f32 columns moves 128). Per row
-// it forms dx like layernorm_modulate_dx_kernel (the two row sums by warp butterflies and a
-// fixed-order sum of the warps), and it accumulates the columns' dshift = Σ dy and dscale =
-// Σ dy·x̂ over its rows, written as per-chunk partials that are then added in chunk order. The
-// three-pass version read dy three times and x twice.
-template <typename T, int kV, int kLnThreads, int kGroups>
-__global__ void __launch_bounds__(kLnThreads) layernorm_modulate_backward_kernel(
+// sample (grid: chunks x samples), its threads the row's columns as above. Per row it forms dx
+// = rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dy·(1 + scale), from one block_sums of (Σg, Σg·x̂),
+// and it accumulates the columns' dshift = Σ dy and dscale = Σ dy·x̂ over its ≤ 32 rows in f32,
+// written as double per-chunk partials that are then added in chunk order.
+template <typename T, int kV, int kThr, int kGroups>
+__global__ void __launch_bounds__(kThr) layernorm_modulate_backward_kernel(
     MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean, const float* rstd, MatOf<T> scale, int64_t L,
     int64_t rows, bool accumulate, double* shift_partial, double* scale_partial, int64_t chunks) {
-  constexpr int kLnWarps = kLnThreads / 32, kCols = kV * kGroups;
-  __shared__ double sums[2][kLnWarps][2];  // double-buffered by row parity: one barrier a row
+  constexpr int kCols = kV * kGroups, kWarps = kThr / 32;
+  __shared__ float sh[2][kWarps][2];
+  int parity = 0;
   const int64_t b = blockIdx.y, chunk = blockIdx.x, H = x.cols;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float h = static_cast<float>(H);
   const int64_t begin = b * L + chunk * rows, end = b * L + (chunk + 1) * rows < (b + 1) * L
                                                         ? b * L + (chunk + 1) * rows
                                                         : (b + 1) * L;
-  // Column k of this thread: element k % kV of group k / kV. With kV = 4, H is a multiple of 4,
-  // so a group is wholly inside the row or wholly past its end.
-  const auto column = [](int k) { return (threadIdx.x + int64_t(k / kV) * kLnThreads) * kV + k % kV; };
-  double one_plus[kCols], acc_shift[kCols], acc_scale[kCols];
+  float one_plus[kCols], acc_shift[kCols], acc_scale[kCols];
 #pragma unroll
-  for (int k = 0; k < kCols; ++k) {
-    const int64_t j = column(k);
-    one_plus[k] = j < H ? 1.0 + scale.get(b, j) : 0.0;
-    acc_shift[k] = acc_scale[k] = 0.0;
+  for (int k = 0; k < kCols; k += kV) {
+    const int64_t j = row_column<kV, kThr>(k);
+    if (j < H) {
+      load_vec<kV>(scale, b, j, one_plus + k);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kV; ++e) one_plus[k + e] = -1.0f;
+    }
   }
-  int parity = 0;
-  for (int64_t r = begin; r < end; ++r, parity ^= 1) {
-    const double mu = mean[r], rs = rstd[r];
-    float dyv[kCols], xv[kCols];
+#pragma unroll
+  for (int k = 0; k < kCols; ++k) one_plus[k] += 1.0f, acc_shift[k] = acc_scale[k] = 0.0f;
+  for (int64_t r = begin; r < end; ++r) {
+    const float mu = mean[r], rs = rstd[r];
+    float dyv[kCols], xhat[kCols];
 #pragma unroll
     for (int k = 0; k < kCols; k += kV) {
-      const int64_t j = column(k);
+      const int64_t j = row_column<kV, kThr>(k);
       if (j < H) {
         load_vec<kV>(dy, r, j, dyv + k);
-        load_vec<kV>(x, r, j, xv + k);
+        load_vec<kV>(x, r, j, xhat + k);
       } else {
 #pragma unroll
-        for (int e = 0; e < kV; ++e) dyv[k + e] = xv[k + e] = 0.0f;
+        for (int e = 0; e < kV; ++e) dyv[k + e] = xhat[k + e] = 0.0f;
       }
     }
-    double sg = 0, sgx = 0;
+    float sums[2] = {0.0f, 0.0f};  // Σ g, Σ g·x̂
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
-      const double g = dyv[k] * one_plus[k], xhat = (xv[k] - mu) * rs;
-      sg += g;
-      sgx += g * xhat;
+      xhat[k] = (xhat[k] - mu) * rs;  // past the row's end dy and 1 + scale are 0: no terms
+      const float g = dyv[k] * one_plus[k];
+      sums[0] += g;
+      sums[1] += g * xhat[k];
       acc_shift[k] += dyv[k];
-      acc_scale[k] += double(dyv[k]) * xhat;
+      acc_scale[k] += dyv[k] * xhat[k];
     }
-    for (int o = 16; o > 0; o >>= 1) {
-      sg += __shfl_xor_sync(0xffffffffu, sg, o);
-      sgx += __shfl_xor_sync(0xffffffffu, sgx, o);
-    }
-    if (lane == 0) sums[parity][warp][0] = sg, sums[parity][warp][1] = sgx;
-    __syncthreads();
-    double tg = 0, tgx = 0;
-    for (int w = 0; w < kLnWarps; ++w) tg += sums[parity][w][0], tgx += sums[parity][w][1];
-    const double mean_g = tg / static_cast<double>(H), mean_gx = tgx / static_cast<double>(H);
+    block_sums(sums, sh, parity);
     if (!dx.p) continue;
+    const float mean_g = sums[0] / h, mean_gx = sums[1] / h;
 #pragma unroll
     for (int k = 0; k < kCols; k += kV) {
-      const int64_t j = column(k);
+      const int64_t j = row_column<kV, kThr>(k);
       if (j >= H) continue;
       float v[kV], old[kV];
       if (accumulate) load_vec<kV>(dx, r, j, old);
 #pragma unroll
       for (int e = 0; e < kV; ++e) {
-        const double g = dyv[k + e] * one_plus[k + e];
-        v[e] = static_cast<float>(rs * (g - mean_g - (xv[k + e] - mu) * rs * mean_gx));
+        v[e] = rs * (dyv[k + e] * one_plus[k + e] - mean_g - xhat[k + e] * mean_gx);
         if (accumulate) v[e] = old[e] + v[e];
       }
       store_vec<kV>(dx, r, j, v);
@@ -172,10 +206,78 @@ __global__ void __launch_bounds__(kLnThreads) layernorm_modulate_backward_kernel
   const int64_t base = (b * chunks + chunk) * H;
 #pragma unroll
   for (int k = 0; k < kCols; ++k) {
-    const int64_t j = column(k);
+    const int64_t j = row_column<kV, kThr>(k);
     if (j >= H) continue;
     if (shift_partial) shift_partial[base + j] = acc_shift[k];
     if (scale_partial) scale_partial[base + j] = acc_scale[k];
+  }
+}
+
+// Calls f.template operator()<kV, kThr, kGroups>() with the variant for rows of H columns (vec4:
+// every operand's rows in aligned groups of 4), or returns false beyond 4096 columns. 256
+// threads of 12 columns for Flux's 3072: fewer threads a row means fewer warps' totals to add
+// per row sum, which with 768 threads of 4 columns cost more instructions than the elements.
+template <typename F>
+bool with_row_variant(int64_t H, bool vec4, F&& f) {
+  if (vec4) {
+    if (H <= 512) f.template operator()<4, 128, 1>();
+    else if (H <= 1024) f.template operator()<4, 256, 1>();
+    else if (H <= 2048) f.template operator()<4, 256, 2>();
+    else if (H <= 3072) f.template operator()<4, 256, 3>();
+    else if (H <= 4096) f.template operator()<4, 256, 4>();
+    else return false;
+  } else {
+    if (H <= 256) f.template operator()<1, 256, 1>();
+    else if (H <= 512) f.template operator()<1, 256, 2>();
+    else if (H <= 1024) f.template operator()<1, 256, 4>();
+    else if (H <= 2048) f.template operator()<1, 512, 4>();
+    else if (H <= 3072) f.template operator()<1, 512, 6>();
+    else if (H <= 4096) f.template operator()<1, 512, 8>();
+    else return false;
+  }
+  return true;
+}
+
+// Rows wider than 4096 columns: one block per row, looping over the columns (f32 per element,
+// the thread sums combined in double).
+template <typename T>
+__global__ void layernorm_modulate_wide_kernel(MatOf<T> y, float* mean, float* rstd, MatOf<T> x, MatOf<T> shift,
+                                               MatOf<T> scale, int64_t L, float eps) {
+  __shared__ double sh[kThreads];
+  const int64_t r = blockIdx.x, H = x.cols, b = r / L;
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += x.get(r, j);
+  const float mu = static_cast<float>(block_sum(double(s), sh) / static_cast<double>(H));
+  float sq = 0;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) sq += (x.get(r, j) - mu) * (x.get(r, j) - mu);
+  const float rs = static_cast<float>(1.0 / sqrt(block_sum(double(sq), sh) / static_cast<double>(H) + eps));
+  if (threadIdx.x == 0) {
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+  if (!y.p) return;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
+    y.set(r, j, layernorm_modulate_value(x.get(r, j), mu, rs, shift.get(b, j), scale.get(b, j)));
+}
+
+template <typename T>
+__global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean,
+                                             const float* rstd, MatOf<T> scale, int64_t L, bool accumulate) {
+  __shared__ double sh[kThreads];
+  const int64_t r = blockIdx.x, H = x.cols, b = r / L;
+  const float mu = mean[r], rs = rstd[r];
+  float sg = 0, sgx = 0;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+    const float g = dy.get(r, j) * (1.0f + scale.get(b, j));
+    sg += g;
+    sgx += g * ((x.get(r, j) - mu) * rs);
+  }
+  const float mean_g = static_cast<float>(block_sum(double(sg), sh) / static_cast<double>(H));
+  const float mean_gx = static_cast<float>(block_sum(double(sgx), sh) / static_cast<double>(H));
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+    const float g = dy.get(r, j) * (1.0f + scale.get(b, j));
+    const float v = rs * (g - mean_g - (x.get(r, j) - mu) * rs * mean_gx);
+    dx.set(r, j, accumulate ? dx.get(r, j) + v : v);
   }
 }
 
@@ -227,10 +329,18 @@ __global__ void rmsnorm_heads_dx_kernel(Mat dx, Mat dy, Mat x, const float* rstd
 template <typename T>
 void layernorm_modulate_as(CudaBackend& be, const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                            const Tensor& shift, const Tensor& scale, int64_t rows, int64_t L, double eps) {
-  layernorm_modulate_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, be.stream()>>>(
-      mat_of_or_null<T>(y), mean.ptr<float>(), rstd.ptr<float>(), mat_of<T>(x), mat_of<T>(shift), mat_of<T>(scale),
-      L, eps);
-  FLUX8_LAUNCH_CHECK(layernorm_modulate_kernel);
+  const MatOf<T> Y = mat_of_or_null<T>(y), X = mat_of<T>(x), SH = mat_of<T>(shift), SC = mat_of<T>(scale);
+  const unsigned grid = static_cast<unsigned>(rows);
+  const bool vec4 = vec4_rows(X) && vec4_rows(SH) && vec4_rows(SC) && (!Y.p || vec4_rows(Y));
+  const bool launched = with_row_variant(x.shape[2], vec4, [&]<int kV, int kThr, int kGroups>() {
+    layernorm_modulate_kernel<T, kV, kThr, kGroups><<<grid, kThr, 0, be.stream()>>>(
+        Y, mean.ptr<float>(), rstd.ptr<float>(), X, SH, SC, L, static_cast<float>(eps));
+    FLUX8_LAUNCH_CHECK(layernorm_modulate_kernel);
+  });
+  if (launched) return;
+  layernorm_modulate_wide_kernel<T><<<grid, kThreads, 0, be.stream()>>>(Y, mean.ptr<float>(), rstd.ptr<float>(), X,
+                                                                        SH, SC, L, static_cast<float>(eps));
+  FLUX8_LAUNCH_CHECK(layernorm_modulate_wide_kernel);
 }
 
 // The one-pass backward (H ≤ 4096, B ≤ 65535), for activations of type T.
@@ -248,32 +358,13 @@ void layernorm_modulate_backward_one_pass(CudaBackend& be, const Tensor& dx, con
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(B));
   const MatOf<T> DX = mat_of_or_null<T>(dx), DY = mat_of<T>(dy), X = mat_of<T>(x), S = mat_of<T>(scale);
   const float *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
-#define FLUX8_LN_BACKWARD(V, THREADS, GROUPS)                                               \
-  layernorm_modulate_backward_kernel<T, V, THREADS, GROUPS><<<grid, THREADS, 0, be.stream()>>>( \
-      DX, DY, X, mu, rs, S, L, rows, accumulate_dx, shift_partial, scale_partial, chunks)
-  // bf16 rows in 8-byte groups of 4 where every row start is 8-byte aligned (H and ld multiples
-  // of 4): at most 4 (8) columns a thread, as the f32 variants below hold 4 to 8.
-  bool launched = false;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (vec4_rows(DY) && vec4_rows(X) && (!DX.p || vec4_rows(DX))) {
-      if (H <= 512) FLUX8_LN_BACKWARD(4, 128, 1);
-      else if (H <= 1024) FLUX8_LN_BACKWARD(4, 256, 1);
-      else if (H <= 2048) FLUX8_LN_BACKWARD(4, 512, 1);
-      else if (H <= 3072) FLUX8_LN_BACKWARD(4, 768, 1);
-      else FLUX8_LN_BACKWARD(4, 512, 2);
-      launched = true;
-    }
-  }
-  if (!launched) {  // one column at a time: f32 rows, and bf16 rows not in aligned groups
-    if (H <= 256) FLUX8_LN_BACKWARD(1, 256, 1);
-    else if (H <= 512) FLUX8_LN_BACKWARD(1, 256, 2);
-    else if (H <= 1024) FLUX8_LN_BACKWARD(1, 256, 4);
-    else if (H <= 2048) FLUX8_LN_BACKWARD(1, 512, 4);
-    else if (H <= 3072) FLUX8_LN_BACKWARD(1, 512, 6);
-    else FLUX8_LN_BACKWARD(1, 512, 8);
-  }
-#undef FLUX8_LN_BACKWARD
-  FLUX8_LAUNCH_CHECK(layernorm_modulate_backward_kernel);
+  const bool vec4 = vec4_rows(DY) && vec4_rows(X) && vec4_rows(S) && (!DX.p || vec4_rows(DX));
+  const bool launched = with_row_variant(H, vec4, [&]<int kV, int kThr, int kGroups>() {
+    layernorm_modulate_backward_kernel<T, kV, kThr, kGroups><<<grid, kThr, 0, be.stream()>>>(
+        DX, DY, X, mu, rs, S, L, rows, accumulate_dx, shift_partial, scale_partial, chunks);
+    FLUX8_LAUNCH_CHECK(layernorm_modulate_backward_kernel);
+  });
+  if (!launched) fail("layernorm_modulate_backward: the one-pass kernel holds rows of up to 4096 columns, not {}", H);
   if (shift_partial) column_partials_total(be, B, H, chunks, shift_partial, dshift.ptr<T>(), dshift.ld, false);
   if (scale_partial) column_partials_total(be, B, H, chunks, scale_partial, dscale.ptr<T>(), dscale.ld, false);
 }

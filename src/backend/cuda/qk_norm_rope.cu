@@ -4,12 +4,15 @@
 // semantics as the CPU twin, src/backend/cpu/qk_norm_rope.cpp; head dims up to 512.
 //
 // A warp owns one (token, head) segment of D elements; lane i holds the RoPE pairs i, i + 32, …
-// in registers, so every element is read once and written once. As in norms.cu, the sum of
-// squares and the backward's Σ g·x̂ are in double with a fixed lane order, and rstd is stored in
-// f32 and used as stored. The backward's dscale is the column sum of dy·x̂ over all segments:
-// each block sums a fixed chunk of segments (its warps in a fixed stride, combined in warp
-// order) and column_partials_total_kernel (reduce.cu, the second pass of column_sums) adds
-// the chunks in order, so dscale is the same on every run.
+// in registers, so every element is read once and written once. The arithmetic is f32 (the CPU
+// twin's sums are double: the results differ by f32 rounding, ~1e-7 relative); the sum of
+// squares and the backward's Σ g·x̂ are warp butterflies (a fixed lane order), and rstd is
+// stored in f32 and used as stored. Double per element made this kernel instruction-bound
+// (f32↔f64 conversions issue at a quarter of the f32 rate on Hopper, double shuffles take two
+// instructions). The backward's dscale is the column sum of dy·x̂ over all segments: each warp
+// sums its segments of a fixed chunk in f32, the block adds its warps in warp order in double,
+// and column_partials_total_kernel (reduce.cu, the second pass of column_sums) adds the chunks
+// in order, so dscale is the same on every run.
 //
 // The token-side activations (q, k, v; dq, dk, dv) are f32 or bf16 (Backend::activation_dtype),
 // the heads f32 or bf16 (Backend::attention_heads_dtype), each side one type; statistics,
@@ -34,7 +37,7 @@ constexpr int kBackwardWarps = 16;
 constexpr int64_t kMaxChunks = 256;
 
 // Sum over the 32 lanes of a warp (xor butterfly: the same order on every run).
-__device__ inline double warp_sum(double v) {
+__device__ inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
@@ -112,7 +115,7 @@ struct ForwardArgs {
   MatOf<T> q, k, v;
   const float *q_scale, *k_scale, *pe;
   int64_t n, L, Ls, offset, D, segments;
-  double eps;
+  float eps;
   bool vec;
 };
 
@@ -121,19 +124,19 @@ struct ForwardArgs {
 template <int kPairs, typename T>
 __device__ inline void norm_rotate(const Heads& out, float* rstd, const MatOf<T>& x, const float* scale,
                                    const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane, int64_t D,
-                                   double eps, bool vec) {
+                                   float eps, bool vec) {
   float2 v[kPairs];
-  double sq = 0;
+  float sq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
     if (p < D / 2) {
       v[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), vec);
-      sq += static_cast<double>(v[j].x) * v[j].x + static_cast<double>(v[j].y) * v[j].y;
+      sq += v[j].x * v[j].x + v[j].y * v[j].y;
     }
   }
   sq = warp_sum(sq);
-  const float rs = static_cast<float>(1.0 / sqrt(sq / static_cast<double>(D) + eps));
+  const float rs = 1.0f / sqrtf(sq / static_cast<float>(D) + eps);
   if (rstd && lane == 0) rstd[seg] = rs;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
@@ -179,13 +182,13 @@ struct BackwardArgs {
 // unrotated values): with x̂ = x·rstd, dx = rstd·(g·scale − x̂·mean(g·scale·x̂)); acc (this
 // lane's dscale columns) += g·x̂.
 template <int kPairs, typename T>
-__device__ inline void norm_rotate_backward(const MatOf<T>& dx, double (&acc)[2 * kPairs], const Heads& dheads,
+__device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 * kPairs], const Heads& dheads,
                                             const MatOf<T>& x, const float* rstd, const float* scale,
                                             const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
                                             int64_t D, bool vec) {
-  const double rs = rstd[seg];
+  const float rs = rstd[seg];
   float2 g[kPairs], xv[kPairs];
-  double sgx = 0;
+  float sgx = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
@@ -194,25 +197,22 @@ __device__ inline void norm_rotate_backward(const MatOf<T>& dx, double (&acc)[2 
       const float c = cs[j].x, sn = cs[j].y;
       g[j] = make_float2(c * d.x + sn * d.y, c * d.y - sn * d.x);  // rotation by −θ: RoPE's backward
       xv[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), vec);
-      sgx += static_cast<double>(g[j].x) * scale[2 * p] * xv[j].x * rs +
-             static_cast<double>(g[j].y) * scale[2 * p + 1] * xv[j].y * rs;
+      sgx += g[j].x * scale[2 * p] * (xv[j].x * rs) + g[j].y * scale[2 * p + 1] * (xv[j].y * rs);
     }
   }
-  const double mean_gx = warp_sum(sgx) / static_cast<double>(D);
+  const float mean_gx = warp_sum(sgx) / static_cast<float>(D);
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
     if (p < D / 2) {
-      if (dx.p) {
-        const double g0 = static_cast<double>(g[j].x) * scale[2 * p];
-        const double g1 = static_cast<double>(g[j].y) * scale[2 * p + 1];
+      const float xhat0 = xv[j].x * rs, xhat1 = xv[j].y * rs;
+      if (dx.p)
         store_pair(&dx.at(s.token_row, s.col + 2 * p),
-                   make_float2(static_cast<float>(rs * (g0 - xv[j].x * rs * mean_gx)),
-                               static_cast<float>(rs * (g1 - xv[j].y * rs * mean_gx))),
+                   make_float2(rs * (g[j].x * scale[2 * p] - xhat0 * mean_gx),
+                               rs * (g[j].y * scale[2 * p + 1] - xhat1 * mean_gx)),
                    vec);
-      }
-      acc[2 * j] += static_cast<double>(g[j].x) * xv[j].x * rs;
-      acc[2 * j + 1] += static_cast<double>(g[j].y) * xv[j].y * rs;
+      acc[2 * j] += g[j].x * xhat0;
+      acc[2 * j + 1] += g[j].y * xhat1;
     }
   }
 }
@@ -220,7 +220,7 @@ __device__ inline void norm_rotate_backward(const MatOf<T>& dx, double (&acc)[2 
 // partial[c] = Σ over the block's warps, in warp order, of their column-c sums; 64 columns
 // (a pair per lane) at a time. Every thread of the block must call it.
 template <int kPairs>
-__device__ inline void store_chunk_partial(double (*tile)[64], const double (&acc)[2 * kPairs], double* partial,
+__device__ inline void store_chunk_partial(double (*tile)[64], const float (&acc)[2 * kPairs], double* partial,
                                            int64_t D) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -251,7 +251,7 @@ __device__ inline void backward_pass(const BackwardArgs<T>& a, const MatOf<T>& d
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * a.chunk;
   const int64_t end = begin + a.chunk < a.segments ? begin + a.chunk : a.segments;
-  double acc[2 * kPairs] = {};
+  float acc[2 * kPairs] = {};
   for (int64_t seg = begin + warp; seg < end; seg += kBackwardWarps) {
     const Segment s = segment(seg, a.n, a.L, a.Ls, a.offset, a.D);
     if (norm) {
@@ -334,7 +334,7 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
                      token_offset,
                      d.D,
                      segments,
-                     eps,
+                     static_cast<float>(eps),
                      pair_aligned({q_heads, k_heads, v_heads, q, k, v, pe})};
     switch (pairs) {
       case 1: qk_norm_rope_to_heads_kernel<1><<<blocks, kThreads, 0, stream_>>>(a); break;
