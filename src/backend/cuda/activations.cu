@@ -1,6 +1,7 @@
 // SiLU and tanh-GELU on the device, elementwise over [rows, cols] with any ld; f32 math with
-// the same formulas as the CPU backend (src/backend/cpu/activations.cpp), on f32 or bf16
-// activations (bf16: widened on load, rounded to nearest even on store).
+// the CPU backend's formulas (src/backend/cpu/activations.cpp; GELU through the logistic form
+// of tanh, pointwise.cuh), on f32 or bf16 activations (bf16: widened on load, rounded to
+// nearest even on store).
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/pointwise.cuh"
 
@@ -13,10 +14,6 @@ __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ inline float silu_grad(float x) {
   const float s = sigmoid(x);
   return s * (1.0f + x * (1.0f - s));
-}
-__device__ inline float gelu_grad(float x) {
-  const float th = tanhf(kGeluC * (x + kGeluA * x * x * x));
-  return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * kGeluC * (1.0f + 3.0f * kGeluA * x * x);
 }
 
 // out = f(x), or out (+)= dy ⊙ f'(x) when dy is given; every tensor of element type T (f32 or

@@ -251,6 +251,55 @@ void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V 
   column_partials_total(be, groups, cols, chunks, partial, out, out_ld, accumulate);
 }
 
+// column_sums over rows of whole 4-column groups (cols a multiple of 4): value4(g, r, c) gives
+// the float4 of columns c..c+3 (c a multiple of 4), so a warp moves 128 columns per row in one
+// vector access a thread, where column_sums' warp of 32 scalar columns took four times the
+// instructions and kept too few loads in flight (Nsight Compute on gated_residual_backward: SM
+// 27%, DRAM 33%). Same chunks and the same order of sums as column_sums.
+template <typename V>
+__global__ void column_partials4_kernel(int64_t rows, int64_t cols, int64_t chunks, int64_t chunk_rows, V value4,
+                                        double* partial) {
+  __shared__ float4 sh[8][32];
+  const int64_t g = blockIdx.z, chunk = blockIdx.y;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * 4;
+  const int64_t begin = chunk * chunk_rows, end = begin + chunk_rows < rows ? begin + chunk_rows : rows;
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t r = begin + threadIdx.y; r < end; r += 8) {
+      const float4 v = value4(g, r, c);
+      s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+    }
+  }
+  sh[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y < 4 && c < cols) {  // thread row e adds column c + e over the 8 thread rows
+    const int e = threadIdx.y;
+    double t = 0;
+    for (int k = 0; k < 8; ++k) {
+      const float4 v = sh[k][threadIdx.x];
+      t += e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+    }
+    partial[(g * chunks + chunk) * cols + c + e] = t;
+  }
+}
+
+template <typename V, typename T>
+void column_sums4(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value4, T* out, int64_t out_ld,
+                  bool accumulate) {
+  if (groups == 0 || cols == 0) return;
+  if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
+  int64_t chunk_rows = kColumnChunk;
+  if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
+  const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
+  auto* partial = static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
+  const dim3 grid(static_cast<unsigned>((cols / 4 + 31) / 32), static_cast<unsigned>(chunks),
+                  static_cast<unsigned>(groups));
+  column_partials4_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, chunks, chunk_rows, value4, partial);
+  FLUX8_LAUNCH_CHECK(column_partials4_kernel);
+  column_partials_total(be, groups, cols, chunks, partial, out, out_ld, accumulate);
+}
+
 // f(r, c) for every element of a rows x cols matrix: threads along the columns (coalesced),
 // blocks along the rows. Unlike for_each over r·cols + c, no thread divides a 64-bit index
 // (which cost the layout and elementwise kernels more than their memory traffic).

@@ -102,13 +102,24 @@ struct Source {
   MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens
   int64_t tokens;
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
-  // The op applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
+  // The op kOp applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
+  template <Backend::CastInput::Op kOp>
+  __device__ float apply_op(float v, int64_t r, int64_t b, int64_t c) const {
+    if constexpr (kOp == Backend::CastInput::Op::gelu_tanh) {
+      return as_stored<T>(gelu_value(v));
+    } else if constexpr (kOp == Backend::CastInput::Op::layernorm_modulate) {
+      return as_stored<T>(
+          layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
+    } else {
+      return v;
+    }
+  }
+  // The same with the op known only at run time.
   __device__ float apply(float v, int64_t r, int64_t b, int64_t c) const {
     switch (op) {
-      case Backend::CastInput::Op::gelu_tanh: return as_stored<T>(gelu_value(v));
+      case Backend::CastInput::Op::gelu_tanh: return apply_op<Backend::CastInput::Op::gelu_tanh>(v, r, b, c);
       case Backend::CastInput::Op::layernorm_modulate:
-        return as_stored<T>(
-            layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
+        return apply_op<Backend::CastInput::Op::layernorm_modulate>(v, r, b, c);
       default: return v;
     }
   }
@@ -163,7 +174,19 @@ __device__ inline uint32_t encode_pair(float v0, float v1, float s, Fp8Format f)
   return lo | (hi << 8);
 }
 
+// encode_pair for values and a scale known not to be NaN: the conversion alone.
+__device__ inline uint32_t encode_pair_finite(float v0, float v1, float s, Fp8Format f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return __nv_cvt_float2_to_fp8x2(make_float2(v0 * s, v1 * s), __NV_SATFINITE,
+                                  f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+#else
+  return fp8_encode(v0 * s, f) | (static_cast<uint32_t>(fp8_encode(v1 * s, f)) << 8);
+#endif
+}
+
 // Amaxes here are >= +0 and never NaN (amax_accumulate drops NaN): fmaxf is exact.
+__device__ inline uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
 __device__ inline float warp_amax(float a) {
   for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(kFull, a, o));
   return a;
@@ -403,7 +426,15 @@ struct Quad<__nv_bfloat16> {
 // stats). Without them the kernel keeps only the amax, a third fewer instructions per element:
 // it is bound by instruction issue (see the rows-ahead comment below), and training asks for
 // the counts only on the steps that report them (fp8_stats_interval).
-template <typename T, bool kCount>
+//
+// kOp: the element-wise op of a fused cast (Source::op, fixed per instantiation so an identity
+// cast carries none of the ops' code or registers). A full quad of non-NaN values (the rule in
+// training) takes the short path: its amax as the integer max of the |v| bit patterns (for
+// non-negative floats and +inf the same order as the floats'; a NaN, above +inf, sends the quad
+// to the element-wise path, which drops it from the amax as amax_accumulate does) and the bare
+// conversion instruction, without the NaN fix-ups of encode_pair. Nsight Compute had counted ~79
+// instructions issued per element with the op dispatch and the per-element checks inline.
+template <typename T, bool kCount, Backend::CastInput::Op kOp>
 __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<T> a) {
   // The tile's codes, 4 columns per word; word g of row i sits at column g ^ swizzle(i), so that
   // both the row pass (a warp writes one row's 32 words) and the column pass (a warp reads
@@ -419,12 +450,12 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
     if (a.col.codes) a.col.scale_inv[0] = scale_inverse(s);
   }
   [[maybe_unused]] const float bound = fp8_saturation_bound(a.format);
-  const bool layernorm = a.x.op == Backend::CastInput::Op::layernorm_modulate;
+  const bool scale_ok = !f32_is_nan(s);
   const int j0 = 4 * lane;  // this thread's 4 columns of the tile
   const int nj = nc - j0 < 4 ? (nc - j0 > 0 ? nc - j0 : 0) : 4;
   const bool row_words = a.cols % 4 == 0;  // rowwise codes of 4 columns are one aligned word
 
-  float amax = 0.0f;
+  uint32_t amax_bits = 0;  // the amax's bit pattern (of a non-negative, non-NaN float)
   uint32_t nonzero = 0, saturated = 0, flushed = 0;
   // Column sums of the thread's ≤ 16 rows of the tile in f32 (a double add per element cost a
   // conversion each, at a quarter of the f32 issue rate); the tile's warps add in double.
@@ -437,13 +468,18 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
   // the step): the kernel is bound by instruction issue, not by loads in flight (Nsight
   // Compute, bf16 x: SM 71%, DRAM 11%, 9.7 cycles per issued instruction).
   constexpr int kAhead = 4;
+  // The thread's columns in the tile's first row, of x and of the rowwise copy: a row further
+  // is one multiply-add (the 64-bit index arithmetic per row was a fifth of the loop).
+  const T* const x_tile = a.x.x + r0 * a.x.ld + c0 + j0;
+  uint8_t* const row_tile = a.row.codes ? a.row.codes + r0 * a.cols + c0 + j0 : nullptr;
+  const bool row_word = row_tile && nj == 4 && row_words;
   for (int i0 = warp; i0 < nr; i0 += kWarps * kAhead) {
     Quad<T> quad[kAhead];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int i = i0 + u * kWarps;
       if (i >= nr) continue;
-      quad[u].load(a.x.x + (r0 + i) * a.x.ld + c0 + j0, nj, a.x_vec4);
+      quad[u].load(x_tile + i * a.x.ld, nj, a.x_vec4);
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
@@ -452,35 +488,47 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
       float v[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) v[k] = quad[u][k];
-      const int64_t r = r0 + i, b = layernorm ? a.x.per_sample.divide(static_cast<uint32_t>(r)) : 0;
-      if (a.x.op != Backend::CastInput::Op::identity)
+      const int64_t r = r0 + i;
+      if constexpr (kOp != Backend::CastInput::Op::identity) {
+        const int64_t b =
+            kOp == Backend::CastInput::Op::layernorm_modulate ? a.x.per_sample.divide(static_cast<uint32_t>(r)) : 0;
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          if (k < nj) v[k] = a.x.apply(v[k], r, b, c0 + j0 + k);
-      const uint32_t word = encode_pair(v[0], v[1], s, a.format) | (encode_pair(v[2], v[3], s, a.format) << 16);
+          if (k < nj) v[k] = a.x.template apply_op<kOp>(v[k], r, b, c0 + j0 + k);
+      }
+      const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
+                              umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
+      uint32_t word;
+      if (!kCount && nj == 4 && scale_ok && m <= 0x7F800000u) {
+        word = encode_pair_finite(v[0], v[1], s, a.format) | (encode_pair_finite(v[2], v[3], s, a.format) << 16);
+        amax_bits = umax(amax_bits, m);
+        if (a.column_partials)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (k >= nj) break;
-        const float x = v[k];
-        amax = amax_accumulate(amax, x);
-        if constexpr (kCount) {
+          for (int k = 0; k < 4; ++k) cs[k] += v[k];
+      } else {
+        word = encode_pair(v[0], v[1], s, a.format) | (encode_pair(v[2], v[3], s, a.format) << 16);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (k >= nj) break;
+          const float x = v[k];
+          if (!f32_is_nan(x)) amax_bits = umax(amax_bits, f32_bits(x) & 0x7FFFFFFFu);
+          if constexpr (kCount) {
           if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
             ++nonzero;
             if (f32_abs(x * s) > bound)
               ++saturated;
-            else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
-              ++flushed;
+              else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
+                ++flushed;
+            }
           }
+          if (a.column_partials) cs[k] += x;
         }
-        if (a.column_partials) cs[k] += x;
       }
       codes[i][lane ^ swizzle(i)] = word;
-      if (a.row.codes && nj > 0) {
-        uint8_t* dst = a.row.codes + r * a.cols + c0 + j0;
-        if (nj == 4 && row_words)
-          *reinterpret_cast<uint32_t*>(dst) = word;
-        else
-          for (int k = 0; k < nj; ++k) dst[k] = static_cast<uint8_t>(word >> (8 * k));
+      if (row_word) {
+        *reinterpret_cast<uint32_t*>(row_tile + i * a.cols) = word;
+      } else if (row_tile) {
+        for (int k = 0; k < nj; ++k) row_tile[i * a.cols + k] = static_cast<uint8_t>(word >> (8 * k));
       }
     }
   }
@@ -523,7 +571,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
     a.column_partials[ty * a.cols + c0 + threadIdx.x] = t;
   }
 
-  if (a.partials) write_tile_partial(a, amax, nonzero, saturated, flushed);
+  if (a.partials) write_tile_partial(a, f32_from_bits(amax_bits), nonzero, saturated, flushed);
 }
 
 // One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree)
@@ -636,6 +684,27 @@ __global__ void __launch_bounds__(kCastThreads) current_scale_kernel(const float
     for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sh[w]);
     *scale = current_scale(m, fp8_max(f), pow2);
   }
+}
+
+// cast_per_tensor_kernel for the source's op, with or without the telemetry counts.
+template <typename T>
+void launch_per_tensor(const CastArgs<T>& a, bool count, int64_t tiles, cudaStream_t stream) {
+  using Op = Backend::CastInput::Op;
+  const auto launch = [&]<bool kCount, Op kOp>() {
+    cast_per_tensor_kernel<T, kCount, kOp><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream>>>(a);
+    FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
+  };
+  const auto with_op = [&]<bool kCount>() {
+    switch (a.x.op) {
+      case Op::identity: launch.template operator()<kCount, Op::identity>(); break;
+      case Op::gelu_tanh: launch.template operator()<kCount, Op::gelu_tanh>(); break;
+      case Op::layernorm_modulate: launch.template operator()<kCount, Op::layernorm_modulate>(); break;
+    }
+  };
+  if (count)
+    with_op.template operator()<true>();
+  else
+    with_op.template operator()<false>();
 }
 
 template <Fp8Scaling S, typename T>
@@ -803,11 +872,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
     switch (q.scaling) {
       case Fp8Scaling::per_tensor:
-        if (q.stats)
-          cast_per_tensor_kernel<T, true><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream()>>>(a);
-        else
-          cast_per_tensor_kernel<T, false><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream()>>>(a);
-        FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
+        launch_per_tensor(a, q.stats != nullptr, tiles, stream());
         break;
       case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
       case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;

@@ -140,6 +140,21 @@ void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tens
     // One pass: the column-sum walk over (sample, row, column) also writes dy, so dx is read
     // once (column_sums visits every element exactly once).
     const MatOf<T> Y = mat_of<T>(y);
+    if (vec4_rows(DX) && vec4_rows(Y) && (!DY.p || (vec4_rows(DY) && vec4_rows(G)))) {
+      column_sums4(
+          be, B, L, H,
+          [=] __device__(int64_t b, int64_t l, int64_t j) {
+            const int64_t r = b * L + l;
+            const float4 d = load4(&DX.at(r, j)), yv = load4(&Y.at(r, j));
+            if (DY.p) {
+              const float4 g = load4(&G.at(b, j));
+              store4(&DY.at(r, j), make_float4(g.x * d.x, g.y * d.y, g.z * d.z, g.w * d.w));
+            }
+            return make_float4(d.x * yv.x, d.y * yv.y, d.z * yv.z, d.w * yv.w);
+          },
+          dgate.ptr<T>(), dgate.ld, false);
+      return;
+    }
     column_sums(
         be, B, L, H,
         [=] __device__(int64_t b, int64_t l, int64_t j) {

@@ -87,13 +87,25 @@ struct Heads {
 Heads heads_of(const Tensor& t) { return Heads{t.data, t.ld, t.dtype == DType::bf16}; }
 
 // Segment s = r·n + h (the order of rmsnorm_heads' statistics): token row r = b·Ls + l, its
-// columns h·D.., head row (b·n + h)·L + offset + l and table row b·L + offset + l.
+// columns h·D.., head row (b·n + h)·L + offset + l and table row b·L + offset + l. The two
+// divisions are multiply-highs (FastDivisor; segments < 2^31, checked at launch): as 64-bit
+// divisions they took more instructions than the segment's D/32 elements a lane.
 struct Segment {
   int64_t token_row, col, head_row, pe_row;
 };
-__device__ inline Segment segment(int64_t s, int64_t n, int64_t L, int64_t Ls, int64_t offset, int64_t D) {
-  const int64_t r = s / n, h = s - r * n, b = r / Ls, l = r - b * Ls;
+struct SegmentDivisors {
+  FastDivisor heads, tokens;  // n, Ls
+};
+__device__ inline Segment segment(int64_t s, const SegmentDivisors& div, int64_t n, int64_t L, int64_t Ls,
+                                  int64_t offset, int64_t D) {
+  const int64_t r = div.heads.divide(static_cast<uint32_t>(s)), h = s - r * n;
+  const int64_t b = div.tokens.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
   return {r, h * D, (b * n + h) * L + offset + l, b * L + offset + l};
+}
+SegmentDivisors segment_divisors(std::string_view op, int64_t segments, int64_t n, int64_t Ls) {
+  if (segments >= (int64_t(1) << 31))
+    fail("{}: {} (token, head) segments: beyond the 2^31 one launch indexes", op, segments);
+  return {FastDivisor(static_cast<uint32_t>(n)), FastDivisor(static_cast<uint32_t>(Ls))};
 }
 
 // The segment's (cos, sin) per pair the lane holds.
@@ -114,6 +126,7 @@ struct ForwardArgs {
   float *q_rstd, *k_rstd;  // null: not saved
   MatOf<T> q, k, v;
   const float *q_scale, *k_scale, *pe;
+  SegmentDivisors div;
   int64_t n, L, Ls, offset, D, segments;
   float eps;
   bool vec;
@@ -154,7 +167,7 @@ __global__ void qk_norm_rope_to_heads_kernel(ForwardArgs<T> a) {
   const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (seg >= a.segments) return;  // whole warps leave together (the grid is warp-aligned)
-  const Segment s = segment(seg, a.n, a.L, a.Ls, a.offset, a.D);
+  const Segment s = segment(seg, a.div, a.n, a.L, a.Ls, a.offset, a.D);
   float2 cs[kPairs];
   load_table(cs, a.pe, s, a.D, lane, a.vec);
   norm_rotate(a.q_heads, a.q_rstd, a.q, a.q_scale, cs, s, seg, lane, a.D, a.eps, a.vec);
@@ -174,6 +187,7 @@ struct BackwardArgs {
   MatOf<T> q, k;
   const float *q_rstd, *k_rstd, *q_scale, *k_scale, *pe;
   double *q_partial, *k_partial;  // [chunks, D] dscale partials, or null: not wanted
+  SegmentDivisors div;
   int64_t n, L, Ls, offset, D, segments, chunk;
   bool vec;
 };
@@ -253,7 +267,7 @@ __device__ inline void backward_pass(const BackwardArgs<T>& a, const MatOf<T>& d
   const int64_t end = begin + a.chunk < a.segments ? begin + a.chunk : a.segments;
   float acc[2 * kPairs] = {};
   for (int64_t seg = begin + warp; seg < end; seg += kBackwardWarps) {
-    const Segment s = segment(seg, a.n, a.L, a.Ls, a.offset, a.D);
+    const Segment s = segment(seg, a.div, a.n, a.L, a.Ls, a.offset, a.D);
     if (norm) {
       float2 cs[kPairs];
       load_table(cs, a.pe, s, a.D, lane, a.vec);
@@ -328,6 +342,7 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
                      q_scale.ptr<float>(),
                      k_scale.ptr<float>(),
                      pe.ptr<float>(),
+                     segment_divisors(op, segments, d.n, d.Ls),
                      d.n,
                      d.L,
                      d.Ls,
@@ -398,6 +413,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
                       pe.ptr<float>(),
                       q_partial,
                       k_partial,
+                      segment_divisors(op, segments, d.n, d.Ls),
                       d.n,
                       d.L,
                       d.Ls,
