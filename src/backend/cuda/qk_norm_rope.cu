@@ -15,10 +15,11 @@
 // in order, so dscale is the same on every run.
 //
 // The token-side activations (q, k, v; dq, dk, dv) are f32 or bf16 (Backend::activation_dtype),
-// the heads f32 or bf16 (Backend::attention_heads_dtype), each side one type; statistics,
-// scales, dscale and the table stay f32. Only the loads and stores depend on the types: values
-// widen to f32 as loaded, the arithmetic is the f32 path's, and each stored value is rounded
-// once to nearest even (the normalised, unrotated values in between are never stored).
+// the heads f32 or bf16 (Backend::attention_heads_dtype), each side one type and a template
+// parameter of the kernels; statistics, scales, dscale and the table stay f32. Only the loads
+// and stores depend on the types: values widen to f32 as loaded, the arithmetic is the f32
+// path's, and each stored value is rounded once to nearest even (the normalised, unrotated
+// values in between are never stored).
 #include <cstdint>
 #include <type_traits>
 
@@ -69,22 +70,22 @@ __device__ inline void store_pair(__nv_bfloat16* p, float2 v, bool vec) {
   }
 }
 
-// The joint head-major tensors, f32 or bf16 (Backend::attention_heads_dtype: what cuDNN
-// reads): pairs are computed in f32 and rounded to nearest even when stored as bf16.
+// The joint head-major tensors, of element type H: f32 or bf16 (Backend::attention_heads_dtype:
+// what cuDNN reads), a template parameter (a run-time flag put both paths' code into every
+// load and store): pairs are computed in f32 and rounded to nearest even when stored as bf16.
+template <typename H>
 struct Heads {
-  void* p;
+  H* p;
   int64_t ld;
-  bool bf16;
-  __device__ float2 load2(int64_t row, int64_t col, bool vec) const {
-    if (!bf16) return load_pair(static_cast<const float*>(p) + row * ld + col, vec);
-    return load_pair(static_cast<const __nv_bfloat16*>(p) + row * ld + col, vec);
-  }
+  __device__ float2 load2(int64_t row, int64_t col, bool vec) const { return load_pair(p + row * ld + col, vec); }
   __device__ void store2(int64_t row, int64_t col, float2 v, bool vec) const {
-    if (!bf16) return store_pair(static_cast<float*>(p) + row * ld + col, v, vec);
-    store_pair(static_cast<__nv_bfloat16*>(p) + row * ld + col, v, vec);
+    store_pair(p + row * ld + col, v, vec);
   }
 };
-Heads heads_of(const Tensor& t) { return Heads{t.data, t.ld, t.dtype == DType::bf16}; }
+template <typename H>
+Heads<H> heads_of(const Tensor& t) {
+  return Heads<H>{static_cast<H*>(t.data), t.ld};
+}
 
 // Segment s = r·n + h (the order of rmsnorm_heads' statistics): token row r = b·Ls + l, its
 // columns h·D.., head row (b·n + h)·L + offset + l and table row b·L + offset + l. The two
@@ -119,25 +120,25 @@ __device__ inline void load_table(float2 (&cs)[kPairs], const float* pe, const S
   }
 }
 
-// T: the token-side activations' storage type (float or __nv_bfloat16).
-template <typename T>
+// T: the token-side activations' storage type, H: the heads' (float or __nv_bfloat16 each).
+template <typename T, typename H>
 struct ForwardArgs {
-  Heads q_heads, k_heads, v_heads;
+  Heads<H> q_heads, k_heads, v_heads;
   float *q_rstd, *k_rstd;  // null: not saved
   MatOf<T> q, k, v;
   const float *q_scale, *k_scale, *pe;
   SegmentDivisors div;
   int64_t n, L, Ls, offset, D, segments;
-  float eps;
+  float eps, inv_D;
   bool vec;
 };
 
 // out = rope(x / √(mean(x²) + eps) · scale) for one segment: the value rmsnorm_heads stores,
 // then rope's rotation of it.
-template <int kPairs, typename T>
-__device__ inline void norm_rotate(const Heads& out, float* rstd, const MatOf<T>& x, const float* scale,
+template <int kPairs, typename T, typename H>
+__device__ inline void norm_rotate(const Heads<H>& out, float* rstd, const MatOf<T>& x, const float* scale,
                                    const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane, int64_t D,
-                                   float eps, bool vec) {
+                                   float eps, float inv_D, bool vec) {
   float2 v[kPairs];
   float sq = 0.0f;
 #pragma unroll
@@ -149,7 +150,7 @@ __device__ inline void norm_rotate(const Heads& out, float* rstd, const MatOf<T>
     }
   }
   sq = warp_sum(sq);
-  const float rs = 1.0f / sqrtf(sq / static_cast<float>(D) + eps);
+  const float rs = 1.0f / sqrtf(sq * inv_D + eps);  // × 1/D: a division took a dozen instructions
   if (rstd && lane == 0) rstd[seg] = rs;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
@@ -162,16 +163,16 @@ __device__ inline void norm_rotate(const Heads& out, float* rstd, const MatOf<T>
   }
 }
 
-template <int kPairs, typename T>
-__global__ void qk_norm_rope_to_heads_kernel(ForwardArgs<T> a) {
+template <int kPairs, typename T, typename H>
+__global__ void qk_norm_rope_to_heads_kernel(ForwardArgs<T, H> a) {
   const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (seg >= a.segments) return;  // whole warps leave together (the grid is warp-aligned)
   const Segment s = segment(seg, a.div, a.n, a.L, a.Ls, a.offset, a.D);
   float2 cs[kPairs];
   load_table(cs, a.pe, s, a.D, lane, a.vec);
-  norm_rotate(a.q_heads, a.q_rstd, a.q, a.q_scale, cs, s, seg, lane, a.D, a.eps, a.vec);
-  norm_rotate(a.k_heads, a.k_rstd, a.k, a.k_scale, cs, s, seg, lane, a.D, a.eps, a.vec);
+  norm_rotate(a.q_heads, a.q_rstd, a.q, a.q_scale, cs, s, seg, lane, a.D, a.eps, a.inv_D, a.vec);
+  norm_rotate(a.k_heads, a.k_rstd, a.k, a.k_scale, cs, s, seg, lane, a.D, a.eps, a.inv_D, a.vec);
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
@@ -180,26 +181,27 @@ __global__ void qk_norm_rope_to_heads_kernel(ForwardArgs<T> a) {
   }
 }
 
-template <typename T>
+template <typename T, typename H>
 struct BackwardArgs {
   MatOf<T> dq, dk, dv;  // null (p == nullptr): not wanted
-  Heads dq_heads, dk_heads, dv_heads;
+  Heads<H> dq_heads, dk_heads, dv_heads;
   MatOf<T> q, k;
   const float *q_rstd, *k_rstd, *q_scale, *k_scale, *pe;
   double *q_partial, *k_partial;  // [chunks, D] dscale partials, or null: not wanted
   SegmentDivisors div;
   int64_t n, L, Ls, offset, D, segments, chunk;
+  float inv_D;
   bool vec;
 };
 
 // One segment of rmsnorm_heads_backward on g = rope⁻¹(dheads) (the gradient of the normalised,
 // unrotated values): with x̂ = x·rstd, dx = rstd·(g·scale − x̂·mean(g·scale·x̂)); acc (this
 // lane's dscale columns) += g·x̂.
-template <int kPairs, typename T>
-__device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 * kPairs], const Heads& dheads,
+template <int kPairs, typename T, typename H>
+__device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 * kPairs], const Heads<H>& dheads,
                                             const MatOf<T>& x, const float* rstd, const float* scale,
                                             const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
-                                            int64_t D, bool vec) {
+                                            int64_t D, float inv_D, bool vec) {
   const float rs = rstd[seg];
   float2 g[kPairs], xv[kPairs];
   float sgx = 0.0f;
@@ -214,7 +216,7 @@ __device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 *
       sgx += g[j].x * scale[2 * p] * (xv[j].x * rs) + g[j].y * scale[2 * p + 1] * (xv[j].y * rs);
     }
   }
-  const float mean_gx = warp_sum(sgx) / static_cast<float>(D);
+  const float mean_gx = warp_sum(sgx) * inv_D;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
@@ -256,8 +258,8 @@ __device__ inline void store_chunk_partial(double (*tile)[64], const float (&acc
 // One of the two passes of the backward kernel over the block's chunk: q's (with dv's copy)
 // or k's. Two passes instead of one keep one set of dscale accumulators live at a time (the
 // single pass spilled registers at D = 128); each element is still read once.
-template <int kPairs, typename T>
-__device__ inline void backward_pass(const BackwardArgs<T>& a, const MatOf<T>& dx, const Heads& dheads,
+template <int kPairs, typename T, typename H>
+__device__ inline void backward_pass(const BackwardArgs<T, H>& a, const MatOf<T>& dx, const Heads<H>& dheads,
                                      const MatOf<T>& x, const float* rstd, const float* scale, double* partial,
                                      bool copy_v, double (*tile)[64]) {
   const bool norm = dx.p || partial;
@@ -271,7 +273,7 @@ __device__ inline void backward_pass(const BackwardArgs<T>& a, const MatOf<T>& d
     if (norm) {
       float2 cs[kPairs];
       load_table(cs, a.pe, s, a.D, lane, a.vec);
-      norm_rotate_backward(dx, acc, dheads, x, rstd, scale, cs, s, seg, lane, a.D, a.vec);
+      norm_rotate_backward(dx, acc, dheads, x, rstd, scale, cs, s, seg, lane, a.D, a.inv_D, a.vec);
     }
     if (copy_v) {
 #pragma unroll
@@ -287,9 +289,9 @@ __device__ inline void backward_pass(const BackwardArgs<T>& a, const MatOf<T>& d
 
 // Two blocks per SM (≤ 64 registers a thread) up to D = 128: the grid is about two blocks per SM
 // at Flux sizes. Wider heads need more registers than that; they get one block per SM.
-template <int kPairs, typename T>
+template <int kPairs, typename T, typename H>
 __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
-    qk_norm_rope_to_heads_backward_kernel(BackwardArgs<T> a) {
+    qk_norm_rope_to_heads_backward_kernel(BackwardArgs<T, H> a) {
   __shared__ double tile[kBackwardWarps][64];
   backward_pass<kPairs>(a, a.dq, a.dq_heads, a.q, a.q_rstd, a.q_scale, a.q_partial, a.dv.p != nullptr, tile);
   backward_pass<kPairs>(a, a.dk, a.dk_heads, a.k, a.k_rstd, a.k_scale, a.k_partial, false, tile);
@@ -313,6 +315,18 @@ bool pair_aligned(std::initializer_list<Tensor> ts) {
   return true;
 }
 
+// f.template operator()<T, H>() for the token-side type T and the heads' type H.
+template <typename F>
+void with_types(bool tokens_bf16, bool heads_bf16, F&& f) {
+  if (tokens_bf16) {
+    if (heads_bf16) f.template operator()<__nv_bfloat16, __nv_bfloat16>();
+    else f.template operator()<__nv_bfloat16, float>();
+  } else {
+    if (heads_bf16) f.template operator()<float, __nv_bfloat16>();
+    else f.template operator()<float, float>();
+  }
+}
+
 }  // namespace
 
 void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd,
@@ -325,15 +339,15 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   // (token side) f32 or bf16, the heads f32 or bf16, the rest f32.
   const bool bf16 = activations_in_bf16(op, {{"q", q}, {"k", k}, {"v", v}});
   require_f32(op, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}, {"q_scale", q_scale}, {"k_scale", k_scale}, {"pe", pe}});
-  heads_in_bf16(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
+  const bool heads_bf16 = heads_in_bf16(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
   const int pairs = pairs_per_lane(op, d.D);
   const int64_t segments = d.B * d.Ls * d.n;
   if (segments == 0) return;
   const unsigned blocks = exact_blocks(segments * 32);
-  const auto launch = [&]<typename T>(std::type_identity<T>) {
-    ForwardArgs<T> a{heads_of(q_heads),
-                     heads_of(k_heads),
-                     heads_of(v_heads),
+  const auto launch = [&]<typename T, typename H>() {
+    ForwardArgs<T, H> a{heads_of<H>(q_heads),
+                     heads_of<H>(k_heads),
+                     heads_of<H>(v_heads),
                      q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
                      k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
                      mat_of<T>(q),
@@ -350,6 +364,7 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
                      d.D,
                      segments,
                      static_cast<float>(eps),
+                     1.0f / static_cast<float>(d.D),
                      pair_aligned({q_heads, k_heads, v_heads, q, k, v, pe})};
     switch (pairs) {
       case 1: qk_norm_rope_to_heads_kernel<1><<<blocks, kThreads, 0, stream_>>>(a); break;
@@ -359,10 +374,7 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
     }
     FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_kernel);
   };
-  if (bf16)
-    launch(std::type_identity<__nv_bfloat16>{});
-  else
-    launch(std::type_identity<float>{});
+  with_types(bf16, heads_bf16, launch);
 }
 
 void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
@@ -382,7 +394,8 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
                    {"q_scale", q_scale},
                    {"k_scale", k_scale},
                    {"pe", pe}});
-  heads_in_bf16(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
+  const bool heads_bf16 =
+      heads_in_bf16(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
   const int pairs = pairs_per_lane(op, d.D);
   const int64_t segments = d.B * d.Ls * d.n;
   if (segments == 0) return;
@@ -397,13 +410,13 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   double* const q_partial = dq_scale.defined() ? partial : nullptr;
   double* const k_partial = dk_scale.defined() ? partial + chunks * d.D : nullptr;
   const unsigned blocks = static_cast<unsigned>(chunks), threads = kBackwardWarps * 32;
-  const auto launch = [&]<typename T>(std::type_identity<T>) {
-    BackwardArgs<T> a{mat_of_or_null<T>(dq),
+  const auto launch = [&]<typename T, typename H>() {
+    BackwardArgs<T, H> a{mat_of_or_null<T>(dq),
                       mat_of_or_null<T>(dk),
                       mat_of_or_null<T>(dv),
-                      heads_of(dq_heads),
-                      heads_of(dk_heads),
-                      heads_of(dv_heads),
+                      heads_of<H>(dq_heads),
+                      heads_of<H>(dk_heads),
+                      heads_of<H>(dv_heads),
                       mat_of<T>(q),
                       mat_of<T>(k),
                       q_rstd.ptr<float>(),
@@ -421,6 +434,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
                       d.D,
                       segments,
                       chunk,
+                      1.0f / static_cast<float>(d.D),
                       pair_aligned({dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe})};
     switch (pairs) {
       case 1: qk_norm_rope_to_heads_backward_kernel<1><<<blocks, threads, 0, stream_>>>(a); break;
@@ -430,10 +444,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
     }
     FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
   };
-  if (bf16)
-    launch(std::type_identity<__nv_bfloat16>{});
-  else
-    launch(std::type_identity<float>{});
+  with_types(bf16, heads_bf16, launch);
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
   for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}})
     if (dscale.defined()) column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<float>(), d.D, true);
