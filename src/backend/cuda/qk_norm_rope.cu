@@ -255,27 +255,35 @@ __device__ inline void store_chunk_partial(double (*tile)[64], const float (&acc
   }
 }
 
-// One of the two passes of the backward kernel over the block's chunk: q's (with dv's copy)
-// or k's. Two passes instead of one keep one set of dscale accumulators live at a time (the
-// single pass spilled registers at D = 128); each element is still read once.
+// The backward kernel: a block per chunk of segments, its warps on segments begin + warp, +
+// kBackwardWarps, ...; per segment q's and k's backward (each where its dx or dscale is wanted,
+// both with the segment's RoPE table loaded once) and dv's copy. Each warp sums its dscale
+// columns in f32, the block adds its warps in double in warp order. (With double accumulators
+// q and k needed a pass each to stay within the registers; the f32 ones fit in one.)
+// Two blocks per SM (≤ 64 registers a thread) up to D = 128: the grid is about two blocks per SM
+// at Flux sizes. Wider heads need more registers than that; they get one block per SM.
 template <int kPairs, typename T, typename H>
-__device__ inline void backward_pass(const BackwardArgs<T, H>& a, const MatOf<T>& dx, const Heads<H>& dheads,
-                                     const MatOf<T>& x, const float* rstd, const float* scale, double* partial,
-                                     bool copy_v, double (*tile)[64]) {
-  const bool norm = dx.p || partial;
-  if (!norm && !copy_v) return;  // the same for the whole block
+__global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
+    qk_norm_rope_to_heads_backward_kernel(BackwardArgs<T, H> a) {
+  __shared__ double tile[kBackwardWarps][64];
+  const bool q_norm = a.dq.p || a.q_partial, k_norm = a.dk.p || a.k_partial;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * a.chunk;
   const int64_t end = begin + a.chunk < a.segments ? begin + a.chunk : a.segments;
-  float acc[2 * kPairs] = {};
+  float q_acc[2 * kPairs] = {}, k_acc[2 * kPairs] = {};
   for (int64_t seg = begin + warp; seg < end; seg += kBackwardWarps) {
     const Segment s = segment(seg, a.div, a.n, a.L, a.Ls, a.offset, a.D);
-    if (norm) {
+    if (q_norm || k_norm) {
       float2 cs[kPairs];
       load_table(cs, a.pe, s, a.D, lane, a.vec);
-      norm_rotate_backward(dx, acc, dheads, x, rstd, scale, cs, s, seg, lane, a.D, a.inv_D, a.vec);
+      if (q_norm)
+        norm_rotate_backward(a.dq, q_acc, a.dq_heads, a.q, a.q_rstd, a.q_scale, cs, s, seg, lane, a.D, a.inv_D,
+                             a.vec);
+      if (k_norm)
+        norm_rotate_backward(a.dk, k_acc, a.dk_heads, a.k, a.k_rstd, a.k_scale, cs, s, seg, lane, a.D, a.inv_D,
+                             a.vec);
     }
-    if (copy_v) {
+    if (a.dv.p) {
 #pragma unroll
       for (int j = 0; j < kPairs; ++j) {
         const int64_t p = lane + 32 * j;
@@ -284,17 +292,8 @@ __device__ inline void backward_pass(const BackwardArgs<T, H>& a, const MatOf<T>
       }
     }
   }
-  if (partial) store_chunk_partial<kPairs>(tile, acc, partial + blockIdx.x * a.D, a.D);
-}
-
-// Two blocks per SM (≤ 64 registers a thread) up to D = 128: the grid is about two blocks per SM
-// at Flux sizes. Wider heads need more registers than that; they get one block per SM.
-template <int kPairs, typename T, typename H>
-__global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
-    qk_norm_rope_to_heads_backward_kernel(BackwardArgs<T, H> a) {
-  __shared__ double tile[kBackwardWarps][64];
-  backward_pass<kPairs>(a, a.dq, a.dq_heads, a.q, a.q_rstd, a.q_scale, a.q_partial, a.dv.p != nullptr, tile);
-  backward_pass<kPairs>(a, a.dk, a.dk_heads, a.k, a.k_rstd, a.k_scale, a.k_partial, false, tile);
+  if (a.q_partial) store_chunk_partial<kPairs>(tile, q_acc, a.q_partial + blockIdx.x * a.D, a.D);
+  if (a.k_partial) store_chunk_partial<kPairs>(tile, k_acc, a.k_partial + blockIdx.x * a.D, a.D);
 }
 
 // Pairs per lane for head dim D: the smallest power of two with 32·kPairs ≥ D/2.
