@@ -235,20 +235,28 @@ class Backend {
   // per-tensor scaling both copies share one scale; 128x128 tiles transpose with their scales.
   virtual void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) = 0;
   // The input of a fused cast: the element-wise op that produces the tensor to cast, so the
-  // f32 tensor between the op and the cast is never stored. identity: x itself; gelu_tanh:
+  // tensor between the op and the cast is never stored. identity: x itself; gelu_tanh:
   // gelu_tanh(x); layernorm_modulate: layernorm_modulate's y from x [B, L, H], the mean and
-  // rstd it computed (with y undefined) and shift, scale [B, H].
+  // rstd it computed (with y undefined) and shift, scale [B, H]; gelu_tanh_backward:
+  // gelu_tanh_backward's dx from x = dy and gelu_x, the GELU's input (same shape).
   struct CastInput {
-    enum class Op : uint8_t { identity, gelu_tanh, layernorm_modulate };
+    enum class Op : uint8_t { identity, gelu_tanh, layernorm_modulate, gelu_tanh_backward };
     Op op = Op::identity;
     Tensor x;
     Tensor mean, rstd, shift, scale;  // layernorm_modulate only
     double eps = 0.0;                 // layernorm_modulate: the eps mean/rstd were made with
+    Tensor gelu_x;                    // gelu_tanh_backward only
 
     static CastInput gelu_tanh_of(Tensor x) {
       CastInput in;
       in.op = Op::gelu_tanh;
       in.x = x;
+      return in;
+    }
+    static CastInput gelu_tanh_backward_of(Tensor dy, Tensor gelu_x) {
+      CastInput in;
+      in.op = Op::gelu_tanh_backward;
+      in.x = dy, in.gelu_x = gelu_x;
       return in;
     }
     static CastInput layernorm_modulate_of(Tensor x, Tensor mean, Tensor rstd, Tensor shift, Tensor scale,

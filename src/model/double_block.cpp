@@ -177,8 +177,9 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   }
   site_backward(be, ctx.fp8, a, p.mlp_out, d_m, d_h, mlp_g, false);
   a.release_to(gelu_mark);
-  be.gelu_tanh_backward(d_m2, d_m, s.mlp_h);
-  site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, s.xm2, false);
+  // GELU's backward inside the casts of the MLP input's output gradient (FP8), or into d_m2.
+  site_backward_fused(be, ctx.fp8, a, p.mlp_in, d_h, Backend::CastInput::gelu_tanh_backward_of(d_m, s.mlp_h), d_m2,
+                      s.xm2, false);
   be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid,
                                  s.ln2_mean, s.ln2_rstd, chunk(s.mod, 4, H), true);
 

@@ -250,28 +250,64 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
   scratch.release_to(mark);
 }
 
+namespace {
+
+// The FP8 backward of a site whose output gradient is `dy` (the tensor, or the element-wise op
+// that makes it: Backend::quantize_fused): dy cast rowwise for the dgrad and columnwise for
+// the wgrad, the bias gradient summed in the same pass.
+void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite& site, Tensor dx,
+                       const Backend::CastInput& dy, const SavedLinearInput& saved, bool accumulate_dx) {
+  const int64_t N = dy.x.rows(), M = dy.x.cols();
+  const size_t mark = scratch.mark();
+  const Fp8Format f = fp8.format(Operand::grad_output);
+  const Fp8Scaling sc = fp8.scaling(Operand::grad_output);
+  const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
+  const QTensor dy_col = allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace);
+  Backend::Quantize q = fp8.quantize_args(site, Operand::grad_output);
+  q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
+  be.quantize_fused(dy_row, dy_col, dy, q);
+  if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
+  be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, true);                     // wgrad: dyᵀ·x
+  scratch.release_to(mark);
+}
+
+}  // namespace
+
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx) {
   if (!site.fp8 || !fp8) {
     be.linear_backward(dx, site.dw, site.db, dy, saved.full, site.w, accumulate_dx);
     return;
   }
-  const bool fp8_wgrad = fp8->config().wgrad;
+  if (fp8->config().wgrad) {
+    Backend::CastInput in;
+    in.x = dy;
+    site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, accumulate_dx);
+    return;
+  }
+  // FP8 dgrad, BF16 wgrad (fp8 wgrad off): dy cast rowwise only, the wgrad from dy itself.
   const int64_t N = dy.rows(), M = dy.cols();
   const size_t mark = scratch.mark();
-  const Fp8Format f = fp8->format(Operand::grad_output);
-  const Fp8Scaling sc = fp8->scaling(Operand::grad_output);
-  const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
-  const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
+  const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, fp8->format(Operand::grad_output),
+                                                         fp8->scaling(Operand::grad_output), SlotKind::workspace)
+                                      : QTensor{};
   Backend::Quantize q = fp8->quantize_args(site, Operand::grad_output);
   q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
-  be.quantize(dy_row, dy_col, dy, q);
+  be.quantize(dy_row, QTensor{}, dy, q);
   if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
-  if (fp8_wgrad)
-    be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, true);  // wgrad: dyᵀ·x
-  else
-    be.linear_backward(Tensor{}, site.dw, Tensor{}, dy, saved.full, site.w, false);
+  be.linear_backward(Tensor{}, site.dw, Tensor{}, dy, saved.full, site.w, false);
   scratch.release_to(mark);
+}
+
+void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
+                         const Backend::CastInput& dy, Tensor dy_buffer, const SavedLinearInput& saved,
+                         bool accumulate_dx) {
+  if (site.fp8 && fp8 && fp8->config().wgrad) {
+    site_backward_fp8(be, *fp8, scratch, site, dx, dy, saved, accumulate_dx);
+    return;
+  }
+  be.produce(dy_buffer, dy);  // a BF16 GEMM reads dy itself
+  site_backward(be, fp8, scratch, site, dx, dy_buffer, saved, accumulate_dx);
 }
 
 void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols) {

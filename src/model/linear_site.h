@@ -142,6 +142,12 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
 // dx (= or += when accumulate_dx; may be undefined), dw and db accumulated.
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx);
+// site_backward of an output gradient made by an element-wise op (`dy`: GELU's backward). With
+// FP8 dgrad and wgrad the op runs inside the casts of dy (Backend::quantize_fused) and dy is
+// never stored; otherwise the op writes dy_buffer (dy's shape) first.
+void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
+                         const Backend::CastInput& dy, Tensor dy_buffer, const SavedLinearInput& saved,
+                         bool accumulate_dx);
 // Scratch bytes site_forward/backward need at most for a `rows x max_cols` Linear.
 void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols);
 

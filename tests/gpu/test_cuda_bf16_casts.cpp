@@ -4,9 +4,9 @@
 // statistics and parameter gradients stay f32. So:
 // - quantize of a bf16 x must agree BIT FOR BIT with the CPU's quantize of the same values in
 //   f32: codes, scales, amax and CastStats, exactly as the f32 cast does (test_cuda_fp8.cpp).
-// - quantize_fused (GELU, LayerNorm + modulation) must give bit for bit what the GPU's own f32
-//   path gives for the same values. Not the CPU: it evaluates those ops with glibc's tanhf and
-//   without FMA contraction, some f32 ulps from the device, which moves an occasional code (and
+// - quantize_fused (GELU, its backward, LayerNorm + modulation) must give bit for bit what the
+//   GPU's own op followed by the cast gives for the same values. Not the CPU: it evaluates those
+//   ops with glibc's tanhf and without FMA contraction, some f32 ulps from the device, which moves an occasional code (and
 //   with current scaling the amax, hence every scale). The f32 fused path is tied to the GPU's
 //   op followed by the cast in test_cuda_fp8.cpp, and the op to the CPU in test_cuda_ops.cpp.
 // - qk_norm_rope_to_heads and its backward store the f32 path's results rounded once to
@@ -142,8 +142,10 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
   using Op = Backend::CastInput::Op;
   const int64_t B = 3, L = 43, H = 257;
   const double eps = 1e-6;
-  Bf16Pair x16({B, L, H}, 3), mod16({B, 2 * H}, 1), y16({B, L, H});
+  Bf16Pair x16({B, L, H}, 3), mod16({B, 2 * H}, 1), y16({B, L, H}), gx16({B, L, H}, 3);
   x16.randn(81, 2.0);
+  gx16.randn(83, 2.0);  // gelu_tanh_backward: x16 is dy, gx16 the GELU's input (rows of whole 8-byte
+                        // quads, read 4 at a time; test_cuda_fp8.cpp's f32 one is not aligned)
   x16.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
   x16.up();
   mod16.randn(82, 0.5);
@@ -159,17 +161,19 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
       in.mean = mean.dev, in.rstd = rstd.dev, in.eps = eps;
       in.shift = mod16.dev.cols_slice(0, H), in.scale = mod16.dev.cols_slice(H, H);
     }
+    if (op == Op::gelu_tanh_backward) in.gelu_x = gx16.dev;
     return in;
   };
   uint64_t seed = 400;
-  for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate})
+  for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
     for (const Recipe& recipe : kRecipes)
       for (const Fp8Format format : kFormats)
         for (const int copies : {1, 2, 3}) {
           const bool want_row = copies & 1, want_col = copies & 2;
-          const char* op_name = op == Op::identity    ? "identity"
-                                : op == Op::gelu_tanh ? "gelu_tanh"
-                                                      : "layernorm_modulate";
+          const char* op_name = op == Op::identity             ? "identity"
+                                : op == Op::gelu_tanh          ? "gelu_tanh"
+                                : op == Op::layernorm_modulate ? "layernorm_modulate"
+                                                               : "gelu_tanh_backward";
           SCOPED_TRACE(fmt::format("{} {} {} rowwise {} columnwise {}", op_name, recipe.name, fp8_format_name(format),
                                    want_row, want_col));
           QPair row16(B * L, H, format, recipe.scaling), col16(H, B * L, format, recipe.scaling);
@@ -237,6 +241,8 @@ TEST(CudaBf16Casts, CastsRejectMixedTypesByName) {
   Backend::Quantize with_sums = q;
   with_sums.column_sums = sums16.dev;
   refused(CastInput::gelu_tanh_of(x16.dev), with_sums, "column_sums");
+  Pair gx32({B, L, H});
+  refused(CastInput::gelu_tanh_backward_of(x16.dev, gx32.dev), q, "gelu_x");
   // The same arguments with the types right are taken.
   EXPECT_NO_THROW(gpu().quantize_fused(row.dev, QTensor{},
                                        CastInput::layernorm_modulate_of(x16.dev, mean.dev, rstd.dev,

@@ -91,8 +91,8 @@ INSTANTIATE_TEST_SUITE_P(AllRecipes, CudaQuantize,
                                   fp8_format_name(std::get<1>(info.param));
                          });
 
-// quantize_fused: the cast computes LayerNorm + modulation or GELU per element instead of
-// reading a stored f32 tensor. It must give exactly what the GPU's own op followed by quantize
+// quantize_fused: the cast computes LayerNorm + modulation, GELU or GELU's backward (dy·f'(x),
+// x a second strided input) per element instead of reading a stored f32 tensor. It must give exactly what the GPU's own op followed by quantize
 // gives (the op's values against the CPU's are the op tests' business), for every recipe, on
 // a strided input with partial tiles; LayerNorm's statistics-only pass must store the same
 // mean and rstd as the full op.
@@ -104,14 +104,19 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
   x.randn(61, 2.0), mod.randn(62, 0.5);
   x.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
   x.up();
-  Pair y({B, L, H});
-  for (const Op op : {Op::gelu_tanh, Op::layernorm_modulate})
+  Pair y({B, L, H}), gx({B, L, H}, 1);  // gelu_tanh_backward: x is dy, gx the GELU's input
+  gx.randn(63, 2.0);
+  for (const Op op : {Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
     for (const Recipe& recipe : kRecipes)
       for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
-        SCOPED_TRACE(fmt::format("{} {} {}", op == Op::gelu_tanh ? "gelu_tanh" : "layernorm_modulate", recipe.name,
-                                 fp8_format_name(format)));
+        SCOPED_TRACE(fmt::format("{} {} {}",
+                                 op == Op::gelu_tanh            ? "gelu_tanh"
+                                 : op == Op::layernorm_modulate ? "layernorm_modulate"
+                                                                : "gelu_tanh_backward",
+                                 recipe.name, fp8_format_name(format)));
         Backend::CastInput in = Backend::CastInput::gelu_tanh_of(x.dev);
         in.op = op;
+        in.gelu_x = gx.dev;
         if (op == Op::layernorm_modulate) {
           in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
           in.shift = mod.dev.cols_slice(0, H), in.scale = mod.dev.cols_slice(H, H);

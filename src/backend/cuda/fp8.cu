@@ -102,6 +102,8 @@ struct Source {
   MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens
   int64_t tokens;
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
+  const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
+  int64_t gelu_ld = 0;
   // The op kOp applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
   template <Backend::CastInput::Op kOp>
   __device__ float apply_op(float v, int64_t r, int64_t b, int64_t c) const {
@@ -110,6 +112,8 @@ struct Source {
     } else if constexpr (kOp == Backend::CastInput::Op::layernorm_modulate) {
       return as_stored<T>(
           layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
+    } else if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
+      return as_stored<T>(v * gelu_grad(widen(gelu_x[r * gelu_ld + c])));  // the op kernel's dy · f'(x)
     } else {
       return v;
     }
@@ -120,6 +124,8 @@ struct Source {
       case Backend::CastInput::Op::gelu_tanh: return apply_op<Backend::CastInput::Op::gelu_tanh>(v, r, b, c);
       case Backend::CastInput::Op::layernorm_modulate:
         return apply_op<Backend::CastInput::Op::layernorm_modulate>(v, r, b, c);
+      case Backend::CastInput::Op::gelu_tanh_backward:
+        return apply_op<Backend::CastInput::Op::gelu_tanh_backward>(v, r, b, c);
       default: return v;
     }
   }
@@ -143,6 +149,7 @@ struct CastArgs {
   StatsPartial* partials;    // [tiles], or null: no statistics wanted
   double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
   bool x_vec4;               // x and its ld allow loading 4 columns as one access (per-tensor kernel)
+  bool gelu_vec4;            // the same for the GELU input of gelu_tanh_backward
 };
 
 // The integer encoder's code for a NaN (fp8_encode of it): the format's NaN code with the NaN's
@@ -471,15 +478,22 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
   // The thread's columns in the tile's first row, of x and of the rowwise copy: a row further
   // is one multiply-add (the 64-bit index arithmetic per row was a fifth of the loop).
   const T* const x_tile = a.x.x + r0 * a.x.ld + c0 + j0;
+  [[maybe_unused]] const T* const gelu_tile =
+      kOp == Backend::CastInput::Op::gelu_tanh_backward ? a.x.gelu_x + r0 * a.x.gelu_ld + c0 + j0 : nullptr;
   uint8_t* const row_tile = a.row.codes ? a.row.codes + r0 * a.cols + c0 + j0 : nullptr;
   const bool row_word = row_tile && nj == 4 && row_words;
   for (int i0 = warp; i0 < nr; i0 += kWarps * kAhead) {
     Quad<T> quad[kAhead];
+    // gelu_tanh_backward: the GELU inputs of the same columns, loaded alongside (the op's
+    // element-wise apply_op would read them one at a time).
+    [[maybe_unused]] Quad<T> gelu_quad[kOp == Backend::CastInput::Op::gelu_tanh_backward ? kAhead : 1];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int i = i0 + u * kWarps;
       if (i >= nr) continue;
       quad[u].load(x_tile + i * a.x.ld, nj, a.x_vec4);
+      if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward)
+        gelu_quad[u].load(gelu_tile + i * a.x.gelu_ld, nj, a.gelu_vec4);
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
@@ -489,7 +503,11 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
 #pragma unroll
       for (int k = 0; k < 4; ++k) v[k] = quad[u][k];
       const int64_t r = r0 + i;
-      if constexpr (kOp != Backend::CastInput::Op::identity) {
+      if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)  // apply_op's value: dy · f'(x), rounded as stored
+          if (k < nj) v[k] = as_stored<T>(v[k] * gelu_grad(gelu_quad[u][k]));
+      } else if constexpr (kOp != Backend::CastInput::Op::identity) {
         const int64_t b =
             kOp == Backend::CastInput::Op::layernorm_modulate ? a.x.per_sample.divide(static_cast<uint32_t>(r)) : 0;
 #pragma unroll
@@ -699,6 +717,7 @@ void launch_per_tensor(const CastArgs<T>& a, bool count, int64_t tiles, cudaStre
       case Op::identity: launch.template operator()<kCount, Op::identity>(); break;
       case Op::gelu_tanh: launch.template operator()<kCount, Op::gelu_tanh>(); break;
       case Op::layernorm_modulate: launch.template operator()<kCount, Op::layernorm_modulate>(); break;
+      case Op::gelu_tanh_backward: launch.template operator()<kCount, Op::gelu_tanh_backward>(); break;
     }
   };
   if (count)
@@ -756,6 +775,10 @@ Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor pe
     s.tokens = tokens;
     s.per_sample = per_sample;
   }
+  if (in.op == Backend::CastInput::Op::gelu_tanh_backward) {
+    s.gelu_x = static_cast<const T*>(in.gelu_x.data);
+    s.gelu_ld = in.gelu_x.ld;
+  }
   return s;
 }
 
@@ -794,6 +817,10 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     const auto dims = ops::check_layernorm_modulate(op, Tensor{}, in.mean, in.rstd, x, in.shift, in.scale);
     tokens = dims.L > 0 ? dims.L : 1;
     per_sample = row_divisor(op, x.rows(), tokens);
+  } else if (in.op == Op::gelu_tanh_backward) {
+    ops::require_defined(op, {"gelu_x", in.gelu_x});
+    bf16 = activations_in_bf16(op, {{"x", x}, {"gelu_x", in.gelu_x}});
+    require_same_matrix(op, {"gelu_x", in.gelu_x}, {"x", x});
   } else {
     bf16 = activations_in_bf16(op, {{"x", x}});
   }
@@ -870,6 +897,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     a.column_partials = column_partials;
     // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
     a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
+    a.gelu_vec4 = src.gelu_x && vec4_aligned(src.gelu_x) && src.gelu_ld % 4 == 0;
     switch (q.scaling) {
       case Fp8Scaling::per_tensor:
         launch_per_tensor(a, q.stats != nullptr, tiles, stream());
