@@ -236,19 +236,31 @@ void column_partials_total(CudaBackend& be, int64_t groups, int64_t cols, int64_
   FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
 }
 
-template <typename V, typename T>
-void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value, T* out, int64_t out_ld,
-                 bool accumulate) {
-  if (groups == 0 || cols == 0) return;
+// The row chunks of column_sums (and column_sums4) for `rows` rows, and their partials'
+// scratch [groups, chunks, cols].
+struct ColumnChunks {
+  int64_t chunk_rows, chunks;
+  double* partial;
+};
+inline ColumnChunks column_chunks(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols) {
   if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
   int64_t chunk_rows = kColumnChunk;
   if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
   const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
   auto* partial = static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
-  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks), static_cast<unsigned>(groups));
-  column_partials_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, chunks, chunk_rows, value, partial);
+  return {chunk_rows, chunks, partial};
+}
+
+template <typename V, typename T>
+void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value, T* out, int64_t out_ld,
+                 bool accumulate) {
+  if (groups == 0 || cols == 0) return;
+  const ColumnChunks k = column_chunks(be, groups, rows, cols);
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(k.chunks),
+                  static_cast<unsigned>(groups));
+  column_partials_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, k.chunks, k.chunk_rows, value, k.partial);
   FLUX8_LAUNCH_CHECK(column_partials_kernel);
-  column_partials_total(be, groups, cols, chunks, partial, out, out_ld, accumulate);
+  column_partials_total(be, groups, cols, k.chunks, k.partial, out, out_ld, accumulate);
 }
 
 // column_sums over rows of whole 4-column groups (cols a multiple of 4): value4(g, r, c) gives
@@ -288,16 +300,13 @@ template <typename V, typename T>
 void column_sums4(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value4, T* out, int64_t out_ld,
                   bool accumulate) {
   if (groups == 0 || cols == 0) return;
-  if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
-  int64_t chunk_rows = kColumnChunk;
-  if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
-  const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
-  auto* partial = static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
-  const dim3 grid(static_cast<unsigned>((cols / 4 + 31) / 32), static_cast<unsigned>(chunks),
+  const ColumnChunks k = column_chunks(be, groups, rows, cols);
+  const dim3 grid(static_cast<unsigned>((cols / 4 + 31) / 32), static_cast<unsigned>(k.chunks),
                   static_cast<unsigned>(groups));
-  column_partials4_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, chunks, chunk_rows, value4, partial);
+  column_partials4_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, k.chunks, k.chunk_rows, value4,
+                                                                 k.partial);
   FLUX8_LAUNCH_CHECK(column_partials4_kernel);
-  column_partials_total(be, groups, cols, chunks, partial, out, out_ld, accumulate);
+  column_partials_total(be, groups, cols, k.chunks, k.partial, out, out_ld, accumulate);
 }
 
 // f(r, c) for every element of a rows x cols matrix: threads along the columns (coalesced),
