@@ -160,12 +160,13 @@ TEST(CudaBf16Ops, LayerNormModulate) {
   struct Case {
     int64_t L, H, pad;
   };
-  // The one-pass backward's variants: H = 203 or an odd stride: one column at a time (256 or
-  // 512 threads, 1 to 6 columns each); H a multiple of 4 with strides of multiples of 4: groups
-  // of 4 bf16 (128 threads up to 512 columns, 512 up to 2048, 768 for Flux's 3072, 512 x 2
-  // groups up to 4096); 4100: beyond 4096, the three-pass fallback. Rows per block (B·L/264,
-  // 1 to 32): B·L = 111 rows give 1 (37 chunks a sample), 900 give 3, 3000 give 11 (a partial
-  // chunk last), 1536 give 5 and 8700 the most, 32.
+  // The variants (with_row_variant in norms.cu): H = 203 or an odd stride: one column at a time
+  // (256 or 512 threads, 1 to 8 columns each); H a multiple of 4 with strides of multiples of
+  // 4: groups of 4 bf16 (128 threads up to 512 columns, then 256 threads of 1 to 4 groups:
+  // 3 for Flux's 3072); 4100: beyond 4096, the row-loop forward and three-pass backward. Rows
+  // per block of the backward (⌈B·L/264⌉, 1 to 32, taken two at a time): B·L = 111 rows give 1
+  // (37 chunks a sample, the one-row step alone), 900 give 4, 3000 give 12 (a partial chunk of
+  // 4 last), 1536 give 6 and 8700 the most, 32.
   for (const Case c : {Case{37, 203, 2}, Case{300, 200, 4}, Case{1000, 36, 3}, Case{2900, 200, 0},
                        Case{33, 1500, 0}, Case{33, 1500, 2}, Case{40, 3072, 4}, Case{512, 3072, 0},
                        Case{20, 3000, 1}, Case{9, 4000, 0}, Case{9, 4100, 2}}) {

@@ -162,9 +162,10 @@ TEST(CudaOps, Activations) {
 
 TEST(CudaOps, LayerNormModulate) {
   FLUX8_REQUIRE_GPU();
-  // L = 300: dshift/dscale sum 3 samples x 10 row chunks of the one-pass backward (several
-  // groups and chunks at once). H picks its variants: 203 (256 threads, 1 column each), 1500
-  // (512 threads x 3 of 4), 3072 (Flux: 512 x 6), 4100 (beyond 4096: the three-pass fallback).
+  // L = 300: dshift/dscale sum 3 samples x 75 row chunks (4 rows each) of the one-pass backward
+  // (several groups and chunks at once). The strides are not multiples of 4, so H picks the
+  // one-column variants: 203 (256 threads, 1 column each), 1500 (512 threads x 3 of 4), 3072
+  // (Flux: 512 x 6), 4100 (beyond 4096: the row-loop forward and three-pass backward).
   for (const auto [L, H] : {std::array<int64_t, 2>{37, 203}, {300, 203}, {33, 1500}, {40, 3072}, {9, 4100}}) {
     SCOPED_TRACE(::testing::Message() << "L=" << L << " H=" << H);
     const int64_t B = 3;
