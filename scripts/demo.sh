@@ -6,7 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLUX8_TESTS=OFF > /dev/null
+# Ninja for a new build/; an existing one keeps the generator it was configured with (CMake
+# refuses to switch it).
+gen=(-G Ninja); [ -f build/CMakeCache.txt ] && gen=()
+cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DFLUX8_TESTS=OFF > /dev/null
 cmake --build build -j "$jobs" --target flux8
 build/flux8 train -c configs/demo.yaml "$@"
 echo "sample grid: runs/demo/samples.png   metrics: runs/demo/metrics.jsonl   checkpoints: runs/demo/step-*"

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
+# Ninja for a new build/; an existing one keeps the generator it was configured with (CMake
+# refuses to switch it).
+gen=(-G Ninja); [ -f build/CMakeCache.txt ] && gen=()
+cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" "$@"
