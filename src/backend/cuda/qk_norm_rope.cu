@@ -94,20 +94,20 @@ Heads<H> heads_of(const Tensor& t) {
 struct Segment {
   int64_t token_row, col, head_row, pe_row;
 };
-struct SegmentDivisors {
+// What both directions know of the call's shape: heads n, joint length L, the stream's length
+// Ls at `offset`, head dim D (and 1/D: a multiply where a division took a dozen instructions),
+// and whether every row start is pair-aligned (`vec`).
+struct Geometry {
   FastDivisor heads, tokens;  // n, Ls
+  int64_t n, L, Ls, offset, D, segments;
+  float inv_D;
+  bool vec;
+  __device__ Segment segment(int64_t s) const {
+    const int64_t r = heads.divide(static_cast<uint32_t>(s)), h = s - r * n;
+    const int64_t b = tokens.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
+    return {r, h * D, (b * n + h) * L + offset + l, b * L + offset + l};
+  }
 };
-__device__ inline Segment segment(int64_t s, const SegmentDivisors& div, int64_t n, int64_t L, int64_t Ls,
-                                  int64_t offset, int64_t D) {
-  const int64_t r = div.heads.divide(static_cast<uint32_t>(s)), h = s - r * n;
-  const int64_t b = div.tokens.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
-  return {r, h * D, (b * n + h) * L + offset + l, b * L + offset + l};
-}
-SegmentDivisors segment_divisors(std::string_view op, int64_t segments, int64_t n, int64_t Ls) {
-  if (segments >= (int64_t(1) << 31))
-    fail("{}: {} (token, head) segments: beyond the 2^31 one launch indexes", op, segments);
-  return {FastDivisor(static_cast<uint32_t>(n)), FastDivisor(static_cast<uint32_t>(Ls))};
-}
 
 // The segment's (cos, sin) per pair the lane holds.
 template <int kPairs>
@@ -127,18 +127,18 @@ struct ForwardArgs {
   float *q_rstd, *k_rstd;  // null: not saved
   MatOf<T> q, k, v;
   const float *q_scale, *k_scale, *pe;
-  SegmentDivisors div;
-  int64_t n, L, Ls, offset, D, segments;
-  float eps, inv_D;
-  bool vec;
+  Geometry g;
+  float eps;
 };
 
 // out = rope(x / √(mean(x²) + eps) · scale) for one segment: the value rmsnorm_heads stores,
 // then rope's rotation of it.
 template <int kPairs, typename T, typename H>
 __device__ inline void norm_rotate(const Heads<H>& out, float* rstd, const MatOf<T>& x, const float* scale,
-                                   const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane, int64_t D,
-                                   float eps, float inv_D, bool vec) {
+                                   const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
+                                   const Geometry& geo, float eps) {
+  const int64_t D = geo.D;
+  const bool vec = geo.vec;
   float2 v[kPairs];
   float sq = 0.0f;
 #pragma unroll
@@ -150,7 +150,7 @@ __device__ inline void norm_rotate(const Heads<H>& out, float* rstd, const MatOf
     }
   }
   sq = warp_sum(sq);
-  const float rs = 1.0f / sqrtf(sq * inv_D + eps);  // × 1/D: a division took a dozen instructions
+  const float rs = 1.0f / sqrtf(sq * geo.inv_D + eps);
   if (rstd && lane == 0) rstd[seg] = rs;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
@@ -167,17 +167,17 @@ template <int kPairs, typename T, typename H>
 __global__ void qk_norm_rope_to_heads_kernel(ForwardArgs<T, H> a) {
   const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (seg >= a.segments) return;  // whole warps leave together (the grid is warp-aligned)
-  const Segment s = segment(seg, a.div, a.n, a.L, a.Ls, a.offset, a.D);
+  if (seg >= a.g.segments) return;  // whole warps leave together (the grid is warp-aligned)
+  const Segment s = a.g.segment(seg);
   float2 cs[kPairs];
-  load_table(cs, a.pe, s, a.D, lane, a.vec);
-  norm_rotate(a.q_heads, a.q_rstd, a.q, a.q_scale, cs, s, seg, lane, a.D, a.eps, a.inv_D, a.vec);
-  norm_rotate(a.k_heads, a.k_rstd, a.k, a.k_scale, cs, s, seg, lane, a.D, a.eps, a.inv_D, a.vec);
+  load_table(cs, a.pe, s, a.g.D, lane, a.g.vec);
+  norm_rotate(a.q_heads, a.q_rstd, a.q, a.q_scale, cs, s, seg, lane, a.g, a.eps);
+  norm_rotate(a.k_heads, a.k_rstd, a.k, a.k_scale, cs, s, seg, lane, a.g, a.eps);
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
-    if (p < a.D / 2)
-      a.v_heads.store2(s.head_row, 2 * p, load_pair(&a.v.at(s.token_row, s.col + 2 * p), a.vec), a.vec);
+    if (p < a.g.D / 2)
+      a.v_heads.store2(s.head_row, 2 * p, load_pair(&a.v.at(s.token_row, s.col + 2 * p), a.g.vec), a.g.vec);
   }
 }
 
@@ -188,10 +188,8 @@ struct BackwardArgs {
   MatOf<T> q, k;
   const float *q_rstd, *k_rstd, *q_scale, *k_scale, *pe;
   double *q_partial, *k_partial;  // [chunks, D] dscale partials, or null: not wanted
-  SegmentDivisors div;
-  int64_t n, L, Ls, offset, D, segments, chunk;
-  float inv_D;
-  bool vec;
+  Geometry g;
+  int64_t chunk;
 };
 
 // One segment of rmsnorm_heads_backward on g = rope⁻¹(dheads) (the gradient of the normalised,
@@ -201,7 +199,9 @@ template <int kPairs, typename T, typename H>
 __device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 * kPairs], const Heads<H>& dheads,
                                             const MatOf<T>& x, const float* rstd, const float* scale,
                                             const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
-                                            int64_t D, float inv_D, bool vec) {
+                                            const Geometry& geo) {
+  const int64_t D = geo.D;
+  const bool vec = geo.vec;
   const float rs = rstd[seg];
   float2 g[kPairs], xv[kPairs];
   float sgx = 0.0f;
@@ -216,7 +216,7 @@ __device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 *
       sgx += g[j].x * scale[2 * p] * (xv[j].x * rs) + g[j].y * scale[2 * p + 1] * (xv[j].y * rs);
     }
   }
-  const float mean_gx = warp_sum(sgx) * inv_D;
+  const float mean_gx = warp_sum(sgx) * geo.inv_D;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
@@ -269,31 +269,29 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
   const bool q_norm = a.dq.p || a.q_partial, k_norm = a.dk.p || a.k_partial;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * a.chunk;
-  const int64_t end = begin + a.chunk < a.segments ? begin + a.chunk : a.segments;
+  const int64_t end = begin + a.chunk < a.g.segments ? begin + a.chunk : a.g.segments;
   float q_acc[2 * kPairs] = {}, k_acc[2 * kPairs] = {};
   for (int64_t seg = begin + warp; seg < end; seg += kBackwardWarps) {
-    const Segment s = segment(seg, a.div, a.n, a.L, a.Ls, a.offset, a.D);
+    const Segment s = a.g.segment(seg);
     if (q_norm || k_norm) {
       float2 cs[kPairs];
-      load_table(cs, a.pe, s, a.D, lane, a.vec);
+      load_table(cs, a.pe, s, a.g.D, lane, a.g.vec);
       if (q_norm)
-        norm_rotate_backward(a.dq, q_acc, a.dq_heads, a.q, a.q_rstd, a.q_scale, cs, s, seg, lane, a.D, a.inv_D,
-                             a.vec);
+        norm_rotate_backward(a.dq, q_acc, a.dq_heads, a.q, a.q_rstd, a.q_scale, cs, s, seg, lane, a.g);
       if (k_norm)
-        norm_rotate_backward(a.dk, k_acc, a.dk_heads, a.k, a.k_rstd, a.k_scale, cs, s, seg, lane, a.D, a.inv_D,
-                             a.vec);
+        norm_rotate_backward(a.dk, k_acc, a.dk_heads, a.k, a.k_rstd, a.k_scale, cs, s, seg, lane, a.g);
     }
     if (a.dv.p) {
 #pragma unroll
       for (int j = 0; j < kPairs; ++j) {
         const int64_t p = lane + 32 * j;
-        if (p < a.D / 2)
-          store_pair(&a.dv.at(s.token_row, s.col + 2 * p), a.dv_heads.load2(s.head_row, 2 * p, a.vec), a.vec);
+        if (p < a.g.D / 2)
+          store_pair(&a.dv.at(s.token_row, s.col + 2 * p), a.dv_heads.load2(s.head_row, 2 * p, a.g.vec), a.g.vec);
       }
     }
   }
-  if (a.q_partial) store_chunk_partial<kPairs>(tile, q_acc, a.q_partial + blockIdx.x * a.D, a.D);
-  if (a.k_partial) store_chunk_partial<kPairs>(tile, k_acc, a.k_partial + blockIdx.x * a.D, a.D);
+  if (a.q_partial) store_chunk_partial<kPairs>(tile, q_acc, a.q_partial + blockIdx.x * a.g.D, a.g.D);
+  if (a.k_partial) store_chunk_partial<kPairs>(tile, k_acc, a.k_partial + blockIdx.x * a.g.D, a.g.D);
 }
 
 // Pairs per lane for head dim D: the smallest power of two with 32·kPairs ≥ D/2.
@@ -312,6 +310,36 @@ bool pair_aligned(std::initializer_list<Tensor> ts) {
     if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % (2 * dtype_size(t.dtype)) != 0 || t.ld % 2 != 0))
       return false;
   return true;
+}
+
+// The call's Geometry; its segments are indexed with 32-bit arithmetic (FastDivisor).
+Geometry geometry_of(std::string_view op, const ops::QkNormRopeDims& d, int64_t offset,
+                     std::initializer_list<Tensor> tensors) {
+  const int64_t segments = d.B * d.Ls * d.n;
+  if (segments >= (int64_t(1) << 31))
+    fail("{}: {} (token, head) segments: beyond the 2^31 one launch indexes", op, segments);
+  // (an empty call, n or Ls 0, launches nothing: its divisors are 1)
+  return {FastDivisor(static_cast<uint32_t>(d.n > 0 ? d.n : 1)),
+          FastDivisor(static_cast<uint32_t>(d.Ls > 0 ? d.Ls : 1)),
+          d.n,
+          d.L,
+          d.Ls,
+          offset,
+          d.D,
+          segments,
+          1.0f / static_cast<float>(d.D),
+          pair_aligned(tensors)};
+}
+
+// f.template operator()<kPairs>() for the pairs per lane pairs_per_lane gave.
+template <typename F>
+void with_pairs(int pairs, F&& f) {
+  switch (pairs) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 4: f.template operator()<4>(); break;
+    default: f.template operator()<8>(); break;
+  }
 }
 
 // f.template operator()<T, H>() for the token-side type T and the heads' type H.
@@ -340,38 +368,27 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   require_f32(op, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}, {"q_scale", q_scale}, {"k_scale", k_scale}, {"pe", pe}});
   const bool heads_bf16 = heads_in_bf16(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
   const int pairs = pairs_per_lane(op, d.D);
-  const int64_t segments = d.B * d.Ls * d.n;
-  if (segments == 0) return;
-  const unsigned blocks = exact_blocks(segments * 32);
+  const Geometry geo = geometry_of(op, d, token_offset, {q_heads, k_heads, v_heads, q, k, v, pe});
+  if (geo.segments == 0) return;
+  const unsigned blocks = exact_blocks(geo.segments * 32);
   const auto launch = [&]<typename T, typename H>() {
-    ForwardArgs<T, H> a{heads_of<H>(q_heads),
-                     heads_of<H>(k_heads),
-                     heads_of<H>(v_heads),
-                     q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
-                     k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
-                     mat_of<T>(q),
-                     mat_of<T>(k),
-                     mat_of<T>(v),
-                     q_scale.ptr<float>(),
-                     k_scale.ptr<float>(),
-                     pe.ptr<float>(),
-                     segment_divisors(op, segments, d.n, d.Ls),
-                     d.n,
-                     d.L,
-                     d.Ls,
-                     token_offset,
-                     d.D,
-                     segments,
-                     static_cast<float>(eps),
-                     1.0f / static_cast<float>(d.D),
-                     pair_aligned({q_heads, k_heads, v_heads, q, k, v, pe})};
-    switch (pairs) {
-      case 1: qk_norm_rope_to_heads_kernel<1><<<blocks, kThreads, 0, stream_>>>(a); break;
-      case 2: qk_norm_rope_to_heads_kernel<2><<<blocks, kThreads, 0, stream_>>>(a); break;
-      case 4: qk_norm_rope_to_heads_kernel<4><<<blocks, kThreads, 0, stream_>>>(a); break;
-      default: qk_norm_rope_to_heads_kernel<8><<<blocks, kThreads, 0, stream_>>>(a); break;
-    }
-    FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_kernel);
+    const ForwardArgs<T, H> a{heads_of<H>(q_heads),
+                              heads_of<H>(k_heads),
+                              heads_of<H>(v_heads),
+                              q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
+                              k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
+                              mat_of<T>(q),
+                              mat_of<T>(k),
+                              mat_of<T>(v),
+                              q_scale.ptr<float>(),
+                              k_scale.ptr<float>(),
+                              pe.ptr<float>(),
+                              geo,
+                              static_cast<float>(eps)};
+    with_pairs(pairs, [&]<int kPairs>() {
+      qk_norm_rope_to_heads_kernel<kPairs><<<blocks, kThreads, 0, stream_>>>(a);
+      FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_kernel);
+    });
   };
   with_types(bf16, heads_bf16, launch);
 }
@@ -396,7 +413,8 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   const bool heads_bf16 =
       heads_in_bf16(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
   const int pairs = pairs_per_lane(op, d.D);
-  const int64_t segments = d.B * d.Ls * d.n;
+  const Geometry geo = geometry_of(op, d, token_offset, {dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe});
+  const int64_t segments = geo.segments;
   if (segments == 0) return;
   // Chunks of kColumnChunk segments (column_sums' row chunk), longer where there would be more
   // than kMaxChunks of them; a function of the shape only, so the summation order is fixed.
@@ -410,38 +428,27 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   double* const k_partial = dk_scale.defined() ? partial + chunks * d.D : nullptr;
   const unsigned blocks = static_cast<unsigned>(chunks), threads = kBackwardWarps * 32;
   const auto launch = [&]<typename T, typename H>() {
-    BackwardArgs<T, H> a{mat_of_or_null<T>(dq),
-                      mat_of_or_null<T>(dk),
-                      mat_of_or_null<T>(dv),
-                      heads_of<H>(dq_heads),
-                      heads_of<H>(dk_heads),
-                      heads_of<H>(dv_heads),
-                      mat_of<T>(q),
-                      mat_of<T>(k),
-                      q_rstd.ptr<float>(),
-                      k_rstd.ptr<float>(),
-                      q_scale.ptr<float>(),
-                      k_scale.ptr<float>(),
-                      pe.ptr<float>(),
-                      q_partial,
-                      k_partial,
-                      segment_divisors(op, segments, d.n, d.Ls),
-                      d.n,
-                      d.L,
-                      d.Ls,
-                      token_offset,
-                      d.D,
-                      segments,
-                      chunk,
-                      1.0f / static_cast<float>(d.D),
-                      pair_aligned({dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe})};
-    switch (pairs) {
-      case 1: qk_norm_rope_to_heads_backward_kernel<1><<<blocks, threads, 0, stream_>>>(a); break;
-      case 2: qk_norm_rope_to_heads_backward_kernel<2><<<blocks, threads, 0, stream_>>>(a); break;
-      case 4: qk_norm_rope_to_heads_backward_kernel<4><<<blocks, threads, 0, stream_>>>(a); break;
-      default: qk_norm_rope_to_heads_backward_kernel<8><<<blocks, threads, 0, stream_>>>(a); break;
-    }
-    FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
+    const BackwardArgs<T, H> a{mat_of_or_null<T>(dq),
+                               mat_of_or_null<T>(dk),
+                               mat_of_or_null<T>(dv),
+                               heads_of<H>(dq_heads),
+                               heads_of<H>(dk_heads),
+                               heads_of<H>(dv_heads),
+                               mat_of<T>(q),
+                               mat_of<T>(k),
+                               q_rstd.ptr<float>(),
+                               k_rstd.ptr<float>(),
+                               q_scale.ptr<float>(),
+                               k_scale.ptr<float>(),
+                               pe.ptr<float>(),
+                               q_partial,
+                               k_partial,
+                               geo,
+                               chunk};
+    with_pairs(pairs, [&]<int kPairs>() {
+      qk_norm_rope_to_heads_backward_kernel<kPairs><<<blocks, threads, 0, stream_>>>(a);
+      FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
+    });
   };
   with_types(bf16, heads_bf16, launch);
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
