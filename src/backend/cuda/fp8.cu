@@ -104,6 +104,9 @@ struct Source {
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
+  // gelu_tanh_backward's element from dy and the GELU's input x: the op kernel's dy · f'(x),
+  // rounded as stored.
+  __device__ static float gelu_backward_value(float dy, float x) { return as_stored<T>(dy * gelu_grad(x)); }
   // The op kOp applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
   template <Backend::CastInput::Op kOp>
   __device__ float apply_op(float v, int64_t r, int64_t b, int64_t c) const {
@@ -113,7 +116,7 @@ struct Source {
       return as_stored<T>(
           layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
     } else if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
-      return as_stored<T>(v * gelu_grad(widen(gelu_x[r * gelu_ld + c])));  // the op kernel's dy · f'(x)
+      return gelu_backward_value(v, widen(gelu_x[r * gelu_ld + c]));
     } else {
       return v;
     }
@@ -167,21 +170,8 @@ __device__ inline uint32_t nan_code(float nan, Fp8Format f) {
 // integer encoder (src/fp8/format.h). Except for NaN: the GPU's multiply returns the canonical
 // (positive) NaN where the CPU's returns its NaN operand (x first), and the instruction has its
 // own NaN code, so a NaN product takes the encoder's code of that operand: v, else the scale
-// (an MX block whose amax is inf has a NaN scale).
-__device__ inline uint32_t encode_pair(float v0, float v1, float s, Fp8Format f) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const __nv_fp8x2_storage_t c = __nv_cvt_float2_to_fp8x2(make_float2(v0 * s, v1 * s), __NV_SATFINITE,
-                                                          f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
-  uint32_t lo = c & 0xFFu, hi = (c >> 8) & 0xFFu;
-#else
-  uint32_t lo = fp8_encode(v0 * s, f), hi = fp8_encode(v1 * s, f);
-#endif
-  if (f32_is_nan(v0) || f32_is_nan(s)) lo = nan_code(f32_is_nan(v0) ? v0 : s, f);
-  if (f32_is_nan(v1) || f32_is_nan(s)) hi = nan_code(f32_is_nan(v1) ? v1 : s, f);
-  return lo | (hi << 8);
-}
-
-// encode_pair for values and a scale known not to be NaN: the conversion alone.
+// (an MX block whose amax is inf has a NaN scale). encode_pair_finite is the conversion alone,
+// for values and a scale known not to be NaN; encode_pair adds the NaN codes.
 __device__ inline uint32_t encode_pair_finite(float v0, float v1, float s, Fp8Format f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   return __nv_cvt_float2_to_fp8x2(make_float2(v0 * s, v1 * s), __NV_SATFINITE,
@@ -190,10 +180,17 @@ __device__ inline uint32_t encode_pair_finite(float v0, float v1, float s, Fp8Fo
   return fp8_encode(v0 * s, f) | (static_cast<uint32_t>(fp8_encode(v1 * s, f)) << 8);
 #endif
 }
+__device__ inline uint32_t encode_pair(float v0, float v1, float s, Fp8Format f) {
+  const uint32_t c = encode_pair_finite(v0, v1, s, f);
+  uint32_t lo = c & 0xFFu, hi = (c >> 8) & 0xFFu;
+  if (f32_is_nan(v0) || f32_is_nan(s)) lo = nan_code(f32_is_nan(v0) ? v0 : s, f);
+  if (f32_is_nan(v1) || f32_is_nan(s)) hi = nan_code(f32_is_nan(v1) ? v1 : s, f);
+  return lo | (hi << 8);
+}
 
-// Amaxes here are >= +0 and never NaN (amax_accumulate drops NaN): fmaxf is exact.
 __device__ inline uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
+// Amaxes here are >= +0 and never NaN (amax_accumulate drops NaN): fmaxf is exact.
 __device__ inline float warp_amax(float a) {
   for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(kFull, a, o));
   return a;
@@ -505,8 +502,8 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
       const int64_t r = r0 + i;
       if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k)  // apply_op's value: dy · f'(x), rounded as stored
-          if (k < nj) v[k] = as_stored<T>(v[k] * gelu_grad(gelu_quad[u][k]));
+        for (int k = 0; k < 4; ++k)
+          if (k < nj) v[k] = Source<T>::gelu_backward_value(v[k], gelu_quad[u][k]);
       } else if constexpr (kOp != Backend::CastInput::Op::identity) {
         const int64_t b =
             kOp == Backend::CastInput::Op::layernorm_modulate ? a.x.per_sample.divide(static_cast<uint32_t>(r)) : 0;
