@@ -253,21 +253,27 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
 namespace {
 
 // The FP8 backward of a site whose output gradient is `dy` (the tensor, or the element-wise op
-// that makes it: Backend::quantize_fused): dy cast rowwise for the dgrad and columnwise for
-// the wgrad, the bias gradient summed in the same pass.
+// that makes it: Backend::quantize_fused): dy cast rowwise for the dgrad and, with FP8 wgrad,
+// columnwise for the wgrad, the bias gradient summed in the same pass. With wgrad in BF16 the
+// wgrad reads dy itself, which must then be stored (dy.op identity; site_backward_fused sees to
+// it).
 void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite& site, Tensor dx,
                        const Backend::CastInput& dy, const SavedLinearInput& saved, bool accumulate_dx) {
+  const bool fp8_wgrad = fp8.config().wgrad;
   const int64_t N = dy.x.rows(), M = dy.x.cols();
   const size_t mark = scratch.mark();
   const Fp8Format f = fp8.format(Operand::grad_output);
   const Fp8Scaling sc = fp8.scaling(Operand::grad_output);
   const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
-  const QTensor dy_col = allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace);
+  const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
   Backend::Quantize q = fp8.quantize_args(site, Operand::grad_output);
   q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
   be.quantize_fused(dy_row, dy_col, dy, q);
   if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
-  be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, true);                     // wgrad: dyᵀ·x
+  if (fp8_wgrad)
+    be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, true);  // wgrad: dyᵀ·x
+  else
+    be.linear_backward(Tensor{}, site.dw, Tensor{}, dy.x, saved.full, site.w, false);
   scratch.release_to(mark);
 }
 
@@ -279,24 +285,9 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
     be.linear_backward(dx, site.dw, site.db, dy, saved.full, site.w, accumulate_dx);
     return;
   }
-  if (fp8->config().wgrad) {
-    Backend::CastInput in;
-    in.x = dy;
-    site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, accumulate_dx);
-    return;
-  }
-  // FP8 dgrad, BF16 wgrad (fp8 wgrad off): dy cast rowwise only, the wgrad from dy itself.
-  const int64_t N = dy.rows(), M = dy.cols();
-  const size_t mark = scratch.mark();
-  const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, fp8->format(Operand::grad_output),
-                                                         fp8->scaling(Operand::grad_output), SlotKind::workspace)
-                                      : QTensor{};
-  Backend::Quantize q = fp8->quantize_args(site, Operand::grad_output);
-  q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
-  be.quantize(dy_row, QTensor{}, dy, q);
-  if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
-  be.linear_backward(Tensor{}, site.dw, Tensor{}, dy, saved.full, site.w, false);
-  scratch.release_to(mark);
+  Backend::CastInput in;
+  in.x = dy;
+  site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, accumulate_dx);
 }
 
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
