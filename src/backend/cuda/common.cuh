@@ -288,10 +288,7 @@ __global__ void column_partials4_kernel(int64_t rows, int64_t cols, int64_t chun
   if (threadIdx.y < 4 && c < cols) {  // thread row e adds column c + e over the 8 thread rows
     const int e = threadIdx.y;
     double t = 0;
-    for (int k = 0; k < 8; ++k) {
-      const float4 v = sh[k][threadIdx.x];
-      t += e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
-    }
+    for (int k = 0; k < 8; ++k) t += reinterpret_cast<const float*>(&sh[k][threadIdx.x])[e];
     partial[(g * chunks + chunk) * cols + c + e] = t;
   }
 }

@@ -161,15 +161,17 @@ __device__ inline void ln_backward_rows(const MatOf<T>& dx, const MatOf<T>& dy, 
       }
     }
   }
-  float one_plus[kCols];
+  float one_plus[kCols];  // 1 + scale; 0 past the row's end
 #pragma unroll
   for (int k = 0; k < kCols; k += kV) {
     const int64_t j = row_column<kV, kThr>(k);
     if (j < H) {
       load_vec<kV>(scale, b, j, one_plus + k);
+#pragma unroll
+      for (int e = 0; e < kV; ++e) one_plus[k + e] += 1.0f;
     } else {
 #pragma unroll
-      for (int e = 0; e < kV; ++e) one_plus[k + e] = -1.0f;
+      for (int e = 0; e < kV; ++e) one_plus[k + e] = 0.0f;
     }
   }
   float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // per row q: Σ g at 2q, Σ g·x̂ at 2q + 1
@@ -178,7 +180,7 @@ __device__ inline void ln_backward_rows(const MatOf<T>& dx, const MatOf<T>& dy, 
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
       xhat[q][k] = (xhat[q][k] - mu[q]) * rs[q];  // past the row's end dy and 1 + scale are 0: no terms
-      const float g = dyv[q][k] * (one_plus[k] + 1.0f);
+      const float g = dyv[q][k] * one_plus[k];
       sums[2 * q] += g;
       sums[2 * q + 1] += g * xhat[q][k];
       acc_shift[k] += dyv[q][k];
@@ -197,7 +199,7 @@ __device__ inline void ln_backward_rows(const MatOf<T>& dx, const MatOf<T>& dy, 
       if (accumulate) load_vec<kV>(dx, r + q, j, old);
 #pragma unroll
       for (int e = 0; e < kV; ++e) {
-        v[e] = rs[q] * (dyv[q][k + e] * (one_plus[k + e] + 1.0f) - mean_g - xhat[q][k + e] * mean_gx);
+        v[e] = rs[q] * (dyv[q][k + e] * one_plus[k + e] - mean_g - xhat[q][k + e] * mean_gx);
         if (accumulate) v[e] = old[e] + v[e];
       }
       store_vec<kV>(dx, r + q, j, v);
