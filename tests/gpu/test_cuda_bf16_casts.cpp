@@ -124,6 +124,19 @@ TEST(CudaBf16Casts, EveryBf16PatternEqualsCpu) {
           expect_equals_cpu(col, "columnwise");
           EXPECT_EQ(bits(amax.gpu_value()), bits(amax.cpu_value()));
           expect_same_stats(stats[1], stats[0]);
+          // The amax alone (no counts: the per-tensor kernel's kFull path on ld 256's whole tiles,
+          // NaN and inf quads falling back to the element-wise encoder): the same codes and amax.
+          Scalar amax_only(0.0f);
+          QPair row2(rows, cols, format, recipe.scaling), col2(cols, rows, format, recipe.scaling);
+          for (const bool g : {false, true}) {
+            Backend::Quantize q = quantize_for(recipe, format, g);
+            if (recipe.delayed) q.delayed_scale = sc.on(g);
+            q.amax = amax_only.on(g);
+            (g ? gpu() : cpu()).quantize(row2.on(g), col2.on(g), x.t(g), q);
+          }
+          expect_equals_cpu(row2, "rowwise, amax only");
+          expect_equals_cpu(col2, "columnwise, amax only");
+          EXPECT_EQ(bits(amax_only.gpu_value()), bits(amax_only.cpu_value()));
           if (recipe.delayed) {  // not vacuous: both ends of the format were reached
             EXPECT_GT(stats[0].saturated, 0);
             EXPECT_GT(stats[0].flushed, 0);
@@ -140,73 +153,84 @@ TEST(CudaBf16Casts, EveryBf16PatternEqualsCpu) {
 TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
   FLUX8_REQUIRE_GPU();
   using Op = Backend::CastInput::Op;
-  const int64_t B = 3, L = 43, H = 257;
-  const double eps = 1e-6;
-  Bf16Pair x16({B, L, H}, 3), mod16({B, 2 * H}, 1), y16({B, L, H}), gx16({B, L, H}, 3);
-  x16.randn(81, 2.0);
-  gx16.randn(83, 2.0);  // gelu_tanh_backward: x16 is dy, gx16 the GELU's input (rows of whole 8-byte
-                        // quads, read 4 at a time; test_cuda_fp8.cpp's f32 one is not aligned)
-  x16.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
-  x16.up();
-  mod16.randn(82, 0.5);
-  Pair mean({B * L}), rstd({B * L});
-  // LayerNorm's statistics, as the GPU op saves them (produce() writes the same values again).
-  gpu().layernorm_modulate(Tensor{}, mean.dev, rstd.dev, x16.dev, mod16.dev.cols_slice(0, H),
-                           mod16.dev.cols_slice(H, H), eps);
-  const auto input = [&](Op op) {
-    Backend::CastInput in;
-    in.op = op;
-    in.x = x16.dev;
-    if (op == Op::layernorm_modulate) {
-      in.mean = mean.dev, in.rstd = rstd.dev, in.eps = eps;
-      in.shift = mod16.dev.cols_slice(0, H), in.scale = mod16.dev.cols_slice(H, H);
-    }
-    if (op == Op::gelu_tanh_backward) in.gelu_x = gx16.dev;
-    return in;
+  // [3, 43, 257] with padded rows: partial tiles, element loads of x. [3, 200, 384] contiguous:
+  // whole 128x128 tiles, every access 8 bytes, a sample boundary inside a tile (LayerNorm's
+  // shift and scale change mid-tile) — the per-tensor kernel's kFull path when no counts are
+  // wanted (amax only, as between telemetry reports), its general loop otherwise.
+  struct FusedCase {
+    int64_t B, L, H, pad;
   };
   uint64_t seed = 400;
-  for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
-    for (const Recipe& recipe : kRecipes)
-      for (const Fp8Format format : kFormats)
-        for (const int copies : {1, 2, 3}) {
-          const bool want_row = copies & 1, want_col = copies & 2;
-          const char* op_name = op == Op::identity             ? "identity"
-                                : op == Op::gelu_tanh          ? "gelu_tanh"
-                                : op == Op::layernorm_modulate ? "layernorm_modulate"
-                                                               : "gelu_tanh_backward";
-          SCOPED_TRACE(fmt::format("{} {} {} rowwise {} columnwise {}", op_name, recipe.name, fp8_format_name(format),
-                                   want_row, want_col));
-          QPair row16(B * L, H, format, recipe.scaling), col16(H, B * L, format, recipe.scaling);
-          QPair row32(B * L, H, format, recipe.scaling), col32(H, B * L, format, recipe.scaling);
-          Pair sums16({H}), sums32({H});  // Quantize::column_sums accumulate: start from the same values
-          sums16.randn(++seed), sums32.randn(seed);
-          CastStats stats16, stats32;
-          Scalar amax16(0.25f), amax32(0.25f);
-          for (const bool fused : {true, false}) {
-            Backend::Quantize q = quantize_for(recipe, format, true);
-            q.amax = (fused ? amax16 : amax32).on(true);
-            q.stats = fused ? &stats16 : &stats32;
-            q.column_sums = (fused ? sums16 : sums32).dev;
-            const QPair &row = fused ? row16 : row32, &col = fused ? col16 : col32;
-            const QTensor r = want_row ? row.dev : QTensor{}, c = want_col ? col.dev : QTensor{};
-            if (fused) {
-              gpu().quantize_fused(r, c, input(op), q);
-            } else {
-              gpu().produce(y16.dev, input(op));
-              gpu().quantize(r, c, y16.dev, q);
+  for (const FusedCase fc : {FusedCase{3, 43, 257, 3}, FusedCase{3, 200, 384, 0}}) {
+    const int64_t B = fc.B, L = fc.L, H = fc.H;
+    const double eps = 1e-6;
+    Bf16Pair x16({B, L, H}, fc.pad), mod16({B, 2 * H}, fc.pad ? 1 : 0), y16({B, L, H}), gx16({B, L, H}, fc.pad);
+    x16.randn(81, 2.0);
+    gx16.randn(83, 2.0);  // gelu_tanh_backward: x16 is dy, gx16 the GELU's input (rows of whole 8-byte
+                          // quads, read 4 at a time; test_cuda_fp8.cpp's f32 one is not aligned)
+    x16.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
+    x16.up();
+    mod16.randn(82, 0.5);
+    Pair mean({B * L}), rstd({B * L});
+    // LayerNorm's statistics, as the GPU op saves them (produce() writes the same values again).
+    gpu().layernorm_modulate(Tensor{}, mean.dev, rstd.dev, x16.dev, mod16.dev.cols_slice(0, H),
+                             mod16.dev.cols_slice(H, H), eps);
+    const auto input = [&](Op op) {
+      Backend::CastInput in;
+      in.op = op;
+      in.x = x16.dev;
+      if (op == Op::layernorm_modulate) {
+        in.mean = mean.dev, in.rstd = rstd.dev, in.eps = eps;
+        in.shift = mod16.dev.cols_slice(0, H), in.scale = mod16.dev.cols_slice(H, H);
+      }
+      if (op == Op::gelu_tanh_backward) in.gelu_x = gx16.dev;
+      return in;
+    };
+    for (const bool counts : {true, false})
+      for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
+        for (const Recipe& recipe : kRecipes)
+          for (const Fp8Format format : kFormats)
+            for (const int copies : {1, 2, 3}) {
+              const bool want_row = copies & 1, want_col = copies & 2;
+              const char* op_name = op == Op::identity             ? "identity"
+                                    : op == Op::gelu_tanh          ? "gelu_tanh"
+                                    : op == Op::layernorm_modulate ? "layernorm_modulate"
+                                                                   : "gelu_tanh_backward";
+              SCOPED_TRACE(fmt::format("[{}, {}, {}] pad {} {} {} {} {} rowwise {} columnwise {}", B, L, H, fc.pad,
+                                       counts ? "with counts" : "amax only", op_name, recipe.name,
+                                       fp8_format_name(format), want_row, want_col));
+              QPair row16(B * L, H, format, recipe.scaling), col16(H, B * L, format, recipe.scaling);
+              QPair row32(B * L, H, format, recipe.scaling), col32(H, B * L, format, recipe.scaling);
+              Pair sums16({H}), sums32({H});  // Quantize::column_sums accumulate: start from the same values
+              sums16.randn(++seed), sums32.randn(seed);
+              CastStats stats16, stats32;
+              Scalar amax16(0.25f), amax32(0.25f);
+              for (const bool fused : {true, false}) {
+                Backend::Quantize q = quantize_for(recipe, format, true);
+                q.amax = (fused ? amax16 : amax32).on(true);
+                if (counts) q.stats = fused ? &stats16 : &stats32;
+                q.column_sums = (fused ? sums16 : sums32).dev;
+                const QPair &row = fused ? row16 : row32, &col = fused ? col16 : col32;
+                const QTensor r = want_row ? row.dev : QTensor{}, c = want_col ? col.dev : QTensor{};
+                if (fused) {
+                  gpu().quantize_fused(r, c, input(op), q);
+                } else {
+                  gpu().produce(y16.dev, input(op));
+                  gpu().quantize(r, c, y16.dev, q);
+                }
+              }
+              gpu().synchronize();
+              if (want_row) expect_same_on_gpu(row16, row32, "rowwise");
+              if (want_col) expect_same_on_gpu(col16, col32, "columnwise");
+              EXPECT_EQ(bits(amax16.gpu_value()), bits(amax32.gpu_value()));
+              expect_same_stats(stats16, stats32);
+              EXPECT_EQ(bits(sums16.down()), bits(sums32.down())) << "column sums";
+              // Not vacuous: the cast saw the values.
+              EXPECT_GT(amax16.gpu_value(), 0.25f);
+              if (counts) EXPECT_GT(stats16.nonzero, 0);
+              EXPECT_NE(sums16.down(), sums16.cpu_values());
             }
-          }
-          gpu().synchronize();
-          if (want_row) expect_same_on_gpu(row16, row32, "rowwise");
-          if (want_col) expect_same_on_gpu(col16, col32, "columnwise");
-          EXPECT_EQ(bits(amax16.gpu_value()), bits(amax32.gpu_value()));
-          expect_same_stats(stats16, stats32);
-          EXPECT_EQ(bits(sums16.down()), bits(sums32.down())) << "column sums";
-          // Not vacuous: the cast saw the values.
-          EXPECT_GT(amax16.gpu_value(), 0.25f);
-          EXPECT_GT(stats16.nonzero, 0);
-          EXPECT_NE(sums16.down(), sums16.cpu_values());
-        }
+  }
 }
 
 // Quantize::column_sums (the bias gradient of the Linear whose output gradient is cast) over a

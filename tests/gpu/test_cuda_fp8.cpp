@@ -99,53 +99,65 @@ INSTANTIATE_TEST_SUITE_P(AllRecipes, CudaQuantize,
 TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
   FLUX8_REQUIRE_GPU();
   using Op = Backend::CastInput::Op;
-  const int64_t B = 3, L = 43, H = 257;
-  Pair x({B, L, H}, 3), mod({B, 2 * H}), mean({B * L}), rstd({B * L}), mean2({B * L}), rstd2({B * L});
-  x.randn(61, 2.0), mod.randn(62, 0.5);
-  x.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
-  x.up();
-  Pair y({B, L, H}), gx({B, L, H}, 1);  // gelu_tanh_backward: x is dy, gx the GELU's input
-  gx.randn(63, 2.0);
-  for (const Op op : {Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
-    for (const Recipe& recipe : kRecipes)
-      for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
-        SCOPED_TRACE(fmt::format("{} {} {}",
-                                 op == Op::gelu_tanh            ? "gelu_tanh"
-                                 : op == Op::layernorm_modulate ? "layernorm_modulate"
-                                                                : "gelu_tanh_backward",
-                                 recipe.name, fp8_format_name(format)));
-        Backend::CastInput in = Backend::CastInput::gelu_tanh_of(x.dev);
-        in.op = op;
-        in.gelu_x = gx.dev;
-        if (op == Op::layernorm_modulate) {
-          in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
-          in.shift = mod.dev.cols_slice(0, H), in.scale = mod.dev.cols_slice(H, H);
-          gpu().layernorm_modulate(Tensor{}, mean.dev, rstd.dev, x.dev, in.shift, in.scale, in.eps);
-          gpu().layernorm_modulate(y.dev, mean2.dev, rstd2.dev, x.dev, in.shift, in.scale, in.eps);
-          EXPECT_EQ(mean.down(), mean2.down());
-          EXPECT_EQ(rstd.down(), rstd2.down());
-        }
-        gpu().produce(y.dev, in);
-        QPair row_f(B * L, H, format, recipe.scaling), col_f(H, B * L, format, recipe.scaling);
-        QPair row_u(B * L, H, format, recipe.scaling), col_u(H, B * L, format, recipe.scaling);
-        CastStats stats_f, stats_u;
-        Scalar amax_f(0.0f), amax_u(0.0f);
-        Backend::Quantize q = quantize_for(recipe, format, true);
-        q.amax = amax_f.on(true), q.stats = &stats_f;
-        gpu().quantize_fused(row_f.dev, col_f.dev, in, q);
-        q.amax = amax_u.on(true), q.stats = &stats_u;
-        gpu().quantize(row_u.dev, col_u.dev, y.dev.reshaped(Shape{B * L, H}), q);
-        gpu().synchronize();
-        expect_same_on_gpu(row_f, row_u, "rowwise");
-        expect_same_on_gpu(col_f, col_u, "columnwise");
-        EXPECT_EQ(bits(amax_f.gpu_value()), bits(amax_u.gpu_value()));
-        EXPECT_GT(amax_f.gpu_value(), 0.0f);
-        EXPECT_GT(stats_f.nonzero, 0);
-        EXPECT_EQ(stats_f.elements, stats_u.elements);
-        EXPECT_EQ(stats_f.nonzero, stats_u.nonzero);
-        EXPECT_EQ(stats_f.saturated, stats_u.saturated);
-        EXPECT_EQ(stats_f.flushed, stats_u.flushed);
-      }
+  // [3, 43, 257] strided: partial tiles, element loads. [3, 200, 256] contiguous: whole tiles
+  // with 16-byte loads and a sample boundary inside a tile, the per-tensor kernel's kFull path
+  // when only the amax is wanted (no counts).
+  struct FusedCase {
+    int64_t B, L, H, pad;
+  };
+  for (const FusedCase fc : {FusedCase{3, 43, 257, 3}, FusedCase{3, 200, 256, 0}}) {
+    const int64_t B = fc.B, L = fc.L, H = fc.H;
+    Pair x({B, L, H}, fc.pad), mod({B, 2 * H}), mean({B * L}), rstd({B * L}), mean2({B * L}), rstd2({B * L});
+    x.randn(61, 2.0), mod.randn(62, 0.5);
+    x.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
+    x.up();
+    Pair y({B, L, H}), gx({B, L, H}, fc.pad ? 1 : 0);  // gelu_tanh_backward: x is dy, gx the GELU's input
+    gx.randn(63, 2.0);
+    for (const bool counts : {true, false})
+      for (const Op op : {Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
+        for (const Recipe& recipe : kRecipes)
+          for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+            SCOPED_TRACE(fmt::format("[{}, {}, {}] {} {} {} {}", B, L, H, counts ? "with counts" : "amax only",
+                                     op == Op::gelu_tanh            ? "gelu_tanh"
+                                     : op == Op::layernorm_modulate ? "layernorm_modulate"
+                                                                    : "gelu_tanh_backward",
+                                     recipe.name, fp8_format_name(format)));
+            Backend::CastInput in = Backend::CastInput::gelu_tanh_of(x.dev);
+            in.op = op;
+            in.gelu_x = gx.dev;
+            if (op == Op::layernorm_modulate) {
+              in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
+              in.shift = mod.dev.cols_slice(0, H), in.scale = mod.dev.cols_slice(H, H);
+              gpu().layernorm_modulate(Tensor{}, mean.dev, rstd.dev, x.dev, in.shift, in.scale, in.eps);
+              gpu().layernorm_modulate(y.dev, mean2.dev, rstd2.dev, x.dev, in.shift, in.scale, in.eps);
+              EXPECT_EQ(mean.down(), mean2.down());
+              EXPECT_EQ(rstd.down(), rstd2.down());
+            }
+            gpu().produce(y.dev, in);
+            QPair row_f(B * L, H, format, recipe.scaling), col_f(H, B * L, format, recipe.scaling);
+            QPair row_u(B * L, H, format, recipe.scaling), col_u(H, B * L, format, recipe.scaling);
+            CastStats stats_f, stats_u;
+            Scalar amax_f(0.0f), amax_u(0.0f);
+            Backend::Quantize q = quantize_for(recipe, format, true);
+            q.amax = amax_f.on(true);
+            if (counts) q.stats = &stats_f;
+            gpu().quantize_fused(row_f.dev, col_f.dev, in, q);
+            q.amax = amax_u.on(true);
+            if (counts) q.stats = &stats_u;
+            gpu().quantize(row_u.dev, col_u.dev, y.dev.reshaped(Shape{B * L, H}), q);
+            gpu().synchronize();
+            expect_same_on_gpu(row_f, row_u, "rowwise");
+            expect_same_on_gpu(col_f, col_u, "columnwise");
+            EXPECT_EQ(bits(amax_f.gpu_value()), bits(amax_u.gpu_value()));
+            EXPECT_GT(amax_f.gpu_value(), 0.0f);
+            if (!counts) continue;
+            EXPECT_GT(stats_f.nonzero, 0);
+            EXPECT_EQ(stats_f.elements, stats_u.elements);
+            EXPECT_EQ(stats_f.nonzero, stats_u.nonzero);
+            EXPECT_EQ(stats_f.saturated, stats_u.saturated);
+            EXPECT_EQ(stats_f.flushed, stats_u.flushed);
+          }
+  }
 }
 
 // Quantize::column_sums, the bias gradient taken in the cast of the output gradient: the GPU
@@ -260,6 +272,20 @@ TEST(CudaQuantize, PerTensorCodesEqualCpuOnEveryBf16Pattern) {
       gpu().synchronize();
       EXPECT_EQ(first_difference(row.dev_codes(), row.codes, 1), "") << "rowwise codes";
       EXPECT_EQ(first_difference(col.dev_codes(), col.codes, 1), "") << "columnwise codes";
+      // The amax alone (no counts): the per-tensor kernel's kFull path on the whole tiles, NaN
+      // and inf quads falling back to the element-wise encoder.
+      QPair row2(rows, cols, format, Fp8Scaling::per_tensor), col2(cols, rows, format, Fp8Scaling::per_tensor);
+      Scalar amax(0.0f);
+      for (const bool g : {false, true}) {
+        Backend::Quantize qa;
+        qa.format = format;
+        qa.delayed_scale = sc.on(g);
+        qa.amax = amax.on(g);
+        (g ? gpu() : cpu()).quantize(row2.on(g), col2.on(g), x.t(g), qa);
+      }
+      EXPECT_EQ(first_difference(row2.dev_codes(), row2.codes, 1), "") << "rowwise codes, amax only";
+      EXPECT_EQ(first_difference(col2.dev_codes(), col2.codes, 1), "") << "columnwise codes, amax only";
+      EXPECT_EQ(bits(amax.gpu_value()), bits(amax.cpu_value()));
       EXPECT_EQ(st_gpu.nonzero, st_cpu.nonzero);
       EXPECT_EQ(st_gpu.saturated, st_cpu.saturated);
       EXPECT_EQ(st_gpu.flushed, st_cpu.flushed);

@@ -29,6 +29,7 @@
 // block sums in a fixed order.
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -104,6 +105,7 @@ struct Source {
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
+  bool shift_vec4 = false, scale_vec4 = false;  // layernorm_modulate: rows of shift/scale load 4 columns at once
   // gelu_tanh_backward's element from dy and the GELU's input x: the op kernel's dy · f'(x),
   // rounded as stored.
   __device__ static float gelu_backward_value(float dy, float x) { return as_stored<T>(dy * gelu_grad(x)); }
@@ -153,6 +155,7 @@ struct CastArgs {
   double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
   bool x_vec4;               // x and its ld allow loading 4 columns as one access (per-tensor kernel)
   bool gelu_vec4;            // the same for the GELU input of gelu_tanh_backward
+  bool full_tiles;           // the per-tensor kernel's kFull path may take x's inner 128x128 tiles
 };
 
 // The integer encoder's code for a NaN (fp8_encode of it): the format's NaN code with the NaN's
@@ -427,18 +430,141 @@ struct Quad<__nv_bfloat16> {
 };
 
 // kCount: the telemetry counts (non-zero, saturated, flushed elements) are wanted (Quantize::
-// stats). Without them the kernel keeps only the amax, a third fewer instructions per element:
-// it is bound by instruction issue (see the rows-ahead comment below), and training asks for
-// the counts only on the steps that report them (fp8_stats_interval).
+// stats). Without them the kernel keeps only the amax, a third fewer instructions per element,
+// and training asks for the counts only on the steps that report them (fp8_stats_interval).
 //
 // kOp: the element-wise op of a fused cast (Source::op, fixed per instantiation so an identity
-// cast carries none of the ops' code or registers). A full quad of non-NaN values (the rule in
-// training) takes the short path: its amax as the integer max of the |v| bit patterns (for
-// non-negative floats and +inf the same order as the floats'; a NaN, above +inf, sends the quad
-// to the element-wise path, which drops it from the amax as amax_accumulate does) and the bare
-// conversion instruction, without the NaN fix-ups of encode_pair. Nsight Compute had counted ~79
-// instructions issued per element with the op dispatch and the per-element checks inline.
-template <typename T, bool kCount, Backend::CastInput::Op kOp>
+// cast carries none of the ops' code or registers). kFmt: the FP8 format (a run-time format
+// issued both conversion instructions, one predicated off). A full quad of non-NaN values (the
+// rule in training) takes the short path: its amax as the integer max of the |v| bit patterns
+// (for non-negative floats and +inf the same order as the floats'; a NaN, above +inf, sends the
+// quad to the element-wise path, which drops it from the amax as amax_accumulate does) and the
+// bare conversion instruction, without the NaN fix-ups of encode_pair.
+//
+// kFull: the tile is 128x128 inside x, every access vectorised, offsets within the tile in 32
+// bits, no counts. Nsight Compute on the general loop (W1, bf16): ~1 warp instruction issued per
+// element, ALU pipe 59%, DRAM 37%; a third of that was the 64-bit row addressing and the edge
+// checks of each quad, and the LayerNorm cast loaded shift and scale per element (54% excess
+// sectors, DRAM 19%). Edge tiles and counted casts take the general loop (kFull false).
+struct RowPassOut {
+  uint32_t amax_bits = 0;  // the amax's bit pattern (of a non-negative, non-NaN float)
+  uint32_t nonzero = 0, saturated = 0, flushed = 0;
+  // Column sums of the thread's ≤ 16 rows of the tile in f32 (a double add per element cost a
+  // conversion each, at a quarter of the f32 issue rate); the tile's warps add in double.
+  float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+};
+
+template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt, bool kFull>
+__device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, float s, bool scale_ok,
+                                          uint32_t (&codes)[kTile][kTile / 4], RowPassOut& out) {
+  using Op = Backend::CastInput::Op;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  [[maybe_unused]] const float bound = fp8_saturation_bound(kFmt);
+  const int j0 = 4 * lane;  // this thread's 4 columns of the tile
+  const int nr = kFull ? kTile : t.nr;
+  const int nj = kFull ? 4 : (t.nc - j0 < 4 ? (t.nc - j0 > 0 ? t.nc - j0 : 0) : 4);
+  const bool vec = kFull || a.x_vec4, gelu_vec = kFull || a.gelu_vec4;
+  // Row strides: 32-bit in a full tile (the host checks that 128 rows of x fit), so that a row
+  // further is one 32-bit multiply-add on the tile's base pointer.
+  using Index = std::conditional_t<kFull, int32_t, int64_t>;
+  const Index ld = static_cast<Index>(a.x.ld), cols = static_cast<Index>(a.cols);
+  [[maybe_unused]] const Index gelu_ld = static_cast<Index>(a.x.gelu_ld);
+  const T* const x_tile = a.x.x + t.r0 * a.x.ld + t.c0 + j0;
+  [[maybe_unused]] const T* const gelu_tile =
+      kOp == Op::gelu_tanh_backward ? a.x.gelu_x + t.r0 * a.x.gelu_ld + t.c0 + j0 : nullptr;
+  uint8_t* const row_tile = a.row.codes ? a.row.codes + t.r0 * a.cols + t.c0 + j0 : nullptr;
+  const bool row_word = row_tile && nj == 4 && (kFull || a.cols % 4 == 0);
+  // LayerNorm: the thread's 4 columns of shift and scale, reloaded only when the sample changes
+  // (a tile's rows are one or two samples).
+  [[maybe_unused]] float shift[4] = {}, scale[4] = {};
+  [[maybe_unused]] int64_t sample = -1;
+  // Rows in groups of kAhead per thread: the group's loads are issued before any of its rows is
+  // encoded, so each thread keeps kAhead loads in flight (rows are visited in the same order as
+  // one at a time: the column sums add in the same order). 8 rows ahead for bf16 took 80
+  // registers instead of 64 and was no faster (fourth session).
+  constexpr int kAhead = 4;
+#pragma unroll 1
+  for (int i0 = warp; i0 < nr; i0 += kWarps * kAhead) {
+    Quad<T> quad[kAhead];
+    // gelu_tanh_backward: the GELU inputs of the same columns, loaded alongside.
+    [[maybe_unused]] Quad<T> gelu_quad[kOp == Op::gelu_tanh_backward ? kAhead : 1];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int i = i0 + u * kWarps;
+      if (!kFull && i >= nr) continue;
+      quad[u].load(x_tile + i * ld, nj, vec);
+      if constexpr (kOp == Op::gelu_tanh_backward) gelu_quad[u].load(gelu_tile + i * gelu_ld, nj, gelu_vec);
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int i = i0 + u * kWarps;
+      if (!kFull && i >= nr) break;
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[k] = quad[u][k];
+      const int64_t r = t.r0 + i;
+      if constexpr (kOp == Op::gelu_tanh_backward) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (k < nj) v[k] = Source<T>::gelu_backward_value(v[k], gelu_quad[u][k]);
+      } else if constexpr (kOp == Op::layernorm_modulate) {
+        const int64_t b = a.x.per_sample.divide(static_cast<uint32_t>(r));
+        if (b != sample) {  // warp-uniform: a warp walks one row at a time
+          sample = b;
+          Quad<T> sq, cq;
+          sq.load(a.x.shift.p + b * a.x.shift.ld + t.c0 + j0, nj, a.x.shift_vec4);
+          cq.load(a.x.scale.p + b * a.x.scale.ld + t.c0 + j0, nj, a.x.scale_vec4);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) shift[k] = sq[k], scale[k] = cq[k];
+        }
+        const float mu = a.x.mean[r], rs = a.x.rstd[r];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (k < nj) v[k] = as_stored<T>(layernorm_modulate_value(v[k], mu, rs, shift[k], scale[k]));
+      } else if constexpr (kOp != Op::identity) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (k < nj) v[k] = a.x.template apply_op<kOp>(v[k], r, 0, t.c0 + j0 + k);
+      }
+      const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
+                              umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
+      uint32_t word;
+      if (!kCount && nj == 4 && scale_ok && m <= 0x7F800000u) {
+        word = encode_pair_finite(v[0], v[1], s, kFmt) | (encode_pair_finite(v[2], v[3], s, kFmt) << 16);
+        out.amax_bits = umax(out.amax_bits, m);
+        if (a.column_partials)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) out.cs[k] += v[k];
+      } else {
+        word = encode_pair(v[0], v[1], s, kFmt) | (encode_pair(v[2], v[3], s, kFmt) << 16);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (k >= nj) break;
+          const float x = v[k];
+          if (!f32_is_nan(x)) out.amax_bits = umax(out.amax_bits, f32_bits(x) & 0x7FFFFFFFu);
+          if constexpr (kCount) {
+            if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
+              ++out.nonzero;
+              if (f32_abs(x * s) > bound)
+                ++out.saturated;
+              else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
+                ++out.flushed;
+            }
+          }
+          if (a.column_partials) out.cs[k] += x;
+        }
+      }
+      codes[i][lane ^ swizzle(i)] = word;
+      if (row_word) {
+        *reinterpret_cast<uint32_t*>(row_tile + i * cols) = word;
+      } else if (row_tile) {
+        for (int k = 0; k < nj; ++k) row_tile[i * cols + k] = static_cast<uint8_t>(word >> (8 * k));
+      }
+    }
+  }
+}
+
+template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt>
 __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<T> a) {
   // The tile's codes, 4 columns per word; word g of row i sits at column g ^ swizzle(i), so that
   // both the row pass (a warp writes one row's 32 words) and the column pass (a warp reads
@@ -447,106 +573,21 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
   __shared__ double col_sum[kWarps][kTile];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const auto [ty, tx, r0, c0, nr, nc] = tile_of(a);
+  const Tile tile = tile_of(a);
+  const auto [ty, tx, r0, c0, nr, nc] = tile;
   const float s = *a.tensor_scale;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (a.row.codes) a.row.scale_inv[0] = scale_inverse(s);
     if (a.col.codes) a.col.scale_inv[0] = scale_inverse(s);
   }
-  [[maybe_unused]] const float bound = fp8_saturation_bound(a.format);
   const bool scale_ok = !f32_is_nan(s);
   const int j0 = 4 * lane;  // this thread's 4 columns of the tile
-  const int nj = nc - j0 < 4 ? (nc - j0 > 0 ? nc - j0 : 0) : 4;
-  const bool row_words = a.cols % 4 == 0;  // rowwise codes of 4 columns are one aligned word
-
-  uint32_t amax_bits = 0;  // the amax's bit pattern (of a non-negative, non-NaN float)
-  uint32_t nonzero = 0, saturated = 0, flushed = 0;
-  // Column sums of the thread's ≤ 16 rows of the tile in f32 (a double add per element cost a
-  // conversion each, at a quarter of the f32 issue rate); the tile's warps add in double.
-  float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // Rows in groups of kAhead per thread: the group's loads are issued before any of its rows is
-  // encoded, so each thread keeps kAhead loads in flight (rows are visited in the same order as
-  // one at a time: the column sums add in the same order). The same 4 rows for bf16, whose
-  // loads are half as wide: 8 rows ahead (as many bytes in flight as f32) took 80 registers
-  // instead of 64 (3 blocks per SM instead of 4) and was no faster on an H200 (0-1% slower in
-  // the step): the kernel is bound by instruction issue, not by loads in flight (Nsight
-  // Compute, bf16 x: SM 71%, DRAM 11%, 9.7 cycles per issued instruction).
-  constexpr int kAhead = 4;
-  // The thread's columns in the tile's first row, of x and of the rowwise copy: a row further
-  // is one multiply-add (the 64-bit index arithmetic per row was a fifth of the loop).
-  const T* const x_tile = a.x.x + r0 * a.x.ld + c0 + j0;
-  [[maybe_unused]] const T* const gelu_tile =
-      kOp == Backend::CastInput::Op::gelu_tanh_backward ? a.x.gelu_x + r0 * a.x.gelu_ld + c0 + j0 : nullptr;
-  uint8_t* const row_tile = a.row.codes ? a.row.codes + r0 * a.cols + c0 + j0 : nullptr;
-  const bool row_word = row_tile && nj == 4 && row_words;
-  for (int i0 = warp; i0 < nr; i0 += kWarps * kAhead) {
-    Quad<T> quad[kAhead];
-    // gelu_tanh_backward: the GELU inputs of the same columns, loaded alongside (the op's
-    // element-wise apply_op would read them one at a time).
-    [[maybe_unused]] Quad<T> gelu_quad[kOp == Backend::CastInput::Op::gelu_tanh_backward ? kAhead : 1];
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const int i = i0 + u * kWarps;
-      if (i >= nr) continue;
-      quad[u].load(x_tile + i * a.x.ld, nj, a.x_vec4);
-      if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward)
-        gelu_quad[u].load(gelu_tile + i * a.x.gelu_ld, nj, a.gelu_vec4);
-    }
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const int i = i0 + u * kWarps;
-      if (i >= nr) break;
-      float v[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) v[k] = quad[u][k];
-      const int64_t r = r0 + i;
-      if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (k < nj) v[k] = Source<T>::gelu_backward_value(v[k], gelu_quad[u][k]);
-      } else if constexpr (kOp != Backend::CastInput::Op::identity) {
-        const int64_t b =
-            kOp == Backend::CastInput::Op::layernorm_modulate ? a.x.per_sample.divide(static_cast<uint32_t>(r)) : 0;
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (k < nj) v[k] = a.x.template apply_op<kOp>(v[k], r, b, c0 + j0 + k);
-      }
-      const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
-                              umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
-      uint32_t word;
-      if (!kCount && nj == 4 && scale_ok && m <= 0x7F800000u) {
-        word = encode_pair_finite(v[0], v[1], s, a.format) | (encode_pair_finite(v[2], v[3], s, a.format) << 16);
-        amax_bits = umax(amax_bits, m);
-        if (a.column_partials)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) cs[k] += v[k];
-      } else {
-        word = encode_pair(v[0], v[1], s, a.format) | (encode_pair(v[2], v[3], s, a.format) << 16);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (k >= nj) break;
-          const float x = v[k];
-          if (!f32_is_nan(x)) amax_bits = umax(amax_bits, f32_bits(x) & 0x7FFFFFFFu);
-          if constexpr (kCount) {
-          if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
-            ++nonzero;
-            if (f32_abs(x * s) > bound)
-              ++saturated;
-              else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
-                ++flushed;
-            }
-          }
-          if (a.column_partials) cs[k] += x;
-        }
-      }
-      codes[i][lane ^ swizzle(i)] = word;
-      if (row_word) {
-        *reinterpret_cast<uint32_t*>(row_tile + i * a.cols) = word;
-      } else if (row_tile) {
-        for (int k = 0; k < nj; ++k) row_tile[i * a.cols + k] = static_cast<uint8_t>(word >> (8 * k));
-      }
-    }
-  }
+  RowPassOut out;
+  if (!kCount && a.full_tiles && nr == kTile && nc == kTile)
+    cast_rows<T, kCount, kOp, kFmt, true>(a, tile, s, scale_ok, codes, out);
+  else
+    cast_rows<T, kCount, kOp, kFmt, false>(a, tile, s, scale_ok, codes, out);
+  const float* cs = out.cs;
   if (a.column_partials)
 #pragma unroll
     for (int k = 0; k < 4; ++k) col_sum[warp][j0 + k] = cs[k];
@@ -586,7 +627,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
     a.column_partials[ty * a.cols + c0 + threadIdx.x] = t;
   }
 
-  if (a.partials) write_tile_partial(a, f32_from_bits(amax_bits), nonzero, saturated, flushed);
+  if (a.partials) write_tile_partial(a, f32_from_bits(out.amax_bits), out.nonzero, out.saturated, out.flushed);
 }
 
 // One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree)
@@ -706,7 +747,10 @@ template <typename T>
 void launch_per_tensor(const CastArgs<T>& a, bool count, int64_t tiles, cudaStream_t stream) {
   using Op = Backend::CastInput::Op;
   const auto launch = [&]<bool kCount, Op kOp>() {
-    cast_per_tensor_kernel<T, kCount, kOp><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream>>>(a);
+    if (a.format == Fp8Format::e4m3)
+      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e4m3><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream>>>(a);
+    else
+      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e5m2><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream>>>(a);
     FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
   };
   const auto with_op = [&]<bool kCount>() {
@@ -771,6 +815,8 @@ Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor pe
     s.scale = mat_of<T>(in.scale);
     s.tokens = tokens;
     s.per_sample = per_sample;
+    s.shift_vec4 = vec4_aligned(s.shift.p) && s.shift.ld % 4 == 0;
+    s.scale_vec4 = vec4_aligned(s.scale.p) && s.scale.ld % 4 == 0;
   }
   if (in.op == Backend::CastInput::Op::gelu_tanh_backward) {
     s.gelu_x = static_cast<const T*>(in.gelu_x.data);
@@ -895,6 +941,11 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
     a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
     a.gelu_vec4 = src.gelu_x && vec4_aligned(src.gelu_x) && src.gelu_ld % 4 == 0;
+    // The kFull path: every access of an inner tile vectorised, its offsets in 32 bits.
+    const int64_t max_ld = std::max({x.ld, C, src.gelu_ld});
+    a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile &&
+                   (in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
+                   (in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4));
     switch (q.scaling) {
       case Fp8Scaling::per_tensor:
         launch_per_tensor(a, q.stats != nullptr, tiles, stream());
