@@ -166,8 +166,11 @@ TEST(CudaBf16Ops, LayerNormModulate) {
   // 3 for Flux's 3072); 4100: beyond 4096, the row-loop forward and three-pass backward. Rows
   // per block of the backward (⌈B·L/264⌉, 1 to 32, taken two at a time): B·L = 111 rows give 1
   // (37 chunks a sample, the one-row step alone), 900 give 4, 3000 give 12 (a partial chunk of
-  // 4 last), 1536 give 6 and 8700 the most, 32.
-  for (const Case c : {Case{37, 203, 2}, Case{300, 200, 4}, Case{1000, 36, 3}, Case{2900, 200, 0},
+  // 4 last), 1536 give 6 and 8700 the most, 32. The 4-column variants run the staged backward
+  // (cp.async two pairs of rows ahead): 111 rows of 200 (one row a block: the single-row step
+  // alone) and 1200 rows of 256 (5 a block: two pairs, then a single row) too.
+  for (const Case c : {Case{37, 203, 2}, Case{37, 200, 0}, Case{400, 256, 0}, Case{300, 200, 4}, Case{1000, 36, 3},
+                       Case{2900, 200, 0},
                        Case{33, 1500, 0}, Case{33, 1500, 2}, Case{40, 3072, 4}, Case{512, 3072, 0},
                        Case{20, 3000, 1}, Case{9, 4000, 0}, Case{9, 4100, 2}}) {
     SCOPED_TRACE(::testing::Message() << "L=" << c.L << " H=" << c.H << " pad=" << c.pad);

@@ -163,13 +163,16 @@ TEST(CudaOps, Activations) {
 TEST(CudaOps, LayerNormModulate) {
   FLUX8_REQUIRE_GPU();
   // L = 300: dshift/dscale sum 3 samples x 75 row chunks (4 rows each) of the one-pass backward
-  // (several groups and chunks at once). The strides are not multiples of 4, so H picks the
+  // (several groups and chunks at once). With padded strides (not multiples of 4) H picks the
   // one-column variants: 203 (256 threads, 1 column each), 1500 (512 threads x 3 of 4), 3072
-  // (Flux: 512 x 6), 4100 (beyond 4096: the row-loop forward and three-pass backward).
-  for (const auto [L, H] : {std::array<int64_t, 2>{37, 203}, {300, 203}, {33, 1500}, {40, 3072}, {9, 4100}}) {
-    SCOPED_TRACE(::testing::Message() << "L=" << L << " H=" << H);
+  // (Flux: 512 x 6), 4100 (beyond 4096: the row-loop forward and three-pass backward). Unpadded
+  // rows of 256 and 3072 take the 4-column groups and the staged backward (cp.async two pairs
+  // of rows ahead): 1200 rows give 5 a block (two pairs and a single row), 1536 give 6.
+  for (const auto [L, H, pad] : {std::array<int64_t, 3>{37, 203, 2}, {300, 203, 2}, {33, 1500, 2}, {40, 3072, 2},
+                                 {9, 4100, 2}, {400, 256, 0}, {512, 3072, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "L=" << L << " H=" << H << " pad=" << pad);
     const int64_t B = 3;
-    Pair x({B, L, H}, 2), y({B, L, H}, 1), mean({B * L}), rstd({B * L});
+    Pair x({B, L, H}, pad), y({B, L, H}, pad ? 1 : 0), mean({B * L}), rstd({B * L});
     Pair mod({B, 6 * H});  // shift and scale are column windows of one modulation output
     x.randn(31, 2.0), mod.randn(32, 0.5), y.randn(33);
     // A large row mean, as the residual stream has: the two-pass variance must hold up.
@@ -183,7 +186,7 @@ TEST(CudaOps, LayerNormModulate) {
     EXPECT_CLOSE(mean, kReduce);
     EXPECT_CLOSE(rstd, kReduce);
 
-    Pair dy({B, L, H}, 3), dx({B, L, H}), dmod({B, 6 * H});
+    Pair dy({B, L, H}, pad ? 3 : 0), dx({B, L, H}), dmod({B, 6 * H});
     dy.randn(34), dx.randn(35), dmod.randn(36);
     for (bool acc : {false, true}) {
       run_both([&](Backend& be, bool g) {
