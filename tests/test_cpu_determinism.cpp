@@ -42,7 +42,7 @@ std::vector<Output<T>> run_workload(Backend& be) {
          dy = input({B, L, M}, 1);
     Buf<T> y({B, L, M}, 2), dx({B, L, H}, 3), dw({M, H}), db({M});
     be.linear(y.t, x.t, w.t, bias.t);
-    be.linear_backward(dx.t, dw.t, db.t, dy.t, x.t, w.t, false);
+    be.linear_backward(dx.t, dw.t, db.t, dy.t, x.t, w.t, false, true);
     keep("linear y", true, y), keep("linear dx", true, dx);
     keep("linear dw", false, dw), keep("linear db", false, db);
   }

@@ -38,7 +38,7 @@ TEST_F(CpuGradcheck, Linear) {
   };
   loss();
   Buf<double> dx({B, L, H}, 3), dw({M, H}, 2), db({M});
-  be->linear_backward(dx.t, dw.t, db.t, probe.t, x.t, w.t, false);
+  be->linear_backward(dx.t, dw.t, db.t, probe.t, x.t, w.t, false, true);
   expect_gradient("linear dx", loss, x, dx, 11);
   expect_gradient("linear dw", loss, w, dw, 12);
   expect_gradient("linear db", loss, b, db, 13);

@@ -4,9 +4,11 @@
 // order differences (≈ n·ε for n ≤ a few hundred terms).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "backend/backend.h"
@@ -180,7 +182,7 @@ TEST_F(CpuOps, QuantizeColumnSumsAreTheBiasGradient) {
   Buf<float> dy({N, M}, 3), w({M, 5}), db({M}), sums({M});
   dy.randn(31, 2.0), w.randn(32);
   for (int64_t j = 0; j < M; ++j) db.mem[j] = sums.mem[j] = 0.25f * static_cast<float>(j % 7);
-  be->linear_backward(Tensor{}, Tensor{}, db.t, dy.t, Tensor{}, w.t, false);
+  be->linear_backward(Tensor{}, Tensor{}, db.t, dy.t, Tensor{}, w.t, false, true);
   std::vector<uint8_t> codes(N * M);
   std::vector<float> scale(1);
   QTensor row;
@@ -190,7 +192,7 @@ TEST_F(CpuOps, QuantizeColumnSumsAreTheBiasGradient) {
   be->quantize(row, QTensor{}, dy.t, q);
   EXPECT_EQ(sums.mem, db.mem);
   be->quantize(QTensor{}, QTensor{}, dy.t, q);  // no copy wanted: the sums still accumulate
-  be->linear_backward(Tensor{}, Tensor{}, db.t, dy.t, Tensor{}, w.t, false);
+  be->linear_backward(Tensor{}, Tensor{}, db.t, dy.t, Tensor{}, w.t, false, true);
   EXPECT_EQ(sums.mem, db.mem);
   q.column_sums = Tensor(sums.mem.data(), DType::f32, Shape{M - 1});
   try {
@@ -340,21 +342,28 @@ TEST_F(CpuOps, ElementwiseOpsHonourWindows) {
   EXPECT_TRUE(y.padding_is_nan());
 }
 
-// dw, db, dscale (parameter gradients) accumulate over calls; input gradients accumulate only
-// when the flag says so.
+// dw, db, dscale (parameter gradients) accumulate over calls (linear_backward's dw and db unless
+// accumulate_params is false: then overwritten, their old contents — NaN here — never read);
+// input gradients accumulate only when the flag says so.
 TEST_F(CpuOps, AccumulateVersusOverwrite) {
   const int64_t N = 6, K = 5, M = 7;
   Buf<double> x({N, K}), w({M, K}), dy({N, M});
   x.randn(19), w.randn(20), dy.randn(21);
   Buf<double> dx1({N, K}), dw1({M, K}), db1({M}), dx2({N, K}), dw2({M, K}), db2({M});
-  be->linear_backward(dx1.t, dw1.t, db1.t, dy.t, x.t, w.t, false);
-  be->linear_backward(dx2.t, dw2.t, db2.t, dy.t, x.t, w.t, false);
-  be->linear_backward(dx2.t, dw2.t, db2.t, dy.t, x.t, w.t, false);
+  be->linear_backward(dx1.t, dw1.t, db1.t, dy.t, x.t, w.t, false, true);
+  be->linear_backward(dx2.t, dw2.t, db2.t, dy.t, x.t, w.t, false, true);
+  be->linear_backward(dx2.t, dw2.t, db2.t, dy.t, x.t, w.t, false, true);
   EXPECT_EQ(dx2.values(), dx1.values()) << "dx must be overwritten without accumulate_dx";
   for (size_t i = 0; i < dw1.mem.size(); ++i) EXPECT_NEAR(dw2.mem[i], 2 * dw1.mem[i], kExact);
   for (size_t i = 0; i < db1.mem.size(); ++i) EXPECT_NEAR(db2.mem[i], 2 * db1.mem[i], kExact);
-  be->linear_backward(dx2.t, Tensor{}, Tensor{}, dy.t, x.t, w.t, true);
+  be->linear_backward(dx2.t, Tensor{}, Tensor{}, dy.t, x.t, w.t, true, true);
   for (size_t i = 0; i < dx1.mem.size(); ++i) EXPECT_NEAR(dx2.mem[i], 2 * dx1.mem[i], kExact);
+  Buf<double> dw3({M, K}), db3({M});
+  std::fill(dw3.mem.begin(), dw3.mem.end(), std::numeric_limits<double>::quiet_NaN());
+  std::fill(db3.mem.begin(), db3.mem.end(), std::numeric_limits<double>::quiet_NaN());
+  be->linear_backward(Tensor{}, dw3.t, db3.t, dy.t, x.t, w.t, false, false);
+  EXPECT_EQ(dw3.values(), dw1.values()) << "dw must be overwritten without accumulate_params";
+  EXPECT_EQ(db3.values(), db1.values()) << "db must be overwritten without accumulate_params";
 
   Buf<double> sx({N, K}), sdx({N, K}), sdx_acc({N, K});
   sx.randn(22);

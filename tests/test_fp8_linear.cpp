@@ -86,7 +86,7 @@ void check_recipe(Case c) {
   Tensor y_ref = buf.zeros(Shape{N, M}), dx_ref = buf.zeros(Shape{N, K}), dw_ref = buf.zeros(Shape{M, K}),
          db_ref = buf.zeros(Shape{M});
   be->linear(y_ref, x, site.w, site.b);
-  be->linear_backward(dx_ref, dw_ref, db_ref, dy, x, site.w, false);
+  be->linear_backward(dx_ref, dw_ref, db_ref, dy, x, site.w, false, true);
 
   Tensor y = buf.zeros(Shape{N, M}), dx = buf.zeros(Shape{N, K});
   // Two steps: delayed scaling casts step 2 with the scales learned from step 1's amax.

@@ -5,7 +5,11 @@
 // margin; a real mistake gives >1e-3).
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <string>
+
 #include "backend/backend.h"
+#include "core/error.h"
 #include "gradcheck.h"
 #include "model_test_util.h"
 
@@ -62,7 +66,8 @@ TEST(ModelGradcheck, SingleBlock) { check_model_gradients(odd_config(0, 1, false
 TEST(ModelGradcheck, WholeTinyModelWithGuidance) { check_model_gradients(odd_config(2, 2, true), ""); }
 
 TEST(ModelGradcheck, BackwardAccumulatesAcrossCalls) {
-  // Parameter gradients are accumulated: two backward passes give twice the gradient.
+  // Parameter gradients are accumulated: two backward passes give twice the gradient (the first
+  // after zero_grads() overwrites, the second adds).
   const FluxConfig cfg = odd_config(1, 1, false);
   auto be = make_backend("cpu");
   FluxModel model(cfg, *be, DType::f64);
@@ -79,6 +84,26 @@ TEST(ModelGradcheck, BackwardAccumulatesAcrossCalls) {
   model.backward(dpred);
   const std::vector<double> twice = to_host(*be, model.params().flat_grads());
   for (size_t i = 0; i < once.size(); ++i) ASSERT_NEAR(twice[i], 2 * once[i], 1e-12 * (1 + std::abs(once[i])));
+
+  // zero_grads() does not fill the buffer: each gradient's first write of the step overwrites
+  // it. Whatever the buffer held (NaN here) must not reach the gradients.
+  model.params().zero_grads();
+  be->fill(model.params().flat_grads(), std::numeric_limits<double>::quiet_NaN());
+  model.backward(dpred);
+  EXPECT_EQ(to_host(*be, model.params().flat_grads()), once);
+
+  // A gradient nothing wrote since zero_grads() is an internal error, named, never stale values.
+  model.params().zero_grads();
+  EXPECT_THROW(
+      {
+        try {
+          model.params().finish_grads();
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("wrote no gradient for parameter"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
 }
 
 }  // namespace

@@ -13,7 +13,10 @@
 //   Kernels compute in f32 and round each stored value to nearest even: the values the CPU
 //   backend gives with round_activations_to_bf16 (up to summation order).
 // - Outputs are overwritten, except: parameter gradients (dw, db, dscale) are ACCUMULATED
-//   (+=) so that micro-batches and repeated uses of a parameter sum; input gradients are
+//   (+=) so that micro-batches and repeated uses of a parameter sum — or overwritten where
+//   the op has a flag for it (linear_backward's accumulate_params, Quantize's
+//   column_sums_accumulate, gemm_fp8_tn's accumulate): a step's first write of a gradient
+//   (ParamStore::first_write) needs no zero-filled buffer; input gradients are
 //   accumulated when the op's `accumulate` flag is set (residual streams).
 // - Any gradient output may be an undefined Tensor, meaning "not needed"; it is skipped.
 // - Tensors may be column windows (ld > cols) where the comment says "any ld".
@@ -94,9 +97,10 @@ class Backend {
 
   // ---- linear: y[N,M] = x[N,K] · w[M,K]ᵀ + b[M] (b may be undefined). x, y any ld. -----
   virtual void linear(Tensor y, Tensor x, Tensor w, Tensor b) = 0;
-  // dx[N,K] = dy·w (+= if accumulate_dx); dw[M,K] += dyᵀ·x; db[M] += Σ_rows dy.
+  // dx[N,K] = dy·w (+= if accumulate_dx); dw[M,K] += dyᵀ·x; db[M] += Σ_rows dy (dw and db
+  // overwritten instead when accumulate_params is false: their old contents are never read).
   virtual void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
-                               bool accumulate_dx) = 0;
+                               bool accumulate_dx, bool accumulate_params) = 0;
 
   // ---- activations (any ld) -----------------------------------------------------------
   virtual void silu(Tensor y, Tensor x) = 0;  // x·σ(x)
@@ -227,8 +231,10 @@ class Backend {
     float* amax = nullptr;                 // backend memory
     CastStats* stats = nullptr;            // host memory
     // Defined: column_sums[c] += Σ_r x[r, c] — the bias gradient of the Linear whose output
-    // gradient x is, summed in the pass that casts it (contiguous f32 vector of cols(x)).
+    // gradient x is, summed in the pass that casts it (contiguous f32 vector of cols(x));
+    // = instead of += when column_sums_accumulate is false (old contents never read).
     Tensor column_sums;
+    bool column_sums_accumulate = true;
   };
   // x [rows, cols] (any ld) -> `rowwise` [rows, cols] and/or `columnwise` [cols, rows] (the
   // quantized transpose: xᵀ's blocks run along x's columns); either may be undefined. With

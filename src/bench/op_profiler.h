@@ -50,8 +50,9 @@ class OpProfiler final : public Backend {
   void add(Tensor y, Tensor a, Tensor b) override { timed("add", [&] { be_.add(y, a, b); }); }
   void accumulate(Tensor y, Tensor x) override { timed("accumulate", [&] { be_.accumulate(y, x); }); }
   void linear(Tensor y, Tensor x, Tensor w, Tensor b) override { timed("linear", [&] { be_.linear(y, x, w, b); }); }
-  void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w, bool acc) override {
-    timed("linear_backward", [&] { be_.linear_backward(dx, dw, db, dy, x, w, acc); });
+  void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w, bool acc,
+                       bool acc_params) override {
+    timed("linear_backward", [&] { be_.linear_backward(dx, dw, db, dy, x, w, acc, acc_params); });
   }
   void silu(Tensor y, Tensor x) override { timed("silu", [&] { be_.silu(y, x); }); }
   void silu_backward(Tensor dx, Tensor dy, Tensor x, bool acc) override {

@@ -3,7 +3,7 @@
 namespace flux8 {
 
 ScaleParam ScaleParam::bind(const ParamStore& store, const std::string& name) {
-  return {store.param(name), store.grad(name)};
+  return {store.param(name), store.grad(name), &store};
 }
 
 void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,

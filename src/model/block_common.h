@@ -21,7 +21,12 @@ struct StepShape {
 // A norm scale and its gradient.
 struct ScaleParam {
   Tensor s, ds;
+  const ParamStore* store = nullptr;
   static ScaleParam bind(const ParamStore& store, const std::string& name);
+  // Before an op that adds to ds: zero-fills it if this is its first write of the step.
+  void prepare_grad() const {
+    if (store) store->zero_if_unwritten(ds);
+  }
 };
 
 // Everything a block's forward/backward needs besides its own parameters and activations.

@@ -218,6 +218,8 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
   Tensor d_qkv = a.alloc(ctx.dtype, Shape{tok[0], tok[1], 3 * H}, SlotKind::workspace);
   Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);
 
+  p.q_norm.prepare_grad();
+  p.k_norm.prepare_grad();
   be.qk_norm_rope_to_heads_backward(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H),
                                     p.q_norm.ds, p.k_norm.ds, dq, dk, dv, s.qkv.cols_slice(0, H),
                                     s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,

@@ -347,10 +347,10 @@ void FluxModel::backward(const Tensor& dpred) {
   // Final layer.
   const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
   const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
-  be_.linear_backward(dxm, lin.dw, lin.db, dpred_act, s.final_xm, lin.w, false);
+  be_.linear_backward(dxm, lin.dw, lin.db, dpred_act, s.final_xm, lin.w, false, lin.accumulate_grads());
   be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img,
                                   s.final_mean, s.final_rstd, s.final_mod.cols_slice(H, H), false);
-  be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, ada.w, false);
+  be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, ada.w, false, ada.accumulate_grads());
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
   BlockContext ctx{be_, c, sh, t, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
@@ -395,21 +395,24 @@ void FluxModel::backward(const Tensor& dpred) {
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
   be_.linear_backward(Tensor{}, img_in.dw, img_in.db, dimg, s.img_in.defined() ? s.img_in : inputs_.img, img_in.w,
-                      false);
+                      false, img_in.accumulate_grads());
   be_.linear_backward(Tensor{}, txt_in.dw, txt_in.db, dtxt, s.txt_in.defined() ? s.txt_in : inputs_.txt, txt_in.w,
-                      false);
+                      false, txt_in.accumulate_grads());
 
   // Conditioning vector: every embedder receives dvec.
   be_.silu_backward(dvec, d_silu_vec, s.vec, false);
   auto embedder_backward = [&](const std::string& name, const MlpEmbedderSaved& e, const Tensor& x) {
     const MlpEmbedder m = MlpEmbedder::bind(P, name);
-    be_.linear_backward(dact, m.out_layer.dw, m.out_layer.db, dvec, e.act, m.out_layer.w, false);
+    be_.linear_backward(dact, m.out_layer.dw, m.out_layer.db, dvec, e.act, m.out_layer.w, false,
+                        m.out_layer.accumulate_grads());
     be_.silu_backward(dhidden, dact, e.hidden, false);
-    be_.linear_backward(Tensor{}, m.in_layer.dw, m.in_layer.db, dhidden, x, m.in_layer.w, false);
+    be_.linear_backward(Tensor{}, m.in_layer.dw, m.in_layer.db, dhidden, x, m.in_layer.w, false,
+                        m.in_layer.accumulate_grads());
   };
   embedder_backward("time_in", s.time, s.time.x);
   if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);
   embedder_backward("vector_in", s.vector, s.y_in.defined() ? s.y_in : inputs_.y);
+  params_->finish_grads();  // every gradient written (overwritten first, since zero_grads)
 }
 
 }  // namespace flux8

@@ -11,6 +11,7 @@ namespace flux8 {
 LinearSite LinearSite::bind(const ParamStore& store, const std::string& prefix) {
   LinearSite s;
   s.name = prefix;
+  s.store = &store;
   s.w = store.param(prefix + ".weight");
   s.dw = store.grad(prefix + ".weight");
   if (store.layout().find(prefix + ".bias")) {
@@ -18,6 +19,14 @@ LinearSite LinearSite::bind(const ParamStore& store, const std::string& prefix) 
     s.db = store.grad(prefix + ".bias");
   }
   return s;
+}
+
+bool LinearSite::accumulate_grads() const {
+  if (!store) return true;
+  const bool first = store->first_write(dw);
+  if (db.defined() && store->first_write(db) != first)
+    fail("internal error: {}: the weight and bias gradients disagree on being written this step", name);
+  return !first;
 }
 
 Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend)
@@ -266,14 +275,16 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
   const Fp8Scaling sc = fp8.scaling(Operand::grad_output);
   const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
   const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
+  const bool accumulate = site.accumulate_grads();
   Backend::Quantize q = fp8.quantize_args(site, Operand::grad_output);
   q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
+  q.column_sums_accumulate = accumulate;
   be.quantize_fused(dy_row, dy_col, dy, q);
   if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
   if (fp8_wgrad)
-    be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, true);  // wgrad: dyᵀ·x
+    be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, accumulate);  // wgrad: dyᵀ·x
   else
-    be.linear_backward(Tensor{}, site.dw, Tensor{}, dy.x, saved.full, site.w, false);
+    be.linear_backward(Tensor{}, site.dw, Tensor{}, dy.x, saved.full, site.w, false, accumulate);
   scratch.release_to(mark);
 }
 
@@ -282,7 +293,7 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx) {
   if (!site.fp8 || !fp8) {
-    be.linear_backward(dx, site.dw, site.db, dy, saved.full, site.w, accumulate_dx);
+    be.linear_backward(dx, site.dw, site.db, dy, saved.full, site.w, accumulate_dx, site.accumulate_grads());
     return;
   }
   Backend::CastInput in;

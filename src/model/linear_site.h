@@ -25,6 +25,7 @@ enum class Operand : uint8_t { input = 0, weight = 1, grad_output = 2 };
 struct LinearSite {
   std::string name;            // reference prefix, e.g. "double_blocks.0.img_attn.qkv"
   Tensor w, b, dw, db;
+  const ParamStore* store = nullptr;  // whose step tracks the gradient writes (null: always add)
   bool fp8 = false;
   int index = -1;              // into Fp8Runtime's tables (FP8 sites only)
   QTensor w_row, w_col;        // this step's weight casts (fprop / dgrad operands)
@@ -32,6 +33,9 @@ struct LinearSite {
   bool w_recorded = false;     // the cast's amax went into the delayed-scaling history
 
   static LinearSite bind(const ParamStore& store, const std::string& prefix);
+  // For the backward about to write dw and db: false when it is their first write of the step
+  // (ParamStore::first_write: overwrite, the buffer is not zero-filled), true after (add).
+  bool accumulate_grads() const;
 };
 
 // What a Linear keeps for its backward: the input itself (BF16, or FP8 with fp8_wgrad: false)

@@ -1,5 +1,6 @@
 #include "model/params.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "backend/backend.h"
@@ -79,6 +80,8 @@ ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype)
   const size_t bytes = static_cast<size_t>(layout_.total()) * dtype_size(dtype);
   params_ = backend.allocate(bytes);
   grads_ = backend.allocate(bytes);
+  for (size_t i = 0; i < layout_.params().size(); ++i) by_offset_.emplace(layout_.params()[i].offset, i);
+  written_.assign(layout_.params().size(), 1);  // the buffer starts zero-filled: a valid gradient
 }
 
 ParamStore::~ParamStore() {
@@ -116,6 +119,35 @@ void ParamStore::init(uint64_t seed) {
   }
 }
 
-void ParamStore::zero_grads() { backend_.fill(flat_grads(), 0.0); }
+void ParamStore::zero_grads() { std::fill(written_.begin(), written_.end(), 0); }
+
+size_t ParamStore::grad_index(const Tensor& grad, std::string_view what) const {
+  const char* base = static_cast<const char*>(grads_);
+  const char* p = static_cast<const char*>(grad.data);
+  const size_t unit = dtype_size(dtype_);
+  const auto it = p >= base ? by_offset_.find(static_cast<int64_t>((p - base) / unit)) : by_offset_.end();
+  if (it == by_offset_.end() || (p - base) % unit != 0 || grad.numel() != layout_.params()[it->second].shape.numel())
+    fail("{}: tensor {} is not a whole parameter gradient of this model", what, grad.str());
+  return it->second;
+}
+
+bool ParamStore::first_write(const Tensor& grad) const {
+  const size_t i = grad_index(grad, "ParamStore::first_write");
+  const bool first = !written_[i];
+  written_[i] = 1;
+  return first;
+}
+
+void ParamStore::zero_if_unwritten(const Tensor& grad) const {
+  if (first_write(grad)) backend_.fill(grad, 0.0);
+}
+
+void ParamStore::finish_grads() const {
+  for (size_t i = 0; i < written_.size(); ++i)
+    if (!written_[i])
+      fail("internal error: the backward wrote no gradient for parameter '{}' (its gradient buffer would hold stale "
+           "values); please report this",
+           layout_.params()[i].name);
+}
 
 }  // namespace flux8

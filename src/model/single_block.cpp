@@ -133,6 +133,8 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse,
                         1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   a.release_to(qkv_mark);
+  p.q_norm.prepare_grad();
+  p.k_norm.prepare_grad();
   be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
                                     p.q_norm.ds, p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H),
                                     s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);

@@ -203,23 +203,27 @@ template <typename X>
 void expect_column_sums_match_cpu() {
   for (const Recipe& recipe : kRecipes)
     for (const auto [R, C] : {std::array<int64_t, 2>{300, 257}, {5, 3}, {128, 256}})
-      for (const int copies : {0, 1, 2, 3}) {
-        SCOPED_TRACE(fmt::format("{} [{}, {}] copies {}", recipe.name, R, C, copies));
-        X x({R, C}, 3);
-        x.randn(71, 3.0);
-        Pair sums({C});
-        sums.randn(72);
-        QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
-        for (const bool g : {false, true}) {
-          Backend::Quantize q = quantize_for(recipe, Fp8Format::e5m2, g);
-          q.column_sums = sums.t(g);
-          (g ? gpu() : cpu())
-              .quantize(copies & 1 ? row.on(g) : QTensor{}, copies & 2 ? col.on(g) : QTensor{}, x.t(g), q);
+      for (const int copies : {0, 1, 2, 3})
+        for (const bool accumulate : {true, false}) {
+          SCOPED_TRACE(fmt::format("{} [{}, {}] copies {} {}", recipe.name, R, C, copies,
+                                   accumulate ? "accumulated" : "overwritten (old sums NaN)"));
+          X x({R, C}, 3);
+          x.randn(71, 3.0);
+          Pair sums({C});
+          sums.randn(72);
+          if (!accumulate) sums.fill(std::numeric_limits<float>::quiet_NaN());  // never read
+          QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
+          for (const bool g : {false, true}) {
+            Backend::Quantize q = quantize_for(recipe, Fp8Format::e5m2, g);
+            q.column_sums = sums.t(g);
+            q.column_sums_accumulate = accumulate;
+            (g ? gpu() : cpu())
+                .quantize(copies & 1 ? row.on(g) : QTensor{}, copies & 2 ? col.on(g) : QTensor{}, x.t(g), q);
+          }
+          EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
+          if (copies & 1) expect_equals_cpu(row, "rowwise");
+          if (copies & 2) expect_equals_cpu(col, "columnwise");
         }
-        EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
-        if (copies & 1) expect_equals_cpu(row, "rowwise");
-        if (copies & 2) expect_equals_cpu(col, "columnwise");
-      }
 }
 
 }  // namespace flux8::testing

@@ -60,7 +60,7 @@ TEST(CudaGemmTuning, AutotuneTimesOnceThenReadsTheCache) {
   x.randn(1), w.randn(2, 0.1), b.randn(3), dy.randn(4);
   auto step = [&](Backend& be) {
     be.linear(y.dev, x.dev, w.dev, b.dev);
-    be.linear_backward(dx.dev, dw.dev, db.dev, dy.dev, x.dev, w.dev, false);
+    be.linear_backward(dx.dev, dw.dev, db.dev, dy.dev, x.dev, w.dev, false, true);
     be.synchronize();
     return std::pair{y.down(), dx.down()};
   };

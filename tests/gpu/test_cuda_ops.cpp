@@ -69,7 +69,7 @@ TEST(CudaOps, LinearForwardAndBackward) {
     dy.randn(15), dx.randn(16), dw.randn(17), db.randn(18);
     for (bool acc : {false, true}) {
       run_both([&](Backend& be, bool g) {
-        be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc);
+        be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc, acc);
       });
       EXPECT_CLOSE(dx, kGemm);
       EXPECT_CLOSE(dw, kGemm);
@@ -95,8 +95,8 @@ TEST(CudaOps, LinearBf16Gemm) {
   EXPECT_CLOSE(y, 5e-3);
   EXPECT_GT(gpu_vs_cpu(y), 1e-6) << "the bf16 path should round its operands";
   EXPECT_TRUE(y.padding_untouched());
-  cpu().linear_backward(dx.host.t, dw.host.t, db.host.t, dy.host.t, x.host.t, w.host.t, true);
-  bf.linear_backward(dx.dev, dw.dev, db.dev, dy.dev, x.dev, w.dev, true);
+  cpu().linear_backward(dx.host.t, dw.host.t, db.host.t, dy.host.t, x.host.t, w.host.t, true, true);
+  bf.linear_backward(dx.dev, dw.dev, db.dev, dy.dev, x.dev, w.dev, true, true);
   bf.synchronize();
   EXPECT_CLOSE(dx, 5e-3);
   EXPECT_CLOSE(dw, 5e-3);
@@ -125,7 +125,7 @@ TEST(CudaOps, LinearBf16Activations) {
     }
     for (const bool acc : {false, true}) {
       run_both_bf16([&](Backend& be, bool g) {
-        be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc);
+        be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc, acc);
       });
       EXPECT_LE(gpu_vs_cpu(dx), 5e-3) << "accumulate " << acc;
       EXPECT_CLOSE(dw, 5e-3);

@@ -90,7 +90,10 @@ void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Q
     if (q.amax) *q.amax = amax_accumulate(*q.amax, amax);
     if (q.stats) q.stats->merge(st);
   }
-  if (q.column_sums.defined()) add_column_sums<float>(q.column_sums, x, c);  // as linear_backward's db
+  if (q.column_sums.defined()) {  // as linear_backward's db
+    if (!q.column_sums_accumulate) fill(q.column_sums, 0.0);
+    add_column_sums<float>(q.column_sums, x, c);
+  }
 }
 
 void CpuBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,

@@ -54,7 +54,7 @@ void CpuBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
 }
 
 void CpuBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
-                                 bool accumulate_dx) {
+                                 bool accumulate_dx, bool accumulate_params) {
   constexpr std::string_view op = "linear_backward";
   const DType t =
       call_dtype(op, {{"dx", dx}, {"dw", dw}, {"db", db}, {"dy", dy}, {"x", x}, {"w", w}});
@@ -82,13 +82,16 @@ void CpuBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Ten
       require_defined(op, {"x", x});
       if (x.rows() != N || x.cols() != K)
         fail("{}: input 'x' {} must have {} rows of {} columns", op, x.str(), N, K);
-      parallel_gemm<T>(c, true, false, M, K, N, T(1), dy.ptr<T>(), dy.ld, x.ptr<T>(), x.ld, T(1), dw.ptr<T>(),
-              dw.ld);
+      // beta = 0 overwrites (BLAS never reads C then, so stale or NaN contents do not leak).
+      if (!accumulate_params && N == 0) fill(dw, 0.0);  // no rows: no product to write
+      parallel_gemm<T>(c, true, false, M, K, N, T(1), dy.ptr<T>(), dy.ld, x.ptr<T>(), x.ld,
+                       accumulate_params ? T(1) : T(0), dw.ptr<T>(), dw.ld);
     }
     if (db.defined()) {
       if (db.numel() != M || !db.contiguous())
         fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(),
              M);
+      if (!accumulate_params) fill(db, 0.0);
       add_column_sums<T>(db, dy, c);
     }
   });

@@ -56,7 +56,7 @@ class CudaBackend final : public Backend {
 
   void linear(Tensor y, Tensor x, Tensor w, Tensor b) override;
   void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
-                       bool accumulate_dx) override;
+                       bool accumulate_dx, bool accumulate_params) override;
 
   void silu(Tensor y, Tensor x) override;
   void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) override;

@@ -827,9 +827,9 @@ Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor pe
 
 // Quantize::column_sums of the cast's elements on their own (no tiles to sum them in).
 template <typename T>
-void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_t cols, float* sums) {
+void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_t cols, float* sums, bool accumulate) {
   column_sums(be, 1, rows, cols, [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); }, sums,
-              cols, true);
+              cols, accumulate);
 }
 
 }  // namespace
@@ -875,7 +875,9 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
       f(source_of<float>(in, tokens, per_sample));
   };
   if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
-    with_source([&](const auto& src) { add_column_sums(*this, src, R, C, q.column_sums.ptr<float>()); });
+    with_source([&](const auto& src) {
+      add_column_sums(*this, src, R, C, q.column_sums.ptr<float>(), q.column_sums_accumulate);
+    });
   }
   if (!any_copy) return;
   check_output(op, rowwise, q, "rowwise");
@@ -956,7 +958,8 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     }
   });
   if (column_partials)
-    column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<float>(), C, true);
+    column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<float>(), C,
+                          q.column_sums_accumulate);
   if (!want_stats) return;
 
   // The amax goes into the registry's staging slot on the device (q.amax is device memory).

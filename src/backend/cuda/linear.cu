@@ -169,12 +169,12 @@ void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c,
 
 namespace {
 
-// Column sums of dy (f32 or bf16) into the f32 bias gradient db (accumulated).
+// Column sums of dy (f32 or bf16) into the f32 bias gradient db (accumulated, or overwritten).
 template <typename T>
-void bias_gradient(CudaBackend& be, const Tensor& dy, const Tensor& db) {
+void bias_gradient(CudaBackend& be, const Tensor& dy, const Tensor& db, bool accumulate) {
   const MatOf<T> DY = mat_of<T>(dy);
   column_sums(be, 1, DY.rows, DY.cols, [=] __device__(int64_t, int64_t r, int64_t c) { return double(DY.get(r, c)); },
-              db.ptr<float>(), DY.cols, true);
+              db.ptr<float>(), DY.cols, accumulate);
 }
 
 // y = b (or 0) for an empty product.
@@ -213,7 +213,7 @@ void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
 }
 
 void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
-                                  bool accumulate_dx) {
+                                  bool accumulate_dx, bool accumulate_params) {
   constexpr std::string_view op = "linear_backward";
   const bool bf16 = activations_in_bf16(op, {{"dx", dx}, {"dy", dy}, {"x", x}});
   require_f32(op, {{"dw", dw}, {"db", db}, {"w", w}});
@@ -255,17 +255,19 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.m = K, d.n = M, d.k = N;
       d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
       d.type_a = d.type_b = ops.type();
-      d.accumulate = true;
+      d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
       gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, nullptr);
+    } else if (!accumulate_params) {
+      fill(dw, 0.0);
     }
   }
   if (db.defined()) {
     if (db.numel() != M || !db.contiguous())
       fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(), M);
     if (bf16)
-      bias_gradient<__nv_bfloat16>(*this, dy, db);
+      bias_gradient<__nv_bfloat16>(*this, dy, db, accumulate_params);
     else
-      bias_gradient<float>(*this, dy, db);
+      bias_gradient<float>(*this, dy, db, accumulate_params);
   }
 }
 
