@@ -77,14 +77,16 @@ __device__ inline float widen(float v) { return v; }
 __device__ inline float widen_bits(uint32_t bf16_bits) { return __uint_as_float(bf16_bits << 16); }
 __device__ inline float widen(__nv_bfloat16 v) { return widen_bits(__bfloat16_as_ushort(v)); }
 
-// The value an op's output has once stored as a T: f32 as computed, bf16 rounded to nearest
-// even (the CPU's round_to_bf16, so NaNs keep their sign as there).
+// The value an op's output has once stored as a T: f32 as computed, bf16 as store() rounds it
+// (the conversion instruction: nearest even, a NaN becomes the canonical NaN). The CPU's integer
+// round_to_bf16 gives the same bits for every non-NaN value but cost ~6 integer instructions an
+// element, in casts that Nsight Compute showed bound by the integer pipe (GELU's: ALU 66%).
 template <typename T>
 __device__ inline float as_stored(float v) {
   if constexpr (std::is_same_v<T, float>)
     return v;
   else
-    return round_to_bf16(v);
+    return __bfloat162float(__float2bfloat16_rn(v));
 }
 
 // Where the cast's elements come from: x itself, or the value an element-wise op would have
@@ -480,9 +482,14 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, f
   [[maybe_unused]] int64_t sample = -1;
   // Rows in groups of kAhead per thread: the group's loads are issued before any of its rows is
   // encoded, so each thread keeps kAhead loads in flight (rows are visited in the same order as
-  // one at a time: the column sums add in the same order). 8 rows ahead for bf16 took 80
-  // registers instead of 64 and was no faster (fourth session).
-  constexpr int kAhead = 4;
+  // one at a time: the column sums add in the same order). The general loop takes 4 (8 rows
+  // ahead for bf16 took 80 registers instead of 64 and was no faster while the loop was bound
+  // by instruction issue); the lean kFull loop is bound by load latency (Nsight Compute: L1TEX
+  // scoreboard stalls, DRAM 49%) and keeps 8 bf16 rows (8 bytes each) in flight where that
+  // leaves 4 blocks per SM (≤ 64 registers: the identity cast and GELU's; LayerNorm's and GELU
+  // backward's two inputs would take 78–108).
+  constexpr int kAhead =
+      kFull && sizeof(T) == 2 && (kOp == Op::identity || kOp == Op::gelu_tanh) ? 8 : 4;
 #pragma unroll 1
   for (int i0 = warp; i0 < nr; i0 += kWarps * kAhead) {
     Quad<T> quad[kAhead];
