@@ -131,31 +131,23 @@ struct ForwardArgs {
   float eps;
 };
 
-// The lane's pairs of x for one segment (loaded for q and k before either is used, so that a
-// warp has both tensors' loads in flight: see the backward's NormLoads).
-template <int kPairs, typename T>
-__device__ inline void load_segment_pairs(float2 (&v)[kPairs], const MatOf<T>& x, const Segment& s, int lane,
-                                          const Geometry& geo) {
-#pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int64_t p = lane + 32 * j;
-    if (p < geo.D / 2) v[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), geo.vec);
-  }
-}
-
-// out = rope(x / √(mean(x²) + eps) · scale) for one segment (x: its loaded pairs v): the value
-// rmsnorm_heads stores, then rope's rotation of it.
-template <int kPairs, typename H>
-__device__ inline void norm_rotate(const Heads<H>& out, float* rstd, const float2 (&v)[kPairs], const float* scale,
+// out = rope(x / √(mean(x²) + eps) · scale) for one segment: the value rmsnorm_heads stores,
+// then rope's rotation of it.
+template <int kPairs, typename T, typename H>
+__device__ inline void norm_rotate(const Heads<H>& out, float* rstd, const MatOf<T>& x, const float* scale,
                                    const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
                                    const Geometry& geo, float eps) {
   const int64_t D = geo.D;
   const bool vec = geo.vec;
+  float2 v[kPairs];
   float sq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
-    if (p < D / 2) sq += v[j].x * v[j].x + v[j].y * v[j].y;
+    if (p < D / 2) {
+      v[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), vec);
+      sq += v[j].x * v[j].x + v[j].y * v[j].y;
+    }
   }
   sq = warp_sum(sq);
   const float rs = 1.0f / sqrtf(sq * geo.inv_D + eps);
@@ -177,12 +169,10 @@ __global__ void qk_norm_rope_to_heads_kernel(ForwardArgs<T, H> a) {
   const int lane = threadIdx.x % 32;
   if (seg >= a.g.segments) return;  // whole warps leave together (the grid is warp-aligned)
   const Segment s = a.g.segment(seg);
-  float2 cs[kPairs], qv[kPairs], kv[kPairs];
+  float2 cs[kPairs];
   load_table(cs, a.pe, s, a.g.D, lane, a.g.vec);
-  load_segment_pairs(qv, a.q, s, lane, a.g);
-  load_segment_pairs(kv, a.k, s, lane, a.g);
-  norm_rotate(a.q_heads, a.q_rstd, qv, a.q_scale, cs, s, seg, lane, a.g, a.eps);
-  norm_rotate(a.k_heads, a.k_rstd, kv, a.k_scale, cs, s, seg, lane, a.g, a.eps);
+  norm_rotate(a.q_heads, a.q_rstd, a.q, a.q_scale, cs, s, seg, lane, a.g, a.eps);
+  norm_rotate(a.k_heads, a.k_rstd, a.k, a.k_scale, cs, s, seg, lane, a.g, a.eps);
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
@@ -202,51 +192,28 @@ struct BackwardArgs {
   int64_t chunk;
 };
 
-// What one segment's backward reads of one of q, k: the lane's pairs of the heads' gradient and
-// of the token-side input, and the segment's rstd. Loaded for both q and k before either is
-// used, so a warp has twice the loads in flight: loading each just before its use left the
-// kernel waiting on memory (Nsight Compute: 10 of 15.5 cycles between issues on L1TEX, DRAM
-// 35%). (dv's pairs too took more than the 64 registers two blocks of 512 threads allow.)
-template <int kPairs>
-struct NormLoads {
-  float2 d[kPairs], x[kPairs];
-  float rs;
-};
-template <int kPairs, typename T, typename H>
-__device__ inline void load_norm_backward(NormLoads<kPairs>& in, const Heads<H>& dheads, const MatOf<T>& x,
-                                          const float* rstd, const Segment& s, int64_t seg, int lane,
-                                          const Geometry& geo) {
-  in.rs = rstd[seg];
-#pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int64_t p = lane + 32 * j;
-    if (p < geo.D / 2) {
-      in.d[j] = dheads.load2(s.head_row, 2 * p, geo.vec);
-      in.x[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), geo.vec);
-    }
-  }
-}
-
 // One segment of rmsnorm_heads_backward on g = rope⁻¹(dheads) (the gradient of the normalised,
-// unrotated values), from its loads: with x̂ = x·rstd, dx = rstd·(g·scale − x̂·mean(g·scale·x̂));
-// acc (this lane's dscale columns) += g·x̂.
-template <int kPairs, typename T>
-__device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 * kPairs], NormLoads<kPairs>& in,
-                                            const float* scale, const float2 (&cs)[kPairs], const Segment& s,
-                                            int lane, const Geometry& geo) {
+// unrotated values): with x̂ = x·rstd, dx = rstd·(g·scale − x̂·mean(g·scale·x̂)); acc (this
+// lane's dscale columns) += g·x̂.
+template <int kPairs, typename T, typename H>
+__device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 * kPairs], const Heads<H>& dheads,
+                                            const MatOf<T>& x, const float* rstd, const float* scale,
+                                            const float2 (&cs)[kPairs], const Segment& s, int64_t seg, int lane,
+                                            const Geometry& geo) {
   const int64_t D = geo.D;
   const bool vec = geo.vec;
-  const float rs = in.rs;
-  float2(&g)[kPairs] = in.d;  // rotated in place: g takes the loaded gradient's registers
+  const float rs = rstd[seg];
+  float2 g[kPairs], xv[kPairs];
   float sgx = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
     if (p < D / 2) {
-      const float2 d = in.d[j], xv = in.x[j];
+      const float2 d = dheads.load2(s.head_row, 2 * p, vec);
       const float c = cs[j].x, sn = cs[j].y;
       g[j] = make_float2(c * d.x + sn * d.y, c * d.y - sn * d.x);  // rotation by −θ: RoPE's backward
-      sgx += g[j].x * scale[2 * p] * (xv.x * rs) + g[j].y * scale[2 * p + 1] * (xv.y * rs);
+      xv[j] = load_pair(&x.at(s.token_row, s.col + 2 * p), vec);
+      sgx += g[j].x * scale[2 * p] * (xv[j].x * rs) + g[j].y * scale[2 * p + 1] * (xv[j].y * rs);
     }
   }
   const float mean_gx = warp_sum(sgx) * geo.inv_D;
@@ -254,7 +221,7 @@ __device__ inline void norm_rotate_backward(const MatOf<T>& dx, float (&acc)[2 *
   for (int j = 0; j < kPairs; ++j) {
     const int64_t p = lane + 32 * j;
     if (p < D / 2) {
-      const float xhat0 = in.x[j].x * rs, xhat1 = in.x[j].y * rs;
+      const float xhat0 = xv[j].x * rs, xhat1 = xv[j].y * rs;
       if (dx.p)
         store_pair(&dx.at(s.token_row, s.col + 2 * p),
                    make_float2(rs * (g[j].x * scale[2 * p] - xhat0 * mean_gx),
@@ -306,15 +273,14 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
   float q_acc[2 * kPairs] = {}, k_acc[2 * kPairs] = {};
   for (int64_t seg = begin + warp; seg < end; seg += kBackwardWarps) {
     const Segment s = a.g.segment(seg);
-    // q's and k's loads (and the table) first, then their arithmetic and stores; dv's copy last.
-    // (Heads wider than 256, kPairs 8, spill ~240 bytes a thread this way; Flux's 128 do not.)
-    float2 cs[kPairs];
-    NormLoads<kPairs> qin, kin;
-    if (q_norm || k_norm) load_table(cs, a.pe, s, a.g.D, lane, a.g.vec);
-    if (q_norm) load_norm_backward(qin, a.dq_heads, a.q, a.q_rstd, s, seg, lane, a.g);
-    if (k_norm) load_norm_backward(kin, a.dk_heads, a.k, a.k_rstd, s, seg, lane, a.g);
-    if (q_norm) norm_rotate_backward(a.dq, q_acc, qin, a.q_scale, cs, s, lane, a.g);
-    if (k_norm) norm_rotate_backward(a.dk, k_acc, kin, a.k_scale, cs, s, lane, a.g);
+    if (q_norm || k_norm) {
+      float2 cs[kPairs];
+      load_table(cs, a.pe, s, a.g.D, lane, a.g.vec);
+      if (q_norm)
+        norm_rotate_backward(a.dq, q_acc, a.dq_heads, a.q, a.q_rstd, a.q_scale, cs, s, seg, lane, a.g);
+      if (k_norm)
+        norm_rotate_backward(a.dk, k_acc, a.dk_heads, a.k, a.k_rstd, a.k_scale, cs, s, seg, lane, a.g);
+    }
     if (a.dv.p) {
 #pragma unroll
       for (int j = 0; j < kPairs; ++j) {
