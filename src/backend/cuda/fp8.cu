@@ -107,7 +107,7 @@ struct Source {
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
-  bool shift_vec4 = false, scale_vec4 = false;  // layernorm_modulate: rows of shift/scale load 4 columns at once
+  bool shift_vec4 = false, scale_vec4 = false;  // layernorm_modulate: shift/scale rows load 4 columns at once
   // gelu_tanh_backward's element from dy and the GELU's input x: the op kernel's dy · f'(x),
   // rounded as stored.
   __device__ static float gelu_backward_value(float dy, float x) { return as_stored<T>(dy * gelu_grad(x)); }
@@ -754,10 +754,11 @@ template <typename T>
 void launch_per_tensor(const CastArgs<T>& a, bool count, int64_t tiles, cudaStream_t stream) {
   using Op = Backend::CastInput::Op;
   const auto launch = [&]<bool kCount, Op kOp>() {
+    const unsigned blocks = static_cast<unsigned>(tiles);
     if (a.format == Fp8Format::e4m3)
-      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e4m3><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream>>>(a);
+      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e4m3><<<blocks, kCastThreads, 0, stream>>>(a);
     else
-      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e5m2><<<static_cast<unsigned>(tiles), kCastThreads, 0, stream>>>(a);
+      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e5m2><<<blocks, kCastThreads, 0, stream>>>(a);
     FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
   };
   const auto with_op = [&]<bool kCount>() {

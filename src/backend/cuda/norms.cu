@@ -151,7 +151,8 @@ struct GlobalRows {
 // kR consecutive rows r.. of the one-pass backward below, their loads issued together and their
 // row sums in one block_sums: two rows at a time keep twice the loads in flight per thread and
 // halve the barriers (the kernel is bound by memory latency: Nsight Compute, one row at a time:
-// SM 27%, DRAM 34%, 2 blocks of 8 warps per SM).
+// SM 27%, DRAM 34%, 2 blocks of 8 warps per SM). 1 + scale is reloaded per step (L1-resident)
+// rather than held, which pays for the second row's registers.
 template <int kR, typename T, int kV, int kThr, int kGroups, typename Rows>
 __device__ inline void ln_backward_rows(const Rows& rows, const MatOf<T>& dx, const float* mean, const float* rstd,
                                         const MatOf<T>& scale, int64_t b, int64_t r, int64_t H, float inv_h,
@@ -291,20 +292,26 @@ struct StagedRows {
   }
   __device__ void old_dx(int q, int g, int64_t, float* v) const { widen4(slot(2, q, g), v); }
   // Rows r, r + 1 (those before end) into `st`, as this thread will read them; one cp.async group
-  // (committed even when empty, so that groups and stages stay in step).
+  // (committed even when empty, so that groups and stages stay in step). One row pointer per
+  // tensor and row, the groups at constant offsets from it (kThr·kV elements apart): the copies
+  // take no 64-bit index arithmetic of their own.
   __device__ static void issue(T* st, const MatOf<T>& dy, const MatOf<T>& x, const MatOf<T>& dx, bool old, int64_t r,
                                int64_t end, int64_t H) {
+    const int c = threadIdx.x * kV;
+    T* const s = st + c;
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       if (r + q >= end) break;
+      const T* const dyr = dy.p + (r + q) * dy.ld + c;
+      const T* const xr = x.p + (r + q) * x.ld + c;
+      const T* const dxr = old ? dx.p + (r + q) * dx.ld + c : nullptr;
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
-        const int64_t j = row_column<kV, kThr>(g * kV);
-        if (j >= H) continue;
-        T* s = st + (g * kThr + threadIdx.x) * kV;
-        __pipeline_memcpy_async(s + (0 * 2 + q) * kSlot, &dy.at(r + q, j), kV * sizeof(T));
-        __pipeline_memcpy_async(s + (1 * 2 + q) * kSlot, &x.at(r + q, j), kV * sizeof(T));
-        if (old) __pipeline_memcpy_async(s + (2 * 2 + q) * kSlot, &dx.at(r + q, j), kV * sizeof(T));
+        if (c + g * kThr * kV >= H) break;  // the groups past the row's end: none of their columns exist
+        const int o = g * kThr * kV;
+        __pipeline_memcpy_async(s + (0 * 2 + q) * kSlot + o, dyr + o, kV * sizeof(T));
+        __pipeline_memcpy_async(s + (1 * 2 + q) * kSlot + o, xr + o, kV * sizeof(T));
+        if (old) __pipeline_memcpy_async(s + (2 * 2 + q) * kSlot + o, dxr + o, kV * sizeof(T));
       }
     }
     __pipeline_commit();
