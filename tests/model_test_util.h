@@ -43,6 +43,7 @@ inline void randomize_params(ParamStore& store, uint64_t seed, double std = 0.3)
       v[j] = (is_scale ? 1.0 : 0.0) + (is_scale ? 0.2 : std) * rng_normal(seed, i, j);
     from_host(store.backend(), store.param(p.name), v);
   }
+  store.params_changed();
 }
 
 // Random inputs for B samples, Lt text and Li image tokens; image ids on a grid of width 3.

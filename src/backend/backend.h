@@ -80,6 +80,11 @@ class Backend {
   // The element type a model stores activations and their gradients in when it computes in
   // `compute`: `compute` itself, or bf16 (CUDA backend, bf16_activations, compute f32).
   virtual DType activation_dtype(DType compute) const { return compute; }
+  // The type linear/linear_backward run their GEMM operands in when the model computes in
+  // `compute`: `compute` itself, or bf16 (CUDA backend with bf16 activations or bf16_gemm). A
+  // weight `w` may be passed in this type as well as in `compute` — the rounded copy a model
+  // keeps per optimizer step (ParamStore::operand), which the op would otherwise make per call.
+  virtual DType weight_operand_dtype(DType compute) const { return compute; }
 
   // ---- elementwise / copies (same shape [rows, cols]; any ld) --------------------------
   // Activations: every tensor (all of one type); copy() also converts, y's type from x's.

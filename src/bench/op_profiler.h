@@ -44,6 +44,7 @@ class OpProfiler final : public Backend {
   }
   void copy(Tensor y, Tensor x) override { timed("copy", [&] { be_.copy(y, x); }); }
   DType activation_dtype(DType compute) const override { return be_.activation_dtype(compute); }
+  DType weight_operand_dtype(DType compute) const override { return be_.weight_operand_dtype(compute); }
   DType attention_heads_dtype(DType activations, int64_t head_dim) const override {
     return be_.attention_heads_dtype(activations, head_dim);
   }

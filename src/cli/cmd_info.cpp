@@ -48,11 +48,12 @@ Command add_info_command(CLI::App& app) {
 
     const ParamLayout layout = ParamLayout::build(cfg);
     std::vector<std::pair<std::string, int64_t>> components;
-    int64_t block_linear_params = 0;
+    int64_t block_linear_params = 0, linear_weight_params = 0;
     for (const ParamInfo& p : layout.params()) {
       if (components.empty() || components.back().first != p.component) components.push_back({p.component, 0});
       components.back().second += p.shape.numel();
       if (p.block_linear) block_linear_params += p.shape.numel();
+      if (p.shape.rank == 2 && p.name.ends_with(".weight")) linear_weight_params += p.shape.numel();
     }
     const double P = static_cast<double>(layout.total());
     const ModelFlops per_sample = model_flops(cfg, StepShape{1, shape.txt_tokens, shape.img_tokens});
@@ -65,11 +66,13 @@ Command add_info_command(CLI::App& app) {
     // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
     // Two accounts: the design (bf16 activation storage and a bf16 weight copy), and what the
     // CUDA backend allocates today (activations in activation_precision — bf16 by default, as
-    // the design; no kept bf16 weights: the GEMMs round the f32 weights per call).
+    // the design; bf16 copies of the Linear weights its BF16 GEMMs read, ParamStore::operand:
+    // every Linear in BF16, those outside the FP8 block Linears in FP8).
     struct Row { const char* name; double bf16, fp8, today_bf16, today_fp8; };
     const double fp8_copies = 2.0 * static_cast<double>(block_linear_params);
+    const double bf16_linears = 2.0 * static_cast<double>(linear_weight_params);
     const std::vector<Row> rows = {
-        {"weights (bf16)", 2 * P, 2 * P, 0, 0},
+        {"weights (bf16)", 2 * P, 2 * P, bf16_linears, bf16_linears - fp8_copies},
         {"fp8 weight copies", 0, fp8_copies, 0, fp8_copies},
         {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
         {"fp32 gradients", 4 * P, 4 * P, 4 * P, 4 * P},
@@ -124,7 +127,8 @@ Command add_info_command(CLI::App& app) {
     fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", "total", gib(total.bf16), gib(total.fp8),
                gib(total.today_bf16), gib(total.today_fp8));
     fmt::print("  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now,\n"
-               "   activations and block scratch in {} (activation_precision), no kept bf16 weights; not\n"
+               "   activations and block scratch in {} (activation_precision), bf16 copies of the Linear\n"
+               "   weights its BF16 GEMMs read (in FP8 those outside the block Linears); not\n"
                "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
                "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
                "   optimizer sharding; see docs/MEMORY.md)\n",

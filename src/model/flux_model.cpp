@@ -167,6 +167,23 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
     for (SingleBlockParams& p : single_params_) add_block(p.sites());
     fp8_->allocate_weight_casts(all);
   }
+  // Every Linear weight whose GEMMs run on the backend's weight operand type (all but the FP8
+  // sites' weights) keeps a per-step copy in that type (ParamStore::operand).
+  std::vector<const LinearSite*> fp8_sites;
+  for (DoubleBlockParams& p : double_params_)
+    for (const LinearSite* s : p.sites())
+      if (s->fp8) fp8_sites.push_back(s);
+  for (SingleBlockParams& p : single_params_)
+    for (const LinearSite* s : p.sites())
+      if (s->fp8) fp8_sites.push_back(s);
+  std::vector<std::string> operand_copies;
+  for (const ParamInfo& p : params_->layout().params()) {
+    if (p.shape.rank != 2 || !p.name.ends_with(".weight")) continue;
+    const bool fp8_weight = std::any_of(fp8_sites.begin(), fp8_sites.end(),
+                                        [&](const LinearSite* s) { return s->name + ".weight" == p.name; });
+    if (!fp8_weight) operand_copies.push_back(p.name);
+  }
+  params_->use_operand_copies(operand_copies);
 }
 
 void FluxModel::end_optimizer_step() {
@@ -242,9 +259,9 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   // Conditioning vector: vec = time_in(emb(t)) [+ guidance_in(emb(g))] + vector_in(y).
   auto run_embedder = [&](const std::string& name, MlpEmbedderSaved& e, Tensor x, Tensor out) {
     const MlpEmbedder m = MlpEmbedder::bind(P, name);
-    be_.linear(e.hidden, x, m.in_layer.w, m.in_layer.b);
+    be_.linear(e.hidden, x, P.operand(m.in_layer.w), m.in_layer.b);
     be_.silu(e.act, e.hidden);
-    be_.linear(out, e.act, m.out_layer.w, m.out_layer.b);
+    be_.linear(out, e.act, P.operand(m.out_layer.w), m.out_layer.b);
   };
   const size_t mark = scratch_arena_.mark();
   Tensor tmp = scratch_arena_.alloc(act_dtype_, Shape{B, H}, SlotKind::workspace);
@@ -261,8 +278,8 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   scratch_arena_.release_to(mark);
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
-  be_.linear(s.img, x_img, img_in.w, img_in.b);
-  be_.linear(s.txt, x_txt, txt_in.w, txt_in.b);
+  be_.linear(s.img, x_img, P.operand(img_in.w), img_in.b);
+  be_.linear(s.txt, x_txt, P.operand(txt_in.w), txt_in.b);
   be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
@@ -307,10 +324,10 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
   const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
   const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
-  be_.linear(s.final_mod, s.silu_vec, ada.w, ada.b);
+  be_.linear(s.final_mod, s.silu_vec, P.operand(ada.w), ada.b);
   be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
                          s.final_mod.cols_slice(H, H), c.layernorm_eps);
-  be_.linear(s.pred, s.final_xm, lin.w, lin.b);
+  be_.linear(s.pred, s.final_xm, P.operand(lin.w), lin.b);
   if (!s.pred_out.defined()) return s.pred;
   be_.copy(s.pred_out, s.pred);
   return s.pred_out;
@@ -347,10 +364,11 @@ void FluxModel::backward(const Tensor& dpred) {
   // Final layer.
   const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
   const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
-  be_.linear_backward(dxm, lin.dw, lin.db, dpred_act, s.final_xm, lin.w, false, lin.accumulate_grads());
+  be_.linear_backward(dxm, lin.dw, lin.db, dpred_act, s.final_xm, P.operand(lin.w), false, lin.accumulate_grads());
   be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img,
                                   s.final_mean, s.final_rstd, s.final_mod.cols_slice(H, H), false);
-  be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, ada.w, false, ada.accumulate_grads());
+  be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, P.operand(ada.w), false,
+                      ada.accumulate_grads());
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
   BlockContext ctx{be_, c, sh, t, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
@@ -403,7 +421,7 @@ void FluxModel::backward(const Tensor& dpred) {
   be_.silu_backward(dvec, d_silu_vec, s.vec, false);
   auto embedder_backward = [&](const std::string& name, const MlpEmbedderSaved& e, const Tensor& x) {
     const MlpEmbedder m = MlpEmbedder::bind(P, name);
-    be_.linear_backward(dact, m.out_layer.dw, m.out_layer.db, dvec, e.act, m.out_layer.w, false,
+    be_.linear_backward(dact, m.out_layer.dw, m.out_layer.db, dvec, e.act, P.operand(m.out_layer.w), false,
                         m.out_layer.accumulate_grads());
     be_.silu_backward(dhidden, dact, e.hidden, false);
     be_.linear_backward(Tensor{}, m.in_layer.dw, m.in_layer.db, dhidden, x, m.in_layer.w, false,

@@ -227,7 +227,7 @@ Tensor linear_input_buffer(Arena& scratch, const SavedLinearInput& saved, Shape 
 void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y, Tensor x,
                   SavedLinearInput& saved) {
   if (!site.fp8 || !fp8) {
-    be.linear(y, x, site.w, site.b);
+    be.linear(y, x, site.w_operand(), site.b);
     return;
   }
   const size_t mark = scratch.mark();
@@ -293,7 +293,8 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx) {
   if (!site.fp8 || !fp8) {
-    be.linear_backward(dx, site.dw, site.db, dy, saved.full, site.w, accumulate_dx, site.accumulate_grads());
+    be.linear_backward(dx, site.dw, site.db, dy, saved.full, dx.defined() ? site.w_operand() : site.w, accumulate_dx,
+                       site.accumulate_grads());
     return;
   }
   Backend::CastInput in;

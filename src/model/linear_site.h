@@ -36,6 +36,9 @@ struct LinearSite {
   // For the backward about to write dw and db: false when it is their first write of the step
   // (ParamStore::first_write: overwrite, the buffer is not zero-filled), true after (add).
   bool accumulate_grads() const;
+  // The weight as a BF16 GEMM takes it: the store's per-step rounded copy where it keeps one
+  // (ParamStore::operand), else w.
+  Tensor w_operand() const { return store ? store->operand(w) : w; }
 };
 
 // What a Linear keeps for its backward: the input itself (BF16, or FP8 with fp8_wgrad: false)

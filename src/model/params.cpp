@@ -87,6 +87,7 @@ ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype)
 ParamStore::~ParamStore() {
   backend_.release(params_);
   backend_.release(grads_);
+  if (operand_buffer_) backend_.release(operand_buffer_);
 }
 
 static Tensor view(void* base, DType dtype, const ParamInfo& p) {
@@ -100,6 +101,7 @@ Tensor ParamStore::flat_params() const { return Tensor(params_, dtype_, Shape{la
 Tensor ParamStore::flat_grads() const { return Tensor(grads_, dtype_, Shape{layout_.total()}); }
 
 void ParamStore::init(uint64_t seed) {
+  params_changed();
   // On the backend (the GPU for a CUDA run): 1.31B parameters start in milliseconds instead of
   // seconds of host generation and upload. Each value is a pure function of (seed, stream, j).
   for (size_t i = 0; i < layout_.params().size(); ++i) {
@@ -120,6 +122,45 @@ void ParamStore::init(uint64_t seed) {
 }
 
 void ParamStore::zero_grads() { std::fill(written_.begin(), written_.end(), 0); }
+
+size_t ParamStore::param_index(const Tensor& param) const {
+  const char* base = static_cast<const char*>(params_);
+  const char* p = static_cast<const char*>(param.data);
+  const size_t unit = dtype_size(dtype_);
+  if (p < base || (p - base) % unit != 0) return static_cast<size_t>(-1);
+  const auto it = by_offset_.find(static_cast<int64_t>((p - base) / unit));
+  if (it == by_offset_.end() || param.numel() != layout_.params()[it->second].shape.numel()) return static_cast<size_t>(-1);
+  return it->second;
+}
+
+void ParamStore::use_operand_copies(const std::vector<std::string>& names) {
+  const DType t = backend_.weight_operand_dtype(dtype_);
+  if (t == dtype_ || names.empty() || operand_buffer_) return;
+  operands_.assign(layout_.params().size(), OperandCopy{});
+  std::vector<std::pair<size_t, size_t>> placed;  // (parameter, byte offset in the buffer)
+  size_t bytes = 0;
+  for (const std::string& name : names) {
+    const ParamInfo& p = layout_.at(name);
+    placed.emplace_back(static_cast<size_t>(&p - layout_.params().data()), bytes);
+    bytes += (static_cast<size_t>(p.shape.numel()) * dtype_size(t) + 255) / 256 * 256;
+  }
+  operand_buffer_ = backend_.allocate(bytes);
+  operand_bytes_ = bytes;
+  for (const auto& [i, offset] : placed)
+    operands_[i].copy = Tensor(static_cast<char*>(operand_buffer_) + offset, t, layout_.params()[i].shape);
+}
+
+Tensor ParamStore::operand(const Tensor& w) const {
+  if (operands_.empty()) return w;
+  const size_t i = param_index(w);
+  if (i == static_cast<size_t>(-1) || !operands_[i].copy.defined()) return w;
+  const OperandCopy& c = operands_[i];
+  if (c.version != params_version_) {
+    backend_.copy(c.copy, w);  // rounded to nearest even, as the GEMM's per-call conversion did
+    c.version = params_version_;
+  }
+  return c.copy;
+}
 
 size_t ParamStore::grad_index(const Tensor& grad, std::string_view what) const {
   const char* base = static_cast<const char*>(grads_);

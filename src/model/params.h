@@ -83,8 +83,21 @@ class ParamStore {
   void zero_if_unwritten(const Tensor& grad) const;
   void finish_grads() const;
 
+  // Weight operands. Where the backend runs a Linear's GEMMs on operands of another type than
+  // the parameters (Backend::weight_operand_dtype: bf16 on the CUDA backend), the Linear would
+  // round its f32 weight in every call — forward and dgrad, two passes of 6 bytes a parameter
+  // a step (W2 in BF16: ~3.5 ms). use_operand_copies(names) keeps a rounded copy of those
+  // weights instead; operand(w) returns it, made again on first use after params_changed() —
+  // which everything that writes parameters calls (init, load_weights, the optimizer step) —
+  // or w itself for a weight without a copy (FP8 sites, the CPU backend).
+  void use_operand_copies(const std::vector<std::string>& names);
+  Tensor operand(const Tensor& w) const;
+  void params_changed() { ++params_version_; }
+  size_t operand_copy_bytes() const { return operand_bytes_; }
+
  private:
   size_t grad_index(const Tensor& grad, std::string_view what) const;
+  size_t param_index(const Tensor& param) const;  // layout index of a whole parameter's view, or npos
 
   ParamLayout layout_;
   Backend& backend_;
@@ -93,6 +106,16 @@ class ParamStore {
   void* grads_ = nullptr;
   std::unordered_map<int64_t, size_t> by_offset_;  // a parameter's offset -> its index
   mutable std::vector<uint8_t> written_;           // per parameter, since zero_grads()
+  // Weight operand copies: per parameter, its copy (undefined: none) and the params_version_
+  // it was made at.
+  struct OperandCopy {
+    Tensor copy;
+    mutable int64_t version = -1;
+  };
+  std::vector<OperandCopy> operands_;
+  void* operand_buffer_ = nullptr;
+  size_t operand_bytes_ = 0;
+  int64_t params_version_ = 0;
 };
 
 }  // namespace flux8

@@ -112,6 +112,7 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
     }
     from_host(be, store.param(p.name), values);
   }
+  store.params_changed();
 }
 
 void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,

@@ -39,6 +39,7 @@ StepStats AdamWOptimizer::step(int64_t step, double lr) {
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
   be.adamw(store_.flat_params(), store_.flat_grads(), m_, v_,
            Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step});
+  store_.params_changed();  // the weights' per-step operand copies are made again at first use
   s.applied = true;
   return s;
 }

@@ -154,5 +154,44 @@ TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
   expect_within_noise(g, c, exact, "bf16", 3.0, 1e-2);
 }
 
+// Where the GEMMs run on bf16 operands the model keeps each non-FP8 Linear weight's bf16 copy
+// per parameter version (ParamStore::operand) instead of rounding it in every call. After the
+// parameters change (params_changed(): init, load_weights, the optimizer step) the next forward
+// must use the new weights — bit for bit what a model built with them computes — and the copies
+// must really be in use: a write that skips params_changed() leaves the old weights in effect.
+TEST(CudaModel, WeightOperandCopiesFollowParameterChanges) {
+  FLUX8_REQUIRE_GPU();
+  Backend& be = gpu_bf16_activations();
+  ASSERT_EQ(be.weight_operand_dtype(DType::f32), DType::bf16);
+  EXPECT_EQ(cpu().weight_operand_dtype(DType::f32), DType::f32);
+  const FluxConfig cfg = odd_config(1, 1, true);
+  InputBatch batch(be, DType::f32);
+  FluxInputs in;
+  random_inputs(batch, cfg, 2, 5, 9, 11, in);
+  const auto forward = [&](FluxModel& m) {
+    m.plan(StepShape{2, 5, 9});
+    return to_host(be, m.forward(in));
+  };
+  FluxModel fresh(cfg, be, DType::f32);
+  randomize_params(fresh.params(), 8);
+  const std::vector<double> want = forward(fresh);
+
+  FluxModel model(cfg, be, DType::f32);
+  EXPECT_GT(model.params().operand_copy_bytes(), 0u);
+  randomize_params(model.params(), 7);
+  const std::vector<double> before = forward(model);
+  ASSERT_NE(before, want);
+  randomize_params(model.params(), 8);  // calls params_changed()
+  EXPECT_EQ(forward(model), want) << "the forward after params_changed() must use the new weights";
+
+  randomize_params(model.params(), 7);
+  EXPECT_EQ(forward(model), before);
+  for (const ParamInfo& p : model.params().layout().params())  // a write without params_changed()
+    from_host(be, model.params().param(p.name), to_host(be, fresh.params().param(p.name)));
+  EXPECT_NE(forward(model), want) << "the Linears read their f32 weights: the copies are not in use";
+  model.params().params_changed();
+  EXPECT_EQ(forward(model), want);
+}
+
 }  // namespace
 }  // namespace flux8::testing

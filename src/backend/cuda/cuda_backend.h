@@ -51,6 +51,9 @@ class CudaBackend final : public Backend {
   DType activation_dtype(DType compute) const override {
     return options_.bf16_activations && compute == DType::f32 ? DType::bf16 : compute;
   }
+  DType weight_operand_dtype(DType compute) const override {
+    return (options_.bf16_activations || options_.bf16_gemm) && compute == DType::f32 ? DType::bf16 : compute;
+  }
   void add(Tensor y, Tensor a, Tensor b) override;
   void accumulate(Tensor y, Tensor x) override;
 

@@ -71,6 +71,15 @@ class Operands {
 
 cudaDataType_t cuda_type(const Tensor& t) { return t.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 
+// The weight `w`: f32, or already bf16 (Backend::weight_operand_dtype: the model's per-step
+// copy) where this call's GEMM runs on bf16 operands — Operands passes a bf16 tensor through.
+void require_weight(CudaBackend& be, std::string_view op, const Tensor& w, bool bf16_activations) {
+  if (!w.defined() || w.dtype == DType::f32) return;
+  if (w.dtype == DType::bf16 && (bf16_activations || be.options().bf16_gemm)) return;
+  fail("{}: weight 'w' is {}: expected f32{}", op, dtype_name(w.dtype),
+       bf16_activations || be.options().bf16_gemm ? " or bf16" : " (bf16 weights need bf16 GEMM operands)");
+}
+
 // c[r, j] (+)= bias[j] after the product (gemm_with_bias's last resort), in the CPU's order.
 template <typename T>
 void add_bias(CudaBackend& be, const Tensor& c, const float* bias) {
@@ -189,7 +198,8 @@ void fill_bias(CudaBackend& be, const Tensor& y, const float* bias) {
 void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear";
   const bool bf16 = activations_in_bf16(op, {{"y", y}, {"x", x}});
-  require_f32(op, {{"w", w}, {"b", b}});
+  require_f32(op, {{"b", b}});
+  require_weight(*this, op, w, bf16);
   const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
   if (K == 0) {  // empty product: y = b (or 0)
     if (!b.defined())
@@ -216,7 +226,8 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
                                   bool accumulate_dx, bool accumulate_params) {
   constexpr std::string_view op = "linear_backward";
   const bool bf16 = activations_in_bf16(op, {{"dx", dx}, {"dy", dy}, {"x", x}});
-  require_f32(op, {{"dw", dw}, {"db", db}, {"w", w}});
+  require_f32(op, {{"dw", dw}, {"db", db}});
+  require_weight(*this, op, w, bf16);
   require_defined(op, {"dy", dy});
   require_rank(op, {"w", w}, 2);
   const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
