@@ -139,6 +139,35 @@ TEST(CudaOps, LinearBf16Activations) {
   EXPECT_THROW(gpu().linear(y.dev, x.dev, w.dev, Tensor{}), Error);
 }
 
+// A weight already in bf16 (Backend::weight_operand_dtype: the model's per-step copy,
+// ParamStore::operand) gives bit for bit what its f32 original gives, which the GEMM rounds to
+// the same bf16 values; with f32 GEMM operands a bf16 weight is refused, naming it.
+TEST(CudaOps, LinearBf16WeightOperand) {
+  FLUX8_REQUIRE_GPU();
+  Backend& bf = gpu_bf16_activations();
+  ASSERT_EQ(bf.weight_operand_dtype(DType::f32), DType::bf16);
+  const int64_t N = 67, K = 45, M = 29;
+  Bf16Pair x({N, K}, 3), y1({N, M}), y2({N, M}), dy({N, M}), dx1({N, K}), dx2({N, K}), w16({M, K});
+  Pair w({M, K}), b({M}), dw({M, K}), db({M});
+  x.randn(11), w.randn(12, 0.2), b.randn(13), dy.randn(15);
+  w16.host.mem = w.host.mem;
+  w16.up();  // rounds to bf16 on the way up, as the GEMM's conversion does
+  bf.linear(y1.dev, x.dev, w.dev, b.dev);
+  bf.linear(y2.dev, x.dev, w16.dev, b.dev);
+  bf.linear_backward(dx1.dev, dw.dev, db.dev, dy.dev, x.dev, w.dev, false, false);
+  bf.linear_backward(dx2.dev, Tensor{}, Tensor{}, dy.dev, x.dev, w16.dev, false, false);
+  bf.synchronize();
+  EXPECT_EQ(y2.all_bits(), y1.all_bits());
+  EXPECT_EQ(dx2.all_bits(), dx1.all_bits());
+  Pair x32({N, K}), y32({N, M});
+  try {
+    gpu().linear(y32.dev, x32.dev, w16.dev, Tensor{});
+    FAIL() << "expected a refusal of the bf16 weight";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("linear: weight 'w' is bf16"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CudaOps, Activations) {
   FLUX8_REQUIRE_GPU();
   // 77 columns: element by element; 76 with row strides of multiples of 4: four per thread.
