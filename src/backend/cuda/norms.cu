@@ -221,6 +221,16 @@ __device__ inline void ln_backward_rows(const Rows& rows, const MatOf<T>& dx, co
   }
 }
 
+// The rows of the one-pass backward's block (blockIdx.x: chunk of `rows` rows, blockIdx.y:
+// sample b of L rows): [begin, end), the last chunk of a sample cut at its end.
+struct LnBlockRows {
+  int64_t b, chunk, begin, end;
+};
+__device__ inline LnBlockRows ln_block_rows(int64_t L, int64_t rows) {
+  const int64_t b = blockIdx.y, chunk = blockIdx.x, begin = b * L + chunk * rows;
+  return {b, chunk, begin, begin + rows < (b + 1) * L ? begin + rows : (b + 1) * L};
+}
+
 // A block's dshift/dscale column partials (f32 sums over its rows, stored as double).
 template <int kV, int kThr, int kGroups>
 __device__ inline void write_ln_partials(const float (&acc_shift)[kV * kGroups], const float (&acc_scale)[kV * kGroups],
@@ -248,12 +258,9 @@ __global__ void __launch_bounds__(kThr, 2) layernorm_modulate_backward_kernel(
   constexpr int kCols = kV * kGroups, kWarps = kThr / 32;
   __shared__ float sh[2][kWarps][4];
   int parity = 0;
-  const int64_t b = blockIdx.y, chunk = blockIdx.x, H = x.cols;
-  // × 1/H: a division per row sum took a dozen instructions.
-  const float inv_h = 1.0f / static_cast<float>(H);
-  const int64_t begin = b * L + chunk * rows, end = b * L + (chunk + 1) * rows < (b + 1) * L
-                                                        ? b * L + (chunk + 1) * rows
-                                                        : (b + 1) * L;
+  const int64_t H = x.cols;
+  const float inv_h = 1.0f / static_cast<float>(H);  // × 1/H: a division per row sum took a dozen instructions
+  const auto [b, chunk, begin, end] = ln_block_rows(L, rows);
   float acc_shift[kCols], acc_scale[kCols];
 #pragma unroll
   for (int k = 0; k < kCols; ++k) acc_shift[k] = acc_scale[k] = 0.0f;
@@ -328,11 +335,9 @@ __global__ void __launch_bounds__(kThr, 2) layernorm_modulate_backward_staged_ke
   T* const stages = reinterpret_cast<T*>(staged_smem);
   __shared__ float sh[2][kWarps][4];
   int parity = 0;
-  const int64_t b = blockIdx.y, chunk = blockIdx.x, H = x.cols;
+  const int64_t H = x.cols;
   const float inv_h = 1.0f / static_cast<float>(H);
-  const int64_t begin = b * L + chunk * rows, end = b * L + (chunk + 1) * rows < (b + 1) * L
-                                                        ? b * L + (chunk + 1) * rows
-                                                        : (b + 1) * L;
+  const auto [b, chunk, begin, end] = ln_block_rows(L, rows);
   const bool old = accumulate && dx.p;
   float acc_shift[kCols], acc_scale[kCols];
 #pragma unroll
