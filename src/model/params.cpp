@@ -129,7 +129,8 @@ size_t ParamStore::param_index(const Tensor& param) const {
   const size_t unit = dtype_size(dtype_);
   if (p < base || (p - base) % unit != 0) return static_cast<size_t>(-1);
   const auto it = by_offset_.find(static_cast<int64_t>((p - base) / unit));
-  if (it == by_offset_.end() || param.numel() != layout_.params()[it->second].shape.numel()) return static_cast<size_t>(-1);
+  if (it == by_offset_.end() || param.numel() != layout_.params()[it->second].shape.numel())
+    return static_cast<size_t>(-1);
   return it->second;
 }
 
