@@ -53,7 +53,7 @@ Command add_info_command(CLI::App& app) {
       if (components.empty() || components.back().first != p.component) components.push_back({p.component, 0});
       components.back().second += p.shape.numel();
       if (p.block_linear) block_linear_params += p.shape.numel();
-      if (p.shape.rank == 2 && p.name.ends_with(".weight")) linear_weight_params += p.shape.numel();
+      if (p.linear_weight) linear_weight_params += p.shape.numel();
     }
     const double P = static_cast<double>(layout.total());
     const ModelFlops per_sample = model_flops(cfg, StepShape{1, shape.txt_tokens, shape.img_tokens});

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_set>
 
 #include "core/error.h"
 
@@ -169,20 +170,16 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
   }
   // Every Linear weight whose GEMMs run on the backend's weight operand type (all but the FP8
   // sites' weights) keeps a per-step copy in that type (ParamStore::operand).
-  std::vector<const LinearSite*> fp8_sites;
-  for (DoubleBlockParams& p : double_params_)
-    for (const LinearSite* s : p.sites())
-      if (s->fp8) fp8_sites.push_back(s);
-  for (SingleBlockParams& p : single_params_)
-    for (const LinearSite* s : p.sites())
-      if (s->fp8) fp8_sites.push_back(s);
+  std::unordered_set<std::string> fp8_weights;
+  const auto note_fp8 = [&](const std::vector<LinearSite*>& sites) {
+    for (const LinearSite* s : sites)
+      if (s->fp8) fp8_weights.insert(s->name + ".weight");
+  };
+  for (DoubleBlockParams& p : double_params_) note_fp8(p.sites());
+  for (SingleBlockParams& p : single_params_) note_fp8(p.sites());
   std::vector<std::string> operand_copies;
-  for (const ParamInfo& p : params_->layout().params()) {
-    if (p.shape.rank != 2 || !p.name.ends_with(".weight")) continue;
-    const bool fp8_weight = std::any_of(fp8_sites.begin(), fp8_sites.end(),
-                                        [&](const LinearSite* s) { return s->name + ".weight" == p.name; });
-    if (!fp8_weight) operand_copies.push_back(p.name);
-  }
+  for (const ParamInfo& p : params_->layout().params())
+    if (p.linear_weight && !fp8_weights.contains(p.name)) operand_copies.push_back(p.name);
   params_->use_operand_copies(operand_copies);
 }
 

@@ -10,15 +10,15 @@
 namespace flux8 {
 
 void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string component,
-                      bool block_linear) {
+                      bool block_linear, bool linear_weight) {
   index_.emplace(name, params_.size());
-  params_.push_back({std::move(name), shape, total_, init, std::move(component), block_linear});
+  params_.push_back({std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight});
   total_ += shape.numel();
 }
 
 void ParamLayout::add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
                              const std::string& component, bool bias, bool block_linear) {
-  add(prefix + ".weight", Shape{out, in}, init, component, block_linear);
+  add(prefix + ".weight", Shape{out, in}, init, component, block_linear, true);
   if (bias) add(prefix + ".bias", Shape{out}, ParamInit::zeros, component);
 }
 
@@ -123,14 +123,13 @@ void ParamStore::init(uint64_t seed) {
 
 void ParamStore::zero_grads() { std::fill(written_.begin(), written_.end(), 0); }
 
-size_t ParamStore::param_index(const Tensor& param) const {
-  const char* base = static_cast<const char*>(params_);
-  const char* p = static_cast<const char*>(param.data);
+size_t ParamStore::index_in(const void* buffer, const Tensor& view) const {
+  const char* base = static_cast<const char*>(buffer);
+  const char* p = static_cast<const char*>(view.data);
   const size_t unit = dtype_size(dtype_);
-  if (p < base || (p - base) % unit != 0) return static_cast<size_t>(-1);
+  if (p < base || (p - base) % unit != 0) return kNoParam;
   const auto it = by_offset_.find(static_cast<int64_t>((p - base) / unit));
-  if (it == by_offset_.end() || param.numel() != layout_.params()[it->second].shape.numel())
-    return static_cast<size_t>(-1);
+  if (it == by_offset_.end() || view.numel() != layout_.params()[it->second].shape.numel()) return kNoParam;
   return it->second;
 }
 
@@ -153,8 +152,8 @@ void ParamStore::use_operand_copies(const std::vector<std::string>& names) {
 
 Tensor ParamStore::operand(const Tensor& w) const {
   if (operands_.empty()) return w;
-  const size_t i = param_index(w);
-  if (i == static_cast<size_t>(-1) || !operands_[i].copy.defined()) return w;
+  const size_t i = index_in(params_, w);
+  if (i == kNoParam || !operands_[i].copy.defined()) return w;
   const OperandCopy& c = operands_[i];
   if (c.version != params_version_) {
     backend_.copy(c.copy, w);  // rounded to nearest even, as the GEMM's per-call conversion did
@@ -163,18 +162,10 @@ Tensor ParamStore::operand(const Tensor& w) const {
   return c.copy;
 }
 
-size_t ParamStore::grad_index(const Tensor& grad, std::string_view what) const {
-  const char* base = static_cast<const char*>(grads_);
-  const char* p = static_cast<const char*>(grad.data);
-  const size_t unit = dtype_size(dtype_);
-  const auto it = p >= base ? by_offset_.find(static_cast<int64_t>((p - base) / unit)) : by_offset_.end();
-  if (it == by_offset_.end() || (p - base) % unit != 0 || grad.numel() != layout_.params()[it->second].shape.numel())
-    fail("{}: tensor {} is not a whole parameter gradient of this model", what, grad.str());
-  return it->second;
-}
-
 bool ParamStore::first_write(const Tensor& grad) const {
-  const size_t i = grad_index(grad, "ParamStore::first_write");
+  const size_t i = index_in(grads_, grad);
+  if (i == kNoParam)
+    fail("ParamStore::first_write: tensor {} is not a whole parameter gradient of this model", grad.str());
   const bool first = !written_[i];
   written_[i] = 1;
   return first;

@@ -25,6 +25,7 @@ struct ParamInfo {
   ParamInit init = ParamInit::zeros;
   std::string component;  // "img_in", "double_blocks", ... (for per-component counts)
   bool block_linear = false;  // a weight of a double/single block Linear (the FP8 candidates)
+  bool linear_weight = false;  // the weight of any Linear (add_linear)
 };
 
 class ParamLayout {
@@ -38,7 +39,7 @@ class ParamLayout {
 
  private:
   void add(std::string name, Shape shape, ParamInit init, std::string component,
-           bool block_linear = false);
+           bool block_linear = false, bool linear_weight = false);
   void add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
                   const std::string& component, bool bias, bool block_linear = false);
   std::vector<ParamInfo> params_;
@@ -96,8 +97,10 @@ class ParamStore {
   size_t operand_copy_bytes() const { return operand_bytes_; }
 
  private:
-  size_t grad_index(const Tensor& grad, std::string_view what) const;
-  size_t param_index(const Tensor& param) const;  // layout index of a whole parameter's view, or npos
+  // The layout index of `view` if it is a whole parameter's view into `buffer` (params_ or
+  // grads_), else kNoParam.
+  static constexpr size_t kNoParam = static_cast<size_t>(-1);
+  size_t index_in(const void* buffer, const Tensor& view) const;
 
   ParamLayout layout_;
   Backend& backend_;
