@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "backend/backend.h"
+#include "core/dtype.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "train/objective.h"
 #include "train/schedule.h"
@@ -48,7 +50,7 @@ TEST(Optimizer, AdamWMatchesHandComputedSteps) {
   auto be = make_backend("cpu");
   std::vector<double> p = {1.0, -2.0}, g = {0.5, -0.1}, m = {0, 0}, v = {0, 0};
   const Backend::AdamW h{0.1, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
-  be->adamw(view(p, Shape{2}), view(g, Shape{2}), view(m, Shape{2}), view(v, Shape{2}), h);
+  be->adamw(view(p, Shape{2}), view(g, Shape{2}), view(m, Shape{2}), view(v, Shape{2}), h, {});
   // Step 1: m = 0.1g, v = 0.05g², m̂ = g, v̂ = g², update = g/(|g| + eps) ≈ sign(g).
   for (int i = 0; i < 2; ++i) {
     const double g0 = i ? -0.1 : 0.5, p0 = i ? -2.0 : 1.0;
@@ -59,13 +61,51 @@ TEST(Optimizer, AdamWMatchesHandComputedSteps) {
   // Step 2 with gradient scaling 0.5 (clipping): g' = 0.5·g2.
   std::vector<double> p1 = p, m1 = m, v1 = v, g2 = {1.0, 0.2};
   be->adamw(view(p, Shape{2}), view(g2, Shape{2}), view(m, Shape{2}), view(v, Shape{2}),
-            Backend::AdamW{0.1, 0.9, 0.95, 1e-8, 0.1, 0.5, 2});
+            Backend::AdamW{0.1, 0.9, 0.95, 1e-8, 0.1, 0.5, 2}, {});
   for (size_t i = 0; i < 2; ++i) {
     const double gs = 0.5 * g2[i];
     const double mi = 0.9 * m1[i] + 0.1 * gs, vi = 0.95 * v1[i] + 0.05 * gs * gs;
     const double expect = p1[i] * (1 - 0.01) - 0.1 * (mi / (1 - 0.81)) / (std::sqrt(vi / (1 - 0.9025)) + 1e-8);
     EXPECT_NEAR(p[i], expect, 1e-14);
   }
+}
+
+// The bf16 copies adamw writes are the new parameters rounded to nearest even; the update itself
+// is the same with or without them, and a bad copy is refused naming it.
+TEST(Optimizer, AdamWWritesRoundedCopies) {
+  auto be = make_backend("cpu");
+  const int64_t n = 300;
+  std::vector<float> p(n), g(n), m(n, 0.f), v(n, 0.f);
+  for (int64_t i = 0; i < n; ++i) p[i] = rng_normal(1, 0, i), g[i] = 0.01f * rng_normal(2, 0, i);
+  std::vector<float> p2 = p, m2 = m, v2 = v;
+  std::vector<uint16_t> a(100, 0xFFFF), b(37, 0xFFFF);
+  const auto f32 = [&](std::vector<float>& x) { return Tensor(x.data(), DType::f32, Shape{n}); };
+  const Backend::ParamCopy copies[] = {{200, Tensor(a.data(), DType::bf16, Shape{10, 10})},
+                                       {13, Tensor(b.data(), DType::bf16, Shape{37})}};
+  const Backend::AdamW h{1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
+  be->adamw(f32(p), f32(g), f32(m), f32(v), h, copies);
+  be->adamw(f32(p2), f32(g), f32(m2), f32(v2), h, {});
+  EXPECT_EQ(p, p2);
+  EXPECT_EQ(m, m2);
+  EXPECT_EQ(v, v2);
+  for (int64_t i = 0; i < 100; ++i) ASSERT_EQ(a[i], f32_to_bf16_bits(p[200 + i])) << i;
+  for (int64_t i = 0; i < 37; ++i) ASSERT_EQ(b[i], f32_to_bf16_bits(p[13 + i])) << i;
+  EXPECT_NE(bf16_bits_to_f32(a[0]), p[200]) << "a value bf16 cannot hold: the copy is rounded";
+
+  const auto refused = [&](const Backend::ParamCopy& c, const char* what) {
+    const Backend::ParamCopy one[] = {c};
+    try {
+      be->adamw(f32(p), f32(g), f32(m), f32(v), h, one);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused({290, Tensor(a.data(), DType::bf16, Shape{20})}, "lies outside the 300 parameters");
+  refused({0, Tensor(p2.data(), DType::f32, Shape{20})}, "copy 0");
+  const Backend::ParamCopy overlapping[] = {{0, Tensor(a.data(), DType::bf16, Shape{20})},
+                                            {19, Tensor(b.data(), DType::bf16, Shape{5})}};
+  EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping), Error);
 }
 
 TEST(Optimizer, SumSquaresIsThreadIndependent) {

@@ -216,7 +216,16 @@ class Backend {
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     int64_t step;  // 1-based
   };
-  virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) = 0;
+  // A bf16 copy of the parameters [offset, offset + copy.numel()) of the flat f32 buffer (a
+  // Linear's weight operand, ParamStore::operand), written by adamw with the new values rounded
+  // to nearest even: the update already holds them, where a later conversion pass would read
+  // the 4-byte parameters again.
+  struct ParamCopy {
+    int64_t offset = 0;
+    Tensor copy;  // contiguous bf16
+  };
+  virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
+                     std::span<const ParamCopy> copies) = 0;
 
   // ---- FP8 (src/fp8: recipe math and the CPU reference quantizers) ---------------------
   // How to cast one GEMM operand. Per-tensor scaling takes its scale from `delayed_scale`

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace flux8::ops {
 
@@ -198,6 +200,30 @@ NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy
   require_vector(op, {"mean", mean}, d.B * d.L);
   require_vector(op, {"rstd", rstd}, d.B * d.L);
   return d;
+}
+
+void check_adamw(std::string_view op, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies) {
+  for (Named n : {Named{"param", param}, Named{"grad", grad}, Named{"m", m}, Named{"v", v}}) {
+    require_contiguous(op, n);
+    require_vector(op, n, param.numel());
+  }
+  if (h.step < 1) fail("{}: step must be >= 1 (1-based), got {}", op, h.step);
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const Backend::ParamCopy& c = copies[i];
+    if (!c.copy.defined() || c.copy.dtype != DType::bf16 || !c.copy.contiguous())
+      fail("{}: copy {} ({}) must be a contiguous bf16 tensor", op, i, c.copy.str());
+    if (c.offset < 0 || c.offset + c.copy.numel() > param.numel())
+      fail("{}: copy {} of {} elements at offset {} lies outside the {} parameters", op, i, c.copy.numel(), c.offset,
+           param.numel());
+  }
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end): no two copies may overlap
+  for (const Backend::ParamCopy& c : copies) ranges.emplace_back(c.offset, c.offset + c.copy.numel());
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second)
+      fail("{}: copies of the parameters [{}, {}) and [{}, {}) overlap", op, ranges[i - 1].first, ranges[i - 1].second,
+           ranges[i].first, ranges[i].second);
 }
 
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols) {

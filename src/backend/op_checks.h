@@ -2,8 +2,10 @@
 // Argument checks shared by every backend: each failure names the op, the tensor (by its name
 // in the op's signature) and what was expected, so a shape bug in model code is found at once.
 #include <initializer_list>
+#include <span>
 #include <string_view>
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/tensor.h"
 #include "fp8/qtensor.h"
@@ -67,6 +69,10 @@ NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Te
 // The backward's common part: dy like x [B, L, H], mean/rstd vectors of B·L.
 NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
                                            const Tensor& mean, const Tensor& rstd);
+// adamw's whole argument check: param, grad, m, v contiguous f32 vectors of one length, a
+// 1-based step, and each copy a contiguous bf16 tensor inside the parameters.
+void check_adamw(std::string_view op, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies);
 // Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined).
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols);
 // QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.

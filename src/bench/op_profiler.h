@@ -133,8 +133,8 @@ class OpProfiler final : public Backend {
     timed("sum_squares", [&] { r = be_.sum_squares(x); });
     return r;
   }
-  void adamw(Tensor p, Tensor g, Tensor m, Tensor v, const AdamW& h) override {
-    timed("adamw", [&] { be_.adamw(p, g, m, v, h); });
+  void adamw(Tensor p, Tensor g, Tensor m, Tensor v, const AdamW& h, std::span<const ParamCopy> copies) override {
+    timed("adamw", [&] { be_.adamw(p, g, m, v, h, copies); });
   }
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override {
     timed("quantize (fp8 cast)", [&] { be_.quantize(rowwise, columnwise, x, q); });

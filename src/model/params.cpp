@@ -162,6 +162,19 @@ Tensor ParamStore::operand(const Tensor& w) const {
   return c.copy;
 }
 
+std::vector<Backend::ParamCopy> ParamStore::operand_copies() const {
+  std::vector<Backend::ParamCopy> copies;
+  for (size_t i = 0; i < operands_.size(); ++i)
+    if (operands_[i].copy.defined()) copies.push_back({layout_.params()[i].offset, operands_[i].copy});
+  return copies;
+}
+
+void ParamStore::params_updated() {
+  ++params_version_;
+  for (OperandCopy& c : operands_)
+    if (c.copy.defined()) c.version = params_version_;
+}
+
 bool ParamStore::first_write(const Tensor& grad) const {
   const size_t i = index_in(grads_, grad);
   if (i == kNoParam)

@@ -9,12 +9,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/tensor.h"
 #include "model/flux_config.h"
 
 namespace flux8 {
-
-class Backend;
 
 enum class ParamInit : uint8_t { xavier_uniform, normal_002, zeros, ones };
 
@@ -91,9 +90,14 @@ class ParamStore {
   // weights instead; operand(w) returns it, made again on first use after params_changed() —
   // which everything that writes parameters calls (init, load_weights, the optimizer step) —
   // or w itself for a weight without a copy (FP8 sites, the CPU backend).
+  // The optimizer writes the copies itself, as it writes the weights (Backend::adamw's
+  // ParamCopy list: operand_copies()), and then calls params_updated(), which marks them
+  // current where params_changed() marks them stale.
   void use_operand_copies(const std::vector<std::string>& names);
   Tensor operand(const Tensor& w) const;
   void params_changed() { ++params_version_; }
+  std::vector<Backend::ParamCopy> operand_copies() const;
+  void params_updated();
   size_t operand_copy_bytes() const { return operand_bytes_; }
 
  private:

@@ -37,9 +37,11 @@ StepStats AdamWOptimizer::step(int64_t step, double lr) {
   if (!std::isfinite(s.grad_norm)) return s;
   // Clipping scales the gradient inside the update (no extra pass over the gradients).
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
+  // The weights' bf16 operand copies are written with the new weights (a conversion pass less).
+  const std::vector<Backend::ParamCopy> copies = store_.operand_copies();
   be.adamw(store_.flat_params(), store_.flat_grads(), m_, v_,
-           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step});
-  store_.params_changed();  // the weights' per-step operand copies are made again at first use
+           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies);
+  store_.params_updated();
   s.applied = true;
   return s;
 }

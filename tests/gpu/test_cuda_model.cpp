@@ -8,6 +8,7 @@
 #include "fp8/fp8_config.h"
 #include "gpu_test_util.h"
 #include "model_test_util.h"
+#include "train/optimizer.h"
 
 namespace flux8::testing {
 namespace {
@@ -191,6 +192,20 @@ TEST(CudaModel, WeightOperandCopiesFollowParameterChanges) {
   EXPECT_NE(forward(model), want) << "the Linears read their f32 weights: the copies are not in use";
   model.params().params_changed();
   EXPECT_EQ(forward(model), want);
+
+  // An optimizer step writes the copies with the new weights (Backend::adamw) and marks them
+  // current: the forward equals a fresh model given the stepped f32 weights.
+  std::vector<double> grads(static_cast<size_t>(model.params().flat_grads().numel()));
+  for (size_t i = 0; i < grads.size(); ++i) grads[i] = 0.01 * rng_normal(12, 0, i);
+  from_host(be, model.params().flat_grads(), grads);
+  AdamWOptimizer opt(model.params(), AdamWConfig{});
+  ASSERT_TRUE(opt.step(1, 0.05).applied);
+  for (const ParamInfo& p : model.params().layout().params())
+    from_host(be, fresh.params().param(p.name), to_host(be, model.params().param(p.name)));
+  fresh.params().params_changed();
+  const std::vector<double> stepped = forward(fresh);
+  ASSERT_NE(stepped, want);
+  EXPECT_EQ(forward(model), stepped) << "the copies AdamW wrote must be the stepped weights, rounded";
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <array>
 #include <bit>
 #include <cstdint>
+#include <memory>
 
 #include "core/error.h"
 #include "gpu_test_util.h"
@@ -539,13 +540,67 @@ TEST(CudaOps, ObjectiveLossNormAdamW) {
   p.randn(97), gr.randn(98, 0.01), m.randn(99, 0.001), v.fill(1e-6f);
   for (int64_t step = 1; step <= 3; ++step) {
     const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, step};
-    run_both([&](Backend& be, bool g) { be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h); });
+    run_both([&](Backend& be, bool g) { be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, {}); });
   }
   // The same fp32 operations in the same order, none fused, on both backends (the CPU file is
   // built with -ffp-contract=off): equal bit for bit; the bound is loose on purpose.
   EXPECT_CLOSE(p, 1e-7);
   EXPECT_CLOSE(m, 1e-7);
   EXPECT_CLOSE(v, 1e-7);
+}
+
+// adamw writing bf16 copies of parameter ranges (the weights' operand copies): the update equals
+// the CPU's bit for bit and each copy is the new values rounded to nearest even, for copies
+// spanning several of the kernel's chunks, ending in a partial one, at an offset that is not a
+// multiple of 4 (the per-element path) and ending at the last parameter; then with another set
+// of copies (a new chunk table) and on views that are not 16-byte aligned.
+TEST(CudaOps, AdamWWritesRoundedCopies) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t n = 20011;
+  Pair p({n}), gr({n}), m({n}), v({n});
+  p.randn(31), gr.randn(32, 0.01), m.randn(33, 0.001), v.fill(1e-6f);
+  struct Range {
+    int64_t offset, count;
+  };
+  const auto check = [&](const std::vector<Range>& ranges, int64_t first, int64_t step, const char* what) {
+    SCOPED_TRACE(what);
+    std::vector<std::vector<uint16_t>> host;
+    std::vector<std::unique_ptr<Bf16Dev>> dev;
+    std::vector<Backend::ParamCopy> cpu_copies, gpu_copies;
+    for (const Range& r : ranges) {
+      host.emplace_back(static_cast<size_t>(r.count), uint16_t{0xFFFF});
+      dev.push_back(std::make_unique<Bf16Dev>(Shape{r.count}));
+    }
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      cpu_copies.push_back({ranges[i].offset - first, Tensor(host[i].data(), DType::bf16, Shape{ranges[i].count})});
+      gpu_copies.push_back({ranges[i].offset - first, dev[i]->t});
+    }
+    const auto part = [&](Pair& x, bool g) {
+      Tensor t = x.t(g);
+      t.data = static_cast<float*>(t.data) + first;
+      t.shape = Shape{n - first};
+      t.ld = n - first;
+      return t;
+    };
+    const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, step};
+    run_both([&](Backend& be, bool g) {
+      be.adamw(part(p, g), part(gr, g), part(m, g), part(v, g), h, g ? gpu_copies : cpu_copies);
+    });
+    EXPECT_EQ(p.down(), p.host.mem);
+    EXPECT_EQ(m.down(), m.host.mem);
+    EXPECT_EQ(v.down(), v.host.mem);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const std::vector<float> want(p.host.mem.begin() + ranges[i].offset,
+                                    p.host.mem.begin() + ranges[i].offset + ranges[i].count);
+      EXPECT_EQ(host[i], bf16_bits_of(want)) << "CPU copy " << i;
+      EXPECT_EQ(dev[i]->bits(), host[i]) << "GPU copy " << i;
+    }
+  };
+  const std::vector<Range> ranges{{0, 4096 + 5}, {5000, 1234}, {7003, 999}, {12288, n - 12288}};
+  check(ranges, 0, 1, "first step");
+  check(ranges, 0, 2, "second step, the same chunk table");
+  check({{8, 3}, {9000, 5000}}, 0, 3, "other copies");
+  check({{9, 100}, {9001, 4000}}, 1, 4, "views not 16-byte aligned");
 }
 
 // Parameter initialisation on the device: the CPU's values (uniform: the same bits; normal:

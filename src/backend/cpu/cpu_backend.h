@@ -77,7 +77,8 @@ class CpuBackend final : public Backend {
                          std::span<const uint64_t> streams) override;
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
-  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
+  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
+             std::span<const ParamCopy> copies) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
   void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
                               int margin) override;

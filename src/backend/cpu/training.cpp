@@ -96,14 +96,11 @@ double CpuBackend::sum_squares(Tensor x) {
   return s;
 }
 
-void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) {
+void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
+                       std::span<const ParamCopy> copies) {
   constexpr std::string_view op = "adamw";
   const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  for (Named n : {Named{"param", param}, Named{"grad", grad}, Named{"m", m}, Named{"v", v}}) {
-    require_contiguous(op, n);
-    require_vector(op, n, param.numel());
-  }
-  if (h.step < 1) fail("adamw: step must be >= 1 (1-based), got {}", h.step);
+  ops::check_adamw(op, param, grad, m, v, h, copies);
   const int64_t n = param.numel();
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
@@ -130,6 +127,16 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
         p[i] = p[i] * dec - (lr * (mi / c1)) / (std::sqrt(vi / c2) + eps);
       }
     });
+    // The copies: the new values rounded to bf16 (through f32, the only type they are made of
+    // in training), as the CUDA kernel writes them with the update.
+    for (const ParamCopy& cp : copies) {
+      uint16_t* bits = static_cast<uint16_t*>(cp.copy.data);
+      const T* src = p + cp.offset;
+      parallel_for((cp.copy.numel() + kChunk - 1) / kChunk, c, [&](int64_t ch) {
+        for (int64_t i = ch * kChunk; i < std::min(cp.copy.numel(), (ch + 1) * kChunk); ++i)
+          bits[i] = f32_to_bf16_bits(static_cast<float>(src[i]));
+      });
+    }
   });
 }
 

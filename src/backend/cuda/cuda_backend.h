@@ -104,7 +104,8 @@ class CudaBackend final : public Backend {
                          std::span<const uint64_t> streams) override;
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
-  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) override;
+  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
+             std::span<const ParamCopy> copies) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
   void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override;
   void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
@@ -145,6 +146,11 @@ class CudaBackend final : public Backend {
   void* epilogue_scratch_ = nullptr;
   size_t epilogue_scratch_bytes_ = 0;
   void* pinned_ = nullptr;
+  // adamw's table of chunks (training.cu) and the layout (n, copies) it was made for.
+  std::vector<int64_t> adamw_layout_;
+  void* adamw_chunks_ = nullptr;
+  size_t adamw_chunks_bytes_ = 0;
+  int64_t adamw_chunk_count_ = 0;
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

@@ -55,6 +55,7 @@ CudaBackend::CudaBackend(const BackendOptions& options) : options_(options) {
   } catch (...) {  // the destructor does not run for a constructor that throws
     gemm_.reset();
     if (pinned_) cudaFreeHost(pinned_);
+  if (adamw_chunks_) cudaFree(adamw_chunks_);
     cudaStreamDestroy(stream_);
     throw;
   }

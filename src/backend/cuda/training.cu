@@ -3,9 +3,10 @@
 // (core/rng.h), keyed by (seed, stream, element). The device's logf/cosf/sqrtf may differ
 // from the host's libm in the last bit, so the noise agrees with the CPU's to f32 rounding
 // (~1e-7 relative), not bit for bit. Loss and norm sums are in double with a fixed order.
+#include <algorithm>
 #include <cmath>
-
 #include <cstdint>
+#include <vector>
 
 #include "backend/cuda/common.cuh"
 #include "core/rng.h"
@@ -70,56 +71,132 @@ double CudaBackend::sum_squares(Tensor x) {
   });
 }
 
-void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h) {
+namespace {
+
+// AdamW's fp32 arithmetic: the CPU backend's operations in its order, each rounded on its own
+// (the _rn intrinsics are never contracted into FMAs), so the two backends agree bit for bit.
+// fp32, not fp64: the double-precision version was partly bound by the FP64 units (divisions,
+// square root, conversions), 4.3–6.1 ms for 535M parameters against 3.5 ms of memory traffic.
+struct AdamwStep {
+  float gs, b1, b2, ob1, ob2, lr, eps, dec, c1, c2;
+  __device__ void operator()(float& p, float g, float& m, float& v) const {
+    const float gi = __fmul_rn(gs, g);
+    const float mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(ob1, gi));
+    const float vi = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(__fmul_rn(ob2, gi), gi));
+    m = mi;
+    v = vi;
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, c2)), eps);
+    p = __fsub_rn(__fmul_rn(p, dec), __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mi, c1)), denom));
+  }
+};
+
+// One block's share of the flat buffers, [begin, end), and where the bf16 copy of its first
+// element goes (nullptr: these parameters have none). The table splits every copy's range and
+// every gap between copies into chunks, so a block never looks up which copy an element has.
+struct AdamwChunk {
+  int64_t begin, end;
+  __nv_bfloat16* copy;
+};
+constexpr int64_t kAdamwChunk = 4 * 4 * kThreads;  // four quads a thread
+
+// AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
+// 16-byte aligned; the chunk's start a multiple of 4 and its copy 8-byte aligned): AdamW is pure
+// HBM traffic, 28 bytes a parameter, 30 with a copy.
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const float* __restrict__ g,
+                 float* __restrict__ m, float* __restrict__ v, AdamwStep step, bool quads) {
+  const AdamwChunk c = chunks[blockIdx.x];
+  const int64_t n = c.end - c.begin;
+  float* __restrict__ pc = p + c.begin;
+  const float* __restrict__ gc = g + c.begin;
+  float* __restrict__ mc = m + c.begin;
+  float* __restrict__ vc = v + c.begin;
+  __nv_bfloat16* __restrict__ out = c.copy;
+  const bool vec = quads && c.begin % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  const int64_t n4 = vec ? n / 4 : 0;
+#pragma unroll 4
+  for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
+    float4 pq = reinterpret_cast<float4*>(pc)[q], mq = reinterpret_cast<float4*>(mc)[q];
+    float4 vq = reinterpret_cast<float4*>(vc)[q];
+    const float4 gq = reinterpret_cast<const float4*>(gc)[q];
+    step(pq.x, gq.x, mq.x, vq.x);
+    step(pq.y, gq.y, mq.y, vq.y);
+    step(pq.z, gq.z, mq.z, vq.z);
+    step(pq.w, gq.w, mq.w, vq.w);
+    reinterpret_cast<float4*>(pc)[q] = pq, reinterpret_cast<float4*>(mc)[q] = mq, reinterpret_cast<float4*>(vc)[q] = vq;
+    if (out) {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(pq.x, pq.y), hi = __floats2bfloat162_rn(pq.z, pq.w);
+      uint2 bits;
+      bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+      bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+      reinterpret_cast<uint2*>(out)[q] = bits;
+    }
+  }
+  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
+    step(pc[i], gc[i], mc[i], vc[i]);
+    if (out) out[i] = __float2bfloat16_rn(pc[i]);
+  }
+}
+
+}  // namespace
+
+void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
+                        std::span<const ParamCopy> copies) {
   constexpr std::string_view op = "adamw";
   require_f32(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  for (Named n : {Named{"param", param}, Named{"grad", grad}, Named{"m", m}, Named{"v", v}}) {
-    require_contiguous(op, n);
-    require_vector(op, n, param.numel());
+  ops::check_adamw(op, param, grad, m, v, h, copies);
+  const int64_t n = param.numel();
+  if (n == 0) return;
+
+  // The chunk table depends only on n and the copies; it is made once for each such layout
+  // (a trainer passes the same every step) and kept on the device.
+  std::vector<ParamCopy> sorted(copies.begin(), copies.end());
+  std::sort(sorted.begin(), sorted.end(), [](const ParamCopy& a, const ParamCopy& b) { return a.offset < b.offset; });
+  std::vector<int64_t> layout{n};
+  for (const ParamCopy& c : sorted) {
+    layout.push_back(c.offset);
+    layout.push_back(c.copy.numel());
+    layout.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(c.copy.data)));
   }
-  if (h.step < 1) fail("adamw: step must be >= 1 (1-based), got {}", h.step);
+  if (layout != adamw_layout_) {
+    std::vector<AdamwChunk> table;
+    const auto add = [&](int64_t begin, int64_t end, __nv_bfloat16* copy) {
+      for (int64_t at = begin; at < end; at += kAdamwChunk)
+        table.push_back(AdamwChunk{at, std::min(end, at + kAdamwChunk), copy ? copy + (at - begin) : nullptr});
+    };
+    int64_t at = 0;
+    for (const ParamCopy& c : sorted) {
+      add(at, c.offset, nullptr);
+      add(c.offset, c.offset + c.copy.numel(), static_cast<__nv_bfloat16*>(c.copy.data));
+      at = c.offset + c.copy.numel();
+    }
+    add(at, n, nullptr);
+    const size_t bytes = table.size() * sizeof(AdamwChunk);
+    FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be in use
+    if (bytes > adamw_chunks_bytes_) {
+      if (adamw_chunks_) FLUX8_CUDA_CHECK(cudaFree(adamw_chunks_));
+      adamw_chunks_ = nullptr;
+      FLUX8_CUDA_CHECK(cudaMalloc(&adamw_chunks_, bytes));
+      adamw_chunks_bytes_ = bytes;
+    }
+    FLUX8_CUDA_CHECK(cudaMemcpy(adamw_chunks_, table.data(), bytes, cudaMemcpyHostToDevice));
+    adamw_layout_ = std::move(layout);
+    adamw_chunk_count_ = static_cast<int64_t>(table.size());
+  }
+
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-  const double decay = 1.0 - h.lr * h.weight_decay;
+  const AdamwStep step{static_cast<float>(h.grad_scale), static_cast<float>(h.beta1), static_cast<float>(h.beta2),
+                       static_cast<float>(1.0 - h.beta1),    static_cast<float>(1.0 - h.beta2),
+                       static_cast<float>(h.lr),             static_cast<float>(h.eps),
+                       static_cast<float>(1.0 - h.lr * h.weight_decay),
+                       static_cast<float>(bc1),              static_cast<float>(bc2)};
   float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
   const float* g = grad.ptr<float>();
-  const float gs = static_cast<float>(h.grad_scale), b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
-  const float ob1 = static_cast<float>(1.0 - h.beta1), ob2 = static_cast<float>(1.0 - h.beta2);
-  const float lr = static_cast<float>(h.lr), eps = static_cast<float>(h.eps), dec = static_cast<float>(decay);
-  const float c1 = static_cast<float>(bc1), c2 = static_cast<float>(bc2);
-  // The CPU backend's fp32 operations in its order, each rounded on its own (the _rn intrinsics
-  // are never contracted into FMAs), so the two backends agree bit for bit. fp32, not fp64: the
-  // double-precision version was partly bound by the FP64 units (divisions, square root,
-  // conversions), 4.3–6.1 ms for 535M parameters against 3.5 ms of memory traffic.
-  auto update = [=] __device__(float& pi, float gf, float& mf, float& vf) {
-    const float gi = __fmul_rn(gs, gf);
-    const float mi = __fadd_rn(__fmul_rn(b1, mf), __fmul_rn(ob1, gi));
-    const float vi = __fadd_rn(__fmul_rn(b2, vf), __fmul_rn(__fmul_rn(ob2, gi), gi));
-    mf = mi;
-    vf = vi;
-    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, c2)), eps);
-    pi = __fsub_rn(__fmul_rn(pi, dec), __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mi, c1)), denom));
-  };
-  // Four elements per thread in 16-byte loads and stores where the buffers allow (the flat
-  // parameter buffers do): AdamW is pure HBM traffic, 28 bytes per parameter.
-  const int64_t n = param.numel();
-  const bool vec = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
-  const int64_t n4 = vec ? n / 4 : 0;
-  if (n4 > 0) {
-    auto *p4 = reinterpret_cast<float4*>(p), *m4 = reinterpret_cast<float4*>(mm), *v4 = reinterpret_cast<float4*>(vv);
-    const auto* g4 = reinterpret_cast<const float4*>(g);
-    for_each(*this, n4, [=] __device__(int64_t q) {
-      float4 pq = p4[q], mq = m4[q], vq = v4[q];
-      const float4 gq = g4[q];
-      update(pq.x, gq.x, mq.x, vq.x);
-      update(pq.y, gq.y, mq.y, vq.y);
-      update(pq.z, gq.z, mq.z, vq.z);
-      update(pq.w, gq.w, mq.w, vq.w);
-      p4[q] = pq, m4[q] = mq, v4[q] = vq;
-    });
-  }
-  const int64_t done = 4 * n4;
-  for_each(*this, n - done, [=] __device__(int64_t i) { update(p[done + i], g[done + i], mm[done + i], vv[done + i]); });
+  const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
+  adamw_kernel<<<static_cast<unsigned>(adamw_chunk_count_), kThreads, 0, stream_>>>(
+      static_cast<const AdamwChunk*>(adamw_chunks_), p, g, mm, vv, step, quads);
+  FLUX8_LAUNCH_CHECK(adamw_kernel);
 }
 
 }  // namespace flux8
