@@ -556,7 +556,7 @@ TEST(CudaOps, ObjectiveLossNormAdamW) {
 // of copies (a new chunk table) and on views that are not 16-byte aligned.
 TEST(CudaOps, AdamWWritesRoundedCopies) {
   FLUX8_REQUIRE_GPU();
-  const int64_t n = 20011;
+  const int64_t n = 100011;
   Pair p({n}), gr({n}), m({n}), v({n});
   p.randn(31), gr.randn(32, 0.01), m.randn(33, 0.001), v.fill(1e-6f);
   struct Range {
@@ -596,11 +596,11 @@ TEST(CudaOps, AdamWWritesRoundedCopies) {
       EXPECT_EQ(dev[i]->bits(), host[i]) << "GPU copy " << i;
     }
   };
-  const std::vector<Range> ranges{{0, 4096 + 5}, {5000, 1234}, {7003, 999}, {12288, n - 12288}};
+  const std::vector<Range> ranges{{0, 40000 + 5}, {50000, 1234}, {70003, 999}, {72288, n - 72288}};
   check(ranges, 0, 1, "first step");
   check(ranges, 0, 2, "second step, the same chunk table");
-  check({{8, 3}, {9000, 5000}}, 0, 3, "other copies");
-  check({{9, 100}, {9001, 4000}}, 1, 4, "views not 16-byte aligned");
+  check({{8, 3}, {9000, 50000}}, 0, 3, "other copies");
+  check({{9, 100}, {9001, 40000}}, 1, 4, "views not 16-byte aligned");
 }
 
 // Parameter initialisation on the device: the CPU's values (uniform: the same bits; normal:

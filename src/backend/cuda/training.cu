@@ -97,7 +97,10 @@ struct AdamwChunk {
   int64_t begin, end;
   __nv_bfloat16* copy;
 };
-constexpr int64_t kAdamwChunk = 4 * 4 * kThreads;  // four quads a thread
+// 32 quads a thread: a block first waits for its chunk's entry (a dependent load), which
+// chunks of 4 quads a thread did not hide (0.3 ms more than a grid-stride loop over W2's 1.3G
+// parameters); a thread's quads issued all at once (86 registers) ran slower still.
+constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 
 // AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
 // 16-byte aligned; the chunk's start a multiple of 4 and its copy 8-byte aligned): AdamW is pure
@@ -113,16 +116,16 @@ __global__ void __launch_bounds__(kThreads)
   float* __restrict__ vc = v + c.begin;
   __nv_bfloat16* __restrict__ out = c.copy;
   const bool vec = quads && c.begin % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
-  float4* p4 = reinterpret_cast<float4*>(pc);
-  float4* m4 = reinterpret_cast<float4*>(mc);
-  float4* v4 = reinterpret_cast<float4*>(vc);
-  const float4* g4 = reinterpret_cast<const float4*>(gc);
-  const auto update = [&](int64_t q, float4 pq, float4 gq, float4 mq, float4 vq) {
+  const int64_t n4 = vec ? n / 4 : 0;
+  for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
+    float4 pq = reinterpret_cast<float4*>(pc)[q], mq = reinterpret_cast<float4*>(mc)[q];
+    float4 vq = reinterpret_cast<float4*>(vc)[q];
+    const float4 gq = reinterpret_cast<const float4*>(gc)[q];
     step(pq.x, gq.x, mq.x, vq.x);
     step(pq.y, gq.y, mq.y, vq.y);
     step(pq.z, gq.z, mq.z, vq.z);
     step(pq.w, gq.w, mq.w, vq.w);
-    p4[q] = pq, m4[q] = mq, v4[q] = vq;
+    reinterpret_cast<float4*>(pc)[q] = pq, reinterpret_cast<float4*>(mc)[q] = mq, reinterpret_cast<float4*>(vc)[q] = vq;
     if (out) {
       const __nv_bfloat162 lo = __floats2bfloat162_rn(pq.x, pq.y), hi = __floats2bfloat162_rn(pq.z, pq.w);
       uint2 bits;
@@ -130,21 +133,7 @@ __global__ void __launch_bounds__(kThreads)
       bits.y = *reinterpret_cast<const uint32_t*>(&hi);
       reinterpret_cast<uint2*>(out)[q] = bits;
     }
-  };
-  if (vec && n == kAdamwChunk) {  // a whole chunk: all sixteen loads of a thread in flight at once
-    constexpr int kQuads = kAdamwChunk / 4 / kThreads;
-    float4 pq[kQuads], gq[kQuads], mq[kQuads], vq[kQuads];
-#pragma unroll
-    for (int k = 0; k < kQuads; ++k) {
-      const int64_t q = threadIdx.x + k * kThreads;
-      pq[k] = p4[q], gq[k] = g4[q], mq[k] = m4[q], vq[k] = v4[q];
-    }
-#pragma unroll
-    for (int k = 0; k < kQuads; ++k) update(threadIdx.x + k * kThreads, pq[k], gq[k], mq[k], vq[k]);
-    return;
   }
-  const int64_t n4 = vec ? n / 4 : 0;
-  for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) update(q, p4[q], g4[q], m4[q], v4[q]);
   for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
     step(pc[i], gc[i], mc[i], vc[i]);
     if (out) out[i] = __float2bfloat16_rn(pc[i]);
