@@ -88,11 +88,10 @@ class ParamStore {
   // round its f32 weight in every call — forward and dgrad, two passes of 6 bytes a parameter
   // a step (W2 in BF16: ~3.5 ms). use_operand_copies(names) keeps a rounded copy of those
   // weights instead; operand(w) returns it, made again on first use after params_changed() —
-  // which everything that writes parameters calls (init, load_weights, the optimizer step) —
-  // or w itself for a weight without a copy (FP8 sites, the CPU backend).
-  // The optimizer writes the copies itself, as it writes the weights (Backend::adamw's
-  // ParamCopy list: operand_copies()), and then calls params_updated(), which marks them
-  // current where params_changed() marks them stale.
+  // which whatever else writes parameters calls (init, load_weights) — or w itself for a
+  // weight without a copy (FP8 sites, the CPU backend). The optimizer writes the copies itself
+  // as it writes the weights (Backend::adamw's ParamCopy list: operand_copies()) and then calls
+  // params_updated(), which marks them current where params_changed() marks them stale.
   void use_operand_copies(const std::vector<std::string>& names);
   Tensor operand(const Tensor& w) const;
   void params_changed() { ++params_version_; }

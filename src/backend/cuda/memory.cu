@@ -55,7 +55,6 @@ CudaBackend::CudaBackend(const BackendOptions& options) : options_(options) {
   } catch (...) {  // the destructor does not run for a constructor that throws
     gemm_.reset();
     if (pinned_) cudaFreeHost(pinned_);
-  if (adamw_chunks_) cudaFree(adamw_chunks_);
     cudaStreamDestroy(stream_);
     throw;
   }
@@ -70,6 +69,7 @@ CudaBackend::~CudaBackend() {
   if (epilogue_scratch_) cudaFree(epilogue_scratch_);
   if (reduction_scratch_) cudaFree(reduction_scratch_);
   if (pinned_) cudaFreeHost(pinned_);
+  if (adamw_chunks_) cudaFree(adamw_chunks_);
   if (stats_dev_) cudaFree(stats_dev_);
   if (stats_host_) cudaFreeHost(stats_host_);
   if (stream_) cudaStreamDestroy(stream_);
