@@ -3,6 +3,8 @@
 // inputs, and tensor comparisons.
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -10,6 +12,7 @@
 #include "core/rng.h"
 #include "model/flux_model.h"
 #include "model/input_batch.h"
+#include "train/optimizer.h"
 
 namespace flux8::testing {
 
@@ -90,6 +93,10 @@ struct ModelRunOptions {
   int64_t batch = 2, txt_tokens = 5, img_tokens = 9;
   int steps = 1;
   double weight_std = 0.3;
+  // With an optimizer (AdamW, lr 1e-2) after each backward; fused_weight_casts: it writes the
+  // FP8 weight casts (FluxModel::weight_casts, delayed recipe) instead of their first use.
+  bool optimizer = false, fused_weight_casts = true;
+  bool collect_stats = true;  // FP8 telemetry counts on every step (Fp8Runtime::set_collect_stats)
   uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
 };
 
@@ -97,6 +104,7 @@ struct ModelRun {
   std::vector<double> pred;
   std::vector<std::pair<std::string, std::vector<double>>> grads;  // (name, values), layout order
   std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
+  std::vector<float> scales, history;  // FP8 delayed scaling: the registry's state at the end
 };
 
 inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOptions& o) {
@@ -106,6 +114,9 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
   FluxInputs in;
   random_inputs(batch, cfg, o.batch, o.txt_tokens, o.img_tokens, o.input_seed, in);
   model.plan(StepShape{o.batch, o.txt_tokens, o.img_tokens});
+  if (model.fp8()) model.fp8()->set_collect_stats(o.collect_stats);
+  std::unique_ptr<AdamWOptimizer> opt;
+  if (o.optimizer) opt = std::make_unique<AdamWOptimizer>(model.params(), AdamWConfig{});
   ModelRun r;
   for (int s = 0; s < o.steps; ++s) {
     model.params().zero_grads();
@@ -114,13 +125,25 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
     std::vector<double> probe(r.pred.size());
     for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(o.probe_seed, static_cast<uint64_t>(s), i);
     model.backward(batch.make(pred.shape, probe));
-    model.end_optimizer_step();
+    model.before_optimizer_step();
+    if (!opt) {  // the weights stay; their casts are redone with the new scales
+      model.after_optimizer_step(false);
+      continue;
+    }
+    const std::vector<Backend::ParamCast> casts =
+        o.fused_weight_casts ? model.weight_casts() : std::vector<Backend::ParamCast>{};
+    const bool applied = opt->step(s + 1, 1e-2, casts).applied;
+    model.after_optimizer_step(applied && !casts.empty());
   }
   for (const ParamInfo& p : model.params().layout().params())
     r.grads.emplace_back(p.name, to_host(be, model.params().grad(p.name)));
-  if (model.fp8())
+  if (model.fp8()) {
     for (const auto& site : model.fp8()->last_step_stats())
       for (const CastStats& c : site.op) r.cast_elements.push_back(c.elements);
+    const Fp8MetaRegistry& reg = std::as_const(*model.fp8()).registry();
+    for (int i = 0; i < reg.size(); ++i) r.scales.push_back(reg.scale(i));
+    r.history = reg.amax_history();
+  }
   return r;
 }
 

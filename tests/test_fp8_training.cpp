@@ -9,6 +9,7 @@
 #include "fp8/fp8_config.h"
 #include "fp8/state_io.h"
 #include "train/checkpoint.h"
+#include "model_test_util.h"
 #include "train_test_util.h"
 
 namespace flux8 {
@@ -109,6 +110,49 @@ TEST(Fp8Training, HistoryLengthChangeOnRestore) {
   EXPECT_EQ(longer.history_at(7, 0), 3.0f);
   EXPECT_EQ(longer.history_at(5, 0), 1.0f);
   std::filesystem::remove(path);
+}
+
+// The delayed recipe's weight casts written by AdamW with the new weights (Backend::ParamCast,
+// with the next step's scales; columnwise copies by transpose_codes) give the steps the casts
+// at the weights' first use gave: the same predictions, gradients and delayed-scaling state;
+// and on a step that counts telemetry the weights are cast again for their counts.
+TEST(Fp8Training, WeightCastsWrittenByAdamWEqualCastsAtFirstUse) {
+  auto cpu = make_backend("cpu");
+  FluxConfig cfg = testing::odd_config(1, 1, false);
+  Fp8Config fp8;
+  fp8.enabled = true;
+  fp8.hybrid = true;
+  fp8.recipe = Fp8Recipe::delayed;
+  fp8.amax_history_len = 3;
+  testing::ModelRunOptions o{.fp8 = &fp8, .steps = 4, .optimizer = true, .collect_stats = false};
+  const testing::ModelRun fused = testing::run_model(*cpu, cfg, o);
+  o.fused_weight_casts = false;
+  const testing::ModelRun first_use = testing::run_model(*cpu, cfg, o);
+  EXPECT_EQ(fused.pred, first_use.pred);
+  ASSERT_EQ(fused.grads.size(), first_use.grads.size());
+  for (size_t i = 0; i < fused.grads.size(); ++i) EXPECT_EQ(fused.grads[i].second, first_use.grads[i].second) << i;
+  EXPECT_EQ(fused.scales, first_use.scales);
+  // The amax history: the same rows, but for the staging row's weight slots (each site's
+  // second), which already hold the amax of the next step's weights when AdamW cast them.
+  const size_t n = fused.scales.size();
+  ASSERT_EQ(fused.history.size(), first_use.history.size());
+  ASSERT_EQ(n % 3, 0u);
+  for (size_t i = 0; i < fused.history.size(); ++i) {
+    if (i < n && i % 3 == 1) {
+      EXPECT_GT(fused.history[i], 0.0f) << "staging slot " << i << ": the new weight's amax";
+      EXPECT_EQ(first_use.history[i], 0.0f) << i;
+    } else {
+      EXPECT_EQ(fused.history[i], first_use.history[i]) << i;
+    }
+  }
+
+  o.collect_stats = true;
+  const testing::ModelRun counted = testing::run_model(*cpu, cfg, o);
+  o.fused_weight_casts = true;
+  const testing::ModelRun fused_counted = testing::run_model(*cpu, cfg, o);
+  EXPECT_EQ(fused_counted.pred, counted.pred);
+  EXPECT_EQ(fused_counted.cast_elements, counted.cast_elements) << "the weights' casts counted on every step";
+  EXPECT_EQ(fused_counted.scales, counted.scales);
 }
 
 TEST(Fp8Config, FirstLastLayersSelectBlocks) {

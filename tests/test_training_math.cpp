@@ -50,7 +50,7 @@ TEST(Optimizer, AdamWMatchesHandComputedSteps) {
   auto be = make_backend("cpu");
   std::vector<double> p = {1.0, -2.0}, g = {0.5, -0.1}, m = {0, 0}, v = {0, 0};
   const Backend::AdamW h{0.1, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
-  be->adamw(view(p, Shape{2}), view(g, Shape{2}), view(m, Shape{2}), view(v, Shape{2}), h, {});
+  be->adamw(view(p, Shape{2}), view(g, Shape{2}), view(m, Shape{2}), view(v, Shape{2}), h, {}, {});
   // Step 1: m = 0.1g, v = 0.05g², m̂ = g, v̂ = g², update = g/(|g| + eps) ≈ sign(g).
   for (int i = 0; i < 2; ++i) {
     const double g0 = i ? -0.1 : 0.5, p0 = i ? -2.0 : 1.0;
@@ -61,7 +61,7 @@ TEST(Optimizer, AdamWMatchesHandComputedSteps) {
   // Step 2 with gradient scaling 0.5 (clipping): g' = 0.5·g2.
   std::vector<double> p1 = p, m1 = m, v1 = v, g2 = {1.0, 0.2};
   be->adamw(view(p, Shape{2}), view(g2, Shape{2}), view(m, Shape{2}), view(v, Shape{2}),
-            Backend::AdamW{0.1, 0.9, 0.95, 1e-8, 0.1, 0.5, 2}, {});
+            Backend::AdamW{0.1, 0.9, 0.95, 1e-8, 0.1, 0.5, 2}, {}, {});
   for (size_t i = 0; i < 2; ++i) {
     const double gs = 0.5 * g2[i];
     const double mi = 0.9 * m1[i] + 0.1 * gs, vi = 0.95 * v1[i] + 0.05 * gs * gs;
@@ -83,8 +83,8 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   const Backend::ParamCopy copies[] = {{200, Tensor(a.data(), DType::bf16, Shape{10, 10})},
                                        {13, Tensor(b.data(), DType::bf16, Shape{37})}};
   const Backend::AdamW h{1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
-  be->adamw(f32(p), f32(g), f32(m), f32(v), h, copies);
-  be->adamw(f32(p2), f32(g), f32(m2), f32(v2), h, {});
+  be->adamw(f32(p), f32(g), f32(m), f32(v), h, copies, {});
+  be->adamw(f32(p2), f32(g), f32(m2), f32(v2), h, {}, {});
   EXPECT_EQ(p, p2);
   EXPECT_EQ(m, m2);
   EXPECT_EQ(v, v2);
@@ -95,7 +95,7 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   const auto refused = [&](const Backend::ParamCopy& c, const char* what) {
     const Backend::ParamCopy one[] = {c};
     try {
-      be->adamw(f32(p), f32(g), f32(m), f32(v), h, one);
+      be->adamw(f32(p), f32(g), f32(m), f32(v), h, one, {});
       ADD_FAILURE() << "accepted: " << what;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
@@ -105,7 +105,7 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   refused({0, Tensor(p2.data(), DType::f32, Shape{20})}, "copy 0");
   const Backend::ParamCopy overlapping[] = {{0, Tensor(a.data(), DType::bf16, Shape{20})},
                                             {19, Tensor(b.data(), DType::bf16, Shape{5})}};
-  EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping), Error);
+  EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping, {}), Error);
 }
 
 TEST(Optimizer, SumSquaresIsThreadIndependent) {

@@ -224,8 +224,21 @@ class Backend {
     int64_t offset = 0;
     Tensor copy;  // contiguous bf16
   };
+  // A per-tensor FP8 cast of the parameters [offset, offset + codes.numel()) (a Linear's weight,
+  // row-major [codes.rows, codes.cols]) written by adamw from the new values exactly as
+  // quantize() casts them with a delayed scale (Quantize::delayed_scale = scale, amax): the codes
+  // of x·*scale, codes.scale_inv[0] = 1/*scale, the amax max-accumulated into *amax; no
+  // telemetry counts. `scale` and `amax` point into this backend's memory. With the delayed
+  // recipe the next step's scale is known when the optimizer runs, so the weights' casts need
+  // not read the 4-byte parameters again (transpose_codes makes their columnwise copy).
+  struct ParamCast {
+    int64_t offset = 0;
+    QTensor codes;  // per_tensor
+    const float* scale = nullptr;
+    float* amax = nullptr;
+  };
   virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                     std::span<const ParamCopy> copies) = 0;
+                     std::span<const ParamCopy> copies, std::span<const ParamCast> casts) = 0;
 
   // ---- FP8 (src/fp8: recipe math and the CPU reference quantizers) ---------------------
   // How to cast one GEMM operand. Per-tensor scaling takes its scale from `delayed_scale`
@@ -254,6 +267,9 @@ class Backend {
   // quantized transpose: xᵀ's blocks run along x's columns); either may be undefined. With
   // per-tensor scaling both copies share one scale; 128x128 tiles transpose with their scales.
   virtual void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) = 0;
+  // dst [cols, rows] = src [rows, cols] transposed, codes and (per-tensor) scale_inv: the
+  // columnwise copy of a weight whose rowwise cast adamw wrote (ParamCast).
+  virtual void transpose_codes(QTensor dst, const QTensor& src) = 0;
   // The input of a fused cast: the element-wise op that produces the tensor to cast, so the
   // tensor between the op and the cast is never stored. identity: x itself; gelu_tanh:
   // gelu_tanh(x); layernorm_modulate: layernorm_modulate's y from x [B, L, H], the mean and

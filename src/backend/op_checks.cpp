@@ -203,27 +203,46 @@ NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy
 }
 
 void check_adamw(std::string_view op, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies) {
+                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
+                 std::span<const Backend::ParamCast> casts) {
   for (Named n : {Named{"param", param}, Named{"grad", grad}, Named{"m", m}, Named{"v", v}}) {
     require_contiguous(op, n);
     require_vector(op, n, param.numel());
   }
   if (h.step < 1) fail("{}: step must be >= 1 (1-based), got {}", op, h.step);
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end): no two outputs may overlap
+  const auto inside = [&](const char* what, size_t i, int64_t offset, int64_t count) {
+    if (offset < 0 || offset + count > param.numel())
+      fail("{}: {} {} of {} elements at offset {} lies outside the {} parameters", op, what, i, count, offset,
+           param.numel());
+    ranges.emplace_back(offset, offset + count);
+  };
   for (size_t i = 0; i < copies.size(); ++i) {
     const Backend::ParamCopy& c = copies[i];
     if (!c.copy.defined() || c.copy.dtype != DType::bf16 || !c.copy.contiguous())
       fail("{}: copy {} ({}) must be a contiguous bf16 tensor", op, i, c.copy.str());
-    if (c.offset < 0 || c.offset + c.copy.numel() > param.numel())
-      fail("{}: copy {} of {} elements at offset {} lies outside the {} parameters", op, i, c.copy.numel(), c.offset,
-           param.numel());
+    inside("copy", i, c.offset, c.copy.numel());
   }
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end): no two copies may overlap
-  for (const Backend::ParamCopy& c : copies) ranges.emplace_back(c.offset, c.offset + c.copy.numel());
+  for (size_t i = 0; i < casts.size(); ++i) {
+    const Backend::ParamCast& c = casts[i];
+    if (!c.codes.defined() || c.codes.scaling != Fp8Scaling::per_tensor || !c.codes.scale_inv || !c.scale || !c.amax)
+      fail("{}: cast {} needs per-tensor codes with their scale_inv, a scale and an amax target", op, i);
+    inside("cast", i, c.offset, c.codes.numel());
+  }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i)
     if (ranges[i].first < ranges[i - 1].second)
-      fail("{}: copies of the parameters [{}, {}) and [{}, {}) overlap", op, ranges[i - 1].first, ranges[i - 1].second,
-           ranges[i].first, ranges[i].second);
+      fail("{}: the outputs for the parameters [{}, {}) and [{}, {}) overlap", op, ranges[i - 1].first,
+           ranges[i - 1].second, ranges[i].first, ranges[i].second);
+}
+
+void check_transpose_codes(std::string_view op, const QTensor& dst, const QTensor& src) {
+  if (!dst.defined() || !src.defined() || dst.scaling != Fp8Scaling::per_tensor ||
+      src.scaling != Fp8Scaling::per_tensor || !dst.scale_inv || !src.scale_inv)
+    fail("{}: 'dst' and 'src' must be per-tensor FP8 casts with their scale_inv", op);
+  if (dst.rows != src.cols || dst.cols != src.rows || dst.format != src.format)
+    fail("{}: 'dst' [{}, {}] {} must be 'src' [{}, {}] {} transposed", op, dst.rows, dst.cols,
+         fp8_format_name(dst.format), src.rows, src.cols, fp8_format_name(src.format));
 }
 
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols) {

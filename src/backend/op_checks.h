@@ -70,9 +70,13 @@ NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Te
 NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
                                            const Tensor& mean, const Tensor& rstd);
 // adamw's whole argument check: param, grad, m, v contiguous f32 vectors of one length, a
-// 1-based step, and each copy a contiguous bf16 tensor inside the parameters.
+// 1-based step, each copy a contiguous bf16 tensor and each cast a per-tensor QTensor (with its
+// scale and amax) inside the parameters, no two of them over the same parameters.
 void check_adamw(std::string_view op, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies);
+                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
+                 std::span<const Backend::ParamCast> casts);
+// transpose_codes: per-tensor codes, dst [cols, rows] of src [rows, cols], one format.
+void check_transpose_codes(std::string_view op, const QTensor& dst, const QTensor& src);
 // Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined).
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols);
 // QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.

@@ -133,8 +133,12 @@ class OpProfiler final : public Backend {
     timed("sum_squares", [&] { r = be_.sum_squares(x); });
     return r;
   }
-  void adamw(Tensor p, Tensor g, Tensor m, Tensor v, const AdamW& h, std::span<const ParamCopy> copies) override {
-    timed("adamw", [&] { be_.adamw(p, g, m, v, h, copies); });
+  void adamw(Tensor p, Tensor g, Tensor m, Tensor v, const AdamW& h, std::span<const ParamCopy> copies,
+             std::span<const ParamCast> casts) override {
+    timed("adamw", [&] { be_.adamw(p, g, m, v, h, copies, casts); });
+  }
+  void transpose_codes(QTensor dst, const QTensor& src) override {
+    timed("transpose_codes", [&] { be_.transpose_codes(dst, src); });
   }
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override {
     timed("quantize (fp8 cast)", [&] { be_.quantize(rowwise, columnwise, x, q); });

@@ -183,10 +183,16 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
   params_->use_operand_copies(operand_copies);
 }
 
-void FluxModel::end_optimizer_step() {
-  if (!fp8_) return;
-  fp8_->end_step();
-  fp8_->weights_updated();
+void FluxModel::before_optimizer_step() {
+  if (fp8_) fp8_->end_step();
+}
+
+std::vector<Backend::ParamCast> FluxModel::weight_casts() {
+  return fp8_ ? fp8_->weight_casts(*params_) : std::vector<Backend::ParamCast>{};
+}
+
+void FluxModel::after_optimizer_step(bool casts_written) {
+  if (fp8_) fp8_->weights_updated(casts_written);
 }
 
 FluxModel::~FluxModel() = default;

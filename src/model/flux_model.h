@@ -80,9 +80,17 @@ class FluxModel {
 
   // FP8 state (null in BF16 runs).
   Fp8Runtime* fp8() { return fp8_.get(); }
-  // After each optimizer update: the delayed-scaling update of every FP8 tensor and fresh
-  // weight casts on the next forward.
-  void end_optimizer_step();
+  // Around each optimizer update (FP8; no-ops in BF16):
+  //   before_optimizer_step(): the delayed-scaling update of every FP8 tensor (the step's
+  //     amaxes are all in), so the next step's scales are known when the weights change;
+  //   weight_casts(): the FP8 casts of the new weights for AdamW to write with them (delayed
+  //     recipe; empty otherwise), with the next step's scales;
+  //   after_optimizer_step(casts_written): those casts made the weights' current ones (their
+  //     columnwise copies transposed from them), or, when AdamW did not write them (no update,
+  //     another recipe), the weights cast afresh at their first use.
+  void before_optimizer_step();
+  std::vector<Backend::ParamCast> weight_casts();
+  void after_optimizer_step(bool casts_written);
 
  private:
   FluxConfig cfg_;

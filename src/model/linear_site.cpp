@@ -155,6 +155,9 @@ QTensor allocate_qtensor(Arena& arena, int64_t rows, int64_t cols, Fp8Format f, 
 }
 
 void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
+  sites_.clear();
+  for (LinearSite* s : sites)
+    if (s->fp8) sites_.push_back(s);
   auto plan = [&](Arena& a) {
     for (LinearSite* s : sites) {
       if (!s->fp8) continue;
@@ -171,10 +174,37 @@ void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
 }
 
 void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
-  if (site.w_version == weight_version_ && (site.w_recorded || !recording_)) return;
+  if (site.w_version == weight_version_ && (site.w_recorded || !recording_) && (site.w_counted || !collect_stats_))
+    return;
   be_.quantize(site.w_row, site.w_col, site.w, quantize_args(site, Operand::weight));
   site.w_version = weight_version_;
   site.w_recorded = recording_;
+  site.w_counted = collect_stats_;
+}
+
+std::vector<Backend::ParamCast> Fp8Runtime::weight_casts(const ParamStore& store) {
+  std::vector<Backend::ParamCast> casts;
+  if (cfg_.recipe != Fp8Recipe::delayed) return casts;
+  push_state();
+  for (const LinearSite* s : sites_) {
+    const int slot = first_slot_[static_cast<size_t>(s->index)] + static_cast<int>(Operand::weight);
+    // As quantize_args for a recording cast: the registry's scale, the staging row's amax (the
+    // next step's, as the first forward use would record it).
+    casts.push_back({store.offset_of(s->w), s->w_row, scale_dev_.ptr<float>() + slot, history_dev_.ptr<float>() + slot});
+  }
+  if (!casts.empty()) host_current_ = false;
+  return casts;
+}
+
+void Fp8Runtime::weights_updated(bool cast_by_update) {
+  ++weight_version_;
+  if (!cast_by_update) return;
+  for (LinearSite* s : sites_) {
+    be_.transpose_codes(s->w_col, s->w_row);
+    s->w_version = weight_version_;
+    s->w_recorded = true;
+    s->w_counted = false;
+  }
 }
 
 void Fp8Runtime::end_step() {

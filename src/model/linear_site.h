@@ -31,6 +31,7 @@ struct LinearSite {
   QTensor w_row, w_col;        // this step's weight casts (fprop / dgrad operands)
   int64_t w_version = -1;
   bool w_recorded = false;     // the cast's amax went into the delayed-scaling history
+  bool w_counted = false;      // the cast counted its telemetry (Fp8Runtime::collect_stats)
 
   static LinearSite bind(const ParamStore& store, const std::string& prefix);
   // For the backward about to write dw and db: false when it is their first write of the step
@@ -79,8 +80,15 @@ class Fp8Runtime {
   Fp8Scaling scaling(Operand o) const;
   Backend::Quantize quantize_args(const LinearSite& site, Operand o);
 
-  // Weights changed (optimizer step): casts are redone on first use.
-  void weights_updated() { ++weight_version_; }
+  // The rowwise casts of every FP8 site's new weight for AdamW to write (Backend::ParamCast),
+  // with the next step's scales: the delayed recipe only (end_step() has run; other recipes
+  // derive the scale from the new weight itself), else empty.
+  std::vector<Backend::ParamCast> weight_casts(const ParamStore& store);
+  // Weights changed (optimizer step): casts are redone on first use — or, cast_by_update, AdamW
+  // wrote the weight_casts() and they are completed here (columnwise copies) and kept.
+  void weights_updated(bool cast_by_update = false);
+  // Casts a site's weight unless this step's cast is in place (and recorded, and counted when
+  // the step counts telemetry).
   void ensure_weight_cast(LinearSite& site);
 
   // Casts of validation passes must not move the delayed-scaling history.
@@ -111,6 +119,7 @@ class Fp8Runtime {
   Fp8MetaRegistry registry_;
   std::vector<SiteStats> stats_, last_stats_;
   std::vector<int> first_slot_;  // registry slot of the site's input (weight +1, grad +2)
+  std::vector<LinearSite*> sites_;  // those with weight casts (allocate_weight_casts)
   Arena weight_arena_;
   int64_t weight_version_ = 0;
   bool recording_ = true;

@@ -169,6 +169,12 @@ std::vector<Backend::ParamCopy> ParamStore::operand_copies() const {
   return copies;
 }
 
+int64_t ParamStore::offset_of(const Tensor& w) const {
+  const size_t i = index_in(params_, w);
+  if (i == kNoParam) fail("ParamStore::offset_of: tensor {} is not a whole parameter of this model", w.str());
+  return layout_.params()[i].offset;
+}
+
 void ParamStore::params_updated() {
   ++params_version_;
   for (OperandCopy& c : operands_)

@@ -97,6 +97,8 @@ class ParamStore {
   void params_changed() { ++params_version_; }
   std::vector<Backend::ParamCopy> operand_copies() const;
   void params_updated();
+  // The offset in the flat buffer of `w`, a whole parameter's view from param(); fails otherwise.
+  int64_t offset_of(const Tensor& w) const;
   size_t operand_copy_bytes() const { return operand_bytes_; }
 
  private:

@@ -29,7 +29,7 @@ AdamWOptimizer::~AdamWOptimizer() {
   store_.backend().release(v_.data);
 }
 
-StepStats AdamWOptimizer::step(int64_t step, double lr) {
+StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend::ParamCast> casts) {
   Backend& be = store_.backend();
   StepStats s;
   s.lr = lr;
@@ -40,7 +40,7 @@ StepStats AdamWOptimizer::step(int64_t step, double lr) {
   // The weights' bf16 operand copies are written with the new weights (a conversion pass less).
   const std::vector<Backend::ParamCopy> copies = store_.operand_copies();
   be.adamw(store_.flat_params(), store_.flat_grads(), m_, v_,
-           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies);
+           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies, casts);
   store_.params_updated();
   s.applied = true;
   return s;

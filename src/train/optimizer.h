@@ -2,6 +2,9 @@
 // AdamW over the flat parameter buffer, with global-norm gradient clipping. The moments are
 // two more flat buffers laid out like the parameters (on the CPU backend the f32 parameters
 // are themselves the master weights).
+#include <span>
+
+#include "backend/backend.h"
 #include "model/params.h"
 #include "train/schedule.h"
 
@@ -30,7 +33,8 @@ class AdamWOptimizer {
 
   // One update from the accumulated gradients; `step` is 1-based (bias correction, schedule).
   // A non-finite gradient norm skips the update and leaves weights and moments unchanged.
-  StepStats step(int64_t step, double lr);
+  // `casts`: FP8 casts of the new weights to write with them (FluxModel::weight_casts).
+  StepStats step(int64_t step, double lr, std::span<const Backend::ParamCast> casts = {});
 
   Tensor exp_avg() const { return m_; }
   Tensor exp_avg_sq() const { return v_; }

@@ -214,10 +214,13 @@ TrainResult run_training(const TrainOptions& opt) {
     const double loss = sl.loss;
     const int64_t tokens = sl.tokens;
     const double lr = r.schedule.at(step + 1);
-    StepStats st = std::isfinite(loss) ? r.opt->step(step + 1, lr) : StepStats{NAN, lr, false};
     // FP8: one delayed-scaling update for all tensors (an inf/NaN amax keeps the old scale),
-    // and fresh weight casts for the next step.
-    r.model->end_optimizer_step();
+    // then the update, which also writes the new weights' casts with the next step's scales
+    // (delayed recipe; other recipes cast the weights afresh at their first use).
+    r.model->before_optimizer_step();
+    const std::vector<Backend::ParamCast> casts = r.model->weight_casts();
+    StepStats st = std::isfinite(loss) ? r.opt->step(step + 1, lr, casts) : StepStats{NAN, lr, false};
+    r.model->after_optimizer_step(st.applied && !casts.empty());
     if (!st.applied) {
       ++r.state.skipped_steps;
       const std::string first = first_nonfinite_gradient(r.model->params());

@@ -3,6 +3,7 @@
 // fp32 operands, so any difference is a bug, not rounding. gemm_fp8_tn is compared by relative
 // L2 error: its summation order, and on the tensor cores its accumulation precision, are
 // backend-specific (see kTensorCoreTolerance).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -356,6 +357,74 @@ TEST(CudaFp8, DelayedScalingUpdateMatchesCpu) {
 // bit — with a restored state (uploaded before the first cast), an all-reduce hook (row 0 taken
 // to the host and back), and an unrecorded cast between steps (a validation pass: its amax goes
 // to the runtime's scratch, not the history).
+// AdamW writing per-tensor FP8 casts of weights with the new values (Backend::ParamCast, the
+// delayed recipe's next-step casts): the codes, scale_inv and max-accumulated amax the CPU's
+// quantize() gives for the same new values, bit for bit — E4M3 and E5M2, a scale that saturates
+// part of the tensor, an offset that is not a multiple of 4 (the per-element path), a weight
+// spanning several of the kernel's chunks, next to a bf16 copy.
+TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t n = 90007;
+  Pair p({n}), gr({n}), m({n}), v({n});
+  p.randn(41, 0.5), gr.randn(42, 0.01), m.randn(43, 0.001), v.fill(1e-6f);
+  struct Weight {
+    int64_t offset, rows, cols;
+    Fp8Format format;
+    float scale, amax_before;
+  };
+  const Weight weights[] = {{0, 137, 301, Fp8Format::e4m3, 300.0f, 0.0f},   // 41237: several chunks
+                            {50001, 7, 13, Fp8Format::e5m2, 2.0f, 0.25f},  // odd offset, per element
+                            {60000, 64, 96, Fp8Format::e4m3, 1500.0f, 9.0f}};  // saturates; amax stays 9
+  std::vector<std::unique_ptr<QPair>> codes;
+  Pair scales({3}), amax({3});
+  for (int i = 0; i < 3; ++i) {
+    const Weight& w = weights[i];
+    codes.push_back(std::make_unique<QPair>(w.rows, w.cols, w.format, Fp8Scaling::per_tensor));
+    scales.host.mem[static_cast<size_t>(i)] = w.scale;
+    amax.host.mem[static_cast<size_t>(i)] = w.amax_before;
+  }
+  scales.up(), amax.up();
+  Bf16Dev copy(Shape{1000});
+  std::vector<uint16_t> copy_host(1000);
+  for (int64_t step = 1; step <= 2; ++step) {
+    const Backend::AdamW h{1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0, step};
+    run_both([&](Backend& be, bool g) {
+      std::vector<Backend::ParamCast> casts;
+      for (int i = 0; i < 3; ++i)
+        casts.push_back({weights[i].offset, codes[static_cast<size_t>(i)]->on(g),
+                         static_cast<const float*>(scales.t(g).data) + i, static_cast<float*>(amax.t(g).data) + i});
+      const Backend::ParamCopy copies[] = {
+          {70000, g ? copy.t : Tensor(copy_host.data(), DType::bf16, Shape{1000})}};
+      be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, copies, casts);
+    });
+    EXPECT_EQ(p.down(), p.host.mem);
+    for (int i = 0; i < 3; ++i) expect_equals_cpu(*codes[static_cast<size_t>(i)], fmt::format("weight {}", i).c_str());
+    EXPECT_EQ(bits(amax.down()), bits(amax.host.mem));
+    EXPECT_EQ(copy.bits(), copy_host);
+  }
+  EXPECT_EQ(amax.host.mem[2], 9.0f) << "max-accumulated: the larger amax already there stays";
+  const std::vector<uint8_t> c2 = codes[2]->codes;
+  EXPECT_TRUE(std::count(c2.begin(), c2.end(), uint8_t{0x7E}) > 0) << "the scale saturates some values (E4M3 448)";
+}
+
+// transpose_codes: the columnwise copy of a per-tensor cast from its rowwise codes, the CPU's
+// bytes on word-aligned and odd shapes (the kernel's 64x64 tiles, partial at the edges).
+TEST(CudaFp8, TransposeCodesEqualsCpu) {
+  FLUX8_REQUIRE_GPU();
+  std::mt19937 rng(5);
+  for (const auto& [R, C] : {std::pair<int64_t, int64_t>{64, 128}, {132, 260}, {37, 53}, {1, 5}, {5, 1}, {4, 8}}) {
+    QPair src(R, C, Fp8Format::e4m3, Fp8Scaling::per_tensor), dst(C, R, Fp8Format::e4m3, Fp8Scaling::per_tensor);
+    for (uint8_t& b : src.codes) b = static_cast<uint8_t>(rng());
+    src.scales[0] = 0.0123f;
+    src.upload();
+    run_both([&](Backend& be, bool g) { be.transpose_codes(dst.on(g), src.on(g)); });
+    expect_equals_cpu(dst, fmt::format("{}x{}", R, C).c_str());
+    EXPECT_EQ(dst.codes[static_cast<size_t>(C > 1 ? 1 * R : 0)], src.codes[C > 1 ? 1 : 0]);
+  }
+  QPair a(4, 8, Fp8Format::e4m3, Fp8Scaling::per_tensor), b(4, 8, Fp8Format::e4m3, Fp8Scaling::per_tensor);
+  EXPECT_THROW(gpu().transpose_codes(b.dev, a.dev), Error) << "dst must be src's shape transposed";
+}
+
 TEST(CudaFp8, RuntimeStateOnDeviceMatchesCpuRuntime) {
   FLUX8_REQUIRE_GPU();
   const int64_t N = 40, K = 48, M = 24;

@@ -123,6 +123,29 @@ TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
   expect_within_noise(g, c, exact, "FP8", 1.5, 1e-4);
 }
 
+// The delayed recipe's weight casts written by AdamW (the fused kernel's codes and amax, the
+// columnwise copies by transpose_codes) give the GPU's training steps exactly what the casts at
+// the weights' first use gave (the per-tensor cast kernel): same predictions and gradients bit
+// for bit, on bf16 activations as trained.
+TEST(CudaModel, Fp8WeightCastsWrittenByAdamWEqualCastsAtFirstUse) {
+  FLUX8_REQUIRE_GPU();
+  const FluxConfig cfg = fp8_test_config();
+  const Fp8Config fp8 = delayed_fp8();
+  testing::ModelRunOptions o{.fp8 = &fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 4,
+                             .weight_std = 0.1, .optimizer = true, .collect_stats = false};
+  for (Backend* be : {&gpu(), &gpu_bf16_activations()}) {
+    o.fused_weight_casts = true;
+    const ModelRun fused = testing::run_model(*be, cfg, o);
+    o.fused_weight_casts = false;
+    const ModelRun first_use = testing::run_model(*be, cfg, o);
+    EXPECT_EQ(fused.pred, first_use.pred);
+    ASSERT_EQ(fused.grads.size(), first_use.grads.size());
+    for (size_t i = 0; i < fused.grads.size(); ++i)
+      EXPECT_EQ(fused.grads[i].second, first_use.grads[i].second) << fused.grads[i].first;
+    EXPECT_EQ(fused.scales, first_use.scales);
+  }
+}
+
 // Activations stored in bf16 (the training configuration) against the CPU backend that rounds
 // every activation to bf16 (round_activations_to_bf16). Both round, but wherever their f32
 // values differ in the last bits (summation order) they round to neighbouring bf16 numbers,

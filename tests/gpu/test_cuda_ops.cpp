@@ -540,7 +540,7 @@ TEST(CudaOps, ObjectiveLossNormAdamW) {
   p.randn(97), gr.randn(98, 0.01), m.randn(99, 0.001), v.fill(1e-6f);
   for (int64_t step = 1; step <= 3; ++step) {
     const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, step};
-    run_both([&](Backend& be, bool g) { be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, {}); });
+    run_both([&](Backend& be, bool g) { be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, {}, {}); });
   }
   // The same fp32 operations in the same order, none fused, on both backends (the CPU file is
   // built with -ffp-contract=off): equal bit for bit; the bound is loose on purpose.
@@ -584,7 +584,7 @@ TEST(CudaOps, AdamWWritesRoundedCopies) {
     };
     const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, step};
     run_both([&](Backend& be, bool g) {
-      be.adamw(part(p, g), part(gr, g), part(m, g), part(v, g), h, g ? gpu_copies : cpu_copies);
+      be.adamw(part(p, g), part(gr, g), part(m, g), part(v, g), h, g ? gpu_copies : cpu_copies, {});
     });
     EXPECT_EQ(p.down(), p.host.mem);
     EXPECT_EQ(m.down(), m.host.mem);

@@ -78,8 +78,9 @@ class CpuBackend final : public Backend {
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-             std::span<const ParamCopy> copies) override;
+             std::span<const ParamCopy> copies, std::span<const ParamCast> casts) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
+  void transpose_codes(QTensor dst, const QTensor& src) override;
   void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
                               int margin) override;
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;

@@ -96,6 +96,13 @@ void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Q
   }
 }
 
+void CpuBackend::transpose_codes(QTensor dst, const QTensor& src) {
+  ops::check_transpose_codes("transpose_codes", dst, src);
+  for (int64_t r = 0; r < src.rows; ++r)
+    for (int64_t c = 0; c < src.cols; ++c) dst.codes[c * src.rows + r] = src.codes[r * src.cols + c];
+  dst.scale_inv[0] = src.scale_inv[0];
+}
+
 void CpuBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
                                         AmaxAlgo algo, int margin) {
   const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", amax_history, scale, scale_inv, fp8_max);

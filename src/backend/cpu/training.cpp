@@ -97,10 +97,11 @@ double CpuBackend::sum_squares(Tensor x) {
 }
 
 void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                       std::span<const ParamCopy> copies) {
+                       std::span<const ParamCopy> copies, std::span<const ParamCast> casts) {
   constexpr std::string_view op = "adamw";
   const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  ops::check_adamw(op, param, grad, m, v, h, copies);
+  ops::check_adamw(op, param, grad, m, v, h, copies, casts);
+  if (!casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
   const int64_t n = param.numel();
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
@@ -138,6 +139,16 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
       });
     }
   });
+  // The casts: quantize() of each weight's new values with its delayed scale (no counts).
+  for (const ParamCast& cast : casts) {
+    Quantize q;
+    q.format = cast.codes.format;
+    q.delayed_scale = cast.scale;
+    q.amax = cast.amax;
+    quantize(cast.codes, QTensor{}, Tensor(param.ptr<float>() + cast.offset, DType::f32,
+                                           Shape{cast.codes.rows, cast.codes.cols}),
+             q);
+  }
 }
 
 }  // namespace flux8

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8_encode.cuh"
 #include "backend/cuda/pointwise.cuh"
 #include "fp8/quantize.h"
 #include "fp8/recipe.h"
@@ -159,39 +160,6 @@ struct CastArgs {
   bool gelu_vec4;            // the same for the GELU input of gelu_tanh_backward
   bool full_tiles;           // the per-tensor kernel's kFull path may take x's inner 128x128 tiles
 };
-
-// The integer encoder's code for a NaN (fp8_encode of it): the format's NaN code with the NaN's
-// sign. Written out rather than calling fp8_encode: the compiler predicates the rare NaN branch
-// instead of jumping over it, and the whole inlined encoder was issued for every pair of every
-// cast (~90 instructions issued per element; written out, the per-tensor cast of a W1 output
-// gradient went from 143 to 122 µs on an H200).
-__device__ inline uint32_t nan_code(float nan, Fp8Format f) {
-  return ((__float_as_uint(nan) >> 31) << 7) | fp8_detail::params(f).nan_code;
-}
-
-// quantize_value(v0, s, f) | quantize_value(v1, s, f) << 8 by the FP8 conversion instruction of
-// sm_89+ (cvt.rn.satfinite: round to nearest even, |v·s| past the largest finite value and ±inf
-// to ±max, subnormal results exact), two values per instruction: the same codes as the CPU's
-// integer encoder (src/fp8/format.h). Except for NaN: the GPU's multiply returns the canonical
-// (positive) NaN where the CPU's returns its NaN operand (x first), and the instruction has its
-// own NaN code, so a NaN product takes the encoder's code of that operand: v, else the scale
-// (an MX block whose amax is inf has a NaN scale). encode_pair_finite is the conversion alone,
-// for values and a scale known not to be NaN; encode_pair adds the NaN codes.
-__device__ inline uint32_t encode_pair_finite(float v0, float v1, float s, Fp8Format f) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  return __nv_cvt_float2_to_fp8x2(make_float2(v0 * s, v1 * s), __NV_SATFINITE,
-                                  f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
-#else
-  return fp8_encode(v0 * s, f) | (static_cast<uint32_t>(fp8_encode(v1 * s, f)) << 8);
-#endif
-}
-__device__ inline uint32_t encode_pair(float v0, float v1, float s, Fp8Format f) {
-  const uint32_t c = encode_pair_finite(v0, v1, s, f);
-  uint32_t lo = c & 0xFFu, hi = (c >> 8) & 0xFFu;
-  if (f32_is_nan(v0) || f32_is_nan(s)) lo = nan_code(f32_is_nan(v0) ? v0 : s, f);
-  if (f32_is_nan(v1) || f32_is_nan(s)) hi = nan_code(f32_is_nan(v1) ? v1 : s, f);
-  return lo | (hi << 8);
-}
 
 __device__ inline uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
@@ -840,8 +808,60 @@ void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_
               cols, accumulate);
 }
 
+// dst [C, R] = src [R, C]ᵀ by 64x64 tiles of codes through shared memory: a warp reads 4-byte
+// words along src's rows and writes 4-byte words along dst's rows (where R and C are multiples
+// of 4; single bytes at other edges). Block (0, 0) copies the scale_inv (the same scale: the
+// columnwise copy of a per-tensor cast).
+constexpr int kCodeTile = 64;
+__global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst, const uint8_t* src, int64_t R,
+                                                                   int64_t C, float* dst_scale_inv,
+                                                                   const float* src_scale_inv) {
+  __shared__ uint32_t tile[kCodeTile][kCodeTile / 4 + 1];  // row i's bytes 4w..4w+3 in word w
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kCodeTile, c0 = static_cast<int64_t>(blockIdx.x) * kCodeTile;
+  const int nr = static_cast<int>(R - r0 < kCodeTile ? R - r0 : kCodeTile);
+  const int nc = static_cast<int>(C - c0 < kCodeTile ? C - c0 : kCodeTile);
+  const bool words = R % 4 == 0 && C % 4 == 0;
+  constexpr int kWords = kCodeTile * kCodeTile / 4;
+  for (int k = threadIdx.x; k < kWords; k += blockDim.x) {
+    const int i = k / (kCodeTile / 4), w = k % (kCodeTile / 4);
+    if (i >= nr) continue;
+    const uint8_t* at = src + (r0 + i) * C + c0 + 4 * w;
+    uint32_t x = 0;
+    if (words && 4 * w + 4 <= nc)
+      x = *reinterpret_cast<const uint32_t*>(at);
+    else
+      for (int b = 0; b < 4 && 4 * w + b < nc; ++b) x |= static_cast<uint32_t>(at[b]) << (8 * b);
+    tile[i][w] = x;
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < kWords; k += blockDim.x) {
+    const int j = k / (kCodeTile / 4), w = k % (kCodeTile / 4);  // dst row c0 + j, its bytes 4w..4w+3
+    if (j >= nc || 4 * w >= nr) continue;
+    uint32_t x = 0;
+    for (int b = 0; b < 4; ++b)
+      if (4 * w + b < nr) x |= ((tile[4 * w + b][j / 4] >> (8 * (j % 4))) & 0xFFu) << (8 * b);
+    uint8_t* at = dst + (c0 + j) * R + r0 + 4 * w;
+    if (words && 4 * w + 4 <= nr)
+      *reinterpret_cast<uint32_t*>(at) = x;
+    else
+      for (int b = 0; b < 4 && 4 * w + b < nr; ++b) at[b] = static_cast<uint8_t>(x >> (8 * b));
+  }
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *dst_scale_inv = *src_scale_inv;
+}
+
 }  // namespace
 }  // namespace cuda
+
+void CudaBackend::transpose_codes(QTensor dst, const QTensor& src) {
+  ops::check_transpose_codes("transpose_codes", dst, src);
+  if (src.numel() == 0) return;
+  const dim3 grid(static_cast<unsigned>((src.cols + cuda::kCodeTile - 1) / cuda::kCodeTile),
+                  static_cast<unsigned>((src.rows + cuda::kCodeTile - 1) / cuda::kCodeTile));
+  if (grid.y > 65535) fail("transpose_codes: {} rows is more than this kernel's grid takes", src.rows);
+  cuda::transpose_codes_kernel<<<grid, cuda::kThreads, 0, stream_>>>(dst.codes, src.codes, src.rows, src.cols,
+                                                                      dst.scale_inv, src.scale_inv);
+  FLUX8_LAUNCH_CHECK(transpose_codes_kernel);
+}
 
 void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
   CastInput in;

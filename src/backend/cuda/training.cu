@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8_encode.cuh"
 #include "core/rng.h"
 
 namespace flux8 {
@@ -90,12 +91,18 @@ struct AdamwStep {
   }
 };
 
-// One block's share of the flat buffers, [begin, end), and where the bf16 copy of its first
-// element goes (nullptr: these parameters have none). The table splits every copy's range and
-// every gap between copies into chunks, so a block never looks up which copy an element has.
+// One block's share of the flat buffers, [begin, end), and what else it writes of its
+// elements: their bf16 copy and/or FP8 codes, from the pointers of element `begin` (nullptr:
+// none). The table splits every output's range and every gap between them into chunks, so a
+// block never looks up which output an element has.
 struct AdamwChunk {
   int64_t begin, end;
   __nv_bfloat16* copy;
+  uint8_t* codes;
+  const float* scale;  // the cast's scale (codes of x·scale)
+  float* amax;         // the cast's amax target (max-accumulated)
+  float* scale_inv;    // the cast's first chunk only: gets 1/scale
+  Fp8Format format;
 };
 // 32 quads a thread: a block first waits for its chunk's entry (a dependent load), which
 // chunks of 4 quads a thread did not hide (0.3 ms more than a grid-stride loop over W2's 1.3G
@@ -103,11 +110,14 @@ struct AdamwChunk {
 constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 
 // AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
-// 16-byte aligned; the chunk's start a multiple of 4 and its copy 8-byte aligned): AdamW is pure
-// HBM traffic, 28 bytes a parameter, 30 with a copy.
+// 16-byte aligned; the chunk's start a multiple of 4, its copy 8-byte and its codes 4-byte
+// aligned): AdamW is pure HBM traffic, 28 bytes a parameter, 30 with a copy, 29 with a cast.
+// The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of x·scale,
+// the amax the largest |x| bit pattern of the non-NaN values.
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const float* __restrict__ g,
                  float* __restrict__ m, float* __restrict__ v, AdamwStep step, bool quads) {
+  __shared__ uint32_t warp_amax[kThreads / 32];
   const AdamwChunk c = chunks[blockIdx.x];
   const int64_t n = c.end - c.begin;
   float* __restrict__ pc = p + c.begin;
@@ -115,7 +125,14 @@ __global__ void __launch_bounds__(kThreads)
   float* __restrict__ mc = m + c.begin;
   float* __restrict__ vc = v + c.begin;
   __nv_bfloat16* __restrict__ out = c.copy;
-  const bool vec = quads && c.begin % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  uint8_t* __restrict__ codes = c.codes;
+  const float s = codes ? *c.scale : 0.0f;
+  uint32_t amax_bits = 0;
+  const auto take_amax = [&](float x) {
+    if (!f32_is_nan(x)) amax_bits = max(amax_bits, __float_as_uint(x) & 0x7FFFFFFFu);
+  };
+  const bool vec = quads && c.begin % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(codes) % 4 == 0;
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
     float4 pq = reinterpret_cast<float4*>(pc)[q], mq = reinterpret_cast<float4*>(mc)[q];
@@ -133,44 +150,86 @@ __global__ void __launch_bounds__(kThreads)
       bits.y = *reinterpret_cast<const uint32_t*>(&hi);
       reinterpret_cast<uint2*>(out)[q] = bits;
     }
+    if (codes) {
+      reinterpret_cast<uint32_t*>(codes)[q] =
+          encode_pair(pq.x, pq.y, s, c.format) | (encode_pair(pq.z, pq.w, s, c.format) << 16);
+      take_amax(pq.x), take_amax(pq.y), take_amax(pq.z), take_amax(pq.w);
+    }
   }
   for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
     step(pc[i], gc[i], mc[i], vc[i]);
     if (out) out[i] = __float2bfloat16_rn(pc[i]);
+    if (codes) {
+      codes[i] = static_cast<uint8_t>(encode_pair(pc[i], 0.0f, s, c.format));
+      take_amax(pc[i]);
+    }
+  }
+  if (codes) {  // block-uniform: the chunk's amax, max-accumulated into the target
+    amax_bits = __reduce_max_sync(0xffffffffu, amax_bits);
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax_bits;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < kThreads / 32; ++w) amax_bits = max(amax_bits, warp_amax[w]);
+      atomicMax(reinterpret_cast<unsigned*>(c.amax), amax_bits);
+      if (c.scale_inv) *c.scale_inv = scale_inverse(s);
+    }
   }
 }
 
 }  // namespace
 
 void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                        std::span<const ParamCopy> copies) {
+                        std::span<const ParamCopy> copies, std::span<const ParamCast> casts) {
   constexpr std::string_view op = "adamw";
   require_f32(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  ops::check_adamw(op, param, grad, m, v, h, copies);
+  ops::check_adamw(op, param, grad, m, v, h, copies, casts);
   const int64_t n = param.numel();
   if (n == 0) return;
 
-  // The chunk table depends only on n and the copies; it is made once for each such layout
-  // (a trainer passes the same every step) and kept on the device.
-  std::vector<ParamCopy> sorted(copies.begin(), copies.end());
-  std::sort(sorted.begin(), sorted.end(), [](const ParamCopy& a, const ParamCopy& b) { return a.offset < b.offset; });
+  // The chunk table depends only on n and the outputs; it is made once for each such layout (a
+  // trainer passes the same every step) and kept on the device.
+  struct Output {
+    int64_t offset, count;
+    AdamwChunk first;  // the pointers of the range's first element
+  };
+  std::vector<Output> outputs;
+  for (const ParamCopy& c : copies)
+    outputs.push_back({c.offset, c.copy.numel(),
+                       AdamwChunk{0, 0, static_cast<__nv_bfloat16*>(c.copy.data), nullptr, nullptr, nullptr, nullptr,
+                                  Fp8Format::e4m3}});
+  for (const ParamCast& c : casts)
+    outputs.push_back({c.offset, c.codes.numel(),
+                       AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format}});
+  std::sort(outputs.begin(), outputs.end(), [](const Output& a, const Output& b) { return a.offset < b.offset; });
   std::vector<int64_t> layout{n};
-  for (const ParamCopy& c : sorted) {
-    layout.push_back(c.offset);
-    layout.push_back(c.copy.numel());
-    layout.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(c.copy.data)));
+  for (const Output& o : outputs) {
+    const AdamwChunk& f = o.first;
+    for (const void* ptr : {static_cast<const void*>(f.copy), static_cast<const void*>(f.codes),
+                            static_cast<const void*>(f.scale), static_cast<const void*>(f.amax),
+                            static_cast<const void*>(f.scale_inv)})
+      layout.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)));
+    layout.push_back(o.offset);
+    layout.push_back(o.count);
+    layout.push_back(static_cast<int64_t>(f.format));
   }
   if (layout != adamw_layout_) {
     std::vector<AdamwChunk> table;
-    const auto add = [&](int64_t begin, int64_t end, __nv_bfloat16* copy) {
-      for (int64_t at = begin; at < end; at += kAdamwChunk)
-        table.push_back(AdamwChunk{at, std::min(end, at + kAdamwChunk), copy ? copy + (at - begin) : nullptr});
+    const auto add = [&](int64_t begin, int64_t end, const AdamwChunk* first) {
+      for (int64_t at = begin; at < end; at += kAdamwChunk) {
+        AdamwChunk k = first ? *first : AdamwChunk{};
+        k.begin = at;
+        k.end = std::min(end, at + kAdamwChunk);
+        if (k.copy) k.copy += at - begin;
+        if (k.codes) k.codes += at - begin;
+        if (at != begin) k.scale_inv = nullptr;
+        table.push_back(k);
+      }
     };
     int64_t at = 0;
-    for (const ParamCopy& c : sorted) {
-      add(at, c.offset, nullptr);
-      add(c.offset, c.offset + c.copy.numel(), static_cast<__nv_bfloat16*>(c.copy.data));
-      at = c.offset + c.copy.numel();
+    for (const Output& o : outputs) {
+      add(at, o.offset, nullptr);
+      add(o.offset, o.offset + o.count, &o.first);
+      at = o.offset + o.count;
     }
     add(at, n, nullptr);
     const size_t bytes = table.size() * sizeof(AdamwChunk);
