@@ -408,11 +408,11 @@ TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
 }
 
 // transpose_codes: the columnwise copy of a per-tensor cast from its rowwise codes, the CPU's
-// bytes on word-aligned and odd shapes (the kernel's 64x64 tiles, partial at the edges).
+// bytes on shapes of 16-byte pieces (whole and partial 128x128 tiles) and odd ones.
 TEST(CudaFp8, TransposeCodesEqualsCpu) {
   FLUX8_REQUIRE_GPU();
   std::mt19937 rng(5);
-  for (const auto& [R, C] : {std::pair<int64_t, int64_t>{64, 128}, {132, 260}, {37, 53}, {1, 5}, {5, 1}, {4, 8}}) {
+  for (const auto& [R, C] : {std::pair<int64_t, int64_t>{64, 128}, {256, 384}, {144, 272}, {132, 260}, {37, 53}, {1, 5}, {5, 1}, {4, 8}}) {
     QPair src(R, C, Fp8Format::e4m3, Fp8Scaling::per_tensor), dst(C, R, Fp8Format::e4m3, Fp8Scaling::per_tensor);
     for (uint8_t& b : src.codes) b = static_cast<uint8_t>(rng());
     src.scales[0] = 0.0123f;
