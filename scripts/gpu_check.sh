@@ -20,6 +20,11 @@
 #          -> $OUT/bench*.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
+#   ab     the working tree against a base commit in the same call (scripts/ab_prepare.sh REV
+#          made ab_base/; name it in carry): ab_base is built while the other stages run, then
+#          GPU_CHECK_AB_ROUNDS (2) rounds alternate `flux8 bench --precision
+#          ${GPU_CHECK_AB_PRECISION:-bf16,delayed} --steps 10 --warmup 3` of base and working tree,
+#          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
@@ -46,6 +51,20 @@ carry=$flux8_carry
 python=$flux8_python
 [ -n "$python" ] || die "no python3"
 cudnn_root=$flux8_cudnn_root; nccl_root=$flux8_nccl_root
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+configure() {  # $1: source folder (its build/ folder is made)
+  cmake -S "$1" -B "$1/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$carry" \
+        -DFLUX8_EXTRA_PREFIX="$carry" -DPython3_EXECUTABLE="$python" -DFLUX8_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=90a ${cudnn_root:+-DFLUX8_CUDNN_ROOT="$cudnn_root"} \
+        ${nccl_root:+-DFLUX8_NCCL_ROOT="$nccl_root"}
+}
+
+if has ab; then  # the base's flux8 builds on a third of the cores while the other stages run
+  [ -f ab_base/AB_REV ] || die "no ab_base/: run scripts/ab_prepare.sh REV here and name ab_base in carry"
+  ( configure ab_base > "$OUT/ab_base_build.log" 2>&1 &&
+      cmake --build ab_base/build -j $((cores / 3 + 1)) --target flux8 >> "$OUT/ab_base_build.log" 2>&1 ) &
+  ab_build=$!
+fi
 
 if has info; then
   stage info
@@ -75,12 +94,8 @@ fi
 if has build; then
   stage build
   command -v c++ >/dev/null || die "no C++ compiler (c++) on this machine"
-  gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
   if [ ! -f build/CMakeCache.txt ]; then
-    cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$carry" \
-          -DFLUX8_EXTRA_PREFIX="$carry" -DPython3_EXECUTABLE="$python" -DFLUX8_CUDA=ON \
-          -DCMAKE_CUDA_ARCHITECTURES=90a ${cudnn_root:+-DFLUX8_CUDNN_ROOT="$cudnn_root"} \
-          ${nccl_root:+-DFLUX8_NCCL_ROOT="$nccl_root"} || die "cmake configure failed"
+    configure . || die "cmake configure failed"
   fi
   cmake --build build -j "$cores" --target flux8 || die "build of flux8 failed"
   cmake --build build -j "$cores" || die "build of the tests failed"
@@ -155,6 +170,27 @@ if has bench; then
         --data "${GPU_CHECK_CURVE_DATA:-structured}" --json "$OUT/bench_curve.json" 2>&1 |
       tee "$OUT/bench_curve.txt" || die "the W1 loss-curve run failed"
   fi
+fi
+
+if has ab; then
+  stage ab
+  [ -x build/flux8 ] || die "no build/flux8: run the build stage"
+  wait "$ab_build" || { tail -20 "$OUT/ab_base_build.log"; die "the build of ab_base failed: see ab_base_build.log"; }
+  echo "base: $(cat ab_base/AB_REV); new: the working tree"
+  for round in $(seq "${GPU_CHECK_AB_ROUNDS:-2}"); do
+    for side in base new; do
+      bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
+      echo "--- round $round, $side"
+      "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --steps 10 --warmup 3 2>&1 |
+        tee -a "$OUT/ab_$side.txt" || die "flux8 bench ($side) failed"
+    done
+  done
+  for side in base new; do
+    bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
+    "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --profile --steps 3 --warmup 2 \
+        > "$OUT/ab_profile_$side.txt" 2>&1 || die "flux8 bench --profile ($side) failed"
+  done
+  echo "per-op profiles: ab_profile_base.txt, ab_profile_new.txt"
 fi
 
 if has table; then
