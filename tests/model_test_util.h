@@ -13,6 +13,7 @@
 #include "model/flux_model.h"
 #include "model/input_batch.h"
 #include "train/optimizer.h"
+#include "train/train_step.h"
 
 namespace flux8::testing {
 
@@ -125,15 +126,13 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
     std::vector<double> probe(r.pred.size());
     for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(o.probe_seed, static_cast<uint64_t>(s), i);
     model.backward(batch.make(pred.shape, probe));
-    model.before_optimizer_step();
-    if (!opt) {  // the weights stay; their casts are redone with the new scales
-      model.after_optimizer_step(false);
+    if (opt && o.fused_weight_casts) {
+      apply_optimizer_step(model, *opt, s + 1, 1e-2);  // as the trainer
       continue;
     }
-    const std::vector<Backend::ParamCast> casts =
-        o.fused_weight_casts ? model.weight_casts() : std::vector<Backend::ParamCast>{};
-    const bool applied = opt->step(s + 1, 1e-2, casts).applied;
-    model.after_optimizer_step(applied && !casts.empty());
+    model.before_optimizer_step();  // scales first; the weights' casts at their first use
+    if (opt) opt->step(s + 1, 1e-2);
+    model.after_optimizer_step(false);
   }
   for (const ParamInfo& p : model.params().layout().params())
     r.grads.emplace_back(p.name, to_host(be, model.params().grad(p.name)));

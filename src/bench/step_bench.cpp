@@ -16,6 +16,7 @@
 #include "model/flux_model.h"
 #include "model/input_batch.h"
 #include "train/optimizer.h"
+#include "train/train_step.h"
 
 namespace flux8 {
 
@@ -180,10 +181,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     const Tensor pred = model.forward(in);
     const double loss = be.mse_loss(dpred, pred, target, 1.0);
     model.backward(dpred);
-    model.before_optimizer_step();  // as the trainer: scales first, the casts with the new weights
-    const std::vector<Backend::ParamCast> casts = model.weight_casts();
-    const bool applied = opt.step(s + 1, spec.lr, casts).applied;
-    model.after_optimizer_step(applied && !casts.empty());
+    apply_optimizer_step(model, opt, s + 1, spec.lr);  // as the trainer
     be.synchronize();
     const double ms = 1e3 * seconds_since(ts);
     if (s == 0) {

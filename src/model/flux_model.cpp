@@ -171,12 +171,8 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
   // Every Linear weight whose GEMMs run on the backend's weight operand type (all but the FP8
   // sites' weights) keeps a per-step copy in that type (ParamStore::operand).
   std::unordered_set<std::string> fp8_weights;
-  const auto note_fp8 = [&](const std::vector<LinearSite*>& sites) {
-    for (const LinearSite* s : sites)
-      if (s->fp8) fp8_weights.insert(s->name + ".weight");
-  };
-  for (DoubleBlockParams& p : double_params_) note_fp8(p.sites());
-  for (SingleBlockParams& p : single_params_) note_fp8(p.sites());
+  if (fp8_)
+    for (const LinearSite* s : fp8_->sites()) fp8_weights.insert(s->name + ".weight");
   std::vector<std::string> operand_copies;
   for (const ParamInfo& p : params_->layout().params())
     if (p.linear_weight && !fp8_weights.contains(p.name)) operand_copies.push_back(p.name);

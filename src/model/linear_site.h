@@ -75,6 +75,8 @@ class Fp8Runtime {
   void add_site(LinearSite& site);
   // Allocates the weight-cast cache for all registered sites (once).
   void allocate_weight_casts(std::vector<LinearSite*>& sites);
+  // The FP8 sites, as allocate_weight_casts found them.
+  const std::vector<LinearSite*>& sites() const { return sites_; }
 
   Fp8Format format(Operand o) const;
   Fp8Scaling scaling(Operand o) const;

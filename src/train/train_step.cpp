@@ -1,5 +1,7 @@
 #include "train/train_step.h"
 
+#include <cmath>
+
 #include "backend/backend.h"
 #include "backend/transfer.h"
 #include "core/error.h"
@@ -65,6 +67,14 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sam
     out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
   }
   return out;
+}
+
+StepStats apply_optimizer_step(FluxModel& model, AdamWOptimizer& opt, int64_t step, double lr, bool finite_loss) {
+  model.before_optimizer_step();
+  const std::vector<Backend::ParamCast> casts = model.weight_casts();
+  const StepStats st = finite_loss ? opt.step(step, lr, casts) : StepStats{NAN, lr, false};
+  model.after_optimizer_step(st.applied && !casts.empty());
+  return st;
 }
 
 }  // namespace flux8

@@ -6,6 +6,7 @@
 #include "data/sample.h"
 #include "model/flux_model.h"
 #include "train/objective.h"
+#include "train/optimizer.h"
 
 namespace flux8 {
 
@@ -54,5 +55,13 @@ struct StepLoss {
 // gives the same gradient up to rounding.
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
                                    int64_t micro, uint64_t step);
+
+// The optimizer update of step `step` (1-based) with the model's FP8 bookkeeping around it, in
+// the order the delayed recipe needs: the scale update (all the step's amaxes are in), AdamW
+// writing the new weights and their FP8 casts with the next step's scales, then those casts
+// completed. With `finite_loss` false AdamW is skipped (the weights stay; their casts are redone
+// with the new scales) and the result is not applied.
+StepStats apply_optimizer_step(FluxModel& model, AdamWOptimizer& opt, int64_t step, double lr,
+                               bool finite_loss = true);
 
 }  // namespace flux8

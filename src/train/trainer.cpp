@@ -215,12 +215,8 @@ TrainResult run_training(const TrainOptions& opt) {
     const int64_t tokens = sl.tokens;
     const double lr = r.schedule.at(step + 1);
     // FP8: one delayed-scaling update for all tensors (an inf/NaN amax keeps the old scale),
-    // then the update, which also writes the new weights' casts with the next step's scales
-    // (delayed recipe; other recipes cast the weights afresh at their first use).
-    r.model->before_optimizer_step();
-    const std::vector<Backend::ParamCast> casts = r.model->weight_casts();
-    StepStats st = std::isfinite(loss) ? r.opt->step(step + 1, lr, casts) : StepStats{NAN, lr, false};
-    r.model->after_optimizer_step(st.applied && !casts.empty());
+    // then the update, which also writes the new weights' casts (delayed recipe).
+    StepStats st = apply_optimizer_step(*r.model, *r.opt, step + 1, lr, std::isfinite(loss));
     if (!st.applied) {
       ++r.state.skipped_steps;
       const std::string first = first_nonfinite_gradient(r.model->params());
