@@ -51,6 +51,103 @@ TEST_F(CpuOps, LinearMatchesNaiveAndKeepsOutputPadding) {
   EXPECT_NEAR(y.at(3, 5), ref, kExact);
 }
 
+// linear_gelu is linear into h then the GELU of h's last My columns, bit for bit (the same GEMM,
+// the same formula on the same values), for the whole output and for a tail (the single
+// block's MLP part after q, k, v); with bf16 rounding both outputs round once from the
+// unrounded values (y is not the GELU of the rounded h).
+TEST_F(CpuOps, LinearGeluIsLinearThenGeluOfItsLastColumns) {
+  const int64_t N = 9, K = 21, M = 17;
+  for (const int64_t My : {M, int64_t{6}}) {
+    SCOPED_TRACE(::testing::Message() << "GELU over the last " << My << " of " << M << " columns");
+    Buf<float> x({N, K}, 3), w({M, K}), b({M}), y({N, My}, 2), h({N, M}, 4), ref_h({N, M}), ref_y({N, My});
+    x.randn(31), w.randn(32, 0.3), b.randn(33), y.fill_padding(NAN), h.fill_padding(NAN);
+    be->linear_gelu(y.t, h.t, x.t, w.t, b.t);
+    be->linear(ref_h.t, x.t, w.t, b.t);
+    be->gelu_tanh(ref_y.t, ref_h.t.cols_slice(M - My, My));
+    EXPECT_EQ(h.values(), ref_h.values());
+    EXPECT_EQ(y.values(), ref_y.values());
+    EXPECT_TRUE(y.padding_is_nan() && h.padding_is_nan()) << "linear_gelu wrote outside its outputs";
+    Buf<double> xd({N, K}), wd({M, K}), yd({N, My}), hd({N, M}), ref_hd({N, M}), ref_yd({N, My});
+    xd.randn(31), wd.randn(32, 0.3);
+    be->linear_gelu(yd.t, hd.t, xd.t, wd.t, Tensor{});
+    be->linear(ref_hd.t, xd.t, wd.t, Tensor{});
+    be->gelu_tanh(ref_yd.t, ref_hd.t.cols_slice(M - My, My));
+    EXPECT_EQ(hd.values(), ref_hd.values());
+    EXPECT_EQ(yd.values(), ref_yd.values());
+
+    BackendOptions o;
+    o.round_activations_to_bf16 = true;
+    const auto rounding = make_backend("cpu", o);
+    Buf<float> yr({N, My}), hr({N, M});
+    rounding->linear_gelu(yr.t, hr.t, x.t, w.t, b.t);
+    int64_t not_gelu_of_rounded_h = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t m = 0; m < M; ++m) ASSERT_EQ(hr.at(n, m), round_to_bf16(h.at(n, m)));
+      for (int64_t m = 0; m < My; ++m) ASSERT_EQ(yr.at(n, m), round_to_bf16(y.at(n, m)));
+    }
+    Buf<float> y_of_rounded({N, My});
+    rounding->gelu_tanh(y_of_rounded.t, hr.t.cols_slice(M - My, My));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t m = 0; m < My; ++m) not_gelu_of_rounded_h += yr.at(n, m) != y_of_rounded.at(n, m);
+    EXPECT_GT(not_gelu_of_rounded_h, 0) << "y must be the GELU of the unrounded sum";
+  }
+}
+
+// linear_dgrad_gelu is linear_backward's dx of the whole input, then GELU's backward over its
+// last Kh columns, bit for bit; with bf16 rounding each output rounds once (the product is not
+// rounded before the derivative multiplies it).
+TEST_F(CpuOps, LinearDgradGeluIsDgradThenGeluBackward) {
+  const int64_t N = 9, K = 21, M = 17;
+  for (const int64_t Kh : {K, int64_t{8}}) {
+    SCOPED_TRACE(::testing::Message() << "GELU over the last " << Kh << " of " << K << " input columns");
+    const int64_t K0 = K - Kh;
+    Buf<float> dy({N, M}, 2), w({M, K}), h({N, Kh}, 1), dh({N, Kh}, 3), dx({N, std::max<int64_t>(K0, 1)}, 2);
+    dy.randn(41), w.randn(42, 0.3), h.randn(43, 2.0), dh.fill_padding(NAN), dx.fill_padding(NAN);
+    const Tensor dx_t = K0 ? dx.t : Tensor{};
+    be->linear_dgrad_gelu(dx_t, dh.t, dy.t, w.t, h.t);
+    Buf<float> p({N, K}), ref_dh({N, Kh});
+    be->linear_backward(p.t, Tensor{}, Tensor{}, dy.t, Tensor{}, w.t, false, false);
+    be->gelu_tanh_backward(ref_dh.t, p.t.cols_slice(K0, Kh), h.t);
+    EXPECT_EQ(dh.values(), ref_dh.values());
+    EXPECT_TRUE(dh.padding_is_nan());
+    if (K0) {
+      Buf<float> ref_dx({N, K0});
+      be->copy(ref_dx.t, p.t.cols_slice(0, K0));
+      EXPECT_EQ(dx.values(), ref_dx.values());
+      EXPECT_TRUE(dx.padding_is_nan());
+    }
+    BackendOptions o;
+    o.round_activations_to_bf16 = true;
+    const auto rounding = make_backend("cpu", o);
+    Buf<float> dhr({N, Kh}), dxr({N, std::max<int64_t>(K0, 1)});
+    rounding->linear_dgrad_gelu(K0 ? dxr.t : Tensor{}, dhr.t, dy.t, w.t, h.t);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t k = 0; k < Kh; ++k) ASSERT_EQ(dhr.at(n, k), round_to_bf16(dh.at(n, k)));
+      for (int64_t k = 0; k < K0; ++k) ASSERT_EQ(dxr.at(n, k), round_to_bf16(dx.at(n, k)));
+    }
+  }
+}
+
+TEST_F(CpuOps, LinearGeluArgumentsAreChecked) {
+  Buf<double> x({3, 4}), w({5, 4}), h({3, 5}), y_wide({3, 6}), dy({3, 5}), hk({3, 4}), dx({3, 2}), h2({3, 2});
+  const auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string m = message([&] { be->linear_gelu(y_wide.t, h.t, x.t, w.t, Tensor{}); });
+  EXPECT_NE(m.find("linear_gelu: GELU output 'y' f64[3, 6]"), std::string::npos) << m;
+  m = message([&] { be->linear_dgrad_gelu(dx.t, hk.t, dy.t, w.t, hk.t); });
+  EXPECT_NE(m.find("linear_dgrad_gelu: input gradient 'dx' f64[3, 2] given"), std::string::npos) << m;
+  m = message([&] { be->linear_dgrad_gelu(Tensor{}, h2.t, dy.t, w.t, h2.t); });
+  EXPECT_NE(m.find("linear_dgrad_gelu: input gradient 'dx'"), std::string::npos) << m;
+  m = message([&] { be->linear_dgrad_gelu(Tensor{}, hk.t, dy.t, w.t, h2.t); });
+  EXPECT_NE(m.find("'dh' f64[3, 4] and 'h' f64[3, 2]"), std::string::npos) << m;
+}
+
 TEST_F(CpuOps, ActivationsMatchKnownValues) {
   Buf<double> x({1, 3}), y({1, 3});
   x.mem = {-1.0, 0.0, 1.0};

@@ -106,6 +106,20 @@ class Backend {
   // overwritten instead when accumulate_params is false: their old contents are never read).
   virtual void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
                                bool accumulate_dx, bool accumulate_params) = 0;
+  // A Linear whose last output columns go through GELU (an MLP's first layer; the single
+  // block's linear1, whose MLP part follows q, k, v), the GELU in the GEMM's epilogue where the
+  // backend has one: h[N,M] = x·wᵀ + b (kept for the backward) and y[N,My] = gelu_tanh of h's
+  // last My columns (My = M: all of them), each rounded once from the same sum — y is the GELU
+  // of the unrounded value, so with bf16 activations it may differ by an ulp from gelu_tanh()
+  // of the stored h. Activations: y, h, x. Any ld.
+  virtual void linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) = 0;
+  // The input gradient of a Linear whose input was [x₀ | gelu_tanh(h)] (h the last Kh of its K
+  // columns), the GELU's derivative in the GEMM's epilogue where the backend has one: with
+  // P = dy·w [N,K], dx = P's first K−Kh columns (undefined when Kh = K) and dh = gelu_tanh'(h) ⊙
+  // P's last Kh columns, both overwritten and rounded once (P is not rounded before the
+  // derivative multiplies it). The weight and bias gradients are linear_backward's (with dx
+  // undefined). Activations: dx, dh, dy, h. Any ld.
+  virtual void linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) = 0;
 
   // ---- activations (any ld) -----------------------------------------------------------
   virtual void silu(Tensor y, Tensor x) = 0;  // x·σ(x)

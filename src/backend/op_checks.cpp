@@ -180,6 +180,38 @@ LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, c
   return {N, K, M};
 }
 
+LinearGeluDims check_linear_gelu(std::string_view op, const Tensor& y, const Tensor& h, const Tensor& x,
+                                 const Tensor& w, const Tensor& b) {
+  const auto [N, K, M] = check_linear(op, h, x, w, b);
+  require_defined(op, {"y", y});
+  if (y.rows() != N || y.cols() < 1 || y.cols() > M)
+    fail("{}: GELU output 'y' {} must have {} rows of 1 to {} columns (the last columns of 'h' {})", op, y.str(), N,
+         M, h.str());
+  return {N, K, M, y.cols()};
+}
+
+LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, const Tensor& dh, const Tensor& dy,
+                                       const Tensor& w, const Tensor& h) {
+  require_defined(op, {"dy", dy});
+  require_rank(op, {"w", w}, 2);
+  const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
+  if (w.shape[0] != M)
+    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M, dy.str());
+  require_defined(op, {"h", h});
+  require_same_matrix(op, {"dh", dh}, {"h", h});
+  const int64_t gelu = h.cols();
+  if (h.rows() != N || gelu < 1 || gelu > K)
+    fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of the Linear's input)", op,
+         h.str(), N, K);
+  if (gelu == K && dx.defined())
+    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} input columns", op, dx.str(),
+         h.str(), K);
+  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
+    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the input columns before the GELU's)", op,
+         dx.str(), N, K - gelu);
+  return {N, K, M, gelu};
+}
+
 NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,
                                   const Tensor& x, const Tensor& shift, const Tensor& scale) {
   require_rank(op, {"x", x}, 3);

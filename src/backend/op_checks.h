@@ -59,6 +59,17 @@ struct LinearDims {
   int64_t N, K, M;
 };
 LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b);
+// linear_gelu / linear_dgrad_gelu: the Linear's dims and the width of the GELU part (the last
+// `gelu` columns of the output, or of the input).
+struct LinearGeluDims {
+  int64_t N, K, M, gelu;
+};
+// h [N, M] as linear's y for x, w, b; y [N, My] with 0 < My ≤ M.
+LinearGeluDims check_linear_gelu(std::string_view op, const Tensor& y, const Tensor& h, const Tensor& x,
+                                 const Tensor& w, const Tensor& b);
+// dy [N, M], w [M, K], h and dh [N, Kh] with 0 < Kh ≤ K, dx [N, K − Kh] (undefined iff Kh = K).
+LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, const Tensor& dh, const Tensor& dy,
+                                       const Tensor& w, const Tensor& h);
 
 // Modulated LayerNorm over x [B, L, H]: y like x, mean/rstd vectors of B·L, shift/scale [B, H].
 struct NormDims {

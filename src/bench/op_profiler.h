@@ -59,6 +59,12 @@ class OpProfiler final : public Backend {
   void silu_backward(Tensor dx, Tensor dy, Tensor x, bool acc) override {
     timed("silu_backward", [&] { be_.silu_backward(dx, dy, x, acc); });
   }
+  void linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) override {
+    timed("linear_gelu", [&] { be_.linear_gelu(y, h, x, w, b); });
+  }
+  void linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) override {
+    timed("linear_dgrad_gelu", [&] { be_.linear_dgrad_gelu(dx, dh, dy, w, h); });
+  }
   void gelu_tanh(Tensor y, Tensor x) override { timed("gelu_tanh", [&] { be_.gelu_tanh(y, x); }); }
   void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override {
     timed("gelu_tanh_backward", [&] { be_.gelu_tanh_backward(dx, dy, x); });

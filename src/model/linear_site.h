@@ -166,6 +166,13 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
                          const Backend::CastInput& dy, Tensor dy_buffer, const SavedLinearInput& saved,
                          bool accumulate_dx);
+// Whether an MLP (Linear, GELU, Linear) runs its GELU in the GEMMs' epilogues —
+// Backend::linear_gelu in the forward, linear_dgrad_gelu in the backward: when both Linears run
+// in BF16. FP8 sites run the GELU and its backward inside their casts instead (quantize_fused).
+inline bool gelu_in_epilogues(const LinearSite& first, const LinearSite& second, const Fp8Runtime* fp8) {
+  return !fp8 || (!first.fp8 && !second.fp8);
+}
+
 // Scratch bytes site_forward/backward need at most for a `rows x max_cols` Linear.
 void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols);
 

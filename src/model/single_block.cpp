@@ -87,17 +87,28 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
   be.copy(s.z_in, z);
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
-  site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u,
-                     Backend::CastInput::layernorm_modulate_of(z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H),
-                                                               s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps),
-                     s.zm, ctx.dtype);
+  const Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(
+      z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H), s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
+  const Shape cat_shape{z.shape[0], z.shape[1], H + M};
+  Tensor cat;
+  const bool gelu_fused = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
+  if (gelu_fused) {  // BF16: linear1's GEMM writes the GELU of its MLP part into linear2's input
+    const Tensor zm = linear_input_buffer(ctx.scratch, s.zm, z.shape, ctx.dtype);
+    be.produce(zm, ln);
+    cat = linear_input_buffer(ctx.scratch, s.cat, cat_shape, ctx.dtype);
+    be.linear_gelu(cat.cols_slice(H, M), s.u, zm, p.linear1.w_operand(), p.linear1.b);
+  } else {
+    site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u, ln, s.zm, ctx.dtype);
+  }
 
   qkv_to_heads(ctx, p, s, s.q_rstd, s.k_rstd);
   be.attention(s.o, s.lse, s.q, s.k, s.v,
                1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  const Tensor cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
+  if (!gelu_fused) {
+    cat = linear_input_buffer(ctx.scratch, s.cat, cat_shape, ctx.dtype);
+    be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
+  }
   be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
-  be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
   be.gated_residual(z, s.out, s.mod.cols_slice(2 * H, H));
   ctx.scratch.release_to(outer);
@@ -118,11 +129,18 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
+  // BF16: linear2's dgrad GEMMs write the attention part of d_cat and, GELU's backward in the
+  // epilogue, the MLP part of d_u.
+  const bool gelu_fused = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
+  if (gelu_fused)
+    be.linear_dgrad_gelu(d_cat.cols_slice(0, H), d_u.cols_slice(3 * H, M), d_h, p.linear2.w_operand(),
+                         s.u.cols_slice(3 * H, M));
   const size_t cat_mark = a.mark();
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, s) : s.cat;
-  site_backward(be, ctx.fp8, a, p.linear2, d_cat, d_h, cat, false);
+  site_backward(be, ctx.fp8, a, p.linear2, gelu_fused ? Tensor{} : d_cat, d_h, cat, false);
   a.release_to(cat_mark);
-  be.gelu_tanh_backward(d_u.cols_slice(3 * H, M), d_cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
+  if (!gelu_fused)
+    be.gelu_tanh_backward(d_u.cols_slice(3 * H, M), d_cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   be.tokens_to_heads(d_o, d_cat.cols_slice(0, H), 0);
   const size_t qkv_mark = a.mark();
   SingleBlockSaved r = s;  // views; selective: q, k, v recomputed into scratch

@@ -21,23 +21,6 @@ T silu_grad(T x) {
   return s * (T(1) + x * (T(1) - s));
 }
 
-constexpr double kGeluC = 0.7978845608028654;  // √(2/π)
-constexpr double kGeluA = 0.044715;
-
-template <typename T>
-T gelu_tanh_value(T x) {
-  const T u = T(kGeluC) * (x + T(kGeluA) * x * x * x);
-  return T(0.5) * x * (T(1) + std::tanh(u));
-}
-
-// d/dx ½x(1 + tanh u) = ½(1 + tanh u) + ½x(1 − tanh²u)·√(2/π)(1 + 3a·x²).
-template <typename T>
-T gelu_tanh_grad(T x) {
-  const T th = std::tanh(T(kGeluC) * (x + T(kGeluA) * x * x * x));
-  return T(0.5) * (T(1) + th) +
-         T(0.5) * x * (T(1) - th * th) * T(kGeluC) * (T(1) + T(3 * kGeluA) * x * x);
-}
-
 // out = f(x) elementwise, or out (+)= dy ⊙ f'(x) for a backward.
 template <typename T, typename F>
 void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, const Ctx& c,

@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <initializer_list>
 #include <string_view>
 #include <type_traits>
@@ -134,6 +135,24 @@ void add_column_sums(Tensor out, const Tensor& x, const Ctx& c) {
   });
   T* o = out.ptr<T>();
   for (int64_t j = 0; j < C; ++j) o[j] = static_cast<T>(o[j] + s[j]);
+}
+
+// GELU, tanh approximation, and its derivative (activations.cpp; linear.cpp's GELU epilogues).
+constexpr double kGeluC = 0.7978845608028654;  // √(2/π)
+constexpr double kGeluA = 0.044715;
+
+template <typename T>
+T gelu_tanh_value(T x) {
+  const T u = T(kGeluC) * (x + T(kGeluA) * x * x * x);
+  return T(0.5) * x * (T(1) + std::tanh(u));
+}
+
+// d/dx ½x(1 + tanh u) = ½(1 + tanh u) + ½x(1 − tanh²u)·√(2/π)(1 + 3a·x²).
+template <typename T>
+T gelu_tanh_grad(T x) {
+  const T th = std::tanh(T(kGeluC) * (x + T(kGeluA) * x * x * x));
+  return T(0.5) * (T(1) + th) +
+         T(0.5) * x * (T(1) - th * th) * T(kGeluC) * (T(1) + T(3 * kGeluA) * x * x);
 }
 
 // Row-major C[m,n] = alpha·op(A)·op(B) + beta·C through OpenBLAS; op(X) = Xᵀ when trans_x.

@@ -58,6 +58,8 @@ class CudaBackend final : public Backend {
   void accumulate(Tensor y, Tensor x) override;
 
   void linear(Tensor y, Tensor x, Tensor w, Tensor b) override;
+  void linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) override;
+  void linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) override;
   void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
                        bool accumulate_dx, bool accumulate_params) override;
 

@@ -61,10 +61,14 @@ constexpr int kTimedRuns = 5;   // per candidate, after one warm-up
 }  // namespace
 
 std::string describe(const GemmDesc& d) {
-  return fmt::format("{}{} m={} n={} k={} lda={} ldb={} ldd={} {} x {} -> {}{}{}{}", d.trans_a == CUBLAS_OP_T ? 'T' : 'N',
+  const char* epilogue = d.epilogue == Epilogue::gelu_aux ? " gelu(aux)"
+                         : d.epilogue == Epilogue::dgelu  ? " dgelu(aux)"
+                         : d.epilogue == Epilogue::bgradb ? " +bias grad"
+                                                          : "";
+  return fmt::format("{}{} m={} n={} k={} lda={} ldb={} ldd={} {} x {} -> {}{}{}{}{}", d.trans_a == CUBLAS_OP_T ? 'T' : 'N',
                      d.trans_b == CUBLAS_OP_T ? 'T' : 'N', d.m, d.n, d.k, d.lda, d.ldb, d.ldd, type_name(d.type_a),
                      type_name(d.type_b), type_name(d.type_d), d.bias ? (d.bias_type == CUDA_R_32F ? " +bias" : " +bf16 bias") : "",
-                     d.accumulate ? " +=" : "",
+                     epilogue, d.accumulate ? " +=" : "",
                      d.scale_mode_a == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F     ? " scales 1x128"
                      : d.scale_mode_a == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F ? " scales 128x128"
                                                                                       : "");
@@ -73,8 +77,9 @@ std::string describe(const GemmDesc& d) {
 // Everything the key holds, for the autotuning cache (describe() leaves out compute type and
 // fast accumulation).
 std::string tuning_key(const GemmDesc& d) {
-  return fmt::format("{} compute={} fast_accum={} scale_b={} bias_type={}", describe(d), static_cast<int>(d.compute),
-                     d.fast_accum ? 1 : 0, static_cast<int>(d.scale_mode_b), static_cast<int>(d.bias_type));
+  return fmt::format("{} compute={} fast_accum={} scale_b={} bias_type={}{}", describe(d), static_cast<int>(d.compute),
+                     d.fast_accum ? 1 : 0, static_cast<int>(d.scale_mode_b), static_cast<int>(d.bias_type),
+                     d.aux_ld ? fmt::format(" aux_ld={}", d.aux_ld) : "");
 }
 
 struct Gemm::Plan {
@@ -222,10 +227,19 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   FLUX8_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, g.compute, CUDA_R_32F));
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, g.trans_a);
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b);
-  if (g.bias) {
-    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
+  if (g.bias && (g.epilogue == Epilogue::dgelu || g.epilogue == Epilogue::bgradb))
+    fail("GEMM {}: a bias cannot be added in a gradient epilogue", describe(g));
+  cublasLtEpilogue_t epilogue = g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  switch (g.epilogue) {
+    case Epilogue::none: break;
+    case Epilogue::gelu_aux: epilogue = g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX; break;
+    case Epilogue::dgelu: epilogue = CUBLASLT_EPILOGUE_DGELU; break;
+    case Epilogue::bgradb: epilogue = CUBLASLT_EPILOGUE_BGRADB; break;
   }
+  if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+  if (g.bias) set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
+  if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu)
+    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
   if (fp8) {
     const int8_t fast = g.fast_accum ? 1 : 0;
     set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast);
@@ -281,6 +295,12 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     fail("GEMM {}: cuBLASLt found no algorithm on this GPU ({})", describe(g), p.why_not);
   }
   if (g.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  if (g.epilogue == Epilogue::bgradb) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<void*>(args.bias_grad));
+  if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu) {
+    if (!args.aux) fail("GEMM {}: the epilogue's aux matrix is missing", describe(g));
+    set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, args.aux);
+  }
+  if (g.epilogue == Epilogue::bgradb && !args.bias_grad) fail("GEMM {}: the bias gradient's output is missing", describe(g));
   if (is_fp8(g.type_a) || is_fp8(g.type_b)) {
     set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.scale_a));
     set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.scale_b));

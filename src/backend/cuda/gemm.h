@@ -33,6 +33,15 @@ struct Tensor;
 
 namespace flux8::cuda {
 
+// What the epilogue does besides the optional bias (column-major D[m, n]; aux has D's shape and
+// type, leading dimension aux_ld):
+// - gelu_aux: aux = product (+ bias), D = gelu_tanh(aux) from the unrounded value (cuBLASLt's
+//   GELU is the tanh approximation);
+// - dgelu: D = product ⊙ gelu_tanh'(aux), aux read (the GELU's input); no bias;
+// - bgradb: bias_grad[n] = Σ_k op(B)[k, n] in D's type (a wgrad GEMM's bias gradient, written,
+//   never accumulated); no bias.
+enum class Epilogue : uint8_t { none, gelu_aux, dgelu, bgradb };
+
 struct GemmDesc {
   cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
   int64_t m = 0, n = 0, k = 0;
@@ -47,10 +56,12 @@ struct GemmDesc {
   cudaDataType_t bias_type = CUDA_R_32F;  // f32, or bf16 (what cuBLASLt's FP8 GEMMs take for bf16 D)
   bool fast_accum = false;  // FP8: Hopper's fast (less precise) accumulation (fprop)
   bool accumulate = false;  // beta = 1 (D += ...), else beta = 0
+  Epilogue epilogue = Epilogue::none;
+  int64_t aux_ld = 0;       // gelu_aux, dgelu: a multiple of 8, ≥ m
 
   auto key() const {
     return std::make_tuple(trans_a, trans_b, m, n, k, lda, ldb, ldd, type_a, type_b, type_d, compute, scale_mode_a,
-                           scale_mode_b, bias, bias_type, fast_accum, accumulate);
+                           scale_mode_b, bias, bias_type, fast_accum, accumulate, epilogue, aux_ld);
   }
 };
 
@@ -70,6 +81,8 @@ struct GemmArgs {
   const float* scale_a = nullptr;  // FP8: scale_inv of A (a scalar or a scale tensor)
   const float* scale_b = nullptr;
   float* amax_d = nullptr;         // when set: amax of D (FP8 output cast of the next op)
+  void* aux = nullptr;             // Epilogue::gelu_aux (written), dgelu (read)
+  void* bias_grad = nullptr;       // Epilogue::bgradb (written)
   float alpha = 1.0f;
 };
 

@@ -124,34 +124,42 @@ bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8
 
 namespace cuda {
 
+namespace {
+
+// Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran
+// (GemmRefused marks the description unsupported from then on).
+bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args) {
+  if (!gemm.supported(d).empty()) return false;
+  try {
+    gemm.run(d, args);
+    return true;
+  } catch (const GemmRefused&) {
+    return false;
+  }
+}
+
+// `d` with bias[cols of c] added in its epilogue: an f32 bias, else (bf16 c) a bf16 copy of it
+// (cuBLASLt's FP8 GEMMs take only that for bf16 D); false when neither runs (nothing ran).
+bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
+  d.bias = true;
+  d.bias_type = CUDA_R_32F;
+  args.bias = bias;
+  if (try_run(be.gemm(), d, args)) return true;
+  if (c.dtype != DType::bf16) return false;
+  d.bias_type = CUDA_R_16BF;
+  if (!be.gemm().supported(d).empty()) return false;  // the copy only for a variant on offer
+  const int64_t n = c.cols();
+  auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
+  to_bf16(b16, bias, n, be.stream());
+  args.bias = b16;
+  return try_run(be.gemm(), d, args);
+}
+
+}  // namespace
+
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
   Gemm& gemm = be.gemm();
-  // An epilogue variant, when cuBLASLt offers it and runs it (GemmRefused: the next option);
-  // bias_of() gives its bias pointer, made only for a variant that is offered.
-  auto epilogue = [&](cudaDataType_t bias_type, auto&& bias_of) {
-    GemmDesc with = d;
-    with.bias = true;
-    with.bias_type = bias_type;
-    if (!gemm.supported(with).empty()) return false;
-    GemmArgs a = args;
-    a.bias = bias_of();
-    try {
-      gemm.run(with, a);
-      return true;
-    } catch (const GemmRefused&) {
-      return false;
-    }
-  };
-  if (bias) {
-    if (epilogue(CUDA_R_32F, [&] { return bias; })) return;
-    if (c.dtype == DType::bf16 && epilogue(CUDA_R_16BF, [&] {
-          const int64_t n = c.cols();
-          auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
-          to_bf16(b16, bias, n, be.stream());
-          return static_cast<const void*>(b16);
-        }))
-      return;
-  }
+  if (bias && run_with_bias_epilogue(be, d, args, c, bias)) return;
   try {
     gemm.run(d, args);
   } catch (const GemmRefused& refused) {
@@ -184,6 +192,21 @@ void bias_gradient(CudaBackend& be, const Tensor& dy, const Tensor& db, bool acc
   const MatOf<T> DY = mat_of<T>(dy);
   column_sums(be, 1, DY.rows, DY.cols, [=] __device__(int64_t, int64_t r, int64_t c) { return double(DY.get(r, c)); },
               db.ptr<float>(), DY.cols, accumulate);
+}
+
+// Whether a call's operands suit cuBLASLt's epilogues (aux matrices, bias gradients): 16-byte
+// aligned and leading dimensions of 16-byte multiples. The heuristic assumes aligned pointers;
+// a misaligned call would be refused when run and mark its description unsupported for every
+// later call of the shape, so such calls take the unfused path without asking.
+bool epilogue_operands_aligned(std::initializer_list<Operand> operands, std::initializer_list<const Tensor*> outputs) {
+  auto ok = [](const void* p, int64_t ld, size_t elem) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (static_cast<size_t>(ld) * elem) % 16 == 0;
+  };
+  for (const Operand& o : operands)
+    if (!ok(o.p, o.ld, o.type == CUDA_R_16BF ? 2 : 4)) return false;
+  for (const Tensor* t : outputs)
+    if (!ok(t->data, t->ld, dtype_size(t->dtype))) return false;
+  return true;
 }
 
 // y = b (or 0) for an empty product.
@@ -254,6 +277,9 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, nullptr);
     }
   }
+  if (db.defined() && (db.numel() != M || !db.contiguous()))
+    fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(), M);
+  bool db_done = false;
   if (dw.defined()) {
     require_shape(op, {"dw", dw}, w.shape);
     require_defined(op, {"x", x});
@@ -267,19 +293,106 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
       d.type_a = d.type_b = ops.type();
       d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
-      gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, nullptr);
+      const GemmArgs args{.a = X.p, .b = DY.p, .d = dw.data};
+      // The bias gradient (a first write) as the GEMM's epilogue sums dy's rows (B's k
+      // dimension) in f32, saving the column-sum pass over dy; it cannot accumulate.
+      if (db.defined() && !accumulate_params && epilogue_operands_aligned({X, DY}, {&dw})) {
+        GemmDesc with = d;
+        with.epilogue = Epilogue::bgradb;
+        GemmArgs a = args;
+        a.bias_grad = db.data;
+        db_done = try_run(gemm(), with, a);
+      }
+      if (!db_done) gemm_with_bias(*this, d, args, dw, nullptr);
     } else if (!accumulate_params) {
       fill(dw, 0.0);
     }
   }
-  if (db.defined()) {
-    if (db.numel() != M || !db.contiguous())
-      fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(), M);
+  if (db.defined() && !db_done) {
     if (bf16)
       bias_gradient<__nv_bfloat16>(*this, dy, db, accumulate_params);
     else
       bias_gradient<float>(*this, dy, db, accumulate_params);
   }
+}
+
+namespace {
+
+// Contiguous elements [begin, begin + n) of a bias vector (undefined stays undefined).
+Tensor bias_part(const Tensor& b, int64_t begin, int64_t n) {
+  if (!b.defined()) return b;
+  return Tensor(static_cast<char*>(b.data) + static_cast<size_t>(begin) * dtype_size(b.dtype), b.dtype, Shape{n});
+}
+
+}  // namespace
+
+// Two GEMMs where the GELU covers only h's last columns: the plain part, then the GELU part with
+// the epilogue (cuBLASLt applies an epilogue to the whole output).
+void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) {
+  constexpr std::string_view op = "linear_gelu";
+  const bool bf16 = activations_in_bf16(op, {{"y", y}, {"h", h}, {"x", x}});
+  if (b.defined()) require_f32(op, {{"b", b}});
+  require_weight(*this, op, w, bf16);
+  const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
+  const int64_t first = M - G;
+  const Tensor h_gelu = h.cols_slice(first, G), w_gelu = w.rows_slice(first, G), b_gelu = bias_part(b, first, G);
+  bool fused = false;
+  if (K > 0 && N > 0) {
+    Operands ops(*this, bf16, {&w_gelu, &x});
+    const Operand W = ops.get(w_gelu), X = ops.get(x);
+    if (epilogue_operands_aligned({W, X}, {&y, &h_gelu})) {
+      GemmDesc d;
+      d.trans_a = CUBLAS_OP_T;
+      d.m = G, d.n = N, d.k = K;
+      d.lda = W.ld, d.ldb = X.ld, d.ldd = y.ld;
+      d.type_a = d.type_b = ops.type();
+      d.type_d = cuda_type(y);
+      d.epilogue = Epilogue::gelu_aux;
+      d.aux_ld = h_gelu.ld;
+      const GemmArgs args{.a = W.p, .b = X.p, .d = y.data, .aux = h_gelu.data};
+      fused = b.defined() ? run_with_bias_epilogue(*this, d, args, y, b_gelu.ptr<float>()) : try_run(gemm(), d, args);
+    }
+  }
+  if (fused) {
+    if (first > 0) linear(h.cols_slice(0, first), x, w.rows_slice(0, first), bias_part(b, 0, first));
+    return;
+  }
+  // No epilogue for this call: the Linear into h, then the GELU of the stored (rounded) values.
+  linear(h, x, w, b);
+  gelu_tanh(y, h_gelu);
+}
+
+void CudaBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) {
+  constexpr std::string_view op = "linear_dgrad_gelu";
+  const bool bf16 = activations_in_bf16(op, {{"dx", dx}, {"dh", dh}, {"dy", dy}, {"h", h}});
+  require_weight(*this, op, w, bf16);
+  const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, dx, dh, dy, w, h);
+  const int64_t first = K - G;
+  const Tensor w_gelu = w.cols_slice(first, G);
+  bool fused = false;
+  if (N > 0 && M > 0) {
+    Operands ops(*this, bf16, {&dy, &w_gelu});
+    const Operand DY = ops.get(dy), W = ops.get(w_gelu);
+    if (epilogue_operands_aligned({DY, W}, {&dh, &h})) {
+      // dhᵀ[G,N] = w_gelu-as-colmajor[G,M] · dyᵀ[M,N], ⊙ gelu'(hᵀ) in the epilogue
+      GemmDesc d;
+      d.m = G, d.n = N, d.k = M;
+      d.lda = W.ld, d.ldb = DY.ld, d.ldd = dh.ld;
+      d.type_a = d.type_b = ops.type();
+      d.type_d = cuda_type(dh);
+      d.epilogue = Epilogue::dgelu;
+      d.aux_ld = h.ld;
+      fused = try_run(gemm(), d, GemmArgs{.a = W.p, .b = DY.p, .d = dh.data, .aux = h.data});
+    }
+  }
+  if (fused) {
+    if (first > 0) linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w.cols_slice(0, first), false, false);
+    return;
+  }
+  // No epilogue: each part's input gradient (rounded), then the GELU's backward in place.
+  if (first > 0) linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w.cols_slice(0, first), false, false);
+  linear_backward(dh, Tensor{}, Tensor{}, dy, Tensor{}, w_gelu, false, false);
+  gelu_tanh_backward(dh, dh, h);
 }
 
 }  // namespace flux8
