@@ -330,6 +330,7 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
   }
   if (s != CUBLAS_STATUS_SUCCESS)
     fail("GEMM {}: cuBLASLt error {} ({})", describe(g), cublasLtGetStatusName(s), cublasLtGetStatusString(s));
+  ++runs_[static_cast<size_t>(g.epilogue)];
 }
 
 }  // namespace flux8::cuda

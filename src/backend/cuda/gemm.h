@@ -18,6 +18,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -102,6 +103,9 @@ class Gemm {
   // Descriptions timed by this process, and those whose choice came from the disk cache.
   int tuned_here() const { return tuned_here_; }
   int tuned_from_cache() const { return tuned_from_cache_; }
+  // GEMMs run with each epilogue kind so far (Epilogue::none counts the rest): which fused paths
+  // cuBLASLt really took on this GPU (the ops fall back to separate kernels where it refuses).
+  int64_t runs_with(Epilogue e) const { return runs_[static_cast<size_t>(e)]; }
 
  private:
   struct Plan;
@@ -114,6 +118,7 @@ class Gemm {
   std::string cache_path_, device_key_;
   std::map<std::string, int> cache_;  // description key -> index in the heuristic's list
   int tuned_here_ = 0, tuned_from_cache_ = 0;
+  std::array<int64_t, 4> runs_{};
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
