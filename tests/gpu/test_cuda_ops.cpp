@@ -124,7 +124,11 @@ TEST(CudaOps, LinearBf16Activations) {
     Pair w({M, K}), b({M}), dw({M, K}), db({M});
     x.randn(11), w.randn(12, 0.2), b.randn(13), y.randn(14), dy.randn(15), dx.randn(16), dw.randn(17), db.randn(18);
     for (const bool bias : {true, false}) {
+      const int64_t before = gemm_of(gpu_bf16_activations()).runs_with_bias();
       run_both_bf16([&](Backend& be, bool g) { be.linear(y.t(g), x.t(g), w.t(g), bias ? b.t(g) : Tensor{}); });
+      // Aligned operands: the bias added in cuBLASLt's epilogue, not by a kernel after the GEMM.
+      if (bias && pad % 8 == 0 && K % 8 == 0 && M % 8 == 0 && N >= 128)
+        EXPECT_EQ(gemm_of(gpu_bf16_activations()).runs_with_bias() - before, 1) << "the bias epilogue did not run";
       EXPECT_LE(gpu_vs_cpu(y), 5e-3) << "bias " << bias;
       EXPECT_TRUE(y.padding_untouched());
     }

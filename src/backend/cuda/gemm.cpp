@@ -260,6 +260,13 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
     set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(workspace_));
     set(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(workspace_));
   }
+  // Epilogue pointers: the heuristic takes their alignment from their values and may refuse an
+  // epilogue whose pointer is unset; any aligned device address serves for planning, and run()
+  // sets the real ones on every call.
+  if (g.bias || g.epilogue == Epilogue::bgradb)
+    set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(workspace_));
+  if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu)
+    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(workspace_));
   cublasLtMatmulPreference_t pref = nullptr;
   FLUX8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   FLUX8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -331,6 +338,7 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
   if (s != CUBLAS_STATUS_SUCCESS)
     fail("GEMM {}: cuBLASLt error {} ({})", describe(g), cublasLtGetStatusName(s), cublasLtGetStatusString(s));
   ++runs_[static_cast<size_t>(g.epilogue)];
+  bias_runs_ += g.bias ? 1 : 0;
 }
 
 }  // namespace flux8::cuda

@@ -106,6 +106,7 @@ class Gemm {
   // GEMMs run with each epilogue kind so far (Epilogue::none counts the rest): which fused paths
   // cuBLASLt really took on this GPU (the ops fall back to separate kernels where it refuses).
   int64_t runs_with(Epilogue e) const { return runs_[static_cast<size_t>(e)]; }
+  int64_t runs_with_bias() const { return bias_runs_; }  // a bias added in the epilogue
 
  private:
   struct Plan;
@@ -119,6 +120,7 @@ class Gemm {
   std::map<std::string, int> cache_;  // description key -> index in the heuristic's list
   int tuned_here_ = 0, tuned_from_cache_ = 0;
   std::array<int64_t, 4> runs_{};
+  int64_t bias_runs_ = 0;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;

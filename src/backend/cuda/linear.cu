@@ -126,25 +126,37 @@ namespace cuda {
 
 namespace {
 
-// Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran
-// (GemmRefused marks the description unsupported from then on).
-bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args) {
-  if (!gemm.supported(d).empty()) return false;
+// Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran, with
+// the reason in `why` (GemmRefused marks the description unsupported from then on).
+bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& why) {
+  if (why = gemm.supported(d); !why.empty()) return false;
   try {
     gemm.run(d, args);
     return true;
-  } catch (const GemmRefused&) {
+  } catch (const GemmRefused& refused) {
+    why = refused.what();
     return false;
   }
 }
 
+// Says once per epilogue kind, on stderr, that cuBLASLt did not run it and why: the op runs its
+// separate kernels instead (correct, slower).
+void note_unfused(Epilogue e, const std::string& why) {
+  static bool noted[4] = {};
+  bool& n = noted[static_cast<size_t>(e)];
+  if (e == Epilogue::none || n) return;
+  n = true;
+  fmt::print(stderr, "note: {}; the op runs its unfused kernels instead (noted once per epilogue)\n", why);
+}
+
 // `d` with bias[cols of c] added in its epilogue: an f32 bias, else (bf16 c) a bf16 copy of it
 // (cuBLASLt's FP8 GEMMs take only that for bf16 D); false when neither runs (nothing ran).
-bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
+bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias,
+                            std::string& why) {
   d.bias = true;
   d.bias_type = CUDA_R_32F;
   args.bias = bias;
-  if (try_run(be.gemm(), d, args)) return true;
+  if (try_run(be.gemm(), d, args, why)) return true;
   if (c.dtype != DType::bf16) return false;
   d.bias_type = CUDA_R_16BF;
   if (!be.gemm().supported(d).empty()) return false;  // the copy only for a variant on offer
@@ -152,14 +164,15 @@ bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Te
   auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
   to_bf16(b16, bias, n, be.stream());
   args.bias = b16;
-  return try_run(be.gemm(), d, args);
+  return try_run(be.gemm(), d, args, why);
 }
 
 }  // namespace
 
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
   Gemm& gemm = be.gemm();
-  if (bias && run_with_bias_epilogue(be, d, args, c, bias)) return;
+  std::string why;
+  if (bias && run_with_bias_epilogue(be, d, args, c, bias, why)) return;
   try {
     gemm.run(d, args);
   } catch (const GemmRefused& refused) {
@@ -301,7 +314,9 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
         with.epilogue = Epilogue::bgradb;
         GemmArgs a = args;
         a.bias_grad = db.data;
-        db_done = try_run(gemm(), with, a);
+        std::string why;
+        db_done = try_run(gemm(), with, a, why);
+        if (!db_done) note_unfused(with.epilogue, why);
       }
       if (!db_done) gemm_with_bias(*this, d, args, dw, nullptr);
     } else if (!accumulate_params) {
@@ -350,7 +365,10 @@ void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) 
       d.epilogue = Epilogue::gelu_aux;
       d.aux_ld = h_gelu.ld;
       const GemmArgs args{.a = W.p, .b = X.p, .d = y.data, .aux = h_gelu.data};
-      fused = b.defined() ? run_with_bias_epilogue(*this, d, args, y, b_gelu.ptr<float>()) : try_run(gemm(), d, args);
+      std::string why;
+      fused = b.defined() ? run_with_bias_epilogue(*this, d, args, y, b_gelu.ptr<float>(), why)
+                          : try_run(gemm(), d, args, why);
+      if (!fused) note_unfused(d.epilogue, why);
     }
   }
   if (fused) {
@@ -382,7 +400,9 @@ void CudaBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, T
       d.type_d = cuda_type(dh);
       d.epilogue = Epilogue::dgelu;
       d.aux_ld = h.ld;
-      fused = try_run(gemm(), d, GemmArgs{.a = W.p, .b = DY.p, .d = dh.data, .aux = h.data});
+      std::string why;
+      fused = try_run(gemm(), d, GemmArgs{.a = W.p, .b = DY.p, .d = dh.data, .aux = h.data}, why);
+      if (!fused) note_unfused(d.epilogue, why);
     }
   }
   if (fused) {
