@@ -32,6 +32,21 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
 }
 
+// Median wall time of f() in ms over `repeats` runs after one warm-up, each synchronised.
+template <typename F>
+double median_ms(Backend& be, int repeats, F&& f) {
+  f();
+  be.synchronize();
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) {
+    const auto ts = Clock::now();
+    f();
+    be.synchronize();
+    t.push_back(1e3 * seconds_since(ts));
+  }
+  return median(t);
+}
+
 std::vector<double> randn(uint64_t seed, uint64_t stream, int64_t n, double scale) {
   std::vector<double> v(static_cast<size_t>(n));
   // Each value is a pure function of (seed, stream, i): any thread count gives the same data.
@@ -250,18 +265,7 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
     Backend::Quantize delayed;
     delayed.delayed_scale = scale;
     delayed.stats = &cast_stats;
-    auto time_ms = [&](auto&& f) {
-      f();
-      be.synchronize();
-      std::vector<double> t;
-      for (int i = 0; i < repeats; ++i) {
-        const auto ts = Clock::now();
-        f();
-        be.synchronize();
-        t.push_back(1e3 * seconds_since(ts));
-      }
-      return median(t);
-    };
+    auto time_ms = [&](auto&& f) { return median_ms(be, repeats, f); };
     GemmBenchRow row{m, n, k, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     row.fp8_linear_ms = time_ms([&] {
       be.quantize(xq, QTensor{}, x, q);
@@ -285,6 +289,47 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
                     static_cast<void*>(wq.codes), static_cast<void*>(wq.scale_inv), static_cast<void*>(xt.codes),
                     static_cast<void*>(xt.scale_inv), static_cast<void*>(scale), sums.data})
       be.release(p);
+  }
+  return rows;
+}
+
+std::vector<EpilogueBenchRow> run_epilogue_bench(Backend& be, int repeats) {
+  // The MLP of H = 3072 (width 12288) over W1's 16384 and W2's 9216 tokens.
+  const std::vector<std::array<int64_t, 3>> shapes = {{16384, 12288, 3072}, {9216, 12288, 3072}};
+  std::vector<EpilogueBenchRow> rows;
+  const DType act = be.activation_dtype(DType::f32), wt = be.weight_operand_dtype(DType::f32);
+  for (const auto& [m, n, k] : shapes) {
+    std::vector<void*> owned;
+    auto alloc = [&](Shape s, DType t, uint64_t stream) {
+      Tensor x(be.allocate(static_cast<size_t>(s.numel()) * dtype_size(t)), t, s);
+      from_host(be, x, randn(11, stream, s.numel(), t == DType::f32 ? 0.02 : 1.0));
+      owned.push_back(x.data);
+      return x;
+    };
+    // Forward: x [m, k] -> h, g [m, n] (w_in [n, k], b [n]); backward: dy [m, k] through
+    // w_out [k, n] -> dh [m, n]; the weight gradient of w_in from dh and x.
+    const Tensor x = alloc(Shape{m, k}, act, 1), w_in = alloc(Shape{n, k}, wt, 2), b = alloc(Shape{n}, DType::f32, 3);
+    const Tensor h = alloc(Shape{m, n}, act, 4), g = alloc(Shape{m, n}, act, 5), dy = alloc(Shape{m, k}, act, 6);
+    const Tensor w_out = alloc(Shape{k, n}, wt, 7), dh = alloc(Shape{m, n}, act, 8);
+    const Tensor dw = alloc(Shape{n, k}, DType::f32, 9), db = alloc(Shape{n}, DType::f32, 10);
+    auto time_ms = [&](auto&& f) { return median_ms(be, repeats, f); };
+    EpilogueBenchRow r{m, n, k, 0, 0, 0, 0, 0, 0, 0, 0};
+    r.linear_gelu_unfused_ms = time_ms([&] {
+      be.linear(h, x, w_in, b);
+      be.gelu_tanh(g, h);
+    });
+    r.linear_gelu_ms = time_ms([&] { be.linear_gelu(g, h, x, w_in, b); });
+    r.dgrad_gelu_unfused_ms = time_ms([&] {
+      be.linear_backward(dh, Tensor{}, Tensor{}, dy, Tensor{}, w_out, false, false);
+      be.gelu_tanh_backward(dh, dh, h);
+    });
+    r.dgrad_gelu_ms = time_ms([&] { be.linear_dgrad_gelu(Tensor{}, dh, dy, w_out, h); });
+    r.wgrad_ms = time_ms([&] { be.linear_backward(Tensor{}, dw, Tensor{}, dh, x, w_in, false, false); });
+    r.wgrad_bias_ms = time_ms([&] { be.linear_backward(Tensor{}, dw, db, dh, x, w_in, false, false); });
+    r.wgrad_acc_ms = time_ms([&] { be.linear_backward(Tensor{}, dw, Tensor{}, dh, x, w_in, false, true); });
+    r.wgrad_acc_bias_ms = time_ms([&] { be.linear_backward(Tensor{}, dw, db, dh, x, w_in, false, true); });
+    rows.push_back(r);
+    for (void* p : owned) be.release(p);
   }
   return rows;
 }

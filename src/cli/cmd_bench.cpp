@@ -103,6 +103,22 @@ Command add_bench_command(CLI::App& app) {
                                {"bf16_linear_tflops", r.linear_tflops}, {"cast_ms", r.cast_ms},
                                {"cast_gbps", r.cast_gbps}, {"cast_column_sums_ms", r.cast_sums_ms}});
       }
+      fmt::print("\nBF16 MLP epilogues (ms, unfused -> fused): tokens M, width N, hidden K\n");
+      fmt::print("{:>6} {:>6} {:>6} | {:>21} | {:>21} | {:>25} | {:>25}\n", "M", "N", "K", "linear + GELU",
+                 "dgrad + GELU backward", "wgrad first: no db -> db", "wgrad +=: no db -> db");
+      for (const EpilogueBenchRow& r : run_epilogue_bench(*be, o->steps)) {
+        fmt::print("{:>6} {:>6} {:>6} | {:>8.3f} -> {:>8.3f} | {:>8.3f} -> {:>8.3f} | {:>10.3f} -> {:>10.3f} | "
+                   "{:>10.3f} -> {:>10.3f}\n",
+                   r.m, r.n, r.k, r.linear_gelu_unfused_ms, r.linear_gelu_ms, r.dgrad_gelu_unfused_ms, r.dgrad_gelu_ms,
+                   r.wgrad_ms, r.wgrad_bias_ms, r.wgrad_acc_ms, r.wgrad_acc_bias_ms);
+        out["epilogues"].push_back({{"m", r.m}, {"n", r.n}, {"k", r.k},
+                                    {"linear_gelu_unfused_ms", r.linear_gelu_unfused_ms},
+                                    {"linear_gelu_ms", r.linear_gelu_ms},
+                                    {"dgrad_gelu_unfused_ms", r.dgrad_gelu_unfused_ms},
+                                    {"dgrad_gelu_ms", r.dgrad_gelu_ms}, {"wgrad_ms", r.wgrad_ms},
+                                    {"wgrad_bias_ms", r.wgrad_bias_ms}, {"wgrad_accumulate_ms", r.wgrad_acc_ms},
+                                    {"wgrad_accumulate_bias_ms", r.wgrad_acc_bias_ms}});
+      }
     } else {
       std::vector<StepBenchSpec> specs;
       if (!o->config.empty()) {

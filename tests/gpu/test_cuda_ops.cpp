@@ -124,23 +124,23 @@ TEST(CudaOps, LinearBf16Activations) {
     Pair w({M, K}), b({M}), dw({M, K}), db({M});
     x.randn(11), w.randn(12, 0.2), b.randn(13), y.randn(14), dy.randn(15), dx.randn(16), dw.randn(17), db.randn(18);
     for (const bool bias : {true, false}) {
-      const int64_t before = gemm_of(gpu_bf16_activations()).runs_with_bias();
+      const int64_t before = gemm_of(gpu()).runs_with_bias();
       run_both_bf16([&](Backend& be, bool g) { be.linear(y.t(g), x.t(g), w.t(g), bias ? b.t(g) : Tensor{}); });
       // Aligned operands: the bias added in cuBLASLt's epilogue, not by a kernel after the GEMM.
       if (bias && pad % 8 == 0 && K % 8 == 0 && M % 8 == 0 && N >= 128)
-        EXPECT_EQ(gemm_of(gpu_bf16_activations()).runs_with_bias() - before, 1) << "the bias epilogue did not run";
+        EXPECT_EQ(gemm_of(gpu()).runs_with_bias() - before, 1) << "the bias epilogue did not run";
       EXPECT_LE(gpu_vs_cpu(y), 5e-3) << "bias " << bias;
       EXPECT_TRUE(y.padding_untouched());
     }
     for (const bool acc : {false, true}) {
-      const int64_t before = gemm_of(gpu_bf16_activations()).runs_with(cuda::Epilogue::bgradb);
+      const int64_t before = gemm_of(gpu()).runs_with(cuda::Epilogue::bgradb);
       run_both_bf16([&](Backend& be, bool g) {
         be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc, acc);
       });
       // A first write of the bias gradient on aligned operands comes from the wgrad GEMM's
       // epilogue (BGRADB: f32 sums of N bf16 values, ~√N·2⁻²⁴ relative: kGemm); otherwise the
       // column-sum kernel sums in double like the CPU (kReduce).
-      const bool bgradb = gemm_of(gpu_bf16_activations()).runs_with(cuda::Epilogue::bgradb) > before;
+      const bool bgradb = gemm_of(gpu()).runs_with(cuda::Epilogue::bgradb) > before;
       if (acc || pad % 8 || K % 8 || M % 8)
         EXPECT_FALSE(bgradb) << "accumulate " << acc;
       else if (N >= 128)
@@ -174,10 +174,10 @@ TEST(CudaOps, LinearGeluBf16Activations) {
     Pair w({c.M, c.K}), b({c.M});
     x.randn(11), w.randn(12, 0.2), b.randn(13), y.randn(14), h.randn(15);
     for (const bool bias : {true, false}) {
-      const int64_t before = gemm_of(gpu_bf16_activations()).runs_with(cuda::Epilogue::gelu_aux);
+      const int64_t before = gemm_of(gpu()).runs_with(cuda::Epilogue::gelu_aux);
       run_both_bf16(
           [&](Backend& be, bool g) { be.linear_gelu(y.t(g), h.t(g), x.t(g), w.t(g), bias ? b.t(g) : Tensor{}); });
-      const int64_t fused = gemm_of(gpu_bf16_activations()).runs_with(cuda::Epilogue::gelu_aux) - before;
+      const int64_t fused = gemm_of(gpu()).runs_with(cuda::Epilogue::gelu_aux) - before;
       EXPECT_EQ(fused, c.epilogue ? 1 : 0) << "bias " << bias;
       EXPECT_LE(gpu_vs_cpu(h), 5e-3) << "bias " << bias;
       EXPECT_LE(gpu_vs_cpu(y), 5e-3) << "bias " << bias;
@@ -204,10 +204,10 @@ TEST(CudaOps, LinearDgradGeluBf16Activations) {
         dx({c.N, std::max<int64_t>(K0, 1)}, c.pad);
     Pair w({c.M, c.K});
     dy.randn(21), h.randn(22, 2.0), w.randn(23, 0.2), dh.randn(24), dx.randn(25);
-    const int64_t before = gemm_of(gpu_bf16_activations()).runs_with(cuda::Epilogue::dgelu);
+    const int64_t before = gemm_of(gpu()).runs_with(cuda::Epilogue::dgelu);
     run_both_bf16(
         [&](Backend& be, bool g) { be.linear_dgrad_gelu(K0 ? dx.t(g) : Tensor{}, dh.t(g), dy.t(g), w.t(g), h.t(g)); });
-    EXPECT_EQ(gemm_of(gpu_bf16_activations()).runs_with(cuda::Epilogue::dgelu) - before, c.epilogue ? 1 : 0);
+    EXPECT_EQ(gemm_of(gpu()).runs_with(cuda::Epilogue::dgelu) - before, c.epilogue ? 1 : 0);
     EXPECT_LE(gpu_vs_cpu(dh), 5e-3);
     EXPECT_TRUE(dh.padding_untouched());
     if (K0) {

@@ -809,24 +809,34 @@ void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_
 }
 
 // dst [C, R] = src [R, C]ᵀ by 128x128 tiles of codes through shared memory. Where R and C are
-// multiples of 16 (Flux's weights; the pointers 16-byte aligned): a thread loads four 16-byte
-// pieces of src rows, all in flight at once (a block moves 16 KB: a 64x64 tile of 4-byte words
-// ran at 1.3 TB/s), and stores four 16-byte pieces of dst rows, each gathered from 16 tile rows
-// of one column (a warp reads 32 consecutive bytes of a tile row at a time: no bank conflicts).
-// Other shapes go element by element. Block (0, 0) copies the scale_inv (the same scale: the
-// columnwise copy of a per-tensor cast).
+// multiples of 16 (Flux's weights; the pointers 16-byte aligned), every global access is a
+// 16-byte piece and every warp store writes whole 128-byte lines of dst:
+// - load: a thread moves four 16-byte pieces of src rows into the tile, all in flight at once;
+//   piece c of tile row i is kept at piece position c ^ ((i / 16) % 8) (an XOR swizzle);
+// - store: a thread owns 4 adjacent columns (a quad) of the tile and 16 of its rows (band m):
+//   it reads 16 words (one per row: 4 columns each), transposes them as 4x4 byte blocks
+//   (__byte_perm) into four 16-byte pieces, one per dst row, and stores them. The 8 threads
+//   with one quad and bands 0..7 write the 8 pieces of a dst row: a warp, 4 quads, writes 4
+//   whole lines per store. Without the swizzle the 8 bands' words would sit in one bank (rows
+//   16 apart); with it each band reads another 16-byte column of banks.
+// (Earlier versions stored each warp's pieces into 32 different dst rows and gathered bytes one
+// by one: 1.3 TB/s.) Other shapes go element by element. Block (0, 0) copies the scale_inv (the
+// same scale: the columnwise copy of a per-tensor cast).
 constexpr int kCodeTile = 128;
+__device__ inline int swizzled_piece(int row, int piece) { return piece ^ ((row >> 4) & 7); }
+
 __global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst, const uint8_t* src, int64_t R,
                                                                    int64_t C, float* dst_scale_inv,
                                                                    const float* src_scale_inv, bool vec) {
-  __shared__ __align__(16) uint8_t tile[kCodeTile][kCodeTile + 16];
+  static_assert(kThreads == 256, "one (quad, band) job per thread: 32 quads x 8 bands");
+  __shared__ __align__(16) uint8_t tile[kCodeTile][kCodeTile];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kCodeTile, c0 = static_cast<int64_t>(blockIdx.x) * kCodeTile;
   const int nr = static_cast<int>(R - r0 < kCodeTile ? R - r0 : kCodeTile);
   const int nc = static_cast<int>(C - c0 < kCodeTile ? C - c0 : kCodeTile);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *dst_scale_inv = *src_scale_inv;
   if (vec) {  // nr, nc multiples of 16
     constexpr int kPieces = kCodeTile / 16;                       // 16-byte pieces a tile row
-    constexpr int kEach = kCodeTile * kPieces / kThreads;         // pieces a thread moves
+    constexpr int kEach = kCodeTile * kPieces / kThreads;         // pieces a thread loads
     uint4 piece[kEach];
 #pragma unroll
     for (int k = 0; k < kEach; ++k) {
@@ -836,21 +846,30 @@ __global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst,
 #pragma unroll
     for (int k = 0; k < kEach; ++k) {
       const int q = threadIdx.x + kThreads * k, i = q / kPieces, c = q % kPieces;
-      if (i < nr && 16 * c < nc) *reinterpret_cast<uint4*>(&tile[i][16 * c]) = piece[k];
+      if (i < nr && 16 * c < nc) *reinterpret_cast<uint4*>(&tile[i][16 * swizzled_piece(i, c)]) = piece[k];
     }
     __syncthreads();
+    const int m = threadIdx.x % 8, quad = threadIdx.x / 8;  // rows 16m.., columns 4quad..
+    if (16 * m >= nr || 4 * quad >= nc) return;
+    const int col_byte = 16 * swizzled_piece(16 * m, quad / 4) + 4 * (quad % 4);  // the same for the band's rows
+    uint32_t w[16];
 #pragma unroll
-    for (int k = 0; k < kEach; ++k) {
-      const int q = threadIdx.x + kThreads * k, j = q % kCodeTile, m = q / kCodeTile;  // dst row c0 + j, bytes 16m..
-      if (j >= nc || 16 * m >= nr) continue;
-      uint32_t w[4];
+    for (int b = 0; b < 16; ++b) w[b] = *reinterpret_cast<const uint32_t*>(&tile[16 * m + b][col_byte]);
+    uint32_t out[4][4];  // [column e of the quad][word a: rows 16m + 4a .. 4a+3]
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int i = 16 * m + 4 * b;
-        w[b] = tile[i][j] | (tile[i + 1][j] << 8) | (tile[i + 2][j] << 16) | (static_cast<uint32_t>(tile[i + 3][j]) << 24);
-      }
-      *reinterpret_cast<uint4*>(dst + (c0 + j) * R + r0 + 16 * m) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int a = 0; a < 4; ++a) {
+      const uint32_t lo01 = __byte_perm(w[4 * a], w[4 * a + 1], 0x5140), hi01 = __byte_perm(w[4 * a], w[4 * a + 1], 0x7362);
+      const uint32_t lo23 = __byte_perm(w[4 * a + 2], w[4 * a + 3], 0x5140),
+                     hi23 = __byte_perm(w[4 * a + 2], w[4 * a + 3], 0x7362);
+      out[0][a] = __byte_perm(lo01, lo23, 0x5410);
+      out[1][a] = __byte_perm(lo01, lo23, 0x7632);
+      out[2][a] = __byte_perm(hi01, hi23, 0x5410);
+      out[3][a] = __byte_perm(hi01, hi23, 0x7632);
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      *reinterpret_cast<uint4*>(dst + (c0 + 4 * quad + e) * R + r0 + 16 * m) =
+          make_uint4(out[e][0], out[e][1], out[e][2], out[e][3]);
     return;
   }
   for (int q = threadIdx.x; q < kCodeTile * kCodeTile; q += blockDim.x) {
