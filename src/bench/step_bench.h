@@ -74,9 +74,8 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats);
 // The BF16 MLP's fused epilogues at Flux shapes (m tokens, hidden k, MLP width n), each against
 // the separate ops it replaces, median ms: the first Linear with its GELU (linear + gelu_tanh vs
 // linear_gelu), the second Linear's input gradient through the GELU (linear_backward's dx +
-// gelu_tanh_backward vs linear_dgrad_gelu), and the first Linear's weight gradient with and
-// without its bias gradient (a first write: the wgrad GEMM's bias-gradient epilogue), and
-// accumulating (the bias gradient by column sums).
+// gelu_tanh_backward vs linear_dgrad_gelu), and the first Linear's weight gradient without and
+// with its bias gradient (the column sums of dy), written and accumulated.
 struct EpilogueBenchRow {
   int64_t m, n, k;
   double linear_gelu_unfused_ms, linear_gelu_ms;

@@ -63,7 +63,6 @@ constexpr int kTimedRuns = 5;   // per candidate, after one warm-up
 std::string describe(const GemmDesc& d) {
   const char* epilogue = d.epilogue == Epilogue::gelu_aux ? " gelu(aux)"
                          : d.epilogue == Epilogue::dgelu  ? " dgelu(aux)"
-                         : d.epilogue == Epilogue::bgradb ? " +bias grad"
                                                           : "";
   return fmt::format("{}{} m={} n={} k={} lda={} ldb={} ldd={} {} x {} -> {}{}{}{}{}", d.trans_a == CUBLAS_OP_T ? 'T' : 'N',
                      d.trans_b == CUBLAS_OP_T ? 'T' : 'N', d.m, d.n, d.k, d.lda, d.ldb, d.ldd, type_name(d.type_a),
@@ -227,14 +226,12 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   FLUX8_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, g.compute, CUDA_R_32F));
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, g.trans_a);
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b);
-  if (g.bias && (g.epilogue == Epilogue::dgelu || g.epilogue == Epilogue::bgradb))
-    fail("GEMM {}: a bias cannot be added in a gradient epilogue", describe(g));
+  if (g.bias && g.epilogue == Epilogue::dgelu) fail("GEMM {}: a bias cannot be added in a gradient epilogue", describe(g));
   cublasLtEpilogue_t epilogue = g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   switch (g.epilogue) {
     case Epilogue::none: break;
     case Epilogue::gelu_aux: epilogue = g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX; break;
     case Epilogue::dgelu: epilogue = CUBLASLT_EPILOGUE_DGELU; break;
-    case Epilogue::bgradb: epilogue = CUBLASLT_EPILOGUE_BGRADB; break;
   }
   if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
   if (g.bias) set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
@@ -263,8 +260,7 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   // Epilogue pointers: the heuristic takes their alignment from their values and may refuse an
   // epilogue whose pointer is unset; any aligned device address serves for planning, and run()
   // sets the real ones on every call.
-  if (g.bias || g.epilogue == Epilogue::bgradb)
-    set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(workspace_));
+  if (g.bias) set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(workspace_));
   if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu)
     set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(workspace_));
   cublasLtMatmulPreference_t pref = nullptr;
@@ -302,12 +298,11 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     fail("GEMM {}: cuBLASLt found no algorithm on this GPU ({})", describe(g), p.why_not);
   }
   if (g.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
-  if (g.epilogue == Epilogue::bgradb) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<void*>(args.bias_grad));
   if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu) {
     if (!args.aux) fail("GEMM {}: the epilogue's aux matrix is missing", describe(g));
     set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, args.aux);
   }
-  if (g.epilogue == Epilogue::bgradb && !args.bias_grad) fail("GEMM {}: the bias gradient's output is missing", describe(g));
+
   if (is_fp8(g.type_a) || is_fp8(g.type_b)) {
     set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.scale_a));
     set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.scale_b));

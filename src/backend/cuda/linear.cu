@@ -142,7 +142,7 @@ bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& w
 // Says once per epilogue kind, on stderr, that cuBLASLt did not run it and why: the op runs its
 // separate kernels instead (correct, slower).
 void note_unfused(Epilogue e, const std::string& why) {
-  static bool noted[4] = {};
+  static bool noted[3] = {};
   bool& n = noted[static_cast<size_t>(e)];
   if (e == Epilogue::none || n) return;
   n = true;
@@ -290,9 +290,6 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, nullptr);
     }
   }
-  if (db.defined() && (db.numel() != M || !db.contiguous()))
-    fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(), M);
-  bool db_done = false;
   if (dw.defined()) {
     require_shape(op, {"dw", dw}, w.shape);
     require_defined(op, {"x", x});
@@ -306,24 +303,14 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
       d.type_a = d.type_b = ops.type();
       d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
-      const GemmArgs args{.a = X.p, .b = DY.p, .d = dw.data};
-      // The bias gradient (a first write) as the GEMM's epilogue sums dy's rows (B's k
-      // dimension) in f32, saving the column-sum pass over dy; it cannot accumulate.
-      if (db.defined() && !accumulate_params && epilogue_operands_aligned({X, DY}, {&dw})) {
-        GemmDesc with = d;
-        with.epilogue = Epilogue::bgradb;
-        GemmArgs a = args;
-        a.bias_grad = db.data;
-        std::string why;
-        db_done = try_run(gemm(), with, a, why);
-        if (!db_done) note_unfused(with.epilogue, why);
-      }
-      if (!db_done) gemm_with_bias(*this, d, args, dw, nullptr);
+      gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, nullptr);
     } else if (!accumulate_params) {
       fill(dw, 0.0);
     }
   }
-  if (db.defined() && !db_done) {
+  if (db.defined()) {
+    if (db.numel() != M || !db.contiguous())
+      fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(), M);
     if (bf16)
       bias_gradient<__nv_bfloat16>(*this, dy, db, accumulate_params);
     else
