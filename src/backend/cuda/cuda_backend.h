@@ -153,7 +153,7 @@ class CudaBackend final : public Backend {
   std::vector<int64_t> adamw_layout_;
   void* adamw_chunks_ = nullptr;
   size_t adamw_chunks_bytes_ = 0;
-  int64_t adamw_kind_counts_[3] = {};  // chunks per kind in the table: plain, bf16 copy, FP8 cast
+  int64_t adamw_chunk_count_ = 0;
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

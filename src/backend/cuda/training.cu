@@ -109,16 +109,11 @@ struct AdamwChunk {
 // parameters); a thread's quads issued all at once (86 registers) ran slower still.
 constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 
-// AdamW over the chunks of one kind, four elements an access where the buffers allow (`quads`:
-// all four 16-byte aligned; the chunk's start a multiple of 4, its copy 8-byte and its codes
-// 4-byte aligned): AdamW is pure HBM traffic, 28 bytes a parameter, 30 with a copy, 29 with a
-// cast. The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of
-// x·scale, the amax the largest |x| bit pattern of the non-NaN values. One instantiation per
-// kind of chunk (kCopy: a bf16 copy, kCast: FP8 codes): the plain one needs no registers for
-// the others' pointers and encoding, and at ≤ 32 registers runs 8 blocks per SM (the one
-// kernel for all kinds took 46: 5 blocks, too few loads in flight to reach the old grid-stride
-// loop's bandwidth).
-template <bool kCopy, bool kCast>
+// AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
+// 16-byte aligned; the chunk's start a multiple of 4, its copy 8-byte and its codes 4-byte
+// aligned): AdamW is pure HBM traffic, 28 bytes a parameter, 30 with a copy, 29 with a cast.
+// The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of x·scale,
+// the amax the largest |x| bit pattern of the non-NaN values.
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const float* __restrict__ g,
                  float* __restrict__ m, float* __restrict__ v, AdamwStep step, bool quads) {
@@ -131,13 +126,13 @@ __global__ void __launch_bounds__(kThreads)
   float* __restrict__ vc = v + c.begin;
   __nv_bfloat16* __restrict__ out = c.copy;
   uint8_t* __restrict__ codes = c.codes;
-  const float s = kCast ? *c.scale : 0.0f;
+  const float s = codes ? *c.scale : 0.0f;
   uint32_t amax_bits = 0;
   const auto take_amax = [&](float x) {
     if (!f32_is_nan(x)) amax_bits = max(amax_bits, __float_as_uint(x) & 0x7FFFFFFFu);
   };
-  const bool vec = quads && c.begin % 4 == 0 && (!kCopy || reinterpret_cast<uintptr_t>(out) % 8 == 0) &&
-                   (!kCast || reinterpret_cast<uintptr_t>(codes) % 4 == 0);
+  const bool vec = quads && c.begin % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(codes) % 4 == 0;
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
     float4 pq = reinterpret_cast<float4*>(pc)[q], mq = reinterpret_cast<float4*>(mc)[q];
@@ -148,14 +143,14 @@ __global__ void __launch_bounds__(kThreads)
     step(pq.z, gq.z, mq.z, vq.z);
     step(pq.w, gq.w, mq.w, vq.w);
     reinterpret_cast<float4*>(pc)[q] = pq, reinterpret_cast<float4*>(mc)[q] = mq, reinterpret_cast<float4*>(vc)[q] = vq;
-    if constexpr (kCopy) {
+    if (out) {
       const __nv_bfloat162 lo = __floats2bfloat162_rn(pq.x, pq.y), hi = __floats2bfloat162_rn(pq.z, pq.w);
       uint2 bits;
       bits.x = *reinterpret_cast<const uint32_t*>(&lo);
       bits.y = *reinterpret_cast<const uint32_t*>(&hi);
       reinterpret_cast<uint2*>(out)[q] = bits;
     }
-    if constexpr (kCast) {
+    if (codes) {
       reinterpret_cast<uint32_t*>(codes)[q] =
           encode_pair(pq.x, pq.y, s, c.format) | (encode_pair(pq.z, pq.w, s, c.format) << 16);
       take_amax(pq.x), take_amax(pq.y), take_amax(pq.z), take_amax(pq.w);
@@ -163,13 +158,13 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
     step(pc[i], gc[i], mc[i], vc[i]);
-    if constexpr (kCopy) out[i] = __float2bfloat16_rn(pc[i]);
-    if constexpr (kCast) {
+    if (out) out[i] = __float2bfloat16_rn(pc[i]);
+    if (codes) {
       codes[i] = static_cast<uint8_t>(encode_pair(pc[i], 0.0f, s, c.format));
       take_amax(pc[i]);
     }
   }
-  if constexpr (kCast) {  // the chunk's amax, max-accumulated into the target
+  if (codes) {  // block-uniform: the chunk's amax, max-accumulated into the target
     amax_bits = __reduce_max_sync(0xffffffffu, amax_bits);
     if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax_bits;
     __syncthreads();
@@ -218,10 +213,8 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
     layout.push_back(static_cast<int64_t>(f.format));
   }
   if (layout != adamw_layout_) {
-    // Chunks of each kind together (plain, copy, cast: one launch each), each kind in offset order.
-    std::vector<AdamwChunk> kinds[3];
+    std::vector<AdamwChunk> table;
     const auto add = [&](int64_t begin, int64_t end, const AdamwChunk* first) {
-      std::vector<AdamwChunk>& table = kinds[!first ? 0 : first->copy ? 1 : 2];
       for (int64_t at = begin; at < end; at += kAdamwChunk) {
         AdamwChunk k = first ? *first : AdamwChunk{};
         k.begin = at;
@@ -239,11 +232,6 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
       at = o.offset + o.count;
     }
     add(at, n, nullptr);
-    std::vector<AdamwChunk> table;
-    for (int k = 0; k < 3; ++k) {
-      adamw_kind_counts_[k] = static_cast<int64_t>(kinds[k].size());
-      table.insert(table.end(), kinds[k].begin(), kinds[k].end());
-    }
     const size_t bytes = table.size() * sizeof(AdamwChunk);
     FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be in use
     if (bytes > adamw_chunks_bytes_) {
@@ -254,6 +242,7 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
     }
     FLUX8_CUDA_CHECK(cudaMemcpy(adamw_chunks_, table.data(), bytes, cudaMemcpyHostToDevice));
     adamw_layout_ = std::move(layout);
+    adamw_chunk_count_ = static_cast<int64_t>(table.size());
   }
 
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
@@ -266,17 +255,9 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
   const float* g = grad.ptr<float>();
   const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
-  const auto* table = static_cast<const AdamwChunk*>(adamw_chunks_);
-  const auto launch = [&](auto kernel, int kind) {
-    if (adamw_kind_counts_[kind] == 0) return;
-    kernel<<<static_cast<unsigned>(adamw_kind_counts_[kind]), kThreads, 0, stream_>>>(table, p, g, mm, vv, step,
-                                                                                     quads);
-    FLUX8_LAUNCH_CHECK(adamw_kernel);
-    table += adamw_kind_counts_[kind];
-  };
-  launch(adamw_kernel<false, false>, 0);
-  launch(adamw_kernel<true, false>, 1);
-  launch(adamw_kernel<false, true>, 2);
+  adamw_kernel<<<static_cast<unsigned>(adamw_chunk_count_), kThreads, 0, stream_>>>(
+      static_cast<const AdamwChunk*>(adamw_chunks_), p, g, mm, vv, step, quads);
+  FLUX8_LAUNCH_CHECK(adamw_kernel);
 }
 
 }  // namespace flux8
