@@ -336,6 +336,15 @@ class Backend {
   // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
   // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;
+  // linear_gelu and linear_dgrad_gelu on FP8 operands (the single block's linear1 and linear2
+  // in FP8), the GELU and its derivative in the GEMM's epilogue where the backend has one:
+  // - gemm_fp8_tn_gelu: h[m, n] = a·bᵀ + bias, y[m, ny] = gelu_tanh of h's last ny columns,
+  //   both rounded once from the same sum;
+  // - gemm_fp8_tn_dgelu: with P = a·bᵀ [m, n], dx = P's first n − nh columns (undefined when
+  //   nh = n) and dh = gelu_tanh'(h) ⊙ P's last nh columns, h [m, nh]; P is not rounded first.
+  // Outputs overwritten; y, h, dx, dh any ld.
+  virtual void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) = 0;
+  virtual void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) = 0;
 
  protected:
   // Implementations call these from allocate()/release() so memory_use() is known everywhere.

@@ -212,6 +212,48 @@ LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, co
   return {N, K, M, gelu};
 }
 
+namespace {
+void require_fp8_product(std::string_view op, const QTensor& a, const QTensor& b) {
+  if (!a.defined() || !b.defined() || a.cols != b.cols)
+    fail("{}: a [{}, {}] · b [{}, {}]ᵀ does not fit (both FP8 operands defined, the same k)", op, a.rows, a.cols,
+         b.rows, b.cols);
+}
+}  // namespace
+
+LinearGeluDims check_fp8_gelu(std::string_view op, const Tensor& y, const Tensor& h, const QTensor& a,
+                              const QTensor& b, const Tensor& bias) {
+  require_fp8_product(op, a, b);
+  require_defined(op, {"h", h});
+  if (h.rows() != a.rows || h.cols() != b.rows)
+    fail("{}: output 'h' {} must be [{}, {}] for a [{}, {}] · b [{}, {}]ᵀ", op, h.str(), a.rows, b.rows, a.rows,
+         a.cols, b.rows, b.cols);
+  require_defined(op, {"y", y});
+  if (y.rows() != a.rows || y.cols() < 1 || y.cols() > b.rows)
+    fail("{}: GELU output 'y' {} must have {} rows of 1 to {} columns (the last columns of 'h' {})", op, y.str(),
+         a.rows, b.rows, h.str());
+  if (bias.defined() && (bias.numel() != b.rows || bias.dtype != DType::f32 || !bias.contiguous()))
+    fail("{}: bias {} must be a contiguous f32[{}]", op, bias.str(), b.rows);
+  return {a.rows, a.cols, b.rows, y.cols()};
+}
+
+LinearGeluDims check_fp8_dgelu(std::string_view op, const Tensor& dx, const Tensor& dh, const QTensor& a,
+                               const QTensor& b, const Tensor& h) {
+  require_fp8_product(op, a, b);
+  require_defined(op, {"h", h});
+  require_same_matrix(op, {"dh", dh}, {"h", h});
+  const int64_t N = a.rows, K = b.rows, gelu = h.cols();
+  if (h.rows() != N || gelu < 1 || gelu > K)
+    fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of the product)", op, h.str(),
+         N, K);
+  if (gelu == K && dx.defined())
+    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} product columns", op, dx.str(),
+         h.str(), K);
+  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
+    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the product columns before the GELU's)", op,
+         dx.str(), N, K - gelu);
+  return {N, K, a.cols, gelu};
+}
+
 NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,
                                   const Tensor& x, const Tensor& shift, const Tensor& scale) {
   require_rank(op, {"x", x}, 3);

@@ -161,6 +161,12 @@ class OpProfiler final : public Backend {
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool acc) override {
     timed("gemm_fp8_tn", [&] { be_.gemm_fp8_tn(c, a, b, bias, acc); });
   }
+  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) override {
+    timed("gemm_fp8_tn_gelu", [&] { be_.gemm_fp8_tn_gelu(y, h, a, b, bias); });
+  }
+  void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) override {
+    timed("gemm_fp8_tn_dgelu", [&] { be_.gemm_fp8_tn_dgelu(dx, dh, a, b, h); });
+  }
 
  private:
   template <typename F>

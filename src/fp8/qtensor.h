@@ -33,4 +33,24 @@ struct QTensor {
   }
 };
 
+// Whether rows [begin, begin + count) of q form a QTensor of their own: always for per-tensor
+// scales and per-row blocks (1x128, 1x32), at multiples of 128 rows for 128x128 blocks.
+inline bool rows_sliceable(const QTensor& q, int64_t begin) {
+  return q.scaling != Fp8Scaling::block_128x128 || begin % 128 == 0;
+}
+// Those rows: the codes and scales from `begin` on (rows_sliceable must hold).
+inline QTensor rows_of(const QTensor& q, int64_t begin, int64_t count) {
+  QTensor s = q;
+  s.rows = count;
+  s.codes = q.codes + begin * q.cols;
+  const int64_t per_row = QTensor::scale_count(q.scaling, 1, q.cols);  // scales of one row
+  switch (q.scaling) {
+    case Fp8Scaling::per_tensor: break;
+    case Fp8Scaling::block_1x128: s.scale_inv = q.scale_inv + begin * per_row; break;
+    case Fp8Scaling::block_128x128: s.scale_inv = q.scale_inv + (begin / 128) * per_row; break;
+    case Fp8Scaling::mx_1x32: s.scale_e8m0 = q.scale_e8m0 + begin * per_row; break;
+  }
+  return s;
+}
+
 }  // namespace flux8

@@ -145,10 +145,8 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
   be.copy(s.x_mid, x);
   const Backend::CastInput ln2 = layernorm_input(x, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps);
   if (gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8)) {  // BF16: mlp_in's GEMM writes the GELU too
-    const Tensor xm2 = linear_input_buffer(ctx.scratch, s.xm2, x.shape, ctx.dtype);
-    be.produce(xm2, ln2);
     const Tensor g = linear_input_buffer(ctx.scratch, s.mlp_g, s.mlp_h.shape, ctx.dtype);
-    be.linear_gelu(g, s.mlp_h, xm2, p.mlp_in.w_operand(), p.mlp_in.b);
+    site_forward_gelu(be, ctx.fp8, ctx.scratch, p.mlp_in, g, s.mlp_h, ln2, s.xm2, ctx.dtype);
     site_forward(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, g, s.mlp_g);
   } else {  // FP8: the LayerNorm and the GELU inside the casts of the Linears' inputs
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h, ln2, s.xm2, ctx.dtype);
@@ -178,7 +176,6 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   be.gated_residual_backward(d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
   // BF16: GELU's backward in the epilogue of mlp_out's dgrad GEMM, which writes d_m2 itself.
   const bool gelu_fused = gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8);
-  if (gelu_fused) be.linear_dgrad_gelu(Tensor{}, d_m2, d_h, p.mlp_out.w_operand(), s.mlp_h);
   const size_t gelu_mark = a.mark();
   SavedLinearInput mlp_g = s.mlp_g;
   if (joint.selective) {
@@ -186,7 +183,10 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
     be.gelu_tanh(g, s.mlp_h);
     mlp_g = recompute_linear_input(be, ctx.fp8, a, p.mlp_out, g);
   }
-  site_backward(be, ctx.fp8, a, p.mlp_out, gelu_fused ? Tensor{} : d_m, d_h, mlp_g, false);
+  if (gelu_fused)
+    site_backward_gelu(be, ctx.fp8, a, p.mlp_out, Tensor{}, d_m2, s.mlp_h, d_h, mlp_g);
+  else
+    site_backward(be, ctx.fp8, a, p.mlp_out, d_m, d_h, mlp_g, false);
   a.release_to(gelu_mark);
   if (gelu_fused)
     site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, s.xm2, false);

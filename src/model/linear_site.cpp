@@ -254,6 +254,30 @@ Tensor linear_input_buffer(Arena& scratch, const SavedLinearInput& saved, Shape 
   return saved.full.defined() ? saved.full : scratch.alloc(dtype, shape, SlotKind::workspace);
 }
 
+namespace {
+
+// An FP8 site's input cast for its fprop GEMM, in scratch (released by the caller): the rowwise
+// codes; the transposed ones go to `saved` (the wgrad operand). Where the site keeps its input
+// unquantized (fp8_wgrad off) the op writes that first and the cast reads it; otherwise the op
+// runs inside the cast (quantize_fused) and its output is never stored — LayerNorm's mean and
+// rstd are written either way.
+QTensor cast_site_input(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite& site, const Backend::CastInput& in,
+                        SavedLinearInput& saved) {
+  const QTensor x_row = allocate_qtensor(scratch, in.x.rows(), in.x.cols(), fp8.format(Operand::input),
+                                         fp8.scaling(Operand::input), SlotKind::workspace);
+  if (saved.full.defined()) {
+    if (in.op != Backend::CastInput::Op::identity || in.x.data != saved.full.data) be.produce(saved.full, in);
+    be.quantize(x_row, saved.cast_t, saved.full, fp8.quantize_args(site, Operand::input));
+    return x_row;
+  }
+  if (in.op == Backend::CastInput::Op::layernorm_modulate)  // the row statistics, kept for the backward
+    be.layernorm_modulate(Tensor{}, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);
+  be.quantize_fused(x_row, saved.cast_t, in, fp8.quantize_args(site, Operand::input));
+  return x_row;
+}
+
+}  // namespace
+
 void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y, Tensor x,
                   SavedLinearInput& saved) {
   if (!site.fp8 || !fp8) {
@@ -261,9 +285,10 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
     return;
   }
   const size_t mark = scratch.mark();
-  const QTensor x_row = allocate_qtensor(scratch, x.rows(), x.cols(), fp8->format(Operand::input),
-                                         fp8->scaling(Operand::input), SlotKind::workspace);
-  be.quantize(x_row, saved.cast_t, x, fp8->quantize_args(site, Operand::input));
+  Backend::CastInput in;
+  in.x = x;
+  SavedLinearInput cast_only{Tensor{}, saved.cast_t};  // x is the caller's: cast it as it is
+  const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, cast_only);
   fp8->ensure_weight_cast(site);
   be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false);
   scratch.release_to(mark);
@@ -272,20 +297,30 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
 void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y,
                         const Backend::CastInput& in, SavedLinearInput& saved, DType dtype) {
   const size_t mark = scratch.mark();
-  if (!site.fp8 || !fp8 || saved.full.defined()) {  // the f32 input is wanted: the op writes it
+  if (!site.fp8 || !fp8) {  // the op writes the Linear's input (the saved one, or scratch)
     const Tensor x = linear_input_buffer(scratch, saved, in.x.shape, dtype);
     be.produce(x, in);
     site_forward(be, fp8, scratch, site, y, x, saved);
-    scratch.release_to(mark);
-    return;
+  } else {
+    const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, saved);
+    fp8->ensure_weight_cast(site);
+    be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false);
   }
-  if (in.op == Backend::CastInput::Op::layernorm_modulate)  // the row statistics, kept for the backward
-    be.layernorm_modulate(Tensor{}, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);
-  const QTensor x_row = allocate_qtensor(scratch, in.x.rows(), in.x.cols(), fp8->format(Operand::input),
-                                         fp8->scaling(Operand::input), SlotKind::workspace);
-  be.quantize_fused(x_row, saved.cast_t, in, fp8->quantize_args(site, Operand::input));
-  fp8->ensure_weight_cast(site);
-  be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false);
+  scratch.release_to(mark);
+}
+
+void site_forward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y_gelu, Tensor h,
+                       const Backend::CastInput& in, SavedLinearInput& saved, DType dtype) {
+  const size_t mark = scratch.mark();
+  if (!site.fp8 || !fp8) {
+    const Tensor x = linear_input_buffer(scratch, saved, in.x.shape, dtype);
+    be.produce(x, in);
+    be.linear_gelu(y_gelu, h, x, site.w_operand(), site.b);
+  } else {
+    const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, saved);
+    fp8->ensure_weight_cast(site);
+    be.gemm_fp8_tn_gelu(y_gelu, h, x_row, site.w_row, site.b);
+  }
   scratch.release_to(mark);
 }
 
@@ -296,21 +331,28 @@ namespace {
 // columnwise for the wgrad, the bias gradient summed in the same pass. With wgrad in BF16 the
 // wgrad reads dy itself, which must then be stored (dy.op identity; site_backward_fused sees to
 // it).
+// gelu_h defined: the site's input was [x₀ | gelu_tanh(gelu_h)], and the dgrad GEMM writes x₀'s
+// gradient to dx and gelu_h's, through the GELU, to dh (Backend::gemm_fp8_tn_dgelu).
 void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite& site, Tensor dx,
-                       const Backend::CastInput& dy, const SavedLinearInput& saved, bool accumulate_dx) {
+                       const Backend::CastInput& dy, const SavedLinearInput& saved, bool accumulate_dx,
+                       Tensor dh = Tensor{}, Tensor gelu_h = Tensor{}) {
   const bool fp8_wgrad = fp8.config().wgrad;
   const int64_t N = dy.x.rows(), M = dy.x.cols();
   const size_t mark = scratch.mark();
   const Fp8Format f = fp8.format(Operand::grad_output);
   const Fp8Scaling sc = fp8.scaling(Operand::grad_output);
-  const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
+  const bool dgrad = dx.defined() || dh.defined();
+  const QTensor dy_row = dgrad ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
   const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
   const bool accumulate = site.accumulate_grads();
   Backend::Quantize q = fp8.quantize_args(site, Operand::grad_output);
   q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
   q.column_sums_accumulate = accumulate;
   be.quantize_fused(dy_row, dy_col, dy, q);
-  if (dx.defined()) be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
+  if (gelu_h.defined())
+    be.gemm_fp8_tn_dgelu(dx, dh, dy_row, site.w_col, gelu_h);  // dgrad: dy·w, the GELU's part through it
+  else if (dx.defined())
+    be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
   if (fp8_wgrad)
     be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, accumulate);  // wgrad: dyᵀ·x
   else
@@ -330,6 +372,18 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
   Backend::CastInput in;
   in.x = dy;
   site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, accumulate_dx);
+}
+
+void site_backward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dh,
+                        Tensor gelu_h, Tensor dy, const SavedLinearInput& saved) {
+  if (!site.fp8 || !fp8) {
+    be.linear_dgrad_gelu(dx, dh, dy, site.w_operand(), gelu_h);
+    be.linear_backward(Tensor{}, site.dw, site.db, dy, saved.full, site.w, false, site.accumulate_grads());
+    return;
+  }
+  Backend::CastInput in;
+  in.x = dy;
+  site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, false, dh, gelu_h);
 }
 
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,

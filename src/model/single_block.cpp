@@ -89,25 +89,13 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
   const Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(
       z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H), s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
-  const Shape cat_shape{z.shape[0], z.shape[1], H + M};
-  Tensor cat;
-  const bool gelu_fused = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
-  if (gelu_fused) {  // BF16: linear1's GEMM writes the GELU of its MLP part into linear2's input
-    const Tensor zm = linear_input_buffer(ctx.scratch, s.zm, z.shape, ctx.dtype);
-    be.produce(zm, ln);
-    cat = linear_input_buffer(ctx.scratch, s.cat, cat_shape, ctx.dtype);
-    be.linear_gelu(cat.cols_slice(H, M), s.u, zm, p.linear1.w_operand(), p.linear1.b);
-  } else {
-    site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u, ln, s.zm, ctx.dtype);
-  }
+  // linear1's GEMM writes u and, GELU in its epilogue, the MLP part of linear2's input.
+  const Tensor cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
+  site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(H, M), s.u, ln, s.zm, ctx.dtype);
 
   qkv_to_heads(ctx, p, s, s.q_rstd, s.k_rstd);
   be.attention(s.o, s.lse, s.q, s.k, s.v,
                1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  if (!gelu_fused) {
-    cat = linear_input_buffer(ctx.scratch, s.cat, cat_shape, ctx.dtype);
-    be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
-  }
   be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
   site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
   be.gated_residual(z, s.out, s.mod.cols_slice(2 * H, H));
@@ -123,25 +111,19 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   const size_t mark = a.mark();
   Tensor dmod = a.alloc(ctx.dtype, Shape{B, 3 * H}, SlotKind::workspace);
   Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
-  Tensor d_cat = a.alloc(ctx.dtype, Shape{B, L, H + M}, SlotKind::workspace);
+  Tensor d_attn = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);  // linear2's input gradient, attention part
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
   Tensor d_o = a.alloc(ctx.heads_dtype, s.o.shape, SlotKind::workspace), d_q, d_k, d_v;
   allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
-  // BF16: linear2's dgrad GEMMs write the attention part of d_cat and, GELU's backward in the
-  // epilogue, the MLP part of d_u.
-  const bool gelu_fused = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
-  if (gelu_fused)
-    be.linear_dgrad_gelu(d_cat.cols_slice(0, H), d_u.cols_slice(3 * H, M), d_h, p.linear2.w_operand(),
-                         s.u.cols_slice(3 * H, M));
+  // linear2's dgrad writes the attention part of its input's gradient and, GELU's backward in
+  // its epilogue, the MLP part of d_u.
   const size_t cat_mark = a.mark();
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, s) : s.cat;
-  site_backward(be, ctx.fp8, a, p.linear2, gelu_fused ? Tensor{} : d_cat, d_h, cat, false);
+  site_backward_gelu(be, ctx.fp8, a, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h, cat);
   a.release_to(cat_mark);
-  if (!gelu_fused)
-    be.gelu_tanh_backward(d_u.cols_slice(3 * H, M), d_cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
-  be.tokens_to_heads(d_o, d_cat.cols_slice(0, H), 0);
+  be.tokens_to_heads(d_o, d_attn, 0);
   const size_t qkv_mark = a.mark();
   SingleBlockSaved r = s;  // views; selective: q, k, v recomputed into scratch
   if (s.selective) {
@@ -170,7 +152,7 @@ void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   const Shape heads{B, c.num_heads, L, c.head_dim()};
   a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);
+  a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, 3 * H + M}, SlotKind::workspace);
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);  // forward: a Linear's input buffer

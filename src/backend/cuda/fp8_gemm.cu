@@ -43,6 +43,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/op_checks.h"
 #include "fp8/quantize.h"
 
 namespace flux8 {
@@ -233,8 +234,108 @@ const float* cublas_scales(CudaBackend& be, const QTensor& q, void* (CudaBackend
   return out;
 }
 
+// The cuBLASLt description of row-major c = a·bᵀ (see the top of the file).
+GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b) {
+  GemmDesc d;
+  d.trans_a = CUBLAS_OP_T;
+  d.trans_b = CUBLAS_OP_N;
+  d.m = b.rows, d.n = a.rows, d.k = a.cols;
+  d.lda = a.cols, d.ldb = a.cols, d.ldd = c.ld;
+  d.type_a = cuda_type(b.format), d.type_b = cuda_type(a.format);
+  d.type_d = c.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  d.compute = CUBLAS_COMPUTE_32F;
+  d.scale_mode_a = scale_mode(b.scaling), d.scale_mode_b = scale_mode(a.scaling);
+  d.fast_accum = false;
+  return d;
+}
+
+// The description of c = a·bᵀ with a GELU epilogue writing or reading `aux` (c's shape), when
+// cuBLASLt may take it: per-tensor operands, bf16 c and aux, the native rules, not pinned to the
+// emulated kernel. Empty (m = 0) otherwise.
+GemmDesc fp8_epilogue_desc(const Tensor& c, const QTensor& a, const QTensor& b, const Tensor& aux, Epilogue e) {
+  if (a.scaling != Fp8Scaling::per_tensor || b.scaling != Fp8Scaling::per_tensor || c.dtype != DType::bf16 ||
+      gemm_backend() == GemmBackend::emulated || !aligned16(aux.data) || (aux.ld * 2) % 16 != 0)
+    return GemmDesc{};
+  std::string key;
+  if (!native_blocker(c, a, b, key).empty()) return GemmDesc{};
+  GemmDesc d = fp8_desc(c, a, b);
+  d.epilogue = e;
+  d.aux_ld = aux.ld;
+  return d;
+}
+
 }  // namespace
 }  // namespace cuda
+
+void CudaBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) {
+  using namespace cuda;
+  constexpr std::string_view op = "gemm_fp8_tn_gelu";
+  activations_in_bf16(op, {{"y", y}, {"h", h}});
+  const auto [m, k, n, G] = ops::check_fp8_gelu(op, y, h, a, b, bias);
+  const int64_t first = n - G;  // h's first column that goes through the GELU
+  const Tensor h_gelu = h.cols_slice(first, G);
+  const auto bias_part = [&](int64_t begin, int64_t count) {
+    return bias.defined() ? Tensor(bias.ptr<float>() + begin, DType::f32, Shape{count}) : Tensor{};
+  };
+  if (m > 0 && k > 0 && rows_sliceable(b, first)) {
+    const QTensor b_gelu = rows_of(b, first, G);
+    if (const GemmDesc d = fp8_epilogue_desc(y, a, b_gelu, h_gelu, Epilogue::gelu_aux); d.m > 0) {
+      const GemmArgs args{.a = b_gelu.codes, .b = a.codes, .d = y.data, .scale_a = b.scale_inv, .scale_b = a.scale_inv,
+                          .aux = h_gelu.data};
+      std::string why;
+      if (bias.defined() ? run_with_bias_epilogue(*this, d, args, y, bias.ptr<float>() + first, why)
+                         : try_run(gemm(), d, args, why)) {
+        if (first > 0) gemm_fp8_tn(h.cols_slice(0, first), a, rows_of(b, 0, first), bias_part(0, first), false);
+        return;
+      }
+      note_unfused(d.epilogue, why);
+    }
+  }
+  // No epilogue: the product into h, then the GELU of its stored values.
+  gemm_fp8_tn(h, a, b, bias, false);
+  gelu_tanh(y, h_gelu);
+}
+
+void CudaBackend::gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) {
+  using namespace cuda;
+  constexpr std::string_view op = "gemm_fp8_tn_dgelu";
+  activations_in_bf16(op, {{"dx", dx}, {"dh", dh}, {"h", h}});
+  const auto [m, n, k, G] = ops::check_fp8_dgelu(op, dx, dh, a, b, h);
+  const int64_t first = n - G;  // the product's first column that goes through the GELU
+  if (rows_sliceable(b, first)) {
+    const QTensor b_gelu = rows_of(b, first, G);
+    if (m > 0 && k > 0) {
+      if (const GemmDesc d = fp8_epilogue_desc(dh, a, b_gelu, h, Epilogue::dgelu); d.m > 0) {
+        std::string why;
+        if (try_run(gemm(), d,
+                    GemmArgs{.a = b_gelu.codes, .b = a.codes, .d = dh.data, .scale_a = b.scale_inv,
+                             .scale_b = a.scale_inv, .aux = h.data},
+                    why)) {
+          if (first > 0) gemm_fp8_tn(dx, a, rows_of(b, 0, first), Tensor{}, false);
+          return;
+        }
+        note_unfused(d.epilogue, why);
+      }
+    }
+    // No epilogue: each part's product (rounded), then the GELU's backward in place.
+    if (first > 0) gemm_fp8_tn(dx, a, rows_of(b, 0, first), Tensor{}, false);
+    gemm_fp8_tn(dh, a, b_gelu, Tensor{}, false);
+    gelu_tanh_backward(dh, dh, h);
+    return;
+  }
+  // b's 128x128 scale blocks straddle the split: the whole product into a temporary, then its
+  // parts (never at Flux's sizes, whose splits are multiples of 128).
+  const Tensor p(allocate(static_cast<size_t>(m * n) * dtype_size(dh.dtype)), dh.dtype, Shape{m, n});
+  try {
+    gemm_fp8_tn(p, a, b, Tensor{}, false);
+    if (first > 0) copy(dx, p.cols_slice(0, first));
+    gelu_tanh_backward(dh, p.cols_slice(first, G), h);
+  } catch (...) {
+    release(p.data);
+    throw;
+  }
+  release(p.data);
+}
 
 void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {
   using namespace cuda;
@@ -263,16 +364,7 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
     return;
   }
 
-  GemmDesc d;
-  d.trans_a = CUBLAS_OP_T;
-  d.trans_b = CUBLAS_OP_N;
-  d.m = n, d.n = m, d.k = k;
-  d.lda = k, d.ldb = k, d.ldd = c.ld;
-  d.type_a = cuda_type(b.format), d.type_b = cuda_type(a.format);
-  d.type_d = c.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  d.compute = CUBLAS_COMPUTE_32F;
-  d.scale_mode_a = scale_mode(b.scaling), d.scale_mode_b = scale_mode(a.scaling);
-  d.fast_accum = false;
+  GemmDesc d = fp8_desc(c, a, b);
   d.accumulate = accumulate;
   std::string key;
   const GemmBackend pinned = gemm_backend();

@@ -124,8 +124,6 @@ bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8
 
 namespace cuda {
 
-namespace {
-
 // Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran, with
 // the reason in `why` (GemmRefused marks the description unsupported from then on).
 bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& why) {
@@ -166,8 +164,6 @@ bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Te
   args.bias = b16;
   return try_run(be.gemm(), d, args, why);
 }
-
-}  // namespace
 
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
   Gemm& gemm = be.gemm();
