@@ -109,16 +109,17 @@ class Backend {
   // A Linear whose last output columns go through GELU (an MLP's first layer; the single
   // block's linear1, whose MLP part follows q, k, v), the GELU in the GEMM's epilogue where the
   // backend has one: h[N,M] = x·wᵀ + b (kept for the backward) and y[N,My] = gelu_tanh of h's
-  // last My columns (My = M: all of them), each rounded once from the same sum — y is the GELU
-  // of the unrounded value, so with bf16 activations it may differ by an ulp from gelu_tanh()
-  // of the stored h. Activations: y, h, x. Any ld.
+  // last My columns (My = M: all of them). Fused, both round once from the same sum — y is the
+  // GELU of the unrounded value, so with bf16 activations it may differ by an ulp from
+  // gelu_tanh() of the stored h (the CPU reference computes it so); where a backend cannot fuse
+  // a call it takes the GELU of the stored h. Activations: y, h, x. Any ld.
   virtual void linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) = 0;
   // The input gradient of a Linear whose input was [x₀ | gelu_tanh(h)] (h the last Kh of its K
   // columns), the GELU's derivative in the GEMM's epilogue where the backend has one: with
   // P = dy·w [N,K], dx = P's first K−Kh columns (undefined when Kh = K) and dh = gelu_tanh'(h) ⊙
-  // P's last Kh columns, both overwritten and rounded once (P is not rounded before the
-  // derivative multiplies it). The weight and bias gradients are linear_backward's (with dx
-  // undefined). Activations: dx, dh, dy, h. Any ld.
+  // P's last Kh columns, both overwritten; fused (and on the CPU) each rounds once, P is not
+  // rounded before the derivative multiplies it (unfused: the stored P). The weight and bias
+  // gradients are linear_backward's (with dx undefined). Activations: dx, dh, dy, h. Any ld.
   virtual void linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) = 0;
 
   // ---- activations (any ld) -----------------------------------------------------------
@@ -337,7 +338,8 @@ class Backend {
   // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;
   // linear_gelu and linear_dgrad_gelu on FP8 operands (the single block's linear1 and linear2
-  // in FP8), the GELU and its derivative in the GEMM's epilogue where the backend has one:
+  // in FP8), with their rounding rules; the CUDA backend fuses the forward's GELU into the GEMM
+  // (per-tensor scales) and runs the derivative as a kernel after it:
   // - gemm_fp8_tn_gelu: h[m, n] = a·bᵀ + bias, y[m, ny] = gelu_tanh of h's last ny columns,
   //   both rounded once from the same sum;
   // - gemm_fp8_tn_dgelu: with P = a·bᵀ [m, n], dx = P's first n − nh columns (undefined when

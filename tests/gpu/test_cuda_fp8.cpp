@@ -647,9 +647,10 @@ TEST(CudaGemmFp8, RejectsE5m2TimesE5m2) {
 
 // gemm_fp8_tn_gelu / gemm_fp8_tn_dgelu (the single block's linear1 forward and linear2 dgrad in
 // FP8) against the CPU twin with bf16 rounding: a GELU over all columns and over the last ones.
-// Per-tensor operands on aligned shapes run the GELU or its derivative in cuBLASLt's epilogue
-// (counted); blockwise operands take the GEMM + GELU kernels, split at a multiple of 128 rows of
-// the 128x128-block weight (two GEMMs) or inside a block (the whole product in a temporary).
+// Per-tensor operands on aligned shapes run the forward's GELU in cuBLASLt's epilogue (counted);
+// the derivative always runs as a kernel after the GEMMs (cuBLASLt's FP8 DGELU epilogue measured
+// slower), split at a multiple of 128 rows of a 128x128-block weight (two GEMMs) or inside a
+// block (the whole product in a temporary).
 // Tolerance: the bf16 outputs as Bf16OutputMatchesCpu; the GELU and its derivative add no
 // more than an ulp of their own.
 TEST(CudaGemmFp8, GeluEpiloguesMatchCpu) {
@@ -691,7 +692,7 @@ TEST(CudaGemmFp8, GeluEpiloguesMatchCpu) {
     const int64_t bwd = gemm.runs_with(cuda::Epilogue::dgelu);
     cpu_bf16().gemm_fp8_tn_dgelu(first ? dx.host.t : Tensor{}, dh.host.t, dy.host, b.host, g_in.host.t);
     gpu().gemm_fp8_tn_dgelu(first ? dx.dev : Tensor{}, dh.dev, dy.dev, b.dev, g_in.dev);
-    EXPECT_EQ(gemm.runs_with(cuda::Epilogue::dgelu) - bwd, c.epilogue ? 1 : 0);
+    EXPECT_EQ(gemm.runs_with(cuda::Epilogue::dgelu) - bwd, 0);
     EXPECT_LE(gpu_vs_cpu(dh), kBf16OutputTolerance);
     EXPECT_TRUE(dh.padding_untouched());
     if (first) {
