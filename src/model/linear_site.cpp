@@ -270,6 +270,10 @@ QTensor cast_site_input(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite
     be.quantize(x_row, saved.cast_t, saved.full, fp8.quantize_args(site, Operand::input));
     return x_row;
   }
+  if (in.op == Backend::CastInput::Op::identity) {  // a plain cast (the profiler's "quantize")
+    be.quantize(x_row, saved.cast_t, in.x, fp8.quantize_args(site, Operand::input));
+    return x_row;
+  }
   if (in.op == Backend::CastInput::Op::layernorm_modulate)  // the row statistics, kept for the backward
     be.layernorm_modulate(Tensor{}, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);
   be.quantize_fused(x_row, saved.cast_t, in, fp8.quantize_args(site, Operand::input));
