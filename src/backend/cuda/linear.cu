@@ -124,8 +124,7 @@ bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8
 
 namespace cuda {
 
-// Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran, with
-// the reason in `why` (GemmRefused marks the description unsupported from then on).
+// try_run, note_unfused, run_with_bias_epilogue, gemm_with_bias: see gemm.h.
 bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& why) {
   if (why = gemm.supported(d); !why.empty()) return false;
   try {
@@ -137,8 +136,6 @@ bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& w
   }
 }
 
-// Says once per epilogue kind, on stderr, that cuBLASLt did not run it and why: the op runs its
-// separate kernels instead (correct, slower).
 void note_unfused(Epilogue e, const std::string& why) {
   static bool noted[3] = {};
   bool& n = noted[static_cast<size_t>(e)];
@@ -147,8 +144,6 @@ void note_unfused(Epilogue e, const std::string& why) {
   fmt::print(stderr, "note: {}; the op runs its unfused kernels instead (noted once per epilogue)\n", why);
 }
 
-// `d` with bias[cols of c] added in its epilogue: an f32 bias, else (bf16 c) a bf16 copy of it
-// (cuBLASLt's FP8 GEMMs take only that for bf16 D); false when neither runs (nothing ran).
 bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias,
                             std::string& why) {
   d.bias = true;
