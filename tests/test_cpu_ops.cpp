@@ -29,6 +29,17 @@ uint32_t bits_of(float f) {
   return u;
 }
 
+// What a call's Error says ("no error" when it throws none).
+template <typename F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  return std::string("no error");
+}
+
 class CpuOps : public ::testing::Test {
  protected:
   std::unique_ptr<Backend> be = make_backend("cpu");
@@ -191,21 +202,13 @@ TEST_F(CpuOps, Fp8GemmGeluIsGemmThenGelu) {
 
 TEST_F(CpuOps, LinearGeluArgumentsAreChecked) {
   Buf<double> x({3, 4}), w({5, 4}), h({3, 5}), y_wide({3, 6}), dy({3, 5}), hk({3, 4}), dx({3, 2}), h2({3, 2});
-  const auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  std::string m = message([&] { be->linear_gelu(y_wide.t, h.t, x.t, w.t, Tensor{}); });
+  std::string m = error_message([&] { be->linear_gelu(y_wide.t, h.t, x.t, w.t, Tensor{}); });
   EXPECT_NE(m.find("linear_gelu: GELU output 'y' f64[3, 6]"), std::string::npos) << m;
-  m = message([&] { be->linear_dgrad_gelu(dx.t, hk.t, dy.t, w.t, hk.t); });
+  m = error_message([&] { be->linear_dgrad_gelu(dx.t, hk.t, dy.t, w.t, hk.t); });
   EXPECT_NE(m.find("linear_dgrad_gelu: input gradient 'dx' f64[3, 2] given"), std::string::npos) << m;
-  m = message([&] { be->linear_dgrad_gelu(Tensor{}, h2.t, dy.t, w.t, h2.t); });
+  m = error_message([&] { be->linear_dgrad_gelu(Tensor{}, h2.t, dy.t, w.t, h2.t); });
   EXPECT_NE(m.find("linear_dgrad_gelu: input gradient 'dx'"), std::string::npos) << m;
-  m = message([&] { be->linear_dgrad_gelu(Tensor{}, hk.t, dy.t, w.t, h2.t); });
+  m = error_message([&] { be->linear_dgrad_gelu(Tensor{}, hk.t, dy.t, w.t, h2.t); });
   EXPECT_NE(m.find("'dh' f64[3, 4] and 'h' f64[3, 2]"), std::string::npos) << m;
 }
 
@@ -587,25 +590,17 @@ TEST_F(CpuOps, AttentionAndGatedGradientsAreOverwritten) {
 TEST_F(CpuOps, ErrorsNameOpAndTensors) {
   Buf<double> x({3, 4}), w({5, 4}), y({3, 5});
   Buf<float> wf({5, 4});
-  const auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  const std::string dtype_msg = message([&] { be->linear(y.t, x.t, wf.t, Tensor{}); });
+  const std::string dtype_msg = error_message([&] { be->linear(y.t, x.t, wf.t, Tensor{}); });
   EXPECT_NE(dtype_msg.find("linear"), std::string::npos) << dtype_msg;
   EXPECT_NE(dtype_msg.find("'w'"), std::string::npos) << dtype_msg;
   EXPECT_NE(dtype_msg.find("f32[5, 4]"), std::string::npos) << dtype_msg;
   Buf<double> w_bad({5, 3});
-  const std::string shape_msg = message([&] { be->linear(y.t, x.t, w_bad.t, Tensor{}); });
+  const std::string shape_msg = error_message([&] { be->linear(y.t, x.t, w_bad.t, Tensor{}); });
   EXPECT_NE(shape_msg.find("f64[5, 3]"), std::string::npos) << shape_msg;
   Buf<double> lse_bad({1, 2, 8});
   const Shape s{1, 2, 9, 4};
   Buf<double> q(s), o(s);
-  const std::string attn_msg = message([&] { be->attention(o.t, lse_bad.t, q.t, q.t, q.t, 1.0f); });
+  const std::string attn_msg = error_message([&] { be->attention(o.t, lse_bad.t, q.t, q.t, q.t, 1.0f); });
   EXPECT_NE(attn_msg.find("attention: tensor 'lse'"), std::string::npos) << attn_msg;
   Buf<double> a({3, 4}), bb({3, 5});
   EXPECT_THROW(be->add(a.t, a.t, bb.t), Error);
