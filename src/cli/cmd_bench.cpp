@@ -46,7 +46,8 @@ Fp8Config fp8_for(const std::string& precision, const std::string& format, Confi
 Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8; "
-               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, and the FP8 cast alone");
+               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, and the BF16 MLP's GEMM epilogues "
+               "against the ops they replace");
   struct Opts {
     std::vector<std::string> workloads{"W1", "W2"};
     std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
