@@ -28,7 +28,9 @@
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
-# Everything printed also goes to $OUT/gpu_check.log. GPU_CHECK_DEADLINE (seconds from start,
+# Everything printed also goes to $OUT/gpu_check.log. More than 8 files under $OUT (the device
+# tool's limit) leave gpu_check.log, ctest.log and the first *.txt/*.md/*.json as they are and
+# pack the rest into $OUT/more.tar.gz. GPU_CHECK_DEADLINE (seconds from start,
 # default 570) bounds the table stage so that its partial logs still come back before the
 # device tool's 600 s limit. Any failure stops the script with a message and a non-zero status.
 set -euo pipefail
@@ -37,6 +39,9 @@ start=$(date +%s)
 : "${OUT:?OUT is not set: run this through the device tool (or set OUT=some/folder)}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+# The device tool brings back at most 8 files from $OUT: on any exit the less useful ones are
+# packed into $OUT/more.tar.gz (scripts/pack_out.sh).
+trap 'scripts/pack_out.sh "$OUT" || true' EXIT
 stages=${GPU_CHECK_STAGES:-info build test check demo bench}
 deadline=${GPU_CHECK_DEADLINE:-570}
 cores=$(nproc)
