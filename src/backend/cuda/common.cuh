@@ -333,6 +333,12 @@ void for_each_row(CudaBackend& be, int64_t rows, int64_t cols, F f) {
 // thread instead of 4 takes copies and elementwise kernels from ~40-50% of HBM bandwidth
 // towards the copy rate.
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Elements [begin, begin + n) of a contiguous vector (a bias) as a vector of its own; an
+// undefined one stays undefined. (cols_slice keeps the row stride: not contiguous.)
+inline Tensor vector_part(const Tensor& v, int64_t begin, int64_t n) {
+  if (!v.defined()) return v;
+  return Tensor(static_cast<char*>(v.data) + static_cast<size_t>(begin) * dtype_size(v.dtype), v.dtype, Shape{n});
+}
 inline bool quads(const Mat& m) { return aligned16(m.p) && m.ld % 4 == 0 && m.cols % 4 == 0; }
 __device__ inline float4& quad(const Mat& m, int64_t r, int64_t c) { return *reinterpret_cast<float4*>(&m.at(r, c)); }
 

@@ -249,17 +249,17 @@ GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b) {
   return d;
 }
 
-// The description of c = a·bᵀ with a GELU epilogue writing or reading `aux` (c's shape), when
-// cuBLASLt may take it: per-tensor operands, bf16 c and aux, the native rules, not pinned to the
-// emulated kernel. Empty (m = 0) otherwise.
-GemmDesc fp8_epilogue_desc(const Tensor& c, const QTensor& a, const QTensor& b, const Tensor& aux, Epilogue e) {
+// The description of c = a·bᵀ with the GELU epilogue writing `aux` (the pre-activation, c's
+// shape), when cuBLASLt may take it: per-tensor operands, bf16 c and aux, the native rules, not
+// pinned to the emulated kernel. Empty (m = 0) otherwise.
+GemmDesc fp8_gelu_desc(const Tensor& c, const QTensor& a, const QTensor& b, const Tensor& aux) {
   if (a.scaling != Fp8Scaling::per_tensor || b.scaling != Fp8Scaling::per_tensor || c.dtype != DType::bf16 ||
       gemm_backend() == GemmBackend::emulated || !aligned16(aux.data) || (aux.ld * 2) % 16 != 0)
     return GemmDesc{};
   std::string key;
   if (!native_blocker(c, a, b, key).empty()) return GemmDesc{};
   GemmDesc d = fp8_desc(c, a, b);
-  d.epilogue = e;
+  d.epilogue = Epilogue::gelu_aux;
   d.aux_ld = aux.ld;
   return d;
 }
@@ -274,18 +274,15 @@ void CudaBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const Q
   const auto [m, k, n, G] = ops::check_fp8_gelu(op, y, h, a, b, bias);
   const int64_t first = n - G;  // h's first column that goes through the GELU
   const Tensor h_gelu = h.cols_slice(first, G);
-  const auto bias_part = [&](int64_t begin, int64_t count) {
-    return bias.defined() ? Tensor(bias.ptr<float>() + begin, DType::f32, Shape{count}) : Tensor{};
-  };
   if (m > 0 && k > 0 && rows_sliceable(b, first)) {
     const QTensor b_gelu = rows_of(b, first, G);
-    if (const GemmDesc d = fp8_epilogue_desc(y, a, b_gelu, h_gelu, Epilogue::gelu_aux); d.m > 0) {
+    if (const GemmDesc d = fp8_gelu_desc(y, a, b_gelu, h_gelu); d.m > 0) {
       const GemmArgs args{.a = b_gelu.codes, .b = a.codes, .d = y.data, .scale_a = b.scale_inv, .scale_b = a.scale_inv,
                           .aux = h_gelu.data};
       std::string why;
       if (bias.defined() ? run_with_bias_epilogue(*this, d, args, y, bias.ptr<float>() + first, why)
                          : try_run(gemm(), d, args, why)) {
-        if (first > 0) gemm_fp8_tn(h.cols_slice(0, first), a, rows_of(b, 0, first), bias_part(0, first), false);
+        if (first > 0) gemm_fp8_tn(h.cols_slice(0, first), a, rows_of(b, 0, first), vector_part(bias, 0, first), false);
         return;
       }
       note_unfused(d.epilogue, why);

@@ -235,7 +235,7 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   }
   if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
   if (g.bias) set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
-  if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu)
+  if (has_aux(g.epilogue))
     set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
   if (fp8) {
     const int8_t fast = g.fast_accum ? 1 : 0;
@@ -261,7 +261,7 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   // epilogue whose pointer is unset; any aligned device address serves for planning, and run()
   // sets the real ones on every call.
   if (g.bias) set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(workspace_));
-  if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu)
+  if (has_aux(g.epilogue))
     set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(workspace_));
   cublasLtMatmulPreference_t pref = nullptr;
   FLUX8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -298,7 +298,7 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     fail("GEMM {}: cuBLASLt found no algorithm on this GPU ({})", describe(g), p.why_not);
   }
   if (g.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
-  if (g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu) {
+  if (has_aux(g.epilogue)) {
     if (!args.aux) fail("GEMM {}: the epilogue's aux matrix is missing", describe(g));
     set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, args.aux);
   }

@@ -42,6 +42,7 @@ namespace flux8::cuda {
 // (cuBLASLt's bias-gradient epilogue BGRADB was measured on the wgrad GEMMs and left out: it
 // made a 16384 x 12288 x 3072 wgrad 0.27 ms slower, the column-sum kernel costs 0.17 ms.)
 enum class Epilogue : uint8_t { none, gelu_aux, dgelu };
+inline bool has_aux(Epilogue e) { return e == Epilogue::gelu_aux || e == Epilogue::dgelu; }
 
 struct GemmDesc {
   cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;

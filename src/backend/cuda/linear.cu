@@ -198,14 +198,33 @@ void bias_gradient(CudaBackend& be, const Tensor& dy, const Tensor& db, bool acc
               db.ptr<float>(), DY.cols, accumulate);
 }
 
-// Whether a call's operands suit cuBLASLt's epilogues (aux matrices, bias gradients): 16-byte
-// aligned and leading dimensions of 16-byte multiples. The heuristic assumes aligned pointers;
-// a misaligned call would be refused when run and mark its description unsupported for every
-// later call of the shape, so such calls take the unfused path without asking.
+// The forward product y[N,M] = x·wᵀ (yᵀ = wᵀ·xᵀ column-major) and the input gradient
+// dx[N,K] = dy·w (dxᵀ = w-as-colmajor[K,M]·dyᵀ), described for cuBLASLt on the call's operands.
+GemmDesc fprop_desc(const Operand& W, const Operand& X, const Tensor& y, int64_t N, int64_t K, int64_t M) {
+  GemmDesc d;
+  d.trans_a = CUBLAS_OP_T;
+  d.trans_b = CUBLAS_OP_N;
+  d.m = M, d.n = N, d.k = K;
+  d.lda = W.ld, d.ldb = X.ld, d.ldd = y.ld;
+  d.type_a = d.type_b = W.type;
+  d.type_d = cuda_type(y);
+  return d;
+}
+GemmDesc dgrad_desc(const Operand& W, const Operand& DY, const Tensor& dx, int64_t N, int64_t K, int64_t M) {
+  GemmDesc d;
+  d.m = K, d.n = N, d.k = M;
+  d.lda = W.ld, d.ldb = DY.ld, d.ldd = dx.ld;
+  d.type_a = d.type_b = W.type;
+  d.type_d = cuda_type(dx);
+  return d;
+}
+
+// Whether a call's operands suit cuBLASLt's epilogues (aux matrices): 16-byte aligned and
+// leading dimensions of 16-byte multiples. The heuristic assumes aligned pointers; a misaligned
+// call would be refused when run and mark its description unsupported for every later call of
+// the shape, so such calls take the unfused path without asking.
 bool epilogue_operands_aligned(std::initializer_list<Operand> operands, std::initializer_list<const Tensor*> outputs) {
-  auto ok = [](const void* p, int64_t ld, size_t elem) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (static_cast<size_t>(ld) * elem) % 16 == 0;
-  };
+  auto ok = [](const void* p, int64_t ld, size_t elem) { return aligned16(p) && (static_cast<size_t>(ld) * elem) % 16 == 0; };
   for (const Operand& o : operands)
     if (!ok(o.p, o.ld, o.type == CUDA_R_16BF ? 2 : 4)) return false;
   for (const Tensor* t : outputs)
@@ -239,13 +258,7 @@ void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   }
   Operands ops(*this, bf16, {&w, &x});
   const Operand W = ops.get(w), X = ops.get(x);
-  GemmDesc d;
-  d.trans_a = CUBLAS_OP_T;
-  d.trans_b = CUBLAS_OP_N;
-  d.m = M, d.n = N, d.k = K;
-  d.lda = W.ld, d.ldb = X.ld, d.ldd = y.ld;
-  d.type_a = d.type_b = ops.type();
-  d.type_d = cuda_type(y);
+  const GemmDesc d = fprop_desc(W, X, y, N, K, M);
   gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = y.data}, y, b.defined() ? b.ptr<float>() : nullptr);
 }
 
@@ -270,13 +283,8 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
     if (M == 0) {
       if (!accumulate_dx) fill(dx, 0.0);
     } else {
-      // dxᵀ[K,N] = w-as-colmajor[K,M] · dyᵀ[M,N]
       const Operand W = ops.get(w);
-      GemmDesc d;
-      d.m = K, d.n = N, d.k = M;
-      d.lda = W.ld, d.ldb = DY.ld, d.ldd = dx.ld;
-      d.type_a = d.type_b = ops.type();
-      d.type_d = cuda_type(dx);
+      GemmDesc d = dgrad_desc(W, DY, dx, N, K, M);
       d.accumulate = accumulate_dx;
       gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, nullptr);
     }
@@ -309,16 +317,6 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
   }
 }
 
-namespace {
-
-// Contiguous elements [begin, begin + n) of a bias vector (undefined stays undefined).
-Tensor bias_part(const Tensor& b, int64_t begin, int64_t n) {
-  if (!b.defined()) return b;
-  return Tensor(static_cast<char*>(b.data) + static_cast<size_t>(begin) * dtype_size(b.dtype), b.dtype, Shape{n});
-}
-
-}  // namespace
-
 // Two GEMMs where the GELU covers only h's last columns: the plain part, then the GELU part with
 // the epilogue (cuBLASLt applies an epilogue to the whole output).
 void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) {
@@ -328,18 +326,13 @@ void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) 
   require_weight(*this, op, w, bf16);
   const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
   const int64_t first = M - G;
-  const Tensor h_gelu = h.cols_slice(first, G), w_gelu = w.rows_slice(first, G), b_gelu = bias_part(b, first, G);
+  const Tensor h_gelu = h.cols_slice(first, G), w_gelu = w.rows_slice(first, G), b_gelu = vector_part(b, first, G);
   bool fused = false;
   if (K > 0 && N > 0) {
     Operands ops(*this, bf16, {&w_gelu, &x});
     const Operand W = ops.get(w_gelu), X = ops.get(x);
     if (epilogue_operands_aligned({W, X}, {&y, &h_gelu})) {
-      GemmDesc d;
-      d.trans_a = CUBLAS_OP_T;
-      d.m = G, d.n = N, d.k = K;
-      d.lda = W.ld, d.ldb = X.ld, d.ldd = y.ld;
-      d.type_a = d.type_b = ops.type();
-      d.type_d = cuda_type(y);
+      GemmDesc d = fprop_desc(W, X, y, N, K, G);
       d.epilogue = Epilogue::gelu_aux;
       d.aux_ld = h_gelu.ld;
       const GemmArgs args{.a = W.p, .b = X.p, .d = y.data, .aux = h_gelu.data};
@@ -350,7 +343,7 @@ void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) 
     }
   }
   if (fused) {
-    if (first > 0) linear(h.cols_slice(0, first), x, w.rows_slice(0, first), bias_part(b, 0, first));
+    if (first > 0) linear(h.cols_slice(0, first), x, w.rows_slice(0, first), vector_part(b, 0, first));
     return;
   }
   // No epilogue for this call: the Linear into h, then the GELU of the stored (rounded) values.
@@ -370,12 +363,7 @@ void CudaBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, T
     Operands ops(*this, bf16, {&dy, &w_gelu});
     const Operand DY = ops.get(dy), W = ops.get(w_gelu);
     if (epilogue_operands_aligned({DY, W}, {&dh, &h})) {
-      // dhᵀ[G,N] = w_gelu-as-colmajor[G,M] · dyᵀ[M,N], ⊙ gelu'(hᵀ) in the epilogue
-      GemmDesc d;
-      d.m = G, d.n = N, d.k = M;
-      d.lda = W.ld, d.ldb = DY.ld, d.ldd = dh.ld;
-      d.type_a = d.type_b = ops.type();
-      d.type_d = cuda_type(dh);
+      GemmDesc d = dgrad_desc(W, DY, dh, N, G, M);  // ⊙ gelu'(h) in the epilogue
       d.epilogue = Epilogue::dgelu;
       d.aux_ld = h.ld;
       std::string why;
@@ -383,12 +371,9 @@ void CudaBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, T
       if (!fused) note_unfused(d.epilogue, why);
     }
   }
-  if (fused) {
-    if (first > 0) linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w.cols_slice(0, first), false, false);
-    return;
-  }
-  // No epilogue: each part's input gradient (rounded), then the GELU's backward in place.
   if (first > 0) linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w.cols_slice(0, first), false, false);
+  if (fused) return;
+  // No epilogue: the GELU part's input gradient (rounded), then the GELU's backward in place.
   linear_backward(dh, Tensor{}, Tensor{}, dy, Tensor{}, w_gelu, false, false);
   gelu_tanh_backward(dh, dh, h);
 }
