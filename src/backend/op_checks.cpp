@@ -180,6 +180,28 @@ LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, c
   return {N, K, M};
 }
 
+namespace {
+// The input-gradient side of linear_dgrad_gelu / gemm_fp8_tn_dgelu: h and dh [N, Kh] with
+// 0 < Kh ≤ K (the last columns of `whole`, K wide), dx [N, K − Kh], undefined iff Kh = K.
+// Returns Kh.
+int64_t check_gelu_parts(std::string_view op, const Tensor& dx, const Tensor& dh, const Tensor& h, int64_t N,
+                         int64_t K, std::string_view whole) {
+  require_defined(op, {"h", h});
+  require_same_matrix(op, {"dh", dh}, {"h", h});
+  const int64_t gelu = h.cols();
+  if (h.rows() != N || gelu < 1 || gelu > K)
+    fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of {})", op, h.str(), N, K,
+         whole);
+  if (gelu == K && dx.defined())
+    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} columns of {}", op, dx.str(),
+         h.str(), K, whole);
+  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
+    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the columns of {} before the GELU's)", op,
+         dx.str(), N, K - gelu, whole);
+  return gelu;
+}
+}  // namespace
+
 LinearGeluDims check_linear_gelu(std::string_view op, const Tensor& y, const Tensor& h, const Tensor& x,
                                  const Tensor& w, const Tensor& b) {
   const auto [N, K, M] = check_linear(op, h, x, w, b);
@@ -197,19 +219,7 @@ LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, co
   const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
   if (w.shape[0] != M)
     fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M, dy.str());
-  require_defined(op, {"h", h});
-  require_same_matrix(op, {"dh", dh}, {"h", h});
-  const int64_t gelu = h.cols();
-  if (h.rows() != N || gelu < 1 || gelu > K)
-    fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of the Linear's input)", op,
-         h.str(), N, K);
-  if (gelu == K && dx.defined())
-    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} input columns", op, dx.str(),
-         h.str(), K);
-  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
-    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the input columns before the GELU's)", op,
-         dx.str(), N, K - gelu);
-  return {N, K, M, gelu};
+  return {N, K, M, check_gelu_parts(op, dx, dh, h, N, K, "the Linear's input")};
 }
 
 namespace {
@@ -239,19 +249,8 @@ LinearGeluDims check_fp8_gelu(std::string_view op, const Tensor& y, const Tensor
 LinearGeluDims check_fp8_dgelu(std::string_view op, const Tensor& dx, const Tensor& dh, const QTensor& a,
                                const QTensor& b, const Tensor& h) {
   require_fp8_product(op, a, b);
-  require_defined(op, {"h", h});
-  require_same_matrix(op, {"dh", dh}, {"h", h});
-  const int64_t N = a.rows, K = b.rows, gelu = h.cols();
-  if (h.rows() != N || gelu < 1 || gelu > K)
-    fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of the product)", op, h.str(),
-         N, K);
-  if (gelu == K && dx.defined())
-    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} product columns", op, dx.str(),
-         h.str(), K);
-  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
-    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the product columns before the GELU's)", op,
-         dx.str(), N, K - gelu);
-  return {N, K, a.cols, gelu};
+  const int64_t N = a.rows, K = b.rows;
+  return {N, K, a.cols, check_gelu_parts(op, dx, dh, h, N, K, "the product")};
 }
 
 NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,

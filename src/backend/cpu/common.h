@@ -155,6 +155,41 @@ T gelu_tanh_grad(T x) {
          T(0.5) * x * (T(1) - th * th) * T(kGeluC) * (T(1) + T(3 * kGeluA) * x * x);
 }
 
+// The GELU epilogue of linear_gelu / gemm_fp8_tn_gelu on the product already in h [rows, n]
+// (unrounded): v = h + bias (bias may be null), y = gelu_tanh(v) of h's last y.cols() columns,
+// h = v, each rounded once — GELU of the unrounded sum, as a fused GEMM epilogue computes it.
+template <typename T>
+void gelu_epilogue(const Tensor& h, const Tensor& y, const T* bias, const Ctx& c) {
+  const int64_t n = h.cols(), first = n - y.cols();
+  parallel_for(h.rows(), c, [&](int64_t r) {
+    T* hr = row<T>(h, r);
+    T* yr = row<T>(y, r);
+    for (int64_t j = 0; j < n; ++j) {
+      const T v = bias ? hr[j] + bias[j] : hr[j];
+      if (j >= first) yr[j - first] = act<T>(gelu_tanh_value(v), c);
+      hr[j] = act<T>(v, c);
+    }
+  });
+}
+
+// The derivative's epilogue of linear_dgrad_gelu / gemm_fp8_tn_dgelu on the whole product p
+// [rows, n] (row stride n, unrounded): dx = p's first n − dh.cols() columns (when there are
+// any), dh = p's last columns ⊙ gelu_tanh'(h), each rounded once.
+template <typename T>
+void dgelu_epilogue(const T* p, const Tensor& dx, const Tensor& dh, const Tensor& h, const Ctx& c) {
+  const int64_t G = dh.cols(), first = dx.defined() ? dx.cols() : 0, n = first + G;
+  parallel_for(dh.rows(), c, [&](int64_t r) {
+    const T* pr = p + r * n;
+    if (first > 0) {
+      T* dxr = row<T>(dx, r);
+      for (int64_t j = 0; j < first; ++j) dxr[j] = act<T>(pr[j], c);
+    }
+    T* d = row<T>(dh, r);
+    const T* hr = row<T>(h, r);
+    for (int64_t j = 0; j < G; ++j) d[j] = act<T>(pr[first + j] * gelu_tanh_grad(hr[j]), c);
+  });
+}
+
 // Row-major C[m,n] = alpha·op(A)·op(B) + beta·C through OpenBLAS; op(X) = Xᵀ when trans_x.
 // Single-threaded: OpenBLAS runs with one thread (see CpuBackend's constructor), so it can be
 // called from inside parallel regions (attention heads) without oversubscribing the cores.

@@ -135,42 +135,23 @@ void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tenso
 void CpuBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) {
   constexpr std::string_view op = "gemm_fp8_tn_gelu";
   if (h.dtype != DType::f32 || y.dtype != DType::f32) fail("{}: outputs h {} and y {} must be f32", op, h.str(), y.str());
-  const auto [m, k, n, G] = ops::check_fp8_gelu(op, y, h, a, b, bias);
+  [[maybe_unused]] const auto [m, k, n, G] = ops::check_fp8_gelu(op, y, h, a, b, bias);
   const Ctx ctx = make_ctx(options_, DType::f32);
   const std::vector<float> A = dequantize_view(a, ctx), B = dequantize_view(b, ctx);
   parallel_gemm<float>(ctx, false, true, m, n, k, 1.0f, A.data(), k, B.data(), k, 0.0f, h.ptr<float>(), h.ld);
-  const int64_t first = n - G;
-  parallel_for(m, ctx, [&](int64_t r) {
-    float* hr = row<float>(h, r);
-    float* yr = row<float>(y, r);
-    for (int64_t j = 0; j < n; ++j) {
-      const float v = bias.defined() ? hr[j] + bias.ptr<float>()[j] : hr[j];
-      if (j >= first) yr[j - first] = act<float>(gelu_tanh_value(v), ctx);
-      hr[j] = act<float>(v, ctx);
-    }
-  });
+  gelu_epilogue<float>(h, y, bias.defined() ? bias.ptr<float>() : nullptr, ctx);
 }
 
 void CpuBackend::gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) {
   constexpr std::string_view op = "gemm_fp8_tn_dgelu";
   for (const Tensor* t : {&dx, &dh, &h})
     if (t->defined() && t->dtype != DType::f32) fail("{}: {} must be f32", op, t->str());
-  const auto [m, n, k, G] = ops::check_fp8_dgelu(op, dx, dh, a, b, h);
+  [[maybe_unused]] const auto [m, n, k, G] = ops::check_fp8_dgelu(op, dx, dh, a, b, h);
   const Ctx ctx = make_ctx(options_, DType::f32);
   const std::vector<float> A = dequantize_view(a, ctx), B = dequantize_view(b, ctx);
   std::vector<float> p(static_cast<size_t>(m * n));  // the whole product, unrounded
   parallel_gemm<float>(ctx, false, true, m, n, k, 1.0f, A.data(), k, B.data(), k, 0.0f, p.data(), n);
-  const int64_t first = n - G;
-  parallel_for(m, ctx, [&](int64_t r) {
-    const float* pr = p.data() + r * n;
-    if (first > 0) {
-      float* dxr = row<float>(dx, r);
-      for (int64_t j = 0; j < first; ++j) dxr[j] = act<float>(pr[j], ctx);
-    }
-    float* d = row<float>(dh, r);
-    const float* hr = row<float>(h, r);
-    for (int64_t j = 0; j < G; ++j) d[j] = act<float>(pr[first + j] * gelu_tanh_grad(hr[j]), ctx);
-  });
+  dgelu_epilogue<float>(p.data(), dx, dh, h, ctx);
 }
 
 }  // namespace flux8

@@ -58,44 +58,24 @@ void CpuBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
 void CpuBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear_gelu";
   const DType t = call_dtype(op, {{"y", y}, {"h", h}, {"x", x}, {"w", w}, {"b", b}});
-  const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
+  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_gemm<T>(c, false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), h.ptr<T>(), h.ld);
-    const T* bias = b.defined() ? b.ptr<T>() : nullptr;
-    const int64_t first = M - G;  // h's first column that goes through the GELU
-    parallel_for(N, c, [&](int64_t r) {
-      T* hr = row<T>(h, r);
-      T* yr = row<T>(y, r);
-      for (int64_t j = 0; j < M; ++j) {
-        const T v = bias ? hr[j] + bias[j] : hr[j];
-        if (j >= first) yr[j - first] = act<T>(gelu_tanh_value(v), c);
-        hr[j] = act<T>(v, c);
-      }
-    });
+    gelu_epilogue<T>(h, y, b.defined() ? b.ptr<T>() : nullptr, c);
   });
 }
 
 void CpuBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) {
   constexpr std::string_view op = "linear_dgrad_gelu";
   const DType t = call_dtype(op, {{"dx", dx}, {"dh", dh}, {"dy", dy}, {"w", w}, {"h", h}});
-  const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, dx, dh, dy, w, h);
+  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, dx, dh, dy, w, h);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     // The whole product P = dy·w first (one GEMM, as an unfused backward computes it), unrounded.
     std::vector<T> p(static_cast<size_t>(N * K));
     parallel_gemm<T>(c, false, false, N, K, M, T(1), dy.ptr<T>(), dy.ld, w.ptr<T>(), w.ld, T(0), p.data(), K);
-    const int64_t first = K - G;
-    parallel_for(N, c, [&](int64_t r) {
-      const T* pr = p.data() + r * K;
-      if (first > 0) {
-        T* dxr = row<T>(dx, r);
-        for (int64_t j = 0; j < first; ++j) dxr[j] = act<T>(pr[j], c);
-      }
-      T* d = row<T>(dh, r);
-      const T* hr = row<T>(h, r);
-      for (int64_t j = 0; j < G; ++j) d[j] = act<T>(pr[first + j] * gelu_tanh_grad(hr[j]), c);
-    });
+    dgelu_epilogue<T>(p.data(), dx, dh, h, c);
   });
 }
 
