@@ -285,7 +285,8 @@ struct QkCase {
 };
 // D = 6: 3 pairs (most lanes idle), pad 1: odd row strides, pairs one element at a time; 128
 // (Flux) with pad 2: pairs as one 4-byte bf16 access; 200: 4 pairs a lane, the last partly used.
-const QkCase kQkCases[] = {{6, 3, 11, 1}, {128, 3, 37, 2}, {200, 3, 29, 2}};
+// pad 0: the vector path (rows aligned to 8 elements, D = 8·2^k), the others the pair path.
+const QkCase kQkCases[] = {{6, 3, 11, 1}, {128, 3, 37, 2}, {200, 3, 29, 2}, {128, 3, 37, 0}, {8, 3, 11, 0}};
 
 // bf16 q, k, v (and in the backward bf16 q, k, dq, dk, dv, bf16 head gradients) against the
 // GPU's f32 path on the same values: the kernels load the same f32 values and run the same
@@ -366,6 +367,7 @@ TEST(CudaBf16Casts, QkNormRopeMatchesCpu) {
   constexpr double kRounded = 1e-3, kReduce = 1e-6;
   std::vector<QkCase> cases(std::begin(kQkCases), std::end(kQkCases));
   cases.push_back({128, 24, 1001, 2});
+  cases.push_back({128, 24, 1001, 0});
   for (const QkCase& c : cases) {
     SCOPED_TRACE(::testing::Message() << "D=" << c.D << " n=" << c.n << " Li=" << c.Ls << " pad=" << c.pad);
     const int64_t B = 3, Lt = 5, Li = c.Ls, L = Lt + Li, D = c.D, n = c.n, H = n * D;
@@ -438,7 +440,9 @@ TEST(CudaBf16Casts, QkNormRopeMatchesCpu) {
 TEST(CudaBf16Casts, QkNormRopeNearCpuBf16Twin) {
   FLUX8_REQUIRE_GPU();
   constexpr double kTwin = 6e-3;
-  for (const QkCase& c : kQkCases) {
+  // The cases the bound was measured for (the first three of kQkCases; both paths round the
+  // same f32 values once, which QkNormRopeMatchesCpu checks on all of them).
+  for (const QkCase& c : {kQkCases[0], kQkCases[1], kQkCases[2]}) {
     SCOPED_TRACE(::testing::Message() << "D=" << c.D << " n=" << c.n << " Ls=" << c.Ls << " pad=" << c.pad);
     const int64_t B = 3, Lt = 5, L = Lt + c.Ls, D = c.D, n = c.n, H = n * D, S = B * c.Ls * n;
     const Shape heads{B, n, L, D};

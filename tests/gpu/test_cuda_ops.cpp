@@ -390,7 +390,9 @@ TEST(CudaOps, RopeTableAndRotation) {
 // 1: odd row strides, element by element); D = 6 (3 pairs: most lanes idle), 128 (Flux), 200
 // (4 pairs a lane, the last partly used); up to 3·1001·24 = 72k segments, so the backward's
 // dscale spans many chunks (the last partial) and chunks longer than 256 segments.
-// Tolerances, ‖gpu − cpu‖₂/‖cpu‖₂: q, k, rstd: rstd comes from a double sum of squares rounded
+// Rows aligned to 8 elements (pad 0) with D = 8·2^k take the vector path (16-byte accesses, a
+// group of D/8 lanes per segment: 16 at Flux's 128, 2 at D = 16), the others the pair path;
+// the backend's counter says which ran. Tolerances, ‖gpu − cpu‖₂/‖cpu‖₂: q, k, rstd: rstd comes from a double sum of squares rounded
 // once to f32 (another summation order may round it an ulp apart), then f32 products and a
 // rotation the device contracts into FMAs: a few ulps, kReduce (1e-6). v, dv: copies, exact.
 // d[Q|K]: rmsnorm_heads_backward's cancellation, as in RmsNormHeads: 1e-5. dscale: double sums
@@ -401,7 +403,9 @@ TEST(CudaOps, QkNormRopeToHeads) {
   struct Case {
     int64_t D, n, Li, pad;
   };
-  for (const Case c : {Case{6, 3, 11, 2}, Case{128, 3, 37, 1}, Case{200, 3, 301, 2}, Case{128, 24, 1001, 2}}) {
+  const auto vector_calls = [] { return dynamic_cast<CudaBackend&>(gpu()).qk_norm_rope_vector_calls(); };
+  for (const Case c : {Case{6, 3, 11, 2}, Case{128, 3, 37, 1}, Case{200, 3, 301, 2}, Case{128, 24, 1001, 2},
+                       Case{128, 3, 37, 0}, Case{16, 2, 13, 0}, Case{128, 24, 1001, 0}}) {
     SCOPED_TRACE(::testing::Message() << "D=" << c.D << " n=" << c.n << " Li=" << c.Li << " pad=" << c.pad);
     const int64_t B = 3, Lt = 5, L = Lt + c.Li, D = c.D, n = c.n, H = n * D;
     const Shape heads{B, n, L, D};
@@ -422,7 +426,10 @@ TEST(CudaOps, QkNormRopeToHeads) {
                                  stats ? s.k_rstd.t(g) : Tensor{}, window(s.qkv, g, 0), window(s.qkv, g, 1),
                                  window(s.qkv, g, 2), q_scale.t(g), k_scale.t(g), pe.t(g), s.offset, 1e-6);
     };
+    const bool vector_path = c.pad == 0;  // every D here with pad 0 is 8·2^k
+    const int64_t calls_before = vector_calls();
     run_both([&](Backend& be, bool g) { forward(be, g, qh, kh, vh, true); });
+    EXPECT_EQ(vector_calls() - calls_before, vector_path ? 2 : 0) << "forward path";
     EXPECT_CLOSE(qh, kReduce);
     EXPECT_CLOSE(kh, kReduce);
     EXPECT_CLOSE(vh, kExact);
@@ -454,7 +461,9 @@ TEST(CudaOps, QkNormRopeToHeads) {
                                           q_scale.t(g), k_scale.t(g), pe.t(g), s.offset);
       }
     };
+    const int64_t backward_calls_before = vector_calls();
     run_both(backward);
+    EXPECT_EQ(vector_calls() - backward_calls_before, vector_path ? 2 : 0) << "backward path";
     for (Pair* d : grads) {
       std::vector<float> got = d->down(), want = d->cpu_values();
       const auto cols = [&](const std::vector<float>& all, int64_t i) { return window_of_rows(all, 3 * H, i, H); };

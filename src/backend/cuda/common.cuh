@@ -68,6 +68,37 @@ __device__ inline void store4(__nv_bfloat16* p, float4 v) {
   *reinterpret_cast<uint2*>(p) = u;
 }
 
+// Eight consecutive elements as f32, and back: 32 bytes of f32 (two float4s), 16 of bf16 (one
+// uint4), widened and rounded as load4/store4 do. p must be aligned to the eight elements.
+__device__ inline void load8(const float* p, float (&v)[8]) {
+  const float4 a = load4(p), b = load4(p + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ inline void store8(float* p, const float (&v)[8]) {
+  store4(p, make_float4(v[0], v[1], v[2], v[3]));
+  store4(p + 4, make_float4(v[4], v[5], v[6], v[7]));
+}
+__device__ inline void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 h;
+    memcpy(&h, &w[i], 4);
+    const float2 f = __bfloat1622float2(h);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
+}
+__device__ inline void store8(__nv_bfloat16* p, const float (&v)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    memcpy(&w[i], &h, 4);
+  }
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // The sample of row r (r / rows per sample) without a 64-bit division per element: rows of one
 // launch must have 32-bit indices. 0 rows per sample (no rows to divide) gives the divisor 1.
 inline FastDivisor row_divisor(std::string_view op, int64_t rows, int64_t per_sample) {

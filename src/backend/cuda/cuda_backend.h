@@ -135,6 +135,10 @@ class CudaBackend final : public Backend {
   void flush_cast_stats();
   // Host-visible pinned buffer for small results (loss, norms, amax): `bytes` ≤ 4096.
   void* pinned_result();
+  // Calls of qk_norm_rope_to_heads and its backward that took the vector path (16-byte
+  // accesses: head dim 8·2^k up to 256, rows aligned to 8 elements; qk_norm_rope.cu) since this
+  // backend was made. Tests check which path their shapes take.
+  int64_t qk_norm_rope_vector_calls() const { return qk_norm_rope_vector_calls_; }
 
  private:
   BackendOptions options_;
@@ -151,6 +155,7 @@ class CudaBackend final : public Backend {
   void* epilogue_scratch_ = nullptr;
   size_t epilogue_scratch_bytes_ = 0;
   void* pinned_ = nullptr;
+  int64_t qk_norm_rope_vector_calls_ = 0;
   // adamw's table of chunks (training.cu) and the layout (n, copies) it was made for.
   std::vector<int64_t> adamw_layout_;
   void* adamw_chunks_ = nullptr;
