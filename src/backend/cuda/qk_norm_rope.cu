@@ -1,10 +1,12 @@
 // The attention inputs of one stream on the device: QK-norm, RoPE and the head-major layout in
 // one kernel per direction, where the unfused chain made a norm pass, a layout copy and a
 // rotation pass over q and k (and in the backward a second read of both for dscale). Same
-// semantics as the CPU twin, src/backend/cpu/qk_norm_rope.cpp; head dims up to 512.
+// semantics as the CPU twin, src/backend/cpu/qk_norm_rope.cpp; head dims up to 512. Two paths:
+// the vector path (below) for Flux's D = 128 and other D = 8·2^k on rows aligned to 8 elements,
+// the pair path described here for the rest.
 //
-// A warp owns one (token, head) segment of D elements; lane i holds the RoPE pairs i, i + 32, …
-// in registers, so every element is read once and written once. The arithmetic is f32 (the CPU
+// On the pair path a warp owns one (token, head) segment of D elements; lane i holds the RoPE
+// pairs i, i + 32, … in registers, so every element is read once and written once. The arithmetic is f32 (the CPU
 // twin's sums are double: the results differ by f32 rounding, ~1e-7 relative); the sum of
 // squares and the backward's Σ g·x̂ are warp butterflies (a fixed lane order), and rstd is
 // stored in f32 and used as stored. Double per element made this kernel instruction-bound
@@ -296,13 +298,14 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 
 // ---- the vector path ------------------------------------------------------------------------
 // Head dims D = 8·kLanes with kLanes a power of two up to 32 (Flux's 128: 16 lanes), and every
-// row start aligned to 8 elements (vec8_aligned): a group of kLanes lanes owns a segment, each
-// lane 8 consecutive elements (4 RoPE pairs) in one 16-byte access of bf16 (two of f32), and a
-// segment's loads are all issued before its arithmetic. The pair path's 4-byte accesses, its
-// per-element scale loads and its one segment in flight per warp left both directions
-// latency-bound (Nsight Compute, W1: DRAM ~35%, the backward at half occupancy). The sums run
-// over the group's lanes (xor butterfly, a fixed order), so each path is deterministic; the two
-// paths differ by f32 rounding.
+// row start aligned to 8 elements (vec_path_lanes): a group of kLanes lanes owns a segment,
+// each lane 8 consecutive elements (4 RoPE pairs) in one 16-byte access of bf16 (two of f32),
+// a segment's loads all issued before its arithmetic, one segment per group and no loop in
+// either direction. The pair path's 4-byte accesses and per-element scale loads left both
+// directions latency-bound (Nsight Compute, W1: DRAM ~35%, the backward at half occupancy):
+// on the H200 the vector path takes W1's forward from 0.65 to 0.35 ms and its backward from
+// 1.0 to 0.67 (W2: 1.2 → 0.7, 1.9 → 1.3). The sums run over the group's lanes (xor butterfly,
+// a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
 
 // The lanes of this thread's group, for shuffles within it.
 template <int kLanes>
@@ -394,59 +397,47 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
   for (int i = 0; i < 8; ++i) acc[i] += g[i] * xh[i];
 }
 
-// The vector path's backward: blocks of kVecBackwardWarps warps, a block per chunk of segments
-// (up to kVecMaxChunks of them: four times the pair path's, for a grid of several blocks per
-// SM), its groups on segments begin + group, + groups, ...; dscale partials as there, the
-// groups added in group order in double.
-constexpr int kVecBackwardWarps = 8;
-constexpr int64_t kVecMaxChunks = 1024;
-
-// partial[col] = Σ over the block's groups, in group order, of their column sums (acc holds
-// columns c .. c + 7 of this thread's group). Every thread of the block must call it.
-template <int kLanes>
-__device__ inline void store_group_partial(float (*tile)[8 * kLanes], const float (&acc)[8], double* partial) {
-  constexpr int kGroups = kVecBackwardWarps * 32 / kLanes;
-  const int group = static_cast<int>(threadIdx.x) / kLanes, c = 8 * static_cast<int>(threadIdx.x % kLanes);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) tile[group][c + i] = acc[i];
-  __syncthreads();
-  for (int col = static_cast<int>(threadIdx.x); col < 8 * kLanes; col += blockDim.x) {
-    double t = 0;
-    for (int g = 0; g < kGroups; ++g) t += tile[g][col];
-    partial[col] = t;
-  }
-  __syncthreads();
-}
-
+// The vector path's backward: like its forward, a group per segment and no loop (a loop over
+// a chunk of segments per block, as the pair path runs, kept too few bytes in flight: 1.6 TB/s
+// at W1's shapes). dscale's terms g·x̂ are added over the block's groups in group order (f32)
+// into a row of `q_part` / `k_part` ([blocks, D] f32, or null: not wanted), which column_sums
+// then adds up in its fixed order.
 template <int kLanes, typename T, typename H>
-__global__ void __launch_bounds__(kVecBackwardWarps * 32)
-    qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a) {
-  constexpr int kGroups = kVecBackwardWarps * 32 / kLanes;
-  __shared__ float tile[kGroups][8 * kLanes];
-  const bool q_norm = a.dq.p || a.q_partial, k_norm = a.dk.p || a.k_partial;
+__global__ void qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part) {
+  constexpr int kGroups = kThreads / kLanes, D = 8 * kLanes;
+  __shared__ float tile[2][kGroups][D];
+  const bool q_norm = a.dq.p || q_part, k_norm = a.dk.p || k_part;
   const int group = static_cast<int>(threadIdx.x) / kLanes, c = 8 * static_cast<int>(threadIdx.x % kLanes);
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * a.chunk;
-  const int64_t end = begin + a.chunk < a.g.segments ? begin + a.chunk : a.g.segments;
-  float q_sc[8], k_sc[8], q_acc[8] = {}, k_acc[8] = {};
-  load_scale8(a.q_scale, c, q_sc);
-  load_scale8(a.k_scale, c, k_sc);
-  for (int64_t seg = begin + group; seg < end; seg += kGroups) {
+  const int64_t seg = static_cast<int64_t>(blockIdx.x) * kGroups + group;
+  float q_acc[8] = {}, k_acc[8] = {};
+  if (seg < a.g.segments) {  // the same for the whole group
     const Segment s = a.g.segment(seg);
     // Every load of the segment first (dq_heads, dk_heads, q, k are always given).
-    float cs[8], dqh[8], q[8], dkh[8], k[8], dvh[8];
-    load8(a.pe + s.pe_row * a.g.D + c, cs);
+    float cs[8], dqh[8], q[8], dkh[8], k[8], dvh[8], q_sc[8], k_sc[8];
+    load8(a.pe + s.pe_row * D + c, cs);
     load8(a.dq_heads.p + s.head_row * a.dq_heads.ld + c, dqh);
     load8(&a.q.at(s.token_row, s.col + c), q);
     load8(a.dk_heads.p + s.head_row * a.dk_heads.ld + c, dkh);
     load8(&a.k.at(s.token_row, s.col + c), k);
     if (a.dv.p) load8(a.dv_heads.p + s.head_row * a.dv_heads.ld + c, dvh);
+    load_scale8(a.q_scale, c, q_sc);
+    load_scale8(a.k_scale, c, k_sc);
     const float q_rs = a.q_rstd[seg], k_rs = a.k_rstd[seg];
+    if (a.dv.p) store8(&a.dv.at(s.token_row, s.col + c), dvh);
     if (q_norm) norm_rotate_backward8<kLanes>(a.dq, q_acc, dqh, q, q_rs, q_sc, cs, s, c, a.g.inv_D);
     if (k_norm) norm_rotate_backward8<kLanes>(a.dk, k_acc, dkh, k, k_rs, k_sc, cs, s, c, a.g.inv_D);
-    if (a.dv.p) store8(&a.dv.at(s.token_row, s.col + c), dvh);
   }
-  if (a.q_partial) store_group_partial<kLanes>(tile, q_acc, a.q_partial + blockIdx.x * a.g.D);
-  if (a.k_partial) store_group_partial<kLanes>(tile, k_acc, a.k_partial + blockIdx.x * a.g.D);
+  if (!q_part && !k_part) return;  // the same for the whole block
+#pragma unroll
+  for (int i = 0; i < 8; ++i) tile[0][group][c + i] = q_acc[i], tile[1][group][c + i] = k_acc[i];
+  __syncthreads();
+  for (int col = static_cast<int>(threadIdx.x); col < 2 * D; col += blockDim.x) {
+    float* part = col < D ? q_part : k_part;
+    if (!part) continue;
+    float t = 0.0f;
+    for (int g = 0; g < kGroups; ++g) t += tile[col / D][g][col % D];
+    part[static_cast<int64_t>(blockIdx.x) * D + col % D] = t;
+  }
 }
 
 // The lanes a segment takes on the vector path (D / 8), or 0 where the pair path runs: D not 8
@@ -609,52 +600,69 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   const int64_t segments = geo.segments;
   if (segments == 0) return;
   const int lanes = vec_path_lanes(d.D, {dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k}, pe);
-  // Chunks of kColumnChunk segments (column_sums' row chunk), longer where there would be more
-  // than the path's maximum of them; a function of the shape (and the path) only, so the
+  const auto args = [&]<typename T, typename H>(double* q_partial, double* k_partial, int64_t chunk) {
+    return BackwardArgs<T, H>{mat_of_or_null<T>(dq),
+                              mat_of_or_null<T>(dk),
+                              mat_of_or_null<T>(dv),
+                              heads_of<H>(dq_heads),
+                              heads_of<H>(dk_heads),
+                              heads_of<H>(dv_heads),
+                              mat_of<T>(q),
+                              mat_of<T>(k),
+                              q_rstd.ptr<float>(),
+                              k_rstd.ptr<float>(),
+                              q_scale.ptr<float>(),
+                              k_scale.ptr<float>(),
+                              pe.ptr<float>(),
+                              q_partial,
+                              k_partial,
+                              geo,
+                              chunk};
+  };
+
+  if (lanes > 0) {  // the vector path: block rows of dscale terms, then column_sums over them
+    const int64_t blocks = (segments + kThreads / lanes - 1) / (kThreads / lanes);
+    float* part = dq_scale.defined() || dk_scale.defined()
+                      ? static_cast<float*>(scratch(static_cast<size_t>(2 * blocks * d.D) * sizeof(float)))
+                      : nullptr;
+    float* const q_part = dq_scale.defined() ? part : nullptr;
+    float* const k_part = dk_scale.defined() ? part + blocks * d.D : nullptr;
+    with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
+      const BackwardArgs<T, H> a = args.template operator()<T, H>(nullptr, nullptr, 0);
+      with_lanes(lanes, [&]<int kLanes>() {
+        qk_norm_rope_to_heads_backward_vec_kernel<kLanes>
+            <<<exact_blocks(segments * lanes), kThreads, 0, stream_>>>(a, q_part, k_part);
+        FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_vec_kernel);
+      });
+    });
+    ++qk_norm_rope_vector_calls_;
+    const int64_t D = d.D;
+    for (const auto& [dscale, rows] : {std::pair{dq_scale, q_part}, std::pair{dk_scale, k_part}})
+      if (dscale.defined())
+        column_sums(
+            *this, 1, blocks, D, [rows, D] __device__(int64_t, int64_t r, int64_t c) { return rows[r * D + c]; },
+            dscale.ptr<float>(), D, true);
+    return;
+  }
+
+  // The pair path: chunks of kColumnChunk segments (column_sums' row chunk), longer where
+  // there would be more than kMaxChunks of them; a function of the shape only, so the
   // summation order is fixed.
-  const int64_t max_chunks = lanes > 0 ? kVecMaxChunks : kMaxChunks;
   int64_t chunk = kColumnChunk;
-  if (segments > chunk * max_chunks) chunk = (segments + max_chunks - 1) / max_chunks;
+  if (segments > chunk * kMaxChunks) chunk = (segments + kMaxChunks - 1) / kMaxChunks;
   const int64_t chunks = (segments + chunk - 1) / chunk;
   double* partial = nullptr;
   if (dq_scale.defined() || dk_scale.defined())
     partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(2 * chunks * d.D) * sizeof(double)));
   double* const q_partial = dq_scale.defined() ? partial : nullptr;
   double* const k_partial = dk_scale.defined() ? partial + chunks * d.D : nullptr;
-  const unsigned blocks = static_cast<unsigned>(chunks),
-                 threads = (lanes > 0 ? kVecBackwardWarps : kBackwardWarps) * 32;
-  const auto launch = [&]<typename T, typename H>() {
-    const BackwardArgs<T, H> a{mat_of_or_null<T>(dq),
-                               mat_of_or_null<T>(dk),
-                               mat_of_or_null<T>(dv),
-                               heads_of<H>(dq_heads),
-                               heads_of<H>(dk_heads),
-                               heads_of<H>(dv_heads),
-                               mat_of<T>(q),
-                               mat_of<T>(k),
-                               q_rstd.ptr<float>(),
-                               k_rstd.ptr<float>(),
-                               q_scale.ptr<float>(),
-                               k_scale.ptr<float>(),
-                               pe.ptr<float>(),
-                               q_partial,
-                               k_partial,
-                               geo,
-                               chunk};
-    if (lanes > 0) {
-      with_lanes(lanes, [&]<int kLanes>() {
-        qk_norm_rope_to_heads_backward_vec_kernel<kLanes><<<blocks, threads, 0, stream_>>>(a);
-        FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_vec_kernel);
-      });
-      ++qk_norm_rope_vector_calls_;
-      return;
-    }
+  with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
+    const BackwardArgs<T, H> a = args.template operator()<T, H>(q_partial, k_partial, chunk);
     with_pairs(pairs, [&]<int kPairs>() {
-      qk_norm_rope_to_heads_backward_kernel<kPairs><<<blocks, threads, 0, stream_>>>(a);
+      qk_norm_rope_to_heads_backward_kernel<kPairs><<<static_cast<unsigned>(chunks), kBackwardWarps * 32, 0, stream_>>>(a);
       FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
     });
-  };
-  with_types(bf16, heads_bf16, launch);
+  });
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
   for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}})
     if (dscale.defined()) column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<float>(), d.D, true);
