@@ -265,7 +265,8 @@ TEST(CudaOps, LayerNormModulate) {
   // one-column variants: 203 (256 threads, 1 column each), 1500 (512 threads x 3 of 4), 3072
   // (Flux: 512 x 6), 4100 (beyond 4096: the row-loop forward and three-pass backward). Unpadded
   // rows of 256 and 3072 take the 4-column groups and the staged backward (cp.async two pairs
-  // of rows ahead): 1200 rows give 5 a block (two pairs and a single row), 1536 give 6.
+  // of rows ahead): 1200 rows give 5 a block (two pairs and a single row), 1536 give 6; their
+  // forward takes groups of 8 (two float4s, 128 threads a row).
   for (const auto [L, H, pad] : {std::array<int64_t, 3>{37, 203, 2}, {300, 203, 2}, {33, 1500, 2}, {40, 3072, 2},
                                  {9, 4100, 2}, {400, 256, 0}, {512, 3072, 0}}) {
     SCOPED_TRACE(::testing::Message() << "L=" << L << " H=" << H << " pad=" << pad);
@@ -322,8 +323,9 @@ TEST(CudaOps, RmsNormHeads) {
 TEST(CudaOps, LayoutAndJointSequence) {
   FLUX8_REQUIRE_GPU();
   // D = 8: rows of whole float4s where the strides allow (16-byte moves; `a`'s pad of 2 keeps
-  // one scalar path); D = 6: every copy element by element.
-  for (const int64_t D : {int64_t{8}, int64_t{6}}) {
+  // one scalar path); D = 16: 8-element moves where rows are aligned to 8 (txt, b, the heads,
+  // the joint sequence); D = 6: every copy element by element.
+  for (const int64_t D : {int64_t{8}, int64_t{16}, int64_t{6}}) {
     SCOPED_TRACE(::testing::Message() << "D=" << D);
     const int64_t B = 2, n = 3, Lt = 5, Li = 11;
     Pair heads({B, n, Lt + Li, D}), img({B, Li, n * D}, 4), txt({B, Lt, n * D});
@@ -354,16 +356,21 @@ TEST(CudaOps, LayoutAndJointSequence) {
 
 TEST(CudaOps, GatedResidual) {
   FLUX8_REQUIRE_GPU();
-  const int64_t B = 3, L = 29, H = 45;
-  Pair x({B, L, H}, 3), y({B, L, H}), mod({B, 3 * H}), dx({B, L, H}), dy({B, L, H}, 2), dmod({B, 3 * H});
-  x.randn(61), y.randn(62), mod.randn(63), dx.randn(64), dy.randn(65), dmod.randn(66);
-  run_both([&](Backend& be, bool g) { be.gated_residual(x.t(g), y.t(g), mod.t(g).cols_slice(H, H)); });
-  EXPECT_CLOSE(x, kElementwise);
-  run_both([&](Backend& be, bool g) {
-    be.gated_residual_backward(dy.t(g), dmod.t(g).cols_slice(2 * H, H), dx.t(g), y.t(g), mod.t(g).cols_slice(H, H));
-  });
-  EXPECT_CLOSE(dy, kElementwise);
-  EXPECT_CLOSE(dmod, kReduce);
+  // H = 45, pad 3: element by element; H = 48, pad 8: rows of 8-element groups (two float4s).
+  for (const auto& [H, pad] : {std::pair<int64_t, int64_t>{45, 3}, std::pair<int64_t, int64_t>{48, 8}}) {
+    SCOPED_TRACE(::testing::Message() << "H=" << H);
+    const int64_t B = 3, L = 29;
+    Pair x({B, L, H}, pad), y({B, L, H}), mod({B, 3 * H}), dx({B, L, H}), dy({B, L, H}, 2), dmod({B, 3 * H});
+    x.randn(61), y.randn(62), mod.randn(63), dx.randn(64), dy.randn(65), dmod.randn(66);
+    run_both([&](Backend& be, bool g) { be.gated_residual(x.t(g), y.t(g), mod.t(g).cols_slice(H, H)); });
+    EXPECT_CLOSE(x, kElementwise);
+    run_both([&](Backend& be, bool g) {
+      be.gated_residual_backward(dy.t(g), dmod.t(g).cols_slice(2 * H, H), dx.t(g), y.t(g),
+                                 mod.t(g).cols_slice(H, H));
+    });
+    EXPECT_CLOSE(dy, kElementwise);
+    EXPECT_CLOSE(dmod, kReduce);
+  }
 }
 
 TEST(CudaOps, RopeTableAndRotation) {

@@ -146,6 +146,12 @@ bool vec4_rows(const MatOf<T>& m) {
   return vec4_aligned(m.p) && m.ld % 4 == 0 && m.cols % 4 == 0;
 }
 
+// Rows of whole 8-element vectors, every one a load8/store8 (16 bytes of bf16, 32 of f32).
+template <typename T>
+bool vec8_rows(const MatOf<T>& m) {
+  return reinterpret_cast<uintptr_t>(m.p) % (8 * sizeof(T)) == 0 && m.ld % 8 == 0 && m.cols % 8 == 0;
+}
+
 constexpr int kThreads = 256;
 
 inline unsigned blocks_for(int64_t n, int threads = kThreads) {
