@@ -265,8 +265,7 @@ TEST(CudaOps, LayerNormModulate) {
   // one-column variants: 203 (256 threads, 1 column each), 1500 (512 threads x 3 of 4), 3072
   // (Flux: 512 x 6), 4100 (beyond 4096: the row-loop forward and three-pass backward). Unpadded
   // rows of 256 and 3072 take the 4-column groups and the staged backward (cp.async two pairs
-  // of rows ahead): 1200 rows give 5 a block (two pairs and a single row), 1536 give 6; their
-  // forward takes groups of 8 (two float4s, 128 threads a row).
+  // of rows ahead): 1200 rows give 5 a block (two pairs and a single row), 1536 give 6.
   for (const auto [L, H, pad] : {std::array<int64_t, 3>{37, 203, 2}, {300, 203, 2}, {33, 1500, 2}, {40, 3072, 2},
                                  {9, 4100, 2}, {400, 256, 0}, {512, 3072, 0}}) {
     SCOPED_TRACE(::testing::Message() << "L=" << L << " H=" << H << " pad=" << pad);
@@ -356,7 +355,7 @@ TEST(CudaOps, LayoutAndJointSequence) {
 
 TEST(CudaOps, GatedResidual) {
   FLUX8_REQUIRE_GPU();
-  // H = 45, pad 3: element by element; H = 48, pad 8: rows of 8-element groups (two float4s).
+  // H = 45, pad 3: element by element; H = 48, pad 8: rows of whole float4s.
   for (const auto& [H, pad] : {std::pair<int64_t, int64_t>{45, 3}, std::pair<int64_t, int64_t>{48, 8}}) {
     SCOPED_TRACE(::testing::Message() << "H=" << H);
     const int64_t B = 3, L = 29;

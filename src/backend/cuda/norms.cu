@@ -43,10 +43,8 @@ template <int kV, typename T>
 __device__ inline void load_vec(const MatOf<T>& m, int64_t r, int64_t j, float* v) {
   if constexpr (kV == 1) {
     v[0] = m.get(r, j);
-  } else if constexpr (kV == 8) {
-    load8(&m.at(r, j), *reinterpret_cast<float(*)[8]>(v));
   } else {
-    static_assert(kV == 4, "groups are of 1, 4 or 8 columns");
+    static_assert(kV == 4, "groups are of 1 or 4 columns");
     const float4 q = load4(&m.at(r, j));
     v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
   }
@@ -55,10 +53,8 @@ template <int kV, typename T>
 __device__ inline void store_vec(const MatOf<T>& m, int64_t r, int64_t j, const float* v) {
   if constexpr (kV == 1) {
     m.set(r, j, v[0]);
-  } else if constexpr (kV == 8) {
-    store8(&m.at(r, j), *reinterpret_cast<const float(*)[8]>(v));
   } else {
-    static_assert(kV == 4, "groups are of 1, 4 or 8 columns");
+    static_assert(kV == 4, "groups are of 1 or 4 columns");
     store4(&m.at(r, j), make_float4(v[0], v[1], v[2], v[3]));
   }
 }
@@ -487,24 +483,13 @@ void layernorm_modulate_as(CudaBackend& be, const Tensor& y, const Tensor& mean,
                            const Tensor& shift, const Tensor& scale, int64_t rows, int64_t L, double eps) {
   const MatOf<T> Y = mat_of_or_null<T>(y), X = mat_of<T>(x), SH = mat_of<T>(shift), SC = mat_of<T>(scale);
   const unsigned grid = static_cast<unsigned>(rows);
-  const auto launch = [&]<int kV, int kThr, int kGroups>() {
+  const bool vec4 = vec4_rows(X) && vec4_rows(SH) && vec4_rows(SC) && (!Y.p || vec4_rows(Y));
+  const bool launched = with_row_variant(x.shape[2], vec4, [&]<int kV, int kThr, int kGroups>() {
     layernorm_modulate_kernel<T, kV, kThr, kGroups><<<grid, kThr, 0, be.stream()>>>(
         Y, mean.ptr<float>(), rstd.ptr<float>(), X, SH, SC, L, static_cast<float>(eps));
     FLUX8_LAUNCH_CHECK(layernorm_modulate_kernel);
-  };
-  // Rows in aligned groups of 8 (Flux's, on bf16 activations): 16-byte accesses, 128 threads a
-  // row (fewer warps' totals per row sum); the 8-byte ones of the 4-column groups left the
-  // forward at ~2.5 TB/s (W1: 0.32 ms a step).
-  const int64_t H = x.shape[2];
-  if (vec8_rows(X) && vec8_rows(SH) && vec8_rows(SC) && (!Y.p || vec8_rows(Y)) && H <= 4096) {
-    if (H <= 1024) launch.template operator()<8, 128, 1>();
-    else if (H <= 2048) launch.template operator()<8, 128, 2>();
-    else if (H <= 3072) launch.template operator()<8, 128, 3>();
-    else launch.template operator()<8, 128, 4>();
-    return;
-  }
-  const bool vec4 = vec4_rows(X) && vec4_rows(SH) && vec4_rows(SC) && (!Y.p || vec4_rows(Y));
-  if (with_row_variant(H, vec4, launch)) return;
+  });
+  if (launched) return;
   layernorm_modulate_wide_kernel<T><<<grid, kThreads, 0, be.stream()>>>(Y, mean.ptr<float>(), rstd.ptr<float>(), X,
                                                                         SH, SC, L, static_cast<float>(eps));
   FLUX8_LAUNCH_CHECK(layernorm_modulate_wide_kernel);
