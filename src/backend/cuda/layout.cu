@@ -53,9 +53,47 @@ __device__ inline void move1(To& dst, const From& src) {
   else
     store(dst, load(src));
 }
+
+// W consecutive elements: move4 or move8.
+template <int W, typename To, typename From>
+__device__ inline void move_group(To* dst, const From* src) {
+  if constexpr (W == 8) {
+    move8(dst, src);
+  } else {
+    static_assert(W == 4, "groups of 4 or 8 elements");
+    move4(dst, src);
+  }
+}
+
+// move_heads in groups of W elements (every row of both sides aligned to W): a thread per group.
+template <int W, typename TT, typename HT>
+void move_head_groups(CudaBackend& be, MatOf<HT> H, MatOf<TT> T, int64_t rows, int64_t n, int64_t L, int64_t D,
+                      int64_t Ls, int64_t offset, FastDivisor per_sample, bool to_heads) {
+  const int Dw = static_cast<int>(D / W);
+  for_each_row(be, rows, n * Dw, [=] __device__(int64_t r, int cw) {
+    const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
+    const int h = cw / Dw, d = (cw - h * Dw) * W;
+    HT* hv = &H.at((b * n + h) * L + offset + l, d);
+    TT* tv = &T.at(r, h * D + d);
+    if (to_heads) move_group<W>(hv, tv); else move_group<W>(tv, hv);
+  });
+}
+
+// move_tokens in groups of W elements (every row of both sides aligned to W).
+template <int W, typename T>
+void move_token_groups(CudaBackend& be, MatOf<T> J, MatOf<T> P, int64_t rows, int64_t L, int64_t C, int64_t Lp,
+                       int64_t offset, FastDivisor per_sample, bool to_joint) {
+  for_each_row(be, rows, C / W, [=] __device__(int64_t r, int jw) {
+    const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
+    T* jv = &J.at(b * L + offset + l, W * jw);
+    T* pv = &P.at(r, W * jw);
+    if (to_joint) move_group<W>(jv, pv); else move_group<W>(pv, jv);
+  });
+}
+
 // Token rows of type TT <-> heads of type HT (f32/f32, f32 tokens with bf16 heads:
-// Backend::attention_heads_dtype, or bf16/bf16: bf16 activations); 4 elements a thread where
-// both sides are aligned.
+// Backend::attention_heads_dtype, or bf16/bf16: bf16 activations); 8 or 4 elements a thread
+// where both sides are aligned for it.
 template <typename TT, typename HT>
 void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads) {
   const int64_t n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
@@ -63,32 +101,16 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
   const FastDivisor per_sample = row_divisor("tokens_to_heads / heads_to_tokens", heads.shape[0] * Ls, Ls);
   const MatOf<HT> H = mat_of<HT>(heads);
   const MatOf<TT> T = mat_of<TT>(tokens);
-  if (vec8_rows(H) && vec8_rows(T)) {  // D % 8 == 0 (H's columns)
-    const int Do = static_cast<int>(D / 8);
-    for_each_row(be, heads.shape[0] * Ls, n * Do, [=] __device__(int64_t r, int co) {
-      const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
-      const int h = co / Do, d = (co - h * Do) * 8;
-      HT* hv = &H.at((b * n + h) * L + offset + l, d);
-      TT* tv = &T.at(r, h * D + d);
-      if (to_heads) move8(hv, tv); else move8(tv, hv);
-    });
-    return;
-  }
-  if (vec4_rows(H) && vec4_rows(T)) {  // D % 4 == 0 (H's columns)
-    const int Dq = static_cast<int>(D / 4);
-    for_each_row(be, heads.shape[0] * Ls, n * Dq, [=] __device__(int64_t r, int cq) {
-      const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
-      const int h = cq / Dq, d = (cq - h * Dq) * 4;
-      HT* hv = &H.at((b * n + h) * L + offset + l, d);
-      TT* tv = &T.at(r, h * D + d);
-      if (to_heads) move4(hv, tv); else move4(tv, hv);
-    });
-    return;
-  }
+  const int64_t rows = heads.shape[0] * Ls;
+  // D % 8 == 0 or D % 4 == 0 (H's columns) where every row on both sides is aligned to it.
+  if (vec8_rows(H) && vec8_rows(T))
+    return move_head_groups<8>(be, H, T, rows, n, L, D, Ls, offset, per_sample, to_heads);
+  if (vec4_rows(H) && vec4_rows(T))
+    return move_head_groups<4>(be, H, T, rows, n, L, D, Ls, offset, per_sample, to_heads);
   // A thread per element of a token row (all heads of one token); consecutive threads walk d,
   // so both sides are read/written in runs of D.
   const int Di = static_cast<int>(D);
-  for_each_row(be, heads.shape[0] * Ls, n * D, [=] __device__(int64_t r, int c) {
+  for_each_row(be, rows, n * D, [=] __device__(int64_t r, int c) {
     const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
     const int h = c / Di, d = c - h * Di;
     HT& hv = H.at((b * n + h) * L + offset + l, d);
@@ -122,25 +144,10 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
   const int64_t L = joint.shape[1], C = joint.shape[2], Lp = part.shape[1];
   const MatOf<T> J = mat_of<T>(joint), P = mat_of<T>(part);
   const FastDivisor per_sample = row_divisor("concat_tokens / split_tokens", part.shape[0] * Lp, Lp);
-  if (vec8_rows(J) && vec8_rows(P)) {
-    for_each_row(be, part.shape[0] * Lp, C / 8, [=] __device__(int64_t r, int jo) {
-      const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
-      T* jv = &J.at(b * L + offset + l, 8 * jo);
-      T* pv = &P.at(r, 8 * jo);
-      if (to_joint) move8(jv, pv); else move8(pv, jv);
-    });
-    return;
-  }
-  if (vec4_rows(J) && vec4_rows(P)) {
-    for_each_row(be, part.shape[0] * Lp, C / 4, [=] __device__(int64_t r, int jq) {
-      const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
-      T* jv = &J.at(b * L + offset + l, 4 * jq);
-      T* pv = &P.at(r, 4 * jq);
-      if (to_joint) move4(jv, pv); else move4(pv, jv);
-    });
-    return;
-  }
-  for_each_row(be, part.shape[0] * Lp, C, [=] __device__(int64_t r, int j) {
+  const int64_t rows = part.shape[0] * Lp;
+  if (vec8_rows(J) && vec8_rows(P)) return move_token_groups<8>(be, J, P, rows, L, C, Lp, offset, per_sample, to_joint);
+  if (vec4_rows(J) && vec4_rows(P)) return move_token_groups<4>(be, J, P, rows, L, C, Lp, offset, per_sample, to_joint);
+  for_each_row(be, rows, C, [=] __device__(int64_t r, int j) {
     const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
     T& jv = J.at(b * L + offset + l, j);
     T& pv = P.at(r, j);
