@@ -127,6 +127,18 @@ TEST(CudaAttention, CudnnMatchesCpu) {
   EXPECT_EQ(after.reference_calls, before.reference_calls);
 }
 
+// The faster backward (FLUX8_ATTENTION_DETERMINISTIC=0: dQ summed with atomics into cuDNN's
+// f32 dQ_accum) against the CPU, each shape twice with other inputs: the second call finds the
+// first call's values in the staging buffer, where dQ_accum must start from zero.
+TEST(CudaAttention, AtomicBackwardMatchesCpu) {
+  FLUX8_REQUIRE_GPU();
+  PathScope path(AttentionPath::cudnn);
+  DeterministicScope deterministic(false);
+  for (const Heads& h : kCases)
+    for (const uint64_t seed : {uint64_t{11}, uint64_t{21}})
+      expect_within(compare_with_cpu(h, 1.0, seed), kCudnnTolForward, kCudnnTolLse, kCudnnTolGrad);
+}
+
 // A second opinion at Flux's head dim and a longer sequence, without the (slow) CPU: cuDNN and
 // the reference kernel on the same device inputs; the reference is within 1e-5 of f32 exact, so
 // the tolerances are cuDNN's against the CPU.

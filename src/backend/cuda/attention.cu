@@ -18,8 +18,9 @@
 //   or, deterministic: dQ = dS·K directly (cuDNN then keeps dP in its workspace instead of
 //   accumulating dQ with atomics; cudnn-frontend's is_deterministic_algorithm does the same).
 // The transposes are "reshape" operations that only restride. dQ_accum is cuDNN's scratch,
-// not a finished f32 dQ: on the H200 with cuDNN 9.19 its contents differ from dQ by O(1)
-// (measured rel. error 1.2), so dq is taken from the bf16 dQ like dk and dv.
+// not a finished f32 dQ (cudnn-frontend declares it in a reordered F16x16 layout; read as row
+// major it differed from dQ by O(1) on the H200), so dq is taken from the bf16 dQ like dk and
+// dv; the atomics add into it, so it is zeroed before every call.
 //
 // Measured on the H200 (cuDNN 9.19, B = 1, 24 heads, D = 128, conversions included):
 // forward 0.50 ms (518 TFLOP/s) and backward 1.38 ms (473 TFLOP/s counting 2.5x the forward's
@@ -704,6 +705,10 @@ void Attention::backward(void* dq, void* dk, void* dv, const void* dout, const v
   std::vector<void*> pointers{in(qb), in(kb), in(vb), in(ob), in(dob), stats_ptr, dqb, dkb, dvb,
                               &scale_f, &one, at<void>(base, softmax_sum)};
   if (accumulate_dq) {
+    // cuDNN adds dQ's contributions into dQ_accum with atomics: it must start at zero
+    // (cudnn-frontend memsets it as a workspace modification). The staging buffer holds the
+    // previous call's data.
+    FLUX8_CUDA_CHECK(cudaMemsetAsync(at<void>(base, dq_accum), 0, static_cast<size_t>(n) * sizeof(float), stream_));
     uids.push_back(kDQAccum);
     pointers.push_back(at<void>(base, dq_accum));
   }
