@@ -6,15 +6,15 @@
 // the pair path described here for the rest.
 //
 // On the pair path a warp owns one (token, head) segment of D elements; lane i holds the RoPE
-// pairs i, i + 32, … in registers, so every element is read once and written once. The arithmetic is f32 (the CPU
-// twin's sums are double: the results differ by f32 rounding, ~1e-7 relative); the sum of
-// squares and the backward's Σ g·x̂ are warp butterflies (a fixed lane order), and rstd is
-// stored in f32 and used as stored. Double per element made this kernel instruction-bound
-// (f32↔f64 conversions issue at a quarter of the f32 rate on Hopper, double shuffles take two
-// instructions). The backward's dscale is the column sum of dy·x̂ over all segments: each warp
-// sums its segments of a fixed chunk in f32, the block adds its warps in warp order in double,
-// and column_partials_total_kernel (reduce.cu, the second pass of column_sums) adds the chunks
-// in order, so dscale is the same on every run.
+// pairs i, i + 32, … in registers, so every element is read once and written once. The
+// arithmetic is f32 (the CPU twin's sums are double: the results differ by f32 rounding, ~1e-7
+// relative); the sum of squares and the backward's Σ g·x̂ are warp butterflies (a fixed lane
+// order), and rstd is stored in f32 and used as stored. Double per element made this kernel
+// instruction-bound (f32↔f64 conversions issue at a quarter of the f32 rate on Hopper, double
+// shuffles take two instructions). The backward's dscale is the column sum of dy·x̂ over all
+// segments: each warp sums its segments of a fixed chunk in f32, the block adds its warps in
+// warp order in double, and column_partials_total_kernel (reduce.cu, the second pass of
+// column_sums) adds the chunks in order, so dscale is the same on every run.
 //
 // The token-side activations (q, k, v; dq, dk, dv) are f32 or bf16 (Backend::activation_dtype),
 // the heads f32 or bf16 (Backend::attention_heads_dtype), each side one type and a template
