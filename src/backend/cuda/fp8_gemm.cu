@@ -38,6 +38,7 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <set>
 
@@ -311,16 +312,13 @@ void CudaBackend::gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, cons
   }
   // b's 128x128 scale blocks straddle the split: the whole product into a temporary, then its
   // parts (never at Flux's sizes, whose splits are multiples of 128).
-  const Tensor p(allocate(static_cast<size_t>(m * n) * dtype_size(dh.dtype)), dh.dtype, Shape{m, n});
-  try {
-    gemm_fp8_tn(p, a, b, Tensor{}, false);
-    if (first > 0) copy(dx, p.cols_slice(0, first));
-    gelu_tanh_backward(dh, p.cols_slice(first, G), h);
-  } catch (...) {
-    release(p.data);
-    throw;
-  }
-  release(p.data);
+  const auto free_device = [this](void* q) { release(q); };
+  const std::unique_ptr<void, decltype(free_device)> held(
+      allocate(static_cast<size_t>(m * n) * dtype_size(dh.dtype)), free_device);
+  const Tensor p(held.get(), dh.dtype, Shape{m, n});
+  gemm_fp8_tn(p, a, b, Tensor{}, false);
+  if (first > 0) copy(dx, p.cols_slice(0, first));
+  gelu_tanh_backward(dh, p.cols_slice(first, G), h);
 }
 
 void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {

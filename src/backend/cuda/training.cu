@@ -243,8 +243,8 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
     // On the backend's stream, then synchronised: a plain cudaMemcpy runs on the legacy default
     // stream, which the non-blocking stream_ is not ordered after, and from pageable memory it
     // may return before the DMA has landed — the AdamW kernel below could read a stale or
-    // half-written table (seen as a rare wholesale corruption of the second model trained by
-    // one backend, whose smaller table reused the buffer).
+    // half-written table (the likely cause of a rare wholesale corruption of the second model
+    // trained by one backend, whose smaller table reused the buffer).
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(adamw_chunks_, table.data(), bytes, cudaMemcpyHostToDevice, stream_));
     FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `table` is freed at the end of this scope
     adamw_layout_ = std::move(layout);
