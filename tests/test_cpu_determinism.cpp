@@ -96,10 +96,12 @@ std::vector<Output<T>> run_workload(Backend& be) {
   }
   {
     auto x = input({B, L, H}), y = input({B, L, H}), gate = input({B, H}), dx = input({B, L, H});
-    Buf<T> dy({B, L, H}), dgate({B, H});
-    be.gated_residual(x.t, y.t, gate.t);
+    Buf<T> out({B, L, H}), dy({B, L, H}), dgate({B, H});
+    be.gated_residual(out.t, x.t, y.t, gate.t);
+    be.gated_residual(x.t, x.t, y.t, gate.t);
     be.gated_residual_backward(dy.t, dgate.t, dx.t, y.t, gate.t);
-    keep("gated x", true, x), keep("gated dy", true, dy), keep("gated dgate", true, dgate);
+    keep("gated out", true, out), keep("gated x", true, x), keep("gated dy", true, dy);
+    keep("gated dgate", true, dgate);
   }
   {
     auto tokens = input({B, L, H}), other = input({B, 7, H});

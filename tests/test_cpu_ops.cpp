@@ -585,6 +585,20 @@ TEST_F(CpuOps, AttentionAndGatedGradientsAreOverwritten) {
   double ref = 0;
   for (int64_t l = 0; l < 3; ++l) ref += dx.at(3 + l, 2) * y.at(3 + l, 2);
   EXPECT_NEAR(dgate.at(1, 2), ref, kExact);
+
+  // Out of place: out = x + gate ⊙ y, x untouched; in place gives the same values.
+  Buf<double> x({2, 3, 4}), x_before({2, 3, 4}), out({2, 3, 4}, 2);
+  x.randn(41);
+  be->copy(x_before.t, x.t);
+  be->gated_residual(out.t, x.t, y.t, gate.t);
+  EXPECT_EQ(x.values(), x_before.values());
+  EXPECT_NEAR(out.at(4, 1), x.at(4, 1) + gate.at(1, 1) * y.at(4, 1), kExact);
+  be->gated_residual(x.t, x.t, y.t, gate.t);
+  EXPECT_EQ(x.values(), out.values());
+  Buf<double> wrong({2, 4, 4});
+  const std::string msg = error_message([&] { be->gated_residual(wrong.t, x.t, y.t, gate.t); });
+  EXPECT_NE(msg.find("gated_residual"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'out'"), std::string::npos) << msg;
 }
 
 TEST_F(CpuOps, ErrorsNameOpAndTensors) {

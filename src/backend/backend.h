@@ -195,8 +195,10 @@ class Backend {
   virtual void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                                   Tensor v, Tensor o, Tensor lse, double scale) = 0;
 
-  // ---- gated residual: x[B, L, H] += gate[b] ⊙ y[B, L, H]; gate [B, H] any ld ----------
-  virtual void gated_residual(Tensor x, Tensor y, Tensor gate) = 0;
+  // ---- gated residual: out[B, L, H] = x + gate[b] ⊙ y[B, L, H]; gate [B, H] any ld -----
+  // out may be x (in place) or a separate tensor of x's shape: the blocks write their residual
+  // stream out of place, so the block input stays saved for the backward without a copy.
+  virtual void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) = 0;
   // dy = gate[b] ⊙ dx; dgate[b] = Σ_l dx ⊙ y (overwritten).
   virtual void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y,
                                        Tensor gate) = 0;

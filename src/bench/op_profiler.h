@@ -114,8 +114,8 @@ class OpProfiler final : public Backend {
                           Tensor lse, double scale) override {
     timed("attention_backward", [&] { be_.attention_backward(dq, dk, dv, dout, q, k, v, o, lse, scale); });
   }
-  void gated_residual(Tensor x, Tensor y, Tensor gate) override {
-    timed("gated_residual", [&] { be_.gated_residual(x, y, gate); });
+  void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) override {
+    timed("gated_residual", [&] { be_.gated_residual(out, x, y, gate); });
   }
   void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override {
     timed("gated_residual_backward", [&] { be_.gated_residual_backward(dy, dgate, dx, y, gate); });

@@ -40,7 +40,6 @@ DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int6
   auto stat = [&](int64_t per_token) {
     return a.alloc(statistics_dtype(t), Shape{B * Ls * per_token}, SlotKind::statistic);
   };
-  s.x_in = act(H);
   // SiLU(vec) is shared by every modulation Linear: only an FP8 cast of it is saved here.
   if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 6 * H}, SlotKind::activation);
@@ -115,14 +114,15 @@ void stream_qkv_to_heads(const BlockContext& ctx, DoubleStreamParams& p, const T
 }
 
 // Stream part before attention: modulation, LayerNorm 1, qkv, then QK-norm + RoPE into the
-// joint head-major q/k/v at this stream's token offset.
+// joint head-major q/k/v at this stream's token offset. x, the block input, is saved as it is
+// (the caller keeps it unchanged until the block's backward).
 void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
                           DoubleStreamSaved& s, DoubleBlockSaved& joint, Tensor x,
                           int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
   const size_t mark = ctx.scratch.mark();
-  be.copy(s.x_in, x);
+  s.x_in = x;
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
   site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv,
@@ -132,8 +132,10 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
 }
 
 // Stream part after attention: projection, gated residual, LayerNorm 2, MLP, gated residual.
+// Both residuals are written out of place — x_mid = x + gate1 ⊙ proj into its saved slot,
+// out = x_mid + gate2 ⊙ mlp — so neither the block input nor x_mid needs a copy.
 void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
-                           DoubleStreamSaved& s, const DoubleBlockSaved& joint, Tensor x,
+                           DoubleStreamSaved& s, const DoubleBlockSaved& joint, Tensor x, Tensor out,
                            int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
@@ -141,9 +143,8 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
   const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, x.shape, ctx.dtype);
   be.heads_to_tokens(attn, joint.o, offset);
   site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
-  be.gated_residual(x, s.proj_out, chunk(s.mod, 2, H));
-  be.copy(s.x_mid, x);
-  const Backend::CastInput ln2 = layernorm_input(x, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps);
+  be.gated_residual(s.x_mid, x, s.proj_out, chunk(s.mod, 2, H));
+  const Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps);
   if (gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8)) {  // BF16: mlp_in's GEMM writes the GELU too
     const Tensor g = linear_input_buffer(ctx.scratch, s.mlp_g, s.mlp_h.shape, ctx.dtype);
     site_forward_gelu(be, ctx.fp8, ctx.scratch, p.mlp_in, g, s.mlp_h, ln2, s.xm2, ctx.dtype);
@@ -153,7 +154,7 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h),
                        s.mlp_g, ctx.dtype);
   }
-  be.gated_residual(x, s.mlp_out, chunk(s.mod, 5, H));
+  be.gated_residual(out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H));
   ctx.scratch.release_to(mark);
 }
 
@@ -169,13 +170,14 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   const int64_t B = tok[0], Ls = tok[1];
   Arena& a = ctx.scratch;
   const size_t mark = a.mark();
+  // BF16: GELU's backward in the epilogue of mlp_out's dgrad GEMM, which writes d_m2 itself;
+  // d_m, the GELU output's gradient, exists only where it does not.
+  const bool gelu_fused = gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8);
   Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);  // reused for every [B,Ls,H] grad
-  Tensor d_m = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
+  Tensor d_m = gelu_fused ? Tensor{} : a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
   Tensor d_m2 = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
 
   be.gated_residual_backward(d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
-  // BF16: GELU's backward in the epilogue of mlp_out's dgrad GEMM, which writes d_m2 itself.
-  const bool gelu_fused = gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8);
   const size_t gelu_mark = a.mark();
   SavedLinearInput mlp_g = s.mlp_g;
   if (joint.selective) {
@@ -246,15 +248,15 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
 
 }  // namespace
 
-void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p,
-                          DoubleBlockSaved& s, Tensor txt, Tensor img) {
+void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& s, Tensor txt,
+                          Tensor img, Tensor txt_out, Tensor img_out) {
   const int64_t Lt = ctx.shape.txt_tokens;
   stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0);
   stream_pre_attention(ctx, p.img, s.img, s, img, Lt);
   ctx.be.attention(s.o, s.lse, s.q, s.k, s.v,
                    1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  stream_post_attention(ctx, p.txt, s.txt, s, txt, 0);
-  stream_post_attention(ctx, p.img, s.img, s, img, Lt);
+  stream_post_attention(ctx, p.txt, s.txt, s, txt, txt_out, 0);
+  stream_post_attention(ctx, p.img, s.img, s, img, img_out, Lt);
 }
 
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
@@ -294,7 +296,8 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
   for (int i = 0; i < 3; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
-  for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
+  // d_m2, and d_m where GELU's backward is not in a dgrad epilogue (FP8 sites; BF16 has none).
+  for (int i = 0; i < (fp8 ? 2 : 1); ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M));

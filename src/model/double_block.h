@@ -19,7 +19,7 @@ struct DoubleBlockParams {
 
 // Activations saved by the forward for the backward, per stream.
 struct DoubleStreamSaved {
-  Tensor x_in;                     // block input (LayerNorm 1 backward)
+  Tensor x_in;                     // block input (LayerNorm 1 backward): the caller's tensor, not a copy
   SavedLinearInput mod_in;         // SiLU(vec) as the modulation Linear saw it
   Tensor mod;                      // [B, 6H]: shift1 scale1 gate1 shift2 scale2 gate2
   Tensor ln1_mean, ln1_rstd;       // modulated LayerNorm 1
@@ -52,9 +52,11 @@ struct DoubleBlockSaved {
   void forget_recomputed() { q = k = v = Tensor{}; }
 };
 
-// txt [B, Lt, H] and img [B, Li, H] are updated in place.
-void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p,
-                          DoubleBlockSaved& saved, Tensor txt, Tensor img);
+// The block on txt [B, Lt, H] and img [B, Li, H], its output written to txt_out and img_out
+// (other tensors of the same shapes). txt and img are saved as the block's inputs (x_in): the
+// caller must leave them unchanged until the block's backward has run.
+void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& saved, Tensor txt,
+                          Tensor img, Tensor txt_out, Tensor img_out);
 // dtxt/dimg hold the gradient of the block output and become that of its input. Parameter
 // gradients and ctx.d_silu_vec are accumulated.
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,

@@ -31,7 +31,15 @@ struct MlpEmbedderSaved {
 }  // namespace
 
 struct ModelSaved {
-  Tensor txt, img, z;          // residual streams [B,Lt,H], [B,Li,H], joint [B,L,H]
+  // The residual streams between blocks: txt_at[i] [B,Lt,H] and img_at[i] [B,Li,H] enter double
+  // block i (entry Nd leaves the last one), z_at[j] [B,L,H] enters single block j (entry Ns
+  // leaves the last). Each block writes its output into the next entry, so every block input
+  // stays where it is — the block's saved input, without a copy — in every recompute mode.
+  // img: the final image tokens, split from z_at[Ns] into img_at[Nd] (nothing reads that after
+  // the concatenation; full recomputation's backward writes it again only after the final
+  // layer's backward has used img).
+  std::vector<Tensor> txt_at, img_at, z_at;
+  Tensor img;
   Tensor ids, pe;              // joint positions [B,L,3], RoPE table [B,L,D/2,2]
   MlpEmbedderSaved time, guidance, vector;
   Tensor vec, silu_vec;        // [B,H]
@@ -42,10 +50,9 @@ struct ModelSaved {
   Tensor img_in, txt_in, y_in, pred_out;
   std::vector<DoubleBlockSaved> doubles;  // every block's activations (Recompute::none, selective)
   std::vector<SingleBlockSaved> singles;
-  // Recompute::full: each block's input, buffers to re-run a block's forward in, and the arena
-  // mark where the one block region (a block's activations, recomputed) starts.
-  std::vector<Tensor> double_txt_in, double_img_in, single_in;
-  Tensor work_txt, work_img, work_z;
+  // Recompute::full: the arena mark where the one block region (a block's activations,
+  // recomputed) starts. Block i's forward is re-run from its kept input (txt_at[i], ...) into
+  // txt_at[i + 1], ..., which block i + 1's backward no longer needs.
   size_t block_region = 0;
 
   // io: the model's type (inputs, pred); t: the activations'; ht: the attention heads'.
@@ -62,9 +69,12 @@ struct ModelSaved {
       s.y_in = act(Shape{B, c.vec_dim});
       s.pred_out = a.alloc(io, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::activation);
     }
-    s.txt = act(Shape{B, sh.txt_tokens, H});
-    s.img = act(Shape{B, sh.img_tokens, H});
-    s.z = act(Shape{B, L, H});
+    for (size_t i = 0; i <= dp.size(); ++i) {
+      s.txt_at.push_back(act(Shape{B, sh.txt_tokens, H}));
+      s.img_at.push_back(act(Shape{B, sh.img_tokens, H}));
+    }
+    for (size_t j = 0; j <= sp.size(); ++j) s.z_at.push_back(act(Shape{B, L, H}));
+    s.img = s.img_at.back();
     s.ids = a.alloc(st, Shape{B, L, 3}, SlotKind::statistic);
     s.pe = a.alloc(st, Shape{B, L, c.head_dim() / 2, 2}, SlotKind::statistic);
     auto embedder = [&](int64_t in_dim) {
@@ -88,14 +98,6 @@ struct ModelSaved {
         s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, ht, p, fp8, selective));
       return s;
     }
-    for (size_t i = 0; i < dp.size(); ++i) {
-      s.double_txt_in.push_back(act(Shape{B, sh.txt_tokens, H}));
-      s.double_img_in.push_back(act(Shape{B, sh.img_tokens, H}));
-    }
-    for (size_t i = 0; i < sp.size(); ++i) s.single_in.push_back(act(Shape{B, L, H}));
-    s.work_txt = act(Shape{B, sh.txt_tokens, H});
-    s.work_img = act(Shape{B, sh.img_tokens, H});
-    s.work_z = act(Shape{B, L, H});
     // The block region holds one block at a time: measure the largest (blocks differ when
     // some run in FP8 and others in BF16).
     s.block_region = a.mark();
@@ -277,8 +279,8 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   scratch_arena_.release_to(mark);
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
-  be_.linear(s.img, x_img, P.operand(img_in.w), img_in.b);
-  be_.linear(s.txt, x_txt, P.operand(txt_in.w), txt_in.b);
+  be_.linear(s.img_at[0], x_img, P.operand(img_in.w), img_in.b);
+  be_.linear(s.txt_at[0], x_txt, P.operand(txt_in.w), txt_in.b);
   be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
@@ -289,36 +291,33 @@ Tensor FluxModel::forward(const FluxInputs& in) {
       DoubleBlockSaved& blk = s.doubles[i];
       const size_t mark = scratch_arena_.mark();
       if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);  // q, k, v: this forward only
-      double_block_forward(ctx, double_params_[i], blk, s.txt, s.img);
+      double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1]);
       scratch_arena_.release_to(mark);
       if (blk.selective) blk.forget_recomputed();
       continue;
     }
-    be_.copy(s.double_txt_in[i], s.txt);
-    be_.copy(s.double_img_in[i], s.img);
     DoubleBlockSaved blk =
         DoubleBlockSaved::allocate(saved_arena_, c, sh, act_dtype_, heads_dtype_, double_params_[i], fp8_.get());
-    double_block_forward(ctx, double_params_[i], blk, s.txt, s.img);
+    double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1]);
     saved_arena_.release_to(s.block_region);
   }
-  be_.concat_tokens(s.z, s.txt, s.img);
+  be_.concat_tokens(s.z_at[0], s.txt_at.back(), s.img_at.back());
   for (size_t i = 0; i < single_params_.size(); ++i) {
     if (!full) {
       SingleBlockSaved& blk = s.singles[i];
       const size_t mark = scratch_arena_.mark();
       if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);
-      single_block_forward(ctx, single_params_[i], blk, s.z);
+      single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
       scratch_arena_.release_to(mark);
       if (blk.selective) blk.forget_recomputed();
       continue;
     }
-    be_.copy(s.single_in[i], s.z);
     SingleBlockSaved blk =
         SingleBlockSaved::allocate(saved_arena_, c, sh, act_dtype_, heads_dtype_, single_params_[i], fp8_.get());
-    single_block_forward(ctx, single_params_[i], blk, s.z);
+    single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
     saved_arena_.release_to(s.block_region);
   }
-  be_.split_tokens(Tensor{}, s.img, s.z);  // drop the text tokens
+  be_.split_tokens(Tensor{}, s.img, s.z_at.back());  // drop the text tokens
 
   // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
   const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
@@ -386,8 +385,7 @@ void FluxModel::backward(const Tensor& dpred) {
         SingleBlockSaved::allocate(saved_arena_, c, sh, t, heads_dtype_, single_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
-      be_.copy(s.work_z, s.single_in[i]);
-      single_block_forward(ctx, single_params_[i], blk, s.work_z);
+      single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
     }
     single_block_backward(ctx, single_params_[i], blk, dz);
     saved_arena_.release_to(s.block_region);
@@ -402,9 +400,7 @@ void FluxModel::backward(const Tensor& dpred) {
         DoubleBlockSaved::allocate(saved_arena_, c, sh, t, heads_dtype_, double_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
-      be_.copy(s.work_txt, s.double_txt_in[i]);
-      be_.copy(s.work_img, s.double_img_in[i]);
-      double_block_forward(ctx, double_params_[i], blk, s.work_txt, s.work_img);
+      double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1]);
     }
     double_block_backward(ctx, double_params_[i], blk, dtxt, dimg);
     saved_arena_.release_to(s.block_region);

@@ -26,7 +26,6 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   const int64_t n = c.num_heads;
   SingleBlockSaved s;
   s.selective = selective;
-  s.z_in = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 3 * H}, SlotKind::activation);
   const DType st = statistics_dtype(t);
@@ -79,12 +78,12 @@ void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBl
 
 }  // namespace
 
-void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
-                          SingleBlockSaved& s, Tensor z) {
+void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& s, Tensor z,
+                          Tensor z_out) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const size_t outer = ctx.scratch.mark();
-  be.copy(s.z_in, z);
+  s.z_in = z;  // saved as it is: the caller keeps it unchanged until the block's backward
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
   const Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(
@@ -98,7 +97,7 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
                1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
   site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
-  be.gated_residual(z, s.out, s.mod.cols_slice(2 * H, H));
+  be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
   ctx.scratch.release_to(outer);
 }
 

@@ -14,7 +14,7 @@ struct SingleBlockParams {
 };
 
 struct SingleBlockSaved {
-  Tensor z_in;                  // block input (LayerNorm backward)
+  Tensor z_in;                  // block input (LayerNorm backward): the caller's tensor, not a copy
   SavedLinearInput mod_in;      // SiLU(vec) as the modulation Linear saw it
   Tensor mod;                   // [B, 3H]: shift, scale, gate
   Tensor ln_mean, ln_rstd;      // modulated LayerNorm
@@ -37,9 +37,11 @@ struct SingleBlockSaved {
   void forget_recomputed() { q = k = v = Tensor{}; }
 };
 
-// z [B, L, H] updated in place.
-void single_block_forward(const BlockContext& ctx, SingleBlockParams& p,
-                          SingleBlockSaved& saved, Tensor z);
+// The block on z [B, L, H], its output written to z_out (another tensor of z's shape). z is
+// saved as the block's input (z_in): the caller must leave it unchanged until the block's
+// backward has run.
+void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& saved, Tensor z,
+                          Tensor z_out);
 // dz: gradient of the output in, of the input out. Parameter grads, d_silu_vec accumulated.
 void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
                            const SingleBlockSaved& saved, Tensor dz);

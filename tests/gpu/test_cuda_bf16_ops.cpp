@@ -280,9 +280,16 @@ TEST(CudaBf16Ops, GatedResidual) {
     Bf16Pair dmod({B, 3 * H});
     x.randn(61), y.randn(62), mod.randn(63), dx.randn(64), dy.randn(65), dmod.randn(66);
     const auto gate = [&](const Bf16Pair& p, bool g) { return p.t(g).cols_slice(H, H); };
-    run_both_bf16([&](Backend& be, bool g) { be.gated_residual(x.t(g), y.t(g), gate(mod, g)); });
+    // Out of place (out's rows padded differently from x's), then in place: the same bits.
+    Bf16Pair out({B, L, H}, 2 * c.pad);
+    out.randn(69);
+    run_both_bf16([&](Backend& be, bool g) { be.gated_residual(out.t(g), x.t(g), y.t(g), gate(mod, g)); });
+    EXPECT_BITS_EQUAL(out);
+    EXPECT_TRUE(out.padding_untouched());
+    run_both_bf16([&](Backend& be, bool g) { be.gated_residual(x.t(g), x.t(g), y.t(g), gate(mod, g)); });
     // g·y of two bf16 values is exact in f32: x + g·y rounds once on both sides (FMA or not).
     EXPECT_BITS_EQUAL(x);
+    EXPECT_EQ(x.down(), out.down());
     EXPECT_TRUE(x.padding_untouched());
     // The backward of the updated residual stream x as the incoming gradient.
     x.up();
@@ -353,7 +360,7 @@ TEST(CudaBf16Ops, MixedTypesAreRefused) {
   expect_refused("heads_to_tokens: tokens", [&] { be.heads_to_tokens(a16.dev, heads32.dev, 0); });
   expect_refused("concat_tokens: tensor 'b'", [&] { be.concat_tokens(a16.dev, b16.dev, a32.dev); });
   expect_refused("split_tokens: tensor 'in'", [&] { be.split_tokens(a16.dev, Tensor{}, a32.dev); });
-  expect_refused("gated_residual: tensor 'gate'", [&] { be.gated_residual(a16.dev, b16.dev, v32.dev); });
+  expect_refused("gated_residual: tensor 'gate'", [&] { be.gated_residual(a16.dev, a16.dev, b16.dev, v32.dev); });
   expect_refused("gated_residual_backward: tensor 'y'",
                  [&] { be.gated_residual_backward(a16.dev, v16.dev, b16.dev, a32.dev, v16.dev); });
   expect_refused("timestep_embedding: tensor 't'", [&] { be.timestep_embedding(v16.dev, t16.dev, 1.0, 1e4); });

@@ -69,20 +69,22 @@ void CpuBackend::accumulate(Tensor y, Tensor x) {
   });
 }
 
-// x[B, L, H] += gate[b] ⊙ y. The residual stream is an activation, so it is rounded.
-void CpuBackend::gated_residual(Tensor x, Tensor y, Tensor gate) {
+// out[B, L, H] = x + gate[b] ⊙ y (out may be x). The residual stream is an activation, so it
+// is rounded.
+void CpuBackend::gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) {
   constexpr std::string_view op = "gated_residual";
-  const DType t = call_dtype(op, {{"x", x}, {"y", y}, {"gate", gate}});
+  const DType t = call_dtype(op, {{"out", out}, {"x", x}, {"y", y}, {"gate", gate}});
   require_rank(op, {"x", x}, 3);
+  require_shape(op, {"out", out}, x.shape);
   require_shape(op, {"y", y}, x.shape);
   require_shape(op, {"gate", gate}, Shape{x.shape[0], x.shape[2]});
   const Ctx c = make_ctx(options_, t);
   const int64_t L = x.shape[1], H = x.shape[2];
   dispatch(t, [&]<typename T>(T) {
     parallel_for(x.rows(), c, [&](int64_t r) {
-      T* xr = row<T>(x, r);
-      const T *yr = row<T>(y, r), *g = row<T>(gate, r / L);
-      for (int64_t j = 0; j < H; ++j) xr[j] = act<T>(xr[j] + g[j] * yr[j], c);
+      T* outr = row<T>(out, r);
+      const T *xr = row<T>(x, r), *yr = row<T>(y, r), *g = row<T>(gate, r / L);
+      for (int64_t j = 0; j < H; ++j) outr[j] = act<T>(xr[j] + g[j] * yr[j], c);
     });
   });
 }

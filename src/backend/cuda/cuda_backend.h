@@ -94,7 +94,7 @@ class CudaBackend final : public Backend {
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                           Tensor v, Tensor o, Tensor lse, double scale) override;
 
-  void gated_residual(Tensor x, Tensor y, Tensor gate) override;
+  void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) override;
   void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override;
 
   void timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) override;

@@ -155,22 +155,24 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
   });
 }
 
+// out = x + gate[b] ⊙ y; out may be x (each element is read and written by one thread).
 template <typename T>
-void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& x, const Tensor& y, const Tensor& gate) {
+void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& out, const Tensor& x, const Tensor& y,
+                       const Tensor& gate) {
   const int64_t L = x.shape[1], H = x.shape[2];
-  const MatOf<T> X = mat_of<T>(x), Y = mat_of<T>(y), G = mat_of<T>(gate);
+  const MatOf<T> O = mat_of<T>(out), X = mat_of<T>(x), Y = mat_of<T>(y), G = mat_of<T>(gate);
   const FastDivisor per_sample = row_divisor(op, x.rows(), L);
-  if (vec4_rows(X) && vec4_rows(Y) && vec4_rows(G)) {  // 16-byte (f32) / 8-byte (bf16) loads and stores
+  if (vec4_rows(O) && vec4_rows(X) && vec4_rows(Y) && vec4_rows(G)) {  // 16-byte (f32) / 8-byte (bf16) accesses
     for_each_row(be, x.rows(), H / 4, [=] __device__(int64_t r, int q) {
       const float4 g = load4(&G.at(per_sample.divide(static_cast<uint32_t>(r)), 4 * q)), yv = load4(&Y.at(r, 4 * q));
       const float4 xv = load4(&X.at(r, 4 * q));
-      store4(&X.at(r, 4 * q),
+      store4(&O.at(r, 4 * q),
              make_float4(xv.x + g.x * yv.x, xv.y + g.y * yv.y, xv.z + g.z * yv.z, xv.w + g.w * yv.w));
     });
     return;
   }
   for_each_row(be, x.rows(), H, [=] __device__(int64_t r, int j) {
-    X.set(r, j, X.get(r, j) + G.get(per_sample.divide(static_cast<uint32_t>(r)), j) * Y.get(r, j));
+    O.set(r, j, X.get(r, j) + G.get(per_sample.divide(static_cast<uint32_t>(r)), j) * Y.get(r, j));
   });
 }
 
@@ -273,16 +275,17 @@ void CudaBackend::split_tokens(Tensor a, Tensor b, Tensor in) {
   }
 }
 
-void CudaBackend::gated_residual(Tensor x, Tensor y, Tensor gate) {
+void CudaBackend::gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) {
   constexpr std::string_view op = "gated_residual";
-  const bool bf = activations_in_bf16(op, {{"x", x}, {"y", y}, {"gate", gate}});
+  const bool bf = activations_in_bf16(op, {{"out", out}, {"x", x}, {"y", y}, {"gate", gate}});
   require_rank(op, {"x", x}, 3);
+  require_shape(op, {"out", out}, x.shape);
   require_shape(op, {"y", y}, x.shape);
   require_shape(op, {"gate", gate}, Shape{x.shape[0], x.shape[2]});
   if (bf)
-    gated_residual_as<bf16>(*this, op, x, y, gate);
+    gated_residual_as<bf16>(*this, op, out, x, y, gate);
   else
-    gated_residual_as<float>(*this, op, x, y, gate);
+    gated_residual_as<float>(*this, op, out, x, y, gate);
 }
 
 void CudaBackend::gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) {
