@@ -96,6 +96,45 @@ TEST(CudaGemmTuning, AutotuneTimesOnceThenReadsTheCache) {
   EXPECT_THROW(make_cuda_backend(o), Error);
 }
 
+// FLUX8_GEMM_PROFILE=1: each description's calls, device time and FLOPs, summed without
+// changing the results; a bad value is refused by name.
+TEST(CudaGemmTuning, ProfileSumsDeviceTimePerDescription) {
+  FLUX8_REQUIRE_GPU();
+  BackendOptions o;
+  o.bf16_gemm = true;
+  const int64_t N = 256, K = 512, M = 384;
+  Pair x({N, K}), w({M, K}), b({M}), y({N, M});
+  x.randn(1), w.randn(2, 0.1), b.randn(3);
+  std::vector<float> reference;
+  {
+    auto plain = make_cuda_backend(o);
+    EXPECT_FALSE(dynamic_cast<CudaBackend&>(*plain).gemm().profiling());
+    plain->linear(y.dev, x.dev, w.dev, b.dev);
+    reference = y.down();
+  }
+  ScopedEnv on("FLUX8_GEMM_PROFILE", "1");
+  auto be = make_cuda_backend(o);
+  cuda::Gemm& g = dynamic_cast<CudaBackend&>(*be).gemm();
+  ASSERT_TRUE(g.profiling());
+  for (int i = 0; i < 3; ++i) be->linear(y.dev, x.dev, w.dev, b.dev);
+  EXPECT_EQ(y.down(), reference);
+  const std::vector<cuda::GemmTiming> rows = g.profile();
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].calls, 3);
+  EXPECT_GT(rows[0].ms, 0.0);
+  EXPECT_DOUBLE_EQ(rows[0].flops, 3 * 2.0 * N * M * K);
+  EXPECT_NE(rows[0].desc.find("k=512"), std::string::npos) << rows[0].desc;
+  be->linear(y.dev, x.dev, w.dev, b.dev);  // totals keep growing after a read
+  EXPECT_EQ(g.profile()[0].calls, 4);
+  ScopedEnv bad("FLUX8_GEMM_PROFILE", "yes please");
+  try {
+    make_cuda_backend(o);
+    ADD_FAILURE() << "FLUX8_GEMM_PROFILE='yes please' was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FLUX8_GEMM_PROFILE"), std::string::npos) << e.what();
+  }
+}
+
 // The emulated pin gives the dequantize + fp32 result (the CPU's, up to summation order, 1e-5)
 // where cuBLASLt would run on the tensor cores; the cuBLASLt pin makes an unsupported product
 // (odd k) an error instead of a silent fallback; an empty value is the default.

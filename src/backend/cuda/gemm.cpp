@@ -42,6 +42,15 @@ std::string env(const char* name) {
   return e ? e : "";
 }
 
+bool profile_from_environment() {
+  const std::string v = env("FLUX8_GEMM_PROFILE");
+  if (v.empty() || v == "0" || v == "false" || v == "off") return false;
+  if (v == "1" || v == "true" || v == "on") return true;
+  fail("FLUX8_GEMM_PROFILE={}: expected 1 (time every GEMM per shape, printed at exit) or 0", v);
+}
+
+constexpr size_t kTimedBatch = 2048;  // event pairs recorded before they are read (one wait)
+
 bool autotune_from_environment() {
   const std::string v = env("FLUX8_GEMM_AUTOTUNE");
   if (v.empty() || v == "0" || v == "false" || v == "off") return false;
@@ -89,6 +98,7 @@ struct Gemm::Plan {
   bool tuned = false;                            // autotuning: algo is the chosen candidate
   bool found = false;
   bool refused = false;  // found, then refused when run (GemmRefused from then on)
+  GemmTiming timing;     // FLUX8_GEMM_PROFILE=1
   std::string why_not;  // heuristic's failure, when !found
   ~Plan() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -98,7 +108,8 @@ struct Gemm::Plan {
   }
 };
 
-Gemm::Gemm(cudaStream_t stream) : stream_(stream), autotune_(autotune_from_environment()) {
+Gemm::Gemm(cudaStream_t stream)
+    : stream_(stream), profile_(profile_from_environment()), autotune_(autotune_from_environment()) {
   FLUX8_CUBLAS_CHECK(cublasLtCreate(&handle_));
   try {
     FLUX8_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
@@ -121,6 +132,15 @@ Gemm::Gemm(cudaStream_t stream) : stream_(stream), autotune_(autotune_from_envir
 }
 
 Gemm::~Gemm() {
+  if (profile_) {
+    try {
+      print_profile();
+    } catch (const std::exception& e) {  // a device error at exit: the table is lost, not the process
+      fmt::print(stderr, "gemm profile: not printed ({})\n", e.what());
+    }
+    for (const TimedCall& t : timed_) cudaEventDestroy(t.start), cudaEventDestroy(t.stop);
+    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+  }
   plans_.clear();
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(handle_);
@@ -319,8 +339,33 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     if (!g.accumulate) fail("GEMM {}: empty reduction (k = 0) is only meaningful when accumulating", describe(g));
     return;
   }
+  TimedCall timed{&p, nullptr, nullptr};
+  if (profile_) {
+    if (timed_.size() >= kTimedBatch) drain_profile();
+    for (cudaEvent_t* e : {&timed.start, &timed.stop}) {
+      if (!spare_events_.empty()) {
+        *e = spare_events_.back();
+        spare_events_.pop_back();
+      } else {
+        FLUX8_CUDA_CHECK(cudaEventCreate(e));
+      }
+    }
+    timed_.push_back(timed);  // owned by timed_ from here, whatever happens next
+    if (p.timing.desc.empty()) p.timing.desc = describe(g);
+    p.timing.flops += 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
+    FLUX8_CUDA_CHECK(cudaEventRecord(timed.start, stream_));
+  }
   const cublasStatus_t s = cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, args.d, p.d,
                                           args.d, p.d, &p.algo, workspace_, workspace_bytes_, stream_);
+  if (profile_) {
+    FLUX8_CUDA_CHECK(cudaEventRecord(timed.stop, stream_));
+    if (s != CUBLAS_STATUS_SUCCESS) {  // nothing ran: not a timed call
+      timed_.pop_back();
+      spare_events_.push_back(timed.start);
+      spare_events_.push_back(timed.stop);
+      p.timing.flops -= 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
+    }
+  }
   if (s == CUBLAS_STATUS_NOT_SUPPORTED) {
     // The heuristic offered an algorithm the call then refuses (seen for FP8 GEMMs with a bf16
     // D at a few small shapes). Nothing ran; the description is marked unsupported, so
@@ -334,6 +379,43 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     fail("GEMM {}: cuBLASLt error {} ({})", describe(g), cublasLtGetStatusName(s), cublasLtGetStatusString(s));
   ++runs_[static_cast<size_t>(g.epilogue)];
   bias_runs_ += g.bias ? 1 : 0;
+}
+
+void Gemm::drain_profile() {
+  if (timed_.empty()) return;
+  FLUX8_CUDA_CHECK(cudaEventSynchronize(timed_.back().stop));
+  for (const TimedCall& t : timed_) {
+    float ms = 0;
+    FLUX8_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
+    t.plan->timing.ms += ms;
+    ++t.plan->timing.calls;
+    spare_events_.push_back(t.start);
+    spare_events_.push_back(t.stop);
+  }
+  timed_.clear();
+}
+
+std::vector<GemmTiming> Gemm::profile() {
+  drain_profile();
+  std::vector<GemmTiming> out;
+  for (const auto& [key, p] : plans_)
+    if (p->timing.calls > 0) out.push_back(p->timing);
+  std::sort(out.begin(), out.end(), [](const GemmTiming& a, const GemmTiming& b) { return a.ms > b.ms; });
+  return out;
+}
+
+void Gemm::print_profile() {
+  const std::vector<GemmTiming> rows = profile();
+  if (rows.empty()) return;
+  double total = 0;
+  for (const GemmTiming& r : rows) total += r.ms;
+  fmt::print(stderr, "gemm profile (FLUX8_GEMM_PROFILE=1): device time of every cuBLASLt call of this process, per "
+                     "description (column-major D[m, n]; warm-up included)\n");
+  fmt::print(stderr, "  {:>8} {:>10} {:>10} {:>9} {:>6}  {}\n", "calls", "ms total", "ms/call", "TFLOP/s", "share",
+             "description");
+  for (const GemmTiming& r : rows)
+    fmt::print(stderr, "  {:>8} {:>10.3f} {:>10.4f} {:>9.1f} {:>5.1f}%  {}\n", r.calls, r.ms, r.ms / r.calls,
+               r.ms > 0 ? r.flops / (r.ms * 1e9) : 0.0, 100.0 * r.ms / total, r.desc);
 }
 
 }  // namespace flux8::cuda

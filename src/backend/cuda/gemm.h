@@ -13,6 +13,12 @@
 // ~/.cache/flux8/...), keyed by GPU, cuBLASLt version and description, so a later run starts
 // without timing. An empty variable counts as unset.
 //
+// Profiling (FLUX8_GEMM_PROFILE=1): every cublasLtMatmul is bracketed by two CUDA events on the
+// stream (no synchronisation between calls: the step runs as it would), the events are read in
+// batches, and the device time is summed per description; profile() returns the totals and the
+// destructor prints them on stderr (largest first, with TFLOP/s). What `flux8 bench --profile`
+// cannot show: which GEMM shapes of a step run below the GPU's rate.
+//
 // Column-major, like cuBLASLt: D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, with
 // C == D (in place). Row-major callers swap operands (see linear.cu).
 #include <cublasLt.h>
@@ -24,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "core/error.h"
 
@@ -74,6 +81,14 @@ class GemmRefused : public Error {
   using Error::Error;
 };
 
+// Device time of one GEMM description, summed over its calls (FLUX8_GEMM_PROFILE=1).
+struct GemmTiming {
+  std::string desc;  // describe()
+  int64_t calls = 0;
+  double ms = 0;     // total
+  double flops = 0;  // 2·m·n·k per call, summed
+};
+
 // Device pointers of one call.
 struct GemmArgs {
   const void* a = nullptr;
@@ -107,6 +122,10 @@ class Gemm {
   // cuBLASLt really took on this GPU (the ops fall back to separate kernels where it refuses).
   int64_t runs_with(Epilogue e) const { return runs_[static_cast<size_t>(e)]; }
   int64_t runs_with_bias() const { return bias_runs_; }  // a bias added in the epilogue
+  bool profiling() const { return profile_; }
+  // FLUX8_GEMM_PROFILE=1: the totals so far per description, largest first (waits for the
+  // stream's timed calls to finish).
+  std::vector<GemmTiming> profile();
 
  private:
   struct Plan;
@@ -114,7 +133,16 @@ class Gemm {
   void tune(Plan& p, const GemmDesc& d, const GemmArgs& args);  // after run() set the descriptor's pointers
   void load_tuning_cache();
   void store_tuning(const std::string& key, int index, double ms);
+  void drain_profile();  // reads the recorded event pairs into the plans' totals
+  void print_profile();
   cudaStream_t stream_;
+  bool profile_ = false;
+  struct TimedCall {
+    Plan* plan;
+    cudaEvent_t start, stop;
+  };
+  std::vector<TimedCall> timed_;           // recorded, not yet read
+  std::vector<cudaEvent_t> spare_events_;  // read, reusable
   bool autotune_ = false;
   std::string cache_path_, device_key_;
   std::map<std::string, int> cache_;  // description key -> index in the heuristic's list
