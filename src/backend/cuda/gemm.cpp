@@ -353,6 +353,7 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     timed_.push_back(timed);  // owned by timed_ from here, whatever happens next
     if (p.timing.desc.empty()) p.timing.desc = describe(g);
     p.timing.flops += 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
+    FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the start event then marks this GEMM's launch
     FLUX8_CUDA_CHECK(cudaEventRecord(timed.start, stream_));
   }
   const cublasStatus_t s = cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, args.d, p.d,
@@ -409,8 +410,8 @@ void Gemm::print_profile() {
   if (rows.empty()) return;
   double total = 0;
   for (const GemmTiming& r : rows) total += r.ms;
-  fmt::print(stderr, "gemm profile (FLUX8_GEMM_PROFILE=1): device time of every cuBLASLt call of this process, per "
-                     "description (column-major D[m, n]; warm-up included)\n");
+  fmt::print(stderr, "gemm profile (FLUX8_GEMM_PROFILE=1): device time + launch of every cuBLASLt call of this "
+                     "process, per description (column-major D[m, n]; warm-up included)\n");
   fmt::print(stderr, "  {:>8} {:>10} {:>10} {:>9} {:>6}  {}\n", "calls", "ms total", "ms/call", "TFLOP/s", "share",
              "description");
   for (const GemmTiming& r : rows)

@@ -13,11 +13,14 @@
 // ~/.cache/flux8/...), keyed by GPU, cuBLASLt version and description, so a later run starts
 // without timing. An empty variable counts as unset.
 //
-// Profiling (FLUX8_GEMM_PROFILE=1): every cublasLtMatmul is bracketed by two CUDA events on the
-// stream (no synchronisation between calls: the step runs as it would), the events are read in
-// batches, and the device time is summed per description; profile() returns the totals and the
-// destructor prints them on stderr (largest first, with TFLOP/s). What `flux8 bench --profile`
-// cannot show: which GEMM shapes of a step run below the GPU's rate.
+// Profiling (FLUX8_GEMM_PROFILE=1): every cublasLtMatmul waits for the stream to drain and is
+// then bracketed by two CUDA events, read in batches; the device time is summed per description,
+// profile() returns the totals and the destructor prints them on stderr (largest first, with
+// TFLOP/s). What `flux8 bench --profile` cannot show: which GEMM shapes of a step run below
+// the GPU's rate. A row is the GEMM's device time plus its launch, as in `--profile`, and the
+// step runs slower. (Events without the wait misattribute: the start event of a GEMM can be
+// stamped before the work queued ahead of it has finished — measured, the per-GEMM times then
+// summed to more than the whole step.)
 //
 // Column-major, like cuBLASLt: D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, with
 // C == D (in place). Row-major callers swap operands (see linear.cu).
