@@ -105,6 +105,14 @@ TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
             blocks * per_block * (H + M));
   EXPECT_EQ(kept(none, SlotKind::statistic), kept(selective, SlotKind::statistic));
   EXPECT_EQ(kept(selective, SlotKind::workspace), 0) << "recomputed tensors belong in scratch";
+  // FP8 Linears need the GELU output's gradient that BF16's dgrad epilogue makes unnecessary.
+  for (const ActivationEstimate* e : {&none, &selective, &full})
+    EXPECT_GE(e->workspace_elements_fp8, e->workspace_elements);
+  // Where a double block's scratch is the peak (few text tokens, a wide MLP), FP8 needs more.
+  FluxConfig wide = odd_config(1, 1, false);
+  wide.mlp_ratio = 4.0;
+  const ActivationEstimate w = FluxModel::estimate_activations(wide, StepShape{2, 2, 64}, Recompute::none);
+  EXPECT_GT(w.workspace_elements_fp8, w.workspace_elements);
   // Between the two other policies, in BF16 and in FP8; the recomputed tensors need scratch.
   for (bool fp8 : {false, true}) {
     EXPECT_LT(selective.saved.gpu_bytes(fp8), none.saved.gpu_bytes(fp8)) << "fp8 " << fp8;

@@ -287,7 +287,7 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
 }
 
 void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
-                               bool selective) {
+                               bool selective, bool fp8_sites) {
   // Everything double_block_backward and its helpers take, summed (an upper bound of the
   // simultaneous use; an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, H = c.hidden_size, M = c.mlp_hidden();
@@ -297,7 +297,7 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
   for (int i = 0; i < 3; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
   // d_m2, and d_m where GELU's backward is not in a dgrad epilogue (FP8 sites; BF16 has none).
-  for (int i = 0; i < (fp8 ? 2 : 1); ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
+  for (int i = 0; i < (fp8 || fp8_sites ? 2 : 1); ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M));

@@ -63,7 +63,8 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
                            const DoubleBlockSaved& saved, Tensor dtxt, Tensor dimg);
 
 // Scratch memory the block needs at most (planning).
+// fp8_sites: plan as if the block's Linears ran in FP8 without an Fp8Runtime (estimates).
 void double_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
-                               const Fp8Runtime* fp8, bool selective = false);
+                               const Fp8Runtime* fp8, bool selective = false, bool fp8_sites = false);
 
 }  // namespace flux8

@@ -117,7 +117,7 @@ namespace {
 
 // Scratch needed besides the blocks': the model-level backward buffers.
 void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
-                        Recompute recompute) {
+                        Recompute recompute, bool fp8_sites = false) {
   const bool selective = recompute == Recompute::selective;
   const int64_t B = sh.batch, H = c.hidden_size;
   a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted
@@ -127,7 +127,7 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, co
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // final dxm
   for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
   const size_t mark = a.mark();  // blocks run one at a time: the larger of the two counts
-  double_block_plan_scratch(a, c, sh, t, fp8, selective);
+  double_block_plan_scratch(a, c, sh, t, fp8, selective, fp8_sites);
   a.release_to(mark);
   single_block_plan_scratch(a, c, sh, t, fp8, selective);
 }
@@ -202,7 +202,9 @@ ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepSh
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
   ModelSaved::allocate(saved, cfg, shape, DType::f32, DType::f32, DType::f32, dp, sp, nullptr, recompute);
   plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr, recompute);
-  return {saved.peak_usage(), static_cast<int64_t>(scratch.peak() / 4)};
+  Arena scratch_fp8;
+  plan_model_scratch(scratch_fp8, cfg, shape, DType::f32, nullptr, recompute, /*fp8_sites=*/true);
+  return {saved.peak_usage(), static_cast<int64_t>(scratch.peak() / 4), static_cast<int64_t>(scratch_fp8.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {
