@@ -178,6 +178,38 @@ TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
   expect_within_noise(g, c, exact, "bf16", 3.0, 1e-2);
 }
 
+// recompute_granularity on the GPU: the same ops on the same inputs, so selective and full give
+// the bits of `none` — pred, every gradient and (FP8) the cast counts, over two steps with AdamW.
+// Full recomputation re-runs block i's forward from its kept input into block i + 1's input
+// slot (the residual stream is written out of place), which only the stream order makes safe.
+TEST(CudaModel, RecomputePoliciesGiveIdenticalBits) {
+  FLUX8_REQUIRE_GPU();
+  Backend& be = gpu_bf16_activations();
+  const Fp8Config fp8 = delayed_fp8();
+  struct Case {
+    const char* name;
+    FluxConfig cfg;
+    const Fp8Config* fp8;
+  };
+  for (const Case& c : {Case{"bf16", odd_config(2, 3, true), nullptr}, Case{"fp8 delayed", fp8_test_config(), &fp8}}) {
+    SCOPED_TRACE(c.name);
+    const auto run = [&](Recompute rc) {
+      return testing::run_model(be, c.cfg,
+                                {.fp8 = c.fp8, .recompute = rc, .batch = 2, .txt_tokens = 5, .img_tokens = 9,
+                                 .steps = 2, .optimizer = true});
+    };
+    const ModelRun none = run(Recompute::none);
+    for (Recompute rc : {Recompute::selective, Recompute::full}) {
+      SCOPED_TRACE(rc == Recompute::full ? "full" : "selective");
+      const ModelRun r = run(rc);
+      EXPECT_EQ(r.pred, none.pred);
+      ASSERT_EQ(r.grads.size(), none.grads.size());
+      for (size_t i = 0; i < r.grads.size(); ++i) EXPECT_EQ(r.grads[i].second, none.grads[i].second) << r.grads[i].first;
+      EXPECT_EQ(r.cast_elements, none.cast_elements);
+    }
+  }
+}
+
 // Where the GEMMs run on bf16 operands the model keeps each non-FP8 Linear weight's bf16 copy
 // per parameter version (ParamStore::operand) instead of rounding it in every call. After the
 // parameters change (params_changed(): init, load_weights, the optimizer step) the next forward
