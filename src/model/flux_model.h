@@ -46,7 +46,8 @@ struct ModelSaved;
 // full: only each block's input is kept; the backward runs the block's forward again (into one
 // reused region) right before its backward — activation memory of one block instead of all,
 // for one more forward pass. Results are bit-identical (the same ops on the same inputs; FP8
-// casts reuse the step's scales and are not recorded twice).
+// casts reuse the step's scales and are not recorded twice) — but for selective's recomputed
+// GELU where the forward's ran in a GEMM epilogue (docs/MEMORY.md).
 enum class Recompute : uint8_t { none, selective, full };
 // From the recompute_granularity key's value.
 Recompute recompute_from_name(const std::string& name);

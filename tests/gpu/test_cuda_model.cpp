@@ -3,6 +3,8 @@
 // max|gpu − cpu| / max|cpu| per tensor.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "backend/cuda/attention.h"
 #include "backend/transfer.h"
 #include "fp8/fp8_config.h"
@@ -31,6 +33,13 @@ void expect_close(const ModelRun& gpu_run, const ModelRun& cpu_run, double tol_p
   }
   std::printf("pred %.3g, worst gradient %.3g (%s)\n", max_rel_error(gpu_run.pred, cpu_run.pred), worst,
               worst_name.c_str());
+}
+
+// ‖a − b‖ / ‖b‖.
+double norm_rel_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // The small config of the FP8 runs (H = 64, D = 16) and FP8 delayed scaling (hybrid) for it.
@@ -178,10 +187,15 @@ TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
   expect_within_noise(g, c, exact, "bf16", 3.0, 1e-2);
 }
 
-// recompute_granularity on the GPU: the same ops on the same inputs, so selective and full give
-// the bits of `none` — pred, every gradient and (FP8) the cast counts, over two steps with AdamW.
-// Full recomputation re-runs block i's forward from its kept input into block i + 1's input
-// slot (the residual stream is written out of place), which only the stream order makes safe.
+// recompute_granularity on the GPU: full re-runs the same ops on the same inputs, so it gives the
+// bits of `none` — pred, every gradient and (FP8) the cast counts, over two steps with AdamW —
+// although it re-runs block i's forward from its kept input into block i + 1's input slot (the
+// residual stream is written out of place), which only the stream order makes safe. selective
+// gives them too except for the one documented difference (docs/MEMORY.md): where the forward's
+// GELU ran in a GEMM epilogue (from the unrounded sum), the recomputed one starts from the
+// stored bf16 pre-activation, so the weight gradient of the Linear that reads it (mlp_out,
+// linear2) may differ by that rounding — held to 1e-2 (norm-wise) here, everything else exact.
+// (The odd BF16 config's GEMMs take no epilogue: M = 47; the FP8 config's single block does.)
 TEST(CudaModel, RecomputePoliciesGiveIdenticalBits) {
   FLUX8_REQUIRE_GPU();
   Backend& be = gpu_bf16_activations();
@@ -204,7 +218,14 @@ TEST(CudaModel, RecomputePoliciesGiveIdenticalBits) {
       const ModelRun r = run(rc);
       EXPECT_EQ(r.pred, none.pred);
       ASSERT_EQ(r.grads.size(), none.grads.size());
-      for (size_t i = 0; i < r.grads.size(); ++i) EXPECT_EQ(r.grads[i].second, none.grads[i].second) << r.grads[i].first;
+      for (size_t i = 0; i < r.grads.size(); ++i) {
+        const std::string& name = r.grads[i].first;
+        const bool reads_recomputed_gelu = name.ends_with("linear2.weight") || name.ends_with("_mlp.2.weight");
+        if (rc == Recompute::selective && reads_recomputed_gelu)
+          EXPECT_LE(norm_rel_error(r.grads[i].second, none.grads[i].second), 1e-2) << name;
+        else
+          EXPECT_EQ(r.grads[i].second, none.grads[i].second) << name;
+      }
       EXPECT_EQ(r.cast_elements, none.cast_elements);
     }
   }
