@@ -196,7 +196,7 @@ TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
 // stored bf16 pre-activation, so the weight gradient of the Linear that reads it (mlp_out,
 // linear2) may differ by that rounding — held to 1e-2 (norm-wise) here, everything else exact.
 // (The odd BF16 config's GEMMs take no epilogue: M = 47; the FP8 config's single block does.)
-TEST(CudaModel, RecomputePoliciesGiveIdenticalBits) {
+TEST(CudaModel, RecomputePoliciesReproduceNone) {
   FLUX8_REQUIRE_GPU();
   Backend& be = gpu_bf16_activations();
   const Fp8Config fp8 = delayed_fp8();

@@ -13,15 +13,15 @@
 // ~/.cache/flux8/...), keyed by GPU, cuBLASLt version and description, so a later run starts
 // without timing. An empty variable counts as unset.
 //
-// Profiling (FLUX8_GEMM_PROFILE=1): every cublasLtMatmul waits for the stream to drain and is
+// Profiling (FLUX8_GEMM_PROFILE=1): what `flux8 bench --profile` cannot show, which GEMM shapes
+// of a step run below the GPU's rate. Every cublasLtMatmul waits for the stream to drain and is
 // then bracketed by two CUDA events, read in batches; the device time is summed per description,
 // profile() returns the totals and the destructor prints them on stderr (largest first, with
-// TFLOP/s). The first call of each description is left out: it may load its kernel (lazy
-// module loading), which took milliseconds. What `flux8 bench --profile` cannot show: which GEMM shapes of a step run below
-// the GPU's rate. A row is the GEMM's device time plus its launch, as in `--profile`, and the
-// step runs slower. (Events without the wait misattribute: the start event of a GEMM can be
-// stamped before the work queued ahead of it has finished — measured, the per-GEMM times then
-// summed to more than the whole step.)
+// TFLOP/s). A row is the GEMM's device time plus its launch, as in `--profile`, and the step
+// runs slower. The first call of each description is left out: it may load its kernel (lazy
+// module loading), which took milliseconds. (Events without the wait misattribute: the start
+// event of a GEMM can be stamped before the work queued ahead of it has finished — measured,
+// the per-GEMM times then summed to more than the whole step.)
 //
 // Column-major, like cuBLASLt: D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, with
 // C == D (in place). Row-major callers swap operands (see linear.cu).
