@@ -105,10 +105,8 @@ TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
             blocks * per_block * (H + M));
   EXPECT_EQ(kept(none, SlotKind::statistic), kept(selective, SlotKind::statistic));
   EXPECT_EQ(kept(selective, SlotKind::workspace), 0) << "recomputed tensors belong in scratch";
-  // FP8 Linears need the GELU output's gradient that BF16's dgrad epilogue makes unnecessary.
-  for (const ActivationEstimate* e : {&none, &selective, &full})
-    EXPECT_GE(e->workspace_elements_fp8, e->workspace_elements);
-  // Where a double block's scratch is the peak (few text tokens, a wide MLP), FP8 needs more.
+  // FP8 Linears need the GELU output's gradient that BF16's dgrad epilogue makes unnecessary:
+  // where a double block's scratch is the peak (few text tokens, a wide MLP), FP8 plans more.
   FluxConfig wide = odd_config(1, 1, false);
   wide.mlp_ratio = 4.0;
   const ActivationEstimate w = FluxModel::estimate_activations(wide, StepShape{2, 2, 64}, Recompute::none);

@@ -28,7 +28,8 @@ struct FluxInputs {
 struct ActivationEstimate {
   ArenaUsage saved;             // kept from forward to backward
   int64_t workspace_elements;      // peak temporaries of one block's backward, BF16 Linears
-  int64_t workspace_elements_fp8;  // ... with FP8 Linears (GELU's backward outside the GEMMs)
+  int64_t workspace_elements_fp8;  // ... with FP8 Linears: GELU's output gradient outside the GEMMs
+                                   // (the casts' own scratch is not counted, as before)
   int64_t workspace(bool fp8) const { return fp8 ? workspace_elements_fp8 : workspace_elements; }
   double gpu_bytes(bool fp8) const { return saved.gpu_bytes(fp8) + 2.0 * static_cast<double>(workspace(fp8)); }
   // With f32 activation storage (activation_precision: f32): f32 activations and workspace (an

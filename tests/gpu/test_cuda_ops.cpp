@@ -361,7 +361,7 @@ TEST(CudaOps, GatedResidual) {
     const int64_t B = 3, L = 29;
     Pair x({B, L, H}, pad), y({B, L, H}), mod({B, 3 * H}), dx({B, L, H}), dy({B, L, H}, 2), dmod({B, 3 * H});
     x.randn(61), y.randn(62), mod.randn(63), dx.randn(64), dy.randn(65), dmod.randn(66);
-    Pair out({B, L, H}, pad);  // out of place, then in place
+    Pair out({B, L, H}, 2 * pad);  // out of place (another row stride), then in place
     out.randn(60);
     run_both([&](Backend& be, bool g) { be.gated_residual(out.t(g), x.t(g), y.t(g), mod.t(g).cols_slice(H, H)); });
     EXPECT_CLOSE(out, kElementwise);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -136,8 +137,8 @@ Gemm::~Gemm() {
   if (profile_) {
     try {
       print_profile();
-    } catch (const std::exception& e) {  // a device error at exit: the table is lost, not the process
-      fmt::print(stderr, "gemm profile: not printed ({})\n", e.what());
+    } catch (...) {  // a device error (or a closed stderr) at exit: the table is lost, not the process
+      std::fputs("gemm profile: not printed (an error while reading or printing it)\n", stderr);
     }
     for (const TimedCall& t : timed_) cudaEventDestroy(t.start), cudaEventDestroy(t.stop);
     for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
@@ -340,34 +341,46 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     if (!g.accumulate) fail("GEMM {}: empty reduction (k = 0) is only meaningful when accumulating", describe(g));
     return;
   }
-  TimedCall timed{&p, nullptr, nullptr};
+  // FLUX8_GEMM_PROFILE: this call's event pair, back to the spares unless the call is kept as
+  // timed (both events recorded around a matmul that ran).
+  struct PendingPair {
+    std::vector<cudaEvent_t>& spare;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    bool kept = false;
+    cudaEvent_t* take(cudaEvent_t* e) {
+      if (!spare.empty()) {
+        *e = spare.back();
+        spare.pop_back();
+      } else {
+        FLUX8_CUDA_CHECK(cudaEventCreate(e));
+      }
+      return e;
+    }
+    ~PendingPair() {
+      if (kept) return;
+      for (cudaEvent_t e : {start, stop})
+        if (e) spare.push_back(e);
+    }
+  } pair{spare_events_};
   const bool time_it = profile_ && p.ran;
   p.ran = true;
   if (time_it) {
     if (timed_.size() >= kTimedBatch) drain_profile();
-    for (cudaEvent_t* e : {&timed.start, &timed.stop}) {
-      if (!spare_events_.empty()) {
-        *e = spare_events_.back();
-        spare_events_.pop_back();
-      } else {
-        FLUX8_CUDA_CHECK(cudaEventCreate(e));
-      }
-    }
-    timed_.push_back(timed);  // owned by timed_ from here, whatever happens next
-    if (p.timing.desc.empty()) p.timing.desc = describe(g);
-    p.timing.flops += 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
+    spare_events_.reserve(spare_events_.size() + 2);  // the destructor's push_backs need no allocation
+    pair.take(&pair.start);
+    pair.take(&pair.stop);
     FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the start event then marks this GEMM's launch
-    FLUX8_CUDA_CHECK(cudaEventRecord(timed.start, stream_));
+    FLUX8_CUDA_CHECK(cudaEventRecord(pair.start, stream_));
   }
   const cublasStatus_t s = cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, args.d, p.d,
                                           args.d, p.d, &p.algo, workspace_, workspace_bytes_, stream_);
   if (time_it) {
-    FLUX8_CUDA_CHECK(cudaEventRecord(timed.stop, stream_));
-    if (s != CUBLAS_STATUS_SUCCESS) {  // nothing ran: not a timed call
-      timed_.pop_back();
-      spare_events_.push_back(timed.start);
-      spare_events_.push_back(timed.stop);
-      p.timing.flops -= 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
+    FLUX8_CUDA_CHECK(cudaEventRecord(pair.stop, stream_));
+    if (s == CUBLAS_STATUS_SUCCESS) {  // else nothing ran: not a timed call
+      timed_.push_back(TimedCall{&p, pair.start, pair.stop});
+      pair.kept = true;
+      if (p.timing.desc.empty()) p.timing.desc = describe(g);
+      p.timing.flops += 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
     }
   }
   if (s == CUBLAS_STATUS_NOT_SUPPORTED) {
@@ -387,16 +400,25 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
 
 void Gemm::drain_profile() {
   if (timed_.empty()) return;
-  FLUX8_CUDA_CHECK(cudaEventSynchronize(timed_.back().stop));
-  for (const TimedCall& t : timed_) {
+  // The batch's events return to the spares however the reading ends (a failed read leaves
+  // none of them in timed_ to be read, or destroyed, twice).
+  std::vector<TimedCall> batch;
+  batch.swap(timed_);
+  spare_events_.reserve(spare_events_.size() + 2 * batch.size());
+  struct Recycle {
+    const std::vector<TimedCall>& batch;
+    std::vector<cudaEvent_t>& spare;
+    ~Recycle() {
+      for (const TimedCall& t : batch) spare.push_back(t.start), spare.push_back(t.stop);
+    }
+  } recycle{batch, spare_events_};
+  FLUX8_CUDA_CHECK(cudaEventSynchronize(batch.back().stop));
+  for (const TimedCall& t : batch) {
     float ms = 0;
     FLUX8_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
     t.plan->timing.ms += ms;
     ++t.plan->timing.calls;
-    spare_events_.push_back(t.start);
-    spare_events_.push_back(t.stop);
   }
-  timed_.clear();
 }
 
 std::vector<GemmTiming> Gemm::profile() {
@@ -419,7 +441,7 @@ void Gemm::print_profile() {
              "description");
   for (const GemmTiming& r : rows)
     fmt::print(stderr, "  {:>8} {:>10.3f} {:>10.4f} {:>9.1f} {:>5.1f}%  {}\n", r.calls, r.ms, r.ms / r.calls,
-               r.ms > 0 ? r.flops / (r.ms * 1e9) : 0.0, 100.0 * r.ms / total, r.desc);
+               r.ms > 0 ? r.flops / (r.ms * 1e9) : 0.0, total > 0 ? 100.0 * r.ms / total : 0.0, r.desc);
 }
 
 }  // namespace flux8::cuda
