@@ -445,13 +445,20 @@ __global__ void qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, 
 // to 8 elements (16 bytes of bf16, 32 of f32), or the RoPE table's start not to 32 bytes. The
 // condition counts elements, not bytes, so the f32 and bf16 versions of a call take the same
 // path (tests compare the two bit for bit).
+// Whether every row of these tensors (the undefined ones skipped) starts at a multiple of
+// `elems` elements: base address and ld.
+bool rows_aligned_to(std::initializer_list<Tensor> ts, int elems) {
+  for (const Tensor& t : ts)
+    if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % (elems * dtype_size(t.dtype)) != 0 || t.ld % elems != 0))
+      return false;
+  return true;
+}
+
 int vec_path_lanes(int64_t D, std::initializer_list<Tensor> rows, const Tensor& pe) {
   int lanes = 0;
   for (int l = 1; l <= 32; l *= 2)
     if (D == 8 * l) lanes = l;
-  for (const Tensor& t : rows)
-    if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % (8 * dtype_size(t.dtype)) != 0 || t.ld % 8 != 0))
-      return 0;
+  if (!rows_aligned_to(rows, 8)) return 0;
   return reinterpret_cast<uintptr_t>(pe.data) % 32 == 0 ? lanes : 0;
 }
 
@@ -479,12 +486,7 @@ int pairs_per_lane(std::string_view op, int64_t D) {
 
 // Whether every row start of these tensors is pair-aligned (ld even, base a multiple of two
 // elements: 8 bytes of f32, 4 of bf16): then pairs move as one float2 or one bf16 pair.
-bool pair_aligned(std::initializer_list<Tensor> ts) {
-  for (const Tensor& t : ts)
-    if (t.defined() && (reinterpret_cast<uintptr_t>(t.data) % (2 * dtype_size(t.dtype)) != 0 || t.ld % 2 != 0))
-      return false;
-  return true;
-}
+bool pair_aligned(std::initializer_list<Tensor> ts) { return rows_aligned_to(ts, 2); }
 
 // The call's Geometry; its segments are indexed with 32-bit arithmetic (FastDivisor).
 Geometry geometry_of(std::string_view op, const ops::QkNormRopeDims& d, int64_t offset,
@@ -621,7 +623,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   };
 
   if (lanes > 0) {  // the vector path: block rows of dscale terms, then column_sums over them
-    const int64_t blocks = (segments + kThreads / lanes - 1) / (kThreads / lanes);
+    const int64_t blocks = exact_blocks(segments * lanes);  // kThreads / lanes segments a block
     float* part = dq_scale.defined() || dk_scale.defined()
                       ? static_cast<float*>(scratch(static_cast<size_t>(2 * blocks * d.D) * sizeof(float)))
                       : nullptr;
@@ -631,7 +633,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
       const BackwardArgs<T, H> a = args.template operator()<T, H>(nullptr, nullptr, 0);
       with_lanes(lanes, [&]<int kLanes>() {
         qk_norm_rope_to_heads_backward_vec_kernel<kLanes>
-            <<<exact_blocks(segments * lanes), kThreads, 0, stream_>>>(a, q_part, k_part);
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q_part, k_part);
         FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_vec_kernel);
       });
     });
