@@ -347,14 +347,13 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     std::vector<cudaEvent_t>& spare;
     cudaEvent_t start = nullptr, stop = nullptr;
     bool kept = false;
-    cudaEvent_t* take(cudaEvent_t* e) {
+    void take(cudaEvent_t* e) {
       if (!spare.empty()) {
         *e = spare.back();
         spare.pop_back();
       } else {
         FLUX8_CUDA_CHECK(cudaEventCreate(e));
       }
-      return e;
     }
     ~PendingPair() {
       if (kept) return;
