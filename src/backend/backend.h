@@ -336,6 +336,47 @@ class Backend {
   virtual void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
                                       AmaxAlgo algo, int margin) = 0;
 
+  // y = x dequantized (per-tensor scaling): y[r, c] = decode(x.codes[r, c])·x.scale_inv[0], in
+  // y's type (f32, or bf16 rounded to nearest even); y [x.rows, x.cols] any ld, or any shape
+  // with those rows and cols.
+  virtual void dequantize(Tensor y, const QTensor& x) = 0;
+
+  // ---- FP8 attention (fp8_dot_product_attention: cuDNN's FP8 flash attention) -----------
+  // q, k, v, o and (backward) dout, dq, dk, dv are per-tensor FP8 casts of [B, n, L, D]
+  // head-major tensors: QTensors of B·n·L rows and D columns, `heads` = [B, n, L, D]; q, k, v
+  // share one format. The softmax P and the scores' gradient dS are cast inside the op, P in
+  // q's format, dS in dout's, with the delayed scales given. With every FP8 operand taken at
+  // its value (code · scale_inv) and f32 sums:
+  //   S = q·kᵀ·scale;  lse = log Σ_j exp S_j (f32 [B, n, L]);  P = softmax(S);  P8 = cast(P·s)
+  //   O = P8·v;  o = cast(O·scale_o)
+  //   δ = rowsum(dO ⊙ O);  dV = P8ᵀ·dO;  dS = P ⊙ (dO·vᵀ − δ)·scale;  dS8 = cast(dS·ds)
+  //   dQ = dS8·k;  dK = dS8ᵀ·q;  dq, dk, dv = casts of dQ, dK, dV with scale_dq, _dk, _dv
+  // where P in the backward is recomputed from lse. The outputs' scale_inv become 1/scale; the
+  // amax of P, O, dS, dQ, dK, dV before its cast is max-accumulated into its amax pointer (null:
+  // not recorded). Scales and amaxes point into this backend's memory. The CUDA backend runs
+  // cuDNN's FP8 graphs (Hopper: head dim 128; an unsupported call is an error saying why).
+  struct Fp8AttentionScales {
+    const float* s = nullptr;       // P's scale and its inverse
+    const float* s_inv = nullptr;
+    const float* o = nullptr;       // forward output
+    const float* ds = nullptr;      // dS's scale and its inverse
+    const float* ds_inv = nullptr;
+    const float* dq = nullptr;      // backward outputs
+    const float* dk = nullptr;
+    const float* dv = nullptr;
+    float* amax_s = nullptr;
+    float* amax_o = nullptr;
+    float* amax_ds = nullptr;
+    float* amax_dq = nullptr;
+    float* amax_dk = nullptr;
+    float* amax_dv = nullptr;
+  };
+  virtual void attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v,
+                             Shape heads, double scale, const Fp8AttentionScales& sc) = 0;
+  virtual void attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
+                                      const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
+                                      double scale, const Fp8AttentionScales& sc) = 0;
+
   // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
   // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;

@@ -381,6 +381,42 @@ bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& 
   return true;
 }
 
+AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::initializer_list<NamedQ> tensors,
+                                  const Tensor& lse, std::initializer_list<NamedScale> scales) {
+  if (heads.rank != 4) fail("{}: heads {} must be [B, n, L, D]", op, heads.str());
+  const AttentionDims d{heads[0], heads[1], heads[2], heads[3]};
+  const NamedQ& q = *tensors.begin();
+  for (const NamedQ& t : tensors) {
+    if (!t.q.defined()) fail("{}: FP8 tensor '{}' is not defined", op, t.name);
+    if (t.q.scaling != Fp8Scaling::per_tensor || !t.q.scale_inv)
+      fail("{}: FP8 tensor '{}' must be a per-tensor cast with its scale_inv (got {} scaling)", op, t.name,
+           fp8_scaling_name(t.q.scaling));
+    if (t.q.rows != d.B * d.n * d.L || t.q.cols != d.D)
+      fail("{}: FP8 tensor '{}' is [{}, {}] but heads {} need [B·n·L, D] = [{}, {}]", op, t.name, t.q.rows, t.q.cols,
+           heads.str(), d.B * d.n * d.L, d.D);
+    if ((t.name == "k" || t.name == "v") && t.q.format != q.q.format)
+      fail("{}: q, k and v must share one FP8 format ('{}' is {}, '{}' {})", op, t.name, fp8_format_name(t.q.format),
+           q.name, fp8_format_name(q.q.format));
+  }
+  require_contiguous(op, {"lse", lse});
+  require_vector(op, {"lse", lse}, d.B * d.n * d.L);
+  if (lse.dtype != DType::f32) fail("{}: lse {} must be f32", op, lse.str());
+  for (const NamedScale& s : scales)
+    if (!s.p) fail("{}: scale '{}' is not given (Fp8AttentionScales)", op, s.name);
+  return d;
+}
+
+void check_dequantize(std::string_view op, const Tensor& y, const QTensor& x) {
+  require_defined(op, {"y", y});
+  if (!x.defined()) fail("{}: FP8 tensor 'x' is not defined", op);
+  if (x.scaling != Fp8Scaling::per_tensor || !x.scale_inv)
+    fail("{}: x must be a per-tensor cast with its scale_inv (got {} scaling)", op, fp8_scaling_name(x.scaling));
+  if (y.dtype != DType::f32 && y.dtype != DType::bf16) fail("{}: y {} must be f32 or bf16", op, y.str());
+  if (y.rows() != x.rows || y.cols() != x.cols)
+    fail("{}: y {} does not hold x's [{}, {}]", op, y.str(), x.rows, x.cols);
+  if (y.ld < y.cols()) fail("{}: y {} has row stride {} smaller than its columns", op, y.str(), y.ld);
+}
+
 DelayedUpdateDims check_delayed_scaling_update(std::string_view op, const Tensor& amax_history, const Tensor& scale,
                                                const Tensor& scale_inv, const Tensor& fp8_max) {
   require_rank(op, {"amax_history", amax_history}, 2);

@@ -114,6 +114,22 @@ AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, co
                                        const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& o, const Tensor& lse);
 
+// FP8 attention (attention_fp8, attention_fp8_backward): `heads` rank 4 [B, n, L, D]; every
+// QTensor named defined, per-tensor, B·n·L x D; q, k, v in one format; lse a contiguous f32
+// vector of B·n·L; the scales each call reads (`scales`) given. Returns {B, n, L, D}.
+struct NamedQ {
+  std::string_view name;
+  const QTensor& q;
+};
+struct NamedScale {
+  std::string_view name;
+  const float* p;
+};
+AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::initializer_list<NamedQ> tensors,
+                                  const Tensor& lse, std::initializer_list<NamedScale> scales);
+// dequantize(): per-tensor x, y f32 or bf16 of x.rows rows and x.cols columns (any ld).
+void check_dequantize(std::string_view op, const Tensor& y, const QTensor& x);
+
 // quantize(): x (any ld) of one of `x_types` (the backend's: f32 on the CPU; the CUDA backend
 // also casts bf16 activations), rowwise [rows, cols] and columnwise [cols, rows] when defined.
 // Returns false when there is nothing to cast (both outputs undefined).

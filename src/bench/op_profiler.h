@@ -158,6 +158,18 @@ class OpProfiler final : public Backend {
     timed("quantize_fused (op + fp8 cast)", [&] { be_.quantize_fused(rowwise, columnwise, in, q); });
   }
 
+  void dequantize(Tensor y, const QTensor& x) override {
+    timed("dequantize", [&] { be_.dequantize(y, x); });
+  }
+  void attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v, Shape heads,
+                     double scale, const Fp8AttentionScales& sc) override {
+    timed("attention_fp8", [&] { be_.attention_fp8(o, lse, q, k, v, heads, scale, sc); });
+  }
+  void attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
+                              const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
+                              double scale, const Fp8AttentionScales& sc) override {
+    timed("attention_fp8_backward", [&] { be_.attention_fp8_backward(dq, dk, dv, dout, q, k, v, o, lse, heads, scale, sc); });
+  }
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool acc) override {
     timed("gemm_fp8_tn", [&] { be_.gemm_fp8_tn(c, a, b, bias, acc); });
   }

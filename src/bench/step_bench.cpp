@@ -293,6 +293,90 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
   return rows;
 }
 
+std::vector<AttentionBenchRow> run_attention_bench(Backend& be, int repeats) {
+  struct Case {
+    const char* workload;
+    int64_t B, n, L, D;
+  };
+  const Case cases[] = {{"W1", 32, 24, 512, 128}, {"W2", 2, 24, 4608, 128}};
+  std::vector<AttentionBenchRow> rows;
+  std::vector<void*> owned;
+  auto bytes = [&](size_t n) {
+    owned.push_back(be.allocate(n));
+    return owned.back();
+  };
+  auto scalar = [&](float v) {
+    auto* p = static_cast<float*>(bytes(4));
+    be.upload(p, &v, 4);
+    return p;
+  };
+  for (const Case& c : cases) {
+    const Shape heads{c.B, c.n, c.L, c.D};
+    const DType ht = be.attention_heads_dtype(be.activation_dtype(DType::f32), c.D);
+    auto tensor = [&](DType t, Shape s, uint64_t seed) {
+      Tensor x(bytes(static_cast<size_t>(s.numel()) * dtype_size(t)), t, s);
+      if (seed) from_host(be, x, randn(seed, 0, s.numel(), 1.0));
+      return x;
+    };
+    Tensor q = tensor(ht, heads, 11), k = tensor(ht, heads, 12), v = tensor(ht, heads, 13), d_o = tensor(ht, heads, 14);
+    Tensor o = tensor(ht, heads, 0), dq = tensor(ht, heads, 0), dk = tensor(ht, heads, 0), dv = tensor(ht, heads, 0);
+    Tensor lse = tensor(DType::f32, Shape{c.B * c.n * c.L}, 0);
+    auto qt = [&](Fp8Format f) {
+      QTensor t;
+      t.rows = c.B * c.n * c.L, t.cols = c.D, t.format = f;
+      t.codes = static_cast<uint8_t*>(bytes(static_cast<size_t>(t.numel())));
+      t.scale_inv = static_cast<float*>(bytes(4));
+      return t;
+    };
+    const Fp8Format e4 = Fp8Format::e4m3, e5 = Fp8Format::e5m2;
+    QTensor q8 = qt(e4), k8 = qt(e4), v8 = qt(e4), o8 = qt(e4), do8 = qt(e5), dq8 = qt(e5), dk8 = qt(e5), dv8 = qt(e5);
+    // Scales as a delayed recipe would hold them after a few steps: P ≤ 1, dS small.
+    Backend::Fp8AttentionScales sc;
+    sc.s = scalar(448.0f), sc.s_inv = scalar(1.0f / 448.0f), sc.o = scalar(128.0f);
+    sc.ds = scalar(4096.0f), sc.ds_inv = scalar(1.0f / 4096.0f);
+    sc.dq = scalar(1024.0f), sc.dk = scalar(1024.0f), sc.dv = scalar(1024.0f);
+    float* amax = static_cast<float*>(bytes(6 * 4));
+    sc.amax_s = amax, sc.amax_o = amax + 1, sc.amax_ds = amax + 2, sc.amax_dq = amax + 3, sc.amax_dk = amax + 4,
+    sc.amax_dv = amax + 5;
+    Backend::Quantize e4_cast, e5_cast;  // current scaling
+    e5_cast.format = e5;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+    auto time_ms = [&](auto&& f) { return median_ms(be, repeats, f); };
+    AttentionBenchRow r{c.workload, c.B, c.n, c.L, c.D, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    r.bf16_fwd_ms = time_ms([&] { be.attention(o, lse, q, k, v, scale); });
+    r.bf16_bwd_ms = time_ms([&] { be.attention_backward(dq, dk, dv, d_o, q, k, v, o, lse, scale); });
+    be.quantize(q8, QTensor{}, q, e4_cast);
+    be.quantize(k8, QTensor{}, k, e4_cast);
+    be.quantize(v8, QTensor{}, v, e4_cast);
+    be.quantize(do8, QTensor{}, d_o, e5_cast);
+    r.fp8_fwd_ms = time_ms([&] { be.attention_fp8(o8, lse, q8, k8, v8, heads, scale, sc); });
+    r.fp8_bwd_ms =
+        time_ms([&] { be.attention_fp8_backward(dq8, dk8, dv8, do8, q8, k8, v8, o8, lse, heads, scale, sc); });
+    r.fp8_fwd_casts_ms = time_ms([&] {
+      be.quantize(q8, QTensor{}, q, e4_cast);
+      be.quantize(k8, QTensor{}, k, e4_cast);
+      be.quantize(v8, QTensor{}, v, e4_cast);
+      be.dequantize(o, o8);
+    });
+    r.fp8_bwd_casts_ms = time_ms([&] {
+      be.quantize(do8, QTensor{}, d_o, e5_cast);
+      be.dequantize(dq, dq8);
+      be.dequantize(dk, dk8);
+      be.dequantize(dv, dv8);
+    });
+    const double fwd_tflop = 4.0 * double(c.B * c.n) * double(c.L) * double(c.L) * double(c.D) / 1e12;
+    r.bf16_fwd_tflops = fwd_tflop / (r.bf16_fwd_ms / 1e3);
+    r.bf16_bwd_tflops = 2.5 * fwd_tflop / (r.bf16_bwd_ms / 1e3);
+    r.fp8_fwd_tflops = fwd_tflop / (r.fp8_fwd_ms / 1e3);
+    r.fp8_bwd_tflops = 2.5 * fwd_tflop / (r.fp8_bwd_ms / 1e3);
+    rows.push_back(r);
+    be.synchronize();
+    for (void* p : owned) be.release(p);
+    owned.clear();
+  }
+  return rows;
+}
+
 std::vector<EpilogueBenchRow> run_epilogue_bench(Backend& be, int repeats) {
   // The MLP of H = 3072 (width 12288) over W1's 16384 and W2's 9216 tokens.
   const std::vector<std::array<int64_t, 3>> shapes = {{16384, 12288, 3072}, {9216, 12288, 3072}};

@@ -71,6 +71,19 @@ struct GemmBenchRow {
 };
 std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats);
 
+// Attention at the workloads' shapes (W1: batch 32, L = 512; W2: batch 2, L = 4608; 24 heads of
+// 128), median ms: BF16 heads (Backend::attention, _backward) against FP8
+// (attention_fp8, _backward: E4M3 q, k, v, o; E5M2 dO and gradients, the hybrid format), the
+// FP8 calls alone and the casts around them (q, k, v cast from bf16 heads and o dequantized;
+// dO cast, dq, dk, dv dequantized). TFLOP/s count 4·B·n·L²·D forward, 2.5x that backward.
+struct AttentionBenchRow {
+  std::string workload;
+  int64_t batch, heads, seq, head_dim;
+  double bf16_fwd_ms, bf16_bwd_ms, fp8_fwd_ms, fp8_bwd_ms, fp8_fwd_casts_ms, fp8_bwd_casts_ms;
+  double bf16_fwd_tflops, bf16_bwd_tflops, fp8_fwd_tflops, fp8_bwd_tflops;
+};
+std::vector<AttentionBenchRow> run_attention_bench(Backend& be, int repeats);
+
 // The BF16 MLP's fused epilogues at Flux shapes (m tokens, hidden k, MLP width n), each against
 // the separate ops it replaces, median ms: the first Linear with its GELU (linear + gelu_tanh vs
 // linear_gelu), the second Linear's input gradient through the GELU (linear_backward's dx +

@@ -46,8 +46,8 @@ Fp8Config fp8_for(const std::string& precision, const std::string& format, Confi
 Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8; "
-               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, and the BF16 MLP's GEMM epilogues "
-               "against the ops they replace");
+               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
+               "MLP's GEMM epilogues against the ops they replace");
   struct Opts {
     std::vector<std::string> workloads{"W1", "W2"};
     std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
@@ -77,7 +77,7 @@ Command add_bench_command(CLI::App& app) {
                   "structured (fresh latents tied to the text by fixed random maps, plus noise: a loss floor)")
       ->check(CLI::IsMember({"prototypes", "structured"}));
   cmd->add_option("--json", o->json, "write the results as JSON to this file");
-  cmd->add_flag("--gemm", o->gemm, "run the GEMM micro-benchmark instead of training steps");
+  cmd->add_flag("--gemm", o->gemm, "run the GEMM and attention micro-benchmarks instead of training steps");
   cmd->add_flag("--profile", o->profile,
                 "also time every op of the step (each op synchronised: the step is slower, the shares are what count)");
   return {cmd, [o]() {
@@ -103,6 +103,21 @@ Command add_bench_command(CLI::App& app) {
                                {"fp8_linear_tflops", r.fp8_linear_tflops}, {"fp8_gemm_tflops", r.fp8_gemm_tflops},
                                {"bf16_linear_tflops", r.linear_tflops}, {"cast_ms", r.cast_ms},
                                {"cast_gbps", r.cast_gbps}, {"cast_column_sums_ms", r.cast_sums_ms}});
+      }
+      fmt::print("\nAttention, BF16 vs FP8 (cuDNN; E4M3 q, k, v, o, E5M2 dO and gradients), median ms (TFLOP/s)\n");
+      fmt::print("{:>4} {:>18} | {:>17} | {:>17} | {:>17} | {:>17} | {:>9} | {:>9}\n", "", "[B, n, L, D]",
+                 "BF16 forward", "BF16 backward", "FP8 forward", "FP8 backward", "fwd casts", "bwd casts");
+      for (const AttentionBenchRow& r : run_attention_bench(*be, o->steps)) {
+        fmt::print("{:>4} {:>18} | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | "
+                   "{:>9.3f} | {:>9.3f}\n",
+                   r.workload, fmt::format("[{}, {}, {}, {}]", r.batch, r.heads, r.seq, r.head_dim), r.bf16_fwd_ms,
+                   r.bf16_fwd_tflops, r.bf16_bwd_ms, r.bf16_bwd_tflops, r.fp8_fwd_ms, r.fp8_fwd_tflops, r.fp8_bwd_ms,
+                   r.fp8_bwd_tflops, r.fp8_fwd_casts_ms, r.fp8_bwd_casts_ms);
+        out["attention"].push_back({{"workload", r.workload}, {"batch", r.batch}, {"heads", r.heads},
+                                    {"seq", r.seq}, {"head_dim", r.head_dim}, {"bf16_fwd_ms", r.bf16_fwd_ms},
+                                    {"bf16_bwd_ms", r.bf16_bwd_ms}, {"fp8_fwd_ms", r.fp8_fwd_ms},
+                                    {"fp8_bwd_ms", r.fp8_bwd_ms}, {"fp8_fwd_casts_ms", r.fp8_fwd_casts_ms},
+                                    {"fp8_bwd_casts_ms", r.fp8_bwd_casts_ms}});
       }
       fmt::print("\nBF16 MLP epilogues (ms, unfused -> fused): tokens M, width N, hidden K\n");
       fmt::print("{:>6} {:>6} {:>6} | {:>21} | {:>21} | {:>25} | {:>25}\n", "M", "N", "K", "linear + GELU",

@@ -83,6 +83,12 @@ class CpuBackend final : public Backend {
              std::span<const ParamCopy> copies, std::span<const ParamCast> casts) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
   void transpose_codes(QTensor dst, const QTensor& src) override;
+  void dequantize(Tensor y, const QTensor& x) override;
+  void attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v, Shape heads,
+                     double scale, const Fp8AttentionScales& sc) override;
+  void attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
+                              const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
+                              double scale, const Fp8AttentionScales& sc) override;
   void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
                               int margin) override;
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;

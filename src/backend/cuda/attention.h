@@ -24,7 +24,11 @@
 #include <string>
 #include <tuple>
 
+#include "fp8/format.h"
+
 namespace flux8::cuda {
+
+struct CudnnPlan;
 
 enum class AttentionPath {
   automatic,  // cuDNN where it supports the shape, else the reference kernel
@@ -100,9 +104,52 @@ class Attention {
   // the reason it does not.
   std::string cudnn_unsupported_reason(const AttentionShape& s);
 
+  // ---- FP8 (attention_fp8.cu): cuDNN's FP8 flash attention, Backend::attention_fp8 ---------
+  // All pointers are device memory; the scales and amaxes are single floats (cuDNN reads the
+  // scales from, and writes the amaxes into, 16-byte aligned copies this class makes). The
+  // amaxes are max-accumulated into their targets (null: not recorded) and the outputs'
+  // scale_inv written after cuDNN's graph ran.
+  struct Fp8Forward {
+    AttentionShape shape;
+    Fp8Format qkv = Fp8Format::e4m3, o_format = Fp8Format::e4m3;
+    bool token_major = false;  // [B, L, n, D] memory (BSHD) instead of [B, n, L, D]
+    double scale = 1.0;
+    const uint8_t *q = nullptr, *k = nullptr, *v = nullptr;
+    uint8_t* o = nullptr;
+    float* lse = nullptr;
+    const float *descale_q = nullptr, *descale_k = nullptr, *descale_v = nullptr;
+    const float *scale_s = nullptr, *descale_s = nullptr, *scale_o = nullptr;
+    float* o_scale_inv = nullptr;  // written 1/scale_o
+    float *amax_s = nullptr, *amax_o = nullptr;
+  };
+  struct Fp8Backward {
+    AttentionShape shape;
+    Fp8Format qkv = Fp8Format::e4m3, o_format = Fp8Format::e4m3, dout_format = Fp8Format::e5m2,
+              grads = Fp8Format::e5m2;
+    bool token_major = false;
+    double scale = 1.0;
+    const uint8_t *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *dout = nullptr;
+    const float* lse = nullptr;
+    uint8_t *dq = nullptr, *dk = nullptr, *dv = nullptr;
+    const float *descale_q = nullptr, *descale_k = nullptr, *descale_v = nullptr, *descale_o = nullptr,
+                *descale_dout = nullptr;
+    const float *scale_s = nullptr, *descale_s = nullptr, *scale_ds = nullptr, *descale_ds = nullptr;
+    const float *scale_dq = nullptr, *scale_dk = nullptr, *scale_dv = nullptr;
+    float *dq_scale_inv = nullptr, *dk_scale_inv = nullptr, *dv_scale_inv = nullptr;  // written
+    float *amax_ds = nullptr, *amax_dq = nullptr, *amax_dk = nullptr, *amax_dv = nullptr;
+  };
+  void forward_fp8(const Fp8Forward& a);
+  void backward_fp8(const Fp8Backward& a);
+  // "" when cuDNN runs FP8 attention of this shape and these types here (both plans built and
+  // cached), else why not.
+  std::string fp8_unsupported_reason(const Fp8Forward& f, const Fp8Backward& b);
+
  private:
-  struct Cudnn;  // the handle, the plan cache, the staging buffers (attention.cu)
-  enum class Direction { forward, backward, backward_deterministic };
+  struct Cudnn;  // the handle, the plan cache, the staging buffers (attention_cudnn.h)
+  enum class Direction { forward, backward, backward_deterministic, forward_fp8, backward_fp8 };
+  CudnnPlan& bf16_plan(const AttentionShape& s, Direction d);
+  CudnnPlan& fp8_forward_plan(const Fp8Forward& a);
+  CudnnPlan& fp8_backward_plan(const Fp8Backward& a);
   // True when cuDNN should run this call; false means the reference kernel.
   bool use_cudnn(const AttentionShape& s, Direction d);
   void* delta_scratch(size_t bytes);

@@ -1,0 +1,448 @@
+// FP8 attention on the GPU (Backend::attention_fp8, fp8_dot_product_attention): cuDNN's FP8
+// flash attention, described through the backend API as the same operation pattern
+// cudnn-frontend emits for its FP8 SDPA nodes, and the CUDA backend's ops around it.
+//
+// Forward (Q, K, V FP8 of one format; Kᵀ described transposed like the BF16 graph's):
+//   S = Q·Kᵀ·scale·descale_q·descale_k;  M = rowmax S;  E = exp(S − M);  Z = rowsum E;
+//   Stats = M + log Z;  P = E / Z;  amax_s = amax(P);  P8 = P·scale_s (FP8, Q's format);
+//   O' = P8·V·descale_s·descale_v;  amax_o = amax(O');  O = O'·scale_o (FP8)
+// Backward (Vᵀ described transposed too; dS is cudnn-frontend's "dP"):
+//   δ = rowsum(dO ⊙ O)·descale_dO·descale_O;  P = exp(Q·Kᵀ·scale·descale_q·descale_k − Stats);
+//   dV' = (P·scale_s)ᵀ·dO·descale_s·descale_dO;  dS = (dO·Vᵀ·descale_dO·descale_v − δ)·P·scale;
+//   dS8 = dS·scale_ds (FP8, dO's format);  dQ' = dS8·K·descale_ds·descale_k;
+//   dK' = dS8ᵀ·Q·descale_ds·descale_q;  dQ = dQ'·scale_dq (FP8), amax_dq = amax(dQ'), alike
+// On Hopper cuDNN writes O, dQ, dK, dV only in FP8 and its FP8 backward takes head dim 128 only
+// (cudnn-frontend's support checks); the frontend documents no deterministic FP8 backward.
+//
+// The scales are single floats in device memory that cuDNN reads through [1,1,1,1] tensors
+// declared 16-byte aligned; the registry's are packed arrays, so a small kernel copies the
+// ones a call reads into 16-byte slots of the staging buffer first, and another one, after the
+// graph, writes the outputs' scale_inv and max-accumulates cuDNN's amaxes into their targets
+// (cuDNN overwrites its amax outputs; a registry slot may be cast more than once per step).
+#include <cuda_bf16.h>
+#include <fmt/format.h>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/attention_cudnn.h"
+#include "backend/cuda/common.cuh"
+#include "fp8/quantize.h"
+#include "fp8/recipe.h"
+
+namespace flux8::cuda {
+
+namespace {
+
+enum Fp8Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kAttnScale, kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO, kAmaxS,
+  kAmaxO, kDO, kDescaleO, kDescaleDO, kDescaleDS, kScaleDS, kScaleDQ, kScaleDK, kScaleDV, kDQ, kDK, kDV, kAmaxDQ,
+  kAmaxDK, kAmaxDV, kAmaxDS,
+};
+
+cudnnDataType_t cudnn_type(Fp8Format f) { return f == Fp8Format::e4m3 ? CUDNN_DATA_FP8_E4M3 : CUDNN_DATA_FP8_E5M2; }
+
+// Strides of the [B, H, S, D] operands in head-major ([B, n, L, D]) or token-major
+// ([B, L, n, D]) memory, and of the transposed views [B, H, D, S] of the same memory.
+struct Fp8Layout : Layout {
+  Dims heads_stride, heads_t_stride;
+  Fp8Layout(const AttentionShape& s, bool token_major) : Layout(s) {
+    const int64_t H = s.heads, S = s.seq, D = s.head_dim;
+    heads_stride = token_major ? Dims{S * H * D, D, H * D, 1} : bhsd_stride;
+    heads_t_stride = token_major ? Dims{S * H * D, D, 1, H * D} : bhds_stride;
+  }
+};
+
+constexpr Dims kScalar{1, 1, 1, 1};
+
+void build_forward_fp8_graph(GraphBuilder& g, const Attention::Fp8Forward& a) {
+  const Fp8Layout l(a.shape, a.token_major);
+  const cudnnDataType_t in = cudnn_type(a.qkv), f32 = CUDNN_DATA_FLOAT;
+  auto q = g.tensor(kQ, in, l.bhsd, l.heads_stride);
+  auto kt = g.tensor(kK, in, l.bhds, l.heads_t_stride);
+  auto v = g.tensor(kV, in, l.bhsd, l.heads_stride);
+  auto o = g.tensor(kO, cudnn_type(a.o_format), l.bhsd, l.heads_stride);
+  auto stats = g.tensor(kStats, f32, l.bhs1, l.bhs1_stride);
+  auto attn_scale = g.scalar(kAttnScale);
+  auto descale_q = g.tensor(kDescaleQ, f32, kScalar, kScalar), descale_k = g.tensor(kDescaleK, f32, kScalar, kScalar);
+  auto descale_v = g.tensor(kDescaleV, f32, kScalar, kScalar), descale_s = g.tensor(kDescaleS, f32, kScalar, kScalar);
+  auto scale_s = g.tensor(kScaleS, f32, kScalar, kScalar), scale_o = g.tensor(kScaleO, f32, kScalar, kScalar);
+  auto amax_s = g.tensor(kAmaxS, f32, kScalar, kScalar), amax_o = g.tensor(kAmaxO, f32, kScalar, kScalar);
+
+  auto ss = [&] { return g.virtual_tensor(f32, l.bhss, l.bhss_stride); };
+  auto rows = [&] { return g.virtual_tensor(f32, l.bhs1, l.bhs1_stride); };
+  auto od = [&] { return g.virtual_tensor(f32, l.bhsd, l.bhsd_stride); };
+  auto s1 = ss();
+  g.matmul(q, kt, s1);
+  auto s2 = ss(), s3 = ss(), s4 = ss();
+  g.pointwise(CUDNN_POINTWISE_MUL, s1, attn_scale, s2);
+  g.pointwise(CUDNN_POINTWISE_MUL, s2, descale_q, s3);
+  g.pointwise(CUDNN_POINTWISE_MUL, s3, descale_k, s4);
+  auto m = rows();
+  g.reduction(CUDNN_REDUCE_TENSOR_MAX, s4, m);
+  auto shifted = ss(), e = ss();
+  g.pointwise(CUDNN_POINTWISE_SUB, s4, m, shifted);
+  g.pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, e);
+  auto z = rows(), log_z = rows();
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, z);
+  g.pointwise(CUDNN_POINTWISE_LOG, z, nullptr, log_z);
+  g.pointwise(CUDNN_POINTWISE_ADD, m, log_z, stats);
+  auto p = ss();
+  g.pointwise(CUDNN_POINTWISE_DIV, e, z, p);
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, p, amax_s);
+  auto p8 = g.virtual_tensor(in, l.bhss, l.bhss_stride);  // the second matmul's FP8 operand
+  g.pointwise(CUDNN_POINTWISE_MUL, p, scale_s, p8);
+  auto o1 = od(), o2 = od(), o3 = od();
+  g.matmul(p8, v, o1);
+  g.pointwise(CUDNN_POINTWISE_MUL, o1, descale_s, o2);
+  g.pointwise(CUDNN_POINTWISE_MUL, o2, descale_v, o3);
+  g.pointwise(CUDNN_POINTWISE_MUL, o3, scale_o, o);
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, o3, amax_o);
+}
+
+void build_backward_fp8_graph(GraphBuilder& g, const Attention::Fp8Backward& a) {
+  const Fp8Layout l(a.shape, a.token_major);
+  const int64_t H = a.shape.heads, S = a.shape.seq, D = a.shape.head_dim;
+  const cudnnDataType_t in = cudnn_type(a.qkv), grad = cudnn_type(a.dout_format), f32 = CUDNN_DATA_FLOAT;
+  auto q = g.tensor(kQ, in, l.bhsd, l.heads_stride);
+  auto kt = g.tensor(kK, in, l.bhds, l.heads_t_stride);
+  auto vt = g.tensor(kV, in, l.bhds, l.heads_t_stride);
+  auto o = g.tensor(kO, cudnn_type(a.o_format), l.bhsd, l.heads_stride);
+  auto d_o = g.tensor(kDO, grad, l.bhsd, l.heads_stride);
+  auto stats = g.tensor(kStats, f32, l.bhs1, l.bhs1_stride);
+  const cudnnDataType_t out = cudnn_type(a.grads);
+  auto dq = g.tensor(kDQ, out, l.bhsd, l.heads_stride);
+  auto dk = g.tensor(kDK, out, l.bhsd, l.heads_stride);
+  auto dv = g.tensor(kDV, out, l.bhsd, l.heads_stride);
+  auto attn_scale = g.scalar(kAttnScale);
+  auto scalar = [&](int64_t uid) { return g.tensor(uid, f32, kScalar, kScalar); };
+  auto descale_q = scalar(kDescaleQ), descale_k = scalar(kDescaleK), descale_v = scalar(kDescaleV);
+  auto descale_o = scalar(kDescaleO), descale_do = scalar(kDescaleDO), descale_s = scalar(kDescaleS);
+  auto descale_ds = scalar(kDescaleDS), scale_s = scalar(kScaleS), scale_ds = scalar(kScaleDS);
+  auto scale_dq = scalar(kScaleDQ), scale_dk = scalar(kScaleDK), scale_dv = scalar(kScaleDV);
+  auto amax_dq = scalar(kAmaxDQ), amax_dk = scalar(kAmaxDK), amax_dv = scalar(kAmaxDV), amax_ds = scalar(kAmaxDS);
+
+  auto ss = [&] { return g.virtual_tensor(f32, l.bhss, l.bhss_stride); };
+  auto rows = [&] { return g.virtual_tensor(f32, l.bhs1, l.bhs1_stride); };
+  auto od = [&] { return g.virtual_tensor(f32, l.bhsd, l.bhsd_stride); };
+  // δ (the product's strides are cudnn-frontend's; a virtual tensor's strides describe no memory)
+  auto do_o = g.virtual_tensor(f32, l.bhsd, {H * S * D, S * D, H * D, 1});
+  g.pointwise(CUDNN_POINTWISE_MUL, d_o, o, do_o);
+  auto r1 = rows(), r2 = rows(), delta = rows();
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, r1);
+  g.pointwise(CUDNN_POINTWISE_MUL, r1, descale_do, r2);
+  g.pointwise(CUDNN_POINTWISE_MUL, r2, descale_o, delta);
+  // P recomputed from Stats
+  auto b1 = ss(), b2 = ss(), b3 = ss(), b4 = ss(), b5 = ss(), p = ss();
+  g.matmul(q, kt, b1);
+  g.pointwise(CUDNN_POINTWISE_MUL, b1, attn_scale, b2);
+  g.pointwise(CUDNN_POINTWISE_MUL, b2, descale_q, b3);
+  g.pointwise(CUDNN_POINTWISE_MUL, b3, descale_k, b4);
+  g.pointwise(CUDNN_POINTWISE_SUB, b4, stats, b5);
+  g.pointwise(CUDNN_POINTWISE_EXP, b5, nullptr, p);
+  auto p8 = g.virtual_tensor(in, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, p, scale_s, p8);
+  auto p8_t = g.virtual_tensor(in, l.bhss, l.bhss_t_stride);
+  g.reshape(p8, p8_t);
+  // dV
+  auto c1 = od(), c2 = od(), c3 = od();
+  g.matmul(p8_t, d_o, c1);
+  g.pointwise(CUDNN_POINTWISE_MUL, c1, descale_s, c2);
+  g.pointwise(CUDNN_POINTWISE_MUL, c2, descale_do, c3);
+  g.pointwise(CUDNN_POINTWISE_MUL, c3, scale_dv, dv);
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, c3, amax_dv);
+  // dS
+  auto d1 = ss(), d2 = ss(), d3 = ss(), d4 = ss(), d5 = ss(), ds = ss();
+  g.matmul(d_o, vt, d1);
+  g.pointwise(CUDNN_POINTWISE_MUL, d1, descale_do, d2);
+  g.pointwise(CUDNN_POINTWISE_MUL, d2, descale_v, d3);
+  g.pointwise(CUDNN_POINTWISE_SUB, d3, delta, d4);
+  g.pointwise(CUDNN_POINTWISE_MUL, d4, p, d5);
+  g.pointwise(CUDNN_POINTWISE_MUL, d5, attn_scale, ds);
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, ds, amax_ds);
+  auto ds8 = g.virtual_tensor(grad, l.bhss, l.bhss_stride);
+  g.pointwise(CUDNN_POINTWISE_MUL, ds, scale_ds, ds8);
+  // dQ (K seen untransposed; cudnn-frontend leaves this reshape's type at its f32 default)
+  auto k = g.virtual_tensor(f32, l.bhsd, l.heads_stride);
+  g.reshape(kt, k);
+  auto e1 = od(), e2 = od(), e3 = od();
+  g.matmul(ds8, k, e1);
+  g.pointwise(CUDNN_POINTWISE_MUL, e1, descale_ds, e2);
+  g.pointwise(CUDNN_POINTWISE_MUL, e2, descale_k, e3);
+  g.pointwise(CUDNN_POINTWISE_MUL, e3, scale_dq, dq);
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, e3, amax_dq);
+  // dK
+  auto ds8_t = g.virtual_tensor(grad, l.bhss, l.bhss_t_stride);
+  g.reshape(ds8, ds8_t);
+  auto f1 = od(), f2 = od(), f3 = od();
+  g.matmul(ds8_t, q, f1);
+  g.pointwise(CUDNN_POINTWISE_MUL, f1, descale_ds, f2);
+  g.pointwise(CUDNN_POINTWISE_MUL, f2, descale_q, f3);
+  g.pointwise(CUDNN_POINTWISE_MUL, f3, scale_dk, dk);
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, f3, amax_dk);
+}
+
+// A plan variant: the element types and the layout, one bit each.
+int fp8_variant(Fp8Format a, Fp8Format b, Fp8Format c, Fp8Format d, bool token_major) {
+  auto bit = [](Fp8Format f) { return f == Fp8Format::e5m2 ? 1 : 0; };
+  return bit(a) | bit(b) << 1 | bit(c) << 2 | bit(d) << 3 | (token_major ? 1 << 4 : 0);
+}
+
+// ---- the scalars around the graph ------------------------------------------------------------
+
+constexpr int kMaxScalars = 16;
+constexpr int kSlotFloats = 4;  // one scalar per 16 bytes
+
+struct ScalarCopies {
+  const float* src[kMaxScalars];
+  int count;
+};
+
+__global__ void gather_scalars_kernel(float* slots, ScalarCopies c) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < c.count) slots[i * kSlotFloats] = *c.src[i];
+}
+
+// After the graph: out_scale_inv[i] = 1/scale[i]; amax_target[i] = max(target, cuDNN's amax).
+struct Fp8Finish {
+  float* scale_inv[3];
+  const float* scale[3];
+  int outputs;
+  float* amax_target[4];
+  const float* amax[4];
+  int amaxes;
+};
+
+__global__ void finish_fp8_kernel(Fp8Finish f) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < f.outputs) *f.scale_inv[i] = scale_inverse(*f.scale[i]);
+  if (i < f.amaxes && f.amax_target[i]) *f.amax_target[i] = amax_accumulate(*f.amax_target[i], *f.amax[i]);
+}
+
+// Why cuDNN's FP8 attention cannot take this shape at all on this GPU ("" when it may).
+std::string static_refusal_fp8(const AttentionShape& s) {
+  if (s.head_dim != 128)
+    return fmt::format("head dim {}: cuDNN's FP8 attention backward on Hopper takes head dim 128 only", s.head_dim);
+  if (s.seq < 2) return "sequence length 1";
+  return "";
+}
+
+}  // namespace
+
+CudnnPlan& Attention::fp8_forward_plan(const Fp8Forward& a) {
+  return cudnn_->plan(int(Direction::forward_fp8), fp8_variant(a.qkv, a.o_format, a.qkv, a.qkv, a.token_major),
+                      a.shape, [&](GraphBuilder& g) { build_forward_fp8_graph(g, a); });
+}
+
+CudnnPlan& Attention::fp8_backward_plan(const Fp8Backward& a) {
+  return cudnn_->plan(int(Direction::backward_fp8),
+                      fp8_variant(a.qkv, a.o_format, a.dout_format, a.grads, a.token_major), a.shape,
+                      [&](GraphBuilder& g) { build_backward_fp8_graph(g, a); });
+}
+
+std::string Attention::fp8_unsupported_reason(const Fp8Forward& f, const Fp8Backward& b) {
+  if (std::string why = static_refusal_fp8(f.shape); !why.empty()) return why;
+  if (const CudnnPlan& p = fp8_forward_plan(f); !p.refused.empty()) return "forward: " + p.refused;
+  if (const CudnnPlan& p = fp8_backward_plan(b); !p.refused.empty()) return "backward: " + p.refused;
+  return "";
+}
+
+namespace {
+
+// The plan of a call, or an error saying why cuDNN does not run it (no fallback: the reference
+// kernel has no FP8 twin, and a run that asked for FP8 attention must not silently lose it).
+const CudnnPlan& runnable(CudnnPlan& p, const AttentionShape& s, std::string_view op) {
+  if (!p.refused.empty())
+    fail("{}: cuDNN does not run FP8 attention of [B, n, L, D] = [{}, {}, {}, {}] here: {} (set "
+         "fp8_dot_product_attention: false)",
+         op, s.batch, s.heads, s.seq, s.head_dim, p.refused);
+  return p;
+}
+
+void check_static(const AttentionShape& s, std::string_view op) {
+  if (std::string why = static_refusal_fp8(s); !why.empty())
+    fail("{}: [B, n, L, D] = [{}, {}, {}, {}]: {} (set fp8_dot_product_attention: false)", op, s.batch, s.heads,
+         s.seq, s.head_dim, why);
+}
+
+}  // namespace
+
+void Attention::forward_fp8(const Fp8Forward& a) {
+  constexpr std::string_view op = "attention_fp8";
+  const AttentionShape& s = a.shape;
+  if (s.numel() == 0) return;
+  check_static(s, op);
+  const CudnnPlan& p = runnable(fp8_forward_plan(a), s, op);
+  const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
+  const bool stage_stats = !aligned16(a.lse);
+  Regions r;
+  const size_t scalars = r.take(kMaxScalars * kSlotFloats * sizeof(float));
+  const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
+  const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
+  void* base = cudnn_->staging_buffer(r.total);
+  float* slot = at<float>(base, scalars);
+  // Slots 0-5: the scales read; 6, 7: cuDNN's amaxes.
+  const ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, a.descale_s, a.scale_s, a.scale_o}, 6};
+  gather_scalars_kernel<<<1, 32, 0, stream_>>>(slot, copies);
+  FLUX8_LAUNCH_CHECK(gather_scalars_kernel);
+  auto slot_at = [&](int i) { return static_cast<void*>(slot + i * kSlotFloats); };
+  float* stats_ptr = stage_stats ? at<float>(base, stats) : a.lse;
+  float attn_scale = static_cast<float>(a.scale);
+  auto in = [](const uint8_t* p) { return static_cast<void*>(const_cast<uint8_t*>(p)); };
+  cudnn_->execute(p,
+                  {kQ, kK, kV, kO, kStats, kAttnScale, kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO,
+                   kAmaxS, kAmaxO},
+                  {in(a.q), in(a.k), in(a.v), a.o, stats_ptr, &attn_scale, slot_at(0), slot_at(1), slot_at(2),
+                   slot_at(3), slot_at(4), slot_at(5), slot_at(6), slot_at(7)},
+                  at<void>(base, ws));
+  if (stage_stats)
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(a.lse, stats_ptr, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+  Fp8Finish f{};
+  f.scale_inv[0] = a.o_scale_inv;
+  f.scale[0] = a.scale_o;
+  f.outputs = a.o_scale_inv ? 1 : 0;
+  f.amax_target[0] = a.amax_s, f.amax[0] = slot + 6 * kSlotFloats;
+  f.amax_target[1] = a.amax_o, f.amax[1] = slot + 7 * kSlotFloats;
+  f.amaxes = 2;
+  finish_fp8_kernel<<<1, 32, 0, stream_>>>(f);
+  FLUX8_LAUNCH_CHECK(finish_fp8_kernel);
+  count_cudnn_call();
+}
+
+void Attention::backward_fp8(const Fp8Backward& a) {
+  constexpr std::string_view op = "attention_fp8_backward";
+  const AttentionShape& s = a.shape;
+  if (s.numel() == 0) return;
+  check_static(s, op);
+  const CudnnPlan& p = runnable(fp8_backward_plan(a), s, op);
+  const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
+  const bool stage_stats = !aligned16(a.lse);
+  Regions r;
+  const size_t scalars = r.take(kMaxScalars * kSlotFloats * sizeof(float));
+  const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
+  const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
+  void* base = cudnn_->staging_buffer(r.total);
+  float* slot = at<float>(base, scalars);
+  // Slots 0-11: the scales read; 12-15: cuDNN's amaxes of dQ, dK, dV, dS.
+  const ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, a.descale_o, a.descale_dout, a.descale_s,
+                             a.descale_ds, a.scale_s, a.scale_ds, a.scale_dq, a.scale_dk, a.scale_dv},
+                            12};
+  gather_scalars_kernel<<<1, 32, 0, stream_>>>(slot, copies);
+  FLUX8_LAUNCH_CHECK(gather_scalars_kernel);
+  auto slot_at = [&](int i) { return static_cast<void*>(slot + i * kSlotFloats); };
+  float* stats_ptr = stage_stats ? at<float>(base, stats) : const_cast<float*>(a.lse);
+  if (stage_stats)
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(stats_ptr, a.lse, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+  float attn_scale = static_cast<float>(a.scale);
+  auto in = [](const uint8_t* p) { return static_cast<void*>(const_cast<uint8_t*>(p)); };
+  cudnn_->execute(p,
+                  {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kAttnScale, kDescaleQ, kDescaleK, kDescaleV,
+                   kDescaleO, kDescaleDO, kDescaleS, kDescaleDS, kScaleS, kScaleDS, kScaleDQ, kScaleDK, kScaleDV,
+                   kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDS},
+                  {in(a.q), in(a.k), in(a.v), in(a.o), in(a.dout), stats_ptr, a.dq, a.dk, a.dv, &attn_scale,
+                   slot_at(0), slot_at(1), slot_at(2), slot_at(3), slot_at(4), slot_at(5), slot_at(6), slot_at(7),
+                   slot_at(8), slot_at(9), slot_at(10), slot_at(11), slot_at(12), slot_at(13), slot_at(14),
+                   slot_at(15)},
+                  at<void>(base, ws));
+  Fp8Finish f{};
+  f.scale_inv[0] = a.dq_scale_inv, f.scale[0] = a.scale_dq;
+  f.scale_inv[1] = a.dk_scale_inv, f.scale[1] = a.scale_dk;
+  f.scale_inv[2] = a.dv_scale_inv, f.scale[2] = a.scale_dv;
+  f.outputs = 3;
+  float* targets[4] = {a.amax_dq, a.amax_dk, a.amax_dv, a.amax_ds};
+  for (int i = 0; i < 4; ++i) f.amax_target[i] = targets[i], f.amax[i] = slot + (12 + i) * kSlotFloats;
+  f.amaxes = 4;
+  finish_fp8_kernel<<<1, 32, 0, stream_>>>(f);
+  FLUX8_LAUNCH_CHECK(finish_fp8_kernel);
+  count_cudnn_call();
+}
+
+}  // namespace flux8::cuda
+
+// ---- the backend's ops ---------------------------------------------------------------------
+
+namespace flux8 {
+using namespace cuda;
+
+namespace {
+
+// y = x's codes · scale_inv; 4 codes per thread where y is contiguous (the heads' case).
+template <typename T>
+__global__ void dequantize_kernel(MatOf<T> y, const uint8_t* codes, const float* scale_inv, Fp8Format f) {
+  const float s = *scale_inv;
+  const int64_t n = y.rows * y.cols, stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (y.ld == y.cols) {
+    for (int64_t i = first * 4; i < n; i += stride * 4)
+      for (int64_t j = i; j < i + 4 && j < n; ++j) store(y.p[j], dequantize_value(codes[j], s, f));
+    return;
+  }
+  for (int64_t i = first; i < n; i += stride) {
+    const int64_t r = i / y.cols;
+    y.set(r, i - r * y.cols, dequantize_value(codes[i], s, f));
+  }
+}
+
+// FP8 operands go to cuDNN in place: 16-byte aligned, like its tensors.
+void require_aligned(std::string_view op, std::initializer_list<ops::NamedQ> tensors) {
+  for (const ops::NamedQ& t : tensors)
+    if (!aligned16(t.q.codes)) fail("{}: FP8 tensor '{}' is not 16-byte aligned (cuDNN reads it in place)", op, t.name);
+}
+
+AttentionShape shape_of(const ops::AttentionDims& d) { return AttentionShape{d.B, d.n, d.L, d.D}; }
+
+}  // namespace
+
+void CudaBackend::dequantize(Tensor y, const QTensor& x) {
+  ops::check_dequantize("dequantize", y, x);
+  if (x.numel() == 0) return;
+  const unsigned blocks = blocks_for((x.numel() + 3) / 4);
+  if (y.dtype == DType::bf16)
+    dequantize_kernel<<<blocks, kThreads, 0, stream_>>>(mat_of<__nv_bfloat16>(y), x.codes, x.scale_inv, x.format);
+  else
+    dequantize_kernel<<<blocks, kThreads, 0, stream_>>>(mat_of<float>(y), x.codes, x.scale_inv, x.format);
+  FLUX8_LAUNCH_CHECK(dequantize_kernel);
+}
+
+void CudaBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v,
+                                Shape heads, double scale, const Fp8AttentionScales& sc) {
+  constexpr std::string_view op = "attention_fp8";
+  const auto d = ops::check_attention_fp8(op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}}, lse,
+                                          {{"s", sc.s}, {"s_inv", sc.s_inv}, {"o", sc.o}});
+  require_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
+  FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
+  Attention::Fp8Forward a;
+  a.shape = shape_of(d);
+  a.qkv = q.format, a.o_format = o.format, a.scale = scale;
+  a.q = q.codes, a.k = k.codes, a.v = v.codes, a.o = o.codes, a.lse = lse.ptr<float>();
+  a.descale_q = q.scale_inv, a.descale_k = k.scale_inv, a.descale_v = v.scale_inv;
+  a.scale_s = sc.s, a.descale_s = sc.s_inv, a.scale_o = sc.o;
+  a.o_scale_inv = o.scale_inv, a.amax_s = sc.amax_s, a.amax_o = sc.amax_o;
+  attention_->forward_fp8(a);
+}
+
+void CudaBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
+                                         const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
+                                         double scale, const Fp8AttentionScales& sc) {
+  constexpr std::string_view op = "attention_fp8_backward";
+  const auto d = ops::check_attention_fp8(
+      op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}}, lse,
+      {{"s", sc.s}, {"s_inv", sc.s_inv}, {"ds", sc.ds}, {"ds_inv", sc.ds_inv}, {"dq", sc.dq}, {"dk", sc.dk},
+       {"dv", sc.dv}});
+  require_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
+  if (dq.format != dk.format || dq.format != dv.format)
+    fail("{}: dq, dk and dv must share one FP8 format (cuDNN writes them alike)", op);
+  FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
+  Attention::Fp8Backward a;
+  a.shape = shape_of(d);
+  a.qkv = q.format, a.o_format = o.format, a.dout_format = dout.format, a.grads = dq.format, a.scale = scale;
+  a.q = q.codes, a.k = k.codes, a.v = v.codes, a.o = o.codes, a.dout = dout.codes, a.lse = lse.ptr<float>();
+  a.dq = dq.codes, a.dk = dk.codes, a.dv = dv.codes;
+  a.descale_q = q.scale_inv, a.descale_k = k.scale_inv, a.descale_v = v.scale_inv, a.descale_o = o.scale_inv,
+  a.descale_dout = dout.scale_inv;
+  a.scale_s = sc.s, a.descale_s = sc.s_inv, a.scale_ds = sc.ds, a.descale_ds = sc.ds_inv;
+  a.scale_dq = sc.dq, a.scale_dk = sc.dk, a.scale_dv = sc.dv;
+  a.dq_scale_inv = dq.scale_inv, a.dk_scale_inv = dk.scale_inv, a.dv_scale_inv = dv.scale_inv;
+  a.amax_ds = sc.amax_ds, a.amax_dq = sc.amax_dq, a.amax_dk = sc.amax_dk, a.amax_dv = sc.amax_dv;
+  attention_->backward_fp8(a);
+}
+
+}  // namespace flux8
