@@ -5,6 +5,7 @@
 // CPU's o and lse, so each direction is judged on its own. They cannot agree bit for bit:
 // cuDNN's online softmax casts exp(S − running max) to FP8 before dividing by the row sum,
 // the graph (and the CPU) casts the normalised P, so P8 differs by FP8 roundings.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <vector>
@@ -20,6 +21,8 @@ namespace {
 struct Case {
   int64_t B, n, L, D;
   Fp8Format grads;  // dO, dS and dq, dk, dv (E5M2: the hybrid recipe)
+  int64_t zero_do_tokens = 0;  // dO is zero at positions l < this in every head (Flux's last
+                               // single block: the text tokens' output is not used)
   Shape heads() const { return {B, n, L, D}; }
   int64_t rows() const { return B * n * L; }
 };
@@ -33,8 +36,11 @@ std::vector<float> gaussian(uint64_t stream, int64_t n, double std) {
 // An FP8 operand cast on the CPU with current scaling, the same codes and scale on the GPU.
 struct Operand {
   QPair p;
-  Operand(const Case& c, Fp8Format f, uint64_t stream, double std) : p(c.rows(), c.D, f, Fp8Scaling::per_tensor) {
+  Operand(const Case& c, Fp8Format f, uint64_t stream, double std, int64_t zero_tokens = 0)
+      : p(c.rows(), c.D, f, Fp8Scaling::per_tensor) {
     std::vector<float> x = gaussian(stream, c.rows() * c.D, std);
+    for (int64_t r = 0; r < c.rows(); ++r)
+      if (r % c.L < zero_tokens) std::fill_n(x.begin() + r * c.D, c.D, 0.0f);
     Backend::Quantize q;
     q.format = f;
     cpu().quantize(p.host, QTensor{}, Tensor(x.data(), DType::f32, c.heads()), q);
@@ -82,7 +88,7 @@ struct Result {
 Result compare_with_cpu(const Case& c) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
   Operand q(c, Fp8Format::e4m3, 1, 1.0), k(c, Fp8Format::e4m3, 2, 1.0), v(c, Fp8Format::e4m3, 3, 1.0);
-  Operand d_o(c, c.grads, 4, 1e-3);
+  Operand d_o(c, c.grads, 4, 1e-3, c.zero_do_tokens);
   QPair o(c.rows(), c.D, Fp8Format::e4m3, Fp8Scaling::per_tensor);
   QPair dq(c.rows(), c.D, c.grads, Fp8Scaling::per_tensor), dk(c.rows(), c.D, c.grads, Fp8Scaling::per_tensor),
       dv(c.rows(), c.D, c.grads, Fp8Scaling::per_tensor);
@@ -96,7 +102,8 @@ Result compare_with_cpu(const Case& c) {
   r.o = rel_l2(gpu_values(o), cpu_values(o));
   r.lse = gpu_vs_cpu(lse);
   EXPECT_EQ(first_difference(o.dev_scale_bytes(), o.host_scale_bytes(), 4), "") << "o's scale_inv";
-  EXPECT_LT(ratio_error(sc.amax_o.gpu_value(), sc.amax_o.cpu_value()), 0.02)
+  // O's amax from cuDNN's O, whose P8 differs from the CPU's by FP8 roundings (up to 3.3%).
+  EXPECT_LT(ratio_error(sc.amax_o.gpu_value(), sc.amax_o.cpu_value()), 0.06)
       << "amax_o " << sc.amax_o.gpu_value() << " vs " << sc.amax_o.cpu_value();
   // P's amax: the CPU's is the largest normalised probability; what cuDNN reports is printed.
   std::printf("amax_s gpu %g cpu %g, amax_o gpu %g cpu %g\n", sc.amax_s.gpu_value(), sc.amax_s.cpu_value(),
@@ -124,6 +131,10 @@ Result compare_with_cpu(const Case& c) {
   backward(false);
   backward(true);
   gpu().synchronize();
+  for (QPair* p : {&dq, &dk, &dv}) {
+    const std::vector<float> g = gpu_values(*p);
+    EXPECT_EQ(std::count_if(g.begin(), g.end(), [](float x) { return std::isnan(x); }), 0) << "NaN gradient codes";
+  }
   r.dq = rel_l2(gpu_values(dq), cpu_values(dq));
   r.dk = rel_l2(gpu_values(dk), cpu_values(dk));
   r.dv = rel_l2(gpu_values(dv), cpu_values(dv));
@@ -139,23 +150,25 @@ Result compare_with_cpu(const Case& c) {
   return r;
 }
 
-const Case kCases[] = {{1, 2, 77, 128, Fp8Format::e5m2},
-                       {2, 3, 256 + 17, 128, Fp8Format::e5m2},
-                       {1, 4, 1024, 128, Fp8Format::e4m3},
-                       {2, 2, 513, 128, Fp8Format::e4m3}};
+// Sequence lengths that are multiples of 64 (what cuDNN's FP8 backward computes right, header
+// of attention_fp8.cu), dO zero at the first tokens of every head like the text tokens of Flux's
+// last single block, L = 4608 as in W2.
+const Case kCases[] = {{1, 2, 64, 128, Fp8Format::e5m2, 0},     {1, 2, 192, 128, Fp8Format::e5m2, 1},
+                       {2, 3, 256, 128, Fp8Format::e5m2, 200},  {2, 3, 512, 128, Fp8Format::e5m2, 64},
+                       {1, 4, 1024, 128, Fp8Format::e5m2, 0},   {1, 2, 4608, 128, Fp8Format::e5m2, 512}};
 
+// Measured on the H200 over these cases (and others at multiples of 64): o 4.7e-2 - 5.0e-2
+// (about one E4M3 rounding of P and o), lse ≤ 1.4e-5, dq ≤ 2.8e-2, dk ≤ 2.3e-2, dv ≤ 2.0e-2.
 TEST(CudaAttentionFp8, MatchesCpu) {
   FLUX8_REQUIRE_GPU();
   for (const Case& c : kCases) {
     const Result r = compare_with_cpu(c);
     // lse comes from the same FP8 q, k: only summation order differs.
-    EXPECT_LT(r.lse, 1e-5);
-    // FP8-level: P8 rounded at another place (the header) moves o and the gradients by about
-    // one E4M3/E5M2 rounding.
+    EXPECT_LT(r.lse, 5e-5);
     EXPECT_LT(r.o, 0.08);
-    EXPECT_LT(r.dq, 0.15);
-    EXPECT_LT(r.dk, 0.15);
-    EXPECT_LT(r.dv, 0.15);
+    EXPECT_LT(r.dq, 0.06);
+    EXPECT_LT(r.dk, 0.06);
+    EXPECT_LT(r.dv, 0.06);
   }
 }
 
@@ -220,19 +233,32 @@ TEST(CudaAttentionFp8, TokenMajorLayoutGivesTheHeadMajorResult) {
   EXPECT_LT(rel_l2(lse_tm.down(), lse.down()), 1e-6);
 }
 
-TEST(CudaAttentionFp8, RefusesHeadDimsCudnnDoesNotTake) {
+// What cuDNN's FP8 attention computes wrong on the H200 is refused with the reason: head dims
+// other than 128, sequence lengths that are not a multiple of 64 (dQ's last rows came out zero
+// or NaN at L = 77 and 513), E4M3 gradients (NaN dQ rows where dO is zero).
+TEST(CudaAttentionFp8, RefusesWhatCudnnDoesNotComputeRight) {
   FLUX8_REQUIRE_GPU();
-  const Case c{1, 2, 64, 64, Fp8Format::e4m3};
-  Operand q(c, Fp8Format::e4m3, 1, 1.0);
-  QPair o(c.rows(), c.D, Fp8Format::e4m3, Fp8Scaling::per_tensor);
-  Pair lse(Shape{c.rows()});
-  Scales sc;
-  try {
-    gpu().attention_fp8(o.dev, lse.dev, q.p.dev, q.p.dev, q.p.dev, c.heads(), 0.125, sc.on(true));
-    ADD_FAILURE() << "head dim 64 was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("head dim 64"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("fp8_dot_product_attention"), std::string::npos) << e.what();
+  struct Refusal {
+    Case c;
+    const char* says;
+  };
+  for (const Refusal& x : {Refusal{{1, 2, 64, 64, Fp8Format::e5m2}, "head dim 64"},
+                           Refusal{{1, 2, 77, 128, Fp8Format::e5m2}, "sequence length 77"},
+                           Refusal{{1, 2, 64, 128, Fp8Format::e4m3}, "E5M2"}}) {
+    const Case& c = x.c;
+    Operand q(c, Fp8Format::e4m3, 1, 1.0), d_o(c, c.grads, 2, 1.0);
+    QPair o(c.rows(), c.D, Fp8Format::e4m3, Fp8Scaling::per_tensor), dq(c.rows(), c.D, c.grads, Fp8Scaling::per_tensor);
+    Pair lse(Shape{c.rows()});
+    Scales sc;
+    try {
+      gpu().attention_fp8(o.dev, lse.dev, q.p.dev, q.p.dev, q.p.dev, c.heads(), 0.125, sc.on(true));
+      gpu().attention_fp8_backward(dq.dev, dq.dev, dq.dev, d_o.p.dev, q.p.dev, q.p.dev, q.p.dev, o.dev, lse.dev,
+                                   c.heads(), 0.125, sc.on(true));
+      ADD_FAILURE() << x.says << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(x.says), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("fp8_dot_product_attention"), std::string::npos) << e.what();
+    }
   }
 }
 

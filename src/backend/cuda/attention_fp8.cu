@@ -217,11 +217,21 @@ __global__ void finish_fp8_kernel(Fp8Finish f) {
   if (i < f.amaxes && f.amax_target[i]) *f.amax_target[i] = amax_accumulate(*f.amax_target[i], *f.amax[i]);
 }
 
-// Why cuDNN's FP8 attention cannot take this shape at all on this GPU ("" when it may).
-std::string static_refusal_fp8(const AttentionShape& s) {
+// Why cuDNN's FP8 attention cannot take this call on the H200 ("" when it may): what its
+// graphs refuse (head dims other than 128 in the backward) and what they ran but computed wrong
+// in this code's tests (test_cuda_attention_fp8.cpp; cuDNN 9.19): at sequence lengths that are
+// not a multiple of 64 the last query rows' dQ came out zero or NaN, and with E4M3 gradients
+// (dO and dS in E4M3) dQ had NaN rows where dO was zero — rows every Flux step has (the text
+// tokens of the last single block). E5M2 gradients at multiples of 64 matched the CPU twin.
+std::string static_refusal_fp8(const AttentionShape& s, Fp8Format grads) {
   if (s.head_dim != 128)
     return fmt::format("head dim {}: cuDNN's FP8 attention backward on Hopper takes head dim 128 only", s.head_dim);
-  if (s.seq < 2) return "sequence length 1";
+  if (s.seq % 64 != 0)
+    return fmt::format("sequence length {} is not a multiple of 64: cuDNN's FP8 backward gets the last rows' dQ "
+                       "wrong there", s.seq);
+  if (grads != Fp8Format::e5m2)
+    return "E4M3 gradients: cuDNN's FP8 backward gives NaN dQ rows where dO is zero; the gradients (dO, dS, dq, dk, "
+           "dv) must be E5M2 (fp8: hybrid)";
   return "";
 }
 
@@ -239,7 +249,7 @@ CudnnPlan& Attention::fp8_backward_plan(const Fp8Backward& a) {
 }
 
 std::string Attention::fp8_unsupported_reason(const Fp8Forward& f, const Fp8Backward& b) {
-  if (std::string why = static_refusal_fp8(f.shape); !why.empty()) return why;
+  if (std::string why = static_refusal_fp8(f.shape, b.dout_format); !why.empty()) return why;
   if (const CudnnPlan& p = fp8_forward_plan(f); !p.refused.empty()) return "forward: " + p.refused;
   if (const CudnnPlan& p = fp8_backward_plan(b); !p.refused.empty()) return "backward: " + p.refused;
   return "";
@@ -257,8 +267,8 @@ const CudnnPlan& runnable(CudnnPlan& p, const AttentionShape& s, std::string_vie
   return p;
 }
 
-void check_static(const AttentionShape& s, std::string_view op) {
-  if (std::string why = static_refusal_fp8(s); !why.empty())
+void check_static(const AttentionShape& s, Fp8Format grads, std::string_view op) {
+  if (std::string why = static_refusal_fp8(s, grads); !why.empty())
     fail("{}: [B, n, L, D] = [{}, {}, {}, {}]: {} (set fp8_dot_product_attention: false)", op, s.batch, s.heads,
          s.seq, s.head_dim, why);
 }
@@ -269,7 +279,7 @@ void Attention::forward_fp8(const Fp8Forward& a) {
   constexpr std::string_view op = "attention_fp8";
   const AttentionShape& s = a.shape;
   if (s.numel() == 0) return;
-  check_static(s, op);
+  check_static(s, Fp8Format::e5m2, op);  // the forward alone has no gradients
   const CudnnPlan& p = runnable(fp8_forward_plan(a), s, op);
   const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
   const bool stage_stats = !aligned16(a.lse);
@@ -311,7 +321,8 @@ void Attention::backward_fp8(const Fp8Backward& a) {
   constexpr std::string_view op = "attention_fp8_backward";
   const AttentionShape& s = a.shape;
   if (s.numel() == 0) return;
-  check_static(s, op);
+  check_static(s, a.dout_format, op);
+  if (a.grads != a.dout_format) fail("{}: dq, dk, dv must be in dout's format (E5M2)", op);
   const CudnnPlan& p = runnable(fp8_backward_plan(a), s, op);
   const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
   const bool stage_stats = !aligned16(a.lse);
