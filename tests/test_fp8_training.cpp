@@ -76,6 +76,41 @@ TEST(Fp8Training, ResumeIsBitExactWithFp8State) {
   EXPECT_TRUE(std::any_of(scale.begin(), scale.end(), [](float s) { return s != 1.0f; }));
 }
 
+// fp8_dot_product_attention: the attention of every FP8 block in FP8 (the CPU twin of cuDNN's
+// FP8 attention): trains as close to BF16 as the FP8 Linears alone, resumes bit for bit, and
+// its ten delayed-scaling slots per block move and are checkpointed.
+TEST(Fp8Training, Fp8AttentionTrainsResumesAndKeepsItsScales) {
+  const RunDir dir("fp8_attention");
+  const std::vector<std::string> linears = {"train_iters=6", "fp8=hybrid", "fp8_recipe=delayed",
+                                            "fp8_amax_history_len=4"};
+  std::vector<std::string> attention = linears;
+  attention.push_back("fp8_dot_product_attention=true");
+  const TrainResult bf16 = train(dir, "bf16", {"train_iters=6"});
+  const TrainResult fp8 = train(dir, "linears", linears);
+  const TrainResult straight = train(dir, "straight", attention);
+  EXPECT_TRUE(std::isfinite(straight.last_loss));
+  EXPECT_LT(straight.last_val_loss, straight.first_val_loss);
+  EXPECT_NE(straight.last_loss, fp8.last_loss);  // the attention really ran in FP8
+  EXPECT_NEAR(straight.last_val_loss, bf16.last_val_loss, 0.05 * bf16.last_val_loss);
+  train(dir, "resumed", attention, false, 3);
+  const TrainResult b = train(dir, "resumed", attention, true);
+  EXPECT_EQ(b.steps_done, 6);
+  EXPECT_EQ(testing::step_losses(dir.root / "straight" / "metrics.jsonl"),
+            testing::step_losses(dir.root / "resumed" / "metrics.jsonl"));
+  const std::string state = (dir.root / "straight" / "step-0000006" / "fp8_state.safetensors").string();
+  const std::string resumed = (dir.root / "resumed" / "step-0000006" / "fp8_state.safetensors").string();
+  testing::expect_same_tensors(state, resumed);
+  Fp8MetaRegistry reg(4);
+  for (const char* t : {"q", "k", "v", "s", "o"}) reg.add(std::string("double_blocks.0.attn.") + t, Fp8Role::input);
+  for (const char* t : {"do", "ds", "dq", "dk", "dv"})
+    reg.add(std::string("double_blocks.0.attn.") + t, Fp8Role::grad_output);
+  const std::string note = load_fp8_state(reg, state);
+  EXPECT_NE(note.find("10 of 10 tensors restored"), std::string::npos) << note;
+  for (int s = 0; s < reg.size(); ++s) EXPECT_NE(reg.scale(s), 1.0f) << reg.name(s) << ": its scale never moved";
+  // P ≤ 1: its scale is at least E4M3's 448.
+  EXPECT_GE(reg.scale(3), 448.0f);
+}
+
 TEST(Fp8Training, Bf16AndFp8CheckpointsResumeEachOther) {
   const RunDir dir("fp8_cross");
   train(dir, "run", {"train_iters=6"}, false, 3);  // BF16 for 3 steps
@@ -179,8 +214,15 @@ std::string config_error(const std::vector<std::string>& sets) {
 
 TEST(Fp8Config, ImpossibleCombinationsNameTheKeys) {
   EXPECT_NE(config_error({"fp8_recipe=blockwise"}).find("fp8_recipe (--set) is set but fp8 is none"), std::string::npos);
-  EXPECT_NE(config_error({"fp8=hybrid", "fp8_dot_product_attention=true"}).find("fp8_dot_product_attention"),
+  EXPECT_EQ(config_error({"fp8=hybrid", "fp8_dot_product_attention=true"}), "");
+  EXPECT_NE(config_error({"fp8=e4m3", "fp8_dot_product_attention=true"}).find("needs fp8: hybrid"),
             std::string::npos);
+  EXPECT_NE(config_error({"fp8=hybrid", "fp8_recipe=tensorwise", "fp8_dot_product_attention=true"})
+                .find("needs fp8_recipe: delayed"),
+            std::string::npos);
+  EXPECT_NE(config_error({"fp8=hybrid", "fp8_multi_head_attention=true"}).find("fp8_multi_head_attention (--set)"),
+            std::string::npos);
+  EXPECT_NE(config_error({"fp8_dot_product_attention=true"}).find("but fp8 is none"), std::string::npos);
   EXPECT_NE(config_error({"fp8=e4m3", "fp8_recipe=mxfp8", "fp8_margin=2"}).find("fp8_margin (--set) applies to fp8_recipe: delayed only"),
             std::string::npos);
   EXPECT_NE(config_error({"fp8=e4m3", "fp8_scale_rounding=power_of_2"}).find("fp8_scale_rounding"), std::string::npos);

@@ -63,6 +63,12 @@ TEST(Recompute, GivesIdenticalGradientsInFp8OverSteps) {
     SCOPED_TRACE("delayed");
     expect_identical_to_none(cfg, DType::f32, &fp8, 3);
   }
+  fp8.dot_product_attention = true;  // the FP8 q, k, v, o kept, o dequantized for recomputation
+  {
+    SCOPED_TRACE("delayed, FP8 attention");
+    expect_identical_to_none(cfg, DType::f32, &fp8, 3);
+  }
+  fp8.dot_product_attention = false;
   fp8.recipe = Fp8Recipe::blockwise;
   fp8.amax_history_len = 1024;
   fp8.first_last_bf16 = false;

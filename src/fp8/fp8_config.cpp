@@ -52,9 +52,19 @@ Fp8Config Fp8Config::from_config(const Config& c) {
              where(key), fmt, c.source("fp8"), key);
     return f;
   }
-  if (c.get_bool("fp8_dot_product_attention") || c.get_bool("fp8_multi_head_attention"))
-    fail("{} / {}: FP8 attention needs the CUDA backend's cuDNN FP8 attention, which flux8 does not have "
-         "yet; set both to false", where("fp8_dot_product_attention"), where("fp8_multi_head_attention"));
+  f.dot_product_attention = c.get_bool("fp8_dot_product_attention");
+  if (c.get_bool("fp8_multi_head_attention"))
+    fail("{}: FP8 attention with FP8 q, k, v, o passed to and from the Linears around it is not implemented; "
+         "fp8_dot_product_attention: true runs the attention itself in FP8 (bf16 in and out)",
+         where("fp8_multi_head_attention"));
+  if (f.dot_product_attention && f.recipe != Fp8Recipe::delayed)
+    fail("{} needs fp8_recipe: delayed (the softmax, output and gradient casts inside cuDNN's FP8 attention take "
+         "scales from past steps), but the recipe is {} ({})",
+         where("fp8_dot_product_attention"), recipe, c.source("fp8_recipe"));
+  if (f.dot_product_attention && !f.hybrid)
+    fail("{} needs fp8: hybrid: with E4M3 gradients cuDNN's FP8 attention backward gives NaN dQ rows where the "
+         "output gradient is zero (every Flux step has such rows: the text tokens of the last single block)",
+         where("fp8_dot_product_attention"));
   if (f.recipe != Fp8Recipe::delayed)
     for (const char* key : {"fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"})
       if (set(key))
@@ -84,6 +94,7 @@ std::string Fp8Config::describe() const {
     s += fmt::format(", amax history {} ({}), margin {}", amax_history_len, amax_max ? "max" : "most_recent", margin);
   if (power_of_2_scales) s += ", power-of-2 scales";
   if (!wgrad) s += ", BF16 wgrad";
+  if (dot_product_attention) s += ", FP8 attention";
   if (first_last_bf16) s += fmt::format(", first {} / last {} blocks in BF16", bf16_start, bf16_end);
   return s;
 }

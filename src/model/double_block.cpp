@@ -90,8 +90,12 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
   s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
   const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
-  s.o = a.alloc(ht, heads, SlotKind::activation);
+  if (fp8 && p.fp8_attention >= 0) {
+    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, *fp8);
+  } else {
+    if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+    s.o = a.alloc(ht, heads, SlotKind::activation);
+  }
   s.lse = a.alloc(statistics_dtype(t), Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
   return s;
 }
@@ -251,12 +255,29 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
 void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& s, Tensor txt,
                           Tensor img, Tensor txt_out, Tensor img_out) {
   const int64_t Lt = ctx.shape.txt_tokens;
+  // FP8 attention: q, k, v (unless the caller placed them: selective) and o in scratch for this
+  // forward; the block keeps their FP8 casts.
+  const bool fp8_attention = s.att8.defined();
+  const size_t mark = ctx.scratch.mark();
+  const bool own_qkv = fp8_attention && !s.q.defined();
+  if (own_qkv) allocate_heads_qkv(ctx.scratch, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, s.q, s.k, s.v);
+  if (fp8_attention)
+    s.o = ctx.scratch.alloc(ctx.heads_dtype, Shape{ctx.shape.batch, ctx.cfg.num_heads, ctx.shape.tokens(),
+                                                   ctx.cfg.head_dim()},
+                            SlotKind::workspace);
   stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0);
   stream_pre_attention(ctx, p.img, s.img, s, img, Lt);
-  ctx.be.attention(s.o, s.lse, s.q, s.k, s.v,
-                   1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+  if (fp8_attention)
+    fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.o, s.lse, s.q, s.k, s.v);
+  else
+    ctx.be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   stream_post_attention(ctx, p.txt, s.txt, s, txt, txt_out, 0);
   stream_post_attention(ctx, p.img, s.img, s, img, img_out, Lt);
+  if (fp8_attention) {
+    if (own_qkv) s.q = s.k = s.v = Tensor{};
+    s.o = Tensor{};
+    ctx.scratch.release_to(mark);
+  }
 }
 
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
@@ -267,19 +288,29 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   const size_t mark = a.mark();
   Tensor dmod_txt = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
   Tensor dmod_img = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
-  Tensor d_o = a.alloc(ctx.heads_dtype, s.o.shape, SlotKind::workspace), d_q, d_k, d_v;
+  const Shape heads{B, ctx.cfg.num_heads, ctx.shape.tokens(), ctx.cfg.head_dim()};
+  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace), d_q, d_k, d_v;
   allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
 
-  stream_post_attention_backward(ctx, p.txt, s.txt, s, dmod_txt, dtxt, d_o, 0);
-  stream_post_attention_backward(ctx, p.img, s.img, s, dmod_img, dimg, d_o, Lt);
-  const size_t qkv_mark = a.mark();
-  DoubleBlockSaved joint = s;  // views; selective: q, k, v recomputed into scratch
-  if (s.selective) {
-    joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
-    recompute_joint_qkv(ctx, p, joint);
+  DoubleBlockSaved joint = s;  // views; selective: q, k, v (or, FP8 attention, o) rebuilt in scratch
+  const bool fp8_attention = s.att8.defined();
+  if (fp8_attention && s.selective) {  // the projection inputs are recomputed from o
+    joint.o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+    be.dequantize(joint.o, s.att8.o);
   }
-  be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse,
-                        1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+  stream_post_attention_backward(ctx, p.txt, s.txt, joint, dmod_txt, dtxt, d_o, 0);
+  stream_post_attention_backward(ctx, p.img, s.img, joint, dmod_img, dimg, d_o, Lt);
+  const size_t qkv_mark = a.mark();
+  if (fp8_attention) {
+    fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d_q, d_k, d_v, d_o);
+  } else {
+    if (s.selective) {
+      joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
+      recompute_joint_qkv(ctx, p, joint);
+    }
+    be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse,
+                          1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+  }
   a.release_to(qkv_mark);
   stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, 0);
   stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, Lt);
@@ -301,9 +332,12 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M));
+  // FP8 attention: the backward's FP8 dO, dq, dk, dv; the forward's q, k, v, o temporaries
+  // fit in what the backward plans above.
+  if (fp8 && fp8->attentions() > 0) plan_fp8_attention_scratch(a, c, sh);
   if (!selective) return;
-  // Recomputed q, k, v (the forward's buffers for them too) and one recomputed Linear input
-  // with its FP8 cast.
+  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention: the dequantized o)
+  // and one recomputed Linear input with its FP8 cast.
   for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
   plan_recompute_linear_input(a, fp8, B * Lmax, M);

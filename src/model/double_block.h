@@ -2,6 +2,7 @@
 // Double-stream block (DESIGN.md §2): text and image tokens keep separate weights and meet
 // only in one joint attention over cat(txt, img), text first.
 #include "model/block_common.h"
+#include "model/fp8_attention.h"
 
 namespace flux8 {
 
@@ -12,6 +13,7 @@ struct DoubleStreamParams {
 
 struct DoubleBlockParams {
   DoubleStreamParams txt, img;
+  int fp8_attention = -1;  // Fp8Runtime's index of this block's attention when it runs in FP8
   static DoubleBlockParams bind(const ParamStore& store, int64_t index);
   // The block's Linears, for FP8 registration (modulation first in each stream).
   std::vector<LinearSite*> sites();
@@ -39,6 +41,11 @@ struct DoubleStreamSaved {
 struct DoubleBlockSaved {
   DoubleStreamSaved txt, img;
   Tensor q, k, v, o, lse;  // joint attention, head-major [B, n, L, D], after QK-norm and RoPE
+  // FP8 attention (params' fp8_attention >= 0): q, k, v and o are kept as these FP8 casts and
+  // the tensors above are the forward's temporaries (undefined between forward and backward);
+  // selective recomputation then keeps the casts (no q, k, v recompute) and recomputes the
+  // projection input from the dequantized o.
+  Fp8AttentionSaved att8;
   // recompute_granularity: selective. q, k, v and each stream's attn and mlp_g are not kept;
   // the backward recomputes them in scratch (q, k, v from qkv: QK-norm, layout, RoPE; attn from
   // o: layout; mlp_g from mlp_h: GELU) and re-casts the two Linear inputs in FP8.

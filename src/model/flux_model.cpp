@@ -158,16 +158,21 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
     std::vector<LinearSite*> all;
     const int64_t blocks = cfg_.num_blocks();
     int64_t index = 0;
-    auto add_block = [&](std::vector<LinearSite*> sites) {
+    // The block's attention runs in FP8 where its Linears do and fp8_dot_product_attention is
+    // on: `attention` gets its Fp8Runtime index.
+    auto add_block = [&](std::vector<LinearSite*> sites, int& attention, const std::string& name) {
       const bool in_fp8 = fp8->block_in_fp8(index++, blocks);
       for (size_t k = 0; k < sites.size(); ++k) {
         const bool modulation = k == 0 || (sites.size() == 10 && k == 5);  // each stream's first site
         if (in_fp8 && (!modulation || fp8->modulation)) fp8_->add_site(*sites[k]);
         all.push_back(sites[k]);
       }
+      if (in_fp8 && fp8->dot_product_attention) attention = fp8_->add_attention(name + ".attn");
     };
-    for (DoubleBlockParams& p : double_params_) add_block(p.sites());
-    for (SingleBlockParams& p : single_params_) add_block(p.sites());
+    for (size_t i = 0; i < double_params_.size(); ++i)
+      add_block(double_params_[i].sites(), double_params_[i].fp8_attention, fmt::format("double_blocks.{}", i));
+    for (size_t i = 0; i < single_params_.size(); ++i)
+      add_block(single_params_[i].sites(), single_params_[i].fp8_attention, fmt::format("single_blocks.{}", i));
     fp8_->allocate_weight_casts(all);
   }
   // Every Linear weight whose GEMMs run on the backend's weight operand type (all but the FP8

@@ -106,6 +106,53 @@ void Fp8Runtime::add_site(LinearSite& site) {
   stats_.push_back({site.name, {}});
 }
 
+int Fp8Runtime::add_attention(const std::string& name) {
+  pull_state();
+  device_current_ = false;  // the backend copy is re-made with the new slots
+  static constexpr const char* kNames[] = {"q", "k", "v", "s", "o", "do", "ds", "dq", "dk", "dv"};
+  attention_slot_.push_back(registry_.size());
+  for (int t = 0; t < 10; ++t)
+    registry_.add(name + "." + kNames[t], t < static_cast<int>(AttentionTensor::dout) ? Fp8Role::input
+                                                                                       : Fp8Role::grad_output);
+  return attentions() - 1;
+}
+
+Fp8Format Fp8Runtime::attention_format(AttentionTensor t) const {
+  return t < AttentionTensor::dout ? format(Operand::input) : format(Operand::grad_output);
+}
+
+Backend::Quantize Fp8Runtime::attention_cast(int index, AttentionTensor t) {
+  FLUX8_CHECK(cfg_.recipe == Fp8Recipe::delayed, "FP8 attention runs with the delayed recipe only");
+  push_state();
+  const int slot = attention_slot_[static_cast<size_t>(index)] + static_cast<int>(t);
+  Backend::Quantize q;
+  q.format = attention_format(t);
+  q.delayed_scale = scale_dev_.ptr<float>() + slot;
+  q.amax = recording_ ? history_dev_.ptr<float>() + slot : scratch_amax_dev_.ptr<float>();
+  if (recording_) host_current_ = false;
+  return q;
+}
+
+Backend::Fp8AttentionScales Fp8Runtime::attention_scales(int index) {
+  FLUX8_CHECK(cfg_.recipe == Fp8Recipe::delayed, "FP8 attention runs with the delayed recipe only");
+  push_state();
+  const int first = attention_slot_[static_cast<size_t>(index)];
+  auto scale = [&](AttentionTensor t) { return scale_dev_.ptr<float>() + first + static_cast<int>(t); };
+  auto inverse = [&](AttentionTensor t) { return scale_inv_dev_.ptr<float>() + first + static_cast<int>(t); };
+  auto amax = [&](AttentionTensor t) {
+    return recording_ ? history_dev_.ptr<float>() + first + static_cast<int>(t) : scratch_amax_dev_.ptr<float>();
+  };
+  using T = AttentionTensor;
+  Backend::Fp8AttentionScales sc;
+  sc.s = scale(T::s), sc.s_inv = inverse(T::s), sc.o = scale(T::o);
+  sc.ds = scale(T::ds), sc.ds_inv = inverse(T::ds);
+  sc.dq = scale(T::dq), sc.dk = scale(T::dk), sc.dv = scale(T::dv);
+  sc.amax_s = amax(T::s), sc.amax_o = amax(T::o), sc.amax_ds = amax(T::ds);
+  sc.amax_dq = amax(T::dq), sc.amax_dk = amax(T::dk), sc.amax_dv = amax(T::dv);
+  if (recording_) host_current_ = false;
+  return sc;
+}
+
 Fp8Format Fp8Runtime::format(Operand o) const {
   return o == Operand::grad_output && cfg_.hybrid ? Fp8Format::e5m2 : Fp8Format::e4m3;
 }

@@ -78,6 +78,19 @@ class Fp8Runtime {
   // The FP8 sites, as allocate_weight_casts found them.
   const std::vector<LinearSite*>& sites() const { return sites_; }
 
+  // FP8 attention (fp8_dot_product_attention): one attention's ten delayed-scaling slots —
+  // `name`.q, .k, .v, .s (the softmax P), .o as forward tensors (E4M3), .do, .ds (the scores'
+  // gradient), .dq, .dk, .dv as gradients (E5M2 in hybrid) — registered; returns its index.
+  enum class AttentionTensor : uint8_t { q, k, v, s, o, dout, ds, dq, dk, dv };
+  int add_attention(const std::string& name);
+  int attentions() const { return static_cast<int>(attention_slot_.size()); }
+  Fp8Format attention_format(AttentionTensor t) const;
+  // The delayed cast of attention `index`'s q, k, v (forward) or dout (backward); its amax is
+  // recorded while recording() (else it goes to a scratch float).
+  Backend::Quantize attention_cast(int index, AttentionTensor t);
+  // The scales of P, o, dS, dq, dk, dv and where their amaxes go, for Backend::attention_fp8.
+  Backend::Fp8AttentionScales attention_scales(int index);
+
   Fp8Format format(Operand o) const;
   Fp8Scaling scaling(Operand o) const;
   Backend::Quantize quantize_args(const LinearSite& site, Operand o);
@@ -122,6 +135,7 @@ class Fp8Runtime {
   std::vector<SiteStats> stats_, last_stats_;
   std::vector<int> first_slot_;  // registry slot of the site's input (weight +1, grad +2)
   std::vector<LinearSite*> sites_;  // those with weight casts (allocate_weight_casts)
+  std::vector<int> attention_slot_;  // registry slot of each attention's q (k +1, ..., dv +9)
   Arena weight_arena_;
   int64_t weight_version_ = 0;
   bool recording_ = true;

@@ -36,8 +36,12 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.q_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
   const Shape heads{B, n, L, c.head_dim()};
-  if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
-  s.o = a.alloc(ht, heads, SlotKind::activation);
+  if (fp8 && p.fp8_attention >= 0) {
+    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, *fp8);
+  } else {
+    if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+    s.o = a.alloc(ht, heads, SlotKind::activation);
+  }
   s.lse = a.alloc(st, Shape{B, n, L}, SlotKind::statistic);
   if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
@@ -53,6 +57,7 @@ namespace {
 // Selective: linear2's input as single_block_forward made it — the attention output in token
 // layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
 SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
+  // (s.o: with FP8 attention the caller's dequantized copy)
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M},
                                        SlotKind::workspace);
@@ -92,10 +97,24 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
   const Tensor cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
   site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(H, M), s.u, ln, s.zm, ctx.dtype);
 
+  // FP8 attention: q, k, v (unless the caller placed them: selective) and o in scratch for this
+  // forward; the block keeps their FP8 casts.
+  const bool fp8_attention = s.att8.defined(), own_qkv = fp8_attention && !s.q.defined();
+  if (own_qkv) allocate_heads_qkv(ctx.scratch, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, s.q, s.k, s.v);
+  if (fp8_attention)
+    s.o = ctx.scratch.alloc(ctx.heads_dtype, Shape{ctx.shape.batch, ctx.cfg.num_heads, ctx.shape.tokens(),
+                                                   ctx.cfg.head_dim()},
+                            SlotKind::workspace);
   qkv_to_heads(ctx, p, s, s.q_rstd, s.k_rstd);
-  be.attention(s.o, s.lse, s.q, s.k, s.v,
-               1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+  if (fp8_attention)
+    fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.o, s.lse, s.q, s.k, s.v);
+  else
+    be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
+  if (fp8_attention) {
+    if (own_qkv) s.q = s.k = s.v = Tensor{};
+    s.o = Tensor{};
+  }
   site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
   be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
   ctx.scratch.release_to(outer);
@@ -112,25 +131,35 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
   Tensor d_attn = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);  // linear2's input gradient, attention part
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
-  Tensor d_o = a.alloc(ctx.heads_dtype, s.o.shape, SlotKind::workspace), d_q, d_k, d_v;
+  const Shape heads{B, ctx.cfg.num_heads, L, ctx.cfg.head_dim()};
+  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace), d_q, d_k, d_v;
   allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
+  SingleBlockSaved r = s;  // views; selective: q, k, v (or, FP8 attention, o) rebuilt in scratch
+  const bool fp8_attention = s.att8.defined();
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
   // linear2's dgrad writes the attention part of its input's gradient and, GELU's backward in
   // its epilogue, the MLP part of d_u.
   const size_t cat_mark = a.mark();
-  const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, s) : s.cat;
+  if (fp8_attention && s.selective) {  // linear2's input is recomputed from o
+    r.o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
+    be.dequantize(r.o, s.att8.o);
+  }
+  const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
   site_backward_gelu(be, ctx.fp8, a, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h, cat);
   a.release_to(cat_mark);
   be.tokens_to_heads(d_o, d_attn, 0);
   const size_t qkv_mark = a.mark();
-  SingleBlockSaved r = s;  // views; selective: q, k, v recomputed into scratch
-  if (s.selective) {
-    r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
-    recompute_qkv(ctx, p, r);
+  if (fp8_attention) {
+    fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d_q, d_k, d_v, d_o);
+  } else {
+    if (s.selective) {
+      r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
+      recompute_qkv(ctx, p, r);
+    }
+    be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse,
+                          1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   }
-  be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse,
-                        1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   a.release_to(qkv_mark);
   p.q_norm.prepare_grad();
   p.k_norm.prepare_grad();
@@ -156,9 +185,12 @@ void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * L, 3 * H + M);
+  // FP8 attention: the backward's FP8 dO, dq, dk, dv; the forward's q, k, v, o temporaries fit
+  // in what is planned above.
+  if (fp8 && fp8->attentions() > 0) plan_fp8_attention_scratch(a, c, sh);
   if (!selective) return;
-  // Recomputed q, k, v (the forward's buffers for them too) and the recomputed cat with its
-  // FP8 cast.
+  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention: the dequantized o)
+  // and the recomputed cat with its FP8 cast.
   for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);
   plan_recompute_linear_input(a, fp8, B * L, H + M);

@@ -3,12 +3,14 @@
 // Linear gives [q | k | v | mlp], attention and the MLP branch run in parallel, and one
 // Linear maps cat(attention, GELU(mlp)) back to H.
 #include "model/block_common.h"
+#include "model/fp8_attention.h"
 
 namespace flux8 {
 
 struct SingleBlockParams {
   LinearSite mod, linear1, linear2;
   ScaleParam q_norm, k_norm;
+  int fp8_attention = -1;  // Fp8Runtime's index of this block's attention when it runs in FP8
   static SingleBlockParams bind(const ParamStore& store, int64_t index);
   std::vector<LinearSite*> sites() { return {&mod, &linear1, &linear2}; }
 };
@@ -22,6 +24,7 @@ struct SingleBlockSaved {
   Tensor u;                     // linear1 output [B, L, 3H + M]
   Tensor q_rstd, k_rstd;
   Tensor q, k, v, o, lse;       // head-major, after QK-norm and RoPE
+  Fp8AttentionSaved att8;       // FP8 attention: as DoubleBlockSaved::att8
   SavedLinearInput cat;         // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
   Tensor out;                   // linear2 output (gate gradient)
   // recompute_granularity: selective. q, k, v and cat are not kept; the backward recomputes
