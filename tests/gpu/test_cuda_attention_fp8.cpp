@@ -177,7 +177,7 @@ TEST(CudaAttentionFp8, MatchesCpu) {
 // strides are described right.
 TEST(CudaAttentionFp8, TokenMajorLayoutGivesTheHeadMajorResult) {
   FLUX8_REQUIRE_GPU();
-  const Case c{2, 3, 200, 128, Fp8Format::e5m2};
+  const Case c{2, 3, 192, 128, Fp8Format::e5m2};
   Operand q(c, Fp8Format::e4m3, 1, 1.0), k(c, Fp8Format::e4m3, 2, 1.0), v(c, Fp8Format::e4m3, 3, 1.0);
   QPair o(c.rows(), c.D, Fp8Format::e4m3, Fp8Scaling::per_tensor), o_tm(c.rows(), c.D, Fp8Format::e4m3,
                                                                            Fp8Scaling::per_tensor);
@@ -264,8 +264,11 @@ TEST(CudaAttentionFp8, RefusesWhatCudnnDoesNotComputeRight) {
 
 TEST(CudaAttentionFp8, DequantizeMatchesCpu) {
   FLUX8_REQUIRE_GPU();
-  for (const Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
-    const Case c{1, 3, 37, 24, f};
+  // 3·37·32 codes (a multiple of 16: the 16-code path on the contiguous bf16 output) and 5·7·8
+  // (not: one code per thread), each into a padded f32 output (one code per thread) too.
+  for (const Case& c : {Case{1, 3, 37, 32, Fp8Format::e4m3}, Case{1, 3, 37, 32, Fp8Format::e5m2},
+                        Case{1, 5, 7, 8, Fp8Format::e4m3}}) {
+    const Fp8Format f = c.grads;
     Operand x(c, f, 7, 3.0);
     Pair y(Shape{c.rows(), c.D}, 5);  // padded rows: any ld
     Bf16Dev yb(Shape{c.rows(), c.D});
