@@ -78,7 +78,7 @@ TEST(Fp8Training, ResumeIsBitExactWithFp8State) {
 
 // fp8_dot_product_attention: the attention of every FP8 block in FP8 (the CPU twin of cuDNN's
 // FP8 attention): trains as close to BF16 as the FP8 Linears alone, resumes bit for bit, and
-// its ten delayed-scaling slots per block move and are checkpointed.
+// its nine delayed-scaling slots per block move and are checkpointed.
 TEST(Fp8Training, Fp8AttentionTrainsResumesAndKeepsItsScales) {
   const RunDir dir("fp8_attention");
   const std::vector<std::string> linears = {"train_iters=6", "fp8=hybrid", "fp8_recipe=delayed",
@@ -101,14 +101,12 @@ TEST(Fp8Training, Fp8AttentionTrainsResumesAndKeepsItsScales) {
   const std::string resumed = (dir.root / "resumed" / "step-0000006" / "fp8_state.safetensors").string();
   testing::expect_same_tensors(state, resumed);
   Fp8MetaRegistry reg(4);
-  for (const char* t : {"q", "k", "v", "s", "o"}) reg.add(std::string("double_blocks.0.attn.") + t, Fp8Role::input);
+  for (const char* t : {"q", "k", "v", "o"}) reg.add(std::string("double_blocks.0.attn.") + t, Fp8Role::input);
   for (const char* t : {"do", "ds", "dq", "dk", "dv"})
     reg.add(std::string("double_blocks.0.attn.") + t, Fp8Role::grad_output);
   const std::string note = load_fp8_state(reg, state);
-  EXPECT_NE(note.find("10 of 10 tensors restored"), std::string::npos) << note;
+  EXPECT_NE(note.find("9 of 9 tensors restored"), std::string::npos) << note;
   for (int s = 0; s < reg.size(); ++s) EXPECT_NE(reg.scale(s), 1.0f) << reg.name(s) << ": its scale never moved";
-  // P ≤ 1: its scale is at least E4M3's 448.
-  EXPECT_GE(reg.scale(3), 448.0f);
 }
 
 TEST(Fp8Training, Bf16AndFp8CheckpointsResumeEachOther) {

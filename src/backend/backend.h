@@ -356,7 +356,9 @@ class Backend {
   // not recorded). Scales and amaxes point into this backend's memory. The CUDA backend runs
   // cuDNN's FP8 graphs (Hopper: head dim 128; an unsupported call is an error saying why).
   struct Fp8AttentionScales {
-    const float* s = nullptr;       // P's scale and its inverse
+    // P's scale and its inverse. cuDNN's kernels cast exp(S − running max), which is 1 somewhere
+    // in every row, not the normalised P: a scale above the format's largest value saturates.
+    const float* s = nullptr;
     const float* s_inv = nullptr;
     const float* o = nullptr;       // forward output
     const float* ds = nullptr;      // dS's scale and its inverse

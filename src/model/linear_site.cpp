@@ -42,7 +42,7 @@ Fp8Runtime::~Fp8Runtime() {
 }
 
 void Fp8Runtime::release_state() {
-  for (Tensor* t : {&history_dev_, &scale_dev_, &scale_inv_dev_, &fp8_max_dev_, &scratch_amax_dev_}) {
+  for (Tensor* t : {&history_dev_, &scale_dev_, &scale_inv_dev_, &fp8_max_dev_, &scratch_amax_dev_, &p_scale_dev_}) {
     if (t->defined()) be_.release(t->data);
     *t = Tensor{};
   }
@@ -83,6 +83,9 @@ void Fp8Runtime::push_state() {
     scale_inv_dev_ = alloc(Shape{n});
     fp8_max_dev_ = alloc(Shape{n});
     scratch_amax_dev_ = alloc(Shape{1});
+    p_scale_dev_ = alloc(Shape{2});
+    const float p_scale[2] = {fp8_max(format(Operand::input)), scale_inverse(fp8_max(format(Operand::input)))};
+    be_.upload(p_scale_dev_.data, p_scale, sizeof(p_scale));
     std::vector<float> fmax(static_cast<size_t>(n));
     for (int s = 0; s < n; ++s)
       fmax[static_cast<size_t>(s)] = fp8_max(registry_.role(s) == Fp8Role::grad_output ? format(Operand::grad_output)
@@ -109,9 +112,9 @@ void Fp8Runtime::add_site(LinearSite& site) {
 int Fp8Runtime::add_attention(const std::string& name) {
   pull_state();
   device_current_ = false;  // the backend copy is re-made with the new slots
-  static constexpr const char* kNames[] = {"q", "k", "v", "s", "o", "do", "ds", "dq", "dk", "dv"};
+  static constexpr const char* kNames[] = {"q", "k", "v", "o", "do", "ds", "dq", "dk", "dv"};
   attention_slot_.push_back(registry_.size());
-  for (int t = 0; t < 10; ++t)
+  for (int t = 0; t < 9; ++t)
     registry_.add(name + "." + kNames[t], t < static_cast<int>(AttentionTensor::dout) ? Fp8Role::input
                                                                                        : Fp8Role::grad_output);
   return attentions() - 1;
@@ -144,10 +147,10 @@ Backend::Fp8AttentionScales Fp8Runtime::attention_scales(int index) {
   };
   using T = AttentionTensor;
   Backend::Fp8AttentionScales sc;
-  sc.s = scale(T::s), sc.s_inv = inverse(T::s), sc.o = scale(T::o);
+  sc.s = p_scale_dev_.ptr<float>(), sc.s_inv = p_scale_dev_.ptr<float>() + 1, sc.o = scale(T::o);
   sc.ds = scale(T::ds), sc.ds_inv = inverse(T::ds);
   sc.dq = scale(T::dq), sc.dk = scale(T::dk), sc.dv = scale(T::dv);
-  sc.amax_s = amax(T::s), sc.amax_o = amax(T::o), sc.amax_ds = amax(T::ds);
+  sc.amax_o = amax(T::o), sc.amax_ds = amax(T::ds);
   sc.amax_dq = amax(T::dq), sc.amax_dk = amax(T::dk), sc.amax_dv = amax(T::dv);
   if (recording_) host_current_ = false;
   return sc;

@@ -78,10 +78,11 @@ class Fp8Runtime {
   // The FP8 sites, as allocate_weight_casts found them.
   const std::vector<LinearSite*>& sites() const { return sites_; }
 
-  // FP8 attention (fp8_dot_product_attention): one attention's ten delayed-scaling slots —
-  // `name`.q, .k, .v, .s (the softmax P), .o as forward tensors (E4M3), .do, .ds (the scores'
-  // gradient), .dq, .dk, .dv as gradients (E5M2 in hybrid) — registered; returns its index.
-  enum class AttentionTensor : uint8_t { q, k, v, s, o, dout, ds, dq, dk, dv };
+  // FP8 attention (fp8_dot_product_attention): one attention's nine delayed-scaling slots —
+  // `name`.q, .k, .v, .o as forward tensors (E4M3), .do, .ds (the scores' gradient), .dq, .dk,
+  // .dv as gradients (E5M2 in hybrid) — registered; returns its index. The softmax P has no
+  // slot: its scale is fixed at the format's largest value (attention_scales).
+  enum class AttentionTensor : uint8_t { q, k, v, o, dout, ds, dq, dk, dv };
   int add_attention(const std::string& name);
   int attentions() const { return static_cast<int>(attention_slot_.size()); }
   Fp8Format attention_format(AttentionTensor t) const;
@@ -89,6 +90,10 @@ class Fp8Runtime {
   // recorded while recording() (else it goes to a scratch float).
   Backend::Quantize attention_cast(int index, AttentionTensor t);
   // The scales of P, o, dS, dq, dk, dv and where their amaxes go, for Backend::attention_fp8.
+  // P's scale is the forward format's largest value, not a delayed one: cuDNN's online softmax
+  // casts exp(S − running max), which reaches 1 in every row whatever the normalised P's amax,
+  // so a scale from that amax (448/amax > 448) saturated them (measured: a GPU model run 0.39
+  // off its CPU twin, whose casts of the normalised P did not saturate).
   Backend::Fp8AttentionScales attention_scales(int index);
 
   Fp8Format format(Operand o) const;
@@ -135,7 +140,7 @@ class Fp8Runtime {
   std::vector<SiteStats> stats_, last_stats_;
   std::vector<int> first_slot_;  // registry slot of the site's input (weight +1, grad +2)
   std::vector<LinearSite*> sites_;  // those with weight casts (allocate_weight_casts)
-  std::vector<int> attention_slot_;  // registry slot of each attention's q (k +1, ..., dv +9)
+  std::vector<int> attention_slot_;  // registry slot of each attention's q (k +1, ..., dv +8)
   Arena weight_arena_;
   int64_t weight_version_ = 0;
   bool recording_ = true;
@@ -148,6 +153,7 @@ class Fp8Runtime {
   void pull_state() const;  // backend -> host mirror, when the host copy is not current
   void release_state();
   Tensor history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_, scratch_amax_dev_;
+  Tensor p_scale_dev_;  // FP8 attention: P's fixed scale and its inverse
   bool device_current_ = false;       // the backend copy equals the host mirror
   mutable bool host_current_ = true;  // the host mirror equals the backend copy
 };
