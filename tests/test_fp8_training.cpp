@@ -87,16 +87,33 @@ TEST(Fp8Training, Fp8AttentionTrainsResumesAndKeepsItsScales) {
   attention.push_back("fp8_dot_product_attention=true");
   const TrainResult bf16 = train(dir, "bf16", {"train_iters=6"});
   const TrainResult fp8 = train(dir, "linears", linears);
-  const TrainResult straight = train(dir, "straight", attention);
+  std::vector<std::string> reported = attention;
+  reported.push_back("fp8_stats_interval=3");
+  const TrainResult straight = train(dir, "straight", reported);
   EXPECT_TRUE(std::isfinite(straight.last_loss));
   EXPECT_LT(straight.last_val_loss, straight.first_val_loss);
   EXPECT_NE(straight.last_loss, fp8.last_loss);  // the attention really ran in FP8
   EXPECT_NEAR(straight.last_val_loss, bf16.last_val_loss, 0.05 * bf16.last_val_loss);
-  train(dir, "resumed", attention, false, 3);
-  const TrainResult b = train(dir, "resumed", attention, true);
+  train(dir, "resumed", reported, false, 3);
+  const TrainResult b = train(dir, "resumed", reported, true);
   EXPECT_EQ(b.steps_done, 6);
   EXPECT_EQ(testing::step_losses(dir.root / "straight" / "metrics.jsonl"),
             testing::step_losses(dir.root / "resumed" / "metrics.jsonl"));
+  // The telemetry records each attention tensor's amax and scale.
+  std::ifstream in(dir.root / "straight" / "metrics.jsonl");
+  std::string line;
+  int attention_records = 0;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("fp8")) continue;
+    for (const auto& t : j["fp8"])
+      if (t["role"] == "attention" && t["tensor"] == "double_blocks.0.attn.o") {
+        ++attention_records;
+        EXPECT_GT(t["amax"].get<double>(), 0.0);
+        EXPECT_GT(t["scale"].get<double>(), 1.0);  // O's amax is below E4M3's 448
+      }
+  }
+  EXPECT_EQ(attention_records, 2);  // steps 3 and 6
   const std::string state = (dir.root / "straight" / "step-0000006" / "fp8_state.safetensors").string();
   const std::string resumed = (dir.root / "resumed" / "step-0000006" / "fp8_state.safetensors").string();
   testing::expect_same_tensors(state, resumed);

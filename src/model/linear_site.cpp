@@ -114,7 +114,7 @@ int Fp8Runtime::add_attention(const std::string& name) {
   device_current_ = false;  // the backend copy is re-made with the new slots
   static constexpr const char* kNames[] = {"q", "k", "v", "o", "do", "ds", "dq", "dk", "dv"};
   attention_slot_.push_back(registry_.size());
-  for (int t = 0; t < 9; ++t)
+  for (int t = 0; t < kAttentionSlots; ++t)
     registry_.add(name + "." + kNames[t], t < static_cast<int>(AttentionTensor::dout) ? Fp8Role::input
                                                                                        : Fp8Role::grad_output);
   return attentions() - 1;

@@ -85,6 +85,9 @@ class Fp8Runtime {
   enum class AttentionTensor : uint8_t { q, k, v, o, dout, ds, dq, dk, dv };
   int add_attention(const std::string& name);
   int attentions() const { return static_cast<int>(attention_slot_.size()); }
+  // Registry slot of attention `index`'s q; its other tensors follow in AttentionTensor order.
+  int attention_first_slot(int index) const { return attention_slot_[static_cast<size_t>(index)]; }
+  static constexpr int kAttentionSlots = 9;
   Fp8Format attention_format(AttentionTensor t) const;
   // The delayed cast of attention `index`'s q, k, v (forward) or dout (backward); its amax is
   // recorded while recording() (else it goes to a scratch float).
