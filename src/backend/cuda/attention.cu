@@ -194,11 +194,6 @@ void build_backward_graph(GraphBuilder& g, const AttentionShape& s, bool determi
   }
 }
 
-}  // namespace
-
-namespace {
-
-
 // Why cuDNN's flash attention cannot take this shape at all ("" when it may).
 std::string static_refusal(const AttentionShape& s) {
   if (s.head_dim % 8 != 0 || s.head_dim > 256)
