@@ -94,6 +94,30 @@ TEST(Recompute, FullKeepsOneBlockOfActivations) {
   EXPECT_GT(full.gpu_bytes(false), 0.0);
 }
 
+// fp8_dot_product_attention keeps each block's q, k, v and o as FP8 codes (1 byte) in place of
+// bf16 heads: without recomputation 4 heads fewer bf16 elements, with selective (which kept
+// only o and recomputed q, k, v) q, k, v kept as well; Linear inputs unchanged.
+TEST(Recompute, Fp8AttentionKeepsFp8Heads) {
+  FluxConfig cfg = odd_config(2, 3, true);
+  const StepShape sh{2, 16, 64};
+  const int64_t heads = sh.batch * sh.tokens() * cfg.hidden_size;  // B·n·L·D of one head tensor
+  const int64_t blocks = cfg.num_double_blocks + cfg.num_single_blocks;
+  for (Recompute rc : {Recompute::none, Recompute::selective}) {
+    const ActivationEstimate e = FluxModel::estimate_activations(cfg, sh, rc);
+    auto kept = [](const ArenaUsage& u, SlotKind k) { return u.elements[static_cast<int>(k)]; };
+    const int64_t bf16_heads = rc == Recompute::none ? 4 : 1;
+    EXPECT_EQ(kept(e.saved, SlotKind::activation) - kept(e.saved_fp8_attention, SlotKind::activation),
+              blocks * bf16_heads * heads);
+    EXPECT_EQ(kept(e.saved_fp8_attention, SlotKind::fp8_heads), blocks * 4 * heads);
+    EXPECT_EQ(kept(e.saved, SlotKind::fp8_heads), 0);
+    EXPECT_EQ(kept(e.saved, SlotKind::linear_input), kept(e.saved_fp8_attention, SlotKind::linear_input));
+    // bytes: bf16 heads out, FP8 heads and their four f32 scale_inv in
+    EXPECT_EQ(e.gpu_bytes(true) - e.gpu_bytes(true, true),
+              static_cast<double>(blocks * ((2 * bf16_heads - 4) * heads - 4 * 4)));
+    EXPECT_EQ(e.gpu_bytes(false, true), e.gpu_bytes(false));  // BF16 runs have no FP8 attention
+  }
+}
+
 TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
   FluxConfig cfg = odd_config(4, 8, true);
   const StepShape sh{2, 16, 64};

@@ -220,8 +220,9 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   r.device_used_gib = static_cast<double>(mu.device_used) / 1073741824.0;
   // The estimate in the storage type the step ran with (flux8 info's "today" column).
   const ActivationEstimate est = FluxModel::estimate_activations(cfg, sh, spec.recompute);
-  r.activation_gib = (be.activation_dtype(DType::f32) == DType::bf16 ? est.gpu_bytes(spec.fp8.enabled)
-                                                                     : est.f32_bytes(spec.fp8.enabled)) /
+  const bool bf16_storage = be.activation_dtype(DType::f32) == DType::bf16;
+  r.activation_gib = (bf16_storage ? est.gpu_bytes(spec.fp8.enabled, spec.fp8.dot_product_attention)
+                                   : est.f32_bytes(spec.fp8.enabled)) /
                      1073741824.0;
   return r;
 }

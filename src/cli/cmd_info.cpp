@@ -61,6 +61,8 @@ Command add_info_command(CLI::App& app) {
     const std::string recompute = config.get_string("recompute_granularity");
     const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape, recompute_from_name(recompute));
     const bool bf16_storage = config.get_string("activation_precision") == "bf16";
+    // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
+    const bool fp8_attention = config.get_bool("fp8_dot_product_attention");
 
     // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B,
     // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
@@ -77,8 +79,9 @@ Command add_info_command(CLI::App& app) {
         {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
         {"fp32 gradients", 4 * P, 4 * P, 4 * P, 4 * P},
         {"AdamW moments (fp32)", 8 * P, 8 * P, 8 * P, 8 * P},
-        {"activations", act.gpu_bytes(false), act.gpu_bytes(true), bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
-         bf16_storage ? act.gpu_bytes(true) : act.f32_bytes(true)},
+        {"activations", act.gpu_bytes(false), act.gpu_bytes(true, fp8_attention),
+         bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
+         bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},
     };
     Row total{"total", 0, 0, 0, 0};
     for (const Row& r : rows) {
@@ -96,6 +99,7 @@ Command add_info_command(CLI::App& app) {
       j["text_tokens"] = shape.txt_tokens;
       j["image_tokens"] = shape.img_tokens;
       j["recompute_granularity"] = recompute;
+      j["fp8_dot_product_attention"] = fp8_attention;
       j["flops_per_sample"] = {{"forward", per_sample.forward()}, {"training", per_sample.training()}};
       j["flops_per_step"] = {{"forward", per_step.forward()}, {"training", per_step.training()}};
       for (const Row& r : rows) {
@@ -133,6 +137,9 @@ Command add_info_command(CLI::App& app) {
                "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
                "   optimizer sharding; see docs/MEMORY.md)\n",
                bf16_storage ? "bf16" : "f32", recompute);
+    if (fp8_attention)
+      fmt::print("  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
+                 "   codes, 1 byte per element)\n");
     return 0;
   }};
 }

@@ -15,7 +15,7 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 double ArenaUsage::bytes(double element_bytes, bool fp8_linear_inputs) const {
   return static_cast<double>(elements[0]) * (fp8_linear_inputs ? 1.0 : element_bytes) +
          static_cast<double>(elements[1]) * element_bytes + static_cast<double>(elements[2]) * 4.0 +
-         static_cast<double>(elements[3]) * element_bytes;
+         static_cast<double>(elements[3]) * element_bytes + static_cast<double>(elements[4]);
 }
 
 Arena::~Arena() {

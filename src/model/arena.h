@@ -19,10 +19,11 @@ enum class SlotKind : uint8_t {
   activation,    // other saved activations (bf16 on the GPU)
   statistic,     // per-row statistics: LayerNorm mean/rstd, RMS rstd, softmax lse (fp32)
   workspace,     // temporaries of one block's backward
+  fp8_heads,     // attention heads kept as FP8 codes (fp8_dot_product_attention): 1 byte
 };
 
 struct ArenaUsage {
-  int64_t elements[4] = {0, 0, 0, 0};  // per SlotKind
+  int64_t elements[5] = {0, 0, 0, 0, 0};  // per SlotKind
   // Bytes if activations were stored as on the GPU: bf16 everywhere, or FP8 (1 byte) for
   // linear inputs; statistics fp32 (activation_precision: bf16; with f32: bytes(4, ...)).
   double gpu_bytes(bool fp8_linear_inputs) const { return bytes(2.0, fp8_linear_inputs); }

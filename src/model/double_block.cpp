@@ -90,8 +90,8 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
   s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
   const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
-  if (fp8 && p.fp8_attention >= 0) {
-    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, *fp8);
+  if (p.fp8_attention >= 0) {
+    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, fp8);
   } else {
     if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
     s.o = a.alloc(ht, heads, SlotKind::activation);

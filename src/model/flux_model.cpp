@@ -206,10 +206,19 @@ ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepSh
   const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
   ModelSaved::allocate(saved, cfg, shape, DType::f32, DType::f32, DType::f32, dp, sp, nullptr, recompute);
+  // The same with every block's attention in FP8 (its q, k, v, o kept as FP8 codes).
+  Arena saved_fp8_attention;
+  std::vector<DoubleBlockParams> dp8 = dp;
+  std::vector<SingleBlockParams> sp8 = sp;
+  for (DoubleBlockParams& p : dp8) p.fp8_attention = 0;
+  for (SingleBlockParams& p : sp8) p.fp8_attention = 0;
+  ModelSaved::allocate(saved_fp8_attention, cfg, shape, DType::f32, DType::f32, DType::f32, dp8, sp8, nullptr,
+                       recompute);
   plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr, recompute);
   Arena scratch_fp8;
   plan_model_scratch(scratch_fp8, cfg, shape, DType::f32, nullptr, recompute, /*fp8_sites=*/true);
-  return {saved.peak_usage(), static_cast<int64_t>(scratch.peak() / 4), static_cast<int64_t>(scratch_fp8.peak() / 4)};
+  return {saved.peak_usage(), saved_fp8_attention.peak_usage(), static_cast<int64_t>(scratch.peak() / 4),
+          static_cast<int64_t>(scratch_fp8.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {

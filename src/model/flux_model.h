@@ -27,11 +27,15 @@ struct FluxInputs {
 // Sizes of one training step's activation memory, from the same code that allocates it.
 struct ActivationEstimate {
   ArenaUsage saved;             // kept from forward to backward
+  ArenaUsage saved_fp8_attention;  // ... with fp8_dot_product_attention in every block
   int64_t workspace_elements;      // peak temporaries of one block's backward, BF16 Linears
   int64_t workspace_elements_fp8;  // ... with FP8 Linears: GELU's output gradient outside the GEMMs
                                    // (the casts' own scratch is not counted, as before)
   int64_t workspace(bool fp8) const { return fp8 ? workspace_elements_fp8 : workspace_elements; }
-  double gpu_bytes(bool fp8) const { return saved.gpu_bytes(fp8) + 2.0 * static_cast<double>(workspace(fp8)); }
+  double gpu_bytes(bool fp8, bool fp8_attention = false) const {
+    return (fp8 && fp8_attention ? saved_fp8_attention : saved).gpu_bytes(fp8) +
+           2.0 * static_cast<double>(workspace(fp8));
+  }
   // With f32 activation storage (activation_precision: f32): f32 activations and workspace (an
   // upper bound: on the cuDNN path the attention heads q, k, v, o are bf16 all the same).
   double f32_bytes(bool fp8) const { return saved.bytes(4.0, fp8) + 4.0 * static_cast<double>(workspace(fp8)); }

@@ -19,13 +19,13 @@ double attention_scale(const FluxConfig& c) { return 1.0 / std::sqrt(static_cast
 
 }  // namespace
 
-Fp8AttentionSaved Fp8AttentionSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, const Fp8Runtime& fp8) {
+Fp8AttentionSaved Fp8AttentionSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, const Fp8Runtime* fp8) {
   Fp8AttentionSaved s;
-  const Fp8Format f = fp8.attention_format(T::q);
-  s.q = heads_cast(a, c, sh, f, SlotKind::activation);
-  s.k = heads_cast(a, c, sh, f, SlotKind::activation);
-  s.v = heads_cast(a, c, sh, f, SlotKind::activation);
-  s.o = heads_cast(a, c, sh, fp8.attention_format(T::o), SlotKind::activation);
+  const Fp8Format f = fp8 ? fp8->attention_format(T::q) : Fp8Format::e4m3;
+  s.q = heads_cast(a, c, sh, f, SlotKind::fp8_heads);
+  s.k = heads_cast(a, c, sh, f, SlotKind::fp8_heads);
+  s.v = heads_cast(a, c, sh, f, SlotKind::fp8_heads);
+  s.o = heads_cast(a, c, sh, fp8 ? fp8->attention_format(T::o) : Fp8Format::e4m3, SlotKind::fp8_heads);
   return s;
 }
 

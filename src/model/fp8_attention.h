@@ -12,7 +12,8 @@ namespace flux8 {
 struct Fp8AttentionSaved {
   QTensor q, k, v, o;  // [B·n·L, D] per-tensor casts of the head-major heads
   bool defined() const { return q.defined(); }
-  static Fp8AttentionSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, const Fp8Runtime& fp8);
+  // fp8 null: planning without a runtime (the estimates); the codes' sizes do not depend on it.
+  static Fp8AttentionSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, const Fp8Runtime* fp8);
 };
 
 // o (heads, the activation heads type) = dequantized FP8 attention of q, k, v, whose casts and o's

@@ -36,8 +36,8 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.q_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
   const Shape heads{B, n, L, c.head_dim()};
-  if (fp8 && p.fp8_attention >= 0) {
-    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, *fp8);
+  if (p.fp8_attention >= 0) {
+    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, fp8);
   } else {
     if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
     s.o = a.alloc(ht, heads, SlotKind::activation);
