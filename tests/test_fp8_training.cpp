@@ -111,6 +111,9 @@ TEST(Fp8Training, Fp8AttentionTrainsResumesAndKeepsItsScales) {
         ++attention_records;
         EXPECT_GT(t["amax"].get<double>(), 0.0);
         EXPECT_GT(t["scale"].get<double>(), 1.0);  // O's amax is below E4M3's 448
+        EXPECT_FALSE(t.contains("saturated"));     // cast inside the attention kernel
+      } else if (t["role"] == "attention" && t["tensor"] == "double_blocks.0.attn.q") {
+        EXPECT_TRUE(t.contains("saturated") && t.contains("underflow"));  // flux8's own cast
       }
   }
   EXPECT_EQ(attention_records, 2);  // steps 3 and 6

@@ -114,10 +114,21 @@ int Fp8Runtime::add_attention(const std::string& name) {
   device_current_ = false;  // the backend copy is re-made with the new slots
   static constexpr const char* kNames[] = {"q", "k", "v", "o", "do", "ds", "dq", "dk", "dv"};
   attention_slot_.push_back(registry_.size());
+  attention_stats_.emplace_back();
   for (int t = 0; t < kAttentionSlots; ++t)
     registry_.add(name + "." + kNames[t], t < static_cast<int>(AttentionTensor::dout) ? Fp8Role::input
                                                                                        : Fp8Role::grad_output);
   return attentions() - 1;
+}
+
+CastStats* Fp8Runtime::AttentionCastStats::of(AttentionTensor t) {
+  switch (t) {
+    case AttentionTensor::q: return &q;
+    case AttentionTensor::k: return &k;
+    case AttentionTensor::v: return &v;
+    case AttentionTensor::dout: return &dout;
+    default: return nullptr;  // cast inside cuDNN's kernels
+  }
 }
 
 Fp8Format Fp8Runtime::attention_format(AttentionTensor t) const {
@@ -133,6 +144,7 @@ Backend::Quantize Fp8Runtime::attention_cast(int index, AttentionTensor t) {
   q.delayed_scale = scale_dev_.ptr<float>() + slot;
   q.amax = recording_ ? history_dev_.ptr<float>() + slot : scratch_amax_dev_.ptr<float>();
   if (recording_) host_current_ = false;
+  if (collect_stats_) q.stats = recording_ ? attention_stats_[static_cast<size_t>(index)].of(t) : &scratch_stats_;
   return q;
 }
 
@@ -275,6 +287,8 @@ void Fp8Runtime::end_step() {
   }
   be_.synchronize();  // the step's cast statistics (telemetry) are on the host after this
   last_stats_ = stats_;
+  last_attention_stats_ = attention_stats_;
+  for (AttentionCastStats& a : attention_stats_) a = AttentionCastStats{};
   for (SiteStats& s : stats_)
     for (CastStats& c : s.op) c = CastStats{};
 }

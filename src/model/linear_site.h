@@ -133,6 +133,13 @@ class Fp8Runtime {
     CastStats op[3];
   };
   const std::vector<SiteStats>& last_step_stats() const { return last_stats_; }
+  // FP8 attention: what the casts flux8 makes itself (q, k, v; dO) saw last step, per attention
+  // (the casts inside cuDNN's kernels report only their amax, in the registry).
+  struct AttentionCastStats {
+    CastStats q, k, v, dout;
+    CastStats* of(AttentionTensor t);
+  };
+  const std::vector<AttentionCastStats>& last_attention_stats() const { return last_attention_stats_; }
   // The scale the next cast of (site, operand) uses; for current scaling the last one used.
   float scale_of(int site, Operand o) const;
 
@@ -144,6 +151,7 @@ class Fp8Runtime {
   std::vector<int> first_slot_;  // registry slot of the site's input (weight +1, grad +2)
   std::vector<LinearSite*> sites_;  // those with weight casts (allocate_weight_casts)
   std::vector<int> attention_slot_;  // registry slot of each attention's q (k +1, ..., dv +8)
+  std::vector<AttentionCastStats> attention_stats_, last_attention_stats_;
   Arena weight_arena_;
   int64_t weight_version_ = 0;
   bool recording_ = true;
