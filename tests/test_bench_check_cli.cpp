@@ -107,7 +107,7 @@ TEST(CheckCli, ReportsWhyTheGpuCannotRunHere) {
   EXPECT_NE(cli.log.find("CPU backend"), std::string::npos) << cli.log;
   EXPECT_NE(cli.log.find("CUDA backend"), std::string::npos) << cli.log;
   if (rc == 0) {  // a GPU machine: every recipe is reported
-    for (const char* r : {"delayed", "tensorwise", "blockwise", "mxfp8"})
+    for (const char* r : {"delayed", "tensorwise", "blockwise", "mxfp8", "FP8 attention"})
       EXPECT_NE(cli.log.find(r), std::string::npos) << cli.log;
   } else {
     EXPECT_EQ(rc, 1) << cli.log;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/factory.h"
 #include "backend/cuda/gemm.h"
@@ -64,7 +65,7 @@ CudaReport cuda_report() {
   r.usable = why.empty();
   add("CUDA backend", r.usable ? "usable" : "not usable: " + why);
   if (!r.usable) {
-    for (const char* recipe : {"delayed", "tensorwise", "blockwise", "mxfp8"})
+    for (const char* recipe : {"delayed", "tensorwise", "blockwise", "mxfp8", "FP8 attention"})
       r.fp8_recipes.push_back({recipe, "no: " + why});
     return r;
   }
@@ -91,6 +92,18 @@ CudaReport cuda_report() {
                                                       : "emulated (dequantize + fp32 GEMM): " + blk});
     r.fp8_recipes.push_back({"mxfp8", "emulated (dequantize + fp32 GEMM): MXFP8 GEMMs are native on sm_100 "
                                       "(Blackwell), not on Hopper"});
+  }
+  {
+    // fp8_dot_product_attention: cuDNN's FP8 forward and backward plans built for a small shape
+    // of the kind the model runs (hybrid formats, head-major heads).
+    const std::unique_ptr<cuda::Attention> attention = cuda::make_attention(s);
+    cuda::Attention::Fp8Forward f;
+    cuda::Attention::Fp8Backward b;
+    f.shape = b.shape = cuda::AttentionShape{1, 1, 128, 128};
+    const std::string no = attention->fp8_unsupported_reason(f, b);
+    r.fp8_recipes.push_back({"FP8 attention", no.empty() ? "native (cuDNN FP8 flash attention; fp8: hybrid, head dim "
+                                                           "128, sequence lengths that are multiples of 64)"
+                                                         : "no: " + no});
   }
   return r;
 }
