@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "core/error.h"
 #include "core/rng.h"
 #include "fp8/quantize.h"
 #include "fp8/recipe.h"
+#include "test_util.h"
 
 namespace flux8 {
 namespace {
@@ -177,32 +177,19 @@ TEST(CpuFp8Attention, RefusesBadArguments) {
   auto sc = r.scales();
   Tensor lse(r.lse8.data(), DType::f32, Shape{r.c.rows()});
   const double scale = 0.125;
-  auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
+  auto forward = [&](const QTensor& k, const QTensor& v, Shape heads, const Backend::Fp8AttentionScales& scales) {
+    return testing::error_of([&] { r.be->attention_fp8(r.o8.q, lse, r.q8.q, k, v, heads, scale, scales); });
   };
-  EXPECT_NE(message([&] { r.be->attention_fp8(r.o8.q, lse, r.q8.q, r.k8.q, r.v8.q, Shape{1, 2, 17, 32}, scale, sc); })
-                .find("'q'"),
-            std::string::npos);
+  EXPECT_NE(forward(r.k8.q, r.v8.q, Shape{1, 2, 17, 32}, sc).find("'q'"), std::string::npos);
   Backend::Fp8AttentionScales no_o = sc;
   no_o.o = nullptr;
-  EXPECT_NE(message([&] { r.be->attention_fp8(r.o8.q, lse, r.q8.q, r.k8.q, r.v8.q, r.c.heads(), scale, no_o); })
-                .find("scale 'o'"),
-            std::string::npos);
+  EXPECT_NE(forward(r.k8.q, r.v8.q, r.c.heads(), no_o).find("scale 'o'"), std::string::npos);
   QTensor k5 = r.k8.q;
   k5.format = Fp8Format::e5m2;
-  EXPECT_NE(message([&] { r.be->attention_fp8(r.o8.q, lse, r.q8.q, k5, r.v8.q, r.c.heads(), scale, sc); })
-                .find("one FP8 format"),
-            std::string::npos);
+  EXPECT_NE(forward(k5, r.v8.q, r.c.heads(), sc).find("one FP8 format"), std::string::npos);
   QTensor blocked = r.v8.q;
   blocked.scaling = Fp8Scaling::block_1x128;
-  EXPECT_NE(message([&] { r.be->attention_fp8(r.o8.q, lse, r.q8.q, r.k8.q, blocked, r.c.heads(), scale, sc); })
-                .find("per-tensor"),
-            std::string::npos);
+  EXPECT_NE(forward(r.k8.q, blocked, r.c.heads(), sc).find("per-tensor"), std::string::npos);
 }
 
 TEST(CpuFp8Attention, DequantizeWritesCodeTimesScaleInverse) {
