@@ -40,21 +40,33 @@ FluxConfig tiny_demo_model() {
   return c;
 }
 
-TEST(TrainStep, GradientAccumulationMatchesOneBigBatch) {
-  // 4 micro-batches of 8 give the gradient of one batch of 32: same samples, same noise
-  // (keyed by the sample's position in the global batch), each micro-batch's loss gradient
-  // scaled by 8/32. In f64 the two differ only by summation order (~1e-15); in f32 by f32
-  // rounding of the accumulation (~1e-6).
-  const FluxConfig cfg = tiny_demo_model();
+// `n` demo samples (8 px images) for the tiny model, and its empty prompt as zeros.
+std::vector<Sample> demo_batch(const FluxConfig& cfg, int n) {
   DemoSpec spec;
   spec.image_size = 8;
   spec.text_seq_len = cfg.text_seq_len;
   spec.context_dim = cfg.context_dim;
   spec.vec_dim = cfg.vec_dim;
   std::vector<Sample> samples;
-  for (int i = 0; i < 32; ++i) samples.push_back(demo_sample(spec, i));
+  for (int i = 0; i < n; ++i) samples.push_back(demo_sample(spec, i));
+  return samples;
+}
+EmptyPrompt zero_prompt(const FluxConfig& cfg) {
+  return EmptyPrompt{
+      HostTensor{{cfg.text_seq_len, cfg.context_dim},
+                 std::vector<float>(static_cast<size_t>(cfg.text_seq_len * cfg.context_dim), 0.0f)},
+      HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim), 0.0f)}};
+}
+
+TEST(TrainStep, GradientAccumulationMatchesOneBigBatch) {
+  // 4 micro-batches of 8 give the gradient of one batch of 32: same samples, same noise
+  // (keyed by the sample's position in the global batch), each micro-batch's loss gradient
+  // scaled by 8/32. In f64 the two differ only by summation order (~1e-15); in f32 by f32
+  // rounding of the accumulation (~1e-6).
+  const FluxConfig cfg = tiny_demo_model();
+  const std::vector<Sample> samples = demo_batch(cfg, 32);
   const ObjectiveConfig obj;
-  const EmptyPrompt empty{HostTensor{{4, 8}, std::vector<float>(32, 0.0f)}, HostTensor{{8}, std::vector<float>(8, 0.0f)}};
+  const EmptyPrompt empty = zero_prompt(cfg);
   for (const auto [dtype, tol] : {std::pair{DType::f64, 1e-12}, std::pair{DType::f32, 1e-5}}) {
     auto be = make_backend("cpu");
     FluxModel model(cfg, *be, dtype);
@@ -80,15 +92,9 @@ TEST(TrainStep, GradientAccumulationMatchesOneBigBatch) {
 // maxing the attention's amaxes put o's, dS's and the gradients' off by 10-60%.
 TEST(TrainStep, Fp8AmaxesOverMicroBatchesEqualOneBigBatch) {
   const FluxConfig cfg = tiny_demo_model();
-  DemoSpec spec;
-  spec.image_size = 8;
-  spec.text_seq_len = cfg.text_seq_len;
-  spec.context_dim = cfg.context_dim;
-  spec.vec_dim = cfg.vec_dim;
-  std::vector<Sample> samples;
-  for (int i = 0; i < 32; ++i) samples.push_back(demo_sample(spec, i));
+  const std::vector<Sample> samples = demo_batch(cfg, 32);
   const ObjectiveConfig obj;
-  const EmptyPrompt empty{HostTensor{{4, 8}, std::vector<float>(32, 0.0f)}, HostTensor{{8}, std::vector<float>(8, 0.0f)}};
+  const EmptyPrompt empty = zero_prompt(cfg);
   Fp8Config fp8;
   fp8.enabled = true;
   fp8.hybrid = true;
