@@ -137,7 +137,8 @@ class Fp8Runtime {
   // (the casts inside cuDNN's kernels report only their amax, in the registry).
   struct AttentionCastStats {
     CastStats q, k, v, dout;
-    CastStats* of(AttentionTensor t);
+    CastStats* of(AttentionTensor t);  // null for the casts inside cuDNN's kernels
+    const CastStats* of(AttentionTensor t) const { return const_cast<AttentionCastStats*>(this)->of(t); }
   };
   const std::vector<AttentionCastStats>& last_attention_stats() const { return last_attention_stats_; }
   // The scale the next cast of (site, operand) uses; for current scaling the last one used.

@@ -52,21 +52,23 @@ void report_fp8_stats(const Fp8Runtime& fp8, int64_t step, Progress& progress) {
   // FP8 attention: the amax each tensor had last step (cuDNN reports dS's and the outputs' from
   // inside its kernels) and the scale the next step casts it with; saturation and underflow for
   // the casts flux8 makes itself (q, k, v, dO), not for those inside cuDNN's kernels.
-  const Fp8MetaRegistry& reg = fp8.registry();
-  const auto& attention_stats = fp8.last_attention_stats();
-  for (int a = 0; a < fp8.attentions(); ++a)
-    for (int t = 0; t < Fp8Runtime::kAttentionSlots; ++t) {
-      const int slot = fp8.attention_first_slot(a) + t;
-      nlohmann::json j{{"tensor", reg.name(slot)}, {"role", "attention"}, {"scale", reg.scale(slot)}};
-      if (reg.history_len() > 1) j["amax"] = reg.history_at(reg.history_len() - 1, slot);
-      Fp8Runtime::AttentionCastStats counts = attention_stats[static_cast<size_t>(a)];
-      if (const CastStats* c = counts.of(static_cast<Fp8Runtime::AttentionTensor>(t)); c && c->elements > 0) {
-        j["saturated"] = c->saturated_fraction();
-        j["underflow"] = c->flushed_fraction();
-        entries.push_back({reg.name(slot), c->saturated_fraction(), c->flushed_fraction(), c->amax});
+  if (fp8.attentions() > 0) {
+    const Fp8MetaRegistry& reg = fp8.registry();  // downloads the device state: only for attentions
+    for (int a = 0; a < fp8.attentions(); ++a) {
+      const Fp8Runtime::AttentionCastStats& counts = fp8.last_attention_stats()[static_cast<size_t>(a)];
+      for (int t = 0; t < Fp8Runtime::kAttentionSlots; ++t) {
+        const int slot = fp8.attention_first_slot(a) + t;
+        nlohmann::json j{{"tensor", reg.name(slot)}, {"role", "attention"}, {"scale", reg.scale(slot)}};
+        if (reg.history_len() > 1) j["amax"] = reg.history_at(reg.history_len() - 1, slot);
+        if (const CastStats* c = counts.of(static_cast<Fp8Runtime::AttentionTensor>(t)); c && c->elements > 0) {
+          j["saturated"] = c->saturated_fraction();
+          j["underflow"] = c->flushed_fraction();
+          entries.push_back({reg.name(slot), c->saturated_fraction(), c->flushed_fraction(), c->amax});
+        }
+        tensors.push_back(j);
       }
-      tensors.push_back(j);
     }
+  }
   if (entries.empty()) return;
   progress.event(fmt::format("FP8 health at step {} ({} tensors): most saturated: {}; most underflow: {}", step,
                              entries.size(), worst(entries, &Entry::saturated, 3), worst(entries, &Entry::underflow, 3)),
