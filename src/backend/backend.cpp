@@ -55,6 +55,81 @@ void Backend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInpu
   release(y.data);
 }
 
+namespace {
+
+// A temporary of the backend's memory, released however the scope ends.
+class Temporary {
+ public:
+  Temporary(Backend& be, DType t, Shape s)
+      : be_(be), tensor_(be.allocate(static_cast<size_t>(s.numel()) * dtype_size(t)), t, s) {}
+  ~Temporary() { be_.release(tensor_.data); }
+  Temporary(const Temporary&) = delete;
+  Temporary& operator=(const Temporary&) = delete;
+  const Tensor& get() const { return tensor_; }
+
+ private:
+  Backend& be_;
+  Tensor tensor_;
+};
+
+// quantize() of the rows of `heads` [B, n, L, D] one stream wrote (Ls at `offset` in every
+// (sample, head)) into the same rows of `out`: a cast per (sample, head), merged into q's amax
+// and counts one after another.
+void quantize_stream_rows(Backend& be, const Backend::Fp8Heads& out, const Tensor& heads, int64_t Ls,
+                          int64_t offset) {
+  const int64_t rows = heads.shape[0] * heads.shape[1], L = heads.shape[2];
+  const Tensor flat = heads.reshaped(Shape{rows * L, heads.shape[3]});
+  for (int64_t r = 0; r < rows; ++r)
+    be.quantize(rows_of(out.codes, r * L + offset, Ls), QTensor{}, flat.rows_slice(r * L + offset, Ls), out.q);
+}
+
+}  // namespace
+
+void Backend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads, const Fp8Heads& v_heads,
+                                        Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale,
+                                        Tensor k_scale, Tensor pe, int64_t token_offset, double eps) {
+  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_fp8", q, token_offset,
+                                       {{"q_heads", q_heads.codes}, {"k_heads", k_heads.codes}, {"v_heads", v_heads.codes}});
+  const DType t = attention_heads_dtype(q.dtype, h[3]);
+  const Temporary qh(*this, t, h), kh(*this, t, h), vh(*this, t, h);
+  qk_norm_rope_to_heads(qh.get(), kh.get(), vh.get(), q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe, token_offset,
+                        eps);
+  const int64_t Ls = q.shape[1];
+  quantize_stream_rows(*this, q_heads, qh.get(), Ls, token_offset);
+  quantize_stream_rows(*this, k_heads, kh.get(), Ls, token_offset);
+  quantize_stream_rows(*this, v_heads, vh.get(), Ls, token_offset);
+}
+
+void Backend::qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                                 const QTensor& dq_heads, const QTensor& dk_heads,
+                                                 const QTensor& dv_heads, Tensor q, Tensor k, Tensor q_rstd,
+                                                 Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
+                                                 int64_t token_offset) {
+  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_backward_fp8", q, token_offset,
+                                       {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
+  const DType t = attention_heads_dtype(q.dtype, h[3]);
+  const Temporary dqh(*this, t, h), dkh(*this, t, h), dvh(*this, t, h);
+  dequantize(dqh.get(), dq_heads);
+  dequantize(dkh.get(), dk_heads);
+  dequantize(dvh.get(), dv_heads);
+  qk_norm_rope_to_heads_backward(dq, dk, dv, dq_scale, dk_scale, dqh.get(), dkh.get(), dvh.get(), q, k, q_rstd, k_rstd,
+                                 q_scale, k_scale, pe, token_offset);
+}
+
+void Backend::tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset) {
+  const Shape h = ops::check_fp8_heads("tokens_to_heads_fp8", tokens, token_offset, {{"heads", heads.codes}});
+  const Temporary th(*this, attention_heads_dtype(tokens.dtype, h[3]), h);
+  tokens_to_heads(th.get(), tokens, token_offset);
+  quantize_stream_rows(*this, heads, th.get(), tokens.shape[1], token_offset);
+}
+
+void Backend::heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset) {
+  const Shape h = ops::check_fp8_heads("heads_to_tokens_fp8", tokens, token_offset, {{"heads", heads}});
+  const Temporary th(*this, attention_heads_dtype(tokens.dtype, h[3]), h);
+  dequantize(th.get(), heads);
+  heads_to_tokens(tokens, th.get(), token_offset);
+}
+
 BackendOptions BackendOptions::from_config(const Config& cfg) {
   BackendOptions o;
   o.threads = static_cast<int>(cfg.get_int("threads"));

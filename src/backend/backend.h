@@ -379,6 +379,31 @@ class Backend {
                                       const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
                                       double scale, const Fp8AttentionScales& sc) = 0;
 
+  // ---- FP8 attention's neighbours: the head-layout ops with FP8 heads ---------------------
+  // With FP8 attention the heads exist only as per-tensor casts, QTensor [B·n·L, D] (n·D the
+  // token side's width, L the joint length: codes.rows / (B·n)). These ops take or give them in
+  // place of heads tensors, so no heads of the activation type are stored and no cast or
+  // dequantize pass of their own runs. An FP8 output is exactly quantize(codes, {}, heads, q) of
+  // the heads the plain op would write (values of attention_heads_dtype(activations, D)) over the
+  // rows this call writes (one stream's): the same codes and scale_inv, the amax max-accumulated
+  // into *q.amax and the counts merged into *q.stats as one or more casts of those rows. An FP8
+  // input is read as dequantize() into that type gives it. The defaults run just that, through
+  // temporaries (the CPU backend; the reference of the CUDA backend's fused kernels).
+  struct Fp8Heads {
+    QTensor codes;  // per-tensor, [B·n·L, D]
+    Quantize q;     // per-tensor, with delayed_scale
+  };
+  virtual void qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads, const Fp8Heads& v_heads,
+                                         Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale,
+                                         Tensor k_scale, Tensor pe, int64_t token_offset, double eps);
+  virtual void qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                                  const QTensor& dq_heads, const QTensor& dk_heads,
+                                                  const QTensor& dv_heads, Tensor q, Tensor k, Tensor q_rstd,
+                                                  Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
+                                                  int64_t token_offset);
+  virtual void tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset);
+  virtual void heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset);
+
   // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
   // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;

@@ -406,6 +406,34 @@ AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::
   return d;
 }
 
+Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_offset,
+                      std::initializer_list<NamedQ> heads) {
+  require_defined(op, {"tokens", tokens});
+  require_rank(op, {"tokens", tokens}, 3);
+  const NamedQ& first = *heads.begin();
+  for (const NamedQ& t : heads) {
+    if (!t.q.defined()) fail("{}: FP8 heads '{}' are not defined", op, t.name);
+    if (t.q.scaling != Fp8Scaling::per_tensor || !t.q.scale_inv)
+      fail("{}: FP8 heads '{}' must be a per-tensor cast with its scale_inv (got {} scaling)", op, t.name,
+           fp8_scaling_name(t.q.scaling));
+    if (t.q.rows != first.q.rows || t.q.cols != first.q.cols)
+      fail("{}: FP8 heads '{}' are [{}, {}] but '{}' [{}, {}]: one shape for all", op, t.name, t.q.rows, t.q.cols,
+           first.name, first.q.rows, first.q.cols);
+  }
+  const int64_t B = tokens.shape[0], Ls = tokens.shape[1], D = first.q.cols;
+  if (D <= 0 || tokens.shape[2] % D != 0)
+    fail("{}: tokens {} are not whole heads of the FP8 heads' width D = {}", op, tokens.str(), D);
+  const int64_t n = tokens.shape[2] / D;
+  if (B * n == 0 || first.q.rows % (B * n) != 0)
+    fail("{}: FP8 heads '{}' have {} rows, not B·n·L for B = {}, n = {} (tokens {})", op, first.name, first.q.rows, B,
+         n, tokens.str());
+  const int64_t L = first.q.rows / (B * n);
+  if (token_offset < 0 || token_offset + Ls > L)
+    fail("{}: tokens {} at offset {} do not fit the joint length L = {} of the FP8 heads", op, tokens.str(),
+         token_offset, L);
+  return Shape{B, n, L, D};
+}
+
 void check_dequantize(std::string_view op, const Tensor& y, const QTensor& x) {
   require_defined(op, {"y", y});
   if (!x.defined()) fail("{}: FP8 tensor 'x' is not defined", op);

@@ -127,6 +127,11 @@ struct NamedScale {
 };
 AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::initializer_list<NamedQ> tensors,
                                   const Tensor& lse, std::initializer_list<NamedScale> scales);
+// The FP8-heads ops (qk_norm_rope_to_heads_fp8, tokens_to_heads_fp8, ...): every QTensor named
+// defined, per-tensor with its scale_inv, all of one shape [B·n·L, D]; `tokens` [B, Ls, n·D] (any
+// ld) one stream with Ls + offset <= L. Returns the heads' shape {B, n, L, D}.
+Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_offset,
+                      std::initializer_list<NamedQ> heads);
 // dequantize(): per-tensor x, y f32 or bf16 of x.rows rows and x.cols columns (any ld).
 void check_dequantize(std::string_view op, const Tensor& y, const QTensor& x);
 

@@ -101,20 +101,26 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
 }
 
 void DoubleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
+  if (att8.defined()) return;  // FP8 attention writes only its casts (kept)
   allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
 }
 
 namespace {
 
 // q, k, v of one stream (column windows of its qkv output) into the joint head-major q, k, v
-// at the stream's token offset: QK-norm, RoPE at the joint positions and the layout, one op.
+// at the stream's token offset: QK-norm, RoPE at the joint positions and the layout, one op
+// (with FP8 attention, `fp8_attention` its index, the FP8 casts in joint.att8 instead).
 // q_rstd, k_rstd undefined: not saved (recomputation).
 void stream_qkv_to_heads(const BlockContext& ctx, DoubleStreamParams& p, const Tensor& qkv, Tensor q_rstd,
-                         Tensor k_rstd, const DoubleBlockSaved& joint, int64_t offset) {
+                         Tensor k_rstd, const DoubleBlockSaved& joint, int64_t offset, int fp8_attention) {
   const int64_t H = ctx.cfg.hidden_size;
-  ctx.be.qk_norm_rope_to_heads(joint.q, joint.k, joint.v, q_rstd, k_rstd, qkv.cols_slice(0, H),
-                               qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe,
-                               offset, ctx.cfg.qk_norm_eps);
+  if (joint.att8.defined())
+    fp8_attention_qkv(ctx, fp8_attention, joint.att8, q_rstd, k_rstd, qkv.cols_slice(0, H), qkv.cols_slice(H, H),
+                      qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, offset);
+  else
+    ctx.be.qk_norm_rope_to_heads(joint.q, joint.k, joint.v, q_rstd, k_rstd, qkv.cols_slice(0, H),
+                                 qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe,
+                                 offset, ctx.cfg.qk_norm_eps);
 }
 
 // Stream part before attention: modulation, LayerNorm 1, qkv, then QK-norm + RoPE into the
@@ -122,7 +128,7 @@ void stream_qkv_to_heads(const BlockContext& ctx, DoubleStreamParams& p, const T
 // (the caller keeps it unchanged until the block's backward).
 void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
                           DoubleStreamSaved& s, DoubleBlockSaved& joint, Tensor x,
-                          int64_t offset) {
+                          int64_t offset, int fp8_attention) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
   const size_t mark = ctx.scratch.mark();
@@ -131,8 +137,17 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
   site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv,
                      layernorm_input(x, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps), s.xm1, ctx.dtype);
-  stream_qkv_to_heads(ctx, p, s.qkv, s.q_rstd, s.k_rstd, joint, offset);
+  stream_qkv_to_heads(ctx, p, s.qkv, s.q_rstd, s.k_rstd, joint, offset, fp8_attention);
   ctx.scratch.release_to(mark);
+}
+
+// The joint attention output o at this stream's tokens into `tokens` (token layout): from the FP8
+// o where the attention ran in FP8 (dequantized in the layout op).
+void attention_output_to_tokens(Backend& be, const Tensor& tokens, const DoubleBlockSaved& joint, int64_t offset) {
+  if (joint.att8.defined())
+    be.heads_to_tokens_fp8(tokens, joint.att8.o, offset);
+  else
+    be.heads_to_tokens(tokens, joint.o, offset);
 }
 
 // Stream part after attention: projection, gated residual, LayerNorm 2, MLP, gated residual.
@@ -145,7 +160,7 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
   const int64_t H = ctx.cfg.hidden_size;
   const size_t mark = ctx.scratch.mark();
   const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, x.shape, ctx.dtype);
-  be.heads_to_tokens(attn, joint.o, offset);
+  attention_output_to_tokens(be, attn, joint, offset);
   site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
   be.gated_residual(s.x_mid, x, s.proj_out, chunk(s.mod, 2, H));
   const Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps);
@@ -163,11 +178,13 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
 }
 
 // Backward of stream_post_attention: dx holds d(block output) and becomes d(x_mid); the
-// attention-output gradient is scattered into the joint dO. Selective: the mlp_out and proj
-// inputs are recomputed (as stream_post_attention made them) just before their backward.
+// attention-output gradient is scattered into the joint dO (with FP8 attention: d8's, cast).
+// Selective: the mlp_out and proj inputs are recomputed (as stream_post_attention made them) just
+// before their backward.
 void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
                                     const DoubleStreamSaved& s, const DoubleBlockSaved& joint,
-                                    Tensor dmod, Tensor dx, Tensor d_o, int64_t offset) {
+                                    Tensor dmod, Tensor dx, Tensor d_o, const Fp8AttentionGrads& d8,
+                                    int fp8_attention, int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const Shape tok = s.x_in.shape;
@@ -207,11 +224,14 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   SavedLinearInput attn = s.attn;
   if (joint.selective) {
     const Tensor x = a.alloc(ctx.dtype, tok, SlotKind::workspace);
-    be.heads_to_tokens(x, joint.o, offset);
+    attention_output_to_tokens(be, x, joint, offset);
     attn = recompute_linear_input(be, ctx.fp8, a, p.proj, x);
   }
   site_backward(be, ctx.fp8, a, p.proj, d_attn, d_h, attn, false);
-  be.tokens_to_heads(d_o, d_attn, offset);
+  if (d8.defined())
+    fp8_attention_dout(ctx, fp8_attention, d8, d_attn, offset);
+  else
+    be.tokens_to_heads(d_o, d_attn, offset);
   a.release_to(mark);
 }
 
@@ -219,16 +239,16 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
 // op of stream_pre_attention. QK-norm's statistics are not written again: the kept ones are
 // the same values and stay in use.
 void recompute_joint_qkv(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& joint) {
-  stream_qkv_to_heads(ctx, p.txt, joint.txt.qkv, Tensor{}, Tensor{}, joint, 0);
-  stream_qkv_to_heads(ctx, p.img, joint.img.qkv, Tensor{}, Tensor{}, joint, ctx.shape.txt_tokens);
+  stream_qkv_to_heads(ctx, p.txt, joint.txt.qkv, Tensor{}, Tensor{}, joint, 0, p.fp8_attention);
+  stream_qkv_to_heads(ctx, p.img, joint.img.qkv, Tensor{}, Tensor{}, joint, ctx.shape.txt_tokens, p.fp8_attention);
 }
 
-// Backward of stream_pre_attention: this stream's d(qkv) from the joint dq/dk/dv (through
-// RoPE, the layout and QK-norm in one op), then d(block input) in dx.
+// Backward of stream_pre_attention: this stream's d(qkv) from the joint dq/dk/dv (with FP8
+// attention: d8's) through RoPE, the layout and QK-norm in one op, then d(block input) in dx.
 void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
                                    const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
                                    const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                                   int64_t offset) {
+                                   const Fp8AttentionGrads& d8, int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
   const Shape tok = s.x_in.shape;
@@ -239,10 +259,16 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
 
   p.q_norm.prepare_grad();
   p.k_norm.prepare_grad();
-  be.qk_norm_rope_to_heads_backward(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H),
-                                    p.q_norm.ds, p.k_norm.ds, dq, dk, dv, s.qkv.cols_slice(0, H),
-                                    s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,
-                                    offset);
+  if (d8.defined())
+    be.qk_norm_rope_to_heads_backward_fp8(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H),
+                                          d_qkv.cols_slice(2 * H, H), p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv,
+                                          s.qkv.cols_slice(0, H), s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd,
+                                          p.q_norm.s, p.k_norm.s, ctx.pe, offset);
+  else
+    be.qk_norm_rope_to_heads_backward(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H),
+                                      p.q_norm.ds, p.k_norm.ds, dq, dk, dv, s.qkv.cols_slice(0, H),
+                                      s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,
+                                      offset);
   site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, s.xm1, false);
   be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in,
                                  s.ln1_mean, s.ln1_rstd, chunk(s.mod, 1, H), true);
@@ -255,29 +281,15 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
 void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& s, Tensor txt,
                           Tensor img, Tensor txt_out, Tensor img_out) {
   const int64_t Lt = ctx.shape.txt_tokens;
-  // FP8 attention: q, k, v (unless the caller placed them: selective) and o in scratch for this
-  // forward; the block keeps their FP8 casts.
-  const bool fp8_attention = s.att8.defined();
-  const size_t mark = ctx.scratch.mark();
-  const bool own_qkv = fp8_attention && !s.q.defined();
-  if (own_qkv) allocate_heads_qkv(ctx.scratch, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, s.q, s.k, s.v);
-  if (fp8_attention)
-    s.o = ctx.scratch.alloc(ctx.heads_dtype, Shape{ctx.shape.batch, ctx.cfg.num_heads, ctx.shape.tokens(),
-                                                   ctx.cfg.head_dim()},
-                            SlotKind::workspace);
-  stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0);
-  stream_pre_attention(ctx, p.img, s.img, s, img, Lt);
-  if (fp8_attention)
-    fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.o, s.lse, s.q, s.k, s.v);
+  // (FP8 attention: q, k, v and o exist only as the FP8 casts in s.att8)
+  stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0, p.fp8_attention);
+  stream_pre_attention(ctx, p.img, s.img, s, img, Lt, p.fp8_attention);
+  if (s.att8.defined())
+    fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.lse);
   else
     ctx.be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   stream_post_attention(ctx, p.txt, s.txt, s, txt, txt_out, 0);
   stream_post_attention(ctx, p.img, s.img, s, img, img_out, Lt);
-  if (fp8_attention) {
-    if (own_qkv) s.q = s.k = s.v = Tensor{};
-    s.o = Tensor{};
-    ctx.scratch.release_to(mark);
-  }
 }
 
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
@@ -288,21 +300,24 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   const size_t mark = a.mark();
   Tensor dmod_txt = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
   Tensor dmod_img = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
-  const Shape heads{B, ctx.cfg.num_heads, ctx.shape.tokens(), ctx.cfg.head_dim()};
-  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace), d_q, d_k, d_v;
-  allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
-
-  DoubleBlockSaved joint = s;  // views; selective: q, k, v (or, FP8 attention, o) rebuilt in scratch
+  // The joint head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
   const bool fp8_attention = s.att8.defined();
-  if (fp8_attention && s.selective) {  // the projection inputs are recomputed from o
-    joint.o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-    be.dequantize(joint.o, s.att8.o);
+  Tensor d_o, d_q, d_k, d_v;
+  Fp8AttentionGrads d8;
+  if (fp8_attention) {
+    d8 = Fp8AttentionGrads::allocate(a, ctx.cfg, ctx.shape, *ctx.fp8);
+  } else {
+    d_o = a.alloc(ctx.heads_dtype, Shape{B, ctx.cfg.num_heads, ctx.shape.tokens(), ctx.cfg.head_dim()},
+                  SlotKind::workspace);
+    allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
   }
-  stream_post_attention_backward(ctx, p.txt, s.txt, joint, dmod_txt, dtxt, d_o, 0);
-  stream_post_attention_backward(ctx, p.img, s.img, joint, dmod_img, dimg, d_o, Lt);
+
+  DoubleBlockSaved joint = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
+  stream_post_attention_backward(ctx, p.txt, s.txt, joint, dmod_txt, dtxt, d_o, d8, p.fp8_attention, 0);
+  stream_post_attention_backward(ctx, p.img, s.img, joint, dmod_img, dimg, d_o, d8, p.fp8_attention, Lt);
   const size_t qkv_mark = a.mark();
   if (fp8_attention) {
-    fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d_q, d_k, d_v, d_o);
+    fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d8);
   } else {
     if (s.selective) {
       joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
@@ -312,8 +327,8 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
                           1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
   }
   a.release_to(qkv_mark);
-  stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, 0);
-  stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, Lt);
+  stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, d8, 0);
+  stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, d8, Lt);
   a.release_to(mark);
 }
 

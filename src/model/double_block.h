@@ -41,10 +41,9 @@ struct DoubleStreamSaved {
 struct DoubleBlockSaved {
   DoubleStreamSaved txt, img;
   Tensor q, k, v, o, lse;  // joint attention, head-major [B, n, L, D], after QK-norm and RoPE
-  // FP8 attention (params' fp8_attention >= 0): q, k, v and o are kept as these FP8 casts and
-  // the tensors above are the forward's temporaries (undefined between forward and backward);
-  // selective recomputation then keeps the casts (no q, k, v recompute) and recomputes the
-  // projection input from the dequantized o.
+  // FP8 attention (params' fp8_attention >= 0): q, k, v and o exist only as these FP8 casts
+  // (the tensors above stay undefined); selective recomputation keeps the casts too (no q, k, v
+  // recompute) and recomputes the projection input from the FP8 o.
   Fp8AttentionSaved att8;
   // recompute_granularity: selective. q, k, v and each stream's attn and mlp_g are not kept;
   // the backward recomputes them in scratch (q, k, v from qkv: QK-norm, layout, RoPE; attn from

@@ -8,14 +8,15 @@ namespace {
 
 using T = Fp8Runtime::AttentionTensor;
 
-Shape heads_shape(const FluxConfig& c, StepShape sh) { return {sh.batch, c.num_heads, sh.tokens(), c.head_dim()}; }
-
 QTensor heads_cast(Arena& a, const FluxConfig& c, StepShape sh, Fp8Format f, SlotKind kind) {
-  const Shape h = heads_shape(c, sh);
-  return allocate_qtensor(a, h[0] * h[1] * h[2], h[3], f, Fp8Scaling::per_tensor, kind);
+  return allocate_qtensor(a, sh.batch * c.num_heads * sh.tokens(), c.head_dim(), f, Fp8Scaling::per_tensor, kind);
 }
 
 double attention_scale(const FluxConfig& c) { return 1.0 / std::sqrt(static_cast<double>(c.head_dim())); }
+
+Shape heads_shape(const BlockContext& ctx) {
+  return {ctx.shape.batch, ctx.cfg.num_heads, ctx.shape.tokens(), ctx.cfg.head_dim()};
+}
 
 }  // namespace
 
@@ -29,35 +30,38 @@ Fp8AttentionSaved Fp8AttentionSaved::allocate(Arena& a, const FluxConfig& c, Ste
   return s;
 }
 
-void fp8_attention_forward(const BlockContext& ctx, int index, Fp8AttentionSaved& s, Tensor o, Tensor lse, Tensor q,
-                           Tensor k, Tensor v) {
-  Backend& be = ctx.be;
-  Fp8Runtime& fp8 = *ctx.fp8;
-  be.quantize(s.q, QTensor{}, q, fp8.attention_cast(index, T::q));
-  be.quantize(s.k, QTensor{}, k, fp8.attention_cast(index, T::k));
-  be.quantize(s.v, QTensor{}, v, fp8.attention_cast(index, T::v));
-  be.attention_fp8(s.o, lse, s.q, s.k, s.v, q.shape, attention_scale(ctx.cfg), fp8.attention_scales(index));
-  be.dequantize(o, s.o);
+Fp8AttentionGrads Fp8AttentionGrads::allocate(Arena& a, const FluxConfig& c, StepShape sh, const Fp8Runtime& fp8) {
+  const Fp8Format g = fp8.attention_format(T::dout);
+  Fp8AttentionGrads d;
+  d.dout = heads_cast(a, c, sh, g, SlotKind::workspace);
+  d.dq = heads_cast(a, c, sh, g, SlotKind::workspace);
+  d.dk = heads_cast(a, c, sh, g, SlotKind::workspace);
+  d.dv = heads_cast(a, c, sh, g, SlotKind::workspace);
+  return d;
 }
 
-void fp8_attention_backward(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor lse, Tensor dq,
-                            Tensor dk, Tensor dv, Tensor dout) {
-  Backend& be = ctx.be;
+void fp8_attention_qkv(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor q_rstd, Tensor k_rstd,
+                       Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, int64_t token_offset) {
   Fp8Runtime& fp8 = *ctx.fp8;
-  Arena& a = ctx.scratch;
-  const size_t mark = a.mark();
-  const Fp8Format g = fp8.attention_format(T::dout);
-  QTensor d_o = heads_cast(a, ctx.cfg, ctx.shape, g, SlotKind::workspace);
-  QTensor d_q = heads_cast(a, ctx.cfg, ctx.shape, g, SlotKind::workspace);
-  QTensor d_k = heads_cast(a, ctx.cfg, ctx.shape, g, SlotKind::workspace);
-  QTensor d_v = heads_cast(a, ctx.cfg, ctx.shape, g, SlotKind::workspace);
-  be.quantize(d_o, QTensor{}, dout, fp8.attention_cast(index, T::dout));
-  be.attention_fp8_backward(d_q, d_k, d_v, d_o, s.q, s.k, s.v, s.o, lse, dout.shape, attention_scale(ctx.cfg),
-                            fp8.attention_scales(index));
-  be.dequantize(dq, d_q);
-  be.dequantize(dk, d_k);
-  be.dequantize(dv, d_v);
-  a.release_to(mark);
+  ctx.be.qk_norm_rope_to_heads_fp8({s.q, fp8.attention_cast(index, T::q)}, {s.k, fp8.attention_cast(index, T::k)},
+                                   {s.v, fp8.attention_cast(index, T::v)}, q_rstd, k_rstd, q, k, v, q_scale, k_scale,
+                                   ctx.pe, token_offset, ctx.cfg.qk_norm_eps);
+}
+
+void fp8_attention_forward(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor lse) {
+  ctx.be.attention_fp8(s.o, lse, s.q, s.k, s.v, heads_shape(ctx), attention_scale(ctx.cfg),
+                       ctx.fp8->attention_scales(index));
+}
+
+void fp8_attention_dout(const BlockContext& ctx, int index, const Fp8AttentionGrads& d, Tensor d_attn,
+                        int64_t token_offset) {
+  ctx.be.tokens_to_heads_fp8({d.dout, ctx.fp8->attention_cast(index, T::dout)}, d_attn, token_offset);
+}
+
+void fp8_attention_backward(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor lse,
+                            const Fp8AttentionGrads& d) {
+  ctx.be.attention_fp8_backward(d.dq, d.dk, d.dv, d.dout, s.q, s.k, s.v, s.o, lse, heads_shape(ctx),
+                                attention_scale(ctx.cfg), ctx.fp8->attention_scales(index));
 }
 
 void plan_fp8_attention_scratch(Arena& a, const FluxConfig& c, StepShape sh) {

@@ -1,10 +1,13 @@
 #pragma once
-// A block's attention in FP8 (fp8_dot_product_attention, DESIGN.md §4): after QK-norm + RoPE
-// the bf16 (or f32) q, k, v heads are cast to E4M3 with their delayed scales, cuDNN's FP8
-// attention (Backend::attention_fp8) writes an E4M3 o, which is dequantized for the output
-// projection; the backward casts dO to E5M2, runs the FP8 backward and dequantizes dq, dk, dv.
-// What the block keeps for its backward is the FP8 q, k, v and o (one byte per element: half
-// of bf16 heads), so q, k, v and o in the activation type are only temporaries.
+// A block's attention in FP8 (fp8_dot_product_attention, DESIGN.md §4). The heads exist only as
+// per-tensor FP8 casts: QK-norm + RoPE writes the E4M3 q, k, v with their delayed scales
+// (Backend::qk_norm_rope_to_heads_fp8), cuDNN's FP8 attention (Backend::attention_fp8) writes an
+// E4M3 o, and the layout op that feeds the output projection reads it (heads_to_tokens_fp8).
+// The backward mirrors it: the layout op writes the E5M2 dO (tokens_to_heads_fp8), the FP8
+// backward writes E5M2 dq, dk, dv, and QK-norm's backward reads them
+// (qk_norm_rope_to_heads_backward_fp8). No heads of the activation type are stored and no cast
+// or dequantize pass runs of its own. What the block keeps for its backward is the FP8 q, k, v
+// and o (one byte per element: half of bf16 heads).
 #include "model/block_common.h"
 
 namespace flux8 {
@@ -16,14 +19,28 @@ struct Fp8AttentionSaved {
   static Fp8AttentionSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, const Fp8Runtime* fp8);
 };
 
-// o (heads, the activation heads type) = dequantized FP8 attention of q, k, v, whose casts and o's
-// are kept in `saved`; lse as Backend::attention writes it. `index`: Fp8Runtime::add_attention's.
-void fp8_attention_forward(const BlockContext& ctx, int index, Fp8AttentionSaved& saved, Tensor o, Tensor lse,
-                           Tensor q, Tensor k, Tensor v);
-// dq, dk, dv (overwritten) from dout and what the forward kept; FP8 temporaries in ctx.scratch.
+// The backward's FP8 heads, in scratch: dO (written per stream by fp8_attention_dout), and dq,
+// dk, dv (written by fp8_attention_backward, read per stream by QK-norm's backward).
+struct Fp8AttentionGrads {
+  QTensor dout, dq, dk, dv;
+  bool defined() const { return dout.defined(); }
+  static Fp8AttentionGrads allocate(Arena& scratch, const FluxConfig& cfg, StepShape shape, const Fp8Runtime& fp8);
+};
+
+// One stream's q, k, v [B, Ls, n·D] (token side, pre-norm) into the joint FP8 heads of `saved` at
+// token_offset: QK-norm, RoPE, layout and cast in one op. `index`: Fp8Runtime::add_attention's.
+void fp8_attention_qkv(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor q_rstd,
+                       Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
+                       int64_t token_offset);
+// saved.o and lse (as Backend::attention writes it) from saved.q, k, v.
+void fp8_attention_forward(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor lse);
+// One stream's attention-output gradient d_attn [B, Ls, n·D] into the joint FP8 dO at token_offset.
+void fp8_attention_dout(const BlockContext& ctx, int index, const Fp8AttentionGrads& grads, Tensor d_attn,
+                        int64_t token_offset);
+// grads.dq, dk, dv from grads.dout and what the forward kept.
 void fp8_attention_backward(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor lse,
-                            Tensor dq, Tensor dk, Tensor dv, Tensor dout);
-// Scratch fp8_attention_backward takes (planning).
+                            const Fp8AttentionGrads& grads);
+// Scratch Fp8AttentionGrads takes (planning).
 void plan_fp8_attention_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape);
 
 }  // namespace flux8

@@ -49,30 +49,44 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
 }
 
 void SingleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
+  if (att8.defined()) return;  // FP8 attention writes only its casts (kept)
   allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
 }
 
 namespace {
 
+// The attention output o in token layout into `tokens`: from the FP8 o where the attention ran in
+// FP8 (dequantized in the layout op).
+void attention_output_to_tokens(Backend& be, const Tensor& tokens, const SingleBlockSaved& s) {
+  if (s.att8.defined())
+    be.heads_to_tokens_fp8(tokens, s.att8.o, 0);
+  else
+    be.heads_to_tokens(tokens, s.o, 0);
+}
+
 // Selective: linear2's input as single_block_forward made it — the attention output in token
 // layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
 SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
-  // (s.o: with FP8 attention the caller's dequantized copy)
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M},
                                        SlotKind::workspace);
-  ctx.be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
+  attention_output_to_tokens(ctx.be, cat.cols_slice(0, H), s);
   ctx.be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
 }
 
 // q, k, v (column windows of u) into the head-major q, k, v of `s`: QK-norm, RoPE and the
-// layout, one op. q_rstd, k_rstd undefined: not saved (recomputation).
+// layout, one op (with FP8 attention the FP8 casts in s.att8 instead). q_rstd, k_rstd
+// undefined: not saved (recomputation).
 void qkv_to_heads(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s, Tensor q_rstd,
                   Tensor k_rstd) {
   const int64_t H = ctx.cfg.hidden_size;
-  ctx.be.qk_norm_rope_to_heads(s.q, s.k, s.v, q_rstd, k_rstd, s.u.cols_slice(0, H), s.u.cols_slice(H, H),
-                               s.u.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe, 0, ctx.cfg.qk_norm_eps);
+  if (s.att8.defined())
+    fp8_attention_qkv(ctx, p.fp8_attention, s.att8, q_rstd, k_rstd, s.u.cols_slice(0, H), s.u.cols_slice(H, H),
+                      s.u.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, 0);
+  else
+    ctx.be.qk_norm_rope_to_heads(s.q, s.k, s.v, q_rstd, k_rstd, s.u.cols_slice(0, H), s.u.cols_slice(H, H),
+                                 s.u.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe, 0, ctx.cfg.qk_norm_eps);
 }
 
 // Selective: q, k, v (scratch views in `r`) from the kept u, by single_block_forward's op.
@@ -97,24 +111,13 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
   const Tensor cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
   site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(H, M), s.u, ln, s.zm, ctx.dtype);
 
-  // FP8 attention: q, k, v (unless the caller placed them: selective) and o in scratch for this
-  // forward; the block keeps their FP8 casts.
-  const bool fp8_attention = s.att8.defined(), own_qkv = fp8_attention && !s.q.defined();
-  if (own_qkv) allocate_heads_qkv(ctx.scratch, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, s.q, s.k, s.v);
-  if (fp8_attention)
-    s.o = ctx.scratch.alloc(ctx.heads_dtype, Shape{ctx.shape.batch, ctx.cfg.num_heads, ctx.shape.tokens(),
-                                                   ctx.cfg.head_dim()},
-                            SlotKind::workspace);
+  // (FP8 attention: q, k, v and o exist only as the FP8 casts in s.att8)
   qkv_to_heads(ctx, p, s, s.q_rstd, s.k_rstd);
-  if (fp8_attention)
-    fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.o, s.lse, s.q, s.k, s.v);
+  if (s.att8.defined())
+    fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.lse);
   else
     be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  be.heads_to_tokens(cat.cols_slice(0, H), s.o, 0);
-  if (fp8_attention) {
-    if (own_qkv) s.q = s.k = s.v = Tensor{};
-    s.o = Tensor{};
-  }
+  attention_output_to_tokens(be, cat.cols_slice(0, H), s);
   site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
   be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
   ctx.scratch.release_to(outer);
@@ -131,28 +134,31 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
   Tensor d_attn = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);  // linear2's input gradient, attention part
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
-  const Shape heads{B, ctx.cfg.num_heads, L, ctx.cfg.head_dim()};
-  Tensor d_o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace), d_q, d_k, d_v;
-  allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
-  SingleBlockSaved r = s;  // views; selective: q, k, v (or, FP8 attention, o) rebuilt in scratch
+  // The head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
   const bool fp8_attention = s.att8.defined();
+  Tensor d_o, d_q, d_k, d_v;
+  Fp8AttentionGrads d8;
+  if (fp8_attention) {
+    d8 = Fp8AttentionGrads::allocate(a, ctx.cfg, ctx.shape, *ctx.fp8);
+  } else {
+    d_o = a.alloc(ctx.heads_dtype, Shape{B, ctx.cfg.num_heads, L, ctx.cfg.head_dim()}, SlotKind::workspace);
+    allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
+  }
+  SingleBlockSaved r = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
   // linear2's dgrad writes the attention part of its input's gradient and, GELU's backward in
   // its epilogue, the MLP part of d_u.
   const size_t cat_mark = a.mark();
-  if (fp8_attention && s.selective) {  // linear2's input is recomputed from o
-    r.o = a.alloc(ctx.heads_dtype, heads, SlotKind::workspace);
-    be.dequantize(r.o, s.att8.o);
-  }
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
   site_backward_gelu(be, ctx.fp8, a, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h, cat);
   a.release_to(cat_mark);
-  be.tokens_to_heads(d_o, d_attn, 0);
   const size_t qkv_mark = a.mark();
   if (fp8_attention) {
-    fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d_q, d_k, d_v, d_o);
+    fp8_attention_dout(ctx, p.fp8_attention, d8, d_attn, 0);
+    fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d8);
   } else {
+    be.tokens_to_heads(d_o, d_attn, 0);
     if (s.selective) {
       r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
       recompute_qkv(ctx, p, r);
@@ -163,9 +169,14 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   a.release_to(qkv_mark);
   p.q_norm.prepare_grad();
   p.k_norm.prepare_grad();
-  be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
-                                    p.q_norm.ds, p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H),
-                                    s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
+  if (fp8_attention)
+    be.qk_norm_rope_to_heads_backward_fp8(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
+                                          p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv, s.u.cols_slice(0, H),
+                                          s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
+  else
+    be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
+                                      p.q_norm.ds, p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H),
+                                      s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
   site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
   be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in,
                                  s.ln_mean, s.ln_rstd, s.mod.cols_slice(H, H), true);

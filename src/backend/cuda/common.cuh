@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/cuda_backend.h"
@@ -66,6 +67,18 @@ __device__ inline void store4(__nv_bfloat16* p, float4 v) {
   uint2 u;
   memcpy(&u.x, &lo, 4), memcpy(&u.y, &hi, 4);
   *reinterpret_cast<uint2*>(p) = u;
+}
+
+// The value an op's output has once stored as a T: f32 as computed, bf16 as store() rounds it
+// (the conversion instruction: nearest even, a NaN becomes the canonical NaN). The CPU's integer
+// round_to_bf16 gives the same bits for every non-NaN value but cost ~6 integer instructions an
+// element, in casts that Nsight Compute showed bound by the integer pipe (GELU's: ALU 66%).
+template <typename T>
+__device__ inline float as_stored(float v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return __bfloat162float(__float2bfloat16_rn(v));
 }
 
 // Eight consecutive elements as f32, and back: 32 bytes of f32 (two float4s), 16 of bf16 (one

@@ -79,6 +79,8 @@ class CudaBackend final : public Backend {
 
   void tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) override;
   void heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) override;
+  void tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset) override;
+  void heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset) override;
 
   void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) override;
   void rope(Tensor x, Tensor pe, bool inverse) override;
@@ -89,6 +91,13 @@ class CudaBackend final : public Backend {
                                       Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k,
                                       Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
                                       int64_t token_offset) override;
+  void qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads, const Fp8Heads& v_heads,
+                                 Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale,
+                                 Tensor k_scale, Tensor pe, int64_t token_offset, double eps) override;
+  void qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                          const QTensor& dq_heads, const QTensor& dk_heads, const QTensor& dv_heads,
+                                          Tensor q, Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
+                                          Tensor k_scale, Tensor pe, int64_t token_offset) override;
 
   void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
@@ -139,12 +148,25 @@ class CudaBackend final : public Backend {
   // (Quantize::amax/stats), with one synchronisation. synchronize() and download() call it, so
   // the targets are current whenever the host can see the step's results.
   void flush_cast_stats();
+  // The total of a cast's per-block statistics (cast_stats.cuh's StatsPartial [n], device
+  // memory) over `elements`: its amax max-accumulated into *q.amax, its counts delivered to
+  // *q.stats at the next flush_cast_stats(). Either target may be absent (nothing to do).
+  void total_cast_stats(const void* partials, int64_t n, int64_t elements, const Quantize& q);
   // Host-visible pinned buffer for small results (loss, norms, amax): `bytes` ≤ 4096.
   void* pinned_result();
   // Calls of qk_norm_rope_to_heads and its backward that took the vector path (16-byte
   // accesses: head dim 8·2^k up to 256, rows aligned to 8 elements; qk_norm_rope.cu) since this
   // backend was made. Tests check which path their shapes take.
   int64_t qk_norm_rope_vector_calls() const { return qk_norm_rope_vector_calls_; }
+
+  // qk_norm_rope_to_heads_backward on the heads tensors, or (fp8: the codes of dq, dk, dv
+  // heads, whose tensors then only give the shape and alignment) on FP8 heads: false, launching
+  // nothing, where FP8 heads would need the pair path (the caller takes the default). Public only
+  // because nvcc's extended device lambdas may not sit in a private member.
+  bool qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                             Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k, Tensor q_rstd,
+                             Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
+                             const QTensor* fp8);
 
  private:
   BackendOptions options_;

@@ -37,6 +37,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fp8_encode.cuh"
+#include "backend/cuda/cast_stats.cuh"
 #include "backend/cuda/pointwise.cuh"
 #include "fp8/quantize.h"
 #include "fp8/recipe.h"
@@ -61,15 +62,6 @@ struct CastDst {
   int64_t scale_cols = 0;      // scales per block-row of this copy
 };
 
-// What one tile's counted copy saw (the element count is known on the host).
-struct StatsPartial {
-  float amax;
-  uint32_t nonzero, saturated, flushed;
-};
-struct StatsTotal {
-  float amax;
-  unsigned long long nonzero, saturated, flushed;
-};
 
 // An activation element as f32. bf16 widens by taking its bits as the high half of the f32's:
 // exact, as load() is, and NaNs keep their sign and payload, as in the CPU's bf16_bits_to_f32,
@@ -77,18 +69,6 @@ struct StatsTotal {
 __device__ inline float widen(float v) { return v; }
 __device__ inline float widen_bits(uint32_t bf16_bits) { return __uint_as_float(bf16_bits << 16); }
 __device__ inline float widen(__nv_bfloat16 v) { return widen_bits(__bfloat16_as_ushort(v)); }
-
-// The value an op's output has once stored as a T: f32 as computed, bf16 as store() rounds it
-// (the conversion instruction: nearest even, a NaN becomes the canonical NaN). The CPU's integer
-// round_to_bf16 gives the same bits for every non-NaN value but cost ~6 integer instructions an
-// element, in casts that Nsight Compute showed bound by the integer pipe (GELU's: ALU 66%).
-template <typename T>
-__device__ inline float as_stored(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return __bfloat162float(__float2bfloat16_rn(v));
-}
 
 // Where the cast's elements come from: x itself, or the value an element-wise op would have
 // stored from x (quantize_fused), computed by the op's own device function (pointwise.cuh).
@@ -1023,8 +1003,12 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   if (column_partials)
     column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<float>(), C,
                           q.column_sums_accumulate);
-  if (!want_stats) return;
+  if (want_stats) total_cast_stats(partials, tiles, R * C, q);
+}
 
+void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elements, const Quantize& q) {
+  using cuda::StatsTotal;
+  if (!q.amax && !q.stats) return;
   // The amax goes into the registry's staging slot on the device (q.amax is device memory).
   // The telemetry (q.stats) lives on the host: the cast's totals go to a device slot and reach
   // it at the next synchronize()/download() (one synchronisation per step, not one per cast).
@@ -1037,9 +1021,10 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     }
     total = static_cast<StatsTotal*>(stats_dev_) + pending_stats_.size();
   }
-  stats_total_kernel<<<1, kCastThreads, 0, stream()>>>(partials, tiles, total, q.amax);
+  cuda::stats_total_kernel<<<1, cuda::kCastThreads, 0, stream()>>>(static_cast<const cuda::StatsPartial*>(partials),
+                                                                  n, total, q.amax);
   FLUX8_LAUNCH_CHECK(stats_total_kernel);
-  if (q.stats) pending_stats_.push_back(PendingCastStats{q.stats, R * C});
+  if (q.stats) pending_stats_.push_back(PendingCastStats{q.stats, elements});
 }
 
 void CudaBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,

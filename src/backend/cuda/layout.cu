@@ -5,10 +5,12 @@
 // the joint sequence, residuals and the embedding may be bf16 activations (Backend::
 // activation_dtype); RoPE stays f32.
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8_heads.cuh"
 
 namespace flux8 {
 using namespace cuda;
@@ -238,6 +240,78 @@ void timestep_embedding_as(CudaBackend& be, const Tensor& out, const Tensor& t, 
   });
 }
 
+// ---- FP8 heads (tokens_to_heads_fp8, heads_to_tokens_fp8) -----------------------------------
+// A thread per 8 elements of a token row, as move_head_groups<8>, with the heads side FP8 codes
+// (fp8_heads.cuh): written as the cast of the values the plain op would store in the heads' type
+// H (a block's amax and counts to its partial), or read as dequantize() into H gives them.
+struct HeadGroups {
+  FastDivisor groups_per_row, per_sample;  // n·D/8 per token row; Ls rows per sample
+  int64_t n, L, Ls, D, offset, groups;
+  int Dw;  // D / 8
+  // Group g: token row r and column c (a multiple of 8), and the flat index of its first code.
+  __device__ void locate(int64_t g, int64_t& r, int& c, int64_t& code) const {
+    r = groups_per_row.divide(static_cast<uint32_t>(g));
+    const int cw = static_cast<int>(g - r * groups_per_row.divisor());
+    const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Ls;
+    const int h = cw / Dw;
+    c = 8 * cw;
+    code = ((b * n + h) * L + offset + l) * D + (c - h * D);
+  }
+};
+
+template <typename TT, typename H, bool kCount>
+__global__ void tokens_to_fp8_heads_kernel(MatOf<TT> tokens, HeadGroups hg, Fp8HeadsOut out) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const float s = *out.scale;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *out.scale_inv = scale_inverse(s);
+  CastTally<kCount> tally;
+  if (g < hg.groups) {  // no return: the block reduces below
+    int64_t r, code;
+    int c;
+    hg.locate(g, r, c, code);
+    float v[8];
+    load8(&tokens.at(r, c), v);
+    store8_fp8<H>(out, code, v, s, tally);
+  }
+  if (out.partials) tally.write_block_partial(out.partials + blockIdx.x);
+}
+
+template <typename TT, typename H>
+__global__ void fp8_heads_to_tokens_kernel(MatOf<TT> tokens, HeadGroups hg, Fp8HeadsIn in) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= hg.groups) return;
+  int64_t r, code;
+  int c;
+  hg.locate(g, r, c, code);
+  float v[8];
+  load8_dequantized<H>(in, code, v);
+  store8(&tokens.at(r, c), v);
+}
+
+// The geometry of one stream's FP8-heads move, or nothing where the fused kernels do not apply
+// (head dim not a multiple of 8, codes or token rows not aligned to 8 elements, an empty call,
+// or more groups than 32-bit indexing takes): the caller then takes the default.
+template <typename TT>
+std::optional<HeadGroups> head_groups(const Tensor& tokens, const QTensor& codes, const Shape& h, int64_t offset) {
+  const int64_t n = h[1], L = h[2], D = h[3], Ls = tokens.shape[1];
+  const int64_t rows = h[0] * Ls, groups = rows * n * D / 8;
+  if (D % 8 != 0 || !fp8_heads_vec8(codes) || !vec8_rows(mat_of<TT>(tokens)) || groups == 0 ||
+      groups >= (int64_t(1) << 31))
+    return std::nullopt;
+  return HeadGroups{FastDivisor(static_cast<uint32_t>(n * D / 8)), FastDivisor(static_cast<uint32_t>(Ls)),
+                    n, L, Ls, D, offset, groups, static_cast<int>(D / 8)};
+}
+
+// f.template operator()<TT, H>() for the tokens' type and the heads' (attention_heads_dtype).
+template <typename F>
+void with_token_head_types(std::string_view op, const Tensor& tokens, DType heads, F&& f) {
+  const bool tokens_bf16 = activations_in_bf16(op, {{"tokens", tokens}});
+  if (tokens_bf16 && heads != DType::bf16) fail("{}: bf16 tokens need bf16 heads", op);
+  if (tokens_bf16) f.template operator()<bf16, bf16>();
+  else if (heads == DType::bf16) f.template operator()<float, bf16>();
+  else f.template operator()<float, float>();
+}
+
 }  // namespace
 
 void CudaBackend::tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) {
@@ -246,6 +320,46 @@ void CudaBackend::tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_off
 
 void CudaBackend::heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) {
   heads_tokens(*this, "heads_to_tokens", heads, tokens, token_offset, false);
+}
+
+void CudaBackend::tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset) {
+  constexpr std::string_view op = "tokens_to_heads_fp8";
+  const Shape h = ops::check_fp8_heads(op, tokens, token_offset, {{"heads", heads.codes}});
+  bool done = false;
+  if (heads.q.scaling == Fp8Scaling::per_tensor && heads.q.delayed_scale) {
+    with_token_head_types(op, tokens, attention_heads_dtype(tokens.dtype, h[3]), [&]<typename TT, typename H>() {
+      const auto hg = head_groups<TT>(tokens, heads.codes, h, token_offset);
+      if (!hg) return;
+      const int64_t blocks = exact_blocks(hg->groups);
+      auto* partials = static_cast<StatsPartial*>(scratch(static_cast<size_t>(blocks) * sizeof(StatsPartial)));
+      const Fp8HeadsOut out = fp8_heads_out(heads, partials);
+      if (heads.q.stats)
+        tokens_to_fp8_heads_kernel<TT, H, true>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, out);
+      else
+        tokens_to_fp8_heads_kernel<TT, H, false>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, out);
+      FLUX8_LAUNCH_CHECK(tokens_to_fp8_heads_kernel);
+      total_cast_stats(partials, blocks, hg->groups * 8, heads.q);
+      done = true;
+    });
+  }
+  if (!done) Backend::tokens_to_heads_fp8(heads, tokens, token_offset);
+}
+
+void CudaBackend::heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset) {
+  constexpr std::string_view op = "heads_to_tokens_fp8";
+  const Shape h = ops::check_fp8_heads(op, tokens, token_offset, {{"heads", heads}});
+  bool done = false;
+  with_token_head_types(op, tokens, attention_heads_dtype(tokens.dtype, h[3]), [&]<typename TT, typename H>() {
+    const auto hg = head_groups<TT>(tokens, heads, h, token_offset);
+    if (!hg) return;
+    fp8_heads_to_tokens_kernel<TT, H>
+        <<<exact_blocks(hg->groups), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, fp8_heads_in(heads));
+    FLUX8_LAUNCH_CHECK(fp8_heads_to_tokens_kernel);
+    done = true;
+  });
+  if (!done) Backend::heads_to_tokens_fp8(tokens, heads, token_offset);
 }
 
 void CudaBackend::concat_tokens(Tensor out, Tensor a, Tensor b) {

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp8_heads.cuh"
 
 namespace flux8 {
 using namespace cuda;
@@ -330,18 +331,17 @@ __device__ inline void load_scale8(const float* scale, int c, float (&sc)[8]) {
   for (int i = 0; i < 8; ++i) sc[i] = __ldg(scale + c + i);
 }
 
-// norm_rotate for the lane's 8 elements x of the segment; cs holds their 4 (cos, sin) pairs.
-template <int kLanes, typename H>
-__device__ inline void norm_rotate8(const Heads<H>& out, float* rstd, const float (&x)[8], const float (&sc)[8],
-                                    const float (&cs)[8], const Segment& s, int64_t seg, int c, float inv_D,
-                                    float eps) {
+// norm_rotate for the lane's 8 elements x of the segment into y; cs holds their 4 (cos, sin)
+// pairs.
+template <int kLanes>
+__device__ inline void norm_rotate8(float (&y)[8], float* rstd, const float (&x)[8], const float (&sc)[8],
+                                    const float (&cs)[8], int64_t seg, int c, float inv_D, float eps) {
   float sq = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) sq += x[i] * x[i];
   sq = group_sum<kLanes>(sq);
   const float rs = 1.0f / sqrtf(sq * inv_D + eps);
   if (rstd && c == 0) rstd[seg] = rs;
-  float y[8];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float y0 = x[2 * j] * rs * sc[2 * j], y1 = x[2 * j + 1] * rs * sc[2 * j + 1];
@@ -349,7 +349,20 @@ __device__ inline void norm_rotate8(const Heads<H>& out, float* rstd, const floa
     y[2 * j] = cn * y0 - sn * y1;
     y[2 * j + 1] = sn * y0 + cn * y1;
   }
-  store8(out.p + s.head_row * out.ld + c, y);
+}
+
+// The segment's inputs as the vector path's forward loads them, every load issued first.
+struct SegmentInputs8 {
+  float cs[8], q[8], k[8], v[8], q_sc[8], k_sc[8];
+};
+template <typename T, typename H>
+__device__ inline void load_segment8(SegmentInputs8& in, const ForwardArgs<T, H>& a, const Segment& s, int c) {
+  load8(a.pe + s.pe_row * a.g.D + c, in.cs);
+  load8(&a.q.at(s.token_row, s.col + c), in.q);
+  load8(&a.k.at(s.token_row, s.col + c), in.k);
+  load8(&a.v.at(s.token_row, s.col + c), in.v);
+  load_scale8(a.q_scale, c, in.q_sc);
+  load_scale8(a.k_scale, c, in.k_sc);
 }
 
 template <int kLanes, typename T, typename H>
@@ -358,16 +371,48 @@ __global__ void qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a) {
   if (seg >= a.g.segments) return;  // whole groups leave together
   const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
   const Segment s = a.g.segment(seg);
-  float cs[8], q[8], k[8], v[8], q_sc[8], k_sc[8];
-  load8(a.pe + s.pe_row * a.g.D + c, cs);
-  load8(&a.q.at(s.token_row, s.col + c), q);
-  load8(&a.k.at(s.token_row, s.col + c), k);
-  load8(&a.v.at(s.token_row, s.col + c), v);
-  load_scale8(a.q_scale, c, q_sc);
-  load_scale8(a.k_scale, c, k_sc);
-  store8(a.v_heads.p + s.head_row * a.v_heads.ld + c, v);
-  norm_rotate8<kLanes>(a.q_heads, a.q_rstd, q, q_sc, cs, s, seg, c, a.g.inv_D, a.eps);
-  norm_rotate8<kLanes>(a.k_heads, a.k_rstd, k, k_sc, cs, s, seg, c, a.g.inv_D, a.eps);
+  SegmentInputs8 in;
+  load_segment8(in, a, s, c);
+  store8(a.v_heads.p + s.head_row * a.v_heads.ld + c, in.v);
+  float y[8];
+  norm_rotate8<kLanes>(y, a.q_rstd, in.q, in.q_sc, in.cs, seg, c, a.g.inv_D, a.eps);
+  store8(a.q_heads.p + s.head_row * a.q_heads.ld + c, y);
+  norm_rotate8<kLanes>(y, a.k_rstd, in.k, in.k_sc, in.cs, seg, c, a.g.inv_D, a.eps);
+  store8(a.k_heads.p + s.head_row * a.k_heads.ld + c, y);
+}
+
+// The vector path with FP8 heads (qk_norm_rope_to_heads_fp8): the same values, each rounded as
+// the heads' type H stores it and cast with its tensor's delayed scale (fp8_heads.cuh); a block's
+// amax and counts per tensor go to its partials (kCount: the counts are wanted, a report step).
+// The heads tensors of `a` are not used.
+template <int kLanes, typename T, typename H, bool kCount>
+__global__ void qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, Fp8HeadsOut q8, Fp8HeadsOut k8,
+                                                 Fp8HeadsOut v8) {
+  const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const float sq = *q8.scale, sk = *k8.scale, sv = *v8.scale;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *q8.scale_inv = scale_inverse(sq);
+    *k8.scale_inv = scale_inverse(sk);
+    *v8.scale_inv = scale_inverse(sv);
+  }
+  CastTally<kCount> tq, tk, tv;
+  if (seg < a.g.segments) {  // the same for the whole group; no return: the block reduces below
+    const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
+    const Segment s = a.g.segment(seg);
+    SegmentInputs8 in;
+    load_segment8(in, a, s, c);
+    const int64_t at = s.head_row * a.g.D + c;
+    store8_fp8<H>(v8, at, in.v, sv, tv);
+    float y[8];
+    norm_rotate8<kLanes>(y, a.q_rstd, in.q, in.q_sc, in.cs, seg, c, a.g.inv_D, a.eps);
+    store8_fp8<H>(q8, at, y, sq, tq);
+    norm_rotate8<kLanes>(y, a.k_rstd, in.k, in.k_sc, in.cs, seg, c, a.g.inv_D, a.eps);
+    store8_fp8<H>(k8, at, y, sk, tk);
+  }
+  // (each condition is the same for the whole block)
+  if (q8.partials) tq.write_block_partial(q8.partials + blockIdx.x);
+  if (k8.partials) tk.write_block_partial(k8.partials + blockIdx.x);
+  if (v8.partials) tv.write_block_partial(v8.partials + blockIdx.x);
 }
 
 // norm_rotate_backward for the lane's 8 elements: d the head gradients, x the saved input.
@@ -402,8 +447,12 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
 // at W1's shapes). dscale's terms g·x̂ are added over the block's groups in group order (f32)
 // into a row of `q_part` / `k_part` ([blocks, D] f32, or null: not wanted), which column_sums
 // then adds up in its fixed order.
-template <int kLanes, typename T, typename H>
-__global__ void qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part) {
+//
+// kFp8: the head gradients are FP8 codes (qk_norm_rope_to_heads_backward_fp8), read from dq8, dk8,
+// dv8 and dequantized as dequantize() into H gives them; the heads tensors of `a` are not used.
+template <int kLanes, typename T, typename H, bool kFp8>
+__global__ void qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part,
+                                                          Fp8HeadsIn dq8, Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
   constexpr int kGroups = kThreads / kLanes, D = 8 * kLanes;
   __shared__ float tile[2][kGroups][D];
   const bool q_norm = a.dq.p || q_part, k_norm = a.dk.p || k_part;
@@ -415,11 +464,18 @@ __global__ void qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, 
     // Every load of the segment first (dq_heads, dk_heads, q, k are always given).
     float cs[8], dqh[8], q[8], dkh[8], k[8], dvh[8], q_sc[8], k_sc[8];
     load8(a.pe + s.pe_row * D + c, cs);
-    load8(a.dq_heads.p + s.head_row * a.dq_heads.ld + c, dqh);
+    if constexpr (kFp8) {
+      const int64_t at = s.head_row * D + c;
+      load8_dequantized<H>(dq8, at, dqh);
+      load8_dequantized<H>(dk8, at, dkh);
+      if (a.dv.p) load8_dequantized<H>(dv8, at, dvh);
+    } else {
+      load8(a.dq_heads.p + s.head_row * a.dq_heads.ld + c, dqh);
+      load8(a.dk_heads.p + s.head_row * a.dk_heads.ld + c, dkh);
+      if (a.dv.p) load8(a.dv_heads.p + s.head_row * a.dv_heads.ld + c, dvh);
+    }
     load8(&a.q.at(s.token_row, s.col + c), q);
-    load8(a.dk_heads.p + s.head_row * a.dk_heads.ld + c, dkh);
     load8(&a.k.at(s.token_row, s.col + c), k);
-    if (a.dv.p) load8(a.dv_heads.p + s.head_row * a.dv_heads.ld + c, dvh);
     load_scale8(a.q_scale, c, q_sc);
     load_scale8(a.k_scale, c, k_sc);
     const float q_rs = a.q_rstd[seg], k_rs = a.k_rstd[seg];
@@ -578,11 +634,104 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   with_types(bf16, heads_bf16, launch);
 }
 
+void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads,
+                                            const Fp8Heads& v_heads, Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k,
+                                            Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
+                                            double eps) {
+  constexpr std::string_view op = "qk_norm_rope_to_heads_fp8";
+  const Shape h = ops::check_fp8_heads(op, q, token_offset,
+                                       {{"q_heads", q_heads.codes}, {"k_heads", k_heads.codes}, {"v_heads", v_heads.codes}});
+  const DType t = attention_heads_dtype(q.dtype, h[3]);
+  // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
+  // (never written: the kernel writes the codes).
+  const Tensor qh(q_heads.codes.codes, t, h), kh(k_heads.codes.codes, t, h), vh(v_heads.codes.codes, t, h);
+  const auto d = ops::check_qk_norm_rope_to_heads(op, qh, kh, vh, q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe,
+                                                  token_offset);
+  const bool bf16 = activations_in_bf16(op, {{"q", q}, {"k", k}, {"v", v}});
+  require_f32(op, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}, {"q_scale", q_scale}, {"k_scale", k_scale}, {"pe", pe}});
+  const bool heads_bf16 = heads_in_bf16(op, {{"q_heads", qh}});
+  const Geometry geo = geometry_of(op, d, token_offset, {qh, kh, vh, q, k, v, pe});
+  const int lanes = vec_path_lanes(d.D, {qh, kh, vh, q, k, v}, pe);
+  const Fp8Heads* const outs[3] = {&q_heads, &k_heads, &v_heads};
+  bool fused = lanes > 0 && geo.segments > 0;
+  for (const Fp8Heads* o : outs)
+    fused = fused && fp8_heads_vec8(o->codes) && o->q.scaling == Fp8Scaling::per_tensor && o->q.delayed_scale;
+  if (!fused) {  // the pair path, an empty call or a scale not known ahead (current scaling)
+    Backend::qk_norm_rope_to_heads_fp8(q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe,
+                                       token_offset, eps);
+    return;
+  }
+  const int64_t blocks = exact_blocks(geo.segments * lanes);
+  auto* partials = static_cast<StatsPartial*>(scratch(static_cast<size_t>(3 * blocks) * sizeof(StatsPartial)));
+  const Fp8HeadsOut q8 = fp8_heads_out(q_heads, partials), k8 = fp8_heads_out(k_heads, partials + blocks),
+                    v8 = fp8_heads_out(v_heads, partials + 2 * blocks);
+  const bool count = q_heads.q.stats || k_heads.q.stats || v_heads.q.stats;
+  with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
+    const ForwardArgs<T, H> a{Heads<H>{},
+                              Heads<H>{},
+                              Heads<H>{},
+                              q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
+                              k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
+                              mat_of<T>(q),
+                              mat_of<T>(k),
+                              mat_of<T>(v),
+                              q_scale.ptr<float>(),
+                              k_scale.ptr<float>(),
+                              pe.ptr<float>(),
+                              geo,
+                              static_cast<float>(eps)};
+    with_lanes(lanes, [&]<int kLanes>() {
+      if (count)
+        qk_norm_rope_to_heads_fp8_kernel<kLanes, T, H, true>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q8, k8, v8);
+      else
+        qk_norm_rope_to_heads_fp8_kernel<kLanes, T, H, false>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q8, k8, v8);
+      FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_fp8_kernel);
+    });
+  });
+  ++qk_norm_rope_vector_calls_;
+  const int64_t elements = geo.segments * d.D;
+  total_cast_stats(partials, blocks, elements, q_heads.q);
+  total_cast_stats(partials + blocks, blocks, elements, k_heads.q);
+  total_cast_stats(partials + 2 * blocks, blocks, elements, v_heads.q);
+}
+
 void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
                                                  Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q,
                                                  Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
                                                  Tensor k_scale, Tensor pe, int64_t token_offset) {
-  constexpr std::string_view op = "qk_norm_rope_to_heads_backward";
+  qk_norm_rope_backward("qk_norm_rope_to_heads_backward", dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
+                        dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe, token_offset, nullptr);
+}
+
+void CudaBackend::qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale,
+                                                     Tensor dk_scale, const QTensor& dq_heads, const QTensor& dk_heads,
+                                                     const QTensor& dv_heads, Tensor q, Tensor k, Tensor q_rstd,
+                                                     Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
+                                                     int64_t token_offset) {
+  constexpr std::string_view op = "qk_norm_rope_to_heads_backward_fp8";
+  const Shape h =
+      ops::check_fp8_heads(op, q, token_offset, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
+  const DType t = attention_heads_dtype(q.dtype, h[3]);
+  const QTensor codes[3] = {dq_heads, dk_heads, dv_heads};
+  const bool vec8 = fp8_heads_vec8(dq_heads) && fp8_heads_vec8(dk_heads) && fp8_heads_vec8(dv_heads);
+  // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
+  // (never read: the kernel reads the codes).
+  if (vec8 && h.numel() > 0 &&
+      qk_norm_rope_backward(op, dq, dk, dv, dq_scale, dk_scale, Tensor(dq_heads.codes, t, h),
+                            Tensor(dk_heads.codes, t, h), Tensor(dv_heads.codes, t, h), q, k, q_rstd, k_rstd, q_scale,
+                            k_scale, pe, token_offset, codes))
+    return;
+  // Not the vector path (head dim, alignment): dequantize, then the plain op.
+  Backend::qk_norm_rope_to_heads_backward_fp8(dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads, dv_heads, q, k,
+                                              q_rstd, k_rstd, q_scale, k_scale, pe, token_offset);
+}
+
+bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale,
+                                        Tensor dk_scale, Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q,
+                                        Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale,
+                                        Tensor pe, int64_t token_offset, const QTensor* fp8) {
   const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
                                                            dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
                                                            token_offset);
@@ -600,8 +749,11 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   const int pairs = pairs_per_lane(op, d.D);
   const Geometry geo = geometry_of(op, d, token_offset, {dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe});
   const int64_t segments = geo.segments;
-  if (segments == 0) return;
   const int lanes = vec_path_lanes(d.D, {dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k}, pe);
+  if (fp8 && lanes == 0) return false;  // FP8 heads: the vector path only
+  if (segments == 0) return true;
+  const Fp8HeadsIn dq8 = fp8 ? fp8_heads_in(fp8[0]) : Fp8HeadsIn{}, dk8 = fp8 ? fp8_heads_in(fp8[1]) : Fp8HeadsIn{},
+                   dv8 = fp8 ? fp8_heads_in(fp8[2]) : Fp8HeadsIn{};
   const auto args = [&]<typename T, typename H>(double* q_partial, double* k_partial, int64_t chunk) {
     return BackwardArgs<T, H>{mat_of_or_null<T>(dq),
                               mat_of_or_null<T>(dk),
@@ -632,8 +784,12 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
     with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
       const BackwardArgs<T, H> a = args.template operator()<T, H>(nullptr, nullptr, 0);
       with_lanes(lanes, [&]<int kLanes>() {
-        qk_norm_rope_to_heads_backward_vec_kernel<kLanes>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q_part, k_part);
+        if (fp8)
+          qk_norm_rope_to_heads_backward_vec_kernel<kLanes, T, H, true>
+              <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q_part, k_part, dq8, dk8, dv8);
+        else
+          qk_norm_rope_to_heads_backward_vec_kernel<kLanes, T, H, false>
+              <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q_part, k_part, dq8, dk8, dv8);
         FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_vec_kernel);
       });
     });
@@ -644,7 +800,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
         column_sums(
             *this, 1, blocks, D, [rows, D] __device__(int64_t, int64_t r, int64_t c) { return rows[r * D + c]; },
             dscale.ptr<float>(), D, true);
-    return;
+    return true;
   }
 
   // The pair path: chunks of kColumnChunk segments (column_sums' row chunk), longer where
@@ -668,6 +824,7 @@ void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
   for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}})
     if (dscale.defined()) column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<float>(), d.D, true);
+  return true;
 }
 
 }  // namespace flux8
