@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -206,6 +207,86 @@ TEST(CpuFp8Attention, DequantizeWritesCodeTimesScaleInverse) {
       EXPECT_EQ(y[size_t(r * 6 + c)], fp8_decode(x.codes[size_t(r * 5 + c)], Fp8Format::e4m3) * 0.375f);
     EXPECT_EQ(y[size_t(r * 6 + 5)], -1.0f);
   }
+}
+
+// The FP8-heads ops (FP8 attention's neighbours) called per stream of the joint sequence, as a
+// double block calls them, write what the plain ops on the joint heads followed by one cast of
+// the whole tensor give: the same codes and scale_inv, amax and counts (merged over the calls).
+TEST(CpuFp8Attention, Fp8HeadsOpsPerStreamEqualOneCastOfTheJointHeads) {
+  auto be = make_backend("cpu");
+  const int64_t B = 2, n = 2, D = 8, Lt = 3, Li = 5, L = Lt + Li, H = n * D, rows = B * n * L;
+  const auto randn = [](int64_t count, uint64_t stream, double std) {
+    std::vector<float> v(static_cast<size_t>(count));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(std * rng_normal(17, stream, i));
+    return v;
+  };
+  std::vector<float> txt = randn(B * Lt * 3 * H, 1, 2.0), img = randn(B * Li * 3 * H, 2, 2.0);
+  std::vector<float> pe = randn(B * L * D, 3, 1.0), q_scale = randn(D, 4, 1.0), k_scale = randn(D, 5, 1.0);
+  img[2 * H + 1] = 1e-30f;  // a v value (columns 2H..3H of a token) that flushes
+  const Tensor pe_t(pe.data(), DType::f32, Shape{B, L, D / 2, 2});
+  const Tensor qs(q_scale.data(), DType::f32, Shape{D}), ks(k_scale.data(), DType::f32, Shape{D});
+  const auto window = [&](std::vector<float>& tok, int64_t Ls, int64_t i) {
+    return Tensor(tok.data(), DType::f32, Shape{B, Ls, 3 * H}).cols_slice(i * H, H);
+  };
+  struct Target {
+    float scale, amax = 0;
+    CastStats stats;
+    Backend::Quantize q() {
+      Backend::Quantize c;
+      c.delayed_scale = &scale, c.amax = &amax, c.stats = &stats;
+      return c;
+    }
+  };
+
+  // Reference: the plain op into joint f32 heads, then one cast per tensor.
+  std::vector<float> heads[3];
+  Target ref[3] = {{200.0f}, {37.0f}, {3.0e4f}}, got[3] = {{200.0f}, {37.0f}, {3.0e4f}};
+  HostQ want[3] = {{rows, D, Fp8Format::e4m3}, {rows, D, Fp8Format::e4m3}, {rows, D, Fp8Format::e4m3}};
+  HostQ have[3] = {{rows, D, Fp8Format::e4m3}, {rows, D, Fp8Format::e4m3}, {rows, D, Fp8Format::e4m3}};
+  for (auto& h : heads) h.assign(static_cast<size_t>(rows * D), 0.0f);
+  const auto head = [&](int i) { return Tensor(heads[i].data(), DType::f32, Shape{B, n, L, D}); };
+  for (const auto& [tok, Ls, offset] : {std::tuple{&txt, Lt, int64_t{0}}, std::tuple{&img, Li, Lt}})
+    be->qk_norm_rope_to_heads(head(0), head(1), head(2), Tensor{}, Tensor{}, window(*tok, Ls, 0), window(*tok, Ls, 1),
+                              window(*tok, Ls, 2), qs, ks, pe_t, offset, 1e-6);
+  for (int i = 0; i < 3; ++i)
+    be->quantize(want[i].q, QTensor{}, Tensor(heads[i].data(), DType::f32, Shape{rows, D}), ref[i].q());
+  // Per stream, the FP8 heads op.
+  for (const auto& [tok, Ls, offset] : {std::tuple{&txt, Lt, int64_t{0}}, std::tuple{&img, Li, Lt}})
+    be->qk_norm_rope_to_heads_fp8({have[0].q, got[0].q()}, {have[1].q, got[1].q()}, {have[2].q, got[2].q()},
+                                  Tensor{}, Tensor{}, window(*tok, Ls, 0), window(*tok, Ls, 1), window(*tok, Ls, 2),
+                                  qs, ks, pe_t, offset, 1e-6);
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(have[i].codes, want[i].codes);
+    EXPECT_EQ(have[i].scale_inv, want[i].scale_inv);
+    EXPECT_EQ(got[i].amax, ref[i].amax);
+    EXPECT_EQ(got[i].stats.amax, ref[i].stats.amax);
+    EXPECT_EQ(got[i].stats.elements, rows * D);
+    EXPECT_EQ(got[i].stats.nonzero, ref[i].stats.nonzero);
+    EXPECT_EQ(got[i].stats.saturated, ref[i].stats.saturated);
+    EXPECT_EQ(got[i].stats.flushed, ref[i].stats.flushed);
+  }
+  EXPECT_GT(got[0].stats.saturated, 0) << "q's scale saturates some";
+  EXPECT_GT(got[2].stats.flushed, 0) << "v's tiny value flushes";
+
+  // dO: tokens_to_heads per stream, one cast of the joint heads.
+  std::vector<float> d_txt = randn(B * Lt * H, 6, 1.0), d_img = randn(B * Li * H, 7, 1.0);
+  std::fill(heads[0].begin(), heads[0].end(), 0.0f);
+  be->tokens_to_heads(head(0), Tensor(d_txt.data(), DType::f32, Shape{B, Lt, H}), 0);
+  be->tokens_to_heads(head(0), Tensor(d_img.data(), DType::f32, Shape{B, Li, H}), Lt);
+  Target dref{3.0e4f}, dgot{3.0e4f};
+  HostQ dwant(rows, D, Fp8Format::e5m2), dhave(rows, D, Fp8Format::e5m2);
+  Backend::Quantize dq = dref.q();
+  dq.format = Fp8Format::e5m2;
+  be->quantize(dwant.q, QTensor{}, Tensor(heads[0].data(), DType::f32, Shape{rows, D}), dq);
+  Backend::Quantize dg = dgot.q();
+  dg.format = Fp8Format::e5m2;
+  be->tokens_to_heads_fp8({dhave.q, dg}, Tensor(d_txt.data(), DType::f32, Shape{B, Lt, H}), 0);
+  be->tokens_to_heads_fp8({dhave.q, dg}, Tensor(d_img.data(), DType::f32, Shape{B, Li, H}), Lt);
+  EXPECT_EQ(dhave.codes, dwant.codes);
+  EXPECT_EQ(dgot.amax, dref.amax);
+  EXPECT_EQ(dgot.stats.saturated, dref.stats.saturated);
+  EXPECT_GT(dgot.stats.saturated, 0);
 }
 
 }  // namespace
