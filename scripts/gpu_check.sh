@@ -24,7 +24,8 @@
 #          made ab_base/; name it in carry): ab_base is built while the other stages run, then
 #          GPU_CHECK_AB_ROUNDS (2) rounds alternate `flux8 bench --precision
 #          ${GPU_CHECK_AB_PRECISION:-bf16,delayed} --steps 10 --warmup 3` of base and working tree,
-#          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt
+#          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt;
+#          GPU_CHECK_AB_ARGS adds arguments to each (e.g. --set fp8_dot_product_attention=true)
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
@@ -182,17 +183,18 @@ if has ab; then
   [ -x build/flux8 ] || die "no build/flux8: run the build stage"
   wait "$ab_build" || { tail -20 "$OUT/ab_base_build.log"; die "the build of ab_base failed: see ab_base_build.log"; }
   echo "base: $(cat ab_base/AB_REV); new: the working tree"
+  ab_args=${GPU_CHECK_AB_ARGS:-}  # e.g. "--set fp8_dot_product_attention=true" (word-split on purpose)
   for round in $(seq "${GPU_CHECK_AB_ROUNDS:-2}"); do
     for side in base new; do
       bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
       echo "--- round $round, $side"
-      "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --steps 10 --warmup 3 2>&1 |
+      "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --steps 10 --warmup 3 $ab_args 2>&1 |
         tee -a "$OUT/ab_$side.txt" || die "flux8 bench ($side) failed"
     done
   done
   for side in base new; do
     bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
-    "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --profile --steps 3 --warmup 2 \
+    "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --profile --steps 3 --warmup 2 $ab_args \
         > "$OUT/ab_profile_$side.txt" 2>&1 || die "flux8 bench --profile ($side) failed"
   done
   echo "per-op profiles: ab_profile_base.txt, ab_profile_new.txt"
