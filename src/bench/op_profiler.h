@@ -170,6 +170,28 @@ class OpProfiler final : public Backend {
                               double scale, const Fp8AttentionScales& sc) override {
     timed("attention_fp8_backward", [&] { be_.attention_fp8_backward(dq, dk, dv, dout, q, k, v, o, lse, heads, scale, sc); });
   }
+  void qk_norm_rope_to_heads_fp8(const Fp8Heads& qh, const Fp8Heads& kh, const Fp8Heads& vh, Tensor q_rstd,
+                                 Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe,
+                                 int64_t off, double eps) override {
+    timed("qk_norm_rope_to_heads_fp8 (+ fp8 casts)", [&] {
+      be_.qk_norm_rope_to_heads_fp8(qh, kh, vh, q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe, off, eps);
+    });
+  }
+  void qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
+                                          const QTensor& dqh, const QTensor& dkh, const QTensor& dvh, Tensor q,
+                                          Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale,
+                                          Tensor pe, int64_t off) override {
+    timed("qk_norm_rope_to_heads_backward_fp8", [&] {
+      be_.qk_norm_rope_to_heads_backward_fp8(dq, dk, dv, dq_scale, dk_scale, dqh, dkh, dvh, q, k, q_rstd, k_rstd,
+                                             q_scale, k_scale, pe, off);
+    });
+  }
+  void tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t off) override {
+    timed("tokens_to_heads_fp8 (+ fp8 cast)", [&] { be_.tokens_to_heads_fp8(heads, tokens, off); });
+  }
+  void heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t off) override {
+    timed("heads_to_tokens_fp8", [&] { be_.heads_to_tokens_fp8(tokens, heads, off); });
+  }
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool acc) override {
     timed("gemm_fp8_tn", [&] { be_.gemm_fp8_tn(c, a, b, bias, acc); });
   }

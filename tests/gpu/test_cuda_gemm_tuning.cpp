@@ -110,6 +110,7 @@ TEST(CudaGemmTuning, ProfileSumsDeviceTimePerDescription) {
     auto plain = make_cuda_backend(o);
     EXPECT_FALSE(dynamic_cast<CudaBackend&>(*plain).gemm().profiling());
     plain->linear(y.dev, x.dev, w.dev, b.dev);
+    plain->synchronize();  // y.down() reads through gpu(), whose stream is not ordered after this backend's
     reference = y.down();
   }
   ScopedEnv on("FLUX8_GEMM_PROFILE", "1");
@@ -117,6 +118,7 @@ TEST(CudaGemmTuning, ProfileSumsDeviceTimePerDescription) {
   cuda::Gemm& g = dynamic_cast<CudaBackend&>(*be).gemm();
   ASSERT_TRUE(g.profiling());
   for (int i = 0; i < 4; ++i) be->linear(y.dev, x.dev, w.dev, b.dev);  // the first is not timed
+  be->synchronize();
   EXPECT_EQ(y.down(), reference);
   const std::vector<cuda::GemmTiming> rows = g.profile();
   ASSERT_EQ(rows.size(), 1u);

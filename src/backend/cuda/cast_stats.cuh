@@ -68,6 +68,25 @@ struct CastTally {
     }
     __syncthreads();  // red may be reused by the next tally's call
   }
+
+  // The block's amax max-accumulated into *target by one atomic, where no counts are wanted:
+  // cheaper than a partial per block and a totalling kernel (on W2 that kernel took ~24 µs per
+  // tensor of 12k partials). The bit patterns of non-negative floats order as the floats do, and
+  // amax targets hold non-negative, non-NaN values (amax_accumulate never stores NaN, staging
+  // starts at +0), so an integer atomicMax is the float max. Every thread of the block calls it.
+  __device__ void max_block_amax_into(float* target) const {
+    __shared__ uint32_t red[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = (blockDim.x + 31) / 32;
+    const uint32_t m = __reduce_max_sync(0xffffffffu, amax_bits);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t bits = 0;
+      for (int w = 0; w < warps; ++w) bits = bits > red[w] ? bits : red[w];
+      if (bits != 0) atomicMax(reinterpret_cast<unsigned int*>(target), bits);
+    }
+    __syncthreads();
+  }
 };
 
 }  // namespace flux8::cuda

@@ -19,7 +19,19 @@ struct Fp8HeadsOut {
   const float* scale = nullptr;  // the delayed scale (device memory)
   float* scale_inv = nullptr;    // written with 1/scale by the kernel's first thread
   Fp8Format format = Fp8Format::e4m3;
-  StatsPartial* partials = nullptr;  // [blocks], or null: neither amax nor counts wanted
+  // Counts wanted (a report step): a partial per block ([blocks]), totalled after the kernel;
+  // else the amax alone, max-accumulated by an atomic per block. Either may be null (not wanted).
+  StatsPartial* partials = nullptr;
+  float* amax = nullptr;
+
+  // The block's share of the cast's statistics (every thread of the block calls it).
+  template <bool kCount>
+  __device__ void finish_block(const CastTally<kCount>& t) const {
+    if (partials)
+      t.write_block_partial(partials + blockIdx.x);
+    else if (amax)
+      t.max_block_amax_into(amax);
+  }
 };
 struct Fp8HeadsIn {
   const uint8_t* codes = nullptr;
@@ -28,26 +40,48 @@ struct Fp8HeadsIn {
 };
 
 inline Fp8HeadsIn fp8_heads_in(const QTensor& q) { return {q.codes, q.scale_inv, q.format}; }
-// partials: the block partials' memory when the cast's amax or counts are wanted, else ignored.
-inline Fp8HeadsOut fp8_heads_out(const Backend::Fp8Heads& h, StatsPartial* partials) {
-  const bool wanted = h.q.amax || h.q.stats;
-  return {h.codes.codes, h.q.delayed_scale, h.codes.scale_inv, h.codes.format, wanted ? partials : nullptr};
+// count: the kernel runs with counts (some tensor of the call wants them); then `partials` (the
+// block partials' memory) is used where this cast's amax or counts are wanted, else the amax
+// goes to its target by atomics.
+inline Fp8HeadsOut fp8_heads_out(const Backend::Fp8Heads& h, bool count, StatsPartial* partials) {
+  Fp8HeadsOut o{h.codes.codes, h.q.delayed_scale, h.codes.scale_inv, h.codes.format};
+  if (count && (h.q.amax || h.q.stats))
+    o.partials = partials;
+  else if (!count)
+    o.amax = h.q.amax;
+  return o;
 }
 
 // codes[offset .. offset + 7] = the cast of y[0..7] as stored in H, with scale s (= *o.scale,
 // read once per thread by the caller); one 8-byte store (offset a multiple of 8, codes 8-byte
 // aligned).
+// Without counts, 8 values with no NaN among them and a non-NaN scale (the rule in training) take
+// the short path, as the per-tensor cast's quads do (fp8.cu): the bare conversion instruction
+// and the amax as the integer max of the |v| bit patterns.
 template <typename H, bool kCount>
 __device__ inline void store8_fp8(const Fp8HeadsOut& o, int64_t offset, const float (&y)[8], float s,
                                   CastTally<kCount>& tally) {
-  uint32_t w[2] = {0, 0};
+  float v[8];
+  uint32_t m = 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float v0 = as_stored<H>(y[2 * j]), v1 = as_stored<H>(y[2 * j + 1]);
-    const uint32_t pair = encode_pair(v0, v1, s, o.format);
-    tally.add(v0, s, pair & 0xFFu, o.format);
-    tally.add(v1, s, pair >> 8, o.format);
-    w[j / 2] |= pair << (16 * (j % 2));
+  for (int i = 0; i < 8; ++i) {
+    v[i] = as_stored<H>(y[i]);
+    const uint32_t a = f32_bits(v[i]) & 0x7FFFFFFFu;
+    m = m > a ? m : a;
+  }
+  uint32_t w[2] = {0, 0};
+  if (!kCount && m <= 0x7F800000u && !f32_is_nan(s)) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j / 2] |= encode_pair_finite(v[2 * j], v[2 * j + 1], s, o.format) << (16 * (j % 2));
+    tally.amax_bits = tally.amax_bits > m ? tally.amax_bits : m;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t pair = encode_pair(v[2 * j], v[2 * j + 1], s, o.format);
+      tally.add(v[2 * j], s, pair & 0xFFu, o.format);
+      tally.add(v[2 * j + 1], s, pair >> 8, o.format);
+      w[j / 2] |= pair << (16 * (j % 2));
+    }
   }
   *reinterpret_cast<uint2*>(o.codes + offset) = make_uint2(w[0], w[1]);
 }

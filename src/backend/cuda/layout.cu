@@ -273,7 +273,7 @@ __global__ void tokens_to_fp8_heads_kernel(MatOf<TT> tokens, HeadGroups hg, Fp8H
     load8(&tokens.at(r, c), v);
     store8_fp8<H>(out, code, v, s, tally);
   }
-  if (out.partials) tally.write_block_partial(out.partials + blockIdx.x);
+  out.finish_block(tally);
 }
 
 template <typename TT, typename H>
@@ -331,16 +331,18 @@ void CudaBackend::tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int6
       const auto hg = head_groups<TT>(tokens, heads.codes, h, token_offset);
       if (!hg) return;
       const int64_t blocks = exact_blocks(hg->groups);
-      auto* partials = static_cast<StatsPartial*>(scratch(static_cast<size_t>(blocks) * sizeof(StatsPartial)));
-      const Fp8HeadsOut out = fp8_heads_out(heads, partials);
-      if (heads.q.stats)
+      const bool count = heads.q.stats != nullptr;
+      auto* partials =
+          count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(blocks) * sizeof(StatsPartial))) : nullptr;
+      const Fp8HeadsOut out = fp8_heads_out(heads, count, partials);
+      if (count)
         tokens_to_fp8_heads_kernel<TT, H, true>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, out);
       else
         tokens_to_fp8_heads_kernel<TT, H, false>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, out);
       FLUX8_LAUNCH_CHECK(tokens_to_fp8_heads_kernel);
-      total_cast_stats(partials, blocks, hg->groups * 8, heads.q);
+      if (count) total_cast_stats(partials, blocks, hg->groups * 8, heads.q);  // else: the amax by atomics
       done = true;
     });
   }

@@ -409,10 +409,10 @@ __global__ void qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, Fp8HeadsOu
     norm_rotate8<kLanes>(y, a.k_rstd, in.k, in.k_sc, in.cs, seg, c, a.g.inv_D, a.eps);
     store8_fp8<H>(k8, at, y, sk, tk);
   }
-  // (each condition is the same for the whole block)
-  if (q8.partials) tq.write_block_partial(q8.partials + blockIdx.x);
-  if (k8.partials) tk.write_block_partial(k8.partials + blockIdx.x);
-  if (v8.partials) tv.write_block_partial(v8.partials + blockIdx.x);
+  // (each branch is the same for the whole block)
+  q8.finish_block(tq);
+  k8.finish_block(tk);
+  v8.finish_block(tv);
 }
 
 // norm_rotate_backward for the lane's 8 elements: d the head gradients, x the saved input.
@@ -662,10 +662,11 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
     return;
   }
   const int64_t blocks = exact_blocks(geo.segments * lanes);
-  auto* partials = static_cast<StatsPartial*>(scratch(static_cast<size_t>(3 * blocks) * sizeof(StatsPartial)));
-  const Fp8HeadsOut q8 = fp8_heads_out(q_heads, partials), k8 = fp8_heads_out(k_heads, partials + blocks),
-                    v8 = fp8_heads_out(v_heads, partials + 2 * blocks);
   const bool count = q_heads.q.stats || k_heads.q.stats || v_heads.q.stats;
+  auto* partials =
+      count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(3 * blocks) * sizeof(StatsPartial))) : nullptr;
+  const Fp8HeadsOut q8 = fp8_heads_out(q_heads, count, partials), k8 = fp8_heads_out(k_heads, count, partials + blocks),
+                    v8 = fp8_heads_out(v_heads, count, partials + 2 * blocks);
   with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
     const ForwardArgs<T, H> a{Heads<H>{},
                               Heads<H>{},
@@ -691,6 +692,7 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
     });
   });
   ++qk_norm_rope_vector_calls_;
+  if (!count) return;  // the amaxes went to their targets by atomics
   const int64_t elements = geo.segments * d.D;
   total_cast_stats(partials, blocks, elements, q_heads.q);
   total_cast_stats(partials + blocks, blocks, elements, k_heads.q);
