@@ -74,11 +74,18 @@ struct DevHeads {
     gpu().download(&s, q.scale_inv, 4);
     return bits(s);
   }
-  // Codes of N(0, std²) values cast on the CPU with scale 1 / scale_inv (a read-side operand).
-  void fill_random(uint64_t seed, double std, float scale_inv) {
+  // Codes of N(0, std²) values cast on the CPU with scale 1 / scale_inv (a read-side operand);
+  // with specials, also NaN codes of both signs and (E5M2) infinities, which the readers decode
+  // on their integer path.
+  void fill_random(uint64_t seed, double std, float scale_inv, bool specials = false) {
     std::vector<uint8_t> c(static_cast<size_t>(q.numel()));
     for (size_t i = 0; i < c.size(); ++i)
       c[i] = quantize_value(static_cast<float>(std * rng_normal(seed, 2, i)), 1.0f / scale_inv, q.format);
+    if (specials && c.size() > 64) {
+      const bool e4 = q.format == Fp8Format::e4m3;
+      c[3] = e4 ? 0x7F : 0x7E, c[c.size() / 2] = e4 ? 0xFF : 0xFD;  // NaN codes
+      c[41] = e4 ? 0x7E : 0x7C, c[c.size() - 5] = e4 ? 0xFE : 0xFC;  // the largest finite / ±inf
+    }
     gpu().upload(q.codes, c.data(), c.size());
     gpu().upload(q.scale_inv, &scale_inv, 4);
   }
@@ -190,7 +197,7 @@ TEST(CudaFp8Heads, QkNormRopeBackwardReadsTheDequantizedHeads) {
     q_rstd.randn(814, 0.3), k_rstd.randn(815, 0.3);
     DevAct img({c.B, c.Li, 3 * H}, c.pad, c.bf16, 816, 2.0), d({c.B, c.Li, 3 * H}, c.pad, c.bf16, 817, 1.0);
     DevHeads dq8(rows, c.D, Fp8Format::e5m2), dk8(rows, c.D, Fp8Format::e5m2), dv8(rows, c.D, Fp8Format::e5m2);
-    dq8.fill_random(818, 1.0, 1.0f / 1024), dk8.fill_random(819, 1.0, 1.0f / 3000), dv8.fill_random(820, 1.0, 0.37f);
+    dq8.fill_random(818, 1.0, 1.0f / 1024), dk8.fill_random(819, 1.0, 1.0f / 3000), dv8.fill_random(820, 1.0, 0.37f, true);
     const auto win = [&](const DevAct& a, int64_t i) { return a.t.cols_slice(i * H, H); };
     const std::vector<uint8_t> d_before = d.bytes();
     std::vector<uint8_t> results[2];
@@ -243,7 +250,7 @@ TEST(CudaFp8Heads, LayoutOpsCastAndDequantizeAsThePlainOps) {
 
       // o: read back into each stream's tokens (padding untouched either way).
       DevHeads o8(rows, c.D, Fp8Format::e4m3);
-      o8.fill_random(833, 2.0, 1.0f / 64);
+      o8.fill_random(833, 2.0, 1.0f / 64, true);
       for (const auto& [tok, offset] : {std::pair{&txt, int64_t{0}}, std::pair{&img, c.Lt}}) {
         const std::vector<uint8_t> before = tok->bytes();
         be.heads_to_tokens_fp8(tok->t, o8.q, offset);

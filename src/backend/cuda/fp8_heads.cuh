@@ -7,6 +7,9 @@
 // counts (cast_stats.cuh); a read code is dequantized and rounded to H as dequantize() into H
 // stores it. So the fused kernels give the bits of the plain op followed by the cast, or of the
 // dequantize followed by the plain op.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include "backend/backend.h"
 #include "backend/cuda/cast_stats.cuh"
 #include "backend/cuda/common.cuh"
@@ -86,11 +89,39 @@ __device__ inline void store8_fp8(const Fp8HeadsOut& o, int64_t offset, const fl
   *reinterpret_cast<uint2*>(o.codes + offset) = make_uint2(w[0], w[1]);
 }
 
-// v[0..7] = codes[offset .. offset + 7] dequantized and rounded to H; one 8-byte load.
+// Two codes (the low 16 bits of `pair`) as f32 by the conversion instruction of sm_89+ (to half,
+// which holds every E4M3 and E5M2 value, infinities included, exactly): fp8_decode's values for
+// every non-NaN code, in 2 instructions where the integer decoder took ~15 per code.
+__device__ inline float2 decode_pair(uint32_t pair, Fp8Format f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu),
+                                                    f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+  return __half22float2(__half2(h));
+#else
+  return make_float2(fp8_decode(static_cast<uint8_t>(pair), f), fp8_decode(static_cast<uint8_t>(pair >> 8), f));
+#endif
+}
+// Whether any of the 4 codes of w is a NaN code of f (E4M3: S.1111.111; E5M2: S.11111.xx, xx ≠ 0).
+__device__ inline bool has_nan_code(uint32_t w, Fp8Format f) {
+  return __vcmpgtu4(w & 0x7F7F7F7Fu, f == Fp8Format::e4m3 ? 0x7E7E7E7Eu : 0x7C7C7C7Cu) != 0;
+}
+
+// v[0..7] = codes[offset .. offset + 7] dequantized (dequantize_value: decode · scale_inv) and
+// rounded to H; one 8-byte load. NaN codes (a diverged step) take the integer decoder, whose NaN
+// keeps the code's sign.
 template <typename H>
 __device__ inline void load8_dequantized(const Fp8HeadsIn& in, int64_t offset, float (&v)[8]) {
   const uint2 w = *reinterpret_cast<const uint2*>(in.codes + offset);
   const float s = *in.scale_inv;
+  if (!has_nan_code(w.x, in.format) && !has_nan_code(w.y, in.format)) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 d = decode_pair((j < 2 ? w.x : w.y) >> (16 * (j % 2)), in.format);
+      v[2 * j] = as_stored<H>(d.x * s);
+      v[2 * j + 1] = as_stored<H>(d.y * s);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t word = i < 4 ? w.x : w.y;
