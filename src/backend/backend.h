@@ -351,15 +351,14 @@ class Backend {
   //   O = P8·v;  o = cast(O·scale_o)
   //   δ = rowsum(dO ⊙ O);  dV = P8ᵀ·dO;  dS = P ⊙ (dO·vᵀ − δ)·scale;  dS8 = cast(dS·ds)
   //   dQ = dS8·k;  dK = dS8ᵀ·q;  dq, dk, dv = casts of dQ, dK, dV with scale_dq, _dk, _dv
-  // where P in the backward is recomputed from lse. The outputs' scale_inv become 1/scale; the
+  // where P in the backward is recomputed from lse, and P's scale s is fixed at the largest value
+  // of q's format (448 for E4M3), not a delayed scale: cuDNN's kernels cast exp(S − running max),
+  // which is 1 somewhere in every row, not the normalised P, so any larger scale saturates and
+  // the format's maximum uses its whole range. The outputs' scale_inv become 1/scale; the
   // amax of P, O, dS, dQ, dK, dV before its cast is max-accumulated into its amax pointer (null:
   // not recorded). Scales and amaxes point into this backend's memory. The CUDA backend runs
   // cuDNN's FP8 graphs (Hopper: head dim 128; an unsupported call is an error saying why).
   struct Fp8AttentionScales {
-    // P's scale and its inverse. cuDNN's kernels cast exp(S − running max), which is 1 somewhere
-    // in every row, not the normalised P: a scale above the format's largest value saturates.
-    const float* s = nullptr;
-    const float* s_inv = nullptr;
     const float* o = nullptr;       // forward output
     const float* ds = nullptr;      // dS's scale and its inverse
     const float* ds_inv = nullptr;

@@ -42,7 +42,7 @@ Fp8Runtime::~Fp8Runtime() {
 }
 
 void Fp8Runtime::release_state() {
-  for (Tensor* t : {&history_dev_, &scale_dev_, &scale_inv_dev_, &fp8_max_dev_, &scratch_amax_dev_, &p_scale_dev_}) {
+  for (Tensor* t : {&history_dev_, &scale_dev_, &scale_inv_dev_, &fp8_max_dev_, &scratch_amax_dev_}) {
     if (t->defined()) be_.release(t->data);
     *t = Tensor{};
   }
@@ -83,9 +83,6 @@ void Fp8Runtime::push_state() {
     scale_inv_dev_ = alloc(Shape{n});
     fp8_max_dev_ = alloc(Shape{n});
     scratch_amax_dev_ = alloc(Shape{1});
-    p_scale_dev_ = alloc(Shape{2});
-    const float p_scale[2] = {fp8_max(format(Operand::input)), scale_inverse(fp8_max(format(Operand::input)))};
-    be_.upload(p_scale_dev_.data, p_scale, sizeof(p_scale));
     std::vector<float> fmax(static_cast<size_t>(n));
     for (int s = 0; s < n; ++s)
       fmax[static_cast<size_t>(s)] = fp8_max(registry_.role(s) == Fp8Role::grad_output ? format(Operand::grad_output)
@@ -159,7 +156,7 @@ Backend::Fp8AttentionScales Fp8Runtime::attention_scales(int index) {
   };
   using T = AttentionTensor;
   Backend::Fp8AttentionScales sc;
-  sc.s = p_scale_dev_.ptr<float>(), sc.s_inv = p_scale_dev_.ptr<float>() + 1, sc.o = scale(T::o);
+  sc.o = scale(T::o);
   sc.ds = scale(T::ds), sc.ds_inv = inverse(T::ds);
   sc.dq = scale(T::dq), sc.dk = scale(T::dk), sc.dv = scale(T::dv);
   sc.amax_o = amax(T::o), sc.amax_ds = amax(T::ds);

@@ -92,11 +92,11 @@ class Fp8Runtime {
   // The delayed cast of attention `index`'s q, k, v (forward) or dout (backward); its amax is
   // recorded while recording() (else it goes to a scratch float).
   Backend::Quantize attention_cast(int index, AttentionTensor t);
-  // The scales of P, o, dS, dq, dk, dv and where their amaxes go, for Backend::attention_fp8.
-  // P's scale is the forward format's largest value, not a delayed one: cuDNN's online softmax
-  // casts exp(S − running max), which reaches 1 in every row whatever the normalised P's amax,
-  // so a scale from that amax (448/amax > 448) saturated them (measured: a GPU model run 0.39
-  // off its CPU twin, whose casts of the normalised P did not saturate).
+  // The scales of o, dS, dq, dk, dv and where their amaxes go, for Backend::attention_fp8.
+  // P has no delayed scale: the op fixes it at the format's largest value, since cuDNN's online
+  // softmax casts exp(S − running max), which reaches 1 in every row whatever the normalised P's
+  // amax (a delayed scale, 448/amax > 448, saturated them: measured, a GPU model run 0.39 off its
+  // CPU twin, whose casts of the normalised P did not saturate).
   Backend::Fp8AttentionScales attention_scales(int index);
 
   Fp8Format format(Operand o) const;
@@ -165,7 +165,6 @@ class Fp8Runtime {
   void pull_state() const;  // backend -> host mirror, when the host copy is not current
   void release_state();
   Tensor history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_, scratch_amax_dev_;
-  Tensor p_scale_dev_;  // FP8 attention: P's fixed scale and its inverse
   bool device_current_ = false;       // the backend copy equals the host mirror
   mutable bool host_current_ = true;  // the host mirror equals the backend copy
 };

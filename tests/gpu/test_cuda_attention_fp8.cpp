@@ -62,11 +62,11 @@ std::vector<float> gpu_values(const QPair& p) {
 
 // The scales and amax targets of one call on both backends.
 struct Scales {
-  Scalar s{448.0f}, s_inv{1.0f / 448.0f}, o{64.0f}, ds{1.0f}, ds_inv{1.0f}, dq{1.0f}, dk{1.0f}, dv{1.0f};
+  Scalar o{64.0f}, ds{1.0f}, ds_inv{1.0f}, dq{1.0f}, dk{1.0f}, dv{1.0f};
   Scalar amax_s{0}, amax_o{0}, amax_ds{0}, amax_dq{0}, amax_dk{0}, amax_dv{0};
   Backend::Fp8AttentionScales on(bool g) {
     Backend::Fp8AttentionScales sc;
-    sc.s = s.on(g), sc.s_inv = s_inv.on(g), sc.o = o.on(g), sc.ds = ds.on(g), sc.ds_inv = ds_inv.on(g);
+    sc.o = o.on(g), sc.ds = ds.on(g), sc.ds_inv = ds_inv.on(g);
     sc.dq = dq.on(g), sc.dk = dk.on(g), sc.dv = dv.on(g);
     sc.amax_s = amax_s.on(g), sc.amax_o = amax_o.on(g), sc.amax_ds = amax_ds.on(g), sc.amax_dq = amax_dq.on(g);
     sc.amax_dk = amax_dk.on(g), sc.amax_dv = amax_dv.on(g);
@@ -213,7 +213,7 @@ TEST(CudaAttentionFp8, TokenMajorLayoutGivesTheHeadMajorResult) {
     a.lse = lse_tm.dev.ptr<float>();
     a.descale_q = q_tm.dev.scale_inv, a.descale_k = k_tm.dev.scale_inv, a.descale_v = v_tm.dev.scale_inv;
     const auto dsc = sc.on(true);
-    a.scale_s = dsc.s, a.descale_s = dsc.s_inv, a.scale_o = dsc.o, a.o_scale_inv = o_tm.dev.scale_inv;
+    a.scale_o = dsc.o, a.o_scale_inv = o_tm.dev.scale_inv;
     cuda::Attention::Fp8Backward b;
     b.shape = a.shape, b.token_major = true;
     const std::string why = attention->fp8_unsupported_reason(a, b);

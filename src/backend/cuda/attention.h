@@ -118,7 +118,7 @@ class Attention {
     uint8_t* o = nullptr;
     float* lse = nullptr;
     const float *descale_q = nullptr, *descale_k = nullptr, *descale_v = nullptr;
-    const float *scale_s = nullptr, *descale_s = nullptr, *scale_o = nullptr;
+    const float* scale_o = nullptr;  // (P's scale is fixed: Backend::attention_fp8)
     float* o_scale_inv = nullptr;  // written 1/scale_o
     float *amax_s = nullptr, *amax_o = nullptr;
   };
@@ -133,7 +133,7 @@ class Attention {
     uint8_t *dq = nullptr, *dk = nullptr, *dv = nullptr;
     const float *descale_q = nullptr, *descale_k = nullptr, *descale_v = nullptr, *descale_o = nullptr,
                 *descale_dout = nullptr;
-    const float *scale_s = nullptr, *descale_s = nullptr, *scale_ds = nullptr, *descale_ds = nullptr;
+    const float *scale_ds = nullptr, *descale_ds = nullptr;
     const float *scale_dq = nullptr, *scale_dk = nullptr, *scale_dv = nullptr;
     float *dq_scale_inv = nullptr, *dk_scale_inv = nullptr, *dv_scale_inv = nullptr;  // written
     float *amax_ds = nullptr, *amax_dq = nullptr, *amax_dk = nullptr, *amax_dv = nullptr;

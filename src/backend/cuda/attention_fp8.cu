@@ -191,15 +191,21 @@ int fp8_variant(Fp8Format a, Fp8Format b, Fp8Format c, Fp8Format d, bool token_m
 constexpr int kMaxScalars = 16;
 constexpr int kSlotFloats = 4;  // one scalar per 16 bytes
 
+// Slot i gets *src[i], or value[i] where src[i] is null (P's fixed scale and its inverse).
 struct ScalarCopies {
   const float* src[kMaxScalars];
   int count;
+  float value[kMaxScalars];
 };
 
 __global__ void gather_scalars_kernel(float* slots, ScalarCopies c) {
   const int i = static_cast<int>(threadIdx.x);
-  if (i < c.count) slots[i * kSlotFloats] = *c.src[i];
+  if (i < c.count) slots[i * kSlotFloats] = c.src[i] ? *c.src[i] : c.value[i];
 }
+
+// P's scale: the largest value of its format (q's), so exp(S − running max) ≤ 1, which cuDNN's
+// kernels cast, uses the whole range without saturating (Backend::attention_fp8).
+float p_scale(Fp8Format qkv) { return fp8_max(qkv); }
 
 // After the graph: out_scale_inv[i] = 1/scale[i]; amax_target[i] = max(target, cuDNN's amax).
 struct Fp8Finish {
@@ -290,7 +296,8 @@ void Attention::forward_fp8(const Fp8Forward& a) {
   void* base = cudnn_->staging_buffer(r.total);
   float* slot = at<float>(base, scalars);
   // Slots 0-5: the scales read; 6, 7: cuDNN's amaxes.
-  const ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, a.descale_s, a.scale_s, a.scale_o}, 6};
+  ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, nullptr, nullptr, a.scale_o}, 6, {}};
+  copies.value[3] = scale_inverse(p_scale(a.qkv)), copies.value[4] = p_scale(a.qkv);
   gather_scalars_kernel<<<1, 32, 0, stream_>>>(slot, copies);
   FLUX8_LAUNCH_CHECK(gather_scalars_kernel);
   auto slot_at = [&](int i) { return static_cast<void*>(slot + i * kSlotFloats); };
@@ -333,9 +340,11 @@ void Attention::backward_fp8(const Fp8Backward& a) {
   void* base = cudnn_->staging_buffer(r.total);
   float* slot = at<float>(base, scalars);
   // Slots 0-11: the scales read; 12-15: cuDNN's amaxes of dQ, dK, dV, dS.
-  const ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, a.descale_o, a.descale_dout, a.descale_s,
-                             a.descale_ds, a.scale_s, a.scale_ds, a.scale_dq, a.scale_dk, a.scale_dv},
-                            12};
+  ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, a.descale_o, a.descale_dout, nullptr, a.descale_ds,
+                       nullptr, a.scale_ds, a.scale_dq, a.scale_dk, a.scale_dv},
+                      12,
+                      {}};
+  copies.value[5] = scale_inverse(p_scale(a.qkv)), copies.value[7] = p_scale(a.qkv);
   gather_scalars_kernel<<<1, 32, 0, stream_>>>(slot, copies);
   FLUX8_LAUNCH_CHECK(gather_scalars_kernel);
   auto slot_at = [&](int i) { return static_cast<void*>(slot + i * kSlotFloats); };
@@ -433,7 +442,7 @@ void CudaBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const Q
                                 Shape heads, double scale, const Fp8AttentionScales& sc) {
   constexpr std::string_view op = "attention_fp8";
   const auto d = ops::check_attention_fp8(op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}}, lse,
-                                          {{"s", sc.s}, {"s_inv", sc.s_inv}, {"o", sc.o}});
+                                          {{"o", sc.o}});
   require_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   Attention::Fp8Forward a;
@@ -441,7 +450,7 @@ void CudaBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const Q
   a.qkv = q.format, a.o_format = o.format, a.scale = scale;
   a.q = q.codes, a.k = k.codes, a.v = v.codes, a.o = o.codes, a.lse = lse.ptr<float>();
   a.descale_q = q.scale_inv, a.descale_k = k.scale_inv, a.descale_v = v.scale_inv;
-  a.scale_s = sc.s, a.descale_s = sc.s_inv, a.scale_o = sc.o;
+  a.scale_o = sc.o;
   a.o_scale_inv = o.scale_inv, a.amax_s = sc.amax_s, a.amax_o = sc.amax_o;
   attention_->forward_fp8(a);
 }
@@ -452,8 +461,7 @@ void CudaBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, con
   constexpr std::string_view op = "attention_fp8_backward";
   const auto d = ops::check_attention_fp8(
       op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}}, lse,
-      {{"s", sc.s}, {"s_inv", sc.s_inv}, {"ds", sc.ds}, {"ds_inv", sc.ds_inv}, {"dq", sc.dq}, {"dk", sc.dk},
-       {"dv", sc.dv}});
+      {{"ds", sc.ds}, {"ds_inv", sc.ds_inv}, {"dq", sc.dq}, {"dk", sc.dk}, {"dv", sc.dv}});
   require_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
   if (dq.format != dk.format || dq.format != dv.format)
     fail("{}: dq, dk and dv must share one FP8 format (cuDNN writes them alike)", op);
@@ -465,7 +473,7 @@ void CudaBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, con
   a.dq = dq.codes, a.dk = dk.codes, a.dv = dv.codes;
   a.descale_q = q.scale_inv, a.descale_k = k.scale_inv, a.descale_v = v.scale_inv, a.descale_o = o.scale_inv,
   a.descale_dout = dout.scale_inv;
-  a.scale_s = sc.s, a.descale_s = sc.s_inv, a.scale_ds = sc.ds, a.descale_ds = sc.ds_inv;
+  a.scale_ds = sc.ds, a.descale_ds = sc.ds_inv;
   a.scale_dq = sc.dq, a.scale_dk = sc.dk, a.scale_dv = sc.dv;
   a.dq_scale_inv = dq.scale_inv, a.dk_scale_inv = dk.scale_inv, a.dv_scale_inv = dv.scale_inv;
   a.amax_ds = sc.amax_ds, a.amax_dq = sc.amax_dq, a.amax_dk = sc.amax_dk, a.amax_dv = sc.amax_dv;
