@@ -308,6 +308,15 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // 1.0 to 0.67 (W2: 1.2 → 0.7, 1.9 → 1.3). The sums run over the group's lanes (xor butterfly,
 // a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
 
+// Blocks per SM the FP8-heads forward and backward are compiled for (≤ 64 registers a thread,
+// a few bytes spilled). Left to itself ptxas gave them 72 and 80 registers: 3 blocks of 256
+// threads per SM, and Nsight Compute found the forward latency-bound at that occupancy (W2: 10.4
+// cycles per issued instruction, DRAM 34%, SM 54%). With 4 blocks: forward 0.84 → 0.71 ms,
+// backward 1.43 → 1.33 per W2 step. The bf16-heads backward keeps its 79 registers: with the
+// same bound the BF16 steps measured 0.1–0.6 ms slower (same call, within the noise but in all
+// four pairs).
+constexpr int kFp8HeadsBlocksPerSm = 4;
+
 // The lanes of this thread's group, for shuffles within it.
 template <int kLanes>
 __device__ inline unsigned group_mask() {
@@ -386,7 +395,7 @@ __global__ void qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a) {
 // amax and counts per tensor go to its partials (kCount: the counts are wanted, a report step).
 // The heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kCount>
-__global__ void qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, Fp8HeadsOut q8, Fp8HeadsOut k8,
+__global__ void __launch_bounds__(kThreads, kFp8HeadsBlocksPerSm) qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, Fp8HeadsOut q8, Fp8HeadsOut k8,
                                                  Fp8HeadsOut v8) {
   const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const float sq = *q8.scale, sk = *k8.scale, sv = *v8.scale;
@@ -451,7 +460,7 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
 // kFp8: the head gradients are FP8 codes (qk_norm_rope_to_heads_backward_fp8), read from dq8, dk8,
 // dv8 and dequantized as dequantize() into H gives them; the heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kFp8>
-__global__ void qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part,
+__global__ void __launch_bounds__(kThreads, kFp8 ? kFp8HeadsBlocksPerSm : 1) qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part,
                                                           Fp8HeadsIn dq8, Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
   constexpr int kGroups = kThreads / kLanes, D = 8 * kLanes;
   __shared__ float tile[2][kGroups][D];
