@@ -583,6 +583,27 @@ void with_pairs(int pairs, F&& f) {
   }
 }
 
+// The forward kernels' arguments; q_rstd, k_rstd undefined: not saved.
+template <typename T, typename H>
+ForwardArgs<T, H> forward_args(Heads<H> q_heads, Heads<H> k_heads, Heads<H> v_heads, const Tensor& q_rstd,
+                               const Tensor& k_rstd, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& q_scale, const Tensor& k_scale, const Tensor& pe, const Geometry& geo,
+                               double eps) {
+  return {q_heads,
+          k_heads,
+          v_heads,
+          q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
+          k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
+          mat_of<T>(q),
+          mat_of<T>(k),
+          mat_of<T>(v),
+          q_scale.ptr<float>(),
+          k_scale.ptr<float>(),
+          pe.ptr<float>(),
+          geo,
+          static_cast<float>(eps)};
+}
+
 // f.template operator()<T, H>() for the token-side type T and the heads' type H.
 template <typename F>
 void with_types(bool tokens_bf16, bool heads_bf16, F&& f) {
@@ -614,19 +635,8 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   const int lanes = vec_path_lanes(d.D, {q_heads, k_heads, v_heads, q, k, v}, pe);
   const unsigned blocks = exact_blocks(geo.segments * (lanes > 0 ? lanes : 32));
   const auto launch = [&]<typename T, typename H>() {
-    const ForwardArgs<T, H> a{heads_of<H>(q_heads),
-                              heads_of<H>(k_heads),
-                              heads_of<H>(v_heads),
-                              q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
-                              k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
-                              mat_of<T>(q),
-                              mat_of<T>(k),
-                              mat_of<T>(v),
-                              q_scale.ptr<float>(),
-                              k_scale.ptr<float>(),
-                              pe.ptr<float>(),
-                              geo,
-                              static_cast<float>(eps)};
+    const auto a = forward_args<T, H>(heads_of<H>(q_heads), heads_of<H>(k_heads), heads_of<H>(v_heads), q_rstd,
+                                      k_rstd, q, k, v, q_scale, k_scale, pe, geo, eps);
     if (lanes > 0) {
       with_lanes(lanes, [&]<int kLanes>() {
         qk_norm_rope_to_heads_vec_kernel<kLanes><<<blocks, kThreads, 0, stream_>>>(a);
@@ -677,19 +687,8 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
   const Fp8HeadsOut q8 = fp8_heads_out(q_heads, count, partials), k8 = fp8_heads_out(k_heads, count, partials + blocks),
                     v8 = fp8_heads_out(v_heads, count, partials + 2 * blocks);
   with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
-    const ForwardArgs<T, H> a{Heads<H>{},
-                              Heads<H>{},
-                              Heads<H>{},
-                              q_rstd.defined() ? q_rstd.ptr<float>() : nullptr,
-                              k_rstd.defined() ? k_rstd.ptr<float>() : nullptr,
-                              mat_of<T>(q),
-                              mat_of<T>(k),
-                              mat_of<T>(v),
-                              q_scale.ptr<float>(),
-                              k_scale.ptr<float>(),
-                              pe.ptr<float>(),
-                              geo,
-                              static_cast<float>(eps)};
+    const auto a = forward_args<T, H>(Heads<H>{}, Heads<H>{}, Heads<H>{}, q_rstd, k_rstd, q, k, v, q_scale, k_scale,
+                                      pe, geo, eps);  // (the heads: the FP8 outputs instead)
     with_lanes(lanes, [&]<int kLanes>() {
       if (count)
         qk_norm_rope_to_heads_fp8_kernel<kLanes, T, H, true>
