@@ -347,11 +347,11 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
   plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M));
-  // FP8 attention: the backward's FP8 dO, dq, dk, dv; the forward's q, k, v, o temporaries
-  // fit in what the backward plans above.
+  // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
+  // bf16 heads above stay planned for blocks without it).
   if (fp8 && fp8->attentions() > 0) plan_fp8_attention_scratch(a, c, sh);
   if (!selective) return;
-  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention: the dequantized o)
+  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
   // and one recomputed Linear input with its FP8 cast.
   for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
   a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);

@@ -243,7 +243,8 @@ void timestep_embedding_as(CudaBackend& be, const Tensor& out, const Tensor& t, 
 // ---- FP8 heads (tokens_to_heads_fp8, heads_to_tokens_fp8) -----------------------------------
 // A thread per 8 elements of a token row, as move_head_groups<8>, with the heads side FP8 codes
 // (fp8_heads.cuh): written as the cast of the values the plain op would store in the heads' type
-// H (a block's amax and counts to its partial), or read as dequantize() into H gives them.
+// H (a block's amax by an atomic, or with counts its partial), or read as dequantize() into H
+// gives them.
 struct HeadGroups {
   FastDivisor groups_per_row, per_sample;  // n·D/8 per token row; Ls rows per sample
   int64_t n, L, Ls, D, offset, groups;
