@@ -139,8 +139,7 @@ Backend::Quantize Fp8Runtime::attention_cast(int index, AttentionTensor t) {
   Backend::Quantize q;
   q.format = attention_format(t);
   q.delayed_scale = scale_dev_.ptr<float>() + slot;
-  q.amax = recording_ ? history_dev_.ptr<float>() + slot : scratch_amax_dev_.ptr<float>();
-  if (recording_) host_current_ = false;
+  q.amax = amax_target(slot);
   if (collect_stats_) q.stats = recording_ ? attention_stats_[static_cast<size_t>(index)].of(t) : &scratch_stats_;
   return q;
 }
@@ -151,9 +150,7 @@ Backend::Fp8AttentionScales Fp8Runtime::attention_scales(int index) {
   const int first = attention_slot_[static_cast<size_t>(index)];
   auto scale = [&](AttentionTensor t) { return scale_dev_.ptr<float>() + first + static_cast<int>(t); };
   auto inverse = [&](AttentionTensor t) { return scale_inv_dev_.ptr<float>() + first + static_cast<int>(t); };
-  auto amax = [&](AttentionTensor t) {
-    return recording_ ? history_dev_.ptr<float>() + first + static_cast<int>(t) : scratch_amax_dev_.ptr<float>();
-  };
+  auto amax = [&](AttentionTensor t) { return amax_target(first + static_cast<int>(t)); };
   using T = AttentionTensor;
   Backend::Fp8AttentionScales sc;
   sc.o = scale(T::o);
@@ -161,7 +158,6 @@ Backend::Fp8AttentionScales Fp8Runtime::attention_scales(int index) {
   sc.dq = scale(T::dq), sc.dk = scale(T::dk), sc.dv = scale(T::dv);
   sc.amax_o = amax(T::o), sc.amax_ds = amax(T::ds);
   sc.amax_dq = amax(T::dq), sc.amax_dk = amax(T::dk), sc.amax_dv = amax(T::dv);
-  if (recording_) host_current_ = false;
   return sc;
 }
 
@@ -179,6 +175,13 @@ Fp8Scaling Fp8Runtime::scaling(Operand o) const {
   return Fp8Scaling::per_tensor;
 }
 
+float* Fp8Runtime::amax_target(int slot) {
+  if (!recording_) return scratch_amax_dev_.ptr<float>();
+  host_current_ = false;  // the device's amaxes will move past the host copy
+  // Row 0 of the history (history-major) is the staging row: element `slot`.
+  return history_dev_.ptr<float>() + slot;
+}
+
 Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
   Backend::Quantize q;
   q.format = format(o);
@@ -188,9 +191,7 @@ Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
   if (cfg_.recipe == Fp8Recipe::delayed) {
     push_state();
     q.delayed_scale = scale_dev_.ptr<float>() + slot;
-    // Row 0 of the history (history-major) is the staging row: element `slot`.
-    q.amax = recording_ ? history_dev_.ptr<float>() + slot : scratch_amax_dev_.ptr<float>();
-    if (recording_) host_current_ = false;
+    q.amax = amax_target(slot);
   }
   if (collect_stats_)
     q.stats = recording_ ? &stats_[static_cast<size_t>(site.index)].op[static_cast<int>(o)] : &scratch_stats_;

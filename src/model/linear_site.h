@@ -164,6 +164,9 @@ class Fp8Runtime {
   void push_state();        // host mirror -> backend, when the backend copy is not current
   void pull_state() const;  // backend -> host mirror, when the host copy is not current
   void release_state();
+  // Where a cast of `slot` max-accumulates its amax: the history's staging row while recording
+  // (the host mirror is then stale), else the scratch amax.
+  float* amax_target(int slot);
   Tensor history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_, scratch_amax_dev_;
   bool device_current_ = false;       // the backend copy equals the host mirror
   mutable bool host_current_ = true;  // the host mirror equals the backend copy
