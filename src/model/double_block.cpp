@@ -302,15 +302,7 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   Tensor dmod_img = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
   // The joint head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
   const bool fp8_attention = s.att8.defined();
-  Tensor d_o, d_q, d_k, d_v;
-  Fp8AttentionGrads d8;
-  if (fp8_attention) {
-    d8 = Fp8AttentionGrads::allocate(a, ctx.cfg, ctx.shape, *ctx.fp8);
-  } else {
-    d_o = a.alloc(ctx.heads_dtype, Shape{B, ctx.cfg.num_heads, ctx.shape.tokens(), ctx.cfg.head_dim()},
-                  SlotKind::workspace);
-    allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
-  }
+  const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
 
   DoubleBlockSaved joint = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
   stream_post_attention_backward(ctx, p.txt, s.txt, joint, dmod_txt, dtxt, d_o, d8, p.fp8_attention, 0);

@@ -40,6 +40,17 @@ Fp8AttentionGrads Fp8AttentionGrads::allocate(Arena& a, const FluxConfig& c, Ste
   return d;
 }
 
+AttentionHeadGrads AttentionHeadGrads::allocate(const BlockContext& ctx, bool fp8_attention) {
+  AttentionHeadGrads g;
+  if (fp8_attention) {
+    g.fp8 = Fp8AttentionGrads::allocate(ctx.scratch, ctx.cfg, ctx.shape, *ctx.fp8);
+  } else {
+    g.o = ctx.scratch.alloc(ctx.heads_dtype, heads_shape(ctx), SlotKind::workspace);
+    allocate_heads_qkv(ctx.scratch, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, g.q, g.k, g.v);
+  }
+  return g;
+}
+
 void fp8_attention_qkv(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor q_rstd, Tensor k_rstd,
                        Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, int64_t token_offset) {
   Fp8Runtime& fp8 = *ctx.fp8;

@@ -27,6 +27,14 @@ struct Fp8AttentionGrads {
   static Fp8AttentionGrads allocate(Arena& scratch, const FluxConfig& cfg, StepShape shape, const Fp8Runtime& fp8);
 };
 
+// A block's attention head gradients for its backward, in ctx.scratch: dO, dq, dk, dv as heads
+// of ctx.heads_dtype, or with FP8 attention (fp8_attention) only their FP8 casts in `fp8`.
+struct AttentionHeadGrads {
+  Tensor o, q, k, v;
+  Fp8AttentionGrads fp8;
+  static AttentionHeadGrads allocate(const BlockContext& ctx, bool fp8_attention);
+};
+
 // One stream's q, k, v [B, Ls, n·D] (token side, pre-norm) into the joint FP8 heads of `saved` at
 // token_offset: QK-norm, RoPE, layout and cast in one op. `index`: Fp8Runtime::add_attention's.
 void fp8_attention_qkv(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor q_rstd,

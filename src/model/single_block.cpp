@@ -136,14 +136,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
   // The head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
   const bool fp8_attention = s.att8.defined();
-  Tensor d_o, d_q, d_k, d_v;
-  Fp8AttentionGrads d8;
-  if (fp8_attention) {
-    d8 = Fp8AttentionGrads::allocate(a, ctx.cfg, ctx.shape, *ctx.fp8);
-  } else {
-    d_o = a.alloc(ctx.heads_dtype, Shape{B, ctx.cfg.num_heads, L, ctx.cfg.head_dim()}, SlotKind::workspace);
-    allocate_heads_qkv(a, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, d_q, d_k, d_v);
-  }
+  const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
   SingleBlockSaved r = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
