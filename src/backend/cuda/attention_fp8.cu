@@ -53,6 +53,21 @@ struct Fp8Layout : Layout {
 
 constexpr Dims kScalar{1, 1, 1, 1};
 
+// An FP8 output of a matmul as cudnn-frontend builds each one (O; dV, dQ, dK): a·b in f32, taken
+// to its value by both operands' descales, cast into `out` with `scale`, and `amax` the amax of
+// that value before the cast. Its three f32 [B, H, S, D] virtual tensors are made before its ops.
+void fp8_matmul_output(GraphBuilder& g, const Layout& l, cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
+                       cudnnBackendDescriptor_t descale_a, cudnnBackendDescriptor_t descale_b,
+                       cudnnBackendDescriptor_t scale, cudnnBackendDescriptor_t out, cudnnBackendDescriptor_t amax) {
+  auto od = [&] { return g.virtual_tensor(CUDNN_DATA_FLOAT, l.bhsd, l.bhsd_stride); };
+  auto y1 = od(), y2 = od(), y3 = od();
+  g.matmul(a, b, y1);
+  g.pointwise(CUDNN_POINTWISE_MUL, y1, descale_a, y2);
+  g.pointwise(CUDNN_POINTWISE_MUL, y2, descale_b, y3);
+  g.pointwise(CUDNN_POINTWISE_MUL, y3, scale, out);
+  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, y3, amax);
+}
+
 void build_forward_fp8_graph(GraphBuilder& g, const Attention::Fp8Forward& a) {
   const Fp8Layout l(a.shape, a.token_major);
   const cudnnDataType_t in = cudnn_type(a.qkv), f32 = CUDNN_DATA_FLOAT;
@@ -69,7 +84,6 @@ void build_forward_fp8_graph(GraphBuilder& g, const Attention::Fp8Forward& a) {
 
   auto ss = [&] { return g.virtual_tensor(f32, l.bhss, l.bhss_stride); };
   auto rows = [&] { return g.virtual_tensor(f32, l.bhs1, l.bhs1_stride); };
-  auto od = [&] { return g.virtual_tensor(f32, l.bhsd, l.bhsd_stride); };
   auto s1 = ss();
   g.matmul(q, kt, s1);
   auto s2 = ss(), s3 = ss(), s4 = ss();
@@ -90,12 +104,7 @@ void build_forward_fp8_graph(GraphBuilder& g, const Attention::Fp8Forward& a) {
   g.reduction(CUDNN_REDUCE_TENSOR_AMAX, p, amax_s);
   auto p8 = g.virtual_tensor(in, l.bhss, l.bhss_stride);  // the second matmul's FP8 operand
   g.pointwise(CUDNN_POINTWISE_MUL, p, scale_s, p8);
-  auto o1 = od(), o2 = od(), o3 = od();
-  g.matmul(p8, v, o1);
-  g.pointwise(CUDNN_POINTWISE_MUL, o1, descale_s, o2);
-  g.pointwise(CUDNN_POINTWISE_MUL, o2, descale_v, o3);
-  g.pointwise(CUDNN_POINTWISE_MUL, o3, scale_o, o);
-  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, o3, amax_o);
+  fp8_matmul_output(g, l, p8, v, descale_s, descale_v, scale_o, o, amax_o);
 }
 
 void build_backward_fp8_graph(GraphBuilder& g, const Attention::Fp8Backward& a) {
@@ -122,7 +131,6 @@ void build_backward_fp8_graph(GraphBuilder& g, const Attention::Fp8Backward& a) 
 
   auto ss = [&] { return g.virtual_tensor(f32, l.bhss, l.bhss_stride); };
   auto rows = [&] { return g.virtual_tensor(f32, l.bhs1, l.bhs1_stride); };
-  auto od = [&] { return g.virtual_tensor(f32, l.bhsd, l.bhsd_stride); };
   // δ (the product's strides are cudnn-frontend's; a virtual tensor's strides describe no memory)
   auto do_o = g.virtual_tensor(f32, l.bhsd, {H * S * D, S * D, H * D, 1});
   g.pointwise(CUDNN_POINTWISE_MUL, d_o, o, do_o);
@@ -143,12 +151,7 @@ void build_backward_fp8_graph(GraphBuilder& g, const Attention::Fp8Backward& a) 
   auto p8_t = g.virtual_tensor(in, l.bhss, l.bhss_t_stride);
   g.reshape(p8, p8_t);
   // dV
-  auto c1 = od(), c2 = od(), c3 = od();
-  g.matmul(p8_t, d_o, c1);
-  g.pointwise(CUDNN_POINTWISE_MUL, c1, descale_s, c2);
-  g.pointwise(CUDNN_POINTWISE_MUL, c2, descale_do, c3);
-  g.pointwise(CUDNN_POINTWISE_MUL, c3, scale_dv, dv);
-  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, c3, amax_dv);
+  fp8_matmul_output(g, l, p8_t, d_o, descale_s, descale_do, scale_dv, dv, amax_dv);
   // dS
   auto d1 = ss(), d2 = ss(), d3 = ss(), d4 = ss(), d5 = ss(), ds = ss();
   g.matmul(d_o, vt, d1);
@@ -163,21 +166,11 @@ void build_backward_fp8_graph(GraphBuilder& g, const Attention::Fp8Backward& a) 
   // dQ (K seen untransposed; cudnn-frontend leaves this reshape's type at its f32 default)
   auto k = g.virtual_tensor(f32, l.bhsd, l.heads_stride);
   g.reshape(kt, k);
-  auto e1 = od(), e2 = od(), e3 = od();
-  g.matmul(ds8, k, e1);
-  g.pointwise(CUDNN_POINTWISE_MUL, e1, descale_ds, e2);
-  g.pointwise(CUDNN_POINTWISE_MUL, e2, descale_k, e3);
-  g.pointwise(CUDNN_POINTWISE_MUL, e3, scale_dq, dq);
-  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, e3, amax_dq);
+  fp8_matmul_output(g, l, ds8, k, descale_ds, descale_k, scale_dq, dq, amax_dq);
   // dK
   auto ds8_t = g.virtual_tensor(grad, l.bhss, l.bhss_t_stride);
   g.reshape(ds8, ds8_t);
-  auto f1 = od(), f2 = od(), f3 = od();
-  g.matmul(ds8_t, q, f1);
-  g.pointwise(CUDNN_POINTWISE_MUL, f1, descale_ds, f2);
-  g.pointwise(CUDNN_POINTWISE_MUL, f2, descale_q, f3);
-  g.pointwise(CUDNN_POINTWISE_MUL, f3, scale_dk, dk);
-  g.reduction(CUDNN_REDUCE_TENSOR_AMAX, f3, amax_dk);
+  fp8_matmul_output(g, l, ds8_t, q, descale_ds, descale_q, scale_dk, dk, amax_dk);
 }
 
 // A plan variant: the element types and the layout, one bit each.
