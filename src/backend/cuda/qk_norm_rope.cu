@@ -668,7 +668,7 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
                                                   token_offset);
   const bool bf16 = activations_in_bf16(op, {{"q", q}, {"k", k}, {"v", v}});
   require_f32(op, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}, {"q_scale", q_scale}, {"k_scale", k_scale}, {"pe", pe}});
-  const bool heads_bf16 = heads_in_bf16(op, {{"q_heads", qh}});
+  const bool heads_bf16 = t == DType::bf16;  // the proxies' type (attention_heads_dtype: f32 or bf16)
   const Geometry geo = geometry_of(op, d, token_offset, {qh, kh, vh, q, k, v, pe});
   const int lanes = vec_path_lanes(d.D, {qh, kh, vh, q, k, v}, pe);
   const Fp8Heads* const outs[3] = {&q_heads, &k_heads, &v_heads};
