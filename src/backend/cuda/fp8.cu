@@ -178,36 +178,16 @@ __device__ inline Tile tile_of(const CastArgs<T>& a) {
   return t;
 }
 
-// The tile's statistics partial (a.partials[block]): each thread's counts, summed per warp and
-// then over the warps in order by thread 0, and the max of the threads' amaxes. Every thread of
-// the block calls it.
+// The tile's statistics partial (a.partials[block]) from each thread's amax (>= +0, never NaN)
+// and counts: CastTally's block reduction (cast_stats.cuh), which the FP8-heads kernels share.
+// Every thread of the block calls it.
 template <typename T>
 __device__ inline void write_tile_partial(const CastArgs<T>& a, float amax, uint32_t nonzero, uint32_t saturated,
                                           uint32_t flushed) {
-  __shared__ float red_amax[kWarps];
-  __shared__ uint32_t red_count[3][kWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  amax = warp_amax(amax);
-  nonzero = __reduce_add_sync(kFull, nonzero);
-  saturated = __reduce_add_sync(kFull, saturated);
-  flushed = __reduce_add_sync(kFull, flushed);
-  if (lane == 0) {
-    red_amax[warp] = amax;
-    red_count[0][warp] = nonzero;
-    red_count[1][warp] = saturated;
-    red_count[2][warp] = flushed;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    StatsPartial p{0.0f, 0, 0, 0};
-    for (int w = 0; w < kWarps; ++w) {
-      p.amax = fmaxf(p.amax, red_amax[w]);
-      p.nonzero += red_count[0][w];
-      p.saturated += red_count[1][w];
-      p.flushed += red_count[2][w];
-    }
-    a.partials[blockIdx.x] = p;
-  }
+  CastTally<true> tally;
+  tally.amax_bits = f32_bits(amax);
+  tally.nonzero = nonzero, tally.saturated = saturated, tally.flushed = flushed;
+  tally.write_block_partial(a.partials + blockIdx.x);
 }
 
 template <Fp8Scaling S, typename T>
