@@ -169,14 +169,14 @@ TEST_F(CpuOps, Fp8GemmGeluIsGemmThenGelu) {
     const int64_t first = n - G;
     Buf<float> y({m, G}, 2), h({m, n}, 1), ref_h({m, n}), ref_y({m, G});
     y.fill_padding(NAN), h.fill_padding(NAN);
-    be->gemm_fp8_tn_gelu(y.t, h.t, a.t, b.t, bias.t);
-    be->gemm_fp8_tn(ref_h.t, a.t, b.t, bias.t, false);
+    be->gemm_fp8_tn_gelu(y.t, h.t, a.t, b.t, bias.t, Fp8Accumulation::fp32);
+    be->gemm_fp8_tn(ref_h.t, a.t, b.t, bias.t, false, Fp8Accumulation::fp32);
     be->gelu_tanh(ref_y.t, ref_h.t.cols_slice(first, G));
     EXPECT_EQ(h.values(), ref_h.values());
     EXPECT_EQ(y.values(), ref_y.values());
     EXPECT_TRUE(y.padding_is_nan() && h.padding_is_nan());
     Buf<float> yr({m, G}), hr({m, n});
-    rounding->gemm_fp8_tn_gelu(yr.t, hr.t, a.t, b.t, bias.t);
+    rounding->gemm_fp8_tn_gelu(yr.t, hr.t, a.t, b.t, bias.t, Fp8Accumulation::fp32);
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t j = 0; j < n; ++j) ASSERT_EQ(hr.at(r, j), round_to_bf16(h.at(r, j)));
       for (int64_t j = 0; j < G; ++j) ASSERT_EQ(yr.at(r, j), round_to_bf16(y.at(r, j)));
@@ -185,7 +185,7 @@ TEST_F(CpuOps, Fp8GemmGeluIsGemmThenGelu) {
     Buf<float> g_in({m, G}), dh({m, G}, 3), dx({m, std::max<int64_t>(first, 1)}, 2), p({m, n}), ref_dh({m, G});
     g_in.randn(55, 2.0), dh.fill_padding(NAN);
     be->gemm_fp8_tn_dgelu(first ? dx.t : Tensor{}, dh.t, dy.t, b.t, g_in.t);
-    be->gemm_fp8_tn(p.t, dy.t, b.t, Tensor{}, false);
+    be->gemm_fp8_tn(p.t, dy.t, b.t, Tensor{}, false, Fp8Accumulation::fp32);
     be->gelu_tanh_backward(ref_dh.t, p.t.cols_slice(first, G), g_in.t);
     EXPECT_EQ(dh.values(), ref_dh.values());
     EXPECT_TRUE(dh.padding_is_nan());
@@ -197,7 +197,7 @@ TEST_F(CpuOps, Fp8GemmGeluIsGemmThenGelu) {
       for (int64_t j = 0; j < G; ++j) ASSERT_EQ(dhr.at(r, j), round_to_bf16(dh.at(r, j)));
   }
   Buf<float> wide({m, n + 1}), h({m, n});
-  EXPECT_THROW(be->gemm_fp8_tn_gelu(wide.t, h.t, a.t, b.t, Tensor{}), Error);  // y wider than h
+  EXPECT_THROW(be->gemm_fp8_tn_gelu(wide.t, h.t, a.t, b.t, Tensor{}, Fp8Accumulation::fp32), Error);  // y wider than h
 }
 
 TEST_F(CpuOps, LinearGeluArgumentsAreChecked) {

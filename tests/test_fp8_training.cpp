@@ -230,6 +230,36 @@ std::string config_error(const std::vector<std::string>& sets) {
   return "";
 }
 
+// fp8_fprop_fast_accumulation: on by default where the GEMMs have per-tensor scales (delayed,
+// tensorwise), off for the block-scaled recipes, where asking for it is an error; the log line
+// says which summation the forward GEMMs use.
+TEST(Fp8Config, FpropFastAccumulationFollowsTheRecipe) {
+  auto resolve = [](std::vector<std::string> sets) {
+    return Fp8Config::from_config(Config::load(std::string(FLUX8_SOURCE_DIR) + "/configs/demo.yaml", sets));
+  };
+  for (const char* recipe : {"delayed", "tensorwise"}) {
+    const std::string r = std::string("fp8_recipe=") + recipe;
+    const Fp8Config on = resolve({"fp8=hybrid", r});
+    EXPECT_TRUE(on.fprop_fast_accumulation) << recipe;
+    EXPECT_NE(on.describe().find("forward GEMMs with fast accumulation"), std::string::npos) << on.describe();
+    const Fp8Config off = resolve({"fp8=hybrid", r, "fp8_fprop_fast_accumulation=false"});
+    EXPECT_FALSE(off.fprop_fast_accumulation) << recipe;
+    EXPECT_NE(off.describe().find("forward GEMMs in fp32 accumulation"), std::string::npos) << off.describe();
+  }
+  for (const char* recipe : {"blockwise", "mxfp8"}) {
+    const std::string r = std::string("fp8_recipe=") + recipe;
+    const Fp8Config f = resolve({"fp8=e4m3", r});
+    EXPECT_FALSE(f.fprop_fast_accumulation) << recipe;
+    EXPECT_EQ(f.describe().find("accumulation"), std::string::npos) << f.describe();
+    EXPECT_FALSE(resolve({"fp8=e4m3", r, "fp8_fprop_fast_accumulation=false"}).fprop_fast_accumulation);
+    EXPECT_NE(config_error({"fp8=e4m3", r, "fp8_fprop_fast_accumulation=true"})
+                  .find("fp8_fprop_fast_accumulation (--set) applies to the per-tensor recipes"),
+              std::string::npos)
+        << recipe;
+  }
+  EXPECT_NE(config_error({"fp8_fprop_fast_accumulation=false"}).find("but fp8 is none"), std::string::npos);
+}
+
 TEST(Fp8Config, ImpossibleCombinationsNameTheKeys) {
   EXPECT_NE(config_error({"fp8_recipe=blockwise"}).find("fp8_recipe (--set) is set but fp8 is none"), std::string::npos);
   EXPECT_EQ(config_error({"fp8=hybrid", "fp8_dot_product_attention=true"}), "");

@@ -11,6 +11,8 @@
 
 #include "backend/backend.h"
 #include "bench/op_profiler.h"
+#include "fp8/fp8_config.h"
+#include "model_test_util.h"
 
 namespace flux8 {
 namespace {
@@ -54,6 +56,38 @@ TEST(OpProfiler, TimesTheFp8HeadsOpsAsThemselves) {
   EXPECT_EQ(c.count("heads_to_tokens_fp8"), 1u);
   EXPECT_EQ(c.count("quantize (fp8 cast)"), 0u);
   EXPECT_EQ(c.count("dequantize"), 0u);
+}
+
+// The FP8 GEMMs' summation as the model asks for it, seen through the profiler's rows (the CPU
+// sums in fp32 whatever is asked; CudaGemmFp8.FastAccumulationReachesCublasAndStaysWithinItsBound
+// checks that the request reaches cuBLASLt): with fp8_fprop_fast_accumulation each FP8 site's
+// forward GEMM — one per site and step, the single block's linear1 through the GELU epilogue —
+// asks for fast accumulation, and its dgrad and wgrad GEMMs for fp32; without it all ask fp32.
+TEST(OpProfiler, ForwardFp8GemmsAskForFastAccumulationGradientsForFp32) {
+  FluxConfig cfg = testing::odd_config(1, 1, false);
+  cfg.hidden_size = 64, cfg.num_heads = 4, cfg.mlp_ratio = 4.0, cfg.axes_dim = {4, 6, 6};
+  for (const bool fast : {true, false}) {
+    SCOPED_TRACE(fast ? "fp8_fprop_fast_accumulation: true" : "false");
+    Fp8Config fp8;
+    fp8.enabled = fp8.hybrid = true;
+    fp8.fprop_fast_accumulation = fast;
+    auto cpu = make_backend("cpu");
+    OpProfiler prof(*cpu);
+    testing::run_model(prof, cfg, {.fp8 = &fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20});
+    std::map<std::string, int64_t> c = calls_of(prof);
+    // Per block: double 2 x (qkv, proj, mlp in, mlp out), single linear1 (GELU epilogue) and linear2.
+    const int64_t sites = 8 + 2, gelu_sites = 1;
+    const std::string tag = fast ? " (fast accumulation)" : "";
+    EXPECT_EQ(c["gemm_fp8_tn_gelu" + tag], gelu_sites);
+    EXPECT_EQ(c["gemm_fp8_tn_dgelu"], gelu_sites);
+    if (fast) {
+      EXPECT_EQ(c["gemm_fp8_tn (fast accumulation)"], sites - gelu_sites);
+      EXPECT_EQ(c["gemm_fp8_tn"], 2 * sites - gelu_sites);  // dgrad (but the GELU site's) and wgrad
+    } else {
+      EXPECT_EQ(c["gemm_fp8_tn"], 3 * sites - 2 * gelu_sites);
+      for (const auto& [op, n] : c) EXPECT_EQ(op.find("fast"), std::string::npos) << op;
+    }
+  }
 }
 
 }  // namespace

@@ -403,9 +403,11 @@ class Backend {
   virtual void tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset);
   virtual void heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset);
 
-  // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]) with fp32 accumulation:
-  // the TN FP8 GEMM. Exact products; only the summation order is backend-specific.
-  virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) = 0;
+  // c[m, n] (= or += when accumulate) a[m, k] · b[n, k]ᵀ (+ bias[n]): the TN FP8 GEMM. Exact
+  // products; the summation order is backend-specific and its precision `sum` (fp32, or the
+  // tensor cores' fast accumulation where the backend has it: Fp8Accumulation).
+  virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
+                           Fp8Accumulation sum) = 0;
   // linear_gelu and linear_dgrad_gelu on FP8 operands (the single block's linear1 and linear2
   // in FP8), with their rounding rules; the CUDA backend fuses the forward's GELU into the GEMM
   // (per-tensor scales) and runs the derivative as a kernel after it:
@@ -413,8 +415,10 @@ class Backend {
   //   both rounded once from the same sum;
   // - gemm_fp8_tn_dgelu: with P = a·bᵀ [m, n], dx = P's first n − nh columns (undefined when
   //   nh = n) and dh = gelu_tanh'(h) ⊙ P's last nh columns, h [m, nh]; P is not rounded first.
-  // Outputs overwritten; y, h, dx, dh any ld.
-  virtual void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) = 0;
+  // Outputs overwritten; y, h, dx, dh any ld. The forward sums with `sum` (gemm_fp8_tn), the
+  // derivative's GEMM in fp32 as every gradient GEMM.
+  virtual void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
+                                Fp8Accumulation sum) = 0;
   virtual void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) = 0;
 
  protected:

@@ -192,11 +192,15 @@ class OpProfiler final : public Backend {
   void heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t off) override {
     timed("heads_to_tokens_fp8", [&] { be_.heads_to_tokens_fp8(tokens, heads, off); });
   }
-  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool acc) override {
-    timed("gemm_fp8_tn", [&] { be_.gemm_fp8_tn(c, a, b, bias, acc); });
+  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool acc, Fp8Accumulation sum) override {
+    // The forward GEMMs (fast accumulation, fp8_fprop_fast_accumulation) apart from the rest.
+    timed(sum == Fp8Accumulation::fast ? "gemm_fp8_tn (fast accumulation)" : "gemm_fp8_tn",
+          [&] { be_.gemm_fp8_tn(c, a, b, bias, acc, sum); });
   }
-  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) override {
-    timed("gemm_fp8_tn_gelu", [&] { be_.gemm_fp8_tn_gelu(y, h, a, b, bias); });
+  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
+                        Fp8Accumulation sum) override {
+    timed(sum == Fp8Accumulation::fast ? "gemm_fp8_tn_gelu (fast accumulation)" : "gemm_fp8_tn_gelu",
+          [&] { be_.gemm_fp8_tn_gelu(y, h, a, b, bias, sum); });
   }
   void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) override {
     timed("gemm_fp8_tn_dgelu", [&] { be_.gemm_fp8_tn_dgelu(dx, dh, a, b, h); });

@@ -262,18 +262,21 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
     auto* scale = static_cast<float*>(be.allocate(4));
     be.upload(scale, &one, 4);
     Tensor sums(be.allocate(static_cast<size_t>(k) * 4), DType::f32, Shape{k});
+    const Tensor bias = alloc(Shape{n}, DType::f32);
     CastStats cast_stats;
     Backend::Quantize delayed;
     delayed.delayed_scale = scale;
     delayed.stats = &cast_stats;
     auto time_ms = [&](auto&& f) { return median_ms(be, repeats, f); };
-    GemmBenchRow row{m, n, k, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    GemmBenchRow row{m, n, k, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     row.fp8_linear_ms = time_ms([&] {
       be.quantize(xq, QTensor{}, x, q);
       be.quantize(wq, QTensor{}, w, q);
-      be.gemm_fp8_tn(y, xq, wq, Tensor{}, false);
+      be.gemm_fp8_tn(y, xq, wq, Tensor{}, false, Fp8Accumulation::fp32);
     });
-    row.fp8_gemm_ms = time_ms([&] { be.gemm_fp8_tn(y, xq, wq, Tensor{}, false); });
+    row.fp8_gemm_ms = time_ms([&] { be.gemm_fp8_tn(y, xq, wq, Tensor{}, false, Fp8Accumulation::fp32); });
+    row.fp8_gemm_fast_ms = time_ms([&] { be.gemm_fp8_tn(y, xq, wq, Tensor{}, false, Fp8Accumulation::fast); });
+    row.fp8_gemm_fast_bias_ms = time_ms([&] { be.gemm_fp8_tn(y, xq, wq, bias, false, Fp8Accumulation::fast); });
     row.linear_ms = time_ms([&] { be.linear(y, x, w, Tensor{}); });
     row.cast_ms = time_ms([&] { be.quantize(xq, xt, x, delayed); });
     Backend::Quantize with_sums = delayed;
@@ -288,7 +291,7 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
     rows.push_back(row);
     for (void* p : {x.data, w.data, y.data, static_cast<void*>(xq.codes), static_cast<void*>(xq.scale_inv),
                     static_cast<void*>(wq.codes), static_cast<void*>(wq.scale_inv), static_cast<void*>(xt.codes),
-                    static_cast<void*>(xt.scale_inv), static_cast<void*>(scale), sums.data})
+                    static_cast<void*>(xt.scale_inv), static_cast<void*>(scale), sums.data, bias.data})
       be.release(p);
   }
   return rows;

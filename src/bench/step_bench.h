@@ -61,12 +61,14 @@ StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir
 StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec);
 
 // The FP8 linear at Flux shapes: per shape, flux8's FP8 linear forward (current-scaling casts
-// of x and w included), the FP8 GEMM alone on pre-cast operands (one cuBLASLt call), and the
-// non-FP8 linear of this backend, each as median ms and TFLOP/s.
+// of x and w included), the FP8 GEMM alone on pre-cast operands (one cuBLASLt call) in fp32
+// accumulation, with fast accumulation, and with fast accumulation and a bias (the model's
+// forward GEMM), and the non-FP8 linear of this backend, each as median ms and TFLOP/s.
 struct GemmBenchRow {
   int64_t m, n, k;
   double fp8_linear_ms, fp8_gemm_ms, linear_ms;
   double fp8_linear_tflops, fp8_gemm_tflops, linear_tflops;
+  double fp8_gemm_fast_ms, fp8_gemm_fast_bias_ms;
   double cast_ms, cast_sums_ms, cast_gbps;  // delayed-recipe cast of x [m, k], both copies (+ column sums)
 };
 std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats);

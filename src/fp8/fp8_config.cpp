@@ -45,6 +45,7 @@ Fp8Config Fp8Config::from_config(const Config& c) {
     // A run that asks for FP8 details but not FP8 itself would silently train in BF16.
     for (const char* key : {"fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
                             "fp8_wgrad", "fp8_scale_rounding", "fp8_modulation", "fp8_dot_product_attention",
+                            "fp8_fprop_fast_accumulation",
                             "fp8_multi_head_attention", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
                             "num_layers_at_end_in_bf16"})
       if (set(key))
@@ -53,6 +54,13 @@ Fp8Config Fp8Config::from_config(const Config& c) {
     return f;
   }
   f.dot_product_attention = c.get_bool("fp8_dot_product_attention");
+  // Block-scaled GEMMs promote every 128-wide block to fp32 (cuBLASLt has no fast mode for them).
+  const bool per_tensor = f.recipe == Fp8Recipe::delayed || f.recipe == Fp8Recipe::tensorwise;
+  f.fprop_fast_accumulation = c.get_bool("fp8_fprop_fast_accumulation") && per_tensor;
+  if (!per_tensor && set("fp8_fprop_fast_accumulation") && c.get_bool("fp8_fprop_fast_accumulation"))
+    fail("{} applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each 128-wide block in "
+         "fp32, so the recipe {} ({}) takes no fast accumulation: remove the key or set it to false",
+         where("fp8_fprop_fast_accumulation"), recipe, recipe, c.source("fp8_recipe"));
   if (c.get_bool("fp8_multi_head_attention"))
     fail("{}: FP8 attention with FP8 q, k, v, o passed to and from the Linears around it is not implemented; "
          "fp8_dot_product_attention: true runs the attention itself in FP8 (bf16 in and out)",
@@ -94,6 +102,8 @@ std::string Fp8Config::describe() const {
     s += fmt::format(", amax history {} ({}), margin {}", amax_history_len, amax_max ? "max" : "most_recent", margin);
   if (power_of_2_scales) s += ", power-of-2 scales";
   if (!wgrad) s += ", BF16 wgrad";
+  if (recipe == Fp8Recipe::delayed || recipe == Fp8Recipe::tensorwise)
+    s += fprop_fast_accumulation ? ", forward GEMMs with fast accumulation" : ", forward GEMMs in fp32 accumulation";
   if (dot_product_attention) s += ", FP8 attention";
   if (first_last_bf16) s += fmt::format(", first {} / last {} blocks in BF16", bf16_start, bf16_end);
   return s;

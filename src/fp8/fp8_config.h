@@ -20,6 +20,9 @@ struct Fp8Config {
   bool power_of_2_scales = false;  // tensorwise / blockwise scales rounded down to 2^k
   bool modulation = false;     // modulation Linears in FP8 too
   bool dot_product_attention = false;  // attention of the FP8 blocks in FP8 (cuDNN's FP8 SDPA)
+  // Forward GEMMs with the tensor cores' fast accumulation (Fp8Accumulation::fast), as
+  // Transformer Engine's fprop; per-tensor recipes only (false for blockwise and mxfp8).
+  bool fprop_fast_accumulation = true;
   bool first_last_bf16 = false;
   int64_t bf16_start = 1, bf16_end = 1;
   int64_t stats_interval = 100;

@@ -33,6 +33,17 @@ struct QTensor {
   }
 };
 
+// How an FP8 GEMM adds up its products (Backend::gemm_fp8_tn, gemm_fp8_tn_gelu).
+// - fp32: every partial sum in fp32. On Hopper the FP8 MMA instruction keeps only ~14
+//   significant bits of its own k-slice (DeepSeek-V3 report §3.3.2); cuBLASLt's split
+//   accumulation then adds each slice into an fp32 accumulator. The gradient GEMMs always.
+// - fast: the backend may keep the running sum in the tensor cores' accumulator across slices
+//   (cuBLASLt's FAST_ACCUM: no fp32 promotion, ~14 bits throughout) — Transformer Engine's fprop
+//   GEMMs and torchao's output GEMM do; on the H200 it makes the forward GEMMs ~10% faster.
+//   Per-tensor scales only: block-scaled GEMMs promote each 128-wide block by construction and
+//   take fp32. The CPU backend sums in fp32 either way.
+enum class Fp8Accumulation : uint8_t { fp32, fast };
+
 // Whether rows [begin, begin + count) of q form a QTensor of their own: always for per-tensor
 // scales and per-row blocks (1x128, 1x32), at multiples of 128 rows for 128x128 blocks.
 inline bool rows_sliceable(const QTensor& q, int64_t begin) {

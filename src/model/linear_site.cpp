@@ -356,7 +356,7 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
   SavedLinearInput cast_only{Tensor{}, saved.cast_t};  // x is the caller's: cast it as it is
   const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, cast_only);
   fp8->ensure_weight_cast(site);
-  be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false);
+  be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false, fp8->fprop_accumulation());
   scratch.release_to(mark);
 }
 
@@ -370,7 +370,7 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
   } else {
     const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, saved);
     fp8->ensure_weight_cast(site);
-    be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false);
+    be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false, fp8->fprop_accumulation());
   }
   scratch.release_to(mark);
 }
@@ -385,7 +385,7 @@ void site_forward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite&
   } else {
     const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, saved);
     fp8->ensure_weight_cast(site);
-    be.gemm_fp8_tn_gelu(y_gelu, h, x_row, site.w_row, site.b);
+    be.gemm_fp8_tn_gelu(y_gelu, h, x_row, site.w_row, site.b, fp8->fprop_accumulation());
   }
   scratch.release_to(mark);
 }
@@ -418,9 +418,9 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
   if (gelu_h.defined())
     be.gemm_fp8_tn_dgelu(dx, dh, dy_row, site.w_col, gelu_h);  // dgrad: dy·w, the GELU's part through it
   else if (dx.defined())
-    be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx);  // dgrad: dy·w
+    be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx, Fp8Accumulation::fp32);  // dgrad: dy·w
   if (fp8_wgrad)
-    be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, accumulate);  // wgrad: dyᵀ·x
+    be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, accumulate, Fp8Accumulation::fp32);  // wgrad: dyᵀ·x
   else
     be.linear_backward(Tensor{}, site.dw, Tensor{}, dy.x, saved.full, site.w, false, accumulate);
   scratch.release_to(mark);

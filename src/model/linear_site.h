@@ -101,6 +101,10 @@ class Fp8Runtime {
 
   Fp8Format format(Operand o) const;
   Fp8Scaling scaling(Operand o) const;
+  // How the forward GEMMs sum (fp8_fprop_fast_accumulation); the gradient GEMMs sum in fp32.
+  Fp8Accumulation fprop_accumulation() const {
+    return cfg_.fprop_fast_accumulation ? Fp8Accumulation::fast : Fp8Accumulation::fp32;
+  }
   Backend::Quantize quantize_args(const LinearSite& site, Operand o);
 
   // The rowwise casts of every FP8 site's new weight for AdamW to write (Backend::ParamCast),

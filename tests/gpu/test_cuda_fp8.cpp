@@ -513,6 +513,9 @@ TEST(CudaQuantize, RejectsWhatTheCpuRejects) {
 //   measured as 0.8-1.3e-4 on these shapes (H200, cuBLAS 13); 5e-4 leaves a 4x margin and stays
 //   far below the error of a single misapplied block scale here (~1e-2).
 constexpr double kFp32Tolerance = 1e-5, kTensorCoreTolerance = 5e-4;
+// Fp8Accumulation::fast: no fp32 promotion between k-slices, so ~2^-13 relative per slice adds up
+// over k / 32 slices (FastAccumulationReachesCublasAndStaysWithinItsBound).
+constexpr double kFastTolerance = 5e-3;
 
 struct GemmOperands {
   Fp8Scaling sa, sb;
@@ -590,8 +593,8 @@ void expect_gemms_match_cpu(const GemmOperands& o, uint64_t seed, Backend& cpu_b
         Pair bias(Shape{s.n});
         bias.randn(++seed);
         const Tensor bias_cpu = with_bias ? bias.host.t : Tensor{}, bias_gpu = with_bias ? bias.dev : Tensor{};
-        cpu_be.gemm_fp8_tn(c.host.t, a.host, b.host, bias_cpu, accumulate);
-        gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, bias_gpu, accumulate);
+        cpu_be.gemm_fp8_tn(c.host.t, a.host, b.host, bias_cpu, accumulate, Fp8Accumulation::fp32);
+        gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, bias_gpu, accumulate, Fp8Accumulation::fp32);
         EXPECT_LE(gpu_vs_cpu(c), tolerance(s));
         EXPECT_TRUE(c.padding_untouched());
       }
@@ -638,7 +641,7 @@ TEST(CudaGemmFp8, RejectsE5m2TimesE5m2) {
   make_operand(b, 2);
   Pair c(Shape{32, 16});
   try {
-    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false);
+    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false, Fp8Accumulation::fp32);
     ADD_FAILURE() << "E5M2 x E5M2 ran";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("E5M2"), std::string::npos) << e.what();
@@ -675,13 +678,16 @@ TEST(CudaGemmFp8, GeluEpiloguesMatchCpu) {
     bias.randn(73);
     Bf16Pair y({c.m, c.gelu}, 8), h({c.m, c.n}, 8);
     y.randn(74), h.randn(75);
-    const int64_t fwd = gemm.runs_with(cuda::Epilogue::gelu_aux);
-    cpu_bf16().gemm_fp8_tn_gelu(y.host.t, h.host.t, a.host, b.host, bias.host.t);
-    gpu().gemm_fp8_tn_gelu(y.dev, h.dev, a.dev, b.dev, bias.dev);
-    EXPECT_EQ(gemm.runs_with(cuda::Epilogue::gelu_aux) - fwd, c.epilogue ? 1 : 0);
-    EXPECT_LE(gpu_vs_cpu(h), kBf16OutputTolerance);
-    EXPECT_LE(gpu_vs_cpu(y), kBf16OutputTolerance);
-    EXPECT_TRUE(y.padding_untouched() && h.padding_untouched());
+    for (const Fp8Accumulation sum : {Fp8Accumulation::fp32, Fp8Accumulation::fast}) {
+      SCOPED_TRACE(sum == Fp8Accumulation::fast ? "fast accumulation" : "fp32 accumulation");
+      const int64_t fwd = gemm.runs_with(cuda::Epilogue::gelu_aux);
+      cpu_bf16().gemm_fp8_tn_gelu(y.host.t, h.host.t, a.host, b.host, bias.host.t, sum);
+      gpu().gemm_fp8_tn_gelu(y.dev, h.dev, a.dev, b.dev, bias.dev, sum);
+      EXPECT_EQ(gemm.runs_with(cuda::Epilogue::gelu_aux) - fwd, c.epilogue ? 1 : 0);
+      EXPECT_LE(gpu_vs_cpu(h), kBf16OutputTolerance);
+      EXPECT_LE(gpu_vs_cpu(y), kBf16OutputTolerance);
+      EXPECT_TRUE(y.padding_untouched() && h.padding_untouched());
+    }
 
     // Backward: a is the output gradient [m, k] (E5M2 in hybrid), b the transposed weight [n, k].
     QPair dy(c.m, c.k, Fp8Format::e5m2, c.sa);
@@ -724,10 +730,57 @@ TEST(CudaGemmFp8, CastThenGemmMatchesCpu) {
     gpu().quantize(xq.dev, QTensor{}, x.dev, qx);
     gpu().quantize(wq.dev, QTensor{}, w.dev, qw);
     Pair y(Shape{m, n});
-    cpu().gemm_fp8_tn(y.host.t, xq.host, wq.host, Tensor{}, false);
-    gpu().gemm_fp8_tn(y.dev, xq.dev, wq.dev, Tensor{}, false);
+    cpu().gemm_fp8_tn(y.host.t, xq.host, wq.host, Tensor{}, false, Fp8Accumulation::fp32);
+    gpu().gemm_fp8_tn(y.dev, xq.dev, wq.dev, Tensor{}, false, Fp8Accumulation::fp32);
     // Same operands bit for bit; the tolerances are explained above kFp32Tolerance.
     EXPECT_LE(gpu_vs_cpu(y), sx == Fp8Scaling::mx_1x32 ? kFp32Tolerance : kTensorCoreTolerance);
+  }
+}
+
+// Fp8Accumulation::fast (the forward GEMMs' default, fp8_fprop_fast_accumulation): cuBLASLt's
+// FAST_ACCUM keeps the running sum in the MMA's ~14-bit accumulator across k-slices, so its error
+// grows with k where split accumulation's stays at one slice's. Per-tensor E4M3 operands (the
+// forward's pair) at growing k, Flux's 3072 and 12288 among them, into f32 (the accumulation
+// alone) and into bf16 with a bias (the model's forward GEMM): the fast result within
+// kFastTolerance of the CPU's fp32 sums, and at k ≥ 3072 measurably less precise than the fp32
+// mode — otherwise the mode is not reaching cuBLASLt. Block-scaled operands take fp32 whatever is
+// asked (cuBLASLt promotes each 128-wide block): the same bits as the fp32 mode.
+TEST(CudaGemmFp8, FastAccumulationReachesCublasAndStaysWithinItsBound) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t m = 128, n = 256;
+  for (const int64_t k : {512, 3072, 12288}) {
+    SCOPED_TRACE(fmt::format("m {} n {} k {}", m, n, k));
+    QPair a(m, k, Fp8Format::e4m3, Fp8Scaling::per_tensor), b(n, k, Fp8Format::e4m3, Fp8Scaling::per_tensor);
+    make_operand(a, 31 + static_cast<uint64_t>(k));
+    make_operand(b, 32 + static_cast<uint64_t>(k));
+    Pair c(Shape{m, n});
+    cpu().gemm_fp8_tn(c.host.t, a.host, b.host, Tensor{}, false, Fp8Accumulation::fast);  // fp32 sums on the CPU
+    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false, Fp8Accumulation::fp32);
+    const double e_fp32 = gpu_vs_cpu(c);
+    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false, Fp8Accumulation::fast);
+    const double e_fast = gpu_vs_cpu(c);
+    std::printf("k %5lld: fp32 accumulation %.3g, fast %.3g relative L2\n", static_cast<long long>(k), e_fp32, e_fast);
+    EXPECT_LE(e_fp32, kTensorCoreTolerance);
+    EXPECT_LE(e_fast, kFastTolerance);
+    if (k >= 3072) EXPECT_GT(e_fast, 1.5 * e_fp32) << "fast accumulation did not reach cuBLASLt";
+
+    Bf16Pair y(Shape{m, n}, 8);
+    Pair bias(Shape{n});
+    bias.randn(33);
+    y.host.randn(34).fill_padding(-7.0f);
+    y.up();
+    cpu_bf16().gemm_fp8_tn(y.host.t, a.host, b.host, bias.host.t, false, Fp8Accumulation::fast);
+    gpu().gemm_fp8_tn(y.dev, a.dev, b.dev, bias.dev, false, Fp8Accumulation::fast);
+    EXPECT_LE(gpu_vs_cpu(y), kFastTolerance + kBf16OutputTolerance);
+    EXPECT_TRUE(y.padding_untouched());
+
+    QPair ab(m, k, Fp8Format::e4m3, Fp8Scaling::block_1x128), bb(n, k, Fp8Format::e4m3, Fp8Scaling::block_128x128);
+    make_operand(ab, 35);
+    make_operand(bb, 36);
+    gpu().gemm_fp8_tn(c.dev, ab.dev, bb.dev, Tensor{}, false, Fp8Accumulation::fp32);
+    const std::vector<float> block_fp32 = c.down();
+    gpu().gemm_fp8_tn(c.dev, ab.dev, bb.dev, Tensor{}, false, Fp8Accumulation::fast);
+    EXPECT_EQ(c.down(), block_fp32) << "block-scaled operands must sum in fp32";
   }
 }
 
@@ -745,7 +798,7 @@ TEST(CudaGemmFp8, SupportedRecipesRunOnTensorCores) {
     make_operand(b, 22);
     Pair c(Shape{m, n});
     ::testing::internal::CaptureStderr();
-    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false);
+    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, Tensor{}, false, Fp8Accumulation::fp32);
     gpu().synchronize();
     const std::string log = ::testing::internal::GetCapturedStderr();
     EXPECT_EQ(log.find("emulated"), std::string::npos) << log;

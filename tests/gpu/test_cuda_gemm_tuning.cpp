@@ -170,15 +170,15 @@ TEST(CudaGemmTuning, BackendPinChoosesThePath) {
   };
   const QTensor da = to_device(ha), db = to_device(hb);
   Pair c({m, n});
-  cpu().gemm_fp8_tn(c.host.t, ha, hb, Tensor{}, false);
+  cpu().gemm_fp8_tn(c.host.t, ha, hb, Tensor{}, false, Fp8Accumulation::fp32);
   {
     ScopedEnv pin("FLUX8_GEMM_BACKEND", "emulated");
-    gpu().gemm_fp8_tn(c.dev, da, db, Tensor{}, false);
+    gpu().gemm_fp8_tn(c.dev, da, db, Tensor{}, false, Fp8Accumulation::fp32);
     EXPECT_LE(gpu_vs_cpu(c), 1e-5);
   }
   {
     ScopedEnv pin("FLUX8_GEMM_BACKEND", "");
-    gpu().gemm_fp8_tn(c.dev, da, db, Tensor{}, false);
+    gpu().gemm_fp8_tn(c.dev, da, db, Tensor{}, false, Fp8Accumulation::fp32);
     EXPECT_LE(gpu_vs_cpu(c), 5e-4);  // cuBLASLt on the tensor cores (test_cuda_fp8.cpp's tolerance)
   }
   {
@@ -186,11 +186,11 @@ TEST(CudaGemmTuning, BackendPinChoosesThePath) {
     QTensor oa = da, ob = db;  // k = 120: not a multiple of 16, no cuBLASLt kernel
     oa.cols = ob.cols = 120;
     Pair c2({m, n});
-    EXPECT_THROW(gpu().gemm_fp8_tn(c2.dev, oa, ob, Tensor{}, false), Error);
+    EXPECT_THROW(gpu().gemm_fp8_tn(c2.dev, oa, ob, Tensor{}, false, Fp8Accumulation::fp32), Error);
   }
   {
     ScopedEnv pin("FLUX8_GEMM_BACKEND", "fast");
-    EXPECT_THROW(gpu().gemm_fp8_tn(c.dev, da, db, Tensor{}, false), Error);
+    EXPECT_THROW(gpu().gemm_fp8_tn(c.dev, da, db, Tensor{}, false, Fp8Accumulation::fp32), Error);
   }
   for (const QTensor* q : {&da, &db}) {
     gpu().release(q->codes);

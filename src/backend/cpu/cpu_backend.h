@@ -91,8 +91,10 @@ class CpuBackend final : public Backend {
                               double scale, const Fp8AttentionScales& sc) override;
   void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
                               int margin) override;
-  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) override;
-  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) override;
+  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
+                   Fp8Accumulation sum) override;
+  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
+                        Fp8Accumulation sum) override;
   void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) override;
 
  private:

@@ -110,7 +110,9 @@ void CpuBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tenso
                      algo, margin, scale.ptr<float>(), scale_inv.ptr<float>());
 }
 
-void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {
+// fp32 sums whatever `sum` asks: the CPU has no faster, less precise accumulation to offer.
+void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
+                             Fp8Accumulation /*sum*/) {
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", c});
   if (c.dtype != DType::f32) fail("{}: output {} must be f32", op, c.str());
@@ -132,7 +134,8 @@ void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tenso
 
 // The epilogue's order, as linear_gelu: the sum plus bias unrounded, the GELU of that, each
 // output rounded once. f32 without rounding: exactly gemm_fp8_tn, then gelu_tanh.
-void CpuBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) {
+void CpuBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
+                                  Fp8Accumulation /*sum*/) {
   constexpr std::string_view op = "gemm_fp8_tn_gelu";
   if (h.dtype != DType::f32 || y.dtype != DType::f32) fail("{}: outputs h {} and y {} must be f32", op, h.str(), y.str());
   [[maybe_unused]] const auto [m, k, n, G] = ops::check_fp8_gelu(op, y, h, a, b, bias);

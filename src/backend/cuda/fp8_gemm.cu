@@ -26,6 +26,8 @@
 // Precision: Hopper's FP8 MMA sums the products of a k-slice keeping about 14 significant bits
 // (DeepSeek-V3 report §3.3.2); split accumulation adds the slices in fp32. Results differ from the
 // CPU's fp32 sums by ~1e-4 relative, not ~1e-7 (see the tolerances in tests/gpu/test_cuda_fp8.cpp).
+// Fp8Accumulation::fast (the forward GEMMs by default, fp8_fprop_fast_accumulation) sets
+// cuBLASLt's FAST_ACCUM: the running sum stays in the MMA's accumulator, ~1e-3 relative.
 // Output c: f32, or bf16 (an activation in bf16 storage: cuBLASLt rounds D once, from the fp32
 // sum). Bias: gemm_with_bias (gemm.h) — cuBLASLt has no FP8 GEMM with an f32 bias epilogue for
 // f32 D (on an H200 the heuristic finds no algorithm), so for f32 c a kernel adds the bias after
@@ -235,8 +237,10 @@ const float* cublas_scales(CudaBackend& be, const QTensor& q, void* (CudaBackend
   return out;
 }
 
-// The cuBLASLt description of row-major c = a·bᵀ (see the top of the file).
-GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b) {
+// The cuBLASLt description of row-major c = a·bᵀ (see the top of the file), with fast
+// accumulation where `sum` allows it and the scales are per-tensor (block-scaled kernels promote
+// every 128-wide block to fp32 by construction).
+GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b, Fp8Accumulation sum) {
   GemmDesc d;
   d.trans_a = CUBLAS_OP_T;
   d.trans_b = CUBLAS_OP_N;
@@ -246,20 +250,21 @@ GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b) {
   d.type_d = c.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
   d.compute = CUBLAS_COMPUTE_32F;
   d.scale_mode_a = scale_mode(b.scaling), d.scale_mode_b = scale_mode(a.scaling);
-  d.fast_accum = false;
+  d.fast_accum = sum == Fp8Accumulation::fast && a.scaling == Fp8Scaling::per_tensor &&
+                 b.scaling == Fp8Scaling::per_tensor;
   return d;
 }
 
 // The description of c = a·bᵀ with the GELU epilogue writing `aux` (the pre-activation, c's
 // shape), when cuBLASLt may take it: per-tensor operands, bf16 c and aux, the native rules, not
 // pinned to the emulated kernel. Empty (m = 0) otherwise.
-GemmDesc fp8_gelu_desc(const Tensor& c, const QTensor& a, const QTensor& b, const Tensor& aux) {
+GemmDesc fp8_gelu_desc(const Tensor& c, const QTensor& a, const QTensor& b, const Tensor& aux, Fp8Accumulation sum) {
   if (a.scaling != Fp8Scaling::per_tensor || b.scaling != Fp8Scaling::per_tensor || c.dtype != DType::bf16 ||
       gemm_backend() == GemmBackend::emulated || !aligned16(aux.data) || (aux.ld * 2) % 16 != 0)
     return GemmDesc{};
   std::string key;
   if (!native_blocker(c, a, b, key).empty()) return GemmDesc{};
-  GemmDesc d = fp8_desc(c, a, b);
+  GemmDesc d = fp8_desc(c, a, b, sum);
   d.epilogue = Epilogue::gelu_aux;
   d.aux_ld = aux.ld;
   return d;
@@ -268,7 +273,8 @@ GemmDesc fp8_gelu_desc(const Tensor& c, const QTensor& a, const QTensor& b, cons
 }  // namespace
 }  // namespace cuda
 
-void CudaBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias) {
+void CudaBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
+                                   Fp8Accumulation sum) {
   using namespace cuda;
   constexpr std::string_view op = "gemm_fp8_tn_gelu";
   activations_in_bf16(op, {{"y", y}, {"h", h}});
@@ -277,20 +283,21 @@ void CudaBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const Q
   const Tensor h_gelu = h.cols_slice(first, G);
   if (m > 0 && k > 0 && rows_sliceable(b, first)) {
     const QTensor b_gelu = rows_of(b, first, G);
-    if (const GemmDesc d = fp8_gelu_desc(y, a, b_gelu, h_gelu); d.m > 0) {
+    if (const GemmDesc d = fp8_gelu_desc(y, a, b_gelu, h_gelu, sum); d.m > 0) {
       const GemmArgs args{.a = b_gelu.codes, .b = a.codes, .d = y.data, .scale_a = b.scale_inv, .scale_b = a.scale_inv,
                           .aux = h_gelu.data};
       std::string why;
       if (bias.defined() ? run_with_bias_epilogue(*this, d, args, y, bias.ptr<float>() + first, why)
                          : try_run(gemm(), d, args, why)) {
-        if (first > 0) gemm_fp8_tn(h.cols_slice(0, first), a, rows_of(b, 0, first), vector_part(bias, 0, first), false);
+        if (first > 0)
+          gemm_fp8_tn(h.cols_slice(0, first), a, rows_of(b, 0, first), vector_part(bias, 0, first), false, sum);
         return;
       }
       note_unfused(d.epilogue, why);
     }
   }
   // No epilogue: the product into h, then the GELU of its stored values.
-  gemm_fp8_tn(h, a, b, bias, false);
+  gemm_fp8_tn(h, a, b, bias, false, sum);
   gelu_tanh(y, h_gelu);
 }
 
@@ -305,8 +312,8 @@ void CudaBackend::gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, cons
   // parts come from two GEMMs over b's rows, and the derivative from gelu_tanh_backward.
   if (rows_sliceable(b, first)) {
     const QTensor b_gelu = rows_of(b, first, G);
-    if (first > 0) gemm_fp8_tn(dx, a, rows_of(b, 0, first), Tensor{}, false);
-    gemm_fp8_tn(dh, a, b_gelu, Tensor{}, false);
+    if (first > 0) gemm_fp8_tn(dx, a, rows_of(b, 0, first), Tensor{}, false, Fp8Accumulation::fp32);
+    gemm_fp8_tn(dh, a, b_gelu, Tensor{}, false, Fp8Accumulation::fp32);
     gelu_tanh_backward(dh, dh, h);
     return;
   }
@@ -316,12 +323,13 @@ void CudaBackend::gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, cons
   const std::unique_ptr<void, decltype(free_device)> held(
       allocate(static_cast<size_t>(m * n) * dtype_size(dh.dtype)), free_device);
   const Tensor p(held.get(), dh.dtype, Shape{m, n});
-  gemm_fp8_tn(p, a, b, Tensor{}, false);
+  gemm_fp8_tn(p, a, b, Tensor{}, false, Fp8Accumulation::fp32);
   if (first > 0) copy(dx, p.cols_slice(0, first));
   gelu_tanh_backward(dh, p.cols_slice(first, G), h);
 }
 
-void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate) {
+void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
+                              Fp8Accumulation sum) {
   using namespace cuda;
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", c});
@@ -348,7 +356,7 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
     return;
   }
 
-  GemmDesc d = fp8_desc(c, a, b);
+  GemmDesc d = fp8_desc(c, a, b, sum);
   d.accumulate = accumulate;
   std::string key;
   const GemmBackend pinned = gemm_backend();
