@@ -76,7 +76,7 @@ cudaDataType_t cuda_type(const Tensor& t) { return t.dtype == DType::bf16 ? CUDA
 // 1 ≤ N ≤ kSkinnyRows, and a non-empty weight of at most 2^20 rows and 2^30 columns (their grids).
 bool skinny(const Operands& ops, int64_t N, int64_t K, int64_t M) {
   return ops.type() == CUDA_R_16BF && N >= 1 && N <= kSkinnyRows && M >= 1 && M <= (int64_t{1} << 20) && K >= 1 &&
-         K <= (int64_t{1} << 30);
+         K <= (int64_t{1} << 30) && skinny_enabled();
 }
 Bf16Rows bf16_rows(const Operand& o) { return Bf16Rows{static_cast<const __nv_bfloat16*>(o.p), o.ld}; }
 

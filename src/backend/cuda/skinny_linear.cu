@@ -1,11 +1,14 @@
 // The per-sample Linears' three products on CUDA cores (skinny_linear.h says why). Each kernel
 // is templated on kN, the rows it holds in registers (2, 4 or 8 ≥ the call's rows), and on
 // whether the weight-sized operand is read (or written) in 16-byte vectors (aligned pointers,
-// row strides and widths of whole vectors), else one element at a time.
+// row strides and widths of whole vectors), else one element at a time — in the same order of
+// summation, so that where a tensor happens to sit (its alignment) never changes the bits.
 #include "backend/cuda/skinny_linear.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 
 #include "backend/cuda/common.cuh"
 
@@ -77,15 +80,16 @@ __global__ void __launch_bounds__(kThreads) skinny_fprop_kernel(const bf16* __re
           }
         }
       }
-    } else {
-      for (int k = lane; k < K; k += 32) {
-        const float wv = __bfloat162float(wr[k]);
+    } else {  // the vector path's order: lane l sums columns 8l..8l+7, then 256 further on
+      for (int k8 = 8 * lane; k8 < K; k8 += 256)
+        for (int k = k8; k < k8 + 8 && k < K; ++k) {
+          const float wv = __bfloat162float(wr[k]);
 #pragma unroll
-        for (int n = 0; n < kN; ++n) {
-          if (n >= rows) break;
-          acc[n] = fmaf(wv, __bfloat162float(x[n * ldx + k]), acc[n]);
+          for (int n = 0; n < kN; ++n) {
+            if (n >= rows) break;
+            acc[n] = fmaf(wv, __bfloat162float(x[n * ldx + k]), acc[n]);
+          }
         }
-      }
     }
     float mine = 0.0f;  // lane n keeps row n's sum
 #pragma unroll
@@ -240,6 +244,11 @@ void require_rows(int64_t N) {
 
 int64_t skinny_products() { return g_products.load(); }
 
+bool skinny_enabled() {
+  const char* e = std::getenv("FLUX8_LINEAR_SKINNY");
+  return !(e && std::string_view(e) == "0");
+}
+
 void skinny_fprop(CudaBackend& be, Bf16Rows x, Bf16Rows w, const float* bias, const Tensor& y, int64_t N, int64_t K,
                   int64_t M) {
   require_rows(N);
@@ -279,7 +288,10 @@ void skinny_dgrad(CudaBackend& be, Bf16Rows dy, Bf16Rows w, const Tensor& dx, in
   const int64_t col_blocks = (K + cols_per_block - 1) / cols_per_block;
   // Spans of w's rows: enough blocks for ~8 per SM (each keeps 4 warps of weight loads in
   // flight), but spans of at least 64 rows, so the partials stay a few percent of w's bytes.
-  const int64_t spans = std::clamp<int64_t>((1056 + col_blocks - 1) / col_blocks, 1, std::max<int64_t>(1, M / 64));
+  // The spans (the order of the sum) depend on K and M only, not on which path the call's
+  // alignment allows: a tensor placed elsewhere gives the same bits.
+  const int64_t vector_blocks = (K + 255) / 256;
+  const int64_t spans = std::clamp<int64_t>((1056 + vector_blocks - 1) / vector_blocks, 1, std::max<int64_t>(1, M / 64));
   const int64_t span = (M + spans - 1) / spans, used = (M + span - 1) / span;
   auto* partial = static_cast<float*>(be.reduction_scratch(static_cast<size_t>(used * N * K) * sizeof(float)));
   const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(used));

@@ -41,6 +41,10 @@ void skinny_dgrad(CudaBackend& be, Bf16Rows dy, Bf16Rows w, const Tensor& dx, in
 void skinny_wgrad(CudaBackend& be, Bf16Rows dy, Bf16Rows x, const Tensor& dw, int64_t N, int64_t K, int64_t M,
                   bool accumulate);
 
+// Whether Linears may take these kernels: FLUX8_LINEAR_SKINNY=0 keeps every Linear on cuBLASLt
+// (an A/B switch, read at each call; an empty value counts as unset).
+bool skinny_enabled();
+
 // Products these kernels have run in this process (each of the three counts one): tests check
 // that the per-sample Linears take them.
 int64_t skinny_products();
