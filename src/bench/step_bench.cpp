@@ -4,9 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
-#include <string>
 #include <filesystem>
 
 #include "backend/transfer.h"
@@ -380,47 +378,6 @@ std::vector<AttentionBenchRow> run_attention_bench(Backend& be, int repeats) {
     for (void* p : owned) be.release(p);
     owned.clear();
   }
-  return rows;
-}
-
-std::vector<SkinnyBenchRow> run_skinny_bench(Backend& be, int repeats) {
-  const std::vector<std::array<int64_t, 3>> shapes = {{2, 3072, 18432}, {2, 3072, 9216}, {2, 3072, 3072},
-                                                      {8, 3072, 18432}, {32, 3072, 18432}};
-  const DType act = be.activation_dtype(DType::f32), wt = be.weight_operand_dtype(DType::f32);
-  const char* saved = std::getenv("FLUX8_LINEAR_SKINNY");
-  const std::string restore = saved ? saved : "";
-  std::vector<SkinnyBenchRow> rows;
-  for (const auto& [n, k, m] : shapes) {
-    std::vector<void*> owned;
-    auto alloc = [&](Shape s, DType t, uint64_t stream) {
-      Tensor x(be.allocate(static_cast<size_t>(s.numel()) * dtype_size(t)), t, s);
-      from_host(be, x, randn(13, stream, s.numel(), t == DType::f32 ? 0.02 : 1.0));
-      owned.push_back(x.data);
-      return x;
-    };
-    const Tensor x = alloc(Shape{n, k}, act, 1), w = alloc(Shape{m, k}, wt, 2), b = alloc(Shape{m}, DType::f32, 3);
-    const Tensor y = alloc(Shape{n, m}, act, 4), dy = alloc(Shape{n, m}, act, 5), dx = alloc(Shape{n, k}, act, 6);
-    const Tensor dw = alloc(Shape{m, k}, DType::f32, 7);
-    constexpr int kBatch = 20;
-    auto us = [&](auto&& f) {
-      return 1e3 / kBatch * median_ms(be, repeats, [&] {
-        for (int i = 0; i < kBatch; ++i) f();
-      });
-    };
-    SkinnyBenchRow r{n, k, m, {0, 0}, {0, 0}, {0, 0}, 2.0 * static_cast<double>(m * k) / 1e6};
-    for (int skinny = 0; skinny < 2; ++skinny) {
-      setenv("FLUX8_LINEAR_SKINNY", skinny ? "1" : "0", 1);
-      r.fwd_us[skinny] = us([&] { be.linear(y, x, w, b); });
-      r.dgrad_us[skinny] = us([&] { be.linear_backward(dx, Tensor{}, Tensor{}, dy, x, w, false, false); });
-      r.wgrad_us[skinny] = us([&] { be.linear_backward(Tensor{}, dw, Tensor{}, dy, x, w, false, false); });
-    }
-    rows.push_back(r);
-    for (void* p : owned) be.release(p);
-  }
-  if (saved)
-    setenv("FLUX8_LINEAR_SKINNY", restore.c_str(), 1);
-  else
-    unsetenv("FLUX8_LINEAR_SKINNY");
   return rows;
 }
 

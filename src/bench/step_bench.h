@@ -99,15 +99,4 @@ struct EpilogueBenchRow {
 };
 std::vector<EpilogueBenchRow> run_epilogue_bench(Backend& be, int repeats);
 
-// The per-sample Linears (rows = samples: modulation, embedders) at Flux widths, bf16 operands:
-// the forward, the input gradient and the weight gradient, each timed as a batch of 20 calls
-// (µs per call, median of `repeats` batches) on cuBLASLt (FLUX8_LINEAR_SKINNY=0) and on the
-// CUDA backend's skinny kernels (cuda/skinny_linear.h), with the weight-sized bytes each moves.
-struct SkinnyBenchRow {
-  int64_t rows, k, m;
-  double fwd_us[2], dgrad_us[2], wgrad_us[2];  // [0] cuBLASLt, [1] skinny kernels
-  double weight_mb;                            // bf16 weight (fwd, dgrad); the f32 gradient is twice it
-};
-std::vector<SkinnyBenchRow> run_skinny_bench(Backend& be, int repeats);
-
 }  // namespace flux8

@@ -46,9 +46,8 @@ Fp8Config fp8_for(const std::string& precision, const std::string& format, Confi
 Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8; "
-               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, the BF16 "
-               "MLP's GEMM epilogues against the ops they replace, and the per-sample Linears (cuBLASLt vs the skinny "
-               "kernels)");
+               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
+               "MLP's GEMM epilogues against the ops they replace");
   struct Opts {
     std::vector<std::string> workloads{"W1", "W2"};
     std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
@@ -140,21 +139,6 @@ Command add_bench_command(CLI::App& app) {
                                     {"dgrad_gelu_ms", r.dgrad_gelu_ms}, {"wgrad_ms", r.wgrad_ms},
                                     {"wgrad_bias_ms", r.wgrad_bias_ms}, {"wgrad_accumulate_ms", r.wgrad_acc_ms},
                                     {"wgrad_accumulate_bias_ms", r.wgrad_acc_bias_ms}});
-      }
-      fmt::print("\nPer-sample Linears, bf16 operands (µs per call: cuBLASLt -> skinny kernels; GB/s of the "
-                 "weight-sized operand on the skinny kernels)\n");
-      fmt::print("{:>4} {:>6} {:>6} | {:>24} | {:>24} | {:>24}\n", "rows", "K", "M", "forward", "input gradient",
-                 "weight gradient (f32)");
-      for (const SkinnyBenchRow& r : run_skinny_bench(*be, o->steps)) {
-        auto cell = [](const double (&t)[2], double mb) {
-          return fmt::format("{:>6.1f} -> {:>6.1f} ({:>4.0f})", t[0], t[1], mb / t[1] * 1e3);
-        };
-        fmt::print("{:>4} {:>6} {:>6} | {} | {} | {}\n", r.rows, r.k, r.m, cell(r.fwd_us, r.weight_mb),
-                   cell(r.dgrad_us, r.weight_mb), cell(r.wgrad_us, 2 * r.weight_mb));
-        out["skinny_linears"].push_back({{"rows", r.rows}, {"k", r.k}, {"m", r.m},
-                                         {"fwd_us", {r.fwd_us[0], r.fwd_us[1]}},
-                                         {"dgrad_us", {r.dgrad_us[0], r.dgrad_us[1]}},
-                                         {"wgrad_us", {r.wgrad_us[0], r.wgrad_us[1]}}});
       }
     } else {
       std::vector<StepBenchSpec> specs;

@@ -17,7 +17,6 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gemm.h"
-#include "backend/cuda/skinny_linear.h"
 #include "core/error.h"
 #include "gpu_test_util.h"
 
@@ -206,48 +205,6 @@ TEST(CudaOps, LinearDgradGeluBf16Activations) {
       EXPECT_LE(gpu_vs_cpu(dx), 5e-3);
       EXPECT_TRUE(dx.padding_untouched());
     }
-  }
-}
-
-// Linears over at most 8 rows (the per-sample Linears: modulation, embedders) run on the
-// skinny kernels (skinny_linear.cu), 9 rows and more on cuBLASLt; both against the CPU twin as
-// LinearBf16Activations (5e-3: the GPU rounds w to bf16). Shapes: Flux's widths (16-byte
-// vectors), padded rows, and odd sizes (one element at a time), with and without bias, dx and dw
-// accumulated or overwritten; the input gradient sums over M in a fixed order, so a second run
-// gives the same bits.
-TEST(CudaOps, LinearSkinnyRowsMatchCpu) {
-  FLUX8_REQUIRE_GPU();
-  for (const auto [N, K, M, pad] : {std::array<int64_t, 4>{2, 3072, 1000, 0}, {8, 264, 517, 8}, {1, 3072, 3072, 0},
-                                    {5, 37, 29, 3}, {3, 40, 18, 0}, {9, 264, 517, 8}}) {
-    SCOPED_TRACE(::testing::Message() << "N=" << N << " K=" << K << " M=" << M << " pad=" << pad);
-    const bool skinny = N <= cuda::kSkinnyRows;
-    Bf16Pair x({N, K}, pad), y({N, M}, pad + 2), dy({N, M}, pad), dx({N, K}, pad + 1);
-    Pair w({M, K}), b({M}), dw({M, K}), db({M});
-    x.randn(21), w.randn(22, 0.05), b.randn(23), y.randn(24), dy.randn(25), dx.randn(26), dw.randn(27), db.randn(28);
-    for (const bool bias : {true, false}) {
-      const int64_t before = cuda::skinny_products();
-      run_both_bf16([&](Backend& be, bool g) { be.linear(y.t(g), x.t(g), w.t(g), bias ? b.t(g) : Tensor{}); });
-      EXPECT_EQ(cuda::skinny_products() - before, skinny ? 1 : 0);
-      EXPECT_LE(gpu_vs_cpu(y), 5e-3) << "bias " << bias;
-      EXPECT_TRUE(y.padding_untouched());
-    }
-    for (const bool acc : {false, true}) {
-      const int64_t before = cuda::skinny_products();
-      run_both_bf16([&](Backend& be, bool g) {
-        be.linear_backward(dx.t(g), dw.t(g), db.t(g), dy.t(g), x.t(g), w.t(g), acc, acc);
-      });
-      EXPECT_EQ(cuda::skinny_products() - before, skinny ? 2 : 0);
-      EXPECT_LE(gpu_vs_cpu(dx), 5e-3) << "accumulate " << acc;
-      EXPECT_CLOSE(dw, 5e-3);
-      EXPECT_CLOSE(db, kReduce);
-      EXPECT_TRUE(dx.padding_untouched());
-      EXPECT_TRUE(dw.padding_untouched());
-    }
-    // The input gradient again, overwriting: the same bits.
-    gpu().linear_backward(dx.dev, Tensor{}, Tensor{}, dy.dev, x.dev, w.dev, false, false);
-    const std::vector<uint16_t> first = dx.all_bits();
-    gpu().linear_backward(dx.dev, Tensor{}, Tensor{}, dy.dev, x.dev, w.dev, false, false);
-    EXPECT_EQ(dx.all_bits(), first);
   }
 }
 

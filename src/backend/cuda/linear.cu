@@ -14,7 +14,6 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.h"
-#include "backend/cuda/skinny_linear.h"
 
 namespace flux8 {
 using namespace cuda;
@@ -71,14 +70,6 @@ class Operands {
 };
 
 cudaDataType_t cuda_type(const Tensor& t) { return t.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
-
-// Whether a product over N rows goes to the skinny kernels (skinny_linear.h): bf16 operands,
-// 1 ≤ N ≤ kSkinnyRows, and a non-empty weight of at most 2^20 rows and 2^30 columns (their grids).
-bool skinny(const Operands& ops, int64_t N, int64_t K, int64_t M) {
-  return ops.type() == CUDA_R_16BF && N >= 1 && N <= kSkinnyRows && M >= 1 && M <= (int64_t{1} << 20) && K >= 1 &&
-         K <= (int64_t{1} << 30) && skinny_enabled();
-}
-Bf16Rows bf16_rows(const Operand& o) { return Bf16Rows{static_cast<const __nv_bfloat16*>(o.p), o.ld}; }
 
 // The weight `w`: f32, or already bf16 (Backend::weight_operand_dtype: the model's per-step
 // copy) where this call's GEMM runs on bf16 operands — Operands passes a bf16 tensor through.
@@ -267,10 +258,6 @@ void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   }
   Operands ops(*this, bf16, {&w, &x});
   const Operand W = ops.get(w), X = ops.get(x);
-  if (skinny(ops, N, K, M)) {
-    skinny_fprop(*this, bf16_rows(X), bf16_rows(W), b.defined() ? b.ptr<float>() : nullptr, y, N, K, M);
-    return;
-  }
   const GemmDesc d = fprop_desc(W, X, y, N, K, M);
   gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = y.data}, y, b.defined() ? b.ptr<float>() : nullptr);
 }
@@ -297,13 +284,9 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       if (!accumulate_dx) fill(dx, 0.0);
     } else {
       const Operand W = ops.get(w);
-      if (skinny(ops, N, K, M)) {
-        skinny_dgrad(*this, bf16_rows(DY), bf16_rows(W), dx, N, K, M, accumulate_dx);
-      } else {
-        GemmDesc d = dgrad_desc(W, DY, dx, N, K, M);
-        d.accumulate = accumulate_dx;
-        gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, nullptr);
-      }
+      GemmDesc d = dgrad_desc(W, DY, dx, N, K, M);
+      d.accumulate = accumulate_dx;
+      gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, nullptr);
     }
   }
   if (dw.defined()) {
@@ -311,18 +294,15 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
     require_defined(op, {"x", x});
     if (x.rows() != N || x.cols() != K) fail("{}: input 'x' {} must have {} rows of {} columns", op, x.str(), N, K);
     if (N > 0) {
+      // dwᵀ[K,M] += xᵀ[K,N] · dy[N,M]
       const Operand X = ops.get(x);
-      if (skinny(ops, N, K, M)) {
-        skinny_wgrad(*this, bf16_rows(DY), bf16_rows(X), dw, N, K, M, accumulate_params);
-      } else {  // dwᵀ[K,M] += xᵀ[K,N] · dy[N,M]
-        GemmDesc d;
-        d.trans_b = CUBLAS_OP_T;
-        d.m = K, d.n = M, d.k = N;
-        d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
-        d.type_a = d.type_b = ops.type();
-        d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
-        gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, nullptr);
-      }
+      GemmDesc d;
+      d.trans_b = CUBLAS_OP_T;
+      d.m = K, d.n = M, d.k = N;
+      d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
+      d.type_a = d.type_b = ops.type();
+      d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
+      gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, nullptr);
     } else if (!accumulate_params) {
       fill(dw, 0.0);
     }
