@@ -63,7 +63,8 @@ StepBenchResult run_step_bench(Backend& be, const StepBenchSpec& spec);
 // The FP8 linear at Flux shapes: per shape, flux8's FP8 linear forward (current-scaling casts
 // of x and w included), the FP8 GEMM alone on pre-cast operands (one cuBLASLt call) in fp32
 // accumulation, with fast accumulation, and with fast accumulation and a bias (the model's
-// forward GEMM), and the non-FP8 linear of this backend, each as median ms and TFLOP/s.
+// forward GEMM), and the non-FP8 linear of this backend, each as median ms per call (timed in
+// batches of 10 calls) and TFLOP/s.
 struct GemmBenchRow {
   int64_t m, n, k;
   double fp8_linear_ms, fp8_gemm_ms, linear_ms;
