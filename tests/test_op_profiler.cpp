@@ -5,8 +5,10 @@
 // is a cast per (sample, head)).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/backend.h"
@@ -17,9 +19,12 @@
 namespace flux8 {
 namespace {
 
-std::map<std::string, int64_t> calls_of(const OpProfiler& p) {
+// The profiler's rows after a synchronize() (it reads its timing marks there), but the idle row.
+std::map<std::string, int64_t> calls_of(OpProfiler& p) {
+  p.synchronize();
   std::map<std::string, int64_t> m;
-  for (const OpProfiler::Row& r : p.rows()) m[r.op] = r.calls;
+  for (const OpProfiler::Row& r : p.rows())
+    if (r.op != OpProfiler::kIdle) m[r.op] = r.calls;
   return m;
 }
 
@@ -88,6 +93,41 @@ TEST(OpProfiler, ForwardFp8GemmsAskForFastAccumulationGradientsForFp32) {
       for (const auto& [op, n] : c) EXPECT_EQ(op.find("fast"), std::string::npos) << op;
     }
   }
+}
+
+// Nothing waits while ops are timed: each op is read from the wrapped backend's timing marks at
+// the next synchronize(), its own span from its first to its last work, and what lies between
+// two ops goes to the idle row — so the rows add up to the span from the first op's start to
+// the last op's end, and a stretch of host work between two ops (here a sleep) lands in the
+// idle row, not in either op.
+TEST(OpProfiler, RowsAddUpToTheStepAndHostTimeIsIdle) {
+  auto cpu = make_backend("cpu");
+  OpProfiler prof(*cpu);
+  std::vector<float> a(4096, 1.0f), b(4096, 2.0f), y(4096);
+  const Tensor ta(a.data(), DType::f32, Shape{64, 64}), tb(b.data(), DType::f32, Shape{64, 64});
+  const Tensor ty(y.data(), DType::f32, Shape{64, 64});
+  const int64_t start = cpu->timing_mark();
+  prof.add(ty, ta, tb);
+  prof.copy(ta, ty);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // host work between two ops
+  prof.add(ty, ta, tb);
+  const int64_t stop = cpu->timing_mark();
+  EXPECT_TRUE(prof.rows().empty()) << "rows are read at synchronize(), not before";
+  std::map<std::string, OpProfiler::Row> rows;
+  const double span = cpu->timing_elapsed_ms(start, stop);
+  prof.synchronize();  // reads the marks and releases them (start and stop too: read above)
+  for (const OpProfiler::Row& r : prof.rows()) rows[r.op] = r;
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows["add"].calls, 2);
+  EXPECT_EQ(rows["copy"].calls, 1);
+  EXPECT_GE(rows[OpProfiler::kIdle].ms, 20.0);
+  EXPECT_LT(rows["add"].ms + rows["copy"].ms, 20.0);
+  const double total = rows["add"].ms + rows["copy"].ms + rows[OpProfiler::kIdle].ms;
+  EXPECT_LE(total, span);
+  EXPECT_GT(total, 0.9 * span);
+  EXPECT_EQ(y[0], 5.0f);  // the ops ran: y = (1 + 2) + 2
+  prof.reset();
+  EXPECT_TRUE(prof.rows().empty());
 }
 
 }  // namespace

@@ -25,6 +25,22 @@ void Backend::track_release(void* p) {
   sizes_.erase(it);
 }
 
+int64_t Backend::timing_mark() {
+  host_marks_.push_back(std::chrono::steady_clock::now());
+  return static_cast<int64_t>(host_marks_.size()) - 1;
+}
+
+double Backend::timing_elapsed_ms(int64_t from, int64_t to) {
+  const auto n = static_cast<int64_t>(host_marks_.size());
+  if (from < 0 || to < 0 || from >= n || to >= n)
+    fail("timing_elapsed_ms: marks {} and {} are not both among the {} recorded", from, to, n);
+  return std::chrono::duration<double, std::milli>(host_marks_[static_cast<size_t>(to)] -
+                                                   host_marks_[static_cast<size_t>(from)])
+      .count();
+}
+
+void Backend::release_timing_marks() { host_marks_.clear(); }
+
 void Backend::produce(Tensor y, const CastInput& in) {
   switch (in.op) {
     case CastInput::Op::identity: copy(y, in.x); return;

@@ -27,12 +27,14 @@
 //   parameter gradients stay at full precision, and the generic fill/copy/add/accumulate
 //   never round (they also serve parameter and gradient buffers).
 // - Statistics (mean, rstd, lse) may be passed flat: any contiguous tensor of the stated size.
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "core/tensor.h"
 #include "fp8/meta.h"
@@ -76,6 +78,16 @@ class Backend {
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() {}
   virtual MemoryUse memory_use() const { return memory_; }
+
+  // ---- device timing (flux8 bench --profile) ---------------------------------------------
+  // timing_mark() records the point the backend's queued work has reached (on the GPU an event
+  // in its stream: nothing waits) and returns its handle; after synchronize(),
+  // timing_elapsed_ms(a, b) is the device time from mark a to mark b. Marks stay valid until
+  // release_timing_marks(). The default, for a backend whose ops are done when they return
+  // (the CPU), reads the host clock.
+  virtual int64_t timing_mark();
+  virtual double timing_elapsed_ms(int64_t from, int64_t to);
+  virtual void release_timing_marks();
 
   // The element type a model stores activations and their gradients in when it computes in
   // `compute`: `compute` itself, or bf16 (CUDA backend, bf16_activations, compute f32).
@@ -429,6 +441,7 @@ class Backend {
 
  private:
   std::unordered_map<void*, size_t> sizes_;
+  std::vector<std::chrono::steady_clock::time_point> host_marks_;  // the default timing marks
 };
 
 // "cpu" (always available), "cuda" (when built with CUDA and a GPU is present; else an error

@@ -1,8 +1,15 @@
 #pragma once
 // A Backend that runs every op on another backend and times it: the per-op breakdown of a
-// training step (`flux8 bench --profile`). Each op is bracketed by synchronize() calls, so on
-// the GPU a row is the op's own device time plus its launch (what the step would pay if
-// nothing overlapped); the step itself runs slower while profiled, the shares are what count.
+// training step (`flux8 bench --profile`). Each op is bracketed by two timing marks of the
+// wrapped backend (Backend::timing_mark: on the GPU, events in its stream), and nothing waits:
+// the step runs as it would unprofiled. At each synchronize() the marks are read: an op's row
+// is the device time from its first to its last work (with the launch gaps inside it where the
+// GPU waited for the host), and the device time between one op's end and the next one's start
+// — the GPU idle, waiting for the host (launches, host synchronisations, host work) — goes to
+// the row kIdle. On the CPU the marks are the host clock (its ops finish before they return),
+// which gives the same rows. Until the bench stopped synchronising around every op (thirteenth
+// session), each row also held a launch and a synchronisation, which inflated short ops by
+// ~10–20 µs a call.
 #include <chrono>
 #include <map>
 #include <string>
@@ -21,9 +28,16 @@ class OpProfiler final : public Backend {
     int64_t calls = 0;
     double ms = 0;
   };
-  // Rows by total time, largest first; reset() clears them (e.g. after warm-up).
+  // The device time between ops (the GPU idle): a row of its own.
+  static constexpr const char* kIdle = "(device idle between ops)";
+  // Rows by total time, largest first, as of the last synchronize(); reset() clears them
+  // (e.g. after warm-up).
   std::vector<Row> rows() const;
-  void reset() { totals_.clear(); }
+  void reset() {
+    totals_.clear();
+    pending_.clear();
+    be_.release_timing_marks();
+  }
   // While paused, ops run untimed (the bench uploads each batch outside the step's clock).
   void pause(bool paused) { paused_ = paused; }
 
@@ -35,7 +49,12 @@ class OpProfiler final : public Backend {
   void download(void* dst, const void* src, size_t bytes) override {
     timed("download", [&] { be_.download(dst, src, bytes); });
   }
-  void synchronize() override { be_.synchronize(); }
+  // Waits for the wrapped backend, then reads the marks of the ops since the last call into rows.
+  void synchronize() override;
+  // The wrapped backend's marks; the profiler releases them at each synchronize().
+  int64_t timing_mark() override { return be_.timing_mark(); }
+  double timing_elapsed_ms(int64_t from, int64_t to) override { return be_.timing_elapsed_ms(from, to); }
+  void release_timing_marks() override { be_.release_timing_marks(); }
   MemoryUse memory_use() const override { return be_.memory_use(); }
 
   void fill(Tensor y, double v) override { timed("fill", [&] { be_.fill(y, v); }); }
@@ -213,17 +232,18 @@ class OpProfiler final : public Backend {
       f();
       return;
     }
-    be_.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t begin = be_.timing_mark();
     f();
-    be_.synchronize();
-    Row& r = totals_[op];
-    ++r.calls;
-    r.ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    pending_.push_back(Pending{op, begin, be_.timing_mark()});
   }
+  struct Pending {
+    const char* op;
+    int64_t begin, end;  // timing marks
+  };
   Backend& be_;
   bool paused_ = false;
   std::map<std::string, Row> totals_;
+  std::vector<Pending> pending_;  // ops timed since the last synchronize(), in call order
 };
 
 }  // namespace flux8

@@ -32,7 +32,7 @@ struct StepBenchSpec {
   uint64_t seed = 1234;
   double lr = 1e-4;      // constant learning rate of the AdamW steps
   Recompute recompute = Recompute::none;
-  bool profile = false;  // time every op (OpProfiler); the step is slower while profiled
+  bool profile = false;  // time every op (OpProfiler: device timing marks, nothing waits)
   BenchData data = BenchData::prototypes;
 };
 

@@ -79,7 +79,8 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_option("--json", o->json, "write the results as JSON to this file");
   cmd->add_flag("--gemm", o->gemm, "run the GEMM and attention micro-benchmarks instead of training steps");
   cmd->add_flag("--profile", o->profile,
-                "also time every op of the step (each op synchronised: the step is slower, the shares are what count)");
+                "also time every op of the step from device timing marks around it (nothing waits), with the device's "
+                "idle time between ops as a row of its own");
   return {cmd, [o]() {
     BackendOptions bo;
     bo.bf16_gemm = true;
@@ -179,7 +180,7 @@ Command add_bench_command(CLI::App& app) {
           if (!r.ops.empty()) {
             double total = 0;
             for (const OpTime& t : r.ops) total += t.ms_per_step;
-            fmt::print("  {:<30} {:>8} {:>10} {:>7}   (profiled step: {:.2f} ms of ops)\n", "op", "calls", "ms/step",
+            fmt::print("  {:<30} {:>8} {:>10} {:>7}   (profiled step: {:.2f} ms of ops and idle)\n", "op", "calls", "ms/step",
                        "share", total);
             for (const OpTime& t : r.ops)
               fmt::print("  {:<30} {:>8.0f} {:>10.3f} {:>6.1f}%\n", t.op, t.calls_per_step, t.ms_per_step,

@@ -33,6 +33,10 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }
+  // Events recorded in the stream (created on first use, reused after release_timing_marks()).
+  int64_t timing_mark() override;
+  double timing_elapsed_ms(int64_t from, int64_t to) override;
+  void release_timing_marks() override;
   const BackendOptions& options() const override { return options_; }
   cudaStream_t stream() const { return stream_; }
   cuda::Gemm& gemm() { return *gemm_; }
@@ -174,6 +178,8 @@ class CudaBackend final : public Backend {
   BackendOptions options_;
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
+  std::vector<cudaEvent_t> timing_events_;  // timing_mark(): the first timing_marks_used_ are in use
+  size_t timing_marks_used_ = 0;
   std::unique_ptr<cuda::Gemm> gemm_;
   std::unique_ptr<cuda::Attention> attention_;
   void* scratch_ = nullptr;

@@ -72,6 +72,7 @@ CudaBackend::~CudaBackend() {
   if (adamw_chunks_) cudaFree(adamw_chunks_);
   if (stats_dev_) cudaFree(stats_dev_);
   if (stats_host_) cudaFreeHost(stats_host_);
+  for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -146,6 +147,28 @@ void* CudaBackend::reduction_scratch(size_t bytes) {
   return grow(reduction_scratch_, reduction_scratch_bytes_, bytes, stream_);
 }
 void* CudaBackend::pinned_result() { return pinned_; }
+
+int64_t CudaBackend::timing_mark() {
+  if (timing_marks_used_ == timing_events_.size()) {
+    cudaEvent_t e = nullptr;
+    FLUX8_CUDA_CHECK(cudaEventCreate(&e));  // with timing (cudaEventDefault)
+    timing_events_.push_back(e);
+  }
+  FLUX8_CUDA_CHECK(cudaEventRecord(timing_events_[timing_marks_used_], stream_));
+  return static_cast<int64_t>(timing_marks_used_++);
+}
+
+double CudaBackend::timing_elapsed_ms(int64_t from, int64_t to) {
+  const auto n = static_cast<int64_t>(timing_marks_used_);
+  if (from < 0 || to < 0 || from >= n || to >= n)
+    fail("timing_elapsed_ms: marks {} and {} are not both among the {} recorded", from, to, n);
+  float ms = 0.0f;
+  FLUX8_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_events_[static_cast<size_t>(from)],
+                                        timing_events_[static_cast<size_t>(to)]));
+  return ms;
+}
+
+void CudaBackend::release_timing_marks() { timing_marks_used_ = 0; }
 
 // ---- fill / copy / add / accumulate --------------------------------------------------------
 // Each of them also serves activations (Backend::activation_dtype): the tensors of one call are
