@@ -12,7 +12,8 @@
 #   bench  `flux8 bench`, the parts in GPU_CHECK_BENCH_PARTS (default "gemm steps profile"):
 #            gemm       the FP8-linear vs cuBLASLt micro-benchmark
 #            steps      W1, W2 x BF16 and the FP8 recipes (GPU_CHECK_BENCH_ARGS adds options)
-#            profile    the per-op breakdown (--profile) of W1/W2 in BF16 and FP8 delayed
+#            profile    the per-op breakdown (--profile) of W1/W2 in BF16 and FP8 delayed, then FP8
+#                       delayed with fp8_dot_product_attention (bench_profile_fp8_attention.*)
 #            recompute  W1, W2 in BF16 and FP8 delayed with recompute_granularity selective, full
 #            curve      a GPU_CHECK_CURVE_STEPS (500) step flux_535m loss curve in BF16 and FP8
 #                       delayed hybrid on GPU_CHECK_CURVE_DATA (structured, or prototypes: the
@@ -163,6 +164,9 @@ if has bench; then
   if [[ " $parts " == *" profile "* ]]; then
     build/flux8 bench --precision bf16,delayed --profile --steps 3 --warmup 2 --json "$OUT/bench_profile.json" 2>&1 |
       tee "$OUT/bench_profile.txt" || die "flux8 bench --profile failed"
+    build/flux8 bench --precision delayed --set fp8_dot_product_attention=true --profile --steps 3 --warmup 2 \
+        --json "$OUT/bench_profile_fp8_attention.json" 2>&1 | tee "$OUT/bench_profile_fp8_attention.txt" ||
+      die "flux8 bench --profile with FP8 attention failed"
   fi
   if [[ " $parts " == *" recompute "* ]]; then
     for policy in selective full; do
