@@ -98,8 +98,8 @@ TEST(OpProfiler, ForwardFp8GemmsAskForFastAccumulationGradientsForFp32) {
 // Nothing waits while ops are timed: each op is read from the wrapped backend's timing marks at
 // the next synchronize(), its own span from its first to its last work, and what lies between
 // two ops goes to the idle row — so the rows add up to the span from the first op's start to
-// the last op's end, and a stretch of host work between two ops (here a sleep) lands in the
-// idle row, not in either op.
+// the last op's end, and a stretch of host work between two ops (here a sleep after a
+// synchronisation) lands in the idle row, not in either op. Across a pause nothing is counted.
 TEST(OpProfiler, RowsAddUpToTheStepAndHostTimeIsIdle) {
   auto cpu = make_backend("cpu");
   OpProfiler prof(*cpu);
@@ -108,14 +108,16 @@ TEST(OpProfiler, RowsAddUpToTheStepAndHostTimeIsIdle) {
   const Tensor ty(y.data(), DType::f32, Shape{64, 64});
   const int64_t start = cpu->timing_mark();
   prof.add(ty, ta, tb);
+  EXPECT_TRUE(prof.rows().empty()) << "rows are read at synchronize(), not before";
   prof.copy(ta, ty);
+  prof.synchronize();
+  EXPECT_EQ(prof.rows().size(), 3u);  // add, copy, and the idle time between them
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // host work between two ops
   prof.add(ty, ta, tb);
   const int64_t stop = cpu->timing_mark();
-  EXPECT_TRUE(prof.rows().empty()) << "rows are read at synchronize(), not before";
   std::map<std::string, OpProfiler::Row> rows;
   const double span = cpu->timing_elapsed_ms(start, stop);
-  prof.synchronize();  // reads the marks and releases them (start and stop too: read above)
+  prof.synchronize();
   for (const OpProfiler::Row& r : prof.rows()) rows[r.op] = r;
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows["add"].calls, 2);
@@ -126,6 +128,16 @@ TEST(OpProfiler, RowsAddUpToTheStepAndHostTimeIsIdle) {
   EXPECT_LE(total, span);
   EXPECT_GT(total, 0.9 * span);
   EXPECT_EQ(y[0], 5.0f);  // the ops ran: y = (1 + 2) + 2
+  // A pause (the bench's data upload) between two ops: its time is nobody's.
+  prof.pause(true);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  prof.synchronize();
+  prof.pause(false);
+  prof.add(ty, ta, tb);
+  prof.synchronize();
+  for (const OpProfiler::Row& r : prof.rows()) rows[r.op] = r;
+  EXPECT_EQ(rows["add"].calls, 3);
+  EXPECT_LT(rows[OpProfiler::kIdle].ms, total + 5.0) << "the paused 20 ms went to the idle row";
   prof.reset();
   EXPECT_TRUE(prof.rows().empty());
 }

@@ -6,19 +6,16 @@ namespace flux8 {
 
 void OpProfiler::synchronize() {
   be_.synchronize();
-  if (pending_.empty()) return;
-  Row& idle = totals_[kIdle];
-  for (size_t i = 0; i < pending_.size(); ++i) {
-    const Pending& p = pending_[i];
+  for (const Pending& p : pending_) {
     Row& r = totals_[p.op];
     ++r.calls;
     r.ms += be_.timing_elapsed_ms(p.begin, p.end);
-    // Only between ops of one stretch of work: a paused stretch (the bench's data upload) may
-    // lie between two synchronize() calls but never between two pending ops.
-    if (i > 0) idle.ms += be_.timing_elapsed_ms(pending_[i - 1].end, p.begin);
+    if (p.previous_end >= 0) totals_[kIdle].ms += be_.timing_elapsed_ms(p.previous_end, p.begin);
   }
   pending_.clear();
-  be_.release_timing_marks();
+  // The marks are released while paused (between the bench's steps); within a stretch of work
+  // the last op's end mark is kept for the next op's idle time.
+  if (last_end_ < 0) be_.release_timing_marks();
 }
 
 std::vector<OpProfiler::Row> OpProfiler::rows() const {

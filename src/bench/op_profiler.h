@@ -6,8 +6,9 @@
 // is the device time from its first to its last work (with the launch gaps inside it where the
 // GPU waited for the host), and the device time between one op's end and the next one's start
 // — the GPU idle, waiting for the host (launches, host synchronisations, host work) — goes to
-// the row kIdle. On the CPU the marks are the host clock (its ops finish before they return),
-// which gives the same rows. Until the bench stopped synchronising around every op (thirteenth
+// the row kIdle, across synchronize() calls too; not across a pause (the bench's data upload
+// between steps), where the marks are released. On the CPU the marks are the host clock (its
+// ops finish before they return), which gives the same rows. Until the bench stopped synchronising around every op (thirteenth
 // session), each row also held a launch and a synchronisation, which inflated short ops by
 // ~10–20 µs a call.
 #include <chrono>
@@ -36,10 +37,15 @@ class OpProfiler final : public Backend {
   void reset() {
     totals_.clear();
     pending_.clear();
+    last_end_ = -1;
     be_.release_timing_marks();
   }
-  // While paused, ops run untimed (the bench uploads each batch outside the step's clock).
-  void pause(bool paused) { paused_ = paused; }
+  // While paused, ops run untimed (the bench uploads each batch outside the step's clock), and
+  // the time from the last op before to the first op after is nobody's.
+  void pause(bool paused) {
+    if (paused) last_end_ = -1;
+    paused_ = paused;
+  }
 
   std::string name() const override { return be_.name() + "+profiler"; }
   const BackendOptions& options() const override { return be_.options(); }
@@ -234,14 +240,17 @@ class OpProfiler final : public Backend {
     }
     const int64_t begin = be_.timing_mark();
     f();
-    pending_.push_back(Pending{op, begin, be_.timing_mark()});
+    const int64_t end = be_.timing_mark();
+    pending_.push_back(Pending{op, last_end_, begin, end});
+    last_end_ = end;
   }
   struct Pending {
     const char* op;
-    int64_t begin, end;  // timing marks
+    int64_t previous_end, begin, end;  // timing marks; previous_end −1: no op before it to measure from
   };
   Backend& be_;
   bool paused_ = false;
+  int64_t last_end_ = -1;  // the last timed op's end mark (−1 after a pause or reset)
   std::map<std::string, Row> totals_;
   std::vector<Pending> pending_;  // ops timed since the last synchronize(), in call order
 };
