@@ -196,6 +196,35 @@ __global__ void gather_scalars_kernel(float* slots, ScalarCopies c) {
   if (i < c.count) slots[i * kSlotFloats] = c.src[i] ? *c.src[i] : c.value[i];
 }
 
+// One FP8 call's staging buffer: its scalar slots (gathered from `copies`), the softmax
+// statistics where lse is not 16-byte aligned (cuDNN needs them aligned; the caller copies them
+// in or out), and cuDNN's workspace; `buffer(bytes)` is the cuDNN state's staging_buffer.
+struct Fp8Staging {
+  float* slot;
+  float* stats;  // lse itself, or its staged copy
+  size_t stats_bytes;
+  void* workspace;
+  bool staged() const { return stats_bytes > 0; }
+  void* slot_at(int i) const { return slot + i * kSlotFloats; }
+};
+
+template <typename Buffer>
+Fp8Staging stage_fp8_call(Buffer&& buffer, cudaStream_t stream, const CudnnPlan& p, const AttentionShape& s,
+                          const float* lse, const ScalarCopies& copies) {
+  const bool stage_stats = !aligned16(lse);
+  const size_t stats_bytes = stage_stats ? static_cast<size_t>(s.rows()) * sizeof(float) : 0;
+  Regions r;
+  const size_t scalars = r.take(kMaxScalars * kSlotFloats * sizeof(float));
+  const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
+  const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
+  void* base = buffer(r.total);
+  const Fp8Staging st{at<float>(base, scalars), stage_stats ? at<float>(base, stats) : const_cast<float*>(lse),
+                      stats_bytes, at<void>(base, ws)};
+  gather_scalars_kernel<<<1, 32, 0, stream>>>(st.slot, copies);
+  FLUX8_LAUNCH_CHECK(gather_scalars_kernel);
+  return st;
+}
+
 // P's scale: the largest value of its format (q's), so exp(S − running max) ≤ 1, which cuDNN's
 // kernels cast, uses the whole range without saturating (Backend::attention_fp8).
 float p_scale(Fp8Format qkv) { return fp8_max(qkv); }
@@ -280,37 +309,27 @@ void Attention::forward_fp8(const Fp8Forward& a) {
   if (s.numel() == 0) return;
   check_static(s, Fp8Format::e5m2, op);  // the forward alone has no gradients
   const CudnnPlan& p = runnable(fp8_forward_plan(a), s, op);
-  const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
-  const bool stage_stats = !aligned16(a.lse);
-  Regions r;
-  const size_t scalars = r.take(kMaxScalars * kSlotFloats * sizeof(float));
-  const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
-  const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
-  void* base = cudnn_->staging_buffer(r.total);
-  float* slot = at<float>(base, scalars);
   // Slots 0-5: the scales read; 6, 7: cuDNN's amaxes.
   ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, nullptr, nullptr, a.scale_o}, 6, {}};
   copies.value[3] = scale_inverse(p_scale(a.qkv)), copies.value[4] = p_scale(a.qkv);
-  gather_scalars_kernel<<<1, 32, 0, stream_>>>(slot, copies);
-  FLUX8_LAUNCH_CHECK(gather_scalars_kernel);
-  auto slot_at = [&](int i) { return static_cast<void*>(slot + i * kSlotFloats); };
-  float* stats_ptr = stage_stats ? at<float>(base, stats) : a.lse;
+  const auto staging = [this](size_t bytes) { return cudnn_->staging_buffer(bytes); };
+  const Fp8Staging st = stage_fp8_call(staging, stream_, p, s, a.lse, copies);
   float attn_scale = static_cast<float>(a.scale);
   auto in = [](const uint8_t* p) { return static_cast<void*>(const_cast<uint8_t*>(p)); };
   cudnn_->execute(p,
                   {kQ, kK, kV, kO, kStats, kAttnScale, kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO,
                    kAmaxS, kAmaxO},
-                  {in(a.q), in(a.k), in(a.v), a.o, stats_ptr, &attn_scale, slot_at(0), slot_at(1), slot_at(2),
-                   slot_at(3), slot_at(4), slot_at(5), slot_at(6), slot_at(7)},
-                  at<void>(base, ws));
-  if (stage_stats)
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(a.lse, stats_ptr, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+                  {in(a.q), in(a.k), in(a.v), a.o, st.stats, &attn_scale, st.slot_at(0), st.slot_at(1),
+                   st.slot_at(2), st.slot_at(3), st.slot_at(4), st.slot_at(5), st.slot_at(6), st.slot_at(7)},
+                  st.workspace);
+  if (st.staged())
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(a.lse, st.stats, st.stats_bytes, cudaMemcpyDeviceToDevice, stream_));
   Fp8Finish f{};
   f.scale_inv[0] = a.o_scale_inv;
   f.scale[0] = a.scale_o;
   f.outputs = a.o_scale_inv ? 1 : 0;
-  f.amax_target[0] = a.amax_s, f.amax[0] = slot + 6 * kSlotFloats;
-  f.amax_target[1] = a.amax_o, f.amax[1] = slot + 7 * kSlotFloats;
+  f.amax_target[0] = a.amax_s, f.amax[0] = st.slot + 6 * kSlotFloats;
+  f.amax_target[1] = a.amax_o, f.amax[1] = st.slot + 7 * kSlotFloats;
   f.amaxes = 2;
   finish_fp8_kernel<<<1, 32, 0, stream_>>>(f);
   FLUX8_LAUNCH_CHECK(finish_fp8_kernel);
@@ -324,44 +343,34 @@ void Attention::backward_fp8(const Fp8Backward& a) {
   check_static(s, a.dout_format, op);
   if (a.grads != a.dout_format) fail("{}: dq, dk, dv must be in dout's format (E5M2)", op);
   const CudnnPlan& p = runnable(fp8_backward_plan(a), s, op);
-  const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
-  const bool stage_stats = !aligned16(a.lse);
-  Regions r;
-  const size_t scalars = r.take(kMaxScalars * kSlotFloats * sizeof(float));
-  const size_t stats = stage_stats ? r.take(stats_bytes) : 0;
-  const size_t ws = r.take(static_cast<size_t>(p.workspace_bytes));
-  void* base = cudnn_->staging_buffer(r.total);
-  float* slot = at<float>(base, scalars);
   // Slots 0-11: the scales read; 12-15: cuDNN's amaxes of dQ, dK, dV, dS.
   ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, a.descale_o, a.descale_dout, nullptr, a.descale_ds,
                        nullptr, a.scale_ds, a.scale_dq, a.scale_dk, a.scale_dv},
                       12,
                       {}};
   copies.value[5] = scale_inverse(p_scale(a.qkv)), copies.value[7] = p_scale(a.qkv);
-  gather_scalars_kernel<<<1, 32, 0, stream_>>>(slot, copies);
-  FLUX8_LAUNCH_CHECK(gather_scalars_kernel);
-  auto slot_at = [&](int i) { return static_cast<void*>(slot + i * kSlotFloats); };
-  float* stats_ptr = stage_stats ? at<float>(base, stats) : const_cast<float*>(a.lse);
-  if (stage_stats)
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(stats_ptr, a.lse, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+  const auto staging = [this](size_t bytes) { return cudnn_->staging_buffer(bytes); };
+  const Fp8Staging st = stage_fp8_call(staging, stream_, p, s, a.lse, copies);
+  if (st.staged())
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(st.stats, a.lse, st.stats_bytes, cudaMemcpyDeviceToDevice, stream_));
   float attn_scale = static_cast<float>(a.scale);
   auto in = [](const uint8_t* p) { return static_cast<void*>(const_cast<uint8_t*>(p)); };
   cudnn_->execute(p,
                   {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kAttnScale, kDescaleQ, kDescaleK, kDescaleV,
                    kDescaleO, kDescaleDO, kDescaleS, kDescaleDS, kScaleS, kScaleDS, kScaleDQ, kScaleDK, kScaleDV,
                    kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDS},
-                  {in(a.q), in(a.k), in(a.v), in(a.o), in(a.dout), stats_ptr, a.dq, a.dk, a.dv, &attn_scale,
-                   slot_at(0), slot_at(1), slot_at(2), slot_at(3), slot_at(4), slot_at(5), slot_at(6), slot_at(7),
-                   slot_at(8), slot_at(9), slot_at(10), slot_at(11), slot_at(12), slot_at(13), slot_at(14),
-                   slot_at(15)},
-                  at<void>(base, ws));
+                  {in(a.q), in(a.k), in(a.v), in(a.o), in(a.dout), st.stats, a.dq, a.dk, a.dv, &attn_scale,
+                   st.slot_at(0), st.slot_at(1), st.slot_at(2), st.slot_at(3), st.slot_at(4), st.slot_at(5),
+                   st.slot_at(6), st.slot_at(7), st.slot_at(8), st.slot_at(9), st.slot_at(10), st.slot_at(11),
+                   st.slot_at(12), st.slot_at(13), st.slot_at(14), st.slot_at(15)},
+                  st.workspace);
   Fp8Finish f{};
   f.scale_inv[0] = a.dq_scale_inv, f.scale[0] = a.scale_dq;
   f.scale_inv[1] = a.dk_scale_inv, f.scale[1] = a.scale_dk;
   f.scale_inv[2] = a.dv_scale_inv, f.scale[2] = a.scale_dv;
   f.outputs = 3;
   float* targets[4] = {a.amax_dq, a.amax_dk, a.amax_dv, a.amax_ds};
-  for (int i = 0; i < 4; ++i) f.amax_target[i] = targets[i], f.amax[i] = slot + (12 + i) * kSlotFloats;
+  for (int i = 0; i < 4; ++i) f.amax_target[i] = targets[i], f.amax[i] = st.slot + (12 + i) * kSlotFloats;
   f.amaxes = 4;
   finish_fp8_kernel<<<1, 32, 0, stream_>>>(f);
   FLUX8_LAUNCH_CHECK(finish_fp8_kernel);
