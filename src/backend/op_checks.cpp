@@ -381,16 +381,25 @@ bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& 
   return true;
 }
 
+namespace {
+
+// A defined per-tensor cast with its scale_inv, or an error naming it (`what`: "FP8 tensor 'q'").
+void require_per_tensor_cast(std::string_view op, std::string_view what, const QTensor& q) {
+  if (!q.defined()) fail("{}: {} is not defined", op, what);
+  if (q.scaling != Fp8Scaling::per_tensor || !q.scale_inv)
+    fail("{}: {} must be a per-tensor cast with its scale_inv (got {} scaling)", op, what,
+         fp8_scaling_name(q.scaling));
+}
+
+}  // namespace
+
 AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::initializer_list<NamedQ> tensors,
                                   const Tensor& lse, std::initializer_list<NamedScale> scales) {
   if (heads.rank != 4) fail("{}: heads {} must be [B, n, L, D]", op, heads.str());
   const AttentionDims d{heads[0], heads[1], heads[2], heads[3]};
   const NamedQ& q = *tensors.begin();
   for (const NamedQ& t : tensors) {
-    if (!t.q.defined()) fail("{}: FP8 tensor '{}' is not defined", op, t.name);
-    if (t.q.scaling != Fp8Scaling::per_tensor || !t.q.scale_inv)
-      fail("{}: FP8 tensor '{}' must be a per-tensor cast with its scale_inv (got {} scaling)", op, t.name,
-           fp8_scaling_name(t.q.scaling));
+    require_per_tensor_cast(op, fmt::format("FP8 tensor '{}'", t.name), t.q);
     if (t.q.rows != d.B * d.n * d.L || t.q.cols != d.D)
       fail("{}: FP8 tensor '{}' is [{}, {}] but heads {} need [B·n·L, D] = [{}, {}]", op, t.name, t.q.rows, t.q.cols,
            heads.str(), d.B * d.n * d.L, d.D);
@@ -412,10 +421,7 @@ Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_o
   require_rank(op, {"tokens", tokens}, 3);
   const NamedQ& first = *heads.begin();
   for (const NamedQ& t : heads) {
-    if (!t.q.defined()) fail("{}: FP8 heads '{}' are not defined", op, t.name);
-    if (t.q.scaling != Fp8Scaling::per_tensor || !t.q.scale_inv)
-      fail("{}: FP8 heads '{}' must be a per-tensor cast with its scale_inv (got {} scaling)", op, t.name,
-           fp8_scaling_name(t.q.scaling));
+    require_per_tensor_cast(op, fmt::format("FP8 heads tensor '{}'", t.name), t.q);
     if (t.q.rows != first.q.rows || t.q.cols != first.q.cols)
       fail("{}: FP8 heads '{}' are [{}, {}] but '{}' [{}, {}]: one shape for all", op, t.name, t.q.rows, t.q.cols,
            first.name, first.q.rows, first.q.cols);
