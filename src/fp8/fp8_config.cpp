@@ -17,6 +17,13 @@ const char* fp8_recipe_name(Fp8Recipe r) {
   return "?";
 }
 
+namespace {
+
+// Recipes whose GEMMs take one scale per tensor (the only ones with fast accumulation).
+bool per_tensor_recipe(Fp8Recipe r) { return r == Fp8Recipe::delayed || r == Fp8Recipe::tensorwise; }
+
+}  // namespace
+
 Fp8Config Fp8Config::from_config(const Config& c) {
   Fp8Config f;
   const std::string fmt = c.get_string("fp8");
@@ -55,7 +62,7 @@ Fp8Config Fp8Config::from_config(const Config& c) {
   }
   f.dot_product_attention = c.get_bool("fp8_dot_product_attention");
   // Block-scaled GEMMs promote every 128-wide block to fp32 (cuBLASLt has no fast mode for them).
-  const bool per_tensor = f.recipe == Fp8Recipe::delayed || f.recipe == Fp8Recipe::tensorwise;
+  const bool per_tensor = per_tensor_recipe(f.recipe);
   f.fprop_fast_accumulation = c.get_bool("fp8_fprop_fast_accumulation") && per_tensor;
   if (!per_tensor && set("fp8_fprop_fast_accumulation") && c.get_bool("fp8_fprop_fast_accumulation"))
     fail("{} applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each 128-wide block in "
@@ -102,7 +109,7 @@ std::string Fp8Config::describe() const {
     s += fmt::format(", amax history {} ({}), margin {}", amax_history_len, amax_max ? "max" : "most_recent", margin);
   if (power_of_2_scales) s += ", power-of-2 scales";
   if (!wgrad) s += ", BF16 wgrad";
-  if (recipe == Fp8Recipe::delayed || recipe == Fp8Recipe::tensorwise)
+  if (per_tensor_recipe(recipe))
     s += fprop_fast_accumulation ? ", forward GEMMs with fast accumulation" : ", forward GEMMs in fp32 accumulation";
   if (dot_product_attention) s += ", FP8 attention";
   if (first_last_bf16) s += fmt::format(", first {} / last {} blocks in BF16", bf16_start, bf16_end);
