@@ -341,7 +341,7 @@ void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DTyp
   plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M));
   // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
   // bf16 heads above stay planned for blocks without it).
-  if (fp8 && fp8->attentions() > 0) plan_fp8_attention_scratch(a, c, sh);
+  if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, c, sh, *fp8);
   if (!selective) return;
   // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
   // and one recomputed Linear input with its FP8 cast.

@@ -75,8 +75,4 @@ void fp8_attention_backward(const BlockContext& ctx, int index, const Fp8Attenti
                                 attention_scale(ctx.cfg), ctx.fp8->attention_scales(index));
 }
 
-void plan_fp8_attention_scratch(Arena& a, const FluxConfig& c, StepShape sh) {
-  for (int i = 0; i < 4; ++i) heads_cast(a, c, sh, Fp8Format::e5m2, SlotKind::workspace);
-}
-
 }  // namespace flux8

@@ -20,7 +20,8 @@ struct Fp8AttentionSaved {
 };
 
 // The backward's FP8 heads, in scratch: dO (written per stream by fp8_attention_dout), and dq,
-// dk, dv (written by fp8_attention_backward, read per stream by QK-norm's backward).
+// dk, dv (written by fp8_attention_backward, read per stream by QK-norm's backward). The blocks'
+// scratch plans call allocate() too, so plan and use cannot drift apart.
 struct Fp8AttentionGrads {
   QTensor dout, dq, dk, dv;
   bool defined() const { return dout.defined(); }
@@ -48,7 +49,5 @@ void fp8_attention_dout(const BlockContext& ctx, int index, const Fp8AttentionGr
 // grads.dq, dk, dv from grads.dout and what the forward kept.
 void fp8_attention_backward(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor lse,
                             const Fp8AttentionGrads& grads);
-// Scratch Fp8AttentionGrads takes (planning).
-void plan_fp8_attention_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape);
 
 }  // namespace flux8
