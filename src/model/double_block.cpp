@@ -141,15 +141,6 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
   ctx.scratch.release_to(mark);
 }
 
-// The joint attention output o at this stream's tokens into `tokens` (token layout): from the FP8
-// o where the attention ran in FP8 (dequantized in the layout op).
-void attention_output_to_tokens(Backend& be, const Tensor& tokens, const DoubleBlockSaved& joint, int64_t offset) {
-  if (joint.att8.defined())
-    be.heads_to_tokens_fp8(tokens, joint.att8.o, offset);
-  else
-    be.heads_to_tokens(tokens, joint.o, offset);
-}
-
 // Stream part after attention: projection, gated residual, LayerNorm 2, MLP, gated residual.
 // Both residuals are written out of place — x_mid = x + gate1 ⊙ proj into its saved slot,
 // out = x_mid + gate2 ⊙ mlp — so neither the block input nor x_mid needs a copy.
@@ -160,7 +151,7 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
   const int64_t H = ctx.cfg.hidden_size;
   const size_t mark = ctx.scratch.mark();
   const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, x.shape, ctx.dtype);
-  attention_output_to_tokens(be, attn, joint, offset);
+  attention_output_to_tokens(be, attn, joint.att8, joint.o, offset);
   site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
   be.gated_residual(s.x_mid, x, s.proj_out, chunk(s.mod, 2, H));
   const Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps);
@@ -224,7 +215,7 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   SavedLinearInput attn = s.attn;
   if (joint.selective) {
     const Tensor x = a.alloc(ctx.dtype, tok, SlotKind::workspace);
-    attention_output_to_tokens(be, x, joint, offset);
+    attention_output_to_tokens(be, x, joint.att8, joint.o, offset);
     attn = recompute_linear_input(be, ctx.fp8, a, p.proj, x);
   }
   site_backward(be, ctx.fp8, a, p.proj, d_attn, d_h, attn, false);

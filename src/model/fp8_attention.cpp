@@ -69,6 +69,14 @@ void fp8_attention_dout(const BlockContext& ctx, int index, const Fp8AttentionGr
   ctx.be.tokens_to_heads_fp8({d.dout, ctx.fp8->attention_cast(index, T::dout)}, d_attn, token_offset);
 }
 
+void attention_output_to_tokens(Backend& be, const Tensor& tokens, const Fp8AttentionSaved& att8, const Tensor& o,
+                                int64_t token_offset) {
+  if (att8.defined())
+    be.heads_to_tokens_fp8(tokens, att8.o, token_offset);
+  else
+    be.heads_to_tokens(tokens, o, token_offset);
+}
+
 void fp8_attention_backward(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor lse,
                             const Fp8AttentionGrads& d) {
   ctx.be.attention_fp8_backward(d.dq, d.dk, d.dv, d.dout, s.q, s.k, s.v, s.o, lse, heads_shape(ctx),

@@ -46,6 +46,10 @@ void fp8_attention_forward(const BlockContext& ctx, int index, const Fp8Attentio
 // One stream's attention-output gradient d_attn [B, Ls, n·D] into the joint FP8 dO at token_offset.
 void fp8_attention_dout(const BlockContext& ctx, int index, const Fp8AttentionGrads& grads, Tensor d_attn,
                         int64_t token_offset);
+// The attention output at token_offset into `tokens` (token layout): the heads o by the plain
+// layout op, or, where the attention ran in FP8 (att8 defined), att8.o dequantized in the layout op.
+void attention_output_to_tokens(Backend& be, const Tensor& tokens, const Fp8AttentionSaved& att8, const Tensor& o,
+                                int64_t token_offset);
 // grads.dq, dk, dv from grads.dout and what the forward kept.
 void fp8_attention_backward(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor lse,
                             const Fp8AttentionGrads& grads);

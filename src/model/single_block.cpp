@@ -55,22 +55,13 @@ void SingleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, Ste
 
 namespace {
 
-// The attention output o in token layout into `tokens`: from the FP8 o where the attention ran in
-// FP8 (dequantized in the layout op).
-void attention_output_to_tokens(Backend& be, const Tensor& tokens, const SingleBlockSaved& s) {
-  if (s.att8.defined())
-    be.heads_to_tokens_fp8(tokens, s.att8.o, 0);
-  else
-    be.heads_to_tokens(tokens, s.o, 0);
-}
-
 // Selective: linear2's input as single_block_forward made it — the attention output in token
 // layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
 SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M},
                                        SlotKind::workspace);
-  attention_output_to_tokens(ctx.be, cat.cols_slice(0, H), s);
+  attention_output_to_tokens(ctx.be, cat.cols_slice(0, H), s.att8, s.o, 0);
   ctx.be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
 }
@@ -117,7 +108,7 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
     fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.lse);
   else
     be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  attention_output_to_tokens(be, cat.cols_slice(0, H), s);
+  attention_output_to_tokens(be, cat.cols_slice(0, H), s.att8, s.o, 0);
   site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
   be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
   ctx.scratch.release_to(outer);
