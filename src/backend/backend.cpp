@@ -53,24 +53,6 @@ void Backend::produce(Tensor y, const CastInput& in) {
   }
 }
 
-void Backend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
-  if (in.op == CastInput::Op::identity) {
-    quantize(rowwise, columnwise, in.x, q);
-    return;
-  }
-  ops::require_defined("quantize_fused", {"x", in.x});
-  const size_t bytes = static_cast<size_t>(in.x.numel()) * dtype_size(in.x.dtype);
-  const Tensor y(allocate(bytes), in.x.dtype, in.x.shape);
-  try {
-    produce(y, in);
-    quantize(rowwise, columnwise, y, q);
-  } catch (...) {
-    release(y.data);
-    throw;
-  }
-  release(y.data);
-}
-
 namespace {
 
 // A temporary of the backend's memory, released however the scope ends.
@@ -87,6 +69,21 @@ class Temporary {
   Backend& be_;
   Tensor tensor_;
 };
+
+}  // namespace
+
+void Backend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
+  if (in.op == CastInput::Op::identity) {
+    quantize(rowwise, columnwise, in.x, q);
+    return;
+  }
+  ops::require_defined("quantize_fused", {"x", in.x});
+  const Temporary y(*this, in.x.dtype, in.x.shape);
+  produce(y.get(), in);
+  quantize(rowwise, columnwise, y.get(), q);
+}
+
+namespace {
 
 // quantize() of the rows of `heads` [B, n, L, D] one stream wrote (Ls at `offset` in every
 // (sample, head)) into the same rows of `out`: a cast per (sample, head), merged into q's amax
