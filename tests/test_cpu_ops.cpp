@@ -335,6 +335,65 @@ TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
   }
 }
 
+// A cast with a head (CastInput::head): produce() writes [head | op(x)] — the head copied, or
+// left where it already is y's first columns — and quantize_fused casts exactly that tensor.
+// A head with other rows is an error naming it.
+TEST_F(CpuOps, CastWithAHeadIsTheAssembledTensor) {
+  using Op = Backend::CastInput::Op;
+  const int64_t B = 2, L = 5, H = 12, Hd = 7, C = Hd + H;
+  Buf<float> x({B, L, H}, 2), gx({B, L, H}), head({B, L, Hd}, 3), y({B, L, C}, 1), op_only({B, L, H});
+  x.randn(31, 2.0), gx.randn(32, 2.0), head.randn(33, 4.0);
+  for (const Op op : {Op::identity, Op::gelu_tanh, Op::gelu_tanh_backward}) {
+    SCOPED_TRACE(static_cast<int>(op));
+    Backend::CastInput in;
+    in.op = op, in.x = x.t, in.gelu_x = gx.t;
+    be->produce(op_only.t, in);
+    const Backend::CastInput with = in.with_head(head.t);
+    EXPECT_EQ(with.cols(), C);
+    EXPECT_EQ(with.shape(), (Shape{B, L, C}));
+    y.fill_padding(kNaN);
+    be->produce(y.t, with);
+    for (int64_t r = 0; r < B * L; ++r) {
+      for (int64_t c = 0; c < Hd; ++c) ASSERT_EQ(y.at(r, c), head.at(r, c)) << r << ", " << c;
+      for (int64_t c = 0; c < H; ++c) ASSERT_EQ(y.at(r, Hd + c), op_only.at(r, c)) << r << ", " << c;
+    }
+    EXPECT_TRUE(y.padding_is_nan());
+    // The head already in place: y's own first columns.
+    Buf<float> y2({B, L, C});
+    be->copy(y2.t.cols_slice(0, Hd), head.t);
+    be->produce(y2.t, in.with_head(y2.t.cols_slice(0, Hd)));
+    EXPECT_EQ(y2.values(), y.values());
+
+    std::vector<uint8_t> fused(B * L * C, 0xA5), assembled(B * L * C, 0x5A);
+    std::vector<float> s_fused(B * L, -1), s_assembled(B * L, -2);
+    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) {
+      QTensor q;
+      q.codes = codes.data(), q.rows = B * L, q.cols = C, q.scaling = Fp8Scaling::block_1x128;
+      q.scale_inv = scales.data();
+      return q;
+    };
+    Backend::Quantize q;
+    q.scaling = Fp8Scaling::block_1x128;
+    be->quantize_fused(qt(fused, s_fused), QTensor{}, with, q);
+    be->quantize(qt(assembled, s_assembled), QTensor{}, y.t, q);
+    EXPECT_EQ(fused, assembled);
+    EXPECT_EQ(s_fused, s_assembled);
+  }
+  Buf<float> short_head({B, L - 1, Hd});
+  Backend::CastInput in;
+  in.op = Op::gelu_tanh, in.x = x.t;
+  EXPECT_NE(error_message([&] { be->produce(y.t, in.with_head(short_head.t)); }).find("head"), std::string::npos);
+  std::vector<uint8_t> codes(B * L * C);
+  std::vector<float> scales(B * L);
+  QTensor qt;
+  qt.codes = codes.data(), qt.rows = B * L, qt.cols = C, qt.scaling = Fp8Scaling::block_1x128;
+  qt.scale_inv = scales.data();
+  Backend::Quantize q;
+  q.scaling = Fp8Scaling::block_1x128;
+  EXPECT_NE(error_message([&] { be->quantize_fused(qt, QTensor{}, in.with_head(short_head.t), q); }).find("head"),
+            std::string::npos);
+}
+
 // Quantize::column_sums (a Linear's bias gradient taken in the cast of its output gradient):
 // exactly linear_backward's db, accumulated; also with no FP8 copy wanted; a wrong-sized
 // target is an error naming it.

@@ -42,6 +42,16 @@ double Backend::timing_elapsed_ms(int64_t from, int64_t to) {
 void Backend::release_timing_marks() { host_marks_.clear(); }
 
 void Backend::produce(Tensor y, const CastInput& in) {
+  ops::check_cast_input("produce", in);
+  ops::require_defined("produce", {"y", y});
+  if (y.rows() != in.x.rows() || y.cols() != in.cols())
+    fail("produce: output {} must be [{}, {}] (the head's columns, then the op's)", y.str(), in.x.rows(),
+              in.cols());
+  if (in.head.defined()) {
+    const int64_t h = in.head_cols();
+    if (in.head.data != y.data || in.head.ld != y.ld) copy(y.cols_slice(0, h), in.head);
+    y = y.cols_slice(h, in.x.cols());
+  }
   switch (in.op) {
     case CastInput::Op::identity: copy(y, in.x); return;
     case CastInput::Op::gelu_tanh: gelu_tanh(y, in.x); return;
@@ -73,12 +83,12 @@ class Temporary {
 }  // namespace
 
 void Backend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
-  if (in.op == CastInput::Op::identity) {
+  if (in.op == CastInput::Op::identity && !in.head.defined()) {
     quantize(rowwise, columnwise, in.x, q);
     return;
   }
-  ops::require_defined("quantize_fused", {"x", in.x});
-  const Temporary y(*this, in.x.dtype, in.x.shape);
+  ops::check_cast_input("quantize_fused", in);
+  const Temporary y(*this, in.x.dtype, in.shape());
   produce(y.get(), in);
   quantize(rowwise, columnwise, y.get(), q);
 }

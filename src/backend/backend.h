@@ -304,6 +304,9 @@ class Backend {
   // gelu_tanh(x); layernorm_modulate: layernorm_modulate's y from x [B, L, H], the mean and
   // rstd it computed (with y undefined) and shift, scale [B, H]; gelu_tanh_backward:
   // gelu_tanh_backward's dx from x = dy and gelu_x, the GELU's input (same shape).
+  // With a head the tensor cast is [head | op(x)]: head's columns as they are, then the op's
+  // (the single block's two-source tensors — linear2's input [attention output | GELU(h)] and
+  // linear1's output gradient [dq dk dv | GELU's backward] — cast without being assembled).
   struct CastInput {
     enum class Op : uint8_t { identity, gelu_tanh, layernorm_modulate, gelu_tanh_backward };
     Op op = Op::identity;
@@ -311,6 +314,21 @@ class Backend {
     Tensor mean, rstd, shift, scale;  // layernorm_modulate only
     double eps = 0.0;                 // layernorm_modulate: the eps mean/rstd were made with
     Tensor gelu_x;                    // gelu_tanh_backward only
+    Tensor head;                      // optional: the first columns, x's rows and dtype, any ld
+
+    // The cast tensor's columns and shape (x's, widened by the head's columns).
+    int64_t head_cols() const { return head.defined() ? head.cols() : 0; }
+    int64_t cols() const { return head_cols() + x.cols(); }
+    Shape shape() const {
+      Shape s = x.shape;
+      if (s.rank > 0) s.d[static_cast<size_t>(s.rank - 1)] = cols();
+      return s;
+    }
+    CastInput with_head(Tensor h) const {
+      CastInput in = *this;
+      in.head = h;
+      return in;
+    }
 
     static CastInput gelu_tanh_of(Tensor x) {
       CastInput in;
@@ -337,7 +355,8 @@ class Backend {
   // the op's output is rounded to bf16 as storing it would, then cast. The default does just that,
   // through a temporary; the CUDA backend computes the op inside the cast kernel.
   virtual void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q);
-  // Writes the op's output to y (the unfused path, and the reference of quantize_fused).
+  // Writes the op's output to y (the unfused path, and the reference of quantize_fused): y has
+  // in.shape(); a head that already is y's first columns (same memory) is left in place.
   void produce(Tensor y, const CastInput& in);
 
   // The delayed-scaling update of every tensor of a model in one pass (one launch on the GPU),

@@ -318,6 +318,15 @@ void check_transpose_codes(std::string_view op, const QTensor& dst, const QTenso
          fp8_format_name(dst.format), src.rows, src.cols, fp8_format_name(src.format));
 }
 
+void check_cast_input(std::string_view op, const Backend::CastInput& in) {
+  require_defined(op, {"x", in.x});
+  if (in.x.ld < in.x.cols()) fail("{}: input {} has row stride {} smaller than its columns", op, in.x.str(), in.x.ld);
+  if (!in.head.defined()) return;
+  if (in.head.rows() != in.x.rows() || in.head.dtype != in.x.dtype || in.head.ld < in.head.cols())
+    fail("{}: the cast's head {} must have the rows and dtype of x {} (its columns come first)", op, in.head.str(),
+         in.x.str());
+}
+
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols) {
   if (!sums.defined()) return;
   if (sums.dtype != DType::f32 || !sums.contiguous() || sums.numel() != cols)

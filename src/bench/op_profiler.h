@@ -179,8 +179,21 @@ class OpProfiler final : public Backend {
     timed("delayed_scaling_update",
           [&] { be_.delayed_scaling_update(amax_history, scale, scale_inv, fp8_max, algo, margin); });
   }
+  // A row per fused op (and whether the cast has a head: the single block's two-source casts).
   void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override {
-    timed("quantize_fused (op + fp8 cast)", [&] { be_.quantize_fused(rowwise, columnwise, in, q); });
+    timed(fused_cast_row(in), [&] { be_.quantize_fused(rowwise, columnwise, in, q); });
+  }
+  static const char* fused_cast_row(const CastInput& in) {
+    using Op = CastInput::Op;
+    static constexpr const char* kPlain[] = {"quantize_fused (identity + fp8 cast)", "quantize_fused (gelu_tanh + fp8 cast)",
+                                             "quantize_fused (layernorm_modulate + fp8 cast)",
+                                             "quantize_fused (gelu_tanh_backward + fp8 cast)"};
+    static constexpr const char* kHead[] = {
+        "quantize_fused ([head | identity] + fp8 cast)", "quantize_fused ([head | gelu_tanh] + fp8 cast)",
+        "quantize_fused ([head | layernorm_modulate] + fp8 cast)",
+        "quantize_fused ([head | gelu_tanh_backward] + fp8 cast)"};
+    static_assert(static_cast<int>(Op::gelu_tanh_backward) == 3);
+    return (in.head.defined() ? kHead : kPlain)[static_cast<int>(in.op)];
   }
 
   void dequantize(Tensor y, const QTensor& x) override {

@@ -325,14 +325,15 @@ namespace {
 // rstd are written either way.
 QTensor cast_site_input(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite& site, const Backend::CastInput& in,
                         SavedLinearInput& saved) {
-  const QTensor x_row = allocate_qtensor(scratch, in.x.rows(), in.x.cols(), fp8.format(Operand::input),
+  const QTensor x_row = allocate_qtensor(scratch, in.x.rows(), in.cols(), fp8.format(Operand::input),
                                          fp8.scaling(Operand::input), SlotKind::workspace);
   if (saved.full.defined()) {
-    if (in.op != Backend::CastInput::Op::identity || in.x.data != saved.full.data) be.produce(saved.full, in);
+    if (in.op != Backend::CastInput::Op::identity || in.head.defined() || in.x.data != saved.full.data)
+      be.produce(saved.full, in);
     be.quantize(x_row, saved.cast_t, saved.full, fp8.quantize_args(site, Operand::input));
     return x_row;
   }
-  if (in.op == Backend::CastInput::Op::identity) {  // a plain cast (the profiler's "quantize")
+  if (in.op == Backend::CastInput::Op::identity && !in.head.defined()) {  // a plain cast (the profiler's "quantize")
     be.quantize(x_row, saved.cast_t, in.x, fp8.quantize_args(site, Operand::input));
     return x_row;
   }
@@ -364,7 +365,7 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
                         const Backend::CastInput& in, SavedLinearInput& saved, DType dtype) {
   const size_t mark = scratch.mark();
   if (!site.fp8 || !fp8) {  // the op writes the Linear's input (the saved one, or scratch)
-    const Tensor x = linear_input_buffer(scratch, saved, in.x.shape, dtype);
+    const Tensor x = linear_input_buffer(scratch, saved, in.shape(), dtype);
     be.produce(x, in);
     site_forward(be, fp8, scratch, site, y, x, saved);
   } else {
@@ -403,7 +404,7 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
                        const Backend::CastInput& dy, const SavedLinearInput& saved, bool accumulate_dx,
                        Tensor dh = Tensor{}, Tensor gelu_h = Tensor{}) {
   const bool fp8_wgrad = fp8.config().wgrad;
-  const int64_t N = dy.x.rows(), M = dy.x.cols();
+  const int64_t N = dy.x.rows(), M = dy.cols();
   const size_t mark = scratch.mark();
   const Fp8Format f = fp8.format(Operand::grad_output);
   const Fp8Scaling sc = fp8.scaling(Operand::grad_output);

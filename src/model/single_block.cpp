@@ -98,9 +98,20 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
   const Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(
       z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H), s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
-  // linear1's GEMM writes u and, GELU in its epilogue, the MLP part of linear2's input.
-  const Tensor cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
-  site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(H, M), s.u, ln, s.zm, ctx.dtype);
+  // linear2's input is cat = [o in token layout | GELU(u's MLP part)]. BF16: linear1's GEMM
+  // writes u and, GELU in its epilogue, cat's MLP part. FP8: linear1 is a plain GEMM and the
+  // GELU runs inside linear2's input cast, which reads o's tokens and u as they are (a cast
+  // with a head: cat is never assembled, the GELU's output never stored).
+  const bool gelu_epilogue = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
+  Tensor cat, o_tokens;
+  if (gelu_epilogue) {
+    cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
+    site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(H, M), s.u, ln, s.zm, ctx.dtype);
+    o_tokens = cat.cols_slice(0, H);
+  } else {
+    site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u, ln, s.zm, ctx.dtype);
+    o_tokens = ctx.scratch.alloc(ctx.dtype, z.shape, SlotKind::workspace);
+  }
 
   // (FP8 attention: q, k, v and o exist only as the FP8 casts in s.att8)
   qkv_to_heads(ctx, p, s, s.q_rstd, s.k_rstd);
@@ -108,8 +119,13 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
     fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.lse);
   else
     be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  attention_output_to_tokens(be, cat.cols_slice(0, H), s.att8, s.o, 0);
-  site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
+  attention_output_to_tokens(be, o_tokens, s.att8, s.o, 0);
+  if (gelu_epilogue)
+    site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
+  else
+    site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear2, s.out,
+                       Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * H, M)).with_head(o_tokens), s.cat,
+                       ctx.dtype);
   be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
   ctx.scratch.release_to(outer);
 }
@@ -123,19 +139,28 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   const size_t mark = a.mark();
   Tensor dmod = a.alloc(ctx.dtype, Shape{B, 3 * H}, SlotKind::workspace);
   Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
-  Tensor d_attn = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);  // linear2's input gradient, attention part
+  // d_u: u's gradient [dq dk dv | MLP part]. linear2's input gradient is [d_attn | d(GELU
+  // output)]. BF16: GELU's backward in the dgrad GEMM's epilogue writes d_u's MLP part and d_attn
+  // is a buffer of its own. FP8: the dgrad writes [d_attn | d(GELU output)] into d_u's last
+  // H + M columns, and GELU's backward runs inside linear1's output-gradient cast (a cast with
+  // d_u's first 3H columns as its head). d_attn then sits on dv's columns: it is read (into the
+  // attention's dO) before QK-norm's backward writes dv there.
+  const bool gelu_epilogue = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
+  Tensor d_attn = gelu_epilogue ? a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace) : d_u.cols_slice(2 * H, H);
   // The head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
   const bool fp8_attention = s.att8.defined();
   const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
   SingleBlockSaved r = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
 
   be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
-  // linear2's dgrad writes the attention part of its input's gradient and, GELU's backward in
-  // its epilogue, the MLP part of d_u.
   const size_t cat_mark = a.mark();
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
-  site_backward_gelu(be, ctx.fp8, a, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h, cat);
+  if (gelu_epilogue)
+    site_backward_gelu(be, ctx.fp8, a, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h,
+                       cat);
+  else
+    site_backward(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * H, H + M), d_h, cat, false);
   a.release_to(cat_mark);
   const size_t qkv_mark = a.mark();
   if (fp8_attention) {
@@ -161,7 +186,13 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
     be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
                                       p.q_norm.ds, p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H),
                                       s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
-  site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
+  if (gelu_epilogue)
+    site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
+  else  // GELU's backward inside the casts of linear1's output gradient (or, BF16 wgrad, into d_u)
+    site_backward_fused(be, ctx.fp8, a, p.linear1, d_h,
+                        Backend::CastInput::gelu_tanh_backward_of(d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M))
+                            .with_head(d_u.cols_slice(0, 3 * H)),
+                        d_u, s.zm, false);
   be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in,
                                  s.ln_mean, s.ln_rstd, s.mod.cols_slice(H, H), true);
   site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);

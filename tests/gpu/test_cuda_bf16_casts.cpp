@@ -233,6 +233,75 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
   }
 }
 
+// A fused cast with a head (CastInput::head: the single block's [attention output | GELU(h)]
+// and [dq dk dv | GELU's backward]) against the assembled tensor, produce() then quantize(),
+// bit for bit: codes, scales, amax, CastStats and column sums. Heads 128 and 256 columns wide
+// (the per-tensor kernel takes them tile by tile, kFull too when only the amax is wanted) and
+// 70 (straddling a tile: per-tensor casts assemble first, block casts read element by element),
+// contiguous and in a padded window of a wider buffer; LayerNorm as the op goes the general way.
+TEST(CudaBf16Casts, CastsWithAHeadEqualTheAssembledTensorCast) {
+  FLUX8_REQUIRE_GPU();
+  using Op = Backend::CastInput::Op;
+  struct HeadCase {
+    int64_t B, L, H, head, pad;
+  };
+  uint64_t seed = 700;
+  for (const HeadCase hc : {HeadCase{3, 200, 384, 128, 0}, HeadCase{2, 150, 256, 256, 0},
+                            HeadCase{3, 43, 257, 70, 3}, HeadCase{2, 130, 384, 128, 4}}) {
+    const int64_t B = hc.B, L = hc.L, H = hc.H, C = hc.head + H;
+    Bf16Pair x16({B, L, H}, hc.pad), gx16({B, L, H}, hc.pad), mod16({B, 2 * H});
+    // The head: a column window of a wider buffer (its ld is not its width) when padded.
+    Bf16Pair wide({B, L, hc.head + 8}, hc.pad);
+    x16.randn(++seed, 2.0), gx16.randn(++seed, 2.0), mod16.randn(++seed, 0.5), wide.randn(++seed, 3.0);
+    wide.host.at(7, (hc.pad ? 8 : 0) + 3) = -50.0f;  // the head holds the outlier: the scales follow it
+    wide.up();
+    const Tensor head = wide.dev.cols_slice(hc.pad ? 8 : 0, hc.head);
+    Bf16Pair y16({B, L, C});
+    Pair mean({B * L}), rstd({B * L});
+    gpu().layernorm_modulate(Tensor{}, mean.dev, rstd.dev, x16.dev, mod16.dev.cols_slice(0, H),
+                             mod16.dev.cols_slice(H, H), 1e-6);
+    for (const Op op : {Op::gelu_tanh, Op::gelu_tanh_backward, Op::identity, Op::layernorm_modulate}) {
+      Backend::CastInput in;
+      in.op = op, in.x = x16.dev, in.gelu_x = gx16.dev;
+      in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
+      in.shift = mod16.dev.cols_slice(0, H), in.scale = mod16.dev.cols_slice(H, H);
+      in = in.with_head(head);
+      gpu().produce(y16.dev, in);
+      for (const bool counts : {true, false})
+        for (const Recipe& recipe : kRecipes)
+          for (const Fp8Format format : kFormats) {
+            SCOPED_TRACE(fmt::format("[{}, {}, {}] head {} pad {} op {} {} {} {}", B, L, H, hc.head, hc.pad,
+                                     static_cast<int>(op), counts ? "with counts" : "amax only", recipe.name,
+                                     fp8_format_name(format)));
+            QPair row_f(B * L, C, format, recipe.scaling), col_f(C, B * L, format, recipe.scaling);
+            QPair row_a(B * L, C, format, recipe.scaling), col_a(C, B * L, format, recipe.scaling);
+            Pair sums_f({C}), sums_a({C});
+            sums_f.randn(++seed), sums_a.randn(seed);
+            CastStats stats_f, stats_a;
+            Scalar amax_f(0.25f), amax_a(0.25f);
+            for (const bool fused : {true, false}) {
+              Backend::Quantize q = quantize_for(recipe, format, true);
+              q.amax = (fused ? amax_f : amax_a).on(true);
+              if (counts) q.stats = fused ? &stats_f : &stats_a;
+              q.column_sums = (fused ? sums_f : sums_a).dev;
+              const QPair &row = fused ? row_f : row_a, &col = fused ? col_f : col_a;
+              if (fused)
+                gpu().quantize_fused(row.dev, col.dev, in, q);
+              else
+                gpu().quantize(row.dev, col.dev, y16.dev.reshaped(Shape{B * L, C}), q);
+            }
+            gpu().synchronize();
+            expect_same_on_gpu(row_f, row_a, "rowwise");
+            expect_same_on_gpu(col_f, col_a, "columnwise");
+            EXPECT_EQ(bits(amax_f.gpu_value()), bits(amax_a.gpu_value()));
+            EXPECT_EQ(amax_f.gpu_value(), 50.0f) << "the head's outlier sets the amax";
+            expect_same_stats(stats_f, stats_a);
+            EXPECT_EQ(bits(sums_f.down()), bits(sums_a.down())) << "column sums";
+          }
+    }
+  }
+}
+
 // Quantize::column_sums (the bias gradient of the Linear whose output gradient is cast) over a
 // bf16 x: the GPU sums each tile's columns of the widened values in double, the CPU the f32
 // values in double; both round once to f32, so the comparison is test_cuda_fp8.cpp's 1e-6.

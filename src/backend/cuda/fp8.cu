@@ -89,6 +89,10 @@ struct Source {
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
   bool shift_vec4 = false, scale_vec4 = false;  // layernorm_modulate: shift/scale rows load 4 columns at once
+  // CastInput::head: columns [0, split) are head's as they are; the op's column c is the cast's
+  // split + c (split = 0: no head).
+  const T* head = nullptr;
+  int64_t head_ld = 0, split = 0;
   // gelu_tanh_backward's element from dy and the GELU's input x: the op kernel's dy · f'(x),
   // rounded as stored.
   __device__ static float gelu_backward_value(float dy, float x) { return as_stored<T>(dy * gelu_grad(x)); }
@@ -118,6 +122,8 @@ struct Source {
     }
   }
   __device__ float operator()(int64_t r, int64_t c) const {
+    if (c < split) return widen(head[r * head_ld + c]);
+    c -= split;
     return apply(widen(x[r * ld + c]), r,
                  op == Backend::CastInput::Op::layernorm_modulate ? per_sample.divide(static_cast<uint32_t>(r)) : 0, c);
   }
@@ -138,6 +144,7 @@ struct CastArgs {
   double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
   bool x_vec4;               // x and its ld allow loading 4 columns as one access (per-tensor kernel)
   bool gelu_vec4;            // the same for the GELU input of gelu_tanh_backward
+  bool head_vec4;            // the same for the head (CastInput::head)
   bool full_tiles;           // the per-tensor kernel's kFull path may take x's inner 128x128 tiles
 };
 
@@ -384,24 +391,27 @@ struct RowPassOut {
   float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 };
 
+// The tile's elements come from `src` (a.x, or a head's identity source), whose columns start
+// at sc0 for this tile (t.c0 in the cast's columns); x_vec: src.x and its ld allow vector loads.
 template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt, bool kFull>
-__device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, float s, bool scale_ok,
-                                          uint32_t (&codes)[kTile][kTile / 4], RowPassOut& out) {
+__device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, const Source<T>& src, int64_t sc0,
+                                          bool x_vec, float s, bool scale_ok, uint32_t (&codes)[kTile][kTile / 4],
+                                          RowPassOut& out) {
   using Op = Backend::CastInput::Op;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   [[maybe_unused]] const float bound = fp8_saturation_bound(kFmt);
   const int j0 = 4 * lane;  // this thread's 4 columns of the tile
   const int nr = kFull ? kTile : t.nr;
   const int nj = kFull ? 4 : (t.nc - j0 < 4 ? (t.nc - j0 > 0 ? t.nc - j0 : 0) : 4);
-  const bool vec = kFull || a.x_vec4, gelu_vec = kFull || a.gelu_vec4;
+  const bool vec = kFull || x_vec, gelu_vec = kFull || a.gelu_vec4;
   // Row strides: 32-bit in a full tile (the host checks that 128 rows of x fit), so that a row
   // further is one 32-bit multiply-add on the tile's base pointer.
   using Index = std::conditional_t<kFull, int32_t, int64_t>;
-  const Index ld = static_cast<Index>(a.x.ld), cols = static_cast<Index>(a.cols);
-  [[maybe_unused]] const Index gelu_ld = static_cast<Index>(a.x.gelu_ld);
-  const T* const x_tile = a.x.x + t.r0 * a.x.ld + t.c0 + j0;
+  const Index ld = static_cast<Index>(src.ld), cols = static_cast<Index>(a.cols);
+  [[maybe_unused]] const Index gelu_ld = static_cast<Index>(src.gelu_ld);
+  const T* const x_tile = src.x + t.r0 * src.ld + sc0 + j0;
   [[maybe_unused]] const T* const gelu_tile =
-      kOp == Op::gelu_tanh_backward ? a.x.gelu_x + t.r0 * a.x.gelu_ld + t.c0 + j0 : nullptr;
+      kOp == Op::gelu_tanh_backward ? src.gelu_x + t.r0 * src.gelu_ld + sc0 + j0 : nullptr;
   uint8_t* const row_tile = a.row.codes ? a.row.codes + t.r0 * a.cols + t.c0 + j0 : nullptr;
   const bool row_word = row_tile && nj == 4 && (kFull || a.cols % 4 == 0);
   // LayerNorm: the thread's 4 columns of shift and scale, reloaded only when the sample changes
@@ -443,23 +453,23 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, f
         for (int k = 0; k < 4; ++k)
           if (k < nj) v[k] = Source<T>::gelu_backward_value(v[k], gelu_quad[u][k]);
       } else if constexpr (kOp == Op::layernorm_modulate) {
-        const int64_t b = a.x.per_sample.divide(static_cast<uint32_t>(r));
+        const int64_t b = src.per_sample.divide(static_cast<uint32_t>(r));
         if (b != sample) {  // warp-uniform: a warp walks one row at a time
           sample = b;
           Quad<T> sq, cq;
-          sq.load(a.x.shift.p + b * a.x.shift.ld + t.c0 + j0, nj, a.x.shift_vec4);
-          cq.load(a.x.scale.p + b * a.x.scale.ld + t.c0 + j0, nj, a.x.scale_vec4);
+          sq.load(src.shift.p + b * src.shift.ld + sc0 + j0, nj, src.shift_vec4);
+          cq.load(src.scale.p + b * src.scale.ld + sc0 + j0, nj, src.scale_vec4);
 #pragma unroll
           for (int k = 0; k < 4; ++k) shift[k] = sq[k], scale[k] = cq[k];
         }
-        const float mu = a.x.mean[r], rs = a.x.rstd[r];
+        const float mu = src.mean[r], rs = src.rstd[r];
 #pragma unroll
         for (int k = 0; k < 4; ++k)
           if (k < nj) v[k] = as_stored<T>(layernorm_modulate_value(v[k], mu, rs, shift[k], scale[k]));
       } else if constexpr (kOp != Op::identity) {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          if (k < nj) v[k] = a.x.template apply_op<kOp>(v[k], r, 0, t.c0 + j0 + k);
+          if (k < nj) v[k] = src.template apply_op<kOp>(v[k], r, 0, sc0 + j0 + k);
       }
       const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
                               umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
@@ -518,10 +528,27 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
   const bool scale_ok = !f32_is_nan(s);
   const int j0 = 4 * lane;  // this thread's 4 columns of the tile
   RowPassOut out;
-  if (!kCount && a.full_tiles && nr == kTile && nc == kTile)
-    cast_rows<T, kCount, kOp, kFmt, true>(a, tile, s, scale_ok, codes, out);
-  else
-    cast_rows<T, kCount, kOp, kFmt, false>(a, tile, s, scale_ok, codes, out);
+  const bool full = !kCount && a.full_tiles && nr == kTile && nc == kTile;
+  const auto rows = [&]<Backend::CastInput::Op kTileOp>(const Source<T>& src, int64_t sc0, bool x_vec) {
+    if (full)
+      cast_rows<T, kCount, kTileOp, kFmt, true>(a, tile, src, sc0, x_vec, s, scale_ok, codes, out);
+    else
+      cast_rows<T, kCount, kTileOp, kFmt, false>(a, tile, src, sc0, x_vec, s, scale_ok, codes, out);
+  };
+  // A head (CastInput::head, GELU casts only; split a multiple of the tile, so a tile is all
+  // head or all op) is cast as it is.
+  using Op = Backend::CastInput::Op;
+  if constexpr (kOp == Op::gelu_tanh || kOp == Op::gelu_tanh_backward) {
+    if (c0 < a.x.split) {
+      Source<T> head{};
+      head.op = Op::identity, head.x = a.x.head, head.ld = a.x.head_ld;
+      rows.template operator()<Op::identity>(head, c0, a.head_vec4);
+    } else {
+      rows.template operator()<kOp>(a.x, c0 - a.x.split, a.x_vec4);
+    }
+  } else {
+    rows.template operator()<kOp>(a.x, c0, a.x_vec4);
+  }
   const float* cs = out.cs;
   if (a.column_partials)
 #pragma unroll
@@ -758,6 +785,11 @@ Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor pe
     s.gelu_x = static_cast<const T*>(in.gelu_x.data);
     s.gelu_ld = in.gelu_x.ld;
   }
+  if (in.head.defined()) {
+    s.head = static_cast<const T*>(in.head.data);
+    s.head_ld = in.head.ld;
+    s.split = in.head.cols();
+  }
   return s;
 }
 
@@ -867,11 +899,24 @@ void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const 
 void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
   using namespace cuda;
   using Op = CastInput::Op;
-  const std::string_view op = in.op == Op::identity ? "quantize" : "quantize_fused";
+  const bool plain = in.op == Op::identity && !in.head.defined();
+  const std::string_view op = plain ? "quantize" : "quantize_fused";
   const Tensor& x = in.x;
-  const bool any_copy = ops::check_quantize(op, rowwise, columnwise, x, {DType::f32, DType::bf16});
-  ops::check_column_sums(op, q.column_sums, x.cols());
-  const int64_t R = x.rows(), C = x.cols();
+  // With a head the cast's input is [head | op(x)], in.cols() wide (check_cast_input: x's rows
+  // and dtype); the shape checks see that matrix.
+  if (in.head.defined()) ops::check_cast_input(op, in);
+  const Tensor whole = in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), in.cols()}) : x;
+  const bool any_copy = ops::check_quantize(op, rowwise, columnwise, whole, {DType::f32, DType::bf16});
+  ops::check_column_sums(op, q.column_sums, whole.cols());
+  const int64_t R = x.rows(), C = whole.cols(), split = in.head_cols();
+  // The per-tensor kernel takes a head where no tile straddles it, for the GELU casts the model
+  // fuses (Source covers the other kernels element by element); otherwise the op's output is
+  // assembled first (Backend's default).
+  if (in.head.defined() && q.scaling == Fp8Scaling::per_tensor && any_copy &&
+      (split % kTile != 0 || (in.op != Op::gelu_tanh && in.op != Op::gelu_tanh_backward))) {
+    Backend::quantize_fused(rowwise, columnwise, in, q);
+    return;
+  }
   // x, and LayerNorm's shift and scale (columns of the modulation Linear's output), are
   // activations: all f32 or all bf16. The row statistics stay f32.
   bool bf16 = false;
@@ -966,9 +1011,10 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
     a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
     a.gelu_vec4 = src.gelu_x && vec4_aligned(src.gelu_x) && src.gelu_ld % 4 == 0;
+    a.head_vec4 = src.head && vec4_aligned(src.head) && src.head_ld % 4 == 0;
     // The kFull path: every access of an inner tile vectorised, its offsets in 32 bits.
-    const int64_t max_ld = std::max({x.ld, C, src.gelu_ld});
-    a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile &&
+    const int64_t max_ld = std::max({x.ld, C, src.gelu_ld, src.head_ld});
+    a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile && (!src.head || a.head_vec4) &&
                    (in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
                    (in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4));
     switch (q.scaling) {
