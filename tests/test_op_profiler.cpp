@@ -127,8 +127,9 @@ TEST(OpProfiler, RowsAddUpToTheStepAndHostTimeIsIdle) {
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows["add"].calls, 2);
   EXPECT_EQ(rows["copy"].calls, 1);
+  // The sleep is idle time; with the rows within the span, it is in no op's row either (no
+  // bound on the ops' own time: on a loaded machine a CPU op can take 20 ms too).
   EXPECT_GE(rows[OpProfiler::kIdle].ms, 20.0);
-  EXPECT_LT(rows["add"].ms + rows["copy"].ms, 20.0);
   const double total = rows["add"].ms + rows["copy"].ms + rows[OpProfiler::kIdle].ms;
   EXPECT_LE(total, span);
   EXPECT_GT(total, 0.9 * span);
