@@ -140,66 +140,6 @@ TEST_F(CpuOps, LinearDgradGeluIsDgradThenGeluBackward) {
   }
 }
 
-// gemm_fp8_tn_gelu / gemm_fp8_tn_dgelu are gemm_fp8_tn followed by the GELU (or its backward)
-// of the last columns, bit for bit in f32 (the same dequantized GEMM, the same formulas), and
-// with bf16 rounding each output rounds once from the unrounded values.
-TEST_F(CpuOps, Fp8GemmGeluIsGemmThenGelu) {
-  const int64_t m = 9, n = 17, k = 24;
-  struct Q {
-    std::vector<uint8_t> codes;
-    float scale_inv = 0;
-    QTensor t;
-    Q(Backend& be, int64_t rows, int64_t cols, Fp8Format f, uint64_t seed) : codes(static_cast<size_t>(rows * cols)) {
-      Buf<float> x({rows, cols});
-      x.randn(seed);
-      t.rows = rows, t.cols = cols, t.format = f, t.codes = codes.data(), t.scale_inv = &scale_inv;
-      Backend::Quantize q;
-      q.format = f;
-      be.quantize(t, QTensor{}, x.t, q);
-    }
-  };
-  const Q a(*be, m, k, Fp8Format::e4m3, 51), b(*be, n, k, Fp8Format::e4m3, 52), dy(*be, m, k, Fp8Format::e5m2, 53);
-  Buf<float> bias({n});
-  bias.randn(54);
-  BackendOptions o;
-  o.round_activations_to_bf16 = true;
-  const auto rounding = make_backend("cpu", o);
-  for (const int64_t G : {n, int64_t{7}}) {
-    SCOPED_TRACE(::testing::Message() << "GELU over the last " << G << " of " << n << " columns");
-    const int64_t first = n - G;
-    Buf<float> y({m, G}, 2), h({m, n}, 1), ref_h({m, n}), ref_y({m, G});
-    y.fill_padding(NAN), h.fill_padding(NAN);
-    be->gemm_fp8_tn_gelu(y.t, h.t, a.t, b.t, bias.t, Fp8Accumulation::fp32);
-    be->gemm_fp8_tn(ref_h.t, a.t, b.t, bias.t, false, Fp8Accumulation::fp32);
-    be->gelu_tanh(ref_y.t, ref_h.t.cols_slice(first, G));
-    EXPECT_EQ(h.values(), ref_h.values());
-    EXPECT_EQ(y.values(), ref_y.values());
-    EXPECT_TRUE(y.padding_is_nan() && h.padding_is_nan());
-    Buf<float> yr({m, G}), hr({m, n});
-    rounding->gemm_fp8_tn_gelu(yr.t, hr.t, a.t, b.t, bias.t, Fp8Accumulation::fp32);
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t j = 0; j < n; ++j) ASSERT_EQ(hr.at(r, j), round_to_bf16(h.at(r, j)));
-      for (int64_t j = 0; j < G; ++j) ASSERT_EQ(yr.at(r, j), round_to_bf16(y.at(r, j)));
-    }
-
-    Buf<float> g_in({m, G}), dh({m, G}, 3), dx({m, std::max<int64_t>(first, 1)}, 2), p({m, n}), ref_dh({m, G});
-    g_in.randn(55, 2.0), dh.fill_padding(NAN);
-    be->gemm_fp8_tn_dgelu(first ? dx.t : Tensor{}, dh.t, dy.t, b.t, g_in.t);
-    be->gemm_fp8_tn(p.t, dy.t, b.t, Tensor{}, false, Fp8Accumulation::fp32);
-    be->gelu_tanh_backward(ref_dh.t, p.t.cols_slice(first, G), g_in.t);
-    EXPECT_EQ(dh.values(), ref_dh.values());
-    EXPECT_TRUE(dh.padding_is_nan());
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < first; ++j) ASSERT_EQ(dx.at(r, j), p.at(r, j));
-    Buf<float> dhr({m, G});
-    rounding->gemm_fp8_tn_dgelu(first ? dx.t : Tensor{}, dhr.t, dy.t, b.t, g_in.t);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < G; ++j) ASSERT_EQ(dhr.at(r, j), round_to_bf16(dh.at(r, j)));
-  }
-  Buf<float> wide({m, n + 1}), h({m, n});
-  EXPECT_THROW(be->gemm_fp8_tn_gelu(wide.t, h.t, a.t, b.t, Tensor{}, Fp8Accumulation::fp32), Error);  // y wider than h
-}
-
 TEST_F(CpuOps, LinearGeluArgumentsAreChecked) {
   Buf<double> x({3, 4}), w({5, 4}), h({3, 5}), y_wide({3, 6}), dy({3, 5}), hk({3, 4}), dx({3, 2}), h2({3, 2});
   std::string m = error_message([&] { be->linear_gelu(y_wide.t, h.t, x.t, w.t, Tensor{}); });

@@ -11,9 +11,11 @@
 
 #include <cmath>
 #include <memory>
+#include <string>
 
 #include "backend/backend.h"
 #include "backend/transfer.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "fp8/fp8_config.h"
 #include "model/linear_site.h"
@@ -124,6 +126,36 @@ TEST(Fp8Linear, BlockwiseE4m3) { check_recipe({Fp8Recipe::blockwise, false}); }
 TEST(Fp8Linear, BlockwiseHybrid) { check_recipe({Fp8Recipe::blockwise, true}); }
 TEST(Fp8Linear, Mxfp8E4m3) { check_recipe({Fp8Recipe::mxfp8, false}); }
 TEST(Fp8Linear, Mxfp8Hybrid) { check_recipe({Fp8Recipe::mxfp8, true}); }
+
+// site_forward_gelu / site_backward_gelu run the GELU in BF16 GEMM epilogues only; an FP8 site
+// given to them is a caller's mistake (its GELU belongs in the casts: gelu_in_epilogues), so it
+// fails naming the site before anything runs.
+TEST(Fp8Linear, GeluSitesRefuseFp8Sites) {
+  auto be = make_backend("cpu");
+  Fp8Config cfg;
+  cfg.enabled = true;
+  Fp8Runtime rt(cfg, *be);
+  LinearSite site;
+  site.name = "test.mlp.0";
+  rt.add_site(site);
+  Arena scratch;
+  SavedLinearInput saved;
+  const auto expect_refused = [&](const auto& call) {
+    try {
+      call();
+      ADD_FAILURE() << "an FP8 site ran";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("site 'test.mlp.0' runs in FP8"), std::string::npos) << m;
+    }
+  };
+  expect_refused([&] {
+    site_forward_gelu(*be, &rt, scratch, site, Tensor{}, Tensor{}, Backend::CastInput{}, saved, DType::f32);
+  });
+  expect_refused([&] {
+    site_backward_gelu(*be, &rt, scratch, site, Tensor{}, Tensor{}, Tensor{}, Tensor{}, saved);
+  });
+}
 
 
 // Delayed scaling, hybrid formats, an amax history of `history` steps.

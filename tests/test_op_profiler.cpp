@@ -68,7 +68,7 @@ TEST(OpProfiler, TimesTheFp8HeadsOpsAsThemselves) {
 // checks that the request reaches cuBLASLt): with fp8_fprop_fast_accumulation each FP8 site's
 // forward GEMM — one per site and step — asks for fast accumulation, and its dgrad and wgrad
 // GEMMs for fp32; without it all ask fp32. FP8 MLPs run their GELU and its backward in the
-// casts, not in GEMM epilogues: the single block's through casts with a head.
+// casts (the single block's through casts with a head), so every FP8 site's GEMMs are plain.
 TEST(OpProfiler, ForwardFp8GemmsAskForFastAccumulationGradientsForFp32) {
   FluxConfig cfg = testing::odd_config(1, 1, false);
   cfg.hidden_size = 64, cfg.num_heads = 4, cfg.mlp_ratio = 4.0, cfg.axes_dim = {4, 6, 6};
@@ -83,9 +83,6 @@ TEST(OpProfiler, ForwardFp8GemmsAskForFastAccumulationGradientsForFp32) {
     std::map<std::string, int64_t> c = calls_of(prof);
     // Per block: double 2 x (qkv, proj, mlp in, mlp out), single linear1 and linear2.
     const int64_t sites = 8 + 2;
-    EXPECT_EQ(c.count("gemm_fp8_tn_gelu"), 0u);
-    EXPECT_EQ(c.count("gemm_fp8_tn_gelu (fast accumulation)"), 0u);
-    EXPECT_EQ(c.count("gemm_fp8_tn_dgelu"), 0u);
     if (fast) {
       EXPECT_EQ(c["gemm_fp8_tn (fast accumulation)"], sites);
       EXPECT_EQ(c["gemm_fp8_tn"], 2 * sites);  // dgrad and wgrad

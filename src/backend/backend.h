@@ -439,18 +439,6 @@ class Backend {
   // tensor cores' fast accumulation where the backend has it: Fp8Accumulation).
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
                            Fp8Accumulation sum) = 0;
-  // linear_gelu and linear_dgrad_gelu on FP8 operands (the single block's linear1 and linear2
-  // in FP8), with their rounding rules; the CUDA backend fuses the forward's GELU into the GEMM
-  // (per-tensor scales) and runs the derivative as a kernel after it:
-  // - gemm_fp8_tn_gelu: h[m, n] = a·bᵀ + bias, y[m, ny] = gelu_tanh of h's last ny columns,
-  //   both rounded once from the same sum;
-  // - gemm_fp8_tn_dgelu: with P = a·bᵀ [m, n], dx = P's first n − nh columns (undefined when
-  //   nh = n) and dh = gelu_tanh'(h) ⊙ P's last nh columns, h [m, nh]; P is not rounded first.
-  // Outputs overwritten; y, h, dx, dh any ld. The forward sums with `sum` (gemm_fp8_tn), the
-  // derivative's GEMM in fp32 as every gradient GEMM.
-  virtual void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
-                                Fp8Accumulation sum) = 0;
-  virtual void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) = 0;
 
  protected:
   // Implementations call these from allocate()/release() so memory_use() is known everywhere.

@@ -180,28 +180,6 @@ LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, c
   return {N, K, M};
 }
 
-namespace {
-// The input-gradient side of linear_dgrad_gelu / gemm_fp8_tn_dgelu: h and dh [N, Kh] with
-// 0 < Kh ≤ K (the last columns of `whole`, K wide), dx [N, K − Kh], undefined iff Kh = K.
-// Returns Kh.
-int64_t check_gelu_parts(std::string_view op, const Tensor& dx, const Tensor& dh, const Tensor& h, int64_t N,
-                         int64_t K, std::string_view whole) {
-  require_defined(op, {"h", h});
-  require_same_matrix(op, {"dh", dh}, {"h", h});
-  const int64_t gelu = h.cols();
-  if (h.rows() != N || gelu < 1 || gelu > K)
-    fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of {})", op, h.str(), N, K,
-         whole);
-  if (gelu == K && dx.defined())
-    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} columns of {}", op, dx.str(),
-         h.str(), K, whole);
-  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
-    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the columns of {} before the GELU's)", op,
-         dx.str(), N, K - gelu, whole);
-  return gelu;
-}
-}  // namespace
-
 LinearGeluDims check_linear_gelu(std::string_view op, const Tensor& y, const Tensor& h, const Tensor& x,
                                  const Tensor& w, const Tensor& b) {
   const auto [N, K, M] = check_linear(op, h, x, w, b);
@@ -219,38 +197,20 @@ LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, co
   const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
   if (w.shape[0] != M)
     fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M, dy.str());
-  return {N, K, M, check_gelu_parts(op, dx, dh, h, N, K, "the Linear's input")};
-}
-
-namespace {
-void require_fp8_product(std::string_view op, const QTensor& a, const QTensor& b) {
-  if (!a.defined() || !b.defined() || a.cols != b.cols)
-    fail("{}: a [{}, {}] · b [{}, {}]ᵀ does not fit (both FP8 operands defined, the same k)", op, a.rows, a.cols,
-         b.rows, b.cols);
-}
-}  // namespace
-
-LinearGeluDims check_fp8_gelu(std::string_view op, const Tensor& y, const Tensor& h, const QTensor& a,
-                              const QTensor& b, const Tensor& bias) {
-  require_fp8_product(op, a, b);
   require_defined(op, {"h", h});
-  if (h.rows() != a.rows || h.cols() != b.rows)
-    fail("{}: output 'h' {} must be [{}, {}] for a [{}, {}] · b [{}, {}]ᵀ", op, h.str(), a.rows, b.rows, a.rows,
-         a.cols, b.rows, b.cols);
-  require_defined(op, {"y", y});
-  if (y.rows() != a.rows || y.cols() < 1 || y.cols() > b.rows)
-    fail("{}: GELU output 'y' {} must have {} rows of 1 to {} columns (the last columns of 'h' {})", op, y.str(),
-         a.rows, b.rows, h.str());
-  if (bias.defined() && (bias.numel() != b.rows || bias.dtype != DType::f32 || !bias.contiguous()))
-    fail("{}: bias {} must be a contiguous f32[{}]", op, bias.str(), b.rows);
-  return {a.rows, a.cols, b.rows, y.cols()};
-}
-
-LinearGeluDims check_fp8_dgelu(std::string_view op, const Tensor& dx, const Tensor& dh, const QTensor& a,
-                               const QTensor& b, const Tensor& h) {
-  require_fp8_product(op, a, b);
-  const int64_t N = a.rows, K = b.rows;
-  return {N, K, a.cols, check_gelu_parts(op, dx, dh, h, N, K, "the product")};
+  require_same_matrix(op, {"dh", dh}, {"h", h});
+  const int64_t gelu = h.cols();
+  if (h.rows() != N || gelu < 1 || gelu > K)
+    fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of the Linear's input)", op,
+         h.str(), N, K);
+  if (gelu == K && dx.defined())
+    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} columns of the Linear's input",
+         op, dx.str(), h.str(), K);
+  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
+    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the columns of the Linear's input before the "
+         "GELU's)",
+         op, dx.str(), N, K - gelu);
+  return {N, K, M, gelu};
 }
 
 NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,

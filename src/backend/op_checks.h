@@ -73,14 +73,6 @@ LinearGeluDims check_linear_gelu(std::string_view op, const Tensor& y, const Ten
 // dy [N, M], w [M, K], h and dh [N, Kh] with 0 < Kh ≤ K, dx [N, K − Kh] (undefined iff Kh = K).
 LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, const Tensor& dh, const Tensor& dy,
                                        const Tensor& w, const Tensor& h);
-// gemm_fp8_tn_gelu: h [m, n] = a [m, k] · b [n, k]ᵀ (+ f32 bias [n]), y [m, ny], 0 < ny ≤ n.
-// Returns {m, k, n, ny}.
-LinearGeluDims check_fp8_gelu(std::string_view op, const Tensor& y, const Tensor& h, const QTensor& a,
-                              const QTensor& b, const Tensor& bias);
-// gemm_fp8_tn_dgelu: P [m, n] = a · bᵀ; h and dh [m, nh], 0 < nh ≤ n; dx [m, n − nh] (undefined
-// iff nh = n). Returns {m, n, k, nh} (the input gradient's width n, as check_linear_dgrad_gelu).
-LinearGeluDims check_fp8_dgelu(std::string_view op, const Tensor& dx, const Tensor& dh, const QTensor& a,
-                               const QTensor& b, const Tensor& h);
 
 // Modulated LayerNorm over x [B, L, H]: y like x, mean/rstd vectors of B·L, shift/scale [B, H].
 struct NormDims {

@@ -235,14 +235,6 @@ class OpProfiler final : public Backend {
     timed(sum == Fp8Accumulation::fast ? "gemm_fp8_tn (fast accumulation)" : "gemm_fp8_tn",
           [&] { be_.gemm_fp8_tn(c, a, b, bias, acc, sum); });
   }
-  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
-                        Fp8Accumulation sum) override {
-    timed(sum == Fp8Accumulation::fast ? "gemm_fp8_tn_gelu (fast accumulation)" : "gemm_fp8_tn_gelu",
-          [&] { be_.gemm_fp8_tn_gelu(y, h, a, b, bias, sum); });
-  }
-  void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) override {
-    timed("gemm_fp8_tn_dgelu", [&] { be_.gemm_fp8_tn_dgelu(dx, dh, a, b, h); });
-  }
 
  private:
   template <typename F>

@@ -33,7 +33,7 @@ struct QTensor {
   }
 };
 
-// How an FP8 GEMM adds up its products (Backend::gemm_fp8_tn, gemm_fp8_tn_gelu).
+// How an FP8 GEMM adds up its products (Backend::gemm_fp8_tn).
 // - fp32: every partial sum in fp32. On Hopper the FP8 MMA instruction keeps only ~14
 //   significant bits of its own k-slice (DeepSeek-V3 report §3.3.2); cuBLASLt's split
 //   accumulation then adds each slice into an fp32 accumulator. The gradient GEMMs always.
@@ -44,12 +44,9 @@ struct QTensor {
 //   take fp32. The CPU backend sums in fp32 either way.
 enum class Fp8Accumulation : uint8_t { fp32, fast };
 
-// Whether rows [begin, begin + count) of q form a QTensor of their own: always for per-tensor
-// scales and per-row blocks (1x128, 1x32), at multiples of 128 rows for 128x128 blocks.
-inline bool rows_sliceable(const QTensor& q, int64_t begin) {
-  return q.scaling != Fp8Scaling::block_128x128 || begin % 128 == 0;
-}
-// Those rows: the codes and scales from `begin` on (rows_sliceable must hold).
+// Rows [begin, begin + count) of q as a QTensor of their own: the codes and scales from `begin`
+// on. Any `begin` for per-tensor scales and per-row blocks (1x128, 1x32); a multiple of 128 for
+// 128x128 blocks, whose scales cover 128 rows each.
 inline QTensor rows_of(const QTensor& q, int64_t begin, int64_t count) {
   QTensor s = q;
   s.rows = count;

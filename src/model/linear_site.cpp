@@ -378,16 +378,14 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
 
 void site_forward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y_gelu, Tensor h,
                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype) {
+  FLUX8_CHECK(!site.fp8 || !fp8,
+              "site_forward_gelu: site '{}' runs in FP8; FP8 sites run the GELU in their casts "
+              "(site_forward_fused with CastInput::gelu_tanh_of, see gelu_in_epilogues)",
+              site.name);
   const size_t mark = scratch.mark();
-  if (!site.fp8 || !fp8) {
-    const Tensor x = linear_input_buffer(scratch, saved, in.x.shape, dtype);
-    be.produce(x, in);
-    be.linear_gelu(y_gelu, h, x, site.w_operand(), site.b);
-  } else {
-    const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, saved);
-    fp8->ensure_weight_cast(site);
-    be.gemm_fp8_tn_gelu(y_gelu, h, x_row, site.w_row, site.b, fp8->fprop_accumulation());
-  }
+  const Tensor x = linear_input_buffer(scratch, saved, in.x.shape, dtype);
+  be.produce(x, in);
+  be.linear_gelu(y_gelu, h, x, site.w_operand(), site.b);
   scratch.release_to(mark);
 }
 
@@ -398,27 +396,21 @@ namespace {
 // columnwise for the wgrad, the bias gradient summed in the same pass. With wgrad in BF16 the
 // wgrad reads dy itself, which must then be stored (dy.op identity; site_backward_fused sees to
 // it).
-// gelu_h defined: the site's input was [x₀ | gelu_tanh(gelu_h)], and the dgrad GEMM writes x₀'s
-// gradient to dx and gelu_h's, through the GELU, to dh (Backend::gemm_fp8_tn_dgelu).
 void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite& site, Tensor dx,
-                       const Backend::CastInput& dy, const SavedLinearInput& saved, bool accumulate_dx,
-                       Tensor dh = Tensor{}, Tensor gelu_h = Tensor{}) {
+                       const Backend::CastInput& dy, const SavedLinearInput& saved, bool accumulate_dx) {
   const bool fp8_wgrad = fp8.config().wgrad;
   const int64_t N = dy.x.rows(), M = dy.cols();
   const size_t mark = scratch.mark();
   const Fp8Format f = fp8.format(Operand::grad_output);
   const Fp8Scaling sc = fp8.scaling(Operand::grad_output);
-  const bool dgrad = dx.defined() || dh.defined();
-  const QTensor dy_row = dgrad ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
+  const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
   const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
   const bool accumulate = site.accumulate_grads();
   Backend::Quantize q = fp8.quantize_args(site, Operand::grad_output);
   q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
   q.column_sums_accumulate = accumulate;
   be.quantize_fused(dy_row, dy_col, dy, q);
-  if (gelu_h.defined())
-    be.gemm_fp8_tn_dgelu(dx, dh, dy_row, site.w_col, gelu_h);  // dgrad: dy·w, the GELU's part through it
-  else if (dx.defined())
+  if (dx.defined())
     be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx, Fp8Accumulation::fp32);  // dgrad: dy·w
   if (fp8_wgrad)
     be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, accumulate, Fp8Accumulation::fp32);  // wgrad: dyᵀ·x
@@ -441,16 +433,14 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
   site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, accumulate_dx);
 }
 
-void site_backward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dh,
+void site_backward_gelu(Backend& be, Fp8Runtime* fp8, Arena& /*scratch*/, LinearSite& site, Tensor dx, Tensor dh,
                         Tensor gelu_h, Tensor dy, const SavedLinearInput& saved) {
-  if (!site.fp8 || !fp8) {
-    be.linear_dgrad_gelu(dx, dh, dy, site.w_operand(), gelu_h);
-    be.linear_backward(Tensor{}, site.dw, site.db, dy, saved.full, site.w, false, site.accumulate_grads());
-    return;
-  }
-  Backend::CastInput in;
-  in.x = dy;
-  site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, false, dh, gelu_h);
+  FLUX8_CHECK(!site.fp8 || !fp8,
+              "site_backward_gelu: site '{}' runs in FP8; FP8 sites run the GELU's backward in their casts "
+              "(site_backward_fused with CastInput::gelu_tanh_backward_of, see gelu_in_epilogues)",
+              site.name);
+  be.linear_dgrad_gelu(dx, dh, dy, site.w_operand(), gelu_h);
+  be.linear_backward(Tensor{}, site.dw, site.db, dy, saved.full, site.w, false, site.accumulate_grads());
 }
 
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,

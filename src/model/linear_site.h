@@ -195,18 +195,20 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
 // saved input (or a scratch buffer) first. LayerNorm's mean and rstd are written either way.
 void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y,
                         const Backend::CastInput& in, SavedLinearInput& saved, DType dtype);
-// site_forward_fused of a Linear whose last output columns go through GELU (an MLP's first
+// site_forward_fused of a BF16 Linear whose last output columns go through GELU (an MLP's first
 // Linear, the single block's linear1): h = x·wᵀ + b, y_gelu = gelu_tanh of h's last columns, the
-// GELU in the GEMM's epilogue (Backend::linear_gelu; FP8: gemm_fp8_tn_gelu).
+// GELU in the GEMM's epilogue (Backend::linear_gelu). BF16 sites only (an FP8 site is an error):
+// FP8 sites run the GELU in the cast of the second Linear's input instead (gelu_in_epilogues).
 void site_forward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y_gelu, Tensor h,
                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype);
 // dx (= or += when accumulate_dx; may be undefined), dw and db accumulated.
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx);
-// site_backward of a Linear whose input was [x₀ | gelu_tanh(gelu_h)] (the single block's
+// site_backward of a BF16 Linear whose input was [x₀ | gelu_tanh(gelu_h)] (the single block's
 // linear2, an MLP's second Linear): dx = x₀'s gradient (undefined when gelu_h covers the whole
-// input), dh = gelu_h's through the GELU, both overwritten (Backend::linear_dgrad_gelu; FP8:
-// gemm_fp8_tn_dgelu), dw and db as site_backward's.
+// input), dh = gelu_h's through the GELU, both overwritten (Backend::linear_dgrad_gelu), dw and
+// db as site_backward's. BF16 sites only (an FP8 site is an error): FP8 sites run the GELU's
+// backward in the casts of the MLP's first Linear's output gradient (gelu_in_epilogues).
 void site_backward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dh,
                         Tensor gelu_h, Tensor dy, const SavedLinearInput& saved);
 // site_backward of an output gradient made by an element-wise op (`dy`: GELU's backward). With

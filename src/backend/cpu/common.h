@@ -155,9 +155,9 @@ T gelu_tanh_grad(T x) {
          T(0.5) * x * (T(1) - th * th) * T(kGeluC) * (T(1) + T(3 * kGeluA) * x * x);
 }
 
-// The GELU epilogue of linear_gelu / gemm_fp8_tn_gelu on the product already in h [rows, n]
-// (unrounded): v = h + bias (bias may be null), y = gelu_tanh(v) of h's last y.cols() columns,
-// h = v, each rounded once — GELU of the unrounded sum, as a fused GEMM epilogue computes it.
+// The GELU epilogue of linear_gelu on the product already in h [rows, n] (unrounded):
+// v = h + bias (bias may be null), y = gelu_tanh(v) of h's last y.cols() columns, h = v, each
+// rounded once — GELU of the unrounded sum, as a fused GEMM epilogue computes it.
 template <typename T>
 void gelu_epilogue(const Tensor& h, const Tensor& y, const T* bias, const Ctx& c) {
   const int64_t n = h.cols(), first = n - y.cols();
@@ -172,9 +172,9 @@ void gelu_epilogue(const Tensor& h, const Tensor& y, const T* bias, const Ctx& c
   });
 }
 
-// The derivative's epilogue of linear_dgrad_gelu / gemm_fp8_tn_dgelu on the whole product p
-// [rows, n] (row stride n, unrounded): dx = p's first n − dh.cols() columns (when there are
-// any), dh = p's last columns ⊙ gelu_tanh'(h), each rounded once.
+// The derivative's epilogue of linear_dgrad_gelu on the whole product p [rows, n] (row stride
+// n, unrounded): dx = p's first n − dh.cols() columns (when there are any), dh = p's last
+// columns ⊙ gelu_tanh'(h), each rounded once.
 template <typename T>
 void dgelu_epilogue(const T* p, const Tensor& dx, const Tensor& dh, const Tensor& h, const Ctx& c) {
   const int64_t G = dh.cols(), first = dx.defined() ? dx.cols() : 0, n = first + G;

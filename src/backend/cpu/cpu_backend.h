@@ -93,9 +93,6 @@ class CpuBackend final : public Backend {
                               int margin) override;
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
                    Fp8Accumulation sum) override;
-  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
-                        Fp8Accumulation sum) override;
-  void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) override;
 
  private:
   BackendOptions options_;

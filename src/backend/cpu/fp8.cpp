@@ -132,29 +132,4 @@ void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tenso
     });
 }
 
-// The epilogue's order, as linear_gelu: the sum plus bias unrounded, the GELU of that, each
-// output rounded once. f32 without rounding: exactly gemm_fp8_tn, then gelu_tanh.
-void CpuBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
-                                  Fp8Accumulation /*sum*/) {
-  constexpr std::string_view op = "gemm_fp8_tn_gelu";
-  if (h.dtype != DType::f32 || y.dtype != DType::f32) fail("{}: outputs h {} and y {} must be f32", op, h.str(), y.str());
-  [[maybe_unused]] const auto [m, k, n, G] = ops::check_fp8_gelu(op, y, h, a, b, bias);
-  const Ctx ctx = make_ctx(options_, DType::f32);
-  const std::vector<float> A = dequantize_view(a, ctx), B = dequantize_view(b, ctx);
-  parallel_gemm<float>(ctx, false, true, m, n, k, 1.0f, A.data(), k, B.data(), k, 0.0f, h.ptr<float>(), h.ld);
-  gelu_epilogue<float>(h, y, bias.defined() ? bias.ptr<float>() : nullptr, ctx);
-}
-
-void CpuBackend::gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) {
-  constexpr std::string_view op = "gemm_fp8_tn_dgelu";
-  for (const Tensor* t : {&dx, &dh, &h})
-    if (t->defined() && t->dtype != DType::f32) fail("{}: {} must be f32", op, t->str());
-  [[maybe_unused]] const auto [m, n, k, G] = ops::check_fp8_dgelu(op, dx, dh, a, b, h);
-  const Ctx ctx = make_ctx(options_, DType::f32);
-  const std::vector<float> A = dequantize_view(a, ctx), B = dequantize_view(b, ctx);
-  std::vector<float> p(static_cast<size_t>(m * n));  // the whole product, unrounded
-  parallel_gemm<float>(ctx, false, true, m, n, k, 1.0f, A.data(), k, B.data(), k, 0.0f, p.data(), n);
-  dgelu_epilogue<float>(p.data(), dx, dh, h, ctx);
-}
-
 }  // namespace flux8

@@ -134,9 +134,6 @@ class CudaBackend final : public Backend {
                               int margin) override;
   void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
                    Fp8Accumulation sum) override;
-  void gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
-                        Fp8Accumulation sum) override;
-  void gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) override;
 
   // Device scratch of at least `bytes`, valid until the next call. It grows (with a
   // synchronisation) only when a larger size is first asked for: after the first step of a

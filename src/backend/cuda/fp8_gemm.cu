@@ -40,7 +40,6 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
-#include <memory>
 #include <mutex>
 #include <set>
 
@@ -255,78 +254,8 @@ GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b, Fp8Accumu
   return d;
 }
 
-// The description of c = a·bᵀ with the GELU epilogue writing `aux` (the pre-activation, c's
-// shape), when cuBLASLt may take it: per-tensor operands, bf16 c and aux, the native rules, not
-// pinned to the emulated kernel. Empty (m = 0) otherwise.
-GemmDesc fp8_gelu_desc(const Tensor& c, const QTensor& a, const QTensor& b, const Tensor& aux, Fp8Accumulation sum) {
-  if (a.scaling != Fp8Scaling::per_tensor || b.scaling != Fp8Scaling::per_tensor || c.dtype != DType::bf16 ||
-      gemm_backend() == GemmBackend::emulated || !aligned16(aux.data) || (aux.ld * 2) % 16 != 0)
-    return GemmDesc{};
-  std::string key;
-  if (!native_blocker(c, a, b, key).empty()) return GemmDesc{};
-  GemmDesc d = fp8_desc(c, a, b, sum);
-  d.epilogue = Epilogue::gelu_aux;
-  d.aux_ld = aux.ld;
-  return d;
-}
-
 }  // namespace
 }  // namespace cuda
-
-void CudaBackend::gemm_fp8_tn_gelu(Tensor y, Tensor h, const QTensor& a, const QTensor& b, Tensor bias,
-                                   Fp8Accumulation sum) {
-  using namespace cuda;
-  constexpr std::string_view op = "gemm_fp8_tn_gelu";
-  activations_in_bf16(op, {{"y", y}, {"h", h}});
-  const auto [m, k, n, G] = ops::check_fp8_gelu(op, y, h, a, b, bias);
-  const int64_t first = n - G;  // h's first column that goes through the GELU
-  const Tensor h_gelu = h.cols_slice(first, G);
-  if (m > 0 && k > 0 && rows_sliceable(b, first)) {
-    const QTensor b_gelu = rows_of(b, first, G);
-    if (const GemmDesc d = fp8_gelu_desc(y, a, b_gelu, h_gelu, sum); d.m > 0) {
-      const GemmArgs args{.a = b_gelu.codes, .b = a.codes, .d = y.data, .scale_a = b.scale_inv, .scale_b = a.scale_inv,
-                          .aux = h_gelu.data};
-      std::string why;
-      if (bias.defined() ? run_with_bias_epilogue(*this, d, args, y, bias.ptr<float>() + first, why)
-                         : try_run(gemm(), d, args, why)) {
-        if (first > 0)
-          gemm_fp8_tn(h.cols_slice(0, first), a, rows_of(b, 0, first), vector_part(bias, 0, first), false, sum);
-        return;
-      }
-      note_unfused(d.epilogue, why);
-    }
-  }
-  // No epilogue: the product into h, then the GELU of its stored values.
-  gemm_fp8_tn(h, a, b, bias, false, sum);
-  gelu_tanh(y, h_gelu);
-}
-
-void CudaBackend::gemm_fp8_tn_dgelu(Tensor dx, Tensor dh, const QTensor& a, const QTensor& b, Tensor h) {
-  using namespace cuda;
-  constexpr std::string_view op = "gemm_fp8_tn_dgelu";
-  activations_in_bf16(op, {{"dx", dx}, {"dh", dh}, {"h", h}});
-  [[maybe_unused]] const auto [m, n, k, G] = ops::check_fp8_dgelu(op, dx, dh, a, b, h);
-  const int64_t first = n - G;  // the product's first column that goes through the GELU
-  // cuBLASLt's DGELU epilogue on FP8 operands ran slower than the GEMM and the kernel after it
-  // (the single block's linear2 dgrad: +0.7 ms a step on W1, +1.9 on W2, H200): the product's
-  // parts come from two GEMMs over b's rows, and the derivative from gelu_tanh_backward.
-  if (rows_sliceable(b, first)) {
-    const QTensor b_gelu = rows_of(b, first, G);
-    if (first > 0) gemm_fp8_tn(dx, a, rows_of(b, 0, first), Tensor{}, false, Fp8Accumulation::fp32);
-    gemm_fp8_tn(dh, a, b_gelu, Tensor{}, false, Fp8Accumulation::fp32);
-    gelu_tanh_backward(dh, dh, h);
-    return;
-  }
-  // b's 128x128 scale blocks straddle the split: the whole product into a temporary, then its
-  // parts (never at Flux's sizes, whose splits are multiples of 128).
-  const auto free_device = [this](void* q) { release(q); };
-  const std::unique_ptr<void, decltype(free_device)> held(
-      allocate(static_cast<size_t>(m * n) * dtype_size(dh.dtype)), free_device);
-  const Tensor p(held.get(), dh.dtype, Shape{m, n});
-  gemm_fp8_tn(p, a, b, Tensor{}, false, Fp8Accumulation::fp32);
-  if (first > 0) copy(dx, p.cols_slice(0, first));
-  gelu_tanh_backward(dh, p.cols_slice(first, G), h);
-}
 
 void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
                               Fp8Accumulation sum) {

@@ -170,17 +170,6 @@ class Gemm {
 // (noted once on stderr); an FP8 one is rethrown for the caller's emulated path. (linear.cu)
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias);
 
-// Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran, with the
-// reason in `why` (a GemmRefused marks the description unsupported from then on). (linear.cu)
-bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& why);
-// `d` with bias[cols of c] (device, f32) added in its epilogue: the f32 bias, else (bf16 c) a
-// bf16 copy of it; false when neither runs (nothing ran), with the reason in `why`.
-bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias,
-                            std::string& why);
-// Says once per epilogue kind, on stderr, that cuBLASLt did not run it and why: the op runs its
-// separate kernels instead (correct, slower).
-void note_unfused(Epilogue e, const std::string& why);
-
 std::string describe(const GemmDesc& d);  // for error messages: "TN m=.. n=.. k=.. e4m3 x e5m2 -> f32"
 
 }  // namespace flux8::cuda

@@ -124,7 +124,10 @@ bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8
 
 namespace cuda {
 
-// try_run, note_unfused, run_with_bias_epilogue, gemm_with_bias: see gemm.h.
+namespace {
+
+// Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran, with the
+// reason in `why` (a GemmRefused marks the description unsupported from then on).
 bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& why) {
   if (why = gemm.supported(d); !why.empty()) return false;
   try {
@@ -136,6 +139,8 @@ bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& w
   }
 }
 
+// Says once per epilogue kind, on stderr, that cuBLASLt did not run it and why: the op runs its
+// separate kernels instead (correct, slower).
 void note_unfused(Epilogue e, const std::string& why) {
   static bool noted[3] = {};
   bool& n = noted[static_cast<size_t>(e)];
@@ -144,6 +149,8 @@ void note_unfused(Epilogue e, const std::string& why) {
   fmt::print(stderr, "note: {}; the op runs its unfused kernels instead (noted once per epilogue)\n", why);
 }
 
+// `d` with bias[cols of c] (device, f32) added in its epilogue: the f32 bias, else (bf16 c) a
+// bf16 copy of it; false when neither runs (nothing ran), with the reason in `why`.
 bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias,
                             std::string& why) {
   d.bias = true;
@@ -159,6 +166,8 @@ bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Te
   args.bias = b16;
   return try_run(be.gemm(), d, args, why);
 }
+
+}  // namespace
 
 void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
   Gemm& gemm = be.gemm();
