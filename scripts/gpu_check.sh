@@ -30,6 +30,9 @@
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
+# While the bench and ab stages run, nvidia-smi samples the SM clock, power and the reasons the
+# GPU holds its clocks back every 100 ms -> $OUT/gpu_clocks.csv (each benchmark's start is marked
+# with the time of day in gpu_check.log): step times drift up within a run of steps.
 # Everything printed also goes to $OUT/gpu_check.log. More than 8 files under $OUT (the device
 # tool's limit) leave gpu_check.log, ctest.log and the first *.txt/*.md/*.json as they are and
 # pack the rest into $OUT/more.tar.gz. GPU_CHECK_DEADLINE (seconds from start,
@@ -43,7 +46,12 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 # The device tool brings back at most 8 files from $OUT: on any exit the less useful ones are
 # packed into $OUT/more.tar.gz (scripts/pack_out.sh).
-trap 'scripts/pack_out.sh "$OUT" || true' EXIT
+clock_monitor=
+finish() {
+  [ -z "$clock_monitor" ] || kill "$clock_monitor" 2>/dev/null || true
+  scripts/pack_out.sh "$OUT" || true
+}
+trap finish EXIT
 stages=${GPU_CHECK_STAGES:-info build test check demo bench}
 deadline=${GPU_CHECK_DEADLINE:-570}
 cores=$(nproc)
@@ -51,6 +59,19 @@ elapsed() { echo $(($(date +%s) - start)); }
 die() { echo "GPU_CHECK FAILED ($(elapsed) s): $*" >&2; exit 1; }
 stage() { echo; echo "=== $1 ($(elapsed) s) ==="; }
 has() { [[ " $stages " == *" $1 "* ]]; }
+mark() { echo "[$(date +%H:%M:%S.%N | cut -c1-12)] $*"; }
+# The clock sampler (see above), started once; the newer field name first (driver >= 535).
+monitor_clocks() {
+  [ -z "$clock_monitor" ] && command -v nvidia-smi > /dev/null || return 0
+  local q=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu
+  if nvidia-smi --query-gpu=clocks_event_reasons.active --format=csv > /dev/null 2>&1; then
+    q+=,clocks_event_reasons.active,clocks_event_reasons.sw_power_cap,clocks_event_reasons.hw_slowdown
+  else
+    q+=,clocks_throttle_reasons.active
+  fi
+  nvidia-smi --query-gpu="$q" --format=csv -lms 100 > "$OUT/gpu_clocks.csv" 2>&1 &
+  clock_monitor=$!
+}
 
 source scripts/gpu_env.sh  # LD_LIBRARY_PATH for .carry, the cuDNN/NCCL wheels and the toolkit
 carry=$flux8_carry
@@ -152,16 +173,19 @@ fi
 
 if has bench; then
   stage bench
+  monitor_clocks
   parts=${GPU_CHECK_BENCH_PARTS:-gemm steps profile}
   if [[ " $parts " == *" gemm "* ]]; then
     build/flux8 bench --gemm --steps 20 --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.txt" ||
       die "flux8 bench --gemm failed"
   fi
   if [[ " $parts " == *" steps "* ]]; then
+    mark "bench steps"
     build/flux8 bench ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" ||
       die "flux8 bench failed"
   fi
   if [[ " $parts " == *" profile "* ]]; then
+    mark "bench profile"
     build/flux8 bench --precision bf16,delayed --profile --steps 3 --warmup 2 --json "$OUT/bench_profile.json" 2>&1 |
       tee "$OUT/bench_profile.txt" || die "flux8 bench --profile failed"
     build/flux8 bench --precision delayed --set fp8_dot_product_attention=true --profile --steps 3 --warmup 2 \
@@ -184,6 +208,7 @@ fi
 
 if has ab; then
   stage ab
+  monitor_clocks
   [ -x build/flux8 ] || die "no build/flux8: run the build stage"
   wait "$ab_build" || { tail -20 "$OUT/ab_base_build.log"; die "the build of ab_base failed: see ab_base_build.log"; }
   echo "base: $(cat ab_base/AB_REV); new: the working tree"
@@ -191,7 +216,7 @@ if has ab; then
   for round in $(seq "${GPU_CHECK_AB_ROUNDS:-2}"); do
     for side in base new; do
       bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
-      echo "--- round $round, $side"
+      mark "--- round $round, $side"
       "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --steps 10 --warmup 3 $ab_args 2>&1 |
         tee -a "$OUT/ab_$side.txt" || die "flux8 bench ($side) failed"
     done
