@@ -78,7 +78,8 @@ TEST(BenchCli, StructuredDataIsLearnedAndTheCurveIsPrinted) {
 
 TEST(BenchCli, ProfileTimesEveryOpOfTheStep) {
   Cli cli;
-  const nlohmann::json ops = cli.bench("--precision tensorwise --steps 2 --warmup 1 --profile")["steps"][0]["ops"];
+  const nlohmann::json step = cli.bench("--precision tensorwise --steps 2 --warmup 1 --profile")["steps"][0];
+  const nlohmann::json& ops = step["ops"];
   ASSERT_FALSE(ops.empty()) << cli.log;
   double total = 0, previous = 1e300;
   bool saw_fp8_gemm = false, saw_attention = false;
@@ -93,6 +94,14 @@ TEST(BenchCli, ProfileTimesEveryOpOfTheStep) {
   EXPECT_TRUE(saw_fp8_gemm && saw_attention) << ops.dump();
   EXPECT_GT(total, 0.0);
   EXPECT_NE(cli.log.find("share"), std::string::npos) << cli.log;
+  // The idle row, split by the op each wait ended with, adds up to it.
+  double idle = -1, split = 0;
+  for (const auto& op : ops)
+    if (op["op"] == "(device idle between ops)") idle = op["ms_per_step"];
+  for (const auto& w : step["idle_before"]) split += w["ms_per_step"].get<double>();
+  ASSERT_GE(idle, 0.0) << ops.dump();
+  EXPECT_NEAR(split, idle, 1e-6 + 1e-9 * idle);
+  EXPECT_NE(cli.log.find("idle before (ms/step):"), std::string::npos) << cli.log;
 }
 
 TEST(BenchCli, UnknownPrecisionIsAnError) {

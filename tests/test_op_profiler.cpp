@@ -127,6 +127,15 @@ TEST(OpProfiler, RowsAddUpToTheStepAndHostTimeIsIdle) {
   // The sleep is idle time; with the rows within the span, it is in no op's row either (no
   // bound on the ops' own time: on a loaded machine a CPU op can take 20 ms too).
   EXPECT_GE(rows[OpProfiler::kIdle].ms, 20.0);
+  // The idle time split by the op that waited: the sleep is before the second add, and the
+  // split adds up to the idle row.
+  const std::vector<OpProfiler::Row> waits = prof.idle_before();
+  ASSERT_EQ(waits.size(), 2u);  // before copy (right after the first add) and before the second add
+  EXPECT_EQ(waits[0].op, "add");
+  EXPECT_EQ(waits[0].calls, 1);
+  EXPECT_GE(waits[0].ms, 20.0);
+  EXPECT_EQ(waits[1].op, "copy");
+  EXPECT_NEAR(waits[0].ms + waits[1].ms, rows[OpProfiler::kIdle].ms, 1e-9);
   const double total = rows["add"].ms + rows["copy"].ms + rows[OpProfiler::kIdle].ms;
   EXPECT_LE(total, span);
   EXPECT_GT(total, 0.9 * span);

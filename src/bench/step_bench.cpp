@@ -209,9 +209,12 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     if (s >= spec.warmup) r.step_ms.push_back(ms);
     if (profiler && s + 1 == spec.warmup) profiler->reset();  // count the timed steps only
   }
-  if (profiler)
+  if (profiler) {
     for (const OpProfiler::Row& row : profiler->rows())
       r.ops.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
+    for (const OpProfiler::Row& row : profiler->idle_before())
+      r.idle_before.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
+  }
   r.median_ms = median(r.step_ms);
   r.model_tflop = model_flops(cfg, sh).training() / 1e12;
   r.tflops = r.median_ms > 0 ? r.model_tflop / (r.median_ms / 1e3) : 0;

@@ -51,6 +51,7 @@ struct StepBenchResult {
   double first_loss = 0, last_loss = 0;
   std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)
   std::vector<OpTime> ops;      // with profile: per-op time of a timed step, largest first
+  std::vector<OpTime> idle_before;  // with profile: the idle row by the op after each wait
   int non_finite_steps = 0;     // steps whose loss was not finite
 };
 

@@ -80,7 +80,7 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_flag("--gemm", o->gemm, "run the GEMM and attention micro-benchmarks instead of training steps");
   cmd->add_flag("--profile", o->profile,
                 "also time every op of the step from device timing marks around it (nothing waits), with the device's "
-                "idle time between ops as a row of its own");
+                "idle time between ops as a row of its own and split by the op it waited for (\"idle before\")");
   return {cmd, [o]() {
     BackendOptions bo;
     bo.bf16_gemm = true;
@@ -185,6 +185,11 @@ Command add_bench_command(CLI::App& app) {
             for (const OpTime& t : r.ops)
               fmt::print("  {:<30} {:>8.0f} {:>10.3f} {:>6.1f}%\n", t.op, t.calls_per_step, t.ms_per_step,
                          100.0 * t.ms_per_step / total);
+            // Where the idle time is: the ops the device waited to start, the largest five.
+            std::string waits;
+            for (size_t i = 0; i < r.idle_before.size() && i < 5; ++i)
+              waits += fmt::format("{}{} {:.3f}", i ? ", " : "", r.idle_before[i].op, r.idle_before[i].ms_per_step);
+            if (!waits.empty()) fmt::print("  idle before (ms/step): {}\n", waits);
           }
           // A long run is a loss curve (FP8 vs BF16): its mean per 50 steps, to compare by eye.
           if (r.losses.size() >= 100) {
@@ -201,6 +206,9 @@ Command add_bench_command(CLI::App& app) {
           nlohmann::json ops = nlohmann::json::array();
           for (const OpTime& t : r.ops)
             ops.push_back({{"op", t.op}, {"calls_per_step", t.calls_per_step}, {"ms_per_step", t.ms_per_step}});
+          nlohmann::json idle_before = nlohmann::json::array();
+          for (const OpTime& t : r.idle_before)
+            idle_before.push_back({{"op", t.op}, {"waits_per_step", t.calls_per_step}, {"ms_per_step", t.ms_per_step}});
           out["steps"].push_back({{"workload", r.workload},         {"model", s.model.name},
                                   {"precision", p},                 {"fp8_format", p == "bf16" ? "" : o->format},
                                   {"describe", r.precision},        {"batch", s.shape.batch},
@@ -213,7 +221,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},
                                   {"backend", o->backend},          {"data", o->data},
                                   {"activation_precision", bo.bf16_activations && o->backend == "cuda" ? "bf16" : "f32"},
-                                  {"ops", ops}});
+                                  {"ops", ops}, {"idle_before", idle_before}});
         }
       }
     }
