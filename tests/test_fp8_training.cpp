@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "config/config.h"
+#include "bench/op_profiler.h"
 #include "core/error.h"
 #include "fp8/fp8_config.h"
 #include "fp8/state_io.h"
@@ -249,6 +250,40 @@ TEST(Fp8Training, GradientsFollowTheExactModel) {
       }
       std::printf("worst gradient error %.3g (%s)\n", worst, worst_name.c_str());
     }
+}
+
+// The optimizer step's FP8 bookkeeping (Fp8Runtime::end_step) waits for the device only on the
+// steps whose casts counted telemetry — their counts arrive at a synchronisation — so that on
+// the other steps the gradient norm is queued behind the backward instead of after a drained
+// device. The syncs are counted through a profiling wrapper of the CPU backend.
+TEST(Fp8Training, EndStepWaitsForTheDeviceOnlyForCountedStatistics) {
+  struct SyncCounter : OpProfiler {
+    using OpProfiler::OpProfiler;
+    void synchronize() override {
+      ++syncs;
+      OpProfiler::synchronize();
+    }
+    int syncs = 0;
+  };
+  auto cpu = make_backend("cpu");
+  const FluxConfig cfg = testing::odd_config(1, 1, false);
+  Fp8Config fp8;
+  fp8.enabled = fp8.hybrid = true;
+  fp8.recipe = Fp8Recipe::delayed;
+  int syncs[2] = {0, 0};
+  for (const bool counted : {false, true}) {
+    SCOPED_TRACE(counted ? "counted" : "not counted");
+    SyncCounter be(*cpu);
+    const testing::ModelRun r = testing::run_model(be, cfg, {.fp8 = &fp8, .steps = 3, .collect_stats = counted});
+    syncs[counted] = be.syncs;
+    int64_t elements = 0;
+    for (const int64_t e : r.cast_elements) elements += e;
+    if (counted)
+      EXPECT_GT(elements, 0);
+    else
+      EXPECT_EQ(elements, 0) << "nothing counted, nothing reported";
+  }
+  EXPECT_EQ(syncs[1] - syncs[0], 3) << "one wait per counted step";
 }
 
 TEST(Fp8Config, FirstLastLayersSelectBlocks) {

@@ -20,7 +20,7 @@
 
 namespace flux8 {
 
-class OpProfiler final : public Backend {
+class OpProfiler : public Backend {
  public:
   explicit OpProfiler(Backend& inner) : be_(inner) {}
 

@@ -140,7 +140,10 @@ Backend::Quantize Fp8Runtime::attention_cast(int index, AttentionTensor t) {
   q.format = attention_format(t);
   q.delayed_scale = scale_dev_.ptr<float>() + slot;
   q.amax = amax_target(slot);
-  if (collect_stats_) q.stats = recording_ ? attention_stats_[static_cast<size_t>(index)].of(t) : &scratch_stats_;
+  if (collect_stats_) {
+    q.stats = recording_ ? attention_stats_[static_cast<size_t>(index)].of(t) : &scratch_stats_;
+    stats_pending_ |= recording_;
+  }
   return q;
 }
 
@@ -193,8 +196,10 @@ Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
     q.delayed_scale = scale_dev_.ptr<float>() + slot;
     q.amax = amax_target(slot);
   }
-  if (collect_stats_)
+  if (collect_stats_) {
     q.stats = recording_ ? &stats_[static_cast<size_t>(site.index)].op[static_cast<int>(o)] : &scratch_stats_;
+    stats_pending_ |= recording_;
+  }
   return q;
 }
 
@@ -283,7 +288,8 @@ void Fp8Runtime::end_step() {
                                cfg_.amax_max ? AmaxAlgo::max : AmaxAlgo::most_recent, cfg_.margin);
     host_current_ = false;
   }
-  be_.synchronize();  // the step's cast statistics (telemetry) are on the host after this
+  if (stats_pending_) be_.synchronize();  // the step's cast statistics (telemetry) reach the host
+  stats_pending_ = false;
   last_stats_ = stats_;
   last_attention_stats_ = attention_stats_;
   for (AttentionCastStats& a : attention_stats_) a = AttentionCastStats{};

@@ -129,7 +129,10 @@ class Fp8Runtime {
   bool recording() const { return recording_; }
   // Once per optimizer step after the backward: the delayed-scaling update of every slot on the
   // backend (after the registry's amax all-reduce hook, which gets the staging row in host
-  // memory), and the step's cast statistics become `last_step_stats`.
+  // memory), and the step's cast statistics become `last_step_stats`. It waits for the device
+  // only when this step's casts counted statistics (a backend delivers them at a
+  // synchronisation): on the other steps the optimizer's gradient norm is launched behind the
+  // backward instead of after a drained device (measured 0.17 / 0.29 ms of idle a W1 / W2 step).
   void end_step();
 
   struct SiteStats {
@@ -161,6 +164,7 @@ class Fp8Runtime {
   int64_t weight_version_ = 0;
   bool recording_ = true;
   bool collect_stats_ = true;
+  bool stats_pending_ = false;  // a cast of this step was given a stats_/attention_stats_ target
   CastStats scratch_stats_;
 
   // The registry's state in backend memory: amax_history [L, n], scale, scale_inv, fp8_max
