@@ -40,6 +40,15 @@ std::string error_message(F&& f) {
   return std::string("no error");
 }
 
+// A 1x128-block FP8 tensor [rows, cols] over host codes and scales (the CPU backend's casts
+// write host memory).
+QTensor block_qtensor(std::vector<uint8_t>& codes, std::vector<float>& scales, int64_t rows, int64_t cols) {
+  QTensor q;
+  q.codes = codes.data(), q.rows = rows, q.cols = cols, q.scaling = Fp8Scaling::block_1x128;
+  q.scale_inv = scales.data();
+  return q;
+}
+
 class CpuOps : public ::testing::Test {
  protected:
   std::unique_ptr<Backend> be = make_backend("cpu");
@@ -253,12 +262,7 @@ TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
     be->produce(y.t, in);
     std::vector<uint8_t> fused(B * L * H, 0xA5), by_hand(B * L * H, 0x5A);
     std::vector<float> s_fused(B * L * 2, -1), s_hand(B * L * 2, -2);
-    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) {
-      QTensor q;
-      q.codes = codes.data(), q.rows = B * L, q.cols = H, q.scaling = Fp8Scaling::block_1x128;
-      q.scale_inv = scales.data();
-      return q;
-    };
+    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) { return block_qtensor(codes, scales, B * L, H); };
     Backend::Quantize q;
     q.scaling = Fp8Scaling::block_1x128;
     CastStats st_fused, st_hand;
@@ -306,12 +310,7 @@ TEST_F(CpuOps, CastWithAHeadIsTheAssembledTensor) {
 
     std::vector<uint8_t> fused(B * L * C, 0xA5), assembled(B * L * C, 0x5A);
     std::vector<float> s_fused(B * L, -1), s_assembled(B * L, -2);
-    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) {
-      QTensor q;
-      q.codes = codes.data(), q.rows = B * L, q.cols = C, q.scaling = Fp8Scaling::block_1x128;
-      q.scale_inv = scales.data();
-      return q;
-    };
+    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) { return block_qtensor(codes, scales, B * L, C); };
     Backend::Quantize q;
     q.scaling = Fp8Scaling::block_1x128;
     be->quantize_fused(qt(fused, s_fused), QTensor{}, with, q);
@@ -325,9 +324,7 @@ TEST_F(CpuOps, CastWithAHeadIsTheAssembledTensor) {
   EXPECT_NE(error_message([&] { be->produce(y.t, in.with_head(short_head.t)); }).find("head"), std::string::npos);
   std::vector<uint8_t> codes(B * L * C);
   std::vector<float> scales(B * L);
-  QTensor qt;
-  qt.codes = codes.data(), qt.rows = B * L, qt.cols = C, qt.scaling = Fp8Scaling::block_1x128;
-  qt.scale_inv = scales.data();
+  const QTensor qt = block_qtensor(codes, scales, B * L, C);
   Backend::Quantize q;
   q.scaling = Fp8Scaling::block_1x128;
   EXPECT_NE(error_message([&] { be->quantize_fused(qt, QTensor{}, in.with_head(short_head.t), q); }).find("head"),
