@@ -153,10 +153,9 @@ TEST(Fp8Linear, GeluSitesRefuseFp8Sites) {
     site_forward_gelu(*be, &rt, scratch, site, Tensor{}, Tensor{}, Backend::CastInput{}, saved, DType::f32);
   });
   expect_refused([&] {
-    site_backward_gelu(*be, &rt, scratch, site, Tensor{}, Tensor{}, Tensor{}, Tensor{}, saved);
+    site_backward_gelu(*be, &rt, site, Tensor{}, Tensor{}, Tensor{}, Tensor{}, saved);
   });
 }
-
 
 // Delayed scaling, hybrid formats, an amax history of `history` steps.
 Fp8Config delayed_hybrid(int history) {

@@ -45,8 +45,7 @@ void Backend::produce(Tensor y, const CastInput& in) {
   ops::check_cast_input("produce", in);
   ops::require_defined("produce", {"y", y});
   if (y.rows() != in.x.rows() || y.cols() != in.cols())
-    fail("produce: output {} must be [{}, {}] (the head's columns, then the op's)", y.str(), in.x.rows(),
-              in.cols());
+    fail("produce: output {} must be [{}, {}] (the head's columns, then the op's)", y.str(), in.x.rows(), in.cols());
   if (in.head.defined()) {
     const int64_t h = in.head_cols();
     if (in.head.data != y.data || in.head.ld != y.ld) copy(y.cols_slice(0, h), in.head);

@@ -198,7 +198,7 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
     mlp_g = recompute_linear_input(be, ctx.fp8, a, p.mlp_out, g);
   }
   if (gelu_fused)
-    site_backward_gelu(be, ctx.fp8, a, p.mlp_out, Tensor{}, d_m2, s.mlp_h, d_h, mlp_g);
+    site_backward_gelu(be, ctx.fp8, p.mlp_out, Tensor{}, d_m2, s.mlp_h, d_h, mlp_g);
   else
     site_backward(be, ctx.fp8, a, p.mlp_out, d_m, d_h, mlp_g, false);
   a.release_to(gelu_mark);

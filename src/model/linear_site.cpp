@@ -439,7 +439,7 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
   site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, accumulate_dx);
 }
 
-void site_backward_gelu(Backend& be, Fp8Runtime* fp8, Arena& /*scratch*/, LinearSite& site, Tensor dx, Tensor dh,
+void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh,
                         Tensor gelu_h, Tensor dy, const SavedLinearInput& saved) {
   FLUX8_CHECK(!site.fp8 || !fp8,
               "site_backward_gelu: site '{}' runs in FP8; FP8 sites run the GELU's backward in their casts "

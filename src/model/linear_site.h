@@ -213,7 +213,7 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
 // input), dh = gelu_h's through the GELU, both overwritten (Backend::linear_dgrad_gelu), dw and
 // db as site_backward's. BF16 sites only (an FP8 site is an error): FP8 sites run the GELU's
 // backward in the casts of the MLP's first Linear's output gradient (gelu_in_epilogues).
-void site_backward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dh,
+void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh,
                         Tensor gelu_h, Tensor dy, const SavedLinearInput& saved);
 // site_backward of an output gradient made by an element-wise op (`dy`: GELU's backward). With
 // FP8 dgrad and wgrad the op runs inside the casts of dy (Backend::quantize_fused) and dy is

@@ -157,7 +157,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   const size_t cat_mark = a.mark();
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
   if (gelu_epilogue)
-    site_backward_gelu(be, ctx.fp8, a, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h,
+    site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h,
                        cat);
   else
     site_backward(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * H, H + M), d_h, cat, false);
