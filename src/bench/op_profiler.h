@@ -6,8 +6,9 @@
 // is the device time from its first to its last work (with the launch gaps inside it where the
 // GPU waited for the host), and the device time between one op's end and the next one's start
 // — the GPU idle, waiting for the host (launches, host synchronisations, host work) — goes to
-// the row kIdle, across synchronize() calls too; not across a pause (the bench's data upload
-// between steps), where the marks are released. On the CPU the marks are the host clock (its
+// the row kIdle, across synchronize() calls too, and by the op each wait ended with
+// (idle_before(): where the device waited — after a host synchronisation, on short launches);
+// not across a pause (the bench's data upload between steps), where the marks are released. On the CPU the marks are the host clock (its
 // ops finish before they return), which gives the same rows. Until the bench stopped synchronising around every op (thirteenth
 // session), each row also held a launch and a synchronisation, which inflated short ops by
 // ~10–20 µs a call.
