@@ -402,6 +402,8 @@ class Backend {
     float* amax_dq = nullptr;
     float* amax_dk = nullptr;
     float* amax_dv = nullptr;
+    // P's fixed scale (above): the largest value of q's format.
+    static float p_scale(Fp8Format qkv) { return fp8_max(qkv); }
   };
   virtual void attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v,
                              Shape heads, double scale, const Fp8AttentionScales& sc) = 0;

@@ -62,8 +62,8 @@ void CpuBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QT
   const Ctx c = make_ctx(options_, DType::f32);
   const std::vector<float> qv = decode(q), kv = decode(k), vv = decode(v);
   const float attn = static_cast<float>(scale), descale_q = q.scale_inv[0], descale_k = k.scale_inv[0],
-              descale_v = v.scale_inv[0], scale_s = fp8_max(q.format), descale_s = scale_inverse(scale_s),
-              scale_o = *sc.o;  // P's scale: the format's largest value (Backend::attention_fp8)
+              descale_v = v.scale_inv[0], scale_s = Fp8AttentionScales::p_scale(q.format),
+              descale_s = scale_inverse(scale_s), scale_o = *sc.o;
   const int64_t rows = B * n * L;
   std::vector<float> amax_s(static_cast<size_t>(rows), 0.0f), amax_o(static_cast<size_t>(rows), 0.0f);
   std::vector<float> p(static_cast<size_t>(std::min(kQueryBlock, L) * L)), acc(static_cast<size_t>(kQueryBlock * D));
@@ -117,8 +117,8 @@ void CpuBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, cons
   const std::vector<float> qv = decode(q), kv = decode(k), vv = decode(v), ov = decode(o), dov = decode(dout);
   const float attn = static_cast<float>(scale), descale_q = q.scale_inv[0], descale_k = k.scale_inv[0],
               descale_v = v.scale_inv[0], descale_o = o.scale_inv[0], descale_do = dout.scale_inv[0],
-              scale_s = fp8_max(q.format), descale_s = scale_inverse(scale_s), scale_ds = *sc.ds,
-              descale_ds = *sc.ds_inv;
+              scale_s = Fp8AttentionScales::p_scale(q.format), descale_s = scale_inverse(scale_s),
+              scale_ds = *sc.ds, descale_ds = *sc.ds_inv;
   const int64_t rows = B * n * L, per_head = L * D;
   // dQ, dK, dV in f32 before their casts: dK and dV sum over query blocks.
   std::vector<float> dq32(static_cast<size_t>(rows * D)), dk32(dq32.size()), dv32(dq32.size());

@@ -225,10 +225,6 @@ Fp8Staging stage_fp8_call(Buffer&& buffer, cudaStream_t stream, const CudnnPlan&
   return st;
 }
 
-// P's scale: the largest value of its format (q's), so exp(S − running max) ≤ 1, which cuDNN's
-// kernels cast, uses the whole range without saturating (Backend::attention_fp8).
-float p_scale(Fp8Format qkv) { return fp8_max(qkv); }
-
 // After the graph: out_scale_inv[i] = 1/scale[i]; amax_target[i] = max(target, cuDNN's amax).
 struct Fp8Finish {
   float* scale_inv[3];
@@ -311,7 +307,8 @@ void Attention::forward_fp8(const Fp8Forward& a) {
   const CudnnPlan& p = runnable(fp8_forward_plan(a), s, op);
   // Slots 0-5: the scales read; 6, 7: cuDNN's amaxes.
   ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, nullptr, nullptr, a.scale_o}, 6, {}};
-  copies.value[3] = scale_inverse(p_scale(a.qkv)), copies.value[4] = p_scale(a.qkv);
+  const float p_scale = Backend::Fp8AttentionScales::p_scale(a.qkv);
+  copies.value[3] = scale_inverse(p_scale), copies.value[4] = p_scale;
   const auto staging = [this](size_t bytes) { return cudnn_->staging_buffer(bytes); };
   const Fp8Staging st = stage_fp8_call(staging, stream_, p, s, a.lse, copies);
   float attn_scale = static_cast<float>(a.scale);
@@ -348,7 +345,8 @@ void Attention::backward_fp8(const Fp8Backward& a) {
                        nullptr, a.scale_ds, a.scale_dq, a.scale_dk, a.scale_dv},
                       12,
                       {}};
-  copies.value[5] = scale_inverse(p_scale(a.qkv)), copies.value[7] = p_scale(a.qkv);
+  const float p_scale = Backend::Fp8AttentionScales::p_scale(a.qkv);
+  copies.value[5] = scale_inverse(p_scale), copies.value[7] = p_scale;
   const auto staging = [this](size_t bytes) { return cudnn_->staging_buffer(bytes); };
   const Fp8Staging st = stage_fp8_call(staging, stream_, p, s, a.lse, copies);
   if (st.staged())
