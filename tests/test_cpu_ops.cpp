@@ -262,7 +262,9 @@ TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
     be->produce(y.t, in);
     std::vector<uint8_t> fused(B * L * H, 0xA5), by_hand(B * L * H, 0x5A);
     std::vector<float> s_fused(B * L * 2, -1), s_hand(B * L * 2, -2);
-    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) { return block_qtensor(codes, scales, B * L, H); };
+    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) {
+      return block_qtensor(codes, scales, B * L, H);
+    };
     Backend::Quantize q;
     q.scaling = Fp8Scaling::block_1x128;
     CastStats st_fused, st_hand;
@@ -310,7 +312,9 @@ TEST_F(CpuOps, CastWithAHeadIsTheAssembledTensor) {
 
     std::vector<uint8_t> fused(B * L * C, 0xA5), assembled(B * L * C, 0x5A);
     std::vector<float> s_fused(B * L, -1), s_assembled(B * L, -2);
-    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) { return block_qtensor(codes, scales, B * L, C); };
+    auto qt = [&](std::vector<uint8_t>& codes, std::vector<float>& scales) {
+      return block_qtensor(codes, scales, B * L, C);
+    };
     Backend::Quantize q;
     q.scaling = Fp8Scaling::block_1x128;
     be->quantize_fused(qt(fused, s_fused), QTensor{}, with, q);

@@ -111,7 +111,9 @@ void Backend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads&
                                         Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale,
                                         Tensor k_scale, Tensor pe, int64_t token_offset, double eps) {
   const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_fp8", q, token_offset,
-                                       {{"q_heads", q_heads.codes}, {"k_heads", k_heads.codes}, {"v_heads", v_heads.codes}});
+                                       {{"q_heads", q_heads.codes},
+                                        {"k_heads", k_heads.codes},
+                                        {"v_heads", v_heads.codes}});
   const DType t = attention_heads_dtype(q.dtype, h[3]);
   const Temporary qh(*this, t, h), kh(*this, t, h), vh(*this, t, h);
   qk_norm_rope_to_heads(qh.get(), kh.get(), vh.get(), q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe, token_offset,
@@ -128,7 +130,8 @@ void Backend::qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv
                                                  Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
                                                  int64_t token_offset) {
   const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_backward_fp8", q, token_offset,
-                                       {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
+                                       {{"dq_heads", dq_heads}, {"dk_heads", dk_heads},
+                                        {"dv_heads", dv_heads}});
   const DType t = attention_heads_dtype(q.dtype, h[3]);
   const Temporary dqh(*this, t, h), dkh(*this, t, h), dvh(*this, t, h);
   dequantize(dqh.get(), dq_heads);

@@ -8,10 +8,10 @@
 // — the GPU idle, waiting for the host (launches, host synchronisations, host work) — goes to
 // the row kIdle, across synchronize() calls too, and by the op each wait ended with
 // (idle_before(): where the device waited — after a host synchronisation, on short launches);
-// not across a pause (the bench's data upload between steps), where the marks are released. On the CPU the marks are the host clock (its
-// ops finish before they return), which gives the same rows. Until the bench stopped synchronising around every op (thirteenth
-// session), each row also held a launch and a synchronisation, which inflated short ops by
-// ~10–20 µs a call.
+// not across a pause (the bench's data upload between steps), where the marks are released.
+// On the CPU the marks are the host clock (its ops finish before they return), which gives the
+// same rows. Until the bench stopped synchronising around every op (thirteenth session), each
+// row also held a launch and a synchronisation, which inflated short ops by ~10–20 µs a call.
 #include <chrono>
 #include <map>
 #include <string>
@@ -191,9 +191,9 @@ class OpProfiler : public Backend {
   }
   static const char* fused_cast_row(const CastInput& in) {
     using Op = CastInput::Op;
-    static constexpr const char* kPlain[] = {"quantize_fused (identity + fp8 cast)", "quantize_fused (gelu_tanh + fp8 cast)",
-                                             "quantize_fused (layernorm_modulate + fp8 cast)",
-                                             "quantize_fused (gelu_tanh_backward + fp8 cast)"};
+    static constexpr const char* kPlain[] = {
+        "quantize_fused (identity + fp8 cast)", "quantize_fused (gelu_tanh + fp8 cast)",
+        "quantize_fused (layernorm_modulate + fp8 cast)", "quantize_fused (gelu_tanh_backward + fp8 cast)"};
     static constexpr const char* kHead[] = {
         "quantize_fused ([head | identity] + fp8 cast)", "quantize_fused ([head | gelu_tanh] + fp8 cast)",
         "quantize_fused ([head | layernorm_modulate] + fp8 cast)",

@@ -180,8 +180,8 @@ Command add_bench_command(CLI::App& app) {
           if (!r.ops.empty()) {
             double total = 0;
             for (const OpTime& t : r.ops) total += t.ms_per_step;
-            fmt::print("  {:<30} {:>8} {:>10} {:>7}   (profiled step: {:.2f} ms of ops and idle)\n", "op", "calls", "ms/step",
-                       "share", total);
+            fmt::print("  {:<30} {:>8} {:>10} {:>7}   (profiled step: {:.2f} ms of ops and idle)\n", "op", "calls",
+                       "ms/step", "share", total);
             for (const OpTime& t : r.ops)
               fmt::print("  {:<30} {:>8.0f} {:>10.3f} {:>6.1f}%\n", t.op, t.calls_per_step, t.ms_per_step,
                          100.0 * t.ms_per_step / total);

@@ -197,7 +197,8 @@ TEST(CudaFp8Heads, QkNormRopeBackwardReadsTheDequantizedHeads) {
     q_rstd.randn(814, 0.3), k_rstd.randn(815, 0.3);
     DevAct img({c.B, c.Li, 3 * H}, c.pad, c.bf16, 816, 2.0), d({c.B, c.Li, 3 * H}, c.pad, c.bf16, 817, 1.0);
     DevHeads dq8(rows, c.D, Fp8Format::e5m2), dk8(rows, c.D, Fp8Format::e5m2), dv8(rows, c.D, Fp8Format::e5m2);
-    dq8.fill_random(818, 1.0, 1.0f / 1024), dk8.fill_random(819, 1.0, 1.0f / 3000), dv8.fill_random(820, 1.0, 0.37f, true);
+    dq8.fill_random(818, 1.0, 1.0f / 1024), dk8.fill_random(819, 1.0, 1.0f / 3000);
+    dv8.fill_random(820, 1.0, 0.37f, true);
     const auto win = [&](const DevAct& a, int64_t i) { return a.t.cols_slice(i * H, H); };
     const std::vector<uint8_t> d_before = d.bytes();
     std::vector<uint8_t> results[2];

@@ -395,8 +395,8 @@ __global__ void qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a) {
 // amax and counts per tensor go to its partials (kCount: the counts are wanted, a report step).
 // The heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kCount>
-__global__ void __launch_bounds__(kThreads, kFp8HeadsBlocksPerSm) qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, Fp8HeadsOut q8, Fp8HeadsOut k8,
-                                                 Fp8HeadsOut v8) {
+__global__ void __launch_bounds__(kThreads, kFp8HeadsBlocksPerSm)
+    qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, Fp8HeadsOut q8, Fp8HeadsOut k8, Fp8HeadsOut v8) {
   const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const float sq = *q8.scale, sk = *k8.scale, sv = *v8.scale;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -460,8 +460,9 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
 // kFp8: the head gradients are FP8 codes (qk_norm_rope_to_heads_backward_fp8), read from dq8, dk8,
 // dv8 and dequantized as dequantize() into H gives them; the heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kFp8 ? kFp8HeadsBlocksPerSm : 1) qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part,
-                                                          Fp8HeadsIn dq8, Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
+__global__ void __launch_bounds__(kThreads, kFp8 ? kFp8HeadsBlocksPerSm : 1)
+    qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part, Fp8HeadsIn dq8,
+                                              Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
   constexpr int kGroups = kThreads / kLanes, D = 8 * kLanes;
   __shared__ float tile[2][kGroups][D];
   const bool q_norm = a.dq.p || q_part, k_norm = a.dk.p || k_part;
@@ -659,7 +660,9 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
                                             double eps) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_fp8";
   const Shape h = ops::check_fp8_heads(op, q, token_offset,
-                                       {{"q_heads", q_heads.codes}, {"k_heads", k_heads.codes}, {"v_heads", v_heads.codes}});
+                                       {{"q_heads", q_heads.codes},
+                                        {"k_heads", k_heads.codes},
+                                        {"v_heads", v_heads.codes}});
   const DType t = attention_heads_dtype(q.dtype, h[3]);
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never written: the kernel writes the codes).
@@ -722,7 +725,8 @@ void CudaBackend::qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tenso
                                                      int64_t token_offset) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_backward_fp8";
   const Shape h =
-      ops::check_fp8_heads(op, q, token_offset, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
+      ops::check_fp8_heads(op, q, token_offset,
+                           {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
   const DType t = attention_heads_dtype(q.dtype, h[3]);
   const QTensor codes[3] = {dq_heads, dk_heads, dv_heads};
   const bool vec8 = fp8_heads_vec8(dq_heads) && fp8_heads_vec8(dk_heads) && fp8_heads_vec8(dv_heads);
