@@ -131,13 +131,16 @@ const HeadsCase kCases[] = {
 };
 
 Backend& backend_for(const HeadsCase& c) { return c.bf16 ? gpu_bf16_activations() : gpu(); }
+// The case in a test's trace.
+::testing::Message describe(const HeadsCase& c) {
+  return ::testing::Message() << "D=" << c.D << " pad=" << c.pad << " bf16=" << c.bf16;
+}
 
 TEST(CudaFp8Heads, QkNormRopeWritesTheCastOfThePlainOp) {
   FLUX8_REQUIRE_GPU();
   for (const HeadsCase& c : kCases) {
     for (const bool counts : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "D=" << c.D << " pad=" << c.pad << " bf16=" << c.bf16
-                                        << " counts=" << counts);
+      SCOPED_TRACE(describe(c) << " counts=" << counts);
       Backend& be = backend_for(c);
       const int64_t L = c.Lt + c.Li, H = c.n * c.D, rows = c.B * c.n * L;
       Pair pe({c.B, L, c.D / 2, 2}), q_scale({c.D}), k_scale({c.D});
@@ -189,7 +192,7 @@ TEST(CudaFp8Heads, QkNormRopeWritesTheCastOfThePlainOp) {
 TEST(CudaFp8Heads, QkNormRopeBackwardReadsTheDequantizedHeads) {
   FLUX8_REQUIRE_GPU();
   for (const HeadsCase& c : kCases) {
-    SCOPED_TRACE(::testing::Message() << "D=" << c.D << " pad=" << c.pad << " bf16=" << c.bf16);
+    SCOPED_TRACE(describe(c));
     Backend& be = backend_for(c);
     const int64_t L = c.Lt + c.Li, H = c.n * c.D, rows = c.B * c.n * L, S = c.B * c.Li * c.n;
     Pair pe({c.B, L, c.D / 2, 2}), q_scale({c.D}), k_scale({c.D}), q_rstd({S}), k_rstd({S});
@@ -233,8 +236,7 @@ TEST(CudaFp8Heads, LayoutOpsCastAndDequantizeAsThePlainOps) {
   FLUX8_REQUIRE_GPU();
   for (const HeadsCase& c : kCases) {
     for (const bool counts : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "D=" << c.D << " pad=" << c.pad << " bf16=" << c.bf16
-                                        << " counts=" << counts);
+      SCOPED_TRACE(describe(c) << " counts=" << counts);
       Backend& be = backend_for(c);
       const int64_t L = c.Lt + c.Li, H = c.n * c.D, rows = c.B * c.n * L;
       DevAct txt({c.B, c.Lt, H}, c.pad, c.bf16, 831, 1e-3), img({c.B, c.Li, H}, c.pad, c.bf16, 832, 1e-3);
