@@ -25,8 +25,9 @@
 // e8m0_scale_for_amax, mx_scale) on the same fp32 operands; every code from the FP8 conversion
 // instruction applied to the same scaled fp32 value, which rounds exactly like the CPU's integer
 // encoder (encode_pair; NaN takes the integer encoder's code). The
-// statistics are integer counts and a max, exact in any order; tiles write partials that one
-// block sums in a fixed order.
+// statistics are integer counts and a max, exact in any order: where counts are wanted, tiles
+// write partials that one block sums in a fixed order; an amax alone is max-accumulated by one
+// atomic per tile.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -140,7 +141,8 @@ struct CastArgs {
                               // the amax pass; delayed: the registry's, read in stream order)
   CastDst row, col;
   bool stats_from_col;       // CastStats describe the columnwise cast (no rowwise copy)
-  StatsPartial* partials;    // [tiles], or null: no statistics wanted
+  StatsPartial* partials;    // [tiles] where the counts are wanted (totalled after the kernel), else null
+  float* amax_target;        // without partials: the amax alone, max-accumulated here by one atomic per tile
   double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
   bool x_vec4;               // x and its ld allow loading 4 columns as one access (per-tensor kernel)
   bool gelu_vec4;            // the same for the GELU input of gelu_tanh_backward
@@ -185,16 +187,25 @@ __device__ inline Tile tile_of(const CastArgs<T>& a) {
   return t;
 }
 
-// The tile's statistics partial (a.partials[block]) from each thread's amax (>= +0, never NaN)
-// and counts: CastTally's block reduction (cast_stats.cuh), which the FP8-heads kernels share.
-// Every thread of the block calls it.
+// The tile's share of the cast's statistics, from each thread's amax (>= +0, never NaN) and
+// counts: a partial (a.partials[block]) where counts are wanted, else the amax alone into
+// a.amax_target by one atomic per block. Both are CastTally's block reductions
+// (cast_stats.cuh), which the FP8-heads kernels share. The atomic path spares the amax-only
+// casts (every delayed cast of a step without a telemetry report) the partials' write and the
+// one-block totalling kernel after each cast. Every thread of the block calls it.
 template <typename T>
-__device__ inline void write_tile_partial(const CastArgs<T>& a, float amax, uint32_t nonzero, uint32_t saturated,
-                                          uint32_t flushed) {
-  CastTally<true> tally;
-  tally.amax_bits = f32_bits(amax);
-  tally.nonzero = nonzero, tally.saturated = saturated, tally.flushed = flushed;
-  tally.write_block_partial(a.partials + blockIdx.x);
+__device__ inline void finish_tile_stats(const CastArgs<T>& a, uint32_t amax_bits, uint32_t nonzero,
+                                         uint32_t saturated, uint32_t flushed) {
+  if (a.partials) {
+    CastTally<true> tally;
+    tally.amax_bits = amax_bits;
+    tally.nonzero = nonzero, tally.saturated = saturated, tally.flushed = flushed;
+    tally.write_block_partial(a.partials + blockIdx.x);
+  } else if (a.amax_target) {
+    CastTally<false> tally;
+    tally.amax_bits = amax_bits;
+    tally.max_block_amax_into(a.amax_target);
+  }
 }
 
 template <Fp8Scaling S, typename T>
@@ -313,7 +324,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs<T> a) 
         if (a.stats_from_col) count(v, s, code);
       }
 
-  if (a.partials) write_tile_partial(a, tile_amax, nonzero, saturated, flushed);
+  finish_tile_stats(a, f32_bits(tile_amax), nonzero, saturated, flushed);
 }
 
 // Per-tensor scaling (delayed and tensorwise, the recipes that matter for speed): the scale is
@@ -589,7 +600,7 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
     a.column_partials[ty * a.cols + c0 + threadIdx.x] = t;
   }
 
-  if (a.partials) write_tile_partial(a, f32_from_bits(out.amax_bits), out.nonzero, out.saturated, out.flushed);
+  finish_tile_stats(a, out.amax_bits, out.nonzero, out.saturated, out.flushed);
 }
 
 // One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree)
@@ -953,7 +964,6 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
 
   const bool per_tensor = q.scaling == Fp8Scaling::per_tensor;
   const float fmax = fp8_max(q.format);
-  const bool want_stats = q.amax || q.stats;
   if (R == 0 || C == 0) {
     // Nothing to cast; a per-tensor copy still records its scale_inv, as on the CPU.
     if (per_tensor) {
@@ -1006,7 +1016,8 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     a.row = dst(rowwise);
     a.col = dst(columnwise);
     a.stats_from_col = !rowwise.defined();
-    a.partials = want_stats ? partials : nullptr;
+    a.partials = q.stats ? partials : nullptr;
+    a.amax_target = q.stats ? nullptr : q.amax;
     a.column_partials = column_partials;
     // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
     a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
@@ -1029,7 +1040,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   if (column_partials)
     column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<float>(), C,
                           q.column_sums_accumulate);
-  if (want_stats) total_cast_stats(partials, tiles, R * C, q);
+  if (q.stats) total_cast_stats(partials, tiles, R * C, q);  // else the amax went to q.amax by atomics
 }
 
 void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elements, const Quantize& q) {
