@@ -235,7 +235,8 @@ double ordered_sum(CudaBackend& be, int64_t n, F f) {
 // For dshift/dscale/dgate/bias grads and the dscale of RMSNorm: groups g = samples (or 1),
 // rows = tokens (or tokens × heads). Rows are cut into chunks of kColumnChunk; pass 1 gives
 // each (group, chunk, 32 columns) a block whose 8 thread rows walk the chunk in a fixed stride
-// and combine in a fixed order; pass 2 adds the chunk partials of each column in chunk order.
+// and combine in a fixed order; pass 2 adds the chunk partials of each column in a fixed order
+// (column_partials_total).
 // The order depends on the shape only, so results are identical from run to run, and the work
 // spreads over the GPU however few groups and columns there are (RMSNorm's dscale: 128 columns
 // over a million rows took 100 ms in one pass). Chunks hold kColumnChunk rows, more when a
@@ -270,19 +271,25 @@ __global__ void column_partials_kernel(int64_t rows, int64_t cols, int64_t chunk
 
 // For f32 and for bf16 outputs (reduce.cu; overloads, not a template: without relocatable
 // device code a kernel template cannot be instantiated in one file and launched from others).
-__global__ void column_partials_total_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
-                                             float* out, int64_t out_ld, bool accumulate);
-__global__ void column_partials_total_kernel(int64_t groups, int64_t cols, int64_t chunks, const double* partial,
+// Blocks of 32 x kColumnTotalWarps threads, a grid of (column blocks of 32, groups).
+constexpr int kColumnTotalWarps = 8;
+__global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const double* partial, float* out,
+                                             int64_t out_ld, bool accumulate);
+__global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const double* partial,
                                              __nv_bfloat16* out, int64_t out_ld, bool accumulate);
 
 // The second pass on its own, for kernels that write partials [groups, chunks, cols] of their
 // own (the one-pass LayerNorm backward, the FP8 casts, the QK-norm backward): out[g, c] (=, or
-// += when accumulate) Σ_k partial[g, k, c] in chunk order.
+// += when accumulate) Σ_k partial[g, k, c] in a fixed order (each warp of a block over a
+// contiguous run of chunks, then the warps in order).
 template <typename T>
 void column_partials_total(CudaBackend& be, int64_t groups, int64_t cols, int64_t chunks, const double* partial,
                            T* out, int64_t out_ld, bool accumulate) {
-  column_partials_total_kernel<<<blocks_for(groups * cols), kThreads, 0, be.stream()>>>(groups, cols, chunks, partial,
-                                                                                      out, out_ld, accumulate);
+  if (groups == 0 || cols == 0) return;
+  if (groups > 65535) fail("column sums: {} groups is beyond the launch limit of 65535", groups);
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(groups));
+  column_partials_total_kernel<<<grid, dim3(32, kColumnTotalWarps), 0, be.stream()>>>(cols, chunks, partial, out,
+                                                                                     out_ld, accumulate);
   FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
 }
 
