@@ -431,17 +431,21 @@ __global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> 
   }
 }
 
-// Rows of one sample per block of the one-pass backward: up to 32 (fewer partials to write and
-// add), but few enough that the grid has ~2 blocks per SM of an H100/H200 (132 SMs) when B·L is
-// small (the text stream of a double block: B·512 rows gave B·16 blocks). Rounded up, not down:
-// the grid then fits in at most the 264 block slots (2 per SM at 256 threads) instead of
-// spilling a few blocks into a second wave (W1's 8192-row streams: 31 rows, 288 blocks, took
-// 1.09 waves at half occupancy for the last). A function of the shape only, so the order of the
-// dshift/dscale sums, and their bits, are the same on every run and every GPU.
-constexpr int64_t kLnMaxRows = 32, kLnTargetBlocks = 2 * 132;
+// Rows of one sample per block of the one-pass backward. A block walks its rows one pair after
+// another, so a call takes about (waves of blocks) x (rows a block) pair steps: the count is the
+// one of 1..kLnMaxRows that makes that product smallest on an H100/H200 (kLnSlots: 2 blocks per
+// SM of 132), ties to more rows (fewer partials to write and add). With a plain ceil(B·L /
+// slots) capped at 32, W2's single blocks (B·L = 2 x 4608) got 288 blocks for 264 slots: two
+// waves, 128 µs a call where one wave of 35 rows takes ~95. A function of the shape only, so
+// the order of the dshift/dscale sums, and their bits, are the same on every run and every GPU.
+constexpr int64_t kLnMaxRows = 64, kLnSlots = 2 * 132;
 int64_t ln_rows_per_block(int64_t B, int64_t L) {
-  const int64_t r = (B * L + kLnTargetBlocks - 1) / kLnTargetBlocks;
-  return r < 1 ? 1 : (r > kLnMaxRows ? kLnMaxRows : r);
+  int64_t best = 1, best_cost = -1;
+  for (int64_t r = 1; r <= kLnMaxRows; ++r) {
+    const int64_t blocks = B * ((L + r - 1) / r), cost = (blocks + kLnSlots - 1) / kLnSlots * r;
+    if (best_cost < 0 || cost <= best_cost) best = r, best_cost = cost;
+  }
+  return best;
 }
 
 __global__ void rmsnorm_heads_kernel(Mat y, float* rstd, Mat x, const float* scale, int64_t D, int64_t n,
