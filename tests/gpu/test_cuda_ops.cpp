@@ -612,11 +612,23 @@ TEST(CudaOps, ObjectiveLossNormAdamW) {
   EXPECT_NEAR(loss[1], loss[0], 1e-12 * loss[0]);  // the same f32 inputs summed in double
   EXPECT_CLOSE(dpred, kElementwise);
 
+  // The vector path over whole blocks of 65,536 and a partial one, the 1-3 elements after the
+  // last quad, and (from element 1: not 16-byte aligned) the element-by-element path.
+  for (const int64_t size : {int64_t(70001), int64_t(3 * 65536 + 3), int64_t(4099)}) {
+    SCOPED_TRACE(size);
+    Pair xs({size});
+    xs.randn(96 + size);
+    double sq[2];
+    run_both([&](Backend& be, bool g) { sq[g] = be.sum_squares(xs.t(g)); });
+    EXPECT_NEAR(sq[1], sq[0], 1e-12 * sq[0]);  // the same f32 inputs summed in double: order only
+    const auto from1 = [&](bool g) {
+      return Tensor(static_cast<float*>(xs.t(g).data) + 1, DType::f32, Shape{size - 1});
+    };
+    run_both([&](Backend& be, bool g) { sq[g] = be.sum_squares(from1(g)); });
+    EXPECT_NEAR(sq[1], sq[0], 1e-12 * sq[0]);
+  }
   Pair big({70001});
   big.randn(96);
-  double ss[2];
-  run_both([&](Backend& be, bool g) { ss[g] = be.sum_squares(big.t(g)); });
-  EXPECT_NEAR(ss[1], ss[0], 1e-12 * ss[0]);  // the same f32 inputs summed in double: order only
   // A non-finite gradient must show in the norm (the trainer skips the step on it).
   big.host.mem[12345] = std::numeric_limits<float>::infinity();
   big.up();
