@@ -433,17 +433,19 @@ __global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> 
 }
 
 // Rows of one sample per block of the one-pass backward: about ceil(B·L / kLnSlots) (2 blocks per
-// SM of an H100/H200's 132) so that the grid is about one wave, at most 32 (fewer partials to
+// SM of an H100/H200's 132) so that the grid is about one wave, at most 64 (fewer partials to
 // write and add). Where that leaves a short last wave, fewer rows a block can do better: a
 // block walks its rows one pair after another, so a call takes about (waves) x (rows a block)
 // pair steps, and the count is the one between half that first choice and itself that makes
-// the product smallest (ties to more rows). W2's single blocks (B·L = 2 x 4608) had 288 blocks
-// of 32 rows for 264 slots, a second wave of 24 blocks: 128 µs a call against 87 for the 256
-// blocks of 8,192 rows; 18 rows give two full waves. (Searching all of 1..32 picks 7 or 9 rows
-// and hundreds of partials per sample; one wave of 64 rows took W1's single block 0.09 ms
-// longer than two of 32.) A function of the shape only, so the order of the dshift/dscale
-// sums, and their bits, are the same on every run and every GPU.
-constexpr int64_t kLnMaxRows = 32, kLnSlots = 2 * 132;
+// the product smallest (ties to more rows). Measured on W2 FP8 (profile, same call): its single
+// blocks (B·L = 2 x 4608) had 288 blocks of 32 rows for 264 slots, a second wave of 24 blocks
+// (128 µs a call against 87 for the 256 blocks of 8,192 rows); one wave of 35 rows took the
+// step's LayerNorm backward from 1.29 to 0.98 ms (with the faster column totals), two waves of
+// 18 rows to 1.05. W1's single block (32 x 512) keeps two waves of 32 rows: one wave of 64
+// took 0.09 ms longer. Searching all of 1..64 would pick 7 or 9 rows, hundreds of partials a
+// sample. A function of the shape only, so the order of the dshift/dscale sums, and their
+// bits, are the same on every run and every GPU.
+constexpr int64_t kLnMaxRows = 64, kLnSlots = 2 * 132;
 int64_t ln_rows_per_block(int64_t B, int64_t L) {
   const int64_t first = std::clamp<int64_t>((B * L + kLnSlots - 1) / kLnSlots, 1, kLnMaxRows);
   int64_t best = first, best_cost = -1;
