@@ -168,7 +168,7 @@ TEST(Fp8Training, HistoryLengthChangeOnRestore) {
 }
 
 // The delayed recipe's weight casts written by AdamW with the new weights (Backend::ParamCast,
-// rowwise and columnwise, with the next step's scales) give the steps the casts
+// with the next step's scales; columnwise copies by transpose_codes) give the steps the casts
 // at the weights' first use gave: the same predictions, gradients and delayed-scaling state;
 // and on a step that counts telemetry the weights are cast again for their counts.
 TEST(Fp8Training, WeightCastsWrittenByAdamWEqualCastsAtFirstUse) {

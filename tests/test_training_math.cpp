@@ -108,43 +108,6 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping, {}), Error);
 }
 
-// A weight cast written by AdamW (ParamCast) with its columnwise copy: the codes of the new
-// weight and the same codes transposed, both with 1/scale; a copy that is not the codes'
-// shape transposed is refused by name.
-TEST(Optimizer, AdamWWritesTheColumnwiseCopyOfItsCasts) {
-  auto be = make_backend("cpu");
-  const int64_t rows = 6, cols = 8, n = rows * cols + 5;
-  std::vector<float> p(n), g(n), m(n, 0.f), v(n, 0.f);
-  for (int64_t i = 0; i < n; ++i) p[i] = rng_normal(3, 0, i), g[i] = 0.01f * rng_normal(4, 0, i);
-  const auto f32 = [&](std::vector<float>& x) { return Tensor(x.data(), DType::f32, Shape{n}); };
-  std::vector<uint8_t> row_codes(rows * cols, 0xA5), col_codes(rows * cols, 0xA5);
-  float row_inv = 0, col_inv = 0, scale = 16.0f, amax = 0;
-  const auto qt = [](std::vector<uint8_t>& c, float* inv, int64_t r, int64_t k) {
-    QTensor q;
-    q.rows = r, q.cols = k, q.format = Fp8Format::e4m3, q.scaling = Fp8Scaling::per_tensor;
-    q.codes = c.data(), q.scale_inv = inv;
-    return q;
-  };
-  const Backend::AdamW h{1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
-  const Backend::ParamCast casts[] = {
-      {5, qt(row_codes, &row_inv, rows, cols), qt(col_codes, &col_inv, cols, rows), &scale, &amax}};
-  be->adamw(f32(p), f32(g), f32(m), f32(v), h, {}, casts);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      ASSERT_EQ(col_codes[static_cast<size_t>(c * rows + r)], row_codes[static_cast<size_t>(r * cols + c)]) << r << ", " << c;
-  EXPECT_NE(row_codes, std::vector<uint8_t>(row_codes.size(), 0xA5));
-  EXPECT_EQ(col_inv, 1.0f / 16.0f);
-  EXPECT_EQ(row_inv, col_inv);
-  const Backend::ParamCast wrong[] = {
-      {5, qt(row_codes, &row_inv, rows, cols), qt(col_codes, &col_inv, rows, cols), &scale, &amax}};
-  try {
-    be->adamw(f32(p), f32(g), f32(m), f32(v), h, {}, wrong);
-    ADD_FAILURE() << "a columnwise copy of the wrong shape was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cast 0's columnwise copy [6, 8]"), std::string::npos) << e.what();
-  }
-}
-
 TEST(Optimizer, SumSquaresIsThreadIndependent) {
   std::vector<float> x(100003);
   for (size_t i = 0; i < x.size(); ++i) x[i] = rng_normal(3, 0, i);

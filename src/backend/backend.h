@@ -259,14 +259,10 @@ class Backend {
   // of x·*scale, codes.scale_inv[0] = 1/*scale, the amax max-accumulated into *amax; no
   // telemetry counts. `scale` and `amax` point into this backend's memory. With the delayed
   // recipe the next step's scale is known when the optimizer runs, so the weights' casts need
-  // not read the 4-byte parameters again. `columnwise`, when given, gets the same codes
-  // transposed ([codes.cols, codes.rows], the same format; its scale_inv 1/*scale too), as
-  // transpose_codes would make them from `codes`: the dgrad GEMM's operand, written with the
-  // update where a transpose_codes pass would read the rowwise codes again.
+  // not read the 4-byte parameters again (transpose_codes makes their columnwise copy).
   struct ParamCast {
     int64_t offset = 0;
-    QTensor codes;       // per_tensor
-    QTensor columnwise;  // optional: per_tensor, codes transposed
+    QTensor codes;  // per_tensor
     const float* scale = nullptr;
     float* amax = nullptr;
   };
@@ -301,7 +297,7 @@ class Backend {
   // per-tensor scaling both copies share one scale; 128x128 tiles transpose with their scales.
   virtual void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) = 0;
   // dst [cols, rows] = src [rows, cols] transposed, codes and (per-tensor) scale_inv: the
-  // columnwise copy of per-tensor codes (ParamCast::columnwise has adamw write it directly).
+  // columnwise copy of a weight whose rowwise cast adamw wrote (ParamCast).
   virtual void transpose_codes(QTensor dst, const QTensor& src) = 0;
   // The input of a fused cast: the element-wise op that produces the tensor to cast, so the
   // tensor between the op and the cast is never stored. identity: x itself; gelu_tanh:

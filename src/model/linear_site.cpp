@@ -255,8 +255,7 @@ std::vector<Backend::ParamCast> Fp8Runtime::weight_casts(const ParamStore& store
     const int slot = first_slot_[static_cast<size_t>(s->index)] + static_cast<int>(Operand::weight);
     // As quantize_args for a recording cast: the registry's scale, the staging row's amax (the
     // next step's, as the first forward use would record it).
-    casts.push_back(
-        {store.offset_of(s->w), s->w_row, s->w_col, scale_dev_.ptr<float>() + slot, history_dev_.ptr<float>() + slot});
+    casts.push_back({store.offset_of(s->w), s->w_row, scale_dev_.ptr<float>() + slot, history_dev_.ptr<float>() + slot});
   }
   if (!casts.empty()) host_current_ = false;
   return casts;
@@ -265,7 +264,8 @@ std::vector<Backend::ParamCast> Fp8Runtime::weight_casts(const ParamStore& store
 void Fp8Runtime::weights_updated(bool cast_by_update) {
   ++weight_version_;
   if (!cast_by_update) return;
-  for (LinearSite* s : sites_) {  // both copies written by AdamW (weight_casts: codes and columnwise)
+  for (LinearSite* s : sites_) {
+    be_.transpose_codes(s->w_col, s->w_row);
     s->w_version = weight_version_;
     s->w_recorded = true;
     s->w_counted = false;

@@ -107,12 +107,12 @@ class Fp8Runtime {
   }
   Backend::Quantize quantize_args(const LinearSite& site, Operand o);
 
-  // The casts of every FP8 site's new weight for AdamW to write (Backend::ParamCast: rowwise and
-  // columnwise codes), with the next step's scales: the delayed recipe only (end_step() has run;
-  // other recipes derive the scale from the new weight itself), else empty.
+  // The rowwise casts of every FP8 site's new weight for AdamW to write (Backend::ParamCast),
+  // with the next step's scales: the delayed recipe only (end_step() has run; other recipes
+  // derive the scale from the new weight itself), else empty.
   std::vector<Backend::ParamCast> weight_casts(const ParamStore& store);
   // Weights changed (optimizer step): casts are redone on first use — or, cast_by_update, AdamW
-  // wrote the weight_casts() and they are marked current and kept.
+  // wrote the weight_casts() and they are completed here (columnwise copies) and kept.
   void weights_updated(bool cast_by_update = false);
   // Casts a site's weight unless this step's cast is in place (and recorded, and counted when
   // the step counts telemetry).

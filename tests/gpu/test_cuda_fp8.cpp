@@ -370,31 +370,22 @@ TEST(CudaFp8, DelayedScalingUpdateMatchesCpu) {
 // spanning several of the kernel's chunks, next to a bf16 copy.
 TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
   FLUX8_REQUIRE_GPU();
-  const int64_t n = 170007;
+  const int64_t n = 90007;
   Pair p({n}), gr({n}), m({n}), v({n});
   p.randn(41, 0.5), gr.randn(42, 0.01), m.randn(43, 0.001), v.fill(1e-6f);
-  // With a columnwise copy: written by the tile kernel where the weight fits its tiles (rows a
-  // multiple of 16, columns of 4, offset on a quad), else transposed after the update.
   struct Weight {
     int64_t offset, rows, cols;
     Fp8Format format;
     float scale, amax_before;
-    bool columnwise;
   };
-  const Weight weights[] = {
-      {0, 137, 301, Fp8Format::e4m3, 300.0f, 0.0f, true},      // 41237: several flat chunks, transposed after
-      {50001, 7, 13, Fp8Format::e5m2, 2.0f, 0.25f, false},     // odd offset, per element, rowwise only
-      {60000, 64, 96, Fp8Format::e4m3, 1500.0f, 9.0f, true},   // a tile of 64 rows; saturates; amax stays 9
-      {72000, 48, 1100, Fp8Format::e5m2, 40.0f, 0.0f, true},   // 48 rows; tiles of 256 and 76 columns
-      {125000, 16, 8, Fp8Format::e4m3, 64.0f, 0.0f, true},     // one small tile
-      {126000, 144, 260, Fp8Format::e4m3, 100.0f, 0.0f, true}};  // tiles of 128 and 16 rows, 256 and 4 columns
-  constexpr int kWeights = 6;
-  std::vector<std::unique_ptr<QPair>> codes, cols;
-  Pair scales({kWeights}), amax({kWeights});
-  for (int i = 0; i < kWeights; ++i) {
+  const Weight weights[] = {{0, 137, 301, Fp8Format::e4m3, 300.0f, 0.0f},   // 41237: several chunks
+                            {50001, 7, 13, Fp8Format::e5m2, 2.0f, 0.25f},  // odd offset, per element
+                            {60000, 64, 96, Fp8Format::e4m3, 1500.0f, 9.0f}};  // saturates; amax stays 9
+  std::vector<std::unique_ptr<QPair>> codes;
+  Pair scales({3}), amax({3});
+  for (int i = 0; i < 3; ++i) {
     const Weight& w = weights[i];
     codes.push_back(std::make_unique<QPair>(w.rows, w.cols, w.format, Fp8Scaling::per_tensor));
-    cols.push_back(std::make_unique<QPair>(w.cols, w.rows, w.format, Fp8Scaling::per_tensor));
     scales.host.mem[static_cast<size_t>(i)] = w.scale;
     amax.host.mem[static_cast<size_t>(i)] = w.amax_before;
   }
@@ -405,37 +396,21 @@ TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
     const Backend::AdamW h{1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0, step};
     run_both([&](Backend& be, bool g) {
       std::vector<Backend::ParamCast> casts;
-      for (int i = 0; i < kWeights; ++i) {
-        const auto k = static_cast<size_t>(i);
-        casts.push_back({weights[i].offset, codes[k]->on(g), weights[i].columnwise ? cols[k]->on(g) : QTensor{},
+      for (int i = 0; i < 3; ++i)
+        casts.push_back({weights[i].offset, codes[static_cast<size_t>(i)]->on(g),
                          static_cast<const float*>(scales.t(g).data) + i, static_cast<float*>(amax.t(g).data) + i});
-      }
       const Backend::ParamCopy copies[] = {
           {70000, g ? copy.t : Tensor(copy_host.data(), DType::bf16, Shape{1000})}};
       be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, copies, casts);
     });
     EXPECT_EQ(p.down(), p.host.mem);
-    EXPECT_EQ(m.down(), m.host.mem);
-    EXPECT_EQ(v.down(), v.host.mem);
-    for (int i = 0; i < kWeights; ++i) {
-      const auto k = static_cast<size_t>(i);
-      expect_equals_cpu(*codes[k], fmt::format("weight {}", i).c_str());
-      if (weights[i].columnwise) expect_equals_cpu(*cols[k], fmt::format("weight {}, columnwise", i).c_str());
-    }
+    for (int i = 0; i < 3; ++i) expect_equals_cpu(*codes[static_cast<size_t>(i)], fmt::format("weight {}", i).c_str());
     EXPECT_EQ(bits(amax.down()), bits(amax.host.mem));
     EXPECT_EQ(copy.bits(), copy_host);
   }
   EXPECT_EQ(amax.host.mem[2], 9.0f) << "max-accumulated: the larger amax already there stays";
   const std::vector<uint8_t> c2 = codes[2]->codes;
   EXPECT_TRUE(std::count(c2.begin(), c2.end(), uint8_t{0x7E}) > 0) << "the scale saturates some values (E4M3 448)";
-  // Not vacuous: the CPU's columnwise copy (which the GPU's equals) is the rowwise one transposed.
-  for (const int i : {0, 3, 5}) {
-    const Weight& w = weights[i];
-    const auto k = static_cast<size_t>(i);
-    for (const auto [r, c] : {std::pair<int64_t, int64_t>{0, 0}, {w.rows - 1, 5}, {40, w.cols - 1}})
-      EXPECT_EQ(cols[k]->codes[static_cast<size_t>(c * w.rows + r)], codes[k]->codes[static_cast<size_t>(r * w.cols + c)])
-          << "weight " << i << " (" << r << ", " << c << ")";
-  }
 }
 
 // transpose_codes: the columnwise copy of a per-tensor cast from its rowwise codes, the CPU's

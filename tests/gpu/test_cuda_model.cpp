@@ -182,7 +182,7 @@ TEST(CudaModel, Fp8AttentionMatchesCpuAndRepeats) {
 }
 
 // The delayed recipe's weight casts written by AdamW (the fused kernel's codes and amax, the
-// columnwise copies written with them) give the GPU's training steps exactly what the casts at
+// columnwise copies by transpose_codes) give the GPU's training steps exactly what the casts at
 // the weights' first use gave (the per-tensor cast kernel): same predictions and gradients bit
 // for bit, on bf16 activations as trained.
 TEST(CudaModel, Fp8WeightCastsWrittenByAdamWEqualCastsAtFirstUse) {

@@ -139,8 +139,7 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
       });
     }
   });
-  // The casts: quantize() of each weight's new values with its delayed scale (no counts), and
-  // the columnwise copy transposed from those codes.
+  // The casts: quantize() of each weight's new values with its delayed scale (no counts).
   for (const ParamCast& cast : casts) {
     Quantize q;
     q.format = cast.codes.format;
@@ -149,7 +148,6 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
     quantize(cast.codes, QTensor{}, Tensor(param.ptr<float>() + cast.offset, DType::f32,
                                            Shape{cast.codes.rows, cast.codes.cols}),
              q);
-    if (cast.columnwise.defined()) transpose_codes(cast.columnwise, cast.codes);
   }
 }
 

@@ -194,7 +194,6 @@ class CudaBackend final : public Backend {
   void* adamw_chunks_ = nullptr;
   size_t adamw_chunks_bytes_ = 0;
   int64_t adamw_chunk_count_ = 0;
-  int64_t adamw_flat_chunks_ = 0;  // the table's first chunks (adamw_kernel); the rest are tiles
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

@@ -149,10 +149,6 @@ struct AdamwStep {
 // elements: their bf16 copy and/or FP8 codes, from the pointers of element `begin` (nullptr:
 // none). The table splits every output's range and every gap between them into chunks, so a
 // block never looks up which output an element has.
-// A tile chunk (adamw_tile_kernel: a cast with its columnwise copy) is instead rows [r0, r0 +
-// rows) x columns [c0, c0 + cols) of a row-major weight of `ld` columns: `begin` its first
-// element, `codes` that element's code, `col_codes` its code in the columnwise copy (whose rows
-// are col_ld = the weight's rows long).
 struct AdamwChunk {
   int64_t begin, end;
   __nv_bfloat16* copy;
@@ -161,21 +157,11 @@ struct AdamwChunk {
   float* amax;         // the cast's amax target (max-accumulated)
   float* scale_inv;    // the cast's first chunk only: gets 1/scale
   Fp8Format format;
-  // Tile chunks only:
-  uint8_t* col_codes;
-  float* col_scale_inv;  // the first tile only
-  int64_t ld, col_ld;
-  int32_t rows, cols;  // rows a multiple of 16 (at most kTileRows), cols of 4 (at most kTileCols)
 };
 // 32 quads a thread: a block first waits for its chunk's entry (a dependent load), which
 // chunks of 4 quads a thread did not hide (0.3 ms more than a grid-stride loop over W2's 1.3G
 // parameters); a thread's quads issued all at once (86 registers) ran slower still.
 constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
-// A tile chunk: as many elements as a flat one; 128 rows, so that 8 threads write 128
-// consecutive bytes of a columnwise row (with 32-row tiles each thread wrote its column's 32
-// bytes in two 16-byte pieces: the step's AdamW took 1.3 ms longer on W2 than AdamW plus
-// transpose_codes).
-constexpr int kTileRows = 128, kTileCols = 256, kTileQuads = kTileCols / 4;
 
 // AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
 // 16-byte aligned; the chunk's start a multiple of 4, its copy 8-byte and its codes 4-byte
@@ -244,92 +230,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// AdamW over tile chunks: the same update, bf16-free (weights with FP8 casts have no copy), the
-// rowwise codes written as the flat kernel writes them (thread t on quad t % 64 of rows t / 64,
-// + 4, ...) and kept in shared memory, then the tile transposed: thread t takes the 16-row band
-// t % 8 of quad t / 8 (and of t / 8 + 32), reads its 16 words, transposes them 4x4 bytes at a
-// time (as the cast kernels' columnwise copy) and writes 16 bytes to each of its 4 columnwise
-// rows, the 8 bands' threads 128 consecutive bytes. The columnwise copy thus costs its write
-// only: transpose_codes after AdamW read the rowwise codes again (0.59 ms of W2's step for
-// 0.9G weights) and took a launch per weight. Word (row i, quad q) sits at q ^ 4·(i / 16 % 8):
-// the band pass's 32 threads (8 bands x 4 quads) then hit 32 banks.
-__device__ inline int tile_word(int i, int q) { return q ^ (((i >> 4) & 7) << 2); }
-
-__global__ void __launch_bounds__(kThreads)
-    adamw_tile_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const float* __restrict__ g,
-                      float* __restrict__ m, float* __restrict__ v, AdamwStep step) {
-  static_assert(kThreads == 256 && kTileQuads == 64, "4 rows of 64 quads a pass; 8 bands x 32 quads");
-  __shared__ uint32_t words[kTileRows][kTileQuads];
-  __shared__ uint32_t warp_amax[kThreads / 32];
-  const AdamwChunk c = chunks[blockIdx.x];
-  const int t = static_cast<int>(threadIdx.x), q = t % kTileQuads;
-  const bool active = 4 * q < c.cols;
-  const float s = *c.scale;
-  uint32_t amax_bits = 0;
-  const auto take_amax = [&](float x) {
-    if (!f32_is_nan(x)) amax_bits = max(amax_bits, __float_as_uint(x) & 0x7FFFFFFFu);
-  };
-  for (int i = t / kTileQuads; i < c.rows; i += kThreads / kTileQuads) {
-    uint32_t word = 0;
-    if (active) {
-      const int64_t e = c.begin + i * c.ld + 4 * q;
-      float4 pq = *reinterpret_cast<float4*>(p + e), mq = *reinterpret_cast<float4*>(m + e);
-      float4 vq = *reinterpret_cast<float4*>(v + e);
-      const float4 gq = *reinterpret_cast<const float4*>(g + e);
-      step(pq.x, gq.x, mq.x, vq.x);
-      step(pq.y, gq.y, mq.y, vq.y);
-      step(pq.z, gq.z, mq.z, vq.z);
-      step(pq.w, gq.w, mq.w, vq.w);
-      *reinterpret_cast<float4*>(p + e) = pq, *reinterpret_cast<float4*>(m + e) = mq;
-      *reinterpret_cast<float4*>(v + e) = vq;
-      word = encode_pair(pq.x, pq.y, s, c.format) | (encode_pair(pq.z, pq.w, s, c.format) << 16);
-      *reinterpret_cast<uint32_t*>(c.codes + i * c.ld + 4 * q) = word;
-      take_amax(pq.x), take_amax(pq.y), take_amax(pq.z), take_amax(pq.w);
-    }
-    words[i][tile_word(i, q)] = word;
-  }
-  __syncthreads();
-  const int band = t % 8;
-  if (16 * band < c.rows)
-    for (int quad = t / 8; quad < kTileQuads; quad += kThreads / 8) {
-      if (4 * quad >= c.cols) break;
-      uint32_t out[4][4];  // [column e of the quad][rows 16·band + 4a .. + 3]
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const int i = 16 * band + 4 * a;
-        const uint32_t w0 = words[i][tile_word(i, quad)], w1 = words[i + 1][tile_word(i + 1, quad)];
-        const uint32_t w2 = words[i + 2][tile_word(i + 2, quad)], w3 = words[i + 3][tile_word(i + 3, quad)];
-        const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-        const uint32_t lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
-        out[0][a] = __byte_perm(lo01, lo23, 0x5410);
-        out[1][a] = __byte_perm(lo01, lo23, 0x7632);
-        out[2][a] = __byte_perm(hi01, hi23, 0x5410);
-        out[3][a] = __byte_perm(hi01, hi23, 0x7632);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        *reinterpret_cast<uint4*>(c.col_codes + (4 * quad + e) * c.col_ld + 16 * band) =
-            make_uint4(out[e][0], out[e][1], out[e][2], out[e][3]);
-    }
-  amax_bits = __reduce_max_sync(0xffffffffu, amax_bits);
-  if (t % 32 == 0) warp_amax[t / 32] = amax_bits;
-  __syncthreads();
-  if (t == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) amax_bits = max(amax_bits, warp_amax[w]);
-    atomicMax(reinterpret_cast<unsigned*>(c.amax), amax_bits);
-    if (c.scale_inv) *c.scale_inv = scale_inverse(s);
-    if (c.col_scale_inv) *c.col_scale_inv = scale_inverse(s);
-  }
-}
-
-// Whether a cast's columnwise copy can be written by adamw_tile_kernel: the parameters' quads
-// (16-byte aligned buffers, the weight's rows starting on quads), 4-byte rows of codes, and
-// columnwise rows of whole 16-byte pieces.
-bool tiles_fit(const Backend::ParamCast& c, bool quads) {
-  return quads && c.offset % 4 == 0 && c.codes.cols % 4 == 0 && reinterpret_cast<uintptr_t>(c.codes.codes) % 4 == 0 &&
-         c.codes.rows % 16 == 0 && aligned16(c.columnwise.codes);
-}
-
 }  // namespace
 
 void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
@@ -340,73 +240,34 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   const int64_t n = param.numel();
   if (n == 0) return;
 
-  float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
-  const float* g = grad.ptr<float>();
-  const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
-
   // The chunk table depends only on n and the outputs; it is made once for each such layout (a
-  // trainer passes the same every step) and kept on the device. The flat chunks come first, then
-  // the tile chunks of the casts whose columnwise copy adamw_tile_kernel writes; a columnwise
-  // copy that does not fit the tiles is transposed from the codes after the update.
+  // trainer passes the same every step) and kept on the device.
   struct Output {
     int64_t offset, count;
     AdamwChunk first;  // the pointers of the range's first element
-    int64_t rows = 0;  // tiled: the weight's rows (its columns are first.ld), else 0
   };
   std::vector<Output> outputs;
-  std::vector<const ParamCast*> transposed_after;
   for (const ParamCopy& c : copies)
     outputs.push_back({c.offset, c.copy.numel(),
                        AdamwChunk{0, 0, static_cast<__nv_bfloat16*>(c.copy.data), nullptr, nullptr, nullptr, nullptr,
                                   Fp8Format::e4m3}});
-  for (const ParamCast& c : casts) {
-    Output o{c.offset, c.codes.numel(),
-             AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format}};
-    if (c.columnwise.defined() && c.codes.numel() > 0) {
-      if (tiles_fit(c, quads)) {
-        o.first.col_codes = c.columnwise.codes;
-        o.first.col_scale_inv = c.columnwise.scale_inv;
-        o.first.ld = c.codes.cols;
-        o.first.col_ld = c.codes.rows;
-        o.rows = c.codes.rows;
-      } else {
-        transposed_after.push_back(&c);
-      }
-    }
-    outputs.push_back(o);
-  }
+  for (const ParamCast& c : casts)
+    outputs.push_back({c.offset, c.codes.numel(),
+                       AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format}});
   std::sort(outputs.begin(), outputs.end(), [](const Output& a, const Output& b) { return a.offset < b.offset; });
-  std::vector<int64_t> layout{n, quads};
+  std::vector<int64_t> layout{n};
   for (const Output& o : outputs) {
     const AdamwChunk& f = o.first;
     for (const void* ptr : {static_cast<const void*>(f.copy), static_cast<const void*>(f.codes),
                             static_cast<const void*>(f.scale), static_cast<const void*>(f.amax),
-                            static_cast<const void*>(f.scale_inv), static_cast<const void*>(f.col_codes),
-                            static_cast<const void*>(f.col_scale_inv)})
+                            static_cast<const void*>(f.scale_inv)})
       layout.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)));
     layout.push_back(o.offset);
     layout.push_back(o.count);
-    layout.push_back(o.rows);
     layout.push_back(static_cast<int64_t>(f.format));
   }
   if (layout != adamw_layout_) {
-    std::vector<AdamwChunk> table, tiles;
-    // A tiled weight [rows, ld]: tiles of kTileRows x kTileCols, the last ones cut at its edges.
-    const auto add_tiles = [&](const Output& o) {
-      const AdamwChunk& f = o.first;
-      for (int64_t r0 = 0; r0 < o.rows; r0 += kTileRows)
-        for (int64_t c0 = 0; c0 < f.ld; c0 += kTileCols) {
-          AdamwChunk k = f;
-          k.begin = o.offset + r0 * f.ld + c0;
-          k.end = k.begin;  // unused by the tile kernel
-          k.codes = f.codes + r0 * f.ld + c0;
-          k.col_codes = f.col_codes + c0 * f.col_ld + r0;
-          k.rows = static_cast<int32_t>(std::min<int64_t>(kTileRows, o.rows - r0));
-          k.cols = static_cast<int32_t>(std::min<int64_t>(kTileCols, f.ld - c0));
-          if (r0 != 0 || c0 != 0) k.scale_inv = k.col_scale_inv = nullptr;
-          tiles.push_back(k);
-        }
-    };
+    std::vector<AdamwChunk> table;
     const auto add = [&](int64_t begin, int64_t end, const AdamwChunk* first) {
       for (int64_t at = begin; at < end; at += kAdamwChunk) {
         AdamwChunk k = first ? *first : AdamwChunk{};
@@ -421,15 +282,10 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
     int64_t at = 0;
     for (const Output& o : outputs) {
       add(at, o.offset, nullptr);
-      if (o.rows > 0)
-        add_tiles(o);
-      else
-        add(o.offset, o.offset + o.count, &o.first);
+      add(o.offset, o.offset + o.count, &o.first);
       at = o.offset + o.count;
     }
     add(at, n, nullptr);
-    adamw_flat_chunks_ = static_cast<int64_t>(table.size());
-    table.insert(table.end(), tiles.begin(), tiles.end());
     const size_t bytes = table.size() * sizeof(AdamwChunk);
     FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be in use
     if (bytes > adamw_chunks_bytes_) {
@@ -456,18 +312,12 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
                        static_cast<float>(h.lr),             static_cast<float>(h.eps),
                        static_cast<float>(1.0 - h.lr * h.weight_decay),
                        static_cast<float>(bc1),              static_cast<float>(bc2)};
-  const auto* chunks = static_cast<const AdamwChunk*>(adamw_chunks_);
-  if (adamw_flat_chunks_ > 0) {
-    adamw_kernel<<<static_cast<unsigned>(adamw_flat_chunks_), kThreads, 0, stream_>>>(chunks, p, g, mm, vv, step,
-                                                                                     quads);
-    FLUX8_LAUNCH_CHECK(adamw_kernel);
-  }
-  if (adamw_chunk_count_ > adamw_flat_chunks_) {
-    adamw_tile_kernel<<<static_cast<unsigned>(adamw_chunk_count_ - adamw_flat_chunks_), kThreads, 0, stream_>>>(
-        chunks + adamw_flat_chunks_, p, g, mm, vv, step);
-    FLUX8_LAUNCH_CHECK(adamw_tile_kernel);
-  }
-  for (const ParamCast* c : transposed_after) transpose_codes(c->columnwise, c->codes);
+  float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
+  const float* g = grad.ptr<float>();
+  const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
+  adamw_kernel<<<static_cast<unsigned>(adamw_chunk_count_), kThreads, 0, stream_>>>(
+      static_cast<const AdamwChunk*>(adamw_chunks_), p, g, mm, vv, step, quads);
+  FLUX8_LAUNCH_CHECK(adamw_kernel);
 }
 
 }  // namespace flux8
