@@ -27,6 +27,12 @@
 #          ${GPU_CHECK_AB_PRECISION:-bf16,delayed} --steps 10 --warmup 3` of base and working tree,
 #          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt;
 #          GPU_CHECK_AB_ARGS adds arguments to each (e.g. --set fp8_dot_product_attention=true)
+#   ncu    Nsight Compute over one step (GPU_CHECK_NCU_ARGS, default W2 FP8 delayed + FP8
+#          attention, `bench --steps 1 --warmup 0`), for each kernel-name regex in
+#          GPU_CHECK_NCU_KERNELS (default "layernorm_modulate_backward qk_norm_rope cast_per_tensor
+#          column_partials") its first GPU_CHECK_NCU_COUNT (60) launches with the SpeedOfLight,
+#          Occupancy, LaunchStats, WarpStateStats and MemoryWorkloadAnalysis sections
+#          -> $OUT/ncu_<regex>.txt, and scripts/ncu_summary.py's table of them -> $OUT/ncu_summary.txt
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
@@ -204,6 +210,25 @@ if has bench; then
         --data "${GPU_CHECK_CURVE_DATA:-structured}" --json "$OUT/bench_curve.json" 2>&1 |
       tee "$OUT/bench_curve.txt" || die "the W1 loss-curve run failed"
   fi
+fi
+
+if has ncu; then
+  stage ncu
+  [ -x build/flux8 ] || die "no build/flux8: run the build stage"
+  ncu_bin=${GPU_CHECK_NCU_BIN:-/usr/local/cuda/bin/ncu}
+  [ -x "$ncu_bin" ] || die "no Nsight Compute at $ncu_bin (set GPU_CHECK_NCU_BIN)"
+  ncu_args=${GPU_CHECK_NCU_ARGS:-"bench --workload W2 --precision delayed --set fp8_dot_product_attention=true --steps 1 --warmup 0"}
+  : > "$OUT/ncu_summary.txt"
+  for regex in ${GPU_CHECK_NCU_KERNELS:-layernorm_modulate_backward qk_norm_rope cast_per_tensor column_partials}; do
+    report="$OUT/ncu_$(echo "$regex" | tr -c 'A-Za-z0-9_\n' '_').txt"
+    mark "ncu $regex"
+    # shellcheck disable=SC2086  # ncu_args: the flux8 command line, split into words
+    "$ncu_bin" --kernel-name "regex:$regex" --launch-count "${GPU_CHECK_NCU_COUNT:-60}" --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        build/flux8 $ncu_args > "$report" 2>&1 || { tail -5 "$report"; die "ncu on '$regex' failed: see $report"; }
+    { echo "## $regex ($ncu_args)"; "$python" scripts/ncu_summary.py "$report"; echo; } | tee -a "$OUT/ncu_summary.txt" ||
+      die "no kernel matched '$regex': see $report"
+  done
 fi
 
 if has ab; then
