@@ -1,7 +1,8 @@
 #pragma once
 // The statistics of a per-tensor FP8 cast on the device: what every block of a casting kernel
-// saw (amax and the telemetry counts of cast_span() in src/fp8/quantize.cpp), one partial per
-// block, totalled in order by CudaBackend::total_cast_stats (fp8.cu). Shared by the cast kernels
+// saw (amax and the telemetry counts of cast_span() in src/fp8/quantize.cpp): where counts are
+// wanted one partial per block, totalled in order by CudaBackend::total_cast_stats (fp8.cu), else
+// the amax alone by one atomic per block (CastTally::finish_block). Shared by the cast kernels
 // (fp8.cu) and the kernels that write FP8 heads in place of a separate cast (qk_norm_rope.cu,
 // layout.cu).
 #include <cstdint>
@@ -86,6 +87,16 @@ struct CastTally {
       if (bits != 0) atomicMax(reinterpret_cast<unsigned int*>(target), bits);
     }
     __syncthreads();
+  }
+
+  // The block's share of a cast's statistics: its partial into partials[blockIdx.x] where counts
+  // are wanted (partials given: a report step, totalled after the kernel), else the amax alone
+  // into *amax by one atomic (when given). Every thread of the block calls it.
+  __device__ void finish_block(StatsPartial* partials, float* amax) const {
+    if (partials)
+      write_block_partial(partials + blockIdx.x);
+    else if (amax)
+      max_block_amax_into(amax);
   }
 };
 

@@ -187,25 +187,18 @@ __device__ inline Tile tile_of(const CastArgs<T>& a) {
   return t;
 }
 
-// The tile's share of the cast's statistics, from each thread's amax (>= +0, never NaN) and
-// counts: a partial (a.partials[block]) where counts are wanted, else the amax alone into
-// a.amax_target by one atomic per block. Both are CastTally's block reductions
-// (cast_stats.cuh), which the FP8-heads kernels share. The atomic path spares the amax-only
-// casts (every delayed cast of a step without a telemetry report) the partials' write and the
-// one-block totalling kernel after each cast. Every thread of the block calls it.
+// The tile's share of the cast's statistics from each thread's amax (>= +0, never NaN) and
+// counts: CastTally::finish_block (cast_stats.cuh), shared with the FP8-heads kernels — a
+// partial where counts are wanted, else the amax alone by one atomic per block, which spares
+// the amax-only casts (every delayed cast of a step without a telemetry report) the partials'
+// write and the one-block totalling kernel after each cast. Every thread of the block calls it.
 template <typename T>
 __device__ inline void finish_tile_stats(const CastArgs<T>& a, uint32_t amax_bits, uint32_t nonzero,
                                          uint32_t saturated, uint32_t flushed) {
-  if (a.partials) {
-    CastTally<true> tally;
-    tally.amax_bits = amax_bits;
-    tally.nonzero = nonzero, tally.saturated = saturated, tally.flushed = flushed;
-    tally.write_block_partial(a.partials + blockIdx.x);
-  } else if (a.amax_target) {
-    CastTally<false> tally;
-    tally.amax_bits = amax_bits;
-    tally.max_block_amax_into(a.amax_target);
-  }
+  CastTally<true> tally;
+  tally.amax_bits = amax_bits;
+  tally.nonzero = nonzero, tally.saturated = saturated, tally.flushed = flushed;
+  tally.finish_block(a.partials, a.amax_target);
 }
 
 template <Fp8Scaling S, typename T>

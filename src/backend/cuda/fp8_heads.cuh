@@ -30,10 +30,7 @@ struct Fp8HeadsOut {
   // The block's share of the cast's statistics (every thread of the block calls it).
   template <bool kCount>
   __device__ void finish_block(const CastTally<kCount>& t) const {
-    if (partials)
-      t.write_block_partial(partials + blockIdx.x);
-    else if (amax)
-      t.max_block_amax_into(amax);
+    t.finish_block(partials, amax);
   }
 };
 struct Fp8HeadsIn {
