@@ -213,6 +213,17 @@ __global__ void partial_sums_kernel(int64_t n, F f, double* partial) {
 
 __global__ void sum_partials_kernel(const double* partial, int64_t count, double* out);
 
+// Pass 2 and the read-back: Σ partial[0 .. count) in the fixed order, into partial[count] (the
+// scratch must hold count + 1 doubles), then to the host (a synchronisation).
+inline double total_of_partials(CudaBackend& be, double* partial, int64_t count) {
+  sum_partials_kernel<<<1, kThreads, 0, be.stream()>>>(partial, count, partial + count);
+  FLUX8_LAUNCH_CHECK(sum_partials_kernel);
+  double* result = static_cast<double*>(be.pinned_result());
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(result, partial + count, sizeof(double), cudaMemcpyDeviceToHost, be.stream()));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(be.stream()));
+  return *result;
+}
+
 template <typename F>
 double ordered_sum(CudaBackend& be, int64_t n, F f) {
   const int64_t chunks = n > 0 ? (n + kSumChunk - 1) / kSumChunk : 1;
@@ -223,12 +234,7 @@ double ordered_sum(CudaBackend& be, int64_t n, F f) {
   } else {
     FLUX8_CUDA_CHECK(cudaMemsetAsync(partial, 0, sizeof(double), be.stream()));
   }
-  sum_partials_kernel<<<1, kThreads, 0, be.stream()>>>(partial, chunks, partial + chunks);
-  FLUX8_LAUNCH_CHECK(sum_partials_kernel);
-  double* result = static_cast<double*>(be.pinned_result());
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(result, partial + chunks, sizeof(double), cudaMemcpyDeviceToHost, be.stream()));
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(be.stream()));
-  return *result;
+  return total_of_partials(be, partial, chunks);
 }
 
 // ---- per-sample column sums: out[g, c] (=, or += when accumulate) Σ_{r<rows} value(g, r, c) --

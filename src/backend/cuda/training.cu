@@ -67,7 +67,7 @@ namespace {
 // block b takes the kSquaresChunk elements from b·kSquaresChunk as 4-element quads, thread t
 // the quads t, t + kThreads, ... in batches of kSquaresBatch loads issued together, each element
 // squared and added in double in that order; the n % 4 elements after the last quad go to the
-// last block's first threads. Then the fixed tree, and sum_partials_kernel over the blocks. An
+// last block's first threads. Then the fixed tree, and total_of_partials over the blocks. An
 // order that depends on n only. ordered_sum's element-by-element loads of 8192 elements a block
 // ran at ~3.6 TB/s (1.44 ms on W2's 5.2 GB) and left its second pass 160k partials.
 constexpr int kSquaresBatch = 8;
@@ -118,12 +118,7 @@ double CudaBackend::sum_squares(Tensor x) {
   double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
   sum_squares4_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(p, n, partial);
   FLUX8_LAUNCH_CHECK(sum_squares4_kernel);
-  sum_partials_kernel<<<1, kThreads, 0, stream_>>>(partial, blocks, partial + blocks);
-  FLUX8_LAUNCH_CHECK(sum_partials_kernel);
-  double* result = static_cast<double*>(pinned_result());
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(result, partial + blocks, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return *result;
+  return total_of_partials(*this, partial, blocks);
 }
 
 namespace {
