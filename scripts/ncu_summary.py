@@ -31,10 +31,7 @@ UNIT_SCALE = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, 
 
 def short_name(signature):
     """The kernel's name with its template arguments, without the parameter list."""
-    s = signature
-    for prefix in ("void ",):
-        if s.startswith(prefix):
-            s = s[len(prefix):]
+    s = signature.removeprefix("void ")
     s = s.replace("(anonymous namespace)::", "").replace("unnamed>::", "")
     depth, end = 0, len(s)
     for i, ch in enumerate(s):
