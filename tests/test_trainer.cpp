@@ -127,6 +127,73 @@ TEST(TrainStep, Fp8AmaxesOverMicroBatchesEqualOneBigBatch) {
   EXPECT_EQ(attention_slots, 2 * 9);  // one double and one single block
 }
 
+// The per-sample Linears' gradients kept as factors (ParamStore::keep_low_rank_grads) over 3
+// micro-batches of 2: the norm, the update and the written-out gradients equal the dense run's
+// up to the order of the wgrad GEMM's f32 sums; the flat buffer's own contents at those
+// gradients (NaN here) are never read. With fewer rows kept than the step brings, the step
+// falls back to dense gradients half-way.
+TEST(TrainStep, LowRankGradientsEqualDenseOnes) {
+  const FluxConfig cfg = tiny_demo_model();
+  const std::vector<Sample> samples = demo_batch(cfg, 6);
+  const ObjectiveConfig obj;
+  const EmptyPrompt empty = zero_prompt(cfg);
+  struct Run {
+    std::vector<double> grads, params;
+    double norm = 0;
+    size_t low_rank = 0;
+  };
+  int64_t per_sample = 0;
+  const auto run = [&](int64_t keep, bool materialize) {
+    auto be = make_backend("cpu");
+    FluxModel model(cfg, *be, DType::f32);
+    ParamStore& store = model.params();
+    testing::randomize_params(store, 3);
+    EXPECT_EQ(store.keep_low_rank_grads(keep), keep > 0);
+    be->fill(store.flat_grads(), NAN);
+    StepBuffers buf(*be, DType::f32);
+    const StepContext ctx{model, cfg, obj, empty, buf, 77};
+    accumulate_step_gradients(ctx, samples, 2, 5);
+    Run r;
+    const std::vector<Backend::LowRankGrad> lr = store.low_rank_grads();
+    r.low_rank = lr.size();
+    for (const Backend::LowRankGrad& g : lr) EXPECT_EQ(g.a.shape[0], 6);
+    r.norm = be->gradient_sum_squares(store.flat_grads(), lr);
+    if (materialize) {
+      store.materialize_low_rank_grads();
+      EXPECT_TRUE(store.low_rank_grads().empty());
+      r.grads = to_host(*be, store.flat_grads());
+    }
+    AdamWOptimizer opt(store, AdamWConfig{});
+    const StepStats st = opt.step(1, 1e-3, {});
+    EXPECT_TRUE(st.applied);
+    // The optimizer's norm: from the factors, or after materialize from the GEMM's sums.
+    EXPECT_NEAR(st.grad_norm, std::sqrt(r.norm), (materialize ? 1e-6 : 1e-12) * st.grad_norm);
+    r.params = to_host(*be, store.flat_params());
+    per_sample = 0;
+    for (const ParamInfo& p : store.layout().params()) per_sample += p.per_sample;
+    return r;
+  };
+  const Run dense = run(0, true), low = run(6, false), low_out = run(6, true), fallback = run(4, true);
+  EXPECT_EQ(dense.low_rank, 0u);
+  EXPECT_EQ(low.low_rank, static_cast<size_t>(per_sample));
+  EXPECT_EQ(per_sample, cfg.guidance_embed ? 10 : 8);  // 3 embedder MLPs (2 without guidance), 3 mod, final
+  EXPECT_EQ(fallback.low_rank, 0u);
+  EXPECT_TRUE(std::isfinite(low.norm));
+  EXPECT_NEAR(low.norm, dense.norm, 1e-6 * dense.norm);
+  EXPECT_LT(testing::max_rel_error(low_out.grads, dense.grads), 1e-6);
+  EXPECT_LT(testing::max_rel_error(fallback.grads, dense.grads), 1e-6);
+  // AdamW's first step moves each weight by lr·g/(|g| + eps): where a gradient's sum cancels to
+  // near eps, an f32 rounding of g moves the update by up to lr·(that rounding)/eps (measured
+  // 2.3e-6 and 3.0e-6 of the largest weight).
+  EXPECT_LT(testing::max_rel_error(low.params, dense.params), 1e-5);
+  EXPECT_LT(testing::max_rel_error(fallback.params, dense.params), 1e-5);
+
+  auto be = make_backend("cpu");
+  FluxModel model(cfg, *be, DType::f32);
+  EXPECT_FALSE(model.params().keep_low_rank_grads(ParamStore::kLowRankMaxRows + 1));
+  EXPECT_TRUE(model.params().low_rank_grads().empty());
+}
+
 TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   const testing::RunDir dir;
   const TrainResult straight = run_training(dir.options("straight"));

@@ -50,7 +50,7 @@ TEST(Optimizer, AdamWMatchesHandComputedSteps) {
   auto be = make_backend("cpu");
   std::vector<double> p = {1.0, -2.0}, g = {0.5, -0.1}, m = {0, 0}, v = {0, 0};
   const Backend::AdamW h{0.1, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
-  be->adamw(view(p, Shape{2}), view(g, Shape{2}), view(m, Shape{2}), view(v, Shape{2}), h, {}, {});
+  be->adamw(view(p, Shape{2}), view(g, Shape{2}), view(m, Shape{2}), view(v, Shape{2}), h, {}, {}, {});
   // Step 1: m = 0.1g, v = 0.05g², m̂ = g, v̂ = g², update = g/(|g| + eps) ≈ sign(g).
   for (int i = 0; i < 2; ++i) {
     const double g0 = i ? -0.1 : 0.5, p0 = i ? -2.0 : 1.0;
@@ -61,7 +61,7 @@ TEST(Optimizer, AdamWMatchesHandComputedSteps) {
   // Step 2 with gradient scaling 0.5 (clipping): g' = 0.5·g2.
   std::vector<double> p1 = p, m1 = m, v1 = v, g2 = {1.0, 0.2};
   be->adamw(view(p, Shape{2}), view(g2, Shape{2}), view(m, Shape{2}), view(v, Shape{2}),
-            Backend::AdamW{0.1, 0.9, 0.95, 1e-8, 0.1, 0.5, 2}, {}, {});
+            Backend::AdamW{0.1, 0.9, 0.95, 1e-8, 0.1, 0.5, 2}, {}, {}, {});
   for (size_t i = 0; i < 2; ++i) {
     const double gs = 0.5 * g2[i];
     const double mi = 0.9 * m1[i] + 0.1 * gs, vi = 0.95 * v1[i] + 0.05 * gs * gs;
@@ -83,8 +83,8 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   const Backend::ParamCopy copies[] = {{200, Tensor(a.data(), DType::bf16, Shape{10, 10})},
                                        {13, Tensor(b.data(), DType::bf16, Shape{37})}};
   const Backend::AdamW h{1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0, 1};
-  be->adamw(f32(p), f32(g), f32(m), f32(v), h, copies, {});
-  be->adamw(f32(p2), f32(g), f32(m2), f32(v2), h, {}, {});
+  be->adamw(f32(p), f32(g), f32(m), f32(v), h, copies, {}, {});
+  be->adamw(f32(p2), f32(g), f32(m2), f32(v2), h, {}, {}, {});
   EXPECT_EQ(p, p2);
   EXPECT_EQ(m, m2);
   EXPECT_EQ(v, v2);
@@ -95,7 +95,7 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   const auto refused = [&](const Backend::ParamCopy& c, const char* what) {
     const Backend::ParamCopy one[] = {c};
     try {
-      be->adamw(f32(p), f32(g), f32(m), f32(v), h, one, {});
+      be->adamw(f32(p), f32(g), f32(m), f32(v), h, one, {}, {});
       ADD_FAILURE() << "accepted: " << what;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
@@ -105,7 +105,75 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   refused({0, Tensor(p2.data(), DType::f32, Shape{20})}, "copy 0");
   const Backend::ParamCopy overlapping[] = {{0, Tensor(a.data(), DType::bf16, Shape{20})},
                                             {19, Tensor(b.data(), DType::bf16, Shape{5})}};
-  EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping, {}), Error);
+  EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping, {}, {}), Error);
+}
+
+// Low-rank gradients (Backend::LowRankGrad): the norm and AdamW read g[m, k] = Σ_r a[r, m]·b[r, k]
+// from the factors — exactly the values and sums of a flat buffer that holds them, in f32 with
+// each product and sum rounded on its own — and never the buffer's own contents there (NaN here).
+TEST(Optimizer, LowRankGradientsReadFromTheirFactors) {
+  auto be = make_backend("cpu");
+  const int64_t n = 1000;
+  std::vector<float> g(n), dense(n);
+  for (int64_t i = 0; i < n; ++i) g[i] = 0.01f * rng_normal(4, 0, i);
+  struct Factors {
+    int64_t offset, R, M, K;
+    std::vector<float> a, b;
+  };
+  std::vector<Factors> fs{{100, 3, 7, 9, {}, {}}, {401, 1, 5, 4, {}, {}}, {600, 2, 16, 20, {}, {}}};
+  dense = g;
+  for (size_t f = 0; f < fs.size(); ++f) {
+    Factors& x = fs[f];
+    for (int64_t i = 0; i < x.R * x.M; ++i) x.a.push_back(0.1f * rng_normal(5, f, i));
+    for (int64_t i = 0; i < x.R * x.K; ++i) x.b.push_back(rng_normal(6, f, i));
+    for (int64_t m = 0; m < x.M; ++m)
+      for (int64_t k = 0; k < x.K; ++k) {
+        volatile float s = x.a[m] * x.b[k];  // volatile: every product and sum rounded on its own
+        for (int64_t r = 1; r < x.R; ++r) {
+          volatile float prod = x.a[r * x.M + m] * x.b[r * x.K + k];
+          s = s + prod;
+        }
+        dense[x.offset + m * x.K + k] = s;
+        g[x.offset + m * x.K + k] = NAN;  // never read
+      }
+  }
+  std::vector<Backend::LowRankGrad> lr;
+  for (Factors& x : fs)
+    lr.push_back({x.offset, Tensor(x.a.data(), DType::f32, Shape{x.R, x.M}),
+                  Tensor(x.b.data(), DType::f32, Shape{x.R, x.K})});
+  const auto f32 = [&](std::vector<float>& x) { return Tensor(x.data(), DType::f32, Shape{n}); };
+  EXPECT_EQ(be->gradient_sum_squares(f32(g), lr), be->sum_squares(f32(dense)));
+  EXPECT_EQ(be->gradient_sum_squares(f32(dense), {}), be->sum_squares(f32(dense)));
+
+  std::vector<float> p(n), m(n, 0.f), v(n, 0.f);
+  for (int64_t i = 0; i < n; ++i) p[i] = rng_normal(7, 0, i);
+  std::vector<float> p2 = p, m2 = m, v2 = v;
+  std::vector<uint16_t> copy(16 * 20, 0xFFFF);
+  const Backend::ParamCopy copies[] = {{600, Tensor(copy.data(), DType::bf16, Shape{16, 20})}};  // over a factor range
+  for (int64_t step = 1; step <= 2; ++step) {
+    const Backend::AdamW h{1e-2, 0.9, 0.95, 1e-8, 0.1, 0.8, step};
+    be->adamw(f32(p), f32(g), f32(m), f32(v), h, copies, {}, lr);
+    be->adamw(f32(p2), f32(dense), f32(m2), f32(v2), h, {}, {}, {});
+  }
+  EXPECT_EQ(p, p2);
+  EXPECT_EQ(m, m2);
+  EXPECT_EQ(v, v2);
+  for (int64_t i = 0; i < 16 * 20; ++i) ASSERT_EQ(copy[i], f32_to_bf16_bits(p[600 + i])) << i;
+
+  const auto refused = [&](std::vector<Backend::LowRankGrad> bad, const char* what) {
+    try {
+      be->gradient_sum_squares(f32(g), bad);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused({{990, lr[0].a, lr[0].b}}, "lies outside the 1000 gradients");
+  refused({lr[0], {150, lr[1].a, lr[1].b}}, "overlap");
+  refused({{0, lr[0].a, lr[1].b}}, "the same R >= 1 rows");
+  refused({{0, Tensor(copy.data(), DType::bf16, Shape{1, 4}), lr[1].b}}, "contiguous f32 factors");
+  std::vector<double> g64(n, 0.0);
+  EXPECT_THROW(be->gradient_sum_squares(Tensor(g64.data(), DType::f64, Shape{n}), lr), Error);
 }
 
 TEST(Optimizer, SumSquaresIsThreadIndependent) {

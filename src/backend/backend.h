@@ -237,6 +237,22 @@ class Backend {
   virtual double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) = 0;
   // Σ x² in double, summed in a fixed order (independent of thread count). NaN/inf propagate.
   virtual double sum_squares(Tensor x) = 0;
+  // A weight gradient kept as factors instead of in the flat gradient buffer (ParamStore's
+  // low-rank gradients: a Linear that sees one row per sample, such as the modulation Linears,
+  // has the gradient Σ_r dy_r ⊗ x_r of a step's few rows). For the parameters
+  // [offset, offset + M·K), read as the row-major [M, K] weight:
+  //   g[m, k] = Σ_{r < R} a[r, m]·b[r, k]     a [R, M], b [R, K]: contiguous f32, R ≥ 1
+  // each product and sum rounded on its own in f32, r = 0, 1, ... in order: the same bits on
+  // every backend. Writing g costs 4 bytes a parameter, and the norm and AdamW each read them
+  // again; from the factors nobody does.
+  struct LowRankGrad {
+    int64_t offset = 0;
+    Tensor a, b;
+  };
+  // sum_squares of the flat gradients `grads` whose `low_rank` ranges take their values from
+  // the factors (their contents in `grads` are never read). Without low-rank ranges it is
+  // sum_squares(grads).
+  virtual double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) = 0;
   // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in their own
   // precision (fp32 in training, as PyTorch's fused AdamW; fp64 in gradient checks):
   //   g = grad_scale·grad;  m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²
@@ -266,8 +282,11 @@ class Backend {
     const float* scale = nullptr;
     float* amax = nullptr;
   };
+  // `low_rank`: ranges whose gradient comes from their factors, as gradient_sum_squares reads
+  // it (`grad` is not read there).
   virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                     std::span<const ParamCopy> copies, std::span<const ParamCast> casts) = 0;
+                     std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
+                     std::span<const LowRankGrad> low_rank) = 0;
 
   // ---- FP8 (src/fp8: recipe math and the CPU reference quantizers) ---------------------
   // How to cast one GEMM operand. Per-tensor scaling takes its scale from `delayed_scale`

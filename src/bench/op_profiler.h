@@ -170,9 +170,14 @@ class OpProfiler : public Backend {
     timed("sum_squares", [&] { r = be_.sum_squares(x); });
     return r;
   }
+  double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) override {
+    double r = 0;
+    timed("sum_squares", [&] { r = be_.gradient_sum_squares(grads, low_rank); });
+    return r;
+  }
   void adamw(Tensor p, Tensor g, Tensor m, Tensor v, const AdamW& h, std::span<const ParamCopy> copies,
-             std::span<const ParamCast> casts) override {
-    timed("adamw", [&] { be_.adamw(p, g, m, v, h, copies, casts); });
+             std::span<const ParamCast> casts, std::span<const LowRankGrad> low_rank) override {
+    timed("adamw", [&] { be_.adamw(p, g, m, v, h, copies, casts, low_rank); });
   }
   void transpose_codes(QTensor dst, const QTensor& src) override {
     timed("transpose_codes", [&] { be_.transpose_codes(dst, src); });

@@ -93,6 +93,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   model.plan(sh);
   AdamWConfig ac;
   AdamWOptimizer opt(model.params(), ac);
+  model.params().keep_low_rank_grads(sh.batch);  // as the trainer: W2's 2 samples keep them
   be.synchronize();
   // What a training launch does before its first step (the synthetic data below is the
   // benchmark's own and is not counted).

@@ -381,8 +381,7 @@ void FluxModel::backward(const Tensor& dpred) {
   be_.linear_backward(dxm, lin.dw, lin.db, dpred_act, s.final_xm, P.operand(lin.w), false, lin.accumulate_grads());
   be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img,
                                   s.final_mean, s.final_rstd, s.final_mod.cols_slice(H, H), false);
-  be_.linear_backward(d_silu_vec, ada.dw, ada.db, dmod, s.silu_vec, P.operand(ada.w), false,
-                      ada.accumulate_grads());
+  linear_backward_params(be_, ada, d_silu_vec, dmod, s.silu_vec, P.operand(ada.w), false);
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
   BlockContext ctx{be_, c, sh, t, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
@@ -432,11 +431,9 @@ void FluxModel::backward(const Tensor& dpred) {
   be_.silu_backward(dvec, d_silu_vec, s.vec, false);
   auto embedder_backward = [&](const std::string& name, const MlpEmbedderSaved& e, const Tensor& x) {
     const MlpEmbedder m = MlpEmbedder::bind(P, name);
-    be_.linear_backward(dact, m.out_layer.dw, m.out_layer.db, dvec, e.act, P.operand(m.out_layer.w), false,
-                        m.out_layer.accumulate_grads());
+    linear_backward_params(be_, m.out_layer, dact, dvec, e.act, P.operand(m.out_layer.w), false);
     be_.silu_backward(dhidden, dact, e.hidden, false);
-    be_.linear_backward(Tensor{}, m.in_layer.dw, m.in_layer.db, dhidden, x, m.in_layer.w, false,
-                        m.in_layer.accumulate_grads());
+    linear_backward_params(be_, m.in_layer, Tensor{}, dhidden, x, m.in_layer.w, false);
   };
   embedder_backward("time_in", s.time, s.time.x);
   if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);

@@ -427,11 +427,21 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
 
 }  // namespace
 
+void linear_backward_params(Backend& be, const LinearSite& site, Tensor dx, Tensor dy, Tensor x, Tensor w,
+                            bool accumulate_dx) {
+  if (site.store && site.store->add_low_rank_grad(site.dw, dy, x)) {
+    const bool accumulate_db = site.db.defined() && !site.store->first_write(site.db);
+    if (dx.defined() || site.db.defined())
+      be.linear_backward(dx, Tensor{}, site.db, dy, x, w, accumulate_dx, accumulate_db);
+    return;
+  }
+  be.linear_backward(dx, site.dw, site.db, dy, x, w, accumulate_dx, site.accumulate_grads());
+}
+
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx) {
   if (!site.fp8 || !fp8) {
-    be.linear_backward(dx, site.dw, site.db, dy, saved.full, dx.defined() ? site.w_operand() : site.w, accumulate_dx,
-                       site.accumulate_grads());
+    linear_backward_params(be, site, dx, dy, saved.full, dx.defined() ? site.w_operand() : site.w, accumulate_dx);
     return;
   }
   Backend::CastInput in;

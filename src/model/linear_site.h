@@ -205,6 +205,12 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
 // FP8 sites run the GELU in the cast of the second Linear's input instead (gelu_in_epilogues).
 void site_forward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y_gelu, Tensor h,
                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype);
+// A BF16 Linear's backward (Backend::linear_backward: dx = or += dy·w, dw and db per the step's
+// writes) through its store: a weight gradient the store keeps low-rank
+// (ParamStore::add_low_rank_grad) takes dy's and x's rows instead of the wgrad GEMM. `w` is the
+// weight as the dgrad GEMM takes it (w_operand(), or w).
+void linear_backward_params(Backend& be, const LinearSite& site, Tensor dx, Tensor dy, Tensor x, Tensor w,
+                            bool accumulate_dx);
 // dx (= or += when accumulate_dx; may be undefined), dw and db accumulated.
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,
                    const SavedLinearInput& saved, bool accumulate_dx);

@@ -10,15 +10,16 @@
 namespace flux8 {
 
 void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string component,
-                      bool block_linear, bool linear_weight) {
+                      bool block_linear, bool linear_weight, bool per_sample) {
   index_.emplace(name, params_.size());
-  params_.push_back({std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight});
+  params_.push_back(
+      {std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight, per_sample});
   total_ += shape.numel();
 }
 
 void ParamLayout::add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
-                             const std::string& component, bool bias, bool block_linear) {
-  add(prefix + ".weight", Shape{out, in}, init, component, block_linear, true);
+                             const std::string& component, bool bias, bool block_linear, bool per_sample) {
+  add(prefix + ".weight", Shape{out, in}, init, component, block_linear, true, per_sample);
   if (bias) add(prefix + ".bias", Shape{out}, ParamInit::zeros, component);
 }
 
@@ -29,8 +30,8 @@ ParamLayout ParamLayout::build(const FluxConfig& c) {
   const auto xavier = ParamInit::xavier_uniform, normal = ParamInit::normal_002,
              zeros = ParamInit::zeros;
   auto mlp_embedder = [&](const std::string& name, int64_t in) {
-    L.add_linear(name + ".in_layer", H, in, normal, name, true);
-    L.add_linear(name + ".out_layer", H, H, normal, name, true);
+    L.add_linear(name + ".in_layer", H, in, normal, name, true, false, true);
+    L.add_linear(name + ".out_layer", H, H, normal, name, true, false, true);
   };
   L.add_linear("img_in", H, c.in_channels, xavier, "img_in", true);
   mlp_embedder("time_in", 256);
@@ -42,7 +43,7 @@ ParamLayout ParamLayout::build(const FluxConfig& c) {
     const std::string b = "double_blocks." + std::to_string(i) + ".";
     for (const char* s : {"img", "txt"}) {
       const std::string p = b + s;
-      L.add_linear(p + "_mod.lin", 6 * H, H, zeros, "double_blocks", true);
+      L.add_linear(p + "_mod.lin", 6 * H, H, zeros, "double_blocks", true, false, true);
       L.add_linear(p + "_attn.qkv", 3 * H, H, xavier, "double_blocks", c.qkv_bias, true);
       L.add(p + "_attn.norm.query_norm.scale", Shape{D}, ParamInit::ones, "double_blocks");
       L.add(p + "_attn.norm.key_norm.scale", Shape{D}, ParamInit::ones, "double_blocks");
@@ -57,10 +58,10 @@ ParamLayout ParamLayout::build(const FluxConfig& c) {
     L.add_linear(b + "linear2", H, H + M, xavier, "single_blocks", true, true);
     L.add(b + "norm.query_norm.scale", Shape{D}, ParamInit::ones, "single_blocks");
     L.add(b + "norm.key_norm.scale", Shape{D}, ParamInit::ones, "single_blocks");
-    L.add_linear(b + "modulation.lin", 3 * H, H, zeros, "single_blocks", true);
+    L.add_linear(b + "modulation.lin", 3 * H, H, zeros, "single_blocks", true, false, true);
   }
   L.add_linear("final_layer.linear", c.out_channels, H, zeros, "final_layer", true);
-  L.add_linear("final_layer.adaLN_modulation.1", 2 * H, H, zeros, "final_layer", true);
+  L.add_linear("final_layer.adaLN_modulation.1", 2 * H, H, zeros, "final_layer", true, false, true);
   return L;
 }
 
@@ -88,6 +89,7 @@ ParamStore::~ParamStore() {
   backend_.release(params_);
   backend_.release(grads_);
   if (operand_buffer_) backend_.release(operand_buffer_);
+  if (low_rank_buffer_) backend_.release(low_rank_buffer_);
 }
 
 static Tensor view(void* base, DType dtype, const ParamInfo& p) {
@@ -167,6 +169,89 @@ std::vector<Backend::ParamCopy> ParamStore::operand_copies() const {
   for (size_t i = 0; i < operands_.size(); ++i)
     if (operands_[i].copy.defined()) copies.push_back({layout_.params()[i].offset, operands_[i].copy});
   return copies;
+}
+
+bool ParamStore::keep_low_rank_grads(int64_t rows) {
+  if (low_rank_buffer_) {
+    backend_.synchronize();  // a step's copies into the factors may still be in flight
+    backend_.release(low_rank_buffer_);
+    low_rank_buffer_ = nullptr;
+  }
+  low_rank_.clear();
+  if (rows < 1 || rows > kLowRankMaxRows || dtype_ != DType::f32) return false;
+  std::vector<std::pair<size_t, size_t>> placed;  // (parameter, byte offset of its a; b follows)
+  size_t bytes = 0;
+  const auto padded = [](int64_t elements) { return (static_cast<size_t>(elements) * sizeof(float) + 255) / 256 * 256; };
+  for (size_t i = 0; i < layout_.params().size(); ++i) {
+    const ParamInfo& p = layout_.params()[i];
+    if (!p.per_sample) continue;
+    placed.emplace_back(i, bytes);
+    bytes += padded(rows * p.shape[0]) + padded(rows * p.shape[1]);
+  }
+  if (placed.empty()) return false;
+  low_rank_buffer_ = backend_.allocate(bytes);
+  low_rank_.assign(layout_.params().size(), LowRank{});
+  for (const auto& [i, at] : placed) {
+    const Shape& s = layout_.params()[i].shape;
+    char* base = static_cast<char*>(low_rank_buffer_) + at;
+    low_rank_[i].a = Tensor(base, DType::f32, Shape{rows, s[0]});
+    low_rank_[i].b = Tensor(base + padded(rows * s[0]), DType::f32, Shape{rows, s[1]});
+    low_rank_[i].dense = true;  // until a backward writes its factors, the flat buffer holds it
+  }
+  return true;
+}
+
+bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x) const {
+  if (low_rank_.empty()) return false;
+  const size_t i = index_in(grads_, dw);
+  if (i == kNoParam || !low_rank_[i].a.defined()) return false;
+  const LowRank& L = low_rank_[i];
+  const int64_t n = dy.rows(), M = L.a.shape[1], K = L.b.shape[1];
+  if (x.rows() != n || dy.cols() != M || x.cols() != K)
+    fail("internal error: the low-rank gradient of '{}' [{}, {}] cannot take dy {} and x {}",
+         layout_.params()[i].name, M, K, dy.str(), x.str());
+  if (first_write(dw)) {
+    L.rows = 0;
+    L.dense = false;
+  }
+  if (L.dense) return false;
+  if (L.rows + n > L.a.shape[0]) {  // more rows than kept: this step goes on in the flat buffer
+    write_low_rank(i);
+    return false;
+  }
+  backend_.copy(L.a.rows_slice(L.rows, n), dy.rows_slice(0, n));
+  backend_.copy(L.b.rows_slice(L.rows, n), x.rows_slice(0, n));
+  L.rows += n;
+  return true;
+}
+
+void ParamStore::write_low_rank(size_t i) const {
+  const LowRank& L = low_rank_[i];
+  const Tensor dw = view(grads_, dtype_, layout_.params()[i]);
+  if (L.rows == 0) {
+    backend_.fill(dw, 0.0);
+  } else {
+    const Tensor w = view(params_, dtype_, layout_.params()[i]);
+    backend_.linear_backward(Tensor{}, dw, Tensor{}, L.a.rows_slice(0, L.rows), L.b.rows_slice(0, L.rows), w, false,
+                             false);
+  }
+  L.dense = true;
+}
+
+std::vector<Backend::LowRankGrad> ParamStore::low_rank_grads() const {
+  std::vector<Backend::LowRankGrad> out;
+  for (size_t i = 0; i < low_rank_.size(); ++i) {
+    const LowRank& L = low_rank_[i];
+    if (!L.a.defined() || L.dense || !written_[i]) continue;
+    if (L.rows == 0) fail("internal error: the low-rank gradient of '{}' has no rows", layout_.params()[i].name);
+    out.push_back({layout_.params()[i].offset, L.a.rows_slice(0, L.rows), L.b.rows_slice(0, L.rows)});
+  }
+  return out;
+}
+
+void ParamStore::materialize_low_rank_grads() const {
+  for (size_t i = 0; i < low_rank_.size(); ++i)
+    if (low_rank_[i].a.defined() && !low_rank_[i].dense && written_[i]) write_low_rank(i);
 }
 
 int64_t ParamStore::offset_of(const Tensor& w) const {

@@ -25,6 +25,9 @@ struct ParamInfo {
   std::string component;  // "img_in", "double_blocks", ... (for per-component counts)
   bool block_linear = false;  // a weight of a double/single block Linear (the FP8 candidates)
   bool linear_weight = false;  // the weight of any Linear (add_linear)
+  // The weight of a Linear that sees one row per sample (the modulation Linears, the embedders'
+  // MLPs): its gradient has the rank of a step's samples (ParamStore::keep_low_rank_grads).
+  bool per_sample = false;
 };
 
 class ParamLayout {
@@ -38,9 +41,9 @@ class ParamLayout {
 
  private:
   void add(std::string name, Shape shape, ParamInit init, std::string component,
-           bool block_linear = false, bool linear_weight = false);
+           bool block_linear = false, bool linear_weight = false, bool per_sample = false);
   void add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
-                  const std::string& component, bool bias, bool block_linear = false);
+                  const std::string& component, bool bias, bool block_linear = false, bool per_sample = false);
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, size_t> index_;
   int64_t total_ = 0;
@@ -83,6 +86,28 @@ class ParamStore {
   void zero_if_unwritten(const Tensor& grad) const;
   void finish_grads() const;
 
+  // Low-rank gradients. A per-sample Linear's weight gradient (ParamInfo::per_sample) is
+  // Σ_r dy_r ⊗ x_r over the few rows a step gives it: on W2 (2 samples) the modulation Linears
+  // hold 29% of the parameters, and writing their gradients, reading them for the norm and
+  // again in AdamW cost ~1 ms a step for what 2 rows of dy and x say. keep_low_rank_grads(rows),
+  // `rows` a step's samples (all micro-batches), keeps those gradients as their factors — dy's
+  // and x's rows in f32 (Backend::LowRankGrad) — when rows <= kLowRankMaxRows (beyond, each
+  // element's sum of `rows` products would cost AdamW more than the 4 bytes it saves) and
+  // returns whether it did; 0 turns it off. The flat buffer then does not hold those gradients:
+  //   add_low_rank_grad(dw, dy, x): for the backward of a Linear with weight gradient dw, input
+  //     x [N, K] and output gradient dy [N, M] (any ld). When dw is kept low-rank it appends the
+  //     N rows to its factors (replacing them at the step's first write, ParamStore::first_write)
+  //     and returns true: the caller writes no dw. Otherwise false — also when the step brings
+  //     more rows than kept: the factors are then written into dw and the step goes on dense.
+  //   low_rank_grads(): this step's, for the gradient norm and AdamW.
+  //   materialize_low_rank_grads(): writes them into the flat buffer (for readers of grad(),
+  //     such as the non-finite gradient search); low_rank_grads() is empty after it this step.
+  static constexpr int64_t kLowRankMaxRows = 8;
+  bool keep_low_rank_grads(int64_t rows);
+  bool add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x) const;
+  std::vector<Backend::LowRankGrad> low_rank_grads() const;
+  void materialize_low_rank_grads() const;
+
   // Weight operands. Where the backend runs a Linear's GEMMs on operands of another type than
   // the parameters (Backend::weight_operand_dtype: bf16 on the CUDA backend), the Linear would
   // round its f32 weight in every call — forward and dgrad, two passes of 6 bytes a parameter
@@ -121,6 +146,17 @@ class ParamStore {
     mutable int64_t version = -1;
   };
   std::vector<OperandCopy> operands_;
+  // Per parameter: its low-rank factors a [capacity, M] and b [capacity, K] (undefined: kept
+  // dense), the rows of this step in them, and whether this step went dense after all.
+  struct LowRank {
+    Tensor a, b;
+    mutable int64_t rows = 0;
+    mutable bool dense = false;
+  };
+  std::vector<LowRank> low_rank_;
+  void* low_rank_buffer_ = nullptr;
+  // Writes parameter i's factors into its gradient (overwriting it) and marks it dense.
+  void write_low_rank(size_t i) const;
   void* operand_buffer_ = nullptr;
   size_t operand_bytes_ = 0;
   int64_t params_version_ = 0;

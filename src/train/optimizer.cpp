@@ -1,6 +1,7 @@
 #include "train/optimizer.h"
 
 #include <cmath>
+#include <vector>
 
 #include "backend/backend.h"
 #include "config/config.h"
@@ -33,14 +34,18 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
   Backend& be = store_.backend();
   StepStats s;
   s.lr = lr;
-  s.grad_norm = std::sqrt(be.sum_squares(store_.flat_grads()));
+  // The per-sample Linears' gradients may be kept as factors (ParamStore::keep_low_rank_grads):
+  // the norm and the update read them from there.
+  const std::vector<Backend::LowRankGrad> low_rank = store_.low_rank_grads();
+  s.grad_norm = std::sqrt(be.gradient_sum_squares(store_.flat_grads(), low_rank));
   if (!std::isfinite(s.grad_norm)) return s;
   // Clipping scales the gradient inside the update (no extra pass over the gradients).
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
   // The weights' bf16 operand copies are written with the new weights (a conversion pass less).
   const std::vector<Backend::ParamCopy> copies = store_.operand_copies();
   be.adamw(store_.flat_params(), store_.flat_grads(), m_, v_,
-           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies, casts);
+           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies, casts,
+           low_rank);
   store_.params_updated();
   s.applied = true;
   return s;

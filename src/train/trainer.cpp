@@ -34,6 +34,7 @@ namespace {
 
 // The first parameter whose gradient has a non-finite value (for the skip message).
 std::string first_nonfinite_gradient(ParamStore& store) {
+  store.materialize_low_rank_grads();  // grad() reads the flat buffer
   for (const ParamInfo& p : store.layout().params()) {
     const double s = store.backend().sum_squares(store.grad(p.name));
     if (!std::isfinite(s)) return p.name;
@@ -128,6 +129,9 @@ TrainResult run_training(const TrainOptions& opt) {
   r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32, &r.fp8,
                                         recompute_from_name(r.cfg.get_string("recompute_granularity")));
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
+  // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients
+  // stay as factors (ParamStore::keep_low_rank_grads).
+  r.model->params().keep_low_rank_grads(r.global);
   r.state.seed = static_cast<uint64_t>(r.cfg.get_int("seed"));
   r.state.config_yaml = r.cfg.dump();
 

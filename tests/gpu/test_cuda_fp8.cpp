@@ -401,7 +401,7 @@ TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
                          static_cast<const float*>(scales.t(g).data) + i, static_cast<float*>(amax.t(g).data) + i});
       const Backend::ParamCopy copies[] = {
           {70000, g ? copy.t : Tensor(copy_host.data(), DType::bf16, Shape{1000})}};
-      be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, copies, casts);
+      be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, copies, casts, {});
     });
     EXPECT_EQ(p.down(), p.host.mem);
     for (int i = 0; i < 3; ++i) expect_equals_cpu(*codes[static_cast<size_t>(i)], fmt::format("weight {}", i).c_str());

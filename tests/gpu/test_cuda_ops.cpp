@@ -639,7 +639,7 @@ TEST(CudaOps, ObjectiveLossNormAdamW) {
   p.randn(97), gr.randn(98, 0.01), m.randn(99, 0.001), v.fill(1e-6f);
   for (int64_t step = 1; step <= 3; ++step) {
     const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, step};
-    run_both([&](Backend& be, bool g) { be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, {}, {}); });
+    run_both([&](Backend& be, bool g) { be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, {}, {}, {}); });
   }
   // The same fp32 operations in the same order, none fused, on both backends (the CPU file is
   // built with -ffp-contract=off): equal bit for bit; the bound is loose on purpose.
@@ -683,7 +683,7 @@ TEST(CudaOps, AdamWWritesRoundedCopies) {
     };
     const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, step};
     run_both([&](Backend& be, bool g) {
-      be.adamw(part(p, g), part(gr, g), part(m, g), part(v, g), h, g ? gpu_copies : cpu_copies, {});
+      be.adamw(part(p, g), part(gr, g), part(m, g), part(v, g), h, g ? gpu_copies : cpu_copies, {}, {});
     });
     EXPECT_EQ(p.down(), p.host.mem);
     EXPECT_EQ(m.down(), m.host.mem);
@@ -700,6 +700,63 @@ TEST(CudaOps, AdamWWritesRoundedCopies) {
   check(ranges, 0, 2, "second step, the same chunk table");
   check({{8, 3}, {9000, 50000}}, 0, 3, "other copies");
   check({{9, 100}, {9001, 40000}}, 1, 4, "views not 16-byte aligned");
+}
+
+// Low-rank gradients (Backend::LowRankGrad) in the gradient norm and AdamW: the quad path (a
+// row of factors in 16-byte loads: offset and K multiples of 4) over a gradient spanning several
+// chunks of both kernels, the element path (K = 7; K a multiple of 4 at an offset that is not),
+// ranks 1 to 5, next to dense ranges of every alignment and under a bf16 copy. The flat buffer
+// holds NaN at the low-rank ranges: neither kernel may read it. AdamW equals the CPU twin bit
+// for bit; the norm up to the order of its double sums; a NaN factor shows in the norm.
+TEST(CudaOps, LowRankGradientsEqualTheCpu) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t n = 200003;
+  struct Spec {
+    int64_t offset, R, M, K;
+  };
+  const std::vector<Spec> specs{{1000, 2, 37, 64}, {5001, 3, 13, 7}, {20000, 5, 300, 512}, {180002, 1, 10, 16}};
+  Pair gr({n});
+  gr.randn(41, 0.01);
+  std::vector<std::unique_ptr<Pair>> a, b;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Spec& s = specs[i];
+    a.push_back(std::make_unique<Pair>(Shape{s.R, s.M}));
+    b.push_back(std::make_unique<Pair>(Shape{s.R, s.K}));
+    a.back()->randn(42 + i, 0.1);
+    b.back()->randn(52 + i);
+    std::fill(gr.host.mem.begin() + s.offset, gr.host.mem.begin() + s.offset + s.M * s.K, NAN);
+  }
+  gr.up();
+  const auto low_rank = [&](bool g) {
+    std::vector<Backend::LowRankGrad> lr;
+    for (size_t i = 0; i < specs.size(); ++i) lr.push_back({specs[i].offset, a[i]->t(g), b[i]->t(g)});
+    return lr;
+  };
+  double sq[2];
+  run_both([&](Backend& be, bool g) { sq[g] = be.gradient_sum_squares(gr.t(g), low_rank(g)); });
+  ASSERT_TRUE(std::isfinite(sq[0]));
+  EXPECT_NEAR(sq[1], sq[0], 1e-12 * sq[0]);  // the same f32 values summed in double: order only
+
+  Pair p({n}), m({n}), v({n});
+  p.randn(61), m.randn(62, 0.001), v.fill(1e-6f);
+  std::vector<uint16_t> host_copy(300 * 512, 0xFFFF);
+  Bf16Dev dev_copy(Shape{300, 512});
+  for (int64_t step = 1; step <= 2; ++step) {
+    const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.6, step};
+    run_both([&](Backend& be, bool g) {
+      const Backend::ParamCopy copy{20000, g ? dev_copy.t : Tensor(host_copy.data(), DType::bf16, Shape{300, 512})};
+      be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, std::span(&copy, 1), {}, low_rank(g));
+    });
+  }
+  EXPECT_EQ(p.down(), p.host.mem);
+  EXPECT_EQ(m.down(), m.host.mem);
+  EXPECT_EQ(v.down(), v.host.mem);
+  EXPECT_EQ(dev_copy.bits(), host_copy);
+  for (float x : p.host.mem) ASSERT_TRUE(std::isfinite(x));
+
+  a[2]->host.mem[7] = NAN;
+  a[2]->up();
+  EXPECT_TRUE(std::isnan(gpu().gradient_sum_squares(gr.dev, low_rank(true))));
 }
 
 // Parameter initialisation on the device: the CPU's values (uniform: the same bits; normal:

@@ -79,8 +79,10 @@ class CpuBackend final : public Backend {
                          std::span<const uint64_t> streams) override;
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
+  double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-             std::span<const ParamCopy> copies, std::span<const ParamCast> casts) override;
+             std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
+             std::span<const LowRankGrad> low_rank) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
   void transpose_codes(QTensor dst, const QTensor& src) override;
   void dequantize(Tensor y, const QTensor& x) override;

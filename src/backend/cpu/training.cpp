@@ -1,6 +1,9 @@
 // The rectified-flow objective's noise, the MSE loss, the gradient norm and AdamW.
 // Reductions run over fixed chunks summed in order, so results do not depend on threads.
+#include <algorithm>
 #include <cmath>
+#include <span>
+#include <vector>
 
 #include "backend/cpu/common.h"
 #include "backend/cpu/cpu_backend.h"
@@ -27,6 +30,36 @@ double ordered_sum(int64_t n, const Ctx& c, F f) {
   for (double p : partial) total += p;
   return total;
 }
+
+// The gradient's element i: from the flat buffer, or from a low-rank gradient's factors
+// (Backend::LowRankGrad: f32, products and sums rounded one by one, r in order; this file is
+// compiled with -ffp-contract=off, so the CUDA kernels' _rn operations give the same bits).
+template <typename T>
+class GradientReader {
+ public:
+  GradientReader(const T* flat, std::span<const Backend::LowRankGrad> low_rank)
+      : flat_(flat), ranges_(low_rank.begin(), low_rank.end()) {
+    std::sort(ranges_.begin(), ranges_.end(),
+              [](const Backend::LowRankGrad& x, const Backend::LowRankGrad& y) { return x.offset < y.offset; });
+  }
+  T operator()(int64_t i) const {
+    if (ranges_.empty()) return flat_[i];
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), i,
+                               [](int64_t e, const Backend::LowRankGrad& g) { return e < g.offset; });
+    if (it == ranges_.begin()) return flat_[i];
+    const Backend::LowRankGrad& g = *--it;
+    const int64_t R = g.a.shape[0], M = g.a.shape[1], K = g.b.shape[1], e = i - g.offset;
+    if (e >= M * K) return flat_[i];
+    const float *a = g.a.ptr<float>() + e / K, *b = g.b.ptr<float>() + e % K;
+    float s = a[0] * b[0];
+    for (int64_t r = 1; r < R; ++r) s = s + a[r * M] * b[r * K];
+    return static_cast<T>(s);
+  }
+
+ private:
+  const T* flat_;
+  std::vector<Backend::LowRankGrad> ranges_;
+};
 
 }  // namespace
 
@@ -96,12 +129,32 @@ double CpuBackend::sum_squares(Tensor x) {
   return s;
 }
 
+double CpuBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) {
+  constexpr std::string_view op = "gradient_sum_squares";
+  const DType dt = call_dtype(op, {{"grads", grads}});
+  require_contiguous(op, {"grads", grads});
+  ops::check_low_rank_grads(op, grads.numel(), low_rank);
+  if (!low_rank.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 gradients", op);
+  const Ctx c = make_ctx(options_, dt);
+  double s = 0;
+  dispatch(dt, [&]<typename T>(T) {
+    const GradientReader<T> g(grads.ptr<T>(), low_rank);
+    s = ordered_sum(grads.numel(), c, [&](int64_t i) {
+      const double x = static_cast<double>(g(i));
+      return x * x;
+    });
+  });
+  return s;
+}
+
 void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                       std::span<const ParamCopy> copies, std::span<const ParamCast> casts) {
+                       std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
+                       std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "adamw";
   const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  ops::check_adamw(op, param, grad, m, v, h, copies, casts);
+  ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   if (!casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
+  if (!low_rank.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 parameters", op);
   const int64_t n = param.numel();
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
@@ -113,14 +166,14 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
   // -ffp-contract=off (CMakeLists.txt), so both agree bit for bit.
   dispatch(dt, [&]<typename T>(T) {
     T *p = param.ptr<T>(), *mm = m.ptr<T>(), *vv = v.ptr<T>();
-    const T* g = grad.ptr<T>();
+    const GradientReader<T> g(grad.ptr<T>(), low_rank);
     const T gs = static_cast<T>(h.grad_scale), b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
     const T ob1 = static_cast<T>(1.0 - h.beta1), ob2 = static_cast<T>(1.0 - h.beta2);
     const T lr = static_cast<T>(h.lr), eps = static_cast<T>(h.eps), dec = static_cast<T>(decay);
     const T c1 = static_cast<T>(bc1), c2 = static_cast<T>(bc2);
     parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
       for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i) {
-        const T gi = gs * g[i];
+        const T gi = gs * g(i);
         const T mi = b1 * mm[i] + ob1 * gi;
         const T vi = b2 * vv[i] + (ob2 * gi) * gi;
         mm[i] = mi;

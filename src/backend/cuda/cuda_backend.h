@@ -119,8 +119,10 @@ class CudaBackend final : public Backend {
                          std::span<const uint64_t> streams) override;
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
+  double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-             std::span<const ParamCopy> copies, std::span<const ParamCast> casts) override;
+             std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
+             std::span<const LowRankGrad> low_rank) override;
   void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
   void transpose_codes(QTensor dst, const QTensor& src) override;
   void dequantize(Tensor y, const QTensor& x) override;
@@ -189,11 +191,17 @@ class CudaBackend final : public Backend {
   size_t epilogue_scratch_bytes_ = 0;
   void* pinned_ = nullptr;
   int64_t qk_norm_rope_vector_calls_ = 0;
-  // adamw's table of chunks (training.cu) and the layout (n, copies) it was made for.
-  std::vector<int64_t> adamw_layout_;
-  void* adamw_chunks_ = nullptr;
-  size_t adamw_chunks_bytes_ = 0;
-  int64_t adamw_chunk_count_ = 0;
+  // A table of per-block chunks of the flat parameter buffers on the device (adamw,
+  // gradient_sum_squares: training.cu) and the layout it was made for (n, the outputs, the
+  // low-rank gradients): made again only when that changes (a trainer passes the same every step).
+  struct ChunkTable {
+    std::vector<int64_t> layout;
+    void* data = nullptr;
+    size_t bytes = 0;
+    int64_t count = 0;
+  };
+  ChunkTable adamw_table_, squares_table_;
+  void upload_chunk_table(ChunkTable& t, const void* table, size_t bytes, int64_t count, std::vector<int64_t> layout);
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

@@ -123,6 +123,227 @@ double CudaBackend::sum_squares(Tensor x) {
 
 namespace {
 
+// ---- low-rank gradients (Backend::LowRankGrad) and the chunk tables of the flat buffers ------
+
+// A chunk's low-rank gradient: its factors a [rank, rows], b [rank, cols], and the index of the
+// chunk's first element in the gradient's [rows, cols] (a null: the chunk reads the flat buffer).
+struct LowRankChunk {
+  const float* a;
+  const float* b;
+  uint32_t first, rows, cols, rank;
+};
+
+// g[m, k] = Σ_r a[r, m]·b[r, k] for element e = m·cols + k, each product and sum rounded on its
+// own, r in order: the CPU twin's GradientReader, bit for bit.
+__device__ __forceinline__ float low_rank_at(const LowRankChunk& L, uint32_t e) {
+  const uint32_t m = e / L.cols, k = e - m * L.cols;
+  float s = __fmul_rn(L.a[m], L.b[k]);
+  for (uint32_t r = 1; r < L.rank; ++r) s = __fadd_rn(s, __fmul_rn(L.a[r * L.rows + m], L.b[r * L.cols + k]));
+  return s;
+}
+
+// Four elements e .. e + 3 of one row (e and cols multiples of 4, b 16-byte aligned): one
+// a value and one 16-byte load of b a factor row.
+__device__ __forceinline__ float4 low_rank_quad(const LowRankChunk& L, uint32_t e) {
+  const uint32_t m = e / L.cols, k = e - m * L.cols;
+  float a = L.a[m];
+  float4 b = *reinterpret_cast<const float4*>(L.b + k);
+  float4 s = make_float4(__fmul_rn(a, b.x), __fmul_rn(a, b.y), __fmul_rn(a, b.z), __fmul_rn(a, b.w));
+  for (uint32_t r = 1; r < L.rank; ++r) {
+    a = L.a[r * L.rows + m];
+    b = *reinterpret_cast<const float4*>(L.b + r * L.cols + k);
+    s.x = __fadd_rn(s.x, __fmul_rn(a, b.x));
+    s.y = __fadd_rn(s.y, __fmul_rn(a, b.y));
+    s.z = __fadd_rn(s.z, __fmul_rn(a, b.z));
+    s.w = __fadd_rn(s.w, __fmul_rn(a, b.w));
+  }
+  return s;
+}
+
+// Whether chunk [begin, ...) of a low-rank gradient can take its quads from low_rank_quad: the
+// chunk starts a quad of the flat buffer and of a factor row.
+__device__ __forceinline__ bool low_rank_quads(const LowRankChunk& L, int64_t begin) {
+  return begin % 4 == 0 && L.first % 4 == 0 && L.cols % 4 == 0 && reinterpret_cast<uintptr_t>(L.b) % 16 == 0;
+}
+
+// Something that covers a range of the flat buffer: an output of adamw (its chunk with the
+// pointers of the range's first element) or a low-rank gradient.
+template <typename Payload>
+struct Covered {
+  int64_t offset, count;
+  Payload first;
+};
+
+// Cuts [0, n) into chunks of at most `size` elements, each inside one range of `outputs` (or
+// none) and one range of `low_rank` (or none), every range cut from its own start: `emit(begin,
+// end, output or null, low-rank chunk)` in order. Both lists are sorted by offset, no two
+// ranges of one list overlapping (op_checks).
+template <typename Payload, typename Emit>
+void cut_chunks(int64_t n, int64_t size, const std::vector<Covered<Payload>>& outputs,
+                const std::vector<Backend::LowRankGrad>& low_rank, Emit emit) {
+  std::vector<int64_t> cuts{0, n};
+  for (const auto& o : outputs) cuts.insert(cuts.end(), {o.offset, o.offset + o.count});
+  for (const auto& g : low_rank) cuts.insert(cuts.end(), {g.offset, g.offset + g.a.shape[1] * g.b.shape[1]});
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  size_t oi = 0, li = 0;
+  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+    const int64_t begin = cuts[c], end = cuts[c + 1];
+    while (oi < outputs.size() && outputs[oi].offset + outputs[oi].count <= begin) ++oi;
+    while (li < low_rank.size() && low_rank[li].offset + low_rank[li].a.shape[1] * low_rank[li].b.shape[1] <= begin)
+      ++li;
+    const Covered<Payload>* out = oi < outputs.size() && outputs[oi].offset <= begin ? &outputs[oi] : nullptr;
+    const Backend::LowRankGrad* g = li < low_rank.size() && low_rank[li].offset <= begin ? &low_rank[li] : nullptr;
+    for (int64_t at = begin; at < end; at += size) {
+      LowRankChunk lr{};
+      if (g) {
+        lr = LowRankChunk{g->a.ptr<float>(), g->b.ptr<float>(), static_cast<uint32_t>(at - g->offset),
+                          static_cast<uint32_t>(g->a.shape[1]), static_cast<uint32_t>(g->b.shape[1]),
+                          static_cast<uint32_t>(g->a.shape[0])};
+      }
+      emit(at, std::min(end, at + size), out, lr);
+    }
+  }
+}
+
+// The low-rank gradients sorted by offset, and their part of a table's layout key; fails for a
+// gradient too large for the kernels' 32-bit element index.
+std::vector<Backend::LowRankGrad> sorted_low_rank(std::string_view op, std::span<const Backend::LowRankGrad> low_rank,
+                                                  std::vector<int64_t>& layout) {
+  std::vector<Backend::LowRankGrad> v(low_rank.begin(), low_rank.end());
+  std::sort(v.begin(), v.end(), [](const auto& x, const auto& y) { return x.offset < y.offset; });
+  for (const Backend::LowRankGrad& g : v) {
+    if (g.a.shape[1] * g.b.shape[1] >= (int64_t(1) << 32) || g.a.shape[0] >= (int64_t(1) << 32))
+      fail("{}: low-rank gradient [{}, {}] of rank {} is too large for this backend's 32-bit indices", op,
+           g.a.shape[1], g.b.shape[1], g.a.shape[0]);
+    layout.insert(layout.end(), {g.offset, static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.a.data)),
+                                 static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.b.data)), g.a.shape[0],
+                                 g.a.shape[1], g.b.shape[1]});
+  }
+  return v;
+}
+
+}  // namespace
+
+void CudaBackend::upload_chunk_table(ChunkTable& t, const void* table, size_t bytes, int64_t count,
+                                     std::vector<int64_t> layout) {
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be in use
+  if (bytes > t.bytes) {
+    if (t.data) FLUX8_CUDA_CHECK(cudaFree(t.data));
+    t.data = nullptr;
+    t.bytes = 0;
+    FLUX8_CUDA_CHECK(cudaMalloc(&t.data, bytes));
+    t.bytes = bytes;
+  }
+  // On the backend's stream, then synchronised: a plain cudaMemcpy runs on the legacy default
+  // stream, which the non-blocking stream_ is not ordered after, and from pageable memory it may
+  // return before the DMA has landed — a kernel could read a stale or half-written table (the
+  // likely cause of a rare wholesale corruption of the second model trained by one backend,
+  // whose smaller AdamW table reused the buffer).
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(t.data, table, bytes, cudaMemcpyHostToDevice, stream_));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `table` is the caller's, freed after this
+  t.layout = std::move(layout);
+  t.count = count;
+}
+
+namespace {
+
+// ---- the gradient norm over a flat buffer with low-rank ranges -------------------------------
+
+struct SquaresChunk {
+  int64_t begin, end;
+  LowRankChunk lr;
+};
+
+__device__ __forceinline__ double add_squares(double s, float4 q) {
+  const double a = q.x, b = q.y, c = q.z, d = q.w;
+  s += a * a;
+  s += b * b;
+  s += c * c;
+  s += d * d;
+  return s;
+}
+
+// Block b sums the squares of chunk b's elements: the elements before its first 16-byte
+// boundary and after its last one by the first threads, the quads between as sum_squares4_kernel
+// does (batches of kSquaresBatch 16-byte loads), each from the flat buffer or the chunk's
+// factors; then the fixed tree. The order depends on the table only.
+__global__ void __launch_bounds__(kThreads)
+    gradient_squares_kernel(const SquaresChunk* __restrict__ chunks, const float* __restrict__ x,
+                            double* __restrict__ partial) {
+  __shared__ double sh[kThreads];
+  const SquaresChunk c = chunks[blockIdx.x];
+  const LowRankChunk& L = c.lr;
+  const bool lr = L.a != nullptr;
+  const bool vec = lr ? low_rank_quads(L, c.begin) : true;
+  // Flat quads [q0, q1) of the chunk (global quad indices), when vec; else all elements scalar.
+  const int64_t q0 = vec ? (c.begin + 3) / 4 : 0, q1 = vec ? c.end / 4 : 0;
+  const int64_t head_end = vec && 4 * q0 < c.end ? 4 * q0 : c.end;
+  const int64_t tail_begin = vec && q1 > q0 ? 4 * q1 : head_end;
+  const auto value = [&](int64_t i) -> float {
+    return lr ? low_rank_at(L, L.first + static_cast<uint32_t>(i - c.begin)) : x[i];
+  };
+  double s = 0;
+  for (int64_t i = c.begin + threadIdx.x; i < head_end; i += kThreads) {
+    const double t = value(i);
+    s += t * t;
+  }
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (int64_t base = q0 + threadIdx.x; base < q1; base += int64_t(kSquaresBatch) * kThreads) {
+    float4 q[kSquaresBatch];
+#pragma unroll
+    for (int u = 0; u < kSquaresBatch; ++u) {
+      const int64_t i = base + int64_t(u) * kThreads;
+      q[u] = i >= q1  ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+             : lr     ? low_rank_quad(L, L.first + static_cast<uint32_t>(4 * i - c.begin))
+                      : x4[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kSquaresBatch; ++u) s = add_squares(s, q[u]);
+  }
+  for (int64_t i = tail_begin + threadIdx.x; i < c.end; i += kThreads) {
+    const double t = value(i);
+    s += t * t;
+  }
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+}  // namespace
+
+double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) {
+  constexpr std::string_view op = "gradient_sum_squares";
+  require_f32(op, {{"grads", grads}});
+  require_contiguous(op, {"grads", grads});
+  ops::check_low_rank_grads(op, grads.numel(), low_rank);
+  if (low_rank.empty()) return sum_squares(grads);
+  // The flat buffer's quads are read as float4: its base must be 16-byte aligned (the backend's
+  // allocations are, and so ParamStore's gradient buffer).
+  if (!aligned16(grads.data)) fail("{}: the gradient buffer {} must be 16-byte aligned", op, grads.str());
+  const int64_t n = grads.numel();
+  std::vector<int64_t> layout{n, static_cast<int64_t>(reinterpret_cast<uintptr_t>(grads.data))};
+  const std::vector<LowRankGrad> sorted = sorted_low_rank(op, low_rank, layout);
+  if (layout != squares_table_.layout) {
+    std::vector<SquaresChunk> table;
+    cut_chunks<int>(n, kSquaresChunk, {}, sorted, [&](int64_t begin, int64_t end, const Covered<int>*, LowRankChunk lr) {
+      table.push_back(SquaresChunk{begin, end, lr});
+    });
+    FLUX8_CHECK(table.size() < (size_t(1) << 31), "{}: {} chunks exceed one launch", op, table.size());
+    upload_chunk_table(squares_table_, table.data(), table.size() * sizeof(SquaresChunk),
+                       static_cast<int64_t>(table.size()), std::move(layout));
+  }
+  const int64_t blocks = squares_table_.count;
+  double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
+  gradient_squares_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(
+      static_cast<const SquaresChunk*>(squares_table_.data), grads.ptr<float>(), partial);
+  FLUX8_LAUNCH_CHECK(gradient_squares_kernel);
+  return total_of_partials(*this, partial, blocks);
+}
+
+namespace {
+
+// ---- AdamW ----------------------------------------------------------------------------------
+
 // AdamW's fp32 arithmetic: the CPU backend's operations in its order, each rounded on its own
 // (the _rn intrinsics are never contracted into FMAs), so the two backends agree bit for bit.
 // fp32, not fp64: the double-precision version was partly bound by the FP64 units (divisions,
@@ -140,10 +361,11 @@ struct AdamwStep {
   }
 };
 
-// One block's share of the flat buffers, [begin, end), and what else it writes of its
-// elements: their bf16 copy and/or FP8 codes, from the pointers of element `begin` (nullptr:
-// none). The table splits every output's range and every gap between them into chunks, so a
-// block never looks up which output an element has.
+// One block's share of the flat buffers, [begin, end), what else it writes of its elements —
+// their bf16 copy and/or FP8 codes, from the pointers of element `begin` (nullptr: none) — and
+// where its gradient comes from (lr.a null: the flat buffer). The table splits every output's
+// and low-rank gradient's range and every gap between them into chunks, so a block never looks
+// up which output or gradient an element has.
 struct AdamwChunk {
   int64_t begin, end;
   __nv_bfloat16* copy;
@@ -152,6 +374,7 @@ struct AdamwChunk {
   float* amax;         // the cast's amax target (max-accumulated)
   float* scale_inv;    // the cast's first chunk only: gets 1/scale
   Fp8Format format;
+  LowRankChunk lr;
 };
 // 32 quads a thread: a block first waits for its chunk's entry (a dependent load), which
 // chunks of 4 quads a thread did not hide (0.3 ms more than a grid-stride loop over W2's 1.3G
@@ -160,9 +383,10 @@ constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 
 // AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
 // 16-byte aligned; the chunk's start a multiple of 4, its copy 8-byte and its codes 4-byte
-// aligned): AdamW is pure HBM traffic, 28 bytes a parameter, 30 with a copy, 29 with a cast.
-// The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of x·scale,
-// the amax the largest |x| bit pattern of the non-NaN values.
+// aligned, its factors in quads of a row): AdamW is pure HBM traffic, 28 bytes a parameter, 30
+// with a copy, 29 with a cast, 4 fewer with a low-rank gradient (whose factors stay in cache).
+// The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of x·scale, the
+// amax the largest |x| bit pattern of the non-NaN values.
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const float* __restrict__ g,
                  float* __restrict__ m, float* __restrict__ v, AdamwStep step, bool quads) {
@@ -175,18 +399,20 @@ __global__ void __launch_bounds__(kThreads)
   float* __restrict__ vc = v + c.begin;
   __nv_bfloat16* __restrict__ out = c.copy;
   uint8_t* __restrict__ codes = c.codes;
+  const bool lr = c.lr.a != nullptr;
   const float s = codes ? *c.scale : 0.0f;
   uint32_t amax_bits = 0;
   const auto take_amax = [&](float x) {
     if (!f32_is_nan(x)) amax_bits = max(amax_bits, __float_as_uint(x) & 0x7FFFFFFFu);
   };
   const bool vec = quads && c.begin % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0 &&
-                   reinterpret_cast<uintptr_t>(codes) % 4 == 0;
+                   reinterpret_cast<uintptr_t>(codes) % 4 == 0 && (!lr || low_rank_quads(c.lr, c.begin));
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
     float4 pq = reinterpret_cast<float4*>(pc)[q], mq = reinterpret_cast<float4*>(mc)[q];
     float4 vq = reinterpret_cast<float4*>(vc)[q];
-    const float4 gq = reinterpret_cast<const float4*>(gc)[q];
+    const float4 gq = lr ? low_rank_quad(c.lr, c.lr.first + static_cast<uint32_t>(4 * q))
+                         : reinterpret_cast<const float4*>(gc)[q];
     step(pq.x, gq.x, mq.x, vq.x);
     step(pq.y, gq.y, mq.y, vq.y);
     step(pq.z, gq.z, mq.z, vq.z);
@@ -206,7 +432,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
-    step(pc[i], gc[i], mc[i], vc[i]);
+    step(pc[i], lr ? low_rank_at(c.lr, c.lr.first + static_cast<uint32_t>(i)) : gc[i], mc[i], vc[i]);
     if (out) out[i] = __float2bfloat16_rn(pc[i]);
     if (codes) {
       codes[i] = static_cast<uint8_t>(encode_pair(pc[i], 0.0f, s, c.format));
@@ -228,27 +454,26 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                        std::span<const ParamCopy> copies, std::span<const ParamCast> casts) {
+                        std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
+                        std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "adamw";
   require_f32(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  ops::check_adamw(op, param, grad, m, v, h, copies, casts);
+  ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   const int64_t n = param.numel();
   if (n == 0) return;
 
-  // The chunk table depends only on n and the outputs; it is made once for each such layout (a
-  // trainer passes the same every step) and kept on the device.
-  struct Output {
-    int64_t offset, count;
-    AdamwChunk first;  // the pointers of the range's first element
-  };
+  // The chunk table depends only on n, the outputs and the low-rank gradients; it is made once
+  // for each such layout (a trainer passes the same every step) and kept on the device.
+  using Output = Covered<AdamwChunk>;
   std::vector<Output> outputs;
   for (const ParamCopy& c : copies)
     outputs.push_back({c.offset, c.copy.numel(),
                        AdamwChunk{0, 0, static_cast<__nv_bfloat16*>(c.copy.data), nullptr, nullptr, nullptr, nullptr,
-                                  Fp8Format::e4m3}});
+                                  Fp8Format::e4m3, LowRankChunk{}}});
   for (const ParamCast& c : casts)
     outputs.push_back({c.offset, c.codes.numel(),
-                       AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format}});
+                       AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format,
+                                  LowRankChunk{}}});
   std::sort(outputs.begin(), outputs.end(), [](const Output& a, const Output& b) { return a.offset < b.offset; });
   std::vector<int64_t> layout{n};
   for (const Output& o : outputs) {
@@ -261,43 +486,25 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
     layout.push_back(o.count);
     layout.push_back(static_cast<int64_t>(f.format));
   }
-  if (layout != adamw_layout_) {
+  const std::vector<LowRankGrad> sorted = sorted_low_rank(op, low_rank, layout);
+  if (layout != adamw_table_.layout) {
     std::vector<AdamwChunk> table;
-    const auto add = [&](int64_t begin, int64_t end, const AdamwChunk* first) {
-      for (int64_t at = begin; at < end; at += kAdamwChunk) {
-        AdamwChunk k = first ? *first : AdamwChunk{};
-        k.begin = at;
-        k.end = std::min(end, at + kAdamwChunk);
-        if (k.copy) k.copy += at - begin;
-        if (k.codes) k.codes += at - begin;
-        if (at != begin) k.scale_inv = nullptr;
-        table.push_back(k);
-      }
-    };
-    int64_t at = 0;
-    for (const Output& o : outputs) {
-      add(at, o.offset, nullptr);
-      add(o.offset, o.offset + o.count, &o.first);
-      at = o.offset + o.count;
-    }
-    add(at, n, nullptr);
-    const size_t bytes = table.size() * sizeof(AdamwChunk);
-    FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be in use
-    if (bytes > adamw_chunks_bytes_) {
-      if (adamw_chunks_) FLUX8_CUDA_CHECK(cudaFree(adamw_chunks_));
-      adamw_chunks_ = nullptr;
-      FLUX8_CUDA_CHECK(cudaMalloc(&adamw_chunks_, bytes));
-      adamw_chunks_bytes_ = bytes;
-    }
-    // On the backend's stream, then synchronised: a plain cudaMemcpy runs on the legacy default
-    // stream, which the non-blocking stream_ is not ordered after, and from pageable memory it
-    // may return before the DMA has landed — the AdamW kernel below could read a stale or
-    // half-written table (the likely cause of a rare wholesale corruption of the second model
-    // trained by one backend, whose smaller table reused the buffer).
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(adamw_chunks_, table.data(), bytes, cudaMemcpyHostToDevice, stream_));
-    FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `table` is freed at the end of this scope
-    adamw_layout_ = std::move(layout);
-    adamw_chunk_count_ = static_cast<int64_t>(table.size());
+    cut_chunks<AdamwChunk>(n, kAdamwChunk, outputs, sorted,
+                           [&](int64_t begin, int64_t end, const Output* o, LowRankChunk lr) {
+                             AdamwChunk k = o ? o->first : AdamwChunk{};
+                             k.begin = begin;
+                             k.end = end;
+                             if (o) {
+                               if (k.copy) k.copy += begin - o->offset;
+                               if (k.codes) k.codes += begin - o->offset;
+                               if (begin != o->offset) k.scale_inv = nullptr;
+                             }
+                             k.lr = lr;
+                             table.push_back(k);
+                           });
+    FLUX8_CHECK(table.size() < (size_t(1) << 31), "{}: {} chunks exceed one launch", op, table.size());
+    upload_chunk_table(adamw_table_, table.data(), table.size() * sizeof(AdamwChunk),
+                       static_cast<int64_t>(table.size()), std::move(layout));
   }
 
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
@@ -310,8 +517,8 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
   const float* g = grad.ptr<float>();
   const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
-  adamw_kernel<<<static_cast<unsigned>(adamw_chunk_count_), kThreads, 0, stream_>>>(
-      static_cast<const AdamwChunk*>(adamw_chunks_), p, g, mm, vv, step, quads);
+  adamw_kernel<<<static_cast<unsigned>(adamw_table_.count), kThreads, 0, stream_>>>(
+      static_cast<const AdamwChunk*>(adamw_table_.data), p, g, mm, vv, step, quads);
   FLUX8_LAUNCH_CHECK(adamw_kernel);
 }
 
