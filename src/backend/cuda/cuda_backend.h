@@ -199,9 +199,11 @@ class CudaBackend final : public Backend {
     void* data = nullptr;
     size_t bytes = 0;
     int64_t count = 0;
+    int64_t first_low_rank = 0;  // the flat-gradient chunks come first, then the low-rank ones
   };
   ChunkTable adamw_table_, squares_table_;
-  void upload_chunk_table(ChunkTable& t, const void* table, size_t bytes, int64_t count, std::vector<int64_t> layout);
+  void upload_chunk_table(ChunkTable& t, const void* table, size_t bytes, int64_t count, int64_t first_low_rank,
+                          std::vector<int64_t> layout);
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;
