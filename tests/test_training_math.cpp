@@ -108,9 +108,10 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping, {}, {}), Error);
 }
 
-// Low-rank gradients (Backend::LowRankGrad): the norm and AdamW read g[m, k] = Σ_r a[r, m]·b[r, k]
-// from the factors — exactly the values and sums of a flat buffer that holds them, in f32 with
-// each product and sum rounded on its own — and never the buffer's own contents there (NaN here).
+// Low-rank gradients (Backend::LowRankGrad): AdamW reads g[m, k] = Σ_r a[r, m]·b[r, k] from the
+// factors — exactly the values of a flat buffer that holds them, in f32 with each product and
+// sum rounded on its own — and the norm takes ‖g‖² from the factors' Gram matrices; neither
+// reads the buffer's own contents there (NaN here).
 TEST(Optimizer, LowRankGradientsReadFromTheirFactors) {
   auto be = make_backend("cpu");
   const int64_t n = 1000;
@@ -142,7 +143,26 @@ TEST(Optimizer, LowRankGradientsReadFromTheirFactors) {
     lr.push_back({x.offset, Tensor(x.a.data(), DType::f32, Shape{x.R, x.M}),
                   Tensor(x.b.data(), DType::f32, Shape{x.R, x.K})});
   const auto f32 = [&](std::vector<float>& x) { return Tensor(x.data(), DType::f32, Shape{n}); };
-  EXPECT_EQ(be->gradient_sum_squares(f32(g), lr), be->sum_squares(f32(dense)));
+  // The flat elements (zero at the low-rank ranges), then each gradient's Σ_{r,s} (a_r·a_s)(b_r·b_s).
+  std::vector<float> flat_only = g;
+  double gram_total = 0;
+  for (const Factors& x : fs) {
+    std::fill(flat_only.begin() + x.offset, flat_only.begin() + x.offset + x.M * x.K, 0.0f);
+    double norm2 = 0;
+    for (int64_t r = 0; r < x.R; ++r)
+      for (int64_t q = r; q < x.R; ++q) {
+        double da = 0, db = 0;
+        for (int64_t i = 0; i < x.M; ++i) da += double(x.a[r * x.M + i]) * double(x.a[q * x.M + i]);
+        for (int64_t i = 0; i < x.K; ++i) db += double(x.b[r * x.K + i]) * double(x.b[q * x.K + i]);
+        norm2 += (r == q ? 1.0 : 2.0) * da * db;
+      }
+    gram_total += norm2;
+  }
+  const double want = be->sum_squares(f32(flat_only)) + gram_total;
+  const double got = be->gradient_sum_squares(f32(g), lr);
+  EXPECT_NEAR(got, want, 1e-14 * want);
+  // The norm of the gradient before rounding: within f32 rounding of the elements' own.
+  EXPECT_NEAR(got, be->sum_squares(f32(dense)), 1e-6 * got);
   EXPECT_EQ(be->gradient_sum_squares(f32(dense), {}), be->sum_squares(f32(dense)));
 
   std::vector<float> p(n), m(n, 0.f), v(n, 0.f);

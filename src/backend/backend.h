@@ -244,14 +244,17 @@ class Backend {
   //   g[m, k] = Σ_{r < R} a[r, m]·b[r, k]     a [R, M], b [R, K]: contiguous f32, R ≥ 1
   // each product and sum rounded on its own in f32, r = 0, 1, ... in order: the same bits on
   // every backend. Writing g costs 4 bytes a parameter, and the norm and AdamW each read them
-  // again; from the factors nobody does.
+  // again; from the factors nobody does (the norm takes them from the factors' Gram matrices).
   struct LowRankGrad {
     int64_t offset = 0;
     Tensor a, b;
   };
-  // sum_squares of the flat gradients `grads` whose `low_rank` ranges take their values from
-  // the factors (their contents in `grads` are never read). Without low-rank ranges it is
-  // sum_squares(grads).
+  // Σ g² over the flat gradients `grads` in double, where each `low_rank` range adds the squared
+  // norm of its gradient from the factors' Gram matrices instead of its elements,
+  //   ‖Σ_r a_r ⊗ b_r‖² = Σ_{r,s} (a_r·a_s)(b_r·b_s)      (dot products in double)
+  // — the norm of the gradient before its elements are rounded to f32 (within ~1e-7 of theirs),
+  // in R²(M + K) operations instead of M·K. The contents of `grads` at those ranges are never
+  // read. Without low-rank ranges it is sum_squares(grads).
   virtual double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) = 0;
   // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in their own
   // precision (fp32 in training, as PyTorch's fused AdamW; fp64 in gradient checks):

@@ -136,14 +136,38 @@ double CpuBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGra
   ops::check_low_rank_grads(op, grads.numel(), low_rank);
   if (!low_rank.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 gradients", op);
   const Ctx c = make_ctx(options_, dt);
+  std::vector<LowRankGrad> sorted(low_rank.begin(), low_rank.end());
+  std::sort(sorted.begin(), sorted.end(), [](const LowRankGrad& x, const LowRankGrad& y) { return x.offset < y.offset; });
+  const auto in_low_rank = [&](int64_t i) {
+    auto it = std::upper_bound(sorted.begin(), sorted.end(), i,
+                               [](int64_t e, const LowRankGrad& g) { return e < g.offset; });
+    return it != sorted.begin() && i < (it - 1)->offset + (it - 1)->a.shape[1] * (it - 1)->b.shape[1];
+  };
   double s = 0;
   dispatch(dt, [&]<typename T>(T) {
-    const GradientReader<T> g(grads.ptr<T>(), low_rank);
+    const T* g = grads.ptr<T>();
     s = ordered_sum(grads.numel(), c, [&](int64_t i) {
-      const double x = static_cast<double>(g(i));
+      if (!sorted.empty() && in_low_rank(i)) return 0.0;
+      const double x = static_cast<double>(g[i]);
       return x * x;
     });
   });
+  // Each low-rank gradient's Σ_{r,s} (a_r·a_s)(b_r·b_s), r ≤ s (the pairs r < s twice), in
+  // offset order after the flat elements.
+  for (const LowRankGrad& lr : sorted) {
+    const int64_t R = lr.a.shape[0], M = lr.a.shape[1], K = lr.b.shape[1];
+    const float *a = lr.a.ptr<float>(), *b = lr.b.ptr<float>();
+    const auto dot = [](const float* x, const float* y, int64_t n) {
+      double d = 0;
+      for (int64_t i = 0; i < n; ++i) d += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+      return d;
+    };
+    double norm2 = 0;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t q = r; q < R; ++q)
+        norm2 += (r == q ? 1.0 : 2.0) * dot(a + r * M, a + q * M, M) * dot(b + r * K, b + q * K, K);
+    s += norm2;
+  }
   return s;
 }
 

@@ -276,11 +276,10 @@ __device__ __forceinline__ double add_squares(double s, float4 q) {
   return s;
 }
 
-// Block b sums the squares of chunk b's elements, each added in double in a fixed order, then
-// the fixed tree: a flat chunk as sum_squares4_kernel does (batches of kSquaresBatch 16-byte
-// loads; the elements before its first 16-byte boundary and after its last one by the first
-// threads), a low-rank chunk from its factors (quads of a row where they line up, else element
-// by element). The order depends on the table only.
+// A block's share of the flat chunk [begin, end) as sum_squares4_kernel takes it (batches of
+// kSquaresBatch 16-byte loads; the elements before the chunk's first 16-byte boundary and after
+// its last one by the first threads), each square added in double in an order that depends on
+// the chunk only; the block's tree follows.
 __device__ __forceinline__ double flat_squares(const float* __restrict__ x, int64_t begin, int64_t end) {
   const int64_t q0 = (begin + 3) / 4, q1 = end / 4;
   const int64_t head_end = 4 * q0 < end ? 4 * q0 : end, tail_begin = q1 > q0 ? 4 * q1 : head_end;
@@ -307,26 +306,26 @@ __device__ __forceinline__ double flat_squares(const float* __restrict__ x, int6
   return s;
 }
 
-__device__ __forceinline__ double low_rank_squares(const LowRankChunk& L, int64_t begin, int64_t end) {
-  const int64_t n = end - begin;
-  const int64_t n4 = low_rank_quads(L, begin) ? n / 4 : 0;
-  double s = 0;
-  if (n4 > 0) {
-    const uint32_t cols4 = L.cols / 4;
-    RowWalk w(L.first / 4 + threadIdx.x, cols4);
-    for (int64_t q = threadIdx.x; q < n4; q += kThreads, w.advance(kThreads, cols4))
-      s = add_squares(s, low_rank_quad(L, w.m, 4 * w.k));
-  }
-  RowWalk w(L.first + static_cast<uint32_t>(4 * n4 + threadIdx.x), L.cols);
-  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += kThreads, w.advance(kThreads, L.cols)) {
-    const double t = low_rank_at(L, w.m, w.k);
-    s += t * t;
-  }
-  return s;
+// A low-rank gradient's ‖Σ_r a_r ⊗ b_r‖² = Σ_{r ≤ s} (2 − [r = s])·(a_r·a_s)(b_r·b_s), each dot
+// product in double over the block (strided, then the fixed tree): one block per gradient.
+__device__ double low_rank_norm2(const LowRankChunk& L, double* sh) {
+  double total = 0;
+  for (uint32_t r = 0; r < L.rank; ++r)
+    for (uint32_t q = r; q < L.rank; ++q) {
+      double da = 0, db = 0;
+      for (uint32_t i = threadIdx.x; i < L.rows; i += kThreads)
+        da += static_cast<double>(L.a[r * L.rows + i]) * static_cast<double>(L.a[q * L.rows + i]);
+      for (uint32_t i = threadIdx.x; i < L.cols; i += kThreads)
+        db += static_cast<double>(L.b[r * L.cols + i]) * static_cast<double>(L.b[q * L.cols + i]);
+      da = block_sum(da, sh);
+      db = block_sum(db, sh);
+      total += (r == q ? 1.0 : 2.0) * da * db;
+    }
+  return total;
 }
 
-// Flat chunks and low-rank chunks in launches of their own (as adamw_kernel); `partial` is the
-// first of this launch's blocks' partials.
+// Flat chunks (sums of squares), then one entry per low-rank gradient (its Gram norm), in
+// launches of their own; `partial` is the first of this launch's blocks' partials.
 template <bool kLowRank>
 __global__ void __launch_bounds__(kThreads)
     gradient_squares_kernel(const SquaresChunk* __restrict__ chunks, const float* __restrict__ x,
@@ -334,11 +333,12 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ double sh[kThreads];
   const SquaresChunk c = chunks[blockIdx.x];
   double s;
-  if constexpr (kLowRank)
-    s = low_rank_squares(c.lr, c.begin, c.end);
-  else
+  if constexpr (kLowRank) {
+    s = low_rank_norm2(c.lr, sh);
+  } else {
     s = flat_squares(x, c.begin, c.end);
-  s = block_sum(s, sh);
+    s = block_sum(s, sh);
+  }
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
@@ -359,7 +359,10 @@ double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGr
   if (layout != squares_table_.layout) {
     std::vector<SquaresChunk> flat, factors;
     cut_chunks<int>(n, kSquaresChunk, {}, sorted, [&](int64_t begin, int64_t end, const Covered<int>*, LowRankChunk lr) {
-      (lr.a ? factors : flat).push_back(SquaresChunk{begin, end, lr});
+      if (!lr.a)
+        flat.push_back(SquaresChunk{begin, end, lr});
+      else if (lr.first == 0)  // a gradient's first chunk stands for all of it
+        factors.push_back(SquaresChunk{begin, end, lr});
     });
     const int64_t first_low_rank = static_cast<int64_t>(flat.size());
     flat.insert(flat.end(), factors.begin(), factors.end());
