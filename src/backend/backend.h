@@ -28,6 +28,7 @@
 //   never round (they also serve parameter and gradient buffers).
 // - Statistics (mean, rstd, lse) may be passed flat: any contiguous tensor of the stated size.
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <span>
@@ -257,13 +258,24 @@ class Backend {
   // read. Without low-rank ranges it is sum_squares(grads).
   virtual double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) = 0;
   // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in their own
-  // precision (fp32 in training, as PyTorch's fused AdamW; fp64 in gradient checks):
+  // precision (fp32 in training; fp64 in gradient checks) in PyTorch's fused AdamW arrangement:
   //   g = grad_scale·grad;  m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²
-  //   p = p·(1 − lr·wd) − lr·(m/(1−β1^step)) / (√(v/(1−β2^step)) + eps)
+  //   p = p·decay − (step_size·m) / (√v / bc2_sqrt + eps)
+  // with the per-step constants of adamw_constants (in double, then rounded to the precision).
   struct AdamW {
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     int64_t step;  // 1-based
   };
+  struct AdamWConstants {
+    double decay;      // 1 − lr·wd
+    double step_size;  // lr / (1 − β1^step)
+    double bc2_sqrt;   // √(1 − β2^step)
+  };
+  static AdamWConstants adamw_constants(const AdamW& h) {
+    const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+    const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+    return {1.0 - h.lr * h.weight_decay, h.lr / bc1, std::sqrt(bc2)};
+  }
   // A bf16 copy of the parameters [offset, offset + copy.numel()) of the flat f32 buffer (a
   // Linear's weight operand, ParamStore::operand), written by adamw with the new values rounded
   // to nearest even: the update already holds them, where a later conversion pass would read

@@ -180,9 +180,7 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
   if (!casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
   if (!low_rank.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 parameters", op);
   const int64_t n = param.numel();
-  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-  const double decay = 1.0 - h.lr * h.weight_decay;
+  const AdamWConstants k = adamw_constants(h);
   const Ctx c = make_ctx(options_, dt);
   // In the parameters' own precision (fp32 in training, fp64 in gradient checks), as PyTorch's
   // fused AdamW computes for fp32 parameters. The CUDA kernel performs the same fp32 operations
@@ -193,8 +191,8 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
     const GradientReader<T> g(grad.ptr<T>(), low_rank);
     const T gs = static_cast<T>(h.grad_scale), b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
     const T ob1 = static_cast<T>(1.0 - h.beta1), ob2 = static_cast<T>(1.0 - h.beta2);
-    const T lr = static_cast<T>(h.lr), eps = static_cast<T>(h.eps), dec = static_cast<T>(decay);
-    const T c1 = static_cast<T>(bc1), c2 = static_cast<T>(bc2);
+    const T eps = static_cast<T>(h.eps), dec = static_cast<T>(k.decay);
+    const T step_size = static_cast<T>(k.step_size), c2_sqrt = static_cast<T>(k.bc2_sqrt);
     parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
       for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i) {
         const T gi = gs * g(i);
@@ -202,7 +200,7 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
         const T vi = b2 * vv[i] + (ob2 * gi) * gi;
         mm[i] = mi;
         vv[i] = vi;
-        p[i] = p[i] * dec - (lr * (mi / c1)) / (std::sqrt(vi / c2) + eps);
+        p[i] = p[i] * dec - (step_size * mi) / (std::sqrt(vi) / c2_sqrt + eps);
       }
     });
     // The copies: the new values rounded to bf16 (through f32, the only type they are made of
