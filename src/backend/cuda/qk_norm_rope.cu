@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? kFp8HeadsBlocksPerSm : 1)
     qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part, Fp8HeadsIn dq8,
                                               Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
   constexpr int kGroups = kThreads / kLanes, D = 8 * kLanes;
-  __shared__ float tile[2][kGroups][D];
+  __shared__ alignas(16) float tile[2][kGroups][D];
   __shared__ ScaleTile<D> scales;
   scales.load(a.q_scale, a.k_scale);
   const bool q_norm = a.dq.p || q_part, k_norm = a.dk.p || k_part;
@@ -519,8 +519,12 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? kFp8HeadsBlocksPerSm : 1)
     if (k_norm) norm_rotate_backward8<kLanes>(a.dk, k_acc, dkh, k, k_rs, scales.k, cs, s, c, a.g.inv_D);
   }
   if (!q_part && !k_part) return;  // the same for the whole block
-#pragma unroll
-  for (int i = 0; i < 8; ++i) tile[0][group][c + i] = q_acc[i], tile[1][group][c + i] = k_acc[i];
+  // Two 16-byte stores a lane and tensor: 8 scalar stores at a stride of 8 floats were 8-way
+  // bank conflicts (the lanes of a group hit 4 banks, a warp's two groups the same 4).
+  float4* const qt = reinterpret_cast<float4*>(&tile[0][group][c]);
+  float4* const kt = reinterpret_cast<float4*>(&tile[1][group][c]);
+  qt[0] = make_float4(q_acc[0], q_acc[1], q_acc[2], q_acc[3]), qt[1] = make_float4(q_acc[4], q_acc[5], q_acc[6], q_acc[7]);
+  kt[0] = make_float4(k_acc[0], k_acc[1], k_acc[2], k_acc[3]), kt[1] = make_float4(k_acc[4], k_acc[5], k_acc[6], k_acc[7]);
   __syncthreads();
   for (int col = static_cast<int>(threadIdx.x); col < 2 * D; col += blockDim.x) {
     float* part = col < D ? q_part : k_part;
