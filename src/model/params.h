@@ -87,13 +87,14 @@ class ParamStore {
   void finish_grads() const;
 
   // Low-rank gradients. A per-sample Linear's weight gradient (ParamInfo::per_sample) is
-  // Σ_r dy_r ⊗ x_r over the few rows a step gives it: on W2 (2 samples) the modulation Linears
-  // hold 29% of the parameters, and writing their gradients, reading them for the norm and
+  // Σ_r dy_r ⊗ x_r over the few rows a step gives it: on W2 (2 samples) the per-sample Linears
+  // hold 30% of the parameters, and writing their gradients, reading them for the norm and
   // again in AdamW cost ~1 ms a step for what 2 rows of dy and x say. keep_low_rank_grads(rows),
   // `rows` a step's samples (all micro-batches), keeps those gradients as their factors — dy's
-  // and x's rows in f32 (Backend::LowRankGrad) — when rows <= kLowRankMaxRows (beyond, each
-  // element's sum of `rows` products would cost AdamW more than the 4 bytes it saves) and
-  // returns whether it did; 0 turns it off. The flat buffer then does not hold those gradients:
+  // and x's rows in f32 (Backend::LowRankGrad) — when rows <= kLowRankMaxRows and returns
+  // whether it did; 0 turns it off. (AdamW rebuilds each element from `rows` products: at 2
+  // rows it breaks even with reading the gradient — the gain is the wgrad GEMM's write and the
+  // norm's read — and beyond a few rows it would lose; 8 is a bound, not a measured optimum.) The flat buffer then does not hold those gradients:
   //   add_low_rank_grad(dw, dy, x): for the backward of a Linear with weight gradient dw, input
   //     x [N, K] and output gradient dy [N, M] (any ld). When dw is kept low-rank it appends the
   //     N rows to its factors (replacing them at the step's first write, ParamStore::first_write)
