@@ -160,8 +160,10 @@ __device__ __forceinline__ float4 low_rank_quad(const LowRankChunk& L, uint32_t 
 
 // Element (or quad) e, e + stride, ... of a row-major matrix with `cols` columns (or quads) as
 // (row m, column k), one division at the start instead of one per step: a 32-bit division per
-// quad made the low-rank norm issue-bound (Nsight Compute, W2: SM 69%, 0.40 ms for 359M
-// elements, slower than reading them).
+// quad had the low-rank kernels issue-bound (Nsight Compute, W2: the elementwise low-rank norm
+// this session replaced by the Gram form at SM 69%, 0.40 ms for 391M elements, slower than
+// reading them). advance() subtracts stride / cols times: once or less for Flux's widths (cols
+// of 768 quads and more), up to 256 times only for toy widths.
 struct RowWalk {
   uint32_t m, k;
   __device__ RowWalk(uint32_t e, uint32_t cols) : m(e / cols), k(e - (e / cols) * cols) {}
