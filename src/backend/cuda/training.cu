@@ -72,12 +72,30 @@ namespace {
 // ran at ~3.6 TB/s (1.44 ms on W2's 5.2 GB) and left its second pass 160k partials.
 constexpr int kSquaresBatch = 8;
 constexpr int64_t kSquaresChunk = int64_t(4) * kThreads * kSquaresBatch * 8;
-__global__ void __launch_bounds__(kThreads) sum_squares4_kernel(const float* x, int64_t n, double* partial) {
-  __shared__ double sh[kThreads];
-  const int64_t quads = n / 4, q0 = static_cast<int64_t>(blockIdx.x) * (kSquaresChunk / 4);
-  const int64_t q1 = q0 + kSquaresChunk / 4 < quads ? q0 + kSquaresChunk / 4 : quads;
-  const float4* x4 = reinterpret_cast<const float4*>(x);
+
+__device__ __forceinline__ double add_squares(double s, float4 q) {
+  const double a = q.x, b = q.y, c = q.z, d = q.w;
+  s += a * a;
+  s += b * b;
+  s += c * c;
+  s += d * d;
+  return s;
+}
+
+// A block's share of Σ x² over [begin, end) of a 16-byte aligned x: the quads in batches of
+// kSquaresBatch 16-byte loads issued together (thread t the quads t, t + kThreads, ...), the
+// elements before the first 16-byte boundary and after the last one by the first threads, each
+// square added in double in an order that depends on begin and end only; the block's tree
+// follows.
+__device__ __forceinline__ double flat_squares(const float* __restrict__ x, int64_t begin, int64_t end) {
+  const int64_t q0 = (begin + 3) / 4, q1 = end / 4;
+  const int64_t head_end = 4 * q0 < end ? 4 * q0 : end, tail_begin = q1 > q0 ? 4 * q1 : head_end;
   double s = 0;
+  for (int64_t i = begin + threadIdx.x; i < head_end; i += kThreads) {
+    const double t = x[i];
+    s += t * t;
+  }
+  const float4* x4 = reinterpret_cast<const float4*>(x);
   for (int64_t base = q0 + threadIdx.x; base < q1; base += int64_t(kSquaresBatch) * kThreads) {
     float4 q[kSquaresBatch];
 #pragma unroll
@@ -86,18 +104,19 @@ __global__ void __launch_bounds__(kThreads) sum_squares4_kernel(const float* x, 
       q[u] = i < q1 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
-    for (int u = 0; u < kSquaresBatch; ++u) {
-      const double a = q[u].x, b = q[u].y, c = q[u].z, d = q[u].w;
-      s += a * a;
-      s += b * b;
-      s += c * c;
-      s += d * d;
-    }
+    for (int u = 0; u < kSquaresBatch; ++u) s = add_squares(s, q[u]);
   }
-  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < n % 4) {
-    const double t = x[4 * quads + threadIdx.x];
+  for (int64_t i = tail_begin + threadIdx.x; i < end; i += kThreads) {
+    const double t = x[i];
     s += t * t;
   }
+  return s;
+}
+
+__global__ void __launch_bounds__(kThreads) sum_squares4_kernel(const float* x, int64_t n, double* partial) {
+  __shared__ double sh[kThreads];
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSquaresChunk;
+  double s = flat_squares(x, begin, begin + kSquaresChunk < n ? begin + kSquaresChunk : n);
   s = block_sum(s, sh);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
@@ -268,45 +287,6 @@ struct SquaresChunk {
   int64_t begin, end;
   LowRankChunk lr;
 };
-
-__device__ __forceinline__ double add_squares(double s, float4 q) {
-  const double a = q.x, b = q.y, c = q.z, d = q.w;
-  s += a * a;
-  s += b * b;
-  s += c * c;
-  s += d * d;
-  return s;
-}
-
-// A block's share of the flat chunk [begin, end) as sum_squares4_kernel takes it (batches of
-// kSquaresBatch 16-byte loads; the elements before the chunk's first 16-byte boundary and after
-// its last one by the first threads), each square added in double in an order that depends on
-// the chunk only; the block's tree follows.
-__device__ __forceinline__ double flat_squares(const float* __restrict__ x, int64_t begin, int64_t end) {
-  const int64_t q0 = (begin + 3) / 4, q1 = end / 4;
-  const int64_t head_end = 4 * q0 < end ? 4 * q0 : end, tail_begin = q1 > q0 ? 4 * q1 : head_end;
-  double s = 0;
-  for (int64_t i = begin + threadIdx.x; i < head_end; i += kThreads) {
-    const double t = x[i];
-    s += t * t;
-  }
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  for (int64_t base = q0 + threadIdx.x; base < q1; base += int64_t(kSquaresBatch) * kThreads) {
-    float4 q[kSquaresBatch];
-#pragma unroll
-    for (int u = 0; u < kSquaresBatch; ++u) {
-      const int64_t i = base + int64_t(u) * kThreads;
-      q[u] = i < q1 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int u = 0; u < kSquaresBatch; ++u) s = add_squares(s, q[u]);
-  }
-  for (int64_t i = tail_begin + threadIdx.x; i < end; i += kThreads) {
-    const double t = x[i];
-    s += t * t;
-  }
-  return s;
-}
 
 // A low-rank gradient's ‖Σ_r a_r ⊗ b_r‖² = Σ_{r ≤ s} (2 − [r = s])·(a_r·a_s)(b_r·b_s), each dot
 // product in double over the block (strided, then the fixed tree): one block per gradient.
