@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/transfer.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "model/flux_model.h"
 #include "model/input_batch.h"
@@ -98,6 +99,9 @@ struct ModelRunOptions {
   // FP8 weight casts (FluxModel::weight_casts, delayed recipe) instead of their first use.
   bool optimizer = false, fused_weight_casts = true;
   bool collect_stats = true;  // FP8 telemetry counts on every step (Fp8Runtime::set_collect_stats)
+  // > 0: the per-sample Linears' gradients kept as low-rank factors of up to this many rows
+  // (ParamStore::keep_low_rank_grads), written out before the gradients are read.
+  int64_t low_rank_rows = 0;
   uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
 };
 
@@ -111,6 +115,8 @@ struct ModelRun {
 inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOptions& o) {
   FluxModel model(cfg, be, o.dtype, o.fp8, o.recompute);
   randomize_params(model.params(), o.param_seed, o.weight_std);
+  if (o.low_rank_rows > 0 && !model.params().keep_low_rank_grads(o.low_rank_rows))
+    fail("run_model: the store refused low-rank gradients of {} rows", o.low_rank_rows);
   InputBatch batch(be, o.dtype);
   FluxInputs in;
   random_inputs(batch, cfg, o.batch, o.txt_tokens, o.img_tokens, o.input_seed, in);
@@ -134,6 +140,7 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
     if (opt) opt->step(s + 1, 1e-2);
     model.after_optimizer_step(false);
   }
+  model.params().materialize_low_rank_grads();  // grad() reads the flat buffer
   for (const ParamInfo& p : model.params().layout().params())
     r.grads.emplace_back(p.name, to_host(be, model.params().grad(p.name)));
   if (model.fp8()) {
