@@ -53,6 +53,7 @@ struct Run {
   TrainerState state;
   Fp8Config fp8;
   int64_t micro = 1, accumulation = 1, global = 1;
+  bool low_rank_grads = false;  // ParamStore::keep_low_rank_grads took the step's samples
   std::string save_dir;
 };
 
@@ -131,7 +132,7 @@ TrainResult run_training(const TrainOptions& opt) {
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
   // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients
   // stay as factors (ParamStore::keep_low_rank_grads).
-  r.model->params().keep_low_rank_grads(r.global);
+  r.low_rank_grads = r.model->params().keep_low_rank_grads(r.global);
   r.state.seed = static_cast<uint64_t>(r.cfg.get_int("seed"));
   r.state.config_yaml = r.cfg.dump();
 
@@ -173,6 +174,11 @@ TrainResult run_training(const TrainOptions& opt) {
                              r.accumulation, r.micro, train_iters, val.size(), r.save_dir),
                  nullptr);
   progress.event(fmt::format("precision: {}", r.fp8.describe()), nullptr);
+  if (r.low_rank_grads)
+    progress.event(fmt::format("gradients: the modulation and embedder Linears' weight gradients kept as "
+                               "rank-{} factors (a step of at most {} samples; not written as tensors)",
+                               r.global, ParamStore::kLowRankMaxRows),
+                   nullptr);
   if (!resumed_from.empty()) {
     progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f})", resumed_from, r.state.step, r.state.last_loss),
                    {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", resumed_from}});
