@@ -25,7 +25,8 @@
 #          made ab_base/; name it in carry): ab_base is built while the other stages run, then
 #          GPU_CHECK_AB_ROUNDS (2) rounds alternate `flux8 bench --precision
 #          ${GPU_CHECK_AB_PRECISION:-bf16,delayed} --steps 10 --warmup 3` of base and working tree,
-#          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt;
+#          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt, and
+#          scripts/profile_diff.py's ops that moved (≥ 0.02 ms) -> $OUT/ab_profile_diff.txt;
 #          GPU_CHECK_AB_ARGS adds arguments to each (e.g. --set fp8_dot_product_attention=true)
 #   ncu    Nsight Compute over one step (GPU_CHECK_NCU_ARGS, default W2 FP8 delayed + FP8
 #          attention, `bench --steps 1 --warmup 0`), for each kernel-name regex in
@@ -251,7 +252,9 @@ if has ab; then
     "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --profile --steps 3 --warmup 2 $ab_args \
         > "$OUT/ab_profile_$side.txt" 2>&1 || die "flux8 bench --profile ($side) failed"
   done
-  echo "per-op profiles: ab_profile_base.txt, ab_profile_new.txt"
+  echo "per-op profiles: ab_profile_base.txt, ab_profile_new.txt; what moved (ab_profile_diff.txt):"
+  "$python" scripts/profile_diff.py "$OUT/ab_profile_base.txt" "$OUT/ab_profile_new.txt" |
+    tee "$OUT/ab_profile_diff.txt" || die "scripts/profile_diff.py failed on the ab profiles"
 fi
 
 if has table; then

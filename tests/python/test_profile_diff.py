@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""scripts/profile_diff.py reads two `flux8 bench --profile` outputs as gpu_check.sh's ab stage keeps them.
+
+    python3 tests/python/test_profile_diff.py <flux8 binary, unused> <source dir>
+
+The fixtures (tests/python/data/ab_profile_{base,new}.txt) are the sixteenth session's call 6 on
+the H200: W1 and W2 in FP8 delayed + FP8 attention, base 7f3feee against the AdamW arrangement
+and the QK-norm tile. Standard library only.
+"""
+import io
+import os
+import sys
+
+
+def main(argv):
+    src = argv[2] if len(argv) > 2 else os.path.join(os.path.dirname(__file__), "..", "..")
+    sys.path.insert(0, os.path.join(src, "scripts"))
+    import profile_diff
+
+    data = os.path.join(src, "tests", "python", "data")
+    runs = []
+    for side in ("base", "new"):
+        with open(os.path.join(data, f"ab_profile_{side}.txt"), encoding="utf-8") as f:
+            runs.append(profile_diff.parse(f))
+    base, new = runs
+    assert list(base) == [("W1", "delayed hybrid"), ("W2", "delayed hybrid")], list(base)
+    w2b, w2n = base[("W2", "delayed hybrid")], new[("W2", "delayed hybrid")]
+    assert abs(w2b["step"] - 64.31) < 1e-9 and abs(w2b["profiled"] - 63.92) < 1e-9, w2b
+    assert abs(w2b["ops"]["adamw"] - 9.794) < 1e-9 and abs(w2n["ops"]["adamw"] - 9.462) < 1e-9
+    # Op names with spaces, brackets and bars, and the idle row, are whole keys.
+    assert "quantize_fused ([head | gelu_tanh_backward] + fp8 cast)" in w2b["ops"], sorted(w2b["ops"])
+    assert "(device idle between ops)" in w2b["ops"]
+    assert len(w2b["ops"]) == len(w2n["ops"]) > 30, len(w2b["ops"])
+
+    out = io.StringIO()
+    profile_diff.report(base, new, out, 0.03)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "W1 delayed hybrid: step 27.94 -> 27.93 ms, profiled 27.78 -> 27.68 ms", lines[0]
+    assert lines[1].split() == ["qk_norm_rope_to_heads_backward_fp8", "0.673", "0.583", "-0.090"], lines[1]
+    w2 = lines.index("W2 delayed hybrid: step 64.31 -> 64.27 ms, profiled 63.92 -> 63.99 ms")
+    assert lines[w2 + 1].split() == ["adamw", "9.794", "9.462", "-0.332"], lines[w2 + 1]  # largest first
+    changes = [abs(float(l.split()[-1])) for l in lines[w2 + 1:]]
+    assert changes == sorted(changes, reverse=True) and min(changes) >= 0.03, changes
+
+    # An op only one side ran counts as 0 on the other; a quiet workload says so.
+    one = {("W1", "BF16"): {"step": 40.0, "profiled": None, "ops": {"a": 1.0}}}
+    two = {("W1", "BF16"): {"step": 39.0, "profiled": 38.5, "ops": {"a": 1.0, "b": 0.5}}}
+    out = io.StringIO()
+    profile_diff.report(one, two, out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "W1 BF16: step 40.00 -> 39.00 ms, profiled - -> 38.50 ms", lines
+    assert len(lines) == 2 and lines[1].split() == ["b", "0.000", "0.500", "+0.500"], lines
+    out = io.StringIO()
+    profile_diff.report(one, one, out)
+    assert out.getvalue().splitlines()[1] == "  (no op moved by 0.02 ms or more)", out.getvalue()
+    print("profile_diff: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
