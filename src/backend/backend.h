@@ -249,6 +249,9 @@ class Backend {
   struct LowRankGrad {
     int64_t offset = 0;
     Tensor a, b;
+    int64_t rank() const { return a.shape[0]; }
+    int64_t size() const { return a.shape[1] * b.shape[1]; }  // M·K
+    int64_t end() const { return offset + size(); }
   };
   // Σ g² over the flat gradients `grads` in double, where each `low_rank` range adds the squared
   // norm of its gradient from the factors' Gram matrices instead of its elements,

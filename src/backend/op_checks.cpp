@@ -235,10 +235,22 @@ NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy
   return d;
 }
 
-void check_adamw(std::string_view op, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
-                 std::span<const Backend::ParamCast> casts, std::span<const Backend::LowRankGrad> low_rank) {
-  check_low_rank_grads(op, param.numel(), low_rank);
+namespace {
+// Fails naming the first two of `ranges` ((begin, end) pairs, `what` the noun) that overlap.
+void require_disjoint(std::string_view op, std::vector<std::pair<int64_t, int64_t>> ranges, std::string_view what) {
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second)
+      fail("{}: {} [{}, {}) and [{}, {}) overlap", op, what, ranges[i - 1].first, ranges[i - 1].second,
+           ranges[i].first, ranges[i].second);
+}
+}  // namespace
+
+std::vector<Backend::LowRankGrad> check_adamw(std::string_view op, const Tensor& param, const Tensor& grad,
+                                              const Tensor& m, const Tensor& v, const Backend::AdamW& h,
+                                              std::span<const Backend::ParamCopy> copies,
+                                              std::span<const Backend::ParamCast> casts,
+                                              std::span<const Backend::LowRankGrad> low_rank) {
   for (Named n : {Named{"param", param}, Named{"grad", grad}, Named{"m", m}, Named{"v", v}}) {
     require_contiguous(op, n);
     require_vector(op, n, param.numel());
@@ -263,34 +275,30 @@ void check_adamw(std::string_view op, const Tensor& param, const Tensor& grad, c
       fail("{}: cast {} needs per-tensor codes with their scale_inv, a scale and an amax target", op, i);
     inside("cast", i, c.offset, c.codes.numel());
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second)
-      fail("{}: the outputs for the parameters [{}, {}) and [{}, {}) overlap", op, ranges[i - 1].first,
-           ranges[i - 1].second, ranges[i].first, ranges[i].second);
+  require_disjoint(op, ranges, "the outputs for the parameters");
+  return check_low_rank_grads(op, param.numel(), low_rank);
 }
 
-void check_low_rank_grads(std::string_view op, int64_t n, std::span<const Backend::LowRankGrad> low_rank) {
-  std::vector<std::pair<int64_t, int64_t>> ranges;
+std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int64_t n,
+                                                       std::span<const Backend::LowRankGrad> low_rank) {
   for (size_t i = 0; i < low_rank.size(); ++i) {
     const Backend::LowRankGrad& g = low_rank[i];
     for (const Tensor* t : {&g.a, &g.b})
       if (!t->defined() || t->dtype != DType::f32 || t->shape.rank != 2 || !t->contiguous())
         fail("{}: low-rank gradient {} needs contiguous f32 factors a [R, M] and b [R, K], got a {} and b {}", op, i,
              g.a.str(), g.b.str());
-    if (g.a.shape[0] < 1 || g.a.shape[0] != g.b.shape[0])
+    if (g.rank() < 1 || g.rank() != g.b.shape[0])
       fail("{}: low-rank gradient {}: factors a {} and b {} need the same R >= 1 rows", op, i, g.a.str(), g.b.str());
-    const int64_t count = g.a.shape[1] * g.b.shape[1];
-    if (g.offset < 0 || g.offset + count > n)
-      fail("{}: low-rank gradient {} of {} elements at offset {} lies outside the {} gradients", op, i, count,
+    if (g.offset < 0 || g.end() > n)
+      fail("{}: low-rank gradient {} of {} elements at offset {} lies outside the {} gradients", op, i, g.size(),
            g.offset, n);
-    ranges.emplace_back(g.offset, g.offset + count);
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second)
-      fail("{}: the low-rank gradients of [{}, {}) and [{}, {}) overlap", op, ranges[i - 1].first,
-           ranges[i - 1].second, ranges[i].first, ranges[i].second);
+  std::vector<Backend::LowRankGrad> sorted(low_rank.begin(), low_rank.end());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& x, const auto& y) { return x.offset < y.offset; });
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const Backend::LowRankGrad& g : sorted) ranges.emplace_back(g.offset, g.end());
+  require_disjoint(op, ranges, "the low-rank gradients of");
+  return sorted;
 }
 
 void check_transpose_codes(std::string_view op, const QTensor& dst, const QTensor& src) {

@@ -4,6 +4,7 @@
 #include <initializer_list>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -86,13 +87,17 @@ NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy
 // adamw's whole argument check: param, grad, m, v contiguous f32 vectors of one length, a
 // 1-based step, each copy a contiguous bf16 tensor and each cast a per-tensor QTensor (with its
 // scale and amax) inside the parameters, no two of them over the same parameters.
-// The low-rank gradients: each a [R, M] and b [R, K] contiguous f32 with R ≥ 1, inside them.
-void check_adamw(std::string_view op, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                 const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
-                 std::span<const Backend::ParamCast> casts, std::span<const Backend::LowRankGrad> low_rank);
+// The low-rank gradients as check_low_rank_grads checks them; returns them by offset.
+std::vector<Backend::LowRankGrad> check_adamw(std::string_view op, const Tensor& param, const Tensor& grad,
+                                              const Tensor& m, const Tensor& v, const Backend::AdamW& h,
+                                              std::span<const Backend::ParamCopy> copies,
+                                              std::span<const Backend::ParamCast> casts,
+                                              std::span<const Backend::LowRankGrad> low_rank);
 // Backend::LowRankGrad ranges of a flat gradient of n elements: a [R, M], b [R, K] contiguous
-// f32 with R ≥ 1, [offset, offset + M·K) inside [0, n), no two overlapping.
-void check_low_rank_grads(std::string_view op, int64_t n, std::span<const Backend::LowRankGrad> low_rank);
+// f32 with R ≥ 1, [offset, offset + M·K) inside [0, n), no two overlapping. Returns them sorted
+// by offset (what the backends walk).
+std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int64_t n,
+                                                       std::span<const Backend::LowRankGrad> low_rank);
 // transpose_codes: per-tensor codes, dst [cols, rows] of src [rows, cols], one format.
 void check_transpose_codes(std::string_view op, const QTensor& dst, const QTensor& src);
 // Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined).

@@ -34,23 +34,22 @@ double ordered_sum(int64_t n, const Ctx& c, F f) {
 // The gradient's element i: from the flat buffer, or from a low-rank gradient's factors
 // (Backend::LowRankGrad: f32, products and sums rounded one by one, r in order; this file is
 // compiled with -ffp-contract=off, so the CUDA kernels' _rn operations give the same bits).
+// `sorted`: by offset, as ops::check_low_rank_grads returns them.
 template <typename T>
 class GradientReader {
  public:
-  GradientReader(const T* flat, std::span<const Backend::LowRankGrad> low_rank)
-      : flat_(flat), ranges_(low_rank.begin(), low_rank.end()) {
-    std::sort(ranges_.begin(), ranges_.end(),
-              [](const Backend::LowRankGrad& x, const Backend::LowRankGrad& y) { return x.offset < y.offset; });
-  }
-  T operator()(int64_t i) const {
-    if (ranges_.empty()) return flat_[i];
+  GradientReader(const T* flat, const std::vector<Backend::LowRankGrad>& sorted) : flat_(flat), ranges_(sorted) {}
+  // The low-rank gradient element i lies in, or null.
+  const Backend::LowRankGrad* covering(int64_t i) const {
     auto it = std::upper_bound(ranges_.begin(), ranges_.end(), i,
                                [](int64_t e, const Backend::LowRankGrad& g) { return e < g.offset; });
-    if (it == ranges_.begin()) return flat_[i];
-    const Backend::LowRankGrad& g = *--it;
-    const int64_t R = g.a.shape[0], M = g.a.shape[1], K = g.b.shape[1], e = i - g.offset;
-    if (e >= M * K) return flat_[i];
-    const float *a = g.a.ptr<float>() + e / K, *b = g.b.ptr<float>() + e % K;
+    return it != ranges_.begin() && i < (it - 1)->end() ? &*(it - 1) : nullptr;
+  }
+  T operator()(int64_t i) const {
+    const Backend::LowRankGrad* g = ranges_.empty() ? nullptr : covering(i);
+    if (!g) return flat_[i];
+    const int64_t R = g->rank(), M = g->a.shape[1], K = g->b.shape[1], e = i - g->offset;
+    const float *a = g->a.ptr<float>() + e / K, *b = g->b.ptr<float>() + e % K;
     float s = a[0] * b[0];
     for (int64_t r = 1; r < R; ++r) s = s + a[r * M] * b[r * K];
     return static_cast<T>(s);
@@ -58,7 +57,7 @@ class GradientReader {
 
  private:
   const T* flat_;
-  std::vector<Backend::LowRankGrad> ranges_;
+  const std::vector<Backend::LowRankGrad>& ranges_;
 };
 
 }  // namespace
@@ -133,29 +132,21 @@ double CpuBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGra
   constexpr std::string_view op = "gradient_sum_squares";
   const DType dt = call_dtype(op, {{"grads", grads}});
   require_contiguous(op, {"grads", grads});
-  ops::check_low_rank_grads(op, grads.numel(), low_rank);
-  if (!low_rank.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 gradients", op);
+  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, grads.numel(), low_rank);
+  if (sorted.empty()) return sum_squares(grads);
+  if (dt != DType::f32) fail("{}: low-rank gradients need f32 gradients", op);
   const Ctx c = make_ctx(options_, dt);
-  std::vector<LowRankGrad> sorted(low_rank.begin(), low_rank.end());
-  std::sort(sorted.begin(), sorted.end(), [](const LowRankGrad& x, const LowRankGrad& y) { return x.offset < y.offset; });
-  const auto in_low_rank = [&](int64_t i) {
-    auto it = std::upper_bound(sorted.begin(), sorted.end(), i,
-                               [](int64_t e, const LowRankGrad& g) { return e < g.offset; });
-    return it != sorted.begin() && i < (it - 1)->offset + (it - 1)->a.shape[1] * (it - 1)->b.shape[1];
-  };
-  double s = 0;
-  dispatch(dt, [&]<typename T>(T) {
-    const T* g = grads.ptr<T>();
-    s = ordered_sum(grads.numel(), c, [&](int64_t i) {
-      if (!sorted.empty() && in_low_rank(i)) return 0.0;
-      const double x = static_cast<double>(g[i]);
-      return x * x;
-    });
+  const float* g = grads.ptr<float>();
+  const GradientReader<float> reader(g, sorted);
+  double s = ordered_sum(grads.numel(), c, [&](int64_t i) {
+    if (reader.covering(i)) return 0.0;
+    const double x = static_cast<double>(g[i]);
+    return x * x;
   });
   // Each low-rank gradient's Σ_{r,s} (a_r·a_s)(b_r·b_s), r ≤ s (the pairs r < s twice), in
   // offset order after the flat elements.
   for (const LowRankGrad& lr : sorted) {
-    const int64_t R = lr.a.shape[0], M = lr.a.shape[1], K = lr.b.shape[1];
+    const int64_t R = lr.rank(), M = lr.a.shape[1], K = lr.b.shape[1];
     const float *a = lr.a.ptr<float>(), *b = lr.b.ptr<float>();
     const auto dot = [](const float* x, const float* y, int64_t n) {
       double d = 0;
@@ -176,9 +167,9 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
                        std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "adamw";
   const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
+  const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   if (!casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
-  if (!low_rank.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 parameters", op);
+  if (!sorted.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 parameters", op);
   const int64_t n = param.numel();
   const AdamWConstants k = adamw_constants(h);
   const Ctx c = make_ctx(options_, dt);
@@ -188,7 +179,7 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
   // -ffp-contract=off (CMakeLists.txt), so both agree bit for bit.
   dispatch(dt, [&]<typename T>(T) {
     T *p = param.ptr<T>(), *mm = m.ptr<T>(), *vv = v.ptr<T>();
-    const GradientReader<T> g(grad.ptr<T>(), low_rank);
+    const GradientReader<T> g(grad.ptr<T>(), sorted);
     const T gs = static_cast<T>(h.grad_scale), b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
     const T ob1 = static_cast<T>(1.0 - h.beta1), ob2 = static_cast<T>(1.0 - h.beta2);
     const T eps = static_cast<T>(h.eps), dec = static_cast<T>(k.decay);

@@ -202,8 +202,9 @@ class CudaBackend final : public Backend {
     int64_t first_low_rank = 0;  // the flat-gradient chunks come first, then the low-rank ones
   };
   ChunkTable adamw_table_, squares_table_;
-  void upload_chunk_table(ChunkTable& t, const void* table, size_t bytes, int64_t count, int64_t first_low_rank,
-                          std::vector<int64_t> layout);
+  // Uploads `flat_count` then `low_rank_count` chunks of `chunk_bytes` each as t's table.
+  void upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const void* flat, int64_t flat_count,
+                          const void* low_rank, int64_t low_rank_count, std::vector<int64_t> layout);
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

@@ -198,6 +198,13 @@ __device__ __forceinline__ bool low_rank_quads(const LowRankChunk& L, int64_t be
   return begin % 4 == 0 && L.first % 4 == 0 && L.cols % 4 == 0 && reinterpret_cast<uintptr_t>(L.b) % 16 == 0;
 }
 
+// The chunk of low-rank gradient g that starts at its element `first`.
+LowRankChunk low_rank_chunk(const Backend::LowRankGrad& g, int64_t first) {
+  return LowRankChunk{g.a.ptr<float>(), g.b.ptr<float>(), static_cast<uint32_t>(first),
+                      static_cast<uint32_t>(g.a.shape[1]), static_cast<uint32_t>(g.b.shape[1]),
+                      static_cast<uint32_t>(g.rank())};
+}
+
 // Something that covers a range of the flat buffer: an output of adamw (its chunk with the
 // pointers of the range's first element) or a low-rank gradient.
 template <typename Payload>
@@ -215,50 +222,43 @@ void cut_chunks(int64_t n, int64_t size, const std::vector<Covered<Payload>>& ou
                 const std::vector<Backend::LowRankGrad>& low_rank, Emit emit) {
   std::vector<int64_t> cuts{0, n};
   for (const auto& o : outputs) cuts.insert(cuts.end(), {o.offset, o.offset + o.count});
-  for (const auto& g : low_rank) cuts.insert(cuts.end(), {g.offset, g.offset + g.a.shape[1] * g.b.shape[1]});
+  for (const auto& g : low_rank) cuts.insert(cuts.end(), {g.offset, g.end()});
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
   size_t oi = 0, li = 0;
   for (size_t c = 0; c + 1 < cuts.size(); ++c) {
     const int64_t begin = cuts[c], end = cuts[c + 1];
     while (oi < outputs.size() && outputs[oi].offset + outputs[oi].count <= begin) ++oi;
-    while (li < low_rank.size() && low_rank[li].offset + low_rank[li].a.shape[1] * low_rank[li].b.shape[1] <= begin)
-      ++li;
+    while (li < low_rank.size() && low_rank[li].end() <= begin) ++li;
     const Covered<Payload>* out = oi < outputs.size() && outputs[oi].offset <= begin ? &outputs[oi] : nullptr;
     const Backend::LowRankGrad* g = li < low_rank.size() && low_rank[li].offset <= begin ? &low_rank[li] : nullptr;
-    for (int64_t at = begin; at < end; at += size) {
-      LowRankChunk lr{};
-      if (g) {
-        lr = LowRankChunk{g->a.ptr<float>(), g->b.ptr<float>(), static_cast<uint32_t>(at - g->offset),
-                          static_cast<uint32_t>(g->a.shape[1]), static_cast<uint32_t>(g->b.shape[1]),
-                          static_cast<uint32_t>(g->a.shape[0])};
-      }
-      emit(at, std::min(end, at + size), out, lr);
-    }
+    for (int64_t at = begin; at < end; at += size)
+      emit(at, std::min(end, at + size), out, g ? low_rank_chunk(*g, at - g->offset) : LowRankChunk{});
   }
 }
 
-// The low-rank gradients sorted by offset, and their part of a table's layout key; fails for a
-// gradient too large for the kernels' 32-bit element index.
-std::vector<Backend::LowRankGrad> sorted_low_rank(std::string_view op, std::span<const Backend::LowRankGrad> low_rank,
-                                                  std::vector<int64_t>& layout) {
-  std::vector<Backend::LowRankGrad> v(low_rank.begin(), low_rank.end());
-  std::sort(v.begin(), v.end(), [](const auto& x, const auto& y) { return x.offset < y.offset; });
-  for (const Backend::LowRankGrad& g : v) {
-    if (g.a.shape[1] * g.b.shape[1] >= (int64_t(1) << 32) || g.a.shape[0] >= (int64_t(1) << 32))
+// The low-rank gradients' part of a table's layout key (`sorted` as ops::check_low_rank_grads
+// returns them); fails for a gradient too large for the kernels' 32-bit element index.
+void add_low_rank_layout(std::string_view op, const std::vector<Backend::LowRankGrad>& sorted,
+                         std::vector<int64_t>& layout) {
+  for (const Backend::LowRankGrad& g : sorted) {
+    if (g.size() >= (int64_t(1) << 32) || g.rank() >= (int64_t(1) << 32))
       fail("{}: low-rank gradient [{}, {}] of rank {} is too large for this backend's 32-bit indices", op,
-           g.a.shape[1], g.b.shape[1], g.a.shape[0]);
+           g.a.shape[1], g.b.shape[1], g.rank());
     layout.insert(layout.end(), {g.offset, static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.a.data)),
-                                 static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.b.data)), g.a.shape[0],
+                                 static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.b.data)), g.rank(),
                                  g.a.shape[1], g.b.shape[1]});
   }
-  return v;
 }
 
 }  // namespace
 
-void CudaBackend::upload_chunk_table(ChunkTable& t, const void* table, size_t bytes, int64_t count,
-                                     int64_t first_low_rank, std::vector<int64_t> layout) {
+void CudaBackend::upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const void* flat, int64_t flat_count,
+                                     const void* low_rank, int64_t low_rank_count, std::vector<int64_t> layout) {
+  const int64_t count = flat_count + low_rank_count;
+  FLUX8_CHECK(count < (int64_t(1) << 31), "{} chunks exceed one launch", count);
+  const size_t flat_bytes = static_cast<size_t>(flat_count) * chunk_bytes;
+  const size_t bytes = flat_bytes + static_cast<size_t>(low_rank_count) * chunk_bytes;
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be in use
   if (bytes > t.bytes) {
     if (t.data) FLUX8_CUDA_CHECK(cudaFree(t.data));
@@ -272,11 +272,15 @@ void CudaBackend::upload_chunk_table(ChunkTable& t, const void* table, size_t by
   // return before the DMA has landed — a kernel could read a stale or half-written table (the
   // likely cause of a rare wholesale corruption of the second model trained by one backend,
   // whose smaller AdamW table reused the buffer).
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(t.data, table, bytes, cudaMemcpyHostToDevice, stream_));
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `table` is the caller's, freed after this
+  if (flat_bytes)
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(t.data, flat, flat_bytes, cudaMemcpyHostToDevice, stream_));
+  if (bytes > flat_bytes)
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(t.data) + flat_bytes, low_rank, bytes - flat_bytes,
+                                     cudaMemcpyHostToDevice, stream_));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the chunks are the caller's, freed after this
   t.layout = std::move(layout);
   t.count = count;
-  t.first_low_rank = first_low_rank;
+  t.first_low_rank = flat_count;
 }
 
 namespace {
@@ -330,27 +334,23 @@ double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGr
   constexpr std::string_view op = "gradient_sum_squares";
   require_f32(op, {{"grads", grads}});
   require_contiguous(op, {"grads", grads});
-  ops::check_low_rank_grads(op, grads.numel(), low_rank);
-  if (low_rank.empty()) return sum_squares(grads);
+  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, grads.numel(), low_rank);
+  if (sorted.empty()) return sum_squares(grads);
   // The flat buffer's quads are read as float4: its base must be 16-byte aligned (the backend's
   // allocations are, and so ParamStore's gradient buffer).
   if (!aligned16(grads.data)) fail("{}: the gradient buffer {} must be 16-byte aligned", op, grads.str());
   const int64_t n = grads.numel();
-  std::vector<int64_t> layout{n, static_cast<int64_t>(reinterpret_cast<uintptr_t>(grads.data))};
-  const std::vector<LowRankGrad> sorted = sorted_low_rank(op, low_rank, layout);
+  std::vector<int64_t> layout{n};
+  add_low_rank_layout(op, sorted, layout);
   if (layout != squares_table_.layout) {
+    // The flat elements between the low-rank gradients in chunks, then one entry per gradient.
     std::vector<SquaresChunk> flat, factors;
     cut_chunks<int>(n, kSquaresChunk, {}, sorted, [&](int64_t begin, int64_t end, const Covered<int>*, LowRankChunk lr) {
-      if (!lr.a)
-        flat.push_back(SquaresChunk{begin, end, lr});
-      else if (lr.first == 0)  // a gradient's first chunk stands for all of it
-        factors.push_back(SquaresChunk{begin, end, lr});
+      if (!lr.a) flat.push_back(SquaresChunk{begin, end, lr});
     });
-    const int64_t first_low_rank = static_cast<int64_t>(flat.size());
-    flat.insert(flat.end(), factors.begin(), factors.end());
-    FLUX8_CHECK(flat.size() < (size_t(1) << 31), "{}: {} chunks exceed one launch", op, flat.size());
-    upload_chunk_table(squares_table_, flat.data(), flat.size() * sizeof(SquaresChunk),
-                       static_cast<int64_t>(flat.size()), first_low_rank, std::move(layout));
+    for (const LowRankGrad& g : sorted) factors.push_back(SquaresChunk{g.offset, g.end(), low_rank_chunk(g, 0)});
+    upload_chunk_table(squares_table_, sizeof(SquaresChunk), flat.data(), static_cast<int64_t>(flat.size()),
+                       factors.data(), static_cast<int64_t>(factors.size()), std::move(layout));
   }
   const int64_t blocks = squares_table_.count, split = squares_table_.first_low_rank;
   double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
@@ -524,7 +524,7 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
                         std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "adamw";
   require_f32(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
-  ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
+  const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   const int64_t n = param.numel();
   if (n == 0) return;
 
@@ -552,9 +552,9 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
     layout.push_back(o.count);
     layout.push_back(static_cast<int64_t>(f.format));
   }
-  const std::vector<LowRankGrad> sorted = sorted_low_rank(op, low_rank, layout);
+  add_low_rank_layout(op, sorted, layout);
   if (layout != adamw_table_.layout) {
-    std::vector<AdamwChunk> table, factors;
+    std::vector<AdamwChunk> flat, factors;
     cut_chunks<AdamwChunk>(n, kAdamwChunk, outputs, sorted,
                            [&](int64_t begin, int64_t end, const Output* o, LowRankChunk lr) {
                              AdamwChunk k = o ? o->first : AdamwChunk{};
@@ -566,13 +566,10 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
                                if (begin != o->offset) k.scale_inv = nullptr;
                              }
                              k.lr = lr;
-                             (lr.a ? factors : table).push_back(k);
+                             (lr.a ? factors : flat).push_back(k);
                            });
-    const int64_t first_low_rank = static_cast<int64_t>(table.size());
-    table.insert(table.end(), factors.begin(), factors.end());
-    FLUX8_CHECK(table.size() < (size_t(1) << 31), "{}: {} chunks exceed one launch", op, table.size());
-    upload_chunk_table(adamw_table_, table.data(), table.size() * sizeof(AdamwChunk),
-                       static_cast<int64_t>(table.size()), first_low_rank, std::move(layout));
+    upload_chunk_table(adamw_table_, sizeof(AdamwChunk), flat.data(), static_cast<int64_t>(flat.size()),
+                       factors.data(), static_cast<int64_t>(factors.size()), std::move(layout));
   }
 
   const Backend::AdamWConstants k = adamw_constants(h);
