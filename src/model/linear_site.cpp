@@ -431,8 +431,7 @@ void linear_backward_params(Backend& be, const LinearSite& site, Tensor dx, Tens
                             bool accumulate_dx) {
   if (site.store && site.store->add_low_rank_grad(site.dw, dy, x)) {
     const bool accumulate_db = site.db.defined() && !site.store->first_write(site.db);
-    if (dx.defined() || site.db.defined())
-      be.linear_backward(dx, Tensor{}, site.db, dy, x, w, accumulate_dx, accumulate_db);
+    be.linear_backward(dx, Tensor{}, site.db, dy, x, w, accumulate_dx, accumulate_db);
     return;
   }
   be.linear_backward(dx, site.dw, site.db, dy, x, w, accumulate_dx, site.accumulate_grads());

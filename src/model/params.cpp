@@ -201,6 +201,12 @@ bool ParamStore::keep_low_rank_grads(int64_t rows) {
   return true;
 }
 
+int64_t ParamStore::low_rank_rows() const {
+  for (const LowRank& L : low_rank_)
+    if (L.a.defined()) return L.a.shape[0];
+  return 0;
+}
+
 bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x) const {
   if (low_rank_.empty()) return false;
   const size_t i = index_in(grads_, dw);

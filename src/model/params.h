@@ -105,6 +105,7 @@ class ParamStore {
   //     such as the non-finite gradient search); low_rank_grads() is empty after it this step.
   static constexpr int64_t kLowRankMaxRows = 8;
   bool keep_low_rank_grads(int64_t rows);
+  int64_t low_rank_rows() const;  // the rows kept, 0 when off
   bool add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x) const;
   std::vector<Backend::LowRankGrad> low_rank_grads() const;
   void materialize_low_rank_grads() const;

@@ -53,7 +53,6 @@ struct Run {
   TrainerState state;
   Fp8Config fp8;
   int64_t micro = 1, accumulation = 1, global = 1;
-  bool low_rank_grads = false;  // ParamStore::keep_low_rank_grads took the step's samples
   std::string save_dir;
 };
 
@@ -132,7 +131,7 @@ TrainResult run_training(const TrainOptions& opt) {
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
   // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients
   // stay as factors (ParamStore::keep_low_rank_grads).
-  r.low_rank_grads = r.model->params().keep_low_rank_grads(r.global);
+  r.model->params().keep_low_rank_grads(r.global);
   r.state.seed = static_cast<uint64_t>(r.cfg.get_int("seed"));
   r.state.config_yaml = r.cfg.dump();
 
@@ -174,10 +173,10 @@ TrainResult run_training(const TrainOptions& opt) {
                              r.accumulation, r.micro, train_iters, val.size(), r.save_dir),
                  nullptr);
   progress.event(fmt::format("precision: {}", r.fp8.describe()), nullptr);
-  if (r.low_rank_grads)
+  if (const int64_t rows = r.model->params().low_rank_rows())
     progress.event(fmt::format("gradients: the modulation and embedder Linears' weight gradients kept as "
                                "rank-{} factors (a step of at most {} samples; not written as tensors)",
-                               r.global, ParamStore::kLowRankMaxRows),
+                               rows, ParamStore::kLowRankMaxRows),
                    nullptr);
   if (!resumed_from.empty()) {
     progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f})", resumed_from, r.state.step, r.state.last_loss),
