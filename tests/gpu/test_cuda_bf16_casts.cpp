@@ -430,7 +430,8 @@ TEST(CudaBf16Casts, QkNormRopeEqualsF32PathRounded) {
 // pair or term is off by its own size: errors of order 1). v, dv: bf16 copies, exact. rstd and
 // dscale stay f32 and see the same inputs as the f32 path: test_cuda_ops.cpp's 1e-6 (kReduce).
 // Two streams of a joint sequence (text at offset 0, image at Lt) as there, and a long one
-// whose backward sums dscale over many chunks of segments.
+// whose backward sums dscale over many chunks of segments (in runs of 18 segments a group:
+// segments_per_group, runs that cross tokens).
 TEST(CudaBf16Casts, QkNormRopeMatchesCpu) {
   FLUX8_REQUIRE_GPU();
   constexpr double kRounded = 1e-3, kReduce = 1e-6;

@@ -124,10 +124,12 @@ struct HeadsCase {
   bool fused;  // whether the fused kernels take it (else the defaults run: the call must still work)
 };
 // D = 128: Flux (16 lanes a segment); D = 64: 8 lanes; D = 40: not 8·2^k, the pair path (left to
-// the defaults); pad 3 misaligns the token rows (the defaults again).
+// the defaults); pad 3 misaligns the token rows (the defaults again). The long image stream
+// (13,203 segments) gives the forward runs of 2 segments a group and the backward runs of 4
+// (segments_per_group), each with a short last run and runs that cross tokens.
 const HeadsCase kCases[] = {
     {2, 3, 128, 7, 45, 0, true, true},  {2, 3, 128, 7, 45, 8, false, true}, {1, 2, 64, 5, 19, 0, true, true},
-    {2, 2, 40, 3, 11, 0, true, false},  {1, 2, 128, 4, 9, 3, true, false},
+    {2, 2, 40, 3, 11, 0, true, false},  {1, 2, 128, 4, 9, 3, true, false},  {1, 3, 128, 7, 4401, 0, true, true},
 };
 
 Backend& backend_for(const HeadsCase& c) { return c.bf16 ? gpu_bf16_activations() : gpu(); }

@@ -81,26 +81,51 @@ __device__ inline float as_stored(float v) {
     return __bfloat162float(__float2bfloat16_rn(v));
 }
 
+// Eight consecutive elements of T as loaded (the bytes as stored: one uint4 of bf16, two float4s
+// of f32), widened to f32 only when used: a loop that loads the next iteration's elements before
+// the current one's arithmetic holds them in 4 (bf16) or 8 (f32) registers, not 8 floats each.
+// widen() gives load8's values.
+template <typename T>
+struct Raw8;
+template <>
+struct Raw8<float> {
+  float4 a, b;
+  __device__ void load(const float* p) { a = load4(p), b = load4(p + 4); }
+  __device__ void widen(float (&v)[8]) const {
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+};
+template <>
+struct Raw8<__nv_bfloat16> {
+  uint4 u;
+  __device__ void load(const __nv_bfloat16* p) { u = *reinterpret_cast<const uint4*>(p); }
+  __device__ void widen(float (&v)[8]) const {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 h;
+      memcpy(&h, &w[i], 4);
+      const float2 f = __bfloat1622float2(h);
+      v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+  }
+};
+
 // Eight consecutive elements as f32, and back: 32 bytes of f32 (two float4s), 16 of bf16 (one
 // uint4), widened and rounded as load4/store4 do. p must be aligned to the eight elements.
 __device__ inline void load8(const float* p, float (&v)[8]) {
-  const float4 a = load4(p), b = load4(p + 4);
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  Raw8<float> r;
+  r.load(p);
+  r.widen(v);
 }
 __device__ inline void store8(float* p, const float (&v)[8]) {
   store4(p, make_float4(v[0], v[1], v[2], v[3]));
   store4(p + 4, make_float4(v[4], v[5], v[6], v[7]));
 }
 __device__ inline void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 h;
-    memcpy(&h, &w[i], 4);
-    const float2 f = __bfloat1622float2(h);
-    v[2 * i] = f.x, v[2 * i + 1] = f.y;
-  }
+  Raw8<__nv_bfloat16> r;
+  r.load(p);
+  r.widen(v);
 }
 __device__ inline void store8(__nv_bfloat16* p, const float (&v)[8]) {
   uint32_t w[4];

@@ -103,17 +103,15 @@ __device__ inline bool has_nan_code(uint32_t w, Fp8Format f) {
   return __vcmpgtu4(w & 0x7F7F7F7Fu, f == Fp8Format::e4m3 ? 0x7E7E7E7Eu : 0x7C7C7C7Cu) != 0;
 }
 
-// v[0..7] = codes[offset .. offset + 7] dequantized (dequantize_value: decode · scale_inv) and
-// rounded to H; one 8-byte load. NaN codes (a diverged step) take the integer decoder, whose NaN
+// v[0..7] = the 8 codes of w dequantized (dequantize_value: decode · s, s the tensor's
+// scale_inv) and rounded to H. NaN codes (a diverged step) take the integer decoder, whose NaN
 // keeps the code's sign.
 template <typename H>
-__device__ inline void load8_dequantized(const Fp8HeadsIn& in, int64_t offset, float (&v)[8]) {
-  const uint2 w = *reinterpret_cast<const uint2*>(in.codes + offset);
-  const float s = *in.scale_inv;
-  if (!has_nan_code(w.x, in.format) && !has_nan_code(w.y, in.format)) {
+__device__ inline void dequantize8(uint2 w, float s, Fp8Format f, float (&v)[8]) {
+  if (!has_nan_code(w.x, f) && !has_nan_code(w.y, f)) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 d = decode_pair((j < 2 ? w.x : w.y) >> (16 * (j % 2)), in.format);
+      const float2 d = decode_pair((j < 2 ? w.x : w.y) >> (16 * (j % 2)), f);
       v[2 * j] = as_stored<H>(d.x * s);
       v[2 * j + 1] = as_stored<H>(d.y * s);
     }
@@ -122,8 +120,17 @@ __device__ inline void load8_dequantized(const Fp8HeadsIn& in, int64_t offset, f
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t word = i < 4 ? w.x : w.y;
-    v[i] = as_stored<H>(dequantize_value(static_cast<uint8_t>(word >> (8 * (i % 4))), s, in.format));
+    v[i] = as_stored<H>(dequantize_value(static_cast<uint8_t>(word >> (8 * (i % 4))), s, f));
   }
+}
+// The 8 codes at codes[offset] (one 8-byte load), for dequantize8.
+__device__ inline uint2 load8_codes(const Fp8HeadsIn& in, int64_t offset) {
+  return *reinterpret_cast<const uint2*>(in.codes + offset);
+}
+// v[0..7] = codes[offset .. offset + 7] dequantized and rounded to H (dequantize8).
+template <typename H>
+__device__ inline void load8_dequantized(const Fp8HeadsIn& in, int64_t offset, float (&v)[8]) {
+  dequantize8<H>(load8_codes(in, offset), *in.scale_inv, in.format, v);
 }
 
 // Whether FP8 heads can be moved 8 codes at a time: codes 8-byte aligned, D a multiple of 8.

@@ -308,14 +308,15 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // 1.0 to 0.67 (W2: 1.2 → 0.7, 1.9 → 1.3). The sums run over the group's lanes (xor butterfly,
 // a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
 
-// Blocks per SM the FP8-heads forward and backward are compiled for (≤ 64 registers a thread,
-// a few bytes spilled). Left to itself ptxas gave them 72 and 80 registers: 3 blocks of 256
-// threads per SM, and Nsight Compute found the forward latency-bound at that occupancy (W2: 10.4
-// cycles per issued instruction, DRAM 34%, SM 54%). With 4 blocks: forward 0.84 → 0.71 ms,
-// backward 1.43 → 1.33 per W2 step. The bf16-heads backward keeps its 79 registers: with the
-// same bound the BF16 steps measured 0.1–0.6 ms slower (same call, within the noise but in all
-// four pairs).
+// Blocks per SM the FP8-heads forward is compiled for (≤ 64 registers a thread, a few bytes
+// spilled). Left to itself ptxas gave it 72 registers: 3 blocks of 256 threads per SM, and
+// Nsight Compute found it latency-bound at that occupancy (W2: 10.4 cycles per issued
+// instruction, DRAM 34%, SM 54%). With 4 blocks: 0.84 → 0.71 ms per W2 step.
 constexpr int kFp8HeadsBlocksPerSm = 4;
+// The vector path's backward (both head types) loops over a run of segments per group with the
+// next segment's loads in flight (see its kernel): 3 blocks of 256 threads per SM, ≤ 80
+// registers a thread, hold a segment's arithmetic and the next one's loads without spilling.
+constexpr int kBackwardVecBlocksPerSm = 2;
 
 // The lanes of this thread's group, for shuffles within it.
 template <int kLanes>
@@ -413,13 +414,19 @@ __global__ void qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a) {
 // The vector path with FP8 heads (qk_norm_rope_to_heads_fp8): the same values, each rounded as
 // the heads' type H stores it and cast with its tensor's delayed scale (fp8_heads.cuh); a block's
 // amax and counts per tensor go to its partials (kCount: the counts are wanted, a report step).
-// The heads tensors of `a` are not used.
+// The heads tensors of `a` are not used. Like the backward, a group takes a run of `per_group`
+// consecutive segments with the next one's loads issued before the current one's arithmetic,
+// and loads the RoPE row once per token: a segment per group left a block's loads, arithmetic
+// and statistics reduction in turn, with nothing in flight during the last two.
 template <int kLanes, typename T, typename H, bool kCount>
 __global__ void __launch_bounds__(kThreads, kFp8HeadsBlocksPerSm)
-    qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, Fp8HeadsOut q8, Fp8HeadsOut k8, Fp8HeadsOut v8) {
-  __shared__ ScaleTile<8 * kLanes> scales;
+    qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, int64_t per_group, Fp8HeadsOut q8, Fp8HeadsOut k8,
+                                     Fp8HeadsOut v8) {
+  constexpr int D = 8 * kLanes;
+  __shared__ ScaleTile<D> scales;
   scales.load(a.q_scale, a.k_scale);
-  const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes * per_group;
+  const int64_t last = first + per_group < a.g.segments ? first + per_group : a.g.segments;
   const float sq = *q8.scale, sk = *k8.scale, sv = *v8.scale;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *q8.scale_inv = scale_inverse(sq);
@@ -427,18 +434,36 @@ __global__ void __launch_bounds__(kThreads, kFp8HeadsBlocksPerSm)
     *v8.scale_inv = scale_inverse(sv);
   }
   CastTally<kCount> tq, tk, tv;
-  if (seg < a.g.segments) {  // the same for the whole group; no return: the block reduces below
+  if (first < last) {  // the same for the whole group; no return: the block reduces below
     const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
-    const Segment s = a.g.segment(seg);
-    SegmentInputs8 in;
-    load_segment8(in, a, s, c);
-    const int64_t at = s.head_row * a.g.D + c;
-    store8_fp8<H>(v8, at, in.v, sv, tv);
-    float y[8];
-    norm_rotate8<kLanes>(y, a.q_rstd, in.q, scales.q, in.cs, seg, c, a.g.inv_D, a.eps);
-    store8_fp8<H>(q8, at, y, sq, tq);
-    norm_rotate8<kLanes>(y, a.k_rstd, in.k, scales.k, in.cs, seg, c, a.g.inv_D, a.eps);
-    store8_fp8<H>(k8, at, y, sk, tk);
+    struct Loads {
+      Raw8<T> q, k, v;
+    } cur, next;
+    const auto load = [&](Loads& l, const Segment& s) {
+      l.q.load(&a.q.at(s.token_row, s.col + c));
+      l.k.load(&a.k.at(s.token_row, s.col + c));
+      l.v.load(&a.v.at(s.token_row, s.col + c));
+    };
+    load(cur, a.g.segment(first));
+    Raw8<float> table;  // the RoPE row of token `table_row`
+    int64_t table_row = -1;
+    for (int64_t seg = first; seg < last; ++seg) {
+      if (seg + 1 < last) load(next, a.g.segment(seg + 1));
+      const Segment s = a.g.segment(seg);
+      if (s.pe_row != table_row) table.load(a.pe + s.pe_row * D + c), table_row = s.pe_row;
+      float cs[8], x[8], y[8];
+      table.widen(cs);
+      const int64_t at = s.head_row * D + c;
+      cur.v.widen(x);
+      store8_fp8<H>(v8, at, x, sv, tv);
+      cur.q.widen(x);
+      norm_rotate8<kLanes>(y, a.q_rstd, x, scales.q, cs, seg, c, a.g.inv_D, a.eps);
+      store8_fp8<H>(q8, at, y, sq, tq);
+      cur.k.widen(x);
+      norm_rotate8<kLanes>(y, a.k_rstd, x, scales.k, cs, seg, c, a.g.inv_D, a.eps);
+      store8_fp8<H>(k8, at, y, sk, tk);
+      cur = next;
+    }
   }
   // (each branch is the same for the whole block)
   q8.finish_block(tq);
@@ -476,47 +501,105 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
   for (int i = 0; i < 8; ++i) acc[i] += g[i] * xh[i];
 }
 
-// The vector path's backward: like its forward, a group per segment and no loop (a loop over
-// a chunk of segments per block, as the pair path runs, kept too few bytes in flight: 1.6 TB/s
-// at W1's shapes). dscale's terms g·x̂ are added over the block's groups in group order (f32)
-// into a row of `q_part` / `k_part` ([blocks, D] f32, or null: not wanted), which column_sums
-// then adds up in its fixed order.
+// One segment's loads for the vector path's backward, as stored: the head gradients (FP8 codes
+// when kFp8, else 8 elements of H), the saved inputs q and k and their rstd. The loop below
+// issues the next segment's before the current one's arithmetic. (The RoPE row is loaded once
+// per token, as the loop reaches it.)
+template <typename T, typename H, bool kFp8>
+struct BackwardLoads {
+  using HeadGrad = std::conditional_t<kFp8, uint2, Raw8<H>>;
+  HeadGrad dq, dk, dv;
+  Raw8<T> q, k;
+  float q_rs, k_rs;
+
+  __device__ void load(const BackwardArgs<T, H>& a, const Segment& s, int64_t seg, int c, const Fp8HeadsIn& dq8,
+                       const Fp8HeadsIn& dk8, const Fp8HeadsIn& dv8) {
+    if constexpr (kFp8) {
+      const int64_t at = s.head_row * a.g.D + c;
+      dq = load8_codes(dq8, at);
+      dk = load8_codes(dk8, at);
+      if (a.dv.p) dv = load8_codes(dv8, at);
+    } else {
+      dq.load(a.dq_heads.p + s.head_row * a.dq_heads.ld + c);
+      dk.load(a.dk_heads.p + s.head_row * a.dk_heads.ld + c);
+      if (a.dv.p) dv.load(a.dv_heads.p + s.head_row * a.dv_heads.ld + c);
+    }
+    q.load(&a.q.at(s.token_row, s.col + c));
+    k.load(&a.k.at(s.token_row, s.col + c));
+    q_rs = a.q_rstd[seg], k_rs = a.k_rstd[seg];
+  }
+};
+
+// Dequantized (kFp8: scale_inv s) or widened head gradients.
+template <typename H, bool kFp8, typename R>
+__device__ inline void widen_head_grad(const R& r, float s, Fp8Format f, float (&v)[8]) {
+  if constexpr (kFp8)
+    dequantize8<H>(r, s, f, v);
+  else
+    r.widen(v);
+}
+
+// The vector path's backward: a group of kLanes lanes per run of `per_group` consecutive
+// segments, each lane 8 columns as in the forward, the next segment's loads issued before the
+// current one's arithmetic. One segment per group and no loop (the forward's arrangement) left
+// the kernel latency-bound (Nsight Compute, W2 FP8: DRAM 47%, L1/TEX 69%): a block loaded, then
+// computed, then summed its dscale tile behind a barrier, with nothing in flight in between; a
+// loop without the prefetch kept too few bytes in flight (1.6 TB/s at W1's shapes). A run of
+// segments also loads its RoPE row once per token (consecutive segments are a token's heads)
+// and adds its dscale terms g·x̂ in f32 in segment order before the block adds its groups in
+// group order into a row of `q_part` / `k_part` ([blocks, D] f32, or null: not wanted), which
+// column_sums then adds up in its fixed order. per_group is a function of the shape alone
+// (segments_per_group), so the sums' order and bits are the same on every run and GPU.
 //
 // kFp8: the head gradients are FP8 codes (qk_norm_rope_to_heads_backward_fp8), read from dq8, dk8,
 // dv8 and dequantized as dequantize() into H gives them; the heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kFp8 ? kFp8HeadsBlocksPerSm : 1)
-    qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, float* q_part, float* k_part, Fp8HeadsIn dq8,
-                                              Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
+__global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
+    qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, int64_t per_group, float* q_part,
+                                              float* k_part, Fp8HeadsIn dq8, Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
   constexpr int kGroups = kThreads / kLanes, D = 8 * kLanes;
   __shared__ alignas(16) float tile[2][kGroups][D];
   __shared__ ScaleTile<D> scales;
   scales.load(a.q_scale, a.k_scale);
   const bool q_norm = a.dq.p || q_part, k_norm = a.dk.p || k_part;
   const int group = static_cast<int>(threadIdx.x) / kLanes, c = 8 * static_cast<int>(threadIdx.x % kLanes);
-  const int64_t seg = static_cast<int64_t>(blockIdx.x) * kGroups + group;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * per_group;
+  const int64_t last = first + per_group < a.g.segments ? first + per_group : a.g.segments;
+  float dq_s = 0.0f, dk_s = 0.0f, dv_s = 0.0f;
+  if constexpr (kFp8) {
+    dq_s = *dq8.scale_inv, dk_s = *dk8.scale_inv;
+    if (a.dv.p) dv_s = *dv8.scale_inv;
+  }
   float q_acc[8] = {}, k_acc[8] = {};
-  if (seg < a.g.segments) {  // the same for the whole group
-    const Segment s = a.g.segment(seg);
-    // Every load of the segment first (dq_heads, dk_heads, q, k are always given).
-    float cs[8], dqh[8], q[8], dkh[8], k[8], dvh[8];
-    load8(a.pe + s.pe_row * D + c, cs);
-    if constexpr (kFp8) {
-      const int64_t at = s.head_row * D + c;
-      load8_dequantized<H>(dq8, at, dqh);
-      load8_dequantized<H>(dk8, at, dkh);
-      if (a.dv.p) load8_dequantized<H>(dv8, at, dvh);
-    } else {
-      load8(a.dq_heads.p + s.head_row * a.dq_heads.ld + c, dqh);
-      load8(a.dk_heads.p + s.head_row * a.dk_heads.ld + c, dkh);
-      if (a.dv.p) load8(a.dv_heads.p + s.head_row * a.dv_heads.ld + c, dvh);
+  if (first < last) {  // the same for the whole group
+    BackwardLoads<T, H, kFp8> cur, next;
+    cur.load(a, a.g.segment(first), first, c, dq8, dk8, dv8);
+    Raw8<float> table;  // the RoPE row of token `table_row`
+    int64_t table_row = -1;
+    for (int64_t seg = first; seg < last; ++seg) {
+      if (seg + 1 < last) next.load(a, a.g.segment(seg + 1), seg + 1, c, dq8, dk8, dv8);
+      // (recomputed rather than carried from the previous iteration's loads: fewer registers)
+      const Segment s = a.g.segment(seg);
+      if (s.pe_row != table_row) table.load(a.pe + s.pe_row * D + c), table_row = s.pe_row;
+      float cs[8], dqh[8], dkh[8], q[8], k[8];
+      table.widen(cs);
+      if (a.dv.p) {
+        float dvh[8];
+        widen_head_grad<H, kFp8>(cur.dv, dv_s, dv8.format, dvh);
+        store8(&a.dv.at(s.token_row, s.col + c), dvh);
+      }
+      if (q_norm) {
+        widen_head_grad<H, kFp8>(cur.dq, dq_s, dq8.format, dqh);
+        cur.q.widen(q);
+        norm_rotate_backward8<kLanes>(a.dq, q_acc, dqh, q, cur.q_rs, scales.q, cs, s, c, a.g.inv_D);
+      }
+      if (k_norm) {
+        widen_head_grad<H, kFp8>(cur.dk, dk_s, dk8.format, dkh);
+        cur.k.widen(k);
+        norm_rotate_backward8<kLanes>(a.dk, k_acc, dkh, k, cur.k_rs, scales.k, cs, s, c, a.g.inv_D);
+      }
+      cur = next;
     }
-    load8(&a.q.at(s.token_row, s.col + c), q);
-    load8(&a.k.at(s.token_row, s.col + c), k);
-    const float q_rs = a.q_rstd[seg], k_rs = a.k_rstd[seg];
-    if (a.dv.p) store8(&a.dv.at(s.token_row, s.col + c), dvh);
-    if (q_norm) norm_rotate_backward8<kLanes>(a.dq, q_acc, dqh, q, q_rs, scales.q, cs, s, c, a.g.inv_D);
-    if (k_norm) norm_rotate_backward8<kLanes>(a.dk, k_acc, dkh, k, k_rs, scales.k, cs, s, c, a.g.inv_D);
   }
   if (!q_part && !k_part) return;  // the same for the whole block
   // Two 16-byte stores a lane and tensor: 8 scalar stores at a stride of 8 floats were 8-way
@@ -533,6 +616,17 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? kFp8HeadsBlocksPerSm : 1)
     for (int g = 0; g < kGroups; ++g) t += tile[col / D][g][col % D];
     part[static_cast<int64_t>(blockIdx.x) * D + col % D] = t;
   }
+}
+
+// Segments per group for the vector path's loops over runs of segments (the FP8 forward, the
+// backward) in a call of `segments`: enough groups for one wave of `blocks_per_sm` blocks on each
+// of a 132-SM H100/H200's SMs at 16 lanes a segment (Flux's D = 128), so each group's run is as
+// long as that allows. A function of the shape only: it fixes the order of the backward's
+// dscale sums, so their bits are the same on every run and GPU.
+int64_t segments_per_group(int64_t segments, int blocks_per_sm) {
+  const int64_t target_groups = int64_t{132} * blocks_per_sm * (kThreads / 16);
+  const int64_t per = (segments + target_groups - 1) / target_groups;
+  return per < 1 ? 1 : per;
 }
 
 // The lanes a segment takes on the vector path (D / 8), or 0 where the pair path runs: D not 8
@@ -712,7 +806,8 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
                                        token_offset, eps);
     return;
   }
-  const int64_t blocks = exact_blocks(geo.segments * lanes);
+  const int64_t per_group = segments_per_group(geo.segments, kFp8HeadsBlocksPerSm);
+  const int64_t blocks = exact_blocks((geo.segments + per_group - 1) / per_group * lanes);
   const bool count = q_heads.q.stats || k_heads.q.stats || v_heads.q.stats;
   auto* partials =
       count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(3 * blocks) * sizeof(StatsPartial))) : nullptr;
@@ -724,10 +819,10 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
     with_lanes(lanes, [&]<int kLanes>() {
       if (count)
         qk_norm_rope_to_heads_fp8_kernel<kLanes, T, H, true>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q8, k8, v8);
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, per_group, q8, k8, v8);
       else
         qk_norm_rope_to_heads_fp8_kernel<kLanes, T, H, false>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q8, k8, v8);
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, per_group, q8, k8, v8);
       FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_fp8_kernel);
     });
   });
@@ -818,7 +913,9 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
   };
 
   if (lanes > 0) {  // the vector path: block rows of dscale terms, then column_sums over them
-    const int64_t blocks = exact_blocks(segments * lanes);  // kThreads / lanes segments a block
+    const int64_t per_group = segments_per_group(segments, kBackwardVecBlocksPerSm);
+    const int64_t groups = (segments + per_group - 1) / per_group;
+    const int64_t blocks = exact_blocks(groups * lanes);  // kThreads / lanes groups a block
     float* part = dq_scale.defined() || dk_scale.defined()
                       ? static_cast<float*>(scratch(static_cast<size_t>(2 * blocks * d.D) * sizeof(float)))
                       : nullptr;
@@ -829,10 +926,10 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
       with_lanes(lanes, [&]<int kLanes>() {
         if (fp8)
           qk_norm_rope_to_heads_backward_vec_kernel<kLanes, T, H, true>
-              <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q_part, k_part, dq8, dk8, dv8);
+              <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, per_group, q_part, k_part, dq8, dk8, dv8);
         else
           qk_norm_rope_to_heads_backward_vec_kernel<kLanes, T, H, false>
-              <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, q_part, k_part, dq8, dk8, dv8);
+              <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(a, per_group, q_part, k_part, dq8, dk8, dv8);
         FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_vec_kernel);
       });
     });
