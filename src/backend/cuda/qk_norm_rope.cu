@@ -308,14 +308,15 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // 1.0 to 0.67 (W2: 1.2 → 0.7, 1.9 → 1.3). The sums run over the group's lanes (xor butterfly,
 // a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
 
-// Blocks per SM the FP8-heads forward is compiled for (≤ 64 registers a thread, a few bytes
-// spilled). Left to itself ptxas gave it 72 registers: 3 blocks of 256 threads per SM, and
-// Nsight Compute found it latency-bound at that occupancy (W2: 10.4 cycles per issued
-// instruction, DRAM 34%, SM 54%). With 4 blocks: 0.84 → 0.71 ms per W2 step.
-constexpr int kFp8HeadsBlocksPerSm = 4;
-// The vector path's backward (both head types) loops over a run of segments per group with the
-// next segment's loads in flight (see its kernel): 3 blocks of 256 threads per SM, ≤ 80
-// registers a thread, hold a segment's arithmetic and the next one's loads without spilling.
+// Blocks per SM the vector path's forward is laid out for (segments_per_group) and the FP8-heads
+// forward compiled for (≤ 64 registers a thread). Left to itself ptxas gave the FP8 forward 72
+// registers: 3 blocks of 256 threads per SM, and Nsight Compute found it latency-bound at that
+// occupancy (W2: 10.4 cycles per issued instruction, DRAM 34%, SM 54%). With 4 blocks: 0.84 →
+// 0.71 ms per W2 step (before the runs of segments).
+constexpr int kForwardVecBlocksPerSm = 4;
+// The vector path's backward (both head types), compiled for 2 blocks of 256 threads per SM
+// (≤ 128 registers a thread; it takes ~110): a segment's arithmetic and the next one's loads
+// in registers without spilling (at 3 blocks, ≤ 80 registers, it spills ~100 bytes).
 constexpr int kBackwardVecBlocksPerSm = 2;
 
 // The lanes of this thread's group, for shuffles within it.
@@ -381,52 +382,71 @@ __device__ inline void norm_rotate8(float (&y)[8], float* rstd, const float (&x)
   }
 }
 
-// The segment's inputs as the vector path's forward loads them, every load issued first.
-struct SegmentInputs8 {
-  float cs[8], q[8], k[8], v[8];
-};
-template <typename T, typename H>
-__device__ inline void load_segment8(SegmentInputs8& in, const ForwardArgs<T, H>& a, const Segment& s, int c) {
-  load8(a.pe + s.pe_row * a.g.D + c, in.cs);
-  load8(&a.q.at(s.token_row, s.col + c), in.q);
-  load8(&a.k.at(s.token_row, s.col + c), in.k);
-  load8(&a.v.at(s.token_row, s.col + c), in.v);
+// The vector path's forward: a group of kLanes lanes takes a run of `per_group` consecutive
+// segments (segments_per_group), the next segment's loads issued before the current one's
+// arithmetic, the RoPE row loaded once per token (consecutive segments are a token's heads).
+// One segment per group and no loop, as this path first ran, left a block's loads, arithmetic
+// and (FP8) statistics reduction in turn with nothing in flight during the last two. For each
+// segment: store(s, 0, v), then store(s, 1, q's output), store(s, 2, k's), each 8 values of the
+// lane's columns c.
+template <int kLanes, typename T, typename H, typename Store>
+__device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_group, const ScaleTile<8 * kLanes>& scales,
+                                    int c, Store&& store) {
+  constexpr int D = 8 * kLanes;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes * per_group;
+  const int64_t last = first + per_group < a.g.segments ? first + per_group : a.g.segments;
+  if (first >= last) return;  // the same for the whole group
+  struct Loads {
+    Raw8<T> q, k, v;
+  } cur, next;
+  const auto load = [&](Loads& l, const Segment& s) {
+    l.q.load(&a.q.at(s.token_row, s.col + c));
+    l.k.load(&a.k.at(s.token_row, s.col + c));
+    l.v.load(&a.v.at(s.token_row, s.col + c));
+  };
+  load(cur, a.g.segment(first));
+  Raw8<float> table;  // the RoPE row of token `table_row`
+  int64_t table_row = -1;
+  for (int64_t seg = first; seg < last; ++seg) {
+    if (seg + 1 < last) load(next, a.g.segment(seg + 1));
+    const Segment s = a.g.segment(seg);  // (recomputed rather than carried: fewer registers)
+    if (s.pe_row != table_row) table.load(a.pe + s.pe_row * D + c), table_row = s.pe_row;
+    float cs[8], x[8], y[8];
+    table.widen(cs);
+    cur.v.widen(x);
+    store(s, 0, x);
+    cur.q.widen(x);
+    norm_rotate8<kLanes>(y, a.q_rstd, x, scales.q, cs, seg, c, a.g.inv_D, a.eps);
+    store(s, 1, y);
+    cur.k.widen(x);
+    norm_rotate8<kLanes>(y, a.k_rstd, x, scales.k, cs, seg, c, a.g.inv_D, a.eps);
+    store(s, 2, y);
+    cur = next;
+  }
 }
 
 template <int kLanes, typename T, typename H>
-__global__ void qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a) {
+__global__ void __launch_bounds__(kThreads, kForwardVecBlocksPerSm)
+    qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a, int64_t per_group) {
   __shared__ ScaleTile<8 * kLanes> scales;
   scales.load(a.q_scale, a.k_scale);
-  const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
-  if (seg >= a.g.segments) return;  // whole groups leave together
   const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
-  const Segment s = a.g.segment(seg);
-  SegmentInputs8 in;
-  load_segment8(in, a, s, c);
-  store8(a.v_heads.p + s.head_row * a.v_heads.ld + c, in.v);
-  float y[8];
-  norm_rotate8<kLanes>(y, a.q_rstd, in.q, scales.q, in.cs, seg, c, a.g.inv_D, a.eps);
-  store8(a.q_heads.p + s.head_row * a.q_heads.ld + c, y);
-  norm_rotate8<kLanes>(y, a.k_rstd, in.k, scales.k, in.cs, seg, c, a.g.inv_D, a.eps);
-  store8(a.k_heads.p + s.head_row * a.k_heads.ld + c, y);
+  forward_runs<kLanes>(a, per_group, scales, c, [&](const Segment& s, int which, const float(&y)[8]) {
+    const Heads<H>& h = which == 0 ? a.v_heads : which == 1 ? a.q_heads : a.k_heads;
+    store8(h.p + s.head_row * h.ld + c, y);
+  });
 }
 
 // The vector path with FP8 heads (qk_norm_rope_to_heads_fp8): the same values, each rounded as
 // the heads' type H stores it and cast with its tensor's delayed scale (fp8_heads.cuh); a block's
 // amax and counts per tensor go to its partials (kCount: the counts are wanted, a report step).
-// The heads tensors of `a` are not used. Like the backward, a group takes a run of `per_group`
-// consecutive segments with the next one's loads issued before the current one's arithmetic,
-// and loads the RoPE row once per token: a segment per group left a block's loads, arithmetic
-// and statistics reduction in turn, with nothing in flight during the last two.
+// The heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kCount>
-__global__ void __launch_bounds__(kThreads, kFp8HeadsBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, kForwardVecBlocksPerSm)
     qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, int64_t per_group, Fp8HeadsOut q8, Fp8HeadsOut k8,
                                      Fp8HeadsOut v8) {
-  constexpr int D = 8 * kLanes;
-  __shared__ ScaleTile<D> scales;
+  __shared__ ScaleTile<8 * kLanes> scales;
   scales.load(a.q_scale, a.k_scale);
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes * per_group;
-  const int64_t last = first + per_group < a.g.segments ? first + per_group : a.g.segments;
   const float sq = *q8.scale, sk = *k8.scale, sv = *v8.scale;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *q8.scale_inv = scale_inverse(sq);
@@ -434,38 +454,17 @@ __global__ void __launch_bounds__(kThreads, kFp8HeadsBlocksPerSm)
     *v8.scale_inv = scale_inverse(sv);
   }
   CastTally<kCount> tq, tk, tv;
-  if (first < last) {  // the same for the whole group; no return: the block reduces below
-    const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
-    struct Loads {
-      Raw8<T> q, k, v;
-    } cur, next;
-    const auto load = [&](Loads& l, const Segment& s) {
-      l.q.load(&a.q.at(s.token_row, s.col + c));
-      l.k.load(&a.k.at(s.token_row, s.col + c));
-      l.v.load(&a.v.at(s.token_row, s.col + c));
-    };
-    load(cur, a.g.segment(first));
-    Raw8<float> table;  // the RoPE row of token `table_row`
-    int64_t table_row = -1;
-    for (int64_t seg = first; seg < last; ++seg) {
-      if (seg + 1 < last) load(next, a.g.segment(seg + 1));
-      const Segment s = a.g.segment(seg);
-      if (s.pe_row != table_row) table.load(a.pe + s.pe_row * D + c), table_row = s.pe_row;
-      float cs[8], x[8], y[8];
-      table.widen(cs);
-      const int64_t at = s.head_row * D + c;
-      cur.v.widen(x);
-      store8_fp8<H>(v8, at, x, sv, tv);
-      cur.q.widen(x);
-      norm_rotate8<kLanes>(y, a.q_rstd, x, scales.q, cs, seg, c, a.g.inv_D, a.eps);
+  const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
+  forward_runs<kLanes>(a, per_group, scales, c, [&](const Segment& s, int which, const float(&y)[8]) {
+    const int64_t at = s.head_row * a.g.D + c;
+    if (which == 0)
+      store8_fp8<H>(v8, at, y, sv, tv);
+    else if (which == 1)
       store8_fp8<H>(q8, at, y, sq, tq);
-      cur.k.widen(x);
-      norm_rotate8<kLanes>(y, a.k_rstd, x, scales.k, cs, seg, c, a.g.inv_D, a.eps);
+    else
       store8_fp8<H>(k8, at, y, sk, tk);
-      cur = next;
-    }
-  }
-  // (each branch is the same for the whole block)
+  });
+  // (no return before: every thread of the block reduces)
   q8.finish_block(tq);
   k8.finish_block(tk);
   v8.finish_block(tv);
@@ -757,13 +756,17 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   const Geometry geo = geometry_of(op, d, token_offset, {q_heads, k_heads, v_heads, q, k, v, pe});
   if (geo.segments == 0) return;
   const int lanes = vec_path_lanes(d.D, {q_heads, k_heads, v_heads, q, k, v}, pe);
-  const unsigned blocks = exact_blocks(geo.segments * (lanes > 0 ? lanes : 32));
+  // The vector path: runs of per_group segments a group (as the FP8 forward); the pair path: a
+  // warp per segment.
+  const int64_t per_group = segments_per_group(geo.segments, kForwardVecBlocksPerSm);
+  const unsigned blocks =
+      exact_blocks(lanes > 0 ? (geo.segments + per_group - 1) / per_group * lanes : geo.segments * 32);
   const auto launch = [&]<typename T, typename H>() {
     const auto a = forward_args<T, H>(heads_of<H>(q_heads), heads_of<H>(k_heads), heads_of<H>(v_heads), q_rstd,
                                       k_rstd, q, k, v, q_scale, k_scale, pe, geo, eps);
     if (lanes > 0) {
       with_lanes(lanes, [&]<int kLanes>() {
-        qk_norm_rope_to_heads_vec_kernel<kLanes><<<blocks, kThreads, 0, stream_>>>(a);
+        qk_norm_rope_to_heads_vec_kernel<kLanes><<<blocks, kThreads, 0, stream_>>>(a, per_group);
         FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_vec_kernel);
       });
       ++qk_norm_rope_vector_calls_;
@@ -806,7 +809,7 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
                                        token_offset, eps);
     return;
   }
-  const int64_t per_group = segments_per_group(geo.segments, kFp8HeadsBlocksPerSm);
+  const int64_t per_group = segments_per_group(geo.segments, kForwardVecBlocksPerSm);
   const int64_t blocks = exact_blocks((geo.segments + per_group - 1) / per_group * lanes);
   const bool count = q_heads.q.stats || k_heads.q.stats || v_heads.q.stats;
   auto* partials =
