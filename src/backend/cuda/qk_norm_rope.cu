@@ -387,8 +387,8 @@ __device__ inline void norm_rotate8(float (&y)[8], float* rstd, const float (&x)
 // arithmetic, the RoPE row loaded once per token (consecutive segments are a token's heads).
 // One segment per group and no loop, as this path first ran, left a block's loads, arithmetic
 // and (FP8) statistics reduction in turn with nothing in flight during the last two. For each
-// segment: store(s, 0, v), then store(s, 1, q's output), store(s, 2, k's), each 8 values of the
-// lane's columns c.
+// segment: store(head row, 0, v), then store(head row, 1, q's output), store(head row, 2, k's),
+// each the 8 values of the lane's columns c.
 template <int kLanes, typename T, typename H, typename Store>
 __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_group, const ScaleTile<8 * kLanes>& scales,
                                     int c, Store&& store) {
@@ -414,13 +414,13 @@ __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_grou
     float cs[8], x[8], y[8];
     table.widen(cs);
     cur.v.widen(x);
-    store(s, 0, x);
+    store(s.head_row, 0, x);
     cur.q.widen(x);
     norm_rotate8<kLanes>(y, a.q_rstd, x, scales.q, cs, seg, c, a.g.inv_D, a.eps);
-    store(s, 1, y);
+    store(s.head_row, 1, y);
     cur.k.widen(x);
     norm_rotate8<kLanes>(y, a.k_rstd, x, scales.k, cs, seg, c, a.g.inv_D, a.eps);
-    store(s, 2, y);
+    store(s.head_row, 2, y);
     cur = next;
   }
 }
@@ -431,9 +431,9 @@ __global__ void __launch_bounds__(kThreads, kForwardVecBlocksPerSm)
   __shared__ ScaleTile<8 * kLanes> scales;
   scales.load(a.q_scale, a.k_scale);
   const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
-  forward_runs<kLanes>(a, per_group, scales, c, [&](const Segment& s, int which, const float(&y)[8]) {
+  forward_runs<kLanes>(a, per_group, scales, c, [&](int64_t head_row, int which, const float(&y)[8]) {
     const Heads<H>& h = which == 0 ? a.v_heads : which == 1 ? a.q_heads : a.k_heads;
-    store8(h.p + s.head_row * h.ld + c, y);
+    store8(h.p + head_row * h.ld + c, y);
   });
 }
 
@@ -455,8 +455,8 @@ __global__ void __launch_bounds__(kThreads, kForwardVecBlocksPerSm)
   }
   CastTally<kCount> tq, tk, tv;
   const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
-  forward_runs<kLanes>(a, per_group, scales, c, [&](const Segment& s, int which, const float(&y)[8]) {
-    const int64_t at = s.head_row * a.g.D + c;
+  forward_runs<kLanes>(a, per_group, scales, c, [&](int64_t head_row, int which, const float(&y)[8]) {
+    const int64_t at = head_row * (8 * kLanes) + c;
     if (which == 0)
       store8_fp8<H>(v8, at, y, sv, tv);
     else if (which == 1)
