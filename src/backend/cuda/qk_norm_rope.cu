@@ -315,8 +315,10 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // 0.71 ms per W2 step (before the runs of segments).
 constexpr int kForwardVecBlocksPerSm = 4;
 // The vector path's backward (both head types), compiled for 2 blocks of 256 threads per SM
-// (≤ 128 registers a thread; it takes ~110): a segment's arithmetic and the next one's loads
-// in registers without spilling (at 3 blocks, ≤ 80 registers, it spills ~100 bytes).
+// (≤ 128 registers a thread): a segment's arithmetic and the next two segments' loads in
+// registers, without spilling for bf16 activations (the f32 variants, tests only, spill a
+// little). At 3 blocks (≤ 80 registers, one segment ahead) it spilled ~100 bytes and measured
+// 1% slower than 2 blocks with one ahead; two ahead measured 6% faster than one (W2, H200).
 constexpr int kBackwardVecBlocksPerSm = 2;
 
 // The lanes of this thread's group, for shuffles within it.
@@ -502,7 +504,7 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
 
 // One segment's loads for the vector path's backward, as stored: the head gradients (FP8 codes
 // when kFp8, else 8 elements of H), the saved inputs q and k and their rstd. The loop below
-// issues the next segment's before the current one's arithmetic. (The RoPE row is loaded once
+// issues the next two segments' before the current one's arithmetic. (The RoPE row is loaded once
 // per token, as the loop reaches it.)
 template <typename T, typename H, bool kFp8>
 struct BackwardLoads {
@@ -539,8 +541,8 @@ __device__ inline void widen_head_grad(const R& r, float s, Fp8Format f, float (
 }
 
 // The vector path's backward: a group of kLanes lanes per run of `per_group` consecutive
-// segments, each lane 8 columns as in the forward, the next segment's loads issued before the
-// current one's arithmetic. One segment per group and no loop (the forward's arrangement) left
+// segments, each lane 8 columns as in the forward, the next two segments' loads issued before
+// the current one's arithmetic. One segment per group and no loop (the forward's arrangement) left
 // the kernel latency-bound (Nsight Compute, W2 FP8: DRAM 47%, L1/TEX 69%): a block loaded, then
 // computed, then summed its dscale tile behind a barrier, with nothing in flight in between; a
 // loop without the prefetch kept too few bytes in flight (1.6 TB/s at W1's shapes). A run of
@@ -571,12 +573,13 @@ __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
   }
   float q_acc[8] = {}, k_acc[8] = {};
   if (first < last) {  // the same for the whole group
-    BackwardLoads<T, H, kFp8> cur, next;
+    BackwardLoads<T, H, kFp8> cur, next, after;  // segments seg, seg + 1, seg + 2
     cur.load(a, a.g.segment(first), first, c, dq8, dk8, dv8);
+    if (first + 1 < last) next.load(a, a.g.segment(first + 1), first + 1, c, dq8, dk8, dv8);
     Raw8<float> table;  // the RoPE row of token `table_row`
     int64_t table_row = -1;
     for (int64_t seg = first; seg < last; ++seg) {
-      if (seg + 1 < last) next.load(a, a.g.segment(seg + 1), seg + 1, c, dq8, dk8, dv8);
+      if (seg + 2 < last) after.load(a, a.g.segment(seg + 2), seg + 2, c, dq8, dk8, dv8);
       // (recomputed rather than carried from the previous iteration's loads: fewer registers)
       const Segment s = a.g.segment(seg);
       if (s.pe_row != table_row) table.load(a.pe + s.pe_row * D + c), table_row = s.pe_row;
@@ -598,6 +601,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
         norm_rotate_backward8<kLanes>(a.dk, k_acc, dkh, k, cur.k_rs, scales.k, cs, s, c, a.g.inv_D);
       }
       cur = next;
+      next = after;
     }
   }
   if (!q_part && !k_part) return;  // the same for the whole block
