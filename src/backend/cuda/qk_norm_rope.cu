@@ -308,12 +308,11 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // 1.0 to 0.67 (W2: 1.2 → 0.7, 1.9 → 1.3). The sums run over the group's lanes (xor butterfly,
 // a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
 
-// Blocks per SM the vector path's forward is laid out for (segments_per_group) and the FP8-heads
-// forward compiled for (≤ 64 registers a thread). Left to itself ptxas gave the FP8 forward 72
-// registers: 3 blocks of 256 threads per SM, and Nsight Compute found it latency-bound at that
+// Blocks per SM the FP8-heads forward is laid out for (segments_per_group) and compiled for (≤ 64
+// registers a thread). Left to itself ptxas gave it 72 registers: 3 blocks of 256 threads per SM, and Nsight Compute found it latency-bound at that
 // occupancy (W2: 10.4 cycles per issued instruction, DRAM 34%, SM 54%). With 4 blocks: 0.84 →
 // 0.71 ms per W2 step (before the runs of segments).
-constexpr int kForwardVecBlocksPerSm = 4;
+constexpr int kFp8ForwardBlocksPerSm = 4;
 // The vector path's backward (both head types), compiled for 2 blocks of 256 threads per SM
 // (≤ 128 registers a thread): a segment's arithmetic and the next two segments' loads in
 // registers, without spilling for bf16 activations (the f32 variants, tests only, spill a
@@ -384,13 +383,13 @@ __device__ inline void norm_rotate8(float (&y)[8], float* rstd, const float (&x)
   }
 }
 
-// The vector path's forward: a group of kLanes lanes takes a run of `per_group` consecutive
+// The FP8-heads forward's loop: a group of kLanes lanes takes a run of `per_group` consecutive
 // segments (segments_per_group), the next segment's loads issued before the current one's
 // arithmetic, the RoPE row loaded once per token (consecutive segments are a token's heads).
-// One segment per group and no loop, as this path first ran, left a block's loads, arithmetic
-// and (FP8) statistics reduction in turn with nothing in flight during the last two. For each
-// segment: store(head row, 0, v), then store(head row, 1, q's output), store(head row, 2, k's),
-// each the 8 values of the lane's columns c.
+// One segment per group, as the plain forward below runs, left each block's loads, arithmetic
+// and statistics reduction in turn, with nothing in flight during the last two (W2 FP8: 0.63 →
+// 0.51 ms a step with runs). For each segment: store(head row, 0, v), then store(head row, 1,
+// q's output), store(head row, 2, k's), each the 8 values of the lane's columns c.
 template <int kLanes, typename T, typename H, typename Store>
 __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_group, const ScaleTile<8 * kLanes>& scales,
                                     int c, Store&& store) {
@@ -427,16 +426,37 @@ __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_grou
   }
 }
 
+// The plain (bf16 or f32 heads) forward keeps one segment per group and no loop: it has no
+// statistics to reduce, so its blocks leave as soon as their segment is stored, and many small
+// blocks kept more bytes in flight than runs of segments did (measured on the H200 with runs:
+// W2 BF16 0.56 -> 0.60 ms a step, W1 0.31 -> 0.35).
+struct SegmentInputs8 {
+  float cs[8], q[8], k[8], v[8];
+};
+template <typename T, typename H>
+__device__ inline void load_segment8(SegmentInputs8& in, const ForwardArgs<T, H>& a, const Segment& s, int c) {
+  load8(a.pe + s.pe_row * a.g.D + c, in.cs);
+  load8(&a.q.at(s.token_row, s.col + c), in.q);
+  load8(&a.k.at(s.token_row, s.col + c), in.k);
+  load8(&a.v.at(s.token_row, s.col + c), in.v);
+}
+
 template <int kLanes, typename T, typename H>
-__global__ void __launch_bounds__(kThreads, kForwardVecBlocksPerSm)
-    qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a, int64_t per_group) {
+__global__ void qk_norm_rope_to_heads_vec_kernel(ForwardArgs<T, H> a) {
   __shared__ ScaleTile<8 * kLanes> scales;
   scales.load(a.q_scale, a.k_scale);
+  const int64_t seg = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  if (seg >= a.g.segments) return;  // whole groups leave together
   const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
-  forward_runs<kLanes>(a, per_group, scales, c, [&](int64_t head_row, int which, const float(&y)[8]) {
-    const Heads<H>& h = which == 0 ? a.v_heads : which == 1 ? a.q_heads : a.k_heads;
-    store8(h.p + head_row * h.ld + c, y);
-  });
+  const Segment s = a.g.segment(seg);
+  SegmentInputs8 in;
+  load_segment8(in, a, s, c);
+  store8(a.v_heads.p + s.head_row * a.v_heads.ld + c, in.v);
+  float y[8];
+  norm_rotate8<kLanes>(y, a.q_rstd, in.q, scales.q, in.cs, seg, c, a.g.inv_D, a.eps);
+  store8(a.q_heads.p + s.head_row * a.q_heads.ld + c, y);
+  norm_rotate8<kLanes>(y, a.k_rstd, in.k, scales.k, in.cs, seg, c, a.g.inv_D, a.eps);
+  store8(a.k_heads.p + s.head_row * a.k_heads.ld + c, y);
 }
 
 // The vector path with FP8 heads (qk_norm_rope_to_heads_fp8): the same values, each rounded as
@@ -444,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, kForwardVecBlocksPerSm)
 // amax and counts per tensor go to its partials (kCount: the counts are wanted, a report step).
 // The heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kCount>
-__global__ void __launch_bounds__(kThreads, kForwardVecBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, kFp8ForwardBlocksPerSm)
     qk_norm_rope_to_heads_fp8_kernel(ForwardArgs<T, H> a, int64_t per_group, Fp8HeadsOut q8, Fp8HeadsOut k8,
                                      Fp8HeadsOut v8) {
   __shared__ ScaleTile<8 * kLanes> scales;
@@ -760,17 +780,13 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   const Geometry geo = geometry_of(op, d, token_offset, {q_heads, k_heads, v_heads, q, k, v, pe});
   if (geo.segments == 0) return;
   const int lanes = vec_path_lanes(d.D, {q_heads, k_heads, v_heads, q, k, v}, pe);
-  // The vector path: runs of per_group segments a group (as the FP8 forward); the pair path: a
-  // warp per segment.
-  const int64_t per_group = segments_per_group(geo.segments, kForwardVecBlocksPerSm);
-  const unsigned blocks =
-      exact_blocks(lanes > 0 ? (geo.segments + per_group - 1) / per_group * lanes : geo.segments * 32);
+  const unsigned blocks = exact_blocks(geo.segments * (lanes > 0 ? lanes : 32));
   const auto launch = [&]<typename T, typename H>() {
     const auto a = forward_args<T, H>(heads_of<H>(q_heads), heads_of<H>(k_heads), heads_of<H>(v_heads), q_rstd,
                                       k_rstd, q, k, v, q_scale, k_scale, pe, geo, eps);
     if (lanes > 0) {
       with_lanes(lanes, [&]<int kLanes>() {
-        qk_norm_rope_to_heads_vec_kernel<kLanes><<<blocks, kThreads, 0, stream_>>>(a, per_group);
+        qk_norm_rope_to_heads_vec_kernel<kLanes><<<blocks, kThreads, 0, stream_>>>(a);
         FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_vec_kernel);
       });
       ++qk_norm_rope_vector_calls_;
@@ -813,7 +829,7 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
                                        token_offset, eps);
     return;
   }
-  const int64_t per_group = segments_per_group(geo.segments, kForwardVecBlocksPerSm);
+  const int64_t per_group = segments_per_group(geo.segments, kFp8ForwardBlocksPerSm);
   const int64_t blocks = exact_blocks((geo.segments + per_group - 1) / per_group * lanes);
   const bool count = q_heads.q.stats || k_heads.q.stats || v_heads.q.stats;
   auto* partials =
