@@ -253,12 +253,13 @@ TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
   const int64_t B = 2, L = 9, H = 140;
   Buf<float> x({B, L, H}, 3), mod({B, 2 * H}), mean({B * L}), rstd({B * L}), y({B, L, H}), gx({B, L, H}, 1);
   x.randn(21, 2.0), mod.randn(22, 0.5), gx.randn(23, 2.0);
-  for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward}) {
+  for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward, Op::gated}) {
     SCOPED_TRACE(static_cast<int>(op));
     Backend::CastInput in =
         Backend::CastInput::layernorm_modulate_of(x.t, mean.t, rstd.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H), 1e-6);
     in.op = op;
-    in.gelu_x = gx.t;  // gelu_tanh_backward: x is dy, gx the GELU's input
+    in.gelu_x = gx.t;                  // gelu_tanh_backward: x is dy, gx the GELU's input
+    in.gate = mod.t.cols_slice(H, H);  // gated: x is the residual's gradient
     be->produce(y.t, in);
     std::vector<uint8_t> fused(B * L * H, 0xA5), by_hand(B * L * H, 0x5A);
     std::vector<float> s_fused(B * L * 2, -1), s_hand(B * L * 2, -2);

@@ -55,6 +55,7 @@ void Backend::produce(Tensor y, const CastInput& in) {
     case CastInput::Op::identity: copy(y, in.x); return;
     case CastInput::Op::gelu_tanh: gelu_tanh(y, in.x); return;
     case CastInput::Op::gelu_tanh_backward: gelu_tanh_backward(y, in.x, in.gelu_x); return;
+    case CastInput::Op::gated: gated_residual_backward(y, Tensor{}, in.x, Tensor{}, in.gate); return;
     case CastInput::Op::layernorm_modulate:
       // Recomputes mean and rstd: the same values, from the same x and eps.
       layernorm_modulate(y, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);

@@ -340,17 +340,20 @@ class Backend {
   // tensor between the op and the cast is never stored. identity: x itself; gelu_tanh:
   // gelu_tanh(x); layernorm_modulate: layernorm_modulate's y from x [B, L, H], the mean and
   // rstd it computed (with y undefined) and shift, scale [B, H]; gelu_tanh_backward:
-  // gelu_tanh_backward's dx from x = dy and gelu_x, the GELU's input (same shape).
+  // gelu_tanh_backward's dx from x = dy and gelu_x, the GELU's input (same shape); gated: the
+  // gated residual's branch gradient gated_residual_backward's dy = gate[b] ⊙ x from x = the
+  // residual's gradient [B, L, H] and gate [B, H].
   // With a head the tensor cast is [head | op(x)]: head's columns as they are, then the op's
   // (the single block's two-source tensors — linear2's input [attention output | GELU(h)] and
   // linear1's output gradient [dq dk dv | GELU's backward] — cast without being assembled).
   struct CastInput {
-    enum class Op : uint8_t { identity, gelu_tanh, layernorm_modulate, gelu_tanh_backward };
+    enum class Op : uint8_t { identity, gelu_tanh, layernorm_modulate, gelu_tanh_backward, gated };
     Op op = Op::identity;
     Tensor x;
     Tensor mean, rstd, shift, scale;  // layernorm_modulate only
     double eps = 0.0;                 // layernorm_modulate: the eps mean/rstd were made with
     Tensor gelu_x;                    // gelu_tanh_backward only
+    Tensor gate;                      // gated only
     Tensor head;                      // optional: the first columns, x's rows and dtype, any ld
 
     // The cast tensor's columns and shape (x's, widened by the head's columns).
@@ -377,6 +380,12 @@ class Backend {
       CastInput in;
       in.op = Op::gelu_tanh_backward;
       in.x = dy, in.gelu_x = gelu_x;
+      return in;
+    }
+    static CastInput gated_of(Tensor dx, Tensor gate) {
+      CastInput in;
+      in.op = Op::gated;
+      in.x = dx, in.gate = gate;
       return in;
     }
     static CastInput layernorm_modulate_of(Tensor x, Tensor mean, Tensor rstd, Tensor shift, Tensor scale,

@@ -13,6 +13,7 @@
 // same rows. Until the bench stopped synchronising around every op (thirteenth session), each
 // row also held a launch and a synchronisation, which inflated short ops by ~10–20 µs a call.
 #include <chrono>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -198,12 +199,13 @@ class OpProfiler : public Backend {
     using Op = CastInput::Op;
     static constexpr const char* kPlain[] = {
         "quantize_fused (identity + fp8 cast)", "quantize_fused (gelu_tanh + fp8 cast)",
-        "quantize_fused (layernorm_modulate + fp8 cast)", "quantize_fused (gelu_tanh_backward + fp8 cast)"};
+        "quantize_fused (layernorm_modulate + fp8 cast)", "quantize_fused (gelu_tanh_backward + fp8 cast)",
+        "quantize_fused (gated + fp8 cast)"};
     static constexpr const char* kHead[] = {
         "quantize_fused ([head | identity] + fp8 cast)", "quantize_fused ([head | gelu_tanh] + fp8 cast)",
         "quantize_fused ([head | layernorm_modulate] + fp8 cast)",
-        "quantize_fused ([head | gelu_tanh_backward] + fp8 cast)"};
-    static_assert(static_cast<int>(Op::gelu_tanh_backward) == 3);
+        "quantize_fused ([head | gelu_tanh_backward] + fp8 cast)", "quantize_fused ([head | gated] + fp8 cast)"};
+    static_assert(static_cast<int>(Op::gated) == 4 && std::size(kPlain) == 5 && std::size(kHead) == 5);
     return (in.head.defined() ? kHead : kPlain)[static_cast<int>(in.op)];
   }
 

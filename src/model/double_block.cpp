@@ -189,7 +189,9 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   Tensor d_m = gelu_fused ? Tensor{} : a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
   Tensor d_m2 = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
 
-  be.gated_residual_backward(d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
+  // mlp_out's output gradient gate ⊙ dx: inside its FP8 casts, or written to d_h.
+  const Backend::CastInput d_mlp_out =
+      gated_branch_backward(be, p.mlp_out, ctx.fp8, d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
   const size_t gelu_mark = a.mark();
   SavedLinearInput mlp_g = s.mlp_g;
   if (joint.selective) {
@@ -200,7 +202,7 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   if (gelu_fused)
     site_backward_gelu(be, ctx.fp8, p.mlp_out, Tensor{}, d_m2, s.mlp_h, d_h, mlp_g);
   else
-    site_backward(be, ctx.fp8, a, p.mlp_out, d_m, d_h, mlp_g, false);
+    site_backward_fused(be, ctx.fp8, a, p.mlp_out, d_m, d_mlp_out, d_h, mlp_g, false);
   a.release_to(gelu_mark);
   if (gelu_fused)
     site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, s.xm2, false);
@@ -211,14 +213,15 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
                                  s.ln2_mean, s.ln2_rstd, chunk(s.mod, 4, H), true);
 
   Tensor d_attn = a.alloc(ctx.dtype, tok, SlotKind::workspace);
-  be.gated_residual_backward(d_h, chunk(dmod, 2, H), dx, s.proj_out, chunk(s.mod, 2, H));
+  const Backend::CastInput d_proj =
+      gated_branch_backward(be, p.proj, ctx.fp8, d_h, chunk(dmod, 2, H), dx, s.proj_out, chunk(s.mod, 2, H));
   SavedLinearInput attn = s.attn;
   if (joint.selective) {
     const Tensor x = a.alloc(ctx.dtype, tok, SlotKind::workspace);
     attention_output_to_tokens(be, x, joint.att8, joint.o, offset);
     attn = recompute_linear_input(be, ctx.fp8, a, p.proj, x);
   }
-  site_backward(be, ctx.fp8, a, p.proj, d_attn, d_h, attn, false);
+  site_backward_fused(be, ctx.fp8, a, p.proj, d_attn, d_proj, d_h, attn, false);
   if (d8.defined())
     fp8_attention_dout(ctx, fp8_attention, d8, d_attn, offset);
   else

@@ -458,15 +458,31 @@ void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor d
   be.linear_backward(Tensor{}, site.dw, site.db, dy, saved.full, site.w, false, site.accumulate_grads());
 }
 
+bool dy_op_in_casts(const LinearSite& site, const Fp8Runtime* fp8) { return site.fp8 && fp8 && fp8->config().wgrad; }
+
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
                          const Backend::CastInput& dy, Tensor dy_buffer, const SavedLinearInput& saved,
                          bool accumulate_dx) {
-  if (site.fp8 && fp8 && fp8->config().wgrad) {
+  if (dy_op_in_casts(site, fp8)) {
     site_backward_fp8(be, *fp8, scratch, site, dx, dy, saved, accumulate_dx);
     return;
   }
-  be.produce(dy_buffer, dy);  // a BF16 GEMM reads dy itself
+  const bool stored = dy.op == Backend::CastInput::Op::identity && !dy.head.defined() && dy.x.data == dy_buffer.data &&
+                      dy.x.ld == dy_buffer.ld && dy.x.shape == dy_buffer.shape;
+  if (!stored) be.produce(dy_buffer, dy);  // a BF16 GEMM reads dy itself
   site_backward(be, fp8, scratch, site, dx, dy_buffer, saved, accumulate_dx);
+}
+
+Backend::CastInput gated_branch_backward(Backend& be, const LinearSite& site, const Fp8Runtime* fp8, Tensor buffer,
+                                         Tensor dgate, Tensor dres, Tensor y, Tensor gate) {
+  if (dy_op_in_casts(site, fp8)) {
+    be.gated_residual_backward(Tensor{}, dgate, dres, y, gate);
+    return Backend::CastInput::gated_of(dres, gate);
+  }
+  be.gated_residual_backward(buffer, dgate, dres, y, gate);
+  Backend::CastInput in;
+  in.x = buffer;
+  return in;
 }
 
 void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols) {

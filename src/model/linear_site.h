@@ -221,12 +221,23 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
 // backward in the casts of the MLP's first Linear's output gradient (gelu_in_epilogues).
 void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh,
                         Tensor gelu_h, Tensor dy, const SavedLinearInput& saved);
-// site_backward of an output gradient made by an element-wise op (`dy`: GELU's backward). With
-// FP8 dgrad and wgrad the op runs inside the casts of dy (Backend::quantize_fused) and dy is
-// never stored; otherwise the op writes dy_buffer (dy's shape) first.
+// site_backward of an output gradient made by an element-wise op (`dy`: GELU's backward, a
+// gate's product). With FP8 dgrad and wgrad (dy_op_in_casts) the op runs inside the casts of dy
+// (Backend::quantize_fused) and dy is never stored; otherwise the op writes dy_buffer (dy's
+// shape) first — unless dy already is dy_buffer's contents (an identity input reading it).
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
                          const Backend::CastInput& dy, Tensor dy_buffer, const SavedLinearInput& saved,
                          bool accumulate_dx);
+// Whether site_backward_fused runs its op inside the site's FP8 casts of dy (FP8 dgrad and
+// wgrad), where the op's output is never stored.
+bool dy_op_in_casts(const LinearSite& site, const Fp8Runtime* fp8);
+// The output gradient of a Linear whose output joins the residual stream through a gate (the
+// blocks' proj, mlp_out and linear2: out = x + gate[b] ⊙ y): dgate from the residual's gradient
+// `dres` and the saved y, and dy = gate[b] ⊙ dres as site_backward_fused takes it — inside the
+// site's FP8 casts (CastInput::gated; `buffer` not written), or written to `buffer` in the
+// same pass as dgate.
+Backend::CastInput gated_branch_backward(Backend& be, const LinearSite& site, const Fp8Runtime* fp8, Tensor buffer,
+                                         Tensor dgate, Tensor dres, Tensor y, Tensor gate);
 // Whether an MLP (Linear, GELU, Linear) runs its GELU in the GEMMs' epilogues —
 // Backend::linear_gelu in the forward, linear_dgrad_gelu in the backward: when both Linears run
 // in BF16. FP8 sites run the GELU and its backward inside their casts instead (quantize_fused).

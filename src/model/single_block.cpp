@@ -153,14 +153,16 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
   SingleBlockSaved r = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
 
-  be.gated_residual_backward(d_h, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
+  // linear2's output gradient gate ⊙ dz: inside its FP8 casts, or written to d_h.
+  const Backend::CastInput d_out = gated_branch_backward(be, p.linear2, ctx.fp8, d_h, dmod.cols_slice(2 * H, H), dz,
+                                                         s.out, s.mod.cols_slice(2 * H, H));
   const size_t cat_mark = a.mark();
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
   if (gelu_epilogue)
     site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h,
                        cat);
   else
-    site_backward(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * H, H + M), d_h, cat, false);
+    site_backward_fused(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * H, H + M), d_out, d_h, cat, false);
   a.release_to(cat_mark);
   const size_t qkv_mark = a.mark();
   if (fp8_attention) {

@@ -184,10 +184,11 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
         in.shift = mod16.dev.cols_slice(0, H), in.scale = mod16.dev.cols_slice(H, H);
       }
       if (op == Op::gelu_tanh_backward) in.gelu_x = gx16.dev;
+      if (op == Op::gated) in.gate = mod16.dev.cols_slice(0, H);  // changes mid-tile too
       return in;
     };
     for (const bool counts : {true, false})
-      for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
+      for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward, Op::gated})
         for (const Recipe& recipe : kRecipes)
           for (const Fp8Format format : kFormats)
             for (const int copies : {1, 2, 3}) {
@@ -195,6 +196,7 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
               const char* op_name = op == Op::identity             ? "identity"
                                     : op == Op::gelu_tanh          ? "gelu_tanh"
                                     : op == Op::layernorm_modulate ? "layernorm_modulate"
+                                    : op == Op::gated              ? "gated"
                                                                    : "gelu_tanh_backward";
               SCOPED_TRACE(fmt::format("[{}, {}, {}] pad {} {} {} {} {} rowwise {} columnwise {}", B, L, H, fc.pad,
                                        counts ? "with counts" : "amax only", op_name, recipe.name,
@@ -260,11 +262,11 @@ TEST(CudaBf16Casts, CastsWithAHeadEqualTheAssembledTensorCast) {
     Pair mean({B * L}), rstd({B * L});
     gpu().layernorm_modulate(Tensor{}, mean.dev, rstd.dev, x16.dev, mod16.dev.cols_slice(0, H),
                              mod16.dev.cols_slice(H, H), 1e-6);
-    for (const Op op : {Op::gelu_tanh, Op::gelu_tanh_backward, Op::identity, Op::layernorm_modulate}) {
+    for (const Op op : {Op::gelu_tanh, Op::gelu_tanh_backward, Op::identity, Op::layernorm_modulate, Op::gated}) {
       Backend::CastInput in;
       in.op = op, in.x = x16.dev, in.gelu_x = gx16.dev;
       in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
-      in.shift = mod16.dev.cols_slice(0, H), in.scale = mod16.dev.cols_slice(H, H);
+      in.shift = mod16.dev.cols_slice(0, H), in.scale = mod16.dev.cols_slice(H, H), in.gate = in.scale;
       in = in.with_head(head);
       gpu().produce(y16.dev, in);
       for (const bool counts : {true, false})

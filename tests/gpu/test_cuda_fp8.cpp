@@ -92,8 +92,8 @@ INSTANTIATE_TEST_SUITE_P(AllRecipes, CudaQuantize,
                                   fp8_format_name(std::get<1>(info.param));
                          });
 
-// quantize_fused: the cast computes LayerNorm + modulation, GELU or GELU's backward (dy·f'(x),
-// x a second strided input) per element instead of reading a stored f32 tensor. It must give exactly what the GPU's own op followed by quantize
+// quantize_fused: the cast computes LayerNorm + modulation, GELU, GELU's backward (dy·f'(x),
+// x a second strided input) or a gate's product (per sample) per element instead of reading a stored f32 tensor. It must give exactly what the GPU's own op followed by quantize
 // gives (the op's values against the CPU's are the op tests' business), for every recipe, on
 // a strided input with partial tiles; LayerNorm's statistics-only pass must store the same
 // mean and rstd as the full op.
@@ -115,17 +115,19 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
     Pair y({B, L, H}), gx({B, L, H}, fc.pad ? 1 : 0);  // gelu_tanh_backward: x is dy, gx the GELU's input
     gx.randn(63, 2.0);
     for (const bool counts : {true, false})
-      for (const Op op : {Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward})
+      for (const Op op : {Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward, Op::gated})
         for (const Recipe& recipe : kRecipes)
           for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
             SCOPED_TRACE(fmt::format("[{}, {}, {}] {} {} {} {}", B, L, H, counts ? "with counts" : "amax only",
                                      op == Op::gelu_tanh            ? "gelu_tanh"
                                      : op == Op::layernorm_modulate ? "layernorm_modulate"
+                                     : op == Op::gated              ? "gated"
                                                                     : "gelu_tanh_backward",
                                      recipe.name, fp8_format_name(format)));
             Backend::CastInput in = Backend::CastInput::gelu_tanh_of(x.dev);
             in.op = op;
             in.gelu_x = gx.dev;
+            in.gate = mod.dev.cols_slice(H, H);  // gated: a gate per sample, rows 8-byte aligned or not
             if (op == Op::layernorm_modulate) {
               in.mean = mean.dev, in.rstd = rstd.dev, in.eps = 1e-6;
               in.shift = mod.dev.cols_slice(0, H), in.scale = mod.dev.cols_slice(H, H);

@@ -84,12 +84,14 @@ struct Source {
   const T* x;
   int64_t ld;
   const float *mean, *rstd;  // layernorm_modulate: per row
-  MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens
+  MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens; gated:
+                             // scale is the gate
+
   int64_t tokens;
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
-  bool shift_vec4 = false, scale_vec4 = false;  // layernorm_modulate: shift/scale rows load 4 columns at once
+  bool shift_vec4 = false, scale_vec4 = false;  // shift/scale rows load 4 columns at once
   // CastInput::head: columns [0, split) are head's as they are; the op's column c is the cast's
   // split + c (split = 0: no head).
   const T* head = nullptr;
@@ -97,6 +99,13 @@ struct Source {
   // gelu_tanh_backward's element from dy and the GELU's input x: the op kernel's dy · f'(x),
   // rounded as stored.
   __device__ static float gelu_backward_value(float dy, float x) { return as_stored<T>(dy * gelu_grad(x)); }
+  // gated's element from the residual's gradient dx and the gate: gated_residual_backward's
+  // g·dx in f32, rounded as stored.
+  __device__ static float gated_value(float dx, float g) { return as_stored<T>(g * dx); }
+  // Whether the op reads per-sample vectors (LayerNorm's shift and scale, the gate).
+  __device__ bool per_sample_op() const {
+    return op == Backend::CastInput::Op::layernorm_modulate || op == Backend::CastInput::Op::gated;
+  }
   // The op kOp applied to v = x[r, c]; b = r / tokens (the sample, for the modulation).
   template <Backend::CastInput::Op kOp>
   __device__ float apply_op(float v, int64_t r, int64_t b, int64_t c) const {
@@ -107,6 +116,8 @@ struct Source {
           layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
     } else if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
       return gelu_backward_value(v, widen(gelu_x[r * gelu_ld + c]));
+    } else if constexpr (kOp == Backend::CastInput::Op::gated) {
+      return gated_value(v, widen(scale.at(b, c)));
     } else {
       return v;
     }
@@ -119,14 +130,14 @@ struct Source {
         return apply_op<Backend::CastInput::Op::layernorm_modulate>(v, r, b, c);
       case Backend::CastInput::Op::gelu_tanh_backward:
         return apply_op<Backend::CastInput::Op::gelu_tanh_backward>(v, r, b, c);
+      case Backend::CastInput::Op::gated: return apply_op<Backend::CastInput::Op::gated>(v, r, b, c);
       default: return v;
     }
   }
   __device__ float operator()(int64_t r, int64_t c) const {
     if (c < split) return widen(head[r * head_ld + c]);
     c -= split;
-    return apply(widen(x[r * ld + c]), r,
-                 op == Backend::CastInput::Op::layernorm_modulate ? per_sample.divide(static_cast<uint32_t>(r)) : 0, c);
+    return apply(widen(x[r * ld + c]), r, per_sample_op() ? per_sample.divide(static_cast<uint32_t>(r)) : 0, c);
   }
 };
 
@@ -418,8 +429,8 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
       kOp == Op::gelu_tanh_backward ? src.gelu_x + t.r0 * src.gelu_ld + sc0 + j0 : nullptr;
   uint8_t* const row_tile = a.row.codes ? a.row.codes + t.r0 * a.cols + t.c0 + j0 : nullptr;
   const bool row_word = row_tile && nj == 4 && (kFull || a.cols % 4 == 0);
-  // LayerNorm: the thread's 4 columns of shift and scale, reloaded only when the sample changes
-  // (a tile's rows are one or two samples).
+  // LayerNorm: the thread's 4 columns of shift and scale (gated: of the gate, in scale),
+  // reloaded only when the sample changes (a tile's rows are one or two samples).
   [[maybe_unused]] float shift[4] = {}, scale[4] = {};
   [[maybe_unused]] int64_t sample = -1;
   // Rows in groups of kAhead per thread: the group's loads are issued before any of its rows is
@@ -470,6 +481,18 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
 #pragma unroll
         for (int k = 0; k < 4; ++k)
           if (k < nj) v[k] = as_stored<T>(layernorm_modulate_value(v[k], mu, rs, shift[k], scale[k]));
+      } else if constexpr (kOp == Op::gated) {
+        const int64_t b = src.per_sample.divide(static_cast<uint32_t>(r));
+        if (b != sample) {  // warp-uniform, as LayerNorm's
+          sample = b;
+          Quad<T> gq;
+          gq.load(src.scale.p + b * src.scale.ld + sc0 + j0, nj, src.scale_vec4);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) scale[k] = gq[k];
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (k < nj) v[k] = Source<T>::gated_value(v[k], scale[k]);
       } else if constexpr (kOp != Op::identity) {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
@@ -726,6 +749,7 @@ void launch_per_tensor(const CastArgs<T>& a, bool count, int64_t tiles, cudaStre
       case Op::gelu_tanh: launch.template operator()<kCount, Op::gelu_tanh>(); break;
       case Op::layernorm_modulate: launch.template operator()<kCount, Op::layernorm_modulate>(); break;
       case Op::gelu_tanh_backward: launch.template operator()<kCount, Op::gelu_tanh_backward>(); break;
+      case Op::gated: launch.template operator()<kCount, Op::gated>(); break;
     }
   };
   if (count)
@@ -788,6 +812,12 @@ Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor pe
   if (in.op == Backend::CastInput::Op::gelu_tanh_backward) {
     s.gelu_x = static_cast<const T*>(in.gelu_x.data);
     s.gelu_ld = in.gelu_x.ld;
+  }
+  if (in.op == Backend::CastInput::Op::gated) {
+    s.scale = mat_of<T>(in.gate);
+    s.tokens = tokens;
+    s.per_sample = per_sample;
+    s.scale_vec4 = vec4_aligned(s.scale.p) && s.scale.ld % 4 == 0;
   }
   if (in.head.defined()) {
     s.head = static_cast<const T*>(in.head.data);
@@ -936,6 +966,12 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     ops::require_defined(op, {"gelu_x", in.gelu_x});
     bf16 = activations_in_bf16(op, {{"x", x}, {"gelu_x", in.gelu_x}});
     require_same_matrix(op, {"gelu_x", in.gelu_x}, {"x", x});
+  } else if (in.op == Op::gated) {  // x [B, L, H], gate [B, H]
+    bf16 = activations_in_bf16(op, {{"x", x}, {"gate", in.gate}});
+    require_rank(op, {"x", x}, 3);
+    require_shape(op, {"gate", in.gate}, Shape{x.shape[0], x.shape[2]});
+    tokens = x.shape[1] > 0 ? x.shape[1] : 1;
+    per_sample = row_divisor(op, x.rows(), tokens);
   } else {
     bf16 = activations_in_bf16(op, {{"x", x}});
   }
@@ -1020,7 +1056,8 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
     const int64_t max_ld = std::max({x.ld, C, src.gelu_ld, src.head_ld});
     a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile && (!src.head || a.head_vec4) &&
                    (in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
-                   (in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4));
+                   (in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4)) &&
+                   (in.op != Op::gated || src.scale_vec4);
     switch (q.scaling) {
       case Fp8Scaling::per_tensor:
         launch_per_tensor(a, q.stats != nullptr, tiles, stream());
