@@ -93,10 +93,11 @@ INSTANTIATE_TEST_SUITE_P(AllRecipes, CudaQuantize,
                          });
 
 // quantize_fused: the cast computes LayerNorm + modulation, GELU, GELU's backward (dy·f'(x),
-// x a second strided input) or a gate's product (per sample) per element instead of reading a stored f32 tensor. It must give exactly what the GPU's own op followed by quantize
-// gives (the op's values against the CPU's are the op tests' business), for every recipe, on
-// a strided input with partial tiles; LayerNorm's statistics-only pass must store the same
-// mean and rstd as the full op.
+// x a second strided input) or a gate's product (per sample) per element instead of reading a
+// stored f32 tensor. It must give exactly what the GPU's own op followed by quantize gives (the
+// op's values against the CPU's are the op tests' business), for every recipe, on a strided
+// input with partial tiles; LayerNorm's statistics-only pass must store the same mean and rstd
+// as the full op.
 TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
   FLUX8_REQUIRE_GPU();
   using Op = Backend::CastInput::Op;

@@ -86,7 +86,6 @@ struct Source {
   const float *mean, *rstd;  // layernorm_modulate: per row
   MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens; gated:
                              // scale is the gate
-
   int64_t tokens;
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld

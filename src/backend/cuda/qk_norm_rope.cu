@@ -309,9 +309,10 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
 
 // Blocks per SM the FP8-heads forward is laid out for (segments_per_group) and compiled for (≤ 64
-// registers a thread). Left to itself ptxas gave it 72 registers: 3 blocks of 256 threads per SM, and Nsight Compute found it latency-bound at that
-// occupancy (W2: 10.4 cycles per issued instruction, DRAM 34%, SM 54%). With 4 blocks: 0.84 →
-// 0.71 ms per W2 step (before the runs of segments).
+// registers a thread). Left to itself ptxas gave it 72 registers: 3 blocks of 256 threads per
+// SM, and Nsight Compute found it latency-bound at that occupancy (W2: 10.4 cycles per issued
+// instruction, DRAM 34%, SM 54%). With 4 blocks: 0.84 → 0.71 ms per W2 step (before the runs of
+// segments).
 constexpr int kFp8ForwardBlocksPerSm = 4;
 // The vector path's backward (both head types), compiled for 2 blocks of 256 threads per SM
 // (≤ 128 registers a thread): a segment's arithmetic and the next two segments' loads in
