@@ -131,7 +131,8 @@ TEST(TrainStep, Fp8AmaxesOverMicroBatchesEqualOneBigBatch) {
 // micro-batches of 2: the norm, the update and the written-out gradients equal the dense run's
 // up to the order of the wgrad GEMM's f32 sums; the flat buffer's own contents at those
 // gradients (NaN here) are never read. With fewer rows kept than the step brings, the step
-// falls back to dense gradients half-way.
+// falls back to dense gradients half-way — or at its first write, where one micro-batch
+// brings more rows than kept.
 TEST(TrainStep, LowRankGradientsEqualDenseOnes) {
   const FluxConfig cfg = tiny_demo_model();
   const std::vector<Sample> samples = demo_batch(cfg, 6);
@@ -143,6 +144,7 @@ TEST(TrainStep, LowRankGradientsEqualDenseOnes) {
     size_t low_rank = 0;
   };
   int64_t per_sample = 0;
+  for (const ParamInfo& p : ParamLayout::build(cfg).params()) per_sample += p.per_sample;
   const auto run = [&](int64_t keep, bool materialize) {
     auto be = make_backend("cpu");
     FluxModel model(cfg, *be, DType::f32);
@@ -169,24 +171,26 @@ TEST(TrainStep, LowRankGradientsEqualDenseOnes) {
     // The optimizer's norm: from the factors, or after materialize from the GEMM's sums.
     EXPECT_NEAR(st.grad_norm, std::sqrt(r.norm), (materialize ? 1e-6 : 1e-12) * st.grad_norm);
     r.params = to_host(*be, store.flat_params());
-    per_sample = 0;
-    for (const ParamInfo& p : store.layout().params()) per_sample += p.per_sample;
     return r;
   };
-  const Run dense = run(0, true), low = run(6, false), low_out = run(6, true), fallback = run(4, true);
+  const Run dense = run(0, true), low = run(6, false), low_out = run(6, true), fallback = run(4, true),
+            first_fallback = run(1, true);
   EXPECT_EQ(dense.low_rank, 0u);
   EXPECT_EQ(low.low_rank, static_cast<size_t>(per_sample));
   EXPECT_EQ(per_sample, cfg.guidance_embed ? 10 : 8);  // 3 embedder MLPs (2 without guidance), 3 mod, final
   EXPECT_EQ(fallback.low_rank, 0u);
+  EXPECT_EQ(first_fallback.low_rank, 0u);
   EXPECT_TRUE(std::isfinite(low.norm));
   EXPECT_NEAR(low.norm, dense.norm, 1e-6 * dense.norm);
   EXPECT_LT(testing::max_rel_error(low_out.grads, dense.grads), 1e-6);
   EXPECT_LT(testing::max_rel_error(fallback.grads, dense.grads), 1e-6);
+  EXPECT_LT(testing::max_rel_error(first_fallback.grads, dense.grads), 1e-6);
   // AdamW's first step moves each weight by lr·g/(|g| + eps): where a gradient's sum cancels to
   // near eps, an f32 rounding of g moves the update by up to lr·(that rounding)/eps (measured
   // 2.3e-6 and 3.0e-6 of the largest weight).
   EXPECT_LT(testing::max_rel_error(low.params, dense.params), 1e-5);
   EXPECT_LT(testing::max_rel_error(fallback.params, dense.params), 1e-5);
+  EXPECT_LT(testing::max_rel_error(first_fallback.params, dense.params), 1e-5);
 
   auto be = make_backend("cpu");
   FluxModel model(cfg, *be, DType::f32);

@@ -429,12 +429,12 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
 
 void linear_backward_params(Backend& be, const LinearSite& site, Tensor dx, Tensor dy, Tensor x, Tensor w,
                             bool accumulate_dx) {
-  if (site.store && site.store->add_low_rank_grad(site.dw, dy, x)) {
-    const bool accumulate_db = site.db.defined() && !site.store->first_write(site.db);
-    be.linear_backward(dx, Tensor{}, site.db, dy, x, w, accumulate_dx, accumulate_db);
+  const bool accumulate = site.accumulate_grads();  // the step's writes of dw and db, recorded once
+  if (site.store && site.store->add_low_rank_grad(site.dw, dy, x, !accumulate)) {
+    be.linear_backward(dx, Tensor{}, site.db, dy, x, w, accumulate_dx, accumulate);
     return;
   }
-  be.linear_backward(dx, site.dw, site.db, dy, x, w, accumulate_dx, site.accumulate_grads());
+  be.linear_backward(dx, site.dw, site.db, dy, x, w, accumulate_dx, accumulate);
 }
 
 void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx, Tensor dy,

@@ -207,7 +207,7 @@ int64_t ParamStore::low_rank_rows() const {
   return 0;
 }
 
-bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x) const {
+bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x, bool first) const {
   if (low_rank_.empty()) return false;
   const size_t i = index_in(grads_, dw);
   if (i == kNoParam || !low_rank_[i].a.defined()) return false;
@@ -216,13 +216,16 @@ bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Ten
   if (x.rows() != n || dy.cols() != M || x.cols() != K)
     fail("internal error: the low-rank gradient of '{}' [{}, {}] cannot take dy {} and x {}",
          layout_.params()[i].name, M, K, dy.str(), x.str());
-  if (first_write(dw)) {
+  if (first) {
     L.rows = 0;
     L.dense = false;
   }
   if (L.dense) return false;
   if (L.rows + n > L.a.shape[0]) {  // more rows than kept: this step goes on in the flat buffer
-    write_low_rank(i);
+    if (L.rows > 0)
+      write_low_rank(i);
+    else
+      L.dense = true;  // the first write: the caller overwrites dw
     return false;
   }
   backend_.copy(L.a.rows_slice(L.rows, n), dy.rows_slice(0, n));

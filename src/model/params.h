@@ -95,18 +95,20 @@ class ParamStore {
   // whether it did; 0 turns it off. (AdamW rebuilds each element from `rows` products: at 2
   // rows it breaks even with reading the gradient — the gain is the wgrad GEMM's write and the
   // norm's read — and beyond a few rows it would lose; 8 is a bound, not a measured optimum.) The flat buffer then does not hold those gradients:
-  //   add_low_rank_grad(dw, dy, x): for the backward of a Linear with weight gradient dw, input
-  //     x [N, K] and output gradient dy [N, M] (any ld). When dw is kept low-rank it appends the
-  //     N rows to its factors (replacing them at the step's first write, ParamStore::first_write)
-  //     and returns true: the caller writes no dw. Otherwise false — also when the step brings
-  //     more rows than kept: the factors are then written into dw and the step goes on dense.
+  //   add_low_rank_grad(dw, dy, x, first): for the backward of a Linear with weight gradient
+  //     dw, input x [N, K] and output gradient dy [N, M] (any ld); `first`: this is the step's
+  //     first write of dw (the caller's first_write answer, which it also uses for the bias).
+  //     When dw is kept low-rank it appends the N rows to its factors (replacing them at the
+  //     first write) and returns true: the caller writes no dw. Otherwise false — also when the
+  //     step brings more rows than kept: the factors so far are then written into dw and the
+  //     step goes on dense (at the first write, with nothing to write, dw is the caller's).
   //   low_rank_grads(): this step's, for the gradient norm and AdamW.
   //   materialize_low_rank_grads(): writes them into the flat buffer (for readers of grad(),
   //     such as the non-finite gradient search); low_rank_grads() is empty after it this step.
   static constexpr int64_t kLowRankMaxRows = 8;
   bool keep_low_rank_grads(int64_t rows);
   int64_t low_rank_rows() const;  // the rows kept, 0 when off
-  bool add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x) const;
+  bool add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x, bool first) const;
   std::vector<Backend::LowRankGrad> low_rank_grads() const;
   void materialize_low_rank_grads() const;
 
