@@ -52,7 +52,9 @@ void Backend::produce(Tensor y, const CastInput& in) {
     y = y.cols_slice(h, in.x.cols());
   }
   switch (in.op) {
-    case CastInput::Op::identity: copy(y, in.x); return;
+    case CastInput::Op::identity:  // x already y (same memory): nothing to write, as for the head
+      if (in.x.data != y.data || in.x.ld != y.ld) copy(y, in.x);
+      return;
     case CastInput::Op::gelu_tanh: gelu_tanh(y, in.x); return;
     case CastInput::Op::gelu_tanh_backward: gelu_tanh_backward(y, in.x, in.gelu_x); return;
     case CastInput::Op::gated: gated_residual_backward(y, Tensor{}, in.x, Tensor{}, in.gate); return;

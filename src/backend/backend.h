@@ -402,7 +402,8 @@ class Backend {
   // through a temporary; the CUDA backend computes the op inside the cast kernel.
   virtual void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q);
   // Writes the op's output to y (the unfused path, and the reference of quantize_fused): y has
-  // in.shape(); a head that already is y's first columns (same memory) is left in place.
+  // in.shape(); a head that already is y's first columns (same memory) is left in place, and so
+  // is an identity input that already is y.
   void produce(Tensor y, const CastInput& in);
 
   // The delayed-scaling update of every tensor of a model in one pass (one launch on the GPU),

@@ -17,7 +17,7 @@ void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType heads
 SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
                                         Tensor x) {
   SavedLinearInput s;
-  if (!site.fp8 || !fp8 || !fp8->config().wgrad) {
+  if (!wgrad_in_fp8(site, fp8)) {
     s.full = x;
     return s;
   }

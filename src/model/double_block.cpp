@@ -41,7 +41,7 @@ DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int6
     return a.alloc(statistics_dtype(t), Shape{B * Ls * per_token}, SlotKind::statistic);
   };
   // SiLU(vec) is shared by every modulation Linear: only an FP8 cast of it is saved here.
-  if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
+  if (wgrad_in_fp8(p.mod, fp8)) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 6 * H}, SlotKind::activation);
   s.ln1_mean = stat(1);
   s.ln1_rstd = stat(1);

@@ -308,7 +308,7 @@ float Fp8Runtime::scale_of(int site, Operand o) const {
 SavedLinearInput allocate_linear_input(Arena& arena, const LinearSite& site, const Fp8Runtime* fp8, Shape shape,
                                        DType dtype) {
   SavedLinearInput s;
-  if (!site.fp8 || !fp8 || !fp8->config().wgrad) {
+  if (!wgrad_in_fp8(site, fp8)) {
     s.full = arena.alloc(dtype, shape, SlotKind::linear_input);
     return s;
   }
@@ -458,24 +458,20 @@ void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor d
   be.linear_backward(Tensor{}, site.dw, site.db, dy, saved.full, site.w, false, site.accumulate_grads());
 }
 
-bool dy_op_in_casts(const LinearSite& site, const Fp8Runtime* fp8) { return site.fp8 && fp8 && fp8->config().wgrad; }
-
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
                          const Backend::CastInput& dy, Tensor dy_buffer, const SavedLinearInput& saved,
                          bool accumulate_dx) {
-  if (dy_op_in_casts(site, fp8)) {
+  if (wgrad_in_fp8(site, fp8)) {
     site_backward_fp8(be, *fp8, scratch, site, dx, dy, saved, accumulate_dx);
     return;
   }
-  const bool stored = dy.op == Backend::CastInput::Op::identity && !dy.head.defined() && dy.x.data == dy_buffer.data &&
-                      dy.x.ld == dy_buffer.ld && dy.x.shape == dy_buffer.shape;
-  if (!stored) be.produce(dy_buffer, dy);  // a BF16 GEMM reads dy itself
+  be.produce(dy_buffer, dy);  // a BF16 GEMM reads dy itself
   site_backward(be, fp8, scratch, site, dx, dy_buffer, saved, accumulate_dx);
 }
 
 Backend::CastInput gated_branch_backward(Backend& be, const LinearSite& site, const Fp8Runtime* fp8, Tensor buffer,
                                          Tensor dgate, Tensor dres, Tensor y, Tensor gate) {
-  if (dy_op_in_casts(site, fp8)) {
+  if (wgrad_in_fp8(site, fp8)) {
     be.gated_residual_backward(Tensor{}, dgate, dres, y, gate);
     return Backend::CastInput::gated_of(dres, gate);
   }

@@ -222,15 +222,18 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
 void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh,
                         Tensor gelu_h, Tensor dy, const SavedLinearInput& saved);
 // site_backward of an output gradient made by an element-wise op (`dy`: GELU's backward, a
-// gate's product). With FP8 dgrad and wgrad (dy_op_in_casts) the op runs inside the casts of dy
+// gate's product). With FP8 dgrad and wgrad (wgrad_in_fp8) the op runs inside the casts of dy
 // (Backend::quantize_fused) and dy is never stored; otherwise the op writes dy_buffer (dy's
-// shape) first — unless dy already is dy_buffer's contents (an identity input reading it).
+// shape) first (Backend::produce: nothing to write for an identity input that is dy_buffer).
 void site_backward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor dx,
                          const Backend::CastInput& dy, Tensor dy_buffer, const SavedLinearInput& saved,
                          bool accumulate_dx);
-// Whether site_backward_fused runs its op inside the site's FP8 casts of dy (FP8 dgrad and
-// wgrad), where the op's output is never stored.
-bool dy_op_in_casts(const LinearSite& site, const Fp8Runtime* fp8);
+// Whether the site runs its weight gradient in FP8 (an FP8 site with fp8_wgrad: true): it saves its
+// input's transposed cast instead of the input, and site_backward_fused runs its op inside the
+// casts of dy, where the op's output is never stored.
+inline bool wgrad_in_fp8(const LinearSite& site, const Fp8Runtime* fp8) {
+  return site.fp8 && fp8 && fp8->config().wgrad;
+}
 // The output gradient of a Linear whose output joins the residual stream through a gate (the
 // blocks' proj, mlp_out and linear2: out = x + gate[b] ⊙ y): dgate from the residual's gradient
 // `dres` and the saved y, and dy = gate[b] ⊙ dres as site_backward_fused takes it — inside the

@@ -26,7 +26,7 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   const int64_t n = c.num_heads;
   SingleBlockSaved s;
   s.selective = selective;
-  if (p.mod.fp8 && fp8 && fp8->config().wgrad) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
+  if (wgrad_in_fp8(p.mod, fp8)) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 3 * H}, SlotKind::activation);
   const DType st = statistics_dtype(t);
   s.ln_mean = a.alloc(st, Shape{B * L}, SlotKind::statistic);
