@@ -74,7 +74,7 @@ class Backend {
 
   // ---- memory -----------------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // 256-byte aligned, zero-filled
-  virtual void release(void* p) = 0;
+  virtual void release(void* p) = 0;  // after the work queued so far (which may still use p)
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() {}

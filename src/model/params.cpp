@@ -9,6 +9,11 @@
 
 namespace flux8 {
 
+namespace {
+// The bytes a view of `bytes` takes in a buffer of views that each start 256-byte aligned.
+size_t padded_bytes(size_t bytes) { return (bytes + 255) / 256 * 256; }
+}  // namespace
+
 void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string component,
                       bool block_linear, bool linear_weight, bool per_sample) {
   index_.emplace(name, params_.size());
@@ -144,7 +149,7 @@ void ParamStore::use_operand_copies(const std::vector<std::string>& names) {
   for (const std::string& name : names) {
     const ParamInfo& p = layout_.at(name);
     placed.emplace_back(static_cast<size_t>(&p - layout_.params().data()), bytes);
-    bytes += (static_cast<size_t>(p.shape.numel()) * dtype_size(t) + 255) / 256 * 256;
+    bytes += padded_bytes(static_cast<size_t>(p.shape.numel()) * dtype_size(t));
   }
   operand_buffer_ = backend_.allocate(bytes);
   operand_bytes_ = bytes;
@@ -173,15 +178,14 @@ std::vector<Backend::ParamCopy> ParamStore::operand_copies() const {
 
 bool ParamStore::keep_low_rank_grads(int64_t rows) {
   if (low_rank_buffer_) {
-    backend_.synchronize();  // a step's copies into the factors may still be in flight
-    backend_.release(low_rank_buffer_);
+    backend_.release(low_rank_buffer_);  // (after a step's copies into the factors)
     low_rank_buffer_ = nullptr;
   }
   low_rank_.clear();
   if (rows < 1 || rows > kLowRankMaxRows || dtype_ != DType::f32) return false;
   std::vector<std::pair<size_t, size_t>> placed;  // (parameter, byte offset of its a; b follows)
   size_t bytes = 0;
-  const auto padded = [](int64_t elements) { return (static_cast<size_t>(elements) * sizeof(float) + 255) / 256 * 256; };
+  const auto padded = [](int64_t elements) { return padded_bytes(static_cast<size_t>(elements) * sizeof(float)); };
   for (size_t i = 0; i < layout_.params().size(); ++i) {
     const ParamInfo& p = layout_.params()[i];
     if (!p.per_sample) continue;
