@@ -21,6 +21,13 @@
 #          -> $OUT/bench*.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
+#   ncu    Nsight Compute over one step (GPU_CHECK_NCU_ARGS, default W2 FP8 delayed + FP8
+#          attention, `bench --steps 1 --warmup 0`), for each kernel-name regex in
+#          GPU_CHECK_NCU_KERNELS (default "layernorm_modulate_backward qk_norm_rope cast_per_tensor
+#          column_partials") its first GPU_CHECK_NCU_COUNT (60) launches with the SpeedOfLight,
+#          Occupancy, LaunchStats, WarpStateStats and MemoryWorkloadAnalysis sections
+#          -> $OUT/ncu_<regex>.txt, and scripts/ncu_summary.py's table of them -> $OUT/ncu_summary.txt
+#          (GPU_CHECK_NCU_BIN: the ncu binary, default /usr/local/cuda/bin/ncu)
 #   ab     the working tree against a base commit in the same call (scripts/ab_prepare.sh REV
 #          made ab_base/; name it in carry): ab_base is built while the other stages run, then
 #          GPU_CHECK_AB_ROUNDS (2) rounds alternate `flux8 bench --precision
@@ -28,12 +35,6 @@
 #          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt, and
 #          scripts/profile_diff.py's ops that moved (≥ 0.02 ms) -> $OUT/ab_profile_diff.txt;
 #          GPU_CHECK_AB_ARGS adds arguments to each (e.g. --set fp8_dot_product_attention=true)
-#   ncu    Nsight Compute over one step (GPU_CHECK_NCU_ARGS, default W2 FP8 delayed + FP8
-#          attention, `bench --steps 1 --warmup 0`), for each kernel-name regex in
-#          GPU_CHECK_NCU_KERNELS (default "layernorm_modulate_backward qk_norm_rope cast_per_tensor
-#          column_partials") its first GPU_CHECK_NCU_COUNT (60) launches with the SpeedOfLight,
-#          Occupancy, LaunchStats, WarpStateStats and MemoryWorkloadAnalysis sections
-#          -> $OUT/ncu_<regex>.txt, and scripts/ncu_summary.py's table of them -> $OUT/ncu_summary.txt
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
@@ -227,7 +228,8 @@ if has ncu; then
     "$ncu_bin" --kernel-name "regex:$regex" --launch-count "${GPU_CHECK_NCU_COUNT:-60}" --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         build/flux8 $ncu_args > "$report" 2>&1 || { tail -5 "$report"; die "ncu on '$regex' failed: see $report"; }
-    { echo "## $regex ($ncu_args)"; "$python" scripts/ncu_summary.py "$report"; echo; } | tee -a "$OUT/ncu_summary.txt" ||
+    # (the group's status is ncu_summary.py's: it fails when no kernel matched)
+    { echo "## $regex ($ncu_args)"; "$python" scripts/ncu_summary.py "$report" && echo; } | tee -a "$OUT/ncu_summary.txt" ||
       die "no kernel matched '$regex': see $report"
   done
 fi

@@ -42,8 +42,12 @@ def short_name(signature):
         elif ch == "(" and depth == 0:
             end = i
             break
-    s = s[:end].replace("__nv_bfloat16", "bf16").replace("flux8::", "")
-    return s if len(s) <= 90 else s[:87] + "..."
+    return s[:end].replace("__nv_bfloat16", "bf16").replace("flux8::", "")
+
+
+def shown(name):
+    """A name as printed: cut at 90 characters (totals group by the whole name)."""
+    return name if len(name) <= 90 else name[:87] + "..."
 
 
 def number(text):
@@ -78,17 +82,17 @@ def parse(lines):
     return launches
 
 
-def fmt(v, spec):
-    return "-".rjust(int(re.match(r"\d+", spec).group())) if v is None else format(v, spec)
+def fmt(v, width, prec):
+    return "-".rjust(width) if v is None else f"{v:{width}.{prec}f}"
 
 
 def report(launches, out=sys.stdout):
     out.write(f"{'µs':>9} {'DRAM%':>6} {'SM%':>6} {'L1%':>6} {'regs':>4} {'occ%':>5} {'spills':>9}  "
               f"{'grid x block':<22} kernel\n")
     for k in launches:
-        out.write(f"{fmt(k.get('us'), '9.2f')} {fmt(k.get('dram'), '6.1f')} {fmt(k.get('sm'), '6.1f')} "
-                  f"{fmt(k.get('l1'), '6.1f')} {fmt(k.get('regs'), '4.0f')} {fmt(k.get('occ'), '5.1f')} "
-                  f"{fmt(k.get('spills'), '9.0f')}  {k['grid'] + ' x ' + k['block']:<22} {k['name']}\n")
+        out.write(f"{fmt(k.get('us'), 9, 2)} {fmt(k.get('dram'), 6, 1)} {fmt(k.get('sm'), 6, 1)} "
+                  f"{fmt(k.get('l1'), 6, 1)} {fmt(k.get('regs'), 4, 0)} {fmt(k.get('occ'), 5, 1)} "
+                  f"{fmt(k.get('spills'), 9, 0)}  {k['grid'] + ' x ' + k['block']:<22} {shown(k['name'])}\n")
     totals = {}
     for k in launches:
         t = totals.setdefault(k["name"], {"n": 0, "us": 0.0, "dram_us": 0.0, "sm_us": 0.0})
@@ -101,7 +105,7 @@ def report(launches, out=sys.stdout):
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1]["us"]):
         dram = t["dram_us"] / t["us"] if t["us"] else None
         sm = t["sm_us"] / t["us"] if t["us"] else None
-        out.write(f"{t['n']:>8} {t['us']:>10.1f} {fmt(dram, '6.1f')} {fmt(sm, '6.1f')}  {name}\n")
+        out.write(f"{t['n']:>8} {t['us']:>10.1f} {fmt(dram, 6, 1)} {fmt(sm, 6, 1)}  {shown(name)}\n")
 
 
 def main(argv):

@@ -18,6 +18,7 @@ import sys
 RUN = re.compile(r"^(?P<workload>W\d+) \(\S+\)\s+(?P<precision>\S.*?)\s{2,}(?P<step>\d+\.\d+)\s")
 TOTAL = re.compile(r"\(profiled step: (?P<total>\d+\.\d+) ms")
 OP = re.compile(r"^  (?P<op>\S.*?)\s+(?P<calls>\d+)\s+(?P<ms>\d+\.\d+)\s+\d+\.\d+%$")
+MIN_MS = 0.02  # the smallest change listed by default (ms per step)
 
 
 def parse(lines):
@@ -43,17 +44,20 @@ def parse(lines):
     return runs
 
 
-def report(base, new, out, min_ms=0.02):
+def profiled(run):
+    return "-" if run["profiled"] is None else f"{run['profiled']:.2f}"
+
+
+def report(base, new, out, min_ms=MIN_MS):
     for key, b in base.items():
         n = new.get(key)
         if n is None:
             continue
         workload, precision = key
-        total = lambda r: "-" if r["profiled"] is None else f"{r['profiled']:.2f}"
         out.write(f"{workload} {precision}: step {b['step']:.2f} -> {n['step']:.2f} ms, "
-                  f"profiled {total(b)} -> {total(n)} ms\n")
+                  f"profiled {profiled(b)} -> {profiled(n)} ms\n")
         rows = []
-        for op in list(b["ops"]) + [op for op in n["ops"] if op not in b["ops"]]:
+        for op in b["ops"] | n["ops"]:  # base's order, then the ops only new has
             before, after = b["ops"].get(op, 0.0), n["ops"].get(op, 0.0)
             if abs(after - before) >= min_ms:
                 rows.append((op, before, after))
@@ -68,7 +72,7 @@ def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("base")
     p.add_argument("new")
-    p.add_argument("--min-ms", type=float, default=0.02, help="smallest change listed (ms per step)")
+    p.add_argument("--min-ms", type=float, default=MIN_MS, help="smallest change listed (ms per step)")
     a = p.parse_args(argv[1:])
     runs = []
     for path in (a.base, a.new):

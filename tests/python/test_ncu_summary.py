@@ -40,7 +40,7 @@ def main(argv):
     text = out.getvalue()
     assert "1548288" in text and "column_partials_total_kernel" in text, text
     lines = text.splitlines()
-    per_kernel = lines[lines.index(next(l for l in lines if l.strip().startswith("launches"))) + 1]
+    per_kernel = lines[next(i for i, l in enumerate(lines) if l.strip().startswith("launches")) + 1]
     assert per_kernel.split()[0] == "1" and per_kernel.split()[1] == "213.0", per_kernel  # longest first
     assert ncu_summary.main(["ncu_summary.py", os.devnull]) == 1  # no reports: a failure, not an empty table
     print("ncu_summary: OK")
