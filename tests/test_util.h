@@ -86,6 +86,17 @@ inline int run_flux8(const std::string& args, const std::string& log_file, std::
 }
 #endif
 
+// The call fails with a message that contains `what` (the op, and the tensor where it names one).
+template <typename F>
+void expect_refused(const std::string& what, F call) {
+  try {
+    call();
+    ADD_FAILURE() << "expected an error containing \"" << what << "\"";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
 inline void expect_mentions(const std::string& msg, std::initializer_list<std::string> parts) {
   for (const std::string& p : parts)
     EXPECT_NE(msg.find(p), std::string::npos) << "message lacks '" << p << "':\n" << msg;

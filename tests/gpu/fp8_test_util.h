@@ -155,6 +155,14 @@ inline const float* delayed_scale_on(bool gpu_side) {
 
 // Every recipe the casts support: per-tensor delayed and current (tensorwise) scaling, 1x128
 // and 128x128 blocks with power-of-2 or exact scales, MXFP8.
+// A fused cast's op by name, for test traces.
+inline const char* cast_op_name(Backend::CastInput::Op op) {
+  static constexpr const char* kNames[] = {"identity", "gelu_tanh", "layernorm_modulate", "gelu_tanh_backward",
+                                           "gated"};
+  static_assert(static_cast<int>(Backend::CastInput::Op::gated) == 4 && std::size(kNames) == 5);
+  return kNames[static_cast<int>(op)];
+}
+
 inline const Recipe kRecipes[] = {
     {"delayed", Fp8Scaling::per_tensor, true, false},
     {"current", Fp8Scaling::per_tensor, false, false},

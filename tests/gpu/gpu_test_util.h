@@ -16,6 +16,7 @@
 #include "backend/cuda/factory.h"
 #include "core/error.h"
 #include "cpu_ops_util.h"
+#include "test_util.h"
 
 namespace flux8::testing {
 
@@ -262,17 +263,6 @@ void run_both_bf16(Op op) {
   op(cpu_bf16(), false);
   op(gpu(), true);
   gpu().synchronize();
-}
-
-// The call fails with a message that contains `what` (the op, and the tensor where it names one).
-template <typename F>
-void expect_refused(const std::string& what, F call) {
-  try {
-    call();
-    ADD_FAILURE() << "expected an error containing \"" << what << "\"";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-  }
 }
 
 // Round a host tensor's values to bf16 in place (so f32 and bf16 runs get the same inputs).

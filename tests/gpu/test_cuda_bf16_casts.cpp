@@ -193,13 +193,8 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
           for (const Fp8Format format : kFormats)
             for (const int copies : {1, 2, 3}) {
               const bool want_row = copies & 1, want_col = copies & 2;
-              const char* op_name = op == Op::identity             ? "identity"
-                                    : op == Op::gelu_tanh          ? "gelu_tanh"
-                                    : op == Op::layernorm_modulate ? "layernorm_modulate"
-                                    : op == Op::gated              ? "gated"
-                                                                   : "gelu_tanh_backward";
               SCOPED_TRACE(fmt::format("[{}, {}, {}] pad {} {} {} {} {} rowwise {} columnwise {}", B, L, H, fc.pad,
-                                       counts ? "with counts" : "amax only", op_name, recipe.name,
+                                       counts ? "with counts" : "amax only", cast_op_name(op), recipe.name,
                                        fp8_format_name(format), want_row, want_col));
               QPair row16(B * L, H, format, recipe.scaling), col16(H, B * L, format, recipe.scaling);
               QPair row32(B * L, H, format, recipe.scaling), col32(H, B * L, format, recipe.scaling);

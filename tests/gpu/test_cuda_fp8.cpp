@@ -120,11 +120,7 @@ TEST(CudaQuantize, FusedOpEqualsOpThenCast) {
         for (const Recipe& recipe : kRecipes)
           for (const Fp8Format format : {Fp8Format::e4m3, Fp8Format::e5m2}) {
             SCOPED_TRACE(fmt::format("[{}, {}, {}] {} {} {} {}", B, L, H, counts ? "with counts" : "amax only",
-                                     op == Op::gelu_tanh            ? "gelu_tanh"
-                                     : op == Op::layernorm_modulate ? "layernorm_modulate"
-                                     : op == Op::gated              ? "gated"
-                                                                    : "gelu_tanh_backward",
-                                     recipe.name, fp8_format_name(format)));
+                                     cast_op_name(op), recipe.name, fp8_format_name(format)));
             Backend::CastInput in = Backend::CastInput::gelu_tanh_of(x.dev);
             in.op = op;
             in.gelu_x = gx.dev;
