@@ -301,8 +301,9 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // Head dims D = 8·kLanes with kLanes a power of two up to 32 (Flux's 128: 16 lanes), and every
 // row start aligned to 8 elements (vec_path_lanes): a group of kLanes lanes owns a segment,
 // each lane 8 consecutive elements (4 RoPE pairs) in one 16-byte access of bf16 (two of f32),
-// a segment's loads all issued before its arithmetic, one segment per group and no loop in
-// either direction. The pair path's 4-byte accesses and per-element scale loads left both
+// a segment's loads all issued before its arithmetic. The plain forward takes one segment per
+// group; the FP8-heads forward and the backward take a run of segments per group with the next
+// segments' loads in flight (segments_per_group, forward_runs, BackwardLoads). The pair path's 4-byte accesses and per-element scale loads left both
 // directions latency-bound (Nsight Compute, W1: DRAM ~35%, the backward at half occupancy):
 // on the H200 the vector path takes W1's forward from 0.65 to 0.35 ms and its backward from
 // 1.0 to 0.67 (W2: 1.2 → 0.7, 1.9 → 1.3). The sums run over the group's lanes (xor butterfly,
