@@ -87,6 +87,39 @@ TEST(CudaBf16Casts, QuantizeEqualsCpuBitForBit) {
         }
 }
 
+// A per-tensor cast over more tiles than one wave of the kernel's blocks (41 x 31 = 1271, partial
+// at the bottom and the right), with an outlier that flushes small values, equals the CPU's cast
+// bit for bit — amax only (the whole-tile fast path) and with counts (the general path).
+TEST(CudaBf16Casts, PerTensorCastOverManyTilesEqualsCpu) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t rows = 128 * 40 + 8, cols = 128 * 30 + 64;
+  Bf16Pair x(Shape{rows, cols}, 0);
+  x.randn(901, 2.0);
+  x.host.at(777, 1234) = 300.0f;  // an outlier: per-tensor scales shrink, small values flush
+  x.up();
+  for (const Recipe& recipe : kRecipes) {
+    if (recipe.scaling != Fp8Scaling::per_tensor) continue;
+    for (const bool counts : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} {}", recipe.name, counts ? "with counts" : "amax only"));
+      QPair row(rows, cols, Fp8Format::e4m3, recipe.scaling), col(cols, rows, Fp8Format::e4m3, recipe.scaling);
+      CastStats stats[2];  // [cpu, gpu]
+      Scalar amax(0.25f);
+      for (const bool g : {false, true}) {
+        Backend::Quantize q = quantize_for(recipe, Fp8Format::e4m3, g);
+        q.amax = amax.on(g);
+        if (counts) q.stats = &stats[g];
+        (g ? gpu() : cpu()).quantize(row.on(g), col.on(g), x.t(g), q);
+      }
+      gpu().synchronize();
+      expect_equals_cpu(row, "rowwise");
+      expect_equals_cpu(col, "columnwise");
+      EXPECT_EQ(bits(amax.gpu_value()), bits(amax.cpu_value())) << amax.gpu_value() << " vs " << amax.cpu_value();
+      EXPECT_EQ(amax.gpu_value(), 300.0f);
+      if (counts) expect_same_stats(stats[1], stats[0]);
+    }
+  }
+}
+
 // The kernels widen bf16 themselves (bits to the high half: NaNs keep their sign, which their
 // FP8 code carries): every bf16 bit pattern, as f32 all signs, zeros, f32 subnormals, every
 // exponent, ±inf and NaNs of both signs (quieted, as every bf16 store leaves them), then random
@@ -243,8 +276,11 @@ TEST(CudaBf16Casts, CastsWithAHeadEqualTheAssembledTensorCast) {
     int64_t B, L, H, head, pad;
   };
   uint64_t seed = 700;
+  // The last case has more tiles than a wave of the per-tensor kernel's blocks (41 x 24), head
+  // tiles and op tiles in one grid.
   for (const HeadCase hc : {HeadCase{3, 200, 384, 128, 0}, HeadCase{2, 150, 256, 256, 0},
-                            HeadCase{3, 43, 257, 70, 3}, HeadCase{2, 130, 384, 128, 4}}) {
+                            HeadCase{3, 43, 257, 70, 3}, HeadCase{2, 130, 384, 128, 4},
+                            HeadCase{2, 2600, 2048, 1024, 0}}) {
     const int64_t B = hc.B, L = hc.L, H = hc.H, C = hc.head + H;
     Bf16Pair x16({B, L, H}, hc.pad), gx16({B, L, H}, hc.pad), mod16({B, 2 * H});
     // The head: a column window of a wider buffer (its ld is not its width) when padded.
