@@ -55,8 +55,8 @@ void Backend::produce(Tensor y, const CastInput& in) {
     case CastInput::Op::identity:  // x already y (same memory): nothing to write, as for the head
       if (in.x.data != y.data || in.x.ld != y.ld) copy(y, in.x);
       return;
-    case CastInput::Op::gelu_tanh: gelu_tanh(y, in.x, in.bias); return;
-    case CastInput::Op::gelu_tanh_backward: gelu_tanh_backward(y, in.x, in.gelu_x, in.bias); return;
+    case CastInput::Op::gelu_tanh: gelu_tanh(y, in.x); return;
+    case CastInput::Op::gelu_tanh_backward: gelu_tanh_backward(y, in.x, in.gelu_x); return;
     case CastInput::Op::gated: gated_residual_backward(y, Tensor{}, in.x, Tensor{}, in.gate); return;
     case CastInput::Op::layernorm_modulate:
       // Recomputes mean and rstd: the same values, from the same x and eps.

@@ -138,13 +138,9 @@ class Backend {
   // ---- activations (any ld) -----------------------------------------------------------
   virtual void silu(Tensor y, Tensor x) = 0;  // x·σ(x)
   virtual void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) = 0;
-  // GELU, tanh approximation: 0.5·v·(1 + tanh(√(2/π)·(v + 0.044715·v³))) of v = x, or of
-  // v = x + bias[column] when `bias` (a contiguous vector of x's columns, the parameters' dtype)
-  // is given, the sum in the math's precision and not rounded: the bias of the Linear that made
-  // x, when its GEMM left it out (an FP8 MLP's first Linear: linear_site.h, bias_to_gelu). The
-  // backward: dx = dy ⊙ gelu_tanh'(v).
-  virtual void gelu_tanh(Tensor y, Tensor x, Tensor bias) = 0;
-  virtual void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x, Tensor bias) = 0;
+  // GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+  virtual void gelu_tanh(Tensor y, Tensor x) = 0;
+  virtual void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) = 0;
 
   // ---- modulated LayerNorm (no affine) over the last dim of x [B, L, H] ----------------
   //   y = (1 + scale[b])·(x − μ)·rstd + shift[b],  rstd = 1/√(var + eps)  (biased var)
@@ -342,9 +338,9 @@ class Backend {
   virtual void transpose_codes(QTensor dst, const QTensor& src) = 0;
   // The input of a fused cast: the element-wise op that produces the tensor to cast, so the
   // tensor between the op and the cast is never stored. identity: x itself; gelu_tanh:
-  // gelu_tanh(x, bias); layernorm_modulate: layernorm_modulate's y from x [B, L, H], the mean and
+  // gelu_tanh(x); layernorm_modulate: layernorm_modulate's y from x [B, L, H], the mean and
   // rstd it computed (with y undefined) and shift, scale [B, H]; gelu_tanh_backward:
-  // gelu_tanh_backward's dx from x = dy, gelu_x, the GELU's input (same shape), and bias; gated: the
+  // gelu_tanh_backward's dx from x = dy and gelu_x, the GELU's input (same shape); gated: the
   // gated residual's branch gradient gated_residual_backward's dy = gate[b] ⊙ x from x = the
   // residual's gradient [B, L, H] and gate [B, H].
   // With a head the tensor cast is [head | op(x)]: head's columns as they are, then the op's
@@ -357,7 +353,6 @@ class Backend {
     Tensor mean, rstd, shift, scale;  // layernorm_modulate only
     double eps = 0.0;                 // layernorm_modulate: the eps mean/rstd were made with
     Tensor gelu_x;                    // gelu_tanh_backward only
-    Tensor bias;                      // the GELU ops, optional: added to the GELU's input (x's columns)
     Tensor gate;                      // gated only
     Tensor head;                      // optional: the first columns, x's rows and dtype, any ld
 
@@ -375,16 +370,16 @@ class Backend {
       return in;
     }
 
-    static CastInput gelu_tanh_of(Tensor x, Tensor bias = {}) {
+    static CastInput gelu_tanh_of(Tensor x) {
       CastInput in;
       in.op = Op::gelu_tanh;
-      in.x = x, in.bias = bias;
+      in.x = x;
       return in;
     }
-    static CastInput gelu_tanh_backward_of(Tensor dy, Tensor gelu_x, Tensor bias = {}) {
+    static CastInput gelu_tanh_backward_of(Tensor dy, Tensor gelu_x) {
       CastInput in;
       in.op = Op::gelu_tanh_backward;
-      in.x = dy, in.gelu_x = gelu_x, in.bias = bias;
+      in.x = dy, in.gelu_x = gelu_x;
       return in;
     }
     static CastInput gated_of(Tensor dx, Tensor gate) {

@@ -314,21 +314,10 @@ void check_transpose_codes(std::string_view op, const QTensor& dst, const QTenso
 void check_cast_input(std::string_view op, const Backend::CastInput& in) {
   require_defined(op, {"x", in.x});
   if (in.x.ld < in.x.cols()) fail("{}: input {} has row stride {} smaller than its columns", op, in.x.str(), in.x.ld);
-  if (in.bias.defined() && in.op != Backend::CastInput::Op::gelu_tanh &&
-      in.op != Backend::CastInput::Op::gelu_tanh_backward)
-    fail("{}: a bias {} is added to a GELU's input only; this cast's op has none", op, in.bias.str());
-  check_gelu_bias(op, in.bias, in.x);
   if (!in.head.defined()) return;
   if (in.head.rows() != in.x.rows() || in.head.dtype != in.x.dtype || in.head.ld < in.head.cols())
     fail("{}: the cast's head {} must have the rows and dtype of x {} (its columns come first)", op, in.head.str(),
          in.x.str());
-}
-
-void check_gelu_bias(std::string_view op, const Tensor& bias, const Tensor& x) {
-  if (!bias.defined()) return;
-  if (!bias.contiguous() || bias.numel() != x.cols())
-    fail("{}: the GELU's 'bias' {} must be a contiguous vector of {} elements (one per column of x {})", op,
-         bias.str(), x.cols(), x.str());
 }
 
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols) {

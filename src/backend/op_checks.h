@@ -32,11 +32,9 @@ void require_same_matrix(std::string_view op, Named a, Named b);
 // A contiguous vector of n elements (saved statistics: mean, rstd).
 void require_vector(std::string_view op, Named a, int64_t n);
 void require_contiguous(std::string_view op, Named a);
-// A fused cast's input (Backend::CastInput): x defined; a bias only for the GELU ops, as
-// check_gelu_bias; a head, where given, with x's rows and dtype and ld >= its columns.
+// A fused cast's input (Backend::CastInput): x defined; a head, where given, with x's rows and
+// dtype and ld >= its columns.
 void check_cast_input(std::string_view op, const Backend::CastInput& in);
-// A GELU's bias (when defined): a contiguous vector of x's columns.
-void check_gelu_bias(std::string_view op, const Tensor& bias, const Tensor& x);
 
 // tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L (tokens_to_heads).
 void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens, int64_t offset);

@@ -97,9 +97,9 @@ class OpProfiler : public Backend {
   void linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) override {
     timed("linear_dgrad_gelu", [&] { be_.linear_dgrad_gelu(dx, dh, dy, w, h); });
   }
-  void gelu_tanh(Tensor y, Tensor x, Tensor bias) override { timed("gelu_tanh", [&] { be_.gelu_tanh(y, x, bias); }); }
-  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x, Tensor bias) override {
-    timed("gelu_tanh_backward", [&] { be_.gelu_tanh_backward(dx, dy, x, bias); });
+  void gelu_tanh(Tensor y, Tensor x) override { timed("gelu_tanh", [&] { be_.gelu_tanh(y, x); }); }
+  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override {
+    timed("gelu_tanh_backward", [&] { be_.gelu_tanh_backward(dx, dy, x); });
   }
   void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
                           double eps) override {

@@ -159,11 +159,10 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
     const Tensor g = linear_input_buffer(ctx.scratch, s.mlp_g, s.mlp_h.shape, ctx.dtype);
     site_forward_gelu(be, ctx.fp8, ctx.scratch, p.mlp_in, g, s.mlp_h, ln2, s.xm2, ctx.dtype);
     site_forward(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, g, s.mlp_g);
-  } else {  // FP8: the LayerNorm and the GELU (with mlp_in's bias) inside the casts of the Linears' inputs
-    const Tensor gelu_bias = bias_to_gelu(p.mlp_in, ctx.fp8);
-    site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h, ln2, s.xm2, ctx.dtype, !gelu_bias.defined());
-    site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out,
-                       Backend::CastInput::gelu_tanh_of(s.mlp_h, gelu_bias), s.mlp_g, ctx.dtype);
+  } else {  // FP8: the LayerNorm and the GELU inside the casts of the Linears' inputs
+    site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h, ln2, s.xm2, ctx.dtype);
+    site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h),
+                       s.mlp_g, ctx.dtype);
   }
   be.gated_residual(out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H));
   ctx.scratch.release_to(mark);
@@ -194,11 +193,10 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   const Backend::CastInput d_mlp_out =
       gated_branch_backward(be, p.mlp_out, ctx.fp8, d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
   const size_t gelu_mark = a.mark();
-  const Tensor gelu_bias = bias_to_gelu(p.mlp_in, ctx.fp8);  // mlp_h is mlp_in's output less this
   SavedLinearInput mlp_g = s.mlp_g;
   if (joint.selective) {
     const Tensor g = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
-    be.gelu_tanh(g, s.mlp_h, gelu_bias);
+    be.gelu_tanh(g, s.mlp_h);
     mlp_g = recompute_linear_input(be, ctx.fp8, a, p.mlp_out, g);
   }
   if (gelu_fused)
@@ -209,8 +207,8 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   if (gelu_fused)
     site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, s.xm2, false);
   else  // GELU's backward inside the casts of the MLP input's output gradient (FP8), or into d_m2.
-    site_backward_fused(be, ctx.fp8, a, p.mlp_in, d_h, Backend::CastInput::gelu_tanh_backward_of(d_m, s.mlp_h, gelu_bias),
-                        d_m2, s.xm2, false);
+    site_backward_fused(be, ctx.fp8, a, p.mlp_in, d_h, Backend::CastInput::gelu_tanh_backward_of(d_m, s.mlp_h), d_m2,
+                        s.xm2, false);
   be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid,
                                  s.ln2_mean, s.ln2_rstd, chunk(s.mod, 4, H), true);
 

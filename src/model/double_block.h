@@ -33,7 +33,7 @@ struct DoubleStreamSaved {
   Tensor x_mid;                    // residual after attention (LayerNorm 2 backward)
   Tensor ln2_mean, ln2_rstd;
   SavedLinearInput xm2;            // (mlp_in input)
-  Tensor mlp_h;                    // mlp_in output, the GELU input (less mlp_in.bias: bias_to_gelu)
+  Tensor mlp_h;                    // GELU input
   SavedLinearInput mlp_g;          // GELU output (mlp_out input); not kept when selective
   Tensor mlp_out;                  // (gate2 gradient)
 };

@@ -368,18 +368,16 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
 }
 
 void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y,
-                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype, bool gemm_bias) {
+                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype) {
   const size_t mark = scratch.mark();
   if (!site.fp8 || !fp8) {  // the op writes the Linear's input (the saved one, or scratch)
-    FLUX8_CHECK(gemm_bias, "site_forward_fused: site '{}' runs in BF16, whose GEMM adds its bias (bias_to_gelu)",
-                site.name);
     const Tensor x = linear_input_buffer(scratch, saved, in.shape(), dtype);
     be.produce(x, in);
     site_forward(be, fp8, scratch, site, y, x, saved);
   } else {
     const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, saved);
     fp8->ensure_weight_cast(site);
-    be.gemm_fp8_tn(y, x_row, site.w_row, gemm_bias ? site.b : Tensor{}, false, fp8->fprop_accumulation());
+    be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false, fp8->fprop_accumulation());
   }
   scratch.release_to(mark);
 }

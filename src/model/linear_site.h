@@ -197,18 +197,8 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
 // runs that keep only the cast of the input, the op runs inside the cast
 // (Backend::quantize_fused) and its f32 output is never stored; otherwise the op writes the
 // saved input (or a scratch buffer) first. LayerNorm's mean and rstd are written either way.
-// gemm_bias false (FP8 sites only): y = x·wᵀ, the bias left to the op that reads y
-// (bias_to_gelu).
 void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y,
-                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype, bool gemm_bias = true);
-// The bias an MLP's GELU adds to its input (CastInput::bias, Backend::gelu_tanh's bias): an FP8
-// first Linear leaves its bias out of its forward GEMM — cuBLASLt's bias epilogue cost up to 17%
-// of the FP8 fprop at the MLP's 12288-wide output (PERFORMANCE.md, GEMMs) — and the GELU casts
-// add it, a bias per column and thread; its gradient is still the column sums of the GELU's
-// backward. Undefined (the GEMM adds the bias) for a BF16 first Linear.
-inline Tensor bias_to_gelu(const LinearSite& first, const Fp8Runtime* fp8) {
-  return first.fp8 && fp8 ? first.b : Tensor{};
-}
+                        const Backend::CastInput& in, SavedLinearInput& saved, DType dtype);
 // site_forward_fused of a BF16 Linear whose last output columns go through GELU (an MLP's first
 // Linear, the single block's linear1): h = x·wᵀ + b, y_gelu = gelu_tanh of h's last columns, the
 // GELU in the GEMM's epilogue (Backend::linear_gelu). BF16 sites only (an FP8 site is an error):

@@ -62,7 +62,7 @@ SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, co
   const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M},
                                        SlotKind::workspace);
   attention_output_to_tokens(ctx.be, cat.cols_slice(0, H), s.att8, s.o, 0);
-  ctx.be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M), Tensor{});
+  ctx.be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
 }
 

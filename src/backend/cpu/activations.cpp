@@ -21,19 +21,16 @@ T silu_grad(T x) {
   return s * (T(1) + x * (T(1) - s));
 }
 
-// out = f(x) elementwise, or out (+)= dy ⊙ f'(x) for a backward; with a bias, of x + bias[j]
-// (not rounded: the GELU's input as the Linear's bias epilogue would have summed it).
+// out = f(x) elementwise, or out (+)= dy ⊙ f'(x) for a backward.
 template <typename T, typename F>
 void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, const Ctx& c,
-              F f, const Tensor& bias = {}) {
-  const T* b = bias.defined() ? bias.ptr<T>() : nullptr;
+              F f) {
   parallel_for(x.rows(), c, [&](int64_t r) {
     T* o = row<T>(out, r);
     const T* xr = row<T>(x, r);
     const T* dyr = dy.defined() ? row<T>(dy, r) : nullptr;
     for (int64_t j = 0; j < x.cols(); ++j) {
-      const T in = b ? xr[j] + b[j] : xr[j];  // no +0 without a bias: −0 stays −0
-      const T v = dyr ? dyr[j] * f(in) : f(in);
+      const T v = dyr ? dyr[j] * f(xr[j]) : f(xr[j]);
       o[j] = act<T>(accumulate ? o[j] + v : v, c);
     }
   });
@@ -59,22 +56,20 @@ void CpuBackend::silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_d
   dispatch(t, [&]<typename T>(T) { map_rows<T>(dx, x, dy, accumulate_dx, c, silu_grad<T>); });
 }
 
-void CpuBackend::gelu_tanh(Tensor y, Tensor x, Tensor bias) {
-  const DType t = call_dtype("gelu_tanh", {{"y", y}, {"x", x}, {"bias", bias}});
+void CpuBackend::gelu_tanh(Tensor y, Tensor x) {
+  const DType t = call_dtype("gelu_tanh", {{"y", y}, {"x", x}});
   require_same_matrix("gelu_tanh", {"y", y}, {"x", x});
-  ops::check_gelu_bias("gelu_tanh", bias, x);
   const Ctx c = make_ctx(options_, t);
-  dispatch(t, [&]<typename T>(T) { map_rows<T>(y, x, {}, false, c, gelu_tanh_value<T>, bias); });
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(y, x, {}, false, c, gelu_tanh_value<T>); });
 }
 
-void CpuBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x, Tensor bias) {
-  const DType t = call_dtype("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}, {"bias", bias}});
+void CpuBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) {
+  const DType t = call_dtype("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
   if (!dx.defined()) return;
   require_same_matrix("gelu_tanh_backward", {"dx", dx}, {"x", x});
   require_same_matrix("gelu_tanh_backward", {"dy", dy}, {"x", x});
-  ops::check_gelu_bias("gelu_tanh_backward", bias, x);
   const Ctx c = make_ctx(options_, t);
-  dispatch(t, [&]<typename T>(T) { map_rows<T>(dx, x, dy, false, c, gelu_tanh_grad<T>, bias); });
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(dx, x, dy, false, c, gelu_tanh_grad<T>); });
 }
 
 }  // namespace flux8

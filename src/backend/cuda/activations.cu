@@ -17,20 +17,17 @@ __device__ inline float silu_grad(float x) {
 }
 
 // out = f(x), or out (+)= dy ⊙ f'(x) when dy is given; every tensor of element type T (f32 or
-// bf16 activations), the math in f32 either way. With a bias (f32, one per column) f and f'
-// take x + bias[column], summed in f32 (gelu_input, as the fused casts sum it).
+// bf16 activations), the math in f32 either way.
 template <typename T, typename F>
-void map(CudaBackend& be, const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, F f,
-         const Tensor& bias = {}) {
+void map(CudaBackend& be, const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, F f) {
   const MatOf<T> O = mat_of<T>(out), X = mat_of<T>(x), DY = mat_of_or_null<T>(dy);
   const int64_t cols = X.cols;
   const bool has_dy = dy.defined();
-  const float* b = bias.defined() ? bias.ptr<float>() : nullptr;
   if (vec4_rows(O) && vec4_rows(X) && (!has_dy || vec4_rows(DY))) {  // four elements per thread
     for_each_row(be, X.rows, cols / 4, [=] __device__(int64_t r, int cq) {
       const int64_t c = 4 * static_cast<int64_t>(cq);
       const float4 xv = load4(&X.at(r, c));
-      float4 v{f(gelu_input(xv.x, b, c)), f(gelu_input(xv.y, b, c + 1)), f(gelu_input(xv.z, b, c + 2)), f(gelu_input(xv.w, b, c + 3))};
+      float4 v{f(xv.x), f(xv.y), f(xv.z), f(xv.w)};
       if (has_dy) {
         const float4 g = load4(&DY.at(r, c));
         v = float4{g.x * v.x, g.y * v.y, g.z * v.z, g.w * v.w};
@@ -44,26 +41,18 @@ void map(CudaBackend& be, const Tensor& out, const Tensor& x, const Tensor& dy, 
     return;
   }
   for_each_row(be, X.rows, cols, [=] __device__(int64_t r, int c) {
-    const float fx = f(gelu_input(X.get(r, c), b, c));
-    const float v = has_dy ? DY.get(r, c) * fx : fx;
+    const float v = has_dy ? DY.get(r, c) * f(X.get(r, c)) : f(X.get(r, c));
     O.set(r, c, accumulate ? O.get(r, c) + v : v);
   });
 }
 
 // map() over the storage type of the call's activations.
 template <typename F>
-void map_as(CudaBackend& be, bool bf16, const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, F f,
-            const Tensor& bias = {}) {
+void map_as(CudaBackend& be, bool bf16, const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, F f) {
   if (bf16)
-    map<__nv_bfloat16>(be, out, x, dy, accumulate, f, bias);
+    map<__nv_bfloat16>(be, out, x, dy, accumulate, f);
   else
-    map<float>(be, out, x, dy, accumulate, f, bias);
-}
-
-// A GELU's bias: f32 parameters, one per column of x.
-void check_bias(std::string_view op, const Tensor& bias, const Tensor& x) {
-  ops::check_gelu_bias(op, bias, x);
-  if (bias.defined()) require_f32(op, {{"bias", bias}});
+    map<float>(be, out, x, dy, accumulate, f);
 }
 
 }  // namespace
@@ -82,20 +71,18 @@ void CudaBackend::silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_
   map_as(*this, bf, dx, x, dy, accumulate_dx, [] __device__(float v) { return silu_grad(v); });
 }
 
-void CudaBackend::gelu_tanh(Tensor y, Tensor x, Tensor bias) {
+void CudaBackend::gelu_tanh(Tensor y, Tensor x) {
   const bool bf = activations_in_bf16("gelu_tanh", {{"y", y}, {"x", x}});
   require_same_matrix("gelu_tanh", {"y", y}, {"x", x});
-  check_bias("gelu_tanh", bias, x);
-  map_as(*this, bf, y, x, {}, false, [] __device__(float v) { return gelu_value(v); }, bias);
+  map_as(*this, bf, y, x, {}, false, [] __device__(float v) { return gelu_value(v); });
 }
 
-void CudaBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x, Tensor bias) {
+void CudaBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) {
   const bool bf = activations_in_bf16("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
   if (!dx.defined()) return;
   require_same_matrix("gelu_tanh_backward", {"dx", dx}, {"x", x});
   require_same_matrix("gelu_tanh_backward", {"dy", dy}, {"x", x});
-  check_bias("gelu_tanh_backward", bias, x);
-  map_as(*this, bf, dx, x, dy, false, [] __device__(float v) { return gelu_grad(v); }, bias);
+  map_as(*this, bf, dx, x, dy, false, [] __device__(float v) { return gelu_grad(v); });
 }
 
 }  // namespace flux8

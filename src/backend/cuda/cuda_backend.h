@@ -69,8 +69,8 @@ class CudaBackend final : public Backend {
 
   void silu(Tensor y, Tensor x) override;
   void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) override;
-  void gelu_tanh(Tensor y, Tensor x, Tensor bias) override;
-  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x, Tensor bias) override;
+  void gelu_tanh(Tensor y, Tensor x) override;
+  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override;
 
   void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
                           double eps) override;

@@ -86,10 +86,10 @@ struct Source {
   const float *mean, *rstd;  // layernorm_modulate: per row
   MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens; gated:
                              // scale is the gate
+  int64_t tokens;
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
-  const float* bias = nullptr;  // the GELU ops: added to the GELU's input per column (gelu_input)
   bool shift_vec4 = false, scale_vec4 = false;  // shift/scale rows load 4 columns at once
   // CastInput::head: columns [0, split) are head's as they are; the op's column c is the cast's
   // split + c (split = 0: no head).
@@ -109,12 +109,12 @@ struct Source {
   template <Backend::CastInput::Op kOp>
   __device__ float apply_op(float v, int64_t r, int64_t b, int64_t c) const {
     if constexpr (kOp == Backend::CastInput::Op::gelu_tanh) {
-      return as_stored<T>(gelu_value(gelu_input(v, bias, c)));
+      return as_stored<T>(gelu_value(v));
     } else if constexpr (kOp == Backend::CastInput::Op::layernorm_modulate) {
       return as_stored<T>(
           layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
     } else if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
-      return gelu_backward_value(v, gelu_input(widen(gelu_x[r * gelu_ld + c]), bias, c));
+      return gelu_backward_value(v, widen(gelu_x[r * gelu_ld + c]));
     } else if constexpr (kOp == Backend::CastInput::Op::gated) {
       return gated_value(v, widen(scale.at(b, c)));
     } else {
@@ -432,17 +432,6 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
   // reloaded only when the sample changes (a tile's rows are one or two samples).
   [[maybe_unused]] float shift[4] = {}, scale[4] = {};
   [[maybe_unused]] int64_t sample = -1;
-  // The GELU ops' bias (Source::bias) of the thread's 4 columns, the same for all its rows; the
-  // sums are gelu_input's.
-  constexpr bool kGelu = kOp == Op::gelu_tanh || kOp == Op::gelu_tanh_backward;
-  [[maybe_unused]] float bias[4] = {};
-  [[maybe_unused]] const bool has_bias = kGelu && src.bias;
-  if constexpr (kGelu) {
-    if (has_bias)
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (k < nj) bias[k] = src.bias[sc0 + j0 + k];
-  }
   // Rows in groups of kAhead per thread: the group's loads are issued before any of its rows is
   // encoded, so each thread keeps kAhead loads in flight (rows are visited in the same order as
   // one at a time: the column sums add in the same order). The general loop takes 4 (8 rows
@@ -476,14 +465,7 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
       if constexpr (kOp == Op::gelu_tanh_backward) {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          if (k < nj) {
-            const float g = gelu_quad[u][k];
-            v[k] = Source<T>::gelu_backward_value(v[k], has_bias ? g + bias[k] : g);
-          }
-      } else if constexpr (kOp == Op::gelu_tanh) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (k < nj) v[k] = as_stored<T>(gelu_value(has_bias ? v[k] + bias[k] : v[k]));
+          if (k < nj) v[k] = Source<T>::gelu_backward_value(v[k], gelu_quad[u][k]);
       } else if constexpr (kOp == Op::layernorm_modulate) {
         const int64_t b = src.per_sample.divide(static_cast<uint32_t>(r));
         if (b != sample) {  // warp-uniform: a warp walks one row at a time
@@ -554,7 +536,7 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
 }
 
 template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt>
-__device__ __forceinline__ void cast_per_tensor(const CastArgs<T>& a) {
+__global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<T> a) {
   // The tile's codes, 4 columns per word; word g of row i sits at column g ^ swizzle(i), so that
   // both the row pass (a warp writes one row's 32 words) and the column pass (a warp reads
   // word g of 32 groups of 4 rows) hit 32 different banks.
@@ -634,19 +616,6 @@ __device__ __forceinline__ void cast_per_tensor(const CastArgs<T>& a) {
   }
 
   finish_tile_stats(a, out.amax_bits, out.nonzero, out.saturated, out.flushed);
-}
-
-template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt>
-__global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<T> a) {
-  cast_per_tensor<T, kCount, kOp, kFmt>(a);
-}
-// The bf16 GELU cast without counts keeps 8 rows in flight a thread (cast_rows' kAhead) at 4
-// blocks per SM, as the identity cast does: held to 64 registers, which the GELU's bias would
-// otherwise take to 72 (3 blocks per SM). A bound of 4 blocks on every instantiation instead
-// raised the others' registers (the compiler's budget for a kernel without one is not 255).
-template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt>
-__global__ void __launch_bounds__(kCastThreads, 4) cast_per_tensor_kernel_4(CastArgs<T> a) {
-  cast_per_tensor<T, kCount, kOp, kFmt>(a);
 }
 
 // One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree)
@@ -767,17 +736,10 @@ void launch_per_tensor(const CastArgs<T>& a, bool count, int64_t tiles, cudaStre
   using Op = Backend::CastInput::Op;
   const auto launch = [&]<bool kCount, Op kOp>() {
     const unsigned blocks = static_cast<unsigned>(tiles);
-    if constexpr (!kCount && sizeof(T) == 2 && kOp == Op::gelu_tanh) {
-      if (a.format == Fp8Format::e4m3)
-        cast_per_tensor_kernel_4<T, kCount, kOp, Fp8Format::e4m3><<<blocks, kCastThreads, 0, stream>>>(a);
-      else
-        cast_per_tensor_kernel_4<T, kCount, kOp, Fp8Format::e5m2><<<blocks, kCastThreads, 0, stream>>>(a);
-    } else {
-      if (a.format == Fp8Format::e4m3)
-        cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e4m3><<<blocks, kCastThreads, 0, stream>>>(a);
-      else
-        cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e5m2><<<blocks, kCastThreads, 0, stream>>>(a);
-    }
+    if (a.format == Fp8Format::e4m3)
+      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e4m3><<<blocks, kCastThreads, 0, stream>>>(a);
+    else
+      cast_per_tensor_kernel<T, kCount, kOp, Fp8Format::e5m2><<<blocks, kCastThreads, 0, stream>>>(a);
     FLUX8_LAUNCH_CHECK(cast_per_tensor_kernel);
   };
   const auto with_op = [&]<bool kCount>() {
@@ -834,13 +796,14 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 // The source of a cast whose activations (x; LayerNorm's shift and scale) are stored as T.
 template <typename T>
-Source<T> source_of(const Backend::CastInput& in, FastDivisor per_sample) {
-  Source<T> s{in.op, static_cast<const T*>(in.x.data), in.x.ld, nullptr, nullptr, {}, {}, {}};
+Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor per_sample) {
+  Source<T> s{in.op, static_cast<const T*>(in.x.data), in.x.ld, nullptr, nullptr, {}, {}, 1, {}};
   if (in.op == Backend::CastInput::Op::layernorm_modulate) {
     s.mean = in.mean.ptr<float>();
     s.rstd = in.rstd.ptr<float>();
     s.shift = mat_of<T>(in.shift);
     s.scale = mat_of<T>(in.scale);
+    s.tokens = tokens;
     s.per_sample = per_sample;
     s.shift_vec4 = vec4_aligned(s.shift.p) && s.shift.ld % 4 == 0;
     s.scale_vec4 = vec4_aligned(s.scale.p) && s.scale.ld % 4 == 0;
@@ -849,9 +812,9 @@ Source<T> source_of(const Backend::CastInput& in, FastDivisor per_sample) {
     s.gelu_x = static_cast<const T*>(in.gelu_x.data);
     s.gelu_ld = in.gelu_x.ld;
   }
-  if (in.bias.defined()) s.bias = in.bias.ptr<float>();  // a GELU op's (check_cast_input)
   if (in.op == Backend::CastInput::Op::gated) {
     s.scale = mat_of<T>(in.gate);
+    s.tokens = tokens;
     s.per_sample = per_sample;
     s.scale_vec4 = vec4_aligned(s.scale.p) && s.scale.ld % 4 == 0;
   }
@@ -974,8 +937,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   const Tensor& x = in.x;
   // With a head the cast's input is [head | op(x)], in.cols() wide (check_cast_input: x's rows
   // and dtype); the shape checks see that matrix.
-  if (in.head.defined() || in.bias.defined()) ops::check_cast_input(op, in);
-  if (in.bias.defined()) require_f32(op, {{"bias", in.bias}});  // parameters
+  if (in.head.defined()) ops::check_cast_input(op, in);
   const Tensor whole = in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), in.cols()}) : x;
   const bool any_copy = ops::check_quantize(op, rowwise, columnwise, whole, {DType::f32, DType::bf16});
   ops::check_column_sums(op, q.column_sums, whole.cols());
@@ -1015,9 +977,9 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   // f(source): the launches that read x, instantiated for its storage type.
   const auto with_source = [&](auto&& f) {
     if (bf16)
-      f(source_of<__nv_bfloat16>(in, per_sample));
+      f(source_of<__nv_bfloat16>(in, tokens, per_sample));
     else
-      f(source_of<float>(in, per_sample));
+      f(source_of<float>(in, tokens, per_sample));
   };
   if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
     with_source([&](const auto& src) {

@@ -357,7 +357,7 @@ void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) 
   }
   // No epilogue for this call: the Linear into h, then the GELU of the stored (rounded) values.
   linear(h, x, w, b);
-  gelu_tanh(y, h_gelu, Tensor{});
+  gelu_tanh(y, h_gelu);
 }
 
 void CudaBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) {
@@ -384,7 +384,7 @@ void CudaBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, T
   if (fused) return;
   // No epilogue: the GELU part's input gradient (rounded), then the GELU's backward in place.
   linear_backward(dh, Tensor{}, Tensor{}, dy, Tensor{}, w_gelu, false, false);
-  gelu_tanh_backward(dh, dh, h, Tensor{});
+  gelu_tanh_backward(dh, dh, h);
 }
 
 }  // namespace flux8

@@ -34,11 +34,6 @@ __device__ inline float gelu_grad(float x) {
   return g.s + 2.0f * x * g.s * g.one_minus_s * kGeluC * (1.0f + 3.0f * kGeluA * x * x);
 }
 
-// The GELU's input: x, or x + bias[c] where the Linear that made x left its bias to the GELU
-// (Backend::gelu_tanh's bias), summed in f32; without a bias x itself, not x + 0 (which would
-// turn −0 into +0).
-__device__ inline float gelu_input(float x, const float* bias, int64_t c) { return bias ? x + bias[c] : x; }
-
 // One element of modulated LayerNorm from the stored row statistics (f32 mean and rstd, as the
 // backward sees them), in f32: the CPU backend's double formula rounded once differs by an ulp
 // now and then, far inside the LayerNorm tests' tolerance, and the double version cost two
