@@ -357,11 +357,6 @@ struct ScaleTile {
     __syncthreads();
   }
 };
-// sc[0 .. 7] = tile[c .. c + 7] (c a multiple of 8).
-__device__ inline void read_scale8(const float* tile, int c, float (&sc)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(tile + c)[0], b = reinterpret_cast<const float4*>(tile + c)[1];
-  sc[0] = a.x, sc[1] = a.y, sc[2] = a.z, sc[3] = a.w, sc[4] = b.x, sc[5] = b.y, sc[6] = b.z, sc[7] = b.w;
-}
 
 // norm_rotate for the lane's 8 elements x of the segment into y; cs holds their 4 (cos, sin)
 // pairs, scale_tile the scale (a ScaleTile's, in shared memory).
@@ -369,7 +364,7 @@ template <int kLanes>
 __device__ inline void norm_rotate8(float (&y)[8], float* rstd, const float (&x)[8], const float* scale_tile,
                                     const float (&cs)[8], int64_t seg, int c, float inv_D, float eps) {
   float sc[8];
-  read_scale8(scale_tile, c, sc);
+  load8(scale_tile + c, sc);
   float sq = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) sq += x[i] * x[i];
@@ -501,7 +496,7 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
                                              const float (&x)[8], float rs, const float* scale_tile,
                                              const float (&cs)[8], const Segment& s, int c, float inv_D) {
   float sc[8];
-  read_scale8(scale_tile, c, sc);
+  load8(scale_tile + c, sc);
   float g[8], xh[8];
   float sgx = 0.0f;
 #pragma unroll
@@ -629,10 +624,8 @@ __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
   if (!q_part && !k_part) return;  // the same for the whole block
   // Two 16-byte stores a lane and tensor: 8 scalar stores at a stride of 8 floats were 8-way
   // bank conflicts (the lanes of a group hit 4 banks, a warp's two groups the same 4).
-  float4* const qt = reinterpret_cast<float4*>(&tile[0][group][c]);
-  float4* const kt = reinterpret_cast<float4*>(&tile[1][group][c]);
-  qt[0] = make_float4(q_acc[0], q_acc[1], q_acc[2], q_acc[3]), qt[1] = make_float4(q_acc[4], q_acc[5], q_acc[6], q_acc[7]);
-  kt[0] = make_float4(k_acc[0], k_acc[1], k_acc[2], k_acc[3]), kt[1] = make_float4(k_acc[4], k_acc[5], k_acc[6], k_acc[7]);
+  store8(&tile[0][group][c], q_acc);
+  store8(&tile[1][group][c], k_acc);
   __syncthreads();
   for (int col = static_cast<int>(threadIdx.x); col < 2 * D; col += blockDim.x) {
     float* part = col < D ? q_part : k_part;
