@@ -380,6 +380,32 @@ __device__ inline void norm_rotate8(float (&y)[8], float* rstd, const float (&x)
   }
 }
 
+// The segments [first, last) of this thread's group of kLanes lanes in the loops over runs of
+// segments (the FP8-heads forward, the backward; blocks of kThreads threads): `per_group`
+// consecutive ones (segments_per_group) from the group's index in the grid times per_group, cut
+// at the call's `segments` (none for groups past its end). The same for every lane of a group.
+struct GroupRun {
+  int64_t first, last;
+};
+template <int kLanes>
+__device__ inline GroupRun group_run(int64_t per_group, int64_t segments) {
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (kThreads / kLanes) + threadIdx.x / kLanes) * per_group;
+  return {first, first + per_group < segments ? first + per_group : segments};
+}
+
+// The RoPE row of a run's current token, loaded once per token as the run reaches it
+// (consecutive segments are a token's heads): the lane's 8 columns of table row `row`.
+struct RopeRowCache {
+  Raw8<float> cols;
+  int64_t row = -1;
+  // cs = the (cos, sin) pairs of segment s in the lane's columns c .. c + 7 of the table pe
+  // (rows of D), loaded where its row is not the cached one.
+  __device__ void cos_sin(float (&cs)[8], const float* pe, const Segment& s, int D, int c) {
+    if (s.pe_row != row) cols.load(pe + s.pe_row * D + c), row = s.pe_row;
+    cols.widen(cs);
+  }
+};
+
 // The FP8-heads forward's loop: a group of kLanes lanes takes a run of `per_group` consecutive
 // segments (segments_per_group), the next segment's loads issued before the current one's
 // arithmetic, the RoPE row loaded once per token (consecutive segments are a token's heads).
@@ -391,8 +417,7 @@ template <int kLanes, typename T, typename H, typename Store>
 __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_group, const ScaleTile<8 * kLanes>& scales,
                                     int c, Store&& store) {
   constexpr int D = 8 * kLanes;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes * per_group;
-  const int64_t last = first + per_group < a.g.segments ? first + per_group : a.g.segments;
+  const auto [first, last] = group_run<kLanes>(per_group, a.g.segments);
   if (first >= last) return;  // the same for the whole group
   struct Loads {
     Raw8<T> q, k, v;
@@ -403,14 +428,12 @@ __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_grou
     l.v.load(&a.v.at(s.token_row, s.col + c));
   };
   load(cur, a.g.segment(first));
-  Raw8<float> table;  // the RoPE row of token `table_row`
-  int64_t table_row = -1;
+  RopeRowCache rope;
   for (int64_t seg = first; seg < last; ++seg) {
     if (seg + 1 < last) load(next, a.g.segment(seg + 1));
     const Segment s = a.g.segment(seg);  // (recomputed rather than carried: fewer registers)
-    if (s.pe_row != table_row) table.load(a.pe + s.pe_row * D + c), table_row = s.pe_row;
     float cs[8], x[8], y[8];
-    table.widen(cs);
+    rope.cos_sin(cs, a.pe, s, D, c);
     cur.v.widen(x);
     store(s.head_row, 0, x);
     cur.q.widen(x);
@@ -522,7 +545,7 @@ __device__ inline void norm_rotate_backward8(const MatOf<T>& dx, float (&acc)[8]
 // One segment's loads for the vector path's backward, as stored: the head gradients (FP8 codes
 // when kFp8, else 8 elements of H), the saved inputs q and k and their rstd. The loop below
 // issues the next two segments' before the current one's arithmetic. (The RoPE row is loaded once
-// per token, as the loop reaches it.)
+// per token, as the loop reaches it: RopeRowCache.)
 template <typename T, typename H, bool kFp8>
 struct BackwardLoads {
   using HeadGrad = std::conditional_t<kFp8, uint2, Raw8<H>>;
@@ -581,8 +604,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
   scales.load(a.q_scale, a.k_scale);
   const bool q_norm = a.dq.p || q_part, k_norm = a.dk.p || k_part;
   const int group = static_cast<int>(threadIdx.x) / kLanes, c = 8 * static_cast<int>(threadIdx.x % kLanes);
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * per_group;
-  const int64_t last = first + per_group < a.g.segments ? first + per_group : a.g.segments;
+  const auto [first, last] = group_run<kLanes>(per_group, a.g.segments);
   float dq_s = 0.0f, dk_s = 0.0f, dv_s = 0.0f;
   if constexpr (kFp8) {
     dq_s = *dq8.scale_inv, dk_s = *dk8.scale_inv;
@@ -593,15 +615,13 @@ __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
     BackwardLoads<T, H, kFp8> cur, next, after;  // segments seg, seg + 1, seg + 2
     cur.load(a, a.g.segment(first), first, c, dq8, dk8, dv8);
     if (first + 1 < last) next.load(a, a.g.segment(first + 1), first + 1, c, dq8, dk8, dv8);
-    Raw8<float> table;  // the RoPE row of token `table_row`
-    int64_t table_row = -1;
+    RopeRowCache rope;
     for (int64_t seg = first; seg < last; ++seg) {
       if (seg + 2 < last) after.load(a, a.g.segment(seg + 2), seg + 2, c, dq8, dk8, dv8);
       // (recomputed rather than carried from the previous iteration's loads: fewer registers)
       const Segment s = a.g.segment(seg);
-      if (s.pe_row != table_row) table.load(a.pe + s.pe_row * D + c), table_row = s.pe_row;
       float cs[8], dqh[8], dkh[8], q[8], k[8];
-      table.widen(cs);
+      rope.cos_sin(cs, a.pe, s, D, c);
       if (a.dv.p) {
         float dvh[8];
         widen_head_grad<H, kFp8>(cur.dv, dv_s, dv8.format, dvh);
