@@ -192,6 +192,12 @@ bool vec8_rows(const MatOf<T>& m) {
 
 constexpr int kThreads = 256;
 
+// The SMs of an H100/H200 (132), for launch shapes that fix a reduction's order (the LayerNorm
+// backward's rows per block, the QK-norm backward's segments per group): a constant, not the
+// device's SM count, so that the order, and the bits of the sums, depend on the call's shape
+// alone and are the same on every GPU.
+constexpr int64_t kReferenceSms = 132;
+
 inline unsigned blocks_for(int64_t n, int threads = kThreads) {
   const int64_t b = (n + threads - 1) / threads;
   return static_cast<unsigned>(b < 1 ? 1 : (b > (1 << 20) ? (1 << 20) : b));  // grid-stride beyond

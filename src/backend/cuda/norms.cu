@@ -433,7 +433,7 @@ __global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> 
 }
 
 // Rows of one sample per block of the one-pass backward: about ceil(B·L / kLnSlots) (2 blocks per
-// SM of an H100/H200's 132) so that the grid is about one wave, at most 64 (fewer partials to
+// SM of kReferenceSms) so that the grid is about one wave, at most 64 (fewer partials to
 // write and add). Where that leaves a short last wave, fewer rows a block can do better: a
 // block walks its rows one pair after another, so a call takes about (waves) x (rows a block)
 // pair steps, and the count is the one between half that first choice and itself that makes
@@ -445,7 +445,7 @@ __global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> 
 // took 0.09 ms longer. Searching all of 1..64 would pick 7 or 9 rows, hundreds of partials a
 // sample. A function of the shape only, so the order of the dshift/dscale sums, and their
 // bits, are the same on every run and every GPU.
-constexpr int64_t kLnMaxRows = 64, kLnSlots = 2 * 132;
+constexpr int64_t kLnMaxRows = 64, kLnSlots = 2 * kReferenceSms;
 int64_t ln_rows_per_block(int64_t B, int64_t L) {
   const int64_t first = std::clamp<int64_t>((B * L + kLnSlots - 1) / kLnSlots, 1, kLnMaxRows);
   int64_t best = first, best_cost = -1;

@@ -658,11 +658,11 @@ __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
 
 // Segments per group for the vector path's loops over runs of segments (the FP8 forward, the
 // backward) in a call of `segments`: enough groups for one wave of `blocks_per_sm` blocks on each
-// of a 132-SM H100/H200's SMs at 16 lanes a segment (Flux's D = 128), so each group's run is as
-// long as that allows. A function of the shape only: it fixes the order of the backward's
-// dscale sums, so their bits are the same on every run and GPU.
+// of kReferenceSms SMs at 16 lanes a segment (Flux's D = 128), so each group's run is as long as
+// that allows. A function of the shape only: it fixes the order of the backward's dscale sums,
+// so their bits are the same on every run and GPU.
 int64_t segments_per_group(int64_t segments, int blocks_per_sm) {
-  const int64_t target_groups = int64_t{132} * blocks_per_sm * (kThreads / 16);
+  const int64_t target_groups = kReferenceSms * blocks_per_sm * (kThreads / 16);
   const int64_t per = (segments + target_groups - 1) / target_groups;
   return per < 1 ? 1 : per;
 }
