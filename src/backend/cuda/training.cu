@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cuda/common.cuh"
@@ -127,7 +128,7 @@ double CudaBackend::sum_squares(Tensor x) {
   require_contiguous("sum_squares", {"x", x});
   const float* p = x.ptr<float>();
   const int64_t n = x.numel();
-  if (n == 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0)
+  if (n == 0 || !aligned16(p))
     return ordered_sum(*this, n, [=] __device__(int64_t i) {
       const double v = p[i];
       return v * v;
@@ -251,6 +252,16 @@ void add_low_rank_layout(std::string_view op, const std::vector<Backend::LowRank
   }
 }
 
+// kernel<<<chunks, kThreads>>>(args...) on `stream`: a block for each of `chunks` entries of a
+// chunk table (none for 0). The flat and the low-rank chunks each get a launch of their own kernel.
+template <typename... Params>
+void launch_chunks(void (*kernel)(Params...), int64_t chunks, cudaStream_t stream,
+                   std::type_identity_t<Params>... args) {
+  if (chunks == 0) return;
+  kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(args...);
+  FLUX8_LAUNCH_CHECK(kernel);
+}
+
 }  // namespace
 
 void CudaBackend::upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const void* flat, int64_t flat_count,
@@ -267,17 +278,14 @@ void CudaBackend::upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const vo
     FLUX8_CUDA_CHECK(cudaMalloc(&t.data, bytes));
     t.bytes = bytes;
   }
-  // On the backend's stream, then synchronised: a plain cudaMemcpy runs on the legacy default
-  // stream, which the non-blocking stream_ is not ordered after, and from pageable memory it may
-  // return before the DMA has landed — a kernel could read a stale or half-written table (the
-  // likely cause of a rare wholesale corruption of the second model trained by one backend,
-  // whose smaller AdamW table reused the buffer).
-  if (flat_bytes)
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(t.data, flat, flat_bytes, cudaMemcpyHostToDevice, stream_));
-  if (bytes > flat_bytes)
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(t.data) + flat_bytes, low_rank, bytes - flat_bytes,
-                                     cudaMemcpyHostToDevice, stream_));
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the chunks are the caller's, freed after this
+  // By upload(): on the backend's stream, then synchronised (the chunks are the caller's, freed
+  // after this). A plain cudaMemcpy runs on the legacy default stream, which the non-blocking
+  // stream_ is not ordered after, and from pageable memory it may return before the DMA has
+  // landed — a kernel could read a stale or half-written table (the likely cause of a rare
+  // wholesale corruption of the second model trained by one backend, whose smaller AdamW table
+  // reused the buffer).
+  upload(t.data, flat, flat_bytes);
+  upload(static_cast<char*>(t.data) + flat_bytes, low_rank, bytes - flat_bytes);
   t.layout = std::move(layout);
   t.count = count;
   t.first_low_rank = flat_count;
@@ -355,16 +363,9 @@ double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGr
   const int64_t blocks = squares_table_.count, split = squares_table_.first_low_rank;
   double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
   const auto* table = static_cast<const SquaresChunk*>(squares_table_.data);
-  if (split > 0) {
-    gradient_squares_kernel<false><<<static_cast<unsigned>(split), kThreads, 0, stream_>>>(table, grads.ptr<float>(),
-                                                                                          partial);
-    FLUX8_LAUNCH_CHECK(gradient_squares_kernel);
-  }
-  if (blocks > split) {
-    gradient_squares_kernel<true><<<static_cast<unsigned>(blocks - split), kThreads, 0, stream_>>>(
-        table + split, grads.ptr<float>(), partial + split);
-    FLUX8_LAUNCH_CHECK(gradient_squares_kernel);
-  }
+  launch_chunks(gradient_squares_kernel<false>, split, stream_, table, grads.ptr<float>(), partial);
+  launch_chunks(gradient_squares_kernel<true>, blocks - split, stream_, table + split, grads.ptr<float>(),
+                partial + split);
   return total_of_partials(*this, partial, blocks);
 }
 
@@ -582,15 +583,8 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
   const auto* table = static_cast<const AdamwChunk*>(adamw_table_.data);
   const int64_t split = adamw_table_.first_low_rank;
-  if (split > 0) {
-    adamw_flat_kernel<<<static_cast<unsigned>(split), kThreads, 0, stream_>>>(table, p, g, mm, vv, step, quads);
-    FLUX8_LAUNCH_CHECK(adamw_flat_kernel);
-  }
-  if (adamw_table_.count > split) {
-    adamw_low_rank_kernel<<<static_cast<unsigned>(adamw_table_.count - split), kThreads, 0, stream_>>>(
-        table + split, p, mm, vv, step, quads);
-    FLUX8_LAUNCH_CHECK(adamw_low_rank_kernel);
-  }
+  launch_chunks(adamw_flat_kernel, split, stream_, table, p, g, mm, vv, step, quads);
+  launch_chunks(adamw_low_rank_kernel, adamw_table_.count - split, stream_, table + split, p, mm, vv, step, quads);
 }
 
 }  // namespace flux8
