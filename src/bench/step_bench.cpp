@@ -437,4 +437,52 @@ std::vector<EpilogueBenchRow> run_epilogue_bench(Backend& be, int repeats) {
   return rows;
 }
 
+std::vector<SmallLinearBenchRow> run_small_linear_bench(Backend& be, int repeats) {
+  struct Shape3 {
+    const char* name;
+    int64_t rows, out, in;
+  };
+  std::vector<Shape3> shapes;
+  for (const int64_t rows : {int64_t{32}, int64_t{2}})  // W1's samples, W2's
+    for (const Shape3& s : {Shape3{"double block modulation", 0, 18432, 3072},
+                            Shape3{"single block modulation", 0, 9216, 3072}, Shape3{"final adaLN", 0, 6144, 3072},
+                            Shape3{"time_in / guidance_in first", 0, 3072, 256},
+                            Shape3{"vector_in first", 0, 3072, 768}, Shape3{"embedder MLP second", 0, 3072, 3072}})
+      shapes.push_back({s.name, rows, s.out, s.in});
+  shapes.push_back({"img_in", 8192, 3072, 64});
+  shapes.push_back({"final linear", 8192, 64, 3072});
+  shapes.push_back({"txt_in (W1)", 8192, 3072, 4096});
+  shapes.push_back({"txt_in (W2)", 1024, 3072, 4096});
+  const DType act = be.activation_dtype(DType::f32), wt = be.weight_operand_dtype(DType::f32);
+  std::vector<SmallLinearBenchRow> rows;
+  for (const Shape3& s : shapes) {
+    std::vector<void*> owned;
+    auto alloc = [&](Shape sh, DType t, uint64_t stream) {
+      Tensor x(be.allocate(static_cast<size_t>(sh.numel()) * dtype_size(t)), t, sh);
+      from_host(be, x, randn(13, stream, sh.numel(), t == act ? 1.0 : 0.02));
+      owned.push_back(x.data);
+      return x;
+    };
+    const Tensor x = alloc(Shape{s.rows, s.in}, act, 1), w = alloc(Shape{s.out, s.in}, wt, 2);
+    const Tensor b = alloc(Shape{s.out}, DType::f32, 3), y = alloc(Shape{s.rows, s.out}, act, 4);
+    const Tensor dy = alloc(Shape{s.rows, s.out}, act, 5), dx = alloc(Shape{s.rows, s.in}, act, 6);
+    const Tensor dw = alloc(Shape{s.out, s.in}, DType::f32, 7), db = alloc(Shape{s.out}, DType::f32, 8);
+    constexpr int kBatch = 20;  // a call of a few µs is not read with the synchronisation around it
+    auto time_ms = [&](auto&& f) {
+      return median_ms(be, repeats, [&] {
+               for (int i = 0; i < kBatch; ++i) f();
+             }) /
+             kBatch;
+    };
+    SmallLinearBenchRow r{s.name, s.rows, s.out, s.in, 0, 0, 0, 0};
+    r.fwd_ms = time_ms([&] { be.linear(y, x, w, b); });
+    r.dgrad_ms = time_ms([&] { be.linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w, false, false); });
+    r.wgrad_ms = time_ms([&] { be.linear_backward(Tensor{}, dw, db, dy, x, w, false, false); });
+    r.fwd_weight_gbps = static_cast<double>(w.bytes()) / (r.fwd_ms * 1e6);
+    rows.push_back(r);
+    for (void* p : owned) be.release(p);
+  }
+  return rows;
+}
+
 }  // namespace flux8

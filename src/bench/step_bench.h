@@ -101,4 +101,18 @@ struct EpilogueBenchRow {
 };
 std::vector<EpilogueBenchRow> run_epilogue_bench(Backend& be, int repeats);
 
+// The BF16 Linears an FP8 step keeps, of few rows or a narrow side: the per-sample modulation
+// and embedder MLPs at W1's 32 and W2's 2 rows, the image and text embedders and the final
+// projection over a step's tokens — the FP8 profile's `linear` and `linear_backward` rows. For
+// each: the forward with its bias, the input gradient and the weight gradient with the bias
+// gradient (f32, overwritten), as the model calls them (the weight as its bf16 operand copy),
+// median ms of batches of 20 back-to-back calls; and the forward's weight bytes per second.
+struct SmallLinearBenchRow {
+  std::string name;
+  int64_t rows, out, in;
+  double fwd_ms, dgrad_ms, wgrad_ms;
+  double fwd_weight_gbps;
+};
+std::vector<SmallLinearBenchRow> run_small_linear_bench(Backend& be, int repeats);
+
 }  // namespace flux8

@@ -47,7 +47,7 @@ Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8; "
                "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
-               "MLP's GEMM epilogues against the ops they replace");
+               "MLP's GEMM epilogues against the ops they replace, and the BF16 Linears of few rows an FP8 step keeps");
   struct Opts {
     std::vector<std::string> workloads{"W1", "W2"};
     std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
@@ -140,6 +140,16 @@ Command add_bench_command(CLI::App& app) {
                                     {"dgrad_gelu_ms", r.dgrad_gelu_ms}, {"wgrad_ms", r.wgrad_ms},
                                     {"wgrad_bias_ms", r.wgrad_bias_ms}, {"wgrad_accumulate_ms", r.wgrad_acc_ms},
                                     {"wgrad_accumulate_bias_ms", r.wgrad_acc_bias_ms}});
+      }
+      fmt::print("\nBF16 Linears of few rows or a narrow side (the FP8 step's `linear`, `linear_backward`), median ms\n");
+      fmt::print("{:>30} {:>5} {:>6} {:>5} | {:>8} {:>9} | {:>8} | {:>8}\n", "", "rows", "out", "in", "forward",
+                 "(w GB/s)", "dgrad", "wgrad+db");
+      for (const SmallLinearBenchRow& r : run_small_linear_bench(*be, o->steps)) {
+        fmt::print("{:>30} {:>5} {:>6} {:>5} | {:>8.4f} {:>9.0f} | {:>8.4f} | {:>8.4f}\n", r.name, r.rows, r.out, r.in,
+                   r.fwd_ms, r.fwd_weight_gbps, r.dgrad_ms, r.wgrad_ms);
+        out["small_linears"].push_back({{"name", r.name}, {"rows", r.rows}, {"out", r.out}, {"in", r.in},
+                                        {"fwd_ms", r.fwd_ms}, {"dgrad_ms", r.dgrad_ms}, {"wgrad_ms", r.wgrad_ms},
+                                        {"fwd_weight_gbps", r.fwd_weight_gbps}});
       }
     } else {
       std::vector<StepBenchSpec> specs;
