@@ -2,16 +2,20 @@
 """What changed between two `flux8 bench --profile` outputs: per workload and op, base, new, new - base.
 
     python3 scripts/profile_diff.py ab_profile_base.txt ab_profile_new.txt [--min-ms 0.02]
+    python3 scripts/profile_diff.py base.json new.json      # `flux8 bench --profile --json FILE`
 
 Reads what `flux8 bench ... --profile` prints (a line per workload and precision with its step
 time, then "op calls ms/step share" rows and the profiled step's total), as scripts/gpu_check.sh's
-ab stage keeps it for the base and the new side. Prints, for each workload and precision both
+ab stage keeps it for the base and the new side, or the same runs from its --json file (a file
+whose first non-blank character is "{"; the profiled total is the sum of the op rows, idle
+included, as the printed total is). Prints, for each workload and precision both
 files have: the step times and profiled totals of both sides, then every op whose time moved by
 at least --min-ms ms, the largest change first (an op only one side ran counts as 0 on the other).
 The memory-bound rows are what an A/B reads; the GEMM and attention rows move with the GPU's
 clock between the sides. Standard library only.
 """
 import argparse
+import json
 import re
 import sys
 
@@ -42,6 +46,26 @@ def parse(lines):
         if m:
             current["ops"][m["op"]] = float(m["ms"])
     return runs
+
+
+def parse_json(text):
+    """parse()'s runs from `flux8 bench --profile --json`'s steps, labelled as the printed table labels them."""
+    runs = {}
+    for step in json.loads(text).get("steps", []):
+        if "ops" not in step:  # a run without --profile
+            continue
+        p = step["precision"]
+        precision = "BF16" if p == "bf16" else f"{p} {step['fp8_format']}"
+        ops = {o["op"]: float(o["ms_per_step"]) for o in step["ops"]}
+        runs[(step["workload"], precision)] = {"step": float(step["median_step_ms"]),
+                                               "profiled": sum(ops.values()), "ops": ops}
+    return runs
+
+
+def read(f):
+    """The runs of an open file, printed output or --json."""
+    text = f.read()
+    return parse_json(text) if text.lstrip().startswith("{") else parse(text.splitlines(keepends=True))
 
 
 def profiled(run):
@@ -77,7 +101,7 @@ def main(argv):
     runs = []
     for path in (a.base, a.new):
         with open(path, encoding="utf-8") as f:
-            runs.append(parse(f))
+            runs.append(read(f))
         if not runs[-1]:
             sys.stderr.write(f"profile_diff: no `flux8 bench --profile` output in {path}\n")
             return 1

@@ -5,7 +5,8 @@
 
 The fixtures (tests/python/data/ab_profile_{base,new}.txt) are the sixteenth session's call 6 on
 the H200: W1 and W2 in FP8 delayed + FP8 attention, base 7f3feee against the AdamW arrangement
-and the QK-norm tile. Standard library only.
+and the QK-norm tile; profile_fp8_attention.{txt,json} one run of the eighteenth session's call 5
+as printed and as --json wrote it (the json trimmed to the keys read). Standard library only.
 """
 import io
 import os
@@ -53,6 +54,24 @@ def main(argv):
     out = io.StringIO()
     profile_diff.report(one, one, out)
     assert out.getvalue().splitlines()[1] == "  (no op moved by 0.02 ms or more)", out.getvalue()
+
+    # One run (the eighteenth session's call 5, FP8 + FP8 attention) as printed and as --json
+    # wrote it: the same runs, labels, op names and times (to the printed 3 decimals), and the
+    # profiled total as the sum of the rows.
+    parsed = {}
+    for ext in ("txt", "json"):
+        with open(os.path.join(data, f"profile_fp8_attention.{ext}"), encoding="utf-8") as f:
+            parsed[ext] = profile_diff.read(f)
+    txt, js = parsed["txt"], parsed["json"]
+    assert list(js) == list(txt) == [("W1", "delayed hybrid"), ("W2", "delayed hybrid")], (list(js), list(txt))
+    for key in txt:
+        t, j = txt[key], js[key]
+        assert abs(t["step"] - j["step"]) < 0.005 and abs(t["profiled"] - j["profiled"]) < 0.005, (key, t, j)
+        assert list(t["ops"]) == list(j["ops"]), key
+        for op, ms in t["ops"].items():
+            assert abs(ms - j["ops"][op]) < 0.0005, (key, op, ms, j["ops"][op])
+    # A --json file of runs without --profile has nothing to compare.
+    assert profile_diff.parse_json('{"steps": [{"workload": "W1", "precision": "bf16"}]}') == {}
     print("profile_diff: ok")
     return 0
 
