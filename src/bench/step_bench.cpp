@@ -474,11 +474,27 @@ std::vector<SmallLinearBenchRow> run_small_linear_bench(Backend& be, int repeats
              }) /
              kBatch;
     };
-    SmallLinearBenchRow r{s.name, s.rows, s.out, s.in, 0, 0, 0, 0};
-    r.fwd_ms = time_ms([&] { be.linear(y, x, w, b); });
-    r.dgrad_ms = time_ms([&] { be.linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w, false, false); });
+    // The host's share: the batch's calls issued, timed before the synchronisation that waits for them.
+    auto host_us = [&](auto&& f) {
+      std::vector<double> t;
+      for (int i = 0; i < repeats; ++i) {
+        be.synchronize();
+        const auto t0 = Clock::now();
+        for (int j = 0; j < kBatch; ++j) f();
+        t.push_back(1e6 * seconds_since(t0) / kBatch);
+      }
+      be.synchronize();
+      return median(t);
+    };
+    const auto forward = [&] { be.linear(y, x, w, b); };
+    const auto dgrad = [&] { be.linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w, false, false); };
+    SmallLinearBenchRow r{s.name, s.rows, s.out, s.in, 0, 0, 0, 0, 0, 0};
+    r.fwd_ms = time_ms(forward);
+    r.dgrad_ms = time_ms(dgrad);
     r.wgrad_ms = time_ms([&] { be.linear_backward(Tensor{}, dw, db, dy, x, w, false, false); });
     r.fwd_weight_gbps = static_cast<double>(w.bytes()) / (r.fwd_ms * 1e6);
+    r.fwd_host_us = host_us(forward);
+    r.dgrad_host_us = host_us(dgrad);
     rows.push_back(r);
     for (void* p : owned) be.release(p);
   }

@@ -106,12 +106,15 @@ std::vector<EpilogueBenchRow> run_epilogue_bench(Backend& be, int repeats);
 // projection over a step's tokens — the FP8 profile's `linear` and `linear_backward` rows. For
 // each: the forward with its bias, the input gradient and the weight gradient with the bias
 // gradient (f32, overwritten), as the model calls them (the weight as its bf16 operand copy),
-// median ms of batches of 20 back-to-back calls; and the forward's weight bytes per second.
+// median ms of batches of 20 back-to-back calls; the forward's weight bytes per second; and the
+// host's time to issue a forward and a dgrad call (µs: the batch's enqueueing, before its
+// synchronisation) — where it reaches the call's time, the host path is the floor.
 struct SmallLinearBenchRow {
   std::string name;
   int64_t rows, out, in;
   double fwd_ms, dgrad_ms, wgrad_ms;
   double fwd_weight_gbps;
+  double fwd_host_us, dgrad_host_us;
 };
 std::vector<SmallLinearBenchRow> run_small_linear_bench(Backend& be, int repeats);
 

@@ -142,14 +142,16 @@ Command add_bench_command(CLI::App& app) {
                                     {"wgrad_accumulate_bias_ms", r.wgrad_acc_bias_ms}});
       }
       fmt::print("\nBF16 Linears of few rows or a narrow side (the FP8 step's `linear`, `linear_backward`), median ms\n");
-      fmt::print("{:>30} {:>5} {:>6} {:>5} | {:>8} {:>9} | {:>8} | {:>8}\n", "", "rows", "out", "in", "forward",
-                 "(w GB/s)", "dgrad", "wgrad+db");
+      fmt::print("{:>30} {:>5} {:>6} {:>5} | {:>8} {:>9} | {:>8} | {:>8} | {:>18}\n", "", "rows", "out", "in", "forward",
+                 "(w GB/s)", "dgrad", "wgrad+db", "host µs fwd, dgrad");
       for (const SmallLinearBenchRow& r : run_small_linear_bench(*be, o->steps)) {
-        fmt::print("{:>30} {:>5} {:>6} {:>5} | {:>8.4f} {:>9.0f} | {:>8.4f} | {:>8.4f}\n", r.name, r.rows, r.out, r.in,
-                   r.fwd_ms, r.fwd_weight_gbps, r.dgrad_ms, r.wgrad_ms);
+        fmt::print("{:>30} {:>5} {:>6} {:>5} | {:>8.4f} {:>9.0f} | {:>8.4f} | {:>8.4f} | {:>8.1f} {:>9.1f}\n", r.name,
+                   r.rows, r.out, r.in, r.fwd_ms, r.fwd_weight_gbps, r.dgrad_ms, r.wgrad_ms, r.fwd_host_us,
+                   r.dgrad_host_us);
         out["small_linears"].push_back({{"name", r.name}, {"rows", r.rows}, {"out", r.out}, {"in", r.in},
                                         {"fwd_ms", r.fwd_ms}, {"dgrad_ms", r.dgrad_ms}, {"wgrad_ms", r.wgrad_ms},
-                                        {"fwd_weight_gbps", r.fwd_weight_gbps}});
+                                        {"fwd_weight_gbps", r.fwd_weight_gbps}, {"fwd_host_us", r.fwd_host_us},
+                                        {"dgrad_host_us", r.dgrad_host_us}});
       }
     } else {
       std::vector<StepBenchSpec> specs;
