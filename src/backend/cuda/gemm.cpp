@@ -307,6 +307,35 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   return *plans_.emplace(g.key(), std::move(p)).first->second;
 }
 
+namespace {
+
+// The chosen algorithm's configuration as the profile lists it: cuBLASLt's algorithm and tile
+// ids, and its split of k, where it has one, with the reduction that adds the parts (a split-K
+// algorithm runs a second pass: at the few µs of work of a small GEMM it may be most of a call).
+std::string algo_config(const cublasLtMatmulAlgo_t& algo) {
+  int32_t id = -1, splits = 1;
+  uint32_t tile = 0, reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+  size_t written = 0;
+  const bool ok =
+      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &written) ==
+          CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &written) ==
+          CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits),
+                                           &written) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
+                                           sizeof(reduction), &written) == CUBLAS_STATUS_SUCCESS;
+  if (!ok) return " [algorithm: not readable]";
+  if (splits <= 1) return fmt::format(" [algo {} tile {}]", id, tile);
+  const char* scheme = reduction == CUBLASLT_REDUCTION_SCHEME_INPLACE         ? "in place"
+                       : reduction == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE ? "in the compute type"
+                       : reduction == CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE  ? "in the output type"
+                                                                              : "none";
+  return fmt::format(" [algo {} tile {}, split-K {}: reduction {}]", id, tile, splits, scheme);
+}
+
+}  // namespace
+
 std::string Gemm::supported(const GemmDesc& d) {
   Plan& p = plan(d);
   return p.found ? "" : fmt::format("cuBLASLt has no algorithm for {} ({})", describe(d), p.why_not);
@@ -378,7 +407,7 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     if (s == CUBLAS_STATUS_SUCCESS) {  // else nothing ran: not a timed call
       timed_.push_back(TimedCall{&p, pair.start, pair.stop});
       pair.kept = true;
-      if (p.timing.desc.empty()) p.timing.desc = describe(g);
+      if (p.timing.desc.empty()) p.timing.desc = describe(g) + algo_config(p.algo);
       p.timing.flops += 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
     }
   }
