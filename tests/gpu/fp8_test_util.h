@@ -153,8 +153,6 @@ inline const float* delayed_scale_on(bool gpu_side) {
   return scale.on(gpu_side);
 }
 
-// Every recipe the casts support: per-tensor delayed and current (tensorwise) scaling, 1x128
-// and 128x128 blocks with power-of-2 or exact scales, MXFP8.
 // A fused cast's op by name, for test traces.
 inline const char* cast_op_name(Backend::CastInput::Op op) {
   static constexpr const char* kNames[] = {"identity", "gelu_tanh", "layernorm_modulate", "gelu_tanh_backward",
@@ -163,6 +161,8 @@ inline const char* cast_op_name(Backend::CastInput::Op op) {
   return kNames[static_cast<int>(op)];
 }
 
+// Every recipe the casts support: per-tensor delayed and current (tensorwise) scaling, 1x128
+// and 128x128 blocks with power-of-2 or exact scales, MXFP8.
 inline const Recipe kRecipes[] = {
     {"delayed", Fp8Scaling::per_tensor, true, false},
     {"current", Fp8Scaling::per_tensor, false, false},
