@@ -86,7 +86,6 @@ struct Source {
   const float *mean, *rstd;  // layernorm_modulate: per row
   MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens; gated:
                              // scale is the gate
-  int64_t tokens;
   FastDivisor per_sample;    // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
@@ -796,14 +795,13 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 // The source of a cast whose activations (x; LayerNorm's shift and scale) are stored as T.
 template <typename T>
-Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor per_sample) {
-  Source<T> s{in.op, static_cast<const T*>(in.x.data), in.x.ld, nullptr, nullptr, {}, {}, 1, {}};
+Source<T> source_of(const Backend::CastInput& in, FastDivisor per_sample) {
+  Source<T> s{in.op, static_cast<const T*>(in.x.data), in.x.ld, nullptr, nullptr, {}, {}, {}};
   if (in.op == Backend::CastInput::Op::layernorm_modulate) {
     s.mean = in.mean.ptr<float>();
     s.rstd = in.rstd.ptr<float>();
     s.shift = mat_of<T>(in.shift);
     s.scale = mat_of<T>(in.scale);
-    s.tokens = tokens;
     s.per_sample = per_sample;
     s.shift_vec4 = vec4_aligned(s.shift.p) && s.shift.ld % 4 == 0;
     s.scale_vec4 = vec4_aligned(s.scale.p) && s.scale.ld % 4 == 0;
@@ -814,7 +812,6 @@ Source<T> source_of(const Backend::CastInput& in, int64_t tokens, FastDivisor pe
   }
   if (in.op == Backend::CastInput::Op::gated) {
     s.scale = mat_of<T>(in.gate);
-    s.tokens = tokens;
     s.per_sample = per_sample;
     s.scale_vec4 = vec4_aligned(s.scale.p) && s.scale.ld % 4 == 0;
   }
@@ -977,9 +974,9 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   // f(source): the launches that read x, instantiated for its storage type.
   const auto with_source = [&](auto&& f) {
     if (bf16)
-      f(source_of<__nv_bfloat16>(in, tokens, per_sample));
+      f(source_of<__nv_bfloat16>(in, per_sample));
     else
-      f(source_of<float>(in, tokens, per_sample));
+      f(source_of<float>(in, per_sample));
   };
   if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
     with_source([&](const auto& src) {
