@@ -313,19 +313,16 @@ namespace {
 // ids, and its split of k, where it has one, with the reduction that adds the parts (a split-K
 // algorithm runs a second pass: at the few µs of work of a small GEMM it may be most of a call).
 std::string algo_config(const cublasLtMatmulAlgo_t& algo) {
+  const auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, auto& value) {
+    size_t written = 0;
+    return cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) ==
+           CUBLAS_STATUS_SUCCESS;
+  };
   int32_t id = -1, splits = 1;
   uint32_t tile = 0, reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-  size_t written = 0;
-  const bool ok =
-      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &written) ==
-          CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &written) ==
-          CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits),
-                                           &written) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
-                                           sizeof(reduction), &written) == CUBLAS_STATUS_SUCCESS;
-  if (!ok) return " [algorithm: not readable]";
+  if (!get(CUBLASLT_ALGO_CONFIG_ID, id) || !get(CUBLASLT_ALGO_CONFIG_TILE_ID, tile) ||
+      !get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, splits) || !get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, reduction))
+    return " [algorithm: not readable]";
   if (splits <= 1) return fmt::format(" [algo {} tile {}]", id, tile);
   const char* scheme = reduction == CUBLASLT_REDUCTION_SCHEME_INPLACE         ? "in place"
                        : reduction == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE ? "in the compute type"
