@@ -47,6 +47,16 @@ double median_ms(Backend& be, int repeats, F&& f) {
   return median(t);
 }
 
+// median_ms of `batch` back-to-back calls of f, per call: a call of a few tens of µs is then not
+// read with the launch and the synchronisation around it.
+template <typename F>
+double median_ms_per_call(Backend& be, int repeats, int batch, F&& f) {
+  return median_ms(be, repeats, [&] {
+           for (int i = 0; i < batch; ++i) f();
+         }) /
+         batch;
+}
+
 std::vector<double> randn(uint64_t seed, uint64_t stream, int64_t n, double scale) {
   std::vector<double> v(static_cast<size_t>(n));
   // Each value is a pure function of (seed, stream, i): any thread count gives the same data.
@@ -274,15 +284,7 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
     Backend::Quantize delayed;
     delayed.delayed_scale = scale;
     delayed.stats = &cast_stats;
-    // Batches of 10 calls a sample, so that a call of a few tens of µs is not read with the
-    // launch and the synchronisation around it.
-    constexpr int kBatch = 10;
-    auto time_ms = [&](auto&& f) {
-      return median_ms(be, repeats, [&] {
-               for (int i = 0; i < kBatch; ++i) f();
-             }) /
-             kBatch;
-    };
+    auto time_ms = [&](auto&& f) { return median_ms_per_call(be, repeats, 10, f); };
     GemmBenchRow row{m, n, k, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     row.fp8_linear_ms = time_ms([&] {
       be.quantize(xq, QTensor{}, x, q);
@@ -467,13 +469,8 @@ std::vector<SmallLinearBenchRow> run_small_linear_bench(Backend& be, int repeats
     const Tensor b = alloc(Shape{s.out}, DType::f32, 3), y = alloc(Shape{s.rows, s.out}, act, 4);
     const Tensor dy = alloc(Shape{s.rows, s.out}, act, 5), dx = alloc(Shape{s.rows, s.in}, act, 6);
     const Tensor dw = alloc(Shape{s.out, s.in}, DType::f32, 7), db = alloc(Shape{s.out}, DType::f32, 8);
-    constexpr int kBatch = 20;  // a call of a few µs is not read with the synchronisation around it
-    auto time_ms = [&](auto&& f) {
-      return median_ms(be, repeats, [&] {
-               for (int i = 0; i < kBatch; ++i) f();
-             }) /
-             kBatch;
-    };
+    constexpr int kBatch = 20;
+    auto time_ms = [&](auto&& f) { return median_ms_per_call(be, repeats, kBatch, f); };
     // The host's share: the batch's calls issued, timed before the synchronisation that waits for them.
     auto host_us = [&](auto&& f) {
       std::vector<double> t;
