@@ -261,23 +261,27 @@ class Backend {
   // read. Without low-rank ranges it is sum_squares(grads).
   virtual double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) = 0;
   // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in their own
-  // precision (fp32 in training; fp64 in gradient checks) in PyTorch's fused AdamW arrangement:
+  // precision (fp32 in training; fp64 in gradient checks):
   //   g = grad_scale·grad;  m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²
-  //   p = p·decay − (step_size·m) / (√v / bc2_sqrt + eps)
+  //   p = p·decay − (step_size·m) / (√v + eps_hat)
   // with the per-step constants of adamw_constants (in double, then rounded to the precision).
+  // This is the bias-corrected update lr·m̂ / (√v̂ + eps) of PyTorch's AdamW with both bias
+  // corrections folded into the constants (Kingma & Ba's "more efficient" order): multiplying
+  // numerator and denominator by √(1 − β2^step) leaves the value exact and saves a division an
+  // element, which the memory-bound GPU kernel is partly issue-bound on.
   struct AdamW {
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     int64_t step;  // 1-based
   };
   struct AdamWConstants {
     double decay;      // 1 − lr·wd
-    double step_size;  // lr / (1 − β1^step)
-    double bc2_sqrt;   // √(1 − β2^step)
+    double step_size;  // lr·√(1 − β2^step) / (1 − β1^step)
+    double eps_hat;    // eps·√(1 − β2^step)
   };
   static AdamWConstants adamw_constants(const AdamW& h) {
     const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
-    const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-    return {1.0 - h.lr * h.weight_decay, h.lr / bc1, std::sqrt(bc2)};
+    const double bc2_sqrt = std::sqrt(1.0 - std::pow(h.beta2, static_cast<double>(h.step)));
+    return {1.0 - h.lr * h.weight_decay, h.lr * bc2_sqrt / bc1, h.eps * bc2_sqrt};
   }
   // A bf16 copy of the parameters [offset, offset + copy.numel()) of the flat f32 buffer (a
   // Linear's weight operand, ParamStore::operand), written by adamw with the new values rounded

@@ -174,7 +174,8 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
   const AdamWConstants k = adamw_constants(h);
   const Ctx c = make_ctx(options_, dt);
   // In the parameters' own precision (fp32 in training, fp64 in gradient checks), as PyTorch's
-  // fused AdamW computes for fp32 parameters. The CUDA kernel performs the same fp32 operations
+  // fused AdamW computes for fp32 parameters (with the bias corrections in the constants:
+  // Backend::AdamW). The CUDA kernel performs the same fp32 operations
   // in the same order without fusing them (training.cu), and this file is compiled with
   // -ffp-contract=off (CMakeLists.txt), so both agree bit for bit.
   dispatch(dt, [&]<typename T>(T) {
@@ -182,8 +183,8 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
     const GradientReader<T> g(grad.ptr<T>(), sorted);
     const T gs = static_cast<T>(h.grad_scale), b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
     const T ob1 = static_cast<T>(1.0 - h.beta1), ob2 = static_cast<T>(1.0 - h.beta2);
-    const T eps = static_cast<T>(h.eps), dec = static_cast<T>(k.decay);
-    const T step_size = static_cast<T>(k.step_size), c2_sqrt = static_cast<T>(k.bc2_sqrt);
+    const T eps_hat = static_cast<T>(k.eps_hat), dec = static_cast<T>(k.decay);
+    const T step_size = static_cast<T>(k.step_size);
     parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
       for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i) {
         const T gi = gs * g(i);
@@ -191,7 +192,7 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
         const T vi = b2 * vv[i] + (ob2 * gi) * gi;
         mm[i] = mi;
         vv[i] = vi;
-        p[i] = p[i] * dec - (step_size * mi) / (std::sqrt(vi) / c2_sqrt + eps);
+        p[i] = p[i] * dec - (step_size * mi) / (std::sqrt(vi) + eps_hat);
       }
     });
     // The copies: the new values rounded to bf16 (through f32, the only type they are made of

@@ -377,18 +377,19 @@ namespace {
 // (the _rn intrinsics are never contracted into FMAs), so the two backends agree bit for bit.
 // fp32, not fp64: the double-precision version was partly bound by the FP64 units (divisions,
 // square root, conversions), 4.3–6.1 ms for 535M parameters against 3.5 ms of memory traffic.
-// PyTorch's fused AdamW arrangement (two divisions and a square root an element: an IEEE
-// division is a ~10-instruction sequence, and the kernel is partly bound by instructions —
-// Nsight Compute on W2, SM 83% at DRAM 68%; the bias corrections as three divisions cost one more).
+// The bias corrections folded into the constants (Backend::adamw_constants): one IEEE division
+// and a square root an element. An IEEE division is a ~10-instruction sequence and the kernel is
+// partly bound by instructions (Nsight Compute on W2: SM 83% at DRAM 68% with three divisions,
+// SM 75% at DRAM 81% with PyTorch's fused arrangement's two).
 struct AdamwStep {
-  float gs, b1, b2, ob1, ob2, eps, dec, step_size, c2_sqrt;
+  float gs, b1, b2, ob1, ob2, eps_hat, dec, step_size;
   __device__ void operator()(float& p, float g, float& m, float& v) const {
     const float gi = __fmul_rn(gs, g);
     const float mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(ob1, gi));
     const float vi = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(__fmul_rn(ob2, gi), gi));
     m = mi;
     v = vi;
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), c2_sqrt), eps);
+    const float denom = __fadd_rn(__fsqrt_rn(vi), eps_hat);
     p = __fsub_rn(__fmul_rn(p, dec), __fdiv_rn(__fmul_rn(step_size, mi), denom));
   }
 };
@@ -576,8 +577,8 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   const Backend::AdamWConstants k = adamw_constants(h);
   const AdamwStep step{static_cast<float>(h.grad_scale), static_cast<float>(h.beta1), static_cast<float>(h.beta2),
                        static_cast<float>(1.0 - h.beta1),    static_cast<float>(1.0 - h.beta2),
-                       static_cast<float>(h.eps),            static_cast<float>(k.decay),
-                       static_cast<float>(k.step_size),      static_cast<float>(k.bc2_sqrt)};
+                       static_cast<float>(k.eps_hat),        static_cast<float>(k.decay),
+                       static_cast<float>(k.step_size)};
   float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
   const float* g = grad.ptr<float>();
   const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
