@@ -176,13 +176,18 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
     fp8_->allocate_weight_casts(all);
   }
   // Every Linear weight whose GEMMs run on the backend's weight operand type (all but the FP8
-  // sites' weights) keeps a per-step copy in that type (ParamStore::operand).
+  // sites' weights) keeps a per-step copy in that type (ParamStore::operand). With bf16
+  // activations so does every Linear bias: the GEMMs' bias epilogues add a bf16 bias to a bf16
+  // output (ParamStore::bias_operand), which would otherwise be rounded per call — a conversion
+  // launch before each of ~40 GEMMs a step.
   std::unordered_set<std::string> fp8_weights;
   if (fp8_)
     for (const LinearSite* s : fp8_->sites()) fp8_weights.insert(s->name + ".weight");
+  const bool bf16_outputs = act_dtype_ == DType::bf16;
   std::vector<std::string> operand_copies;
   for (const ParamInfo& p : params_->layout().params())
-    if (p.linear_weight && !fp8_weights.contains(p.name)) operand_copies.push_back(p.name);
+    if ((p.linear_weight && !fp8_weights.contains(p.name)) || (p.linear_bias && bf16_outputs))
+      operand_copies.push_back(p.name);
   params_->use_operand_copies(operand_copies);
 }
 
@@ -276,9 +281,9 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   // Conditioning vector: vec = time_in(emb(t)) [+ guidance_in(emb(g))] + vector_in(y).
   auto run_embedder = [&](const std::string& name, MlpEmbedderSaved& e, Tensor x, Tensor out) {
     const MlpEmbedder m = MlpEmbedder::bind(P, name);
-    be_.linear(e.hidden, x, P.operand(m.in_layer.w), m.in_layer.b);
+    be_.linear(e.hidden, x, P.operand(m.in_layer.w), P.bias_operand(m.in_layer.b, e.hidden));
     be_.silu(e.act, e.hidden);
-    be_.linear(out, e.act, P.operand(m.out_layer.w), m.out_layer.b);
+    be_.linear(out, e.act, P.operand(m.out_layer.w), P.bias_operand(m.out_layer.b, out));
   };
   const size_t mark = scratch_arena_.mark();
   Tensor tmp = scratch_arena_.alloc(act_dtype_, Shape{B, H}, SlotKind::workspace);
@@ -295,8 +300,8 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   scratch_arena_.release_to(mark);
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
-  be_.linear(s.img_at[0], x_img, P.operand(img_in.w), img_in.b);
-  be_.linear(s.txt_at[0], x_txt, P.operand(txt_in.w), txt_in.b);
+  be_.linear(s.img_at[0], x_img, P.operand(img_in.w), P.bias_operand(img_in.b, s.img_at[0]));
+  be_.linear(s.txt_at[0], x_txt, P.operand(txt_in.w), P.bias_operand(txt_in.b, s.txt_at[0]));
   be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
@@ -338,10 +343,10 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
   const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
   const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
-  be_.linear(s.final_mod, s.silu_vec, P.operand(ada.w), ada.b);
+  be_.linear(s.final_mod, s.silu_vec, P.operand(ada.w), P.bias_operand(ada.b, s.final_mod));
   be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
                          s.final_mod.cols_slice(H, H), c.layernorm_eps);
-  be_.linear(s.pred, s.final_xm, P.operand(lin.w), lin.b);
+  be_.linear(s.pred, s.final_xm, P.operand(lin.w), P.bias_operand(lin.b, s.pred));
   if (!s.pred_out.defined()) return s.pred;
   be_.copy(s.pred_out, s.pred);
   return s.pred_out;

@@ -354,7 +354,7 @@ QTensor cast_site_input(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite
 void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y, Tensor x,
                   SavedLinearInput& saved) {
   if (!site.fp8 || !fp8) {
-    be.linear(y, x, site.w_operand(), site.b);
+    be.linear(y, x, site.w_operand(), site.b_operand(y));
     return;
   }
   const size_t mark = scratch.mark();
@@ -363,7 +363,7 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
   SavedLinearInput cast_only{Tensor{}, saved.cast_t};  // x is the caller's: cast it as it is
   const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, cast_only);
   fp8->ensure_weight_cast(site);
-  be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false, fp8->fprop_accumulation());
+  be.gemm_fp8_tn(y, x_row, site.w_row, site.b_operand(y), false, fp8->fprop_accumulation());
   scratch.release_to(mark);
 }
 
@@ -377,7 +377,7 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
   } else {
     const QTensor x_row = cast_site_input(be, *fp8, scratch, site, in, saved);
     fp8->ensure_weight_cast(site);
-    be.gemm_fp8_tn(y, x_row, site.w_row, site.b, false, fp8->fprop_accumulation());
+    be.gemm_fp8_tn(y, x_row, site.w_row, site.b_operand(y), false, fp8->fprop_accumulation());
   }
   scratch.release_to(mark);
 }
@@ -391,7 +391,7 @@ void site_forward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite&
   const size_t mark = scratch.mark();
   const Tensor x = linear_input_buffer(scratch, saved, in.x.shape, dtype);
   be.produce(x, in);
-  be.linear_gelu(y_gelu, h, x, site.w_operand(), site.b);
+  be.linear_gelu(y_gelu, h, x, site.w_operand(), site.b_operand(h));
   scratch.release_to(mark);
 }
 

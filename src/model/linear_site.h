@@ -40,6 +40,8 @@ struct LinearSite {
   // The weight as a BF16 GEMM takes it: the store's per-step rounded copy where it keeps one
   // (ParamStore::operand), else w.
   Tensor w_operand() const { return store ? store->operand(w) : w; }
+  // The bias as the GEMM writing `out` takes it (ParamStore::bias_operand), else b.
+  Tensor b_operand(const Tensor& out) const { return store ? store->bias_operand(b, out) : b; }
 };
 
 // What a Linear keeps for its backward: the input itself (BF16, or FP8 with fp8_wgrad: false)

@@ -18,14 +18,16 @@ void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string
                       bool block_linear, bool linear_weight, bool per_sample) {
   index_.emplace(name, params_.size());
   params_.push_back(
-      {std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight, per_sample});
+      {std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight, per_sample, false});
   total_ += shape.numel();
 }
 
 void ParamLayout::add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
                              const std::string& component, bool bias, bool block_linear, bool per_sample) {
   add(prefix + ".weight", Shape{out, in}, init, component, block_linear, true, per_sample);
-  if (bias) add(prefix + ".bias", Shape{out}, ParamInit::zeros, component);
+  if (!bias) return;
+  add(prefix + ".bias", Shape{out}, ParamInit::zeros, component);
+  params_.back().linear_bias = true;
 }
 
 // Order follows the reference module definition order (and so its state dict).
@@ -167,6 +169,13 @@ Tensor ParamStore::operand(const Tensor& w) const {
     c.version = params_version_;
   }
   return c.copy;
+}
+
+Tensor ParamStore::bias_operand(const Tensor& b, const Tensor& out) const {
+  if (operands_.empty() || !b.defined()) return b;
+  const size_t i = index_in(params_, b);
+  if (i == kNoParam || !operands_[i].copy.defined() || operands_[i].copy.dtype != out.dtype) return b;
+  return operand(b);
 }
 
 std::vector<Backend::ParamCopy> ParamStore::operand_copies() const {

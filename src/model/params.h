@@ -28,6 +28,7 @@ struct ParamInfo {
   // The weight of a Linear that sees one row per sample (the modulation Linears, the embedders'
   // MLPs): its gradient has the rank of a step's samples (ParamStore::keep_low_rank_grads).
   bool per_sample = false;
+  bool linear_bias = false;  // the bias of a Linear (add_linear)
 };
 
 class ParamLayout {
@@ -123,6 +124,10 @@ class ParamStore {
   // params_updated(), which marks them current where params_changed() marks them stale.
   void use_operand_copies(const std::vector<std::string>& names);
   Tensor operand(const Tensor& w) const;
+  // A Linear's bias `b` as its GEMM's epilogue takes it for the output `out`: operand(b) where
+  // the store keeps a copy of b in out's type (a bf16 output's epilogue adds a bf16 bias, which
+  // the GEMM would otherwise round from b on every call), else b itself.
+  Tensor bias_operand(const Tensor& b, const Tensor& out) const;
   void params_changed() { ++params_version_; }
   std::vector<Backend::ParamCopy> operand_copies() const;
   void params_updated();

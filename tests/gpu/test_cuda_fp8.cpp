@@ -727,6 +727,49 @@ TEST(CudaGemmFp8, FastAccumulationReachesCublasAndStaysWithinItsBound) {
   }
 }
 
+// The forward GEMM's bias as the bf16 copy a model keeps (ParamStore::bias_operand): into a bf16
+// output the same bits as an f32 bias of the same (rounded) values — on the cuBLASLt path
+// (per-tensor and block-scaled operands), where it also equals the unrounded f32 bias (cuBLASLt's
+// bf16-D epilogue rounds it to bf16 itself), and on the emulated one (k = 24, not a multiple of
+// 16); into an f32 output it is refused, naming it.
+TEST(CudaGemmFp8, Bf16BiasEqualsTheF32Bias) {
+  FLUX8_REQUIRE_GPU();
+  const int64_t m = 72, n = 104;
+  for (const auto [k, scaling] : {std::pair{int64_t{256}, Fp8Scaling::per_tensor},
+                                  std::pair{int64_t{256}, Fp8Scaling::block_1x128},
+                                  std::pair{int64_t{24}, Fp8Scaling::per_tensor}}) {
+    SCOPED_TRACE(fmt::format("k {} {}", k, fp8_scaling_name(scaling)));
+    const Fp8Scaling b_scaling = scaling == Fp8Scaling::per_tensor ? scaling : Fp8Scaling::block_128x128;
+    QPair a(m, k, Fp8Format::e4m3, scaling), b(n, k, Fp8Format::e4m3, b_scaling);
+    make_operand(a, 41 + static_cast<uint64_t>(k));
+    make_operand(b, 42 + static_cast<uint64_t>(k));
+    Pair bias(Shape{n}), bias_rounded(Shape{n});
+    bias.randn(43);
+    Bf16Pair bias16(Shape{n});
+    bias16.host.mem = bias.host.mem;
+    bias16.up();  // rounds the host values too
+    bias_rounded.host.mem = bias16.host.mem;
+    bias_rounded.up();
+    Bf16Pair y1(Shape{m, n}, 8), y2(Shape{m, n}, 8), y3(Shape{m, n}, 8);
+    gpu().gemm_fp8_tn(y1.dev, a.dev, b.dev, bias.dev, false, Fp8Accumulation::fast);
+    gpu().gemm_fp8_tn(y2.dev, a.dev, b.dev, bias16.dev, false, Fp8Accumulation::fast);
+    gpu().gemm_fp8_tn(y3.dev, a.dev, b.dev, bias_rounded.dev, false, Fp8Accumulation::fast);
+    EXPECT_EQ(y2.all_bits(), y3.all_bits());
+    if (k % 16 == 0) EXPECT_EQ(y2.all_bits(), y1.all_bits()) << "cuBLASLt rounds the f32 bias to bf16";
+  }
+  QPair a(m, 256, Fp8Format::e4m3, Fp8Scaling::per_tensor), b(n, 256, Fp8Format::e4m3, Fp8Scaling::per_tensor);
+  make_operand(a, 44);
+  make_operand(b, 45);
+  Bf16Pair bias16(Shape{n});
+  Pair c(Shape{m, n});
+  try {
+    gpu().gemm_fp8_tn(c.dev, a.dev, b.dev, bias16.dev, false, Fp8Accumulation::fp32);
+    FAIL() << "expected a refusal of the bf16 bias for an f32 output";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gemm_fp8_tn: bias 'b' is bf16"), std::string::npos) << e.what();
+  }
+}
+
 // What cuBLASLt can multiply must not fall back to the emulated path, which says on stderr why it
 // was taken (once per reason: this shape is used by no other test).
 TEST(CudaGemmFp8, SupportedRecipesRunOnTensorCores) {

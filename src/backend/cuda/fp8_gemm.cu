@@ -91,7 +91,7 @@ constexpr int kBM = 64, kBN = 64, kBK = 16, kGemmThreads = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(kGemmThreads) emulated_gemm_kernel(Operand a, Operand b, T* c, int64_t ldc,
-                                                                     const float* bias, bool accumulate) {
+                                                                     BiasVector bias, bool accumulate) {
   __shared__ float as[kBK][kBM + 1];
   __shared__ float bs[kBK][kBN + 1];
   const int64_t m = a.rows, n = b.rows, k = a.cols;
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kGemmThreads) emulated_gemm_kernel(Operand a, 
     }
 }
 
-void emulated_gemm(CudaBackend& be, const Tensor& c, const QTensor& a, const QTensor& b, const float* bias,
+void emulated_gemm(CudaBackend& be, const Tensor& c, const QTensor& a, const QTensor& b, BiasVector bias,
                    bool accumulate) {
   const int64_t m = a.rows, n = b.rows;
   const int64_t gy = (m + kBM - 1) / kBM, gx = (n + kBN - 1) / kBN;
@@ -267,8 +267,9 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
   if (c.ld < c.cols()) fail("{}: output {} has row stride {} smaller than its columns", op, c.str(), c.ld);
   if (!a.defined() || !b.defined() || a.cols != b.cols || c.rows() != a.rows || c.cols() != b.rows)
     fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, c.str(), a.rows, a.cols, b.rows, b.cols);
-  if (bias.defined() && (bias.numel() != b.rows || bias.dtype != DType::f32 || !bias.contiguous()))
-    fail("{}: bias {} must be a contiguous f32[{}]", op, bias.str(), b.rows);
+  if (bias.defined() && bias.numel() != b.rows)
+    fail("{}: bias {} must be a vector of {} elements (f32, or bf16 for a bf16 output)", op, bias.str(), b.rows);
+  const BiasVector bias_ptr = bias_vector(op, bias, c);
   for (const QTensor* q : {&a, &b})
     if (q->scaling == Fp8Scaling::mx_1x32 ? !q->scale_e8m0 : !q->scale_inv)
       fail("{}: operand {} [{}, {}] ({}) has no scales", op, q == &a ? "a" : "b", q->rows, q->cols,
@@ -279,7 +280,6 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
          op);
   const int64_t m = a.rows, n = b.rows, k = a.cols;
   if (m == 0 || n == 0) return;
-  const float* bias_ptr = bias.defined() ? bias.ptr<float>() : nullptr;
   if (k == 0) {  // empty reduction: c = (c) + bias, which the tiled kernel does without a product
     emulated_gemm(*this, c, a, b, bias_ptr, accumulate);
     return;
@@ -291,7 +291,7 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
   const GemmBackend pinned = gemm_backend();
   std::string why = pinned == GemmBackend::emulated ? "FLUX8_GEMM_BACKEND=emulated" : native_blocker(c, a, b, key);
   if (pinned == GemmBackend::emulated) key = "pinned";
-  if (why.empty()) {
+  if (why.empty() && !gemm_->has_algorithm(d)) {  // (the strings only when it has none: this runs every call)
     why = gemm_->supported(d);
     key = "heuristic " + describe(d);
   }

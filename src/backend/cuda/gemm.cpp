@@ -338,6 +338,8 @@ std::string Gemm::supported(const GemmDesc& d) {
   return p.found ? "" : fmt::format("cuBLASLt has no algorithm for {} ({})", describe(d), p.why_not);
 }
 
+bool Gemm::has_algorithm(const GemmDesc& d) { return plan(d).found; }
+
 void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
   if (g.m == 0 || g.n == 0) return;
   Plan& p = plan(g);

@@ -26,6 +26,7 @@
 // Column-major, like cuBLASLt: D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, with
 // C == D (in place). Row-major callers swap operands (see linear.cu).
 #include <cublasLt.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <array>
@@ -33,9 +34,11 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
+#include "core/dtype.h"  // FLUX8_HD
 #include "core/error.h"
 
 namespace flux8 {
@@ -117,6 +120,8 @@ class Gemm {
   // "" when cuBLASLt has an algorithm for this description on this GPU, else the reason
   // (used to report which FP8 recipes can run here).
   std::string supported(const GemmDesc& d);
+  // supported(d) == "" without formatting the reason: for the per-call choice between variants.
+  bool has_algorithm(const GemmDesc& d);
   size_t cached_plans() const { return plans_.size(); }
   bool autotuning() const { return autotune_; }
   // Descriptions timed by this process, and those whose choice came from the disk cache.
@@ -159,16 +164,32 @@ class Gemm {
   std::map<decltype(GemmDesc{}.key()), std::unique_ptr<Plan>> plans_;
 };
 
+// A bias vector on the device for gemm_with_bias: f32, or bf16 — the rounded copy a model keeps
+// of its bias next to its weights' (ParamStore::operand), for a bf16 output only.
+struct BiasVector {
+  const void* p = nullptr;  // null: no bias
+  bool bf16 = false;
+  FLUX8_HD explicit operator bool() const { return p != nullptr; }
+#ifdef __CUDACC__
+  __device__ float operator[](int64_t j) const {
+    return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[j]) : static_cast<const float*>(p)[j];
+  }
+#endif
+};
+// `b` of op `op` (undefined: none) as a bias for the output `out`: a contiguous f32 vector, or a
+// bf16 one where `out` is bf16 (fails naming the op otherwise).
+BiasVector bias_vector(std::string_view op, const Tensor& b, const Tensor& out);
+
 // Runs `d` (its D is the row-major c [rows, cols] = column-major [cols, rows]; args.d = c) and
-// adds bias[cols] (device, f32; null: none), in the epilogue where cuBLASLt has one for c:
+// adds bias[cols] (device; none: no bias), in the epilogue where cuBLASLt has one for c:
 // - an f32 bias: exact, the product (+ c when accumulating) + bias rounded once to c's type;
-// - bf16 c: else a bf16 copy of the bias (cuBLASLt's FP8 GEMMs take only that for bf16 D); the
-//   bias is rounded to bf16 before it is added (≤ 2⁻⁹ of it);
+// - bf16 c: else a bf16 copy of the bias (cuBLASLt's FP8 and BF16 GEMMs take only that for bf16
+//   D: an f32 bias is rounded to bf16 before it is added, ≤ 2⁻⁹ of it), or the bf16 bias itself;
 // - else the plain GEMM, then a kernel adds the bias to c in the CPU's order (product, + c,
 //   + bias); a bf16 c is then rounded twice (≤ 1 bf16 ulp more).
 // A non-FP8 description cuBLASLt refuses when run (GemmRefused) is computed by a plain kernel
 // (noted once on stderr); an FP8 one is rethrown for the caller's emulated path. (linear.cu)
-void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias);
+void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, BiasVector bias);
 
 std::string describe(const GemmDesc& d);  // for error messages: "TN m=.. n=.. k=.. e4m3 x e5m2 -> f32"
 

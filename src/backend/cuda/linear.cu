@@ -82,7 +82,7 @@ void require_weight(CudaBackend& be, std::string_view op, const Tensor& w, bool 
 
 // c[r, j] (+)= bias[j] after the product (gemm_with_bias's last resort), in the CPU's order.
 template <typename T>
-void add_bias(CudaBackend& be, const Tensor& c, const float* bias) {
+void add_bias(CudaBackend& be, const Tensor& c, BiasVector bias) {
   const MatOf<T> C = mat_of<T>(c);
   for_each_row(be, C.rows, C.cols, [=] __device__(int64_t r, int j) { C.set(r, j, C.get(r, j) + bias[j]); });
 }
@@ -95,7 +95,7 @@ __device__ inline float element(const void* p, cudaDataType_t t, int64_t i) {
 // Column-major D[m, n] = op(A)·op(B) (+ D when accumulating) (+ bias[m]), one thread per element,
 // fp32 sums in k order: for a description cuBLASLt offers an algorithm for and then refuses to
 // run (GemmRefused; seen for bf16 operands at k = 2). Slow, but only ever met at tiny shapes.
-__device__ void plain_gemm_element(const GemmDesc& d, const void* a, const void* b, void* out, const float* bias,
+__device__ void plain_gemm_element(const GemmDesc& d, const void* a, const void* b, void* out, BiasVector bias,
                                    int64_t i, int64_t j) {
   float acc = 0;
   for (int64_t l = 0; l < d.k; ++l) {
@@ -112,7 +112,7 @@ __device__ void plain_gemm_element(const GemmDesc& d, const void* a, const void*
     static_cast<float*>(out)[o] = acc;
 }
 
-__global__ void plain_gemm_kernel(GemmDesc d, const void* a, const void* b, void* out, const float* bias) {
+__global__ void plain_gemm_kernel(GemmDesc d, const void* a, const void* b, void* out, BiasVector bias) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= d.m) return;
   for (int64_t j = blockIdx.y; j < d.n; j += gridDim.y) plain_gemm_element(d, a, b, out, bias, i, j);
@@ -129,7 +129,10 @@ namespace {
 // Runs `d` when cuBLASLt offers an algorithm for it and runs it; false when nothing ran, with the
 // reason in `why` (a GemmRefused marks the description unsupported from then on).
 bool try_run(Gemm& gemm, const GemmDesc& d, const GemmArgs& args, std::string& why) {
-  if (why = gemm.supported(d); !why.empty()) return false;
+  if (!gemm.has_algorithm(d)) {
+    why = gemm.supported(d);
+    return false;
+  }
   try {
     gemm.run(d, args);
     return true;
@@ -149,27 +152,52 @@ void note_unfused(Epilogue e, const std::string& why) {
   fmt::print(stderr, "note: {}; the op runs its unfused kernels instead (noted once per epilogue)\n", why);
 }
 
-// `d` with bias[cols of c] (device, f32) added in its epilogue: the f32 bias, else (bf16 c) a
-// bf16 copy of it; false when neither runs (nothing ran), with the reason in `why`.
-bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias,
+// `d` with bias[cols of c] added in its epilogue: an f32 bias as it is or (bf16 c) as a bf16 copy,
+// a bf16 bias as it is; false when none of these runs (nothing ran), with the reason in `why`.
+// On the H200 cuBLASLt offers no f32 bias for a bf16 D, so that variant is passed over without
+// asking twice (the reason is only formatted when the last variant fails too).
+bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, BiasVector bias,
                             std::string& why) {
+  Gemm& gemm = be.gemm();
   d.bias = true;
-  d.bias_type = CUDA_R_32F;
-  args.bias = bias;
-  if (try_run(be.gemm(), d, args, why)) return true;
-  if (c.dtype != DType::bf16) return false;
-  d.bias_type = CUDA_R_16BF;
-  if (!be.gemm().supported(d).empty()) return false;  // the copy only for a variant on offer
+  d.bias_type = bias.bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  args.bias = bias.p;
   const int64_t n = c.cols();
+  if (bias.bf16 && !aligned16(bias.p)) {
+    // A slice of a bf16 copy (linear_gelu's GELU part) may start anywhere; cuBLASLt is only
+    // handed 16-byte aligned vectors, as a refusal would mark the description unsupported.
+    void* aligned = be.epilogue_scratch(static_cast<size_t>(n) * 2);
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(aligned, bias.p, static_cast<size_t>(n) * 2, cudaMemcpyDeviceToDevice, be.stream()));
+    args.bias = aligned;
+  }
+  const bool bf16_c = c.dtype == DType::bf16;
+  if (bias.bf16 || !bf16_c || gemm.has_algorithm(d)) {
+    if (try_run(gemm, d, args, why)) return true;
+    if (bias.bf16 || !bf16_c) return false;
+  }
+  d.bias_type = CUDA_R_16BF;
+  if (!gemm.has_algorithm(d)) {  // the copy only for a variant on offer
+    why = gemm.supported(d);
+    return false;
+  }
   auto* b16 = static_cast<__nv_bfloat16*>(be.epilogue_scratch(static_cast<size_t>(n) * 2));
-  to_bf16(b16, bias, n, be.stream());
+  to_bf16(b16, static_cast<const float*>(bias.p), n, be.stream());
   args.bias = b16;
-  return try_run(be.gemm(), d, args, why);
+  return try_run(gemm, d, args, why);
 }
 
 }  // namespace
 
-void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, const float* bias) {
+BiasVector bias_vector(std::string_view op, const Tensor& b, const Tensor& out) {
+  if (!b.defined()) return {};
+  if (!b.contiguous()) fail("{}: bias 'b' {} must be contiguous", op, b.str());
+  if (b.dtype == DType::f32) return {b.data, false};
+  if (b.dtype == DType::bf16 && out.dtype == DType::bf16) return {b.data, true};
+  fail("{}: bias 'b' is {}: expected f32{}", op, dtype_name(b.dtype),
+       out.dtype == DType::bf16 ? " or bf16" : " (a bf16 bias is only taken for a bf16 output)");
+}
+
+void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c, BiasVector bias) {
   Gemm& gemm = be.gemm();
   std::string why;
   if (bias && run_with_bias_epilogue(be, d, args, c, bias, why)) return;
@@ -243,7 +271,7 @@ bool epilogue_operands_aligned(std::initializer_list<Operand> operands, std::ini
 
 // y = b (or 0) for an empty product.
 template <typename T>
-void fill_bias(CudaBackend& be, const Tensor& y, const float* bias) {
+void fill_bias(CudaBackend& be, const Tensor& y, BiasVector bias) {
   const MatOf<T> Y = mat_of<T>(y);
   for_each_row(be, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.set(r, c, bias[c]); });
 }
@@ -253,22 +281,22 @@ void fill_bias(CudaBackend& be, const Tensor& y, const float* bias) {
 void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear";
   const bool bf16 = activations_in_bf16(op, {{"y", y}, {"x", x}});
-  if (b.defined()) require_f32(op, {{"b", b}});
+  const BiasVector bias = bias_vector(op, b, y);
   require_weight(*this, op, w, bf16);
   const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
   if (K == 0) {  // empty product: y = b (or 0)
-    if (!b.defined())
+    if (!bias)
       fill(y, 0.0);
     else if (bf16)
-      fill_bias<__nv_bfloat16>(*this, y, b.ptr<float>());
+      fill_bias<__nv_bfloat16>(*this, y, bias);
     else
-      fill_bias<float>(*this, y, b.ptr<float>());
+      fill_bias<float>(*this, y, bias);
     return;
   }
   Operands ops(*this, bf16, {&w, &x});
   const Operand W = ops.get(w), X = ops.get(x);
   const GemmDesc d = fprop_desc(W, X, y, N, K, M);
-  gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = y.data}, y, b.defined() ? b.ptr<float>() : nullptr);
+  gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = y.data}, y, bias);
 }
 
 void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
@@ -295,7 +323,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       const Operand W = ops.get(w);
       GemmDesc d = dgrad_desc(W, DY, dx, N, K, M);
       d.accumulate = accumulate_dx;
-      gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, nullptr);
+      gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, BiasVector{});
     }
   }
   if (dw.defined()) {
@@ -311,7 +339,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
       d.type_a = d.type_b = ops.type();
       d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
-      gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, nullptr);
+      gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, BiasVector{});
     } else if (!accumulate_params) {
       fill(dw, 0.0);
     }
@@ -331,7 +359,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
 void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear_gelu";
   const bool bf16 = activations_in_bf16(op, {{"y", y}, {"h", h}, {"x", x}});
-  if (b.defined()) require_f32(op, {{"b", b}});
+  bias_vector(op, b, h);
   require_weight(*this, op, w, bf16);
   const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
   const int64_t first = M - G;
@@ -346,7 +374,7 @@ void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) 
       d.aux_ld = h_gelu.ld;
       const GemmArgs args{.a = W.p, .b = X.p, .d = y.data, .aux = h_gelu.data};
       std::string why;
-      fused = b.defined() ? run_with_bias_epilogue(*this, d, args, y, b_gelu.ptr<float>(), why)
+      fused = b.defined() ? run_with_bias_epilogue(*this, d, args, y, bias_vector(op, b_gelu, y), why)
                           : try_run(gemm(), d, args, why);
       if (!fused) note_unfused(d.epilogue, why);
     }
