@@ -47,6 +47,9 @@ struct StepBenchResult {
   double median_ms = 0, tflops = 0, model_tflop = 0;
   double setup_s = 0;           // backend ready -> model built, parameters initialised, memory planned
   double first_step_s = 0;      // setup_s + the first step (plans, autotuning, first launches)
+  // The process's first run only (else < 0): from the process's start (seconds_since_process_start:
+  // the libraries' loading, the CUDA context and the backend included) to the end of its first step.
+  double launch_to_first_step_s = -1;
   double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;
   double first_loss = 0, last_loss = 0;
   std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)

@@ -189,6 +189,10 @@ Command add_bench_command(CLI::App& app) {
           fmt::print("{:<22} {:<28} {:>9.2f} {:>8.1f} {:>8.2f} {:>8.2f} {:>10.2f} {:>10.2f} {:>9.2f}  {}\n",
                      r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", p == "bf16" ? "BF16" : p + " " + o->format, r.median_ms,
                      r.tflops, r.setup_s, r.first_step_s, r.peak_allocated_gib, r.device_used_gib, r.activation_gib, vs);
+          if (r.launch_to_first_step_s >= 0)
+            fmt::print("  launch to first step: {:.2f} s (this process's start to the end of its first step: libraries, "
+                       "device, backend, model, first step)\n",
+                       r.launch_to_first_step_s);
           if (!r.ops.empty()) {
             double total = 0;
             for (const OpTime& t : r.ops) total += t.ms_per_step;
@@ -227,7 +231,11 @@ Command add_bench_command(CLI::App& app) {
                                   {"txt_tokens", s.shape.txt_tokens}, {"img_tokens", s.shape.img_tokens},
                                   {"median_step_ms", r.median_ms},  {"step_ms", r.step_ms},
                                   {"model_tflop_per_step", r.model_tflop}, {"model_tflops", r.tflops},
-                                  {"first_step_s", r.first_step_s}, {"setup_s", r.setup_s}, {"peak_allocated_gib", r.peak_allocated_gib},
+                                  {"first_step_s", r.first_step_s}, {"setup_s", r.setup_s},
+                                  {"launch_to_first_step_s", r.launch_to_first_step_s >= 0
+                                                                 ? nlohmann::json(r.launch_to_first_step_s)
+                                                                 : nlohmann::json(nullptr)},
+                                  {"peak_allocated_gib", r.peak_allocated_gib},
                                   {"device_used_gib", r.device_used_gib}, {"activation_estimate_gib", r.activation_gib},
                                   {"first_loss", r.first_loss},     {"last_loss", r.last_loss},
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},

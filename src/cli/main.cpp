@@ -4,8 +4,10 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/process_clock.h"
 
 int main(int argc, char** argv) {
+  (void)flux8::seconds_since_process_start();  // its fallback clock starts here where /proc is missing
   CLI::App app{"flux8: a C++/CUDA engine that trains Flux diffusion transformers in BF16 and FP8"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "flux8 0.1.0");

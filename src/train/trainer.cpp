@@ -12,6 +12,7 @@
 #include "backend/transfer.h"
 #include "config/config.h"
 #include "core/error.h"
+#include "core/process_clock.h"
 #include "data/loader.h"
 #include "model/flux_model.h"
 #include "model/weights_io.h"
@@ -252,6 +253,13 @@ TrainResult run_training(const TrainOptions& opt) {
     progress.step(StepReport{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
                              static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs, !st.applied},
                   r.state.step % log_interval == 0 || r.state.step == train_iters);
+    if (r.state.step == start_step + 1) {
+      const double since_launch = seconds_since_process_start();
+      progress.event(fmt::format("first step done {:.2f} s after launch (libraries, device, model, data, validation "
+                                 "and the step itself)",
+                                 since_launch),
+                     {{"event", "first_step"}, {"step", r.state.step}, {"seconds_since_launch", since_launch}});
+    }
 
     const bool last = r.state.step == train_iters;
     if (eval_interval > 0 && r.state.step % eval_interval == 0 && !last) run_validation("interval");

@@ -1,0 +1,14 @@
+#pragma once
+// How long this process has run: the "launch" in "≤ 3 s from launch to the first step"
+// (WORKLOADS.md), which includes what happens before main() — the dynamic loader mapping
+// cuBLASLt, cuDNN and NCCL — and the CUDA context, which a timer started by flux8 itself would
+// miss.
+
+namespace flux8 {
+
+// Seconds since the kernel started this process (Linux: /proc/self/stat's start time against
+// CLOCK_BOOTTIME, at the kernel's clock-tick resolution, 10 ms). Elsewhere, or when /proc cannot
+// be read: since this function's first call.
+double seconds_since_process_start();
+
+}  // namespace flux8
