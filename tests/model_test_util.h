@@ -102,9 +102,6 @@ struct ModelRunOptions {
   // > 0: the per-sample Linears' gradients kept as low-rank factors of up to this many rows
   // (ParamStore::keep_low_rank_grads), written out before the gradients are read.
   int64_t low_rank_rows = 0;
-  // The backward's gradients_final (FluxModel::backward): each block's gradients handed to the
-  // gradient norm as its backward ends.
-  bool gradients_final = false;
   uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
 };
 
@@ -113,7 +110,6 @@ struct ModelRun {
   std::vector<std::pair<std::string, std::vector<double>>> grads;  // (name, values), layout order
   std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
   std::vector<float> scales, history;  // FP8 delayed scaling: the registry's state at the end
-  std::vector<double> grad_norms;      // with an optimizer: each step's gradient norm
 };
 
 inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOptions& o) {
@@ -135,13 +131,13 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
     r.pred = to_host(be, pred);
     std::vector<double> probe(r.pred.size());
     for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(o.probe_seed, static_cast<uint64_t>(s), i);
-    model.backward(batch.make(pred.shape, probe), o.gradients_final);
+    model.backward(batch.make(pred.shape, probe));
     if (opt && o.fused_weight_casts) {
-      r.grad_norms.push_back(apply_optimizer_step(model, *opt, s + 1, 1e-2).grad_norm);  // as the trainer
+      apply_optimizer_step(model, *opt, s + 1, 1e-2);  // as the trainer
       continue;
     }
     model.before_optimizer_step();  // scales first; the weights' casts at their first use
-    if (opt) r.grad_norms.push_back(opt->step(s + 1, 1e-2).grad_norm);
+    if (opt) opt->step(s + 1, 1e-2);
     model.after_optimizer_step(false);
   }
   model.params().materialize_low_rank_grads();  // grad() reads the flat buffer

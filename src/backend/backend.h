@@ -260,16 +260,6 @@ class Backend {
   // in R²(M + K) operations instead of M·K. The contents of `grads` at those ranges are never
   // read. Without low-rank ranges it is sum_squares(grads).
   virtual double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) = 0;
-  // Hints that let a backend sum a step's gradient squares while the backward still runs (the
-  // CUDA backend: on a second, low-priority stream, overlapping the backward's compute-bound
-  // GEMMs). Neither changes a result — gradient_sum_squares returns the same bits with or
-  // without them — and a backend may ignore both (the default):
-  //   gradient_norm_begin(grads): a new step's gradients are about to be written (forget any
-  //     sums taken early for the last one);
-  //   gradient_range_final(grads, begin, end): the flat gradients [begin, end) hold their final
-  //     values for this step — nothing writes them again before gradient_sum_squares.
-  virtual void gradient_norm_begin(Tensor grads) { (void)grads; }
-  virtual void gradient_range_final(Tensor grads, int64_t begin, int64_t end) { (void)grads, (void)begin, (void)end; }
   // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in their own
   // precision (fp32 in training; fp64 in gradient checks):
   //   g = grad_scale·grad;  m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²

@@ -176,12 +176,6 @@ class OpProfiler : public Backend {
     timed("sum_squares", [&] { r = be_.gradient_sum_squares(grads, low_rank); });
     return r;
   }
-  // The hints launch on the backend's side stream (or nothing): forwarded, not timed — their
-  // work shows as the sum_squares row it shortens.
-  void gradient_norm_begin(Tensor grads) override { be_.gradient_norm_begin(grads); }
-  void gradient_range_final(Tensor grads, int64_t begin, int64_t end) override {
-    be_.gradient_range_final(grads, begin, end);
-  }
   void adamw(Tensor p, Tensor g, Tensor m, Tensor v, const AdamW& h, std::span<const ParamCopy> copies,
              std::span<const ParamCast> casts, std::span<const LowRankGrad> low_rank) override {
     timed("adamw", [&] { be_.adamw(p, g, m, v, h, copies, casts, low_rank); });

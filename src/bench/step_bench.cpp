@@ -207,7 +207,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     model.params().zero_grads();
     const Tensor pred = model.forward(in);
     const double loss = be.mse_loss(dpred, pred, target, 1.0);
-    model.backward(dpred, true);  // one micro-batch: its gradients are the step's, as the trainer's last
+    model.backward(dpred);
     apply_optimizer_step(model, opt, s + 1, spec.lr);  // as the trainer
     be.synchronize();
     const double ms = 1e3 * seconds_since(ts);

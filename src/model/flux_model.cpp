@@ -352,7 +352,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   return s.pred_out;
 }
 
-void FluxModel::backward(const Tensor& dpred, bool gradients_final) {
+void FluxModel::backward(const Tensor& dpred) {
   if (!saved_) fail("FluxModel::backward called without a forward");
   const FluxConfig& c = cfg_;
   const StepShape sh = shape_;
@@ -397,12 +397,8 @@ void FluxModel::backward(const Tensor& dpred, bool gradients_final) {
   // statistics twice.
   const bool full = recompute_ == Recompute::full;
   for (size_t i = single_params_.size(); i-- > 0;) {
-    const auto block_done = [&] {
-      if (gradients_final) P.gradients_final(fmt::format("single_blocks.{}.", i));
-    };
     if (!full) {
       single_block_backward(ctx, single_params_[i], s.singles[i], dz);
-      block_done();
       continue;
     }
     SingleBlockSaved blk =
@@ -412,17 +408,12 @@ void FluxModel::backward(const Tensor& dpred, bool gradients_final) {
       single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
     }
     single_block_backward(ctx, single_params_[i], blk, dz);
-    block_done();
     saved_arena_.release_to(s.block_region);
   }
   be_.split_tokens(dtxt, dimg, dz);
   for (size_t i = double_params_.size(); i-- > 0;) {
-    const auto block_done = [&] {
-      if (gradients_final) P.gradients_final(fmt::format("double_blocks.{}.", i));
-    };
     if (!full) {
       double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
-      block_done();
       continue;
     }
     DoubleBlockSaved blk =
@@ -432,7 +423,6 @@ void FluxModel::backward(const Tensor& dpred, bool gradients_final) {
       double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1]);
     }
     double_block_backward(ctx, double_params_[i], blk, dtxt, dimg);
-    block_done();
     saved_arena_.release_to(s.block_region);
   }
 

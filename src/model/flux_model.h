@@ -78,10 +78,7 @@ class FluxModel {
   // Returns pred [B, Li, out_channels], valid until the next forward.
   Tensor forward(const FluxInputs& in);
   // Accumulates the parameter gradients of a loss whose gradient w.r.t. pred is dpred.
-  // `gradients_final`: this backward completes the step's gradients (its last micro-batch), so
-  // each block's are final when its backward ends and go to the gradient norm early
-  // (ParamStore::gradients_final) — nothing may add to them before the optimizer step.
-  void backward(const Tensor& dpred, bool gradients_final = false);
+  void backward(const Tensor& dpred);
 
   static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape,
                                                  Recompute recompute = Recompute::none);

@@ -130,27 +130,7 @@ void ParamStore::init(uint64_t seed) {
   }
 }
 
-void ParamStore::zero_grads() {
-  std::fill(written_.begin(), written_.end(), 0);
-  backend_.gradient_norm_begin(flat_grads());
-}
-
-void ParamStore::gradients_final(const std::string& prefix) const {
-  auto it = prefix_ranges_.find(prefix);
-  if (it == prefix_ranges_.end()) {
-    int64_t begin = layout_.total(), end = 0, size = 0;
-    for (const ParamInfo& p : layout_.params())
-      if (p.name.starts_with(prefix)) {
-        begin = std::min(begin, p.offset);
-        end = std::max(end, p.offset + p.shape.numel());
-        size += p.shape.numel();
-      }
-    if (size == 0 || size != end - begin)
-      fail("internal error: the parameters '{}*' are not one contiguous range of the layout", prefix);
-    it = prefix_ranges_.emplace(prefix, std::make_pair(begin, end)).first;
-  }
-  backend_.gradient_range_final(flat_grads(), it->second.first, it->second.second);
-}
+void ParamStore::zero_grads() { std::fill(written_.begin(), written_.end(), 0); }
 
 size_t ParamStore::index_in(const void* buffer, const Tensor& view) const {
   const char* base = static_cast<const char*>(buffer);

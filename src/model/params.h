@@ -84,11 +84,6 @@ class ParamStore {
   // hands out writable views, and sites bind to a const store.)
   void zero_grads();
   bool first_write(const Tensor& grad) const;
-  // The gradients of every parameter named `prefix`... hold their final values for this step
-  // (a block's, after its backward on the step's last micro-batch): passed on to the backend
-  // (Backend::gradient_range_final), which may start their part of the gradient norm while the
-  // backward goes on. The parameters must be contiguous in the layout (a block's are).
-  void gradients_final(const std::string& prefix) const;
   void zero_if_unwritten(const Tensor& grad) const;
   void finish_grads() const;
 
@@ -152,7 +147,6 @@ class ParamStore {
   void* params_ = nullptr;
   void* grads_ = nullptr;
   std::unordered_map<int64_t, size_t> by_offset_;  // a parameter's offset -> its index
-  mutable std::unordered_map<std::string, std::pair<int64_t, int64_t>> prefix_ranges_;  // gradients_final
   mutable std::vector<uint8_t> written_;           // per parameter, since zero_grads()
   // Weight operand copies: per parameter, its copy (undefined: none) and the params_version_
   // it was made at.

@@ -63,7 +63,7 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sam
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
     const Tensor pred = ctx.model.forward(in);
     out.loss += share * be.mse_loss(ctx.buffers.dpred, pred, ctx.buffers.target, share);
-    ctx.model.backward(ctx.buffers.dpred, first + micro >= global);  // the last micro-batch: gradients final
+    ctx.model.backward(ctx.buffers.dpred);
     out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
   }
   return out;

@@ -759,50 +759,6 @@ TEST(CudaOps, AdamWWritesRoundedCopies) {
   check({{9, 100}, {9001, 40000}}, 1, 4, "views not 16-byte aligned");
 }
 
-// The gradient norm's early chunks (gradient_range_final: summed on the side stream before
-// gradient_sum_squares) leave its result bit for bit: ranges that start and end inside chunks,
-// meet, overlap and reach the end, over the plain chunking (no low-rank gradients: the first
-// call) and over a chunk table around low-rank ranges; a hint before the chunking is known (a
-// fresh layout) is ignored; gradient_norm_begin forgets the early sums, so gradients rewritten
-// after it are summed anew; and a changed layout takes every chunk again.
-TEST(CudaOps, EarlyGradientNormChunksGiveTheSameBits) {
-  FLUX8_REQUIRE_GPU();
-  auto& be = dynamic_cast<CudaBackend&>(gpu());
-  const int64_t n = 1000003;  // 15.3 chunks of 65,536
-  Pair gr({n}), fa({3, 300}), fb({3, 1000});
-  gr.randn(71, 0.01), fa.randn(72, 0.1), fb.randn(73);
-  const std::vector<Backend::LowRankGrad> lr{{300000, fa.dev, fb.dev}};
-  const std::vector<std::pair<int64_t, int64_t>> hints{{70001, 300000}, {300000, 640000}, {600000, n}};
-  for (const bool low_rank : {false, true}) {
-    SCOPED_TRACE(low_rank ? "chunk table" : "plain chunks");
-    const std::span<const Backend::LowRankGrad> grads_lr = low_rank ? std::span(lr) : std::span<const Backend::LowRankGrad>{};
-    be.gradient_norm_begin(gr.dev);
-    for (const auto& [b, e] : hints) be.gradient_range_final(gr.dev, b, e);  // its chunking not known yet: unused
-    const int64_t before = be.early_norm_chunks();
-    const double want = be.gradient_sum_squares(gr.dev, grads_lr);
-    ASSERT_TRUE(std::isfinite(want));
-    be.gradient_norm_begin(gr.dev);
-    for (const auto& [b, e] : hints) be.gradient_range_final(gr.dev, b, e);
-    EXPECT_GT(be.early_norm_chunks(), before);
-    EXPECT_EQ(be.gradient_sum_squares(gr.dev, grads_lr), want);
-    // Early sums, then a new step whose gradients differ: summed anew.
-    be.gradient_norm_begin(gr.dev);
-    for (const auto& [b, e] : hints) be.gradient_range_final(gr.dev, b, e);
-    be.gradient_norm_begin(gr.dev);
-    gr.host.mem[500000] += 1.0f;
-    gr.up();
-    const double changed = be.gradient_sum_squares(gr.dev, grads_lr);
-    EXPECT_NE(changed, want);
-    gr.host.mem[500000] -= 1.0f;
-    gr.up();
-    EXPECT_EQ(be.gradient_sum_squares(gr.dev, grads_lr), want);
-  }
-  // Hints taken in the table's chunking, the norm asked without low-rank ranges: every chunk anew.
-  be.gradient_norm_begin(gr.dev);
-  for (const auto& [b, e] : hints) be.gradient_range_final(gr.dev, b, e);
-  EXPECT_EQ(be.gradient_sum_squares(gr.dev, {}), gpu().sum_squares(gr.dev));
-}
-
 // Low-rank gradients (Backend::LowRankGrad) in the gradient norm and AdamW: the quad path (a
 // row of factors in 16-byte loads: offset and K multiples of 4) over a gradient spanning several
 // chunks of both kernels, the element path (K = 7; K a multiple of 4 at an offset that is not),

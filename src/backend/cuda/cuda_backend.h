@@ -120,8 +120,6 @@ class CudaBackend final : public Backend {
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
   double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) override;
-  void gradient_norm_begin(Tensor grads) override;
-  void gradient_range_final(Tensor grads, int64_t begin, int64_t end) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
              std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
              std::span<const LowRankGrad> low_rank) override;
@@ -165,9 +163,6 @@ class CudaBackend final : public Backend {
   // accesses: head dim 8·2^k up to 256, rows aligned to 8 elements; qk_norm_rope.cu) since this
   // backend was made. Tests check which path their shapes take.
   int64_t qk_norm_rope_vector_calls() const { return qk_norm_rope_vector_calls_; }
-  // Gradient-norm chunks gradient_range_final launched on the side stream since this backend
-  // was made (tests check that the early path runs).
-  int64_t early_norm_chunks() const { return early_norm_chunks_; }
 
   // qk_norm_rope_to_heads_backward on the heads tensors, or (fp8: the codes of dq, dk, dv
   // heads, whose tensors then only give the shape and alignment) on FP8 heads: false, launching
@@ -207,29 +202,6 @@ class CudaBackend final : public Backend {
     int64_t first_low_rank = 0;  // the flat-gradient chunks come first, then the low-rank ones
   };
   ChunkTable adamw_table_, squares_table_;
-  // The gradient norm (training.cu). Its partial sums, one per flat chunk then one per low-rank
-  // gradient, live in norm_partial_ (count + 1 doubles); norm_layout_ is the chunking of the last
-  // gradient_sum_squares — {n}: chunk i covers [i·kSquaresChunk, ...) of n; else
-  // squares_table_'s layout, whose flat chunks' bounds squares_bounds_ holds on the host.
-  // gradient_range_final launches the chunks inside a final range on side_stream_ (low priority:
-  // the backward's kernels go first), marked in early_done_; gradient_sum_squares launches the
-  // rest and waits for the side stream before the fixed-order total, so the result is the same.
-  double* norm_partial_ = nullptr;
-  int64_t norm_partial_count_ = 0;
-  std::vector<int64_t> norm_layout_;
-  std::vector<std::pair<int64_t, int64_t>> squares_bounds_;
-  cudaStream_t side_stream_ = nullptr;
-  cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
-  struct EarlySquares {
-    const void* grads = nullptr;  // the gradients and chunking the early chunks were taken with
-    std::vector<int64_t> layout;
-    std::vector<uint8_t> done;    // per flat chunk
-    bool any = false;             // launched on side_stream_ since the last wait for it
-  } early_;
-  double* norm_partials(int64_t count);  // norm_partial_ with room for count + 1 (the side stream idle)
-  void wait_for_side_stream();           // stream_ waits for what side_stream_ has launched
-  int64_t launch_norm_chunks(const float* grads, int64_t first, int64_t last, cudaStream_t stream);
-  int64_t early_norm_chunks_ = 0;
   // Uploads `flat_count` then `low_rank_count` chunks of `chunk_bytes` each as t's table.
   void upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const void* flat, int64_t flat_count,
                           const void* low_rank, int64_t low_rank_count, std::vector<int64_t> layout);

@@ -47,31 +47,20 @@ std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options) {
 
 CudaBackend::CudaBackend(const BackendOptions& options) : options_(options) {
   FLUX8_CUDA_CHECK(cudaGetDevice(&device_));
-  // The step's stream at the highest priority, the side stream (early gradient-norm chunks) at
-  // the lowest: where both have blocks waiting, the step's are scheduled first.
-  int least = 0, greatest = 0;
-  FLUX8_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  FLUX8_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+  FLUX8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   try {
-    FLUX8_CUDA_CHECK(cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, least));
-    FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&side_ready_, cudaEventDisableTiming));
-    FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
     FLUX8_CUDA_CHECK(cudaMallocHost(&pinned_, 4096));
     gemm_ = std::make_unique<Gemm>(stream_);  // may refuse a bad FLUX8_GEMM_AUTOTUNE
     attention_ = make_attention(stream_);
   } catch (...) {  // the destructor does not run for a constructor that throws
     gemm_.reset();
     if (pinned_) cudaFreeHost(pinned_);
-    for (cudaEvent_t e : {side_ready_, side_done_})
-      if (e) cudaEventDestroy(e);
-    if (side_stream_) cudaStreamDestroy(side_stream_);
     cudaStreamDestroy(stream_);
     throw;
   }
 }
 
 CudaBackend::~CudaBackend() {
-  if (side_stream_) cudaStreamSynchronize(side_stream_);
   if (stream_) cudaStreamSynchronize(stream_);
   attention_.reset();
   gemm_.reset();
@@ -85,10 +74,6 @@ CudaBackend::~CudaBackend() {
   if (stats_dev_) cudaFree(stats_dev_);
   if (stats_host_) cudaFreeHost(stats_host_);
   for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
-  if (norm_partial_) cudaFree(norm_partial_);
-  for (cudaEvent_t e : {side_ready_, side_done_})
-    if (e) cudaEventDestroy(e);
-  if (side_stream_) cudaStreamDestroy(side_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -138,7 +123,6 @@ void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
 }
 
 void CudaBackend::synchronize() {
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
   flush_cast_stats();
 }

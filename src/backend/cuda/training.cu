@@ -114,14 +114,12 @@ __device__ __forceinline__ double flat_squares(const float* __restrict__ x, int6
   return s;
 }
 
-// Chunk first_chunk + b of x for block b, its sum into partial[first_chunk + b].
-__global__ void __launch_bounds__(kThreads)
-    sum_squares4_kernel(const float* x, int64_t n, double* partial, int64_t first_chunk) {
+__global__ void __launch_bounds__(kThreads) sum_squares4_kernel(const float* x, int64_t n, double* partial) {
   __shared__ double sh[kThreads];
-  const int64_t chunk = first_chunk + blockIdx.x, begin = chunk * kSquaresChunk;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSquaresChunk;
   double s = flat_squares(x, begin, begin + kSquaresChunk < n ? begin + kSquaresChunk : n);
   s = block_sum(s, sh);
-  if (threadIdx.x == 0) partial[chunk] = s;
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 }  // namespace
 
@@ -138,7 +136,7 @@ double CudaBackend::sum_squares(Tensor x) {
   const int64_t blocks = (n + kSquaresChunk - 1) / kSquaresChunk;
   FLUX8_CHECK(blocks < (int64_t(1) << 31), "sum_squares: {} elements exceed one launch", n);
   double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
-  sum_squares4_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(p, n, partial, 0);
+  sum_squares4_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(p, n, partial);
   FLUX8_LAUNCH_CHECK(sum_squares4_kernel);
   return total_of_partials(*this, partial, blocks);
 }
@@ -340,155 +338,35 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-double* CudaBackend::norm_partials(int64_t count) {
-  if (count + 1 <= norm_partial_count_) return norm_partial_;
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(side_stream_));  // its chunks may still write the old buffer
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (norm_partial_) FLUX8_CUDA_CHECK(cudaFree(norm_partial_));
-  norm_partial_ = nullptr;
-  norm_partial_count_ = 0;
-  FLUX8_CUDA_CHECK(cudaMalloc(&norm_partial_, static_cast<size_t>(count + 1) * sizeof(double)));
-  norm_partial_count_ = count + 1;
-  early_ = EarlySquares{};  // sums in the old buffer are gone
-  return norm_partial_;
-}
-
-void CudaBackend::wait_for_side_stream() {
-  if (!early_.any) return;
-  FLUX8_CUDA_CHECK(cudaEventRecord(side_done_, side_stream_));
-  FLUX8_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_done_));
-  early_.any = false;
-}
-
-void CudaBackend::gradient_norm_begin(Tensor) {
-  wait_for_side_stream();  // nothing of the last step's side work may overlap this step's writes
-  early_ = EarlySquares{};
-}
-
-namespace {
-
-// The flat chunks [first, last) of the gradient norm's chunking that lie inside [begin, end):
-// `bounds` for a table, else the plain chunks of n elements.
-std::pair<int64_t, int64_t> chunks_inside(int64_t begin, int64_t end, int64_t n,
-                                          const std::vector<std::pair<int64_t, int64_t>>* bounds) {
-  if (!bounds) {
-    const int64_t count = (n + kSquaresChunk - 1) / kSquaresChunk;
-    const int64_t first = (begin + kSquaresChunk - 1) / kSquaresChunk;
-    const int64_t last = end >= n ? count : end / kSquaresChunk;
-    return {first, std::max(first, last)};
-  }
-  const auto first = std::lower_bound(bounds->begin(), bounds->end(), begin,
-                                      [](const std::pair<int64_t, int64_t>& c, int64_t b) { return c.first < b; });
-  auto last = first;
-  while (last != bounds->end() && last->second <= end) ++last;
-  return {first - bounds->begin(), last - bounds->begin()};
-}
-
-}  // namespace
-
-// Launches chunks [first, last) of the gradient norm's current chunking (norm_layout_) that are
-// not yet done, in runs, on `stream` into norm_partial_; returns how many.
-int64_t CudaBackend::launch_norm_chunks(const float* grads, int64_t first, int64_t last, cudaStream_t stream) {
-  int64_t launched = 0;
-  const bool plain = norm_layout_.size() == 1;
-  const int64_t n = norm_layout_[0];
-  const auto* table = static_cast<const SquaresChunk*>(squares_table_.data);
-  for (int64_t i = first; i < last;) {
-    if (early_.done[static_cast<size_t>(i)]) {
-      ++i;
-      continue;
-    }
-    int64_t j = i;
-    while (j < last && !early_.done[static_cast<size_t>(j)]) early_.done[static_cast<size_t>(j++)] = 1;
-    if (plain) {
-      sum_squares4_kernel<<<static_cast<unsigned>(j - i), kThreads, 0, stream>>>(grads, n, norm_partial_, i);
-      FLUX8_LAUNCH_CHECK(sum_squares4_kernel);
-    } else {
-      launch_chunks(gradient_squares_kernel<false>, j - i, stream, table + i, grads, norm_partial_ + i);
-    }
-    launched += j - i;
-    i = j;
-  }
-  return launched;
-}
-
-void CudaBackend::gradient_range_final(Tensor grads, int64_t begin, int64_t end) {
-  // A hint: taken where the chunking is known from an earlier gradient_sum_squares of these
-  // gradients (from the second step on), else ignored.
-  const int64_t n = grads.numel();
-  if (grads.dtype != DType::f32 || !grads.contiguous() || !aligned16(grads.data) || begin < 0 || end > n ||
-      begin >= end || norm_layout_.empty() || norm_layout_[0] != n)
-    return;
-  const bool plain = norm_layout_.size() == 1;
-  if (!plain && squares_table_.layout != norm_layout_) return;
-  const int64_t flat = plain ? (n + kSquaresChunk - 1) / kSquaresChunk : squares_table_.first_low_rank;
-  const int64_t count = plain ? flat : squares_table_.count;
-  if (count + 1 > norm_partial_count_) return;  // (made by the last gradient_sum_squares)
-  if (early_.grads != grads.data || early_.layout != norm_layout_) {
-    wait_for_side_stream();
-    early_.grads = grads.data;
-    early_.layout = norm_layout_;
-    early_.done.assign(static_cast<size_t>(flat), 0);
-  }
-  const auto [first, last] = chunks_inside(begin, end, n, plain ? nullptr : &squares_bounds_);
-  if (first >= last) return;
-  FLUX8_CUDA_CHECK(cudaEventRecord(side_ready_, stream_));  // the range's writes come first
-  FLUX8_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_));
-  early_norm_chunks_ += launch_norm_chunks(grads.ptr<float>(), first, last, side_stream_);
-  early_.any = true;
-}
-
 double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "gradient_sum_squares";
   require_f32(op, {{"grads", grads}});
   require_contiguous(op, {"grads", grads});
   const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, grads.numel(), low_rank);
-  const int64_t n = grads.numel();
+  if (sorted.empty()) return sum_squares(grads);
   // The flat buffer's quads are read as float4: its base must be 16-byte aligned (the backend's
-  // allocations are, and so ParamStore's gradient buffer); an unaligned one (never a
-  // ParamStore's) takes sum_squares' element path.
-  if (!aligned16(grads.data) || n == 0) {
-    if (!sorted.empty()) fail("{}: the gradient buffer {} must be 16-byte aligned", op, grads.str());
-    return sum_squares(grads);
-  }
-  // Chunks taken early count only for the same gradients in the same chunking; the side stream
-  // is waited for before any table or partial is rewritten.
+  // allocations are, and so ParamStore's gradient buffer).
+  if (!aligned16(grads.data)) fail("{}: the gradient buffer {} must be 16-byte aligned", op, grads.str());
+  const int64_t n = grads.numel();
   std::vector<int64_t> layout{n};
   add_low_rank_layout(op, sorted, layout);
-  const bool reuse = early_.grads == grads.data && early_.layout == layout;
-  if (!reuse) {
-    wait_for_side_stream();
-    early_ = EarlySquares{};
-  }
-  if (!sorted.empty() && layout != squares_table_.layout) {
+  if (layout != squares_table_.layout) {
     // The flat elements between the low-rank gradients in chunks, then one entry per gradient.
     std::vector<SquaresChunk> flat, factors;
-    squares_bounds_.clear();
     cut_chunks<int>(n, kSquaresChunk, {}, sorted, [&](int64_t begin, int64_t end, const Covered<int>*, LowRankChunk lr) {
-      if (lr.a) return;
-      flat.push_back(SquaresChunk{begin, end, lr});
-      squares_bounds_.emplace_back(begin, end);
+      if (!lr.a) flat.push_back(SquaresChunk{begin, end, lr});
     });
     for (const LowRankGrad& g : sorted) factors.push_back(SquaresChunk{g.offset, g.end(), low_rank_chunk(g, 0)});
     upload_chunk_table(squares_table_, sizeof(SquaresChunk), flat.data(), static_cast<int64_t>(flat.size()),
-                       factors.data(), static_cast<int64_t>(factors.size()), layout);
+                       factors.data(), static_cast<int64_t>(factors.size()), std::move(layout));
   }
-  const bool plain = sorted.empty();
-  const int64_t blocks = plain ? (n + kSquaresChunk - 1) / kSquaresChunk : squares_table_.count;
-  const int64_t split = plain ? blocks : squares_table_.first_low_rank;
-  FLUX8_CHECK(blocks < (int64_t(1) << 31), "{}: {} elements exceed one launch", op, n);
-  norm_partials(blocks);  // (may forget early_ when it grows)
-  norm_layout_ = layout;
-  if (early_.done.size() != static_cast<size_t>(split)) early_.done.assign(static_cast<size_t>(split), 0);
-  launch_norm_chunks(grads.ptr<float>(), 0, split, stream_);
+  const int64_t blocks = squares_table_.count, split = squares_table_.first_low_rank;
+  double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
   const auto* table = static_cast<const SquaresChunk*>(squares_table_.data);
-  if (!plain)
-    launch_chunks(gradient_squares_kernel<true>, blocks - split, stream_, table + split, grads.ptr<float>(),
-                  norm_partial_ + split);
-  wait_for_side_stream();
-  early_ = EarlySquares{};
-  // The partials in chunk order whichever stream computed them: the same total.
-  return total_of_partials(*this, norm_partial_, blocks);
+  launch_chunks(gradient_squares_kernel<false>, split, stream_, table, grads.ptr<float>(), partial);
+  launch_chunks(gradient_squares_kernel<true>, blocks - split, stream_, table + split, grads.ptr<float>(),
+                partial + split);
+  return total_of_partials(*this, partial, blocks);
 }
 
 namespace {
