@@ -92,6 +92,7 @@ StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir
 
 StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   const auto t0 = Clock::now();
+  const double launch_to_backend = seconds_since_process_start();
   std::unique_ptr<OpProfiler> profiler = spec.profile ? std::make_unique<OpProfiler>(device) : nullptr;
   Backend& be = profiler ? static_cast<Backend&>(*profiler) : device;
   const FluxConfig& cfg = spec.model;
@@ -214,7 +215,10 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     if (s == 0) {
       r.first_step_s = r.setup_s + ms / 1e3;
       static bool process_first_run = true;
-      if (process_first_run) r.launch_to_first_step_s = seconds_since_process_start();
+      if (process_first_run) {
+        r.launch_to_first_step_s = seconds_since_process_start();
+        r.launch_to_backend_s = launch_to_backend;
+      }
       process_first_run = false;
       r.first_loss = loss;
     }

@@ -50,6 +50,7 @@ struct StepBenchResult {
   // The process's first run only (else < 0): from the process's start (seconds_since_process_start:
   // the libraries' loading, the CUDA context and the backend included) to the end of its first step.
   double launch_to_first_step_s = -1;
+  double launch_to_backend_s = -1;  // of those, until this run began (its backend made)
   double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;
   double first_loss = 0, last_loss = 0;
   std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)
