@@ -48,7 +48,8 @@ struct StepBenchResult {
   double setup_s = 0;           // backend ready -> model built, parameters initialised, memory planned
   double first_step_s = 0;      // setup_s + the first step (plans, autotuning, first launches)
   // The process's first run only (else < 0): from the process's start (seconds_since_process_start:
-  // the libraries' loading, the CUDA context and the backend included) to the end of its first step.
+  // the libraries' loading, the CUDA context and the backend included) to the end of its first
+  // step, less the time the benchmark spends making its own synthetic data.
   double launch_to_first_step_s = -1;
   double launch_to_backend_s = -1;  // of those, until this run began (its backend made)
   double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;

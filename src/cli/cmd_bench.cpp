@@ -190,8 +190,9 @@ Command add_bench_command(CLI::App& app) {
                      r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", p == "bf16" ? "BF16" : p + " " + o->format, r.median_ms,
                      r.tflops, r.setup_s, r.first_step_s, r.peak_allocated_gib, r.device_used_gib, r.activation_gib, vs);
           if (r.launch_to_first_step_s >= 0)
-            fmt::print("  launch to first step: {:.2f} s (this process's start to the end of its first step), of which "
-                       "{:.2f} s until the backend was up (libraries, device, cuBLASLt and cuDNN handles)\n",
+            fmt::print("  launch to first step: {:.2f} s (this process's start to the end of its first step, the "
+                       "benchmark's synthetic data left out), of which {:.2f} s until the backend was up (libraries, "
+                       "device, cuBLASLt and cuDNN handles)\n",
                        r.launch_to_first_step_s, r.launch_to_backend_s);
           if (!r.ops.empty()) {
             double total = 0;
