@@ -114,6 +114,9 @@ class Backend {
   virtual void accumulate(Tensor y, Tensor x) = 0;     // y += x
 
   // ---- linear: y[N,M] = x[N,K] · w[M,K]ᵀ + b[M] (b may be undefined). x, y any ld. -----
+  // b is f32, or — for a bf16 y, on a backend whose weight_operand_dtype is bf16 — the model's
+  // bf16 copy of it (ParamStore::bias_operand), which the GEMM's epilogue adds as it is (so does
+  // linear_gelu's, and gemm_fp8_tn's for a bf16 c).
   virtual void linear(Tensor y, Tensor x, Tensor w, Tensor b) = 0;
   // dx[N,K] = dy·w (+= if accumulate_dx); dw[M,K] += dyᵀ·x; db[M] += Σ_rows dy (dw and db
   // overwritten instead when accumulate_params is false: their old contents are never read).

@@ -359,7 +359,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
 void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) {
   constexpr std::string_view op = "linear_gelu";
   const bool bf16 = activations_in_bf16(op, {{"y", y}, {"h", h}, {"x", x}});
-  bias_vector(op, b, h);
+  bias_vector(op, b, h);  // refuses a bias of another type, naming it
   require_weight(*this, op, w, bf16);
   const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
   const int64_t first = M - G;
