@@ -55,6 +55,14 @@ TEST(BenchCli, TimesTrainingStepsInEachPrecisionAndWritesJson) {
   const double l0 = j["steps"][0]["first_loss"], l1 = j["steps"][1]["first_loss"];
   EXPECT_NEAR(l1, l0, 0.05 * l0);
   EXPECT_NE(cli.log.find("BF16"), std::string::npos) << cli.log;
+  // Launch to first step: the process's first run only, from the process's start, so at least
+  // as long as that run's first step and its wait for the backend.
+  const auto& first = j["steps"][0];
+  ASSERT_TRUE(first["launch_to_first_step_s"].is_number()) << first.dump();
+  EXPECT_GE(first["launch_to_first_step_s"].get<double>(), first["first_step_s"].get<double>() - 0.05);
+  EXPECT_TRUE(j["steps"][1]["launch_to_first_step_s"].is_null());
+  EXPECT_EQ(cli.log.find("launch to first step"), cli.log.rfind("launch to first step")) << "printed once";
+  EXPECT_NE(cli.log.find("launch to first step"), std::string::npos) << cli.log;
 }
 
 // --data structured: fresh latents every step tied to the text; the model learns (the loss
