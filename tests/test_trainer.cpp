@@ -217,6 +217,20 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   const std::vector<double> l2 = testing::step_losses(dir.root / "resumed" / "metrics.jsonl");
   ASSERT_EQ(l1.size(), 6u);
   EXPECT_EQ(l1, l2);  // exact: same data order, noise and arithmetic
+  // Each launch logs its first step's time since the process started (the ≤ 3 s target).
+  const auto first_steps = [&](const char* run) {
+    std::vector<int64_t> steps;
+    std::ifstream in(dir.root / run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.value("event", "") != "first_step") continue;
+      steps.push_back(j["step"].get<int64_t>());
+      EXPECT_GT(j["seconds_since_launch"].get<double>(), 0.0) << line;
+    }
+    return steps;
+  };
+  EXPECT_EQ(first_steps("straight"), (std::vector<int64_t>{1}));
+  EXPECT_EQ(first_steps("resumed"), (std::vector<int64_t>{1, 4}));
   testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "model.safetensors").string(),
                       (dir.root / "resumed" / "step-0000006" / "model.safetensors").string());
   testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "optimizer.safetensors").string(),
