@@ -6,6 +6,11 @@
 #   info   nvidia-smi, nvcc, compilers, CPU, Python packages, cuDNN/NCCL folders -> $OUT/env.txt
 #   build  configure + build Release in build/ with every core against .carry (a no-op when
 #          build/ is already up to date, e.g. a second call on a machine still warm)
+#   launch (not a default stage) launch to first step, each process's start to the end of its
+#          first step: W1 FP8 delayed + FP8 attention with an empty driver JIT cache
+#          (CUDA_CACHE_PATH: cuDNN's attention kernels compile), then W1 and W2 with that cache,
+#          then `flux8 train` on the demo config (its first_step event) -> $OUT/launch.txt; run it
+#          right after build, before any other GPU process
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
@@ -140,6 +145,29 @@ if has build; then
   ldd build/flux8 | grep -E 'openblas|yaml|fmt|png|gfortran|gomp|stdc|cudnn|cublas|nccl'
   build/flux8 --help > /dev/null || die "build/flux8 --help failed"
   echo "build done ($(elapsed) s)"
+fi
+
+if has launch; then
+  # Before any other GPU process: the driver's JIT cache is then as a fresh machine's. Each run
+  # gets a cache folder of its own (CUDA_CACHE_PATH), empty for the cold run and kept for the
+  # warm one, so the cold figure does not depend on what ran here before.
+  stage launch
+  [ -x build/flux8 ] || die "no build/flux8: run the build stage"
+  jit=$(mktemp -d)
+  : > "$OUT/launch.txt"
+  for run in "W1 cold" "W1 warm" "W2 warm"; do
+    w=${run% *}
+    echo "== $run (CUDA_CACHE_PATH $([ "${run#* }" = cold ] && echo empty || echo "of the cold run"))" >> "$OUT/launch.txt"
+    CUDA_CACHE_PATH=$jit build/flux8 bench --workload "$w" --precision delayed --set fp8_dot_product_attention=true \
+        --steps 3 --warmup 0 2>&1 | grep -E '^W|launch to first step' >> "$OUT/launch.txt" ||
+      die "flux8 bench ($run) failed"
+  done
+  echo "== flux8 train on configs/demo.yaml, 3 steps (CUDA_CACHE_PATH empty)" >> "$OUT/launch.txt"
+  rm -rf runs/gpu_launch_demo
+  CUDA_CACHE_PATH=$(mktemp -d) build/flux8 train -c configs/demo.yaml --set backend=cuda \
+      --set save_dir=runs/gpu_launch_demo --set train_iters=3 2>&1 | grep -E 'first step done' >> "$OUT/launch.txt" ||
+    die "flux8 train (demo, 3 steps) failed or logged no first_step event"
+  cat "$OUT/launch.txt"
 fi
 
 if has test; then
