@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -132,6 +134,32 @@ TEST(CheckCli, ReportsWhyTheGpuCannotRunHere) {
         << cli.log;
   }
 }
+
+#if FLUX8_HAVE_CUDA
+// The driver's JIT cache (where cuDNN's runtime-compiled attention kernels go): an empty one is
+// named as such with what it costs, a filled one counted, a disabled one said.
+TEST(CheckCli, ReportsTheDriverJitCache) {
+  Cli cli;
+  const std::string cache = cli.dir.file("jit");
+  std::filesystem::create_directories(cache + "/sub");
+  struct EnvScope {
+    ~EnvScope() {
+      unsetenv("CUDA_CACHE_PATH");
+      unsetenv("CUDA_CACHE_DISABLE");
+    }
+  } restore;
+  setenv("CUDA_CACHE_PATH", cache.c_str(), 1);
+  cli.run("check");
+  EXPECT_NE(cli.log.find(cache + " (CUDA_CACHE_PATH): empty"), std::string::npos) << cli.log;
+  std::ofstream(cache + "/a.bin") << std::string(1500000, 'x');
+  std::ofstream(cache + "/sub/b.bin") << std::string(500000, 'y');
+  cli.run("check");
+  EXPECT_NE(cli.log.find(cache + " (CUDA_CACHE_PATH): 2 files, 2.0 MB"), std::string::npos) << cli.log;
+  setenv("CUDA_CACHE_DISABLE", "1", 1);
+  cli.run("check");
+  EXPECT_NE(cli.log.find("JIT cache            disabled (CUDA_CACHE_DISABLE=1)"), std::string::npos) << cli.log;
+}
+#endif
 
 TEST(BackendAuto, PicksCudaOnlyWhereItCanRun) {
   const std::unique_ptr<Backend> be = make_backend("auto");
