@@ -159,23 +159,28 @@ void ParamStore::use_operand_copies(const std::vector<std::string>& names) {
     operands_[i].copy = Tensor(static_cast<char*>(operand_buffer_) + offset, t, layout_.params()[i].shape);
 }
 
-Tensor ParamStore::operand(const Tensor& w) const {
-  if (operands_.empty()) return w;
-  const size_t i = index_in(params_, w);
-  if (i == kNoParam || !operands_[i].copy.defined()) return w;
-  const OperandCopy& c = operands_[i];
+const ParamStore::OperandCopy* ParamStore::operand_copy_of(const Tensor& p) const {
+  if (operands_.empty() || !p.defined()) return nullptr;
+  const size_t i = index_in(params_, p);
+  return i == kNoParam || !operands_[i].copy.defined() ? nullptr : &operands_[i];
+}
+
+Tensor ParamStore::current(const OperandCopy& c, const Tensor& p) const {
   if (c.version != params_version_) {
-    backend_.copy(c.copy, w);  // rounded to nearest even, as the GEMM's per-call conversion did
+    backend_.copy(c.copy, p);  // rounded to nearest even, as the GEMM's per-call conversion did
     c.version = params_version_;
   }
   return c.copy;
 }
 
+Tensor ParamStore::operand(const Tensor& w) const {
+  const OperandCopy* c = operand_copy_of(w);
+  return c ? current(*c, w) : w;
+}
+
 Tensor ParamStore::bias_operand(const Tensor& b, const Tensor& out) const {
-  if (operands_.empty() || !b.defined()) return b;
-  const size_t i = index_in(params_, b);
-  if (i == kNoParam || !operands_[i].copy.defined() || operands_[i].copy.dtype != out.dtype) return b;
-  return operand(b);
+  const OperandCopy* c = operand_copy_of(b);
+  return c && c->copy.dtype == out.dtype ? current(*c, b) : b;
 }
 
 std::vector<Backend::ParamCopy> ParamStore::operand_copies() const {

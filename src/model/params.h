@@ -155,6 +155,10 @@ class ParamStore {
     mutable int64_t version = -1;
   };
   std::vector<OperandCopy> operands_;
+  // The copy kept of parameter view p (null: none), and that copy made current (after
+  // params_changed()) — what operand() and bias_operand() share, with one lookup a call.
+  const OperandCopy* operand_copy_of(const Tensor& p) const;
+  Tensor current(const OperandCopy& c, const Tensor& p) const;
   // Per parameter: its low-rank factors a [capacity, M] and b [capacity, K] (undefined: kept
   // dense), the rows of this step in them, and whether this step went dense after all.
   struct LowRank {
