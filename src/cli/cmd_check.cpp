@@ -17,12 +17,13 @@
 
 namespace flux8::cli {
 
+#if FLUX8_HAVE_CUDA
 namespace {
 
 // The CUDA driver's cache of code compiled at run time (cuDNN's attention kernels among it):
 // where it is and what it holds. An empty one costs the first step of a run ~2 s of compiling
 // (docs/PERFORMANCE.md, Training step), once per cache.
-[[maybe_unused]] std::string jit_cache_summary() {
+std::string jit_cache_summary() {
   const char* disable = std::getenv("CUDA_CACHE_DISABLE");
   if (disable && std::string(disable) == "1")
     return "disabled (CUDA_CACHE_DISABLE=1): cuDNN's attention kernels compile at every launch (~2 s)";
@@ -54,6 +55,7 @@ namespace {
 }
 
 }  // namespace
+#endif
 
 Command add_check_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("check", "report the GPU, driver and library versions, the driver's JIT cache, and "
