@@ -35,11 +35,13 @@
 #          (GPU_CHECK_NCU_BIN: the ncu binary, default /usr/local/cuda/bin/ncu)
 #   ab     the working tree against a base commit in the same call (scripts/ab_prepare.sh REV
 #          made ab_base/; name it in carry): ab_base is built while the other stages run, then
-#          GPU_CHECK_AB_ROUNDS (2) rounds alternate `flux8 bench --precision
+#          GPU_CHECK_AB_ROUNDS (2; 0 skips the benchmarks and profiles) rounds alternate `flux8 bench --precision
 #          ${GPU_CHECK_AB_PRECISION:-bf16,delayed} --steps 10 --warmup 3` of base and working tree,
 #          and one --profile of each -> $OUT/ab_{base,new}.txt, ab_profile_{base,new}.txt, and
 #          scripts/profile_diff.py's ops that moved (≥ 0.02 ms) -> $OUT/ab_profile_diff.txt;
-#          GPU_CHECK_AB_ARGS adds arguments to each (e.g. --set fp8_dot_product_attention=true)
+#          GPU_CHECK_AB_ARGS adds arguments to each (e.g. --set fp8_dot_product_attention=true);
+#          GPU_CHECK_AB_LAUNCH=N first alternates N cold launches of each (W1 FP8 + FP8 attention,
+#          an empty JIT cache per process) -> $OUT/ab_launch.txt
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
@@ -269,6 +271,18 @@ if has ab; then
   wait "$ab_build" || { tail -20 "$OUT/ab_base_build.log"; die "the build of ab_base failed: see ab_base_build.log"; }
   echo "base: $(cat ab_base/AB_REV); new: the working tree"
   ab_args=${GPU_CHECK_AB_ARGS:-}  # e.g. "--set fp8_dot_product_attention=true" (word-split on purpose)
+  # Cold launches, alternating: each process with an empty JIT cache of its own, as a fresh
+  # machine's first run (its first step compiles cuDNN's attention kernels).
+  for round in $(seq "${GPU_CHECK_AB_LAUNCH:-0}"); do
+    for side in base new; do
+      bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
+      echo "--- cold launch, round $round, $side" >> "$OUT/ab_launch.txt"
+      CUDA_CACHE_PATH=$(mktemp -d) "$bin" bench --workload W1 --precision delayed \
+          --set fp8_dot_product_attention=true --steps 3 --warmup 0 2>&1 |
+        grep -E 'launch to first step' >> "$OUT/ab_launch.txt" || die "flux8 bench (cold launch, $side) failed"
+    done
+  done
+  [ -f "$OUT/ab_launch.txt" ] && cat "$OUT/ab_launch.txt"
   for round in $(seq "${GPU_CHECK_AB_ROUNDS:-2}"); do
     for side in base new; do
       bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
@@ -277,14 +291,16 @@ if has ab; then
         tee -a "$OUT/ab_$side.txt" || die "flux8 bench ($side) failed"
     done
   done
-  for side in base new; do
+  [ "${GPU_CHECK_AB_ROUNDS:-2}" -gt 0 ] && for side in base new; do  # 0 rounds: the launches alone
     bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
     "$bin" bench --precision "${GPU_CHECK_AB_PRECISION:-bf16,delayed}" --profile --steps 3 --warmup 2 $ab_args \
         > "$OUT/ab_profile_$side.txt" 2>&1 || die "flux8 bench --profile ($side) failed"
   done
-  echo "per-op profiles: ab_profile_base.txt, ab_profile_new.txt; what moved (ab_profile_diff.txt):"
-  "$python" scripts/profile_diff.py "$OUT/ab_profile_base.txt" "$OUT/ab_profile_new.txt" |
-    tee "$OUT/ab_profile_diff.txt" || die "scripts/profile_diff.py failed on the ab profiles"
+  if [ -f "$OUT/ab_profile_new.txt" ]; then
+    echo "per-op profiles: ab_profile_base.txt, ab_profile_new.txt; what moved (ab_profile_diff.txt):"
+    "$python" scripts/profile_diff.py "$OUT/ab_profile_base.txt" "$OUT/ab_profile_new.txt" |
+      tee "$OUT/ab_profile_diff.txt" || die "scripts/profile_diff.py failed on the ab profiles"
+  fi
 fi
 
 if has table; then
