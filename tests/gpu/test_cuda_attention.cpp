@@ -195,6 +195,24 @@ TEST(CudaAttention, CudnnPlansAreBuiltOncePerShape) {
   EXPECT_EQ(cuda::attention_counters().cudnn_plans_built, first.cudnn_plans_built);
 }
 
+// The first forward of a shape starts its backward's plan on the helper thread (Cudnn::prefetch,
+// so the two compilations overlap on a cold machine); the backward then runs that plan — built
+// with the helper's own handle, executed with the backend's — and matches the CPU. A shape
+// seen before prefetches nothing.
+TEST(CudaAttention, BackwardPlanPrefetchedAtTheFirstForward) {
+  FLUX8_REQUIRE_GPU();
+  PathScope path(AttentionPath::cudnn);
+  const Heads h{2, 3, 96 + 5, 64};
+  const cuda::AttentionCounters before = cuda::attention_counters();
+  const Errors e = compare_with_cpu(h, 1.0, 31);
+  const cuda::AttentionCounters after = cuda::attention_counters();
+  EXPECT_EQ(after.cudnn_plans_prefetched - before.cudnn_plans_prefetched, 1);
+  EXPECT_EQ(after.cudnn_plans_built - before.cudnn_plans_built, 2) << "forward and backward, once each";
+  expect_within(e, kCudnnTolForward, kCudnnTolLse, kCudnnTolGrad);
+  compare_with_cpu(h, 1.0, 32);
+  EXPECT_EQ(cuda::attention_counters().cudnn_plans_prefetched, after.cudnn_plans_prefetched);
+}
+
 // The default path takes cuDNN where it can and the reference kernel for head dims cuDNN does
 // not support (D % 8 != 0), with the reference kernel's f32 accuracy.
 TEST(CudaAttention, AutomaticPathFallsBackForOddHeadDims) {

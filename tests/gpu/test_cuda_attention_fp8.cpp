@@ -162,7 +162,13 @@ const Case kCases[] = {{1, 2, 64, 128, Fp8Format::e5m2, 0},     {1, 2, 192, 128,
 TEST(CudaAttentionFp8, MatchesCpu) {
   FLUX8_REQUIRE_GPU();
   for (const Case& c : kCases) {
+    const cuda::AttentionCounters before = cuda::attention_counters();
     const Result r = compare_with_cpu(c);
+    // The backward's plan (E5M2 dO and gradients) started at the forward, on the helper thread,
+    // for each shape's first call (Cudnn::prefetch).
+    const cuda::AttentionCounters after = cuda::attention_counters();
+    EXPECT_EQ(after.cudnn_plans_prefetched - before.cudnn_plans_prefetched, 1) << c.L;
+    EXPECT_EQ(after.cudnn_plans_built - before.cudnn_plans_built, 2) << c.L << ": the backward ran the prefetched plan";
     // lse comes from the same FP8 q, k: only summation order differs.
     EXPECT_LT(r.lse, 5e-5);
     EXPECT_LT(r.o, 0.08);

@@ -47,7 +47,7 @@ namespace {
 
 std::atomic<int> g_path{-1};           // -1: not chosen yet (read FLUX8_ATTENTION at first use)
 std::atomic<int> g_deterministic{-1};  // -1: not chosen yet (FLUX8_ATTENTION_DETERMINISTIC)
-std::atomic<int64_t> g_plans_built{0}, g_cudnn_calls{0}, g_reference_calls{0};
+std::atomic<int64_t> g_plans_built{0}, g_cudnn_calls{0}, g_reference_calls{0}, g_plans_prefetched{0};
 
 AttentionPath path_from_environment() {
   const char* e = std::getenv("FLUX8_ATTENTION");
@@ -86,10 +86,12 @@ bool attention_deterministic() {
 }
 
 void count_plan_built() { ++g_plans_built; }
+void count_plan_prefetched() { ++g_plans_prefetched; }
 void count_cudnn_call() { ++g_cudnn_calls; }
 
 AttentionCounters attention_counters() {
-  return AttentionCounters{g_plans_built.load(), g_cudnn_calls.load(), g_reference_calls.load()};
+  return AttentionCounters{g_plans_built.load(), g_cudnn_calls.load(), g_reference_calls.load(),
+                           g_plans_prefetched.load()};
 }
 
 namespace {
@@ -222,6 +224,13 @@ CudnnPlan& Attention::bf16_plan(const AttentionShape& s, Direction d) {
   });
 }
 
+void Attention::prefetch_backward(const AttentionShape& s) {
+  if (attention_path() == AttentionPath::reference || !static_refusal(s).empty()) return;
+  const bool deterministic = attention_deterministic();
+  const Direction d = deterministic ? Direction::backward_deterministic : Direction::backward;
+  cudnn_->prefetch(int(d), 0, s, [s, deterministic](GraphBuilder& g) { build_backward_graph(g, s, deterministic); });
+}
+
 std::string Attention::cudnn_unsupported_reason(const AttentionShape& s) {
   if (std::string why = static_refusal(s); !why.empty()) return why;
   const Direction backward = attention_deterministic() ? Direction::backward_deterministic : Direction::backward;
@@ -286,6 +295,7 @@ void Attention::forward(void* o, float* lse, const void* q, const void* k, const
                         const AttentionShape& s, double scale) {
   if (s.numel() == 0) return;
   const int64_t n = s.numel();
+  prefetch_backward(s);  // compiles while the forward's plan does (first call of a shape)
   if (!use_cudnn(s, Direction::forward)) {
     if (!bf16) {
       reference_attention_forward(static_cast<float*>(o), lse, static_cast<const float*>(q),

@@ -55,6 +55,7 @@ struct AttentionCounters {
   int64_t cudnn_plans_built = 0;  // cuDNN execution plans finalized (forward and backward)
   int64_t cudnn_calls = 0;        // forward/backward calls run by cuDNN
   int64_t reference_calls = 0;    // forward/backward calls run by the reference kernel
+  int64_t cudnn_plans_prefetched = 0;  // of the plans built, those built on the helper thread
 };
 AttentionCounters attention_counters();
 
@@ -148,6 +149,9 @@ class Attention {
   struct Cudnn;  // the handle, the plan cache, the staging buffers (attention_cudnn.h)
   enum class Direction { forward, backward, backward_deterministic, forward_fp8, backward_fp8 };
   CudnnPlan& bf16_plan(const AttentionShape& s, Direction d);
+  // At a forward's call: the matching backward's plan started on the helper thread.
+  void prefetch_backward(const AttentionShape& s);
+  void prefetch_fp8_backward(const Fp8Forward& a);
   CudnnPlan& fp8_forward_plan(const Fp8Forward& a);
   CudnnPlan& fp8_backward_plan(const Fp8Backward& a);
   // True when cuDNN should run this call; false means the reference kernel.

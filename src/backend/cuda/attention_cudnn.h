@@ -8,8 +8,10 @@
 
 #include <array>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -26,6 +28,8 @@ constexpr int64_t kFirstVirtual = 100;
 
 // Counts a finalized plan (attention_counters; defined in attention.cu).
 void count_plan_built();
+// Counts a plan built on the helper thread (attention_counters).
+void count_plan_prefetched();
 // Counts a call cuDNN ran (attention_counters).
 void count_cudnn_call();
 
@@ -182,9 +186,13 @@ struct CudnnPlan {
   int64_t workspace_bytes = 0;
   std::string refused;  // non-empty: cuDNN does not run this graph, and why
   bool logged = false;  // the fallback to the reference kernel was reported
-  ~CudnnPlan() {
+  std::shared_future<void> pending;  // valid while the helper thread builds it (Cudnn::prefetch)
+  void drop_descriptors() {
     for (auto it = descriptors.rbegin(); it != descriptors.rend(); ++it) cudnnBackendDestroyDescriptor(*it);
+    descriptors.clear();
+    plan = nullptr;
   }
+  ~CudnnPlan() { drop_descriptors(); }
 };
 
 struct Attention::Cudnn {
@@ -195,11 +203,18 @@ struct Attention::Cudnn {
   std::map<std::tuple<int, int, int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<CudnnPlan>> plans;
   void* staging = nullptr;
   size_t staging_bytes = 0;
+  // Prefetch: plans built on a helper thread with a handle of its own (cuDNN handles are not
+  // shared between threads), one at a time.
+  cudnnHandle_t helper = nullptr;
+  std::mutex helper_mutex;
 
   explicit Cudnn(cudaStream_t s) : stream(s) {}
   ~Cudnn() {
+    for (auto& [key, p] : plans)
+      if (p->pending.valid()) p->pending.wait();
     plans.clear();
     if (staging) cudaFree(staging);
+    if (helper) cudnnDestroy(helper);
     if (handle) cudnnDestroy(handle);
   }
 
@@ -232,13 +247,21 @@ struct Attention::Cudnn {
                   const std::function<void(GraphBuilder&)>& describe) {
     const PlanKey key{kind, variant, s.batch, s.heads, s.seq, s.head_dim};
     auto it = plans.find(key);
-    if (it != plans.end()) return *it->second;
+    if (it != plans.end()) {
+      CudnnPlan& p = *it->second;
+      if (p.pending.valid()) {  // built by the helper thread: wait for it (its errors rethrown here)
+        const std::shared_future<void> done = std::move(p.pending);
+        p.pending = {};
+        done.get();
+      }
+      return p;
+    }
     auto p = std::make_unique<CudnnPlan>();
     if (!ensure_handle()) {
       p->refused = unavailable;
     } else {
       try {
-        build(*p, describe);
+        build(handle, *p, describe);
         count_plan_built();
       } catch (const Refused& r) {
         p = std::make_unique<CudnnPlan>();  // drops the partial graph's descriptors
@@ -248,7 +271,39 @@ struct Attention::Cudnn {
     return *plans.emplace(key, std::move(p)).first->second;
   }
 
-  void build(CudnnPlan& p, const std::function<void(GraphBuilder&)>& describe) {
+  // Starts building the plan plan() will be asked for later (the backward's, at the first
+  // forward) on a helper thread, so that cuDNN's runtime compilation of the two overlaps: on a
+  // machine whose driver JIT cache is cold each plan compiles for ~1 s. A plan already cached
+  // or being built is left alone; plan() waits for this one. `describe` is run on the helper
+  // thread: it must hold its arguments by value.
+  void prefetch(int kind, int variant, const AttentionShape& s, std::function<void(GraphBuilder&)> describe) {
+    const PlanKey key{kind, variant, s.batch, s.heads, s.seq, s.head_dim};
+    if (plans.count(key) || !ensure_handle()) return;
+    auto p = std::make_unique<CudnnPlan>();
+    CudnnPlan* raw = p.get();
+    raw->pending = std::async(std::launch::async, [this, raw, describe = std::move(describe)] {
+                     const std::lock_guard<std::mutex> lock(helper_mutex);
+                     if (!helper) {
+                       if (const cudnnStatus_t st = cudnnCreate(&helper); st != CUDNN_STATUS_SUCCESS) {
+                         helper = nullptr;
+                         raw->refused = fmt::format("cudnnCreate for the plan-building thread failed: {}",
+                                                    cudnnGetErrorString(st));
+                         return;
+                       }
+                     }
+                     try {
+                       build(helper, *raw, describe);
+                       count_plan_built();
+                       count_plan_prefetched();
+                     } catch (const Refused& r) {
+                       raw->drop_descriptors();
+                       raw->refused = r.why;
+                     }
+                   }).share();
+    plans.emplace(key, std::move(p));
+  }
+
+  void build(cudnnHandle_t h, CudnnPlan& p, const std::function<void(GraphBuilder&)>& describe) {
     GraphBuilder g(p.descriptors);
     describe(g);
 
@@ -256,7 +311,7 @@ struct Attention::Cudnn {
     GraphBuilder::set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, g.ops().data(),
                       static_cast<int64_t>(g.ops().size()));
     // Optional since cuDNN 9.8 (deprecated there); cudnn-frontend still sets it.
-    GraphBuilder::set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, &handle);
+    GraphBuilder::set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, &h);
     GraphBuilder::finalize(graph, "operation graph");
 
     cudnnBackendDescriptor_t heuristics = g.create(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
