@@ -224,11 +224,12 @@ CudnnPlan& Attention::bf16_plan(const AttentionShape& s, Direction d) {
   });
 }
 
-void Attention::prefetch_backward(const AttentionShape& s) {
-  if (attention_path() == AttentionPath::reference || !static_refusal(s).empty()) return;
+Attention::PrefetchWait Attention::prefetch_backward(const AttentionShape& s) {
+  if (attention_path() == AttentionPath::reference || !static_refusal(s).empty()) return {};
   const bool deterministic = attention_deterministic();
   const Direction d = deterministic ? Direction::backward_deterministic : Direction::backward;
-  cudnn_->prefetch(int(d), 0, s, [s, deterministic](GraphBuilder& g) { build_backward_graph(g, s, deterministic); });
+  return {cudnn_->prefetch(int(d), 0, s,
+                           [s, deterministic](GraphBuilder& g) { build_backward_graph(g, s, deterministic); })};
 }
 
 std::string Attention::cudnn_unsupported_reason(const AttentionShape& s) {
@@ -295,7 +296,7 @@ void Attention::forward(void* o, float* lse, const void* q, const void* k, const
                         const AttentionShape& s, double scale) {
   if (s.numel() == 0) return;
   const int64_t n = s.numel();
-  prefetch_backward(s);  // compiles while the forward's plan does (first call of a shape)
+  const PrefetchWait backward_plan = prefetch_backward(s);  // compiles while the forward's does
   if (!use_cudnn(s, Direction::forward)) {
     if (!bf16) {
       reference_attention_forward(static_cast<float*>(o), lse, static_cast<const float*>(q),

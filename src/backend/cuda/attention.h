@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -149,9 +150,19 @@ class Attention {
   struct Cudnn;  // the handle, the plan cache, the staging buffers (attention_cudnn.h)
   enum class Direction { forward, backward, backward_deterministic, forward_fp8, backward_fp8 };
   CudnnPlan& bf16_plan(const AttentionShape& s, Direction d);
-  // At a forward's call: the matching backward's plan started on the helper thread.
-  void prefetch_backward(const AttentionShape& s);
-  void prefetch_fp8_backward(const Fp8Forward& a);
+  // At a forward's call: the matching backward's plan started on the helper thread. The forward
+  // holds the returned PrefetchWait, which waits for that build when the call returns (or
+  // throws): both compilations overlap inside the forward, and no helper thread outlives the
+  // call — one still compiling when a process exits raced cuDNN's teardown of its own state
+  // (a segfault at exit after a refused FP8 call, H200, twentieth session).
+  struct PrefetchWait {
+    std::shared_future<void> done;  // invalid: nothing was started
+    ~PrefetchWait() {
+      if (done.valid()) done.wait();  // errors stay in the future: plan() rethrows them
+    }
+  };
+  PrefetchWait prefetch_backward(const AttentionShape& s);
+  PrefetchWait prefetch_fp8_backward(const Fp8Forward& a);
   CudnnPlan& fp8_forward_plan(const Fp8Forward& a);
   CudnnPlan& fp8_backward_plan(const Fp8Backward& a);
   // True when cuDNN should run this call; false means the reference kernel.

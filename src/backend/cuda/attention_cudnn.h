@@ -274,11 +274,13 @@ struct Attention::Cudnn {
   // Starts building the plan plan() will be asked for later (the backward's, at the first
   // forward) on a helper thread, so that cuDNN's runtime compilation of the two overlaps: on a
   // machine whose driver JIT cache is cold each plan compiles for ~1 s. A plan already cached
-  // or being built is left alone; plan() waits for this one. `describe` is run on the helper
-  // thread: it must hold its arguments by value.
-  void prefetch(int kind, int variant, const AttentionShape& s, std::function<void(GraphBuilder&)> describe) {
+  // or being built is left alone (an invalid future returned); plan() waits for this one and
+  // rethrows its errors. `describe` is run on the helper thread: it must hold its arguments by
+  // value.
+  std::shared_future<void> prefetch(int kind, int variant, const AttentionShape& s,
+                                    std::function<void(GraphBuilder&)> describe) {
     const PlanKey key{kind, variant, s.batch, s.heads, s.seq, s.head_dim};
-    if (plans.count(key) || !ensure_handle()) return;
+    if (plans.count(key) || !ensure_handle()) return {};
     auto p = std::make_unique<CudnnPlan>();
     CudnnPlan* raw = p.get();
     raw->pending = std::async(std::launch::async, [this, raw, describe = std::move(describe)] {
@@ -300,7 +302,9 @@ struct Attention::Cudnn {
                        raw->refused = r.why;
                      }
                    }).share();
+    std::shared_future<void> started = raw->pending;
     plans.emplace(key, std::move(p));
+    return started;
   }
 
   void build(cudnnHandle_t h, CudnnPlan& p, const std::function<void(GraphBuilder&)>& describe) {

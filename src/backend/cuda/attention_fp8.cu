@@ -274,15 +274,16 @@ CudnnPlan& Attention::fp8_backward_plan(const Fp8Backward& a) {
 
 // The backward a training step runs after this forward: E5M2 dO and gradients (what
 // attention_fp8_backward takes), the forward's q, k, v, o formats and layout.
-void Attention::prefetch_fp8_backward(const Fp8Forward& f) {
+Attention::PrefetchWait Attention::prefetch_fp8_backward(const Fp8Forward& f) {
   Fp8Backward b;
   b.shape = f.shape;
   b.qkv = f.qkv;
   b.o_format = f.o_format;
   b.token_major = f.token_major;
-  if (!static_refusal_fp8(b.shape, b.dout_format).empty()) return;
-  cudnn_->prefetch(int(Direction::backward_fp8), fp8_variant(b.qkv, b.o_format, b.dout_format, b.grads, b.token_major),
-                   b.shape, [b](GraphBuilder& g) { build_backward_fp8_graph(g, b); });
+  if (!static_refusal_fp8(b.shape, b.dout_format).empty()) return {};
+  return {cudnn_->prefetch(int(Direction::backward_fp8),
+                           fp8_variant(b.qkv, b.o_format, b.dout_format, b.grads, b.token_major), b.shape,
+                           [b](GraphBuilder& g) { build_backward_fp8_graph(g, b); })};
 }
 
 std::string Attention::fp8_unsupported_reason(const Fp8Forward& f, const Fp8Backward& b) {
@@ -317,7 +318,7 @@ void Attention::forward_fp8(const Fp8Forward& a) {
   const AttentionShape& s = a.shape;
   if (s.numel() == 0) return;
   check_static(s, Fp8Format::e5m2, op);  // the forward alone has no gradients
-  prefetch_fp8_backward(a);  // compiles while the forward's plan does (first call of a shape)
+  const PrefetchWait backward_plan = prefetch_fp8_backward(a);  // compiles while the forward's does
   const CudnnPlan& p = runnable(fp8_forward_plan(a), s, op);
   // Slots 0-5: the scales read; 6, 7: cuDNN's amaxes.
   ScalarCopies copies{{a.descale_q, a.descale_k, a.descale_v, nullptr, nullptr, a.scale_o}, 6, {}};
