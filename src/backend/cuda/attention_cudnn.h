@@ -252,7 +252,12 @@ struct Attention::Cudnn {
       if (p.pending.valid()) {  // built by the helper thread: wait for it (its errors rethrown here)
         const std::shared_future<void> done = std::move(p.pending);
         p.pending = {};
-        done.get();
+        try {
+          done.get();
+        } catch (...) {
+          plans.erase(it);  // as a failed build on this thread: nothing cached, the next call retries
+          throw;
+        }
       }
       return p;
     }
