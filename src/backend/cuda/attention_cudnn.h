@@ -262,18 +262,26 @@ struct Attention::Cudnn {
       return p;
     }
     auto p = std::make_unique<CudnnPlan>();
-    if (!ensure_handle()) {
+    if (!ensure_handle())
       p->refused = unavailable;
-    } else {
-      try {
-        build(handle, *p, describe);
-        count_plan_built();
-      } catch (const Refused& r) {
-        p = std::make_unique<CudnnPlan>();  // drops the partial graph's descriptors
-        p->refused = r.why;
-      }
-    }
+    else
+      build_or_refuse(handle, *p, describe);
     return *plans.emplace(key, std::move(p)).first->second;
+  }
+
+  // Builds p with handle h, or marks it refused with cuDNN's reason (the partial graph's
+  // descriptors dropped); other errors propagate. Returns whether it was built.
+  static bool build_or_refuse(cudnnHandle_t h, CudnnPlan& p, const std::function<void(GraphBuilder&)>& describe) {
+    try {
+      build(h, p, describe);
+      count_plan_built();
+      return true;
+    } catch (const Refused& r) {
+      p.drop_descriptors();
+      p.workspace_bytes = 0;
+      p.refused = r.why;
+      return false;
+    }
   }
 
   // Starts building the plan plan() will be asked for later (the backward's, at the first
@@ -298,21 +306,14 @@ struct Attention::Cudnn {
                          return;
                        }
                      }
-                     try {
-                       build(helper, *raw, describe);
-                       count_plan_built();
-                       count_plan_prefetched();
-                     } catch (const Refused& r) {
-                       raw->drop_descriptors();
-                       raw->refused = r.why;
-                     }
+                     if (build_or_refuse(helper, *raw, describe)) count_plan_prefetched();
                    }).share();
     std::shared_future<void> started = raw->pending;
     plans.emplace(key, std::move(p));
     return started;
   }
 
-  void build(cudnnHandle_t h, CudnnPlan& p, const std::function<void(GraphBuilder&)>& describe) {
+  static void build(cudnnHandle_t h, CudnnPlan& p, const std::function<void(GraphBuilder&)>& describe) {
     GraphBuilder g(p.descriptors);
     describe(g);
 
