@@ -95,6 +95,14 @@ python=$flux8_python
 [ -n "$python" ] || die "no python3"
 cudnn_root=$flux8_cudnn_root; nccl_root=$flux8_nccl_root
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+# A process's first step, FP8 + FP8 attention, with the driver's JIT cache in folder $3 (an empty
+# one: as a fresh machine's first run): `BIN bench` of workload $2, 3 steps, no warm-up, and its
+# result and "launch to first step" lines.
+first_step() {  # $1: flux8 binary, $2: workload, $3: JIT cache folder
+  CUDA_CACHE_PATH=$3 "$1" bench --workload "$2" --precision delayed --set fp8_dot_product_attention=true \
+      --steps 3 --warmup 0 2>&1 | grep -E '^W|launch to first step'
+}
+
 configure() {  # $1: source folder (its build/ folder is made)
   cmake -S "$1" -B "$1/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$carry" \
         -DFLUX8_EXTRA_PREFIX="$carry" -DPython3_EXECUTABLE="$python" -DFLUX8_CUDA=ON \
@@ -160,9 +168,7 @@ if has launch; then
   for run in "W1 cold" "W1 warm" "W2 warm"; do
     w=${run% *}
     echo "== $run (CUDA_CACHE_PATH $([ "${run#* }" = cold ] && echo empty || echo "of the cold run"))" >> "$OUT/launch.txt"
-    CUDA_CACHE_PATH=$jit build/flux8 bench --workload "$w" --precision delayed --set fp8_dot_product_attention=true \
-        --steps 3 --warmup 0 2>&1 | grep -E '^W|launch to first step' >> "$OUT/launch.txt" ||
-      die "flux8 bench ($run) failed"
+    first_step build/flux8 "$w" "$jit" >> "$OUT/launch.txt" || die "flux8 bench ($run) failed"
   done
   echo "== flux8 train on configs/demo.yaml, 3 steps (CUDA_CACHE_PATH empty)" >> "$OUT/launch.txt"
   rm -rf runs/gpu_launch_demo
@@ -277,9 +283,8 @@ if has ab; then
     for side in base new; do
       bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
       echo "--- cold launch, round $round, $side" >> "$OUT/ab_launch.txt"
-      CUDA_CACHE_PATH=$(mktemp -d) "$bin" bench --workload W1 --precision delayed \
-          --set fp8_dot_product_attention=true --steps 3 --warmup 0 2>&1 |
-        grep -E 'launch to first step' >> "$OUT/ab_launch.txt" || die "flux8 bench (cold launch, $side) failed"
+      first_step "$bin" W1 "$(mktemp -d)" | grep 'launch to first step' >> "$OUT/ab_launch.txt" ||
+        die "flux8 bench (cold launch, $side) failed"
     done
   done
   [ -f "$OUT/ab_launch.txt" ] && cat "$OUT/ab_launch.txt"
