@@ -18,8 +18,11 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-python_packages=(numpy safetensors ml_dtypes)
-if ! python3 -c "import numpy, safetensors, ml_dtypes" 2>/dev/null; then
+# ml_dtypes >= 0.7: the E8M0 reference rounds f32 subnormals to nearest from that release on
+# (tests/python/test_fp8_ml_dtypes.py); an older installed copy is upgraded.
+python_packages=(numpy safetensors "ml_dtypes>=0.7")
+if ! python3 -c "import numpy, safetensors, ml_dtypes, sys
+sys.exit(tuple(int(p) for p in ml_dtypes.__version__.split('.')[:2]) < (0, 7))" 2>/dev/null; then
   echo "installing Python packages: ${python_packages[*]}"
   python3 -m pip install -q "${python_packages[@]}" 2>/dev/null ||
     python3 -m pip install -q --break-system-packages "${python_packages[@]}"

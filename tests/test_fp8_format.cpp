@@ -255,9 +255,12 @@ TEST(Fp8FormatE8m0, EncodeFollowsMlDtypesCast) {
   EXPECT_EQ(e8m0_encode(std::numeric_limits<float>::max()), 0xFF);
   EXPECT_EQ(e8m0_encode(std::ldexp(1.0f, -126)), 1);
   EXPECT_EQ(e8m0_encode(std::ldexp(1.0f, -127)), 0);     // f32 subnormal 0x00400000
-  EXPECT_EQ(e8m0_encode(from_bits(0x00400001u)), 1);     // any f32 subnormal above 2^-127 -> 2^-126
+  // f32 subnormals round to the nearest power of two like normals (ml_dtypes >= 0.7):
+  EXPECT_EQ(e8m0_encode(from_bits(0x00400001u)), 0);     // just above 2^-127 -> 2^-127
+  EXPECT_EQ(e8m0_encode(from_bits(0x005FFFFFu)), 0);     // just below the midpoint 1.5·2^-127
+  EXPECT_EQ(e8m0_encode(from_bits(0x00600000u)), 1);     // the midpoint rounds up -> 2^-126
   EXPECT_EQ(e8m0_encode(from_bits(0x007FFFFFu)), 1);
-  EXPECT_EQ(e8m0_encode(from_bits(0x003FFFFFu)), 0);     // at or below 2^-127 -> 2^-127
+  EXPECT_EQ(e8m0_encode(from_bits(0x003FFFFFu)), 0);     // below 2^-127: the smallest code
   EXPECT_EQ(e8m0_encode(from_bits(1)), 0);
   for (float x : {0.0f, -0.0f, -1.0f, -1e-40f, -inf, inf, nan, -nan}) EXPECT_EQ(e8m0_encode(x), 0xFF) << x;
 }

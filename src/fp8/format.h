@@ -166,19 +166,22 @@ FLUX8_HD inline float e8m0_decode(uint8_t v) {
 }
 
 // The generic f32 -> E8M0 conversion, bit-exact with ml_dtypes' float8_e8m0fnu cast on every
-// f32 input (checked exhaustively over all 2^32 patterns with ml_dtypes 0.6.0):
-//   normal x = 2^(E-127)·1.m -> E, plus 1 when the mantissa is >= 1/2, i.e. round to nearest
-//     power of two in linear terms with ties (x = 1.5·2^k) rounding UP, not to even;
+// f32 input (checked exhaustively over all 2^32 patterns with ml_dtypes 0.7.0):
+//   x rounds to the nearest power of two in linear terms, ties (x = 1.5·2^k) rounding UP, not
+//   to even. For a normal x = 2^(E-127)·1.m that is E, plus 1 when the mantissa is >= 1/2;
 //     a result past 2^127 (x >= 1.5·2^127) is NaN (0xFF) — E8M0 has no inf, this cast does not
 //     saturate;
-//   f32 subnormals: x <= 2^-127 -> 0 (2^-127), 2^-127 < x < 2^-126 -> 1 (2^-126);
+//   f32 subnormals follow the same rule: x < 1.5·2^-127 (0x00600000) -> 0 (2^-127, the smallest
+//     code, so every tinier x lands there too), 1.5·2^-127 <= x < 2^-126 -> 1 (2^-126).
+//     ml_dtypes before 0.7 sent every subnormal above 2^-127 up to 2^-126; 0.7 rounds them to
+//     nearest like the normals, and so does flux8 (the uniform rule);
 //   +-0, negatives, +-inf and NaN -> 0xFF (no zero, no sign, no inf in E8M0).
 // MX scales do not use this: see e8m0_scale_for_amax.
 FLUX8_HD inline uint8_t e8m0_encode(float x) {
   const uint32_t b = fp8_detail::bits_of(x);
   if (b == 0 || b >= 0x7F800000u) return 0xFFu;  // +0, +inf, NaN and every negative
   const uint32_t e = b >> 23;
-  if (e == 0) return b > 0x00400000u ? 1u : 0u;
+  if (e == 0) return b >= 0x00600000u ? 1u : 0u;
   const uint32_t v = e + ((b >> 22) & 1u);
   return v > 254u ? 0xFFu : static_cast<uint8_t>(v);
 }
