@@ -22,7 +22,7 @@ namespace {
 
 // The CUDA driver's cache of code compiled at run time (cuDNN's attention kernels among it):
 // where it is and what it holds. An empty one costs the first step of a run ~2 s of compiling
-// (docs/PERFORMANCE.md, Training step), once per cache.
+// (docs/PERFORMANCE.md, At a glance), once per cache.
 std::string jit_cache_summary() {
   const char* disable = std::getenv("CUDA_CACHE_DISABLE");
   if (disable && std::string(disable) == "1")
