@@ -100,7 +100,7 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 # result and "launch to first step" lines.
 first_step() {  # $1: flux8 binary, $2: workload, $3: JIT cache folder
   CUDA_CACHE_PATH=$3 "$1" bench --workload "$2" --precision delayed --set fp8_dot_product_attention=true \
-      --steps 3 --warmup 0 2>&1 | grep -E '^W|launch to first step'
+      --steps 3 --warmup 0 2>&1 | grep -E '^W|launch to first step:'
 }
 
 configure() {  # $1: source folder (its build/ folder is made)
@@ -283,7 +283,7 @@ if has ab; then
     for side in base new; do
       bin=build/flux8; [ "$side" = base ] && bin=ab_base/build/flux8
       echo "--- cold launch, round $round, $side" >> "$OUT/ab_launch.txt"
-      first_step "$bin" W1 "$(mktemp -d)" | grep 'launch to first step' >> "$OUT/ab_launch.txt" ||
+      first_step "$bin" W1 "$(mktemp -d)" | grep 'launch to first step:' >> "$OUT/ab_launch.txt" ||
         die "flux8 bench (cold launch, $side) failed"
     done
   done

@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "bench/step_bench.h"
+#include "bench/targets.h"
 #include "cli/commands.h"
 #include "config/config.h"
 #include "core/error.h"
@@ -16,15 +17,6 @@
 namespace flux8::cli {
 
 namespace {
-
-// PyTorch numbers measured on the same H200 (WORKLOADS.md): eager BF16, compiled BF16, torchao FP8.
-struct Peer {
-  double eager_ms, compiled_ms, torchao_fp8_ms;
-};
-const Peer* peer_for(const std::string& workload) {
-  static const Peer w1{78.6, 47.5, 39.6}, w2{154.4, 103.2, 92.4};
-  return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
-}
 
 // The FP8 settings of one run: the recipe and format of --precision / --fp8-format over the
 // other fp8_* keys of the config and --set (history, algorithm, margin, wgrad, first/last blocks
@@ -45,7 +37,9 @@ Fp8Config fp8_for(const std::string& precision, const std::string& format, Confi
 
 Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
-      "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8; "
+      "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8 — on the "
+               "GPU a workload's runs end with a verdict on each WORKLOADS.md target and the peak memory against "
+               "PyTorch's; "
                "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
                "MLP's GEMM epilogues against the ops they replace, and the BF16 Linears of few rows an FP8 step keeps");
   struct Opts {
@@ -178,17 +172,22 @@ Command add_bench_command(CLI::App& app) {
         s.data = o->data == "structured" ? BenchData::structured : BenchData::prototypes;
         s.steps = o->steps;
         s.warmup = o->warmup;
+        std::vector<BenchRunSummary> summaries;  // this workload's runs, for the targets' verdicts
         for (const std::string& p : o->precisions) {
           s.fp8 = fp8_for(p, o->format, run_keys);
           // A fresh backend per run: its memory peak and plan caches are this run's alone.
           const StepBenchResult r = run_step_bench(*make_backend(o->backend, bo), s);
+          const BenchRunSummary summary{p, p == "bf16" ? "" : o->format, r.median_ms, r.peak_allocated_gib,
+                                        r.launch_to_first_step_s};
+          summaries.push_back(summary);
           std::string vs;
-          if (const Peer* peer = peer_for(r.workload))
+          if (const PeerNumbers* peer = peer_numbers(r.workload))
             vs = fmt::format("{:.2f}x / {:.2f}x / {:.2f}x", peer->eager_ms / r.median_ms,
                              peer->compiled_ms / r.median_ms, peer->torchao_fp8_ms / r.median_ms);
           fmt::print("{:<22} {:<28} {:>9.2f} {:>8.1f} {:>8.2f} {:>8.2f} {:>10.2f} {:>10.2f} {:>9.2f}  {}\n",
-                     r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", p == "bf16" ? "BF16" : p + " " + o->format, r.median_ms,
-                     r.tflops, r.setup_s, r.first_step_s, r.peak_allocated_gib, r.device_used_gib, r.activation_gib, vs);
+                     r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", summary.label(),
+                     r.median_ms, r.tflops, r.setup_s, r.first_step_s, r.peak_allocated_gib, r.device_used_gib,
+                     r.activation_gib, vs);
           if (r.launch_to_first_step_s >= 0)
             fmt::print("  launch to first step: {:.2f} s (this process's start to the end of its first step, the "
                        "benchmark's synthetic data left out), of which {:.2f} s until the backend was up (libraries, "
@@ -244,6 +243,21 @@ Command add_bench_command(CLI::App& app) {
                                   {"activation_precision", bo.bf16_activations && o->backend == "cuda" ? "bf16" : "f32"},
                                   {"ops", ops}, {"idle_before", idle_before}});
         }
+        // The targets are the H200's (WORKLOADS.md): judged on the GPU backend only.
+        if (o->backend == "cuda" && !summaries.empty())
+          if (const PeerNumbers* peer = peer_numbers(s.workload)) {
+            std::string sets;  // what the runs were asked to change (FP8 attention, recompute, ...)
+            for (const std::string& kv : o->overrides) sets += " --set " + kv;
+            fmt::print("  {} against WORKLOADS.md (one H200){}:\n", s.workload, sets.empty() ? "" : ", runs with" + sets);
+            for (const TargetVerdict& v : judge_targets(s.workload, summaries)) {
+              fmt::print("    {}\n", describe(v));
+              out["targets"].push_back({{"workload", s.workload}, {"target", v.target}, {"run", v.run},
+                                        {"value", v.value}, {"limit", v.limit}, {"unit", v.unit}, {"met", v.met}});
+            }
+            for (const BenchRunSummary& r : summaries)
+              fmt::print("    peak memory ({}): {}\n", r.label(), memory_vs_peer(*peer, r.peak_allocated_gib));
+            std::fflush(stdout);
+          }
       }
     }
     if (!o->json.empty()) {

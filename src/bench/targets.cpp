@@ -1,0 +1,61 @@
+#include "bench/targets.h"
+
+#include <fmt/format.h>
+
+namespace flux8 {
+
+const PeerNumbers* peer_numbers(const std::string& workload) {
+  static const PeerNumbers w1{78.6, 47.5, 39.6, 13.7, 11.9, 10.5};
+  static const PeerNumbers w2{154.4, 103.2, 92.4, 26.7, 23.9, 21.1};
+  return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
+}
+
+const WorkloadTargets* workload_targets(const std::string& workload) {
+  static const WorkloadTargets w1{42.0, 28.0, 0.8, 3.0};
+  static const WorkloadTargets w2{85.0, 60.0, 0.8, 3.0};
+  return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
+}
+
+std::string BenchRunSummary::label() const { return precision == "bf16" ? "BF16" : precision + " " + fp8_format; }
+
+std::vector<TargetVerdict> judge_targets(const std::string& workload, const std::vector<BenchRunSummary>& runs) {
+  std::vector<TargetVerdict> out;
+  const WorkloadTargets* t = workload_targets(workload);
+  if (!t) return out;
+  const auto at_most = [&](std::string target, std::string run, double value, double limit, std::string unit) {
+    out.push_back({std::move(target), std::move(run), value, limit, std::move(unit), value <= limit});
+  };
+  const BenchRunSummary* bf16 = nullptr;
+  for (const BenchRunSummary& r : runs)
+    if (r.precision == "bf16" && !bf16) bf16 = &r;
+  for (const BenchRunSummary& r : runs) {
+    if (r.precision == "bf16") at_most("BF16 step", r.label(), r.median_ms, t->bf16_step_ms, "ms");
+    if (r.precision == "delayed" && r.fp8_format == "hybrid") {
+      at_most("FP8 step", r.label(), r.median_ms, t->fp8_step_ms, "ms");
+      if (bf16 && bf16->peak_allocated_gib > 0)
+        at_most("FP8 peak memory", r.label() + " / BF16", r.peak_allocated_gib / bf16->peak_allocated_gib,
+                t->fp8_memory_vs_bf16, "x");
+    }
+  }
+  for (const BenchRunSummary& r : runs)
+    if (r.launch_to_first_step_s >= 0)
+      at_most("launch to first step", r.label(), r.launch_to_first_step_s, t->launch_to_first_step_s, "s");
+  return out;
+}
+
+std::string describe(const TargetVerdict& v) {
+  // Ratios read as "0.96x"; times in the units the targets are written in.
+  const auto amount = [&](double x) {
+    return v.unit == "x" ? fmt::format("{:.2f}x", x) : fmt::format("{:.2f} {}", x, v.unit);
+  };
+  const std::string verdict = v.met ? "met" : "missed by " + amount(v.value - v.limit);
+  return fmt::format("{} ({}): {} <= {}, {}", v.target, v.run, amount(v.value), amount(v.limit), verdict);
+}
+
+std::string memory_vs_peer(const PeerNumbers& peer, double allocated_gib) {
+  return fmt::format("allocated {:.2f} GiB: {:.2f}x PyTorch eager ({}), {:.2f}x compiled ({}), {:.2f}x torchao FP8 ({})",
+                     allocated_gib, allocated_gib / peer.eager_gib, peer.eager_gib, allocated_gib / peer.compiled_gib,
+                     peer.compiled_gib, allocated_gib / peer.torchao_fp8_gib, peer.torchao_fp8_gib);
+}
+
+}  // namespace flux8
