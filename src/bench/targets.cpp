@@ -2,18 +2,34 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace flux8 {
 
-const PeerNumbers* peer_numbers(const std::string& workload) {
-  static const PeerNumbers w1{78.6, 47.5, 39.6, 13.7, 11.9, 10.5};
-  static const PeerNumbers w2{154.4, 103.2, 92.4, 26.7, 23.9, 21.1};
+namespace {
+
+// WORKLOADS.md's numbers, one row per workload: the peer and flux8's targets side by side.
+struct WorkloadReference {
+  PeerNumbers peer;
+  WorkloadTargets targets;
+};
+
+const WorkloadReference* reference_for(const std::string& workload) {
+  static const WorkloadReference w1{{78.6, 47.5, 39.6, 13.7, 11.9, 10.5}, {42.0, 28.0, 0.8, 3.0}};
+  static const WorkloadReference w2{{154.4, 103.2, 92.4, 26.7, 23.9, 21.1}, {85.0, 60.0, 0.8, 3.0}};
   return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
 }
 
+}  // namespace
+
+const PeerNumbers* peer_numbers(const std::string& workload) {
+  const WorkloadReference* r = reference_for(workload);
+  return r ? &r->peer : nullptr;
+}
+
 const WorkloadTargets* workload_targets(const std::string& workload) {
-  static const WorkloadTargets w1{42.0, 28.0, 0.8, 3.0};
-  static const WorkloadTargets w2{85.0, 60.0, 0.8, 3.0};
-  return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
+  const WorkloadReference* r = reference_for(workload);
+  return r ? &r->targets : nullptr;
 }
 
 std::string BenchRunSummary::label() const { return precision == "bf16" ? "BF16" : precision + " " + fp8_format; }
@@ -25,9 +41,9 @@ std::vector<TargetVerdict> judge_targets(const std::string& workload, const std:
   const auto at_most = [&](std::string target, std::string run, double value, double limit, std::string unit) {
     out.push_back({std::move(target), std::move(run), value, limit, std::move(unit), value <= limit});
   };
-  const BenchRunSummary* bf16 = nullptr;
-  for (const BenchRunSummary& r : runs)
-    if (r.precision == "bf16" && !bf16) bf16 = &r;
+  const auto first_bf16 =
+      std::find_if(runs.begin(), runs.end(), [](const BenchRunSummary& r) { return r.precision == "bf16"; });
+  const BenchRunSummary* bf16 = first_bf16 == runs.end() ? nullptr : &*first_bf16;
   for (const BenchRunSummary& r : runs) {
     if (r.precision == "bf16") at_most("BF16 step", r.label(), r.median_ms, t->bf16_step_ms, "ms");
     if (r.precision == "delayed" && r.fp8_format == "hybrid") {

@@ -50,7 +50,7 @@ struct TargetVerdict {
 // without targets. Other recipes and formats are not judged: the targets do not name them.
 std::vector<TargetVerdict> judge_targets(const std::string& workload, const std::vector<BenchRunSummary>& runs);
 
-// "FP8 step (delayed hybrid): 28.13 ms <= 28 ms, missed by 0.13 ms"
+// "FP8 step (delayed hybrid): 28.13 ms <= 28.00 ms, missed by 0.13 ms"
 std::string describe(const TargetVerdict& v);
 
 // "allocated 15.45 GiB: 1.13x PyTorch eager (13.7), 1.30x compiled (11.9), 1.47x torchao FP8 (10.5)"
