@@ -4,6 +4,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
 
 #include "config/config.h"
 #include "bench/op_profiler.h"
@@ -284,6 +287,58 @@ TEST(Fp8Training, EndStepWaitsForTheDeviceOnlyForCountedStatistics) {
       EXPECT_EQ(elements, 0) << "nothing counted, nothing reported";
   }
   EXPECT_EQ(syncs[1] - syncs[0], 3) << "one wait per counted step";
+}
+
+// FP8 LayerNorms run inside their Linears' input casts, and the gated residual before each
+// writes its statistics (Backend::gated_residual_stats): within a double block for LayerNorm 2,
+// and across blocks for the next block's LayerNorm — the last double block's two streams into
+// their rows of the first single block's. The same predictions, gradients and FP8 state as with
+// every LayerNorm computing its own (FLUX8_FUSED_NORM_STATS=0): a statistic written to the wrong
+// place, or one missing, would change them. Counted through the profiler: per forward of 2
+// double and 2 single blocks, 9 of the 11 LayerNorms that compute only statistics get them from
+// a residual (double block 0's LayerNorm 1 has the embedders before it), and the final layer's
+// (a BF16 Linear) keeps its own pass; with full recomputation only the in-block LayerNorm 2.
+TEST(Fp8Training, GatedResidualsWriteTheNextLayerNormsStatistics) {
+  struct EnvFlag {  // sets FLUX8_FUSED_NORM_STATS for the scope
+    explicit EnvFlag(const char* v) { ::setenv("FLUX8_FUSED_NORM_STATS", v, 1); }
+    ~EnvFlag() { ::unsetenv("FLUX8_FUSED_NORM_STATS"); }
+  };
+  auto cpu = make_backend("cpu");
+  const FluxConfig cfg = testing::odd_config(2, 2, false);
+  Fp8Config fp8;
+  fp8.enabled = fp8.hybrid = true;
+  fp8.recipe = Fp8Recipe::delayed;
+  for (const Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) {
+    SCOPED_TRACE(::testing::Message() << "recompute " << static_cast<int>(rc));
+    const testing::ModelRunOptions o{.fp8 = &fp8, .recompute = rc, .steps = 2, .optimizer = true};
+    std::map<std::string, int64_t> calls[2];
+    testing::ModelRun runs[2];
+    for (const int fused : {0, 1}) {
+      const EnvFlag flag(fused ? "1" : "0");
+      OpProfiler prof(*cpu);
+      runs[fused] = testing::run_model(prof, cfg, o);
+      prof.synchronize();
+      for (const OpProfiler::Row& r : prof.rows()) calls[fused][r.op] = r.calls;
+    }
+    EXPECT_EQ(runs[1].pred, runs[0].pred);
+    ASSERT_EQ(runs[1].grads.size(), runs[0].grads.size());
+    for (size_t i = 0; i < runs[0].grads.size(); ++i)
+      EXPECT_EQ(runs[1].grads[i].second, runs[0].grads[i].second) << runs[0].grads[i].first;
+    EXPECT_EQ(runs[1].scales, runs[0].scales);
+    EXPECT_EQ(runs[1].history, runs[0].history);
+
+    const int64_t ln_off = calls[0]["layernorm_modulate"], residuals = calls[0]["gated_residual"];
+    ASSERT_GT(ln_off, 0);
+    EXPECT_EQ(calls[0]["gated_residual_stats"], 0) << "FLUX8_FUSED_NORM_STATS=0: none";
+    EXPECT_EQ(residuals % 10, 0) << "10 gated residuals a forward";
+    const int64_t forwards = residuals / 10, handed = rc == Recompute::full ? 4 : 9;
+    EXPECT_EQ(calls[1]["gated_residual_stats"], handed * forwards);
+    EXPECT_EQ(calls[1]["gated_residual"], (10 - handed) * forwards);
+    // Each LayerNorm handed statistics skips its pass; the last double block's two streams
+    // hand one LayerNorm its statistics together.
+    const int64_t skipped = rc == Recompute::full ? 4 : 8;
+    EXPECT_EQ(calls[1]["layernorm_modulate"], ln_off - skipped * forwards);
+  }
 }
 
 TEST(Fp8Config, FirstLastLayersSelectBlocks) {

@@ -65,6 +65,22 @@ void Backend::produce(Tensor y, const CastInput& in) {
   }
 }
 
+void Backend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
+                                   double eps) {
+  constexpr std::string_view op = "gated_residual_stats";
+  const int64_t B = ops::check_gated_residual_stats(op, out, mean, rstd, x, y, gate);
+  gated_residual(out, x, y, gate);
+  const int64_t L = out.shape[1], H = out.shape[2];
+  for (int64_t b = 0; b < B; ++b) {  // sample by sample: mean and rstd may be a window of wider rows
+    Tensor rows = out.rows_slice(b * L, L), m = mean.rows_slice(b, 1), r = rstd.rows_slice(b, 1);
+    rows.shape = Shape{1, L, H};
+    m.shape = r.shape = Shape{L};
+    m.ld = r.ld = L;  // one row of [B, L]: a contiguous vector of L
+    const Tensor g = gate.rows_slice(b, 1);  // layernorm_modulate's shift and scale, unread (no y)
+    layernorm_modulate(Tensor{}, m, r, rows, g, g, eps);
+  }
+}
+
 namespace {
 
 // A temporary of the backend's memory, released however the scope ends.

@@ -215,6 +215,13 @@ class Backend {
   // out may be x (in place) or a separate tensor of x's shape: the blocks write their residual
   // stream out of place, so the block input stays saved for the backward without a copy.
   virtual void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) = 0;
+  // gated_residual's out (not in place), then the row statistics layernorm_modulate computes of
+  // the stored out into mean, rstd [B, L] (any ld; the statistics' type): those of the LayerNorm
+  // that reads out next, which then need not read it again (in FP8 that LayerNorm runs inside
+  // its Linear's input cast and computes nothing but them). A window of a wider [B, L'] takes
+  // one stream's rows of the joint sequence. The default runs the two ops; a backend may fuse.
+  virtual void gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
+                                    double eps);
   // dy = gate[b] ⊙ dx; dgate[b] = Σ_l dx ⊙ y (overwritten).
   virtual void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y,
                                        Tensor gate) = 0;
@@ -359,6 +366,9 @@ class Backend {
     Tensor x;
     Tensor mean, rstd, shift, scale;  // layernorm_modulate only
     double eps = 0.0;                 // layernorm_modulate: the eps mean/rstd were made with
+    // layernorm_modulate: mean and rstd already hold x's statistics (gated_residual_stats wrote
+    // them with x): the model need not compute them before the cast. Backends ignore it.
+    bool statistics_ready = false;
     Tensor gelu_x;                    // gelu_tanh_backward only
     Tensor gate;                      // gated only
     Tensor head;                      // optional: the first columns, x's rows and dtype, any ld

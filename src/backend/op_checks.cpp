@@ -225,6 +225,22 @@ NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Te
   return d;
 }
 
+int64_t check_gated_residual_stats(std::string_view op, const Tensor& out, const Tensor& mean, const Tensor& rstd,
+                                   const Tensor& x, const Tensor& y, const Tensor& gate) {
+  require_rank(op, {"x", x}, 3);
+  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
+  require_shape(op, {"out", out}, x.shape);
+  require_shape(op, {"y", y}, x.shape);
+  require_shape(op, {"gate", gate}, Shape{B, H});
+  require_shape(op, {"mean", mean}, Shape{B, L});
+  require_shape(op, {"rstd", rstd}, Shape{B, L});
+  if (out.data == x.data) fail("{}: out must not be x (the statistics read the stored out)", op);
+  if (mean.dtype != rstd.dtype || (mean.dtype != DType::f32 && mean.dtype != DType::f64))
+    fail("{}: mean {} and rstd {} must share one floating type", op, mean.str(), rstd.str());
+  if (mean.data == rstd.data) fail("{}: mean and rstd must be separate tensors", op);
+  return B;
+}
+
 NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
                                            const Tensor& mean, const Tensor& rstd) {
   require_rank(op, {"x", x}, 3);

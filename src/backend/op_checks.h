@@ -81,6 +81,10 @@ struct NormDims {
 };
 NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,
                                   const Tensor& x, const Tensor& shift, const Tensor& scale);
+// gated_residual_stats: x [B, L, H], out and y like x (out not x itself), gate [B, H], mean and
+// rstd [B, L] of one floating type, any ld, two tensors. Returns B.
+int64_t check_gated_residual_stats(std::string_view op, const Tensor& out, const Tensor& mean, const Tensor& rstd,
+                                   const Tensor& x, const Tensor& y, const Tensor& gate);
 // The backward's common part: dy like x [B, L, H], mean/rstd vectors of B·L.
 NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
                                            const Tensor& mean, const Tensor& rstd);

@@ -149,6 +149,10 @@ class OpProfiler : public Backend {
   void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) override {
     timed("gated_residual", [&] { be_.gated_residual(out, x, y, gate); });
   }
+  void gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
+                            double eps) override {
+    timed("gated_residual_stats", [&] { be_.gated_residual_stats(out, mean, rstd, x, y, gate, eps); });
+  }
   void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override {
     timed("gated_residual_backward", [&] { be_.gated_residual_backward(dy, dgate, dx, y, gate); });
   }

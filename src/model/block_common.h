@@ -41,7 +41,22 @@ struct BlockContext {
   Tensor d_silu_vec;  // its gradient, accumulated by every block's backward
   Fp8Runtime* fp8 = nullptr;  // FP8 state; null in BF16 runs
   DType heads_dtype = DType::f32;  // q, k, v, o and their gradients (Backend::attention_heads_dtype)
+  // Gated residuals write the row statistics of the LayerNorm that reads them next where that
+  // LayerNorm runs inside an FP8 cast (Backend::gated_residual_stats; FLUX8_FUSED_NORM_STATS=0
+  // turns it off, for A/B measurements).
+  bool norm_stats_in_residual = true;
 };
+
+// Where a block writes the row statistics of an output for the LayerNorm that reads it next
+// (Backend::gated_residual_stats): mean and rstd [B, L] views of that LayerNorm's saved ones
+// (a column window of them for one stream's rows of the joint sequence). Undefined: the block
+// writes its output alone and the LayerNorm computes its statistics itself.
+struct NormStatsOut {
+  Tensor mean, rstd;
+  bool defined() const { return mean.defined(); }
+};
+// The [B, L] view of saved statistics allocated as a vector of B·L.
+inline Tensor stats_rows(const Tensor& stats, int64_t B, int64_t L) { return Tensor(stats.data, stats.dtype, Shape{B, L}); }
 
 // The type of saved statistics (LayerNorm mean/rstd, QK-norm rstd, attention lse, RoPE table,
 // positions) next to activations of type `activations`: the compute type — f32 when the

@@ -135,26 +135,37 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
   s.x_in = x;
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
-  site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv,
-                     layernorm_input(x, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps), s.xm1, ctx.dtype);
+  Backend::CastInput ln1 = layernorm_input(x, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps);
+  ln1.statistics_ready = s.ln1_ready;
+  s.ln1_ready = false;
+  site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv, ln1, s.xm1, ctx.dtype);
   stream_qkv_to_heads(ctx, p, s.qkv, s.q_rstd, s.k_rstd, joint, offset, fp8_attention);
   ctx.scratch.release_to(mark);
 }
 
 // Stream part after attention: projection, gated residual, LayerNorm 2, MLP, gated residual.
 // Both residuals are written out of place — x_mid = x + gate1 ⊙ proj into its saved slot,
-// out = x_mid + gate2 ⊙ mlp — so neither the block input nor x_mid needs a copy.
+// out = x_mid + gate2 ⊙ mlp — so neither the block input nor x_mid needs a copy. Where LayerNorm
+// 2 runs inside mlp_in's FP8 cast, the first residual writes its statistics, and the second
+// those of the next LayerNorm (`next`), if any.
 void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
                            DoubleStreamSaved& s, const DoubleBlockSaved& joint, Tensor x, Tensor out,
-                           int64_t offset) {
+                           int64_t offset, NormStatsOut next) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size;
+  const int64_t H = ctx.cfg.hidden_size, B = x.shape[0], Ls = x.shape[1];
+  const double eps = ctx.cfg.layernorm_eps;
   const size_t mark = ctx.scratch.mark();
   const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, x.shape, ctx.dtype);
   attention_output_to_tokens(be, attn, joint.att8, joint.o, offset);
   site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
-  be.gated_residual(s.x_mid, x, s.proj_out, chunk(s.mod, 2, H));
-  const Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, ctx.cfg.layernorm_eps);
+  Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, eps);
+  if (ctx.norm_stats_in_residual && layernorm_in_cast(p.mlp_in, ctx.fp8, s.xm2)) {
+    be.gated_residual_stats(s.x_mid, stats_rows(s.ln2_mean, B, Ls), stats_rows(s.ln2_rstd, B, Ls), x, s.proj_out,
+                            chunk(s.mod, 2, H), eps);
+    ln2.statistics_ready = true;
+  } else {
+    be.gated_residual(s.x_mid, x, s.proj_out, chunk(s.mod, 2, H));
+  }
   if (gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8)) {  // BF16: mlp_in's GEMM writes the GELU too
     const Tensor g = linear_input_buffer(ctx.scratch, s.mlp_g, s.mlp_h.shape, ctx.dtype);
     site_forward_gelu(be, ctx.fp8, ctx.scratch, p.mlp_in, g, s.mlp_h, ln2, s.xm2, ctx.dtype);
@@ -164,7 +175,10 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h),
                        s.mlp_g, ctx.dtype);
   }
-  be.gated_residual(out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H));
+  if (next.defined())
+    be.gated_residual_stats(out, next.mean, next.rstd, s.x_mid, s.mlp_out, chunk(s.mod, 5, H), eps);
+  else
+    be.gated_residual(out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H));
   ctx.scratch.release_to(mark);
 }
 
@@ -273,7 +287,7 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
 }  // namespace
 
 void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& s, Tensor txt,
-                          Tensor img, Tensor txt_out, Tensor img_out) {
+                          Tensor img, Tensor txt_out, Tensor img_out, NormStatsOut next_txt, NormStatsOut next_img) {
   const int64_t Lt = ctx.shape.txt_tokens;
   // (FP8 attention: q, k, v and o exist only as the FP8 casts in s.att8)
   stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0, p.fp8_attention);
@@ -282,8 +296,8 @@ void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleB
     fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.lse);
   else
     ctx.be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
-  stream_post_attention(ctx, p.txt, s.txt, s, txt, txt_out, 0);
-  stream_post_attention(ctx, p.img, s.img, s, img, img_out, Lt);
+  stream_post_attention(ctx, p.txt, s.txt, s, txt, txt_out, 0, next_txt);
+  stream_post_attention(ctx, p.img, s.img, s, img, img_out, Lt, next_img);
 }
 
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,

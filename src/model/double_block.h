@@ -25,6 +25,7 @@ struct DoubleStreamSaved {
   SavedLinearInput mod_in;         // SiLU(vec) as the modulation Linear saw it
   Tensor mod;                      // [B, 6H]: shift1 scale1 gate1 shift2 scale2 gate2
   Tensor ln1_mean, ln1_rstd;       // modulated LayerNorm 1
+  bool ln1_ready = false;          // ln1_* written by the block before (NormStatsOut); the forward clears it
   SavedLinearInput xm1;            // its output (qkv input)
   Tensor qkv;                      // [B, Ls, 3H] before QK-norm
   Tensor q_rstd, k_rstd;
@@ -60,9 +61,12 @@ struct DoubleBlockSaved {
 
 // The block on txt [B, Lt, H] and img [B, Li, H], its output written to txt_out and img_out
 // (other tensors of the same shapes). txt and img are saved as the block's inputs (x_in): the
-// caller must leave them unchanged until the block's backward has run.
+// caller must leave them unchanged until the block's backward has run. next_txt, next_img: where
+// the row statistics of txt_out and img_out go for the LayerNorm after the block (the caller
+// marks it ready), if anywhere.
 void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& saved, Tensor txt,
-                          Tensor img, Tensor txt_out, Tensor img_out);
+                          Tensor img, Tensor txt_out, Tensor img_out, NormStatsOut next_txt = {},
+                          NormStatsOut next_img = {});
 // dtxt/dimg hold the gradient of the block output and become that of its input. Parameter
 // gradients and ctx.d_silu_vec are accumulated.
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,

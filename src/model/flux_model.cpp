@@ -1,6 +1,7 @@
 #include "model/flux_model.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <unordered_set>
 
@@ -132,6 +133,18 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, co
   single_block_plan_scratch(a, c, sh, t, fp8, selective);
 }
 
+// FLUX8_FUSED_NORM_STATS: 0 makes every LayerNorm compute its own statistics again (the gated
+// residuals before them write their outputs alone), to measure what the fusion gives. Unset or
+// empty: on.
+bool norm_stats_in_residual_from_environment() {
+  const char* e = std::getenv("FLUX8_FUSED_NORM_STATS");
+  const std::string v = e ? e : "";
+  if (v.empty() || v == "1" || v == "true" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "off") return false;
+  fail("FLUX8_FUSED_NORM_STATS={}: expected 1 (gated residuals write the next LayerNorm's statistics, the "
+       "default) or 0", v);
+}
+
 }  // namespace
 
 Recompute recompute_from_name(const std::string& name) {
@@ -145,6 +158,7 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
                      Recompute recompute)
     : cfg_(cfg), be_(backend), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
+  norm_stats_in_residual_ = norm_stats_in_residual_from_environment();
   act_dtype_ = be_.activation_dtype(dtype_);
   heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
   params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
@@ -306,13 +320,42 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
 
   BlockContext ctx{be_, c, sh, act_dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get(), heads_dtype_};
+  ctx.norm_stats_in_residual = norm_stats_in_residual_;
   const bool full = recompute_ == Recompute::full;
+  // Each block's output residuals write the row statistics of the next block's LayerNorm where
+  // it runs inside an FP8 cast (not with full recomputation: the next block's saved statistics
+  // are allocated only when it runs). The last double block's two streams write theirs into
+  // the first single block's, at their rows of the joint sequence (text first).
+  const bool hand_over = !full && norm_stats_in_residual_;
+  const int64_t Lt = sh.txt_tokens, Li = sh.img_tokens, L = sh.tokens();
+  const auto next_single = [&](size_t i, NormStatsOut& txt_part, NormStatsOut& img_part) {
+    SingleBlockSaved& n = s.singles[i];
+    if (!layernorm_in_cast(single_params_[i].linear1, fp8_.get(), n.zm)) return NormStatsOut{};
+    const NormStatsOut all{stats_rows(n.ln_mean, B, L), stats_rows(n.ln_rstd, B, L)};
+    txt_part = {all.mean.cols_slice(0, Lt), all.rstd.cols_slice(0, Lt)};
+    img_part = {all.mean.cols_slice(Lt, Li), all.rstd.cols_slice(Lt, Li)};
+    n.ln_ready = true;
+    return all;
+  };
+  const auto next_stream = [&](const DoubleStreamParams& p, DoubleStreamSaved& n, int64_t Ls) {
+    if (!layernorm_in_cast(p.qkv, fp8_.get(), n.xm1)) return NormStatsOut{};
+    n.ln1_ready = true;
+    return NormStatsOut{stats_rows(n.ln1_mean, B, Ls), stats_rows(n.ln1_rstd, B, Ls)};
+  };
   for (size_t i = 0; i < double_params_.size(); ++i) {
     if (!full) {
       DoubleBlockSaved& blk = s.doubles[i];
+      NormStatsOut next_txt, next_img;
+      if (hand_over && i + 1 < double_params_.size()) {
+        next_txt = next_stream(double_params_[i + 1].txt, s.doubles[i + 1].txt, Lt);
+        next_img = next_stream(double_params_[i + 1].img, s.doubles[i + 1].img, Li);
+      } else if (hand_over && !single_params_.empty()) {
+        next_single(0, next_txt, next_img);
+      }
       const size_t mark = scratch_arena_.mark();
       if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);  // q, k, v: this forward only
-      double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1]);
+      double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1],
+                           next_txt, next_img);
       scratch_arena_.release_to(mark);
       if (blk.selective) blk.forget_recomputed();
       continue;
@@ -326,9 +369,11 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   for (size_t i = 0; i < single_params_.size(); ++i) {
     if (!full) {
       SingleBlockSaved& blk = s.singles[i];
+      NormStatsOut next, txt_part, img_part;
+      if (hand_over && i + 1 < single_params_.size()) next = next_single(i + 1, txt_part, img_part);
       const size_t mark = scratch_arena_.mark();
       if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);
-      single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
+      single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1], next);
       scratch_arena_.release_to(mark);
       if (blk.selective) blk.forget_recomputed();
       continue;
@@ -390,6 +435,7 @@ void FluxModel::backward(const Tensor& dpred) {
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
   BlockContext ctx{be_, c, sh, t, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
+  ctx.norm_stats_in_residual = norm_stats_in_residual_;  // full recomputation re-runs block forwards
   be_.fill(dtxt, 0.0);
   be_.concat_tokens(dz, dtxt, dimg);
   // Recompute::selective recomputes inside each block's backward; full re-runs whole blocks

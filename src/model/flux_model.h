@@ -105,6 +105,7 @@ class FluxModel {
   DType act_dtype_;    // activations and their gradients: Backend::activation_dtype(dtype_)
   DType heads_dtype_;  // attention q, k, v, o and their gradients: Backend::attention_heads_dtype
   Recompute recompute_;
+  bool norm_stats_in_residual_ = true;  // BlockContext::norm_stats_in_residual (FLUX8_FUSED_NORM_STATS)
   std::unique_ptr<ParamStore> params_;
   std::vector<DoubleBlockParams> double_params_;
   std::vector<SingleBlockParams> single_params_;

@@ -343,7 +343,8 @@ QTensor cast_site_input(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite
     be.quantize(x_row, saved.cast_t, in.x, fp8.quantize_args(site, Operand::input));
     return x_row;
   }
-  if (in.op == Backend::CastInput::Op::layernorm_modulate)  // the row statistics, kept for the backward
+  // The row statistics, kept for the backward (unless the gated residual before wrote them).
+  if (in.op == Backend::CastInput::Op::layernorm_modulate && !in.statistics_ready)
     be.layernorm_modulate(Tensor{}, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);
   be.quantize_fused(x_row, saved.cast_t, in, fp8.quantize_args(site, Operand::input));
   return x_row;
@@ -380,6 +381,10 @@ void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite
     be.gemm_fp8_tn(y, x_row, site.w_row, site.b_operand(y), false, fp8->fprop_accumulation());
   }
   scratch.release_to(mark);
+}
+
+bool layernorm_in_cast(const LinearSite& site, const Fp8Runtime* fp8, const SavedLinearInput& saved) {
+  return site.fp8 && fp8 && !saved.full.defined();  // cast_site_input's path of a fused op
 }
 
 void site_forward_gelu(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y_gelu, Tensor h,

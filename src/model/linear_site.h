@@ -201,6 +201,11 @@ void site_forward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site
 // saved input (or a scratch buffer) first. LayerNorm's mean and rstd are written either way.
 void site_forward_fused(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& site, Tensor y,
                         const Backend::CastInput& in, SavedLinearInput& saved, DType dtype);
+// Whether site_forward_fused of `site` with a LayerNorm input (CastInput::layernorm_modulate)
+// runs the LayerNorm inside its FP8 input cast, computing nothing but its statistics first —
+// which the gated residual before it can then write instead (Backend::gated_residual_stats,
+// CastInput::statistics_ready). `saved`: the site's saved input.
+bool layernorm_in_cast(const LinearSite& site, const Fp8Runtime* fp8, const SavedLinearInput& saved);
 // site_forward_fused of a BF16 Linear whose last output columns go through GELU (an MLP's first
 // Linear, the single block's linear1): h = x·wᵀ + b, y_gelu = gelu_tanh of h's last columns, the
 // GELU in the GEMM's epilogue (Backend::linear_gelu). BF16 sites only (an FP8 site is an error):

@@ -89,15 +89,17 @@ void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBl
 }  // namespace
 
 void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& s, Tensor z,
-                          Tensor z_out) {
+                          Tensor z_out, NormStatsOut next) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const size_t outer = ctx.scratch.mark();
   s.z_in = z;  // saved as it is: the caller keeps it unchanged until the block's backward
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
-  const Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(
+  Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(
       z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H), s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
+  ln.statistics_ready = s.ln_ready;
+  s.ln_ready = false;
   // linear2's input is cat = [o in token layout | GELU(u's MLP part)]. BF16: linear1's GEMM
   // writes u and, GELU in its epilogue, cat's MLP part. FP8: linear1 is a plain GEMM and the
   // GELU runs inside linear2's input cast, which reads o's tokens and u as they are (a cast
@@ -126,7 +128,10 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear2, s.out,
                        Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * H, M)).with_head(o_tokens), s.cat,
                        ctx.dtype);
-  be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
+  if (next.defined())
+    be.gated_residual_stats(z_out, next.mean, next.rstd, z, s.out, s.mod.cols_slice(2 * H, H), ctx.cfg.layernorm_eps);
+  else
+    be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
   ctx.scratch.release_to(outer);
 }
 

@@ -20,6 +20,7 @@ struct SingleBlockSaved {
   SavedLinearInput mod_in;      // SiLU(vec) as the modulation Linear saw it
   Tensor mod;                   // [B, 3H]: shift, scale, gate
   Tensor ln_mean, ln_rstd;      // modulated LayerNorm
+  bool ln_ready = false;        // ln_* written by the block(s) before (NormStatsOut); the forward clears it
   SavedLinearInput zm;          // its output (linear1 input)
   Tensor u;                     // linear1 output [B, L, 3H + M]
   Tensor q_rstd, k_rstd;
@@ -42,9 +43,10 @@ struct SingleBlockSaved {
 
 // The block on z [B, L, H], its output written to z_out (another tensor of z's shape). z is
 // saved as the block's input (z_in): the caller must leave it unchanged until the block's
-// backward has run.
+// backward has run. next: where the row statistics of z_out go for the LayerNorm after the
+// block (the caller marks it ready), if anywhere.
 void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& saved, Tensor z,
-                          Tensor z_out);
+                          Tensor z_out, NormStatsOut next = {});
 // dz: gradient of the output in, of the input out. Parameter grads, d_silu_vec accumulated.
 void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
                            const SingleBlockSaved& saved, Tensor dz);

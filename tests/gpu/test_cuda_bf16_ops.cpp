@@ -27,6 +27,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -311,6 +312,56 @@ TEST(CudaBf16Ops, GatedResidual) {
     EXPECT_BITS_EQUAL(dy);
     EXPECT_TRUE(dy.padding_untouched());
   }
+}
+
+// gated_residual_stats: the gated residual's out (the same bits as gated_residual's) and the
+// row statistics of the stored out into a [B, L] window of wider rows (the stream's part of the
+// joint sequence's statistics), the padding around it untouched; on the GPU the same bits as
+// gated_residual followed by layernorm_modulate's statistics pass over out. H = 45 (pads 3):
+// one column a thread; 3072 (Flux, pads 4): groups of 4; 4100: beyond the row kernels, the
+// two ops one after the other.
+TEST(CudaBf16Ops, GatedResidualStats) {
+  FLUX8_REQUIRE_GPU();
+  struct Case {
+    int64_t L, H, pad;
+  };
+  for (const Case c : {Case{29, 45, 3}, Case{37, 3072, 4}, Case{9, 4100, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "L=" << c.L << " H=" << c.H);
+    const int64_t B = 3, L = c.L, H = c.H;
+    Bf16Pair x({B, L, H}, c.pad), y({B, L, H}, c.pad), mod({B, 3 * H}), out({B, L, H}, c.pad);
+    Pair mean({B, L}, 5), rstd({B, L}, 5);
+    x.randn(71, 2.0), y.randn(72), mod.randn(73), out.randn(74), mean.randn(75), rstd.randn(76);
+    for (int64_t j = 0; j < H; ++j) x.host.at(1, j) += 50.0f;  // a row with a large mean
+    x.up();
+    const auto window = [&](const Bf16Pair& p, bool g, int64_t k) { return p.t(g).cols_slice(k * H, H); };
+    run_both_bf16([&](Backend& be, bool g) {
+      be.gated_residual_stats(out.t(g), mean.t(g), rstd.t(g), x.t(g), y.t(g), window(mod, g, 2), 1e-6);
+    });
+    EXPECT_BITS_EQUAL(out);  // as gated_residual: one exact product, one rounding
+    EXPECT_TRUE(out.padding_untouched());
+    EXPECT_F32_CLOSE(mean, kStatistics);
+    EXPECT_F32_CLOSE(rstd, kStatistics);
+    EXPECT_TRUE(mean.padding_untouched());
+    EXPECT_TRUE(rstd.padding_untouched());
+
+    // The two ops on the GPU: the same out, and the same statistics bit for bit.
+    Bf16Pair out2({B, L, H}, c.pad);
+    Pair mean2({B * L}), rstd2({B * L});
+    gpu().gated_residual(out2.dev, x.dev, y.dev, window(mod, true, 2));
+    gpu().layernorm_modulate(Tensor{}, mean2.dev, rstd2.dev, out2.dev, window(mod, true, 0), window(mod, true, 1),
+                             1e-6);
+    EXPECT_EQ(out2.down(), out.down());
+    const std::vector<float> m = mean.down(), m2 = mean2.down(), r = rstd.down(), r2 = rstd2.down();
+    int64_t differ = 0;
+    for (size_t i = 0; i < m.size(); ++i)
+      differ += std::memcmp(&m[i], &m2[i], 4) != 0 || std::memcmp(&r[i], &r2[i], 4) != 0;
+    EXPECT_EQ(differ, 0) << "rows whose statistics differ from layernorm_modulate's";
+  }
+  // out may not be x (the statistics are of the stored out, read back); mean must be [B, L].
+  Bf16Pair a({2, 3, 8}), b({2, 3, 8}), g({2, 8});
+  Pair m({2, 3}), wrong({6});
+  EXPECT_THROW(gpu().gated_residual_stats(a.dev, m.dev, m.dev, a.dev, b.dev, g.dev, 1e-6), Error);
+  EXPECT_THROW(gpu().gated_residual_stats(a.dev, wrong.dev, wrong.dev, b.dev, b.dev, g.dev, 1e-6), Error);
 }
 
 TEST(CudaBf16Ops, TimestepEmbedding) {

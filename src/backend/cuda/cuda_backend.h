@@ -108,6 +108,8 @@ class CudaBackend final : public Backend {
                           Tensor v, Tensor o, Tensor lse, double scale) override;
 
   void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) override;
+  void gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
+                            double eps) override;
   void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override;
 
   void timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) override;

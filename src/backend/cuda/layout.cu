@@ -157,7 +157,8 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
   });
 }
 
-// out = x + gate[b] ⊙ y; out may be x (each element is read and written by one thread).
+// out = x + gate[b] ⊙ y; out may be x (each element is read and written by one thread). One
+// fused multiply-add an element, as gated_residual_stats (norms.cu) computes it.
 template <typename T>
 void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& out, const Tensor& x, const Tensor& y,
                        const Tensor& gate) {
@@ -168,13 +169,13 @@ void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& out, 
     for_each_row(be, x.rows(), H / 4, [=] __device__(int64_t r, int q) {
       const float4 g = load4(&G.at(per_sample.divide(static_cast<uint32_t>(r)), 4 * q)), yv = load4(&Y.at(r, 4 * q));
       const float4 xv = load4(&X.at(r, 4 * q));
-      store4(&O.at(r, 4 * q),
-             make_float4(xv.x + g.x * yv.x, xv.y + g.y * yv.y, xv.z + g.z * yv.z, xv.w + g.w * yv.w));
+      store4(&O.at(r, 4 * q), make_float4(__fmaf_rn(g.x, yv.x, xv.x), __fmaf_rn(g.y, yv.y, xv.y),
+                                          __fmaf_rn(g.z, yv.z, xv.z), __fmaf_rn(g.w, yv.w, xv.w)));
     });
     return;
   }
   for_each_row(be, x.rows(), H, [=] __device__(int64_t r, int j) {
-    O.set(r, j, X.get(r, j) + G.get(per_sample.divide(static_cast<uint32_t>(r)), j) * Y.get(r, j));
+    O.set(r, j, __fmaf_rn(G.get(per_sample.divide(static_cast<uint32_t>(r)), j), Y.get(r, j), X.get(r, j)));
   });
 }
 

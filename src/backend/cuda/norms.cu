@@ -84,8 +84,34 @@ __device__ inline void block_sums(float (&v)[N], float (&sh)[2][kWarps][N], int&
   parity ^= 1;
 }
 
-// Row r per block: mean, then the two-pass variance from the registers (no cancellation for
-// rows with a large mean), y from the same registers: x is read once.
+// A row's mean, then its two-pass variance (no cancellation for rows with a large mean), from
+// the row in registers: this thread's columns row_column(k) < H in xv, the block's in column
+// order. The statistics of layernorm_modulate_kernel and gated_residual_stats_kernel alike, so
+// the two give the same bits for the same row.
+template <int kV, int kThr, int kGroups>
+__device__ inline void row_statistics(const float (&xv)[kV * kGroups], int64_t H, float eps,
+                                      float (&sh)[2][kThr / 32][1], int& parity, float& mu, float& rs) {
+  constexpr int kCols = kV * kGroups;
+  const float h = static_cast<float>(H);
+  float s[1] = {0.0f};
+#pragma unroll
+  for (int k = 0; k < kCols; k += kV)
+    if (row_column<kV, kThr>(k) < H)
+#pragma unroll
+      for (int e = 0; e < kV; ++e) s[0] += xv[k + e];
+  block_sums(s, sh, parity);
+  mu = s[0] / h;
+  float sq[1] = {0.0f};
+#pragma unroll
+  for (int k = 0; k < kCols; k += kV)
+    if (row_column<kV, kThr>(k) < H)
+#pragma unroll
+      for (int e = 0; e < kV; ++e) sq[0] += (xv[k + e] - mu) * (xv[k + e] - mu);
+  block_sums(sq, sh, parity);
+  rs = 1.0f / sqrtf(sq[0] / h + eps);
+}
+
+// Row r per block: the statistics (row_statistics), y from the same registers: x is read once.
 template <typename T, int kV, int kThr, int kGroups>
 __global__ void __launch_bounds__(kThr) layernorm_modulate_kernel(MatOf<T> y, float* mean, float* rstd, MatOf<T> x,
                                                                   MatOf<T> shift, MatOf<T> scale, int64_t L,
@@ -94,28 +120,14 @@ __global__ void __launch_bounds__(kThr) layernorm_modulate_kernel(MatOf<T> y, fl
   __shared__ float sh[2][kWarps][1];
   int parity = 0;
   const int64_t r = blockIdx.x, H = x.cols;
-  const float h = static_cast<float>(H);
   float xv[kCols];
-  float s[1] = {0.0f};
 #pragma unroll
   for (int k = 0; k < kCols; k += kV) {
     const int64_t j = row_column<kV, kThr>(k);
-    if (j < H) {
-      load_vec<kV>(x, r, j, xv + k);
-#pragma unroll
-      for (int e = 0; e < kV; ++e) s[0] += xv[k + e];
-    }
+    if (j < H) load_vec<kV>(x, r, j, xv + k);
   }
-  block_sums(s, sh, parity);
-  const float mu = s[0] / h;
-  float sq[1] = {0.0f};
-#pragma unroll
-  for (int k = 0; k < kCols; k += kV)
-    if (row_column<kV, kThr>(k) < H)
-#pragma unroll
-      for (int e = 0; e < kV; ++e) sq[0] += (xv[k + e] - mu) * (xv[k + e] - mu);
-  block_sums(sq, sh, parity);
-  const float rs = 1.0f / sqrtf(sq[0] / h + eps);
+  float mu, rs;
+  row_statistics<kV, kThr, kGroups>(xv, H, eps, sh, parity, mu, rs);
   if (threadIdx.x == 0) {
     mean[r] = mu;
     rstd[r] = rs;
@@ -132,6 +144,49 @@ __global__ void __launch_bounds__(kThr) layernorm_modulate_kernel(MatOf<T> y, fl
 #pragma unroll
     for (int e = 0; e < kV; ++e) out[e] = layernorm_modulate_value(xv[k + e], mu, rs, sv[e], cv[e]);
     store_vec<kV>(y, r, j, out);
+  }
+}
+
+// gated_residual_stats on row r per block: out = x + gate[b] ⊙ y, one fused multiply-add an
+// element as gated_residual computes it, stored; then the statistics of the stored (rounded)
+// values as layernorm_modulate_kernel computes them from out, written at (b, l) of mean and
+// rstd [B, L] with row stride stats_ld. The next LayerNorm's pass over out (its statistics
+// alone, in FP8) is saved for two block-wide sums here.
+template <typename T>
+__device__ inline float as_stored(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+template <typename T, int kV, int kThr, int kGroups>
+__global__ void __launch_bounds__(kThr) gated_residual_stats_kernel(MatOf<T> out, float* mean, float* rstd,
+                                                                    int64_t stats_ld, MatOf<T> x, MatOf<T> y,
+                                                                    MatOf<T> gate, int64_t L, float eps) {
+  constexpr int kCols = kV * kGroups, kWarps = kThr / 32;
+  __shared__ float sh[2][kWarps][1];
+  int parity = 0;
+  const int64_t r = blockIdx.x, H = x.cols, b = r / L;
+  float ov[kCols];
+#pragma unroll
+  for (int k = 0; k < kCols; k += kV) {
+    const int64_t j = row_column<kV, kThr>(k);
+    if (j >= H) continue;
+    float xv[kV], yv[kV], gv[kV];
+    load_vec<kV>(x, r, j, xv);
+    load_vec<kV>(y, r, j, yv);
+    load_vec<kV>(gate, b, j, gv);
+#pragma unroll
+    for (int e = 0; e < kV; ++e) ov[k + e] = __fmaf_rn(gv[e], yv[e], xv[e]);
+    store_vec<kV>(out, r, j, ov + k);
+#pragma unroll
+    for (int e = 0; e < kV; ++e) ov[k + e] = as_stored<T>(ov[k + e]);
+  }
+  float mu, rs;
+  row_statistics<kV, kThr, kGroups>(ov, H, eps, sh, parity, mu, rs);
+  if (threadIdx.x == 0) {
+    const int64_t at = b * stats_ld + (r - b * L);
+    mean[at] = mu;
+    rstd[at] = rs;
   }
 }
 
@@ -588,6 +643,28 @@ void CudaBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor 
     layernorm_modulate_as<__nv_bfloat16>(*this, y, mean, rstd, x, shift, scale, B * L, L, eps);
   else
     layernorm_modulate_as<float>(*this, y, mean, rstd, x, shift, scale, B * L, L, eps);
+}
+
+void CudaBackend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
+                                       double eps) {
+  constexpr std::string_view op = "gated_residual_stats";
+  const bool bf = activations_in_bf16(op, {{"out", out}, {"x", x}, {"y", y}, {"gate", gate}});
+  ops::check_gated_residual_stats(op, out, mean, rstd, x, y, gate);
+  require_f32(op, {{"mean", mean}, {"rstd", rstd}});  // statistics: f32 whatever the activations
+  const int64_t L = x.shape[1], rows = x.rows();
+  if (rows == 0) return;
+  const auto run = [&]<typename T>() {
+    const MatOf<T> O = mat_of<T>(out), X = mat_of<T>(x), Y = mat_of<T>(y), G = mat_of<T>(gate);
+    const bool vec4 = vec4_rows(O) && vec4_rows(X) && vec4_rows(Y) && vec4_rows(G);
+    return with_row_variant(x.shape[2], vec4, [&]<int kV, int kThr, int kGroups>() {
+      gated_residual_stats_kernel<T, kV, kThr, kGroups><<<static_cast<unsigned>(rows), kThr, 0, stream_>>>(
+          O, mean.ptr<float>(), rstd.ptr<float>(), mean.ld, X, Y, G, L, static_cast<float>(eps));
+      FLUX8_LAUNCH_CHECK(gated_residual_stats_kernel);
+    });
+  };
+  if (rstd.ld != mean.ld) fail("{}: mean {} and rstd {} must share one row stride", op, mean.str(), rstd.str());
+  const bool launched = bf ? run.template operator()<__nv_bfloat16>() : run.template operator()<float>();
+  if (!launched) Backend::gated_residual_stats(out, mean, rstd, x, y, gate, eps);  // rows wider than 4096
 }
 
 void CudaBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x,
