@@ -56,7 +56,9 @@ struct NormStatsOut {
   bool defined() const { return mean.defined(); }
 };
 // The [B, L] view of saved statistics allocated as a vector of B·L.
-inline Tensor stats_rows(const Tensor& stats, int64_t B, int64_t L) { return Tensor(stats.data, stats.dtype, Shape{B, L}); }
+inline Tensor stats_rows(const Tensor& stats, int64_t B, int64_t L) {
+  return Tensor(stats.data, stats.dtype, Shape{B, L});
+}
 
 // The type of saved statistics (LayerNorm mean/rstd, QK-norm rstd, attention lse, RoPE table,
 // positions) next to activations of type `activations`: the compute type — f32 when the

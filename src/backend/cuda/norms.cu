@@ -651,6 +651,7 @@ void CudaBackend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Ten
   const bool bf = activations_in_bf16(op, {{"out", out}, {"x", x}, {"y", y}, {"gate", gate}});
   ops::check_gated_residual_stats(op, out, mean, rstd, x, y, gate);
   require_f32(op, {{"mean", mean}, {"rstd", rstd}});  // statistics: f32 whatever the activations
+  if (rstd.ld != mean.ld) fail("{}: mean {} and rstd {} must share one row stride", op, mean.str(), rstd.str());
   const int64_t L = x.shape[1], rows = x.rows();
   if (rows == 0) return;
   const auto run = [&]<typename T>() {
@@ -662,7 +663,6 @@ void CudaBackend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Ten
       FLUX8_LAUNCH_CHECK(gated_residual_stats_kernel);
     });
   };
-  if (rstd.ld != mean.ld) fail("{}: mean {} and rstd {} must share one row stride", op, mean.str(), rstd.str());
   const bool launched = bf ? run.template operator()<__nv_bfloat16>() : run.template operator()<float>();
   if (!launched) Backend::gated_residual_stats(out, mean, rstd, x, y, gate, eps);  // rows wider than 4096
 }
