@@ -65,6 +65,10 @@ void Backend::produce(Tensor y, const CastInput& in) {
   }
 }
 
+void Backend::copy_batch(std::span<const CopyPair> pairs) {
+  for (const CopyPair& p : pairs) copy(p.y, p.x);
+}
+
 void Backend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
                                    double eps) {
   constexpr std::string_view op = "gated_residual_stats";

@@ -110,6 +110,13 @@ class Backend {
   enum class Random : uint8_t { normal, uniform };
   virtual void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) = 0;
   virtual void copy(Tensor y, Tensor x) = 0;
+  // copy() of every pair, in one pass where the backend can (the CUDA backend: one launch a
+  // batch). For many small copies — the low-rank gradient factors' rows, a few a Linear — whose
+  // launches cost more than their bytes. No pair's y may overlap another pair's x or y.
+  struct CopyPair {
+    Tensor y, x;
+  };
+  virtual void copy_batch(std::span<const CopyPair> pairs);
   virtual void add(Tensor y, Tensor a, Tensor b) = 0;  // y = a + b
   virtual void accumulate(Tensor y, Tensor x) = 0;     // y += x
 

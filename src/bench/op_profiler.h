@@ -75,6 +75,9 @@ class OpProfiler : public Backend {
     timed("fill_random", [&] { be_.fill_random(y, d, seed, stream, scale); });
   }
   void copy(Tensor y, Tensor x) override { timed("copy", [&] { be_.copy(y, x); }); }
+  void copy_batch(std::span<const CopyPair> pairs) override {
+    timed("copy_batch", [&] { be_.copy_batch(pairs); });
+  }
   DType activation_dtype(DType compute) const override { return be_.activation_dtype(compute); }
   DType weight_operand_dtype(DType compute) const override { return be_.weight_operand_dtype(compute); }
   DType attention_heads_dtype(DType activations, int64_t head_dim) const override {

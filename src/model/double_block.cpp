@@ -329,6 +329,7 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
   a.release_to(qkv_mark);
   stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, d8, 0);
   stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, d8, Lt);
+  if (p.txt.mod.store) p.txt.mod.store->flush_low_rank_copies();  // dmod's rows, before their release
   a.release_to(mark);
 }
 

@@ -485,6 +485,7 @@ void FluxModel::backward(const Tensor& dpred) {
     linear_backward_params(be_, m.out_layer, dact, dvec, e.act, P.operand(m.out_layer.w), false);
     be_.silu_backward(dhidden, dact, e.hidden, false);
     linear_backward_params(be_, m.in_layer, Tensor{}, dhidden, x, m.in_layer.w, false);
+    P.flush_low_rank_copies();  // dact's and dhidden's rows, before the next embedder reuses them
   };
   embedder_backward("time_in", s.time, s.time.x);
   if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);

@@ -130,7 +130,10 @@ void ParamStore::init(uint64_t seed) {
   }
 }
 
-void ParamStore::zero_grads() { std::fill(written_.begin(), written_.end(), 0); }
+void ParamStore::zero_grads() {
+  std::fill(written_.begin(), written_.end(), 0);
+  pending_copies_.clear();  // a step abandoned mid-backward: its rows may be gone
+}
 
 size_t ParamStore::index_in(const void* buffer, const Tensor& view) const {
   const char* base = static_cast<const char*>(buffer);
@@ -196,6 +199,7 @@ bool ParamStore::keep_low_rank_grads(int64_t rows) {
     low_rank_buffer_ = nullptr;
   }
   low_rank_.clear();
+  pending_copies_.clear();
   if (rows < 1 || rows > kLowRankMaxRows || dtype_ != DType::f32) return false;
   std::vector<std::pair<size_t, size_t>> placed;  // (parameter, byte offset of its a; b follows)
   size_t bytes = 0;
@@ -246,13 +250,20 @@ bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Ten
       L.dense = true;  // the first write: the caller overwrites dw
     return false;
   }
-  backend_.copy(L.a.rows_slice(L.rows, n), dy.rows_slice(0, n));
-  backend_.copy(L.b.rows_slice(L.rows, n), x.rows_slice(0, n));
+  pending_copies_.push_back({L.a.rows_slice(L.rows, n), dy.rows_slice(0, n)});
+  pending_copies_.push_back({L.b.rows_slice(L.rows, n), x.rows_slice(0, n)});
   L.rows += n;
   return true;
 }
 
+void ParamStore::flush_low_rank_copies() const {
+  if (pending_copies_.empty()) return;
+  backend_.copy_batch(pending_copies_);
+  pending_copies_.clear();
+}
+
 void ParamStore::write_low_rank(size_t i) const {
+  flush_low_rank_copies();
   const LowRank& L = low_rank_[i];
   const Tensor dw = view(grads_, dtype_, layout_.params()[i]);
   if (L.rows == 0) {
@@ -266,6 +277,7 @@ void ParamStore::write_low_rank(size_t i) const {
 }
 
 std::vector<Backend::LowRankGrad> ParamStore::low_rank_grads() const {
+  flush_low_rank_copies();
   std::vector<Backend::LowRankGrad> out;
   for (size_t i = 0; i < low_rank_.size(); ++i) {
     const LowRank& L = low_rank_[i];
@@ -277,6 +289,7 @@ std::vector<Backend::LowRankGrad> ParamStore::low_rank_grads() const {
 }
 
 void ParamStore::materialize_low_rank_grads() const {
+  flush_low_rank_copies();
   for (size_t i = 0; i < low_rank_.size(); ++i)
     if (low_rank_[i].a.defined() && !low_rank_[i].dense && written_[i]) write_low_rank(i);
 }
@@ -307,6 +320,7 @@ void ParamStore::zero_if_unwritten(const Tensor& grad) const {
 }
 
 void ParamStore::finish_grads() const {
+  flush_low_rank_copies();
   for (size_t i = 0; i < written_.size(); ++i)
     if (!written_[i])
       fail("internal error: the backward wrote no gradient for parameter '{}' (its gradient buffer would hold stale "

@@ -106,12 +106,19 @@ class ParamStore {
   //   low_rank_grads(): this step's, for the gradient norm and AdamW.
   //   materialize_low_rank_grads(): writes them into the flat buffer (for readers of grad(),
   //     such as the non-finite gradient search); low_rank_grads() is empty after it this step.
+  //   flush_low_rank_copies(): add_low_rank_grad only queues its copies of dy's and x's rows;
+  //     this issues the queue as one Backend::copy_batch (two launches a Linear cost more than
+  //     their few rows). Whoever passed dy and x flushes before those rows change or their
+  //     memory is reused — the blocks at the end of their backward, each embedder after its
+  //     own. The store flushes before it reads the factors (low_rank_grads, materialize, a step
+  //     going dense) and in finish_grads; zero_grads drops what an abandoned step left queued.
   static constexpr int64_t kLowRankMaxRows = 8;
   bool keep_low_rank_grads(int64_t rows);
   int64_t low_rank_rows() const;  // the rows kept, 0 when off
   bool add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x, bool first) const;
   std::vector<Backend::LowRankGrad> low_rank_grads() const;
   void materialize_low_rank_grads() const;
+  void flush_low_rank_copies() const;
 
   // Weight operands. Where the backend runs a Linear's GEMMs on operands of another type than
   // the parameters (Backend::weight_operand_dtype: bf16 on the CUDA backend), the Linear would
@@ -168,6 +175,7 @@ class ParamStore {
   };
   std::vector<LowRank> low_rank_;
   void* low_rank_buffer_ = nullptr;
+  mutable std::vector<Backend::CopyPair> pending_copies_;  // add_low_rank_grad's, not yet issued
   // Writes parameter i's factors into its gradient (overwriting it) and marks it dense.
   void write_low_rank(size_t i) const;
   void* operand_buffer_ = nullptr;

@@ -203,6 +203,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in,
                                  s.ln_mean, s.ln_rstd, s.mod.cols_slice(H, H), true);
   site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);
+  if (p.mod.store) p.mod.store->flush_low_rank_copies();  // dmod's rows, before their release
   a.release_to(mark);
 }
 

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -125,6 +126,46 @@ TEST(CudaBf16Ops, CopyConverts) {
   y.up();  // the CPU's copy holds x's f32 values: read back its bf16 values on both sides
   run_both_bf16([&](Backend& be, bool g) { be.copy(back.t(g), shifted(g)); });
   EXPECT_F32_CLOSE(back, 0.0);
+}
+
+// copy_batch: what copy() gives each pair, in one launch a batch of 16 — 20 pairs (two
+// launches) of every type pair, with row strides on either side and one empty pair, and the
+// padding around every output untouched.
+TEST(CudaBf16Ops, CopyBatchEqualsCopies) {
+  FLUX8_REQUIRE_GPU();
+  std::vector<std::unique_ptr<Bf16Pair>> y16, x16;
+  std::vector<std::unique_ptr<Pair>> y32, x32;
+  std::vector<int> kind;  // 0: bf16 -> bf16, 1: f32 -> bf16, 2: bf16 -> f32, 3: f32 -> f32
+  for (int i = 0; i < 20; ++i) {
+    const int64_t rows = i == 7 ? 0 : 1 + i % 3, cols = 7 + 13 * i, pad = i % 4;
+    kind.push_back(i % 4);
+    y16.push_back(std::make_unique<Bf16Pair>(Shape{rows, cols}, pad));
+    x16.push_back(std::make_unique<Bf16Pair>(Shape{rows, cols}, 3 - pad));
+    y32.push_back(std::make_unique<Pair>(Shape{rows, cols}, 3 - pad));
+    x32.push_back(std::make_unique<Pair>(Shape{rows, cols}, pad));
+    y16.back()->randn(100 + i), x16.back()->randn(200 + i), y32.back()->randn(300 + i), x32.back()->randn(400 + i);
+  }
+  run_both_bf16([&](Backend& be, bool g) {
+    std::vector<Backend::CopyPair> pairs;
+    for (size_t i = 0; i < kind.size(); ++i) {
+      const bool y_bf = kind[i] < 2, x_bf = kind[i] % 2 == 0;
+      pairs.push_back({y_bf ? y16[i]->t(g) : y32[i]->t(g), x_bf ? x16[i]->t(g) : x32[i]->t(g)});
+    }
+    be.copy_batch(pairs);
+  });
+  for (size_t i = 0; i < kind.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "pair " << i << " kind " << kind[i]);
+    if (kind[i] < 2) {
+      EXPECT_BITS_EQUAL(*y16[i]);
+      EXPECT_TRUE(y16[i]->padding_untouched());
+    } else {
+      EXPECT_EQ(y32[i]->down(), y32[i]->cpu_values());
+      EXPECT_TRUE(y32[i]->padding_untouched());
+    }
+  }
+  Bf16Pair a({2, 3}), b({3, 2});
+  const Backend::CopyPair bad[] = {{a.dev, b.dev}};
+  EXPECT_THROW(gpu().copy_batch(bad), Error) << "each pair one [rows, cols]";
 }
 
 TEST(CudaBf16Ops, Activations) {

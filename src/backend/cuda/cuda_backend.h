@@ -107,6 +107,7 @@ class CudaBackend final : public Backend {
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                           Tensor v, Tensor o, Tensor lse, double scale) override;
 
+  void copy_batch(std::span<const CopyPair> pairs) override;
   void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) override;
   void gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
                             double eps) override;

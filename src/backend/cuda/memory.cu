@@ -205,6 +205,34 @@ void convert(CudaBackend& be, const Tensor& y, const Tensor& x) {
   for_each_row(be, YM.rows, YM.cols, [=] __device__(int64_t r, int c) { YM.set(r, c, XM.get(r, c)); });
 }
 
+// copy_batch: up to kCopyBatch copies in one launch, blockIdx.y the pair, the blocks along x
+// striding over its elements. Each value is converted as copy() converts it (f32 → bf16
+// rounded to nearest even, bf16 → f32 exact, or moved as it is).
+constexpr int kCopyBatch = 16;
+struct CopyEntry {
+  void* y;
+  const void* x;
+  int64_t rows, cols, y_ld, x_ld;
+  bool y_bf16, x_bf16;
+};
+struct CopyEntries {
+  CopyEntry e[kCopyBatch];
+};
+
+__global__ void copy_batch_kernel(CopyEntries batch) {
+  const CopyEntry c = batch.e[blockIdx.y];
+  const int64_t n = c.rows * c.cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / c.cols, k = i - r * c.cols;
+    const float v = c.x_bf16 ? load(static_cast<const bf16*>(c.x)[r * c.x_ld + k])
+                             : static_cast<const float*>(c.x)[r * c.x_ld + k];
+    if (c.y_bf16)
+      store(static_cast<bf16*>(c.y)[r * c.y_ld + k], v);
+    else
+      static_cast<float*>(c.y)[r * c.y_ld + k] = v;
+  }
+}
+
 // y = f(a, b) elementwise over bf16 tensors, computed in f32 (accumulate: a is y). Contiguous
 // tensors run flat (4 elements a thread where all three are 8-byte aligned, the tail one by
 // one), column windows row by row (4 a thread where every row allows).
@@ -301,6 +329,31 @@ void CudaBackend::copy(Tensor y, Tensor x) {
   }
   FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(y.data, y.ld * elem, x.data, x.ld * elem, x.cols() * elem, x.rows(),
                                      cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::copy_batch(std::span<const CopyPair> pairs) {
+  constexpr std::string_view op = "copy_batch";
+  // The batch's largest copy sets the grid's width: a small copy's extra blocks find no work.
+  for (size_t first = 0; first < pairs.size(); first += kCopyBatch) {
+    const size_t count = std::min<size_t>(kCopyBatch, pairs.size() - first);
+    CopyEntries batch{};
+    int64_t widest = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const CopyPair& p = pairs[first + i];
+      const std::string y_name = fmt::format("y of pair {}", first + i), x_name = fmt::format("x of pair {}", first + i);
+      require_defined(op, {y_name.c_str(), p.y});
+      require_defined(op, {x_name.c_str(), p.x});
+      const bool y_bf = activations_in_bf16(op, {{y_name.c_str(), p.y}});
+      const bool x_bf = activations_in_bf16(op, {{x_name.c_str(), p.x}});
+      require_same_matrix(op, {y_name.c_str(), p.y}, {x_name.c_str(), p.x});
+      batch.e[i] = CopyEntry{p.y.data, p.x.data, p.y.rows(), p.y.cols(), p.y.ld, p.x.ld, y_bf, x_bf};
+      widest = std::max(widest, p.y.numel());
+    }
+    if (widest == 0) continue;
+    const dim3 grid(std::min(blocks_for(widest), 64u), static_cast<unsigned>(count));
+    copy_batch_kernel<<<grid, kThreads, 0, stream_>>>(batch);
+    FLUX8_LAUNCH_CHECK(copy_batch_kernel);
+  }
 }
 
 void CudaBackend::add(Tensor y, Tensor a, Tensor b) {
