@@ -340,13 +340,16 @@ void CudaBackend::copy_batch(std::span<const CopyPair> pairs) {
     int64_t widest = 0;
     for (size_t i = 0; i < count; ++i) {
       const CopyPair& p = pairs[first + i];
-      const std::string y_name = fmt::format("y of pair {}", first + i), x_name = fmt::format("x of pair {}", first + i);
-      require_defined(op, {y_name.c_str(), p.y});
-      require_defined(op, {x_name.c_str(), p.x});
-      const bool y_bf = activations_in_bf16(op, {{y_name.c_str(), p.y}});
-      const bool x_bf = activations_in_bf16(op, {{x_name.c_str(), p.x}});
-      require_same_matrix(op, {y_name.c_str(), p.y}, {x_name.c_str(), p.x});
-      batch.e[i] = CopyEntry{p.y.data, p.x.data, p.y.rows(), p.y.cols(), p.y.ld, p.x.ld, y_bf, x_bf};
+      // Checked without building names (this runs every step); a failure names the pair.
+      const auto storable = [](const Tensor& t) {
+        return t.defined() && (t.dtype == DType::f32 || t.dtype == DType::bf16) && t.ld >= t.cols();
+      };
+      if (!storable(p.y) || !storable(p.x) || p.y.rows() != p.x.rows() || p.y.cols() != p.x.cols())
+        fail("{}: pair {}: y {} and x {} must be f32 or bf16 tensors of one [rows, cols] (rows at least their "
+             "columns apart)", op, first + i,
+             p.y.defined() ? p.y.str() : "undefined", p.x.defined() ? p.x.str() : "undefined");
+      batch.e[i] = CopyEntry{p.y.data, p.x.data, p.y.rows(), p.y.cols(), p.y.ld, p.x.ld,
+                             p.y.dtype == DType::bf16, p.x.dtype == DType::bf16};
       widest = std::max(widest, p.y.numel());
     }
     if (widest == 0) continue;

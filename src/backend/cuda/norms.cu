@@ -152,12 +152,6 @@ __global__ void __launch_bounds__(kThr) layernorm_modulate_kernel(MatOf<T> y, fl
 // values as layernorm_modulate_kernel computes them from out, written at (b, l) of mean and
 // rstd [B, L] with row stride stats_ld. The next LayerNorm's pass over out (its statistics
 // alone, in FP8) is saved for two block-wide sums here.
-template <typename T>
-__device__ inline float as_stored(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return __bfloat162float(__float2bfloat16_rn(v));
-}
-
 template <typename T, int kV, int kThr, int kGroups>
 __global__ void __launch_bounds__(kThr) gated_residual_stats_kernel(MatOf<T> out, float* mean, float* rstd,
                                                                     int64_t stats_ld, MatOf<T> x, MatOf<T> y,
