@@ -55,6 +55,15 @@ struct NormStatsOut {
   Tensor mean, rstd;
   bool defined() const { return mean.defined(); }
 };
+// out = x + gate ⊙ y (Backend::gated_residual), and where `next` is defined the row statistics
+// of out into it (Backend::gated_residual_stats) with the LayerNorm's eps.
+inline void gated_residual_to(Backend& be, Tensor out, Tensor x, Tensor y, Tensor gate, const NormStatsOut& next,
+                              double eps) {
+  if (next.defined())
+    be.gated_residual_stats(out, next.mean, next.rstd, x, y, gate, eps);
+  else
+    be.gated_residual(out, x, y, gate);
+}
 // The [B, L] view of saved statistics allocated as a vector of B·L.
 inline Tensor stats_rows(const Tensor& stats, int64_t B, int64_t L) {
   return Tensor(stats.data, stats.dtype, Shape{B, L});

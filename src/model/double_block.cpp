@@ -159,13 +159,11 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
   attention_output_to_tokens(be, attn, joint.att8, joint.o, offset);
   site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
   Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, eps);
-  if (ctx.norm_stats_in_residual && layernorm_in_cast(p.mlp_in, ctx.fp8, s.xm2)) {
-    be.gated_residual_stats(s.x_mid, stats_rows(s.ln2_mean, B, Ls), stats_rows(s.ln2_rstd, B, Ls), x, s.proj_out,
-                            chunk(s.mod, 2, H), eps);
-    ln2.statistics_ready = true;
-  } else {
-    be.gated_residual(s.x_mid, x, s.proj_out, chunk(s.mod, 2, H));
-  }
+  ln2.statistics_ready = ctx.norm_stats_in_residual && layernorm_in_cast(p.mlp_in, ctx.fp8, s.xm2);
+  const NormStatsOut ln2_stats = ln2.statistics_ready
+                                     ? NormStatsOut{stats_rows(s.ln2_mean, B, Ls), stats_rows(s.ln2_rstd, B, Ls)}
+                                     : NormStatsOut{};
+  gated_residual_to(be, s.x_mid, x, s.proj_out, chunk(s.mod, 2, H), ln2_stats, eps);
   if (gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8)) {  // BF16: mlp_in's GEMM writes the GELU too
     const Tensor g = linear_input_buffer(ctx.scratch, s.mlp_g, s.mlp_h.shape, ctx.dtype);
     site_forward_gelu(be, ctx.fp8, ctx.scratch, p.mlp_in, g, s.mlp_h, ln2, s.xm2, ctx.dtype);
@@ -175,10 +173,7 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h),
                        s.mlp_g, ctx.dtype);
   }
-  if (next.defined())
-    be.gated_residual_stats(out, next.mean, next.rstd, s.x_mid, s.mlp_out, chunk(s.mod, 5, H), eps);
-  else
-    be.gated_residual(out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H));
+  gated_residual_to(be, out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H), next, eps);
   ctx.scratch.release_to(mark);
 }
 

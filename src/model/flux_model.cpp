@@ -328,14 +328,11 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   // the first single block's, at their rows of the joint sequence (text first).
   const bool hand_over = !full && norm_stats_in_residual_;
   const int64_t Lt = sh.txt_tokens, Li = sh.img_tokens, L = sh.tokens();
-  const auto next_single = [&](size_t i, NormStatsOut& txt_part, NormStatsOut& img_part) {
+  const auto next_single = [&](size_t i) {
     SingleBlockSaved& n = s.singles[i];
     if (!layernorm_in_cast(single_params_[i].linear1, fp8_.get(), n.zm)) return NormStatsOut{};
-    const NormStatsOut all{stats_rows(n.ln_mean, B, L), stats_rows(n.ln_rstd, B, L)};
-    txt_part = {all.mean.cols_slice(0, Lt), all.rstd.cols_slice(0, Lt)};
-    img_part = {all.mean.cols_slice(Lt, Li), all.rstd.cols_slice(Lt, Li)};
     n.ln_ready = true;
-    return all;
+    return NormStatsOut{stats_rows(n.ln_mean, B, L), stats_rows(n.ln_rstd, B, L)};
   };
   const auto next_stream = [&](const DoubleStreamParams& p, DoubleStreamSaved& n, int64_t Ls) {
     if (!layernorm_in_cast(p.qkv, fp8_.get(), n.xm1)) return NormStatsOut{};
@@ -350,7 +347,10 @@ Tensor FluxModel::forward(const FluxInputs& in) {
         next_txt = next_stream(double_params_[i + 1].txt, s.doubles[i + 1].txt, Lt);
         next_img = next_stream(double_params_[i + 1].img, s.doubles[i + 1].img, Li);
       } else if (hand_over && !single_params_.empty()) {
-        next_single(0, next_txt, next_img);
+        if (const NormStatsOut joint = next_single(0); joint.defined()) {  // the streams' columns of it
+          next_txt = {joint.mean.cols_slice(0, Lt), joint.rstd.cols_slice(0, Lt)};
+          next_img = {joint.mean.cols_slice(Lt, Li), joint.rstd.cols_slice(Lt, Li)};
+        }
       }
       const size_t mark = scratch_arena_.mark();
       if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);  // q, k, v: this forward only
@@ -369,8 +369,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   for (size_t i = 0; i < single_params_.size(); ++i) {
     if (!full) {
       SingleBlockSaved& blk = s.singles[i];
-      NormStatsOut next, txt_part, img_part;
-      if (hand_over && i + 1 < single_params_.size()) next = next_single(i + 1, txt_part, img_part);
+      const NormStatsOut next = hand_over && i + 1 < single_params_.size() ? next_single(i + 1) : NormStatsOut{};
       const size_t mark = scratch_arena_.mark();
       if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);
       single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1], next);

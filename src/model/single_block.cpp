@@ -128,10 +128,7 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear2, s.out,
                        Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * H, M)).with_head(o_tokens), s.cat,
                        ctx.dtype);
-  if (next.defined())
-    be.gated_residual_stats(z_out, next.mean, next.rstd, z, s.out, s.mod.cols_slice(2 * H, H), ctx.cfg.layernorm_eps);
-  else
-    be.gated_residual(z_out, z, s.out, s.mod.cols_slice(2 * H, H));
+  gated_residual_to(be, z_out, z, s.out, s.mod.cols_slice(2 * H, H), next, ctx.cfg.layernorm_eps);
   ctx.scratch.release_to(outer);
 }
 
