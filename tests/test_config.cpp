@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "backend/backend.h"
 #include "config/config.h"
 #include "core/error.h"
 #include "model/flux_config.h"
@@ -107,6 +108,20 @@ TEST(Config, SetParsesEachType) {
   EXPECT_EQ(cfg.get_int_list("axes_dim"), (std::vector<int64_t>{8, 28, 28}));
   EXPECT_DOUBLE_EQ(cfg.get_float("qk_norm_eps"), 1.1920929e-07);
   EXPECT_EQ(cfg.source("axes_dim"), "--set");
+}
+
+// The storage-type keys reach BackendOptions; grad_precision (bf16 parameter gradients) is a
+// CUDA option: the CPU backend keeps f32 gradients with it, so a CPU run is unchanged.
+TEST(Config, PrecisionKeysReachTheBackendOptions) {
+  ConfigFiles files;
+  const BackendOptions defaults = BackendOptions::from_config(Config::load(files.write("d.yaml", "# defaults\n"), {}));
+  EXPECT_TRUE(defaults.bf16_activations);
+  EXPECT_FALSE(defaults.bf16_grads);
+  const BackendOptions o =
+      BackendOptions::from_config(Config::load(files.write("g.yaml", "grad_precision: bf16\n"), {}));
+  EXPECT_TRUE(o.bf16_grads);
+  EXPECT_EQ(make_backend("cpu", o)->gradient_dtype(DType::f32), DType::f32);
+  flux8::testing::expect_refused("grad_precision", [&] { Config::load(files.write("b.yaml", "grad_precision: fp16\n"), {}); });
 }
 
 TEST(Config, FloatListValues) {

@@ -184,6 +184,7 @@ BackendOptions BackendOptions::from_config(const Config& cfg) {
   o.round_activations_to_bf16 = cfg.get_bool("round_activations_to_bf16");
   o.bf16_gemm = cfg.get_string("gemm_precision") == "bf16";
   o.bf16_activations = cfg.get_string("activation_precision") == "bf16";
+  o.bf16_grads = cfg.get_string("grad_precision") == "bf16";
   return o;
 }
 

@@ -9,7 +9,8 @@
 //   One exception: a backend whose activation_dtype() is bf16 (the CUDA backend with
 //   bf16_activations) takes the ACTIVATION arguments of the ops below — inputs, outputs and
 //   input gradients, named per op — in bf16, all of one call in the same type, while
-//   parameters (w, b, scale), parameter gradients and statistics stay in the compute dtype.
+//   parameters (w, b, scale), parameter gradients and statistics stay in the compute dtype
+//   (parameter gradients: in gradient_dtype(), which is bf16 with bf16_grads).
 //   Kernels compute in f32 and round each stored value to nearest even: the values the CPU
 //   backend gives with round_activations_to_bf16 (up to summation order).
 // - Outputs are overwritten, except: parameter gradients (dw, db, dscale) are ACCUMULATED
@@ -54,9 +55,11 @@ struct BackendOptions {
   // CUDA: activations stored in bf16 (activation_dtype()); their GEMMs then run on bf16
   // operands whatever bf16_gemm says (the operands are bf16 already).
   bool bf16_activations = false;
+  // CUDA: parameter gradients stored in bf16 (gradient_dtype(), grad_precision: bf16).
+  bool bf16_grads = false;
 
-  // From the config keys threads, round_activations_to_bf16, gemm_precision and
-  // activation_precision.
+  // From the config keys threads, round_activations_to_bf16, gemm_precision,
+  // activation_precision and grad_precision.
   static BackendOptions from_config(const Config& cfg);
 };
 
@@ -98,6 +101,13 @@ class Backend {
   // weight `w` may be passed in this type as well as in `compute` — the rounded copy a model
   // keeps per optimizer step (ParamStore::operand), which the op would otherwise make per call.
   virtual DType weight_operand_dtype(DType compute) const { return compute; }
+  // The element type of the parameter gradients (ParamStore's gradient buffer) of a model that
+  // computes in `compute`: `compute` itself, or bf16 (CUDA backend, bf16_grads, compute f32).
+  // The ops that write parameter gradients (linear_backward's dw and db, gemm_fp8_tn's c,
+  // Quantize::column_sums, the QK-norm backward's dscale) then take them in that type — each
+  // stored value the f32 (or double) sum rounded to nearest even, with += read back from bf16 —
+  // and gradient_sum_squares and adamw read them in it.
+  virtual DType gradient_dtype(DType compute) const { return compute; }
 
   // ---- elementwise / copies (same shape [rows, cols]; any ld) --------------------------
   // Activations: every tensor (all of one type); copy() also converts, y's type from x's.
@@ -345,7 +355,8 @@ class Backend {
     float* amax = nullptr;                 // backend memory
     CastStats* stats = nullptr;            // host memory
     // Defined: column_sums[c] += Σ_r x[r, c] — the bias gradient of the Linear whose output
-    // gradient x is, summed in the pass that casts it (contiguous f32 vector of cols(x));
+    // gradient x is, summed in the pass that casts it (contiguous vector of cols(x) in
+    // gradient_dtype(f32): f32, or bf16);
     // = instead of += when column_sums_accumulate is false (old contents never read).
     Tensor column_sums;
     bool column_sums_accumulate = true;

@@ -336,11 +336,12 @@ void check_cast_input(std::string_view op, const Backend::CastInput& in) {
          in.x.str());
 }
 
-void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols) {
+void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols, bool bf16_ok) {
   if (!sums.defined()) return;
-  if (sums.dtype != DType::f32 || !sums.contiguous() || sums.numel() != cols)
-    fail("{}: 'column_sums' {} must be a contiguous f32 vector of {} elements (one per column of the input)", op,
-         sums.str(), cols);
+  const bool type_ok = sums.dtype == DType::f32 || (bf16_ok && sums.dtype == DType::bf16);
+  if (!type_ok || !sums.contiguous() || sums.numel() != cols)
+    fail("{}: 'column_sums' {} must be a contiguous {} vector of {} elements (one per column of the input)", op,
+         sums.str(), bf16_ok ? "f32 or bf16" : "f32", cols);
 }
 
 int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale) {

@@ -104,8 +104,9 @@ std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int6
                                                        std::span<const Backend::LowRankGrad> low_rank);
 // transpose_codes: per-tensor codes, dst [cols, rows] of src [rows, cols], one format.
 void check_transpose_codes(std::string_view op, const QTensor& dst, const QTensor& src);
-// Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined).
-void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols);
+// Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined); or bf16 where
+// the backend stores parameter gradients so (`bf16_ok`: Backend::gradient_dtype).
+void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols, bool bf16_ok = false);
 // QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
 int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale);
 

@@ -80,6 +80,7 @@ class OpProfiler : public Backend {
   }
   DType activation_dtype(DType compute) const override { return be_.activation_dtype(compute); }
   DType weight_operand_dtype(DType compute) const override { return be_.weight_operand_dtype(compute); }
+  DType gradient_dtype(DType compute) const override { return be_.gradient_dtype(compute); }
   DType attention_heads_dtype(DType activations, int64_t head_dim) const override {
     return be_.attention_heads_dtype(activations, head_dim);
   }

@@ -57,8 +57,8 @@ Command add_bench_command(CLI::App& app) {
                   "benchmark this config's model at its micro_batch_size, image_size and text_seq_len instead")
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o->overrides,
-                  "override a config key: fp8_* keys, recompute_granularity (none, selective, full) and "
-                  "activation_precision (bf16, f32) for the runs, or any key with -c");
+                  "override a config key: fp8_* keys, recompute_granularity (none, selective, full), "
+                  "activation_precision (bf16, f32) and grad_precision (f32, bf16) for the runs, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
@@ -78,11 +78,12 @@ Command add_bench_command(CLI::App& app) {
   return {cmd, [o]() {
     BackendOptions bo;
     bo.bf16_gemm = true;
-    // Where the runs take fp8_* settings, recompute_granularity and activation_precision from
+    // Where the runs take fp8_* settings, recompute_granularity, activation_precision and grad_precision from
     // (with -c: that config, below).
     Config run_keys;
     for (const std::string& kv : o->overrides) run_keys.apply_override(kv);
     bo.bf16_activations = run_keys.get_string("activation_precision") == "bf16";
+    bo.bf16_grads = run_keys.get_string("grad_precision") == "bf16";
     nlohmann::json out;
     if (o->gemm) {
       fmt::print("{:>6} {:>6} {:>6} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20} | {:>25}\n", "M", "N", "K",
@@ -165,6 +166,7 @@ Command add_bench_command(CLI::App& app) {
                  "TFLOP/s", "setup s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
       const Recompute recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
       bo.bf16_activations = run_keys.get_string("activation_precision") == "bf16";
+      bo.bf16_grads = run_keys.get_string("grad_precision") == "bf16";
       for (StepBenchSpec s : specs) {
         s.recompute = recompute;
         s.lr = o->lr;
@@ -241,6 +243,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"losses", r.losses},             {"non_finite_steps", r.non_finite_steps},
                                   {"backend", o->backend},          {"data", o->data},
                                   {"activation_precision", bo.bf16_activations && o->backend == "cuda" ? "bf16" : "f32"},
+                                  {"grad_precision", bo.bf16_grads && o->backend == "cuda" ? "bf16" : "f32"},
                                   {"ops", ops}, {"idle_before", idle_before}});
         }
         // The targets are the H200's (WORKLOADS.md): judged on the GPU backend only.

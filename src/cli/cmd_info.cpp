@@ -61,10 +61,12 @@ Command add_info_command(CLI::App& app) {
     const std::string recompute = config.get_string("recompute_granularity");
     const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape, recompute_from_name(recompute));
     const bool bf16_storage = config.get_string("activation_precision") == "bf16";
+    // grad_precision: bf16 stores the parameter gradients in 2 bytes (CUDA).
+    const double grad_bytes = config.get_string("grad_precision") == "bf16" ? 2.0 : 4.0;
     // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
     const bool fp8_attention = config.get_bool("fp8_dot_product_attention");
 
-    // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B,
+    // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B (bf16: 2 B),
     // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
     // Two accounts: the design (bf16 activation storage and a bf16 weight copy), and what the
     // CUDA backend allocates today (activations in activation_precision — bf16 by default, as
@@ -77,7 +79,8 @@ Command add_info_command(CLI::App& app) {
         {"weights (bf16)", 2 * P, 2 * P, bf16_linears, bf16_linears - fp8_copies},
         {"fp8 weight copies", 0, fp8_copies, 0, fp8_copies},
         {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
-        {"fp32 gradients", 4 * P, 4 * P, 4 * P, 4 * P},
+        {grad_bytes == 2.0 ? "gradients (bf16)" : "fp32 gradients", grad_bytes * P, grad_bytes * P, grad_bytes * P,
+         grad_bytes * P},
         {"AdamW moments (fp32)", 8 * P, 8 * P, 8 * P, 8 * P},
         {"activations", act.gpu_bytes(false), act.gpu_bytes(true, fp8_attention),
          bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),

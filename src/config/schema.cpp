@@ -69,7 +69,9 @@ std::vector<KeySpec> make_keys() {
       choice_key("runtime", "gemm_precision", "bf16", {"bf16", "f32"},
                  "CUDA: operands of the non-FP8 GEMMs (bf16 tensor cores, fp32 accumulation; f32: exact, slow, only with activation_precision f32: bf16 activations always give bf16 operands); the CPU computes in f32"),
       choice_key("runtime", "activation_precision", "bf16", {"bf16", "f32"},
-                 "CUDA: storage type of activations and their gradients (bf16 halves their memory and traffic; the GEMMs then take bf16 operands); parameters, gradients and optimizer state stay f32. The CPU's twin is round_activations_to_bf16"),
+                 "CUDA: storage type of activations and their gradients (bf16 halves their memory and traffic; the GEMMs then take bf16 operands); parameters, gradients and optimizer state stay f32 (but see grad_precision). The CPU's twin is round_activations_to_bf16"),
+      choice_key("runtime", "grad_precision", "f32", {"f32", "bf16"},
+                 "CUDA: storage type of the parameter gradients. bf16: each gradient GEMM and column sum rounds its fp32 sum to bf16 as it stores it (what PyTorch autocast and torchao give a bf16 weight's gradient; micro-batches add in fp32 and round once more each), halving the gradients' memory and the gradient norm's and AdamW's reads of them; master weights and AdamW moments stay f32. The CPU keeps f32 gradients"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
       // ---- training: optimizer and schedule ----

@@ -84,10 +84,10 @@ const ParamInfo& ParamLayout::at(std::string_view name) const {
 }
 
 ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype)
-    : layout_(ParamLayout::build(cfg)), backend_(backend), dtype_(dtype) {
-  const size_t bytes = static_cast<size_t>(layout_.total()) * dtype_size(dtype);
-  params_ = backend.allocate(bytes);
-  grads_ = backend.allocate(bytes);
+    : layout_(ParamLayout::build(cfg)), backend_(backend), dtype_(dtype), grad_dtype_(backend.gradient_dtype(dtype)) {
+  const size_t elements = static_cast<size_t>(layout_.total());
+  params_ = backend.allocate(elements * dtype_size(dtype));
+  grads_ = backend.allocate(elements * dtype_size(grad_dtype_));
   for (size_t i = 0; i < layout_.params().size(); ++i) by_offset_.emplace(layout_.params()[i].offset, i);
   written_.assign(layout_.params().size(), 1);  // the buffer starts zero-filled: a valid gradient
 }
@@ -105,9 +105,9 @@ static Tensor view(void* base, DType dtype, const ParamInfo& p) {
 }
 
 Tensor ParamStore::param(std::string_view name) const { return view(params_, dtype_, layout_.at(name)); }
-Tensor ParamStore::grad(std::string_view name) const { return view(grads_, dtype_, layout_.at(name)); }
+Tensor ParamStore::grad(std::string_view name) const { return view(grads_, grad_dtype_, layout_.at(name)); }
 Tensor ParamStore::flat_params() const { return Tensor(params_, dtype_, Shape{layout_.total()}); }
-Tensor ParamStore::flat_grads() const { return Tensor(grads_, dtype_, Shape{layout_.total()}); }
+Tensor ParamStore::flat_grads() const { return Tensor(grads_, grad_dtype_, Shape{layout_.total()}); }
 
 void ParamStore::init(uint64_t seed) {
   params_changed();
@@ -138,7 +138,7 @@ void ParamStore::zero_grads() {
 size_t ParamStore::index_in(const void* buffer, const Tensor& view) const {
   const char* base = static_cast<const char*>(buffer);
   const char* p = static_cast<const char*>(view.data);
-  const size_t unit = dtype_size(dtype_);
+  const size_t unit = dtype_size(buffer == grads_ ? grad_dtype_ : dtype_);
   if (p < base || (p - base) % unit != 0) return kNoParam;
   const auto it = by_offset_.find(static_cast<int64_t>((p - base) / unit));
   if (it == by_offset_.end() || view.numel() != layout_.params()[it->second].shape.numel()) return kNoParam;
@@ -265,7 +265,7 @@ void ParamStore::flush_low_rank_copies() const {
 void ParamStore::write_low_rank(size_t i) const {
   flush_low_rank_copies();
   const LowRank& L = low_rank_[i];
-  const Tensor dw = view(grads_, dtype_, layout_.params()[i]);
+  const Tensor dw = view(grads_, grad_dtype_, layout_.params()[i]);
   if (L.rows == 0) {
     backend_.fill(dw, 0.0);
   } else {

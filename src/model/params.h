@@ -60,6 +60,9 @@ class ParamStore {
 
   const ParamLayout& layout() const { return layout_; }
   DType dtype() const { return dtype_; }
+  // The gradients' element type: dtype(), or bf16 where the backend stores them so
+  // (Backend::gradient_dtype, grad_precision: bf16).
+  DType grad_dtype() const { return grad_dtype_; }
   Backend& backend() const { return backend_; }
   Tensor param(std::string_view name) const;
   Tensor grad(std::string_view name) const;
@@ -150,7 +153,7 @@ class ParamStore {
 
   ParamLayout layout_;
   Backend& backend_;
-  DType dtype_;
+  DType dtype_, grad_dtype_;
   void* params_ = nullptr;
   void* grads_ = nullptr;
   std::unordered_map<int64_t, size_t> by_offset_;  // a parameter's offset -> its index

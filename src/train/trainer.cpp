@@ -174,6 +174,10 @@ TrainResult run_training(const TrainOptions& opt) {
                              r.accumulation, r.micro, train_iters, val.size(), r.save_dir),
                  nullptr);
   progress.event(fmt::format("precision: {}", r.fp8.describe()), nullptr);
+  if (r.model->params().grad_dtype() != r.model->params().dtype())
+    progress.event(fmt::format("gradients: stored in {} (grad_precision); master weights and AdamW moments in {}",
+                               dtype_name(r.model->params().grad_dtype()), dtype_name(r.model->params().dtype())),
+                   nullptr);
   if (const int64_t rows = r.model->params().low_rank_rows())
     progress.event(fmt::format("gradients: the modulation and embedder Linears' weight gradients kept as "
                                "rank-{} factors (a step of at most {} samples; not written as tensors)",

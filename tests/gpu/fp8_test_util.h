@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -207,7 +208,9 @@ void plant_cast_extremes(At at, int64_t R, int64_t C, bool with_inf) {
 // Quantize::column_sums over x of type X (Pair: f32 activations, Bf16Pair: bf16 ones) against
 // the CPU's: every recipe, partial tiles, a strided input, and the path with no FP8 copy (the
 // sums on their own); the copies that are made equal the CPU's byte for byte.
-template <typename X>
+// Sums: Pair (f32 sums) or Bf16Pair (a bf16 bias gradient, grad_precision: bf16: the same
+// double sums rounded to f32 and then to bf16 on both sides).
+template <typename X, typename Sums = Pair>
 void expect_column_sums_match_cpu() {
   for (const Recipe& recipe : kRecipes)
     for (const auto [R, C] : {std::array<int64_t, 2>{300, 257}, {5, 3}, {128, 256}})
@@ -217,7 +220,7 @@ void expect_column_sums_match_cpu() {
                                    accumulate ? "accumulated" : "overwritten (old sums NaN)"));
           X x({R, C}, 3);
           x.randn(71, 3.0);
-          Pair sums({C});
+          Sums sums({C});
           sums.randn(72);
           if (!accumulate) sums.fill(std::numeric_limits<float>::quiet_NaN());  // never read
           QPair row(R, C, Fp8Format::e5m2, recipe.scaling), col(C, R, Fp8Format::e5m2, recipe.scaling);
@@ -228,7 +231,10 @@ void expect_column_sums_match_cpu() {
             (g ? gpu() : cpu())
                 .quantize(copies & 1 ? row.on(g) : QTensor{}, copies & 2 ? col.on(g) : QTensor{}, x.t(g), q);
           }
-          EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
+          if constexpr (std::is_same_v<Sums, Pair>)
+            EXPECT_LE(gpu_vs_cpu(sums), 1e-6);  // double sums in another order, rounded to f32
+          else  // ... then to bf16: equal but where the f32 values straddle a bf16 rounding boundary
+            EXPECT_LE(bf16_mismatches(sums), 1);
           if (copies & 1) expect_equals_cpu(row, "rowwise");
           if (copies & 2) expect_equals_cpu(col, "columnwise");
         }

@@ -55,6 +55,17 @@ inline Backend& gpu_bf16_activations() {
   }();
   return *be;
 }
+// The training configuration with parameter gradients stored in bf16 (grad_precision: bf16).
+inline Backend& gpu_bf16_grads() {
+  static std::unique_ptr<Backend> be = [] {
+    BackendOptions o;
+    o.bf16_gemm = true;
+    o.bf16_activations = true;
+    o.bf16_grads = true;
+    return make_cuda_backend(o);
+  }();
+  return *be;
+}
 // The CPU twin of bf16 activation storage: every activation output rounded to bf16.
 inline Backend& cpu_bf16() {
   static std::unique_ptr<Backend> be = [] {

@@ -344,12 +344,13 @@ TEST(CudaBf16Casts, ColumnSumsMatchCpu) {
   expect_column_sums_match_cpu<Bf16Pair>();
 }
 
-// The activation arguments of one cast share one type; statistics and column sums stay f32.
-// Each refusal names the tensor.
+// The activation arguments of one cast share one type; statistics stay f32, column sums (a bias
+// gradient) are f32 or bf16 (grad_precision: bf16) of the input's width. Each refusal names the
+// tensor.
 TEST(CudaBf16Casts, CastsRejectMixedTypesByName) {
   FLUX8_REQUIRE_GPU();
   const int64_t B = 2, L = 3, H = 8;
-  Bf16Pair x16({B, L, H}), mod16({B, 2 * H}), mean16({B * L}), sums16({H});
+  Bf16Pair x16({B, L, H}), mod16({B, 2 * H}), mean16({B * L}), sums16({H + 1});
   Pair mod32({B, 2 * H}), mean({B * L}), rstd({B * L});
   QPair row(B * L, H, Fp8Format::e4m3, Fp8Scaling::per_tensor);
   Backend::Quantize q;
@@ -605,10 +606,11 @@ TEST(CudaBf16Casts, QkNormRopeRejectsMixedTypesByName) {
     gpu().qk_norm_rope_to_heads_backward(w32(0), w32(1), w32(2), dscale.dev, dscale.dev, dh16.t, dh16.t, dh16.t,
                                          w16(0), w16(1), rstd.dev, rstd.dev, scale.dev, scale.dev, pe.dev, 0);
   }, "q");
+  // The scale gradients are f32 or bf16 (grad_precision: bf16), the two of a call alike.
   refused([&] {
-    gpu().qk_norm_rope_to_heads_backward(w16(0), w16(1), w16(2), dscale16.dev, Tensor{}, dh16.t, dh16.t, dh16.t,
+    gpu().qk_norm_rope_to_heads_backward(w16(0), w16(1), w16(2), dscale16.dev, dscale.dev, dh16.t, dh16.t, dh16.t,
                                          w16(0), w16(1), rstd.dev, rstd.dev, scale.dev, scale.dev, pe.dev, 0);
-  }, "dq_scale");
+  }, "dk_scale");
   EXPECT_NO_THROW(gpu().qk_norm_rope_to_heads(qh.t, kh.t, vh.t, rstd.dev, rstd.dev, w16(0), w16(1), w16(2), scale.dev,
                                               scale.dev, pe.dev, 0, 1e-6));
   gpu().synchronize();

@@ -266,6 +266,53 @@ TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
   expect_within_noise(g, c, exact, "bf16", 3.0, 1e-2);
 }
 
+// grad_precision: bf16 (the gradient buffer in bf16) against the same GPU configuration with f32
+// gradients: the forward and every activation gradient are the same ops on the same values, so
+// each parameter gradient is the f32 run's rounded to bf16 — within one bf16 ulp (a GEMM may take
+// another algorithm for a bf16 output), for dense gradients, low-rank ones (written out from the
+// factors) and FP8 delayed scaling (wgrad GEMMs into bf16, bias gradients in the casts). Then
+// three AdamW steps reading them: the predictions stay within a bf16 rounding's effect on the
+// updates of the f32 run's (a gradient read as the wrong type would be far off).
+TEST(CudaModel, Bf16GradientsAreF32GradientsRounded) {
+  FLUX8_REQUIRE_GPU();
+  const FluxConfig odd = odd_config(2, 2, true), small = fp8_test_config();
+  const Fp8Config fp8 = delayed_fp8();
+  struct Case {
+    const char* name;
+    const FluxConfig& cfg;
+    const Fp8Config* fp8;
+    int64_t low_rank_rows;
+  };
+  for (const Case& c : {Case{"BF16", odd, nullptr, 0}, Case{"BF16, low-rank", odd, nullptr, 2},
+                        Case{"FP8 delayed", small, &fp8, 0}}) {
+    SCOPED_TRACE(c.name);
+    testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .weight_std = 0.1,
+                               .low_rank_rows = c.low_rank_rows};
+    const ModelRun f32 = testing::run_model(gpu_bf16_activations(), c.cfg, o);
+    const ModelRun bf16 = testing::run_model(gpu_bf16_grads(), c.cfg, o);
+    EXPECT_EQ(bf16.pred, f32.pred);
+    ASSERT_EQ(bf16.grads.size(), f32.grads.size());
+    for (size_t i = 0; i < f32.grads.size(); ++i) {
+      const std::vector<double>& got = bf16.grads[i].second;
+      const std::vector<double>& want = f32.grads[i].second;
+      int64_t off = 0;
+      for (size_t j = 0; j < want.size(); ++j) {
+        const double w = round_to_bf16(static_cast<float>(want[j]));
+        off += !(std::abs(got[j] - w) <= std::ldexp(std::max(std::abs(w), std::abs(got[j])), -7));
+        ASSERT_EQ(got[j], round_to_bf16(static_cast<float>(got[j]))) << "not a bf16 value";
+      }
+      EXPECT_EQ(off, 0) << f32.grads[i].first;
+    }
+    o.steps = 3;
+    o.optimizer = true;
+    const ModelRun f32_trained = testing::run_model(gpu_bf16_activations(), c.cfg, o);
+    const ModelRun bf16_trained = testing::run_model(gpu_bf16_grads(), c.cfg, o);
+    const double e = max_rel_error(bf16_trained.pred, f32_trained.pred);
+    std::printf("%s: pred after 3 AdamW steps, bf16 vs f32 gradients: %.3g\n", c.name, e);
+    EXPECT_LE(e, 2e-2);
+  }
+}
+
 // recompute_granularity on the GPU: full re-runs the same ops on the same inputs, so it gives the
 // bits of `none` — pred, every gradient and (FP8) the cast counts, over two steps with AdamW —
 // although it re-runs block i's forward from its kept input into block i + 1's input slot (the

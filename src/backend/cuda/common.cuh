@@ -43,6 +43,15 @@ inline bool activations_in_bf16(std::string_view op, std::initializer_list<Named
   return ops::call_dtype(op, activations, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
 }
 
+// Parameter gradients (Backend::gradient_dtype: BackendOptions::bf16_grads) are stored in f32
+// or bf16; the defined ones of one call share one type. Returns whether it is bf16 (false when
+// none is defined). Their writers sum in f32 or double and round once as they store.
+inline bool grads_in_bf16(std::string_view op, std::initializer_list<Named> grads) {
+  for (const Named& g : grads)
+    if (g.t.defined()) return ops::call_dtype(op, grads, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
+  return false;
+}
+
 // Element access for the two storage types: load gives the f32 value, store rounds to it.
 __device__ __forceinline__ float load(const float& x) { return x; }
 __device__ __forceinline__ float load(const __nv_bfloat16& x) { return __bfloat162float(x); }

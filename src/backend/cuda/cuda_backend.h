@@ -58,6 +58,9 @@ class CudaBackend final : public Backend {
   DType weight_operand_dtype(DType compute) const override {
     return (options_.bf16_activations || options_.bf16_gemm) && compute == DType::f32 ? DType::bf16 : compute;
   }
+  DType gradient_dtype(DType compute) const override {
+    return options_.bf16_grads && compute == DType::f32 ? DType::bf16 : compute;
+  }
   void add(Tensor y, Tensor a, Tensor b) override;
   void accumulate(Tensor y, Tensor x) override;
 

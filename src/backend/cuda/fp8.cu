@@ -824,10 +824,15 @@ Source<T> source_of(const Backend::CastInput& in, FastDivisor per_sample) {
 }
 
 // Quantize::column_sums of the cast's elements on their own (no tiles to sum them in).
+// The sums are a bias gradient: f32, or bf16 (Backend::gradient_dtype).
 template <typename T>
-void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_t cols, float* sums, bool accumulate) {
-  column_sums(be, 1, rows, cols, [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); }, sums,
-              cols, accumulate);
+void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_t cols, const Tensor& sums,
+                     bool accumulate) {
+  const auto value = [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); };
+  if (sums.dtype == DType::bf16)
+    column_sums(be, 1, rows, cols, value, sums.ptr<__nv_bfloat16>(), cols, accumulate);
+  else
+    column_sums(be, 1, rows, cols, value, sums.ptr<float>(), cols, accumulate);
 }
 
 // dst [C, R] = src [R, C]ᵀ by 128x128 tiles of codes through shared memory. Where R and C are
@@ -937,7 +942,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   if (in.head.defined()) ops::check_cast_input(op, in);
   const Tensor whole = in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), in.cols()}) : x;
   const bool any_copy = ops::check_quantize(op, rowwise, columnwise, whole, {DType::f32, DType::bf16});
-  ops::check_column_sums(op, q.column_sums, whole.cols());
+  ops::check_column_sums(op, q.column_sums, whole.cols(), /*bf16_ok=*/true);
   const int64_t R = x.rows(), C = whole.cols(), split = in.head_cols();
   // The per-tensor kernel takes a head where no tile straddles it, for the GELU casts the model
   // fuses (Source covers the other kernels element by element); otherwise the op's output is
@@ -980,7 +985,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   };
   if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
     with_source([&](const auto& src) {
-      add_column_sums(*this, src, R, C, q.column_sums.ptr<float>(), q.column_sums_accumulate);
+      add_column_sums(*this, src, R, C, q.column_sums, q.column_sums_accumulate);
     });
   }
   if (!any_copy) return;
@@ -1063,7 +1068,10 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
       case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
     }
   });
-  if (column_partials)
+  if (column_partials && q.column_sums.dtype == DType::bf16)
+    column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<__nv_bfloat16>(), C,
+                          q.column_sums_accumulate);
+  else if (column_partials)
     column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<float>(), C,
                           q.column_sums_accumulate);
   if (q.stats) total_cast_stats(partials, tiles, R * C, q);  // else the amax went to q.amax by atomics

@@ -263,7 +263,7 @@ void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tens
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", c});
   if (c.dtype != DType::f32 && c.dtype != DType::bf16)
-    fail("{}: output {} must be f32 or bf16 (an activation stored in bf16)", op, c.str());
+    fail("{}: output {} must be f32 or bf16 (an activation or a gradient stored in bf16)", op, c.str());
   if (c.ld < c.cols()) fail("{}: output {} has row stride {} smaller than its columns", op, c.str(), c.ld);
   if (!a.defined() || !b.defined() || a.cols != b.cols || c.rows() != a.rows || c.cols() != b.rows)
     fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, c.str(), a.rows, a.cols, b.rows, b.cols);

@@ -227,12 +227,16 @@ void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c,
 
 namespace {
 
-// Column sums of dy (f32 or bf16) into the f32 bias gradient db (accumulated, or overwritten).
+// Column sums of dy (f32 or bf16) into the bias gradient db (f32, or bf16 with bf16 gradients;
+// accumulated, or overwritten).
 template <typename T>
 void bias_gradient(CudaBackend& be, const Tensor& dy, const Tensor& db, bool accumulate) {
   const MatOf<T> DY = mat_of<T>(dy);
-  column_sums(be, 1, DY.rows, DY.cols, [=] __device__(int64_t, int64_t r, int64_t c) { return double(DY.get(r, c)); },
-              db.ptr<float>(), DY.cols, accumulate);
+  const auto value = [=] __device__(int64_t, int64_t r, int64_t c) { return double(DY.get(r, c)); };
+  if (db.dtype == DType::bf16)
+    column_sums(be, 1, DY.rows, DY.cols, value, db.ptr<__nv_bfloat16>(), DY.cols, accumulate);
+  else
+    column_sums(be, 1, DY.rows, DY.cols, value, db.ptr<float>(), DY.cols, accumulate);
 }
 
 // The forward product y[N,M] = x·wᵀ (yᵀ = wᵀ·xᵀ column-major) and the input gradient
@@ -303,7 +307,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
                                   bool accumulate_dx, bool accumulate_params) {
   constexpr std::string_view op = "linear_backward";
   const bool bf16 = activations_in_bf16(op, {{"dx", dx}, {"dy", dy}, {"x", x}});
-  if (dw.defined() || db.defined()) require_f32(op, {{"dw", dw}, {"db", db}});
+  grads_in_bf16(op, {{"dw", dw}, {"db", db}});  // f32, or bf16 gradients (Backend::gradient_dtype)
   require_weight(*this, op, w, bf16);
   require_defined(op, {"dy", dy});
   require_rank(op, {"w", w}, 2);
@@ -338,6 +342,7 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.m = K, d.n = M, d.k = N;
       d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
       d.type_a = d.type_b = ops.type();
+      d.type_d = cuda_type(dw);  // f32, or bf16: the fp32 sum rounded as it is stored (+= reads it back)
       d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
       gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, BiasVector{});
     } else if (!accumulate_params) {

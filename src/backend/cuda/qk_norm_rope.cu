@@ -913,9 +913,8 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
                                                            token_offset);
   // The types after the shape checks, as in the forward.
   const bool bf16 = activations_in_bf16(op, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"q", q}, {"k", k}});
-  require_f32(op, {{"dq_scale", dq_scale},
-                   {"dk_scale", dk_scale},
-                   {"q_rstd", q_rstd},
+  grads_in_bf16(op, {{"dq_scale", dq_scale}, {"dk_scale", dk_scale}});  // f32, or bf16 gradients
+  require_f32(op, {{"q_rstd", q_rstd},
                    {"k_rstd", k_rstd},
                    {"q_scale", q_scale},
                    {"k_scale", k_scale},
@@ -973,11 +972,14 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
     });
     ++qk_norm_rope_vector_calls_;
     const int64_t D = d.D;
-    for (const auto& [dscale, rows] : {std::pair{dq_scale, q_part}, std::pair{dk_scale, k_part}})
-      if (dscale.defined())
-        column_sums(
-            *this, 1, blocks, D, [rows, D] __device__(int64_t, int64_t r, int64_t c) { return rows[r * D + c]; },
-            dscale.ptr<float>(), D, true);
+    for (const auto& [dscale, rows] : {std::pair{dq_scale, q_part}, std::pair{dk_scale, k_part}}) {
+      if (!dscale.defined()) continue;
+      const auto term = [rows, D] __device__(int64_t, int64_t r, int64_t c) { return rows[r * D + c]; };
+      if (dscale.dtype == DType::bf16)
+        column_sums(*this, 1, blocks, D, term, dscale.ptr<__nv_bfloat16>(), D, true);
+      else
+        column_sums(*this, 1, blocks, D, term, dscale.ptr<float>(), D, true);
+    }
     return true;
   }
 
@@ -1001,7 +1003,10 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
   });
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
   for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}})
-    if (dscale.defined()) column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<float>(), d.D, true);
+    if (dscale.defined() && dscale.dtype == DType::bf16)
+      column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<__nv_bfloat16>(), d.D, true);
+    else if (dscale.defined())
+      column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<float>(), d.D, true);
   return true;
 }
 

@@ -82,63 +82,98 @@ __device__ __forceinline__ double add_squares(double s, float4 q) {
   s += d * d;
   return s;
 }
+// Eight bf16 gradients (grad_precision: bf16) in one 16-byte load, in element order: element
+// 2k is the low half of word k.
+__device__ __forceinline__ double add_squares(double s, uint4 q) {
+  for (const uint32_t w : {q.x, q.y, q.z, q.w}) {
+    const double lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xFFFF0000u);
+    s += lo * lo;
+    s += hi * hi;
+  }
+  return s;
+}
 
-// A block's share of Σ x² over [begin, end) of a 16-byte aligned x: the quads in batches of
-// kSquaresBatch 16-byte loads issued together (thread t the quads t, t + kThreads, ...), the
-// elements before the first 16-byte boundary and after the last one by the first threads, each
-// square added in double in an order that depends on begin and end only; the block's tree
-// follows.
-__device__ __forceinline__ double flat_squares(const float* __restrict__ x, int64_t begin, int64_t end) {
-  const int64_t q0 = (begin + 3) / 4, q1 = end / 4;
-  const int64_t head_end = 4 * q0 < end ? 4 * q0 : end, tail_begin = q1 > q0 ? 4 * q1 : head_end;
+// What one 16-byte load of the flat buffer holds: four f32 or eight bf16 elements.
+template <typename G>
+struct Vec16;
+template <>
+struct Vec16<float> {
+  using type = float4;
+  static constexpr int kElements = 4;
+  __device__ static type zero() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+};
+template <>
+struct Vec16<__nv_bfloat16> {
+  using type = uint4;
+  static constexpr int kElements = 8;
+  __device__ static type zero() { return make_uint4(0u, 0u, 0u, 0u); }
+};
+
+// A block's share of Σ x² over [begin, end) of a 16-byte aligned x (f32, or bf16 gradients): the
+// 16-byte vectors in batches of kSquaresBatch loads issued together (thread t the vectors t,
+// t + kThreads, ...), the elements before the first 16-byte boundary and after the last one by
+// the first threads, each square added in double in an order that depends on begin and end only;
+// the block's tree follows.
+template <typename G>
+__device__ __forceinline__ double flat_squares(const G* __restrict__ x, int64_t begin, int64_t end) {
+  using V = Vec16<G>;
+  constexpr int64_t kE = V::kElements;
+  const int64_t q0 = (begin + kE - 1) / kE, q1 = end / kE;
+  const int64_t head_end = kE * q0 < end ? kE * q0 : end, tail_begin = q1 > q0 ? kE * q1 : head_end;
   double s = 0;
   for (int64_t i = begin + threadIdx.x; i < head_end; i += kThreads) {
-    const double t = x[i];
+    const double t = load(x[i]);
     s += t * t;
   }
-  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const auto* xv = reinterpret_cast<const typename V::type*>(x);
   for (int64_t base = q0 + threadIdx.x; base < q1; base += int64_t(kSquaresBatch) * kThreads) {
-    float4 q[kSquaresBatch];
+    typename V::type q[kSquaresBatch];
 #pragma unroll
     for (int u = 0; u < kSquaresBatch; ++u) {
       const int64_t i = base + int64_t(u) * kThreads;
-      q[u] = i < q1 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      q[u] = i < q1 ? xv[i] : V::zero();
     }
 #pragma unroll
     for (int u = 0; u < kSquaresBatch; ++u) s = add_squares(s, q[u]);
   }
   for (int64_t i = tail_begin + threadIdx.x; i < end; i += kThreads) {
-    const double t = x[i];
+    const double t = load(x[i]);
     s += t * t;
   }
   return s;
 }
 
-__global__ void __launch_bounds__(kThreads) sum_squares4_kernel(const float* x, int64_t n, double* partial) {
+template <typename G>
+__global__ void __launch_bounds__(kThreads) sum_squares4_kernel(const G* x, int64_t n, double* partial) {
   __shared__ double sh[kThreads];
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSquaresChunk;
   double s = flat_squares(x, begin, begin + kSquaresChunk < n ? begin + kSquaresChunk : n);
   s = block_sum(s, sh);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
-}  // namespace
 
-double CudaBackend::sum_squares(Tensor x) {
-  require_f32("sum_squares", {{"x", x}});
-  require_contiguous("sum_squares", {"x", x});
-  const float* p = x.ptr<float>();
-  const int64_t n = x.numel();
+template <typename G>
+double sum_squares_of(CudaBackend& be, const G* p, int64_t n) {
   if (n == 0 || !aligned16(p))
-    return ordered_sum(*this, n, [=] __device__(int64_t i) {
-      const double v = p[i];
+    return ordered_sum(be, n, [=] __device__(int64_t i) {
+      const double v = load(p[i]);
       return v * v;
     });
   const int64_t blocks = (n + kSquaresChunk - 1) / kSquaresChunk;
   FLUX8_CHECK(blocks < (int64_t(1) << 31), "sum_squares: {} elements exceed one launch", n);
-  double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
-  sum_squares4_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(p, n, partial);
+  double* partial = static_cast<double*>(be.reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
+  sum_squares4_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, be.stream()>>>(p, n, partial);
   FLUX8_LAUNCH_CHECK(sum_squares4_kernel);
-  return total_of_partials(*this, partial, blocks);
+  return total_of_partials(be, partial, blocks);
+}
+}  // namespace
+
+// x: f32, or a bf16 gradient (grad_precision: bf16; the trainer's search for a non-finite one).
+double CudaBackend::sum_squares(Tensor x) {
+  grads_in_bf16("sum_squares", {{"x", x}});
+  require_contiguous("sum_squares", {"x", x});
+  if (x.dtype == DType::bf16) return sum_squares_of(*this, x.ptr<__nv_bfloat16>(), x.numel());
+  return sum_squares_of(*this, x.ptr<float>(), x.numel());
 }
 
 namespace {
@@ -319,9 +354,9 @@ __device__ double low_rank_pair_term(const LowRankChunk& L, uint32_t r, uint32_t
 // Flat chunks (sums of squares), then one entry per pair of a low-rank gradient's factor rows
 // (a term of its Gram norm), in launches of their own; `partial` is the first of this launch's
 // blocks' partials.
-template <bool kLowRank>
+template <bool kLowRank, typename G>
 __global__ void __launch_bounds__(kThreads)
-    gradient_squares_kernel(const SquaresChunk* __restrict__ chunks, const float* __restrict__ x,
+    gradient_squares_kernel(const SquaresChunk* __restrict__ chunks, const G* __restrict__ x,
                             double* __restrict__ partial) {
   __shared__ double sh[kThreads];
   const SquaresChunk c = chunks[blockIdx.x];
@@ -339,7 +374,7 @@ __global__ void __launch_bounds__(kThreads)
 
 double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "gradient_sum_squares";
-  require_f32(op, {{"grads", grads}});
+  grads_in_bf16(op, {{"grads", grads}});  // f32, or bf16 (grad_precision: bf16)
   require_contiguous(op, {"grads", grads});
   const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, grads.numel(), low_rank);
   if (sorted.empty()) return sum_squares(grads);
@@ -365,9 +400,15 @@ double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGr
   const int64_t blocks = squares_table_.count, split = squares_table_.first_low_rank;
   double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
   const auto* table = static_cast<const SquaresChunk*>(squares_table_.data);
-  launch_chunks(gradient_squares_kernel<false>, split, stream_, table, grads.ptr<float>(), partial);
-  launch_chunks(gradient_squares_kernel<true>, blocks - split, stream_, table + split, grads.ptr<float>(),
-                partial + split);
+  const auto launch = [&](const auto* g) {
+    using G = std::remove_cvref_t<decltype(*g)>;
+    launch_chunks(gradient_squares_kernel<false, G>, split, stream_, table, g, partial);
+    launch_chunks(gradient_squares_kernel<true, G>, blocks - split, stream_, table + split, g, partial + split);
+  };
+  if (grads.dtype == DType::bf16)
+    launch(grads.ptr<__nv_bfloat16>());
+  else
+    launch(grads.ptr<float>());
   return total_of_partials(*this, partial, blocks);
 }
 
@@ -423,13 +464,13 @@ constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 // The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of x·scale, the
 // amax the largest |x| bit pattern of the non-NaN values.
 // adamw_kernel's body for one chunk; kLowRank: its gradient comes from the factors.
-template <bool kLowRank>
-__device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restrict__ p, const float* __restrict__ g,
+template <bool kLowRank, typename G>
+__device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restrict__ p, const G* __restrict__ g,
                                             float* __restrict__ m, float* __restrict__ v, const AdamwStep& step,
                                             bool quads, uint32_t* warp_amax) {
   const int64_t n = c.end - c.begin;
   float* __restrict__ pc = p + c.begin;
-  const float* __restrict__ gc = kLowRank ? nullptr : g + c.begin;
+  const G* __restrict__ gc = kLowRank ? nullptr : g + c.begin;
   float* __restrict__ mc = m + c.begin;
   float* __restrict__ vc = v + c.begin;
   __nv_bfloat16* __restrict__ out = c.copy;
@@ -452,7 +493,7 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
       gq = low_rank_quad(c.lr, w4.m, 4 * w4.k);
       w4.advance(blockDim.x, cols4);
     } else {
-      gq = reinterpret_cast<const float4*>(gc)[q];
+      gq = load4(gc + 4 * q);  // f32, or four bf16 gradients widened
     }
     step(pq.x, gq.x, mq.x, vq.x);
     step(pq.y, gq.y, mq.y, vq.y);
@@ -479,7 +520,7 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
       gi = low_rank_at(c.lr, w1.m, w1.k);
       w1.advance(blockDim.x, c.lr.cols);
     } else {
-      gi = gc[i];
+      gi = load(gc[i]);
     }
     step(pc[i], gi, mc[i], vc[i]);
     if (out) out[i] = __float2bfloat16_rn(pc[i]);
@@ -505,8 +546,9 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
 // on W1's 536M parameters, none of them low-rank (H200); with the two bodies it took 76
 // registers, 3 blocks an SM, where the flat body alone takes 46. The low-rank body alone takes
 // 80; it is held to 64 (4 blocks an SM, 12 bytes spilled).
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_flat_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const float* __restrict__ g,
+    adamw_flat_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const G* __restrict__ g,
                       float* __restrict__ m, float* __restrict__ v, AdamwStep step, bool quads) {
   __shared__ uint32_t warp_amax[kThreads / 32];
   const AdamwChunk c = chunks[blockIdx.x];
@@ -518,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 4)
                           float* __restrict__ v, AdamwStep step, bool quads) {
   __shared__ uint32_t warp_amax[kThreads / 32];
   const AdamwChunk c = chunks[blockIdx.x];
-  adamw_chunk<true>(c, p, nullptr, m, v, step, quads, warp_amax);
+  adamw_chunk<true>(c, p, static_cast<const float*>(nullptr), m, v, step, quads, warp_amax);
 }
 
 }  // namespace
@@ -527,7 +569,8 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
                         std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
                         std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "adamw";
-  require_f32(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
+  require_f32(op, {{"param", param}, {"m", m}, {"v", v}});
+  grads_in_bf16(op, {{"grad", grad}});  // f32, or bf16 (grad_precision: bf16)
   const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   const int64_t n = param.numel();
   if (n == 0) return;
@@ -582,11 +625,16 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
                        static_cast<float>(k.eps_hat),        static_cast<float>(k.decay),
                        static_cast<float>(k.step_size)};
   float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
-  const float* g = grad.ptr<float>();
-  const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && aligned16(g);
+  // The vector path loads four gradients at once: 16 bytes of f32, 8 of bf16.
+  const bool g_aligned = grad.dtype == DType::bf16 ? reinterpret_cast<uintptr_t>(grad.data) % 8 == 0 : aligned16(grad.data);
+  const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && g_aligned;
   const auto* table = static_cast<const AdamwChunk*>(adamw_table_.data);
   const int64_t split = adamw_table_.first_low_rank;
-  launch_chunks(adamw_flat_kernel, split, stream_, table, p, g, mm, vv, step, quads);
+  if (grad.dtype == DType::bf16)
+    launch_chunks(adamw_flat_kernel<__nv_bfloat16>, split, stream_, table, p, grad.ptr<__nv_bfloat16>(), mm, vv, step,
+                  quads);
+  else
+    launch_chunks(adamw_flat_kernel<float>, split, stream_, table, p, grad.ptr<float>(), mm, vv, step, quads);
   launch_chunks(adamw_low_rank_kernel, adamw_table_.count - split, stream_, table + split, p, mm, vv, step, quads);
 }
 
