@@ -58,7 +58,7 @@ TEST(CudaBf16Grads, GradientTypeFollowsTheOption) {
 
 // linear_backward's dw (the wgrad GEMM's output type) and db (column sums) in bf16, overwritten
 // and accumulated, on bf16 activations, on f32 activations with bf16 GEMM operands, and with
-// exact f32 GEMMs (for which cuBLASLt has no bf16 output: the plain kernel), odd sizes.
+// exact f32 GEMMs (for which cuBLASLt has no bf16 output: an f32 temporary, rounded), odd sizes.
 TEST(CudaBf16Grads, LinearBackwardRoundsItsSums) {
   FLUX8_REQUIRE_GPU();
   const int64_t N = 37, K = 45, M = 29;

@@ -4,7 +4,8 @@
 //   GEMMs; the result differs from the exact product by the operand rounding (~2⁻⁹ relative per
 //   operand). Activations stored in bf16 (x, y, dx, dy: Backend::activation_dtype) go to
 //   cuBLASLt as they are, and y, dx come back in bf16 (rounded once from the fp32 sum); the f32
-//   weight is rounded into scratch. dw, db stay f32.
+//   weight is rounded into scratch. dw, db are f32, or bf16 (grad_precision: bf16, rounded once
+//   from the fp32 sums as they are stored).
 // - f32: exact f32 GEMMs with fp32 compute (no TF32), the reference the tests compare with
 //   (f32 activations only).
 // Row-major tensors are column-major transposes, so each product is issued with the operands
@@ -344,7 +345,19 @@ void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Te
       d.type_a = d.type_b = ops.type();
       d.type_d = cuda_type(dw);  // f32, or bf16: the fp32 sum rounded as it is stored (+= reads it back)
       d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
-      gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, BiasVector{});
+      if (dw.dtype == DType::bf16 && d.type_a == CUDA_R_32F) {
+        // Exact f32 GEMMs (gemm_precision: f32) have no bf16 output in cuBLASLt: the sum goes to
+        // an f32 temporary (holding the old values when accumulating), then is rounded into dw.
+        // (The f32 Operands use no scratch, so scratch2 is free.)
+        const Tensor sum(scratch2(static_cast<size_t>(dw.numel()) * sizeof(float)), DType::f32, dw.shape);
+        if (accumulate_params) copy(sum, dw);
+        d.type_d = CUDA_R_32F;
+        d.ldd = sum.ld;
+        gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = sum.data}, sum, BiasVector{});
+        copy(dw, sum);
+      } else {
+        gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, BiasVector{});
+      }
     } else if (!accumulate_params) {
       fill(dw, 0.0);
     }
