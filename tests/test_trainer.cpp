@@ -9,12 +9,14 @@
 
 #include "backend/backend.h"
 #include "backend/transfer.h"
+#include "bench/op_profiler.h"
 #include "fp8/fp8_config.h"
 #include "data/demo.h"
 #include "io/safetensors.h"
 #include "model_test_util.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
+#include "test_util.h"
 #include "train_test_util.h"
 
 namespace flux8 {
@@ -133,6 +135,41 @@ TEST(TrainStep, Fp8AmaxesOverMicroBatchesEqualOneBigBatch) {
 // gradients (NaN here) are never read. With fewer rows kept than the step brings, the step
 // falls back to dense gradients half-way — or at its first write, where one micro-batch
 // brings more rows than kept.
+// A backend that stores gradients in bf16 (Backend::gradient_dtype, the CUDA backend with
+// grad_precision: bf16), here the CPU backend behind the profiler's forwarding layer: the store's
+// gradient buffer, its views and its per-step write tracking in 2-byte units, parameters in f32.
+TEST(TrainStep, Bf16GradientBufferViewsAndWriteTracking) {
+  struct Bf16Grads final : OpProfiler {
+    using OpProfiler::OpProfiler;
+    DType gradient_dtype(DType) const override { return DType::bf16; }
+  };
+  std::unique_ptr<Backend> cpu = make_backend("cpu");
+  Bf16Grads be(*cpu);
+  const FluxConfig cfg = testing::odd_config(1, 1, false);
+  ParamStore store(cfg, be, DType::f32);
+  EXPECT_EQ(store.grad_dtype(), DType::bf16);
+  EXPECT_EQ(store.flat_params().dtype, DType::f32);
+  const Tensor flat = store.flat_grads();
+  EXPECT_EQ(flat.dtype, DType::bf16);
+  EXPECT_EQ(flat.numel(), store.layout().total());
+  store.zero_grads();
+  for (const ParamInfo& p : store.layout().params()) {
+    const Tensor g = store.grad(p.name);
+    EXPECT_EQ(g.dtype, DType::bf16);
+    EXPECT_EQ(g.shape, p.shape);
+    EXPECT_EQ(static_cast<const char*>(g.data) - static_cast<const char*>(flat.data), 2 * p.offset) << p.name;
+    EXPECT_TRUE(store.first_write(g)) << p.name;
+    EXPECT_FALSE(store.first_write(g)) << p.name;
+  }
+  store.finish_grads();  // every gradient claimed
+  store.zero_grads();
+  testing::expect_refused(store.layout().params().front().name, [&] { store.finish_grads(); });
+  // A view that is not a whole parameter's gradient (one element in) is refused, named.
+  Tensor inside = store.grad("img_in.weight");
+  inside.data = static_cast<char*>(inside.data) + 2;
+  testing::expect_refused("not a whole parameter gradient", [&] { store.first_write(inside); });
+}
+
 TEST(TrainStep, LowRankGradientsEqualDenseOnes) {
   const FluxConfig cfg = tiny_demo_model();
   const std::vector<Sample> samples = demo_batch(cfg, 6);
