@@ -311,7 +311,7 @@ TEST(CudaBf16Ops, GatedResidual) {
   FLUX8_REQUIRE_GPU();
   // H = 45, pad 3: element by element, one column chunk of the dgate sums; H = 44, pads of 4
   // (the gate window of [B, 3H] starts 88 bytes in): groups of 4, and L = 600 rows per sample
-  // span 3 chunks.
+  // span several chunks (19 of 32 rows: column_sums4_chunk_rows).
   struct Case {
     int64_t L, H, pad;
   };

@@ -345,9 +345,9 @@ struct ColumnChunks {
   int64_t chunk_rows, chunks;
   double* partial;
 };
-inline ColumnChunks column_chunks(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols) {
+inline ColumnChunks column_chunks(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols,
+                                  int64_t chunk_rows = kColumnChunk) {
   if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
-  int64_t chunk_rows = kColumnChunk;
   if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
   const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
   auto* partial = static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
@@ -370,7 +370,8 @@ void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V 
 // the float4 of columns c..c+3 (c a multiple of 4), so a warp moves 128 columns per row in one
 // vector access a thread, where column_sums' warp of 32 scalar columns took four times the
 // instructions and kept too few loads in flight (Nsight Compute on gated_residual_backward: SM
-// 27%, DRAM 33%). Same chunks and the same order of sums as column_sums.
+// 27%, DRAM 33%). The same order of sums as column_sums within a chunk; shorter chunks where the
+// grid would be small (column_sums4_chunk_rows).
 template <typename V>
 __global__ void column_partials4_kernel(int64_t rows, int64_t cols, int64_t chunks, int64_t chunk_rows, V value4,
                                         double* partial) {
@@ -396,11 +397,25 @@ __global__ void column_partials4_kernel(int64_t rows, int64_t cols, int64_t chun
   }
 }
 
+// column_sums4's chunks: kColumnChunk rows, halved (down to 32) while the grid would have fewer
+// than kColumnSums4Blocks blocks. With 256-row chunks W2's text stream (2 samples of 512 rows)
+// ran on 96 blocks at 14% of DRAM bandwidth, its image stream and single blocks on 768–864 (one
+// wave: 53–57%) (Nsight Compute on gated_residual_backward, twenty-fourth session). A function of
+// the shape only, as the summation order must be.
+constexpr int64_t kColumnSums4Blocks = 1024;
+inline int64_t column_sums4_chunk_rows(int64_t groups, int64_t rows, int64_t cols) {
+  const int64_t column_blocks = (cols / 4 + 31) / 32;
+  int64_t chunk_rows = kColumnChunk;
+  while (chunk_rows > 32 && groups * column_blocks * ((rows + chunk_rows - 1) / chunk_rows) < kColumnSums4Blocks)
+    chunk_rows /= 2;
+  return chunk_rows;
+}
+
 template <typename V, typename T>
 void column_sums4(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V value4, T* out, int64_t out_ld,
                   bool accumulate) {
   if (groups == 0 || cols == 0) return;
-  const ColumnChunks k = column_chunks(be, groups, rows, cols);
+  const ColumnChunks k = column_chunks(be, groups, rows, cols, column_sums4_chunk_rows(groups, rows, cols));
   const dim3 grid(static_cast<unsigned>((cols / 4 + 31) / 32), static_cast<unsigned>(k.chunks),
                   static_cast<unsigned>(groups));
   column_partials4_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, k.chunks, k.chunk_rows, value4,
