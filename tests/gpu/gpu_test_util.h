@@ -7,6 +7,7 @@
 // exercised) and its device twin with the same shape and ld.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -258,6 +259,68 @@ struct Bf16Pair {
 };
 
 inline double gpu_vs_cpu(const Bf16Pair& p) { return rel_l2(p.down(), p.cpu_values()); }
+
+// Low-rank gradients (Backend::LowRankGrad) over a flat gradient buffer on both backends: per
+// range its offset and factors a [R, M] (N(0, 0.1²)) and b [R, K] (N(0, 1)), and the flat
+// buffer's elements at the ranges set to NaN (plant_nan: a kernel that reads them shows it).
+struct LowRankFactors {
+  struct Spec {
+    int64_t offset, R, M, K;
+  };
+  std::vector<Spec> specs;
+  std::vector<std::unique_ptr<Pair>> a, b;
+
+  LowRankFactors(std::vector<Spec> s, uint64_t seed) : specs(std::move(s)) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      a.push_back(std::make_unique<Pair>(Shape{specs[i].R, specs[i].M}));
+      b.push_back(std::make_unique<Pair>(Shape{specs[i].R, specs[i].K}));
+      a.back()->randn(seed + i, 0.1);
+      b.back()->randn(seed + 10 + i);
+    }
+  }
+  // The ranges' elements of a flat gradient buffer (Pair or Bf16Pair) set to NaN on both sides.
+  template <typename Flat>
+  void plant_nan(Flat& grads) const {
+    for (const Spec& s : specs)
+      std::fill(grads.host.mem.begin() + s.offset, grads.host.mem.begin() + s.offset + s.M * s.K, NAN);
+    grads.up();
+  }
+  std::vector<Backend::LowRankGrad> on(bool gpu_side) const {
+    std::vector<Backend::LowRankGrad> lr;
+    for (size_t i = 0; i < specs.size(); ++i) lr.push_back({specs[i].offset, a[i]->t(gpu_side), b[i]->t(gpu_side)});
+    return lr;
+  }
+};
+
+// The gradient norm and two AdamW steps over the flat gradients `gr` (Pair: f32; Bf16Pair: bf16
+// gradients) with these low-rank ranges, on both backends: the norm equal up to the order of
+// its double sums, AdamW bit for bit, with a bf16 operand copy of the parameters at [20000,
+// 20000 + 300·512) (over the third range of the tests' specs) written alike.
+template <typename Grads>
+void expect_norm_and_adamw_match_cpu(const Grads& gr, const LowRankFactors& factors) {
+  const int64_t n = gr.dev.numel();
+  double sq[2];
+  run_both([&](Backend& be, bool g) { sq[g] = be.gradient_sum_squares(gr.t(g), factors.on(g)); });
+  ASSERT_TRUE(std::isfinite(sq[0]));
+  EXPECT_NEAR(sq[1], sq[0], 1e-12 * sq[0]);  // the same f32 values summed in double: order only
+
+  Pair p({n}), m({n}), v({n});
+  p.randn(61), m.randn(62, 0.001), v.fill(1e-6f);
+  std::vector<uint16_t> host_copy(300 * 512, 0xFFFF);
+  Bf16Dev dev_copy(Shape{300, 512});
+  for (int64_t step = 1; step <= 2; ++step) {
+    const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.6, step};
+    run_both([&](Backend& be, bool g) {
+      const Backend::ParamCopy copy{20000, g ? dev_copy.t : Tensor(host_copy.data(), DType::bf16, Shape{300, 512})};
+      be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, std::span(&copy, 1), {}, factors.on(g));
+    });
+  }
+  EXPECT_EQ(p.down(), p.host.mem);
+  EXPECT_EQ(m.down(), m.host.mem);
+  EXPECT_EQ(v.down(), v.host.mem);
+  EXPECT_EQ(dev_copy.bits(), host_copy);
+  for (float x : p.host.mem) ASSERT_TRUE(std::isfinite(x));
+}
 
 // Elements where the GPU's bf16 result and the CPU's bf16-rounded one differ in their bits.
 inline int64_t bf16_mismatches(const Bf16Pair& p) {

@@ -170,51 +170,16 @@ TEST(CudaBf16Grads, NormAndAdamWReadBf16Gradients) {
   }
 
   const int64_t n = 200003;
-  struct Spec {
-    int64_t offset, R, M, K;
-  };
-  const std::vector<Spec> specs{{1000, 2, 37, 64}, {5001, 3, 13, 7}, {20000, 5, 300, 512}};
+  const LowRankFactors factors({{1000, 2, 37, 64}, {5001, 3, 13, 7}, {20000, 5, 300, 512}}, 42);
   Bf16Pair gr({n});
   gr.randn(41, 0.01);
-  std::vector<std::unique_ptr<Pair>> a, b;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const Spec& s = specs[i];
-    a.push_back(std::make_unique<Pair>(Shape{s.R, s.M}));
-    b.push_back(std::make_unique<Pair>(Shape{s.R, s.K}));
-    a.back()->randn(42 + i, 0.1);
-    b.back()->randn(52 + i);
-    std::fill(gr.host.mem.begin() + s.offset, gr.host.mem.begin() + s.offset + s.M * s.K, NAN);
-  }
-  gr.up();
-  const auto low_rank = [&](bool g) {
-    std::vector<Backend::LowRankGrad> lr;
-    for (size_t i = 0; i < specs.size(); ++i) lr.push_back({specs[i].offset, a[i]->t(g), b[i]->t(g)});
-    return lr;
-  };
-  double sq[2];
-  run_both([&](Backend& be, bool g) { sq[g] = be.gradient_sum_squares(gr.t(g), low_rank(g)); });
-  ASSERT_TRUE(std::isfinite(sq[0]));
-  EXPECT_NEAR(sq[1], sq[0], 1e-12 * sq[0]);
-
-  Pair p({n}), m({n}), v({n});
-  p.randn(61), m.randn(62, 0.001), v.fill(1e-6f);
-  std::vector<uint16_t> host_copy(300 * 512, 0xFFFF);
-  Bf16Dev dev_copy(Shape{300, 512});
-  for (int64_t step = 1; step <= 2; ++step) {
-    const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.6, step};
-    run_both([&](Backend& be, bool g) {
-      const Backend::ParamCopy copy{20000, g ? dev_copy.t : Tensor(host_copy.data(), DType::bf16, Shape{300, 512})};
-      be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, std::span(&copy, 1), {}, low_rank(g));
-    });
-  }
-  EXPECT_EQ(p.down(), p.host.mem);
-  EXPECT_EQ(m.down(), m.host.mem);
-  EXPECT_EQ(v.down(), v.host.mem);
-  EXPECT_EQ(dev_copy.bits(), host_copy);
-  for (float x : p.host.mem) ASSERT_TRUE(std::isfinite(x));
+  factors.plant_nan(gr);
+  expect_norm_and_adamw_match_cpu(gr, factors);
 
   // Views from element 1: the gradient 2-byte aligned only, AdamW element by element.
   gr.randn(43, 0.01);  // finite everywhere: no low-rank ranges this time
+  Pair p({n}), m({n}), v({n});
+  p.randn(61), m.randn(62, 0.001), v.fill(1e-6f);
   const auto from1 = [&](auto& x, bool g) {
     Tensor t = x.t(g);
     t.data = static_cast<char*>(t.data) + dtype_size(t.dtype);
@@ -230,7 +195,7 @@ TEST(CudaBf16Grads, NormAndAdamWReadBf16Gradients) {
 
   gr.host.mem[12345] = std::numeric_limits<float>::infinity();
   gr.up();
-  EXPECT_TRUE(std::isinf(gpu().gradient_sum_squares(gr.dev, low_rank(true))));
+  EXPECT_TRUE(std::isinf(gpu().gradient_sum_squares(gr.dev, factors.on(true))));
   EXPECT_TRUE(std::isinf(gpu().sum_squares(gr.dev)));
 }
 

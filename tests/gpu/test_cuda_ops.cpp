@@ -763,52 +763,15 @@ TEST(CudaOps, AdamWWritesRoundedCopies) {
 TEST(CudaOps, LowRankGradientsEqualTheCpu) {
   FLUX8_REQUIRE_GPU();
   const int64_t n = 200003;
-  struct Spec {
-    int64_t offset, R, M, K;
-  };
-  const std::vector<Spec> specs{{1000, 2, 37, 64}, {5001, 3, 13, 7}, {20000, 5, 300, 512}, {180002, 1, 10, 16}};
+  const LowRankFactors factors({{1000, 2, 37, 64}, {5001, 3, 13, 7}, {20000, 5, 300, 512}, {180002, 1, 10, 16}}, 42);
   Pair gr({n});
   gr.randn(41, 0.01);
-  std::vector<std::unique_ptr<Pair>> a, b;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const Spec& s = specs[i];
-    a.push_back(std::make_unique<Pair>(Shape{s.R, s.M}));
-    b.push_back(std::make_unique<Pair>(Shape{s.R, s.K}));
-    a.back()->randn(42 + i, 0.1);
-    b.back()->randn(52 + i);
-    std::fill(gr.host.mem.begin() + s.offset, gr.host.mem.begin() + s.offset + s.M * s.K, NAN);
-  }
-  gr.up();
-  const auto low_rank = [&](bool g) {
-    std::vector<Backend::LowRankGrad> lr;
-    for (size_t i = 0; i < specs.size(); ++i) lr.push_back({specs[i].offset, a[i]->t(g), b[i]->t(g)});
-    return lr;
-  };
-  double sq[2];
-  run_both([&](Backend& be, bool g) { sq[g] = be.gradient_sum_squares(gr.t(g), low_rank(g)); });
-  ASSERT_TRUE(std::isfinite(sq[0]));
-  EXPECT_NEAR(sq[1], sq[0], 1e-12 * sq[0]);  // the same f32 values summed in double: order only
+  factors.plant_nan(gr);
+  expect_norm_and_adamw_match_cpu(gr, factors);
 
-  Pair p({n}), m({n}), v({n});
-  p.randn(61), m.randn(62, 0.001), v.fill(1e-6f);
-  std::vector<uint16_t> host_copy(300 * 512, 0xFFFF);
-  Bf16Dev dev_copy(Shape{300, 512});
-  for (int64_t step = 1; step <= 2; ++step) {
-    const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.6, step};
-    run_both([&](Backend& be, bool g) {
-      const Backend::ParamCopy copy{20000, g ? dev_copy.t : Tensor(host_copy.data(), DType::bf16, Shape{300, 512})};
-      be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, std::span(&copy, 1), {}, low_rank(g));
-    });
-  }
-  EXPECT_EQ(p.down(), p.host.mem);
-  EXPECT_EQ(m.down(), m.host.mem);
-  EXPECT_EQ(v.down(), v.host.mem);
-  EXPECT_EQ(dev_copy.bits(), host_copy);
-  for (float x : p.host.mem) ASSERT_TRUE(std::isfinite(x));
-
-  a[2]->host.mem[7] = NAN;
-  a[2]->up();
-  EXPECT_TRUE(std::isnan(gpu().gradient_sum_squares(gr.dev, low_rank(true))));
+  factors.a[2]->host.mem[7] = NAN;
+  factors.a[2]->up();
+  EXPECT_TRUE(std::isnan(gpu().gradient_sum_squares(gr.dev, factors.on(true))));
 }
 
 // Parameter initialisation on the device: the CPU's values (uniform: the same bits; normal:
