@@ -170,6 +170,19 @@ inline std::vector<uint16_t> bf16_bits_of(const std::vector<float>& v) {
   return b;
 }
 
+// Elements of `got` (bf16 values) more than one bf16 ulp (2⁻⁷ of the larger magnitude: one ulp
+// at the top of a binade) from `want` (f32 values) rounded to bf16; float or double vectors.
+template <typename V>
+int64_t beyond_one_bf16_ulp(const std::vector<V>& got, const std::vector<V>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  int64_t n = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    const double w = round_to_bf16(static_cast<float>(want[i])), g = static_cast<double>(got[i]);
+    if (!(std::abs(g - w) <= std::ldexp(std::max(std::abs(w), std::abs(g)), -7))) ++n;
+  }
+  return n;
+}
+
 // A contiguous bf16 device tensor (attention heads in bf16: Backend::attention_heads_dtype).
 struct Bf16Dev {
   Tensor t;

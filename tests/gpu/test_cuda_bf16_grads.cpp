@@ -19,21 +19,6 @@
 namespace flux8::testing {
 namespace {
 
-// Elements of `got` (bf16 values) more than one bf16 ulp from `want` (f32 values) rounded to bf16.
-int64_t beyond_one_ulp(const std::vector<float>& got, const std::vector<float>& want) {
-  EXPECT_EQ(got.size(), want.size());
-  int64_t n = 0;
-  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    const double w = round_to_bf16(want[i]), g = got[i];
-    const double ulp = std::ldexp(std::max(std::abs(w), std::abs(g)), -7);  // 2⁻⁷: one ulp at the top of a binade
-    if (!(std::abs(g - w) <= ulp)) ++n;
-  }
-  return n;
-}
-
-// A bf16 device tensor's values, compared with f32 values rounded to nearest even.
-std::vector<uint16_t> rounded_bits(const std::vector<float>& f32) { return bf16_bits_of(f32); }
-
 // The same start values in an f32 twin and a bf16 gradient (values representable in bf16).
 void same_start(Pair& f32, Bf16Pair& bf16, uint64_t seed, double stddev) {
   bf16.randn(seed, stddev);
@@ -80,8 +65,8 @@ TEST(CudaBf16Grads, LinearBackwardRoundsItsSums) {
       be->linear_backward(Tensor{}, dw32.dev, db32.dev, dy, x, w.dev, false, accumulate);
       be->linear_backward(Tensor{}, dw16.dev, db16.dev, dy, x, w.dev, false, accumulate);
       be->synchronize();
-      EXPECT_EQ(db16.all_bits(), rounded_bits(db32.down()));  // the same sums, rounded once more
-      EXPECT_EQ(beyond_one_ulp(dw16.down(), dw32.down()), 0);
+      EXPECT_EQ(db16.all_bits(), bf16_bits_of(db32.down()));  // the same sums, rounded once more
+      EXPECT_EQ(beyond_one_bf16_ulp(dw16.down(), dw32.down()), 0);
       EXPECT_LE(rel_l2(dw16.down(), dw32.down()), 4e-3);  // and not all at the bound
     }
   }
@@ -135,8 +120,8 @@ TEST(CudaBf16Grads, QkNormScaleGradientsRoundTheirSums) {
     backward(d32, dqs32.dev, dks32.dev);
     backward(d16, dqs16.dev, dks16.dev);
     gpu().synchronize();
-    EXPECT_EQ(dqs16.all_bits(), rounded_bits(dqs32.down()));
-    EXPECT_EQ(dks16.all_bits(), rounded_bits(dks32.down()));
+    EXPECT_EQ(dqs16.all_bits(), bf16_bits_of(dqs32.down()));
+    EXPECT_EQ(dks16.all_bits(), bf16_bits_of(dks32.down()));
     EXPECT_EQ(d16.all_bits(), d32.all_bits());  // the head gradients do not depend on the scales' type
   }
 }

@@ -52,6 +52,16 @@ inline bool grads_in_bf16(std::string_view op, std::initializer_list<Named> grad
   return false;
 }
 
+// f(p) with p the gradient's storage, float* or __nv_bfloat16* by its type (checked by
+// grads_in_bf16): for the kernels that write a gradient in either type.
+template <typename F>
+void with_grad_storage(const Tensor& g, F&& f) {
+  if (g.dtype == DType::bf16)
+    f(g.ptr<__nv_bfloat16>());
+  else
+    f(g.ptr<float>());
+}
+
 // Element access for the two storage types: load gives the f32 value, store rounds to it.
 __device__ __forceinline__ float load(const float& x) { return x; }
 __device__ __forceinline__ float load(const __nv_bfloat16& x) { return __bfloat162float(x); }

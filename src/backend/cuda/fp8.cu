@@ -829,10 +829,7 @@ template <typename T>
 void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_t cols, const Tensor& sums,
                      bool accumulate) {
   const auto value = [=] __device__(int64_t, int64_t r, int64_t c) { return double(src(r, c)); };
-  if (sums.dtype == DType::bf16)
-    column_sums(be, 1, rows, cols, value, sums.ptr<__nv_bfloat16>(), cols, accumulate);
-  else
-    column_sums(be, 1, rows, cols, value, sums.ptr<float>(), cols, accumulate);
+  with_grad_storage(sums, [&](auto* out) { column_sums(be, 1, rows, cols, value, out, cols, accumulate); });
 }
 
 // dst [C, R] = src [R, C]ᵀ by 128x128 tiles of codes through shared memory. Where R and C are
@@ -1068,12 +1065,10 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
       case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
     }
   });
-  if (column_partials && q.column_sums.dtype == DType::bf16)
-    column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<__nv_bfloat16>(), C,
-                          q.column_sums_accumulate);
-  else if (column_partials)
-    column_partials_total(*this, 1, C, row_tiles, column_partials, q.column_sums.ptr<float>(), C,
-                          q.column_sums_accumulate);
+  if (column_partials)
+    with_grad_storage(q.column_sums, [&](auto* out) {
+      column_partials_total(*this, 1, C, row_tiles, column_partials, out, C, q.column_sums_accumulate);
+    });
   if (q.stats) total_cast_stats(partials, tiles, R * C, q);  // else the amax went to q.amax by atomics
 }
 

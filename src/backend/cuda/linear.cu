@@ -234,10 +234,7 @@ template <typename T>
 void bias_gradient(CudaBackend& be, const Tensor& dy, const Tensor& db, bool accumulate) {
   const MatOf<T> DY = mat_of<T>(dy);
   const auto value = [=] __device__(int64_t, int64_t r, int64_t c) { return double(DY.get(r, c)); };
-  if (db.dtype == DType::bf16)
-    column_sums(be, 1, DY.rows, DY.cols, value, db.ptr<__nv_bfloat16>(), DY.cols, accumulate);
-  else
-    column_sums(be, 1, DY.rows, DY.cols, value, db.ptr<float>(), DY.cols, accumulate);
+  with_grad_storage(db, [&](auto* out) { column_sums(be, 1, DY.rows, DY.cols, value, out, DY.cols, accumulate); });
 }
 
 // The forward product y[N,M] = x·wᵀ (yᵀ = wᵀ·xᵀ column-major) and the input gradient

@@ -975,10 +975,7 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
     for (const auto& [dscale, rows] : {std::pair{dq_scale, q_part}, std::pair{dk_scale, k_part}}) {
       if (!dscale.defined()) continue;
       const auto term = [rows, D] __device__(int64_t, int64_t r, int64_t c) { return rows[r * D + c]; };
-      if (dscale.dtype == DType::bf16)
-        column_sums(*this, 1, blocks, D, term, dscale.ptr<__nv_bfloat16>(), D, true);
-      else
-        column_sums(*this, 1, blocks, D, term, dscale.ptr<float>(), D, true);
+      with_grad_storage(dscale, [&](auto* out) { column_sums(*this, 1, blocks, D, term, out, D, true); });
     }
     return true;
   }
@@ -1003,10 +1000,8 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
   });
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
   for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}})
-    if (dscale.defined() && dscale.dtype == DType::bf16)
-      column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<__nv_bfloat16>(), d.D, true);
-    else if (dscale.defined())
-      column_partials_total(*this, 1, d.D, chunks, part, dscale.ptr<float>(), d.D, true);
+    if (dscale.defined())
+      with_grad_storage(dscale, [&](auto* out) { column_partials_total(*this, 1, d.D, chunks, part, out, d.D, true); });
   return true;
 }
 
