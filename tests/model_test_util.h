@@ -102,6 +102,7 @@ struct ModelRunOptions {
   // > 0: the per-sample Linears' gradients kept as low-rank factors of up to this many rows
   // (ParamStore::keep_low_rank_grads), written out before the gradients are read.
   int64_t low_rank_rows = 0;
+  DType moment_dtype = DType::f32;  // the optimizer's moments (adam_moment_precision)
   uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
 };
 
@@ -110,6 +111,7 @@ struct ModelRun {
   std::vector<std::pair<std::string, std::vector<double>>> grads;  // (name, values), layout order
   std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
   std::vector<float> scales, history;  // FP8 delayed scaling: the registry's state at the end
+  DType moment_dtype = DType::f32;      // with an optimizer: the type its moments were stored in
 };
 
 inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOptions& o) {
@@ -123,8 +125,9 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
   model.plan(StepShape{o.batch, o.txt_tokens, o.img_tokens});
   if (model.fp8()) model.fp8()->set_collect_stats(o.collect_stats);
   std::unique_ptr<AdamWOptimizer> opt;
-  if (o.optimizer) opt = std::make_unique<AdamWOptimizer>(model.params(), AdamWConfig{});
+  if (o.optimizer) opt = std::make_unique<AdamWOptimizer>(model.params(), AdamWConfig{.moment_dtype = o.moment_dtype});
   ModelRun r;
+  if (opt) r.moment_dtype = opt->moment_dtype();
   for (int s = 0; s < o.steps; ++s) {
     model.params().zero_grads();
     const Tensor pred = model.forward(in);

@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
@@ -84,13 +86,15 @@ struct ModelRun {
   Tensor m, v;
   TrainerState state;
 
-  explicit ModelRun(DType t = DType::f32)
+  // Moments in the parameters' type, or in `moments` (bf16: adam_moment_precision).
+  explicit ModelRun(DType t = DType::f32, std::optional<DType> moments = std::nullopt)
       : dtype(t), store(cfg, *be, t) {
     const int64_t n = store.layout().total();
-    m_mem = be->allocate(static_cast<size_t>(n) * dtype_size(t));
-    v_mem = be->allocate(static_cast<size_t>(n) * dtype_size(t));
-    m = Tensor(m_mem, t, Shape{n});
-    v = Tensor(v_mem, t, Shape{n});
+    const DType mt = moments.value_or(t);
+    m_mem = be->allocate(static_cast<size_t>(n) * dtype_size(mt));
+    v_mem = be->allocate(static_cast<size_t>(n) * dtype_size(mt));
+    m = Tensor(m_mem, mt, Shape{n});
+    v = Tensor(v_mem, mt, Shape{n});
   }
   ~ModelRun() {
     be->release(m_mem);
@@ -193,6 +197,36 @@ void round_trip(DType dtype) {
 
 TEST(Checkpoint, RoundTripBitExactF32) { round_trip(DType::f32); }
 TEST(Checkpoint, RoundTripBitExactF64) { round_trip(DType::f64); }
+
+// bf16 moments (adam_moment_precision: bf16) are saved as F32, widened exactly: they load back
+// bit for bit into bf16 moments and as the same values into f32 ones (a run may switch the key
+// on resume); f32 moments loaded into bf16 ones are rounded to nearest even.
+TEST(Checkpoint, Bf16MomentsRoundTrip) {
+  TempRoot root;
+  ModelRun a(DType::f32, DType::bf16), b(DType::f32, DType::bf16), c(DType::f32);
+  a.randomize(3);
+  const std::string dir = a.save(root.str(), 300);
+  const SafetensorsReader opt((fs::path(dir) / "optimizer.safetensors").string());
+  EXPECT_EQ(opt.tensor("exp_avg.img_in.weight").dtype, "F32");
+  load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v);
+  load_checkpoint(dir, c.state, c.cfg, c.store, c.m, c.v);
+  for (const auto& [saved, bf16, f32] : {std::tuple{a.m, b.m, c.m}, std::tuple{a.v, b.v, c.v}}) {
+    const std::vector<double> want = to_host(*a.be, saved);
+    EXPECT_EQ(to_host(*b.be, bf16), want);
+    EXPECT_EQ(to_host(*c.be, f32), want);
+  }
+  EXPECT_NE(to_host(*b.be, b.m), to_host(*b.be, b.v));
+
+  ModelRun d(DType::f32), e(DType::f32, DType::bf16);
+  d.randomize(4);  // f32 moments with bits below bf16's precision
+  const std::string dir2 = d.save(root.str(), 400);
+  load_checkpoint(dir2, e.state, e.cfg, e.store, e.m, e.v);
+  std::vector<double> rounded = to_host(*d.be, d.v);
+  const std::vector<double> exact = rounded;
+  for (double& x : rounded) x = round_to_bf16(static_cast<float>(x));
+  EXPECT_EQ(to_host(*e.be, e.v), rounded);
+  EXPECT_NE(rounded, exact);
+}
 
 TEST(Checkpoint, NonFiniteLossRoundTrips) {
   TrainerState s;

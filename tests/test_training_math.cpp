@@ -7,7 +7,12 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/stochastic_rounding.h"
+#include "config/config.h"
+#include "model/params.h"
+#include "model_test_util.h"
 #include "train/objective.h"
+#include "train/optimizer.h"
 #include "train/schedule.h"
 #include "test_util.h"
 
@@ -102,6 +107,162 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   const Backend::ParamCopy overlapping[] = {{0, Tensor(a.data(), DType::bf16, Shape{20})},
                                             {19, Tensor(b.data(), DType::bf16, Shape{5})}};
   EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping, {}, {}), Error);
+}
+
+// f32_to_bf16_bits_stochastic: a value bf16 holds stays for every r; between two neighbours it
+// rounds away from zero exactly for the r that carry (r ≥ 2^16 − dropped bits), so over all 2^16
+// values of r the mean is the value itself — positive, negative, subnormal; ±inf and NaN stay.
+TEST(StochasticRounding, RoundsUpWithTheDroppedFraction) {
+  const auto f32_of = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  for (const uint32_t kept : {0x3f810000u, 0xc0490000u, 0x00000000u, 0x00070000u})
+    for (uint32_t r = 0; r < 0x10000u; r += 97)
+      ASSERT_EQ(f32_to_bf16_bits_stochastic(f32_of(kept), r), kept >> 16) << std::hex << kept << " r " << r;
+  for (const uint32_t u : {0x3f812345u, 0xbf81fffeu, 0x00012345u, 0x42c80001u, 0x3f80ffffu}) {
+    const float x = f32_of(u);
+    double sum = 0;
+    uint32_t up = 0;
+    for (uint32_t r = 0; r < 0x10000u; ++r) {
+      const uint16_t b = f32_to_bf16_bits_stochastic(x, r);
+      ASSERT_TRUE(b == (u >> 16) || b == (u >> 16) + 1) << std::hex << u << " r " << r;
+      up += b != (u >> 16);
+      sum += bf16_bits_to_f32(b);
+    }
+    EXPECT_EQ(up, u & 0xffffu) << std::hex << u;
+    EXPECT_EQ(sum / 65536.0, static_cast<double>(x)) << std::hex << u;
+  }
+  EXPECT_EQ(f32_to_bf16_bits_stochastic(INFINITY, 0xffff), 0x7f80);
+  EXPECT_EQ(f32_to_bf16_bits_stochastic(-INFINITY, 0xffff), 0xff80);
+  EXPECT_TRUE(std::isnan(bf16_bits_to_f32(f32_to_bf16_bits_stochastic(NAN, 0xffff))));
+}
+
+// AdamW's moment noise: both 16-bit halves near uniform (the share below 0.3·2^16, within 5
+// standard deviations), other bits at another step and at the index 2^32 further on.
+TEST(StochasticRounding, MomentNoiseIsUniformPerStepAndElement) {
+  const uint32_t k1 = adamw_step_key(1), k2 = adamw_step_key(2);
+  const int64_t n = 1 << 18, far = int64_t(1) << 32;
+  int64_t low = 0, high = 0, same_step = 0, same_block = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t r = adamw_moment_noise(adamw_block_key(k1, i), i);
+    low += (r & 0xffffu) < 19661u;
+    high += (r >> 16) < 19661u;
+    same_step += r == adamw_moment_noise(adamw_block_key(k2, i), i);
+    same_block += r == adamw_moment_noise(adamw_block_key(k1, i + far), i + far);
+  }
+  EXPECT_NEAR(static_cast<double>(low) / n, 0.3, 0.0045);
+  EXPECT_NEAR(static_cast<double>(high) / n, 0.3, 0.0045);
+  EXPECT_LE(same_step, 2);
+  EXPECT_LE(same_block, 2);
+}
+
+// adamw with bf16 moments (adam_moment_precision: bf16): the parameters are those the f32 update
+// gives from the same (widened) moments — the update uses the unrounded new moments — and the
+// stored moments are that update's m and v rounded stochastically with the noise of (step,
+// element), the low 16 bits for m, the high 16 for v (written out here by hand). The same bits
+// with 1 and 3 threads (chunks of 2^15 elements). Mixed moment types and bf16 moments of f64
+// parameters are refused naming the moments.
+TEST(Optimizer, Bf16MomentsAreTheF32MomentsRoundedStochastically) {
+  const int64_t n = 100003;
+  std::vector<float> p(n), g(n), m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = rng_normal(1, 0, i);
+    g[i] = 0.01f * rng_normal(2, 0, i);
+    m[i] = round_to_bf16(1e-3f * rng_normal(3, 0, i));
+    v[i] = round_to_bf16(1e-4f * std::exp(rng_normal(4, 0, i)));
+  }
+  std::vector<uint16_t> mb(n), vb(n);
+  for (int64_t i = 0; i < n; ++i) mb[i] = f32_to_bf16_bits(m[i]), vb[i] = f32_to_bf16_bits(v[i]);
+  const auto f32 = [&](std::vector<float>& x) { return Tensor(x.data(), DType::f32, Shape{n}); };
+  const auto bf16 = [&](std::vector<uint16_t>& x) { return Tensor(x.data(), DType::bf16, Shape{n}); };
+  const Backend::AdamW h{1e-3, 0.9, 0.999, 1e-8, 0.1, 0.7, 5};
+  std::vector<float> p_f32 = p, m_f32 = m, v_f32 = v;
+  make_backend("cpu")->adamw(f32(p_f32), f32(g), f32(m_f32), f32(v_f32), h, {}, {}, {});
+
+  std::vector<uint16_t> first_m, first_v;
+  std::vector<float> first_p;
+  for (const int threads : {1, 3}) {
+    BackendOptions o;
+    o.threads = threads;
+    std::vector<float> pp = p;
+    std::vector<uint16_t> mm = mb, vv = vb;
+    make_backend("cpu", o)->adamw(f32(pp), f32(g), bf16(mm), bf16(vv), h, {}, {}, {});
+    EXPECT_EQ(pp, p_f32) << "the update reads the unrounded moments";
+    const uint32_t key = adamw_step_key(5);
+    int64_t m_up = 0, m_inexact = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t r = adamw_moment_noise(adamw_block_key(key, i), i);
+      ASSERT_EQ(mm[i], f32_to_bf16_bits_stochastic(m_f32[i], r)) << i;
+      ASSERT_EQ(vv[i], f32_to_bf16_bits_stochastic(v_f32[i], r >> 16)) << i;
+      m_inexact += round_to_bf16(m_f32[i]) != m_f32[i];
+      m_up += f32_to_bf16_bits(m_f32[i]) != mm[i];
+    }
+    EXPECT_GT(m_inexact, n / 2);
+    EXPECT_GT(m_up, n / 10) << "not rounded to nearest";
+    if (threads == 1) {
+      first_m = mm, first_v = vv, first_p = pp;
+    } else {
+      EXPECT_EQ(mm, first_m);
+      EXPECT_EQ(vv, first_v);
+    }
+  }
+
+  auto be = make_backend("cpu");
+  testing::expect_refused("the moments 'm' (bf16) and 'v' (f32)",
+                          [&] { be->adamw(f32(p), f32(g), bf16(mb), f32(v), h, {}, {}, {}); });
+  std::vector<double> pd(n), gd(n);
+  testing::expect_refused("parameters' type (f64)", [&] {
+    be->adamw(Tensor(pd.data(), DType::f64, Shape{n}), Tensor(gd.data(), DType::f64, Shape{n}), bf16(mb), bf16(vb),
+              h, {}, {}, {});
+  });
+}
+
+// Why the rounding is stochastic: with β2 = 0.999 and no gradient, v = 0.999·v shrinks by 0.1% a
+// step, less than half a bf16 ulp (2^-9), so rounding to nearest would keep v = 1 forever; the
+// stochastically rounded v follows 0.999^step on average (here over 4096 elements, 2000 steps:
+// 0.135, within 2%; each element within 25%).
+TEST(Optimizer, Bf16MomentsFollowADecayThatRoundingToNearestLoses) {
+  const int64_t n = 4096, steps = 2000;
+  std::vector<float> p(n, 0.5f), g(n, 0.0f);
+  std::vector<uint16_t> m(n, 0), v(n, f32_to_bf16_bits(1.0f));
+  auto be = make_backend("cpu");
+  for (int64_t s = 1; s <= steps; ++s)
+    be->adamw(Tensor(p.data(), DType::f32, Shape{n}), Tensor(g.data(), DType::f32, Shape{n}),
+              Tensor(m.data(), DType::bf16, Shape{n}), Tensor(v.data(), DType::bf16, Shape{n}),
+              Backend::AdamW{1e-4, 0.9, 0.999, 1e-8, 0.0, 1.0, s}, {}, {}, {});
+  const double want = std::pow(0.999, static_cast<double>(steps));
+  double sum = 0, sq = 0;
+  for (uint16_t b : v) {
+    const double rel = bf16_bits_to_f32(b) / want - 1.0;
+    sum += rel, sq += rel * rel;
+  }
+  std::printf("v after %lld steps: mean %.4f, rms %.4f relative to 0.999^steps\n", static_cast<long long>(steps),
+              sum / n, std::sqrt(sq / n));
+  EXPECT_NEAR(sum / n, 0.0, 0.02);
+  EXPECT_LT(std::sqrt(sq / n), 0.15);
+  EXPECT_EQ(round_to_bf16(0.999f * 1.0f), 1.0f) << "the premise: rounding to nearest loses the step";
+  for (uint16_t b : m) ASSERT_EQ(b, 0);
+}
+
+// adam_moment_precision reaches the optimizer: bf16 moments take 2 bytes each; f64 parameters
+// (gradient checks) refuse them.
+TEST(Optimizer, MomentPrecisionKey) {
+  EXPECT_EQ(AdamWConfig::from_config(Config{}).moment_dtype, DType::f32);
+  Config c;
+  c.apply_override("adam_moment_precision=bf16");
+  const AdamWConfig bf16 = AdamWConfig::from_config(c);
+  EXPECT_EQ(bf16.moment_dtype, DType::bf16);
+  testing::expect_refused("adam_moment_precision", [&] { Config{}.apply_override("adam_moment_precision=fp8"); });
+  auto be = make_backend("cpu");
+  ParamStore store(testing::odd_config(1, 1, false), *be, DType::f32);
+  AdamWOptimizer opt(store, bf16);
+  EXPECT_EQ(opt.moment_dtype(), DType::bf16);
+  EXPECT_EQ(opt.exp_avg().dtype, DType::bf16);
+  EXPECT_EQ(opt.exp_avg_sq().numel(), store.layout().total());
+  ParamStore f64(testing::odd_config(1, 1, false), *be, DType::f64);
+  testing::expect_refused("adam_moment_precision bf16 needs f32 parameters", [&] { AdamWOptimizer bad(f64, bf16); });
 }
 
 // Low-rank gradients (Backend::LowRankGrad): AdamW reads g[m, k] = Σ_r a[r, m]·b[r, k] from the

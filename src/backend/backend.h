@@ -287,8 +287,8 @@ class Backend {
   // in R²(M + K) operations instead of M·K. The contents of `grads` at those ranges are never
   // read. Without low-rank ranges it is sum_squares(grads).
   virtual double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) = 0;
-  // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in their own
-  // precision (fp32 in training; fp64 in gradient checks):
+  // AdamW (decoupled weight decay), elementwise over flat param/grad/m/v, computed in the
+  // parameters' precision (fp32 in training; fp64 in gradient checks):
   //   g = grad_scale·grad;  m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²
   //   p = p·decay − (step_size·m) / (√v + eps_hat)
   // with the per-step constants of adamw_constants (in double, then rounded to the precision).
@@ -296,6 +296,11 @@ class Backend {
   // corrections folded into the constants (Kingma & Ba's "more efficient" order): multiplying
   // numerator and denominator by √(1 − β2^step) leaves the value exact and saves a division an
   // element, which the memory-bound GPU kernel is partly issue-bound on.
+  // The moments m and v are in the parameters' type, or both bf16 with f32 parameters
+  // (adam_moment_precision: bf16): read widened, updated in f32 as above (p from the unrounded
+  // m, v), stored rounded stochastically — f32_to_bf16_bits_stochastic with the bits of
+  // adamw_moment_noise for (step, flat index), low 16 for m, high 16 for v
+  // (core/stochastic_rounding.h) — the same bits on every backend.
   struct AdamW {
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     int64_t step;  // 1-based

@@ -272,6 +272,12 @@ std::vector<Backend::LowRankGrad> check_adamw(std::string_view op, const Tensor&
     require_vector(op, n, param.numel());
   }
   if (h.step < 1) fail("{}: step must be >= 1 (1-based), got {}", op, h.step);
+  // The moments in the parameters' type, or both bf16 with f32 parameters (adam_moment_precision).
+  const bool bf16_moments = m.dtype == DType::bf16 && v.dtype == DType::bf16 && param.dtype == DType::f32;
+  if (!bf16_moments && (m.dtype != param.dtype || v.dtype != param.dtype))
+    fail("{}: the moments 'm' ({}) and 'v' ({}) must both be in the parameters' type ({}), or both bf16 with f32 "
+         "parameters",
+         op, dtype_name(m.dtype), dtype_name(v.dtype), dtype_name(param.dtype));
   std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end): no two outputs may overlap
   const auto inside = [&](const char* what, size_t i, int64_t offset, int64_t count) {
     if (offset < 0 || offset + count > param.numel())

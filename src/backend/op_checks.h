@@ -88,8 +88,9 @@ int64_t check_gated_residual_stats(std::string_view op, const Tensor& out, const
 // The backward's common part: dy like x [B, L, H], mean/rstd vectors of B·L.
 NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
                                            const Tensor& mean, const Tensor& rstd);
-// adamw's whole argument check: param, grad, m, v contiguous f32 vectors of one length, a
-// 1-based step, each copy a contiguous bf16 tensor and each cast a per-tensor QTensor (with its
+// adamw's whole argument check: param, grad, m, v contiguous vectors of one length, m and v
+// in the parameters' type or both bf16 with f32 parameters (the types of param and grad are
+// each backend's to check), a 1-based step, each copy a contiguous bf16 tensor and each cast a per-tensor QTensor (with its
 // scale and amax) inside the parameters, no two of them over the same parameters.
 // The low-rank gradients as check_low_rank_grads checks them; returns them by offset.
 std::vector<Backend::LowRankGrad> check_adamw(std::string_view op, const Tensor& param, const Tensor& grad,

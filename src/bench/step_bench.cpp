@@ -103,8 +103,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   FluxModel model(cfg, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute);
   model.params().init(spec.seed);
   model.plan(sh);
-  AdamWConfig ac;
-  AdamWOptimizer opt(model.params(), ac);
+  AdamWOptimizer opt(model.params(), spec.adam);
   model.params().keep_low_rank_grads(sh.batch);  // as the trainer: W2's 2 samples keep them
   be.synchronize();
   // What a training launch does before its first step (the synthetic data below is the

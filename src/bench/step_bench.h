@@ -13,6 +13,7 @@
 #include "model/block_common.h"
 #include "model/flux_config.h"
 #include "model/flux_model.h"
+#include "train/optimizer.h"
 
 namespace flux8 {
 
@@ -34,6 +35,7 @@ struct StepBenchSpec {
   Recompute recompute = Recompute::none;
   bool profile = false;  // time every op (OpProfiler: device timing marks, nothing waits)
   BenchData data = BenchData::prototypes;
+  AdamWConfig adam;      // the optimizer's hyper-parameters and moment storage
 };
 
 struct OpTime {

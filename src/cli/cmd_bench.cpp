@@ -58,7 +58,8 @@ Command add_bench_command(CLI::App& app) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o->overrides,
                   "override a config key: fp8_* keys, recompute_granularity (none, selective, full), "
-                  "activation_precision (bf16, f32) and grad_precision (f32, bf16) for the runs, or any key with -c");
+                  "activation_precision (bf16, f32), grad_precision (f32, bf16) and the AdamW keys (adam_*, "
+                  "weight_decay, clip_grad; adam_moment_precision f32 or bf16) for the runs, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
@@ -169,6 +170,7 @@ Command add_bench_command(CLI::App& app) {
       bo.bf16_grads = run_keys.get_string("grad_precision") == "bf16";
       for (StepBenchSpec s : specs) {
         s.recompute = recompute;
+        s.adam = AdamWConfig::from_config(run_keys);
         s.lr = o->lr;
         s.profile = o->profile;
         s.data = o->data == "structured" ? BenchData::structured : BenchData::prototypes;
@@ -244,6 +246,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"backend", o->backend},          {"data", o->data},
                                   {"activation_precision", bo.bf16_activations && o->backend == "cuda" ? "bf16" : "f32"},
                                   {"grad_precision", bo.bf16_grads && o->backend == "cuda" ? "bf16" : "f32"},
+                                  {"adam_moment_precision", dtype_name(s.adam.moment_dtype)},
                                   {"ops", ops}, {"idle_before", idle_before}});
         }
         // The targets are the H200's (WORKLOADS.md): judged on the GPU backend only.

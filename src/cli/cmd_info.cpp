@@ -63,11 +63,14 @@ Command add_info_command(CLI::App& app) {
     const bool bf16_storage = config.get_string("activation_precision") == "bf16";
     // grad_precision: bf16 stores the parameter gradients in 2 bytes (CUDA).
     const double grad_bytes = config.get_string("grad_precision") == "bf16" ? 2.0 : 4.0;
+    // adam_moment_precision: bf16 stores the two AdamW moments in 2 bytes each.
+    const bool bf16_moments = config.get_string("adam_moment_precision") == "bf16";
+    const double moment_bytes = bf16_moments ? 4.0 : 8.0;
     // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
     const bool fp8_attention = config.get_bool("fp8_dot_product_attention");
 
     // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B (bf16: 2 B),
-    // AdamW moments 8 B. FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
+    // AdamW moments 8 B (bf16: 4 B). FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
     // Two accounts: the design (bf16 activation storage and a bf16 weight copy), and what the
     // CUDA backend allocates today (activations in activation_precision — bf16 by default, as
     // the design; bf16 copies of the Linear weights its BF16 GEMMs read, ParamStore::operand:
@@ -81,7 +84,8 @@ Command add_info_command(CLI::App& app) {
         {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
         {grad_bytes == 2.0 ? "gradients (bf16)" : "fp32 gradients", grad_bytes * P, grad_bytes * P, grad_bytes * P,
          grad_bytes * P},
-        {"AdamW moments (fp32)", 8 * P, 8 * P, 8 * P, 8 * P},
+        {bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (fp32)", moment_bytes * P, moment_bytes * P,
+         moment_bytes * P, moment_bytes * P},
         {"activations", act.gpu_bytes(false), act.gpu_bytes(true, fp8_attention),
          bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
          bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},

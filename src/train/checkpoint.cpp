@@ -225,8 +225,8 @@ Tensor slice_of(const Tensor& flat, const ParamInfo& p) {
 void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what) {
   for (const auto& [t, name] : {std::pair{&m, "adam_m"}, std::pair{&v, "adam_v"}}) {
     if (!t->defined() || t->numel() != store.layout().total() || !t->contiguous() ||
-        (t->dtype != DType::f32 && t->dtype != DType::f64))
-      fail("{}: {} must be a contiguous f32/f64 buffer of {} elements laid out like the "
+        (t->dtype != DType::f32 && t->dtype != DType::f64 && t->dtype != DType::bf16))
+      fail("{}: {} must be a contiguous f32/f64/bf16 buffer of {} elements laid out like the "
            "parameters, got {}",
            what, name, store.layout().total(), t->str());
   }

@@ -4,6 +4,7 @@
 //   ROOT/step-0000100/
 //     model.safetensors      all parameters, F32, reference names (also a plain weights file)
 //     optimizer.safetensors  AdamW moments "exp_avg.<param>" and "exp_avg_sq.<param>", F32
+//                            (bf16 moments, adam_moment_precision, widened exactly)
 //     trainer_state.json     TrainerState
 //     manifest.json          format version, step, and bytes + sha256 of every other file
 //
@@ -46,7 +47,8 @@ std::optional<std::string> find_latest_checkpoint(const std::string& root,
 void verify_checkpoint(const std::string& dir);
 
 // Verifies `dir`, then loads parameters, moments and state exactly as saved (F32 values into
-// f32 or f64 buffers). `state` is assigned only when everything loaded.
+// f32 or f64 buffers; into bf16 moments rounded to nearest even, exact for moments saved from
+// bf16). `state` is assigned only when everything loaded.
 // With `fp8` (an FP8 run), its state is restored from the checkpoint's FP8 state, or starts
 // fresh when the checkpoint has none (a BF16 run); a BF16 run ignores a checkpoint's FP8 state.
 // What happened is described in *fp8_note.

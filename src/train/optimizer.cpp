@@ -5,6 +5,7 @@
 
 #include "backend/backend.h"
 #include "config/config.h"
+#include "core/error.h"
 
 namespace flux8 {
 
@@ -15,14 +16,20 @@ AdamWConfig AdamWConfig::from_config(const Config& c) {
   a.eps = c.get_float("adam_eps");
   a.weight_decay = c.get_float("weight_decay");
   a.clip_grad = c.get_float("clip_grad");
+  a.moment_dtype = c.get_string("adam_moment_precision") == "bf16" ? DType::bf16 : DType::f32;
   return a;
 }
 
 AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(store), cfg_(cfg) {
   const Shape s{store.layout().total()};
-  const size_t bytes = static_cast<size_t>(s.numel()) * dtype_size(store.dtype());
-  m_ = Tensor(store.backend().allocate(bytes), store.dtype(), s);
-  v_ = Tensor(store.backend().allocate(bytes), store.dtype(), s);
+  // adam_moment_precision bf16 applies to f32 parameters; the f64 models of the gradient
+  // checks keep f64 moments (moment_dtype f32 means "the parameters' type").
+  if (cfg.moment_dtype == DType::bf16 && store.dtype() != DType::f32)
+    fail("adam_moment_precision bf16 needs f32 parameters; this model's are {}", dtype_name(store.dtype()));
+  const DType dt = cfg.moment_dtype == DType::bf16 ? DType::bf16 : store.dtype();
+  const size_t bytes = static_cast<size_t>(s.numel()) * dtype_size(dt);
+  m_ = Tensor(store.backend().allocate(bytes), dt, s);
+  v_ = Tensor(store.backend().allocate(bytes), dt, s);
 }
 
 AdamWOptimizer::~AdamWOptimizer() {

@@ -175,8 +175,13 @@ TrainResult run_training(const TrainOptions& opt) {
                  nullptr);
   progress.event(fmt::format("precision: {}", r.fp8.describe()), nullptr);
   if (r.model->params().grad_dtype() != r.model->params().dtype())
-    progress.event(fmt::format("gradients: stored in {} (grad_precision); master weights and AdamW moments in {}",
+    progress.event(fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                                dtype_name(r.model->params().grad_dtype()), dtype_name(r.model->params().dtype())),
+                   nullptr);
+  if (r.opt->moment_dtype() != r.model->params().dtype())
+    progress.event(fmt::format("AdamW moments: stored in {} (adam_moment_precision), rounded stochastically; "
+                               "computed in {}",
+                               dtype_name(r.opt->moment_dtype()), dtype_name(r.model->params().dtype())),
                    nullptr);
   if (const int64_t rows = r.model->params().low_rank_rows())
     progress.event(fmt::format("gradients: the modulation and embedder Linears' weight gradients kept as "

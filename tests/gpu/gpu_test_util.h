@@ -305,11 +305,39 @@ struct LowRankFactors {
   }
 };
 
+// A flat bf16 buffer on both backends (AdamW's moments with adam_moment_precision bf16): the
+// CPU backend's bits in host.mem (named as Pair's buffer) and a device twin, filled alike.
+struct Bf16Flat {
+  struct {
+    std::vector<uint16_t> mem;
+  } host;
+  Bf16Dev dev;
+
+  explicit Bf16Flat(Shape s) : dev(s) { host.mem.resize(static_cast<size_t>(s.numel())); }
+  Bf16Flat& randn(uint64_t seed, double stddev = 1.0) {
+    Buf<float> b(dev.t.shape);
+    b.randn(seed, stddev);
+    return set(b.mem);
+  }
+  Bf16Flat& fill(float x) { return set(std::vector<float>(host.mem.size(), x)); }
+  // Each value rounded to nearest even, on both sides.
+  Bf16Flat& set(const std::vector<float>& values) {
+    host.mem = bf16_bits_of(values);
+    gpu().upload(dev.t.data, host.mem.data(), host.mem.size() * 2);
+    return *this;
+  }
+  std::vector<uint16_t> down() const { return dev.bits(); }
+  Tensor t(bool on_gpu) const {
+    return on_gpu ? dev.t : Tensor(const_cast<uint16_t*>(host.mem.data()), DType::bf16, dev.t.shape);
+  }
+};
+
 // The gradient norm and two AdamW steps over the flat gradients `gr` (Pair: f32; Bf16Pair: bf16
 // gradients) with these low-rank ranges, on both backends: the norm equal up to the order of
 // its double sums, AdamW bit for bit, with a bf16 operand copy of the parameters at [20000,
-// 20000 + 300·512) (over the third range of the tests' specs) written alike.
-template <typename Grads>
+// 20000 + 300·512) (over the third range of the tests' specs) written alike. Moments: Pair
+// (f32) or Bf16Flat (bf16, stochastically rounded with the CPU's bits).
+template <typename Grads, typename Moments = Pair>
 void expect_norm_and_adamw_match_cpu(const Grads& gr, const LowRankFactors& factors) {
   const int64_t n = gr.dev.numel();
   double sq[2];
@@ -317,7 +345,8 @@ void expect_norm_and_adamw_match_cpu(const Grads& gr, const LowRankFactors& fact
   ASSERT_TRUE(std::isfinite(sq[0]));
   EXPECT_NEAR(sq[1], sq[0], 1e-12 * sq[0]);  // the same f32 values summed in double: order only
 
-  Pair p({n}), m({n}), v({n});
+  Pair p({n});
+  Moments m({n}), v({n});
   p.randn(61), m.randn(62, 0.001), v.fill(1e-6f);
   std::vector<uint16_t> host_copy(300 * 512, 0xFFFF);
   Bf16Dev dev_copy(Shape{300, 512});

@@ -308,6 +308,36 @@ TEST(CudaModel, Bf16GradientsAreF32GradientsRounded) {
   }
 }
 
+// The model with bf16 moments on the GPU: three AdamW steps (dense and low-rank gradients, FP8
+// delayed with the weight casts written by AdamW) stay within the moments' rounding of the f32
+// moments' run (a moment read or written as the wrong type would be far off), and the moments
+// really are bf16.
+TEST(CudaModel, Bf16MomentsTrainLikeF32Moments) {
+  FLUX8_REQUIRE_GPU();
+  const FluxConfig odd = odd_config(2, 2, true), small = fp8_test_config();
+  const Fp8Config fp8 = delayed_fp8();
+  struct Case {
+    const char* name;
+    const FluxConfig& cfg;
+    const Fp8Config* fp8;
+    int64_t low_rank_rows;
+  };
+  for (const Case& c : {Case{"BF16", odd, nullptr, 0}, Case{"BF16, low-rank", odd, nullptr, 2},
+                        Case{"FP8 delayed", small, &fp8, 0}}) {
+    SCOPED_TRACE(c.name);
+    testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 3,
+                               .weight_std = 0.1, .optimizer = true, .low_rank_rows = c.low_rank_rows};
+    const ModelRun f32 = testing::run_model(gpu_bf16_activations(), c.cfg, o);
+    o.moment_dtype = DType::bf16;
+    const ModelRun bf16 = testing::run_model(gpu_bf16_activations(), c.cfg, o);
+    ASSERT_EQ(bf16.moment_dtype, DType::bf16);
+    const double e = max_rel_error(bf16.pred, f32.pred);
+    std::printf("%s: pred after 3 AdamW steps, bf16 vs f32 moments: %.3g\n", c.name, e);
+    EXPECT_GT(e, 0.0) << "the moments' rounding must show somewhere";
+    EXPECT_LE(e, 2e-2);
+  }
+}
+
 // recompute_granularity on the GPU: full re-runs the same ops on the same inputs, so it gives the
 // bits of `none` — pred, every gradient and (FP8) the cast counts, over two steps with AdamW —
 // although it re-runs block i's forward from its kept input into block i + 1's input slot (the

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cpu/common.h"
 #include "backend/cpu/cpu_backend.h"
 #include "core/rng.h"
+#include "core/stochastic_rounding.h"
 
 namespace flux8 {
 using namespace cpu;
@@ -166,7 +168,7 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
                        std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
                        std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "adamw";
-  const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}, {"m", m}, {"v", v}});
+  const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}});
   const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   if (!casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
   if (!sorted.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 parameters", op);
@@ -177,23 +179,42 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
   // fused AdamW computes for fp32 parameters (with the bias corrections in the constants:
   // Backend::AdamW). The CUDA kernel performs the same fp32 operations
   // in the same order without fusing them (training.cu), and this file is compiled with
-  // -ffp-contract=off (CMakeLists.txt), so both agree bit for bit.
+  // -ffp-contract=off, so both agree bit for bit. bf16 moments (f32 parameters only, checked)
+  // are widened, updated in f32 and stored stochastically rounded with the noise of
+  // (step, element) (core/stochastic_rounding.h), the update itself using the unrounded values.
+  const bool bf16_moments = m.dtype == DType::bf16;
+  const uint32_t step_key = adamw_step_key(h.step);
   dispatch(dt, [&]<typename T>(T) {
-    T *p = param.ptr<T>(), *mm = m.ptr<T>(), *vv = v.ptr<T>();
+    T* p = param.ptr<T>();
     const GradientReader<T> g(grad.ptr<T>(), sorted);
     const T gs = static_cast<T>(h.grad_scale), b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
     const T ob1 = static_cast<T>(1.0 - h.beta1), ob2 = static_cast<T>(1.0 - h.beta2);
     const T eps_hat = static_cast<T>(k.eps_hat), dec = static_cast<T>(k.decay);
     const T step_size = static_cast<T>(k.step_size);
+    // One element's update from its moments m0, v0; returns the new ones.
+    const auto update = [&](int64_t i, T m0, T v0, T& mi, T& vi) {
+      const T gi = gs * g(i);
+      mi = b1 * m0 + ob1 * gi;
+      vi = b2 * v0 + (ob2 * gi) * gi;
+      p[i] = p[i] * dec - (step_size * mi) / (std::sqrt(vi) + eps_hat);
+    };
     parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
-      for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i) {
-        const T gi = gs * g(i);
-        const T mi = b1 * mm[i] + ob1 * gi;
-        const T vi = b2 * vv[i] + (ob2 * gi) * gi;
-        mm[i] = mi;
-        vv[i] = vi;
-        p[i] = p[i] * dec - (step_size * mi) / (std::sqrt(vi) + eps_hat);
+      const int64_t end = std::min(n, (ch + 1) * kChunk);
+      if constexpr (std::is_same_v<T, float>) {
+        if (bf16_moments) {
+          uint16_t *mb = static_cast<uint16_t*>(m.data), *vb = static_cast<uint16_t*>(v.data);
+          for (int64_t i = ch * kChunk; i < end; ++i) {
+            float mi, vi;
+            update(i, bf16_bits_to_f32(mb[i]), bf16_bits_to_f32(vb[i]), mi, vi);
+            const uint32_t r = adamw_moment_noise(adamw_block_key(step_key, i), i);
+            mb[i] = f32_to_bf16_bits_stochastic(mi, r);
+            vb[i] = f32_to_bf16_bits_stochastic(vi, r >> 16);
+          }
+          return;
+        }
       }
+      T *mm = m.ptr<T>(), *vv = v.ptr<T>();
+      for (int64_t i = ch * kChunk; i < end; ++i) update(i, mm[i], vv[i], mm[i], vv[i]);
     });
     // The copies: the new values rounded to bf16 (through f32, the only type they are made of
     // in training), as the CUDA kernel writes them with the update.

@@ -12,6 +12,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fp8_encode.cuh"
 #include "core/rng.h"
+#include "core/stochastic_rounding.h"
 
 namespace flux8 {
 using namespace cuda;
@@ -426,6 +427,7 @@ namespace {
 // SM 75% at DRAM 81% with PyTorch's fused arrangement's two).
 struct AdamwStep {
   float gs, b1, b2, ob1, ob2, eps_hat, dec, step_size;
+  uint32_t noise_key;  // adamw_step_key: bf16 moments' stochastic rounding
   __device__ void operator()(float& p, float g, float& m, float& v) const {
     const float gi = __fmul_rn(gs, g);
     const float mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(ob1, gi));
@@ -457,22 +459,54 @@ struct AdamwChunk {
 // parameters); a thread's quads issued all at once (86 registers) ran slower still.
 constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 
+// Stores one element's new moments: f32 as they are; bf16 rounded stochastically with the
+// element's noise (core/stochastic_rounding.h: the CPU backend's bits).
+__device__ __forceinline__ void store_moments(float& m, float& v, float mi, float vi, uint32_t) { m = mi, v = vi; }
+__device__ __forceinline__ void store_moments(__nv_bfloat16& m, __nv_bfloat16& v, float mi, float vi,
+                                              uint32_t noise) {
+  m = __ushort_as_bfloat16(f32_to_bf16_bits_stochastic(mi, noise));
+  v = __ushort_as_bfloat16(f32_to_bf16_bits_stochastic(vi, noise >> 16));
+}
+// Four elements' moments from element i (a multiple of 4) in one access each: a float4, or
+// four bf16 in a uint2 (8-byte aligned).
+__device__ __forceinline__ void store_moments4(float* m, float* v, float4 mq, float4 vq, uint32_t, int64_t) {
+  store4(m, mq), store4(v, vq);
+}
+__device__ __forceinline__ void store_moments4(__nv_bfloat16* m, __nv_bfloat16* v, float4 mq, float4 vq,
+                                               uint32_t step_key, int64_t i) {
+  const uint32_t block_key = adamw_block_key(step_key, i);  // the four share i >> 32
+  const float ms[4] = {mq.x, mq.y, mq.z, mq.w}, vs[4] = {vq.x, vq.y, vq.z, vq.w};
+  uint32_t mb[2], vb[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t r0 = adamw_moment_noise(block_key, i + 2 * j), r1 = adamw_moment_noise(block_key, i + 2 * j + 1);
+    mb[j] = f32_to_bf16_bits_stochastic(ms[2 * j], r0) | (uint32_t{f32_to_bf16_bits_stochastic(ms[2 * j + 1], r1)} << 16);
+    vb[j] = f32_to_bf16_bits_stochastic(vs[2 * j], r0 >> 16) |
+            (uint32_t{f32_to_bf16_bits_stochastic(vs[2 * j + 1], r1 >> 16)} << 16);
+  }
+  *reinterpret_cast<uint2*>(m) = make_uint2(mb[0], mb[1]);
+  *reinterpret_cast<uint2*>(v) = make_uint2(vb[0], vb[1]);
+}
+
 // AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
-// 16-byte aligned; the chunk's start a multiple of 4, its copy 8-byte and its codes 4-byte
-// aligned, its factors in quads of a row): AdamW is pure HBM traffic, 28 bytes a parameter, 30
-// with a copy, 29 with a cast, 4 fewer with a low-rank gradient (whose factors stay in cache).
+// aligned for their four elements — 16 bytes of f32, 8 of bf16; the chunk's start a multiple
+// of 4, its copy 8-byte and its codes 4-byte aligned, its factors in quads of a row): AdamW is
+// pure HBM traffic, 28 bytes a parameter with f32 gradients and moments (24 with bf16
+// gradients, 20 with bf16 moments too), 2 more with a copy, 1 with a cast, the gradient's
+// bytes fewer with a low-rank gradient (whose factors stay in cache).
 // The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of x·scale, the
 // amax the largest |x| bit pattern of the non-NaN values.
-// adamw_kernel's body for one chunk; kLowRank: its gradient comes from the factors.
-template <bool kLowRank, typename G>
+// adamw_kernel's body for one chunk; kLowRank: its gradient comes from the factors; G and Mo:
+// the gradients' and the moments' storage (float or bf16).
+template <bool kLowRank, typename G, typename Mo>
 __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restrict__ p, const G* __restrict__ g,
-                                            float* __restrict__ m, float* __restrict__ v, const AdamwStep& step,
+                                            Mo* __restrict__ m, Mo* __restrict__ v, const AdamwStep& step,
                                             bool quads, uint32_t* warp_amax) {
   const int64_t n = c.end - c.begin;
   float* __restrict__ pc = p + c.begin;
   const G* __restrict__ gc = kLowRank ? nullptr : g + c.begin;
-  float* __restrict__ mc = m + c.begin;
-  float* __restrict__ vc = v + c.begin;
+  Mo* __restrict__ mc = m + c.begin;
+  Mo* __restrict__ vc = v + c.begin;
   __nv_bfloat16* __restrict__ out = c.copy;
   uint8_t* __restrict__ codes = c.codes;
   const float s = codes ? *c.scale : 0.0f;
@@ -486,8 +520,7 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
   const uint32_t cols4 = kLowRank ? c.lr.cols / 4 : 1;
   RowWalk w4(kLowRank && n4 > 0 ? c.lr.first / 4 + threadIdx.x : 0, cols4);
   for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
-    float4 pq = reinterpret_cast<float4*>(pc)[q], mq = reinterpret_cast<float4*>(mc)[q];
-    float4 vq = reinterpret_cast<float4*>(vc)[q];
+    float4 pq = reinterpret_cast<float4*>(pc)[q], mq = load4(mc + 4 * q), vq = load4(vc + 4 * q);
     float4 gq;
     if constexpr (kLowRank) {
       gq = low_rank_quad(c.lr, w4.m, 4 * w4.k);
@@ -499,7 +532,8 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
     step(pq.y, gq.y, mq.y, vq.y);
     step(pq.z, gq.z, mq.z, vq.z);
     step(pq.w, gq.w, mq.w, vq.w);
-    reinterpret_cast<float4*>(pc)[q] = pq, reinterpret_cast<float4*>(mc)[q] = mq, reinterpret_cast<float4*>(vc)[q] = vq;
+    reinterpret_cast<float4*>(pc)[q] = pq;
+    store_moments4(mc + 4 * q, vc + 4 * q, mq, vq, step.noise_key, c.begin + 4 * q);
     if (out) {
       const __nv_bfloat162 lo = __floats2bfloat162_rn(pq.x, pq.y), hi = __floats2bfloat162_rn(pq.z, pq.w);
       uint2 bits;
@@ -522,7 +556,10 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
     } else {
       gi = load(gc[i]);
     }
-    step(pc[i], gi, mc[i], vc[i]);
+    float mi = load(mc[i]), vi = load(vc[i]);
+    step(pc[i], gi, mi, vi);
+    const int64_t e = c.begin + i;
+    store_moments(mc[i], vc[i], mi, vi, adamw_moment_noise(adamw_block_key(step.noise_key, e), e));
     if (out) out[i] = __float2bfloat16_rn(pc[i]);
     if (codes) {
       codes[i] = static_cast<uint8_t>(encode_pair(pc[i], 0.0f, s, c.format));
@@ -546,21 +583,34 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
 // on W1's 536M parameters, none of them low-rank (H200); with the two bodies it took 76
 // registers, 3 blocks an SM, where the flat body alone takes 46. The low-rank body alone takes
 // 80; it is held to 64 (4 blocks an SM, 12 bytes spilled).
-template <typename G>
+template <typename G, typename Mo>
 __global__ void __launch_bounds__(kThreads)
     adamw_flat_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, const G* __restrict__ g,
-                      float* __restrict__ m, float* __restrict__ v, AdamwStep step, bool quads) {
+                      Mo* __restrict__ m, Mo* __restrict__ v, AdamwStep step, bool quads) {
   __shared__ uint32_t warp_amax[kThreads / 32];
   const AdamwChunk c = chunks[blockIdx.x];
   adamw_chunk<false>(c, p, g, m, v, step, quads, warp_amax);
 }
 
+template <typename Mo>
 __global__ void __launch_bounds__(kThreads, 4)
-    adamw_low_rank_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, float* __restrict__ m,
-                          float* __restrict__ v, AdamwStep step, bool quads) {
+    adamw_low_rank_kernel(const AdamwChunk* __restrict__ chunks, float* __restrict__ p, Mo* __restrict__ m,
+                          Mo* __restrict__ v, AdamwStep step, bool quads) {
   __shared__ uint32_t warp_amax[kThreads / 32];
   const AdamwChunk c = chunks[blockIdx.x];
   adamw_chunk<true>(c, p, static_cast<const float*>(nullptr), m, v, step, quads, warp_amax);
+}
+
+// The flat chunks' and the low-rank chunks' launches for moments stored as Mo.
+template <typename Mo>
+void launch_adamw(const AdamwChunk* table, int64_t split, int64_t count, cudaStream_t stream, float* p,
+                  const Tensor& grad, Mo* m, Mo* v, const AdamwStep& step, bool quads) {
+  if (grad.dtype == DType::bf16)
+    launch_chunks(adamw_flat_kernel<__nv_bfloat16, Mo>, split, stream, table, p, grad.ptr<__nv_bfloat16>(), m, v,
+                  step, quads);
+  else
+    launch_chunks(adamw_flat_kernel<float, Mo>, split, stream, table, p, grad.ptr<float>(), m, v, step, quads);
+  launch_chunks(adamw_low_rank_kernel<Mo>, count - split, stream, table + split, p, m, v, step, quads);
 }
 
 }  // namespace
@@ -569,8 +619,9 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
                         std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
                         std::span<const LowRankGrad> low_rank) {
   constexpr std::string_view op = "adamw";
-  require_f32(op, {{"param", param}, {"m", m}, {"v", v}});
+  require_f32(op, {{"param", param}});
   grads_in_bf16(op, {{"grad", grad}});  // f32, or bf16 (grad_precision: bf16)
+  // m and v: f32, or both bf16 (adam_moment_precision: bf16), as check_adamw checks.
   const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   const int64_t n = param.numel();
   if (n == 0) return;
@@ -623,19 +674,20 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   const AdamwStep step{static_cast<float>(h.grad_scale), static_cast<float>(h.beta1), static_cast<float>(h.beta2),
                        static_cast<float>(1.0 - h.beta1),    static_cast<float>(1.0 - h.beta2),
                        static_cast<float>(k.eps_hat),        static_cast<float>(k.decay),
-                       static_cast<float>(k.step_size)};
-  float *p = param.ptr<float>(), *mm = m.ptr<float>(), *vv = v.ptr<float>();
-  // The vector path loads four gradients at once: 16 bytes of f32, 8 of bf16.
-  const bool g_aligned = grad.dtype == DType::bf16 ? reinterpret_cast<uintptr_t>(grad.data) % 8 == 0 : aligned16(grad.data);
-  const bool quads = aligned16(p) && aligned16(mm) && aligned16(vv) && g_aligned;
+                       static_cast<float>(k.step_size),
+                       adamw_step_key(h.step)};
+  float* p = param.ptr<float>();
+  // The vector path loads four of each at once: 16 bytes of f32, 8 of bf16.
+  const auto quad_aligned = [](const Tensor& t) {
+    return t.dtype == DType::bf16 ? reinterpret_cast<uintptr_t>(t.data) % 8 == 0 : aligned16(t.data);
+  };
+  const bool quads = aligned16(p) && quad_aligned(m) && quad_aligned(v) && quad_aligned(grad);
   const auto* table = static_cast<const AdamwChunk*>(adamw_table_.data);
-  const int64_t split = adamw_table_.first_low_rank;
-  if (grad.dtype == DType::bf16)
-    launch_chunks(adamw_flat_kernel<__nv_bfloat16>, split, stream_, table, p, grad.ptr<__nv_bfloat16>(), mm, vv, step,
-                  quads);
+  const int64_t split = adamw_table_.first_low_rank, count = adamw_table_.count;
+  if (m.dtype == DType::bf16)
+    launch_adamw(table, split, count, stream_, p, grad, m.ptr<__nv_bfloat16>(), v.ptr<__nv_bfloat16>(), step, quads);
   else
-    launch_chunks(adamw_flat_kernel<float>, split, stream_, table, p, grad.ptr<float>(), mm, vv, step, quads);
-  launch_chunks(adamw_low_rank_kernel, adamw_table_.count - split, stream_, table + split, p, mm, vv, step, quads);
+    launch_adamw(table, split, count, stream_, p, grad, m.ptr<float>(), v.ptr<float>(), step, quads);
 }
 
 }  // namespace flux8
