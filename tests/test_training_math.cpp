@@ -109,59 +109,65 @@ TEST(Optimizer, AdamWWritesRoundedCopies) {
   EXPECT_THROW(be->adamw(f32(p), f32(g), f32(m), f32(v), h, overlapping, {}, {}), Error);
 }
 
-// f32_to_bf16_bits_stochastic: a value bf16 holds stays for every r; between two neighbours it
-// rounds away from zero exactly for the r that carry (r ≥ 2^16 − dropped bits), so over all 2^16
-// values of r the mean is the value itself — positive, negative, subnormal; ±inf and NaN stay.
+// f32_to_bf16_bits_stochastic: a value bf16 holds stays for every r; between two neighbours the
+// top 8 of the 16 dropped bits d decide — over the 256 values of r's low byte it rounds away from
+// zero ⌊(d + 128)/256⌋ times, so the mean is the value within 1/512 of a bf16 ulp (positive,
+// negative, subnormal); r's other bits are ignored; ±inf stay, every NaN becomes the quiet NaN.
 TEST(StochasticRounding, RoundsUpWithTheDroppedFraction) {
   const auto f32_of = [](uint32_t u) {
     float f;
     std::memcpy(&f, &u, 4);
     return f;
   };
-  for (const uint32_t kept : {0x3f810000u, 0xc0490000u, 0x00000000u, 0x00070000u})
-    for (uint32_t r = 0; r < 0x10000u; r += 97)
+  for (const uint32_t kept : {0x3f810000u, 0xc0490000u, 0x00000000u, 0x00070000u, 0x7f7f0000u})
+    for (uint32_t r = 0; r < 256; ++r)
       ASSERT_EQ(f32_to_bf16_bits_stochastic(f32_of(kept), r), kept >> 16) << std::hex << kept << " r " << r;
-  for (const uint32_t u : {0x3f812345u, 0xbf81fffeu, 0x00012345u, 0x42c80001u, 0x3f80ffffu}) {
+  for (const uint32_t u : {0x3f812345u, 0xbf81fffeu, 0x00012345u, 0x42c80001u, 0x3f80ff7fu, 0x3f80ff80u}) {
     const float x = f32_of(u);
+    const double ulp = bf16_bits_to_f32(static_cast<uint16_t>((u >> 16) + 1)) - bf16_bits_to_f32(static_cast<uint16_t>(u >> 16));
     double sum = 0;
     uint32_t up = 0;
-    for (uint32_t r = 0; r < 0x10000u; ++r) {
+    for (uint32_t r = 0; r < 256; ++r) {
       const uint16_t b = f32_to_bf16_bits_stochastic(x, r);
+      ASSERT_EQ(b, f32_to_bf16_bits_stochastic(x, r | 0xabcd00u)) << "only the low byte counts";
       ASSERT_TRUE(b == (u >> 16) || b == (u >> 16) + 1) << std::hex << u << " r " << r;
       up += b != (u >> 16);
       sum += bf16_bits_to_f32(b);
     }
-    EXPECT_EQ(up, u & 0xffffu) << std::hex << u;
-    EXPECT_EQ(sum / 65536.0, static_cast<double>(x)) << std::hex << u;
+    EXPECT_EQ(up, ((u & 0xffffu) + 128) >> 8) << std::hex << u;
+    EXPECT_LE(std::abs(sum / 256.0 - static_cast<double>(x)), std::abs(ulp) / 512 + 1e-300) << std::hex << u;
   }
-  EXPECT_EQ(f32_to_bf16_bits_stochastic(INFINITY, 0xffff), 0x7f80);
-  EXPECT_EQ(f32_to_bf16_bits_stochastic(-INFINITY, 0xffff), 0xff80);
-  EXPECT_TRUE(std::isnan(bf16_bits_to_f32(f32_to_bf16_bits_stochastic(NAN, 0xffff))));
+  EXPECT_EQ(f32_to_bf16_bits_stochastic(INFINITY, 0xff), 0x7f80);
+  EXPECT_EQ(f32_to_bf16_bits_stochastic(-INFINITY, 0xff), 0xff80);
+  for (const uint32_t nan : {0x7fc00000u, 0x7f800001u, 0x7fffffffu, 0xffffffffu})
+    EXPECT_EQ(f32_to_bf16_bits_stochastic(f32_of(nan), 0xff), 0x7fc0) << std::hex << nan;
 }
 
-// AdamW's moment noise: both 16-bit halves near uniform (the share below 0.3·2^16, within 5
-// standard deviations), other bits at another step and at the index 2^32 further on.
-TEST(StochasticRounding, MomentNoiseIsUniformPerStepAndElement) {
+// AdamW's moment noise: each of the four bytes of a pair's bits near uniform (the share below
+// 77/256 within 5 standard deviations), other bits at another step and at the pair 2^32 further on.
+TEST(StochasticRounding, MomentNoiseIsUniformPerStepAndPair) {
   const uint32_t k1 = adamw_step_key(1), k2 = adamw_step_key(2);
   const int64_t n = 1 << 18, far = int64_t(1) << 32;
-  int64_t low = 0, high = 0, same_step = 0, same_block = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t r = adamw_moment_noise(adamw_block_key(k1, i), i);
-    low += (r & 0xffffu) < 19661u;
-    high += (r >> 16) < 19661u;
-    same_step += r == adamw_moment_noise(adamw_block_key(k2, i), i);
-    same_block += r == adamw_moment_noise(adamw_block_key(k1, i + far), i + far);
+  int64_t below[4] = {}, same_step = 0, same_block = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const uint32_t r = adamw_pair_noise(k1, p);
+    for (int b = 0; b < 4; ++b) below[b] += ((r >> (8 * b)) & 0xffu) < 77u;
+    same_step += r == adamw_pair_noise(k2, p);
+    same_block += r == adamw_pair_noise(k1, p + far);
   }
-  EXPECT_NEAR(static_cast<double>(low) / n, 0.3, 0.0045);
-  EXPECT_NEAR(static_cast<double>(high) / n, 0.3, 0.0045);
+  for (int b = 0; b < 4; ++b) EXPECT_NEAR(static_cast<double>(below[b]) / n, 77.0 / 256, 0.0045) << "byte " << b;
   EXPECT_LE(same_step, 2);
   EXPECT_LE(same_block, 2);
+  // Element i takes byte i % 2 of its pair for m and byte 2 + i % 2 for v.
+  EXPECT_EQ(adamw_moment_bits(0x44332211u, 6), 0x44332211u);
+  EXPECT_EQ(adamw_moment_bits(0x44332211u, 7) & 0xffu, 0x22u);
+  EXPECT_EQ((adamw_moment_bits(0x44332211u, 7) >> 16) & 0xffu, 0x44u);
 }
 
 // adamw with bf16 moments (adam_moment_precision: bf16): the parameters are those the f32 update
 // gives from the same (widened) moments — the update uses the unrounded new moments — and the
 // stored moments are that update's m and v rounded stochastically with the noise of (step,
-// element), the low 16 bits for m, the high 16 for v (written out here by hand). The same bits
+// element pair), a byte each (written out here by hand). The same bits
 // with 1 and 3 threads (chunks of 2^15 elements). Mixed moment types and bf16 moments of f64
 // parameters are refused naming the moments.
 TEST(Optimizer, Bf16MomentsAreTheF32MomentsRoundedStochastically) {
@@ -193,7 +199,7 @@ TEST(Optimizer, Bf16MomentsAreTheF32MomentsRoundedStochastically) {
     const uint32_t key = adamw_step_key(5);
     int64_t m_up = 0, m_inexact = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const uint32_t r = adamw_moment_noise(adamw_block_key(key, i), i);
+      const uint32_t r = adamw_moment_bits(adamw_pair_noise(key, i >> 1), i);
       ASSERT_EQ(mm[i], f32_to_bf16_bits_stochastic(m_f32[i], r)) << i;
       ASSERT_EQ(vv[i], f32_to_bf16_bits_stochastic(v_f32[i], r >> 16)) << i;
       m_inexact += round_to_bf16(m_f32[i]) != m_f32[i];

@@ -299,7 +299,7 @@ class Backend {
   // The moments m and v are in the parameters' type, or both bf16 with f32 parameters
   // (adam_moment_precision: bf16): read widened, updated in f32 as above (p from the unrounded
   // m, v), stored rounded stochastically — f32_to_bf16_bits_stochastic with the bits of
-  // adamw_moment_noise for (step, flat index), low 16 for m, high 16 for v
+  // adamw_pair_noise for (step, flat index / 2), a byte for each of the pair's m and v
   // (core/stochastic_rounding.h) — the same bits on every backend.
   struct AdamW {
     double lr, beta1, beta2, eps, weight_decay, grad_scale;

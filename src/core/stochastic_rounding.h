@@ -24,28 +24,35 @@ FLUX8_HD inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// f32 -> bf16 bits, rounded away from zero with probability (dropped 16 bits) / 2^16 given 16
-// uniform random bits `r` (the low 16 of r are used): E[result] = f for every finite f up to
-// bf16's largest value. The dropped bits plus r carry into the kept ones exactly when r ≥
-// 2^16 − dropped. ±inf and NaN are kept as f32_to_bf16_bits keeps them.
-FLUX8_HD inline uint16_t f32_to_bf16_bits_stochastic(float f, uint32_t r) {
+// f32 -> bf16 bits, rounded away from zero with probability ⌊(d + 128)/256⌋/256 for the dropped 16
+// bits d, given 8 uniform random bits (the low 8 of r): the dropped bits' top 8 decide, so the
+// expectation is f within 1/512 of a bf16 ulp (8 bits of randomness, as stochastic rounding in
+// hardware commonly takes, cost half the hashing of 16). A value bf16 holds is kept for every r;
+// ±inf too (the sum cannot carry out of their exponent); every NaN becomes the quiet NaN 0x7fc0.
+// bf16_stochastic_word is the 32-bit sum whose high half these bits are (`r8` = the random byte
+// shifted left by 8), which the GPU kernel packs in pairs without shifting: no branch anywhere.
+FLUX8_HD inline uint32_t bf16_stochastic_word(float f, uint32_t r8) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u) return f32_to_bf16_bits(f);
-  return static_cast<uint16_t>((u + (r & 0xffffu)) >> 16);
+  if (f != f) u = 0x7fc00000u;  // the sum stays inside the NaN (a NaN's own bits could carry into the sign)
+  return u + r8 + 0x80u;
+}
+FLUX8_HD inline uint16_t f32_to_bf16_bits_stochastic(float f, uint32_t r) {
+  return static_cast<uint16_t>(bf16_stochastic_word(f, (r & 0xffu) << 8) >> 16);
 }
 
-// AdamW's moment noise. adamw_step_key once per step (step ≥ 1); the elements of one 2^32 block
-// of the flat index share adamw_block_key (a kernel computes it once per quad); then 32 bits per
-// element: the low 16 round m, the high 16 round v.
+// AdamW's moment noise: adamw_step_key once per step (step ≥ 1), then 32 random bits for each
+// pair of flat elements 2p, 2p + 1 — byte 0 rounds m of element 2p, byte 1 m of 2p + 1, byte 2
+// v of 2p, byte 3 v of 2p + 1 (adamw_moment_bits). The index's high half (models beyond 2^33
+// parameters) enters through the key.
 FLUX8_HD inline uint32_t adamw_step_key(int64_t step) {
   return mix32(static_cast<uint32_t>(step) * 0x9e3779b9u + 0x632be5abu);
 }
-FLUX8_HD inline uint32_t adamw_block_key(uint32_t step_key, int64_t i) {
-  return mix32(step_key + static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32));
+FLUX8_HD inline uint32_t adamw_pair_noise(uint32_t step_key, int64_t pair) {
+  const uint64_t q = static_cast<uint64_t>(pair);
+  return mix32(static_cast<uint32_t>(q) ^ (step_key + static_cast<uint32_t>(q >> 32) * 0x27d4eb2fu));
 }
-FLUX8_HD inline uint32_t adamw_moment_noise(uint32_t block_key, int64_t i) {
-  return mix32(static_cast<uint32_t>(i) ^ block_key);
-}
+// The bits that round element i's m (low 8) and, shifted by 16, its v, from its pair's noise.
+FLUX8_HD inline uint32_t adamw_moment_bits(uint32_t pair_noise, int64_t i) { return pair_noise >> (8 * (i & 1)); }
 
 }  // namespace flux8

@@ -206,7 +206,7 @@ void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Adam
           for (int64_t i = ch * kChunk; i < end; ++i) {
             float mi, vi;
             update(i, bf16_bits_to_f32(mb[i]), bf16_bits_to_f32(vb[i]), mi, vi);
-            const uint32_t r = adamw_moment_noise(adamw_block_key(step_key, i), i);
+            const uint32_t r = adamw_moment_bits(adamw_pair_noise(step_key, i >> 1), i);
             mb[i] = f32_to_bf16_bits_stochastic(mi, r);
             vb[i] = f32_to_bf16_bits_stochastic(vi, r >> 16);
           }
