@@ -88,7 +88,7 @@ std::vector<KeySpec> make_keys() {
       float_key("training", "adam_beta2", 0.95, Range{0, 1}, "AdamW beta2"),
       float_key("training", "adam_eps", 1e-8, above(0), "AdamW epsilon"),
       choice_key("training", "adam_moment_precision", "f32", {"f32", "bf16"},
-                 "storage type of the AdamW moments exp_avg and exp_avg_sq (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype). bf16: each update reads them widened, computes in fp32 and stores them rounded stochastically (unbiased, so a small beta2 step is not lost; the random bits are a hash of step and element: reproducible, the same on CPU and GPU) — 4 bytes a parameter less memory and 8 less AdamW traffic; master weights stay f32 and checkpoints store the moments as F32"),
+                 "storage type of the AdamW moments exp_avg and exp_avg_sq (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype). bf16: each update reads them widened, computes in fp32 and stores them rounded stochastically (unbiased to 1/512 of a bf16 ulp, so a small beta2 step is not lost; the random bits are a hash of step and element: reproducible, the same on CPU and GPU) — 4 bytes a parameter less memory and 8 less AdamW traffic; master weights stay f32 and checkpoints store the moments as F32"),
       float_key("training", "weight_decay", 0.1, at_least(0), "AdamW decoupled weight decay"),
       float_key("training", "clip_grad", 1.0, at_least(0), "clip the global gradient norm to this; 0 = no clipping"),
 
