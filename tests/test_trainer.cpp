@@ -275,5 +275,42 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
 }
 
+// adam_moment_precision: bf16 on the trainer: the run says so, its moments are bf16 values (saved
+// as F32) that differ from the f32 moments' run, and an interrupted run resumes bit for bit — the
+// moments reload exactly and the rounding's random bits depend only on (step, element).
+TEST(Trainer, ResumeWithBf16MomentsIsBitExact) {
+  const testing::RunDir dir("trainer_bf16_moments");
+  const auto with_bf16 = [&](const char* save) {
+    TrainOptions o = dir.options(save);
+    o.overrides.push_back("adam_moment_precision=bf16");
+    return o;
+  };
+  ::testing::internal::CaptureStdout();
+  const TrainResult straight = run_training(with_bf16("straight"));
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("AdamW moments: stored in bf16"), std::string::npos) << out;
+  EXPECT_EQ(straight.steps_done, 6);
+  run_training(dir.options("f32"));
+  TrainOptions first = with_bf16("resumed");
+  first.stop_after = 3;
+  EXPECT_TRUE(run_training(first).stopped_early);
+  TrainOptions second = with_bf16("resumed");
+  second.resume = true;
+  EXPECT_EQ(run_training(second).steps_done, 6);
+
+  EXPECT_EQ(testing::step_losses(dir.root / "straight" / "metrics.jsonl"),
+            testing::step_losses(dir.root / "resumed" / "metrics.jsonl"));
+  const std::string opt = "step-0000006/optimizer.safetensors";
+  testing::expect_same_tensors((dir.root / "straight" / opt).string(), (dir.root / "resumed" / opt).string());
+  const SafetensorsReader bf16((dir.root / "straight" / opt).string()), f32((dir.root / "f32" / opt).string());
+  const std::string name = "exp_avg_sq.double_blocks.0.img_attn.qkv.weight";
+  std::vector<double> v(static_cast<size_t>(bf16.tensor(name).numel())), w(v.size());
+  bf16.read_f64(name, v.data(), bf16.tensor(name).shape);
+  f32.read_f64(name, w.data(), f32.tensor(name).shape);
+  for (double x : v) ASSERT_EQ(x, round_to_bf16(static_cast<float>(x))) << "a moment that bf16 cannot hold";
+  EXPECT_NE(v, w);
+  EXPECT_LT(testing::max_rel_error(v, w), 0.05);
+}
+
 }  // namespace
 }  // namespace flux8
