@@ -90,8 +90,9 @@ NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy
                                            const Tensor& mean, const Tensor& rstd);
 // adamw's whole argument check: param, grad, m, v contiguous vectors of one length, m and v
 // in the parameters' type or both bf16 with f32 parameters (the types of param and grad are
-// each backend's to check), a 1-based step, each copy a contiguous bf16 tensor and each cast a per-tensor QTensor (with its
-// scale and amax) inside the parameters, no two of them over the same parameters.
+// each backend's to check), a 1-based step, each copy a contiguous bf16 tensor and each cast
+// a per-tensor QTensor (with its scale and amax) inside the parameters, no two of them over
+// the same parameters.
 // The low-rank gradients as check_low_rank_grads checks them; returns them by offset.
 std::vector<Backend::LowRankGrad> check_adamw(std::string_view op, const Tensor& param, const Tensor& grad,
                                               const Tensor& m, const Tensor& v, const Backend::AdamW& h,

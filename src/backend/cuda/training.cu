@@ -470,7 +470,7 @@ __device__ __forceinline__ void store_moments(__nv_bfloat16& m, __nv_bfloat16& v
 // Four elements' moments from element i (a multiple of 4) in one access each: a float4, or
 // four bf16 in a uint2 (8-byte aligned) with the noise of the quad's two pairs. The bf16 path
 // is written for instructions, as AdamW with bf16 moments is bound by them rather than by its
-// 20 bytes an element (Nsight Compute, W2: SM 83% at DRAM 55% with a branchy first version): the
+// 18 bytes an element (Nsight Compute, W2: SM 83% at DRAM 55% with a branchy first version): the
 // random byte is placed with one byte permute, the rounding is one add, two results pack with
 // one more.
 __device__ __forceinline__ float4 load_moments4(const float* p) { return load4(p); }
@@ -499,8 +499,8 @@ __device__ __forceinline__ void store_moments4(__nv_bfloat16* m, __nv_bfloat16* 
 // AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
 // aligned for their four elements — 16 bytes of f32, 8 of bf16; the chunk's start a multiple
 // of 4, its copy 8-byte and its codes 4-byte aligned, its factors in quads of a row): AdamW is
-// pure HBM traffic, 28 bytes a parameter with f32 gradients and moments (24 with bf16
-// gradients, 20 with bf16 moments too), 2 more with a copy, 1 with a cast, the gradient's
+// pure HBM traffic, 28 bytes a parameter with f32 gradients and moments (26 with bf16
+// gradients, 18 with bf16 moments too), 2 more with a copy, 1 with a cast, the gradient's
 // bytes fewer with a low-rank gradient (whose factors stay in cache).
 // The codes and the amax are the per-tensor cast kernel's (fp8.cu): encode_pair of x·scale, the
 // amax the largest |x| bit pattern of the non-NaN values.
