@@ -266,6 +266,19 @@ TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
   expect_within_noise(g, c, exact, "bf16", 3.0, 1e-2);
 }
 
+// The models the bf16-storage tests (gradients, moments) train: the odd BF16 config, dense and
+// with low-rank gradients, and the FP8 test config with delayed scaling (`delayed`).
+struct Bf16StorageCase {
+  const char* name;
+  FluxConfig cfg;
+  const Fp8Config* fp8;
+  int64_t low_rank_rows;
+};
+std::vector<Bf16StorageCase> bf16_storage_cases(const Fp8Config& delayed) {
+  const FluxConfig odd = odd_config(2, 2, true);
+  return {{"BF16", odd, nullptr, 0}, {"BF16, low-rank", odd, nullptr, 2}, {"FP8 delayed", fp8_test_config(), &delayed, 0}};
+}
+
 // grad_precision: bf16 (the gradient buffer in bf16) against the same GPU configuration with f32
 // gradients: the forward and every activation gradient are the same ops on the same values, so
 // each parameter gradient is the f32 run's rounded to bf16 — within one bf16 ulp (a GEMM may take
@@ -275,16 +288,8 @@ TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
 // updates of the f32 run's (a gradient read as the wrong type would be far off).
 TEST(CudaModel, Bf16GradientsAreF32GradientsRounded) {
   FLUX8_REQUIRE_GPU();
-  const FluxConfig odd = odd_config(2, 2, true), small = fp8_test_config();
   const Fp8Config fp8 = delayed_fp8();
-  struct Case {
-    const char* name;
-    const FluxConfig& cfg;
-    const Fp8Config* fp8;
-    int64_t low_rank_rows;
-  };
-  for (const Case& c : {Case{"BF16", odd, nullptr, 0}, Case{"BF16, low-rank", odd, nullptr, 2},
-                        Case{"FP8 delayed", small, &fp8, 0}}) {
+  for (const Bf16StorageCase& c : bf16_storage_cases(fp8)) {
     SCOPED_TRACE(c.name);
     testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .weight_std = 0.1,
                                .low_rank_rows = c.low_rank_rows};
@@ -314,16 +319,8 @@ TEST(CudaModel, Bf16GradientsAreF32GradientsRounded) {
 // really are bf16.
 TEST(CudaModel, Bf16MomentsTrainLikeF32Moments) {
   FLUX8_REQUIRE_GPU();
-  const FluxConfig odd = odd_config(2, 2, true), small = fp8_test_config();
   const Fp8Config fp8 = delayed_fp8();
-  struct Case {
-    const char* name;
-    const FluxConfig& cfg;
-    const Fp8Config* fp8;
-    int64_t low_rank_rows;
-  };
-  for (const Case& c : {Case{"BF16", odd, nullptr, 0}, Case{"BF16, low-rank", odd, nullptr, 2},
-                        Case{"FP8 delayed", small, &fp8, 0}}) {
+  for (const Bf16StorageCase& c : bf16_storage_cases(fp8)) {
     SCOPED_TRACE(c.name);
     testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 3,
                                .weight_std = 0.1, .optimizer = true, .low_rank_rows = c.low_rank_rows};
