@@ -62,7 +62,8 @@ Command add_info_command(CLI::App& app) {
     const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape, recompute_from_name(recompute));
     const bool bf16_storage = config.get_string("activation_precision") == "bf16";
     // grad_precision: bf16 stores the parameter gradients in 2 bytes (CUDA).
-    const double grad_bytes = config.get_string("grad_precision") == "bf16" ? 2.0 : 4.0;
+    const bool bf16_grads = config.get_string("grad_precision") == "bf16";
+    const double grad_bytes = bf16_grads ? 2.0 : 4.0;
     // adam_moment_precision: bf16 stores the two AdamW moments in 2 bytes each.
     const bool bf16_moments = config.get_string("adam_moment_precision") == "bf16";
     const double moment_bytes = bf16_moments ? 4.0 : 8.0;
@@ -82,7 +83,7 @@ Command add_info_command(CLI::App& app) {
         {"weights (bf16)", 2 * P, 2 * P, bf16_linears, bf16_linears - fp8_copies},
         {"fp8 weight copies", 0, fp8_copies, 0, fp8_copies},
         {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
-        {grad_bytes == 2.0 ? "gradients (bf16)" : "fp32 gradients", grad_bytes * P, grad_bytes * P, grad_bytes * P,
+        {bf16_grads ? "gradients (bf16)" : "fp32 gradients", grad_bytes * P, grad_bytes * P, grad_bytes * P,
          grad_bytes * P},
         {bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (fp32)", moment_bytes * P, moment_bytes * P,
          moment_bytes * P, moment_bytes * P},

@@ -74,11 +74,15 @@ __device__ __forceinline__ void store(__nv_bfloat16& y, float v) { y = __float2b
 // four elements (vec4_aligned, vec4_rows).
 __device__ inline float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ inline void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+// Two bf16 in one 32-bit word (element 2k in the low half), widened: a shift and a mask, where
+// __bfloat1622float2 takes a byte permute and a multiply for the high half (AdamW with bf16
+// moments, bound by its instructions, loads three such pairs an element).
+__device__ __forceinline__ float2 widen_bf16x2(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
 __device__ inline float4 load4(const __nv_bfloat16* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
-  __nv_bfloat162 lo, hi;
-  memcpy(&lo, &u.x, 4), memcpy(&hi, &u.y, 4);
-  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+  const float2 a = widen_bf16x2(u.x), b = widen_bf16x2(u.y);
   return make_float4(a.x, a.y, b.x, b.y);
 }
 __device__ inline void store4(__nv_bfloat16* p, float4 v) {
