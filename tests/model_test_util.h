@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/step_graph.h"
 #include "backend/transfer.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -104,6 +105,9 @@ struct ModelRunOptions {
   int64_t low_rank_rows = 0;
   DType moment_dtype = DType::f32;  // the optimizer's moments (adam_moment_precision)
   uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
+  // > 0: the model runs on a StepGraph over `be` with segments of this many ops, the forward and
+  // the backward each a region (cuda_graph; on the CPU the replay twin).
+  int graph_segment_ops = 0;
 };
 
 struct ModelRun {
@@ -112,9 +116,14 @@ struct ModelRun {
   std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
   std::vector<float> scales, history;  // FP8 delayed scaling: the registry's state at the end
   DType moment_dtype = DType::f32;      // with an optimizer: the type its moments were stored in
+  StepGraph::Stats graph;               // with graph_segment_ops: the StepGraph's counts
 };
 
-inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOptions& o) {
+inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRunOptions& o) {
+  std::unique_ptr<StepGraph> graph =
+      o.graph_segment_ops > 0 ? std::make_unique<StepGraph>(device, StepGraph::Options{.segment_ops = o.graph_segment_ops})
+                              : nullptr;
+  Backend& be = graph ? static_cast<Backend&>(*graph) : device;
   FluxModel model(cfg, be, o.dtype, o.fp8, o.recompute);
   randomize_params(model.params(), o.param_seed, o.weight_std);
   if (o.low_rank_rows > 0 && !model.params().keep_low_rank_grads(o.low_rank_rows))
@@ -128,13 +137,20 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
   if (o.optimizer) opt = std::make_unique<AdamWOptimizer>(model.params(), AdamWConfig{.moment_dtype = o.moment_dtype});
   ModelRun r;
   if (opt) r.moment_dtype = opt->moment_dtype();
+  Tensor dpred;  // the probe of each step, in one buffer
   for (int s = 0; s < o.steps; ++s) {
     model.params().zero_grads();
+    StepGraph::Region forward(graph.get());
     const Tensor pred = model.forward(in);
+    forward.end();
     r.pred = to_host(be, pred);
     std::vector<double> probe(r.pred.size());
     for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(o.probe_seed, static_cast<uint64_t>(s), i);
-    model.backward(batch.make(pred.shape, probe));
+    if (!dpred.defined()) dpred = batch.make(pred.shape, probe);
+    else from_host(be, dpred, probe);
+    StepGraph::Region backward(graph.get());
+    model.backward(dpred);
+    backward.end();
     if (opt && o.fused_weight_casts) {
       apply_optimizer_step(model, *opt, s + 1, 1e-2);  // as the trainer
       continue;
@@ -153,6 +169,7 @@ inline ModelRun run_model(Backend& be, const FluxConfig& cfg, const ModelRunOpti
     for (int i = 0; i < reg.size(); ++i) r.scales.push_back(reg.scale(i));
     r.history = reg.amax_history();
   }
+  if (graph) r.graph = graph->stats();
   return r;
 }
 

@@ -65,6 +65,17 @@ void Backend::produce(Tensor y, const CastInput& in) {
   }
 }
 
+void Backend::mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
+  if (loss.dtype != DType::f64 || loss.numel() != 1 || !loss.contiguous())
+    fail("mse_loss_into: loss must be one contiguous f64 element, got {} {}", dtype_name(loss.dtype), loss.shape.str());
+  const double value = mse_loss(dpred, pred, target, grad_scale);
+  upload(loss.data, &value, sizeof value);
+}
+
+void Backend::begin_capture() { fail("backend '{}' has no graphs (set cuda_graph: false)", name()); }
+std::unique_ptr<Backend::Graph> Backend::end_capture() { fail("backend '{}' has no graphs", name()); }
+void Backend::launch_graph(const Graph&) { fail("backend '{}' has no graphs", name()); }
+
 void Backend::copy_batch(std::span<const CopyPair> pairs) {
   for (const CopyPair& p : pairs) copy(p.y, p.x);
 }

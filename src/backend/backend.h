@@ -263,6 +263,12 @@ class Backend {
   // Returns mean((pred − target)²) over all elements, accumulated in double; writes
   // dpred = grad_scale · 2(pred − target)/numel.
   virtual double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) = 0;
+  // mse_loss with the mean written to `loss` — a contiguous one-element f64 tensor in backend
+  // memory, whatever the other tensors' type — instead of returned: nothing waits for the device,
+  // so a training step reads its micro-batches' losses once, after the backward, and the loss can
+  // be part of a captured graph (backend/step_graph.h). The same value mse_loss returns. The
+  // default runs mse_loss and uploads its result.
+  virtual void mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale);
   // Σ x² in double, summed in a fixed order (independent of thread count). NaN/inf propagate.
   virtual double sum_squares(Tensor x) = 0;
   // A weight gradient kept as factors instead of in the flat gradient buffer (ParamStore's
@@ -528,6 +534,26 @@ class Backend {
   // tensor cores' fast accumulation where the backend has it: Fp8Accumulation).
   virtual void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
                            Fp8Accumulation sum) = 0;
+
+  // ---- graphs: queued work recorded once, launched many times (backend/step_graph.h) -------
+  // Between begin_capture() and end_capture() the ops called are recorded into a graph instead of
+  // run; launch_graph() then runs that work, with the same pointers and arguments, as often as
+  // asked — in one launch, where issuing the ops one by one costs the host more than the device
+  // needs for the small ones. A backend without graphs (the CPU) says so in can_capture(), and the
+  // others fail. end_capture() ends the capture in every case and returns null when it failed (an
+  // op that synchronises or allocates cannot be captured; nothing of the captured work ran); an op
+  // that threw during a capture has ended it too.
+  class Graph {
+   public:
+    virtual ~Graph() = default;
+  };
+  virtual bool can_capture() const { return false; }
+  virtual void begin_capture();
+  virtual std::unique_ptr<Graph> end_capture();
+  virtual void launch_graph(const Graph& g);
+  // Changes whenever memory the backend owns and its ops use (scratch buffers, workspaces) is
+  // freed or moved: a graph captured before holds the old addresses and must not run again.
+  virtual uint64_t capture_generation() const { return 0; }
 
  protected:
   // Implementations call these from allocate()/release() so memory_use() is known everywhere.

@@ -174,6 +174,9 @@ class OpProfiler : public Backend {
     timed("mse_loss", [&] { r = be_.mse_loss(dpred, pred, target, grad_scale); });
     return r;
   }
+  void mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) override {
+    timed("mse_loss", [&] { be_.mse_loss_into(loss, dpred, pred, target, grad_scale); });
+  }
   double sum_squares(Tensor x) override {
     double r = 0;
     timed("sum_squares", [&] { r = be_.sum_squares(x); });

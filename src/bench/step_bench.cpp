@@ -7,6 +7,7 @@
 #include <memory>
 #include <filesystem>
 
+#include "backend/step_graph.h"
 #include "backend/transfer.h"
 #include "bench/op_profiler.h"
 #include "config/config.h"
@@ -94,7 +95,9 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   const auto t0 = Clock::now();
   const double launch_to_backend = seconds_since_process_start();
   std::unique_ptr<OpProfiler> profiler = spec.profile ? std::make_unique<OpProfiler>(device) : nullptr;
-  Backend& be = profiler ? static_cast<Backend&>(*profiler) : device;
+  std::unique_ptr<StepGraph> graph =
+      spec.cuda_graph && !profiler && device.can_capture() ? std::make_unique<StepGraph>(device, StepGraph::Options::from_environment()) : nullptr;
+  Backend& be = profiler ? static_cast<Backend&>(*profiler) : graph ? static_cast<Backend&>(*graph) : device;
   const FluxConfig& cfg = spec.model;
   const StepShape sh = spec.shape;
   StepBenchResult r;
@@ -158,6 +161,12 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   if (cfg.guidance_embed) in.guidance = batch.make(Shape{B}, std::vector<double>(static_cast<size_t>(B), 3.5));
   const Tensor target = batch.make(x0.shape, zeros(B * nx));
   const Tensor dpred = batch.make(Shape{B, Li, cfg.out_channels}, zeros(B * Li * cfg.out_channels));
+  // The step's loss, on the device until the backward is queued (as the trainer reads it).
+  struct DeviceLoss {
+    Backend& be;
+    Tensor t{be.allocate(sizeof(double)), DType::f64, Shape{1}};
+    ~DeviceLoss() { be.release(t.data); }
+  } loss_buf{be};
   std::vector<uint64_t> streams(static_cast<size_t>(B));
   std::vector<double> hts(static_cast<size_t>(B));
   const Tensor x0_rows = x0.reshaped(Shape{B, nx}), txt_rows = in.txt.reshaped(Shape{B, nt});
@@ -209,9 +218,13 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     const auto ts = Clock::now();
     be.flow_match_inputs(in.img, target, x0, in.timesteps, spec.seed, streams);
     model.params().zero_grads();
+    StepGraph::Region region(graph.get());
     const Tensor pred = model.forward(in);
-    const double loss = be.mse_loss(dpred, pred, target, 1.0);
+    be.mse_loss_into(loss_buf.t, dpred, pred, target, 1.0);
     model.backward(dpred);
+    region.end();
+    double loss = 0;
+    be.download(&loss, loss_buf.t.data, sizeof loss);
     apply_optimizer_step(model, opt, s + 1, spec.lr);  // as the trainer
     be.synchronize();
     const double ms = 1e3 * seconds_since(ts);
@@ -230,6 +243,16 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     if (!std::isfinite(loss)) ++r.non_finite_steps;
     if (s >= spec.warmup) r.step_ms.push_back(ms);
     if (profiler && s + 1 == spec.warmup) profiler->reset();  // count the timed steps only
+    if (graph && s + 1 == spec.warmup) graph->reset_stats();
+  }
+  if (graph) {
+    const StepGraph::Stats& gs = graph->stats();
+    const double steps = spec.warmup > 0 ? spec.steps : spec.steps + spec.warmup;
+    r.cuda_graph = true;
+    r.graph_segments_per_step = static_cast<double>(gs.launched) / steps;
+    r.graph_ops_per_step = static_cast<double>(gs.ops_launched) / steps;
+    r.eager_ops_per_step = static_cast<double>(gs.ops_eager) / steps;
+    r.graph_capture_failures = gs.capture_failed;
   }
   if (profiler) {
     for (const OpProfiler::Row& row : profiler->rows())

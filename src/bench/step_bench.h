@@ -36,6 +36,9 @@ struct StepBenchSpec {
   bool profile = false;  // time every op (OpProfiler: device timing marks, nothing waits)
   BenchData data = BenchData::prototypes;
   AdamWConfig adam;      // the optimizer's hyper-parameters and moment storage
+  // cuda_graph: forward, loss and backward through StepGraph (not with profile, whose per-op
+  // timing marks need each op issued on its own).
+  bool cuda_graph = false;
 };
 
 struct OpTime {
@@ -60,6 +63,11 @@ struct StepBenchResult {
   std::vector<OpTime> ops;      // with profile: per-op time of a timed step, largest first
   std::vector<OpTime> idle_before;  // with profile: the idle row by the op after each wait
   int non_finite_steps = 0;     // steps whose loss was not finite
+  // cuda_graph: per timed step, the segments launched as graphs and the ops still issued one
+  // by one inside the forward and backward (first sightings, uncapturable segments).
+  bool cuda_graph = false;
+  double graph_segments_per_step = 0, graph_ops_per_step = 0, eager_ops_per_step = 0;
+  int64_t graph_capture_failures = 0;
 };
 
 // The workloads of WORKLOADS.md: W1 (flux_535m, 256 px, batch 32) and W2 (12B-width slice: 2

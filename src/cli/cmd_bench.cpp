@@ -59,7 +59,8 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_option("--set", o->overrides,
                   "override a config key: fp8_* keys, recompute_granularity (none, selective, full), "
                   "activation_precision (bf16, f32), grad_precision (f32, bf16) and the AdamW keys (adam_*, "
-                  "weight_decay, clip_grad; adam_moment_precision f32 or bf16) for the runs, or any key with -c");
+                  "weight_decay, clip_grad; adam_moment_precision f32 or bf16), cuda_graph (true: the forward and "
+                  "backward as CUDA graphs; not with --profile) for the runs, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
@@ -173,6 +174,10 @@ Command add_bench_command(CLI::App& app) {
         s.adam = AdamWConfig::from_config(run_keys);
         s.lr = o->lr;
         s.profile = o->profile;
+        s.cuda_graph = run_keys.get_bool("cuda_graph");
+        if (s.cuda_graph && s.profile)
+          fmt::print("note: cuda_graph is off under --profile (its per-op timing marks need every op issued on its "
+                     "own)\n");
         s.data = o->data == "structured" ? BenchData::structured : BenchData::prototypes;
         s.steps = o->steps;
         s.warmup = o->warmup;
@@ -197,6 +202,12 @@ Command add_bench_command(CLI::App& app) {
                        "benchmark's synthetic data left out), of which {:.2f} s until the backend was up (libraries, "
                        "device, cuBLASLt and cuDNN handles)\n",
                        r.launch_to_first_step_s, r.launch_to_backend_s);
+          if (r.cuda_graph)
+            fmt::print("  cuda_graph: {:.1f} graphs a step holding {:.0f} ops, {:.0f} ops issued one by one{}\n",
+                       r.graph_segments_per_step, r.graph_ops_per_step, r.eager_ops_per_step,
+                       r.graph_capture_failures
+                           ? fmt::format(" ({} segments could not be captured)", r.graph_capture_failures)
+                           : "");
           if (!r.ops.empty()) {
             double total = 0;
             for (const OpTime& t : r.ops) total += t.ms_per_step;
@@ -247,6 +258,11 @@ Command add_bench_command(CLI::App& app) {
                                   {"activation_precision", bo.bf16_activations && o->backend == "cuda" ? "bf16" : "f32"},
                                   {"grad_precision", bo.bf16_grads && o->backend == "cuda" ? "bf16" : "f32"},
                                   {"adam_moment_precision", dtype_name(s.adam.moment_dtype)},
+                                  {"cuda_graph", r.cuda_graph},
+                                  {"graph_segments_per_step", r.graph_segments_per_step},
+                                  {"graph_ops_per_step", r.graph_ops_per_step},
+                                  {"eager_ops_per_step", r.eager_ops_per_step},
+                                  {"graph_capture_failures", r.graph_capture_failures},
                                   {"ops", ops}, {"idle_before", idle_before}});
         }
         // The targets are the H200's (WORKLOADS.md): judged on the GPU backend only.

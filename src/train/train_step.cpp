@@ -44,9 +44,22 @@ void StepBuffers::allocate(const HostBatch& b, const FluxConfig& m) {
   in.guidance = m.guidance_embed ? make(Shape{B}) : Tensor{};
 }
 
+Tensor StepBuffers::losses(int64_t n) {
+  if (!losses_.defined() || losses_.numel() < n) {
+    if (losses_.defined()) be_.release(losses_.data);
+    losses_ = Tensor(be_.allocate(static_cast<size_t>(n) * sizeof(double)), DType::f64, Shape{n});
+  }
+  return Tensor(losses_.data, DType::f64, Shape{n});
+}
+
 void StepBuffers::release() {
   for (void* p : owned_) be_.release(p);
   owned_.clear();
+}
+
+StepBuffers::~StepBuffers() {
+  release();
+  if (losses_.defined()) be_.release(losses_.data);
 }
 
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
@@ -57,15 +70,23 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sam
   ctx.model.params().zero_grads();
   StepLoss out;
   const double share = static_cast<double>(micro) / static_cast<double>(global);
-  for (int64_t first = 0; first < global; first += micro) {
+  const int64_t parts = global / micro;
+  const Tensor losses = ctx.buffers.losses(parts);
+  for (int64_t first = 0, part_index = 0; first < global; first += micro, ++part_index) {
     const std::vector<Sample> part(samples.begin() + first, samples.begin() + first + micro);
     const HostBatch hb = make_train_batch(part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first);
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
+    StepGraph::Region region(ctx.graph);
     const Tensor pred = ctx.model.forward(in);
-    out.loss += share * be.mse_loss(ctx.buffers.dpred, pred, ctx.buffers.target, share);
+    const Tensor loss(static_cast<double*>(losses.data) + part_index, DType::f64, Shape{1});
+    be.mse_loss_into(loss, ctx.buffers.dpred, pred, ctx.buffers.target, share);
     ctx.model.backward(ctx.buffers.dpred);
+    region.end();
     out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
   }
+  std::vector<double> part_losses(static_cast<size_t>(parts));
+  be.download(part_losses.data(), losses.data, part_losses.size() * sizeof(double));
+  for (const double l : part_losses) out.loss += share * l;
   return out;
 }
 

@@ -3,6 +3,7 @@
 // objective, forward, loss and backward, gradients accumulated in the flat buffer.
 #include <vector>
 
+#include "backend/step_graph.h"
 #include "data/sample.h"
 #include "model/flux_model.h"
 #include "train/objective.h"
@@ -14,7 +15,7 @@ namespace flux8 {
 class StepBuffers {
  public:
   StepBuffers(Backend& be, DType dtype) : be_(be), dtype_(dtype) {}
-  ~StepBuffers() { release(); }
+  ~StepBuffers();
   StepBuffers(const StepBuffers&) = delete;
   StepBuffers& operator=(const StepBuffers&) = delete;
 
@@ -24,6 +25,9 @@ class StepBuffers {
 
   FluxInputs in;
   Tensor x0, target, dpred;
+  // f64 [n] in backend memory: the losses of a step's n micro-batches (mse_loss_into), read
+  // once after the last backward. Grown, never shrunk; kept when upload() reallocates the rest.
+  Tensor losses(int64_t n);
 
  private:
   Tensor make(Shape s);
@@ -33,6 +37,7 @@ class StepBuffers {
   DType dtype_;
   StepShape shape_{0, 0, 0};
   std::vector<void*> owned_;
+  Tensor losses_;
 };
 
 struct StepContext {
@@ -42,6 +47,9 @@ struct StepContext {
   const EmptyPrompt& empty;
   StepBuffers& buffers;
   uint64_t seed;
+  // cuda_graph: the model's backend, whose regions each micro-batch's forward, loss and
+  // backward run in (null: op by op).
+  StepGraph* graph = nullptr;
 };
 
 struct StepLoss {
@@ -52,7 +60,8 @@ struct StepLoss {
 // Zeroes the gradients, then accumulates the gradient of the step's mean loss over
 // `samples` (the whole global batch of optimizer step `step`, 0-based) in micro-batches of
 // `micro` samples. Each micro-batch's loss gradient is scaled by micro/global, so any split
-// gives the same gradient up to rounding.
+// gives the same gradient up to rounding. The losses stay on the device until the last backward
+// is queued: nothing in between waits for it.
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
                                    int64_t micro, uint64_t step);
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "backend/backend.h"
+#include "backend/step_graph.h"
 #include "backend/transfer.h"
 #include "config/config.h"
 #include "core/error.h"
@@ -48,6 +49,8 @@ struct Run {
   FluxConfig model_cfg;
   ObjectiveConfig obj;
   std::unique_ptr<Backend> be;
+  // cuda_graph: the backend the model runs on, over `be` (destroyed after the model, before be).
+  std::unique_ptr<StepGraph> graph;
   std::unique_ptr<FluxModel> model;
   std::unique_ptr<AdamWOptimizer> opt;
   LrSchedule schedule;
@@ -127,7 +130,11 @@ TrainResult run_training(const TrainOptions& opt) {
   const EmptyPrompt empty = load_empty_prompt(r.cfg, r.model_cfg);
   const std::vector<Sample> val = load_validation_set(r.cfg);
 
-  r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32, &r.fp8,
+  // cuda_graph: each micro-batch's forward and backward recorded and launched as CUDA graphs
+  // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
+  if (r.cfg.get_bool("cuda_graph") && r.be->can_capture())
+    r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
+  r.model = std::make_unique<FluxModel>(r.model_cfg, r.graph ? *r.graph : *r.be, DType::f32, &r.fp8,
                                         recompute_from_name(r.cfg.get_string("recompute_granularity")));
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
   // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients
@@ -183,6 +190,12 @@ TrainResult run_training(const TrainOptions& opt) {
                                "computed in {}",
                                dtype_name(r.opt->moment_dtype()), dtype_name(r.model->params().dtype())),
                    nullptr);
+  if (r.cfg.get_bool("cuda_graph"))
+    progress.event(r.graph ? "cuda_graph: each micro-batch's forward and backward run as CUDA graphs, captured "
+                             "from the first steps (segments of " +
+                                 std::to_string(r.graph->graph_options().segment_ops) + " ops)"
+                           : "cuda_graph: the " + r.be->name() + " backend has no graphs; running op by op",
+                   nullptr);
   if (const int64_t rows = r.model->params().low_rank_rows())
     progress.event(fmt::format("gradients: the modulation and embedder Linears' weight gradients kept as "
                                "rank-{} factors (a step of at most {} samples; not written as tensors)",
@@ -220,7 +233,7 @@ TrainResult run_training(const TrainOptions& opt) {
   const bool nan_halt = r.cfg.get_string("nan_policy") == "halt";
   const int64_t max_skips = r.cfg.get_int("nan_max_consecutive_skips");
   std::vector<Sample> samples;
-  const StepContext ctx{*r.model, r.model_cfg, r.obj, empty, buf, r.state.seed};
+  const StepContext ctx{*r.model, r.model_cfg, r.obj, empty, buf, r.state.seed, r.graph.get()};
   while (r.state.step < train_iters) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t step = r.state.step;  // 0-based index of the step being taken

@@ -273,9 +273,12 @@ void* Attention::delta_scratch(size_t bytes) {
     }
     FLUX8_CUDA_CHECK(cudaMalloc(&delta_, bytes));
     delta_bytes_ = bytes;
+    ++delta_moves_;
   }
   return delta_;
 }
+
+uint64_t Attention::reallocations() const { return delta_moves_ + (cudnn_ ? cudnn_->staging_moves : 0); }
 
 bool Attention::cudnn_takes_head_dim(int64_t head_dim) {
   return attention_path() != AttentionPath::reference && static_refusal(AttentionShape{1, 1, 2, head_dim}).empty() &&

@@ -146,6 +146,10 @@ class Attention {
   // cached), else why not.
   std::string fp8_unsupported_reason(const Fp8Forward& f, const Fp8Backward& b);
 
+  // How often the buffers this class hands cuDNN and its kernels (the staging and delta buffers)
+  // were reallocated: a captured graph holding the old addresses must not run again.
+  uint64_t reallocations() const;
+
  private:
   struct Cudnn;  // the handle, the plan cache, the staging buffers (attention_cudnn.h)
   enum class Direction { forward, backward, backward_deterministic, forward_fp8, backward_fp8 };
@@ -173,6 +177,7 @@ class Attention {
   std::unique_ptr<Cudnn> cudnn_;
   void* delta_ = nullptr;
   size_t delta_bytes_ = 0;
+  uint64_t delta_moves_ = 0;
 };
 
 std::unique_ptr<Attention> make_attention(cudaStream_t stream);

@@ -203,6 +203,7 @@ struct Attention::Cudnn {
   std::map<std::tuple<int, int, int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<CudnnPlan>> plans;
   void* staging = nullptr;
   size_t staging_bytes = 0;
+  uint64_t staging_moves = 0;  // reallocations of `staging` (Attention::reallocations)
   // Prefetch: plans built on a helper thread with a handle of its own (cuDNN handles are not
   // shared between threads), one at a time.
   cudnnHandle_t helper = nullptr;
@@ -371,6 +372,7 @@ struct Attention::Cudnn {
       }
       FLUX8_CUDA_CHECK(cudaMalloc(&staging, bytes));
       staging_bytes = bytes;
+      ++staging_moves;
     }
     return staging;
   }

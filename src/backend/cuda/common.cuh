@@ -278,8 +278,10 @@ inline double total_of_partials(CudaBackend& be, double* partial, int64_t count)
   return *result;
 }
 
+// Pass 1 queued: the per-chunk partials in the reduction scratch (count + 1 doubles, the last
+// left for the total); returns them and their count.
 template <typename F>
-double ordered_sum(CudaBackend& be, int64_t n, F f) {
+std::pair<double*, int64_t> queue_partial_sums(CudaBackend& be, int64_t n, F f) {
   const int64_t chunks = n > 0 ? (n + kSumChunk - 1) / kSumChunk : 1;
   double* partial = static_cast<double*>(be.reduction_scratch(static_cast<size_t>(chunks + 1) * sizeof(double)));
   if (n > 0) {
@@ -288,6 +290,12 @@ double ordered_sum(CudaBackend& be, int64_t n, F f) {
   } else {
     FLUX8_CUDA_CHECK(cudaMemsetAsync(partial, 0, sizeof(double), be.stream()));
   }
+  return {partial, chunks};
+}
+
+template <typename F>
+double ordered_sum(CudaBackend& be, int64_t n, F f) {
+  const auto [partial, chunks] = queue_partial_sums(be, n, f);
   return total_of_partials(be, partial, chunks);
 }
 

@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -47,6 +49,15 @@ class CudaBackend final : public Backend {
   void download(void* host_dst, const void* src, size_t bytes) override;
   void synchronize() override;
   MemoryUse memory_use() const override;
+
+  // CUDA graphs (StepGraph): stream capture of this backend's stream, thread-local mode (an op
+  // that synchronises or allocates while capturing fails the capture, not the process).
+  bool can_capture() const override { return true; }
+  void begin_capture() override;
+  std::unique_ptr<Graph> end_capture() override;
+  void launch_graph(const Graph& g) override;
+  // Bumped whenever a scratch buffer, the attention's staging buffer or its delta buffer moves.
+  uint64_t capture_generation() const override;
 
   void fill(Tensor y, double value) override;
   void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
@@ -124,6 +135,7 @@ class CudaBackend final : public Backend {
   void flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
                          std::span<const uint64_t> streams) override;
   double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
+  void mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
   double sum_squares(Tensor x) override;
   double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) override;
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
@@ -197,6 +209,9 @@ class CudaBackend final : public Backend {
   size_t epilogue_scratch_bytes_ = 0;
   void* pinned_ = nullptr;
   int64_t qk_norm_rope_vector_calls_ = 0;
+  bool capturing_ = false;
+  uint64_t scratch_generation_ = 0;  // reallocations of the four scratch buffers
+
   // A table of per-block chunks of the flat parameter buffers on the device (adamw,
   // gradient_sum_squares: training.cu) and the layout it was made for (n, the outputs, the
   // low-rank gradients): made again only when that changes (a trainer passes the same every step).

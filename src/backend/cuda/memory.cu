@@ -128,24 +128,76 @@ void CudaBackend::synchronize() {
 }
 
 namespace {
-void* grow(void*& buf, size_t& have, size_t want, cudaStream_t s) {
+void* grow(void*& buf, size_t& have, size_t want, cudaStream_t s, uint64_t& moves) {
   if (want <= have && buf) return buf;
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(s));
   if (buf) FLUX8_CUDA_CHECK(cudaFree(buf));
+  buf = nullptr;
   const size_t n = std::max<size_t>(want + want / 4, 1 << 20);
   FLUX8_CUDA_CHECK(cudaMalloc(&buf, n));
   have = n;
+  ++moves;
   return buf;
 }
 }  // namespace
 
-void* CudaBackend::scratch(size_t bytes) { return grow(scratch_, scratch_bytes_, bytes, stream_); }
-void* CudaBackend::scratch2(size_t bytes) { return grow(scratch2_, scratch2_bytes_, bytes, stream_); }
+void* CudaBackend::scratch(size_t bytes) { return grow(scratch_, scratch_bytes_, bytes, stream_, scratch_generation_); }
+void* CudaBackend::scratch2(size_t bytes) {
+  return grow(scratch2_, scratch2_bytes_, bytes, stream_, scratch_generation_);
+}
 void* CudaBackend::epilogue_scratch(size_t bytes) {
-  return grow(epilogue_scratch_, epilogue_scratch_bytes_, bytes, stream_);
+  return grow(epilogue_scratch_, epilogue_scratch_bytes_, bytes, stream_, scratch_generation_);
 }
 void* CudaBackend::reduction_scratch(size_t bytes) {
-  return grow(reduction_scratch_, reduction_scratch_bytes_, bytes, stream_);
+  return grow(reduction_scratch_, reduction_scratch_bytes_, bytes, stream_, scratch_generation_);
+}
+
+// ---- graphs ----------------------------------------------------------------------------------
+namespace {
+class CudaGraph final : public Backend::Graph {
+ public:
+  explicit CudaGraph(cudaGraphExec_t e) : exec(e) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec); }
+  cudaGraphExec_t exec;
+};
+}  // namespace
+
+void CudaBackend::begin_capture() {
+  if (capturing_) fail("cuda backend: begin_capture while a capture is open");
+  // Thread-local: a forbidden call (a synchronisation, an allocation) from this thread fails
+  // the capture; other threads (cuDNN's plan builds) are not affected.
+  FLUX8_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+}
+
+std::unique_ptr<Backend::Graph> CudaBackend::end_capture() {
+  if (!capturing_) return nullptr;
+  capturing_ = false;
+  cudaGraph_t graph = nullptr;
+  cudaError_t e = cudaStreamEndCapture(stream_, &graph);
+  if (e != cudaSuccess || !graph) {
+    cudaGetLastError();  // an invalidated capture: not sticky, the stream is usable again
+    if (graph) cudaGraphDestroy(graph);
+    return nullptr;
+  }
+  cudaGraphExec_t exec = nullptr;
+  e = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return std::make_unique<CudaGraph>(exec);
+}
+
+void CudaBackend::launch_graph(const Graph& g) {
+  const auto* cg = dynamic_cast<const CudaGraph*>(&g);
+  if (!cg) fail("cuda backend: launch_graph of a graph another backend made");
+  FLUX8_CUDA_CHECK(cudaGraphLaunch(cg->exec, stream_));
+}
+
+uint64_t CudaBackend::capture_generation() const {
+  return scratch_generation_ + (attention_ ? attention_->reallocations() : 0);
 }
 void* CudaBackend::pinned_result() { return pinned_; }
 

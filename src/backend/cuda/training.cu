@@ -42,8 +42,11 @@ void CudaBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor 
   });
 }
 
-double CudaBackend::mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
-  constexpr std::string_view op = "mse_loss";
+namespace {
+// mse_loss's queued work: dpred, then the per-chunk partial sums of (pred − target)² in the
+// reduction scratch; returns the partials (count + 1 doubles, the total goes last) and count.
+std::pair<double*, int64_t> queue_mse_loss(CudaBackend& be, std::string_view op, Tensor dpred, Tensor pred,
+                                           Tensor target, double grad_scale) {
   require_f32(op, {{"dpred", dpred}, {"pred", pred}, {"target", target}});
   for (Named n : {Named{"dpred", dpred}, Named{"pred", pred}, Named{"target", target}}) require_contiguous(op, n);
   require_shape(op, {"target", target}, pred.shape);
@@ -53,15 +56,34 @@ double CudaBackend::mse_loss(Tensor dpred, Tensor pred, Tensor target, double gr
   if (dpred.defined()) {
     float* g = dpred.ptr<float>();
     const double k = 2.0 * grad_scale / static_cast<double>(n);
-    for_each(*this, n, [=] __device__(int64_t i) {
+    for_each(be, n, [=] __device__(int64_t i) {
       g[i] = static_cast<float>(k * (static_cast<double>(p[i]) - static_cast<double>(y[i])));
     });
   }
-  const double sum = ordered_sum(*this, n, [=] __device__(int64_t i) {
+  return queue_partial_sums(be, n, [=] __device__(int64_t i) {
     const double d = static_cast<double>(p[i]) - static_cast<double>(y[i]);
     return d * d;
   });
-  return sum / static_cast<double>(n);
+}
+}  // namespace
+
+double CudaBackend::mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
+  const auto [partial, chunks] = queue_mse_loss(*this, "mse_loss", dpred, pred, target, grad_scale);
+  return total_of_partials(*this, partial, chunks) / static_cast<double>(pred.numel());
+}
+
+void CudaBackend::mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
+  constexpr std::string_view op = "mse_loss_into";
+  if (loss.dtype != DType::f64 || loss.numel() != 1 || !loss.contiguous())
+    fail("{}: loss must be one contiguous f64 element, got {} {}", op, dtype_name(loss.dtype), loss.shape.str());
+  const auto [partial, chunks] = queue_mse_loss(*this, op, dpred, pred, target, grad_scale);
+  // The same fixed-order total as mse_loss, then the same division (IEEE, in double): its value.
+  sum_partials_kernel<<<1, kThreads, 0, stream_>>>(partial, chunks, partial + chunks);
+  FLUX8_LAUNCH_CHECK(sum_partials_kernel);
+  const double* total = partial + chunks;
+  double* out = loss.ptr<double>();
+  const double count = static_cast<double>(pred.numel());
+  for_each(*this, 1, [=] __device__(int64_t) { *out = *total / count; });
 }
 
 namespace {
