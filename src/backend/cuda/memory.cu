@@ -78,6 +78,7 @@ CudaBackend::~CudaBackend() {
 }
 
 void* CudaBackend::allocate(size_t bytes) {
+  if (capturing_) fail("cuda backend: an op allocated device memory while a CUDA graph was being captured");
   void* p = nullptr;
   const size_t n = bytes ? bytes : 1;
   const cudaError_t e = cudaMalloc(&p, n);  // 256-byte aligned
