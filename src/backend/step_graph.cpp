@@ -152,6 +152,7 @@ void StepGraph::end_region() {
 void StepGraph::abandon_region() {
   recording_ = false;
   calls_.clear();
+  names_.clear();
   sig_.clear();
   sig_.capturable = true;
 }
@@ -164,6 +165,7 @@ void StepGraph::op(const char* name, void (Backend::*fn)(P...), A&&... args) {
   }
   sig_.raw(name);  // the op: one literal per wrapper method, so its address names it
   (put(sig_, args), ...);
+  names_.push_back(name);
   calls_.push_back([fn, stored = std::tuple<typename Stored<P>::type...>(Stored<P>::from(args)...)](Backend& b) {
     std::apply([&](const auto&... a) { (b.*fn)(a...); }, stored);
   });
@@ -184,6 +186,8 @@ void StepGraph::close_segment() {
   }
   std::vector<Call> calls = std::move(calls_);
   calls_.clear();
+  const std::vector<const char*> names = std::move(names_);
+  names_.clear();
   std::string key = sig_.bytes();
   const bool capturable = sig_.capturable;
   sig_.clear();
@@ -224,13 +228,14 @@ void StepGraph::close_segment() {
     }
     be_.begin_capture();
     std::unique_ptr<Graph> g;
+    size_t i = 0;
     try {
-      for (Call& c : calls) c(be_);
+      for (; i < calls.size(); ++i) calls[i](be_);
       g = be_.end_capture();
       if (!g) last_failure_ = "the capture was invalidated (an op synchronised or allocated)";
     } catch (const std::exception& ex) {
       be_.end_capture();  // ends the capture the op broke off
-      last_failure_ = ex.what();
+      last_failure_ = fmt::format("{}: {}", names[i], ex.what());
     }
     if (!g) {
       if (stats_.capture_failed++ == 0)

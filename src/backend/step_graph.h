@@ -229,6 +229,7 @@ class StepGraph : public Backend {
   bool recording_ = false;
   Signature sig_;
   std::vector<Call> calls_;  // the open segment's calls
+  std::vector<const char*> names_;  // and their ops (for a failed capture's message)
   std::unordered_map<std::string, Entry> entries_;
   Stats stats_;
   std::string last_failure_;
