@@ -100,7 +100,7 @@ TEST(StepGraph, SignatureHoldsScalarsAndSpanContents) {
   StepGraph g(be, StepGraph::Options{.segment_ops = 1});
   const Tensor y = Tensor(be.allocate(4 * sizeof(float)), DType::f32, Shape{2, 2});
   const Tensor x = Tensor(be.allocate(4 * sizeof(float)), DType::f32, Shape{2, 2});
-  from_host(be, x, {1, 2, 3, 4});
+  from_host(be, x, std::vector<double>{1, 2, 3, 4});
   auto fill_in_region = [&](double v) {
     g.begin_region();
     g.fill(y, v);
@@ -183,8 +183,8 @@ TEST(StepGraph, MseLossIntoEqualsMseLoss) {
   const Tensor target(be.allocate(5 * sizeof(float)), DType::f32, Shape{5});
   const Tensor d1(be.allocate(5 * sizeof(float)), DType::f32, Shape{5}), d2(be.allocate(5 * sizeof(float)), DType::f32, Shape{5});
   const Tensor loss(be.allocate(sizeof(double)), DType::f64, Shape{1});
-  from_host(be, pred, {0.1, -2, 3.5, 4, 1e-3});
-  from_host(be, target, {1, 2, 3, -4, 5});
+  from_host(be, pred, std::vector<double>{0.1, -2, 3.5, 4, 1e-3});
+  from_host(be, target, std::vector<double>{1, 2, 3, -4, 5});
   const double expected = be.mse_loss(d1, pred, target, 0.25);
   be.mse_loss_into(loss, d2, pred, target, 0.25);
   EXPECT_EQ(to_host(be, loss)[0], expected);

@@ -433,7 +433,7 @@ TEST(Objective, TrainBatchDoesNotDependOnMicroBatching) {
   const HostBatch whole = make_train_batch(all, m, obj, empty, 9, 3, 0, 0);
   const HostBatch a = make_train_batch({all.begin(), all.begin() + 4}, m, obj, empty, 9, 3, 0, 0);
   const HostBatch b = make_train_batch({all.begin() + 4, all.end()}, m, obj, empty, 9, 3, 0, 4);
-  auto cat = [](std::vector<double> x, const std::vector<double>& y) { x.insert(x.end(), y.begin(), y.end()); return x; };
+  auto cat = [](auto x, const auto& y) { x.insert(x.end(), y.begin(), y.end()); return x; };
   EXPECT_EQ(whole.t, cat(a.t, b.t));
   EXPECT_EQ(whole.y, cat(a.y, b.y));
   EXPECT_EQ(whole.x0, cat(a.x0, b.x0));

@@ -40,4 +40,14 @@ void from_host(Backend& backend, const Tensor& t, const std::vector<double>& val
   }
 }
 
+void from_host(Backend& backend, const Tensor& t, const std::vector<float>& values) {
+  FLUX8_CHECK(t.contiguous() && static_cast<int64_t>(values.size()) == t.numel(),
+              "from_host of {} values into {}", values.size(), t.str());
+  if (t.dtype == DType::f32) {
+    backend.upload(t.data, values.data(), values.size() * 4);
+    return;
+  }
+  from_host(backend, t, std::vector<double>(values.begin(), values.end()));  // exact: then as above
+}
+
 }  // namespace flux8

@@ -11,5 +11,7 @@ class Backend;
 
 std::vector<double> to_host(Backend& backend, const Tensor& t);
 void from_host(Backend& backend, const Tensor& t, const std::vector<double>& values);
+// The same from f32 values: uploaded as they are into an f32 tensor (no conversion pass).
+void from_host(Backend& backend, const Tensor& t, const std::vector<float>& values);
 
 }  // namespace flux8

@@ -1,6 +1,10 @@
 #include "train/objective.h"
 
+#include <algorithm>
 #include <cmath>
+#include <exception>
+#include <tuple>
+#include <utility>
 #include <functional>
 
 #include "config/config.h"
@@ -30,21 +34,38 @@ uint64_t validation_stream(uint64_t j, Draw what) {
   return rng_stream(0x76616cull /*"val"*/ ^ static_cast<uint64_t>(what), j);
 }
 
-std::vector<double> pack_patches(const HostTensor& x, int64_t p, int64_t* rows, int64_t* cols) {
-  if (x.shape.size() != 3) fail("expected a [channels, height, width] tensor, got rank {}", x.shape.size());
-  const int64_t C = x.shape[0], h = x.shape[1], w = x.shape[2];
+namespace {
+// The patch grid of x [C, h, w]: tokens (rows) and features a token (cols).
+std::pair<int64_t, int64_t> patch_grid(const std::vector<int64_t>& shape, int64_t p) {
+  if (shape.size() != 3) fail("expected a [channels, height, width] tensor, got rank {}", shape.size());
+  const int64_t C = shape[0], h = shape[1], w = shape[2];
   if (h % p || w % p) fail("image/latent of {}x{} is not divisible by the patch size {}", h, w, p);
-  const int64_t gh = h / p, gw = w / p, F = C * p * p;
-  std::vector<double> out(static_cast<size_t>(gh * gw * F));
+  return {(h / p) * (w / p), C * p * p};
+}
+
+template <typename T>
+void pack_patches_to(const HostTensor& x, int64_t p, T* out) {
+  const int64_t C = x.shape[0], h = x.shape[1], w = x.shape[2];
+  const int64_t gw = w / p, F = C * p * p;
   for (int64_t c = 0; c < C; ++c)
     for (int64_t y = 0; y < h; ++y)
       for (int64_t xx = 0; xx < w; ++xx) {
         const int64_t token = (y / p) * gw + xx / p, feature = c * p * p + (y % p) * p + xx % p;
-        out[static_cast<size_t>(token * F + feature)] = x.data[static_cast<size_t>((c * h + y) * w + xx)];
+        out[token * F + feature] = x.data[static_cast<size_t>((c * h + y) * w + xx)];
       }
-  *rows = gh * gw;
-  *cols = F;
+}
+}  // namespace
+
+std::vector<double> pack_patches(const HostTensor& x, int64_t p, int64_t* rows, int64_t* cols) {
+  std::tie(*rows, *cols) = patch_grid(x.shape, p);
+  std::vector<double> out(static_cast<size_t>(*rows * *cols));
+  pack_patches_to(x, p, out.data());
   return out;
+}
+
+void pack_patches_into(const HostTensor& x, int64_t p, float* out) {
+  patch_grid(x.shape, p);  // the checks
+  pack_patches_to(x, p, out);
 }
 
 std::vector<double> unpack_patches(const double* tokens, int64_t C, int64_t h, int64_t w, int64_t p) {
@@ -100,22 +121,45 @@ struct PerSample {
   uint64_t vae_stream, flow_stream;
 };
 
-HostBatch assemble(const std::vector<Sample>& samples, const FluxConfig& m, const ObjectiveConfig& obj,
-                   const EmptyPrompt* empty, uint64_t seed, const std::function<PerSample(size_t)>& draw) {
+// The field x0 comes from (mean: the VAE posterior, with logvar; a latent; demo pixels), checked.
+const HostTensor& image_field(const Sample& s) {
+  if (s.has("mean")) {
+    if (!s.has("logvar")) fail("sample {} in {} has a VAE mean but no logvar", s.key, s.shard);
+    if (s.at("mean").shape != s.at("logvar").shape) fail("sample {} in {}: mean and logvar shapes differ", s.key, s.shard);
+    return s.at("mean");
+  }
+  if (s.has("latent")) return s.at("latent");
+  if (s.has("image")) return s.at("image");
+  fail("sample {} in {} has no image data: expected mean+logvar (MLPerf), latent(s) or image", s.key, s.shard);
+}
+
+// Every sample checked and the batch sized first (in order: the first sample that does not fit is
+// the one named), then each sample's VAE draw, patches and features written into its rows by
+// the CPU's threads — W1's batch is 32 samples of 4 MB of text features. Each sample's values
+// depend on its draws only, so the batch is the same whatever the threads.
+// Into `b`, whose vectors are reused: a batch of the last one's size is written in place, without
+// allocating (or the kernel zeroing) W1's 134 MB of text features again.
+void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig& m, const ObjectiveConfig& obj,
+              const EmptyPrompt* empty, uint64_t seed, const std::function<PerSample(size_t)>& draw) {
   if (samples.empty()) fail("empty batch");
-  HostBatch b;
-  b.batch = static_cast<int64_t>(samples.size());
-  for (size_t i = 0; i < samples.size(); ++i) {
+  const size_t n = samples.size();
+  b.batch = static_cast<int64_t>(n);
+  b.t.clear();
+  b.guidance.clear();
+  b.noise_streams.clear();
+  std::vector<PerSample> draws(n);
+  std::vector<const HostTensor*> t5s(n), clips(n);
+  int64_t cols = 0;
+  for (size_t i = 0; i < n; ++i) {
     const Sample& s = samples[i];
-    const PerSample d = draw(i);
-    const HostTensor x = clean_sample(s, obj, seed, d.vae_stream);
-    int64_t rows = 0, cols = 0;
-    const std::vector<double> tokens = pack_patches(x, m.patch_size, &rows, &cols);
-    if (cols != m.in_channels)
+    draws[i] = draw(i);
+    const HostTensor& image = image_field(s);
+    const auto [rows, features] = patch_grid(image.shape, m.patch_size);
+    if (features != m.in_channels)
       fail("sample {} in {}: {} channels x {}x{} patches = {} features per token, but the model's "
-           "in_channels is {}", s.key, s.shard, x.shape[0], m.patch_size, m.patch_size, cols, m.in_channels);
-    const HostTensor& t5 = d.drop_text ? empty->t5 : s.at("t5");
-    const HostTensor& clip = d.drop_text ? empty->clip : s.at("clip");
+           "in_channels is {}", s.key, s.shard, image.shape[0], m.patch_size, m.patch_size, features, m.in_channels);
+    const HostTensor& t5 = draws[i].drop_text ? empty->t5 : s.at("t5");
+    const HostTensor& clip = draws[i].drop_text ? empty->clip : s.at("clip");
     if (t5.shape.size() != 2 || t5.shape[1] != m.context_dim)
       fail("sample {} in {}: t5 must be [tokens, {}] (context_dim)", s.key, s.shard, m.context_dim);
     if (clip.numel() != m.vec_dim)
@@ -123,22 +167,42 @@ HostBatch assemble(const std::vector<Sample>& samples, const FluxConfig& m, cons
     if (i == 0) {
       b.img_tokens = rows;
       b.txt_tokens = t5.shape[0];
+      cols = features;
     } else if (rows != b.img_tokens || t5.shape[0] != b.txt_tokens) {
       fail("sample {} in {}: {} image and {} text tokens, but this batch has {} and {}; samples of one "
            "batch must share their resolution and text length", s.key, s.shard, rows, t5.shape[0],
            b.img_tokens, b.txt_tokens);
     }
-    b.x0.insert(b.x0.end(), tokens.begin(), tokens.end());
-    const std::vector<double> ids = image_position_ids(x.shape[1], x.shape[2], m.patch_size);
-    b.img_ids.insert(b.img_ids.end(), ids.begin(), ids.end());
-    b.txt.insert(b.txt.end(), t5.data.begin(), t5.data.end());
-    b.y.insert(b.y.end(), clip.data.begin(), clip.data.end());
-    b.t.push_back(d.t);
+    t5s[i] = &t5;
+    clips[i] = &clip;
+    b.t.push_back(draws[i].t);
     b.guidance.push_back(obj.train_guidance);
-    b.noise_streams.push_back(d.flow_stream);
+    b.noise_streams.push_back(draws[i].flow_stream);
   }
+  const size_t x_per = static_cast<size_t>(b.img_tokens * cols), ids_per = static_cast<size_t>(b.img_tokens * 3);
+  const size_t t_per = static_cast<size_t>(b.txt_tokens * m.context_dim), y_per = static_cast<size_t>(m.vec_dim);
+  b.x0.resize(n * x_per);
+  b.img_ids.resize(n * ids_per);
+  b.txt.resize(n * t_per);
+  b.y.resize(n * y_per);
+  std::vector<std::exception_ptr> errors(n);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) {
+    const size_t i = static_cast<size_t>(k);
+    try {
+      const HostTensor x = clean_sample(samples[i], obj, seed, draws[i].vae_stream);
+      pack_patches_into(x, m.patch_size, b.x0.data() + i * x_per);
+      const std::vector<double> ids = image_position_ids(x.shape[1], x.shape[2], m.patch_size);
+      std::copy(ids.begin(), ids.end(), b.img_ids.begin() + static_cast<std::ptrdiff_t>(i * ids_per));
+      std::copy(t5s[i]->data.begin(), t5s[i]->data.end(), b.txt.begin() + static_cast<std::ptrdiff_t>(i * t_per));
+      std::copy(clips[i]->data.begin(), clips[i]->data.end(), b.y.begin() + static_cast<std::ptrdiff_t>(i * y_per));
+    } catch (...) {
+      errors[i] = std::current_exception();
+    }
+  }
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
   b.txt_ids.assign(static_cast<size_t>(b.batch * b.txt_tokens * 3), 0.0);
-  return b;
 }
 
 }  // namespace
@@ -146,10 +210,18 @@ HostBatch assemble(const std::vector<Sample>& samples, const FluxConfig& m, cons
 HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& m,
                            const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed,
                            uint64_t step, uint64_t rank, int64_t first_index) {
+  HostBatch b;
+  make_train_batch(b, samples, m, obj, empty, seed, step, rank, first_index);
+  return b;
+}
+
+void make_train_batch(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig& m,
+                      const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed, uint64_t step,
+                      uint64_t rank, int64_t first_index) {
   if (obj.timestep_sampling != "uniform" && obj.timestep_sampling != "logit_normal")
     fail("timestep_sampling '{}' is not one of uniform, logit_normal", obj.timestep_sampling);
   int64_t img_tokens = -1;  // for the shift; known after packing the first sample
-  HostBatch b = assemble(samples, m, obj, &empty, seed, [&](size_t i) {
+  assemble(b, samples, m, obj, &empty, seed, [&](size_t i) {
     const uint64_t index = static_cast<uint64_t>(first_index) + i;
     PerSample d;
     const uint64_t ts = train_stream(step, rank, index, Draw::timestep);
@@ -167,12 +239,12 @@ HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig&
   img_tokens = b.img_tokens;
   if (obj.timestep_shift)
     for (double& t : b.t) t = shift_timestep(t, img_tokens);
-  return b;
 }
 
 HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxConfig& m,
                                 const ObjectiveConfig& obj, uint64_t seed, int64_t first_index) {
-  return assemble(samples, m, obj, nullptr, seed, [&](size_t i) {
+  HostBatch b;
+  assemble(b, samples, m, obj, nullptr, seed, [&](size_t i) {
     const uint64_t j = static_cast<uint64_t>(first_index) + i;
     // MLPerf's COCO validation samples carry their bucket ("timestep": 0..7) in the json.
     const Sample& s = samples[i];
@@ -183,6 +255,7 @@ HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxCo
       fail("validation sample {} in {}: timestep bucket {} is not an integer in 0..7", s.key, s.shard, bucket);
     return PerSample{bucket / 8.0, false, validation_stream(j, Draw::vae_noise), validation_stream(j, Draw::flow_noise)};
   });
+  return b;
 }
 
 }  // namespace flux8

@@ -41,7 +41,10 @@ struct EmptyPrompt {
 // A batch ready to upload: x0 packed into tokens, conditioning, t per sample, noise streams.
 struct HostBatch {
   int64_t batch = 0, txt_tokens = 0, img_tokens = 0;
-  std::vector<double> x0, img_ids, txt, txt_ids, y, t, guidance;
+  // The per-sample tensors in f32, as the samples hold them and the device takes them: no double
+  // round trip for W1's 134 MB of text features a step.
+  std::vector<float> x0, txt, y;
+  std::vector<double> img_ids, txt_ids, t, guidance;
   std::vector<uint64_t> noise_streams;  // for Backend::flow_match_inputs
 };
 
@@ -55,10 +58,17 @@ std::vector<double> image_position_ids(int64_t h, int64_t w, int64_t patch);
 // Shifted timestep: t' = e^μ / (e^μ + 1/t − 1), μ = 0.5 + 0.65·(image_tokens − 256)/3840.
 double shift_timestep(double t, int64_t image_tokens);
 
+// pack_patches into out[rows·cols] (f32: the batch's x0), rows and cols known from x's shape.
+void pack_patches_into(const HostTensor& x, int64_t patch, float* out);
+
 // Training batch for `step`: samples[i] is global-batch sample first_index + i on `rank`.
 HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& model,
                            const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed,
                            uint64_t step, uint64_t rank, int64_t first_index);
+// The same into `b`, reusing its vectors (the trainer's one batch, written in place each step).
+void make_train_batch(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig& model,
+                      const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed, uint64_t step,
+                      uint64_t rank, int64_t first_index);
 // Validation batch (MLPerf): sample j at t = k/8 with k its "timestep" field (MLPerf's COCO
 // validation set) or j mod 8; fixed noise, no text dropout.
 HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxConfig& model,

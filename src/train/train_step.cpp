@@ -74,7 +74,8 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sam
   const Tensor losses = ctx.buffers.losses(parts);
   for (int64_t first = 0, part_index = 0; first < global; first += micro, ++part_index) {
     const std::vector<Sample> part(samples.begin() + first, samples.begin() + first + micro);
-    const HostBatch hb = make_train_batch(part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first);
+    HostBatch& hb = ctx.buffers.host;
+    make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first);
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
     StepGraph::Region region(ctx.graph);
     const Tensor pred = ctx.model.forward(in);

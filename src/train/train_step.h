@@ -25,6 +25,8 @@ class StepBuffers {
 
   FluxInputs in;
   Tensor x0, target, dpred;
+  // The micro-batch on the host, written in place by each step (make_train_batch's reuse).
+  HostBatch host;
   // f64 [n] in backend memory: the losses of a step's n micro-batches (mse_loss_into), read
   // once after the last backward. Grown, never shrunk; kept when upload() reallocates the rest.
   Tensor losses(int64_t n);
