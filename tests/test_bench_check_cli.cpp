@@ -114,6 +114,22 @@ TEST(BenchCli, ProfileTimesEveryOpOfTheStep) {
   EXPECT_NE(cli.log.find("idle before (ms/step):"), std::string::npos) << cli.log;
 }
 
+// --data-path: the trainer's host work before a step (batch assembly, upload) timed at the shape
+// and reported beside the step; without it the fields are null. --set cuda_graph=true on the CPU:
+// no graphs there, the run says so in its JSON.
+TEST(BenchCli, DataPathIsTimedOnRequest) {
+  Cli cli;
+  const nlohmann::json with = cli.bench("--precision bf16 --steps 1 --warmup 0 --data-path --set cuda_graph=true");
+  const auto& r = with["steps"][0];
+  ASSERT_TRUE(r["data_assemble_ms"].is_number()) << r.dump();
+  EXPECT_GT(r["data_assemble_ms"].get<double>(), 0.0);
+  EXPECT_GT(r["data_upload_ms"].get<double>(), 0.0);
+  EXPECT_NE(cli.log.find("trainer data path"), std::string::npos) << cli.log;
+  EXPECT_EQ(r["cuda_graph"], false);
+  const nlohmann::json without = cli.bench("--precision bf16 --steps 1 --warmup 0");
+  EXPECT_TRUE(without["steps"][0]["data_assemble_ms"].is_null());
+}
+
 TEST(BenchCli, UnknownPrecisionIsAnError) {
   Cli cli;
   EXPECT_NE(cli.run("bench --backend cpu --precision fp4"), 0);

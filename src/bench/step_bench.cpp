@@ -91,6 +91,53 @@ StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir
   return s;
 }
 
+namespace {
+// What `flux8 train` does on the host before each step, outside the bench's step clock: a batch
+// of MLPerf-like samples (a VAE posterior's mean and logvar for the latent, T5 and CLIP features)
+// assembled by make_train_batch into the reused host batch, then StepBuffers::upload (the copies
+// to the device and the flow-matching noise). Median of 5 after one warm-up.
+void time_data_path(Backend& be, const StepBenchSpec& spec, StepBenchResult& r) {
+  const FluxConfig& cfg = spec.model;
+  const StepShape sh = spec.shape;
+  const int64_t grid = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(sh.img_tokens))));
+  if (grid * grid != sh.img_tokens) return;  // not a square image: no such samples to make
+  const int64_t side = grid * cfg.patch_size, C = cfg.latent_channels;
+  std::vector<Sample> samples(static_cast<size_t>(sh.batch));
+  for (size_t i = 0; i < samples.size(); ++i) {
+    Sample& s = samples[i];
+    s.key = fmt::format("{:06d}", i);
+    s.shard = "<bench>";
+    auto values = [&](std::vector<int64_t> shape, uint64_t stream, double scale) {
+      HostTensor t{std::move(shape), {}};
+      t.data.resize(static_cast<size_t>(t.numel()));
+      for (size_t k = 0; k < t.data.size(); ++k) t.data[k] = static_cast<float>(scale * rng_uniform(spec.seed, stream, k));
+      return t;
+    };
+    s.fields["mean"] = values({C, side, side}, 10 * i, 1.0);
+    s.fields["logvar"] = values({C, side, side}, 10 * i + 1, -2.0);
+    s.fields["t5"] = values({sh.txt_tokens, cfg.context_dim}, 10 * i + 2, 0.5);
+    s.fields["clip"] = values({cfg.vec_dim}, 10 * i + 3, 0.5);
+  }
+  const EmptyPrompt empty{
+      HostTensor{{sh.txt_tokens, cfg.context_dim}, std::vector<float>(static_cast<size_t>(sh.txt_tokens * cfg.context_dim))},
+      HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim))}};
+  const ObjectiveConfig obj;
+  StepBuffers buffers(be, DType::f32);
+  std::vector<double> assemble, upload;
+  for (int rep = 0; rep < 6; ++rep) {
+    const auto t0 = Clock::now();
+    make_train_batch(buffers.host, samples, cfg, obj, empty, spec.seed, static_cast<uint64_t>(rep), 0, 0);
+    const double a = 1e3 * seconds_since(t0);
+    const auto t1 = Clock::now();
+    buffers.upload(buffers.host, cfg, spec.seed);
+    be.synchronize();
+    if (rep > 0) assemble.push_back(a), upload.push_back(1e3 * seconds_since(t1));
+  }
+  r.data_assemble_ms = median(assemble);
+  r.data_upload_ms = median(upload);
+}
+}  // namespace
+
 StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   const auto t0 = Clock::now();
   const double launch_to_backend = seconds_since_process_start();
@@ -272,6 +319,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   r.activation_gib = (bf16_storage ? est.gpu_bytes(spec.fp8.enabled, spec.fp8.dot_product_attention)
                                    : est.f32_bytes(spec.fp8.enabled)) /
                      1073741824.0;
+  if (spec.data_path) time_data_path(device, spec, r);  // after the memory peak: its buffers are extra
   return r;
 }
 

@@ -39,6 +39,9 @@ struct StepBenchSpec {
   // cuda_graph: forward, loss and backward through StepGraph (not with profile, whose per-op
   // timing marks need each op issued on its own).
   bool cuda_graph = false;
+  // Also time the trainer's host work before each step at this shape (data_assemble_ms,
+  // data_upload_ms): MLPerf-like samples assembled into a batch and uploaded.
+  bool data_path = false;
 };
 
 struct OpTime {
@@ -68,6 +71,9 @@ struct StepBenchResult {
   bool cuda_graph = false;
   double graph_segments_per_step = 0, graph_ops_per_step = 0, eager_ops_per_step = 0;
   int64_t graph_capture_failures = 0;
+  // data_path: median ms a step of make_train_batch (VAE posterior draws, patches, T5 and CLIP
+  // features into the batch) and of StepBuffers::upload (the copies and the noise), or −1.
+  double data_assemble_ms = -1, data_upload_ms = -1;
 };
 
 // The workloads of WORKLOADS.md: W1 (flux_535m, 256 px, batch 32) and W2 (12B-width slice: 2
