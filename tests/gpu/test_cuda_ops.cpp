@@ -14,6 +14,7 @@
 #include <bit>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gemm.h"
@@ -28,6 +29,26 @@ constexpr double kExact = 0.0, kElementwise = 1e-6, kReduce = 1e-6, kGemm = 1e-5
 cuda::Gemm& gemm_of(Backend& be) { return dynamic_cast<CudaBackend&>(be).gemm(); }
 
 #define EXPECT_CLOSE(pair, tol) EXPECT_LE(gpu_vs_cpu(pair), tol) << #pair
+
+// upload() of a large buffer goes through two pinned chunks (the copy of one overlapping the
+// transfer of the other): every byte arrives, at its place, for sizes around and between the
+// chunk boundaries (8 MiB), and a small upload takes the direct path.
+TEST(CudaOps, UploadsArriveWholeThroughThePinnedChunks) {
+  FLUX8_REQUIRE_GPU();
+  Backend& be = gpu();
+  for (const size_t bytes : {size_t(100), size_t(4) << 20, (size_t(8) << 20) - 1, (size_t(16) << 20) + 1,
+                             size_t(27'000'003)}) {
+    SCOPED_TRACE(bytes);
+    std::vector<uint8_t> host(bytes), back(bytes);
+    uint64_t x = 0x9e3779b97f4a7c15ull ^ bytes;
+    for (uint8_t& b : host) x = x * 6364136223846793005ull + 1442695040888963407ull, b = static_cast<uint8_t>(x >> 56);
+    void* dev = be.allocate(bytes);
+    be.upload(dev, host.data(), bytes);
+    be.download(back.data(), dev, bytes);
+    EXPECT_TRUE(host == back);
+    be.release(dev);
+  }
+}
 
 TEST(CudaOps, FillCopyAddAccumulate) {
   FLUX8_REQUIRE_GPU();
