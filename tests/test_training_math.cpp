@@ -1,5 +1,6 @@
 // The objective, loss, optimizer and schedule against hand-computed values.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 
@@ -474,6 +475,42 @@ TEST(Objective, VaeResampleAndNormalisation) {
     const double z = s.fields["mean"].data[i] + std::exp(0.5 * s.fields["logvar"].data[i]) * rng_normal(1, stream, i);
     EXPECT_NEAR(b.x0[i], static_cast<float>(0.3611 * (z - 0.1159)), 1e-6);
   }
+}
+
+// The batch is assembled by the CPU's threads — sample by sample, or (few samples) each VAE draw
+// spread over them — and comes out the same whatever their number, in place of a reused batch too.
+TEST(Objective, TrainBatchIsTheSameFromAnyNumberOfThreads) {
+  FluxConfig m = tiny_pixels();
+  m.in_channels = 4 * 3;
+  m.out_channels = m.in_channels;
+  std::vector<Sample> samples;
+  for (int i = 0; i < 3; ++i) {
+    Sample s = demo_like(i);
+    s.fields.erase("image");
+    std::vector<float> mean(3 * 128 * 256), logvar(mean.size());  // 98k elements: the threaded VAE draw
+    for (size_t k = 0; k < mean.size(); ++k) mean[k] = static_cast<float>(std::sin(0.01 * k + i)), logvar[k] = -1.0f;
+    s.fields["mean"] = HostTensor{{3, 128, 256}, mean};
+    s.fields["logvar"] = HostTensor{{3, 128, 256}, logvar};
+    samples.push_back(s);
+  }
+  const ObjectiveConfig obj;
+  const EmptyPrompt empty{HostTensor{{2, 5}, std::vector<float>(10, 0)}, HostTensor{{3}, std::vector<float>(3, 0)}};
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const HostBatch one = make_train_batch(samples, m, obj, empty, 5, 2, 0, 0);
+  omp_set_num_threads(std::max(threads, 4));
+  HostBatch many;
+  make_train_batch(many, samples, m, obj, empty, 5, 7, 0, 0);  // another step first: then reused
+  make_train_batch(many, {samples[0]}, m, obj, empty, 5, 2, 0, 0);
+  make_train_batch(many, samples, m, obj, empty, 5, 2, 0, 0);
+  omp_set_num_threads(threads);
+  EXPECT_EQ(many.x0, one.x0);
+  EXPECT_EQ(many.txt, one.txt);
+  EXPECT_EQ(many.y, one.y);
+  EXPECT_EQ(many.t, one.t);
+  EXPECT_EQ(many.img_ids, one.img_ids);
+  EXPECT_EQ(many.noise_streams, one.noise_streams);
+  EXPECT_EQ(one.x0.size(), static_cast<size_t>(3 * 64 * 128 * 12));
 }
 
 }  // namespace

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <exception>
 #include <tuple>
-#include <utility>
 #include <functional>
+#include <utility>
+
+#include <omp.h>
 
 #include "config/config.h"
 #include "core/error.h"
@@ -103,10 +105,16 @@ HostTensor clean_sample(const Sample& s, const ObjectiveConfig& obj, uint64_t se
     if (mean.shape != logvar.shape)
       fail("sample {} in {}: mean and logvar shapes differ", s.key, s.shard);
     HostTensor z{mean.shape, std::vector<float>(mean.data.size())};
-    for (size_t i = 0; i < z.data.size(); ++i) {
-      const double eps = rng_normal(seed, vae_stream, i);
-      const double v = mean.data[i] + std::exp(0.5 * logvar.data[i]) * eps;
-      z.data[i] = static_cast<float>(obj.vae_scale * (v - obj.vae_shift));
+    // Each draw is keyed by its element: the same values from any number of threads. (Threads
+    // here only when the batch's samples are not already spread over them: W2's 2 samples of
+    // 262k elements each.)
+    const int64_t n = static_cast<int64_t>(z.data.size());
+#pragma omp parallel for if (!omp_in_parallel() && n >= 65536)
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t k = static_cast<size_t>(i);
+      const double eps = rng_normal(seed, vae_stream, static_cast<uint64_t>(i));
+      const double v = mean.data[k] + std::exp(0.5 * logvar.data[k]) * eps;
+      z.data[k] = static_cast<float>(obj.vae_scale * (v - obj.vae_shift));
     }
     return z;
   }
@@ -186,7 +194,9 @@ void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig
   b.txt.resize(n * t_per);
   b.y.resize(n * y_per);
   std::vector<std::exception_ptr> errors(n);
-#pragma omp parallel for schedule(dynamic)
+  // Sample by sample over the threads when there are enough samples to share; with a few (W2's
+  // 2) each sample's VAE draw spreads over them instead (clean_sample).
+#pragma omp parallel for schedule(dynamic) if (2 * static_cast<int>(n) >= omp_get_max_threads())
   for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) {
     const size_t i = static_cast<size_t>(k);
     try {
