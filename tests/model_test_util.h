@@ -1,6 +1,8 @@
 #pragma once
 // Helpers for whole-model tests: small configs with awkward sizes, random parameters and
 // inputs, and tensor comparisons.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -118,6 +120,17 @@ struct ModelRun {
   DType moment_dtype = DType::f32;      // with an optimizer: the type its moments were stored in
   StepGraph::Stats graph;               // with graph_segment_ops: the StepGraph's counts
 };
+
+// Two runs equal bit for bit: predictions, every gradient, the FP8 scales, amax histories and cast
+// counts (StepGraph's replayed or graphed steps against eager ones).
+inline void expect_identical_runs(const ModelRun& a, const ModelRun& b) {
+  EXPECT_EQ(a.pred, b.pred);
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < b.grads.size(); ++i) EXPECT_EQ(a.grads[i].second, b.grads[i].second) << b.grads[i].first;
+  EXPECT_EQ(a.scales, b.scales);
+  EXPECT_EQ(a.history, b.history);
+  EXPECT_EQ(a.cast_elements, b.cast_elements);
+}
 
 inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRunOptions& o) {
   std::unique_ptr<StepGraph> graph =

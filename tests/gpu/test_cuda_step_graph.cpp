@@ -14,15 +14,6 @@
 namespace flux8::testing {
 namespace {
 
-void expect_same_run(const ModelRun& graphed, const ModelRun& eager) {
-  EXPECT_EQ(graphed.pred, eager.pred);
-  ASSERT_EQ(graphed.grads.size(), eager.grads.size());
-  for (size_t i = 0; i < eager.grads.size(); ++i)
-    EXPECT_EQ(graphed.grads[i].second, eager.grads[i].second) << eager.grads[i].first;
-  EXPECT_EQ(graphed.scales, eager.scales);
-  EXPECT_EQ(graphed.history, eager.history);
-}
-
 // `fallbacks`: the shapes send some ops to paths that allocate temporaries (the emulated FP8 GEMM
 // of rows that are not 16-byte aligned), whose captures fail and which then run op by op.
 void expect_graphs_ran(const ModelRun& graphed, bool fallbacks) {
@@ -75,7 +66,7 @@ TEST(CudaStepGraph, GraphedStepsEqualEagerOnesBitForBit) {
     const ModelRun eager = run_model(*c.be, *c.cfg, o);
     o.graph_segment_ops = 16;
     const ModelRun graphed = run_model(*c.be, *c.cfg, o);
-    expect_same_run(graphed, eager);
+    expect_identical_runs(graphed, eager);
     expect_graphs_ran(graphed, c.fallbacks);
   }
 }
@@ -94,8 +85,7 @@ TEST(CudaStepGraph, TelemetryStepsCountAsEagerOnes) {
   const ModelRun eager = run_model(gpu_bf16_activations(), cfg, o);
   o.graph_segment_ops = 4;
   const ModelRun graphed = run_model(gpu_bf16_activations(), cfg, o);
-  expect_same_run(graphed, eager);
-  EXPECT_EQ(graphed.cast_elements, eager.cast_elements);
+  expect_identical_runs(graphed, eager);
   EXPECT_EQ(graphed.graph.capture_failed, 0);
 }
 
