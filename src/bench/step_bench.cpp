@@ -142,8 +142,9 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   const auto t0 = Clock::now();
   const double launch_to_backend = seconds_since_process_start();
   std::unique_ptr<OpProfiler> profiler = spec.profile ? std::make_unique<OpProfiler>(device) : nullptr;
-  std::unique_ptr<StepGraph> graph =
-      spec.cuda_graph && !profiler && device.can_capture() ? std::make_unique<StepGraph>(device, StepGraph::Options::from_environment()) : nullptr;
+  std::unique_ptr<StepGraph> graph;
+  if (spec.cuda_graph && !profiler && device.can_capture())
+    graph = std::make_unique<StepGraph>(device, StepGraph::Options::from_environment());
   Backend& be = profiler ? static_cast<Backend&>(*profiler) : graph ? static_cast<Backend&>(*graph) : device;
   const FluxConfig& cfg = spec.model;
   const StepShape sh = spec.shape;
