@@ -96,39 +96,6 @@ double shift_timestep(double t, int64_t image_tokens) {
 
 namespace {
 
-// The clean sample x0 as [C, h, w]: VAE posterior resampled and normalised, a latent as is,
-// or demo pixels as they are.
-HostTensor clean_sample(const Sample& s, const ObjectiveConfig& obj, uint64_t seed, uint64_t vae_stream) {
-  if (s.has("mean")) {
-    const HostTensor& mean = s.at("mean");
-    const HostTensor& logvar = s.at("logvar");
-    if (mean.shape != logvar.shape)
-      fail("sample {} in {}: mean and logvar shapes differ", s.key, s.shard);
-    HostTensor z{mean.shape, std::vector<float>(mean.data.size())};
-    // Each draw is keyed by its element: the same values from any number of threads. (Threads
-    // here only when the batch's samples are not already spread over them: W2's 2 samples of
-    // 262k elements each.)
-    const int64_t n = static_cast<int64_t>(z.data.size());
-#pragma omp parallel for if (!omp_in_parallel() && n >= 65536)
-    for (int64_t i = 0; i < n; ++i) {
-      const size_t k = static_cast<size_t>(i);
-      const double eps = rng_normal(seed, vae_stream, static_cast<uint64_t>(i));
-      const double v = mean.data[k] + std::exp(0.5 * logvar.data[k]) * eps;
-      z.data[k] = static_cast<float>(obj.vae_scale * (v - obj.vae_shift));
-    }
-    return z;
-  }
-  if (s.has("latent")) return s.at("latent");
-  if (s.has("image")) return s.at("image");
-  fail("sample {} in {} has no image data: expected mean+logvar (MLPerf), latent(s) or image", s.key, s.shard);
-}
-
-struct PerSample {
-  double t;
-  bool drop_text;
-  uint64_t vae_stream, flow_stream;
-};
-
 // The field x0 comes from (mean: the VAE posterior, with logvar; a latent; demo pixels), checked.
 const HostTensor& image_field(const Sample& s) {
   if (s.has("mean")) {
@@ -140,6 +107,32 @@ const HostTensor& image_field(const Sample& s) {
   if (s.has("image")) return s.at("image");
   fail("sample {} in {} has no image data: expected mean+logvar (MLPerf), latent(s) or image", s.key, s.shard);
 }
+
+// x0 of a sample with a VAE posterior (mean and logvar, shapes checked by image_field): a draw
+// from it, normalised.
+HostTensor vae_draw(const Sample& s, const ObjectiveConfig& obj, uint64_t seed, uint64_t vae_stream) {
+  const HostTensor& mean = s.at("mean");
+  const HostTensor& logvar = s.at("logvar");
+  HostTensor z{mean.shape, std::vector<float>(mean.data.size())};
+  // Each draw is keyed by its element: the same values from any number of threads. (Threads
+  // here only when the batch's samples are not already spread over them: W2's 2 samples of
+  // 262k elements each.)
+  const int64_t n = static_cast<int64_t>(z.data.size());
+#pragma omp parallel for if (!omp_in_parallel() && n >= 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = static_cast<size_t>(i);
+    const double eps = rng_normal(seed, vae_stream, static_cast<uint64_t>(i));
+    const double v = mean.data[k] + std::exp(0.5 * logvar.data[k]) * eps;
+    z.data[k] = static_cast<float>(obj.vae_scale * (v - obj.vae_shift));
+  }
+  return z;
+}
+
+struct PerSample {
+  double t;
+  bool drop_text;
+  uint64_t vae_stream, flow_stream;
+};
 
 // Every sample checked and the batch sized first (in order: the first sample that does not fit is
 // the one named), then each sample's VAE draw, patches and features written into its rows by
@@ -156,12 +149,12 @@ void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig
   b.guidance.clear();
   b.noise_streams.clear();
   std::vector<PerSample> draws(n);
-  std::vector<const HostTensor*> t5s(n), clips(n);
+  std::vector<const HostTensor*> images(n), t5s(n), clips(n);
   int64_t cols = 0;
   for (size_t i = 0; i < n; ++i) {
     const Sample& s = samples[i];
     draws[i] = draw(i);
-    const HostTensor& image = image_field(s);
+    const HostTensor& image = *(images[i] = &image_field(s));
     const auto [rows, features] = patch_grid(image.shape, m.patch_size);
     if (features != m.in_channels)
       fail("sample {} in {}: {} channels x {}x{} patches = {} features per token, but the model's "
@@ -195,12 +188,15 @@ void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig
   b.y.resize(n * y_per);
   std::vector<std::exception_ptr> errors(n);
   // Sample by sample over the threads when there are enough samples to share; with a few (W2's
-  // 2) each sample's VAE draw spreads over them instead (clean_sample).
+  // 2) each sample's VAE draw spreads over them instead (vae_draw).
 #pragma omp parallel for schedule(dynamic) if (2 * static_cast<int>(n) >= omp_get_max_threads())
   for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) {
     const size_t i = static_cast<size_t>(k);
     try {
-      const HostTensor x = clean_sample(samples[i], obj, seed, draws[i].vae_stream);
+      // A VAE posterior is drawn from; a latent or demo pixels are packed as they are.
+      HostTensor drawn;
+      const HostTensor& x =
+          samples[i].has("mean") ? (drawn = vae_draw(samples[i], obj, seed, draws[i].vae_stream)) : *images[i];
       pack_patches_into(x, m.patch_size, b.x0.data() + i * x_per);
       const std::vector<double> ids = image_position_ids(x.shape[1], x.shape[2], m.patch_size);
       std::copy(ids.begin(), ids.end(), b.img_ids.begin() + static_cast<std::ptrdiff_t>(i * ids_per));
