@@ -152,8 +152,7 @@ void StepGraph::end_region() {
 void StepGraph::abandon_region() {
   recording_ = false;
   calls_.clear();
-  names_.clear();
-  sig_.clear();
+  sig_.take();
   sig_.capturable = true;
 }
 
@@ -165,33 +164,23 @@ void StepGraph::op(const char* name, void (Backend::*fn)(P...), A&&... args) {
   }
   sig_.raw(name);  // the op: one literal per wrapper method, so its address names it
   (put(sig_, args), ...);
-  names_.push_back(name);
-  calls_.push_back([fn, stored = std::tuple<typename Stored<P>::type...>(Stored<P>::from(args)...)](Backend& b) {
-    std::apply([&](const auto&... a) { (b.*fn)(a...); }, stored);
-  });
+  calls_.push_back({name, [fn, stored = std::tuple<typename Stored<P>::type...>(Stored<P>::from(args)...)](Backend& b) {
+                       std::apply([&](const auto&... a) { (b.*fn)(a...); }, stored);
+                     }});
   if (static_cast<int>(calls_.size()) >= options_.segment_ops) close_segment();
 }
 
 void StepGraph::run_eagerly(std::vector<Call>& calls) {
-  for (Call& c : calls) c(be_);
+  for (Call& c : calls) c.run(be_);
   ++stats_.eager;
   stats_.ops_eager += static_cast<int64_t>(calls.size());
 }
 
 void StepGraph::close_segment() {
-  if (calls_.empty()) {
-    sig_.clear();
-    sig_.capturable = true;
-    return;
-  }
-  std::vector<Call> calls = std::move(calls_);
-  calls_.clear();
-  const std::vector<const char*> names = std::move(names_);
-  names_.clear();
-  std::string key = sig_.bytes();
-  const bool capturable = sig_.capturable;
-  sig_.clear();
-  sig_.capturable = true;
+  std::vector<Call> calls = std::exchange(calls_, {});
+  std::string key = sig_.take();
+  const bool capturable = std::exchange(sig_.capturable, true);
+  if (calls.empty()) return;
   if (!capturable) {
     run_eagerly(calls);
     return;
@@ -212,7 +201,7 @@ void StepGraph::close_segment() {
       e.replay = std::move(calls);
       return;
     }
-    for (Call& c : e.replay) c(be_);
+    for (Call& c : e.replay) c.run(be_);
     ++stats_.launched;
     stats_.ops_launched += n;
     return;
@@ -230,12 +219,12 @@ void StepGraph::close_segment() {
     std::unique_ptr<Graph> g;
     size_t i = 0;
     try {
-      for (; i < calls.size(); ++i) calls[i](be_);
+      for (; i < calls.size(); ++i) calls[i].run(be_);
       g = be_.end_capture();
       if (!g) last_failure_ = "the capture was invalidated (an op synchronised or allocated)";
     } catch (const std::exception& ex) {
       be_.end_capture();  // ends the capture the op broke off
-      last_failure_ = fmt::format("{}: {}", names[i], ex.what());
+      last_failure_ = fmt::format("{}: {}", calls[i].op, ex.what());
     }
     if (!g) {
       if (stats_.capture_failed++ == 0)

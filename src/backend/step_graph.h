@@ -196,8 +196,8 @@ class StepGraph : public Backend {
   // The signature's byte writer (public for the op templates in step_graph.cpp).
   class Signature {
    public:
-    void clear() { bytes_.clear(); }
-    const std::string& bytes() const { return bytes_; }
+    // The bytes written so far, handed over (the signature is empty again).
+    std::string take() { return std::exchange(bytes_, {}); }
     // False once an argument asked for host-side bookkeeping a graph would skip.
     bool capturable = true;
     template <typename T>
@@ -210,7 +210,11 @@ class StepGraph : public Backend {
   };
 
  private:
-  using Call = std::function<void(Backend&)>;
+  // A recorded op call: the op (for a failed capture's message) and the call with its arguments.
+  struct Call {
+    const char* op;
+    std::function<void(Backend&)> run;
+  };
   template <typename... P, typename... A>
   void op(const char* name, void (Backend::*fn)(P...), A&&... args);
   void close_segment();  // issues the segment recorded so far, as a graph or op by op
@@ -229,7 +233,6 @@ class StepGraph : public Backend {
   bool recording_ = false;
   Signature sig_;
   std::vector<Call> calls_;  // the open segment's calls
-  std::vector<const char*> names_;  // and their ops (for a failed capture's message)
   std::unordered_map<std::string, Entry> entries_;
   Stats stats_;
   std::string last_failure_;
