@@ -14,6 +14,7 @@
 #include "backend/transfer.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "fp8/fp8_config.h"
 #include "model/flux_model.h"
 #include "model/input_batch.h"
 #include "train/optimizer.h"
@@ -120,6 +121,18 @@ struct ModelRun {
   DType moment_dtype = DType::f32;      // with an optimizer: the type its moments were stored in
   StepGraph::Stats graph;               // with graph_segment_ops: the StepGraph's counts
 };
+
+// FP8 delayed scaling, hybrid formats, a 4-step amax history: the whole-model tests' FP8 recipe
+// (with FP8 attention when asked).
+inline Fp8Config delayed_hybrid_fp8(bool fp8_attention = false) {
+  Fp8Config fp8;
+  fp8.enabled = true;
+  fp8.hybrid = true;
+  fp8.recipe = Fp8Recipe::delayed;
+  fp8.amax_history_len = 4;
+  fp8.dot_product_attention = fp8_attention;
+  return fp8;
+}
 
 // Two runs equal bit for bit: predictions, every gradient, the FP8 scales, amax histories and cast
 // counts (StepGraph's replayed or graphed steps against eager ones).

@@ -21,22 +21,12 @@ Backend& cpu() {
   return *be;
 }
 
-Fp8Config delayed_fp8(bool fp8_attention) {
-  Fp8Config fp8;
-  fp8.enabled = true;
-  fp8.hybrid = true;
-  fp8.recipe = Fp8Recipe::delayed;
-  fp8.amax_history_len = 4;
-  fp8.dot_product_attention = fp8_attention;
-  return fp8;
-}
-
 // Four optimizer steps, each forward and backward a region cut into segments of 1 and of 5 ops:
 // from the second step on the segments replay the first step's records. The inputs stay, the weights,
 // FP8 scales and probes change: the replayed calls must read them through the same pointers.
 TEST(StepGraph, ReplayedStepsEqualEagerOnes) {
   const FluxConfig cfg = odd_config(1, 2, true);
-  const Fp8Config delayed = delayed_fp8(false), delayed_attention = delayed_fp8(true);
+  const Fp8Config delayed = delayed_hybrid_fp8(false), delayed_attention = delayed_hybrid_fp8(true);
   struct Case {
     const char* name;
     const Fp8Config* fp8;
@@ -72,7 +62,7 @@ TEST(StepGraph, ReplayedStepsEqualEagerOnes) {
 // never replays, and the counts are those of an eager run.
 TEST(StepGraph, CastsThatCountStatisticsRunEagerly) {
   const FluxConfig cfg = odd_config(1, 1, false);
-  const Fp8Config fp8 = delayed_fp8(false);
+  const Fp8Config fp8 = delayed_hybrid_fp8(false);
   ModelRunOptions o{.fp8 = &fp8, .batch = 2, .txt_tokens = 4, .img_tokens = 7, .steps = 3, .optimizer = true,
                     .collect_stats = true};
   const ModelRun eager = run_model(cpu(), cfg, o);

@@ -99,12 +99,7 @@ TEST(TrainStep, Fp8AmaxesOverMicroBatchesEqualOneBigBatch) {
   const std::vector<Sample> samples = demo_batch(cfg, 32);
   const ObjectiveConfig obj;
   const EmptyPrompt empty = zero_prompt(cfg);
-  Fp8Config fp8;
-  fp8.enabled = true;
-  fp8.hybrid = true;
-  fp8.recipe = Fp8Recipe::delayed;
-  fp8.amax_history_len = 4;
-  fp8.dot_product_attention = true;
+  const Fp8Config fp8 = testing::delayed_hybrid_fp8(true);
   auto staged = [&](int64_t micro_batch) {
     auto be = make_backend("cpu");
     FluxModel model(cfg, *be, DType::f32, &fp8);
@@ -181,11 +176,7 @@ TEST(TrainStep, RecordedAndReplayedStepsEqualPlainOnes) {
   const std::vector<Sample> samples = demo_batch(cfg, 4);
   const ObjectiveConfig obj;
   const EmptyPrompt empty = zero_prompt(cfg);
-  Fp8Config fp8;
-  fp8.enabled = true;
-  fp8.hybrid = true;
-  fp8.recipe = Fp8Recipe::delayed;
-  fp8.amax_history_len = 4;
+  const Fp8Config fp8 = testing::delayed_hybrid_fp8();
   struct Run {
     std::vector<double> losses, norms, params;
     StepGraph::Stats graph;

@@ -51,14 +51,6 @@ FluxConfig fp8_test_config() {
   cfg.axes_dim = {4, 6, 6};
   return cfg;
 }
-Fp8Config delayed_fp8() {
-  Fp8Config fp8;
-  fp8.enabled = true;
-  fp8.hybrid = true;
-  fp8.recipe = Fp8Recipe::delayed;
-  fp8.amax_history_len = 4;
-  return fp8;
-}
 
 // Runs g (GPU) and c (CPU) that both round the same way (`what`: FP8, bf16) but not to the same
 // bits: each tensor's GPU-vs-CPU difference held to `factor` times the noise of that rounding
@@ -151,7 +143,7 @@ TEST(CudaModel, FluxWidthForwardAndGradientsMatchCpu) {
 TEST(CudaModel, Fp8DelayedMatchesCpuEmulation) {
   FLUX8_REQUIRE_GPU();
   const FluxConfig cfg = fp8_test_config();
-  const Fp8Config fp8 = delayed_fp8();
+  const Fp8Config fp8 = delayed_hybrid_fp8();
   struct ReferenceAttention {
     ReferenceAttention() { cuda::set_attention_path(cuda::AttentionPath::reference); }
     ~ReferenceAttention() { cuda::set_attention_path(cuda::AttentionPath::automatic); }
@@ -177,7 +169,7 @@ TEST(CudaModel, Fp8AttentionMatchesCpuAndRepeats) {
   cfg.num_heads = 2;  // D = 128
   cfg.mlp_ratio = 4.0;
   cfg.axes_dim = {16, 56, 56};
-  Fp8Config fp8 = delayed_fp8();
+  Fp8Config fp8 = delayed_hybrid_fp8();
   fp8.dot_product_attention = true;
   auto run = [&](Backend& be, const Fp8Config* f, Recompute rc = Recompute::none) {
     return testing::run_model(be, cfg,
@@ -218,7 +210,7 @@ TEST(CudaModel, Fp8AttentionMatchesCpuAndRepeats) {
 TEST(CudaModel, Fp8WeightCastsWrittenByAdamWEqualCastsAtFirstUse) {
   FLUX8_REQUIRE_GPU();
   const FluxConfig cfg = fp8_test_config();
-  const Fp8Config fp8 = delayed_fp8();
+  const Fp8Config fp8 = delayed_hybrid_fp8();
   testing::ModelRunOptions o{.fp8 = &fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 4,
                              .weight_std = 0.1, .optimizer = true, .collect_stats = false};
   for (Backend* be : {&gpu(), &gpu_bf16_activations()}) {
@@ -259,7 +251,7 @@ TEST(CudaModel, Bf16ActivationsMatchCpuRounding) {
 TEST(CudaModel, Bf16ActivationsFp8DelayedMatchCpuRounding) {
   FLUX8_REQUIRE_GPU();
   const FluxConfig cfg = fp8_test_config();
-  const Fp8Config fp8 = delayed_fp8();
+  const Fp8Config fp8 = delayed_hybrid_fp8();
   const ModelRun exact = run_model(cpu(), cfg, nullptr, 2, 6, 20, 3, 0.1);
   const ModelRun c = run_model(cpu_bf16(), cfg, &fp8, 2, 6, 20, 3, 0.1);
   const ModelRun g = run_model(gpu_bf16_activations(), cfg, &fp8, 2, 6, 20, 3, 0.1);
@@ -288,7 +280,7 @@ std::vector<Bf16StorageCase> bf16_storage_cases(const Fp8Config& delayed) {
 // updates of the f32 run's (a gradient read as the wrong type would be far off).
 TEST(CudaModel, Bf16GradientsAreF32GradientsRounded) {
   FLUX8_REQUIRE_GPU();
-  const Fp8Config fp8 = delayed_fp8();
+  const Fp8Config fp8 = delayed_hybrid_fp8();
   for (const Bf16StorageCase& c : bf16_storage_cases(fp8)) {
     SCOPED_TRACE(c.name);
     testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .weight_std = 0.1,
@@ -319,7 +311,7 @@ TEST(CudaModel, Bf16GradientsAreF32GradientsRounded) {
 // really are bf16.
 TEST(CudaModel, Bf16MomentsTrainLikeF32Moments) {
   FLUX8_REQUIRE_GPU();
-  const Fp8Config fp8 = delayed_fp8();
+  const Fp8Config fp8 = delayed_hybrid_fp8();
   for (const Bf16StorageCase& c : bf16_storage_cases(fp8)) {
     SCOPED_TRACE(c.name);
     testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 3,
@@ -348,7 +340,7 @@ TEST(CudaModel, Bf16MomentsTrainLikeF32Moments) {
 TEST(CudaModel, RecomputePoliciesReproduceNone) {
   FLUX8_REQUIRE_GPU();
   Backend& be = gpu_bf16_activations();
-  const Fp8Config fp8 = delayed_fp8();
+  const Fp8Config fp8 = delayed_hybrid_fp8();
   struct Case {
     const char* name;
     FluxConfig cfg;

@@ -38,13 +38,7 @@ TEST(CudaStepGraph, GraphedStepsEqualEagerOnesBitForBit) {
   wide.num_heads = 2;
   wide.mlp_ratio = 4.0;
   wide.axes_dim = {16, 56, 56};
-  Fp8Config fp8;
-  fp8.enabled = true;
-  fp8.hybrid = true;
-  fp8.recipe = Fp8Recipe::delayed;
-  fp8.amax_history_len = 4;
-  Fp8Config fp8_attention = fp8;
-  fp8_attention.dot_product_attention = true;
+  const Fp8Config fp8 = delayed_hybrid_fp8(), fp8_attention = delayed_hybrid_fp8(true);
   struct Case {
     const char* name;
     Backend* be;
