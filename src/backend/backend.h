@@ -83,6 +83,34 @@ class Backend {
   virtual void synchronize() {}
   virtual MemoryUse memory_use() const { return memory_; }
 
+  // ---- a second queue: uploads from another host thread beside the ops -------------------
+  // The trainer builds and uploads micro-batch k + 1 on a thread of its own while the device
+  // computes k (train/batch_pipeline.h). The copies go to a CopyQueue; Events order the two
+  // queues without the host waiting: record_event(e) marks the point the ops queued so far
+  // reach, CopyQueue::wait_event(e) holds the queue's later copies until then (the slot being
+  // refilled is no longer read), and the reverse pair holds the ops until the copies are in.
+  // A backend whose ops are done when they return (the CPU) has trivial events and a queue
+  // that copies before upload() returns (asynchronous() false).
+  class Event {
+   public:
+    virtual ~Event() = default;
+  };
+  class CopyQueue {
+   public:
+    virtual ~CopyQueue() = default;
+    // Host -> backend memory, after what the queue waits for; host_src may be reused once
+    // upload() returns. Called from one host thread at a time (any thread).
+    virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+    virtual void record_event(Event& e) = 0;      // after the copies queued so far
+    virtual void wait_event(const Event& e) = 0;  // later copies start after e's point
+    // True when the copies run beside the backend's ops (a CUDA copy stream).
+    virtual bool asynchronous() const = 0;
+  };
+  virtual std::unique_ptr<Event> make_event() = 0;
+  virtual std::unique_ptr<CopyQueue> make_copy_queue() = 0;
+  virtual void record_event(Event& e) = 0;      // after the ops queued so far
+  virtual void wait_event(const Event& e) = 0;  // ops queued later start after e's point
+
   // ---- device timing (flux8 bench --profile) ---------------------------------------------
   // timing_mark() records the point the backend's queued work has reached (on the GPU an event
   // in its stream: nothing waits) and returns its handle; after synchronize(),

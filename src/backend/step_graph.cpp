@@ -256,6 +256,14 @@ void StepGraph::download(void* dst, const void* src, size_t bytes) {
   if (recording_) close_segment();
   be_.download(dst, src, bytes);
 }
+void StepGraph::record_event(Event& e) {
+  if (recording_) close_segment();
+  be_.record_event(e);
+}
+void StepGraph::wait_event(const Event& e) {
+  if (recording_) close_segment();
+  be_.wait_event(e);
+}
 void StepGraph::synchronize() {
   if (recording_) close_segment();
   be_.synchronize();

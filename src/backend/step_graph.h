@@ -107,6 +107,10 @@ class StepGraph : public Backend {
   void download(void* dst, const void* src, size_t bytes) override;
   void synchronize() override;
   MemoryUse memory_use() const override { return be_.memory_use(); }
+  std::unique_ptr<Event> make_event() override { return be_.make_event(); }
+  std::unique_ptr<CopyQueue> make_copy_queue() override { return be_.make_copy_queue(); }
+  void record_event(Event& e) override;
+  void wait_event(const Event& e) override;
   int64_t timing_mark() override;
   double timing_elapsed_ms(int64_t from, int64_t to) override { return be_.timing_elapsed_ms(from, to); }
   void release_timing_marks() override { be_.release_timing_marks(); }

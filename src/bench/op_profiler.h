@@ -59,6 +59,10 @@ class OpProfiler : public Backend {
   void* allocate(size_t bytes) override { return be_.allocate(bytes); }
   void release(void* p) override { be_.release(p); }
   void upload(void* dst, const void* src, size_t bytes) override { timed("upload", [&] { be_.upload(dst, src, bytes); }); }
+  std::unique_ptr<Event> make_event() override { return be_.make_event(); }
+  std::unique_ptr<CopyQueue> make_copy_queue() override { return be_.make_copy_queue(); }
+  void record_event(Event& e) override { be_.record_event(e); }
+  void wait_event(const Event& e) override { be_.wait_event(e); }
   void download(void* dst, const void* src, size_t bytes) override {
     timed("download", [&] { be_.download(dst, src, bytes); });
   }

@@ -664,6 +664,24 @@ TEST(CudaOps, TimestepEmbedding) {
   }
 }
 
+// The stream ids travel in the kernel's arguments up to 256 samples, through the scratch buffer
+// beyond: both paths, and their edge, against the CPU.
+TEST(CudaOps, FlowMatchInputsForAnyBatchSize) {
+  FLUX8_REQUIRE_GPU();
+  for (const int64_t B : {int64_t(1), int64_t(5), int64_t(256), int64_t(257), int64_t(300)}) {
+    SCOPED_TRACE(B);
+    Pair x0({B, 7}), t({B}), xt({B, 7}), target({B, 7});
+    x0.randn(81), xt.randn(82), target.randn(83);
+    for (int64_t b = 0; b < B; ++b) t.host.mem[static_cast<size_t>(b)] = static_cast<float>((b * 37 % 101) / 101.0);
+    t.up();
+    std::vector<uint64_t> streams;
+    for (int64_t b = 0; b < B; ++b) streams.push_back(rng_stream(static_cast<uint64_t>(b), 9));
+    run_both([&](Backend& be, bool g) { be.flow_match_inputs(xt.t(g), target.t(g), x0.t(g), t.t(g), 78, streams); });
+    EXPECT_CLOSE(xt, kElementwise);
+    EXPECT_CLOSE(target, kElementwise);
+  }
+}
+
 TEST(CudaOps, ObjectiveLossNormAdamW) {
   FLUX8_REQUIRE_GPU();
   const int64_t B = 3, per = 1000;

@@ -38,6 +38,21 @@ void CpuBackend::upload(void* dst, const void* host_src, size_t bytes) {
   if (bytes) std::memcpy(dst, host_src, bytes);
 }
 
+namespace {
+// Host memory to host memory, done before upload() returns (any thread: no shared state).
+class CpuCopyQueue final : public Backend::CopyQueue {
+ public:
+  void upload(void* dst, const void* host_src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, host_src, bytes);
+  }
+  void record_event(Backend::Event&) override {}
+  void wait_event(const Backend::Event&) override {}
+  bool asynchronous() const override { return false; }
+};
+}  // namespace
+
+std::unique_ptr<Backend::CopyQueue> CpuBackend::make_copy_queue() { return std::make_unique<CpuCopyQueue>(); }
+
 void CpuBackend::download(void* host_dst, const void* src, size_t bytes) {
   if (bytes) std::memcpy(host_dst, src, bytes);
 }

@@ -48,6 +48,12 @@ class CudaBackend final : public Backend {
   void upload(void* dst, const void* host_src, size_t bytes) override;
   void download(void* host_dst, const void* src, size_t bytes) override;
   void synchronize() override;
+  // Events are cudaEvents on this backend's stream; the copy queue is a stream of its own with
+  // two pinned chunks (memory.cu). Not while capturing: a graph would hold the wait.
+  std::unique_ptr<Event> make_event() override;
+  std::unique_ptr<CopyQueue> make_copy_queue() override;
+  void record_event(Event& e) override;
+  void wait_event(const Event& e) override;
   MemoryUse memory_use() const override;
 
   // CUDA graphs (StepGraph): stream capture of this backend's stream, thread-local mode (an op

@@ -143,6 +143,97 @@ void CudaBackend::upload(void* dst, const void* host_src, size_t bytes) {
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+namespace {
+class CudaEvent final : public Backend::Event {
+ public:
+  CudaEvent() { FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
+  ~CudaEvent() override { cudaEventDestroy(event); }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  cudaEvent_t event = nullptr;
+};
+
+cudaEvent_t cuda_event(const Backend::Event& e) {
+  const auto* c = dynamic_cast<const CudaEvent*>(&e);
+  if (!c) fail("cuda backend: an event made by another backend");
+  return c->event;
+}
+
+// A stream of its own and two pinned chunks: the calling thread copies chunk k + 1 into pinned
+// memory while the copy engine moves chunk k, and the backend's stream keeps computing.
+class CudaCopyQueue final : public Backend::CopyQueue {
+ public:
+  static constexpr size_t kChunkBytes = size_t(8) << 20;
+  explicit CudaCopyQueue(int device) : device_(device) {
+    FLUX8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    try {
+      for (int i = 0; i < 2; ++i) {
+        FLUX8_CUDA_CHECK(cudaMallocHost(&chunk_[i], kChunkBytes));
+        FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&chunk_free_[i], cudaEventDisableTiming));
+      }
+    } catch (...) {
+      destroy();
+      throw;
+    }
+  }
+  ~CudaCopyQueue() override { destroy(); }
+  CudaCopyQueue(const CudaCopyQueue&) = delete;
+  CudaCopyQueue& operator=(const CudaCopyQueue&) = delete;
+
+  void upload(void* dst, const void* host_src, size_t bytes) override {
+    FLUX8_CUDA_CHECK(cudaSetDevice(device_));  // the calling thread's device may be another
+    const char* src = static_cast<const char*>(host_src);
+    char* out = static_cast<char*>(dst);
+    for (size_t offset = 0; offset < bytes; offset += kChunkBytes) {
+      const int b = next_;
+      next_ ^= 1;
+      FLUX8_CUDA_CHECK(cudaEventSynchronize(chunk_free_[b]));  // its previous copy has left
+      const size_t n = std::min(kChunkBytes, bytes - offset);
+      std::memcpy(chunk_[b], src + offset, n);
+      FLUX8_CUDA_CHECK(cudaMemcpyAsync(out + offset, chunk_[b], n, cudaMemcpyHostToDevice, stream_));
+      FLUX8_CUDA_CHECK(cudaEventRecord(chunk_free_[b], stream_));
+    }
+  }
+  void record_event(Backend::Event& e) override {
+    FLUX8_CUDA_CHECK(cudaSetDevice(device_));
+    FLUX8_CUDA_CHECK(cudaEventRecord(cuda_event(e), stream_));
+  }
+  void wait_event(const Backend::Event& e) override {
+    FLUX8_CUDA_CHECK(cudaSetDevice(device_));
+    FLUX8_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda_event(e), 0));
+  }
+  bool asynchronous() const override { return true; }
+
+ private:
+  void destroy() {
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (int i = 0; i < 2; ++i) {
+      if (chunk_[i]) cudaFreeHost(chunk_[i]);
+      if (chunk_free_[i]) cudaEventDestroy(chunk_free_[i]);
+    }
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  void* chunk_[2] = {nullptr, nullptr};
+  cudaEvent_t chunk_free_[2] = {nullptr, nullptr};
+  int next_ = 0;
+};
+}  // namespace
+
+std::unique_ptr<Backend::Event> CudaBackend::make_event() { return std::make_unique<CudaEvent>(); }
+std::unique_ptr<Backend::CopyQueue> CudaBackend::make_copy_queue() { return std::make_unique<CudaCopyQueue>(device_); }
+
+void CudaBackend::record_event(Event& e) {
+  if (capturing_) fail("cuda backend: record_event while a CUDA graph is being captured");
+  FLUX8_CUDA_CHECK(cudaEventRecord(cuda_event(e), stream_));
+}
+
+void CudaBackend::wait_event(const Event& e) {
+  if (capturing_) fail("cuda backend: wait_event while a CUDA graph is being captured");
+  FLUX8_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda_event(e), 0));
+}
+
 void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));

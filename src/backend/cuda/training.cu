@@ -17,6 +17,23 @@
 namespace flux8 {
 using namespace cuda;
 
+namespace {
+struct FlowMatchStreams {
+  static constexpr int64_t kCount = 256;
+  uint64_t v[kCount];
+};
+
+// Element i of sample b = i / per: ε from (seed, stream, i mod per), then x_t and the target.
+__device__ inline void flow_match_element(int64_t i, int64_t per, uint64_t seed, uint64_t stream, const float* x,
+                                          const float* t, float* xt, float* target) {
+  const int64_t b = i / per, e = i % per;
+  const double tb = t[b];
+  const double eps = rng_normal(seed, stream, static_cast<uint64_t>(e));
+  xt[i] = static_cast<float>((1.0 - tb) * static_cast<double>(x[i]) + tb * eps);
+  target[i] = static_cast<float>(eps - static_cast<double>(x[i]));
+}
+}  // namespace
+
 void CudaBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
                                     std::span<const uint64_t> streams) {
   constexpr std::string_view op = "flow_match_inputs";
@@ -27,18 +44,24 @@ void CudaBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor 
   const int64_t B = x0.shape[0], per = x0.numel() / B;
   require_vector(op, {"t", t}, B);
   if (static_cast<int64_t>(streams.size()) != B) fail("{}: {} noise streams for a batch of {}", op, streams.size(), B);
-  // The per-sample stream ids travel to the device through the scratch buffer.
-  uint64_t* dev_streams = static_cast<uint64_t*>(scratch(static_cast<size_t>(B) * sizeof(uint64_t)));
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(dev_streams, streams.data(), B * sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // streams is a host span the caller may reuse
   const float *x = x0.ptr<float>(), *tv = t.ptr<float>();
   float *xo = xt.ptr<float>(), *tg = target.ptr<float>();
+  // The per-sample stream ids travel in the kernel's arguments (2 KiB): nothing waits, so the
+  // trainer's next micro-batch is queued while the device still computes. A larger batch sends
+  // them through the scratch buffer and waits for that copy (streams is the caller's span).
+  if (B <= FlowMatchStreams::kCount) {
+    FlowMatchStreams ids{};
+    for (int64_t b = 0; b < B; ++b) ids.v[b] = streams[static_cast<size_t>(b)];
+    for_each(*this, B * per, [=] __device__(int64_t i) {
+      flow_match_element(i, per, seed, ids.v[i / per], x, tv, xo, tg);
+    });
+    return;
+  }
+  uint64_t* dev_streams = static_cast<uint64_t*>(scratch(static_cast<size_t>(B) * sizeof(uint64_t)));
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(dev_streams, streams.data(), B * sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for_each(*this, B * per, [=] __device__(int64_t i) {
-    const int64_t b = i / per, e = i % per;
-    const double tb = tv[b];
-    const double eps = rng_normal(seed, dev_streams[b], static_cast<uint64_t>(e));
-    xo[i] = static_cast<float>((1.0 - tb) * static_cast<double>(x[i]) + tb * eps);
-    tg[i] = static_cast<float>(eps - static_cast<double>(x[i]));
+    flow_match_element(i, per, seed, dev_streams[i / per], x, tv, xo, tg);
   });
 }
 
