@@ -26,23 +26,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-FluxConfig tiny_demo_model() {
-  FluxConfig c;
-  c.name = "tiny";
-  c.hidden_size = 24;
-  c.num_heads = 2;
-  c.num_double_blocks = 1;
-  c.num_single_blocks = 1;
-  c.in_channels = 12;
-  c.out_channels = 12;
-  c.context_dim = 8;
-  c.vec_dim = 8;
-  c.axes_dim = {2, 4, 6};
-  c.latent_channels = 3;
-  c.vae_downsample = 1;
-  c.text_seq_len = 4;
-  return c;
-}
+using testing::tiny_demo_model;
 
 // `n` demo samples (8 px images) for the tiny model, and its empty prompt as zeros.
 std::vector<Sample> demo_batch(const FluxConfig& cfg, int n) {

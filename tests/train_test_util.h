@@ -11,7 +11,11 @@
 
 #include <gtest/gtest.h>
 
+#include "backend/transfer.h"
+#include "data/demo.h"
+#include "data/loader.h"
 #include "io/safetensors.h"
+#include "train/batch_pipeline.h"
 #include "train/trainer.h"
 
 namespace flux8::testing {
@@ -65,6 +69,73 @@ inline void expect_same_tensors(const std::string& a, const std::string& b) {
     ASSERT_EQ(ta.nbytes, tb.nbytes) << n;
     EXPECT_EQ(0, std::memcmp(ta.data, tb.data, ta.nbytes)) << n << " differs";
   }
+}
+
+// The demo model of RunDir's config as a FluxConfig (8 px images, 16 image tokens).
+inline FluxConfig tiny_demo_model() {
+  FluxConfig c;
+  c.name = "tiny";
+  c.hidden_size = 24;
+  c.num_heads = 2;
+  c.num_double_blocks = 1;
+  c.num_single_blocks = 1;
+  c.in_channels = 12;
+  c.out_channels = 12;
+  c.context_dim = 8;
+  c.vec_dim = 8;
+  c.axes_dim = {2, 4, 6};
+  c.latent_channels = 3;
+  c.vae_downsample = 1;
+  c.text_seq_len = 4;
+  return c;
+}
+
+// The tiny demo model and a demo dataset for it in a temporary directory (the batch pipeline
+// tests).
+struct PipelineFixture {
+  testing::RunDir dir{"batch_pipeline"};
+  FluxConfig model = tiny_demo_model();
+  ObjectiveConfig obj;
+  EmptyPrompt empty;
+  PipelineFixture() {
+    DemoSpec spec;
+    spec.image_size = 8;
+    spec.text_seq_len = model.text_seq_len;
+    spec.context_dim = model.context_dim;
+    spec.vec_dim = model.vec_dim;
+    spec.train_samples = 23;
+    spec.val_samples = 2;
+    spec.samples_per_shard = 5;
+    write_demo_dataset((dir.root / "data").string(), spec);
+    empty = EmptyPrompt{HostTensor{{model.text_seq_len, model.context_dim},
+                                   std::vector<float>(static_cast<size_t>(model.text_seq_len * model.context_dim), 0.5f)},
+                        HostTensor{{model.vec_dim}, std::vector<float>(static_cast<size_t>(model.vec_dim), -0.5f)}};
+    obj.text_dropout = 0.3;  // some samples take the empty prompt
+  }
+  LoaderOptions loader_options(bool single_pass = false) const {
+    LoaderOptions o;
+    o.source = (dir.root / "data" / "train-*.tar").string();
+    o.seed = 5;
+    o.shuffle_buffer = single_pass ? 0 : 7;
+    o.prefetch = 3;
+    o.single_pass = single_pass;
+    return o;
+  }
+  BatchPipelineSpec spec(BatchPipelineSpec::Mode mode, int64_t global, int64_t micro, int64_t first, int64_t end) const {
+    BatchPipelineSpec s{model, obj, empty, 99, global, micro, first, end};
+    s.mode = mode;
+    return s;
+  }
+};
+
+// Everything a micro-batch puts on the device, read back.
+struct Downloaded {
+  std::vector<double> img, target, img_ids, txt, txt_ids, t, y;
+  bool operator==(const Downloaded&) const = default;
+};
+inline Downloaded download(Backend& be, const FluxInputs& in, const Tensor& target) {
+  return Downloaded{to_host(be, in.img), to_host(be, target),       to_host(be, in.img_ids), to_host(be, in.txt),
+                    to_host(be, in.txt_ids), to_host(be, in.timesteps), to_host(be, in.y)};
 }
 
 }  // namespace flux8::testing

@@ -110,6 +110,8 @@ std::vector<KeySpec> make_keys() {
       string_key("data", "empty_prompt_file", "", "safetensors with t5 and clip of the empty prompt (text dropout); empty = zeros"),
       int_key("data", "data_shuffle_buffer", 1000, at_least(0), "samples in the shuffle buffer; 0 = no shuffling"),
       int_key("data", "data_prefetch", 64, at_least(1), "samples decoded ahead by the loader thread"),
+      choice_key("data", "data_overlap", "auto", {"auto", "on", "off"},
+                 "build and upload micro-batch k + 1 (loader, VAE draw, patches, text features, the copy to the device) on a thread of its own while the device computes k, into two device input buffers (on: always; off: on the training thread before each micro-batch; auto: on with the CUDA backend, off on the CPU, whose cores compute the step). Same results either way"),
       bool_key("data", "data_skip_corrupt", false, "skip the rest of a corrupt shard with a warning instead of stopping"),
       bool_key("data", "demo_data", false, "generate the embedded demo dataset into train_data's directory when it has no shards"),
       int_key("data", "demo_train_samples", 4000, at_least(1), "demo dataset: training samples"),

@@ -5,6 +5,7 @@
 #include "backend/backend.h"
 #include "backend/transfer.h"
 #include "core/error.h"
+#include "train/batch_pipeline.h"
 
 namespace flux8 {
 
@@ -62,11 +63,35 @@ StepBuffers::~StepBuffers() {
   if (losses_.defined()) be_.release(losses_.data);
 }
 
+namespace {
+// One micro-batch's forward, loss (into the device f64 `loss`) and backward, in a graph region.
+void micro_batch_gradients(const StepContext& ctx, const FluxInputs& in, Tensor target, Tensor dpred, Tensor loss,
+                           double share) {
+  StepGraph::Region region(ctx.graph);
+  const Tensor pred = ctx.model.forward(in);
+  ctx.model.backend().mse_loss_into(loss, dpred, pred, target, share);
+  ctx.model.backward(dpred);
+  region.end();
+}
+
+Tensor loss_of_part(const Tensor& losses, int64_t part) {
+  return Tensor(static_cast<double*>(losses.data) + part, DType::f64, Shape{1});
+}
+
+// The step's mean loss: the parts' losses read once, after the last backward was queued.
+double step_loss(Backend& be, const Tensor& losses, int64_t parts, double share) {
+  std::vector<double> part_losses(static_cast<size_t>(parts));
+  be.download(part_losses.data(), losses.data, part_losses.size() * sizeof(double));
+  double loss = 0;
+  for (const double l : part_losses) loss += share * l;
+  return loss;
+}
+}  // namespace
+
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
                                    int64_t micro, uint64_t step) {
   const int64_t global = static_cast<int64_t>(samples.size());
   if (micro < 1 || global % micro) fail("a step of {} samples cannot be split into micro-batches of {}", global, micro);
-  Backend& be = ctx.model.backend();
   ctx.model.params().zero_grads();
   StepLoss out;
   const double share = static_cast<double>(micro) / static_cast<double>(global);
@@ -77,17 +102,32 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sam
     HostBatch& hb = ctx.buffers.host;
     make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first);
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
-    StepGraph::Region region(ctx.graph);
-    const Tensor pred = ctx.model.forward(in);
-    const Tensor loss(static_cast<double*>(losses.data) + part_index, DType::f64, Shape{1});
-    be.mse_loss_into(loss, ctx.buffers.dpred, pred, ctx.buffers.target, share);
-    ctx.model.backward(ctx.buffers.dpred);
-    region.end();
+    micro_batch_gradients(ctx, in, ctx.buffers.target, ctx.buffers.dpred, loss_of_part(losses, part_index), share);
     out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
   }
-  std::vector<double> part_losses(static_cast<size_t>(parts));
-  be.download(part_losses.data(), losses.data, part_losses.size() * sizeof(double));
-  for (const double l : part_losses) out.loss += share * l;
+  out.loss = step_loss(ctx.model.backend(), losses, parts, share);
+  return out;
+}
+
+StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeline, int64_t step,
+                                   LoaderState* loader_after) {
+  const BatchPipelineSpec& spec = pipeline.spec();
+  ctx.model.params().zero_grads();
+  StepLoss out;
+  const double share = static_cast<double>(spec.micro) / static_cast<double>(spec.global);
+  const int64_t parts = spec.global / spec.micro;
+  const Tensor losses = ctx.buffers.losses(parts);
+  for (int64_t part = 0; part < parts; ++part) {
+    const BatchPipeline::MicroBatch mb = pipeline.acquire();
+    FLUX8_CHECK(mb.step == step && mb.part == part, "batch pipeline: micro-batch {} of step {} where {} of {} was due",
+                mb.part, mb.step, part, step);
+    const HostBatch& hb = *mb.host;  // the slot's: read before release() lets it be refilled
+    out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
+    micro_batch_gradients(ctx, *mb.in, mb.target, mb.dpred, loss_of_part(losses, part), share);
+    pipeline.release();
+    if (loader_after) *loader_after = mb.loader_after;
+  }
+  out.loss = step_loss(ctx.model.backend(), losses, parts, share);
   return out;
 }
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "backend/step_graph.h"
+#include "data/loader.h"
 #include "data/sample.h"
 #include "model/flux_model.h"
 #include "train/objective.h"
@@ -66,6 +67,13 @@ struct StepLoss {
 // is queued: nothing in between waits for it.
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
                                    int64_t micro, uint64_t step);
+
+class BatchPipeline;
+// The same with the micro-batches of step `step` (0-based) taken from `pipeline`, which built
+// and uploaded them (the trainer's path: the next is built while this one computes); the
+// loader's position after the step's last sample goes to *loader_after.
+StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeline, int64_t step,
+                                   LoaderState* loader_after);
 
 // The optimizer update of step `step` (1-based) with the model's FP8 bookkeeping around it, in
 // the order the delayed recipe needs: the scale update (all the step's amaxes are in), AdamW

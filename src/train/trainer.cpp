@@ -17,6 +17,7 @@
 #include "data/loader.h"
 #include "model/flux_model.h"
 #include "model/weights_io.h"
+#include "train/batch_pipeline.h"
 #include "train/checkpoint.h"
 #include "train/end_samples.h"
 #include "train/objective.h"
@@ -232,17 +233,26 @@ TrainResult run_training(const TrainOptions& opt) {
   int consecutive_skips = 0;
   const bool nan_halt = r.cfg.get_string("nan_policy") == "halt";
   const int64_t max_skips = r.cfg.get_int("nan_max_consecutive_skips");
-  std::vector<Sample> samples;
   const StepContext ctx{*r.model, r.model_cfg, r.obj, empty, buf, r.state.seed, r.graph.get()};
+  BatchPipelineSpec pipeline_spec{r.model_cfg, r.obj, empty, r.state.seed, r.global, r.micro, start_step, train_iters};
+  const std::string overlap = r.cfg.get_string("data_overlap");
+  pipeline_spec.mode = overlap == "on"    ? BatchPipelineSpec::Mode::thread
+                       : overlap == "off" ? BatchPipelineSpec::Mode::caller
+                                          : BatchPipelineSpec::Mode::automatic;
+  BatchPipeline pipeline(*r.be, loader, pipeline_spec);
+  progress.event(pipeline.background()
+                     ? "data: each micro-batch built and uploaded on a thread of its own while the device computes "
+                       "the one before (data_overlap)"
+                     : "data: each micro-batch built and uploaded before it computes (data_overlap)",
+                 nullptr);
   while (r.state.step < train_iters) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t step = r.state.step;  // 0-based index of the step being taken
-    samples.clear();
-    for (int64_t i = 0; i < r.global; ++i) samples.push_back(loader.next());
     // FP8 telemetry counts only on the steps that report them (report_fp8_stats below).
     const bool report_fp8 = r.model->fp8() && r.fp8.stats_interval > 0 && (step + 1) % r.fp8.stats_interval == 0;
     if (r.model->fp8()) r.model->fp8()->set_collect_stats(report_fp8);
-    const StepLoss sl = accumulate_step_gradients(ctx, samples, r.micro, static_cast<uint64_t>(step));
+    LoaderState ls;  // the loader's position after this step's samples (the pipeline reads ahead)
+    const StepLoss sl = accumulate_step_gradients(ctx, pipeline, step, &ls);
     const double loss = sl.loss;
     const int64_t tokens = sl.tokens;
     const double lr = r.schedule.at(step + 1);
@@ -265,7 +275,6 @@ TrainResult run_training(const TrainOptions& opt) {
       consecutive_skips = 0;
     }
     if (report_fp8) report_fp8_stats(*r.model->fp8(), step + 1, progress);
-    const LoaderState ls = loader.state();
     r.state.step = step + 1;
     r.state.consumed_samples += r.global;
     r.state.data_epoch = static_cast<int64_t>(ls.epoch);

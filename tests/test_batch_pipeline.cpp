@@ -1,0 +1,139 @@
+// The trainer's input pipeline (train/batch_pipeline.h): micro-batches built on a thread of
+// its own equal those built on the training thread, carry the loader's position after their own
+// samples, report a loader error at the micro-batch it stopped, and stop cleanly mid-run; and a
+// training run with the overlap on equals one with it off, also across a resume.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "backend/backend.h"
+#include "backend/transfer.h"
+#include "core/error.h"
+#include "data/loader.h"
+#include "train/batch_pipeline.h"
+#include "train/train_step.h"
+#include "train_test_util.h"
+
+namespace flux8 {
+namespace {
+
+namespace fs = std::filesystem;
+using Mode = BatchPipelineSpec::Mode;
+
+using testing::PipelineFixture;
+using testing::Downloaded;
+using testing::download;
+
+TEST(BatchPipeline, MicroBatchesEqualThoseBuiltOnTheTrainingThread) {
+  const PipelineFixture f;
+  auto be = make_backend("cpu");
+  // What the trainer did before: the loader read on the training thread, each micro-batch
+  // assembled and uploaded through StepBuffers. Steps 3..5 of a run resumed at its state.
+  const int64_t global = 4, micro = 2, first = 3, end = 6;
+  std::vector<Downloaded> expected;
+  std::vector<LoaderState> expected_after;
+  {
+    DataLoader loader(f.loader_options());
+    StepBuffers buf(*be, DType::f32);
+    for (int64_t step = first; step < end; ++step)
+      for (int64_t part = 0; part < global / micro; ++part) {
+        std::vector<Sample> samples;
+        for (int64_t i = 0; i < micro; ++i) samples.push_back(loader.next());
+        expected_after.push_back(loader.state());
+        make_train_batch(buf.host, samples, f.model, f.obj, f.empty, 99, static_cast<uint64_t>(step), 0, part * micro);
+        const FluxInputs& in = buf.upload(buf.host, f.model, 99);
+        expected.push_back(download(*be, in, buf.target));
+      }
+  }
+  for (const Mode mode : {Mode::caller, Mode::thread}) {
+    SCOPED_TRACE(mode == Mode::thread ? "thread" : "caller");
+    DataLoader loader(f.loader_options());
+    BatchPipeline pipeline(*be, loader, f.spec(mode, global, micro, first, end));
+    EXPECT_EQ(pipeline.background(), mode == Mode::thread);
+    size_t k = 0;
+    for (int64_t step = first; step < end; ++step)
+      for (int64_t part = 0; part < global / micro; ++part, ++k) {
+        // Give the producer time to run ahead into the other slot.
+        if (mode == Mode::thread) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        const BatchPipeline::MicroBatch mb = pipeline.acquire();
+        EXPECT_EQ(mb.step, step);
+        EXPECT_EQ(mb.part, part);
+        EXPECT_EQ(mb.loader_after, expected_after[k]) << "micro-batch " << k;
+        EXPECT_EQ(download(*be, *mb.in, mb.target), expected[k]) << "micro-batch " << k;
+        EXPECT_EQ(mb.dpred.shape, mb.target.shape);
+        pipeline.release();
+      }
+    EXPECT_THROW(pipeline.acquire(), Error);  // the run ends at step `end`
+  }
+}
+
+TEST(BatchPipeline, LoaderErrorReachesTheMicroBatchItStopped) {
+  const PipelineFixture f;
+  auto be = make_backend("cpu");
+  for (const Mode mode : {Mode::caller, Mode::thread}) {
+    SCOPED_TRACE(mode == Mode::thread ? "thread" : "caller");
+    // One pass over 23 samples: micro-batches of 4 run out in the sixth.
+    DataLoader loader(f.loader_options(/*single_pass=*/true));
+    BatchPipeline pipeline(*be, loader, f.spec(mode, 4, 4, 0, 100));
+    for (int k = 0; k < 5; ++k) {
+      EXPECT_EQ(pipeline.acquire().step, k);
+      pipeline.release();
+    }
+    try {
+      pipeline.acquire();
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("single pass"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(pipeline.acquire(), Error);  // and again, not a wait for the stopped producer
+  }
+}
+
+TEST(BatchPipeline, StopsWhileItsProducerWaitsAndRejectsMisuse) {
+  const PipelineFixture f;
+  auto be = make_backend("cpu");
+  {
+    DataLoader loader(f.loader_options());
+    BatchPipeline pipeline(*be, loader, f.spec(Mode::thread, 2, 2, 0, 50));  // never acquired
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  {
+    DataLoader loader(f.loader_options());
+    BatchPipeline pipeline(*be, loader, f.spec(Mode::thread, 2, 2, 0, 50));
+    EXPECT_THROW(pipeline.release(), Error);
+    pipeline.acquire();
+    EXPECT_THROW(pipeline.acquire(), Error);  // twice without release
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the producer waits for a slot
+  }  // destroyed with a micro-batch in use and the other slot full
+  DataLoader loader(f.loader_options());
+  EXPECT_THROW(BatchPipeline(*be, loader, f.spec(Mode::thread, 3, 2, 0, 5)), Error);
+}
+
+// The trainer with the overlap on (the CPU's default is off): the same losses, validation and
+// checkpoint as with it off, also when the run stops at step 3 — while the producer has read
+// step 4's samples already — and resumes.
+TEST(Trainer, DataOverlapChangesNothingAcrossAResume) {
+  const testing::RunDir dir("trainer_data_overlap");
+  TrainOptions off = dir.options("off");
+  off.overrides.push_back("data_overlap=off");
+  const TrainResult a = run_training(off);
+  TrainOptions on = dir.options("on");
+  on.overrides.push_back("data_overlap=on");
+  on.stop_after = 3;
+  EXPECT_TRUE(run_training(on).stopped_early);
+  on.resume = true;
+  on.stop_after = 0;
+  const TrainResult b = run_training(on);
+  EXPECT_EQ(b.steps_done, 6);
+  EXPECT_EQ(testing::step_losses(dir.root / "on" / "metrics.jsonl"),
+            testing::step_losses(dir.root / "off" / "metrics.jsonl"));
+  EXPECT_EQ(a.last_val_loss, b.last_val_loss);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    testing::expect_same_tensors((dir.root / "off" / "step-0000006" / file).string(),
+                                 (dir.root / "on" / "step-0000006" / file).string());
+}
+
+}  // namespace
+}  // namespace flux8
