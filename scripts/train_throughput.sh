@@ -29,12 +29,14 @@ fast=(--set fp8=hybrid --set fp8_recipe=delayed --set fp8_dot_product_attention=
 mkdir -p "$work"
 data="$work/$workload-data"
 build/flux8 data synthetic "${model[@]}" --out "$data" --samples "$samples" --samples-per-shard 32
-median_ms() {
+# "step X ms, data wait Y, read Z, assemble A, upload B" (medians over steps 6..steps).
+medians() {
   python3 - "$1" "$steps" <<'PY'
 import json, statistics, sys
-times = [json.loads(l)["step_time_s"] for l in open(sys.argv[1]) if '"step_time_s"' in l]
-late = times[5:int(sys.argv[2])]
-print(f"{1e3 * statistics.median(late):.2f}" if late else "nan")
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"step_time_s"' in l][5:int(sys.argv[2])]
+med = lambda k: 1e3 * statistics.median(r.get(k, float("nan")) for r in rows) if rows else float("nan")
+print(f"step {med('step_time_s'):.2f} ms, data wait {med('data_wait_s'):.2f}, read {med('data_read_s'):.2f}, "
+      f"assemble {med('data_assemble_s'):.2f}, upload {med('data_upload_s'):.2f}")
 PY
 }
 for round in $(seq "$rounds"); do
@@ -45,8 +47,8 @@ for round in $(seq "$rounds"); do
         --set train_iters="$steps" --set lr_warmup_iters=0 --set log_interval=1 --set save_dir="$run" \
         --set data_overlap=$overlap "$@" > "$work/$workload-$overlap.log" 2>&1 ||
       { tail -20 "$work/$workload-$overlap.log"; echo "train_throughput: flux8 train failed" >&2; exit 1; }
-    echo "$workload round $round data_overlap=$overlap: median step $(median_ms "$run/metrics.jsonl") ms" \
-         "(steps 6-$steps; $(grep -o 'first step done [0-9.]* s' "$work/$workload-$overlap.log"))"
+    echo "$workload round $round data_overlap=$overlap: $(medians "$run/metrics.jsonl")" \
+         "(medians of steps 6-$steps; $(grep -o 'first step done [0-9.]* s' "$work/$workload-$overlap.log"))"
     rm -rf "$run"
   done
 done

@@ -6,6 +6,8 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "backend/backend.h"
@@ -63,6 +65,12 @@ TEST(BatchPipeline, MicroBatchesEqualThoseBuiltOnTheTrainingThread) {
         EXPECT_EQ(mb.loader_after, expected_after[k]) << "micro-batch " << k;
         EXPECT_EQ(download(*be, *mb.in, mb.target), expected[k]) << "micro-batch " << k;
         EXPECT_EQ(mb.dpred.shape, mb.target.shape);
+        // Where the host time went; on the caller's thread acquire() waited for all of it.
+        EXPECT_GT(mb.timing.read_s, 0.0);
+        EXPECT_GT(mb.timing.assemble_s, 0.0);
+        EXPECT_GT(mb.timing.upload_s, 0.0);
+        if (mode == Mode::caller)
+          EXPECT_GE(mb.timing.wait_s, mb.timing.read_s + mb.timing.assemble_s + mb.timing.upload_s);
         pipeline.release();
       }
     EXPECT_THROW(pipeline.acquire(), Error);  // the run ends at step `end`
@@ -133,6 +141,18 @@ TEST(Trainer, DataOverlapChangesNothingAcrossAResume) {
   for (const char* file : {"model.safetensors", "optimizer.safetensors"})
     testing::expect_same_tensors((dir.root / "off" / "step-0000006" / file).string(),
                                  (dir.root / "on" / "step-0000006" / file).string());
+  // Each step's line in metrics.jsonl says where its data's host time went.
+  std::ifstream metrics(dir.root / "on" / "metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    ++steps;
+    for (const char* key : {"data_wait_s", "data_read_s", "data_assemble_s", "data_upload_s"})
+      EXPECT_GE(j.at(key).get<double>(), 0.0) << key;
+    EXPECT_GT(j.at("data_read_s").get<double>() + j.at("data_assemble_s").get<double>(), 0.0) << line;
+  }
+  EXPECT_EQ(steps, 6);
 }
 
 }  // namespace

@@ -46,23 +46,29 @@ T load(const uint8_t* p) {
   return v;
 }
 
+template <typename T, typename F>
+void convert_each(const uint8_t* p, int64_t n, float* out, F to_float) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(load<T>(p + sizeof(T) * static_cast<size_t>(i)));
+}
+
+// One loop per element type (a switch per element kept W1's 4.2 MB text features at ~1 GB/s);
+// f32, what most shards hold, is a plain copy.
 void convert(const uint8_t* p, int64_t n, Elem e, float* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    switch (e) {
-      case Elem::f16: out[i] = f16_bits_to_f32(load<uint16_t>(p + 2 * i)); break;
-      case Elem::bf16: out[i] = bf16_bits_to_f32(load<uint16_t>(p + 2 * i)); break;
-      case Elem::f32: out[i] = load<float>(p + 4 * i); break;
-      case Elem::f64: out[i] = static_cast<float>(load<double>(p + 8 * i)); break;
-      case Elem::i8: out[i] = static_cast<float>(load<int8_t>(p + i)); break;
-      case Elem::i16: out[i] = static_cast<float>(load<int16_t>(p + 2 * i)); break;
-      case Elem::i32: out[i] = static_cast<float>(load<int32_t>(p + 4 * i)); break;
-      case Elem::i64: out[i] = static_cast<float>(load<int64_t>(p + 8 * i)); break;
-      case Elem::u8: out[i] = static_cast<float>(p[i]); break;
-      case Elem::u16: out[i] = static_cast<float>(load<uint16_t>(p + 2 * i)); break;
-      case Elem::u32: out[i] = static_cast<float>(load<uint32_t>(p + 4 * i)); break;
-      case Elem::u64: out[i] = static_cast<float>(load<uint64_t>(p + 8 * i)); break;
-      case Elem::b1: out[i] = p[i] != 0 ? 1.0f : 0.0f; break;
-    }
+  const auto cast = [](auto v) { return static_cast<float>(v); };
+  switch (e) {
+    case Elem::f32: std::memcpy(out, p, static_cast<size_t>(n) * sizeof(float)); break;
+    case Elem::f16: convert_each<uint16_t>(p, n, out, [](uint16_t b) { return f16_bits_to_f32(b); }); break;
+    case Elem::bf16: convert_each<uint16_t>(p, n, out, [](uint16_t b) { return bf16_bits_to_f32(b); }); break;
+    case Elem::f64: convert_each<double>(p, n, out, cast); break;
+    case Elem::i8: convert_each<int8_t>(p, n, out, cast); break;
+    case Elem::i16: convert_each<int16_t>(p, n, out, cast); break;
+    case Elem::i32: convert_each<int32_t>(p, n, out, cast); break;
+    case Elem::i64: convert_each<int64_t>(p, n, out, cast); break;
+    case Elem::u8: convert_each<uint8_t>(p, n, out, cast); break;
+    case Elem::u16: convert_each<uint16_t>(p, n, out, cast); break;
+    case Elem::u32: convert_each<uint32_t>(p, n, out, cast); break;
+    case Elem::u64: convert_each<uint64_t>(p, n, out, cast); break;
+    case Elem::b1: convert_each<uint8_t>(p, n, out, [](uint8_t b) { return b != 0 ? 1.0f : 0.0f; }); break;
   }
 }
 

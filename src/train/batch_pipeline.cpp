@@ -1,5 +1,6 @@
 #include "train/batch_pipeline.h"
 
+#include <chrono>
 #include <utility>
 
 #include "backend/transfer.h"
@@ -8,6 +9,10 @@
 namespace flux8 {
 
 namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 bool same_shape(const StepShape& s, const HostBatch& b) {
   return s.batch == b.batch && s.txt_tokens == b.txt_tokens && s.img_tokens == b.img_tokens;
 }
@@ -61,16 +66,23 @@ void BatchPipeline::produce(Slot& s, int64_t index) {
   s.step = spec_.first_step + index / parts_;
   s.part = index % parts_;
   State next = State::host_ready;
+  s.timing = DataTiming{};
   try {
+    auto t0 = std::chrono::steady_clock::now();
     samples_.clear();
     for (int64_t i = 0; i < spec_.micro; ++i) samples_.push_back(loader_.next());
     s.loader_after = loader_.state();
+    s.timing.read_s = seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
     make_train_batch(s.host, samples_, spec_.model, spec_.obj, spec_.empty, spec_.seed, static_cast<uint64_t>(s.step),
                      0, s.part * spec_.micro);
+    s.timing.assemble_s = seconds_since(t0);
     if (same_shape(s.shape, s.host)) {  // else the training thread allocates and uploads
+      t0 = std::chrono::steady_clock::now();
       if (s.read_recorded) queue_->wait_event(*s.read);
       upload(s, [&](void* dst, const void* src, size_t bytes) { queue_->upload(dst, src, bytes); });
       queue_->record_event(*s.copied);
+      s.timing.upload_s = seconds_since(t0);
       next = State::ready;
     }
   } catch (...) {
@@ -148,6 +160,7 @@ BatchPipeline::MicroBatch BatchPipeline::acquire() {
   if (consumed_ >= end_index_)
     fail("batch pipeline: no micro-batch after step {} (the run ends there)", spec_.end_step);
   Slot& s = slots_[consumed_ % 2];
+  const auto t0 = std::chrono::steady_clock::now();
   if (background_) {
     std::unique_lock lock(mutex_);
     changed_.wait(lock, [&] { return s.state == State::host_ready || s.state == State::ready; });
@@ -163,7 +176,9 @@ BatchPipeline::MicroBatch BatchPipeline::acquire() {
     // First fill, or a new shape: allocated and copied here, on the backend's own queue (the
     // copy queue may be the producer's right now).
     allocate(s);
+    const auto t1 = std::chrono::steady_clock::now();
     upload(s, [&](void* dst, const void* src, size_t bytes) { be_.upload(dst, src, bytes); });
+    s.timing.upload_s += seconds_since(t1);
   } else {
     be_.wait_event(*s.copied);
   }
@@ -176,7 +191,8 @@ BatchPipeline::MicroBatch BatchPipeline::acquire() {
     s.state = State::in_use;
   }
   acquired_ = true;
-  return MicroBatch{&in_, target_, dpred_, &s.host, s.step, s.part, s.loader_after};
+  s.timing.wait_s = seconds_since(t0);
+  return MicroBatch{&in_, target_, dpred_, &s.host, s.step, s.part, s.loader_after, s.timing};
 }
 
 void BatchPipeline::release() {

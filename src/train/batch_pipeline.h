@@ -62,6 +62,13 @@ class BatchPipeline {
   bool background() const { return background_; }
   const BatchPipelineSpec& spec() const { return spec_; }
 
+  // Where a micro-batch's host time went (seconds): taking its samples from the loader (which
+  // decodes on a thread of its own: this is the wait for it), make_train_batch, the copies; and
+  // how long acquire() kept the training thread waiting (with the producer on the training
+  // thread, all three).
+  struct DataTiming {
+    double read_s = 0, assemble_s = 0, upload_s = 0, wait_s = 0;
+  };
   // A micro-batch on the device: the model's inputs with x_t and the target drawn.
   struct MicroBatch {
     const FluxInputs* in = nullptr;
@@ -69,6 +76,7 @@ class BatchPipeline {
     const HostBatch* host = nullptr;  // t, noise streams, shape
     int64_t step = 0, part = 0;       // 0-based step, micro-batch within it
     LoaderState loader_after;         // the loader's position after this micro-batch's samples
+    DataTiming timing;
   };
   // The next micro-batch in order (step first_step, part 0, then 1, ...): waits until it is
   // built, queues the wait for its copies and draws the flow-matching noise. Rethrows the
@@ -85,6 +93,7 @@ class BatchPipeline {
     std::vector<float> small;  // ids, t, guidance in f32 for the copy queue
     int64_t step = 0, part = 0;
     LoaderState loader_after;
+    DataTiming timing;
     std::exception_ptr error;
     // Device tensors (f32), allocated for `shape` on the training thread.
     StepShape shape{0, 0, 0};

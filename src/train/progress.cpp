@@ -38,6 +38,10 @@ void Progress::step(const StepReport& r, bool log_line) {
                                {"step_time_s", r.step_seconds},
                                {"samples_per_s", r.samples_per_second},
                                {"tokens_per_s", r.tokens_per_second},
+                               {"data_wait_s", r.data_wait_seconds},
+                               {"data_read_s", r.data_read_seconds},
+                               {"data_assemble_s", r.data_assemble_seconds},
+                               {"data_upload_s", r.data_upload_seconds},
                                {"skipped", r.skipped}}
                     .dump()
              << "\n";
@@ -46,9 +50,10 @@ void Progress::step(const StepReport& r, bool log_line) {
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
   const int64_t done = r.step - start_step_;
   const double eta = done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - r.step) : 0;
-  const std::string stats = fmt::format("loss {:.4f}  lr {:.2e}  grad {:.3f}  {:.0f} ms/step  {:.1f} samples/s  {:.0f} tok/s{}",
+  const std::string stats = fmt::format("loss {:.4f}  lr {:.2e}  grad {:.3f}  {:.0f} ms/step  {:.1f} samples/s  {:.0f} tok/s  "
+                                        "data wait {:.0f} ms{}",
                                         r.loss, r.lr, r.grad_norm, r.step_seconds * 1e3,
-                                        r.samples_per_second, r.tokens_per_second,
+                                        r.samples_per_second, r.tokens_per_second, r.data_wait_seconds * 1e3,
                                         r.skipped ? "  SKIPPED (non-finite)" : "");
   if (tty_) {
     const int width = 24;

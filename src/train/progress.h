@@ -14,6 +14,9 @@ struct StepReport {
   int64_t step = 0, total = 0;
   double loss = 0, lr = 0, grad_norm = 0, step_seconds = 0;
   double samples_per_second = 0, tokens_per_second = 0;
+  // The step's micro-batches' host time (train/batch_pipeline.h): the training thread's wait
+  // for them, and the producer's loader wait, assembly and copies.
+  double data_wait_seconds = 0, data_read_seconds = 0, data_assemble_seconds = 0, data_upload_seconds = 0;
   bool skipped = false;
 };
 

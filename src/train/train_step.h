@@ -58,6 +58,8 @@ struct StepContext {
 struct StepLoss {
   double loss = 0;     // mean loss over the global batch
   int64_t tokens = 0;  // text + image tokens processed
+  // From a BatchPipeline: where the micro-batches' host time went, summed (seconds).
+  double data_read_s = 0, data_assemble_s = 0, data_upload_s = 0, data_wait_s = 0;
 };
 
 // Zeroes the gradients, then accumulates the gradient of the step's mean loss over
