@@ -124,23 +124,7 @@ TEST(BatchPipeline, StopsWhileItsProducerWaitsAndRejectsMisuse) {
 // step 4's samples already — and resumes.
 TEST(Trainer, DataOverlapChangesNothingAcrossAResume) {
   const testing::RunDir dir("trainer_data_overlap");
-  TrainOptions off = dir.options("off");
-  off.overrides.push_back("data_overlap=off");
-  const TrainResult a = run_training(off);
-  TrainOptions on = dir.options("on");
-  on.overrides.push_back("data_overlap=on");
-  on.stop_after = 3;
-  EXPECT_TRUE(run_training(on).stopped_early);
-  on.resume = true;
-  on.stop_after = 0;
-  const TrainResult b = run_training(on);
-  EXPECT_EQ(b.steps_done, 6);
-  EXPECT_EQ(testing::step_losses(dir.root / "on" / "metrics.jsonl"),
-            testing::step_losses(dir.root / "off" / "metrics.jsonl"));
-  EXPECT_EQ(a.last_val_loss, b.last_val_loss);
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-    testing::expect_same_tensors((dir.root / "off" / "step-0000006" / file).string(),
-                                 (dir.root / "on" / "step-0000006" / file).string());
+  testing::expect_overlap_changes_nothing(dir, {}, "on");
   // Each step's line in metrics.jsonl says where its data's host time went.
   std::ifstream metrics(dir.root / "on" / "metrics.jsonl");
   int steps = 0;

@@ -71,6 +71,33 @@ inline void expect_same_tensors(const std::string& a, const std::string& b) {
   }
 }
 
+// A run with data_overlap off against one with data_overlap `overlap` (on, auto) that stops
+// after step 3 — the producer has read step 4's samples by then — and resumes: the same losses,
+// final validation loss and step-6 checkpoint bit for bit. Both take the `extra` overrides and
+// save under dir.root / "off" and "on".
+inline void expect_overlap_changes_nothing(const RunDir& dir, const std::vector<std::string>& extra,
+                                           const std::string& overlap) {
+  auto options = [&](const char* save, const std::string& value) {
+    TrainOptions o = dir.options(save);
+    o.overrides.insert(o.overrides.end(), extra.begin(), extra.end());
+    o.overrides.push_back("data_overlap=" + value);
+    return o;
+  };
+  const TrainResult a = run_training(options("off", "off"));
+  TrainOptions on = options("on", overlap);
+  on.stop_after = 3;
+  EXPECT_TRUE(run_training(on).stopped_early);
+  on.resume = true;
+  on.stop_after = 0;
+  const TrainResult b = run_training(on);
+  EXPECT_EQ(b.steps_done, 6);
+  EXPECT_EQ(step_losses(dir.root / "on" / "metrics.jsonl"), step_losses(dir.root / "off" / "metrics.jsonl"));
+  EXPECT_EQ(a.last_val_loss, b.last_val_loss);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    expect_same_tensors((dir.root / "off" / "step-0000006" / file).string(),
+                        (dir.root / "on" / "step-0000006" / file).string());
+}
+
 // The demo model of RunDir's config as a FluxConfig (8 px images, 16 image tokens).
 inline FluxConfig tiny_demo_model() {
   FluxConfig c;
