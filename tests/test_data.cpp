@@ -664,3 +664,68 @@ TEST(DataLoaderTest, DestructorJoinsAReaderBlockedOnAFullQueue) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));  // let it fill the queue
   }  // each destructor must return (a hang fails the test by timeout)
 }
+
+// Decoding over several threads (runs of 8 samples read in order, decoded side by side) gives
+// the sequence of one thread: across epochs, from a resume point, with a sample that fails to
+// decode (skip_corrupt: the rest of its shard goes; without: the same samples, then the error)
+// and with a truncated shard.
+TEST(DataLoaderTest, DecodeThreadsChangeNothing) {
+  TempDir tmp;
+  const std::vector<std::string> paths = write_dataset(tmp, 4, 11);  // runs of 8 end mid-shard
+  // Shard 2's sample 27 (its sixth) holds a .npy member that is not one: a decode error.
+  {
+    TarWriter w(paths[2]);
+    for (int g = 22; g < 33; ++g) {
+      w.add(fmt::format("{:06d}.t5.npy", g), g == 27 ? std::string("not an array") : npy_f32({1}, {float(g)}));
+      w.add(fmt::format("{:06d}.txt", g), fmt::format("sample {}", g));
+    }
+    w.finish();
+  }
+  // Shard 3 cut inside its fifth sample's data: a read error in the first run, after three
+  // samples (the fourth goes with the cut: the reader cannot tell whether it was complete).
+  {
+    TarReader r(paths[3]);
+    TarMember m;
+    for (int i = 0; i < 9; ++i) ASSERT_TRUE(r.next(m));
+    ASSERT_EQ(m.name, "000037.t5.npy");
+    write_bytes(paths[3], read_bytes(paths[3]).substr(0, m.data_offset));
+  }
+  auto sequence = [&](int threads, bool skip_corrupt, LoaderState start, size_t n, std::string* error) {
+    LoaderOptions o = options_for(tmp);
+    o.decode_threads = threads;
+    o.skip_corrupt = skip_corrupt;
+    std::vector<int> got;
+    ::testing::internal::CaptureStderr();
+    try {
+      DataLoader l(o, start);
+      Sample s;
+      for (size_t i = 0; i < n && l.next(s); ++i) got.push_back(static_cast<int>(s.at("t5").data[0]));
+    } catch (const Error& e) {
+      *error = e.what();
+    }
+    ::testing::internal::GetCapturedStderr();
+    return got;
+  };
+  std::string err1;
+  const std::vector<int> one = sequence(1, true, {}, 100, &err1);
+  EXPECT_TRUE(err1.empty()) << err1;
+  ASSERT_EQ(one.size(), 100u);
+  EXPECT_EQ(std::count(one.begin(), one.end(), 27), 0);  // it never decodes
+  // A resumed loader skips what it replays without decoding it (the caveat in loader.h), so it
+  // is compared with one thread's resumed sequence.
+  const std::vector<int> resumed_one = sequence(1, true, LoaderState{0, 13}, 60, &err1);
+  for (const int threads : {2, 3}) {
+    SCOPED_TRACE(threads);
+    std::string err;
+    EXPECT_EQ(sequence(threads, true, {}, 100, &err), one);
+    EXPECT_TRUE(err.empty()) << err;
+    EXPECT_EQ(sequence(threads, true, LoaderState{0, 13}, 60, &err), resumed_one);
+    // Epochs of 30: 11 + 11 + 5 (up to sample 27) + 3 (up to the cut).
+    EXPECT_EQ(sequence(threads, true, LoaderState{1, 20}, 50, &err), std::vector<int>(one.begin() + 50, one.end()));
+    std::string err_one, err_many;
+    const std::vector<int> strict_one = sequence(1, false, {}, 100, &err_one);
+    EXPECT_EQ(sequence(threads, false, {}, 100, &err_many), strict_one);
+    EXPECT_FALSE(err_one.empty());
+    EXPECT_EQ(err_many, err_one);
+  }
+}

@@ -15,6 +15,14 @@ namespace flux8 {
 namespace fs = std::filesystem;
 namespace {
 
+constexpr size_t kDecodeRun = 8;  // samples read ahead and decoded side by side
+
+// LoaderOptions::decode_threads, 0 resolved: a quarter of the cores, at most 4, at least 1.
+int decode_threads(const LoaderOptions& o) {
+  if (o.decode_threads > 0) return o.decode_threads;
+  return static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 4, 1u, 4u));
+}
+
 constexpr uint64_t kShardOrderPurpose = 0x7368617264736571ull;  // "shardseq"
 constexpr uint64_t kShuffleBufferPurpose = 0x73687566666c6562ull;  // "shuffleb"
 
@@ -246,23 +254,57 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
     return push(Item{std::move(e.sample), epoch, index});
   };
 
+  // Runs of samples read in order, decoded side by side, then buffered in order: the same
+  // entries, emits and errors as one at a time. While the resume point is ahead (entries may be
+  // lazy), one at a time.
+  const int threads = decode_threads(options_);
+  std::vector<Entry> run;
+  std::vector<std::exception_ptr> decode_errors;
   for (const std::string& shard : shards) {
     try {
       WebDatasetReader reader(shard);
-      for (;;) {
+      for (bool more = true; more;) {
         {
           std::lock_guard<std::mutex> lk(mu_);
           if (stop_) return false;
         }
-        Entry e;
-        e.lazy = emitted < skip;  // may still be dropped: read headers only
-        if (!reader.next_raw(e.located, !e.lazy)) break;
-        if (!e.lazy) {
-          e.sample = decode_sample(e.located);
-          e.located = RawSample();
+        const size_t want = threads > 1 && emitted >= skip ? kDecodeRun : 1;
+        run.clear();
+        std::exception_ptr read_error;  // raised after the samples read before it are buffered
+        while (run.size() < want) {
+          Entry e;
+          e.lazy = emitted < skip;  // may still be dropped: read headers only
+          try {
+            if (!reader.next_raw(e.located, !e.lazy)) {
+              more = false;
+              break;
+            }
+          } catch (...) {
+            read_error = std::current_exception();
+            more = false;
+            break;
+          }
+          run.push_back(std::move(e));
         }
-        buffer.push_back(std::move(e));
-        if (buffer.size() > slots && !emit(take_random())) return false;
+        decode_errors.assign(run.size(), nullptr);
+        const int64_t n = static_cast<int64_t>(run.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n > 1)
+        for (int64_t i = 0; i < n; ++i) {
+          Entry& e = run[static_cast<size_t>(i)];
+          if (e.lazy) continue;
+          try {
+            e.sample = decode_sample(e.located);
+            e.located = RawSample();
+          } catch (...) {
+            decode_errors[static_cast<size_t>(i)] = std::current_exception();
+          }
+        }
+        for (size_t i = 0; i < run.size(); ++i) {
+          if (decode_errors[i]) std::rethrow_exception(decode_errors[i]);  // the rest of the run is this shard's
+          buffer.push_back(std::move(run[i]));
+          if (buffer.size() > slots && !emit(take_random())) return false;
+        }
+        if (read_error) std::rethrow_exception(read_error);
       }
     } catch (const Error& err) {
       if (!options_.skip_corrupt) throw;
