@@ -50,6 +50,27 @@ TEST(Sha256, MillionAInUnevenChunks) {
   EXPECT_EQ(h.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
 }
 
+// The SHA-extension compression against the portable one: from random states over random
+// blocks, one at a time and many at once (the streaming Sha256 and the vectors above use the
+// hardware one wherever the CPU has it).
+TEST(Sha256, HardwareBlocksEqualPortableOnes) {
+  if (!sha256_blocks::hardware_available()) GTEST_SKIP() << "this CPU has no SHA extensions";
+  uint32_t seed = 12345;
+  auto next = [&] { return seed = seed * 1664525u + 1013904223u; };
+  std::vector<uint8_t> data(64 * 37);
+  for (uint8_t& b : data) b = static_cast<uint8_t>(next() >> 24);
+  for (const size_t blocks : {size_t(1), size_t(2), size_t(3), size_t(37)}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      uint32_t a[8], b[8];
+      for (int i = 0; i < 8; ++i) a[i] = b[i] = next();
+      const size_t first = next() % (data.size() / 64 - blocks + 1);
+      sha256_blocks::portable(a, data.data() + 64 * first, blocks);
+      sha256_blocks::hardware(b, data.data() + 64 * first, blocks);
+      EXPECT_TRUE(std::equal(a, a + 8, b)) << blocks << " blocks from block " << first;
+    }
+  }
+}
+
 TEST(Sha256, FileMatchesMemory) {
   const fs::path p = fs::temp_directory_path() / ("flux8_sha_" + std::to_string(::getpid()));
   std::string data;

@@ -8,6 +8,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "core/error.h"
 
 namespace flux8 {
@@ -45,31 +49,106 @@ void Sha256::reset() {
   total_bytes_ = 0;
 }
 
-void Sha256::compress(const uint8_t block[64]) {
-  uint32_t w[64];
-  for (int i = 0; i < 16; ++i) w[i] = load_be32(block + 4 * i);
-  for (int i = 16; i < 64; ++i) {
-    const uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-    const uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+namespace sha256_blocks {
+
+void portable(uint32_t state[8], const uint8_t* data, size_t blocks) {
+  for (; blocks > 0; --blocks, data += 64) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i) w[i] = load_be32(data + 4 * i);
+    for (int i = 16; i < 64; ++i) {
+      const uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
+    uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
+    for (int i = 0; i < 64; ++i) {
+      const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) +
+                          kRound[i] + w[i];
+      const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      h = g;
+      g = f;
+      f = e;
+      e = d + t1;
+      d = c;
+      c = b;
+      b = a;
+      a = t1 + t2;
+    }
+    state[0] += a; state[1] += b; state[2] += c; state[3] += d;
+    state[4] += e; state[5] += f; state[6] += g; state[7] += h;
   }
-  uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6], h = h_[7];
-  for (int i = 0; i < 64; ++i) {
-    const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) +
-                        kRound[i] + w[i];
-    const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-    h = g;
-    g = f;
-    f = e;
-    e = d + t1;
-    d = c;
-    c = b;
-    b = a;
-    a = t1 + t2;
-  }
-  h_[0] += a; h_[1] += b; h_[2] += c; h_[3] += d;
-  h_[4] += e; h_[5] += f; h_[6] += g; h_[7] += h;
 }
+
+#if defined(__x86_64__)
+bool hardware_available() {
+  static const bool available =
+      __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1") && __builtin_cpu_supports("ssse3");
+  return available;
+}
+
+// The SHA extensions keep the state as two vectors, {a, b, e, f} and {c, d, g, h} (highest lane
+// first), and run two rounds an instruction from the message words plus round constants in the
+// low half of a third. The message schedule's σ0 and σ1 parts are sha256msg1 and sha256msg2.
+__attribute__((target("sha,sse4.1,ssse3"))) void hardware_blocks(uint32_t state[8], const uint8_t* data,
+                                                                 size_t blocks) {
+  // Lanes hold dwords little-endian: dword 0 is the lowest.
+  const __m128i abcd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(state));
+  const __m128i efgh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(state + 4));
+  const __m128i badc = _mm_shuffle_epi32(abcd, 0xB1);  // lanes b a d c
+  const __m128i hgfe = _mm_shuffle_epi32(efgh, 0x1B);  // lanes h g f e
+  __m128i abef = _mm_alignr_epi8(badc, hgfe, 8);       // lanes f e b a
+  __m128i cdgh = _mm_blend_epi16(hgfe, badc, 0xF0);    // lanes h g d c
+  // Big-endian message words: reverse the bytes of each dword.
+  const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
+  for (; blocks > 0; --blocks, data += 64) {
+    const __m128i abef_in = abef, cdgh_in = cdgh;
+    __m128i w[4];
+    for (int j = 0; j < 16; ++j) {
+      __m128i& x = w[j % 4];
+      if (j < 4) {
+        x = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + 16 * j)), swap);
+      } else {
+        // W[t] = σ1(W[t−2]) + W[t−7] + σ0(W[t−15]) + W[t−16] for the group's four words t.
+        const __m128i& prev1 = w[(j + 3) % 4];  // words of group j − 1
+        const __m128i& prev2 = w[(j + 2) % 4];  // group j − 2
+        const __m128i& prev3 = w[(j + 1) % 4];  // group j − 3
+        const __m128i partial = _mm_add_epi32(_mm_sha256msg1_epu32(x, prev3), _mm_alignr_epi8(prev1, prev2, 4));
+        x = _mm_sha256msg2_epu32(partial, prev1);
+      }
+      const __m128i wk =
+          _mm_add_epi32(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(kRound + 4 * j)));
+      cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk);                          // rounds 4j, 4j + 1
+      abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(wk, 0x0E));  // rounds 4j + 2, 4j + 3
+    }
+    abef = _mm_add_epi32(abef, abef_in);
+    cdgh = _mm_add_epi32(cdgh, cdgh_in);
+  }
+  const __m128i feba = _mm_shuffle_epi32(abef, 0x1B);  // lanes a b e f
+  const __m128i dchg = _mm_shuffle_epi32(cdgh, 0xB1);  // lanes g h c d
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(state), _mm_blend_epi16(feba, dchg, 0xF0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(state + 4), _mm_alignr_epi8(dchg, feba, 8));
+}
+
+void hardware(uint32_t state[8], const uint8_t* data, size_t blocks) {
+  FLUX8_CHECK(hardware_available(), "sha256: this CPU has no SHA extensions");
+  hardware_blocks(state, data, blocks);
+}
+#else
+bool hardware_available() { return false; }
+void hardware(uint32_t*, const uint8_t*, size_t) { fail("sha256: SHA extensions are x86-only"); }
+#endif
+
+}  // namespace sha256_blocks
+
+namespace {
+void compress(std::array<uint32_t, 8>& h, const uint8_t* data, size_t blocks) {
+  if (sha256_blocks::hardware_available())
+    sha256_blocks::hardware(h.data(), data, blocks);
+  else
+    sha256_blocks::portable(h.data(), data, blocks);
+}
+}  // namespace
 
 void Sha256::update(const void* data, size_t bytes) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
@@ -81,10 +160,13 @@ void Sha256::update(const void* data, size_t bytes) {
     p += take;
     bytes -= take;
     if (buffered_ < 64) return;
-    compress(buffer_);
+    compress(h_, buffer_, 1);
     buffered_ = 0;
   }
-  for (; bytes >= 64; p += 64, bytes -= 64) compress(p);
+  const size_t blocks = bytes / 64;
+  if (blocks) compress(h_, p, blocks);
+  p += 64 * blocks;
+  bytes -= 64 * blocks;
   std::memcpy(buffer_, p, bytes);
   buffered_ = bytes;
 }

@@ -20,7 +20,6 @@ class Sha256 {
   void reset();
 
  private:
-  void compress(const uint8_t block[64]);
   std::array<uint32_t, 8> h_;
   uint8_t buffer_[64];
   size_t buffered_ = 0;
@@ -28,6 +27,16 @@ class Sha256 {
 };
 
 std::string sha256_hex(std::string_view data);
+
+// The compression function over whole 64-byte blocks, two ways: portable C++, and with x86's
+// SHA extensions (SHA-NI: ~8x faster, 1.5+ GB/s a core — a 16 GB checkpoint is hashed when
+// written and again when a run resumes). Sha256 uses the hardware one where the CPU has it.
+namespace sha256_blocks {
+void portable(uint32_t state[8], const uint8_t* data, size_t blocks);
+bool hardware_available();
+// Only where hardware_available(); else it fails.
+void hardware(uint32_t state[8], const uint8_t* data, size_t blocks);
+}  // namespace sha256_blocks
 // Streams the file; fails naming the path if it cannot be read.
 std::string sha256_file(const std::string& path);
 
