@@ -24,7 +24,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -34,6 +33,7 @@
 #include "data/loader.h"
 #include "model/flux_model.h"
 #include "train/objective.h"
+#include "train/train_step.h"
 
 namespace flux8 {
 
@@ -89,28 +89,17 @@ class BatchPipeline {
   enum class State { free, filling, host_ready, ready, in_use };
   struct Slot {
     State state = State::free;
-    HostBatch host;
-    std::vector<float> small;  // ids, t, guidance in f32 for the copy queue
     int64_t step = 0, part = 0;
     LoaderState loader_after;
     DataTiming timing;
     std::exception_ptr error;
-    // Device tensors (f32), allocated for `shape` on the training thread.
-    StepShape shape{0, 0, 0};
-    std::vector<void*> owned;
-    Tensor x0;
-    FluxInputs in;  // img_ids, txt, txt_ids, timesteps, y, guidance; img is the shared x_t
+    // The host batch and its device tensors (allocated and reallocated on the training thread).
+    std::unique_ptr<StepBuffers> buffers;
     std::unique_ptr<Backend::Event> copied, read;  // its copies are in / its readers are done
-    bool read_recorded = false;
   };
 
-  void produce(Slot& s, int64_t index);              // host batch, then upload if allocated
-  using Copy = std::function<void(void* dst, const void* host_src, size_t bytes)>;
-  void upload(Slot& s, const Copy& copy);            // the slot's tensors from its host batch
-  void allocate(Slot& s);                            // training thread: the slot for its host batch
-  void release_slot(Slot& s);
-  void ensure_shared(const HostBatch& b);            // x_t, target, dpred for this shape
-  void run();                                        // the producer thread
+  void produce(Slot& s, int64_t index);  // host batch, then upload if the buffers hold its shape
+  void run();                            // the producer thread
 
   Backend& be_;
   DataLoader& loader_;
@@ -121,11 +110,6 @@ class BatchPipeline {
   std::unique_ptr<Backend::CopyQueue> queue_;
   Slot slots_[2];
   std::vector<Sample> samples_;  // producer's
-  // Shared across slots, written on the training thread's queue: x_t, target, loss gradient.
-  StepShape shared_shape_{0, 0, 0};
-  std::vector<void*> shared_owned_;
-  Tensor xt_, target_, dpred_;
-  FluxInputs in_;  // the acquired slot's inputs with img = x_t
 
   int64_t consumed_ = 0;  // micro-batches acquired (and released, but the one in use)
   bool acquired_ = false;

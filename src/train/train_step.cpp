@@ -1,6 +1,8 @@
 #include "train/train_step.h"
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "backend/backend.h"
 #include "backend/transfer.h"
@@ -10,17 +12,49 @@
 namespace flux8 {
 
 const FluxInputs& StepBuffers::upload(const HostBatch& b, const FluxConfig& m, uint64_t seed) {
-  if (b.batch != shape_.batch || b.txt_tokens != shape_.txt_tokens || b.img_tokens != shape_.img_tokens)
-    allocate(b, m);
-  from_host(be_, x0, b.x0);
-  from_host(be_, in.img_ids, b.img_ids);
-  from_host(be_, in.txt, b.txt);
-  from_host(be_, in.txt_ids, b.txt_ids);
-  from_host(be_, in.timesteps, b.t);
-  from_host(be_, in.y, b.y);
-  if (in.guidance.defined()) from_host(be_, in.guidance, b.guidance);
-  be_.flow_match_inputs(in.img, target, x0, in.timesteps, seed, b.noise_streams);
+  reserve(b, m);
+  copy_in(b, [this](void* dst, const void* src, size_t bytes) { be_.upload(dst, src, bytes); });
+  draw_noise(b, seed);
   return in;
+}
+
+bool StepBuffers::holds(const HostBatch& b) const {
+  return b.batch == shape_.batch && b.txt_tokens == shape_.txt_tokens && b.img_tokens == shape_.img_tokens;
+}
+
+void StepBuffers::reserve(const HostBatch& b, const FluxConfig& m) {
+  if (!holds(b)) allocate(b, m);
+}
+
+void StepBuffers::copy_in(const HostBatch& b, const Copy& copy) {
+  // Each vector as it is when its type is the buffers' (f32 batches into f32 buffers), else
+  // converted through staging_ (exactly: f32 -> f64, or rounded: f64 -> f32).
+  auto put = [&](const Tensor& t, const auto& values, const char* what) {
+    using V = typename std::decay_t<decltype(values)>::value_type;
+    FLUX8_CHECK(static_cast<int64_t>(values.size()) == t.numel() && (t.dtype == DType::f32 || t.dtype == DType::f64),
+                "step buffers: {} values of {} for {}", values.size(), what, t.str());
+    if ((t.dtype == DType::f32) == std::is_same_v<V, float>) {
+      copy(t.data, values.data(), values.size() * sizeof(V));
+      return;
+    }
+    staging_.resize(values.size() * dtype_size(t.dtype));
+    if (t.dtype == DType::f32)
+      std::copy(values.begin(), values.end(), reinterpret_cast<float*>(staging_.data()));
+    else
+      std::copy(values.begin(), values.end(), reinterpret_cast<double*>(staging_.data()));
+    copy(t.data, staging_.data(), staging_.size());
+  };
+  put(x0, b.x0, "x0");
+  put(in.img_ids, b.img_ids, "img_ids");
+  put(in.txt, b.txt, "txt");
+  put(in.txt_ids, b.txt_ids, "txt_ids");
+  put(in.timesteps, b.t, "t");
+  put(in.y, b.y, "y");
+  if (in.guidance.defined()) put(in.guidance, b.guidance, "guidance");
+}
+
+void StepBuffers::draw_noise(const HostBatch& b, uint64_t seed) {
+  be_.flow_match_inputs(in.img, target, x0, in.timesteps, seed, b.noise_streams);
 }
 
 Tensor StepBuffers::make(Shape s) {

@@ -1,6 +1,7 @@
 #pragma once
 // One training step's gradients: the global batch split into micro-batches, each through the
 // objective, forward, loss and backward, gradients accumulated in the flat buffer.
+#include <functional>
 #include <vector>
 
 #include "backend/step_graph.h"
@@ -21,8 +22,18 @@ class StepBuffers {
   StepBuffers& operator=(const StepBuffers&) = delete;
 
   // Uploads a host batch and draws the flow-matching noise; returns the model inputs
-  // (img = x_t); x0, target and dpred are filled or sized to match.
+  // (img = x_t); x0, target and dpred are filled or sized to match. The three steps below.
   const FluxInputs& upload(const HostBatch& b, const FluxConfig& m, uint64_t seed);
+
+  // Whether the buffers have b's shape; reserve() reallocates them for it when not.
+  bool holds(const HostBatch& b) const;
+  void reserve(const HostBatch& b, const FluxConfig& m);
+  // b's tensors into the buffers (which hold its shape) through `copy`: host -> backend memory,
+  // the backend's upload or a copy queue's (train/batch_pipeline.h).
+  using Copy = std::function<void(void* dst, const void* host_src, size_t bytes)>;
+  void copy_in(const HostBatch& b, const Copy& copy);
+  // x_t and the target from x0, t and b's noise streams, on the backend's queue.
+  void draw_noise(const HostBatch& b, uint64_t seed);
 
   FluxInputs in;
   Tensor x0, target, dpred;
@@ -40,6 +51,7 @@ class StepBuffers {
   DType dtype_;
   StepShape shape_{0, 0, 0};
   std::vector<void*> owned_;
+  std::vector<char> staging_;  // copy_in's converted values
   Tensor losses_;
 };
 
