@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/pinned_staging.h"
 
 namespace flux8::cuda {
 class Gemm;
@@ -239,10 +240,9 @@ class CudaBackend final : public Backend {
   };
   static constexpr size_t kPendingCastStats = 4096;
   std::vector<PendingCastStats> pending_stats_;
-  // upload(): at least kStagedUploadBytes go through two pinned chunks (made on first use).
-  static constexpr size_t kStagedUploadBytes = size_t(4) << 20, kUploadChunkBytes = size_t(8) << 20;
-  void* upload_staging_[2] = {nullptr, nullptr};
-  cudaEvent_t upload_done_[2] = {nullptr, nullptr};
+  // upload(): at least kStagedUploadBytes go through pinned chunks.
+  static constexpr size_t kStagedUploadBytes = size_t(4) << 20;
+  cuda::PinnedStaging upload_staging_;
   void* stats_dev_ = nullptr;   // kPendingCastStats totals (fp8.cu's StatsTotal)
   void* stats_host_ = nullptr;  // pinned mirror
 };

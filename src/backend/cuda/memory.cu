@@ -75,10 +75,6 @@ CudaBackend::~CudaBackend() {
     if (t->data) cudaFree(t->data);
   if (stats_dev_) cudaFree(stats_dev_);
   if (stats_host_) cudaFreeHost(stats_host_);
-  for (int i = 0; i < 2; ++i) {
-    if (upload_staging_[i]) cudaFreeHost(upload_staging_[i]);
-    if (upload_done_[i]) cudaEventDestroy(upload_done_[i]);
-  }
   for (cudaEvent_t e : timing_events_) cudaEventDestroy(e);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -123,25 +119,36 @@ void CudaBackend::upload(void* dst, const void* host_src, size_t bytes) {
     FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
-  // A large upload (a step's batch: W1's text features are 134 MB) through two pinned chunks: the
-  // host copies chunk k + 1 while the copy engine moves chunk k. From pageable memory the driver
-  // moved it at ~5 GB/s (28 ms for W1's batch, H200 host).
-  for (int i = 0; i < 2; ++i)
-    if (!upload_staging_[i]) {
-      FLUX8_CUDA_CHECK(cudaMallocHost(&upload_staging_[i], kUploadChunkBytes));
-      FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&upload_done_[i], cudaEventDisableTiming));
+  upload_staging_.copy(dst, host_src, bytes, stream_);  // a step's batch: W1's is 134 MB
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+cuda::PinnedStaging::~PinnedStaging() {
+  for (int i = 0; i < 2; ++i) {
+    if (chunk_free_[i]) {
+      cudaEventSynchronize(chunk_free_[i]);
+      cudaEventDestroy(chunk_free_[i]);
     }
+    if (chunk_[i]) cudaFreeHost(chunk_[i]);
+  }
+}
+
+void cuda::PinnedStaging::copy(void* dst, const void* host_src, size_t bytes, cudaStream_t stream) {
+  for (int i = 0; i < 2; ++i) {
+    if (!chunk_[i]) FLUX8_CUDA_CHECK(cudaMallocHost(&chunk_[i], kChunkBytes));
+    if (!chunk_free_[i]) FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&chunk_free_[i], cudaEventDisableTiming));
+  }
   const char* src = static_cast<const char*>(host_src);
   char* out = static_cast<char*>(dst);
-  for (size_t offset = 0, k = 0; offset < bytes; offset += kUploadChunkBytes, ++k) {
-    const int b = static_cast<int>(k % 2);
-    if (k >= 2) FLUX8_CUDA_CHECK(cudaEventSynchronize(upload_done_[b]));  // its last chunk has left
-    const size_t n = std::min(kUploadChunkBytes, bytes - offset);
-    parallel_copy(upload_staging_[b], src + offset, n);
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(out + offset, upload_staging_[b], n, cudaMemcpyHostToDevice, stream_));
-    FLUX8_CUDA_CHECK(cudaEventRecord(upload_done_[b], stream_));
+  for (size_t offset = 0; offset < bytes; offset += kChunkBytes) {
+    const int b = next_;
+    next_ ^= 1;
+    FLUX8_CUDA_CHECK(cudaEventSynchronize(chunk_free_[b]));  // its previous copy has left
+    const size_t n = std::min(kChunkBytes, bytes - offset);
+    parallel_copy(chunk_[b], src + offset, n);  // one thread staged W1's batch at ~7 GB/s
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(out + offset, chunk_[b], n, cudaMemcpyHostToDevice, stream));
+    FLUX8_CUDA_CHECK(cudaEventRecord(chunk_free_[b], stream));
   }
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 namespace {
@@ -160,40 +167,23 @@ cudaEvent_t cuda_event(const Backend::Event& e) {
   return c->event;
 }
 
-// A stream of its own and two pinned chunks: the calling thread copies chunk k + 1 into pinned
-// memory while the copy engine moves chunk k, and the backend's stream keeps computing.
+// A stream of its own and its own pinned chunks: another thread's uploads run beside the
+// backend's ops.
 class CudaCopyQueue final : public Backend::CopyQueue {
  public:
-  static constexpr size_t kChunkBytes = size_t(8) << 20;
   explicit CudaCopyQueue(int device) : device_(device) {
     FLUX8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    try {
-      for (int i = 0; i < 2; ++i) {
-        FLUX8_CUDA_CHECK(cudaMallocHost(&chunk_[i], kChunkBytes));
-        FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&chunk_free_[i], cudaEventDisableTiming));
-      }
-    } catch (...) {
-      destroy();
-      throw;
-    }
   }
-  ~CudaCopyQueue() override { destroy(); }
+  ~CudaCopyQueue() override {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
   CudaCopyQueue(const CudaCopyQueue&) = delete;
   CudaCopyQueue& operator=(const CudaCopyQueue&) = delete;
 
   void upload(void* dst, const void* host_src, size_t bytes) override {
     FLUX8_CUDA_CHECK(cudaSetDevice(device_));  // the calling thread's device may be another
-    const char* src = static_cast<const char*>(host_src);
-    char* out = static_cast<char*>(dst);
-    for (size_t offset = 0; offset < bytes; offset += kChunkBytes) {
-      const int b = next_;
-      next_ ^= 1;
-      FLUX8_CUDA_CHECK(cudaEventSynchronize(chunk_free_[b]));  // its previous copy has left
-      const size_t n = std::min(kChunkBytes, bytes - offset);
-      parallel_copy(chunk_[b], src + offset, n);  // one thread staged W1's batch at ~7 GB/s
-      FLUX8_CUDA_CHECK(cudaMemcpyAsync(out + offset, chunk_[b], n, cudaMemcpyHostToDevice, stream_));
-      FLUX8_CUDA_CHECK(cudaEventRecord(chunk_free_[b], stream_));
-    }
+    staging_.copy(dst, host_src, bytes, stream_);
   }
   void record_event(Backend::Event& e) override {
     FLUX8_CUDA_CHECK(cudaSetDevice(device_));
@@ -206,19 +196,9 @@ class CudaCopyQueue final : public Backend::CopyQueue {
   bool asynchronous() const override { return true; }
 
  private:
-  void destroy() {
-    if (stream_) cudaStreamSynchronize(stream_);
-    for (int i = 0; i < 2; ++i) {
-      if (chunk_[i]) cudaFreeHost(chunk_[i]);
-      if (chunk_free_[i]) cudaEventDestroy(chunk_free_[i]);
-    }
-    if (stream_) cudaStreamDestroy(stream_);
-  }
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
-  void* chunk_[2] = {nullptr, nullptr};
-  cudaEvent_t chunk_free_[2] = {nullptr, nullptr};
-  int next_ = 0;
+  PinnedStaging staging_;  // freed after the destructor has drained the stream
 };
 }  // namespace
 
