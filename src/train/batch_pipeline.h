@@ -33,6 +33,7 @@
 #include "data/loader.h"
 #include "model/flux_model.h"
 #include "train/objective.h"
+#include "train/progress.h"
 #include "train/train_step.h"
 
 namespace flux8 {
@@ -62,13 +63,6 @@ class BatchPipeline {
   bool background() const { return background_; }
   const BatchPipelineSpec& spec() const { return spec_; }
 
-  // Where a micro-batch's host time went (seconds): taking its samples from the loader (which
-  // decodes on a thread of its own: this is the wait for it), make_train_batch, the copies; and
-  // how long acquire() kept the training thread waiting (with the producer on the training
-  // thread, all three).
-  struct DataTiming {
-    double read_s = 0, assemble_s = 0, upload_s = 0, wait_s = 0;
-  };
   // A micro-batch on the device: the model's inputs with x_t and the target drawn.
   struct MicroBatch {
     const FluxInputs* in = nullptr;

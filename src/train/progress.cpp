@@ -38,10 +38,10 @@ void Progress::step(const StepReport& r, bool log_line) {
                                {"step_time_s", r.step_seconds},
                                {"samples_per_s", r.samples_per_second},
                                {"tokens_per_s", r.tokens_per_second},
-                               {"data_wait_s", r.data_wait_seconds},
-                               {"data_read_s", r.data_read_seconds},
-                               {"data_assemble_s", r.data_assemble_seconds},
-                               {"data_upload_s", r.data_upload_seconds},
+                               {"data_wait_s", r.data.wait_s},
+                               {"data_read_s", r.data.read_s},
+                               {"data_assemble_s", r.data.assemble_s},
+                               {"data_upload_s", r.data.upload_s},
                                {"skipped", r.skipped}}
                     .dump()
              << "\n";
@@ -53,7 +53,7 @@ void Progress::step(const StepReport& r, bool log_line) {
   const std::string stats = fmt::format("loss {:.4f}  lr {:.2e}  grad {:.3f}  {:.0f} ms/step  {:.1f} samples/s  {:.0f} tok/s  "
                                         "data wait {:.0f} ms{}",
                                         r.loss, r.lr, r.grad_norm, r.step_seconds * 1e3,
-                                        r.samples_per_second, r.tokens_per_second, r.data_wait_seconds * 1e3,
+                                        r.samples_per_second, r.tokens_per_second, r.data.wait_s * 1e3,
                                         r.skipped ? "  SKIPPED (non-finite)" : "");
   if (tty_) {
     const int width = 24;

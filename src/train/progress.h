@@ -10,13 +10,23 @@
 
 namespace flux8 {
 
+// Where a step's (or a micro-batch's) data took host time, in seconds (train/batch_pipeline.h):
+// taking the samples from the loader (which decodes on threads of its own: this is the wait for
+// it), assembling them (make_train_batch), the copies to the device; and how long the training
+// thread waited for its data (with the producer on the training thread, all three).
+struct DataTiming {
+  double read_s = 0, assemble_s = 0, upload_s = 0, wait_s = 0;
+  DataTiming& operator+=(const DataTiming& o) {
+    read_s += o.read_s, assemble_s += o.assemble_s, upload_s += o.upload_s, wait_s += o.wait_s;
+    return *this;
+  }
+};
+
 struct StepReport {
   int64_t step = 0, total = 0;
   double loss = 0, lr = 0, grad_norm = 0, step_seconds = 0;
   double samples_per_second = 0, tokens_per_second = 0;
-  // The step's micro-batches' host time (train/batch_pipeline.h): the training thread's wait
-  // for them, and the producer's loader wait, assembly and copies.
-  double data_wait_seconds = 0, data_read_seconds = 0, data_assemble_seconds = 0, data_upload_seconds = 0;
+  DataTiming data;  // the step's micro-batches', summed
   bool skipped = false;
 };
 

@@ -157,10 +157,7 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
                 mb.part, mb.step, part, step);
     const HostBatch& hb = *mb.host;  // the slot's: read before release() lets it be refilled
     out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
-    out.data_read_s += mb.timing.read_s;
-    out.data_assemble_s += mb.timing.assemble_s;
-    out.data_upload_s += mb.timing.upload_s;
-    out.data_wait_s += mb.timing.wait_s;
+    out.data += mb.timing;
     micro_batch_gradients(ctx, *mb.in, mb.target, mb.dpred, loss_of_part(losses, part), share);
     pipeline.release();
     if (loader_after) *loader_after = mb.loader_after;

@@ -10,6 +10,7 @@
 #include "model/flux_model.h"
 #include "train/objective.h"
 #include "train/optimizer.h"
+#include "train/progress.h"
 
 namespace flux8 {
 
@@ -70,8 +71,7 @@ struct StepContext {
 struct StepLoss {
   double loss = 0;     // mean loss over the global batch
   int64_t tokens = 0;  // text + image tokens processed
-  // From a BatchPipeline: where the micro-batches' host time went, summed (seconds).
-  double data_read_s = 0, data_assemble_s = 0, data_upload_s = 0, data_wait_s = 0;
+  DataTiming data;     // from a BatchPipeline: the micro-batches' host time, summed
 };
 
 // Zeroes the gradients, then accumulates the gradient of the step's mean loss over

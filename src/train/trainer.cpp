@@ -281,14 +281,10 @@ TrainResult run_training(const TrainOptions& opt) {
     r.state.data_position = static_cast<int64_t>(ls.consumed);
     r.state.last_loss = loss;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    StepReport report{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
-                      static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs};
-    report.data_wait_seconds = sl.data_wait_s;
-    report.data_read_seconds = sl.data_read_s;
-    report.data_assemble_seconds = sl.data_assemble_s;
-    report.data_upload_seconds = sl.data_upload_s;
-    report.skipped = !st.applied;
-    progress.step(report, r.state.step % log_interval == 0 || r.state.step == train_iters);
+    progress.step(StepReport{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
+                             static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs, sl.data,
+                             !st.applied},
+                  r.state.step % log_interval == 0 || r.state.step == train_iters);
     if (r.state.step == start_step + 1) {
       const double since_launch = seconds_since_process_start();
       progress.event(fmt::format("first step done {:.2f} s after launch (libraries, device, model, data, validation "
