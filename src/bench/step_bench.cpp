@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/process_clock.h"
 #include "core/rng.h"
+#include "data/synthetic.h"
 #include "model/flops.h"
 #include "model/flux_model.h"
 #include "model/input_batch.h"
@@ -93,7 +94,7 @@ StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir
 
 namespace {
 // What `flux8 train` does on the host before each step, outside the bench's step clock: a batch
-// of MLPerf-like samples (a VAE posterior's mean and logvar for the latent, T5 and CLIP features)
+// of MLPerf-shaped samples (`flux8 data synthetic`'s: a VAE posterior's mean and logvar, T5 and CLIP)
 // assembled by make_train_batch into the reused host batch, then StepBuffers::upload (the copies
 // to the device and the flow-matching noise). Median of 5 after one warm-up.
 void time_data_path(Backend& be, const StepBenchSpec& spec, StepBenchResult& r) {
@@ -101,23 +102,15 @@ void time_data_path(Backend& be, const StepBenchSpec& spec, StepBenchResult& r) 
   const StepShape sh = spec.shape;
   const int64_t grid = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(sh.img_tokens))));
   if (grid * grid != sh.img_tokens) return;  // not a square image: no such samples to make
-  const int64_t side = grid * cfg.patch_size, C = cfg.latent_channels;
-  std::vector<Sample> samples(static_cast<size_t>(sh.batch));
-  for (size_t i = 0; i < samples.size(); ++i) {
-    Sample& s = samples[i];
-    s.key = fmt::format("{:06d}", i);
-    s.shard = "<bench>";
-    auto values = [&](std::vector<int64_t> shape, uint64_t stream, double scale) {
-      HostTensor t{std::move(shape), {}};
-      t.data.resize(static_cast<size_t>(t.numel()));
-      for (size_t k = 0; k < t.data.size(); ++k) t.data[k] = static_cast<float>(scale * rng_uniform(spec.seed, stream, k));
-      return t;
-    };
-    s.fields["mean"] = values({C, side, side}, 10 * i, 1.0);
-    s.fields["logvar"] = values({C, side, side}, 10 * i + 1, -2.0);
-    s.fields["t5"] = values({sh.txt_tokens, cfg.context_dim}, 10 * i + 2, 0.5);
-    s.fields["clip"] = values({cfg.vec_dim}, 10 * i + 3, 0.5);
-  }
+  SyntheticLatentSpec data;  // what `flux8 data synthetic` writes for this model
+  data.latent_channels = cfg.latent_channels;
+  data.latent_side = grid * cfg.patch_size;
+  data.text_seq_len = sh.txt_tokens;
+  data.context_dim = cfg.context_dim;
+  data.vec_dim = cfg.vec_dim;
+  data.seed = spec.seed;
+  std::vector<Sample> samples;
+  for (int64_t i = 0; i < sh.batch; ++i) samples.push_back(synthetic_latent_sample(data, i));
   const EmptyPrompt empty{
       HostTensor{{sh.txt_tokens, cfg.context_dim}, std::vector<float>(static_cast<size_t>(sh.txt_tokens * cfg.context_dim))},
       HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim))}};

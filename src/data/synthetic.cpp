@@ -29,6 +29,19 @@ HostTensor uniform(std::vector<int64_t> shape, uint64_t seed, uint64_t stream, d
 }
 }  // namespace
 
+Sample synthetic_latent_sample(const SyntheticLatentSpec& spec, int64_t index) {
+  Sample s;
+  s.key = demo_key(index);
+  s.shard = "<synthetic>";
+  const uint64_t stream = 4 * static_cast<uint64_t>(index);
+  const int64_t C = spec.latent_channels, side = spec.latent_side;
+  s.fields["mean"] = uniform({C, side, side}, spec.seed, stream, 1.0, 0.0);
+  s.fields["logvar"] = uniform({C, side, side}, spec.seed, stream + 1, 1.0, -6.0);
+  s.fields["t5"] = uniform({spec.text_seq_len, spec.context_dim}, spec.seed, stream + 2, 0.5, 0.0);
+  s.fields["clip"] = uniform({spec.vec_dim}, spec.seed, stream + 3, 0.5, 0.0);
+  return s;
+}
+
 uint64_t write_synthetic_latent_dataset(const std::string& out_dir, const SyntheticLatentSpec& spec) {
   for (const auto& [name, v] : {std::pair{"latent_channels", spec.latent_channels}, {"latent_side", spec.latent_side},
                                 {"text_seq_len", spec.text_seq_len}, {"context_dim", spec.context_dim},
@@ -44,19 +57,13 @@ uint64_t write_synthetic_latent_dataset(const std::string& out_dir, const Synthe
     if (name.rfind("train-", 0) == 0 && entry.path().extension() == ".tar") fs::remove(entry.path());
   }
   uint64_t bytes = 0;
-  const int64_t C = spec.latent_channels, side = spec.latent_side;
   for (int64_t first = 0, shard = 0; first < spec.samples; first += spec.samples_per_shard, ++shard) {
     TarWriter tar((dir / fmt::format("train-{:06d}.tar", shard)).string());
     for (int64_t i = first; i < std::min(spec.samples, first + spec.samples_per_shard); ++i) {
-      const std::string key = demo_key(i);
-      const uint64_t stream = 4 * static_cast<uint64_t>(i);
-      for (const auto& [field, t] :
-           {std::pair{"mean", uniform({C, side, side}, spec.seed, stream, 1.0, 0.0)},
-            {"logvar", uniform({C, side, side}, spec.seed, stream + 1, 1.0, -6.0)},
-            {"t5", uniform({spec.text_seq_len, spec.context_dim}, spec.seed, stream + 2, 0.5, 0.0)},
-            {"clip", uniform({spec.vec_dim}, spec.seed, stream + 3, 0.5, 0.0)}}) {
-        const std::string npy = encode_npy_f32(t);
-        tar.add(key + "." + field + ".npy", npy);
+      const Sample sample = synthetic_latent_sample(spec, i);
+      for (const char* field : {"mean", "logvar", "t5", "clip"}) {
+        const std::string npy = encode_npy_f32(sample.at(field));
+        tar.add(sample.key + "." + field + ".npy", npy);
         bytes += npy.size();
       }
     }

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "data/sample.h"
+
 namespace flux8 {
 
 struct SyntheticLatentSpec {
@@ -17,6 +19,10 @@ struct SyntheticLatentSpec {
   int64_t samples = 256, samples_per_shard = 64;
   uint64_t seed = 0;
 };
+
+// Sample `index` of such a dataset (key demo_key(index), the four fields; shard "<synthetic>").
+// Also what `flux8 bench --data-path` assembles.
+Sample synthetic_latent_sample(const SyntheticLatentSpec& spec, int64_t index);
 
 // Writes the shards (each atomically, TarWriter) after removing train-*.tar left in out_dir.
 // Returns the bytes of the .npy members written.
