@@ -7,8 +7,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "core/error.h"
+#include "core/sha256.h"
 #include "io/safetensors.h"
 
 #include "test_util.h"
@@ -217,6 +219,69 @@ TEST(Safetensors, AtomicWriteReplacesAndLeavesNoTempFile) {
   const std::string bad = dir.path("no/such/dir/ckpt.safetensors");
   expect_mentions(error_of([&] { w1.write(bad); }), {bad + ".tmp.", "No such file or directory"});
   EXPECT_EQ(dir.listing(), std::vector<std::string>{"ckpt.safetensors"});
+}
+
+// Tensors larger than the writer's buffers, and sizes that leave a buffer's tail shorter than
+// the next tensor's element (a bf16 tensor of odd length before f64 ones), stream through
+// add_filled in pieces: the file reads back exactly and write() returns its SHA-256.
+TEST(Safetensors, FilledTensorsStreamInPiecesAndTheDigestIsTheFiles) {
+  TempDir dir;
+  const size_t big = (size_t{40} << 20) / 4 + 3;  // 40 MiB + 12 bytes of f32: past one buffer
+  std::vector<float> a(big);
+  for (size_t i = 0; i < big; ++i) a[i] = static_cast<float>(i % 9973) * 0.25f - 7.f;
+  std::vector<uint16_t> b(1001);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint16_t>(0x3f80 + i);
+  const size_t nd = (size_t{33} << 20) / 8 + 5;  // 33 MiB of f64: its elements straddle buffers
+  std::vector<double> d(nd);
+  for (size_t i = 0; i < nd; ++i) d[i] = 1.0 / static_cast<double>(i + 1);
+
+  std::vector<std::pair<size_t, size_t>> calls;  // the pieces a's fill was asked for
+  SafetensorsWriter w;
+  w.add_filled("a", DType::f32, {static_cast<int64_t>(big)}, [&](size_t first, size_t count, void* dst) {
+    calls.emplace_back(first, count);
+    std::memcpy(dst, a.data() + first, count * 4);
+  });
+  w.add("b", DType::bf16, {static_cast<int64_t>(b.size())}, b.data());
+  w.add("d", DType::f64, {static_cast<int64_t>(nd)}, d.data());
+  w.add_f32_as("a_as_bf16", {static_cast<int64_t>(big)}, a.data(), DType::bf16);
+  const std::string path = dir.path("big.safetensors");
+  const SafetensorsWriter::Written written = w.write(path);
+
+  EXPECT_EQ(written.bytes, fs::file_size(path));
+  EXPECT_EQ(written.sha256, sha256_file(path));
+  ASSERT_GE(calls.size(), 2u);  // in pieces, in order, covering every element once
+  size_t next = 0;
+  for (const auto& [first, count] : calls) {
+    EXPECT_EQ(first, next);
+    EXPECT_GT(count, 0u);
+    next = first + count;
+  }
+  EXPECT_EQ(next, big);
+
+  SafetensorsReader r(path);
+  std::vector<float> got_a(big), got_ab(big), got_b(b.size());
+  std::vector<double> got_d(nd);
+  r.read_f32("a", got_a.data());
+  r.read_f64("d", got_d.data());
+  r.read_f32("b", got_b.data());
+  r.read_f32("a_as_bf16", got_ab.data());
+  EXPECT_EQ(std::memcmp(got_a.data(), a.data(), big * 4), 0);
+  EXPECT_EQ(std::memcmp(got_d.data(), d.data(), nd * 8), 0);
+  for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(got_b[i], bf16_bits_to_f32(b[i])) << i;
+  for (size_t i = 0; i < big; i += 4099) ASSERT_EQ(got_ab[i], round_to_bf16(a[i])) << i;
+}
+
+// A fill that fails (a device error, say) fails write(): no file, no temp file left.
+TEST(Safetensors, AFailingFillLeavesNoFile) {
+  TempDir dir;
+  const size_t n = (size_t{48} << 20) / 4;
+  SafetensorsWriter w;
+  w.add_filled("x", DType::f32, {static_cast<int64_t>(n)}, [](size_t first, size_t count, void* dst) {
+    if (first > 0) fail("download failed at element {}", first);
+    std::memset(dst, 0, count * 4);
+  });
+  expect_mentions(error_of([&] { w.write(dir.path("x.safetensors")); }), {"download failed at element"});
+  EXPECT_TRUE(dir.listing().empty());
 }
 
 TEST(Safetensors, WriterRejectsBadNames) {

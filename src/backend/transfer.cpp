@@ -1,5 +1,7 @@
 #include "backend/transfer.h"
 
+#include <cstring>
+
 #include "backend/backend.h"
 #include "core/error.h"
 
@@ -48,6 +50,83 @@ void from_host(Backend& backend, const Tensor& t, const std::vector<float>& valu
     return;
   }
   from_host(backend, t, std::vector<double>(values.begin(), values.end()));  // exact: then as above
+}
+
+void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vector<uint8_t>& scratch) {
+  FLUX8_CHECK(t.contiguous(), "upload_f32 into a strided tensor {}", t.str());
+  const size_t n = static_cast<size_t>(t.numel());
+  if (t.dtype == DType::f32) {
+    backend.upload(t.data, values, n * 4);
+  } else if (t.dtype == DType::bf16) {
+    scratch.resize(n * 2);
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t b = f32_to_bf16_bits(values[i]);
+      std::memcpy(scratch.data() + 2 * i, &b, 2);
+    }
+    backend.upload(t.data, scratch.data(), n * 2);
+  } else {
+    FLUX8_CHECK(t.dtype == DType::f64, "upload_f32 into {}", t.str());
+    scratch.resize(n * 8);
+    for (size_t i = 0; i < n; ++i) {
+      const double d = values[i];
+      std::memcpy(scratch.data() + 8 * i, &d, 8);
+    }
+    backend.upload(t.data, scratch.data(), n * 8);
+  }
+}
+
+void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, DType dst_dtype, void* dst,
+                 std::vector<uint8_t>& scratch) {
+  FLUX8_CHECK(t.contiguous() && first + count <= static_cast<size_t>(t.numel()),
+              "download_as of elements [{}, {}) of {}", first, first + count, t.str());
+  FLUX8_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16, "download_as of {}",
+              t.str());
+  const size_t esize = dtype_size(t.dtype);
+  const void* src = static_cast<const char*>(t.data) + first * esize;
+  if (t.dtype == dst_dtype) {
+    backend.download(dst, src, count * esize);
+    return;
+  }
+  scratch.resize(count * esize);
+  backend.download(scratch.data(), src, count * esize);
+  auto value = [&](size_t i) -> float {  // element i as f32
+    if (t.dtype == DType::bf16) {
+      uint16_t b;
+      std::memcpy(&b, scratch.data() + 2 * i, 2);
+      return bf16_bits_to_f32(b);
+    }
+    if (t.dtype == DType::f64) {
+      double d;
+      std::memcpy(&d, scratch.data() + 8 * i, 8);
+      return static_cast<float>(d);
+    }
+    float f;
+    std::memcpy(&f, scratch.data() + 4 * i, 4);
+    return f;
+  };
+  auto* out = static_cast<uint8_t*>(dst);
+  switch (dst_dtype) {
+    case DType::f32:
+      for (size_t i = 0; i < count; ++i) {
+        const float f = value(i);
+        std::memcpy(out + 4 * i, &f, 4);
+      }
+      return;
+    case DType::f64:
+      for (size_t i = 0; i < count; ++i) {
+        const double d = value(i);
+        std::memcpy(out + 8 * i, &d, 8);
+      }
+      return;
+    case DType::bf16:
+    case DType::f16:
+      for (size_t i = 0; i < count; ++i) {
+        const uint16_t b = dst_dtype == DType::bf16 ? f32_to_bf16_bits(value(i)) : f32_to_f16_bits(value(i));
+        std::memcpy(out + 2 * i, &b, 2);
+      }
+      return;
+    default: FLUX8_CHECK(false, "download_as into {}", dtype_name(dst_dtype));
+  }
 }
 
 }  // namespace flux8

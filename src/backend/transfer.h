@@ -14,4 +14,16 @@ void from_host(Backend& backend, const Tensor& t, const std::vector<double>& val
 // The same from f32 values: uploaded as they are into an f32 tensor (no conversion pass).
 void from_host(Backend& backend, const Tensor& t, const std::vector<float>& values);
 
+// t.numel() f32 values uploaded into a contiguous f32, f64 or bf16 tensor (bf16: rounded to
+// nearest even), converting through `scratch` (reused from call to call) where t is not f32.
+void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vector<uint8_t>& scratch);
+
+// Elements [first, first + count) of a contiguous f32, f64 or bf16 tensor, downloaded into dst
+// as `dst_dtype` (f32, f64, bf16 or f16): as they are when the types match, else through f32
+// (f64 narrowed, bf16 widened exactly, bf16/f16 rounded to nearest even). `scratch` holds the
+// downloaded values for a conversion and is reused from call to call. For checkpoints, which
+// stream a tensor to disk a piece at a time instead of holding it all on the host.
+void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, DType dst_dtype, void* dst,
+                 std::vector<uint8_t>& scratch);
+
 }  // namespace flux8

@@ -10,10 +10,12 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <utility>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/sha256.h"
 
 namespace flux8 {
 
@@ -37,6 +39,28 @@ size_t element_size(const std::string& dtype) {
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+// count f32 values as `target` (f32, f64, or bf16/f16 rounded to nearest even) into dst.
+void convert_f32(const float* src, size_t count, DType target, void* dst) {
+  auto* out = static_cast<uint8_t*>(dst);
+  switch (target) {
+    case DType::f32: std::memcpy(out, src, count * 4); return;
+    case DType::f64:
+      for (size_t j = 0; j < count; ++j) {
+        const double d = src[j];
+        std::memcpy(out + 8 * j, &d, 8);
+      }
+      return;
+    case DType::bf16:
+    case DType::f16:
+      for (size_t j = 0; j < count; ++j) {
+        const uint16_t b = target == DType::bf16 ? f32_to_bf16_bits(src[j]) : f32_to_f16_bits(src[j]);
+        std::memcpy(out + 2 * j, &b, 2);
+      }
+      return;
+    default: fail("safetensors writer: cannot store f32 values as {}", dtype_name(target));
+  }
 }
 
 bool is_index(const json& j) {
@@ -305,18 +329,36 @@ void SafetensorsWriter::add_entry(Entry e) {
     if (d < 0) fail("safetensors writer: tensor '{}' has negative shape {}", e.name, shape_text(e.shape));
     numel *= d;
   }
-  if (numel > 0 && e.data == nullptr) fail("safetensors writer: tensor '{}' has no data", e.name);
+  if (numel > 0 && !e.fill) fail("safetensors writer: tensor '{}' has no data", e.name);
   entries_.push_back(std::move(e));
 }
 
 void SafetensorsWriter::add(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
                             const void* data) {
-  add_entry({name, dtype, dtype, shape, data});
+  const size_t esize = dtype_size(dtype);
+  FillChunk fill;
+  if (data)
+    fill = [data, esize](size_t first, size_t count, void* dst) {
+      std::memcpy(dst, static_cast<const uint8_t*>(data) + first * esize, count * esize);
+    };
+  add_entry({name, dtype, shape, std::move(fill)});
 }
 
 void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<int64_t>& shape,
                                    const float* data, DType target) {
-  add_entry({name, DType::f32, target, shape, data});
+  if (target != DType::f32 && target != DType::f64 && target != DType::bf16 && target != DType::f16)
+    fail("safetensors writer: tensor '{}': cannot store f32 values as {}", name, dtype_name(target));
+  FillChunk fill;
+  if (data)
+    fill = [data, target](size_t first, size_t count, void* dst) {
+      convert_f32(data + first, count, target, dst);
+    };
+  add_entry({name, target, shape, std::move(fill)});
+}
+
+void SafetensorsWriter::add_filled(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                                   FillChunk fill) {
+  add_entry({name, dtype, shape, std::move(fill)});
 }
 
 void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) {
@@ -375,9 +417,73 @@ class TempFile {
   bool committed_ = false;
 };
 
+// The file's bytes on their way out: filled into one of two buffers while the other is hashed
+// and written (the hash and the write side by side), so the device downloads or conversions
+// that fill a buffer overlap the disk and the digest costs no second read of the file.
+class HashedStream {
+ public:
+  static constexpr size_t kBufferBytes = size_t{32} << 20;
+
+  explicit HashedStream(TempFile& out) : out_(out) {
+    for (auto& b : buffers_) b.resize(kBufferBytes);
+  }
+  ~HashedStream() {
+    if (pending_.valid()) pending_.wait();  // an error unwinds: the worker must not outlive us
+  }
+  HashedStream(const HashedStream&) = delete;
+  HashedStream& operator=(const HashedStream&) = delete;
+
+  uint8_t* tail() { return buffers_[current_].data() + used_; }
+  size_t room() const { return kBufferBytes - used_; }
+  void advance(size_t n) { used_ += n; }
+  void put(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (n > 0) {
+      if (room() == 0) flush();
+      const size_t k = std::min(n, room());
+      std::memcpy(tail(), p, k);
+      advance(k);
+      p += k;
+      n -= k;
+    }
+  }
+  // Hands the current buffer to the worker (after the other buffer's work is done, which
+  // keeps the hash and the file in order) and continues in the other buffer.
+  void flush() {
+    if (used_ == 0) return;
+    if (pending_.valid()) pending_.get();  // rethrows a failed write
+    const uint8_t* data = buffers_[current_].data();
+    const size_t n = used_;
+    pending_ = std::async(std::launch::async, [this, data, n] {
+      auto hashed = std::async(std::launch::async, [this, data, n] { hash_.update(data, n); });
+      out_.write_all(data, n);
+      hashed.get();
+    });
+    bytes_ += n;
+    current_ ^= 1;
+    used_ = 0;
+  }
+  // Writes what is left; the digest of everything put.
+  std::string finish() {
+    flush();
+    if (pending_.valid()) pending_.get();
+    return hash_.hex_digest();
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  TempFile& out_;
+  std::vector<uint8_t> buffers_[2];
+  int current_ = 0;
+  size_t used_ = 0;
+  uint64_t bytes_ = 0;
+  Sha256 hash_;
+  std::future<void> pending_;
+};
+
 }  // namespace
 
-void SafetensorsWriter::write(const std::string& path) const {
+SafetensorsWriter::Written SafetensorsWriter::write(const std::string& path) const {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata_.empty()) header["__metadata__"] = metadata_;
   std::vector<size_t> numels;
@@ -398,39 +504,28 @@ void SafetensorsWriter::write(const std::string& path) const {
   const uint64_t n = text.size();
 
   TempFile out(fmt::format("{}.tmp.{}", path, ::getpid()), path);
-  out.write_all(&n, 8);
-  out.write_all(text.data(), text.size());
-  constexpr size_t kChunk = 1 << 20;  // elements converted per write: bounded extra memory
-  std::vector<uint8_t> buf;
+  HashedStream stream(out);  // after `out`: destroyed (its last write waited for) before it
+  stream.put(&n, 8);
+  stream.put(text.data(), text.size());
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
-    if (e.source == e.target) {
-      out.write_all(e.data, numels[i] * dtype_size(e.target));
-      continue;
-    }
-    const float* src = static_cast<const float*>(e.data);
     const size_t esize = dtype_size(e.target);
-    buf.resize(std::min(numels[i], kChunk) * esize);
-    for (size_t begin = 0; begin < numels[i]; begin += kChunk) {
-      const size_t count = std::min(kChunk, numels[i] - begin);
-      for (size_t j = 0; j < count; ++j) {
-        const float x = src[begin + j];
-        uint8_t* p = buf.data() + j * esize;
-        if (e.target == DType::bf16) {
-          const uint16_t b = f32_to_bf16_bits(x);
-          std::memcpy(p, &b, 2);
-        } else if (e.target == DType::f16) {
-          const uint16_t b = f32_to_f16_bits(x);
-          std::memcpy(p, &b, 2);
-        } else {  // f64
-          const double d = x;
-          std::memcpy(p, &d, 8);
-        }
+    for (size_t first = 0; first < numels[i];) {
+      const size_t count = std::min(stream.room() / esize, numels[i] - first);
+      if (count == 0) {  // the buffer's tail is shorter than one element: start the next one
+        stream.flush();
+        continue;
       }
-      out.write_all(buf.data(), count * esize);
+      e.fill(first, count, stream.tail());
+      stream.advance(count * esize);
+      first += count;
     }
   }
+  Written written;
+  written.sha256 = stream.finish();
+  written.bytes = stream.bytes();
   out.commit();
+  return written;
 }
 
 }  // namespace flux8

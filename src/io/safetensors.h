@@ -6,6 +6,7 @@
 // then the data buffer, offsets relative to its start. Checkpoints use this format so flux8
 // weights load in PyTorch/diffusers and reference checkpoints load here.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -65,9 +66,16 @@ class SafetensorsReader {
   std::map<std::string, std::string> metadata_;
 };
 
-// Collects tensors (pointers only; data is read during write()) and writes them atomically.
+// Collects tensors and writes them atomically, streaming: the file's bytes pass through two
+// 32 MiB buffers (one filled while the other is hashed and written), so writing a checkpoint
+// of any size holds no copy of it in host memory, and the file's SHA-256 is computed from the
+// bytes as they are written instead of by reading the file back.
 class SafetensorsWriter {
  public:
+  // Produces elements [first, first + count) of a tensor, in the file's dtype, into dst
+  // (count · dtype_size bytes). Called in order of `first`, on the thread that calls write().
+  using FillChunk = std::function<void(size_t first, size_t count, void* dst)>;
+
   // Stores `data` as is: `dtype` says what the bytes already are. The data must stay alive
   // until write().
   void add(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
@@ -75,19 +83,25 @@ class SafetensorsWriter {
   // Stores f32 data converted to `target` (bf16/f16 round to nearest even) while writing.
   void add_f32_as(const std::string& name, const std::vector<int64_t>& shape, const float* data,
                   DType target);
+  // A tensor of `dtype` whose bytes `fill` produces while the file is written (e.g. downloaded
+  // from the device a piece at a time).
+  void add_filled(const std::string& name, DType dtype, const std::vector<int64_t>& shape, FillChunk fill);
   void set_metadata(const std::string& key, const std::string& value);
 
+  struct Written {
+    uint64_t bytes = 0;
+    std::string sha256;  // hex digest of the whole file, as written
+  };
   // Writes path + ".tmp.<pid>", fsyncs it, renames it over `path` and fsyncs the directory, so
   // a crash leaves either the old file or the complete new one.
-  void write(const std::string& path) const;
+  Written write(const std::string& path) const;
 
  private:
   struct Entry {
     std::string name;
-    DType source;  // what `data` holds
     DType target;  // what the file holds
     std::vector<int64_t> shape;
-    const void* data;
+    FillChunk fill;
   };
   void add_entry(Entry e);
 

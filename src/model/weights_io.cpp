@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <memory>
 #include <set>
 #include <vector>
 
@@ -95,44 +96,68 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
       problems.add(fmt::format("unexpected: {} (no such parameter in this model)", name));
   problems.raise(path, cfg, naming);
 
+  // Into buffers reused from parameter to parameter: f32 for f32 parameters (an F64 file
+  // narrows, as training would), f64 for f64 ones (the CPU backend's double-precision runs).
   Backend& be = store.backend();
+  std::vector<float> values, src;
+  std::vector<double> values64, src64;
+  std::vector<uint8_t> scratch;
   for (const ParamInfo& p : store.layout().params()) {
-    std::vector<double> values(static_cast<size_t>(p.shape.numel()));
+    const Tensor t = store.param(p.name);
+    const bool f64 = t.dtype == DType::f64;
+    const size_t n = static_cast<size_t>(p.shape.numel());
+    f64 ? values64.resize(n) : values.resize(n);
+    auto read = [&](const std::string& name, std::vector<float>& f, std::vector<double>& d) {
+      if (f64) {
+        d.resize(static_cast<size_t>(file.tensor(name).numel()));
+        file.read_f64(name, d.data());
+      } else {
+        f.resize(static_cast<size_t>(file.tensor(name).numel()));
+        file.read_f32(name, f.data());
+      }
+    };
     if (naming == WeightNaming::reference) {
-      file.read_f64(prefix + p.name, values.data());
+      read(prefix + p.name, values, values64);
     } else {
       const int64_t row_elems = p.shape.numel() / p.shape[0];
       for (const NamePiece& piece : diffusers_pieces(p, cfg)) {
-        const std::string full = prefix + piece.diffusers;
-        std::vector<double> src(static_cast<size_t>(file.tensor(full).numel()));
-        file.read_f64(full, src.data());
-        std::copy_n(src.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
-                    values.begin() + piece.bfl_row * row_elems);
+        read(prefix + piece.diffusers, src, src64);
+        if (f64)
+          std::copy_n(src64.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
+                      values64.begin() + piece.bfl_row * row_elems);
+        else
+          std::copy_n(src.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
+                      values.begin() + piece.bfl_row * row_elems);
       }
     }
-    from_host(be, store.param(p.name), values);
+    if (f64)
+      be.upload(t.data, values64.data(), n * 8);
+    else
+      upload_f32(be, t, values.data(), scratch);
   }
   store.params_changed();
 }
 
-void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
-                  DType file_dtype, WeightNaming naming,
-                  const std::map<std::string, std::string>& metadata) {
+std::string save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
+                         DType file_dtype, WeightNaming naming,
+                         const std::map<std::string, std::string>& metadata) {
   if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
     fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
   Backend& be = store.backend();
   SafetensorsWriter writer;
-  // Host copies must outlive write(); one f32 vector per file tensor.
+  // Diffusers' host copies must outlive write(): one f32 vector per file tensor (its tensors
+  // are assembled from pieces of several parameters).
   std::vector<std::vector<float>> host;
-  host.reserve(store.layout().params().size() * 2);
-  auto to_f32 = [&](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
 
   if (naming == WeightNaming::reference) {
-    for (const ParamInfo& p : store.layout().params()) {
-      host.push_back(to_f32(to_host(be, store.param(p.name))));
-      writer.add_f32_as(p.name, dims(p.shape), host.back().data(), file_dtype);
-    }
+    auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
+    for (const ParamInfo& p : store.layout().params())
+      writer.add_filled(p.name, file_dtype, dims(p.shape),
+                        [&be, t = store.param(p.name), file_dtype, scratch](size_t first, size_t count, void* dst) {
+                          download_as(be, t, first, count, file_dtype, dst, *scratch);
+                        });
   } else {
+    host.reserve(store.layout().params().size() * 2);
     std::map<std::string, size_t> slot;
     for (const DiffusersTensor& t : diffusers_tensors(store.layout(), cfg)) {
       slot[t.name] = host.size();
@@ -152,7 +177,7 @@ void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::str
   }
   writer.set_metadata("format", "pt");
   for (const auto& [k, v] : metadata) writer.set_metadata(k, v);
-  writer.write(path);
+  return writer.write(path).sha256;
 }
 
 }  // namespace flux8

@@ -21,8 +21,10 @@ enum class WeightNaming { reference, diffusers };
 void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path,
                   const std::string& prefix = "");
 
-// Writes all parameters (file dtype bf16, f32 or f16) atomically.
-void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
+// Writes all parameters (file dtype bf16, f32 or f16) atomically; returns the file's SHA-256
+// (hex), computed from the bytes as they were written. In the reference naming each parameter
+// streams from the backend to the file a piece at a time (no host copy of the model).
+std::string save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
                   DType file_dtype, WeightNaming naming,
                   const std::map<std::string, std::string>& metadata = {});
 

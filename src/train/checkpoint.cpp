@@ -15,6 +15,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -248,24 +249,25 @@ std::string optimizer_tensor_name(const char* moment, const std::string& param) 
   return std::string(moment) + "." + param;
 }
 
-void save_optimizer(const std::string& path, const TrainerState& state, const ParamStore& store,
-                    const Tensor& adam_m, const Tensor& adam_v) {
+// Returns the file's SHA-256. Each moment streams from the backend to the file a piece at a
+// time, as f32 whatever it is stored in (PyTorch's AdamW state; bf16 moments widen exactly).
+std::string save_optimizer(const std::string& path, const TrainerState& state, const ParamStore& store,
+                           const Tensor& adam_m, const Tensor& adam_v) {
   Backend& be = store.backend();
   SafetensorsWriter writer;
-  std::vector<std::vector<float>> host;  // must outlive write()
-  host.reserve(store.layout().params().size() * 2);
+  auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
   for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}}) {
     for (const ParamInfo& p : store.layout().params()) {
-      const std::vector<double> values = to_host(be, slice_of(*flat, p));
-      host.emplace_back(values.begin(), values.end());
-      writer.add_f32_as(optimizer_tensor_name(moment, p.name), dims(p.shape), host.back().data(),
-                        DType::f32);
+      writer.add_filled(optimizer_tensor_name(moment, p.name), DType::f32, dims(p.shape),
+                        [&be, t = slice_of(*flat, p), scratch](size_t first, size_t count, void* dst) {
+                          download_as(be, t, first, count, DType::f32, dst, *scratch);
+                        });
     }
   }
   writer.set_metadata("format", "pt");
   writer.set_metadata("flux8_optimizer", "adamw");
   writer.set_metadata("flux8_step", std::to_string(state.step));
-  writer.write(path);
+  return writer.write(path).sha256;
 }
 
 void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m,
@@ -285,11 +287,13 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
     fail("optimizer state {} does not match this model ({}{}); was it saved with another config?",
          path, problems.front(), problems.size() > 1 ? fmt::format(" and {} more", problems.size() - 1) : "");
   Backend& be = store.backend();
+  std::vector<float> values;  // reused from tensor to tensor
+  std::vector<uint8_t> scratch;
   for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}})
     for (const ParamInfo& p : store.layout().params()) {
-      std::vector<double> values(static_cast<size_t>(p.shape.numel()));
-      file.read_f64(optimizer_tensor_name(moment, p.name), values.data(), dims(p.shape));
-      from_host(be, slice_of(*flat, p), values);
+      values.resize(static_cast<size_t>(p.shape.numel()));
+      file.read_f32(optimizer_tensor_name(moment, p.name), values.data(), dims(p.shape));
+      upload_f32(be, slice_of(*flat, p), values.data(), scratch);
     }
 }
 
@@ -426,12 +430,14 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   if (ec) fail("cannot create '{}': {}", tmp_dir, ec.message());
 
   auto in_tmp = [&](const char* file) { return (fs::path(tmp_dir) / file).string(); };
-  // Every file is written and fsynced by its writer (safetensors: temp file + rename).
-  save_weights(store, cfg, in_tmp(kModelFile), DType::f32, WeightNaming::reference,
-               {{"flux8_config", state.config_yaml},
-                {"flux8_step", std::to_string(state.step)},
-                {"flux8_version", state.flux8_version}});
-  save_optimizer(in_tmp(kOptimizerFile), state, store, adam_m, adam_v);
+  // Every file is written and fsynced by its writer (safetensors: temp file + rename); the two
+  // large ones are hashed as they are written.
+  std::map<std::string, std::string> digests;
+  digests[kModelFile] = save_weights(store, cfg, in_tmp(kModelFile), DType::f32, WeightNaming::reference,
+                                     {{"flux8_config", state.config_yaml},
+                                      {"flux8_step", std::to_string(state.step)},
+                                      {"flux8_version", state.flux8_version}});
+  digests[kOptimizerFile] = save_optimizer(in_tmp(kOptimizerFile), state, store, adam_m, adam_v);
   write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
   if (fp8) save_fp8_state(*fp8, in_tmp(kFp8File));
 
@@ -442,12 +448,12 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   manifest["files"] = json::object();
   std::vector<const char*> files = {kModelFile, kOptimizerFile, kStateFile};
   if (fp8) files.push_back(kFp8File);
-  // The files' digests side by side (model and optimizer state are GBs at 12B widths).
-  std::vector<std::future<std::string>> digests;
-  for (const char* file : files)
-    digests.push_back(std::async(std::launch::async, [path = in_tmp(file)] { return sha256_file(path); }));
-  for (size_t i = 0; i < files.size(); ++i)
-    manifest["files"][files[i]] = {{"bytes", fs::file_size(in_tmp(files[i]))}, {"sha256", digests[i].get()}};
+  for (const char* file : files) {
+    const std::string path = in_tmp(file);
+    auto known = digests.find(file);
+    manifest["files"][file] = {{"bytes", fs::file_size(path)},
+                               {"sha256", known != digests.end() ? known->second : sha256_file(path)}};
+  }
   write_file_durably(in_tmp(kManifestFile), manifest.dump(2) + "\n");
   fsync_path(tmp_dir, /*directory=*/true);
 

@@ -145,13 +145,16 @@ TrainResult run_training(const TrainOptions& opt) {
   r.state.config_yaml = r.cfg.dump();
 
   std::string resumed_from, fp8_note;
+  double resume_seconds = 0.0;
   if (opt.resume) {
-    if (auto dir = find_latest_checkpoint(r.save_dir)) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (auto dir = find_latest_checkpoint(r.save_dir)) {  // verifies every file's digest
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
       load_checkpoint(*dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(),
                       registry, &fp8_note);
       r.state.config_yaml = r.cfg.dump();  // the config of this run goes into its checkpoints
       resumed_from = *dir;
+      resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
   }
   if (resumed_from.empty()) {
@@ -203,8 +206,9 @@ TrainResult run_training(const TrainOptions& opt) {
                                rows, ParamStore::kLowRankMaxRows),
                    nullptr);
   if (!resumed_from.empty()) {
-    progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f})", resumed_from, r.state.step, r.state.last_loss),
-                   {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", resumed_from}});
+    progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f}; verified and loaded in {:.1f} s)",
+                               resumed_from, r.state.step, r.state.last_loss, resume_seconds),
+                   {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", resumed_from}, {"seconds", resume_seconds}});
     if (!fp8_note.empty()) progress.event(fp8_note, nullptr);
   }
 
@@ -219,12 +223,19 @@ TrainResult run_training(const TrainOptions& opt) {
     return v.score;
   };
   auto save = [&]() {
+    const auto t0 = std::chrono::steady_clock::now();
     result.last_checkpoint = save_checkpoint(r.save_dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(),
                                              r.opt->exp_avg_sq(), static_cast<int>(r.cfg.get_int("keep_last_checkpoints")),
                                              // const: reading the mirror must not mark the device copy stale
                                              r.model->fp8() ? &std::as_const(*r.model->fp8()).registry() : nullptr);
-    progress.event(fmt::format("saved checkpoint {}", result.last_checkpoint),
-                   {{"event", "checkpoint"}, {"step", r.state.step}, {"path", result.last_checkpoint}});
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::error_code ec;
+    uintmax_t bytes = 0;
+    for (const auto& f : std::filesystem::directory_iterator(result.last_checkpoint, ec))
+      if (f.is_regular_file(ec)) bytes += f.file_size(ec);
+    progress.event(fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", result.last_checkpoint, bytes / 1e9, secs),
+                   {{"event", "checkpoint"}, {"step", r.state.step}, {"path", result.last_checkpoint},
+                    {"bytes", bytes}, {"seconds", secs}});
   };
 
   result.first_val_loss = run_validation(start_step == 0 ? "start" : "resume");
