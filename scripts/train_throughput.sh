@@ -4,7 +4,9 @@
 # — the loader, the batch assembly, the upload — beside `flux8 bench`'s step, which starts with
 # its batch on the device. Runs `flux8 train` with data_overlap off and on, alternating
 # (TRAIN_THROUGHPUT_ROUNDS rounds, default 2), and prints the median step time of steps 6 to
-# TRAIN_THROUGHPUT_STEPS (default 30) from each run's metrics.jsonl.
+# TRAIN_THROUGHPUT_STEPS (default 30) from each run's metrics.jsonl, and how long the run's
+# end-of-run checkpoint took to write; the last run then resumes for one step (the time to
+# verify and load its checkpoint).
 #   scripts/train_throughput.sh W1|W2 [--set key=value ...]   (more --set: passed to flux8 train)
 # Shards and runs go to TRAIN_THROUGHPUT_DIR (default /dev/shm/flux8_train_throughput: the end
 # of run checkpoint of W2 is ~16 GB). Needs build/flux8 and python3 (standard library only).
@@ -48,7 +50,18 @@ for round in $(seq "$rounds"); do
         --set data_overlap=$overlap "$@" > "$work/$workload-$overlap.log" 2>&1 ||
       { tail -20 "$work/$workload-$overlap.log"; echo "train_throughput: flux8 train failed" >&2; exit 1; }
     echo "$workload round $round data_overlap=$overlap: $(medians "$run/metrics.jsonl")" \
-         "(medians of steps 6-$steps; $(grep -o 'first step done [0-9.]* s' "$work/$workload-$overlap.log"))"
+         "(medians of steps 6-$steps; $(grep -o 'first step done [0-9.]* s' "$work/$workload-$overlap.log");" \
+         "end-of-run checkpoint $(grep -o '([0-9.]* GB in [0-9.]* s)' "$work/$workload-$overlap.log"))"
+    # The last run resumes once for one step more: how long verifying and loading its
+    # checkpoint takes (every file's SHA-256 read back, then the tensors).
+    if [ "$round" = "$rounds" ] && [ "$overlap" = on ]; then
+      build/flux8 train "${model[@]}" "${fast[@]}" --set backend=cuda --set "train_data=$data/train-*.tar" \
+          --set train_iters=$((steps + 1)) --set lr_warmup_iters=0 --set log_interval=1 --set save_dir="$run" \
+          --resume "$@" > "$work/$workload-resume.log" 2>&1 ||
+        { tail -20 "$work/$workload-resume.log"; echo "train_throughput: flux8 train --resume failed" >&2; exit 1; }
+      echo "$workload resume: $(grep -o 'verified and loaded in [0-9.]* s' "$work/$workload-resume.log");" \
+           "$(grep -o 'first step done [0-9.]* s' "$work/$workload-resume.log")"
+    fi
     rm -rf "$run"
   done
 done

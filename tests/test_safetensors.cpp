@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -269,6 +270,40 @@ TEST(Safetensors, FilledTensorsStreamInPiecesAndTheDigestIsTheFiles) {
   EXPECT_EQ(std::memcmp(got_d.data(), d.data(), nd * 8), 0);
   for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(got_b[i], bf16_bits_to_f32(b[i])) << i;
   for (size_t i = 0; i < big; i += 4099) ASSERT_EQ(got_ab[i], round_to_bf16(a[i])) << i;
+}
+
+// Files written side by side are each what write() makes alone; a failing fill in one leaves
+// none of them.
+TEST(Safetensors, WriteTogetherEqualsWritingEachAlone) {
+  TempDir dir;
+  const size_t n1 = (size_t{70} << 20) / 4 + 1, n2 = (size_t{20} << 20) / 2 + 7;
+  std::vector<float> x(n1);
+  for (size_t i = 0; i < n1; ++i) x[i] = static_cast<float>(i) * 0.5f;
+  std::vector<uint16_t> y(n2);
+  for (size_t i = 0; i < n2; ++i) y[i] = static_cast<uint16_t>(i * 7);
+  SafetensorsWriter a, b;
+  a.add("x", DType::f32, {static_cast<int64_t>(n1)}, x.data());
+  a.set_metadata("k", "v");
+  b.add("y", DType::bf16, {static_cast<int64_t>(n2)}, y.data());
+  b.add_f32_as("x16", {static_cast<int64_t>(n1)}, x.data(), DType::f16);
+  const auto together = SafetensorsWriter::write_together({{&a, dir.path("a2")}, {&b, dir.path("b2")}});
+  ASSERT_EQ(together.size(), 2u);
+  EXPECT_EQ(together[0].sha256, a.write(dir.path("a1")).sha256);
+  EXPECT_EQ(together[1].sha256, b.write(dir.path("b1")).sha256);
+  EXPECT_EQ(together[0].sha256, sha256_file(dir.path("a2")));
+  EXPECT_EQ(together[1].sha256, sha256_file(dir.path("b2")));
+  EXPECT_NE(together[0].sha256, together[1].sha256);
+
+  SafetensorsWriter bad;
+  bad.add_filled("z", DType::f32, {static_cast<int64_t>(n1)}, [](size_t first, size_t count, void* dst) {
+    if (first > 0) fail("no more z");
+    std::memset(dst, 0, count * 4);
+  });
+  expect_mentions(error_of([&] { SafetensorsWriter::write_together({{&a, dir.path("a3")}, {&bad, dir.path("z")}}); }),
+                  {"no more z"});
+  std::vector<std::string> left = dir.listing();
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"a1", "a2", "b1", "b2"}));
 }
 
 // A fill that fails (a device error, say) fails write(): no file, no temp file left.

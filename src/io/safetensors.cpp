@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <memory>
 #include <utility>
 #include <nlohmann/json.hpp>
 
@@ -483,48 +484,90 @@ class HashedStream {
 
 }  // namespace
 
-SafetensorsWriter::Written SafetensorsWriter::write(const std::string& path) const {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+// One file being written: the header, then its entries' bytes one buffer at a time.
+struct SafetensorsWriter::Job {
+  const SafetensorsWriter& writer;
   std::vector<size_t> numels;
-  uint64_t offset = 0;
-  for (const Entry& e : entries_) {
-    size_t numel = 1;
-    for (int64_t d : e.shape) numel *= static_cast<size_t>(d);
-    numels.push_back(numel);
-    const uint64_t bytes = numel * dtype_size(e.target);
-    header[e.name] = {{"dtype", safetensors_dtype_name(e.target)},
-                      {"shape", e.shape},
-                      {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-  }
-  std::string text = header.dump();
-  // Padding to 8 bytes puts the data buffer (file offset 8 + N) on an 8-byte boundary.
-  text.append((8 - text.size() % 8) % 8, ' ');
-  const uint64_t n = text.size();
+  TempFile out;
+  HashedStream stream;  // after `out`: destroyed (its last write waited for) before it
+  size_t entry = 0;     // the entry being filled, from element `first`
+  size_t first = 0;
 
-  TempFile out(fmt::format("{}.tmp.{}", path, ::getpid()), path);
-  HashedStream stream(out);  // after `out`: destroyed (its last write waited for) before it
-  stream.put(&n, 8);
-  stream.put(text.data(), text.size());
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    const Entry& e = entries_[i];
-    const size_t esize = dtype_size(e.target);
-    for (size_t first = 0; first < numels[i];) {
-      const size_t count = std::min(stream.room() / esize, numels[i] - first);
-      if (count == 0) {  // the buffer's tail is shorter than one element: start the next one
-        stream.flush();
+  Job(const SafetensorsWriter& w, const std::string& path)
+      : writer(w), out(fmt::format("{}.tmp.{}", path, ::getpid()), path), stream(out) {
+    nlohmann::ordered_json header = nlohmann::ordered_json::object();
+    if (!w.metadata_.empty()) header["__metadata__"] = w.metadata_;
+    uint64_t offset = 0;
+    for (const Entry& e : w.entries_) {
+      size_t numel = 1;
+      for (int64_t d : e.shape) numel *= static_cast<size_t>(d);
+      numels.push_back(numel);
+      const uint64_t bytes = numel * dtype_size(e.target);
+      header[e.name] = {{"dtype", safetensors_dtype_name(e.target)},
+                        {"shape", e.shape},
+                        {"data_offsets", {offset, offset + bytes}}};
+      offset += bytes;
+    }
+    std::string text = header.dump();
+    // Padding to 8 bytes puts the data buffer (file offset 8 + N) on an 8-byte boundary.
+    text.append((8 - text.size() % 8) % 8, ' ');
+    const uint64_t n = text.size();
+    stream.put(&n, 8);
+    stream.put(text.data(), text.size());
+  }
+
+  // Fills the current buffer and hands it on; false once every entry is in (the last, partly
+  // filled buffer is left for finish()).
+  bool fill_buffer() {
+    while (entry < writer.entries_.size()) {
+      if (first == numels[entry]) {
+        ++entry;
+        first = 0;
         continue;
+      }
+      const Entry& e = writer.entries_[entry];
+      const size_t esize = dtype_size(e.target);
+      const size_t count = std::min(stream.room() / esize, numels[entry] - first);
+      if (count == 0) {  // full, or its tail is shorter than one element: on to the next buffer
+        stream.flush();
+        return true;
       }
       e.fill(first, count, stream.tail());
       stream.advance(count * esize);
       first += count;
     }
+    return false;
   }
-  Written written;
-  written.sha256 = stream.finish();
-  written.bytes = stream.bytes();
-  out.commit();
+
+  Written finish() {
+    Written written;
+    written.sha256 = stream.finish();
+    written.bytes = stream.bytes();
+    out.commit();
+    return written;
+  }
+};
+
+SafetensorsWriter::Written SafetensorsWriter::write(const std::string& path) const {
+  return write_together({{this, path}}).front();
+}
+
+std::vector<SafetensorsWriter::Written> SafetensorsWriter::write_together(const std::vector<FileToWrite>& files) {
+  std::vector<std::unique_ptr<Job>> jobs;
+  for (const FileToWrite& f : files) jobs.push_back(std::make_unique<Job>(*f.writer, f.path));
+  std::vector<bool> filled(jobs.size(), false);
+  for (bool more = true; more;) {
+    more = false;
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      if (filled[j]) continue;
+      if (jobs[j]->fill_buffer())
+        more = true;
+      else
+        filled[j] = true;
+    }
+  }
+  std::vector<Written> written;
+  for (auto& job : jobs) written.push_back(job->finish());
   return written;
 }
 

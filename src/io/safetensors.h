@@ -95,8 +95,19 @@ class SafetensorsWriter {
   // Writes path + ".tmp.<pid>", fsyncs it, renames it over `path` and fsyncs the directory, so
   // a crash leaves either the old file or the complete new one.
   Written write(const std::string& path) const;
+  // Writes several files side by side, each as write() does: their buffers are filled in turn
+  // on the calling thread (a backend's downloads stay on one thread) while each file's own
+  // worker hashes and writes, so the files' SHA-256s are computed in parallel. The files are
+  // renamed into place one after another once all are written: an error while producing or
+  // writing any of them leaves none.
+  struct FileToWrite {
+    const SafetensorsWriter* writer;
+    std::string path;
+  };
+  static std::vector<Written> write_together(const std::vector<FileToWrite>& files);
 
  private:
+  struct Job;  // one file being written (safetensors.cpp)
   struct Entry {
     std::string name;
     DType target;  // what the file holds

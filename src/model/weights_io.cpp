@@ -138,43 +138,52 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
   store.params_changed();
 }
 
-std::string save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
-                         DType file_dtype, WeightNaming naming,
-                         const std::map<std::string, std::string>& metadata) {
+SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_dtype,
+                                           const std::map<std::string, std::string>& metadata) {
   if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
     fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
   Backend& be = store.backend();
   SafetensorsWriter writer;
-  // Diffusers' host copies must outlive write(): one f32 vector per file tensor (its tensors
-  // are assembled from pieces of several parameters).
-  std::vector<std::vector<float>> host;
+  auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
+  for (const ParamInfo& p : store.layout().params())
+    writer.add_filled(p.name, file_dtype, dims(p.shape),
+                      [&be, t = store.param(p.name), file_dtype, scratch](size_t first, size_t count, void* dst) {
+                        download_as(be, t, first, count, file_dtype, dst, *scratch);
+                      });
+  writer.set_metadata("format", "pt");
+  for (const auto& [k, v] : metadata) writer.set_metadata(k, v);
+  return writer;
+}
 
-  if (naming == WeightNaming::reference) {
-    auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
-    for (const ParamInfo& p : store.layout().params())
-      writer.add_filled(p.name, file_dtype, dims(p.shape),
-                        [&be, t = store.param(p.name), file_dtype, scratch](size_t first, size_t count, void* dst) {
-                          download_as(be, t, first, count, file_dtype, dst, *scratch);
-                        });
-  } else {
-    host.reserve(store.layout().params().size() * 2);
-    std::map<std::string, size_t> slot;
-    for (const DiffusersTensor& t : diffusers_tensors(store.layout(), cfg)) {
-      slot[t.name] = host.size();
-      host.emplace_back(static_cast<size_t>(t.shape.numel()));
-    }
-    for (const ParamInfo& p : store.layout().params()) {
-      const std::vector<double> v = to_host(be, store.param(p.name));
-      const int64_t row_elems = p.shape.numel() / p.shape[0];
-      for (const NamePiece& piece : diffusers_pieces(p, cfg)) {
-        std::vector<float>& dst = host[slot.at(piece.diffusers)];
-        std::copy_n(v.begin() + piece.bfl_row * row_elems, piece.rows * row_elems,
-                    dst.begin() + piece.diffusers_row * row_elems);
-      }
-    }
-    for (const DiffusersTensor& t : diffusers_tensors(store.layout(), cfg))
-      writer.add_f32_as(t.name, dims(t.shape), host[slot.at(t.name)].data(), file_dtype);
+std::string save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
+                         DType file_dtype, WeightNaming naming,
+                         const std::map<std::string, std::string>& metadata) {
+  if (naming == WeightNaming::reference)
+    return reference_weights_writer(store, file_dtype, metadata).write(path).sha256;
+  if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
+    fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
+  Backend& be = store.backend();
+  SafetensorsWriter writer;
+  // Host copies must outlive write(): one f32 vector per file tensor (diffusers' tensors are
+  // assembled from pieces of several parameters).
+  std::vector<std::vector<float>> host;
+  host.reserve(store.layout().params().size() * 2);
+  std::map<std::string, size_t> slot;
+  for (const DiffusersTensor& t : diffusers_tensors(store.layout(), cfg)) {
+    slot[t.name] = host.size();
+    host.emplace_back(static_cast<size_t>(t.shape.numel()));
   }
+  for (const ParamInfo& p : store.layout().params()) {
+    const std::vector<double> v = to_host(be, store.param(p.name));
+    const int64_t row_elems = p.shape.numel() / p.shape[0];
+    for (const NamePiece& piece : diffusers_pieces(p, cfg)) {
+      std::vector<float>& dst = host[slot.at(piece.diffusers)];
+      std::copy_n(v.begin() + piece.bfl_row * row_elems, piece.rows * row_elems,
+                  dst.begin() + piece.diffusers_row * row_elems);
+    }
+  }
+  for (const DiffusersTensor& t : diffusers_tensors(store.layout(), cfg))
+    writer.add_f32_as(t.name, dims(t.shape), host[slot.at(t.name)].data(), file_dtype);
   writer.set_metadata("format", "pt");
   for (const auto& [k, v] : metadata) writer.set_metadata(k, v);
   return writer.write(path).sha256;

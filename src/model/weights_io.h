@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "io/safetensors.h"
 #include "model/flux_config.h"
 #include "model/params.h"
 
@@ -20,6 +21,12 @@ enum class WeightNaming { reference, diffusers };
 // one message listing every mismatch (missing, unexpected, wrong shape, wrong dtype).
 void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path,
                   const std::string& prefix = "");
+
+// The writer of all parameters in the reference naming (file dtype bf16, f32 or f16) with
+// `metadata`: each parameter streams from the backend a piece at a time when the writer writes
+// (the store must outlive that). For checkpoints, which write it beside the optimizer state.
+SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_dtype,
+                                           const std::map<std::string, std::string>& metadata);
 
 // Writes all parameters (file dtype bf16, f32 or f16) atomically; returns the file's SHA-256
 // (hex), computed from the bytes as they were written. In the reference naming each parameter

@@ -249,10 +249,10 @@ std::string optimizer_tensor_name(const char* moment, const std::string& param) 
   return std::string(moment) + "." + param;
 }
 
-// Returns the file's SHA-256. Each moment streams from the backend to the file a piece at a
-// time, as f32 whatever it is stored in (PyTorch's AdamW state; bf16 moments widen exactly).
-std::string save_optimizer(const std::string& path, const TrainerState& state, const ParamStore& store,
-                           const Tensor& adam_m, const Tensor& adam_v) {
+// The optimizer state's writer: each moment streams from the backend a piece at a time when it
+// writes, as f32 whatever it is stored in (PyTorch's AdamW state; bf16 moments widen exactly).
+SafetensorsWriter optimizer_writer(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,
+                                   const Tensor& adam_v) {
   Backend& be = store.backend();
   SafetensorsWriter writer;
   auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
@@ -267,7 +267,7 @@ std::string save_optimizer(const std::string& path, const TrainerState& state, c
   writer.set_metadata("format", "pt");
   writer.set_metadata("flux8_optimizer", "adamw");
   writer.set_metadata("flux8_step", std::to_string(state.step));
-  return writer.write(path).sha256;
+  return writer;
 }
 
 void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m,
@@ -430,14 +430,16 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   if (ec) fail("cannot create '{}': {}", tmp_dir, ec.message());
 
   auto in_tmp = [&](const char* file) { return (fs::path(tmp_dir) / file).string(); };
-  // Every file is written and fsynced by its writer (safetensors: temp file + rename); the two
-  // large ones are hashed as they are written.
-  std::map<std::string, std::string> digests;
-  digests[kModelFile] = save_weights(store, cfg, in_tmp(kModelFile), DType::f32, WeightNaming::reference,
-                                     {{"flux8_config", state.config_yaml},
-                                      {"flux8_step", std::to_string(state.step)},
-                                      {"flux8_version", state.flux8_version}});
-  digests[kOptimizerFile] = save_optimizer(in_tmp(kOptimizerFile), state, store, adam_m, adam_v);
+  // Every file is written and fsynced by its writer (safetensors: temp file + rename). The two
+  // large ones are written side by side and hashed as they are written.
+  const SafetensorsWriter model = reference_weights_writer(store, DType::f32,
+                                                           {{"flux8_config", state.config_yaml},
+                                                            {"flux8_step", std::to_string(state.step)},
+                                                            {"flux8_version", state.flux8_version}});
+  const SafetensorsWriter optimizer = optimizer_writer(state, store, adam_m, adam_v);
+  const std::vector<SafetensorsWriter::Written> written =
+      SafetensorsWriter::write_together({{&model, in_tmp(kModelFile)}, {&optimizer, in_tmp(kOptimizerFile)}});
+  std::map<std::string, std::string> digests{{kModelFile, written[0].sha256}, {kOptimizerFile, written[1].sha256}};
   write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
   if (fp8) save_fp8_state(*fp8, in_tmp(kFp8File));
 
