@@ -104,9 +104,13 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
   std::vector<uint8_t> scratch;
   for (const ParamInfo& p : store.layout().params()) {
     const Tensor t = store.param(p.name);
+    if (naming == WeightNaming::reference && t.dtype == DType::f32 && file.tensor(prefix + p.name).dtype == "F32") {
+      const SafetensorsTensor& stored = file.tensor(prefix + p.name);  // its shape was checked above
+      be.upload(t.data, stored.data, stored.nbytes);                   // straight from the file's mapping
+      continue;
+    }
     const bool f64 = t.dtype == DType::f64;
     const size_t n = static_cast<size_t>(p.shape.numel());
-    f64 ? values64.resize(n) : values.resize(n);
     auto read = [&](const std::string& name, std::vector<float>& f, std::vector<double>& d) {
       if (f64) {
         d.resize(static_cast<size_t>(file.tensor(name).numel()));
@@ -119,6 +123,7 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
     if (naming == WeightNaming::reference) {
       read(prefix + p.name, values, values64);
     } else {
+      f64 ? values64.resize(n) : values.resize(n);
       const int64_t row_elems = p.shape.numel() / p.shape[0];
       for (const NamePiece& piece : diffusers_pieces(p, cfg)) {
         read(prefix + piece.diffusers, src, src64);

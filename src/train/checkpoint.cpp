@@ -291,9 +291,16 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
   std::vector<uint8_t> scratch;
   for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}})
     for (const ParamInfo& p : store.layout().params()) {
+      const std::string name = optimizer_tensor_name(moment, p.name);
+      const Tensor dst = slice_of(*flat, p);
+      const SafetensorsTensor& src = file.tensor(name);
+      if (src.dtype == "F32" && dst.dtype == DType::f32 && src.shape == dims(p.shape)) {
+        be.upload(dst.data, src.data, src.nbytes);  // straight from the file's mapping
+        continue;
+      }
       values.resize(static_cast<size_t>(p.shape.numel()));
-      file.read_f32(optimizer_tensor_name(moment, p.name), values.data(), dims(p.shape));
-      upload_f32(be, slice_of(*flat, p), values.data(), scratch);
+      file.read_f32(name, values.data(), dims(p.shape));
+      upload_f32(be, dst, values.data(), scratch);
     }
 }
 
