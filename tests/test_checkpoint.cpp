@@ -81,6 +81,20 @@ TEST(Sha256, FileMatchesMemory) {
   EXPECT_THROW(sha256_file(p.string()), Error);
 }
 
+TEST(Sha256, FileRangeMatchesMemory) {
+  const fs::path p = fs::temp_directory_path() / ("flux8_sha_range_" + std::to_string(::getpid()));
+  std::string data;
+  for (uint32_t i = 0; i < (9u << 20); ++i) data.push_back(static_cast<char>(i * 2654435761u >> 24));
+  std::ofstream(p, std::ios::binary) << data;
+  for (const auto& [offset, bytes] : {std::pair<uint64_t, uint64_t>{0, 0}, {0, 1}, {77, 100003}, {5000000, 4194311},
+                                      {0, data.size()}, {data.size() - 9, 9}})
+    EXPECT_EQ(sha256_file_range(p.string(), offset, bytes), sha256_hex(std::string_view(data).substr(offset, bytes)))
+        << offset << " " << bytes;
+  const std::string e = testing::error_of([&] { sha256_file_range(p.string(), data.size() - 4, 8); });
+  EXPECT_NE(e.find("the file ends before them"), std::string::npos) << e;
+  fs::remove(p);
+}
+
 // ---- checkpoints ---------------------------------------------------------------------------
 
 struct TempRoot {
@@ -187,9 +201,13 @@ TEST(Checkpoint, LayoutAndManifest) {
   const nlohmann::json m = nlohmann::json::parse(std::ifstream(fs::path(dir) / "manifest.json"));
   EXPECT_EQ(m["format_version"], kCheckpointFormatVersion);
   EXPECT_EQ(m["step"], 100);
-  for (const char* f : {"model.safetensors", "optimizer.safetensors", "trainer_state.json"}) {
+  for (const char* f : {"model.safetensors", "optimizer.safetensors", "trainer_state.json"})
     EXPECT_EQ(m["files"][f]["bytes"].get<uint64_t>(), fs::file_size(fs::path(dir) / f)) << f;
-    EXPECT_EQ(m["files"][f]["sha256"], sha256_file((fs::path(dir) / f).string())) << f;
+  // The small file has one digest; the large ones one per 32 MiB piece (one piece here).
+  EXPECT_EQ(m["files"]["trainer_state.json"]["sha256"], sha256_file((fs::path(dir) / "trainer_state.json").string()));
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    EXPECT_EQ(m["files"][f]["piece_bytes"].get<uint64_t>(), SafetensorsWriter::kPieceBytes) << f;
+    EXPECT_EQ(m["files"][f]["piece_sha256"], std::vector<std::string>{sha256_file((fs::path(dir) / f).string())}) << f;
   }
   // model.safetensors is a plain F32 weights file with the config in its metadata.
   const SafetensorsReader model((fs::path(dir) / "model.safetensors").string());
@@ -291,6 +309,70 @@ TEST(Checkpoint, AlteredByteIsRefused) {
   EXPECT_EQ(to_host(*b.be, b.store.flat_params()), before);  // nothing was loaded
   EXPECT_EQ(b.state.step, 0);
   EXPECT_THROW(resolve_weights_path(dir), Error);
+}
+
+// A manifest's piece digests over pieces of any size (the writer's are 32 MiB: here 4 KiB, so
+// a small model's files have many) verify side by side; a damaged piece is named by its bytes.
+// Version 1 manifests (one SHA-256 per file) still verify.
+void rewrite_manifest(const std::string& dir, const std::function<void(nlohmann::json&, const std::string& file)>& edit) {
+  const fs::path path = fs::path(dir) / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(path));
+  for (auto& [name, rec] : m["files"].items()) edit(rec, (fs::path(dir) / name).string());
+  std::ofstream(path) << m.dump(2);
+}
+
+TEST(Checkpoint, PieceDigestsOfAnySizeAndVersion1ManifestsVerify) {
+  TempRoot root;
+  ModelRun a, b;
+  a.randomize(6);
+  const std::string dir = a.save(root.str(), 100);
+  const uint64_t piece = 4096;
+  rewrite_manifest(dir, [&](nlohmann::json& rec, const std::string& file) {
+    if (!rec.contains("piece_sha256")) return;
+    const uint64_t size = rec["bytes"];
+    std::vector<std::string> d;
+    for (uint64_t begin = 0; begin < size; begin += piece)
+      d.push_back(sha256_file_range(file, begin, std::min(piece, size - begin)));
+    rec["piece_bytes"] = piece;
+    rec["piece_sha256"] = d;
+  });
+  verify_checkpoint(dir);
+  load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v);
+  EXPECT_EQ(to_host(*a.be, a.store.flat_params()), to_host(*b.be, b.store.flat_params()));
+
+  const fs::path opt = fs::path(dir) / "optimizer.safetensors";
+  ASSERT_GT(fs::file_size(opt), 5 * piece);
+  flip_byte(opt, 3 * piece + 17);
+  const std::string e = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(e.find(fmt::format("optimizer.safetensors bytes [{}, {}) have sha256", 3 * piece, 4 * piece)),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("altered or damaged on disk"), std::string::npos) << e;
+  flip_byte(opt, 3 * piece + 17);  // undone
+
+  // A piece list that does not cover the file is refused as a bad manifest.
+  rewrite_manifest(dir, [&](nlohmann::json& rec, const std::string&) {
+    if (rec.contains("piece_sha256")) rec["piece_sha256"].erase(0);
+  });
+  const std::string short_list = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(short_list.find("piece digests of 4096 bytes for"), std::string::npos) << short_list;
+
+  // Version 1: one digest per file.
+  rewrite_manifest(dir, [&](nlohmann::json& rec, const std::string& file) {
+    rec.erase("piece_bytes");
+    rec.erase("piece_sha256");
+    rec["sha256"] = sha256_file(file);
+  });
+  {
+    const fs::path path = fs::path(dir) / "manifest.json";
+    nlohmann::json m = nlohmann::json::parse(std::ifstream(path));
+    m["format_version"] = 1;
+    std::ofstream(path) << m.dump(2);
+  }
+  verify_checkpoint(dir);
+  flip_byte(opt, 3 * piece + 17);
+  const std::string v1 = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(v1.find("optimizer.safetensors has sha256"), std::string::npos) << v1;
 }
 
 TEST(Checkpoint, TruncatedFileIsRefused) {

@@ -45,6 +45,15 @@ void expect_mentions(const std::string& msg, std::initializer_list<std::string> 
 
 std::string bytes_of(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
 
+// The file's digests per SafetensorsWriter piece, read back.
+std::vector<std::string> piece_digests(const std::string& path) {
+  const uint64_t size = fs::file_size(path), piece = SafetensorsWriter::kPieceBytes;
+  std::vector<std::string> d;
+  for (uint64_t begin = 0; begin < size; begin += piece)
+    d.push_back(sha256_file_range(path, begin, std::min(piece, size - begin)));
+  return d;
+}
+
 }  // namespace
 
 TEST(Safetensors, RoundTripEachDtype) {
@@ -224,8 +233,8 @@ TEST(Safetensors, AtomicWriteReplacesAndLeavesNoTempFile) {
 
 // Tensors larger than the writer's buffers, and sizes that leave a buffer's tail shorter than
 // the next tensor's element (a bf16 tensor of odd length before f64 ones), stream through
-// add_filled in pieces: the file reads back exactly and write() returns its SHA-256.
-TEST(Safetensors, FilledTensorsStreamInPiecesAndTheDigestIsTheFiles) {
+// add_filled in pieces: the file reads back exactly and write() returns its pieces' SHA-256s.
+TEST(Safetensors, FilledTensorsStreamInPiecesWithTheirDigests) {
   TempDir dir;
   const size_t big = (size_t{40} << 20) / 4 + 3;  // 40 MiB + 12 bytes of f32: past one buffer
   std::vector<float> a(big);
@@ -249,7 +258,8 @@ TEST(Safetensors, FilledTensorsStreamInPiecesAndTheDigestIsTheFiles) {
   const SafetensorsWriter::Written written = w.write(path);
 
   EXPECT_EQ(written.bytes, fs::file_size(path));
-  EXPECT_EQ(written.sha256, sha256_file(path));
+  EXPECT_GE(written.piece_sha256.size(), 3u);
+  EXPECT_EQ(written.piece_sha256, piece_digests(path));
   ASSERT_GE(calls.size(), 2u);  // in pieces, in order, covering every element once
   size_t next = 0;
   for (const auto& [first, count] : calls) {
@@ -288,11 +298,12 @@ TEST(Safetensors, WriteTogetherEqualsWritingEachAlone) {
   b.add_f32_as("x16", {static_cast<int64_t>(n1)}, x.data(), DType::f16);
   const auto together = SafetensorsWriter::write_together({{&a, dir.path("a2")}, {&b, dir.path("b2")}});
   ASSERT_EQ(together.size(), 2u);
-  EXPECT_EQ(together[0].sha256, a.write(dir.path("a1")).sha256);
-  EXPECT_EQ(together[1].sha256, b.write(dir.path("b1")).sha256);
-  EXPECT_EQ(together[0].sha256, sha256_file(dir.path("a2")));
-  EXPECT_EQ(together[1].sha256, sha256_file(dir.path("b2")));
-  EXPECT_NE(together[0].sha256, together[1].sha256);
+  EXPECT_EQ(together[0].piece_sha256, a.write(dir.path("a1")).piece_sha256);
+  EXPECT_EQ(together[1].piece_sha256, b.write(dir.path("b1")).piece_sha256);
+  EXPECT_EQ(together[0].piece_sha256, piece_digests(dir.path("a2")));
+  EXPECT_EQ(together[1].piece_sha256, piece_digests(dir.path("b2")));
+  EXPECT_EQ(sha256_file(dir.path("a1")), sha256_file(dir.path("a2")));
+  EXPECT_EQ(sha256_file(dir.path("b1")), sha256_file(dir.path("b2")));
 
   SafetensorsWriter bad;
   bad.add_filled("z", DType::f32, {static_cast<int64_t>(n1)}, [](size_t first, size_t count, void* dst) {

@@ -221,4 +221,26 @@ std::string sha256_file(const std::string& path) {
   return h.hex_digest();
 }
 
+std::string sha256_file_range(const std::string& path, uint64_t offset, uint64_t bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open '{}' to checksum it: {}", path, std::strerror(errno));
+  Sha256 h;
+  std::vector<uint8_t> chunk(std::min<uint64_t>(bytes, 4 << 20));
+  for (uint64_t done = 0; done < bytes;) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(chunk.size(), bytes - done));
+    const ssize_t n = ::pread(fd, chunk.data(), want, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      fail("cannot read bytes [{}, {}) of '{}' to checksum them: {}", offset + done, offset + bytes, path,
+           n == 0 ? "the file ends before them" : std::strerror(err));
+    }
+    h.update(chunk.data(), static_cast<size_t>(n));
+    done += static_cast<uint64_t>(n);
+  }
+  ::close(fd);
+  return h.hex_digest();
+}
+
 }  // namespace flux8

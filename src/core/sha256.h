@@ -39,5 +39,9 @@ void hardware(uint32_t state[8], const uint8_t* data, size_t blocks);
 }  // namespace sha256_blocks
 // Streams the file; fails naming the path if it cannot be read.
 std::string sha256_file(const std::string& path);
+// The digest of `bytes` bytes of the file from `offset` (one piece of a checkpoint file, read
+// with pread so that pieces hash side by side); fails naming the path if the range cannot be
+// read in full.
+std::string sha256_file_range(const std::string& path, uint64_t offset, uint64_t bytes);
 
 }  // namespace flux8

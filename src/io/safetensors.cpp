@@ -418,68 +418,96 @@ class TempFile {
   bool committed_ = false;
 };
 
-// The file's bytes on their way out: filled into one of two buffers while the other is hashed
-// and written (the hash and the write side by side), so the device downloads or conversions
-// that fill a buffer overlap the disk and the digest costs no second read of the file.
-class HashedStream {
+// The file's bytes on their way out, in pieces of kPieceBytes at fixed file offsets: a piece is
+// filled into one of a few buffers while earlier ones are hashed (each piece on its own, side by
+// side) and written (in order), so the device downloads or conversions that fill it overlap the
+// disk, the digests cost no second read of the file, and verifying it later can hash its pieces
+// in parallel too.
+class PieceStream {
  public:
-  static constexpr size_t kBufferBytes = size_t{32} << 20;
+  static constexpr size_t kPieceBytes = SafetensorsWriter::kPieceBytes;
+  static constexpr size_t kSlots = 4;  // pieces in flight: being filled, hashed or written
 
-  explicit HashedStream(TempFile& out) : out_(out) {
-    for (auto& b : buffers_) b.resize(kBufferBytes);
+  explicit PieceStream(TempFile& out) : out_(out) { slots_[0].buffer.resize(kPieceBytes); }
+  ~PieceStream() {  // an error unwinds: no worker may outlive us
+    for (Slot& s : slots_) {
+      if (s.hash.valid()) s.hash.wait();
+      if (s.written.valid()) s.written.wait();
+    }
   }
-  ~HashedStream() {
-    if (pending_.valid()) pending_.wait();  // an error unwinds: the worker must not outlive us
-  }
-  HashedStream(const HashedStream&) = delete;
-  HashedStream& operator=(const HashedStream&) = delete;
+  PieceStream(const PieceStream&) = delete;
+  PieceStream& operator=(const PieceStream&) = delete;
 
-  uint8_t* tail() { return buffers_[current_].data() + used_; }
-  size_t room() const { return kBufferBytes - used_; }
-  void advance(size_t n) { used_ += n; }
+  uint8_t* tail() { return slots_[current_].buffer.data() + used_; }
+  size_t room() const { return kPieceBytes - used_; }
+  void advance(size_t n) {
+    used_ += n;
+    if (used_ == kPieceBytes) flush();
+  }
   void put(const void* data, size_t n) {
     const auto* p = static_cast<const uint8_t*>(data);
     while (n > 0) {
-      if (room() == 0) flush();
       const size_t k = std::min(n, room());
       std::memcpy(tail(), p, k);
-      advance(k);
       p += k;
       n -= k;
+      advance(k);
     }
   }
-  // Hands the current buffer to the worker (after the other buffer's work is done, which
-  // keeps the hash and the file in order) and continues in the other buffer.
-  void flush() {
-    if (used_ == 0) return;
-    if (pending_.valid()) pending_.get();  // rethrows a failed write
-    const uint8_t* data = buffers_[current_].data();
-    const size_t n = used_;
-    pending_ = std::async(std::launch::async, [this, data, n] {
-      auto hashed = std::async(std::launch::async, [this, data, n] { hash_.update(data, n); });
-      out_.write_all(data, n);
-      hashed.get();
-    });
-    bytes_ += n;
-    current_ ^= 1;
-    used_ = 0;
-  }
-  // Writes what is left; the digest of everything put.
-  std::string finish() {
-    flush();
-    if (pending_.valid()) pending_.get();
-    return hash_.hex_digest();
+  // Everything put is written; the pieces' digests in file order.
+  std::vector<std::string> finish() {
+    if (used_ > 0 || digests_.empty()) flush();
+    for (Slot& s : slots_) retire(s);
+    return std::move(digests_);
   }
   uint64_t bytes() const { return bytes_; }
 
  private:
+  struct Slot {
+    std::vector<uint8_t> buffer;
+    size_t piece = 0;
+    std::future<std::string> hash;
+    std::shared_future<void> written;
+  };
+  // Waits for the slot's piece (rethrowing its write's error) and keeps its digest.
+  void retire(Slot& s) {
+    if (s.hash.valid()) digests_[s.piece] = s.hash.get();
+    if (s.written.valid()) s.written.get();
+    s.hash = {};
+    s.written = {};
+  }
+  // Hands the current piece to the workers and moves to the next slot.
+  void flush() {
+    Slot& s = slots_[current_];
+    const uint8_t* data = s.buffer.data();
+    const size_t n = used_;
+    s.piece = digests_.size();
+    digests_.emplace_back();
+    s.hash = std::async(std::launch::async, [data, n] {
+      Sha256 h;
+      h.update(data, n);
+      return h.hex_digest();
+    });
+    s.written = std::async(std::launch::async, [this, data, n, previous = last_write_] {
+                  if (previous.valid()) previous.get();  // in file order; a failed write stops the rest
+                  out_.write_all(data, n);
+                }).share();
+    last_write_ = s.written;
+    bytes_ += n;
+    used_ = 0;
+    current_ = (current_ + 1) % kSlots;
+    Slot& next = slots_[current_];
+    retire(next);
+    if (next.buffer.empty()) next.buffer.resize(kPieceBytes);
+  }
+
   TempFile& out_;
-  std::vector<uint8_t> buffers_[2];
-  int current_ = 0;
+  Slot slots_[kSlots];
+  size_t current_ = 0;
   size_t used_ = 0;
   uint64_t bytes_ = 0;
-  Sha256 hash_;
-  std::future<void> pending_;
+  std::vector<std::string> digests_;
+  std::shared_future<void> last_write_;
 };
 
 }  // namespace
@@ -489,7 +517,7 @@ struct SafetensorsWriter::Job {
   const SafetensorsWriter& writer;
   std::vector<size_t> numels;
   TempFile out;
-  HashedStream stream;  // after `out`: destroyed (its last write waited for) before it
+  PieceStream stream;  // after `out`: destroyed (its last write waited for) before it
   size_t entry = 0;     // the entry being filled, from element `first`
   size_t first = 0;
 
@@ -528,20 +556,25 @@ struct SafetensorsWriter::Job {
       const Entry& e = writer.entries_[entry];
       const size_t esize = dtype_size(e.target);
       const size_t count = std::min(stream.room() / esize, numels[entry] - first);
-      if (count == 0) {  // full, or its tail is shorter than one element: on to the next buffer
-        stream.flush();
+      if (count == 0) {  // the piece's tail is shorter than one element: it straddles two pieces
+        uint8_t element[16];
+        e.fill(first, 1, element);
+        stream.put(element, esize);
+        ++first;
         return true;
       }
+      const bool fills_piece = count * esize == stream.room();
       e.fill(first, count, stream.tail());
       stream.advance(count * esize);
       first += count;
+      if (fills_piece) return true;  // handed on: the other files' turn
     }
     return false;
   }
 
   Written finish() {
     Written written;
-    written.sha256 = stream.finish();
+    written.piece_sha256 = stream.finish();
     written.bytes = stream.bytes();
     out.commit();
     return written;

@@ -66,10 +66,10 @@ class SafetensorsReader {
   std::map<std::string, std::string> metadata_;
 };
 
-// Collects tensors and writes them atomically, streaming: the file's bytes pass through two
-// 32 MiB buffers (one filled while the other is hashed and written), so writing a checkpoint
-// of any size holds no copy of it in host memory, and the file's SHA-256 is computed from the
-// bytes as they are written instead of by reading the file back.
+// Collects tensors and writes them atomically, streaming: the file's bytes pass through a few
+// 32 MiB pieces (one filled while earlier ones are hashed and written), so writing a checkpoint
+// of any size holds no copy of it in host memory, and its digests are computed from the bytes
+// as they are written instead of by reading the file back.
 class SafetensorsWriter {
  public:
   // Produces elements [first, first + count) of a tensor, in the file's dtype, into dst
@@ -88,16 +88,20 @@ class SafetensorsWriter {
   void add_filled(const std::string& name, DType dtype, const std::vector<int64_t>& shape, FillChunk fill);
   void set_metadata(const std::string& key, const std::string& value);
 
+  // The file is hashed as it is written, in pieces of kPieceBytes from offset 0 (the last one
+  // shorter), each piece's SHA-256 on its own: a checkpoint's verification hashes them in
+  // parallel (a single SHA-256 of a 100 GB file is one core's work for over a minute).
+  static constexpr size_t kPieceBytes = size_t{32} << 20;
   struct Written {
     uint64_t bytes = 0;
-    std::string sha256;  // hex digest of the whole file, as written
+    std::vector<std::string> piece_sha256;  // hex digests of the pieces, in file order
   };
   // Writes path + ".tmp.<pid>", fsyncs it, renames it over `path` and fsyncs the directory, so
   // a crash leaves either the old file or the complete new one.
   Written write(const std::string& path) const;
   // Writes several files side by side, each as write() does: their buffers are filled in turn
   // on the calling thread (a backend's downloads stay on one thread) while each file's own
-  // worker hashes and writes, so the files' SHA-256s are computed in parallel. The files are
+  // workers hash and write, so the files are hashed in parallel. The files are
   // renamed into place one after another once all are written: an error while producing or
   // writing any of them leaves none.
   struct FileToWrite {

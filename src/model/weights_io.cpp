@@ -160,11 +160,12 @@ SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_d
   return writer;
 }
 
-std::string save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
-                         DType file_dtype, WeightNaming naming,
-                         const std::map<std::string, std::string>& metadata) {
-  if (naming == WeightNaming::reference)
-    return reference_weights_writer(store, file_dtype, metadata).write(path).sha256;
+void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path, DType file_dtype,
+                  WeightNaming naming, const std::map<std::string, std::string>& metadata) {
+  if (naming == WeightNaming::reference) {
+    reference_weights_writer(store, file_dtype, metadata).write(path);
+    return;
+  }
   if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
     fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
   Backend& be = store.backend();
@@ -191,7 +192,7 @@ std::string save_weights(const ParamStore& store, const FluxConfig& cfg, const s
     writer.add_f32_as(t.name, dims(t.shape), host[slot.at(t.name)].data(), file_dtype);
   writer.set_metadata("format", "pt");
   for (const auto& [k, v] : metadata) writer.set_metadata(k, v);
-  return writer.write(path).sha256;
+  writer.write(path);
 }
 
 }  // namespace flux8

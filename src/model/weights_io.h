@@ -28,10 +28,9 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
 SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_dtype,
                                            const std::map<std::string, std::string>& metadata);
 
-// Writes all parameters (file dtype bf16, f32 or f16) atomically; returns the file's SHA-256
-// (hex), computed from the bytes as they were written. In the reference naming each parameter
-// streams from the backend to the file a piece at a time (no host copy of the model).
-std::string save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
+// Writes all parameters (file dtype bf16, f32 or f16) atomically. In the reference naming each
+// parameter streams from the backend to the file a piece at a time (no host copy of the model).
+void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
                   DType file_dtype, WeightNaming naming,
                   const std::map<std::string, std::string>& metadata = {});
 

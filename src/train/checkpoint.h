@@ -23,7 +23,9 @@
 
 namespace flux8 {
 
-inline constexpr int kCheckpointFormatVersion = 1;
+// 2: the safetensors files' digests are per 32 MiB piece (verified in parallel); 1 (still read):
+// one SHA-256 per file.
+inline constexpr int kCheckpointFormatVersion = 2;
 
 // "step-0000100" (at least 7 digits; more for steps >= 10^7).
 std::string checkpoint_dir_name(int64_t step);
