@@ -59,7 +59,7 @@ for round in $(seq "$rounds"); do
           --set train_iters=$((steps + 1)) --set lr_warmup_iters=0 --set log_interval=1 --set save_dir="$run" \
           --resume "$@" > "$work/$workload-resume.log" 2>&1 ||
         { tail -20 "$work/$workload-resume.log"; echo "train_throughput: flux8 train --resume failed" >&2; exit 1; }
-      echo "$workload resume: $(grep -o 'verified and loaded in [0-9.]* s' "$work/$workload-resume.log");" \
+      echo "$workload resume: $(grep -o 'verified in [0-9.]* s, loaded in [0-9.]* s' "$work/$workload-resume.log");" \
            "$(grep -o 'first step done [0-9.]* s' "$work/$workload-resume.log")"
     fi
     rm -rf "$run"

@@ -375,6 +375,24 @@ TEST(Checkpoint, PieceDigestsOfAnySizeAndVersion1ManifestsVerify) {
   EXPECT_NE(v1.find("optimizer.safetensors has sha256"), std::string::npos) << v1;
 }
 
+// CheckpointVerify::sizes (a resume, whose find_latest_checkpoint just hashed everything) reads
+// no digest: an altered byte goes through, a missing or truncated file still does not.
+TEST(Checkpoint, SizesOnlyLoadSkipsTheDigests) {
+  TempRoot root;
+  ModelRun a, b;
+  a.randomize(7);
+  const std::string dir = a.save(root.str(), 100);
+  const fs::path model = fs::path(dir) / "model.safetensors";
+  flip_byte(model, fs::file_size(model) - 100);
+  EXPECT_THROW(load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v), Error);
+  load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v, nullptr, nullptr, CheckpointVerify::sizes);
+  EXPECT_EQ(b.state.step, 100);
+  fs::resize_file(model, fs::file_size(model) - 1);
+  const std::string e =
+      error_of([&] { load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v, nullptr, nullptr, CheckpointVerify::sizes); });
+  EXPECT_NE(e.find("model.safetensors has"), std::string::npos) << e;
+}
+
 TEST(Checkpoint, TruncatedFileIsRefused) {
   TempRoot root;
   ModelRun a, b;

@@ -552,13 +552,17 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   return final_dir;
 }
 
-void verify_checkpoint(const std::string& dir) {
+namespace {
+void verify_checkpoint(const std::string& dir, bool hash) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail("checkpoint {}: no such directory", dir);
-  const std::string problem = checkpoint_problem(dir, /*hash=*/true);
+  const std::string problem = checkpoint_problem(dir, hash);
   if (!problem.empty())
     fail("checkpoint {}: {}; it cannot be used: resume from an earlier checkpoint", dir, problem);
 }
+}  // namespace
+
+void verify_checkpoint(const std::string& dir) { verify_checkpoint(dir, /*hash=*/true); }
 
 std::optional<std::string> find_latest_checkpoint(const std::string& root, std::string* report) {
   std::vector<std::string> skipped;
@@ -584,9 +588,9 @@ std::optional<std::string> find_latest_checkpoint(const std::string& root, std::
 
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
                      ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
-                     Fp8MetaRegistry* fp8, std::string* fp8_note) {
+                     Fp8MetaRegistry* fp8, std::string* fp8_note, CheckpointVerify verify) {
   check_moments(store, adam_m, adam_v, "load_checkpoint");
-  verify_checkpoint(dir);
+  verify_checkpoint(dir, verify == CheckpointVerify::digests);
   const std::string state_path = (fs::path(dir) / kStateFile).string();
   TrainerState loaded = trainer_state_from_json(read_text(state_path), state_path);
   const Manifest m = read_manifest(dir);

@@ -48,6 +48,11 @@ std::optional<std::string> find_latest_checkpoint(const std::string& root,
 // Fails naming the directory, the file and the problem (missing, wrong size, checksum).
 void verify_checkpoint(const std::string& dir);
 
+// How much load_checkpoint checks before it loads: every file's digests, or (right after
+// find_latest_checkpoint verified them: a resume need not read the whole checkpoint twice) only
+// the files' presence and sizes.
+enum class CheckpointVerify { digests, sizes };
+
 // Verifies `dir`, then loads parameters, moments and state exactly as saved (F32 values into
 // f32 or f64 buffers; into bf16 moments rounded to nearest even, exact for moments saved from
 // bf16). `state` is assigned only when everything loaded.
@@ -56,7 +61,8 @@ void verify_checkpoint(const std::string& dir);
 // What happened is described in *fp8_note.
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
                      ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
-                     Fp8MetaRegistry* fp8 = nullptr, std::string* fp8_note = nullptr);
+                     Fp8MetaRegistry* fp8 = nullptr, std::string* fp8_note = nullptr,
+                     CheckpointVerify verify = CheckpointVerify::digests);
 
 // For --init-from: a checkpoint directory -> its model.safetensors (checked against the
 // manifest); a file -> itself; anything else fails saying what was expected.

@@ -145,16 +145,19 @@ TrainResult run_training(const TrainOptions& opt) {
   r.state.config_yaml = r.cfg.dump();
 
   std::string resumed_from, fp8_note;
-  double resume_seconds = 0.0;
+  double verify_seconds = 0.0, load_seconds = 0.0;
   if (opt.resume) {
     const auto t0 = std::chrono::steady_clock::now();
+    auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
     if (auto dir = find_latest_checkpoint(r.save_dir)) {  // verifies every file's digest
+      verify_seconds = since(t0);
+      const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
       load_checkpoint(*dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(),
-                      registry, &fp8_note);
+                      registry, &fp8_note, CheckpointVerify::sizes);  // its digests were just verified
       r.state.config_yaml = r.cfg.dump();  // the config of this run goes into its checkpoints
       resumed_from = *dir;
-      resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      load_seconds = since(t1);
     }
   }
   if (resumed_from.empty()) {
@@ -206,9 +209,10 @@ TrainResult run_training(const TrainOptions& opt) {
                                rows, ParamStore::kLowRankMaxRows),
                    nullptr);
   if (!resumed_from.empty()) {
-    progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f}; verified and loaded in {:.1f} s)",
-                               resumed_from, r.state.step, r.state.last_loss, resume_seconds),
-                   {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", resumed_from}, {"seconds", resume_seconds}});
+    progress.event(fmt::format("resumed from {} at step {} (last loss {:.4f}; verified in {:.1f} s, loaded in {:.1f} s)",
+                               resumed_from, r.state.step, r.state.last_loss, verify_seconds, load_seconds),
+                   {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", resumed_from},
+                    {"verify_seconds", verify_seconds}, {"load_seconds", load_seconds}});
     if (!fp8_note.empty()) progress.event(fp8_note, nullptr);
   }
 
