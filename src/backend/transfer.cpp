@@ -7,6 +7,12 @@
 
 namespace flux8 {
 
+namespace {
+// Conversions of at least this many elements run over the CPU's threads (elementwise: the same
+// bits from any number of threads).
+constexpr int64_t kParallelElements = int64_t{1} << 20;
+}  // namespace
+
 std::vector<double> to_host(Backend& backend, const Tensor& t) {
   FLUX8_CHECK(t.contiguous(), "to_host of a strided tensor {}", t.str());
   const size_t n = static_cast<size_t>(t.numel());
@@ -57,12 +63,12 @@ void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vec
   const size_t n = static_cast<size_t>(t.numel());
   if (t.dtype == DType::f32) {
     backend.upload(t.data, values, n * 4);
-  } else if (t.dtype == DType::bf16) {
+  } else if (t.dtype == DType::bf16) {  // a 12B model's moments are ~24G values: over the cores
     scratch.resize(n * 2);
-    for (size_t i = 0; i < n; ++i) {
-      const uint16_t b = f32_to_bf16_bits(values[i]);
-      std::memcpy(scratch.data() + 2 * i, &b, 2);
-    }
+    auto* out = reinterpret_cast<uint16_t*>(scratch.data());
+    const auto count = static_cast<int64_t>(n);
+#pragma omp parallel for schedule(static) if (count >= kParallelElements)
+    for (int64_t i = 0; i < count; ++i) out[i] = f32_to_bf16_bits(values[i]);
     backend.upload(t.data, scratch.data(), n * 2);
   } else {
     FLUX8_CHECK(t.dtype == DType::f64, "upload_f32 into {}", t.str());
@@ -104,28 +110,23 @@ void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, 
     std::memcpy(&f, scratch.data() + 4 * i, 4);
     return f;
   };
+  FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 ||
+                  dst_dtype == DType::f16,
+              "download_as into {}", dtype_name(dst_dtype));
   auto* out = static_cast<uint8_t*>(dst);
-  switch (dst_dtype) {
-    case DType::f32:
-      for (size_t i = 0; i < count; ++i) {
-        const float f = value(i);
-        std::memcpy(out + 4 * i, &f, 4);
-      }
-      return;
-    case DType::f64:
-      for (size_t i = 0; i < count; ++i) {
-        const double d = value(i);
-        std::memcpy(out + 8 * i, &d, 8);
-      }
-      return;
-    case DType::bf16:
-    case DType::f16:
-      for (size_t i = 0; i < count; ++i) {
-        const uint16_t b = dst_dtype == DType::bf16 ? f32_to_bf16_bits(value(i)) : f32_to_f16_bits(value(i));
-        std::memcpy(out + 2 * i, &b, 2);
-      }
-      return;
-    default: FLUX8_CHECK(false, "download_as into {}", dtype_name(dst_dtype));
+  const auto n = static_cast<int64_t>(count);
+#pragma omp parallel for schedule(static) if (n >= kParallelElements)
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = value(static_cast<size_t>(i));
+    if (dst_dtype == DType::f32) {
+      std::memcpy(out + 4 * i, &f, 4);
+    } else if (dst_dtype == DType::f64) {
+      const double d = f;
+      std::memcpy(out + 8 * i, &d, 8);
+    } else {
+      const uint16_t b = dst_dtype == DType::bf16 ? f32_to_bf16_bits(f) : f32_to_f16_bits(f);
+      std::memcpy(out + 2 * i, &b, 2);
+    }
   }
 }
 

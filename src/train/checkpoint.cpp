@@ -351,8 +351,9 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
       const std::string name = optimizer_tensor_name(moment, p.name);
       const Tensor dst = slice_of(*flat, p);
       const SafetensorsTensor& src = file.tensor(name);
-      if (src.dtype == "F32" && dst.dtype == DType::f32 && src.shape == dims(p.shape)) {
-        be.upload(dst.data, src.data, src.nbytes);  // straight from the file's mapping
+      if (src.dtype == "F32" && src.shape == dims(p.shape) && reinterpret_cast<uintptr_t>(src.data) % 4 == 0) {
+        // Straight from the file's mapping (bf16 moments: rounded over the cores on the way).
+        upload_f32(be, dst, reinterpret_cast<const float*>(src.data), scratch);
         continue;
       }
       values.resize(static_cast<size_t>(p.shape.numel()));
