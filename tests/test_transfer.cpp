@@ -9,18 +9,12 @@
 #include "backend/transfer.h"
 #include "core/dtype.h"
 #include "core/rng.h"
+#include "backend_buffer.h"
 
 namespace flux8 {
 namespace {
 
-struct Buffer {
-  Backend& be;
-  void* mem;
-  Tensor t;
-  Buffer(Backend& b, DType dtype, int64_t n)
-      : be(b), mem(b.allocate(static_cast<size_t>(n) * dtype_size(dtype))), t(mem, dtype, Shape{n}) {}
-  ~Buffer() { be.release(mem); }
-};
+using Buffer = testing::BackendBuffer;
 
 // Values with bits below bf16's and f32's precision, so every rounding shows.
 std::vector<double> values(size_t n) {

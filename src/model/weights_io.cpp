@@ -143,10 +143,16 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
   store.params_changed();
 }
 
-SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_dtype,
-                                           const std::map<std::string, std::string>& metadata) {
+namespace {
+void check_file_dtype(DType file_dtype) {
   if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
     fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
+}
+}  // namespace
+
+SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_dtype,
+                                           const std::map<std::string, std::string>& metadata) {
+  check_file_dtype(file_dtype);
   Backend& be = store.backend();
   SafetensorsWriter writer;
   auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
@@ -166,8 +172,7 @@ void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::str
     reference_weights_writer(store, file_dtype, metadata).write(path);
     return;
   }
-  if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
-    fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
+  check_file_dtype(file_dtype);
   Backend& be = store.backend();
   SafetensorsWriter writer;
   // Host copies must outlive write(): one f32 vector per file tensor (diffusers' tensors are

@@ -7,6 +7,7 @@
 #include "backend/transfer.h"
 #include "core/rng.h"
 #include "gpu_test_util.h"
+#include "backend_buffer.h"
 
 namespace flux8 {
 namespace {
@@ -14,14 +15,7 @@ namespace {
 using testing::cpu;
 using testing::gpu;
 
-struct Buffer {
-  Backend& be;
-  void* mem;
-  Tensor t;
-  Buffer(Backend& b, DType dtype, int64_t n)
-      : be(b), mem(b.allocate(static_cast<size_t>(n) * dtype_size(dtype))), t(mem, dtype, Shape{n}) {}
-  ~Buffer() { be.release(mem); }
-};
+using Buffer = testing::BackendBuffer;
 
 TEST(CudaTransfer, StreamedCopiesEqualTheCpuBackends) {
   FLUX8_REQUIRE_GPU();
