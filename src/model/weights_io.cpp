@@ -96,51 +96,49 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
       problems.add(fmt::format("unexpected: {} (no such parameter in this model)", name));
   problems.raise(path, cfg, naming);
 
-  // Into buffers reused from parameter to parameter: f32 for f32 parameters (an F64 file
-  // narrows, as training would), f64 for f64 ones (the CPU backend's double-precision runs).
   Backend& be = store.backend();
-  std::vector<float> values, src;
-  std::vector<double> values64, src64;
-  std::vector<uint8_t> scratch;
+  UploadBuffers buffers;
   for (const ParamInfo& p : store.layout().params()) {
     const Tensor t = store.param(p.name);
-    if (naming == WeightNaming::reference && t.dtype == DType::f32 && file.tensor(prefix + p.name).dtype == "F32") {
-      const SafetensorsTensor& stored = file.tensor(prefix + p.name);  // its shape was checked above
-      be.upload(t.data, stored.data, stored.nbytes);                   // straight from the file's mapping
+    if (naming == WeightNaming::reference) {
+      upload_file_tensor(be, file, prefix + p.name, t, buffers);
       continue;
     }
-    const bool f64 = t.dtype == DType::f64;
-    const size_t n = static_cast<size_t>(p.shape.numel());
-    auto read = [&](const std::string& name, std::vector<float>& f, std::vector<double>& d) {
-      if (f64) {
-        d.resize(static_cast<size_t>(file.tensor(name).numel()));
-        file.read_f64(name, d.data());
-      } else {
-        f.resize(static_cast<size_t>(file.tensor(name).numel()));
-        file.read_f32(name, f.data());
-      }
-    };
-    if (naming == WeightNaming::reference) {
-      read(prefix + p.name, values, values64);
-    } else {
-      f64 ? values64.resize(n) : values.resize(n);
-      const int64_t row_elems = p.shape.numel() / p.shape[0];
-      for (const NamePiece& piece : diffusers_pieces(p, cfg)) {
-        read(prefix + piece.diffusers, src, src64);
-        if (f64)
-          std::copy_n(src64.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
-                      values64.begin() + piece.bfl_row * row_elems);
-        else
-          std::copy_n(src.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
-                      values.begin() + piece.bfl_row * row_elems);
-      }
+    // Diffusers' tensors hold pieces of several parameters: assembled in f64 (exact for any
+    // parameter type).
+    std::vector<double> values(static_cast<size_t>(p.shape.numel()));
+    const int64_t row_elems = p.shape.numel() / p.shape[0];
+    for (const NamePiece& piece : diffusers_pieces(p, cfg)) {
+      const std::string full = prefix + piece.diffusers;
+      std::vector<double> src(static_cast<size_t>(file.tensor(full).numel()));
+      file.read_f64(full, src.data());
+      std::copy_n(src.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
+                  values.begin() + piece.bfl_row * row_elems);
     }
-    if (f64)
-      be.upload(t.data, values64.data(), n * 8);
-    else
-      upload_f32(be, t, values.data(), scratch);
+    from_host(be, t, values);
   }
   store.params_changed();
+}
+
+void upload_file_tensor(Backend& be, const SafetensorsReader& file, const std::string& name, const Tensor& t,
+                        UploadBuffers& buffers) {
+  const SafetensorsTensor& stored = file.tensor(name);
+  const auto n = static_cast<size_t>(stored.numel());
+  if (t.dtype == DType::f64) {
+    buffers.f64.resize(n);
+    file.read_f64(name, buffers.f64.data());
+    be.upload(t.data, buffers.f64.data(), n * 8);
+    return;
+  }
+  const float* values;
+  if (stored.dtype == "F32" && reinterpret_cast<uintptr_t>(stored.data) % alignof(float) == 0) {
+    values = reinterpret_cast<const float*>(stored.data);  // straight from the file's mapping
+  } else {
+    buffers.f32.resize(n);
+    file.read_f32(name, buffers.f32.data());
+    values = buffers.f32.data();
+  }
+  upload_f32(be, t, values, buffers.scratch);
 }
 
 namespace {

@@ -3,13 +3,17 @@
 // in diffusers' FluxTransformer2DModel naming through the name map.
 #include <map>
 #include <string>
+#include <vector>
 
 #include "core/dtype.h"
+#include "core/tensor.h"
 #include "io/safetensors.h"
 #include "model/flux_config.h"
 #include "model/params.h"
 
 namespace flux8 {
+
+class Backend;
 
 enum class WeightNaming { reference, diffusers };
 
@@ -21,6 +25,19 @@ enum class WeightNaming { reference, diffusers };
 // one message listing every mismatch (missing, unexpected, wrong shape, wrong dtype).
 void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path,
                   const std::string& prefix = "");
+
+// Buffers upload_file_tensor reuses from call to call.
+struct UploadBuffers {
+  std::vector<float> f32;
+  std::vector<double> f64;
+  std::vector<uint8_t> scratch;
+};
+// Uploads file tensor `name` into the contiguous backend tensor t of the same element count
+// (the caller checked the shape): into f32 or bf16 tensors through f32 — an aligned F32 tensor
+// straight from the file's mapping, bf16 rounded to nearest even — and into f64 tensors (the
+// CPU backend's double-precision runs) through f64, exactly.
+void upload_file_tensor(Backend& be, const SafetensorsReader& file, const std::string& name, const Tensor& t,
+                        UploadBuffers& buffers);
 
 // The writer of all parameters in the reference naming (file dtype bf16, f32 or f16) with
 // `metadata`: each parameter streams from the backend a piece at a time when the writer writes

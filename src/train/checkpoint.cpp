@@ -344,21 +344,14 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
     fail("optimizer state {} does not match this model ({}{}); was it saved with another config?",
          path, problems.front(), problems.size() > 1 ? fmt::format(" and {} more", problems.size() - 1) : "");
   Backend& be = store.backend();
-  std::vector<float> values;  // reused from tensor to tensor
-  std::vector<uint8_t> scratch;
+  UploadBuffers buffers;
   for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}})
     for (const ParamInfo& p : store.layout().params()) {
       const std::string name = optimizer_tensor_name(moment, p.name);
-      const Tensor dst = slice_of(*flat, p);
-      const SafetensorsTensor& src = file.tensor(name);
-      if (src.dtype == "F32" && src.shape == dims(p.shape) && reinterpret_cast<uintptr_t>(src.data) % 4 == 0) {
-        // Straight from the file's mapping (bf16 moments: rounded over the cores on the way).
-        upload_f32(be, dst, reinterpret_cast<const float*>(src.data), scratch);
-        continue;
-      }
-      values.resize(static_cast<size_t>(p.shape.numel()));
-      file.read_f32(name, values.data(), dims(p.shape));
-      upload_f32(be, dst, values.data(), scratch);
+      if (file.tensor(name).shape != dims(p.shape))
+        fail("safetensors file '{}', tensor '{}': shape is [{}] but [{}] was expected", path, name,
+             fmt::join(file.tensor(name).shape, ", "), fmt::join(dims(p.shape), ", "));
+      upload_file_tensor(be, file, name, slice_of(*flat, p), buffers);  // bf16 moments: rounded on the way
     }
 }
 
@@ -504,8 +497,6 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   const SafetensorsWriter optimizer = optimizer_writer(state, store, adam_m, adam_v);
   const std::vector<SafetensorsWriter::Written> written =
       SafetensorsWriter::write_together({{&model, in_tmp(kModelFile)}, {&optimizer, in_tmp(kOptimizerFile)}});
-  const std::map<std::string, const SafetensorsWriter::Written*> pieces{{kModelFile, &written[0]},
-                                                                         {kOptimizerFile, &written[1]}};
   write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
   if (fp8) save_fp8_state(*fp8, in_tmp(kFp8File));
 
@@ -514,19 +505,14 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   manifest["format_version"] = kCheckpointFormatVersion;
   manifest["step"] = state.step;
   manifest["files"] = json::object();
-  std::vector<const char*> files = {kModelFile, kOptimizerFile, kStateFile};
-  if (fp8) files.push_back(kFp8File);
-  for (const char* file : files) {
-    const std::string path = in_tmp(file);
-    json rec = {{"bytes", fs::file_size(path)}};
-    if (auto w = pieces.find(file); w != pieces.end()) {
-      rec["piece_bytes"] = SafetensorsWriter::kPieceBytes;
-      rec["piece_sha256"] = w->second->piece_sha256;
-    } else {
-      rec["sha256"] = sha256_file(path);  // the small files: a few KB
-    }
-    manifest["files"][file] = std::move(rec);
-  }
+  // The large files' digests per piece, from their writers; the small ones' (a few KB) read.
+  for (const auto& [file, w] : {std::pair{kModelFile, &written[0]}, std::pair{kOptimizerFile, &written[1]}})
+    manifest["files"][file] = {
+        {"bytes", w->bytes}, {"piece_bytes", SafetensorsWriter::kPieceBytes}, {"piece_sha256", w->piece_sha256}};
+  std::vector<const char*> small = {kStateFile};
+  if (fp8) small.push_back(kFp8File);
+  for (const char* file : small)
+    manifest["files"][file] = {{"bytes", fs::file_size(in_tmp(file))}, {"sha256", sha256_file(in_tmp(file))}};
   write_file_durably(in_tmp(kManifestFile), manifest.dump(2) + "\n");
   fsync_path(tmp_dir, /*directory=*/true);
 
