@@ -51,34 +51,25 @@ void from_host(Backend& backend, const Tensor& t, const std::vector<double>& val
 void from_host(Backend& backend, const Tensor& t, const std::vector<float>& values) {
   FLUX8_CHECK(t.contiguous() && static_cast<int64_t>(values.size()) == t.numel(),
               "from_host of {} values into {}", values.size(), t.str());
-  if (t.dtype == DType::f32) {
-    backend.upload(t.data, values.data(), values.size() * 4);
-    return;
-  }
-  from_host(backend, t, std::vector<double>(values.begin(), values.end()));  // exact: then as above
+  std::vector<uint8_t> scratch;
+  upload_f32(backend, t, values.data(), scratch);
 }
 
 void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vector<uint8_t>& scratch) {
   FLUX8_CHECK(t.contiguous(), "upload_f32 into a strided tensor {}", t.str());
+  FLUX8_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16, "upload_f32 into {}",
+              t.str());
   const size_t n = static_cast<size_t>(t.numel());
   if (t.dtype == DType::f32) {
     backend.upload(t.data, values, n * 4);
-  } else if (t.dtype == DType::bf16) {  // a 12B model's moments are ~24G values: over the cores
-    scratch.resize(n * 2);
-    auto* out = reinterpret_cast<uint16_t*>(scratch.data());
-    const auto count = static_cast<int64_t>(n);
-#pragma omp parallel for schedule(static) if (count >= kParallelElements)
-    for (int64_t i = 0; i < count; ++i) out[i] = f32_to_bf16_bits(values[i]);
-    backend.upload(t.data, scratch.data(), n * 2);
-  } else {
-    FLUX8_CHECK(t.dtype == DType::f64, "upload_f32 into {}", t.str());
-    scratch.resize(n * 8);
-    for (size_t i = 0; i < n; ++i) {
-      const double d = values[i];
-      std::memcpy(scratch.data() + 8 * i, &d, 8);
-    }
-    backend.upload(t.data, scratch.data(), n * 8);
+    return;
   }
+  // A 12B model's bf16 moments are ~24G values: converted over the cores.
+  scratch.resize(n * dtype_size(t.dtype));
+  const auto count = static_cast<int64_t>(n);
+#pragma omp parallel for schedule(static) if (count >= kParallelElements)
+  for (int64_t i = 0; i < count; ++i) store_f32_as(values[i], t.dtype, scratch.data(), static_cast<size_t>(i));
+  backend.upload(t.data, scratch.data(), scratch.size());
 }
 
 void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, DType dst_dtype, void* dst,
@@ -113,21 +104,9 @@ void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, 
   FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 ||
                   dst_dtype == DType::f16,
               "download_as into {}", dtype_name(dst_dtype));
-  auto* out = static_cast<uint8_t*>(dst);
   const auto n = static_cast<int64_t>(count);
 #pragma omp parallel for schedule(static) if (n >= kParallelElements)
-  for (int64_t i = 0; i < n; ++i) {
-    const float f = value(static_cast<size_t>(i));
-    if (dst_dtype == DType::f32) {
-      std::memcpy(out + 4 * i, &f, 4);
-    } else if (dst_dtype == DType::f64) {
-      const double d = f;
-      std::memcpy(out + 8 * i, &d, 8);
-    } else {
-      const uint16_t b = dst_dtype == DType::bf16 ? f32_to_bf16_bits(f) : f32_to_f16_bits(f);
-      std::memcpy(out + 2 * i, &b, 2);
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) store_f32_as(value(static_cast<size_t>(i)), dst_dtype, dst, static_cast<size_t>(i));
 }
 
 }  // namespace flux8

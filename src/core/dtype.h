@@ -41,4 +41,19 @@ FLUX8_HD inline float round_to_bf16(float f) { return bf16_bits_to_f32(f32_to_bf
 uint16_t f32_to_f16_bits(float f);
 float f16_bits_to_f32(uint16_t h);
 
+// f stored as element i of dst, an array of type t (f32; f64 widened; bf16/f16 rounded to
+// nearest even); any other t is the caller's error. For files written in a chosen type.
+inline void store_f32_as(float f, DType t, void* dst, size_t i) {
+  auto* p = static_cast<uint8_t*>(dst);
+  if (t == DType::f32) {
+    std::memcpy(p + 4 * i, &f, 4);
+  } else if (t == DType::f64) {
+    const double d = f;
+    std::memcpy(p + 8 * i, &d, 8);
+  } else {
+    const uint16_t b = t == DType::bf16 ? f32_to_bf16_bits(f) : f32_to_f16_bits(f);
+    std::memcpy(p + 2 * i, &b, 2);
+  }
+}
+
 }  // namespace flux8

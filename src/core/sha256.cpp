@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -201,39 +202,24 @@ std::string sha256_hex(std::string_view data) {
   return h.hex_digest();
 }
 
-std::string sha256_file(const std::string& path) {
+namespace {
+// The digest of the file's bytes from `offset`: `bytes` of them, or all to its end when
+// `bytes` is unset. pread, so that pieces of one file can be hashed side by side.
+std::string hash_file(const std::string& path, uint64_t offset, std::optional<uint64_t> bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail("cannot open '{}' to checksum it: {}", path, std::strerror(errno));
   Sha256 h;
-  std::vector<uint8_t> chunk(4 << 20);
-  for (;;) {
-    const ssize_t n = ::read(fd, chunk.data(), chunk.size());
-    if (n == 0) break;
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      fail("cannot read '{}' to checksum it: {}", path, std::strerror(err));
-    }
-    h.update(chunk.data(), static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return h.hex_digest();
-}
-
-std::string sha256_file_range(const std::string& path, uint64_t offset, uint64_t bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open '{}' to checksum it: {}", path, std::strerror(errno));
-  Sha256 h;
-  std::vector<uint8_t> chunk(std::min<uint64_t>(bytes, 4 << 20));
-  for (uint64_t done = 0; done < bytes;) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(chunk.size(), bytes - done));
+  std::vector<uint8_t> chunk(std::min<uint64_t>(bytes.value_or(UINT64_MAX), 4 << 20));
+  for (uint64_t done = 0; !bytes || done < *bytes;) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(chunk.size(), bytes.value_or(UINT64_MAX) - done));
     const ssize_t n = ::pread(fd, chunk.data(), want, static_cast<off_t>(offset + done));
     if (n < 0 && errno == EINTR) continue;
+    if (n == 0 && !bytes) break;  // the end of the file
     if (n <= 0) {
       const int err = errno;
       ::close(fd);
-      fail("cannot read bytes [{}, {}) of '{}' to checksum them: {}", offset + done, offset + bytes, path,
+      if (!bytes) fail("cannot read '{}' to checksum it: {}", path, std::strerror(err));
+      fail("cannot read bytes [{}, {}) of '{}' to checksum them: {}", offset + done, offset + *bytes, path,
            n == 0 ? "the file ends before them" : std::strerror(err));
     }
     h.update(chunk.data(), static_cast<size_t>(n));
@@ -241,6 +227,13 @@ std::string sha256_file_range(const std::string& path, uint64_t offset, uint64_t
   }
   ::close(fd);
   return h.hex_digest();
+}
+}  // namespace
+
+std::string sha256_file(const std::string& path) { return hash_file(path, 0, std::nullopt); }
+
+std::string sha256_file_range(const std::string& path, uint64_t offset, uint64_t bytes) {
+  return hash_file(path, offset, bytes);
 }
 
 }  // namespace flux8

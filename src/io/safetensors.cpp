@@ -42,28 +42,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
 
-// count f32 values as `target` (f32, f64, or bf16/f16 rounded to nearest even) into dst.
-void convert_f32(const float* src, size_t count, DType target, void* dst) {
-  auto* out = static_cast<uint8_t*>(dst);
-  switch (target) {
-    case DType::f32: std::memcpy(out, src, count * 4); return;
-    case DType::f64:
-      for (size_t j = 0; j < count; ++j) {
-        const double d = src[j];
-        std::memcpy(out + 8 * j, &d, 8);
-      }
-      return;
-    case DType::bf16:
-    case DType::f16:
-      for (size_t j = 0; j < count; ++j) {
-        const uint16_t b = target == DType::bf16 ? f32_to_bf16_bits(src[j]) : f32_to_f16_bits(src[j]);
-        std::memcpy(out + 2 * j, &b, 2);
-      }
-      return;
-    default: fail("safetensors writer: cannot store f32 values as {}", dtype_name(target));
-  }
-}
-
 bool is_index(const json& j) {
   return j.is_number_unsigned() || (j.is_number_integer() && j.get<int64_t>() >= 0);
 }
@@ -352,7 +330,7 @@ void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<in
   FillChunk fill;
   if (data)
     fill = [data, target](size_t first, size_t count, void* dst) {
-      convert_f32(data + first, count, target, dst);
+      for (size_t j = 0; j < count; ++j) store_f32_as(data[first + j], target, dst, j);
     };
   add_entry({name, target, shape, std::move(fill)});
 }
