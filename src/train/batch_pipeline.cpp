@@ -4,14 +4,9 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/process_clock.h"
 
 namespace flux8 {
-
-namespace {
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-}  // namespace
 
 BatchPipeline::BatchPipeline(Backend& be, DataLoader& loader, const BatchPipelineSpec& spec)
     : be_(be), loader_(loader), spec_(spec) {

@@ -148,16 +148,15 @@ TrainResult run_training(const TrainOptions& opt) {
   double verify_seconds = 0.0, load_seconds = 0.0;
   if (opt.resume) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
     if (auto dir = find_latest_checkpoint(r.save_dir)) {  // verifies every file's digest
-      verify_seconds = since(t0);
+      verify_seconds = seconds_since(t0);
       const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
       load_checkpoint(*dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(),
                       registry, &fp8_note, CheckpointVerify::sizes);  // its digests were just verified
       r.state.config_yaml = r.cfg.dump();  // the config of this run goes into its checkpoints
       resumed_from = *dir;
-      load_seconds = since(t1);
+      load_seconds = seconds_since(t1);
     }
   }
   if (resumed_from.empty()) {
@@ -232,7 +231,7 @@ TrainResult run_training(const TrainOptions& opt) {
                                              r.opt->exp_avg_sq(), static_cast<int>(r.cfg.get_int("keep_last_checkpoints")),
                                              // const: reading the mirror must not mark the device copy stale
                                              r.model->fp8() ? &std::as_const(*r.model->fp8()).registry() : nullptr);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs = seconds_since(t0);
     std::error_code ec;
     uintmax_t bytes = 0;
     for (const auto& f : std::filesystem::directory_iterator(result.last_checkpoint, ec))
@@ -295,7 +294,7 @@ TrainResult run_training(const TrainOptions& opt) {
     r.state.data_epoch = static_cast<int64_t>(ls.epoch);
     r.state.data_position = static_cast<int64_t>(ls.consumed);
     r.state.last_loss = loss;
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs = seconds_since(t0);
     progress.step(StepReport{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
                              static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs, sl.data,
                              !st.applied},
