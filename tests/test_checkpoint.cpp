@@ -1,14 +1,16 @@
 // Training checkpoints: SHA-256 against the FIPS 180 examples, bit-exact save/load, refusal of
-// altered and truncated files, recovery from a run killed mid-write, pruning, and the stop
-// signals.
+// altered and truncated files, recovery from a run killed mid-write, pruning, checkpoints
+// written from a host snapshot behind training, and the stop signals.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <thread>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
@@ -19,6 +21,7 @@
 #include "model/weights_io.h"
 #include "model_test_util.h"
 #include "test_util.h"
+#include "train/async_checkpoint.h"
 #include "train/checkpoint.h"
 #include "train/signals.h"
 
@@ -503,6 +506,137 @@ TEST(Checkpoint, WrongMomentBufferIsRefused) {
     save_checkpoint(root.str(), run.state, run.cfg, run.store, short_m, run.v, 0);
   });
   EXPECT_NE(e.find("adam_m"), std::string::npos) << e;
+}
+
+// ---- checkpoints written from a host snapshot, behind training (async_save) -----------------
+
+// Every file of two checkpoint directories, byte for byte (the manifests included: the same
+// piece digests).
+void expect_same_files(const std::string& a, const std::string& b) {
+  size_t files = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(a)) {
+    const fs::path other = fs::path(b) / e.path().filename();
+    ASSERT_TRUE(fs::is_regular_file(other)) << other;
+    EXPECT_TRUE(testing::read_bytes(e.path().string()) == testing::read_bytes(other.string())) << e.path().filename();
+    ++files;
+  }
+  EXPECT_EQ(files, static_cast<size_t>(std::distance(fs::directory_iterator(b), fs::directory_iterator())));
+}
+
+Fp8MetaRegistry test_fp8_registry() {
+  Fp8MetaRegistry reg(3);
+  for (const char* name : {"img_in", "double_blocks.0.img_attn.qkv"}) reg.add(name, Fp8Role::input);
+  for (int s = 0; s < reg.size(); ++s) {
+    reg.scale_data()[s] = 0.5f + static_cast<float>(s);
+    reg.amax_history_data()[reg.size() + s] = 3.25f + static_cast<float>(s);  // row 1 of [history, slots]
+  }
+  return reg;
+}
+
+TEST(CheckpointSnapshot, WritesTheSameFilesAsASaveInLine) {
+  for (const auto& [dtype, moments] : {std::pair{DType::f32, DType::f32}, std::pair{DType::f32, DType::bf16},
+                                       std::pair{DType::f64, DType::f64}}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)) + " parameters, " + std::string(dtype_name(moments)) + " moments");
+    TempRoot root;
+    ModelRun run(dtype, moments);
+    run.randomize(5);
+    const Fp8MetaRegistry reg = test_fp8_registry();
+    const std::string in_line = save_checkpoint((root.path / "in_line").string(), run.state, run.cfg, run.store,
+                                                run.m, run.v, 0, &reg);
+    CheckpointSnapshot snapshot;
+    EXPECT_EQ(CheckpointSnapshot::bytes_for(run.store, run.m, run.v),
+              static_cast<uint64_t>(run.store.layout().total()) * (dtype_size(dtype) + 2 * dtype_size(moments)));
+    snapshot.take(run.state, run.store, run.m, run.v, &reg);
+    EXPECT_EQ(snapshot.bytes(), CheckpointSnapshot::bytes_for(run.store, run.m, run.v));
+    const std::string behind = snapshot.write((root.path / "behind").string(), 0);
+    EXPECT_EQ(fs::path(behind).filename(), "step-0000100");
+    EXPECT_TRUE(fs::is_regular_file(fs::path(behind) / "fp8_state.safetensors"));
+    expect_same_files(in_line, behind);
+  }
+}
+
+TEST(AsyncCheckpoint, WritesTheStateAsOfItsStart) {
+  TempRoot root;
+  ModelRun a, loaded;
+  a.randomize(6);
+  const std::vector<double> params = to_host(*a.be, a.store.flat_params()), m = to_host(*a.be, a.m);
+  AsyncCheckpointer saver(root.str(), 2);
+  EXPECT_FALSE(saver.busy());
+  a.state.step = 10;
+  const AsyncCheckpointer::Started s = saver.start(a.state, a.store, a.m, a.v, nullptr);
+  EXPECT_EQ(s.dir, (root.path / "step-0000010").string());
+  EXPECT_EQ(s.snapshot_bytes, CheckpointSnapshot::bytes_for(a.store, a.m, a.v));
+  EXPECT_FALSE(s.previous);
+  // Training goes on: the next step changes everything while the file may still be written.
+  a.randomize(7);
+  a.state.step = 20;
+  const AsyncCheckpointer::Started s2 = saver.start(a.state, a.store, a.m, a.v, nullptr);
+  ASSERT_TRUE(s2.previous);  // waited for step 10's save
+  EXPECT_EQ(s2.previous->step, 10);
+  EXPECT_EQ(s2.previous->dir, s.dir);
+  EXPECT_GT(s2.previous->bytes, 0u);
+  const std::optional<AsyncCheckpointer::Finished> f = saver.wait();
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->step, 20);
+  EXPECT_FALSE(saver.wait());  // nothing in flight
+  EXPECT_FALSE(saver.poll());
+
+  load_checkpoint(s.dir, loaded.state, loaded.cfg, loaded.store, loaded.m, loaded.v);
+  EXPECT_EQ(loaded.state.step, 10);
+  EXPECT_EQ(to_host(*loaded.be, loaded.store.flat_params()), params);
+  EXPECT_EQ(to_host(*loaded.be, loaded.m), m);
+  load_checkpoint(f->dir, loaded.state, loaded.cfg, loaded.store, loaded.m, loaded.v);
+  EXPECT_EQ(to_host(*loaded.be, loaded.store.flat_params()), to_host(*a.be, a.store.flat_params()));
+  // Both kept (keep_last 2), and nothing else: no temporary directory.
+  EXPECT_EQ(std::distance(fs::directory_iterator(root.path), fs::directory_iterator()), 2);
+}
+
+TEST(AsyncCheckpoint, PollReportsTheSaveOnceItIsDone) {
+  TempRoot root;
+  ModelRun a;
+  a.randomize(8);
+  AsyncCheckpointer saver(root.str(), 0);
+  a.state.step = 3;
+  saver.start(a.state, a.store, a.m, a.v, nullptr);
+  std::optional<AsyncCheckpointer::Finished> f;
+  for (int i = 0; i < 6000 && !f; ++i) {  // up to a minute
+    f = saver.poll();
+    if (!f) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->step, 3);
+  EXPECT_FALSE(saver.busy());
+  EXPECT_NO_THROW(verify_checkpoint(f->dir));
+}
+
+TEST(AsyncCheckpoint, AFailedSaveIsReportedWithItsStep) {
+  TempRoot root;
+  ModelRun a;
+  a.randomize(9);
+  const fs::path file = root.path / "not_a_directory";
+  std::ofstream(file) << "x";
+  a.state.step = 42;
+  {
+    AsyncCheckpointer saver((file / "ckpt").string(), 0);
+    saver.start(a.state, a.store, a.m, a.v, nullptr);
+    const std::string e = error_of([&] { saver.wait(); });
+    EXPECT_NE(e.find("checkpoint of step 42"), std::string::npos) << e;
+    EXPECT_NE(e.find("not_a_directory"), std::string::npos) << e;
+    EXPECT_FALSE(saver.busy());
+  }
+  {  // never collected: the destructor waits for it and only warns
+    AsyncCheckpointer saver((file / "ckpt").string(), 0);
+    saver.start(a.state, a.store, a.m, a.v, nullptr);
+  }
+}
+
+TEST(AsyncCheckpoint, TheSnapshotMustFitInHalfTheAvailableMemory) {
+  EXPECT_TRUE(AsyncCheckpointer::fits(10, uint64_t{20}));
+  EXPECT_FALSE(AsyncCheckpointer::fits(11, uint64_t{20}));
+  EXPECT_TRUE(AsyncCheckpointer::fits(uint64_t{1} << 40, std::nullopt));  // unknown: assumed to fit
+  const std::optional<uint64_t> available = host_memory_available();
+  ASSERT_TRUE(available);  // Linux: /proc/meminfo
+  EXPECT_GT(*available, uint64_t{1} << 20);
 }
 
 // ---- signals -------------------------------------------------------------------------------

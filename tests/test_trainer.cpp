@@ -304,6 +304,43 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
 }
 
+// async_save (the default) writes each checkpoint from a host copy behind the next steps: the
+// same parameters and moments as a save in line, every save reported twice in metrics.jsonl (the
+// copy, then the written checkpoint), the last one written before run_training returns.
+TEST(Trainer, CheckpointsWrittenBehindTrainingEqualOnesWrittenInLine) {
+  const testing::RunDir dir("trainer_async_save");
+  auto options = [&](const char* save, bool async) {
+    TrainOptions o = dir.options(save);
+    o.overrides.push_back("save_interval=2");
+    o.overrides.push_back(std::string("async_save=") + (async ? "true" : "false"));
+    return o;
+  };
+  EXPECT_EQ(run_training(options("behind", true)).steps_done, 6);
+  EXPECT_EQ(run_training(options("in_line", false)).steps_done, 6);
+  for (const char* step : {"step-0000004", "step-0000006"})  // keep_last_checkpoints: 2 (demo.yaml)
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      testing::expect_same_tensors((dir.root / "behind" / step / file).string(),
+                                   (dir.root / "in_line" / step / file).string());
+  EXPECT_FALSE(fs::exists(dir.root / "behind" / "step-0000002"));
+  auto events = [&](const char* run, const char* kind) {
+    std::vector<int64_t> steps;
+    std::ifstream in(dir.root / run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.value("event", "") != kind) continue;
+      steps.push_back(j["step"].get<int64_t>());
+      if (std::string(kind) == "checkpoint") EXPECT_EQ(j.value("async", false), std::string(run) == "behind") << line;
+      if (std::string(kind) == "checkpoint_snapshot") EXPECT_GT(j["snapshot_bytes"].get<uint64_t>(), 0u) << line;
+    }
+    return steps;
+  };
+  const std::vector<int64_t> saves{2, 4, 6};
+  EXPECT_EQ(events("behind", "checkpoint_snapshot"), saves);
+  EXPECT_EQ(events("behind", "checkpoint"), saves);
+  EXPECT_EQ(events("in_line", "checkpoint_snapshot"), std::vector<int64_t>{});
+  EXPECT_EQ(events("in_line", "checkpoint"), saves);
+}
+
 // adam_moment_precision: bf16 on the trainer: the run says so, its moments are bf16 values (saved
 // as F32) that differ from the f32 moments' run, and an interrupted run resumes bit for bit — the
 // moments reload exactly and the rounding's random bits depend only on (step, element).

@@ -86,24 +86,35 @@ void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, 
   }
   scratch.resize(count * esize);
   backend.download(scratch.data(), src, count * esize);
+  convert_elements(scratch.data(), t.dtype, count, dst_dtype, dst);
+}
+
+void convert_elements(const void* src, DType src_dtype, size_t count, DType dst_dtype, void* dst) {
+  FLUX8_CHECK(src_dtype == DType::f32 || src_dtype == DType::f64 || src_dtype == DType::bf16,
+              "convert_elements from {}", dtype_name(src_dtype));
+  FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 ||
+                  dst_dtype == DType::f16,
+              "convert_elements into {}", dtype_name(dst_dtype));
+  if (src_dtype == dst_dtype) {
+    std::memcpy(dst, src, count * dtype_size(src_dtype));
+    return;
+  }
+  const auto* bytes = static_cast<const uint8_t*>(src);
   auto value = [&](size_t i) -> float {  // element i as f32
-    if (t.dtype == DType::bf16) {
+    if (src_dtype == DType::bf16) {
       uint16_t b;
-      std::memcpy(&b, scratch.data() + 2 * i, 2);
+      std::memcpy(&b, bytes + 2 * i, 2);
       return bf16_bits_to_f32(b);
     }
-    if (t.dtype == DType::f64) {
+    if (src_dtype == DType::f64) {
       double d;
-      std::memcpy(&d, scratch.data() + 8 * i, 8);
+      std::memcpy(&d, bytes + 8 * i, 8);
       return static_cast<float>(d);
     }
     float f;
-    std::memcpy(&f, scratch.data() + 4 * i, 4);
+    std::memcpy(&f, bytes + 4 * i, 4);
     return f;
   };
-  FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 ||
-                  dst_dtype == DType::f16,
-              "download_as into {}", dtype_name(dst_dtype));
   const auto n = static_cast<int64_t>(count);
 #pragma omp parallel for schedule(static) if (n >= kParallelElements)
   for (int64_t i = 0; i < n; ++i) store_f32_as(value(static_cast<size_t>(i)), dst_dtype, dst, static_cast<size_t>(i));

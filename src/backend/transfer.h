@@ -26,4 +26,9 @@ void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vec
 void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, DType dst_dtype, void* dst,
                  std::vector<uint8_t>& scratch);
 
+// download_as's conversion on the host: `count` elements of src (f32, f64 or bf16) stored into
+// dst as `dst_dtype` (f32, f64, bf16 or f16) through f32, over the CPU's threads for large
+// counts; a plain copy when the types match. For checkpoints written from a host snapshot.
+void convert_elements(const void* src, DType src_dtype, size_t count, DType dst_dtype, void* dst);
+
 }  // namespace flux8

@@ -121,6 +121,7 @@ std::vector<KeySpec> make_keys() {
       string_key("run", "save_dir", "runs/flux8", "directory of checkpoints, metrics.jsonl and samples"),
       int_key("run", "save_interval", 0, at_least(0), "checkpoint every N steps (and at the end); 0 = only at the end"),
       int_key("run", "keep_last_checkpoints", 3, at_least(0), "checkpoints kept; 0 = keep all"),
+      bool_key("run", "async_save", true, "write checkpoints behind training: a save waits only for a host copy of the parameters and AdamW moments, then a thread of its own converts, hashes and writes the files while the next steps run (one save in flight; the same files as a save in line). Used when the copy fits in half the host memory available at the start, else each save runs in line, as with false"),
       int_key("run", "eval_interval", 0, at_least(0), "validate every N steps (and at step 0 and the end); 0 = only at the start and end"),
       int_key("run", "eval_samples", 0, at_least(0), "validation samples used; 0 = all"),
       int_key("run", "log_interval", 1, at_least(1), "metrics line every N steps"),

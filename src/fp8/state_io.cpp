@@ -2,7 +2,10 @@
 
 #include <fmt/core.h>
 
+#include <cstring>
 #include <map>
+#include <memory>
+#include <tuple>
 #include <nlohmann/json.hpp>
 #include <utility>
 
@@ -11,17 +14,26 @@
 
 namespace flux8 {
 
-void save_fp8_state(const Fp8MetaRegistry& reg, const std::string& path) {
+SafetensorsWriter fp8_state_writer(const Fp8MetaRegistry& reg) {
   const int64_t n = reg.size(), L = reg.history_len();
   nlohmann::json slots = nlohmann::json::array();
   for (int s = 0; s < reg.size(); ++s) slots.push_back({reg.name(s), fp8_role_name(reg.role(s))});
   SafetensorsWriter w;
-  w.add("scale", DType::f32, {n}, reg.scales().data());
-  w.add("amax_history", DType::f32, {L, n}, reg.amax_history().data());
+  // Copies: the writer may run after the registry has moved on (an asynchronous save).
+  for (const auto& [name, values, shape] :
+       {std::tuple{"scale", &reg.scales(), std::vector<int64_t>{n}},
+        std::tuple{"amax_history", &reg.amax_history(), std::vector<int64_t>{L, n}}}) {
+    auto copy = std::make_shared<const std::vector<float>>(*values);
+    w.add_filled(name, DType::f32, shape, [copy](size_t first, size_t count, void* dst) {
+      std::memcpy(dst, copy->data() + first, count * sizeof(float));
+    });
+  }
   w.set_metadata("flux8_fp8_slots", slots.dump());
   w.set_metadata("flux8_fp8_history_len", std::to_string(L));
-  w.write(path);
+  return w;
 }
+
+void save_fp8_state(const Fp8MetaRegistry& reg, const std::string& path) { fp8_state_writer(reg).write(path); }
 
 std::string load_fp8_state(Fp8MetaRegistry& reg, const std::string& path) {
   const SafetensorsReader f(path);

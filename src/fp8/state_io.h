@@ -5,10 +5,13 @@
 #include <string>
 
 #include "fp8/meta.h"
+#include "io/safetensors.h"
 
 namespace flux8 {
 
 void save_fp8_state(const Fp8MetaRegistry& registry, const std::string& path);
+// The same file's writer, holding its own copy of the state (written later, on any thread).
+SafetensorsWriter fp8_state_writer(const Fp8MetaRegistry& registry);
 
 // Restores the slots of `registry` found in the file; returns a one-line note of what was
 // done (slots restored, slots starting fresh, history length changes, file slots unused).

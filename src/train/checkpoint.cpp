@@ -306,21 +306,52 @@ std::string optimizer_tensor_name(const char* moment, const std::string& param) 
   return std::string(moment) + "." + param;
 }
 
-// The optimizer state's writer: each moment streams from the backend a piece at a time when it
-// writes, as f32 whatever it is stored in (PyTorch's AdamW state; bf16 moments widen exactly).
-SafetensorsWriter optimizer_writer(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,
-                                   const Tensor& adam_v) {
-  Backend& be = store.backend();
-  SafetensorsWriter writer;
-  auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
-  for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}}) {
-    for (const ParamInfo& p : store.layout().params()) {
-      writer.add_filled(optimizer_tensor_name(moment, p.name), DType::f32, dims(p.shape),
-                        [&be, t = slice_of(*flat, p), scratch](size_t first, size_t count, void* dst) {
-                          download_as(be, t, first, count, DType::f32, dst, *scratch);
-                        });
-    }
+// A flat buffer laid out like the parameters (the parameters themselves, or an AdamW moment):
+// on the backend, streamed from it a piece at a time as the file is written, or in host memory
+// (a CheckpointSnapshot).
+struct FlatSource {
+  Backend* backend = nullptr;  // null: `data` is host memory
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+
+  static FlatSource on_backend(Backend& be, const Tensor& flat) { return {&be, flat.data, flat.dtype}; }
+
+  // Produces parameter p's elements as f32 (the file's type: PyTorch's; bf16 moments and f64
+  // parameters convert exactly or round to nearest). `scratch` is shared by fills that run one
+  // after another.
+  SafetensorsWriter::FillChunk f32_fill(const ParamInfo& p, std::shared_ptr<std::vector<uint8_t>> scratch) const {
+    const size_t esize = dtype_size(dtype);
+    const char* first_element = static_cast<const char*>(data) + static_cast<size_t>(p.offset) * esize;
+    if (backend)
+      return [be = backend, t = Tensor(const_cast<char*>(first_element), dtype, p.shape), scratch](
+                 size_t first, size_t count, void* dst) { download_as(*be, t, first, count, DType::f32, dst, *scratch); };
+    return [first_element, esize, src = dtype](size_t first, size_t count, void* dst) {
+      convert_elements(first_element + first * esize, src, count, DType::f32, dst);
+    };
   }
+};
+
+// The model file: every parameter under its reference name, F32 (also a plain weights file).
+SafetensorsWriter model_writer(const TrainerState& state, const std::vector<ParamInfo>& params, const FlatSource& src) {
+  SafetensorsWriter writer;
+  auto scratch = std::make_shared<std::vector<uint8_t>>();
+  for (const ParamInfo& p : params) writer.add_filled(p.name, DType::f32, dims(p.shape), src.f32_fill(p, scratch));
+  writer.set_metadata("format", "pt");
+  writer.set_metadata("flux8_config", state.config_yaml);
+  writer.set_metadata("flux8_step", std::to_string(state.step));
+  writer.set_metadata("flux8_version", state.flux8_version);
+  return writer;
+}
+
+// The optimizer state's file: the two moments of every parameter, as f32 whatever they are
+// stored in (PyTorch's AdamW state).
+SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<ParamInfo>& params,
+                                   const FlatSource& m, const FlatSource& v) {
+  SafetensorsWriter writer;
+  auto scratch = std::make_shared<std::vector<uint8_t>>();
+  for (const auto& [moment, src] : {std::pair{"exp_avg", &m}, std::pair{"exp_avg_sq", &v}})
+    for (const ParamInfo& p : params)
+      writer.add_filled(optimizer_tensor_name(moment, p.name), DType::f32, dims(p.shape), src->f32_fill(p, scratch));
   writer.set_metadata("format", "pt");
   writer.set_metadata("flux8_optimizer", "adamw");
   writer.set_metadata("flux8_step", std::to_string(state.step));
@@ -470,10 +501,13 @@ TrainerState trainer_state_from_json(const std::string& text, const std::string&
   return s;
 }
 
-std::string save_checkpoint(const std::string& root, const TrainerState& state,
-                            const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
-                            const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8) {
-  check_moments(store, adam_m, adam_v, "save_checkpoint");
+namespace {
+
+// Writes ROOT/step-N from the files' writers (the parameters' and moments' from the device or
+// from a snapshot: the same bytes either way), then prunes. On any thread: nothing here uses
+// the backend except what the writers' fills do.
+std::string write_checkpoint_dir(const std::string& root, const TrainerState& state, const SafetensorsWriter& model,
+                                 const SafetensorsWriter& optimizer, const SafetensorsWriter* fp8, int keep_last) {
   if (state.step < 0) fail("save_checkpoint: step {} is negative", state.step);
   std::error_code ec;
   fs::create_directories(root, ec);
@@ -490,15 +524,10 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   auto in_tmp = [&](const char* file) { return (fs::path(tmp_dir) / file).string(); };
   // Every file is written and fsynced by its writer (safetensors: temp file + rename). The two
   // large ones are written side by side and hashed as they are written.
-  const SafetensorsWriter model = reference_weights_writer(store, DType::f32,
-                                                           {{"flux8_config", state.config_yaml},
-                                                            {"flux8_step", std::to_string(state.step)},
-                                                            {"flux8_version", state.flux8_version}});
-  const SafetensorsWriter optimizer = optimizer_writer(state, store, adam_m, adam_v);
   const std::vector<SafetensorsWriter::Written> written =
       SafetensorsWriter::write_together({{&model, in_tmp(kModelFile)}, {&optimizer, in_tmp(kOptimizerFile)}});
   write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
-  if (fp8) save_fp8_state(*fp8, in_tmp(kFp8File));
+  if (fp8) fp8->write(in_tmp(kFp8File));
 
   json manifest;
   manifest["format"] = "flux8-checkpoint";
@@ -538,6 +567,57 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
   remove_stale_tmp_dirs(root);
   return final_dir;
 }
+
+}  // namespace
+
+
+std::string save_checkpoint(const std::string& root, const TrainerState& state,
+                            const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
+                            const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8) {
+  check_moments(store, adam_m, adam_v, "save_checkpoint");
+  Backend& be = store.backend();
+  const std::vector<ParamInfo>& params = store.layout().params();
+  const SafetensorsWriter model = model_writer(state, params, FlatSource::on_backend(be, store.flat_params()));
+  const SafetensorsWriter optimizer =
+      optimizer_writer(state, params, FlatSource::on_backend(be, adam_m), FlatSource::on_backend(be, adam_v));
+  const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
+  return write_checkpoint_dir(root, state, model, optimizer, fp8_file ? &*fp8_file : nullptr, keep_last);
+}
+
+uint64_t CheckpointSnapshot::bytes_for(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
+  const auto n = static_cast<uint64_t>(store.layout().total());
+  return n * (dtype_size(store.dtype()) + dtype_size(adam_m.dtype) + dtype_size(adam_v.dtype));
+}
+
+void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,
+                              const Tensor& adam_v, const Fp8MetaRegistry* fp8) {
+  check_moments(store, adam_m, adam_v, "CheckpointSnapshot::take");
+  Backend& be = store.backend();
+  for (const auto& [host, flat] : {std::pair{&params_, store.flat_params()}, std::pair{&m_, adam_m}, std::pair{&v_, adam_v}}) {
+    const size_t bytes = static_cast<size_t>(flat.numel()) * dtype_size(flat.dtype);
+    if (host->bytes != bytes) {  // kept from the last snapshot when the size matches: no new pages to fault in
+      host->data.reset();
+      host->data.reset(new std::byte[bytes]);  // uninitialised: the download writes every byte
+      host->bytes = bytes;
+    }
+    host->dtype = flat.dtype;
+    be.download(host->data.get(), flat.data, bytes);
+  }
+  state_ = state;
+  params_layout_ = store.layout().params();
+  fp8_ = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
+  taken_ = true;
+}
+
+std::string CheckpointSnapshot::write(const std::string& root, int keep_last) const {
+  FLUX8_CHECK(taken_, "CheckpointSnapshot::write before take");
+  auto host = [](const HostFlat& h) { return FlatSource{nullptr, h.data.get(), h.dtype}; };
+  const SafetensorsWriter model = model_writer(state_, params_layout_, host(params_));
+  const SafetensorsWriter optimizer = optimizer_writer(state_, params_layout_, host(m_), host(v_));
+  return write_checkpoint_dir(root, state_, model, optimizer, fp8_ ? &*fp8_ : nullptr, keep_last);
+}
+
+uint64_t CheckpointSnapshot::bytes() const { return params_.bytes + m_.bytes + v_.bytes; }
 
 namespace {
 void verify_checkpoint(const std::string& dir, bool hash) {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <utility>
 
 #include "backend/backend.h"
@@ -17,6 +19,7 @@
 #include "data/loader.h"
 #include "model/flux_model.h"
 #include "model/weights_io.h"
+#include "train/async_checkpoint.h"
 #include "train/batch_pipeline.h"
 #include "train/checkpoint.h"
 #include "train/end_samples.h"
@@ -225,12 +228,50 @@ TrainResult run_training(const TrainOptions& opt) {
     progress.event(fmt::format("validation ({}) at step {}: {:.4f}", when, r.state.step, v.score), rec);
     return v.score;
   };
+  // Checkpoints: written behind training where the host copy fits (async_save), else in line.
+  const int keep_last = static_cast<int>(r.cfg.get_int("keep_last_checkpoints"));
+  // The FP8 state as of now (its host mirror brought up to date); const: reading the mirror must
+  // not mark the device copy stale.
+  auto fp8_state = [&]() -> const Fp8MetaRegistry* {
+    return r.model->fp8() ? &std::as_const(*r.model->fp8()).registry() : nullptr;
+  };
+  std::unique_ptr<AsyncCheckpointer> saver;
+  if (r.cfg.get_bool("async_save")) {
+    const uint64_t need = CheckpointSnapshot::bytes_for(r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq());
+    const std::optional<uint64_t> available = host_memory_available();
+    if (AsyncCheckpointer::fits(need, available))
+      saver = std::make_unique<AsyncCheckpointer>(r.save_dir, keep_last);
+    else
+      progress.event(fmt::format("async_save: a checkpoint's host copy ({:.2f} GB) is more than half the host memory "
+                                 "available ({:.2f} GB): checkpoints are written in line, training waits for them",
+                                 need / 1e9, *available / 1e9),
+                     nullptr);
+  }
+  auto report_saved = [&](const AsyncCheckpointer::Finished& f) {
+    progress.event(fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s, written behind training)", f.dir,
+                               f.bytes / 1e9, f.write_seconds),
+                   {{"event", "checkpoint"}, {"step", f.step}, {"path", f.dir}, {"bytes", f.bytes},
+                    {"seconds", f.write_seconds}, {"async", true}});
+  };
   auto save = [&]() {
     const auto t0 = std::chrono::steady_clock::now();
+    if (saver) {
+      const AsyncCheckpointer::Started s =
+          saver->start(r.state, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), fp8_state());
+      if (s.previous) report_saved(*s.previous);
+      result.last_checkpoint = s.dir;
+      progress.event(fmt::format("saving checkpoint {} behind training (host copy of {:.2f} GB in {:.2f} s{})", s.dir,
+                                 s.snapshot_bytes / 1e9, s.snapshot_seconds,
+                                 s.wait_seconds >= 0.01
+                                     ? fmt::format(", after {:.2f} s waiting for the previous save", s.wait_seconds)
+                                     : ""),
+                     {{"event", "checkpoint_snapshot"}, {"step", r.state.step}, {"path", s.dir},
+                      {"snapshot_bytes", s.snapshot_bytes}, {"snapshot_seconds", s.snapshot_seconds},
+                      {"wait_seconds", s.wait_seconds}});
+      return;
+    }
     result.last_checkpoint = save_checkpoint(r.save_dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(),
-                                             r.opt->exp_avg_sq(), static_cast<int>(r.cfg.get_int("keep_last_checkpoints")),
-                                             // const: reading the mirror must not mark the device copy stale
-                                             r.model->fp8() ? &std::as_const(*r.model->fp8()).registry() : nullptr);
+                                             r.opt->exp_avg_sq(), keep_last, fp8_state());
     const double secs = seconds_since(t0);
     std::error_code ec;
     uintmax_t bytes = 0;
@@ -239,6 +280,15 @@ TrainResult run_training(const TrainOptions& opt) {
     progress.event(fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", result.last_checkpoint, bytes / 1e9, secs),
                    {{"event", "checkpoint"}, {"step", r.state.step}, {"path", result.last_checkpoint},
                     {"bytes", bytes}, {"seconds", secs}});
+  };
+  // A background save that has finished (or failed: the error stops the run here).
+  auto poll_saver = [&] {
+    if (saver)
+      if (auto f = saver->poll()) report_saved(*f);
+  };
+  auto wait_saver = [&] {
+    if (saver)
+      if (auto f = saver->wait()) report_saved(*f);
   };
 
   result.first_val_loss = run_validation(start_step == 0 ? "start" : "resume");
@@ -307,6 +357,7 @@ TrainResult run_training(const TrainOptions& opt) {
                      {{"event", "first_step"}, {"step", r.state.step}, {"seconds_since_launch", since_launch}});
     }
 
+    poll_saver();
     const bool last = r.state.step == train_iters;
     if (eval_interval > 0 && r.state.step % eval_interval == 0 && !last) run_validation("interval");
     const bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - start_step >= opt.stop_after);
@@ -319,10 +370,11 @@ TrainResult run_training(const TrainOptions& opt) {
       break;
     }
   }
-  if (!result.stopped_early) {
+  if (!result.stopped_early) {  // while the last checkpoint is written
     result.last_val_loss = run_validation("end");
     write_end_of_run_samples(r.cfg, r.model_cfg, *r.model, r.save_dir, progress);
   }
+  wait_saver();
   restore_stop_signals();
   progress.finish();
   result.steps_done = r.state.step;

@@ -1,7 +1,8 @@
 // The checkpoint's streamed copies (backend/transfer.h) from and to device memory: download_as
-// of any piece and upload_f32 give the CPU backend's bytes exactly.
+// of any piece and upload_f32 give the CPU backend's bytes exactly; large downloads arrive whole.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "backend/transfer.h"
@@ -36,6 +37,28 @@ TEST(CudaTransfer, StreamedCopiesEqualTheCpuBackends) {
       EXPECT_TRUE(a == b) << dtype_name(stored) << " -> " << dtype_name(file);
     }
   }
+}
+
+// download() moves large copies through pinned chunks of 8 MiB, the next one's copy in flight
+// while the last is copied out (a checkpoint's host snapshot): every size around the direct
+// copy's limit and the chunks' edges, from odd device offsets, arrives byte for byte.
+TEST(CudaTransfer, StagedDownloadsOfEverySizeArriveWhole) {
+  FLUX8_REQUIRE_GPU();
+  const size_t MiB = size_t{1} << 20, most = 24 * MiB + 7;
+  std::vector<uint8_t> bytes(most + 64);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(rng_normal(5, 1, i) * 64.0f);
+  void* d = gpu().allocate(bytes.size());
+  gpu().upload(d, bytes.data(), bytes.size());
+  for (const size_t n : {4 * MiB - 1, 4 * MiB, 8 * MiB - 1, 8 * MiB, 8 * MiB + 1, 16 * MiB + 5, most})
+    for (const size_t offset : {size_t{0}, size_t{3}, size_t{64}}) {
+      std::vector<uint8_t> out(n + 2, 0xA5);  // the guard bytes must stay
+      gpu().download(out.data() + 1, static_cast<const uint8_t*>(d) + offset, n);
+      EXPECT_TRUE(std::equal(out.begin() + 1, out.end() - 1, bytes.begin() + static_cast<std::ptrdiff_t>(offset)))
+          << n << " bytes from offset " << offset;
+      EXPECT_EQ(out.front(), 0xA5);
+      EXPECT_EQ(out.back(), 0xA5);
+    }
+  gpu().release(d);
 }
 
 }  // namespace

@@ -240,9 +240,11 @@ class CudaBackend final : public Backend {
   };
   static constexpr size_t kPendingCastStats = 4096;
   std::vector<PendingCastStats> pending_stats_;
-  // upload(): at least kStagedUploadBytes go through pinned chunks.
+  // upload() and download(): at least kStagedUploadBytes go through pinned chunks, each
+  // direction its own (the batch pipeline's thread uploads while the trainer downloads).
   static constexpr size_t kStagedUploadBytes = size_t(4) << 20;
   cuda::PinnedStaging upload_staging_;
+  cuda::PinnedStaging download_staging_;
   void* stats_dev_ = nullptr;   // kPendingCastStats totals (fp8.cu's StatsTotal)
   void* stats_host_ = nullptr;  // pinned mirror
 };

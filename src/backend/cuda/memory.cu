@@ -133,11 +133,15 @@ cuda::PinnedStaging::~PinnedStaging() {
   }
 }
 
-void cuda::PinnedStaging::copy(void* dst, const void* host_src, size_t bytes, cudaStream_t stream) {
+void cuda::PinnedStaging::make_chunks() {
   for (int i = 0; i < 2; ++i) {
     if (!chunk_[i]) FLUX8_CUDA_CHECK(cudaMallocHost(&chunk_[i], kChunkBytes));
     if (!chunk_free_[i]) FLUX8_CUDA_CHECK(cudaEventCreateWithFlags(&chunk_free_[i], cudaEventDisableTiming));
   }
+}
+
+void cuda::PinnedStaging::copy(void* dst, const void* host_src, size_t bytes, cudaStream_t stream) {
+  make_chunks();
   const char* src = static_cast<const char*>(host_src);
   char* out = static_cast<char*>(dst);
   for (size_t offset = 0; offset < bytes; offset += kChunkBytes) {
@@ -149,6 +153,34 @@ void cuda::PinnedStaging::copy(void* dst, const void* host_src, size_t bytes, cu
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(out + offset, chunk_[b], n, cudaMemcpyHostToDevice, stream));
     FLUX8_CUDA_CHECK(cudaEventRecord(chunk_free_[b], stream));
   }
+}
+
+void cuda::PinnedStaging::copy_to_host(void* host_dst, const void* src, size_t bytes, cudaStream_t stream) {
+  make_chunks();
+  const char* in = static_cast<const char*>(src);
+  char* out = static_cast<char*>(host_dst);
+  // The chunk whose copy is in flight, copied out once the next one's is queued.
+  int pending = -1;
+  size_t pending_offset = 0, pending_bytes = 0;
+  auto drain = [&] {
+    FLUX8_CUDA_CHECK(cudaEventSynchronize(chunk_free_[pending]));  // here: the chunk has arrived
+    parallel_copy(out + pending_offset, chunk_[pending], pending_bytes);
+    pending = -1;
+  };
+  for (size_t offset = 0; offset < bytes; offset += kChunkBytes) {
+    const int b = next_;
+    next_ ^= 1;
+    if (pending == b) drain();
+    FLUX8_CUDA_CHECK(cudaEventSynchronize(chunk_free_[b]));  // an earlier copy from it has left
+    const size_t n = std::min(kChunkBytes, bytes - offset);
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(chunk_[b], in + offset, n, cudaMemcpyDeviceToHost, stream));
+    FLUX8_CUDA_CHECK(cudaEventRecord(chunk_free_[b], stream));
+    if (pending >= 0) drain();
+    pending = b;
+    pending_offset = offset;
+    pending_bytes = n;
+  }
+  if (pending >= 0) drain();
 }
 
 namespace {
@@ -217,7 +249,11 @@ void CudaBackend::wait_event(const Event& e) {
 
 void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  if (bytes < kStagedUploadBytes) {
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  } else {
+    download_staging_.copy_to_host(host_dst, src, bytes, stream_);  // a checkpoint's snapshot: GBs
+  }
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
   flush_cast_stats();
 }
