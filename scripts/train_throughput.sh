@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # `flux8 train` at a benchmark workload's shape (../shared/WORKLOADS.md) on synthetic
 # MLPerf-shaped shards (`flux8 data synthetic`): what a real run's step costs with its data path
-# — the loader, the batch assembly, the upload — beside `flux8 bench`'s step, which starts with
-# its batch on the device. Runs `flux8 train` with data_overlap off and on, alternating
-# (TRAIN_THROUGHPUT_ROUNDS rounds, default 2), and prints the median step time of steps 6 to
-# TRAIN_THROUGHPUT_STEPS (default 30) from each run's metrics.jsonl, and how long the run's
-# end-of-run checkpoint took to write; the last run then resumes for one step (the time to
-# verify and load its checkpoint).
+# — the loader, the batch assembly, the upload — and its checkpoints, beside `flux8 bench`'s
+# step, which starts with its batch on the device. Runs `flux8 train` with a key off and on,
+# alternating (TRAIN_THROUGHPUT_COMPARE: data_overlap, the default, or async_save;
+# TRAIN_THROUGHPUT_ROUNDS rounds, default 2), and prints from each run's metrics.jsonl the median
+# step time of steps 6 to TRAIN_THROUGHPUT_STEPS (default 30) and of its data stages, what each
+# checkpoint cost the step loop (a save in line: all of it; async_save: the host copy) and how
+# long it took to write, and the median step while a checkpoint was written behind training.
+# Checkpoints: every TRAIN_THROUGHPUT_SAVE_INTERVAL steps (default 0: only the end-of-run one).
+# The last run then resumes for one step (the time to verify and load its checkpoint).
 #   scripts/train_throughput.sh W1|W2 [--set key=value ...]   (more --set: passed to flux8 train)
+#   TRAIN_THROUGHPUT_COMPARE=async_save TRAIN_THROUGHPUT_SAVE_INTERVAL=10 TRAIN_THROUGHPUT_STEPS=40 \
+#     scripts/train_throughput.sh W2
 # Shards and runs go to TRAIN_THROUGHPUT_DIR (default /dev/shm/flux8_train_throughput: the end
 # of run checkpoint of W2 is ~16 GB). Needs build/flux8 and python3 (standard library only).
 set -euo pipefail
@@ -17,6 +22,12 @@ shift
 work=${TRAIN_THROUGHPUT_DIR:-/dev/shm/flux8_train_throughput}
 steps=${TRAIN_THROUGHPUT_STEPS:-30}
 rounds=${TRAIN_THROUGHPUT_ROUNDS:-2}
+compare=${TRAIN_THROUGHPUT_COMPARE:-data_overlap}
+save_interval=${TRAIN_THROUGHPUT_SAVE_INTERVAL:-0}
+case "$compare" in
+  data_overlap|async_save) ;;
+  *) echo "train_throughput: TRAIN_THROUGHPUT_COMPARE is '$compare'; use data_overlap or async_save" >&2; exit 2 ;;
+esac
 case "$workload" in
   W1) model=(-c configs/models/flux_535m.yaml --set micro_batch_size=32)
       samples=256 ;;
@@ -31,30 +42,64 @@ fast=(--set fp8=hybrid --set fp8_recipe=delayed --set fp8_dot_product_attention=
 mkdir -p "$work"
 data="$work/$workload-data"
 build/flux8 data synthetic "${model[@]}" --out "$data" --samples "$samples" --samples-per-shard 32
-# "step X ms, data wait Y, read Z, assemble A, upload B" (medians over steps 6..steps).
-medians() {
+# "step X ms, data wait Y, read Z, assemble A, upload B" (medians over steps 6..steps), then the
+# checkpoints: what each cost the step loop and how long it took to write.
+summary() {
   python3 - "$1" "$steps" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"step_time_s"' in l][5:int(sys.argv[2])]
-med = lambda k: 1e3 * statistics.median(r.get(k, float("nan")) for r in rows) if rows else float("nan")
-print(f"step {med('step_time_s'):.2f} ms, data wait {med('data_wait_s'):.2f}, read {med('data_read_s'):.2f}, "
-      f"assemble {med('data_assemble_s'):.2f}, upload {med('data_upload_s'):.2f}")
+lines = [json.loads(l) for l in open(sys.argv[1])]
+last = int(sys.argv[2])
+rows = [r for r in lines if "step_time_s" in r]
+window = [r for r in rows if 6 <= r["step"] <= last]
+med = lambda rs, k: 1e3 * statistics.median(r.get(k, float("nan")) for r in rs) if rs else float("nan")
+out = (f"step {med(window, 'step_time_s'):.2f} ms, data wait {med(window, 'data_wait_s'):.2f}, "
+       f"read {med(window, 'data_read_s'):.2f}, assemble {med(window, 'data_assemble_s'):.2f}, "
+       f"upload {med(window, 'data_upload_s'):.2f}")
+# Which steps ran while a checkpoint was written behind training (between its snapshot and its
+# checkpoint event), and what each save held the step loop for.
+writing, behind, stalls, writes = False, set(), [], []
+for r in lines:
+    ev = r.get("event")
+    if ev == "checkpoint_snapshot":
+        writing = True
+        stalls.append(r["snapshot_seconds"] + r["wait_seconds"])
+    elif ev == "checkpoint":
+        if r.get("async"):
+            writing = False
+            writes.append(r["seconds"])
+        else:
+            stalls.append(r["seconds"])
+    elif "step_time_s" in r and writing:
+        behind.add(r["step"])
+if stalls:
+    gb = next((r["bytes"] / 1e9 for r in lines if r.get("event") == "checkpoint"), float("nan"))
+    out += f"; {len(stalls)} checkpoints of {gb:.2f} GB held the step loop " + ", ".join(f"{x:.2f}" for x in stalls) + " s"
+if writes:
+    out += ", written behind it in " + ", ".join(f"{x:.1f}" for x in writes) + " s"
+    during = [r for r in window if r["step"] in behind]
+    if during:
+        out += f"; step {med(during, 'step_time_s'):.2f} ms while writing ({len(during)} steps)"
+print(out)
 PY
 }
 for round in $(seq "$rounds"); do
-  for overlap in off on; do
-    run="$work/$workload-run-$overlap"
+  for value in off on; do
+    case "$compare:$value" in
+      data_overlap:*) setting=(--set data_overlap=$value) ;;
+      async_save:off) setting=(--set async_save=false) ;;
+      async_save:on) setting=(--set async_save=true) ;;
+    esac
+    run="$work/$workload-run-$value"
     rm -rf "$run"
     build/flux8 train "${model[@]}" "${fast[@]}" --set backend=cuda --set "train_data=$data/train-*.tar" \
         --set train_iters="$steps" --set lr_warmup_iters=0 --set log_interval=1 --set save_dir="$run" \
-        --set data_overlap=$overlap "$@" > "$work/$workload-$overlap.log" 2>&1 ||
-      { tail -20 "$work/$workload-$overlap.log"; echo "train_throughput: flux8 train failed" >&2; exit 1; }
-    echo "$workload round $round data_overlap=$overlap: $(medians "$run/metrics.jsonl")" \
-         "(medians of steps 6-$steps; $(grep -o 'first step done [0-9.]* s' "$work/$workload-$overlap.log");" \
-         "end-of-run checkpoint $(grep -o '([0-9.]* GB in [0-9.]* s)' "$work/$workload-$overlap.log"))"
+        --set save_interval="$save_interval" "${setting[@]}" "$@" > "$work/$workload-$value.log" 2>&1 ||
+      { tail -20 "$work/$workload-$value.log"; echo "train_throughput: flux8 train failed" >&2; exit 1; }
+    echo "$workload round $round $compare=$value: $(summary "$run/metrics.jsonl")" \
+         "(medians of steps 6-$steps; $(grep -o 'first step done [0-9.]* s' "$work/$workload-$value.log"))"
     # The last run resumes once for one step more: how long verifying and loading its
     # checkpoint takes (every file's SHA-256 read back, then the tensors).
-    if [ "$round" = "$rounds" ] && [ "$overlap" = on ]; then
+    if [ "$round" = "$rounds" ] && [ "$value" = on ]; then
       build/flux8 train "${model[@]}" "${fast[@]}" --set backend=cuda --set "train_data=$data/train-*.tar" \
           --set train_iters=$((steps + 1)) --set lr_warmup_iters=0 --set log_interval=1 --set save_dir="$run" \
           --resume "$@" > "$work/$workload-resume.log" 2>&1 ||
