@@ -84,11 +84,7 @@ PY
 }
 for round in $(seq "$rounds"); do
   for value in off on; do
-    case "$compare:$value" in
-      data_overlap:*) setting=(--set data_overlap=$value) ;;
-      async_save:off) setting=(--set async_save=false) ;;
-      async_save:on) setting=(--set async_save=true) ;;
-    esac
+    setting=(--set "$compare=$value")
     run="$work/$workload-run-$value"
     rm -rf "$run"
     build/flux8 train "${model[@]}" "${fast[@]}" --set backend=cuda --set "train_data=$data/train-*.tar" \

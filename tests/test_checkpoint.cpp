@@ -562,6 +562,7 @@ TEST(AsyncCheckpoint, WritesTheStateAsOfItsStart) {
   const std::vector<double> params = to_host(*a.be, a.store.flat_params()), m = to_host(*a.be, a.m);
   AsyncCheckpointer saver(root.str(), 2);
   EXPECT_FALSE(saver.busy());
+  saver.prepare(a.store, a.m, a.v);  // the snapshot's memory mapped on a thread of its own
   a.state.step = 10;
   const AsyncCheckpointer::Started s = saver.start(a.state, a.store, a.m, a.v, nullptr);
   EXPECT_EQ(s.dir, (root.path / "step-0000010").string());

@@ -111,6 +111,11 @@ class Backend {
   virtual void record_event(Event& e) = 0;      // after the ops queued so far
   virtual void wait_event(const Event& e) = 0;  // ops queued later start after e's point
 
+  // True when the ops run on a device of their own and the host's cores are free while they
+  // run (CUDA): the trainer then writes checkpoints behind training (async_save: auto). False
+  // where the host's cores are the ones that compute (the CPU backend).
+  virtual bool computes_beside_host() const { return false; }
+
   // ---- device timing (flux8 bench --profile) ---------------------------------------------
   // timing_mark() records the point the backend's queued work has reached (on the GPU an event
   // in its stream: nothing waits) and returns its handle; after synchronize(),

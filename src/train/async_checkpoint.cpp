@@ -35,6 +35,7 @@ bool AsyncCheckpointer::fits(uint64_t bytes, std::optional<uint64_t> available) 
 AsyncCheckpointer::AsyncCheckpointer(std::string root, int keep_last) : root_(std::move(root)), keep_last_(keep_last) {}
 
 AsyncCheckpointer::~AsyncCheckpointer() {
+  if (preparing_.valid()) preparing_.wait();
   if (!pending_.valid()) return;
   try {
     pending_.get();
@@ -56,6 +57,11 @@ AsyncCheckpointer::Finished AsyncCheckpointer::collect() {
   }
 }
 
+void AsyncCheckpointer::prepare(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
+  FLUX8_CHECK(!preparing_.valid() && !pending_.valid(), "AsyncCheckpointer::prepare after a save started");
+  preparing_ = std::async(std::launch::async, [this, &store, m = adam_m, v = adam_v] { snapshot_.reserve(store, m, v); });
+}
+
 std::optional<AsyncCheckpointer::Finished> AsyncCheckpointer::poll() {
   if (!pending_.valid() || pending_.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
     return std::nullopt;
@@ -72,6 +78,7 @@ AsyncCheckpointer::Started AsyncCheckpointer::start(const TrainerState& state, c
                                                     const Fp8MetaRegistry* fp8) {
   Started s;
   const auto t0 = std::chrono::steady_clock::now();
+  if (preparing_.valid()) preparing_.get();  // throws what the allocation threw
   if (pending_.valid()) s.previous = collect();
   s.wait_seconds = seconds_since(t0);
   const auto t1 = std::chrono::steady_clock::now();

@@ -29,6 +29,10 @@ class AsyncCheckpointer {
   // and other processes). Where the memory cannot be read, it is assumed to fit.
   static bool fits(uint64_t bytes, std::optional<uint64_t> available);
 
+  // Maps the snapshot's host memory on a thread of its own now, while training starts, so that
+  // the first save's copy costs what later ones do (optional; start() waits for it).
+  void prepare(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v);
+
   struct Finished {
     int64_t step = 0;
     std::string dir;
@@ -38,7 +42,7 @@ class AsyncCheckpointer {
   struct Started {
     std::string dir;              // ROOT/step-N, complete once the write finishes
     uint64_t snapshot_bytes = 0;  // host memory the copy holds
-    double wait_seconds = 0.0;    // for the previous save to finish
+    double wait_seconds = 0.0;    // for the previous save (or prepare) to finish
     double snapshot_seconds = 0.0;
     std::optional<Finished> previous;  // the save this one waited for, not yet polled
   };
@@ -60,6 +64,7 @@ class AsyncCheckpointer {
   std::string root_;
   int keep_last_;
   CheckpointSnapshot snapshot_;
+  std::future<void> preparing_;
   int64_t pending_step_ = -1;
   std::future<Finished> pending_;
 };

@@ -589,19 +589,36 @@ uint64_t CheckpointSnapshot::bytes_for(const ParamStore& store, const Tensor& ad
   return n * (dtype_size(store.dtype()) + dtype_size(adam_m.dtype) + dtype_size(adam_v.dtype));
 }
 
+void CheckpointSnapshot::HostFlat::reserve(size_t n, bool touch) {
+  if (bytes == n) return;  // kept from an earlier snapshot: no new pages to fault in
+  data.reset();
+  data.reset(new std::byte[n]);  // uninitialised: the download writes every byte
+  bytes = n;
+  if (!touch) return;
+  // Zeroed over a few threads: the kernel maps the pages now instead of during the copy.
+  const size_t parts = 8, part = (n + parts - 1) / parts;
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < parts && i * part < n; ++i)
+    threads.emplace_back([p = data.get() + i * part, len = std::min(part, n - i * part)] { std::memset(p, 0, len); });
+  for (std::thread& t : threads) t.join();
+}
+
+void CheckpointSnapshot::reserve(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
+  check_moments(store, adam_m, adam_v, "CheckpointSnapshot::reserve");
+  const Tensor flat = store.flat_params();
+  for (const auto& [host, t] : {std::pair{&params_, &flat}, std::pair{&m_, &adam_m}, std::pair{&v_, &adam_v}})
+    host->reserve(static_cast<size_t>(t->numel()) * dtype_size(t->dtype), /*touch=*/true);
+}
+
 void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,
                               const Tensor& adam_v, const Fp8MetaRegistry* fp8) {
   check_moments(store, adam_m, adam_v, "CheckpointSnapshot::take");
   Backend& be = store.backend();
-  for (const auto& [host, flat] : {std::pair{&params_, store.flat_params()}, std::pair{&m_, adam_m}, std::pair{&v_, adam_v}}) {
-    const size_t bytes = static_cast<size_t>(flat.numel()) * dtype_size(flat.dtype);
-    if (host->bytes != bytes) {  // kept from the last snapshot when the size matches: no new pages to fault in
-      host->data.reset();
-      host->data.reset(new std::byte[bytes]);  // uninitialised: the download writes every byte
-      host->bytes = bytes;
-    }
-    host->dtype = flat.dtype;
-    be.download(host->data.get(), flat.data, bytes);
+  const Tensor flat = store.flat_params();
+  for (const auto& [host, t] : {std::pair{&params_, &flat}, std::pair{&m_, &adam_m}, std::pair{&v_, &adam_v}}) {
+    host->reserve(static_cast<size_t>(t->numel()) * dtype_size(t->dtype), /*touch=*/false);
+    host->dtype = t->dtype;
+    be.download(host->data.get(), t->data, host->bytes);
   }
   state_ = state;
   params_layout_ = store.layout().params();

@@ -236,12 +236,17 @@ TrainResult run_training(const TrainOptions& opt) {
     return r.model->fp8() ? &std::as_const(*r.model->fp8()).registry() : nullptr;
   };
   std::unique_ptr<AsyncCheckpointer> saver;
-  if (r.cfg.get_bool("async_save")) {
+  const std::string async_save = r.cfg.get_string("async_save");
+  if (async_save == "on" || (async_save == "auto" && r.be->computes_beside_host())) {
     const uint64_t need = CheckpointSnapshot::bytes_for(r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq());
     const std::optional<uint64_t> available = host_memory_available();
-    if (AsyncCheckpointer::fits(need, available))
+    if (AsyncCheckpointer::fits(need, available)) {
       saver = std::make_unique<AsyncCheckpointer>(r.save_dir, keep_last);
-    else
+      saver->prepare(r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq());
+      progress.event(fmt::format("checkpoints: written behind training (async_save) from a host copy of {:.2f} GB",
+                                 need / 1e9),
+                     nullptr);
+    } else
       progress.event(fmt::format("async_save: a checkpoint's host copy ({:.2f} GB) is more than half the host memory "
                                  "available ({:.2f} GB): checkpoints are written in line, training waits for them",
                                  need / 1e9, *available / 1e9),

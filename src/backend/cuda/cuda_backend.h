@@ -60,6 +60,7 @@ class CudaBackend final : public Backend {
   // CUDA graphs (StepGraph): stream capture of this backend's stream, thread-local mode (an op
   // that synchronises or allocates while capturing fails the capture, not the process).
   bool can_capture() const override { return true; }
+  bool computes_beside_host() const override { return true; }
   void begin_capture() override;
   std::unique_ptr<Graph> end_capture() override;
   void launch_graph(const Graph& g) override;
