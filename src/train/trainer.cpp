@@ -267,9 +267,10 @@ TrainResult run_training(const TrainOptions& opt) {
       result.last_checkpoint = s.dir;
       progress.event(fmt::format("saving checkpoint {} behind training (host copy of {:.2f} GB in {:.2f} s{})", s.dir,
                                  s.snapshot_bytes / 1e9, s.snapshot_seconds,
-                                 s.wait_seconds >= 0.01
+                                 s.wait_seconds < 0.01 ? ""
+                                 : s.previous
                                      ? fmt::format(", after {:.2f} s waiting for the previous save", s.wait_seconds)
-                                     : ""),
+                                     : fmt::format(", after {:.2f} s mapping its memory", s.wait_seconds)),
                      {{"event", "checkpoint_snapshot"}, {"step", r.state.step}, {"path", s.dir},
                       {"snapshot_bytes", s.snapshot_bytes}, {"snapshot_seconds", s.snapshot_seconds},
                       {"wait_seconds", s.wait_seconds}});
