@@ -1,5 +1,6 @@
-// `flux8 bench` and `flux8 check` on the CPU machine: the benchmark's step loop, numbers and
-// JSON on the CPU backend with a tiny model, and check's report where no GPU is usable.
+// `flux8 bench`, `flux8 check` and `flux8 info` on the CPU machine: the benchmark's step loop,
+// numbers and JSON on the CPU backend with a tiny model, check's report where no GPU is usable,
+// and what info says about checkpoints.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -195,6 +196,24 @@ TEST(BackendAuto, PicksCudaOnlyWhereItCanRun) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("'auto'"), std::string::npos) << e.what();
   }
+}
+
+// `flux8 info` says what a checkpoint of the model weighs on disk (f32 weights and moments) and
+// how much host memory async_save's copy takes (f32 weights, the moments as stored), and whether
+// that copy fits this machine (the trainer's rule: half the memory available).
+TEST(InfoCli, SaysTheCheckpointsSizeAndItsHostCopy) {
+  Cli cli;
+  for (const auto& [moments, copy_bytes_per_param] : {std::pair{"f32", 12.0}, std::pair{"bf16", 8.0}}) {
+    ASSERT_EQ(cli.run("info -c " + cli.tiny_config() + " --set adam_moment_precision=" + moments + " --json"), 0)
+        << cli.log;
+    const nlohmann::json j = nlohmann::json::parse(cli.log);
+    const double params = j["parameters"].get<double>();
+    EXPECT_EQ(j["checkpoint_bytes"].get<double>(), 12.0 * params) << moments;
+    EXPECT_EQ(j["async_save_host_copy_bytes"].get<double>(), copy_bytes_per_param * params) << moments;
+    EXPECT_TRUE(j["async_save_copy_fits_this_host"].get<bool>()) << moments;  // a tiny model
+  }
+  ASSERT_EQ(cli.run("info -c " + cli.tiny_config()), 0) << cli.log;
+  EXPECT_NE(cli.log.find("written behind\n  training (async_save) from a host copy of"), std::string::npos) << cli.log;
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -9,6 +10,7 @@
 #include "model/flops.h"
 #include "model/flux_model.h"
 #include "model/params.h"
+#include "train/async_checkpoint.h"
 
 namespace flux8::cli {
 
@@ -91,6 +93,12 @@ Command add_info_command(CLI::App& app) {
          bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
          bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},
     };
+    // Checkpoints: the files hold f32 weights and f32 moments (12 B a parameter); async_save's
+    // host copy holds the f32 master weights and the moments as stored, and is made only where
+    // it fits in half the host memory available (train/async_checkpoint.h).
+    const double checkpoint_bytes = 12.0 * P, host_copy_bytes = (4.0 + moment_bytes) * P;
+    const std::optional<uint64_t> host_available = host_memory_available();
+    const bool copy_fits = AsyncCheckpointer::fits(static_cast<uint64_t>(host_copy_bytes), host_available);
     Row total{"total", 0, 0, 0, 0};
     for (const Row& r : rows) {
       total.bf16 += r.bf16, total.fp8 += r.fp8;
@@ -114,6 +122,9 @@ Command add_info_command(CLI::App& app) {
         j["memory_bytes"][r.name] = {{"bf16", r.bf16}, {"fp8", r.fp8}};
         j["memory_bytes_cuda_today"][r.name] = {{"bf16", r.today_bf16}, {"fp8", r.today_fp8}};
       }
+      j["checkpoint_bytes"] = checkpoint_bytes;
+      j["async_save_host_copy_bytes"] = host_copy_bytes;
+      j["async_save_copy_fits_this_host"] = copy_fits;
       j["memory_bytes"]["total"] = {{"bf16", total.bf16}, {"fp8", total.fp8}};
       j["memory_bytes_cuda_today"]["total"] = {{"bf16", total.today_bf16}, {"fp8", total.today_fp8}};
       fmt::print("{}\n", j.dump(2));
@@ -148,6 +159,14 @@ Command add_info_command(CLI::App& app) {
     if (fp8_attention)
       fmt::print("  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
                  "   codes, 1 byte per element)\n");
+    fmt::print("\ncheckpoints: {:.2f} GB of files (f32 weights and AdamW moments); with a GPU written behind\n"
+               "  training (async_save) from a host copy of {:.2f} GB, {}\n",
+               checkpoint_bytes / 1e9, host_copy_bytes / 1e9,
+               !host_available ? "made where it fits in half the host memory available"
+               : copy_fits     ? fmt::format("which fits this machine ({:.1f} GB available)", *host_available / 1e9)
+                               : fmt::format("more than half this machine's {:.1f} GB available: saves here would "
+                                             "run in line",
+                                             *host_available / 1e9));
     return 0;
   }};
 }
