@@ -570,7 +570,6 @@ std::string write_checkpoint_dir(const std::string& root, const TrainerState& st
 
 }  // namespace
 
-
 std::string save_checkpoint(const std::string& root, const TrainerState& state,
                             const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
                             const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8) {
