@@ -52,7 +52,8 @@ last = int(sys.argv[2])
 rows = [r for r in lines if "step_time_s" in r]
 window = [r for r in rows if 6 <= r["step"] <= last]
 med = lambda rs, k: 1e3 * statistics.median(r.get(k, float("nan")) for r in rs) if rs else float("nan")
-out = (f"step {med(window, 'step_time_s'):.2f} ms, data wait {med(window, 'data_wait_s'):.2f}, "
+tflops = statistics.median(r.get("model_tflops_per_s", float("nan")) for r in window) if window else float("nan")
+out = (f"step {med(window, 'step_time_s'):.2f} ms ({tflops:.0f} model TFLOP/s), data wait {med(window, 'data_wait_s'):.2f}, "
        f"read {med(window, 'data_read_s'):.2f}, assemble {med(window, 'data_assemble_s'):.2f}, "
        f"upload {med(window, 'data_upload_s'):.2f}")
 # Which steps ran while a checkpoint was written behind training (between its snapshot and its

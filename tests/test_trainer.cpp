@@ -11,9 +11,11 @@
 #include "backend/step_graph.h"
 #include "backend/transfer.h"
 #include "bench/op_profiler.h"
+#include "config/config.h"
 #include "fp8/fp8_config.h"
 #include "data/demo.h"
 #include "io/safetensors.h"
+#include "model/flops.h"
 #include "model_test_util.h"
 #include "train/optimizer.h"
 #include "train/train_step.h"
@@ -302,6 +304,28 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "optimizer.safetensors").string(),
                       (dir.root / "resumed" / "step-0000006" / "optimizer.safetensors").string());
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
+}
+
+// Each step's record says its model FLOPs rate: the step's FLOPs (model/flops.h, WORKLOADS.md's
+// convention, over its two micro-batches of 2 samples) over its step time.
+TEST(Trainer, StepRecordsGiveTheModelFlopsRate) {
+  const testing::RunDir dir("trainer_tflops");
+  const TrainOptions o = dir.options("run");
+  EXPECT_EQ(run_training(o).steps_done, 6);
+  const FluxConfig cfg = FluxConfig::from_config(Config::load(o.config_path, o.overrides));
+  const double step_flops = 2 * model_flops(cfg, StepShape{2, cfg.text_seq_len, cfg.image_tokens(8)}).training();
+  ASSERT_GT(step_flops, 0.0);
+  int rows = 0;
+  std::ifstream in(dir.root / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("step_time_s")) continue;
+    ++rows;
+    EXPECT_NEAR(j["model_tflops_per_s"].get<double>() * 1e12 * j["step_time_s"].get<double>(), step_flops,
+                1e-9 * step_flops)
+        << line;
+  }
+  EXPECT_EQ(rows, 6);
 }
 
 // async_save: on writes each checkpoint from a host copy behind the next steps: the same

@@ -38,6 +38,7 @@ void Progress::step(const StepReport& r, bool log_line) {
                                {"step_time_s", r.step_seconds},
                                {"samples_per_s", r.samples_per_second},
                                {"tokens_per_s", r.tokens_per_second},
+                               {"model_tflops_per_s", r.model_tflops_per_second},
                                {"data_wait_s", r.data.wait_s},
                                {"data_read_s", r.data.read_s},
                                {"data_assemble_s", r.data.assemble_s},
@@ -51,10 +52,10 @@ void Progress::step(const StepReport& r, bool log_line) {
   const int64_t done = r.step - start_step_;
   const double eta = done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - r.step) : 0;
   const std::string stats = fmt::format("loss {:.4f}  lr {:.2e}  grad {:.3f}  {:.0f} ms/step  {:.1f} samples/s  {:.0f} tok/s  "
-                                        "data wait {:.0f} ms{}",
+                                        "{:.1f} TFLOP/s  data wait {:.0f} ms{}",
                                         r.loss, r.lr, r.grad_norm, r.step_seconds * 1e3,
-                                        r.samples_per_second, r.tokens_per_second, r.data.wait_s * 1e3,
-                                        r.skipped ? "  SKIPPED (non-finite)" : "");
+                                        r.samples_per_second, r.tokens_per_second, r.model_tflops_per_second,
+                                        r.data.wait_s * 1e3, r.skipped ? "  SKIPPED (non-finite)" : "");
   if (tty_) {
     const int width = 24;
     const int filled = total_ > 0 ? static_cast<int>(width * r.step / total_) : width;

@@ -26,6 +26,7 @@ struct StepReport {
   int64_t step = 0, total = 0;
   double loss = 0, lr = 0, grad_norm = 0, step_seconds = 0;
   double samples_per_second = 0, tokens_per_second = 0;
+  double model_tflops_per_second = 0;  // model FLOPs (WORKLOADS.md's convention) / step time
   DataTiming data;  // the step's micro-batches', summed
   bool skipped = false;
 };

@@ -7,6 +7,7 @@
 #include "backend/backend.h"
 #include "backend/transfer.h"
 #include "core/error.h"
+#include "model/flops.h"
 #include "train/batch_pipeline.h"
 
 namespace flux8 {
@@ -122,6 +123,14 @@ double step_loss(Backend& be, const Tensor& losses, int64_t parts, double share)
 }
 }  // namespace
 
+namespace {
+// A micro-batch's tokens and model FLOPs, added to its step's.
+void count_micro_batch(StepLoss& step, const HostBatch& hb, const FluxConfig& cfg) {
+  step.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
+  step.model_flops += model_flops(cfg, StepShape{hb.batch, hb.txt_tokens, hb.img_tokens}).training();
+}
+}  // namespace
+
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
                                    int64_t micro, uint64_t step) {
   const int64_t global = static_cast<int64_t>(samples.size());
@@ -137,7 +146,7 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sam
     make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first);
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
     micro_batch_gradients(ctx, in, ctx.buffers.target, ctx.buffers.dpred, loss_of_part(losses, part_index), share);
-    out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
+    count_micro_batch(out, hb, ctx.cfg);
   }
   out.loss = step_loss(ctx.model.backend(), losses, parts, share);
   return out;
@@ -156,7 +165,7 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
     FLUX8_CHECK(mb.step == step && mb.part == part, "batch pipeline: micro-batch {} of step {} where {} of {} was due",
                 mb.part, mb.step, part, step);
     const HostBatch& hb = *mb.host;  // the slot's: read before release() lets it be refilled
-    out.tokens += hb.batch * (hb.img_tokens + hb.txt_tokens);
+    count_micro_batch(out, hb, ctx.cfg);
     out.data += mb.timing;
     micro_batch_gradients(ctx, *mb.in, mb.target, mb.dpred, loss_of_part(losses, part), share);
     pipeline.release();

@@ -352,8 +352,8 @@ TrainResult run_training(const TrainOptions& opt) {
     r.state.last_loss = loss;
     const double secs = seconds_since(t0);
     progress.step(StepReport{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
-                             static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs, sl.data,
-                             !st.applied},
+                             static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs,
+                             sl.model_flops / secs / 1e12, sl.data, !st.applied},
                   r.state.step % log_interval == 0 || r.state.step == train_iters);
     if (r.state.step == start_step + 1) {
       const double since_launch = seconds_since_process_start();
