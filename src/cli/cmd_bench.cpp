@@ -180,7 +180,7 @@ Command add_bench_command(CLI::App& app) {
         s.profile = o->profile;
         s.cuda_graph = run_keys.get_bool("cuda_graph");
         s.data_path = o->data_path;
-        if (s.cuda_graph && s.profile)
+        if (s.cuda_graph && s.profile && run_keys.source("cuda_graph") != "default")
           fmt::print("note: cuda_graph is off under --profile (its per-op timing marks need every op issued on its "
                      "own)\n");
         s.data = o->data == "structured" ? BenchData::structured : BenchData::prototypes;

@@ -72,8 +72,8 @@ std::vector<KeySpec> make_keys() {
                  "CUDA: storage type of activations and their gradients (bf16 halves their memory and traffic; the GEMMs then take bf16 operands); parameters, gradients and optimizer state stay f32 (but see grad_precision). The CPU's twin is round_activations_to_bf16"),
       choice_key("runtime", "grad_precision", "f32", {"f32", "bf16"},
                  "CUDA: storage type of the parameter gradients. bf16: each gradient GEMM and column sum rounds its fp32 sum to bf16 as it stores it (what PyTorch autocast and torchao give a bf16 weight's gradient; micro-batches add in fp32 and round once more each), halving the gradients' memory and the gradient norm's and AdamW's reads of them; master weights and AdamW moments stay f32. The CPU keeps f32 gradients"),
-      bool_key("runtime", "cuda_graph", false,
-               "CUDA: run each micro-batch's forward, loss and backward as CUDA graphs: the op calls are recorded with every argument, and a segment of them identical to one seen before is launched as the graph captured from it (one launch instead of ~48), so the GPU stops waiting for the host's launches; anything that differs runs op by op. Same results bit for bit. The CPU ignores it"),
+      bool_key("runtime", "cuda_graph", true,
+               "CUDA: run each micro-batch's forward, loss and backward as CUDA graphs: the op calls are recorded with every argument, and a segment of them identical to one seen before is launched as the graph captured from it (one launch instead of ~48), so the GPU stops waiting for the host's launches; anything that differs runs op by op. Same results bit for bit (false: every op issued on its own). The CPU ignores it"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
       // ---- training: optimizer and schedule ----

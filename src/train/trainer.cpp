@@ -199,12 +199,14 @@ TrainResult run_training(const TrainOptions& opt) {
                                "computed in {}",
                                dtype_name(r.opt->moment_dtype()), dtype_name(r.model->params().dtype())),
                    nullptr);
-  if (r.cfg.get_bool("cuda_graph"))
-    progress.event(r.graph ? "cuda_graph: each micro-batch's forward and backward run as CUDA graphs, captured "
-                             "from the first steps (segments of " +
-                                 std::to_string(r.graph->graph_options().segment_ops) + " ops)"
-                           : "cuda_graph: the " + r.be->name() + " backend has no graphs; running op by op",
+  // (On, the default, a backend without graphs runs op by op without a word; set, it says so.)
+  if (r.graph)
+    progress.event("cuda_graph: each micro-batch's forward and backward run as CUDA graphs, captured from the first "
+                   "steps (segments of " +
+                       std::to_string(r.graph->graph_options().segment_ops) + " ops)",
                    nullptr);
+  else if (r.cfg.get_bool("cuda_graph") && r.cfg.source("cuda_graph") != "default")
+    progress.event("cuda_graph: the " + r.be->name() + " backend has no graphs; running op by op", nullptr);
   if (const int64_t rows = r.model->params().low_rank_rows())
     progress.event(fmt::format("gradients: the modulation and embedder Linears' weight gradients kept as "
                                "rank-{} factors (a step of at most {} samples; not written as tensors)",
