@@ -168,9 +168,8 @@ void cuda::PinnedStaging::copy_to_host(void* host_dst, const void* src, size_t b
     pending = -1;
   };
   for (size_t offset = 0; offset < bytes; offset += kChunkBytes) {
-    const int b = next_;
+    const int b = next_;  // not `pending`: the chunks alternate, and b's last contents were drained
     next_ ^= 1;
-    if (pending == b) drain();
     FLUX8_CUDA_CHECK(cudaEventSynchronize(chunk_free_[b]));  // an earlier copy from it has left
     const size_t n = std::min(kChunkBytes, bytes - offset);
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(chunk_[b], in + offset, n, cudaMemcpyDeviceToHost, stream));
