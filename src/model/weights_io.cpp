@@ -148,17 +148,24 @@ void check_file_dtype(DType file_dtype) {
 }
 }  // namespace
 
-SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_dtype,
-                                           const std::map<std::string, std::string>& metadata) {
+SafetensorsWriter::FillChunk FlatSource::fill(const ParamInfo& p, DType file_dtype,
+                                              std::shared_ptr<std::vector<uint8_t>> scratch) const {
+  const size_t esize = dtype_size(dtype);
+  const char* first_element = static_cast<const char*>(data) + static_cast<size_t>(p.offset) * esize;
+  if (backend)
+    return [be = backend, t = Tensor(const_cast<char*>(first_element), dtype, p.shape), file_dtype, scratch](
+               size_t first, size_t count, void* dst) { download_as(*be, t, first, count, file_dtype, dst, *scratch); };
+  return [first_element, esize, src = dtype, file_dtype](size_t first, size_t count, void* dst) {
+    convert_elements(first_element + first * esize, src, count, file_dtype, dst);
+  };
+}
+
+SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params, const FlatSource& src,
+                                           DType file_dtype, const std::map<std::string, std::string>& metadata) {
   check_file_dtype(file_dtype);
-  Backend& be = store.backend();
   SafetensorsWriter writer;
   auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
-  for (const ParamInfo& p : store.layout().params())
-    writer.add_filled(p.name, file_dtype, dims(p.shape),
-                      [&be, t = store.param(p.name), file_dtype, scratch](size_t first, size_t count, void* dst) {
-                        download_as(be, t, first, count, file_dtype, dst, *scratch);
-                      });
+  for (const ParamInfo& p : params) writer.add_filled(p.name, file_dtype, dims(p.shape), src.fill(p, file_dtype, scratch));
   writer.set_metadata("format", "pt");
   for (const auto& [k, v] : metadata) writer.set_metadata(k, v);
   return writer;
@@ -167,7 +174,9 @@ SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_d
 void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path, DType file_dtype,
                   WeightNaming naming, const std::map<std::string, std::string>& metadata) {
   if (naming == WeightNaming::reference) {
-    reference_weights_writer(store, file_dtype, metadata).write(path);
+    reference_weights_writer(store.layout().params(), FlatSource::on_backend(store.backend(), store.flat_params()),
+                             file_dtype, metadata)
+        .write(path);
     return;
   }
   check_file_dtype(file_dtype);

@@ -2,6 +2,7 @@
 // Model weights <-> safetensors files in the reference (Black Forest Labs Flux.1) naming, or
 // in diffusers' FluxTransformer2DModel naming through the name map.
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,11 +40,26 @@ struct UploadBuffers {
 void upload_file_tensor(Backend& be, const SafetensorsReader& file, const std::string& name, const Tensor& t,
                         UploadBuffers& buffers);
 
-// The writer of all parameters in the reference naming (file dtype bf16, f32 or f16) with
-// `metadata`: each parameter streams from the backend a piece at a time when the writer writes
-// (the store must outlive that). For checkpoints, which write it beside the optimizer state.
-SafetensorsWriter reference_weights_writer(const ParamStore& store, DType file_dtype,
-                                           const std::map<std::string, std::string>& metadata);
+// A flat buffer laid out like the parameters (the parameters themselves, or an AdamW moment):
+// on a backend, streamed from it a piece at a time as a file is written, or in host memory (a
+// checkpoint's snapshot, train/checkpoint.h). The buffer must outlive the writers it fills.
+struct FlatSource {
+  Backend* backend = nullptr;  // null: `data` is host memory
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+
+  static FlatSource on_backend(Backend& be, const Tensor& flat) { return {&be, flat.data, flat.dtype}; }
+  // Produces parameter p's elements in `file_dtype` (f32, bf16 or f16; download_as's and
+  // convert_elements' rounding). `scratch` is shared by fills that run one after another.
+  SafetensorsWriter::FillChunk fill(const ParamInfo& p, DType file_dtype,
+                                    std::shared_ptr<std::vector<uint8_t>> scratch) const;
+};
+
+// The writer of all parameters in the reference naming (file dtype bf16, f32 or f16) from `src`,
+// with "format": "pt" and `metadata`: each parameter is produced a piece at a time when the
+// writer writes. save_weights' reference files and checkpoints' model.safetensors.
+SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params, const FlatSource& src,
+                                           DType file_dtype, const std::map<std::string, std::string>& metadata);
 
 // Writes all parameters (file dtype bf16, f32 or f16) atomically. In the reference naming each
 // parameter streams from the backend to the file a piece at a time (no host copy of the model).

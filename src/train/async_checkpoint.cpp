@@ -93,9 +93,7 @@ AsyncCheckpointer::Started AsyncCheckpointer::start(const TrainerState& state, c
     f.step = snapshot_.step();
     f.dir = snapshot_.write(root_, keep_last_);
     f.write_seconds = seconds_since(t);
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(f.dir, ec))
-      if (e.is_regular_file(ec)) f.bytes += e.file_size(ec);
+    f.bytes = checkpoint_bytes(f.dir);
     return f;
   });
   return s;

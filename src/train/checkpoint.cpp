@@ -306,41 +306,12 @@ std::string optimizer_tensor_name(const char* moment, const std::string& param) 
   return std::string(moment) + "." + param;
 }
 
-// A flat buffer laid out like the parameters (the parameters themselves, or an AdamW moment):
-// on the backend, streamed from it a piece at a time as the file is written, or in host memory
-// (a CheckpointSnapshot).
-struct FlatSource {
-  Backend* backend = nullptr;  // null: `data` is host memory
-  const void* data = nullptr;
-  DType dtype = DType::f32;
-
-  static FlatSource on_backend(Backend& be, const Tensor& flat) { return {&be, flat.data, flat.dtype}; }
-
-  // Produces parameter p's elements as f32 (the file's type: PyTorch's; bf16 moments and f64
-  // parameters convert exactly or round to nearest). `scratch` is shared by fills that run one
-  // after another.
-  SafetensorsWriter::FillChunk f32_fill(const ParamInfo& p, std::shared_ptr<std::vector<uint8_t>> scratch) const {
-    const size_t esize = dtype_size(dtype);
-    const char* first_element = static_cast<const char*>(data) + static_cast<size_t>(p.offset) * esize;
-    if (backend)
-      return [be = backend, t = Tensor(const_cast<char*>(first_element), dtype, p.shape), scratch](
-                 size_t first, size_t count, void* dst) { download_as(*be, t, first, count, DType::f32, dst, *scratch); };
-    return [first_element, esize, src = dtype](size_t first, size_t count, void* dst) {
-      convert_elements(first_element + first * esize, src, count, DType::f32, dst);
-    };
-  }
-};
-
 // The model file: every parameter under its reference name, F32 (also a plain weights file).
 SafetensorsWriter model_writer(const TrainerState& state, const std::vector<ParamInfo>& params, const FlatSource& src) {
-  SafetensorsWriter writer;
-  auto scratch = std::make_shared<std::vector<uint8_t>>();
-  for (const ParamInfo& p : params) writer.add_filled(p.name, DType::f32, dims(p.shape), src.f32_fill(p, scratch));
-  writer.set_metadata("format", "pt");
-  writer.set_metadata("flux8_config", state.config_yaml);
-  writer.set_metadata("flux8_step", std::to_string(state.step));
-  writer.set_metadata("flux8_version", state.flux8_version);
-  return writer;
+  return reference_weights_writer(params, src, DType::f32,
+                                  {{"flux8_config", state.config_yaml},
+                                   {"flux8_step", std::to_string(state.step)},
+                                   {"flux8_version", state.flux8_version}});
 }
 
 // The optimizer state's file: the two moments of every parameter, as f32 whatever they are
@@ -351,7 +322,8 @@ SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<
   auto scratch = std::make_shared<std::vector<uint8_t>>();
   for (const auto& [moment, src] : {std::pair{"exp_avg", &m}, std::pair{"exp_avg_sq", &v}})
     for (const ParamInfo& p : params)
-      writer.add_filled(optimizer_tensor_name(moment, p.name), DType::f32, dims(p.shape), src->f32_fill(p, scratch));
+      writer.add_filled(optimizer_tensor_name(moment, p.name), DType::f32, dims(p.shape),
+                        src->fill(p, DType::f32, scratch));
   writer.set_metadata("format", "pt");
   writer.set_metadata("flux8_optimizer", "adamw");
   writer.set_metadata("flux8_step", std::to_string(state.step));
@@ -581,6 +553,14 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
       optimizer_writer(state, params, FlatSource::on_backend(be, adam_m), FlatSource::on_backend(be, adam_v));
   const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
   return write_checkpoint_dir(root, state, model, optimizer, fp8_file ? &*fp8_file : nullptr, keep_last);
+}
+
+uint64_t checkpoint_bytes(const std::string& dir) {
+  std::error_code ec;
+  uint64_t bytes = 0;
+  for (const fs::directory_entry& f : fs::directory_iterator(dir, ec))
+    if (f.is_regular_file(ec)) bytes += f.file_size(ec);
+  return bytes;
 }
 
 uint64_t CheckpointSnapshot::bytes_for(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {

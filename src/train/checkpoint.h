@@ -44,6 +44,9 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state,
                             const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
                             const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
 
+// The bytes of a checkpoint directory's files (what the log says a save wrote).
+uint64_t checkpoint_bytes(const std::string& dir);
+
 // A checkpoint's contents copied to host memory between two steps, so that its files can be
 // written while training goes on (`async_save`): the copy is what the step loop waits for (the
 // parameters and moments as stored: W2's slice 10.5 GB in 0.29 s on the H200's host), the

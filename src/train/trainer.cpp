@@ -261,30 +261,27 @@ TrainResult run_training(const TrainOptions& opt) {
                     {"seconds", f.write_seconds}, {"async", true}});
   };
   auto save = [&]() {
-    const auto t0 = std::chrono::steady_clock::now();
     if (saver) {
       const AsyncCheckpointer::Started s =
           saver->start(r.state, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), fp8_state());
       if (s.previous) report_saved(*s.previous);
       result.last_checkpoint = s.dir;
+      std::string waited;  // for the previous save, or (the first save) for the copy's memory to be mapped
+      if (s.wait_seconds >= 0.01)
+        waited = fmt::format(", after {:.2f} s {}", s.wait_seconds,
+                             s.previous ? "waiting for the previous save" : "mapping its memory");
       progress.event(fmt::format("saving checkpoint {} behind training (host copy of {:.2f} GB in {:.2f} s{})", s.dir,
-                                 s.snapshot_bytes / 1e9, s.snapshot_seconds,
-                                 s.wait_seconds < 0.01 ? ""
-                                 : s.previous
-                                     ? fmt::format(", after {:.2f} s waiting for the previous save", s.wait_seconds)
-                                     : fmt::format(", after {:.2f} s mapping its memory", s.wait_seconds)),
+                                 s.snapshot_bytes / 1e9, s.snapshot_seconds, waited),
                      {{"event", "checkpoint_snapshot"}, {"step", r.state.step}, {"path", s.dir},
                       {"snapshot_bytes", s.snapshot_bytes}, {"snapshot_seconds", s.snapshot_seconds},
                       {"wait_seconds", s.wait_seconds}});
       return;
     }
+    const auto t0 = std::chrono::steady_clock::now();
     result.last_checkpoint = save_checkpoint(r.save_dir, r.state, r.model_cfg, r.model->params(), r.opt->exp_avg(),
                                              r.opt->exp_avg_sq(), keep_last, fp8_state());
     const double secs = seconds_since(t0);
-    std::error_code ec;
-    uintmax_t bytes = 0;
-    for (const auto& f : std::filesystem::directory_iterator(result.last_checkpoint, ec))
-      if (f.is_regular_file(ec)) bytes += f.file_size(ec);
+    const uint64_t bytes = checkpoint_bytes(result.last_checkpoint);
     progress.event(fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", result.last_checkpoint, bytes / 1e9, secs),
                    {{"event", "checkpoint"}, {"step", r.state.step}, {"path", result.last_checkpoint},
                     {"bytes", bytes}, {"seconds", secs}});
