@@ -7,12 +7,6 @@
 
 namespace flux8 {
 
-namespace {
-// Conversions of at least this many elements run over the CPU's threads (elementwise: the same
-// bits from any number of threads).
-constexpr int64_t kParallelElements = int64_t{1} << 20;
-}  // namespace
-
 std::vector<double> to_host(Backend& backend, const Tensor& t) {
   FLUX8_CHECK(t.contiguous(), "to_host of a strided tensor {}", t.str());
   const size_t n = static_cast<size_t>(t.numel());
@@ -66,9 +60,7 @@ void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vec
   }
   // A 12B model's bf16 moments are ~24G values: converted over the cores.
   scratch.resize(n * dtype_size(t.dtype));
-  const auto count = static_cast<int64_t>(n);
-#pragma omp parallel for schedule(static) if (count >= kParallelElements)
-  for (int64_t i = 0; i < count; ++i) store_f32_as(values[i], t.dtype, scratch.data(), static_cast<size_t>(i));
+  convert_elements(values, DType::f32, n, t.dtype, scratch.data());
   backend.upload(t.data, scratch.data(), scratch.size());
 }
 
@@ -87,37 +79,6 @@ void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, 
   scratch.resize(count * esize);
   backend.download(scratch.data(), src, count * esize);
   convert_elements(scratch.data(), t.dtype, count, dst_dtype, dst);
-}
-
-void convert_elements(const void* src, DType src_dtype, size_t count, DType dst_dtype, void* dst) {
-  FLUX8_CHECK(src_dtype == DType::f32 || src_dtype == DType::f64 || src_dtype == DType::bf16,
-              "convert_elements from {}", dtype_name(src_dtype));
-  FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 ||
-                  dst_dtype == DType::f16,
-              "convert_elements into {}", dtype_name(dst_dtype));
-  if (src_dtype == dst_dtype) {
-    std::memcpy(dst, src, count * dtype_size(src_dtype));
-    return;
-  }
-  const auto* bytes = static_cast<const uint8_t*>(src);
-  auto value = [&](size_t i) -> float {  // element i as f32
-    if (src_dtype == DType::bf16) {
-      uint16_t b;
-      std::memcpy(&b, bytes + 2 * i, 2);
-      return bf16_bits_to_f32(b);
-    }
-    if (src_dtype == DType::f64) {
-      double d;
-      std::memcpy(&d, bytes + 8 * i, 8);
-      return static_cast<float>(d);
-    }
-    float f;
-    std::memcpy(&f, bytes + 4 * i, 4);
-    return f;
-  };
-  const auto n = static_cast<int64_t>(count);
-#pragma omp parallel for schedule(static) if (n >= kParallelElements)
-  for (int64_t i = 0; i < n; ++i) store_f32_as(value(static_cast<size_t>(i)), dst_dtype, dst, static_cast<size_t>(i));
 }
 
 }  // namespace flux8

@@ -19,16 +19,11 @@ void from_host(Backend& backend, const Tensor& t, const std::vector<float>& valu
 void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vector<uint8_t>& scratch);
 
 // Elements [first, first + count) of a contiguous f32, f64 or bf16 tensor, downloaded into dst
-// as `dst_dtype` (f32, f64, bf16 or f16): as they are when the types match, else through f32
-// (f64 narrowed, bf16 widened exactly, bf16/f16 rounded to nearest even). `scratch` holds the
-// downloaded values for a conversion and is reused from call to call. For checkpoints, which
-// stream a tensor to disk a piece at a time instead of holding it all on the host.
+// as `dst_dtype` (f32, f64, bf16 or f16): as they are when the types match, else converted
+// (core/dtype.h's convert_elements). `scratch` holds the downloaded values for a conversion and
+// is reused from call to call. For checkpoints, which stream a tensor to disk a piece at a time
+// instead of holding it all on the host.
 void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, DType dst_dtype, void* dst,
                  std::vector<uint8_t>& scratch);
-
-// download_as's conversion on the host: `count` elements of src (f32, f64 or bf16) stored into
-// dst as `dst_dtype` (f32, f64, bf16 or f16) through f32, over the CPU's threads for large
-// counts; a plain copy when the types match. For checkpoints written from a host snapshot.
-void convert_elements(const void* src, DType src_dtype, size_t count, DType dst_dtype, void* dst);
 
 }  // namespace flux8

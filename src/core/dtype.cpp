@@ -1,6 +1,7 @@
 #include "core/dtype.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "core/error.h"
 
@@ -66,6 +67,43 @@ float f16_bits_to_f32(uint16_t h) {
   u |= sign;
   std::memcpy(&mag, &u, 4);
   return mag;
+}
+
+namespace {
+// Conversions of at least this many elements run over the CPU's threads (elementwise: the same
+// bits from any number of threads).
+constexpr int64_t kParallelConvertElements = int64_t{1} << 20;
+}  // namespace
+
+void convert_elements(const void* src, DType src_dtype, size_t count, DType dst_dtype, void* dst) {
+  FLUX8_CHECK(src_dtype == DType::f32 || src_dtype == DType::f64 || src_dtype == DType::bf16,
+              "convert_elements from {}", dtype_name(src_dtype));
+  FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 ||
+                  dst_dtype == DType::f16,
+              "convert_elements into {}", dtype_name(dst_dtype));
+  if (src_dtype == dst_dtype) {
+    std::memcpy(dst, src, count * dtype_size(src_dtype));
+    return;
+  }
+  const auto* bytes = static_cast<const uint8_t*>(src);
+  auto value = [&](size_t i) -> float {  // element i as f32
+    if (src_dtype == DType::bf16) {
+      uint16_t b;
+      std::memcpy(&b, bytes + 2 * i, 2);
+      return bf16_bits_to_f32(b);
+    }
+    if (src_dtype == DType::f64) {
+      double d;
+      std::memcpy(&d, bytes + 8 * i, 8);
+      return static_cast<float>(d);
+    }
+    float f;
+    std::memcpy(&f, bytes + 4 * i, 4);
+    return f;
+  };
+  const auto n = static_cast<int64_t>(count);
+#pragma omp parallel for schedule(static) if (n >= kParallelConvertElements)
+  for (int64_t i = 0; i < n; ++i) store_f32_as(value(static_cast<size_t>(i)), dst_dtype, dst, static_cast<size_t>(i));
 }
 
 }  // namespace flux8

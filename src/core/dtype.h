@@ -56,4 +56,10 @@ inline void store_f32_as(float f, DType t, void* dst, size_t i) {
   }
 }
 
+// `count` elements of src (f32, f64 or bf16) stored into dst as `dst_dtype` (f32, f64, bf16 or
+// f16) through f32, as store_f32_as does (f64 narrowed, bf16 widened exactly), over the CPU's
+// threads for large counts; a plain copy when the types match. download_as's conversion, and
+// checkpoints' and weights files' conversions on the host.
+void convert_elements(const void* src, DType src_dtype, size_t count, DType dst_dtype, void* dst);
+
 }  // namespace flux8

@@ -330,7 +330,7 @@ void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<in
   FillChunk fill;
   if (data)
     fill = [data, target](size_t first, size_t count, void* dst) {
-      for (size_t j = 0; j < count; ++j) store_f32_as(data[first + j], target, dst, j);
+      convert_elements(data + first, DType::f32, count, target, dst);
     };
   add_entry({name, target, shape, std::move(fill)});
 }
