@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <string>
 #include <fstream>
 
 #include "backend/backend.h"
@@ -122,6 +124,39 @@ TEST(Config, PrecisionKeysReachTheBackendOptions) {
   EXPECT_TRUE(o.bf16_grads);
   EXPECT_EQ(make_backend("cpu", o)->gradient_dtype(DType::f32), DType::f32);
   flux8::testing::expect_refused("grad_precision", [&] { Config::load(files.write("b.yaml", "grad_precision: fp16\n"), {}); });
+}
+
+// deterministic_attention (cuDNN's deterministic attention backward, the default) reaches the
+// backend; FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides it, empty counts as unset, and any
+// other value is refused with what to set instead.
+TEST(Config, DeterministicAttentionKeyAndItsEnvironmentOverride) {
+  ConfigFiles files;
+  const char* was = std::getenv("FLUX8_ATTENTION_DETERMINISTIC");
+  const std::string saved = was ? was : "";
+  struct Restore {
+    bool had;
+    std::string value;
+    ~Restore() {
+      if (had) setenv("FLUX8_ATTENTION_DETERMINISTIC", value.c_str(), 1);
+      else unsetenv("FLUX8_ATTENTION_DETERMINISTIC");
+    }
+  } restore{was != nullptr, saved};
+  const Config defaults = Config::load(files.write("d.yaml", "# defaults\n"), {});
+  const Config fast = Config::load(files.write("f.yaml", "deterministic_attention: false\n"), {});
+  unsetenv("FLUX8_ATTENTION_DETERMINISTIC");
+  EXPECT_TRUE(BackendOptions::from_config(defaults).deterministic_attention);
+  EXPECT_FALSE(BackendOptions::from_config(fast).deterministic_attention);
+  setenv("FLUX8_ATTENTION_DETERMINISTIC", "", 1);
+  EXPECT_FALSE(BackendOptions::from_config(fast).deterministic_attention);
+  setenv("FLUX8_ATTENTION_DETERMINISTIC", "0", 1);
+  EXPECT_FALSE(BackendOptions::from_config(defaults).deterministic_attention);
+  setenv("FLUX8_ATTENTION_DETERMINISTIC", "1", 1);
+  EXPECT_TRUE(BackendOptions::from_config(fast).deterministic_attention);
+  setenv("FLUX8_ATTENTION_DETERMINISTIC", "yes", 1);
+  expect_mentions(error_of([&] { BackendOptions::from_config(defaults); }),
+                  {"FLUX8_ATTENTION_DETERMINISTIC=yes", "expected 0", "deterministic_attention"});
+  flux8::testing::expect_refused("deterministic_attention",
+                                 [&] { Config::load(files.write("b.yaml", "deterministic_attention: 2\n"), {}); });
 }
 
 TEST(Config, FloatListValues) {

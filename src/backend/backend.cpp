@@ -1,6 +1,8 @@
 #include "backend/backend.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/op_checks.h"
@@ -189,6 +191,23 @@ void Backend::heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t t
   heads_to_tokens(tokens, th.get(), token_offset);
 }
 
+namespace {
+
+// FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides the key (A/B runs without editing a config); an
+// empty value counts as unset.
+bool deterministic_attention_choice(bool configured) {
+  const char* e = std::getenv("FLUX8_ATTENTION_DETERMINISTIC");
+  const std::string_view v = e ? e : "";
+  if (v.empty()) return configured;
+  if (v == "0") return false;
+  if (v == "1") return true;
+  fail("FLUX8_ATTENTION_DETERMINISTIC={}: expected 0 (cuDNN's faster attention backward, with atomics) or 1 (its "
+       "deterministic one); or unset it and choose with the config key deterministic_attention",
+       v);
+}
+
+}  // namespace
+
 BackendOptions BackendOptions::from_config(const Config& cfg) {
   BackendOptions o;
   o.threads = static_cast<int>(cfg.get_int("threads"));
@@ -196,6 +215,7 @@ BackendOptions BackendOptions::from_config(const Config& cfg) {
   o.bf16_gemm = cfg.get_string("gemm_precision") == "bf16";
   o.bf16_activations = cfg.get_string("activation_precision") == "bf16";
   o.bf16_grads = cfg.get_string("grad_precision") == "bf16";
+  o.deterministic_attention = deterministic_attention_choice(cfg.get_bool("deterministic_attention"));
   return o;
 }
 

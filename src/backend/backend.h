@@ -57,9 +57,14 @@ struct BackendOptions {
   bool bf16_activations = false;
   // CUDA: parameter gradients stored in bf16 (gradient_dtype(), grad_precision: bf16).
   bool bf16_grads = false;
+  // CUDA: cuDNN's deterministic attention backward (deterministic_attention: true, the default;
+  // false: its faster backward, whose dq sums with atomics in a varying order). The CPU always
+  // repeats bit for bit.
+  bool deterministic_attention = true;
 
   // From the config keys threads, round_activations_to_bf16, gemm_precision,
-  // activation_precision and grad_precision.
+  // activation_precision, grad_precision and deterministic_attention (which
+  // FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides).
   static BackendOptions from_config(const Config& cfg);
 };
 

@@ -60,7 +60,8 @@ Command add_bench_command(CLI::App& app) {
                   "override a config key: fp8_* keys, recompute_granularity (none, selective, full), "
                   "activation_precision (bf16, f32), grad_precision (f32, bf16) and the AdamW keys (adam_*, "
                   "weight_decay, clip_grad; adam_moment_precision f32 or bf16), cuda_graph (true: the forward and "
-                  "backward as CUDA graphs; not with --profile) for the runs, or any key with -c");
+                  "backward as CUDA graphs; not with --profile), deterministic_attention (false: cuDNN's faster "
+                  "attention backward, with atomics) for the runs, or any key with -c");
   cmd->add_option("--precision", o->precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o->format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
@@ -88,8 +89,13 @@ Command add_bench_command(CLI::App& app) {
     // (with -c: that config, below).
     Config run_keys;
     for (const std::string& kv : o->overrides) run_keys.apply_override(kv);
-    bo.bf16_activations = run_keys.get_string("activation_precision") == "bf16";
-    bo.bf16_grads = run_keys.get_string("grad_precision") == "bf16";
+    const auto take_keys = [&bo](const Config& keys) {
+      const BackendOptions keyed = BackendOptions::from_config(keys);
+      bo.bf16_activations = keyed.bf16_activations;
+      bo.bf16_grads = keyed.bf16_grads;
+      bo.deterministic_attention = keyed.deterministic_attention;
+    };
+    take_keys(run_keys);
     nlohmann::json out;
     if (o->gemm) {
       fmt::print("{:>6} {:>6} {:>6} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20} | {:>25}\n", "M", "N", "K",
@@ -171,8 +177,7 @@ Command add_bench_command(CLI::App& app) {
       fmt::print("{:<22} {:<28} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}  {}\n", "workload", "precision", "step ms",
                  "TFLOP/s", "setup s", "first s", "alloc GiB", "device GiB", "act GiB", "vs PyTorch (eager / compiled / torchao FP8)");
       const Recompute recompute = recompute_from_name(run_keys.get_string("recompute_granularity"));
-      bo.bf16_activations = run_keys.get_string("activation_precision") == "bf16";
-      bo.bf16_grads = run_keys.get_string("grad_precision") == "bf16";
+      take_keys(run_keys);
       for (StepBenchSpec s : specs) {
         s.recompute = recompute;
         s.adam = AdamWConfig::from_config(run_keys);
@@ -266,6 +271,7 @@ Command add_bench_command(CLI::App& app) {
                                   {"backend", o->backend},          {"data", o->data},
                                   {"activation_precision", bo.bf16_activations && o->backend == "cuda" ? "bf16" : "f32"},
                                   {"grad_precision", bo.bf16_grads && o->backend == "cuda" ? "bf16" : "f32"},
+                                  {"deterministic_attention", bo.deterministic_attention || o->backend != "cuda"},
                                   {"adam_moment_precision", dtype_name(s.adam.moment_dtype)},
                                   {"cuda_graph", r.cuda_graph},
                                   {"graph_segments_per_step", r.graph_segments_per_step},

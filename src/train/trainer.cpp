@@ -207,6 +207,11 @@ TrainResult run_training(const TrainOptions& opt) {
                    nullptr);
   else if (r.cfg.get_bool("cuda_graph") && r.cfg.source("cuda_graph") != "default")
     progress.event("cuda_graph: the " + r.be->name() + " backend has no graphs; running op by op", nullptr);
+  if (r.be->name() == "cuda" && !r.be->options().deterministic_attention)
+    progress.event("attention: cuDNN's faster backward (deterministic_attention: false, or "
+                   "FLUX8_ATTENTION_DETERMINISTIC=0): its dq sums with atomics in a varying order, so runs and "
+                   "resumes no longer repeat bit for bit",
+                   nullptr);
   if (const int64_t rows = r.model->params().low_rank_rows())
     progress.event(fmt::format("gradients: the modulation and embedder Linears' weight gradients kept as "
                                "rank-{} factors (a step of at most {} samples; not written as tensors)",

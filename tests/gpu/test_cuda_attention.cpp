@@ -16,7 +16,7 @@ namespace {
 
 using cuda::AttentionPath;
 
-// Select a path (or the deterministic mode) for one test and restore the previous one after it.
+// Select a path for one test and restore the previous one after it.
 class PathScope {
  public:
   explicit PathScope(AttentionPath p) : saved_(cuda::attention_path()) { cuda::set_attention_path(p); }
@@ -26,14 +26,16 @@ class PathScope {
   AttentionPath saved_;
 };
 
-class DeterministicScope {
- public:
-  explicit DeterministicScope(bool d) : saved_(cuda::attention_deterministic()) { cuda::set_attention_deterministic(d); }
-  ~DeterministicScope() { cuda::set_attention_deterministic(saved_); }
-
- private:
-  bool saved_;
-};
+// A CUDA backend with cuDNN's faster attention backward (deterministic_attention: false); the
+// tests' other backends keep the default, deterministic one.
+Backend& gpu_atomic_attention() {
+  static std::unique_ptr<Backend> be = [] {
+    BackendOptions o;
+    o.deterministic_attention = false;
+    return make_cuda_backend(o);
+  }();
+  return *be;
+}
 
 struct Heads {
   int64_t B, n, L, D;
@@ -46,8 +48,9 @@ struct Errors {
 };
 
 // Both backends get the same q, k, v, dO (N(0, input_std²)); the backward also gets the same
-// o and lse (the CPU's), so each op is judged on its own.
-Errors compare_with_cpu(const Heads& h, double input_std = 1.0, uint64_t seed = 1) {
+// o and lse (the CPU's), so each op is judged on its own. `dev` runs the ops (the buffers
+// belong to gpu(), whose uploads and downloads wait for their copies; dev's ops are waited for).
+Errors compare_with_cpu(const Heads& h, double input_std = 1.0, uint64_t seed = 1, Backend& dev = gpu()) {
   Pair q(h.shape()), k(h.shape()), v(h.shape()), o(h.shape()), dout(h.shape());
   Pair dq(h.shape()), dk(h.shape()), dv(h.shape()), lse({h.B, h.n, h.L});
   q.randn(seed, input_std);
@@ -57,7 +60,8 @@ Errors compare_with_cpu(const Heads& h, double input_std = 1.0, uint64_t seed = 
   const double scale = 1.0 / std::sqrt(static_cast<double>(h.D));
 
   cpu().attention(o.host.t, lse.host.t, q.host.t, k.host.t, v.host.t, scale);
-  gpu().attention(o.dev, lse.dev, q.dev, k.dev, v.dev, scale);
+  dev.attention(o.dev, lse.dev, q.dev, k.dev, v.dev, scale);
+  dev.synchronize();
   Errors e{};
   e.o = gpu_vs_cpu(o);
   e.lse = gpu_vs_cpu(lse);
@@ -66,7 +70,8 @@ Errors compare_with_cpu(const Heads& h, double input_std = 1.0, uint64_t seed = 
   lse.up();
   cpu().attention_backward(dq.host.t, dk.host.t, dv.host.t, dout.host.t, q.host.t, k.host.t, v.host.t, o.host.t,
                            lse.host.t, scale);
-  gpu().attention_backward(dq.dev, dk.dev, dv.dev, dout.dev, q.dev, k.dev, v.dev, o.dev, lse.dev, scale);
+  dev.attention_backward(dq.dev, dk.dev, dv.dev, dout.dev, q.dev, k.dev, v.dev, o.dev, lse.dev, scale);
+  dev.synchronize();
   e.dq = gpu_vs_cpu(dq);
   e.dk = gpu_vs_cpu(dk);
   e.dv = gpu_vs_cpu(dv);
@@ -127,16 +132,15 @@ TEST(CudaAttention, CudnnMatchesCpu) {
   EXPECT_EQ(after.reference_calls, before.reference_calls);
 }
 
-// The faster backward (FLUX8_ATTENTION_DETERMINISTIC=0: dQ summed with atomics into cuDNN's
+// The faster backward (deterministic_attention: false: dQ summed with atomics into cuDNN's
 // f32 dQ_accum) against the CPU, each shape twice with other inputs: the second call finds the
 // first call's values in the staging buffer, where dQ_accum must start from zero.
 TEST(CudaAttention, AtomicBackwardMatchesCpu) {
   FLUX8_REQUIRE_GPU();
   PathScope path(AttentionPath::cudnn);
-  DeterministicScope deterministic(false);
   for (const Heads& h : kCases)
     for (const uint64_t seed : {uint64_t{11}, uint64_t{21}})
-      expect_within(compare_with_cpu(h, 1.0, seed), kCudnnTolForward, kCudnnTolLse, kCudnnTolGrad);
+      expect_within(compare_with_cpu(h, 1.0, seed, gpu_atomic_attention()), kCudnnTolForward, kCudnnTolLse, kCudnnTolGrad);
 }
 
 // A second opinion at Flux's head dim and a longer sequence, without the (slow) CPU: cuDNN and
@@ -273,7 +277,7 @@ TEST(CudaAttention, PartialGradientsAndUnalignedStatistics) {
 TEST(CudaAttention, DeterministicBackwardRepeatsBitForBit) {
   FLUX8_REQUIRE_GPU();
   PathScope path(AttentionPath::cudnn);
-  DeterministicScope deterministic(true);
+  ASSERT_TRUE(gpu().options().deterministic_attention);  // the default
   const Heads h{2, 3, 300 + 7, 64};
   expect_within(compare_with_cpu(h, 1.0, 41), kCudnnTolForward, kCudnnTolLse, kCudnnTolGrad);
   Pair q(h.shape()), k(h.shape()), v(h.shape()), o(h.shape()), dout(h.shape()), lse({h.B, h.n, h.L});

@@ -210,7 +210,7 @@ TEST(CudaAttentionFp8, TokenMajorLayoutGivesTheHeadMajorResult) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   {
-    auto attention = cuda::make_attention(stream);
+    auto attention = cuda::make_attention(stream, true);
     cuda::Attention::Fp8Forward a;
     a.shape = cuda::AttentionShape{c.B, c.n, c.L, c.D};
     a.token_major = true;

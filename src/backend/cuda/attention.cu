@@ -46,7 +46,6 @@ namespace flux8::cuda {
 namespace {
 
 std::atomic<int> g_path{-1};           // -1: not chosen yet (read FLUX8_ATTENTION at first use)
-std::atomic<int> g_deterministic{-1};  // -1: not chosen yet (FLUX8_ATTENTION_DETERMINISTIC)
 std::atomic<int64_t> g_plans_built{0}, g_cudnn_calls{0}, g_reference_calls{0}, g_plans_prefetched{0};
 
 AttentionPath path_from_environment() {
@@ -70,19 +69,6 @@ AttentionPath attention_path() {
     p = g_path.load();
   }
   return static_cast<AttentionPath>(p);
-}
-
-void set_attention_deterministic(bool deterministic) { g_deterministic = deterministic ? 1 : 0; }
-
-bool attention_deterministic() {
-  int d = g_deterministic.load();
-  if (d < 0) {
-    const char* e = std::getenv("FLUX8_ATTENTION_DETERMINISTIC");
-    int expected = -1;
-    g_deterministic.compare_exchange_strong(expected, e && std::string_view(e) == "0" ? 0 : 1);
-    d = g_deterministic.load();
-  }
-  return d == 1;
 }
 
 void count_plan_built() { ++g_plans_built; }
@@ -208,14 +194,17 @@ std::string static_refusal(const AttentionShape& s) {
 
 // ---- Attention -------------------------------------------------------------------------
 
-Attention::Attention(cudaStream_t stream) : stream_(stream), cudnn_(std::make_unique<Cudnn>(stream)) {}
+Attention::Attention(cudaStream_t stream, bool deterministic)
+    : stream_(stream), deterministic_(deterministic), cudnn_(std::make_unique<Cudnn>(stream)) {}
 
 Attention::~Attention() {
   cudnn_.reset();
   if (delta_) cudaFree(delta_);
 }
 
-std::unique_ptr<Attention> make_attention(cudaStream_t stream) { return std::make_unique<Attention>(stream); }
+std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic) {
+  return std::make_unique<Attention>(stream, deterministic);
+}
 
 CudnnPlan& Attention::bf16_plan(const AttentionShape& s, Direction d) {
   return cudnn_->plan(int(d), 0, s, [&](GraphBuilder& g) {
@@ -226,7 +215,7 @@ CudnnPlan& Attention::bf16_plan(const AttentionShape& s, Direction d) {
 
 Attention::PrefetchWait Attention::prefetch_backward(const AttentionShape& s) {
   if (attention_path() == AttentionPath::reference || !static_refusal(s).empty()) return {};
-  const bool deterministic = attention_deterministic();
+  const bool deterministic = deterministic_;
   const Direction d = deterministic ? Direction::backward_deterministic : Direction::backward;
   return {cudnn_->prefetch(int(d), 0, s,
                            [s, deterministic](GraphBuilder& g) { build_backward_graph(g, s, deterministic); })};
@@ -234,7 +223,7 @@ Attention::PrefetchWait Attention::prefetch_backward(const AttentionShape& s) {
 
 std::string Attention::cudnn_unsupported_reason(const AttentionShape& s) {
   if (std::string why = static_refusal(s); !why.empty()) return why;
-  const Direction backward = attention_deterministic() ? Direction::backward_deterministic : Direction::backward;
+  const Direction backward = deterministic_ ? Direction::backward_deterministic : Direction::backward;
   for (Direction d : {Direction::forward, backward})
     if (const CudnnPlan& p = bf16_plan(s, d); !p.refused.empty())
       return fmt::format("{}: {}", d == Direction::forward ? "forward" : "backward", p.refused);
@@ -351,7 +340,7 @@ void Attention::backward(void* dq, void* dk, void* dv, const void* dout, const v
                          const void* o, const float* lse, bool bf16, const AttentionShape& s, double scale) {
   if (s.numel() == 0 || (!dq && !dk && !dv)) return;
   const int64_t n = s.numel();
-  const Direction dir = attention_deterministic() ? Direction::backward_deterministic : Direction::backward;
+  const Direction dir = deterministic_ ? Direction::backward_deterministic : Direction::backward;
   if (!use_cudnn(s, dir)) {
     float* delta = static_cast<float*>(delta_scratch(static_cast<size_t>(s.rows()) * sizeof(float)));
     if (!bf16) {

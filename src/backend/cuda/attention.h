@@ -45,11 +45,9 @@ AttentionPath attention_path();
 // that varies from run to run (dq differs in the last bits). Deterministic mode asks cuDNN for
 // its deterministic backward instead, which keeps dP in its workspace (cudnn-frontend budgets
 // B·n·L² bf16 values for it) and was 13% slower at L = 4608 on the H200 (1.56 vs 1.38 ms for
-// 24 heads). The reference kernel is always deterministic. Deterministic is the default (runs
-// repeat bit for bit, resume is exact); FLUX8_ATTENTION_DETERMINISTIC=0 starts with the faster
-// atomic backward. Process-wide.
-void set_attention_deterministic(bool deterministic);
-bool attention_deterministic();
+// 24 heads). The reference kernel is always deterministic. Each backend chooses at
+// construction (BackendOptions::deterministic_attention, from the config key of that name;
+// true by default: runs repeat bit for bit, resume is exact).
 
 // Counters since the process started (tests check that plans are cached and which path ran).
 struct AttentionCounters {
@@ -84,7 +82,7 @@ constexpr int64_t kReferenceMaxHeadDim = 256;
 // ---- the dispatcher, owned by the CUDA backend ---------------------------------------------
 class Attention {
  public:
-  explicit Attention(cudaStream_t stream);
+  Attention(cudaStream_t stream, bool deterministic);
   ~Attention();
   Attention(const Attention&) = delete;
   Attention& operator=(const Attention&) = delete;
@@ -105,6 +103,9 @@ class Attention {
   // "" when cuDNN runs this shape here (forward and backward plans built and cached), else
   // the reason it does not.
   std::string cudnn_unsupported_reason(const AttentionShape& s);
+
+  // Whether the BF16 backward is cuDNN's deterministic one (the FP8 backward has no such mode).
+  bool deterministic() const { return deterministic_; }
 
   // ---- FP8 (attention_fp8.cu): cuDNN's FP8 flash attention, Backend::attention_fp8 ---------
   // All pointers are device memory; the scales and amaxes are single floats (cuDNN reads the
@@ -174,12 +175,13 @@ class Attention {
   void* delta_scratch(size_t bytes);
 
   cudaStream_t stream_;
+  bool deterministic_;
   std::unique_ptr<Cudnn> cudnn_;
   void* delta_ = nullptr;
   size_t delta_bytes_ = 0;
   uint64_t delta_moves_ = 0;
 };
 
-std::unique_ptr<Attention> make_attention(cudaStream_t stream);
+std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic);
 
 }  // namespace flux8::cuda
