@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
+#include "config/config.h"
 #include "core/error.h"
 #include "test_util.h"
 #if FLUX8_HAVE_CUDA
@@ -214,6 +215,22 @@ TEST(InfoCli, SaysTheCheckpointsSizeAndItsHostCopy) {
   }
   ASSERT_EQ(cli.run("info -c " + cli.tiny_config()), 0) << cli.log;
   EXPECT_NE(cli.log.find("written behind\n  training (async_save) from a host copy of"), std::string::npos) << cli.log;
+}
+
+// `flux8 info` counts the deterministic attention backward's workspace (B·heads·L² bf16 for dP,
+// outside the table), and none with deterministic_attention: false.
+TEST(InfoCli, CountsTheDeterministicAttentionWorkspace) {
+  Cli cli;
+  ASSERT_EQ(cli.run("info -c " + cli.tiny_config() + " --json"), 0) << cli.log;
+  nlohmann::json j = nlohmann::json::parse(cli.log);
+  const double L = j["text_tokens"].get<double>() + j["image_tokens"].get<double>();
+  const double heads = static_cast<double>(Config::load(cli.tiny_config(), {}).get_int("num_attention_heads"));
+  EXPECT_EQ(j["deterministic_attention_workspace_bytes"].get<double>(), 2.0 * j["batch"].get<double>() * heads * L * L);
+  ASSERT_EQ(cli.run("info -c " + cli.tiny_config() + " --set deterministic_attention=false --json"), 0) << cli.log;
+  j = nlohmann::json::parse(cli.log);
+  EXPECT_EQ(j["deterministic_attention_workspace_bytes"].get<double>(), 0.0);
+  ASSERT_EQ(cli.run("info -c " + cli.tiny_config()), 0) << cli.log;
+  EXPECT_NE(cli.log.find("keeps dP in a workspace of"), std::string::npos) << cli.log;
 }
 
 }  // namespace

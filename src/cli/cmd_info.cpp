@@ -93,6 +93,14 @@ Command add_info_command(CLI::App& app) {
          bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
          bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},
     };
+    // Outside the table: cuDNN's deterministic BF16 attention backward keeps dP, B·heads·L² bf16
+    // values, in its workspace (one, reused by every block; measured on the H200 at W2's shape:
+    // 1.8 GiB more device memory than the atomic backward). FP8 attention has no such workspace.
+    const double L = static_cast<double>(shape.txt_tokens + shape.img_tokens);
+    const double attention_workspace =
+        config.get_bool("deterministic_attention")
+            ? 2.0 * static_cast<double>(batch) * static_cast<double>(cfg.num_heads) * L * L
+            : 0.0;
     // Checkpoints: the files hold f32 weights and f32 moments (12 B a parameter); async_save's
     // host copy holds the f32 master weights and the moments as stored, and is made only where
     // it fits in half the host memory available (train/async_checkpoint.h).
@@ -122,6 +130,7 @@ Command add_info_command(CLI::App& app) {
         j["memory_bytes"][r.name] = {{"bf16", r.bf16}, {"fp8", r.fp8}};
         j["memory_bytes_cuda_today"][r.name] = {{"bf16", r.today_bf16}, {"fp8", r.today_fp8}};
       }
+      j["deterministic_attention_workspace_bytes"] = attention_workspace;
       j["checkpoint_bytes"] = checkpoint_bytes;
       j["async_save_host_copy_bytes"] = host_copy_bytes;
       j["async_save_copy_fits_this_host"] = copy_fits;
@@ -159,6 +168,10 @@ Command add_info_command(CLI::App& app) {
     if (fp8_attention)
       fmt::print("  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
                  "   codes, 1 byte per element)\n");
+    if (attention_workspace > 0)
+      fmt::print("  (not in the table: cuDNN's deterministic attention backward (deterministic_attention: true)\n"
+                 "   keeps dP in a workspace of {}, batch x heads x L^2 bf16; false: none; FP8 attention: none)\n",
+                 gib(attention_workspace));
     fmt::print("\ncheckpoints: {:.2f} GB of files (f32 weights and AdamW moments); with a GPU written behind\n"
                "  training (async_save) from a host copy of {:.2f} GB, {}\n",
                checkpoint_bytes / 1e9, host_copy_bytes / 1e9,
