@@ -5,8 +5,8 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <string>
 #include <fstream>
+#include <string>
 
 #include "backend/backend.h"
 #include "config/config.h"

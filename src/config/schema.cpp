@@ -75,7 +75,7 @@ std::vector<KeySpec> make_keys() {
       bool_key("runtime", "cuda_graph", true,
                "CUDA: run each micro-batch's forward, loss and backward as CUDA graphs: the op calls are recorded with every argument, and a segment of them identical to one seen before is launched as the graph captured from it (one launch instead of ~48), so the GPU stops waiting for the host's launches; anything that differs runs op by op. Same results bit for bit (false: every op issued on its own). The CPU ignores it"),
       bool_key("runtime", "deterministic_attention", true,
-               "CUDA: cuDNN's deterministic attention backward, so that runs repeat bit for bit and a resumed run is the uninterrupted one exactly (false: its faster backward, which sums dq with atomics in an order that varies from run to run, as PyTorch's SDPA does: W2 BF16 ~1.2 ms a step faster; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides it. The CPU ignores it"),
+               "CUDA: cuDNN's deterministic attention backward, so that runs repeat bit for bit and a resumed run is the uninterrupted one exactly (false: its faster backward, which sums dq with atomics in an order that varies from run to run, as PyTorch's SDPA does: W2 BF16 ~0.7-1.1 ms a step faster and ~1.8 GiB less device memory; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides it. The CPU ignores it"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
       // ---- training: optimizer and schedule ----

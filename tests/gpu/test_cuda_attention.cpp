@@ -140,7 +140,8 @@ TEST(CudaAttention, AtomicBackwardMatchesCpu) {
   PathScope path(AttentionPath::cudnn);
   for (const Heads& h : kCases)
     for (const uint64_t seed : {uint64_t{11}, uint64_t{21}})
-      expect_within(compare_with_cpu(h, 1.0, seed, gpu_atomic_attention()), kCudnnTolForward, kCudnnTolLse, kCudnnTolGrad);
+      expect_within(compare_with_cpu(h, 1.0, seed, gpu_atomic_attention()), kCudnnTolForward, kCudnnTolLse,
+                    kCudnnTolGrad);
 }
 
 // A second opinion at Flux's head dim and a longer sequence, without the (slow) CPU: cuDNN and

@@ -104,9 +104,6 @@ class Attention {
   // the reason it does not.
   std::string cudnn_unsupported_reason(const AttentionShape& s);
 
-  // Whether the BF16 backward is cuDNN's deterministic one (the FP8 backward has no such mode).
-  bool deterministic() const { return deterministic_; }
-
   // ---- FP8 (attention_fp8.cu): cuDNN's FP8 flash attention, Backend::attention_fp8 ---------
   // All pointers are device memory; the scales and amaxes are single floats (cuDNN reads the
   // scales from, and writes the amaxes into, 16-byte aligned copies this class makes). The
@@ -175,7 +172,7 @@ class Attention {
   void* delta_scratch(size_t bytes);
 
   cudaStream_t stream_;
-  bool deterministic_;
+  bool deterministic_;  // the BF16 backward: cuDNN's deterministic one (the FP8 backward has one kind)
   std::unique_ptr<Cudnn> cudnn_;
   void* delta_ = nullptr;
   size_t delta_bytes_ = 0;

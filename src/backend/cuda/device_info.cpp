@@ -95,8 +95,8 @@ CudaReport cuda_report() {
   }
   {
     // fp8_dot_product_attention: cuDNN's FP8 forward and backward plans built for a small shape
-    // of the kind the model runs (hybrid formats, head-major heads).
-    const std::unique_ptr<cuda::Attention> attention = cuda::make_attention(s, true);  // (FP8 plans only: no BF16 backward)
+    // of the kind the model runs (hybrid formats, head-major heads); no BF16 backward runs here.
+    const std::unique_ptr<cuda::Attention> attention = cuda::make_attention(s, true);
     cuda::Attention::Fp8Forward f;
     cuda::Attention::Fp8Backward b;
     f.shape = b.shape = cuda::AttentionShape{1, 1, 128, 128};
