@@ -114,6 +114,15 @@ TEST(BenchCli, ProfileTimesEveryOpOfTheStep) {
   ASSERT_GE(idle, 0.0) << ops.dump();
   EXPECT_NEAR(split, idle, 1e-6 + 1e-9 * idle);
   EXPECT_NE(cli.log.find("idle before (ms/step):"), std::string::npos) << cli.log;
+  // The roofline's parts add up to the rows, the GEMMs' and attention's rates from model FLOPs.
+  double parts = 0;
+  for (const auto& part : step["roofline"]) parts += part["ms_per_step"].get<double>();
+  ASSERT_EQ(step["roofline"].size(), 5u) << step.dump();
+  EXPECT_NEAR(parts, total, 1e-9 * total);
+  EXPECT_EQ(step["roofline"][0]["part"], "GEMMs");
+  EXPECT_GT(step["roofline"][0]["model_tflops"].get<double>(), 0.0);
+  EXPECT_GT(step["roofline"][3]["ms_per_step"].get<double>(), 0.0) << "tensorwise FP8: casts";
+  EXPECT_NE(cli.log.find("roofline parts"), std::string::npos) << cli.log;
 }
 
 // --data-path: the trainer's host work before a step (batch assembly, upload) timed at the shape

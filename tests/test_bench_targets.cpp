@@ -1,6 +1,7 @@
 // The verdicts `flux8 bench` prints against WORKLOADS.md's targets (src/bench/targets.h).
 #include <gtest/gtest.h>
 
+#include "bench/roofline.h"
 #include "bench/targets.h"
 
 namespace flux8 {
@@ -71,6 +72,38 @@ TEST(BenchTargets, MemoryAgainstThePeer) {
   ASSERT_NE(peer, nullptr);
   EXPECT_EQ(memory_vs_peer(*peer, 15.45),
             "allocated 15.45 GiB: 1.13x PyTorch eager (13.7), 1.30x compiled (11.9), 1.47x torchao FP8 (10.5)");
+}
+
+// The profile's rows grouped as the roofline's parts (bench/roofline.h): every row in exactly one
+// part, the GEMMs and attention with their model FLOPs and the rate those rows reached — here the
+// thirtieth session's W2 BF16 profile (call 1, atomic attention backward), in part.
+TEST(BenchRoofline, GroupsTheProfileIntoItsParts) {
+  EXPECT_EQ(roofline_part_of("gemm_fp8_tn (fast accumulation)"), "GEMMs");
+  EXPECT_EQ(roofline_part_of("linear_dgrad_gelu"), "GEMMs");
+  EXPECT_EQ(roofline_part_of("attention_fp8_backward"), "attention");
+  EXPECT_EQ(roofline_part_of("quantize_fused (gelu_tanh + fp8 cast)"), "FP8 casts");
+  EXPECT_EQ(roofline_part_of("transpose_codes"), "FP8 casts");
+  EXPECT_EQ(roofline_part_of("adamw"), "AdamW");
+  EXPECT_EQ(roofline_part_of("qk_norm_rope_to_heads_backward"), "everything else");
+  EXPECT_EQ(roofline_part_of("(device idle between ops)"), "everything else");
+  const std::vector<OpTime> ops = {{"linear_backward", 42, 28.397}, {"attention_backward", 6, 16.487},
+                                   {"linear_gelu", 8, 8.886},       {"linear", 34, 8.727},
+                                   {"linear_dgrad_gelu", 8, 7.786}, {"adamw", 1, 6.522},
+                                   {"attention", 6, 5.274},         {"layernorm_modulate_backward", 13, 0.981},
+                                   {"sum_squares", 1, 0.478},       {"(device idle between ops)", 0, 0.416}};
+  const ModelFlops flops{37.68e12 / 6, 9.39e12 / 3};
+  const std::vector<RooflinePart> parts = roofline_parts(ops, flops);
+  ASSERT_EQ(parts.size(), 5u);
+  EXPECT_EQ(parts[0].name, "GEMMs");
+  EXPECT_NEAR(parts[0].ms_per_step, 28.397 + 8.886 + 8.727 + 7.786, 1e-9);
+  EXPECT_NEAR(parts[0].model_tflop, 37.68, 1e-9);
+  EXPECT_NEAR(parts[0].tflops(), 37.68 / 53.796e-3, 1e-6);  // ~700
+  EXPECT_NEAR(parts[1].ms_per_step, 16.487 + 5.274, 1e-9);
+  EXPECT_NEAR(parts[1].tflops(), 9.39 / 21.761e-3, 1e-6);  // ~432
+  EXPECT_NEAR(parts[2].ms_per_step, 6.522, 1e-9);
+  EXPECT_EQ(parts[2].tflops(), 0.0) << "AdamW has no model FLOPs";
+  EXPECT_EQ(parts[3].ms_per_step, 0.0) << "a BF16 step has no casts";
+  EXPECT_NEAR(parts[4].ms_per_step, 0.981 + 0.478 + 0.416, 1e-9);
 }
 
 }  // namespace

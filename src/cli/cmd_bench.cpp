@@ -8,11 +8,13 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
+#include "bench/roofline.h"
 #include "bench/step_bench.h"
 #include "bench/targets.h"
 #include "cli/commands.h"
 #include "config/config.h"
 #include "core/error.h"
+#include "model/flops.h"
 
 namespace flux8::cli {
 
@@ -77,7 +79,9 @@ Command add_bench_command(CLI::App& app) {
   cmd->add_flag("--gemm", o->gemm, "run the GEMM and attention micro-benchmarks instead of training steps");
   cmd->add_flag("--profile", o->profile,
                 "also time every op of the step from device timing marks around it (nothing waits), with the device's "
-                "idle time between ops as a row of its own and split by the op it waited for (\"idle before\")");
+                "idle time between ops as a row of its own and split by the op it waited for (\"idle before\"), "
+                "then the rows grouped as the roofline's parts (GEMMs and attention with their model FLOPs and "
+                "rate, AdamW, FP8 casts, everything else)");
   cmd->add_flag("--data-path", o->data_path,
                 "also time what flux8 train does on the host before each step at the workload's shape, outside the "
                 "step's clock: a batch of MLPerf-like samples (VAE mean and logvar, T5 and CLIP features) assembled "
@@ -235,6 +239,14 @@ Command add_bench_command(CLI::App& app) {
             for (size_t i = 0; i < r.idle_before.size() && i < 5; ++i)
               waits += fmt::format("{}{} {:.3f}", i ? ", " : "", r.idle_before[i].op, r.idle_before[i].ms_per_step);
             if (!waits.empty()) fmt::print("  idle before (ms/step): {}\n", waits);
+            // The rows grouped as the roofline's parts (docs/PERFORMANCE.md, Roofline).
+            fmt::print("  roofline parts                   ms/step   share   (GEMMs and attention: model FLOPs, rate)\n");
+            for (const RooflinePart& part : roofline_parts(r.ops, model_flops(s.model, s.shape)))
+              fmt::print("  {:<30} {:>10.3f} {:>6.1f}%{}\n", part.name, part.ms_per_step,
+                         100.0 * part.ms_per_step / total,
+                         part.model_tflop > 0 ? fmt::format("   {:.4g} TFLOP at {:.4g} TFLOP/s", part.model_tflop,
+                                                            part.tflops())
+                                              : "");
           }
           // A long run is a loss curve (FP8 vs BF16): its mean per 50 steps, to compare by eye.
           if (r.losses.size() >= 100) {
@@ -251,6 +263,13 @@ Command add_bench_command(CLI::App& app) {
           nlohmann::json ops = nlohmann::json::array();
           for (const OpTime& t : r.ops)
             ops.push_back({{"op", t.op}, {"calls_per_step", t.calls_per_step}, {"ms_per_step", t.ms_per_step}});
+          nlohmann::json roofline = nlohmann::json::array();
+          if (!r.ops.empty())
+            for (const RooflinePart& part : roofline_parts(r.ops, model_flops(s.model, s.shape)))
+              roofline.push_back({{"part", part.name},
+                                  {"ms_per_step", part.ms_per_step},
+                                  {"model_tflop", part.model_tflop},
+                                  {"model_tflops", part.tflops()}});
           nlohmann::json idle_before = nlohmann::json::array();
           for (const OpTime& t : r.idle_before)
             idle_before.push_back({{"op", t.op}, {"waits_per_step", t.calls_per_step}, {"ms_per_step", t.ms_per_step}});
@@ -282,7 +301,7 @@ Command add_bench_command(CLI::App& app) {
                                                                               : nlohmann::json(nullptr)},
                                   {"data_upload_ms", r.data_upload_ms >= 0 ? nlohmann::json(r.data_upload_ms)
                                                                           : nlohmann::json(nullptr)},
-                                  {"ops", ops}, {"idle_before", idle_before}});
+                                  {"ops", ops}, {"idle_before", idle_before}, {"roofline", roofline}});
         }
         // The targets are the H200's (WORKLOADS.md): judged on the GPU backend only.
         if (o->backend == "cuda" && !summaries.empty())
