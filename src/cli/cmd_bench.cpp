@@ -226,6 +226,9 @@ Command add_bench_command(CLI::App& app) {
                        r.graph_capture_failures
                            ? fmt::format(" ({} segments could not be captured)", r.graph_capture_failures)
                            : "");
+          // The profile's rows grouped as the roofline's parts (docs/PERFORMANCE.md, Roofline).
+          const std::vector<RooflinePart> parts =
+              r.ops.empty() ? std::vector<RooflinePart>{} : roofline_parts(r.ops, model_flops(s.model, s.shape));
           if (!r.ops.empty()) {
             double total = 0;
             for (const OpTime& t : r.ops) total += t.ms_per_step;
@@ -239,9 +242,8 @@ Command add_bench_command(CLI::App& app) {
             for (size_t i = 0; i < r.idle_before.size() && i < 5; ++i)
               waits += fmt::format("{}{} {:.3f}", i ? ", " : "", r.idle_before[i].op, r.idle_before[i].ms_per_step);
             if (!waits.empty()) fmt::print("  idle before (ms/step): {}\n", waits);
-            // The rows grouped as the roofline's parts (docs/PERFORMANCE.md, Roofline).
             fmt::print("  roofline parts                   ms/step   share   (GEMMs and attention: model FLOPs, rate)\n");
-            for (const RooflinePart& part : roofline_parts(r.ops, model_flops(s.model, s.shape)))
+            for (const RooflinePart& part : parts)
               fmt::print("  {:<30} {:>10.3f} {:>6.1f}%{}\n", part.name, part.ms_per_step,
                          100.0 * part.ms_per_step / total,
                          part.model_tflop > 0 ? fmt::format("   {:.4g} TFLOP at {:.4g} TFLOP/s", part.model_tflop,
@@ -264,12 +266,11 @@ Command add_bench_command(CLI::App& app) {
           for (const OpTime& t : r.ops)
             ops.push_back({{"op", t.op}, {"calls_per_step", t.calls_per_step}, {"ms_per_step", t.ms_per_step}});
           nlohmann::json roofline = nlohmann::json::array();
-          if (!r.ops.empty())
-            for (const RooflinePart& part : roofline_parts(r.ops, model_flops(s.model, s.shape)))
-              roofline.push_back({{"part", part.name},
-                                  {"ms_per_step", part.ms_per_step},
-                                  {"model_tflop", part.model_tflop},
-                                  {"model_tflops", part.tflops()}});
+          for (const RooflinePart& part : parts)
+            roofline.push_back({{"part", part.name},
+                                {"ms_per_step", part.ms_per_step},
+                                {"model_tflop", part.model_tflop},
+                                {"model_tflops", part.tflops()}});
           nlohmann::json idle_before = nlohmann::json::array();
           for (const OpTime& t : r.idle_before)
             idle_before.push_back({{"op", t.op}, {"waits_per_step", t.calls_per_step}, {"ms_per_step", t.ms_per_step}});

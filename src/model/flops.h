@@ -11,7 +11,11 @@ struct ModelFlops {
   double linear_macs = 0;     // forward multiply-adds of all Linears, per step
   double attention_fwd = 0;   // forward attention FLOPs (4·n·L²·D per call), per step
   double forward() const { return 2 * linear_macs + attention_fwd; }
-  double training() const { return 6 * linear_macs + 3 * attention_fwd; }
+  // A training step's FLOPs of the Linears (forward 2, backward 4 a multiply-add) and of
+  // attention (backward 2 forwards), and their sum.
+  double linear_training() const { return 6 * linear_macs; }
+  double attention_training() const { return 3 * attention_fwd; }
+  double training() const { return linear_training() + attention_training(); }
 };
 
 ModelFlops model_flops(const FluxConfig& cfg, StepShape shape);

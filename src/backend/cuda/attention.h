@@ -41,14 +41,6 @@ enum class AttentionPath {
 void set_attention_path(AttentionPath path);
 AttentionPath attention_path();
 
-// cuDNN's backward sums dq's contributions of different key blocks with atomics, in an order
-// that varies from run to run (dq differs in the last bits). Deterministic mode asks cuDNN for
-// its deterministic backward instead, which keeps dP in its workspace (cudnn-frontend budgets
-// B·n·L² bf16 values for it) and was 13% slower at L = 4608 on the H200 (1.56 vs 1.38 ms for
-// 24 heads). The reference kernel is always deterministic. Each backend chooses at
-// construction (BackendOptions::deterministic_attention, from the config key of that name;
-// true by default: runs repeat bit for bit, resume is exact).
-
 // Counters since the process started (tests check that plans are cached and which path ran).
 struct AttentionCounters {
   int64_t cudnn_plans_built = 0;  // cuDNN execution plans finalized (forward and backward)
@@ -82,6 +74,13 @@ constexpr int64_t kReferenceMaxHeadDim = 256;
 // ---- the dispatcher, owned by the CUDA backend ---------------------------------------------
 class Attention {
  public:
+  // `deterministic`: the BF16 backward. cuDNN's usual backward sums dq's contributions of
+  // different key blocks with atomics, in an order that varies from run to run (dq differs in
+  // the last bits); its deterministic backward keeps dP in its workspace instead (cudnn-frontend
+  // budgets B·n·L² bf16 values for it) and was 13% slower at L = 4608 on the H200 (1.56 vs 1.38
+  // ms for 24 heads). The reference kernel is always deterministic. The backend passes
+  // BackendOptions::deterministic_attention (the config key of that name; true by default: runs
+  // repeat bit for bit, resume is exact).
   Attention(cudaStream_t stream, bool deterministic);
   ~Attention();
   Attention(const Attention&) = delete;
