@@ -48,7 +48,8 @@ endif()
 
 function(flux8_link_cuda target)
   target_include_directories(${target} PUBLIC ${CUDNN_INCLUDE_DIR} ${NCCL_INCLUDE_DIR})
-  target_link_libraries(${target} PUBLIC CUDA::cudart CUDA::cublasLt ${CUDNN_LIBRARY} ${NCCL_LIBRARY})
+  # ${CMAKE_DL_LIBS}: NVML is opened at run time (nvml.cpp), never linked.
+  target_link_libraries(${target} PUBLIC CUDA::cudart CUDA::cublasLt ${CUDNN_LIBRARY} ${NCCL_LIBRARY} ${CMAKE_DL_LIBS})
   set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
   # fmt turns its constexpr off under nvcc (old nvcc bugs), which breaks its consteval
   # format-string checks; nvcc 12+ handles them, so turn it back on.

@@ -65,6 +65,9 @@ TEST(BenchCli, TimesTrainingStepsInEachPrecisionAndWritesJson) {
   ASSERT_TRUE(first["launch_to_first_step_s"].is_number()) << first.dump();
   EXPECT_GE(first["launch_to_first_step_s"].get<double>(), first["first_step_s"].get<double>() - 0.05);
   EXPECT_TRUE(j["steps"][1]["launch_to_first_step_s"].is_null());
+  // The CPU backend has no energy counter: the JSON says so, with the reason.
+  EXPECT_EQ(first["energy"]["measured"], false) << first.dump();
+  EXPECT_NE(first["energy"]["why"].get<std::string>().find("no energy counter"), std::string::npos);
   EXPECT_EQ(cli.log.find("launch to first step"), cli.log.rfind("launch to first step")) << "printed once";
   EXPECT_NE(cli.log.find("launch to first step"), std::string::npos) << cli.log;
 }

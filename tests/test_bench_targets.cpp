@@ -1,6 +1,7 @@
 // The verdicts `flux8 bench` prints against WORKLOADS.md's targets (src/bench/targets.h).
 #include <gtest/gtest.h>
 
+#include "bench/energy.h"
 #include "bench/roofline.h"
 #include "bench/targets.h"
 
@@ -104,6 +105,39 @@ TEST(BenchRoofline, GroupsTheProfileIntoItsParts) {
   EXPECT_EQ(parts[2].tflops(), 0.0) << "AdamW has no model FLOPs";
   EXPECT_EQ(parts[3].ms_per_step, 0.0) << "a BF16 step has no casts";
   EXPECT_NEAR(parts[4].ms_per_step, 0.981 + 0.478 + 0.416, 1e-9);
+}
+
+// A run's energy from the counter's readings around its timed steps (bench/energy.h): joules a
+// step, mean power, the step time that energy allows at the limit, and the clock's limiters as
+// read while the last step ran.
+TEST(BenchEnergy, SummarisesTheTimedStepsReadings) {
+  const PowerReading start{.available = true, .energy_j = 1000.0, .power_limit_w = 700.0, .sm_clock_mhz = 1980},
+      busy{.available = true, .energy_j = 1050.0, .power_limit_w = 700.0, .sm_clock_mhz = 1560, .clock_reasons = 0x4},
+      end{.available = true, .energy_j = 1630.0, .power_limit_w = 700.0, .sm_clock_mhz = 1755};
+  const EnergySummary e = summarize_energy(start, end, busy, 10, 0.92);
+  ASSERT_TRUE(e.available) << e.why;
+  EXPECT_DOUBLE_EQ(e.joules_per_step, 63.0);
+  EXPECT_NEAR(e.mean_power_w, 630.0 / 0.92, 1e-9);
+  EXPECT_DOUBLE_EQ(e.power_limit_w, 700.0);
+  EXPECT_NEAR(e.floor_ms, 90.0, 1e-9);  // 63 J at 700 W
+  EXPECT_DOUBLE_EQ(e.sm_clock_mhz, 1560.0);
+  EXPECT_EQ(e.clock_limiters, std::vector<std::string>{"power cap (software)"});
+
+  // Unavailable anywhere: the reason comes through; a counter that did not move is no measurement.
+  const PowerReading none{.why = "cpu backend: no energy counter"};
+  EXPECT_EQ(summarize_energy(none, end, busy, 10, 0.92).why, "cpu backend: no energy counter");
+  EXPECT_FALSE(summarize_energy(start, end, none, 10, 0.92).available);
+  const EnergySummary still = summarize_energy(start, start, busy, 10, 0.92);
+  EXPECT_FALSE(still.available);
+  EXPECT_NE(still.why.find("did not move"), std::string::npos) << still.why;
+  EXPECT_FALSE(summarize_energy(start, end, busy, 0, 0.0).available);
+}
+
+TEST(BenchEnergy, NamesTheClockLimiters) {
+  EXPECT_TRUE(clock_limiter_names(0).empty());
+  EXPECT_EQ(clock_limiter_names(0x4 | 0x40),
+            (std::vector<std::string>{"power cap (software)", "thermal slowdown (hardware)"}));
+  EXPECT_EQ(clock_limiter_names(0x1 | 0x1000), (std::vector<std::string>{"idle", "0x1000"}));
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -74,6 +75,18 @@ struct MemoryUse {
   size_t device_used = 0;  // CUDA: all device memory in use (context and library workspaces too)
 };
 
+// The device's energy counter, power limit and clock, where the backend can read them (CUDA:
+// NVML, the driver's management library). A step's energy is the difference of two readings;
+// `available` false (with `why`) elsewhere.
+struct PowerReading {
+  bool available = false;
+  std::string why;               // when not available
+  double energy_j = 0;           // since the driver loaded (monotonic): use differences
+  double power_limit_w = 0;      // the limit the driver enforces
+  double sm_clock_mhz = 0;       // at the time of reading
+  uint64_t clock_reasons = 0;    // what holds the clock back: NVML's clocks-event reason bits
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -87,6 +100,8 @@ class Backend {
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() {}
   virtual MemoryUse memory_use() const { return memory_; }
+  // The device's energy counter and clock now (see PowerReading): not available on the CPU.
+  virtual PowerReading power_reading() { return PowerReading{.why = name() + " backend: no energy counter"}; }
 
   // ---- a second queue: uploads from another host thread beside the ops -------------------
   // The trainer builds and uploads micro-batch k + 1 on a thread of its own while the device

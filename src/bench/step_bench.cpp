@@ -9,6 +9,7 @@
 
 #include "backend/step_graph.h"
 #include "backend/transfer.h"
+#include "bench/energy.h"
 #include "bench/op_profiler.h"
 #include "config/config.h"
 #include "core/error.h"
@@ -246,11 +247,19 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   // launch-to-first-step time.
   const double data_s = seconds_since(t0) - r.setup_s;
   const int total = spec.warmup + spec.steps;
+  // The device's energy over the timed steps (the batches' loads between them included: a few
+  // ms of a mostly idle device each), and its clock while the last one runs.
+  PowerReading energy_start, energy_busy;
+  Clock::time_point window_start{};
   for (int s = 0; s < total; ++s) {
     if (profiler) profiler->pause(true);
     load_step(s);
     be.synchronize();
     if (profiler) profiler->pause(false);
+    if (s == spec.warmup || (s == 0 && spec.warmup == 0)) {
+      energy_start = be.power_reading();
+      window_start = Clock::now();
+    }
     // FP8 telemetry counts on the steps a training run would report them (fp8_stats_interval),
     // as the trainer does.
     if (model.fp8())
@@ -263,6 +272,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     be.mse_loss_into(loss_buf.t, dpred, pred, target, 1.0);
     model.backward(dpred);
     region.end();
+    if (s + 1 == total) energy_busy = be.power_reading();  // the step still running on the device
     double loss = 0;
     be.download(&loss, loss_buf.t.data, sizeof loss);
     apply_optimizer_step(model, opt, s + 1, spec.lr);  // as the trainer
@@ -285,6 +295,8 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     if (profiler && s + 1 == spec.warmup) profiler->reset();  // count the timed steps only
     if (graph && s + 1 == spec.warmup) graph->reset_stats();
   }
+  r.energy = summarize_energy(energy_start, be.power_reading(), energy_busy, static_cast<int>(r.step_ms.size()),
+                              seconds_since(window_start));
   if (graph) {
     const StepGraph::Stats& gs = graph->stats();
     const double steps = spec.warmup > 0 ? spec.steps : spec.steps + spec.warmup;

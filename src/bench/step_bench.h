@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "bench/energy.h"
 #include "fp8/fp8_config.h"
 #include "model/block_common.h"
 #include "model/flux_config.h"
@@ -61,6 +62,7 @@ struct StepBenchResult {
   double launch_to_first_step_s = -1;
   double launch_to_backend_s = -1;  // of those, until this run began (its backend made)
   double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;
+  EnergySummary energy;         // the timed steps' energy (a device with an energy counter)
   double first_loss = 0, last_loss = 0;
   std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)
   std::vector<OpTime> ops;      // with profile: per-op time of a timed step, largest first

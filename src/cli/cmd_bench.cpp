@@ -35,13 +35,26 @@ Fp8Config fp8_for(const std::string& precision, const std::string& format, Confi
   return Fp8Config::from_config(cfg);
 }
 
+// A run's energy (bench/energy.h) for --json: "measured" false, with the reason, where it was not.
+nlohmann::json energy_json(const EnergySummary& e) {
+  if (!e.available) return {{"measured", false}, {"why", e.why}};
+  return {{"measured", true},
+          {"joules_per_step", e.joules_per_step},
+          {"mean_power_w", e.mean_power_w},
+          {"power_limit_w", e.power_limit_w},
+          {"floor_ms_at_power_limit", e.floor_ms},
+          {"sm_clock_mhz_last_step", e.sm_clock_mhz},
+          {"clock_limiters", e.clock_limiters}};
+}
+
 }  // namespace
 
 Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8 — on the "
                "GPU a workload's runs end with a verdict on each WORKLOADS.md target and the peak memory against "
-               "PyTorch's; "
+               "PyTorch's, and with an energy counter (NVML) each run's joules a step, mean power and the step time that "
+               "energy allows at the power limit; "
                "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
                "MLP's GEMM epilogues against the ops they replace, and the BF16 Linears of few rows an FP8 step keeps");
   struct Opts {
@@ -226,6 +239,16 @@ Command add_bench_command(CLI::App& app) {
                        r.graph_capture_failures
                            ? fmt::format(" ({} segments could not be captured)", r.graph_capture_failures)
                            : "");
+          if (r.energy.available) {
+            std::string limiters;
+            for (const std::string& l : r.energy.clock_limiters) limiters += (limiters.empty() ? "" : ", ") + l;
+            fmt::print("  energy: {:.1f} J a step, {:.0f} W on average over the timed steps (limit {:.0f} W: no step of "
+                       "this energy runs under {:.2f} ms there); SM clock {:.0f} MHz in the last step{}\n",
+                       r.energy.joules_per_step, r.energy.mean_power_w, r.energy.power_limit_w, r.energy.floor_ms,
+                       r.energy.sm_clock_mhz, limiters.empty() ? "" : ", held back by: " + limiters);
+          } else if (o->backend == "cuda") {
+            fmt::print("  energy: not measured ({})\n", r.energy.why);
+          }
           // The profile's rows grouped as the roofline's parts (docs/PERFORMANCE.md, Roofline).
           const std::vector<RooflinePart> parts =
               r.ops.empty() ? std::vector<RooflinePart>{} : roofline_parts(r.ops, model_flops(s.model, s.shape));
@@ -302,7 +325,8 @@ Command add_bench_command(CLI::App& app) {
                                                                               : nlohmann::json(nullptr)},
                                   {"data_upload_ms", r.data_upload_ms >= 0 ? nlohmann::json(r.data_upload_ms)
                                                                           : nlohmann::json(nullptr)},
-                                  {"ops", ops}, {"idle_before", idle_before}, {"roofline", roofline}});
+                                  {"ops", ops}, {"idle_before", idle_before}, {"roofline", roofline},
+                                  {"energy", energy_json(r.energy)}});
         }
         // The targets are the H200's (WORKLOADS.md): judged on the GPU backend only.
         if (o->backend == "cuda" && !summaries.empty())

@@ -26,6 +26,7 @@
 namespace flux8::cuda {
 class Gemm;
 class Attention;
+class NvmlDevice;
 }  // namespace flux8::cuda
 
 namespace flux8 {
@@ -56,6 +57,7 @@ class CudaBackend final : public Backend {
   void record_event(Event& e) override;
   void wait_event(const Event& e) override;
   MemoryUse memory_use() const override;
+  PowerReading power_reading() override;  // NVML (nvml.h), opened at the first call
 
   // CUDA graphs (StepGraph): stream capture of this backend's stream, thread-local mode (an op
   // that synchronises or allocates while capturing fails the capture, not the process).
@@ -207,6 +209,7 @@ class CudaBackend final : public Backend {
   size_t timing_marks_used_ = 0;
   std::unique_ptr<cuda::Gemm> gemm_;
   std::unique_ptr<cuda::Attention> attention_;
+  std::unique_ptr<cuda::NvmlDevice> nvml_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   void* scratch2_ = nullptr;

@@ -10,6 +10,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/factory.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/nvml.h"
 #include "core/parallel_copy.h"
 #include "core/rng.h"
 
@@ -102,6 +103,11 @@ MemoryUse CudaBackend::memory_use() const {
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) m.device_used = total_b - free_b;
   return m;
+}
+
+PowerReading CudaBackend::power_reading() {
+  if (!nvml_) nvml_ = std::make_unique<cuda::NvmlDevice>(device_);
+  return nvml_->read();
 }
 
 void CudaBackend::release(void* p) {
