@@ -9,6 +9,7 @@
 
 #include "backend/step_graph.h"
 #include "backend/transfer.h"
+#include "bench/op_profiler.h"
 #include "fp8/fp8_config.h"
 #include "model_test_util.h"
 #include "test_util.h"
@@ -110,6 +111,19 @@ TEST(StepGraph, SignatureHoldsScalarsAndSpanContents) {
   EXPECT_EQ(g.stats().launched, 2);
   be.release(x.data);
   be.release(y.data);
+}
+
+// The wrappers a benchmark runs through (graphs, the op profiler) read the device's energy
+// counter from the backend they wrap: the CPU's reason comes through unchanged.
+TEST(StepGraph, PowerReadingsComeFromTheWrappedBackend) {
+  Backend& be = cpu();
+  StepGraph g(be, StepGraph::Options{.segment_ops = 100});
+  OpProfiler prof(g);
+  const PowerReading inner = be.power_reading();
+  EXPECT_FALSE(inner.available);
+  EXPECT_EQ(inner.why, "cpu backend: no energy counter");
+  EXPECT_EQ(g.power_reading().why, inner.why);
+  EXPECT_EQ(prof.power_reading().why, inner.why);
 }
 
 // What needs the device's results or memory issues the open segment first: a download inside a

@@ -107,6 +107,7 @@ class StepGraph : public Backend {
   void download(void* dst, const void* src, size_t bytes) override;
   void synchronize() override;
   MemoryUse memory_use() const override { return be_.memory_use(); }
+  PowerReading power_reading() override { return be_.power_reading(); }
   std::unique_ptr<Event> make_event() override { return be_.make_event(); }
   std::unique_ptr<CopyQueue> make_copy_queue() override { return be_.make_copy_queue(); }
   void record_event(Event& e) override;

@@ -73,6 +73,7 @@ class OpProfiler : public Backend {
   double timing_elapsed_ms(int64_t from, int64_t to) override { return be_.timing_elapsed_ms(from, to); }
   void release_timing_marks() override { be_.release_timing_marks(); }
   MemoryUse memory_use() const override { return be_.memory_use(); }
+  PowerReading power_reading() override { return be_.power_reading(); }
 
   void fill(Tensor y, double v) override { timed("fill", [&] { be_.fill(y, v); }); }
   void fill_random(Tensor y, Random d, uint64_t seed, uint64_t stream, double scale) override {
