@@ -118,8 +118,9 @@ TEST(BenchEnergy, SummarisesTheTimedStepsReadings) {
   ASSERT_TRUE(e.available) << e.why;
   EXPECT_DOUBLE_EQ(e.joules_per_step, 63.0);
   EXPECT_NEAR(e.mean_power_w, 630.0 / 0.92, 1e-9);
+  EXPECT_DOUBLE_EQ(e.window_s, 0.92);
   EXPECT_DOUBLE_EQ(e.power_limit_w, 700.0);
-  EXPECT_NEAR(e.floor_ms, 90.0, 1e-9);  // 63 J at 700 W
+  EXPECT_NEAR(e.ms_at_power_limit, 90.0, 1e-9);  // 63 J at 700 W
   EXPECT_DOUBLE_EQ(e.sm_clock_mhz, 1560.0);
   EXPECT_EQ(e.clock_limiters, std::vector<std::string>{"power cap (software)"});
 

@@ -51,8 +51,9 @@ EnergySummary summarize_energy(const PowerReading& start, const PowerReading& en
   e.available = true;
   e.joules_per_step = joules / steps;
   e.mean_power_w = joules / seconds;
+  e.window_s = seconds;
   e.power_limit_w = end.power_limit_w;
-  e.floor_ms = e.power_limit_w > 0 ? 1e3 * e.joules_per_step / e.power_limit_w : 0;
+  e.ms_at_power_limit = e.power_limit_w > 0 ? 1e3 * e.joules_per_step / e.power_limit_w : 0;
   e.sm_clock_mhz = busy.sm_clock_mhz;
   e.clock_limiters = clock_limiter_names(busy.clock_reasons);
   return e;

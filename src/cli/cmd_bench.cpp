@@ -41,8 +41,9 @@ nlohmann::json energy_json(const EnergySummary& e) {
   return {{"measured", true},
           {"joules_per_step", e.joules_per_step},
           {"mean_power_w", e.mean_power_w},
+          {"window_s", e.window_s},
           {"power_limit_w", e.power_limit_w},
-          {"floor_ms_at_power_limit", e.floor_ms},
+          {"ms_per_step_at_power_limit", e.ms_at_power_limit},
           {"sm_clock_mhz_last_step", e.sm_clock_mhz},
           {"clock_limiters", e.clock_limiters}};
 }
@@ -54,7 +55,7 @@ Command add_bench_command(CLI::App& app) {
       "bench", "time whole training steps on synthetic data (WORKLOADS.md W1/W2 or a config) in BF16 and FP8 — on the "
                "GPU a workload's runs end with a verdict on each WORKLOADS.md target and the peak memory against "
                "PyTorch's, and with an energy counter (NVML) each run's joules a step, mean power and the step time that "
-               "energy allows at the power limit; "
+               "energy takes at the power limit; "
                "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
                "MLP's GEMM epilogues against the ops they replace, and the BF16 Linears of few rows an FP8 step keeps");
   struct Opts {
@@ -242,10 +243,12 @@ Command add_bench_command(CLI::App& app) {
           if (r.energy.available) {
             std::string limiters;
             for (const std::string& l : r.energy.clock_limiters) limiters += (limiters.empty() ? "" : ", ") + l;
-            fmt::print("  energy: {:.1f} J a step, {:.0f} W on average over the timed steps (limit {:.0f} W: no step of "
-                       "this energy runs under {:.2f} ms there); SM clock {:.0f} MHz in the last step{}\n",
-                       r.energy.joules_per_step, r.energy.mean_power_w, r.energy.power_limit_w, r.energy.floor_ms,
-                       r.energy.sm_clock_mhz, limiters.empty() ? "" : ", held back by: " + limiters);
+            fmt::print("  energy: {:.1f} J a step, {:.0f} W on average over the timed steps' {:.2f} s{} (at the {:.0f} W "
+                       "limit, sustained, this energy takes {:.2f} ms a step); SM clock {:.0f} MHz in the last step{}\n",
+                       r.energy.joules_per_step, r.energy.mean_power_w, r.energy.window_s,
+                       r.energy.window_s < 3 ? ", too short to be exact: use more --steps" : "", r.energy.power_limit_w,
+                       r.energy.ms_at_power_limit, r.energy.sm_clock_mhz,
+                       limiters.empty() ? "" : ", held back by: " + limiters);
           } else if (o->backend == "cuda") {
             fmt::print("  energy: not measured ({})\n", r.energy.why);
           }
