@@ -1,7 +1,7 @@
 // The verdicts `flux8 bench` prints against WORKLOADS.md's targets (src/bench/targets.h).
 #include <gtest/gtest.h>
 
-#include "bench/energy.h"
+#include "backend/energy.h"
 #include "bench/roofline.h"
 #include "bench/targets.h"
 
@@ -107,7 +107,7 @@ TEST(BenchRoofline, GroupsTheProfileIntoItsParts) {
   EXPECT_NEAR(parts[4].ms_per_step, 0.981 + 0.478 + 0.416, 1e-9);
 }
 
-// A run's energy from the counter's readings around its timed steps (bench/energy.h): joules a
+// A run's energy from the counter's readings around its timed steps (backend/energy.h): joules a
 // step, mean power, the step time that energy allows at the limit, and the clock's limiters as
 // read while the last step ran.
 TEST(BenchEnergy, SummarisesTheTimedStepsReadings) {

@@ -9,7 +9,7 @@
 
 #include "backend/step_graph.h"
 #include "backend/transfer.h"
-#include "bench/energy.h"
+#include "backend/energy.h"
 #include "bench/op_profiler.h"
 #include "config/config.h"
 #include "core/error.h"

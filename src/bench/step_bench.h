@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "bench/energy.h"
+#include "backend/energy.h"
 #include "fp8/fp8_config.h"
 #include "model/block_common.h"
 #include "model/flux_config.h"

@@ -35,7 +35,7 @@ Fp8Config fp8_for(const std::string& precision, const std::string& format, Confi
   return Fp8Config::from_config(cfg);
 }
 
-// A run's energy (bench/energy.h) for --json: "measured" false, with the reason, where it was not.
+// A run's energy (backend/energy.h) for --json: "measured" false, with the reason, where it was not.
 nlohmann::json energy_json(const EnergySummary& e) {
   if (!e.available) return {{"measured", false}, {"why", e.why}};
   return {{"measured", true},

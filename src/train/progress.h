@@ -29,6 +29,9 @@ struct StepReport {
   double model_tflops_per_second = 0;  // model FLOPs (WORKLOADS.md's convention) / step time
   DataTiming data;  // the step's micro-batches', summed
   bool skipped = false;
+  // The device's energy over the steps since the last logged one (a device with an energy
+  // counter, on logged steps; validation and checkpoints left out), else negative.
+  double energy_j_per_step = -1, power_w = -1;
 };
 
 class Progress {

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "backend/backend.h"
+#include "backend/energy.h"
 #include "backend/step_graph.h"
 #include "backend/transfer.h"
 #include "config/config.h"
@@ -319,6 +320,17 @@ TrainResult run_training(const TrainOptions& opt) {
                        "the one before (data_overlap)"
                      : "data: each micro-batch built and uploaded before it computes (data_overlap)",
                  nullptr);
+  // The device's energy over the steps since the last logged one (backend/energy.h): read on
+  // logged steps only, and read again after validation and checkpoints, which it leaves out.
+  struct EnergyWindow {
+    PowerReading start;
+    std::chrono::steady_clock::time_point t;
+    int steps = 0;
+  } energy;
+  auto restart_energy = [&] {
+    energy = EnergyWindow{r.be->power_reading(), std::chrono::steady_clock::now(), 0};
+  };
+  restart_energy();
   while (r.state.step < train_iters) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t step = r.state.step;  // 0-based index of the step being taken
@@ -355,10 +367,18 @@ TrainResult run_training(const TrainOptions& opt) {
     r.state.data_position = static_cast<int64_t>(ls.consumed);
     r.state.last_loss = loss;
     const double secs = seconds_since(t0);
-    progress.step(StepReport{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
-                             static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs,
-                             sl.model_flops / secs / 1e12, sl.data, !st.applied},
-                  r.state.step % log_interval == 0 || r.state.step == train_iters);
+    StepReport report{r.state.step, train_iters, loss, lr, st.grad_norm, secs,
+                      static_cast<double>(r.global) / secs, static_cast<double>(tokens) / secs,
+                      sl.model_flops / secs / 1e12, sl.data, !st.applied};
+    const bool log_line = r.state.step % log_interval == 0 || r.state.step == train_iters;
+    ++energy.steps;
+    if (log_line && energy.start.available) {
+      const PowerReading now = r.be->power_reading();  // (its clock is not reported here)
+      const EnergySummary e = summarize_energy(energy.start, now, now, energy.steps, seconds_since(energy.t));
+      if (e.available) report.energy_j_per_step = e.joules_per_step, report.power_w = e.mean_power_w;
+      restart_energy();
+    }
+    progress.step(report, log_line);
     if (r.state.step == start_step + 1) {
       const double since_launch = seconds_since_process_start();
       progress.event(fmt::format("first step done {:.2f} s after launch (libraries, device, model, data, validation "
@@ -369,9 +389,11 @@ TrainResult run_training(const TrainOptions& opt) {
 
     poll_saver();
     const bool last = r.state.step == train_iters;
-    if (eval_interval > 0 && r.state.step % eval_interval == 0 && !last) run_validation("interval");
+    bool outside_steps = false;  // validation or a checkpoint: left out of the energy a step
+    if (eval_interval > 0 && r.state.step % eval_interval == 0 && !last) run_validation("interval"), outside_steps = true;
     const bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - start_step >= opt.stop_after);
-    if ((save_interval > 0 && r.state.step % save_interval == 0) || last || stop) save();
+    if ((save_interval > 0 && r.state.step % save_interval == 0) || last || stop) save(), outside_steps = true;
+    if (outside_steps && energy.start.available) restart_energy();
     if (stop && !last) {
       progress.event(fmt::format("stopping at step {} ({}); resume with --resume",
                                  r.state.step, stop_requested() ? stop_signal_name() : "--stop-after"),

@@ -3,7 +3,12 @@
 // counter moves forward while the GPU works, and the limit and clock are plausible numbers.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "gpu_test_util.h"
+#include "train/trainer.h"
+#include "train_test_util.h"
 
 namespace flux8::testing {
 namespace {
@@ -32,6 +37,31 @@ TEST(CudaPower, EnergyCounterMovesWhileTheGpuWorks) {
   EXPECT_GT(busy.sm_clock_mhz, 500.0);
   EXPECT_LT(busy.sm_clock_mhz, 3000.0);
   EXPECT_EQ(busy.clock_reasons & 0x1, 0u) << "not idle while GEMMs run";
+}
+
+// `flux8 train` on the GPU logs each logged step's energy (metrics.jsonl: energy_j_per_step,
+// gpu_power_w over the steps since the last log line). The tiny model's steps take a few ms and
+// the counter moves every 20-100 ms, so the windows are 20 steps long.
+TEST(CudaPower, TrainerLogsTheEnergyOfItsSteps) {
+  FLUX8_REQUIRE_GPU();
+  const RunDir dir("cuda_energy");
+  TrainOptions o = dir.options("run");
+  for (const char* kv : {"backend=cuda", "train_iters=60", "log_interval=20"}) o.overrides.emplace_back(kv);
+  ASSERT_EQ(run_training(o).steps_done, 60);
+  int rows = 0, measured = 0;
+  std::ifstream in(dir.root / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("step_time_s")) continue;
+    ++rows;
+    if (j["energy_j_per_step"].is_null()) continue;
+    ++measured;
+    EXPECT_GT(j["energy_j_per_step"].get<double>(), 0.0) << line;
+    EXPECT_GT(j["gpu_power_w"].get<double>(), 10.0) << line;
+    EXPECT_LT(j["gpu_power_w"].get<double>(), 2000.0) << line;
+  }
+  EXPECT_EQ(rows, 3);
+  EXPECT_GE(measured, 2) << "the counter moves over 20 steps of a few ms";
 }
 
 }  // namespace

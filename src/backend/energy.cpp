@@ -1,4 +1,4 @@
-#include "bench/energy.h"
+#include "backend/energy.h"
 
 #include <fmt/format.h>
 
