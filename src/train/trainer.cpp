@@ -327,10 +327,8 @@ TrainResult run_training(const TrainOptions& opt) {
     std::chrono::steady_clock::time_point t;
     int steps = 0;
   } energy;
-  auto restart_energy = [&] {
-    energy = EnergyWindow{r.be->power_reading(), std::chrono::steady_clock::now(), 0};
-  };
-  restart_energy();
+  auto restart_energy = [&](PowerReading now) { energy = EnergyWindow{now, std::chrono::steady_clock::now(), 0}; };
+  restart_energy(r.be->power_reading());
   while (r.state.step < train_iters) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t step = r.state.step;  // 0-based index of the step being taken
@@ -375,8 +373,11 @@ TrainResult run_training(const TrainOptions& opt) {
     if (log_line && energy.start.available) {
       const PowerReading now = r.be->power_reading();  // (its clock is not reported here)
       const EnergySummary e = summarize_energy(energy.start, now, now, energy.steps, seconds_since(energy.t));
-      if (e.available) report.energy_j_per_step = e.joules_per_step, report.power_w = e.mean_power_w;
-      restart_energy();
+      if (e.available) {
+        report.energy_j_per_step = e.joules_per_step;
+        report.power_w = e.mean_power_w;
+      }
+      restart_energy(now);
     }
     progress.step(report, log_line);
     if (r.state.step == start_step + 1) {
@@ -390,10 +391,16 @@ TrainResult run_training(const TrainOptions& opt) {
     poll_saver();
     const bool last = r.state.step == train_iters;
     bool outside_steps = false;  // validation or a checkpoint: left out of the energy a step
-    if (eval_interval > 0 && r.state.step % eval_interval == 0 && !last) run_validation("interval"), outside_steps = true;
+    if (eval_interval > 0 && r.state.step % eval_interval == 0 && !last) {
+      run_validation("interval");
+      outside_steps = true;
+    }
     const bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - start_step >= opt.stop_after);
-    if ((save_interval > 0 && r.state.step % save_interval == 0) || last || stop) save(), outside_steps = true;
-    if (outside_steps && energy.start.available) restart_energy();
+    if ((save_interval > 0 && r.state.step % save_interval == 0) || last || stop) {
+      save();
+      outside_steps = true;
+    }
+    if (outside_steps && energy.start.available) restart_energy(r.be->power_reading());
     if (stop && !last) {
       progress.event(fmt::format("stopping at step {} ({}); resume with --resume",
                                  r.state.step, stop_requested() ? stop_signal_name() : "--stop-after"),
