@@ -52,6 +52,26 @@ TEST(BenchTargets, W2HasItsOwnLimits) {
   EXPECT_TRUE(v[2].met);  // 23.0 / 30.17 = 0.76x
 }
 
+// With the runs' energy (the thirty-first session's W2 runs on the H200: 64.0 J a step in BF16,
+// 42.5 with FP8), the step verdicts say the joules a step the target allows at the power limit;
+// the memory verdict and runs without a measurement say nothing of energy.
+TEST(BenchTargets, StepVerdictsSayTheEnergyTheTargetAllows) {
+  BenchRunSummary bf16{"bf16", "", 90.41, 22.85, -1}, fp8{"delayed", "hybrid", 59.49, 21.70, -1};
+  bf16.joules_per_step = 64.0, bf16.power_limit_w = 700.0;
+  fp8.joules_per_step = 42.5, fp8.power_limit_w = 700.0;
+  const std::vector<TargetVerdict> v = judge_targets("W2", {bf16, fp8});
+  ASSERT_EQ(v.size(), 3u);
+  EXPECT_DOUBLE_EQ(v[0].joules, 64.0);
+  EXPECT_DOUBLE_EQ(v[0].joules_allowed, 59.5);  // 85 ms at 700 W
+  EXPECT_EQ(describe(v[0]),
+            "BF16 step (BF16): 90.41 ms <= 85.00 ms, missed by 5.41 ms; 64.0 J a step, 59.5 J allowed at the 700 W limit");
+  EXPECT_EQ(describe(v[1]),
+            "FP8 step (delayed hybrid): 59.49 ms <= 60.00 ms, met; 42.5 J a step, 42.0 J allowed at the 700 W limit");
+  EXPECT_LT(v[2].joules, 0.0);
+  EXPECT_EQ(describe(v[2]).find(" J "), std::string::npos);
+  EXPECT_EQ(judge_targets("W1", w1_runs())[0].joules, -1.0);
+}
+
 TEST(BenchTargets, OnlyTheTargetsTheRunsCanBeJudgedOn) {
   // No BF16 run: no memory ratio; other recipes and the e4m3 format are not what the FP8 target
   // names; a run without a launch measurement gives no launch verdict.

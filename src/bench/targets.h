@@ -33,6 +33,8 @@ struct BenchRunSummary {
   double median_ms = 0;
   double peak_allocated_gib = 0;
   double launch_to_first_step_s = -1;  // < 0: not measured (only a process's first run is)
+  // The run's energy a step and the GPU's power limit (backend/energy.h); < 0: not measured.
+  double joules_per_step = -1, power_limit_w = -1;
   std::string label() const;         // "BF16", "delayed hybrid" (as the bench's table names it)
 };
 
@@ -42,6 +44,10 @@ struct TargetVerdict {
   double value = 0, limit = 0;
   std::string unit;    // "ms", "x", "s"
   bool met = false;
+  // Step targets of a run whose energy was measured: its joules a step, and the joules a step
+  // the target leaves at the power limit (limit ms x limit W) — what a power-capped step must
+  // come down to (PERFORMANCE.md, Energy per step). < 0 otherwise.
+  double joules = -1, joules_allowed = -1;
 };
 
 // Every target the runs can be judged on: BF16 step for each BF16 run, FP8 step for each
@@ -50,7 +56,8 @@ struct TargetVerdict {
 // without targets. Other recipes and formats are not judged: the targets do not name them.
 std::vector<TargetVerdict> judge_targets(const std::string& workload, const std::vector<BenchRunSummary>& runs);
 
-// "FP8 step (delayed hybrid): 28.13 ms <= 28.00 ms, missed by 0.13 ms"
+// "FP8 step (delayed hybrid): 28.13 ms <= 28.00 ms, missed by 0.13 ms", and with the energy
+// "...; 20.9 J a step, 19.6 J allowed at the 700 W limit"
 std::string describe(const TargetVerdict& v);
 
 // "allocated 15.45 GiB: 1.13x PyTorch eager (13.7), 1.30x compiled (11.9), 1.47x torchao FP8 (10.5)"

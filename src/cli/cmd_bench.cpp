@@ -214,8 +214,13 @@ Command add_bench_command(CLI::App& app) {
           s.fp8 = fp8_for(p, o->format, run_keys);
           // A fresh backend per run: its memory peak and plan caches are this run's alone.
           const StepBenchResult r = run_step_bench(*make_backend(o->backend, bo), s);
-          const BenchRunSummary summary{p, p == "bf16" ? "" : o->format, r.median_ms, r.peak_allocated_gib,
-                                        r.launch_to_first_step_s};
+          const BenchRunSummary summary{p,
+                                        p == "bf16" ? "" : o->format,
+                                        r.median_ms,
+                                        r.peak_allocated_gib,
+                                        r.launch_to_first_step_s,
+                                        r.energy.available ? r.energy.joules_per_step : -1,
+                                        r.energy.available ? r.energy.power_limit_w : -1};
           summaries.push_back(summary);
           std::string vs;
           if (const PeerNumbers* peer = peer_numbers(r.workload))
@@ -340,7 +345,10 @@ Command add_bench_command(CLI::App& app) {
             for (const TargetVerdict& v : judge_targets(s.workload, summaries)) {
               fmt::print("    {}\n", describe(v));
               out["targets"].push_back({{"workload", s.workload}, {"target", v.target}, {"run", v.run},
-                                        {"value", v.value}, {"limit", v.limit}, {"unit", v.unit}, {"met", v.met}});
+                                        {"value", v.value}, {"limit", v.limit}, {"unit", v.unit}, {"met", v.met},
+                                        {"joules_per_step", v.joules >= 0 ? nlohmann::json(v.joules) : nlohmann::json(nullptr)},
+                                        {"joules_allowed", v.joules_allowed >= 0 ? nlohmann::json(v.joules_allowed)
+                                                                                 : nlohmann::json(nullptr)}});
             }
             for (const BenchRunSummary& r : summaries)
               fmt::print("    peak memory ({}): {}\n", r.label(), memory_vs_peer(*peer, r.peak_allocated_gib));
