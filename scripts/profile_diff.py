@@ -10,7 +10,9 @@ ab stage keeps it for the base and the new side, or the same runs from its --jso
 whose first non-blank character is "{"; the profiled total is the sum of the op rows, idle
 included, as the printed total is). Prints, for each workload and precision both
 files have: the step times and profiled totals of both sides, then every op whose time moved by
-at least --min-ms ms, the largest change first (an op only one side ran counts as 0 on the other).
+at least --min-ms ms, the largest change first (an op only one side ran counts as 0 on the other),
+and, where both sides measured it (a GPU with an energy counter, since the thirty-first session),
+the step's energy in joules: a power-capped step is as fast as its energy allows.
 The memory-bound rows are what an A/B reads; the GEMM and attention rows move with the GPU's
 clock between the sides. Standard library only.
 """
@@ -22,21 +24,27 @@ import sys
 RUN = re.compile(r"^(?P<workload>W\d+) \(\S+\)\s+(?P<precision>\S.*?)\s{2,}(?P<step>\d+\.\d+)\s")
 TOTAL = re.compile(r"\(profiled step: (?P<total>\d+\.\d+) ms")
 OP = re.compile(r"^  (?P<op>\S.*?)\s+(?P<calls>\d+)\s+(?P<ms>\d+\.\d+)\s+\d+\.\d+%$")
+ENERGY = re.compile(r"^  energy: (?P<joules>\d+\.\d+) J a step")
 MIN_MS = 0.02  # the smallest change listed by default (ms per step)
 
 
 def parse(lines):
-    """{(workload, precision): {"step": ms, "profiled": ms or None, "ops": {op: ms per step}}}, in file order."""
+    """{(workload, precision): {"step": ms, "profiled": ms or None, "joules": J a step or None,
+    "ops": {op: ms per step}}}, in file order."""
     runs = {}
     current = None
     for line in lines:
         line = line.rstrip("\n")
         m = RUN.match(line)
         if m:
-            current = {"step": float(m["step"]), "profiled": None, "ops": {}}
+            current = {"step": float(m["step"]), "profiled": None, "joules": None, "ops": {}}
             runs[(m["workload"], m["precision"])] = current
             continue
         if current is None:
+            continue
+        m = ENERGY.match(line)
+        if m:
+            current["joules"] = float(m["joules"])
             continue
         m = TOTAL.search(line)
         if m:
@@ -57,8 +65,11 @@ def parse_json(text):
         p = step["precision"]
         precision = "BF16" if p == "bf16" else f"{p} {step['fp8_format']}"
         ops = {o["op"]: float(o["ms_per_step"]) for o in step["ops"]}
+        energy = step.get("energy") or {}
         runs[(step["workload"], precision)] = {"step": float(step["median_step_ms"]),
-                                               "profiled": sum(ops.values()), "ops": ops}
+                                               "profiled": sum(ops.values()),
+                                               "joules": float(energy["joules_per_step"]) if energy.get("measured") else None,
+                                               "ops": ops}
     return runs
 
 
@@ -78,8 +89,11 @@ def report(base, new, out, min_ms=MIN_MS):
         if n is None:
             continue
         workload, precision = key
+        energy = ""
+        if b.get("joules") is not None and n.get("joules") is not None:
+            energy = f", energy {b['joules']:.1f} -> {n['joules']:.1f} J a step"
         out.write(f"{workload} {precision}: step {b['step']:.2f} -> {n['step']:.2f} ms, "
-                  f"profiled {profiled(b)} -> {profiled(n)} ms\n")
+                  f"profiled {profiled(b)} -> {profiled(n)} ms{energy}\n")
         rows = []
         for op in b["ops"] | n["ops"]:  # base's order, then the ops only new has
             before, after = b["ops"].get(op, 0.0), n["ops"].get(op, 0.0)

@@ -70,6 +70,32 @@ def main(argv):
         assert list(t["ops"]) == list(j["ops"]), key
         for op, ms in t["ops"].items():
             assert abs(ms - j["ops"][op]) < 0.0005, (key, op, ms, j["ops"][op])
+    # The fixtures predate the energy line: no energy, and the report does not name it.
+    assert all(r["joules"] is None for r in list(txt.values()) + list(js.values()))
+    # The energy line a GPU run prints under its step line (thirty-first session) is the run's
+    # joules a step, read from the printed output and from --json alike, and reported where both
+    # sides have it.
+    printed = [
+        "W2 (flux_12b_width_slice) BF16                             90.41    520.6     0.01     0.43      22.85      25.34      7.60  1.71x\n",
+        "  energy: 64.0 J a step, 700 W on average over the timed steps' 3.66 s (at the 700 W limit, sustained, this "
+        "energy takes 91.42 ms a step); SM clock 1575 MHz in the last step, held back by: power cap (software)\n",
+        "  op                                calls    ms/step   share   (profiled step: 90.00 ms of ops and idle)\n",
+        "  adamw                                 1      6.555    7.3%\n",
+    ]
+    a = profile_diff.parse(printed)[("W2", "BF16")]
+    assert a["joules"] == 64.0 and a["step"] == 90.41 and a["ops"] == {"adamw": 6.555}, a
+    b = profile_diff.parse_json(
+        '{"steps": [{"workload": "W2", "precision": "bf16", "median_step_ms": 89.0, "ops": [{"op": "adamw", '
+        '"ms_per_step": 6.5}], "energy": {"measured": true, "joules_per_step": 62.5}}]}')[("W2", "BF16")]
+    assert b["joules"] == 62.5, b
+    out = io.StringIO()
+    profile_diff.report({("W2", "BF16"): a}, {("W2", "BF16"): b}, out)
+    assert out.getvalue().splitlines()[0] == (
+        "W2 BF16: step 90.41 -> 89.00 ms, profiled 90.00 -> 6.50 ms, energy 64.0 -> 62.5 J a step"), out.getvalue()
+    unmeasured = profile_diff.parse_json(
+        '{"steps": [{"workload": "W2", "precision": "bf16", "median_step_ms": 89.0, "ops": [], '
+        '"energy": {"measured": false, "why": "cpu backend: no energy counter"}}]}')
+    assert unmeasured[("W2", "BF16")]["joules"] is None, unmeasured
     # A --json file of runs without --profile has nothing to compare.
     assert profile_diff.parse_json('{"steps": [{"workload": "W1", "precision": "bf16"}]}') == {}
     print("profile_diff: ok")
