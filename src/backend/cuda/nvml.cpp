@@ -14,6 +14,7 @@ struct NvmlDevice::Api {
   static constexpr int kClockSm = 1;  // NVML_CLOCK_SM
 
   void* lib = nullptr;
+  bool initialised = false;  // nvmlInit succeeded: nvmlShutdown is owed
   Device device = nullptr;
   Return (*init)() = nullptr;
   Return (*shutdown)() = nullptr;
@@ -25,7 +26,7 @@ struct NvmlDevice::Api {
   Return (*clock_reasons)(Device, unsigned long long*) = nullptr;
 
   ~Api() {
-    if (shutdown && device) shutdown();
+    if (initialised) shutdown();
     if (lib) dlclose(lib);
   }
   std::string error(Return r) const { return error_string ? error_string(r) : fmt::format("NVML error {}", r); }
@@ -62,10 +63,10 @@ NvmlDevice::NvmlDevice(int cuda_device) : api_(std::make_unique<Api>()) {
     return;
   }
   if (const Api::Return r = a.init(); r != 0) {
-    a.shutdown = nullptr;  // not initialised: nothing to shut down
     why_ = fmt::format("nvmlInit failed: {}", a.error(r));
     return;
   }
+  a.initialised = true;
   char bus_id[32] = {};
   if (const cudaError_t e = cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, cuda_device); e != cudaSuccess) {
     why_ = fmt::format("cudaDeviceGetPCIBusId({}) failed: {}", cuda_device, cudaGetErrorString(e));
