@@ -149,7 +149,7 @@ inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRun
   std::unique_ptr<StepGraph> graph =
       o.graph_segment_ops > 0 ? std::make_unique<StepGraph>(device, StepGraph::Options{.segment_ops = o.graph_segment_ops})
                               : nullptr;
-  Backend& be = graph ? static_cast<Backend&>(*graph) : device;
+  Backend& be = device;  // the graph, when made, records its ops
   FluxModel model(cfg, be, o.dtype, o.fp8, o.recompute);
   randomize_params(model.params(), o.param_seed, o.weight_std);
   if (o.low_rank_rows > 0 && !model.params().keep_low_rank_grads(o.low_rank_rows))

@@ -252,7 +252,7 @@ TEST(CpuFp8Attention, Fp8HeadsOpsPerStreamEqualOneCastOfTheJointHeads) {
     be->quantize(want[i].q, QTensor{}, Tensor(heads[i].data(), DType::f32, Shape{rows, D}), ref[i].q());
   // Per stream, the FP8 heads op.
   for (const auto& [tok, Ls, offset] : {std::tuple{&txt, Lt, int64_t{0}}, std::tuple{&img, Li, Lt}})
-    be->qk_norm_rope_to_heads_fp8({have[0].q, got[0].q()}, {have[1].q, got[1].q()}, {have[2].q, got[2].q()},
+    be->qk_norm_rope_to_heads_fp8(Fp8Heads{have[0].q, got[0].q()}, Fp8Heads{have[1].q, got[1].q()}, Fp8Heads{have[2].q, got[2].q()},
                                   Tensor{}, Tensor{}, window(*tok, Ls, 0), window(*tok, Ls, 1), window(*tok, Ls, 2),
                                   qs, ks, pe_t, offset, 1e-6);
   for (int i = 0; i < 3; ++i) {
@@ -281,8 +281,8 @@ TEST(CpuFp8Attention, Fp8HeadsOpsPerStreamEqualOneCastOfTheJointHeads) {
   be->quantize(dwant.q, QTensor{}, Tensor(heads[0].data(), DType::f32, Shape{rows, D}), dq);
   Backend::Quantize dg = dgot.q();
   dg.format = Fp8Format::e5m2;
-  be->tokens_to_heads_fp8({dhave.q, dg}, Tensor(d_txt.data(), DType::f32, Shape{B, Lt, H}), 0);
-  be->tokens_to_heads_fp8({dhave.q, dg}, Tensor(d_img.data(), DType::f32, Shape{B, Li, H}), Lt);
+  be->tokens_to_heads_fp8(Fp8Heads{dhave.q, dg}, Tensor(d_txt.data(), DType::f32, Shape{B, Lt, H}), 0);
+  be->tokens_to_heads_fp8(Fp8Heads{dhave.q, dg}, Tensor(d_img.data(), DType::f32, Shape{B, Li, H}), Lt);
   EXPECT_EQ(dhave.codes, dwant.codes);
   EXPECT_EQ(dgot.amax, dref.amax);
   EXPECT_EQ(dgot.stats.saturated, dref.stats.saturated);

@@ -263,13 +263,13 @@ TEST(Fp8Training, GradientsFollowTheExactModel) {
 // The optimizer step's FP8 bookkeeping (Fp8Runtime::end_step) waits for the device only on the
 // steps whose casts counted telemetry — their counts arrive at a synchronisation — so that on
 // the other steps the gradient norm is queued behind the backward instead of after a drained
-// device. The syncs are counted through a profiling wrapper of the CPU backend.
+// device. The syncs are counted by an op interceptor on the CPU backend.
 TEST(Fp8Training, EndStepWaitsForTheDeviceOnlyForCountedStatistics) {
-  struct SyncCounter : OpProfiler {
-    using OpProfiler::OpProfiler;
-    void synchronize() override {
-      ++syncs;
-      OpProfiler::synchronize();
+  struct SyncCounter : OpInterceptor {
+    double intercept(Ops& ops, AnyOp&& op) override { return ops.execute_any(op); }
+    void host_access(HostAccess what, const std::function<void()>& access) override {
+      if (what == HostAccess::synchronize) ++syncs;
+      access();
     }
     int syncs = 0;
   };
@@ -281,9 +281,11 @@ TEST(Fp8Training, EndStepWaitsForTheDeviceOnlyForCountedStatistics) {
   int syncs[2] = {0, 0};
   for (const bool counted : {false, true}) {
     SCOPED_TRACE(counted ? "counted" : "not counted");
-    SyncCounter be(*cpu);
-    const testing::ModelRun r = testing::run_model(be, cfg, {.fp8 = &fp8, .steps = 3, .collect_stats = counted});
-    syncs[counted] = be.syncs;
+    SyncCounter counter;
+    cpu->set_interceptor(&counter);
+    const testing::ModelRun r = testing::run_model(*cpu, cfg, {.fp8 = &fp8, .steps = 3, .collect_stats = counted});
+    cpu->set_interceptor(nullptr);
+    syncs[counted] = counter.syncs;
     int64_t elements = 0;
     for (const int64_t e : r.cast_elements) elements += e;
     if (counted)
@@ -321,8 +323,8 @@ TEST(Fp8Training, GatedResidualsWriteTheNextLayerNormsStatistics) {
     for (const int fused : {0, 1}) {
       const EnvFlag flag(fused ? "1" : "0");
       OpProfiler prof(*cpu);
-      runs[fused] = testing::run_model(prof, cfg, o);
-      prof.synchronize();
+      runs[fused] = testing::run_model(*cpu, cfg, o);
+      cpu->synchronize();
       for (const OpProfiler::Row& r : prof.rows()) calls[fused][r.op] = r.calls;
     }
     EXPECT_EQ(runs[1].pred, runs[0].pred);

@@ -84,7 +84,7 @@ TEST(StepGraph, SignatureHoldsScalarsAndSpanContents) {
   from_host(be, x, std::vector<double>{1, 2, 3, 4});
   auto fill_in_region = [&](double v) {
     g.begin_region();
-    g.fill(y, v);
+    be.fill(y, v);
     g.end_region();
     return to_host(be, y);
   };
@@ -98,7 +98,7 @@ TEST(StepGraph, SignatureHoldsScalarsAndSpanContents) {
   auto copy_rows = [&](std::vector<Backend::CopyPair> pairs) {
     be.fill(y, 0.0);
     g.begin_region();
-    g.copy_batch(pairs);
+    be.copy_batch(pairs);
     pairs.assign(pairs.size(), Backend::CopyPair{});  // the caller's array changes after the call
     g.end_region();
     return to_host(be, y);
@@ -113,17 +113,18 @@ TEST(StepGraph, SignatureHoldsScalarsAndSpanContents) {
   be.release(y.data);
 }
 
-// The wrappers a benchmark runs through (graphs, the op profiler) read the device's energy
-// counter from the backend they wrap: the CPU's reason comes through unchanged.
-TEST(StepGraph, PowerReadingsComeFromTheWrappedBackend) {
+// Graphs and the per-op profiler both intercept the backend's ops: one at a time, and the second
+// is refused with a message instead of silently taking the ops from the first.
+TEST(StepGraph, OneInterceptorAtATime) {
   Backend& be = cpu();
-  StepGraph g(be, StepGraph::Options{.segment_ops = 100});
-  OpProfiler prof(g);
-  const PowerReading inner = be.power_reading();
-  EXPECT_FALSE(inner.available);
-  EXPECT_EQ(inner.why, "cpu backend: no energy counter");
-  EXPECT_EQ(g.power_reading().why, inner.why);
-  EXPECT_EQ(prof.power_reading().why, inner.why);
+  {
+    StepGraph g(be, StepGraph::Options{.segment_ops = 100});
+    expect_refused("do not combine", [&] { OpProfiler prof(be); });
+    EXPECT_EQ(be.interceptor(), &g);
+  }
+  EXPECT_EQ(be.interceptor(), nullptr) << "a graph recorder uninstalls itself";
+  OpProfiler prof(be);
+  EXPECT_EQ(be.interceptor(), &prof);
 }
 
 // What needs the device's results or memory issues the open segment first: a download inside a
@@ -133,11 +134,11 @@ TEST(StepGraph, ReadsInsideARegionSeeTheRecordedOps) {
   StepGraph g(be, StepGraph::Options{.segment_ops = 100});
   const Tensor y = Tensor(be.allocate(3 * sizeof(float)), DType::f32, Shape{3});
   g.begin_region();
-  g.fill(y, 4.0);
-  EXPECT_EQ(to_host(g, y), (std::vector<double>{4, 4, 4}));
-  g.fill(y, 5.0);
-  EXPECT_DOUBLE_EQ(g.sum_squares(y), 75.0);
-  g.fill(y, 6.0);
+  be.fill(y, 4.0);
+  EXPECT_EQ(to_host(be, y), (std::vector<double>{4, 4, 4}));
+  be.fill(y, 5.0);
+  EXPECT_DOUBLE_EQ(be.sum_squares(y), 75.0);
+  be.fill(y, 6.0);
   g.end_region();
   EXPECT_EQ(to_host(be, y), (std::vector<double>{6, 6, 6}));
   EXPECT_EQ(g.stats().eager, 3);
@@ -153,14 +154,14 @@ TEST(StepGraph, AnAbandonedRegionDropsItsUnissuedCalls) {
   EXPECT_THROW(
       {
         StepGraph::Region region(&g);
-        g.fill(y, 9.0);
+        be.fill(y, 9.0);
         throw std::runtime_error("the step failed");
       },
       std::runtime_error);
   EXPECT_FALSE(g.recording());
   EXPECT_EQ(to_host(be, y), (std::vector<double>{1, 1}));
   StepGraph::Region again(&g);
-  g.fill(y, 2.0);
+  be.fill(y, 2.0);
   again.end();
   EXPECT_EQ(to_host(be, y), (std::vector<double>{2, 2}));
   expect_refused("without begin_region", [&] { g.end_region(); });

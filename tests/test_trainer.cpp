@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_backend.h"
 #include "backend/step_graph.h"
 #include "backend/transfer.h"
 #include "bench/op_profiler.h"
@@ -119,15 +120,14 @@ TEST(TrainStep, Fp8AmaxesOverMicroBatchesEqualOneBigBatch) {
 // falls back to dense gradients half-way — or at its first write, where one micro-batch
 // brings more rows than kept.
 // A backend that stores gradients in bf16 (Backend::gradient_dtype, the CUDA backend with
-// grad_precision: bf16), here the CPU backend behind the profiler's forwarding layer: the store's
-// gradient buffer, its views and its per-step write tracking in 2-byte units, parameters in f32.
+// grad_precision: bf16), here the CPU backend with that precision policy: the store's gradient
+// buffer, its views and its per-step write tracking in 2-byte units, parameters in f32.
 TEST(TrainStep, Bf16GradientBufferViewsAndWriteTracking) {
-  struct Bf16Grads final : OpProfiler {
-    using OpProfiler::OpProfiler;
+  struct Bf16Grads final : CpuBackend {
+    Bf16Grads() : CpuBackend(BackendOptions{}) {}
     DType gradient_dtype(DType) const override { return DType::bf16; }
   };
-  std::unique_ptr<Backend> cpu = make_backend("cpu");
-  Bf16Grads be(*cpu);
+  Bf16Grads be;
   const FluxConfig cfg = testing::odd_config(1, 1, false);
   ParamStore store(cfg, be, DType::f32);
   EXPECT_EQ(store.grad_dtype(), DType::bf16);
@@ -172,7 +172,7 @@ TEST(TrainStep, RecordedAndReplayedStepsEqualPlainOnes) {
     // A segment per op: a signature that missed an argument would replay the wrong call.
     std::unique_ptr<StepGraph> graph =
         graphed ? std::make_unique<StepGraph>(*be, StepGraph::Options{.segment_ops = 1}) : nullptr;
-    FluxModel model(cfg, graph ? static_cast<Backend&>(*graph) : *be, DType::f32, &fp8);
+    FluxModel model(cfg, *be, DType::f32, &fp8);
     testing::randomize_params(model.params(), 3);
     model.params().keep_low_rank_grads(4);
     AdamWOptimizer opt(model.params(), AdamWConfig{});

@@ -14,25 +14,25 @@
 
 namespace flux8 {
 
-void Backend::track_allocation(void* p, size_t bytes) {
+void Device::track_allocation(void* p, size_t bytes) {
   sizes_[p] = bytes;
   memory_.allocated += bytes;
   memory_.peak_allocated = std::max(memory_.peak_allocated, memory_.allocated);
 }
 
-void Backend::track_release(void* p) {
+void Device::track_release(void* p) {
   const auto it = sizes_.find(p);
   if (it == sizes_.end()) return;
   memory_.allocated -= it->second;
   sizes_.erase(it);
 }
 
-int64_t Backend::timing_mark() {
+int64_t Device::do_timing_mark() {
   host_marks_.push_back(std::chrono::steady_clock::now());
   return static_cast<int64_t>(host_marks_.size()) - 1;
 }
 
-double Backend::timing_elapsed_ms(int64_t from, int64_t to) {
+double Device::timing_elapsed_ms(int64_t from, int64_t to) {
   const auto n = static_cast<int64_t>(host_marks_.size());
   if (from < 0 || to < 0 || from >= n || to >= n)
     fail("timing_elapsed_ms: marks {} and {} are not both among the {} recorded", from, to, n);
@@ -41,7 +41,14 @@ double Backend::timing_elapsed_ms(int64_t from, int64_t to) {
       .count();
 }
 
-void Backend::release_timing_marks() { host_marks_.clear(); }
+void Device::release_timing_marks() { host_marks_.clear(); }
+
+void Backend::host_access(HostAccess what, const std::function<void()>& access) {
+  if (interceptor() && !executing_for_interceptor())
+    interceptor()->host_access(what, access);
+  else
+    access();
+}
 
 void Backend::produce(Tensor y, const CastInput& in) {
   ops::check_cast_input("produce", in);
@@ -67,23 +74,30 @@ void Backend::produce(Tensor y, const CastInput& in) {
   }
 }
 
-void Backend::mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
-  if (loss.dtype != DType::f64 || loss.numel() != 1 || !loss.contiguous())
-    fail("mse_loss_into: loss must be one contiguous f64 element, got {} {}", dtype_name(loss.dtype), loss.shape.str());
-  const double value = mse_loss(dpred, pred, target, grad_scale);
-  upload(loss.data, &value, sizeof value);
+void Backend::execute(const op::MseLossInto& args) {
+  if (args.loss.dtype != DType::f64 || args.loss.numel() != 1 || !args.loss.contiguous())
+    fail("mse_loss_into: loss must be one contiguous f64 element, got {} {}", dtype_name(args.loss.dtype), args.loss.shape.str());
+  const double value = mse_loss(args.dpred, args.pred, args.target, args.grad_scale);
+  upload(args.loss.data, &value, sizeof value);
 }
 
-void Backend::begin_capture() { fail("backend '{}' has no graphs (set cuda_graph: false)", name()); }
-std::unique_ptr<Backend::Graph> Backend::end_capture() { fail("backend '{}' has no graphs", name()); }
-void Backend::launch_graph(const Graph&) { fail("backend '{}' has no graphs", name()); }
+void Device::begin_capture() { fail("backend '{}' has no graphs (set cuda_graph: false)", name()); }
+std::unique_ptr<Device::Graph> Device::end_capture() { fail("backend '{}' has no graphs", name()); }
+void Device::launch_graph(const Graph&) { fail("backend '{}' has no graphs", name()); }
 
-void Backend::copy_batch(std::span<const CopyPair> pairs) {
+void Backend::execute(const op::CopyBatch& args) {
+  std::span<const CopyPair> pairs = args.pairs;
   for (const CopyPair& p : pairs) copy(p.y, p.x);
 }
 
-void Backend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
-                                   double eps) {
+void Backend::execute(const op::GatedResidualStats& args) {
+  Tensor out = args.out;
+  Tensor mean = args.mean;
+  Tensor rstd = args.rstd;
+  Tensor x = args.x;
+  Tensor y = args.y;
+  Tensor gate = args.gate;
+  double eps = args.eps;
   constexpr std::string_view op = "gated_residual_stats";
   const int64_t B = ops::check_gated_residual_stats(op, out, mean, rstd, x, y, gate);
   gated_residual(out, x, y, gate);
@@ -117,15 +131,15 @@ class Temporary {
 
 }  // namespace
 
-void Backend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
-  if (in.op == CastInput::Op::identity && !in.head.defined()) {
-    quantize(rowwise, columnwise, in.x, q);
+void Backend::execute(const op::QuantizeFused& args) {
+  if (args.in.op == CastInput::Op::identity && !args.in.head.defined()) {
+    quantize(args.rowwise, args.columnwise, args.in.x, args.q);
     return;
   }
-  ops::check_cast_input("quantize_fused", in);
-  const Temporary y(*this, in.x.dtype, in.shape());
-  produce(y.get(), in);
-  quantize(rowwise, columnwise, y.get(), q);
+  ops::check_cast_input("quantize_fused", args.in);
+  const Temporary y(*this, args.in.x.dtype, args.in.shape());
+  produce(y.get(), args.in);
+  quantize(args.rowwise, args.columnwise, y.get(), args.q);
 }
 
 namespace {
@@ -143,52 +157,46 @@ void quantize_stream_rows(Backend& be, const Backend::Fp8Heads& out, const Tenso
 
 }  // namespace
 
-void Backend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads, const Fp8Heads& v_heads,
-                                        Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale,
-                                        Tensor k_scale, Tensor pe, int64_t token_offset, double eps) {
-  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_fp8", q, token_offset,
-                                       {{"q_heads", q_heads.codes},
-                                        {"k_heads", k_heads.codes},
-                                        {"v_heads", v_heads.codes}});
-  const DType t = attention_heads_dtype(q.dtype, h[3]);
+void Backend::execute(const op::QkNormRopeToHeadsFp8& args) {
+  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_fp8", args.q, args.token_offset,
+                                       {{"q_heads", args.q_heads.codes},
+                                        {"k_heads", args.k_heads.codes},
+                                        {"v_heads", args.v_heads.codes}});
+  const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   const Temporary qh(*this, t, h), kh(*this, t, h), vh(*this, t, h);
-  qk_norm_rope_to_heads(qh.get(), kh.get(), vh.get(), q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe, token_offset,
-                        eps);
-  const int64_t Ls = q.shape[1];
-  quantize_stream_rows(*this, q_heads, qh.get(), Ls, token_offset);
-  quantize_stream_rows(*this, k_heads, kh.get(), Ls, token_offset);
-  quantize_stream_rows(*this, v_heads, vh.get(), Ls, token_offset);
+  qk_norm_rope_to_heads(qh.get(), kh.get(), vh.get(), args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe, args.token_offset,
+                        args.eps);
+  const int64_t Ls = args.q.shape[1];
+  quantize_stream_rows(*this, args.q_heads, qh.get(), Ls, args.token_offset);
+  quantize_stream_rows(*this, args.k_heads, kh.get(), Ls, args.token_offset);
+  quantize_stream_rows(*this, args.v_heads, vh.get(), Ls, args.token_offset);
 }
 
-void Backend::qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                                                 const QTensor& dq_heads, const QTensor& dk_heads,
-                                                 const QTensor& dv_heads, Tensor q, Tensor k, Tensor q_rstd,
-                                                 Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
-                                                 int64_t token_offset) {
-  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_backward_fp8", q, token_offset,
-                                       {{"dq_heads", dq_heads}, {"dk_heads", dk_heads},
-                                        {"dv_heads", dv_heads}});
-  const DType t = attention_heads_dtype(q.dtype, h[3]);
+void Backend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
+  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_backward_fp8", args.q, args.token_offset,
+                                       {{"dq_heads", args.dq_heads}, {"dk_heads", args.dk_heads},
+                                        {"dv_heads", args.dv_heads}});
+  const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   const Temporary dqh(*this, t, h), dkh(*this, t, h), dvh(*this, t, h);
-  dequantize(dqh.get(), dq_heads);
-  dequantize(dkh.get(), dk_heads);
-  dequantize(dvh.get(), dv_heads);
-  qk_norm_rope_to_heads_backward(dq, dk, dv, dq_scale, dk_scale, dqh.get(), dkh.get(), dvh.get(), q, k, q_rstd, k_rstd,
-                                 q_scale, k_scale, pe, token_offset);
+  dequantize(dqh.get(), args.dq_heads);
+  dequantize(dkh.get(), args.dk_heads);
+  dequantize(dvh.get(), args.dv_heads);
+  qk_norm_rope_to_heads_backward(args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, dqh.get(), dkh.get(), dvh.get(), args.q, args.k, args.q_rstd, args.k_rstd,
+                                 args.q_scale, args.k_scale, args.pe, args.token_offset);
 }
 
-void Backend::tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset) {
-  const Shape h = ops::check_fp8_heads("tokens_to_heads_fp8", tokens, token_offset, {{"heads", heads.codes}});
-  const Temporary th(*this, attention_heads_dtype(tokens.dtype, h[3]), h);
-  tokens_to_heads(th.get(), tokens, token_offset);
-  quantize_stream_rows(*this, heads, th.get(), tokens.shape[1], token_offset);
+void Backend::execute(const op::TokensToHeadsFp8& args) {
+  const Shape h = ops::check_fp8_heads("tokens_to_heads_fp8", args.tokens, args.token_offset, {{"heads", args.heads.codes}});
+  const Temporary th(*this, attention_heads_dtype(args.tokens.dtype, h[3]), h);
+  tokens_to_heads(th.get(), args.tokens, args.token_offset);
+  quantize_stream_rows(*this, args.heads, th.get(), args.tokens.shape[1], args.token_offset);
 }
 
-void Backend::heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset) {
-  const Shape h = ops::check_fp8_heads("heads_to_tokens_fp8", tokens, token_offset, {{"heads", heads}});
-  const Temporary th(*this, attention_heads_dtype(tokens.dtype, h[3]), h);
-  dequantize(th.get(), heads);
-  heads_to_tokens(tokens, th.get(), token_offset);
+void Backend::execute(const op::HeadsToTokensFp8& args) {
+  const Shape h = ops::check_fp8_heads("heads_to_tokens_fp8", args.tokens, args.token_offset, {{"heads", args.heads}});
+  const Temporary th(*this, attention_heads_dtype(args.tokens.dtype, h[3]), h);
+  dequantize(th.get(), args.heads);
+  heads_to_tokens(args.tokens, th.get(), args.token_offset);
 }
 
 namespace {

@@ -1,5 +1,6 @@
 #pragma once
-// A Backend that runs a training step's forward and backward as CUDA graphs (`cuda_graph: true`).
+// Runs a training step's forward and backward as CUDA graphs (`cuda_graph: true`): an op
+// interceptor (backend/ops.h) installed on the backend the model runs on.
 //
 // Why: a forward and backward is a few hundred op calls (134 on W1, 290 on W2 FP8), many of them
 // small (the per-sample Linears, the modulation chain, the norms of short sequences), and issuing
@@ -7,8 +8,8 @@
 // for launches (`flux8 bench --profile`'s idle row). A graph launch issues tens of ops.
 //
 // How, without trusting the model code to repeat itself: between begin_region() and end_region()
-// every op call is *recorded* — its arguments kept by value (span contents copied) and written
-// into a signature: the op, every pointer, shape, stride, scalar and flag. Every `segment_ops`
+// every op call is *recorded* — the op's struct kept (it owns its arguments) and written into a
+// signature field by field, as the op declares them: every pointer, shape, stride, scalar and flag. Every `segment_ops`
 // calls (and at the region's end, or where something must wait for the device) the segment is
 // closed: a signature seen before with a graph is launched as that graph and the fresh record
 // dropped; one seen once before is captured (run through the wrapped backend under stream
@@ -27,8 +28,7 @@
 //
 // On a backend without graphs (the CPU) a segment's "graph" is its first record replayed: the
 // recorded calls of an earlier step run instead of the fresh ones. That is the CPU twin the tests
-// use — any argument missing from the signature would make a replayed step differ from an eager
-// one.
+// use: a replayed step that differed from an eager one would mean an argument the signature misses.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -41,7 +41,7 @@
 
 namespace flux8 {
 
-class StepGraph : public Backend {
+class StepGraph final : public OpInterceptor {
  public:
   struct Options {
     int segment_ops = 48;         // op calls a segment (a graph) holds at most
@@ -50,11 +50,14 @@ class StepGraph : public Backend {
     // unset; anything but a count from 1 to 100000 is an error naming it).
     static Options from_environment();
   };
-  explicit StepGraph(Backend& inner) : StepGraph(inner, Options{}) {}
-  StepGraph(Backend& inner, Options options);
+  // Installs itself as `be`'s op interceptor until destroyed.
+  explicit StepGraph(Backend& be) : StepGraph(be, Options{}) {}
+  StepGraph(Backend& be, Options options);
   ~StepGraph() override;
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
 
-  Backend& inner() { return be_; }
+  Backend& backend() { return be_; }
   const Options& graph_options() const { return options_; }
   // Record the op calls from here to end_region() (regions do not nest).
   void begin_region();
@@ -98,146 +101,30 @@ class StepGraph : public Backend {
   // The reason of the last failed capture ("" if none failed).
   const std::string& last_capture_failure() const { return last_failure_; }
 
-  // ---- not ops: forwarded (those that must see the queued work close the segment first) ----
-  std::string name() const override { return be_.name() + "+graphs"; }
-  const BackendOptions& options() const override { return be_.options(); }
-  void* allocate(size_t bytes) override { return be_.allocate(bytes); }
-  void release(void* p) override;
-  void upload(void* dst, const void* src, size_t bytes) override;
-  void download(void* dst, const void* src, size_t bytes) override;
-  void synchronize() override;
-  MemoryUse memory_use() const override { return be_.memory_use(); }
-  PowerReading power_reading() override { return be_.power_reading(); }
-  std::unique_ptr<Event> make_event() override { return be_.make_event(); }
-  std::unique_ptr<CopyQueue> make_copy_queue() override { return be_.make_copy_queue(); }
-  void record_event(Event& e) override;
-  void wait_event(const Event& e) override;
-  int64_t timing_mark() override;
-  double timing_elapsed_ms(int64_t from, int64_t to) override { return be_.timing_elapsed_ms(from, to); }
-  void release_timing_marks() override { be_.release_timing_marks(); }
-  DType activation_dtype(DType compute) const override { return be_.activation_dtype(compute); }
-  DType weight_operand_dtype(DType compute) const override { return be_.weight_operand_dtype(compute); }
-  DType gradient_dtype(DType compute) const override { return be_.gradient_dtype(compute); }
-  DType attention_heads_dtype(DType activations, int64_t head_dim) const override {
-    return be_.attention_heads_dtype(activations, head_dim);
-  }
-  double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
-  double sum_squares(Tensor x) override;
-  double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) override;
-  // Graphs of graphs are not offered: the regions are this class's.
-  bool can_capture() const override { return false; }
-
-  // ---- ops: recorded inside a region, else forwarded ---------------------------------------
-  void fill(Tensor y, double value) override;
-  void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
-  void copy(Tensor y, Tensor x) override;
-  void copy_batch(std::span<const CopyPair> pairs) override;
-  void add(Tensor y, Tensor a, Tensor b) override;
-  void accumulate(Tensor y, Tensor x) override;
-  void linear(Tensor y, Tensor x, Tensor w, Tensor b) override;
-  void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w, bool accumulate_dx,
-                       bool accumulate_params) override;
-  void linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) override;
-  void linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) override;
-  void silu(Tensor y, Tensor x) override;
-  void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) override;
-  void gelu_tanh(Tensor y, Tensor x) override;
-  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override;
-  void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
-                          double eps) override;
-  void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x, Tensor mean,
-                                   Tensor rstd, Tensor scale, bool accumulate_dx) override;
-  void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) override;
-  void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd, Tensor scale) override;
-  void tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) override;
-  void heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) override;
-  void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) override;
-  void rope(Tensor x, Tensor pe, bool inverse) override;
-  void qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd, Tensor k_rstd, Tensor q,
-                             Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
-                             double eps) override;
-  void qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                                      Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k,
-                                      Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
-                                      int64_t token_offset) override;
-  void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override;
-  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o,
-                          Tensor lse, double scale) override;
-  void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) override;
-  void gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
-                            double eps) override;
-  void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override;
-  void timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) override;
-  void concat_tokens(Tensor out, Tensor a, Tensor b) override;
-  void split_tokens(Tensor a, Tensor b, Tensor in) override;
-  void flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
-                         std::span<const uint64_t> streams) override;
-  void mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
-  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h, std::span<const ParamCopy> copies,
-             std::span<const ParamCast> casts, std::span<const LowRankGrad> low_rank) override;
-  void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
-  void transpose_codes(QTensor dst, const QTensor& src) override;
-  void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override;
-  void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
-                              int margin) override;
-  void dequantize(Tensor y, const QTensor& x) override;
-  void attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v, Shape heads,
-                     double scale, const Fp8AttentionScales& sc) override;
-  void attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
-                              const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
-                              double scale, const Fp8AttentionScales& sc) override;
-  void qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads, const Fp8Heads& v_heads,
-                                 Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale,
-                                 Tensor k_scale, Tensor pe, int64_t token_offset, double eps) override;
-  void qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                                          const QTensor& dq_heads, const QTensor& dk_heads, const QTensor& dv_heads,
-                                          Tensor q, Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
-                                          Tensor k_scale, Tensor pe, int64_t token_offset) override;
-  void tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset) override;
-  void heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset) override;
-  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
-                   Fp8Accumulation sum) override;
-
-  // The signature's byte writer (public for the op templates in step_graph.cpp).
-  class Signature {
-   public:
-    // The bytes written so far, handed over (the signature is empty again).
-    std::string take() { return std::exchange(bytes_, {}); }
-    // False once an argument asked for host-side bookkeeping a graph would skip.
-    bool capturable = true;
-    template <typename T>
-    void raw(const T& v) {
-      bytes_.append(reinterpret_cast<const char*>(&v), sizeof v);
-    }
-
-   private:
-    std::string bytes_;
-  };
+  // OpInterceptor: inside a region an op is recorded (one with a result, or one that waits for the
+  // host, closes the segment and runs at once); outside, it runs at once. Every host access closes
+  // the open segment first.
+  double intercept(Ops& ops, AnyOp&& op) override;
+  void host_access(HostAccess what, const std::function<void()>& access) override;
 
  private:
-  // A recorded op call: the op (for a failed capture's message) and the call with its arguments.
-  struct Call {
-    const char* op;
-    std::function<void(Backend&)> run;
-  };
-  template <typename... P, typename... A>
-  void op(const char* name, void (Backend::*fn)(P...), A&&... args);
   void close_segment();  // issues the segment recorded so far, as a graph or op by op
-  void run_eagerly(std::vector<Call>& calls);
+  void run_eagerly(const std::vector<AnyOp>& calls);
 
   struct Entry {
     int seen = 0;                          // sightings (eager runs before the capture)
     bool capturable = true;                // false: stays eager (telemetry, a failed capture)
-    std::unique_ptr<Graph> graph;          // the captured graph (backends with graphs)
+    std::unique_ptr<Device::Graph> graph;  // the captured graph (backends with graphs)
     uint64_t generation = 0;               // be_.capture_generation() at the capture
-    std::vector<Call> replay;              // backends without graphs: the first record, replayed
+    std::vector<AnyOp> replay;             // backends without graphs: the first record, replayed
   };
 
   Backend& be_;
   Options options_;
   bool recording_ = false;
-  Signature sig_;
-  std::vector<Call> calls_;  // the open segment's calls
+  std::string signature_;      // the open segment's calls, field by field (step_graph.cpp)
+  bool capturable_ = true;     // false once a call asked for host bookkeeping a graph would skip
+  std::vector<AnyOp> calls_;   // the open segment's calls
   std::unordered_map<std::string, Entry> entries_;
   Stats stats_;
   std::string last_failure_;

@@ -1,11 +1,88 @@
 #include "bench/op_profiler.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <iterator>
+#include <type_traits>
 
 namespace flux8 {
 
-void OpProfiler::synchronize() {
-  be_.synchronize();
+OpProfiler::OpProfiler(Backend& be) : be_(be) { be_.set_interceptor(this); }
+
+OpProfiler::~OpProfiler() { be_.set_interceptor(nullptr); }
+
+void OpProfiler::reset() {
+  totals_.clear();
+  idle_before_.clear();
+  pending_.clear();
+  last_end_ = -1;
+  be_.release_timing_marks();
+}
+
+std::string OpProfiler::row_name(const AnyOp& op) {
+  return std::visit(
+      []<typename Op>(const Op& o) -> std::string {
+        if constexpr (std::is_same_v<Op, op::QuantizeFused>) {
+          constexpr std::string_view kInputs[] = {"identity", "gelu_tanh", "layernorm_modulate", "gelu_tanh_backward",
+                                                  "gated"};
+          static_assert(static_cast<int>(CastInput::Op::gated) == std::size(kInputs) - 1);
+          const std::string_view input = kInputs[static_cast<int>(o.in.op)];
+          return o.in.head.defined() ? fmt::format("quantize_fused ([head | {}] + fp8 cast)", input)
+                                     : fmt::format("quantize_fused ({} + fp8 cast)", input);
+        } else if constexpr (std::is_same_v<Op, op::GemmFp8Tn>) {
+          return o.sum == Fp8Accumulation::fast ? "gemm_fp8_tn (fast accumulation)" : "gemm_fp8_tn";
+        } else if constexpr (std::is_same_v<Op, op::Quantize>) {
+          return "quantize (fp8 cast)";
+        } else if constexpr (std::is_same_v<Op, op::QkNormRopeToHeadsFp8>) {
+          return "qk_norm_rope_to_heads_fp8 (+ fp8 casts)";
+        } else if constexpr (std::is_same_v<Op, op::TokensToHeadsFp8>) {
+          return "tokens_to_heads_fp8 (+ fp8 cast)";
+        } else if constexpr (std::is_same_v<Op, op::MseLossInto>) {
+          return "mse_loss";
+        } else if constexpr (std::is_same_v<Op, op::GradientSumSquares>) {
+          return "sum_squares";
+        } else if constexpr (std::is_same_v<Op, std::monostate>) {
+          return "";
+        } else {
+          return std::string(Op::name);
+        }
+      },
+      op);
+}
+
+template <typename F>
+void OpProfiler::timed(std::string op, F&& f) {
+  if (paused_) {
+    f();
+    return;
+  }
+  const int64_t begin = be_.timing_mark();
+  f();
+  const int64_t end = be_.timing_mark();
+  pending_.push_back(Pending{std::move(op), last_end_, begin, end});
+  last_end_ = end;
+}
+
+double OpProfiler::intercept(Ops& ops, AnyOp&& op) {
+  double result = 0;
+  timed(row_name(op), [&] { result = ops.execute_any(op); });
+  return result;
+}
+
+void OpProfiler::host_access(HostAccess what, const std::function<void()>& access) {
+  switch (what) {
+    case HostAccess::upload:
+    case HostAccess::download: timed(std::string(host_access_name(what)), access); return;
+    case HostAccess::synchronize:
+      access();
+      read_marks();
+      return;
+    default: access(); return;
+  }
+}
+
+void OpProfiler::read_marks() {
   for (const Pending& p : pending_) {
     Row& r = totals_[p.op];
     ++r.calls;

@@ -54,9 +54,19 @@ AttentionHeadGrads AttentionHeadGrads::allocate(const BlockContext& ctx, bool fp
 void fp8_attention_qkv(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor q_rstd, Tensor k_rstd,
                        Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, int64_t token_offset) {
   Fp8Runtime& fp8 = *ctx.fp8;
-  ctx.be.qk_norm_rope_to_heads_fp8({s.q, fp8.attention_cast(index, T::q)}, {s.k, fp8.attention_cast(index, T::k)},
-                                   {s.v, fp8.attention_cast(index, T::v)}, q_rstd, k_rstd, q, k, v, q_scale, k_scale,
-                                   ctx.pe, token_offset, ctx.cfg.qk_norm_eps);
+  ctx.be.run(op::QkNormRopeToHeadsFp8{.q_heads = {s.q, fp8.attention_cast(index, T::q)},
+                                      .k_heads = {s.k, fp8.attention_cast(index, T::k)},
+                                      .v_heads = {s.v, fp8.attention_cast(index, T::v)},
+                                      .q_rstd = q_rstd,
+                                      .k_rstd = k_rstd,
+                                      .q = q,
+                                      .k = k,
+                                      .v = v,
+                                      .q_scale = q_scale,
+                                      .k_scale = k_scale,
+                                      .pe = ctx.pe,
+                                      .token_offset = token_offset,
+                                      .eps = ctx.cfg.qk_norm_eps});
 }
 
 void fp8_attention_forward(const BlockContext& ctx, int index, const Fp8AttentionSaved& s, Tensor lse) {
@@ -66,7 +76,8 @@ void fp8_attention_forward(const BlockContext& ctx, int index, const Fp8Attentio
 
 void fp8_attention_dout(const BlockContext& ctx, int index, const Fp8AttentionGrads& d, Tensor d_attn,
                         int64_t token_offset) {
-  ctx.be.tokens_to_heads_fp8({d.dout, ctx.fp8->attention_cast(index, T::dout)}, d_attn, token_offset);
+  ctx.be.run(op::TokensToHeadsFp8{
+      .heads = {d.dout, ctx.fp8->attention_cast(index, T::dout)}, .tokens = d_attn, .token_offset = token_offset});
 }
 
 void attention_output_to_tokens(Backend& be, const Tensor& tokens, const Fp8AttentionSaved& att8, const Tensor& o,

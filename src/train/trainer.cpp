@@ -54,7 +54,7 @@ struct Run {
   FluxConfig model_cfg;
   ObjectiveConfig obj;
   std::unique_ptr<Backend> be;
-  // cuda_graph: the backend the model runs on, over `be` (destroyed after the model, before be).
+  // cuda_graph: the graph recorder intercepting `be`'s ops (destroyed before be).
   std::unique_ptr<StepGraph> graph;
   std::unique_ptr<FluxModel> model;
   std::unique_ptr<AdamWOptimizer> opt;
@@ -139,7 +139,7 @@ TrainResult run_training(const TrainOptions& opt) {
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
   if (r.cfg.get_bool("cuda_graph") && r.be->can_capture())
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
-  r.model = std::make_unique<FluxModel>(r.model_cfg, r.graph ? *r.graph : *r.be, DType::f32, &r.fp8,
+  r.model = std::make_unique<FluxModel>(r.model_cfg, *r.be, DType::f32, &r.fp8,
                                         recompute_from_name(r.cfg.get_string("recompute_granularity")));
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), AdamWConfig::from_config(r.cfg));
   // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients

@@ -38,38 +38,38 @@ void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumul
 
 }  // namespace
 
-void CpuBackend::silu(Tensor y, Tensor x) {
-  const DType t = call_dtype("silu", {{"y", y}, {"x", x}});
-  require_same_matrix("silu", {"y", y}, {"x", x});
+void CpuBackend::execute(const op::Silu& args) {
+  const DType t = call_dtype("silu", {{"y", args.y}, {"x", args.x}});
+  require_same_matrix("silu", {"y", args.y}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    map_rows<T>(y, x, {}, false, c, [](T v) { return v * sigmoid(v); });
+    map_rows<T>(args.y, args.x, {}, false, c, [](T v) { return v * sigmoid(v); });
   });
 }
 
-void CpuBackend::silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) {
-  const DType t = call_dtype("silu_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
-  if (!dx.defined()) return;
-  require_same_matrix("silu_backward", {"dx", dx}, {"x", x});
-  require_same_matrix("silu_backward", {"dy", dy}, {"x", x});
+void CpuBackend::execute(const op::SiluBackward& args) {
+  const DType t = call_dtype("silu_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  if (!args.dx.defined()) return;
+  require_same_matrix("silu_backward", {"dx", args.dx}, {"x", args.x});
+  require_same_matrix("silu_backward", {"dy", args.dy}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
-  dispatch(t, [&]<typename T>(T) { map_rows<T>(dx, x, dy, accumulate_dx, c, silu_grad<T>); });
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(args.dx, args.x, args.dy, args.accumulate_dx, c, silu_grad<T>); });
 }
 
-void CpuBackend::gelu_tanh(Tensor y, Tensor x) {
-  const DType t = call_dtype("gelu_tanh", {{"y", y}, {"x", x}});
-  require_same_matrix("gelu_tanh", {"y", y}, {"x", x});
+void CpuBackend::execute(const op::GeluTanh& args) {
+  const DType t = call_dtype("gelu_tanh", {{"y", args.y}, {"x", args.x}});
+  require_same_matrix("gelu_tanh", {"y", args.y}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
-  dispatch(t, [&]<typename T>(T) { map_rows<T>(y, x, {}, false, c, gelu_tanh_value<T>); });
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(args.y, args.x, {}, false, c, gelu_tanh_value<T>); });
 }
 
-void CpuBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) {
-  const DType t = call_dtype("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
-  if (!dx.defined()) return;
-  require_same_matrix("gelu_tanh_backward", {"dx", dx}, {"x", x});
-  require_same_matrix("gelu_tanh_backward", {"dy", dy}, {"x", x});
+void CpuBackend::execute(const op::GeluTanhBackward& args) {
+  const DType t = call_dtype("gelu_tanh_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  if (!args.dx.defined()) return;
+  require_same_matrix("gelu_tanh_backward", {"dx", args.dx}, {"x", args.x});
+  require_same_matrix("gelu_tanh_backward", {"dy", args.dy}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
-  dispatch(t, [&]<typename T>(T) { map_rows<T>(dx, x, dy, false, c, gelu_tanh_grad<T>); });
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(args.dx, args.x, args.dy, false, c, gelu_tanh_grad<T>); });
 }
 
 }  // namespace flux8

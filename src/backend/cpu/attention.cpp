@@ -18,7 +18,13 @@ constexpr int64_t kQueryBlock = 128;
 
 }  // namespace
 
-void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
+void CpuBackend::execute(const op::Attention& args) {
+  Tensor o = args.o;
+  Tensor lse = args.lse;
+  Tensor q = args.q;
+  Tensor k = args.k;
+  Tensor v = args.v;
+  double scale = args.scale;
   constexpr std::string_view op = "attention";
   const DType t = call_dtype(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
   const auto [B, n, L, D] = ops::check_attention(op, o, lse, q, k, v);
@@ -54,57 +60,56 @@ void CpuBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, d
 
 // With P = exp(S − lse), dP = dO·Vᵀ and δ_i = dO_i·O_i (= Σ_j P_ij dP_ij):
 //   dV = Pᵀ·dO,  dS = P ⊙ (dP − δ)·scale,  dQ = dS·K,  dK = dSᵀ·Q.
-void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                                    Tensor k, Tensor v, Tensor o, Tensor lse, double scale) {
+void CpuBackend::execute(const op::AttentionBackward& args) {
   constexpr std::string_view op = "attention_backward";
-  const DType t = call_dtype(op, {{"dq", dq},
-                                  {"dk", dk},
-                                  {"dv", dv},
-                                  {"dout", dout},
-                                  {"q", q},
-                                  {"k", k},
-                                  {"v", v},
-                                  {"o", o},
-                                  {"lse", lse}});
-  const auto [B, n, L, D] = ops::check_attention_backward(op, dq, dk, dv, dout, q, k, v, o, lse);
+  const DType t = call_dtype(op, {{"dq", args.dq},
+                                  {"dk", args.dk},
+                                  {"dv", args.dv},
+                                  {"dout", args.dout},
+                                  {"q", args.q},
+                                  {"k", args.k},
+                                  {"v", args.v},
+                                  {"o", args.o},
+                                  {"lse", args.lse}});
+  const auto [B, n, L, D] = ops::check_attention_backward(op, args.dq, args.dk, args.dv, args.dout, args.q, args.k, args.v, args.o, args.lse);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const size_t block = static_cast<size_t>(std::min(kQueryBlock, L) * L);
     std::vector<T> p(block), dp(block);
     for (int64_t bh = 0; bh < B * n; ++bh) {
-      const T *kh = row<T>(k, bh * L), *vh = row<T>(v, bh * L);
+      const T *kh = row<T>(args.k, bh * L), *vh = row<T>(args.v, bh * L);
       for (int64_t i0 = 0; i0 < L; i0 += kQueryBlock) {
         const int64_t m = std::min(kQueryBlock, L - i0);
-        const T *qb = row<T>(q, bh * L + i0), *dob = row<T>(dout, bh * L + i0);
+        const T *qb = row<T>(args.q, bh * L + i0), *dob = row<T>(args.dout, bh * L + i0);
         const T beta = i0 == 0 ? T(0) : T(1);  // dK, dV sum over query blocks
-        gemm<T>(false, true, m, L, D, static_cast<T>(scale), qb, q.ld, kh, k.ld, T(0), p.data(), L);
+        gemm<T>(false, true, m, L, D, static_cast<T>(args.scale), qb, args.q.ld, kh, args.k.ld, T(0), p.data(), L);
         parallel_for(m, c, [&](int64_t i) {
-          const T l = lse.ptr<T>()[bh * L + i0 + i];
+          const T l = args.lse.ptr<T>()[bh * L + i0 + i];
           for (int64_t j = 0; j < L; ++j) p[i * L + j] = std::exp(p[i * L + j] - l);
         });
-        if (dv.defined())
-          gemm<T>(true, false, L, D, m, T(1), p.data(), L, dob, dout.ld, beta, row<T>(dv, bh * L),
-                  dv.ld);
-        if (!dq.defined() && !dk.defined()) continue;
-        gemm<T>(false, true, m, L, D, T(1), dob, dout.ld, vh, v.ld, T(0), dp.data(), L);
+        if (args.dv.defined())
+          gemm<T>(true, false, L, D, m, T(1), p.data(), L, dob, args.dout.ld, beta, row<T>(args.dv, bh * L),
+                  args.dv.ld);
+        if (!args.dq.defined() && !args.dk.defined()) continue;
+        gemm<T>(false, true, m, L, D, T(1), dob, args.dout.ld, vh, args.v.ld, T(0), dp.data(), L);
         parallel_for(m, c, [&](int64_t i) {
-          const T *doi = dob + i * dout.ld, *oi = row<T>(o, bh * L + i0 + i);
+          const T *doi = dob + i * args.dout.ld, *oi = row<T>(args.o, bh * L + i0 + i);
           double delta = 0;
           for (int64_t d = 0; d < D; ++d) delta += static_cast<double>(doi[d]) * oi[d];
           for (int64_t j = 0; j < L; ++j)
-            dp[i * L + j] = static_cast<T>(p[i * L + j] * (dp[i * L + j] - delta) * scale);
+            dp[i * L + j] = static_cast<T>(p[i * L + j] * (dp[i * L + j] - delta) * args.scale);
         });
-        if (dq.defined())
-          gemm<T>(false, false, m, D, L, T(1), dp.data(), L, kh, k.ld, T(0),
-                  row<T>(dq, bh * L + i0), dq.ld);
-        if (dk.defined())
-          gemm<T>(true, false, L, D, m, T(1), dp.data(), L, qb, q.ld, beta, row<T>(dk, bh * L),
-                  dk.ld);
+        if (args.dq.defined())
+          gemm<T>(false, false, m, D, L, T(1), dp.data(), L, kh, args.k.ld, T(0),
+                  row<T>(args.dq, bh * L + i0), args.dq.ld);
+        if (args.dk.defined())
+          gemm<T>(true, false, L, D, m, T(1), dp.data(), L, qb, args.q.ld, beta, row<T>(args.dk, bh * L),
+                  args.dk.ld);
       }
     }
     // Round once the block sums are complete, as a kernel storing bf16 results would.
     if (c.round_bf16)
-      for (const Tensor* g : {&dq, &dk, &dv})
+      for (const Tensor* g : {&args.dq, &args.dk, &args.dv})
         if (g->defined())
           parallel_for(g->rows(), c, [&](int64_t r) {
             T* gr = row<T>(*g, r);

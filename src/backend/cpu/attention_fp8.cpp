@@ -37,11 +37,13 @@ void record_amax(float* target, const std::vector<float>& row_amax) {
 }
 
 // Writes `value`·scale cast to t's format as element i of t.
-inline void put(QTensor& t, int64_t i, float value, float scale) { t.codes[i] = quantize_value(value, scale, t.format); }
+inline void put(const QTensor& t, int64_t i, float value, float scale) { t.codes[i] = quantize_value(value, scale, t.format); }
 
 }  // namespace
 
-void CpuBackend::dequantize(Tensor y, const QTensor& x) {
+void CpuBackend::execute(const op::Dequantize& args) {
+  Tensor y = args.y;
+  const QTensor&x = args.x;
   ops::check_dequantize("dequantize", y, x);
   const float scale_inv = x.scale_inv[0];
   const Ctx c = make_ctx(options_, DType::f32);
@@ -54,16 +56,15 @@ void CpuBackend::dequantize(Tensor y, const QTensor& x) {
   });
 }
 
-void CpuBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v,
-                               Shape heads, double scale, const Fp8AttentionScales& sc) {
+void CpuBackend::execute(const op::AttentionFp8& args) {
   constexpr std::string_view op = "attention_fp8";
-  const auto [B, n, L, D] = ops::check_attention_fp8(op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}}, lse,
-                                                     {{"o", sc.o}});
+  const auto [B, n, L, D] = ops::check_attention_fp8(op, args.heads, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}}, args.lse,
+                                                     {{"o", args.sc.o}});
   const Ctx c = make_ctx(options_, DType::f32);
-  const std::vector<float> qv = decode(q), kv = decode(k), vv = decode(v);
-  const float attn = static_cast<float>(scale), descale_q = q.scale_inv[0], descale_k = k.scale_inv[0],
-              descale_v = v.scale_inv[0], scale_s = Fp8AttentionScales::p_scale(q.format),
-              descale_s = scale_inverse(scale_s), scale_o = *sc.o;
+  const std::vector<float> qv = decode(args.q), kv = decode(args.k), vv = decode(args.v);
+  const float attn = static_cast<float>(args.scale), descale_q = args.q.scale_inv[0], descale_k = args.k.scale_inv[0],
+              descale_v = args.v.scale_inv[0], scale_s = Fp8AttentionScales::p_scale(args.q.format),
+              descale_s = scale_inverse(scale_s), scale_o = *args.sc.o;
   const int64_t rows = B * n * L;
   std::vector<float> amax_s(static_cast<size_t>(rows), 0.0f), amax_o(static_cast<size_t>(rows), 0.0f);
   std::vector<float> p(static_cast<size_t>(std::min(kQueryBlock, L) * L)), acc(static_cast<size_t>(kQueryBlock * D));
@@ -78,12 +79,12 @@ void CpuBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QT
         for (int64_t j = 0; j < L; ++j) mx = std::max(mx, pi[j] = pi[j] * attn * descale_q * descale_k);
         float sum = 0.0f;
         for (int64_t j = 0; j < L; ++j) sum += (pi[j] = std::exp(pi[j] - mx));
-        lse.ptr<float>()[r0 + i] = mx + std::log(sum);
+        args.lse.ptr<float>()[r0 + i] = mx + std::log(sum);
         float a = 0.0f;
         for (int64_t j = 0; j < L; ++j) {
           const float prob = pi[j] / sum;
           a = amax_accumulate(a, prob);
-          pi[j] = fp8_decode(quantize_value(prob, scale_s, q.format), q.format);  // P8's value
+          pi[j] = fp8_decode(quantize_value(prob, scale_s, args.q.format), args.q.format);  // P8's value
         }
         amax_s[static_cast<size_t>(r0 + i)] = a;
       });
@@ -93,32 +94,30 @@ void CpuBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QT
         for (int64_t d = 0; d < D; ++d) {
           const float x = acc[static_cast<size_t>(i * D + d)] * descale_s * descale_v;
           a = amax_accumulate(a, x);
-          put(o, (r0 + i) * D + d, x, scale_o);
+          put(args.o, (r0 + i) * D + d, x, scale_o);
         }
         amax_o[static_cast<size_t>(r0 + i)] = a;
       });
     }
   }
-  o.scale_inv[0] = scale_inverse(scale_o);
-  record_amax(sc.amax_s, amax_s);
-  record_amax(sc.amax_o, amax_o);
+  args.o.scale_inv[0] = scale_inverse(scale_o);
+  record_amax(args.sc.amax_s, amax_s);
+  record_amax(args.sc.amax_o, amax_o);
 }
 
 // The backward graph's order: δ = rowsum(dO ⊙ O)·descale_dO·descale_O; P = exp(S − lse);
 // dV = P8ᵀ·dO; dP = dO·vᵀ; dS = (dP − δ)·P·scale; dQ = dS8·k; dK = dS8ᵀ·q.
-void CpuBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
-                                        const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
-                                        double scale, const Fp8AttentionScales& sc) {
+void CpuBackend::execute(const op::AttentionFp8Backward& args) {
   constexpr std::string_view op = "attention_fp8_backward";
   const auto [B, n, L, D] = ops::check_attention_fp8(
-      op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}}, lse,
-      {{"ds", sc.ds}, {"ds_inv", sc.ds_inv}, {"dq", sc.dq}, {"dk", sc.dk}, {"dv", sc.dv}});
+      op, args.heads, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}, {"dout", args.dout}, {"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}}, args.lse,
+      {{"ds", args.sc.ds}, {"ds_inv", args.sc.ds_inv}, {"dq", args.sc.dq}, {"dk", args.sc.dk}, {"dv", args.sc.dv}});
   const Ctx c = make_ctx(options_, DType::f32);
-  const std::vector<float> qv = decode(q), kv = decode(k), vv = decode(v), ov = decode(o), dov = decode(dout);
-  const float attn = static_cast<float>(scale), descale_q = q.scale_inv[0], descale_k = k.scale_inv[0],
-              descale_v = v.scale_inv[0], descale_o = o.scale_inv[0], descale_do = dout.scale_inv[0],
-              scale_s = Fp8AttentionScales::p_scale(q.format), descale_s = scale_inverse(scale_s),
-              scale_ds = *sc.ds, descale_ds = *sc.ds_inv;
+  const std::vector<float> qv = decode(args.q), kv = decode(args.k), vv = decode(args.v), ov = decode(args.o), dov = decode(args.dout);
+  const float attn = static_cast<float>(args.scale), descale_q = args.q.scale_inv[0], descale_k = args.k.scale_inv[0],
+              descale_v = args.v.scale_inv[0], descale_o = args.o.scale_inv[0], descale_do = args.dout.scale_inv[0],
+              scale_s = Fp8AttentionScales::p_scale(args.q.format), descale_s = scale_inverse(scale_s),
+              scale_ds = *args.sc.ds, descale_ds = *args.sc.ds_inv;
   const int64_t rows = B * n * L, per_head = L * D;
   // dQ, dK, dV in f32 before their casts: dK and dV sum over query blocks.
   std::vector<float> dq32(static_cast<size_t>(rows * D)), dk32(dq32.size()), dv32(dq32.size());
@@ -133,11 +132,11 @@ void CpuBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, cons
       const float beta = i0 == 0 ? 0.0f : 1.0f;
       gemm<float>(false, true, m, L, D, 1.0f, qb, D, kh, D, 0.0f, p.data(), L);
       parallel_for(m, c, [&](int64_t i) {
-        const float l = lse.ptr<float>()[r0 + i];
+        const float l = args.lse.ptr<float>()[r0 + i];
         for (int64_t j = 0; j < L; ++j) {
           const size_t e = static_cast<size_t>(i * L + j);
           p[e] = std::exp(p[e] * attn * descale_q * descale_k - l);
-          p8[e] = fp8_decode(quantize_value(p[e], scale_s, q.format), q.format);
+          p8[e] = fp8_decode(quantize_value(p[e], scale_s, args.q.format), args.q.format);
         }
       });
       gemm<float>(true, false, L, D, m, 1.0f, p8.data(), L, dob, D, beta, dv32.data() + bh * per_head, D);
@@ -152,7 +151,7 @@ void CpuBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, cons
           const size_t e = static_cast<size_t>(i * L + j);
           const float ds = (dp[e] * descale_do * descale_v - delta) * p[e] * attn;
           a = amax_accumulate(a, ds);
-          dp[e] = fp8_decode(quantize_value(ds, scale_ds, dout.format), dout.format);  // dS8's value
+          dp[e] = fp8_decode(quantize_value(ds, scale_ds, args.dout.format), args.dout.format);  // dS8's value
         }
         amax_ds[static_cast<size_t>(r0 + i)] = a;
       });
@@ -162,14 +161,14 @@ void CpuBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, cons
   }
   // Descale, record the amaxes, cast: the graph's dQ = (dS8·k)·descale_dS·descale_k, and alike.
   struct Out {
-    QTensor& t;
+    const QTensor& t;
     std::vector<float>& x;
     float descale_a, descale_b, scale;
     float* amax;
   };
-  for (Out g : {Out{dq, dq32, descale_ds, descale_k, *sc.dq, sc.amax_dq},
-                Out{dk, dk32, descale_ds, descale_q, *sc.dk, sc.amax_dk},
-                Out{dv, dv32, descale_s, descale_do, *sc.dv, sc.amax_dv}}) {
+  for (Out g : {Out{args.dq, dq32, descale_ds, descale_k, *args.sc.dq, args.sc.amax_dq},
+                Out{args.dk, dk32, descale_ds, descale_q, *args.sc.dk, args.sc.amax_dk},
+                Out{args.dv, dv32, descale_s, descale_do, *args.sc.dv, args.sc.amax_dv}}) {
     std::vector<float> row_amax(static_cast<size_t>(rows), 0.0f);
     parallel_for(rows, c, [&](int64_t r) {
       float a = 0.0f;
@@ -183,7 +182,7 @@ void CpuBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, cons
     g.t.scale_inv[0] = scale_inverse(g.scale);
     record_amax(g.amax, row_amax);
   }
-  record_amax(sc.amax_ds, amax_ds);
+  record_amax(args.sc.amax_ds, amax_ds);
 }
 
 }  // namespace flux8

@@ -11,18 +11,18 @@
 namespace flux8 {
 using namespace cpu;
 
-void CpuBackend::timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) {
+void CpuBackend::execute(const op::TimestepEmbedding& args) {
   constexpr std::string_view op = "timestep_embedding";
-  const DType dt = call_dtype(op, {{"out", out}, {"t", t}});
-  require_rank(op, {"out", out}, 2);
-  const int64_t B = out.shape[0], dim = out.shape[1], half = dim / 2;
-  require_vector(op, {"t", t}, B);
+  const DType dt = call_dtype(op, {{"out", args.out}, {"t", args.t}});
+  require_rank(op, {"out", args.out}, 2);
+  const int64_t B = args.out.shape[0], dim = args.out.shape[1], half = dim / 2;
+  require_vector(op, {"t", args.t}, B);
   const Ctx c = make_ctx(options_, dt);
   dispatch(dt, [&]<typename T>(T) {
-    const double neg_log_period = -std::log(static_cast<double>(max_period));
+    const double neg_log_period = -std::log(static_cast<double>(args.max_period));
     parallel_for(B, c, [&](int64_t b) {
-      const double scaled_t = static_cast<double>(time_factor) * static_cast<double>(t.ptr<T>()[b]);
-      T* o = row<T>(out, b);
+      const double scaled_t = static_cast<double>(args.time_factor) * static_cast<double>(args.t.ptr<T>()[b]);
+      T* o = row<T>(args.out, b);
       for (int64_t k = 0; k < half; ++k) {
         const double arg = scaled_t * std::exp(neg_log_period * static_cast<double>(k) /
                                                static_cast<double>(half));

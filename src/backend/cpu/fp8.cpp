@@ -72,47 +72,53 @@ std::vector<float> dequantize_view(const QTensor& q, const Ctx& c) {
 
 }  // namespace
 
-void CpuBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
-  const bool any_copy = ops::check_quantize("quantize", rowwise, columnwise, x);
-  ops::check_column_sums("quantize", q.column_sums, x.cols());
+void CpuBackend::execute(const op::Quantize& args) {
+  const bool any_copy = ops::check_quantize("quantize", args.rowwise, args.columnwise, args.x);
+  ops::check_column_sums("quantize", args.q.column_sums, args.x.cols());
   const Ctx c = make_ctx(options_, DType::f32);
-  const int64_t R = x.rows(), C = x.cols();
+  const int64_t R = args.x.rows(), C = args.x.cols();
   if (any_copy) {
-    const std::vector<float> xr = gather(x, false, c);
+    const std::vector<float> xr = gather(args.x, false, c);
     // One scale for both copies under per-tensor scaling: the registry's (delayed) or this
     // tensor's current scale.
     const float amax = tensor_amax(xr.data(), R * C);
-    const float scale = q.delayed_scale ? *q.delayed_scale : current_scale(amax, fp8_max(q.format), q.pow2);
+    const float scale = args.q.delayed_scale ? *args.q.delayed_scale : current_scale(amax, fp8_max(args.q.format), args.q.pow2);
     CastStats st;
-    if (rowwise.defined()) store(rowwise, cast(xr, R, C, q, scale, &st), "rowwise");
-    if (columnwise.defined())
-      store(columnwise, cast(gather(x, true, c), C, R, q, scale, rowwise.defined() ? nullptr : &st), "columnwise");
-    if (q.amax) *q.amax = amax_accumulate(*q.amax, amax);
-    if (q.stats) q.stats->merge(st);
+    if (args.rowwise.defined()) store(args.rowwise, cast(xr, R, C, args.q, scale, &st), "rowwise");
+    if (args.columnwise.defined())
+      store(args.columnwise, cast(gather(args.x, true, c), C, R, args.q, scale, args.rowwise.defined() ? nullptr : &st), "columnwise");
+    if (args.q.amax) *args.q.amax = amax_accumulate(*args.q.amax, amax);
+    if (args.q.stats) args.q.stats->merge(st);
   }
-  if (q.column_sums.defined()) {  // as linear_backward's db
-    if (!q.column_sums_accumulate) fill(q.column_sums, 0.0);
-    add_column_sums<float>(q.column_sums, x, c);
+  if (args.q.column_sums.defined()) {  // as linear_backward's db
+    if (!args.q.column_sums_accumulate) fill(args.q.column_sums, 0.0);
+    add_column_sums<float>(args.q.column_sums, args.x, c);
   }
 }
 
-void CpuBackend::transpose_codes(QTensor dst, const QTensor& src) {
+void CpuBackend::execute(const op::TransposeCodes& args) {
+  QTensor dst = args.dst;
+  const QTensor&src = args.src;
   ops::check_transpose_codes("transpose_codes", dst, src);
   for (int64_t r = 0; r < src.rows; ++r)
     for (int64_t c = 0; c < src.cols; ++c) dst.codes[c * src.rows + r] = src.codes[r * src.cols + c];
   dst.scale_inv[0] = src.scale_inv[0];
 }
 
-void CpuBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
-                                        AmaxAlgo algo, int margin) {
-  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", amax_history, scale, scale_inv, fp8_max);
-  delayed_update_all(amax_history.ptr<float>(), static_cast<int>(d.n), static_cast<int>(d.L), fp8_max.ptr<float>(),
-                     algo, margin, scale.ptr<float>(), scale_inv.ptr<float>());
+void CpuBackend::execute(const op::DelayedScalingUpdate& args) {
+  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", args.amax_history, args.scale, args.scale_inv, args.fp8_max);
+  delayed_update_all(args.amax_history.ptr<float>(), static_cast<int>(d.n), static_cast<int>(d.L), args.fp8_max.ptr<float>(),
+                     args.algo, args.margin, args.scale.ptr<float>(), args.scale_inv.ptr<float>());
 }
 
 // fp32 sums whatever `sum` asks: the CPU has no faster, less precise accumulation to offer.
-void CpuBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
-                             Fp8Accumulation /*sum*/) {
+void CpuBackend::execute(const op::GemmFp8Tn& args) {
+  Tensor c = args.c;
+  const QTensor&a = args.a;
+  const QTensor&b = args.b;
+  Tensor bias = args.bias;
+  bool accumulate = args.accumulate;
+  Fp8Accumulation /*sum*/ unused_5 = args.sum;
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", c});
   if (c.dtype != DType::f32) fail("{}: output {} must be f32", op, c.str());

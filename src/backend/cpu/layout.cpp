@@ -39,41 +39,41 @@ void move_tokens(const Tensor& joint, const Tensor& part, int64_t offset, bool t
 
 }  // namespace
 
-void CpuBackend::tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) {
-  const DType t = call_dtype("tokens_to_heads", {{"heads", heads}, {"tokens", tokens}});
-  check_heads_tokens("tokens_to_heads", heads, tokens, token_offset);
+void CpuBackend::execute(const op::TokensToHeads& args) {
+  const DType t = call_dtype("tokens_to_heads", {{"heads", args.heads}, {"tokens", args.tokens}});
+  check_heads_tokens("tokens_to_heads", args.heads, args.tokens, args.token_offset);
   const Ctx c = make_ctx(options_, t);
-  dispatch(t, [&]<typename T>(T) { move_heads<T>(heads, tokens, token_offset, true, c); });
+  dispatch(t, [&]<typename T>(T) { move_heads<T>(args.heads, args.tokens, args.token_offset, true, c); });
 }
 
-void CpuBackend::heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) {
-  const DType t = call_dtype("heads_to_tokens", {{"tokens", tokens}, {"heads", heads}});
-  check_heads_tokens("heads_to_tokens", heads, tokens, token_offset);
+void CpuBackend::execute(const op::HeadsToTokens& args) {
+  const DType t = call_dtype("heads_to_tokens", {{"tokens", args.tokens}, {"heads", args.heads}});
+  check_heads_tokens("heads_to_tokens", args.heads, args.tokens, args.token_offset);
   const Ctx c = make_ctx(options_, t);
-  dispatch(t, [&]<typename T>(T) { move_heads<T>(heads, tokens, token_offset, false, c); });
+  dispatch(t, [&]<typename T>(T) { move_heads<T>(args.heads, args.tokens, args.token_offset, false, c); });
 }
 
-void CpuBackend::concat_tokens(Tensor out, Tensor a, Tensor b) {
-  const DType t = call_dtype("concat_tokens", {{"out", out}, {"a", a}, {"b", b}});
-  require_defined("concat_tokens", {"a", a});
-  require_defined("concat_tokens", {"b", b});
-  check_joint("concat_tokens", {"out", out}, a, b);
+void CpuBackend::execute(const op::ConcatTokens& args) {
+  const DType t = call_dtype("concat_tokens", {{"out", args.out}, {"a", args.a}, {"b", args.b}});
+  require_defined("concat_tokens", {"a", args.a});
+  require_defined("concat_tokens", {"b", args.b});
+  check_joint("concat_tokens", {"out", args.out}, args.a, args.b);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    move_tokens<T>(out, a, 0, true, c);
-    move_tokens<T>(out, b, a.shape[1], true, c);
+    move_tokens<T>(args.out, args.a, 0, true, c);
+    move_tokens<T>(args.out, args.b, args.a.shape[1], true, c);
   });
 }
 
-void CpuBackend::split_tokens(Tensor a, Tensor b, Tensor in) {
-  const DType t = call_dtype("split_tokens", {{"a", a}, {"b", b}, {"in", in}});
-  check_joint("split_tokens", {"in", in}, a, b);
+void CpuBackend::execute(const op::SplitTokens& args) {
+  const DType t = call_dtype("split_tokens", {{"a", args.a}, {"b", args.b}, {"in", args.in}});
+  check_joint("split_tokens", {"in", args.in}, args.a, args.b);
   // b is the tail of the sequence: with a undefined, its offset is what b does not cover.
-  const int64_t b_offset = in.shape[1] - (b.defined() ? b.shape[1] : 0);
+  const int64_t b_offset = args.in.shape[1] - (args.b.defined() ? args.b.shape[1] : 0);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    if (a.defined()) move_tokens<T>(in, a, 0, false, c);
-    if (b.defined()) move_tokens<T>(in, b, b_offset, false, c);
+    if (args.a.defined()) move_tokens<T>(args.in, args.a, 0, false, c);
+    if (args.b.defined()) move_tokens<T>(args.in, args.b, b_offset, false, c);
   });
 }
 

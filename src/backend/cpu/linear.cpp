@@ -37,88 +37,87 @@ template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const 
 
 }  // namespace cpu
 
-void CpuBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
+void CpuBackend::execute(const op::Linear& args) {
   constexpr std::string_view op = "linear";
-  const DType t = call_dtype(op, {{"y", y}, {"x", x}, {"w", w}, {"b", b}});
-  const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
+  const DType t = call_dtype(op, {{"y", args.y}, {"x", args.x}, {"w", args.w}, {"b", args.b}});
+  const auto [N, K, M] = ops::check_linear(op, args.y, args.x, args.w, args.b);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    parallel_gemm<T>(c, false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), y.ptr<T>(), y.ld);
+    parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0), args.y.ptr<T>(), args.y.ld);
     // Bias after the product, as a GEMM epilogue does.
-    const T* bias = b.defined() ? b.ptr<T>() : nullptr;
+    const T* bias = args.b.defined() ? args.b.ptr<T>() : nullptr;
     if (!bias && !c.round_bf16) return;
     parallel_for(N, c, [&](int64_t r) {
-      T* yr = row<T>(y, r);
+      T* yr = row<T>(args.y, r);
       for (int64_t j = 0; j < M; ++j) yr[j] = act<T>(bias ? yr[j] + bias[j] : yr[j], c);
     });
   });
 }
 
 // The epilogue's order: the sum plus bias unrounded, the GELU of that, each output rounded once.
-void CpuBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) {
+void CpuBackend::execute(const op::LinearGelu& args) {
   constexpr std::string_view op = "linear_gelu";
-  const DType t = call_dtype(op, {{"y", y}, {"h", h}, {"x", x}, {"w", w}, {"b", b}});
-  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
+  const DType t = call_dtype(op, {{"y", args.y}, {"h", args.h}, {"x", args.x}, {"w", args.w}, {"b", args.b}});
+  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_gelu(op, args.y, args.h, args.x, args.w, args.b);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    parallel_gemm<T>(c, false, true, N, M, K, T(1), x.ptr<T>(), x.ld, w.ptr<T>(), w.ld, T(0), h.ptr<T>(), h.ld);
-    gelu_epilogue<T>(h, y, b.defined() ? b.ptr<T>() : nullptr, c);
+    parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0), args.h.ptr<T>(), args.h.ld);
+    gelu_epilogue<T>(args.h, args.y, args.b.defined() ? args.b.ptr<T>() : nullptr, c);
   });
 }
 
-void CpuBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) {
+void CpuBackend::execute(const op::LinearDgradGelu& args) {
   constexpr std::string_view op = "linear_dgrad_gelu";
-  const DType t = call_dtype(op, {{"dx", dx}, {"dh", dh}, {"dy", dy}, {"w", w}, {"h", h}});
-  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, dx, dh, dy, w, h);
+  const DType t = call_dtype(op, {{"dx", args.dx}, {"dh", args.dh}, {"dy", args.dy}, {"w", args.w}, {"h", args.h}});
+  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, args.dx, args.dh, args.dy, args.w, args.h);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     // The whole product P = dy·w first (one GEMM, as an unfused backward computes it), unrounded.
     std::vector<T> p(static_cast<size_t>(N * K));
-    parallel_gemm<T>(c, false, false, N, K, M, T(1), dy.ptr<T>(), dy.ld, w.ptr<T>(), w.ld, T(0), p.data(), K);
-    dgelu_epilogue<T>(p.data(), dx, dh, h, c);
+    parallel_gemm<T>(c, false, false, N, K, M, T(1), args.dy.ptr<T>(), args.dy.ld, args.w.ptr<T>(), args.w.ld, T(0), p.data(), K);
+    dgelu_epilogue<T>(p.data(), args.dx, args.dh, args.h, c);
   });
 }
 
-void CpuBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
-                                 bool accumulate_dx, bool accumulate_params) {
+void CpuBackend::execute(const op::LinearBackward& args) {
   constexpr std::string_view op = "linear_backward";
   const DType t =
-      call_dtype(op, {{"dx", dx}, {"dw", dw}, {"db", db}, {"dy", dy}, {"x", x}, {"w", w}});
-  require_defined(op, {"dy", dy});
-  require_rank(op, {"w", w}, 2);
-  const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
-  if (w.shape[0] != M)
-    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M,
-         dy.str());
+      call_dtype(op, {{"dx", args.dx}, {"dw", args.dw}, {"db", args.db}, {"dy", args.dy}, {"x", args.x}, {"w", args.w}});
+  require_defined(op, {"dy", args.dy});
+  require_rank(op, {"w", args.w}, 2);
+  const int64_t N = args.dy.rows(), M = args.dy.cols(), K = args.w.shape[1];
+  if (args.w.shape[0] != M)
+    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, args.w.str(), M,
+         args.dy.str());
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    if (dx.defined()) {
-      if (dx.rows() != N || dx.cols() != K)
-        fail("{}: input gradient 'dx' {} must have {} rows of {} columns", op, dx.str(), N, K);
-      parallel_gemm<T>(c, false, false, N, K, M, T(1), dy.ptr<T>(), dy.ld, w.ptr<T>(), w.ld,
-              accumulate_dx ? T(1) : T(0), dx.ptr<T>(), dx.ld);
+    if (args.dx.defined()) {
+      if (args.dx.rows() != N || args.dx.cols() != K)
+        fail("{}: input gradient 'dx' {} must have {} rows of {} columns", op, args.dx.str(), N, K);
+      parallel_gemm<T>(c, false, false, N, K, M, T(1), args.dy.ptr<T>(), args.dy.ld, args.w.ptr<T>(), args.w.ld,
+              args.accumulate_dx ? T(1) : T(0), args.dx.ptr<T>(), args.dx.ld);
       if (c.round_bf16)
         parallel_for(N, c, [&](int64_t r) {
-          T* dxr = row<T>(dx, r);
+          T* dxr = row<T>(args.dx, r);
           for (int64_t j = 0; j < K; ++j) dxr[j] = act<T>(dxr[j], c);
         });
     }
-    if (dw.defined()) {
-      require_shape(op, {"dw", dw}, w.shape);
-      require_defined(op, {"x", x});
-      if (x.rows() != N || x.cols() != K)
-        fail("{}: input 'x' {} must have {} rows of {} columns", op, x.str(), N, K);
+    if (args.dw.defined()) {
+      require_shape(op, {"dw", args.dw}, args.w.shape);
+      require_defined(op, {"x", args.x});
+      if (args.x.rows() != N || args.x.cols() != K)
+        fail("{}: input 'x' {} must have {} rows of {} columns", op, args.x.str(), N, K);
       // beta = 0 overwrites (BLAS never reads C then, so stale or NaN contents do not leak).
-      if (!accumulate_params && N == 0) fill(dw, 0.0);  // no rows: no product to write
-      parallel_gemm<T>(c, true, false, M, K, N, T(1), dy.ptr<T>(), dy.ld, x.ptr<T>(), x.ld,
-                       accumulate_params ? T(1) : T(0), dw.ptr<T>(), dw.ld);
+      if (!args.accumulate_params && N == 0) fill(args.dw, 0.0);  // no rows: no product to write
+      parallel_gemm<T>(c, true, false, M, K, N, T(1), args.dy.ptr<T>(), args.dy.ld, args.x.ptr<T>(), args.x.ld,
+                       args.accumulate_params ? T(1) : T(0), args.dw.ptr<T>(), args.dw.ld);
     }
-    if (db.defined()) {
-      if (db.numel() != M || !db.contiguous())
-        fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(),
+    if (args.db.defined()) {
+      if (args.db.numel() != M || !args.db.contiguous())
+        fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, args.db.str(),
              M);
-      if (!accumulate_params) fill(db, 0.0);
-      add_column_sums<T>(db, dy, c);
+      if (!args.accumulate_params) fill(args.db, 0.0);
+      add_column_sums<T>(args.db, args.dy, c);
     }
   });
 }

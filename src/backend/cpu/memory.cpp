@@ -29,12 +29,12 @@ void* CpuBackend::allocate(size_t bytes) {
   return p;
 }
 
-void CpuBackend::release(void* p) {
+void CpuBackend::do_release(void* p) {
   track_release(p);
   std::free(p);
 }
 
-void CpuBackend::upload(void* dst, const void* host_src, size_t bytes) {
+void CpuBackend::do_upload(void* dst, const void* host_src, size_t bytes) {
   if (bytes) std::memcpy(dst, host_src, bytes);
 }
 
@@ -53,7 +53,7 @@ class CpuCopyQueue final : public Backend::CopyQueue {
 
 std::unique_ptr<Backend::CopyQueue> CpuBackend::make_copy_queue() { return std::make_unique<CpuCopyQueue>(); }
 
-void CpuBackend::download(void* host_dst, const void* src, size_t bytes) {
+void CpuBackend::do_download(void* host_dst, const void* src, size_t bytes) {
   if (bytes) std::memcpy(host_dst, src, bytes);
 }
 

@@ -9,28 +9,27 @@
 namespace flux8 {
 using namespace cpu;
 
-void CpuBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift,
-                                    Tensor scale, double eps) {
+void CpuBackend::execute(const op::LayernormModulate& args) {
   constexpr std::string_view op = "layernorm_modulate";
   const DType t = call_dtype(
-      op, {{"y", y}, {"mean", mean}, {"rstd", rstd}, {"x", x}, {"shift", shift}, {"scale", scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate(op, y, mean, rstd, x, shift, scale);
+      op, {{"y", args.y}, {"mean", args.mean}, {"rstd", args.rstd}, {"x", args.x}, {"shift", args.shift}, {"scale", args.scale}});
+  const auto [B, L, H] = ops::check_layernorm_modulate(op, args.y, args.mean, args.rstd, args.x, args.shift, args.scale);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * L, c, [&](int64_t r) {
-      const T* xr = row<T>(x, r);
+      const T* xr = row<T>(args.x, r);
       double sum = 0;
       for (int64_t j = 0; j < H; ++j) sum += xr[j];
       const double mu = sum / static_cast<double>(H);
       double sq = 0;  // two-pass variance: no cancellation for rows with a large mean
       for (int64_t j = 0; j < H; ++j) sq += (xr[j] - mu) * (xr[j] - mu);
       const T mu_t = static_cast<T>(mu);
-      const T rs_t = static_cast<T>(1.0 / std::sqrt(sq / static_cast<double>(H) + eps));
-      mean.ptr<T>()[r] = mu_t;
-      rstd.ptr<T>()[r] = rs_t;
-      if (!y.defined()) return;  // statistics only
-      const T *sh = row<T>(shift, r / L), *sc = row<T>(scale, r / L);
-      T* yr = row<T>(y, r);
+      const T rs_t = static_cast<T>(1.0 / std::sqrt(sq / static_cast<double>(H) + args.eps));
+      args.mean.ptr<T>()[r] = mu_t;
+      args.rstd.ptr<T>()[r] = rs_t;
+      if (!args.y.defined()) return;  // statistics only
+      const T *sh = row<T>(args.shift, r / L), *sc = row<T>(args.scale, r / L);
+      T* yr = row<T>(args.y, r);
       for (int64_t j = 0; j < H; ++j) {
         const double xhat = (static_cast<double>(xr[j]) - mu_t) * rs_t;
         yr[j] = act<T>(static_cast<T>((1.0 + sc[j]) * xhat + sh[j]), c);
@@ -40,29 +39,27 @@ void CpuBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x
 }
 
 // With g = dy·(1 + scale) = ∂loss/∂x̂:  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)).
-void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy,
-                                             Tensor x, Tensor mean, Tensor rstd, Tensor scale,
-                                             bool accumulate_dx) {
+void CpuBackend::execute(const op::LayernormModulateBackward& args) {
   constexpr std::string_view op = "layernorm_modulate_backward";
-  const DType t = call_dtype(op, {{"dx", dx},
-                                  {"dshift", dshift},
-                                  {"dscale", dscale},
-                                  {"dy", dy},
-                                  {"x", x},
-                                  {"mean", mean},
-                                  {"rstd", rstd},
-                                  {"scale", scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, dy, x, mean, rstd);
+  const DType t = call_dtype(op, {{"dx", args.dx},
+                                  {"dshift", args.dshift},
+                                  {"dscale", args.dscale},
+                                  {"dy", args.dy},
+                                  {"x", args.x},
+                                  {"mean", args.mean},
+                                  {"rstd", args.rstd},
+                                  {"scale", args.scale}});
+  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, args.dy, args.x, args.mean, args.rstd);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const auto xhat = [&](int64_t r, int64_t j) {
-      return (static_cast<double>(row<T>(x, r)[j]) - mean.ptr<T>()[r]) * rstd.ptr<T>()[r];
+      return (static_cast<double>(row<T>(args.x, r)[j]) - args.mean.ptr<T>()[r]) * args.rstd.ptr<T>()[r];
     };
-    if (dx.defined()) {
-      require_shape(op, {"dx", dx}, x.shape);
-      require_shape(op, {"scale", scale}, Shape{B, H});
+    if (args.dx.defined()) {
+      require_shape(op, {"dx", args.dx}, args.x.shape);
+      require_shape(op, {"scale", args.scale}, Shape{B, H});
       parallel_for(B * L, c, [&](int64_t r) {
-        const T *dyr = row<T>(dy, r), *sc = row<T>(scale, r / L);
+        const T *dyr = row<T>(args.dy, r), *sc = row<T>(args.scale, r / L);
         double sum_g = 0, sum_gx = 0;
         for (int64_t j = 0; j < H; ++j) {
           const double g = dyr[j] * (1.0 + sc[j]);
@@ -71,12 +68,12 @@ void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor ds
         }
         const double mean_g = sum_g / static_cast<double>(H);
         const double mean_gx = sum_gx / static_cast<double>(H);
-        const double rs = rstd.ptr<T>()[r];
-        T* dxr = row<T>(dx, r);
+        const double rs = args.rstd.ptr<T>()[r];
+        T* dxr = row<T>(args.dx, r);
         for (int64_t j = 0; j < H; ++j) {
           const double g = dyr[j] * (1.0 + sc[j]);
           const T v = static_cast<T>(rs * (g - mean_g - xhat(r, j) * mean_gx));
-          dxr[j] = act<T>(accumulate_dx ? dxr[j] + v : v, c);
+          dxr[j] = act<T>(args.accumulate_dx ? dxr[j] + v : v, c);
         }
       });
     }
@@ -85,17 +82,17 @@ void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor ds
       for (int64_t b = 0; b < B; ++b)
         for (int64_t j = 0; j < H; ++j) row<T>(out, b)[j] = act<T>(static_cast<T>(s[b * H + j]), c);
     };
-    if (dshift.defined()) {
-      require_shape(op, {"dshift", dshift}, Shape{B, H});
-      store(dshift, grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
-              const T* dyr = row<T>(dy, b * L + l);
+    if (args.dshift.defined()) {
+      require_shape(op, {"dshift", args.dshift}, Shape{B, H});
+      store(args.dshift, grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
+              const T* dyr = row<T>(args.dy, b * L + l);
               for (int64_t j = 0; j < H; ++j) acc[j] += dyr[j];
             }));
     }
-    if (dscale.defined()) {
-      require_shape(op, {"dscale", dscale}, Shape{B, H});
-      store(dscale, grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
-              const T* dyr = row<T>(dy, b * L + l);
+    if (args.dscale.defined()) {
+      require_shape(op, {"dscale", args.dscale}, Shape{B, H});
+      store(args.dscale, grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
+              const T* dyr = row<T>(args.dy, b * L + l);
               for (int64_t j = 0; j < H; ++j) acc[j] += dyr[j] * xhat(b * L + l, j);
             }));
     }
@@ -103,67 +100,66 @@ void CpuBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor ds
 }
 
 // QK-norm: every D-wide head segment of a row is normalised on its own.
-void CpuBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) {
+void CpuBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
-  const DType t = call_dtype(op, {{"y", y}, {"rstd", rstd}, {"x", x}, {"scale", scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows();
-  const int64_t n = x.cols() / D;
-  require_same_matrix(op, {"y", y}, {"x", x});
-  require_vector(op, {"rstd", rstd}, rows * n);
+  const DType t = call_dtype(op, {{"y", args.y}, {"rstd", args.rstd}, {"x", args.x}, {"scale", args.scale}});
+  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows();
+  const int64_t n = args.x.cols() / D;
+  require_same_matrix(op, {"y", args.y}, {"x", args.x});
+  require_vector(op, {"rstd", args.rstd}, rows * n);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    const T* sc = scale.ptr<T>();
+    const T* sc = args.scale.ptr<T>();
     parallel_for(rows * n, c, [&](int64_t i) {
       const int64_t r = i / n, h = i % n;
-      const T* xs = row<T>(x, r) + h * D;
+      const T* xs = row<T>(args.x, r) + h * D;
       double sq = 0;
       for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(xs[d]) * xs[d];
-      const T rs = static_cast<T>(1.0 / std::sqrt(sq / static_cast<double>(D) + eps));
-      rstd.ptr<T>()[i] = rs;
-      T* ys = row<T>(y, r) + h * D;
+      const T rs = static_cast<T>(1.0 / std::sqrt(sq / static_cast<double>(D) + args.eps));
+      args.rstd.ptr<T>()[i] = rs;
+      T* ys = row<T>(args.y, r) + h * D;
       for (int64_t d = 0; d < D; ++d) ys[d] = act<T>(static_cast<T>(xs[d] * rs * sc[d]), c);
     });
   });
 }
 
 // With x̂ = x·rstd and g = dy·scale:  dx = rstd·(g − x̂·mean(g·x̂));  dscale += Σ dy·x̂.
-void CpuBackend::rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
-                                        Tensor scale) {
+void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
   const DType t = call_dtype(
-      op, {{"dx", dx}, {"dscale", dscale}, {"dy", dy}, {"x", x}, {"rstd", rstd}, {"scale", scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows();
-  const int64_t n = x.cols() / D;
-  require_same_matrix(op, {"dy", dy}, {"x", x});
-  require_vector(op, {"rstd", rstd}, rows * n);
+      op, {{"dx", args.dx}, {"dscale", args.dscale}, {"dy", args.dy}, {"x", args.x}, {"rstd", args.rstd}, {"scale", args.scale}});
+  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows();
+  const int64_t n = args.x.cols() / D;
+  require_same_matrix(op, {"dy", args.dy}, {"x", args.x});
+  require_vector(op, {"rstd", args.rstd}, rows * n);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
-    const T *sc = scale.ptr<T>(), *rs = rstd.ptr<T>();
-    if (dx.defined()) {
-      require_same_matrix(op, {"dx", dx}, {"x", x});
+    const T *sc = args.scale.ptr<T>(), *rs = args.rstd.ptr<T>();
+    if (args.dx.defined()) {
+      require_same_matrix(op, {"dx", args.dx}, {"x", args.x});
       parallel_for(rows * n, c, [&](int64_t i) {
         const int64_t r = i / n, h = i % n;
-        const T *xs = row<T>(x, r) + h * D, *dys = row<T>(dy, r) + h * D;
+        const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;
         double sum_gx = 0;
         for (int64_t d = 0; d < D; ++d)
           sum_gx += static_cast<double>(dys[d]) * sc[d] * xs[d] * rs[i];
         const double mean_gx = sum_gx / static_cast<double>(D);
-        T* dxs = row<T>(dx, r) + h * D;
+        T* dxs = row<T>(args.dx, r) + h * D;
         for (int64_t d = 0; d < D; ++d) {
           const double g = static_cast<double>(dys[d]) * sc[d];
           dxs[d] = act<T>(static_cast<T>(rs[i] * (g - xs[d] * rs[i] * mean_gx)), c);
         }
       });
     }
-    if (dscale.defined()) {
-      require_vector(op, {"dscale", dscale}, D);
+    if (args.dscale.defined()) {
+      require_vector(op, {"dscale", args.dscale}, D);
       const auto s = grouped_column_sums(1, rows * n, D, c, [&](int64_t, int64_t i, double* acc) {
         const int64_t r = i / n, h = i % n;
-        const T *xs = row<T>(x, r) + h * D, *dys = row<T>(dy, r) + h * D;
+        const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;
         for (int64_t d = 0; d < D; ++d) acc[d] += static_cast<double>(dys[d]) * xs[d] * rs[i];
       });
       for (int64_t d = 0; d < D; ++d)
-        dscale.ptr<T>()[d] = static_cast<T>(dscale.ptr<T>()[d] + s[d]);
+        args.dscale.ptr<T>()[d] = static_cast<T>(args.dscale.ptr<T>()[d] + s[d]);
     }
   });
 }

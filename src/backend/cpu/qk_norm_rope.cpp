@@ -33,79 +33,74 @@ void rotate_between(const Tensor& heads, const Tensor& tokens, const Tensor& pe,
 
 }  // namespace
 
-void CpuBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd,
-                                       Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
-                                       Tensor pe, int64_t token_offset, double eps) {
+void CpuBackend::execute(const op::QkNormRopeToHeads& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  const DType t = call_dtype(op, {{"q_heads", q_heads},
-                                  {"k_heads", k_heads},
-                                  {"v_heads", v_heads},
-                                  {"q_rstd", q_rstd},
-                                  {"k_rstd", k_rstd},
-                                  {"q", q},
-                                  {"k", k},
-                                  {"v", v},
-                                  {"q_scale", q_scale},
-                                  {"k_scale", k_scale},
-                                  {"pe", pe}});
-  const auto d = ops::check_qk_norm_rope_to_heads(op, q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale,
-                                                  k_scale, pe, token_offset);
+  const DType t = call_dtype(op, {{"q_heads", args.q_heads},
+                                  {"k_heads", args.k_heads},
+                                  {"v_heads", args.v_heads},
+                                  {"q_rstd", args.q_rstd},
+                                  {"k_rstd", args.k_rstd},
+                                  {"q", args.q},
+                                  {"k", args.k},
+                                  {"v", args.v},
+                                  {"q_scale", args.q_scale},
+                                  {"k_scale", args.k_scale},
+                                  {"pe", args.pe}});
+  const auto d = ops::check_qk_norm_rope_to_heads(op, args.q_heads, args.k_heads, args.v_heads, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale,
+                                                  args.k_scale, args.pe, args.token_offset);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     // The normalised stream in token layout, and statistics nobody asked to keep.
     std::vector<T> normed(static_cast<size_t>(d.B * d.Ls * d.n * d.D)), unkept;
-    const Tensor normed_t(normed.data(), t, q.shape);
+    const Tensor normed_t(normed.data(), t, args.q.shape);
     for (auto [heads, rstd, x, scale] :
-         {std::tuple{q_heads, q_rstd, q, q_scale}, std::tuple{k_heads, k_rstd, k, k_scale}}) {
+         {std::tuple{args.q_heads, args.q_rstd, args.q, args.q_scale}, std::tuple{args.k_heads, args.k_rstd, args.k, args.k_scale}}) {
       if (!rstd.defined()) {
         unkept.resize(static_cast<size_t>(d.B * d.Ls * d.n));
         rstd = Tensor(unkept.data(), t, Shape{d.B * d.Ls * d.n});
       }
-      rmsnorm_heads(normed_t, rstd, x, scale, eps);
-      rotate_between<T>(heads, normed_t, pe, token_offset, true, c);
+      rmsnorm_heads(normed_t, rstd, x, scale, args.eps);
+      rotate_between<T>(heads, normed_t, args.pe, args.token_offset, true, c);
     }
   });
-  tokens_to_heads(v_heads, v, token_offset);
+  tokens_to_heads(args.v_heads, args.v, args.token_offset);
 }
 
-void CpuBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                                                Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q,
-                                                Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
-                                                Tensor k_scale, Tensor pe, int64_t token_offset) {
+void CpuBackend::execute(const op::QkNormRopeToHeadsBackward& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_backward";
-  const DType t = call_dtype(op, {{"dq", dq},
-                                  {"dk", dk},
-                                  {"dv", dv},
-                                  {"dq_scale", dq_scale},
-                                  {"dk_scale", dk_scale},
-                                  {"dq_heads", dq_heads},
-                                  {"dk_heads", dk_heads},
-                                  {"dv_heads", dv_heads},
-                                  {"q", q},
-                                  {"k", k},
-                                  {"q_rstd", q_rstd},
-                                  {"k_rstd", k_rstd},
-                                  {"q_scale", q_scale},
-                                  {"k_scale", k_scale},
-                                  {"pe", pe}});
-  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
-                                                           dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
-                                                           token_offset);
+  const DType t = call_dtype(op, {{"dq", args.dq},
+                                  {"dk", args.dk},
+                                  {"dv", args.dv},
+                                  {"dq_scale", args.dq_scale},
+                                  {"dk_scale", args.dk_scale},
+                                  {"dq_heads", args.dq_heads},
+                                  {"dk_heads", args.dk_heads},
+                                  {"dv_heads", args.dv_heads},
+                                  {"q", args.q},
+                                  {"k", args.k},
+                                  {"q_rstd", args.q_rstd},
+                                  {"k_rstd", args.k_rstd},
+                                  {"q_scale", args.q_scale},
+                                  {"k_scale", args.k_scale},
+                                  {"pe", args.pe}});
+  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, args.dq_heads, args.dk_heads,
+                                                           args.dv_heads, args.q, args.k, args.q_rstd, args.k_rstd, args.q_scale, args.k_scale, args.pe,
+                                                           args.token_offset);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     // The gradient w.r.t. the normalised (unrotated) stream, in token layout: rmsnorm_heads'
     // dy, which its backward reads for dx and again for dscale.
     std::vector<T> dnormed(static_cast<size_t>(d.B * d.Ls * d.n * d.D));
-    const Tensor dnormed_t(dnormed.data(), t, q.shape);
+    const Tensor dnormed_t(dnormed.data(), t, args.q.shape);
     for (auto [dx, dscale, dheads, x, rstd, scale] :
-         {std::tuple{dq, dq_scale, dq_heads, q, q_rstd, q_scale},
-          std::tuple{dk, dk_scale, dk_heads, k, k_rstd, k_scale}}) {
+         {std::tuple{args.dq, args.dq_scale, args.dq_heads, args.q, args.q_rstd, args.q_scale},
+          std::tuple{args.dk, args.dk_scale, args.dk_heads, args.k, args.k_rstd, args.k_scale}}) {
       if (!dx.defined() && !dscale.defined()) continue;
-      rotate_between<T>(dheads, dnormed_t, pe, token_offset, false, c);
+      rotate_between<T>(dheads, dnormed_t, args.pe, args.token_offset, false, c);
       rmsnorm_heads_backward(dx, dscale, dnormed_t, x, rstd, scale);
     }
   });
-  if (dv.defined()) heads_to_tokens(dv, dv_heads, token_offset);
+  if (args.dv.defined()) heads_to_tokens(args.dv, args.dv_heads, args.token_offset);
 }
 
 }  // namespace flux8

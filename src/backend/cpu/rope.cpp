@@ -9,7 +9,11 @@ using namespace cpu;
 
 // pe[b, l, p] = (cos, sin) of ids[b, l, i]·ω_k with ω_k = 1/θ^(2k/d_i), where pair p is pair k
 // of axis i. Evaluated in double like the reference (which then casts to f32).
-void CpuBackend::rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) {
+void CpuBackend::execute(const op::RopeTable& args) {
+  Tensor pe = args.pe;
+  Tensor ids = args.ids;
+  std::span<const int> axes_dim = args.axes_dim;
+  double theta = args.theta;
   constexpr std::string_view op = "rope_table";
   const DType t = call_dtype(op, {{"pe", pe}, {"ids", ids}});
   require_rank(op, {"ids", ids}, 3);
@@ -43,7 +47,10 @@ void CpuBackend::rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim
 
 // (x0, x1) → (c·x0 − s·x1, s·x0 + c·x1); the inverse uses −s. Rotations are orthogonal, so
 // the inverse is also the backward.
-void CpuBackend::rope(Tensor x, Tensor pe, bool inverse) {
+void CpuBackend::execute(const op::Rope& args) {
+  Tensor x = args.x;
+  Tensor pe = args.pe;
+  bool inverse = args.inverse;
   constexpr std::string_view op = "rope";
   const DType t = call_dtype(op, {{"x", x}, {"pe", pe}});
   require_rank(op, {"x", x}, 4);

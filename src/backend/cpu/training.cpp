@@ -64,26 +64,25 @@ class GradientReader {
 
 }  // namespace
 
-void CpuBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
-                                   std::span<const uint64_t> streams) {
+void CpuBackend::execute(const op::FlowMatchInputs& args) {
   constexpr std::string_view op = "flow_match_inputs";
-  const DType dt = call_dtype(op, {{"xt", xt}, {"target", target}, {"x0", x0}, {"t", t}});
-  for (Named n : {Named{"xt", xt}, Named{"target", target}, Named{"x0", x0}}) require_contiguous(op, n);
-  require_shape(op, {"xt", xt}, x0.shape);
-  require_shape(op, {"target", target}, x0.shape);
-  const int64_t B = x0.shape[0], per = x0.numel() / B;
-  require_vector(op, {"t", t}, B);
-  if (static_cast<int64_t>(streams.size()) != B)
-    fail("{}: {} noise streams for a batch of {}", op, streams.size(), B);
+  const DType dt = call_dtype(op, {{"xt", args.xt}, {"target", args.target}, {"x0", args.x0}, {"t", args.t}});
+  for (Named n : {Named{"xt", args.xt}, Named{"target", args.target}, Named{"x0", args.x0}}) require_contiguous(op, n);
+  require_shape(op, {"xt", args.xt}, args.x0.shape);
+  require_shape(op, {"target", args.target}, args.x0.shape);
+  const int64_t B = args.x0.shape[0], per = args.x0.numel() / B;
+  require_vector(op, {"t", args.t}, B);
+  if (static_cast<int64_t>(args.streams.size()) != B)
+    fail("{}: {} noise streams for a batch of {}", op, args.streams.size(), B);
   const Ctx c = make_ctx(options_, dt);
   dispatch(dt, [&]<typename T>(T) {
     parallel_for(B, c, [&](int64_t b) {
-      const double tb = static_cast<double>(t.ptr<T>()[b]);
-      const T* x = x0.ptr<T>() + b * per;
-      T* xo = xt.ptr<T>() + b * per;
-      T* tg = target.ptr<T>() + b * per;
+      const double tb = static_cast<double>(args.t.ptr<T>()[b]);
+      const T* x = args.x0.ptr<T>() + b * per;
+      T* xo = args.xt.ptr<T>() + b * per;
+      T* tg = args.target.ptr<T>() + b * per;
       for (int64_t i = 0; i < per; ++i) {
-        const double eps = rng_normal(seed, streams[static_cast<size_t>(b)], static_cast<uint64_t>(i));
+        const double eps = rng_normal(args.seed, args.streams[static_cast<size_t>(b)], static_cast<uint64_t>(i));
         xo[i] = act<T>(static_cast<T>((1.0 - tb) * static_cast<double>(x[i]) + tb * eps), c);
         tg[i] = static_cast<T>(eps - static_cast<double>(x[i]));
       }
@@ -91,24 +90,24 @@ void CpuBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t
   });
 }
 
-double CpuBackend::mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
+double CpuBackend::execute(const op::MseLoss& args) {
   constexpr std::string_view op = "mse_loss";
-  const DType dt = call_dtype(op, {{"dpred", dpred}, {"pred", pred}, {"target", target}});
-  for (Named n : {Named{"dpred", dpred}, Named{"pred", pred}, Named{"target", target}}) require_contiguous(op, n);
-  require_shape(op, {"target", target}, pred.shape);
-  if (dpred.defined()) require_shape(op, {"dpred", dpred}, pred.shape);
-  const int64_t n = pred.numel();
+  const DType dt = call_dtype(op, {{"dpred", args.dpred}, {"pred", args.pred}, {"target", args.target}});
+  for (Named n : {Named{"dpred", args.dpred}, Named{"pred", args.pred}, Named{"target", args.target}}) require_contiguous(op, n);
+  require_shape(op, {"target", args.target}, args.pred.shape);
+  if (args.dpred.defined()) require_shape(op, {"dpred", args.dpred}, args.pred.shape);
+  const int64_t n = args.pred.numel();
   const Ctx c = make_ctx(options_, dt);
   double loss = 0;
   dispatch(dt, [&]<typename T>(T) {
-    const T *p = pred.ptr<T>(), *y = target.ptr<T>();
+    const T *p = args.pred.ptr<T>(), *y = args.target.ptr<T>();
     loss = ordered_sum(n, c, [&](int64_t i) {
              const double d = static_cast<double>(p[i]) - static_cast<double>(y[i]);
              return d * d;
            }) / static_cast<double>(n);
-    if (dpred.defined()) {
-      T* g = dpred.ptr<T>();
-      const double k = 2.0 * grad_scale / static_cast<double>(n);
+    if (args.dpred.defined()) {
+      T* g = args.dpred.ptr<T>();
+      const double k = 2.0 * args.grad_scale / static_cast<double>(n);
       parallel_for((n + kChunk - 1) / kChunk, c, [&](int64_t ch) {
         for (int64_t i = ch * kChunk; i < std::min(n, (ch + 1) * kChunk); ++i)
           g[i] = act<T>(static_cast<T>(k * (static_cast<double>(p[i]) - static_cast<double>(y[i]))), c);
@@ -118,29 +117,29 @@ double CpuBackend::mse_loss(Tensor dpred, Tensor pred, Tensor target, double gra
   return loss;
 }
 
-double CpuBackend::sum_squares(Tensor x) {
-  const DType dt = call_dtype("sum_squares", {{"x", x}});
-  require_contiguous("sum_squares", {"x", x});
+double CpuBackend::execute(const op::SumSquares& args) {
+  const DType dt = call_dtype("sum_squares", {{"x", args.x}});
+  require_contiguous("sum_squares", {"x", args.x});
   const Ctx c = make_ctx(options_, dt);
   double s = 0;
   dispatch(dt, [&]<typename T>(T) {
-    const T* p = x.ptr<T>();
-    s = ordered_sum(x.numel(), c, [&](int64_t i) { return static_cast<double>(p[i]) * static_cast<double>(p[i]); });
+    const T* p = args.x.ptr<T>();
+    s = ordered_sum(args.x.numel(), c, [&](int64_t i) { return static_cast<double>(p[i]) * static_cast<double>(p[i]); });
   });
   return s;
 }
 
-double CpuBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) {
+double CpuBackend::execute(const op::GradientSumSquares& args) {
   constexpr std::string_view op = "gradient_sum_squares";
-  const DType dt = call_dtype(op, {{"grads", grads}});
-  require_contiguous(op, {"grads", grads});
-  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, grads.numel(), low_rank);
-  if (sorted.empty()) return sum_squares(grads);
+  const DType dt = call_dtype(op, {{"grads", args.grads}});
+  require_contiguous(op, {"grads", args.grads});
+  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, args.grads.numel(), args.low_rank);
+  if (sorted.empty()) return sum_squares(args.grads);
   if (dt != DType::f32) fail("{}: low-rank gradients need f32 gradients", op);
   const Ctx c = make_ctx(options_, dt);
-  const float* g = grads.ptr<float>();
+  const float* g = args.grads.ptr<float>();
   const GradientReader<float> reader(g, sorted);
-  double s = ordered_sum(grads.numel(), c, [&](int64_t i) {
+  double s = ordered_sum(args.grads.numel(), c, [&](int64_t i) {
     if (reader.covering(i)) return 0.0;
     const double x = static_cast<double>(g[i]);
     return x * x;
@@ -164,16 +163,22 @@ double CpuBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGra
   return s;
 }
 
-void CpuBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                       std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
-                       std::span<const LowRankGrad> low_rank) {
+void CpuBackend::execute(const op::Adamw& args) {
+  Tensor param = args.param;
+  Tensor grad = args.grad;
+  Tensor m = args.m;
+  Tensor v = args.v;
+  const AdamW&h = args.h;
+  std::span<const ParamCopy> copies = args.copies;
+  std::span<const ParamCast> casts = args.casts;
+  std::span<const LowRankGrad> low_rank = args.low_rank;
   constexpr std::string_view op = "adamw";
   const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}});
   const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
   if (!casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
   if (!sorted.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 parameters", op);
   const int64_t n = param.numel();
-  const AdamWConstants k = adamw_constants(h);
+  const AdamWConstants k = AdamWConstants::of(h);
   const Ctx c = make_ctx(options_, dt);
   // In the parameters' own precision (fp32 in training, fp64 in gradient checks), as PyTorch's
   // fused AdamW computes for fp32 parameters (with the bias corrections in the constants:

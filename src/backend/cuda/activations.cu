@@ -57,32 +57,32 @@ void map_as(CudaBackend& be, bool bf16, const Tensor& out, const Tensor& x, cons
 
 }  // namespace
 
-void CudaBackend::silu(Tensor y, Tensor x) {
-  const bool bf = activations_in_bf16("silu", {{"y", y}, {"x", x}});
-  require_same_matrix("silu", {"y", y}, {"x", x});
-  map_as(*this, bf, y, x, {}, false, [] __device__(float v) { return v * sigmoid(v); });
+void CudaBackend::execute(const op::Silu& args) {
+  const bool bf = activations_in_bf16("silu", {{"y", args.y}, {"x", args.x}});
+  require_same_matrix("silu", {"y", args.y}, {"x", args.x});
+  map_as(*this, bf, args.y, args.x, {}, false, [] __device__(float v) { return v * sigmoid(v); });
 }
 
-void CudaBackend::silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) {
-  const bool bf = activations_in_bf16("silu_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
-  if (!dx.defined()) return;
-  require_same_matrix("silu_backward", {"dx", dx}, {"x", x});
-  require_same_matrix("silu_backward", {"dy", dy}, {"x", x});
-  map_as(*this, bf, dx, x, dy, accumulate_dx, [] __device__(float v) { return silu_grad(v); });
+void CudaBackend::execute(const op::SiluBackward& args) {
+  const bool bf = activations_in_bf16("silu_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  if (!args.dx.defined()) return;
+  require_same_matrix("silu_backward", {"dx", args.dx}, {"x", args.x});
+  require_same_matrix("silu_backward", {"dy", args.dy}, {"x", args.x});
+  map_as(*this, bf, args.dx, args.x, args.dy, args.accumulate_dx, [] __device__(float v) { return silu_grad(v); });
 }
 
-void CudaBackend::gelu_tanh(Tensor y, Tensor x) {
-  const bool bf = activations_in_bf16("gelu_tanh", {{"y", y}, {"x", x}});
-  require_same_matrix("gelu_tanh", {"y", y}, {"x", x});
-  map_as(*this, bf, y, x, {}, false, [] __device__(float v) { return gelu_value(v); });
+void CudaBackend::execute(const op::GeluTanh& args) {
+  const bool bf = activations_in_bf16("gelu_tanh", {{"y", args.y}, {"x", args.x}});
+  require_same_matrix("gelu_tanh", {"y", args.y}, {"x", args.x});
+  map_as(*this, bf, args.y, args.x, {}, false, [] __device__(float v) { return gelu_value(v); });
 }
 
-void CudaBackend::gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) {
-  const bool bf = activations_in_bf16("gelu_tanh_backward", {{"dx", dx}, {"dy", dy}, {"x", x}});
-  if (!dx.defined()) return;
-  require_same_matrix("gelu_tanh_backward", {"dx", dx}, {"x", x});
-  require_same_matrix("gelu_tanh_backward", {"dy", dy}, {"x", x});
-  map_as(*this, bf, dx, x, dy, false, [] __device__(float v) { return gelu_grad(v); });
+void CudaBackend::execute(const op::GeluTanhBackward& args) {
+  const bool bf = activations_in_bf16("gelu_tanh_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  if (!args.dx.defined()) return;
+  require_same_matrix("gelu_tanh_backward", {"dx", args.dx}, {"x", args.x});
+  require_same_matrix("gelu_tanh_backward", {"dy", args.dy}, {"x", args.x});
+  map_as(*this, bf, args.dx, args.x, args.dy, false, [] __device__(float v) { return gelu_grad(v); });
 }
 
 }  // namespace flux8

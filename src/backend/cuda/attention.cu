@@ -452,26 +452,25 @@ bool attention_heads_in_bf16(std::string_view op, std::initializer_list<Named> h
 }
 }  // namespace
 
-void CudaBackend::attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) {
+void CudaBackend::execute(const op::Attention& args) {
   constexpr std::string_view op = "attention";
-  const bool bf16 = attention_heads_in_bf16(op, {{"o", o}, {"q", q}, {"k", k}, {"v", v}}, lse);
+  const bool bf16 = attention_heads_in_bf16(op, {{"o", args.o}, {"q", args.q}, {"k", args.k}, {"v", args.v}}, args.lse);
   const AttentionShape s =
-      dense_heads(op, ops::check_attention(op, o, lse, q, k, v), {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
+      dense_heads(op, ops::check_attention(op, args.o, args.lse, args.q, args.k, args.v), {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
-  attention_->forward(o.data, lse.ptr<float>(), q.data, k.data, v.data, bf16, s, scale);
+  attention_->forward(args.o.data, args.lse.ptr<float>(), args.q.data, args.k.data, args.v.data, bf16, s, args.scale);
 }
 
-void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
-                                     Tensor o, Tensor lse, double scale) {
+void CudaBackend::execute(const op::AttentionBackward& args) {
   constexpr std::string_view op = "attention_backward";
   const bool bf16 = attention_heads_in_bf16(
-      op, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"o", o}}, lse);
+      op, {{"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}, {"dout", args.dout}, {"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}}, args.lse);
   const AttentionShape s =
-      dense_heads(op, ops::check_attention_backward(op, dq, dk, dv, dout, q, k, v, o, lse),
-                  {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
+      dense_heads(op, ops::check_attention_backward(op, args.dq, args.dk, args.dv, args.dout, args.q, args.k, args.v, args.o, args.lse),
+                  {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}, {"dout", args.dout}, {"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
-  attention_->backward(dq.data, dk.data, dv.data, dout.data, q.data, k.data, v.data, o.data, lse.ptr<float>(), bf16, s,
-                       scale);
+  attention_->backward(args.dq.data, args.dk.data, args.dv.data, args.dout.data, args.q.data, args.k.data, args.v.data, args.o.data, args.lse.ptr<float>(), bf16, s,
+                       args.scale);
 }
 
 DType CudaBackend::attention_heads_dtype(DType activations, int64_t head_dim) const {

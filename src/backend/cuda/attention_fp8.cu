@@ -446,33 +446,42 @@ AttentionShape shape_of(const ops::AttentionDims& d) { return AttentionShape{d.B
 
 }  // namespace
 
-void CudaBackend::dequantize(Tensor y, const QTensor& x) {
-  ops::check_dequantize("dequantize", y, x);
-  if (x.numel() == 0) return;
-  if (y.dtype == DType::bf16) launch_dequantize<__nv_bfloat16>(y, x, stream_);
-  else launch_dequantize<float>(y, x, stream_);
+void CudaBackend::execute(const op::Dequantize& args) {
+  ops::check_dequantize("dequantize", args.y, args.x);
+  if (args.x.numel() == 0) return;
+  if (args.y.dtype == DType::bf16) launch_dequantize<__nv_bfloat16>(args.y, args.x, stream_);
+  else launch_dequantize<float>(args.y, args.x, stream_);
 }
 
-void CudaBackend::attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v,
-                                Shape heads, double scale, const Fp8AttentionScales& sc) {
+void CudaBackend::execute(const op::AttentionFp8& args) {
   constexpr std::string_view op = "attention_fp8";
-  const auto d = ops::check_attention_fp8(op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}}, lse,
-                                          {{"o", sc.o}});
-  require_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
+  const auto d = ops::check_attention_fp8(op, args.heads, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}}, args.lse,
+                                          {{"o", args.sc.o}});
+  require_aligned(op, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   Attention::Fp8Forward a;
   a.shape = shape_of(d);
-  a.qkv = q.format, a.o_format = o.format, a.scale = scale;
-  a.q = q.codes, a.k = k.codes, a.v = v.codes, a.o = o.codes, a.lse = lse.ptr<float>();
-  a.descale_q = q.scale_inv, a.descale_k = k.scale_inv, a.descale_v = v.scale_inv;
-  a.scale_o = sc.o;
-  a.o_scale_inv = o.scale_inv, a.amax_s = sc.amax_s, a.amax_o = sc.amax_o;
+  a.qkv = args.q.format, a.o_format = args.o.format, a.scale = args.scale;
+  a.q = args.q.codes, a.k = args.k.codes, a.v = args.v.codes, a.o = args.o.codes, a.lse = args.lse.ptr<float>();
+  a.descale_q = args.q.scale_inv, a.descale_k = args.k.scale_inv, a.descale_v = args.v.scale_inv;
+  a.scale_o = args.sc.o;
+  a.o_scale_inv = args.o.scale_inv, a.amax_s = args.sc.amax_s, a.amax_o = args.sc.amax_o;
   attention_->forward_fp8(a);
 }
 
-void CudaBackend::attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
-                                         const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
-                                         double scale, const Fp8AttentionScales& sc) {
+void CudaBackend::execute(const op::AttentionFp8Backward& args) {
+  QTensor dq = args.dq;
+  QTensor dk = args.dk;
+  QTensor dv = args.dv;
+  const QTensor&dout = args.dout;
+  const QTensor&q = args.q;
+  const QTensor&k = args.k;
+  const QTensor&v = args.v;
+  const QTensor&o = args.o;
+  Tensor lse = args.lse;
+  Shape heads = args.heads;
+  double scale = args.scale;
+  const Fp8AttentionScales&sc = args.sc;
   constexpr std::string_view op = "attention_fp8_backward";
   const auto d = ops::check_attention_fp8(
       op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}}, lse,

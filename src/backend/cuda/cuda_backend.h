@@ -38,7 +38,6 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
   // Events recorded in the stream (created on first use, reused after release_timing_marks()).
-  int64_t timing_mark() override;
   double timing_elapsed_ms(int64_t from, int64_t to) override;
   void release_timing_marks() override;
   const BackendOptions& options() const override { return options_; }
@@ -46,16 +45,10 @@ class CudaBackend final : public Backend {
   cuda::Gemm& gemm() { return *gemm_; }
 
   void* allocate(size_t bytes) override;
-  void release(void* p) override;
-  void upload(void* dst, const void* host_src, size_t bytes) override;
-  void download(void* host_dst, const void* src, size_t bytes) override;
-  void synchronize() override;
   // Events are cudaEvents on this backend's stream; the copy queue is a stream of its own with
   // two pinned chunks (memory.cu). Not while capturing: a graph would hold the wait.
   std::unique_ptr<Event> make_event() override;
   std::unique_ptr<CopyQueue> make_copy_queue() override;
-  void record_event(Event& e) override;
-  void wait_event(const Event& e) override;
   MemoryUse memory_use() const override;
   PowerReading power_reading() override;  // NVML (nvml.h), opened at the first call
 
@@ -69,9 +62,6 @@ class CudaBackend final : public Backend {
   // Bumped whenever a scratch buffer, the attention's staging buffer or its delta buffer moves.
   uint64_t capture_generation() const override;
 
-  void fill(Tensor y, double value) override;
-  void fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) override;
-  void copy(Tensor y, Tensor x) override;
   DType attention_heads_dtype(DType activations, int64_t head_dim) const override;
   DType activation_dtype(DType compute) const override {
     return options_.bf16_activations && compute == DType::f32 ? DType::bf16 : compute;
@@ -82,88 +72,10 @@ class CudaBackend final : public Backend {
   DType gradient_dtype(DType compute) const override {
     return options_.bf16_grads && compute == DType::f32 ? DType::bf16 : compute;
   }
-  void add(Tensor y, Tensor a, Tensor b) override;
-  void accumulate(Tensor y, Tensor x) override;
+  bool repeats_bit_for_bit() const override { return options_.deterministic_attention; }
 
-  void linear(Tensor y, Tensor x, Tensor w, Tensor b) override;
-  void linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) override;
-  void linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) override;
-  void linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
-                       bool accumulate_dx, bool accumulate_params) override;
-
-  void silu(Tensor y, Tensor x) override;
-  void silu_backward(Tensor dx, Tensor dy, Tensor x, bool accumulate_dx) override;
-  void gelu_tanh(Tensor y, Tensor x) override;
-  void gelu_tanh_backward(Tensor dx, Tensor dy, Tensor x) override;
-
-  void layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
-                          double eps) override;
-  void layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x,
-                                   Tensor mean, Tensor rstd, Tensor scale,
-                                   bool accumulate_dx) override;
-  void rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) override;
-  void rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd,
-                              Tensor scale) override;
-
-  void tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) override;
-  void heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) override;
-  void tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset) override;
-  void heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset) override;
-
-  void rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) override;
-  void rope(Tensor x, Tensor pe, bool inverse) override;
-  void qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd, Tensor k_rstd, Tensor q,
-                             Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
-                             double eps) override;
-  void qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                                      Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k,
-                                      Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
-                                      int64_t token_offset) override;
-  void qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads, const Fp8Heads& v_heads,
-                                 Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale,
-                                 Tensor k_scale, Tensor pe, int64_t token_offset, double eps) override;
-  void qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                                          const QTensor& dq_heads, const QTensor& dk_heads, const QTensor& dv_heads,
-                                          Tensor q, Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
-                                          Tensor k_scale, Tensor pe, int64_t token_offset) override;
-
-  void attention(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, double scale) override;
-  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor o, Tensor lse, double scale) override;
-
-  void copy_batch(std::span<const CopyPair> pairs) override;
-  void gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) override;
-  void gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
-                            double eps) override;
-  void gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) override;
-
-  void timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) override;
-
-  void concat_tokens(Tensor out, Tensor a, Tensor b) override;
-  void split_tokens(Tensor a, Tensor b, Tensor in) override;
-
-  void flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
-                         std::span<const uint64_t> streams) override;
-  double mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
-  void mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) override;
-  double sum_squares(Tensor x) override;
-  double gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) override;
-  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-             std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
-             std::span<const LowRankGrad> low_rank) override;
-  void quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) override;
-  void transpose_codes(QTensor dst, const QTensor& src) override;
-  void dequantize(Tensor y, const QTensor& x) override;
-  void attention_fp8(QTensor o, Tensor lse, const QTensor& q, const QTensor& k, const QTensor& v, Shape heads,
-                     double scale, const Fp8AttentionScales& sc) override;
-  void attention_fp8_backward(QTensor dq, QTensor dk, QTensor dv, const QTensor& dout, const QTensor& q,
-                              const QTensor& k, const QTensor& v, const QTensor& o, Tensor lse, Shape heads,
-                              double scale, const Fp8AttentionScales& sc) override;
-  void quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) override;
-  void delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max, AmaxAlgo algo,
-                              int margin) override;
-  void gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
-                   Fp8Accumulation sum) override;
+  // Every op, the defaulted ones too (fused kernels).
+  FLUX8_OPS(FLUX8_DECLARE_EXECUTE)
 
   // Device scratch of at least `bytes`, valid until the next call. It grows (with a
   // synchronisation) only when a larger size is first asked for: after the first step of a
@@ -200,6 +112,15 @@ class CudaBackend final : public Backend {
                              Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k, Tensor q_rstd,
                              Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
                              const QTensor* fp8);
+
+ protected:
+  void do_release(void* p) override;
+  void do_upload(void* dst, const void* host_src, size_t bytes) override;
+  void do_download(void* host_dst, const void* src, size_t bytes) override;
+  void do_synchronize() override;
+  void do_record_event(Event& e) override;
+  void do_wait_event(const Event& e) override;
+  int64_t do_timing_mark() override;
 
  private:
   BackendOptions options_;

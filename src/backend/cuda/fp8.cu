@@ -910,25 +910,29 @@ __global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst,
 }  // namespace
 }  // namespace cuda
 
-void CudaBackend::transpose_codes(QTensor dst, const QTensor& src) {
-  ops::check_transpose_codes("transpose_codes", dst, src);
-  if (src.numel() == 0) return;
-  const dim3 grid(static_cast<unsigned>((src.cols + cuda::kCodeTile - 1) / cuda::kCodeTile),
-                  static_cast<unsigned>((src.rows + cuda::kCodeTile - 1) / cuda::kCodeTile));
-  if (grid.y > 65535) fail("transpose_codes: {} rows is more than this kernel's grid takes", src.rows);
-  const bool vec = src.rows % 16 == 0 && src.cols % 16 == 0 && cuda::aligned16(src.codes) && cuda::aligned16(dst.codes);
-  cuda::transpose_codes_kernel<<<grid, cuda::kThreads, 0, stream_>>>(dst.codes, src.codes, src.rows, src.cols,
-                                                                      dst.scale_inv, src.scale_inv, vec);
+void CudaBackend::execute(const op::TransposeCodes& args) {
+  ops::check_transpose_codes("transpose_codes", args.dst, args.src);
+  if (args.src.numel() == 0) return;
+  const dim3 grid(static_cast<unsigned>((args.src.cols + cuda::kCodeTile - 1) / cuda::kCodeTile),
+                  static_cast<unsigned>((args.src.rows + cuda::kCodeTile - 1) / cuda::kCodeTile));
+  if (grid.y > 65535) fail("transpose_codes: {} rows is more than this kernel's grid takes", args.src.rows);
+  const bool vec = args.src.rows % 16 == 0 && args.src.cols % 16 == 0 && cuda::aligned16(args.src.codes) && cuda::aligned16(args.dst.codes);
+  cuda::transpose_codes_kernel<<<grid, cuda::kThreads, 0, stream_>>>(args.dst.codes, args.src.codes, args.src.rows, args.src.cols,
+                                                                      args.dst.scale_inv, args.src.scale_inv, vec);
   FLUX8_LAUNCH_CHECK(transpose_codes_kernel);
 }
 
-void CudaBackend::quantize(QTensor rowwise, QTensor columnwise, Tensor x, const Quantize& q) {
+void CudaBackend::execute(const op::Quantize& args) {
   CastInput in;
-  in.x = x;
-  quantize_fused(rowwise, columnwise, in, q);
+  in.x = args.x;
+  quantize_fused(args.rowwise, args.columnwise, in, args.q);
 }
 
-void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const CastInput& in, const Quantize& q) {
+void CudaBackend::execute(const op::QuantizeFused& args) {
+  QTensor rowwise = args.rowwise;
+  QTensor columnwise = args.columnwise;
+  const CastInput&in = args.in;
+  const Quantize&q = args.q;
   using namespace cuda;
   using Op = CastInput::Op;
   const bool plain = in.op == Op::identity && !in.head.defined();
@@ -946,7 +950,7 @@ void CudaBackend::quantize_fused(QTensor rowwise, QTensor columnwise, const Cast
   // assembled first (Backend's default).
   if (in.head.defined() && q.scaling == Fp8Scaling::per_tensor && any_copy &&
       (split % kTile != 0 || (in.op != Op::gelu_tanh && in.op != Op::gelu_tanh_backward))) {
-    Backend::quantize_fused(rowwise, columnwise, in, q);
+    Backend::execute(args);
     return;
   }
   // x, and LayerNorm's shift and scale (columns of the modulation Linear's output), are
@@ -1093,15 +1097,14 @@ void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elem
   if (q.stats) pending_stats_.push_back(PendingCastStats{q.stats, elements});
 }
 
-void CudaBackend::delayed_scaling_update(Tensor amax_history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
-                                         AmaxAlgo algo, int margin) {
+void CudaBackend::execute(const op::DelayedScalingUpdate& args) {
   using cuda::delayed_update_kernel;
-  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", amax_history, scale, scale_inv, fp8_max);
+  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", args.amax_history, args.scale, args.scale_inv, args.fp8_max);
   if (d.n == 0) return;
   const int64_t blocks = (d.n + 31) / 32;
   delayed_update_kernel<<<static_cast<unsigned>(blocks), 32 * cuda::kUpdateWarps, 0, stream()>>>(
-      amax_history.ptr<float>(), d.n, d.L, fp8_max.ptr<float>(), algo, margin, scale.ptr<float>(),
-      scale_inv.ptr<float>());
+      args.amax_history.ptr<float>(), d.n, d.L, args.fp8_max.ptr<float>(), args.algo, args.margin, args.scale.ptr<float>(),
+      args.scale_inv.ptr<float>());
   FLUX8_LAUNCH_CHECK(delayed_update_kernel);
 }
 

@@ -257,8 +257,13 @@ GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b, Fp8Accumu
 }  // namespace
 }  // namespace cuda
 
-void CudaBackend::gemm_fp8_tn(Tensor c, const QTensor& a, const QTensor& b, Tensor bias, bool accumulate,
-                              Fp8Accumulation sum) {
+void CudaBackend::execute(const op::GemmFp8Tn& call) {
+  Tensor c = call.c;
+  const QTensor&a = call.a;
+  const QTensor&b = call.b;
+  Tensor bias = call.bias;
+  bool accumulate = call.accumulate;
+  Fp8Accumulation sum = call.sum;
   using namespace cuda;
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", c});

@@ -316,113 +316,113 @@ void with_token_head_types(std::string_view op, const Tensor& tokens, DType head
 
 }  // namespace
 
-void CudaBackend::tokens_to_heads(Tensor heads, Tensor tokens, int64_t token_offset) {
-  heads_tokens(*this, "tokens_to_heads", heads, tokens, token_offset, true);
+void CudaBackend::execute(const op::TokensToHeads& args) {
+  heads_tokens(*this, "tokens_to_heads", args.heads, args.tokens, args.token_offset, true);
 }
 
-void CudaBackend::heads_to_tokens(Tensor tokens, Tensor heads, int64_t token_offset) {
-  heads_tokens(*this, "heads_to_tokens", heads, tokens, token_offset, false);
+void CudaBackend::execute(const op::HeadsToTokens& args) {
+  heads_tokens(*this, "heads_to_tokens", args.heads, args.tokens, args.token_offset, false);
 }
 
-void CudaBackend::tokens_to_heads_fp8(const Fp8Heads& heads, Tensor tokens, int64_t token_offset) {
+void CudaBackend::execute(const op::TokensToHeadsFp8& args) {
   constexpr std::string_view op = "tokens_to_heads_fp8";
-  const Shape h = ops::check_fp8_heads(op, tokens, token_offset, {{"heads", heads.codes}});
+  const Shape h = ops::check_fp8_heads(op, args.tokens, args.token_offset, {{"heads", args.heads.codes}});
   bool done = false;
-  if (heads.q.scaling == Fp8Scaling::per_tensor && heads.q.delayed_scale) {
-    with_token_head_types(op, tokens, attention_heads_dtype(tokens.dtype, h[3]), [&]<typename TT, typename H>() {
-      const auto hg = head_groups<TT>(tokens, heads.codes, h, token_offset);
+  if (args.heads.q.scaling == Fp8Scaling::per_tensor && args.heads.q.delayed_scale) {
+    with_token_head_types(op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]), [&]<typename TT, typename H>() {
+      const auto hg = head_groups<TT>(args.tokens, args.heads.codes, h, args.token_offset);
       if (!hg) return;
       const int64_t blocks = exact_blocks(hg->groups);
-      const bool count = heads.q.stats != nullptr;
+      const bool count = args.heads.q.stats != nullptr;
       auto* partials =
           count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(blocks) * sizeof(StatsPartial))) : nullptr;
-      const Fp8HeadsOut out = fp8_heads_out(heads, count, partials);
+      const Fp8HeadsOut out = fp8_heads_out(args.heads, count, partials);
       if (count)
         tokens_to_fp8_heads_kernel<TT, H, true>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, out);
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, out);
       else
         tokens_to_fp8_heads_kernel<TT, H, false>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, out);
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, out);
       FLUX8_LAUNCH_CHECK(tokens_to_fp8_heads_kernel);
-      if (count) total_cast_stats(partials, blocks, hg->groups * 8, heads.q);  // else: the amax by atomics
+      if (count) total_cast_stats(partials, blocks, hg->groups * 8, args.heads.q);  // else: the amax by atomics
       done = true;
     });
   }
-  if (!done) Backend::tokens_to_heads_fp8(heads, tokens, token_offset);
+  if (!done) Backend::tokens_to_heads_fp8(args.heads, args.tokens, args.token_offset);
 }
 
-void CudaBackend::heads_to_tokens_fp8(Tensor tokens, const QTensor& heads, int64_t token_offset) {
+void CudaBackend::execute(const op::HeadsToTokensFp8& args) {
   constexpr std::string_view op = "heads_to_tokens_fp8";
-  const Shape h = ops::check_fp8_heads(op, tokens, token_offset, {{"heads", heads}});
+  const Shape h = ops::check_fp8_heads(op, args.tokens, args.token_offset, {{"heads", args.heads}});
   bool done = false;
-  with_token_head_types(op, tokens, attention_heads_dtype(tokens.dtype, h[3]), [&]<typename TT, typename H>() {
-    const auto hg = head_groups<TT>(tokens, heads, h, token_offset);
+  with_token_head_types(op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]), [&]<typename TT, typename H>() {
+    const auto hg = head_groups<TT>(args.tokens, args.heads, h, args.token_offset);
     if (!hg) return;
     fp8_heads_to_tokens_kernel<TT, H>
-        <<<exact_blocks(hg->groups), kThreads, 0, stream_>>>(mat_of<TT>(tokens), *hg, fp8_heads_in(heads));
+        <<<exact_blocks(hg->groups), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, fp8_heads_in(args.heads));
     FLUX8_LAUNCH_CHECK(fp8_heads_to_tokens_kernel);
     done = true;
   });
-  if (!done) Backend::heads_to_tokens_fp8(tokens, heads, token_offset);
+  if (!done) Backend::heads_to_tokens_fp8(args.tokens, args.heads, args.token_offset);
 }
 
-void CudaBackend::concat_tokens(Tensor out, Tensor a, Tensor b) {
-  const bool bf = activations_in_bf16("concat_tokens", {{"out", out}, {"a", a}, {"b", b}});
-  require_defined("concat_tokens", {"a", a});
-  require_defined("concat_tokens", {"b", b});
-  ops::check_joint("concat_tokens", {"out", out}, a, b);
+void CudaBackend::execute(const op::ConcatTokens& args) {
+  const bool bf = activations_in_bf16("concat_tokens", {{"out", args.out}, {"a", args.a}, {"b", args.b}});
+  require_defined("concat_tokens", {"a", args.a});
+  require_defined("concat_tokens", {"b", args.b});
+  ops::check_joint("concat_tokens", {"out", args.out}, args.a, args.b);
   if (bf) {
-    move_tokens<bf16>(*this, out, a, 0, true);
-    move_tokens<bf16>(*this, out, b, a.shape[1], true);
+    move_tokens<bf16>(*this, args.out, args.a, 0, true);
+    move_tokens<bf16>(*this, args.out, args.b, args.a.shape[1], true);
   } else {
-    move_tokens<float>(*this, out, a, 0, true);
-    move_tokens<float>(*this, out, b, a.shape[1], true);
+    move_tokens<float>(*this, args.out, args.a, 0, true);
+    move_tokens<float>(*this, args.out, args.b, args.a.shape[1], true);
   }
 }
 
-void CudaBackend::split_tokens(Tensor a, Tensor b, Tensor in) {
-  const bool bf = activations_in_bf16("split_tokens", {{"a", a}, {"b", b}, {"in", in}});
-  ops::check_joint("split_tokens", {"in", in}, a, b);
-  const int64_t b_offset = in.shape[1] - (b.defined() ? b.shape[1] : 0);
-  for (const auto& [part, offset] : {std::pair{a, int64_t{0}}, std::pair{b, b_offset}}) {
+void CudaBackend::execute(const op::SplitTokens& args) {
+  const bool bf = activations_in_bf16("split_tokens", {{"a", args.a}, {"b", args.b}, {"in", args.in}});
+  ops::check_joint("split_tokens", {"in", args.in}, args.a, args.b);
+  const int64_t b_offset = args.in.shape[1] - (args.b.defined() ? args.b.shape[1] : 0);
+  for (const auto& [part, offset] : {std::pair{args.a, int64_t{0}}, std::pair{args.b, b_offset}}) {
     if (!part.defined()) continue;
     if (bf)
-      move_tokens<bf16>(*this, in, part, offset, false);
+      move_tokens<bf16>(*this, args.in, part, offset, false);
     else
-      move_tokens<float>(*this, in, part, offset, false);
+      move_tokens<float>(*this, args.in, part, offset, false);
   }
 }
 
-void CudaBackend::gated_residual(Tensor out, Tensor x, Tensor y, Tensor gate) {
+void CudaBackend::execute(const op::GatedResidual& args) {
   constexpr std::string_view op = "gated_residual";
-  const bool bf = activations_in_bf16(op, {{"out", out}, {"x", x}, {"y", y}, {"gate", gate}});
-  require_rank(op, {"x", x}, 3);
-  require_shape(op, {"out", out}, x.shape);
-  require_shape(op, {"y", y}, x.shape);
-  require_shape(op, {"gate", gate}, Shape{x.shape[0], x.shape[2]});
+  const bool bf = activations_in_bf16(op, {{"out", args.out}, {"x", args.x}, {"y", args.y}, {"gate", args.gate}});
+  require_rank(op, {"x", args.x}, 3);
+  require_shape(op, {"out", args.out}, args.x.shape);
+  require_shape(op, {"y", args.y}, args.x.shape);
+  require_shape(op, {"gate", args.gate}, Shape{args.x.shape[0], args.x.shape[2]});
   if (bf)
-    gated_residual_as<bf16>(*this, op, out, x, y, gate);
+    gated_residual_as<bf16>(*this, op, args.out, args.x, args.y, args.gate);
   else
-    gated_residual_as<float>(*this, op, out, x, y, gate);
+    gated_residual_as<float>(*this, op, args.out, args.x, args.y, args.gate);
 }
 
-void CudaBackend::gated_residual_backward(Tensor dy, Tensor dgate, Tensor dx, Tensor y, Tensor gate) {
+void CudaBackend::execute(const op::GatedResidualBackward& args) {
   constexpr std::string_view op = "gated_residual_backward";
-  const bool bf = activations_in_bf16(op, {{"dy", dy}, {"dgate", dgate}, {"dx", dx}, {"y", y}, {"gate", gate}});
-  require_rank(op, {"dx", dx}, 3);
-  const int64_t B = dx.shape[0], H = dx.shape[2];
-  if (dy.defined()) {
-    require_shape(op, {"dy", dy}, dx.shape);
-    require_shape(op, {"gate", gate}, Shape{B, H});
+  const bool bf = activations_in_bf16(op, {{"dy", args.dy}, {"dgate", args.dgate}, {"dx", args.dx}, {"y", args.y}, {"gate", args.gate}});
+  require_rank(op, {"dx", args.dx}, 3);
+  const int64_t B = args.dx.shape[0], H = args.dx.shape[2];
+  if (args.dy.defined()) {
+    require_shape(op, {"dy", args.dy}, args.dx.shape);
+    require_shape(op, {"gate", args.gate}, Shape{B, H});
   }
-  if (dgate.defined()) {
-    require_shape(op, {"y", y}, dx.shape);
-    require_shape(op, {"dgate", dgate}, Shape{B, H});
+  if (args.dgate.defined()) {
+    require_shape(op, {"y", args.y}, args.dx.shape);
+    require_shape(op, {"dgate", args.dgate}, Shape{B, H});
   }
   if (bf)
-    gated_residual_backward_as<bf16>(*this, op, dy, dgate, dx, y, gate);
+    gated_residual_backward_as<bf16>(*this, op, args.dy, args.dgate, args.dx, args.y, args.gate);
   else
-    gated_residual_backward_as<float>(*this, op, dy, dgate, dx, y, gate);
+    gated_residual_backward_as<float>(*this, op, args.dy, args.dgate, args.dx, args.y, args.gate);
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
@@ -435,7 +435,11 @@ struct Axes {
 };
 }  // namespace
 
-void CudaBackend::rope_table(Tensor pe, Tensor ids, std::span<const int> axes_dim, double theta) {
+void CudaBackend::execute(const op::RopeTable& args) {
+  Tensor pe = args.pe;
+  Tensor ids = args.ids;
+  std::span<const int> axes_dim = args.axes_dim;
+  double theta = args.theta;
   constexpr std::string_view op = "rope_table";
   require_f32(op, {{"pe", pe}, {"ids", ids}});
   require_rank(op, {"ids", ids}, 3);
@@ -467,7 +471,10 @@ void CudaBackend::rope_table(Tensor pe, Tensor ids, std::span<const int> axes_di
   });
 }
 
-void CudaBackend::rope(Tensor x, Tensor pe, bool inverse) {
+void CudaBackend::execute(const op::Rope& args) {
+  Tensor x = args.x;
+  Tensor pe = args.pe;
+  bool inverse = args.inverse;
   constexpr std::string_view op = "rope";
   require_f32(op, {{"x", x}, {"pe", pe}});
   require_rank(op, {"x", x}, 4);
@@ -488,16 +495,16 @@ void CudaBackend::rope(Tensor x, Tensor pe, bool inverse) {
   });
 }
 
-void CudaBackend::timestep_embedding(Tensor out, Tensor t, double time_factor, double max_period) {
+void CudaBackend::execute(const op::TimestepEmbedding& args) {
   constexpr std::string_view op = "timestep_embedding";
-  require_rank(op, {"out", out}, 2);
-  const bool bf = activations_in_bf16(op, {{"out", out}});
-  require_vector(op, {"t", t}, out.shape[0]);
-  require_f32(op, {{"t", t}});  // t is an input of the model, not an activation
+  require_rank(op, {"out", args.out}, 2);
+  const bool bf = activations_in_bf16(op, {{"out", args.out}});
+  require_vector(op, {"t", args.t}, args.out.shape[0]);
+  require_f32(op, {{"t", args.t}});  // t is an input of the model, not an activation
   if (bf)
-    timestep_embedding_as<bf16>(*this, out, t, time_factor, max_period);
+    timestep_embedding_as<bf16>(*this, args.out, args.t, args.time_factor, args.max_period);
   else
-    timestep_embedding_as<float>(*this, out, t, time_factor, max_period);
+    timestep_embedding_as<float>(*this, args.out, args.t, args.time_factor, args.max_period);
 }
 
 }  // namespace flux8

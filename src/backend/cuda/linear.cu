@@ -280,7 +280,11 @@ void fill_bias(CudaBackend& be, const Tensor& y, BiasVector bias) {
 
 }  // namespace
 
-void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
+void CudaBackend::execute(const op::Linear& args) {
+  Tensor y = args.y;
+  Tensor x = args.x;
+  Tensor w = args.w;
+  Tensor b = args.b;
   constexpr std::string_view op = "linear";
   const bool bf16 = activations_in_bf16(op, {{"y", y}, {"x", x}});
   const BiasVector bias = bias_vector(op, b, y);
@@ -301,77 +305,81 @@ void CudaBackend::linear(Tensor y, Tensor x, Tensor w, Tensor b) {
   gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = y.data}, y, bias);
 }
 
-void CudaBackend::linear_backward(Tensor dx, Tensor dw, Tensor db, Tensor dy, Tensor x, Tensor w,
-                                  bool accumulate_dx, bool accumulate_params) {
+void CudaBackend::execute(const op::LinearBackward& args) {
   constexpr std::string_view op = "linear_backward";
-  const bool bf16 = activations_in_bf16(op, {{"dx", dx}, {"dy", dy}, {"x", x}});
-  grads_in_bf16(op, {{"dw", dw}, {"db", db}});  // f32, or bf16 gradients (Backend::gradient_dtype)
-  require_weight(*this, op, w, bf16);
-  require_defined(op, {"dy", dy});
-  require_rank(op, {"w", w}, 2);
-  const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
-  if (w.shape[0] != M)
-    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M, dy.str());
-  const bool gemm_dx = dx.defined() && M > 0, gemm_dw = dw.defined() && N > 0;
+  const bool bf16 = activations_in_bf16(op, {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  grads_in_bf16(op, {{"dw", args.dw}, {"db", args.db}});  // f32, or bf16 gradients (Backend::gradient_dtype)
+  require_weight(*this, op, args.w, bf16);
+  require_defined(op, {"dy", args.dy});
+  require_rank(op, {"w", args.w}, 2);
+  const int64_t N = args.dy.rows(), M = args.dy.cols(), K = args.w.shape[1];
+  if (args.w.shape[0] != M)
+    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, args.w.str(), M, args.dy.str());
+  const bool gemm_dx = args.dx.defined() && M > 0, gemm_dw = args.dw.defined() && N > 0;
   static const Tensor none;
-  Operands ops(*this, bf16, {&dy, gemm_dx ? &w : &none, gemm_dw ? &x : &none});
-  const Operand DY = gemm_dx || gemm_dw ? ops.get(dy) : Operand{};
-  if (dx.defined()) {
-    if (dx.rows() != N || dx.cols() != K)
-      fail("{}: input gradient 'dx' {} must have {} rows of {} columns", op, dx.str(), N, K);
+  Operands ops(*this, bf16, {&args.dy, gemm_dx ? &args.w : &none, gemm_dw ? &args.x : &none});
+  const Operand DY = gemm_dx || gemm_dw ? ops.get(args.dy) : Operand{};
+  if (args.dx.defined()) {
+    if (args.dx.rows() != N || args.dx.cols() != K)
+      fail("{}: input gradient 'dx' {} must have {} rows of {} columns", op, args.dx.str(), N, K);
     if (M == 0) {
-      if (!accumulate_dx) fill(dx, 0.0);
+      if (!args.accumulate_dx) fill(args.dx, 0.0);
     } else {
-      const Operand W = ops.get(w);
-      GemmDesc d = dgrad_desc(W, DY, dx, N, K, M);
-      d.accumulate = accumulate_dx;
-      gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = dx.data}, dx, BiasVector{});
+      const Operand W = ops.get(args.w);
+      GemmDesc d = dgrad_desc(W, DY, args.dx, N, K, M);
+      d.accumulate = args.accumulate_dx;
+      gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = DY.p, .d = args.dx.data}, args.dx, BiasVector{});
     }
   }
-  if (dw.defined()) {
-    require_shape(op, {"dw", dw}, w.shape);
-    require_defined(op, {"x", x});
-    if (x.rows() != N || x.cols() != K) fail("{}: input 'x' {} must have {} rows of {} columns", op, x.str(), N, K);
+  if (args.dw.defined()) {
+    require_shape(op, {"dw", args.dw}, args.w.shape);
+    require_defined(op, {"x", args.x});
+    if (args.x.rows() != N || args.x.cols() != K) fail("{}: input 'x' {} must have {} rows of {} columns", op, args.x.str(), N, K);
     if (N > 0) {
       // dwᵀ[K,M] += xᵀ[K,N] · dy[N,M]
-      const Operand X = ops.get(x);
+      const Operand X = ops.get(args.x);
       GemmDesc d;
       d.trans_b = CUBLAS_OP_T;
       d.m = K, d.n = M, d.k = N;
-      d.lda = X.ld, d.ldb = DY.ld, d.ldd = dw.ld;
+      d.lda = X.ld, d.ldb = DY.ld, d.ldd = args.dw.ld;
       d.type_a = d.type_b = ops.type();
-      d.type_d = cuda_type(dw);  // f32, or bf16: the fp32 sum rounded as it is stored (+= reads it back)
-      d.accumulate = accumulate_params;  // beta = 0: the old contents are never read
-      if (dw.dtype == DType::bf16 && d.type_a == CUDA_R_32F) {
+      d.type_d = cuda_type(args.dw);  // f32, or bf16: the fp32 sum rounded as it is stored (+= reads it back)
+      d.accumulate = args.accumulate_params;  // beta = 0: the old contents are never read
+      if (args.dw.dtype == DType::bf16 && d.type_a == CUDA_R_32F) {
         // Exact f32 GEMMs (gemm_precision: f32) have no bf16 output in cuBLASLt: the sum goes to
         // an f32 temporary (holding the old values when accumulating), then is rounded into dw.
         // (The f32 Operands use no scratch, so scratch2 is free.)
-        const Tensor sum(scratch2(static_cast<size_t>(dw.numel()) * sizeof(float)), DType::f32, dw.shape);
-        if (accumulate_params) copy(sum, dw);
+        const Tensor sum(scratch2(static_cast<size_t>(args.dw.numel()) * sizeof(float)), DType::f32, args.dw.shape);
+        if (args.accumulate_params) copy(sum, args.dw);
         d.type_d = CUDA_R_32F;
         d.ldd = sum.ld;
         gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = sum.data}, sum, BiasVector{});
-        copy(dw, sum);
+        copy(args.dw, sum);
       } else {
-        gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = dw.data}, dw, BiasVector{});
+        gemm_with_bias(*this, d, GemmArgs{.a = X.p, .b = DY.p, .d = args.dw.data}, args.dw, BiasVector{});
       }
-    } else if (!accumulate_params) {
-      fill(dw, 0.0);
+    } else if (!args.accumulate_params) {
+      fill(args.dw, 0.0);
     }
   }
-  if (db.defined()) {
-    if (db.numel() != M || !db.contiguous())
-      fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, db.str(), M);
+  if (args.db.defined()) {
+    if (args.db.numel() != M || !args.db.contiguous())
+      fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, args.db.str(), M);
     if (bf16)
-      bias_gradient<__nv_bfloat16>(*this, dy, db, accumulate_params);
+      bias_gradient<__nv_bfloat16>(*this, args.dy, args.db, args.accumulate_params);
     else
-      bias_gradient<float>(*this, dy, db, accumulate_params);
+      bias_gradient<float>(*this, args.dy, args.db, args.accumulate_params);
   }
 }
 
 // Two GEMMs where the GELU covers only h's last columns: the plain part, then the GELU part with
 // the epilogue (cuBLASLt applies an epilogue to the whole output).
-void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) {
+void CudaBackend::execute(const op::LinearGelu& call) {
+  Tensor y = call.y;
+  Tensor h = call.h;
+  Tensor x = call.x;
+  Tensor w = call.w;
+  Tensor b = call.b;
   constexpr std::string_view op = "linear_gelu";
   const bool bf16 = activations_in_bf16(op, {{"y", y}, {"h", h}, {"x", x}});
   bias_vector(op, b, h);  // refuses a bias of another type, naming it
@@ -403,31 +411,31 @@ void CudaBackend::linear_gelu(Tensor y, Tensor h, Tensor x, Tensor w, Tensor b) 
   gelu_tanh(y, h_gelu);
 }
 
-void CudaBackend::linear_dgrad_gelu(Tensor dx, Tensor dh, Tensor dy, Tensor w, Tensor h) {
+void CudaBackend::execute(const op::LinearDgradGelu& args) {
   constexpr std::string_view op = "linear_dgrad_gelu";
-  const bool bf16 = activations_in_bf16(op, {{"dx", dx}, {"dh", dh}, {"dy", dy}, {"h", h}});
-  require_weight(*this, op, w, bf16);
-  const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, dx, dh, dy, w, h);
+  const bool bf16 = activations_in_bf16(op, {{"dx", args.dx}, {"dh", args.dh}, {"dy", args.dy}, {"h", args.h}});
+  require_weight(*this, op, args.w, bf16);
+  const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, args.dx, args.dh, args.dy, args.w, args.h);
   const int64_t first = K - G;
-  const Tensor w_gelu = w.cols_slice(first, G);
+  const Tensor w_gelu = args.w.cols_slice(first, G);
   bool fused = false;
   if (N > 0 && M > 0) {
-    Operands ops(*this, bf16, {&dy, &w_gelu});
-    const Operand DY = ops.get(dy), W = ops.get(w_gelu);
-    if (epilogue_operands_aligned({DY, W}, {&dh, &h})) {
-      GemmDesc d = dgrad_desc(W, DY, dh, N, G, M);  // ⊙ gelu'(h) in the epilogue
+    Operands ops(*this, bf16, {&args.dy, &w_gelu});
+    const Operand DY = ops.get(args.dy), W = ops.get(w_gelu);
+    if (epilogue_operands_aligned({DY, W}, {&args.dh, &args.h})) {
+      GemmDesc d = dgrad_desc(W, DY, args.dh, N, G, M);  // ⊙ gelu'(h) in the epilogue
       d.epilogue = Epilogue::dgelu;
-      d.aux_ld = h.ld;
+      d.aux_ld = args.h.ld;
       std::string why;
-      fused = try_run(gemm(), d, GemmArgs{.a = W.p, .b = DY.p, .d = dh.data, .aux = h.data}, why);
+      fused = try_run(gemm(), d, GemmArgs{.a = W.p, .b = DY.p, .d = args.dh.data, .aux = args.h.data}, why);
       if (!fused) note_unfused(d.epilogue, why);
     }
   }
-  if (first > 0) linear_backward(dx, Tensor{}, Tensor{}, dy, Tensor{}, w.cols_slice(0, first), false, false);
+  if (first > 0) linear_backward(args.dx, Tensor{}, Tensor{}, args.dy, Tensor{}, args.w.cols_slice(0, first), false, false);
   if (fused) return;
   // No epilogue: the GELU part's input gradient (rounded), then the GELU's backward in place.
-  linear_backward(dh, Tensor{}, Tensor{}, dy, Tensor{}, w_gelu, false, false);
-  gelu_tanh_backward(dh, dh, h);
+  linear_backward(args.dh, Tensor{}, Tensor{}, args.dy, Tensor{}, w_gelu, false, false);
+  gelu_tanh_backward(args.dh, args.dh, args.h);
 }
 
 }  // namespace flux8

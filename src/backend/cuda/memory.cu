@@ -110,14 +110,14 @@ PowerReading CudaBackend::power_reading() {
   return nvml_->read();
 }
 
-void CudaBackend::release(void* p) {
+void CudaBackend::do_release(void* p) {
   if (!p) return;
   track_release(p);
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no kernel may still use it
   FLUX8_CUDA_CHECK(cudaFree(p));
 }
 
-void CudaBackend::upload(void* dst, const void* host_src, size_t bytes) {
+void CudaBackend::do_upload(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
   if (bytes < kStagedUploadBytes) {
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
@@ -242,17 +242,17 @@ class CudaCopyQueue final : public Backend::CopyQueue {
 std::unique_ptr<Backend::Event> CudaBackend::make_event() { return std::make_unique<CudaEvent>(); }
 std::unique_ptr<Backend::CopyQueue> CudaBackend::make_copy_queue() { return std::make_unique<CudaCopyQueue>(device_); }
 
-void CudaBackend::record_event(Event& e) {
+void CudaBackend::do_record_event(Event& e) {
   if (capturing_) fail("cuda backend: record_event while a CUDA graph is being captured");
   FLUX8_CUDA_CHECK(cudaEventRecord(cuda_event(e), stream_));
 }
 
-void CudaBackend::wait_event(const Event& e) {
+void CudaBackend::do_wait_event(const Event& e) {
   if (capturing_) fail("cuda backend: wait_event while a CUDA graph is being captured");
   FLUX8_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda_event(e), 0));
 }
 
-void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
+void CudaBackend::do_download(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   if (bytes < kStagedUploadBytes) {
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
@@ -263,7 +263,7 @@ void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
   flush_cast_stats();
 }
 
-void CudaBackend::synchronize() {
+void CudaBackend::do_synchronize() {
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
   flush_cast_stats();
 }
@@ -342,7 +342,7 @@ uint64_t CudaBackend::capture_generation() const {
 }
 void* CudaBackend::pinned_result() { return pinned_; }
 
-int64_t CudaBackend::timing_mark() {
+int64_t CudaBackend::do_timing_mark() {
   if (timing_marks_used_ == timing_events_.size()) {
     cudaEvent_t e = nullptr;
     FLUX8_CUDA_CHECK(cudaEventCreate(&e));  // with timing (cudaEventDefault)
@@ -460,19 +460,19 @@ void bf16_binary(CudaBackend& be, const Tensor& y, const Tensor& a, const Tensor
 
 }  // namespace
 
-void CudaBackend::fill(Tensor y, double value) {
-  const bool bf = activations_in_bf16("fill", {{"y", y}});
-  const float v = static_cast<float>(value);
-  const int64_t n = y.rows() * y.cols();
+void CudaBackend::execute(const op::Fill& args) {
+  const bool bf = activations_in_bf16("fill", {{"y", args.y}});
+  const float v = static_cast<float>(args.value);
+  const int64_t n = args.y.rows() * args.y.cols();
   if (n == 0) return;
-  if (v == 0.0f && !std::signbit(v) && y.contiguous()) {  // +0.0 is all-zero bytes (f32 and bf16): a memset
-    FLUX8_CUDA_CHECK(cudaMemsetAsync(y.data, 0, y.bytes(), stream_));
+  if (v == 0.0f && !std::signbit(v) && args.y.contiguous()) {  // +0.0 is all-zero bytes (f32 and bf16): a memset
+    FLUX8_CUDA_CHECK(cudaMemsetAsync(args.y.data, 0, args.y.bytes(), stream_));
     return;
   }
   if (bf) {  // the f32 value rounded once, as bf16 storage of the CPU's f32 fill holds it
-    const MatOf<bf16> Y = mat_of<bf16>(y);
+    const MatOf<bf16> Y = mat_of<bf16>(args.y);
     const bf16 h = __float2bfloat16_rn(v);
-    if (y.contiguous()) {
+    if (args.y.contiguous()) {
       bf16* p = Y.p;
       for_each(*this, n, [=] __device__(int64_t i) { p[i] = h; });
       return;
@@ -480,8 +480,8 @@ void CudaBackend::fill(Tensor y, double value) {
     for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = h; });
     return;
   }
-  const Mat Y = mat(y);
-  if (y.contiguous()) {  // also flat parameter-sized vectors, beyond for_each_row's 2^30 columns
+  const Mat Y = mat(args.y);
+  if (args.y.contiguous()) {  // also flat parameter-sized vectors, beyond for_each_row's 2^30 columns
     float* p = Y.p;
     for_each(*this, n, [=] __device__(int64_t i) { p[i] = v; });
     return;
@@ -489,50 +489,50 @@ void CudaBackend::fill(Tensor y, double value) {
   for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = v; });
 }
 
-void CudaBackend::fill_random(Tensor y, Random dist, uint64_t seed, uint64_t stream, double scale) {
-  require_f32("fill_random", {{"y", y}});
-  require_contiguous("fill_random", {"y", y});
-  float* out = y.ptr<float>();
-  const bool normal = dist == Random::normal;
-  for_each(*this, y.numel(), [=] __device__(int64_t i) {  // the CPU backend's formula
+void CudaBackend::execute(const op::FillRandom& args) {
+  require_f32("fill_random", {{"y", args.y}});
+  require_contiguous("fill_random", {"y", args.y});
+  float* out = args.y.ptr<float>();
+  const bool normal = args.dist == Random::normal;
+  for_each(*this, args.y.numel(), [=] __device__(int64_t i) {  // the CPU backend's formula
     const uint64_t k = static_cast<uint64_t>(i);
-    const double v = normal ? static_cast<double>(rng_normal(seed, stream, k))
-                            : 2.0 * static_cast<double>(rng_uniform(seed, stream, k)) - 1.0;
-    out[i] = static_cast<float>(scale * v);
+    const double v = normal ? static_cast<double>(rng_normal(args.seed, args.stream, k))
+                            : 2.0 * static_cast<double>(rng_uniform(args.seed, args.stream, k)) - 1.0;
+    out[i] = static_cast<float>(args.scale * v);
   });
 }
 
 // y's storage type may differ from x's: each is f32 or bf16, and the values convert.
-void CudaBackend::copy(Tensor y, Tensor x) {
-  require_defined("copy", {"y", y});
-  require_defined("copy", {"x", x});
-  const bool y_bf = activations_in_bf16("copy", {{"y", y}}), x_bf = activations_in_bf16("copy", {{"x", x}});
-  require_same_matrix("copy", {"y", y}, {"x", x});
+void CudaBackend::execute(const op::Copy& args) {
+  require_defined("copy", {"y", args.y});
+  require_defined("copy", {"x", args.x});
+  const bool y_bf = activations_in_bf16("copy", {{"y", args.y}}), x_bf = activations_in_bf16("copy", {{"x", args.x}});
+  require_same_matrix("copy", {"y", args.y}, {"x", args.x});
   if (y_bf != x_bf) {
     if (y_bf)
-      convert<bf16, float>(*this, y, x);
+      convert<bf16, float>(*this, args.y, args.x);
     else
-      convert<float, bf16>(*this, y, x);
+      convert<float, bf16>(*this, args.y, args.x);
     return;
   }
-  const size_t elem = dtype_size(x.dtype);
-  if (y.contiguous() && x.contiguous()) {
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(y.data, x.data, x.bytes(), cudaMemcpyDeviceToDevice, stream_));
+  const size_t elem = dtype_size(args.x.dtype);
+  if (args.y.contiguous() && args.x.contiguous()) {
+    FLUX8_CUDA_CHECK(cudaMemcpyAsync(args.y.data, args.x.data, args.x.bytes(), cudaMemcpyDeviceToDevice, stream_));
     return;
   }
-  FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(y.data, y.ld * elem, x.data, x.ld * elem, x.cols() * elem, x.rows(),
+  FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(args.y.data, args.y.ld * elem, args.x.data, args.x.ld * elem, args.x.cols() * elem, args.x.rows(),
                                      cudaMemcpyDeviceToDevice, stream_));
 }
 
-void CudaBackend::copy_batch(std::span<const CopyPair> pairs) {
+void CudaBackend::execute(const op::CopyBatch& args) {
   constexpr std::string_view op = "copy_batch";
   // The batch's largest copy sets the grid's width: a small copy's extra blocks find no work.
-  for (size_t first = 0; first < pairs.size(); first += kCopyBatch) {
-    const size_t count = std::min<size_t>(kCopyBatch, pairs.size() - first);
+  for (size_t first = 0; first < args.pairs.size(); first += kCopyBatch) {
+    const size_t count = std::min<size_t>(kCopyBatch, args.pairs.size() - first);
     CopyEntries batch{};
     int64_t widest = 0;
     for (size_t i = 0; i < count; ++i) {
-      const CopyPair& p = pairs[first + i];
+      const CopyPair& p = args.pairs[first + i];
       // Checked without building names (this runs every step); a failure names the pair.
       const auto storable = [](const Tensor& t) {
         return t.defined() && (t.dtype == DType::f32 || t.dtype == DType::bf16) && t.ld >= t.cols();
@@ -552,25 +552,25 @@ void CudaBackend::copy_batch(std::span<const CopyPair> pairs) {
   }
 }
 
-void CudaBackend::add(Tensor y, Tensor a, Tensor b) {
-  const bool bf = activations_in_bf16("add", {{"y", y}, {"a", a}, {"b", b}});
-  require_same_matrix("add", {"y", y}, {"a", a});
-  require_same_matrix("add", {"y", y}, {"b", b});
-  if (bf) return bf16_binary(*this, y, a, b, [] __device__(float u, float v) { return u + v; });
-  const Mat Y = mat(y), A = mat(a), B = mat(b);
-  if (y.contiguous() && a.contiguous() && b.contiguous()) {
+void CudaBackend::execute(const op::Add& args) {
+  const bool bf = activations_in_bf16("add", {{"y", args.y}, {"a", args.a}, {"b", args.b}});
+  require_same_matrix("add", {"y", args.y}, {"a", args.a});
+  require_same_matrix("add", {"y", args.y}, {"b", args.b});
+  if (bf) return bf16_binary(*this, args.y, args.a, args.b, [] __device__(float u, float v) { return u + v; });
+  const Mat Y = mat(args.y), A = mat(args.a), B = mat(args.b);
+  if (args.y.contiguous() && args.a.contiguous() && args.b.contiguous()) {
     for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.p[i] = A.p[i] + B.p[i]; });
     return;
   }
   for_each_row(*this, Y.rows, Y.cols, [=] __device__(int64_t r, int c) { Y.at(r, c) = A.at(r, c) + B.at(r, c); });
 }
 
-void CudaBackend::accumulate(Tensor y, Tensor x) {
-  const bool bf = activations_in_bf16("accumulate", {{"y", y}, {"x", x}});
-  require_same_matrix("accumulate", {"y", y}, {"x", x});
-  if (bf) return bf16_binary(*this, y, y, x, [] __device__(float u, float v) { return u + v; });
-  const Mat Y = mat(y), X = mat(x);
-  if (y.contiguous() && x.contiguous()) {
+void CudaBackend::execute(const op::Accumulate& args) {
+  const bool bf = activations_in_bf16("accumulate", {{"y", args.y}, {"x", args.x}});
+  require_same_matrix("accumulate", {"y", args.y}, {"x", args.x});
+  if (bf) return bf16_binary(*this, args.y, args.y, args.x, [] __device__(float u, float v) { return u + v; });
+  const Mat Y = mat(args.y), X = mat(args.x);
+  if (args.y.contiguous() && args.x.contiguous()) {
     for_each(*this, Y.rows * Y.cols, [=] __device__(int64_t i) { Y.p[i] += X.p[i]; });
     return;
   }

@@ -626,21 +626,26 @@ void layernorm_modulate_backward_passes(CudaBackend& be, const Tensor& dx, const
 
 }  // namespace
 
-void CudaBackend::layernorm_modulate(Tensor y, Tensor mean, Tensor rstd, Tensor x, Tensor shift, Tensor scale,
-                                     double eps) {
+void CudaBackend::execute(const op::LayernormModulate& args) {
   constexpr std::string_view op = "layernorm_modulate";
-  const bool bf = activations_in_bf16(op, {{"y", y}, {"x", x}, {"shift", shift}, {"scale", scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate(op, y, mean, rstd, x, shift, scale);
-  require_f32(op, {{"mean", mean}, {"rstd", rstd}});  // statistics: f32 whatever the activations
+  const bool bf = activations_in_bf16(op, {{"y", args.y}, {"x", args.x}, {"shift", args.shift}, {"scale", args.scale}});
+  const auto [B, L, H] = ops::check_layernorm_modulate(op, args.y, args.mean, args.rstd, args.x, args.shift, args.scale);
+  require_f32(op, {{"mean", args.mean}, {"rstd", args.rstd}});  // statistics: f32 whatever the activations
   if (B * L == 0) return;
   if (bf)
-    layernorm_modulate_as<__nv_bfloat16>(*this, y, mean, rstd, x, shift, scale, B * L, L, eps);
+    layernorm_modulate_as<__nv_bfloat16>(*this, args.y, args.mean, args.rstd, args.x, args.shift, args.scale, B * L, L, args.eps);
   else
-    layernorm_modulate_as<float>(*this, y, mean, rstd, x, shift, scale, B * L, L, eps);
+    layernorm_modulate_as<float>(*this, args.y, args.mean, args.rstd, args.x, args.shift, args.scale, B * L, L, args.eps);
 }
 
-void CudaBackend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor y, Tensor gate,
-                                       double eps) {
+void CudaBackend::execute(const op::GatedResidualStats& args) {
+  Tensor out = args.out;
+  Tensor mean = args.mean;
+  Tensor rstd = args.rstd;
+  Tensor x = args.x;
+  Tensor y = args.y;
+  Tensor gate = args.gate;
+  double eps = args.eps;
   constexpr std::string_view op = "gated_residual_stats";
   const bool bf = activations_in_bf16(op, {{"out", out}, {"x", x}, {"y", y}, {"gate", gate}});
   ops::check_gated_residual_stats(op, out, mean, rstd, x, y, gate);
@@ -658,76 +663,75 @@ void CudaBackend::gated_residual_stats(Tensor out, Tensor mean, Tensor rstd, Ten
     });
   };
   const bool launched = bf ? run.template operator()<__nv_bfloat16>() : run.template operator()<float>();
-  if (!launched) Backend::gated_residual_stats(out, mean, rstd, x, y, gate, eps);  // rows wider than 4096
+  if (!launched) Backend::execute(args);  // rows wider than 4096
 }
 
-void CudaBackend::layernorm_modulate_backward(Tensor dx, Tensor dshift, Tensor dscale, Tensor dy, Tensor x,
-                                              Tensor mean, Tensor rstd, Tensor scale, bool accumulate_dx) {
+void CudaBackend::execute(const op::LayernormModulateBackward& args) {
   constexpr std::string_view op = "layernorm_modulate_backward";
   const bool bf = activations_in_bf16(
-      op, {{"dx", dx}, {"dshift", dshift}, {"dscale", dscale}, {"dy", dy}, {"x", x}, {"scale", scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, dy, x, mean, rstd);
-  require_f32(op, {{"mean", mean}, {"rstd", rstd}});  // statistics: f32 whatever the activations
-  if (dx.defined()) require_shape(op, {"dx", dx}, x.shape);
-  if (dshift.defined()) require_shape(op, {"dshift", dshift}, Shape{B, H});
-  if (dscale.defined()) require_shape(op, {"dscale", dscale}, Shape{B, H});
-  if (!dx.defined() && !dshift.defined() && !dscale.defined()) return;
-  if (B * L > 0 && H > 0 && H <= 4096 && B <= 65535 && scale.defined()) {
-    require_shape(op, {"scale", scale}, Shape{B, H});
+      op, {{"dx", args.dx}, {"dshift", args.dshift}, {"dscale", args.dscale}, {"dy", args.dy}, {"x", args.x}, {"scale", args.scale}});
+  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, args.dy, args.x, args.mean, args.rstd);
+  require_f32(op, {{"mean", args.mean}, {"rstd", args.rstd}});  // statistics: f32 whatever the activations
+  if (args.dx.defined()) require_shape(op, {"dx", args.dx}, args.x.shape);
+  if (args.dshift.defined()) require_shape(op, {"dshift", args.dshift}, Shape{B, H});
+  if (args.dscale.defined()) require_shape(op, {"dscale", args.dscale}, Shape{B, H});
+  if (!args.dx.defined() && !args.dshift.defined() && !args.dscale.defined()) return;
+  if (B * L > 0 && H > 0 && H <= 4096 && B <= 65535 && args.scale.defined()) {
+    require_shape(op, {"scale", args.scale}, Shape{B, H});
     if (bf)
-      layernorm_modulate_backward_one_pass<__nv_bfloat16>(*this, dx, dshift, dscale, dy, x, mean, rstd, scale,
-                                                          accumulate_dx, B, L, H);
+      layernorm_modulate_backward_one_pass<__nv_bfloat16>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale,
+                                                          args.accumulate_dx, B, L, H);
     else
-      layernorm_modulate_backward_one_pass<float>(*this, dx, dshift, dscale, dy, x, mean, rstd, scale, accumulate_dx,
+      layernorm_modulate_backward_one_pass<float>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale, args.accumulate_dx,
                                                   B, L, H);
     return;
   }
-  if (dx.defined() && B * L > 0) require_shape(op, {"scale", scale}, Shape{B, H});
+  if (args.dx.defined() && B * L > 0) require_shape(op, {"scale", args.scale}, Shape{B, H});
   if (bf)
-    layernorm_modulate_backward_passes<__nv_bfloat16>(*this, dx, dshift, dscale, dy, x, mean, rstd, scale,
-                                                      accumulate_dx, B, L, H);
+    layernorm_modulate_backward_passes<__nv_bfloat16>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale,
+                                                      args.accumulate_dx, B, L, H);
   else
-    layernorm_modulate_backward_passes<float>(*this, dx, dshift, dscale, dy, x, mean, rstd, scale, accumulate_dx, B,
+    layernorm_modulate_backward_passes<float>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale, args.accumulate_dx, B,
                                               L, H);
 }
 
-void CudaBackend::rmsnorm_heads(Tensor y, Tensor rstd, Tensor x, Tensor scale, double eps) {
+void CudaBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
-  require_f32(op, {{"y", y}, {"rstd", rstd}, {"x", x}, {"scale", scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows(), n = x.cols() / D;
-  require_same_matrix(op, {"y", y}, {"x", x});
-  require_vector(op, {"rstd", rstd}, rows * n);
+  require_f32(op, {{"y", args.y}, {"rstd", args.rstd}, {"x", args.x}, {"scale", args.scale}});
+  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows(), n = args.x.cols() / D;
+  require_same_matrix(op, {"y", args.y}, {"x", args.x});
+  require_vector(op, {"rstd", args.rstd}, rows * n);
   const int64_t segments = rows * n;
   if (segments == 0) return;
-  rmsnorm_heads_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(mat(y), rstd.ptr<float>(), mat(x),
-                                                                            scale.ptr<float>(), D, n, segments, eps);
+  rmsnorm_heads_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(mat(args.y), args.rstd.ptr<float>(), mat(args.x),
+                                                                            args.scale.ptr<float>(), D, n, segments, args.eps);
   FLUX8_LAUNCH_CHECK(rmsnorm_heads_kernel);
 }
 
-void CudaBackend::rmsnorm_heads_backward(Tensor dx, Tensor dscale, Tensor dy, Tensor x, Tensor rstd, Tensor scale) {
+void CudaBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
-  require_f32(op, {{"dx", dx}, {"dscale", dscale}, {"dy", dy}, {"x", x}, {"rstd", rstd}, {"scale", scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, x, scale), rows = x.rows(), n = x.cols() / D;
-  require_same_matrix(op, {"dy", dy}, {"x", x});
-  require_vector(op, {"rstd", rstd}, rows * n);
+  require_f32(op, {{"dx", args.dx}, {"dscale", args.dscale}, {"dy", args.dy}, {"x", args.x}, {"rstd", args.rstd}, {"scale", args.scale}});
+  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows(), n = args.x.cols() / D;
+  require_same_matrix(op, {"dy", args.dy}, {"x", args.x});
+  require_vector(op, {"rstd", args.rstd}, rows * n);
   const int64_t segments = rows * n;
-  if (dx.defined() && segments > 0) {
-    require_same_matrix(op, {"dx", dx}, {"x", x});
+  if (args.dx.defined() && segments > 0) {
+    require_same_matrix(op, {"dx", args.dx}, {"x", args.x});
     rmsnorm_heads_dx_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(
-        mat(dx), mat(dy), mat(x), rstd.ptr<float>(), scale.ptr<float>(), D, n, segments);
+        mat(args.dx), mat(args.dy), mat(args.x), args.rstd.ptr<float>(), args.scale.ptr<float>(), D, n, segments);
     FLUX8_LAUNCH_CHECK(rmsnorm_heads_dx_kernel);
   }
-  if (dscale.defined()) {
-    require_vector(op, {"dscale", dscale}, D);
-    const Mat DY = mat(dy), X = mat(x);
-    const float* rs = rstd.ptr<float>();
+  if (args.dscale.defined()) {
+    require_vector(op, {"dscale", args.dscale}, D);
+    const Mat DY = mat(args.dy), X = mat(args.x);
+    const float* rs = args.rstd.ptr<float>();
     column_sums(
         *this, 1, segments, D,
         [=] __device__(int64_t, int64_t i, int64_t d) {
           const int64_t r = i / n, off = (i % n) * D;
           return double(DY.at(r, off + d)) * X.at(r, off + d) * rs[i];
         },
-        dscale.ptr<float>(), D, true);
+        args.dscale.ptr<float>(), D, true);
   }
 }
 

@@ -780,25 +780,23 @@ void with_types(bool tokens_bf16, bool heads_bf16, F&& f) {
 
 }  // namespace
 
-void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v_heads, Tensor q_rstd,
-                                        Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
-                                        Tensor pe, int64_t token_offset, double eps) {
+void CudaBackend::execute(const op::QkNormRopeToHeads& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  const auto d = ops::check_qk_norm_rope_to_heads(op, q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale,
-                                                  k_scale, pe, token_offset);
+  const auto d = ops::check_qk_norm_rope_to_heads(op, args.q_heads, args.k_heads, args.v_heads, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale,
+                                                  args.k_scale, args.pe, args.token_offset);
   // The types after the shape checks, whose messages name a missing tensor: the activations
   // (token side) f32 or bf16, the heads f32 or bf16, the rest f32.
-  const bool bf16 = activations_in_bf16(op, {{"q", q}, {"k", k}, {"v", v}});
-  require_f32(op, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}, {"q_scale", q_scale}, {"k_scale", k_scale}, {"pe", pe}});
-  const bool heads_bf16 = heads_in_bf16(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}});
+  const bool bf16 = activations_in_bf16(op, {{"q", args.q}, {"k", args.k}, {"v", args.v}});
+  require_f32(op, {{"q_rstd", args.q_rstd}, {"k_rstd", args.k_rstd}, {"q_scale", args.q_scale}, {"k_scale", args.k_scale}, {"pe", args.pe}});
+  const bool heads_bf16 = heads_in_bf16(op, {{"q_heads", args.q_heads}, {"k_heads", args.k_heads}, {"v_heads", args.v_heads}});
   const int pairs = pairs_per_lane(op, d.D);
-  const Geometry geo = geometry_of(op, d, token_offset, {q_heads, k_heads, v_heads, q, k, v, pe});
+  const Geometry geo = geometry_of(op, d, args.token_offset, {args.q_heads, args.k_heads, args.v_heads, args.q, args.k, args.v, args.pe});
   if (geo.segments == 0) return;
-  const int lanes = vec_path_lanes(d.D, {q_heads, k_heads, v_heads, q, k, v}, pe);
+  const int lanes = vec_path_lanes(d.D, {args.q_heads, args.k_heads, args.v_heads, args.q, args.k, args.v}, args.pe);
   const unsigned blocks = exact_blocks(geo.segments * (lanes > 0 ? lanes : 32));
   const auto launch = [&]<typename T, typename H>() {
-    const auto a = forward_args<T, H>(heads_of<H>(q_heads), heads_of<H>(k_heads), heads_of<H>(v_heads), q_rstd,
-                                      k_rstd, q, k, v, q_scale, k_scale, pe, geo, eps);
+    const auto a = forward_args<T, H>(heads_of<H>(args.q_heads), heads_of<H>(args.k_heads), heads_of<H>(args.v_heads), args.q_rstd,
+                                      args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe, geo, args.eps);
     if (lanes > 0) {
       with_lanes(lanes, [&]<int kLanes>() {
         qk_norm_rope_to_heads_vec_kernel<kLanes><<<blocks, kThreads, 0, stream_>>>(a);
@@ -815,45 +813,42 @@ void CudaBackend::qk_norm_rope_to_heads(Tensor q_heads, Tensor k_heads, Tensor v
   with_types(bf16, heads_bf16, launch);
 }
 
-void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8Heads& k_heads,
-                                            const Fp8Heads& v_heads, Tensor q_rstd, Tensor k_rstd, Tensor q, Tensor k,
-                                            Tensor v, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
-                                            double eps) {
+void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_fp8";
-  const Shape h = ops::check_fp8_heads(op, q, token_offset,
-                                       {{"q_heads", q_heads.codes},
-                                        {"k_heads", k_heads.codes},
-                                        {"v_heads", v_heads.codes}});
-  const DType t = attention_heads_dtype(q.dtype, h[3]);
+  const Shape h = ops::check_fp8_heads(op, args.q, args.token_offset,
+                                       {{"q_heads", args.q_heads.codes},
+                                        {"k_heads", args.k_heads.codes},
+                                        {"v_heads", args.v_heads.codes}});
+  const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never written: the kernel writes the codes).
-  const Tensor qh(q_heads.codes.codes, t, h), kh(k_heads.codes.codes, t, h), vh(v_heads.codes.codes, t, h);
-  const auto d = ops::check_qk_norm_rope_to_heads(op, qh, kh, vh, q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe,
-                                                  token_offset);
-  const bool bf16 = activations_in_bf16(op, {{"q", q}, {"k", k}, {"v", v}});
-  require_f32(op, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}, {"q_scale", q_scale}, {"k_scale", k_scale}, {"pe", pe}});
+  const Tensor qh(args.q_heads.codes.codes, t, h), kh(args.k_heads.codes.codes, t, h), vh(args.v_heads.codes.codes, t, h);
+  const auto d = ops::check_qk_norm_rope_to_heads(op, qh, kh, vh, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe,
+                                                  args.token_offset);
+  const bool bf16 = activations_in_bf16(op, {{"q", args.q}, {"k", args.k}, {"v", args.v}});
+  require_f32(op, {{"q_rstd", args.q_rstd}, {"k_rstd", args.k_rstd}, {"q_scale", args.q_scale}, {"k_scale", args.k_scale}, {"pe", args.pe}});
   const bool heads_bf16 = t == DType::bf16;  // the proxies' type (attention_heads_dtype: f32 or bf16)
-  const Geometry geo = geometry_of(op, d, token_offset, {qh, kh, vh, q, k, v, pe});
-  const int lanes = vec_path_lanes(d.D, {qh, kh, vh, q, k, v}, pe);
-  const Fp8Heads* const outs[3] = {&q_heads, &k_heads, &v_heads};
+  const Geometry geo = geometry_of(op, d, args.token_offset, {qh, kh, vh, args.q, args.k, args.v, args.pe});
+  const int lanes = vec_path_lanes(d.D, {qh, kh, vh, args.q, args.k, args.v}, args.pe);
+  const Fp8Heads* const outs[3] = {&args.q_heads, &args.k_heads, &args.v_heads};
   bool fused = lanes > 0 && geo.segments > 0;
   for (const Fp8Heads* o : outs)
     fused = fused && fp8_heads_vec8(o->codes) && o->q.scaling == Fp8Scaling::per_tensor && o->q.delayed_scale;
   if (!fused) {  // the pair path, an empty call or a scale not known ahead (current scaling)
-    Backend::qk_norm_rope_to_heads_fp8(q_heads, k_heads, v_heads, q_rstd, k_rstd, q, k, v, q_scale, k_scale, pe,
-                                       token_offset, eps);
+    Backend::qk_norm_rope_to_heads_fp8(args.q_heads, args.k_heads, args.v_heads, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe,
+                                       args.token_offset, args.eps);
     return;
   }
   const int64_t per_group = segments_per_group(geo.segments, kFp8ForwardBlocksPerSm);
   const int64_t blocks = exact_blocks((geo.segments + per_group - 1) / per_group * lanes);
-  const bool count = q_heads.q.stats || k_heads.q.stats || v_heads.q.stats;
+  const bool count = args.q_heads.q.stats || args.k_heads.q.stats || args.v_heads.q.stats;
   auto* partials =
       count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(3 * blocks) * sizeof(StatsPartial))) : nullptr;
-  const Fp8HeadsOut q8 = fp8_heads_out(q_heads, count, partials), k8 = fp8_heads_out(k_heads, count, partials + blocks),
-                    v8 = fp8_heads_out(v_heads, count, partials + 2 * blocks);
+  const Fp8HeadsOut q8 = fp8_heads_out(args.q_heads, count, partials), k8 = fp8_heads_out(args.k_heads, count, partials + blocks),
+                    v8 = fp8_heads_out(args.v_heads, count, partials + 2 * blocks);
   with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
-    const auto a = forward_args<T, H>(Heads<H>{}, Heads<H>{}, Heads<H>{}, q_rstd, k_rstd, q, k, v, q_scale, k_scale,
-                                      pe, geo, eps);  // (the heads: the FP8 outputs instead)
+    const auto a = forward_args<T, H>(Heads<H>{}, Heads<H>{}, Heads<H>{}, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale,
+                                      args.pe, geo, args.eps);  // (the heads: the FP8 outputs instead)
     with_lanes(lanes, [&]<int kLanes>() {
       if (count)
         qk_norm_rope_to_heads_fp8_kernel<kLanes, T, H, true>
@@ -867,41 +862,34 @@ void CudaBackend::qk_norm_rope_to_heads_fp8(const Fp8Heads& q_heads, const Fp8He
   ++qk_norm_rope_vector_calls_;
   if (!count) return;  // the amaxes went to their targets by atomics
   const int64_t elements = geo.segments * d.D;
-  total_cast_stats(partials, blocks, elements, q_heads.q);
-  total_cast_stats(partials + blocks, blocks, elements, k_heads.q);
-  total_cast_stats(partials + 2 * blocks, blocks, elements, v_heads.q);
+  total_cast_stats(partials, blocks, elements, args.q_heads.q);
+  total_cast_stats(partials + blocks, blocks, elements, args.k_heads.q);
+  total_cast_stats(partials + 2 * blocks, blocks, elements, args.v_heads.q);
 }
 
-void CudaBackend::qk_norm_rope_to_heads_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                                                 Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q,
-                                                 Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale,
-                                                 Tensor k_scale, Tensor pe, int64_t token_offset) {
-  qk_norm_rope_backward("qk_norm_rope_to_heads_backward", dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
-                        dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe, token_offset, nullptr);
+void CudaBackend::execute(const op::QkNormRopeToHeadsBackward& args) {
+  qk_norm_rope_backward("qk_norm_rope_to_heads_backward", args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, args.dq_heads, args.dk_heads,
+                        args.dv_heads, args.q, args.k, args.q_rstd, args.k_rstd, args.q_scale, args.k_scale, args.pe, args.token_offset, nullptr);
 }
 
-void CudaBackend::qk_norm_rope_to_heads_backward_fp8(Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale,
-                                                     Tensor dk_scale, const QTensor& dq_heads, const QTensor& dk_heads,
-                                                     const QTensor& dv_heads, Tensor q, Tensor k, Tensor q_rstd,
-                                                     Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe,
-                                                     int64_t token_offset) {
+void CudaBackend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_backward_fp8";
   const Shape h =
-      ops::check_fp8_heads(op, q, token_offset,
-                           {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
-  const DType t = attention_heads_dtype(q.dtype, h[3]);
-  const QTensor codes[3] = {dq_heads, dk_heads, dv_heads};
-  const bool vec8 = fp8_heads_vec8(dq_heads) && fp8_heads_vec8(dk_heads) && fp8_heads_vec8(dv_heads);
+      ops::check_fp8_heads(op, args.q, args.token_offset,
+                           {{"dq_heads", args.dq_heads}, {"dk_heads", args.dk_heads}, {"dv_heads", args.dv_heads}});
+  const DType t = attention_heads_dtype(args.q.dtype, h[3]);
+  const QTensor codes[3] = {args.dq_heads, args.dk_heads, args.dv_heads};
+  const bool vec8 = fp8_heads_vec8(args.dq_heads) && fp8_heads_vec8(args.dk_heads) && fp8_heads_vec8(args.dv_heads);
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never read: the kernel reads the codes).
   if (vec8 && h.numel() > 0 &&
-      qk_norm_rope_backward(op, dq, dk, dv, dq_scale, dk_scale, Tensor(dq_heads.codes, t, h),
-                            Tensor(dk_heads.codes, t, h), Tensor(dv_heads.codes, t, h), q, k, q_rstd, k_rstd, q_scale,
-                            k_scale, pe, token_offset, codes))
+      qk_norm_rope_backward(op, args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, Tensor(args.dq_heads.codes, t, h),
+                            Tensor(args.dk_heads.codes, t, h), Tensor(args.dv_heads.codes, t, h), args.q, args.k, args.q_rstd, args.k_rstd, args.q_scale,
+                            args.k_scale, args.pe, args.token_offset, codes))
     return;
   // Not the vector path (head dim, alignment): dequantize, then the plain op.
-  Backend::qk_norm_rope_to_heads_backward_fp8(dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads, dv_heads, q, k,
-                                              q_rstd, k_rstd, q_scale, k_scale, pe, token_offset);
+  Backend::qk_norm_rope_to_heads_backward_fp8(args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k,
+                                              args.q_rstd, args.k_rstd, args.q_scale, args.k_scale, args.pe, args.token_offset);
 }
 
 bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale,

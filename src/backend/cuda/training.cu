@@ -34,34 +34,33 @@ __device__ inline void flow_match_element(int64_t i, int64_t per, uint64_t seed,
 }
 }  // namespace
 
-void CudaBackend::flow_match_inputs(Tensor xt, Tensor target, Tensor x0, Tensor t, uint64_t seed,
-                                    std::span<const uint64_t> streams) {
+void CudaBackend::execute(const op::FlowMatchInputs& args) {
   constexpr std::string_view op = "flow_match_inputs";
-  require_f32(op, {{"xt", xt}, {"target", target}, {"x0", x0}, {"t", t}});
-  for (Named n : {Named{"xt", xt}, Named{"target", target}, Named{"x0", x0}}) require_contiguous(op, n);
-  require_shape(op, {"xt", xt}, x0.shape);
-  require_shape(op, {"target", target}, x0.shape);
-  const int64_t B = x0.shape[0], per = x0.numel() / B;
-  require_vector(op, {"t", t}, B);
-  if (static_cast<int64_t>(streams.size()) != B) fail("{}: {} noise streams for a batch of {}", op, streams.size(), B);
-  const float *x = x0.ptr<float>(), *tv = t.ptr<float>();
-  float *xo = xt.ptr<float>(), *tg = target.ptr<float>();
+  require_f32(op, {{"xt", args.xt}, {"target", args.target}, {"x0", args.x0}, {"t", args.t}});
+  for (Named n : {Named{"xt", args.xt}, Named{"target", args.target}, Named{"x0", args.x0}}) require_contiguous(op, n);
+  require_shape(op, {"xt", args.xt}, args.x0.shape);
+  require_shape(op, {"target", args.target}, args.x0.shape);
+  const int64_t B = args.x0.shape[0], per = args.x0.numel() / B;
+  require_vector(op, {"t", args.t}, B);
+  if (static_cast<int64_t>(args.streams.size()) != B) fail("{}: {} noise streams for a batch of {}", op, args.streams.size(), B);
+  const float *x = args.x0.ptr<float>(), *tv = args.t.ptr<float>();
+  float *xo = args.xt.ptr<float>(), *tg = args.target.ptr<float>();
   // The per-sample stream ids travel in the kernel's arguments (2 KiB): nothing waits, so the
   // trainer's next micro-batch is queued while the device still computes. A larger batch sends
   // them through the scratch buffer and waits for that copy (streams is the caller's span).
   if (B <= FlowMatchStreams::kCount) {
     FlowMatchStreams ids{};
-    for (int64_t b = 0; b < B; ++b) ids.v[b] = streams[static_cast<size_t>(b)];
+    for (int64_t b = 0; b < B; ++b) ids.v[b] = args.streams[static_cast<size_t>(b)];
     for_each(*this, B * per, [=] __device__(int64_t i) {
-      flow_match_element(i, per, seed, ids.v[i / per], x, tv, xo, tg);
+      flow_match_element(i, per, args.seed, ids.v[i / per], x, tv, xo, tg);
     });
     return;
   }
   uint64_t* dev_streams = static_cast<uint64_t*>(scratch(static_cast<size_t>(B) * sizeof(uint64_t)));
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(dev_streams, streams.data(), B * sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(dev_streams, args.streams.data(), B * sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for_each(*this, B * per, [=] __device__(int64_t i) {
-    flow_match_element(i, per, seed, dev_streams[i / per], x, tv, xo, tg);
+    flow_match_element(i, per, args.seed, dev_streams[i / per], x, tv, xo, tg);
   });
 }
 
@@ -90,22 +89,22 @@ std::pair<double*, int64_t> queue_mse_loss(CudaBackend& be, std::string_view op,
 }
 }  // namespace
 
-double CudaBackend::mse_loss(Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
-  const auto [partial, chunks] = queue_mse_loss(*this, "mse_loss", dpred, pred, target, grad_scale);
-  return total_of_partials(*this, partial, chunks) / static_cast<double>(pred.numel());
+double CudaBackend::execute(const op::MseLoss& args) {
+  const auto [partial, chunks] = queue_mse_loss(*this, "mse_loss", args.dpred, args.pred, args.target, args.grad_scale);
+  return total_of_partials(*this, partial, chunks) / static_cast<double>(args.pred.numel());
 }
 
-void CudaBackend::mse_loss_into(Tensor loss, Tensor dpred, Tensor pred, Tensor target, double grad_scale) {
+void CudaBackend::execute(const op::MseLossInto& args) {
   constexpr std::string_view op = "mse_loss_into";
-  if (loss.dtype != DType::f64 || loss.numel() != 1 || !loss.contiguous())
-    fail("{}: loss must be one contiguous f64 element, got {} {}", op, dtype_name(loss.dtype), loss.shape.str());
-  const auto [partial, chunks] = queue_mse_loss(*this, op, dpred, pred, target, grad_scale);
+  if (args.loss.dtype != DType::f64 || args.loss.numel() != 1 || !args.loss.contiguous())
+    fail("{}: loss must be one contiguous f64 element, got {} {}", op, dtype_name(args.loss.dtype), args.loss.shape.str());
+  const auto [partial, chunks] = queue_mse_loss(*this, op, args.dpred, args.pred, args.target, args.grad_scale);
   // The same fixed-order total as mse_loss, then the same division (IEEE, in double): its value.
   sum_partials_kernel<<<1, kThreads, 0, stream_>>>(partial, chunks, partial + chunks);
   FLUX8_LAUNCH_CHECK(sum_partials_kernel);
   const double* total = partial + chunks;
-  double* out = loss.ptr<double>();
-  const double count = static_cast<double>(pred.numel());
+  double* out = args.loss.ptr<double>();
+  const double count = static_cast<double>(args.pred.numel());
   for_each(*this, 1, [=] __device__(int64_t) { *out = *total / count; });
 }
 
@@ -216,11 +215,11 @@ double sum_squares_of(CudaBackend& be, const G* p, int64_t n) {
 }  // namespace
 
 // x: f32, or a bf16 gradient (grad_precision: bf16; the trainer's search for a non-finite one).
-double CudaBackend::sum_squares(Tensor x) {
-  grads_in_bf16("sum_squares", {{"x", x}});
-  require_contiguous("sum_squares", {"x", x});
-  if (x.dtype == DType::bf16) return sum_squares_of(*this, x.ptr<__nv_bfloat16>(), x.numel());
-  return sum_squares_of(*this, x.ptr<float>(), x.numel());
+double CudaBackend::execute(const op::SumSquares& args) {
+  grads_in_bf16("sum_squares", {{"x", args.x}});
+  require_contiguous("sum_squares", {"x", args.x});
+  if (args.x.dtype == DType::bf16) return sum_squares_of(*this, args.x.ptr<__nv_bfloat16>(), args.x.numel());
+  return sum_squares_of(*this, args.x.ptr<float>(), args.x.numel());
 }
 
 namespace {
@@ -419,16 +418,16 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGrad> low_rank) {
+double CudaBackend::execute(const op::GradientSumSquares& args) {
   constexpr std::string_view op = "gradient_sum_squares";
-  grads_in_bf16(op, {{"grads", grads}});  // f32, or bf16 (grad_precision: bf16)
-  require_contiguous(op, {"grads", grads});
-  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, grads.numel(), low_rank);
-  if (sorted.empty()) return sum_squares(grads);
+  grads_in_bf16(op, {{"grads", args.grads}});  // f32, or bf16 (grad_precision: bf16)
+  require_contiguous(op, {"grads", args.grads});
+  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, args.grads.numel(), args.low_rank);
+  if (sorted.empty()) return sum_squares(args.grads);
   // The flat buffer's quads are read as float4: its base must be 16-byte aligned (the backend's
   // allocations are, and so ParamStore's gradient buffer).
-  if (!aligned16(grads.data)) fail("{}: the gradient buffer {} must be 16-byte aligned", op, grads.str());
-  const int64_t n = grads.numel();
+  if (!aligned16(args.grads.data)) fail("{}: the gradient buffer {} must be 16-byte aligned", op, args.grads.str());
+  const int64_t n = args.grads.numel();
   std::vector<int64_t> layout{n};
   add_low_rank_layout(op, sorted, layout);
   if (layout != squares_table_.layout) {
@@ -452,10 +451,10 @@ double CudaBackend::gradient_sum_squares(Tensor grads, std::span<const LowRankGr
     launch_chunks(gradient_squares_kernel<false, G>, split, stream_, table, g, partial);
     launch_chunks(gradient_squares_kernel<true, G>, blocks - split, stream_, table + split, g, partial + split);
   };
-  if (grads.dtype == DType::bf16)
-    launch(grads.ptr<__nv_bfloat16>());
+  if (args.grads.dtype == DType::bf16)
+    launch(args.grads.ptr<__nv_bfloat16>());
   else
-    launch(grads.ptr<float>());
+    launch(args.grads.ptr<float>());
   return total_of_partials(*this, partial, blocks);
 }
 
@@ -467,7 +466,7 @@ namespace {
 // (the _rn intrinsics are never contracted into FMAs), so the two backends agree bit for bit.
 // fp32, not fp64: the double-precision version was partly bound by the FP64 units (divisions,
 // square root, conversions), 4.3–6.1 ms for 535M parameters against 3.5 ms of memory traffic.
-// The bias corrections folded into the constants (Backend::adamw_constants): one IEEE division
+// The bias corrections folded into the constants (AdamWConstants::of): one IEEE division
 // and a square root an element. An IEEE division is a ~10-instruction sequence and the kernel is
 // partly bound by instructions (Nsight Compute on W2: SM 83% at DRAM 68% with three divisions,
 // SM 75% at DRAM 81% with PyTorch's fused arrangement's two).
@@ -651,9 +650,15 @@ __global__ void __launch_bounds__(kThreads, 4)
 
 }  // namespace
 
-void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamW& h,
-                        std::span<const ParamCopy> copies, std::span<const ParamCast> casts,
-                        std::span<const LowRankGrad> low_rank) {
+void CudaBackend::execute(const op::Adamw& args) {
+  Tensor param = args.param;
+  Tensor grad = args.grad;
+  Tensor m = args.m;
+  Tensor v = args.v;
+  const AdamW&h = args.h;
+  std::span<const ParamCopy> copies = args.copies;
+  std::span<const ParamCast> casts = args.casts;
+  std::span<const LowRankGrad> low_rank = args.low_rank;
   constexpr std::string_view op = "adamw";
   require_f32(op, {{"param", param}});
   grads_in_bf16(op, {{"grad", grad}});  // f32, or bf16 (grad_precision: bf16)
@@ -706,7 +711,7 @@ void CudaBackend::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
                        factors.data(), static_cast<int64_t>(factors.size()), std::move(layout));
   }
 
-  const Backend::AdamWConstants k = adamw_constants(h);
+  const AdamWConstants k = AdamWConstants::of(h);
   const AdamwStep step{static_cast<float>(h.grad_scale), static_cast<float>(h.beta1), static_cast<float>(h.beta2),
                        static_cast<float>(1.0 - h.beta1),    static_cast<float>(1.0 - h.beta2),
                        static_cast<float>(k.eps_hat),        static_cast<float>(k.decay),
