@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `flux8 train` at a benchmark workload's shape (../shared/WORKLOADS.md) on synthetic
+# `flux8 train` at a benchmark workload's shape (docs/WORKLOADS.md) on synthetic
 # MLPerf-shaped shards (`flux8 data synthetic`): what a real run's step costs with its data path
 # — the loader, the batch assembly, the upload — and its checkpoints, beside `flux8 bench`'s
 # step, which starts with its batch on the device. Runs `flux8 train` with a key off and on,

@@ -306,7 +306,7 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
 }
 
-// Each step's record says its model FLOPs rate: the step's FLOPs (model/flops.h, WORKLOADS.md's
+// Each step's record says its model FLOPs rate: the step's FLOPs (model/flops.h, docs/WORKLOADS.md's
 // convention, over its two micro-batches of 2 samples) over its step time; and its energy where
 // the device counts it (null here).
 TEST(Trainer, StepRecordsGiveTheModelFlopsRate) {

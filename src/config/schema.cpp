@@ -35,7 +35,7 @@ KeySpec int_list_key(const char* section, const char* name, std::vector<int64_t>
   return {name, section, KeyType::int_list, std::move(def), r, {}, help};
 }
 
-// Defaults are the flux_12b_schnell model (DESIGN.md §2) so an empty config is a real model.
+// Defaults are the flux_12b_schnell model (docs/FLUX.md) so an empty config is a real model.
 std::vector<KeySpec> make_keys() {
   return {
       // ---- model: architecture (FluxConfig) ----

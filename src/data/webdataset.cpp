@@ -114,7 +114,7 @@ size_t npy_value(const std::string& header, const std::string& key) {
   return v;
 }
 
-// The MLPerf preprocessed layout (DESIGN.md §3), used for headerless .bytes members when the
+// The MLPerf preprocessed layout (docs/FLUX.md, The training objective), used for headerless .bytes members when the
 // sample's json gives no shape: the MLPerf shards themselves store .npy images (see the header),
 // so this only serves raw dumps of the same tensors.
 struct DefaultLayout {
