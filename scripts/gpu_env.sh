@@ -1,4 +1,4 @@
-# Sourced (not run) on the lent GPU machine: the library paths build/flux8 needs there.
+# Sourced (not run) on the GPU machine: the library paths build/flux8 needs there.
 #   source scripts/gpu_env.sh   (from the repository root)
 # The Debian packages unpacked by scripts/prepare_carry.sh (.carry, named in the device tool's
 # carry), cuDNN and NCCL from the Python environment's nvidia-* wheels (docs/USAGE.md, GPU builds), and the
