@@ -36,7 +36,7 @@ case "$workload" in
       samples=64 ;;
   *) echo "train_throughput: unknown workload '$workload' (W1 or W2)" >&2; exit 2 ;;
 esac
-# The bench's fastest FP8 configuration (docs/PERFORMANCE.md, At a glance).
+# The bench's fastest FP8 configuration (docs/PERFORMANCE.md, Current numbers).
 fast=(--set fp8=hybrid --set fp8_recipe=delayed --set fp8_dot_product_attention=true
       --set grad_precision=bf16 --set adam_moment_precision=bf16 --set cuda_graph=true)
 mkdir -p "$work"
