@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Extracts a commit of this repository into ab_base/ (ignored by git) for scripts/gpu_check.sh's
-# "ab" stage, which builds it on the GPU machine next to the working tree and times both in
-# the same call — step times move by ±0.5 ms from call to call, so a change is measured against
-# its base in one call, alternating. Usage, here:
+# "ab" stage, which builds it on the GPU machine next to the working tree and times both on that
+# machine — step times move by ±0.5 ms or more between machines, so a change is measured against
+# its base on one machine, alternating. Usage, here:
 #   scripts/ab_prepare.sh REV
 # then, on the GPU machine (device tool, carry [".carry", "ab_base"]):
 #   GPU_CHECK_STAGES="build test bench ab" scripts/gpu_check.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds and checks flux8 on the lent GPU machine (Ubuntu 24.04, CUDA 13, no package registry),
+# Builds and checks flux8 on the GPU machine (Ubuntu 24.04, CUDA 13, no package registry),
 # using the Debian packages that scripts/prepare_carry.sh unpacked into .carry/ here:
 #   device run, carry [".carry"]:  scripts/gpu_check.sh
 # Stages (GPU_CHECK_STAGES, default "info build test check demo bench"):

@@ -1,7 +1,7 @@
-# Sourced (not run) on the lent GPU machine: the library paths build/flux8 needs there.
+# Sourced (not run) on the GPU machine: the library paths build/flux8 needs there.
 #   source scripts/gpu_env.sh   (from the repository root)
 # The Debian packages unpacked by scripts/prepare_carry.sh (.carry, named in the device tool's
-# carry), cuDNN and NCCL from the Python environment's nvidia-* wheels (DESIGN.md §5), and the
+# carry), cuDNN and NCCL from the Python environment's nvidia-* wheels (docs/USAGE.md, GPU builds), and the
 # toolkit's lib64 (cuDNN's runtime-compiled engines need NVRTC). Sets flux8_carry, flux8_python,
 # flux8_cudnn_root and flux8_nccl_root for scripts/gpu_check.sh.
 flux8_carry=$PWD/.carry/usr

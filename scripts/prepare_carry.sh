@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .carry/: the Debian 12 packages flux8 needs to build and run on a machine without a
-# package registry (the lent GPU machine, Ubuntu 24.04). Run it here, on Debian 12, with apt's
+# package registry (the GPU machine, Ubuntu 24.04). Run it here, on Debian 12, with apt's
 # package lists present; it downloads the .deb files (apt-get download, no root needed) and
 # unpacks them with dpkg -x into .carry/ (ignored by git), then trims docs and static libraries
 # nobody links, makes every symbolic link relative, and adds the links Debian's

@@ -11,7 +11,7 @@ whose first non-blank character is "{"; the profiled total is the sum of the op 
 included, as the printed total is). Prints, for each workload and precision both
 files have: the step times and profiled totals of both sides, then every op whose time moved by
 at least --min-ms ms, the largest change first (an op only one side ran counts as 0 on the other),
-and, where both sides measured it (a GPU with an energy counter, since the thirty-first session),
+and, where both sides measured it (a GPU with an energy counter),
 the step's energy in joules: a power-capped step is as fast as its energy allows.
 The memory-bound rows are what an A/B reads; the GEMM and attention rows move with the GPU's
 clock between the sides. Standard library only.

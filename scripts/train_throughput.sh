@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `flux8 train` at a benchmark workload's shape (../shared/WORKLOADS.md) on synthetic
+# `flux8 train` at a benchmark workload's shape (docs/WORKLOADS.md) on synthetic
 # MLPerf-shaped shards (`flux8 data synthetic`): what a real run's step costs with its data path
 # — the loader, the batch assembly, the upload — and its checkpoints, beside `flux8 bench`'s
 # step, which starts with its batch on the device. Runs `flux8 train` with a key off and on,
@@ -36,7 +36,7 @@ case "$workload" in
       samples=64 ;;
   *) echo "train_throughput: unknown workload '$workload' (W1 or W2)" >&2; exit 2 ;;
 esac
-# The bench's fastest FP8 configuration (docs/PERFORMANCE.md, At a glance).
+# The bench's fastest FP8 configuration (docs/PERFORMANCE.md, Current numbers).
 fast=(--set fp8=hybrid --set fp8_recipe=delayed --set fp8_dot_product_attention=true
       --set grad_precision=bf16 --set adam_moment_precision=bf16 --set cuda_graph=true)
 mkdir -p "$work"

@@ -285,7 +285,7 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   const std::vector<double> l2 = testing::step_losses(dir.root / "resumed" / "metrics.jsonl");
   ASSERT_EQ(l1.size(), 6u);
   EXPECT_EQ(l1, l2);  // exact: same data order, noise and arithmetic
-  // Each launch logs its first step's time since the process started (the ≤ 3 s target).
+  // Each launch logs its first step's time since the process started (launch to first step, docs/PERFORMANCE.md).
   const auto first_steps = [&](const char* run) {
     std::vector<int64_t> steps;
     std::ifstream in(dir.root / run / "metrics.jsonl");
@@ -306,7 +306,7 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
 }
 
-// Each step's record says its model FLOPs rate: the step's FLOPs (model/flops.h, WORKLOADS.md's
+// Each step's record says its model FLOPs rate: the step's FLOPs (model/flops.h, docs/WORKLOADS.md's
 // convention, over its two micro-batches of 2 samples) over its step time; and its energy where
 // the device counts it (null here).
 TEST(Trainer, StepRecordsGiveTheModelFlopsRate) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Parameter-name map between diffusers' FluxTransformer2DModel and the Black Forest Labs
-(BFL) Flux.1 checkpoint layout that flux8 uses (docs: /work/shared/DESIGN.md §2).
+(BFL) Flux.1 checkpoint layout that flux8 uses (docs/FLUX.md, Tensor names).
 
 Works on plain dicts of arrays: NumPy arrays or torch tensors (torch is only touched if the
 values are torch tensors). Gradients map exactly like parameters (every transform is a row

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Direct NumPy float64 forward pass of the Flux transformer, written from flux8's
-DESIGN.md §2 (BFL Flux.1 conventions), on parameters in BFL checkpoint naming.
+docs/FLUX.md (BFL Flux.1 conventions), on parameters in BFL checkpoint naming.
 
 Independent of diffusers and torch: used by tools/make_goldens.py to check that the diffusers
 model + the name map in tools/flux_names.py agree with the conventions flux8 implements.
-Everything is float64 (DESIGN.md's fp32 islands — RoPE rotation, QK RMSNorm — are exact here).
+Everything is float64 (docs/FLUX.md's fp32 islands — RoPE rotation, QK RMSNorm — are exact here).
 
     pred = flux_forward(params, cfg, img, img_ids, txt, txt_ids, timesteps, y, guidance)
 

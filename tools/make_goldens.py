@@ -22,7 +22,7 @@ What it does
   3. runs forward (B=2, 5 image tokens on a 2x3 grid cut row-major, 3 text tokens), loss =
      mean(pred * probe), backward;
   4. converts parameters and gradients to BFL names (tools/flux_names.py) and checks the
-     prediction against tools/flux_numpy_ref.py (NumPy float64 from DESIGN.md §2) to 1e-10,
+     prediction against tools/flux_numpy_ref.py (NumPy float64 from docs/FLUX.md) to 1e-10,
      and every BFL gradient against central finite differences of that NumPy model;
   5. writes the safetensors file (all F64) — see tests/golden/README.md for its contents.
 
@@ -233,7 +233,7 @@ def finite_difference_check(params_bfl, grads_bfl, inp_np, per_tensor=3, h=1e-5,
 
 
 def check_flux_dev_param_count():
-    """diffusers' default (12B dev / schnell) configs have DESIGN.md's exact parameter counts."""
+    """diffusers' default (12B dev / schnell) configs have docs/FLUX.md's exact parameter counts."""
     with torch.device("meta"):
         dev = FluxTransformer2DModel(guidance_embeds=True)
         schnell = FluxTransformer2DModel(guidance_embeds=False)
@@ -241,7 +241,7 @@ def check_flux_dev_param_count():
     n_sch = sum(p.numel() for p in schnell.parameters())
     assert n_dev == 11_901_408_320, n_dev
     assert n_sch == 11_891_178_560, n_sch
-    # the name map covers the full-size model and gives DESIGN.md's BFL shapes
+    # the name map covers the full-size model and gives docs/FLUX.md's BFL shapes
     bfl = diffusers_to_bfl(dict(dev.state_dict()))
     want = {"double_blocks.18.img_attn.qkv.weight": (9216, 3072),
             "double_blocks.0.img_attn.norm.query_norm.scale": (128,),
@@ -313,7 +313,7 @@ def main():
                     safetensors=safetensors.__version__)
     print("versions:", versions)
     n_dev, n_sch = check_flux_dev_param_count()
-    print(f"diffusers full-size param counts match DESIGN.md: dev {n_dev:,}, schnell {n_sch:,}")
+    print(f"diffusers full-size param counts match docs/FLUX.md: dev {n_dev:,}, schnell {n_sch:,}")
 
     gen = torch.Generator().manual_seed(SEED)
     model = FluxTransformer2DModel(**DIFFUSERS_CFG).double()
@@ -353,13 +353,13 @@ def main():
     n_values = sum(v.size for v in params_d.values())
     assert n_values == sum(v.size for v in params_b.values())
 
-    # --- independent check: NumPy float64 model from DESIGN.md on the BFL tensors
+    # --- independent check: NumPy float64 model from docs/FLUX.md on the BFL tensors
     inp_np = {k: v.numpy() for k, v in inp.items()}
     pred_np = numpy_forward(params_b, inp_np)
     pred_t = pred.detach().numpy()
     err = float(np.abs(pred_np - pred_t).max())
     rel = err / float(np.abs(pred_t).max())
-    print(f"NumPy DESIGN.md reference vs diffusers(float64): max abs diff {err:.3g} (rel {rel:.3g})")
+    print(f"NumPy docs/FLUX.md reference vs diffusers(float64): max abs diff {err:.3g} (rel {rel:.3g})")
     assert rel < 1e-10, "NumPy reference disagrees with diffusers"
     loss_np = float(np.mean(pred_np * inp_np["probe"]))
     assert abs(loss_np - loss.item()) <= 1e-12 * max(1.0, abs(loss_np))

@@ -21,8 +21,8 @@ namespace flux8::cli {
 namespace {
 
 // The CUDA driver's cache of code compiled at run time (cuDNN's attention kernels among it):
-// where it is and what it holds. An empty one costs the first step of a run ~2 s of compiling
-// (docs/PERFORMANCE.md, At a glance), once per cache.
+// where it is and what it holds. An empty one costs the first step of a run seconds of compiling
+// (docs/PERFORMANCE.md, Current numbers), once per cache.
 std::string jit_cache_summary() {
   const char* disable = std::getenv("CUDA_CACHE_DISABLE");
   if (disable && std::string(disable) == "1")

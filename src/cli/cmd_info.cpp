@@ -94,8 +94,8 @@ Command add_info_command(CLI::App& app) {
          bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},
     };
     // Outside the table: cuDNN's deterministic BF16 attention backward keeps dP, B·heads·L² bf16
-    // values, in its workspace (one, reused by every block; measured on the H200 at W2's shape:
-    // 1.8 GiB more device memory than the atomic backward). FP8 attention has no such workspace.
+    // values, in its workspace (one, reused by every block; the atomic backward has none,
+    // docs/PERFORMANCE.md). FP8 attention has no such workspace.
     const double L = static_cast<double>(shape.txt_tokens + shape.img_tokens);
     const double attention_workspace =
         config.get_bool("deterministic_attention")

@@ -35,7 +35,7 @@ KeySpec int_list_key(const char* section, const char* name, std::vector<int64_t>
   return {name, section, KeyType::int_list, std::move(def), r, {}, help};
 }
 
-// Defaults are the flux_12b_schnell model (DESIGN.md §2) so an empty config is a real model.
+// Defaults are the flux_12b_schnell model (docs/FLUX.md) so an empty config is a real model.
 std::vector<KeySpec> make_keys() {
   return {
       // ---- model: architecture (FluxConfig) ----
@@ -75,7 +75,7 @@ std::vector<KeySpec> make_keys() {
       bool_key("runtime", "cuda_graph", true,
                "CUDA: run each micro-batch's forward, loss and backward as CUDA graphs: the op calls are recorded with every argument, and a segment of them identical to one seen before is launched as the graph captured from it (one launch instead of ~48), so the GPU stops waiting for the host's launches; anything that differs runs op by op. Same results bit for bit (false: every op issued on its own). The CPU ignores it"),
       bool_key("runtime", "deterministic_attention", true,
-               "CUDA: cuDNN's deterministic attention backward, so that runs repeat bit for bit and a resumed run is the uninterrupted one exactly (false: its faster backward, which sums dq with atomics in an order that varies from run to run, as PyTorch's SDPA does: W2 BF16 ~0.7-1.1 ms a step faster and ~1.8 GiB less device memory; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides it. The CPU ignores it"),
+               "CUDA: cuDNN's deterministic attention backward, so that runs repeat bit for bit and a resumed run is the uninterrupted one exactly (false: its faster backward, which sums dq with atomics in an order that varies from run to run, as PyTorch's SDPA does: faster, and without the deterministic backward's dP workspace, docs/PERFORMANCE.md; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides it. The CPU ignores it"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
       // ---- training: optimizer and schedule ----
@@ -142,7 +142,7 @@ std::vector<KeySpec> make_keys() {
       choice_key("fp8", "fp8_scale_rounding", "auto", {"auto", "power_of_2", "exact"}, "tensorwise/blockwise scales: auto = power_of_2 for blockwise, exact for tensorwise"),
       bool_key("fp8", "fp8_modulation", false, "also run the modulation Linears in FP8 (they see one row per sample)"),
       bool_key("fp8", "fp8_dot_product_attention", false, "attention of the FP8 blocks in FP8 (cuDNN's FP8 SDPA; needs fp8: hybrid, fp8_recipe: delayed, head dim 128 and sequence lengths that are multiples of 64 on the GPU)"),
-      bool_key("fp8", "fp8_fprop_fast_accumulation", true, "forward GEMMs keep their running sum in the tensor cores' accumulator (Hopper FP8 fast accumulation, ~10% faster forward GEMMs; Transformer Engine's fprop and torchao's default); false = split fp32 accumulation as the gradient GEMMs. Per-tensor recipes (delayed, tensorwise) only; the CPU backend sums in fp32 either way"),
+      bool_key("fp8", "fp8_fprop_fast_accumulation", true, "forward GEMMs keep their running sum in the tensor cores' accumulator (Hopper FP8 fast accumulation: faster forward GEMMs; Transformer Engine's fprop and torchao's default); false = split fp32 accumulation as the gradient GEMMs. Per-tensor recipes (delayed, tensorwise) only; the CPU backend sums in fp32 either way"),
       bool_key("fp8", "fp8_multi_head_attention", false, "FP8 attention including the qkv/proj boundaries (not implemented: an error when true)"),
       bool_key("fp8", "first_last_layers_bf16", false, "keep the first/last blocks (double blocks counted first, then single) in BF16"),
       int_key("fp8", "num_layers_at_start_in_bf16", 1, at_least(0), "blocks kept in BF16 at the start (with first_last_layers_bf16)"),

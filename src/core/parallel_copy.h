@@ -1,7 +1,7 @@
 #pragma once
-// memcpy over several threads for large host copies: one thread moves ~5-10 GB/s, so the
-// trainer's 134 MB of W1 text features a step took ~20 ms to stage into pinned memory on the
-// H200's host; split into pieces over a few threads the copy runs at the memory's pace.
+// memcpy over several threads for large host copies: one thread is too slow to stage the trainer's
+// 134 MB of W1 text features a step into pinned memory beside the GPU's step; split into pieces
+// over a few threads the copy runs at the memory's pace (docs/PERFORMANCE.md).
 #include <cstddef>
 
 namespace flux8 {

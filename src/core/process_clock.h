@@ -1,6 +1,6 @@
 #pragma once
-// How long this process has run: the "launch" in "≤ 3 s from launch to the first step"
-// (WORKLOADS.md), which includes what happens before main() — the dynamic loader mapping
+// How long this process has run: the "launch" of launch to the first step (docs/PERFORMANCE.md),
+// which includes what happens before main() — the dynamic loader mapping
 // cuBLASLt, cuDNN and NCCL — and the CUDA context, which a timer started by flux8 itself would
 // miss.
 #include <chrono>

@@ -29,8 +29,8 @@ class Sha256 {
 std::string sha256_hex(std::string_view data);
 
 // The compression function over whole 64-byte blocks, two ways: portable C++, and with x86's
-// SHA extensions (SHA-NI: ~8x faster, 1.5+ GB/s a core — a 16 GB checkpoint is hashed when
-// written and again when a run resumes). Sha256 uses the hardware one where the CPU has it.
+// SHA extensions (SHA-NI, several times faster — a 16 GB checkpoint is hashed when written and
+// again when a run resumes). Sha256 uses the hardware one where the CPU has it.
 namespace sha256_blocks {
 void portable(uint32_t state[8], const uint8_t* data, size_t blocks);
 bool hardware_available();

@@ -50,8 +50,8 @@ struct LoaderOptions {
   size_t prefetch = 16;          // decoded samples held ready (>= 1)
   bool single_pass = false;      // validation: one pass in sorted order, no shuffling
   bool skip_corrupt = false;
-  // Threads that decode samples (npy headers, the copies into f32 tensors: 1-3 ms for a W1
-  // sample, most of it page faults of fresh buffers): runs of up to 8 samples of a shard are
+  // Threads that decode samples (npy headers, the copies into f32 tensors: for a W1 sample mostly
+  // page faults of fresh buffers, docs/PERFORMANCE.md): runs of up to 8 samples of a shard are
   // read in order, decoded side by side, then taken in order as if one by one. 0 = a quarter
   // of the cores, at most 4 (1 on small machines, whose cores compute the step).
   int decode_threads = 0;

@@ -51,7 +51,7 @@ void convert_each(const uint8_t* p, int64_t n, float* out, F to_float) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_float(load<T>(p + sizeof(T) * static_cast<size_t>(i)));
 }
 
-// One loop per element type (a switch per element kept W1's 4.2 MB text features at ~1 GB/s);
+// One loop per element type (a switch per element is far slower on W1's 4.2 MB text features);
 // f32, what most shards hold, is a plain copy.
 void convert(const uint8_t* p, int64_t n, Elem e, float* out) {
   const auto cast = [](auto v) { return static_cast<float>(v); };
@@ -114,7 +114,7 @@ size_t npy_value(const std::string& header, const std::string& key) {
   return v;
 }
 
-// The MLPerf preprocessed layout (DESIGN.md §3), used for headerless .bytes members when the
+// The MLPerf preprocessed layout (docs/FLUX.md, The training objective), used for headerless .bytes members when the
 // sample's json gives no shape: the MLPerf shards themselves store .npy images (see the header),
 // so this only serves raw dumps of the same tensors.
 struct DefaultLayout {

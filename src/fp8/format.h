@@ -1,5 +1,5 @@
 #pragma once
-// FP8 element formats and their conversions to and from f32/bf16 (DESIGN.md §4), header-only
+// FP8 element formats and their conversions to and from f32/bf16 (docs/FP8.md, Formats), header-only
 // and FLUX8_HD so that CUDA kernels and the CPU reference run the very same bit arithmetic.
 //
 //   E4M3 (float8_e4m3fn): bias 7, no inf, NaN = S.1111.111, max 448, min subnormal 2^-9.
@@ -186,7 +186,7 @@ FLUX8_HD inline uint8_t e8m0_encode(float x) {
   return v > 254u ? 0xFFu : static_cast<uint8_t>(v);
 }
 
-// MX block scale (OCP MX / DESIGN.md §4: exponent of amax/fp8_max rounded up): the E8M0 code of
+// MX block scale (OCP MX, docs/FP8.md: exponent of amax/fp8_max rounded up): the E8M0 code of
 // 2^e with e = ceil(log2(amax / fp8_max_value)), the smallest e with amax / 2^e <= fp8_max_value,
 // computed exactly from the two exponents and mantissas (no rounded division). Then:
 //   e clamped to [-127, 127]: below, 2^-127 still satisfies the bound; above, the block's

@@ -1,5 +1,5 @@
 #pragma once
-// Fp8MetaRegistry: all delayed-scaling state of a model in flat buffers (DESIGN.md §4), so one
+// Fp8MetaRegistry: all delayed-scaling state of a model in flat buffers (docs/FP8.md, Recipes), so one
 // all-reduce covers every amax and one pass (one kernel on the GPU) updates every scale.
 //
 // Layout, n = number of slots, L = history length:

@@ -39,7 +39,7 @@ struct QTensor {
 //   accumulation then adds each slice into an fp32 accumulator. The gradient GEMMs always.
 // - fast: the backend may keep the running sum in the tensor cores' accumulator across slices
 //   (cuBLASLt's FAST_ACCUM: no fp32 promotion, ~14 bits throughout) — Transformer Engine's fprop
-//   GEMMs and torchao's output GEMM do; on the H200 it makes the forward GEMMs ~10% faster.
+//   GEMMs and torchao's output GEMM do; it makes the forward GEMMs faster (docs/PERFORMANCE.md).
 //   Per-tensor scales only: block-scaled GEMMs promote each 128-wide block by construction and
 //   take fp32. The CPU backend sums in fp32 either way.
 enum class Fp8Accumulation : uint8_t { fp32, fast };

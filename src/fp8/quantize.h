@@ -1,5 +1,5 @@
 #pragma once
-// CPU quantizers for every FP8 recipe (DESIGN.md §4), the reference the CUDA cast kernels are
+// CPU quantizers for every FP8 recipe (docs/FP8.md, Recipes), the reference the CUDA cast kernels are
 // tested against, and the dequantizers that let the CPU backend emulate an FP8 GEMM exactly
 // (a product of two FP8 values is exact in fp32, so dequantize-then-sgemm differs from the
 // tensor core only in accumulation order).

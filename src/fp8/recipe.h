@@ -1,5 +1,5 @@
 #pragma once
-// FP8 recipe math, in one place (DESIGN.md §4). Every function here is FLUX8_HD: plain
+// FP8 recipe math, in one place (docs/FP8.md, Recipes). Every function here is FLUX8_HD: plain
 // arithmetic on floats, no exceptions, no allocation, so the CUDA kernels call the very same
 // code (per element, per block, per tensor slot) that the CPU reference runs.
 //

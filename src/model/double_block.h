@@ -1,5 +1,5 @@
 #pragma once
-// Double-stream block (DESIGN.md §2): text and image tokens keep separate weights and meet
+// Double-stream block (docs/FLUX.md): text and image tokens keep separate weights and meet
 // only in one joint attention over cat(txt, img), text first.
 #include "model/block_common.h"
 #include "model/fp8_attention.h"

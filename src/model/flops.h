@@ -1,5 +1,5 @@
 #pragma once
-// Model FLOPs by the convention of WORKLOADS.md: 6 × multiply-adds of every Linear over the
+// Model FLOPs by the convention of docs/WORKLOADS.md: 6 × multiply-adds of every Linear over the
 // rows it sees (forward 2, backward 4) + 12·heads·L²·D per attention call (forward 4,
 // backward 8). Modulation and embedder Linears see one row per sample.
 #include "model/block_common.h"

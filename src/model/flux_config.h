@@ -1,5 +1,5 @@
 #pragma once
-// The Flux architecture hyper-parameters (DESIGN.md §2), resolved from a YAML config.
+// The Flux architecture hyper-parameters (docs/FLUX.md), resolved from a YAML config.
 #include <cstdint>
 #include <string>
 #include <vector>

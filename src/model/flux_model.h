@@ -1,5 +1,5 @@
 #pragma once
-// The whole Flux transformer (DESIGN.md §2): embedders, double blocks on separate text/image
+// The whole Flux transformer (docs/FLUX.md): embedders, double blocks on separate text/image
 // streams, single blocks on the joint sequence, final layer; forward and hand-written
 // backward. Activations are carved from planned arenas; nothing is allocated inside a step.
 #include <memory>

@@ -1,5 +1,5 @@
 #pragma once
-// A block's attention in FP8 (fp8_dot_product_attention, DESIGN.md §4). The heads exist only as
+// A block's attention in FP8 (fp8_dot_product_attention, docs/FP8.md). The heads exist only as
 // per-tensor FP8 casts: QK-norm + RoPE writes the E4M3 q, k, v with their delayed scales
 // (Backend::qk_norm_rope_to_heads_fp8), cuDNN's FP8 attention (Backend::attention_fp8) writes an
 // E4M3 o, and the layout op that feeds the output projection reads it (heads_to_tokens_fp8).

@@ -1,5 +1,5 @@
 #pragma once
-// Single-stream block (DESIGN.md §2) on the joint sequence z = cat(txt, img): one fused
+// Single-stream block (docs/FLUX.md) on the joint sequence z = cat(txt, img): one fused
 // Linear gives [q | k | v | mlp], attention and the MLP branch run in parallel, and one
 // Linear maps cat(attention, GELU(mlp)) back to H.
 #include "model/block_common.h"

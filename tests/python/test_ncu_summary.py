@@ -4,7 +4,7 @@
     python3 tests/python/test_ncu_summary.py <flux8 binary, unused> <source dir>
 
 The fixture (tests/python/data/ncu_sample.txt) is two launch reports of a real W2 FP8 step on the
-H200 (fifteenth session): QK-norm's FP8 backward with every section the stage asks for, and a
+H200: QK-norm's FP8 backward with every section the stage asks for, and a
 column-sum total with SpeedOfLight and LaunchStats only. Standard library only.
 """
 import io

@@ -3,10 +3,9 @@
 
     python3 tests/python/test_profile_diff.py <flux8 binary, unused> <source dir>
 
-The fixtures (tests/python/data/ab_profile_{base,new}.txt) are the sixteenth session's call 6 on
-the H200: W1 and W2 in FP8 delayed + FP8 attention, base 7f3feee against the AdamW arrangement
-and the QK-norm tile; profile_fp8_attention.{txt,json} one run of the eighteenth session's call 5
-as printed and as --json wrote it (the json trimmed to the keys read). Standard library only.
+The fixtures (tests/python/data/ab_profile_{base,new}.txt) are an ab stage's output on the
+H200: W1 and W2 in FP8 delayed + FP8 attention, a base commit against a change of AdamW and
+QK-norm; profile_fp8_attention.{txt,json} one run as printed and as --json wrote it (the json trimmed to the keys read). Standard library only.
 """
 import io
 import os
@@ -55,7 +54,7 @@ def main(argv):
     profile_diff.report(one, one, out)
     assert out.getvalue().splitlines()[1] == "  (no op moved by 0.02 ms or more)", out.getvalue()
 
-    # One run (the eighteenth session's call 5, FP8 + FP8 attention) as printed and as --json
+    # One run (FP8 + FP8 attention) as printed and as --json
     # wrote it: the same runs, labels, op names and times (to the printed 3 decimals), and the
     # profiled total as the sum of the rows.
     parsed = {}
@@ -72,7 +71,7 @@ def main(argv):
             assert abs(ms - j["ops"][op]) < 0.0005, (key, op, ms, j["ops"][op])
     # The fixtures predate the energy line: no energy, and the report does not name it.
     assert all(r["joules"] is None for r in list(txt.values()) + list(js.values()))
-    # The energy line a GPU run prints under its step line (thirty-first session) is the run's
+    # The energy line a GPU run prints under its step line is the run's
     # joules a step, read from the printed output and from --json alike, and reported where both
     # sides have it.
     printed = [

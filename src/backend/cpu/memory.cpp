@@ -12,7 +12,7 @@ namespace flux8 {
 CpuBackend::CpuBackend(const BackendOptions& options) : options_(options) {
   // flux8 parallelises with OpenMP itself (GEMMs split by rows, attention by heads) and runs
   // OpenBLAS single-threaded: two thread pools spinning on the same cores (OpenBLAS's threads
-  // busy-wait with sched_yield) made small-model training ~5x slower.
+  // busy-wait with sched_yield) slow small-model training several-fold.
   openblas_set_num_threads(1);
   // A pinned thread count applies to every OpenMP region of the process, including the FP8
   // reference quantizers (src/fp8/quantize.cpp), which run outside the backend's own loops.

@@ -22,9 +22,8 @@
 // major it differed from dQ by O(1) on the H200), so dq is taken from the bf16 dQ like dk and
 // dv; the atomics add into it, so it is zeroed before every call.
 //
-// Measured on the H200 (cuDNN 9.19, B = 1, 24 heads, D = 128, conversions included):
-// forward 0.50 ms (518 TFLOP/s) and backward 1.38 ms (473 TFLOP/s counting 2.5x the forward's
-// FLOPs) at L = 4608. A plan takes 0.1-0.7 s to build (runtime compilation), once per shape.
+// A plan is built once per shape, with runtime compilation (rates and build times:
+// docs/PERFORMANCE.md).
 #include <cuda_bf16.h>
 #include <fmt/format.h>
 

@@ -77,8 +77,8 @@ class Attention {
   // `deterministic`: the BF16 backward. cuDNN's usual backward sums dq's contributions of
   // different key blocks with atomics, in an order that varies from run to run (dq differs in
   // the last bits); its deterministic backward keeps dP in its workspace instead (cudnn-frontend
-  // budgets B·n·L² bf16 values for it) and was 13% slower at L = 4608 on the H200 (1.56 vs 1.38
-  // ms for 24 heads). The reference kernel is always deterministic. The backend passes
+  // budgets B·n·L² bf16 values for it) and is slower (docs/PERFORMANCE.md, GEMMs and attention at
+  // Flux shapes). The reference kernel is always deterministic. The backend passes
   // BackendOptions::deterministic_attention (the config key of that name; true by default: runs
   // repeat bit for bit, resume is exact).
   Attention(cudaStream_t stream, bool deterministic);
@@ -154,8 +154,8 @@ class Attention {
   // At a forward's call: the matching backward's plan started on the helper thread. The forward
   // holds the returned PrefetchWait, which waits for that build when the call returns (or
   // throws): both compilations overlap inside the forward, and no helper thread outlives the
-  // call — one still compiling when a process exits raced cuDNN's teardown of its own state
-  // (a segfault at exit after a refused FP8 call, H200, twentieth session).
+  // call — one still compiling when a process exits races cuDNN's teardown of its own state
+  // (a segfault at exit, e.g. after a refused FP8 call).
   struct PrefetchWait {
     std::shared_future<void> done;  // invalid: nothing was started
     ~PrefetchWait() {

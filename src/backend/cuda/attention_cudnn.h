@@ -287,7 +287,8 @@ struct Attention::Cudnn {
 
   // Starts building the plan plan() will be asked for later (the backward's, at the first
   // forward) on a helper thread, so that cuDNN's runtime compilation of the two overlaps: on a
-  // machine whose driver JIT cache is cold each plan compiles for ~1 s. A plan already cached
+  // machine whose driver JIT cache is cold each plan compiles for about a second
+  // (docs/PERFORMANCE.md). A plan already cached
   // or being built is left alone (an invalid future returned); plan() waits for this one and
   // rethrows its errors. `describe` is run on the helper thread: it must hold its arguments by
   // value.

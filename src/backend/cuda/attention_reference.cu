@@ -1,6 +1,6 @@
 // The plain f32 attention kernels: the fallback where cuDNN does not run, and the tests'
-// second opinion on it. Clarity over speed: ~5 TFLOP/s on the H200, ~100x slower than cuDNN
-// at Flux sizes.
+// second opinion on it. Clarity over speed: about two orders of magnitude slower than cuDNN at
+// Flux sizes.
 //
 // One warp owns one row (a query row in the forward and in dq, a key row in dk/dv); lane l
 // holds elements l, l+32, ... of the row's head vectors. A block of kWarps warps walks the

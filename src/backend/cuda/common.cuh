@@ -94,8 +94,8 @@ __device__ inline void store4(__nv_bfloat16* p, float4 v) {
 
 // The value an op's output has once stored as a T: f32 as computed, bf16 as store() rounds it
 // (the conversion instruction: nearest even, a NaN becomes the canonical NaN). The CPU's integer
-// round_to_bf16 gives the same bits for every non-NaN value but cost ~6 integer instructions an
-// element, in casts that Nsight Compute showed bound by the integer pipe (GELU's: ALU 66%).
+// round_to_bf16 gives the same bits for every non-NaN value but costs ~6 integer instructions an
+// element, in casts bound by the integer pipe (GELU's).
 template <typename T>
 __device__ inline float as_stored(float v) {
   if constexpr (std::is_same_v<T, float>)
@@ -306,8 +306,8 @@ double ordered_sum(CudaBackend& be, int64_t n, F f) {
 // and combine in a fixed order; pass 2 adds the chunk partials of each column in a fixed order
 // (column_partials_total).
 // The order depends on the shape only, so results are identical from run to run, and the work
-// spreads over the GPU however few groups and columns there are (RMSNorm's dscale: 128 columns
-// over a million rows took 100 ms in one pass). Chunks hold kColumnChunk rows, more when a
+// spreads over the GPU however few groups and columns there are (RMSNorm's dscale is 128 columns
+// over a million rows: one pass over them would leave most of the GPU idle). Chunks hold kColumnChunk rows, more when a
 // grid would need over 65535 of them. value: __device__ lambda (int64_t g, int64_t r,
 // int64_t c) -> double or float, called exactly once per element (c < cols), so it may also write that
 // element's output of a fused op (gated_residual_backward writes dy while summing dgate).
@@ -391,8 +391,7 @@ void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V 
 // column_sums over rows of whole 4-column groups (cols a multiple of 4): value4(g, r, c) gives
 // the float4 of columns c..c+3 (c a multiple of 4), so a warp moves 128 columns per row in one
 // vector access a thread, where column_sums' warp of 32 scalar columns took four times the
-// instructions and kept too few loads in flight (Nsight Compute on gated_residual_backward: SM
-// 27%, DRAM 33%). The same order of sums as column_sums within a chunk; shorter chunks where the
+// instructions and keeps too few loads in flight. The same order of sums as column_sums within a chunk; shorter chunks where the
 // grid would be small (column_sums4_chunk_rows).
 template <typename V>
 __global__ void column_partials4_kernel(int64_t rows, int64_t cols, int64_t chunks, int64_t chunk_rows, V value4,
@@ -420,10 +419,9 @@ __global__ void column_partials4_kernel(int64_t rows, int64_t cols, int64_t chun
 }
 
 // column_sums4's chunks: kColumnChunk rows, halved (down to 32) while the grid would have fewer
-// than kColumnSums4Blocks blocks. With 256-row chunks W2's text stream (2 samples of 512 rows)
-// ran on 96 blocks at 14% of DRAM bandwidth, its image stream and single blocks on 768–864 (one
-// wave: 53–57%) (Nsight Compute on gated_residual_backward, twenty-fourth session). A function of
-// the shape only, as the summation order must be.
+// than kColumnSums4Blocks blocks: with fixed 256-row chunks a short stream (W2's text, 2 samples
+// of 512 rows) runs on too few blocks to approach DRAM bandwidth (docs/PERFORMANCE.md,
+// Measurements behind the kernels). A function of the shape only, as the summation order must be.
 constexpr int64_t kColumnSums4Blocks = 1024;
 inline int64_t column_sums4_chunk_rows(int64_t groups, int64_t rows, int64_t cols) {
   const int64_t column_blocks = (cols / 4 + 31) / 32;
@@ -470,7 +468,7 @@ void for_each_row(CudaBackend& be, int64_t rows, int64_t cols, F f) {
 }
 
 // Rows of whole float4s: 16-byte aligned base, ld and cols multiples of 4. Moving 16 bytes per
-// thread instead of 4 takes copies and elementwise kernels from ~40-50% of HBM bandwidth
+// thread instead of 4 takes copies and elementwise kernels from well below HBM bandwidth
 // towards the copy rate.
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 // Elements [begin, begin + n) of a contiguous vector (a bias) as a vector of its own; an

@@ -392,10 +392,9 @@ struct Quad<__nv_bfloat16> {
 // bare conversion instruction, without the NaN fix-ups of encode_pair.
 //
 // kFull: the tile is 128x128 inside x, every access vectorised, offsets within the tile in 32
-// bits, no counts. Nsight Compute on the general loop (W1, bf16): ~1 warp instruction issued per
-// element, ALU pipe 59%, DRAM 37%; a third of that was the 64-bit row addressing and the edge
-// checks of each quad, and the LayerNorm cast loaded shift and scale per element (54% excess
-// sectors, DRAM 19%). Edge tiles and counted casts take the general loop (kFull false).
+// bits, no counts. The general loop is bound by instruction issue, a third of it the 64-bit row
+// addressing and the edge checks of each quad, and its LayerNorm cast loads shift and scale per
+// element. Edge tiles and counted casts take the general loop (kFull false).
 struct RowPassOut {
   uint32_t amax_bits = 0;  // the amax's bit pattern (of a non-negative, non-NaN float)
   uint32_t nonzero = 0, saturated = 0, flushed = 0;
@@ -435,8 +434,8 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
   // encoded, so each thread keeps kAhead loads in flight (rows are visited in the same order as
   // one at a time: the column sums add in the same order). The general loop takes 4 (8 rows
   // ahead for bf16 took 80 registers instead of 64 and was no faster while the loop was bound
-  // by instruction issue); the lean kFull loop is bound by load latency (Nsight Compute: L1TEX
-  // scoreboard stalls, DRAM 49%) and keeps 8 bf16 rows (8 bytes each) in flight where that
+  // by instruction issue); the lean kFull loop is bound by load latency (L1TEX scoreboard
+  // stalls) and keeps 8 bf16 rows (8 bytes each) in flight where that
   // leaves 4 blocks per SM (≤ 64 registers: the identity cast and GELU's; LayerNorm's and GELU
   // backward's two inputs would take 78–108).
   constexpr int kAhead =
@@ -843,8 +842,8 @@ void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_
 //   with one quad and bands 0..7 write the 8 pieces of a dst row: a warp, 4 quads, writes 4
 //   whole lines per store. Without the swizzle the 8 bands' words would sit in one bank (rows
 //   16 apart); with it each band reads another 16-byte column of banks.
-// (Earlier versions stored each warp's pieces into 32 different dst rows and gathered bytes one
-// by one: 1.3 TB/s.) Other shapes go element by element. Block (0, 0) copies the scale_inv (the
+// (Storing each warp's pieces into 32 different dst rows, bytes gathered one by one, is far
+// slower.) Other shapes go element by element. Block (0, 0) copies the scale_inv (the
 // same scale: the columnwise copy of a per-tensor cast).
 constexpr int kCodeTile = 128;
 __device__ inline int swizzled_piece(int row, int piece) { return piece ^ ((row >> 4) & 7); }

@@ -12,9 +12,8 @@ namespace flux8::cuda {
 
 // The integer encoder's code for a NaN (fp8_encode of it): the format's NaN code with the NaN's
 // sign. Written out rather than calling fp8_encode: the compiler predicates the rare NaN branch
-// instead of jumping over it, and the whole inlined encoder was issued for every pair of every
-// cast (~90 instructions issued per element; written out, the per-tensor cast of a W1 output
-// gradient went from 143 to 122 µs on an H200).
+// instead of jumping over it, so the whole inlined encoder would be issued for every pair of
+// every cast (~90 instructions an element; docs/PERFORMANCE.md, Measurements behind the kernels).
 __device__ inline uint32_t nan_code(float nan, Fp8Format f) {
   return ((__float_as_uint(nan) >> 31) << 7) | fp8_detail::params(f).nan_code;
 }

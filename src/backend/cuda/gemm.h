@@ -20,8 +20,8 @@
 // TFLOP/s). A row is the GEMM's device time plus its launch, as in `--profile`, and the step
 // runs slower. The first call of each description is left out: it may load its kernel (lazy
 // module loading), which took milliseconds. (Events without the wait misattribute: the start
-// event of a GEMM can be stamped before the work queued ahead of it has finished — measured,
-// the per-GEMM times then summed to more than the whole step.)
+// event of a GEMM can be stamped before the work queued ahead of it has finished, and the
+// per-GEMM times then sum to more than the whole step.)
 //
 // Column-major, like cuBLASLt: D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, with
 // C == D (in place). Row-major callers swap operands (see linear.cu).
@@ -53,8 +53,8 @@ namespace flux8::cuda {
 // - gelu_aux: aux = product (+ bias), D = gelu_tanh(aux) from the unrounded value (cuBLASLt's
 //   GELU is the tanh approximation);
 // - dgelu: D = product ⊙ gelu_tanh'(aux), aux read (the GELU's input); no bias.
-// (cuBLASLt's bias-gradient epilogue BGRADB was measured on the wgrad GEMMs and left out: it
-// made a 16384 x 12288 x 3072 wgrad 0.27 ms slower, the column-sum kernel costs 0.17 ms.)
+// (cuBLASLt's bias-gradient epilogue BGRADB is not used on the wgrad GEMMs: it slows them by more
+// than the column-sum kernel costs; docs/PERFORMANCE.md, Measurements behind the kernels.)
 enum class Epilogue : uint8_t { none, gelu_aux, dgelu };
 inline bool has_aux(Epilogue e) { return e == Epilogue::gelu_aux || e == Epilogue::dgelu; }
 

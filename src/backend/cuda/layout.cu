@@ -30,11 +30,10 @@ __device__ inline void move4(To* dst, const From* src) {
     store4(dst, load4(src));
   }
 }
-// Eight elements: one 16-byte access of bf16 (the activations' type), two of f32. Moving 8
-// bytes a thread left the layout kernels at ~1.8 TB/s: tokens_to_heads + heads_to_tokens took
-// 0.44 ms of a W1 step, 0.30 with 16 bytes (W2: 0.83 → 0.6). The gated residual and the
-// LayerNorm forward measured the same with groups of 8 as with 4 (not limited by their access
-// width): they keep groups of 4.
+// Eight elements: one 16-byte access of bf16 (the activations' type), two of f32. With 8 bytes a
+// thread the layout kernels stay well below HBM bandwidth; the gated residual and the LayerNorm
+// forward are not limited by their access width and keep groups of 4 (docs/PERFORMANCE.md,
+// Measurements behind the kernels).
 template <typename To, typename From>
 __device__ inline void move8(To* dst, const From* src) {
   if constexpr (std::is_same_v<To, From> && sizeof(To) == 2) {

@@ -155,7 +155,7 @@ void cuda::PinnedStaging::copy(void* dst, const void* host_src, size_t bytes, cu
     next_ ^= 1;
     FLUX8_CUDA_CHECK(cudaEventSynchronize(chunk_free_[b]));  // its previous copy has left
     const size_t n = std::min(kChunkBytes, bytes - offset);
-    parallel_copy(chunk_[b], src + offset, n);  // one thread staged W1's batch at ~7 GB/s
+    parallel_copy(chunk_[b], src + offset, n);  // one thread is too slow for a step's batch
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(out + offset, chunk_[b], n, cudaMemcpyHostToDevice, stream));
     FLUX8_CUDA_CHECK(cudaEventRecord(chunk_free_[b], stream));
   }

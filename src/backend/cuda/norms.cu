@@ -200,8 +200,8 @@ struct GlobalRows {
 
 // kR consecutive rows r.. of the one-pass backward below, their loads issued together and their
 // row sums in one block_sums: two rows at a time keep twice the loads in flight per thread and
-// halve the barriers (the kernel is bound by memory latency: Nsight Compute, one row at a time:
-// SM 27%, DRAM 34%, 2 blocks of 8 warps per SM). 1 + scale is reloaded per step (L1-resident)
+// halve the barriers (one row at a time the kernel is bound by memory latency, neither SM nor
+// DRAM busy). 1 + scale is reloaded per step (L1-resident)
 // rather than held, which pays for the second row's registers.
 template <int kR, typename T, int kV, int kThr, int kGroups, typename Rows>
 __device__ inline void ln_backward_rows(const Rows& rows, const MatOf<T>& dx, const float* mean, const float* rstd,
@@ -327,9 +327,8 @@ __global__ void __launch_bounds__(kThr, 2) layernorm_modulate_backward_kernel(
 // The staged variant (every operand's rows in aligned 4-column groups): the same rows, sums and
 // order, but each thread copies its own columns of the rows kStages − 1 pairs ahead into
 // shared memory with cp.async (dy, x and, when accumulating, the old dx) and reads the current
-// pair from there. Nsight Compute on the kernel above (W1, H = 3072): DRAM 43–48%, 25%
-// occupancy, warps mostly stalled on their loads — a block issues a pair's loads only after the
-// previous pair's barrier. A thread reads back only the slots it filled itself, so the stages
+// pair from there. The kernel above leaves its warps mostly stalled on their loads at low
+// occupancy — a block issues a pair's loads only after the previous pair's barrier. A thread reads back only the slots it filled itself, so the stages
 // need no barrier beyond cp.async's own wait.
 template <typename T, int kThr, int kGroups>
 struct StagedRows {
@@ -486,12 +485,9 @@ __global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> 
 // write and add). Where that leaves a short last wave, fewer rows a block can do better: a
 // block walks its rows one pair after another, so a call takes about (waves) x (rows a block)
 // pair steps, and the count is the one between half that first choice and itself that makes
-// the product smallest (ties to more rows). Measured on W2 FP8 (profile, same call): its single
-// blocks (B·L = 2 x 4608) had 288 blocks of 32 rows for 264 slots, a second wave of 24 blocks
-// (128 µs a call against 87 for the 256 blocks of 8,192 rows); one wave of 35 rows took the
-// step's LayerNorm backward from 1.29 to 0.98 ms (with the faster column totals), two waves of
-// 18 rows to 1.05. W1's single block (32 x 512) keeps two waves of 32 rows: one wave of 64
-// took 0.09 ms longer. Searching all of 1..64 would pick 7 or 9 rows, hundreds of partials a
+// the product smallest (ties to more rows): a short second wave costs more than the partials
+// that fewer rows a block add (docs/PERFORMANCE.md, Measurements behind the kernels). Searching
+// all of 1..64 would pick 7 or 9 rows, hundreds of partials a
 // sample. A function of the shape only, so the order of the dshift/dscale sums, and their
 // bits, are the same on every run and every GPU.
 constexpr int64_t kLnMaxRows = 64, kLnSlots = 2 * kReferenceSms;

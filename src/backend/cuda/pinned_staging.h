@@ -1,8 +1,8 @@
 #pragma once
 // Copies between the device and pageable host memory through two pinned chunks. Up: the
 // calling thread copies chunk k + 1 into pinned memory (over several threads,
-// core/parallel_copy.h) while the copy engine moves chunk k. From pageable memory the driver
-// moved W1's 134 MB batch at ~5 GB/s (28 ms, H200 host). Down: the copy engine moves chunk k + 1
+// core/parallel_copy.h) while the copy engine moves chunk k. Copies from pageable memory are
+// several times slower (docs/PERFORMANCE.md, Measurements behind the kernels). Down: the copy engine moves chunk k + 1
 // while the calling thread copies chunk k out (a checkpoint's host snapshot: gigabytes). Used by
 // CudaBackend::upload and download and by the copy queue (memory.cu); one instance per thread
 // that copies.

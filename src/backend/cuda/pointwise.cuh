@@ -13,12 +13,11 @@ namespace flux8::cuda {
 // is which depends on u's sign), without overflow or cancellation. The exponential and the
 // reciprocal are the hardware approximations (ex2.approx.ftz, __fdividef's rcp: a few ulps;
 // 1 + t lies in [1, 2]); tanhf (the CPU backend's formula), or expf with an IEEE division,
-// took so many instructions that GELU's backward was bound by the SM (Nsight Compute: SM 87%,
-// DRAM 52%). GPU and CPU agree to ~1e-7 relative.
+// take so many instructions that GELU's backward is bound by the SM. GPU and CPU agree to ~1e-7 relative.
 //
 // The constants are folded so that an element costs 12 FP32 instructions and two MUFU ones for
-// the derivative (it took ~24: the FP8 GELU-backward casts are bound by the SM's issue rate,
-// fourteenth session): u = x·(C + C·a·x²) (x² shared with the derivative), e^(−2|u|) as one
+// the derivative (a direct evaluation takes ~24, and the FP8 GELU-backward casts are bound by
+// the SM's issue rate): u = x·(C + C·a·x²) (x² shared with the derivative), e^(−2|u|) as one
 // multiply into ex2 — __expf's range fix-up for denormal results (a compare and two predicated
 // multiplies) is not needed, as t underflowing to 0 gives the right limits r = 1, t·r = 0 — and
 // σ(2u)(1 − σ(2u)) = t·r², the same whichever of r and t·r is σ(2u).

@@ -303,23 +303,21 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // each lane 8 consecutive elements (4 RoPE pairs) in one 16-byte access of bf16 (two of f32),
 // a segment's loads all issued before its arithmetic. The plain forward takes one segment per
 // group; the FP8-heads forward and the backward take a run of segments per group with the next
-// segments' loads in flight (segments_per_group, forward_runs, BackwardLoads). The pair path's 4-byte accesses and per-element scale loads left both
-// directions latency-bound (Nsight Compute, W1: DRAM ~35%, the backward at half occupancy):
-// on the H200 the vector path takes W1's forward from 0.65 to 0.35 ms and its backward from
-// 1.0 to 0.67 (W2: 1.2 → 0.7, 1.9 → 1.3). The sums run over the group's lanes (xor butterfly,
+// segments' loads in flight (segments_per_group, forward_runs, BackwardLoads). The pair path's 4-byte accesses and per-element scale loads leave both
+// directions latency-bound; the vector path takes about a third off each (docs/PERFORMANCE.md,
+// Measurements behind the kernels). The sums run over the group's lanes (xor butterfly,
 // a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
 
 // Blocks per SM the FP8-heads forward is laid out for (segments_per_group) and compiled for (≤ 64
-// registers a thread). Left to itself ptxas gave it 72 registers: 3 blocks of 256 threads per
-// SM, and Nsight Compute found it latency-bound at that occupancy (W2: 10.4 cycles per issued
-// instruction, DRAM 34%, SM 54%). With 4 blocks: 0.84 → 0.71 ms per W2 step (before the runs of
-// segments).
+// registers a thread). Left to itself ptxas gives it 72 registers: 3 blocks of 256 threads per
+// SM, at which it is latency-bound; 4 blocks are faster (docs/PERFORMANCE.md, Measurements
+// behind the kernels).
 constexpr int kFp8ForwardBlocksPerSm = 4;
 // The vector path's backward (both head types), compiled for 2 blocks of 256 threads per SM
 // (≤ 128 registers a thread): a segment's arithmetic and the next two segments' loads in
 // registers, without spilling for bf16 activations (the f32 variants, tests only, spill a
-// little). At 3 blocks (≤ 80 registers, one segment ahead) it spilled ~100 bytes and measured
-// 1% slower than 2 blocks with one ahead; two ahead measured 6% faster than one (W2, H200).
+// little). 3 blocks (≤ 80 registers, one segment ahead) spill and are no faster than 2 blocks
+// with one ahead; two ahead beat one (docs/PERFORMANCE.md, Measurements behind the kernels).
 constexpr int kBackwardVecBlocksPerSm = 2;
 
 // The lanes of this thread's group, for shuffles within it.
@@ -343,8 +341,7 @@ __device__ inline float group_sum(float v) {
 // thread of the block calls load(), before any leaves): a lane's 8 columns are then two 16-byte
 // reads. Each lane had loaded them from global memory element by element (the flat parameter
 // buffer does not align parameters to 16 bytes), 16 requests a lane and segment, as many as all
-// its other loads and stores together: Nsight Compute had the FP8 backward L1-bound (W2: L1/TEX
-// 93%, DRAM 36%).
+// its other loads and stores together, which left the FP8 backward bound by L1.
 template <int D>
 struct ScaleTile {
   alignas(16) float q[D];
@@ -410,8 +407,8 @@ struct RopeRowCache {
 // segments (segments_per_group), the next segment's loads issued before the current one's
 // arithmetic, the RoPE row loaded once per token (consecutive segments are a token's heads).
 // One segment per group, as the plain forward below runs, left each block's loads, arithmetic
-// and statistics reduction in turn, with nothing in flight during the last two (W2 FP8: 0.63 →
-// 0.51 ms a step with runs). For each segment: store(head row, 0, v), then store(head row, 1,
+// and statistics reduction in turn, with nothing in flight during the last two (runs are faster:
+// docs/PERFORMANCE.md, Measurements behind the kernels). For each segment: store(head row, 0, v), then store(head row, 1,
 // q's output), store(head row, 2, k's), each the 8 values of the lane's columns c.
 template <int kLanes, typename T, typename H, typename Store>
 __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_group, const ScaleTile<8 * kLanes>& scales,
@@ -448,8 +445,8 @@ __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_grou
 
 // The plain (bf16 or f32 heads) forward keeps one segment per group and no loop: it has no
 // statistics to reduce, so its blocks leave as soon as their segment is stored, and many small
-// blocks kept more bytes in flight than runs of segments did (measured on the H200 with runs:
-// W2 BF16 0.56 -> 0.60 ms a step, W1 0.31 -> 0.35).
+// blocks keep more bytes in flight than runs of segments do (runs are slower here:
+// docs/PERFORMANCE.md, Measurements behind the kernels).
 struct SegmentInputs8 {
   float cs[8], q[8], k[8], v[8];
 };
@@ -583,9 +580,9 @@ __device__ inline void widen_head_grad(const R& r, float s, Fp8Format f, float (
 // The vector path's backward: a group of kLanes lanes per run of `per_group` consecutive
 // segments, each lane 8 columns as in the forward, the next two segments' loads issued before
 // the current one's arithmetic. One segment per group and no loop (the forward's arrangement) left
-// the kernel latency-bound (Nsight Compute, W2 FP8: DRAM 47%, L1/TEX 69%): a block loaded, then
-// computed, then summed its dscale tile behind a barrier, with nothing in flight in between; a
-// loop without the prefetch kept too few bytes in flight (1.6 TB/s at W1's shapes). A run of
+// the kernel latency-bound: a block loaded, then computed, then summed its dscale tile behind a
+// barrier, with nothing in flight in between; a loop without the prefetch keeps too few bytes in
+// flight (docs/PERFORMANCE.md, Measurements behind the kernels). A run of
 // segments also loads its RoPE row once per token (consecutive segments are a token's heads)
 // and adds its dscale terms g·x̂ in f32 in segment order before the block adds its groups in
 // group order into a row of `q_part` / `k_part` ([blocks, D] f32, or null: not wanted), which

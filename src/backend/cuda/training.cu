@@ -115,7 +115,7 @@ namespace {
 // squared and added in double in that order; the n % 4 elements after the last quad go to the
 // last block's first threads. Then the fixed tree, and total_of_partials over the blocks. An
 // order that depends on n only. ordered_sum's element-by-element loads of 8192 elements a block
-// ran at ~3.6 TB/s (1.44 ms on W2's 5.2 GB) and left its second pass 160k partials.
+// run below this kernel's bandwidth and leave its second pass 160k partials.
 constexpr int kSquaresBatch = 8;
 constexpr int64_t kSquaresChunk = int64_t(4) * kThreads * kSquaresBatch * 8;
 
@@ -261,9 +261,8 @@ __device__ __forceinline__ float4 low_rank_quad(const LowRankChunk& L, uint32_t 
 
 // Element (or quad) e, e + stride, ... of a row-major matrix with `cols` columns (or quads) as
 // (row m, column k), one division at the start instead of one per step: a 32-bit division per
-// quad had the low-rank kernels issue-bound (Nsight Compute, W2: the elementwise low-rank norm
-// this session replaced by the Gram form at SM 69%, 0.40 ms for 391M elements, slower than
-// reading them). advance() subtracts stride / cols times: once or less for Flux's widths (cols
+// quad makes the low-rank kernels issue-bound (an elementwise low-rank norm runs slower than
+// reading the dense gradient would). advance() subtracts stride / cols times: once or less for Flux's widths (cols
 // of 768 quads and more), up to 256 times only for toy widths.
 struct RowWalk {
   uint32_t m, k;
@@ -384,8 +383,8 @@ struct SquaresChunk {
 
 // One term of a low-rank gradient's ‖Σ_r a_r ⊗ b_r‖² = Σ_{r ≤ q} (2 − [r = q])·(a_r·a_q)(b_r·b_q),
 // each dot product in double over the block (strided, then the fixed tree): one block per pair
-// (r, q), so the pairs run side by side (one block walking W2's three pairs of each gradient in
-// turn took 0.04 ms more a step: two block-wide sums a pair, one after the other).
+// (r, q), so the pairs run side by side (one block walking a gradient's pairs in turn does two
+// block-wide sums a pair, one after the other).
 __device__ double low_rank_pair_term(const LowRankChunk& L, uint32_t r, uint32_t q, double* sh) {
   double da = 0, db = 0;
   for (uint32_t i = threadIdx.x; i < L.rows; i += kThreads)
@@ -464,12 +463,11 @@ namespace {
 
 // AdamW's fp32 arithmetic: the CPU backend's operations in its order, each rounded on its own
 // (the _rn intrinsics are never contracted into FMAs), so the two backends agree bit for bit.
-// fp32, not fp64: the double-precision version was partly bound by the FP64 units (divisions,
-// square root, conversions), 4.3–6.1 ms for 535M parameters against 3.5 ms of memory traffic.
+// fp32, not fp64: in double precision the kernel is partly bound by the FP64 units (divisions,
+// square root, conversions) instead of by its memory traffic.
 // The bias corrections folded into the constants (AdamWConstants::of): one IEEE division
 // and a square root an element. An IEEE division is a ~10-instruction sequence and the kernel is
-// partly bound by instructions (Nsight Compute on W2: SM 83% at DRAM 68% with three divisions,
-// SM 75% at DRAM 81% with PyTorch's fused arrangement's two).
+// partly bound by instructions, so every division saved moves it towards its bandwidth.
 struct AdamwStep {
   float gs, b1, b2, ob1, ob2, eps_hat, dec, step_size;
   uint32_t noise_key;  // adamw_step_key: bf16 moments' stochastic rounding
@@ -499,9 +497,9 @@ struct AdamwChunk {
   Fp8Format format;
   LowRankChunk lr;
 };
-// 32 quads a thread: a block first waits for its chunk's entry (a dependent load), which
-// chunks of 4 quads a thread did not hide (0.3 ms more than a grid-stride loop over W2's 1.3G
-// parameters); a thread's quads issued all at once (86 registers) ran slower still.
+// 32 quads a thread: a block first waits for its chunk's entry (a dependent load), which chunks
+// of 4 quads a thread do not hide; a thread's quads issued all at once (86 registers) are slower
+// still (docs/PERFORMANCE.md, Measurements behind the kernels).
 constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 
 // Stores one element's new moments: f32 as they are; bf16 rounded stochastically with the
@@ -515,7 +513,7 @@ __device__ __forceinline__ void store_moments(__nv_bfloat16& m, __nv_bfloat16& v
 // Four elements' moments from element i (a multiple of 4) in one access each: a float4, or
 // four bf16 in a uint2 (8-byte aligned) with the noise of the quad's two pairs. The bf16 path
 // is written for instructions, as AdamW with bf16 moments is bound by them rather than by its
-// 18 bytes an element (Nsight Compute, W2: SM 83% at DRAM 55% with a branchy first version): the
+// 18 bytes an element (a branchy version keeps the SM busy and DRAM half idle): the
 // random byte is placed with one byte permute, the rounding is one add, two results pack with
 // one more.
 __device__ __forceinline__ void store_moments4(float* m, float* v, float4 mq, float4 vq, uint32_t, int64_t) {
@@ -626,9 +624,9 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
 }
 
 // One kernel per gradient source: the chunk table holds the flat chunks first, then the
-// low-rank ones, and each kind gets its own launch. One kernel for both measured 0.27 ms slower
-// on W1's 536M parameters, none of them low-rank (H200); with the two bodies it took 76
-// registers, 3 blocks an SM, where the flat body alone takes 46. The low-rank body alone takes
+// low-rank ones, and each kind gets its own launch. One kernel for both is slower even where no
+// chunk is low-rank: with the two bodies it takes 76 registers, 3 blocks an SM, where the flat
+// body alone takes 46. The low-rank body alone takes
 // 80; it is held to 64 (4 blocks an SM, 12 bytes spilled).
 template <typename G, typename Mo>
 __global__ void __launch_bounds__(kThreads)
