@@ -297,9 +297,9 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   SyntheticBatches data(be, spec);
   DeviceLoss loss_buf{be};
 
-  // The synthetic data above is the benchmark's own (W1's 64 prototypes: ~1.3 s of host random
-  // numbers): a training launch waits for its first batch instead, so it is left out of the
-  // launch-to-first-step time.
+  // The synthetic data above is the benchmark's own (W1's 64 prototypes are seconds of host
+  // random numbers): a training launch waits for its first batch instead, so it is left out of
+  // the launch-to-first-step time.
   const double data_s = seconds_since(t0) - r.setup_s;
   const int total = spec.warmup + spec.steps;
   // The device's energy over the timed steps (the batches' loads between them included: a few
