@@ -143,6 +143,11 @@ TEST(BenchPeer, CpuDeviceNameIsTheProcessorsModel) {
   EXPECT_NE(name.back(), ' ');
 }
 
+TEST(BenchPeer, GpuNameOfTheCheckLine) {
+  EXPECT_EQ(gpu_name_of_check_line("NVIDIA H100 80GB HBM3, 79.1 GiB, 132 SMs"), "NVIDIA H100 80GB HBM3");
+  EXPECT_EQ(gpu_name_of_check_line("NVIDIA H200, 139.8 GiB, 132 SMs"), "NVIDIA H200");
+}
+
 // `flux8 bench --peer` on the CPU backend with a tiny config, whose workload is its model's name.
 struct PeerCli {
   TempDir dir;

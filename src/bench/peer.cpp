@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -129,6 +130,12 @@ std::string cpu_device_name() {
     if (begin != std::string::npos && end >= begin) return "cpu: " + line.substr(begin, end - begin + 1);
   }
   return "cpu";
+}
+
+std::string gpu_name_of_check_line(const std::string& value) {
+  std::string name = value;
+  for (int field = 0; field < 2; ++field) name.resize(std::min(name.size(), name.rfind(", ")));  // SMs, memory
+  return name;
 }
 
 PeerComparison compare_to_peer(const PeerFile& peer, const std::string& device, const std::string& workload,

@@ -45,6 +45,9 @@ PeerFile parse_peer_file(const std::string& text, const std::string& path);
 // The device name of the CPU backend, as tools/peer_bench.py --tiny writes it: "cpu: " and the
 // processor's model name from /proc/cpuinfo ("cpu" where there is none).
 std::string cpu_device_name();
+// The GPU's name in the "GPU 0" line of `flux8 check` ("NVIDIA H100 80GB HBM3, 79.1 GiB, 132 SMs"
+// -> "NVIDIA H100 80GB HBM3"): the name torch.cuda.get_device_name() gives.
+std::string gpu_name_of_check_line(const std::string& value);
 
 // One flux8 run against each mode the peer ran: the peer's step time over flux8's (above 1:
 // flux8 is faster) and flux8's peak allocated memory over the peer's (< 0 where the peer did

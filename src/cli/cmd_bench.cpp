@@ -5,7 +5,6 @@
 #include <fmt/core.h>
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -415,16 +414,13 @@ void print_verdicts(const std::string& workload, const std::vector<WorkloadRun>&
 }
 
 // The name of the device the runs ran on, as tools/peer_bench.py writes it: the GPU's name as
-// `flux8 check` reports it ("<name>, <memory> GiB, <n> SMs"), or the CPU's (bench/peer.h).
+// `flux8 check` reports it, or the CPU's (bench/peer.h).
 std::string bench_device_name(const std::string& backend) {
   if (backend == "cpu") return cpu_device_name();
 #if FLUX8_HAVE_CUDA
-  for (const CudaReport::Line& line : cuda_report().lines) {
-    if (line.key != "GPU 0") continue;
-    std::string name = line.value;
-    for (int field = 0; field < 2; ++field) name.resize(std::min(name.size(), name.rfind(", ")));
-    return name;
-  }
+  const CudaReport report = cuda_report();
+  for (const CudaReport::Line& line : report.lines)
+    if (line.key == "GPU 0") return gpu_name_of_check_line(line.value);
 #endif
   return "";
 }
