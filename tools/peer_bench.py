@@ -191,6 +191,8 @@ def time_mode(mode: str, cfg: dict, device, steps: int, warmup: int) -> dict:
             step_ms.append(1e3 * (time.perf_counter() - t0))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     del model, opt, batch
+    if mode != "eager":
+        torch._dynamo.reset()  # the compiled graphs hold the model's tensors: free them for the next mode
     gc.collect()
     return {"mode": mode, "status": "ran", "median_ms": statistics.median(step_ms), "peak_gib": peak,
             "steps": len(step_ms), "step_ms": step_ms, "warmup": warmup, "warmup_s": warmup_s}
