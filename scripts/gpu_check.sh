@@ -14,7 +14,12 @@
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
-#   bench  `flux8 bench`, the parts in GPU_CHECK_BENCH_PARTS (default "gemm steps profile"):
+#   bench  `flux8 bench`, the parts in GPU_CHECK_BENCH_PARTS (default "peer gemm steps profile"):
+#            peer       first, the PyTorch peer on this GPU: diffusers and torchao installed from
+#                       .carry/wheels (scripts/prepare_peer_wheels.sh) into a folder of their own,
+#                       then tools/peer_bench.py on W1 and W2 in its three modes
+#                       (GPU_CHECK_PEER_ARGS adds options) -> $OUT/peer.json, peer.txt; the steps
+#                       part then prints each run's ratios to it (--peer)
 #            gemm       the FP8-linear vs cuBLASLt micro-benchmark
 #            steps      W1, W2 x BF16 and the FP8 recipes (GPU_CHECK_BENCH_ARGS adds options)
 #            profile    the per-op breakdown (--profile) of W1/W2 in BF16 and FP8 delayed, then FP8
@@ -218,14 +223,28 @@ fi
 if has bench; then
   stage bench
   monitor_clocks
-  parts=${GPU_CHECK_BENCH_PARTS:-gemm steps profile}
+  parts=${GPU_CHECK_BENCH_PARTS:-peer gemm steps profile}
+  peer_args=()
+  if [[ " $parts " == *" peer "* ]]; then
+    mark "bench peer"
+    ls .carry/wheels/*.whl > /dev/null 2>&1 ||
+      die "no .carry/wheels: run scripts/prepare_carry.sh here and name .carry in carry"
+    peer_site=$(mktemp -d)
+    "$python" -m pip install -q --no-index --no-deps --no-compile --find-links .carry/wheels --target "$peer_site" \
+        diffusers torchao || die "installing the peer's wheels from .carry/wheels failed"
+    # shellcheck disable=SC2086  # GPU_CHECK_PEER_ARGS: extra options, split into words
+    PYTHONPATH=$peer_site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 "$python" tools/peer_bench.py \
+        --workload W1,W2 --out "$OUT/peer.json" ${GPU_CHECK_PEER_ARGS:-} 2>&1 | tee "$OUT/peer.txt" ||
+      die "tools/peer_bench.py failed: see peer.txt"
+    peer_args=(--peer "$OUT/peer.json")
+  fi
   if [[ " $parts " == *" gemm "* ]]; then
     build/flux8 bench --gemm --steps 20 --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.txt" ||
       die "flux8 bench --gemm failed"
   fi
   if [[ " $parts " == *" steps "* ]]; then
     mark "bench steps"
-    build/flux8 bench ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" ||
+    build/flux8 bench ${GPU_CHECK_BENCH_ARGS:-} "${peer_args[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" ||
       die "flux8 bench failed"
   fi
   if [[ " $parts " == *" profile "* ]]; then

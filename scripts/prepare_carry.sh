@@ -7,6 +7,8 @@
 # update-alternatives would make for OpenBLAS. scripts/gpu_check.sh builds against it with
 #   cmake -DCMAKE_PREFIX_PATH=$PWD/.carry/usr -DFLUX8_EXTRA_PREFIX=$PWD/.carry/usr
 # and runs with LD_LIBRARY_PATH=.carry/usr/lib/x86_64-linux-gnu{,/openblas-pthread}.
+# Then scripts/prepare_peer_wheels.sh adds .carry/wheels/: the Python wheels of the PyTorch peer
+# (tools/peer_bench.py) that gpu_check.sh's bench stage installs there.
 # Usage: scripts/prepare_carry.sh   (safe to run again: it rebuilds .carry/ from scratch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,6 +77,8 @@ if grep -rnE '/usr/(include|lib)' "$lib"/cmake .carry/usr/share/cmake* 2>/dev/nu
      grep -vE '_realOrig|_IMPORT_PREFIX "/usr/lib/x86_64-linux-gnu/cmake/|^[^:]*:[0-9]+:#'; then
   echo "the CMake package files above hard-code /usr paths" >&2; exit 1
 fi
+
+scripts/prepare_peer_wheels.sh
 
 size_mib=$(du -sm .carry | cut -f1)
 echo "packages: $(wc -l < .carry/PACKAGES), .carry: ${size_mib} MiB"

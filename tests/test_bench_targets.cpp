@@ -1,4 +1,5 @@
-// The verdicts `flux8 bench` prints against WORKLOADS.md's targets (src/bench/targets.h).
+// The verdicts `flux8 bench` prints against flux8's own targets (src/bench/targets.h), the
+// roofline's grouping of a profile and a run's energy summary.
 #include <gtest/gtest.h>
 
 #include "backend/energy.h"
@@ -8,8 +9,8 @@
 namespace flux8 {
 namespace {
 
-// The twenty-second session's W1 runs on the H200: BF16, FP8 delayed hybrid, and the first run
-// of the process measured its launch.
+// W1 runs as an H200 gave them: BF16, FP8 delayed hybrid, and the first run of the process
+// measured its launch.
 std::vector<BenchRunSummary> w1_runs() {
   return {{"bf16", "", 41.95, 15.45, 1.11}, {"delayed", "hybrid", 28.13, 15.52, -1}};
 }
@@ -52,9 +53,9 @@ TEST(BenchTargets, W2HasItsOwnLimits) {
   EXPECT_TRUE(v[2].met);  // 23.0 / 30.17 = 0.76x
 }
 
-// With the runs' energy (the thirty-first session's W2 runs on the H200: 64.0 J a step in BF16,
-// 42.5 with FP8), the step verdicts say the joules a step the target allows at the power limit;
-// the memory verdict and runs without a measurement say nothing of energy.
+// With the runs' energy (W2 runs on an H200: 64.0 J a step in BF16, 42.5 with FP8), the step
+// verdicts say the joules a step the target allows at the power limit; the memory verdict and
+// runs without a measurement say nothing of energy.
 TEST(BenchTargets, StepVerdictsSayTheEnergyTheTargetAllows) {
   BenchRunSummary bf16{"bf16", "", 90.41, 22.85, -1}, fp8{"delayed", "hybrid", 59.49, 21.70, -1};
   bf16.joules_per_step = 64.0, bf16.power_limit_w = 700.0;
@@ -82,22 +83,15 @@ TEST(BenchTargets, OnlyTheTargetsTheRunsCanBeJudgedOn) {
   EXPECT_EQ(v[0].target, "FP8 step");
   EXPECT_EQ(v[0].run, "delayed hybrid");
   EXPECT_TRUE(v[0].met);
-  // A config's own model: no targets, no peer.
+  // A config's own model: no targets.
   EXPECT_TRUE(judge_targets("flux_535m", w1_runs()).empty());
-  EXPECT_EQ(peer_numbers("flux_535m"), nullptr);
+  EXPECT_EQ(workload_targets("flux_535m"), nullptr);
   EXPECT_EQ(workload_targets("W3"), nullptr);
 }
 
-TEST(BenchTargets, MemoryAgainstThePeer) {
-  const PeerNumbers* peer = peer_numbers("W1");
-  ASSERT_NE(peer, nullptr);
-  EXPECT_EQ(memory_vs_peer(*peer, 15.45),
-            "allocated 15.45 GiB: 1.13x PyTorch eager (13.7), 1.30x compiled (11.9), 1.47x torchao FP8 (10.5)");
-}
-
 // The profile's rows grouped as the roofline's parts (bench/roofline.h): every row in exactly one
-// part, the GEMMs and attention with their model FLOPs and the rate those rows reached — here the
-// thirtieth session's W2 BF16 profile (call 1, atomic attention backward), in part.
+// part, the GEMMs and attention with their model FLOPs and the rate those rows reached — here
+// part of a W2 BF16 profile (atomic attention backward) on an H200.
 TEST(BenchRoofline, GroupsTheProfileIntoItsParts) {
   EXPECT_EQ(roofline_part_of("gemm_fp8_tn (fast accumulation)"), "GEMMs");
   EXPECT_EQ(roofline_part_of("linear_dgrad_gelu"), "GEMMs");

@@ -87,7 +87,7 @@ StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir
     s.model.name = "flux_12b_width_slice";
     s.shape = StepShape{2, 512, s.model.image_tokens(1024)};
   } else {
-    fail("bench: unknown workload '{}': choose W1 or W2 (../shared/WORKLOADS.md)", id);
+    fail("bench: unknown workload '{}': choose W1 or W2, or give a config with -c", id);
   }
   return s;
 }
@@ -129,6 +129,149 @@ void time_data_path(Backend& be, const StepBenchSpec& spec, StepBenchResult& r) 
   r.data_assemble_ms = median(assemble);
   r.data_upload_ms = median(upload);
 }
+
+// Synthetic data with something to learn: 64 fixed "images" (latents ~ N(0, 1)), each with its
+// own text features and pooled vector; every step each sample draws one of them and a fresh
+// timestep, so the loss falls as the model learns the text -> image mapping (a loss curve to
+// compare precisions on), while the noise keeps every step different. The prototypes live on
+// the device; each step's batch is gathered from them (a copy per sample) before the step's
+// clock starts, so a 500-step curve is not dominated by host work (W1's text features are
+// 134 MB a step).
+//
+// --data structured instead: each sample draws a fresh code z ~ N(0, I_32); the latents are
+// 0.8·A_x z + 0.6·noise (unit variance), the text features A_t z and the pooled vector A_y z,
+// with fixed random maps A (entries N(0, 1/32)) made on the device by one GEMM each. The text
+// determines z, so the model can learn the text -> image map, but not the noise part: the
+// loss has a floor, as on real data, instead of falling to 0 by memorisation.
+class SyntheticBatches {
+ public:
+  static constexpr int64_t kPrototypes = 64, kCode = 32;
+
+  SyntheticBatches(Backend& be, const StepBenchSpec& spec)
+      : be_(be), spec_(spec), structured_(spec.data == BenchData::structured), batch_(be, DType::f32) {
+    const FluxConfig& cfg = spec.model;
+    const int64_t B = spec.shape.batch, Lt = spec.shape.txt_tokens, Li = spec.shape.img_tokens;
+    nx_ = Li * cfg.in_channels;
+    const int64_t nt = Lt * cfg.context_dim, ny = cfg.vec_dim;
+    // The prototypes, or the maps as Linear weights [out, kCode].
+    if (structured_) {
+      const double a = 1.0 / std::sqrt(static_cast<double>(kCode));
+      map_x_ = batch_.make(Shape{nx_, kCode}, randn(spec.seed, 1, nx_ * kCode, 0.8 * a));
+      map_t_ = batch_.make(Shape{nt, kCode}, randn(spec.seed, 2, nt * kCode, a));
+      map_y_ = batch_.make(Shape{ny, kCode}, randn(spec.seed, 3, ny * kCode, a));
+      code_ = batch_.make(Shape{B, kCode}, zeros(B * kCode));
+      noise_ = batch_.make(Shape{B, nx_}, zeros(B * nx_));
+    } else {
+      proto_x_ = batch_.make(Shape{kPrototypes, nx_}, randn(spec.seed, 1, kPrototypes * nx_, 1.0));
+      proto_t_ = batch_.make(Shape{kPrototypes, nt}, randn(spec.seed, 2, kPrototypes * nt, 1.0));
+      proto_y_ = batch_.make(Shape{kPrototypes, ny}, randn(spec.seed, 3, kPrototypes * ny, 1.0));
+    }
+    x0 = batch_.make(Shape{B, Li, cfg.in_channels}, zeros(B * nx_));
+    in.img = batch_.make(x0.shape, zeros(B * nx_));
+    in.txt = batch_.make(Shape{B, Lt, cfg.context_dim}, zeros(B * nt));
+    in.y = batch_.make(Shape{B, cfg.vec_dim}, zeros(B * ny));
+    std::vector<double> img_ids;
+    const int64_t side = std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(Li))));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t l = 0; l < Li; ++l) img_ids.insert(img_ids.end(), {0.0, double(l / side), double(l % side)});
+    in.img_ids = batch_.make(Shape{B, Li, 3}, img_ids);
+    in.txt_ids = batch_.make(Shape{B, Lt, 3}, zeros(B * Lt * 3));
+    in.timesteps = batch_.make(Shape{B}, zeros(B));
+    if (cfg.guidance_embed) in.guidance = batch_.make(Shape{B}, std::vector<double>(static_cast<size_t>(B), 3.5));
+    target = batch_.make(x0.shape, zeros(B * nx_));
+    dpred = batch_.make(Shape{B, Li, cfg.out_channels}, zeros(B * Li * cfg.out_channels));
+    streams.resize(static_cast<size_t>(B));
+    timesteps_.resize(static_cast<size_t>(B));
+    x0_rows_ = x0.reshaped(Shape{B, nx_});
+    txt_rows_ = in.txt.reshaped(Shape{B, nt});
+    code_host_.resize(static_cast<size_t>(structured_ ? B * kCode : 0));
+  }
+
+  // Step s's batch into x0, in.txt, in.y and in.timesteps, and its noise streams.
+  void load(int s) {
+    const int64_t B = spec_.shape.batch;
+    const uint64_t seed = spec_.seed;
+    for (int64_t b = 0; b < B; ++b) {
+      const uint64_t draw = static_cast<uint64_t>(s) * static_cast<uint64_t>(B) + static_cast<uint64_t>(b);
+      if (structured_) {
+        for (int64_t c = 0; c < kCode; ++c)
+          code_host_[static_cast<size_t>(b * kCode + c)] = rng_normal(seed, 6, draw * kCode + static_cast<uint64_t>(c));
+      } else {
+        const int64_t k = static_cast<int64_t>(rng_uniform(seed, 5, draw) * kPrototypes) % kPrototypes;
+        be_.copy(x0_rows_.rows_slice(b, 1), proto_x_.rows_slice(k, 1));
+        be_.copy(txt_rows_.rows_slice(b, 1), proto_t_.rows_slice(k, 1));
+        be_.copy(in.y.rows_slice(b, 1), proto_y_.rows_slice(k, 1));
+      }
+      timesteps_[static_cast<size_t>(b)] = rng_uniform(seed, 4, draw);
+      streams[static_cast<size_t>(b)] = rng_stream(seed, static_cast<uint64_t>(s), static_cast<uint64_t>(b));
+    }
+    if (structured_) {
+      from_host(be_, code_, code_host_);
+      from_host(be_, noise_, randn(seed, 100 + static_cast<uint64_t>(s), B * nx_, 0.6));  // streams 100 + step
+      be_.linear(x0_rows_, code_, map_x_, Tensor{});
+      be_.accumulate(x0_rows_, noise_);
+      be_.linear(txt_rows_, code_, map_t_, Tensor{});
+      be_.linear(in.y, code_, map_y_, Tensor{});
+    }
+    from_host(be_, in.timesteps, timesteps_);
+  }
+
+  FluxInputs in;
+  Tensor x0, target, dpred;
+  std::vector<uint64_t> streams;  // each sample's noise stream this step
+
+ private:
+  static std::vector<double> zeros(int64_t n) { return std::vector<double>(static_cast<size_t>(n), 0.0); }
+
+  Backend& be_;
+  const StepBenchSpec& spec_;
+  const bool structured_;
+  InputBatch batch_;
+  int64_t nx_ = 0;
+  Tensor proto_x_, proto_t_, proto_y_, map_x_, map_t_, map_y_, code_, noise_, x0_rows_, txt_rows_;
+  std::vector<double> timesteps_, code_host_;
+};
+
+// The step's loss, on the device until the backward is queued (as the trainer reads it).
+struct DeviceLoss {
+  Backend& be;
+  Tensor t{be.allocate(sizeof(double)), DType::f64, Shape{1}};
+  ~DeviceLoss() { be.release(t.data); }
+};
+
+// What run_step_bench reads after its steps: graph counts, the profile's rows, the memory peak
+// and the activation estimate.
+void summarize_run(Backend& be, const StepBenchSpec& spec, const StepGraph* graph, const OpProfiler* profiler,
+                   StepBenchResult& r) {
+  if (graph) {
+    const StepGraph::Stats& gs = graph->stats();
+    const double steps = spec.warmup > 0 ? spec.steps : spec.steps + spec.warmup;
+    r.cuda_graph = true;
+    r.graph_segments_per_step = static_cast<double>(gs.launched) / steps;
+    r.graph_ops_per_step = static_cast<double>(gs.ops_launched) / steps;
+    r.eager_ops_per_step = static_cast<double>(gs.ops_eager) / steps;
+    r.graph_capture_failures = gs.capture_failed;
+  }
+  if (profiler) {
+    for (const OpProfiler::Row& row : profiler->rows())
+      r.ops.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
+    for (const OpProfiler::Row& row : profiler->idle_before())
+      r.idle_before.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
+  }
+  r.median_ms = median(r.step_ms);
+  r.model_tflop = model_flops(spec.model, spec.shape).training() / 1e12;
+  r.tflops = r.median_ms > 0 ? r.model_tflop / (r.median_ms / 1e3) : 0;
+  const MemoryUse mu = be.memory_use();
+  r.peak_allocated_gib = static_cast<double>(mu.peak_allocated) / 1073741824.0;
+  r.device_used_gib = static_cast<double>(mu.device_used) / 1073741824.0;
+  // The estimate in the storage type the step ran with (flux8 info's "today" column).
+  const ActivationEstimate est = FluxModel::estimate_activations(spec.model, spec.shape, spec.recompute);
+  const bool bf16_storage = be.activation_dtype(DType::f32) == DType::bf16;
+  r.activation_gib = (bf16_storage ? est.gpu_bytes(spec.fp8.enabled, spec.fp8.dot_product_attention)
+                                   : est.f32_bytes(spec.fp8.enabled)) /
+                     1073741824.0;
+}
+
 }  // namespace
 
 StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
@@ -139,112 +282,24 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   if (spec.cuda_graph && !profiler && device.can_capture())
     graph = std::make_unique<StepGraph>(device, StepGraph::Options::from_environment());
   Backend& be = device;  // the profiler or the graph recorder, when made, intercept its ops
-  const FluxConfig& cfg = spec.model;
-  const StepShape sh = spec.shape;
   StepBenchResult r;
   r.workload = spec.workload;
   r.precision = spec.fp8.enabled ? "FP8 " + spec.fp8.describe() : "BF16";
-  FluxModel model(cfg, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute);
+  FluxModel model(spec.model, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute);
   model.params().init(spec.seed);
-  model.plan(sh);
+  model.plan(spec.shape);
   AdamWOptimizer opt(model.params(), spec.adam);
-  model.params().keep_low_rank_grads(sh.batch);  // as the trainer: W2's 2 samples keep them
+  model.params().keep_low_rank_grads(spec.shape.batch);  // as the trainer: W2's 2 samples keep them
   be.synchronize();
   // What a training launch does before its first step (the synthetic data below is the
   // benchmark's own and is not counted).
   r.setup_s = seconds_since(t0);
+  SyntheticBatches data(be, spec);
+  DeviceLoss loss_buf{be};
 
-  // Synthetic data with something to learn: 64 fixed "images" (latents ~ N(0, 1)), each with its
-  // own text features and pooled vector; every step each sample draws one of them and a fresh
-  // timestep, so the loss falls as the model learns the text -> image mapping (a loss curve to
-  // compare precisions on), while the noise keeps every step different. The prototypes live on
-  // the device; each step's batch is gathered from them (a copy per sample) before the step's
-  // clock starts, so a 500-step curve is not dominated by host work (W1's text features are
-  // 134 MB a step).
-  //
-  // --data structured instead: each sample draws a fresh code z ~ N(0, I_32); the latents are
-  // 0.8·A_x z + 0.6·noise (unit variance), the text features A_t z and the pooled vector A_y z,
-  // with fixed random maps A (entries N(0, 1/32)) made on the device by one GEMM each. The text
-  // determines z, so the model can learn the text -> image map, but not the noise part: the
-  // loss has a floor, as on real data, instead of falling to 0 by memorisation.
-  constexpr int64_t kPrototypes = 64, kCode = 32;
-  const bool structured = spec.data == BenchData::structured;
-  const int64_t B = sh.batch, Lt = sh.txt_tokens, Li = sh.img_tokens;
-  const int64_t nx = Li * cfg.in_channels, nt = Lt * cfg.context_dim, ny = cfg.vec_dim;
-  InputBatch batch(be, DType::f32);
-  // The prototypes, or the maps as Linear weights [out, kCode].
-  Tensor proto_x, proto_t, proto_y, map_x, map_t, map_y, code, noise;
-  if (structured) {
-    const double a = 1.0 / std::sqrt(static_cast<double>(kCode));
-    map_x = batch.make(Shape{nx, kCode}, randn(spec.seed, 1, nx * kCode, 0.8 * a));
-    map_t = batch.make(Shape{nt, kCode}, randn(spec.seed, 2, nt * kCode, a));
-    map_y = batch.make(Shape{ny, kCode}, randn(spec.seed, 3, ny * kCode, a));
-    code = batch.make(Shape{B, kCode}, std::vector<double>(static_cast<size_t>(B * kCode), 0.0));
-    noise = batch.make(Shape{B, nx}, std::vector<double>(static_cast<size_t>(B * nx), 0.0));
-  } else {
-    proto_x = batch.make(Shape{kPrototypes, nx}, randn(spec.seed, 1, kPrototypes * nx, 1.0));
-    proto_t = batch.make(Shape{kPrototypes, nt}, randn(spec.seed, 2, kPrototypes * nt, 1.0));
-    proto_y = batch.make(Shape{kPrototypes, ny}, randn(spec.seed, 3, kPrototypes * ny, 1.0));
-  }
-  FluxInputs in;
-  auto zeros = [](int64_t n) { return std::vector<double>(static_cast<size_t>(n), 0.0); };
-  const Tensor x0 = batch.make(Shape{B, Li, cfg.in_channels}, zeros(B * nx));
-  in.img = batch.make(x0.shape, zeros(B * nx));
-  in.txt = batch.make(Shape{B, Lt, cfg.context_dim}, zeros(B * nt));
-  in.y = batch.make(Shape{B, cfg.vec_dim}, zeros(B * ny));
-  std::vector<double> img_ids;
-  const int64_t side = std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(Li))));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t l = 0; l < Li; ++l) img_ids.insert(img_ids.end(), {0.0, double(l / side), double(l % side)});
-  in.img_ids = batch.make(Shape{B, Li, 3}, img_ids);
-  in.txt_ids = batch.make(Shape{B, Lt, 3}, zeros(B * Lt * 3));
-  in.timesteps = batch.make(Shape{B}, zeros(B));
-  if (cfg.guidance_embed) in.guidance = batch.make(Shape{B}, std::vector<double>(static_cast<size_t>(B), 3.5));
-  const Tensor target = batch.make(x0.shape, zeros(B * nx));
-  const Tensor dpred = batch.make(Shape{B, Li, cfg.out_channels}, zeros(B * Li * cfg.out_channels));
-  // The step's loss, on the device until the backward is queued (as the trainer reads it).
-  struct DeviceLoss {
-    Backend& be;
-    Tensor t{be.allocate(sizeof(double)), DType::f64, Shape{1}};
-    ~DeviceLoss() { be.release(t.data); }
-  } loss_buf{be};
-  std::vector<uint64_t> streams(static_cast<size_t>(B));
-  std::vector<double> hts(static_cast<size_t>(B));
-  const Tensor x0_rows = x0.reshaped(Shape{B, nx}), txt_rows = in.txt.reshaped(Shape{B, nt});
-  std::vector<double> hcode(static_cast<size_t>(structured ? B * kCode : 0));
-  auto load_step = [&](int s) {
-    if (structured) {
-      for (int64_t b = 0; b < B; ++b) {
-        const uint64_t draw = static_cast<uint64_t>(s) * static_cast<uint64_t>(B) + static_cast<uint64_t>(b);
-        for (int64_t c = 0; c < kCode; ++c)
-          hcode[static_cast<size_t>(b * kCode + c)] = rng_normal(spec.seed, 6, draw * kCode + static_cast<uint64_t>(c));
-        hts[static_cast<size_t>(b)] = rng_uniform(spec.seed, 4, draw);
-        streams[static_cast<size_t>(b)] = rng_stream(spec.seed, static_cast<uint64_t>(s), static_cast<uint64_t>(b));
-      }
-      from_host(be, code, hcode);
-      from_host(be, noise, randn(spec.seed, 100 + static_cast<uint64_t>(s), B * nx, 0.6));  // streams 100 + step
-      be.linear(x0_rows, code, map_x, Tensor{});
-      be.accumulate(x0_rows, noise);
-      be.linear(txt_rows, code, map_t, Tensor{});
-      be.linear(in.y, code, map_y, Tensor{});
-      from_host(be, in.timesteps, hts);
-      return;
-    }
-    for (int64_t b = 0; b < B; ++b) {
-      const uint64_t draw = static_cast<uint64_t>(s) * static_cast<uint64_t>(B) + static_cast<uint64_t>(b);
-      const int64_t k = static_cast<int64_t>(rng_uniform(spec.seed, 5, draw) * kPrototypes) % kPrototypes;
-      be.copy(x0_rows.rows_slice(b, 1), proto_x.rows_slice(k, 1));
-      be.copy(txt_rows.rows_slice(b, 1), proto_t.rows_slice(k, 1));
-      be.copy(in.y.rows_slice(b, 1), proto_y.rows_slice(k, 1));
-      hts[static_cast<size_t>(b)] = rng_uniform(spec.seed, 4, draw);
-      streams[static_cast<size_t>(b)] = rng_stream(spec.seed, static_cast<uint64_t>(s), static_cast<uint64_t>(b));
-    }
-    from_host(be, in.timesteps, hts);
-  };
-
-  // The synthetic data above is the benchmark's own (W1's 64 prototypes: ~1.3 s of host random
-  // numbers): a training launch waits for its first batch instead, so it is left out of the
-  // launch-to-first-step time.
+  // The synthetic data above is the benchmark's own (W1's 64 prototypes are seconds of host
+  // random numbers): a training launch waits for its first batch instead, so it is left out of
+  // the launch-to-first-step time.
   const double data_s = seconds_since(t0) - r.setup_s;
   const int total = spec.warmup + spec.steps;
   // The device's energy over the timed steps (the batches' loads between them included: a few
@@ -253,7 +308,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   Clock::time_point window_start{};
   for (int s = 0; s < total; ++s) {
     if (profiler) profiler->pause(true);
-    load_step(s);
+    data.load(s);
     be.synchronize();
     if (profiler) profiler->pause(false);
     if (s == spec.warmup) {  // the first timed step
@@ -265,12 +320,12 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     if (model.fp8())
       model.fp8()->set_collect_stats(spec.fp8.stats_interval > 0 && (s + 1) % spec.fp8.stats_interval == 0);
     const auto ts = Clock::now();
-    be.flow_match_inputs(in.img, target, x0, in.timesteps, spec.seed, streams);
+    be.flow_match_inputs(data.in.img, data.target, data.x0, data.in.timesteps, spec.seed, data.streams);
     model.params().zero_grads();
     StepGraph::Region region(graph.get());
-    const Tensor pred = model.forward(in);
-    be.mse_loss_into(loss_buf.t, dpred, pred, target, 1.0);
-    model.backward(dpred);
+    const Tensor pred = model.forward(data.in);
+    be.mse_loss_into(loss_buf.t, data.dpred, pred, data.target, 1.0);
+    model.backward(data.dpred);
     region.end();
     if (s + 1 == total) energy_busy = be.power_reading();  // the step still running on the device
     double loss = 0;
@@ -297,33 +352,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   }
   r.energy = summarize_energy(energy_start, be.power_reading(), energy_busy, static_cast<int>(r.step_ms.size()),
                               seconds_since(window_start));
-  if (graph) {
-    const StepGraph::Stats& gs = graph->stats();
-    const double steps = spec.warmup > 0 ? spec.steps : spec.steps + spec.warmup;
-    r.cuda_graph = true;
-    r.graph_segments_per_step = static_cast<double>(gs.launched) / steps;
-    r.graph_ops_per_step = static_cast<double>(gs.ops_launched) / steps;
-    r.eager_ops_per_step = static_cast<double>(gs.ops_eager) / steps;
-    r.graph_capture_failures = gs.capture_failed;
-  }
-  if (profiler) {
-    for (const OpProfiler::Row& row : profiler->rows())
-      r.ops.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
-    for (const OpProfiler::Row& row : profiler->idle_before())
-      r.idle_before.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
-  }
-  r.median_ms = median(r.step_ms);
-  r.model_tflop = model_flops(cfg, sh).training() / 1e12;
-  r.tflops = r.median_ms > 0 ? r.model_tflop / (r.median_ms / 1e3) : 0;
-  const MemoryUse mu = be.memory_use();
-  r.peak_allocated_gib = static_cast<double>(mu.peak_allocated) / 1073741824.0;
-  r.device_used_gib = static_cast<double>(mu.device_used) / 1073741824.0;
-  // The estimate in the storage type the step ran with (flux8 info's "today" column).
-  const ActivationEstimate est = FluxModel::estimate_activations(cfg, sh, spec.recompute);
-  const bool bf16_storage = be.activation_dtype(DType::f32) == DType::bf16;
-  r.activation_gib = (bf16_storage ? est.gpu_bytes(spec.fp8.enabled, spec.fp8.dot_product_attention)
-                                   : est.f32_bytes(spec.fp8.enabled)) /
-                     1073741824.0;
+  summarize_run(be, spec, graph.get(), profiler.get(), r);
   if (spec.data_path) time_data_path(device, spec, r);  // after the memory peak: its buffers are extra
   return r;
 }

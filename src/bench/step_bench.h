@@ -1,9 +1,9 @@
 #pragma once
 // `flux8 bench`: whole training steps (objective noise, forward, loss, backward, gradient
-// clipping, AdamW and the FP8 scale update) on synthetic data of a fixed shape, timed as in
-// ../shared/WORKLOADS.md: median of N steps after warm-up, with model TFLOP/s by that file's
-// FLOP convention, memory, and the time from the start of the benchmark to the end of the
-// first step (model built, weights initialised, everything planned).
+// clipping, AdamW and the FP8 scale update) on synthetic data of a fixed shape, timed as the
+// median of N steps after warm-up, with model TFLOP/s by model/flops.h's FLOP convention,
+// memory, and the time from the start of the benchmark to the end of the first step (model
+// built, weights initialised, everything planned).
 #include <optional>
 #include <string>
 #include <vector>
@@ -78,7 +78,7 @@ struct StepBenchResult {
   double data_assemble_ms = -1, data_upload_ms = -1;
 };
 
-// The workloads of WORKLOADS.md: W1 (flux_535m, 256 px, batch 32) and W2 (12B-width slice: 2
+// The benchmark's fixed workloads: W1 (flux_535m, 256 px, batch 32) and W2 (12B-width slice: 2
 // double + 4 single blocks, 1024 px, batch 2). `source_dir` locates configs/models/.
 StepBenchSpec workload_spec(const std::string& id, const std::string& source_dir);
 

@@ -6,30 +6,9 @@
 
 namespace flux8 {
 
-namespace {
-
-// WORKLOADS.md's numbers, one row per workload: the peer and flux8's targets side by side.
-struct WorkloadReference {
-  PeerNumbers peer;
-  WorkloadTargets targets;
-};
-
-const WorkloadReference* reference_for(const std::string& workload) {
-  static const WorkloadReference w1{{78.6, 47.5, 39.6, 13.7, 11.9, 10.5}, {42.0, 28.0, 0.8, 3.0}};
-  static const WorkloadReference w2{{154.4, 103.2, 92.4, 26.7, 23.9, 21.1}, {85.0, 60.0, 0.8, 3.0}};
-  return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
-}
-
-}  // namespace
-
-const PeerNumbers* peer_numbers(const std::string& workload) {
-  const WorkloadReference* r = reference_for(workload);
-  return r ? &r->peer : nullptr;
-}
-
 const WorkloadTargets* workload_targets(const std::string& workload) {
-  const WorkloadReference* r = reference_for(workload);
-  return r ? &r->targets : nullptr;
+  static const WorkloadTargets w1{42.0, 28.0, 0.8, 3.0}, w2{85.0, 60.0, 0.8, 3.0};
+  return workload == "W1" ? &w1 : workload == "W2" ? &w2 : nullptr;
 }
 
 std::string BenchRunSummary::label() const { return precision == "bf16" ? "BF16" : precision + " " + fp8_format; }
@@ -81,12 +60,6 @@ std::string describe(const TargetVerdict& v) {
                         v.joules_allowed / (v.limit / 1e3))
           : "";
   return fmt::format("{} ({}): {} <= {}, {}{}", v.target, v.run, amount(v.value), amount(v.limit), verdict, energy);
-}
-
-std::string memory_vs_peer(const PeerNumbers& peer, double allocated_gib) {
-  return fmt::format("allocated {:.2f} GiB: {:.2f}x PyTorch eager ({}), {:.2f}x compiled ({}), {:.2f}x torchao FP8 ({})",
-                     allocated_gib, allocated_gib / peer.eager_gib, peer.eager_gib, allocated_gib / peer.compiled_gib,
-                     peer.compiled_gib, allocated_gib / peer.torchao_fp8_gib, peer.torchao_fp8_gib);
 }
 
 }  // namespace flux8

@@ -1,29 +1,20 @@
 #pragma once
-// What flux8's speed is judged against (../shared/WORKLOADS.md): the PyTorch peer measured on
-// the same H200 and flux8's own targets, per workload, and the verdicts `flux8 bench` prints
-// after a workload's runs — so a benchmark says itself which target it met and by how much it
-// missed the others, instead of leaving the comparison to whoever reads its table.
+// flux8's own targets per workload and the verdicts `flux8 bench` prints after a workload's
+// runs — so a benchmark says itself which target it met and by how much it missed the others,
+// instead of leaving the comparison to whoever reads its table. (Comparisons with PyTorch are
+// bench/peer.h's: measured in the same run, never written down here.)
 #include <string>
 #include <vector>
 
 namespace flux8 {
 
-// PyTorch 2.11 on one H200 (WORKLOADS.md, 2026-11-29): Black Forest Labs' Flux with fp32 master
-// weights, bf16 autocast and fused AdamW — eager, torch.compile, and torchao FP8 + compile — step
-// time and peak memory.
-struct PeerNumbers {
-  double eager_ms, compiled_ms, torchao_fp8_ms;
-  double eager_gib, compiled_gib, torchao_fp8_gib;
-};
-
-// flux8's targets on the same GPU. The FP8 ones are for delayed scaling in the hybrid format
+// flux8's targets, set for one H200. The FP8 ones are for delayed scaling in the hybrid format
 // (E4M3 forward, E5M2 gradients); memory is FP8's peak over BF16's, both flux8's.
 struct WorkloadTargets {
   double bf16_step_ms, fp8_step_ms, fp8_memory_vs_bf16, launch_to_first_step_s;
 };
 
-// nullptr for anything but "W1" and "W2" (a config's own model has no reference numbers).
-const PeerNumbers* peer_numbers(const std::string& workload);
+// nullptr for anything but "W1" and "W2" (a config's own model has no targets).
 const WorkloadTargets* workload_targets(const std::string& workload);
 
 // One `flux8 bench` run of a workload, as the verdicts need it.
@@ -59,8 +50,5 @@ std::vector<TargetVerdict> judge_targets(const std::string& workload, const std:
 // "FP8 step (delayed hybrid): 28.13 ms <= 28.00 ms, missed by 0.13 ms", and with the energy
 // "...; 20.9 J a step, 19.6 J allowed at the 700 W limit"
 std::string describe(const TargetVerdict& v);
-
-// "allocated 15.45 GiB: 1.13x PyTorch eager (13.7), 1.30x compiled (11.9), 1.47x torchao FP8 (10.5)"
-std::string memory_vs_peer(const PeerNumbers& peer, double allocated_gib);
 
 }  // namespace flux8
