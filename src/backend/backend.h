@@ -135,6 +135,7 @@ class Backend {
   // run (CUDA): the trainer then writes checkpoints behind training (async_save: auto). False
   // where the host's cores are the ones that compute (the CPU backend).
   virtual bool computes_beside_host() const { return false; }
+  virtual bool attention_backward_repeats() const { return true; }  // bit for bit, run after run
 
   // ---- device timing (flux8 bench --profile) ---------------------------------------------
   // timing_mark() records the point the backend's queued work has reached (on the GPU an event

@@ -63,6 +63,7 @@ class CudaBackend final : public Backend {
   // that synchronises or allocates while capturing fails the capture, not the process).
   bool can_capture() const override { return true; }
   bool computes_beside_host() const override { return true; }
+  bool attention_backward_repeats() const override { return options().deterministic_attention; }
   void begin_capture() override;
   std::unique_ptr<Graph> end_capture() override;
   void launch_graph(const Graph& g) override;
