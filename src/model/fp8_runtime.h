@@ -16,14 +16,12 @@
 
 namespace flux8 {
 
-// The FP8 state of a model: config, delayed-scaling registry, weight casts, telemetry.
-//
 // The delayed-scaling state (scales, amax histories) lives in the backend's memory — on the GPU
 // the casts read their scale and max their amax into the staging row on the device, and
 // end_step() updates every slot in one launch, so the host never touches it during training.
-// registry() is the host mirror (names, roles, checkpoints, reports): reading it downloads the
-// state when the device has moved on; changing it (restoring a checkpoint) uploads it before
-// the next cast.
+// registry() and current_registry() are the host mirror (names, roles, checkpoints, reports):
+// reading it downloads the state when the device has moved on; changing it (restoring a
+// checkpoint) uploads it before the next cast.
 class Fp8Runtime {
  public:
   Fp8Runtime(const Fp8Config& cfg, Backend& backend);
