@@ -191,7 +191,7 @@ inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRun
   if (model.fp8()) {
     for (const auto& site : model.fp8()->last_step_stats())
       for (const CastStats& c : site.op) r.cast_elements.push_back(c.elements);
-    const Fp8MetaRegistry& reg = std::as_const(*model.fp8()).registry();
+    const Fp8MetaRegistry& reg = model.fp8()->current_registry();
     for (int i = 0; i < reg.size(); ++i) r.scales.push_back(reg.scale(i));
     r.history = reg.amax_history();
   }

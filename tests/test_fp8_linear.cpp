@@ -19,6 +19,7 @@
 #include "core/rng.h"
 #include "fp8/fp8_config.h"
 #include "model/linear_site.h"
+#include "model/fp8_runtime.h"
 
 namespace flux8 {
 namespace {

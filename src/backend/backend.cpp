@@ -4,11 +4,7 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "backend/cpu/cpu_backend.h"
 #include "backend/op_checks.h"
-#if FLUX8_HAVE_CUDA
-#include "backend/cuda/factory.h"
-#endif
 #include "config/config.h"
 #include "core/error.h"
 
@@ -225,25 +221,6 @@ BackendOptions BackendOptions::from_config(const Config& cfg) {
   o.bf16_grads = cfg.get_string("grad_precision") == "bf16";
   o.deterministic_attention = deterministic_attention_choice(cfg.get_bool("deterministic_attention"));
   return o;
-}
-
-std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options) {
-  if (name == "cpu") return std::make_unique<CpuBackend>(options);
-  if (name == "auto") {
-#if FLUX8_HAVE_CUDA
-    if (cuda_unavailable_reason().empty()) return make_cuda_backend(options);
-#endif
-    return std::make_unique<CpuBackend>(options);
-  }
-  if (name == "cuda") {
-#if FLUX8_HAVE_CUDA
-    return make_cuda_backend(options);
-#else
-    fail("backend 'cuda': this build of flux8 has no CUDA backend (configured without nvcc); use backend: cpu, or "
-         "rebuild with CUDA (README: GPU builds)");
-#endif
-  }
-  fail("unknown backend '{}': choose 'cpu', 'cuda' or 'auto'", name);
 }
 
 }  // namespace flux8

@@ -13,17 +13,9 @@
 #include <string>
 #include <vector>
 
-namespace flux8 {
+#include "core/host_tensor.h"
 
-struct HostTensor {
-  std::vector<int64_t> shape;
-  std::vector<float> data;
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    return n;
-  }
-};
+namespace flux8 {
 
 struct Sample {
   std::string key;    // WebDataset sample key (member name up to the first dot)

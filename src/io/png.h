@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "data/sample.h"
+#include "core/host_tensor.h"
 
 namespace flux8 {
 

@@ -2,7 +2,7 @@
 
 namespace flux8 {
 
-ScaleParam ScaleParam::bind(const ParamStore& store, const std::string& name) {
+ScaleParam ScaleParam::bind(ParamStore& store, const std::string& name) {
   return {store.param(name), store.grad(name), &store};
 }
 

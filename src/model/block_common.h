@@ -6,6 +6,7 @@
 #include "model/arena.h"
 #include "model/flux_config.h"
 #include "model/linear_site.h"
+#include "model/fp8_runtime.h"
 #include "model/params.h"
 
 namespace flux8 {
@@ -21,8 +22,8 @@ struct StepShape {
 // A norm scale and its gradient.
 struct ScaleParam {
   Tensor s, ds;
-  const ParamStore* store = nullptr;
-  static ScaleParam bind(const ParamStore& store, const std::string& name);
+  ParamStore* store = nullptr;
+  static ScaleParam bind(ParamStore& store, const std::string& name);
   // Before an op that adds to ds: zero-fills it if this is its first write of the step.
   void prepare_grad() const {
     if (store) store->zero_if_unwritten(ds);

@@ -17,7 +17,7 @@ Backend::CastInput layernorm_input(Tensor x, Tensor mean, Tensor rstd, const Ten
   return Backend::CastInput::layernorm_modulate_of(x, mean, rstd, chunk(mod, i, H), chunk(mod, i + 1, H), eps);
 }
 
-DoubleStreamParams bind_stream(const ParamStore& s, const std::string& p) {
+DoubleStreamParams bind_stream(ParamStore& s, const std::string& p) {
   DoubleStreamParams d;
   d.mod = LinearSite::bind(s, p + "_mod.lin");
   d.qkv = LinearSite::bind(s, p + "_attn.qkv");
@@ -63,7 +63,7 @@ DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int6
 
 }  // namespace
 
-DoubleBlockParams DoubleBlockParams::bind(const ParamStore& store, int64_t index) {
+DoubleBlockParams DoubleBlockParams::bind(ParamStore& store, int64_t index) {
   const std::string b = "double_blocks." + std::to_string(index) + ".";
   return {bind_stream(store, b + "txt"), bind_stream(store, b + "img")};
 }

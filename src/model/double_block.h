@@ -14,7 +14,7 @@ struct DoubleStreamParams {
 struct DoubleBlockParams {
   DoubleStreamParams txt, img;
   int fp8_attention = -1;  // Fp8Runtime's index of this block's attention when it runs in FP8
-  static DoubleBlockParams bind(const ParamStore& store, int64_t index);
+  static DoubleBlockParams bind(ParamStore& store, int64_t index);
   // The block's Linears, for FP8 registration (modulation first in each stream).
   std::vector<LinearSite*> sites();
 };

@@ -18,7 +18,7 @@ constexpr double kMaxPeriod = 10000.0;
 // An MLPEmbedder: out_layer(SiLU(in_layer(x))).
 struct MlpEmbedder {
   LinearSite in_layer, out_layer;
-  static MlpEmbedder bind(const ParamStore& s, const std::string& name) {
+  static MlpEmbedder bind(ParamStore& s, const std::string& name) {
     return {LinearSite::bind(s, name + ".in_layer"), LinearSite::bind(s, name + ".out_layer")};
   }
 };
@@ -282,7 +282,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
       ModelSaved::allocate(saved_arena_, c, sh, dtype_, act_dtype_, heads_dtype_, double_params_, single_params_,
                            fp8_.get(), recompute_));
   ModelSaved& s = *saved_;
-  const ParamStore& P = *params_;
+  ParamStore& P = *params_;
   // The inputs in the activation type (a conversion when it is not the model's).
   auto as_activation = [&](const Tensor& converted, const Tensor& input) {
     if (!converted.defined()) return input;
@@ -405,7 +405,7 @@ void FluxModel::backward(const Tensor& dpred) {
     fail("gradient of the prediction has shape {}, expected {}", dpred.shape.str(),
          saved_->pred.shape.str());
   ModelSaved& s = *saved_;
-  const ParamStore& P = *params_;
+  ParamStore& P = *params_;
   Arena& a = scratch_arena_;
   a.reset();
   const DType t = act_dtype_;

@@ -162,13 +162,13 @@ void ParamStore::use_operand_copies(const std::vector<std::string>& names) {
     operands_[i].copy = Tensor(static_cast<char*>(operand_buffer_) + offset, t, layout_.params()[i].shape);
 }
 
-const ParamStore::OperandCopy* ParamStore::operand_copy_of(const Tensor& p) const {
+ParamStore::OperandCopy* ParamStore::operand_copy_of(const Tensor& p) {
   if (operands_.empty() || !p.defined()) return nullptr;
   const size_t i = index_in(params_, p);
   return i == kNoParam || !operands_[i].copy.defined() ? nullptr : &operands_[i];
 }
 
-Tensor ParamStore::current(const OperandCopy& c, const Tensor& p) const {
+Tensor ParamStore::current(OperandCopy& c, const Tensor& p) {
   if (c.version != params_version_) {
     backend_.copy(c.copy, p);  // rounded to nearest even, as the GEMM's per-call conversion did
     c.version = params_version_;
@@ -176,13 +176,13 @@ Tensor ParamStore::current(const OperandCopy& c, const Tensor& p) const {
   return c.copy;
 }
 
-Tensor ParamStore::operand(const Tensor& w) const {
-  const OperandCopy* c = operand_copy_of(w);
+Tensor ParamStore::operand(const Tensor& w) {
+  OperandCopy* c = operand_copy_of(w);
   return c ? current(*c, w) : w;
 }
 
-Tensor ParamStore::bias_operand(const Tensor& b, const Tensor& out) const {
-  const OperandCopy* c = operand_copy_of(b);
+Tensor ParamStore::bias_operand(const Tensor& b, const Tensor& out) {
+  OperandCopy* c = operand_copy_of(b);
   return c && c->copy.dtype == out.dtype ? current(*c, b) : b;
 }
 
@@ -229,11 +229,11 @@ int64_t ParamStore::low_rank_rows() const {
   return 0;
 }
 
-bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x, bool first) const {
+bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x, bool first) {
   if (low_rank_.empty()) return false;
   const size_t i = index_in(grads_, dw);
   if (i == kNoParam || !low_rank_[i].a.defined()) return false;
-  const LowRank& L = low_rank_[i];
+  LowRank& L = low_rank_[i];
   const int64_t n = dy.rows(), M = L.a.shape[1], K = L.b.shape[1];
   if (x.rows() != n || dy.cols() != M || x.cols() != K)
     fail("internal error: the low-rank gradient of '{}' [{}, {}] cannot take dy {} and x {}",
@@ -256,15 +256,15 @@ bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Ten
   return true;
 }
 
-void ParamStore::flush_low_rank_copies() const {
+void ParamStore::flush_low_rank_copies() {
   if (pending_copies_.empty()) return;
   backend_.copy_batch(pending_copies_);
   pending_copies_.clear();
 }
 
-void ParamStore::write_low_rank(size_t i) const {
+void ParamStore::write_low_rank(size_t i) {
   flush_low_rank_copies();
-  const LowRank& L = low_rank_[i];
+  LowRank& L = low_rank_[i];
   const Tensor dw = view(grads_, grad_dtype_, layout_.params()[i]);
   if (L.rows == 0) {
     backend_.fill(dw, 0.0);
@@ -276,7 +276,7 @@ void ParamStore::write_low_rank(size_t i) const {
   L.dense = true;
 }
 
-std::vector<Backend::LowRankGrad> ParamStore::low_rank_grads() const {
+std::vector<Backend::LowRankGrad> ParamStore::low_rank_grads() {
   flush_low_rank_copies();
   std::vector<Backend::LowRankGrad> out;
   for (size_t i = 0; i < low_rank_.size(); ++i) {
@@ -288,7 +288,7 @@ std::vector<Backend::LowRankGrad> ParamStore::low_rank_grads() const {
   return out;
 }
 
-void ParamStore::materialize_low_rank_grads() const {
+void ParamStore::materialize_low_rank_grads() {
   flush_low_rank_copies();
   for (size_t i = 0; i < low_rank_.size(); ++i)
     if (low_rank_[i].a.defined() && !low_rank_[i].dense && written_[i]) write_low_rank(i);
@@ -306,7 +306,7 @@ void ParamStore::params_updated() {
     if (c.copy.defined()) c.version = params_version_;
 }
 
-bool ParamStore::first_write(const Tensor& grad) const {
+bool ParamStore::first_write(const Tensor& grad) {
   const size_t i = index_in(grads_, grad);
   if (i == kNoParam)
     fail("ParamStore::first_write: tensor {} is not a whole parameter gradient of this model", grad.str());
@@ -315,11 +315,11 @@ bool ParamStore::first_write(const Tensor& grad) const {
   return first;
 }
 
-void ParamStore::zero_if_unwritten(const Tensor& grad) const {
+void ParamStore::zero_if_unwritten(const Tensor& grad) {
   if (first_write(grad)) backend_.fill(grad, 0.0);
 }
 
-void ParamStore::finish_grads() const {
+void ParamStore::finish_grads() {
   flush_low_rank_copies();
   for (size_t i = 0; i < written_.size(); ++i)
     if (!written_[i])

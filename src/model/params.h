@@ -83,12 +83,10 @@ class ParamStore {
   //     zero-fills g if nothing wrote it yet.
   //   finish_grads(): at the end of a backward; fails naming any parameter whose gradient no
   //     writer claimed (its values would be stale: an internal error, never a silent one).
-  // (first_write and zero_if_unwritten are const: they track the step's writes, as grad()
-  // hands out writable views, and sites bind to a const store.)
   void zero_grads();
-  bool first_write(const Tensor& grad) const;
-  void zero_if_unwritten(const Tensor& grad) const;
-  void finish_grads() const;
+  bool first_write(const Tensor& grad);
+  void zero_if_unwritten(const Tensor& grad);
+  void finish_grads();
 
   // Low-rank gradients. A per-sample Linear's weight gradient (ParamInfo::per_sample) is
   // Σ_r dy_r ⊗ x_r over the few rows a step gives it: on W2 (2 samples) the per-sample Linears
@@ -118,10 +116,10 @@ class ParamStore {
   static constexpr int64_t kLowRankMaxRows = 8;
   bool keep_low_rank_grads(int64_t rows);
   int64_t low_rank_rows() const;  // the rows kept, 0 when off
-  bool add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x, bool first) const;
-  std::vector<Backend::LowRankGrad> low_rank_grads() const;
-  void materialize_low_rank_grads() const;
-  void flush_low_rank_copies() const;
+  bool add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Tensor& x, bool first);
+  std::vector<Backend::LowRankGrad> low_rank_grads();
+  void materialize_low_rank_grads();
+  void flush_low_rank_copies();
 
   // Weight operands. Where the backend runs a Linear's GEMMs on operands of another type than
   // the parameters (Backend::weight_operand_dtype: bf16 on the CUDA backend), the Linear would
@@ -133,11 +131,11 @@ class ParamStore {
   // as it writes the weights (Backend::adamw's ParamCopy list: operand_copies()) and then calls
   // params_updated(), which marks them current where params_changed() marks them stale.
   void use_operand_copies(const std::vector<std::string>& names);
-  Tensor operand(const Tensor& w) const;
+  Tensor operand(const Tensor& w);
   // A Linear's bias `b` as its GEMM's epilogue takes it for the output `out`: operand(b) where
   // the store keeps a copy of b in out's type (a bf16 output's epilogue adds a bf16 bias, which
   // the GEMM would otherwise round from b on every call), else b itself.
-  Tensor bias_operand(const Tensor& b, const Tensor& out) const;
+  Tensor bias_operand(const Tensor& b, const Tensor& out);
   void params_changed() { ++params_version_; }
   std::vector<Backend::ParamCopy> operand_copies() const;
   void params_updated();
@@ -157,30 +155,30 @@ class ParamStore {
   void* params_ = nullptr;
   void* grads_ = nullptr;
   std::unordered_map<int64_t, size_t> by_offset_;  // a parameter's offset -> its index
-  mutable std::vector<uint8_t> written_;           // per parameter, since zero_grads()
+  std::vector<uint8_t> written_;                   // per parameter, since zero_grads()
   // Weight operand copies: per parameter, its copy (undefined: none) and the params_version_
   // it was made at.
   struct OperandCopy {
     Tensor copy;
-    mutable int64_t version = -1;
+    int64_t version = -1;
   };
   std::vector<OperandCopy> operands_;
   // The copy kept of parameter view p (null: none), and that copy made current (after
   // params_changed()) — what operand() and bias_operand() share, with one lookup a call.
-  const OperandCopy* operand_copy_of(const Tensor& p) const;
-  Tensor current(const OperandCopy& c, const Tensor& p) const;
+  OperandCopy* operand_copy_of(const Tensor& p);
+  Tensor current(OperandCopy& c, const Tensor& p);
   // Per parameter: its low-rank factors a [capacity, M] and b [capacity, K] (undefined: kept
   // dense), the rows of this step in them, and whether this step went dense after all.
   struct LowRank {
     Tensor a, b;
-    mutable int64_t rows = 0;
-    mutable bool dense = false;
+    int64_t rows = 0;
+    bool dense = false;
   };
   std::vector<LowRank> low_rank_;
   void* low_rank_buffer_ = nullptr;
-  mutable std::vector<Backend::CopyPair> pending_copies_;  // add_low_rank_grad's, not yet issued
+  std::vector<Backend::CopyPair> pending_copies_; // add_low_rank_grad's, not yet issued
   // Writes parameter i's factors into its gradient (overwriting it) and marks it dense.
-  void write_low_rank(size_t i) const;
+  void write_low_rank(size_t i);
   void* operand_buffer_ = nullptr;
   size_t operand_bytes_ = 0;
   int64_t params_version_ = 0;

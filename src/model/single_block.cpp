@@ -5,7 +5,7 @@
 
 namespace flux8 {
 
-SingleBlockParams SingleBlockParams::bind(const ParamStore& s, int64_t index) {
+SingleBlockParams SingleBlockParams::bind(ParamStore& s, int64_t index) {
   const std::string b = "single_blocks." + std::to_string(index) + ".";
   SingleBlockParams p;
   p.mod = LinearSite::bind(s, b + "modulation.lin");

@@ -11,7 +11,7 @@ struct SingleBlockParams {
   LinearSite mod, linear1, linear2;
   ScaleParam q_norm, k_norm;
   int fp8_attention = -1;  // Fp8Runtime's index of this block's attention when it runs in FP8
-  static SingleBlockParams bind(const ParamStore& store, int64_t index);
+  static SingleBlockParams bind(ParamStore& store, int64_t index);
   std::vector<LinearSite*> sites() { return {&mod, &linear1, &linear2}; }
 };
 

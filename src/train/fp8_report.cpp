@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
-#include "model/linear_site.h"
+#include "model/fp8_runtime.h"
 #include "train/progress.h"
 
 namespace flux8 {
@@ -33,7 +33,7 @@ std::string worst(std::vector<Entry> v, double Entry::*key, int count) {
 
 }  // namespace
 
-void report_fp8_stats(const Fp8Runtime& fp8, int64_t step, Progress& progress) {
+void report_fp8_stats(Fp8Runtime& fp8, int64_t step, Progress& progress) {
   nlohmann::json tensors = nlohmann::json::array();
   std::vector<Entry> entries;
   const auto& stats = fp8.last_step_stats();
@@ -53,7 +53,7 @@ void report_fp8_stats(const Fp8Runtime& fp8, int64_t step, Progress& progress) {
   // inside its kernels) and the scale the next step casts it with; saturation and underflow for
   // the casts flux8 makes itself (q, k, v, dO), not for those inside cuDNN's kernels.
   if (fp8.attentions() > 0) {
-    const Fp8MetaRegistry& reg = fp8.registry();  // downloads the device state: only for attentions
+    const Fp8MetaRegistry& reg = fp8.current_registry();  // downloads the device state: only for attentions
     for (int a = 0; a < fp8.attentions(); ++a) {
       const Fp8Runtime::AttentionCastStats& counts = fp8.last_attention_stats()[static_cast<size_t>(a)];
       for (int t = 0; t < Fp8Runtime::kAttentionSlots; ++t) {

@@ -9,6 +9,6 @@ namespace flux8 {
 class Fp8Runtime;
 class Progress;
 
-void report_fp8_stats(const Fp8Runtime& fp8, int64_t step, Progress& progress);
+void report_fp8_stats(Fp8Runtime& fp8, int64_t step, Progress& progress);
 
 }  // namespace flux8

@@ -6,7 +6,6 @@
 #include <fstream>
 #include <iterator>
 
-#include "config/config.h"
 #include "core/error.h"
 #include "data/demo.h"
 #include "data/loader.h"
@@ -19,15 +18,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-DemoSpec demo_spec(const Config& cfg, const FluxConfig& m) {
+DemoSpec demo_spec(const TrainConfig& cfg) {
   DemoSpec s;
-  s.image_size = cfg.get_int("image_size");
-  s.text_seq_len = m.text_seq_len;
-  s.context_dim = m.context_dim;
-  s.vec_dim = m.vec_dim;
-  s.train_samples = cfg.get_int("demo_train_samples");
-  s.val_samples = cfg.get_int("demo_val_samples");
-  s.seed = static_cast<uint64_t>(cfg.get_int("seed"));
+  s.image_size = cfg.image_size;
+  s.text_seq_len = cfg.model.text_seq_len;
+  s.context_dim = cfg.model.context_dim;
+  s.vec_dim = cfg.model.vec_dim;
+  s.train_samples = cfg.demo_train_samples;
+  s.val_samples = cfg.demo_val_samples;
+  s.seed = cfg.seed;
   return s;
 }
 
@@ -40,15 +39,10 @@ HostTensor read_npy_file(const std::string& path) {
 
 }  // namespace
 
-bool prepare_demo_data(const Config& cfg, const FluxConfig& m) {
-  if (!cfg.get_bool("demo_data")) return false;
-  if (m.vae_downsample != 1 || m.latent_channels != 3)
-    fail("demo_data is on, but the model is not a pixel-space RGB model (set vae_downsample: 1 and "
-         "latent_channels: 3, as configs/models/flux_tiny_demo.yaml does)");
-  const std::string train = cfg.get_string("train_data");
-  if (train.empty()) fail("demo_data is on but train_data is empty: set it to DIR/train-*.tar");
-  const fs::path dir = fs::path(train).parent_path();
-  const DemoSpec spec = demo_spec(cfg, m);
+bool prepare_demo_data(const TrainConfig& cfg) {
+  if (!cfg.demo_data) return false;  // (TrainConfig checked the model and train_data)
+  const fs::path dir = fs::path(cfg.train_data).parent_path();
+  const DemoSpec spec = demo_spec(cfg);
   if (demo_dataset_matches(dir.string(), spec)) return false;
   fmt::print("generating the demo dataset in {} ({} train + {} validation samples, {}x{} px)\n",
              dir.string(), spec.train_samples, spec.val_samples, spec.image_size, spec.image_size);
@@ -57,8 +51,9 @@ bool prepare_demo_data(const Config& cfg, const FluxConfig& m) {
   return true;
 }
 
-EmptyPrompt load_empty_prompt(const Config& cfg, const FluxConfig& m) {
-  const std::string path = cfg.get_string("empty_prompt_file");
+EmptyPrompt load_empty_prompt(const TrainConfig& cfg) {
+  const FluxConfig& m = cfg.model;
+  const std::string& path = cfg.empty_prompt_file;
   EmptyPrompt e;
   if (path.empty()) {
     e.t5 = HostTensor{{m.text_seq_len, m.context_dim}, std::vector<float>(static_cast<size_t>(m.text_seq_len * m.context_dim), 0.0f)};
@@ -83,17 +78,17 @@ EmptyPrompt load_empty_prompt(const Config& cfg, const FluxConfig& m) {
   return e;
 }
 
-std::vector<Sample> load_validation_set(const Config& cfg) {
+std::vector<Sample> load_validation_set(const TrainConfig& cfg) {
   std::vector<Sample> out;
-  const std::string source = cfg.get_string("valid_data");
+  const std::string& source = cfg.valid_data;
   if (source.empty()) return out;
   LoaderOptions o;
   o.source = source;
   o.single_pass = true;
   o.shuffle_buffer = 0;
-  o.skip_corrupt = cfg.get_bool("data_skip_corrupt");
+  o.skip_corrupt = cfg.data_skip_corrupt;
   DataLoader loader(o);
-  const int64_t limit = cfg.get_int("eval_samples");
+  const int64_t limit = cfg.eval_samples;
   Sample s;
   while ((limit == 0 || static_cast<int64_t>(out.size()) < limit) && loader.next(s)) out.push_back(std::move(s));
   return out;

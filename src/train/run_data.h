@@ -7,21 +7,20 @@
 #include "data/sample.h"
 #include "model/flux_config.h"
 #include "train/objective.h"
+#include "train/train_config.h"
 
 namespace flux8 {
 
-class Config;
-
 // With demo_data on: writes the demo dataset into the directory of train_data unless a
 // matching one is already there. Returns true when it generated.
-bool prepare_demo_data(const Config& cfg, const FluxConfig& model);
+bool prepare_demo_data(const TrainConfig& cfg);
 
 // The encodings of the empty prompt: empty_prompt_file is a .safetensors holding "t5" and
 // "clip", or a path prefix P with P.t5.npy and P.clip.npy (the demo writes those); empty
 // means zeros (what the demo's encoder gives for "").
-EmptyPrompt load_empty_prompt(const Config& cfg, const FluxConfig& model);
+EmptyPrompt load_empty_prompt(const TrainConfig& cfg);
 
 // All validation samples (at most eval_samples; 0 = all), in file order.
-std::vector<Sample> load_validation_set(const Config& cfg);
+std::vector<Sample> load_validation_set(const TrainConfig& cfg);
 
 }  // namespace flux8

@@ -20,6 +20,7 @@
 #include "fp8_test_util.h"
 #include "gpu_test_util.h"
 #include "model/linear_site.h"
+#include "model/fp8_runtime.h"
 
 namespace flux8::testing {
 namespace {
@@ -482,7 +483,7 @@ TEST(CudaFp8, RuntimeStateOnDeviceMatchesCpuRuntime) {
       site_forward(r.be, &r.rt, r.scratch, r.site, y.t(r.g), x.t(r.g), saved);
       r.rt.set_recording(true);
     }
-    const Fp8MetaRegistry &c = std::as_const(runs[0].rt).registry(), &g = std::as_const(runs[1].rt).registry();
+    const Fp8MetaRegistry &c = runs[0].rt.current_registry(), &g = runs[1].rt.current_registry();
     for (size_t i = 0; i < c.amax_history().size(); ++i)
       ASSERT_EQ(bits(g.amax_history()[i]), bits(c.amax_history()[i])) << "history element " << i;
     for (int s = 0; s < c.size(); ++s) {

@@ -1,0 +1,271 @@
+#include "model/fp8_runtime.h"
+
+#include <algorithm>
+#include <exception>
+
+#include "core/error.h"
+#include "fp8/recipe.h"
+
+namespace flux8 {
+
+Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend)
+    : cfg_(cfg), be_(backend), registry_(static_cast<int>(cfg.amax_history_len)) {}
+
+Fp8Runtime::~Fp8Runtime() {
+  try {
+    be_.synchronize();
+    release_state();
+  } catch (const std::exception&) {
+    // A failing device is reported by whatever runs next; a destructor must not throw.
+  }
+}
+
+void Fp8Runtime::release_state() {
+  for (Tensor* t : {&history_dev_, &scale_dev_, &scale_inv_dev_, &fp8_max_dev_, &scratch_amax_dev_}) {
+    if (t->defined()) be_.release(t->data);
+    *t = Tensor{};
+  }
+  device_current_ = false;
+}
+
+Fp8MetaRegistry& Fp8Runtime::registry() {
+  pull_state();
+  device_current_ = false;  // the caller may change it
+  return registry_;
+}
+
+const Fp8MetaRegistry& Fp8Runtime::current_registry() {
+  pull_state();
+  return registry_;
+}
+
+void Fp8Runtime::pull_state() {
+  if (host_current_) return;
+  be_.download(registry_.amax_history_data(), history_dev_.data, history_dev_.bytes());
+  be_.download(registry_.scale_data(), scale_dev_.data, scale_dev_.bytes());
+  be_.download(registry_.scale_inv_data(), scale_inv_dev_.data, scale_inv_dev_.bytes());
+  host_current_ = true;
+}
+
+void Fp8Runtime::push_state() {
+  if (device_current_) return;
+  const int64_t n = registry_.size(), L = registry_.history_len();
+  if (!history_dev_.defined() || history_dev_.shape[0] != L || history_dev_.shape[1] != n) {
+    release_state();
+    auto alloc = [&](Shape shape) {
+      return Tensor(be_.allocate(static_cast<size_t>(std::max<int64_t>(shape.numel(), 1)) * sizeof(float)),
+                    DType::f32, shape);
+    };
+    history_dev_ = alloc(Shape{L, n});
+    scale_dev_ = alloc(Shape{n});
+    scale_inv_dev_ = alloc(Shape{n});
+    fp8_max_dev_ = alloc(Shape{n});
+    scratch_amax_dev_ = alloc(Shape{1});
+    std::vector<float> fmax(static_cast<size_t>(n));
+    for (int s = 0; s < n; ++s)
+      fmax[static_cast<size_t>(s)] = fp8_max(registry_.role(s) == Fp8Role::grad_output ? format(Operand::grad_output)
+                                                                                         : format(Operand::input));
+    be_.upload(fp8_max_dev_.data, fmax.data(), fp8_max_dev_.bytes());
+  }
+  be_.upload(history_dev_.data, registry_.amax_history().data(), history_dev_.bytes());
+  be_.upload(scale_dev_.data, registry_.scales().data(), scale_dev_.bytes());
+  be_.upload(scale_inv_dev_.data, registry_.scale_invs().data(), scale_inv_dev_.bytes());
+  device_current_ = true;
+}
+
+void Fp8Runtime::add_site(LinearSite& site) {
+  pull_state();
+  device_current_ = false;  // the backend copy is re-made with the new slots
+  site.fp8 = true;
+  site.index = static_cast<int>(stats_.size());
+  first_slot_.push_back(registry_.add(site.name, Fp8Role::input));
+  registry_.add(site.name, Fp8Role::weight);
+  registry_.add(site.name, Fp8Role::grad_output);
+  stats_.push_back({site.name, {}});
+}
+
+int Fp8Runtime::add_attention(const std::string& name) {
+  pull_state();
+  device_current_ = false;  // the backend copy is re-made with the new slots
+  static constexpr const char* kNames[] = {"q", "k", "v", "o", "do", "ds", "dq", "dk", "dv"};
+  attention_slot_.push_back(registry_.size());
+  attention_stats_.emplace_back();
+  for (int t = 0; t < kAttentionSlots; ++t)
+    registry_.add(name + "." + kNames[t], t < static_cast<int>(AttentionTensor::dout) ? Fp8Role::input
+                                                                                       : Fp8Role::grad_output);
+  return attentions() - 1;
+}
+
+CastStats* Fp8Runtime::AttentionCastStats::of(AttentionTensor t) {
+  switch (t) {
+    case AttentionTensor::q: return &q;
+    case AttentionTensor::k: return &k;
+    case AttentionTensor::v: return &v;
+    case AttentionTensor::dout: return &dout;
+    default: return nullptr;  // cast inside cuDNN's kernels
+  }
+}
+
+Fp8Format Fp8Runtime::attention_format(AttentionTensor t) const {
+  return t < AttentionTensor::dout ? format(Operand::input) : format(Operand::grad_output);
+}
+
+Backend::Quantize Fp8Runtime::attention_cast(int index, AttentionTensor t) {
+  FLUX8_CHECK(cfg_.recipe == Fp8Recipe::delayed, "FP8 attention runs with the delayed recipe only");
+  push_state();
+  const int slot = attention_slot_[static_cast<size_t>(index)] + static_cast<int>(t);
+  Backend::Quantize q;
+  q.format = attention_format(t);
+  q.delayed_scale = scale_dev_.ptr<float>() + slot;
+  q.amax = amax_target(slot);
+  if (collect_stats_) {
+    q.stats = recording_ ? attention_stats_[static_cast<size_t>(index)].of(t) : &scratch_stats_;
+    stats_pending_ |= recording_;
+  }
+  return q;
+}
+
+Backend::Fp8AttentionScales Fp8Runtime::attention_scales(int index) {
+  FLUX8_CHECK(cfg_.recipe == Fp8Recipe::delayed, "FP8 attention runs with the delayed recipe only");
+  push_state();
+  const int first = attention_slot_[static_cast<size_t>(index)];
+  auto scale = [&](AttentionTensor t) { return scale_dev_.ptr<float>() + first + static_cast<int>(t); };
+  auto inverse = [&](AttentionTensor t) { return scale_inv_dev_.ptr<float>() + first + static_cast<int>(t); };
+  auto amax = [&](AttentionTensor t) { return amax_target(first + static_cast<int>(t)); };
+  using T = AttentionTensor;
+  Backend::Fp8AttentionScales sc;
+  sc.o = scale(T::o);
+  sc.ds = scale(T::ds), sc.ds_inv = inverse(T::ds);
+  sc.dq = scale(T::dq), sc.dk = scale(T::dk), sc.dv = scale(T::dv);
+  sc.amax_o = amax(T::o), sc.amax_ds = amax(T::ds);
+  sc.amax_dq = amax(T::dq), sc.amax_dk = amax(T::dk), sc.amax_dv = amax(T::dv);
+  return sc;
+}
+
+Fp8Format Fp8Runtime::format(Operand o) const {
+  return o == Operand::grad_output && cfg_.hybrid ? Fp8Format::e5m2 : Fp8Format::e4m3;
+}
+
+Fp8Scaling Fp8Runtime::scaling(Operand o) const {
+  switch (cfg_.recipe) {
+    case Fp8Recipe::delayed:
+    case Fp8Recipe::tensorwise: return Fp8Scaling::per_tensor;
+    case Fp8Recipe::blockwise: return o == Operand::weight ? Fp8Scaling::block_128x128 : Fp8Scaling::block_1x128;
+    case Fp8Recipe::mxfp8: return Fp8Scaling::mx_1x32;
+  }
+  return Fp8Scaling::per_tensor;
+}
+
+float* Fp8Runtime::amax_target(int slot) {
+  if (!recording_) return scratch_amax_dev_.ptr<float>();
+  host_current_ = false;  // the device's amaxes will move past the host copy
+  // Row 0 of the history (history-major) is the staging row: element `slot`.
+  return history_dev_.ptr<float>() + slot;
+}
+
+Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
+  Backend::Quantize q;
+  q.format = format(o);
+  q.scaling = scaling(o);
+  q.pow2 = cfg_.power_of_2_scales;
+  const int slot = first_slot_[static_cast<size_t>(site.index)] + static_cast<int>(o);
+  if (cfg_.recipe == Fp8Recipe::delayed) {
+    push_state();
+    q.delayed_scale = scale_dev_.ptr<float>() + slot;
+    q.amax = amax_target(slot);
+  }
+  if (collect_stats_) {
+    q.stats = recording_ ? &stats_[static_cast<size_t>(site.index)].op[static_cast<int>(o)] : &scratch_stats_;
+    stats_pending_ |= recording_;
+  }
+  return q;
+}
+
+void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
+  sites_.clear();
+  for (LinearSite* s : sites)
+    if (s->fp8) sites_.push_back(s);
+  auto plan = [&](Arena& a) {
+    for (LinearSite* s : sites) {
+      if (!s->fp8) continue;
+      const int64_t M = s->w.shape[0], K = s->w.shape[1];
+      s->w_row = allocate_qtensor(a, M, K, format(Operand::weight), scaling(Operand::weight), SlotKind::activation);
+      s->w_col = allocate_qtensor(a, K, M, format(Operand::weight), scaling(Operand::weight), SlotKind::activation);
+      s->w_version = -1;
+    }
+  };
+  Arena measure;
+  plan(measure);
+  weight_arena_.reserve(be_, measure.peak());
+  plan(weight_arena_);
+}
+
+void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
+  if (site.w_version == weight_version_ && (site.w_recorded || !recording_) && (site.w_counted || !collect_stats_))
+    return;
+  be_.quantize(site.w_row, site.w_col, site.w, quantize_args(site, Operand::weight));
+  site.w_version = weight_version_;
+  site.w_recorded = recording_;
+  site.w_counted = collect_stats_;
+}
+
+std::vector<Backend::ParamCast> Fp8Runtime::weight_casts(ParamStore& store) {
+  std::vector<Backend::ParamCast> casts;
+  if (cfg_.recipe != Fp8Recipe::delayed) return casts;
+  push_state();
+  for (const LinearSite* s : sites_) {
+    const int slot = first_slot_[static_cast<size_t>(s->index)] + static_cast<int>(Operand::weight);
+    // As quantize_args for a recording cast: the registry's scale, the staging row's amax (the
+    // next step's, as the first forward use would record it).
+    casts.push_back({store.offset_of(s->w), s->w_row, scale_dev_.ptr<float>() + slot, history_dev_.ptr<float>() + slot});
+  }
+  if (!casts.empty()) host_current_ = false;
+  return casts;
+}
+
+void Fp8Runtime::weights_updated(bool cast_by_update) {
+  ++weight_version_;
+  if (!cast_by_update) return;
+  for (LinearSite* s : sites_) {
+    be_.transpose_codes(s->w_col, s->w_row);
+    s->w_version = weight_version_;
+    s->w_recorded = true;
+    s->w_counted = false;
+  }
+}
+
+void Fp8Runtime::end_step() {
+  if (cfg_.recipe == Fp8Recipe::delayed && registry_.size() > 0) {
+    push_state();
+    if (const auto& hook = registry_.allreduce_hook()) {
+      // The hook reduces the staging row in host memory, as the registry's own update() gives
+      // it: bring row 0 over (after every cast of the step), reduce, put it back. Only runs with
+      // more than one rank, where the synchronisation is paid once per step.
+      std::vector<float> row0(static_cast<size_t>(registry_.size()));
+      be_.download(row0.data(), history_dev_.data, row0.size() * sizeof(float));
+      hook(row0.data(), registry_.size());
+      be_.upload(history_dev_.data, row0.data(), row0.size() * sizeof(float));
+    }
+    be_.delayed_scaling_update(history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_,
+                               cfg_.amax_max ? AmaxAlgo::max : AmaxAlgo::most_recent, cfg_.margin);
+    host_current_ = false;
+  }
+  if (stats_pending_) be_.synchronize();  // the step's cast statistics (telemetry) reach the host
+  stats_pending_ = false;
+  last_stats_ = stats_;
+  last_attention_stats_ = attention_stats_;
+  for (AttentionCastStats& a : attention_stats_) a = AttentionCastStats{};
+  for (SiteStats& s : stats_)
+    for (CastStats& c : s.op) c = CastStats{};
+}
+
+float Fp8Runtime::scale_of(int site, Operand o) {
+  if (cfg_.recipe == Fp8Recipe::delayed)
+    return current_registry().scale(first_slot_[static_cast<size_t>(site)] + static_cast<int>(o));
+  if (cfg_.recipe == Fp8Recipe::tensorwise && static_cast<size_t>(site) < last_stats_.size())
+    return current_scale(last_stats_[static_cast<size_t>(site)].op[static_cast<int>(o)].amax, fp8_max(format(o)),
+                         cfg_.power_of_2_scales);
+  return 0.0f;  // block scales: one per block, no single value
+}
+
+}  // namespace flux8

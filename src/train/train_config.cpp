@@ -1,0 +1,107 @@
+#include "train/train_config.h"
+
+#include <sstream>
+
+#include "config/config.h"
+#include "core/error.h"
+
+namespace flux8 {
+
+namespace {
+
+std::vector<std::string> split_prompts(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string p;
+  while (std::getline(ss, p, ';')) {
+    const size_t a = p.find_first_not_of(" \t"), b = p.find_last_not_of(" \t");
+    if (a != std::string::npos) out.push_back(p.substr(a, b - a + 1));
+  }
+  return out;
+}
+
+BatchPipelineSpec::Mode pipeline_mode(const std::string& data_overlap) {
+  if (data_overlap == "on") return BatchPipelineSpec::Mode::thread;
+  if (data_overlap == "off") return BatchPipelineSpec::Mode::caller;
+  return BatchPipelineSpec::Mode::automatic;
+}
+
+TrainConfig::AsyncSave async_save_mode(const std::string& async_save) {
+  if (async_save == "on") return TrainConfig::AsyncSave::on;
+  if (async_save == "off") return TrainConfig::AsyncSave::off;
+  return TrainConfig::AsyncSave::automatic;
+}
+
+void read_batches_and_schedule(const Config& cfg, TrainConfig& t) {
+  t.micro_batch = cfg.get_int("micro_batch_size");
+  t.global_batch = cfg.get_int("global_batch_size") ? cfg.get_int("global_batch_size") : t.micro_batch;
+  if (t.global_batch % t.micro_batch)
+    fail("global_batch_size {} ({}) is not a multiple of micro_batch_size {} ({})", t.global_batch,
+         cfg.source("global_batch_size"), t.micro_batch, cfg.source("micro_batch_size"));
+  t.accumulation = t.global_batch / t.micro_batch;
+  t.train_iters = cfg.get_int("train_iters");
+  t.schedule = LrSchedule{cfg.get_float("lr"), cfg.get_float("min_lr"), cfg.get_int("lr_warmup_iters"),
+                          cfg.get_int("lr_decay_iters") ? cfg.get_int("lr_decay_iters") : t.train_iters,
+                          cfg.get_string("lr_decay_style")};
+}
+
+void read_data(const Config& cfg, TrainConfig& t) {
+  t.train_data = cfg.get_string("train_data");
+  t.valid_data = cfg.get_string("valid_data");
+  t.empty_prompt_file = cfg.get_string("empty_prompt_file");
+  t.data_shuffle_buffer = static_cast<size_t>(cfg.get_int("data_shuffle_buffer"));
+  t.data_prefetch = static_cast<size_t>(cfg.get_int("data_prefetch"));
+  t.data_skip_corrupt = cfg.get_bool("data_skip_corrupt");
+  t.data_overlap = pipeline_mode(cfg.get_string("data_overlap"));
+  t.eval_samples = cfg.get_int("eval_samples");
+  t.demo_data = cfg.get_bool("demo_data");
+  t.demo_train_samples = cfg.get_int("demo_train_samples");
+  t.demo_val_samples = cfg.get_int("demo_val_samples");
+  t.image_size = cfg.get_int("image_size");
+  if (t.demo_data) {
+    if (t.model.vae_downsample != 1 || t.model.latent_channels != 3)
+      fail("demo_data is on ({}), but the model is not a pixel-space RGB model (set vae_downsample: 1 and "
+           "latent_channels: 3, as configs/models/flux_tiny_demo.yaml does)",
+           cfg.source("demo_data"));
+    if (t.train_data.empty()) fail("demo_data is on but train_data is empty: set it to DIR/train-*.tar");
+  }
+  if (t.train_data.empty())
+    fail("train_data is empty in {}: set it to your shards (a glob, a list file or a directory)", cfg.path());
+}
+
+void read_run_outputs(const Config& cfg, TrainConfig& t) {
+  t.save_dir = cfg.get_string("save_dir");
+  t.save_interval = cfg.get_int("save_interval");
+  t.keep_last_checkpoints = cfg.get_int("keep_last_checkpoints");
+  t.async_save = async_save_mode(cfg.get_string("async_save"));
+  t.eval_interval = cfg.get_int("eval_interval");
+  t.log_interval = cfg.get_int("log_interval");
+  t.sample_prompts = split_prompts(cfg.get_string("sample_prompts"));
+  t.sample_steps = cfg.get_int("sample_steps");
+  t.samples_per_prompt = cfg.get_int("samples_per_prompt");
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::from_config(const Config& cfg) {
+  TrainConfig t;
+  t.model = FluxConfig::from_config(cfg);
+  t.objective = ObjectiveConfig::from_config(cfg);
+  t.backend = cfg.get_string("backend");
+  t.backend_options = BackendOptions::from_config(cfg);
+  read_batches_and_schedule(cfg, t);
+  t.fp8 = Fp8Config::from_config(cfg);
+  t.adam = AdamWConfig::from_config(cfg);
+  t.seed = static_cast<uint64_t>(cfg.get_int("seed"));
+  t.recompute = recompute_from_name(cfg.get_string("recompute_granularity"));
+  t.cuda_graph = cfg.get_bool("cuda_graph");
+  t.cuda_graph_set = cfg.source("cuda_graph") != "default";
+  t.nan_policy = cfg.get_string("nan_policy") == "halt" ? NanPolicy::halt : NanPolicy::skip;
+  t.nan_max_consecutive_skips = cfg.get_int("nan_max_consecutive_skips");
+  read_data(cfg, t);
+  read_run_outputs(cfg, t);
+  t.config_yaml = cfg.dump();
+  return t;
+}
+
+}  // namespace flux8

@@ -1,0 +1,70 @@
+#pragma once
+// Everything `flux8 train` reads from its config, typed, read and checked once before any work
+// is done (TrainConfig::from_config); the trainer and its helpers read only this afterwards.
+// The meaning of each key is in the schema (config/schema.cpp, `flux8 config --list`).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "fp8/fp8_config.h"
+#include "model/flux_config.h"
+#include "model/flux_model.h"
+#include "train/batch_pipeline.h"
+#include "train/objective.h"
+#include "train/optimizer.h"
+#include "train/schedule.h"
+
+namespace flux8 {
+
+class Config;
+
+struct TrainConfig {
+  FluxConfig model;
+  Fp8Config fp8;
+  ObjectiveConfig objective;
+  AdamWConfig adam;
+  std::string backend;  // backend
+  BackendOptions backend_options;
+
+  // Batches: global_batch samples a step in accumulation micro-batches of micro_batch.
+  int64_t micro_batch = 1;   // micro_batch_size
+  int64_t global_batch = 1;  // global_batch_size (0 there: micro_batch_size)
+  int64_t accumulation = 1;
+  int64_t train_iters = 1;
+  LrSchedule schedule;  // lr, min_lr, lr_warmup_iters, lr_decay_iters (0 there: train_iters), lr_decay_style
+  uint64_t seed = 0;
+  Recompute recompute = Recompute::none;  // recompute_granularity
+  bool cuda_graph = true;
+  bool cuda_graph_set = false;  // cuda_graph was set by the user, not left at its default
+  enum class NanPolicy { skip, halt } nan_policy = NanPolicy::skip;
+  int64_t nan_max_consecutive_skips = 10;
+
+  // Data.
+  std::string train_data, valid_data, empty_prompt_file;
+  size_t data_shuffle_buffer = 0;
+  size_t data_prefetch = 1;
+  bool data_skip_corrupt = false;
+  BatchPipelineSpec::Mode data_overlap = BatchPipelineSpec::Mode::automatic;
+  int64_t eval_samples = 0;  // 0 = all
+  // The embedded demo dataset (demo_data), generated into train_data's directory.
+  bool demo_data = false;
+  int64_t demo_train_samples = 0, demo_val_samples = 0;
+  int64_t image_size = 0;
+
+  // The run's outputs.
+  std::string save_dir;
+  int64_t save_interval = 0, keep_last_checkpoints = 0;
+  enum class AsyncSave { automatic, on, off } async_save = AsyncSave::automatic;
+  int64_t eval_interval = 0, log_interval = 1;
+  std::vector<std::string> sample_prompts;  // sample_prompts, split at ';' and trimmed
+  int64_t sample_steps = 0, samples_per_prompt = 0;
+
+  std::string config_yaml;  // the resolved config (Config::dump), for the checkpoints
+
+  // Reads every key above and checks what the schema cannot check key by key; errors name the
+  // key and where it was set.
+  static TrainConfig from_config(const Config& cfg);
+};
+
+}  // namespace flux8
