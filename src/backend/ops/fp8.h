@@ -72,15 +72,30 @@ struct CastInput {
     in.head = h;
     return in;
   }
-  static CastInput gelu_tanh_of(Tensor x) { return {.op = Op::gelu_tanh, .x = x}; }
-  static CastInput gelu_tanh_backward_of(Tensor dy, Tensor gelu_x) {
-    return {.op = Op::gelu_tanh_backward, .x = dy, .gelu_x = gelu_x};
+  static CastInput gelu_tanh_of(Tensor x) {
+    CastInput in;
+    in.op = Op::gelu_tanh;
+    in.x = x;
+    return in;
   }
-  static CastInput gated_of(Tensor dx, Tensor gate) { return {.op = Op::gated, .x = dx, .gate = gate}; }
+  static CastInput gelu_tanh_backward_of(Tensor dy, Tensor gelu_x) {
+    CastInput in;
+    in.op = Op::gelu_tanh_backward;
+    in.x = dy, in.gelu_x = gelu_x;
+    return in;
+  }
+  static CastInput gated_of(Tensor dx, Tensor gate) {
+    CastInput in;
+    in.op = Op::gated;
+    in.x = dx, in.gate = gate;
+    return in;
+  }
   static CastInput layernorm_modulate_of(Tensor x, Tensor mean, Tensor rstd, Tensor shift, Tensor scale,
                                          double eps) {
-    return {.op = Op::layernorm_modulate, .x = x, .mean = mean, .rstd = rstd, .shift = shift, .scale = scale,
-            .eps = eps};
+    CastInput in;
+    in.op = Op::layernorm_modulate;
+    in.x = x, in.mean = mean, in.rstd = rstd, in.shift = shift, in.scale = scale, in.eps = eps;
+    return in;
   }
 };
 FLUX8_CHECK_FIELDS(CastInput);
