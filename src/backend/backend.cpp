@@ -39,6 +39,30 @@ double Device::timing_elapsed_ms(int64_t from, int64_t to) {
 
 void Device::release_timing_marks() { host_marks_.clear(); }
 
+void Device::release(void* p) {
+  host_access(HostAccess::release, [&] { do_release(p); });
+}
+void Device::upload(void* dst, const void* host_src, size_t bytes) {
+  host_access(HostAccess::upload, [&] { do_upload(dst, host_src, bytes); });
+}
+void Device::download(void* host_dst, const void* src, size_t bytes) {
+  host_access(HostAccess::download, [&] { do_download(host_dst, src, bytes); });
+}
+void Device::synchronize() {
+  host_access(HostAccess::synchronize, [&] { do_synchronize(); });
+}
+void Device::record_event(Event& e) {
+  host_access(HostAccess::record_event, [&] { do_record_event(e); });
+}
+void Device::wait_event(const Event& e) {
+  host_access(HostAccess::wait_event, [&] { do_wait_event(e); });
+}
+int64_t Device::timing_mark() {
+  int64_t mark = 0;
+  host_access(HostAccess::timing_mark, [&] { mark = do_timing_mark(); });
+  return mark;
+}
+
 void Backend::host_access(HostAccess what, const std::function<void()>& access) {
   if (interceptor() && !executing_for_interceptor())
     interceptor()->host_access(what, access);

@@ -5,7 +5,10 @@
 //
 // The calls through which the host reaches past the queued ops (release, upload, download,
 // synchronize, events, timing marks) are non-virtual: each goes through host_access() first, so an
-// op interceptor holding ops back (the graph recorder) issues them before (backend/ops.h).
+// op interceptor holding ops back (the graph recorder) issues them before (backend/ops.h). They
+// are defined out of line (backend.cpp), as is everything in this layer's headers that holds a
+// lambda: nvcc's and the host compiler's closures of one inline function need not agree, and the
+// linker keeps one of them for the CUDA backend's objects and the others alike.
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -45,18 +48,10 @@ class Device {
   // ---- memory -------------------------------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // 256-byte aligned, zero-filled
   // After the work queued so far (which may still use p).
-  void release(void* p) {
-    host_access(HostAccess::release, [&] { do_release(p); });
-  }
-  void upload(void* dst, const void* host_src, size_t bytes) {
-    host_access(HostAccess::upload, [&] { do_upload(dst, host_src, bytes); });
-  }
-  void download(void* host_dst, const void* src, size_t bytes) {
-    host_access(HostAccess::download, [&] { do_download(host_dst, src, bytes); });
-  }
-  void synchronize() {
-    host_access(HostAccess::synchronize, [&] { do_synchronize(); });
-  }
+  void release(void* p);
+  void upload(void* dst, const void* host_src, size_t bytes);
+  void download(void* host_dst, const void* src, size_t bytes);
+  void synchronize();
   virtual MemoryUse memory_use() const { return memory_; }
   // The device's energy counter and clock now (see PowerReading): not available on the CPU.
   virtual PowerReading power_reading() { return PowerReading{.why = name() + " backend: no energy counter"}; }
@@ -86,12 +81,8 @@ class Device {
   };
   virtual std::unique_ptr<Event> make_event() = 0;
   virtual std::unique_ptr<CopyQueue> make_copy_queue() = 0;
-  void record_event(Event& e) {  // after the ops queued so far
-    host_access(HostAccess::record_event, [&] { do_record_event(e); });
-  }
-  void wait_event(const Event& e) {  // ops queued later start after e's point
-    host_access(HostAccess::wait_event, [&] { do_wait_event(e); });
-  }
+  void record_event(Event& e);      // after the ops queued so far
+  void wait_event(const Event& e);  // ops queued later start after e's point
 
   // True when the ops run on a device of their own and the host's cores are free while they run
   // (CUDA): the trainer then writes checkpoints behind training (async_save: auto). False where the
@@ -106,11 +97,7 @@ class Device {
   // its stream: nothing waits) and returns its handle; after synchronize(), timing_elapsed_ms(a, b)
   // is the device time from mark a to mark b. Marks stay valid until release_timing_marks(). The
   // default, for a backend whose ops are done when they return (the CPU), reads the host clock.
-  int64_t timing_mark() {
-    int64_t mark = 0;
-    host_access(HostAccess::timing_mark, [&] { mark = do_timing_mark(); });
-    return mark;
-  }
+  int64_t timing_mark();
   virtual double timing_elapsed_ms(int64_t from, int64_t to);
   virtual void release_timing_marks();
 

@@ -347,7 +347,7 @@ void CudaBackend::execute(const op::TokensToHeadsFp8& args) {
       done = true;
     });
   }
-  if (!done) Backend::tokens_to_heads_fp8(args.heads, args.tokens, args.token_offset);
+  if (!done) Backend::execute(args);
 }
 
 void CudaBackend::execute(const op::HeadsToTokensFp8& args) {
@@ -362,7 +362,7 @@ void CudaBackend::execute(const op::HeadsToTokensFp8& args) {
     FLUX8_LAUNCH_CHECK(fp8_heads_to_tokens_kernel);
     done = true;
   });
-  if (!done) Backend::heads_to_tokens_fp8(args.tokens, args.heads, args.token_offset);
+  if (!done) Backend::execute(args);
 }
 
 void CudaBackend::execute(const op::ConcatTokens& args) {

@@ -832,8 +832,7 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
   for (const Fp8Heads* o : outs)
     fused = fused && fp8_heads_vec8(o->codes) && o->q.scaling == Fp8Scaling::per_tensor && o->q.delayed_scale;
   if (!fused) {  // the pair path, an empty call or a scale not known ahead (current scaling)
-    Backend::qk_norm_rope_to_heads_fp8(args.q_heads, args.k_heads, args.v_heads, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe,
-                                       args.token_offset, args.eps);
+    Backend::execute(args);
     return;
   }
   const int64_t per_group = segments_per_group(geo.segments, kFp8ForwardBlocksPerSm);
@@ -885,8 +884,7 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
                             args.k_scale, args.pe, args.token_offset, codes))
     return;
   // Not the vector path (head dim, alignment): dequantize, then the plain op.
-  Backend::qk_norm_rope_to_heads_backward_fp8(args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k,
-                                              args.q_rstd, args.k_rstd, args.q_scale, args.k_scale, args.pe, args.token_offset);
+  Backend::execute(args);
 }
 
 bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale,

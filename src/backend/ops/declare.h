@@ -98,13 +98,17 @@ struct List : std::vector<T> {
 };
 
 // fn(name, field) for every field of an op or of an argument struct that has fields() and
-// field_names, in declaration order.
+// field_names, in declaration order. (No lambda inside: an inline function's closure types are
+// not guaranteed to agree between nvcc and the host compiler, backend/device.h.)
+namespace detail {
+template <typename S, typename Refs, typename Fn, size_t... I>
+void for_each_field_at(Refs&& refs, Fn& fn, std::index_sequence<I...>) {
+  (fn(std::string_view(std::remove_cvref_t<S>::field_names[I]), std::get<I>(refs)), ...);
+}
+}  // namespace detail
 template <typename S, typename Fn>
 void for_each_field(S& s, Fn&& fn) {
-  [&]<size_t... I>(std::index_sequence<I...>) {
-    auto refs = s.fields();
-    (fn(std::string_view(S::field_names[I]), std::get<I>(refs)), ...);
-  }(std::make_index_sequence<std::remove_cvref_t<S>::field_names.size()>{});
+  detail::for_each_field_at<S>(s.fields(), fn, std::make_index_sequence<std::remove_cvref_t<S>::field_names.size()>{});
 }
 
 }  // namespace flux8
@@ -130,11 +134,13 @@ struct AnyField {
 };
 template <typename T, typename... A>
 concept BraceConstructible = requires { T{std::declval<A>()...}; };
+template <typename T, size_t... I>
+constexpr bool constructs_from_seq(std::index_sequence<I...>) {
+  return BraceConstructible<T, decltype((void)I, AnyField{})...>;
+}
 template <typename T, size_t N>
 constexpr bool constructs_from() {
-  return []<size_t... I>(std::index_sequence<I...>) {
-    return BraceConstructible<T, decltype((void)I, AnyField{})...>;
-  }(std::make_index_sequence<N>{});
+  return constructs_from_seq<T>(std::make_index_sequence<N>{});
 }
 }  // namespace detail
 
