@@ -1,0 +1,68 @@
+// The conformance table on the CPU backend (f32, and f32 with bf16 activation rounding), the
+// gradient checks in f64, and the rule that no op of FLUX8_OPS goes without a case.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "conformance_test.h"
+
+namespace flux8::conformance {
+namespace {
+
+FLUX8_CONFORMANCE_INSTANTIATE(Cpu, Variant::cpu_f32, Variant::cpu_bf16_rounding);
+
+TEST(ConformanceTable, EveryListedOpHasACase) {
+  std::set<std::string> covered;
+  for (const Case& c : all_cases()) covered.insert(c.op);
+  std::string missing;
+  for (const std::string& op : listed_ops())
+    if (!covered.count(op)) missing += " " + op;
+  EXPECT_TRUE(missing.empty()) << "ops of FLUX8_OPS (backend/ops.h) without a conformance case (add one in "
+                                  "tests/conformance/<family>_cases.cpp):"
+                               << missing;
+}
+
+TEST(ConformanceTable, EveryCaseNamesAListedOpAndItsTolerance) {
+  const std::vector<std::string> ops = listed_ops();
+  std::set<std::string> names;
+  for (const Case& c : all_cases()) {
+    EXPECT_NE(std::find(ops.begin(), ops.end(), c.op), ops.end()) << c.op << " is not in FLUX8_OPS";
+    EXPECT_TRUE(names.insert(c.op + "_" + c.name).second) << c.op << " / " << c.name << " registered twice";
+    EXPECT_FALSE(c.why.empty()) << c.op << " / " << c.name << ": say where the tolerance comes from";
+  }
+}
+
+// Every backward op (and linear_dgrad_gelu, linear_gelu's) has a finite-difference check.
+TEST(ConformanceTable, EveryBackwardHasAGradientCheck) {
+  std::set<std::string> checked;
+  for (const GradientCase& g : all_gradient_cases()) checked.insert(g.backward);
+  std::string missing;
+  for (const std::string& op : listed_ops()) {
+    const bool backward = op.ends_with("_backward") || op == "linear_dgrad_gelu";
+    if (backward && !op.ends_with("_fp8_backward") && op.find("fp8") == std::string::npos && !checked.count(op))
+      missing += " " + op;
+  }
+  EXPECT_TRUE(missing.empty()) << "backward ops without a gradient check:" << missing;
+}
+
+class Gradient : public ::testing::TestWithParam<size_t> {};
+
+// Central differences in f64 of a random projection of the forward's output (tests/gradcheck.h:
+// a correct gradient agrees to ~1e-10, a wrong one is off by ≳1e-2).
+TEST_P(Gradient, MatchesFiniteDifferences) {
+  static std::unique_ptr<Backend> cpu = make_backend("cpu");
+  const GradientCase& g = all_gradient_cases()[GetParam()];
+  for (const GradientCase::Check& c : g.run(*cpu))
+    EXPECT_LT(c.rel_error, 1e-6) << g.backward << ": " << c.what << ": analytic " << c.analytic << ", numeric "
+                                 << c.numeric;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, Gradient, ::testing::Range(size_t{0}, all_gradient_cases().size()),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                           const GradientCase& g = all_gradient_cases()[info.param];
+                           return g.forward + "_" + g.backward;
+                         });
+
+}  // namespace
+}  // namespace flux8::conformance
