@@ -83,7 +83,7 @@ struct Run::Block {
   uint8_t* window(size_t i) { return image.data() + kGuard + i * elem; }
 };
 
-Run::Run(Backend& b, DType c) : be(b), compute(c) {}
+Run::Run(Backend& b, DType c) : be(b), compute(c), stores_bf16_(b.options().round_activations_to_bf16) {}
 
 Run::~Run() {
   be.synchronize();
@@ -130,6 +130,12 @@ void Run::fill_window(Block& b, const std::function<double(size_t)>& value_at) {
 
 Tensor Run::input(Shape s, uint64_t seed, double stddev, int64_t pad, Role role) {
   const Tensor t = allocate("", s, pad, dtype_of(role, s.rank ? s[-1] : 1), false);
+  fill_window(*blocks_.back(), [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
+  return t;
+}
+
+Tensor Run::input_typed(Shape s, uint64_t seed, double stddev, DType dtype) {
+  const Tensor t = allocate("", s, 0, dtype, false);
   fill_window(*blocks_.back(), [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
   return t;
 }

@@ -72,6 +72,8 @@ class Run {
   // variant's element type holds the same values exactly. `pad` columns past each row (ld =
   // cols + pad) hold NaN, which the op must not read.
   Tensor input(Shape s, uint64_t seed, double stddev = 1.0, int64_t pad = 0, Role role = Role::activation);
+  // input() of a fixed element type (gradient factors, contiguous f32 on every backend).
+  Tensor input_typed(Shape s, uint64_t seed, double stddev, DType dtype);
   // An input of the given values, rounded to bf16 like input()'s.
   Tensor input_values(Shape s, const std::vector<double>& values, Role role = Role::parameter);
   // A compared output that the op overwrites: its window starts as NaN.
@@ -97,7 +99,8 @@ class Run {
 
   // The element type of `role` for a tensor whose last dimension is `cols` on this run.
   DType dtype_of(Role role, int64_t cols) const;
-  // True when some tensor of this run is stored in bf16 (its tolerance then includes bf16 steps).
+  // True when some tensor of this run is stored in bf16, or the backend rounds activations to bf16
+  // values (its tolerance then includes bf16 steps).
   bool stores_bf16() const { return stores_bf16_; }
 
   struct Output {

@@ -24,7 +24,7 @@ Tensor gradients_with_low_rank_range(Run& r) {
   return r.input_values({N}, g, Role::gradient);
 }
 List<LowRankGrad> low_rank_of(Run& r) {
-  return List<LowRankGrad>{{500, r.input({2, 30}, 82, 0.1, 0, Role::parameter), r.input({2, 40}, 83, 1.0, 0, Role::parameter)}};
+  return List<LowRankGrad>{{500, r.input_typed({2, 30}, 82, 0.1, DType::f32), r.input_typed({2, 40}, 83, 1.0, DType::f32)}};
 }
 
 const AdamWHyper kStep3{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 0.6, .step = 3};
@@ -69,41 +69,50 @@ const Cases kTrainingCases({
      .with_bf16 = false,
      .build = [](Run& r) -> AnyOp { return op::SumSquares{.x = r.input({13, 37}, 89, 1.0, 0, Role::parameter)}; }},
     {.op = "gradient_sum_squares",
+     .name = "flat",
+     .f32_terms = 1,
+     .why = "squares of the same values summed in double: the order only",
+     .with_bf16 = false,
+     .build = [](Run& r) -> AnyOp { return op::GradientSumSquares{.grads = r.input({N}, 80, 1.0, 0, Role::gradient)}; }},
+    // Low-rank factors are f32 on every backend: against the CPU in f32.
+    {.op = "gradient_sum_squares",
      .name = "low_rank_range_unread",
      .f32_terms = 4,
-     .why = "sums in double; the low-rank range's norm from its factors' Gram matrices",
+     .why = "sums in double; the low-rank range's norm from its factors' Gram matrices on both",
+     .judge = Judge::cpu_f32,
      .with_bf16 = false,
      .build = [](Run& r) -> AnyOp {
        return op::GradientSumSquares{.grads = gradients_with_low_rank_range(r), .low_rank = low_rank_of(r)};
      }},
     {.op = "adamw",
-     .name = "third_step_with_low_rank_range",
+     .name = "third_step",
      .f32_terms = 16,
      .why = "the update's few f32 operations per element, against the same update in double",
      .with_bf16 = false,
      .build = [](Run& r) -> AnyOp {
        return op::Adamw{.param = r.update("param", {N}, 90, 1.0, 0, Role::parameter),
-                        .grad = gradients_with_low_rank_range(r),
+                        .grad = r.input({N}, 97, 1.0, 0, Role::gradient),
                         .m = r.update("m", {N}, 91, 0.01, 0, Role::parameter),
                         .v = r.update_values("v", {N}, positive(92, N, 1e-3)),
-                        .h = kStep3, .low_rank = low_rank_of(r)};
+                        .h = kStep3};
      }},
-    // Every backend writes the same bits: the parameters and moments, the bf16 operand copy and the
-    // FP8 cast of a range (the CPU is the reference in f32).
+    // Every backend writes the same bits: the parameters and moments, the bf16 operand copy, the
+    // FP8 cast of a range and the update of a low-rank range (the CPU is the reference in f32).
     {.op = "adamw",
-     .name = "copies_and_casts_bit_for_bit",
+     .name = "copies_casts_low_rank_bit_for_bit",
      .why = "every product and sum rounded on its own in f32 on every backend: bit for bit",
      .judge = Judge::cpu_f32,
      .with_bf16 = false,
      .build = [](Run& r) -> AnyOp {
        QTensor codes = r.qtensor("cast", 20, 30);
        return op::Adamw{.param = r.update("param", {N}, 93, 1.0, 0, Role::parameter),
-                        .grad = r.input({N}, 94, 1.0, 0, Role::gradient),
+                        .grad = gradients_with_low_rank_range(r),
                         .m = r.update("m", {N}, 95, 0.01, 0, Role::parameter),
                         .v = r.update_values("v", {N}, positive(96, N, 1e-3)),
                         .h = kStep3,
                         .copies = List<ParamCopy>{{100, r.output_typed("copy", {20, 30}, DType::bf16)}},
-                        .casts = List<ParamCast>{{1000, codes, r.scalars("", 1, 150.0f), r.scalars("amax", 1, 0.0f)}}};
+                        .casts = List<ParamCast>{{1000, codes, r.scalars("", 1, 150.0f), r.scalars("amax", 1, 0.0f)}},
+                        .low_rank = low_rank_of(r)};
      }},
 });
 
