@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <set>
 
+#include "backend/ops.h"
 #include "conformance_test.h"
 
 namespace flux8::conformance {
@@ -45,6 +46,28 @@ TEST(ConformanceTable, EveryBackwardHasAGradientCheck) {
     if (backward && op.find("fp8") == std::string::npos && !checked.count(op)) missing += " " + op;
   }
   EXPECT_TRUE(missing.empty()) << "backward ops without a gradient check:" << missing;
+}
+
+// The judge itself: a stray write into padding or past a buffer, an output left unwritten and a
+// wrong value each fail a case (faulty cases built here, not registered).
+TEST(ConformanceTable, TheRunnerCatchesStrayWritesUnwrittenOutputsAndWrongValues) {
+  const auto fill_case = [](Shape seen) {
+    return Case{.op = "fill", .name = "faulty", .why = "exact", .build = [seen](conformance::Run& r) -> AnyOp {
+                  Tensor y = r.output("y", {5, 7}, 2);
+                  y.shape = seen;  // the op sees another shape than the buffer has
+                  return op::Fill{.y = y, .value = 1.0};
+                }};
+  };
+  EXPECT_NE(run_case(fill_case({5, 8}), Variant::cpu_f32).find("padding columns"), std::string::npos);
+  EXPECT_NE(run_case(fill_case({6, 7}), Variant::cpu_f32).find("written past its end"), std::string::npos);
+  EXPECT_NE(run_case(fill_case({4, 7}), Variant::cpu_f32).find("is NaN"), std::string::npos);
+  EXPECT_EQ(run_case(fill_case({5, 7}), Variant::cpu_f32), "");
+  const Case wrong{.op = "add", .name = "faulty", .f32_terms = 2, .why = "one rounding", .build = [](conformance::Run& r) -> AnyOp {
+                     // The reference adds other values than the variant does.
+                     return op::Add{.y = r.output("y", {3, 5}), .a = r.input({3, 5}, 1),
+                                    .b = r.input({3, 5}, r.compute == DType::f64 ? 2 : 3)};
+                   }};
+  EXPECT_NE(run_case(wrong, Variant::cpu_f32).find("normalised error"), std::string::npos);
 }
 
 class Gradient : public ::testing::TestWithParam<size_t> {};
