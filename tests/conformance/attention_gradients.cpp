@@ -104,16 +104,16 @@ Checks attention_gradient(Backend& be) {
   return out;
 }
 
-const Cases kAttentionGradients({}, {
-                                        {.forward = "rope", .backward = "rope_inverse", .run = rope_gradient},
-                                        {.forward = "tokens_to_heads", .backward = "heads_to_tokens",
-                                         .run = tokens_to_heads_gradient},
-                                        {.forward = "concat_tokens", .backward = "split_tokens", .run = concat_gradient},
-                                        {.forward = "qk_norm_rope_to_heads", .backward = "qk_norm_rope_to_heads_backward",
-                                         .run = qk_norm_rope_gradient},
-                                        {.forward = "attention", .backward = "attention_backward",
-                                         .run = attention_gradient},
-                                    });
+const Cases kAttentionGradients(
+    {}, {
+            {.forward = "rope", .backward = "rope_inverse", .run = rope_gradient},
+            {.forward = "tokens_to_heads", .backward = "heads_to_tokens", .run = tokens_to_heads_gradient},
+            {.forward = "concat_tokens", .backward = "split_tokens", .run = concat_gradient},
+            {.forward = "qk_norm_rope_to_heads",
+             .backward = "qk_norm_rope_to_heads_backward",
+             .run = qk_norm_rope_gradient},
+            {.forward = "attention", .backward = "attention_backward", .run = attention_gradient},
+        });
 
 }  // namespace
 }  // namespace flux8::conformance

@@ -23,7 +23,9 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 void store(uint8_t* p, DType t, double v) {
   switch (t) {
-    case DType::f64: std::memcpy(p, &v, 8); break;
+    case DType::f64:
+      std::memcpy(p, &v, 8);
+      break;
     case DType::f32: {
       const float f = static_cast<float>(v);
       std::memcpy(p, &f, 4);
@@ -34,8 +36,11 @@ void store(uint8_t* p, DType t, double v) {
       std::memcpy(p, &b, 2);
       break;
     }
-    case DType::u8: *p = static_cast<uint8_t>(v); break;
-    default: throw std::logic_error("conformance: unsupported element type");
+    case DType::u8:
+      *p = static_cast<uint8_t>(v);
+      break;
+    default:
+      throw std::logic_error("conformance: unsupported element type");
   }
 }
 
@@ -56,8 +61,10 @@ double load(const uint8_t* p, DType t) {
       std::memcpy(&b, p, 2);
       return bf16_bits_to_f32(b);
     }
-    case DType::u8: return *p;
-    default: throw std::logic_error("conformance: unsupported element type");
+    case DType::u8:
+      return *p;
+    default:
+      throw std::logic_error("conformance: unsupported element type");
   }
 }
 
@@ -92,10 +99,14 @@ Run::~Run() {
 
 DType Run::dtype_of(Role role, int64_t cols) const {
   switch (role) {
-    case Role::activation: return be.activation_dtype(compute);
-    case Role::parameter: return compute;
-    case Role::gradient: return be.gradient_dtype(compute);
-    case Role::heads: return be.attention_heads_dtype(be.activation_dtype(compute), cols);
+    case Role::activation:
+      return be.activation_dtype(compute);
+    case Role::parameter:
+      return compute;
+    case Role::gradient:
+      return be.gradient_dtype(compute);
+    case Role::heads:
+      return be.attention_heads_dtype(be.activation_dtype(compute), cols);
   }
   return compute;
 }
@@ -130,13 +141,15 @@ void Run::fill_window(Block& b, const std::function<double(size_t)>& value_at) {
 
 Tensor Run::input(Shape s, uint64_t seed, double stddev, int64_t pad, Role role) {
   const Tensor t = allocate("", s, pad, dtype_of(role, s.rank ? s[-1] : 1), false);
-  fill_window(*blocks_.back(), [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
+  fill_window(*blocks_.back(),
+              [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
   return t;
 }
 
 Tensor Run::input_typed(Shape s, uint64_t seed, double stddev, DType dtype) {
   const Tensor t = allocate("", s, 0, dtype, false);
-  fill_window(*blocks_.back(), [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
+  fill_window(*blocks_.back(),
+              [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
   return t;
 }
 
@@ -152,7 +165,8 @@ Tensor Run::output(const std::string& name, Shape s, int64_t pad, Role role) {
 
 Tensor Run::update(const std::string& name, Shape s, uint64_t seed, double stddev, int64_t pad, Role role) {
   const Tensor t = allocate(name, s, pad, dtype_of(role, s.rank ? s[-1] : 1), true);
-  fill_window(*blocks_.back(), [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
+  fill_window(*blocks_.back(),
+              [&](size_t i) { return round_to_bf16(static_cast<float>(stddev * rng_normal(seed, 1, i))); });
   return t;
 }
 
@@ -179,8 +193,8 @@ float* Run::scalars(const std::string& name, int64_t n, float value) {
 QTensor Run::qtensor(const std::string& name, int64_t rows, int64_t cols, Fp8Format format, Fp8Scaling scaling) {
   QTensor q;
   q.rows = rows, q.cols = cols, q.format = format, q.scaling = scaling;
-  q.codes = static_cast<uint8_t*>(allocate(name.empty() ? "" : name + ".codes", Shape{rows, cols}, 0, DType::u8,
-                                           !name.empty()).data);
+  q.codes = static_cast<uint8_t*>(
+      allocate(name.empty() ? "" : name + ".codes", Shape{rows, cols}, 0, DType::u8, !name.empty()).data);
   const int64_t n = QTensor::scale_count(scaling, rows, cols);
   const std::string scales = name.empty() ? "" : name + ".scales";
   if (scaling == Fp8Scaling::mx_1x32)

@@ -32,16 +32,16 @@ inline std::string case_test_name(const ::testing::TestParamInfo<CaseOnVariant>&
 class Conformance : public ::testing::TestWithParam<CaseOnVariant> {};
 
 // Test names must be unique within a binary: each binary instantiates it once.
-#define FLUX8_CONFORMANCE_INSTANTIATE(prefix, ...)                                                       \
-  TEST_P(Conformance, MatchesTheReference) {                                                             \
-    const CaseOnVariant& p = GetParam();                                                                 \
-    if (const std::string why = unavailable_reason(p.variant); !why.empty())                              \
-      GTEST_SKIP() << variant_name(p.variant) << " unavailable: " << why;                                \
-    const Case& c = all_cases()[p.index];                                                                \
-    const std::string failures = run_case(c, p.variant);                                                 \
+#define FLUX8_CONFORMANCE_INSTANTIATE(prefix, ...)                                                         \
+  TEST_P(Conformance, MatchesTheReference) {                                                               \
+    const CaseOnVariant& p = GetParam();                                                                   \
+    if (const std::string why = unavailable_reason(p.variant); !why.empty())                               \
+      GTEST_SKIP() << variant_name(p.variant) << " unavailable: " << why;                                  \
+    const Case& c = all_cases()[p.index];                                                                  \
+    const std::string failures = run_case(c, p.variant);                                                   \
     EXPECT_TRUE(failures.empty()) << c.op << " / " << c.name << " on " << variant_name(p.variant) << ":\n" \
-                                  << failures;                                                           \
-  }                                                                                                      \
+                                  << failures;                                                             \
+  }                                                                                                        \
   INSTANTIATE_TEST_SUITE_P(prefix, Conformance, ::testing::ValuesIn(cases_on({__VA_ARGS__})), case_test_name)
 
 }  // namespace flux8::conformance

@@ -14,7 +14,8 @@ constexpr double kElementwise = 16;  // one formula in f32; the device's expf/ta
 struct GatedInputs {
   Tensor x, y, gate;
   explicit GatedInputs(Run& r)
-      : x(r.input({B, L, H}, 31, 1.0, 2)), y(r.input({B, L, H}, 32, 1.0, 3)),
+      : x(r.input({B, L, H}, 31, 1.0, 2)),
+        y(r.input({B, L, H}, 32, 1.0, 3)),
         gate(r.input({B, 3 * H}, 33, 0.5).cols_slice(2 * H, H)) {}
 };
 
@@ -23,7 +24,9 @@ const Cases kElementwiseCases(
         {.op = "fill",
          .name = "window",
          .why = "-2.5 is exact in every type",
-         .build = [](Run& r) -> AnyOp { return op::Fill{.y = r.output("y", {R, C}, 3), .value = -2.5}; }},
+         .build = [](Run& r) -> AnyOp {
+           return op::Fill{.y = r.output("y", {R, C}, 3), .value = -2.5};
+         }},
         {.op = "fill_random",
          .name = "normal",
          .f32_terms = 4,
@@ -31,7 +34,10 @@ const Cases kElementwiseCases(
          .with_bf16 = false,
          .build = [](Run& r) -> AnyOp {
            return op::FillRandom{.y = r.output("y", {R, C}, 0, Role::parameter),
-                                 .dist = Random::normal, .seed = 5, .stream = 9, .scale = 0.02};
+                                 .dist = Random::normal,
+                                 .seed = 5,
+                                 .stream = 9,
+                                 .scale = 0.02};
          }},
         {.op = "fill_random",
          .name = "uniform",
@@ -40,12 +46,17 @@ const Cases kElementwiseCases(
          .with_bf16 = false,
          .build = [](Run& r) -> AnyOp {
            return op::FillRandom{.y = r.output("y", {1001}, 0, Role::parameter),
-                                 .dist = Random::uniform, .seed = 6, .stream = 2, .scale = 3.0};
+                                 .dist = Random::uniform,
+                                 .seed = 6,
+                                 .stream = 2,
+                                 .scale = 3.0};
          }},
         {.op = "copy",
          .name = "windows",
          .why = "data movement: exact",
-         .build = [](Run& r) -> AnyOp { return op::Copy{.y = r.output("y", {R, C}, 2), .x = r.input({R, C}, 1, 1.0, 4)}; }},
+         .build = [](Run& r) -> AnyOp {
+           return op::Copy{.y = r.output("y", {R, C}, 2), .x = r.input({R, C}, 1, 1.0, 4)};
+         }},
         {.op = "copy",
          .name = "parameter_to_activation",
          .why = "the values are bf16 values: the conversion is exact",
@@ -81,15 +92,19 @@ const Cases kElementwiseCases(
          .f32_terms = kElementwise,
          .bf16_steps = 1,
          .why = "x·σ(x) in f32 (expf); bf16: y rounded once",
-         .build = [](Run& r) -> AnyOp { return op::Silu{.y = r.output("y", {B, L, C}, 2), .x = r.input({B, L, C}, 10, 2.0, 1)}; }},
+         .build = [](Run& r) -> AnyOp {
+           return op::Silu{.y = r.output("y", {B, L, C}, 2), .x = r.input({B, L, C}, 10, 2.0, 1)};
+         }},
         {.op = "silu_backward",
          .name = "overwriting",
          .f32_terms = kElementwise,
          .bf16_steps = 1,
          .why = "σ'(x)·dy in f32 (expf); bf16: dx rounded once",
          .build = [](Run& r) -> AnyOp {
-           return op::SiluBackward{.dx = r.output("dx", {B, L, C}, 1), .dy = r.input({B, L, C}, 11, 1.0, 2),
-                                   .x = r.input({B, L, C}, 12, 2.0, 3), .accumulate_dx = false};
+           return op::SiluBackward{.dx = r.output("dx", {B, L, C}, 1),
+                                   .dy = r.input({B, L, C}, 11, 1.0, 2),
+                                   .x = r.input({B, L, C}, 12, 2.0, 3),
+                                   .accumulate_dx = false};
          }},
         {.op = "silu_backward",
          .name = "accumulating",
@@ -97,8 +112,10 @@ const Cases kElementwiseCases(
          .bf16_steps = 1,
          .why = "σ'(x)·dy + dx in f32 (expf); bf16: dx rounded once",
          .build = [](Run& r) -> AnyOp {
-           return op::SiluBackward{.dx = r.update("dx", {B, L, C}, 13, 1.0, 1), .dy = r.input({B, L, C}, 14),
-                                   .x = r.input({B, L, C}, 15, 2.0), .accumulate_dx = true};
+           return op::SiluBackward{.dx = r.update("dx", {B, L, C}, 13, 1.0, 1),
+                                   .dy = r.input({B, L, C}, 14),
+                                   .x = r.input({B, L, C}, 15, 2.0),
+                                   .accumulate_dx = true};
          }},
         {.op = "gelu_tanh",
          .name = "windows",
@@ -114,7 +131,8 @@ const Cases kElementwiseCases(
          .bf16_steps = 1,
          .why = "the derivative's formula in f32 (tanhf); bf16: dx rounded once",
          .build = [](Run& r) -> AnyOp {
-           return op::GeluTanhBackward{.dx = r.output("dx", {B, L, C}, 1), .dy = r.input({B, L, C}, 17, 1.0, 2),
+           return op::GeluTanhBackward{.dx = r.output("dx", {B, L, C}, 1),
+                                       .dy = r.input({B, L, C}, 17, 1.0, 2),
                                        .x = r.input({B, L, C}, 18, 2.0, 3)};
          }},
         {.op = "gated_residual",
@@ -147,8 +165,12 @@ const Cases kElementwiseCases(
            // rows must keep their values.
            const Tensor mean = r.update("mean", {B, L + 4}, 36, 1.0, 0, Role::parameter);
            const Tensor rstd = r.update("rstd", {B, L + 4}, 37, 1.0, 0, Role::parameter);
-           return op::GatedResidualStats{.out = r.output("out", {B, L, H}, 3), .mean = mean.cols_slice(4, L),
-                                         .rstd = rstd.cols_slice(4, L), .x = in.x, .y = in.y, .gate = in.gate,
+           return op::GatedResidualStats{.out = r.output("out", {B, L, H}, 3),
+                                         .mean = mean.cols_slice(4, L),
+                                         .rstd = rstd.cols_slice(4, L),
+                                         .x = in.x,
+                                         .y = in.y,
+                                         .gate = in.gate,
                                          .eps = 1e-6};
          }},
         {.op = "gated_residual_backward",
@@ -160,7 +182,9 @@ const Cases kElementwiseCases(
            const GatedInputs in(r);
            return op::GatedResidualBackward{.dy = r.output("dy", {B, L, H}, 2),
                                             .dgate = r.update("dmod", {B, 3 * H}, 36).cols_slice(2 * H, H),
-                                            .dx = r.input({B, L, H}, 35, 1.0, 1), .y = in.y, .gate = in.gate};
+                                            .dx = r.input({B, L, H}, 35, 1.0, 1),
+                                            .y = in.y,
+                                            .gate = in.gate};
          }},
         {.op = "timestep_embedding",
          .name = "odd_width",
@@ -170,7 +194,8 @@ const Cases kElementwiseCases(
          .build = [](Run& r) -> AnyOp {
            return op::TimestepEmbedding{.out = r.output("out", {4, 33}, 3),
                                         .t = r.input_values({4}, {0.0, 0.25, 0.999, 3.5}),
-                                        .time_factor = 1000.0, .max_period = 10000.0};
+                                        .time_factor = 1000.0,
+                                        .max_period = 10000.0};
          }},
     },
     {

@@ -28,10 +28,11 @@ void compare_values(Run& r, const std::string& name, const QTensor& q) {
 }
 
 AnyOp quantize_case(Run& r, int64_t rows, int64_t cols, Fp8Scaling scaling, bool columnwise) {
-  return op::Quantize{.rowwise = r.qtensor("rowwise", rows, cols, Fp8Format::e4m3, scaling),
-                      .columnwise = columnwise ? r.qtensor("columnwise", cols, rows, Fp8Format::e4m3, scaling) : QTensor{},
-                      .x = r.input({rows, cols}, 101, 3.0, 3),
-                      .q = {.format = Fp8Format::e4m3, .scaling = scaling, .amax = r.scalars("amax", 1, 0.0f)}};
+  return op::Quantize{
+      .rowwise = r.qtensor("rowwise", rows, cols, Fp8Format::e4m3, scaling),
+      .columnwise = columnwise ? r.qtensor("columnwise", cols, rows, Fp8Format::e4m3, scaling) : QTensor{},
+      .x = r.input({rows, cols}, 101, 3.0, 3),
+      .q = {.format = Fp8Format::e4m3, .scaling = scaling, .amax = r.scalars("amax", 1, 0.0f)}};
 }
 
 const Cases kFp8Cases({
@@ -82,13 +83,15 @@ const Cases kFp8Cases({
      .with_bf16 = false,
      .build = [](Run& r) -> AnyOp {
        std::vector<double> history, scales;
-       for (int i = 0; i < 4 * 5; ++i) history.push_back(std::abs(rng_normal(105, 1, static_cast<uint64_t>(i))) * (i % 5 + 1));
+       for (int i = 0; i < 4 * 5; ++i)
+         history.push_back(std::abs(rng_normal(105, 1, static_cast<uint64_t>(i))) * (i % 5 + 1));
        for (int i = 0; i < 5; ++i) scales.push_back(1.0 + i);
        return op::DelayedScalingUpdate{.amax_history = r.update_values("amax_history", {4, 5}, history),
                                        .scale = r.update_values("scale", {5}, scales),
                                        .scale_inv = r.update_values("scale_inv", {5}, scales),
                                        .fp8_max = r.input_values({5}, {448, 57344, 448, 448, 57344}),
-                                       .algo = AmaxAlgo::max, .margin = 1};
+                                       .algo = AmaxAlgo::max,
+                                       .margin = 1};
      }},
     {.op = "dequantize",
      .name = "window",
@@ -105,7 +108,8 @@ const Cases kFp8Cases({
      .build = [](Run& r) -> AnyOp {
        const QTensor row = r.qtensor("", R, C);
        r.kept.push_back(row);
-       return op::QuantizeFused{.rowwise = row, .in = CastInput::gelu_tanh_of(r.input({R, C}, 107, 2.0, 3)),
+       return op::QuantizeFused{.rowwise = row,
+                                .in = CastInput::gelu_tanh_of(r.input({R, C}, 107, 2.0, 3)),
                                 .q = {.amax = r.scalars("amax", 1, 0.0f)}};
      },
      .finish = [](Run& r) { compare_values(r, "rowwise", r.kept.at(0)); }},
@@ -117,8 +121,10 @@ const Cases kFp8Cases({
      .with_bf16 = false,
      .build = [](Run& r) -> AnyOp {
        return op::GemmFp8Tn{.c = r.output("c", {40, 24}, 3, Role::parameter),
-                            .a = cast_of(r, r.input({40, 64}, 108)), .b = cast_of(r, r.input({24, 64}, 109, 0.2)),
-                            .bias = r.input({24}, 110, 1.0, 0, Role::parameter), .accumulate = false,
+                            .a = cast_of(r, r.input({40, 64}, 108)),
+                            .b = cast_of(r, r.input({24, 64}, 109, 0.2)),
+                            .bias = r.input({24}, 110, 1.0, 0, Role::parameter),
+                            .accumulate = false,
                             .sum = Fp8Accumulation::fp32};
      }},
     {.op = "gemm_fp8_tn",
@@ -129,8 +135,10 @@ const Cases kFp8Cases({
      .with_bf16 = false,
      .build = [](Run& r) -> AnyOp {
        return op::GemmFp8Tn{.c = r.update("c", {52, 24}, 111, 1.0, 0, Role::parameter),
-                            .a = cast_of(r, r.input({52, 64}, 112)), .b = cast_of(r, r.input({24, 64}, 113, 0.2)),
-                            .accumulate = true, .sum = Fp8Accumulation::fp32};
+                            .a = cast_of(r, r.input({52, 64}, 112)),
+                            .b = cast_of(r, r.input({24, 64}, 113, 0.2)),
+                            .accumulate = true,
+                            .sum = Fp8Accumulation::fp32};
      }},
 });
 

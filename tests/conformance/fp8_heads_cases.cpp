@@ -45,7 +45,8 @@ Fp8AttentionScales attention_scales(Run& r) {
 struct Fp8Qkv {
   QTensor q, k, v;
   explicit Fp8Qkv(Run& r)
-      : q(cast_of(r, r.input({ARows, AD}, 121))), k(cast_of(r, r.input({ARows, AD}, 122))),
+      : q(cast_of(r, r.input({ARows, AD}, 121))),
+        k(cast_of(r, r.input({ARows, AD}, 122))),
         v(cast_of(r, r.input({ARows, AD}, 123))) {}
 };
 
@@ -81,8 +82,13 @@ const Cases kFp8HeadsCases({
        const Fp8Qkv in(r);
        const QTensor o = r.qtensor("", ARows, AD);
        r.kept.push_back(o);
-       return op::AttentionFp8{.o = o, .lse = r.output("lse", {ARows}, 0, Role::parameter), .q = in.q, .k = in.k,
-                               .v = in.v, .heads = {AB, AN, AL, AD}, .scale = 1.0 / std::sqrt(double(AD)),
+       return op::AttentionFp8{.o = o,
+                               .lse = r.output("lse", {ARows}, 0, Role::parameter),
+                               .q = in.q,
+                               .k = in.k,
+                               .v = in.v,
+                               .heads = {AB, AN, AL, AD},
+                               .scale = 1.0 / std::sqrt(double(AD)),
                                .sc = attention_scales(r)};
      },
      .finish = [](Run& r) { compare_kept(r, {"o"}); }},
@@ -103,10 +109,23 @@ const Cases kFp8HeadsCases({
        const QTensor dq = r.qtensor("", ARows, AD, Fp8Format::e5m2), dk = r.qtensor("", ARows, AD, Fp8Format::e5m2),
                      dv = r.qtensor("", ARows, AD, Fp8Format::e5m2);
        r.kept = {dq, dk, dv};
-       return op::AttentionFp8Backward{.dq = dq, .dk = dk, .dv = dv, .dout = dout, .q = in.q, .k = in.k, .v = in.v,
-                                       .o = o, .lse = lse, .heads = {AB, AN, AL, AD}, .scale = scale, .sc = sc};
+       return op::AttentionFp8Backward{.dq = dq,
+                                       .dk = dk,
+                                       .dv = dv,
+                                       .dout = dout,
+                                       .q = in.q,
+                                       .k = in.k,
+                                       .v = in.v,
+                                       .o = o,
+                                       .lse = lse,
+                                       .heads = {AB, AN, AL, AD},
+                                       .scale = scale,
+                                       .sc = sc};
      },
-     .finish = [](Run& r) { compare_kept(r, {"dq", "dk", "dv"}); }},
+     .finish =
+         [](Run& r) {
+           compare_kept(r, {"dq", "dk", "dv"});
+         }},
     {.op = "qk_norm_rope_to_heads_fp8",
      .name = "joint_sequence",
      .f32_terms = 64,
@@ -118,13 +137,24 @@ const Cases kFp8HeadsCases({
        const TokenInputs in(r);
        const Fp8Heads q = fp8_heads(r, "", "q_amax"), k = fp8_heads(r, "", "k_amax"), v = fp8_heads(r, "", "v_amax");
        r.kept = {q.codes, k.codes, v.codes};
-       return op::QkNormRopeToHeadsFp8{.q_heads = q, .k_heads = k, .v_heads = v,
+       return op::QkNormRopeToHeadsFp8{.q_heads = q,
+                                       .k_heads = k,
+                                       .v_heads = v,
                                        .q_rstd = r.output("q_rstd", {B * J * NH}, 0, Role::parameter),
                                        .k_rstd = r.output("k_rstd", {B * J * NH}, 0, Role::parameter),
-                                       .q = in.q, .k = in.k, .v = in.v, .q_scale = in.q_scale, .k_scale = in.k_scale,
-                                       .pe = in.pe, .token_offset = 0, .eps = 1e-6};
+                                       .q = in.q,
+                                       .k = in.k,
+                                       .v = in.v,
+                                       .q_scale = in.q_scale,
+                                       .k_scale = in.k_scale,
+                                       .pe = in.pe,
+                                       .token_offset = 0,
+                                       .eps = 1e-6};
      },
-     .finish = [](Run& r) { compare_kept(r, {"q_heads", "k_heads", "v_heads"}); }},
+     .finish =
+         [](Run& r) {
+           compare_kept(r, {"q_heads", "k_heads", "v_heads"});
+         }},
     {.op = "qk_norm_rope_to_heads_backward_fp8",
      .name = "joint_sequence",
      .f32_terms = 256,
@@ -134,34 +164,44 @@ const Cases kFp8HeadsCases({
      .build = [](Run& r) -> AnyOp {
        const TokenInputs in(r);
        const Shape heads{B, NH, J, D};
-       const Tensor q_rstd = r.scratch({B * J * NH}, Role::parameter), k_rstd = r.scratch({B * J * NH}, Role::parameter);
+       const Tensor q_rstd = r.scratch({B * J * NH}, Role::parameter),
+                    k_rstd = r.scratch({B * J * NH}, Role::parameter);
        r.be.qk_norm_rope_to_heads(r.scratch(heads, Role::heads), r.scratch(heads, Role::heads),
                                   r.scratch(heads, Role::heads), q_rstd, k_rstd, in.q, in.k, in.v, in.q_scale,
                                   in.k_scale, in.pe, 0, 1e-6);
        const Tensor dqkv = r.output("dqkv", {B, J, 3 * H}, 1);
-       return op::QkNormRopeToHeadsBackwardFp8{
-           .dq = dqkv.cols_slice(0, H), .dk = dqkv.cols_slice(H, H), .dv = dqkv.cols_slice(2 * H, H),
-           .dq_scale = r.update("dq_scale", {D}, 128, 1.0, 0, Role::gradient),
-           .dk_scale = r.update("dk_scale", {D}, 129, 1.0, 0, Role::gradient),
-           .dq_heads = cast_of(r, r.input({Rows, D}, 130)), .dk_heads = cast_of(r, r.input({Rows, D}, 131)),
-           .dv_heads = cast_of(r, r.input({Rows, D}, 132)), .q = in.q, .k = in.k, .q_rstd = q_rstd, .k_rstd = k_rstd,
-           .q_scale = in.q_scale, .k_scale = in.k_scale, .pe = in.pe, .token_offset = 0};
+       return op::QkNormRopeToHeadsBackwardFp8{.dq = dqkv.cols_slice(0, H),
+                                               .dk = dqkv.cols_slice(H, H),
+                                               .dv = dqkv.cols_slice(2 * H, H),
+                                               .dq_scale = r.update("dq_scale", {D}, 128, 1.0, 0, Role::gradient),
+                                               .dk_scale = r.update("dk_scale", {D}, 129, 1.0, 0, Role::gradient),
+                                               .dq_heads = cast_of(r, r.input({Rows, D}, 130)),
+                                               .dk_heads = cast_of(r, r.input({Rows, D}, 131)),
+                                               .dv_heads = cast_of(r, r.input({Rows, D}, 132)),
+                                               .q = in.q,
+                                               .k = in.k,
+                                               .q_rstd = q_rstd,
+                                               .k_rstd = k_rstd,
+                                               .q_scale = in.q_scale,
+                                               .k_scale = in.k_scale,
+                                               .pe = in.pe,
+                                               .token_offset = 0};
      }},
     {.op = "tokens_to_heads_fp8",
      .name = "joint_sequence",
      .why = "a copy, then the same cast everywhere: bit for bit",
      .judge = Judge::cpu_f32,
      .build = [](Run& r) -> AnyOp {
-       return op::TokensToHeadsFp8{.heads = fp8_heads(r, "heads", "amax"), .tokens = r.input({B, J, H}, 133, 1.0, 3),
-                                   .token_offset = 0};
+       return op::TokensToHeadsFp8{
+           .heads = fp8_heads(r, "heads", "amax"), .tokens = r.input({B, J, H}, 133, 1.0, 3), .token_offset = 0};
      }},
     {.op = "heads_to_tokens_fp8",
      .name = "stream_at_offset",
      .why = "code · scale_inv is exact in f32 (bf16: one rounding, the same everywhere): bit for bit",
      .judge = Judge::cpu_f32,
      .build = [](Run& r) -> AnyOp {
-       return op::HeadsToTokensFp8{.tokens = r.output("tokens", {B, 7, H}, 3),
-                                   .heads = cast_of(r, r.input({Rows, D}, 134)), .token_offset = 5};
+       return op::HeadsToTokensFp8{
+           .tokens = r.output("tokens", {B, 7, H}, 3), .heads = cast_of(r, r.input({Rows, D}, 134)), .token_offset = 5};
      }},
 });
 

@@ -16,7 +16,8 @@ struct LayernormInputs {
   Tensor x, shift, scale;
   explicit LayernormInputs(Run& r) {
     std::vector<double> xs;
-    for (int64_t i = 0; i < B * L * H; ++i) xs.push_back(3.0 * rng_normal(41, 1, static_cast<uint64_t>(i)) + (i / H == 0 ? 40.0 : 1.5));
+    for (int64_t i = 0; i < B * L * H; ++i)
+      xs.push_back(3.0 * rng_normal(41, 1, static_cast<uint64_t>(i)) + (i / H == 0 ? 40.0 : 1.5));
     x = r.input_values({B, L, H}, xs, Role::activation);
     const Tensor mod = r.input({B, 3 * H}, 42, 0.5, 1);
     shift = mod.cols_slice(0, H), scale = mod.cols_slice(H, H);
@@ -39,7 +40,10 @@ const Cases kNormCases(
            return op::LayernormModulate{.y = r.output("y", {B, L, H}, 3),
                                         .mean = r.output("mean", {B * L}, 0, Role::parameter),
                                         .rstd = r.output("rstd", {B * L}, 0, Role::parameter),
-                                        .x = in.x, .shift = in.shift, .scale = in.scale, .eps = 1e-6};
+                                        .x = in.x,
+                                        .shift = in.shift,
+                                        .scale = in.scale,
+                                        .eps = 1e-6};
          }},
         {.op = "layernorm_modulate",
          .name = "statistics_only",
@@ -49,7 +53,10 @@ const Cases kNormCases(
            const LayernormInputs in(r);
            return op::LayernormModulate{.mean = r.output("mean", {B * L}, 0, Role::parameter),
                                         .rstd = r.output("rstd", {B * L}, 0, Role::parameter),
-                                        .x = in.x, .shift = in.shift, .scale = in.scale, .eps = 1e-6};
+                                        .x = in.x,
+                                        .shift = in.shift,
+                                        .scale = in.scale,
+                                        .eps = 1e-6};
          }},
         {.op = "layernorm_modulate_backward",
          .name = "modulation_windows",
@@ -62,9 +69,14 @@ const Cases kNormCases(
            const Tensor mean = r.scratch({B * L}, Role::parameter), rstd = r.scratch({B * L}, Role::parameter);
            r.be.layernorm_modulate(Tensor{}, mean, rstd, in.x, in.shift, in.scale, 1e-6);
            const Tensor dmod = r.update("dmod", {B, 3 * H}, 52, 1.0, 1);  // the gate's third keeps its values
-           return op::LayernormModulateBackward{.dx = r.output("dx", {B, L, H}, 2), .dshift = dmod.cols_slice(0, H),
-                                                .dscale = dmod.cols_slice(H, H), .dy = r.input({B, L, H}, 44, 1.0, 1),
-                                                .x = in.x, .mean = mean, .rstd = rstd, .scale = in.scale,
+           return op::LayernormModulateBackward{.dx = r.output("dx", {B, L, H}, 2),
+                                                .dshift = dmod.cols_slice(0, H),
+                                                .dscale = dmod.cols_slice(H, H),
+                                                .dy = r.input({B, L, H}, 44, 1.0, 1),
+                                                .x = in.x,
+                                                .mean = mean,
+                                                .rstd = rstd,
+                                                .scale = in.scale,
                                                 .accumulate_dx = false};
          }},
         {.op = "layernorm_modulate_backward",
@@ -79,8 +91,12 @@ const Cases kNormCases(
            return op::LayernormModulateBackward{.dx = r.update("dx", {B, L, H}, 45, 1.0, 2),
                                                 .dshift = r.output("dshift", {B, H}),
                                                 .dscale = r.output("dscale", {B, H}),
-                                                .dy = r.input({B, L, H}, 46), .x = in.x, .mean = mean, .rstd = rstd,
-                                                .scale = in.scale, .accumulate_dx = true};
+                                                .dy = r.input({B, L, H}, 46),
+                                                .x = in.x,
+                                                .mean = mean,
+                                                .rstd = rstd,
+                                                .scale = in.scale,
+                                                .accumulate_dx = true};
          }},
         {.op = "rmsnorm_heads",
          .name = "k_window",
@@ -88,8 +104,11 @@ const Cases kNormCases(
          .bf16_steps = 1,
          .why = "f32 sums of D = 10 squares and an rsqrt; bf16: y rounded once",
          .build = [](Run& r) -> AnyOp {
-           return op::RmsnormHeads{.y = r.output("y", {B * L, H}, 2), .rstd = r.output("rstd", {B * L * NH}, 0, Role::parameter),
-                                   .x = rms_input(r), .scale = r.input({D}, 47, 0.5, 0, Role::parameter), .eps = 1e-6};
+           return op::RmsnormHeads{.y = r.output("y", {B * L, H}, 2),
+                                   .rstd = r.output("rstd", {B * L * NH}, 0, Role::parameter),
+                                   .x = rms_input(r),
+                                   .scale = r.input({D}, 47, 0.5, 0, Role::parameter),
+                                   .eps = 1e-6};
          }},
         {.op = "rmsnorm_heads_backward",
          .name = "k_window_accumulating_dscale",
@@ -102,7 +121,10 @@ const Cases kNormCases(
            r.be.rmsnorm_heads(r.scratch({B * L, H}), rstd, x, scale, 1e-6);
            return op::RmsnormHeadsBackward{.dx = r.update("dqkv", {B * L, 3 * H}, 51, 1.0, 1).cols_slice(H, H),
                                            .dscale = r.update("dscale", {D}, 49, 1.0, 0, Role::gradient),
-                                           .dy = r.input({B * L, H}, 50, 1.0, 2), .x = x, .rstd = rstd, .scale = scale};
+                                           .dy = r.input({B * L, H}, 50, 1.0, 2),
+                                           .x = x,
+                                           .rstd = rstd,
+                                           .scale = scale};
          }},
     },
     {
@@ -120,8 +142,8 @@ const Cases kNormCases(
            };
            loss();
            Buf<double> dx({B, L, H}, 2), dmod({B, 3 * H}, 1);
-           be.layernorm_modulate_backward(dx.t, dmod.t.cols_slice(0, H), dmod.t.cols_slice(H, H), probe.t, x.t,
-                                          mean.t, rstd.t, scale, false);
+           be.layernorm_modulate_backward(dx.t, dmod.t.cols_slice(0, H), dmod.t.cols_slice(H, H), probe.t, x.t, mean.t,
+                                          rstd.t, scale, false);
            return {check_gradient("dx", loss, x, dx, 15), check_gradient("dshift, dscale", loss, mod, dmod, 16)};
          }},
         {.forward = "rmsnorm_heads",

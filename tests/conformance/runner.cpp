@@ -29,13 +29,14 @@ std::vector<Run::Output> outputs_of(const Case& c, Backend& be, DType compute, s
   if (op_name(op) != c.op) throw std::logic_error(fmt::format("case {} builds op {}", c.op, op_name(op)));
   const double result = be.execute_any(op);
   if (c.finish) c.finish(run);
-  if (std::visit([]<typename Op>(const Op&) {
-        if constexpr (std::is_same_v<Op, std::monostate>)
-          return false;
-        else
-          return !std::is_void_v<typename Op::result_type>;
-      },
-      op))
+  if (std::visit(
+          []<typename Op>(const Op&) {
+            if constexpr (std::is_same_v<Op, std::monostate>)
+              return false;
+            else
+              return !std::is_void_v<typename Op::result_type>;
+          },
+          op))
     run.value("returned", result);
   if (stores_bf16) *stores_bf16 = run.stores_bf16();
   return run.collect(damage);
@@ -75,10 +76,14 @@ std::string judge_output(const Case& c, const Run::Output& got, const Run::Outpu
 
 std::string_view variant_name(Variant v) {
   switch (v) {
-    case Variant::cpu_f32: return "cpu_f32";
-    case Variant::cpu_bf16_rounding: return "cpu_bf16_rounding";
-    case Variant::cuda_f32: return "cuda_f32";
-    case Variant::cuda_bf16: return "cuda_bf16";
+    case Variant::cpu_f32:
+      return "cpu_f32";
+    case Variant::cpu_bf16_rounding:
+      return "cpu_bf16_rounding";
+    case Variant::cuda_f32:
+      return "cuda_f32";
+    case Variant::cuda_bf16:
+      return "cuda_bf16";
   }
   return "?";
 }
@@ -106,9 +111,9 @@ std::string run_case(const Case& c, Variant v) {
   bool stores_bf16 = false;
   const std::vector<Run::Output> got = outputs_of(c, target, DType::f32, damage, &stores_bf16);
   // The reference: the CPU in f64, or (bit for bit) the CPU in f32 with the variant's rounding.
-  Backend& ref_be = c.judge == Judge::f64_reference ? *cpu_f64
-                                                     : backend_of(variant_rounds_to_bf16(v) ? Variant::cpu_bf16_rounding
-                                                                                            : Variant::cpu_f32);
+  Backend& ref_be = c.judge == Judge::f64_reference
+                        ? *cpu_f64
+                        : backend_of(variant_rounds_to_bf16(v) ? Variant::cpu_bf16_rounding : Variant::cpu_f32);
   const std::vector<Run::Output> ref =
       outputs_of(c, ref_be, c.judge == Judge::f64_reference ? DType::f64 : DType::f32, reference_damage);
   std::string failures;

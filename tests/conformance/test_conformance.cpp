@@ -62,11 +62,12 @@ TEST(ConformanceTable, TheRunnerCatchesStrayWritesUnwrittenOutputsAndWrongValues
   EXPECT_NE(run_case(fill_case({6, 7}), Variant::cpu_f32).find("written past its end"), std::string::npos);
   EXPECT_NE(run_case(fill_case({4, 7}), Variant::cpu_f32).find("is NaN"), std::string::npos);
   EXPECT_EQ(run_case(fill_case({5, 7}), Variant::cpu_f32), "");
-  const Case wrong{.op = "add", .name = "faulty", .f32_terms = 2, .why = "one rounding", .build = [](conformance::Run& r) -> AnyOp {
-                     // The reference adds other values than the variant does.
-                     return op::Add{.y = r.output("y", {3, 5}), .a = r.input({3, 5}, 1),
-                                    .b = r.input({3, 5}, r.compute == DType::f64 ? 2 : 3)};
-                   }};
+  const Case wrong{
+      .op = "add", .name = "faulty", .f32_terms = 2, .why = "one rounding", .build = [](conformance::Run& r) -> AnyOp {
+        // The reference adds other values than the variant does.
+        return op::Add{
+            .y = r.output("y", {3, 5}), .a = r.input({3, 5}, 1), .b = r.input({3, 5}, r.compute == DType::f64 ? 2 : 3)};
+      }};
   EXPECT_NE(run_case(wrong, Variant::cpu_f32).find("normalised error"), std::string::npos);
 }
 

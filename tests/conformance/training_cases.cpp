@@ -20,14 +20,17 @@ std::vector<double> positive(uint64_t seed, int64_t n, double scale) {
 // Flat gradients whose low-rank range [500, 500 + 30·40) holds NaN: an op that reads it shows it.
 Tensor gradients_with_low_rank_range(Run& r) {
   std::vector<double> g;
-  for (int64_t i = 0; i < N; ++i) g.push_back(i >= 500 && i < 500 + 30 * 40 ? NAN : rng_normal(81, 1, static_cast<uint64_t>(i)));
+  for (int64_t i = 0; i < N; ++i)
+    g.push_back(i >= 500 && i < 500 + 30 * 40 ? NAN : rng_normal(81, 1, static_cast<uint64_t>(i)));
   return r.input_values({N}, g, Role::gradient);
 }
 List<LowRankGrad> low_rank_of(Run& r) {
-  return List<LowRankGrad>{{500, r.input_typed({2, 30}, 82, 0.1, DType::f32), r.input_typed({2, 40}, 83, 1.0, DType::f32)}};
+  return List<LowRankGrad>{
+      {500, r.input_typed({2, 30}, 82, 0.1, DType::f32), r.input_typed({2, 40}, 83, 1.0, DType::f32)}};
 }
 
-const AdamWHyper kStep3{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 0.6, .step = 3};
+const AdamWHyper kStep3{
+    .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 0.6, .step = 3};
 
 const Cases kTrainingCases({
     {.op = "flow_match_inputs",
@@ -39,7 +42,9 @@ const Cases kTrainingCases({
        return op::FlowMatchInputs{.xt = r.output("xt", {B, L, C}, 0, Role::parameter),
                                   .target = r.output("target", {B, L, C}, 0, Role::parameter),
                                   .x0 = r.input({B, L, C}, 84, 1.0, 0, Role::parameter),
-                                  .t = r.input_values({B}, {0.1, 0.5, 0.95}), .seed = 7, .streams = {11, 12, 13}};
+                                  .t = r.input_values({B}, {0.1, 0.5, 0.95}),
+                                  .seed = 7,
+                                  .streams = {11, 12, 13}};
      }},
     {.op = "mse_loss",
      .name = "loss_and_gradient",
@@ -49,7 +54,8 @@ const Cases kTrainingCases({
      .build = [](Run& r) -> AnyOp {
        return op::MseLoss{.dpred = r.output("dpred", {B, L, C}, 0, Role::parameter),
                           .pred = r.input({B, L, C}, 85, 1.0, 0, Role::parameter),
-                          .target = r.input({B, L, C}, 86, 1.0, 0, Role::parameter), .grad_scale = 0.5};
+                          .target = r.input({B, L, C}, 86, 1.0, 0, Role::parameter),
+                          .grad_scale = 0.5};
      }},
     {.op = "mse_loss_into",
      .name = "loss_in_backend_memory",
@@ -60,20 +66,25 @@ const Cases kTrainingCases({
        return op::MseLossInto{.loss = r.output_typed("loss", {1}, DType::f64),
                               .dpred = r.output("dpred", {B, L, C}, 0, Role::parameter),
                               .pred = r.input({B, L, C}, 87, 1.0, 0, Role::parameter),
-                              .target = r.input({B, L, C}, 88, 1.0, 0, Role::parameter), .grad_scale = 2.0};
+                              .target = r.input({B, L, C}, 88, 1.0, 0, Role::parameter),
+                              .grad_scale = 2.0};
      }},
     {.op = "sum_squares",
      .name = "odd_length",
      .f32_terms = 1,
      .why = "squares of the same values summed in double: the order only",
      .with_bf16 = false,
-     .build = [](Run& r) -> AnyOp { return op::SumSquares{.x = r.input({13, 37}, 89, 1.0, 0, Role::parameter)}; }},
+     .build = [](Run& r) -> AnyOp {
+       return op::SumSquares{.x = r.input({13, 37}, 89, 1.0, 0, Role::parameter)};
+     }},
     {.op = "gradient_sum_squares",
      .name = "flat",
      .f32_terms = 1,
      .why = "squares of the same values summed in double: the order only",
      .with_bf16 = false,
-     .build = [](Run& r) -> AnyOp { return op::GradientSumSquares{.grads = r.input({N}, 80, 1.0, 0, Role::gradient)}; }},
+     .build = [](Run& r) -> AnyOp {
+       return op::GradientSumSquares{.grads = r.input({N}, 80, 1.0, 0, Role::gradient)};
+     }},
     // Low-rank factors are f32 on every backend: against the CPU in f32.
     {.op = "gradient_sum_squares",
      .name = "low_rank_range_unread",
