@@ -53,6 +53,7 @@
   X(Add, add)                                                                                      \
   X(Accumulate, accumulate)                                                                        \
   X(Linear, linear)                                                                                \
+  X(BiasAdd, bias_add)                                                                             \
   X(LinearBackward, linear_backward)                                                               \
   X(LinearGelu, linear_gelu)                                                                       \
   X(LinearDgradGelu, linear_dgrad_gelu)                                                            \

@@ -32,6 +32,15 @@ const Cases kLinearCases(
            return op::Linear{
                .y = r.output("y", {1, 7}), .x = r.input({1, 3}, 4), .w = r.input({7, 3}, 5, 0.5, 0, Role::parameter)};
          }},
+        {.op = "bias_add",
+         .name = "odd_shape_window",
+         .f32_terms = 1,
+         .bf16_steps = 1,
+         .why = "one f32 addition an element; bf16: y rounded once",
+         .build = [](Run& r) -> AnyOp {
+           return op::BiasAdd{.y = r.update("y", {B, L, M}, 14, 1.0, 2),
+                              .b = r.input({M}, 15, 1.0, 0, Role::parameter)};
+         }},
         {.op = "linear_backward",
          .name = "accumulating_params",
          .f32_terms = 2 * M,

@@ -122,4 +122,18 @@ void CpuBackend::execute(const op::LinearBackward& args) {
   });
 }
 
+void CpuBackend::execute(const op::BiasAdd& args) {
+  constexpr std::string_view op = "bias_add";
+  const DType t = call_dtype(op, {{"y", args.y}, {"b", args.b}});
+  ops::require_vector(op, {"b", args.b}, args.y.cols());
+  const Ctx c = make_ctx(options_, t);
+  dispatch(t, [&]<typename T>(T) {
+    const T* bias = args.b.ptr<T>();
+    parallel_for(args.y.rows(), c, [&](int64_t r) {
+      T* yr = row<T>(args.y, r);
+      for (int64_t j = 0; j < args.y.cols(); ++j) yr[j] = act<T>(yr[j] + bias[j], c);
+    });
+  });
+}
+
 }  // namespace flux8

@@ -438,4 +438,15 @@ void CudaBackend::execute(const op::LinearDgradGelu& args) {
   gelu_tanh_backward(args.dh, args.dh, args.h);
 }
 
+void CudaBackend::execute(const op::BiasAdd& args) {
+  constexpr std::string_view op = "bias_add";
+  const bool bf16 = activations_in_bf16(op, {{"y", args.y}});
+  ops::require_vector(op, {"b", args.b}, args.y.cols());
+  const cuda::BiasVector bias = cuda::bias_vector(op, args.b, args.y);
+  if (bf16)
+    cuda::add_bias<__nv_bfloat16>(*this, args.y, bias);
+  else
+    cuda::add_bias<float>(*this, args.y, bias);
+}
+
 }  // namespace flux8

@@ -11,6 +11,9 @@ namespace flux8::op {
 // copy of it (ParamStore::bias_operand), which the GEMM's epilogue adds as it is (so does
 // linear_gelu's, and gemm_fp8_tn's for a bf16 c).
 FLUX8_OP(Linear, linear, void, (Tensor, y), (Tensor, x), (Tensor, w), (Tensor, b))
+// y[N,M] += b[M] on every row (y any ld; b as linear's): the bias of a row-parallel Linear under
+// tensor parallelism, added once after the ranks' partial products are summed.
+FLUX8_OP(BiasAdd, bias_add, void, (Tensor, y), (Tensor, b))
 // dx[N,K] = dy·w (+= if accumulate_dx); dw[M,K] += dyᵀ·x; db[M] += Σ_rows dy (dw and db overwritten
 // instead when accumulate_params is false: their old contents are never read).
 FLUX8_OP(LinearBackward, linear_backward, void, (Tensor, dx), (Tensor, dw), (Tensor, db), (Tensor, dy),
