@@ -39,7 +39,7 @@ void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumul
 }  // namespace
 
 void CpuBackend::execute(const op::Silu& args) {
-  const DType t = call_dtype("silu", {{"y", args.y}, {"x", args.x}});
+  const DType t = call_dtype(args);
   require_same_matrix("silu", {"y", args.y}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
@@ -48,7 +48,7 @@ void CpuBackend::execute(const op::Silu& args) {
 }
 
 void CpuBackend::execute(const op::SiluBackward& args) {
-  const DType t = call_dtype("silu_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  const DType t = call_dtype(args);
   if (!args.dx.defined()) return;
   require_same_matrix("silu_backward", {"dx", args.dx}, {"x", args.x});
   require_same_matrix("silu_backward", {"dy", args.dy}, {"x", args.x});
@@ -57,14 +57,14 @@ void CpuBackend::execute(const op::SiluBackward& args) {
 }
 
 void CpuBackend::execute(const op::GeluTanh& args) {
-  const DType t = call_dtype("gelu_tanh", {{"y", args.y}, {"x", args.x}});
+  const DType t = call_dtype(args);
   require_same_matrix("gelu_tanh", {"y", args.y}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) { map_rows<T>(args.y, args.x, {}, false, c, gelu_tanh_value<T>); });
 }
 
 void CpuBackend::execute(const op::GeluTanhBackward& args) {
-  const DType t = call_dtype("gelu_tanh_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  const DType t = call_dtype(args);
   if (!args.dx.defined()) return;
   require_same_matrix("gelu_tanh_backward", {"dx", args.dx}, {"x", args.x});
   require_same_matrix("gelu_tanh_backward", {"dy", args.dy}, {"x", args.x});

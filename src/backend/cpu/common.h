@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <span>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -17,8 +18,6 @@
 
 namespace flux8::cpu {
 
-using ops::check_heads_tokens;
-using ops::check_joint;
 using ops::Named;
 using ops::require_contiguous;
 using ops::require_defined;
@@ -26,10 +25,16 @@ using ops::require_rank;
 using ops::require_same_matrix;
 using ops::require_shape;
 using ops::require_vector;
+using ops::tensor_fields;
 
 // Checks that all defined tensors share one dtype (f32 or f64) and have ld >= cols; returns it.
-inline DType call_dtype(std::string_view op, std::initializer_list<Named> tensors) {
+inline DType call_dtype(std::string_view op, std::span<const Named> tensors) {
   return ops::call_dtype(op, tensors, {DType::f32, DType::f64}, "CPU");
+}
+// The same over every Tensor field of the op.
+template <typename Op>
+DType call_dtype(const Op& a) {
+  return ops::call_dtype(a, {DType::f32, DType::f64}, "CPU");
 }
 
 // What every op needs besides its tensors.

@@ -7,7 +7,7 @@ namespace flux8 {
 using namespace cpu;
 
 void CpuBackend::execute(const op::Fill& args) {
-  const DType t = call_dtype("fill", {{"y", args.y}});
+  const DType t = call_dtype(args);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
@@ -17,7 +17,7 @@ void CpuBackend::execute(const op::Fill& args) {
 }
 
 void CpuBackend::execute(const op::FillRandom& args) {
-  const DType t = call_dtype("fill_random", {{"y", args.y}});
+  const DType t = call_dtype(args);
   require_contiguous("fill_random", {"y", args.y});
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
@@ -32,7 +32,7 @@ void CpuBackend::execute(const op::FillRandom& args) {
 }
 
 void CpuBackend::execute(const op::Copy& args) {
-  const DType t = call_dtype("copy", {{"y", args.y}, {"x", args.x}});
+  const DType t = call_dtype(args);
   require_same_matrix("copy", {"y", args.y}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
@@ -43,7 +43,7 @@ void CpuBackend::execute(const op::Copy& args) {
 }
 
 void CpuBackend::execute(const op::Add& args) {
-  const DType t = call_dtype("add", {{"y", args.y}, {"a", args.a}, {"b", args.b}});
+  const DType t = call_dtype(args);
   require_same_matrix("add", {"y", args.y}, {"a", args.a});
   require_same_matrix("add", {"y", args.y}, {"b", args.b});
   const Ctx c = make_ctx(options_, t);
@@ -57,7 +57,7 @@ void CpuBackend::execute(const op::Add& args) {
 }
 
 void CpuBackend::execute(const op::Accumulate& args) {
-  const DType t = call_dtype("accumulate", {{"y", args.y}, {"x", args.x}});
+  const DType t = call_dtype(args);
   require_same_matrix("accumulate", {"y", args.y}, {"x", args.x});
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
@@ -73,7 +73,7 @@ void CpuBackend::execute(const op::Accumulate& args) {
 // is rounded.
 void CpuBackend::execute(const op::GatedResidual& args) {
   constexpr std::string_view op = "gated_residual";
-  const DType t = call_dtype(op, {{"out", args.out}, {"x", args.x}, {"y", args.y}, {"gate", args.gate}});
+  const DType t = call_dtype(args);
   require_rank(op, {"x", args.x}, 3);
   require_shape(op, {"out", args.out}, args.x.shape);
   require_shape(op, {"y", args.y}, args.x.shape);
@@ -93,7 +93,7 @@ void CpuBackend::execute(const op::GatedResidual& args) {
 void CpuBackend::execute(const op::GatedResidualBackward& args) {
   constexpr std::string_view op = "gated_residual_backward";
   const DType t =
-      call_dtype(op, {{"dy", args.dy}, {"dgate", args.dgate}, {"dx", args.dx}, {"y", args.y}, {"gate", args.gate}});
+      call_dtype(args);
   require_rank(op, {"dx", args.dx}, 3);
   const int64_t B = args.dx.shape[0], L = args.dx.shape[1], H = args.dx.shape[2];
   const Ctx c = make_ctx(options_, t);

@@ -13,7 +13,7 @@ using namespace cpu;
 
 void CpuBackend::execute(const op::TimestepEmbedding& args) {
   constexpr std::string_view op = "timestep_embedding";
-  const DType dt = call_dtype(op, {{"out", args.out}, {"t", args.t}});
+  const DType dt = call_dtype(args);
   require_rank(op, {"out", args.out}, 2);
   const int64_t B = args.out.shape[0], dim = args.out.shape[1], half = dim / 2;
   require_vector(op, {"t", args.t}, B);

@@ -11,9 +11,8 @@ using namespace cpu;
 
 void CpuBackend::execute(const op::LayernormModulate& args) {
   constexpr std::string_view op = "layernorm_modulate";
-  const DType t = call_dtype(
-      op, {{"y", args.y}, {"mean", args.mean}, {"rstd", args.rstd}, {"x", args.x}, {"shift", args.shift}, {"scale", args.scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate(op, args.y, args.mean, args.rstd, args.x, args.shift, args.scale);
+  const DType t = call_dtype(args);
+  const auto [B, L, H] = ops::check(op, args);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * L, c, [&](int64_t r) {
@@ -41,15 +40,8 @@ void CpuBackend::execute(const op::LayernormModulate& args) {
 // With g = dy·(1 + scale) = ∂loss/∂x̂:  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)).
 void CpuBackend::execute(const op::LayernormModulateBackward& args) {
   constexpr std::string_view op = "layernorm_modulate_backward";
-  const DType t = call_dtype(op, {{"dx", args.dx},
-                                  {"dshift", args.dshift},
-                                  {"dscale", args.dscale},
-                                  {"dy", args.dy},
-                                  {"x", args.x},
-                                  {"mean", args.mean},
-                                  {"rstd", args.rstd},
-                                  {"scale", args.scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, args.dy, args.x, args.mean, args.rstd);
+  const DType t = call_dtype(args);
+  const auto [B, L, H] = ops::check(op, args);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const auto xhat = [&](int64_t r, int64_t j) {
@@ -102,8 +94,8 @@ void CpuBackend::execute(const op::LayernormModulateBackward& args) {
 // QK-norm: every D-wide head segment of a row is normalised on its own.
 void CpuBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
-  const DType t = call_dtype(op, {{"y", args.y}, {"rstd", args.rstd}, {"x", args.x}, {"scale", args.scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows();
+  const DType t = call_dtype(args);
+  const int64_t D = ops::check(op, args), rows = args.x.rows();
   const int64_t n = args.x.cols() / D;
   require_same_matrix(op, {"y", args.y}, {"x", args.x});
   require_vector(op, {"rstd", args.rstd}, rows * n);
@@ -126,9 +118,8 @@ void CpuBackend::execute(const op::RmsnormHeads& args) {
 // With x̂ = x·rstd and g = dy·scale:  dx = rstd·(g − x̂·mean(g·x̂));  dscale += Σ dy·x̂.
 void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
-  const DType t = call_dtype(
-      op, {{"dx", args.dx}, {"dscale", args.dscale}, {"dy", args.dy}, {"x", args.x}, {"rstd", args.rstd}, {"scale", args.scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows();
+  const DType t = call_dtype(args);
+  const int64_t D = ops::check(op, args), rows = args.x.rows();
   const int64_t n = args.x.cols() / D;
   require_same_matrix(op, {"dy", args.dy}, {"x", args.x});
   require_vector(op, {"rstd", args.rstd}, rows * n);

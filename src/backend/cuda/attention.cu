@@ -440,7 +440,7 @@ AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d,
 namespace {
 // The heads share one dtype (heads_in_bf16); lse is f32; bf16 heads go to cuDNN as they are,
 // so they must be 16-byte aligned like its tensors.
-bool attention_heads_in_bf16(std::string_view op, std::initializer_list<Named> heads, const Tensor& lse) {
+bool attention_heads_in_bf16(std::string_view op, std::span<const Named> heads, const Tensor& lse) {
   require_f32(op, {{"lse", lse}});
   const bool bf16 = heads_in_bf16(op, heads);
   if (bf16)
@@ -453,20 +453,18 @@ bool attention_heads_in_bf16(std::string_view op, std::initializer_list<Named> h
 
 void CudaBackend::execute(const op::Attention& args) {
   constexpr std::string_view op = "attention";
-  const bool bf16 = attention_heads_in_bf16(op, {{"o", args.o}, {"q", args.q}, {"k", args.k}, {"v", args.v}}, args.lse);
+  const bool bf16 = attention_heads_in_bf16(op, tensor_fields(args, {"o", "q", "k", "v"}), args.lse);
   const AttentionShape s =
-      dense_heads(op, ops::check_attention(op, args.o, args.lse, args.q, args.k, args.v), {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}});
+      dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o"}));
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   attention_->forward(args.o.data, args.lse.ptr<float>(), args.q.data, args.k.data, args.v.data, bf16, s, args.scale);
 }
 
 void CudaBackend::execute(const op::AttentionBackward& args) {
   constexpr std::string_view op = "attention_backward";
-  const bool bf16 = attention_heads_in_bf16(
-      op, {{"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}, {"dout", args.dout}, {"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}}, args.lse);
+  const bool bf16 = attention_heads_in_bf16(op, tensor_fields(args, {"dq", "dk", "dv", "dout", "q", "k", "v", "o"}), args.lse);
   const AttentionShape s =
-      dense_heads(op, ops::check_attention_backward(op, args.dq, args.dk, args.dv, args.dout, args.q, args.k, args.v, args.o, args.lse),
-                  {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}, {"dout", args.dout}, {"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}});
+      dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}));
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   attention_->backward(args.dq.data, args.dk.data, args.dv.data, args.dout.data, args.q.data, args.k.data, args.v.data, args.o.data, args.lse.ptr<float>(), bf16, s,
                        args.scale);

@@ -910,7 +910,7 @@ __global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst,
 }  // namespace cuda
 
 void CudaBackend::execute(const op::TransposeCodes& args) {
-  ops::check_transpose_codes("transpose_codes", args.dst, args.src);
+  ops::check("transpose_codes", args);
   if (args.src.numel() == 0) return;
   const dim3 grid(static_cast<unsigned>((args.src.cols + cuda::kCodeTile - 1) / cuda::kCodeTile),
                   static_cast<unsigned>((args.src.rows + cuda::kCodeTile - 1) / cuda::kCodeTile));
@@ -928,27 +928,23 @@ void CudaBackend::execute(const op::Quantize& args) {
 }
 
 void CudaBackend::execute(const op::QuantizeFused& args) {
-  QTensor rowwise = args.rowwise;
-  QTensor columnwise = args.columnwise;
-  const CastInput&in = args.in;
-  const Quantize&q = args.q;
   using namespace cuda;
   using Op = CastInput::Op;
-  const bool plain = in.op == Op::identity && !in.head.defined();
+  const bool plain = args.in.op == Op::identity && !args.in.head.defined();
   const std::string_view op = plain ? "quantize" : "quantize_fused";
-  const Tensor& x = in.x;
+  const Tensor& x = args.in.x;
   // With a head the cast's input is [head | op(x)], in.cols() wide (check_cast_input: x's rows
   // and dtype); the shape checks see that matrix.
-  if (in.head.defined()) ops::check_cast_input(op, in);
-  const Tensor whole = in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), in.cols()}) : x;
-  const bool any_copy = ops::check_quantize(op, rowwise, columnwise, whole, {DType::f32, DType::bf16});
-  ops::check_column_sums(op, q.column_sums, whole.cols(), /*bf16_ok=*/true);
-  const int64_t R = x.rows(), C = whole.cols(), split = in.head_cols();
+  if (args.in.head.defined()) ops::check_cast_input(op, args.in);
+  const Tensor whole = args.in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), args.in.cols()}) : x;
+  const bool any_copy = ops::check_quantize(op, args.rowwise, args.columnwise, whole, {DType::f32, DType::bf16});
+  ops::check_column_sums(op, args.q.column_sums, whole.cols(), /*bf16_ok=*/true);
+  const int64_t R = x.rows(), C = whole.cols(), split = args.in.head_cols();
   // The per-tensor kernel takes a head where no tile straddles it, for the GELU casts the model
   // fuses (Source covers the other kernels element by element); otherwise the op's output is
   // assembled first (Backend's default).
-  if (in.head.defined() && q.scaling == Fp8Scaling::per_tensor && any_copy &&
-      (split % kTile != 0 || (in.op != Op::gelu_tanh && in.op != Op::gelu_tanh_backward))) {
+  if (args.in.head.defined() && args.q.scaling == Fp8Scaling::per_tensor && any_copy &&
+      (split % kTile != 0 || (args.in.op != Op::gelu_tanh && args.in.op != Op::gelu_tanh_backward))) {
     Backend::execute(args);
     return;
   }
@@ -957,20 +953,20 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
   bool bf16 = false;
   int64_t tokens = 1;
   FastDivisor per_sample;
-  if (in.op == Op::layernorm_modulate) {
-    bf16 = activations_in_bf16(op, {{"x", x}, {"shift", in.shift}, {"scale", in.scale}});
-    require_f32(op, {{"mean", in.mean}, {"rstd", in.rstd}});
-    const auto dims = ops::check_layernorm_modulate(op, Tensor{}, in.mean, in.rstd, x, in.shift, in.scale);
+  if (args.in.op == Op::layernorm_modulate) {
+    bf16 = activations_in_bf16(op, tensor_fields(args.in, {"x", "shift", "scale"}));
+    require_f32(op, tensor_fields(args.in, {"mean", "rstd"}));
+    const auto dims = ops::check(op, op::LayernormModulate{.mean = args.in.mean, .rstd = args.in.rstd, .x = x, .shift = args.in.shift, .scale = args.in.scale});
     tokens = dims.L > 0 ? dims.L : 1;
     per_sample = row_divisor(op, x.rows(), tokens);
-  } else if (in.op == Op::gelu_tanh_backward) {
-    ops::require_defined(op, {"gelu_x", in.gelu_x});
-    bf16 = activations_in_bf16(op, {{"x", x}, {"gelu_x", in.gelu_x}});
-    require_same_matrix(op, {"gelu_x", in.gelu_x}, {"x", x});
-  } else if (in.op == Op::gated) {  // x [B, L, H], gate [B, H]
-    bf16 = activations_in_bf16(op, {{"x", x}, {"gate", in.gate}});
+  } else if (args.in.op == Op::gelu_tanh_backward) {
+    ops::require_defined(op, {"gelu_x", args.in.gelu_x});
+    bf16 = activations_in_bf16(op, tensor_fields(args.in, {"x", "gelu_x"}));
+    require_same_matrix(op, {"gelu_x", args.in.gelu_x}, {"x", x});
+  } else if (args.in.op == Op::gated) {  // x [B, L, H], gate [B, H]
+    bf16 = activations_in_bf16(op, tensor_fields(args.in, {"x", "gate"}));
     require_rank(op, {"x", x}, 3);
-    require_shape(op, {"gate", in.gate}, Shape{x.shape[0], x.shape[2]});
+    require_shape(op, {"gate", args.in.gate}, Shape{x.shape[0], x.shape[2]});
     tokens = x.shape[1] > 0 ? x.shape[1] : 1;
     per_sample = row_divisor(op, x.rows(), tokens);
   } else {
@@ -979,41 +975,41 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
   // f(source): the launches that read x, instantiated for its storage type.
   const auto with_source = [&](auto&& f) {
     if (bf16)
-      f(source_of<__nv_bfloat16>(in, per_sample));
+      f(source_of<__nv_bfloat16>(args.in, per_sample));
     else
-      f(source_of<float>(in, per_sample));
+      f(source_of<float>(args.in, per_sample));
   };
-  if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
+  if (args.q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
     with_source([&](const auto& src) {
-      add_column_sums(*this, src, R, C, q.column_sums, q.column_sums_accumulate);
+      add_column_sums(*this, src, R, C, args.q.column_sums, args.q.column_sums_accumulate);
     });
   }
   if (!any_copy) return;
-  check_output(op, rowwise, q, "rowwise");
-  check_output(op, columnwise, q, "columnwise");
+  check_output(op, args.rowwise, args.q, "rowwise");
+  check_output(op, args.columnwise, args.q, "columnwise");
 
-  const bool per_tensor = q.scaling == Fp8Scaling::per_tensor;
-  const float fmax = fp8_max(q.format);
+  const bool per_tensor = args.q.scaling == Fp8Scaling::per_tensor;
+  const float fmax = fp8_max(args.q.format);
   if (R == 0 || C == 0) {
     // Nothing to cast; a per-tensor copy still records its scale_inv, as on the CPU.
     if (per_tensor) {
-      const float* delayed = q.delayed_scale;
-      const float current_inv = scale_inverse(current_scale(0.0f, fmax, q.pow2));
-      float* rp = rowwise.defined() ? rowwise.scale_inv : nullptr;
-      float* cp = columnwise.defined() ? columnwise.scale_inv : nullptr;
+      const float* delayed = args.q.delayed_scale;
+      const float current_inv = scale_inverse(current_scale(0.0f, fmax, args.q.pow2));
+      float* rp = args.rowwise.defined() ? args.rowwise.scale_inv : nullptr;
+      float* cp = args.columnwise.defined() ? args.columnwise.scale_inv : nullptr;
       for_each(*this, 1, [=] __device__(int64_t) {
         const float inv = delayed ? scale_inverse(*delayed) : current_inv;
         if (rp) *rp = inv;
         if (cp) *cp = inv;
       });
     }
-    if (q.stats) q.stats->merge(CastStats{});
+    if (args.q.stats) args.q.stats->merge(CastStats{});
     return;
   }
 
   const int64_t tiles_x = (C + kTile - 1) / kTile, tiles = tiles_x * ((R + kTile - 1) / kTile);
   FLUX8_CHECK(tiles < (int64_t(1) << 31), "{}: {} tiles of 128x128 exceed one launch", op, tiles);
-  const bool current = per_tensor && !q.delayed_scale;
+  const bool current = per_tensor && !args.q.delayed_scale;
   const int amax_blocks = static_cast<int>(R < kAmaxBlocks ? R : kAmaxBlocks);
   // Scratch: [scale][amax partials][tile partials], each 256-byte aligned.
   const size_t off_partial_amax = 256, off_tiles = off_partial_amax + align256(kAmaxBlocks * sizeof(float));
@@ -1022,7 +1018,7 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
   auto* partials = reinterpret_cast<StatsPartial*>(s + off_tiles);
 
   const int64_t row_tiles = (R + kTile - 1) / kTile;
-  double* column_partials = q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
+  double* column_partials = args.q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
                                                           static_cast<size_t>(row_tiles * C) * sizeof(double)))
                                                     : nullptr;
   with_source([&]<typename T>(const Source<T>& src) {
@@ -1030,7 +1026,7 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
       float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
       amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(src, R, C, amax_partial);
       FLUX8_LAUNCH_CHECK(amax_partials_kernel);
-      current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, q.format, q.pow2,
+      current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, args.q.format, args.q.pow2,
                                                              scale_dev);
       FLUX8_LAUNCH_CHECK(current_scale_kernel);
     }
@@ -1040,14 +1036,14 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
     a.rows = R;
     a.cols = C;
     a.tiles_x = tiles_x;
-    a.format = q.format;
-    a.pow2 = q.pow2;
-    a.tensor_scale = current ? scale_dev : q.delayed_scale;
-    a.row = dst(rowwise);
-    a.col = dst(columnwise);
-    a.stats_from_col = !rowwise.defined();
-    a.partials = q.stats ? partials : nullptr;
-    a.amax_target = q.stats ? nullptr : q.amax;
+    a.format = args.q.format;
+    a.pow2 = args.q.pow2;
+    a.tensor_scale = current ? scale_dev : args.q.delayed_scale;
+    a.row = dst(args.rowwise);
+    a.col = dst(args.columnwise);
+    a.stats_from_col = !args.rowwise.defined();
+    a.partials = args.q.stats ? partials : nullptr;
+    a.amax_target = args.q.stats ? nullptr : args.q.amax;
     a.column_partials = column_partials;
     // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
     a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
@@ -1056,12 +1052,12 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
     // The kFull path: every access of an inner tile vectorised, its offsets in 32 bits.
     const int64_t max_ld = std::max({x.ld, C, src.gelu_ld, src.head_ld});
     a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile && (!src.head || a.head_vec4) &&
-                   (in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
-                   (in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4)) &&
-                   (in.op != Op::gated || src.scale_vec4);
-    switch (q.scaling) {
+                   (args.in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
+                   (args.in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4)) &&
+                   (args.in.op != Op::gated || src.scale_vec4);
+    switch (args.q.scaling) {
       case Fp8Scaling::per_tensor:
-        launch_per_tensor(a, q.stats != nullptr, tiles, stream());
+        launch_per_tensor(a, args.q.stats != nullptr, tiles, stream());
         break;
       case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
       case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
@@ -1069,10 +1065,10 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
     }
   });
   if (column_partials)
-    with_grad_storage(q.column_sums, [&](auto* out) {
-      column_partials_total(*this, 1, C, row_tiles, column_partials, out, C, q.column_sums_accumulate);
+    with_grad_storage(args.q.column_sums, [&](auto* out) {
+      column_partials_total(*this, 1, C, row_tiles, column_partials, out, C, args.q.column_sums_accumulate);
     });
-  if (q.stats) total_cast_stats(partials, tiles, R * C, q);  // else the amax went to q.amax by atomics
+  if (args.q.stats) total_cast_stats(partials, tiles, R * C, args.q);  // else the amax went to q.amax by atomics
 }
 
 void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elements, const Quantize& q) {
@@ -1098,7 +1094,7 @@ void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elem
 
 void CudaBackend::execute(const op::DelayedScalingUpdate& args) {
   using cuda::delayed_update_kernel;
-  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", args.amax_history, args.scale, args.scale_inv, args.fp8_max);
+  const auto d = ops::check("delayed_scaling_update", args);
   if (d.n == 0) return;
   const int64_t blocks = (d.n + 31) / 32;
   delayed_update_kernel<<<static_cast<unsigned>(blocks), 32 * cuda::kUpdateWarps, 0, stream()>>>(
