@@ -365,9 +365,42 @@ int64_t rmsnorm_head_dim(std::string_view op, const Op& a) {
 }
 }  // namespace
 
-int64_t check(std::string_view op, const op::RmsnormHeads& a) { return rmsnorm_head_dim(op, a); }
+RmsnormDims check(std::string_view op, const op::RmsnormHeads& a) {
+  const int64_t D = rmsnorm_head_dim(op, a), rows = a.x.rows(), n = a.x.cols() / D;
+  require_same_matrix(op, {"y", a.y}, {"x", a.x});
+  require_vector(op, {"rstd", a.rstd}, rows * n);
+  return {D, n, rows};
+}
 
-int64_t check(std::string_view op, const op::RmsnormHeadsBackward& a) { return rmsnorm_head_dim(op, a); }
+RmsnormDims check(std::string_view op, const op::RmsnormHeadsBackward& a) {
+  const int64_t D = rmsnorm_head_dim(op, a), rows = a.x.rows(), n = a.x.cols() / D;
+  require_same_matrix(op, {"dy", a.dy}, {"x", a.x});
+  require_vector(op, {"rstd", a.rstd}, rows * n);
+  if (a.dx.defined()) require_same_matrix(op, {"dx", a.dx}, {"x", a.x});
+  if (a.dscale.defined()) require_vector(op, {"dscale", a.dscale}, D);
+  return {D, n, rows};
+}
+
+void check(std::string_view op, const op::GatedResidual& a) {
+  require_rank(op, {"x", a.x}, 3);
+  require_shape(op, {"out", a.out}, a.x.shape);
+  require_shape(op, {"y", a.y}, a.x.shape);
+  require_shape(op, {"gate", a.gate}, Shape{a.x.shape[0], a.x.shape[2]});
+}
+
+NormDims check(std::string_view op, const op::GatedResidualBackward& a) {
+  require_rank(op, {"dx", a.dx}, 3);
+  const NormDims d{a.dx.shape[0], a.dx.shape[1], a.dx.shape[2]};
+  if (a.dy.defined()) {
+    require_shape(op, {"dy", a.dy}, a.dx.shape);
+    require_shape(op, {"gate", a.gate}, Shape{d.B, d.H});
+  }
+  if (a.dgate.defined()) {
+    require_shape(op, {"y", a.y}, a.dx.shape);
+    require_shape(op, {"dgate", a.dgate}, Shape{d.B, d.H});
+  }
+  return d;
+}
 
 void check_attention_heads(std::string_view op, std::span<const Named> heads) {
   const Named& q = *heads.begin();
@@ -431,8 +464,7 @@ void require_scales(std::string_view op, const Fp8AttentionScales& sc, std::init
 }
 
 // What both directions of FP8 attention check; `tensors` are every QTensor of the call.
-template <size_t N>
-AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, const std::array<NamedQ, N>& tensors,
+AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::span<const NamedQ> tensors,
                                   const QTensor& q, const Tensor& lse) {
   if (heads.rank != 4) fail("{}: heads {} must be [B, n, L, D]", op, heads.str());
   const AttentionDims d{heads[0], heads[1], heads[2], heads[3]};
@@ -491,13 +523,14 @@ Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_o
 }  // namespace
 
 AttentionDims check(std::string_view op, const op::AttentionFp8& a) {
-  const AttentionDims d = check_attention_fp8(op, a.heads, qtensor_fields(a), a.q, a.lse);
+  const AttentionDims d = check_attention_fp8(op, a.heads, qtensor_fields(a, {"q", "k", "v", "o"}), a.q, a.lse);
   require_scales(op, a.sc, {"o"});
   return d;
 }
 
 AttentionDims check(std::string_view op, const op::AttentionFp8Backward& a) {
-  const AttentionDims d = check_attention_fp8(op, a.heads, qtensor_fields(a), a.q, a.lse);
+  const AttentionDims d = check_attention_fp8(
+      op, a.heads, qtensor_fields(a, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}), a.q, a.lse);
   require_scales(op, a.sc, {"ds", "ds_inv", "dq", "dk", "dv"});
   return d;
 }

@@ -34,6 +34,9 @@ struct NamedQ {
 // Out{declared name, field}, in declaration order: the checks name tensors as the op declares them.
 template <typename Out, typename T, typename S>
 auto fields_of_type(const S& s);
+// Those named in `only`, in the order of `only`; a name that is no such field of S fails.
+template <typename Out, typename T, typename S>
+std::vector<Out> fields_of_type(const S& s, std::initializer_list<std::string_view> only);
 // Every Tensor field; every QTensor field.
 template <typename S>
 auto tensor_fields(const S& s) {
@@ -46,7 +49,13 @@ auto qtensor_fields(const S& s) {
 // The Tensor fields named in `only` (one role among the op's tensors: its activations, its
 // statistics), in the order of `only`; a name that is no Tensor field of S fails.
 template <typename S>
-std::vector<Named> tensor_fields(const S& s, std::initializer_list<std::string_view> only);
+std::vector<Named> tensor_fields(const S& s, std::initializer_list<std::string_view> only) {
+  return fields_of_type<Named, Tensor>(s, only);
+}
+template <typename S>
+std::vector<NamedQ> qtensor_fields(const S& s, std::initializer_list<std::string_view> only) {
+  return fields_of_type<NamedQ, QTensor>(s, only);
+}
 
 // Checks that all defined tensors share one dtype, that it is one of `allowed` (a backend's
 // compute types; `backend` names it in the message) and that ld >= cols; returns the dtype.
@@ -122,9 +131,18 @@ NormDims check(std::string_view op, const op::LayernormModulateBackward& a);
 // gated_residual_stats: x [B, L, H], out and y like x (out not x itself), gate [B, H], mean and
 // rstd [B, L] of one floating type, any ld, two tensors. Returns B.
 int64_t check(std::string_view op, const op::GatedResidualStats& a);
-// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
-int64_t check(std::string_view op, const op::RmsnormHeads& a);
-int64_t check(std::string_view op, const op::RmsnormHeadsBackward& a);
+// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale), y (dy; dx when defined)
+// the same matrix as x, rstd a vector of rows·n (dscale, when defined, of D).
+struct RmsnormDims {
+  int64_t D, n, rows;
+};
+RmsnormDims check(std::string_view op, const op::RmsnormHeads& a);
+RmsnormDims check(std::string_view op, const op::RmsnormHeadsBackward& a);
+// gated_residual: x [B, L, H], out and y like x, gate [B, H].
+void check(std::string_view op, const op::GatedResidual& a);
+// gated_residual_backward: dx [B, L, H]; with dy: dy like dx, gate [B, H]; with dgate: y like dx,
+// dgate [B, H]. Returns {B, L, H}.
+NormDims check(std::string_view op, const op::GatedResidualBackward& a);
 
 // adamw's whole argument check: param, grad, m, v contiguous vectors of one length, m and v
 // in the parameters' type or both bf16 with f32 parameters (the types of param and grad are
@@ -227,13 +245,13 @@ auto fields_of_type(const S& s) {
   }(std::make_index_sequence<idx.size()>{});
 }
 
-template <typename S>
-std::vector<Named> tensor_fields(const S& s, std::initializer_list<std::string_view> only) {
-  const auto all = tensor_fields(s);
-  std::vector<Named> out;
+template <typename Out, typename T, typename S>
+std::vector<Out> fields_of_type(const S& s, std::initializer_list<std::string_view> only) {
+  const auto all = fields_of_type<Out, T>(s);
+  std::vector<Out> out;
   out.reserve(only.size());
   for (std::string_view name : only) {
-    const auto it = std::find_if(all.begin(), all.end(), [&](const Named& t) { return t.name == name; });
+    const auto it = std::find_if(all.begin(), all.end(), [&](const Out& t) { return t.name == name; });
     if (it == all.end()) detail::fail_missing_field(detail::name_of<S>(), name);
     out.push_back(*it);
   }

@@ -18,14 +18,8 @@
 
 namespace flux8::cpu {
 
-using ops::Named;
-using ops::require_contiguous;
-using ops::require_defined;
-using ops::require_rank;
-using ops::require_same_matrix;
-using ops::require_shape;
-using ops::require_vector;
-using ops::tensor_fields;
+// The shared argument checks (backend/op_checks.h), unqualified in the op files.
+using namespace ops;
 
 // Checks that all defined tensors share one dtype (f32 or f64) and have ld >= cols; returns it.
 inline DType call_dtype(std::string_view op, std::span<const Named> tensors) {

@@ -74,10 +74,7 @@ void CpuBackend::execute(const op::Accumulate& args) {
 void CpuBackend::execute(const op::GatedResidual& args) {
   constexpr std::string_view op = "gated_residual";
   const DType t = call_dtype(args);
-  require_rank(op, {"x", args.x}, 3);
-  require_shape(op, {"out", args.out}, args.x.shape);
-  require_shape(op, {"y", args.y}, args.x.shape);
-  require_shape(op, {"gate", args.gate}, Shape{args.x.shape[0], args.x.shape[2]});
+  ops::check(op, args);
   const Ctx c = make_ctx(options_, t);
   const int64_t L = args.x.shape[1], H = args.x.shape[2];
   dispatch(t, [&]<typename T>(T) {
@@ -92,15 +89,11 @@ void CpuBackend::execute(const op::GatedResidual& args) {
 // dy = gate[b] ⊙ dx;  dgate[b] = Σ_l dx ⊙ y (both input gradients: rounded like activations).
 void CpuBackend::execute(const op::GatedResidualBackward& args) {
   constexpr std::string_view op = "gated_residual_backward";
-  const DType t =
-      call_dtype(args);
-  require_rank(op, {"dx", args.dx}, 3);
-  const int64_t B = args.dx.shape[0], L = args.dx.shape[1], H = args.dx.shape[2];
+  const DType t = call_dtype(args);
+  const auto [B, L, H] = ops::check(op, args);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     if (args.dy.defined()) {
-      require_shape(op, {"dy", args.dy}, args.dx.shape);
-      require_shape(op, {"gate", args.gate}, Shape{B, H});
       parallel_for(args.dx.rows(), c, [&](int64_t r) {
         T* dyr = row<T>(args.dy, r);
         const T *dxr = row<T>(args.dx, r), *g = row<T>(args.gate, r / L);
@@ -108,8 +101,6 @@ void CpuBackend::execute(const op::GatedResidualBackward& args) {
       });
     }
     if (args.dgate.defined()) {
-      require_shape(op, {"y", args.y}, args.dx.shape);
-      require_shape(op, {"dgate", args.dgate}, Shape{B, H});
       const auto s = grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
         const T *dxr = row<T>(args.dx, b * L + l), *yr = row<T>(args.y, b * L + l);
         for (int64_t j = 0; j < H; ++j) acc[j] += static_cast<double>(dxr[j]) * yr[j];

@@ -95,10 +95,7 @@ void CpuBackend::execute(const op::LayernormModulateBackward& args) {
 void CpuBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
   const DType t = call_dtype(args);
-  const int64_t D = ops::check(op, args), rows = args.x.rows();
-  const int64_t n = args.x.cols() / D;
-  require_same_matrix(op, {"y", args.y}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
+  const auto [D, n, rows] = ops::check(op, args);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const T* sc = args.scale.ptr<T>();
@@ -119,15 +116,11 @@ void CpuBackend::execute(const op::RmsnormHeads& args) {
 void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
   const DType t = call_dtype(args);
-  const int64_t D = ops::check(op, args), rows = args.x.rows();
-  const int64_t n = args.x.cols() / D;
-  require_same_matrix(op, {"dy", args.dy}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
+  const auto [D, n, rows] = ops::check(op, args);
   const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const T *sc = args.scale.ptr<T>(), *rs = args.rstd.ptr<T>();
     if (args.dx.defined()) {
-      require_same_matrix(op, {"dx", args.dx}, {"x", args.x});
       parallel_for(rows * n, c, [&](int64_t i) {
         const int64_t r = i / n, h = i % n;
         const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;
@@ -143,7 +136,6 @@ void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
       });
     }
     if (args.dscale.defined()) {
-      require_vector(op, {"dscale", args.dscale}, D);
       const auto s = grouped_column_sums(1, rows * n, D, c, [&](int64_t, int64_t i, double* acc) {
         const int64_t r = i / n, h = i % n;
         const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;

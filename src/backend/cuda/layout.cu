@@ -159,13 +159,12 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
 // out = x + gate[b] ⊙ y; out may be x (each element is read and written by one thread). One
 // fused multiply-add an element, as gated_residual_stats (norms.cu) computes it.
 template <typename T>
-void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& out, const Tensor& x, const Tensor& y,
-                       const Tensor& gate) {
-  const int64_t L = x.shape[1], H = x.shape[2];
-  const MatOf<T> O = mat_of<T>(out), X = mat_of<T>(x), Y = mat_of<T>(y), G = mat_of<T>(gate);
-  const FastDivisor per_sample = row_divisor(op, x.rows(), L);
+void gated_residual_as(CudaBackend& be, std::string_view op, const op::GatedResidual& a) {
+  const int64_t L = a.x.shape[1], H = a.x.shape[2];
+  const MatOf<T> O = mat_of<T>(a.out), X = mat_of<T>(a.x), Y = mat_of<T>(a.y), G = mat_of<T>(a.gate);
+  const FastDivisor per_sample = row_divisor(op, a.x.rows(), L);
   if (vec4_rows(O) && vec4_rows(X) && vec4_rows(Y) && vec4_rows(G)) {  // 16-byte (f32) / 8-byte (bf16) accesses
-    for_each_row(be, x.rows(), H / 4, [=] __device__(int64_t r, int q) {
+    for_each_row(be, a.x.rows(), H / 4, [=] __device__(int64_t r, int q) {
       const float4 g = load4(&G.at(per_sample.divide(static_cast<uint32_t>(r)), 4 * q)), yv = load4(&Y.at(r, 4 * q));
       const float4 xv = load4(&X.at(r, 4 * q));
       store4(&O.at(r, 4 * q), make_float4(__fmaf_rn(g.x, yv.x, xv.x), __fmaf_rn(g.y, yv.y, xv.y),
@@ -173,22 +172,21 @@ void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& out, 
     });
     return;
   }
-  for_each_row(be, x.rows(), H, [=] __device__(int64_t r, int j) {
+  for_each_row(be, a.x.rows(), H, [=] __device__(int64_t r, int j) {
     O.set(r, j, __fmaf_rn(G.get(per_sample.divide(static_cast<uint32_t>(r)), j), Y.get(r, j), X.get(r, j)));
   });
 }
 
 template <typename T>
-void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tensor& dy, const Tensor& dgate,
-                                const Tensor& dx, const Tensor& y, const Tensor& gate) {
-  const int64_t B = dx.shape[0], L = dx.shape[1], H = dx.shape[2];
-  const MatOf<T> DX = mat_of<T>(dx);
+void gated_residual_backward_as(CudaBackend& be, std::string_view op, const op::GatedResidualBackward& a) {
+  const int64_t B = a.dx.shape[0], L = a.dx.shape[1], H = a.dx.shape[2];
+  const MatOf<T> DX = mat_of<T>(a.dx);
   MatOf<T> DY{}, G{};
-  if (dy.defined()) DY = mat_of<T>(dy), G = mat_of<T>(gate);
-  if (dgate.defined()) {
+  if (a.dy.defined()) DY = mat_of<T>(a.dy), G = mat_of<T>(a.gate);
+  if (a.dgate.defined()) {
     // One pass: the column-sum walk over (sample, row, column) also writes dy, so dx is read
     // once (column_sums visits every element exactly once).
-    const MatOf<T> Y = mat_of<T>(y);
+    const MatOf<T> Y = mat_of<T>(a.y);
     if (vec4_rows(DX) && vec4_rows(Y) && (!DY.p || (vec4_rows(DY) && vec4_rows(G)))) {
       column_sums4(
           be, B, L, H,
@@ -201,7 +199,7 @@ void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tens
             }
             return make_float4(d.x * yv.x, d.y * yv.y, d.z * yv.z, d.w * yv.w);
           },
-          dgate.ptr<T>(), dgate.ld, false);
+          a.dgate.ptr<T>(), a.dgate.ld, false);
       return;
     }
     column_sums(
@@ -211,7 +209,7 @@ void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tens
           if (DY.p) DY.set(b * L + l, j, G.get(b, j) * d);
           return d * Y.get(b * L + l, j);  // summed in f32 over a thread's 32 rows
         },
-        dgate.ptr<T>(), dgate.ld, false);
+        a.dgate.ptr<T>(), a.dgate.ld, false);
   } else if (DY.p) {
     const FastDivisor per_sample = row_divisor(op, B * L, L);
     for_each_row(be, B * L, H, [=] __device__(int64_t r, int j) {
@@ -395,33 +393,21 @@ void CudaBackend::execute(const op::SplitTokens& args) {
 void CudaBackend::execute(const op::GatedResidual& args) {
   constexpr std::string_view op = "gated_residual";
   const bool bf = activations_in_bf16(args);
-  require_rank(op, {"x", args.x}, 3);
-  require_shape(op, {"out", args.out}, args.x.shape);
-  require_shape(op, {"y", args.y}, args.x.shape);
-  require_shape(op, {"gate", args.gate}, Shape{args.x.shape[0], args.x.shape[2]});
+  ops::check(op, args);
   if (bf)
-    gated_residual_as<bf16>(*this, op, args.out, args.x, args.y, args.gate);
+    gated_residual_as<bf16>(*this, op, args);
   else
-    gated_residual_as<float>(*this, op, args.out, args.x, args.y, args.gate);
+    gated_residual_as<float>(*this, op, args);
 }
 
 void CudaBackend::execute(const op::GatedResidualBackward& args) {
   constexpr std::string_view op = "gated_residual_backward";
   const bool bf = activations_in_bf16(args);
-  require_rank(op, {"dx", args.dx}, 3);
-  const int64_t B = args.dx.shape[0], H = args.dx.shape[2];
-  if (args.dy.defined()) {
-    require_shape(op, {"dy", args.dy}, args.dx.shape);
-    require_shape(op, {"gate", args.gate}, Shape{B, H});
-  }
-  if (args.dgate.defined()) {
-    require_shape(op, {"y", args.y}, args.dx.shape);
-    require_shape(op, {"dgate", args.dgate}, Shape{B, H});
-  }
+  ops::check(op, args);
   if (bf)
-    gated_residual_backward_as<bf16>(*this, op, args.dy, args.dgate, args.dx, args.y, args.gate);
+    gated_residual_backward_as<bf16>(*this, op, args);
   else
-    gated_residual_backward_as<float>(*this, op, args.dy, args.dgate, args.dx, args.y, args.gate);
+    gated_residual_backward_as<float>(*this, op, args);
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------

@@ -686,9 +686,7 @@ void CudaBackend::execute(const op::LayernormModulateBackward& args) {
 void CudaBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
   require_f32(args);
-  const int64_t D = ops::check(op, args), rows = args.x.rows(), n = args.x.cols() / D;
-  require_same_matrix(op, {"y", args.y}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
+  const auto [D, n, rows] = ops::check(op, args);
   const int64_t segments = rows * n;
   if (segments == 0) return;
   rmsnorm_heads_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(mat(args.y), args.rstd.ptr<float>(), mat(args.x),
@@ -699,18 +697,14 @@ void CudaBackend::execute(const op::RmsnormHeads& args) {
 void CudaBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
   require_f32(args);
-  const int64_t D = ops::check(op, args), rows = args.x.rows(), n = args.x.cols() / D;
-  require_same_matrix(op, {"dy", args.dy}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
+  const auto [D, n, rows] = ops::check(op, args);
   const int64_t segments = rows * n;
   if (args.dx.defined() && segments > 0) {
-    require_same_matrix(op, {"dx", args.dx}, {"x", args.x});
     rmsnorm_heads_dx_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(
         mat(args.dx), mat(args.dy), mat(args.x), args.rstd.ptr<float>(), args.scale.ptr<float>(), D, n, segments);
     FLUX8_LAUNCH_CHECK(rmsnorm_heads_dx_kernel);
   }
   if (args.dscale.defined()) {
-    require_vector(op, {"dscale", args.dscale}, D);
     const Mat DY = mat(args.dy), X = mat(args.x);
     const float* rs = args.rstd.ptr<float>();
     column_sums(
