@@ -20,9 +20,8 @@ constexpr int64_t kQueryBlock = 128;
 
 void CpuBackend::execute(const op::Attention& args) {
   constexpr std::string_view op = "attention";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto [B, n, L, D] = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     std::vector<T> s(static_cast<size_t>(std::min(kQueryBlock, L) * L));
     for (int64_t bh = 0; bh < B * n; ++bh) {
@@ -56,9 +55,8 @@ void CpuBackend::execute(const op::Attention& args) {
 //   dV = Pᵀ·dO,  dS = P ⊙ (dP − δ)·scale,  dQ = dS·K,  dK = dSᵀ·Q.
 void CpuBackend::execute(const op::AttentionBackward& args) {
   constexpr std::string_view op = "attention_backward";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto [B, n, L, D] = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const size_t block = static_cast<size_t>(std::min(kQueryBlock, L) * L);
     std::vector<T> p(block), dp(block);

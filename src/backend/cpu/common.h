@@ -42,6 +42,17 @@ inline Ctx make_ctx(const BackendOptions& o, DType t) {
              o.threads > 0 ? o.threads : omp_get_max_threads()};
 }
 
+// The element type of an op call (call_dtype over its tensors) and the context it runs in.
+struct Call {
+  DType t;
+  Ctx c;
+};
+template <typename Op>
+Call begin_call(const BackendOptions& o, const Op& a) {
+  const DType t = call_dtype(a);
+  return {t, make_ctx(o, t)};
+}
+
 // Calls f(T{}) with T = float or double according to t.
 template <typename F>
 void dispatch(DType t, F&& f) {

@@ -7,8 +7,7 @@ namespace flux8 {
 using namespace cpu;
 
 void CpuBackend::execute(const op::Fill& args) {
-  const DType t = call_dtype(args);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       std::fill(row<T>(args.y, r), row<T>(args.y, r) + args.y.cols(), static_cast<T>(args.value));
@@ -17,9 +16,8 @@ void CpuBackend::execute(const op::Fill& args) {
 }
 
 void CpuBackend::execute(const op::FillRandom& args) {
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   require_contiguous("fill_random", {"y", args.y});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     T* out = args.y.ptr<T>();
     parallel_for(args.y.numel(), c, [&](int64_t i) {
@@ -32,9 +30,8 @@ void CpuBackend::execute(const op::FillRandom& args) {
 }
 
 void CpuBackend::execute(const op::Copy& args) {
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("copy", {"y", args.y}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       std::copy(row<T>(args.x, r), row<T>(args.x, r) + args.x.cols(), row<T>(args.y, r));
@@ -43,10 +40,9 @@ void CpuBackend::execute(const op::Copy& args) {
 }
 
 void CpuBackend::execute(const op::Add& args) {
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("add", {"y", args.y}, {"a", args.a});
   require_same_matrix("add", {"y", args.y}, {"b", args.b});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       T* yr = row<T>(args.y, r);
@@ -57,9 +53,8 @@ void CpuBackend::execute(const op::Add& args) {
 }
 
 void CpuBackend::execute(const op::Accumulate& args) {
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("accumulate", {"y", args.y}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       T* yr = row<T>(args.y, r);
@@ -73,9 +68,8 @@ void CpuBackend::execute(const op::Accumulate& args) {
 // is rounded.
 void CpuBackend::execute(const op::GatedResidual& args) {
   constexpr std::string_view op = "gated_residual";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   const int64_t L = args.x.shape[1], H = args.x.shape[2];
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.x.rows(), c, [&](int64_t r) {
@@ -89,9 +83,8 @@ void CpuBackend::execute(const op::GatedResidual& args) {
 // dy = gate[b] ⊙ dx;  dgate[b] = Σ_l dx ⊙ y (both input gradients: rounded like activations).
 void CpuBackend::execute(const op::GatedResidualBackward& args) {
   constexpr std::string_view op = "gated_residual_backward";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto [B, L, H] = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     if (args.dy.defined()) {
       parallel_for(args.dx.rows(), c, [&](int64_t r) {

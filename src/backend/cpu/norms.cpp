@@ -11,9 +11,8 @@ using namespace cpu;
 
 void CpuBackend::execute(const op::LayernormModulate& args) {
   constexpr std::string_view op = "layernorm_modulate";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto [B, L, H] = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * L, c, [&](int64_t r) {
       const T* xr = row<T>(args.x, r);
@@ -40,9 +39,8 @@ void CpuBackend::execute(const op::LayernormModulate& args) {
 // With g = dy·(1 + scale) = ∂loss/∂x̂:  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)).
 void CpuBackend::execute(const op::LayernormModulateBackward& args) {
   constexpr std::string_view op = "layernorm_modulate_backward";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto [B, L, H] = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const auto xhat = [&](int64_t r, int64_t j) {
       return (static_cast<double>(row<T>(args.x, r)[j]) - args.mean.ptr<T>()[r]) * args.rstd.ptr<T>()[r];
@@ -94,9 +92,8 @@ void CpuBackend::execute(const op::LayernormModulateBackward& args) {
 // QK-norm: every D-wide head segment of a row is normalised on its own.
 void CpuBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto [D, n, rows] = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const T* sc = args.scale.ptr<T>();
     parallel_for(rows * n, c, [&](int64_t i) {
@@ -115,9 +112,8 @@ void CpuBackend::execute(const op::RmsnormHeads& args) {
 // With x̂ = x·rstd and g = dy·scale:  dx = rstd·(g − x̂·mean(g·x̂));  dscale += Σ dy·x̂.
 void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto [D, n, rows] = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     const T *sc = args.scale.ptr<T>(), *rs = args.rstd.ptr<T>();
     if (args.dx.defined()) {

@@ -35,9 +35,8 @@ void rotate_between(const Tensor& heads, const Tensor& tokens, const Tensor& pe,
 
 void CpuBackend::execute(const op::QkNormRopeToHeads& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto d = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     // The normalised stream in token layout, and statistics nobody asked to keep.
     std::vector<T> normed(static_cast<size_t>(d.B * d.Ls * d.n * d.D)), unkept;
@@ -57,9 +56,8 @@ void CpuBackend::execute(const op::QkNormRopeToHeads& args) {
 
 void CpuBackend::execute(const op::QkNormRopeToHeadsBackward& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_backward";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   const auto d = ops::check(op, args);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     // The gradient w.r.t. the normalised (unrotated) stream, in token layout: rmsnorm_heads'
     // dy, which its backward reads for dx and again for dscale.

@@ -11,7 +11,7 @@ using namespace cpu;
 // of axis i. Evaluated in double like the reference (which then casts to f32).
 void CpuBackend::execute(const op::RopeTable& args) {
   constexpr std::string_view op = "rope_table";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   require_rank(op, {"ids", args.ids}, 3);
   const int64_t B = args.ids.shape[0], L = args.ids.shape[1];
   int64_t pairs = 0;
@@ -23,7 +23,6 @@ void CpuBackend::execute(const op::RopeTable& args) {
     fail("{}: ids {} must have one position per axis ({} axes)", op, args.ids.str(), args.axes_dim.size());
   require_shape(op, {"pe", args.pe}, Shape{B, L, pairs, 2});
   if (!args.pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, args.pe.str());
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * L, c, [&](int64_t r) {
       const T* pos = row<T>(args.ids, r);
@@ -45,13 +44,12 @@ void CpuBackend::execute(const op::RopeTable& args) {
 // the inverse is also the backward.
 void CpuBackend::execute(const op::Rope& args) {
   constexpr std::string_view op = "rope";
-  const DType t = call_dtype(args);
+  const auto [t, c] = begin_call(options_, args);
   require_rank(op, {"x", args.x}, 4);
   const int64_t B = args.x.shape[0], n = args.x.shape[1], L = args.x.shape[2], D = args.x.shape[3];
   if (D % 2 != 0) fail("{}: head dim of x {} must be even", op, args.x.str());
   require_shape(op, {"pe", args.pe}, Shape{B, L, D / 2, 2});
   if (!args.pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, args.pe.str());
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * n * L, c, [&](int64_t r) {
       const int64_t b = r / (n * L), l = r % L;

@@ -66,7 +66,7 @@ class GradientReader {
 
 void CpuBackend::execute(const op::FlowMatchInputs& args) {
   constexpr std::string_view op = "flow_match_inputs";
-  const DType dt = call_dtype(args);
+  const auto [dt, c] = begin_call(options_, args);
   for (Named n : {Named{"xt", args.xt}, Named{"target", args.target}, Named{"x0", args.x0}}) require_contiguous(op, n);
   require_shape(op, {"xt", args.xt}, args.x0.shape);
   require_shape(op, {"target", args.target}, args.x0.shape);
@@ -74,7 +74,6 @@ void CpuBackend::execute(const op::FlowMatchInputs& args) {
   require_vector(op, {"t", args.t}, B);
   if (static_cast<int64_t>(args.streams.size()) != B)
     fail("{}: {} noise streams for a batch of {}", op, args.streams.size(), B);
-  const Ctx c = make_ctx(options_, dt);
   dispatch(dt, [&]<typename T>(T) {
     parallel_for(B, c, [&](int64_t b) {
       const double tb = static_cast<double>(args.t.ptr<T>()[b]);
@@ -92,12 +91,11 @@ void CpuBackend::execute(const op::FlowMatchInputs& args) {
 
 double CpuBackend::execute(const op::MseLoss& args) {
   constexpr std::string_view op = "mse_loss";
-  const DType dt = call_dtype(args);
+  const auto [dt, c] = begin_call(options_, args);
   for (Named n : {Named{"dpred", args.dpred}, Named{"pred", args.pred}, Named{"target", args.target}}) require_contiguous(op, n);
   require_shape(op, {"target", args.target}, args.pred.shape);
   if (args.dpred.defined()) require_shape(op, {"dpred", args.dpred}, args.pred.shape);
   const int64_t n = args.pred.numel();
-  const Ctx c = make_ctx(options_, dt);
   double loss = 0;
   dispatch(dt, [&]<typename T>(T) {
     const T *p = args.pred.ptr<T>(), *y = args.target.ptr<T>();
@@ -118,9 +116,8 @@ double CpuBackend::execute(const op::MseLoss& args) {
 }
 
 double CpuBackend::execute(const op::SumSquares& args) {
-  const DType dt = call_dtype(args);
+  const auto [dt, c] = begin_call(options_, args);
   require_contiguous("sum_squares", {"x", args.x});
-  const Ctx c = make_ctx(options_, dt);
   double s = 0;
   dispatch(dt, [&]<typename T>(T) {
     const T* p = args.x.ptr<T>();
@@ -131,12 +128,11 @@ double CpuBackend::execute(const op::SumSquares& args) {
 
 double CpuBackend::execute(const op::GradientSumSquares& args) {
   constexpr std::string_view op = "gradient_sum_squares";
-  const DType dt = call_dtype(args);
+  const auto [dt, c] = begin_call(options_, args);
   require_contiguous(op, {"grads", args.grads});
   const std::vector<LowRankGrad> sorted = ops::check(op, args);
   if (sorted.empty()) return sum_squares(args.grads);
   if (dt != DType::f32) fail("{}: low-rank gradients need f32 gradients", op);
-  const Ctx c = make_ctx(options_, dt);
   const float* g = args.grads.ptr<float>();
   const GradientReader<float> reader(g, sorted);
   double s = ordered_sum(args.grads.numel(), c, [&](int64_t i) {
