@@ -429,8 +429,7 @@ using namespace cuda;
 namespace {
 
 // cuDNN and the kernels take dense [B, n, L, D] tensors (the shapes are checked by ops::).
-AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d,
-                           std::initializer_list<Named> heads) {
+AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d, std::span<const Named> heads) {
   for (const Named& a : heads) require_contiguous(op, a);
   return AttentionShape{d.B, d.n, d.L, d.D};
 }

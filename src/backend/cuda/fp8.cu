@@ -403,6 +403,43 @@ struct RowPassOut {
   float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 };
 
+// One row segment of a thread: the 4 values v (the first nj real) encoded into a word of codes
+// with scale s, their amax, counts (kCount) and, with `sums`, column sums added to `out`.
+template <bool kCount, Fp8Format kFmt>
+__device__ __forceinline__ uint32_t encode_quad(const float (&v)[4], int nj, float s, bool scale_ok, bool sums,
+                                                RowPassOut& out) {
+  [[maybe_unused]] const float bound = fp8_saturation_bound(kFmt);
+  const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
+                          umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
+  uint32_t word;
+  if (!kCount && nj == 4 && scale_ok && m <= 0x7F800000u) {
+    word = encode_pair_finite(v[0], v[1], s, kFmt) | (encode_pair_finite(v[2], v[3], s, kFmt) << 16);
+    out.amax_bits = umax(out.amax_bits, m);
+    if (sums)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out.cs[k] += v[k];
+  } else {
+    word = encode_pair(v[0], v[1], s, kFmt) | (encode_pair(v[2], v[3], s, kFmt) << 16);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k >= nj) break;
+      const float x = v[k];
+      if (!f32_is_nan(x)) out.amax_bits = umax(out.amax_bits, f32_bits(x) & 0x7FFFFFFFu);
+      if constexpr (kCount) {
+        if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
+          ++out.nonzero;
+          if (f32_abs(x * s) > bound)
+            ++out.saturated;
+          else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
+            ++out.flushed;
+        }
+      }
+      if (sums) out.cs[k] += x;
+    }
+  }
+  return word;
+}
+
 // The tile's elements come from `src` (a.x, or a head's identity source), whose columns start
 // at sc0 for this tile (t.c0 in the cast's columns); x_vec: src.x and its ld allow vector loads.
 template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt, bool kFull>
@@ -411,7 +448,6 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
                                           RowPassOut& out) {
   using Op = Backend::CastInput::Op;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  [[maybe_unused]] const float bound = fp8_saturation_bound(kFmt);
   const int j0 = 4 * lane;  // this thread's 4 columns of the tile
   const int nr = kFull ? kTile : t.nr;
   const int nj = kFull ? 4 : (t.nc - j0 < 4 ? (t.nc - j0 > 0 ? t.nc - j0 : 0) : 4);
@@ -495,34 +531,7 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
         for (int k = 0; k < 4; ++k)
           if (k < nj) v[k] = src.template apply_op<kOp>(v[k], r, 0, sc0 + j0 + k);
       }
-      const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
-                              umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
-      uint32_t word;
-      if (!kCount && nj == 4 && scale_ok && m <= 0x7F800000u) {
-        word = encode_pair_finite(v[0], v[1], s, kFmt) | (encode_pair_finite(v[2], v[3], s, kFmt) << 16);
-        out.amax_bits = umax(out.amax_bits, m);
-        if (a.column_partials)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) out.cs[k] += v[k];
-      } else {
-        word = encode_pair(v[0], v[1], s, kFmt) | (encode_pair(v[2], v[3], s, kFmt) << 16);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (k >= nj) break;
-          const float x = v[k];
-          if (!f32_is_nan(x)) out.amax_bits = umax(out.amax_bits, f32_bits(x) & 0x7FFFFFFFu);
-          if constexpr (kCount) {
-            if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
-              ++out.nonzero;
-              if (f32_abs(x * s) > bound)
-                ++out.saturated;
-              else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
-                ++out.flushed;
-            }
-          }
-          if (a.column_partials) out.cs[k] += x;
-        }
-      }
+      const uint32_t word = encode_quad<kCount, kFmt>(v, nj, s, scale_ok, a.column_partials != nullptr, out);
       codes[i][lane ^ swizzle(i)] = word;
       if (row_word) {
         *reinterpret_cast<uint32_t*>(row_tile + i * cols) = word;
@@ -927,6 +936,45 @@ void CudaBackend::execute(const op::Quantize& args) {
   quantize_fused(args.rowwise, args.columnwise, in, args.q);
 }
 
+namespace {
+// The fused input's checks beyond the cast's: x, and LayerNorm's shift and scale (columns of the
+// modulation Linear's output), are activations, all f32 or all bf16 (`bf16`); the row statistics
+// stay f32. LayerNorm and the gated input read per-sample vectors: `per_sample` divides a row by
+// the `tokens` rows of a sample.
+struct FusedInput {
+  bool bf16 = false;
+  int64_t tokens = 1;
+  FastDivisor per_sample;
+};
+FusedInput check_fused_input(std::string_view op, const CastInput& in) {
+  using namespace cuda;
+  using Op = CastInput::Op;
+  const Tensor& x = in.x;
+  FusedInput f;
+  if (in.op == Op::layernorm_modulate) {
+    f.bf16 = activations_in_bf16(op, tensor_fields(in, {"x", "shift", "scale"}));
+    require_f32(op, tensor_fields(in, {"mean", "rstd"}));
+    const auto dims = ops::check(op, op::LayernormModulate{.mean = in.mean, .rstd = in.rstd, .x = x, .shift = in.shift, .scale = in.scale});
+    f.tokens = dims.L > 0 ? dims.L : 1;
+    f.per_sample = row_divisor(op, x.rows(), f.tokens);
+  } else if (in.op == Op::gelu_tanh_backward) {
+    ops::require_defined(op, {"gelu_x", in.gelu_x});
+    f.bf16 = activations_in_bf16(op, tensor_fields(in, {"x", "gelu_x"}));
+    require_same_matrix(op, {"gelu_x", in.gelu_x}, {"x", x});
+  } else if (in.op == Op::gated) {  // x [B, L, H], gate [B, H]
+    f.bf16 = activations_in_bf16(op, tensor_fields(in, {"x", "gate"}));
+    require_rank(op, {"x", x}, 3);
+    require_shape(op, {"gate", in.gate}, Shape{x.shape[0], x.shape[2]});
+    f.tokens = x.shape[1] > 0 ? x.shape[1] : 1;
+    f.per_sample = row_divisor(op, x.rows(), f.tokens);
+  } else {
+    f.bf16 = activations_in_bf16(op, {{"x", x}});
+  }
+  return f;
+}
+
+}  // namespace
+
 void CudaBackend::execute(const op::QuantizeFused& args) {
   using namespace cuda;
   using Op = CastInput::Op;
@@ -948,30 +996,9 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
     Backend::execute(args);
     return;
   }
-  // x, and LayerNorm's shift and scale (columns of the modulation Linear's output), are
-  // activations: all f32 or all bf16. The row statistics stay f32.
-  bool bf16 = false;
-  int64_t tokens = 1;
-  FastDivisor per_sample;
-  if (args.in.op == Op::layernorm_modulate) {
-    bf16 = activations_in_bf16(op, tensor_fields(args.in, {"x", "shift", "scale"}));
-    require_f32(op, tensor_fields(args.in, {"mean", "rstd"}));
-    const auto dims = ops::check(op, op::LayernormModulate{.mean = args.in.mean, .rstd = args.in.rstd, .x = x, .shift = args.in.shift, .scale = args.in.scale});
-    tokens = dims.L > 0 ? dims.L : 1;
-    per_sample = row_divisor(op, x.rows(), tokens);
-  } else if (args.in.op == Op::gelu_tanh_backward) {
-    ops::require_defined(op, {"gelu_x", args.in.gelu_x});
-    bf16 = activations_in_bf16(op, tensor_fields(args.in, {"x", "gelu_x"}));
-    require_same_matrix(op, {"gelu_x", args.in.gelu_x}, {"x", x});
-  } else if (args.in.op == Op::gated) {  // x [B, L, H], gate [B, H]
-    bf16 = activations_in_bf16(op, tensor_fields(args.in, {"x", "gate"}));
-    require_rank(op, {"x", x}, 3);
-    require_shape(op, {"gate", args.in.gate}, Shape{x.shape[0], x.shape[2]});
-    tokens = x.shape[1] > 0 ? x.shape[1] : 1;
-    per_sample = row_divisor(op, x.rows(), tokens);
-  } else {
-    bf16 = activations_in_bf16(op, {{"x", x}});
-  }
+  const FusedInput fused = check_fused_input(op, args.in);
+  const bool bf16 = fused.bf16;
+  const FastDivisor per_sample = fused.per_sample;
   // f(source): the launches that read x, instantiated for its storage type.
   const auto with_source = [&](auto&& f) {
     if (bf16)
