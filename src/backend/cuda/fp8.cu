@@ -973,6 +973,43 @@ FusedInput check_fused_input(std::string_view op, const CastInput& in) {
   return f;
 }
 
+// The cast kernels' arguments for one call of quantize_fused over the R x C matrix `src` reads:
+// `tensor_scale` the per-tensor scale (device memory), `partials` the tiles' statistics (null:
+// no counts), `column_partials` the column sums' scratch (null: none).
+template <typename T>
+cuda::CastArgs<T> cast_args(const op::QuantizeFused& args, const cuda::Source<T>& src, int64_t R, int64_t C,
+                            int64_t tiles_x, const float* tensor_scale, cuda::StatsPartial* partials,
+                            double* column_partials) {
+  using namespace cuda;
+  using Op = CastInput::Op;
+  const Tensor& x = args.in.x;
+  CastArgs<T> a{};
+  a.x = src;
+  a.rows = R;
+  a.cols = C;
+  a.tiles_x = tiles_x;
+  a.format = args.q.format;
+  a.pow2 = args.q.pow2;
+  a.tensor_scale = tensor_scale;
+  a.row = dst(args.rowwise);
+  a.col = dst(args.columnwise);
+  a.stats_from_col = !args.rowwise.defined();
+  a.partials = partials;
+  a.amax_target = args.q.stats ? nullptr : args.q.amax;
+  a.column_partials = column_partials;
+  // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
+  a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
+  a.gelu_vec4 = src.gelu_x && vec4_aligned(src.gelu_x) && src.gelu_ld % 4 == 0;
+  a.head_vec4 = src.head && vec4_aligned(src.head) && src.head_ld % 4 == 0;
+  // The kFull path: every access of an inner tile vectorised, its offsets in 32 bits.
+  const int64_t max_ld = std::max({x.ld, C, src.gelu_ld, src.head_ld});
+  a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile && (!src.head || a.head_vec4) &&
+                 (args.in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
+                 (args.in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4)) &&
+                 (args.in.op != Op::gated || src.scale_vec4);
+  return a;
+}
+
 }  // namespace
 
 void CudaBackend::execute(const op::QuantizeFused& args) {
@@ -1058,30 +1095,8 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
       FLUX8_LAUNCH_CHECK(current_scale_kernel);
     }
 
-    CastArgs<T> a{};
-    a.x = src;
-    a.rows = R;
-    a.cols = C;
-    a.tiles_x = tiles_x;
-    a.format = args.q.format;
-    a.pow2 = args.q.pow2;
-    a.tensor_scale = current ? scale_dev : args.q.delayed_scale;
-    a.row = dst(args.rowwise);
-    a.col = dst(args.columnwise);
-    a.stats_from_col = !args.rowwise.defined();
-    a.partials = args.q.stats ? partials : nullptr;
-    a.amax_target = args.q.stats ? nullptr : args.q.amax;
-    a.column_partials = column_partials;
-    // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
-    a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
-    a.gelu_vec4 = src.gelu_x && vec4_aligned(src.gelu_x) && src.gelu_ld % 4 == 0;
-    a.head_vec4 = src.head && vec4_aligned(src.head) && src.head_ld % 4 == 0;
-    // The kFull path: every access of an inner tile vectorised, its offsets in 32 bits.
-    const int64_t max_ld = std::max({x.ld, C, src.gelu_ld, src.head_ld});
-    a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile && (!src.head || a.head_vec4) &&
-                   (args.in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
-                   (args.in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4)) &&
-                   (args.in.op != Op::gated || src.scale_vec4);
+    CastArgs<T> a = cast_args(args, src, R, C, tiles_x, current ? scale_dev : args.q.delayed_scale,
+                              args.q.stats ? partials : nullptr, column_partials);
     switch (args.q.scaling) {
       case Fp8Scaling::per_tensor:
         launch_per_tensor(a, args.q.stats != nullptr, tiles, stream());
