@@ -137,8 +137,7 @@ QkNormRopeDims check(std::string_view op, const op::QkNormRopeToHeads& a) {
 
 QkNormRopeDims check(std::string_view op, const op::QkNormRopeToHeadsBackward& a) {
   // Every gradient output may be undefined (skipped); dv_heads is needed only for dv.
-  for (const Named& t :
-       tensor_fields(a, {"dq_heads", "dk_heads", "q", "k", "q_rstd", "k_rstd", "q_scale", "k_scale"}))
+  for (const Named& t : tensor_fields(a, {"dq_heads", "dk_heads", "q", "k", "q_rstd", "k_rstd", "q_scale", "k_scale"}))
     require_defined(op, t);
   if (a.dv.defined()) require_defined(op, {"dv_heads", a.dv_heads});
   return check_qk_norm_rope(op, tensor_fields(a, {"dq_heads", "dk_heads", "dv_heads"}),
@@ -208,12 +207,13 @@ LinearGeluDims check(std::string_view op, const op::LinearDgradGelu& a) {
     fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of the Linear's input)", op,
          a.h.str(), N, K);
   if (gelu == K && a.dx.defined())
-    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} columns of the Linear's input",
-         op, a.dx.str(), a.h.str(), K);
+    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} columns of the Linear's input", op,
+         a.dx.str(), a.h.str(), K);
   if (gelu < K && (!a.dx.defined() || a.dx.rows() != N || a.dx.cols() != K - gelu))
-    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the columns of the Linear's input before the "
-         "GELU's)",
-         op, a.dx.str(), N, K - gelu);
+    fail(
+        "{}: input gradient 'dx' {} must have {} rows of {} columns (the columns of the Linear's input before the "
+        "GELU's)",
+        op, a.dx.str(), N, K - gelu);
   return {N, K, M, gelu};
 }
 
@@ -272,9 +272,10 @@ std::vector<Backend::LowRankGrad> check(std::string_view op, const op::Adamw& a)
   // The moments in the parameters' type, or both bf16 with f32 parameters (adam_moment_precision).
   const bool bf16_moments = a.m.dtype == DType::bf16 && a.v.dtype == DType::bf16 && a.param.dtype == DType::f32;
   if (!bf16_moments && (a.m.dtype != a.param.dtype || a.v.dtype != a.param.dtype))
-    fail("{}: the moments 'm' ({}) and 'v' ({}) must both be in the parameters' type ({}), or both bf16 with f32 "
-         "parameters",
-         op, dtype_name(a.m.dtype), dtype_name(a.v.dtype), dtype_name(a.param.dtype));
+    fail(
+        "{}: the moments 'm' ({}) and 'v' ({}) must both be in the parameters' type ({}), or both bf16 with f32 "
+        "parameters",
+        op, dtype_name(a.m.dtype), dtype_name(a.v.dtype), dtype_name(a.param.dtype));
   std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end): no two outputs may overlap
   const auto inside = [&](const char* what, size_t i, int64_t offset, int64_t count) {
     if (offset < 0 || offset + count > a.param.numel())
@@ -418,8 +419,7 @@ AttentionDims check(std::string_view op, const op::Attention& a) {
 }
 
 AttentionDims check(std::string_view op, const op::AttentionBackward& a) {
-  check_attention_heads(
-      op, tensor_fields(a, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}));
+  check_attention_heads(op, tensor_fields(a, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}));
   for (const Named& t : tensor_fields(a, {"k", "v", "o", "dout"})) require_defined(op, t);
   const AttentionDims d{a.q.shape[0], a.q.shape[1], a.q.shape[2], a.q.shape[3]};
   require_vector(op, {"lse", a.lse}, d.B * d.n * d.L);
@@ -529,8 +529,8 @@ AttentionDims check(std::string_view op, const op::AttentionFp8& a) {
 }
 
 AttentionDims check(std::string_view op, const op::AttentionFp8Backward& a) {
-  const AttentionDims d = check_attention_fp8(
-      op, a.heads, qtensor_fields(a, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}), a.q, a.lse);
+  const AttentionDims d =
+      check_attention_fp8(op, a.heads, qtensor_fields(a, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}), a.q, a.lse);
   require_scales(op, a.sc, {"ds", "ds_inv", "dq", "dk", "dv"});
   return d;
 }

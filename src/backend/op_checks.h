@@ -61,8 +61,8 @@ std::vector<NamedQ> qtensor_fields(const S& s, std::initializer_list<std::string
 // compute types; `backend` names it in the message) and that ld >= cols; returns the dtype.
 DType call_dtype(std::string_view op, std::span<const Named> tensors, std::initializer_list<DType> allowed,
                  std::string_view backend);
-inline DType call_dtype(std::string_view op, std::initializer_list<Named> tensors,
-                        std::initializer_list<DType> allowed, std::string_view backend) {
+inline DType call_dtype(std::string_view op, std::initializer_list<Named> tensors, std::initializer_list<DType> allowed,
+                        std::string_view backend) {
   return call_dtype(op, std::span<const Named>(tensors.begin(), tensors.size()), allowed, backend);
 }
 // The same over every Tensor field of the op, named as declared.
@@ -218,7 +218,8 @@ constexpr auto field_indices() {
   constexpr size_t n = std::tuple_size_v<Refs>;
   constexpr std::array<bool, n> is_t = []<size_t... I>(std::index_sequence<I...>) {
     return std::array<bool, n>{std::is_same_v<std::remove_cvref_t<std::tuple_element_t<I, Refs>>, T>...};
-  }(std::make_index_sequence<n>{});
+  }
+  (std::make_index_sequence<n>{});
   constexpr size_t count = static_cast<size_t>(std::count(is_t.begin(), is_t.end(), true));
   std::array<size_t, count> out{};
   for (size_t i = 0, j = 0; i < n; ++i)
@@ -242,7 +243,8 @@ auto fields_of_type(const S& s) {
   const auto refs = s.fields();
   return [&]<size_t... I>(std::index_sequence<I...>) {
     return std::array<Out, sizeof...(I)>{Out{S::field_names[idx[I]], std::get<idx[I]>(refs)}...};
-  }(std::make_index_sequence<idx.size()>{});
+  }
+  (std::make_index_sequence<idx.size()>{});
 }
 
 template <typename Out, typename T, typename S>

@@ -48,8 +48,10 @@ void CpuBackend::execute(const op::Dequantize& args) {
   parallel_for(args.x.rows, c, [&](int64_t r) {
     for (int64_t col = 0; col < args.x.cols; ++col) {
       const float v = dequantize_value(args.x.codes[r * args.x.cols + col], scale_inv, args.x.format);
-      if (args.y.dtype == DType::bf16) args.y.ptr<uint16_t>()[r * args.y.ld + col] = f32_to_bf16_bits(v);
-      else args.y.ptr<float>()[r * args.y.ld + col] = v;
+      if (args.y.dtype == DType::bf16)
+        args.y.ptr<uint16_t>()[r * args.y.ld + col] = f32_to_bf16_bits(v);
+      else
+        args.y.ptr<float>()[r * args.y.ld + col] = v;
     }
   });
 }

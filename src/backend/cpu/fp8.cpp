@@ -99,7 +99,8 @@ void CpuBackend::execute(const op::Quantize& args) {
 void CpuBackend::execute(const op::TransposeCodes& args) {
   ops::check("transpose_codes", args);
   for (int64_t r = 0; r < args.src.rows; ++r)
-    for (int64_t c = 0; c < args.src.cols; ++c) args.dst.codes[c * args.src.rows + r] = args.src.codes[r * args.src.cols + c];
+    for (int64_t c = 0; c < args.src.cols; ++c)
+      args.dst.codes[c * args.src.rows + r] = args.src.codes[r * args.src.cols + c];
   args.dst.scale_inv[0] = args.src.scale_inv[0];
 }
 
@@ -114,8 +115,10 @@ void CpuBackend::execute(const op::GemmFp8Tn& args) {
   constexpr std::string_view op = "gemm_fp8_tn";
   require_defined(op, {"c", args.c});
   if (args.c.dtype != DType::f32) fail("{}: output {} must be f32", op, args.c.str());
-  if (!args.a.defined() || !args.b.defined() || args.a.cols != args.b.cols || args.c.rows() != args.a.rows || args.c.cols() != args.b.rows)
-    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, args.c.str(), args.a.rows, args.a.cols, args.b.rows, args.b.cols);
+  if (!args.a.defined() || !args.b.defined() || args.a.cols != args.b.cols || args.c.rows() != args.a.rows ||
+      args.c.cols() != args.b.rows)
+    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, args.c.str(), args.a.rows, args.a.cols, args.b.rows,
+         args.b.cols);
   if (args.bias.defined() && (args.bias.numel() != args.b.rows || args.bias.dtype != DType::f32))
     fail("{}: bias {} must be f32[{}]", op, args.bias.str(), args.b.rows);
   const Ctx ctx = make_ctx(options_, DType::f32);
@@ -126,7 +129,8 @@ void CpuBackend::execute(const op::GemmFp8Tn& args) {
   if (args.bias.defined() || ctx.round_bf16)
     parallel_for(m, ctx, [&](int64_t r) {
       float* cr = row<float>(args.c, r);
-      for (int64_t j = 0; j < n; ++j) cr[j] = act<float>(args.bias.defined() ? cr[j] + args.bias.ptr<float>()[j] : cr[j], ctx);
+      for (int64_t j = 0; j < n; ++j)
+        cr[j] = act<float>(args.bias.defined() ? cr[j] + args.bias.ptr<float>()[j] : cr[j], ctx);
     });
 }
 

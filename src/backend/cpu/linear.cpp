@@ -83,8 +83,7 @@ void CpuBackend::execute(const op::LinearBackward& args) {
   require_rank(op, {"w", args.w}, 2);
   const int64_t N = args.dy.rows(), M = args.dy.cols(), K = args.w.shape[1];
   if (args.w.shape[0] != M)
-    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, args.w.str(), M,
-         args.dy.str());
+    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, args.w.str(), M, args.dy.str());
   dispatch(t, [&]<typename T>(T) {
     if (args.dx.defined()) {
       if (args.dx.rows() != N || args.dx.cols() != K)

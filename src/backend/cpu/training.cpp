@@ -180,7 +180,8 @@ void CpuBackend::execute(const op::Adamw& args) {
   dispatch(dt, [&]<typename T>(T) {
     T* p = args.param.ptr<T>();
     const GradientReader<T> g(args.grad.ptr<T>(), sorted);
-    const T gs = static_cast<T>(args.h.grad_scale), b1 = static_cast<T>(args.h.beta1), b2 = static_cast<T>(args.h.beta2);
+    const T gs = static_cast<T>(args.h.grad_scale), b1 = static_cast<T>(args.h.beta1),
+            b2 = static_cast<T>(args.h.beta2);
     const T ob1 = static_cast<T>(1.0 - args.h.beta1), ob2 = static_cast<T>(1.0 - args.h.beta2);
     const T eps_hat = static_cast<T>(k.eps_hat), dec = static_cast<T>(k.decay);
     const T step_size = static_cast<T>(k.step_size);
@@ -226,9 +227,8 @@ void CpuBackend::execute(const op::Adamw& args) {
     q.format = cast.codes.format;
     q.delayed_scale = cast.scale;
     q.amax = cast.amax;
-    quantize(cast.codes, QTensor{}, Tensor(args.param.ptr<float>() + cast.offset, DType::f32,
-                                           Shape{cast.codes.rows, cast.codes.cols}),
-             q);
+    quantize(cast.codes, QTensor{},
+             Tensor(args.param.ptr<float>() + cast.offset, DType::f32, Shape{cast.codes.rows, cast.codes.cols}), q);
   }
 }
 

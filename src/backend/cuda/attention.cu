@@ -453,15 +453,15 @@ bool attention_heads_in_bf16(std::string_view op, std::span<const Named> heads, 
 void CudaBackend::execute(const op::Attention& args) {
   constexpr std::string_view op = "attention";
   const bool bf16 = attention_heads_in_bf16(op, tensor_fields(args, {"o", "q", "k", "v"}), args.lse);
-  const AttentionShape s =
-      dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o"}));
+  const AttentionShape s = dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o"}));
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   attention_->forward(args.o.data, args.lse.ptr<float>(), args.q.data, args.k.data, args.v.data, bf16, s, args.scale);
 }
 
 void CudaBackend::execute(const op::AttentionBackward& args) {
   constexpr std::string_view op = "attention_backward";
-  const bool bf16 = attention_heads_in_bf16(op, tensor_fields(args, {"dq", "dk", "dv", "dout", "q", "k", "v", "o"}), args.lse);
+  const bool bf16 =
+      attention_heads_in_bf16(op, tensor_fields(args, {"dq", "dk", "dv", "dout", "q", "k", "v", "o"}), args.lse);
   const AttentionShape s =
       dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}));
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");

@@ -471,17 +471,26 @@ void CudaBackend::execute(const op::AttentionFp8& args) {
 void CudaBackend::execute(const op::AttentionFp8Backward& args) {
   constexpr std::string_view op = "attention_fp8_backward";
   const auto d = ops::check(op, args);
-  require_aligned(op, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}, {"dout", args.dout}, {"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}});
+  require_aligned(op, {{"q", args.q},
+                       {"k", args.k},
+                       {"v", args.v},
+                       {"o", args.o},
+                       {"dout", args.dout},
+                       {"dq", args.dq},
+                       {"dk", args.dk},
+                       {"dv", args.dv}});
   if (args.dq.format != args.dk.format || args.dq.format != args.dv.format)
     fail("{}: dq, dk and dv must share one FP8 format (cuDNN writes them alike)", op);
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   Attention::Fp8Backward a;
   a.shape = shape_of(d);
-  a.qkv = args.q.format, a.o_format = args.o.format, a.dout_format = args.dout.format, a.grads = args.dq.format, a.scale = args.scale;
-  a.q = args.q.codes, a.k = args.k.codes, a.v = args.v.codes, a.o = args.o.codes, a.dout = args.dout.codes, a.lse = args.lse.ptr<float>();
+  a.qkv = args.q.format, a.o_format = args.o.format, a.dout_format = args.dout.format, a.grads = args.dq.format,
+  a.scale = args.scale;
+  a.q = args.q.codes, a.k = args.k.codes, a.v = args.v.codes, a.o = args.o.codes, a.dout = args.dout.codes,
+  a.lse = args.lse.ptr<float>();
   a.dq = args.dq.codes, a.dk = args.dk.codes, a.dv = args.dv.codes;
-  a.descale_q = args.q.scale_inv, a.descale_k = args.k.scale_inv, a.descale_v = args.v.scale_inv, a.descale_o = args.o.scale_inv,
-  a.descale_dout = args.dout.scale_inv;
+  a.descale_q = args.q.scale_inv, a.descale_k = args.k.scale_inv, a.descale_v = args.v.scale_inv,
+  a.descale_o = args.o.scale_inv, a.descale_dout = args.dout.scale_inv;
   a.scale_ds = args.sc.ds, a.descale_ds = args.sc.ds_inv;
   a.scale_dq = args.sc.dq, a.scale_dk = args.sc.dk, a.scale_dv = args.sc.dv;
   a.dq_scale_inv = args.dq.scale_inv, a.dk_scale_inv = args.dk.scale_inv, a.dv_scale_inv = args.dv.scale_inv;

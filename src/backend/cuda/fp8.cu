@@ -954,7 +954,8 @@ FusedInput check_fused_input(std::string_view op, const CastInput& in) {
   if (in.op == Op::layernorm_modulate) {
     f.bf16 = activations_in_bf16(op, tensor_fields(in, {"x", "shift", "scale"}));
     require_f32(op, tensor_fields(in, {"mean", "rstd"}));
-    const auto dims = ops::check(op, op::LayernormModulate{.mean = in.mean, .rstd = in.rstd, .x = x, .shift = in.shift, .scale = in.scale});
+    const auto dims = ops::check(
+        op, op::LayernormModulate{.mean = in.mean, .rstd = in.rstd, .x = x, .shift = in.shift, .scale = in.scale});
     f.tokens = dims.L > 0 ? dims.L : 1;
     f.per_sample = row_divisor(op, x.rows(), f.tokens);
   } else if (in.op == Op::gelu_tanh_backward) {
@@ -1044,9 +1045,8 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
       f(source_of<float>(args.in, per_sample));
   };
   if (args.q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
-    with_source([&](const auto& src) {
-      add_column_sums(*this, src, R, C, args.q.column_sums, args.q.column_sums_accumulate);
-    });
+    with_source(
+        [&](const auto& src) { add_column_sums(*this, src, R, C, args.q.column_sums, args.q.column_sums_accumulate); });
   }
   if (!any_copy) return;
   check_output(op, args.rowwise, args.q, "rowwise");
@@ -1082,9 +1082,10 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
   auto* partials = reinterpret_cast<StatsPartial*>(s + off_tiles);
 
   const int64_t row_tiles = (R + kTile - 1) / kTile;
-  double* column_partials = args.q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
-                                                          static_cast<size_t>(row_tiles * C) * sizeof(double)))
-                                                    : nullptr;
+  double* column_partials =
+      args.q.column_sums.defined()
+          ? static_cast<double*>(reduction_scratch(static_cast<size_t>(row_tiles * C) * sizeof(double)))
+          : nullptr;
   with_source([&]<typename T>(const Source<T>& src) {
     if (current) {
       float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);

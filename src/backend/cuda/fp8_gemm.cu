@@ -263,11 +263,15 @@ void CudaBackend::execute(const op::GemmFp8Tn& call) {
   require_defined(op, {"c", call.c});
   if (call.c.dtype != DType::f32 && call.c.dtype != DType::bf16)
     fail("{}: output {} must be f32 or bf16 (an activation or a gradient stored in bf16)", op, call.c.str());
-  if (call.c.ld < call.c.cols()) fail("{}: output {} has row stride {} smaller than its columns", op, call.c.str(), call.c.ld);
-  if (!call.a.defined() || !call.b.defined() || call.a.cols != call.b.cols || call.c.rows() != call.a.rows || call.c.cols() != call.b.rows)
-    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, call.c.str(), call.a.rows, call.a.cols, call.b.rows, call.b.cols);
+  if (call.c.ld < call.c.cols())
+    fail("{}: output {} has row stride {} smaller than its columns", op, call.c.str(), call.c.ld);
+  if (!call.a.defined() || !call.b.defined() || call.a.cols != call.b.cols || call.c.rows() != call.a.rows ||
+      call.c.cols() != call.b.rows)
+    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, call.c.str(), call.a.rows, call.a.cols, call.b.rows,
+         call.b.cols);
   if (call.bias.defined() && call.bias.numel() != call.b.rows)
-    fail("{}: bias {} must be a vector of {} elements (f32, or bf16 for a bf16 output)", op, call.bias.str(), call.b.rows);
+    fail("{}: bias {} must be a vector of {} elements (f32, or bf16 for a bf16 output)", op, call.bias.str(),
+         call.b.rows);
   const BiasVector bias_ptr = bias_vector(op, call.bias, call.c);
   for (const QTensor* q : {&call.a, &call.b})
     if (q->scaling == Fp8Scaling::mx_1x32 ? !q->scale_e8m0 : !q->scale_inv)
@@ -288,7 +292,8 @@ void CudaBackend::execute(const op::GemmFp8Tn& call) {
   d.accumulate = call.accumulate;
   std::string key;
   const GemmBackend pinned = gemm_backend();
-  std::string why = pinned == GemmBackend::emulated ? "FLUX8_GEMM_BACKEND=emulated" : native_blocker(call.c, call.a, call.b, key);
+  std::string why =
+      pinned == GemmBackend::emulated ? "FLUX8_GEMM_BACKEND=emulated" : native_blocker(call.c, call.a, call.b, key);
   if (pinned == GemmBackend::emulated) key = "pinned";
   if (why.empty() && !gemm_->has_algorithm(d)) {  // (the strings only when it has none: this runs every call)
     why = gemm_->supported(d);
@@ -298,8 +303,9 @@ void CudaBackend::execute(const op::GemmFp8Tn& call) {
     fail("{}: FLUX8_GEMM_BACKEND=cublaslt, but cuBLASLt cannot run this GEMM (m={} n={} k={}, {} x {}): {}", op, m, n,
          k, fp8_scaling_name(call.a.scaling), fp8_scaling_name(call.b.scaling), why);
   if (!why.empty()) {
-    note_emulated(key, fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(call.a.scaling), m, n, k,
-                                   fp8_format_name(call.a.format), fp8_format_name(call.b.format)),
+    note_emulated(key,
+                  fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(call.a.scaling), m, n, k,
+                              fp8_format_name(call.a.format), fp8_format_name(call.b.format)),
                   why);
     emulated_gemm(*this, call.c, call.a, call.b, bias_ptr, call.accumulate);
     return;

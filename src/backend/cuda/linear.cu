@@ -377,7 +377,8 @@ void CudaBackend::execute(const op::LinearGelu& call) {
   require_weight(*this, op, call.w, bf16);
   const auto [N, K, M, G] = ops::check(op, call);
   const int64_t first = M - G;
-  const Tensor h_gelu = call.h.cols_slice(first, G), w_gelu = call.w.rows_slice(first, G), b_gelu = vector_part(call.b, first, G);
+  const Tensor h_gelu = call.h.cols_slice(first, G), w_gelu = call.w.rows_slice(first, G),
+               b_gelu = vector_part(call.b, first, G);
   bool fused = false;
   if (K > 0 && N > 0) {
     Operands ops(*this, bf16, {&w_gelu, &call.x});
@@ -389,12 +390,13 @@ void CudaBackend::execute(const op::LinearGelu& call) {
       const GemmArgs args{.a = W.p, .b = X.p, .d = call.y.data, .aux = h_gelu.data};
       std::string why;
       fused = call.b.defined() ? run_with_bias_epilogue(*this, d, args, call.y, bias_vector(op, b_gelu, call.y), why)
-                          : try_run(gemm(), d, args, why);
+                               : try_run(gemm(), d, args, why);
       if (!fused) note_unfused(d.epilogue, why);
     }
   }
   if (fused) {
-    if (first > 0) linear(call.h.cols_slice(0, first), call.x, call.w.rows_slice(0, first), vector_part(call.b, 0, first));
+    if (first > 0)
+      linear(call.h.cols_slice(0, first), call.x, call.w.rows_slice(0, first), vector_part(call.b, 0, first));
     return;
   }
   // No epilogue for this call: the Linear into h, then the GELU of the stored (rounded) values.

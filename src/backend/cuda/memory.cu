@@ -506,7 +506,8 @@ void CudaBackend::execute(const op::FillRandom& args) {
 void CudaBackend::execute(const op::Copy& args) {
   require_defined("copy", {"y", args.y});
   require_defined("copy", {"x", args.x});
-  const bool y_bf = activations_in_bf16("copy", tensor_fields(args, {"y"})), x_bf = activations_in_bf16("copy", tensor_fields(args, {"x"}));
+  const bool y_bf = activations_in_bf16("copy", tensor_fields(args, {"y"})),
+             x_bf = activations_in_bf16("copy", tensor_fields(args, {"x"}));
   require_same_matrix("copy", {"y", args.y}, {"x", args.x});
   if (y_bf != x_bf) {
     if (y_bf)

@@ -639,7 +639,8 @@ void CudaBackend::execute(const op::GatedResidualStats& args) {
   const bool bf = activations_in_bf16(op, tensor_fields(args, {"out", "x", "y", "gate"}));
   ops::check(op, args);
   require_f32(op, tensor_fields(args, {"mean", "rstd"}));  // statistics: f32 whatever the activations
-  if (args.rstd.ld != args.mean.ld) fail("{}: mean {} and rstd {} must share one row stride", op, args.mean.str(), args.rstd.str());
+  if (args.rstd.ld != args.mean.ld)
+    fail("{}: mean {} and rstd {} must share one row stride", op, args.mean.str(), args.rstd.str());
   const int64_t L = args.x.shape[1], rows = args.x.rows();
   if (rows == 0) return;
   const auto run = [&]<typename T>() {

@@ -816,10 +816,19 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never written: the kernel writes the codes).
   const Tensor qh(args.q_heads.codes.codes, t, h), kh(args.k_heads.codes.codes, t, h), vh(args.v_heads.codes.codes, t, h);
-  const auto d = ops::check(op, op::QkNormRopeToHeads{.q_heads = qh, .k_heads = kh, .v_heads = vh, .q_rstd = args.q_rstd,
-                                                      .k_rstd = args.k_rstd, .q = args.q, .k = args.k, .v = args.v,
-                                                      .q_scale = args.q_scale, .k_scale = args.k_scale, .pe = args.pe,
-                                                      .token_offset = args.token_offset, .eps = args.eps});
+  const auto d = ops::check(op, op::QkNormRopeToHeads{.q_heads = qh,
+                                                      .k_heads = kh,
+                                                      .v_heads = vh,
+                                                      .q_rstd = args.q_rstd,
+                                                      .k_rstd = args.k_rstd,
+                                                      .q = args.q,
+                                                      .k = args.k,
+                                                      .v = args.v,
+                                                      .q_scale = args.q_scale,
+                                                      .k_scale = args.k_scale,
+                                                      .pe = args.pe,
+                                                      .token_offset = args.token_offset,
+                                                      .eps = args.eps});
   const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"q", "k", "v"}));
   require_f32(op, tensor_fields(args, {"q_rstd", "k_rstd", "q_scale", "k_scale", "pe"}));
   const bool heads_bf16 = t == DType::bf16;  // the proxies' type (attention_heads_dtype: f32 or bf16)
@@ -875,14 +884,22 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
   // (never read: the kernel reads the codes).
   if (vec8 && h.numel() > 0 &&
       qk_norm_rope_backward(op,
-                            op::QkNormRopeToHeadsBackward{.dq = args.dq, .dk = args.dk, .dv = args.dv,
-                                                          .dq_scale = args.dq_scale, .dk_scale = args.dk_scale,
+                            op::QkNormRopeToHeadsBackward{.dq = args.dq,
+                                                          .dk = args.dk,
+                                                          .dv = args.dv,
+                                                          .dq_scale = args.dq_scale,
+                                                          .dk_scale = args.dk_scale,
                                                           .dq_heads = Tensor(args.dq_heads.codes, t, h),
                                                           .dk_heads = Tensor(args.dk_heads.codes, t, h),
-                                                          .dv_heads = Tensor(args.dv_heads.codes, t, h), .q = args.q,
-                                                          .k = args.k, .q_rstd = args.q_rstd, .k_rstd = args.k_rstd,
-                                                          .q_scale = args.q_scale, .k_scale = args.k_scale,
-                                                          .pe = args.pe, .token_offset = args.token_offset},
+                                                          .dv_heads = Tensor(args.dv_heads.codes, t, h),
+                                                          .q = args.q,
+                                                          .k = args.k,
+                                                          .q_rstd = args.q_rstd,
+                                                          .k_rstd = args.k_rstd,
+                                                          .q_scale = args.q_scale,
+                                                          .k_scale = args.k_scale,
+                                                          .pe = args.pe,
+                                                          .token_offset = args.token_offset},
                             codes))
     return;
   // Not the vector path (head dim, alignment): dequantize, then the plain op.
@@ -898,9 +915,12 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, const op::QkNormRop
   require_f32(op, tensor_fields(args, {"q_rstd", "k_rstd", "q_scale", "k_scale", "pe"}));
   const bool heads_bf16 = heads_in_bf16(op, tensor_fields(args, {"dq_heads", "dk_heads", "dv_heads"}));
   const int pairs = pairs_per_lane(op, d.D);
-  const Geometry geo = geometry_of(op, d, args.token_offset, {args.dq, args.dk, args.dv, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k, args.pe});
+  const Geometry geo =
+      geometry_of(op, d, args.token_offset,
+                  {args.dq, args.dk, args.dv, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k, args.pe});
   const int64_t segments = geo.segments;
-  const int lanes = vec_path_lanes(d.D, {args.dq, args.dk, args.dv, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k}, args.pe);
+  const int lanes = vec_path_lanes(
+      d.D, {args.dq, args.dk, args.dv, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k}, args.pe);
   if (fp8 && lanes == 0) return false;  // FP8 heads: the vector path only
   if (segments == 0) return true;
   const Fp8HeadsIn dq8 = fp8 ? fp8_heads_in(fp8[0]) : Fp8HeadsIn{}, dk8 = fp8 ? fp8_heads_in(fp8[1]) : Fp8HeadsIn{},

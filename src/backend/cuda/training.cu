@@ -702,9 +702,13 @@ void CudaBackend::execute(const op::Adamw& args) {
   }
 
   const AdamWConstants k = AdamWConstants::of(args.h);
-  const AdamwStep step{static_cast<float>(args.h.grad_scale), static_cast<float>(args.h.beta1), static_cast<float>(args.h.beta2),
-                       static_cast<float>(1.0 - args.h.beta1),    static_cast<float>(1.0 - args.h.beta2),
-                       static_cast<float>(k.eps_hat),        static_cast<float>(k.decay),
+  const AdamwStep step{static_cast<float>(args.h.grad_scale),
+                       static_cast<float>(args.h.beta1),
+                       static_cast<float>(args.h.beta2),
+                       static_cast<float>(1.0 - args.h.beta1),
+                       static_cast<float>(1.0 - args.h.beta2),
+                       static_cast<float>(k.eps_hat),
+                       static_cast<float>(k.decay),
                        static_cast<float>(k.step_size),
                        adamw_step_key(args.h.step)};
   float* p = args.param.ptr<float>();
