@@ -88,6 +88,15 @@ enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kScale, kDO, kDQ, kDK, kDV, kOne, kSoftmaxSum, kDQAccum,
 };
 
+// y = mode(x, b) (b null for a unary mode) into a new f32 virtual tensor of the scores' shape
+// [B, H, S, S]; returns y.
+cudnnBackendDescriptor_t scores_pointwise(GraphBuilder& g, const Layout& l, cudnnPointwiseMode_t mode,
+                                          cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b) {
+  cudnnBackendDescriptor_t y = g.virtual_tensor(CUDNN_DATA_FLOAT, l.bhss, l.bhss_stride);
+  g.pointwise(mode, x, b, y);
+  return y;
+}
+
 void build_forward_graph(GraphBuilder& g, const AttentionShape& s) {
   const Layout l(s);
   const cudnnDataType_t bf16 = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
@@ -100,14 +109,11 @@ void build_forward_graph(GraphBuilder& g, const AttentionShape& s) {
 
   auto scores = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
   g.matmul(q, kt, scores);
-  auto z = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, scores, scale, z);
+  auto z = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, scores, scale);
   auto row_max = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, z, row_max);
-  auto shifted = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_SUB, z, row_max, shifted);
-  auto e = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, e);
+  auto shifted = scores_pointwise(g, l, CUDNN_POINTWISE_SUB, z, row_max);
+  auto e = scores_pointwise(g, l, CUDNN_POINTWISE_EXP, shifted, nullptr);
   auto row_sum = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
   auto log_sum = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
@@ -146,12 +152,9 @@ void build_backward_graph(GraphBuilder& g, const AttentionShape& s, bool determi
   // P = exp(Q·Kᵀ·scale − Stats); dV = Pᵀ·dO
   auto scores = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
   g.matmul(q, kt, scores);
-  auto z = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, scores, scale, z);
-  auto shifted = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_SUB, z, stats, shifted);
-  auto p = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, p);
+  auto z = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, scores, scale);
+  auto shifted = scores_pointwise(g, l, CUDNN_POINTWISE_SUB, z, stats);
+  auto p = scores_pointwise(g, l, CUDNN_POINTWISE_EXP, shifted, nullptr);
   auto p_t = g.virtual_tensor(bf16, l.bhss, l.bhss_t_stride);
   g.reshape(p, p_t);
   g.matmul(p_t, d_o, dv);
@@ -159,12 +162,9 @@ void build_backward_graph(GraphBuilder& g, const AttentionShape& s, bool determi
   // dS = P ⊙ (dO·Vᵀ − δ)·scale; dK = dSᵀ·Q
   auto dp = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
   g.matmul(d_o, vt, dp);
-  auto dp_centered = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_SUB, dp, softmax_sum, dp_centered);
-  auto dp_p = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, dp_centered, p, dp_p);
-  auto ds = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, dp_p, scale, ds);
+  auto dp_centered = scores_pointwise(g, l, CUDNN_POINTWISE_SUB, dp, softmax_sum);
+  auto dp_p = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, dp_centered, p);
+  auto ds = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, dp_p, scale);
   auto ds_t = g.virtual_tensor(bf16, l.bhss, l.bhss_t_stride);
   g.reshape(ds, ds_t);
   g.matmul(ds_t, q, dk);

@@ -295,36 +295,28 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs<T> a) 
         ++flushed;
     }
   };
-  if (a.row.codes)
-    for (int i = warp; i < nr; i += kWarps)
+  // One copy's codes: a warp per row of the copy (a row of the tile, or a column for the
+  // columnwise copy), each element with its block's scale.
+  const auto cast_copy = [&]<bool kColumnwise>(uint8_t* codes, bool counted) {
+    const int rows = kColumnwise ? nc : nr, cols = kColumnwise ? nr : nc;
+    for (int o = warp; o < rows; o += kWarps)
       for (int q = 0; q < 4; ++q) {
-        const int j = lane + 32 * q;
-        if (j >= nc) break;
+        const int n = lane + 32 * q;
+        if (n >= cols) break;
+        const int i = kColumnwise ? n : o, j = kColumnwise ? o : n;
         const float v = tile[i * kPitch + j];
         float s;
         if constexpr (S == Fp8Scaling::block_128x128)
           s = tile_scale;
         else
-          s = row_scale[i][j / kSeg];
+          s = kColumnwise ? col_scale[j][i / kSeg] : row_scale[i][j / kSeg];
         const uint8_t code = static_cast<uint8_t>(encode_pair(v, 0.0f, s, a.format));
-        a.row.codes[(r0 + i) * a.cols + c0 + j] = code;
-        if (!a.stats_from_col) count(v, s, code);
+        codes[kColumnwise ? (c0 + j) * a.rows + r0 + i : (r0 + i) * a.cols + c0 + j] = code;
+        if (counted) count(v, s, code);
       }
-  if (a.col.codes)
-    for (int j = warp; j < nc; j += kWarps)
-      for (int q = 0; q < 4; ++q) {
-        const int i = lane + 32 * q;
-        if (i >= nr) break;
-        const float v = tile[i * kPitch + j];
-        float s;
-        if constexpr (S == Fp8Scaling::block_128x128)
-          s = tile_scale;
-        else
-          s = col_scale[j][i / kSeg];
-        const uint8_t code = static_cast<uint8_t>(encode_pair(v, 0.0f, s, a.format));
-        a.col.codes[(c0 + j) * a.rows + r0 + i] = code;
-        if (a.stats_from_col) count(v, s, code);
-      }
+  };
+  if (a.row.codes) cast_copy.template operator()<false>(a.row.codes, !a.stats_from_col);
+  if (a.col.codes) cast_copy.template operator()<true>(a.col.codes, a.stats_from_col);
 
   finish_tile_stats(a, f32_bits(tile_amax), nonzero, saturated, flushed);
 }

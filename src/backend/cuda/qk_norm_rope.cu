@@ -777,6 +777,35 @@ void with_types(bool tokens_bf16, bool heads_bf16, F&& f) {
 
 }  // namespace
 
+namespace {
+// The plain op of an FP8-heads op: every field of `a` whose name and type the plain op shares,
+// the others (the heads) left for the caller.
+template <typename Plain, typename Fp8>
+Plain same_named_fields(const Fp8& a) {
+  Plain p{};
+  auto to = p.fields();
+  const auto from = a.fields();
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    const auto copy = [&]<size_t i>() {
+      constexpr size_t j = [] {
+        for (size_t k = 0; k < Fp8::field_names.size(); ++k)
+          if (std::string_view(Fp8::field_names[k]) == std::string_view(Plain::field_names[i])) return k;
+        return Fp8::field_names.size();
+      }();
+      if constexpr (j < Fp8::field_names.size()) {
+        using To = std::remove_cvref_t<std::tuple_element_t<i, decltype(to)>>;
+        using From = std::remove_cvref_t<std::tuple_element_t<j, decltype(from)>>;
+        if constexpr (std::is_same_v<To, From>) std::get<i>(to) = std::get<j>(from);
+      }
+    };
+    (copy.template operator()<I>(), ...);
+  }
+  (std::make_index_sequence<Plain::field_names.size()>{});
+  return p;
+}
+
+}  // namespace
+
 void CudaBackend::execute(const op::QkNormRopeToHeads& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
   const auto d = ops::check(op, args);
@@ -816,19 +845,9 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never written: the kernel writes the codes).
   const Tensor qh(args.q_heads.codes.codes, t, h), kh(args.k_heads.codes.codes, t, h), vh(args.v_heads.codes.codes, t, h);
-  const auto d = ops::check(op, op::QkNormRopeToHeads{.q_heads = qh,
-                                                      .k_heads = kh,
-                                                      .v_heads = vh,
-                                                      .q_rstd = args.q_rstd,
-                                                      .k_rstd = args.k_rstd,
-                                                      .q = args.q,
-                                                      .k = args.k,
-                                                      .v = args.v,
-                                                      .q_scale = args.q_scale,
-                                                      .k_scale = args.k_scale,
-                                                      .pe = args.pe,
-                                                      .token_offset = args.token_offset,
-                                                      .eps = args.eps});
+  op::QkNormRopeToHeads plain = same_named_fields<op::QkNormRopeToHeads>(args);
+  plain.q_heads = qh, plain.k_heads = kh, plain.v_heads = vh;
+  const auto d = ops::check(op, plain);
   const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"q", "k", "v"}));
   require_f32(op, tensor_fields(args, {"q_rstd", "k_rstd", "q_scale", "k_scale", "pe"}));
   const bool heads_bf16 = t == DType::bf16;  // the proxies' type (attention_heads_dtype: f32 or bf16)
@@ -882,26 +901,10 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
   const bool vec8 = fp8_heads_vec8(args.dq_heads) && fp8_heads_vec8(args.dk_heads) && fp8_heads_vec8(args.dv_heads);
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never read: the kernel reads the codes).
-  if (vec8 && h.numel() > 0 &&
-      qk_norm_rope_backward(op,
-                            op::QkNormRopeToHeadsBackward{.dq = args.dq,
-                                                          .dk = args.dk,
-                                                          .dv = args.dv,
-                                                          .dq_scale = args.dq_scale,
-                                                          .dk_scale = args.dk_scale,
-                                                          .dq_heads = Tensor(args.dq_heads.codes, t, h),
-                                                          .dk_heads = Tensor(args.dk_heads.codes, t, h),
-                                                          .dv_heads = Tensor(args.dv_heads.codes, t, h),
-                                                          .q = args.q,
-                                                          .k = args.k,
-                                                          .q_rstd = args.q_rstd,
-                                                          .k_rstd = args.k_rstd,
-                                                          .q_scale = args.q_scale,
-                                                          .k_scale = args.k_scale,
-                                                          .pe = args.pe,
-                                                          .token_offset = args.token_offset},
-                            codes))
-    return;
+  op::QkNormRopeToHeadsBackward plain = same_named_fields<op::QkNormRopeToHeadsBackward>(args);
+  plain.dq_heads = Tensor(args.dq_heads.codes, t, h), plain.dk_heads = Tensor(args.dk_heads.codes, t, h),
+  plain.dv_heads = Tensor(args.dv_heads.codes, t, h);
+  if (vec8 && h.numel() > 0 && qk_norm_rope_backward(op, plain, codes)) return;
   // Not the vector path (head dim, alignment): dequantize, then the plain op.
   Backend::execute(args);
 }
