@@ -782,9 +782,11 @@ namespace {
 // the others (the heads) left for the caller.
 template <typename Plain, typename Fp8>
 Plain same_named_fields(const Fp8& a) {
+  using To = decltype(std::declval<Plain&>().fields());
+  using From = decltype(a.fields());
   Plain p{};
-  auto to = p.fields();
-  const auto from = a.fields();
+  To to = p.fields();
+  const From from = a.fields();
   [&]<size_t... I>(std::index_sequence<I...>) {
     const auto copy = [&]<size_t i>() {
       constexpr size_t j = [] {
@@ -793,9 +795,9 @@ Plain same_named_fields(const Fp8& a) {
         return Fp8::field_names.size();
       }();
       if constexpr (j < Fp8::field_names.size()) {
-        using To = std::remove_cvref_t<std::tuple_element_t<i, decltype(to)>>;
-        using From = std::remove_cvref_t<std::tuple_element_t<j, decltype(from)>>;
-        if constexpr (std::is_same_v<To, From>) std::get<i>(to) = std::get<j>(from);
+        using ToField = std::remove_cvref_t<std::tuple_element_t<i, To>>;
+        using FromField = std::remove_cvref_t<std::tuple_element_t<j, From>>;
+        if constexpr (std::is_same_v<ToField, FromField>) std::get<i>(to) = std::get<j>(from);
       }
     };
     (copy.template operator()<I>(), ...);
