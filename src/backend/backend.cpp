@@ -106,29 +106,21 @@ std::unique_ptr<Device::Graph> Device::end_capture() { fail("backend '{}' has no
 void Device::launch_graph(const Graph&) { fail("backend '{}' has no graphs", name()); }
 
 void Backend::execute(const op::CopyBatch& args) {
-  std::span<const CopyPair> pairs = args.pairs;
-  for (const CopyPair& p : pairs) copy(p.y, p.x);
+  for (const CopyPair& p : args.pairs) copy(p.y, p.x);
 }
 
 void Backend::execute(const op::GatedResidualStats& args) {
-  Tensor out = args.out;
-  Tensor mean = args.mean;
-  Tensor rstd = args.rstd;
-  Tensor x = args.x;
-  Tensor y = args.y;
-  Tensor gate = args.gate;
-  double eps = args.eps;
   constexpr std::string_view op = "gated_residual_stats";
-  const int64_t B = ops::check_gated_residual_stats(op, out, mean, rstd, x, y, gate);
-  gated_residual(out, x, y, gate);
-  const int64_t L = out.shape[1], H = out.shape[2];
+  const int64_t B = ops::check(op, args);
+  gated_residual(args.out, args.x, args.y, args.gate);
+  const int64_t L = args.out.shape[1], H = args.out.shape[2];
   for (int64_t b = 0; b < B; ++b) {  // sample by sample: mean and rstd may be a window of wider rows
-    Tensor rows = out.rows_slice(b * L, L), m = mean.rows_slice(b, 1), r = rstd.rows_slice(b, 1);
+    Tensor rows = args.out.rows_slice(b * L, L), m = args.mean.rows_slice(b, 1), r = args.rstd.rows_slice(b, 1);
     rows.shape = Shape{1, L, H};
     m.shape = r.shape = Shape{L};
     m.ld = r.ld = L;  // one row of [B, L]: a contiguous vector of L
-    const Tensor g = gate.rows_slice(b, 1);  // layernorm_modulate's shift and scale, unread (no y)
-    layernorm_modulate(Tensor{}, m, r, rows, g, g, eps);
+    const Tensor g = args.gate.rows_slice(b, 1);  // layernorm_modulate's shift and scale, unread (no y)
+    layernorm_modulate(Tensor{}, m, r, rows, g, g, args.eps);
   }
 }
 
@@ -178,10 +170,7 @@ void quantize_stream_rows(Backend& be, const Backend::Fp8Heads& out, const Tenso
 }  // namespace
 
 void Backend::execute(const op::QkNormRopeToHeadsFp8& args) {
-  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_fp8", args.q, args.token_offset,
-                                       {{"q_heads", args.q_heads.codes},
-                                        {"k_heads", args.k_heads.codes},
-                                        {"v_heads", args.v_heads.codes}});
+  const Shape h = ops::check("qk_norm_rope_to_heads_fp8", args);
   const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   const Temporary qh(*this, t, h), kh(*this, t, h), vh(*this, t, h);
   qk_norm_rope_to_heads(qh.get(), kh.get(), vh.get(), args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe, args.token_offset,
@@ -193,9 +182,7 @@ void Backend::execute(const op::QkNormRopeToHeadsFp8& args) {
 }
 
 void Backend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
-  const Shape h = ops::check_fp8_heads("qk_norm_rope_to_heads_backward_fp8", args.q, args.token_offset,
-                                       {{"dq_heads", args.dq_heads}, {"dk_heads", args.dk_heads},
-                                        {"dv_heads", args.dv_heads}});
+  const Shape h = ops::check("qk_norm_rope_to_heads_backward_fp8", args);
   const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   const Temporary dqh(*this, t, h), dkh(*this, t, h), dvh(*this, t, h);
   dequantize(dqh.get(), args.dq_heads);
@@ -206,14 +193,14 @@ void Backend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
 }
 
 void Backend::execute(const op::TokensToHeadsFp8& args) {
-  const Shape h = ops::check_fp8_heads("tokens_to_heads_fp8", args.tokens, args.token_offset, {{"heads", args.heads.codes}});
+  const Shape h = ops::check("tokens_to_heads_fp8", args);
   const Temporary th(*this, attention_heads_dtype(args.tokens.dtype, h[3]), h);
   tokens_to_heads(th.get(), args.tokens, args.token_offset);
   quantize_stream_rows(*this, args.heads, th.get(), args.tokens.shape[1], args.token_offset);
 }
 
 void Backend::execute(const op::HeadsToTokensFp8& args) {
-  const Shape h = ops::check_fp8_heads("heads_to_tokens_fp8", args.tokens, args.token_offset, {{"heads", args.heads}});
+  const Shape h = ops::check("heads_to_tokens_fp8", args);
   const Temporary th(*this, attention_heads_dtype(args.tokens.dtype, h[3]), h);
   dequantize(th.get(), args.heads);
   heads_to_tokens(args.tokens, th.get(), args.token_offset);

@@ -7,7 +7,13 @@
 
 namespace flux8::ops {
 
-DType call_dtype(std::string_view op, std::initializer_list<Named> tensors, std::initializer_list<DType> allowed,
+namespace detail {
+void fail_missing_field(std::string_view op, std::string_view name) {
+  fail("{}: the op has no tensor field '{}' (a backend's check names a field the op does not declare)", op, name);
+}
+}  // namespace detail
+
+DType call_dtype(std::string_view op, std::span<const Named> tensors, std::initializer_list<DType> allowed,
                  std::string_view backend) {
   const Named* first = nullptr;
   for (const Named& a : tensors) {
@@ -79,13 +85,21 @@ void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& 
          tokens.str(), offset, L, heads.str());
 }
 
+void check(std::string_view op, const op::TokensToHeads& a) {
+  check_heads_tokens(op, a.heads, a.tokens, a.token_offset);
+}
+
+void check(std::string_view op, const op::HeadsToTokens& a) {
+  check_heads_tokens(op, a.heads, a.tokens, a.token_offset);
+}
+
 namespace {
 
 // What both directions of qk_norm_rope_to_heads check. The first tensor of `heads` and of
 // `tokens` gives the shapes (required); the other tensors of every list are checked when defined.
-QkNormRopeDims check_qk_norm_rope(std::string_view op, std::initializer_list<Named> heads,
-                                  std::initializer_list<Named> tokens, std::initializer_list<Named> stats,
-                                  std::initializer_list<Named> scales, const Tensor& pe, int64_t offset) {
+QkNormRopeDims check_qk_norm_rope(std::string_view op, std::span<const Named> heads, std::span<const Named> tokens,
+                                  std::span<const Named> stats, std::span<const Named> scales, const Tensor& pe,
+                                  int64_t offset) {
   check_attention_heads(op, heads);  // rank 4, all alike
   const Named& h = *heads.begin();
   QkNormRopeDims d{h.t.shape[0], h.t.shape[1], h.t.shape[2], h.t.shape[3], 0};
@@ -112,40 +126,26 @@ QkNormRopeDims check_qk_norm_rope(std::string_view op, std::initializer_list<Nam
 
 }  // namespace
 
-QkNormRopeDims check_qk_norm_rope_to_heads(std::string_view op, const Tensor& q_heads, const Tensor& k_heads,
-                                           const Tensor& v_heads, const Tensor& q_rstd, const Tensor& k_rstd,
-                                           const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_scale,
-                                           const Tensor& k_scale, const Tensor& pe, int64_t offset) {
+QkNormRopeDims check(std::string_view op, const op::QkNormRopeToHeads& a) {
   // The statistics may be undefined (not saved: recomputation already has them).
-  for (const Named& a : {Named{"q_heads", q_heads}, Named{"k_heads", k_heads}, Named{"v_heads", v_heads},
-                         Named{"q", q}, Named{"k", k}, Named{"v", v}, Named{"q_scale", q_scale},
-                         Named{"k_scale", k_scale}})
-    require_defined(op, a);
-  return check_qk_norm_rope(op, {{"q_heads", q_heads}, {"k_heads", k_heads}, {"v_heads", v_heads}},
-                            {{"q", q}, {"k", k}, {"v", v}}, {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}},
-                            {{"q_scale", q_scale}, {"k_scale", k_scale}}, pe, offset);
+  for (const Named& t : tensor_fields(a, {"q_heads", "k_heads", "v_heads", "q", "k", "v", "q_scale", "k_scale"}))
+    require_defined(op, t);
+  return check_qk_norm_rope(op, tensor_fields(a, {"q_heads", "k_heads", "v_heads"}), tensor_fields(a, {"q", "k", "v"}),
+                            tensor_fields(a, {"q_rstd", "k_rstd"}), tensor_fields(a, {"q_scale", "k_scale"}), a.pe,
+                            a.token_offset);
 }
 
-QkNormRopeDims check_qk_norm_rope_to_heads_backward(std::string_view op, const Tensor& dq, const Tensor& dk,
-                                                    const Tensor& dv, const Tensor& dq_scale, const Tensor& dk_scale,
-                                                    const Tensor& dq_heads, const Tensor& dk_heads,
-                                                    const Tensor& dv_heads, const Tensor& q, const Tensor& k,
-                                                    const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_scale,
-                                                    const Tensor& k_scale, const Tensor& pe, int64_t offset) {
+QkNormRopeDims check(std::string_view op, const op::QkNormRopeToHeadsBackward& a) {
   // Every gradient output may be undefined (skipped); dv_heads is needed only for dv.
-  for (const Named& a : {Named{"dq_heads", dq_heads}, Named{"dk_heads", dk_heads}, Named{"q", q}, Named{"k", k},
-                         Named{"q_rstd", q_rstd}, Named{"k_rstd", k_rstd}, Named{"q_scale", q_scale},
-                         Named{"k_scale", k_scale}})
-    require_defined(op, a);
-  if (dv.defined()) require_defined(op, {"dv_heads", dv_heads});
-  return check_qk_norm_rope(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}},
-                            {{"q", q}, {"k", k}, {"dq", dq}, {"dk", dk}, {"dv", dv}},
-                            {{"q_rstd", q_rstd}, {"k_rstd", k_rstd}},
-                            {{"q_scale", q_scale}, {"k_scale", k_scale}, {"dq_scale", dq_scale},
-                             {"dk_scale", dk_scale}},
-                            pe, offset);
+  for (const Named& t : tensor_fields(a, {"dq_heads", "dk_heads", "q", "k", "q_rstd", "k_rstd", "q_scale", "k_scale"}))
+    require_defined(op, t);
+  if (a.dv.defined()) require_defined(op, {"dv_heads", a.dv_heads});
+  return check_qk_norm_rope(op, tensor_fields(a, {"dq_heads", "dk_heads", "dv_heads"}),
+                            tensor_fields(a, {"q", "k", "dq", "dk", "dv"}), tensor_fields(a, {"q_rstd", "k_rstd"}),
+                            tensor_fields(a, {"q_scale", "k_scale", "dq_scale", "dk_scale"}), a.pe, a.token_offset);
 }
 
+namespace {
 void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Tensor& b) {
   const Tensor& joint = joint_arg.t;
   require_rank(op, joint_arg, 3);
@@ -165,89 +165,90 @@ void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Te
          a.defined() ? a.str() : "undefined", b.defined() ? b.str() : "undefined", joint_arg.name,
          joint.str());
 }
+}  // namespace
 
-LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b) {
-  require_defined(op, {"x", x});
-  require_rank(op, {"w", w}, 2);
-  const int64_t N = x.rows(), K = x.cols(), M = w.shape[0];
-  if (w.shape[1] != K) fail("{}: weight 'w' {} must be [M, {}] to match input 'x' {}", op, w.str(), K, x.str());
-  require_defined(op, {"y", y});
-  if (y.rows() != N || y.cols() != M)
-    fail("{}: output 'y' {} must have {} rows of {} columns for x {} and w {}", op, y.str(), N, M, x.str(),
-         w.str());
-  if (b.defined() && (b.numel() != M || !b.contiguous()))
-    fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, b.str(), M);
+void check(std::string_view op, const op::ConcatTokens& a) { check_joint(op, {"out", a.out}, a.a, a.b); }
+
+void check(std::string_view op, const op::SplitTokens& a) { check_joint(op, {"in", a.in}, a.a, a.b); }
+
+LinearDims check(std::string_view op, const op::Linear& a) {
+  require_defined(op, {"x", a.x});
+  require_rank(op, {"w", a.w}, 2);
+  const int64_t N = a.x.rows(), K = a.x.cols(), M = a.w.shape[0];
+  if (a.w.shape[1] != K) fail("{}: weight 'w' {} must be [M, {}] to match input 'x' {}", op, a.w.str(), K, a.x.str());
+  require_defined(op, {"y", a.y});
+  if (a.y.rows() != N || a.y.cols() != M)
+    fail("{}: output 'y' {} must have {} rows of {} columns for x {} and w {}", op, a.y.str(), N, M, a.x.str(),
+         a.w.str());
+  if (a.b.defined() && (a.b.numel() != M || !a.b.contiguous()))
+    fail("{}: bias 'b' {} must be a contiguous vector of {} elements", op, a.b.str(), M);
   return {N, K, M};
 }
 
-LinearGeluDims check_linear_gelu(std::string_view op, const Tensor& y, const Tensor& h, const Tensor& x,
-                                 const Tensor& w, const Tensor& b) {
-  const auto [N, K, M] = check_linear(op, h, x, w, b);
-  require_defined(op, {"y", y});
-  if (y.rows() != N || y.cols() < 1 || y.cols() > M)
-    fail("{}: GELU output 'y' {} must have {} rows of 1 to {} columns (the last columns of 'h' {})", op, y.str(), N,
-         M, h.str());
-  return {N, K, M, y.cols()};
+LinearGeluDims check(std::string_view op, const op::LinearGelu& a) {
+  const auto [N, K, M] = check(op, op::Linear{a.h, a.x, a.w, a.b});
+  require_defined(op, {"y", a.y});
+  if (a.y.rows() != N || a.y.cols() < 1 || a.y.cols() > M)
+    fail("{}: GELU output 'y' {} must have {} rows of 1 to {} columns (the last columns of 'h' {})", op, a.y.str(), N,
+         M, a.h.str());
+  return {N, K, M, a.y.cols()};
 }
 
-LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, const Tensor& dh, const Tensor& dy,
-                                       const Tensor& w, const Tensor& h) {
-  require_defined(op, {"dy", dy});
-  require_rank(op, {"w", w}, 2);
-  const int64_t N = dy.rows(), M = dy.cols(), K = w.shape[1];
-  if (w.shape[0] != M)
-    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, w.str(), M, dy.str());
-  require_defined(op, {"h", h});
-  require_same_matrix(op, {"dh", dh}, {"h", h});
-  const int64_t gelu = h.cols();
-  if (h.rows() != N || gelu < 1 || gelu > K)
+LinearGeluDims check(std::string_view op, const op::LinearDgradGelu& a) {
+  require_defined(op, {"dy", a.dy});
+  require_rank(op, {"w", a.w}, 2);
+  const int64_t N = a.dy.rows(), M = a.dy.cols(), K = a.w.shape[1];
+  if (a.w.shape[0] != M)
+    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, a.w.str(), M, a.dy.str());
+  require_defined(op, {"h", a.h});
+  require_same_matrix(op, {"dh", a.dh}, {"h", a.h});
+  const int64_t gelu = a.h.cols();
+  if (a.h.rows() != N || gelu < 1 || gelu > K)
     fail("{}: GELU input 'h' {} must have {} rows of 1 to {} columns (the last columns of the Linear's input)", op,
-         h.str(), N, K);
-  if (gelu == K && dx.defined())
-    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} columns of the Linear's input",
-         op, dx.str(), h.str(), K);
-  if (gelu < K && (!dx.defined() || dx.rows() != N || dx.cols() != K - gelu))
-    fail("{}: input gradient 'dx' {} must have {} rows of {} columns (the columns of the Linear's input before the "
-         "GELU's)",
-         op, dx.str(), N, K - gelu);
+         a.h.str(), N, K);
+  if (gelu == K && a.dx.defined())
+    fail("{}: input gradient 'dx' {} given, but the GELU input 'h' {} covers all {} columns of the Linear's input", op,
+         a.dx.str(), a.h.str(), K);
+  if (gelu < K && (!a.dx.defined() || a.dx.rows() != N || a.dx.cols() != K - gelu))
+    fail(
+        "{}: input gradient 'dx' {} must have {} rows of {} columns (the columns of the Linear's input before the "
+        "GELU's)",
+        op, a.dx.str(), N, K - gelu);
   return {N, K, M, gelu};
 }
 
-NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,
-                                  const Tensor& x, const Tensor& shift, const Tensor& scale) {
-  require_rank(op, {"x", x}, 3);
-  const NormDims d{x.shape[0], x.shape[1], x.shape[2]};
-  if (y.defined()) require_shape(op, {"y", y}, x.shape);  // undefined: statistics only
-  require_vector(op, {"mean", mean}, d.B * d.L);
-  require_vector(op, {"rstd", rstd}, d.B * d.L);
-  require_shape(op, {"shift", shift}, Shape{d.B, d.H});
-  require_shape(op, {"scale", scale}, Shape{d.B, d.H});
+NormDims check(std::string_view op, const op::LayernormModulate& a) {
+  require_rank(op, {"x", a.x}, 3);
+  const NormDims d{a.x.shape[0], a.x.shape[1], a.x.shape[2]};
+  if (a.y.defined()) require_shape(op, {"y", a.y}, a.x.shape);  // undefined: statistics only
+  require_vector(op, {"mean", a.mean}, d.B * d.L);
+  require_vector(op, {"rstd", a.rstd}, d.B * d.L);
+  require_shape(op, {"shift", a.shift}, Shape{d.B, d.H});
+  require_shape(op, {"scale", a.scale}, Shape{d.B, d.H});
   return d;
 }
 
-int64_t check_gated_residual_stats(std::string_view op, const Tensor& out, const Tensor& mean, const Tensor& rstd,
-                                   const Tensor& x, const Tensor& y, const Tensor& gate) {
-  require_rank(op, {"x", x}, 3);
-  const int64_t B = x.shape[0], L = x.shape[1], H = x.shape[2];
-  require_shape(op, {"out", out}, x.shape);
-  require_shape(op, {"y", y}, x.shape);
-  require_shape(op, {"gate", gate}, Shape{B, H});
-  require_shape(op, {"mean", mean}, Shape{B, L});
-  require_shape(op, {"rstd", rstd}, Shape{B, L});
-  if (out.data == x.data) fail("{}: out must not be x (the statistics read the stored out)", op);
-  if (mean.dtype != rstd.dtype || (mean.dtype != DType::f32 && mean.dtype != DType::f64))
-    fail("{}: mean {} and rstd {} must share one floating type", op, mean.str(), rstd.str());
-  if (mean.data == rstd.data) fail("{}: mean and rstd must be separate tensors", op);
+int64_t check(std::string_view op, const op::GatedResidualStats& a) {
+  require_rank(op, {"x", a.x}, 3);
+  const int64_t B = a.x.shape[0], L = a.x.shape[1], H = a.x.shape[2];
+  require_shape(op, {"out", a.out}, a.x.shape);
+  require_shape(op, {"y", a.y}, a.x.shape);
+  require_shape(op, {"gate", a.gate}, Shape{B, H});
+  require_shape(op, {"mean", a.mean}, Shape{B, L});
+  require_shape(op, {"rstd", a.rstd}, Shape{B, L});
+  if (a.out.data == a.x.data) fail("{}: out must not be x (the statistics read the stored out)", op);
+  if (a.mean.dtype != a.rstd.dtype || (a.mean.dtype != DType::f32 && a.mean.dtype != DType::f64))
+    fail("{}: mean {} and rstd {} must share one floating type", op, a.mean.str(), a.rstd.str());
+  if (a.mean.data == a.rstd.data) fail("{}: mean and rstd must be separate tensors", op);
   return B;
 }
 
-NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
-                                           const Tensor& mean, const Tensor& rstd) {
-  require_rank(op, {"x", x}, 3);
-  const NormDims d{x.shape[0], x.shape[1], x.shape[2]};
-  require_shape(op, {"dy", dy}, x.shape);
-  require_vector(op, {"mean", mean}, d.B * d.L);
-  require_vector(op, {"rstd", rstd}, d.B * d.L);
+NormDims check(std::string_view op, const op::LayernormModulateBackward& a) {
+  require_rank(op, {"x", a.x}, 3);
+  const NormDims d{a.x.shape[0], a.x.shape[1], a.x.shape[2]};
+  require_shape(op, {"dy", a.dy}, a.x.shape);
+  require_vector(op, {"mean", a.mean}, d.B * d.L);
+  require_vector(op, {"rstd", a.rstd}, d.B * d.L);
   return d;
 }
 
@@ -262,43 +263,40 @@ void require_disjoint(std::string_view op, std::vector<std::pair<int64_t, int64_
 }
 }  // namespace
 
-std::vector<Backend::LowRankGrad> check_adamw(std::string_view op, const Tensor& param, const Tensor& grad,
-                                              const Tensor& m, const Tensor& v, const Backend::AdamW& h,
-                                              std::span<const Backend::ParamCopy> copies,
-                                              std::span<const Backend::ParamCast> casts,
-                                              std::span<const Backend::LowRankGrad> low_rank) {
-  for (Named n : {Named{"param", param}, Named{"grad", grad}, Named{"m", m}, Named{"v", v}}) {
+std::vector<Backend::LowRankGrad> check(std::string_view op, const op::Adamw& a) {
+  for (const Named& n : tensor_fields(a)) {
     require_contiguous(op, n);
-    require_vector(op, n, param.numel());
+    require_vector(op, n, a.param.numel());
   }
-  if (h.step < 1) fail("{}: step must be >= 1 (1-based), got {}", op, h.step);
+  if (a.h.step < 1) fail("{}: step must be >= 1 (1-based), got {}", op, a.h.step);
   // The moments in the parameters' type, or both bf16 with f32 parameters (adam_moment_precision).
-  const bool bf16_moments = m.dtype == DType::bf16 && v.dtype == DType::bf16 && param.dtype == DType::f32;
-  if (!bf16_moments && (m.dtype != param.dtype || v.dtype != param.dtype))
-    fail("{}: the moments 'm' ({}) and 'v' ({}) must both be in the parameters' type ({}), or both bf16 with f32 "
-         "parameters",
-         op, dtype_name(m.dtype), dtype_name(v.dtype), dtype_name(param.dtype));
+  const bool bf16_moments = a.m.dtype == DType::bf16 && a.v.dtype == DType::bf16 && a.param.dtype == DType::f32;
+  if (!bf16_moments && (a.m.dtype != a.param.dtype || a.v.dtype != a.param.dtype))
+    fail(
+        "{}: the moments 'm' ({}) and 'v' ({}) must both be in the parameters' type ({}), or both bf16 with f32 "
+        "parameters",
+        op, dtype_name(a.m.dtype), dtype_name(a.v.dtype), dtype_name(a.param.dtype));
   std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end): no two outputs may overlap
   const auto inside = [&](const char* what, size_t i, int64_t offset, int64_t count) {
-    if (offset < 0 || offset + count > param.numel())
+    if (offset < 0 || offset + count > a.param.numel())
       fail("{}: {} {} of {} elements at offset {} lies outside the {} parameters", op, what, i, count, offset,
-           param.numel());
+           a.param.numel());
     ranges.emplace_back(offset, offset + count);
   };
-  for (size_t i = 0; i < copies.size(); ++i) {
-    const Backend::ParamCopy& c = copies[i];
+  for (size_t i = 0; i < a.copies.size(); ++i) {
+    const Backend::ParamCopy& c = a.copies[i];
     if (!c.copy.defined() || c.copy.dtype != DType::bf16 || !c.copy.contiguous())
       fail("{}: copy {} ({}) must be a contiguous bf16 tensor", op, i, c.copy.str());
     inside("copy", i, c.offset, c.copy.numel());
   }
-  for (size_t i = 0; i < casts.size(); ++i) {
-    const Backend::ParamCast& c = casts[i];
+  for (size_t i = 0; i < a.casts.size(); ++i) {
+    const Backend::ParamCast& c = a.casts[i];
     if (!c.codes.defined() || c.codes.scaling != Fp8Scaling::per_tensor || !c.codes.scale_inv || !c.scale || !c.amax)
       fail("{}: cast {} needs per-tensor codes with their scale_inv, a scale and an amax target", op, i);
     inside("cast", i, c.offset, c.codes.numel());
   }
   require_disjoint(op, ranges, "the outputs for the parameters");
-  return check_low_rank_grads(op, param.numel(), low_rank);
+  return check_low_rank_grads(op, a.param.numel(), a.low_rank);
 }
 
 std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int64_t n,
@@ -324,13 +322,17 @@ std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int6
   return sorted;
 }
 
-void check_transpose_codes(std::string_view op, const QTensor& dst, const QTensor& src) {
-  if (!dst.defined() || !src.defined() || dst.scaling != Fp8Scaling::per_tensor ||
-      src.scaling != Fp8Scaling::per_tensor || !dst.scale_inv || !src.scale_inv)
+std::vector<Backend::LowRankGrad> check(std::string_view op, const op::GradientSumSquares& a) {
+  return check_low_rank_grads(op, a.grads.numel(), a.low_rank);
+}
+
+void check(std::string_view op, const op::TransposeCodes& a) {
+  if (!a.dst.defined() || !a.src.defined() || a.dst.scaling != Fp8Scaling::per_tensor ||
+      a.src.scaling != Fp8Scaling::per_tensor || !a.dst.scale_inv || !a.src.scale_inv)
     fail("{}: 'dst' and 'src' must be per-tensor FP8 casts with their scale_inv", op);
-  if (dst.rows != src.cols || dst.cols != src.rows || dst.format != src.format)
-    fail("{}: 'dst' [{}, {}] {} must be 'src' [{}, {}] {} transposed", op, dst.rows, dst.cols,
-         fp8_format_name(dst.format), src.rows, src.cols, fp8_format_name(src.format));
+  if (a.dst.rows != a.src.cols || a.dst.cols != a.src.rows || a.dst.format != a.src.format)
+    fail("{}: 'dst' [{}, {}] {} must be 'src' [{}, {}] {} transposed", op, a.dst.rows, a.dst.cols,
+         fp8_format_name(a.dst.format), a.src.rows, a.src.cols, fp8_format_name(a.src.format));
 }
 
 void check_cast_input(std::string_view op, const Backend::CastInput& in) {
@@ -350,40 +352,77 @@ void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols, bo
          sums.str(), bf16_ok ? "f32 or bf16" : "f32", cols);
 }
 
-int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale) {
-  require_defined(op, {"x", x});
-  require_defined(op, {"scale", scale});
-  const int64_t D = scale.numel();
-  if (D == 0 || x.cols() % D != 0 || !scale.contiguous())
-    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op, x.str(), D,
-         scale.str());
+namespace {
+// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
+template <typename Op>
+int64_t rmsnorm_head_dim(std::string_view op, const Op& a) {
+  require_defined(op, {"x", a.x});
+  require_defined(op, {"scale", a.scale});
+  const int64_t D = a.scale.numel();
+  if (D == 0 || a.x.cols() % D != 0 || !a.scale.contiguous())
+    fail("{}: x {} must have rows of n·D elements with D = {} from a contiguous 'scale' {}", op, a.x.str(), D,
+         a.scale.str());
   return D;
 }
+}  // namespace
 
-void check_attention_heads(std::string_view op, std::initializer_list<Named> heads) {
+RmsnormDims check(std::string_view op, const op::RmsnormHeads& a) {
+  const int64_t D = rmsnorm_head_dim(op, a), rows = a.x.rows(), n = a.x.cols() / D;
+  require_same_matrix(op, {"y", a.y}, {"x", a.x});
+  require_vector(op, {"rstd", a.rstd}, rows * n);
+  return {D, n, rows};
+}
+
+RmsnormDims check(std::string_view op, const op::RmsnormHeadsBackward& a) {
+  const int64_t D = rmsnorm_head_dim(op, a), rows = a.x.rows(), n = a.x.cols() / D;
+  require_same_matrix(op, {"dy", a.dy}, {"x", a.x});
+  require_vector(op, {"rstd", a.rstd}, rows * n);
+  if (a.dx.defined()) require_same_matrix(op, {"dx", a.dx}, {"x", a.x});
+  if (a.dscale.defined()) require_vector(op, {"dscale", a.dscale}, D);
+  return {D, n, rows};
+}
+
+void check(std::string_view op, const op::GatedResidual& a) {
+  require_rank(op, {"x", a.x}, 3);
+  require_shape(op, {"out", a.out}, a.x.shape);
+  require_shape(op, {"y", a.y}, a.x.shape);
+  require_shape(op, {"gate", a.gate}, Shape{a.x.shape[0], a.x.shape[2]});
+}
+
+NormDims check(std::string_view op, const op::GatedResidualBackward& a) {
+  require_rank(op, {"dx", a.dx}, 3);
+  const NormDims d{a.dx.shape[0], a.dx.shape[1], a.dx.shape[2]};
+  if (a.dy.defined()) {
+    require_shape(op, {"dy", a.dy}, a.dx.shape);
+    require_shape(op, {"gate", a.gate}, Shape{d.B, d.H});
+  }
+  if (a.dgate.defined()) {
+    require_shape(op, {"y", a.y}, a.dx.shape);
+    require_shape(op, {"dgate", a.dgate}, Shape{d.B, d.H});
+  }
+  return d;
+}
+
+void check_attention_heads(std::string_view op, std::span<const Named> heads) {
   const Named& q = *heads.begin();
   require_rank(op, q, 4);
   for (const Named& a : heads)
     if (a.t.defined()) require_shape(op, a, q.t.shape);
 }
 
-AttentionDims check_attention(std::string_view op, const Tensor& o, const Tensor& lse, const Tensor& q,
-                              const Tensor& k, const Tensor& v) {
-  check_attention_heads(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}});
-  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}}) require_defined(op, a);
-  const AttentionDims d{q.shape[0], q.shape[1], q.shape[2], q.shape[3]};
-  require_vector(op, {"lse", lse}, d.B * d.n * d.L);  // [B, n, L] or flat, like mean/rstd
+AttentionDims check(std::string_view op, const op::Attention& a) {
+  check_attention_heads(op, tensor_fields(a, {"q", "k", "v", "o"}));
+  for (const Named& t : tensor_fields(a, {"k", "v", "o"})) require_defined(op, t);
+  const AttentionDims d{a.q.shape[0], a.q.shape[1], a.q.shape[2], a.q.shape[3]};
+  require_vector(op, {"lse", a.lse}, d.B * d.n * d.L);  // [B, n, L] or flat, like mean/rstd
   return d;
 }
 
-AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                                       const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& o, const Tensor& lse) {
-  check_attention_heads(
-      op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
-  for (const Named& a : {Named{"k", k}, Named{"v", v}, Named{"o", o}, Named{"dout", dout}}) require_defined(op, a);
-  const AttentionDims d{q.shape[0], q.shape[1], q.shape[2], q.shape[3]};
-  require_vector(op, {"lse", lse}, d.B * d.n * d.L);
+AttentionDims check(std::string_view op, const op::AttentionBackward& a) {
+  check_attention_heads(op, tensor_fields(a, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}));
+  for (const Named& t : tensor_fields(a, {"k", "v", "o", "dout"})) require_defined(op, t);
+  const AttentionDims d{a.q.shape[0], a.q.shape[1], a.q.shape[2], a.q.shape[3]};
+  require_vector(op, {"lse", a.lse}, d.B * d.n * d.L);
   return d;
 }
 
@@ -416,32 +455,48 @@ void require_per_tensor_cast(std::string_view op, std::string_view what, const Q
          fp8_scaling_name(q.scaling));
 }
 
-}  // namespace
+// The scales of `sc` named in `only` that a call reads: each must be given.
+void require_scales(std::string_view op, const Fp8AttentionScales& sc, std::initializer_list<std::string_view> only) {
+  for_each_field(sc, [&](std::string_view name, const auto& p) {
+    if (std::find(only.begin(), only.end(), name) != only.end() && !p)
+      fail("{}: scale '{}' is not given (Fp8AttentionScales)", op, name);
+  });
+}
 
-AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::initializer_list<NamedQ> tensors,
-                                  const Tensor& lse, std::initializer_list<NamedScale> scales) {
+// What both directions of FP8 attention check; `tensors` are every QTensor of the call.
+AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::span<const NamedQ> tensors,
+                                  const QTensor& q, const Tensor& lse) {
   if (heads.rank != 4) fail("{}: heads {} must be [B, n, L, D]", op, heads.str());
   const AttentionDims d{heads[0], heads[1], heads[2], heads[3]};
-  const NamedQ& q = *tensors.begin();
   for (const NamedQ& t : tensors) {
     require_per_tensor_cast(op, fmt::format("FP8 tensor '{}'", t.name), t.q);
     if (t.q.rows != d.B * d.n * d.L || t.q.cols != d.D)
       fail("{}: FP8 tensor '{}' is [{}, {}] but heads {} need [B·n·L, D] = [{}, {}]", op, t.name, t.q.rows, t.q.cols,
            heads.str(), d.B * d.n * d.L, d.D);
-    if ((t.name == "k" || t.name == "v") && t.q.format != q.q.format)
+    if ((t.name == "k" || t.name == "v") && t.q.format != q.format)
       fail("{}: q, k and v must share one FP8 format ('{}' is {}, '{}' {})", op, t.name, fp8_format_name(t.q.format),
-           q.name, fp8_format_name(q.q.format));
+           "q", fp8_format_name(q.format));
   }
   require_contiguous(op, {"lse", lse});
   require_vector(op, {"lse", lse}, d.B * d.n * d.L);
   if (lse.dtype != DType::f32) fail("{}: lse {} must be f32", op, lse.str());
-  for (const NamedScale& s : scales)
-    if (!s.p) fail("{}: scale '{}' is not given (Fp8AttentionScales)", op, s.name);
   return d;
 }
 
-Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_offset,
-                      std::initializer_list<NamedQ> heads) {
+// The FP8 heads of an op: its Fp8Heads fields' codes and its QTensor fields, in declaration order.
+template <typename Op>
+std::vector<NamedQ> fp8_heads_of(const Op& a) {
+  std::vector<NamedQ> heads;
+  for_each_field(a, [&](std::string_view name, const auto& f) {
+    using F = std::remove_cvref_t<decltype(f)>;
+    if constexpr (std::is_same_v<F, Fp8Heads>) heads.push_back({name, f.codes});
+    if constexpr (std::is_same_v<F, QTensor>) heads.push_back({name, f});
+  });
+  return heads;
+}
+
+// What every FP8-heads op checks: `tokens` one stream of the joint sequence the heads hold.
+Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_offset, std::span<const NamedQ> heads) {
   require_defined(op, {"tokens", tokens});
   require_rank(op, {"tokens", tokens}, 3);
   const NamedQ& first = *heads.begin();
@@ -465,28 +520,57 @@ Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_o
   return Shape{B, n, L, D};
 }
 
-void check_dequantize(std::string_view op, const Tensor& y, const QTensor& x) {
-  require_defined(op, {"y", y});
-  if (!x.defined()) fail("{}: FP8 tensor 'x' is not defined", op);
-  if (x.scaling != Fp8Scaling::per_tensor || !x.scale_inv)
-    fail("{}: x must be a per-tensor cast with its scale_inv (got {} scaling)", op, fp8_scaling_name(x.scaling));
-  if (y.dtype != DType::f32 && y.dtype != DType::bf16) fail("{}: y {} must be f32 or bf16", op, y.str());
-  if (y.rows() != x.rows || y.cols() != x.cols)
-    fail("{}: y {} does not hold x's [{}, {}]", op, y.str(), x.rows, x.cols);
-  if (y.ld < y.cols()) fail("{}: y {} has row stride {} smaller than its columns", op, y.str(), y.ld);
+}  // namespace
+
+AttentionDims check(std::string_view op, const op::AttentionFp8& a) {
+  const AttentionDims d = check_attention_fp8(op, a.heads, qtensor_fields(a, {"q", "k", "v", "o"}), a.q, a.lse);
+  require_scales(op, a.sc, {"o"});
+  return d;
 }
 
-DelayedUpdateDims check_delayed_scaling_update(std::string_view op, const Tensor& amax_history, const Tensor& scale,
-                                               const Tensor& scale_inv, const Tensor& fp8_max) {
-  require_rank(op, {"amax_history", amax_history}, 2);
-  require_contiguous(op, {"amax_history", amax_history});
-  const int64_t L = amax_history.shape[0], n = amax_history.shape[1];
-  if (L < 1) fail("{}: amax_history {} has no staging row (history length must be >= 1)", op, amax_history.str());
-  require_vector(op, {"scale", scale}, n);
-  require_vector(op, {"scale_inv", scale_inv}, n);
-  require_vector(op, {"fp8_max", fp8_max}, n);
-  for (Named t : {Named{"amax_history", amax_history}, Named{"scale", scale}, Named{"scale_inv", scale_inv},
-                  Named{"fp8_max", fp8_max}})
+AttentionDims check(std::string_view op, const op::AttentionFp8Backward& a) {
+  const AttentionDims d =
+      check_attention_fp8(op, a.heads, qtensor_fields(a, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}), a.q, a.lse);
+  require_scales(op, a.sc, {"ds", "ds_inv", "dq", "dk", "dv"});
+  return d;
+}
+
+Shape check(std::string_view op, const op::QkNormRopeToHeadsFp8& a) {
+  return check_fp8_heads(op, a.q, a.token_offset, fp8_heads_of(a));
+}
+
+Shape check(std::string_view op, const op::QkNormRopeToHeadsBackwardFp8& a) {
+  return check_fp8_heads(op, a.q, a.token_offset, fp8_heads_of(a));
+}
+
+Shape check(std::string_view op, const op::TokensToHeadsFp8& a) {
+  return check_fp8_heads(op, a.tokens, a.token_offset, fp8_heads_of(a));
+}
+
+Shape check(std::string_view op, const op::HeadsToTokensFp8& a) {
+  return check_fp8_heads(op, a.tokens, a.token_offset, fp8_heads_of(a));
+}
+
+void check(std::string_view op, const op::Dequantize& a) {
+  require_defined(op, {"y", a.y});
+  if (!a.x.defined()) fail("{}: FP8 tensor 'x' is not defined", op);
+  if (a.x.scaling != Fp8Scaling::per_tensor || !a.x.scale_inv)
+    fail("{}: x must be a per-tensor cast with its scale_inv (got {} scaling)", op, fp8_scaling_name(a.x.scaling));
+  if (a.y.dtype != DType::f32 && a.y.dtype != DType::bf16) fail("{}: y {} must be f32 or bf16", op, a.y.str());
+  if (a.y.rows() != a.x.rows || a.y.cols() != a.x.cols)
+    fail("{}: y {} does not hold x's [{}, {}]", op, a.y.str(), a.x.rows, a.x.cols);
+  if (a.y.ld < a.y.cols()) fail("{}: y {} has row stride {} smaller than its columns", op, a.y.str(), a.y.ld);
+}
+
+DelayedUpdateDims check(std::string_view op, const op::DelayedScalingUpdate& a) {
+  require_rank(op, {"amax_history", a.amax_history}, 2);
+  require_contiguous(op, {"amax_history", a.amax_history});
+  const int64_t L = a.amax_history.shape[0], n = a.amax_history.shape[1];
+  if (L < 1) fail("{}: amax_history {} has no staging row (history length must be >= 1)", op, a.amax_history.str());
+  require_vector(op, {"scale", a.scale}, n);
+  require_vector(op, {"scale_inv", a.scale_inv}, n);
+  require_vector(op, {"fp8_max", a.fp8_max}, n);
+  for (const Named& t : tensor_fields(a))
     if (t.t.dtype != DType::f32) fail("{}: tensor '{}' is {} but must be f32", op, t.name, t.t.str());
   return {L, n};
 }

@@ -1,9 +1,14 @@
 #pragma once
 // Argument checks shared by every backend: each failure names the op, the tensor (by its name
 // in the op's signature) and what was expected, so a shape bug in model code is found at once.
+#include <algorithm>
+#include <array>
 #include <initializer_list>
 #include <span>
 #include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -19,10 +24,53 @@ struct Named {
   const Tensor& t;
 };
 
+// An FP8 tensor argument with its name.
+struct NamedQ {
+  std::string_view name;
+  const QTensor& q;
+};
+
+// The fields of an op (or of an argument struct with FLUX8_FIELDS) of type T, each as
+// Out{declared name, field}, in declaration order: the checks name tensors as the op declares them.
+template <typename Out, typename T, typename S>
+auto fields_of_type(const S& s);
+// Those named in `only`, in the order of `only`; a name that is no such field of S fails.
+template <typename Out, typename T, typename S>
+std::vector<Out> fields_of_type(const S& s, std::initializer_list<std::string_view> only);
+// Every Tensor field; every QTensor field.
+template <typename S>
+auto tensor_fields(const S& s) {
+  return fields_of_type<Named, Tensor>(s);
+}
+template <typename S>
+auto qtensor_fields(const S& s) {
+  return fields_of_type<NamedQ, QTensor>(s);
+}
+// The Tensor fields named in `only` (one role among the op's tensors: its activations, its
+// statistics), in the order of `only`; a name that is no Tensor field of S fails.
+template <typename S>
+std::vector<Named> tensor_fields(const S& s, std::initializer_list<std::string_view> only) {
+  return fields_of_type<Named, Tensor>(s, only);
+}
+template <typename S>
+std::vector<NamedQ> qtensor_fields(const S& s, std::initializer_list<std::string_view> only) {
+  return fields_of_type<NamedQ, QTensor>(s, only);
+}
+
 // Checks that all defined tensors share one dtype, that it is one of `allowed` (a backend's
 // compute types; `backend` names it in the message) and that ld >= cols; returns the dtype.
-DType call_dtype(std::string_view op, std::initializer_list<Named> tensors, std::initializer_list<DType> allowed,
+DType call_dtype(std::string_view op, std::span<const Named> tensors, std::initializer_list<DType> allowed,
                  std::string_view backend);
+inline DType call_dtype(std::string_view op, std::initializer_list<Named> tensors, std::initializer_list<DType> allowed,
+                        std::string_view backend) {
+  return call_dtype(op, std::span<const Named>(tensors.begin(), tensors.size()), allowed, backend);
+}
+// The same over every Tensor field of the op, named as declared.
+template <typename Op>
+DType call_dtype(const Op& a, std::initializer_list<DType> allowed, std::string_view backend) {
+  const auto tensors = tensor_fields(a);
+  return call_dtype(Op::name, std::span<const Named>(tensors), allowed, backend);
+}
 
 void require_defined(std::string_view op, Named a);
 void require_rank(std::string_view op, Named a, int rank);
@@ -36,128 +84,180 @@ void require_contiguous(std::string_view op, Named a);
 // dtype and ld >= its columns.
 void check_cast_input(std::string_view op, const Backend::CastInput& in);
 
-// tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L (tokens_to_heads).
+// The argument checks of the ops, one overload an op: `op` names the call in the messages (an op
+// whose check is another's, as linear_gelu's h is linear's y, passes its own name).
+
+// tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L.
 void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens, int64_t offset);
-// The whole argument check of qk_norm_rope_to_heads / its backward: one stream's token slices
-// [B, Ls, n·D] (any ld) at token_offset in joint head-major tensors [B, n, L, D] with D even
-// (RoPE turns adjacent pairs), statistics vectors of B·Ls·n, scales contiguous [D], pe
-// contiguous [B, L, D/2, 2]. Returns {B, n, L, D, Ls}.
+void check(std::string_view op, const op::TokensToHeads& a);
+void check(std::string_view op, const op::HeadsToTokens& a);
+// The parts a [B, La, C], b [B, Lb, C] of the joint sequence [B, L, C] (concat_tokens' out,
+// split_tokens' in): with both present they must tile it exactly; a lone part must fit.
+void check(std::string_view op, const op::ConcatTokens& a);
+void check(std::string_view op, const op::SplitTokens& a);
+
+// qk_norm_rope_to_heads / its backward: one stream's token slices [B, Ls, n·D] (any ld) at
+// token_offset in joint head-major tensors [B, n, L, D] with D even (RoPE turns adjacent pairs),
+// statistics vectors of B·Ls·n, scales contiguous [D], pe contiguous [B, L, D/2, 2].
 struct QkNormRopeDims {
   int64_t B, n, L, D, Ls;
 };
-QkNormRopeDims check_qk_norm_rope_to_heads(std::string_view op, const Tensor& q_heads, const Tensor& k_heads,
-                                           const Tensor& v_heads, const Tensor& q_rstd, const Tensor& k_rstd,
-                                           const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_scale,
-                                           const Tensor& k_scale, const Tensor& pe, int64_t offset);
-QkNormRopeDims check_qk_norm_rope_to_heads_backward(std::string_view op, const Tensor& dq, const Tensor& dk,
-                                                    const Tensor& dv, const Tensor& dq_scale, const Tensor& dk_scale,
-                                                    const Tensor& dq_heads, const Tensor& dk_heads,
-                                                    const Tensor& dv_heads, const Tensor& q, const Tensor& k,
-                                                    const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_scale,
-                                                    const Tensor& k_scale, const Tensor& pe, int64_t offset);
-// Parts a [B, La, C], b [B, Lb, C] of a joint sequence [B, L, C]: with both present they must
-// tile it exactly; a lone part must fit (concat_tokens / split_tokens).
-void check_joint(std::string_view op, Named joint, const Tensor& a, const Tensor& b);
-// linear(): x [N, K] (any ld), w [M, K], y [N, M], b undefined or a contiguous [M].
+QkNormRopeDims check(std::string_view op, const op::QkNormRopeToHeads& a);
+QkNormRopeDims check(std::string_view op, const op::QkNormRopeToHeadsBackward& a);
+
+// linear: x [N, K] (any ld), w [M, K], y [N, M], b undefined or a contiguous [M].
 struct LinearDims {
   int64_t N, K, M;
 };
-LinearDims check_linear(std::string_view op, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b);
+LinearDims check(std::string_view op, const op::Linear& a);
 // linear_gelu / linear_dgrad_gelu: the Linear's dims and the width of the GELU part (the last
 // `gelu` columns of the output, or of the input).
 struct LinearGeluDims {
   int64_t N, K, M, gelu;
 };
 // h [N, M] as linear's y for x, w, b; y [N, My] with 0 < My ≤ M.
-LinearGeluDims check_linear_gelu(std::string_view op, const Tensor& y, const Tensor& h, const Tensor& x,
-                                 const Tensor& w, const Tensor& b);
+LinearGeluDims check(std::string_view op, const op::LinearGelu& a);
 // dy [N, M], w [M, K], h and dh [N, Kh] with 0 < Kh ≤ K, dx [N, K − Kh] (undefined iff Kh = K).
-LinearGeluDims check_linear_dgrad_gelu(std::string_view op, const Tensor& dx, const Tensor& dh, const Tensor& dy,
-                                       const Tensor& w, const Tensor& h);
+LinearGeluDims check(std::string_view op, const op::LinearDgradGelu& a);
 
-// Modulated LayerNorm over x [B, L, H]: y like x, mean/rstd vectors of B·L, shift/scale [B, H].
+// Modulated LayerNorm over x [B, L, H]: y like x (or undefined), mean/rstd vectors of B·L,
+// shift/scale [B, H].
 struct NormDims {
   int64_t B, L, H;
 };
-NormDims check_layernorm_modulate(std::string_view op, const Tensor& y, const Tensor& mean, const Tensor& rstd,
-                                  const Tensor& x, const Tensor& shift, const Tensor& scale);
+NormDims check(std::string_view op, const op::LayernormModulate& a);
+// The backward's common part: dy like x [B, L, H], mean/rstd vectors of B·L.
+NormDims check(std::string_view op, const op::LayernormModulateBackward& a);
 // gated_residual_stats: x [B, L, H], out and y like x (out not x itself), gate [B, H], mean and
 // rstd [B, L] of one floating type, any ld, two tensors. Returns B.
-int64_t check_gated_residual_stats(std::string_view op, const Tensor& out, const Tensor& mean, const Tensor& rstd,
-                                   const Tensor& x, const Tensor& y, const Tensor& gate);
-// The backward's common part: dy like x [B, L, H], mean/rstd vectors of B·L.
-NormDims check_layernorm_modulate_backward(std::string_view op, const Tensor& dy, const Tensor& x,
-                                           const Tensor& mean, const Tensor& rstd);
+int64_t check(std::string_view op, const op::GatedResidualStats& a);
+// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale), y (dy; dx when defined)
+// the same matrix as x, rstd a vector of rows·n (dscale, when defined, of D).
+struct RmsnormDims {
+  int64_t D, n, rows;
+};
+RmsnormDims check(std::string_view op, const op::RmsnormHeads& a);
+RmsnormDims check(std::string_view op, const op::RmsnormHeadsBackward& a);
+// gated_residual: x [B, L, H], out and y like x, gate [B, H].
+void check(std::string_view op, const op::GatedResidual& a);
+// gated_residual_backward: dx [B, L, H]; with dy: dy like dx, gate [B, H]; with dgate: y like dx,
+// dgate [B, H]. Returns {B, L, H}.
+NormDims check(std::string_view op, const op::GatedResidualBackward& a);
+
 // adamw's whole argument check: param, grad, m, v contiguous vectors of one length, m and v
 // in the parameters' type or both bf16 with f32 parameters (the types of param and grad are
 // each backend's to check), a 1-based step, each copy a contiguous bf16 tensor and each cast
 // a per-tensor QTensor (with its scale and amax) inside the parameters, no two of them over
-// the same parameters.
-// The low-rank gradients as check_low_rank_grads checks them; returns them by offset.
-std::vector<Backend::LowRankGrad> check_adamw(std::string_view op, const Tensor& param, const Tensor& grad,
-                                              const Tensor& m, const Tensor& v, const Backend::AdamW& h,
-                                              std::span<const Backend::ParamCopy> copies,
-                                              std::span<const Backend::ParamCast> casts,
-                                              std::span<const Backend::LowRankGrad> low_rank);
+// the same parameters; the low-rank gradients as check_low_rank_grads checks them. Returns
+// those by offset.
+std::vector<Backend::LowRankGrad> check(std::string_view op, const op::Adamw& a);
 // Backend::LowRankGrad ranges of a flat gradient of n elements: a [R, M], b [R, K] contiguous
 // f32 with R ≥ 1, [offset, offset + M·K) inside [0, n), no two overlapping. Returns them sorted
 // by offset (what the backends walk).
 std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int64_t n,
                                                        std::span<const Backend::LowRankGrad> low_rank);
+// gradient_sum_squares: its low-rank gradients inside `grads`. Returns them by offset.
+std::vector<Backend::LowRankGrad> check(std::string_view op, const op::GradientSumSquares& a);
 // transpose_codes: per-tensor codes, dst [cols, rows] of src [rows, cols], one format.
-void check_transpose_codes(std::string_view op, const QTensor& dst, const QTensor& src);
+void check(std::string_view op, const op::TransposeCodes& a);
 // Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined); or bf16 where
 // the backend stores parameter gradients so (`bf16_ok`: Backend::gradient_dtype).
 void check_column_sums(std::string_view op, const Tensor& sums, int64_t cols, bool bf16_ok = false);
-// QK-norm: rows of x are n·D with D = scale.numel() (contiguous scale); returns D.
-int64_t rmsnorm_head_dim(std::string_view op, const Tensor& x, const Tensor& scale);
 
 // Attention: the first tensor (q) is rank 4 [B, n, L, D]; every other defined one has its shape.
-void check_attention_heads(std::string_view op, std::initializer_list<Named> heads);
-// The whole argument check of attention / attention_backward: q, k, v, o (and dout; dq, dk,
-// dv when defined) [B, n, L, D] alike, lse a vector of B·n·L. Returns {B, n, L, D}.
+void check_attention_heads(std::string_view op, std::span<const Named> heads);
+inline void check_attention_heads(std::string_view op, std::initializer_list<Named> heads) {
+  check_attention_heads(op, std::span<const Named>(heads.begin(), heads.size()));
+}
+// attention / attention_backward: q, k, v, o (and dout; dq, dk, dv when defined) [B, n, L, D]
+// alike, lse a vector of B·n·L. Returns {B, n, L, D}.
 struct AttentionDims {
   int64_t B, n, L, D;
 };
-AttentionDims check_attention(std::string_view op, const Tensor& o, const Tensor& lse, const Tensor& q,
-                              const Tensor& k, const Tensor& v);
-AttentionDims check_attention_backward(std::string_view op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                                       const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& o, const Tensor& lse);
+AttentionDims check(std::string_view op, const op::Attention& a);
+AttentionDims check(std::string_view op, const op::AttentionBackward& a);
 
 // FP8 attention (attention_fp8, attention_fp8_backward): `heads` rank 4 [B, n, L, D]; every
-// QTensor named defined, per-tensor, B·n·L x D; q, k, v in one format; lse a contiguous f32
-// vector of B·n·L; the scales each call reads (`scales`) given. Returns {B, n, L, D}.
-struct NamedQ {
-  std::string_view name;
-  const QTensor& q;
-};
-struct NamedScale {
-  std::string_view name;
-  const float* p;
-};
-AttentionDims check_attention_fp8(std::string_view op, const Shape& heads, std::initializer_list<NamedQ> tensors,
-                                  const Tensor& lse, std::initializer_list<NamedScale> scales);
-// The FP8-heads ops (qk_norm_rope_to_heads_fp8, tokens_to_heads_fp8, ...): every QTensor named
-// defined, per-tensor with its scale_inv, all of one shape [B·n·L, D]; `tokens` [B, Ls, n·D] (any
-// ld) one stream with Ls + offset <= L. Returns the heads' shape {B, n, L, D}.
-Shape check_fp8_heads(std::string_view op, const Tensor& tokens, int64_t token_offset,
-                      std::initializer_list<NamedQ> heads);
-// dequantize(): per-tensor x, y f32 or bf16 of x.rows rows and x.cols columns (any ld).
-void check_dequantize(std::string_view op, const Tensor& y, const QTensor& x);
+// QTensor field defined, per-tensor, B·n·L x D; q, k, v in one format; lse a contiguous f32
+// vector of B·n·L; the scales the call reads given. Returns {B, n, L, D}.
+AttentionDims check(std::string_view op, const op::AttentionFp8& a);
+AttentionDims check(std::string_view op, const op::AttentionFp8Backward& a);
+// The FP8-heads ops (qk_norm_rope_to_heads_fp8, tokens_to_heads_fp8, ...): every FP8 heads field
+// defined, per-tensor with its scale_inv, all of one shape [B·n·L, D]; the tokens (`q` where the
+// op has no `tokens`) [B, Ls, n·D] (any ld) one stream with Ls + token_offset <= L. Returns the
+// heads' shape {B, n, L, D}.
+Shape check(std::string_view op, const op::QkNormRopeToHeadsFp8& a);
+Shape check(std::string_view op, const op::QkNormRopeToHeadsBackwardFp8& a);
+Shape check(std::string_view op, const op::TokensToHeadsFp8& a);
+Shape check(std::string_view op, const op::HeadsToTokensFp8& a);
+// dequantize: per-tensor x, y f32 or bf16 of x.rows rows and x.cols columns (any ld).
+void check(std::string_view op, const op::Dequantize& a);
 
 // quantize(): x (any ld) of one of `x_types` (the backend's: f32 on the CPU; the CUDA backend
 // also casts bf16 activations), rowwise [rows, cols] and columnwise [cols, rows] when defined.
 // Returns false when there is nothing to cast (both outputs undefined).
 bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& columnwise, const Tensor& x,
                     std::initializer_list<DType> x_types = {DType::f32});
+inline bool check(std::string_view op, const op::Quantize& a, std::initializer_list<DType> x_types = {DType::f32}) {
+  return check_quantize(op, a.rowwise, a.columnwise, a.x, x_types);
+}
 
-// delayed_scaling_update(): contiguous f32 amax_history [L, n] (rank 2, L >= 1) and scale,
+// delayed_scaling_update: contiguous f32 amax_history [L, n] (rank 2, L >= 1) and scale,
 // scale_inv, fp8_max vectors of n. Returns {L, n}.
 struct DelayedUpdateDims {
   int64_t L, n;
 };
-DelayedUpdateDims check_delayed_scaling_update(std::string_view op, const Tensor& amax_history, const Tensor& scale,
-                                               const Tensor& scale_inv, const Tensor& fp8_max);
+DelayedUpdateDims check(std::string_view op, const op::DelayedScalingUpdate& a);
+
+// ---- field lists -----------------------------------------------------------------------------
+namespace detail {
+// The indices of S's fields of type T, in declaration order.
+template <typename T, typename S>
+constexpr auto field_indices() {
+  using Refs = decltype(std::declval<const S&>().fields());
+  constexpr size_t n = std::tuple_size_v<Refs>;
+  constexpr std::array<bool, n> is_t = []<size_t... I>(std::index_sequence<I...>) {
+    return std::array<bool, n>{std::is_same_v<std::remove_cvref_t<std::tuple_element_t<I, Refs>>, T>...};
+  }
+  (std::make_index_sequence<n>{});
+  constexpr size_t count = static_cast<size_t>(std::count(is_t.begin(), is_t.end(), true));
+  std::array<size_t, count> out{};
+  for (size_t i = 0, j = 0; i < n; ++i)
+    if (is_t[i]) out[j++] = i;
+  return out;
+}
+[[noreturn]] void fail_missing_field(std::string_view op, std::string_view name);
+// An op's name; "argument struct" for the compound fields, which have none.
+template <typename S>
+constexpr std::string_view name_of() {
+  if constexpr (requires { S::name; })
+    return S::name;
+  else
+    return "argument struct";
+}
+}  // namespace detail
+
+template <typename Out, typename T, typename S>
+auto fields_of_type(const S& s) {
+  constexpr auto idx = detail::field_indices<T, S>();
+  const auto refs = s.fields();
+  return [&]<size_t... I>(std::index_sequence<I...>) {
+    return std::array<Out, sizeof...(I)>{Out{S::field_names[idx[I]], std::get<idx[I]>(refs)}...};
+  }
+  (std::make_index_sequence<idx.size()>{});
+}
+
+template <typename Out, typename T, typename S>
+std::vector<Out> fields_of_type(const S& s, std::initializer_list<std::string_view> only) {
+  const auto all = fields_of_type<Out, T>(s);
+  std::vector<Out> out;
+  out.reserve(only.size());
+  for (std::string_view name : only) {
+    const auto it = std::find_if(all.begin(), all.end(), [&](const Out& t) { return t.name == name; });
+    if (it == all.end()) detail::fail_missing_field(detail::name_of<S>(), name);
+    out.push_back(*it);
+  }
+  return out;
+}
 
 }  // namespace flux8::ops

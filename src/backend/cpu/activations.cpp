@@ -39,36 +39,32 @@ void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumul
 }  // namespace
 
 void CpuBackend::execute(const op::Silu& args) {
-  const DType t = call_dtype("silu", {{"y", args.y}, {"x", args.x}});
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("silu", {"y", args.y}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     map_rows<T>(args.y, args.x, {}, false, c, [](T v) { return v * sigmoid(v); });
   });
 }
 
 void CpuBackend::execute(const op::SiluBackward& args) {
-  const DType t = call_dtype("silu_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  const auto [t, c] = begin_call(options_, args);
   if (!args.dx.defined()) return;
   require_same_matrix("silu_backward", {"dx", args.dx}, {"x", args.x});
   require_same_matrix("silu_backward", {"dy", args.dy}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) { map_rows<T>(args.dx, args.x, args.dy, args.accumulate_dx, c, silu_grad<T>); });
 }
 
 void CpuBackend::execute(const op::GeluTanh& args) {
-  const DType t = call_dtype("gelu_tanh", {{"y", args.y}, {"x", args.x}});
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("gelu_tanh", {"y", args.y}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) { map_rows<T>(args.y, args.x, {}, false, c, gelu_tanh_value<T>); });
 }
 
 void CpuBackend::execute(const op::GeluTanhBackward& args) {
-  const DType t = call_dtype("gelu_tanh_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  const auto [t, c] = begin_call(options_, args);
   if (!args.dx.defined()) return;
   require_same_matrix("gelu_tanh_backward", {"dx", args.dx}, {"x", args.x});
   require_same_matrix("gelu_tanh_backward", {"dy", args.dy}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) { map_rows<T>(args.dx, args.x, args.dy, false, c, gelu_tanh_grad<T>); });
 }
 

@@ -19,23 +19,16 @@ constexpr int64_t kQueryBlock = 128;
 }  // namespace
 
 void CpuBackend::execute(const op::Attention& args) {
-  Tensor o = args.o;
-  Tensor lse = args.lse;
-  Tensor q = args.q;
-  Tensor k = args.k;
-  Tensor v = args.v;
-  double scale = args.scale;
   constexpr std::string_view op = "attention";
-  const DType t = call_dtype(op, {{"o", o}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}});
-  const auto [B, n, L, D] = ops::check_attention(op, o, lse, q, k, v);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [B, n, L, D] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     std::vector<T> s(static_cast<size_t>(std::min(kQueryBlock, L) * L));
     for (int64_t bh = 0; bh < B * n; ++bh) {
-      const T *kh = row<T>(k, bh * L), *vh = row<T>(v, bh * L);
+      const T *kh = row<T>(args.k, bh * L), *vh = row<T>(args.v, bh * L);
       for (int64_t i0 = 0; i0 < L; i0 += kQueryBlock) {
         const int64_t m = std::min(kQueryBlock, L - i0);
-        gemm<T>(false, true, m, L, D, static_cast<T>(scale), row<T>(q, bh * L + i0), q.ld, kh, k.ld,
+        gemm<T>(false, true, m, L, D, static_cast<T>(args.scale), row<T>(args.q, bh * L + i0), args.q.ld, kh, args.k.ld,
                 T(0), s.data(), L);
         // Row softmax, shifted by the row max so exp never overflows; the sum is in double.
         parallel_for(m, c, [&](int64_t i) {
@@ -45,13 +38,13 @@ void CpuBackend::execute(const op::Attention& args) {
           double sum = 0;
           for (int64_t j = 0; j < L; ++j) sum += (si[j] = std::exp(si[j] - mx));
           for (int64_t j = 0; j < L; ++j) si[j] = static_cast<T>(si[j] / sum);
-          lse.ptr<T>()[bh * L + i0 + i] = static_cast<T>(mx + std::log(sum));
+          args.lse.ptr<T>()[bh * L + i0 + i] = static_cast<T>(mx + std::log(sum));
         });
-        T* oh = row<T>(o, bh * L + i0);
-        gemm<T>(false, false, m, D, L, T(1), s.data(), L, vh, v.ld, T(0), oh, o.ld);
+        T* oh = row<T>(args.o, bh * L + i0);
+        gemm<T>(false, false, m, D, L, T(1), s.data(), L, vh, args.v.ld, T(0), oh, args.o.ld);
         if (c.round_bf16)
           parallel_for(m, c, [&](int64_t i) {
-            for (int64_t d = 0; d < D; ++d) oh[i * o.ld + d] = act<T>(oh[i * o.ld + d], c);
+            for (int64_t d = 0; d < D; ++d) oh[i * args.o.ld + d] = act<T>(oh[i * args.o.ld + d], c);
           });
       }
     }
@@ -62,17 +55,8 @@ void CpuBackend::execute(const op::Attention& args) {
 //   dV = Pᵀ·dO,  dS = P ⊙ (dP − δ)·scale,  dQ = dS·K,  dK = dSᵀ·Q.
 void CpuBackend::execute(const op::AttentionBackward& args) {
   constexpr std::string_view op = "attention_backward";
-  const DType t = call_dtype(op, {{"dq", args.dq},
-                                  {"dk", args.dk},
-                                  {"dv", args.dv},
-                                  {"dout", args.dout},
-                                  {"q", args.q},
-                                  {"k", args.k},
-                                  {"v", args.v},
-                                  {"o", args.o},
-                                  {"lse", args.lse}});
-  const auto [B, n, L, D] = ops::check_attention_backward(op, args.dq, args.dk, args.dv, args.dout, args.q, args.k, args.v, args.o, args.lse);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [B, n, L, D] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     const size_t block = static_cast<size_t>(std::min(kQueryBlock, L) * L);
     std::vector<T> p(block), dp(block);

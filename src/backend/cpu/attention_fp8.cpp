@@ -42,24 +42,23 @@ inline void put(const QTensor& t, int64_t i, float value, float scale) { t.codes
 }  // namespace
 
 void CpuBackend::execute(const op::Dequantize& args) {
-  Tensor y = args.y;
-  const QTensor&x = args.x;
-  ops::check_dequantize("dequantize", y, x);
-  const float scale_inv = x.scale_inv[0];
+  ops::check("dequantize", args);
+  const float scale_inv = args.x.scale_inv[0];
   const Ctx c = make_ctx(options_, DType::f32);
-  parallel_for(x.rows, c, [&](int64_t r) {
-    for (int64_t col = 0; col < x.cols; ++col) {
-      const float v = dequantize_value(x.codes[r * x.cols + col], scale_inv, x.format);
-      if (y.dtype == DType::bf16) y.ptr<uint16_t>()[r * y.ld + col] = f32_to_bf16_bits(v);
-      else y.ptr<float>()[r * y.ld + col] = v;
+  parallel_for(args.x.rows, c, [&](int64_t r) {
+    for (int64_t col = 0; col < args.x.cols; ++col) {
+      const float v = dequantize_value(args.x.codes[r * args.x.cols + col], scale_inv, args.x.format);
+      if (args.y.dtype == DType::bf16)
+        args.y.ptr<uint16_t>()[r * args.y.ld + col] = f32_to_bf16_bits(v);
+      else
+        args.y.ptr<float>()[r * args.y.ld + col] = v;
     }
   });
 }
 
 void CpuBackend::execute(const op::AttentionFp8& args) {
   constexpr std::string_view op = "attention_fp8";
-  const auto [B, n, L, D] = ops::check_attention_fp8(op, args.heads, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}}, args.lse,
-                                                     {{"o", args.sc.o}});
+  const auto [B, n, L, D] = ops::check(op, args);
   const Ctx c = make_ctx(options_, DType::f32);
   const std::vector<float> qv = decode(args.q), kv = decode(args.k), vv = decode(args.v);
   const float attn = static_cast<float>(args.scale), descale_q = args.q.scale_inv[0], descale_k = args.k.scale_inv[0],
@@ -109,9 +108,7 @@ void CpuBackend::execute(const op::AttentionFp8& args) {
 // dV = P8ᵀ·dO; dP = dO·vᵀ; dS = (dP − δ)·P·scale; dQ = dS8·k; dK = dS8ᵀ·q.
 void CpuBackend::execute(const op::AttentionFp8Backward& args) {
   constexpr std::string_view op = "attention_fp8_backward";
-  const auto [B, n, L, D] = ops::check_attention_fp8(
-      op, args.heads, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}, {"dout", args.dout}, {"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}}, args.lse,
-      {{"ds", args.sc.ds}, {"ds_inv", args.sc.ds_inv}, {"dq", args.sc.dq}, {"dk", args.sc.dk}, {"dv", args.sc.dv}});
+  const auto [B, n, L, D] = ops::check(op, args);
   const Ctx c = make_ctx(options_, DType::f32);
   const std::vector<float> qv = decode(args.q), kv = decode(args.k), vv = decode(args.v), ov = decode(args.o), dov = decode(args.dout);
   const float attn = static_cast<float>(args.scale), descale_q = args.q.scale_inv[0], descale_k = args.k.scale_inv[0],

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <span>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -17,19 +18,17 @@
 
 namespace flux8::cpu {
 
-using ops::check_heads_tokens;
-using ops::check_joint;
-using ops::Named;
-using ops::require_contiguous;
-using ops::require_defined;
-using ops::require_rank;
-using ops::require_same_matrix;
-using ops::require_shape;
-using ops::require_vector;
+// The shared argument checks (backend/op_checks.h), unqualified in the op files.
+using namespace ops;
 
 // Checks that all defined tensors share one dtype (f32 or f64) and have ld >= cols; returns it.
-inline DType call_dtype(std::string_view op, std::initializer_list<Named> tensors) {
+inline DType call_dtype(std::string_view op, std::span<const Named> tensors) {
   return ops::call_dtype(op, tensors, {DType::f32, DType::f64}, "CPU");
+}
+// The same over every Tensor field of the op.
+template <typename Op>
+DType call_dtype(const Op& a) {
+  return ops::call_dtype(a, {DType::f32, DType::f64}, "CPU");
 }
 
 // What every op needs besides its tensors.
@@ -41,6 +40,17 @@ inline Ctx make_ctx(const BackendOptions& o, DType t) {
   // Read per call so that omp_set_num_threads() between calls takes effect.
   return Ctx{o.round_activations_to_bf16 && t == DType::f32,
              o.threads > 0 ? o.threads : omp_get_max_threads()};
+}
+
+// The element type of an op call (call_dtype over its tensors) and the context it runs in.
+struct Call {
+  DType t;
+  Ctx c;
+};
+template <typename Op>
+Call begin_call(const BackendOptions& o, const Op& a) {
+  const DType t = call_dtype(a);
+  return {t, make_ctx(o, t)};
 }
 
 // Calls f(T{}) with T = float or double according to t.

@@ -7,8 +7,7 @@ namespace flux8 {
 using namespace cpu;
 
 void CpuBackend::execute(const op::Fill& args) {
-  const DType t = call_dtype("fill", {{"y", args.y}});
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       std::fill(row<T>(args.y, r), row<T>(args.y, r) + args.y.cols(), static_cast<T>(args.value));
@@ -17,9 +16,8 @@ void CpuBackend::execute(const op::Fill& args) {
 }
 
 void CpuBackend::execute(const op::FillRandom& args) {
-  const DType t = call_dtype("fill_random", {{"y", args.y}});
+  const auto [t, c] = begin_call(options_, args);
   require_contiguous("fill_random", {"y", args.y});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     T* out = args.y.ptr<T>();
     parallel_for(args.y.numel(), c, [&](int64_t i) {
@@ -32,9 +30,8 @@ void CpuBackend::execute(const op::FillRandom& args) {
 }
 
 void CpuBackend::execute(const op::Copy& args) {
-  const DType t = call_dtype("copy", {{"y", args.y}, {"x", args.x}});
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("copy", {"y", args.y}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       std::copy(row<T>(args.x, r), row<T>(args.x, r) + args.x.cols(), row<T>(args.y, r));
@@ -43,10 +40,9 @@ void CpuBackend::execute(const op::Copy& args) {
 }
 
 void CpuBackend::execute(const op::Add& args) {
-  const DType t = call_dtype("add", {{"y", args.y}, {"a", args.a}, {"b", args.b}});
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("add", {"y", args.y}, {"a", args.a});
   require_same_matrix("add", {"y", args.y}, {"b", args.b});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       T* yr = row<T>(args.y, r);
@@ -57,9 +53,8 @@ void CpuBackend::execute(const op::Add& args) {
 }
 
 void CpuBackend::execute(const op::Accumulate& args) {
-  const DType t = call_dtype("accumulate", {{"y", args.y}, {"x", args.x}});
+  const auto [t, c] = begin_call(options_, args);
   require_same_matrix("accumulate", {"y", args.y}, {"x", args.x});
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.y.rows(), c, [&](int64_t r) {
       T* yr = row<T>(args.y, r);
@@ -73,12 +68,8 @@ void CpuBackend::execute(const op::Accumulate& args) {
 // is rounded.
 void CpuBackend::execute(const op::GatedResidual& args) {
   constexpr std::string_view op = "gated_residual";
-  const DType t = call_dtype(op, {{"out", args.out}, {"x", args.x}, {"y", args.y}, {"gate", args.gate}});
-  require_rank(op, {"x", args.x}, 3);
-  require_shape(op, {"out", args.out}, args.x.shape);
-  require_shape(op, {"y", args.y}, args.x.shape);
-  require_shape(op, {"gate", args.gate}, Shape{args.x.shape[0], args.x.shape[2]});
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  ops::check(op, args);
   const int64_t L = args.x.shape[1], H = args.x.shape[2];
   dispatch(t, [&]<typename T>(T) {
     parallel_for(args.x.rows(), c, [&](int64_t r) {
@@ -92,15 +83,10 @@ void CpuBackend::execute(const op::GatedResidual& args) {
 // dy = gate[b] ⊙ dx;  dgate[b] = Σ_l dx ⊙ y (both input gradients: rounded like activations).
 void CpuBackend::execute(const op::GatedResidualBackward& args) {
   constexpr std::string_view op = "gated_residual_backward";
-  const DType t =
-      call_dtype(op, {{"dy", args.dy}, {"dgate", args.dgate}, {"dx", args.dx}, {"y", args.y}, {"gate", args.gate}});
-  require_rank(op, {"dx", args.dx}, 3);
-  const int64_t B = args.dx.shape[0], L = args.dx.shape[1], H = args.dx.shape[2];
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [B, L, H] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     if (args.dy.defined()) {
-      require_shape(op, {"dy", args.dy}, args.dx.shape);
-      require_shape(op, {"gate", args.gate}, Shape{B, H});
       parallel_for(args.dx.rows(), c, [&](int64_t r) {
         T* dyr = row<T>(args.dy, r);
         const T *dxr = row<T>(args.dx, r), *g = row<T>(args.gate, r / L);
@@ -108,8 +94,6 @@ void CpuBackend::execute(const op::GatedResidualBackward& args) {
       });
     }
     if (args.dgate.defined()) {
-      require_shape(op, {"y", args.y}, args.dx.shape);
-      require_shape(op, {"dgate", args.dgate}, Shape{B, H});
       const auto s = grouped_column_sums(B, L, H, c, [&](int64_t b, int64_t l, double* acc) {
         const T *dxr = row<T>(args.dx, b * L + l), *yr = row<T>(args.y, b * L + l);
         for (int64_t j = 0; j < H; ++j) acc[j] += static_cast<double>(dxr[j]) * yr[j];

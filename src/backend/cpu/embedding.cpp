@@ -13,11 +13,10 @@ using namespace cpu;
 
 void CpuBackend::execute(const op::TimestepEmbedding& args) {
   constexpr std::string_view op = "timestep_embedding";
-  const DType dt = call_dtype(op, {{"out", args.out}, {"t", args.t}});
+  const auto [dt, c] = begin_call(options_, args);
   require_rank(op, {"out", args.out}, 2);
   const int64_t B = args.out.shape[0], dim = args.out.shape[1], half = dim / 2;
   require_vector(op, {"t", args.t}, B);
-  const Ctx c = make_ctx(options_, dt);
   dispatch(dt, [&]<typename T>(T) {
     const double neg_log_period = -std::log(static_cast<double>(args.max_period));
     parallel_for(B, c, [&](int64_t b) {

@@ -73,7 +73,7 @@ std::vector<float> dequantize_view(const QTensor& q, const Ctx& c) {
 }  // namespace
 
 void CpuBackend::execute(const op::Quantize& args) {
-  const bool any_copy = ops::check_quantize("quantize", args.rowwise, args.columnwise, args.x);
+  const bool any_copy = ops::check("quantize", args);
   ops::check_column_sums("quantize", args.q.column_sums, args.x.cols());
   const Ctx c = make_ctx(options_, DType::f32);
   const int64_t R = args.x.rows(), C = args.x.cols();
@@ -97,44 +97,40 @@ void CpuBackend::execute(const op::Quantize& args) {
 }
 
 void CpuBackend::execute(const op::TransposeCodes& args) {
-  QTensor dst = args.dst;
-  const QTensor&src = args.src;
-  ops::check_transpose_codes("transpose_codes", dst, src);
-  for (int64_t r = 0; r < src.rows; ++r)
-    for (int64_t c = 0; c < src.cols; ++c) dst.codes[c * src.rows + r] = src.codes[r * src.cols + c];
-  dst.scale_inv[0] = src.scale_inv[0];
+  ops::check("transpose_codes", args);
+  for (int64_t r = 0; r < args.src.rows; ++r)
+    for (int64_t c = 0; c < args.src.cols; ++c)
+      args.dst.codes[c * args.src.rows + r] = args.src.codes[r * args.src.cols + c];
+  args.dst.scale_inv[0] = args.src.scale_inv[0];
 }
 
 void CpuBackend::execute(const op::DelayedScalingUpdate& args) {
-  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", args.amax_history, args.scale, args.scale_inv, args.fp8_max);
+  const auto d = ops::check("delayed_scaling_update", args);
   delayed_update_all(args.amax_history.ptr<float>(), static_cast<int>(d.n), static_cast<int>(d.L), args.fp8_max.ptr<float>(),
                      args.algo, args.margin, args.scale.ptr<float>(), args.scale_inv.ptr<float>());
 }
 
 // fp32 sums whatever `sum` asks: the CPU has no faster, less precise accumulation to offer.
 void CpuBackend::execute(const op::GemmFp8Tn& args) {
-  Tensor c = args.c;
-  const QTensor&a = args.a;
-  const QTensor&b = args.b;
-  Tensor bias = args.bias;
-  bool accumulate = args.accumulate;
-  Fp8Accumulation /*sum*/ unused_5 = args.sum;
   constexpr std::string_view op = "gemm_fp8_tn";
-  require_defined(op, {"c", c});
-  if (c.dtype != DType::f32) fail("{}: output {} must be f32", op, c.str());
-  if (!a.defined() || !b.defined() || a.cols != b.cols || c.rows() != a.rows || c.cols() != b.rows)
-    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, c.str(), a.rows, a.cols, b.rows, b.cols);
-  if (bias.defined() && (bias.numel() != b.rows || bias.dtype != DType::f32))
-    fail("{}: bias {} must be f32[{}]", op, bias.str(), b.rows);
+  require_defined(op, {"c", args.c});
+  if (args.c.dtype != DType::f32) fail("{}: output {} must be f32", op, args.c.str());
+  if (!args.a.defined() || !args.b.defined() || args.a.cols != args.b.cols || args.c.rows() != args.a.rows ||
+      args.c.cols() != args.b.rows)
+    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, args.c.str(), args.a.rows, args.a.cols, args.b.rows,
+         args.b.cols);
+  if (args.bias.defined() && (args.bias.numel() != args.b.rows || args.bias.dtype != DType::f32))
+    fail("{}: bias {} must be f32[{}]", op, args.bias.str(), args.b.rows);
   const Ctx ctx = make_ctx(options_, DType::f32);
-  const std::vector<float> A = dequantize_view(a, ctx), B = dequantize_view(b, ctx);
-  const int64_t m = a.rows, n = b.rows, k = a.cols;
-  parallel_gemm<float>(ctx, false, true, m, n, k, 1.0f, A.data(), k, B.data(), k, accumulate ? 1.0f : 0.0f,
-                       c.ptr<float>(), c.ld);
-  if (bias.defined() || ctx.round_bf16)
+  const std::vector<float> A = dequantize_view(args.a, ctx), B = dequantize_view(args.b, ctx);
+  const int64_t m = args.a.rows, n = args.b.rows, k = args.a.cols;
+  parallel_gemm<float>(ctx, false, true, m, n, k, 1.0f, A.data(), k, B.data(), k, args.accumulate ? 1.0f : 0.0f,
+                       args.c.ptr<float>(), args.c.ld);
+  if (args.bias.defined() || ctx.round_bf16)
     parallel_for(m, ctx, [&](int64_t r) {
-      float* cr = row<float>(c, r);
-      for (int64_t j = 0; j < n; ++j) cr[j] = act<float>(bias.defined() ? cr[j] + bias.ptr<float>()[j] : cr[j], ctx);
+      float* cr = row<float>(args.c, r);
+      for (int64_t j = 0; j < n; ++j)
+        cr[j] = act<float>(args.bias.defined() ? cr[j] + args.bias.ptr<float>()[j] : cr[j], ctx);
     });
 }
 

@@ -40,25 +40,22 @@ void move_tokens(const Tensor& joint, const Tensor& part, int64_t offset, bool t
 }  // namespace
 
 void CpuBackend::execute(const op::TokensToHeads& args) {
-  const DType t = call_dtype("tokens_to_heads", {{"heads", args.heads}, {"tokens", args.tokens}});
-  check_heads_tokens("tokens_to_heads", args.heads, args.tokens, args.token_offset);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  ops::check("tokens_to_heads", args);
   dispatch(t, [&]<typename T>(T) { move_heads<T>(args.heads, args.tokens, args.token_offset, true, c); });
 }
 
 void CpuBackend::execute(const op::HeadsToTokens& args) {
-  const DType t = call_dtype("heads_to_tokens", {{"tokens", args.tokens}, {"heads", args.heads}});
-  check_heads_tokens("heads_to_tokens", args.heads, args.tokens, args.token_offset);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  ops::check("heads_to_tokens", args);
   dispatch(t, [&]<typename T>(T) { move_heads<T>(args.heads, args.tokens, args.token_offset, false, c); });
 }
 
 void CpuBackend::execute(const op::ConcatTokens& args) {
-  const DType t = call_dtype("concat_tokens", {{"out", args.out}, {"a", args.a}, {"b", args.b}});
+  const auto [t, c] = begin_call(options_, args);
   require_defined("concat_tokens", {"a", args.a});
   require_defined("concat_tokens", {"b", args.b});
-  check_joint("concat_tokens", {"out", args.out}, args.a, args.b);
-  const Ctx c = make_ctx(options_, t);
+  ops::check("concat_tokens", args);
   dispatch(t, [&]<typename T>(T) {
     move_tokens<T>(args.out, args.a, 0, true, c);
     move_tokens<T>(args.out, args.b, args.a.shape[1], true, c);
@@ -66,11 +63,10 @@ void CpuBackend::execute(const op::ConcatTokens& args) {
 }
 
 void CpuBackend::execute(const op::SplitTokens& args) {
-  const DType t = call_dtype("split_tokens", {{"a", args.a}, {"b", args.b}, {"in", args.in}});
-  check_joint("split_tokens", {"in", args.in}, args.a, args.b);
+  const auto [t, c] = begin_call(options_, args);
+  ops::check("split_tokens", args);
   // b is the tail of the sequence: with a undefined, its offset is what b does not cover.
   const int64_t b_offset = args.in.shape[1] - (args.b.defined() ? args.b.shape[1] : 0);
-  const Ctx c = make_ctx(options_, t);
   dispatch(t, [&]<typename T>(T) {
     if (args.a.defined()) move_tokens<T>(args.in, args.a, 0, false, c);
     if (args.b.defined()) move_tokens<T>(args.in, args.b, b_offset, false, c);

@@ -39,9 +39,8 @@ template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const 
 
 void CpuBackend::execute(const op::Linear& args) {
   constexpr std::string_view op = "linear";
-  const DType t = call_dtype(op, {{"y", args.y}, {"x", args.x}, {"w", args.w}, {"b", args.b}});
-  const auto [N, K, M] = ops::check_linear(op, args.y, args.x, args.w, args.b);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [N, K, M] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0), args.y.ptr<T>(), args.y.ld);
     // Bias after the product, as a GEMM epilogue does.
@@ -57,9 +56,8 @@ void CpuBackend::execute(const op::Linear& args) {
 // The epilogue's order: the sum plus bias unrounded, the GELU of that, each output rounded once.
 void CpuBackend::execute(const op::LinearGelu& args) {
   constexpr std::string_view op = "linear_gelu";
-  const DType t = call_dtype(op, {{"y", args.y}, {"h", args.h}, {"x", args.x}, {"w", args.w}, {"b", args.b}});
-  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_gelu(op, args.y, args.h, args.x, args.w, args.b);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  [[maybe_unused]] const auto [N, K, M, G] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0), args.h.ptr<T>(), args.h.ld);
     gelu_epilogue<T>(args.h, args.y, args.b.defined() ? args.b.ptr<T>() : nullptr, c);
@@ -68,9 +66,8 @@ void CpuBackend::execute(const op::LinearGelu& args) {
 
 void CpuBackend::execute(const op::LinearDgradGelu& args) {
   constexpr std::string_view op = "linear_dgrad_gelu";
-  const DType t = call_dtype(op, {{"dx", args.dx}, {"dh", args.dh}, {"dy", args.dy}, {"w", args.w}, {"h", args.h}});
-  [[maybe_unused]] const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, args.dx, args.dh, args.dy, args.w, args.h);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  [[maybe_unused]] const auto [N, K, M, G] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     // The whole product P = dy·w first (one GEMM, as an unfused backward computes it), unrounded.
     std::vector<T> p(static_cast<size_t>(N * K));
@@ -81,15 +78,12 @@ void CpuBackend::execute(const op::LinearDgradGelu& args) {
 
 void CpuBackend::execute(const op::LinearBackward& args) {
   constexpr std::string_view op = "linear_backward";
-  const DType t =
-      call_dtype(op, {{"dx", args.dx}, {"dw", args.dw}, {"db", args.db}, {"dy", args.dy}, {"x", args.x}, {"w", args.w}});
+  const auto [t, c] = begin_call(options_, args);
   require_defined(op, {"dy", args.dy});
   require_rank(op, {"w", args.w}, 2);
   const int64_t N = args.dy.rows(), M = args.dy.cols(), K = args.w.shape[1];
   if (args.w.shape[0] != M)
-    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, args.w.str(), M,
-         args.dy.str());
-  const Ctx c = make_ctx(options_, t);
+    fail("{}: weight 'w' {} must be [{}, K] to match the output gradient 'dy' {}", op, args.w.str(), M, args.dy.str());
   dispatch(t, [&]<typename T>(T) {
     if (args.dx.defined()) {
       if (args.dx.rows() != N || args.dx.cols() != K)

@@ -11,10 +11,8 @@ using namespace cpu;
 
 void CpuBackend::execute(const op::LayernormModulate& args) {
   constexpr std::string_view op = "layernorm_modulate";
-  const DType t = call_dtype(
-      op, {{"y", args.y}, {"mean", args.mean}, {"rstd", args.rstd}, {"x", args.x}, {"shift", args.shift}, {"scale", args.scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate(op, args.y, args.mean, args.rstd, args.x, args.shift, args.scale);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [B, L, H] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     parallel_for(B * L, c, [&](int64_t r) {
       const T* xr = row<T>(args.x, r);
@@ -41,16 +39,8 @@ void CpuBackend::execute(const op::LayernormModulate& args) {
 // With g = dy·(1 + scale) = ∂loss/∂x̂:  dx = rstd·(g − mean(g) − x̂·mean(g·x̂)).
 void CpuBackend::execute(const op::LayernormModulateBackward& args) {
   constexpr std::string_view op = "layernorm_modulate_backward";
-  const DType t = call_dtype(op, {{"dx", args.dx},
-                                  {"dshift", args.dshift},
-                                  {"dscale", args.dscale},
-                                  {"dy", args.dy},
-                                  {"x", args.x},
-                                  {"mean", args.mean},
-                                  {"rstd", args.rstd},
-                                  {"scale", args.scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, args.dy, args.x, args.mean, args.rstd);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [B, L, H] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     const auto xhat = [&](int64_t r, int64_t j) {
       return (static_cast<double>(row<T>(args.x, r)[j]) - args.mean.ptr<T>()[r]) * args.rstd.ptr<T>()[r];
@@ -102,12 +92,8 @@ void CpuBackend::execute(const op::LayernormModulateBackward& args) {
 // QK-norm: every D-wide head segment of a row is normalised on its own.
 void CpuBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
-  const DType t = call_dtype(op, {{"y", args.y}, {"rstd", args.rstd}, {"x", args.x}, {"scale", args.scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows();
-  const int64_t n = args.x.cols() / D;
-  require_same_matrix(op, {"y", args.y}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [D, n, rows] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     const T* sc = args.scale.ptr<T>();
     parallel_for(rows * n, c, [&](int64_t i) {
@@ -126,17 +112,11 @@ void CpuBackend::execute(const op::RmsnormHeads& args) {
 // With x̂ = x·rstd and g = dy·scale:  dx = rstd·(g − x̂·mean(g·x̂));  dscale += Σ dy·x̂.
 void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
-  const DType t = call_dtype(
-      op, {{"dx", args.dx}, {"dscale", args.dscale}, {"dy", args.dy}, {"x", args.x}, {"rstd", args.rstd}, {"scale", args.scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows();
-  const int64_t n = args.x.cols() / D;
-  require_same_matrix(op, {"dy", args.dy}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto [D, n, rows] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     const T *sc = args.scale.ptr<T>(), *rs = args.rstd.ptr<T>();
     if (args.dx.defined()) {
-      require_same_matrix(op, {"dx", args.dx}, {"x", args.x});
       parallel_for(rows * n, c, [&](int64_t i) {
         const int64_t r = i / n, h = i % n;
         const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;
@@ -152,7 +132,6 @@ void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
       });
     }
     if (args.dscale.defined()) {
-      require_vector(op, {"dscale", args.dscale}, D);
       const auto s = grouped_column_sums(1, rows * n, D, c, [&](int64_t, int64_t i, double* acc) {
         const int64_t r = i / n, h = i % n;
         const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;

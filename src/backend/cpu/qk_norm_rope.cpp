@@ -35,20 +35,8 @@ void rotate_between(const Tensor& heads, const Tensor& tokens, const Tensor& pe,
 
 void CpuBackend::execute(const op::QkNormRopeToHeads& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  const DType t = call_dtype(op, {{"q_heads", args.q_heads},
-                                  {"k_heads", args.k_heads},
-                                  {"v_heads", args.v_heads},
-                                  {"q_rstd", args.q_rstd},
-                                  {"k_rstd", args.k_rstd},
-                                  {"q", args.q},
-                                  {"k", args.k},
-                                  {"v", args.v},
-                                  {"q_scale", args.q_scale},
-                                  {"k_scale", args.k_scale},
-                                  {"pe", args.pe}});
-  const auto d = ops::check_qk_norm_rope_to_heads(op, args.q_heads, args.k_heads, args.v_heads, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale,
-                                                  args.k_scale, args.pe, args.token_offset);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto d = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     // The normalised stream in token layout, and statistics nobody asked to keep.
     std::vector<T> normed(static_cast<size_t>(d.B * d.Ls * d.n * d.D)), unkept;
@@ -68,25 +56,8 @@ void CpuBackend::execute(const op::QkNormRopeToHeads& args) {
 
 void CpuBackend::execute(const op::QkNormRopeToHeadsBackward& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_backward";
-  const DType t = call_dtype(op, {{"dq", args.dq},
-                                  {"dk", args.dk},
-                                  {"dv", args.dv},
-                                  {"dq_scale", args.dq_scale},
-                                  {"dk_scale", args.dk_scale},
-                                  {"dq_heads", args.dq_heads},
-                                  {"dk_heads", args.dk_heads},
-                                  {"dv_heads", args.dv_heads},
-                                  {"q", args.q},
-                                  {"k", args.k},
-                                  {"q_rstd", args.q_rstd},
-                                  {"k_rstd", args.k_rstd},
-                                  {"q_scale", args.q_scale},
-                                  {"k_scale", args.k_scale},
-                                  {"pe", args.pe}});
-  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, args.dq_heads, args.dk_heads,
-                                                           args.dv_heads, args.q, args.k, args.q_rstd, args.k_rstd, args.q_scale, args.k_scale, args.pe,
-                                                           args.token_offset);
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  const auto d = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
     // The gradient w.r.t. the normalised (unrotated) stream, in token layout: rmsnorm_heads'
     // dy, which its backward reads for dx and again for dscale.

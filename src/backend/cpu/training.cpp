@@ -66,7 +66,7 @@ class GradientReader {
 
 void CpuBackend::execute(const op::FlowMatchInputs& args) {
   constexpr std::string_view op = "flow_match_inputs";
-  const DType dt = call_dtype(op, {{"xt", args.xt}, {"target", args.target}, {"x0", args.x0}, {"t", args.t}});
+  const auto [dt, c] = begin_call(options_, args);
   for (Named n : {Named{"xt", args.xt}, Named{"target", args.target}, Named{"x0", args.x0}}) require_contiguous(op, n);
   require_shape(op, {"xt", args.xt}, args.x0.shape);
   require_shape(op, {"target", args.target}, args.x0.shape);
@@ -74,7 +74,6 @@ void CpuBackend::execute(const op::FlowMatchInputs& args) {
   require_vector(op, {"t", args.t}, B);
   if (static_cast<int64_t>(args.streams.size()) != B)
     fail("{}: {} noise streams for a batch of {}", op, args.streams.size(), B);
-  const Ctx c = make_ctx(options_, dt);
   dispatch(dt, [&]<typename T>(T) {
     parallel_for(B, c, [&](int64_t b) {
       const double tb = static_cast<double>(args.t.ptr<T>()[b]);
@@ -92,12 +91,11 @@ void CpuBackend::execute(const op::FlowMatchInputs& args) {
 
 double CpuBackend::execute(const op::MseLoss& args) {
   constexpr std::string_view op = "mse_loss";
-  const DType dt = call_dtype(op, {{"dpred", args.dpred}, {"pred", args.pred}, {"target", args.target}});
+  const auto [dt, c] = begin_call(options_, args);
   for (Named n : {Named{"dpred", args.dpred}, Named{"pred", args.pred}, Named{"target", args.target}}) require_contiguous(op, n);
   require_shape(op, {"target", args.target}, args.pred.shape);
   if (args.dpred.defined()) require_shape(op, {"dpred", args.dpred}, args.pred.shape);
   const int64_t n = args.pred.numel();
-  const Ctx c = make_ctx(options_, dt);
   double loss = 0;
   dispatch(dt, [&]<typename T>(T) {
     const T *p = args.pred.ptr<T>(), *y = args.target.ptr<T>();
@@ -118,9 +116,8 @@ double CpuBackend::execute(const op::MseLoss& args) {
 }
 
 double CpuBackend::execute(const op::SumSquares& args) {
-  const DType dt = call_dtype("sum_squares", {{"x", args.x}});
+  const auto [dt, c] = begin_call(options_, args);
   require_contiguous("sum_squares", {"x", args.x});
-  const Ctx c = make_ctx(options_, dt);
   double s = 0;
   dispatch(dt, [&]<typename T>(T) {
     const T* p = args.x.ptr<T>();
@@ -131,12 +128,11 @@ double CpuBackend::execute(const op::SumSquares& args) {
 
 double CpuBackend::execute(const op::GradientSumSquares& args) {
   constexpr std::string_view op = "gradient_sum_squares";
-  const DType dt = call_dtype(op, {{"grads", args.grads}});
+  const auto [dt, c] = begin_call(options_, args);
   require_contiguous(op, {"grads", args.grads});
-  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, args.grads.numel(), args.low_rank);
+  const std::vector<LowRankGrad> sorted = ops::check(op, args);
   if (sorted.empty()) return sum_squares(args.grads);
   if (dt != DType::f32) fail("{}: low-rank gradients need f32 gradients", op);
-  const Ctx c = make_ctx(options_, dt);
   const float* g = args.grads.ptr<float>();
   const GradientReader<float> reader(g, sorted);
   double s = ordered_sum(args.grads.numel(), c, [&](int64_t i) {
@@ -164,21 +160,13 @@ double CpuBackend::execute(const op::GradientSumSquares& args) {
 }
 
 void CpuBackend::execute(const op::Adamw& args) {
-  Tensor param = args.param;
-  Tensor grad = args.grad;
-  Tensor m = args.m;
-  Tensor v = args.v;
-  const AdamW&h = args.h;
-  std::span<const ParamCopy> copies = args.copies;
-  std::span<const ParamCast> casts = args.casts;
-  std::span<const LowRankGrad> low_rank = args.low_rank;
   constexpr std::string_view op = "adamw";
-  const DType dt = call_dtype(op, {{"param", param}, {"grad", grad}});
-  const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
-  if (!casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
+  const DType dt = call_dtype(op, tensor_fields(args, {"param", "grad"}));
+  const std::vector<LowRankGrad> sorted = ops::check(op, args);
+  if (!args.casts.empty() && dt != DType::f32) fail("{}: FP8 casts of the new parameters need f32 parameters", op);
   if (!sorted.empty() && dt != DType::f32) fail("{}: low-rank gradients need f32 parameters", op);
-  const int64_t n = param.numel();
-  const AdamWConstants k = AdamWConstants::of(h);
+  const int64_t n = args.param.numel();
+  const AdamWConstants k = AdamWConstants::of(args.h);
   const Ctx c = make_ctx(options_, dt);
   // In the parameters' own precision (fp32 in training, fp64 in gradient checks), as PyTorch's
   // fused AdamW computes for fp32 parameters (with the bias corrections in the constants:
@@ -187,13 +175,14 @@ void CpuBackend::execute(const op::Adamw& args) {
   // -ffp-contract=off, so both agree bit for bit. bf16 moments (f32 parameters only, checked)
   // are widened, updated in f32 and stored stochastically rounded with the noise of
   // (step, element) (core/stochastic_rounding.h), the update itself using the unrounded values.
-  const bool bf16_moments = m.dtype == DType::bf16;
-  const uint32_t step_key = adamw_step_key(h.step);
+  const bool bf16_moments = args.m.dtype == DType::bf16;
+  const uint32_t step_key = adamw_step_key(args.h.step);
   dispatch(dt, [&]<typename T>(T) {
-    T* p = param.ptr<T>();
-    const GradientReader<T> g(grad.ptr<T>(), sorted);
-    const T gs = static_cast<T>(h.grad_scale), b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
-    const T ob1 = static_cast<T>(1.0 - h.beta1), ob2 = static_cast<T>(1.0 - h.beta2);
+    T* p = args.param.ptr<T>();
+    const GradientReader<T> g(args.grad.ptr<T>(), sorted);
+    const T gs = static_cast<T>(args.h.grad_scale), b1 = static_cast<T>(args.h.beta1),
+            b2 = static_cast<T>(args.h.beta2);
+    const T ob1 = static_cast<T>(1.0 - args.h.beta1), ob2 = static_cast<T>(1.0 - args.h.beta2);
     const T eps_hat = static_cast<T>(k.eps_hat), dec = static_cast<T>(k.decay);
     const T step_size = static_cast<T>(k.step_size);
     // One element's update from its moments m0, v0; returns the new ones.
@@ -207,7 +196,7 @@ void CpuBackend::execute(const op::Adamw& args) {
       const int64_t end = std::min(n, (ch + 1) * kChunk);
       if constexpr (std::is_same_v<T, float>) {
         if (bf16_moments) {
-          uint16_t *mb = static_cast<uint16_t*>(m.data), *vb = static_cast<uint16_t*>(v.data);
+          uint16_t *mb = static_cast<uint16_t*>(args.m.data), *vb = static_cast<uint16_t*>(args.v.data);
           for (int64_t i = ch * kChunk; i < end; ++i) {
             float mi, vi;
             update(i, bf16_bits_to_f32(mb[i]), bf16_bits_to_f32(vb[i]), mi, vi);
@@ -218,12 +207,12 @@ void CpuBackend::execute(const op::Adamw& args) {
           return;
         }
       }
-      T *mm = m.ptr<T>(), *vv = v.ptr<T>();
+      T *mm = args.m.ptr<T>(), *vv = args.v.ptr<T>();
       for (int64_t i = ch * kChunk; i < end; ++i) update(i, mm[i], vv[i], mm[i], vv[i]);
     });
     // The copies: the new values rounded to bf16 (through f32, the only type they are made of
     // in training), as the CUDA kernel writes them with the update.
-    for (const ParamCopy& cp : copies) {
+    for (const ParamCopy& cp : args.copies) {
       uint16_t* bits = static_cast<uint16_t*>(cp.copy.data);
       const T* src = p + cp.offset;
       parallel_for((cp.copy.numel() + kChunk - 1) / kChunk, c, [&](int64_t ch) {
@@ -233,14 +222,13 @@ void CpuBackend::execute(const op::Adamw& args) {
     }
   });
   // The casts: quantize() of each weight's new values with its delayed scale (no counts).
-  for (const ParamCast& cast : casts) {
+  for (const ParamCast& cast : args.casts) {
     Quantize q;
     q.format = cast.codes.format;
     q.delayed_scale = cast.scale;
     q.amax = cast.amax;
-    quantize(cast.codes, QTensor{}, Tensor(param.ptr<float>() + cast.offset, DType::f32,
-                                           Shape{cast.codes.rows, cast.codes.cols}),
-             q);
+    quantize(cast.codes, QTensor{},
+             Tensor(args.param.ptr<float>() + cast.offset, DType::f32, Shape{cast.codes.rows, cast.codes.cols}), q);
   }
 }
 

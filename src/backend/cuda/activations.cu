@@ -58,13 +58,13 @@ void map_as(CudaBackend& be, bool bf16, const Tensor& out, const Tensor& x, cons
 }  // namespace
 
 void CudaBackend::execute(const op::Silu& args) {
-  const bool bf = activations_in_bf16("silu", {{"y", args.y}, {"x", args.x}});
+  const bool bf = activations_in_bf16(args);
   require_same_matrix("silu", {"y", args.y}, {"x", args.x});
   map_as(*this, bf, args.y, args.x, {}, false, [] __device__(float v) { return v * sigmoid(v); });
 }
 
 void CudaBackend::execute(const op::SiluBackward& args) {
-  const bool bf = activations_in_bf16("silu_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  const bool bf = activations_in_bf16(args);
   if (!args.dx.defined()) return;
   require_same_matrix("silu_backward", {"dx", args.dx}, {"x", args.x});
   require_same_matrix("silu_backward", {"dy", args.dy}, {"x", args.x});
@@ -72,13 +72,13 @@ void CudaBackend::execute(const op::SiluBackward& args) {
 }
 
 void CudaBackend::execute(const op::GeluTanh& args) {
-  const bool bf = activations_in_bf16("gelu_tanh", {{"y", args.y}, {"x", args.x}});
+  const bool bf = activations_in_bf16(args);
   require_same_matrix("gelu_tanh", {"y", args.y}, {"x", args.x});
   map_as(*this, bf, args.y, args.x, {}, false, [] __device__(float v) { return gelu_value(v); });
 }
 
 void CudaBackend::execute(const op::GeluTanhBackward& args) {
-  const bool bf = activations_in_bf16("gelu_tanh_backward", {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
+  const bool bf = activations_in_bf16(args);
   if (!args.dx.defined()) return;
   require_same_matrix("gelu_tanh_backward", {"dx", args.dx}, {"x", args.x});
   require_same_matrix("gelu_tanh_backward", {"dy", args.dy}, {"x", args.x});

@@ -88,6 +88,15 @@ enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kScale, kDO, kDQ, kDK, kDV, kOne, kSoftmaxSum, kDQAccum,
 };
 
+// y = mode(x, b) (b null for a unary mode) into a new f32 virtual tensor of the scores' shape
+// [B, H, S, S]; returns y.
+cudnnBackendDescriptor_t scores_pointwise(GraphBuilder& g, const Layout& l, cudnnPointwiseMode_t mode,
+                                          cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b) {
+  cudnnBackendDescriptor_t y = g.virtual_tensor(CUDNN_DATA_FLOAT, l.bhss, l.bhss_stride);
+  g.pointwise(mode, x, b, y);
+  return y;
+}
+
 void build_forward_graph(GraphBuilder& g, const AttentionShape& s) {
   const Layout l(s);
   const cudnnDataType_t bf16 = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
@@ -100,14 +109,11 @@ void build_forward_graph(GraphBuilder& g, const AttentionShape& s) {
 
   auto scores = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
   g.matmul(q, kt, scores);
-  auto z = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, scores, scale, z);
+  auto z = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, scores, scale);
   auto row_max = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, z, row_max);
-  auto shifted = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_SUB, z, row_max, shifted);
-  auto e = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, e);
+  auto shifted = scores_pointwise(g, l, CUDNN_POINTWISE_SUB, z, row_max);
+  auto e = scores_pointwise(g, l, CUDNN_POINTWISE_EXP, shifted, nullptr);
   auto row_sum = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
   auto log_sum = g.virtual_tensor(f32, l.bhs1, l.bhs1_stride);
@@ -146,12 +152,9 @@ void build_backward_graph(GraphBuilder& g, const AttentionShape& s, bool determi
   // P = exp(Q·Kᵀ·scale − Stats); dV = Pᵀ·dO
   auto scores = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
   g.matmul(q, kt, scores);
-  auto z = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, scores, scale, z);
-  auto shifted = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_SUB, z, stats, shifted);
-  auto p = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, p);
+  auto z = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, scores, scale);
+  auto shifted = scores_pointwise(g, l, CUDNN_POINTWISE_SUB, z, stats);
+  auto p = scores_pointwise(g, l, CUDNN_POINTWISE_EXP, shifted, nullptr);
   auto p_t = g.virtual_tensor(bf16, l.bhss, l.bhss_t_stride);
   g.reshape(p, p_t);
   g.matmul(p_t, d_o, dv);
@@ -159,12 +162,9 @@ void build_backward_graph(GraphBuilder& g, const AttentionShape& s, bool determi
   // dS = P ⊙ (dO·Vᵀ − δ)·scale; dK = dSᵀ·Q
   auto dp = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
   g.matmul(d_o, vt, dp);
-  auto dp_centered = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_SUB, dp, softmax_sum, dp_centered);
-  auto dp_p = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, dp_centered, p, dp_p);
-  auto ds = g.virtual_tensor(f32, l.bhss, l.bhss_stride);
-  g.pointwise(CUDNN_POINTWISE_MUL, dp_p, scale, ds);
+  auto dp_centered = scores_pointwise(g, l, CUDNN_POINTWISE_SUB, dp, softmax_sum);
+  auto dp_p = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, dp_centered, p);
+  auto ds = scores_pointwise(g, l, CUDNN_POINTWISE_MUL, dp_p, scale);
   auto ds_t = g.virtual_tensor(bf16, l.bhss, l.bhss_t_stride);
   g.reshape(ds, ds_t);
   g.matmul(ds_t, q, dk);
@@ -429,8 +429,7 @@ using namespace cuda;
 namespace {
 
 // cuDNN and the kernels take dense [B, n, L, D] tensors (the shapes are checked by ops::).
-AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d,
-                           std::initializer_list<Named> heads) {
+AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d, std::span<const Named> heads) {
   for (const Named& a : heads) require_contiguous(op, a);
   return AttentionShape{d.B, d.n, d.L, d.D};
 }
@@ -440,7 +439,7 @@ AttentionShape dense_heads(std::string_view op, const ops::AttentionDims& d,
 namespace {
 // The heads share one dtype (heads_in_bf16); lse is f32; bf16 heads go to cuDNN as they are,
 // so they must be 16-byte aligned like its tensors.
-bool attention_heads_in_bf16(std::string_view op, std::initializer_list<Named> heads, const Tensor& lse) {
+bool attention_heads_in_bf16(std::string_view op, std::span<const Named> heads, const Tensor& lse) {
   require_f32(op, {{"lse", lse}});
   const bool bf16 = heads_in_bf16(op, heads);
   if (bf16)
@@ -453,20 +452,18 @@ bool attention_heads_in_bf16(std::string_view op, std::initializer_list<Named> h
 
 void CudaBackend::execute(const op::Attention& args) {
   constexpr std::string_view op = "attention";
-  const bool bf16 = attention_heads_in_bf16(op, {{"o", args.o}, {"q", args.q}, {"k", args.k}, {"v", args.v}}, args.lse);
-  const AttentionShape s =
-      dense_heads(op, ops::check_attention(op, args.o, args.lse, args.q, args.k, args.v), {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}});
+  const bool bf16 = attention_heads_in_bf16(op, tensor_fields(args, {"o", "q", "k", "v"}), args.lse);
+  const AttentionShape s = dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o"}));
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   attention_->forward(args.o.data, args.lse.ptr<float>(), args.q.data, args.k.data, args.v.data, bf16, s, args.scale);
 }
 
 void CudaBackend::execute(const op::AttentionBackward& args) {
   constexpr std::string_view op = "attention_backward";
-  const bool bf16 = attention_heads_in_bf16(
-      op, {{"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}, {"dout", args.dout}, {"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}}, args.lse);
+  const bool bf16 =
+      attention_heads_in_bf16(op, tensor_fields(args, {"dq", "dk", "dv", "dout", "q", "k", "v", "o"}), args.lse);
   const AttentionShape s =
-      dense_heads(op, ops::check_attention_backward(op, args.dq, args.dk, args.dv, args.dout, args.q, args.k, args.v, args.o, args.lse),
-                  {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}, {"dout", args.dout}, {"dq", args.dq}, {"dk", args.dk}, {"dv", args.dv}});
+      dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}));
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   attention_->backward(args.dq.data, args.dk.data, args.dv.data, args.dout.data, args.q.data, args.k.data, args.v.data, args.o.data, args.lse.ptr<float>(), bf16, s,
                        args.scale);

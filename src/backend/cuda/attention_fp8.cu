@@ -447,7 +447,7 @@ AttentionShape shape_of(const ops::AttentionDims& d) { return AttentionShape{d.B
 }  // namespace
 
 void CudaBackend::execute(const op::Dequantize& args) {
-  ops::check_dequantize("dequantize", args.y, args.x);
+  ops::check("dequantize", args);
   if (args.x.numel() == 0) return;
   if (args.y.dtype == DType::bf16) launch_dequantize<__nv_bfloat16>(args.y, args.x, stream_);
   else launch_dequantize<float>(args.y, args.x, stream_);
@@ -455,8 +455,7 @@ void CudaBackend::execute(const op::Dequantize& args) {
 
 void CudaBackend::execute(const op::AttentionFp8& args) {
   constexpr std::string_view op = "attention_fp8";
-  const auto d = ops::check_attention_fp8(op, args.heads, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}}, args.lse,
-                                          {{"o", args.sc.o}});
+  const auto d = ops::check(op, args);
   require_aligned(op, {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"o", args.o}});
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   Attention::Fp8Forward a;
@@ -470,37 +469,32 @@ void CudaBackend::execute(const op::AttentionFp8& args) {
 }
 
 void CudaBackend::execute(const op::AttentionFp8Backward& args) {
-  QTensor dq = args.dq;
-  QTensor dk = args.dk;
-  QTensor dv = args.dv;
-  const QTensor&dout = args.dout;
-  const QTensor&q = args.q;
-  const QTensor&k = args.k;
-  const QTensor&v = args.v;
-  const QTensor&o = args.o;
-  Tensor lse = args.lse;
-  Shape heads = args.heads;
-  double scale = args.scale;
-  const Fp8AttentionScales&sc = args.sc;
   constexpr std::string_view op = "attention_fp8_backward";
-  const auto d = ops::check_attention_fp8(
-      op, heads, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}}, lse,
-      {{"ds", sc.ds}, {"ds_inv", sc.ds_inv}, {"dq", sc.dq}, {"dk", sc.dk}, {"dv", sc.dv}});
-  require_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"o", o}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
-  if (dq.format != dk.format || dq.format != dv.format)
+  const auto d = ops::check(op, args);
+  require_aligned(op, {{"q", args.q},
+                       {"k", args.k},
+                       {"v", args.v},
+                       {"o", args.o},
+                       {"dout", args.dout},
+                       {"dq", args.dq},
+                       {"dk", args.dk},
+                       {"dv", args.dv}});
+  if (args.dq.format != args.dk.format || args.dq.format != args.dv.format)
     fail("{}: dq, dk and dv must share one FP8 format (cuDNN writes them alike)", op);
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
   Attention::Fp8Backward a;
   a.shape = shape_of(d);
-  a.qkv = q.format, a.o_format = o.format, a.dout_format = dout.format, a.grads = dq.format, a.scale = scale;
-  a.q = q.codes, a.k = k.codes, a.v = v.codes, a.o = o.codes, a.dout = dout.codes, a.lse = lse.ptr<float>();
-  a.dq = dq.codes, a.dk = dk.codes, a.dv = dv.codes;
-  a.descale_q = q.scale_inv, a.descale_k = k.scale_inv, a.descale_v = v.scale_inv, a.descale_o = o.scale_inv,
-  a.descale_dout = dout.scale_inv;
-  a.scale_ds = sc.ds, a.descale_ds = sc.ds_inv;
-  a.scale_dq = sc.dq, a.scale_dk = sc.dk, a.scale_dv = sc.dv;
-  a.dq_scale_inv = dq.scale_inv, a.dk_scale_inv = dk.scale_inv, a.dv_scale_inv = dv.scale_inv;
-  a.amax_ds = sc.amax_ds, a.amax_dq = sc.amax_dq, a.amax_dk = sc.amax_dk, a.amax_dv = sc.amax_dv;
+  a.qkv = args.q.format, a.o_format = args.o.format, a.dout_format = args.dout.format, a.grads = args.dq.format,
+  a.scale = args.scale;
+  a.q = args.q.codes, a.k = args.k.codes, a.v = args.v.codes, a.o = args.o.codes, a.dout = args.dout.codes,
+  a.lse = args.lse.ptr<float>();
+  a.dq = args.dq.codes, a.dk = args.dk.codes, a.dv = args.dv.codes;
+  a.descale_q = args.q.scale_inv, a.descale_k = args.k.scale_inv, a.descale_v = args.v.scale_inv,
+  a.descale_o = args.o.scale_inv, a.descale_dout = args.dout.scale_inv;
+  a.scale_ds = args.sc.ds, a.descale_ds = args.sc.ds_inv;
+  a.scale_dq = args.sc.dq, a.scale_dk = args.sc.dk, a.scale_dv = args.sc.dv;
+  a.dq_scale_inv = args.dq.scale_inv, a.dk_scale_inv = args.dk.scale_inv, a.dv_scale_inv = args.dv.scale_inv;
+  a.amax_ds = args.sc.amax_ds, a.amax_dq = args.sc.amax_dq, a.amax_dk = args.sc.amax_dk, a.amax_dv = args.sc.amax_dv;
   attention_->backward_fp8(a);
 }
 

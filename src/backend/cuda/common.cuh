@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <type_traits>
 
 #include "backend/cuda/check.h"
@@ -24,13 +25,15 @@ using ops::require_same_matrix;
 using ops::require_shape;
 using ops::require_vector;
 
+using ops::tensor_fields;
+
 // The CUDA backend computes in f32 (inside kernels: f32, with f64 where the CPU twin uses it).
-inline void require_f32(std::string_view op, std::initializer_list<Named> tensors) {
+inline void require_f32(std::string_view op, std::span<const Named> tensors) {
   ops::call_dtype(op, tensors, {DType::f32}, "CUDA");
 }
 // Attention heads (Backend::attention_heads_dtype): the defined ones all f32 or all bf16.
 // Returns whether they are bf16.
-inline bool heads_in_bf16(std::string_view op, std::initializer_list<Named> heads) {
+inline bool heads_in_bf16(std::string_view op, std::span<const Named> heads) {
   return ops::call_dtype(op, heads, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
 }
 
@@ -39,17 +42,42 @@ inline bool heads_in_bf16(std::string_view op, std::initializer_list<Named> head
 // statistics stay f32. The defined activation tensors of one call share one of the two types;
 // returns whether it is bf16 (the kernels compute in f32 either way: load widens, store rounds
 // to nearest even).
-inline bool activations_in_bf16(std::string_view op, std::initializer_list<Named> activations) {
+inline bool activations_in_bf16(std::string_view op, std::span<const Named> activations) {
   return ops::call_dtype(op, activations, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
 }
 
 // Parameter gradients (Backend::gradient_dtype: BackendOptions::bf16_grads) are stored in f32
 // or bf16; the defined ones of one call share one type. Returns whether it is bf16 (false when
 // none is defined). Their writers sum in f32 or double and round once as they store.
-inline bool grads_in_bf16(std::string_view op, std::initializer_list<Named> grads) {
+inline bool grads_in_bf16(std::string_view op, std::span<const Named> grads) {
   for (const Named& g : grads)
     if (g.t.defined()) return ops::call_dtype(op, grads, {DType::f32, DType::bf16}, "CUDA") == DType::bf16;
   return false;
+}
+
+// The same for tensors named at the call.
+inline void require_f32(std::string_view op, std::initializer_list<Named> tensors) {
+  require_f32(op, std::span<const Named>(tensors.begin(), tensors.size()));
+}
+inline bool heads_in_bf16(std::string_view op, std::initializer_list<Named> heads) {
+  return heads_in_bf16(op, std::span<const Named>(heads.begin(), heads.size()));
+}
+inline bool activations_in_bf16(std::string_view op, std::initializer_list<Named> activations) {
+  return activations_in_bf16(op, std::span<const Named>(activations.begin(), activations.size()));
+}
+
+// The same over every Tensor field of an op whose tensors all have that role, named as declared.
+template <typename Op>
+void require_f32(const Op& a) {
+  require_f32(Op::name, tensor_fields(a));
+}
+template <typename Op>
+bool activations_in_bf16(const Op& a) {
+  return activations_in_bf16(Op::name, tensor_fields(a));
+}
+template <typename Op>
+bool grads_in_bf16(const Op& a) {
+  return grads_in_bf16(Op::name, tensor_fields(a));
 }
 
 // f(p) with p the gradient's storage, float* or __nv_bfloat16* by its type (checked by

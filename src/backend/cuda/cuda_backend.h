@@ -108,10 +108,7 @@ class CudaBackend final : public Backend {
   // heads, whose tensors then only give the shape and alignment) on FP8 heads: false, launching
   // nothing, where FP8 heads would need the pair path (the caller takes the default). Public only
   // because nvcc's extended device lambdas may not sit in a private member.
-  bool qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale, Tensor dk_scale,
-                             Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q, Tensor k, Tensor q_rstd,
-                             Tensor k_rstd, Tensor q_scale, Tensor k_scale, Tensor pe, int64_t token_offset,
-                             const QTensor* fp8);
+  bool qk_norm_rope_backward(std::string_view op, const op::QkNormRopeToHeadsBackward& args, const QTensor* fp8);
 
  protected:
   void do_release(void* p) override;

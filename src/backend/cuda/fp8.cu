@@ -295,36 +295,28 @@ __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs<T> a) 
         ++flushed;
     }
   };
-  if (a.row.codes)
-    for (int i = warp; i < nr; i += kWarps)
+  // One copy's codes: a warp per row of the copy (a row of the tile, or a column for the
+  // columnwise copy), each element with its block's scale.
+  const auto cast_copy = [&]<bool kColumnwise>(uint8_t* codes, bool counted) {
+    const int rows = kColumnwise ? nc : nr, cols = kColumnwise ? nr : nc;
+    for (int o = warp; o < rows; o += kWarps)
       for (int q = 0; q < 4; ++q) {
-        const int j = lane + 32 * q;
-        if (j >= nc) break;
+        const int n = lane + 32 * q;
+        if (n >= cols) break;
+        const int i = kColumnwise ? n : o, j = kColumnwise ? o : n;
         const float v = tile[i * kPitch + j];
         float s;
         if constexpr (S == Fp8Scaling::block_128x128)
           s = tile_scale;
         else
-          s = row_scale[i][j / kSeg];
+          s = kColumnwise ? col_scale[j][i / kSeg] : row_scale[i][j / kSeg];
         const uint8_t code = static_cast<uint8_t>(encode_pair(v, 0.0f, s, a.format));
-        a.row.codes[(r0 + i) * a.cols + c0 + j] = code;
-        if (!a.stats_from_col) count(v, s, code);
+        codes[kColumnwise ? (c0 + j) * a.rows + r0 + i : (r0 + i) * a.cols + c0 + j] = code;
+        if (counted) count(v, s, code);
       }
-  if (a.col.codes)
-    for (int j = warp; j < nc; j += kWarps)
-      for (int q = 0; q < 4; ++q) {
-        const int i = lane + 32 * q;
-        if (i >= nr) break;
-        const float v = tile[i * kPitch + j];
-        float s;
-        if constexpr (S == Fp8Scaling::block_128x128)
-          s = tile_scale;
-        else
-          s = col_scale[j][i / kSeg];
-        const uint8_t code = static_cast<uint8_t>(encode_pair(v, 0.0f, s, a.format));
-        a.col.codes[(c0 + j) * a.rows + r0 + i] = code;
-        if (a.stats_from_col) count(v, s, code);
-      }
+  };
+  if (a.row.codes) cast_copy.template operator()<false>(a.row.codes, !a.stats_from_col);
+  if (a.col.codes) cast_copy.template operator()<true>(a.col.codes, a.stats_from_col);
 
   finish_tile_stats(a, f32_bits(tile_amax), nonzero, saturated, flushed);
 }
@@ -403,6 +395,43 @@ struct RowPassOut {
   float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 };
 
+// One row segment of a thread: the 4 values v (the first nj real) encoded into a word of codes
+// with scale s, their amax, counts (kCount) and, with `sums`, column sums added to `out`.
+template <bool kCount, Fp8Format kFmt>
+__device__ __forceinline__ uint32_t encode_quad(const float (&v)[4], int nj, float s, bool scale_ok, bool sums,
+                                                RowPassOut& out) {
+  [[maybe_unused]] const float bound = fp8_saturation_bound(kFmt);
+  const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
+                          umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
+  uint32_t word;
+  if (!kCount && nj == 4 && scale_ok && m <= 0x7F800000u) {
+    word = encode_pair_finite(v[0], v[1], s, kFmt) | (encode_pair_finite(v[2], v[3], s, kFmt) << 16);
+    out.amax_bits = umax(out.amax_bits, m);
+    if (sums)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out.cs[k] += v[k];
+  } else {
+    word = encode_pair(v[0], v[1], s, kFmt) | (encode_pair(v[2], v[3], s, kFmt) << 16);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k >= nj) break;
+      const float x = v[k];
+      if (!f32_is_nan(x)) out.amax_bits = umax(out.amax_bits, f32_bits(x) & 0x7FFFFFFFu);
+      if constexpr (kCount) {
+        if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
+          ++out.nonzero;
+          if (f32_abs(x * s) > bound)
+            ++out.saturated;
+          else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
+            ++out.flushed;
+        }
+      }
+      if (sums) out.cs[k] += x;
+    }
+  }
+  return word;
+}
+
 // The tile's elements come from `src` (a.x, or a head's identity source), whose columns start
 // at sc0 for this tile (t.c0 in the cast's columns); x_vec: src.x and its ld allow vector loads.
 template <typename T, bool kCount, Backend::CastInput::Op kOp, Fp8Format kFmt, bool kFull>
@@ -411,7 +440,6 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
                                           RowPassOut& out) {
   using Op = Backend::CastInput::Op;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  [[maybe_unused]] const float bound = fp8_saturation_bound(kFmt);
   const int j0 = 4 * lane;  // this thread's 4 columns of the tile
   const int nr = kFull ? kTile : t.nr;
   const int nj = kFull ? 4 : (t.nc - j0 < 4 ? (t.nc - j0 > 0 ? t.nc - j0 : 0) : 4);
@@ -495,34 +523,7 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
         for (int k = 0; k < 4; ++k)
           if (k < nj) v[k] = src.template apply_op<kOp>(v[k], r, 0, sc0 + j0 + k);
       }
-      const uint32_t m = umax(umax(f32_bits(v[0]) & 0x7FFFFFFFu, f32_bits(v[1]) & 0x7FFFFFFFu),
-                              umax(f32_bits(v[2]) & 0x7FFFFFFFu, f32_bits(v[3]) & 0x7FFFFFFFu));
-      uint32_t word;
-      if (!kCount && nj == 4 && scale_ok && m <= 0x7F800000u) {
-        word = encode_pair_finite(v[0], v[1], s, kFmt) | (encode_pair_finite(v[2], v[3], s, kFmt) << 16);
-        out.amax_bits = umax(out.amax_bits, m);
-        if (a.column_partials)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) out.cs[k] += v[k];
-      } else {
-        word = encode_pair(v[0], v[1], s, kFmt) | (encode_pair(v[2], v[3], s, kFmt) << 16);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (k >= nj) break;
-          const float x = v[k];
-          if (!f32_is_nan(x)) out.amax_bits = umax(out.amax_bits, f32_bits(x) & 0x7FFFFFFFu);
-          if constexpr (kCount) {
-            if (x != 0.0f) {  // the counts of cast_span() in src/fp8/quantize.cpp; NaN is non-zero
-              ++out.nonzero;
-              if (f32_abs(x * s) > bound)
-                ++out.saturated;
-              else if (!f32_is_nan(x) && ((word >> (8 * k)) & 0x7Fu) == 0)
-                ++out.flushed;
-            }
-          }
-          if (a.column_partials) out.cs[k] += x;
-        }
-      }
+      const uint32_t word = encode_quad<kCount, kFmt>(v, nj, s, scale_ok, a.column_partials != nullptr, out);
       codes[i][lane ^ swizzle(i)] = word;
       if (row_word) {
         *reinterpret_cast<uint32_t*>(row_tile + i * cols) = word;
@@ -910,7 +911,7 @@ __global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst,
 }  // namespace cuda
 
 void CudaBackend::execute(const op::TransposeCodes& args) {
-  ops::check_transpose_codes("transpose_codes", args.dst, args.src);
+  ops::check("transpose_codes", args);
   if (args.src.numel() == 0) return;
   const dim3 grid(static_cast<unsigned>((args.src.cols + cuda::kCodeTile - 1) / cuda::kCodeTile),
                   static_cast<unsigned>((args.src.rows + cuda::kCodeTile - 1) / cuda::kCodeTile));
@@ -927,93 +928,144 @@ void CudaBackend::execute(const op::Quantize& args) {
   quantize_fused(args.rowwise, args.columnwise, in, args.q);
 }
 
-void CudaBackend::execute(const op::QuantizeFused& args) {
-  QTensor rowwise = args.rowwise;
-  QTensor columnwise = args.columnwise;
-  const CastInput&in = args.in;
-  const Quantize&q = args.q;
-  using namespace cuda;
-  using Op = CastInput::Op;
-  const bool plain = in.op == Op::identity && !in.head.defined();
-  const std::string_view op = plain ? "quantize" : "quantize_fused";
-  const Tensor& x = in.x;
-  // With a head the cast's input is [head | op(x)], in.cols() wide (check_cast_input: x's rows
-  // and dtype); the shape checks see that matrix.
-  if (in.head.defined()) ops::check_cast_input(op, in);
-  const Tensor whole = in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), in.cols()}) : x;
-  const bool any_copy = ops::check_quantize(op, rowwise, columnwise, whole, {DType::f32, DType::bf16});
-  ops::check_column_sums(op, q.column_sums, whole.cols(), /*bf16_ok=*/true);
-  const int64_t R = x.rows(), C = whole.cols(), split = in.head_cols();
-  // The per-tensor kernel takes a head where no tile straddles it, for the GELU casts the model
-  // fuses (Source covers the other kernels element by element); otherwise the op's output is
-  // assembled first (Backend's default).
-  if (in.head.defined() && q.scaling == Fp8Scaling::per_tensor && any_copy &&
-      (split % kTile != 0 || (in.op != Op::gelu_tanh && in.op != Op::gelu_tanh_backward))) {
-    Backend::execute(args);
-    return;
-  }
-  // x, and LayerNorm's shift and scale (columns of the modulation Linear's output), are
-  // activations: all f32 or all bf16. The row statistics stay f32.
+namespace {
+// The fused input's checks beyond the cast's: x, and LayerNorm's shift and scale (columns of the
+// modulation Linear's output), are activations, all f32 or all bf16 (`bf16`); the row statistics
+// stay f32. LayerNorm and the gated input read per-sample vectors: `per_sample` divides a row by
+// the `tokens` rows of a sample.
+struct FusedInput {
   bool bf16 = false;
   int64_t tokens = 1;
   FastDivisor per_sample;
+};
+FusedInput check_fused_input(std::string_view op, const CastInput& in) {
+  using namespace cuda;
+  using Op = CastInput::Op;
+  const Tensor& x = in.x;
+  FusedInput f;
   if (in.op == Op::layernorm_modulate) {
-    bf16 = activations_in_bf16(op, {{"x", x}, {"shift", in.shift}, {"scale", in.scale}});
-    require_f32(op, {{"mean", in.mean}, {"rstd", in.rstd}});
-    const auto dims = ops::check_layernorm_modulate(op, Tensor{}, in.mean, in.rstd, x, in.shift, in.scale);
-    tokens = dims.L > 0 ? dims.L : 1;
-    per_sample = row_divisor(op, x.rows(), tokens);
+    f.bf16 = activations_in_bf16(op, tensor_fields(in, {"x", "shift", "scale"}));
+    require_f32(op, tensor_fields(in, {"mean", "rstd"}));
+    const auto dims = ops::check(
+        op, op::LayernormModulate{.mean = in.mean, .rstd = in.rstd, .x = x, .shift = in.shift, .scale = in.scale});
+    f.tokens = dims.L > 0 ? dims.L : 1;
+    f.per_sample = row_divisor(op, x.rows(), f.tokens);
   } else if (in.op == Op::gelu_tanh_backward) {
     ops::require_defined(op, {"gelu_x", in.gelu_x});
-    bf16 = activations_in_bf16(op, {{"x", x}, {"gelu_x", in.gelu_x}});
+    f.bf16 = activations_in_bf16(op, tensor_fields(in, {"x", "gelu_x"}));
     require_same_matrix(op, {"gelu_x", in.gelu_x}, {"x", x});
   } else if (in.op == Op::gated) {  // x [B, L, H], gate [B, H]
-    bf16 = activations_in_bf16(op, {{"x", x}, {"gate", in.gate}});
+    f.bf16 = activations_in_bf16(op, tensor_fields(in, {"x", "gate"}));
     require_rank(op, {"x", x}, 3);
     require_shape(op, {"gate", in.gate}, Shape{x.shape[0], x.shape[2]});
-    tokens = x.shape[1] > 0 ? x.shape[1] : 1;
-    per_sample = row_divisor(op, x.rows(), tokens);
+    f.tokens = x.shape[1] > 0 ? x.shape[1] : 1;
+    f.per_sample = row_divisor(op, x.rows(), f.tokens);
   } else {
-    bf16 = activations_in_bf16(op, {{"x", x}});
+    f.bf16 = activations_in_bf16(op, {{"x", x}});
   }
+  return f;
+}
+
+// The cast kernels' arguments for one call of quantize_fused over the R x C matrix `src` reads:
+// `tensor_scale` the per-tensor scale (device memory), `partials` the tiles' statistics (null:
+// no counts), `column_partials` the column sums' scratch (null: none).
+template <typename T>
+cuda::CastArgs<T> cast_args(const op::QuantizeFused& args, const cuda::Source<T>& src, int64_t R, int64_t C,
+                            int64_t tiles_x, const float* tensor_scale, cuda::StatsPartial* partials,
+                            double* column_partials) {
+  using namespace cuda;
+  using Op = CastInput::Op;
+  const Tensor& x = args.in.x;
+  CastArgs<T> a{};
+  a.x = src;
+  a.rows = R;
+  a.cols = C;
+  a.tiles_x = tiles_x;
+  a.format = args.q.format;
+  a.pow2 = args.q.pow2;
+  a.tensor_scale = tensor_scale;
+  a.row = dst(args.rowwise);
+  a.col = dst(args.columnwise);
+  a.stats_from_col = !args.rowwise.defined();
+  a.partials = partials;
+  a.amax_target = args.q.stats ? nullptr : args.q.amax;
+  a.column_partials = column_partials;
+  // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
+  a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
+  a.gelu_vec4 = src.gelu_x && vec4_aligned(src.gelu_x) && src.gelu_ld % 4 == 0;
+  a.head_vec4 = src.head && vec4_aligned(src.head) && src.head_ld % 4 == 0;
+  // The kFull path: every access of an inner tile vectorised, its offsets in 32 bits.
+  const int64_t max_ld = std::max({x.ld, C, src.gelu_ld, src.head_ld});
+  a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile && (!src.head || a.head_vec4) &&
+                 (args.in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
+                 (args.in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4)) &&
+                 (args.in.op != Op::gated || src.scale_vec4);
+  return a;
+}
+
+}  // namespace
+
+void CudaBackend::execute(const op::QuantizeFused& args) {
+  using namespace cuda;
+  using Op = CastInput::Op;
+  const bool plain = args.in.op == Op::identity && !args.in.head.defined();
+  const std::string_view op = plain ? "quantize" : "quantize_fused";
+  const Tensor& x = args.in.x;
+  // With a head the cast's input is [head | op(x)], in.cols() wide (check_cast_input: x's rows
+  // and dtype); the shape checks see that matrix.
+  if (args.in.head.defined()) ops::check_cast_input(op, args.in);
+  const Tensor whole = args.in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), args.in.cols()}) : x;
+  const bool any_copy = ops::check_quantize(op, args.rowwise, args.columnwise, whole, {DType::f32, DType::bf16});
+  ops::check_column_sums(op, args.q.column_sums, whole.cols(), /*bf16_ok=*/true);
+  const int64_t R = x.rows(), C = whole.cols(), split = args.in.head_cols();
+  // The per-tensor kernel takes a head where no tile straddles it, for the GELU casts the model
+  // fuses (Source covers the other kernels element by element); otherwise the op's output is
+  // assembled first (Backend's default).
+  if (args.in.head.defined() && args.q.scaling == Fp8Scaling::per_tensor && any_copy &&
+      (split % kTile != 0 || (args.in.op != Op::gelu_tanh && args.in.op != Op::gelu_tanh_backward))) {
+    Backend::execute(args);
+    return;
+  }
+  const FusedInput fused = check_fused_input(op, args.in);
+  const bool bf16 = fused.bf16;
+  const FastDivisor per_sample = fused.per_sample;
   // f(source): the launches that read x, instantiated for its storage type.
   const auto with_source = [&](auto&& f) {
     if (bf16)
-      f(source_of<__nv_bfloat16>(in, per_sample));
+      f(source_of<__nv_bfloat16>(args.in, per_sample));
     else
-      f(source_of<float>(in, per_sample));
+      f(source_of<float>(args.in, per_sample));
   };
-  if (q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
-    with_source([&](const auto& src) {
-      add_column_sums(*this, src, R, C, q.column_sums, q.column_sums_accumulate);
-    });
+  if (args.q.column_sums.defined() && (!any_copy || R == 0 || C == 0)) {  // no tiles to sum in: on their own
+    with_source(
+        [&](const auto& src) { add_column_sums(*this, src, R, C, args.q.column_sums, args.q.column_sums_accumulate); });
   }
   if (!any_copy) return;
-  check_output(op, rowwise, q, "rowwise");
-  check_output(op, columnwise, q, "columnwise");
+  check_output(op, args.rowwise, args.q, "rowwise");
+  check_output(op, args.columnwise, args.q, "columnwise");
 
-  const bool per_tensor = q.scaling == Fp8Scaling::per_tensor;
-  const float fmax = fp8_max(q.format);
+  const bool per_tensor = args.q.scaling == Fp8Scaling::per_tensor;
+  const float fmax = fp8_max(args.q.format);
   if (R == 0 || C == 0) {
     // Nothing to cast; a per-tensor copy still records its scale_inv, as on the CPU.
     if (per_tensor) {
-      const float* delayed = q.delayed_scale;
-      const float current_inv = scale_inverse(current_scale(0.0f, fmax, q.pow2));
-      float* rp = rowwise.defined() ? rowwise.scale_inv : nullptr;
-      float* cp = columnwise.defined() ? columnwise.scale_inv : nullptr;
+      const float* delayed = args.q.delayed_scale;
+      const float current_inv = scale_inverse(current_scale(0.0f, fmax, args.q.pow2));
+      float* rp = args.rowwise.defined() ? args.rowwise.scale_inv : nullptr;
+      float* cp = args.columnwise.defined() ? args.columnwise.scale_inv : nullptr;
       for_each(*this, 1, [=] __device__(int64_t) {
         const float inv = delayed ? scale_inverse(*delayed) : current_inv;
         if (rp) *rp = inv;
         if (cp) *cp = inv;
       });
     }
-    if (q.stats) q.stats->merge(CastStats{});
+    if (args.q.stats) args.q.stats->merge(CastStats{});
     return;
   }
 
   const int64_t tiles_x = (C + kTile - 1) / kTile, tiles = tiles_x * ((R + kTile - 1) / kTile);
   FLUX8_CHECK(tiles < (int64_t(1) << 31), "{}: {} tiles of 128x128 exceed one launch", op, tiles);
-  const bool current = per_tensor && !q.delayed_scale;
+  const bool current = per_tensor && !args.q.delayed_scale;
   const int amax_blocks = static_cast<int>(R < kAmaxBlocks ? R : kAmaxBlocks);
   // Scratch: [scale][amax partials][tile partials], each 256-byte aligned.
   const size_t off_partial_amax = 256, off_tiles = off_partial_amax + align256(kAmaxBlocks * sizeof(float));
@@ -1022,46 +1074,25 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
   auto* partials = reinterpret_cast<StatsPartial*>(s + off_tiles);
 
   const int64_t row_tiles = (R + kTile - 1) / kTile;
-  double* column_partials = q.column_sums.defined() ? static_cast<double*>(reduction_scratch(
-                                                          static_cast<size_t>(row_tiles * C) * sizeof(double)))
-                                                    : nullptr;
+  double* column_partials =
+      args.q.column_sums.defined()
+          ? static_cast<double*>(reduction_scratch(static_cast<size_t>(row_tiles * C) * sizeof(double)))
+          : nullptr;
   with_source([&]<typename T>(const Source<T>& src) {
     if (current) {
       float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
       amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(src, R, C, amax_partial);
       FLUX8_LAUNCH_CHECK(amax_partials_kernel);
-      current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, q.format, q.pow2,
+      current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, args.q.format, args.q.pow2,
                                                              scale_dev);
       FLUX8_LAUNCH_CHECK(current_scale_kernel);
     }
 
-    CastArgs<T> a{};
-    a.x = src;
-    a.rows = R;
-    a.cols = C;
-    a.tiles_x = tiles_x;
-    a.format = q.format;
-    a.pow2 = q.pow2;
-    a.tensor_scale = current ? scale_dev : q.delayed_scale;
-    a.row = dst(rowwise);
-    a.col = dst(columnwise);
-    a.stats_from_col = !rowwise.defined();
-    a.partials = q.stats ? partials : nullptr;
-    a.amax_target = q.stats ? nullptr : q.amax;
-    a.column_partials = column_partials;
-    // A thread's 4 columns as one access: 16 bytes of f32, 8 of bf16 (Quad).
-    a.x_vec4 = vec4_aligned(src.x) && x.ld % 4 == 0;
-    a.gelu_vec4 = src.gelu_x && vec4_aligned(src.gelu_x) && src.gelu_ld % 4 == 0;
-    a.head_vec4 = src.head && vec4_aligned(src.head) && src.head_ld % 4 == 0;
-    // The kFull path: every access of an inner tile vectorised, its offsets in 32 bits.
-    const int64_t max_ld = std::max({x.ld, C, src.gelu_ld, src.head_ld});
-    a.full_tiles = a.x_vec4 && C % 4 == 0 && max_ld < (int64_t(1) << 31) / kTile && (!src.head || a.head_vec4) &&
-                   (in.op != Op::gelu_tanh_backward || a.gelu_vec4) &&
-                   (in.op != Op::layernorm_modulate || (src.shift_vec4 && src.scale_vec4)) &&
-                   (in.op != Op::gated || src.scale_vec4);
-    switch (q.scaling) {
+    CastArgs<T> a = cast_args(args, src, R, C, tiles_x, current ? scale_dev : args.q.delayed_scale,
+                              args.q.stats ? partials : nullptr, column_partials);
+    switch (args.q.scaling) {
       case Fp8Scaling::per_tensor:
-        launch_per_tensor(a, q.stats != nullptr, tiles, stream());
+        launch_per_tensor(a, args.q.stats != nullptr, tiles, stream());
         break;
       case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
       case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
@@ -1069,10 +1100,10 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
     }
   });
   if (column_partials)
-    with_grad_storage(q.column_sums, [&](auto* out) {
-      column_partials_total(*this, 1, C, row_tiles, column_partials, out, C, q.column_sums_accumulate);
+    with_grad_storage(args.q.column_sums, [&](auto* out) {
+      column_partials_total(*this, 1, C, row_tiles, column_partials, out, C, args.q.column_sums_accumulate);
     });
-  if (q.stats) total_cast_stats(partials, tiles, R * C, q);  // else the amax went to q.amax by atomics
+  if (args.q.stats) total_cast_stats(partials, tiles, R * C, args.q);  // else the amax went to q.amax by atomics
 }
 
 void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elements, const Quantize& q) {
@@ -1098,7 +1129,7 @@ void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elem
 
 void CudaBackend::execute(const op::DelayedScalingUpdate& args) {
   using cuda::delayed_update_kernel;
-  const auto d = ops::check_delayed_scaling_update("delayed_scaling_update", args.amax_history, args.scale, args.scale_inv, args.fp8_max);
+  const auto d = ops::check("delayed_scaling_update", args);
   if (d.n == 0) return;
   const int64_t blocks = (d.n + 31) / 32;
   delayed_update_kernel<<<static_cast<unsigned>(blocks), 32 * cuda::kUpdateWarps, 0, stream()>>>(

@@ -258,43 +258,42 @@ GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b, Fp8Accumu
 }  // namespace cuda
 
 void CudaBackend::execute(const op::GemmFp8Tn& call) {
-  Tensor c = call.c;
-  const QTensor&a = call.a;
-  const QTensor&b = call.b;
-  Tensor bias = call.bias;
-  bool accumulate = call.accumulate;
-  Fp8Accumulation sum = call.sum;
   using namespace cuda;
   constexpr std::string_view op = "gemm_fp8_tn";
-  require_defined(op, {"c", c});
-  if (c.dtype != DType::f32 && c.dtype != DType::bf16)
-    fail("{}: output {} must be f32 or bf16 (an activation or a gradient stored in bf16)", op, c.str());
-  if (c.ld < c.cols()) fail("{}: output {} has row stride {} smaller than its columns", op, c.str(), c.ld);
-  if (!a.defined() || !b.defined() || a.cols != b.cols || c.rows() != a.rows || c.cols() != b.rows)
-    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, c.str(), a.rows, a.cols, b.rows, b.cols);
-  if (bias.defined() && bias.numel() != b.rows)
-    fail("{}: bias {} must be a vector of {} elements (f32, or bf16 for a bf16 output)", op, bias.str(), b.rows);
-  const BiasVector bias_ptr = bias_vector(op, bias, c);
-  for (const QTensor* q : {&a, &b})
+  require_defined(op, {"c", call.c});
+  if (call.c.dtype != DType::f32 && call.c.dtype != DType::bf16)
+    fail("{}: output {} must be f32 or bf16 (an activation or a gradient stored in bf16)", op, call.c.str());
+  if (call.c.ld < call.c.cols())
+    fail("{}: output {} has row stride {} smaller than its columns", op, call.c.str(), call.c.ld);
+  if (!call.a.defined() || !call.b.defined() || call.a.cols != call.b.cols || call.c.rows() != call.a.rows ||
+      call.c.cols() != call.b.rows)
+    fail("{}: c {} = a [{}, {}] · b [{}, {}]ᵀ does not fit", op, call.c.str(), call.a.rows, call.a.cols, call.b.rows,
+         call.b.cols);
+  if (call.bias.defined() && call.bias.numel() != call.b.rows)
+    fail("{}: bias {} must be a vector of {} elements (f32, or bf16 for a bf16 output)", op, call.bias.str(),
+         call.b.rows);
+  const BiasVector bias_ptr = bias_vector(op, call.bias, call.c);
+  for (const QTensor* q : {&call.a, &call.b})
     if (q->scaling == Fp8Scaling::mx_1x32 ? !q->scale_e8m0 : !q->scale_inv)
-      fail("{}: operand {} [{}, {}] ({}) has no scales", op, q == &a ? "a" : "b", q->rows, q->cols,
+      fail("{}: operand {} [{}, {}] ({}) has no scales", op, q == &call.a ? "a" : "b", q->rows, q->cols,
            fp8_scaling_name(q->scaling));
-  if (a.format == Fp8Format::e5m2 && b.format == Fp8Format::e5m2)
+  if (call.a.format == Fp8Format::e5m2 && call.b.format == Fp8Format::e5m2)
     fail("{}: a and b are both E5M2; FP8 GEMMs take at most one E5M2 operand (cuBLASLt has no E5M2 x E5M2 "
          "kernel). Cast one of them to E4M3 (fp8: hybrid uses E5M2 for grad_output only)",
          op);
-  const int64_t m = a.rows, n = b.rows, k = a.cols;
+  const int64_t m = call.a.rows, n = call.b.rows, k = call.a.cols;
   if (m == 0 || n == 0) return;
   if (k == 0) {  // empty reduction: c = (c) + bias, which the tiled kernel does without a product
-    emulated_gemm(*this, c, a, b, bias_ptr, accumulate);
+    emulated_gemm(*this, call.c, call.a, call.b, bias_ptr, call.accumulate);
     return;
   }
 
-  GemmDesc d = fp8_desc(c, a, b, sum);
-  d.accumulate = accumulate;
+  GemmDesc d = fp8_desc(call.c, call.a, call.b, call.sum);
+  d.accumulate = call.accumulate;
   std::string key;
   const GemmBackend pinned = gemm_backend();
-  std::string why = pinned == GemmBackend::emulated ? "FLUX8_GEMM_BACKEND=emulated" : native_blocker(c, a, b, key);
+  std::string why =
+      pinned == GemmBackend::emulated ? "FLUX8_GEMM_BACKEND=emulated" : native_blocker(call.c, call.a, call.b, key);
   if (pinned == GemmBackend::emulated) key = "pinned";
   if (why.empty() && !gemm_->has_algorithm(d)) {  // (the strings only when it has none: this runs every call)
     why = gemm_->supported(d);
@@ -302,35 +301,36 @@ void CudaBackend::execute(const op::GemmFp8Tn& call) {
   }
   if (!why.empty() && pinned == GemmBackend::cublaslt)
     fail("{}: FLUX8_GEMM_BACKEND=cublaslt, but cuBLASLt cannot run this GEMM (m={} n={} k={}, {} x {}): {}", op, m, n,
-         k, fp8_scaling_name(a.scaling), fp8_scaling_name(b.scaling), why);
+         k, fp8_scaling_name(call.a.scaling), fp8_scaling_name(call.b.scaling), why);
   if (!why.empty()) {
-    note_emulated(key, fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(a.scaling), m, n, k,
-                                   fp8_format_name(a.format), fp8_format_name(b.format)),
+    note_emulated(key,
+                  fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(call.a.scaling), m, n, k,
+                              fp8_format_name(call.a.format), fp8_format_name(call.b.format)),
                   why);
-    emulated_gemm(*this, c, a, b, bias_ptr, accumulate);
+    emulated_gemm(*this, call.c, call.a, call.b, bias_ptr, call.accumulate);
     return;
   }
 
   GemmArgs args;
-  args.a = b.codes;
-  args.b = a.codes;
-  args.d = c.data;
-  if (is_block(a.scaling)) {
-    args.scale_a = cublas_scales(*this, b, &CudaBackend::scratch);
-    args.scale_b = cublas_scales(*this, a, &CudaBackend::scratch2);
+  args.a = call.b.codes;
+  args.b = call.a.codes;
+  args.d = call.c.data;
+  if (is_block(call.a.scaling)) {
+    args.scale_a = cublas_scales(*this, call.b, &CudaBackend::scratch);
+    args.scale_b = cublas_scales(*this, call.a, &CudaBackend::scratch2);
   } else {
-    args.scale_a = b.scale_inv;
-    args.scale_b = a.scale_inv;
+    args.scale_a = call.b.scale_inv;
+    args.scale_b = call.a.scale_inv;
   }
   try {
-    gemm_with_bias(*this, d, args, c, bias_ptr);
+    gemm_with_bias(*this, d, args, call.c, bias_ptr);
   } catch (const GemmRefused& refused) {
     if (pinned == GemmBackend::cublaslt) throw;
     note_emulated("refused " + describe(d),
-                  fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(a.scaling), m, n, k,
-                              fp8_format_name(a.format), fp8_format_name(b.format)),
+                  fmt::format("{} GEMM m={} n={} k={} ({} x {})", fp8_scaling_name(call.a.scaling), m, n, k,
+                              fp8_format_name(call.a.format), fp8_format_name(call.b.format)),
                   refused.what());
-    emulated_gemm(*this, c, a, b, bias_ptr, accumulate);
+    emulated_gemm(*this, call.c, call.a, call.b, bias_ptr, call.accumulate);
   }
 }
 

@@ -159,13 +159,12 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
 // out = x + gate[b] ⊙ y; out may be x (each element is read and written by one thread). One
 // fused multiply-add an element, as gated_residual_stats (norms.cu) computes it.
 template <typename T>
-void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& out, const Tensor& x, const Tensor& y,
-                       const Tensor& gate) {
-  const int64_t L = x.shape[1], H = x.shape[2];
-  const MatOf<T> O = mat_of<T>(out), X = mat_of<T>(x), Y = mat_of<T>(y), G = mat_of<T>(gate);
-  const FastDivisor per_sample = row_divisor(op, x.rows(), L);
+void gated_residual_as(CudaBackend& be, std::string_view op, const op::GatedResidual& a) {
+  const int64_t L = a.x.shape[1], H = a.x.shape[2];
+  const MatOf<T> O = mat_of<T>(a.out), X = mat_of<T>(a.x), Y = mat_of<T>(a.y), G = mat_of<T>(a.gate);
+  const FastDivisor per_sample = row_divisor(op, a.x.rows(), L);
   if (vec4_rows(O) && vec4_rows(X) && vec4_rows(Y) && vec4_rows(G)) {  // 16-byte (f32) / 8-byte (bf16) accesses
-    for_each_row(be, x.rows(), H / 4, [=] __device__(int64_t r, int q) {
+    for_each_row(be, a.x.rows(), H / 4, [=] __device__(int64_t r, int q) {
       const float4 g = load4(&G.at(per_sample.divide(static_cast<uint32_t>(r)), 4 * q)), yv = load4(&Y.at(r, 4 * q));
       const float4 xv = load4(&X.at(r, 4 * q));
       store4(&O.at(r, 4 * q), make_float4(__fmaf_rn(g.x, yv.x, xv.x), __fmaf_rn(g.y, yv.y, xv.y),
@@ -173,22 +172,21 @@ void gated_residual_as(CudaBackend& be, std::string_view op, const Tensor& out, 
     });
     return;
   }
-  for_each_row(be, x.rows(), H, [=] __device__(int64_t r, int j) {
+  for_each_row(be, a.x.rows(), H, [=] __device__(int64_t r, int j) {
     O.set(r, j, __fmaf_rn(G.get(per_sample.divide(static_cast<uint32_t>(r)), j), Y.get(r, j), X.get(r, j)));
   });
 }
 
 template <typename T>
-void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tensor& dy, const Tensor& dgate,
-                                const Tensor& dx, const Tensor& y, const Tensor& gate) {
-  const int64_t B = dx.shape[0], L = dx.shape[1], H = dx.shape[2];
-  const MatOf<T> DX = mat_of<T>(dx);
+void gated_residual_backward_as(CudaBackend& be, std::string_view op, const op::GatedResidualBackward& a) {
+  const int64_t B = a.dx.shape[0], L = a.dx.shape[1], H = a.dx.shape[2];
+  const MatOf<T> DX = mat_of<T>(a.dx);
   MatOf<T> DY{}, G{};
-  if (dy.defined()) DY = mat_of<T>(dy), G = mat_of<T>(gate);
-  if (dgate.defined()) {
+  if (a.dy.defined()) DY = mat_of<T>(a.dy), G = mat_of<T>(a.gate);
+  if (a.dgate.defined()) {
     // One pass: the column-sum walk over (sample, row, column) also writes dy, so dx is read
     // once (column_sums visits every element exactly once).
-    const MatOf<T> Y = mat_of<T>(y);
+    const MatOf<T> Y = mat_of<T>(a.y);
     if (vec4_rows(DX) && vec4_rows(Y) && (!DY.p || (vec4_rows(DY) && vec4_rows(G)))) {
       column_sums4(
           be, B, L, H,
@@ -201,7 +199,7 @@ void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tens
             }
             return make_float4(d.x * yv.x, d.y * yv.y, d.z * yv.z, d.w * yv.w);
           },
-          dgate.ptr<T>(), dgate.ld, false);
+          a.dgate.ptr<T>(), a.dgate.ld, false);
       return;
     }
     column_sums(
@@ -211,7 +209,7 @@ void gated_residual_backward_as(CudaBackend& be, std::string_view op, const Tens
           if (DY.p) DY.set(b * L + l, j, G.get(b, j) * d);
           return d * Y.get(b * L + l, j);  // summed in f32 over a thread's 32 rows
         },
-        dgate.ptr<T>(), dgate.ld, false);
+        a.dgate.ptr<T>(), a.dgate.ld, false);
   } else if (DY.p) {
     const FastDivisor per_sample = row_divisor(op, B * L, L);
     for_each_row(be, B * L, H, [=] __device__(int64_t r, int j) {
@@ -325,7 +323,7 @@ void CudaBackend::execute(const op::HeadsToTokens& args) {
 
 void CudaBackend::execute(const op::TokensToHeadsFp8& args) {
   constexpr std::string_view op = "tokens_to_heads_fp8";
-  const Shape h = ops::check_fp8_heads(op, args.tokens, args.token_offset, {{"heads", args.heads.codes}});
+  const Shape h = ops::check(op, args);
   bool done = false;
   if (args.heads.q.scaling == Fp8Scaling::per_tensor && args.heads.q.delayed_scale) {
     with_token_head_types(op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]), [&]<typename TT, typename H>() {
@@ -352,7 +350,7 @@ void CudaBackend::execute(const op::TokensToHeadsFp8& args) {
 
 void CudaBackend::execute(const op::HeadsToTokensFp8& args) {
   constexpr std::string_view op = "heads_to_tokens_fp8";
-  const Shape h = ops::check_fp8_heads(op, args.tokens, args.token_offset, {{"heads", args.heads}});
+  const Shape h = ops::check(op, args);
   bool done = false;
   with_token_head_types(op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]), [&]<typename TT, typename H>() {
     const auto hg = head_groups<TT>(args.tokens, args.heads, h, args.token_offset);
@@ -366,10 +364,10 @@ void CudaBackend::execute(const op::HeadsToTokensFp8& args) {
 }
 
 void CudaBackend::execute(const op::ConcatTokens& args) {
-  const bool bf = activations_in_bf16("concat_tokens", {{"out", args.out}, {"a", args.a}, {"b", args.b}});
+  const bool bf = activations_in_bf16(args);
   require_defined("concat_tokens", {"a", args.a});
   require_defined("concat_tokens", {"b", args.b});
-  ops::check_joint("concat_tokens", {"out", args.out}, args.a, args.b);
+  ops::check("concat_tokens", args);
   if (bf) {
     move_tokens<bf16>(*this, args.out, args.a, 0, true);
     move_tokens<bf16>(*this, args.out, args.b, args.a.shape[1], true);
@@ -380,8 +378,8 @@ void CudaBackend::execute(const op::ConcatTokens& args) {
 }
 
 void CudaBackend::execute(const op::SplitTokens& args) {
-  const bool bf = activations_in_bf16("split_tokens", {{"a", args.a}, {"b", args.b}, {"in", args.in}});
-  ops::check_joint("split_tokens", {"in", args.in}, args.a, args.b);
+  const bool bf = activations_in_bf16(args);
+  ops::check("split_tokens", args);
   const int64_t b_offset = args.in.shape[1] - (args.b.defined() ? args.b.shape[1] : 0);
   for (const auto& [part, offset] : {std::pair{args.a, int64_t{0}}, std::pair{args.b, b_offset}}) {
     if (!part.defined()) continue;
@@ -394,34 +392,22 @@ void CudaBackend::execute(const op::SplitTokens& args) {
 
 void CudaBackend::execute(const op::GatedResidual& args) {
   constexpr std::string_view op = "gated_residual";
-  const bool bf = activations_in_bf16(op, {{"out", args.out}, {"x", args.x}, {"y", args.y}, {"gate", args.gate}});
-  require_rank(op, {"x", args.x}, 3);
-  require_shape(op, {"out", args.out}, args.x.shape);
-  require_shape(op, {"y", args.y}, args.x.shape);
-  require_shape(op, {"gate", args.gate}, Shape{args.x.shape[0], args.x.shape[2]});
+  const bool bf = activations_in_bf16(args);
+  ops::check(op, args);
   if (bf)
-    gated_residual_as<bf16>(*this, op, args.out, args.x, args.y, args.gate);
+    gated_residual_as<bf16>(*this, op, args);
   else
-    gated_residual_as<float>(*this, op, args.out, args.x, args.y, args.gate);
+    gated_residual_as<float>(*this, op, args);
 }
 
 void CudaBackend::execute(const op::GatedResidualBackward& args) {
   constexpr std::string_view op = "gated_residual_backward";
-  const bool bf = activations_in_bf16(op, {{"dy", args.dy}, {"dgate", args.dgate}, {"dx", args.dx}, {"y", args.y}, {"gate", args.gate}});
-  require_rank(op, {"dx", args.dx}, 3);
-  const int64_t B = args.dx.shape[0], H = args.dx.shape[2];
-  if (args.dy.defined()) {
-    require_shape(op, {"dy", args.dy}, args.dx.shape);
-    require_shape(op, {"gate", args.gate}, Shape{B, H});
-  }
-  if (args.dgate.defined()) {
-    require_shape(op, {"y", args.y}, args.dx.shape);
-    require_shape(op, {"dgate", args.dgate}, Shape{B, H});
-  }
+  const bool bf = activations_in_bf16(args);
+  ops::check(op, args);
   if (bf)
-    gated_residual_backward_as<bf16>(*this, op, args.dy, args.dgate, args.dx, args.y, args.gate);
+    gated_residual_backward_as<bf16>(*this, op, args);
   else
-    gated_residual_backward_as<float>(*this, op, args.dy, args.dgate, args.dx, args.y, args.gate);
+    gated_residual_backward_as<float>(*this, op, args);
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
@@ -435,35 +421,31 @@ struct Axes {
 }  // namespace
 
 void CudaBackend::execute(const op::RopeTable& args) {
-  Tensor pe = args.pe;
-  Tensor ids = args.ids;
-  std::span<const int> axes_dim = args.axes_dim;
-  double theta = args.theta;
   constexpr std::string_view op = "rope_table";
-  require_f32(op, {{"pe", pe}, {"ids", ids}});
-  require_rank(op, {"ids", ids}, 3);
-  const int64_t B = ids.shape[0], L = ids.shape[1];
-  if (axes_dim.size() > kMaxAxes) fail("{}: at most {} position axes, got {}", op, kMaxAxes, axes_dim.size());
-  Axes axes{static_cast<int>(axes_dim.size()), {}};
+  require_f32(args);
+  require_rank(op, {"ids", args.ids}, 3);
+  const int64_t B = args.ids.shape[0], L = args.ids.shape[1];
+  if (args.axes_dim.size() > kMaxAxes) fail("{}: at most {} position axes, got {}", op, kMaxAxes, args.axes_dim.size());
+  Axes axes{static_cast<int>(args.axes_dim.size()), {}};
   int64_t pairs = 0;
-  for (size_t i = 0; i < axes_dim.size(); ++i) {
-    const int d = axes_dim[i];
+  for (size_t i = 0; i < args.axes_dim.size(); ++i) {
+    const int d = args.axes_dim[i];
     if (d <= 0 || d % 2 != 0) fail("{}: every axis width must be positive and even, got {}", op, d);
     axes.dim[i] = d;
     pairs += d / 2;
   }
-  if (ids.shape[2] != static_cast<int64_t>(axes_dim.size()))
-    fail("{}: ids {} must have one position per axis ({} axes)", op, ids.str(), axes_dim.size());
-  require_shape(op, {"pe", pe}, Shape{B, L, pairs, 2});
-  if (!pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, pe.str());
-  const Mat I = mat(ids);
-  float* out = pe.ptr<float>();
+  if (args.ids.shape[2] != static_cast<int64_t>(args.axes_dim.size()))
+    fail("{}: ids {} must have one position per axis ({} axes)", op, args.ids.str(), args.axes_dim.size());
+  require_shape(op, {"pe", args.pe}, Shape{B, L, pairs, 2});
+  if (!args.pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, args.pe.str());
+  const Mat I = mat(args.ids);
+  float* out = args.pe.ptr<float>();
   for_each(*this, B * L * pairs, [=] __device__(int64_t idx) {
     const int64_t r = idx / pairs;
     int p = static_cast<int>(idx % pairs), axis = 0;
     while (p >= axes.dim[axis] / 2) p -= axes.dim[axis++] / 2;
     const int d = axes.dim[axis];
-    const double omega = 1.0 / pow(theta, 2.0 * p / d);
+    const double omega = 1.0 / pow(args.theta, 2.0 * p / d);
     const double angle = static_cast<double>(I.at(r, axis)) * omega;
     out[2 * idx] = static_cast<float>(cos(angle));
     out[2 * idx + 1] = static_cast<float>(sin(angle));
@@ -471,23 +453,20 @@ void CudaBackend::execute(const op::RopeTable& args) {
 }
 
 void CudaBackend::execute(const op::Rope& args) {
-  Tensor x = args.x;
-  Tensor pe = args.pe;
-  bool inverse = args.inverse;
   constexpr std::string_view op = "rope";
-  require_f32(op, {{"x", x}, {"pe", pe}});
-  require_rank(op, {"x", x}, 4);
-  const int64_t B = x.shape[0], n = x.shape[1], L = x.shape[2], D = x.shape[3];
-  if (D % 2 != 0) fail("{}: head dim of x {} must be even", op, x.str());
-  require_shape(op, {"pe", pe}, Shape{B, L, D / 2, 2});
-  if (!pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, pe.str());
-  const Mat X = mat(x);
-  const float* table = pe.ptr<float>();
+  require_f32(args);
+  require_rank(op, {"x", args.x}, 4);
+  const int64_t B = args.x.shape[0], n = args.x.shape[1], L = args.x.shape[2], D = args.x.shape[3];
+  if (D % 2 != 0) fail("{}: head dim of x {} must be even", op, args.x.str());
+  require_shape(op, {"pe", args.pe}, Shape{B, L, D / 2, 2});
+  if (!args.pe.contiguous()) fail("{}: table 'pe' {} must be contiguous", op, args.pe.str());
+  const Mat X = mat(args.x);
+  const float* table = args.pe.ptr<float>();
   const int64_t half = D / 2;
   for_each_row(*this, B * n * L, half, [=] __device__(int64_t r, int p) {
     const int64_t b = r / (n * L), l = r % L;
     const float* cs = table + (b * L + l) * D;
-    const float co = cs[2 * p], si = inverse ? -cs[2 * p + 1] : cs[2 * p + 1];
+    const float co = cs[2 * p], si = args.inverse ? -cs[2 * p + 1] : cs[2 * p + 1];
     const float x0 = X.at(r, 2 * p), x1 = X.at(r, 2 * p + 1);
     X.at(r, 2 * p) = co * x0 - si * x1;
     X.at(r, 2 * p + 1) = si * x0 + co * x1;
@@ -497,9 +476,9 @@ void CudaBackend::execute(const op::Rope& args) {
 void CudaBackend::execute(const op::TimestepEmbedding& args) {
   constexpr std::string_view op = "timestep_embedding";
   require_rank(op, {"out", args.out}, 2);
-  const bool bf = activations_in_bf16(op, {{"out", args.out}});
+  const bool bf = activations_in_bf16(op, tensor_fields(args, {"out"}));
   require_vector(op, {"t", args.t}, args.out.shape[0]);
-  require_f32(op, {{"t", args.t}});  // t is an input of the model, not an activation
+  require_f32(op, tensor_fields(args, {"t"}));  // t is an input of the model, not an activation
   if (bf)
     timestep_embedding_as<bf16>(*this, args.out, args.t, args.time_factor, args.max_period);
   else

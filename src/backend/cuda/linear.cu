@@ -281,34 +281,30 @@ void fill_bias(CudaBackend& be, const Tensor& y, BiasVector bias) {
 }  // namespace
 
 void CudaBackend::execute(const op::Linear& args) {
-  Tensor y = args.y;
-  Tensor x = args.x;
-  Tensor w = args.w;
-  Tensor b = args.b;
   constexpr std::string_view op = "linear";
-  const bool bf16 = activations_in_bf16(op, {{"y", y}, {"x", x}});
-  const BiasVector bias = bias_vector(op, b, y);
-  require_weight(*this, op, w, bf16);
-  const auto [N, K, M] = ops::check_linear(op, y, x, w, b);
+  const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"y", "x"}));
+  const BiasVector bias = bias_vector(op, args.b, args.y);
+  require_weight(*this, op, args.w, bf16);
+  const auto [N, K, M] = ops::check(op, args);
   if (K == 0) {  // empty product: y = b (or 0)
     if (!bias)
-      fill(y, 0.0);
+      fill(args.y, 0.0);
     else if (bf16)
-      fill_bias<__nv_bfloat16>(*this, y, bias);
+      fill_bias<__nv_bfloat16>(*this, args.y, bias);
     else
-      fill_bias<float>(*this, y, bias);
+      fill_bias<float>(*this, args.y, bias);
     return;
   }
-  Operands ops(*this, bf16, {&w, &x});
-  const Operand W = ops.get(w), X = ops.get(x);
-  const GemmDesc d = fprop_desc(W, X, y, N, K, M);
-  gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = y.data}, y, bias);
+  Operands ops(*this, bf16, {&args.w, &args.x});
+  const Operand W = ops.get(args.w), X = ops.get(args.x);
+  const GemmDesc d = fprop_desc(W, X, args.y, N, K, M);
+  gemm_with_bias(*this, d, GemmArgs{.a = W.p, .b = X.p, .d = args.y.data}, args.y, bias);
 }
 
 void CudaBackend::execute(const op::LinearBackward& args) {
   constexpr std::string_view op = "linear_backward";
-  const bool bf16 = activations_in_bf16(op, {{"dx", args.dx}, {"dy", args.dy}, {"x", args.x}});
-  grads_in_bf16(op, {{"dw", args.dw}, {"db", args.db}});  // f32, or bf16 gradients (Backend::gradient_dtype)
+  const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"dx", "dy", "x"}));
+  grads_in_bf16(op, tensor_fields(args, {"dw", "db"}));  // f32, or bf16 gradients (Backend::gradient_dtype)
   require_weight(*this, op, args.w, bf16);
   require_defined(op, {"dy", args.dy});
   require_rank(op, {"w", args.w}, 2);
@@ -375,47 +371,44 @@ void CudaBackend::execute(const op::LinearBackward& args) {
 // Two GEMMs where the GELU covers only h's last columns: the plain part, then the GELU part with
 // the epilogue (cuBLASLt applies an epilogue to the whole output).
 void CudaBackend::execute(const op::LinearGelu& call) {
-  Tensor y = call.y;
-  Tensor h = call.h;
-  Tensor x = call.x;
-  Tensor w = call.w;
-  Tensor b = call.b;
   constexpr std::string_view op = "linear_gelu";
-  const bool bf16 = activations_in_bf16(op, {{"y", y}, {"h", h}, {"x", x}});
-  bias_vector(op, b, h);  // refuses a bias of another type, naming it
-  require_weight(*this, op, w, bf16);
-  const auto [N, K, M, G] = ops::check_linear_gelu(op, y, h, x, w, b);
+  const bool bf16 = activations_in_bf16(op, tensor_fields(call, {"y", "h", "x"}));
+  bias_vector(op, call.b, call.h);  // refuses a bias of another type, naming it
+  require_weight(*this, op, call.w, bf16);
+  const auto [N, K, M, G] = ops::check(op, call);
   const int64_t first = M - G;
-  const Tensor h_gelu = h.cols_slice(first, G), w_gelu = w.rows_slice(first, G), b_gelu = vector_part(b, first, G);
+  const Tensor h_gelu = call.h.cols_slice(first, G), w_gelu = call.w.rows_slice(first, G),
+               b_gelu = vector_part(call.b, first, G);
   bool fused = false;
   if (K > 0 && N > 0) {
-    Operands ops(*this, bf16, {&w_gelu, &x});
-    const Operand W = ops.get(w_gelu), X = ops.get(x);
-    if (epilogue_operands_aligned({W, X}, {&y, &h_gelu})) {
-      GemmDesc d = fprop_desc(W, X, y, N, K, G);
+    Operands ops(*this, bf16, {&w_gelu, &call.x});
+    const Operand W = ops.get(w_gelu), X = ops.get(call.x);
+    if (epilogue_operands_aligned({W, X}, {&call.y, &h_gelu})) {
+      GemmDesc d = fprop_desc(W, X, call.y, N, K, G);
       d.epilogue = Epilogue::gelu_aux;
       d.aux_ld = h_gelu.ld;
-      const GemmArgs args{.a = W.p, .b = X.p, .d = y.data, .aux = h_gelu.data};
+      const GemmArgs args{.a = W.p, .b = X.p, .d = call.y.data, .aux = h_gelu.data};
       std::string why;
-      fused = b.defined() ? run_with_bias_epilogue(*this, d, args, y, bias_vector(op, b_gelu, y), why)
-                          : try_run(gemm(), d, args, why);
+      fused = call.b.defined() ? run_with_bias_epilogue(*this, d, args, call.y, bias_vector(op, b_gelu, call.y), why)
+                               : try_run(gemm(), d, args, why);
       if (!fused) note_unfused(d.epilogue, why);
     }
   }
   if (fused) {
-    if (first > 0) linear(h.cols_slice(0, first), x, w.rows_slice(0, first), vector_part(b, 0, first));
+    if (first > 0)
+      linear(call.h.cols_slice(0, first), call.x, call.w.rows_slice(0, first), vector_part(call.b, 0, first));
     return;
   }
   // No epilogue for this call: the Linear into h, then the GELU of the stored (rounded) values.
-  linear(h, x, w, b);
-  gelu_tanh(y, h_gelu);
+  linear(call.h, call.x, call.w, call.b);
+  gelu_tanh(call.y, h_gelu);
 }
 
 void CudaBackend::execute(const op::LinearDgradGelu& args) {
   constexpr std::string_view op = "linear_dgrad_gelu";
-  const bool bf16 = activations_in_bf16(op, {{"dx", args.dx}, {"dh", args.dh}, {"dy", args.dy}, {"h", args.h}});
+  const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"dx", "dh", "dy", "h"}));
   require_weight(*this, op, args.w, bf16);
-  const auto [N, K, M, G] = ops::check_linear_dgrad_gelu(op, args.dx, args.dh, args.dy, args.w, args.h);
+  const auto [N, K, M, G] = ops::check(op, args);
   const int64_t first = K - G;
   const Tensor w_gelu = args.w.cols_slice(first, G);
   bool fused = false;

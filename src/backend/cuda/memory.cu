@@ -461,7 +461,7 @@ void bf16_binary(CudaBackend& be, const Tensor& y, const Tensor& a, const Tensor
 }  // namespace
 
 void CudaBackend::execute(const op::Fill& args) {
-  const bool bf = activations_in_bf16("fill", {{"y", args.y}});
+  const bool bf = activations_in_bf16(args);
   const float v = static_cast<float>(args.value);
   const int64_t n = args.y.rows() * args.y.cols();
   if (n == 0) return;
@@ -490,7 +490,7 @@ void CudaBackend::execute(const op::Fill& args) {
 }
 
 void CudaBackend::execute(const op::FillRandom& args) {
-  require_f32("fill_random", {{"y", args.y}});
+  require_f32(args);
   require_contiguous("fill_random", {"y", args.y});
   float* out = args.y.ptr<float>();
   const bool normal = args.dist == Random::normal;
@@ -506,7 +506,8 @@ void CudaBackend::execute(const op::FillRandom& args) {
 void CudaBackend::execute(const op::Copy& args) {
   require_defined("copy", {"y", args.y});
   require_defined("copy", {"x", args.x});
-  const bool y_bf = activations_in_bf16("copy", {{"y", args.y}}), x_bf = activations_in_bf16("copy", {{"x", args.x}});
+  const bool y_bf = activations_in_bf16("copy", tensor_fields(args, {"y"})),
+             x_bf = activations_in_bf16("copy", tensor_fields(args, {"x"}));
   require_same_matrix("copy", {"y", args.y}, {"x", args.x});
   if (y_bf != x_bf) {
     if (y_bf)
@@ -553,7 +554,7 @@ void CudaBackend::execute(const op::CopyBatch& args) {
 }
 
 void CudaBackend::execute(const op::Add& args) {
-  const bool bf = activations_in_bf16("add", {{"y", args.y}, {"a", args.a}, {"b", args.b}});
+  const bool bf = activations_in_bf16(args);
   require_same_matrix("add", {"y", args.y}, {"a", args.a});
   require_same_matrix("add", {"y", args.y}, {"b", args.b});
   if (bf) return bf16_binary(*this, args.y, args.a, args.b, [] __device__(float u, float v) { return u + v; });
@@ -566,7 +567,7 @@ void CudaBackend::execute(const op::Add& args) {
 }
 
 void CudaBackend::execute(const op::Accumulate& args) {
-  const bool bf = activations_in_bf16("accumulate", {{"y", args.y}, {"x", args.x}});
+  const bool bf = activations_in_bf16(args);
   require_same_matrix("accumulate", {"y", args.y}, {"x", args.x});
   if (bf) return bf16_binary(*this, args.y, args.y, args.x, [] __device__(float u, float v) { return u + v; });
   const Mat Y = mat(args.y), X = mat(args.x);

@@ -624,9 +624,9 @@ void layernorm_modulate_backward_passes(CudaBackend& be, const Tensor& dx, const
 
 void CudaBackend::execute(const op::LayernormModulate& args) {
   constexpr std::string_view op = "layernorm_modulate";
-  const bool bf = activations_in_bf16(op, {{"y", args.y}, {"x", args.x}, {"shift", args.shift}, {"scale", args.scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate(op, args.y, args.mean, args.rstd, args.x, args.shift, args.scale);
-  require_f32(op, {{"mean", args.mean}, {"rstd", args.rstd}});  // statistics: f32 whatever the activations
+  const bool bf = activations_in_bf16(op, tensor_fields(args, {"y", "x", "shift", "scale"}));
+  const auto [B, L, H] = ops::check(op, args);
+  require_f32(op, tensor_fields(args, {"mean", "rstd"}));  // statistics: f32 whatever the activations
   if (B * L == 0) return;
   if (bf)
     layernorm_modulate_as<__nv_bfloat16>(*this, args.y, args.mean, args.rstd, args.x, args.shift, args.scale, B * L, L, args.eps);
@@ -635,26 +635,20 @@ void CudaBackend::execute(const op::LayernormModulate& args) {
 }
 
 void CudaBackend::execute(const op::GatedResidualStats& args) {
-  Tensor out = args.out;
-  Tensor mean = args.mean;
-  Tensor rstd = args.rstd;
-  Tensor x = args.x;
-  Tensor y = args.y;
-  Tensor gate = args.gate;
-  double eps = args.eps;
   constexpr std::string_view op = "gated_residual_stats";
-  const bool bf = activations_in_bf16(op, {{"out", out}, {"x", x}, {"y", y}, {"gate", gate}});
-  ops::check_gated_residual_stats(op, out, mean, rstd, x, y, gate);
-  require_f32(op, {{"mean", mean}, {"rstd", rstd}});  // statistics: f32 whatever the activations
-  if (rstd.ld != mean.ld) fail("{}: mean {} and rstd {} must share one row stride", op, mean.str(), rstd.str());
-  const int64_t L = x.shape[1], rows = x.rows();
+  const bool bf = activations_in_bf16(op, tensor_fields(args, {"out", "x", "y", "gate"}));
+  ops::check(op, args);
+  require_f32(op, tensor_fields(args, {"mean", "rstd"}));  // statistics: f32 whatever the activations
+  if (args.rstd.ld != args.mean.ld)
+    fail("{}: mean {} and rstd {} must share one row stride", op, args.mean.str(), args.rstd.str());
+  const int64_t L = args.x.shape[1], rows = args.x.rows();
   if (rows == 0) return;
   const auto run = [&]<typename T>() {
-    const MatOf<T> O = mat_of<T>(out), X = mat_of<T>(x), Y = mat_of<T>(y), G = mat_of<T>(gate);
+    const MatOf<T> O = mat_of<T>(args.out), X = mat_of<T>(args.x), Y = mat_of<T>(args.y), G = mat_of<T>(args.gate);
     const bool vec4 = vec4_rows(O) && vec4_rows(X) && vec4_rows(Y) && vec4_rows(G);
-    return with_row_variant(x.shape[2], vec4, [&]<int kV, int kThr, int kGroups>() {
+    return with_row_variant(args.x.shape[2], vec4, [&]<int kV, int kThr, int kGroups>() {
       gated_residual_stats_kernel<T, kV, kThr, kGroups><<<static_cast<unsigned>(rows), kThr, 0, stream_>>>(
-          O, mean.ptr<float>(), rstd.ptr<float>(), mean.ld, X, Y, G, L, static_cast<float>(eps));
+          O, args.mean.ptr<float>(), args.rstd.ptr<float>(), args.mean.ld, X, Y, G, L, static_cast<float>(args.eps));
       FLUX8_LAUNCH_CHECK(gated_residual_stats_kernel);
     });
   };
@@ -664,10 +658,9 @@ void CudaBackend::execute(const op::GatedResidualStats& args) {
 
 void CudaBackend::execute(const op::LayernormModulateBackward& args) {
   constexpr std::string_view op = "layernorm_modulate_backward";
-  const bool bf = activations_in_bf16(
-      op, {{"dx", args.dx}, {"dshift", args.dshift}, {"dscale", args.dscale}, {"dy", args.dy}, {"x", args.x}, {"scale", args.scale}});
-  const auto [B, L, H] = ops::check_layernorm_modulate_backward(op, args.dy, args.x, args.mean, args.rstd);
-  require_f32(op, {{"mean", args.mean}, {"rstd", args.rstd}});  // statistics: f32 whatever the activations
+  const bool bf = activations_in_bf16(op, tensor_fields(args, {"dx", "dshift", "dscale", "dy", "x", "scale"}));
+  const auto [B, L, H] = ops::check(op, args);
+  require_f32(op, tensor_fields(args, {"mean", "rstd"}));  // statistics: f32 whatever the activations
   if (args.dx.defined()) require_shape(op, {"dx", args.dx}, args.x.shape);
   if (args.dshift.defined()) require_shape(op, {"dshift", args.dshift}, Shape{B, H});
   if (args.dscale.defined()) require_shape(op, {"dscale", args.dscale}, Shape{B, H});
@@ -693,10 +686,8 @@ void CudaBackend::execute(const op::LayernormModulateBackward& args) {
 
 void CudaBackend::execute(const op::RmsnormHeads& args) {
   constexpr std::string_view op = "rmsnorm_heads";
-  require_f32(op, {{"y", args.y}, {"rstd", args.rstd}, {"x", args.x}, {"scale", args.scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows(), n = args.x.cols() / D;
-  require_same_matrix(op, {"y", args.y}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
+  require_f32(args);
+  const auto [D, n, rows] = ops::check(op, args);
   const int64_t segments = rows * n;
   if (segments == 0) return;
   rmsnorm_heads_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(mat(args.y), args.rstd.ptr<float>(), mat(args.x),
@@ -706,19 +697,15 @@ void CudaBackend::execute(const op::RmsnormHeads& args) {
 
 void CudaBackend::execute(const op::RmsnormHeadsBackward& args) {
   constexpr std::string_view op = "rmsnorm_heads_backward";
-  require_f32(op, {{"dx", args.dx}, {"dscale", args.dscale}, {"dy", args.dy}, {"x", args.x}, {"rstd", args.rstd}, {"scale", args.scale}});
-  const int64_t D = ops::rmsnorm_head_dim(op, args.x, args.scale), rows = args.x.rows(), n = args.x.cols() / D;
-  require_same_matrix(op, {"dy", args.dy}, {"x", args.x});
-  require_vector(op, {"rstd", args.rstd}, rows * n);
+  require_f32(args);
+  const auto [D, n, rows] = ops::check(op, args);
   const int64_t segments = rows * n;
   if (args.dx.defined() && segments > 0) {
-    require_same_matrix(op, {"dx", args.dx}, {"x", args.x});
     rmsnorm_heads_dx_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(
         mat(args.dx), mat(args.dy), mat(args.x), args.rstd.ptr<float>(), args.scale.ptr<float>(), D, n, segments);
     FLUX8_LAUNCH_CHECK(rmsnorm_heads_dx_kernel);
   }
   if (args.dscale.defined()) {
-    require_vector(op, {"dscale", args.dscale}, D);
     const Mat DY = mat(args.dy), X = mat(args.x);
     const float* rs = args.rstd.ptr<float>();
     column_sums(

@@ -777,15 +777,45 @@ void with_types(bool tokens_bf16, bool heads_bf16, F&& f) {
 
 }  // namespace
 
+namespace {
+// The plain op of an FP8-heads op: every field of `a` whose name and type the plain op shares,
+// the others (the heads) left for the caller.
+template <typename Plain, typename Fp8>
+Plain same_named_fields(const Fp8& a) {
+  using To = decltype(std::declval<Plain&>().fields());
+  using From = decltype(a.fields());
+  Plain p{};
+  To to = p.fields();
+  const From from = a.fields();
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    const auto copy = [&]<size_t i>() {
+      constexpr size_t j = [] {
+        for (size_t k = 0; k < Fp8::field_names.size(); ++k)
+          if (std::string_view(Fp8::field_names[k]) == std::string_view(Plain::field_names[i])) return k;
+        return Fp8::field_names.size();
+      }();
+      if constexpr (j < Fp8::field_names.size()) {
+        using ToField = std::remove_cvref_t<std::tuple_element_t<i, To>>;
+        using FromField = std::remove_cvref_t<std::tuple_element_t<j, From>>;
+        if constexpr (std::is_same_v<ToField, FromField>) std::get<i>(to) = std::get<j>(from);
+      }
+    };
+    (copy.template operator()<I>(), ...);
+  }
+  (std::make_index_sequence<Plain::field_names.size()>{});
+  return p;
+}
+
+}  // namespace
+
 void CudaBackend::execute(const op::QkNormRopeToHeads& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads";
-  const auto d = ops::check_qk_norm_rope_to_heads(op, args.q_heads, args.k_heads, args.v_heads, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale,
-                                                  args.k_scale, args.pe, args.token_offset);
+  const auto d = ops::check(op, args);
   // The types after the shape checks, whose messages name a missing tensor: the activations
   // (token side) f32 or bf16, the heads f32 or bf16, the rest f32.
-  const bool bf16 = activations_in_bf16(op, {{"q", args.q}, {"k", args.k}, {"v", args.v}});
-  require_f32(op, {{"q_rstd", args.q_rstd}, {"k_rstd", args.k_rstd}, {"q_scale", args.q_scale}, {"k_scale", args.k_scale}, {"pe", args.pe}});
-  const bool heads_bf16 = heads_in_bf16(op, {{"q_heads", args.q_heads}, {"k_heads", args.k_heads}, {"v_heads", args.v_heads}});
+  const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"q", "k", "v"}));
+  require_f32(op, tensor_fields(args, {"q_rstd", "k_rstd", "q_scale", "k_scale", "pe"}));
+  const bool heads_bf16 = heads_in_bf16(op, tensor_fields(args, {"q_heads", "k_heads", "v_heads"}));
   const int pairs = pairs_per_lane(op, d.D);
   const Geometry geo = geometry_of(op, d, args.token_offset, {args.q_heads, args.k_heads, args.v_heads, args.q, args.k, args.v, args.pe});
   if (geo.segments == 0) return;
@@ -812,18 +842,16 @@ void CudaBackend::execute(const op::QkNormRopeToHeads& args) {
 
 void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_fp8";
-  const Shape h = ops::check_fp8_heads(op, args.q, args.token_offset,
-                                       {{"q_heads", args.q_heads.codes},
-                                        {"k_heads", args.k_heads.codes},
-                                        {"v_heads", args.v_heads.codes}});
+  const Shape h = ops::check(op, args);
   const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never written: the kernel writes the codes).
   const Tensor qh(args.q_heads.codes.codes, t, h), kh(args.k_heads.codes.codes, t, h), vh(args.v_heads.codes.codes, t, h);
-  const auto d = ops::check_qk_norm_rope_to_heads(op, qh, kh, vh, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe,
-                                                  args.token_offset);
-  const bool bf16 = activations_in_bf16(op, {{"q", args.q}, {"k", args.k}, {"v", args.v}});
-  require_f32(op, {{"q_rstd", args.q_rstd}, {"k_rstd", args.k_rstd}, {"q_scale", args.q_scale}, {"k_scale", args.k_scale}, {"pe", args.pe}});
+  op::QkNormRopeToHeads plain = same_named_fields<op::QkNormRopeToHeads>(args);
+  plain.q_heads = qh, plain.k_heads = kh, plain.v_heads = vh;
+  const auto d = ops::check(op, plain);
+  const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"q", "k", "v"}));
+  require_f32(op, tensor_fields(args, {"q_rstd", "k_rstd", "q_scale", "k_scale", "pe"}));
   const bool heads_bf16 = t == DType::bf16;  // the proxies' type (attention_heads_dtype: f32 or bf16)
   const Geometry geo = geometry_of(op, d, args.token_offset, {qh, kh, vh, args.q, args.k, args.v, args.pe});
   const int lanes = vec_path_lanes(d.D, {qh, kh, vh, args.q, args.k, args.v}, args.pe);
@@ -864,68 +892,58 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
 }
 
 void CudaBackend::execute(const op::QkNormRopeToHeadsBackward& args) {
-  qk_norm_rope_backward("qk_norm_rope_to_heads_backward", args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, args.dq_heads, args.dk_heads,
-                        args.dv_heads, args.q, args.k, args.q_rstd, args.k_rstd, args.q_scale, args.k_scale, args.pe, args.token_offset, nullptr);
+  qk_norm_rope_backward("qk_norm_rope_to_heads_backward", args, nullptr);
 }
 
 void CudaBackend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
   constexpr std::string_view op = "qk_norm_rope_to_heads_backward_fp8";
-  const Shape h =
-      ops::check_fp8_heads(op, args.q, args.token_offset,
-                           {{"dq_heads", args.dq_heads}, {"dk_heads", args.dk_heads}, {"dv_heads", args.dv_heads}});
+  const Shape h = ops::check(op, args);
   const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   const QTensor codes[3] = {args.dq_heads, args.dk_heads, args.dv_heads};
   const bool vec8 = fp8_heads_vec8(args.dq_heads) && fp8_heads_vec8(args.dk_heads) && fp8_heads_vec8(args.dv_heads);
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never read: the kernel reads the codes).
-  if (vec8 && h.numel() > 0 &&
-      qk_norm_rope_backward(op, args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, Tensor(args.dq_heads.codes, t, h),
-                            Tensor(args.dk_heads.codes, t, h), Tensor(args.dv_heads.codes, t, h), args.q, args.k, args.q_rstd, args.k_rstd, args.q_scale,
-                            args.k_scale, args.pe, args.token_offset, codes))
-    return;
+  op::QkNormRopeToHeadsBackward plain = same_named_fields<op::QkNormRopeToHeadsBackward>(args);
+  plain.dq_heads = Tensor(args.dq_heads.codes, t, h), plain.dk_heads = Tensor(args.dk_heads.codes, t, h),
+  plain.dv_heads = Tensor(args.dv_heads.codes, t, h);
+  if (vec8 && h.numel() > 0 && qk_norm_rope_backward(op, plain, codes)) return;
   // Not the vector path (head dim, alignment): dequantize, then the plain op.
   Backend::execute(args);
 }
 
-bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor dk, Tensor dv, Tensor dq_scale,
-                                        Tensor dk_scale, Tensor dq_heads, Tensor dk_heads, Tensor dv_heads, Tensor q,
-                                        Tensor k, Tensor q_rstd, Tensor k_rstd, Tensor q_scale, Tensor k_scale,
-                                        Tensor pe, int64_t token_offset, const QTensor* fp8) {
-  const auto d = ops::check_qk_norm_rope_to_heads_backward(op, dq, dk, dv, dq_scale, dk_scale, dq_heads, dk_heads,
-                                                           dv_heads, q, k, q_rstd, k_rstd, q_scale, k_scale, pe,
-                                                           token_offset);
+bool CudaBackend::qk_norm_rope_backward(std::string_view op, const op::QkNormRopeToHeadsBackward& args,
+                                        const QTensor* fp8) {
+  const auto d = ops::check(op, args);
   // The types after the shape checks, as in the forward.
-  const bool bf16 = activations_in_bf16(op, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"q", q}, {"k", k}});
-  grads_in_bf16(op, {{"dq_scale", dq_scale}, {"dk_scale", dk_scale}});  // f32, or bf16 gradients
-  require_f32(op, {{"q_rstd", q_rstd},
-                   {"k_rstd", k_rstd},
-                   {"q_scale", q_scale},
-                   {"k_scale", k_scale},
-                   {"pe", pe}});
-  const bool heads_bf16 =
-      heads_in_bf16(op, {{"dq_heads", dq_heads}, {"dk_heads", dk_heads}, {"dv_heads", dv_heads}});
+  const bool bf16 = activations_in_bf16(op, tensor_fields(args, {"dq", "dk", "dv", "q", "k"}));
+  grads_in_bf16(op, tensor_fields(args, {"dq_scale", "dk_scale"}));  // f32, or bf16 gradients
+  require_f32(op, tensor_fields(args, {"q_rstd", "k_rstd", "q_scale", "k_scale", "pe"}));
+  const bool heads_bf16 = heads_in_bf16(op, tensor_fields(args, {"dq_heads", "dk_heads", "dv_heads"}));
   const int pairs = pairs_per_lane(op, d.D);
-  const Geometry geo = geometry_of(op, d, token_offset, {dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k, pe});
+  const Geometry geo =
+      geometry_of(op, d, args.token_offset,
+                  {args.dq, args.dk, args.dv, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k, args.pe});
   const int64_t segments = geo.segments;
-  const int lanes = vec_path_lanes(d.D, {dq, dk, dv, dq_heads, dk_heads, dv_heads, q, k}, pe);
+  const int lanes = vec_path_lanes(
+      d.D, {args.dq, args.dk, args.dv, args.dq_heads, args.dk_heads, args.dv_heads, args.q, args.k}, args.pe);
   if (fp8 && lanes == 0) return false;  // FP8 heads: the vector path only
   if (segments == 0) return true;
   const Fp8HeadsIn dq8 = fp8 ? fp8_heads_in(fp8[0]) : Fp8HeadsIn{}, dk8 = fp8 ? fp8_heads_in(fp8[1]) : Fp8HeadsIn{},
                    dv8 = fp8 ? fp8_heads_in(fp8[2]) : Fp8HeadsIn{};
-  const auto args = [&]<typename T, typename H>(double* q_partial, double* k_partial, int64_t chunk) {
-    return BackwardArgs<T, H>{mat_of_or_null<T>(dq),
-                              mat_of_or_null<T>(dk),
-                              mat_of_or_null<T>(dv),
-                              heads_of<H>(dq_heads),
-                              heads_of<H>(dk_heads),
-                              heads_of<H>(dv_heads),
-                              mat_of<T>(q),
-                              mat_of<T>(k),
-                              q_rstd.ptr<float>(),
-                              k_rstd.ptr<float>(),
-                              q_scale.ptr<float>(),
-                              k_scale.ptr<float>(),
-                              pe.ptr<float>(),
+  const auto kernel_args = [&]<typename T, typename H>(double* q_partial, double* k_partial, int64_t chunk) {
+    return BackwardArgs<T, H>{mat_of_or_null<T>(args.dq),
+                              mat_of_or_null<T>(args.dk),
+                              mat_of_or_null<T>(args.dv),
+                              heads_of<H>(args.dq_heads),
+                              heads_of<H>(args.dk_heads),
+                              heads_of<H>(args.dv_heads),
+                              mat_of<T>(args.q),
+                              mat_of<T>(args.k),
+                              args.q_rstd.ptr<float>(),
+                              args.k_rstd.ptr<float>(),
+                              args.q_scale.ptr<float>(),
+                              args.k_scale.ptr<float>(),
+                              args.pe.ptr<float>(),
                               q_partial,
                               k_partial,
                               geo,
@@ -936,13 +954,13 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
     const int64_t per_group = segments_per_group(segments, kBackwardVecBlocksPerSm);
     const int64_t groups = (segments + per_group - 1) / per_group;
     const int64_t blocks = exact_blocks(groups * lanes);  // kThreads / lanes groups a block
-    float* part = dq_scale.defined() || dk_scale.defined()
+    float* part = args.dq_scale.defined() || args.dk_scale.defined()
                       ? static_cast<float*>(scratch(static_cast<size_t>(2 * blocks * d.D) * sizeof(float)))
                       : nullptr;
-    float* const q_part = dq_scale.defined() ? part : nullptr;
-    float* const k_part = dk_scale.defined() ? part + blocks * d.D : nullptr;
+    float* const q_part = args.dq_scale.defined() ? part : nullptr;
+    float* const k_part = args.dk_scale.defined() ? part + blocks * d.D : nullptr;
     with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
-      const BackwardArgs<T, H> a = args.template operator()<T, H>(nullptr, nullptr, 0);
+      const BackwardArgs<T, H> a = kernel_args.template operator()<T, H>(nullptr, nullptr, 0);
       with_lanes(lanes, [&]<int kLanes>() {
         if (fp8)
           qk_norm_rope_to_heads_backward_vec_kernel<kLanes, T, H, true>
@@ -955,7 +973,7 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
     });
     ++qk_norm_rope_vector_calls_;
     const int64_t D = d.D;
-    for (const auto& [dscale, rows] : {std::pair{dq_scale, q_part}, std::pair{dk_scale, k_part}}) {
+    for (const auto& [dscale, rows] : {std::pair{args.dq_scale, q_part}, std::pair{args.dk_scale, k_part}}) {
       if (!dscale.defined()) continue;
       const auto term = [rows, D] __device__(int64_t, int64_t r, int64_t c) { return rows[r * D + c]; };
       with_grad_storage(dscale, [&](auto* out) { column_sums(*this, 1, blocks, D, term, out, D, true); });
@@ -970,19 +988,19 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, Tensor dq, Tensor d
   if (segments > chunk * kMaxChunks) chunk = (segments + kMaxChunks - 1) / kMaxChunks;
   const int64_t chunks = (segments + chunk - 1) / chunk;
   double* partial = nullptr;
-  if (dq_scale.defined() || dk_scale.defined())
+  if (args.dq_scale.defined() || args.dk_scale.defined())
     partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(2 * chunks * d.D) * sizeof(double)));
-  double* const q_partial = dq_scale.defined() ? partial : nullptr;
-  double* const k_partial = dk_scale.defined() ? partial + chunks * d.D : nullptr;
+  double* const q_partial = args.dq_scale.defined() ? partial : nullptr;
+  double* const k_partial = args.dk_scale.defined() ? partial + chunks * d.D : nullptr;
   with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
-    const BackwardArgs<T, H> a = args.template operator()<T, H>(q_partial, k_partial, chunk);
+    const BackwardArgs<T, H> a = kernel_args.template operator()<T, H>(q_partial, k_partial, chunk);
     with_pairs(pairs, [&]<int kPairs>() {
       qk_norm_rope_to_heads_backward_kernel<kPairs><<<static_cast<unsigned>(chunks), kBackwardWarps * 32, 0, stream_>>>(a);
       FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
     });
   });
   // dscale += Σ_chunks partial, chunk by chunk (the second pass of column_sums).
-  for (const auto& [dscale, part] : {std::pair{dq_scale, q_partial}, std::pair{dk_scale, k_partial}})
+  for (const auto& [dscale, part] : {std::pair{args.dq_scale, q_partial}, std::pair{args.dk_scale, k_partial}})
     if (dscale.defined())
       with_grad_storage(dscale, [&](auto* out) { column_partials_total(*this, 1, d.D, chunks, part, out, d.D, true); });
   return true;

@@ -36,7 +36,7 @@ __device__ inline void flow_match_element(int64_t i, int64_t per, uint64_t seed,
 
 void CudaBackend::execute(const op::FlowMatchInputs& args) {
   constexpr std::string_view op = "flow_match_inputs";
-  require_f32(op, {{"xt", args.xt}, {"target", args.target}, {"x0", args.x0}, {"t", args.t}});
+  require_f32(args);
   for (Named n : {Named{"xt", args.xt}, Named{"target", args.target}, Named{"x0", args.x0}}) require_contiguous(op, n);
   require_shape(op, {"xt", args.xt}, args.x0.shape);
   require_shape(op, {"target", args.target}, args.x0.shape);
@@ -216,7 +216,7 @@ double sum_squares_of(CudaBackend& be, const G* p, int64_t n) {
 
 // x: f32, or a bf16 gradient (grad_precision: bf16; the trainer's search for a non-finite one).
 double CudaBackend::execute(const op::SumSquares& args) {
-  grads_in_bf16("sum_squares", {{"x", args.x}});
+  grads_in_bf16(args);
   require_contiguous("sum_squares", {"x", args.x});
   if (args.x.dtype == DType::bf16) return sum_squares_of(*this, args.x.ptr<__nv_bfloat16>(), args.x.numel());
   return sum_squares_of(*this, args.x.ptr<float>(), args.x.numel());
@@ -419,9 +419,9 @@ __global__ void __launch_bounds__(kThreads)
 
 double CudaBackend::execute(const op::GradientSumSquares& args) {
   constexpr std::string_view op = "gradient_sum_squares";
-  grads_in_bf16(op, {{"grads", args.grads}});  // f32, or bf16 (grad_precision: bf16)
+  grads_in_bf16(args);  // f32, or bf16 (grad_precision: bf16)
   require_contiguous(op, {"grads", args.grads});
-  const std::vector<LowRankGrad> sorted = ops::check_low_rank_grads(op, args.grads.numel(), args.low_rank);
+  const std::vector<LowRankGrad> sorted = ops::check(op, args);
   if (sorted.empty()) return sum_squares(args.grads);
   // The flat buffer's quads are read as float4: its base must be 16-byte aligned (the backend's
   // allocations are, and so ParamStore's gradient buffer).
@@ -649,31 +649,23 @@ __global__ void __launch_bounds__(kThreads, 4)
 }  // namespace
 
 void CudaBackend::execute(const op::Adamw& args) {
-  Tensor param = args.param;
-  Tensor grad = args.grad;
-  Tensor m = args.m;
-  Tensor v = args.v;
-  const AdamW&h = args.h;
-  std::span<const ParamCopy> copies = args.copies;
-  std::span<const ParamCast> casts = args.casts;
-  std::span<const LowRankGrad> low_rank = args.low_rank;
   constexpr std::string_view op = "adamw";
-  require_f32(op, {{"param", param}});
-  grads_in_bf16(op, {{"grad", grad}});  // f32, or bf16 (grad_precision: bf16)
+  require_f32(op, tensor_fields(args, {"param"}));
+  grads_in_bf16(op, tensor_fields(args, {"grad"}));  // f32, or bf16 (grad_precision: bf16)
   // m and v: f32, or both bf16 (adam_moment_precision: bf16), as check_adamw checks.
-  const std::vector<LowRankGrad> sorted = ops::check_adamw(op, param, grad, m, v, h, copies, casts, low_rank);
-  const int64_t n = param.numel();
+  const std::vector<LowRankGrad> sorted = ops::check(op, args);
+  const int64_t n = args.param.numel();
   if (n == 0) return;
 
   // The chunk table depends only on n, the outputs and the low-rank gradients; it is made once
   // for each such layout (a trainer passes the same every step) and kept on the device.
   using Output = Covered<AdamwChunk>;
   std::vector<Output> outputs;
-  for (const ParamCopy& c : copies)
+  for (const ParamCopy& c : args.copies)
     outputs.push_back({c.offset, c.copy.numel(),
                        AdamwChunk{0, 0, static_cast<__nv_bfloat16*>(c.copy.data), nullptr, nullptr, nullptr, nullptr,
                                   Fp8Format::e4m3, LowRankChunk{}}});
-  for (const ParamCast& c : casts)
+  for (const ParamCast& c : args.casts)
     outputs.push_back({c.offset, c.codes.numel(),
                        AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format,
                                   LowRankChunk{}}});
@@ -709,13 +701,17 @@ void CudaBackend::execute(const op::Adamw& args) {
                        factors.data(), static_cast<int64_t>(factors.size()), std::move(layout));
   }
 
-  const AdamWConstants k = AdamWConstants::of(h);
-  const AdamwStep step{static_cast<float>(h.grad_scale), static_cast<float>(h.beta1), static_cast<float>(h.beta2),
-                       static_cast<float>(1.0 - h.beta1),    static_cast<float>(1.0 - h.beta2),
-                       static_cast<float>(k.eps_hat),        static_cast<float>(k.decay),
+  const AdamWConstants k = AdamWConstants::of(args.h);
+  const AdamwStep step{static_cast<float>(args.h.grad_scale),
+                       static_cast<float>(args.h.beta1),
+                       static_cast<float>(args.h.beta2),
+                       static_cast<float>(1.0 - args.h.beta1),
+                       static_cast<float>(1.0 - args.h.beta2),
+                       static_cast<float>(k.eps_hat),
+                       static_cast<float>(k.decay),
                        static_cast<float>(k.step_size),
-                       adamw_step_key(h.step)};
-  float* p = param.ptr<float>();
+                       adamw_step_key(args.h.step)};
+  float* p = args.param.ptr<float>();
   const auto* table = static_cast<const AdamwChunk*>(adamw_table_.data);
   const int64_t split = adamw_table_.first_low_rank, count = adamw_table_.count;
   // The flat chunks and the low-rank ones, each kind its own launch, for the gradients' and the
@@ -727,11 +723,11 @@ void CudaBackend::execute(const op::Adamw& args) {
     launch_chunks(adamw_flat_kernel<G, Mo>, split, stream_, table, p, g, mm, vv, step, quads);
     launch_chunks(adamw_low_rank_kernel<Mo>, count - split, stream_, table + split, p, mm, vv, step, quads);
   };
-  with_grad_storage(grad, [&](const auto* g) {
-    if (m.dtype == DType::bf16)
-      launch(g, m.ptr<__nv_bfloat16>(), v.ptr<__nv_bfloat16>());
+  with_grad_storage(args.grad, [&](const auto* g) {
+    if (args.m.dtype == DType::bf16)
+      launch(g, args.m.ptr<__nv_bfloat16>(), args.v.ptr<__nv_bfloat16>());
     else
-      launch(g, m.ptr<float>(), v.ptr<float>());
+      launch(g, args.m.ptr<float>(), args.v.ptr<float>());
   });
 }
 
