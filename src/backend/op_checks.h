@@ -210,16 +210,23 @@ struct DelayedUpdateDims {
 DelayedUpdateDims check(std::string_view op, const op::DelayedScalingUpdate& a);
 
 // ---- field lists -----------------------------------------------------------------------------
+// No lambdas in these inline templates: the CUDA backend's objects and the host objects would
+// each compile their own closures of one instantiation (backend/device.h).
 namespace detail {
+template <typename T, typename Refs, size_t... I>
+constexpr std::array<bool, sizeof...(I)> fields_are(std::index_sequence<I...>) {
+  return {std::is_same_v<std::remove_cvref_t<std::tuple_element_t<I, Refs>>, T>...};
+}
+template <typename Out, typename S, auto Idx, typename Refs, size_t... I>
+std::array<Out, sizeof...(I)> named_fields(const Refs& refs, std::index_sequence<I...>) {
+  return {Out{S::field_names[Idx[I]], std::get<Idx[I]>(refs)}...};
+}
 // The indices of S's fields of type T, in declaration order.
 template <typename T, typename S>
 constexpr auto field_indices() {
   using Refs = decltype(std::declval<const S&>().fields());
   constexpr size_t n = std::tuple_size_v<Refs>;
-  constexpr std::array<bool, n> is_t = []<size_t... I>(std::index_sequence<I...>) {
-    return std::array<bool, n>{std::is_same_v<std::remove_cvref_t<std::tuple_element_t<I, Refs>>, T>...};
-  }
-  (std::make_index_sequence<n>{});
+  constexpr std::array<bool, n> is_t = fields_are<T, Refs>(std::make_index_sequence<n>{});
   constexpr size_t count = static_cast<size_t>(std::count(is_t.begin(), is_t.end(), true));
   std::array<size_t, count> out{};
   for (size_t i = 0, j = 0; i < n; ++i)
@@ -240,11 +247,7 @@ constexpr std::string_view name_of() {
 template <typename Out, typename T, typename S>
 auto fields_of_type(const S& s) {
   constexpr auto idx = detail::field_indices<T, S>();
-  const auto refs = s.fields();
-  return [&]<size_t... I>(std::index_sequence<I...>) {
-    return std::array<Out, sizeof...(I)>{Out{S::field_names[idx[I]], std::get<idx[I]>(refs)}...};
-  }
-  (std::make_index_sequence<idx.size()>{});
+  return detail::named_fields<Out, S, idx>(s.fields(), std::make_index_sequence<idx.size()>{});
 }
 
 template <typename Out, typename T, typename S>
@@ -253,9 +256,11 @@ std::vector<Out> fields_of_type(const S& s, std::initializer_list<std::string_vi
   std::vector<Out> out;
   out.reserve(only.size());
   for (std::string_view name : only) {
-    const auto it = std::find_if(all.begin(), all.end(), [&](const Out& t) { return t.name == name; });
-    if (it == all.end()) detail::fail_missing_field(detail::name_of<S>(), name);
-    out.push_back(*it);
+    const Out* found = nullptr;
+    for (const Out& t : all)
+      if (t.name == name) found = &t;
+    if (!found) detail::fail_missing_field(detail::name_of<S>(), name);
+    out.push_back(*found);
   }
   return out;
 }

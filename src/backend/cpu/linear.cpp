@@ -117,10 +117,8 @@ void CpuBackend::execute(const op::LinearBackward& args) {
 }
 
 void CpuBackend::execute(const op::BiasAdd& args) {
-  constexpr std::string_view op = "bias_add";
-  const DType t = call_dtype(op, {{"y", args.y}, {"b", args.b}});
-  ops::require_vector(op, {"b", args.b}, args.y.cols());
-  const Ctx c = make_ctx(options_, t);
+  const auto [t, c] = begin_call(options_, args);
+  require_vector(op::BiasAdd::name, {"b", args.b}, args.y.cols());
   dispatch(t, [&]<typename T>(T) {
     const T* bias = args.b.ptr<T>();
     parallel_for(args.y.rows(), c, [&](int64_t r) {
