@@ -41,8 +41,7 @@ std::string op_row_name(const op::GemmFp8Tn& o) {
 }
 
 std::string op_row_name(const op::QuantizeFused& o) {
-  constexpr std::string_view kInputs[] = {"identity", "gelu_tanh", "layernorm_modulate", "gelu_tanh_backward",
-                                          "gated"};
+  constexpr std::string_view kInputs[] = {"identity", "gelu_tanh", "layernorm_modulate", "gelu_tanh_backward", "gated"};
   static_assert(static_cast<int>(CastInput::Op::gated) == std::size(kInputs) - 1);
   const std::string_view input = kInputs[static_cast<int>(o.in.op)];
   return o.in.head.defined() ? fmt::format("quantize_fused ([head | {}] + fp8 cast)", input)

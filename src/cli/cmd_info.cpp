@@ -29,7 +29,10 @@ std::string with_commas(int64_t v) {
 
 // What `flux8 info` prints, computed once for both the text and the JSON output.
 struct Memory {
-  struct Row { const char* name; double bf16, fp8, today_bf16, today_fp8; };
+  struct Row {
+    const char* name;
+    double bf16, fp8, today_bf16, today_fp8;
+  };
   std::vector<Row> rows;
   Row total{"total", 0, 0, 0, 0};
   double attention_workspace = 0, checkpoint_bytes = 0, host_copy_bytes = 0;
@@ -84,10 +87,9 @@ Memory step_memory(const Config& config, const InfoReport& r, const ActivationEs
   // values, in its workspace (one, reused by every block; the atomic backward has none,
   // docs/PERFORMANCE.md). FP8 attention has no such workspace.
   const double L = static_cast<double>(r.shape.txt_tokens + r.shape.img_tokens);
-  m.attention_workspace =
-      config.get_bool("deterministic_attention")
-          ? 2.0 * static_cast<double>(r.batch) * static_cast<double>(r.cfg.num_heads) * L * L
-          : 0.0;
+  m.attention_workspace = config.get_bool("deterministic_attention")
+                              ? 2.0 * static_cast<double>(r.batch) * static_cast<double>(r.cfg.num_heads) * L * L
+                              : 0.0;
   // Checkpoints: the files hold f32 weights and f32 moments (12 B a parameter); async_save's
   // host copy holds the f32 master weights and the moments as stored, and is made only where
   // it fits in half the host memory available (train/async_checkpoint.h).
@@ -126,8 +128,8 @@ InfoReport compute_info(const Config& config, int64_t image_size, int64_t batch)
   r.bf16_storage = config.get_string("activation_precision") == "bf16";
   // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
   r.fp8_attention = config.get_bool("fp8_dot_product_attention");
-  r.memory = step_memory(config, r, act, static_cast<double>(layout.total()), block_linear_params,
-                         linear_weight_params);
+  r.memory =
+      step_memory(config, r, act, static_cast<double>(layout.total()), block_linear_params, linear_weight_params);
   return r;
 }
 
@@ -160,35 +162,39 @@ void print_info_json(const InfoReport& r) {
 
 void print_memory_text(const InfoReport& r) {
   const Memory& m = r.memory;
-  fmt::print("\nmemory of a training step on the GPU     {:>12} {:>12}   {:>12} {:>12}\n", "BF16", "FP8",
-             "today BF16", "today FP8");
+  fmt::print("\nmemory of a training step on the GPU     {:>12} {:>12}   {:>12} {:>12}\n", "BF16", "FP8", "today BF16",
+             "today FP8");
   for (const Memory::Row& row : m.rows)
-    fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", row.name, gib(row.bf16), gib(row.fp8),
-               gib(row.today_bf16), gib(row.today_fp8));
+    fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", row.name, gib(row.bf16), gib(row.fp8), gib(row.today_bf16),
+               gib(row.today_fp8));
   fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", "total", gib(m.total.bf16), gib(m.total.fp8),
              gib(m.total.today_bf16), gib(m.total.today_fp8));
-  fmt::print("  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now,\n"
-             "   activations and block scratch in {} (activation_precision), bf16 copies of the Linear\n"
-             "   weights its BF16 GEMMs read (in FP8 those outside the block Linears); not\n"
-             "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
-             "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
-             "   optimizer sharding; see docs/MEMORY.md)\n",
-             r.bf16_storage ? "bf16" : "f32", r.recompute);
+  fmt::print(
+      "  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now,\n"
+      "   activations and block scratch in {} (activation_precision), bf16 copies of the Linear\n"
+      "   weights its BF16 GEMMs read (in FP8 those outside the block Linears); not\n"
+      "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
+      "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
+      "   optimizer sharding; see docs/MEMORY.md)\n",
+      r.bf16_storage ? "bf16" : "f32", r.recompute);
   if (r.fp8_attention)
-    fmt::print("  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
-               "   codes, 1 byte per element)\n");
+    fmt::print(
+        "  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
+        "   codes, 1 byte per element)\n");
   if (m.attention_workspace > 0)
-    fmt::print("  (not in the table: cuDNN's deterministic attention backward (deterministic_attention: true)\n"
-               "   keeps dP in a workspace of {}, batch x heads x L^2 bf16; false: none; FP8 attention: none)\n",
-               gib(m.attention_workspace));
-  fmt::print("\ncheckpoints: {:.2f} GB of files (f32 weights and AdamW moments); with a GPU written behind\n"
-             "  training (async_save) from a host copy of {:.2f} GB, {}\n",
-             m.checkpoint_bytes / 1e9, m.host_copy_bytes / 1e9,
-             !m.host_available ? "made where it fits in half the host memory available"
-             : m.copy_fits     ? fmt::format("which fits this machine ({:.1f} GB available)", *m.host_available / 1e9)
-                               : fmt::format("more than half this machine's {:.1f} GB available: saves here would "
-                                             "run in line",
-                                             *m.host_available / 1e9));
+    fmt::print(
+        "  (not in the table: cuDNN's deterministic attention backward (deterministic_attention: true)\n"
+        "   keeps dP in a workspace of {}, batch x heads x L^2 bf16; false: none; FP8 attention: none)\n",
+        gib(m.attention_workspace));
+  fmt::print(
+      "\ncheckpoints: {:.2f} GB of files (f32 weights and AdamW moments); with a GPU written behind\n"
+      "  training (async_save) from a host copy of {:.2f} GB, {}\n",
+      m.checkpoint_bytes / 1e9, m.host_copy_bytes / 1e9,
+      !m.host_available ? "made where it fits in half the host memory available"
+      : m.copy_fits     ? fmt::format("which fits this machine ({:.1f} GB available)", *m.host_available / 1e9)
+                        : fmt::format("more than half this machine's {:.1f} GB available: saves here would "
+                                          "run in line",
+                                      *m.host_available / 1e9));
 }
 
 void print_info_text(const InfoReport& r) {

@@ -6,9 +6,9 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <set>
-#include <cstring>
 
 #include "core/error.h"
 #include "core/text_file.h"

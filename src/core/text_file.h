@@ -1,11 +1,10 @@
 #pragma once
 // Whole-file text reads and JSON parsing that leave the error message to the caller, which
 // knows what the file is and what to do about it.
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
-
-#include <nlohmann/json.hpp>
 
 namespace flux8 {
 

@@ -342,8 +342,8 @@ class FieldSink {
     const std::string canon = canonical_field_name(field);
     auto [it, fresh] = source_member_.emplace(canon, member);
     if (!fresh)
-      fail("{}: field '{}' is already given by member {} of sample '{}'",
-           where_text(raw_.shard, member), canon, it->second, raw_.key);
+      fail("{}: field '{}' is already given by member {} of sample '{}'", where_text(raw_.shard, member), canon,
+           it->second, raw_.key);
     s_.fields[canon] = std::move(t);
   }
 
@@ -366,16 +366,17 @@ HostTensor decode_raw_member(const SampleMember& m, const std::string& field, co
     auto d = std::find_if(mlperf_defaults().begin(), mlperf_defaults().end(),
                           [&](const DefaultLayout& l) { return canon == l.field; });
     if (d == mlperf_defaults().end())
-      fail("{}: raw .bytes member, but {} no shape for field '{}' (add \"shapes\": "
-           "{{\"{}\": [...]}} and \"dtypes\" to {}.json, or store it as .npy)", where,
-           meta_member.empty() ? "the sample has no json to give" : "its json gives", field,
-           field, raw.key);
+      fail(
+          "{}: raw .bytes member, but {} no shape for field '{}' (add \"shapes\": "
+          "{{\"{}\": [...]}} and \"dtypes\" to {}.json, or store it as .npy)",
+          where, meta_member.empty() ? "the sample has no json to give" : "its json gives", field, field, raw.key);
     shape = d->shape;
     source = fmt::format("the MLPerf default layout for '{}' (no shape in the json)", canon);
-  } else if (dtype.empty() && canon != "t5" && canon != "clip" && canon != "mean" &&
-             canon != "logvar") {
-    fail("{}: json gives shape {} for field '{}' but no dtype (\"dtypes\": {{\"{}\": "
-         "\"bf16\"}})", where, shape_text(shape), field, field);
+  } else if (dtype.empty() && canon != "t5" && canon != "clip" && canon != "mean" && canon != "logvar") {
+    fail(
+        "{}: json gives shape {} for field '{}' but no dtype (\"dtypes\": {{\"{}\": "
+        "\"bf16\"}})",
+        where, shape_text(shape), field, field);
   }
   if (dtype.empty()) dtype = "bf16";  // the MLPerf fields are bf16
   return decode_raw(m.data.data(), m.data.size(), dtype, shape, where, source);
@@ -400,12 +401,17 @@ void decode_safetensors_member(const SampleMember& m, const std::string& field, 
   }
   const std::string canon = canonical_field_name(field);
   std::string pick;
-  if (names.size() == 1) pick = names[0];
-  else if (st.contains(field)) pick = field;
-  else if (st.contains(canon)) pick = canon;
+  if (names.size() == 1)
+    pick = names[0];
+  else if (st.contains(field))
+    pick = field;
+  else if (st.contains(canon))
+    pick = canon;
   else
-    fail("{}: {} tensors ({}) and none is named '{}'; store one tensor per member or name "
-         "it like the field", where, names.size(), fmt::join(names, ", "), field);
+    fail(
+        "{}: {} tensors ({}) and none is named '{}'; store one tensor per member or name "
+        "it like the field",
+        where, names.size(), fmt::join(names, ", "), field);
   sink.put(field, read(pick), m.name);
 }
 
@@ -422,8 +428,7 @@ void apply_meta(Sample& s, const json& meta, bool caption_from_txt, const RawSam
   }
   if (meta.contains("timestep")) {
     if (!meta["timestep"].is_number())
-      fail("{}: json timestep {} is not a number", where_text(raw.shard, meta_member),
-           meta["timestep"].dump());
+      fail("{}: json timestep {} is not a number", where_text(raw.shard, meta_member), meta["timestep"].dump());
     HostTensor t;
     t.data = {meta["timestep"].get<float>()};
     s.fields["timestep"] = std::move(t);

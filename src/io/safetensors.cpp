@@ -12,8 +12,8 @@
 #include <filesystem>
 #include <future>
 #include <memory>
-#include <utility>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "core/error.h"
 #include "core/sha256.h"
@@ -274,17 +274,19 @@ template <typename T>
 void SafetensorsReader::read_into(const std::string& name, T* dst, const std::vector<int64_t>* expected) const {
   const SafetensorsTensor& t = tensor(name);
   if (expected && t.shape != *expected)
-    fail("safetensors file '{}', tensor '{}': shape is {} but {} was expected", path_, t.name,
-         shape_text(t.shape), shape_text(*expected));
+    fail("safetensors file '{}', tensor '{}': shape is {} but {} was expected", path_, t.name, shape_text(t.shape),
+         shape_text(*expected));
   convert(t, dst);
 }
 
 void SafetensorsReader::read_f32(const std::string& name, float* dst) const { read_into(name, dst, nullptr); }
-void SafetensorsReader::read_f32(const std::string& name, float* dst, const std::vector<int64_t>& expected_shape) const {
+void SafetensorsReader::read_f32(const std::string& name, float* dst,
+                                 const std::vector<int64_t>& expected_shape) const {
   read_into(name, dst, &expected_shape);
 }
 void SafetensorsReader::read_f64(const std::string& name, double* dst) const { read_into(name, dst, nullptr); }
-void SafetensorsReader::read_f64(const std::string& name, double* dst, const std::vector<int64_t>& expected_shape) const {
+void SafetensorsReader::read_f64(const std::string& name, double* dst,
+                                 const std::vector<int64_t>& expected_shape) const {
   read_into(name, dst, &expected_shape);
 }
 

@@ -6,8 +6,8 @@
 #include "backend/backend.h"
 #include "model/arena.h"
 #include "model/flux_config.h"
-#include "model/linear_site.h"
 #include "model/fp8_runtime.h"
+#include "model/linear_site.h"
 #include "model/params.h"
 
 namespace flux8 {

@@ -99,7 +99,6 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   return s;
 }
 
-
 namespace {
 
 // q, k, v of one stream (column windows of its qkv output) into the joint head-major q, k, v

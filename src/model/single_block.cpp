@@ -47,7 +47,6 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   return s;
 }
 
-
 namespace {
 
 // Selective: linear2's input as single_block_forward made it — the attention output in token
