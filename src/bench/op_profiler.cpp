@@ -20,35 +20,38 @@ void OpProfiler::reset() {
   be_.release_timing_marks();
 }
 
+namespace {
+
+// A row is named by its op, except where the op's name alone would hide what the row times: the
+// FP8 casts and their inputs, the fast-accumulation GEMM, and the two reductions whose rows keep
+// their short names.
+template <typename Op>
+std::string op_row_name(const Op&) {
+  return std::string(Op::name);
+}
+std::string op_row_name(const std::monostate&) { return ""; }
+std::string op_row_name(const op::Quantize&) { return "quantize (fp8 cast)"; }
+std::string op_row_name(const op::QkNormRopeToHeadsFp8&) { return "qk_norm_rope_to_heads_fp8 (+ fp8 casts)"; }
+std::string op_row_name(const op::TokensToHeadsFp8&) { return "tokens_to_heads_fp8 (+ fp8 cast)"; }
+std::string op_row_name(const op::MseLossInto&) { return "mse_loss"; }
+std::string op_row_name(const op::GradientSumSquares&) { return "sum_squares"; }
+
+std::string op_row_name(const op::GemmFp8Tn& o) {
+  return o.sum == Fp8Accumulation::fast ? "gemm_fp8_tn (fast accumulation)" : "gemm_fp8_tn";
+}
+
+std::string op_row_name(const op::QuantizeFused& o) {
+  constexpr std::string_view kInputs[] = {"identity", "gelu_tanh", "layernorm_modulate", "gelu_tanh_backward", "gated"};
+  static_assert(static_cast<int>(CastInput::Op::gated) == std::size(kInputs) - 1);
+  const std::string_view input = kInputs[static_cast<int>(o.in.op)];
+  return o.in.head.defined() ? fmt::format("quantize_fused ([head | {}] + fp8 cast)", input)
+                             : fmt::format("quantize_fused ({} + fp8 cast)", input);
+}
+
+}  // namespace
+
 std::string OpProfiler::row_name(const AnyOp& op) {
-  return std::visit(
-      []<typename Op>(const Op& o) -> std::string {
-        if constexpr (std::is_same_v<Op, op::QuantizeFused>) {
-          constexpr std::string_view kInputs[] = {"identity", "gelu_tanh", "layernorm_modulate", "gelu_tanh_backward",
-                                                  "gated"};
-          static_assert(static_cast<int>(CastInput::Op::gated) == std::size(kInputs) - 1);
-          const std::string_view input = kInputs[static_cast<int>(o.in.op)];
-          return o.in.head.defined() ? fmt::format("quantize_fused ([head | {}] + fp8 cast)", input)
-                                     : fmt::format("quantize_fused ({} + fp8 cast)", input);
-        } else if constexpr (std::is_same_v<Op, op::GemmFp8Tn>) {
-          return o.sum == Fp8Accumulation::fast ? "gemm_fp8_tn (fast accumulation)" : "gemm_fp8_tn";
-        } else if constexpr (std::is_same_v<Op, op::Quantize>) {
-          return "quantize (fp8 cast)";
-        } else if constexpr (std::is_same_v<Op, op::QkNormRopeToHeadsFp8>) {
-          return "qk_norm_rope_to_heads_fp8 (+ fp8 casts)";
-        } else if constexpr (std::is_same_v<Op, op::TokensToHeadsFp8>) {
-          return "tokens_to_heads_fp8 (+ fp8 cast)";
-        } else if constexpr (std::is_same_v<Op, op::MseLossInto>) {
-          return "mse_loss";
-        } else if constexpr (std::is_same_v<Op, op::GradientSumSquares>) {
-          return "sum_squares";
-        } else if constexpr (std::is_same_v<Op, std::monostate>) {
-          return "";
-        } else {
-          return std::string(Op::name);
-        }
-      },
-      op);
+  return std::visit([](const auto& o) { return op_row_name(o); }, op);
 }
 
 template <typename F>

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.h"
+#include "core/text_file.h"
 
 namespace flux8 {
 
@@ -91,12 +91,10 @@ std::string shape_text(const StepShape& s) {
 }  // namespace
 
 PeerFile parse_peer_file(const std::string& text, const std::string& path) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    fail("peer file {}: not JSON ({}): write it with tools/peer_bench.py", path, e.what());
-  }
+  std::string error;
+  const std::optional<json> parsed = parse_json(text, error);
+  if (!parsed) fail("peer file {}: not JSON ({}): write it with tools/peer_bench.py", path, error);
+  const json& j = *parsed;
   const Reader r{path};
   PeerFile p;
   p.path = path;
@@ -112,11 +110,9 @@ PeerFile parse_peer_file(const std::string& text, const std::string& path) {
 }
 
 PeerFile load_peer_file(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) fail("peer file {}: cannot be read (make it with tools/peer_bench.py --out {})", path, path);
-  std::stringstream text;
-  text << f.rdbuf();
-  return parse_peer_file(text.str(), path);
+  const std::optional<std::string> text = read_file_text(path);
+  if (!text) fail("peer file {}: cannot be read (make it with tools/peer_bench.py --out {})", path, path);
+  return parse_peer_file(*text, path);
 }
 
 std::string cpu_device_name() {

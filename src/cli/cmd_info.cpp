@@ -27,6 +27,193 @@ std::string with_commas(int64_t v) {
   return out;
 }
 
+// What `flux8 info` prints, computed once for both the text and the JSON output.
+struct Memory {
+  struct Row {
+    const char* name;
+    double bf16, fp8, today_bf16, today_fp8;
+  };
+  std::vector<Row> rows;
+  Row total{"total", 0, 0, 0, 0};
+  double attention_workspace = 0, checkpoint_bytes = 0, host_copy_bytes = 0;
+  std::optional<uint64_t> host_available;
+  bool copy_fits = false;
+};
+
+struct InfoReport {
+  FluxConfig cfg;
+  std::string config_path;
+  int64_t pixels = 0, batch = 0, total_params = 0;
+  StepShape shape;
+  std::vector<std::pair<std::string, int64_t>> components;
+  ModelFlops per_sample, per_step;
+  std::string recompute;
+  bool bf16_storage = false, fp8_attention = false;
+  Memory memory;
+};
+
+Memory step_memory(const Config& config, const InfoReport& r, const ActivationEstimate& act, double P,
+                   int64_t block_linear_params, int64_t linear_weight_params) {
+  Memory m;
+  // grad_precision: bf16 stores the parameter gradients in 2 bytes (CUDA).
+  const bool bf16_grads = config.get_string("grad_precision") == "bf16";
+  const double grad_bytes = bf16_grads ? 2.0 : 4.0;
+  // adam_moment_precision: bf16 stores the two AdamW moments in 2 bytes each.
+  const bool bf16_moments = config.get_string("adam_moment_precision") == "bf16";
+  const double moment_bytes = bf16_moments ? 4.0 : 8.0;
+  const bool fp8_attention = r.fp8_attention, bf16_storage = r.bf16_storage;
+
+  // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B (bf16: 2 B),
+  // AdamW moments 8 B (bf16: 4 B). FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
+  // Two accounts: the design (bf16 activation storage and a bf16 weight copy), and what the
+  // CUDA backend allocates today (activations in activation_precision — bf16 by default, as
+  // the design; bf16 copies of the Linear weights its BF16 GEMMs read, ParamStore::operand:
+  // every Linear in BF16, those outside the FP8 block Linears in FP8).
+  const double fp8_copies = 2.0 * static_cast<double>(block_linear_params);
+  const double bf16_linears = 2.0 * static_cast<double>(linear_weight_params);
+  m.rows = {
+      {"weights (bf16)", 2 * P, 2 * P, bf16_linears, bf16_linears - fp8_copies},
+      {"fp8 weight copies", 0, fp8_copies, 0, fp8_copies},
+      {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
+      {bf16_grads ? "gradients (bf16)" : "fp32 gradients", grad_bytes * P, grad_bytes * P, grad_bytes * P,
+       grad_bytes * P},
+      {bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (fp32)", moment_bytes * P, moment_bytes * P,
+       moment_bytes * P, moment_bytes * P},
+      {"activations", act.gpu_bytes(false), act.gpu_bytes(true, fp8_attention),
+       bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
+       bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},
+  };
+  // Outside the table: cuDNN's deterministic BF16 attention backward keeps dP, B·heads·L² bf16
+  // values, in its workspace (one, reused by every block; the atomic backward has none,
+  // docs/PERFORMANCE.md). FP8 attention has no such workspace.
+  const double L = static_cast<double>(r.shape.txt_tokens + r.shape.img_tokens);
+  m.attention_workspace = config.get_bool("deterministic_attention")
+                              ? 2.0 * static_cast<double>(r.batch) * static_cast<double>(r.cfg.num_heads) * L * L
+                              : 0.0;
+  // Checkpoints: the files hold f32 weights and f32 moments (12 B a parameter); async_save's
+  // host copy holds the f32 master weights and the moments as stored, and is made only where
+  // it fits in half the host memory available (train/async_checkpoint.h).
+  m.checkpoint_bytes = 12.0 * P;
+  m.host_copy_bytes = (4.0 + moment_bytes) * P;
+  m.host_available = host_memory_available();
+  m.copy_fits = AsyncCheckpointer::fits(static_cast<uint64_t>(m.host_copy_bytes), m.host_available);
+  for (const Memory::Row& row : m.rows) {
+    m.total.bf16 += row.bf16, m.total.fp8 += row.fp8;
+    m.total.today_bf16 += row.today_bf16, m.total.today_fp8 += row.today_fp8;
+  }
+  return m;
+}
+
+InfoReport compute_info(const Config& config, int64_t image_size, int64_t batch) {
+  InfoReport r;
+  r.cfg = FluxConfig::from_config(config);
+  const FluxConfig& cfg = r.cfg;
+  r.pixels = image_size ? image_size : config.get_int("image_size");
+  r.batch = batch ? batch : config.get_int("micro_batch_size");
+  r.shape = StepShape{r.batch, cfg.text_seq_len, cfg.image_tokens(r.pixels)};
+
+  const ParamLayout layout = ParamLayout::build(cfg);
+  int64_t block_linear_params = 0, linear_weight_params = 0;
+  for (const ParamInfo& p : layout.params()) {
+    if (r.components.empty() || r.components.back().first != p.component) r.components.push_back({p.component, 0});
+    r.components.back().second += p.shape.numel();
+    if (p.block_linear) block_linear_params += p.shape.numel();
+    if (p.linear_weight) linear_weight_params += p.shape.numel();
+  }
+  r.total_params = layout.total();
+  r.per_sample = model_flops(cfg, StepShape{1, r.shape.txt_tokens, r.shape.img_tokens});
+  r.per_step = model_flops(cfg, r.shape);
+  r.recompute = config.get_string("recompute_granularity");
+  const ActivationEstimate act = FluxModel::estimate_activations(cfg, r.shape, recompute_from_name(r.recompute));
+  r.bf16_storage = config.get_string("activation_precision") == "bf16";
+  // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
+  r.fp8_attention = config.get_bool("fp8_dot_product_attention");
+  r.memory =
+      step_memory(config, r, act, static_cast<double>(layout.total()), block_linear_params, linear_weight_params);
+  return r;
+}
+
+void print_info_json(const InfoReport& r) {
+  const Memory& m = r.memory;
+  nlohmann::json j;
+  j["model"] = r.cfg.name;
+  j["parameters"] = r.total_params;
+  for (auto& [name, n] : r.components) j["parameters_by_component"][name] = n;
+  j["image_size"] = r.pixels;
+  j["batch"] = r.batch;
+  j["text_tokens"] = r.shape.txt_tokens;
+  j["image_tokens"] = r.shape.img_tokens;
+  j["recompute_granularity"] = r.recompute;
+  j["fp8_dot_product_attention"] = r.fp8_attention;
+  j["flops_per_sample"] = {{"forward", r.per_sample.forward()}, {"training", r.per_sample.training()}};
+  j["flops_per_step"] = {{"forward", r.per_step.forward()}, {"training", r.per_step.training()}};
+  for (const Memory::Row& row : m.rows) {
+    j["memory_bytes"][row.name] = {{"bf16", row.bf16}, {"fp8", row.fp8}};
+    j["memory_bytes_cuda_today"][row.name] = {{"bf16", row.today_bf16}, {"fp8", row.today_fp8}};
+  }
+  j["deterministic_attention_workspace_bytes"] = m.attention_workspace;
+  j["checkpoint_bytes"] = m.checkpoint_bytes;
+  j["async_save_host_copy_bytes"] = m.host_copy_bytes;
+  j["async_save_copy_fits_this_host"] = m.copy_fits;
+  j["memory_bytes"]["total"] = {{"bf16", m.total.bf16}, {"fp8", m.total.fp8}};
+  j["memory_bytes_cuda_today"]["total"] = {{"bf16", m.total.today_bf16}, {"fp8", m.total.today_fp8}};
+  fmt::print("{}\n", j.dump(2));
+}
+
+void print_memory_text(const InfoReport& r) {
+  const Memory& m = r.memory;
+  fmt::print("\nmemory of a training step on the GPU     {:>12} {:>12}   {:>12} {:>12}\n", "BF16", "FP8", "today BF16",
+             "today FP8");
+  for (const Memory::Row& row : m.rows)
+    fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", row.name, gib(row.bf16), gib(row.fp8), gib(row.today_bf16),
+               gib(row.today_fp8));
+  fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", "total", gib(m.total.bf16), gib(m.total.fp8),
+             gib(m.total.today_bf16), gib(m.total.today_fp8));
+  fmt::print(
+      "  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now,\n"
+      "   activations and block scratch in {} (activation_precision), bf16 copies of the Linear\n"
+      "   weights its BF16 GEMMs read (in FP8 those outside the block Linears); not\n"
+      "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
+      "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
+      "   optimizer sharding; see docs/MEMORY.md)\n",
+      r.bf16_storage ? "bf16" : "f32", r.recompute);
+  if (r.fp8_attention)
+    fmt::print(
+        "  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
+        "   codes, 1 byte per element)\n");
+  if (m.attention_workspace > 0)
+    fmt::print(
+        "  (not in the table: cuDNN's deterministic attention backward (deterministic_attention: true)\n"
+        "   keeps dP in a workspace of {}, batch x heads x L^2 bf16; false: none; FP8 attention: none)\n",
+        gib(m.attention_workspace));
+  fmt::print(
+      "\ncheckpoints: {:.2f} GB of files (f32 weights and AdamW moments); with a GPU written behind\n"
+      "  training (async_save) from a host copy of {:.2f} GB, {}\n",
+      m.checkpoint_bytes / 1e9, m.host_copy_bytes / 1e9,
+      !m.host_available ? "made where it fits in half the host memory available"
+      : m.copy_fits     ? fmt::format("which fits this machine ({:.1f} GB available)", *m.host_available / 1e9)
+                        : fmt::format("more than half this machine's {:.1f} GB available: saves here would "
+                                          "run in line",
+                                      *m.host_available / 1e9));
+}
+
+void print_info_text(const InfoReport& r) {
+  const FluxConfig& cfg = r.cfg;
+  fmt::print("model {} ({})\n", cfg.name, r.config_path);
+  fmt::print("  hidden {}, heads {} (head dim {}), mlp {}, double blocks {}, single blocks {}, guidance {}\n",
+             cfg.hidden_size, cfg.num_heads, cfg.head_dim(), cfg.mlp_hidden(), cfg.num_double_blocks,
+             cfg.num_single_blocks, cfg.guidance_embed ? "yes" : "no");
+  fmt::print("\nparameters\n");
+  for (auto& [name, n] : r.components) fmt::print("  {:<16}{:>18}\n", name, with_commas(n));
+  fmt::print("  {:<16}{:>18}\n", "total", with_commas(r.total_params));
+  fmt::print("\nstep: batch {} x ({} text + {} image tokens) at {} px\n", r.batch, r.shape.txt_tokens,
+             r.shape.img_tokens, r.pixels);
+  fmt::print("model FLOPs per sample: forward {:.2f} GFLOP, training step (fwd+bwd) {:.2f} GFLOP\n",
+             r.per_sample.forward() / 1e9, r.per_sample.training() / 1e9);
+  fmt::print("model FLOPs per step:   training {:.3f} TFLOP\n", r.per_step.training() / 1e12);
+  print_memory_text(r);
+}
+
 }  // namespace
 
 Command add_info_command(CLI::App& app) {
@@ -43,143 +230,12 @@ Command add_info_command(CLI::App& app) {
   cmd->add_flag("--json", o->json, "print JSON instead of text");
   return {cmd, [o]() {
     const Config config = Config::load(o->cfg.config, o->cfg.overrides);
-    const FluxConfig cfg = FluxConfig::from_config(config);
-    const int64_t pixels = o->image_size ? o->image_size : config.get_int("image_size");
-    const int64_t batch = o->batch ? o->batch : config.get_int("micro_batch_size");
-    const StepShape shape{batch, cfg.text_seq_len, cfg.image_tokens(pixels)};
-
-    const ParamLayout layout = ParamLayout::build(cfg);
-    std::vector<std::pair<std::string, int64_t>> components;
-    int64_t block_linear_params = 0, linear_weight_params = 0;
-    for (const ParamInfo& p : layout.params()) {
-      if (components.empty() || components.back().first != p.component) components.push_back({p.component, 0});
-      components.back().second += p.shape.numel();
-      if (p.block_linear) block_linear_params += p.shape.numel();
-      if (p.linear_weight) linear_weight_params += p.shape.numel();
-    }
-    const double P = static_cast<double>(layout.total());
-    const ModelFlops per_sample = model_flops(cfg, StepShape{1, shape.txt_tokens, shape.img_tokens});
-    const ModelFlops per_step = model_flops(cfg, shape);
-    const std::string recompute = config.get_string("recompute_granularity");
-    const ActivationEstimate act = FluxModel::estimate_activations(cfg, shape, recompute_from_name(recompute));
-    const bool bf16_storage = config.get_string("activation_precision") == "bf16";
-    // grad_precision: bf16 stores the parameter gradients in 2 bytes (CUDA).
-    const bool bf16_grads = config.get_string("grad_precision") == "bf16";
-    const double grad_bytes = bf16_grads ? 2.0 : 4.0;
-    // adam_moment_precision: bf16 stores the two AdamW moments in 2 bytes each.
-    const bool bf16_moments = config.get_string("adam_moment_precision") == "bf16";
-    const double moment_bytes = bf16_moments ? 4.0 : 8.0;
-    // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
-    const bool fp8_attention = config.get_bool("fp8_dot_product_attention");
-
-    // Training state per parameter: bf16 weights 2 B, fp32 master 4 B, fp32 gradient 4 B (bf16: 2 B),
-    // AdamW moments 8 B (bf16: 4 B). FP8 adds the E4M3 weight and its transpose (2 B) per block-Linear weight.
-    // Two accounts: the design (bf16 activation storage and a bf16 weight copy), and what the
-    // CUDA backend allocates today (activations in activation_precision — bf16 by default, as
-    // the design; bf16 copies of the Linear weights its BF16 GEMMs read, ParamStore::operand:
-    // every Linear in BF16, those outside the FP8 block Linears in FP8).
-    struct Row { const char* name; double bf16, fp8, today_bf16, today_fp8; };
-    const double fp8_copies = 2.0 * static_cast<double>(block_linear_params);
-    const double bf16_linears = 2.0 * static_cast<double>(linear_weight_params);
-    const std::vector<Row> rows = {
-        {"weights (bf16)", 2 * P, 2 * P, bf16_linears, bf16_linears - fp8_copies},
-        {"fp8 weight copies", 0, fp8_copies, 0, fp8_copies},
-        {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
-        {bf16_grads ? "gradients (bf16)" : "fp32 gradients", grad_bytes * P, grad_bytes * P, grad_bytes * P,
-         grad_bytes * P},
-        {bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (fp32)", moment_bytes * P, moment_bytes * P,
-         moment_bytes * P, moment_bytes * P},
-        {"activations", act.gpu_bytes(false), act.gpu_bytes(true, fp8_attention),
-         bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
-         bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},
-    };
-    // Outside the table: cuDNN's deterministic BF16 attention backward keeps dP, B·heads·L² bf16
-    // values, in its workspace (one, reused by every block; the atomic backward has none,
-    // docs/PERFORMANCE.md). FP8 attention has no such workspace.
-    const double L = static_cast<double>(shape.txt_tokens + shape.img_tokens);
-    const double attention_workspace =
-        config.get_bool("deterministic_attention")
-            ? 2.0 * static_cast<double>(batch) * static_cast<double>(cfg.num_heads) * L * L
-            : 0.0;
-    // Checkpoints: the files hold f32 weights and f32 moments (12 B a parameter); async_save's
-    // host copy holds the f32 master weights and the moments as stored, and is made only where
-    // it fits in half the host memory available (train/async_checkpoint.h).
-    const double checkpoint_bytes = 12.0 * P, host_copy_bytes = (4.0 + moment_bytes) * P;
-    const std::optional<uint64_t> host_available = host_memory_available();
-    const bool copy_fits = AsyncCheckpointer::fits(static_cast<uint64_t>(host_copy_bytes), host_available);
-    Row total{"total", 0, 0, 0, 0};
-    for (const Row& r : rows) {
-      total.bf16 += r.bf16, total.fp8 += r.fp8;
-      total.today_bf16 += r.today_bf16, total.today_fp8 += r.today_fp8;
-    }
-
-    if (o->json) {
-      nlohmann::json j;
-      j["model"] = cfg.name;
-      j["parameters"] = layout.total();
-      for (auto& [name, n] : components) j["parameters_by_component"][name] = n;
-      j["image_size"] = pixels;
-      j["batch"] = batch;
-      j["text_tokens"] = shape.txt_tokens;
-      j["image_tokens"] = shape.img_tokens;
-      j["recompute_granularity"] = recompute;
-      j["fp8_dot_product_attention"] = fp8_attention;
-      j["flops_per_sample"] = {{"forward", per_sample.forward()}, {"training", per_sample.training()}};
-      j["flops_per_step"] = {{"forward", per_step.forward()}, {"training", per_step.training()}};
-      for (const Row& r : rows) {
-        j["memory_bytes"][r.name] = {{"bf16", r.bf16}, {"fp8", r.fp8}};
-        j["memory_bytes_cuda_today"][r.name] = {{"bf16", r.today_bf16}, {"fp8", r.today_fp8}};
-      }
-      j["deterministic_attention_workspace_bytes"] = attention_workspace;
-      j["checkpoint_bytes"] = checkpoint_bytes;
-      j["async_save_host_copy_bytes"] = host_copy_bytes;
-      j["async_save_copy_fits_this_host"] = copy_fits;
-      j["memory_bytes"]["total"] = {{"bf16", total.bf16}, {"fp8", total.fp8}};
-      j["memory_bytes_cuda_today"]["total"] = {{"bf16", total.today_bf16}, {"fp8", total.today_fp8}};
-      fmt::print("{}\n", j.dump(2));
-      return 0;
-    }
-    fmt::print("model {} ({})\n", cfg.name, o->cfg.config);
-    fmt::print("  hidden {}, heads {} (head dim {}), mlp {}, double blocks {}, single blocks {}, guidance {}\n",
-               cfg.hidden_size, cfg.num_heads, cfg.head_dim(), cfg.mlp_hidden(), cfg.num_double_blocks,
-               cfg.num_single_blocks, cfg.guidance_embed ? "yes" : "no");
-    fmt::print("\nparameters\n");
-    for (auto& [name, n] : components) fmt::print("  {:<16}{:>18}\n", name, with_commas(n));
-    fmt::print("  {:<16}{:>18}\n", "total", with_commas(layout.total()));
-    fmt::print("\nstep: batch {} x ({} text + {} image tokens) at {} px\n", batch, shape.txt_tokens,
-               shape.img_tokens, pixels);
-    fmt::print("model FLOPs per sample: forward {:.2f} GFLOP, training step (fwd+bwd) {:.2f} GFLOP\n",
-               per_sample.forward() / 1e9, per_sample.training() / 1e9);
-    fmt::print("model FLOPs per step:   training {:.3f} TFLOP\n", per_step.training() / 1e12);
-    fmt::print("\nmemory of a training step on the GPU     {:>12} {:>12}   {:>12} {:>12}\n", "BF16", "FP8",
-               "today BF16", "today FP8");
-    for (const Row& r : rows)
-      fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", r.name, gib(r.bf16), gib(r.fp8), gib(r.today_bf16),
-                 gib(r.today_fp8));
-    fmt::print("  {:<38}{:>12} {:>12}   {:>12} {:>12}\n", "total", gib(total.bf16), gib(total.fp8),
-               gib(total.today_bf16), gib(total.today_fp8));
-    fmt::print("  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now,\n"
-               "   activations and block scratch in {} (activation_precision), bf16 copies of the Linear\n"
-               "   weights its BF16 GEMMs read (in FP8 those outside the block Linears); not\n"
-               "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
-               "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
-               "   optimizer sharding; see docs/MEMORY.md)\n",
-               bf16_storage ? "bf16" : "f32", recompute);
-    if (fp8_attention)
-      fmt::print("  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
-                 "   codes, 1 byte per element)\n");
-    if (attention_workspace > 0)
-      fmt::print("  (not in the table: cuDNN's deterministic attention backward (deterministic_attention: true)\n"
-                 "   keeps dP in a workspace of {}, batch x heads x L^2 bf16; false: none; FP8 attention: none)\n",
-                 gib(attention_workspace));
-    fmt::print("\ncheckpoints: {:.2f} GB of files (f32 weights and AdamW moments); with a GPU written behind\n"
-               "  training (async_save) from a host copy of {:.2f} GB, {}\n",
-               checkpoint_bytes / 1e9, host_copy_bytes / 1e9,
-               !host_available ? "made where it fits in half the host memory available"
-               : copy_fits     ? fmt::format("which fits this machine ({:.1f} GB available)", *host_available / 1e9)
-                               : fmt::format("more than half this machine's {:.1f} GB available: saves here would "
-                                             "run in line",
-                                             *host_available / 1e9));
+    InfoReport report = compute_info(config, o->image_size, o->batch);
+    report.config_path = o->cfg.config;
+    if (o->json)
+      print_info_json(report);
+    else
+      print_info_text(report);
     return 0;
   }};
 }

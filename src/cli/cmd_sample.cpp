@@ -6,15 +6,14 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 
 #include "backend/backend.h"
 #include "cli/commands.h"
 #include "config/config.h"
 #include "core/error.h"
+#include "core/text_file.h"
 #include "data/text_encoder.h"
 #include "io/png.h"
 #include "io/safetensors.h"
@@ -46,11 +45,9 @@ bool ends_with(std::string s, const std::string& suffix) {
 }
 
 std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot read {}", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::optional<std::string> text = read_file_text(path);
+  if (!text) fail("cannot read {}", path);
+  return std::move(*text);
 }
 
 // The run config and the weights file named by --checkpoint (and -c).

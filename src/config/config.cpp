@@ -6,13 +6,12 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <set>
-#include <sstream>
 #include <cstring>
+#include <filesystem>
+#include <set>
 
 #include "core/error.h"
+#include "core/text_file.h"
 
 namespace fs = std::filesystem;
 
@@ -141,11 +140,9 @@ std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& k
 }
 
 std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot read config file '{}': {}", path, std::strerror(errno));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::optional<std::string> text = read_file_text(path);
+  if (!text) fail("cannot read config file '{}': {}", path, std::strerror(errno));
+  return std::move(*text);
 }
 
 }  // namespace

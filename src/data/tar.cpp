@@ -96,19 +96,15 @@ void apply_pax(const std::vector<uint8_t>& data, std::string& path, uint64_t& si
 // Reader
 
 TarReader::TarReader(const std::string& path) : path_(path) {
-  file_ = std::fopen(path.c_str(), "rbe");
+  file_.reset(std::fopen(path.c_str(), "rbe"));
   if (!file_) fail("shard {}: cannot open: {}", path, errno_text());
   struct stat st {};
-  if (::fstat(::fileno(file_), &st) != 0) {
+  if (::fstat(::fileno(file_.get()), &st) != 0) {
     const std::string err = errno_text();
-    std::fclose(file_);
+    file_.reset();
     fail("shard {}: cannot stat: {}", path, err);
   }
   file_size_ = static_cast<uint64_t>(st.st_size);
-}
-
-TarReader::~TarReader() {
-  if (file_) std::fclose(file_);
 }
 
 void TarReader::fail_at(const std::string& member, const std::string& what) const {
@@ -120,17 +116,17 @@ std::string TarReader::position() const {
 }
 
 void TarReader::seek(uint64_t offset) {
-  if (::fseeko(file_, static_cast<off_t>(offset), SEEK_SET) != 0)
+  if (::fseeko(file_.get(), static_cast<off_t>(offset), SEEK_SET) != 0)
     fail("shard {}: cannot seek to byte {}: {}", path_, offset, errno_text());
 }
 
 bool TarReader::read_block(uint8_t* block, const char* what) {
-  const size_t got = std::fread(block, 1, kBlock, file_);
+  const size_t got = std::fread(block, 1, kBlock, file_.get());
   if (got == kBlock) {
     pos_ += kBlock;
     return true;
   }
-  if (std::ferror(file_)) fail("shard {}: read error at byte {}: {}", path_, pos_, errno_text());
+  if (std::ferror(file_.get())) fail("shard {}: read error at byte {}: {}", path_, pos_, errno_text());
   if (got == 0) return false;
   fail_at(position(),
           fmt::format("the file ends {} bytes into a 512-byte {} block at byte {} (truncated "
@@ -200,7 +196,7 @@ bool TarReader::next(TarMember& member) {
       if (size > (64u << 20))
         fail_at(shown, fmt::format("extended header of {} bytes is implausibly large", size));
       std::vector<uint8_t> data(size);
-      if (size > 0 && std::fread(data.data(), 1, size, file_) != size)
+      if (size > 0 && std::fread(data.data(), 1, size, file_.get()) != size)
         fail_at(shown, "short read in an extended header");
       pos_ = data_at + round_up(size);
       seek(pos_);
@@ -234,7 +230,7 @@ bool TarReader::next(TarMember& member) {
 std::vector<uint8_t> TarReader::read_data() {
   if (!data_pending_) fail("shard {}: read_data() without a current member (or read twice)", path_);
   std::vector<uint8_t> data(current_.size);
-  if (current_.size > 0 && std::fread(data.data(), 1, current_.size, file_) != current_.size)
+  if (current_.size > 0 && std::fread(data.data(), 1, current_.size, file_.get()) != current_.size)
     fail_at(current_.name, fmt::format("short read of {} bytes at byte {} (file changed while "
                                        "reading?)", current_.size, current_.data_offset));
   pos_ = current_.data_offset + round_up(current_.size);
@@ -270,17 +266,17 @@ std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, u
 
 TarWriter::TarWriter(const std::string& path)
     : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())) {
-  file_ = std::fopen(tmp_.c_str(), "wbe");
+  file_.reset(std::fopen(tmp_.c_str(), "wbe"));
   if (!file_) fail("tar writer: cannot create '{}': {}", tmp_, errno_text());
 }
 
 TarWriter::~TarWriter() {
-  if (file_) std::fclose(file_);
+  file_.reset();
   if (!finished_) ::unlink(tmp_.c_str());
 }
 
 void TarWriter::write(const void* data, size_t n) {
-  if (n > 0 && std::fwrite(data, 1, n, file_) != n)
+  if (n > 0 && std::fwrite(data, 1, n, file_.get()) != n)
     fail("tar writer: cannot write '{}': {} (disk full?)", tmp_, errno_text());
 }
 
@@ -331,10 +327,9 @@ void TarWriter::finish() {
   if (finished_) return;
   static const uint8_t zeros[2 * kBlock] = {};
   write(zeros, sizeof zeros);
-  if (std::fflush(file_) != 0) fail("tar writer: cannot flush '{}': {}", tmp_, errno_text());
-  if (::fsync(::fileno(file_)) != 0) fail("tar writer: cannot fsync '{}': {}", tmp_, errno_text());
-  std::FILE* f = file_;
-  file_ = nullptr;
+  if (std::fflush(file_.get()) != 0) fail("tar writer: cannot flush '{}': {}", tmp_, errno_text());
+  if (::fsync(::fileno(file_.get())) != 0) fail("tar writer: cannot fsync '{}': {}", tmp_, errno_text());
+  std::FILE* f = file_.release();
   if (std::fclose(f) != 0) fail("tar writer: cannot close '{}': {}", tmp_, errno_text());
   if (::rename(tmp_.c_str(), path_.c_str()) != 0)
     fail("tar writer: cannot rename '{}' to '{}': {}", tmp_, path_, errno_text());

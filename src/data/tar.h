@@ -13,6 +13,7 @@
 // 'K', directories and links are skipped.
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,12 @@ struct TarMember {
   uint64_t data_offset = 0; // where the data starts in the file (for random access later)
 };
 
+// An open stdio file, closed when its owner goes away.
+struct FileCloser {
+  void operator()(std::FILE* f) const { std::fclose(f); }
+};
+using FileHandle = std::unique_ptr<std::FILE, FileCloser>;
+
 // Reads the regular-file members of a tar file in order. Every header's checksum is verified,
 // and a member whose data (or padding) runs past the end of the file is reported as truncated
 // as soon as its header is read, so reading and skipping find the same faults. End of archive
@@ -33,9 +40,6 @@ struct TarMember {
 class TarReader {
  public:
   explicit TarReader(const std::string& path);
-  ~TarReader();
-  TarReader(const TarReader&) = delete;
-  TarReader& operator=(const TarReader&) = delete;
 
   const std::string& path() const { return path_; }
 
@@ -52,7 +56,7 @@ class TarReader {
   std::string position() const;  // "after <last member>": a header that cannot be trusted
 
   std::string path_;
-  std::FILE* file_ = nullptr;
+  FileHandle file_;
   uint64_t file_size_ = 0;
   uint64_t pos_ = 0;         // offset of the next header block when no data is pending
   std::string last_name_;    // previous member, for errors in a header that cannot be trusted
@@ -88,7 +92,7 @@ class TarWriter {
   void write_header(const std::string& name, uint64_t size, char type);
 
   std::string path_, tmp_;
-  std::FILE* file_ = nullptr;
+  FileHandle file_;
   bool finished_ = false;
 };
 

@@ -9,6 +9,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/text_file.h"
 #include "io/safetensors.h"
 
 namespace flux8 {
@@ -312,14 +313,11 @@ HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype
   return make_tensor(data, shape, e);
 }
 
-Sample decode_sample(const RawSample& raw) {
-  Sample s;
-  s.key = raw.key;
-  s.shard = raw.shard;
+namespace {
 
-  // The json first: it describes the .bytes members, wherever it sits in the tar.
+// The sample's json member, if any: it describes the .bytes members, wherever it sits in the tar.
+json read_meta(const RawSample& raw, std::string& meta_member) {
   json meta;
-  std::string meta_member;
   for (const SampleMember& m : raw.members) {
     std::string key, ext;
     if (!split_member_name(m.name, key, ext) || ext != "json") continue;
@@ -327,23 +325,125 @@ Sample decode_sample(const RawSample& raw) {
       fail("{}: second json member in sample '{}' (first: {})", where_text(raw.shard, m.name),
            raw.key, meta_member);
     meta_member = m.name;
-    try {
-      meta = json::parse(m.data.begin(), m.data.end());
-    } catch (const json::parse_error& e) {
-      fail("{}: invalid JSON: {}", where_text(raw.shard, m.name), e.what());
-    }
+    std::string error;
+    std::optional<json> parsed =
+        parse_json(std::string_view(reinterpret_cast<const char*>(m.data.data()), m.data.size()), error);
+    if (!parsed) fail("{}: invalid JSON: {}", where_text(raw.shard, m.name), error);
+    meta = std::move(*parsed);
+  }
+  return meta;
+}
+
+// Stores decoded fields under their canonical names; a field given by two members is an error.
+class FieldSink {
+ public:
+  FieldSink(Sample& s, const RawSample& raw) : s_(s), raw_(raw) {}
+  void put(const std::string& field, HostTensor t, const std::string& member) {
+    const std::string canon = canonical_field_name(field);
+    auto [it, fresh] = source_member_.emplace(canon, member);
+    if (!fresh)
+      fail("{}: field '{}' is already given by member {} of sample '{}'", where_text(raw_.shard, member), canon,
+           it->second, raw_.key);
+    s_.fields[canon] = std::move(t);
   }
 
-  std::map<std::string, std::string> source_member;  // canonical field -> member
-  const auto put = [&](const std::string& field, HostTensor t, const std::string& member) {
-    const std::string canon = canonical_field_name(field);
-    auto [it, fresh] = source_member.emplace(canon, member);
-    if (!fresh)
-      fail("{}: field '{}' is already given by member {} of sample '{}'",
-           where_text(raw.shard, member), canon, it->second, raw.key);
-    s.fields[canon] = std::move(t);
-  };
+ private:
+  Sample& s_;
+  const RawSample& raw_;
+  std::map<std::string, std::string> source_member_;  // canonical field -> member
+};
 
+// A raw .bytes member: its shape and dtype from the sample's json, else the MLPerf layout.
+HostTensor decode_raw_member(const SampleMember& m, const std::string& field, const std::string& where,
+                             const RawSample& raw, const json& meta, const std::string& meta_member) {
+  const std::string canon = canonical_field_name(field);
+  std::vector<int64_t> shape;
+  bool has_shape = false;
+  std::string dtype;
+  json_layout(meta, field, canon, where, shape, has_shape, dtype);
+  std::string source = meta_member.empty() ? "the sample's json" : "json";
+  if (!has_shape) {
+    auto d = std::find_if(mlperf_defaults().begin(), mlperf_defaults().end(),
+                          [&](const DefaultLayout& l) { return canon == l.field; });
+    if (d == mlperf_defaults().end())
+      fail(
+          "{}: raw .bytes member, but {} no shape for field '{}' (add \"shapes\": "
+          "{{\"{}\": [...]}} and \"dtypes\" to {}.json, or store it as .npy)",
+          where, meta_member.empty() ? "the sample has no json to give" : "its json gives", field, field, raw.key);
+    shape = d->shape;
+    source = fmt::format("the MLPerf default layout for '{}' (no shape in the json)", canon);
+  } else if (dtype.empty() && canon != "t5" && canon != "clip" && canon != "mean" && canon != "logvar") {
+    fail(
+        "{}: json gives shape {} for field '{}' but no dtype (\"dtypes\": {{\"{}\": "
+        "\"bf16\"}})",
+        where, shape_text(shape), field, field);
+  }
+  if (dtype.empty()) dtype = "bf16";  // the MLPerf fields are bf16
+  return decode_raw(m.data.data(), m.data.size(), dtype, shape, where, source);
+}
+
+// A .safetensors member: every tensor as a field, or the one tensor of a named field.
+void decode_safetensors_member(const SampleMember& m, const std::string& field, const std::string& where,
+                               FieldSink& sink) {
+  SafetensorsReader st(m.data, where);
+  const std::vector<std::string> names = st.names();
+  const auto read = [&](const std::string& name) {
+    const SafetensorsTensor& t = st.tensor(name);
+    HostTensor h;
+    h.shape = t.shape;
+    h.data.resize(static_cast<size_t>(t.numel()));
+    st.read_f32(name, h.data.data());
+    return h;
+  };
+  if (field.empty()) {
+    for (const std::string& n : names) sink.put(n, read(n), m.name);
+    return;
+  }
+  const std::string canon = canonical_field_name(field);
+  std::string pick;
+  if (names.size() == 1)
+    pick = names[0];
+  else if (st.contains(field))
+    pick = field;
+  else if (st.contains(canon))
+    pick = canon;
+  else
+    fail(
+        "{}: {} tensors ({}) and none is named '{}'; store one tensor per member or name "
+        "it like the field",
+        where, names.size(), fmt::join(names, ", "), field);
+  sink.put(field, read(pick), m.name);
+}
+
+// The json's caption (unless a .txt member gave one) and timestep.
+void apply_meta(Sample& s, const json& meta, bool caption_from_txt, const RawSample& raw,
+                const std::string& meta_member) {
+  if (!meta.is_object()) return;
+  if (!caption_from_txt) {
+    for (const char* k : {"caption", "prompt"})
+      if (meta.contains(k) && meta[k].is_string()) {
+        s.caption = meta[k].get<std::string>();
+        break;
+      }
+  }
+  if (meta.contains("timestep")) {
+    if (!meta["timestep"].is_number())
+      fail("{}: json timestep {} is not a number", where_text(raw.shard, meta_member), meta["timestep"].dump());
+    HostTensor t;
+    t.data = {meta["timestep"].get<float>()};
+    s.fields["timestep"] = std::move(t);
+  }
+}
+
+}  // namespace
+
+Sample decode_sample(const RawSample& raw) {
+  Sample s;
+  s.key = raw.key;
+  s.shard = raw.shard;
+  std::string meta_member;
+  const json meta = read_meta(raw, meta_member);
+  FieldSink sink(s, raw);
   bool caption_from_txt = false;
   for (const SampleMember& m : raw.members) {
     std::string key, ext;
@@ -362,78 +462,16 @@ Sample decode_sample(const RawSample& raw) {
       if (field.empty())
         fail("{}: a .{} member needs a field name (KEY.FIELD.{}, e.g. {}.t5.{})", where, format,
              format, raw.key, format);
-      if (format == "npy" || is_npy(m.data)) {
-        put(field, decode_npy(m.data.data(), m.data.size(), where, format == "bytes"), m.name);
-        continue;
-      }
-      const std::string canon = canonical_field_name(field);
-      std::vector<int64_t> shape;
-      bool has_shape = false;
-      std::string dtype;
-      json_layout(meta, field, canon, where, shape, has_shape, dtype);
-      std::string source = meta_member.empty() ? "the sample's json" : "json";
-      if (!has_shape) {
-        auto d = std::find_if(mlperf_defaults().begin(), mlperf_defaults().end(),
-                              [&](const DefaultLayout& l) { return canon == l.field; });
-        if (d == mlperf_defaults().end())
-          fail("{}: raw .bytes member, but {} no shape for field '{}' (add \"shapes\": "
-               "{{\"{}\": [...]}} and \"dtypes\" to {}.json, or store it as .npy)", where,
-               meta_member.empty() ? "the sample has no json to give" : "its json gives", field,
-               field, raw.key);
-        shape = d->shape;
-        source = fmt::format("the MLPerf default layout for '{}' (no shape in the json)", canon);
-      } else if (dtype.empty() && canon != "t5" && canon != "clip" && canon != "mean" &&
-                 canon != "logvar") {
-        fail("{}: json gives shape {} for field '{}' but no dtype (\"dtypes\": {{\"{}\": "
-             "\"bf16\"}})", where, shape_text(shape), field, field);
-      }
-      if (dtype.empty()) dtype = "bf16";  // the MLPerf fields are bf16
-      put(field, decode_raw(m.data.data(), m.data.size(), dtype, shape, where, source), m.name);
+      if (format == "npy" || is_npy(m.data))
+        sink.put(field, decode_npy(m.data.data(), m.data.size(), where, format == "bytes"), m.name);
+      else
+        sink.put(field, decode_raw_member(m, field, where, raw, meta, meta_member), m.name);
     } else if (format == "safetensors") {
-      SafetensorsReader st(m.data, where);
-      const std::vector<std::string> names = st.names();
-      const auto read = [&](const std::string& name) {
-        const SafetensorsTensor& t = st.tensor(name);
-        HostTensor h;
-        h.shape = t.shape;
-        h.data.resize(static_cast<size_t>(t.numel()));
-        st.read_f32(name, h.data.data());
-        return h;
-      };
-      if (field.empty()) {
-        for (const std::string& n : names) put(n, read(n), m.name);
-      } else {
-        const std::string canon = canonical_field_name(field);
-        std::string pick;
-        if (names.size() == 1) pick = names[0];
-        else if (st.contains(field)) pick = field;
-        else if (st.contains(canon)) pick = canon;
-        else
-          fail("{}: {} tensors ({}) and none is named '{}'; store one tensor per member or name "
-               "it like the field", where, names.size(), fmt::join(names, ", "), field);
-        put(field, read(pick), m.name);
-      }
+      decode_safetensors_member(m, field, where, sink);
     }
     // Any other extension (images, class labels, a second json) is not ours to decode.
   }
-
-  if (meta.is_object()) {
-    if (!caption_from_txt) {
-      for (const char* k : {"caption", "prompt"})
-        if (meta.contains(k) && meta[k].is_string()) {
-          s.caption = meta[k].get<std::string>();
-          break;
-        }
-    }
-    if (meta.contains("timestep")) {
-      if (!meta["timestep"].is_number())
-        fail("{}: json timestep {} is not a number", where_text(raw.shard, meta_member),
-             meta["timestep"].dump());
-      HostTensor t;
-      t.data = {meta["timestep"].get<float>()};
-      s.fields["timestep"] = std::move(t);
-    }
-  }
+  apply_meta(s, meta, caption_from_txt, raw, meta_member);
   return s;
 }
 

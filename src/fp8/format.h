@@ -44,20 +44,13 @@ constexpr std::optional<Fp8Format> parse_fp8_format(std::string_view s) {
 namespace fp8_detail {
 
 // Bit casts without memcpy (device: intrinsics; host: the compiler builtin behind std::bit_cast).
-FLUX8_HD inline uint32_t bits_of(float x) {
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
+FLUX8_HD inline uint32_t bits_of(float x) { return __float_as_uint(x); }
+FLUX8_HD inline float float_of(uint32_t u) { return __uint_as_float(u); }
 #else
-  return __builtin_bit_cast(uint32_t, x);
+FLUX8_HD inline uint32_t bits_of(float x) { return __builtin_bit_cast(uint32_t, x); }
+FLUX8_HD inline float float_of(uint32_t u) { return __builtin_bit_cast(float, u); }
 #endif
-}
-FLUX8_HD inline float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  return __builtin_bit_cast(float, u);
-#endif
-}
 
 // Format parameters: M mantissa bits, exponent bias B, largest finite magnitude code, NaN code.
 struct Fp8Params {

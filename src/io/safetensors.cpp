@@ -12,11 +12,12 @@
 #include <filesystem>
 #include <future>
 #include <memory>
-#include <utility>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "core/error.h"
 #include "core/sha256.h"
+#include "core/text_file.h"
 
 namespace flux8 {
 
@@ -125,12 +126,10 @@ void SafetensorsReader::parse() {
       fail("safetensors file '{}': header length {} exceeds the {} bytes after it (truncated?)",
            path, n, size - 8);
     const char* text = reinterpret_cast<const char*>(map_ + 8);
-    json header;
-    try {
-      header = json::parse(text, text + n);
-    } catch (const json::parse_error& e) {
-      fail("safetensors file '{}': header is not valid JSON: {}", path, e.what());
-    }
+    std::string error;
+    const std::optional<json> parsed = parse_json(std::string_view(text, n), error);
+    if (!parsed) fail("safetensors file '{}': header is not valid JSON: {}", path, error);
+    const json& header = *parsed;
     if (!header.is_object()) fail("safetensors file '{}': header is not a JSON object", path);
 
     const uint8_t* data = map_ + 8 + n;
@@ -271,28 +270,24 @@ void SafetensorsReader::convert(const SafetensorsTensor& t, T* dst) const {
   }
 }
 
-void SafetensorsReader::check_shape(const SafetensorsTensor& t,
-                                    const std::vector<int64_t>& expected) const {
-  if (t.shape != expected)
-    fail("safetensors file '{}', tensor '{}': shape is {} but {} was expected", path_, t.name,
-         shape_text(t.shape), shape_text(expected));
+template <typename T>
+void SafetensorsReader::read_into(const std::string& name, T* dst, const std::vector<int64_t>* expected) const {
+  const SafetensorsTensor& t = tensor(name);
+  if (expected && t.shape != *expected)
+    fail("safetensors file '{}', tensor '{}': shape is {} but {} was expected", path_, t.name, shape_text(t.shape),
+         shape_text(*expected));
+  convert(t, dst);
 }
 
-void SafetensorsReader::read_f32(const std::string& name, float* dst) const {
-  convert(tensor(name), dst);
-}
+void SafetensorsReader::read_f32(const std::string& name, float* dst) const { read_into(name, dst, nullptr); }
 void SafetensorsReader::read_f32(const std::string& name, float* dst,
                                  const std::vector<int64_t>& expected_shape) const {
-  check_shape(tensor(name), expected_shape);
-  convert(tensor(name), dst);
+  read_into(name, dst, &expected_shape);
 }
-void SafetensorsReader::read_f64(const std::string& name, double* dst) const {
-  convert(tensor(name), dst);
-}
+void SafetensorsReader::read_f64(const std::string& name, double* dst) const { read_into(name, dst, nullptr); }
 void SafetensorsReader::read_f64(const std::string& name, double* dst,
                                  const std::vector<int64_t>& expected_shape) const {
-  check_shape(tensor(name), expected_shape);
-  convert(tensor(name), dst);
+  read_into(name, dst, &expected_shape);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -53,9 +53,11 @@ class SafetensorsReader {
 
  private:
   void parse();  // validates the image at map_[0, map_size_) and fills the tensor index
-  void check_shape(const SafetensorsTensor& t, const std::vector<int64_t>& expected) const;
   template <typename T>
   void convert(const SafetensorsTensor& t, T* dst) const;
+  // convert() after checking the stored shape against `expected` (when given).
+  template <typename T>
+  void read_into(const std::string& name, T* dst, const std::vector<int64_t>* expected) const;
 
   std::string path_;
   const uint8_t* map_ = nullptr;  // the file mapping, or owned_.data() for an in-memory image

@@ -6,6 +6,11 @@ ScaleParam ScaleParam::bind(ParamStore& store, const std::string& name) {
   return {store.param(name), store.grad(name), &store};
 }
 
+void bind_qk_norm(ParamStore& store, const std::string& attn, ScaleParam& q_norm, ScaleParam& k_norm) {
+  q_norm = ScaleParam::bind(store, attn + "norm.query_norm.scale");
+  k_norm = ScaleParam::bind(store, attn + "norm.key_norm.scale");
+}
+
 void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,
                         Tensor& v) {
   const Shape shape{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};

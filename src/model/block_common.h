@@ -1,12 +1,13 @@
 #pragma once
 // Pieces shared by the Flux blocks: parameter bindings and the context a block runs in.
+#include <cmath>
 #include <string>
 
 #include "backend/backend.h"
 #include "model/arena.h"
 #include "model/flux_config.h"
-#include "model/linear_site.h"
 #include "model/fp8_runtime.h"
+#include "model/linear_site.h"
 #include "model/params.h"
 
 namespace flux8 {
@@ -29,6 +30,9 @@ struct ScaleParam {
     if (store) store->zero_if_unwritten(ds);
   }
 };
+// The QK-norm scales of an attention whose parameters are named under `attn` (both blocks
+// name them attn + "norm.query_norm.scale" and attn + "norm.key_norm.scale").
+void bind_qk_norm(ParamStore& store, const std::string& attn, ScaleParam& q_norm, ScaleParam& k_norm);
 
 // Everything a block's forward/backward needs besides its own parameters and activations.
 struct BlockContext {
@@ -65,6 +69,8 @@ inline void gated_residual_to(Backend& be, Tensor out, Tensor x, Tensor y, Tenso
   else
     be.gated_residual(out, x, y, gate);
 }
+// The softmax scale of every block's attention, 1/sqrt(head dim).
+inline double attention_scale(const FluxConfig& c) { return 1.0 / std::sqrt(static_cast<double>(c.head_dim())); }
 // The [B, L] view of saved statistics allocated as a vector of B·L.
 inline Tensor stats_rows(const Tensor& stats, int64_t B, int64_t L) {
   return Tensor(stats.data, stats.dtype, Shape{B, L});

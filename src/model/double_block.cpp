@@ -24,8 +24,7 @@ DoubleStreamParams bind_stream(ParamStore& s, const std::string& p) {
   d.proj = LinearSite::bind(s, p + "_attn.proj");
   d.mlp_in = LinearSite::bind(s, p + "_mlp.0");
   d.mlp_out = LinearSite::bind(s, p + "_mlp.2");
-  d.q_norm = ScaleParam::bind(s, p + "_attn.norm.query_norm.scale");
-  d.k_norm = ScaleParam::bind(s, p + "_attn.norm.key_norm.scale");
+  bind_qk_norm(s, p + "_attn.", d.q_norm, d.k_norm);
   return d;
 }
 
@@ -98,11 +97,6 @@ DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   }
   s.lse = a.alloc(statistics_dtype(t), Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
   return s;
-}
-
-void DoubleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
-  if (att8.defined()) return;  // FP8 attention writes only its casts (kept)
-  allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
 }
 
 namespace {
@@ -290,7 +284,7 @@ void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleB
   if (s.att8.defined())
     fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.lse);
   else
-    ctx.be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+    ctx.be.attention(s.o, s.lse, s.q, s.k, s.v, attention_scale(ctx.cfg));
   stream_post_attention(ctx, p.txt, s.txt, s, txt, txt_out, 0, next_txt);
   stream_post_attention(ctx, p.img, s.img, s, img, img_out, Lt, next_img);
 }
@@ -318,8 +312,7 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
       joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
       recompute_joint_qkv(ctx, p, joint);
     }
-    be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse,
-                          1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+    be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse, attention_scale(ctx.cfg));
   }
   a.release_to(qkv_mark);
   stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, d8, 0);

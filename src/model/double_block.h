@@ -1,6 +1,7 @@
 #pragma once
 // Double-stream block (docs/FLUX.md): text and image tokens keep separate weights and meet
 // only in one joint attention over cat(txt, img), text first.
+#include "model/attention_saved.h"
 #include "model/block_common.h"
 #include "model/fp8_attention.h"
 
@@ -39,24 +40,16 @@ struct DoubleStreamSaved {
   Tensor mlp_out;                  // (gate2 gradient)
 };
 
-struct DoubleBlockSaved {
+// The joint attention's q, k, v, o, lse and att8 are those of BlockAttentionSaved. With FP8
+// attention, selective recomputation recomputes the projection input from the FP8 o.
+// recompute_granularity: selective also drops each stream's attn and mlp_g; the backward
+// recomputes them in scratch with q, k, v (q, k, v from qkv: QK-norm, layout, RoPE; attn from
+// o: layout; mlp_g from mlp_h: GELU) and re-casts the two Linear inputs in FP8.
+struct DoubleBlockSaved : BlockAttentionSaved {
   DoubleStreamSaved txt, img;
-  Tensor q, k, v, o, lse;  // joint attention, head-major [B, n, L, D], after QK-norm and RoPE
-  // FP8 attention (params' fp8_attention >= 0): q, k, v and o exist only as these FP8 casts
-  // (the tensors above stay undefined); selective recomputation keeps the casts too (no q, k, v
-  // recompute) and recomputes the projection input from the FP8 o.
-  Fp8AttentionSaved att8;
-  // recompute_granularity: selective. q, k, v and each stream's attn and mlp_g are not kept;
-  // the backward recomputes them in scratch (q, k, v from qkv: QK-norm, layout, RoPE; attn from
-  // o: layout; mlp_g from mlp_h: GELU) and re-casts the two Linear inputs in FP8.
-  bool selective = false;
   // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
   static DoubleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype, DType heads,
                                    const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
-  // Selective: the forward still writes q, k, v. Points them at scratch for one forward; the
-  // caller releases the scratch after it and calls forget_recomputed().
-  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType heads);
-  void forget_recomputed() { q = k = v = Tensor{}; }
 };
 
 // The block on txt [B, Lt, H] and img [B, Li, H], its output written to txt_out and img_out

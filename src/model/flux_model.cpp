@@ -292,7 +292,34 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   const Tensor x_img = as_activation(s.img_in, in.img), x_txt = as_activation(s.txt_in, in.txt);
   const Tensor x_y = as_activation(s.y_in, in.y);
 
-  // Conditioning vector: vec = time_in(emb(t)) [+ guidance_in(emb(g))] + vector_in(y).
+  embed_conditioning(in, x_y);
+
+  const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
+  be_.linear(s.img_at[0], x_img, P.operand(img_in.w), P.bias_operand(img_in.b, s.img_at[0]));
+  be_.linear(s.txt_at[0], x_txt, P.operand(txt_in.w), P.bias_operand(txt_in.b, s.txt_at[0]));
+  be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
+  be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
+
+  run_blocks();
+  be_.split_tokens(Tensor{}, s.img, s.z_at.back());  // drop the text tokens
+
+  // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
+  const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
+  const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
+  be_.linear(s.final_mod, s.silu_vec, P.operand(ada.w), P.bias_operand(ada.b, s.final_mod));
+  be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
+                         s.final_mod.cols_slice(H, H), c.layernorm_eps);
+  be_.linear(s.pred, s.final_xm, P.operand(lin.w), P.bias_operand(lin.b, s.pred));
+  if (!s.pred_out.defined()) return s.pred;
+  be_.copy(s.pred_out, s.pred);
+  return s.pred_out;
+}
+
+// Conditioning vector: vec = time_in(emb(t)) [+ guidance_in(emb(g))] + vector_in(y).
+void FluxModel::embed_conditioning(const FluxInputs& in, const Tensor& x_y) {
+  ModelSaved& s = *saved_;
+  ParamStore& P = *params_;
+  const int64_t B = shape_.batch, H = cfg_.hidden_size;
   auto run_embedder = [&](const std::string& name, MlpEmbedderSaved& e, Tensor x, Tensor out) {
     const MlpEmbedder m = MlpEmbedder::bind(P, name);
     be_.linear(e.hidden, x, P.operand(m.in_layer.w), P.bias_operand(m.in_layer.b, e.hidden));
@@ -303,7 +330,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   Tensor tmp = scratch_arena_.alloc(act_dtype_, Shape{B, H}, SlotKind::workspace);
   be_.timestep_embedding(s.time.x, in.timesteps, kTimeFactor, kMaxPeriod);
   run_embedder("time_in", s.time, s.time.x, s.vec);
-  if (c.guidance_embed) {
+  if (cfg_.guidance_embed) {
     be_.timestep_embedding(s.guidance.x, in.guidance, kTimeFactor, kMaxPeriod);
     run_embedder("guidance_in", s.guidance, s.guidance.x, tmp);
     be_.accumulate(s.vec, tmp);
@@ -312,13 +339,14 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   be_.accumulate(s.vec, tmp);
   be_.silu(s.silu_vec, s.vec);
   scratch_arena_.release_to(mark);
+}
 
-  const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
-  be_.linear(s.img_at[0], x_img, P.operand(img_in.w), P.bias_operand(img_in.b, s.img_at[0]));
-  be_.linear(s.txt_at[0], x_txt, P.operand(txt_in.w), P.bias_operand(txt_in.b, s.txt_at[0]));
-  be_.concat_tokens(s.ids, in.txt_ids, in.img_ids);
-  be_.rope_table(s.pe, s.ids, c.axes_dim, c.rope_theta);
-
+// The double blocks on the two streams, then the single blocks on the joint sequence.
+void FluxModel::run_blocks() {
+  const FluxConfig& c = cfg_;
+  const StepShape sh = shape_;
+  const int64_t B = sh.batch;
+  ModelSaved& s = *saved_;
   BlockContext ctx{be_, c, sh, act_dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get(), heads_dtype_};
   ctx.norm_stats_in_residual = norm_stats_in_residual_;
   const bool full = recompute_ == Recompute::full;
@@ -382,18 +410,6 @@ Tensor FluxModel::forward(const FluxInputs& in) {
     single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
     saved_arena_.release_to(s.block_region);
   }
-  be_.split_tokens(Tensor{}, s.img, s.z_at.back());  // drop the text tokens
-
-  // Final layer: (shift, scale) = chunk(adaLN(SiLU(vec))), shift first.
-  const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
-  const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
-  be_.linear(s.final_mod, s.silu_vec, P.operand(ada.w), P.bias_operand(ada.b, s.final_mod));
-  be_.layernorm_modulate(s.final_xm, s.final_mean, s.final_rstd, s.img, s.final_mod.cols_slice(0, H),
-                         s.final_mod.cols_slice(H, H), c.layernorm_eps);
-  be_.linear(s.pred, s.final_xm, P.operand(lin.w), P.bias_operand(lin.b, s.pred));
-  if (!s.pred_out.defined()) return s.pred;
-  be_.copy(s.pred_out, s.pred);
-  return s.pred_out;
 }
 
 void FluxModel::backward(const Tensor& dpred) {

@@ -99,6 +99,10 @@ class FluxModel {
   void after_optimizer_step(bool casts_written);
 
  private:
+  // Parts of forward(), on shape_ and saved_.
+  void embed_conditioning(const FluxInputs& in, const Tensor& x_y);
+  void run_blocks();
+
   FluxConfig cfg_;
   Backend& be_;
   DType dtype_;        // parameters, inputs, pred and dpred

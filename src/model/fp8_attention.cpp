@@ -12,8 +12,6 @@ QTensor heads_cast(Arena& a, const FluxConfig& c, StepShape sh, Fp8Format f, Slo
   return allocate_qtensor(a, sh.batch * c.num_heads * sh.tokens(), c.head_dim(), f, Fp8Scaling::per_tensor, kind);
 }
 
-double attention_scale(const FluxConfig& c) { return 1.0 / std::sqrt(static_cast<double>(c.head_dim())); }
-
 Shape heads_shape(const BlockContext& ctx) {
   return {ctx.shape.batch, ctx.cfg.num_heads, ctx.shape.tokens(), ctx.cfg.head_dim()};
 }

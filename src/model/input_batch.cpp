@@ -9,15 +9,9 @@
 
 namespace flux8 {
 
-InputBatch::~InputBatch() {
-  for (void* p : buffers_) be_.release(p);
-}
-
 Tensor InputBatch::make(Shape shape, const std::vector<double>& values) {
-  void* p = be_.allocate(static_cast<size_t>(shape.numel()) * dtype_size(dtype_));
-  buffers_.push_back(p);
-  Tensor t(p, dtype_, shape);
-  from_host(be_, t, values);
+  const Tensor t = buffers_.make(shape);
+  from_host(buffers_.backend(), t, values);
   return t;
 }
 

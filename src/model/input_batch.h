@@ -8,6 +8,7 @@
 
 #include "model/flux_config.h"
 #include "model/flux_model.h"
+#include "model/owned_tensors.h"
 
 namespace flux8 {
 
@@ -17,10 +18,7 @@ class SafetensorsReader;
 // Owns backend copies of the inputs.
 class InputBatch {
  public:
-  InputBatch(Backend& backend, DType dtype) : be_(backend), dtype_(dtype) {}
-  ~InputBatch();
-  InputBatch(const InputBatch&) = delete;
-  InputBatch& operator=(const InputBatch&) = delete;
+  InputBatch(Backend& backend, DType dtype) : buffers_(backend, dtype) {}
 
   // Reads `prefix + name` for every input; fails naming the file and tensor when one is
   // missing or has the wrong shape.
@@ -32,9 +30,7 @@ class InputBatch {
   Tensor make(Shape shape, const std::vector<double>& values);
 
  private:
-  Backend& be_;
-  DType dtype_;
-  std::vector<void*> buffers_;
+  OwnedTensors buffers_;
   FluxInputs inputs_;
 };
 

@@ -11,8 +11,7 @@ SingleBlockParams SingleBlockParams::bind(ParamStore& s, int64_t index) {
   p.mod = LinearSite::bind(s, b + "modulation.lin");
   p.linear1 = LinearSite::bind(s, b + "linear1");
   p.linear2 = LinearSite::bind(s, b + "linear2");
-  p.q_norm = ScaleParam::bind(s, b + "norm.query_norm.scale");
-  p.k_norm = ScaleParam::bind(s, b + "norm.key_norm.scale");
+  bind_qk_norm(s, b, p.q_norm, p.k_norm);
   return p;
 }
 
@@ -46,11 +45,6 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   return s;
-}
-
-void SingleBlockSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
-  if (att8.defined()) return;  // FP8 attention writes only its casts (kept)
-  allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
 }
 
 namespace {
@@ -120,7 +114,7 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
   if (s.att8.defined())
     fp8_attention_forward(ctx, p.fp8_attention, s.att8, s.lse);
   else
-    be.attention(s.o, s.lse, s.q, s.k, s.v, 1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+    be.attention(s.o, s.lse, s.q, s.k, s.v, attention_scale(ctx.cfg));
   attention_output_to_tokens(be, o_tokens, s.att8, s.o, 0);
   if (gelu_epilogue)
     site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
@@ -176,8 +170,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
       r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
       recompute_qkv(ctx, p, r);
     }
-    be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse,
-                          1.0 / std::sqrt(static_cast<double>(ctx.cfg.head_dim())));
+    be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse, attention_scale(ctx.cfg));
   }
   a.release_to(qkv_mark);
   p.q_norm.prepare_grad();

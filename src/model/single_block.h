@@ -2,6 +2,7 @@
 // Single-stream block (docs/FLUX.md) on the joint sequence z = cat(txt, img): one fused
 // Linear gives [q | k | v | mlp], attention and the MLP branch run in parallel, and one
 // Linear maps cat(attention, GELU(mlp)) back to H.
+#include "model/attention_saved.h"
 #include "model/block_common.h"
 #include "model/fp8_attention.h"
 
@@ -15,7 +16,11 @@ struct SingleBlockParams {
   std::vector<LinearSite*> sites() { return {&mod, &linear1, &linear2}; }
 };
 
-struct SingleBlockSaved {
+// The attention's q, k, v, o, lse and att8 are those of BlockAttentionSaved.
+// recompute_granularity: selective also drops cat; the backward recomputes it in scratch with q,
+// k, v (q, k, v from u: QK-norm, layout, RoPE; cat from o and u's MLP part: layout and GELU) and
+// re-casts cat in FP8.
+struct SingleBlockSaved : BlockAttentionSaved {
   Tensor z_in;                  // block input (LayerNorm backward): the caller's tensor, not a copy
   SavedLinearInput mod_in;      // SiLU(vec) as the modulation Linear saw it
   Tensor mod;                   // [B, 3H]: shift, scale, gate
@@ -24,21 +29,11 @@ struct SingleBlockSaved {
   SavedLinearInput zm;          // its output (linear1 input)
   Tensor u;                     // linear1 output [B, L, 3H + M]
   Tensor q_rstd, k_rstd;
-  Tensor q, k, v, o, lse;       // head-major, after QK-norm and RoPE
-  Fp8AttentionSaved att8;       // FP8 attention: as DoubleBlockSaved::att8
   SavedLinearInput cat;         // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
   Tensor out;                   // linear2 output (gate gradient)
-  // recompute_granularity: selective. q, k, v and cat are not kept; the backward recomputes
-  // them in scratch (q, k, v from u: QK-norm, layout, RoPE; cat from o and u's MLP part:
-  // layout and GELU) and re-casts cat in FP8.
-  bool selective = false;
   // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
   static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype, DType heads,
                                    const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
-  // Selective: the forward still writes q, k, v. Points them at scratch for one forward; the
-  // caller releases the scratch after it and calls forget_recomputed().
-  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType heads);
-  void forget_recomputed() { q = k = v = Tensor{}; }
 };
 
 // The block on z [B, L, H], its output written to z_out (another tensor of z's shape). z is

@@ -12,14 +12,12 @@
 #include <cstring>
 #include <filesystem>
 #include <future>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -27,6 +25,7 @@
 #include "backend/transfer.h"
 #include "core/error.h"
 #include "core/sha256.h"
+#include "core/text_file.h"
 #include "fp8/state_io.h"
 #include "io/safetensors.h"
 #include "model/weights_io.h"
@@ -75,11 +74,9 @@ void write_file_durably(const std::string& path, const std::string& text) {
 }
 
 std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open '{}': {}", path, std::strerror(errno));
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  std::optional<std::string> text = read_file_text(path);
+  if (!text) fail("cannot open '{}': {}", path, std::strerror(errno));
+  return std::move(*text);
 }
 
 // Swaps two directory entries atomically (Linux renameat2 RENAME_EXCHANGE); false when the
@@ -418,12 +415,10 @@ std::string trainer_state_to_json(const TrainerState& s) {
 }
 
 TrainerState trainer_state_from_json(const std::string& text, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    fail("{}: not valid JSON: {}", where, e.what());
-  }
+  std::string error;
+  std::optional<json> parsed = parse_json(text, error);
+  if (!parsed) fail("{}: not valid JSON: {}", where, error);
+  json& j = *parsed;
   if (!j.is_object()) fail("{}: expected a JSON object", where);
   TrainerState s;
   std::set<std::string> known;

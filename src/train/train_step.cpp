@@ -58,14 +58,9 @@ void StepBuffers::draw_noise(const HostBatch& b, uint64_t seed) {
   be_.flow_match_inputs(in.img, target, x0, in.timesteps, seed, b.noise_streams);
 }
 
-Tensor StepBuffers::make(Shape s) {
-  Tensor t(be_.allocate(static_cast<size_t>(s.numel()) * dtype_size(dtype_)), dtype_, s);
-  owned_.push_back(t.data);
-  return t;
-}
-
 void StepBuffers::allocate(const HostBatch& b, const FluxConfig& m) {
-  release();
+  owned_.release();
+  const auto make = [&](Shape s) { return owned_.make(s); };
   const int64_t B = b.batch;
   shape_ = StepShape{B, b.txt_tokens, b.img_tokens};
   x0 = make(Shape{B, b.img_tokens, m.in_channels});
@@ -82,20 +77,10 @@ void StepBuffers::allocate(const HostBatch& b, const FluxConfig& m) {
 
 Tensor StepBuffers::losses(int64_t n) {
   if (!losses_.defined() || losses_.numel() < n) {
-    if (losses_.defined()) be_.release(losses_.data);
-    losses_ = Tensor(be_.allocate(static_cast<size_t>(n) * sizeof(double)), DType::f64, Shape{n});
+    losses_owned_.release();
+    losses_ = losses_owned_.make(Shape{n});
   }
   return Tensor(losses_.data, DType::f64, Shape{n});
-}
-
-void StepBuffers::release() {
-  for (void* p : owned_) be_.release(p);
-  owned_.clear();
-}
-
-StepBuffers::~StepBuffers() {
-  release();
-  if (losses_.defined()) be_.release(losses_.data);
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include "data/loader.h"
 #include "data/sample.h"
 #include "model/flux_model.h"
+#include "model/owned_tensors.h"
 #include "train/objective.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
@@ -17,10 +18,7 @@ namespace flux8 {
 // Backend buffers for one micro-batch, allocated once per shape (not per step).
 class StepBuffers {
  public:
-  StepBuffers(Backend& be, DType dtype) : be_(be), dtype_(dtype) {}
-  ~StepBuffers();
-  StepBuffers(const StepBuffers&) = delete;
-  StepBuffers& operator=(const StepBuffers&) = delete;
+  StepBuffers(Backend& be, DType dtype) : be_(be), owned_(be, dtype), losses_owned_(be, DType::f64) {}
 
   // Uploads a host batch and draws the flow-matching noise; returns the model inputs
   // (img = x_t); x0, target and dpred are filled or sized to match. The three steps below.
@@ -45,14 +43,12 @@ class StepBuffers {
   Tensor losses(int64_t n);
 
  private:
-  Tensor make(Shape s);
   void allocate(const HostBatch& b, const FluxConfig& m);
-  void release();
   Backend& be_;
-  DType dtype_;
   StepShape shape_{0, 0, 0};
-  std::vector<void*> owned_;
+  OwnedTensors owned_;
   std::vector<char> staging_;  // copy_in's converted values
+  OwnedTensors losses_owned_;  // holds losses_ alone
   Tensor losses_;
 };
 

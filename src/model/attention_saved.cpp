@@ -1,0 +1,10 @@
+#include "model/attention_saved.h"
+
+namespace flux8 {
+
+void BlockAttentionSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
+  if (att8.defined()) return;  // FP8 attention writes only its casts (kept)
+  allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
+}
+
+}  // namespace flux8
