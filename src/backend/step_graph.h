@@ -2,10 +2,10 @@
 // Runs a training step's forward and backward as CUDA graphs (`cuda_graph: true`): an op
 // interceptor (backend/ops.h) installed on the backend the model runs on.
 //
-// Why: a forward and backward is a few hundred op calls (134 on W1, 290 on W2 FP8), many of them
-// small (the per-sample Linears, the modulation chain, the norms of short sequences), and issuing
-// one costs the host 3–15 µs — a cuBLASLt call alone ~10 — so on W2 the GPU waited ~0.6 ms a step
-// for launches (`flux8 bench --profile`'s idle row). A graph launch issues tens of ops.
+// Why: a forward and backward is a few hundred op calls, many of them small (the per-sample
+// Linears, the modulation chain, the norms of short sequences), and issuing one costs the host
+// microseconds (a cuBLASLt call most), so the GPU waits for launches (`flux8 bench --profile`'s
+// idle row; docs/PERFORMANCE.md). A graph launch issues tens of ops.
 //
 // How, without trusting the model code to repeat itself: between begin_region() and end_region()
 // every op call is *recorded* — the op's struct kept (it owns its arguments) and written into a

@@ -62,8 +62,8 @@ class Fp8Runtime {
   // The scales of o, dS, dq, dk, dv and where their amaxes go, for Backend::attention_fp8.
   // P has no delayed scale: the op fixes it at the format's largest value, since cuDNN's online
   // softmax casts exp(S − running max), which reaches 1 in every row whatever the normalised P's
-  // amax (a delayed scale, 448/amax > 448, saturated them: measured, a GPU model run 0.39 off its
-  // CPU twin, whose casts of the normalised P did not saturate).
+  // amax (a delayed scale, 448/amax > 448, saturates them, where the CPU twin's casts of the
+  // normalised P do not).
   Backend::Fp8AttentionScales attention_scales(int index);
 
   Fp8Format format(Operand o) const;
@@ -99,7 +99,7 @@ class Fp8Runtime {
   // memory), and the step's cast statistics become `last_step_stats`. It waits for the device
   // only when this step's casts counted statistics (a backend delivers them at a
   // synchronisation): on the other steps the optimizer's gradient norm is launched behind the
-  // backward instead of after a drained device (measured 0.17 / 0.29 ms of idle a W1 / W2 step).
+  // backward instead of after a drained device (docs/PERFORMANCE.md, "Measurements behind the kernels").
   void end_step();
 
   struct SiteStats {

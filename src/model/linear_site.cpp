@@ -236,7 +236,7 @@ void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int6
   // What one site holds at once, with the scales: the two casts of the output gradient in the
   // backward (the forward holds one, the input's rowwise cast). The input buffer of a cast-only
   // saved input is the block's (its plan has "a Linear's input buffer"); counting it here too,
-  // with a third cast, over-reserved ~1 GiB on W1's single block.
+  // with a third cast, would over-reserve a cast's worth of each site.
   for (int i = 0; i < 2; ++i)
     allocate_qtensor(scratch, rows, max_cols, Fp8Format::e4m3, Fp8Scaling::block_1x128, SlotKind::workspace);
 }

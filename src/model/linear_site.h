@@ -1,7 +1,7 @@
 #pragma once
 // Every Linear of the double and single blocks runs through a LinearSite: in BF16 it is a
 // plain Linear; in FP8 it casts its input, weight and output gradient per the recipe and runs
-// the fprop, dgrad and wgrad GEMMs on the casts (DESIGN.md §4). The model code is the same in
+// the fprop, dgrad and wgrad GEMMs on the casts (docs/FP8.md). The model code is the same in
 // both modes; only what the site saves for the backward differs (the input's FP8 copy, which is
 // where FP8 saves activation memory, or the input itself).
 #include <memory>

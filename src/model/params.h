@@ -69,12 +69,12 @@ class ParamStore {
   Tensor flat_params() const;  // [total]
   Tensor flat_grads() const;
 
-  // MLPerf-reference initialisation (DESIGN.md §2), from the counter-based RNG: the same
+  // MLPerf-reference initialisation (docs/FLUX.md), from the counter-based RNG: the same
   // seed gives the same weights on every backend and thread count.
   void init(uint64_t seed);
 
   // The gradients of one optimizer step. zero_grads() does not fill the gradient buffer (a
-  // pass over 4 bytes a parameter: 0.5 ms of W1's step, 1.2 ms of W2's): it marks every
+  // pass over 4 bytes a parameter): it marks every
   // gradient unwritten, and each gradient's first writer of the step overwrites it (a GEMM
   // with beta = 0, column sums that set) where later writers — micro-batches — add.
   //   first_write(g): true for the first writer of parameter gradient g (a whole parameter's
@@ -91,7 +91,7 @@ class ParamStore {
   // Low-rank gradients. A per-sample Linear's weight gradient (ParamInfo::per_sample) is
   // Σ_r dy_r ⊗ x_r over the few rows a step gives it: on W2 (2 samples) the per-sample Linears
   // hold 30% of the parameters, and writing their gradients, reading them for the norm and
-  // again in AdamW cost ~1 ms a step for what 2 rows of dy and x say. keep_low_rank_grads(rows),
+  // again in AdamW costs bandwidth for what 2 rows of dy and x say. keep_low_rank_grads(rows),
   // `rows` a step's samples (all micro-batches), keeps those gradients as their factors — dy's
   // and x's rows in f32 (Backend::LowRankGrad) — when rows <= kLowRankMaxRows and returns
   // whether it did; 0 turns it off. (AdamW rebuilds each element from `rows` products: at 2
@@ -124,7 +124,7 @@ class ParamStore {
   // Weight operands. Where the backend runs a Linear's GEMMs on operands of another type than
   // the parameters (Backend::weight_operand_dtype: bf16 on the CUDA backend), the Linear would
   // round its f32 weight in every call — forward and dgrad, two passes of 6 bytes a parameter
-  // a step (W2 in BF16: ~3.5 ms). use_operand_copies(names) keeps a rounded copy of those
+  // a step. use_operand_copies(names) keeps a rounded copy of those
   // weights instead; operand(w) returns it, made again on first use after params_changed() —
   // which whatever else writes parameters calls (init, load_weights) — or w itself for a
   // weight without a copy (FP8 sites, the CPU backend). The optimizer writes the copies itself

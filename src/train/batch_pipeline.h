@@ -3,8 +3,8 @@
 // device computes micro-batch k.
 //
 // Why: at W1's shape a step's batch is 32 samples of 4.2 MB; assembling it (make_train_batch)
-// and uploading it took the host ~23 ms before each 26 ms step, with the GPU idle (docs/
-// PERFORMANCE.md, "The trainer's data path"). Here a producer thread takes each micro-batch's
+// and uploading it in line takes the host about as long as the GPU's step, with the GPU idle
+// (docs/PERFORMANCE.md). Here a producer thread takes each micro-batch's
 // samples from the loader, builds the host batch and uploads it into one of two device slots on
 // the backend's copy queue (a CUDA stream of its own), while the training thread runs the
 // model on the other slot. Events order the two queues: a slot is refilled only after the ops

@@ -1,5 +1,5 @@
 #pragma once
-// The rectified-flow training objective (DESIGN.md §3, MLPerf Flux reference): from raw
+// The rectified-flow training objective (docs/FLUX.md, MLPerf Flux reference): from raw
 // samples to the model's inputs. Every random draw comes from the counter-based RNG keyed by
 // (seed, step, rank, sample), so a run is reproducible, independent of thread count and of how
 // the global batch is split into micro-batches, and a resumed run continues exactly.

@@ -1,5 +1,5 @@
 #pragma once
-// Euler sampling of a rectified-flow model (DESIGN.md §3): the model predicts the velocity
+// Euler sampling of a rectified-flow model (docs/FLUX.md): the model predicts the velocity
 // v = ε − x0, so integrating dx/dt = v from t = 1 (pure noise) to t = 0 gives an image.
 //
 //   t_i = 1 − i/N, i = 0..N        (optionally shifted: t ← shift_timestep(t, image tokens))

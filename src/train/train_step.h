@@ -67,7 +67,7 @@ struct StepContext {
 struct StepLoss {
   double loss = 0;     // mean loss over the global batch
   int64_t tokens = 0;  // text + image tokens processed
-  double model_flops = 0;  // model FLOPs of the step's forward and backward (WORKLOADS.md's convention, model/flops.h)
+  double model_flops = 0;  // model FLOPs of the step's forward and backward (docs/WORKLOADS.md's convention, model/flops.h)
   DataTiming data;     // from a BatchPipeline: the micro-batches' host time, summed
 };
 
