@@ -15,6 +15,11 @@
 
 namespace flux8 {
 namespace fs = std::filesystem;
+
+// The spec's fields under their own names (the manifest's keys).
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DemoSpec, image_size, text_seq_len, context_dim, vec_dim, train_samples,
+                                   val_samples, samples_per_shard, seed)
+
 namespace {
 
 constexpr uint64_t kGeometryPurpose = 0x67656F6Dull;  // "geom"
@@ -73,18 +78,10 @@ void write_file(const fs::path& path, const std::string& bytes) {
 }
 
 nlohmann::json manifest_json(const DemoSpec& s) {
-  nlohmann::json j;
+  nlohmann::json j = s;
   j["format"] = "flux8-demo";
   j["format_version"] = kDemoFormatVersion;
   j["text_encoder"] = DemoTextEncoder::kName;
-  j["image_size"] = s.image_size;
-  j["text_seq_len"] = s.text_seq_len;
-  j["context_dim"] = s.context_dim;
-  j["vec_dim"] = s.vec_dim;
-  j["train_samples"] = s.train_samples;
-  j["val_samples"] = s.val_samples;
-  j["samples_per_shard"] = s.samples_per_shard;
-  j["seed"] = s.seed;
   j["train_shards"] = demo_shard_names(s, "train");
   j["val_shards"] = demo_shard_names(s, "val");
   return j;
