@@ -36,8 +36,7 @@ class Buf {
   // N(0, stddev²) values over the whole storage, padding included (ops must not read it).
   // Values depend only on (seed, index), so f32 and f64 buffers get the same numbers.
   Buf& randn(uint64_t seed, double stddev = 1.0) {
-    for (size_t i = 0; i < mem.size(); ++i)
-      mem[i] = static_cast<T>(stddev * rng_normal(seed, 1, i));
+    for (size_t i = 0; i < mem.size(); ++i) mem[i] = static_cast<T>(stddev * rng_normal(seed, 1, i));
     return *this;
   }
   // Sets the padding (the elements outside the window) to v, to detect stray writes.
@@ -68,8 +67,7 @@ template <typename T>
 double probe_loss(const Buf<T>& y, const Buf<T>& probe) {
   double s = 0;
   for (int64_t r = 0; r < y.t.rows(); ++r)
-    for (int64_t c = 0; c < y.t.cols(); ++c)
-      s += static_cast<double>(y.at(r, c)) * static_cast<double>(probe.at(r, c));
+    for (int64_t c = 0; c < y.t.cols(); ++c) s += static_cast<double>(y.at(r, c)) * static_cast<double>(probe.at(r, c));
   return s;
 }
 

@@ -33,10 +33,9 @@ struct DirectionalCheck {
 // (padding of a column window, for example) must have zero gradient, which the check then
 // verifies as well. `abs_floor` keeps the relative error meaningful when the true derivative
 // is zero.
-inline DirectionalCheck check_directional_derivative(const std::function<double()>& loss,
-                                                     std::span<double> values,
-                                                     std::span<const double> grad, uint64_t seed,
-                                                     double h = 1e-5, double abs_floor = 1e-12) {
+inline DirectionalCheck check_directional_derivative(const std::function<double()>& loss, std::span<double> values,
+                                                     std::span<const double> grad, uint64_t seed, double h = 1e-5,
+                                                     double abs_floor = 1e-12) {
   std::vector<double> u(values.size());
   for (size_t i = 0; i < u.size(); ++i) u[i] = rng_normal(seed, 0x67726164ull, i);
   const std::vector<double> saved(values.begin(), values.end());
@@ -49,8 +48,7 @@ inline DirectionalCheck check_directional_derivative(const std::function<double(
   const double plus = loss_at(h), minus = loss_at(-h);
   std::copy(saved.begin(), saved.end(), values.begin());
   r.numeric = (plus - minus) / (2 * h);
-  r.rel_error = std::abs(r.analytic - r.numeric) /
-                std::max({std::abs(r.analytic), std::abs(r.numeric), abs_floor});
+  r.rel_error = std::abs(r.analytic - r.numeric) / std::max({std::abs(r.analytic), std::abs(r.numeric), abs_floor});
   return r;
 }
 

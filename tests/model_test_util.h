@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/step_graph.h"
@@ -56,8 +56,8 @@ inline void randomize_params(ParamStore& store, uint64_t seed, double std = 0.3)
 }
 
 // Random inputs for B samples, Lt text and Li image tokens; image ids on a grid of width 3.
-inline void random_inputs(InputBatch& batch, const FluxConfig& c, int64_t B, int64_t Lt,
-                          int64_t Li, uint64_t seed, FluxInputs& in) {
+inline void random_inputs(InputBatch& batch, const FluxConfig& c, int64_t B, int64_t Lt, int64_t Li, uint64_t seed,
+                          FluxInputs& in) {
   auto randn = [&](Shape s, uint64_t stream, double scale) {
     std::vector<double> v(static_cast<size_t>(s.numel()));
     for (size_t j = 0; j < v.size(); ++j) v[j] = scale * rng_normal(seed, stream, j);
@@ -106,7 +106,7 @@ struct ModelRunOptions {
   // > 0: the per-sample Linears' gradients kept as low-rank factors of up to this many rows
   // (ParamStore::keep_low_rank_grads), written out before the gradients are read.
   int64_t low_rank_rows = 0;
-  DType moment_dtype = DType::f32;  // the optimizer's moments (adam_moment_precision)
+  DType moment_dtype = DType::f32;                           // the optimizer's moments (adam_moment_precision)
   uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
   // > 0: the model runs on a StepGraph over `be` with segments of this many ops, the forward and
   // the backward each a region (cuda_graph; on the CPU the replay twin).
@@ -118,8 +118,8 @@ struct ModelRun {
   std::vector<std::pair<std::string, std::vector<double>>> grads;  // (name, values), layout order
   std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
   std::vector<float> scales, history;  // FP8 delayed scaling: the registry's state at the end
-  DType moment_dtype = DType::f32;      // with an optimizer: the type its moments were stored in
-  StepGraph::Stats graph;               // with graph_segment_ops: the StepGraph's counts
+  DType moment_dtype = DType::f32;     // with an optimizer: the type its moments were stored in
+  StepGraph::Stats graph;              // with graph_segment_ops: the StepGraph's counts
 };
 
 // FP8 delayed scaling, hybrid formats, a 4-step amax history: the whole-model tests' FP8 recipe
@@ -147,8 +147,9 @@ inline void expect_identical_runs(const ModelRun& a, const ModelRun& b) {
 
 inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRunOptions& o) {
   std::unique_ptr<StepGraph> graph =
-      o.graph_segment_ops > 0 ? std::make_unique<StepGraph>(device, StepGraph::Options{.segment_ops = o.graph_segment_ops})
-                              : nullptr;
+      o.graph_segment_ops > 0
+          ? std::make_unique<StepGraph>(device, StepGraph::Options{.segment_ops = o.graph_segment_ops})
+          : nullptr;
   Backend& be = device;  // the graph, when made, records its ops
   FluxModel model(cfg, be, o.dtype, o.fp8, o.recompute);
   randomize_params(model.params(), o.param_seed, o.weight_std);
@@ -172,8 +173,10 @@ inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRun
     r.pred = to_host(be, pred);
     std::vector<double> probe(r.pred.size());
     for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(o.probe_seed, static_cast<uint64_t>(s), i);
-    if (!dpred.defined()) dpred = batch.make(pred.shape, probe);
-    else from_host(be, dpred, probe);
+    if (!dpred.defined())
+      dpred = batch.make(pred.shape, probe);
+    else
+      from_host(be, dpred, probe);
     StepGraph::Region backward(graph.get());
     model.backward(dpred);
     backward.end();

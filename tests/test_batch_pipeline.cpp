@@ -24,9 +24,9 @@ namespace {
 namespace fs = std::filesystem;
 using Mode = BatchPipelineSpec::Mode;
 
-using testing::PipelineFixture;
-using testing::Downloaded;
 using testing::download;
+using testing::Downloaded;
+using testing::PipelineFixture;
 
 TEST(BatchPipeline, MicroBatchesEqualThoseBuiltOnTheTrainingThread) {
   const PipelineFixture f;
@@ -112,7 +112,7 @@ TEST(BatchPipeline, StopsWhileItsProducerWaitsAndRejectsMisuse) {
     BatchPipeline pipeline(*be, loader, f.spec(Mode::thread, 2, 2, 0, 50));
     EXPECT_THROW(pipeline.release(), Error);
     pipeline.acquire();
-    EXPECT_THROW(pipeline.acquire(), Error);  // twice without release
+    EXPECT_THROW(pipeline.acquire(), Error);                     // twice without release
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the producer waits for a slot
   }  // destroyed with a micro-batch in use and the other slot full
   DataLoader loader(f.loader_options());

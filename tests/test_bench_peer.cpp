@@ -97,13 +97,14 @@ TEST(BenchPeer, NoRatioForAnotherWorkloadOrShape) {
 // A peer on the CPU measures no memory (peak_gib null): the step ratio alone.
 TEST(BenchPeer, StepRatioAloneWhereThePeerMeasuredNoMemory) {
   json cpu = peer_json("cpu: Some Processor");
-  cpu["workloads"][0]["modes"] = {{{"mode", "eager"}, {"status", "ran"}, {"median_ms", 30.0}, {"peak_gib", nullptr},
-                                   {"steps", 3}}};
+  cpu["workloads"][0]["modes"] = {
+      {{"mode", "eager"}, {"status", "ran"}, {"median_ms", 30.0}, {"peak_gib", nullptr}, {"steps", 3}}};
   const PeerComparison c =
       compare_to_peer(parse_peer_file(cpu.dump(), "cpu.json"), "cpu: Some Processor", "W1", kW1, 60.0, 1.0);
   ASSERT_EQ(c.ratios.size(), 1u);
   EXPECT_LT(c.ratios[0].memory_ratio, 0.0);
-  EXPECT_EQ(describe(c), "PyTorch's step / flux8's: 0.50x eager; flux8's peak memory / PyTorch's: not measured by the peer");
+  EXPECT_EQ(describe(c),
+            "PyTorch's step / flux8's: 0.50x eager; flux8's peak memory / PyTorch's: not measured by the peer");
 }
 
 TEST(BenchPeer, MalformedFileNamesTheFileAndTheKey) {
@@ -166,9 +167,9 @@ struct PeerCli {
   }
   json bench(const std::string& args) {
     const std::string out = dir.file("bench.json");
-    EXPECT_EQ(run("bench --backend cpu -c " + config() + " --precision bf16 --steps 1 --warmup 0 " + args +
-                  " --json " + out),
-              0)
+    EXPECT_EQ(
+        run("bench --backend cpu -c " + config() + " --precision bf16 --steps 1 --warmup 0 " + args + " --json " + out),
+        0)
         << log;
     return json::parse(read_bytes(out));
   }
@@ -182,8 +183,7 @@ TEST(BenchCli, PeerRatiosOnlyOnTheSameDevice) {
   const json& vs = same["steps"][0]["vs_peer"];
   ASSERT_EQ(vs["ratios"].size(), 2u) << same.dump();
   EXPECT_EQ(vs["ratios"][0]["mode"], "eager");
-  EXPECT_NEAR(vs["ratios"][0]["speedup"].get<double>(), 80.0 / same["steps"][0]["median_step_ms"].get<double>(),
-              1e-9);
+  EXPECT_NEAR(vs["ratios"][0]["speedup"].get<double>(), 80.0 / same["steps"][0]["median_step_ms"].get<double>(), 1e-9);
   EXPECT_EQ(vs["skipped"][0], "torchao-fp8 (torchao is not installed)");
   EXPECT_FALSE(vs.contains("why"));
   EXPECT_NE(cli.log.find("flux_tiny_demo against PyTorch"), std::string::npos) << cli.log;

@@ -64,8 +64,9 @@ TEST(BenchTargets, StepVerdictsSayTheEnergyTheTargetAllows) {
   ASSERT_EQ(v.size(), 3u);
   EXPECT_DOUBLE_EQ(v[0].joules, 64.0);
   EXPECT_DOUBLE_EQ(v[0].joules_allowed, 59.5);  // 85 ms at 700 W
-  EXPECT_EQ(describe(v[0]),
-            "BF16 step (BF16): 90.41 ms <= 85.00 ms, missed by 5.41 ms; 64.0 J a step, 59.5 J allowed at the 700 W limit");
+  EXPECT_EQ(
+      describe(v[0]),
+      "BF16 step (BF16): 90.41 ms <= 85.00 ms, missed by 5.41 ms; 64.0 J a step, 59.5 J allowed at the 700 W limit");
   EXPECT_EQ(describe(v[1]),
             "FP8 step (delayed hybrid): 59.49 ms <= 60.00 ms, met; 42.5 J a step, 42.0 J allowed at the 700 W limit");
   EXPECT_LT(v[2].joules, 0.0);
@@ -76,9 +77,9 @@ TEST(BenchTargets, StepVerdictsSayTheEnergyTheTargetAllows) {
 TEST(BenchTargets, OnlyTheTargetsTheRunsCanBeJudgedOn) {
   // No BF16 run: no memory ratio; other recipes and the e4m3 format are not what the FP8 target
   // names; a run without a launch measurement gives no launch verdict.
-  const std::vector<TargetVerdict> v = judge_targets(
-      "W1", {{"delayed", "e4m3", 27.0, 15.0, -1}, {"blockwise", "hybrid", 27.0, 15.0, -1},
-             {"delayed", "hybrid", 27.9, 15.3, -1}});
+  const std::vector<TargetVerdict> v = judge_targets("W1", {{"delayed", "e4m3", 27.0, 15.0, -1},
+                                                            {"blockwise", "hybrid", 27.0, 15.0, -1},
+                                                            {"delayed", "hybrid", 27.9, 15.3, -1}});
   ASSERT_EQ(v.size(), 1u);
   EXPECT_EQ(v[0].target, "FP8 step");
   EXPECT_EQ(v[0].run, "delayed hybrid");

@@ -9,10 +9,10 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 #include <tuple>
-#include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -89,8 +89,12 @@ TEST(Sha256, FileRangeMatchesMemory) {
   std::string data;
   for (uint32_t i = 0; i < (9u << 20); ++i) data.push_back(static_cast<char>(i * 2654435761u >> 24));
   std::ofstream(p, std::ios::binary) << data;
-  for (const auto& [offset, bytes] : {std::pair<uint64_t, uint64_t>{0, 0}, {0, 1}, {77, 100003}, {5000000, 4194311},
-                                      {0, data.size()}, {data.size() - 9, 9}})
+  for (const auto& [offset, bytes] : {std::pair<uint64_t, uint64_t>{0, 0},
+                                      {0, 1},
+                                      {77, 100003},
+                                      {5000000, 4194311},
+                                      {0, data.size()},
+                                      {data.size() - 9, 9}})
     EXPECT_EQ(sha256_file_range(p.string(), offset, bytes), sha256_hex(std::string_view(data).substr(offset, bytes)))
         << offset << " " << bytes;
   const std::string e = testing::error_of([&] { sha256_file_range(p.string(), data.size() - 4, 8); });
@@ -125,8 +129,7 @@ struct ModelRun {
   TrainerState state;
 
   // Moments in the parameters' type, or in `moments` (bf16: adam_moment_precision).
-  explicit ModelRun(DType t = DType::f32, std::optional<DType> moments = std::nullopt)
-      : dtype(t), store(cfg, *be, t) {
+  explicit ModelRun(DType t = DType::f32, std::optional<DType> moments = std::nullopt) : dtype(t), store(cfg, *be, t) {
     const int64_t n = store.layout().total();
     const DType mt = moments.value_or(t);
     m_mem = be->allocate(static_cast<size_t>(n) * dtype_size(mt));
@@ -317,7 +320,8 @@ TEST(Checkpoint, AlteredByteIsRefused) {
 // A manifest's piece digests over pieces of any size (the writer's are 32 MiB: here 4 KiB, so
 // a small model's files have many) verify side by side; a damaged piece is named by its bytes.
 // Version 1 manifests (one SHA-256 per file) still verify.
-void rewrite_manifest(const std::string& dir, const std::function<void(nlohmann::json&, const std::string& file)>& edit) {
+void rewrite_manifest(const std::string& dir,
+                      const std::function<void(nlohmann::json&, const std::string& file)>& edit) {
   const fs::path path = fs::path(dir) / "manifest.json";
   nlohmann::json m = nlohmann::json::parse(std::ifstream(path));
   for (auto& [name, rec] : m["files"].items()) edit(rec, (fs::path(dir) / name).string());
@@ -391,8 +395,8 @@ TEST(Checkpoint, SizesOnlyLoadSkipsTheDigests) {
   load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v, nullptr, nullptr, CheckpointVerify::sizes);
   EXPECT_EQ(b.state.step, 100);
   fs::resize_file(model, fs::file_size(model) - 1);
-  const std::string e =
-      error_of([&] { load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v, nullptr, nullptr, CheckpointVerify::sizes); });
+  const std::string e = error_of(
+      [&] { load_checkpoint(dir, b.state, b.cfg, b.store, b.m, b.v, nullptr, nullptr, CheckpointVerify::sizes); });
   EXPECT_NE(e.find("model.safetensors has"), std::string::npos) << e;
 }
 
@@ -433,8 +437,7 @@ TEST(Checkpoint, FindLatestSkipsCorruptAndUnfinished) {
   std::ofstream(root.path / ".tmp-step-0002000-999999" / "model.safetensors") << "partial";
   std::string report;
   EXPECT_EQ(find_latest_checkpoint(root.str(), &report), s100);
-  EXPECT_NE(report.find("step-0001000: optimizer.safetensors has 1234 bytes, manifest says"),
-            std::string::npos)
+  EXPECT_NE(report.find("step-0001000: optimizer.safetensors has 1234 bytes, manifest says"), std::string::npos)
       << report;
   EXPECT_NE(report.find("step-0000200: manifest.json is missing"), std::string::npos) << report;
   EXPECT_NE(report.find("using step-0000100"), std::string::npos) << report;
@@ -502,9 +505,8 @@ TEST(Checkpoint, WrongMomentBufferIsRefused) {
   TempRoot root;
   ModelRun run;
   const Tensor short_m(run.m.data, run.m.dtype, Shape{run.m.numel() - 1});
-  const std::string e = error_of([&] {
-    save_checkpoint(root.str(), run.state, run.cfg, run.store, short_m, run.v, 0);
-  });
+  const std::string e =
+      error_of([&] { save_checkpoint(root.str(), run.state, run.cfg, run.store, short_m, run.v, 0); });
   EXPECT_NE(e.find("adam_m"), std::string::npos) << e;
 }
 
@@ -534,15 +536,15 @@ Fp8MetaRegistry test_fp8_registry() {
 }
 
 TEST(CheckpointSnapshot, WritesTheSameFilesAsASaveInLine) {
-  for (const auto& [dtype, moments] : {std::pair{DType::f32, DType::f32}, std::pair{DType::f32, DType::bf16},
-                                       std::pair{DType::f64, DType::f64}}) {
+  for (const auto& [dtype, moments] :
+       {std::pair{DType::f32, DType::f32}, std::pair{DType::f32, DType::bf16}, std::pair{DType::f64, DType::f64}}) {
     SCOPED_TRACE(std::string(dtype_name(dtype)) + " parameters, " + std::string(dtype_name(moments)) + " moments");
     TempRoot root;
     ModelRun run(dtype, moments);
     run.randomize(5);
     const Fp8MetaRegistry reg = test_fp8_registry();
-    const std::string in_line = save_checkpoint((root.path / "in_line").string(), run.state, run.cfg, run.store,
-                                                run.m, run.v, 0, &reg);
+    const std::string in_line =
+        save_checkpoint((root.path / "in_line").string(), run.state, run.cfg, run.store, run.m, run.v, 0, &reg);
     CheckpointSnapshot snapshot;
     EXPECT_EQ(CheckpointSnapshot::bytes_for(run.store, run.m, run.v),
               static_cast<uint64_t>(run.store.layout().total()) * (dtype_size(dtype) + 2 * dtype_size(moments)));

@@ -12,7 +12,6 @@
 #include "config/config.h"
 #include "core/error.h"
 #include "model/flux_config.h"
-
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -23,9 +22,6 @@ namespace {
 using ConfigFiles = flux8::testing::TempDir;
 using flux8::testing::error_of;
 using flux8::testing::expect_mentions;
-
-
-
 
 }  // namespace
 
@@ -98,9 +94,8 @@ TEST(Config, DiamondIncludeIsNotACycle) {
 TEST(Config, SetParsesEachType) {
   ConfigFiles files;
   Config cfg = Config::load(files.write("x.yaml", "hidden_size: 64\n"),
-                            {"hidden_size=128", "mlp_ratio=2.5", "guidance_embed=true",
-                             "model_name=my model", "backend=cuda", "axes_dim=[8, 28,28]",
-                             "qkv_bias = false", "qk_norm_eps=1.1920929e-07"});
+                            {"hidden_size=128", "mlp_ratio=2.5", "guidance_embed=true", "model_name=my model",
+                             "backend=cuda", "axes_dim=[8, 28,28]", "qkv_bias = false", "qk_norm_eps=1.1920929e-07"});
   EXPECT_EQ(cfg.get_int("hidden_size"), 128);
   EXPECT_DOUBLE_EQ(cfg.get_float("mlp_ratio"), 2.5);
   EXPECT_TRUE(cfg.get_bool("guidance_embed"));
@@ -123,7 +118,8 @@ TEST(Config, PrecisionKeysReachTheBackendOptions) {
       BackendOptions::from_config(Config::load(files.write("g.yaml", "grad_precision: bf16\n"), {}));
   EXPECT_TRUE(o.bf16_grads);
   EXPECT_EQ(make_backend("cpu", o)->gradient_dtype(DType::f32), DType::f32);
-  flux8::testing::expect_refused("grad_precision", [&] { Config::load(files.write("b.yaml", "grad_precision: fp16\n"), {}); });
+  flux8::testing::expect_refused("grad_precision",
+                                 [&] { Config::load(files.write("b.yaml", "grad_precision: fp16\n"), {}); });
 }
 
 // deterministic_attention (cuDNN's deterministic attention backward, the default) reaches the
@@ -137,8 +133,10 @@ TEST(Config, DeterministicAttentionKeyAndItsEnvironmentOverride) {
     bool had;
     std::string value;
     ~Restore() {
-      if (had) setenv("FLUX8_ATTENTION_DETERMINISTIC", value.c_str(), 1);
-      else unsetenv("FLUX8_ATTENTION_DETERMINISTIC");
+      if (had)
+        setenv("FLUX8_ATTENTION_DETERMINISTIC", value.c_str(), 1);
+      else
+        unsetenv("FLUX8_ATTENTION_DETERMINISTIC");
     }
   } restore{was != nullptr, saved};
   const Config defaults = Config::load(files.write("d.yaml", "# defaults\n"), {});
@@ -177,8 +175,7 @@ TEST(Config, ProgrammaticSetRecordsSource) {
   cfg.set("round_activations_to_bf16", "yes");
   EXPECT_TRUE(cfg.get_bool("round_activations_to_bf16"));
   EXPECT_EQ(cfg.source("round_activations_to_bf16"), "set()");
-  expect_mentions(error_of([&] { cfg.set("micro_batch_size", "0"); }),
-                  {"micro_batch_size", "set()", ">= 1", "'0'"});
+  expect_mentions(error_of([&] { cfg.set("micro_batch_size", "0"); }), {"micro_batch_size", "set()", ">= 1", "'0'"});
 }
 
 TEST(Config, DumpLoadsBackToTheSameValues) {
@@ -203,8 +200,7 @@ TEST(ConfigError, UnknownKeySuggestsTheClosest) {
   ConfigFiles files;
   const std::string p = files.write("x.yaml", "seed: 1\nhiden_size: 3\n");
   expect_mentions(error_of([&] { Config::load(p); }),
-                  {"unknown config key 'hiden_size'", p + ":2", "did you mean 'hidden_size'?",
-                   "docs/CONFIG.md"});
+                  {"unknown config key 'hiden_size'", p + ":2", "did you mean 'hidden_size'?", "docs/CONFIG.md"});
   // Nothing close: no suggestion, still an error.
   const std::string q = files.write("y.yaml", "completely_different_thing: 1\n");
   const std::string msg = error_of([&] { Config::load(q); });
@@ -222,8 +218,7 @@ TEST(ConfigError, UnknownKeyInSet) {
 TEST(ConfigError, WrongTypeNamesFileLineAndValue) {
   ConfigFiles files;
   const std::string p = files.write("x.yaml", "# header\nseed: 1\nhidden_size: abc\n");
-  expect_mentions(error_of([&] { Config::load(p); }),
-                  {"hidden_size in " + p + ":3 must be an integer", "got 'abc'"});
+  expect_mentions(error_of([&] { Config::load(p); }), {"hidden_size in " + p + ":3 must be an integer", "got 'abc'"});
   const std::string q = files.write("y.yaml", "hidden_size: 30.5\n");
   expect_mentions(error_of([&] { Config::load(q); }), {"must be an integer", "'30.5'"});
   const std::string r = files.write("z.yaml", "guidance_embed: maybe\n");
@@ -238,19 +233,16 @@ TEST(ConfigError, OutOfRange) {
   ConfigFiles files;
   expect_mentions(error_of([&] { Config::load(files.write("a.yaml", "num_attention_heads: 0\n")); }),
                   {"num_attention_heads", ":1", "an integer >= 1", "got '0'"});
-  expect_mentions(error_of([&] { Config::load(files.write("b.yaml", "mlp_ratio: 0\n")); }),
-                  {"mlp_ratio", "> 0"});
+  expect_mentions(error_of([&] { Config::load(files.write("b.yaml", "mlp_ratio: 0\n")); }), {"mlp_ratio", "> 0"});
   expect_mentions(error_of([&] { Config::load(files.write("c.yaml", "axes_dim: [16, -2]\n")); }),
                   {"axes_dim", "each >= 1", "[16, -2]"});
-  expect_mentions(error_of([&] { Config::load(files.write("d.yaml", ""), {"seed=-1"}); }),
-                  {"seed in --set", ">= 0"});
+  expect_mentions(error_of([&] { Config::load(files.write("d.yaml", ""), {"seed=-1"}); }), {"seed in --set", ">= 0"});
 }
 
 TEST(ConfigError, ValueNotInChoicesListsThem) {
   ConfigFiles files;
   const std::string p = files.write("x.yaml", "backend: tpu\n");
-  expect_mentions(error_of([&] { Config::load(p); }),
-                  {"backend in " + p + ":1", "one of: cpu, cuda", "'tpu'"});
+  expect_mentions(error_of([&] { Config::load(p); }), {"backend in " + p + ":1", "one of: cpu, cuda", "'tpu'"});
 }
 
 TEST(ConfigError, MissingIncludeNamesIncluderAndPathTried) {
@@ -266,8 +258,7 @@ TEST(ConfigError, IncludeCycle) {
   ConfigFiles files;
   files.write("a.yaml", "include: b.yaml\n");
   files.write("b.yaml", "include: sub/../a.yaml\n");
-  expect_mentions(error_of([&] { Config::load(files.path("a.yaml")); }),
-                  {"include cycle", "a.yaml -> ", "b.yaml -> "});
+  expect_mentions(error_of([&] { Config::load(files.path("a.yaml")); }), {"include cycle", "a.yaml -> ", "b.yaml -> "});
   files.write("self.yaml", "include: self.yaml\n");
   expect_mentions(error_of([&] { Config::load(files.path("self.yaml")); }), {"include cycle"});
 }
@@ -342,8 +333,7 @@ TEST(ConfigModel, ImageTokens) {
   FluxConfig m;  // schnell: 8x VAE, 2x2 patches
   EXPECT_EQ(m.image_tokens(256), 256);
   EXPECT_EQ(m.image_tokens(1024), 4096);
-  expect_mentions(error_of([&] { m.image_tokens(100); }),
-                  {"100 pixels", "vae_downsample (8)", "patch_size (2)", "16"});
+  expect_mentions(error_of([&] { m.image_tokens(100); }), {"100 pixels", "vae_downsample (8)", "patch_size (2)", "16"});
 }
 
 TEST(ConfigModel, CrossKeyRulesNameTheKeys) {

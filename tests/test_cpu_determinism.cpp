@@ -38,8 +38,7 @@ std::vector<Output<T>> run_workload(Backend& be) {
     out.push_back({name, activation, b.values()});
   };
   {
-    auto x = input({B, L, H}, 3), w = input({M, H}, 0, 0.2), bias = input({M}),
-         dy = input({B, L, M}, 1);
+    auto x = input({B, L, H}, 3), w = input({M, H}, 0, 0.2), bias = input({M}), dy = input({B, L, M}, 1);
     Buf<T> y({B, L, M}, 2), dx({B, L, H}, 3), dw({M, H}), db({M});
     be.linear(y.t, x.t, w.t, bias.t);
     be.linear_backward(dx.t, dw.t, db.t, dy.t, x.t, w.t, false, true);
@@ -59,8 +58,8 @@ std::vector<Output<T>> run_workload(Backend& be) {
     Buf<T> y({B, L, H}), mean({B * L}), rstd({B * L}), dx({B, L, H}), dmod({B, 2 * H});
     const Tensor scale = mod.t.cols_slice(H, H);
     be.layernorm_modulate(y.t, mean.t, rstd.t, x.t, mod.t.cols_slice(0, H), scale, 1e-6f);
-    be.layernorm_modulate_backward(dx.t, dmod.t.cols_slice(0, H), dmod.t.cols_slice(H, H), dy.t,
-                                   x.t, mean.t, rstd.t, scale, false);
+    be.layernorm_modulate_backward(dx.t, dmod.t.cols_slice(0, H), dmod.t.cols_slice(H, H), dy.t, x.t, mean.t, rstd.t,
+                                   scale, false);
     keep("layernorm y", true, y), keep("layernorm mean", false, mean);
     keep("layernorm rstd", false, rstd), keep("layernorm dx", true, dx);
     keep("layernorm dshift/dscale", true, dmod);

@@ -14,8 +14,8 @@
 #include "backend/backend.h"
 #include "backend/transfer.h"
 #include "core/error.h"
-#include "fp8/qtensor.h"
 #include "cpu_ops_util.h"
+#include "fp8/qtensor.h"
 
 namespace flux8::testing {
 namespace {
@@ -213,8 +213,7 @@ TEST_F(CpuOps, LayerNormModulateMatchesFormula) {
   x.randn(7, 2.0), mod.randn(8), y.fill_padding(kNaN);
   for (double& v : x.mem) v += 10;  // a large mean: variance must not cancel
   const float eps = 1e-6f;
-  be->layernorm_modulate(y.t, mean.t, rstd.t, x.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H),
-                         eps);
+  be->layernorm_modulate(y.t, mean.t, rstd.t, x.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H), eps);
   EXPECT_TRUE(y.padding_is_nan());
   for (int64_t r = 0; r < B * L; ++r) {
     double mu = 0, var = 0;
@@ -241,9 +240,9 @@ TEST_F(CpuOps, LayerNormStatisticsOnly) {
   be->layernorm_modulate(Tensor{}, mean2.t, rstd2.t, x.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H), 1e-6);
   EXPECT_EQ(mean.mem, mean2.mem);
   EXPECT_EQ(rstd.mem, rstd2.mem);
-  EXPECT_THROW(be->layernorm_modulate(Tensor{}, mean2.t, rstd2.t, x.t, mod.t.cols_slice(0, H - 1),
-                                      mod.t.cols_slice(H, H), 1e-6),
-               Error);
+  EXPECT_THROW(
+      be->layernorm_modulate(Tensor{}, mean2.t, rstd2.t, x.t, mod.t.cols_slice(0, H - 1), mod.t.cols_slice(H, H), 1e-6),
+      Error);
 }
 
 // Backend::quantize_fused's default (the CPU's): the op's output, then the cast — the same
@@ -255,8 +254,8 @@ TEST_F(CpuOps, QuantizeFusedIsOpThenCast) {
   x.randn(21, 2.0), mod.randn(22, 0.5), gx.randn(23, 2.0);
   for (const Op op : {Op::identity, Op::gelu_tanh, Op::layernorm_modulate, Op::gelu_tanh_backward, Op::gated}) {
     SCOPED_TRACE(static_cast<int>(op));
-    Backend::CastInput in =
-        Backend::CastInput::layernorm_modulate_of(x.t, mean.t, rstd.t, mod.t.cols_slice(0, H), mod.t.cols_slice(H, H), 1e-6);
+    Backend::CastInput in = Backend::CastInput::layernorm_modulate_of(x.t, mean.t, rstd.t, mod.t.cols_slice(0, H),
+                                                                      mod.t.cols_slice(H, H), 1e-6);
     in.op = op;
     in.gelu_x = gx.t;                  // gelu_tanh_backward: x is dy, gx the GELU's input
     in.gate = mod.t.cols_slice(H, H);  // gated: x is the residual's gradient
@@ -400,8 +399,7 @@ TEST_F(CpuOps, RmsNormHeadsMatchesFormula) {
       for (int64_t d = 0; d < D; ++d) ms += x.at(r, h * D + d) * x.at(r, h * D + d) / D;
       const double rs = 1 / std::sqrt(ms + static_cast<double>(1e-6f));
       EXPECT_NEAR(rstd.mem[r * n + h], rs, kExact * rs);
-      for (int64_t d = 0; d < D; ++d)
-        EXPECT_NEAR(y.at(r, h * D + d), x.at(r, h * D + d) * rs * scale.mem[d], kExact);
+      for (int64_t d = 0; d < D; ++d) EXPECT_NEAR(y.at(r, h * D + d), x.at(r, h * D + d) * rs * scale.mem[d], kExact);
     }
 }
 
@@ -429,8 +427,7 @@ TEST_F(CpuOps, RopeRotatesAdjacentPairsAndInverseUndoesIt) {
   be->rope(x.t, pe.t, false);
   // Element pair p = 3 of head 1, sample 1, token 4: (c·x0 − s·x1, s·x0 + c·x1).
   const int64_t r = (1 * NH + 1) * L + 4, p = 3;
-  const double c = pe.mem[((1 * L + 4) * (D / 2) + p) * 2],
-               s = pe.mem[((1 * L + 4) * (D / 2) + p) * 2 + 1];
+  const double c = pe.mem[((1 * L + 4) * (D / 2) + p) * 2], s = pe.mem[((1 * L + 4) * (D / 2) + p) * 2 + 1];
   EXPECT_NEAR(x.at(r, 2 * p), c * x0.at(r, 2 * p) - s * x0.at(r, 2 * p + 1), kExact);
   EXPECT_NEAR(x.at(r, 2 * p + 1), s * x0.at(r, 2 * p) + c * x0.at(r, 2 * p + 1), kExact);
   be->rope(x.t, pe.t, true);
@@ -542,12 +539,12 @@ TEST_F(CpuOps, AccumulateVersusOverwrite) {
   lx.randn(23), mod.randn(24), ldy.randn(25);
   const Tensor shift = mod.t.cols_slice(0, H), scale = mod.t.cols_slice(H, H);
   be->layernorm_modulate(ly.t, mean.t, rstd.t, lx.t, shift, scale, 1e-6f);
-  be->layernorm_modulate_backward(ldx.t, dmod.t.cols_slice(0, H), dmod.t.cols_slice(H, H), ldy.t,
-                                  lx.t, mean.t, rstd.t, scale, false);
+  be->layernorm_modulate_backward(ldx.t, dmod.t.cols_slice(0, H), dmod.t.cols_slice(H, H), ldy.t, lx.t, mean.t, rstd.t,
+                                  scale, false);
   const auto once = ldx.values();
   dmod2.randn(26);  // garbage that must be overwritten
-  be->layernorm_modulate_backward(ldx.t, dmod2.t.cols_slice(0, H), dmod2.t.cols_slice(H, H), ldy.t,
-                                  lx.t, mean.t, rstd.t, scale, true);
+  be->layernorm_modulate_backward(ldx.t, dmod2.t.cols_slice(0, H), dmod2.t.cols_slice(H, H), ldy.t, lx.t, mean.t,
+                                  rstd.t, scale, true);
   EXPECT_EQ(dmod2.values(), dmod.values());
   for (size_t i = 0; i < once.size(); ++i) EXPECT_NEAR(ldx.values()[i], 2 * once[i], kExact);
 

@@ -124,8 +124,8 @@ template <typename T>
 void backward_fused(Backend& be, Inputs<T>& in, Heads<T>& fwd, Heads<T>& dheads, Grads<T>& g, int s) {
   be.qk_norm_rope_to_heads_backward(part(g.dqkv[s], 0), part(g.dqkv[s], 1), part(g.dqkv[s], 2), g.dq_scale.t,
                                     g.dk_scale.t, dheads.q.t, dheads.k.t, dheads.v.t, part(in.stream(s), 0),
-                                    part(in.stream(s), 1), fwd.q_rstd[s].t, fwd.k_rstd[s].t, in.q_scale.t,
-                                    in.k_scale.t, in.pe.t, in.offset(s));
+                                    part(in.stream(s), 1), fwd.q_rstd[s].t, fwd.k_rstd[s].t, in.q_scale.t, in.k_scale.t,
+                                    in.pe.t, in.offset(s));
 }
 
 template <typename T>
@@ -201,8 +201,8 @@ TEST(CpuQkNormRope, UndefinedOutputsAreSkipped) {
   backward_fused(*be, in, full, dheads, all, 1);
   // Only dq_scale and dk: dq, dv, dk_scale and dv_heads undefined.
   const std::vector<double> dq_before = some.dqkv[1].values();
-  be->qk_norm_rope_to_heads_backward(Tensor{}, part(some.dqkv[1], 1), Tensor{}, some.dq_scale.t, Tensor{},
-                                     dheads.q.t, dheads.k.t, Tensor{}, part(in.stream(1), 0), part(in.stream(1), 1),
+  be->qk_norm_rope_to_heads_backward(Tensor{}, part(some.dqkv[1], 1), Tensor{}, some.dq_scale.t, Tensor{}, dheads.q.t,
+                                     dheads.k.t, Tensor{}, part(in.stream(1), 0), part(in.stream(1), 1),
                                      full.q_rstd[1].t, full.k_rstd[1].t, in.q_scale.t, in.k_scale.t, in.pe.t, Lt);
   EXPECT_EQ(some.dq_scale.values(), all.dq_scale.values());
   EXPECT_EQ(some.dk_scale.values(), Grads<double>().dk_scale.values()) << "dk_scale was not asked for";
@@ -230,8 +230,8 @@ TEST(CpuQkNormRope, ErrorsNameOpAndTensor) {
   Buf<double> odd_q({B, NH, L, D - 1}), odd_k({B, NH, L, D - 1}), odd_v({B, NH, L, D - 1});
   expect_mentions(error_of([&] {
                     be->qk_norm_rope_to_heads(odd_q.t, odd_k.t, odd_v.t, Tensor{}, Tensor{}, part(in.img, 0),
-                                              part(in.img, 1), part(in.img, 2), in.q_scale.t, in.k_scale.t,
-                                              in.pe.t, Lt, kEps);
+                                              part(in.img, 1), part(in.img, 2), in.q_scale.t, in.k_scale.t, in.pe.t, Lt,
+                                              kEps);
                   }),
                   {"qk_norm_rope_to_heads: head dim 9 of 'q_heads'", "must be even"});
   Buf<double> pe_short({B, L - 1, D / 2, 2});

@@ -20,7 +20,6 @@
 #include "data/tar.h"
 #include "data/webdataset.h"
 #include "io/safetensors.h"
-
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -28,9 +27,9 @@ using namespace flux8;
 
 namespace {
 
-using flux8::testing::TempDir;
 using flux8::testing::error_of;
 using flux8::testing::read_bytes;
+using flux8::testing::TempDir;
 using flux8::testing::write_bytes;
 
 // All members of a tar as (name, data).
@@ -46,8 +45,8 @@ std::vector<std::pair<std::string, std::string>> read_all(const std::string& pat
 }
 
 // A .npy v1.0 (or v2.0) image: descr as given, C order, data bytes as given.
-std::string npy(const std::string& descr, const std::vector<int64_t>& shape,
-                const std::string& data, int version = 1, bool fortran = false) {
+std::string npy(const std::string& descr, const std::vector<int64_t>& shape, const std::string& data, int version = 1,
+                bool fortran = false) {
   std::string shape_text = "(";
   for (int64_t d : shape) shape_text += std::to_string(d) + ", ";
   if (shape.size() > 1) shape_text.resize(shape_text.size() - 2);
@@ -80,8 +79,7 @@ std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
 
 // One 512-byte header assembled by hand (octal fields, checksum), for cases the writer never
 // produces: pax headers, ustar prefixes, directories.
-std::string raw_header(const std::string& name, uint64_t size, char type,
-                       const std::string& prefix = "") {
+std::string raw_header(const std::string& name, uint64_t size, char type, const std::string& prefix = "") {
   std::string h(512, '\0');
   std::memcpy(h.data(), name.data(), std::min<size_t>(name.size(), 100));
   std::snprintf(h.data() + 100, 8, "%07o", 0644);
@@ -98,9 +96,7 @@ std::string raw_header(const std::string& name, uint64_t size, char type,
   h[155] = ' ';
   return h;
 }
-std::string padded(const std::string& data) {
-  return data + std::string((512 - data.size() % 512) % 512, '\0');
-}
+std::string padded(const std::string& data) { return data + std::string((512 - data.size() % 512) % 512, '\0'); }
 // A pax record "<len> key=value\n", where len counts the whole record including itself.
 std::string pax_record(const std::string& key, const std::string& value) {
   const std::string body = " " + key + "=" + value + "\n";
@@ -117,13 +113,12 @@ std::string pax_record(const std::string& key, const std::string& value) {
 TEST(TarTest, RoundTripIncludingLongNamesAndBlockEdges) {
   TempDir tmp;
   const std::string long_name = "deep/" + std::string(140, 'n') + "/000001.t5.npy";
-  std::vector<std::pair<std::string, std::string>> members = {
-      {"000000.txt", "a red circle"},
-      {"000000.empty.bytes", ""},
-      {"000000.block.bytes", std::string(512, 'x')},
-      {"000000.more.bytes", std::string(513, 'y')},
-      {long_name, "long"},
-      {std::string(100, 'e'), "exactly one hundred"}};
+  std::vector<std::pair<std::string, std::string>> members = {{"000000.txt", "a red circle"},
+                                                              {"000000.empty.bytes", ""},
+                                                              {"000000.block.bytes", std::string(512, 'x')},
+                                                              {"000000.more.bytes", std::string(513, 'y')},
+                                                              {long_name, "long"},
+                                                              {std::string(100, 'e'), "exactly one hundred"}};
   {
     TarWriter w(tmp.path("a.tar"));
     for (const auto& [n, d] : members) w.add(n, d);
@@ -140,8 +135,7 @@ TEST(TarTest, RoundTripIncludingLongNamesAndBlockEdges) {
   ASSERT_TRUE(r.next(m));  // skipping the first member's data
   ASSERT_TRUE(r.next(m));
   EXPECT_EQ(m.name, "000000.block.bytes");
-  EXPECT_EQ(read_file_range(tmp.path("a.tar"), m.data_offset, m.size, m.name),
-            std::vector<uint8_t>(512, 'x'));
+  EXPECT_EQ(read_file_range(tmp.path("a.tar"), m.data_offset, m.size, m.name), std::vector<uint8_t>(512, 'x'));
 }
 
 TEST(TarTest, WriterWithoutFinishLeavesNoFile) {
@@ -162,7 +156,7 @@ TEST(TarTest, PaxPathPrefixAndDirectoriesHandCrafted) {
   const std::string pax_data = pax_record("mtime", "1700000000.5") + pax_record("path", pax_path);
   std::string bytes = raw_header("PaxHeaders/k", pax_data.size(), 'x') + padded(pax_data);
   bytes += raw_header("truncated-name", 5, '0') + padded("hello");
-  bytes += raw_header("somedir/", 0, '5');                        // directory: skipped
+  bytes += raw_header("somedir/", 0, '5');                             // directory: skipped
   bytes += raw_header("name.txt", 3, '0', "pre/fix") + padded("abc");  // ustar prefix
   bytes += raw_header("pax_global_header", pax_data.size(), 'g') + padded(pax_data);
   bytes += raw_header("plain.txt", 2, '0') + padded("ok");
@@ -226,8 +220,7 @@ TEST(TarTest, TruncatedMemberDetectedWithShardAndMember) {
   TarMember m;
   ASSERT_TRUE(r.next(m));
   const std::string err = error_of([&] { r.next(m); });
-  EXPECT_NE(err.find("shard " + tmp.path("train-000003.tar") + ", member 000123.t5.bytes"),
-            std::string::npos) << err;
+  EXPECT_NE(err.find("shard " + tmp.path("train-000003.tar") + ", member 000123.t5.bytes"), std::string::npos) << err;
   EXPECT_NE(err.find("truncated"), std::string::npos) << err;
 }
 
@@ -302,8 +295,7 @@ TEST(WebDatasetTest, NpyDecoder) {
   err = error_of([&] { dec(npy(">f4", {1}, std::string(4, '\0'))); });
   EXPECT_NE(err.find("big-endian"), std::string::npos) << err;
   err = error_of([&] { dec(npy("<f4", {3}, std::string(8, '\0'))); });
-  EXPECT_NE(err.find("[3] '<f4' = 12 data bytes, but the member holds 8"), std::string::npos)
-      << err;
+  EXPECT_NE(err.find("[3] '<f4' = 12 data bytes, but the member holds 8"), std::string::npos) << err;
   err = error_of([&] { dec("not numpy"); });
   EXPECT_NE(err.find("not a .npy"), std::string::npos) << err;
 }
@@ -368,8 +360,11 @@ TEST(WebDatasetTest, JsonShapeMismatchNamesShardMemberAndSizes) {
   WebDatasetReader r(shard);
   Sample s;
   const std::string err = error_of([&] { r.next(s); });
-  EXPECT_NE(err.find("shard " + shard + ", member 000123.t5.bytes: 8388608 bytes, but json says "
-                     "[256, 4096] bf16 = 2097152 bytes"), std::string::npos) << err;
+  EXPECT_NE(err.find("shard " + shard +
+                     ", member 000123.t5.bytes: 8388608 bytes, but json says "
+                     "[256, 4096] bf16 = 2097152 bytes"),
+            std::string::npos)
+      << err;
 
   // Without a json shape an unknown field cannot be decoded, and the message says what to add.
   {
@@ -455,8 +450,7 @@ std::vector<int> take(DataLoader& loader, size_t n, int sleep_every = 0) {
     if (!loader.next(s)) break;
     out.push_back(static_cast<int>(s.at("t5").data[0]));
     EXPECT_EQ(s.key, fmt::format("{:06d}", out.back()));
-    if (sleep_every > 0 && i % sleep_every == 0)
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (sleep_every > 0 && i % sleep_every == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return out;
 }
@@ -478,8 +472,7 @@ TEST(DataLoaderTest, ResolvesGlobListFileAndDirectory) {
   EXPECT_EQ(resolve_shards(tmp.path("train-*.tar")), paths);
   EXPECT_EQ(resolve_shards(tmp.path("")), paths);  // the directory
   write_bytes(tmp.path("list.txt"), "# shards\ntrain-000002.tar\n\ntrain-000000.tar\n");
-  EXPECT_EQ(resolve_shards(tmp.path("list.txt")),
-            (std::vector<std::string>{paths[0], paths[2]}));
+  EXPECT_EQ(resolve_shards(tmp.path("list.txt")), (std::vector<std::string>{paths[0], paths[2]}));
   write_bytes(tmp.path("bad.txt"), "train-000009.tar\n");
   std::string err = error_of([&] { resolve_shards(tmp.path("bad.txt")); });
   EXPECT_NE(err.find("line 1"), std::string::npos) << err;
@@ -556,8 +549,7 @@ TEST(DataLoaderTest, ResumeFromStateReproducesTheSequence) {
     DataLoader resumed(o, st);
     std::vector<int> joined = head;
     for (int g : take(resumed, 100 - cut)) joined.push_back(g);
-    EXPECT_EQ(joined, expected) << "cut at " << cut << " (epoch " << st.epoch << ", consumed "
-                                << st.consumed << ")";
+    EXPECT_EQ(joined, expected) << "cut at " << cut << " (epoch " << st.epoch << ", consumed " << st.consumed << ")";
     // reset() on a running loader does the same.
     first.reset(LoaderState{0, 3});
     EXPECT_EQ(take(first, 10), std::vector<int>(expected.begin() + 3, expected.begin() + 13));

@@ -15,7 +15,6 @@
 #include "data/demo.h"
 #include "data/text_encoder.h"
 #include "data/webdataset.h"
-
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -23,9 +22,9 @@ using namespace flux8;
 
 namespace {
 
-using flux8::testing::TempDir;
 using flux8::testing::error_of;
 using flux8::testing::read_bytes;
+using flux8::testing::TempDir;
 
 // Minimal ustar reader, independent of the writer under test: (member name, contents) in order.
 std::vector<std::pair<std::string, std::string>> read_tar(const std::string& path) {
@@ -67,8 +66,7 @@ HostTensor parse_npy(const std::string& bytes) {
   }
   t.data.resize(static_cast<size_t>(t.numel()));
   EXPECT_EQ(bytes.size(), 10 + hlen + t.data.size() * 4) << header;
-  std::memcpy(t.data.data(), bytes.data() + 10 + hlen,
-              std::min(bytes.size() - 10 - hlen, t.data.size() * 4));
+  std::memcpy(t.data.data(), bytes.data() + 10 + hlen, std::min(bytes.size() - 10 - hlen, t.data.size() * 4));
   return t;
 }
 
@@ -97,16 +95,11 @@ struct Box {
 Box named_region(int position, int64_t S) {
   const int64_t h = S / 2, q = S / 4;
   switch (position) {
-    case 0:
-      return {0, 0, h, h};
-    case 1:
-      return {h, 0, S, h};
-    case 2:
-      return {0, h, h, S};
-    case 3:
-      return {h, h, S, S};
-    default:
-      return {q, q, S - q, S - q};
+    case 0: return {0, 0, h, h};
+    case 1: return {h, 0, S, h};
+    case 2: return {0, h, h, S};
+    case 3: return {h, h, S, S};
+    default: return {q, q, S - q, S - q};
   }
 }
 
@@ -119,8 +112,7 @@ TEST(DemoData, SameSeedSameBytes) {
     EXPECT_EQ(a.key, b.key);
     EXPECT_EQ(a.caption, b.caption);
     for (const char* f : {"image", "t5", "clip"})
-      EXPECT_EQ(encode_npy_f32(a.at(f)), encode_npy_f32(b.at(f)))
-          << "index " << i << " field " << f;
+      EXPECT_EQ(encode_npy_f32(a.at(f)), encode_npy_f32(b.at(f))) << "index " << i << " field " << f;
   }
 }
 
@@ -161,8 +153,8 @@ TEST(DemoData, CaptionMatchesImage) {
             if (inside)
               mean[c] += v;
             else
-              ASSERT_EQ(v, bg) << "S=" << S << " \"" << smp.caption << "\": pixel (" << x << ", "
-                               << y << ") outside the named region is not background";
+              ASSERT_EQ(v, bg) << "S=" << S << " \"" << smp.caption << "\": pixel (" << x << ", " << y
+                               << ") outside the named region is not background";
           }
         mean[c] /= static_cast<double>((box.x1 - box.x0) * (box.y1 - box.y0));
       }
@@ -184,8 +176,8 @@ TEST(DemoData, CaptionMatchesImage) {
       EXPECT_GT(best_cos, 0.9999) << "S=" << S << " \"" << smp.caption << "\"";
       // Side 2h = S/3 +-10% in a region of S/2 x S/2: from a small triangle, 2h^2 / (S^2/4) =
       // 0.18, to a large square, 4h^2 / (S^2/4) = 0.54.
-      const double fraction = (mean[0] - (2 * kDemoBackgroundRGB[0] - 1)) /
-                              (2.0 * (kDemoColourRGB[a.colour][0] - kDemoBackgroundRGB[0]));
+      const double fraction =
+          (mean[0] - (2 * kDemoBackgroundRGB[0] - 1)) / (2.0 * (kDemoColourRGB[a.colour][0] - kDemoBackgroundRGB[0]));
       EXPECT_GT(fraction, 0.17) << "S=" << S << " \"" << smp.caption << "\"";
       EXPECT_LT(fraction, 0.55) << "S=" << S << " \"" << smp.caption << "\"";
     }
@@ -212,8 +204,7 @@ TEST(DemoData, DrawnAreaMatchesNamedShape) {
       const double h = g.half;
       const double expected = a.shape == 0 ? M_PI * h * h : a.shape == 1 ? 4 * h * h : 2 * h * h;
       EXPECT_NEAR(area, expected, 0.01 * expected) << "S=" << S << " \"" << a.caption() << "\"";
-      EXPECT_NEAR(2 * h, S / 3.0, 0.1 * S / 3.0 + 1e-4)
-          << "shape side is about a third of the image";
+      EXPECT_NEAR(2 * h, S / 3.0, 0.1 * S / 3.0 + 1e-4) << "shape side is about a third of the image";
     }
   }
 }
@@ -224,8 +215,7 @@ TEST(DemoData, AllCombinationsAppear) {
   for (int64_t i = 0; i < kDemoCombinations; ++i)
     first_block.insert(demo_attributes(i + 7 * kDemoCombinations).caption());
   EXPECT_EQ(captions.size(), 7u * 3u * 5u);
-  EXPECT_EQ(first_block.size(), 7u * 3u * 5u)
-      << "any 105 consecutive indices hold every combination";
+  EXPECT_EQ(first_block.size(), 7u * 3u * 5u) << "any 105 consecutive indices hold every combination";
   for (auto c : kDemoColours)
     for (auto s : kDemoShapes)
       for (auto p : kDemoPositions)
@@ -238,8 +228,7 @@ TEST(DemoData, VocabularyCoversEveryCaptionWord) {
   EXPECT_EQ(unique.size(), vocab.size());
   EXPECT_EQ(vocab.size(), 7u + 3u + 5u);  // colours, shapes, top/bottom/left/right/center
   for (int64_t i = 0; i < kDemoCombinations; ++i)
-    for (const std::string& w : DemoTextEncoder::words(demo_attributes(i).caption()))
-      EXPECT_TRUE(unique.count(w)) << w;
+    for (const std::string& w : DemoTextEncoder::words(demo_attributes(i).caption())) EXPECT_TRUE(unique.count(w)) << w;
 }
 
 TEST(DemoData, NpyEncoding) {
@@ -248,8 +237,7 @@ TEST(DemoData, NpyEncoding) {
   EXPECT_NE(bytes.find("'shape': (2, 3)"), std::string::npos);
   EXPECT_EQ(parse_npy(bytes).data, t.data);
   HostTensor v{{4}, {0.5f, -1, 2, 3}};
-  EXPECT_NE(encode_npy_f32(v).find("'shape': (4,)"), std::string::npos)
-      << "1-D shapes need the trailing comma";
+  EXPECT_NE(encode_npy_f32(v).find("'shape': (4,)"), std::string::npos) << "1-D shapes need the trailing comma";
   EXPECT_EQ(parse_npy(encode_npy_f32(v)).shape, v.shape);
 }
 
@@ -261,13 +249,11 @@ TEST(DemoTextEncoder, DeterministicWithShapes) {
   EXPECT_EQ(a.t5.data, b.t5.data);
   EXPECT_EQ(a.clip.data, b.clip.data);
   // Rows 0..3 are the words' embeddings, rows 4..7 padding.
-  EXPECT_EQ(std::vector<float>(a.t5.data.begin() + 32, a.t5.data.begin() + 64),
-            enc.token_embedding("circle"));
+  EXPECT_EQ(std::vector<float>(a.t5.data.begin() + 32, a.t5.data.begin() + 64), enc.token_embedding("circle"));
   for (size_t i = 4 * 32; i < a.t5.data.size(); ++i) ASSERT_EQ(a.t5.data[i], 0.0f);
   // A wider table starts with the same values: an element depends only on (word, column).
   const DemoTextEncoder wide(8, 40, 24);
-  const std::vector<float> narrow_row = enc.token_embedding("blue"),
-                           wide_row = wide.token_embedding("blue");
+  const std::vector<float> narrow_row = enc.token_embedding("blue"), wide_row = wide.token_embedding("blue");
   EXPECT_TRUE(std::equal(narrow_row.begin(), narrow_row.end(), wide_row.begin()));
 }
 
@@ -284,8 +270,7 @@ TEST(DemoTextEncoder, EmptyPromptIsZeros) {
 
 TEST(DemoTextEncoder, CaseAndSpacingDoNotMatterButWordsDo) {
   const DemoTextEncoder enc(8, 16, 16);
-  const TextEncoding a = enc.encode("red circle top left"),
-                     b = enc.encode("  RED Circle\ttop   left ");
+  const TextEncoding a = enc.encode("red circle top left"), b = enc.encode("  RED Circle\ttop   left ");
   EXPECT_EQ(a.t5.data, b.t5.data);
   EXPECT_EQ(a.clip.data, b.clip.data);
   const TextEncoding c = enc.encode("red circle top right");
@@ -301,19 +286,16 @@ TEST(DemoTextEncoder, CaseAndSpacingDoNotMatterButWordsDo) {
 
 TEST(DemoTextEncoder, UnknownWordsAreDeterministic) {
   const DemoTextEncoder enc(4, 16, 8);
-  const TextEncoding a = enc.encode("a purple hexagon, please!"),
-                     b = enc.encode("a purple hexagon, please!");
+  const TextEncoding a = enc.encode("a purple hexagon, please!"), b = enc.encode("a purple hexagon, please!");
   EXPECT_EQ(a.t5.data, b.t5.data);
   EXPECT_EQ(a.clip.data, b.clip.data);
   EXPECT_NE(enc.token_embedding("purple"), enc.token_embedding("purple,"));
-  for (size_t i = 0; i < a.t5.data.size(); ++i)
-    ASSERT_NE(a.t5.data[i], 0.0f) << "four words fill four rows";
+  for (size_t i = 0; i < a.t5.data.size(); ++i) ASSERT_NE(a.t5.data[i], 0.0f) << "four words fill four rows";
 }
 
 TEST(DemoTextEncoder, TruncatesToTextSeqLenWords) {
   const DemoTextEncoder enc(3, 8, 8);
-  const TextEncoding kept = enc.encode("red circle top"),
-                     longer = enc.encode("red circle top left extra words");
+  const TextEncoding kept = enc.encode("red circle top"), longer = enc.encode("red circle top left extra words");
   EXPECT_EQ(longer.t5.data, kept.t5.data) << "only the first text_seq_len words count";
   EXPECT_EQ(longer.clip.data, kept.clip.data) << "the pooled vector uses the same kept words";
 }
@@ -373,8 +355,7 @@ TEST(DemoDataset, WritesReadableShards) {
         EXPECT_EQ(members[m + 3].second, want.caption);
       }
     }
-    EXPECT_EQ(next, split == "train" ? spec.train_samples : spec.train_samples + spec.val_samples)
-        << split;
+    EXPECT_EQ(next, split == "train" ? spec.train_samples : spec.train_samples + spec.val_samples) << split;
   }
 
   const HostTensor t5 = parse_npy(read_bytes(tmp.path("empty_prompt.t5.npy")));
@@ -414,8 +395,7 @@ TEST(DemoDataset, SameSpecSameShardContents) {
   write_demo_dataset(tmp.path("b"), spec);
   // TarWriter stores mtime 0, so equal content must give equal files, not just equal members.
   for (const char* shard : {"train-000000.tar", "val-000000.tar"})
-    EXPECT_EQ(read_bytes(tmp.path(std::string("a/") + shard)),
-              read_bytes(tmp.path(std::string("b/") + shard)))
+    EXPECT_EQ(read_bytes(tmp.path(std::string("a/") + shard)), read_bytes(tmp.path(std::string("b/") + shard)))
         << shard;
   spec.seed += 1;
   write_demo_dataset(tmp.path("c"), spec);

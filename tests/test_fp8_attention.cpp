@@ -63,8 +63,8 @@ struct Fp8AttentionCase {
 struct AttentionRun {
   const Fp8AttentionCase c;
   std::unique_ptr<Backend> be = make_backend("cpu");
-  std::vector<float> q, k, v, d_o;                       // exact inputs
-  std::vector<float> o, lse, dq, dk, dv;                 // exact results
+  std::vector<float> q, k, v, d_o;        // exact inputs
+  std::vector<float> o, lse, dq, dk, dv;  // exact results
   HostQ q8, k8, v8, o8, do8, dq8, dk8, dv8;
   std::vector<float> lse8;
   // scale, scale_inv of dS (P's is fixed by the op); output scales; amax targets
@@ -80,9 +80,14 @@ struct AttentionRun {
 
   explicit AttentionRun(const Fp8AttentionCase& cs)
       : c(cs),
-        q8(cs.rows(), cs.D, Fp8Format::e4m3), k8(cs.rows(), cs.D, Fp8Format::e4m3),
-        v8(cs.rows(), cs.D, Fp8Format::e4m3), o8(cs.rows(), cs.D, Fp8Format::e4m3), do8(cs.rows(), cs.D, cs.grads),
-        dq8(cs.rows(), cs.D, cs.grads), dk8(cs.rows(), cs.D, cs.grads), dv8(cs.rows(), cs.D, cs.grads) {
+        q8(cs.rows(), cs.D, Fp8Format::e4m3),
+        k8(cs.rows(), cs.D, Fp8Format::e4m3),
+        v8(cs.rows(), cs.D, Fp8Format::e4m3),
+        o8(cs.rows(), cs.D, Fp8Format::e4m3),
+        do8(cs.rows(), cs.D, cs.grads),
+        dq8(cs.rows(), cs.D, cs.grads),
+        dk8(cs.rows(), cs.D, cs.grads),
+        dv8(cs.rows(), cs.D, cs.grads) {
     const int64_t n = c.rows() * c.D;
     q = randn_f(1, n, 1.0), k = randn_f(2, n, 1.0), v = randn_f(3, n, 1.0), d_o = randn_f(4, n, 1e-3);
     o.resize(q.size()), dq.resize(q.size()), dk.resize(q.size()), dv.resize(q.size());
@@ -103,8 +108,7 @@ struct AttentionRun {
   }
   Backend::Fp8AttentionScales scales() {
     Backend::Fp8AttentionScales sc;
-    sc.o = &so, sc.ds = &ds, sc.ds_inv = &ds_inv, sc.dq = &sdq, sc.dk = &sdk,
-    sc.dv = &sdv;
+    sc.o = &so, sc.ds = &ds, sc.ds_inv = &ds_inv, sc.dq = &sdq, sc.dk = &sdk, sc.dv = &sdv;
     sc.amax_s = &amax_s, sc.amax_o = &amax_o, sc.amax_ds = &amax_ds, sc.amax_dq = &amax_dq, sc.amax_dk = &amax_dk,
     sc.amax_dv = &amax_dv;
     return sc;
@@ -141,8 +145,8 @@ TEST(CpuFp8Attention, ApproachesExactAttention) {
     const double o_db = sqnr_db(r.o8.values(), r.o), lse_db = sqnr_db(r.lse8, r.lse);
     const double dq_db = sqnr_db(r.dq8.values(), r.dq), dk_db = sqnr_db(r.dk8.values(), r.dk),
                  dv_db = sqnr_db(r.dv8.values(), r.dv);
-    std::printf("[%ld, %ld, %ld, %ld] grads %s: o %.1f dB, lse %.1f, dq %.1f, dk %.1f, dv %.1f\n", long(c.B),
-                long(c.n), long(c.L), long(c.D), fp8_format_name(c.grads), o_db, lse_db, dq_db, dk_db, dv_db);
+    std::printf("[%ld, %ld, %ld, %ld] grads %s: o %.1f dB, lse %.1f, dq %.1f, dk %.1f, dv %.1f\n", long(c.B), long(c.n),
+                long(c.L), long(c.D), fp8_format_name(c.grads), o_db, lse_db, dq_db, dk_db, dv_db);
     EXPECT_GT(o_db, 22.0);
     EXPECT_GT(lse_db, 50.0);
     EXPECT_GT(dq_db, e4 ? 20.5 : 17.0);
@@ -252,9 +256,9 @@ TEST(CpuFp8Attention, Fp8HeadsOpsPerStreamEqualOneCastOfTheJointHeads) {
     be->quantize(want[i].q, QTensor{}, Tensor(heads[i].data(), DType::f32, Shape{rows, D}), ref[i].q());
   // Per stream, the FP8 heads op.
   for (const auto& [tok, Ls, offset] : {std::tuple{&txt, Lt, int64_t{0}}, std::tuple{&img, Li, Lt}})
-    be->qk_norm_rope_to_heads_fp8(Fp8Heads{have[0].q, got[0].q()}, Fp8Heads{have[1].q, got[1].q()}, Fp8Heads{have[2].q, got[2].q()},
-                                  Tensor{}, Tensor{}, window(*tok, Ls, 0), window(*tok, Ls, 1), window(*tok, Ls, 2),
-                                  qs, ks, pe_t, offset, 1e-6);
+    be->qk_norm_rope_to_heads_fp8(Fp8Heads{have[0].q, got[0].q()}, Fp8Heads{have[1].q, got[1].q()},
+                                  Fp8Heads{have[2].q, got[2].q()}, Tensor{}, Tensor{}, window(*tok, Ls, 0),
+                                  window(*tok, Ls, 1), window(*tok, Ls, 2), qs, ks, pe_t, offset, 1e-6);
   for (int i = 0; i < 3; ++i) {
     SCOPED_TRACE(i);
     EXPECT_EQ(have[i].codes, want[i].codes);

@@ -28,9 +28,7 @@ uint32_t to_bits(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
-bool is_nan_code(uint8_t c, Fp8Format f) {
-  return f == Fp8Format::e4m3 ? (c & 0x7F) == 0x7F : (c & 0x7F) > 0x7C;
-}
+bool is_nan_code(uint8_t c, Fp8Format f) { return f == Fp8Format::e4m3 ? (c & 0x7F) == 0x7F : (c & 0x7F) > 0x7C; }
 bool is_inf_code(uint8_t c, Fp8Format f) { return f == Fp8Format::e5m2 && (c & 0x7F) == 0x7C; }
 
 // The value of a code from the format's definition, in double.
@@ -181,10 +179,10 @@ TEST(Fp8Format, EncodeMatchesNearestValueOracle) {
       const float here = fp8_decode(v, f);
       const float next = c + 1 < 0x7F && !is_nan_code(v + 1, f) && !is_inf_code(v + 1, f)
                              ? fp8_decode(static_cast<uint8_t>(v + 1), f)
-                             : 2.0f * here;  // beyond max: the overflow side
+                             : 2.0f * here;                                          // beyond max: the overflow side
       const float mid = static_cast<float>((static_cast<double>(here) + next) / 2);  // exact
-      for (float x : {here, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f),
-                      std::nextafter(here, 0.0f), std::nextafter(here, 1e30f)}) {
+      for (float x : {here, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f), std::nextafter(here, 0.0f),
+                      std::nextafter(here, 1e30f)}) {
         xs.push_back(x);
         xs.push_back(-x);
       }
@@ -202,8 +200,8 @@ TEST(Fp8Format, EncodeMatchesNearestValueOracle) {
     for (float x : xs) {
       const uint8_t got = fp8_encode(x, f), want = oracle_encode(x, f);
       if (got != want && ++mismatches <= 10)
-        ADD_FAILURE() << fp8_format_name(f) << " x=" << x << " (0x" << std::hex << to_bits(x) << ") got 0x"
-                      << int(got) << " want 0x" << int(want);
+        ADD_FAILURE() << fp8_format_name(f) << " x=" << x << " (0x" << std::hex << to_bits(x) << ") got 0x" << int(got)
+                      << " want 0x" << int(want);
     }
     EXPECT_EQ(mismatches, 0) << fp8_format_name(f) << " over " << xs.size() << " values";
   }
@@ -213,8 +211,8 @@ TEST(Fp8Format, Bf16PathEqualsF32PathForEveryBf16) {
   for (Fp8Format f : kFormats)
     for (uint32_t b = 0; b < 65536; ++b) {
       const auto h = static_cast<uint16_t>(b);
-      ASSERT_EQ(fp8_encode_bf16(h, f), fp8_encode(bf16_bits_to_f32(h), f)) << fp8_format_name(f) << " bf16 0x"
-                                                                             << std::hex << b;
+      ASSERT_EQ(fp8_encode_bf16(h, f), fp8_encode(bf16_bits_to_f32(h), f))
+          << fp8_format_name(f) << " bf16 0x" << std::hex << b;
     }
 }
 
@@ -254,13 +252,13 @@ TEST(Fp8FormatE8m0, EncodeFollowsMlDtypesCast) {
   EXPECT_EQ(e8m0_encode(std::ldexp(1.5f, 127)), 0xFF);  // rounds past 2^127: NaN, no saturation
   EXPECT_EQ(e8m0_encode(std::numeric_limits<float>::max()), 0xFF);
   EXPECT_EQ(e8m0_encode(std::ldexp(1.0f, -126)), 1);
-  EXPECT_EQ(e8m0_encode(std::ldexp(1.0f, -127)), 0);     // f32 subnormal 0x00400000
+  EXPECT_EQ(e8m0_encode(std::ldexp(1.0f, -127)), 0);  // f32 subnormal 0x00400000
   // f32 subnormals round to the nearest power of two like normals (ml_dtypes >= 0.7):
-  EXPECT_EQ(e8m0_encode(from_bits(0x00400001u)), 0);     // just above 2^-127 -> 2^-127
-  EXPECT_EQ(e8m0_encode(from_bits(0x005FFFFFu)), 0);     // just below the midpoint 1.5·2^-127
-  EXPECT_EQ(e8m0_encode(from_bits(0x00600000u)), 1);     // the midpoint rounds up -> 2^-126
+  EXPECT_EQ(e8m0_encode(from_bits(0x00400001u)), 0);  // just above 2^-127 -> 2^-127
+  EXPECT_EQ(e8m0_encode(from_bits(0x005FFFFFu)), 0);  // just below the midpoint 1.5·2^-127
+  EXPECT_EQ(e8m0_encode(from_bits(0x00600000u)), 1);  // the midpoint rounds up -> 2^-126
   EXPECT_EQ(e8m0_encode(from_bits(0x007FFFFFu)), 1);
-  EXPECT_EQ(e8m0_encode(from_bits(0x003FFFFFu)), 0);     // below 2^-127: the smallest code
+  EXPECT_EQ(e8m0_encode(from_bits(0x003FFFFFu)), 0);  // below 2^-127: the smallest code
   EXPECT_EQ(e8m0_encode(from_bits(1)), 0);
   for (float x : {0.0f, -0.0f, -1.0f, -1e-40f, -inf, inf, nan, -nan}) EXPECT_EQ(e8m0_encode(x), 0xFF) << x;
 }
@@ -269,8 +267,16 @@ TEST(Fp8FormatE8m0, EncodeFollowsMlDtypesCast) {
 // amax <= max·2^e and amax > max·2^(e-1) (unless clamped).
 TEST(Fp8FormatE8m0, ScaleForAmaxIsTheSmallestSufficientPowerOfTwo) {
   std::mt19937 rng(7);
-  std::vector<float> amaxes = {1.0f, 448.0f, 447.99997f, 448.00003f, 57344.0f, 896.0f, 1e-3f, 3.0e38f,
-                               std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min(),
+  std::vector<float> amaxes = {1.0f,
+                               448.0f,
+                               447.99997f,
+                               448.00003f,
+                               57344.0f,
+                               896.0f,
+                               1e-3f,
+                               3.0e38f,
+                               std::numeric_limits<float>::max(),
+                               std::numeric_limits<float>::denorm_min(),
                                std::numeric_limits<float>::min()};
   for (int k = -149; k < 128; ++k)
     for (float m : {1.0f, 1.75f, std::nextafter(1.75f, 2.0f), std::nextafter(1.75f, 0.0f), 1.5f, 1.999f}) {
@@ -297,10 +303,10 @@ TEST(Fp8FormatE8m0, ScaleForAmaxIsTheSmallestSufficientPowerOfTwo) {
     }
   EXPECT_EQ(e8m0_scale_for_amax(448.0f, kE4M3Max), 127);
   EXPECT_EQ(e8m0_scale_for_amax(std::nextafter(448.0f, 1e9f), kE4M3Max), 128);
-  EXPECT_EQ(e8m0_scale_for_amax(1.0f, kE4M3Max), 127 - 8);  // 1/2^-8 = 256 <= 448 < 512
-  EXPECT_EQ(e8m0_scale_for_amax(std::numeric_limits<float>::max(), 1.0f), 254);  // clamped to 2^127
+  EXPECT_EQ(e8m0_scale_for_amax(1.0f, kE4M3Max), 127 - 8);                                // 1/2^-8 = 256 <= 448 < 512
+  EXPECT_EQ(e8m0_scale_for_amax(std::numeric_limits<float>::max(), 1.0f), 254);           // clamped to 2^127
   EXPECT_EQ(e8m0_scale_for_amax(std::numeric_limits<float>::denorm_min(), kE4M3Max), 0);  // clamped
-  EXPECT_EQ(e8m0_scale_for_amax(0.0f, kE4M3Max), 127);  // zeros: 2^0 by choice
+  EXPECT_EQ(e8m0_scale_for_amax(0.0f, kE4M3Max), 127);                                    // zeros: 2^0 by choice
   EXPECT_EQ(e8m0_scale_for_amax(-0.0f, kE4M3Max), 127);
   EXPECT_EQ(e8m0_scale_for_amax(std::numeric_limits<float>::infinity(), kE4M3Max), 0xFF);
   EXPECT_EQ(e8m0_scale_for_amax(std::numeric_limits<float>::quiet_NaN(), kE4M3Max), 0xFF);

@@ -18,8 +18,8 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "fp8/fp8_config.h"
-#include "model/linear_site.h"
 #include "model/fp8_runtime.h"
+#include "model/linear_site.h"
 
 namespace flux8 {
 namespace {
@@ -150,12 +150,9 @@ TEST(Fp8Linear, GeluSitesRefuseFp8Sites) {
       EXPECT_NE(m.find("site 'test.mlp.0' runs in FP8"), std::string::npos) << m;
     }
   };
-  expect_refused([&] {
-    site_forward_gelu(*be, &rt, scratch, site, Tensor{}, Tensor{}, Backend::CastInput{}, saved, DType::f32);
-  });
-  expect_refused([&] {
-    site_backward_gelu(*be, &rt, site, Tensor{}, Tensor{}, Tensor{}, Tensor{}, saved);
-  });
+  expect_refused(
+      [&] { site_forward_gelu(*be, &rt, scratch, site, Tensor{}, Tensor{}, Backend::CastInput{}, saved, DType::f32); });
+  expect_refused([&] { site_backward_gelu(*be, &rt, site, Tensor{}, Tensor{}, Tensor{}, Tensor{}, saved); });
 }
 
 // Delayed scaling, hybrid formats, an amax history of `history` steps.

@@ -39,8 +39,8 @@ TEST(Fp8Recipe, DelayedScaleNumericScenarios) {
     for (int margin : {0, 2}) {
       const float fmax = fp8_max(f), old = 0.75f;
       SCOPED_TRACE(testing::Message() << fp8_format_name(f) << " margin " << margin);
-      EXPECT_EQ(delayed_scale(0.0f, old, fmax, margin), old);   // tensor unused / all zeros
-      EXPECT_EQ(delayed_scale(kInf, old, fmax, margin), old);   // overflowed: nothing to learn
+      EXPECT_EQ(delayed_scale(0.0f, old, fmax, margin), old);  // tensor unused / all zeros
+      EXPECT_EQ(delayed_scale(kInf, old, fmax, margin), old);  // overflowed: nothing to learn
       EXPECT_EQ(delayed_scale(kNaN, old, fmax, margin), old);
       EXPECT_EQ(delayed_scale(-1.0f, old, fmax, margin), old);  // never produced, but not a scale
       // Smallest amax whose scale is finite, halved (TE's "tiny" case), and a subnormal amax.
@@ -64,10 +64,10 @@ TEST(Fp8Recipe, CurrentScaleCasesAndPow2RoundsDown) {
   EXPECT_EQ(current_scale(1e-40f, fmax, false), FLT_MAX);
   EXPECT_EQ(current_scale(1e-40f, fmax, true), std::ldexp(1.0f, 127));  // FLT_MAX rounded down
   EXPECT_EQ(current_scale(3.0f, fmax, false), ref_delayed_scale(fmax, 3.0f, 0));
-  EXPECT_EQ(current_scale(3.0f, fmax, true), 128.0f);   // 149.33 -> 128
+  EXPECT_EQ(current_scale(3.0f, fmax, true), 128.0f);  // 149.33 -> 128
   EXPECT_EQ(current_scale(448.0f, fmax, true), 1.0f);
-  EXPECT_EQ(current_scale(300.0f, fmax, true), 1.0f);   // 1.49 -> 1
-  EXPECT_EQ(current_scale(500.0f, fmax, true), 0.5f);   // 0.896 -> 0.5
+  EXPECT_EQ(current_scale(300.0f, fmax, true), 1.0f);  // 1.49 -> 1
+  EXPECT_EQ(current_scale(500.0f, fmax, true), 0.5f);  // 0.896 -> 0.5
   // amax_epsilon floors the amax: a zero tensor still gets 1 only when epsilon is 0.
   EXPECT_EQ(current_scale(0.0f, fmax, false, 1.0f), 448.0f);
   EXPECT_EQ(current_scale(0.5f, fmax, false, 1.0f), 448.0f);
@@ -172,8 +172,7 @@ TEST_P(Fp8MetaScaleUpdate, MatchesRollAndMaxReference) {
 
 INSTANTIATE_TEST_SUITE_P(Fp8Meta, Fp8MetaScaleUpdate,
                          testing::Combine(testing::Values(1, 31, 1024),
-                                          testing::Values(AmaxAlgo::max, AmaxAlgo::most_recent),
-                                          testing::Bool()));
+                                          testing::Values(AmaxAlgo::max, AmaxAlgo::most_recent), testing::Bool()));
 
 // ---- registry: 4 steps of constant tensors, against the closed form -----------------------
 
@@ -205,8 +204,10 @@ TEST_P(Fp8MetaConstantTensors, HistoryAndScalesFollowClosedForm) {
       clipped[k] = double(v) * scale_used > fp8_saturation_bound(f);
       any_clipped |= clipped[k];
       const float deq = dequantize(q)[0];
-      if (clipped[k]) EXPECT_EQ(deq, fp8_max(f) * q.scale_inv[0]);
-      else EXPECT_LE(std::fabs(deq - v), v * (f == Fp8Format::e4m3 ? 0x1p-4 : 0x1p-3) * (1 + 0x1p-20));
+      if (clipped[k])
+        EXPECT_EQ(deq, fp8_max(f) * q.scale_inv[0]);
+      else
+        EXPECT_LE(std::fabs(deq - v), v * (f == Fp8Format::e4m3 ? 0x1p-4 : 0x1p-3) * (1 + 0x1p-20));
     }
     EXPECT_EQ(reg.update(p), 3);
 
@@ -243,8 +244,8 @@ TEST_P(Fp8MetaConstantTensors, HistoryAndScalesFollowClosedForm) {
 
 INSTANTIATE_TEST_SUITE_P(Fp8Meta, Fp8MetaConstantTensors,
                          testing::Combine(testing::Values(1, 3, 31, 1024),
-                                          testing::Values(AmaxAlgo::max, AmaxAlgo::most_recent),
-                                          testing::Values(0, 2), testing::Bool()));
+                                          testing::Values(AmaxAlgo::max, AmaxAlgo::most_recent), testing::Values(0, 2),
+                                          testing::Bool()));
 
 // A slot not cast this step keeps history and scale; the all-reduce hook sees row 0 and its
 // result is what the update uses.
@@ -266,7 +267,7 @@ TEST(Fp8Meta, AllreduceHookAndUnusedSlots) {
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(reg.scale(a), 112.0f);  // 448 / 4: the reduced amax
   EXPECT_EQ(reg.history_at(3, a), 4.0f);
-  EXPECT_EQ(reg.scale(b), 1.0f);    // unused everywhere: unchanged
+  EXPECT_EQ(reg.scale(b), 1.0f);  // unused everywhere: unchanged
   for (int r = 0; r < 4; ++r) EXPECT_EQ(reg.history_at(r, b), 0.0f);
   EXPECT_EQ(reg.scale(c), 448.0f);
 }
@@ -466,8 +467,8 @@ TEST_P(Fp8RecipeQuantize, BlockwiseExactScalesOnPartialBlocks) {
       int zero_blocks = 0;
       for (int64_t i = 0; i < nbr; ++i)
         for (int64_t j = 0; j < nbc; ++j) {
-          const float amax = ref_amax(x, sh.cols, i * br, std::min(sh.rows, (i + 1) * br), j * 128,
-                                      std::min(sh.cols, (j + 1) * 128));
+          const float amax =
+              ref_amax(x, sh.cols, i * br, std::min(sh.rows, (i + 1) * br), j * 128, std::min(sh.cols, (j + 1) * 128));
           const float s = ref_current_scale(fmax, amax, pow2);
           scales[size_t(i * nbc + j)] = s;
           EXPECT_EQ(q.scale_inv[size_t(i * nbc + j)], float(1.0 / double(s))) << "block " << i << "," << j;

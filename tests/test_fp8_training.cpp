@@ -8,13 +8,13 @@
 #include <map>
 #include <string>
 
-#include "config/config.h"
 #include "bench/op_profiler.h"
+#include "config/config.h"
 #include "core/error.h"
 #include "fp8/fp8_config.h"
 #include "fp8/state_io.h"
-#include "train/checkpoint.h"
 #include "model_test_util.h"
+#include "train/checkpoint.h"
 #include "train_test_util.h"
 
 namespace flux8 {
@@ -22,8 +22,8 @@ namespace {
 
 using testing::RunDir;
 
-TrainResult train(const RunDir& dir, const std::string& save, std::vector<std::string> extra,
-                  bool resume = false, int64_t stop_after = 0) {
+TrainResult train(const RunDir& dir, const std::string& save, std::vector<std::string> extra, bool resume = false,
+                  int64_t stop_after = 0) {
   TrainOptions o = dir.options(save);
   o.overrides.insert(o.overrides.end(), extra.begin(), extra.end());
   o.resume = resume;
@@ -37,8 +37,9 @@ TEST(Fp8Training, EveryRecipeAndFormatTrains) {
   for (const char* recipe : {"delayed", "tensorwise", "blockwise", "mxfp8"})
     for (const char* format : {"e4m3", "hybrid"}) {
       const std::string name = std::string(recipe) + "_" + format;
-      const TrainResult r = train(dir, name, {"train_iters=8", std::string("fp8=") + format,
-                                              std::string("fp8_recipe=") + recipe, "fp8_stats_interval=4"});
+      const TrainResult r = train(
+          dir, name,
+          {"train_iters=8", std::string("fp8=") + format, std::string("fp8_recipe=") + recipe, "fp8_stats_interval=4"});
       EXPECT_TRUE(std::isfinite(r.last_loss)) << name;
       EXPECT_LT(r.last_val_loss, r.first_val_loss) << name << ": validation loss did not fall";
       // FP8 changes the numbers (it is really on) but stays close to BF16 at this size.
@@ -141,7 +142,7 @@ TEST(Fp8Training, Fp8AttentionTrainsResumesAndKeepsItsScales) {
 
 TEST(Fp8Training, Bf16AndFp8CheckpointsResumeEachOther) {
   const RunDir dir("fp8_cross");
-  train(dir, "run", {"train_iters=6"}, false, 3);  // BF16 for 3 steps
+  train(dir, "run", {"train_iters=6"}, false, 3);                                  // BF16 for 3 steps
   const TrainResult fp8 = train(dir, "run", {"train_iters=6", "fp8=e4m3"}, true);  // then FP8
   EXPECT_EQ(fp8.steps_done, 6);
   EXPECT_TRUE(std::filesystem::exists(dir.root / "run" / "step-0000006" / "fp8_state.safetensors"));
@@ -401,24 +402,26 @@ TEST(Fp8Config, FpropFastAccumulationFollowsTheRecipe) {
 }
 
 TEST(Fp8Config, ImpossibleCombinationsNameTheKeys) {
-  EXPECT_NE(config_error({"fp8_recipe=blockwise"}).find("fp8_recipe (--set) is set but fp8 is none"), std::string::npos);
-  EXPECT_EQ(config_error({"fp8=hybrid", "fp8_dot_product_attention=true"}), "");
-  EXPECT_NE(config_error({"fp8=e4m3", "fp8_dot_product_attention=true"}).find("needs fp8: hybrid"),
+  EXPECT_NE(config_error({"fp8_recipe=blockwise"}).find("fp8_recipe (--set) is set but fp8 is none"),
             std::string::npos);
+  EXPECT_EQ(config_error({"fp8=hybrid", "fp8_dot_product_attention=true"}), "");
+  EXPECT_NE(config_error({"fp8=e4m3", "fp8_dot_product_attention=true"}).find("needs fp8: hybrid"), std::string::npos);
   EXPECT_NE(config_error({"fp8=hybrid", "fp8_recipe=tensorwise", "fp8_dot_product_attention=true"})
                 .find("needs fp8_recipe: delayed"),
             std::string::npos);
   EXPECT_NE(config_error({"fp8=hybrid", "fp8_multi_head_attention=true"}).find("fp8_multi_head_attention (--set)"),
             std::string::npos);
   EXPECT_NE(config_error({"fp8_dot_product_attention=true"}).find("but fp8 is none"), std::string::npos);
-  EXPECT_NE(config_error({"fp8=e4m3", "fp8_recipe=mxfp8", "fp8_margin=2"}).find("fp8_margin (--set) applies to fp8_recipe: delayed only"),
+  EXPECT_NE(config_error({"fp8=e4m3", "fp8_recipe=mxfp8", "fp8_margin=2"})
+                .find("fp8_margin (--set) applies to fp8_recipe: delayed only"),
             std::string::npos);
   EXPECT_NE(config_error({"fp8=e4m3", "fp8_scale_rounding=power_of_2"}).find("fp8_scale_rounding"), std::string::npos);
   EXPECT_NE(config_error({"fp8=e4m3", "num_layers_at_end_in_bf16=2"}).find("first_last_layers_bf16: true"),
             std::string::npos);
   EXPECT_EQ(config_error({"fp8=hybrid", "fp8_recipe=blockwise", "first_last_layers_bf16=true"}), "");
   // Megatron's `fp8: null` means off.
-  EXPECT_FALSE(Fp8Config::from_config(Config::load(std::string(FLUX8_SOURCE_DIR) + "/configs/demo.yaml", {"fp8=null"})).enabled);
+  EXPECT_FALSE(
+      Fp8Config::from_config(Config::load(std::string(FLUX8_SOURCE_DIR) + "/configs/demo.yaml", {"fp8=null"})).enabled);
 }
 
 }  // namespace

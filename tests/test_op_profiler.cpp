@@ -44,11 +44,12 @@ TEST(OpProfiler, TimesTheFp8HeadsOpsAsThemselves) {
   const Tensor qkv(tok.data(), DType::f32, Shape{B, L, 3 * H});
   const Tensor pe_t(pe.data(), DType::f32, Shape{B, L, D / 2, 2}), s(scale.data(), DType::f32, Shape{D});
   const Tensor st(stats.data(), DType::f32, Shape{B * L * n}), ds(dscale.data(), DType::f32, Shape{D});
-  cpu->qk_norm_rope_to_heads_fp8(Fp8Heads{q[0], cast}, Fp8Heads{q[1], cast}, Fp8Heads{q[2], cast}, st, st, qkv.cols_slice(0, H),
-                                 qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), s, s, pe_t, 0, 1e-6);
-  cpu->qk_norm_rope_to_heads_backward_fp8(qkv.cols_slice(0, H), qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), ds,
-                                          ds, q[0], q[1], q[2], qkv.cols_slice(0, H), qkv.cols_slice(H, H), st, st, s,
-                                          s, pe_t, 0);
+  cpu->qk_norm_rope_to_heads_fp8(Fp8Heads{q[0], cast}, Fp8Heads{q[1], cast}, Fp8Heads{q[2], cast}, st, st,
+                                 qkv.cols_slice(0, H), qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), s, s, pe_t, 0,
+                                 1e-6);
+  cpu->qk_norm_rope_to_heads_backward_fp8(qkv.cols_slice(0, H), qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), ds, ds,
+                                          q[0], q[1], q[2], qkv.cols_slice(0, H), qkv.cols_slice(H, H), st, st, s, s,
+                                          pe_t, 0);
   cpu->tokens_to_heads_fp8(Fp8Heads{q[3], cast}, qkv.cols_slice(0, H), 0);
   cpu->heads_to_tokens_fp8(qkv.cols_slice(0, H), q[3], 0);
   const std::map<std::string, int64_t> c = calls_of(*cpu, prof);
@@ -88,9 +89,9 @@ TEST(OpProfiler, ForwardFp8GemmsAskForFastAccumulationGradientsForFp32) {
       EXPECT_EQ(c["gemm_fp8_tn"], 3 * sites);
       for (const auto& [op, n] : c) EXPECT_EQ(op.find("fast"), std::string::npos) << op;
     }
-    EXPECT_EQ(c["quantize_fused (gelu_tanh + fp8 cast)"], 2);           // the double block's mlp.2 inputs
-    EXPECT_EQ(c["quantize_fused (gelu_tanh_backward + fp8 cast)"], 2);  // ... mlp.0 output gradients
-    EXPECT_EQ(c["quantize_fused ([head | gelu_tanh] + fp8 cast)"], 1);  // the single block's linear2 input
+    EXPECT_EQ(c["quantize_fused (gelu_tanh + fp8 cast)"], 2);                    // the double block's mlp.2 inputs
+    EXPECT_EQ(c["quantize_fused (gelu_tanh_backward + fp8 cast)"], 2);           // ... mlp.0 output gradients
+    EXPECT_EQ(c["quantize_fused ([head | gelu_tanh] + fp8 cast)"], 1);           // the single block's linear2 input
     EXPECT_EQ(c["quantize_fused ([head | gelu_tanh_backward] + fp8 cast)"], 1);  // ... linear1 output gradient
   }
 }
@@ -111,7 +112,7 @@ TEST(OpProfiler, RowsAddUpToTheStepAndHostTimeIsIdle) {
   EXPECT_TRUE(prof.rows().empty()) << "rows are read at synchronize(), not before";
   cpu->copy(ta, ty);
   cpu->synchronize();
-  EXPECT_EQ(prof.rows().size(), 3u);  // add, copy, and the idle time between them
+  EXPECT_EQ(prof.rows().size(), 3u);                           // add, copy, and the idle time between them
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // host work between two ops
   cpu->add(ty, ta, tb);
   const int64_t stop = cpu->timing_mark();

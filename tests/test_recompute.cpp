@@ -18,7 +18,12 @@ namespace {
 ModelRun run(const FluxConfig& cfg, DType dtype, const Fp8Config* fp8, Recompute rc, int steps) {
   auto be = make_backend("cpu");
   return run_model(*be, cfg,
-                   {.dtype = dtype, .fp8 = fp8, .recompute = rc, .steps = steps, .param_seed = 5, .input_seed = 21,
+                   {.dtype = dtype,
+                    .fp8 = fp8,
+                    .recompute = rc,
+                    .steps = steps,
+                    .param_seed = 5,
+                    .input_seed = 21,
                     .probe_seed = 9});
 }
 
@@ -131,8 +136,7 @@ TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
   const int64_t blocks = cfg.num_double_blocks + cfg.num_single_blocks;
   auto kept = [](const ActivationEstimate& e, SlotKind k) { return e.saved.elements[static_cast<int>(k)]; };
   EXPECT_EQ(kept(none, SlotKind::activation) - kept(selective, SlotKind::activation), blocks * per_block * 3 * H);
-  EXPECT_EQ(kept(none, SlotKind::linear_input) - kept(selective, SlotKind::linear_input),
-            blocks * per_block * (H + M));
+  EXPECT_EQ(kept(none, SlotKind::linear_input) - kept(selective, SlotKind::linear_input), blocks * per_block * (H + M));
   EXPECT_EQ(kept(none, SlotKind::statistic), kept(selective, SlotKind::statistic));
   EXPECT_EQ(kept(selective, SlotKind::workspace), 0) << "recomputed tensors belong in scratch";
   // FP8 Linears need the GELU output's gradient that BF16's dgrad epilogue makes unnecessary:

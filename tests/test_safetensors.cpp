@@ -13,7 +13,6 @@
 #include "core/error.h"
 #include "core/sha256.h"
 #include "io/safetensors.h"
-
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -21,9 +20,8 @@ using namespace flux8;
 
 namespace {
 
-using flux8::testing::TempDir;
 using flux8::testing::error_of;
-
+using flux8::testing::TempDir;
 
 // A file assembled byte by byte, to produce damage the writer never would.
 std::string write_raw(const std::string& path, const std::string& header, const std::string& data,
@@ -36,7 +34,6 @@ std::string write_raw(const std::string& path, const std::string& header, const 
 std::string write_raw(const std::string& path, const std::string& header, const std::string& data) {
   return write_raw(path, header, data, header.size());
 }
-
 
 void expect_mentions(const std::string& msg, std::initializer_list<std::string> parts) {
   for (const std::string& p : parts)
@@ -74,8 +71,8 @@ TEST(Safetensors, RoundTripEachDtype) {
   w.write(dir.path("x.safetensors"));
 
   SafetensorsReader r(dir.path("x.safetensors"));
-  EXPECT_EQ(r.names(), (std::vector<std::string>{"a.f32", "b.f64", "c.bf16", "d.f16", "e.as_bf16",
-                                                 "f.as_f16", "g.as_f64", "h.as_f32"}));
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"a.f32", "b.f64", "c.bf16", "d.f16", "e.as_bf16", "f.as_f16",
+                                                 "g.as_f64", "h.as_f32"}));
   const SafetensorsTensor& a = r.tensor("a.f32");
   EXPECT_EQ(a.dtype, "F32");
   EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
@@ -196,7 +193,9 @@ TEST(Safetensors, ShapeCheckAndMissingTensorNameTheTensor) {
   w.write(dir.path("s.safetensors"));
   SafetensorsReader r(dir.path("s.safetensors"));
   std::vector<float> dst(6);
-  expect_mentions(error_of([&] { r.read_f32("img_in.weight", dst.data(), {3, 2}); }),
+  expect_mentions(error_of([&] {
+                    r.read_f32("img_in.weight", dst.data(), {3, 2});
+                  }),
                   {"s.safetensors", "'img_in.weight'", "[2, 3]", "[3, 2]"});
   expect_mentions(error_of([&] { r.read_f32("img_in.bias", dst.data()); }),
                   {"s.safetensors", "no tensor 'img_in.bias'"});
@@ -206,8 +205,8 @@ TEST(Safetensors, ShapeCheckAndMissingTensorNameTheTensor) {
 
 TEST(Safetensors, UnconvertibleDtypeNamesIt) {
   TempDir dir;
-  const std::string p = write_raw(dir.path("u8.safetensors"),
-                                  R"({"mask":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "abcd");
+  const std::string p =
+      write_raw(dir.path("u8.safetensors"), R"({"mask":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "abcd");
   SafetensorsReader r(p);  // opens and lists fine
   float f[4];
   expect_mentions(error_of([&] { r.read_f32("mask", f); }), {"'mask'", "U8", "F32, F64, BF16"});
@@ -310,7 +309,9 @@ TEST(Safetensors, WriteTogetherEqualsWritingEachAlone) {
     if (first > 0) fail("no more z");
     std::memset(dst, 0, count * 4);
   });
-  expect_mentions(error_of([&] { SafetensorsWriter::write_together({{&a, dir.path("a3")}, {&bad, dir.path("z")}}); }),
+  expect_mentions(error_of([&] {
+                    SafetensorsWriter::write_together({{&a, dir.path("a3")}, {&bad, dir.path("z")}});
+                  }),
                   {"no more z"});
   std::vector<std::string> left = dir.listing();
   std::sort(left.begin(), left.end());
@@ -349,14 +350,12 @@ TEST(SafetensorsCorrupt, Truncated) {
   const std::string p = dir.path("t.safetensors");
   w.write(p);
   fs::resize_file(p, fs::file_size(p) - 4);
-  expect_mentions(error_of([&] { SafetensorsReader r(p); }),
-                  {"t.safetensors", "'w'", "run past", "truncated"});
+  expect_mentions(error_of([&] { SafetensorsReader r(p); }), {"t.safetensors", "'w'", "run past", "truncated"});
   fs::resize_file(p, 20);  // inside the header
   expect_mentions(error_of([&] { SafetensorsReader r(p); }), {"header length", "truncated"});
   fs::resize_file(p, 5);
   expect_mentions(error_of([&] { SafetensorsReader r(p); }), {"5 bytes", "too short"});
-  expect_mentions(error_of([&] { SafetensorsReader r(dir.path("absent")); }),
-                  {"absent", "No such file"});
+  expect_mentions(error_of([&] { SafetensorsReader r(dir.path("absent")); }), {"absent", "No such file"});
 }
 
 TEST(SafetensorsCorrupt, BadJson) {
@@ -372,12 +371,11 @@ TEST(SafetensorsCorrupt, BadJson) {
 TEST(SafetensorsCorrupt, OffsetsOutOfRange) {
   TempDir dir;
   const std::string p = write_raw(dir.path("o.safetensors"),
-                                  R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
-                                  std::string(16, '\0'));
+                                  R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})", std::string(16, '\0'));
   expect_mentions(error_of([&] { SafetensorsReader r(p); }),
                   {"o.safetensors", "'w'", "[8, 24]", "16-byte data buffer"});
-  const std::string q = write_raw(dir.path("r.safetensors"),
-                                  R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[4,0]}})", "");
+  const std::string q =
+      write_raw(dir.path("r.safetensors"), R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[4,0]}})", "");
   expect_mentions(error_of([&] { SafetensorsReader r(q); }), {"'w'", "begin <= end"});
 }
 
@@ -392,9 +390,9 @@ TEST(SafetensorsCorrupt, Overlapping) {
 
 TEST(SafetensorsCorrupt, WrongByteCount) {
   TempDir dir;
-  const std::string p = write_raw(dir.path("b.safetensors"),
-                                  R"({"w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,10]}})",
-                                  std::string(10, '\0'));
+  const std::string p =
+      write_raw(dir.path("b.safetensors"), R"({"w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,10]}})",
+                std::string(10, '\0'));
   expect_mentions(error_of([&] { SafetensorsReader r(p); }),
                   {"b.safetensors", "'w'", "[2, 3] of BF16 needs 12 bytes", "span 10"});
 }
@@ -407,12 +405,10 @@ TEST(SafetensorsCorrupt, GapsTrailingBytesAndUnknownDtype) {
       std::string(12, '\0'));
   expect_mentions(error_of([&] { SafetensorsReader r(gap); }), {"bytes 4..8", "'b'", "no tensor"});
   const std::string tail = write_raw(dir.path("tail.safetensors"),
-                                     R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
-                                     std::string(6, '\0'));
+                                     R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(6, '\0'));
   expect_mentions(error_of([&] { SafetensorsReader r(tail); }), {"6 bytes", "cover 4"});
   const std::string dt = write_raw(dir.path("dt.safetensors"),
-                                   R"({"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})",
-                                   std::string(4, '\0'));
+                                   R"({"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'));
   expect_mentions(error_of([&] { SafetensorsReader r(dt); }), {"'a'", "unknown dtype 'F33'"});
   const std::string meta = write_raw(dir.path("meta.safetensors"), R"({"__metadata__":{"k":1}})", "");
   expect_mentions(error_of([&] { SafetensorsReader r(meta); }), {"__metadata__", "'k'", "not a string"});

@@ -174,7 +174,7 @@ TEST(Sampler, CfgStepIsUncondPlusScaledDifference) {
   SamplerOptions o = small_options();
   o.steps = 1;
   o.shift = false;
-  const auto cond = sample_images(m.model, {p}, nullptr, o);     // ε − v_c
+  const auto cond = sample_images(m.model, {p}, nullptr, o);        // ε − v_c
   const auto uncond = sample_images(m.model, {empty}, nullptr, o);  // prompt index 0: same ε
   o.cfg_scale = 4.0;
   const auto guided = sample_images(m.model, {p}, &empty, o);
@@ -213,7 +213,6 @@ TEST(Sampler, WrongShapesAreRefused) {
 
 // ---- PNG ------------------------------------------------------------------------------------
 
-
 // Reads a PNG back through libpng's simplified API as RGB8.
 std::vector<uint8_t> read_png(const std::string& path, int64_t* w, int64_t* h) {
   png_image img{};
@@ -240,7 +239,8 @@ TEST(Png, WriteThenReadBackGivesSamePixels) {
   EXPECT_EQ(read_png(dir.file("a.png"), &w, &h), rgb);
   EXPECT_EQ(w, W);
   EXPECT_EQ(h, H);
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator{}), 1) << "the temporary file must be renamed, not left behind";
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator{}), 1)
+      << "the temporary file must be renamed, not left behind";
 }
 
 TEST(Png, ErrorsNameThePath) {
@@ -281,18 +281,18 @@ TEST(Png, GridLayoutScaleGutterAndValueMapping) {
     return std::vector<int>{px[i], px[i + 1], px[i + 2]};
   };
   const std::vector<int> grey{kGridGutterValue, kGridGutterValue, kGridGutterValue};
-  EXPECT_EQ(at(0, 0), (std::vector<int>{0, 128, 255}));  // image 0: −1→0, 0→round(127.5), 1→255
+  EXPECT_EQ(at(0, 0), (std::vector<int>{0, 128, 255}));    // image 0: −1→0, 0→round(127.5), 1→255
   EXPECT_EQ(at(4, 2), (std::vector<int>{191, 128, 255}));  // (0.5+1)·127.5 = 191.25, pixel (1,2)×2
   EXPECT_EQ(at(5, 3), (std::vector<int>{191, 128, 255}));  // nearest: the 2×2 block repeats it
   EXPECT_EQ(at(3, 2), (std::vector<int>{0, 128, 255}));
-  EXPECT_EQ(at(6, 0), grey);                               // vertical gutter: x = 6, 7
+  EXPECT_EQ(at(6, 0), grey);  // vertical gutter: x = 6, 7
   EXPECT_EQ(at(7, 9), grey);
   EXPECT_EQ(at(8, 0), (std::vector<int>{255, 255, 255}));  // image 1: row 0, column 1
   EXPECT_EQ(at(0, 4), grey);                               // horizontal gutter: y = 4, 5
   EXPECT_EQ(at(0, 6), (std::vector<int>{255, 0, 0}));      // image 2: row 1, column 0, clamped
   EXPECT_EQ(at(1, 6), (std::vector<int>{255, 0, 0}));
   EXPECT_EQ(at(2, 6), (std::vector<int>{0, 0, 0}));
-  EXPECT_EQ(at(13, 9), grey);                              // empty 4th cell
+  EXPECT_EQ(at(13, 9), grey);                                      // empty 4th cell
   EXPECT_THROW(image_grid_rgb8(imgs, 1, 2, 1, 2, &W, &H), Error);  // 3 images on 2 cells
 }
 
@@ -329,15 +329,19 @@ struct CliFixture {
 };
 
 const char* kPixelKeys = "in_channels: 12\nlatent_channels: 3\nvae_downsample: 1\nimage_size: 8\n";
-const char* kLatentKeys = "in_channels: 16\nlatent_channels: 4\nvae_downsample: 8\nimage_size: 32\n"
-                          "guidance_embed: true\nvae_scale_factor: 0.5\nvae_shift_factor: 0.25\n";
+const char* kLatentKeys =
+    "in_channels: 16\nlatent_channels: 4\nvae_downsample: 8\nimage_size: 32\n"
+    "guidance_embed: true\nvae_scale_factor: 0.5\nvae_shift_factor: 0.25\n";
 
 TEST(SamplerCli, PixelModelWritesPngGridOneRowPerPrompt) {
   CliFixture f;
   const auto [yaml, weights] = f.model("pix", kPixelKeys);
   const std::string png = f.dir.file("grid.png");
   ASSERT_EQ(f.run(fmt::format("--checkpoint {} -c {} --prompt 'a red square' --prompt 'blue' "
-                              "--per-prompt 3 --steps 2 --out {}", weights, yaml, png)), 0) << f.log;
+                              "--per-prompt 3 --steps 2 --out {}",
+                              weights, yaml, png)),
+            0)
+      << f.log;
   int64_t W = 0, H = 0;
   read_png(png, &W, &H);
   EXPECT_EQ(W, 3 * 8 * 16 + 2 * 2) << "8 px cells shown x16 (>= 128 px), 3 per row";
@@ -345,7 +349,8 @@ TEST(SamplerCli, PixelModelWritesPngGridOneRowPerPrompt) {
   EXPECT_TRUE(f.logged("shift off")) << f.log;  // pixel models default to no shift
 
   // Misuse: latent output for a pixel model, guidance on a model without the embedding.
-  EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --prompt x --out {}", weights, yaml, f.dir.file("l.safetensors"))), 0);
+  EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --prompt x --out {}", weights, yaml, f.dir.file("l.safetensors"))),
+            0);
   EXPECT_TRUE(f.logged("must end in .png")) << f.log;
   EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --prompt x --guidance 2 --out {}", weights, yaml, png)), 0);
   EXPECT_TRUE(f.logged("no guidance embedding")) << f.log;
@@ -364,8 +369,9 @@ TEST(SamplerCli, CheckpointDirectoryCarriesItsConfig) {
   st.config_yaml = Config::load(yaml).dump();
   std::ofstream(ckpt / "trainer_state.json") << trainer_state_to_json(st);
   const std::string png = f.dir.file("grid.png");
-  ASSERT_EQ(f.run(fmt::format("--checkpoint {} --prompt hello --per-prompt 1 --steps 1 --out {}",
-                              ckpt.string(), png)), 0) << f.log;
+  ASSERT_EQ(f.run(fmt::format("--checkpoint {} --prompt hello --per-prompt 1 --steps 1 --out {}", ckpt.string(), png)),
+            0)
+      << f.log;
   EXPECT_TRUE(fs::exists(png));
   EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --prompt x --out {}", ckpt.string(), yaml, png)), 0);
   EXPECT_TRUE(f.logged("carries the run's config")) << f.log;
@@ -392,17 +398,23 @@ TEST(SamplerCli, LatentModelNeedsEmbeddingsAndWritesUnscaledLatents) {
   }
   w.write(emb);
   EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --text-embeddings {} --out {}", weights, yaml, emb,
-                              f.dir.file("g.png"))), 0);
+                              f.dir.file("g.png"))),
+            0);
   EXPECT_TRUE(f.logged("--out FILE.safetensors")) << f.log;
-  EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --text-embeddings {} --cfg-scale 2 --out {}",
-                              weights, yaml, emb, lat)), 0);
+  EXPECT_NE(
+      f.run(fmt::format("--checkpoint {} -c {} --text-embeddings {} --cfg-scale 2 --out {}", weights, yaml, emb, lat)),
+      0);
   EXPECT_TRUE(f.logged("t5.empty")) << f.log;
-  EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --text-embeddings {} --prompt only-one --out {}",
-                              weights, yaml, emb, lat)), 0);
+  EXPECT_NE(f.run(fmt::format("--checkpoint {} -c {} --text-embeddings {} --prompt only-one --out {}", weights, yaml,
+                              emb, lat)),
+            0);
   EXPECT_TRUE(f.logged("holds 2 prompts")) << f.log;
 
   ASSERT_EQ(f.run(fmt::format("--checkpoint {} -c {} --text-embeddings {} --prompt a --prompt b "
-                              "--per-prompt 2 --steps 2 --seed 5 --out {}", weights, yaml, emb, lat)), 0) << f.log;
+                              "--per-prompt 2 --steps 2 --seed 5 --out {}",
+                              weights, yaml, emb, lat)),
+            0)
+      << f.log;
   EXPECT_TRUE(f.logged("shift on")) << f.log;  // latent models default to the shift
   EXPECT_TRUE(f.logged("guidance 3.5")) << f.log;
   const SafetensorsReader r(lat);

@@ -34,13 +34,20 @@ TEST(StepGraph, ReplayedStepsEqualEagerOnes) {
     int64_t low_rank_rows;
     Recompute recompute;
   };
-  for (const Case& c : {Case{"f32", nullptr, 0, Recompute::none}, Case{"f32, low-rank gradients", nullptr, 4, Recompute::none},
-                        Case{"FP8 delayed", &delayed, 0, Recompute::none},
-                        Case{"FP8 delayed + FP8 attention, selective recompute", &delayed_attention, 4,
-                             Recompute::selective}}) {
+  for (const Case& c :
+       {Case{"f32", nullptr, 0, Recompute::none}, Case{"f32, low-rank gradients", nullptr, 4, Recompute::none},
+        Case{"FP8 delayed", &delayed, 0, Recompute::none},
+        Case{"FP8 delayed + FP8 attention, selective recompute", &delayed_attention, 4, Recompute::selective}}) {
     SCOPED_TRACE(c.name);
-    ModelRunOptions o{.fp8 = c.fp8, .recompute = c.recompute, .batch = 2, .txt_tokens = 4, .img_tokens = 7,
-                      .steps = 4, .weight_std = 0.2, .optimizer = true, .collect_stats = false,
+    ModelRunOptions o{.fp8 = c.fp8,
+                      .recompute = c.recompute,
+                      .batch = 2,
+                      .txt_tokens = 4,
+                      .img_tokens = 7,
+                      .steps = 4,
+                      .weight_std = 0.2,
+                      .optimizer = true,
+                      .collect_stats = false,
                       .low_rank_rows = c.low_rank_rows};
     const ModelRun eager = run_model(cpu(), cfg, o);
     // A segment per op: two calls of one op on same-shaped tensors (the two single blocks) then
@@ -64,8 +71,8 @@ TEST(StepGraph, ReplayedStepsEqualEagerOnes) {
 TEST(StepGraph, CastsThatCountStatisticsRunEagerly) {
   const FluxConfig cfg = odd_config(1, 1, false);
   const Fp8Config fp8 = delayed_hybrid_fp8(false);
-  ModelRunOptions o{.fp8 = &fp8, .batch = 2, .txt_tokens = 4, .img_tokens = 7, .steps = 3, .optimizer = true,
-                    .collect_stats = true};
+  ModelRunOptions o{
+      .fp8 = &fp8, .batch = 2, .txt_tokens = 4, .img_tokens = 7, .steps = 3, .optimizer = true, .collect_stats = true};
   const ModelRun eager = run_model(cpu(), cfg, o);
   o.graph_segment_ops = 1;  // a segment per op: exactly the counting casts stay eager
   const ModelRun graphed = run_model(cpu(), cfg, o);
@@ -176,7 +183,8 @@ TEST(StepGraph, MseLossIntoEqualsMseLoss) {
   Backend& be = cpu();
   const Tensor pred(be.allocate(5 * sizeof(float)), DType::f32, Shape{5});
   const Tensor target(be.allocate(5 * sizeof(float)), DType::f32, Shape{5});
-  const Tensor d1(be.allocate(5 * sizeof(float)), DType::f32, Shape{5}), d2(be.allocate(5 * sizeof(float)), DType::f32, Shape{5});
+  const Tensor d1(be.allocate(5 * sizeof(float)), DType::f32, Shape{5}),
+      d2(be.allocate(5 * sizeof(float)), DType::f32, Shape{5});
   const Tensor loss(be.allocate(sizeof(double)), DType::f64, Shape{1});
   from_host(be, pred, std::vector<double>{0.1, -2, 3.5, 4, 1e-3});
   from_host(be, target, std::vector<double>{1, 2, 3, -4, 5});

@@ -68,8 +68,9 @@ TEST(TrainConfig, TrainDataMustBeSet) {
 }
 
 TEST(TrainConfig, DemoDataNeedsAPixelSpaceModel) {
-  const std::string msg = testing::error_of(
-      [] { TrainConfig::from_config(Config::load(demo_config(), {"vae_downsample=8", "latent_channels=16"})); });
+  const std::string msg = testing::error_of([] {
+    TrainConfig::from_config(Config::load(demo_config(), {"vae_downsample=8", "latent_channels=16"}));
+  });
   testing::expect_mentions(msg, {"demo_data is on", "demo.yaml", "vae_downsample: 1"});
 }
 

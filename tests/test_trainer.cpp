@@ -13,15 +13,15 @@
 #include "backend/transfer.h"
 #include "bench/op_profiler.h"
 #include "config/config.h"
-#include "fp8/fp8_config.h"
 #include "data/demo.h"
+#include "fp8/fp8_config.h"
 #include "io/safetensors.h"
 #include "model/flops.h"
 #include "model_test_util.h"
+#include "test_util.h"
 #include "train/optimizer.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
-#include "test_util.h"
 #include "train_test_util.h"
 
 namespace flux8 {
@@ -43,10 +43,9 @@ std::vector<Sample> demo_batch(const FluxConfig& cfg, int n) {
   return samples;
 }
 EmptyPrompt zero_prompt(const FluxConfig& cfg) {
-  return EmptyPrompt{
-      HostTensor{{cfg.text_seq_len, cfg.context_dim},
-                 std::vector<float>(static_cast<size_t>(cfg.text_seq_len * cfg.context_dim), 0.0f)},
-      HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim), 0.0f)}};
+  return EmptyPrompt{HostTensor{{cfg.text_seq_len, cfg.context_dim},
+                                std::vector<float>(static_cast<size_t>(cfg.text_seq_len * cfg.context_dim), 0.0f)},
+                     HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim), 0.0f)}};
 }
 
 TEST(TrainStep, GradientAccumulationMatchesOneBigBatch) {
@@ -300,9 +299,9 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   EXPECT_EQ(first_steps("straight"), (std::vector<int64_t>{1}));
   EXPECT_EQ(first_steps("resumed"), (std::vector<int64_t>{1, 4}));
   testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "model.safetensors").string(),
-                      (dir.root / "resumed" / "step-0000006" / "model.safetensors").string());
+                               (dir.root / "resumed" / "step-0000006" / "model.safetensors").string());
   testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "optimizer.safetensors").string(),
-                      (dir.root / "resumed" / "step-0000006" / "optimizer.safetensors").string());
+                               (dir.root / "resumed" / "step-0000006" / "optimizer.safetensors").string());
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
 }
 

@@ -5,17 +5,17 @@
 #include <cmath>
 
 #include "backend/backend.h"
+#include "config/config.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/stochastic_rounding.h"
-#include "config/config.h"
 #include "model/params.h"
 #include "model_test_util.h"
+#include "test_util.h"
 #include "train/objective.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
-#include "test_util.h"
 
 namespace flux8 {
 namespace {
@@ -27,21 +27,22 @@ TEST(Objective, FlowMatchInputsInterpolateAndTargetVelocity) {
   std::vector<double> x0 = {0.5, -1.0, 2.0, 0.0, 1.5, -0.25}, t = {0.25, 0.9};
   std::vector<double> xt(6), target(6);
   const std::vector<uint64_t> streams = {11, 12};
-  be->flow_match_inputs(view(xt, Shape{2, 3}), view(target, Shape{2, 3}), view(x0, Shape{2, 3}),
-                        view(t, Shape{2}), 5, streams);
+  be->flow_match_inputs(view(xt, Shape{2, 3}), view(target, Shape{2, 3}), view(x0, Shape{2, 3}), view(t, Shape{2}), 5,
+                        streams);
   for (int b = 0; b < 2; ++b)
     for (int i = 0; i < 3; ++i) {
       const double eps = rng_normal(5, streams[b], static_cast<uint64_t>(i));
       const size_t k = static_cast<size_t>(b * 3 + i);
-      EXPECT_DOUBLE_EQ(target[k], eps - x0[k]);                        // v = ε − x0
-      EXPECT_NEAR(xt[k], (1 - t[b]) * x0[k] + t[b] * eps, 1e-15);      // x_t = (1−t)x0 + tε
+      EXPECT_DOUBLE_EQ(target[k], eps - x0[k]);                    // v = ε − x0
+      EXPECT_NEAR(xt[k], (1 - t[b]) * x0[k] + t[b] * eps, 1e-15);  // x_t = (1−t)x0 + tε
     }
   // At t = 0 the input is clean; at t = 1 it is pure noise.
   t = {0.0, 1.0};
-  be->flow_match_inputs(view(xt, Shape{2, 3}), view(target, Shape{2, 3}), view(x0, Shape{2, 3}),
-                        view(t, Shape{2}), 5, streams);
+  be->flow_match_inputs(view(xt, Shape{2, 3}), view(target, Shape{2, 3}), view(x0, Shape{2, 3}), view(t, Shape{2}), 5,
+                        streams);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(xt[static_cast<size_t>(i)], x0[static_cast<size_t>(i)]);
-  for (int i = 0; i < 3; ++i) EXPECT_DOUBLE_EQ(xt[static_cast<size_t>(3 + i)], rng_normal(5, 12, static_cast<uint64_t>(i)));
+  for (int i = 0; i < 3; ++i)
+    EXPECT_DOUBLE_EQ(xt[static_cast<size_t>(3 + i)], rng_normal(5, 12, static_cast<uint64_t>(i)));
 }
 
 TEST(Objective, MseLossAndGradient) {
@@ -125,7 +126,8 @@ TEST(StochasticRounding, RoundsUpWithTheDroppedFraction) {
       ASSERT_EQ(f32_to_bf16_bits_stochastic(f32_of(kept), r), kept >> 16) << std::hex << kept << " r " << r;
   for (const uint32_t u : {0x3f812345u, 0xbf81fffeu, 0x00012345u, 0x42c80001u, 0x3f80ff7fu, 0x3f80ff80u}) {
     const float x = f32_of(u);
-    const double ulp = bf16_bits_to_f32(static_cast<uint16_t>((u >> 16) + 1)) - bf16_bits_to_f32(static_cast<uint16_t>(u >> 16));
+    const double ulp =
+        bf16_bits_to_f32(static_cast<uint16_t>((u >> 16) + 1)) - bf16_bits_to_f32(static_cast<uint16_t>(u >> 16));
     double sum = 0;
     uint32_t up = 0;
     for (uint32_t r = 0; r < 256; ++r) {
@@ -221,8 +223,8 @@ TEST(Optimizer, Bf16MomentsAreTheF32MomentsRoundedStochastically) {
                           [&] { be->adamw(f32(p), f32(g), bf16(mb), f32(v), h, {}, {}, {}); });
   std::vector<double> pd(n), gd(n);
   testing::expect_refused("parameters' type (f64)", [&] {
-    be->adamw(Tensor(pd.data(), DType::f64, Shape{n}), Tensor(gd.data(), DType::f64, Shape{n}), bf16(mb), bf16(vb),
-              h, {}, {}, {});
+    be->adamw(Tensor(pd.data(), DType::f64, Shape{n}), Tensor(gd.data(), DType::f64, Shape{n}), bf16(mb), bf16(vb), h,
+              {}, {}, {});
   });
 }
 
@@ -304,8 +306,8 @@ TEST(Optimizer, LowRankGradientsReadFromTheirFactors) {
   }
   std::vector<Backend::LowRankGrad> lr;
   for (Factors& x : fs)
-    lr.push_back({x.offset, Tensor(x.a.data(), DType::f32, Shape{x.R, x.M}),
-                  Tensor(x.b.data(), DType::f32, Shape{x.R, x.K})});
+    lr.push_back(
+        {x.offset, Tensor(x.a.data(), DType::f32, Shape{x.R, x.M}), Tensor(x.b.data(), DType::f32, Shape{x.R, x.K})});
   const auto f32 = [&](std::vector<float>& x) { return Tensor(x.data(), DType::f32, Shape{n}); };
   // The flat elements (zero at the low-rank ranges), then each gradient's Σ_{r,s} (a_r·a_s)(b_r·b_s).
   std::vector<float> flat_only = g;
@@ -434,7 +436,10 @@ TEST(Objective, TrainBatchDoesNotDependOnMicroBatching) {
   const HostBatch whole = make_train_batch(all, m, obj, empty, 9, 3, 0, 0);
   const HostBatch a = make_train_batch({all.begin(), all.begin() + 4}, m, obj, empty, 9, 3, 0, 0);
   const HostBatch b = make_train_batch({all.begin() + 4, all.end()}, m, obj, empty, 9, 3, 0, 4);
-  auto cat = [](auto x, const auto& y) { x.insert(x.end(), y.begin(), y.end()); return x; };
+  auto cat = [](auto x, const auto& y) {
+    x.insert(x.end(), y.begin(), y.end());
+    return x;
+  };
   EXPECT_EQ(whole.t, cat(a.t, b.t));
   EXPECT_EQ(whole.y, cat(a.y, b.y));
   EXPECT_EQ(whole.x0, cat(a.x0, b.x0));

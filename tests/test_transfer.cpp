@@ -7,9 +7,9 @@
 
 #include "backend/backend.h"
 #include "backend/transfer.h"
+#include "backend_buffer.h"
 #include "core/dtype.h"
 #include "core/rng.h"
-#include "backend_buffer.h"
 
 namespace flux8 {
 namespace {

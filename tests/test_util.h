@@ -2,9 +2,8 @@
 // Helpers shared by the unit tests: a fresh temporary directory per test and error capture.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <unistd.h>
-
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -24,9 +23,9 @@ class TempDir {
  public:
   TempDir() {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           fmt::format("flux8_{}_{}_{}", info ? info->test_suite_name() : "none", info ? info->name() : "none",
-                       ::getpid());
+    dir_ =
+        std::filesystem::temp_directory_path() / fmt::format("flux8_{}_{}_{}", info ? info->test_suite_name() : "none",
+                                                             info ? info->name() : "none", ::getpid());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }

@@ -20,10 +20,8 @@ namespace flux8 {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::TempDir;
 using testing::error_of;
-
-
+using testing::TempDir;
 
 TEST(WeightsIo, RoundTripBothNamings) {
   const FluxConfig cfg = testing::odd_config(1, 1, true);
@@ -62,7 +60,7 @@ TEST(WeightsIo, EveryMismatchIsReported) {
   FluxConfig other = small;
   other.num_double_blocks = 2;  // the file has a block the model lacks
   other.guidance_embed = true;
-  other.in_channels = 6;        // img_in has another shape
+  other.in_channels = 6;  // img_in has another shape
   auto be = make_backend("cpu");
   ParamStore src(other, *be, DType::f32), dst(small, *be, DType::f32);
   TempDir tmp;
@@ -91,8 +89,9 @@ TEST(WeightsIo, NonFluxFileIsRefused) {
   SafetensorsWriter w;
   w.add("something_else", DType::f32, {1}, data.data());
   w.write(tmp.file("other.safetensors"));
-  EXPECT_NE(error_of([&] { load_weights(store, cfg, tmp.file("other.safetensors")); })
-                .find("is this a Flux transformer checkpoint"),
+  EXPECT_NE(error_of([&] {
+              load_weights(store, cfg, tmp.file("other.safetensors"));
+            }).find("is this a Flux transformer checkpoint"),
             std::string::npos);
 }
 

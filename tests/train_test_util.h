@@ -1,5 +1,6 @@
 #pragma once
 // A tiny demo training run in a temporary directory, for trainer tests.
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -8,8 +9,6 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "backend/transfer.h"
 #include "data/demo.h"
@@ -134,9 +133,10 @@ struct PipelineFixture {
     spec.val_samples = 2;
     spec.samples_per_shard = 5;
     write_demo_dataset((dir.root / "data").string(), spec);
-    empty = EmptyPrompt{HostTensor{{model.text_seq_len, model.context_dim},
-                                   std::vector<float>(static_cast<size_t>(model.text_seq_len * model.context_dim), 0.5f)},
-                        HostTensor{{model.vec_dim}, std::vector<float>(static_cast<size_t>(model.vec_dim), -0.5f)}};
+    empty =
+        EmptyPrompt{HostTensor{{model.text_seq_len, model.context_dim},
+                               std::vector<float>(static_cast<size_t>(model.text_seq_len * model.context_dim), 0.5f)},
+                    HostTensor{{model.vec_dim}, std::vector<float>(static_cast<size_t>(model.vec_dim), -0.5f)}};
     obj.text_dropout = 0.3;  // some samples take the empty prompt
   }
   LoaderOptions loader_options(bool single_pass = false) const {
@@ -148,7 +148,8 @@ struct PipelineFixture {
     o.single_pass = single_pass;
     return o;
   }
-  BatchPipelineSpec spec(BatchPipelineSpec::Mode mode, int64_t global, int64_t micro, int64_t first, int64_t end) const {
+  BatchPipelineSpec spec(BatchPipelineSpec::Mode mode, int64_t global, int64_t micro, int64_t first,
+                         int64_t end) const {
     BatchPipelineSpec s{model, obj, empty, 99, global, micro, first, end};
     s.mode = mode;
     return s;
@@ -161,7 +162,7 @@ struct Downloaded {
   bool operator==(const Downloaded&) const = default;
 };
 inline Downloaded download(Backend& be, const FluxInputs& in, const Tensor& target) {
-  return Downloaded{to_host(be, in.img), to_host(be, target),       to_host(be, in.img_ids), to_host(be, in.txt),
+  return Downloaded{to_host(be, in.img),     to_host(be, target),       to_host(be, in.img_ids), to_host(be, in.txt),
                     to_host(be, in.txt_ids), to_host(be, in.timesteps), to_host(be, in.y)};
 }
 

@@ -96,7 +96,8 @@ void Backend::produce(Tensor y, const CastInput& in) {
 
 void Backend::execute(const op::MseLossInto& args) {
   if (args.loss.dtype != DType::f64 || args.loss.numel() != 1 || !args.loss.contiguous())
-    fail("mse_loss_into: loss must be one contiguous f64 element, got {} {}", dtype_name(args.loss.dtype), args.loss.shape.str());
+    fail("mse_loss_into: loss must be one contiguous f64 element, got {} {}", dtype_name(args.loss.dtype),
+         args.loss.shape.str());
   const double value = mse_loss(args.dpred, args.pred, args.target, args.grad_scale);
   upload(args.loss.data, &value, sizeof value);
 }
@@ -118,7 +119,7 @@ void Backend::execute(const op::GatedResidualStats& args) {
     Tensor rows = args.out.rows_slice(b * L, L), m = args.mean.rows_slice(b, 1), r = args.rstd.rows_slice(b, 1);
     rows.shape = Shape{1, L, H};
     m.shape = r.shape = Shape{L};
-    m.ld = r.ld = L;  // one row of [B, L]: a contiguous vector of L
+    m.ld = r.ld = L;                              // one row of [B, L]: a contiguous vector of L
     const Tensor g = args.gate.rows_slice(b, 1);  // layernorm_modulate's shift and scale, unread (no y)
     layernorm_modulate(Tensor{}, m, r, rows, g, g, args.eps);
   }
@@ -159,8 +160,7 @@ namespace {
 // quantize() of the rows of `heads` [B, n, L, D] one stream wrote (Ls at `offset` in every
 // (sample, head)) into the same rows of `out`: a cast per (sample, head), merged into q's amax
 // and counts one after another.
-void quantize_stream_rows(Backend& be, const Backend::Fp8Heads& out, const Tensor& heads, int64_t Ls,
-                          int64_t offset) {
+void quantize_stream_rows(Backend& be, const Backend::Fp8Heads& out, const Tensor& heads, int64_t Ls, int64_t offset) {
   const int64_t rows = heads.shape[0] * heads.shape[1], L = heads.shape[2];
   const Tensor flat = heads.reshaped(Shape{rows * L, heads.shape[3]});
   for (int64_t r = 0; r < rows; ++r)
@@ -173,8 +173,8 @@ void Backend::execute(const op::QkNormRopeToHeadsFp8& args) {
   const Shape h = ops::check("qk_norm_rope_to_heads_fp8", args);
   const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   const Temporary qh(*this, t, h), kh(*this, t, h), vh(*this, t, h);
-  qk_norm_rope_to_heads(qh.get(), kh.get(), vh.get(), args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe, args.token_offset,
-                        args.eps);
+  qk_norm_rope_to_heads(qh.get(), kh.get(), vh.get(), args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale,
+                        args.k_scale, args.pe, args.token_offset, args.eps);
   const int64_t Ls = args.q.shape[1];
   quantize_stream_rows(*this, args.q_heads, qh.get(), Ls, args.token_offset);
   quantize_stream_rows(*this, args.k_heads, kh.get(), Ls, args.token_offset);
@@ -188,8 +188,9 @@ void Backend::execute(const op::QkNormRopeToHeadsBackwardFp8& args) {
   dequantize(dqh.get(), args.dq_heads);
   dequantize(dkh.get(), args.dk_heads);
   dequantize(dvh.get(), args.dv_heads);
-  qk_norm_rope_to_heads_backward(args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, dqh.get(), dkh.get(), dvh.get(), args.q, args.k, args.q_rstd, args.k_rstd,
-                                 args.q_scale, args.k_scale, args.pe, args.token_offset);
+  qk_norm_rope_to_heads_backward(args.dq, args.dk, args.dv, args.dq_scale, args.dk_scale, dqh.get(), dkh.get(),
+                                 dvh.get(), args.q, args.k, args.q_rstd, args.k_rstd, args.q_scale, args.k_scale,
+                                 args.pe, args.token_offset);
 }
 
 void Backend::execute(const op::TokensToHeadsFp8& args) {
@@ -216,9 +217,10 @@ bool deterministic_attention_choice(bool configured) {
   if (v.empty()) return configured;
   if (v == "0") return false;
   if (v == "1") return true;
-  fail("FLUX8_ATTENTION_DETERMINISTIC={}: expected 0 (cuDNN's faster attention backward, with atomics) or 1 (its "
-       "deterministic one); or unset it and choose with the config key deterministic_attention",
-       v);
+  fail(
+      "FLUX8_ATTENTION_DETERMINISTIC={}: expected 0 (cuDNN's faster attention backward, with atomics) or 1 (its "
+      "deterministic one); or unset it and choose with the config key deterministic_attention",
+      v);
 }
 
 }  // namespace

@@ -29,8 +29,8 @@ std::vector<std::string> clock_limiter_names(uint64_t reasons) {
   return names;
 }
 
-EnergySummary summarize_energy(const PowerReading& start, const PowerReading& end, const PowerReading& busy,
-                               int steps, double seconds) {
+EnergySummary summarize_energy(const PowerReading& start, const PowerReading& end, const PowerReading& busy, int steps,
+                               double seconds) {
   EnergySummary e;
   for (const PowerReading* r : {&start, &end, &busy})
     if (!r->available) {

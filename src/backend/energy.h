@@ -15,20 +15,20 @@ namespace flux8 {
 
 struct EnergySummary {
   bool available = false;
-  std::string why;               // when not available
-  double joules_per_step = 0;    // the timed window's energy over its steps
-  double mean_power_w = 0;       // the window's energy over its length
-  double window_s = 0;           // the timed steps' span: the counter is updated every 20-100 ms on
-                                 // recent GPUs, so windows under a few seconds read approximately
+  std::string why;             // when not available
+  double joules_per_step = 0;  // the timed window's energy over its steps
+  double mean_power_w = 0;     // the window's energy over its length
+  double window_s = 0;         // the timed steps' span: the counter is updated every 20-100 ms on
+                               // recent GPUs, so windows under a few seconds read approximately
   double power_limit_w = 0;
-  double ms_at_power_limit = 0;  // joules_per_step at power_limit_w
-  double sm_clock_mhz = 0;       // the reading taken while the last step ran
+  double ms_at_power_limit = 0;             // joules_per_step at power_limit_w
+  double sm_clock_mhz = 0;                  // the reading taken while the last step ran
   std::vector<std::string> clock_limiters;  // what held that clock back (clock_limiter_names)
 };
 
 // `start` and `end` bracket `steps` steps over `seconds`; `busy` was read while a step ran.
-EnergySummary summarize_energy(const PowerReading& start, const PowerReading& end, const PowerReading& busy,
-                               int steps, double seconds);
+EnergySummary summarize_energy(const PowerReading& start, const PowerReading& end, const PowerReading& busy, int steps,
+                               double seconds);
 
 // NVML's clocks-event reason bits, named ("power cap (software)", "thermal slowdown (hardware)",
 // ...); unknown bits as "0x...".

@@ -21,15 +21,15 @@ DType call_dtype(std::string_view op, std::span<const Named> tensors, std::initi
     if (std::find(allowed.begin(), allowed.end(), a.t.dtype) == allowed.end()) {
       std::string names;
       for (DType d : allowed) names += std::string(names.empty() ? "" : " or ") + std::string(dtype_name(d));
-      fail("{}: tensor '{}' is {}; the {} backend computes this op in {} (convert storage types first)", op,
-           a.name, a.t.str(), backend, names);
+      fail("{}: tensor '{}' is {}; the {} backend computes this op in {} (convert storage types first)", op, a.name,
+           a.t.str(), backend, names);
     }
     if (first && a.t.dtype != first->t.dtype)
-      fail("{}: tensor '{}' is {} but '{}' is {}; all tensors of one call must share one dtype", op,
-           a.name, a.t.str(), first->name, first->t.str());
+      fail("{}: tensor '{}' is {} but '{}' is {}; all tensors of one call must share one dtype", op, a.name, a.t.str(),
+           first->name, first->t.str());
     if (a.t.ld < a.t.cols())
-      fail("{}: tensor '{}' ({}) has row stride {} smaller than its {} columns", op, a.name,
-           a.t.str(), a.t.ld, a.t.cols());
+      fail("{}: tensor '{}' ({}) has row stride {} smaller than its {} columns", op, a.name, a.t.str(), a.t.ld,
+           a.t.cols());
     if (!first) first = &a;
   }
   if (!first) fail("{}: no tensor argument is defined", op);
@@ -42,8 +42,7 @@ void require_defined(std::string_view op, Named a) {
 
 void require_rank(std::string_view op, Named a, int rank) {
   require_defined(op, a);
-  if (a.t.shape.rank != rank)
-    fail("{}: tensor '{}' is {} but must have rank {}", op, a.name, a.t.str(), rank);
+  if (a.t.shape.rank != rank) fail("{}: tensor '{}' is {} but must have rank {}", op, a.name, a.t.str(), rank);
 }
 
 void require_shape(std::string_view op, Named a, const Shape& expected) {
@@ -56,33 +55,40 @@ void require_same_matrix(std::string_view op, Named a, Named b) {
   require_defined(op, a);
   require_defined(op, b);
   if (a.t.rows() != b.t.rows() || a.t.cols() != b.t.cols())
-    fail("{}: tensors '{}' {} and '{}' {} must have the same [rows, cols]", op, a.name, a.t.str(),
-         b.name, b.t.str());
+    fail("{}: tensors '{}' {} and '{}' {} must have the same [rows, cols]", op, a.name, a.t.str(), b.name, b.t.str());
 }
 
 void require_vector(std::string_view op, Named a, int64_t n) {
   require_defined(op, a);
   if (a.t.numel() != n || !a.t.contiguous())
-    fail("{}: tensor '{}' is {} (ld {}) but must be a contiguous vector of {} elements", op, a.name,
-         a.t.str(), a.t.ld, n);
+    fail("{}: tensor '{}' is {} (ld {}) but must be a contiguous vector of {} elements", op, a.name, a.t.str(), a.t.ld,
+         n);
 }
 
 void require_contiguous(std::string_view op, Named a) {
-  if (a.t.defined() && !a.t.contiguous())
-    fail("{}: tensor '{}' ({}) must be contiguous", op, a.name, a.t.str());
+  if (a.t.defined() && !a.t.contiguous()) fail("{}: tensor '{}' ({}) must be contiguous", op, a.name, a.t.str());
 }
 
-void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens,
-                        int64_t offset) {
+void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens, int64_t offset) {
   require_rank(op, {"heads", heads}, 4);
   require_rank(op, {"tokens", tokens}, 3);
   const int64_t B = heads.shape[0], n = heads.shape[1], L = heads.shape[2], D = heads.shape[3];
   if (tokens.shape[0] != B || tokens.shape[2] != n * D)
-    fail("{}: tokens {} do not match heads {}: expected [{}, Ls, {}]", op, tokens.str(),
-         heads.str(), B, n * D);
+    fail("{}: tokens {} do not match heads {}: expected [{}, Ls, {}]", op, tokens.str(), heads.str(), B, n * D);
   if (offset < 0 || offset + tokens.shape[1] > L)
-    fail("{}: tokens {} at token_offset {} do not fit in the {} positions of heads {}", op,
-         tokens.str(), offset, L, heads.str());
+    fail("{}: tokens {} at token_offset {} do not fit in the {} positions of heads {}", op, tokens.str(), offset, L,
+         heads.str());
+}
+
+int64_t check(std::string_view op, const op::FlowMatchInputs& a) {
+  for (Named n : {Named{"xt", a.xt}, Named{"target", a.target}, Named{"x0", a.x0}}) require_contiguous(op, n);
+  require_shape(op, {"xt", a.xt}, a.x0.shape);
+  require_shape(op, {"target", a.target}, a.x0.shape);
+  const int64_t B = a.x0.shape[0];
+  require_vector(op, {"t", a.t}, B);
+  if (static_cast<int64_t>(a.streams.size()) != B)
+    fail("{}: {} noise streams for a batch of {}", op, a.streams.size(), B);
+  return B;
 }
 
 void check(std::string_view op, const op::TokensToHeads& a) {
@@ -155,15 +161,14 @@ void check_joint(std::string_view op, Named joint_arg, const Tensor& a, const Te
     if (!p.t.defined()) continue;
     require_rank(op, p, 3);
     if (p.t.shape[0] != B || p.t.shape[2] != C)
-      fail("{}: tensor '{}' {} must be [{}, L, {}] to match '{}' {}", op, p.name, p.t.str(), B, C,
-           joint_arg.name, joint.str());
+      fail("{}: tensor '{}' {} must be [{}, L, {}] to match '{}' {}", op, p.name, p.t.str(), B, C, joint_arg.name,
+           joint.str());
     L += p.t.shape[1];
   }
   // With both parts present they must tile the joint sequence exactly; a lone part must fit.
   if ((a.defined() && b.defined()) ? L != joint.shape[1] : L > joint.shape[1])
-    fail("{}: parts a {} and b {} do not tile the sequence of '{}' {}", op,
-         a.defined() ? a.str() : "undefined", b.defined() ? b.str() : "undefined", joint_arg.name,
-         joint.str());
+    fail("{}: parts a {} and b {} do not tile the sequence of '{}' {}", op, a.defined() ? a.str() : "undefined",
+         b.defined() ? b.str() : "undefined", joint_arg.name, joint.str());
 }
 }  // namespace
 
@@ -258,8 +263,8 @@ void require_disjoint(std::string_view op, std::vector<std::pair<int64_t, int64_
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i)
     if (ranges[i].first < ranges[i - 1].second)
-      fail("{}: {} [{}, {}) and [{}, {}) overlap", op, what, ranges[i - 1].first, ranges[i - 1].second,
-           ranges[i].first, ranges[i].second);
+      fail("{}: {} [{}, {}) and [{}, {}) overlap", op, what, ranges[i - 1].first, ranges[i - 1].second, ranges[i].first,
+           ranges[i].second);
 }
 }  // namespace
 
@@ -317,8 +322,8 @@ std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int6
   std::sort(sorted.begin(), sorted.end(), [](const auto& x, const auto& y) { return x.offset < y.offset; });
   for (size_t i = 1; i < sorted.size(); ++i)  // sorted by offset: only neighbours can overlap
     if (sorted[i].offset < sorted[i - 1].end())
-      fail("{}: the low-rank gradients of [{}, {}) and [{}, {}) overlap", op, sorted[i - 1].offset,
-           sorted[i - 1].end(), sorted[i].offset, sorted[i].end());
+      fail("{}: the low-rank gradients of [{}, {}) and [{}, {}) overlap", op, sorted[i - 1].offset, sorted[i - 1].end(),
+           sorted[i].offset, sorted[i].end());
   return sorted;
 }
 
@@ -451,8 +456,7 @@ namespace {
 void require_per_tensor_cast(std::string_view op, std::string_view what, const QTensor& q) {
   if (!q.defined()) fail("{}: {} is not defined", op, what);
   if (q.scaling != Fp8Scaling::per_tensor || !q.scale_inv)
-    fail("{}: {} must be a per-tensor cast with its scale_inv (got {} scaling)", op, what,
-         fp8_scaling_name(q.scaling));
+    fail("{}: {} must be a per-tensor cast with its scale_inv (got {} scaling)", op, what, fp8_scaling_name(q.scaling));
 }
 
 // The scales of `sc` named in `only` that a call reads: each must be given.

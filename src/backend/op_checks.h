@@ -87,6 +87,10 @@ void check_cast_input(std::string_view op, const Backend::CastInput& in);
 // The argument checks of the ops, one overload an op: `op` names the call in the messages (an op
 // whose check is another's, as linear_gelu's h is linear's y, passes its own name).
 
+// flow_match_inputs: contiguous xt, target of x0's shape, t a vector and one noise stream per
+// sample of x0. Returns the batch size.
+int64_t check(std::string_view op, const op::FlowMatchInputs& a);
+
 // tokens [B, Ls, n·D] against heads [B, n, L, D] with Ls + offset <= L.
 void check_heads_tokens(std::string_view op, const Tensor& heads, const Tensor& tokens, int64_t offset);
 void check(std::string_view op, const op::TokensToHeads& a);

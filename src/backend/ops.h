@@ -46,58 +46,58 @@
 // Every op: X(struct, method). FLUX8_DEFAULTED_OPS have a generic implementation in terms of the
 // others (class Backend, backend/backend.cpp) that a backend may replace; every backend implements
 // the rest.
-#define FLUX8_REQUIRED_OPS(X)                                                                      \
-  X(Fill, fill)                                                                                    \
-  X(FillRandom, fill_random)                                                                       \
-  X(Copy, copy)                                                                                    \
-  X(Add, add)                                                                                      \
-  X(Accumulate, accumulate)                                                                        \
-  X(Linear, linear)                                                                                \
-  X(BiasAdd, bias_add)                                                                             \
-  X(LinearBackward, linear_backward)                                                               \
-  X(LinearGelu, linear_gelu)                                                                       \
-  X(LinearDgradGelu, linear_dgrad_gelu)                                                            \
-  X(Silu, silu)                                                                                    \
-  X(SiluBackward, silu_backward)                                                                   \
-  X(GeluTanh, gelu_tanh)                                                                           \
-  X(GeluTanhBackward, gelu_tanh_backward)                                                          \
-  X(LayernormModulate, layernorm_modulate)                                                         \
-  X(LayernormModulateBackward, layernorm_modulate_backward)                                        \
-  X(RmsnormHeads, rmsnorm_heads)                                                                   \
-  X(RmsnormHeadsBackward, rmsnorm_heads_backward)                                                  \
-  X(TokensToHeads, tokens_to_heads)                                                                \
-  X(HeadsToTokens, heads_to_tokens)                                                                \
-  X(RopeTable, rope_table)                                                                         \
-  X(Rope, rope)                                                                                    \
-  X(QkNormRopeToHeads, qk_norm_rope_to_heads)                                                      \
-  X(QkNormRopeToHeadsBackward, qk_norm_rope_to_heads_backward)                                     \
-  X(Attention, attention)                                                                          \
-  X(AttentionBackward, attention_backward)                                                         \
-  X(GatedResidual, gated_residual)                                                                 \
-  X(GatedResidualBackward, gated_residual_backward)                                                \
-  X(TimestepEmbedding, timestep_embedding)                                                         \
-  X(ConcatTokens, concat_tokens)                                                                   \
-  X(SplitTokens, split_tokens)                                                                     \
-  X(FlowMatchInputs, flow_match_inputs)                                                            \
-  X(MseLoss, mse_loss)                                                                             \
-  X(SumSquares, sum_squares)                                                                       \
-  X(GradientSumSquares, gradient_sum_squares)                                                      \
-  X(Adamw, adamw)                                                                                  \
-  X(Quantize, quantize)                                                                            \
-  X(TransposeCodes, transpose_codes)                                                               \
-  X(DelayedScalingUpdate, delayed_scaling_update)                                                  \
-  X(Dequantize, dequantize)                                                                        \
-  X(AttentionFp8, attention_fp8)                                                                   \
-  X(AttentionFp8Backward, attention_fp8_backward)                                                  \
+#define FLUX8_REQUIRED_OPS(X)                                  \
+  X(Fill, fill)                                                \
+  X(FillRandom, fill_random)                                   \
+  X(Copy, copy)                                                \
+  X(Add, add)                                                  \
+  X(Accumulate, accumulate)                                    \
+  X(Linear, linear)                                            \
+  X(BiasAdd, bias_add)                                         \
+  X(LinearBackward, linear_backward)                           \
+  X(LinearGelu, linear_gelu)                                   \
+  X(LinearDgradGelu, linear_dgrad_gelu)                        \
+  X(Silu, silu)                                                \
+  X(SiluBackward, silu_backward)                               \
+  X(GeluTanh, gelu_tanh)                                       \
+  X(GeluTanhBackward, gelu_tanh_backward)                      \
+  X(LayernormModulate, layernorm_modulate)                     \
+  X(LayernormModulateBackward, layernorm_modulate_backward)    \
+  X(RmsnormHeads, rmsnorm_heads)                               \
+  X(RmsnormHeadsBackward, rmsnorm_heads_backward)              \
+  X(TokensToHeads, tokens_to_heads)                            \
+  X(HeadsToTokens, heads_to_tokens)                            \
+  X(RopeTable, rope_table)                                     \
+  X(Rope, rope)                                                \
+  X(QkNormRopeToHeads, qk_norm_rope_to_heads)                  \
+  X(QkNormRopeToHeadsBackward, qk_norm_rope_to_heads_backward) \
+  X(Attention, attention)                                      \
+  X(AttentionBackward, attention_backward)                     \
+  X(GatedResidual, gated_residual)                             \
+  X(GatedResidualBackward, gated_residual_backward)            \
+  X(TimestepEmbedding, timestep_embedding)                     \
+  X(ConcatTokens, concat_tokens)                               \
+  X(SplitTokens, split_tokens)                                 \
+  X(FlowMatchInputs, flow_match_inputs)                        \
+  X(MseLoss, mse_loss)                                         \
+  X(SumSquares, sum_squares)                                   \
+  X(GradientSumSquares, gradient_sum_squares)                  \
+  X(Adamw, adamw)                                              \
+  X(Quantize, quantize)                                        \
+  X(TransposeCodes, transpose_codes)                           \
+  X(DelayedScalingUpdate, delayed_scaling_update)              \
+  X(Dequantize, dequantize)                                    \
+  X(AttentionFp8, attention_fp8)                               \
+  X(AttentionFp8Backward, attention_fp8_backward)              \
   X(GemmFp8Tn, gemm_fp8_tn)
-#define FLUX8_DEFAULTED_OPS(X)                                                                     \
-  X(CopyBatch, copy_batch)                                                                         \
-  X(GatedResidualStats, gated_residual_stats)                                                      \
-  X(MseLossInto, mse_loss_into)                                                                    \
-  X(QuantizeFused, quantize_fused)                                                                 \
-  X(QkNormRopeToHeadsFp8, qk_norm_rope_to_heads_fp8)                                               \
-  X(QkNormRopeToHeadsBackwardFp8, qk_norm_rope_to_heads_backward_fp8)                              \
-  X(TokensToHeadsFp8, tokens_to_heads_fp8)                                                         \
+#define FLUX8_DEFAULTED_OPS(X)                                        \
+  X(CopyBatch, copy_batch)                                            \
+  X(GatedResidualStats, gated_residual_stats)                         \
+  X(MseLossInto, mse_loss_into)                                       \
+  X(QuantizeFused, quantize_fused)                                    \
+  X(QkNormRopeToHeadsFp8, qk_norm_rope_to_heads_fp8)                  \
+  X(QkNormRopeToHeadsBackwardFp8, qk_norm_rope_to_heads_backward_fp8) \
+  X(TokensToHeadsFp8, tokens_to_heads_fp8)                            \
   X(HeadsToTokensFp8, heads_to_tokens_fp8)
 #define FLUX8_OPS(X)    \
   FLUX8_REQUIRED_OPS(X) \
@@ -146,19 +146,21 @@ namespace detail {
 template <typename Op>
 using OpFieldRefs = decltype(std::declval<Op&>().fields());
 }  // namespace detail
-#define FLUX8_OP_POSITIONAL_(Type, method)                                               \
-  template <typename Self, typename Fields = detail::OpFieldRefs<op::Type>>              \
-  struct Positional_##method;                                                            \
-  template <typename Self, typename... F>                                                \
-  struct Positional_##method<Self, std::tuple<F&...>> {                                  \
-    op::Type::result_type method(const std::remove_cvref_t<F>&... fields) {              \
-      return static_cast<Self*>(this)->run(op::Type{fields...});                         \
-    }                                                                                    \
+#define FLUX8_OP_POSITIONAL_(Type, method)                                  \
+  template <typename Self, typename Fields = detail::OpFieldRefs<op::Type>> \
+  struct Positional_##method;                                               \
+  template <typename Self, typename... F>                                   \
+  struct Positional_##method<Self, std::tuple<F&...>> {                     \
+    op::Type::result_type method(const std::remove_cvref_t<F>&... fields) { \
+      return static_cast<Self*>(this)->run(op::Type{fields...});            \
+    }                                                                       \
   };
 FLUX8_OPS(FLUX8_OP_POSITIONAL_)
 #undef FLUX8_OP_POSITIONAL_
 
-#define FLUX8_OP_POSITIONAL_BASE_(Type, method) public Positional_##method<Ops>,
+#define FLUX8_OP_POSITIONAL_BASE_(Type, method) \
+ public                                         \
+  Positional_##method<Ops>,
 class Ops : FLUX8_OPS(FLUX8_OP_POSITIONAL_BASE_) public PositionalCallsEnd {
 #undef FLUX8_OP_POSITIONAL_BASE_
  public:
@@ -188,7 +190,6 @@ class Ops : FLUX8_OPS(FLUX8_OP_POSITIONAL_BASE_) public PositionalCallsEnd {
     }
     return execute(op);
   }
-
 
   // Runs an op here and now, past any interceptor (which calls this); ops the implementation calls
   // run at once too. Returns the op's result, 0 for an op without one.

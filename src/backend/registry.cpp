@@ -48,8 +48,9 @@ std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOption
   }
   if (const BackendEntry* e = find_backend(name)) return e->create(options);
   if (name == "cuda")
-    fail("backend 'cuda': this build of flux8 has no CUDA backend (configured without nvcc); use backend: cpu, or "
-         "rebuild with CUDA (README: GPU builds)");
+    fail(
+        "backend 'cuda': this build of flux8 has no CUDA backend (configured without nvcc); use backend: cpu, or "
+        "rebuild with CUDA (README: GPU builds)");
   fail("unknown backend '{}': choose 'cpu', 'cuda' or 'auto'", name);
 }
 

@@ -28,10 +28,8 @@ class Signature {
     bytes_.append(reinterpret_cast<const char*>(&v), sizeof v);
   }
   template <typename T>
-    requires std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_pointer_v<T>
-  void put(T v) {
-    raw(v);
-  }
+  requires std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_pointer_v<T>
+  void put(T v) { raw(v); }
   void put(const Shape& sh) {
     raw(sh.rank);
     for (int i = 0; i < sh.rank; ++i) raw(sh.d[static_cast<size_t>(i)]);
@@ -64,10 +62,8 @@ class Signature {
   }
   // An argument struct or an op: field by field.
   template <typename S>
-    requires requires(const S& s) { s.fields(); }
-  void put(const S& s) {
-    put_fields(s);
-  }
+  requires requires(const S& s) { s.fields(); }
+  void put(const S& s) { put_fields(s); }
 
  private:
   template <typename S>
@@ -194,7 +190,7 @@ void StepGraph::close_segment() {
     return;
   }
   if (e.graph && e.generation != be_.capture_generation()) {  // its scratch has moved
-    be_.synchronize();  // an earlier launch of it may still run
+    be_.synchronize();                                        // an earlier launch of it may still run
     e.graph.reset();
   }
   if (!e.graph) {

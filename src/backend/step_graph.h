@@ -44,8 +44,8 @@ namespace flux8 {
 class StepGraph final : public OpInterceptor {
  public:
   struct Options {
-    int segment_ops = 48;         // op calls a segment (a graph) holds at most
-    size_t max_segments = 4096;   // distinct signatures kept; beyond, all are dropped and relearnt
+    int segment_ops = 48;        // op calls a segment (a graph) holds at most
+    size_t max_segments = 4096;  // distinct signatures kept; beyond, all are dropped and relearnt
     // The defaults, segment_ops from FLUX8_GRAPH_SEGMENT_OPS where set (an empty value counts as
     // unset; anything but a count from 1 to 100000 is an error naming it).
     static Options from_environment();
@@ -122,9 +122,9 @@ class StepGraph final : public OpInterceptor {
   Backend& be_;
   Options options_;
   bool recording_ = false;
-  std::string signature_;      // the open segment's calls, field by field (step_graph.cpp)
-  bool capturable_ = true;     // false once a call asked for host bookkeeping a graph would skip
-  std::vector<AnyOp> calls_;   // the open segment's calls
+  std::string signature_;     // the open segment's calls, field by field (step_graph.cpp)
+  bool capturable_ = true;    // false once a call asked for host bookkeeping a graph would skip
+  std::vector<AnyOp> calls_;  // the open segment's calls
   std::unordered_map<std::string, Entry> entries_;
   Stats stats_;
   std::string last_failure_;

@@ -27,8 +27,8 @@ std::vector<double> to_host(Backend& backend, const Tensor& t) {
 }
 
 void from_host(Backend& backend, const Tensor& t, const std::vector<double>& values) {
-  FLUX8_CHECK(t.contiguous() && static_cast<int64_t>(values.size()) == t.numel(),
-              "from_host of {} values into {}", values.size(), t.str());
+  FLUX8_CHECK(t.contiguous() && static_cast<int64_t>(values.size()) == t.numel(), "from_host of {} values into {}",
+              values.size(), t.str());
   if (t.dtype == DType::f64) {
     backend.upload(t.data, values.data(), values.size() * 8);
   } else if (t.dtype == DType::bf16) {  // rounded to nearest even through f32
@@ -43,16 +43,15 @@ void from_host(Backend& backend, const Tensor& t, const std::vector<double>& val
 }
 
 void from_host(Backend& backend, const Tensor& t, const std::vector<float>& values) {
-  FLUX8_CHECK(t.contiguous() && static_cast<int64_t>(values.size()) == t.numel(),
-              "from_host of {} values into {}", values.size(), t.str());
+  FLUX8_CHECK(t.contiguous() && static_cast<int64_t>(values.size()) == t.numel(), "from_host of {} values into {}",
+              values.size(), t.str());
   std::vector<uint8_t> scratch;
   upload_f32(backend, t, values.data(), scratch);
 }
 
 void upload_f32(Backend& backend, const Tensor& t, const float* values, std::vector<uint8_t>& scratch) {
   FLUX8_CHECK(t.contiguous(), "upload_f32 into a strided tensor {}", t.str());
-  FLUX8_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16, "upload_f32 into {}",
-              t.str());
+  FLUX8_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16, "upload_f32 into {}", t.str());
   const size_t n = static_cast<size_t>(t.numel());
   if (t.dtype == DType::f32) {
     backend.upload(t.data, values, n * 4);
@@ -68,8 +67,7 @@ void download_as(Backend& backend, const Tensor& t, size_t first, size_t count, 
                  std::vector<uint8_t>& scratch) {
   FLUX8_CHECK(t.contiguous() && first + count <= static_cast<size_t>(t.numel()),
               "download_as of elements [{}, {}) of {}", first, first + count, t.str());
-  FLUX8_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16, "download_as of {}",
-              t.str());
+  FLUX8_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16, "download_as of {}", t.str());
   const size_t esize = dtype_size(t.dtype);
   const void* src = static_cast<const char*>(t.data) + first * esize;
   if (t.dtype == dst_dtype) {

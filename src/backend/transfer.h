@@ -1,6 +1,7 @@
 #pragma once
 // Host <-> backend copies of whole tensors as f64 values, whatever the tensor's dtype (f32,
-// f64, or bf16: an activation in bf16 storage, rounded to nearest even on the way in). Used for checkpoints, CLI inputs/outputs and tests; never on a hot path.
+// f64, or bf16: an activation in bf16 storage, rounded to nearest even on the way in). Used for checkpoints, CLI
+// inputs/outputs and tests; never on a hot path.
 #include <vector>
 
 #include "core/tensor.h"

@@ -72,7 +72,7 @@ class OpProfiler final : public OpInterceptor {
   int64_t last_end_ = -1;  // the last timed op's end mark (−1 after a pause or reset)
   std::map<std::string, Row> totals_;
   std::map<std::string, Row> idle_before_;  // kIdle by the op after the wait
-  std::vector<Pending> pending_;  // ops timed since the last synchronize(), in call order
+  std::vector<Pending> pending_;            // ops timed since the last synchronize(), in call order
 };
 
 }  // namespace flux8

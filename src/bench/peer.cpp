@@ -80,7 +80,8 @@ PeerWorkload read_workload(const Reader& r, const json& j, const std::string& at
   w.shape.txt_tokens = static_cast<int64_t>(r.number(j, at, "txt_tokens"));
   w.shape.img_tokens = static_cast<int64_t>(r.number(j, at, "img_tokens"));
   const json& modes = r.list(j, at, "modes");
-  for (size_t i = 0; i < modes.size(); ++i) w.modes.push_back(read_mode(r, modes[i], fmt::format("{}.modes[{}]", at, i)));
+  for (size_t i = 0; i < modes.size(); ++i)
+    w.modes.push_back(read_mode(r, modes[i], fmt::format("{}.modes[{}]", at, i)));
   return w;
 }
 
@@ -138,7 +139,8 @@ PeerComparison compare_to_peer(const PeerFile& peer, const std::string& device, 
                                const StepShape& shape, double median_ms, double peak_allocated_gib) {
   PeerComparison c;
   if (peer.device != device) {
-    c.why = fmt::format("the peer ran on {}, this bench on {}", peer.device, device.empty() ? "an unnamed device" : device);
+    c.why =
+        fmt::format("the peer ran on {}, this bench on {}", peer.device, device.empty() ? "an unnamed device" : device);
     return c;
   }
   const PeerWorkload* w = nullptr;
@@ -148,7 +150,8 @@ PeerComparison compare_to_peer(const PeerFile& peer, const std::string& device, 
     c.why = fmt::format("{} has no {} (run tools/peer_bench.py --workload {})", peer.path, workload, workload);
     return c;
   }
-  if (w->shape.batch != shape.batch || w->shape.txt_tokens != shape.txt_tokens || w->shape.img_tokens != shape.img_tokens) {
+  if (w->shape.batch != shape.batch || w->shape.txt_tokens != shape.txt_tokens ||
+      w->shape.img_tokens != shape.img_tokens) {
     c.why = fmt::format("the peer's {} is {}, this run's {}", workload, shape_text(w->shape), shape_text(shape));
     return c;
   }
@@ -176,8 +179,8 @@ std::string describe(const PeerComparison& c) {
                             r.memory_ratio >= 0 ? fmt::format("{:.2f}x", r.memory_ratio) : "-", r.mode);
       any_memory |= r.memory_ratio >= 0;
     }
-    out = "PyTorch's step / flux8's: " + step + "; flux8's peak memory / PyTorch's: " +
-          (any_memory ? memory : "not measured by the peer");
+    out = "PyTorch's step / flux8's: " + step +
+          "; flux8's peak memory / PyTorch's: " + (any_memory ? memory : "not measured by the peer");
   }
   for (const std::string& s : c.skipped) out += "; skipped by the peer: " + s;
   return out;

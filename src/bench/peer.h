@@ -15,23 +15,23 @@ namespace flux8 {
 // One mode of the peer at one workload: its median step and peak allocated memory, or why it
 // did not run (a library missing, no GPU for float8).
 struct PeerMode {
-  std::string mode;        // "eager", "compile", "torchao-fp8"
+  std::string mode;  // "eager", "compile", "torchao-fp8"
   bool ran = false;
-  std::string why;         // not ran: the reason
+  std::string why;  // not ran: the reason
   double median_ms = 0;
-  double peak_gib = -1;    // < 0: not measured (the peer ran on the CPU)
-  int64_t steps = 0;       // timed steps behind the median
+  double peak_gib = -1;  // < 0: not measured (the peer ran on the CPU)
+  int64_t steps = 0;     // timed steps behind the median
 };
 
 struct PeerWorkload {
-  std::string workload;    // "W1", "W2", or the model name of `flux8 bench -c`
+  std::string workload;  // "W1", "W2", or the model name of `flux8 bench -c`
   StepShape shape;
   std::vector<PeerMode> modes;
 };
 
 struct PeerFile {
   std::string path;
-  std::string device;      // torch.cuda.get_device_name(), or cpu_device_name()'s form
+  std::string device;  // torch.cuda.get_device_name(), or cpu_device_name()'s form
   std::string torch_version, diffusers_version, torchao_version;  // "" where not installed
   std::vector<PeerWorkload> workloads;
 };

@@ -15,10 +15,10 @@
 namespace flux8 {
 
 struct RooflinePart {
-  std::string name;          // "GEMMs", "attention", "AdamW", "FP8 casts", "everything else"
+  std::string name;  // "GEMMs", "attention", "AdamW", "FP8 casts", "everything else"
   double ms_per_step = 0;
-  double model_tflop = 0;    // GEMMs and attention: their model FLOPs a step (model/flops.h's
-                             // convention: recomputation's extra work is not counted); else 0
+  double model_tflop = 0;  // GEMMs and attention: their model FLOPs a step (model/flops.h's
+                           // convention: recomputation's extra work is not counted); else 0
   double tflops() const { return ms_per_step > 0 && model_tflop > 0 ? model_tflop / (ms_per_step / 1e3) : 0; }
 };
 

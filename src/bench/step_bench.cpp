@@ -4,12 +4,12 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <memory>
 #include <filesystem>
+#include <memory>
 
+#include "backend/energy.h"
 #include "backend/step_graph.h"
 #include "backend/transfer.h"
-#include "backend/energy.h"
 #include "bench/op_profiler.h"
 #include "config/config.h"
 #include "core/error.h"
@@ -54,9 +54,10 @@ double median_ms(Backend& be, int repeats, F&& f) {
 // read with the launch and the synchronisation around it.
 template <typename F>
 double median_ms_per_call(Backend& be, int repeats, int batch, F&& f) {
-  return median_ms(be, repeats, [&] {
-           for (int i = 0; i < batch; ++i) f();
-         }) /
+  return median_ms(be, repeats,
+                   [&] {
+                     for (int i = 0; i < batch; ++i) f();
+                   }) /
          batch;
 }
 
@@ -64,7 +65,8 @@ std::vector<double> randn(uint64_t seed, uint64_t stream, int64_t n, double scal
   std::vector<double> v(static_cast<size_t>(n));
   // Each value is a pure function of (seed, stream, i): any thread count gives the same data.
 #pragma omp parallel for schedule(static) if (n >= (1 << 16))
-  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = scale * rng_normal(seed, stream, static_cast<uint64_t>(i));
+  for (int64_t i = 0; i < n; ++i)
+    v[static_cast<size_t>(i)] = scale * rng_normal(seed, stream, static_cast<uint64_t>(i));
   return v;
 }
 
@@ -102,7 +104,7 @@ void time_data_path(Backend& be, const StepBenchSpec& spec, StepBenchResult& r) 
   const StepShape sh = spec.shape;
   const int64_t grid = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(sh.img_tokens))));
   if (grid * grid != sh.img_tokens) return;  // not a square image: no such samples to make
-  SyntheticLatentSpec data;  // what `flux8 data synthetic` writes for this model
+  SyntheticLatentSpec data;                  // what `flux8 data synthetic` writes for this model
   data.latent_channels = cfg.latent_channels;
   data.latent_side = grid * cfg.patch_size;
   data.text_seq_len = sh.txt_tokens;
@@ -111,9 +113,9 @@ void time_data_path(Backend& be, const StepBenchSpec& spec, StepBenchResult& r) 
   data.seed = spec.seed;
   std::vector<Sample> samples;
   for (int64_t i = 0; i < sh.batch; ++i) samples.push_back(synthetic_latent_sample(data, i));
-  const EmptyPrompt empty{
-      HostTensor{{sh.txt_tokens, cfg.context_dim}, std::vector<float>(static_cast<size_t>(sh.txt_tokens * cfg.context_dim))},
-      HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim))}};
+  const EmptyPrompt empty{HostTensor{{sh.txt_tokens, cfg.context_dim},
+                                     std::vector<float>(static_cast<size_t>(sh.txt_tokens * cfg.context_dim))},
+                          HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim))}};
   const ObjectiveConfig obj;
   StepBuffers buffers(be, DType::f32);
   std::vector<double> assemble, upload;
@@ -362,10 +364,9 @@ std::vector<GemmBenchRow> run_gemm_bench(Backend& be, int repeats) {
   // (K, N) of qkv, proj, MLP in/out and the single block's fused linear1/linear2; then a double
   // block's streams: the image stream of both (8192 tokens) and W2's text stream (1024).
   const std::vector<std::array<int64_t, 3>> shapes = {
-      {16384, 9216, 3072}, {16384, 3072, 3072}, {16384, 12288, 3072}, {16384, 3072, 12288},
-      {16384, 21504, 3072}, {16384, 3072, 15360}, {9216, 21504, 3072}, {9216, 3072, 15360},
-      {8192, 9216, 3072},   {8192, 12288, 3072},  {8192, 3072, 12288},  {1024, 9216, 3072},
-      {1024, 3072, 3072},   {1024, 12288, 3072},  {1024, 3072, 12288}};
+      {16384, 9216, 3072},  {16384, 3072, 3072}, {16384, 12288, 3072}, {16384, 3072, 12288}, {16384, 21504, 3072},
+      {16384, 3072, 15360}, {9216, 21504, 3072}, {9216, 3072, 15360},  {8192, 9216, 3072},   {8192, 12288, 3072},
+      {8192, 3072, 12288},  {1024, 9216, 3072},  {1024, 3072, 3072},   {1024, 12288, 3072},  {1024, 3072, 12288}};
   std::vector<GemmBenchRow> rows;
   // x and y are activations, stored as the model stores them (bf16 with activation_precision
   // bf16); w is an f32 parameter.
@@ -562,10 +563,10 @@ std::vector<SmallLinearBenchRow> run_small_linear_bench(Backend& be, int repeats
   };
   std::vector<Shape3> shapes;
   for (const int64_t rows : {int64_t{32}, int64_t{2}})  // W1's samples, W2's
-    for (const Shape3& s : {Shape3{"double block modulation", 0, 18432, 3072},
-                            Shape3{"single block modulation", 0, 9216, 3072}, Shape3{"final adaLN", 0, 6144, 3072},
-                            Shape3{"time_in / guidance_in first", 0, 3072, 256},
-                            Shape3{"vector_in first", 0, 3072, 768}, Shape3{"embedder MLP second", 0, 3072, 3072}})
+    for (const Shape3& s :
+         {Shape3{"double block modulation", 0, 18432, 3072}, Shape3{"single block modulation", 0, 9216, 3072},
+          Shape3{"final adaLN", 0, 6144, 3072}, Shape3{"time_in / guidance_in first", 0, 3072, 256},
+          Shape3{"vector_in first", 0, 3072, 768}, Shape3{"embedder MLP second", 0, 3072, 3072}})
       shapes.push_back({s.name, rows, s.out, s.in});
   shapes.push_back({"img_in", 8192, 3072, 64});
   shapes.push_back({"final linear", 8192, 64, 3072});

@@ -29,14 +29,14 @@ struct StepBenchSpec {
   std::string workload;  // "W1", "W2", or a config name
   FluxConfig model;
   StepShape shape;
-  Fp8Config fp8;         // enabled = false: the non-FP8 path
+  Fp8Config fp8;  // enabled = false: the non-FP8 path
   int warmup = 3, steps = 10;
   uint64_t seed = 1234;
-  double lr = 1e-4;      // constant learning rate of the AdamW steps
+  double lr = 1e-4;  // constant learning rate of the AdamW steps
   Recompute recompute = Recompute::none;
   bool profile = false;  // time every op (OpProfiler: device timing marks, nothing waits)
   BenchData data = BenchData::prototypes;
-  AdamWConfig adam;      // the optimizer's hyper-parameters and moment storage
+  AdamWConfig adam;  // the optimizer's hyper-parameters and moment storage
   // cuda_graph: forward, loss and backward through StepGraph (not with profile, whose per-op
   // timing marks need each op issued on its own).
   bool cuda_graph = false;
@@ -54,20 +54,20 @@ struct StepBenchResult {
   std::string workload, precision;
   std::vector<double> step_ms;  // every timed step
   double median_ms = 0, tflops = 0, model_tflop = 0;
-  double setup_s = 0;           // backend ready -> model built, parameters initialised, memory planned
-  double first_step_s = 0;      // setup_s + the first step (plans, autotuning, first launches)
+  double setup_s = 0;       // backend ready -> model built, parameters initialised, memory planned
+  double first_step_s = 0;  // setup_s + the first step (plans, autotuning, first launches)
   // The process's first run only (else < 0): from the process's start (seconds_since_process_start:
   // the libraries' loading, the CUDA context and the backend included) to the end of its first
   // step, less the time the benchmark spends making its own synthetic data.
   double launch_to_first_step_s = -1;
   double launch_to_backend_s = -1;  // of those, until this run began (its backend made)
   double peak_allocated_gib = 0, device_used_gib = 0, activation_gib = 0;
-  EnergySummary energy;         // the timed steps' energy (a device with an energy counter)
+  EnergySummary energy;  // the timed steps' energy (a device with an energy counter)
   double first_loss = 0, last_loss = 0;
-  std::vector<double> losses;   // every step's loss, warm-up included (a run's loss curve)
-  std::vector<OpTime> ops;      // with profile: per-op time of a timed step, largest first
+  std::vector<double> losses;       // every step's loss, warm-up included (a run's loss curve)
+  std::vector<OpTime> ops;          // with profile: per-op time of a timed step, largest first
   std::vector<OpTime> idle_before;  // with profile: the idle row by the op after each wait
-  int non_finite_steps = 0;     // steps whose loss was not finite
+  int non_finite_steps = 0;         // steps whose loss was not finite
   // cuda_graph: per timed step, the segments launched as graphs and the ops still issued one
   // by one inside the forward and backward (first sightings, uncapturable segments).
   bool cuda_graph = false;

@@ -54,11 +54,10 @@ std::string describe(const TargetVerdict& v) {
     return v.unit == "x" ? fmt::format("{:.2f}x", x) : fmt::format("{:.2f} {}", x, v.unit);
   };
   const std::string verdict = v.met ? "met" : "missed by " + amount(v.value - v.limit);
-  const std::string energy =
-      v.joules >= 0 && v.joules_allowed > 0
-          ? fmt::format("; {:.1f} J a step, {:.1f} J allowed at the {:.0f} W limit", v.joules, v.joules_allowed,
-                        v.joules_allowed / (v.limit / 1e3))
-          : "";
+  const std::string energy = v.joules >= 0 && v.joules_allowed > 0
+                                 ? fmt::format("; {:.1f} J a step, {:.1f} J allowed at the {:.0f} W limit", v.joules,
+                                               v.joules_allowed, v.joules_allowed / (v.limit / 1e3))
+                                 : "";
   return fmt::format("{} ({}): {} <= {}, {}{}", v.target, v.run, amount(v.value), amount(v.limit), verdict, energy);
 }
 

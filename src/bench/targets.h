@@ -19,21 +19,21 @@ const WorkloadTargets* workload_targets(const std::string& workload);
 
 // One `flux8 bench` run of a workload, as the verdicts need it.
 struct BenchRunSummary {
-  std::string precision;             // bf16, delayed, tensorwise, blockwise, mxfp8
-  std::string fp8_format;            // hybrid or e4m3; empty for bf16
+  std::string precision;   // bf16, delayed, tensorwise, blockwise, mxfp8
+  std::string fp8_format;  // hybrid or e4m3; empty for bf16
   double median_ms = 0;
   double peak_allocated_gib = 0;
   double launch_to_first_step_s = -1;  // < 0: not measured (only a process's first run is)
   // The run's energy a step and the GPU's power limit (backend/energy.h); < 0: not measured.
   double joules_per_step = -1, power_limit_w = -1;
-  std::string label() const;         // "BF16", "delayed hybrid" (as the bench's table names it)
+  std::string label() const;  // "BF16", "delayed hybrid" (as the bench's table names it)
 };
 
 struct TargetVerdict {
   std::string target;  // "BF16 step", "FP8 step", "FP8 peak memory", "launch to first step"
   std::string run;     // the run judged: "BF16", "delayed hybrid", "delayed hybrid / BF16"
   double value = 0, limit = 0;
-  std::string unit;    // "ms", "x", "s"
+  std::string unit;  // "ms", "x", "s"
   bool met = false;
   // Step targets of a run whose energy was measured: its joules a step, and the joules a step
   // the target leaves at the power limit (limit ms x limit W) — what a power-capped step must

@@ -118,32 +118,47 @@ void run_gemm_and_attention(Backend& be, int repeats, json& out) {
              "FP8 cast of x (+col sums)");
   for (const GemmBenchRow& r : run_gemm_bench(be, repeats)) {
     const double gflop = 2.0 * static_cast<double>(r.m) * static_cast<double>(r.n) * static_cast<double>(r.k) / 1e9;
-    fmt::print("{:>6} {:>6} {:>6} | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | "
-               "{:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>6.3f} ms {:>5.0f} GB/s ({:.3f})\n",
-               r.m, r.n, r.k, r.fp8_linear_ms, r.fp8_linear_tflops, r.fp8_gemm_ms, r.fp8_gemm_tflops,
-               r.fp8_gemm_fast_ms, gflop / r.fp8_gemm_fast_ms, r.fp8_gemm_fast_bias_ms,
-               gflop / r.fp8_gemm_fast_bias_ms, r.linear_ms, r.linear_tflops, r.cast_ms, r.cast_gbps,
-               r.cast_sums_ms);
-    out["gemm"].push_back({{"m", r.m}, {"n", r.n}, {"k", r.k}, {"fp8_linear_ms", r.fp8_linear_ms},
-                           {"fp8_gemm_ms", r.fp8_gemm_ms}, {"fp8_gemm_fast_ms", r.fp8_gemm_fast_ms},
-                           {"fp8_gemm_fast_bias_ms", r.fp8_gemm_fast_bias_ms}, {"bf16_linear_ms", r.linear_ms},
-                           {"fp8_linear_tflops", r.fp8_linear_tflops}, {"fp8_gemm_tflops", r.fp8_gemm_tflops},
-                           {"bf16_linear_tflops", r.linear_tflops}, {"cast_ms", r.cast_ms},
-                           {"cast_gbps", r.cast_gbps}, {"cast_column_sums_ms", r.cast_sums_ms}});
+    fmt::print(
+        "{:>6} {:>6} {:>6} | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | "
+        "{:>7.3f} ms {:>6.0f} TF | {:>7.3f} ms {:>6.0f} TF | {:>6.3f} ms {:>5.0f} GB/s ({:.3f})\n",
+        r.m, r.n, r.k, r.fp8_linear_ms, r.fp8_linear_tflops, r.fp8_gemm_ms, r.fp8_gemm_tflops, r.fp8_gemm_fast_ms,
+        gflop / r.fp8_gemm_fast_ms, r.fp8_gemm_fast_bias_ms, gflop / r.fp8_gemm_fast_bias_ms, r.linear_ms,
+        r.linear_tflops, r.cast_ms, r.cast_gbps, r.cast_sums_ms);
+    out["gemm"].push_back({{"m", r.m},
+                           {"n", r.n},
+                           {"k", r.k},
+                           {"fp8_linear_ms", r.fp8_linear_ms},
+                           {"fp8_gemm_ms", r.fp8_gemm_ms},
+                           {"fp8_gemm_fast_ms", r.fp8_gemm_fast_ms},
+                           {"fp8_gemm_fast_bias_ms", r.fp8_gemm_fast_bias_ms},
+                           {"bf16_linear_ms", r.linear_ms},
+                           {"fp8_linear_tflops", r.fp8_linear_tflops},
+                           {"fp8_gemm_tflops", r.fp8_gemm_tflops},
+                           {"bf16_linear_tflops", r.linear_tflops},
+                           {"cast_ms", r.cast_ms},
+                           {"cast_gbps", r.cast_gbps},
+                           {"cast_column_sums_ms", r.cast_sums_ms}});
   }
   fmt::print("\nAttention, BF16 vs FP8 (cuDNN; E4M3 q, k, v, o, E5M2 dO and gradients), median ms (TFLOP/s)\n");
-  fmt::print("{:>4} {:>18} | {:>17} | {:>17} | {:>17} | {:>17} | {:>9} | {:>9}\n", "", "[B, n, L, D]",
-             "BF16 forward", "BF16 backward", "FP8 forward", "FP8 backward", "fwd casts", "bwd casts");
+  fmt::print("{:>4} {:>18} | {:>17} | {:>17} | {:>17} | {:>17} | {:>9} | {:>9}\n", "", "[B, n, L, D]", "BF16 forward",
+             "BF16 backward", "FP8 forward", "FP8 backward", "fwd casts", "bwd casts");
   for (const AttentionBenchRow& r : run_attention_bench(be, repeats)) {
-    fmt::print("{:>4} {:>18} | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | "
-               "{:>9.3f} | {:>9.3f}\n",
-               r.workload, fmt::format("[{}, {}, {}, {}]", r.batch, r.heads, r.seq, r.head_dim), r.bf16_fwd_ms,
-               r.bf16_fwd_tflops, r.bf16_bwd_ms, r.bf16_bwd_tflops, r.fp8_fwd_ms, r.fp8_fwd_tflops, r.fp8_bwd_ms,
-               r.fp8_bwd_tflops, r.fp8_fwd_casts_ms, r.fp8_bwd_casts_ms);
-    out["attention"].push_back({{"workload", r.workload}, {"batch", r.batch}, {"heads", r.heads},
-                                {"seq", r.seq}, {"head_dim", r.head_dim}, {"bf16_fwd_ms", r.bf16_fwd_ms},
-                                {"bf16_bwd_ms", r.bf16_bwd_ms}, {"fp8_fwd_ms", r.fp8_fwd_ms},
-                                {"fp8_bwd_ms", r.fp8_bwd_ms}, {"fp8_fwd_casts_ms", r.fp8_fwd_casts_ms},
+    fmt::print(
+        "{:>4} {:>18} | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | {:>7.3f} ({:>6.0f}) | "
+        "{:>9.3f} | {:>9.3f}\n",
+        r.workload, fmt::format("[{}, {}, {}, {}]", r.batch, r.heads, r.seq, r.head_dim), r.bf16_fwd_ms,
+        r.bf16_fwd_tflops, r.bf16_bwd_ms, r.bf16_bwd_tflops, r.fp8_fwd_ms, r.fp8_fwd_tflops, r.fp8_bwd_ms,
+        r.fp8_bwd_tflops, r.fp8_fwd_casts_ms, r.fp8_bwd_casts_ms);
+    out["attention"].push_back({{"workload", r.workload},
+                                {"batch", r.batch},
+                                {"heads", r.heads},
+                                {"seq", r.seq},
+                                {"head_dim", r.head_dim},
+                                {"bf16_fwd_ms", r.bf16_fwd_ms},
+                                {"bf16_bwd_ms", r.bf16_bwd_ms},
+                                {"fp8_fwd_ms", r.fp8_fwd_ms},
+                                {"fp8_bwd_ms", r.fp8_bwd_ms},
+                                {"fp8_fwd_casts_ms", r.fp8_fwd_casts_ms},
                                 {"fp8_bwd_casts_ms", r.fp8_bwd_casts_ms}});
   }
 }
@@ -154,16 +169,21 @@ void run_epilogues_and_small_linears(Backend& be, int repeats, json& out) {
   fmt::print("{:>6} {:>6} {:>6} | {:>21} | {:>21} | {:>25} | {:>25}\n", "M", "N", "K", "linear + GELU",
              "dgrad + GELU backward", "wgrad first: no db -> db", "wgrad +=: no db -> db");
   for (const EpilogueBenchRow& r : run_epilogue_bench(be, repeats)) {
-    fmt::print("{:>6} {:>6} {:>6} | {:>8.3f} -> {:>8.3f} | {:>8.3f} -> {:>8.3f} | {:>10.3f} -> {:>10.3f} | "
-               "{:>10.3f} -> {:>10.3f}\n",
-               r.m, r.n, r.k, r.linear_gelu_unfused_ms, r.linear_gelu_ms, r.dgrad_gelu_unfused_ms, r.dgrad_gelu_ms,
-               r.wgrad_ms, r.wgrad_bias_ms, r.wgrad_acc_ms, r.wgrad_acc_bias_ms);
-    out["epilogues"].push_back({{"m", r.m}, {"n", r.n}, {"k", r.k},
+    fmt::print(
+        "{:>6} {:>6} {:>6} | {:>8.3f} -> {:>8.3f} | {:>8.3f} -> {:>8.3f} | {:>10.3f} -> {:>10.3f} | "
+        "{:>10.3f} -> {:>10.3f}\n",
+        r.m, r.n, r.k, r.linear_gelu_unfused_ms, r.linear_gelu_ms, r.dgrad_gelu_unfused_ms, r.dgrad_gelu_ms, r.wgrad_ms,
+        r.wgrad_bias_ms, r.wgrad_acc_ms, r.wgrad_acc_bias_ms);
+    out["epilogues"].push_back({{"m", r.m},
+                                {"n", r.n},
+                                {"k", r.k},
                                 {"linear_gelu_unfused_ms", r.linear_gelu_unfused_ms},
                                 {"linear_gelu_ms", r.linear_gelu_ms},
                                 {"dgrad_gelu_unfused_ms", r.dgrad_gelu_unfused_ms},
-                                {"dgrad_gelu_ms", r.dgrad_gelu_ms}, {"wgrad_ms", r.wgrad_ms},
-                                {"wgrad_bias_ms", r.wgrad_bias_ms}, {"wgrad_accumulate_ms", r.wgrad_acc_ms},
+                                {"dgrad_gelu_ms", r.dgrad_gelu_ms},
+                                {"wgrad_ms", r.wgrad_ms},
+                                {"wgrad_bias_ms", r.wgrad_bias_ms},
+                                {"wgrad_accumulate_ms", r.wgrad_acc_ms},
                                 {"wgrad_accumulate_bias_ms", r.wgrad_acc_bias_ms}});
   }
   fmt::print("\nBF16 Linears of few rows or a narrow side (the FP8 step's `linear`, `linear_backward`), median ms\n");
@@ -173,9 +193,15 @@ void run_epilogues_and_small_linears(Backend& be, int repeats, json& out) {
     fmt::print("{:>30} {:>5} {:>6} {:>5} | {:>8.4f} {:>9.0f} | {:>8.4f} | {:>8.4f} | {:>8.1f} {:>9.1f}\n", r.name,
                r.rows, r.out, r.in, r.fwd_ms, r.fwd_weight_gbps, r.dgrad_ms, r.wgrad_ms, r.fwd_host_us,
                r.dgrad_host_us);
-    out["small_linears"].push_back({{"name", r.name}, {"rows", r.rows}, {"out", r.out}, {"in", r.in},
-                                    {"fwd_ms", r.fwd_ms}, {"dgrad_ms", r.dgrad_ms}, {"wgrad_ms", r.wgrad_ms},
-                                    {"fwd_weight_gbps", r.fwd_weight_gbps}, {"fwd_host_us", r.fwd_host_us},
+    out["small_linears"].push_back({{"name", r.name},
+                                    {"rows", r.rows},
+                                    {"out", r.out},
+                                    {"in", r.in},
+                                    {"fwd_ms", r.fwd_ms},
+                                    {"dgrad_ms", r.dgrad_ms},
+                                    {"wgrad_ms", r.wgrad_ms},
+                                    {"fwd_weight_gbps", r.fwd_weight_gbps},
+                                    {"fwd_host_us", r.fwd_host_us},
                                     {"dgrad_host_us", r.dgrad_host_us}});
   }
 }
@@ -240,27 +266,30 @@ struct WorkloadRun {
 // The run's own lines under its table row: launch, data path, CUDA graphs, energy.
 void print_run_notes(const StepBenchResult& r, const std::string& backend) {
   if (r.launch_to_first_step_s >= 0)
-    fmt::print("  launch to first step: {:.2f} s (this process's start to the end of its first step, the "
-               "benchmark's synthetic data left out), of which {:.2f} s until the backend was up (libraries, "
-               "device, cuBLASLt and cuDNN handles)\n",
-               r.launch_to_first_step_s, r.launch_to_backend_s);
+    fmt::print(
+        "  launch to first step: {:.2f} s (this process's start to the end of its first step, the "
+        "benchmark's synthetic data left out), of which {:.2f} s until the backend was up (libraries, "
+        "device, cuBLASLt and cuDNN handles)\n",
+        r.launch_to_first_step_s, r.launch_to_backend_s);
   if (r.data_assemble_ms >= 0)
-    fmt::print("  trainer data path (host, before each step; not in the step time): {:.1f} ms to assemble the "
-               "batch, {:.1f} ms to upload it\n",
-               r.data_assemble_ms, r.data_upload_ms);
+    fmt::print(
+        "  trainer data path (host, before each step; not in the step time): {:.1f} ms to assemble the "
+        "batch, {:.1f} ms to upload it\n",
+        r.data_assemble_ms, r.data_upload_ms);
   if (r.cuda_graph)
-    fmt::print("  cuda_graph: {:.1f} graphs a step holding {:.0f} ops, {:.0f} ops issued one by one{}\n",
-               r.graph_segments_per_step, r.graph_ops_per_step, r.eager_ops_per_step,
-               r.graph_capture_failures ? fmt::format(" ({} segments could not be captured)", r.graph_capture_failures)
-                                        : "");
+    fmt::print(
+        "  cuda_graph: {:.1f} graphs a step holding {:.0f} ops, {:.0f} ops issued one by one{}\n",
+        r.graph_segments_per_step, r.graph_ops_per_step, r.eager_ops_per_step,
+        r.graph_capture_failures ? fmt::format(" ({} segments could not be captured)", r.graph_capture_failures) : "");
   if (r.energy.available) {
     std::string limiters;
     for (const std::string& l : r.energy.clock_limiters) limiters += (limiters.empty() ? "" : ", ") + l;
-    fmt::print("  energy: {:.1f} J a step, {:.0f} W on average over the timed steps' {:.2f} s{} (at the {:.0f} W "
-               "limit, sustained, this energy takes {:.2f} ms a step); SM clock {:.0f} MHz in the last step{}\n",
-               r.energy.joules_per_step, r.energy.mean_power_w, r.energy.window_s,
-               r.energy.window_s < 3 ? ", too short to be exact: use more --steps" : "", r.energy.power_limit_w,
-               r.energy.ms_at_power_limit, r.energy.sm_clock_mhz, limiters.empty() ? "" : ", held back by: " + limiters);
+    fmt::print(
+        "  energy: {:.1f} J a step, {:.0f} W on average over the timed steps' {:.2f} s{} (at the {:.0f} W "
+        "limit, sustained, this energy takes {:.2f} ms a step); SM clock {:.0f} MHz in the last step{}\n",
+        r.energy.joules_per_step, r.energy.mean_power_w, r.energy.window_s,
+        r.energy.window_s < 3 ? ", too short to be exact: use more --steps" : "", r.energy.power_limit_w,
+        r.energy.ms_at_power_limit, r.energy.sm_clock_mhz, limiters.empty() ? "" : ", held back by: " + limiters);
   } else if (backend == "cuda") {
     fmt::print("  energy: not measured ({})\n", r.energy.why);
   }
@@ -283,9 +312,9 @@ void print_profile(const StepBenchResult& r, const std::vector<RooflinePart>& pa
   if (!waits.empty()) fmt::print("  idle before (ms/step): {}\n", waits);
   fmt::print("  roofline parts                   ms/step   share   (GEMMs and attention: model FLOPs, rate)\n");
   for (const RooflinePart& part : parts)
-    fmt::print("  {:<30} {:>10.3f} {:>6.1f}%{}\n", part.name, part.ms_per_step, 100.0 * part.ms_per_step / total,
-               part.model_tflop > 0 ? fmt::format("   {:.4g} TFLOP at {:.4g} TFLOP/s", part.model_tflop, part.tflops())
-                                    : "");
+    fmt::print(
+        "  {:<30} {:>10.3f} {:>6.1f}%{}\n", part.name, part.ms_per_step, 100.0 * part.ms_per_step / total,
+        part.model_tflop > 0 ? fmt::format("   {:.4g} TFLOP at {:.4g} TFLOP/s", part.model_tflop, part.tflops()) : "");
 }
 
 // A long run is a loss curve (FP8 vs BF16): its mean per 50 steps, to compare by eye.
@@ -397,7 +426,8 @@ void print_verdicts(const std::string& workload, const std::vector<WorkloadRun>&
   for (const WorkloadRun& r : runs) summaries.push_back(r.summary);
   std::string sets;  // what the runs were asked to change (FP8 attention, recompute, ...)
   for (const std::string& kv : overrides) sets += " --set " + kv;
-  fmt::print("  {} against flux8's targets (set for one H200){}:\n", workload, sets.empty() ? "" : ", runs with" + sets);
+  fmt::print("  {} against flux8's targets (set for one H200){}:\n", workload,
+             sets.empty() ? "" : ", runs with" + sets);
   for (const TargetVerdict& v : judge_targets(workload, summaries)) {
     fmt::print("    {}\n", describe(v));
     out["targets"].push_back({{"workload", workload},
@@ -485,32 +515,33 @@ void run_step_benchmarks(const BenchOptions& o, json& out) {
 
 Command add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
-      "bench", "time whole training steps on synthetic data (the workloads W1 and W2, or a config) in BF16 and FP8 — "
-               "on the GPU a workload's runs end with a verdict on each of flux8's targets, and with an energy "
-               "counter (NVML) each run's joules a step, mean power and the step time that energy takes at the power "
-               "limit; --peer: each run's ratios to PyTorch timed by tools/peer_bench.py on the same GPU; "
-               "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
-               "MLP's GEMM epilogues against the ops they replace, and the BF16 Linears of few rows an FP8 step keeps");
+      "bench",
+      "time whole training steps on synthetic data (the workloads W1 and W2, or a config) in BF16 and FP8 — "
+      "on the GPU a workload's runs end with a verdict on each of flux8's targets, and with an energy "
+      "counter (NVML) each run's joules a step, mean power and the step time that energy takes at the power "
+      "limit; --peer: each run's ratios to PyTorch timed by tools/peer_bench.py on the same GPU; "
+      "--gemm: FP8 linear vs raw cuBLASLt at Flux shapes, the FP8 cast alone, BF16 vs FP8 attention, and the BF16 "
+      "MLP's GEMM epilogues against the ops they replace, and the BF16 Linears of few rows an FP8 step keeps");
   auto o = std::make_shared<BenchOptions>();
   add_bench_options(cmd, *o);
   return {cmd, [o]() {
-    json out;
-    if (o->gemm) {
-      Config keys;
-      for (const std::string& kv : o->overrides) keys.apply_override(kv);
-      const std::unique_ptr<Backend> be = make_backend(o->backend, backend_options(keys));
-      run_gemm_and_attention(*be, o->steps, out);
-      run_epilogues_and_small_linears(*be, o->steps, out);
-    } else {
-      run_step_benchmarks(*o, out);
-    }
-    if (!o->json_file.empty()) {
-      std::ofstream f(o->json_file);
-      if (!f) fail("bench: cannot write {}", o->json_file);
-      f << out.dump(2) << "\n";
-    }
-    return 0;
-  }};
+            json out;
+            if (o->gemm) {
+              Config keys;
+              for (const std::string& kv : o->overrides) keys.apply_override(kv);
+              const std::unique_ptr<Backend> be = make_backend(o->backend, backend_options(keys));
+              run_gemm_and_attention(*be, o->steps, out);
+              run_epilogues_and_small_linears(*be, o->steps, out);
+            } else {
+              run_step_benchmarks(*o, out);
+            }
+            if (!o->json_file.empty()) {
+              std::ofstream f(o->json_file);
+              if (!f) fail("bench: cannot write {}", o->json_file);
+              f << out.dump(2) << "\n";
+            }
+            return 0;
+          }};
 }
 
 }  // namespace flux8::cli

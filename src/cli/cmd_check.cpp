@@ -48,8 +48,9 @@ std::string jit_cache_summary() {
     if (!size_ec) bytes += n;
   }
   if (files == 0)
-    return where + ": empty — the first run here compiles cuDNN's attention kernels into it (~2 s); "
-                   "point CUDA_CACHE_PATH at shared storage to keep them across fresh nodes";
+    return where +
+           ": empty — the first run here compiles cuDNN's attention kernels into it (~2 s); "
+           "point CUDA_CACHE_PATH at shared storage to keep them across fresh nodes";
   return fmt::format("{}: {} file{}, {:.1f} MB (kernels compiled by earlier runs)", where, files, files == 1 ? "" : "s",
                      static_cast<double>(bytes) / 1e6);
 }
@@ -58,28 +59,30 @@ std::string jit_cache_summary() {
 #endif
 
 Command add_check_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("check", "report the GPU, driver and library versions, the driver's JIT cache, and "
-                                          "which FP8 recipes and FP8 attention can run here (exit status 1 when the "
-                                          "CUDA backend cannot run)");
+  auto* cmd = app.add_subcommand("check",
+                                 "report the GPU, driver and library versions, the driver's JIT cache, and "
+                                 "which FP8 recipes and FP8 attention can run here (exit status 1 when the "
+                                 "CUDA backend cannot run)");
   return {cmd, []() {
-    fmt::print("flux8 0.1.0\n");
-    fmt::print("  {:<20} {}\n", "CPU backend", "always available (OpenBLAS + OpenMP; FP8 emulated bit-exactly)");
+            fmt::print("flux8 0.1.0\n");
+            fmt::print("  {:<20} {}\n", "CPU backend",
+                       "always available (OpenBLAS + OpenMP; FP8 emulated bit-exactly)");
 #if FLUX8_HAVE_CUDA
-    // Read before cuda_report(): its FP8-attention probe builds a cuDNN graph, which compiles
-    // kernels into this very cache, and an empty cache must be reported as the run found it.
-    const std::string jit_cache = jit_cache_summary();
-    const CudaReport r = cuda_report();
-    for (const auto& l : r.lines) fmt::print("  {:<20} {}\n", l.key, l.value);
-    fmt::print("  {:<20} {}\n", "JIT cache", jit_cache);
-    fmt::print("FP8 on the GPU (recipes, attention):\n");
-    for (const auto& l : r.fp8_recipes) fmt::print("  {:<20} {}\n", l.key, l.value);
-    return r.usable ? 0 : 1;
+            // Read before cuda_report(): its FP8-attention probe builds a cuDNN graph, which compiles
+            // kernels into this very cache, and an empty cache must be reported as the run found it.
+            const std::string jit_cache = jit_cache_summary();
+            const CudaReport r = cuda_report();
+            for (const auto& l : r.lines) fmt::print("  {:<20} {}\n", l.key, l.value);
+            fmt::print("  {:<20} {}\n", "JIT cache", jit_cache);
+            fmt::print("FP8 on the GPU (recipes, attention):\n");
+            for (const auto& l : r.fp8_recipes) fmt::print("  {:<20} {}\n", l.key, l.value);
+            return r.usable ? 0 : 1;
 #else
     fmt::print("  {:<20} {}\n", "CUDA backend",
                "not built (no nvcc when flux8 was configured; README: GPU builds)");
     return 1;
 #endif
-  }};
+          }};
 }
 
 }  // namespace flux8::cli

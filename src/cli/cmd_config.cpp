@@ -9,7 +9,8 @@
 namespace flux8::cli {
 
 Command add_config_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("config", "print the resolved config (with where each value came from), or --list the keys");
+  auto* cmd =
+      app.add_subcommand("config", "print the resolved config (with where each value came from), or --list the keys");
   struct Opts {
     std::string config;
     std::vector<std::string> overrides;
@@ -20,15 +21,15 @@ Command add_config_command(CLI::App& app) {
   cmd->add_option("--set", o->overrides, "override a config key: --set key=value (repeatable)");
   cmd->add_flag("--list", o->list, "list every config key with type, default and allowed values");
   return {cmd, [o]() {
-    if (o->list || o->config.empty()) {
-      fmt::print("{}", describe_keys());
-      return 0;
-    }
-    const Config cfg = Config::load(o->config, o->overrides);
-    FluxConfig::from_config(cfg);  // cross-key checks
-    fmt::print("{}", cfg.dump());
-    return 0;
-  }};
+            if (o->list || o->config.empty()) {
+              fmt::print("{}", describe_keys());
+              return 0;
+            }
+            const Config cfg = Config::load(o->config, o->overrides);
+            FluxConfig::from_config(cfg);  // cross-key checks
+            fmt::print("{}", cfg.dump());
+            return 0;
+          }};
 }
 
 }  // namespace flux8::cli

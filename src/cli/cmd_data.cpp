@@ -15,7 +15,8 @@ namespace flux8::cli {
 Command add_data_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("data", "dataset tools");
   cmd->require_subcommand(1);
-  auto* demo = cmd->add_subcommand("demo", "write the embedded demo dataset (coloured shapes with captions) as tar shards");
+  auto* demo =
+      cmd->add_subcommand("demo", "write the embedded demo dataset (coloured shapes with captions) as tar shards");
   struct Opts {
     std::string out, config = std::string(FLUX8_SOURCE_DIR) + "/configs/demo.yaml";
     std::vector<std::string> overrides;
@@ -40,9 +41,10 @@ Command add_data_command(CLI::App& app) {
       "write random training shards shaped like MLPerf's preprocessed CC12M for a model (VAE mean and logvar, "
       "T5 and CLIP features; nothing to learn): for measuring `flux8 train` throughput at real sizes");
   synthetic->add_option("--out", so->out, "output directory (its train-*.tar are replaced)")->required();
-  synthetic->add_option("-c,--config", so->config,
-                        "config giving the model (latent_channels, context_dim, vec_dim, text_seq_len), image_size, "
-                        "vae_downsample and seed")
+  synthetic
+      ->add_option("-c,--config", so->config,
+                   "config giving the model (latent_channels, context_dim, vec_dim, text_seq_len), image_size, "
+                   "vae_downsample and seed")
       ->required()
       ->check(CLI::ExistingFile);
   synthetic->add_option("--set", so->overrides, "override a config key: --set key=value (repeatable)");
@@ -84,9 +86,10 @@ Command add_data_command(CLI::App& app) {
             spec.samples_per_shard = o->per_shard;
             spec.seed = static_cast<uint64_t>(cfg.get_int("seed"));
             write_demo_dataset(o->out, spec);
-            fmt::print("wrote {}: {} train + {} validation samples ({}x{} px) in train-*.tar / val-*.tar, "
-                       "empty_prompt.{{t5,clip}}.npy, manifest.json\n",
-                       o->out, spec.train_samples, spec.val_samples, spec.image_size, spec.image_size);
+            fmt::print(
+                "wrote {}: {} train + {} validation samples ({}x{} px) in train-*.tar / val-*.tar, "
+                "empty_prompt.{{t5,clip}}.npy, manifest.json\n",
+                o->out, spec.train_samples, spec.val_samples, spec.image_size, spec.image_size);
             return 0;
           }};
 }

@@ -19,9 +19,9 @@
 namespace flux8::cli {
 
 Command add_forward_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand(
-      "forward", "run the model on inputs from a safetensors file (img, img_ids, txt, txt_ids, "
-                 "timesteps, y, guidance) and write pred [and gradients]");
+  auto* cmd = app.add_subcommand("forward",
+                                 "run the model on inputs from a safetensors file (img, img_ids, txt, txt_ids, "
+                                 "timesteps, y, guidance) and write pred [and gradients]");
   struct Opts {
     ConfigOptions cfg;
     std::string checkpoint, inputs, out, precision = "f32";
@@ -33,7 +33,9 @@ Command add_forward_command(CLI::App& app) {
   cmd->add_option("--checkpoint", o->checkpoint, "weights (reference or diffusers names, safetensors)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--init-seed", o->init_seed, "instead of --checkpoint: MLPerf initialisation from this seed");
-  cmd->add_option("--inputs", o->inputs, "safetensors file with the model inputs")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--inputs", o->inputs, "safetensors file with the model inputs")
+      ->required()
+      ->check(CLI::ExistingFile);
   cmd->add_option("--out", o->out, "output safetensors: pred [B, image tokens, out_channels]")->required();
   cmd->add_flag("--loss-grad", o->loss_grad,
                 "also write loss = mean(pred*probe) and grad.<parameter> for every parameter "
@@ -43,68 +45,69 @@ Command add_forward_command(CLI::App& app) {
   cmd->add_flag("--bf16-activations", o->bf16_activations,
                 "round activations to bf16 as the GPU stores them (f32 precision only)");
   return {cmd, [o]() {
-    const Config config = Config::load(o->cfg.config, o->cfg.overrides);
-    const FluxConfig cfg = FluxConfig::from_config(config);
-    if (o->checkpoint.empty() == !o->init_seed.has_value())
-      fail("forward: give exactly one of --checkpoint FILE or --init-seed N");
-    const DType dtype = o->precision == "f64" ? DType::f64 : DType::f32;
-    if (dtype == DType::f64 && o->bf16_activations)
-      fail("forward: --bf16-activations needs --precision f32");
-    BackendOptions bopts = BackendOptions::from_config(config);
-    bopts.round_activations_to_bf16 = bopts.round_activations_to_bf16 || o->bf16_activations;
-    std::unique_ptr<Backend> be = make_backend(config.get_string("backend"), bopts);
+            const Config config = Config::load(o->cfg.config, o->cfg.overrides);
+            const FluxConfig cfg = FluxConfig::from_config(config);
+            if (o->checkpoint.empty() == !o->init_seed.has_value())
+              fail("forward: give exactly one of --checkpoint FILE or --init-seed N");
+            const DType dtype = o->precision == "f64" ? DType::f64 : DType::f32;
+            if (dtype == DType::f64 && o->bf16_activations) fail("forward: --bf16-activations needs --precision f32");
+            BackendOptions bopts = BackendOptions::from_config(config);
+            bopts.round_activations_to_bf16 = bopts.round_activations_to_bf16 || o->bf16_activations;
+            std::unique_ptr<Backend> be = make_backend(config.get_string("backend"), bopts);
 
-    FluxModel model(cfg, *be, dtype);
-    if (o->init_seed) model.params().init(*o->init_seed);
-    else load_weights(model.params(), cfg, o->checkpoint);
+            FluxModel model(cfg, *be, dtype);
+            if (o->init_seed)
+              model.params().init(*o->init_seed);
+            else
+              load_weights(model.params(), cfg, o->checkpoint);
 
-    const SafetensorsReader in_file(o->inputs);
-    InputBatch batch(*be, dtype);
-    batch.load(in_file, cfg);
-    const Tensor pred = model.forward(batch.inputs());
-    const std::vector<double> pred_host = to_host(*be, pred);
+            const SafetensorsReader in_file(o->inputs);
+            InputBatch batch(*be, dtype);
+            batch.load(in_file, cfg);
+            const Tensor pred = model.forward(batch.inputs());
+            const std::vector<double> pred_host = to_host(*be, pred);
 
-    // Outputs are stored in the precision of the run (F64 for --precision f64).
-    SafetensorsWriter out;
-    std::vector<std::vector<float>> keep32;  // host data must outlive write()
-    std::vector<std::vector<double>> keep64;
-    auto add = [&](const std::string& name, const Shape& shape, const std::vector<double>& v) {
-      const std::vector<int64_t> dims(shape.d.begin(), shape.d.begin() + shape.rank);
-      if (dtype == DType::f64) {
-        keep64.push_back(v);
-        out.add(name, DType::f64, dims, keep64.back().data());
-      } else {
-        keep32.emplace_back(v.begin(), v.end());
-        out.add(name, DType::f32, dims, keep32.back().data());
-      }
-    };
-    add("pred", pred.shape, pred_host);
-    if (o->loss_grad) {
-      if (!in_file.contains("probe"))
-        fail("forward --loss-grad: inputs {} has no 'probe' tensor (shape {})", o->inputs, pred.shape.str());
-      std::vector<double> probe(static_cast<size_t>(in_file.tensor("probe").numel()));
-      in_file.read_f64("probe", probe.data(),
-                       std::vector<int64_t>(pred.shape.d.begin(), pred.shape.d.begin() + pred.shape.rank));
-      // loss = mean(pred·probe) -> dloss/dpred = probe / numel
-      double loss = 0;
-      std::vector<double> dpred(probe.size());
-      for (size_t i = 0; i < probe.size(); ++i) {
-        loss += pred_host[i] * probe[i];
-        dpred[i] = probe[i] / static_cast<double>(probe.size());
-      }
-      loss /= static_cast<double>(probe.size());
-      model.params().zero_grads();
-      model.backward(batch.make(pred.shape, dpred));
-      add("loss", Shape{1}, {loss});
-      for (const ParamInfo& p : model.params().layout().params())
-        add("grad." + p.name, p.shape, to_host(*be, model.params().grad(p.name)));
-    }
-    out.set_metadata("producer", "flux8 forward");
-    out.set_metadata("model", cfg.name);
-    out.write(o->out);
-    fmt::print("wrote {} (pred {}{})\n", o->out, pred.shape.str(), o->loss_grad ? ", loss, grad.*" : "");
-    return 0;
-  }};
+            // Outputs are stored in the precision of the run (F64 for --precision f64).
+            SafetensorsWriter out;
+            std::vector<std::vector<float>> keep32;  // host data must outlive write()
+            std::vector<std::vector<double>> keep64;
+            auto add = [&](const std::string& name, const Shape& shape, const std::vector<double>& v) {
+              const std::vector<int64_t> dims(shape.d.begin(), shape.d.begin() + shape.rank);
+              if (dtype == DType::f64) {
+                keep64.push_back(v);
+                out.add(name, DType::f64, dims, keep64.back().data());
+              } else {
+                keep32.emplace_back(v.begin(), v.end());
+                out.add(name, DType::f32, dims, keep32.back().data());
+              }
+            };
+            add("pred", pred.shape, pred_host);
+            if (o->loss_grad) {
+              if (!in_file.contains("probe"))
+                fail("forward --loss-grad: inputs {} has no 'probe' tensor (shape {})", o->inputs, pred.shape.str());
+              std::vector<double> probe(static_cast<size_t>(in_file.tensor("probe").numel()));
+              in_file.read_f64("probe", probe.data(),
+                               std::vector<int64_t>(pred.shape.d.begin(), pred.shape.d.begin() + pred.shape.rank));
+              // loss = mean(pred·probe) -> dloss/dpred = probe / numel
+              double loss = 0;
+              std::vector<double> dpred(probe.size());
+              for (size_t i = 0; i < probe.size(); ++i) {
+                loss += pred_host[i] * probe[i];
+                dpred[i] = probe[i] / static_cast<double>(probe.size());
+              }
+              loss /= static_cast<double>(probe.size());
+              model.params().zero_grads();
+              model.backward(batch.make(pred.shape, dpred));
+              add("loss", Shape{1}, {loss});
+              for (const ParamInfo& p : model.params().layout().params())
+                add("grad." + p.name, p.shape, to_host(*be, model.params().grad(p.name)));
+            }
+            out.set_metadata("producer", "flux8 forward");
+            out.set_metadata("model", cfg.name);
+            out.write(o->out);
+            fmt::print("wrote {} (pred {}{})\n", o->out, pred.shape.str(), o->loss_grad ? ", loss, grad.*" : "");
+            return 0;
+          }};
 }
 
 }  // namespace flux8::cli

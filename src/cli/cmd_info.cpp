@@ -2,8 +2,8 @@
 #include <fmt/core.h>
 
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cli/commands.h"
 #include "config/config.h"
@@ -217,7 +217,8 @@ void print_info_text(const InfoReport& r) {
 }  // namespace
 
 Command add_info_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("info", "parameter count, model FLOPs per sample and training-step memory of a config");
+  auto* cmd =
+      app.add_subcommand("info", "parameter count, model FLOPs per sample and training-step memory of a config");
   struct Opts {
     ConfigOptions cfg;
     int64_t image_size = 0, batch = 0;
@@ -229,15 +230,15 @@ Command add_info_command(CLI::App& app) {
   cmd->add_option("--batch", o->batch, "samples per step (default: config micro_batch_size)");
   cmd->add_flag("--json", o->json, "print JSON instead of text");
   return {cmd, [o]() {
-    const Config config = Config::load(o->cfg.config, o->cfg.overrides);
-    InfoReport report = compute_info(config, o->image_size, o->batch);
-    report.config_path = o->cfg.config;
-    if (o->json)
-      print_info_json(report);
-    else
-      print_info_text(report);
-    return 0;
-  }};
+            const Config config = Config::load(o->cfg.config, o->cfg.overrides);
+            InfoReport report = compute_info(config, o->image_size, o->batch);
+            report.config_path = o->cfg.config;
+            if (o->json)
+              print_info_json(report);
+            else
+              print_info_text(report);
+            return 0;
+          }};
 }
 
 }  // namespace flux8::cli

@@ -25,21 +25,23 @@ Command add_init_command(CLI::App& app) {
   cmd->add_option("--naming", o->naming, "tensor names: reference (Black Forest Labs) or diffusers")
       ->check(CLI::IsMember({"reference", "diffusers"}));
   return {cmd, [o, cmd]() {
-    const Config config = Config::load(o->cfg.config, o->cfg.overrides);
-    const FluxConfig cfg = FluxConfig::from_config(config);
-    const uint64_t seed = cmd->count("--seed") ? o->seed : static_cast<uint64_t>(config.get_int("seed"));
-    std::unique_ptr<Backend> be = make_backend("cpu");
-    FluxModel model(cfg, *be, DType::f32);
-    model.params().init(seed);
-    const DType dt = o->dtype == "f32" ? DType::f32 : o->dtype == "f16" ? DType::f16 : DType::bf16;
-    save_weights(model.params(), cfg, o->out, dt,
-                 o->naming == "diffusers" ? WeightNaming::diffusers : WeightNaming::reference,
-                 {{"producer", "flux8 init"}, {"model", cfg.name}, {"seed", std::to_string(seed)},
-                  {"config", config.dump()}});
-    fmt::print("wrote {} ({} parameters, {}, {} names)\n", o->out, model.params().layout().total(),
-               o->dtype, o->naming);
-    return 0;
-  }};
+            const Config config = Config::load(o->cfg.config, o->cfg.overrides);
+            const FluxConfig cfg = FluxConfig::from_config(config);
+            const uint64_t seed = cmd->count("--seed") ? o->seed : static_cast<uint64_t>(config.get_int("seed"));
+            std::unique_ptr<Backend> be = make_backend("cpu");
+            FluxModel model(cfg, *be, DType::f32);
+            model.params().init(seed);
+            const DType dt = o->dtype == "f32" ? DType::f32 : o->dtype == "f16" ? DType::f16 : DType::bf16;
+            save_weights(model.params(), cfg, o->out, dt,
+                         o->naming == "diffusers" ? WeightNaming::diffusers : WeightNaming::reference,
+                         {{"producer", "flux8 init"},
+                          {"model", cfg.name},
+                          {"seed", std::to_string(seed)},
+                          {"config", config.dump()}});
+            fmt::print("wrote {} ({} parameters, {}, {} names)\n", o->out, model.params().layout().total(), o->dtype,
+                       o->naming);
+            return 0;
+          }};
 }
 
 }  // namespace flux8::cli

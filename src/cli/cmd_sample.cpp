@@ -56,35 +56,43 @@ std::pair<Config, std::string> resolve_model(const Opts& o) {
   const fs::file_status st = fs::status(o.checkpoint, ec);
   if (fs::is_regular_file(st)) {
     if (o.config.empty())
-      fail("sample: --checkpoint {} is a weights file; give the model's config with -c/--config "
-           "(or pass a checkpoint directory, which carries its config)", o.checkpoint);
+      fail(
+          "sample: --checkpoint {} is a weights file; give the model's config with -c/--config "
+          "(or pass a checkpoint directory, which carries its config)",
+          o.checkpoint);
     return {Config::load(o.config, o.overrides), o.checkpoint};
   }
   if (!fs::is_directory(st))
-    fail("sample: --checkpoint {}: no such file or directory; give a checkpoint directory "
-         "(ROOT/step-N) or a weights .safetensors file with -c/--config", o.checkpoint);
+    fail(
+        "sample: --checkpoint {}: no such file or directory; give a checkpoint directory "
+        "(ROOT/step-N) or a weights .safetensors file with -c/--config",
+        o.checkpoint);
   std::string dir = o.checkpoint;
   if (!fs::exists(fs::path(dir) / "trainer_state.json")) {
     // A checkpoint root: take its newest complete checkpoint.
     const std::optional<std::string> latest = find_latest_checkpoint(dir);
     if (!latest)
-      fail("sample: --checkpoint {} is a directory without trainer_state.json and without complete "
-           "step-N checkpoints; give a checkpoint directory or a weights file with -c", dir);
+      fail(
+          "sample: --checkpoint {} is a directory without trainer_state.json and without complete "
+          "step-N checkpoints; give a checkpoint directory or a weights file with -c",
+          dir);
     fmt::print("sample: using the newest checkpoint of {}: {}\n", dir, *latest);
     dir = *latest;
   }
   if (!o.config.empty())
-    fail("sample: --checkpoint {} is a checkpoint directory, which carries the run's config in "
-         "trainer_state.json; drop -c {} (change keys with --set)", dir, o.config);
-  if (!fs::exists(fs::path(dir) / "model.safetensors"))
-    fail("sample: checkpoint {} has no model.safetensors", dir);
+    fail(
+        "sample: --checkpoint {} is a checkpoint directory, which carries the run's config in "
+        "trainer_state.json; drop -c {} (change keys with --set)",
+        dir, o.config);
+  if (!fs::exists(fs::path(dir) / "model.safetensors")) fail("sample: checkpoint {} has no model.safetensors", dir);
   const std::string state_path = (fs::path(dir) / "trainer_state.json").string();
   const TrainerState state = trainer_state_from_json(read_text(state_path), state_path);
   if (state.config_yaml.empty())
-    fail("sample: {} has an empty config_yaml; give the weights file {}/model.safetensors with "
-         "-c/--config instead", state_path, dir);
-  return {Config::load_text(state.config_yaml, state_path + ":config_yaml", o.overrides),
-          resolve_weights_path(dir)};
+    fail(
+        "sample: {} has an empty config_yaml; give the weights file {}/model.safetensors with "
+        "-c/--config instead",
+        state_path, dir);
+  return {Config::load_text(state.config_yaml, state_path + ":config_yaml", o.overrides), resolve_weights_path(dir)};
 }
 
 HostTensor read_host(const SafetensorsReader& f, const std::string& name) {
@@ -104,8 +112,10 @@ void read_text_embeddings(const std::string& path, std::vector<TextEncoding>& pr
     prompts.push_back({read_host(f, fmt::format("t5.{}", i)), read_host(f, fmt::format("clip.{}", i))});
   }
   if (prompts.empty())
-    fail("sample: --text-embeddings {} has no t5.0; expected t5.<i> [tokens, context_dim] and "
-         "clip.<i> [vec_dim] for prompts i = 0, 1, ...", path);
+    fail(
+        "sample: --text-embeddings {} has no t5.0; expected t5.<i> [tokens, context_dim] and "
+        "clip.<i> [vec_dim] for prompts i = 0, 1, ...",
+        path);
   if (f.contains("t5.empty") != f.contains("clip.empty"))
     fail("sample: --text-embeddings {} must hold both t5.empty and clip.empty, or neither", path);
   if (f.contains("t5.empty")) empty = TextEncoding{read_host(f, "t5.empty"), read_host(f, "clip.empty")};
@@ -122,14 +132,20 @@ int run_sample(const Opts& o) {
 
   // Output format follows the model.
   if (pixel && cfg.latent_channels != 3)
-    fail("sample: model {} is pixel-space (vae_downsample 1) with latent_channels {}; a PNG grid "
-         "needs 3 (RGB)", cfg.name, cfg.latent_channels);
+    fail(
+        "sample: model {} is pixel-space (vae_downsample 1) with latent_channels {}; a PNG grid "
+        "needs 3 (RGB)",
+        cfg.name, cfg.latent_channels);
   if (pixel && !ends_with(o.out, ".png"))
-    fail("sample: model {} is a pixel-space model; it writes a PNG grid, so --out must end in .png "
-         "(got {})", cfg.name, o.out);
+    fail(
+        "sample: model {} is a pixel-space model; it writes a PNG grid, so --out must end in .png "
+        "(got {})",
+        cfg.name, o.out);
   if (!pixel && !ends_with(o.out, ".safetensors"))
-    fail("sample: model {} is a {} model; flux8 cannot decode latents, so it writes them: give "
-         "--out FILE.safetensors (got {}) and decode with tools/decode_latents.py", cfg.name, kind, o.out);
+    fail(
+        "sample: model {} is a {} model; flux8 cannot decode latents, so it writes them: give "
+        "--out FILE.safetensors (got {}) and decode with tools/decode_latents.py",
+        cfg.name, kind, o.out);
   if (o.grid_scale && !pixel) fail("sample: --grid-scale applies to PNG grids of pixel-space models only");
 
   // Prompts.
@@ -139,9 +155,10 @@ int run_sample(const Opts& o) {
   if (!o.text_embeddings.empty()) {
     read_text_embeddings(o.text_embeddings, prompts, empty);
     if (!labels.empty() && labels.size() != prompts.size())
-      fail("sample: {} --prompt given but --text-embeddings {} holds {} prompts (t5.0 .. t5.{}); "
-           "give one --prompt per encoding, or none", labels.size(), o.text_embeddings,
-           prompts.size(), prompts.size() - 1);
+      fail(
+          "sample: {} --prompt given but --text-embeddings {} holds {} prompts (t5.0 .. t5.{}); "
+          "give one --prompt per encoding, or none",
+          labels.size(), o.text_embeddings, prompts.size(), prompts.size() - 1);
     if (labels.empty())
       for (size_t i = 0; i < prompts.size(); ++i) labels.push_back(fmt::format("<{} t5.{}>", o.text_embeddings, i));
   } else if (pixel) {
@@ -150,9 +167,11 @@ int run_sample(const Opts& o) {
     for (const std::string& p : o.prompts) prompts.push_back(enc.encode(p));
     empty = enc.encode("");
   } else {
-    fail("sample: model {} is a {} model conditioned on T5 and CLIP, which flux8 does not run; "
-         "give --text-embeddings FILE.safetensors holding t5.<i> [tokens, {}] and clip.<i> [{}] "
-         "per prompt (and t5.empty/clip.empty for --cfg-scale)", cfg.name, kind, cfg.context_dim, cfg.vec_dim);
+    fail(
+        "sample: model {} is a {} model conditioned on T5 and CLIP, which flux8 does not run; "
+        "give --text-embeddings FILE.safetensors holding t5.<i> [tokens, {}] and clip.<i> [{}] "
+        "per prompt (and t5.empty/clip.empty for --cfg-scale)",
+        cfg.name, kind, cfg.context_dim, cfg.vec_dim);
   }
 
   SamplerOptions so;
@@ -162,12 +181,16 @@ int run_sample(const Opts& o) {
   so.seed = o.seed ? *o.seed : static_cast<uint64_t>(config.get_int("seed"));
   so.images_per_prompt = o.per_prompt;
   if (o.guidance && !cfg.guidance_embed)
-    fail("sample: model {} has no guidance embedding (guidance_embed false), so --guidance has no "
-         "input to set; use --cfg-scale for classifier-free guidance", cfg.name);
+    fail(
+        "sample: model {} has no guidance embedding (guidance_embed false), so --guidance has no "
+        "input to set; use --cfg-scale for classifier-free guidance",
+        cfg.name);
   so.guidance = o.guidance.value_or(3.5);
   if (so.cfg_scale != 1.0 && !empty)
-    fail("sample: --cfg-scale {} needs the empty prompt's encodings: add t5.empty and clip.empty to "
-         "--text-embeddings {}", so.cfg_scale, o.text_embeddings);
+    fail(
+        "sample: --cfg-scale {} needs the empty prompt's encodings: add t5.empty and clip.empty to "
+        "--text-embeddings {}",
+        so.cfg_scale, o.text_embeddings);
   const int64_t image_size = o.image_size.value_or(config.get_int("image_size"));
   if (image_size % (cfg.vae_downsample * cfg.patch_size) != 0)
     fail("sample: image size {} px is not a multiple of vae_downsample x patch_size = {}", image_size,
@@ -180,8 +203,8 @@ int run_sample(const Opts& o) {
   load_weights(model.params(), cfg, weights);
   fmt::print("sample: {} ({} model), {} prompt(s) x {} image(s), {}x{} px, {} steps, shift {}, cfg {}{}, seed {}\n",
              weights, kind, prompts.size(), so.images_per_prompt, image_size, image_size, so.steps,
-             so.shift ? "on" : "off", so.cfg_scale,
-             cfg.guidance_embed ? fmt::format(", guidance {}", so.guidance) : "", so.seed);
+             so.shift ? "on" : "off", so.cfg_scale, cfg.guidance_embed ? fmt::format(", guidance {}", so.guidance) : "",
+             so.seed);
 
   std::vector<HostTensor> images = sample_images(model, prompts, empty ? &*empty : nullptr, so);
   int64_t non_finite = 0;
@@ -193,8 +216,8 @@ int run_sample(const Opts& o) {
   if (pixel) {
     const int64_t scale = o.grid_scale.value_or(std::max<int64_t>(1, 128 / image_size));
     write_image_grid(o.out, images, static_cast<int64_t>(prompts.size()), so.images_per_prompt, scale);
-    fmt::print("wrote {} ({} rows (prompts) x {} images, {}x{} px each, shown x{})\n", o.out,
-               prompts.size(), so.images_per_prompt, image_size, image_size, scale);
+    fmt::print("wrote {} ({} rows (prompts) x {} images, {}x{} px each, shown x{})\n", o.out, prompts.size(),
+               so.images_per_prompt, image_size, image_size, scale);
     return 0;
   }
   // Back to the VAE's latent space: training used x = scale·(z − shift).
@@ -203,8 +226,8 @@ int run_sample(const Opts& o) {
   for (const HostTensor& im : images)
     for (float v : im.data) latents.push_back(static_cast<float>(v / vs + vf));
   SafetensorsWriter out;
-  out.add("latents", DType::f32,
-          {static_cast<int64_t>(images.size()), cfg.latent_channels, so.height, so.width}, latents.data());
+  out.add("latents", DType::f32, {static_cast<int64_t>(images.size()), cfg.latent_channels, so.height, so.width},
+          latents.data());
   out.set_metadata("producer", "flux8 sample");
   out.set_metadata("model", cfg.name);
   out.set_metadata("prompts", nlohmann::json(labels).dump());
@@ -218,8 +241,8 @@ int run_sample(const Opts& o) {
   out.set_metadata("vae_scale_factor", fmt::format("{}", vs));
   out.set_metadata("vae_shift_factor", fmt::format("{}", vf));
   out.write(o.out);
-  fmt::print("wrote {} (latents [{}, {}, {}, {}], prompt-major; decode with tools/decode_latents.py)\n",
-             o.out, images.size(), cfg.latent_channels, so.height, so.width);
+  fmt::print("wrote {} (latents [{}, {}, {}, {}], prompt-major; decode with tools/decode_latents.py)\n", o.out,
+             images.size(), cfg.latent_channels, so.height, so.width);
   return 0;
 }
 
@@ -250,18 +273,18 @@ Command add_sample_command(CLI::App& app) {
   auto* shift = cmd->add_flag("--shift", o->shift, "resolution-dependent timestep shift (default for latent models)");
   cmd->add_flag("--no-shift", o->no_shift, "no timestep shift (default for pixel-space models)")->excludes(shift);
   cmd->add_option("--guidance", o->guidance, "guidance-embedding input (guidance_embed models; default 3.5)");
-  cmd->add_option("--cfg-scale", o->cfg_scale,
-                  "classifier-free guidance v = v_empty + S*(v_prompt - v_empty); 1 = off")
+  cmd->add_option("--cfg-scale", o->cfg_scale, "classifier-free guidance v = v_empty + S*(v_prompt - v_empty); 1 = off")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "noise seed (default: the config's seed)");
-  cmd->add_option("--per-prompt", o->per_prompt, "images per prompt")->capture_default_str()->check(CLI::Range(1, 100000));
+  cmd->add_option("--per-prompt", o->per_prompt, "images per prompt")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
   cmd->add_option("--image-size", o->image_size, "image side in pixels (default: the config's image_size)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--grid-scale", o->grid_scale,
                   "PNG grid: each pixel shown as NxN (default: enough for >= 128 px cells)")
       ->check(CLI::Range(1, 64));
-  cmd->add_option("--out", o->out, "grid.png (pixel-space models) or latents.safetensors (latent models)")
-      ->required();
+  cmd->add_option("--out", o->out, "grid.png (pixel-space models) or latents.safetensors (latent models)")->required();
   return {cmd, [o]() { return run_sample(*o); }};
 }
 

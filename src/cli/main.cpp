@@ -12,15 +12,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "flux8 0.1.0");
   const std::vector<flux8::cli::Command> commands = {
-      flux8::cli::add_train_command(app),
-      flux8::cli::add_info_command(app),
-      flux8::cli::add_forward_command(app),
-      flux8::cli::add_init_command(app),
-      flux8::cli::add_config_command(app),
-      flux8::cli::add_data_command(app),
-      flux8::cli::add_sample_command(app),
-      flux8::cli::add_check_command(app),
-      flux8::cli::add_bench_command(app),
+      flux8::cli::add_train_command(app),  flux8::cli::add_info_command(app),   flux8::cli::add_forward_command(app),
+      flux8::cli::add_init_command(app),   flux8::cli::add_config_command(app), flux8::cli::add_data_command(app),
+      flux8::cli::add_sample_command(app), flux8::cli::add_check_command(app),  flux8::cli::add_bench_command(app),
   };
   try {
     app.parse(argc, argv);

@@ -65,12 +65,13 @@ bool parse_bool(std::string s, bool& out) {
 
 // Number scalars must also lie in the key's range; lists check every element.
 template <typename T>
-T number(const KeySpec& spec, const YAML::Node& node, const std::string& where,
-         const std::string& whole) {
+T number(const KeySpec& spec, const YAML::Node& node, const std::string& where, const std::string& whole) {
   T v{};
   bool ok = node.IsScalar();
-  if constexpr (std::is_same_v<T, int64_t>) ok = ok && parse_int(node.Scalar(), v);
-  else ok = ok && parse_real(node.Scalar(), v);
+  if constexpr (std::is_same_v<T, int64_t>)
+    ok = ok && parse_int(node.Scalar(), v);
+  else
+    ok = ok && parse_real(node.Scalar(), v);
   if (!ok || !spec.range.contains(static_cast<double>(v))) fail_value(spec, where, whole);
   return v;
 }
@@ -120,8 +121,7 @@ YAML::Node load_yaml(const std::string& text, const std::string& file) {
 }
 
 // The files named by include:/bases: (a string or a list of strings), in order.
-std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& key,
-                                                             const YAML::Node& value,
+std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& key, const YAML::Node& value,
                                                              const std::string& file) {
   std::vector<std::pair<std::string, YAML::Mark>> out;
   if (value.IsScalar()) {
@@ -135,8 +135,8 @@ std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& k
     }
     if (out.size() == value.size()) return out;
   }
-  fail("{} in {} must be a file path or a list of file paths, got {}", key.Scalar(),
-       at(file, value.Mark()), node_text(value));
+  fail("{} in {} must be a file path or a list of file paths, got {}", key.Scalar(), at(file, value.Mark()),
+       node_text(value));
 }
 
 std::string read_text(const std::string& path) {
@@ -147,16 +147,15 @@ std::string read_text(const std::string& path) {
 
 }  // namespace
 
-ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml,
-                               const std::string& where) {
+ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml, const std::string& where) {
   // `--set key=` clears a string key (YAML would read an empty value as null).
   if (value_yaml.empty() && spec.type == KeyType::string) return std::string();
   YAML::Node node;
   try {
     node = YAML::Load(value_yaml);
   } catch (const YAML::Exception& e) {
-    fail("{} in {}: value '{}' is malformed YAML ({}); lists are written [1, 2, 3]", spec.name,
-         where, value_yaml, e.msg);
+    fail("{} in {}: value '{}' is malformed YAML ({}); lists are written [1, 2, 3]", spec.name, where, value_yaml,
+         e.msg);
   }
   return parse_node(spec, node, where);
 }
@@ -195,8 +194,7 @@ void Config::merge_file(const std::string& path, std::vector<std::string>& chain
   const std::string id = fs::weakly_canonical(path).string();
   if (std::find(chain.begin(), chain.end(), id) != chain.end()) {
     std::string cycle;
-    for (auto it = std::find(chain.begin(), chain.end(), id); it != chain.end(); ++it)
-      cycle += *it + " -> ";
+    for (auto it = std::find(chain.begin(), chain.end(), id); it != chain.end(); ++it) cycle += *it + " -> ";
     fail("include cycle: {}{}", cycle, id);
   }
   chain.push_back(id);
@@ -204,26 +202,23 @@ void Config::merge_file(const std::string& path, std::vector<std::string>& chain
   chain.pop_back();
 }
 
-void Config::merge_text(const std::string& text, const std::string& path,
-                        std::vector<std::string>& chain) {
+void Config::merge_text(const std::string& text, const std::string& path, std::vector<std::string>& chain) {
   const YAML::Node root = load_yaml(text, path);
   if (root.IsNull()) return;  // an empty file sets nothing
-  if (!root.IsMap())
-    fail("{}: the top level of a config file must be a mapping of key: value lines", path);
+  if (!root.IsMap()) fail("{}: the top level of a config file must be a mapping of key: value lines", path);
 
   // Includes first, whatever their position in the file, so this file's keys override them.
   std::set<std::string> seen;
   for (const auto& kv : root) {
     const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "";
     if (key.empty()) fail("{}: config keys must be plain names", at(path, kv.first.Mark()));
-    if (!seen.insert(key).second)
-      fail("{}: key '{}' appears twice in the same file", at(path, kv.first.Mark()), key);
+    if (!seen.insert(key).second) fail("{}: key '{}' appears twice in the same file", at(path, kv.first.Mark()), key);
     if (key != "include" && key != "bases") continue;
     for (const auto& [inc, mark] : include_list(kv.first, kv.second, path)) {
       const fs::path resolved = (fs::path(path).parent_path() / inc).lexically_normal();
       if (!fs::exists(resolved))
-        fail("{} includes '{}', but {} does not exist (includes are relative to the including file)",
-             at(path, mark), inc, resolved.string());
+        fail("{} includes '{}', but {} does not exist (includes are relative to the including file)", at(path, mark),
+             inc, resolved.string());
       merge_file(resolved.string(), chain);
     }
   }
@@ -240,8 +235,7 @@ void Config::merge_text(const std::string& text, const std::string& path,
 void Config::apply_override(const std::string& key_equals_value) {
   const size_t eq = key_equals_value.find('=');
   if (eq == std::string::npos)
-    fail("--set '{}' must have the form key=value (e.g. --set micro_batch_size=4)",
-         key_equals_value);
+    fail("--set '{}' must have the form key=value (e.g. --set micro_batch_size=4)", key_equals_value);
   std::string key = key_equals_value.substr(0, eq);
   key.erase(0, key.find_first_not_of(" \t"));
   key.erase(key.find_last_not_of(" \t") + 1);
@@ -256,8 +250,7 @@ void Config::set(const std::string& key, const std::string& value_yaml, const st
 
 const Config::Entry& Config::entry(const std::string& key) const {
   auto it = entries_.find(key);
-  if (it == entries_.end())
-    fail("flux8 bug: config key '{}' is read but not registered in src/config/schema.cpp", key);
+  if (it == entries_.end()) fail("flux8 bug: config key '{}' is read but not registered in src/config/schema.cpp", key);
   return it->second;
 }
 
@@ -272,25 +265,18 @@ const T& typed(const ConfigValue& v, const std::string& key, const char* getter)
 }
 }  // namespace
 
-int64_t Config::get_int(const std::string& key) const {
-  return typed<int64_t>(get(key), key, "get_int");
-}
+int64_t Config::get_int(const std::string& key) const { return typed<int64_t>(get(key), key, "get_int"); }
 double Config::get_float(const std::string& key) const {
   if (const int64_t* i = std::get_if<int64_t>(&get(key))) return static_cast<double>(*i);
   return typed<double>(get(key), key, "get_float");
 }
-bool Config::get_bool(const std::string& key) const {
-  return typed<bool>(get(key), key, "get_bool");
-}
-std::string Config::get_string(const std::string& key) const {
-  return typed<std::string>(get(key), key, "get_string");
-}
+bool Config::get_bool(const std::string& key) const { return typed<bool>(get(key), key, "get_bool"); }
+std::string Config::get_string(const std::string& key) const { return typed<std::string>(get(key), key, "get_string"); }
 std::vector<int64_t> Config::get_int_list(const std::string& key) const {
   return typed<std::vector<int64_t>>(get(key), key, "get_int_list");
 }
 std::vector<double> Config::get_float_list(const std::string& key) const {
-  if (const auto* i = std::get_if<std::vector<int64_t>>(&get(key)))
-    return std::vector<double>(i->begin(), i->end());
+  if (const auto* i = std::get_if<std::vector<int64_t>>(&get(key))) return std::vector<double>(i->begin(), i->end());
   return typed<std::vector<double>>(get(key), key, "get_float_list");
 }
 

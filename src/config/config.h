@@ -34,8 +34,7 @@ class Config {
   // Applies one "key=value" command-line override.
   void apply_override(const std::string& key_equals_value);
   // Sets `key` from YAML text parsed with the key's type; `source` is recorded as provenance.
-  void set(const std::string& key, const std::string& value_yaml,
-           const std::string& source = "set()");
+  void set(const std::string& key, const std::string& value_yaml, const std::string& source = "set()");
 
   int64_t get_int(const std::string& key) const;
   double get_float(const std::string& key) const;  // also reads int keys
@@ -60,8 +59,7 @@ class Config {
     std::string source;
   };
   void merge_file(const std::string& path, std::vector<std::string>& include_chain);
-  void merge_text(const std::string& text, const std::string& path,
-                  std::vector<std::string>& include_chain);
+  void merge_text(const std::string& text, const std::string& path, std::vector<std::string>& include_chain);
   const Entry& entry(const std::string& key) const;
 
   std::map<std::string, Entry> entries_;
@@ -70,7 +68,6 @@ class Config {
 
 // Parses YAML text as a value of `spec`'s type and checks range/choices. `where` names the
 // origin in error messages (e.g. "--set").
-ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml,
-                               const std::string& where);
+ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml, const std::string& where);
 
 }  // namespace flux8

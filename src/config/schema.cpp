@@ -26,12 +26,11 @@ KeySpec bool_key(const char* section, const char* name, bool def, const char* he
 KeySpec string_key(const char* section, const char* name, const char* def, const char* help) {
   return {name, section, KeyType::string, std::string(def), any(), {}, help};
 }
-KeySpec choice_key(const char* section, const char* name, const char* def,
-                   std::vector<std::string> choices, const char* help) {
+KeySpec choice_key(const char* section, const char* name, const char* def, std::vector<std::string> choices,
+                   const char* help) {
   return {name, section, KeyType::choice, std::string(def), any(), std::move(choices), help};
 }
-KeySpec int_list_key(const char* section, const char* name, std::vector<int64_t> def, Range r,
-                     const char* help) {
+KeySpec int_list_key(const char* section, const char* name, std::vector<int64_t> def, Range r, const char* help) {
   return {name, section, KeyType::int_list, std::move(def), r, {}, help};
 }
 
@@ -51,7 +50,8 @@ std::vector<KeySpec> make_keys() {
       float_key("model", "mlp_ratio", 4.0, above(0), "MLP hidden width = mlp_ratio * H"),
       bool_key("model", "guidance_embed", false, "embed the guidance scale (dev models)"),
       bool_key("model", "qkv_bias", true, "qkv projections have a bias"),
-      int_list_key("model", "axes_dim", {16, 56, 56}, at_least(1), "RoPE width per position axis; even, sums to head dim"),
+      int_list_key("model", "axes_dim", {16, 56, 56}, at_least(1),
+                   "RoPE width per position axis; even, sums to head dim"),
       float_key("model", "rope_theta", 10000.0, above(0), "RoPE base"),
       float_key("model", "qk_norm_eps", 1e-6, above(0), "epsilon of the q/k RMSNorm"),
       float_key("model", "layernorm_eps", 1e-6, above(0), "epsilon of the affine-free LayerNorms"),
@@ -63,26 +63,46 @@ std::vector<KeySpec> make_keys() {
       // ---- runtime ----
       int_key("runtime", "seed", 1234, at_least(0), "seed of every random stream"),
       int_key("runtime", "micro_batch_size", 1, at_least(1), "samples per forward/backward"),
-      choice_key("runtime", "backend", "cpu", {"cpu", "cuda", "auto"},
-                 "compute backend: cpu, cuda, or auto (cuda when this build has it and a usable GPU is present, else cpu)"),
-      bool_key("runtime", "round_activations_to_bf16", false, "CPU: round activations to bf16 like the GPU stores them"),
+      choice_key(
+          "runtime", "backend", "cpu", {"cpu", "cuda", "auto"},
+          "compute backend: cpu, cuda, or auto (cuda when this build has it and a usable GPU is present, else cpu)"),
+      bool_key("runtime", "round_activations_to_bf16", false,
+               "CPU: round activations to bf16 like the GPU stores them"),
       choice_key("runtime", "gemm_precision", "bf16", {"bf16", "f32"},
-                 "CUDA: operands of the non-FP8 GEMMs (bf16 tensor cores, fp32 accumulation; f32: exact, slow, only with activation_precision f32: bf16 activations always give bf16 operands); the CPU computes in f32"),
+                 "CUDA: operands of the non-FP8 GEMMs (bf16 tensor cores, fp32 accumulation; f32: exact, slow, only "
+                 "with activation_precision f32: bf16 activations always give bf16 operands); the CPU computes in f32"),
       choice_key("runtime", "activation_precision", "bf16", {"bf16", "f32"},
-                 "CUDA: storage type of activations and their gradients (bf16 halves their memory and traffic; the GEMMs then take bf16 operands); parameters, gradients and optimizer state stay f32 (but see grad_precision). The CPU's twin is round_activations_to_bf16"),
-      choice_key("runtime", "grad_precision", "f32", {"f32", "bf16"},
-                 "CUDA: storage type of the parameter gradients. bf16: each gradient GEMM and column sum rounds its fp32 sum to bf16 as it stores it (what PyTorch autocast and torchao give a bf16 weight's gradient; micro-batches add in fp32 and round once more each), halving the gradients' memory and the gradient norm's and AdamW's reads of them; master weights and AdamW moments stay f32. The CPU keeps f32 gradients"),
-      bool_key("runtime", "cuda_graph", true,
-               "CUDA: run each micro-batch's forward, loss and backward as CUDA graphs: the op calls are recorded with every argument, and a segment of them identical to one seen before is launched as the graph captured from it (one launch instead of ~48), so the GPU stops waiting for the host's launches; anything that differs runs op by op. Same results bit for bit (false: every op issued on its own). The CPU ignores it"),
+                 "CUDA: storage type of activations and their gradients (bf16 halves their memory and traffic; the "
+                 "GEMMs then take bf16 operands); parameters, gradients and optimizer state stay f32 (but see "
+                 "grad_precision). The CPU's twin is round_activations_to_bf16"),
+      choice_key(
+          "runtime", "grad_precision", "f32", {"f32", "bf16"},
+          "CUDA: storage type of the parameter gradients. bf16: each gradient GEMM and column sum rounds its fp32 sum "
+          "to bf16 as it stores it (what PyTorch autocast and torchao give a bf16 weight's gradient; micro-batches add "
+          "in fp32 and round once more each), halving the gradients' memory and the gradient norm's and AdamW's reads "
+          "of them; master weights and AdamW moments stay f32. The CPU keeps f32 gradients"),
+      bool_key(
+          "runtime", "cuda_graph", true,
+          "CUDA: run each micro-batch's forward, loss and backward as CUDA graphs: the op calls are recorded with "
+          "every argument, and a segment of them identical to one seen before is launched as the graph captured from "
+          "it (one launch instead of ~48), so the GPU stops waiting for the host's launches; anything that differs "
+          "runs op by op. Same results bit for bit (false: every op issued on its own). The CPU ignores it"),
       bool_key("runtime", "deterministic_attention", true,
-               "CUDA: cuDNN's deterministic attention backward, so that runs repeat bit for bit and a resumed run is the uninterrupted one exactly (false: its faster backward, which sums dq with atomics in an order that varies from run to run, as PyTorch's SDPA does: faster, and without the deterministic backward's dP workspace, docs/PERFORMANCE.md; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides it. The CPU ignores it"),
+               "CUDA: cuDNN's deterministic attention backward, so that runs repeat bit for bit and a resumed run is "
+               "the uninterrupted one exactly (false: its faster backward, which sums dq with atomics in an order that "
+               "varies from run to run, as PyTorch's SDPA does: faster, and without the deterministic backward's dP "
+               "workspace, docs/PERFORMANCE.md; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 "
+               "overrides it. The CPU ignores it"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
       // ---- training: optimizer and schedule ----
       int_key("training", "train_iters", 1000, at_least(1), "optimizer steps of the run"),
       choice_key("training", "recompute_granularity", "none", {"none", "selective", "full"},
-                 "activation recomputation: none; selective (drop q/k/v and the attention and GELU outputs that feed a Linear, recompute them in the backward without GEMMs); or full (keep only block inputs; re-run each block's forward in the backward)"),
-      int_key("training", "global_batch_size", 0, at_least(0), "samples per optimizer step (a multiple of micro_batch_size); 0 = micro_batch_size"),
+                 "activation recomputation: none; selective (drop q/k/v and the attention and GELU outputs that feed a "
+                 "Linear, recompute them in the backward without GEMMs); or full (keep only block inputs; re-run each "
+                 "block's forward in the backward)"),
+      int_key("training", "global_batch_size", 0, at_least(0),
+              "samples per optimizer step (a multiple of micro_batch_size); 0 = micro_batch_size"),
       float_key("training", "lr", 1e-4, above(0), "peak learning rate"),
       float_key("training", "min_lr", 0.0, at_least(0), "learning rate at the end of the decay"),
       int_key("training", "lr_warmup_iters", 0, at_least(0), "steps of linear warmup from 0 to lr"),
@@ -92,30 +112,43 @@ std::vector<KeySpec> make_keys() {
       float_key("training", "adam_beta2", 0.95, Range{0, 1}, "AdamW beta2"),
       float_key("training", "adam_eps", 1e-8, above(0), "AdamW epsilon"),
       choice_key("training", "adam_moment_precision", "f32", {"f32", "bf16"},
-                 "storage type of the AdamW moments exp_avg and exp_avg_sq (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype). bf16: each update reads them widened, computes in fp32 and stores them rounded stochastically (unbiased to 1/512 of a bf16 ulp, so a small beta2 step is not lost; the random bits are a hash of step and element: reproducible, the same on CPU and GPU) — 4 bytes a parameter less memory and 8 less AdamW traffic; master weights stay f32 and checkpoints store the moments as F32"),
+                 "storage type of the AdamW moments exp_avg and exp_avg_sq (Megatron's --exp-avg-dtype and "
+                 "--exp-avg-sq-dtype). bf16: each update reads them widened, computes in fp32 and stores them rounded "
+                 "stochastically (unbiased to 1/512 of a bf16 ulp, so a small beta2 step is not lost; the random bits "
+                 "are a hash of step and element: reproducible, the same on CPU and GPU) — 4 bytes a parameter less "
+                 "memory and 8 less AdamW traffic; master weights stay f32 and checkpoints store the moments as F32"),
       float_key("training", "weight_decay", 0.1, at_least(0), "AdamW decoupled weight decay"),
       float_key("training", "clip_grad", 1.0, at_least(0), "clip the global gradient norm to this; 0 = no clipping"),
 
       // ---- objective (rectified flow) ----
-      choice_key("objective", "timestep_sampling", "uniform", {"uniform", "logit_normal"}, "distribution of t (MLPerf: uniform)"),
+      choice_key("objective", "timestep_sampling", "uniform", {"uniform", "logit_normal"},
+                 "distribution of t (MLPerf: uniform)"),
       float_key("objective", "logit_mean", 0.0, any(), "mean of the logit-normal t"),
       float_key("objective", "logit_std", 1.0, above(0), "std of the logit-normal t"),
       bool_key("objective", "timestep_shift", false, "shift t towards noise for large images (as in sampling)"),
-      float_key("objective", "text_dropout", 0.1, Range{0, 1}, "probability of training with the empty prompt (T5 and CLIP together)"),
+      float_key("objective", "text_dropout", 0.1, Range{0, 1},
+                "probability of training with the empty prompt (T5 and CLIP together)"),
       float_key("objective", "vae_scale_factor", 0.3611, above(0), "latent normalisation: scale * (z - shift)"),
       float_key("objective", "vae_shift_factor", 0.1159, any(), "latent normalisation shift"),
-      float_key("objective", "train_guidance", 1.0, at_least(0), "guidance input during training (guidance_embed models)"),
+      float_key("objective", "train_guidance", 1.0, at_least(0),
+                "guidance input during training (guidance_embed models)"),
 
       // ---- data ----
       string_key("data", "train_data", "", "training shards: a glob (data/train-*.tar), a list file or a directory"),
       string_key("data", "valid_data", "", "validation shards (same forms); empty = no validation"),
-      string_key("data", "empty_prompt_file", "", "safetensors with t5 and clip of the empty prompt (text dropout); empty = zeros"),
+      string_key("data", "empty_prompt_file", "",
+                 "safetensors with t5 and clip of the empty prompt (text dropout); empty = zeros"),
       int_key("data", "data_shuffle_buffer", 1000, at_least(0), "samples in the shuffle buffer; 0 = no shuffling"),
       int_key("data", "data_prefetch", 64, at_least(1), "samples decoded ahead by the loader thread"),
       choice_key("data", "data_overlap", "auto", {"auto", "on", "off"},
-                 "build and upload micro-batch k + 1 (loader, VAE draw, patches, text features, the copy to the device) on a thread of its own while the device computes k, into two device input buffers (on: always; off: on the training thread before each micro-batch; auto: on with the CUDA backend, off on the CPU, whose cores compute the step). Same results either way"),
-      bool_key("data", "data_skip_corrupt", false, "skip the rest of a corrupt shard with a warning instead of stopping"),
-      bool_key("data", "demo_data", false, "generate the embedded demo dataset into train_data's directory when it has no shards"),
+                 "build and upload micro-batch k + 1 (loader, VAE draw, patches, text features, the copy to the "
+                 "device) on a thread of its own while the device computes k, into two device input buffers (on: "
+                 "always; off: on the training thread before each micro-batch; auto: on with the CUDA backend, off on "
+                 "the CPU, whose cores compute the step). Same results either way"),
+      bool_key("data", "data_skip_corrupt", false,
+               "skip the rest of a corrupt shard with a warning instead of stopping"),
+      bool_key("data", "demo_data", false,
+               "generate the embedded demo dataset into train_data's directory when it has no shards"),
       int_key("data", "demo_train_samples", 4000, at_least(1), "demo dataset: training samples"),
       int_key("data", "demo_val_samples", 256, at_least(1), "demo dataset: validation samples"),
 
@@ -124,8 +157,13 @@ std::vector<KeySpec> make_keys() {
       int_key("run", "save_interval", 0, at_least(0), "checkpoint every N steps (and at the end); 0 = only at the end"),
       int_key("run", "keep_last_checkpoints", 3, at_least(0), "checkpoints kept; 0 = keep all"),
       choice_key("run", "async_save", "auto", {"auto", "on", "off"},
-                 "write checkpoints behind training: a save waits only for a host copy of the parameters and AdamW moments, then a thread of its own converts, hashes and writes the same files while the next steps run, one save in flight (on: when the copy fits in half the host memory available at the start, else in line; off: each save in line, training waits for it; auto: on with the CUDA backend, off on the CPU, whose cores compute the step)"),
-      int_key("run", "eval_interval", 0, at_least(0), "validate every N steps (and at step 0 and the end); 0 = only at the start and end"),
+                 "write checkpoints behind training: a save waits only for a host copy of the parameters and AdamW "
+                 "moments, then a thread of its own converts, hashes and writes the same files while the next steps "
+                 "run, one save in flight (on: when the copy fits in half the host memory available at the start, else "
+                 "in line; off: each save in line, training waits for it; auto: on with the CUDA backend, off on the "
+                 "CPU, whose cores compute the step)"),
+      int_key("run", "eval_interval", 0, at_least(0),
+              "validate every N steps (and at step 0 and the end); 0 = only at the start and end"),
       int_key("run", "eval_samples", 0, at_least(0), "validation samples used; 0 = all"),
       int_key("run", "log_interval", 1, at_least(1), "metrics line every N steps"),
       string_key("run", "sample_prompts", "", "prompts for the sample grid written at the end, separated by ';'"),
@@ -133,23 +171,40 @@ std::vector<KeySpec> make_keys() {
       int_key("run", "samples_per_prompt", 4, at_least(1), "images per prompt in the end-of-run grid"),
 
       // ---- FP8 (Transformer Engine semantics; Megatron/Primus key names) ----
-      choice_key("fp8", "fp8", "none", {"none", "e4m3", "hybrid"}, "FP8 training: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients); none (or null) = BF16"),
+      choice_key("fp8", "fp8", "none", {"none", "e4m3", "hybrid"},
+                 "FP8 training: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients); none (or null) = BF16"),
       choice_key("fp8", "fp8_recipe", "delayed", {"delayed", "tensorwise", "blockwise", "mxfp8"}, "scaling recipe"),
       int_key("fp8", "fp8_margin", 0, at_least(0), "delayed: scale = fp8_max * 2^-margin / amax"),
       int_key("fp8", "fp8_amax_history_len", 1024, at_least(1), "delayed: steps of amax history"),
-      choice_key("fp8", "fp8_amax_compute_algo", "max", {"max", "most_recent"}, "delayed: amax from the history window's max or the newest value"),
+      choice_key("fp8", "fp8_amax_compute_algo", "max", {"max", "most_recent"},
+                 "delayed: amax from the history window's max or the newest value"),
       bool_key("fp8", "fp8_wgrad", true, "compute weight gradients in FP8; false = from the BF16 operands"),
-      choice_key("fp8", "fp8_scale_rounding", "auto", {"auto", "power_of_2", "exact"}, "tensorwise/blockwise scales: auto = power_of_2 for blockwise, exact for tensorwise"),
+      choice_key("fp8", "fp8_scale_rounding", "auto", {"auto", "power_of_2", "exact"},
+                 "tensorwise/blockwise scales: auto = power_of_2 for blockwise, exact for tensorwise"),
       bool_key("fp8", "fp8_modulation", false, "also run the modulation Linears in FP8 (they see one row per sample)"),
-      bool_key("fp8", "fp8_dot_product_attention", false, "attention of the FP8 blocks in FP8 (cuDNN's FP8 SDPA; needs fp8: hybrid, fp8_recipe: delayed, head dim 128 and sequence lengths that are multiples of 64 on the GPU)"),
-      bool_key("fp8", "fp8_fprop_fast_accumulation", true, "forward GEMMs keep their running sum in the tensor cores' accumulator (Hopper FP8 fast accumulation: faster forward GEMMs; Transformer Engine's fprop and torchao's default); false = split fp32 accumulation as the gradient GEMMs. Per-tensor recipes (delayed, tensorwise) only; the CPU backend sums in fp32 either way"),
-      bool_key("fp8", "fp8_multi_head_attention", false, "FP8 attention including the qkv/proj boundaries (not implemented: an error when true)"),
-      bool_key("fp8", "first_last_layers_bf16", false, "keep the first/last blocks (double blocks counted first, then single) in BF16"),
-      int_key("fp8", "num_layers_at_start_in_bf16", 1, at_least(0), "blocks kept in BF16 at the start (with first_last_layers_bf16)"),
-      int_key("fp8", "num_layers_at_end_in_bf16", 1, at_least(0), "blocks kept in BF16 at the end (with first_last_layers_bf16)"),
-      int_key("fp8", "fp8_stats_interval", 100, at_least(0), "FP8 telemetry (amax, scale, saturation, underflow per tensor) every N steps, counted only on those steps; 0 = off"),
-      choice_key("training", "nan_policy", "skip", {"skip", "halt"}, "non-finite loss or gradient: skip the step (weights kept) or stop at once"),
-      int_key("training", "nan_max_consecutive_skips", 10, at_least(1), "with nan_policy skip: stop after this many bad steps in a row"),
+      bool_key("fp8", "fp8_dot_product_attention", false,
+               "attention of the FP8 blocks in FP8 (cuDNN's FP8 SDPA; needs fp8: hybrid, fp8_recipe: delayed, head dim "
+               "128 and sequence lengths that are multiples of 64 on the GPU)"),
+      bool_key(
+          "fp8", "fp8_fprop_fast_accumulation", true,
+          "forward GEMMs keep their running sum in the tensor cores' accumulator (Hopper FP8 fast accumulation: faster "
+          "forward GEMMs; Transformer Engine's fprop and torchao's default); false = split fp32 accumulation as the "
+          "gradient GEMMs. Per-tensor recipes (delayed, tensorwise) only; the CPU backend sums in fp32 either way"),
+      bool_key("fp8", "fp8_multi_head_attention", false,
+               "FP8 attention including the qkv/proj boundaries (not implemented: an error when true)"),
+      bool_key("fp8", "first_last_layers_bf16", false,
+               "keep the first/last blocks (double blocks counted first, then single) in BF16"),
+      int_key("fp8", "num_layers_at_start_in_bf16", 1, at_least(0),
+              "blocks kept in BF16 at the start (with first_last_layers_bf16)"),
+      int_key("fp8", "num_layers_at_end_in_bf16", 1, at_least(0),
+              "blocks kept in BF16 at the end (with first_last_layers_bf16)"),
+      int_key("fp8", "fp8_stats_interval", 100, at_least(0),
+              "FP8 telemetry (amax, scale, saturation, underflow per tensor) every N steps, counted only on those "
+              "steps; 0 = off"),
+      choice_key("training", "nan_policy", "skip", {"skip", "halt"},
+                 "non-finite loss or gradient: skip the step (weights kept) or stop at once"),
+      int_key("training", "nan_max_consecutive_skips", 10, at_least(1),
+              "with nan_policy skip: stop after this many bad steps in a row"),
   };
 }
 
@@ -219,8 +274,7 @@ std::string closest_config_key(std::string_view name) {
   best.clear();
   if (name.size() < 4) return best;
   for (const KeySpec& k : config_keys())
-    if (k.name.find(name) != std::string::npos && (best.empty() || k.name.size() < best.size()))
-      best = k.name;
+    if (k.name.find(name) != std::string::npos && (best.empty() || k.name.size() < best.size())) best = k.name;
   return best;
 }
 
@@ -243,9 +297,7 @@ std::string format_config_value(const ConfigValue& v) {
     std::string operator()(double x) const { return format_number(x); }
     std::string operator()(bool x) const { return x ? "true" : "false"; }
     std::string operator()(const std::string& x) const { return quote(x); }
-    std::string operator()(const std::vector<int64_t>& x) const {
-      return fmt::format("[{}]", fmt::join(x, ", "));
-    }
+    std::string operator()(const std::vector<int64_t>& x) const { return fmt::format("[{}]", fmt::join(x, ", ")); }
     std::string operator()(const std::vector<double>& x) const {
       std::vector<std::string> parts;
       for (double d : x) parts.push_back(format_number(d));
@@ -284,10 +336,8 @@ std::string describe_keys() {
       section = k.section;
       out += fmt::format("\n[{}]\n", section);
     }
-    std::string allowed = k.type == KeyType::choice ? fmt::format("{}", fmt::join(k.choices, "|"))
-                                                    : k.range.describe();
-    out += fmt::format(kRow, k.name, key_type_name(k.type), format_key_value(k, k.default_value),
-                       allowed, k.help);
+    std::string allowed = k.type == KeyType::choice ? fmt::format("{}", fmt::join(k.choices, "|")) : k.range.describe();
+    out += fmt::format(kRow, k.name, key_type_name(k.type), format_key_value(k, k.default_value), allowed, k.help);
   }
   return out;
 }

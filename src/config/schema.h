@@ -15,8 +15,7 @@ namespace flux8 {
 enum class KeyType { integer, real, boolean, string, choice, int_list, float_list };
 
 // One resolved value. `choice` keys hold their choice as a std::string.
-using ConfigValue = std::variant<int64_t, double, bool, std::string, std::vector<int64_t>,
-                                 std::vector<double>>;
+using ConfigValue = std::variant<int64_t, double, bool, std::string, std::vector<int64_t>, std::vector<double>>;
 
 // Closed or open numeric interval; applies to scalars and to every element of a list.
 struct Range {

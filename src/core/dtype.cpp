@@ -34,7 +34,7 @@ uint16_t f32_to_f16_bits(float f) {
   std::memcpy(&u, &f, 4);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t absu = u & 0x7fffffffu;
-  if (absu > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (absu > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (absu >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
   if (absu < 0x38800000u) {
     // Subnormal half (or zero): value = m * 2^-24, round the f32 value to that grid.
@@ -78,8 +78,7 @@ constexpr int64_t kParallelConvertElements = int64_t{1} << 20;
 void convert_elements(const void* src, DType src_dtype, size_t count, DType dst_dtype, void* dst) {
   FLUX8_CHECK(src_dtype == DType::f32 || src_dtype == DType::f64 || src_dtype == DType::bf16,
               "convert_elements from {}", dtype_name(src_dtype));
-  FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 ||
-                  dst_dtype == DType::f16,
+  FLUX8_CHECK(dst_dtype == DType::f32 || dst_dtype == DType::f64 || dst_dtype == DType::bf16 || dst_dtype == DType::f16,
               "convert_elements into {}", dtype_name(dst_dtype));
   if (src_dtype == dst_dtype) {
     std::memcpy(dst, src, count * dtype_size(src_dtype));

@@ -18,7 +18,10 @@ struct Philox {
     const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
     const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
     const uint32_t n0 = hi1 ^ c[1] ^ k[0], n2 = hi0 ^ c[3] ^ k[1];
-    c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+    c[0] = n0;
+    c[1] = lo1;
+    c[2] = n2;
+    c[3] = lo0;
   }
   // Four 32-bit words for counter (stream, block) under key seed.
   FLUX8_HD static void generate(uint64_t seed, uint64_t stream, uint64_t block, uint32_t out[4]) {
@@ -46,7 +49,7 @@ FLUX8_HD inline float rng_uniform(uint64_t seed, uint64_t stream, uint64_t index
 // block i, so every element is independent of how the work is split.
 FLUX8_HD inline float rng_normal(uint64_t seed, uint64_t stream, uint64_t index) {
   uint32_t w[4];
-  Philox::generate(seed, stream ^ 0x6E6F726D616C0000ull, index, w);  // "normal" domain
+  Philox::generate(seed, stream ^ 0x6E6F726D616C0000ull, index, w);                // "normal" domain
   const float u1 = (static_cast<float>(w[0] >> 8) + 1.0f) * (1.0f / 16777216.0f);  // (0,1]
   const float u2 = static_cast<float>(w[1] >> 8) * (1.0f / 16777216.0f);
   return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853071795864769f * u2);

@@ -64,8 +64,7 @@ void portable(uint32_t state[8], const uint8_t* data, size_t blocks) {
     uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
     uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
     for (int i = 0; i < 64; ++i) {
-      const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) +
-                          kRound[i] + w[i];
+      const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[i] + w[i];
       const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
       h = g;
       g = f;
@@ -76,8 +75,14 @@ void portable(uint32_t state[8], const uint8_t* data, size_t blocks) {
       b = a;
       a = t1 + t2;
     }
-    state[0] += a; state[1] += b; state[2] += c; state[3] += d;
-    state[4] += e; state[5] += f; state[6] += g; state[7] += h;
+    state[0] += a;
+    state[1] += b;
+    state[2] += c;
+    state[3] += d;
+    state[4] += e;
+    state[5] += f;
+    state[6] += g;
+    state[7] += h;
   }
 }
 
@@ -117,9 +122,8 @@ __attribute__((target("sha,sse4.1,ssse3"))) void hardware_blocks(uint32_t state[
         const __m128i partial = _mm_add_epi32(_mm_sha256msg1_epu32(x, prev3), _mm_alignr_epi8(prev1, prev2, 4));
         x = _mm_sha256msg2_epu32(partial, prev1);
       }
-      const __m128i wk =
-          _mm_add_epi32(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(kRound + 4 * j)));
-      cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk);                          // rounds 4j, 4j + 1
+      const __m128i wk = _mm_add_epi32(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(kRound + 4 * j)));
+      cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk);                           // rounds 4j, 4j + 1
       abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(wk, 0x0E));  // rounds 4j + 2, 4j + 3
     }
     abef = _mm_add_epi32(abef, abef_in);

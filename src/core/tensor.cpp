@@ -31,8 +31,7 @@ std::string Shape::str() const {
 }
 
 Tensor Tensor::cols_slice(int64_t begin, int64_t width) const {
-  FLUX8_CHECK(begin >= 0 && width >= 0 && begin + width <= cols(), "column slice [{}, +{}) of {}",
-              begin, width, str());
+  FLUX8_CHECK(begin >= 0 && width >= 0 && begin + width <= cols(), "column slice [{}, +{}) of {}", begin, width, str());
   Tensor t = *this;
   t.data = static_cast<char*>(data) + static_cast<size_t>(begin) * dtype_size(dtype);
   t.shape.d[static_cast<size_t>(shape.rank - 1)] = width;
@@ -45,8 +44,7 @@ Tensor Tensor::reshaped(Shape s) const {
 }
 
 Tensor Tensor::rows_slice(int64_t begin, int64_t count) const {
-  FLUX8_CHECK(begin >= 0 && count >= 0 && begin + count <= rows(), "row slice [{}, +{}) of {}",
-              begin, count, str());
+  FLUX8_CHECK(begin >= 0 && count >= 0 && begin + count <= rows(), "row slice [{}, +{}) of {}", begin, count, str());
   Tensor t = *this;
   t.data = static_cast<char*>(data) + static_cast<size_t>(begin * ld) * dtype_size(dtype);
   t.shape = Shape{count, cols()};

@@ -46,7 +46,9 @@ struct Tensor {
   size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
 
   template <typename T>
-  T* ptr() const { return static_cast<T*>(data); }
+  T* ptr() const {
+    return static_cast<T*>(data);
+  }
 
   // Column window [begin, begin+width) of every row; same rows, same ld.
   Tensor cols_slice(int64_t begin, int64_t width) const;

@@ -17,8 +17,8 @@ namespace flux8 {
 namespace fs = std::filesystem;
 
 // The spec's fields under their own names (the manifest's keys).
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DemoSpec, image_size, text_seq_len, context_dim, vec_dim, train_samples,
-                                   val_samples, samples_per_shard, seed)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DemoSpec, image_size, text_seq_len, context_dim, vec_dim, train_samples, val_samples,
+                                   samples_per_shard, seed)
 
 namespace {
 
@@ -26,22 +26,16 @@ constexpr uint64_t kGeometryPurpose = 0x67656F6Dull;  // "geom"
 
 void check_spec(const DemoSpec& s) {
   if (s.image_size < 8)
-    fail("demo dataset: image_size {} is too small to draw a shape; use >= 8 (e.g. 16, 24, 32)",
-         s.image_size);
+    fail("demo dataset: image_size {} is too small to draw a shape; use >= 8 (e.g. 16, 24, 32)", s.image_size);
   if (s.train_samples < 0 || s.val_samples < 0)
-    fail("demo dataset: train_samples ({}) and val_samples ({}) must be >= 0", s.train_samples,
-         s.val_samples);
-  if (s.samples_per_shard < 1)
-    fail("demo dataset: samples_per_shard is {}; it must be >= 1", s.samples_per_shard);
+    fail("demo dataset: train_samples ({}) and val_samples ({}) must be >= 0", s.train_samples, s.val_samples);
+  if (s.samples_per_shard < 1) fail("demo dataset: samples_per_shard is {}; it must be >= 1", s.samples_per_shard);
   if (s.train_samples + s.val_samples > 1000000)
-    fail("demo dataset: {} samples exceed the six-digit keys (at most 1000000)",
-         s.train_samples + s.val_samples);
+    fail("demo dataset: {} samples exceed the six-digit keys (at most 1000000)", s.train_samples + s.val_samples);
 }
 
 // Length of [a0, a1) inside [b0, b1).
-float overlap(float a0, float a1, float b0, float b1) {
-  return std::max(0.0f, std::min(a1, b1) - std::max(a0, b0));
-}
+float overlap(float a0, float a1, float b0, float b1) { return std::max(0.0f, std::min(a1, b1) - std::max(a0, b0)); }
 
 // Fraction of pixel (px, py) inside the shape. The square is exact (product of the 1-D
 // overlaps). Circle and triangle integrate over four horizontal bands, each clipped to the
@@ -51,8 +45,7 @@ float overlap(float a0, float a1, float b0, float b1) {
 float coverage(int shape, const DemoGeometry& g, int64_t px, int64_t py) {
   const float x = static_cast<float>(px), y = static_cast<float>(py);
   const float top = g.cy - g.half, bottom = g.cy + g.half;
-  if (shape == 1)
-    return overlap(x, x + 1, g.cx - g.half, g.cx + g.half) * overlap(y, y + 1, top, bottom);
+  if (shape == 1) return overlap(x, x + 1, g.cx - g.half, g.cx + g.half) * overlap(y, y + 1, top, bottom);
   float area = 0;
   for (int b = 0; b < 4; ++b) {
     const float y0 = std::max(y + 0.25f * static_cast<float>(b), top);
@@ -61,8 +54,7 @@ float coverage(int shape, const DemoGeometry& g, int64_t px, int64_t py) {
     const float dy = 0.5f * (y0 + y1) - g.cy;
     // Chord half-width: circle sqrt(h^2 - dy^2); triangle with apex (0, -h) and base from
     // (-h, h) to (h, h) grows linearly, (dy + h) / 2.
-    const float w =
-        shape == 0 ? std::sqrt(std::max(0.0f, g.half * g.half - dy * dy)) : 0.5f * (dy + g.half);
+    const float w = shape == 0 ? std::sqrt(std::max(0.0f, g.half * g.half - dy * dy)) : 0.5f * (dy + g.half);
     area += (y1 - y0) * overlap(x, x + 1, g.cx - w, g.cx + w);
   }
   return area;
@@ -70,9 +62,7 @@ float coverage(int shape, const DemoGeometry& g, int64_t px, int64_t py) {
 
 void write_file(const fs::path& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f)
-    fail("demo dataset: cannot open {} for writing; check the directory is writable",
-         path.string());
+  if (!f) fail("demo dataset: cannot open {} for writing; check the directory is writable", path.string());
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   if (!f) fail("demo dataset: writing {} failed (disk full?)", path.string());
 }
@@ -87,8 +77,8 @@ nlohmann::json manifest_json(const DemoSpec& s) {
   return j;
 }
 
-void write_split(const fs::path& dir, const DemoSpec& spec, std::string_view split,
-                 int64_t first_index, int64_t count) {
+void write_split(const fs::path& dir, const DemoSpec& spec, std::string_view split, int64_t first_index,
+                 int64_t count) {
   const std::vector<std::string> names = demo_shard_names(spec, split);
   for (size_t s = 0; s < names.size(); ++s) {
     TarWriter tar((dir / names[s]).string());
@@ -108,8 +98,7 @@ void write_split(const fs::path& dir, const DemoSpec& spec, std::string_view spl
 }  // namespace
 
 std::string DemoAttributes::caption() const {
-  return fmt::format("{} {} {}", kDemoColours[static_cast<size_t>(colour)],
-                     kDemoShapes[static_cast<size_t>(shape)],
+  return fmt::format("{} {} {}", kDemoColours[static_cast<size_t>(colour)], kDemoShapes[static_cast<size_t>(shape)],
                      kDemoPositions[static_cast<size_t>(position)]);
 }
 
@@ -144,8 +133,7 @@ HostTensor render_demo_image(const DemoAttributes& a, const DemoGeometry& g, int
   img.shape = {3, S, S};
   img.data.resize(static_cast<size_t>(3 * S * S));
   const auto& col = kDemoColourRGB[static_cast<size_t>(a.colour)];
-  for (int c = 0; c < 3; ++c)
-    std::fill_n(img.data.begin() + c * S * S, S * S, 2.0f * kDemoBackgroundRGB[c] - 1.0f);
+  for (int c = 0; c < 3; ++c) std::fill_n(img.data.begin() + c * S * S, S * S, 2.0f * kDemoBackgroundRGB[c] - 1.0f);
   const int64_t x0 = std::max<int64_t>(0, static_cast<int64_t>(std::floor(g.cx - g.half)));
   const int64_t x1 = std::min<int64_t>(S, static_cast<int64_t>(std::ceil(g.cx + g.half)));
   const int64_t y0 = std::max<int64_t>(0, static_cast<int64_t>(std::floor(g.cy - g.half)));
@@ -183,18 +171,16 @@ Sample demo_sample(const DemoSpec& spec, int64_t index) {
   s.key = demo_key(index);
   s.shard = "<demo>";
   s.caption = a.caption();
-  s.fields["image"] =
-      render_demo_image(a, demo_geometry(spec.seed, index, spec.image_size), spec.image_size);
-  TextEncoding enc =
-      DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode(s.caption);
+  s.fields["image"] = render_demo_image(a, demo_geometry(spec.seed, index, spec.image_size), spec.image_size);
+  TextEncoding enc = DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode(s.caption);
   s.fields["t5"] = std::move(enc.t5);
   s.fields["clip"] = std::move(enc.clip);
   return s;
 }
 
 std::string encode_npy_f32(const HostTensor& t) {
-  FLUX8_CHECK(static_cast<int64_t>(t.data.size()) == t.numel(),
-              "tensor holds {} values for {} elements", t.data.size(), t.numel());
+  FLUX8_CHECK(static_cast<int64_t>(t.data.size()) == t.numel(), "tensor holds {} values for {} elements", t.data.size(),
+              t.numel());
   std::string shape = "(";
   for (size_t i = 0; i < t.shape.size(); ++i) shape += fmt::format("{}, ", t.shape[i]);
   if (t.shape.size() == 1)
@@ -212,16 +198,14 @@ std::string encode_npy_f32(const HostTensor& t) {
   out.push_back(static_cast<char>(header.size() & 0xFF));
   out.push_back(static_cast<char>(header.size() >> 8));
   out += header;
-  static_assert(std::endian::native == std::endian::little,
-                "npy writer assumes a little-endian host");
+  static_assert(std::endian::native == std::endian::little, "npy writer assumes a little-endian host");
   out.append(reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float));
   return out;
 }
 
 std::vector<std::string> demo_shard_names(const DemoSpec& spec, std::string_view split) {
   const int64_t n = split == "train" ? spec.train_samples : spec.val_samples;
-  const int64_t shards =
-      spec.samples_per_shard > 0 ? (n + spec.samples_per_shard - 1) / spec.samples_per_shard : 0;
+  const int64_t shards = spec.samples_per_shard > 0 ? (n + spec.samples_per_shard - 1) / spec.samples_per_shard : 0;
   std::vector<std::string> names;
   for (int64_t s = 0; s < shards; ++s) names.push_back(fmt::format("{}-{:06d}.tar", split, s));
   return names;
@@ -242,15 +226,13 @@ void write_demo_dataset(const std::string& out_dir, const DemoSpec& spec) {
   write_split(dir, spec, "train", 0, spec.train_samples);
   write_split(dir, spec, "val", spec.train_samples, spec.val_samples);
 
-  const TextEncoding empty =
-      DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode("");
+  const TextEncoding empty = DemoTextEncoder(spec.text_seq_len, spec.context_dim, spec.vec_dim).encode("");
   write_file(dir / "empty_prompt.t5.npy", encode_npy_f32(empty.t5));
   write_file(dir / "empty_prompt.clip.npy", encode_npy_f32(empty.clip));
 
   write_file(dir / "manifest.json.tmp", manifest_json(spec).dump(2) + "\n");
   fs::rename(dir / "manifest.json.tmp", dir / "manifest.json", ec);
-  if (ec)
-    fail("demo dataset: cannot rename {}/manifest.json.tmp into place: {}", out_dir, ec.message());
+  if (ec) fail("demo dataset: cannot rename {}/manifest.json.tmp into place: {}", out_dir, ec.message());
 }
 
 bool demo_dataset_matches(const std::string& out_dir, const DemoSpec& spec) {
@@ -263,8 +245,7 @@ bool demo_dataset_matches(const std::string& out_dir, const DemoSpec& spec) {
   for (std::string_view split : {"train", "val"})
     for (const std::string& name : demo_shard_names(spec, split))
       if (!fs::is_regular_file(dir / name, ec)) return false;
-  return fs::is_regular_file(dir / "empty_prompt.t5.npy", ec) &&
-         fs::is_regular_file(dir / "empty_prompt.clip.npy", ec);
+  return fs::is_regular_file(dir / "empty_prompt.t5.npy", ec) && fs::is_regular_file(dir / "empty_prompt.clip.npy", ec);
 }
 
 }  // namespace flux8

@@ -27,11 +27,11 @@
 
 namespace flux8 {
 
-inline constexpr std::array<std::string_view, 7> kDemoColours = {
-    "red", "green", "blue", "yellow", "cyan", "magenta", "white"};
+inline constexpr std::array<std::string_view, 7> kDemoColours = {"red",  "green",   "blue", "yellow",
+                                                                 "cyan", "magenta", "white"};
 inline constexpr std::array<std::string_view, 3> kDemoShapes = {"circle", "square", "triangle"};
-inline constexpr std::array<std::string_view, 5> kDemoPositions = {
-    "top left", "top right", "bottom left", "bottom right", "center"};
+inline constexpr std::array<std::string_view, 5> kDemoPositions = {"top left", "top right", "bottom left",
+                                                                   "bottom right", "center"};
 inline constexpr int64_t kDemoCombinations = 7 * 3 * 5;
 inline constexpr int kDemoFormatVersion = 1;
 

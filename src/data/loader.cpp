@@ -23,7 +23,7 @@ int decode_threads(const LoaderOptions& o) {
   return static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 4, 1u, 4u));
 }
 
-constexpr uint64_t kShardOrderPurpose = 0x7368617264736571ull;  // "shardseq"
+constexpr uint64_t kShardOrderPurpose = 0x7368617264736571ull;     // "shardseq"
 constexpr uint64_t kShuffleBufferPurpose = 0x73687566666c6562ull;  // "shuffleb"
 
 // Uniform integer in [0, n) from draw `index` of `stream`: one 32-bit Philox word scaled by n
@@ -49,8 +49,7 @@ std::string trim(const std::string& s) {
 }  // namespace
 
 std::vector<std::string> resolve_shards(const std::string& source) {
-  if (source.empty())
-    fail("data source is empty; give a glob (data/train-*.tar), a directory or a list file");
+  if (source.empty()) fail("data source is empty; give a glob (data/train-*.tar), a directory or a list file");
   std::vector<std::string> out;
   std::error_code ec;
   if (fs::is_directory(source, ec)) {
@@ -79,13 +78,17 @@ std::vector<std::string> resolve_shards(const std::string& source) {
       if (line.empty() || line[0] == '#') continue;
       const fs::path p = fs::path(line).is_absolute() ? fs::path(line) : base / line;
       if (!is_regular(p))
-        fail("data source {}, line {}: shard {} does not exist (paths are relative to the list "
-             "file)", source, n, p.string());
+        fail(
+            "data source {}, line {}: shard {} does not exist (paths are relative to the list "
+            "file)",
+            source, n, p.string());
       out.push_back(p.string());
     }
   } else {
-    fail("data source {} does not exist (expected a glob pattern, a directory of .tar shards, a "
-         ".tar file or a list file)", source);
+    fail(
+        "data source {} does not exist (expected a glob pattern, a directory of .tar shards, a "
+        ".tar file or a list file)",
+        source);
   }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
@@ -93,21 +96,21 @@ std::vector<std::string> resolve_shards(const std::string& source) {
   return out;
 }
 
-std::vector<std::string> epoch_shards(const std::vector<std::string>& sorted_shards,
-                                      uint64_t seed, uint64_t epoch, int rank, int world,
-                                      bool shuffle) {
+std::vector<std::string> epoch_shards(const std::vector<std::string>& sorted_shards, uint64_t seed, uint64_t epoch,
+                                      int rank, int world, bool shuffle) {
   if (world < 1 || rank < 0 || rank >= world)
     fail("data loader: rank {} of world {} is not a valid data-parallel position", rank, world);
   if (sorted_shards.size() < static_cast<size_t>(world))
-    fail("data loader: {} shards for {} data-parallel ranks; every rank needs at least one shard "
-         "(split the data into more shards or use fewer ranks)", sorted_shards.size(), world);
+    fail(
+        "data loader: {} shards for {} data-parallel ranks; every rank needs at least one shard "
+        "(split the data into more shards or use fewer ranks)",
+        sorted_shards.size(), world);
   std::vector<size_t> order(sorted_shards.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   if (shuffle) {
     const uint64_t stream = rng_stream(kShardOrderPurpose, epoch);
     uint64_t d = 0;
-    for (size_t i = order.size(); i > 1; --i)
-      std::swap(order[i - 1], order[draw_below(seed, stream, d++, i)]);
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[draw_below(seed, stream, d++, i)]);
   }
   std::vector<std::string> out;
   for (size_t i = static_cast<size_t>(rank); i < order.size(); i += static_cast<size_t>(world))
@@ -117,8 +120,7 @@ std::vector<std::string> epoch_shards(const std::vector<std::string>& sorted_sha
 
 // ---------------------------------------------------------------------------------------------
 
-DataLoader::DataLoader(const LoaderOptions& options, const LoaderState& start_state)
-    : options_(options) {
+DataLoader::DataLoader(const LoaderOptions& options, const LoaderState& start_state) : options_(options) {
   if (options_.prefetch < 1) options_.prefetch = 1;
   shards_ = resolve_shards(options_.source);
   epoch_shards(shards_, options_.seed, 0, options_.rank, options_.world, false);  // validates
@@ -147,8 +149,7 @@ void DataLoader::stop() {
 }
 
 void DataLoader::reset(const LoaderState& s) {
-  if (options_.single_pass && s.epoch != 0)
-    fail("data loader: single-pass loader cannot start at epoch {}", s.epoch);
+  if (options_.single_pass && s.epoch != 0) fail("data loader: single-pass loader cannot start at epoch {}", s.epoch);
   stop();
   start(s);
 }
@@ -182,13 +183,14 @@ bool DataLoader::next(Sample& out) {
 Sample DataLoader::next() {
   Sample s;
   if (!next(s))
-    fail("data loader: the single pass over {} is complete ({} samples); check next(Sample&) "
-         "for the end", options_.source, state_.consumed);
+    fail(
+        "data loader: the single pass over {} is complete ({} samples); check next(Sample&) "
+        "for the end",
+        options_.source, state_.consumed);
   return s;
 }
 
-void DataLoader::skip_corrupt_warning(const std::string& shard, const std::string& what,
-                                      bool rest_of_shard) {
+void DataLoader::skip_corrupt_warning(const std::string& shard, const std::string& what, bool rest_of_shard) {
   corrupt_skipped_.fetch_add(1);
   fmt::print(stderr, "flux8: warning: {} -- skipping {} (skip_corrupt)\n", what,
              rest_of_shard ? "the rest of shard " + shard : std::string("this sample"));
@@ -219,8 +221,7 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
   const std::vector<std::string> shards =
       epoch_shards(shards_, options_.seed, epoch, options_.rank, options_.world, shuffle);
   const size_t slots = shuffle ? options_.shuffle_buffer : 0;
-  const uint64_t stream =
-      rng_stream(kShuffleBufferPurpose, epoch, static_cast<uint64_t>(options_.rank));
+  const uint64_t stream = rng_stream(kShuffleBufferPurpose, epoch, static_cast<uint64_t>(options_.rank));
 
   // A buffered sample: decoded, or (while replaying up to a resume point) only located.
   struct Entry {
@@ -315,13 +316,13 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
     if (!emit(take_random())) return false;
 
   if (emitted < skip)
-    fail("data loader: resume state says {} samples were consumed in epoch {}, but rank {} of {} "
-         "has only {} in that epoch (were the shards or the data-parallel size changed?)", skip,
-         epoch, options_.rank, options_.world, emitted);
+    fail(
+        "data loader: resume state says {} samples were consumed in epoch {}, but rank {} of {} "
+        "has only {} in that epoch (were the shards or the data-parallel size changed?)",
+        skip, epoch, options_.rank, options_.world, emitted);
   if (emitted == 0)
-    fail("data loader: epoch {} has no samples for rank {} of {} (shards: {}){}", epoch,
-         options_.rank, options_.world, fmt::join(shards, ", "),
-         corrupt_skipped() > 0 ? "; every shard was skipped as corrupt" : "");
+    fail("data loader: epoch {} has no samples for rank {} of {} (shards: {}){}", epoch, options_.rank, options_.world,
+         fmt::join(shards, ", "), corrupt_skipped() > 0 ? "; every shard was skipped as corrupt" : "");
   return true;
 }
 

@@ -41,10 +41,10 @@
 namespace flux8 {
 
 struct LoaderOptions {
-  std::string source;          // glob ("data/train-*.tar"), directory of .tar, a .tar, or a list
-                               // file (one shard per line, relative to the list file; '#' comments)
+  std::string source;  // glob ("data/train-*.tar"), directory of .tar, a .tar, or a list
+                       // file (one shard per line, relative to the list file; '#' comments)
   uint64_t seed = 0;
-  int rank = 0;                // data-parallel rank and world size
+  int rank = 0;  // data-parallel rank and world size
   int world = 1;
   size_t shuffle_buffer = 1000;  // slots; 0 keeps the read order
   size_t prefetch = 16;          // decoded samples held ready (>= 1)
@@ -67,9 +67,8 @@ struct LoaderState {
 // fails when the source names nothing or no shards.
 std::vector<std::string> resolve_shards(const std::string& source);
 // The shards rank `rank` of `world` reads in `epoch`, in reading order.
-std::vector<std::string> epoch_shards(const std::vector<std::string>& sorted_shards,
-                                      uint64_t seed, uint64_t epoch, int rank, int world,
-                                      bool shuffle);
+std::vector<std::string> epoch_shards(const std::vector<std::string>& sorted_shards, uint64_t seed, uint64_t epoch,
+                                      int rank, int world, bool shuffle);
 
 class DataLoader {
  public:

@@ -9,9 +9,10 @@ const HostTensor& Sample::at(const std::string& field) const {
   if (it == fields.end()) {
     std::string have;
     for (const auto& [name, t] : fields) have += (have.empty() ? "" : ", ") + name;
-    fail("sample '{}' from shard {} has no field '{}' (it has: {}); check the shard's member "
-         "names (KEY.{}.npy / .bytes / .safetensors)", key, shard, field,
-         have.empty() ? std::string("none") : have, field);
+    fail(
+        "sample '{}' from shard {} has no field '{}' (it has: {}); check the shard's member "
+        "names (KEY.{}.npy / .bytes / .safetensors)",
+        key, shard, field, have.empty() ? std::string("none") : have, field);
   }
   return it->second;
 }

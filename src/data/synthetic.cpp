@@ -43,9 +43,12 @@ Sample synthetic_latent_sample(const SyntheticLatentSpec& spec, int64_t index) {
 }
 
 uint64_t write_synthetic_latent_dataset(const std::string& out_dir, const SyntheticLatentSpec& spec) {
-  for (const auto& [name, v] : {std::pair{"latent_channels", spec.latent_channels}, {"latent_side", spec.latent_side},
-                                {"text_seq_len", spec.text_seq_len}, {"context_dim", spec.context_dim},
-                                {"vec_dim", spec.vec_dim}, {"samples", spec.samples},
+  for (const auto& [name, v] : {std::pair{"latent_channels", spec.latent_channels},
+                                {"latent_side", spec.latent_side},
+                                {"text_seq_len", spec.text_seq_len},
+                                {"context_dim", spec.context_dim},
+                                {"vec_dim", spec.vec_dim},
+                                {"samples", spec.samples},
                                 {"samples_per_shard", spec.samples_per_shard}})
     if (v < 1) fail("synthetic dataset: {} is {}; it must be at least 1", name, v);
   const fs::path dir(out_dir);

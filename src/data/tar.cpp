@@ -67,8 +67,7 @@ void apply_pax(const std::vector<uint8_t>& data, std::string& path, uint64_t& si
     uint64_t len = 0;
     while (sp < data.size() && data[sp] >= '0' && data[sp] <= '9')
       len = len * 10 + static_cast<uint64_t>(data[sp++] - '0');
-    if (sp >= data.size() || data[sp] != ' ' || len == 0 || pos + len > data.size() ||
-        data[pos + len - 1] != '\n')
+    if (sp >= data.size() || data[sp] != ' ' || len == 0 || pos + len > data.size() || data[pos + len - 1] != '\n')
       bad(fmt::format("malformed pax record at byte {} of the extended header", pos));
     const char* text = reinterpret_cast<const char*>(data.data());
     const std::string rec(text + sp + 1, text + pos + len - 1);  // without the '\n'
@@ -128,9 +127,9 @@ bool TarReader::read_block(uint8_t* block, const char* what) {
   }
   if (std::ferror(file_.get())) fail("shard {}: read error at byte {}: {}", path_, pos_, errno_text());
   if (got == 0) return false;
-  fail_at(position(),
-          fmt::format("the file ends {} bytes into a 512-byte {} block at byte {} (truncated "
-                      "shard; re-copy or regenerate it)", got, what, pos_));
+  fail_at(position(), fmt::format("the file ends {} bytes into a 512-byte {} block at byte {} (truncated "
+                                  "shard; re-copy or regenerate it)",
+                                  got, what, pos_));
 }
 
 bool TarReader::next(TarMember& member) {
@@ -149,8 +148,9 @@ bool TarReader::next(TarMember& member) {
     const std::string where = position();
     if (!read_block(h, "header")) {  // EOF on a block boundary: tolerated missing end marker
       if (!long_name.empty() || !pax_path.empty())
-        fail_at(where, "the file ends after a long-name/pax header, before its member "
-                       "(truncated shard)");
+        fail_at(where,
+                "the file ends after a long-name/pax header, before its member "
+                "(truncated shard)");
       ended_ = true;
       return false;
     }
@@ -161,7 +161,8 @@ bool TarReader::next(TarMember& member) {
     uint64_t stored = 0;
     if (!parse_number(h + 148, 8, stored))
       fail_at(where, fmt::format("header at byte {} has no valid checksum field; this is not a tar "
-                                 "header (corrupt shard)", header_at));
+                                 "header (corrupt shard)",
+                                 header_at));
     uint64_t sum = 0;
     int64_t signed_sum = 0;  // some old writers summed signed chars
     for (uint64_t i = 0; i < kBlock; ++i) {
@@ -193,8 +194,7 @@ bool TarReader::next(TarMember& member) {
                                  size, round_up(size), data_at, file_size_));
 
     if (type == 'L' || type == 'x' || type == 'g' || type == 'K') {
-      if (size > (64u << 20))
-        fail_at(shown, fmt::format("extended header of {} bytes is implausibly large", size));
+      if (size > (64u << 20)) fail_at(shown, fmt::format("extended header of {} bytes is implausibly large", size));
       std::vector<uint8_t> data(size);
       if (size > 0 && std::fread(data.data(), 1, size, file_.get()) != size)
         fail_at(shown, "short read in an extended header");
@@ -203,8 +203,7 @@ bool TarReader::next(TarMember& member) {
       if (type == 'L') {
         long_name = field_text(data.data(), data.size());
       } else if (type == 'x') {
-        apply_pax(data, pax_path, pax_size, has_pax_size,
-                  [&](const std::string& what) { fail_at(shown, what); });
+        apply_pax(data, pax_path, pax_size, has_pax_size, [&](const std::string& what) { fail_at(shown, what); });
       }
       continue;  // 'g' (global pax) and 'K' (long link name) carry nothing flux8 uses
     }
@@ -232,28 +231,29 @@ std::vector<uint8_t> TarReader::read_data() {
   std::vector<uint8_t> data(current_.size);
   if (current_.size > 0 && std::fread(data.data(), 1, current_.size, file_.get()) != current_.size)
     fail_at(current_.name, fmt::format("short read of {} bytes at byte {} (file changed while "
-                                       "reading?)", current_.size, current_.data_offset));
+                                       "reading?)",
+                                       current_.size, current_.data_offset));
   pos_ = current_.data_offset + round_up(current_.size);
   seek(pos_);
   data_pending_ = false;
   return data;
 }
 
-std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, uint64_t size,
-                                     const std::string& what) {
+std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, uint64_t size, const std::string& what) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail("shard {}, member {}: cannot open: {}", path, what, errno_text());
   std::vector<uint8_t> data(size);
   uint64_t done = 0;
   while (done < size) {
-    const ssize_t r =
-        ::pread(fd, data.data() + done, size - done, static_cast<off_t>(offset + done));
+    const ssize_t r = ::pread(fd, data.data() + done, size - done, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) {
       const std::string err = r < 0 ? errno_text() : std::string("end of file");
       ::close(fd);
-      fail("shard {}, member {}: cannot read {} bytes at byte {}: {} (shard changed or truncated "
-           "since it was indexed?)", path, what, size, offset, err);
+      fail(
+          "shard {}, member {}: cannot read {} bytes at byte {}: {} (shard changed or truncated "
+          "since it was indexed?)",
+          path, what, size, offset, err);
     }
     done += static_cast<uint64_t>(r);
   }
@@ -264,8 +264,7 @@ std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, u
 // ---------------------------------------------------------------------------------------------
 // Writer
 
-TarWriter::TarWriter(const std::string& path)
-    : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())) {
+TarWriter::TarWriter(const std::string& path) : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())) {
   file_.reset(std::fopen(tmp_.c_str(), "wbe"));
   if (!file_) fail("tar writer: cannot create '{}': {}", tmp_, errno_text());
 }
@@ -287,8 +286,7 @@ void TarWriter::write_header(const std::string& name, uint64_t size, char type) 
   std::snprintf(reinterpret_cast<char*>(h + 108), 8, "%07o", 0);
   std::snprintf(reinterpret_cast<char*>(h + 116), 8, "%07o", 0);
   if (size < (uint64_t(1) << 33)) {
-    std::snprintf(reinterpret_cast<char*>(h + 124), 12, "%011llo",
-                  static_cast<unsigned long long>(size));
+    std::snprintf(reinterpret_cast<char*>(h + 124), 12, "%011llo", static_cast<unsigned long long>(size));
   } else {  // GNU base-256 for members of 8 GiB and more
     h[124] = 0x80;
     for (int i = 0; i < 8; ++i) h[135 - i] = static_cast<uint8_t>(size >> (8 * i));

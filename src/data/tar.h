@@ -20,9 +20,9 @@
 namespace flux8 {
 
 struct TarMember {
-  std::string name;         // full path inside the archive (long and pax names applied)
-  uint64_t size = 0;        // data bytes
-  uint64_t data_offset = 0; // where the data starts in the file (for random access later)
+  std::string name;          // full path inside the archive (long and pax names applied)
+  uint64_t size = 0;         // data bytes
+  uint64_t data_offset = 0;  // where the data starts in the file (for random access later)
 };
 
 // An open stdio file, closed when its owner goes away.
@@ -58,8 +58,8 @@ class TarReader {
   std::string path_;
   FileHandle file_;
   uint64_t file_size_ = 0;
-  uint64_t pos_ = 0;         // offset of the next header block when no data is pending
-  std::string last_name_;    // previous member, for errors in a header that cannot be trusted
+  uint64_t pos_ = 0;       // offset of the next header block when no data is pending
+  std::string last_name_;  // previous member, for errors in a header that cannot be trusted
   TarMember current_;
   bool data_pending_ = false;  // current_'s data has not been read
   bool ended_ = false;
@@ -67,8 +67,7 @@ class TarReader {
 
 // Reads `size` bytes at `offset` of a file (random access into a shard for a member found
 // earlier); `what` names it in errors.
-std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, uint64_t size,
-                                     const std::string& what);
+std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, uint64_t size, const std::string& what);
 
 // Writes a tar file (regular members, ustar headers, GNU long-name entries for names over 100
 // bytes, mode 0644, mtime 0 so equal content gives equal bytes). Writes path + ".tmp.<pid>",
@@ -82,9 +81,7 @@ class TarWriter {
   TarWriter& operator=(const TarWriter&) = delete;
 
   void add(const std::string& name, const void* data, size_t size);
-  void add(const std::string& name, const std::string& text) {
-    add(name, text.data(), text.size());
-  }
+  void add(const std::string& name, const std::string& text) { add(name, text.data(), text.size()); }
   void finish();
 
  private:

@@ -24,14 +24,11 @@ std::vector<float> table_row(uint64_t table, std::string_view word, int64_t dim)
   const uint64_t stream = rng_stream(table, word_hash(word), word.size());
   std::vector<float> row(static_cast<size_t>(dim));
   for (int64_t j = 0; j < dim; ++j)
-    row[static_cast<size_t>(j)] =
-        rng_normal(DemoTextEncoder::kSeed, stream, static_cast<uint64_t>(j));
+    row[static_cast<size_t>(j)] = rng_normal(DemoTextEncoder::kSeed, stream, static_cast<uint64_t>(j));
   return row;
 }
 
-bool is_space(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
-}
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
 }  // namespace
 
@@ -69,8 +66,7 @@ std::vector<float> DemoTextEncoder::pooled_embedding(std::string_view word) cons
 
 TextEncoding DemoTextEncoder::encode(std::string_view prompt) const {
   std::vector<std::string> ws = words(prompt);
-  if (static_cast<int64_t>(ws.size()) > text_seq_len_)
-    ws.resize(static_cast<size_t>(text_seq_len_));
+  if (static_cast<int64_t>(ws.size()) > text_seq_len_) ws.resize(static_cast<size_t>(text_seq_len_));
 
   TextEncoding enc;
   enc.t5.shape = {text_seq_len_, context_dim_};
@@ -80,8 +76,7 @@ TextEncoding DemoTextEncoder::encode(std::string_view prompt) const {
 
   for (size_t i = 0; i < ws.size(); ++i) {
     const std::vector<float> tok = token_embedding(ws[i]);
-    std::copy(tok.begin(), tok.end(),
-              enc.t5.data.begin() + static_cast<std::ptrdiff_t>(i * tok.size()));
+    std::copy(tok.begin(), tok.end(), enc.t5.data.begin() + static_cast<std::ptrdiff_t>(i * tok.size()));
     const std::vector<float> pooled = pooled_embedding(ws[i]);
     for (size_t j = 0; j < pooled.size(); ++j) enc.clip.data[j] += pooled[j];
   }

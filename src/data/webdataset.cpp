@@ -20,9 +20,7 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
+std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 std::string where_text(const std::string& shard, const std::string& member) {
   return fmt::format("shard {}, member {}", shard, member);
@@ -33,9 +31,16 @@ enum class Elem { f16, bf16, f32, f64, i8, i16, i32, i64, u8, u16, u32, u64, b1 
 
 size_t elem_size(Elem e) {
   switch (e) {
-    case Elem::i8: case Elem::u8: case Elem::b1: return 1;
-    case Elem::f16: case Elem::bf16: case Elem::i16: case Elem::u16: return 2;
-    case Elem::f32: case Elem::i32: case Elem::u32: return 4;
+    case Elem::i8:
+    case Elem::u8:
+    case Elem::b1: return 1;
+    case Elem::f16:
+    case Elem::bf16:
+    case Elem::i16:
+    case Elem::u16: return 2;
+    case Elem::f32:
+    case Elem::i32:
+    case Elem::u32: return 4;
     default: return 8;
   }
 }
@@ -96,10 +101,14 @@ HostTensor make_tensor(const uint8_t* p, const std::vector<int64_t>& shape, Elem
 bool raw_dtype(std::string name, Elem& e) {
   for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (name.rfind("torch.", 0) == 0) name = name.substr(6);
-  if (name == "bf16" || name == "bfloat16") e = Elem::bf16;
-  else if (name == "f16" || name == "fp16" || name == "float16" || name == "half") e = Elem::f16;
-  else if (name == "f32" || name == "fp32" || name == "float32" || name == "float") e = Elem::f32;
-  else return false;
+  if (name == "bf16" || name == "bfloat16")
+    e = Elem::bf16;
+  else if (name == "f16" || name == "fp16" || name == "float16" || name == "half")
+    e = Elem::f16;
+  else if (name == "f32" || name == "fp32" || name == "float32" || name == "float")
+    e = Elem::f32;
+  else
+    return false;
   return true;
 }
 
@@ -123,10 +132,8 @@ struct DefaultLayout {
   std::vector<int64_t> shape;
 };
 const std::vector<DefaultLayout>& mlperf_defaults() {
-  static const std::vector<DefaultLayout> d = {{"t5", {256, 4096}},
-                                               {"clip", {768}},
-                                               {"mean", {16, 32, 32}},
-                                               {"logvar", {16, 32, 32}}};
+  static const std::vector<DefaultLayout> d = {
+      {"t5", {256, 4096}}, {"clip", {768}}, {"mean", {16, 32, 32}}, {"logvar", {16, 32, 32}}};
   return d;
 }
 
@@ -142,9 +149,8 @@ std::vector<int64_t> json_shape(const json& j, const std::string& where, const s
 }
 
 // Finds the layout of field `name` (or its canonical name) in the sample's json.
-void json_layout(const json& meta, const std::string& name, const std::string& canon,
-                 const std::string& where, std::vector<int64_t>& shape, bool& has_shape,
-                 std::string& dtype) {
+void json_layout(const json& meta, const std::string& name, const std::string& canon, const std::string& where,
+                 std::vector<int64_t>& shape, bool& has_shape, std::string& dtype) {
   has_shape = false;
   if (!meta.is_object()) return;
   if (meta.contains("dtype") && meta["dtype"].is_string()) dtype = meta["dtype"].get<std::string>();
@@ -170,9 +176,7 @@ void json_layout(const json& meta, const std::string& name, const std::string& c
 
 constexpr char kNpyMagic[] = "\x93NUMPY";
 
-bool is_npy(const std::vector<uint8_t>& d) {
-  return d.size() >= 6 && std::memcmp(d.data(), kNpyMagic, 6) == 0;
-}
+bool is_npy(const std::vector<uint8_t>& d) { return d.size() >= 6 && std::memcmp(d.data(), kNpyMagic, 6) == 0; }
 
 }  // namespace
 
@@ -191,9 +195,11 @@ bool split_member_name(const std::string& name, std::string& key, std::string& e
 }
 
 std::string canonical_field_name(const std::string& name) {
-  static const std::map<std::string, std::string> aliases = {
-      {"latents", "latent"},       {"prompt_embeds", "t5"}, {"t5_encodings", "t5"},
-      {"pooled_prompt_embeds", "clip"}, {"clip_encodings", "clip"}};
+  static const std::map<std::string, std::string> aliases = {{"latents", "latent"},
+                                                             {"prompt_embeds", "t5"},
+                                                             {"t5_encodings", "t5"},
+                                                             {"pooled_prompt_embeds", "clip"},
+                                                             {"clip_encodings", "clip"}};
   auto it = aliases.find(name);
   return it == aliases.end() ? name : it->second;
 }
@@ -201,12 +207,10 @@ std::string canonical_field_name(const std::string& name) {
 // ---------------------------------------------------------------------------------------------
 // Decoders
 
-HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where,
-                      bool u2_is_bf16) {
+HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where, bool u2_is_bf16) {
   // Layout: magic "\x93NUMPY", major, minor, header length (u16 for v1, u32 for v2/v3), the
   // header (a Python dict literal, padded with spaces and '\n'), then the array data.
-  if (size < 10 || std::memcmp(data, kNpyMagic, 6) != 0)
-    fail("{}: not a .npy file (no \\x93NUMPY magic)", where);
+  if (size < 10 || std::memcmp(data, kNpyMagic, 6) != 0) fail("{}: not a .npy file (no \\x93NUMPY magic)", where);
   const int major = data[6];
   size_t header_len = 0, header_at = 0;
   if (major == 1) {
@@ -217,12 +221,10 @@ HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where
     header_len = load<uint32_t>(data + 8);
     header_at = 12;
   } else {
-    fail("{}: .npy format version {}.{} is not supported (1.0, 2.0 and 3.0 are)", where, major,
-         data[7]);
+    fail("{}: .npy format version {}.{} is not supported (1.0, 2.0 and 3.0 are)", where, major, data[7]);
   }
   if (header_at + header_len > size)
-    fail("{}: .npy header of {} bytes runs past the {}-byte member (truncated)", where,
-         header_len, size);
+    fail("{}: .npy header of {} bytes runs past the {}-byte member (truncated)", where, header_len, size);
   const std::string header(reinterpret_cast<const char*>(data + header_at), header_len);
 
   size_t v = npy_value(header, "descr");
@@ -235,14 +237,14 @@ HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where
   v = npy_value(header, "fortran_order");
   if (v == std::string::npos) fail("{}: .npy header has no 'fortran_order': {}", where, header);
   if (header.compare(v, 4, "True") == 0)
-    fail("{}: .npy array is in Fortran (column-major) order; flux8 reads C order only. Re-save "
-         "it with np.save(f, np.ascontiguousarray(a))", where);
-  if (header.compare(v, 5, "False") != 0)
-    fail("{}: .npy 'fortran_order' is neither True nor False: {}", where, header);
+    fail(
+        "{}: .npy array is in Fortran (column-major) order; flux8 reads C order only. Re-save "
+        "it with np.save(f, np.ascontiguousarray(a))",
+        where);
+  if (header.compare(v, 5, "False") != 0) fail("{}: .npy 'fortran_order' is neither True nor False: {}", where, header);
 
   v = npy_value(header, "shape");
-  if (v == std::string::npos || header[v] != '(')
-    fail("{}: .npy header has no 'shape' tuple: {}", where, header);
+  if (v == std::string::npos || header[v] != '(') fail("{}: .npy header has no 'shape' tuple: {}", where, header);
   const size_t end = header.find(')', v);
   if (end == std::string::npos) fail("{}: .npy 'shape' tuple is not closed: {}", where, header);
   std::vector<int64_t> shape;
@@ -268,48 +270,42 @@ HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where
   // descr: byte order ('<' little, '|' not applicable, '=' native, '>' big), kind, size.
   if (descr.size() < 2) fail("{}: .npy dtype '{}' is not understood", where, descr);
   const char order = descr[0];
-  const std::string code = (order == '<' || order == '|' || order == '=' || order == '>')
-                               ? descr.substr(1) : descr;
+  const std::string code = (order == '<' || order == '|' || order == '=' || order == '>') ? descr.substr(1) : descr;
   static const std::map<std::string, Elem> codes = {
-      {"f2", Elem::f16}, {"f4", Elem::f32}, {"f8", Elem::f64}, {"i1", Elem::i8},
-      {"i2", Elem::i16}, {"i4", Elem::i32}, {"i8", Elem::i64}, {"u1", Elem::u8},
-      {"u2", Elem::u16}, {"u4", Elem::u32}, {"u8", Elem::u64}, {"b1", Elem::b1}};
+      {"f2", Elem::f16}, {"f4", Elem::f32}, {"f8", Elem::f64}, {"i1", Elem::i8},  {"i2", Elem::i16}, {"i4", Elem::i32},
+      {"i8", Elem::i64}, {"u1", Elem::u8},  {"u2", Elem::u16}, {"u4", Elem::u32}, {"u8", Elem::u64}, {"b1", Elem::b1}};
   auto it = codes.find(code);
   if (it == codes.end())
-    fail("{}: .npy dtype '{}' is not supported (floats f2/f4/f8, ints i1..i8/u1..u8, bool)", where,
-         descr);
+    fail("{}: .npy dtype '{}' is not supported (floats f2/f4/f8, ints i1..i8/u1..u8, bool)", where, descr);
   Elem e = it->second;
   if (order == '>' && elem_size(e) > 1)
-    fail("{}: .npy dtype '{}' is big-endian; flux8 reads little-endian data only. Re-save it with "
-         "a.astype(a.dtype.newbyteorder('<'))", where, descr);
+    fail(
+        "{}: .npy dtype '{}' is big-endian; flux8 reads little-endian data only. Re-save it with "
+        "a.astype(a.dtype.newbyteorder('<'))",
+        where, descr);
   // MLPerf Flux stores bf16 tensors as np.save(tensor.view(torch.uint16).numpy()).
   if (u2_is_bf16 && e == Elem::u16) e = Elem::bf16;
 
   uint64_t numel = 0;
-  if (!checked_numel(shape, numel))
-    fail("{}: .npy shape {} is impossibly large", where, shape_text(shape));
+  if (!checked_numel(shape, numel)) fail("{}: .npy shape {} is impossibly large", where, shape_text(shape));
   const uint64_t expected = numel * elem_size(e);
   const uint64_t have = size - header_at - header_len;
   if (have != expected)
-    fail("{}: .npy header says {} '{}' = {} data bytes, but the member holds {} after the header",
-         where, shape_text(shape), descr, expected, have);
+    fail("{}: .npy header says {} '{}' = {} data bytes, but the member holds {} after the header", where,
+         shape_text(shape), descr, expected, have);
   return make_tensor(data + header_at + header_len, shape, e);
 }
 
-HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype,
-                      const std::vector<int64_t>& shape, const std::string& where,
-                      const std::string& source) {
+HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype, const std::vector<int64_t>& shape,
+                      const std::string& where, const std::string& source) {
   Elem e;
   if (!raw_dtype(dtype, e))
-    fail("{}: dtype '{}' from {} is not supported for raw .bytes (bf16, f16, f32)", where, dtype,
-         source);
+    fail("{}: dtype '{}' from {} is not supported for raw .bytes (bf16, f16, f32)", where, dtype, source);
   uint64_t numel = 0;
-  if (!checked_numel(shape, numel))
-    fail("{}: shape {} from {} is impossibly large", where, shape_text(shape), source);
+  if (!checked_numel(shape, numel)) fail("{}: shape {} from {} is impossibly large", where, shape_text(shape), source);
   const uint64_t expected = numel * elem_size(e);
   if (size != expected)
-    fail("{}: {} bytes, but {} says {} {} = {} bytes", where, size, source, shape_text(shape),
-         dtype, expected);
+    fail("{}: {} bytes, but {} says {} {} = {} bytes", where, size, source, shape_text(shape), dtype, expected);
   return make_tensor(data, shape, e);
 }
 
@@ -322,8 +318,7 @@ json read_meta(const RawSample& raw, std::string& meta_member) {
     std::string key, ext;
     if (!split_member_name(m.name, key, ext) || ext != "json") continue;
     if (!meta_member.empty())
-      fail("{}: second json member in sample '{}' (first: {})", where_text(raw.shard, m.name),
-           raw.key, meta_member);
+      fail("{}: second json member in sample '{}' (first: {})", where_text(raw.shard, m.name), raw.key, meta_member);
     meta_member = m.name;
     std::string error;
     std::optional<json> parsed =
@@ -451,8 +446,7 @@ Sample decode_sample(const RawSample& raw) {
     const std::string where = where_text(raw.shard, m.name);
     const size_t last_dot = ext.rfind('.');
     const std::string format = last_dot == std::string::npos ? ext : ext.substr(last_dot + 1);
-    const std::string field =
-        last_dot == std::string::npos ? std::string() : ext.substr(0, last_dot);
+    const std::string field = last_dot == std::string::npos ? std::string() : ext.substr(0, last_dot);
     if (format == "txt" && (field.empty() || field == "caption" || field == "prompt")) {
       std::string text(m.data.begin(), m.data.end());
       while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
@@ -460,8 +454,8 @@ Sample decode_sample(const RawSample& raw) {
       caption_from_txt = true;
     } else if (format == "npy" || format == "bytes") {
       if (field.empty())
-        fail("{}: a .{} member needs a field name (KEY.FIELD.{}, e.g. {}.t5.{})", where, format,
-             format, raw.key, format);
+        fail("{}: a .{} member needs a field name (KEY.FIELD.{}, e.g. {}.t5.{})", where, format, format, raw.key,
+             format);
       if (format == "npy" || is_npy(m.data))
         sink.put(field, decode_npy(m.data.data(), m.data.size(), where, format == "bytes"), m.name);
       else
@@ -504,8 +498,10 @@ bool WebDatasetReader::next_raw(RawSample& out, bool with_data) {
       has_pending_ = false;  // not part of any sample; its data is skipped by the next read
       continue;
     }
-    if (out.members.empty()) out.key = key;
-    else if (key != out.key) break;  // first member of the next sample
+    if (out.members.empty())
+      out.key = key;
+    else if (key != out.key)
+      break;  // first member of the next sample
     SampleMember m{pending_.name, pending_.data_offset, pending_.size, {}};
     if (with_data) m.data = tar_.read_data();
     out.members.push_back(std::move(m));

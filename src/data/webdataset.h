@@ -60,13 +60,11 @@ Sample decode_sample(const RawSample& raw);
 Sample load_sample(const RawSample& raw);
 
 // Individual decoders; `where` ("shard S, member M") prefixes error messages.
-HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where,
-                      bool u2_is_bf16 = false);
+HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where, bool u2_is_bf16 = false);
 // Raw little-endian `dtype` ("bf16", "f16", "f32", also "bfloat16", "float16", "float32");
 // `source` says where dtype and shape came from, for the size-mismatch message.
-HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype,
-                      const std::vector<int64_t>& shape, const std::string& where,
-                      const std::string& source = "the expected layout");
+HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype, const std::vector<int64_t>& shape,
+                      const std::string& where, const std::string& source = "the expected layout");
 
 // Reads the samples of one shard in order.
 class WebDatasetReader {
@@ -88,7 +86,7 @@ class WebDatasetReader {
 
  private:
   TarReader tar_;
-  TarMember pending_;       // header read, belongs to the next sample
+  TarMember pending_;  // header read, belongs to the next sample
   bool has_pending_ = false;
   bool at_end_ = false;
 };

@@ -72,8 +72,8 @@ FLUX8_HD inline uint8_t encode_bits(uint32_t bits, Fp8Params p, uint32_t max_abs
   const uint32_t a = bits & abs_mask;
   if (a > inf_bits) return static_cast<uint8_t>(sign | p.nan_code);
   if (a >= max_abs_bits) return static_cast<uint8_t>(sign | p.max_code);  // saturate, inf too
-  const int e = static_cast<int>(a >> src_mant);  // biased source exponent (0: zero/subnormal)
-  const int min_normal_e = 127 - p.bias + 1;       // source exponent of FP8's smallest normal
+  const int e = static_cast<int>(a >> src_mant);                          // biased source exponent (0: zero/subnormal)
+  const int min_normal_e = 127 - p.bias + 1;                              // source exponent of FP8's smallest normal
   const int shift = src_mant - p.mant_bits;
   uint32_t q, rem, half;
   if (e >= min_normal_e) {
@@ -86,7 +86,7 @@ FLUX8_HD inline uint8_t encode_bits(uint32_t bits, Fp8Params p, uint32_t max_abs
   } else {
     // FP8 subnormal or zero: code = RNE(x / 2^(1-B-M)) with x = mant * 2^(max(e,1)-127-src_mant).
     const uint32_t mant = (a & ((1u << src_mant) - 1u)) | (e > 0 ? 1u << src_mant : 0u);
-    const int s = shift + min_normal_e - (e > 0 ? e : 1);  // >= shift + 1
+    const int s = shift + min_normal_e - (e > 0 ? e : 1);     // >= shift + 1
     if (s > src_mant + 1) return static_cast<uint8_t>(sign);  // x < half the min subnormal
     q = mant >> s;
     rem = mant & ((1u << s) - 1u);

@@ -30,7 +30,7 @@ Fp8Config Fp8Config::from_config(const Config& c) {
   f.enabled = fmt != "none";
   f.hybrid = fmt == "hybrid";
   const std::string recipe = c.get_string("fp8_recipe");
-  f.recipe = recipe == "tensorwise"   ? Fp8Recipe::tensorwise
+  f.recipe = recipe == "tensorwise"  ? Fp8Recipe::tensorwise
              : recipe == "blockwise" ? Fp8Recipe::blockwise
              : recipe == "mxfp8"     ? Fp8Recipe::mxfp8
                                      : Fp8Recipe::delayed;
@@ -50,11 +50,10 @@ Fp8Config Fp8Config::from_config(const Config& c) {
 
   if (!f.enabled) {
     // A run that asks for FP8 details but not FP8 itself would silently train in BF16.
-    for (const char* key : {"fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
-                            "fp8_wgrad", "fp8_scale_rounding", "fp8_modulation", "fp8_dot_product_attention",
-                            "fp8_fprop_fast_accumulation",
-                            "fp8_multi_head_attention", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-                            "num_layers_at_end_in_bf16"})
+    for (const char* key : {"fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
+                            "fp8_scale_rounding", "fp8_modulation", "fp8_dot_product_attention",
+                            "fp8_fprop_fast_accumulation", "fp8_multi_head_attention", "first_last_layers_bf16",
+                            "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"})
       if (set(key))
         fail("{} is set but fp8 is {} ({}), so the run would train in BF16; set fp8: e4m3 or hybrid, or remove {}",
              where(key), fmt, c.source("fp8"), key);
@@ -65,29 +64,33 @@ Fp8Config Fp8Config::from_config(const Config& c) {
   const bool per_tensor = per_tensor_recipe(f.recipe);
   f.fprop_fast_accumulation = c.get_bool("fp8_fprop_fast_accumulation") && per_tensor;
   if (!per_tensor && set("fp8_fprop_fast_accumulation") && c.get_bool("fp8_fprop_fast_accumulation"))
-    fail("{} applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each 128-wide block in "
-         "fp32, so the recipe {} ({}) takes no fast accumulation: remove the key or set it to false",
-         where("fp8_fprop_fast_accumulation"), recipe, recipe, c.source("fp8_recipe"));
+    fail(
+        "{} applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each 128-wide block in "
+        "fp32, so the recipe {} ({}) takes no fast accumulation: remove the key or set it to false",
+        where("fp8_fprop_fast_accumulation"), recipe, recipe, c.source("fp8_recipe"));
   if (c.get_bool("fp8_multi_head_attention"))
-    fail("{}: FP8 attention with FP8 q, k, v, o passed to and from the Linears around it is not implemented; "
-         "fp8_dot_product_attention: true runs the attention itself in FP8 (bf16 in and out)",
-         where("fp8_multi_head_attention"));
+    fail(
+        "{}: FP8 attention with FP8 q, k, v, o passed to and from the Linears around it is not implemented; "
+        "fp8_dot_product_attention: true runs the attention itself in FP8 (bf16 in and out)",
+        where("fp8_multi_head_attention"));
   if (f.dot_product_attention && f.recipe != Fp8Recipe::delayed)
-    fail("{} needs fp8_recipe: delayed (the softmax, output and gradient casts inside cuDNN's FP8 attention take "
-         "scales from past steps), but the recipe is {} ({})",
-         where("fp8_dot_product_attention"), recipe, c.source("fp8_recipe"));
+    fail(
+        "{} needs fp8_recipe: delayed (the softmax, output and gradient casts inside cuDNN's FP8 attention take "
+        "scales from past steps), but the recipe is {} ({})",
+        where("fp8_dot_product_attention"), recipe, c.source("fp8_recipe"));
   if (f.dot_product_attention && !f.hybrid)
-    fail("{} needs fp8: hybrid: with E4M3 gradients cuDNN's FP8 attention backward gives NaN dQ rows where the "
-         "output gradient is zero (every Flux step has such rows: the text tokens of the last single block)",
-         where("fp8_dot_product_attention"));
+    fail(
+        "{} needs fp8: hybrid: with E4M3 gradients cuDNN's FP8 attention backward gives NaN dQ rows where the "
+        "output gradient is zero (every Flux step has such rows: the text tokens of the last single block)",
+        where("fp8_dot_product_attention"));
   if (f.recipe != Fp8Recipe::delayed)
     for (const char* key : {"fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"})
       if (set(key))
         fail("{} applies to fp8_recipe: delayed only, but the recipe is {} ({})", where(key), recipe,
              c.source("fp8_recipe"));
   if (rounding != "auto" && (f.recipe == Fp8Recipe::delayed || f.recipe == Fp8Recipe::mxfp8))
-    fail("{} applies to the tensorwise and blockwise recipes; {} scales are {}", where("fp8_scale_rounding"),
-         recipe, f.recipe == Fp8Recipe::mxfp8 ? "E8M0 powers of two by definition" : "fp8_max * 2^-margin / amax");
+    fail("{} applies to the tensorwise and blockwise recipes; {} scales are {}", where("fp8_scale_rounding"), recipe,
+         f.recipe == Fp8Recipe::mxfp8 ? "E8M0 powers of two by definition" : "fp8_max * 2^-margin / amax");
   f.power_of_2_scales = rounding == "power_of_2" || (rounding == "auto" && f.recipe == Fp8Recipe::blockwise);
   if (!f.first_last_bf16 && (set("num_layers_at_start_in_bf16") || set("num_layers_at_end_in_bf16")))
     fail("{} / {} take effect only with first_last_layers_bf16: true", where("num_layers_at_start_in_bf16"),

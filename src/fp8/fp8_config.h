@@ -10,15 +10,15 @@ class Config;
 enum class Fp8Recipe : uint8_t { delayed, tensorwise, blockwise, mxfp8 };
 
 struct Fp8Config {
-  bool enabled = false;        // fp8: e4m3 | hybrid
-  bool hybrid = false;         // E5M2 for gradients
+  bool enabled = false;  // fp8: e4m3 | hybrid
+  bool hybrid = false;   // E5M2 for gradients
   Fp8Recipe recipe = Fp8Recipe::delayed;
   int margin = 0;
   int64_t amax_history_len = 1024;
-  bool amax_max = true;        // fp8_amax_compute_algo: max (else most_recent)
+  bool amax_max = true;  // fp8_amax_compute_algo: max (else most_recent)
   bool wgrad = true;
-  bool power_of_2_scales = false;  // tensorwise / blockwise scales rounded down to 2^k
-  bool modulation = false;     // modulation Linears in FP8 too
+  bool power_of_2_scales = false;      // tensorwise / blockwise scales rounded down to 2^k
+  bool modulation = false;             // modulation Linears in FP8 too
   bool dot_product_attention = false;  // attention of the FP8 blocks in FP8 (cuDNN's FP8 SDPA)
   // Forward GEMMs with the tensor cores' fast accumulation (Fp8Accumulation::fast), as
   // Transformer Engine's fprop; per-tensor recipes only (false for blockwise and mxfp8).

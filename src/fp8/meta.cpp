@@ -88,17 +88,19 @@ void Fp8MetaRegistry::set_state(const std::vector<float>& scale, const std::vect
                                 int history_len) {
   const int n = size();
   if (scale.size() != size_t(n))
-    fail("FP8 meta restore: {} scales given for {} registered tensors; the checkpoint was made with a "
-         "different set of FP8 Linears (check fp8_modulation / first_last_layers_bf16)",
-         scale.size(), n);
+    fail(
+        "FP8 meta restore: {} scales given for {} registered tensors; the checkpoint was made with a "
+        "different set of FP8 Linears (check fp8_modulation / first_last_layers_bf16)",
+        scale.size(), n);
   if (history_len < 1 || amax_history.size() != size_t(history_len) * size_t(n))
-    fail("FP8 meta restore: amax history has {} values, expected history length {} x {} tensors",
-         amax_history.size(), history_len, n);
+    fail("FP8 meta restore: amax history has {} values, expected history length {} x {} tensors", amax_history.size(),
+         history_len, n);
   for (int s = 0; s < n; ++s)
     if (!f32_is_finite(scale[s]) || !(scale[s] > 0.0f))
-      fail("FP8 meta restore: scale of '{}' ({}) is {}; a delayed scale must be finite and positive "
-           "(the checkpoint is damaged)",
-           names_[s], fp8_role_name(roles_[s]), scale[s]);
+      fail(
+          "FP8 meta restore: scale of '{}' ({}) is {}; a delayed scale must be finite and positive "
+          "(the checkpoint is damaged)",
+          names_[s], fp8_role_name(roles_[s]), scale[s]);
   scale_ = scale;
   for (int s = 0; s < n; ++s) scale_inv_[s] = scale_inverse(scale_[s]);
   amax_history_ = relayout_history(amax_history, history_len, history_len_, n);

@@ -25,11 +25,11 @@ namespace flux8 {
 
 // What one cast saw; filled by the quantizers (quantize.h), summed over a step per slot.
 struct CastStats {
-  float amax = 0.0f;       // max |x| over the cast, NaN ignored
-  int64_t elements = 0;    // elements cast
-  int64_t nonzero = 0;     // elements with x != 0 (NaN included)
-  int64_t saturated = 0;   // elements clipped: |x * scale| > fp8_saturation_bound (inf included)
-  int64_t flushed = 0;     // non-zero, non-NaN elements whose code decodes to 0
+  float amax = 0.0f;      // max |x| over the cast, NaN ignored
+  int64_t elements = 0;   // elements cast
+  int64_t nonzero = 0;    // elements with x != 0 (NaN included)
+  int64_t saturated = 0;  // elements clipped: |x * scale| > fp8_saturation_bound (inf included)
+  int64_t flushed = 0;    // non-zero, non-NaN elements whose code decodes to 0
   void merge(const CastStats& o);
   double saturated_fraction() const { return elements ? double(saturated) / double(elements) : 0.0; }
   double flushed_fraction() const { return nonzero ? double(flushed) / double(nonzero) : 0.0; }

@@ -52,8 +52,10 @@ void cast_span(const float* x, uint8_t* q, int64_t n, float scale, Fp8Format fmt
     st.amax = amax_accumulate(st.amax, v);
     if (v != 0.0f) {  // NaN != 0 holds: NaN counts as non-zero, but is neither saturated nor flushed
       ++st.nonzero;
-      if (f32_abs(v * scale) > bound) ++st.saturated;
-      else if (!f32_is_nan(v) && (code & 0x7fu) == 0) ++st.flushed;
+      if (f32_abs(v * scale) > bound)
+        ++st.saturated;
+      else if (!f32_is_nan(v) && (code & 0x7fu) == 0)
+        ++st.flushed;
     }
   }
   st.elements += n;
@@ -118,8 +120,7 @@ QuantizedTensor quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8
 QuantizedTensor quantize_tensorwise(const float* x, int64_t rows, int64_t cols, Fp8Format fmt,
                                     CurrentScalingOptions opt, CastStats* stats) {
   const float amax = tensor_amax(x, rows * cols);
-  return quantize_per_tensor(x, rows, cols, fmt, current_scale(amax, fp8_max(fmt), opt.pow2, opt.amax_epsilon),
-                             stats);
+  return quantize_per_tensor(x, rows, cols, fmt, current_scale(amax, fp8_max(fmt), opt.pow2, opt.amax_epsilon), stats);
 }
 
 QuantizedTensor quantize_blockwise(const float* x, int64_t rows, int64_t cols, Fp8Format fmt, Fp8Scaling blocks,

@@ -49,7 +49,7 @@ struct QuantizedTensor {
   Fp8Scaling scaling = Fp8Scaling::per_tensor;
   Fp8Format format = Fp8Format::e4m3;
   int64_t rows = 0, cols = 0;
-  std::vector<uint8_t> codes;      // rows x cols, row-major
+  std::vector<uint8_t> codes;  // rows x cols, row-major
   // per_tensor: [1]; block_1x128: [rows, ceil(cols/128)]; block_128x128:
   // [ceil(rows/128), ceil(cols/128)]; row-major. Empty for mx_1x32.
   std::vector<float> scale_inv;

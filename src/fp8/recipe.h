@@ -108,8 +108,8 @@ FLUX8_HD inline float scale_inverse(float scale) { return div_rn(1.0f, scale); }
 // rolls: the oldest row (row 1) is dropped, rows 2..L-1 move up one, the current amax becomes
 // row L-1, row 0 is zeroed. With L = 1 only the staging row exists and the window is the
 // current step. (TE's kernel: the same, max taken over old rows 1..L-1 plus the current one.)
-FLUX8_HD inline bool delayed_update_slot(float* history, int64_t stride, int history_len, AmaxAlgo algo,
-                                         float fp8_max, int margin, float* scale, float* scale_inv) {
+FLUX8_HD inline bool delayed_update_slot(float* history, int64_t stride, int history_len, AmaxAlgo algo, float fp8_max,
+                                         int margin, float* scale, float* scale_inv) {
   const float last = history[0];
   if (last == 0.0f) return false;
   float window_max = last > 0.0f ? last : 0.0f;  // NaN last: ignored by max, kept in history
@@ -132,7 +132,7 @@ FLUX8_HD inline bool delayed_update_slot(float* history, int64_t stride, int his
 int delayed_update_all(float* amax_history, int n, int history_len, const float* fp8_max_per_slot, AmaxAlgo algo,
                        int margin, float* scale, float* scale_inv);
 
-const char* fp8_role_name(Fp8Role r);   // "input" | "weight" | "grad_output"
+const char* fp8_role_name(Fp8Role r);    // "input" | "weight" | "grad_output"
 const char* amax_algo_name(AmaxAlgo a);  // "most_recent" | "max"
 
 }  // namespace flux8

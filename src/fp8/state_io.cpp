@@ -5,8 +5,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <tuple>
 #include <nlohmann/json.hpp>
+#include <tuple>
 #include <utility>
 
 #include "core/error.h"
@@ -51,7 +51,8 @@ std::string load_fp8_state(Fp8MetaRegistry& reg, const std::string& path) {
 
   std::map<std::pair<std::string, std::string>, int64_t> in_file;
   for (int64_t i = 0; i < n_file; ++i)
-    in_file[{slots[static_cast<size_t>(i)][0].get<std::string>(), slots[static_cast<size_t>(i)][1].get<std::string>()}] = i;
+    in_file[{slots[static_cast<size_t>(i)][0].get<std::string>(),
+             slots[static_cast<size_t>(i)][1].get<std::string>()}] = i;
 
   // The registry's current state, with the file's values for the slots it has, at the file's
   // history length; set_state then converts to the registry's length.

@@ -46,9 +46,8 @@ std::string encode(FILE* f, int64_t width, int64_t height, const std::vector<uin
     return err.message.empty() ? "libpng error" : err.message;
   }
   png_init_io(png, f);
-  png_set_IHDR(png, info, static_cast<png_uint_32>(width), static_cast<png_uint_32>(height), 8,
-               PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT,
-               PNG_FILTER_TYPE_DEFAULT);
+  png_set_IHDR(png, info, static_cast<png_uint_32>(width), static_cast<png_uint_32>(height), 8, PNG_COLOR_TYPE_RGB,
+               PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
   png_write_info(png, info);
   png_write_image(png, row_ptrs.data());
   png_write_end(png, nullptr);
@@ -62,8 +61,8 @@ void write_png_rgb8(const std::string& path, int64_t width, int64_t height, cons
   if (width < 1 || height < 1 || width > 0x7FFFFFFF || height > 0x7FFFFFFF)
     fail("PNG {}: invalid size {}x{}", path, width, height);
   if (static_cast<int64_t>(rgb.size()) != width * height * 3)
-    fail("PNG {}: {} bytes given for a {}x{} RGB image ({} expected)", path, rgb.size(), width,
-         height, width * height * 3);
+    fail("PNG {}: {} bytes given for a {}x{} RGB image ({} expected)", path, rgb.size(), width, height,
+         width * height * 3);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) fail("cannot write PNG {}: {}", tmp, std::strerror(errno));
@@ -80,9 +79,8 @@ void write_png_rgb8(const std::string& path, int64_t width, int64_t height, cons
   fail("cannot write PNG {}: {}", path, problem);
 }
 
-std::vector<uint8_t> image_grid_rgb8(const std::vector<HostTensor>& images, int64_t rows,
-                                     int64_t cols, int64_t scale, int64_t gutter, int64_t* width,
-                                     int64_t* height) {
+std::vector<uint8_t> image_grid_rgb8(const std::vector<HostTensor>& images, int64_t rows, int64_t cols, int64_t scale,
+                                     int64_t gutter, int64_t* width, int64_t* height) {
   if (images.empty()) fail("image grid: no images");
   if (rows < 1 || cols < 1 || scale < 1 || gutter < 0)
     fail("image grid: rows {}, cols {}, scale {} must be >= 1 and gutter {} >= 0", rows, cols, scale, gutter);
@@ -115,8 +113,8 @@ std::vector<uint8_t> image_grid_rgb8(const std::vector<HostTensor>& images, int6
   return rgb;
 }
 
-void write_image_grid(const std::string& path, const std::vector<HostTensor>& images, int64_t rows,
-                      int64_t cols, int64_t scale, int64_t gutter) {
+void write_image_grid(const std::string& path, const std::vector<HostTensor>& images, int64_t rows, int64_t cols,
+                      int64_t scale, int64_t gutter) {
   int64_t W = 0, H = 0;
   std::vector<uint8_t> rgb;
   try {

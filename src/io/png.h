@@ -22,12 +22,11 @@ inline constexpr uint8_t kGridGutterValue = 128;
 // separated by `gutter` pixels of kGridGutterValue (none around the border), cells without an
 // image are gutter coloured. Values map to round((v + 1) / 2 · 255), clamped to [0, 255].
 // Returns the RGB8 bytes and sets *width, *height.
-std::vector<uint8_t> image_grid_rgb8(const std::vector<HostTensor>& images, int64_t rows,
-                                     int64_t cols, int64_t scale, int64_t gutter, int64_t* width,
-                                     int64_t* height);
+std::vector<uint8_t> image_grid_rgb8(const std::vector<HostTensor>& images, int64_t rows, int64_t cols, int64_t scale,
+                                     int64_t gutter, int64_t* width, int64_t* height);
 
 // image_grid_rgb8() written as a PNG to `path`.
-void write_image_grid(const std::string& path, const std::vector<HostTensor>& images, int64_t rows,
-                      int64_t cols, int64_t scale = 1, int64_t gutter = 2);
+void write_image_grid(const std::string& path, const std::vector<HostTensor>& images, int64_t rows, int64_t cols,
+                      int64_t scale = 1, int64_t gutter = 2);
 
 }  // namespace flux8

@@ -32,20 +32,15 @@ using json = nlohmann::json;
 // convert (U8 masks, FP8 weights) still open and list.
 size_t element_size(const std::string& dtype) {
   static const std::map<std::string, size_t> sizes = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
-      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},     {"U32", 4},
-      {"F32", 4},  {"I64", 8}, {"U64", 8}, {"F64", 8}};
+      {"BOOL", 1}, {"U8", 1},   {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1}, {"I16", 2}, {"U16", 2},
+      {"F16", 2},  {"BF16", 2}, {"I32", 4}, {"U32", 4},     {"F32", 4},     {"I64", 8},     {"U64", 8}, {"F64", 8}};
   auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
+std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
-bool is_index(const json& j) {
-  return j.is_number_unsigned() || (j.is_number_integer() && j.get<int64_t>() >= 0);
-}
+bool is_index(const json& j) { return j.is_number_unsigned() || (j.is_number_integer() && j.get<int64_t>() >= 0); }
 
 template <typename Src>
 Src load(const uint8_t* p) {
@@ -88,8 +83,10 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < 8) {
     ::close(fd);
-    fail("safetensors file '{}' is {} bytes, too short to hold the 8-byte header length "
-         "(truncated?)", path, size);
+    fail(
+        "safetensors file '{}' is {} bytes, too short to hold the 8-byte header length "
+        "(truncated?)",
+        path, size);
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int err = errno;
@@ -110,8 +107,10 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
 SafetensorsReader::SafetensorsReader(std::vector<uint8_t> bytes, const std::string& label)
     : path_(label), owned_(std::move(bytes)) {
   if (owned_.size() < 8)
-    fail("safetensors file '{}' is {} bytes, too short to hold the 8-byte header length "
-         "(truncated?)", path_, owned_.size());
+    fail(
+        "safetensors file '{}' is {} bytes, too short to hold the 8-byte header length "
+        "(truncated?)",
+        path_, owned_.size());
   map_ = owned_.data();
   map_size_ = owned_.size();
   parse();
@@ -123,8 +122,7 @@ void SafetensorsReader::parse() {
   {
     const uint64_t n = load<uint64_t>(map_);
     if (n > size - 8)
-      fail("safetensors file '{}': header length {} exceeds the {} bytes after it (truncated?)",
-           path, n, size - 8);
+      fail("safetensors file '{}': header length {} exceeds the {} bytes after it (truncated?)", path, n, size - 8);
     const char* text = reinterpret_cast<const char*>(map_ + 8);
     std::string error;
     const std::optional<json> parsed = parse_json(std::string_view(text, n), error);
@@ -138,8 +136,7 @@ void SafetensorsReader::parse() {
       if (name == "__metadata__") {
         if (!entry.is_object()) fail("safetensors file '{}': __metadata__ is not an object", path);
         for (const auto& [k, v] : entry.items()) {
-          if (!v.is_string())
-            fail("safetensors file '{}': __metadata__ value of '{}' is not a string", path, k);
+          if (!v.is_string()) fail("safetensors file '{}': __metadata__ value of '{}' is not a string", path, k);
           metadata_[k] = v.get<std::string>();
         }
         continue;
@@ -147,8 +144,7 @@ void SafetensorsReader::parse() {
       const auto bad = [&](const std::string& what) {
         fail("safetensors file '{}', tensor '{}': {}", path, name, what);
       };
-      if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
-          !entry.contains("data_offsets"))
+      if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") || !entry.contains("data_offsets"))
         bad("entry must be an object with dtype, shape and data_offsets");
       SafetensorsTensor t;
       t.name = name;
@@ -174,36 +170,33 @@ void SafetensorsReader::parse() {
         bad(fmt::format("data_offsets {} must be [begin, end] with begin <= end", off.dump()));
       const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
       if (end > data_size)
-        bad(fmt::format("data_offsets [{}, {}] run past the {}-byte data buffer (truncated?)",
-                        begin, end, data_size));
+        bad(fmt::format("data_offsets [{}, {}] run past the {}-byte data buffer (truncated?)", begin, end, data_size));
       if (numel * esize != end - begin)
-        bad(fmt::format("shape {} of {} needs {} bytes but data_offsets [{}, {}] span {}",
-                        shape_text(t.shape), t.dtype, numel * esize, begin, end, end - begin));
+        bad(fmt::format("shape {} of {} needs {} bytes but data_offsets [{}, {}] span {}", shape_text(t.shape), t.dtype,
+                        numel * esize, begin, end, end - begin));
       t.data = data + begin;
       t.nbytes = end - begin;
       tensors_.push_back(std::move(t));
     }
 
     // The buffer must be exactly tiled by the tensors: no overlap, no gap, nothing after.
-    std::sort(tensors_.begin(), tensors_.end(), [](const auto& a, const auto& b) {
-      return a.data != b.data ? a.data < b.data : a.nbytes < b.nbytes;
-    });
+    std::sort(tensors_.begin(), tensors_.end(),
+              [](const auto& a, const auto& b) { return a.data != b.data ? a.data < b.data : a.nbytes < b.nbytes; });
     size_t covered = 0;
     for (size_t i = 0; i < tensors_.size(); ++i) {
       const SafetensorsTensor& t = tensors_[i];
       const size_t begin = static_cast<size_t>(t.data - data);
       if (begin < covered)
-        fail("safetensors file '{}': tensor '{}' (bytes {}..{}) overlaps tensor '{}'", path,
-             t.name, begin, begin + t.nbytes, tensors_[i - 1].name);
+        fail("safetensors file '{}': tensor '{}' (bytes {}..{}) overlaps tensor '{}'", path, t.name, begin,
+             begin + t.nbytes, tensors_[i - 1].name);
       if (begin > covered)
-        fail("safetensors file '{}': data bytes {}..{} before tensor '{}' belong to no tensor",
-             path, covered, begin, t.name);
+        fail("safetensors file '{}': data bytes {}..{} before tensor '{}' belong to no tensor", path, covered, begin,
+             t.name);
       covered = begin + t.nbytes;
       index_[t.name] = i;
     }
     if (covered != data_size)
-      fail("safetensors file '{}': data buffer is {} bytes but the tensors cover {}", path,
-           data_size, covered);
+      fail("safetensors file '{}': data buffer is {} bytes but the tensors cover {}", path, data_size, covered);
   }
 }
 
@@ -213,9 +206,12 @@ SafetensorsReader::~SafetensorsReader() {
 
 // Moving a std::vector keeps its buffer, so tensor pointers into owned_ stay valid.
 SafetensorsReader::SafetensorsReader(SafetensorsReader&& o) noexcept
-    : path_(std::move(o.path_)), map_(std::exchange(o.map_, nullptr)),
-      map_size_(std::exchange(o.map_size_, 0)), owned_(std::move(o.owned_)),
-      tensors_(std::move(o.tensors_)), index_(std::move(o.index_)),
+    : path_(std::move(o.path_)),
+      map_(std::exchange(o.map_, nullptr)),
+      map_size_(std::exchange(o.map_size_, 0)),
+      owned_(std::move(o.owned_)),
+      tensors_(std::move(o.tensors_)),
+      index_(std::move(o.index_)),
       metadata_(std::move(o.metadata_)) {}
 
 SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& o) noexcept {
@@ -243,8 +239,7 @@ bool SafetensorsReader::contains(const std::string& name) const { return index_.
 const SafetensorsTensor& SafetensorsReader::tensor(const std::string& name) const {
   auto it = index_.find(name);
   if (it == index_.end())
-    fail("safetensors file '{}' has no tensor '{}' ({} tensors in the file)", path_, name,
-         tensors_.size());
+    fail("safetensors file '{}' has no tensor '{}' ({} tensors in the file)", path_, name, tensors_.size());
   return tensors_[it->second];
 }
 
@@ -265,8 +260,10 @@ void SafetensorsReader::convert(const SafetensorsTensor& t, T* dst) const {
   } else if (t.dtype == "I64") {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(load<int64_t>(p + 8 * i));
   } else {
-    fail("safetensors file '{}', tensor '{}': cannot convert dtype {} to floating point (supported: "
-         "F32, F64, BF16, F16, I32, I64)", path_, t.name, t.dtype);
+    fail(
+        "safetensors file '{}', tensor '{}': cannot convert dtype {} to floating point (supported: "
+        "F32, F64, BF16, F16, I32, I64)",
+        path_, t.name, t.dtype);
   }
 }
 
@@ -294,8 +291,7 @@ void SafetensorsReader::read_f64(const std::string& name, double* dst,
 // Writer
 
 void SafetensorsWriter::add_entry(Entry e) {
-  if (e.name.empty() || e.name == "__metadata__")
-    fail("safetensors writer: invalid tensor name '{}'", e.name);
+  if (e.name.empty() || e.name == "__metadata__") fail("safetensors writer: invalid tensor name '{}'", e.name);
   for (const Entry& other : entries_)
     if (other.name == e.name) fail("safetensors writer: tensor '{}' added twice", e.name);
   int64_t numel = 1;
@@ -307,8 +303,7 @@ void SafetensorsWriter::add_entry(Entry e) {
   entries_.push_back(std::move(e));
 }
 
-void SafetensorsWriter::add(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
-                            const void* data) {
+void SafetensorsWriter::add(const std::string& name, DType dtype, const std::vector<int64_t>& shape, const void* data) {
   const size_t esize = dtype_size(dtype);
   FillChunk fill;
   if (data)
@@ -318,8 +313,8 @@ void SafetensorsWriter::add(const std::string& name, DType dtype, const std::vec
   add_entry({name, dtype, shape, std::move(fill)});
 }
 
-void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<int64_t>& shape,
-                                   const float* data, DType target) {
+void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<int64_t>& shape, const float* data,
+                                   DType target) {
   if (target != DType::f32 && target != DType::f64 && target != DType::bf16 && target != DType::f16)
     fail("safetensors writer: tensor '{}': cannot store f32 values as {}", name, dtype_name(target));
   FillChunk fill;
@@ -335,9 +330,7 @@ void SafetensorsWriter::add_filled(const std::string& name, DType dtype, const s
   add_entry({name, dtype, shape, std::move(fill)});
 }
 
-void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) {
-  metadata_[key] = value;
-}
+void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 
 namespace {
 
@@ -491,7 +484,7 @@ struct SafetensorsWriter::Job {
   std::vector<size_t> numels;
   TempFile out;
   PieceStream stream;  // after `out`: destroyed (its last write waited for) before it
-  size_t entry = 0;     // the entry being filled, from element `first`
+  size_t entry = 0;    // the entry being filled, from element `first`
   size_t first = 0;
 
   Job(const SafetensorsWriter& w, const std::string& path)
@@ -504,9 +497,8 @@ struct SafetensorsWriter::Job {
       for (int64_t d : e.shape) numel *= static_cast<size_t>(d);
       numels.push_back(numel);
       const uint64_t bytes = numel * dtype_size(e.target);
-      header[e.name] = {{"dtype", safetensors_dtype_name(e.target)},
-                        {"shape", e.shape},
-                        {"data_offsets", {offset, offset + bytes}}};
+      header[e.name] = {
+          {"dtype", safetensors_dtype_name(e.target)}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
     }
     std::string text = header.dump();

@@ -17,8 +17,8 @@ namespace flux8 {
 
 struct SafetensorsTensor {
   std::string name;
-  std::string dtype;           // as in the file: "F32", "BF16", "F16", "F64", "I64", ...
-  std::vector<int64_t> shape;  // [] is a scalar
+  std::string dtype;              // as in the file: "F32", "BF16", "F16", "F64", "I64", ...
+  std::vector<int64_t> shape;     // [] is a scalar
   const uint8_t* data = nullptr;  // inside the read-only mapping; may be unaligned
   size_t nbytes = 0;
   int64_t numel() const;
@@ -62,7 +62,7 @@ class SafetensorsReader {
   std::string path_;
   const uint8_t* map_ = nullptr;  // the file mapping, or owned_.data() for an in-memory image
   size_t map_size_ = 0;
-  std::vector<uint8_t> owned_;    // in-memory image; empty for a mapped file
+  std::vector<uint8_t> owned_;              // in-memory image; empty for a mapped file
   std::vector<SafetensorsTensor> tensors_;  // sorted by data offset
   std::map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;
@@ -80,11 +80,9 @@ class SafetensorsWriter {
 
   // Stores `data` as is: `dtype` says what the bytes already are. The data must stay alive
   // until write().
-  void add(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
-           const void* data);
+  void add(const std::string& name, DType dtype, const std::vector<int64_t>& shape, const void* data);
   // Stores f32 data converted to `target` (bf16/f16 round to nearest even) while writing.
-  void add_f32_as(const std::string& name, const std::vector<int64_t>& shape, const float* data,
-                  DType target);
+  void add_f32_as(const std::string& name, const std::vector<int64_t>& shape, const float* data, DType target);
   // A tensor of `dtype` whose bytes `fill` produces while the file is written (e.g. downloaded
   // from the device a piece at a time).
   void add_filled(const std::string& name, DType dtype, const std::vector<int64_t>& shape, FillChunk fill);

@@ -1,9 +1,9 @@
 #include "model/arena.h"
 
+#include <algorithm>
+
 #include "backend/backend.h"
 #include "core/error.h"
-
-#include <algorithm>
 
 namespace flux8 {
 
@@ -43,9 +43,10 @@ void Arena::release_to(size_t mark) {
 Tensor Arena::alloc(DType dtype, Shape shape, SlotKind kind) {
   const size_t bytes = align_up(static_cast<size_t>(shape.numel()) * dtype_size(dtype));
   if (!measuring() && used_ + bytes > capacity_)
-    fail("activation arena overflow: need {} more bytes beyond {} of {} (a step shape larger "
-         "than the one planned; call plan() with the largest shape)",
-         bytes, used_, capacity_);
+    fail(
+        "activation arena overflow: need {} more bytes beyond {} of {} (a step shape larger "
+        "than the one planned; call plan() with the largest shape)",
+        bytes, used_, capacity_);
   Tensor t(measuring() ? nullptr : base_ + used_, dtype, shape);
   slots_.push_back(Slot{used_, kind, shape.numel()});
   used_ += bytes;

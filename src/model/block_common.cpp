@@ -26,8 +26,8 @@ SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scr
     s.full = x;
     return s;
   }
-  s.cast_t = allocate_qtensor(scratch, x.cols(), x.rows(), fp8->format(Operand::input),
-                              fp8->scaling(Operand::input), SlotKind::workspace);
+  s.cast_t = allocate_qtensor(scratch, x.cols(), x.rows(), fp8->format(Operand::input), fp8->scaling(Operand::input),
+                              SlotKind::workspace);
   const NoFp8Recording quiet(fp8);
   be.quantize(QTensor{}, s.cast_t, x, fp8->quantize_args(site, Operand::input));
   return s;
@@ -35,8 +35,7 @@ SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scr
 
 void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols) {
   if (!fp8 || !fp8->config().enabled || !fp8->config().wgrad) return;
-  allocate_qtensor(scratch, cols, rows, fp8->format(Operand::input), fp8->scaling(Operand::input),
-                   SlotKind::workspace);
+  allocate_qtensor(scratch, cols, rows, fp8->format(Operand::input), fp8->scaling(Operand::input), SlotKind::workspace);
 }
 
 }  // namespace flux8

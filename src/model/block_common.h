@@ -39,12 +39,12 @@ struct BlockContext {
   Backend& be;
   const FluxConfig& cfg;
   StepShape shape;
-  DType dtype;        // activations and their gradients (Backend::activation_dtype)
-  Arena& scratch;     // temporaries; every block releases what it takes
-  Tensor pe;          // RoPE table of the joint sequence [B, L, D/2, 2]
-  Tensor silu_vec;    // SiLU(vec) [B, H], the input of every modulation Linear
-  Tensor d_silu_vec;  // its gradient, accumulated by every block's backward
-  Fp8Runtime* fp8 = nullptr;  // FP8 state; null in BF16 runs
+  DType dtype;                     // activations and their gradients (Backend::activation_dtype)
+  Arena& scratch;                  // temporaries; every block releases what it takes
+  Tensor pe;                       // RoPE table of the joint sequence [B, L, D/2, 2]
+  Tensor silu_vec;                 // SiLU(vec) [B, H], the input of every modulation Linear
+  Tensor d_silu_vec;               // its gradient, accumulated by every block's backward
+  Fp8Runtime* fp8 = nullptr;       // FP8 state; null in BF16 runs
   DType heads_dtype = DType::f32;  // q, k, v, o and their gradients (Backend::attention_heads_dtype)
   // Gated residuals write the row statistics of the LayerNorm that reads them next where that
   // LayerNorm runs inside an FP8 cast (Backend::gated_residual_stats; FLUX8_FUSED_NORM_STATS=0
@@ -109,8 +109,7 @@ class NoFp8Recording {
 // site keeps its input (BF16, or FP8 with fp8_wgrad off), else the transposed FP8 cast that
 // site_forward would have kept, cast again from `x` into scratch (same scale, so same codes;
 // not recorded). Mirrors allocate_linear_input.
-SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
-                                        Tensor x);
+SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site, Tensor x);
 // Scratch recompute_linear_input takes for a rows x cols input, besides `x` (planning).
 void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols);
 

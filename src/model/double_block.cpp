@@ -112,17 +112,15 @@ void stream_qkv_to_heads(const BlockContext& ctx, DoubleStreamParams& p, const T
     fp8_attention_qkv(ctx, fp8_attention, joint.att8, q_rstd, k_rstd, qkv.cols_slice(0, H), qkv.cols_slice(H, H),
                       qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, offset);
   else
-    ctx.be.qk_norm_rope_to_heads(joint.q, joint.k, joint.v, q_rstd, k_rstd, qkv.cols_slice(0, H),
-                                 qkv.cols_slice(H, H), qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe,
-                                 offset, ctx.cfg.qk_norm_eps);
+    ctx.be.qk_norm_rope_to_heads(joint.q, joint.k, joint.v, q_rstd, k_rstd, qkv.cols_slice(0, H), qkv.cols_slice(H, H),
+                                 qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe, offset, ctx.cfg.qk_norm_eps);
 }
 
 // Stream part before attention: modulation, LayerNorm 1, qkv, then QK-norm + RoPE into the
 // joint head-major q/k/v at this stream's token offset. x, the block input, is saved as it is
 // (the caller keeps it unchanged until the block's backward).
-void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
-                          DoubleStreamSaved& s, DoubleBlockSaved& joint, Tensor x,
-                          int64_t offset, int fp8_attention) {
+void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p, DoubleStreamSaved& s, DoubleBlockSaved& joint,
+                          Tensor x, int64_t offset, int fp8_attention) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
   const size_t mark = ctx.scratch.mark();
@@ -142,9 +140,8 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p,
 // out = x_mid + gate2 ⊙ mlp — so neither the block input nor x_mid needs a copy. Where LayerNorm
 // 2 runs inside mlp_in's FP8 cast, the first residual writes its statistics, and the second
 // those of the next LayerNorm (`next`), if any.
-void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
-                           DoubleStreamSaved& s, const DoubleBlockSaved& joint, Tensor x, Tensor out,
-                           int64_t offset, NormStatsOut next) {
+void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p, DoubleStreamSaved& s,
+                           const DoubleBlockSaved& joint, Tensor x, Tensor out, int64_t offset, NormStatsOut next) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, B = x.shape[0], Ls = x.shape[1];
   const double eps = ctx.cfg.layernorm_eps;
@@ -175,10 +172,9 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p,
 // attention-output gradient is scattered into the joint dO (with FP8 attention: d8's, cast).
 // Selective: the mlp_out and proj inputs are recomputed (as stream_post_attention made them) just
 // before their backward.
-void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
-                                    const DoubleStreamSaved& s, const DoubleBlockSaved& joint,
-                                    Tensor dmod, Tensor dx, Tensor d_o, const Fp8AttentionGrads& d8,
-                                    int fp8_attention, int64_t offset) {
+void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams& p, const DoubleStreamSaved& s,
+                                    const DoubleBlockSaved& joint, Tensor dmod, Tensor dx, Tensor d_o,
+                                    const Fp8AttentionGrads& d8, int fp8_attention, int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const Shape tok = s.x_in.shape;
@@ -212,8 +208,8 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   else  // GELU's backward inside the casts of the MLP input's output gradient (FP8), or into d_m2.
     site_backward_fused(be, ctx.fp8, a, p.mlp_in, d_h, Backend::CastInput::gelu_tanh_backward_of(d_m, s.mlp_h), d_m2,
                         s.xm2, false);
-  be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid,
-                                 s.ln2_mean, s.ln2_rstd, chunk(s.mod, 4, H), true);
+  be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid, s.ln2_mean, s.ln2_rstd,
+                                 chunk(s.mod, 4, H), true);
 
   Tensor d_attn = a.alloc(ctx.dtype, tok, SlotKind::workspace);
   const Backend::CastInput d_proj =
@@ -242,9 +238,8 @@ void recompute_joint_qkv(const BlockContext& ctx, DoubleBlockParams& p, const Do
 
 // Backward of stream_pre_attention: this stream's d(qkv) from the joint dq/dk/dv (with FP8
 // attention: d8's) through RoPE, the layout and QK-norm in one op, then d(block input) in dx.
-void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& p,
-                                   const DoubleStreamSaved& s, Tensor dmod, Tensor dx,
-                                   const Tensor& dq, const Tensor& dk, const Tensor& dv,
+void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& p, const DoubleStreamSaved& s,
+                                   Tensor dmod, Tensor dx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                    const Fp8AttentionGrads& d8, int64_t offset) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size;
@@ -257,26 +252,25 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
   p.q_norm.prepare_grad();
   p.k_norm.prepare_grad();
   if (d8.defined())
-    be.qk_norm_rope_to_heads_backward_fp8(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H),
-                                          d_qkv.cols_slice(2 * H, H), p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv,
-                                          s.qkv.cols_slice(0, H), s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd,
-                                          p.q_norm.s, p.k_norm.s, ctx.pe, offset);
+    be.qk_norm_rope_to_heads_backward_fp8(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H),
+                                          p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv, s.qkv.cols_slice(0, H),
+                                          s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,
+                                          offset);
   else
-    be.qk_norm_rope_to_heads_backward(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H),
-                                      p.q_norm.ds, p.k_norm.ds, dq, dk, dv, s.qkv.cols_slice(0, H),
-                                      s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,
-                                      offset);
+    be.qk_norm_rope_to_heads_backward(
+        d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H), p.q_norm.ds, p.k_norm.ds, dq, dk,
+        dv, s.qkv.cols_slice(0, H), s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, offset);
   site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, s.xm1, false);
-  be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in,
-                                 s.ln1_mean, s.ln1_rstd, chunk(s.mod, 1, H), true);
+  be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in, s.ln1_mean, s.ln1_rstd,
+                                 chunk(s.mod, 1, H), true);
   site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);
   a.release_to(mark);
 }
 
 }  // namespace
 
-void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& s, Tensor txt,
-                          Tensor img, Tensor txt_out, Tensor img_out, NormStatsOut next_txt, NormStatsOut next_img) {
+void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleBlockSaved& s, Tensor txt, Tensor img,
+                          Tensor txt_out, Tensor img_out, NormStatsOut next_txt, NormStatsOut next_img) {
   const int64_t Lt = ctx.shape.txt_tokens;
   // (FP8 attention: q, k, v and o exist only as the FP8 casts in s.att8)
   stream_pre_attention(ctx, p.txt, s.txt, s, txt, 0, p.fp8_attention);
@@ -289,8 +283,8 @@ void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleB
   stream_post_attention(ctx, p.img, s.img, s, img, img_out, Lt, next_img);
 }
 
-void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
-                           const DoubleBlockSaved& s, Tensor dtxt, Tensor dimg) {
+void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& s, Tensor dtxt,
+                           Tensor dimg) {
   Backend& be = ctx.be;
   const int64_t Lt = ctx.shape.txt_tokens, B = ctx.shape.batch, H = ctx.cfg.hidden_size;
   Arena& a = ctx.scratch;

@@ -22,22 +22,22 @@ struct DoubleBlockParams {
 
 // Activations saved by the forward for the backward, per stream.
 struct DoubleStreamSaved {
-  Tensor x_in;                     // block input (LayerNorm 1 backward): the caller's tensor, not a copy
-  SavedLinearInput mod_in;         // SiLU(vec) as the modulation Linear saw it
-  Tensor mod;                      // [B, 6H]: shift1 scale1 gate1 shift2 scale2 gate2
-  Tensor ln1_mean, ln1_rstd;       // modulated LayerNorm 1
-  bool ln1_ready = false;          // ln1_* written by the block before (NormStatsOut); the forward clears it
-  SavedLinearInput xm1;            // its output (qkv input)
-  Tensor qkv;                      // [B, Ls, 3H] before QK-norm
+  Tensor x_in;                // block input (LayerNorm 1 backward): the caller's tensor, not a copy
+  SavedLinearInput mod_in;    // SiLU(vec) as the modulation Linear saw it
+  Tensor mod;                 // [B, 6H]: shift1 scale1 gate1 shift2 scale2 gate2
+  Tensor ln1_mean, ln1_rstd;  // modulated LayerNorm 1
+  bool ln1_ready = false;     // ln1_* written by the block before (NormStatsOut); the forward clears it
+  SavedLinearInput xm1;       // its output (qkv input)
+  Tensor qkv;                 // [B, Ls, 3H] before QK-norm
   Tensor q_rstd, k_rstd;
-  SavedLinearInput attn;           // attention output in token layout (proj input); not kept when selective
-  Tensor proj_out;                 // (gate1 gradient)
-  Tensor x_mid;                    // residual after attention (LayerNorm 2 backward)
+  SavedLinearInput attn;  // attention output in token layout (proj input); not kept when selective
+  Tensor proj_out;        // (gate1 gradient)
+  Tensor x_mid;           // residual after attention (LayerNorm 2 backward)
   Tensor ln2_mean, ln2_rstd;
-  SavedLinearInput xm2;            // (mlp_in input)
-  Tensor mlp_h;                    // GELU input
-  SavedLinearInput mlp_g;          // GELU output (mlp_out input); not kept when selective
-  Tensor mlp_out;                  // (gate2 gradient)
+  SavedLinearInput xm2;    // (mlp_in input)
+  Tensor mlp_h;            // GELU input
+  SavedLinearInput mlp_g;  // GELU output (mlp_out input); not kept when selective
+  Tensor mlp_out;          // (gate2 gradient)
 };
 
 // The joint attention's q, k, v, o, lse and att8 are those of BlockAttentionSaved. With FP8
@@ -62,8 +62,8 @@ void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleB
                           NormStatsOut next_img = {});
 // dtxt/dimg hold the gradient of the block output and become that of its input. Parameter
 // gradients and ctx.d_silu_vec are accumulated.
-void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p,
-                           const DoubleBlockSaved& saved, Tensor dtxt, Tensor dimg);
+void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& saved, Tensor dtxt,
+                           Tensor dimg);
 
 // Scratch memory the block needs at most (planning).
 // fp8_sites: plan as if the block's Linears ran in FP8 without an Fp8Runtime (estimates).

@@ -8,8 +8,8 @@
 namespace flux8 {
 
 struct ModelFlops {
-  double linear_macs = 0;     // forward multiply-adds of all Linears, per step
-  double attention_fwd = 0;   // forward attention FLOPs (4·n·L²·D per call), per step
+  double linear_macs = 0;    // forward multiply-adds of all Linears, per step
+  double attention_fwd = 0;  // forward attention FLOPs (4·n·L²·D per call), per step
   double forward() const { return 2 * linear_macs + attention_fwd; }
   // A training step's FLOPs of the Linears (forward 2, backward 4 a multiply-add) and of
   // attention (backward 2 forwards), and their sum.

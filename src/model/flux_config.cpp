@@ -11,9 +11,10 @@ int64_t FluxConfig::image_tokens(int64_t pixels) const {
   // One token per patch_size x patch_size block of latent cells, each cell vae_downsample pixels.
   const int64_t cell = vae_downsample * patch_size;
   if (pixels <= 0 || cell <= 0 || pixels % cell != 0)
-    fail("model '{}': image size {} pixels is not a positive multiple of vae_downsample ({}) * "
-         "patch_size ({}) = {}; pick image_size as a multiple of {}",
-         name, pixels, vae_downsample, patch_size, cell, cell);
+    fail(
+        "model '{}': image size {} pixels is not a positive multiple of vae_downsample ({}) * "
+        "patch_size ({}) = {}; pick image_size as a multiple of {}",
+        name, pixels, vae_downsample, patch_size, cell, cell);
   const int64_t side = pixels / cell;
   return side * side;
 }
@@ -64,33 +65,37 @@ void FluxConfig::validate(const std::string& where) const {
   positive("vae_downsample", vae_downsample);
   positive("text_seq_len", text_seq_len);
   if (num_double_blocks < 0 || num_single_blocks < 0)
-    fail("model config {}: num_double_blocks ({}) and num_single_blocks ({}) must be >= 0", where,
-         num_double_blocks, num_single_blocks);
+    fail("model config {}: num_double_blocks ({}) and num_single_blocks ({}) must be >= 0", where, num_double_blocks,
+         num_single_blocks);
   if (!(mlp_ratio > 0) || mlp_hidden() < 1)
     fail("model config {}: mlp_ratio ({}) must give an MLP width >= 1", where, mlp_ratio);
 
   if (hidden_size % num_heads != 0)
-    fail("model config {}: hidden_size ({}) must be divisible by num_attention_heads ({})", where,
-         hidden_size, num_heads);
+    fail("model config {}: hidden_size ({}) must be divisible by num_attention_heads ({})", where, hidden_size,
+         num_heads);
   const int64_t d = head_dim();
   // RoPE rotates adjacent pairs of each head vector, so every axis needs an even width.
   if (d % 2 != 0)
-    fail("model config {}: head dim hidden_size/num_attention_heads = {}/{} = {} must be even "
-         "(RoPE rotates pairs)", where, hidden_size, num_heads, d);
+    fail(
+        "model config {}: head dim hidden_size/num_attention_heads = {}/{} = {} must be even "
+        "(RoPE rotates pairs)",
+        where, hidden_size, num_heads, d);
   if (axes_dim.empty()) fail("model config {}: axes_dim must not be empty", where);
   int64_t sum = 0;
   for (size_t i = 0; i < axes_dim.size(); ++i) {
     if (axes_dim[i] <= 0 || axes_dim[i] % 2 != 0)
-      fail("model config {}: axes_dim[{}] = {} must be a positive even number (RoPE rotates pairs)",
-           where, i, axes_dim[i]);
+      fail("model config {}: axes_dim[{}] = {} must be a positive even number (RoPE rotates pairs)", where, i,
+           axes_dim[i]);
     sum += axes_dim[i];
   }
   if (sum != d)
-    fail("model config {}: axes_dim [{}] sums to {} but must sum to the head dim "
-         "hidden_size/num_attention_heads = {}", where, fmt::join(axes_dim, ", "), sum, d);
+    fail(
+        "model config {}: axes_dim [{}] sums to {} but must sum to the head dim "
+        "hidden_size/num_attention_heads = {}",
+        where, fmt::join(axes_dim, ", "), sum, d);
   if (!(rope_theta > 0) || !(qk_norm_eps > 0) || !(layernorm_eps > 0))
-    fail("model config {}: rope_theta ({}), qk_norm_eps ({}) and layernorm_eps ({}) must be > 0",
-         where, rope_theta, qk_norm_eps, layernorm_eps);
+    fail("model config {}: rope_theta ({}), qk_norm_eps ({}) and layernorm_eps ({}) must be > 0", where, rope_theta,
+         qk_norm_eps, layernorm_eps);
 }
 
 }  // namespace flux8

@@ -10,16 +10,16 @@ class Config;
 
 struct FluxConfig {
   std::string name = "flux";
-  int64_t hidden_size = 3072;         // H
-  int64_t num_heads = 24;             // n; head dim D = H / n
+  int64_t hidden_size = 3072;  // H
+  int64_t num_heads = 24;      // n; head dim D = H / n
   int64_t num_double_blocks = 19;
   int64_t num_single_blocks = 38;
-  int64_t in_channels = 64;           // packed latent features per token (16 ch × 2×2)
+  int64_t in_channels = 64;  // packed latent features per token (16 ch × 2×2)
   int64_t out_channels = 64;
-  int64_t context_dim = 4096;         // T5 features per text token
-  int64_t vec_dim = 768;              // CLIP pooled features
-  double mlp_ratio = 4.0;             // M = mlp_ratio · H
-  bool guidance_embed = false;        // dev models embed the guidance scale
+  int64_t context_dim = 4096;   // T5 features per text token
+  int64_t vec_dim = 768;        // CLIP pooled features
+  double mlp_ratio = 4.0;       // M = mlp_ratio · H
+  bool guidance_embed = false;  // dev models embed the guidance scale
   bool qkv_bias = true;
   std::vector<int> axes_dim{16, 56, 56};
   double rope_theta = 10000.0;
@@ -27,9 +27,9 @@ struct FluxConfig {
   double layernorm_eps = 1e-6;
 
   // Token geometry, used to turn a resolution into token counts (info, bench, data).
-  int64_t latent_channels = 16;       // channels before 2×2 packing
+  int64_t latent_channels = 16;  // channels before 2×2 packing
   int64_t patch_size = 2;
-  int64_t vae_downsample = 8;         // pixels per latent cell; 1 = pixel-space model
+  int64_t vae_downsample = 8;  // pixels per latent cell; 1 = pixel-space model
   int64_t text_seq_len = 256;
 
   int64_t head_dim() const { return hidden_size / num_heads; }

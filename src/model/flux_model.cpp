@@ -41,9 +41,9 @@ struct ModelSaved {
   // layer's backward has used img).
   std::vector<Tensor> txt_at, img_at, z_at;
   Tensor img;
-  Tensor ids, pe;              // joint positions [B,L,3], RoPE table [B,L,D/2,2]
+  Tensor ids, pe;  // joint positions [B,L,3], RoPE table [B,L,D/2,2]
   MlpEmbedderSaved time, guidance, vector;
-  Tensor vec, silu_vec;        // [B,H]
+  Tensor vec, silu_vec;  // [B,H]
   Tensor final_mod, final_mean, final_rstd, final_xm, pred;
   // Activations stored in another type than the model computes in (bf16 on the GPU): the
   // inputs img, txt, y converted (the first Linears' saved inputs) and pred converted back.
@@ -122,10 +122,10 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, co
   const bool selective = recompute == Recompute::selective;
   const int64_t B = sh.batch, H = c.hidden_size;
   a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted
-  a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);  // dtxt
-  a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // dimg
-  a.alloc(t, Shape{B, sh.tokens(), H}, SlotKind::workspace);    // dz
-  a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);  // final dxm
+  a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);               // dtxt
+  a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);               // dimg
+  a.alloc(t, Shape{B, sh.tokens(), H}, SlotKind::workspace);                 // dz
+  a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);               // final dxm
   for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
   const size_t mark = a.mark();  // blocks run one at a time: the larger of the two counts
   double_block_plan_scratch(a, c, sh, t, fp8, selective, fp8_sites);
@@ -141,8 +141,10 @@ bool norm_stats_in_residual_from_environment() {
   const std::string v = e ? e : "";
   if (v.empty() || v == "1" || v == "true" || v == "on") return true;
   if (v == "0" || v == "false" || v == "off") return false;
-  fail("FLUX8_FUSED_NORM_STATS={}: expected 1 (gated residuals write the next LayerNorm's statistics, the "
-       "default) or 0", v);
+  fail(
+      "FLUX8_FUSED_NORM_STATS={}: expected 1 (gated residuals write the next LayerNorm's statistics, the "
+      "default) or 0",
+      v);
 }
 
 }  // namespace
@@ -154,18 +156,15 @@ Recompute recompute_from_name(const std::string& name) {
   fail("recompute_granularity '{}': choose none, selective or full", name);
 }
 
-FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
-                     Recompute recompute)
+FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8, Recompute recompute)
     : cfg_(cfg), be_(backend), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
   norm_stats_in_residual_ = norm_stats_in_residual_from_environment();
   act_dtype_ = be_.activation_dtype(dtype_);
   heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
   params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
-  for (int64_t i = 0; i < cfg_.num_double_blocks; ++i)
-    double_params_.push_back(DoubleBlockParams::bind(*params_, i));
-  for (int64_t i = 0; i < cfg_.num_single_blocks; ++i)
-    single_params_.push_back(SingleBlockParams::bind(*params_, i));
+  for (int64_t i = 0; i < cfg_.num_double_blocks; ++i) double_params_.push_back(DoubleBlockParams::bind(*params_, i));
+  for (int64_t i = 0; i < cfg_.num_single_blocks; ++i) single_params_.push_back(SingleBlockParams::bind(*params_, i));
   if (fp8 && fp8->enabled) {
     if (dtype_ != DType::f32) fail("FP8 training runs the model in f32 (the CPU emulation's working type)");
     fp8_ = std::make_unique<Fp8Runtime>(*fp8, be_);
@@ -252,8 +251,7 @@ void FluxModel::plan(StepShape s) {
 
 static void check_input(const Tensor& t, const char* name, Shape expected) {
   if (!t.defined()) fail("model input '{}' is missing (expected shape {})", name, expected.str());
-  if (t.shape != expected)
-    fail("model input '{}' has shape {}, expected {}", name, t.shape.str(), expected.str());
+  if (t.shape != expected) fail("model input '{}' has shape {}, expected {}", name, t.shape.str(), expected.str());
 }
 
 Tensor FluxModel::forward(const FluxInputs& in) {
@@ -270,17 +268,16 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   check_input(in.y, "y", Shape{B, c.vec_dim});
   if (c.guidance_embed) check_input(in.guidance, "guidance", Shape{B});
 
-  if (sh.batch > planned_.batch || sh.txt_tokens > planned_.txt_tokens ||
-      sh.img_tokens > planned_.img_tokens || sh.tokens() > planned_.tokens())
+  if (sh.batch > planned_.batch || sh.txt_tokens > planned_.txt_tokens || sh.img_tokens > planned_.img_tokens ||
+      sh.tokens() > planned_.tokens())
     plan(StepShape{std::max(sh.batch, planned_.batch), std::max(sh.txt_tokens, planned_.txt_tokens),
                    std::max(sh.img_tokens, planned_.img_tokens)});
   shape_ = sh;
   inputs_ = in;
   saved_arena_.reset();
   scratch_arena_.reset();
-  saved_ = std::make_unique<ModelSaved>(
-      ModelSaved::allocate(saved_arena_, c, sh, dtype_, act_dtype_, heads_dtype_, double_params_, single_params_,
-                           fp8_.get(), recompute_));
+  saved_ = std::make_unique<ModelSaved>(ModelSaved::allocate(saved_arena_, c, sh, dtype_, act_dtype_, heads_dtype_,
+                                                             double_params_, single_params_, fp8_.get(), recompute_));
   ModelSaved& s = *saved_;
   ParamStore& P = *params_;
   // The inputs in the activation type (a conversion when it is not the model's).
@@ -418,8 +415,7 @@ void FluxModel::backward(const Tensor& dpred) {
   const StepShape sh = shape_;
   const int64_t B = sh.batch, H = c.hidden_size;
   if (dpred.shape != saved_->pred.shape)
-    fail("gradient of the prediction has shape {}, expected {}", dpred.shape.str(),
-         saved_->pred.shape.str());
+    fail("gradient of the prediction has shape {}, expected {}", dpred.shape.str(), saved_->pred.shape.str());
   ModelSaved& s = *saved_;
   ParamStore& P = *params_;
   Arena& a = scratch_arena_;
@@ -444,8 +440,8 @@ void FluxModel::backward(const Tensor& dpred) {
   const LinearSite ada = LinearSite::bind(P, "final_layer.adaLN_modulation.1");
   const LinearSite lin = LinearSite::bind(P, "final_layer.linear");
   be_.linear_backward(dxm, lin.dw, lin.db, dpred_act, s.final_xm, P.operand(lin.w), false, lin.accumulate_grads());
-  be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img,
-                                  s.final_mean, s.final_rstd, s.final_mod.cols_slice(H, H), false);
+  be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img, s.final_mean,
+                                  s.final_rstd, s.final_mod.cols_slice(H, H), false);
   linear_backward_params(be_, ada, d_silu_vec, dmod, s.silu_vec, P.operand(ada.w), false);
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.

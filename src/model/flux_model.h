@@ -26,7 +26,7 @@ struct FluxInputs {
 
 // Sizes of one training step's activation memory, from the same code that allocates it.
 struct ActivationEstimate {
-  ArenaUsage saved;             // kept from forward to backward
+  ArenaUsage saved;                // kept from forward to backward
   ArenaUsage saved_fp8_attention;  // ... with fp8_dot_product_attention in every block
   int64_t workspace_elements;      // peak temporaries of one block's backward, BF16 Linears
   int64_t workspace_elements_fp8;  // ... with FP8 Linears: GELU's output gradient outside the GEMMs
@@ -61,8 +61,8 @@ class FluxModel {
  public:
   // With an enabled Fp8Config the block Linears (and optionally the modulation Linears) run in
   // FP8 as the recipe says; FP8 needs dtype f32.
-  FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32,
-            const Fp8Config* fp8 = nullptr, Recompute recompute = Recompute::none);
+  FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32, const Fp8Config* fp8 = nullptr,
+            Recompute recompute = Recompute::none);
   ~FluxModel();
 
   const FluxConfig& config() const { return cfg_; }

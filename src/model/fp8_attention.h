@@ -38,9 +38,8 @@ struct AttentionHeadGrads {
 
 // One stream's q, k, v [B, Ls, n·D] (token side, pre-norm) into the joint FP8 heads of `saved` at
 // token_offset: QK-norm, RoPE, layout and cast in one op. `index`: Fp8Runtime::add_attention's.
-void fp8_attention_qkv(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor q_rstd,
-                       Tensor k_rstd, Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale,
-                       int64_t token_offset);
+void fp8_attention_qkv(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor q_rstd, Tensor k_rstd,
+                       Tensor q, Tensor k, Tensor v, Tensor q_scale, Tensor k_scale, int64_t token_offset);
 // saved.o and lse (as Backend::attention writes it) from saved.q, k, v.
 void fp8_attention_forward(const BlockContext& ctx, int index, const Fp8AttentionSaved& saved, Tensor lse);
 // One stream's attention-output gradient d_attn [B, Ls, n·D] into the joint FP8 dO at token_offset.

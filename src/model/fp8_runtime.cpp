@@ -53,8 +53,8 @@ void Fp8Runtime::push_state() {
   if (!history_dev_.defined() || history_dev_.shape[0] != L || history_dev_.shape[1] != n) {
     release_state();
     auto alloc = [&](Shape shape) {
-      return Tensor(be_.allocate(static_cast<size_t>(std::max<int64_t>(shape.numel(), 1)) * sizeof(float)),
-                    DType::f32, shape);
+      return Tensor(be_.allocate(static_cast<size_t>(std::max<int64_t>(shape.numel(), 1)) * sizeof(float)), DType::f32,
+                    shape);
     };
     history_dev_ = alloc(Shape{L, n});
     scale_dev_ = alloc(Shape{n});
@@ -63,8 +63,8 @@ void Fp8Runtime::push_state() {
     scratch_amax_dev_ = alloc(Shape{1});
     std::vector<float> fmax(static_cast<size_t>(n));
     for (int s = 0; s < n; ++s)
-      fmax[static_cast<size_t>(s)] = fp8_max(registry_.role(s) == Fp8Role::grad_output ? format(Operand::grad_output)
-                                                                                         : format(Operand::input));
+      fmax[static_cast<size_t>(s)] =
+          fp8_max(registry_.role(s) == Fp8Role::grad_output ? format(Operand::grad_output) : format(Operand::input));
     be_.upload(fp8_max_dev_.data, fmax.data(), fp8_max_dev_.bytes());
   }
   be_.upload(history_dev_.data, registry_.amax_history().data(), history_dev_.bytes());
@@ -91,8 +91,8 @@ int Fp8Runtime::add_attention(const std::string& name) {
   attention_slot_.push_back(registry_.size());
   attention_stats_.emplace_back();
   for (int t = 0; t < kAttentionSlots; ++t)
-    registry_.add(name + "." + kNames[t], t < static_cast<int>(AttentionTensor::dout) ? Fp8Role::input
-                                                                                       : Fp8Role::grad_output);
+    registry_.add(name + "." + kNames[t],
+                  t < static_cast<int>(AttentionTensor::dout) ? Fp8Role::input : Fp8Role::grad_output);
   return attentions() - 1;
 }
 
@@ -217,7 +217,8 @@ std::vector<Backend::ParamCast> Fp8Runtime::weight_casts(ParamStore& store) {
     const int slot = first_slot_[static_cast<size_t>(s->index)] + static_cast<int>(Operand::weight);
     // As quantize_args for a recording cast: the registry's scale, the staging row's amax (the
     // next step's, as the first forward use would record it).
-    casts.push_back({store.offset_of(s->w), s->w_row, scale_dev_.ptr<float>() + slot, history_dev_.ptr<float>() + slot});
+    casts.push_back(
+        {store.offset_of(s->w), s->w_row, scale_dev_.ptr<float>() + slot, history_dev_.ptr<float>() + slot});
   }
   if (!casts.empty()) host_current_ = false;
   return casts;

@@ -123,8 +123,8 @@ class Fp8Runtime {
   Backend& be_;
   Fp8MetaRegistry registry_;
   std::vector<SiteStats> stats_, last_stats_;
-  std::vector<int> first_slot_;  // registry slot of the site's input (weight +1, grad +2)
-  std::vector<LinearSite*> sites_;  // those with weight casts (allocate_weight_casts)
+  std::vector<int> first_slot_;      // registry slot of the site's input (weight +1, grad +2)
+  std::vector<LinearSite*> sites_;   // those with weight casts (allocate_weight_casts)
   std::vector<int> attention_slot_;  // registry slot of each attention's q (k +1, ..., dv +8)
   std::vector<AttentionCastStats> attention_stats_, last_attention_stats_;
   Arena weight_arena_;
@@ -136,15 +136,15 @@ class Fp8Runtime {
 
   // The registry's state in backend memory: amax_history [L, n], scale, scale_inv, fp8_max
   // [n] (of each slot's format), and a scratch amax for casts that must not record.
-  void push_state();        // host mirror -> backend, when the backend copy is not current
-  void pull_state();        // backend -> host mirror, when the host copy is not current
+  void push_state();  // host mirror -> backend, when the backend copy is not current
+  void pull_state();  // backend -> host mirror, when the host copy is not current
   void release_state();
   // Where a cast of `slot` max-accumulates its amax: the history's staging row while recording
   // (the host mirror is then stale), else the scratch amax.
   float* amax_target(int slot);
   Tensor history_dev_, scale_dev_, scale_inv_dev_, fp8_max_dev_, scratch_amax_dev_;
-  bool device_current_ = false;       // the backend copy equals the host mirror
-  bool host_current_ = true;          // the host mirror equals the backend copy
+  bool device_current_ = false;  // the backend copy equals the host mirror
+  bool host_current_ = true;     // the host mirror equals the backend copy
 };
 
 }  // namespace flux8

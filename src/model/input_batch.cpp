@@ -19,19 +19,20 @@ void InputBatch::load(const SafetensorsReader& file, const FluxConfig& cfg, cons
   auto read = [&](const std::string& name, std::vector<int64_t>& shape) {
     const std::string full = prefix + name;
     if (!file.contains(full))
-      fail("inputs {}: tensor '{}' is missing (inputs are img, img_ids, txt, txt_ids, timesteps, "
-           "y{})", file.path(), full, cfg.guidance_embed ? ", guidance" : "");
+      fail(
+          "inputs {}: tensor '{}' is missing (inputs are img, img_ids, txt, txt_ids, timesteps, "
+          "y{})",
+          file.path(), full, cfg.guidance_embed ? ", guidance" : "");
     const SafetensorsTensor& t = file.tensor(full);
     shape = t.shape;
     std::vector<double> v(static_cast<size_t>(t.numel()));
     file.read_f64(full, v.data());
     return v;
   };
-  auto expect = [&](const std::string& name, const std::vector<int64_t>& got,
-                    const std::vector<int64_t>& want) {
+  auto expect = [&](const std::string& name, const std::vector<int64_t>& got, const std::vector<int64_t>& want) {
     if (got != want)
-      fail("inputs {}: tensor '{}{}' has shape [{}], expected [{}]", file.path(), prefix, name,
-           fmt::join(got, ", "), fmt::join(want, ", "));
+      fail("inputs {}: tensor '{}{}' has shape [{}], expected [{}]", file.path(), prefix, name, fmt::join(got, ", "),
+           fmt::join(want, ", "));
   };
   std::vector<int64_t> s;
   std::vector<double> img = read("img", s);
@@ -57,8 +58,10 @@ void InputBatch::load(const SafetensorsReader& file, const FluxConfig& cfg, cons
   // Per-sample scalars: [B], or [1] / [] shared by the batch.
   auto per_sample = [&](const std::string& name) {
     std::vector<double> v = read(name, s);
-    if (v.size() == 1 && B != 1) v.assign(static_cast<size_t>(B), v[0]);
-    else expect(name, s, {B});
+    if (v.size() == 1 && B != 1)
+      v.assign(static_cast<size_t>(B), v[0]);
+    else
+      expect(name, s, {B});
     return make(Shape{B}, v);
   };
   inputs_.img = make(Shape{B, Li, cfg.in_channels}, img);

@@ -46,9 +46,7 @@ QTensor allocate_qtensor(Arena& arena, int64_t rows, int64_t cols, Fp8Format f, 
   return q;
 }
 
-bool wgrad_in_fp8(const LinearSite& site, const Fp8Runtime* fp8) {
-  return site.fp8 && fp8 && fp8->config().wgrad;
-}
+bool wgrad_in_fp8(const LinearSite& site, const Fp8Runtime* fp8) { return site.fp8 && fp8 && fp8->config().wgrad; }
 
 SavedLinearInput allocate_linear_input(Arena& arena, const LinearSite& site, const Fp8Runtime* fp8, Shape shape,
                                        DType dtype) {
@@ -198,8 +196,8 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
   site_backward_fp8(be, *fp8, scratch, site, dx, in, saved, accumulate_dx);
 }
 
-void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh,
-                        Tensor gelu_h, Tensor dy, const SavedLinearInput& saved) {
+void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh, Tensor gelu_h, Tensor dy,
+                        const SavedLinearInput& saved) {
   FLUX8_CHECK(!site.fp8 || !fp8,
               "site_backward_gelu: site '{}' runs in FP8; FP8 sites run the GELU's backward in their casts "
               "(site_backward_fused with CastInput::gelu_tanh_backward_of, see gelu_in_epilogues)",

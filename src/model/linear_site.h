@@ -23,15 +23,15 @@ enum class Operand : uint8_t { input = 0, weight = 1, grad_output = 2 };
 
 // A Linear's weight, bias and their gradients (views into the flat buffers), and its FP8 state.
 struct LinearSite {
-  std::string name;            // reference prefix, e.g. "double_blocks.0.img_attn.qkv"
+  std::string name;  // reference prefix, e.g. "double_blocks.0.img_attn.qkv"
   Tensor w, b, dw, db;
   ParamStore* store = nullptr;  // whose step tracks the gradient writes (null: always add)
   bool fp8 = false;
-  int index = -1;              // into Fp8Runtime's tables (FP8 sites only)
-  QTensor w_row, w_col;        // this step's weight casts (fprop / dgrad operands)
+  int index = -1;        // into Fp8Runtime's tables (FP8 sites only)
+  QTensor w_row, w_col;  // this step's weight casts (fprop / dgrad operands)
   int64_t w_version = -1;
-  bool w_recorded = false;     // the cast's amax went into the delayed-scaling history
-  bool w_counted = false;      // the cast counted its telemetry (Fp8Runtime::collect_stats)
+  bool w_recorded = false;  // the cast's amax went into the delayed-scaling history
+  bool w_counted = false;   // the cast counted its telemetry (Fp8Runtime::collect_stats)
 
   static LinearSite bind(ParamStore& store, const std::string& prefix);
   // For the backward about to write dw and db: false when it is their first write of the step
@@ -95,8 +95,8 @@ void site_backward(Backend& be, Fp8Runtime* fp8, Arena& scratch, LinearSite& sit
 // input), dh = gelu_h's through the GELU, both overwritten (Backend::linear_dgrad_gelu), dw and
 // db as site_backward's. BF16 sites only (an FP8 site is an error): FP8 sites run the GELU's
 // backward in the casts of the MLP's first Linear's output gradient (gelu_in_epilogues).
-void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh,
-                        Tensor gelu_h, Tensor dy, const SavedLinearInput& saved);
+void site_backward_gelu(Backend& be, Fp8Runtime* fp8, LinearSite& site, Tensor dx, Tensor dh, Tensor gelu_h, Tensor dy,
+                        const SavedLinearInput& saved);
 // site_backward of an output gradient made by an element-wise op (`dy`: GELU's backward, a
 // gate's product). With FP8 dgrad and wgrad (wgrad_in_fp8) the op runs inside the casts of dy
 // (Backend::quantize_fused) and dy is never stored; otherwise the op writes dy_buffer (dy's

@@ -43,9 +43,7 @@ std::vector<NamePiece> diffusers_pieces(const ParamInfo& param, const FluxConfig
   const Parsed p = parse(param.name);
   const std::string leaf = p.leaf == "scale" ? "weight" : p.leaf;
   const int64_t rows = param.shape[0];
-  auto whole = [&](const std::string& d) {
-    return std::vector<NamePiece>{{d + "." + leaf, 0, 0, rows}};
-  };
+  auto whole = [&](const std::string& d) { return std::vector<NamePiece>{{d + "." + leaf, 0, 0, rows}}; };
   // Consecutive row blocks of the reference tensor, each a whole diffusers tensor.
   auto stacked = [&](const std::string& prefix, std::vector<std::pair<std::string, int64_t>> parts) {
     std::vector<NamePiece> out;
@@ -96,8 +94,7 @@ std::vector<NamePiece> diffusers_pieces(const ParamInfo& param, const FluxConfig
         {"txt_mlp.0", "ff_context.net.0.proj"},
         {"txt_mlp.2", "ff_context.net.2"},
     };
-    if (p.module == "img_attn.qkv")
-      return stacked(b + "attn.", {{"to_q", H}, {"to_k", H}, {"to_v", H}});
+    if (p.module == "img_attn.qkv") return stacked(b + "attn.", {{"to_q", H}, {"to_k", H}, {"to_v", H}});
     if (p.module == "txt_attn.qkv")
       return stacked(b + "attn.", {{"add_q_proj", H}, {"add_k_proj", H}, {"add_v_proj", H}});
     auto it = dbl.find(p.module);
@@ -106,8 +103,7 @@ std::vector<NamePiece> diffusers_pieces(const ParamInfo& param, const FluxConfig
   }
 
   const std::string b = "single_transformer_blocks." + p.index + ".";
-  if (p.module == "linear1")
-    return stacked(b, {{"attn.to_q", H}, {"attn.to_k", H}, {"attn.to_v", H}, {"proj_mlp", M}});
+  if (p.module == "linear1") return stacked(b, {{"attn.to_q", H}, {"attn.to_k", H}, {"attn.to_v", H}, {"proj_mlp", M}});
   static const std::map<std::string, std::string> sgl = {
       {"linear2", "proj_out"},
       {"norm.query_norm", "attn.norm_q"},

@@ -14,8 +14,8 @@ namespace {
 size_t padded_bytes(size_t bytes) { return (bytes + 255) / 256 * 256; }
 }  // namespace
 
-void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string component,
-                      bool block_linear, bool linear_weight, bool per_sample) {
+void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string component, bool block_linear,
+                      bool linear_weight, bool per_sample) {
   index_.emplace(name, params_.size());
   params_.push_back(
       {std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight, per_sample, false});
@@ -34,8 +34,7 @@ void ParamLayout::add_linear(const std::string& prefix, int64_t out, int64_t in,
 ParamLayout ParamLayout::build(const FluxConfig& c) {
   ParamLayout L;
   const int64_t H = c.hidden_size, M = c.mlp_hidden(), D = c.head_dim();
-  const auto xavier = ParamInit::xavier_uniform, normal = ParamInit::normal_002,
-             zeros = ParamInit::zeros;
+  const auto xavier = ParamInit::xavier_uniform, normal = ParamInit::normal_002, zeros = ParamInit::zeros;
   auto mlp_embedder = [&](const std::string& name, int64_t in) {
     L.add_linear(name + ".in_layer", H, in, normal, name, true, false, true);
     L.add_linear(name + ".out_layer", H, H, normal, name, true, false, true);
@@ -100,8 +99,7 @@ ParamStore::~ParamStore() {
 }
 
 static Tensor view(void* base, DType dtype, const ParamInfo& p) {
-  return Tensor(static_cast<char*>(base) + static_cast<size_t>(p.offset) * dtype_size(dtype),
-                dtype, p.shape);
+  return Tensor(static_cast<char*>(base) + static_cast<size_t>(p.offset) * dtype_size(dtype), dtype, p.shape);
 }
 
 Tensor ParamStore::param(std::string_view name) const { return view(params_, dtype_, layout_.at(name)); }
@@ -236,8 +234,8 @@ bool ParamStore::add_low_rank_grad(const Tensor& dw, const Tensor& dy, const Ten
   LowRank& L = low_rank_[i];
   const int64_t n = dy.rows(), M = L.a.shape[1], K = L.b.shape[1];
   if (x.rows() != n || dy.cols() != M || x.cols() != K)
-    fail("internal error: the low-rank gradient of '{}' [{}, {}] cannot take dy {} and x {}",
-         layout_.params()[i].name, M, K, dy.str(), x.str());
+    fail("internal error: the low-rank gradient of '{}' [{}, {}] cannot take dy {} and x {}", layout_.params()[i].name,
+         M, K, dy.str(), x.str());
   if (first) {
     L.rows = 0;
     L.dense = false;
@@ -323,9 +321,10 @@ void ParamStore::finish_grads() {
   flush_low_rank_copies();
   for (size_t i = 0; i < written_.size(); ++i)
     if (!written_[i])
-      fail("internal error: the backward wrote no gradient for parameter '{}' (its gradient buffer would hold stale "
-           "values); please report this",
-           layout_.params()[i].name);
+      fail(
+          "internal error: the backward wrote no gradient for parameter '{}' (its gradient buffer would hold stale "
+          "values); please report this",
+          layout_.params()[i].name);
 }
 
 }  // namespace flux8

@@ -18,12 +18,12 @@ namespace flux8 {
 enum class ParamInit : uint8_t { xavier_uniform, normal_002, zeros, ones };
 
 struct ParamInfo {
-  std::string name;       // reference name, e.g. "double_blocks.0.img_attn.qkv.weight"
+  std::string name;  // reference name, e.g. "double_blocks.0.img_attn.qkv.weight"
   Shape shape;
-  int64_t offset = 0;     // elements from the start of the flat buffer
+  int64_t offset = 0;  // elements from the start of the flat buffer
   ParamInit init = ParamInit::zeros;
-  std::string component;  // "img_in", "double_blocks", ... (for per-component counts)
-  bool block_linear = false;  // a weight of a double/single block Linear (the FP8 candidates)
+  std::string component;       // "img_in", "double_blocks", ... (for per-component counts)
+  bool block_linear = false;   // a weight of a double/single block Linear (the FP8 candidates)
   bool linear_weight = false;  // the weight of any Linear (add_linear)
   // The weight of a Linear that sees one row per sample (the modulation Linears, the embedders'
   // MLPs): its gradient has the rank of a step's samples (ParamStore::keep_low_rank_grads).
@@ -41,10 +41,10 @@ class ParamLayout {
   const ParamInfo& at(std::string_view name) const;  // fails naming the tensor
 
  private:
-  void add(std::string name, Shape shape, ParamInit init, std::string component,
-           bool block_linear = false, bool linear_weight = false, bool per_sample = false);
-  void add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
-                  const std::string& component, bool bias, bool block_linear = false, bool per_sample = false);
+  void add(std::string name, Shape shape, ParamInit init, std::string component, bool block_linear = false,
+           bool linear_weight = false, bool per_sample = false);
+  void add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init, const std::string& component,
+                  bool bias, bool block_linear = false, bool per_sample = false);
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, size_t> index_;
   int64_t total_ = 0;
@@ -96,7 +96,8 @@ class ParamStore {
   // and x's rows in f32 (Backend::LowRankGrad) — when rows <= kLowRankMaxRows and returns
   // whether it did; 0 turns it off. (AdamW rebuilds each element from `rows` products: at 2
   // rows it breaks even with reading the gradient — the gain is the wgrad GEMM's write and the
-  // norm's read — and beyond a few rows it would lose; 8 is a bound, not a measured optimum.) The flat buffer then does not hold those gradients:
+  // norm's read — and beyond a few rows it would lose; 8 is a bound, not a measured optimum.) The flat buffer then does
+  // not hold those gradients:
   //   add_low_rank_grad(dw, dy, x, first): for the backward of a Linear with weight gradient
   //     dw, input x [N, K] and output gradient dy [N, M] (any ld); `first`: this is the step's
   //     first write of dw (the caller's first_write answer, which it also uses for the bias).
@@ -176,7 +177,7 @@ class ParamStore {
   };
   std::vector<LowRank> low_rank_;
   void* low_rank_buffer_ = nullptr;
-  std::vector<Backend::CopyPair> pending_copies_; // add_low_rank_grad's, not yet issued
+  std::vector<Backend::CopyPair> pending_copies_;  // add_low_rank_grad's, not yet issued
   // Writes parameter i's factors into its gradient (overwriting it) and marks it dense.
   void write_low_rank(size_t i);
   void* operand_buffer_ = nullptr;

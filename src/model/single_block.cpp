@@ -53,8 +53,7 @@ namespace {
 // layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
 SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
-  const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M},
-                                       SlotKind::workspace);
+  const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M}, SlotKind::workspace);
   attention_output_to_tokens(ctx.be, cat.cols_slice(0, H), s.att8, s.o, 0);
   ctx.be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
   return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
@@ -82,16 +81,16 @@ void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBl
 
 }  // namespace
 
-void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& s, Tensor z,
-                          Tensor z_out, NormStatsOut next) {
+void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& s, Tensor z, Tensor z_out,
+                          NormStatsOut next) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const size_t outer = ctx.scratch.mark();
   s.z_in = z;  // saved as it is: the caller keeps it unchanged until the block's backward
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
   site_forward(be, ctx.fp8, ctx.scratch, p.mod, s.mod, ctx.silu_vec, s.mod_in);
-  Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(
-      z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H), s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
+  Backend::CastInput ln = Backend::CastInput::layernorm_modulate_of(z, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H),
+                                                                    s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
   ln.statistics_ready = s.ln_ready;
   s.ln_ready = false;
   // linear2's input is cat = [o in token layout | GELU(u's MLP part)]. BF16: linear1's GEMM
@@ -126,8 +125,7 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
   ctx.scratch.release_to(outer);
 }
 
-void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
-                           const SingleBlockSaved& s, Tensor dz) {
+void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s, Tensor dz) {
   Backend& be = ctx.be;
   const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
   const int64_t B = ctx.shape.batch, L = ctx.shape.tokens();
@@ -155,8 +153,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
   const size_t cat_mark = a.mark();
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
   if (gelu_epilogue)
-    site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h,
-                       cat);
+    site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h, cat);
   else
     site_backward_fused(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * H, H + M), d_out, d_h, cat, false);
   a.release_to(cat_mark);
@@ -180,9 +177,9 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
                                           p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv, s.u.cols_slice(0, H),
                                           s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
   else
-    be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
-                                      p.q_norm.ds, p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H),
-                                      s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
+    be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H), p.q_norm.ds,
+                                      p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H), s.u.cols_slice(H, H), s.q_rstd,
+                                      s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
   if (gelu_epilogue)
     site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
   else  // GELU's backward inside the casts of linear1's output gradient (or, BF16 wgrad, into d_u)
@@ -190,8 +187,8 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
                         Backend::CastInput::gelu_tanh_backward_of(d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M))
                             .with_head(d_u.cols_slice(0, 3 * H)),
                         d_u, s.zm, false);
-  be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in,
-                                 s.ln_mean, s.ln_rstd, s.mod.cols_slice(H, H), true);
+  be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in, s.ln_mean, s.ln_rstd,
+                                 s.mod.cols_slice(H, H), true);
   site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);
   if (p.mod.store) p.mod.store->flush_low_rank_copies();  // dmod's rows, before their release
   a.release_to(mark);

@@ -21,16 +21,16 @@ struct SingleBlockParams {
 // k, v (q, k, v from u: QK-norm, layout, RoPE; cat from o and u's MLP part: layout and GELU) and
 // re-casts cat in FP8.
 struct SingleBlockSaved : BlockAttentionSaved {
-  Tensor z_in;                  // block input (LayerNorm backward): the caller's tensor, not a copy
-  SavedLinearInput mod_in;      // SiLU(vec) as the modulation Linear saw it
-  Tensor mod;                   // [B, 3H]: shift, scale, gate
-  Tensor ln_mean, ln_rstd;      // modulated LayerNorm
-  bool ln_ready = false;        // ln_* written by the block(s) before (NormStatsOut); the forward clears it
-  SavedLinearInput zm;          // its output (linear1 input)
-  Tensor u;                     // linear1 output [B, L, 3H + M]
+  Tensor z_in;              // block input (LayerNorm backward): the caller's tensor, not a copy
+  SavedLinearInput mod_in;  // SiLU(vec) as the modulation Linear saw it
+  Tensor mod;               // [B, 3H]: shift, scale, gate
+  Tensor ln_mean, ln_rstd;  // modulated LayerNorm
+  bool ln_ready = false;    // ln_* written by the block(s) before (NormStatsOut); the forward clears it
+  SavedLinearInput zm;      // its output (linear1 input)
+  Tensor u;                 // linear1 output [B, L, 3H + M]
   Tensor q_rstd, k_rstd;
-  SavedLinearInput cat;         // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
-  Tensor out;                   // linear2 output (gate gradient)
+  SavedLinearInput cat;  // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
+  Tensor out;            // linear2 output (gate gradient)
   // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
   static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype, DType heads,
                                    const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
@@ -43,8 +43,7 @@ struct SingleBlockSaved : BlockAttentionSaved {
 void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& saved, Tensor z,
                           Tensor z_out, NormStatsOut next = {});
 // dz: gradient of the output in, of the input out. Parameter grads, d_silu_vec accumulated.
-void single_block_backward(const BlockContext& ctx, SingleBlockParams& p,
-                           const SingleBlockSaved& saved, Tensor dz);
+void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& saved, Tensor dz);
 
 void single_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
                                const Fp8Runtime* fp8, bool selective = false);

@@ -17,17 +17,11 @@ namespace flux8 {
 
 namespace {
 
-std::vector<int64_t> dims(const Shape& s) {
-  return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank);
-}
+std::vector<int64_t> dims(const Shape& s) { return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank); }
 
-std::string shape_str(const std::vector<int64_t>& v) {
-  return fmt::format("[{}]", fmt::join(v, ", "));
-}
+std::string shape_str(const std::vector<int64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
 
-bool loadable_dtype(const std::string& d) {
-  return d == "F32" || d == "BF16" || d == "F16" || d == "F64";
-}
+bool loadable_dtype(const std::string& d) { return d == "F32" || d == "BF16" || d == "F16" || d == "F64"; }
 
 // Collects every problem before failing, so one run shows the user all of them.
 struct Problems {
@@ -35,23 +29,22 @@ struct Problems {
   void add(std::string s) { lines.push_back(std::move(s)); }
   void raise(const std::string& path, const FluxConfig& cfg, WeightNaming naming) const {
     if (lines.empty()) return;
-    std::string msg = fmt::format(
-        "checkpoint {} ({} naming) does not match model '{}' ({} problem{}):", path,
-        naming == WeightNaming::reference ? "reference" : "diffusers", cfg.name, lines.size(),
-        lines.size() == 1 ? "" : "s");
+    std::string msg = fmt::format("checkpoint {} ({} naming) does not match model '{}' ({} problem{}):", path,
+                                  naming == WeightNaming::reference ? "reference" : "diffusers", cfg.name, lines.size(),
+                                  lines.size() == 1 ? "" : "s");
     const size_t shown = std::min<size_t>(lines.size(), 40);
     for (size_t i = 0; i < shown; ++i) msg += "\n  " + lines[i];
     if (shown < lines.size()) msg += fmt::format("\n  ... and {} more", lines.size() - shown);
-    msg += "\nCheck that the config (hidden_size, num_*_blocks, guidance_embed, in_channels, ...) "
-           "is the one the checkpoint was made with.";
+    msg +=
+        "\nCheck that the config (hidden_size, num_*_blocks, guidance_embed, in_channels, ...) "
+        "is the one the checkpoint was made with.";
     throw Error(msg);
   }
 };
 
 }  // namespace
 
-void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path,
-                  const std::string& prefix_in) {
+void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path, const std::string& prefix_in) {
   SafetensorsReader file(path);
   std::string prefix = prefix_in;
   if (prefix.empty() && !file.contains("img_in.weight") && !file.contains("x_embedder.weight") &&
@@ -63,9 +56,10 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
   } else if (file.contains(prefix + "x_embedder.weight")) {
     naming = WeightNaming::diffusers;
   } else {
-    fail("checkpoint {}: found neither '{}img_in.weight' (reference Flux naming) nor "
-         "'{}x_embedder.weight' (diffusers naming); is this a Flux transformer checkpoint?",
-         path, prefix, prefix);
+    fail(
+        "checkpoint {}: found neither '{}img_in.weight' (reference Flux naming) nor "
+        "'{}x_embedder.weight' (diffusers naming); is this a Flux transformer checkpoint?",
+        path, prefix, prefix);
   }
 
   Problems problems;
@@ -86,8 +80,8 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
     used.insert(full);
     const SafetensorsTensor& t = file.tensor(full);
     if (t.shape != shape)
-      problems.add(fmt::format("shape: {} is {} in the file, the model needs {}", full,
-                               shape_str(t.shape), shape_str(shape)));
+      problems.add(
+          fmt::format("shape: {} is {} in the file, the model needs {}", full, shape_str(t.shape), shape_str(shape)));
     if (!loadable_dtype(t.dtype))
       problems.add(fmt::format("dtype: {} is {}; weights must be F32, BF16, F16 or F64", full, t.dtype));
   }
@@ -165,7 +159,8 @@ SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params,
   check_file_dtype(file_dtype);
   SafetensorsWriter writer;
   auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
-  for (const ParamInfo& p : params) writer.add_filled(p.name, file_dtype, dims(p.shape), src.fill(p, file_dtype, scratch));
+  for (const ParamInfo& p : params)
+    writer.add_filled(p.name, file_dtype, dims(p.shape), src.fill(p, file_dtype, scratch));
   writer.set_metadata("format", "pt");
   for (const auto& [k, v] : metadata) writer.set_metadata(k, v);
   return writer;

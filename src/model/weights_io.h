@@ -24,8 +24,7 @@ enum class WeightNaming { reference, diffusers };
 //
 // Checks every tensor's presence, shape and dtype (F32, BF16, F16 or F64) and fails with
 // one message listing every mismatch (missing, unexpected, wrong shape, wrong dtype).
-void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path,
-                  const std::string& prefix = "");
+void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path, const std::string& prefix = "");
 
 // Buffers upload_file_tensor reuses from call to call.
 struct UploadBuffers {
@@ -63,8 +62,7 @@ SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params,
 
 // Writes all parameters (file dtype bf16, f32 or f16) atomically. In the reference naming each
 // parameter streams from the backend to the file a piece at a time (no host copy of the model).
-void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path,
-                  DType file_dtype, WeightNaming naming,
-                  const std::map<std::string, std::string>& metadata = {});
+void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path, DType file_dtype,
+                  WeightNaming naming, const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace flux8

@@ -51,20 +51,21 @@ AsyncCheckpointer::Finished AsyncCheckpointer::collect() {
   try {
     return pending_.get();  // leaves pending_ invalid
   } catch (const std::exception& e) {
-    fail("checkpoint of step {} (written in the background, async_save) failed: {}; the checkpoints before it "
-         "are intact",
-         step, e.what());
+    fail(
+        "checkpoint of step {} (written in the background, async_save) failed: {}; the checkpoints before it "
+        "are intact",
+        step, e.what());
   }
 }
 
 void AsyncCheckpointer::prepare(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
   FLUX8_CHECK(!preparing_.valid() && !pending_.valid(), "AsyncCheckpointer::prepare after a save started");
-  preparing_ = std::async(std::launch::async, [this, &store, m = adam_m, v = adam_v] { snapshot_.reserve(store, m, v); });
+  preparing_ =
+      std::async(std::launch::async, [this, &store, m = adam_m, v = adam_v] { snapshot_.reserve(store, m, v); });
 }
 
 std::optional<AsyncCheckpointer::Finished> AsyncCheckpointer::poll() {
-  if (!pending_.valid() || pending_.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
-    return std::nullopt;
+  if (!pending_.valid() || pending_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return std::nullopt;
   return collect();
 }
 

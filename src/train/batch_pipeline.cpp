@@ -118,7 +118,8 @@ BatchPipeline::MicroBatch BatchPipeline::acquire() {
   }
   acquired_ = true;
   s.timing.wait_s = seconds_since(t0);
-  return MicroBatch{&buffers.in, buffers.target, buffers.dpred, &buffers.host, s.step, s.part, s.loader_after, s.timing};
+  return MicroBatch{&buffers.in, buffers.target, buffers.dpred,  &buffers.host,
+                    s.step,      s.part,         s.loader_after, s.timing};
 }
 
 void BatchPipeline::release() {

@@ -43,9 +43,9 @@ struct BatchPipelineSpec {
   const ObjectiveConfig& obj;
   const EmptyPrompt& empty;
   uint64_t seed = 0;
-  int64_t global = 1, micro = 1;     // samples a step and a micro-batch (global % micro == 0)
-  int64_t first_step = 0;            // 0-based index of the first step's batch
-  int64_t end_step = 0;              // no batch is built for this step or later
+  int64_t global = 1, micro = 1;  // samples a step and a micro-batch (global % micro == 0)
+  int64_t first_step = 0;         // 0-based index of the first step's batch
+  int64_t end_step = 0;           // no batch is built for this step or later
   // Build and upload on a thread of its own, or inside acquire() on the caller's; automatic:
   // a thread when the backend's copy queue is asynchronous (CUDA), the caller's otherwise (the
   // CPU backend computes on every core, and its batches are small beside its steps).

@@ -90,8 +90,7 @@ bool exchange_paths(const std::string& a, const std::string& b) {
 }
 
 void rename_path(const std::string& from, const std::string& to) {
-  if (::rename(from.c_str(), to.c_str()) != 0)
-    fail("cannot rename '{}' to '{}': {}", from, to, std::strerror(errno));
+  if (::rename(from.c_str(), to.c_str()) != 0) fail("cannot rename '{}' to '{}': {}", from, to, std::strerror(errno));
 }
 
 // ---- checkpoint directories --------------------------------------------------------------
@@ -122,9 +121,8 @@ std::vector<StepDir> list_step_dirs(const std::string& root) {
     const auto step = parse_step_dir(name);
     if (step && e.is_directory(ec)) dirs.push_back({*step, e.path().string(), name});
   }
-  std::sort(dirs.begin(), dirs.end(), [](const StepDir& a, const StepDir& b) {
-    return a.step != b.step ? a.step > b.step : a.name > b.name;
-  });
+  std::sort(dirs.begin(), dirs.end(),
+            [](const StepDir& a, const StepDir& b) { return a.step != b.step ? a.step > b.step : a.name > b.name; });
   return dirs;
 }
 
@@ -150,15 +148,14 @@ Manifest read_manifest(const std::string& dir) {
   const std::string path = (fs::path(dir) / kManifestFile).string();
   std::error_code ec;
   if (!fs::exists(path, ec))
-    fail("{} is missing (the checkpoint was never finished, or is not a flux8 checkpoint)",
-         kManifestFile);
+    fail("{} is missing (the checkpoint was never finished, or is not a flux8 checkpoint)", kManifestFile);
   Manifest m;
   try {
     const json j = json::parse(read_text(path));
     m.version = j.at("format_version").get<int>();
     if (m.version > kCheckpointFormatVersion)
-      fail("{} has format_version {}; this flux8 reads version {} (written by a newer flux8?)",
-           kManifestFile, m.version, kCheckpointFormatVersion);
+      fail("{} has format_version {}; this flux8 reads version {} (written by a newer flux8?)", kManifestFile,
+           m.version, kCheckpointFormatVersion);
     m.step = j.at("step").get<int64_t>();
     for (const auto& [name, rec] : j.at("files").items()) {
       if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
@@ -168,7 +165,8 @@ Manifest read_manifest(const std::string& dir) {
       if (rec.contains("piece_sha256")) {
         r.piece_bytes = rec.at("piece_bytes").get<uint64_t>();
         r.piece_sha256 = rec.at("piece_sha256").get<std::vector<std::string>>();
-        const uint64_t pieces = r.piece_bytes == 0 ? 0 : std::max<uint64_t>(1, (r.bytes + r.piece_bytes - 1) / r.piece_bytes);
+        const uint64_t pieces =
+            r.piece_bytes == 0 ? 0 : std::max<uint64_t>(1, (r.bytes + r.piece_bytes - 1) / r.piece_bytes);
         if (pieces == 0 || r.piece_sha256.size() != pieces)
           fail("{} lists {} piece digests of {} bytes for {} ({} bytes), expected {}", kManifestFile,
                r.piece_sha256.size(), r.piece_bytes, name, r.bytes, pieces);
@@ -192,9 +190,10 @@ std::string check_file_size(const std::string& dir, const std::string& name, con
   const uint64_t size = fs::file_size(path, ec);
   if (ec) return fmt::format("{} is missing ({})", name, ec.message());
   if (size != rec.bytes)
-    return fmt::format("{} has {} bytes, manifest says {} (the file is incomplete: a run was "
-                       "probably killed while writing or copying it, or the disk filled up)",
-                       name, size, rec.bytes);
+    return fmt::format(
+        "{} has {} bytes, manifest says {} (the file is incomplete: a run was "
+        "probably killed while writing or copying it, or the disk filled up)",
+        name, size, rec.bytes);
   return "";
 }
 
@@ -245,7 +244,8 @@ std::string check_digests(const std::string& dir, const Manifest& m, const char*
   auto work = [&] {
     for (size_t i; (i = next++) < checks.size();) problems[i] = check_digest(dir, checks[i]);
   };
-  const size_t threads = std::min<size_t>(checks.size(), std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16));
+  const size_t threads =
+      std::min<size_t>(checks.size(), std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16));
   std::vector<std::thread> pool;
   for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
@@ -262,8 +262,7 @@ std::string checkpoint_problem(const std::string& dir, bool hash) {
     const Manifest m = read_manifest(dir);
     const auto named = parse_step_dir(fs::path(dir).filename().string());
     if (named && *named != m.step)
-      return fmt::format("{} is for step {}, but the directory is named for step {}",
-                         kManifestFile, m.step, *named);
+      return fmt::format("{} is for step {}, but the directory is named for step {}", kManifestFile, m.step, *named);
     // Presence and sizes of all files first: cheap, and the likely damage.
     for (const auto& [name, rec] : m.files) {
       std::string p = check_file_size(dir, name, rec);
@@ -279,23 +278,22 @@ std::string checkpoint_problem(const std::string& dir, bool hash) {
 
 // ---- contents ----------------------------------------------------------------------------
 
-std::vector<int64_t> dims(const Shape& s) {
-  return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank);
-}
+std::vector<int64_t> dims(const Shape& s) { return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank); }
 
 // The view of one parameter inside a flat buffer laid out like the parameters.
 Tensor slice_of(const Tensor& flat, const ParamInfo& p) {
-  return Tensor(static_cast<char*>(flat.data) + static_cast<size_t>(p.offset) * dtype_size(flat.dtype),
-                flat.dtype, p.shape);
+  return Tensor(static_cast<char*>(flat.data) + static_cast<size_t>(p.offset) * dtype_size(flat.dtype), flat.dtype,
+                p.shape);
 }
 
 void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what) {
   for (const auto& [t, name] : {std::pair{&m, "adam_m"}, std::pair{&v, "adam_v"}}) {
     if (!t->defined() || t->numel() != store.layout().total() || !t->contiguous() ||
         (t->dtype != DType::f32 && t->dtype != DType::f64 && t->dtype != DType::bf16))
-      fail("{}: {} must be a contiguous f32/f64/bf16 buffer of {} elements laid out like the "
-           "parameters, got {}",
-           what, name, store.layout().total(), t->str());
+      fail(
+          "{}: {} must be a contiguous f32/f64/bf16 buffer of {} elements laid out like the "
+          "parameters, got {}",
+          what, name, store.layout().total(), t->str());
   }
 }
 
@@ -313,8 +311,8 @@ SafetensorsWriter model_writer(const TrainerState& state, const std::vector<Para
 
 // The optimizer state's file: the two moments of every parameter, as f32 whatever they are
 // stored in (PyTorch's AdamW state).
-SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<ParamInfo>& params,
-                                   const FlatSource& m, const FlatSource& v) {
+SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<ParamInfo>& params, const FlatSource& m,
+                                   const FlatSource& v) {
   SafetensorsWriter writer;
   auto scratch = std::make_shared<std::vector<uint8_t>>();
   for (const auto& [moment, src] : {std::pair{"exp_avg", &m}, std::pair{"exp_avg_sq", &v}})
@@ -327,8 +325,7 @@ SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<
   return writer;
 }
 
-void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m,
-                    const Tensor& adam_v) {
+void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
   const SafetensorsReader file(path);
   std::vector<std::string> problems;
   size_t expected = 0;
@@ -341,8 +338,8 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
   if (problems.empty() && file.names().size() != expected)
     problems.push_back(fmt::format("{} tensors, the model needs {}", file.names().size(), expected));
   if (!problems.empty())
-    fail("optimizer state {} does not match this model ({}{}); was it saved with another config?",
-         path, problems.front(), problems.size() > 1 ? fmt::format(" and {} more", problems.size() - 1) : "");
+    fail("optimizer state {} does not match this model ({}{}); was it saved with another config?", path,
+         problems.front(), problems.size() > 1 ? fmt::format(" and {} more", problems.size() - 1) : "");
   Backend& be = store.backend();
   UploadBuffers buffers;
   for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}})
@@ -376,8 +373,7 @@ void remove_stale_tmp_dirs(const std::string& root) {
     if (name.rfind(kTmpPrefix, 0) != 0) continue;
     const size_t dash = name.rfind('-');
     const long pid = std::strtol(name.c_str() + dash + 1, nullptr, 10);
-    const bool alive = pid > 0 && pid != ::getpid() &&
-                       (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    const bool alive = pid > 0 && pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
     if (!alive) remove_quietly(e.path().string());
   }
 }
@@ -463,8 +459,7 @@ TrainerState trainer_state_from_json(const std::string& text, const std::string&
   string_field("config_yaml", s.config_yaml);
   string_field("flux8_version", s.flux8_version);
   for (const auto& [key, value] : j.items())
-    if (!known.count(key))
-      fail("{}: unknown field '{}' (written by a newer flux8, or edited by hand?)", where, key);
+    if (!known.count(key)) fail("{}: unknown field '{}' (written by a newer flux8, or edited by hand?)", where, key);
   return s;
 }
 
@@ -482,8 +477,7 @@ std::string write_checkpoint_dir(const std::string& root, const TrainerState& st
 
   const std::string name = checkpoint_dir_name(state.step);
   const std::string final_dir = (fs::path(root) / name).string();
-  const std::string tmp_dir =
-      (fs::path(root) / fmt::format("{}{}-{}", kTmpPrefix, name, ::getpid())).string();
+  const std::string tmp_dir = (fs::path(root) / fmt::format("{}{}-{}", kTmpPrefix, name, ::getpid())).string();
   fs::remove_all(tmp_dir, ec);
   fs::create_directory(tmp_dir, ec);
   if (ec) fail("cannot create '{}': {}", tmp_dir, ec.message());
@@ -537,9 +531,9 @@ std::string write_checkpoint_dir(const std::string& root, const TrainerState& st
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& root, const TrainerState& state,
-                            const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
-                            const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8) {
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
+                            const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
+                            const Fp8MetaRegistry* fp8) {
   check_moments(store, adam_m, adam_v, "save_checkpoint");
   Backend& be = store.backend();
   const std::vector<ParamInfo>& params = store.layout().params();
@@ -615,8 +609,7 @@ void verify_checkpoint(const std::string& dir, bool hash) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail("checkpoint {}: no such directory", dir);
   const std::string problem = checkpoint_problem(dir, hash);
-  if (!problem.empty())
-    fail("checkpoint {}: {}; it cannot be used: resume from an earlier checkpoint", dir, problem);
+  if (!problem.empty()) fail("checkpoint {}: {}; it cannot be used: resume from an earlier checkpoint", dir, problem);
 }
 }  // namespace
 
@@ -636,32 +629,33 @@ std::optional<std::string> find_latest_checkpoint(const std::string& root, std::
   const std::string using_what =
       found ? "using " + fs::path(*found).filename().string() : "no complete checkpoint remains";
   for (const std::string& s : skipped) {
-    const std::string line =
-        fmt::format("flux8: warning: checkpoint {} — skipping it; {}\n", s, using_what);
+    const std::string line = fmt::format("flux8: warning: checkpoint {} — skipping it; {}\n", s, using_what);
     std::cerr << line;
     if (report) *report += line;
   }
   return found;
 }
 
-void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
-                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
-                     Fp8MetaRegistry* fp8, std::string* fp8_note, CheckpointVerify verify) {
+void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
+                     const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8, std::string* fp8_note,
+                     CheckpointVerify verify) {
   check_moments(store, adam_m, adam_v, "load_checkpoint");
   verify_checkpoint(dir, verify == CheckpointVerify::digests);
   const std::string state_path = (fs::path(dir) / kStateFile).string();
   TrainerState loaded = trainer_state_from_json(read_text(state_path), state_path);
   const Manifest m = read_manifest(dir);
   if (loaded.step != m.step)
-    fail("checkpoint {}: {} says step {}, {} says step {}", dir, kStateFile, loaded.step,
-         kManifestFile, m.step);
+    fail("checkpoint {}: {} says step {}, {} says step {}", dir, kStateFile, loaded.step, kManifestFile, m.step);
   load_weights(store, cfg, (fs::path(dir) / kModelFile).string());
   load_optimizer((fs::path(dir) / kOptimizerFile).string(), store, adam_m, adam_v);
   const bool has_fp8 = m.files.count(kFp8File) != 0;
   std::string note;
-  if (fp8 && has_fp8) note = load_fp8_state(*fp8, (fs::path(dir) / kFp8File).string());
-  else if (fp8) note = "the checkpoint has no FP8 state (a BF16 run): FP8 scales start at 1 with empty amax histories";
-  else if (has_fp8) note = "the checkpoint's FP8 state is ignored: this run trains in BF16";
+  if (fp8 && has_fp8)
+    note = load_fp8_state(*fp8, (fs::path(dir) / kFp8File).string());
+  else if (fp8)
+    note = "the checkpoint has no FP8 state (a BF16 run): FP8 scales start at 1 with empty amax histories";
+  else if (has_fp8)
+    note = "the checkpoint's FP8 state is ignored: this run trains in BF16";
   if (fp8_note) *fp8_note = note;
   state = std::move(loaded);
 }
@@ -671,9 +665,10 @@ std::string resolve_weights_path(const std::string& path_or_dir) {
   const fs::file_status st = fs::status(path_or_dir, ec);
   if (fs::is_regular_file(st)) return path_or_dir;
   if (!fs::is_directory(st))
-    fail("--init-from '{}': no such file or directory; give a .safetensors weights file or a "
-         "checkpoint directory (ROOT/step-N)",
-         path_or_dir);
+    fail(
+        "--init-from '{}': no such file or directory; give a .safetensors weights file or a "
+        "checkpoint directory (ROOT/step-N)",
+        path_or_dir);
   const fs::path dir(path_or_dir);
   if (fs::exists(dir / kManifestFile)) {
     const Manifest m = [&] {
@@ -691,12 +686,14 @@ std::string resolve_weights_path(const std::string& path_or_dir) {
   if (fs::exists(dir / kModelFile)) return (dir / kModelFile).string();
   const std::vector<StepDir> steps = list_step_dirs(path_or_dir);
   if (!steps.empty())
-    fail("--init-from '{}' is a checkpoint root, not a checkpoint; name one of its checkpoints, "
-         "e.g. '{}'",
-         path_or_dir, steps.front().path);
-  fail("--init-from '{}' is a directory without {} or {}; give a .safetensors weights file or a "
-       "checkpoint directory (ROOT/step-N)",
-       path_or_dir, kManifestFile, kModelFile);
+    fail(
+        "--init-from '{}' is a checkpoint root, not a checkpoint; name one of its checkpoints, "
+        "e.g. '{}'",
+        path_or_dir, steps.front().path);
+  fail(
+      "--init-from '{}' is a directory without {} or {}; give a .safetensors weights file or a "
+      "checkpoint directory (ROOT/step-N)",
+      path_or_dir, kManifestFile, kModelFile);
 }
 
 }  // namespace flux8

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "model/flux_config.h"
-#include "model/params.h"
 #include "fp8/meta.h"
 #include "io/safetensors.h"
+#include "model/flux_config.h"
+#include "model/params.h"
 #include "train/trainer_state.h"
 
 namespace flux8 {
@@ -40,9 +40,9 @@ std::string checkpoint_dir_name(int64_t step);
 // keeps all) and removes .tmp-* directories left by killed runs. adam_m and adam_v are flat
 // moment buffers laid out like store.flat_params(). Returns the checkpoint's path.
 // With `fp8`, the delayed-scaling state is saved too (fp8_state.safetensors).
-std::string save_checkpoint(const std::string& root, const TrainerState& state,
-                            const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
-                            const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
+                            const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
+                            const Fp8MetaRegistry* fp8 = nullptr);
 
 // The bytes of a checkpoint directory's files (what the log says a save wrote).
 uint64_t checkpoint_bytes(const std::string& dir);
@@ -86,8 +86,7 @@ class CheckpointSnapshot {
 // The newest ROOT/step-N whose files all match its manifest (sizes and sha256), or nullopt
 // when there is none. Each skipped checkpoint gets a warning line on stderr naming it and the
 // failing file; the same lines are appended to *report when given.
-std::optional<std::string> find_latest_checkpoint(const std::string& root,
-                                                  std::string* report = nullptr);
+std::optional<std::string> find_latest_checkpoint(const std::string& root, std::string* report = nullptr);
 
 // Fails naming the directory, the file and the problem (missing, wrong size, checksum).
 void verify_checkpoint(const std::string& dir);
@@ -103,10 +102,9 @@ enum class CheckpointVerify { digests, sizes };
 // With `fp8` (an FP8 run), its state is restored from the checkpoint's FP8 state, or starts
 // fresh when the checkpoint has none (a BF16 run); a BF16 run ignores a checkpoint's FP8 state.
 // What happened is described in *fp8_note.
-void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg,
-                     ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
-                     Fp8MetaRegistry* fp8 = nullptr, std::string* fp8_note = nullptr,
-                     CheckpointVerify verify = CheckpointVerify::digests);
+void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
+                     const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8 = nullptr,
+                     std::string* fp8_note = nullptr, CheckpointVerify verify = CheckpointVerify::digests);
 
 // For --init-from: a checkpoint directory -> its model.safetensors (checked against the
 // manifest); a file -> itself; anything else fails saying what was expected.

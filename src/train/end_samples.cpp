@@ -16,9 +16,10 @@ void write_end_of_run_samples(const TrainConfig& cfg, FluxModel& model, Progress
   const std::vector<std::string>& prompts = cfg.sample_prompts;
   if (prompts.empty()) return;
   if (m.vae_downsample != 1) {
-    progress.event("sample_prompts is set, but end-of-run samples need the built-in text encoder of pixel-space "
-                   "models; for latent models use `flux8 sample --text-embeddings` (skipped)",
-                   nullptr);
+    progress.event(
+        "sample_prompts is set, but end-of-run samples need the built-in text encoder of pixel-space "
+        "models; for latent models use `flux8 sample --text-embeddings` (skipped)",
+        nullptr);
     return;
   }
   const DemoTextEncoder encoder(m.text_seq_len, m.context_dim, m.vec_dim);

@@ -42,11 +42,15 @@ void report_fp8_stats(Fp8Runtime& fp8, int64_t step, Progress& progress) {
       const CastStats& c = stats[site].op[o];
       if (c.elements == 0) continue;  // not cast this step (a cached weight, or no backward)
       const float scale = fp8.scale_of(static_cast<int>(site), static_cast<Operand>(o));
-      nlohmann::json t{{"tensor", stats[site].name}, {"role", operand_name(o)}, {"amax", c.amax},
-                       {"saturated", c.saturated_fraction()}, {"underflow", c.flushed_fraction()}};
+      nlohmann::json t{{"tensor", stats[site].name},
+                       {"role", operand_name(o)},
+                       {"amax", c.amax},
+                       {"saturated", c.saturated_fraction()},
+                       {"underflow", c.flushed_fraction()}};
       if (scale > 0) t["scale"] = scale;
       tensors.push_back(t);
-      entries.push_back({stats[site].name + "." + operand_name(o), c.saturated_fraction(), c.flushed_fraction(), c.amax});
+      entries.push_back(
+          {stats[site].name + "." + operand_name(o), c.saturated_fraction(), c.flushed_fraction(), c.amax});
     }
   }
   // FP8 attention: the amax each tensor had last step (cuDNN reports dS's and the outputs' from
@@ -70,9 +74,10 @@ void report_fp8_stats(Fp8Runtime& fp8, int64_t step, Progress& progress) {
     }
   }
   if (entries.empty()) return;
-  progress.event(fmt::format("FP8 health at step {} ({} tensors): most saturated: {}; most underflow: {}", step,
-                             entries.size(), worst(entries, &Entry::saturated, 3), worst(entries, &Entry::underflow, 3)),
-                 {{"step", step}, {"fp8", tensors}});
+  progress.event(
+      fmt::format("FP8 health at step {} ({} tensors): most saturated: {}; most underflow: {}", step, entries.size(),
+                  worst(entries, &Entry::saturated, 3), worst(entries, &Entry::underflow, 3)),
+      {{"step", step}, {"fp8", tensors}});
 }
 
 }  // namespace flux8

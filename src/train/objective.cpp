@@ -1,13 +1,13 @@
 #include "train/objective.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <exception>
-#include <tuple>
 #include <functional>
+#include <tuple>
 #include <utility>
-
-#include <omp.h>
 
 #include "config/config.h"
 #include "core/error.h"
@@ -100,7 +100,8 @@ namespace {
 const HostTensor& image_field(const Sample& s) {
   if (s.has("mean")) {
     if (!s.has("logvar")) fail("sample {} in {} has a VAE mean but no logvar", s.key, s.shard);
-    if (s.at("mean").shape != s.at("logvar").shape) fail("sample {} in {}: mean and logvar shapes differ", s.key, s.shard);
+    if (s.at("mean").shape != s.at("logvar").shape)
+      fail("sample {} in {}: mean and logvar shapes differ", s.key, s.shard);
     return s.at("mean");
   }
   if (s.has("latent")) return s.at("latent");
@@ -157,8 +158,10 @@ void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig
     const HostTensor& image = *(images[i] = &image_field(s));
     const auto [rows, features] = patch_grid(image.shape, m.patch_size);
     if (features != m.in_channels)
-      fail("sample {} in {}: {} channels x {}x{} patches = {} features per token, but the model's "
-           "in_channels is {}", s.key, s.shard, image.shape[0], m.patch_size, m.patch_size, features, m.in_channels);
+      fail(
+          "sample {} in {}: {} channels x {}x{} patches = {} features per token, but the model's "
+          "in_channels is {}",
+          s.key, s.shard, image.shape[0], m.patch_size, m.patch_size, features, m.in_channels);
     const HostTensor& t5 = draws[i].drop_text ? empty->t5 : s.at("t5");
     const HostTensor& clip = draws[i].drop_text ? empty->clip : s.at("clip");
     if (t5.shape.size() != 2 || t5.shape[1] != m.context_dim)
@@ -170,9 +173,10 @@ void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig
       b.txt_tokens = t5.shape[0];
       cols = features;
     } else if (rows != b.img_tokens || t5.shape[0] != b.txt_tokens) {
-      fail("sample {} in {}: {} image and {} text tokens, but this batch has {} and {}; samples of one "
-           "batch must share their resolution and text length", s.key, s.shard, rows, t5.shape[0],
-           b.img_tokens, b.txt_tokens);
+      fail(
+          "sample {} in {}: {} image and {} text tokens, but this batch has {} and {}; samples of one "
+          "batch must share their resolution and text length",
+          s.key, s.shard, rows, t5.shape[0], b.img_tokens, b.txt_tokens);
     }
     t5s[i] = &t5;
     clips[i] = &clip;
@@ -189,7 +193,7 @@ void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig
   std::vector<std::exception_ptr> errors(n);
   // Sample by sample over the threads when there are enough samples to share; with a few (W2's
   // 2) each sample's VAE draw spreads over them instead (vae_draw).
-#pragma omp parallel for schedule(dynamic) if (2 * static_cast<int>(n) >= omp_get_max_threads())
+#pragma omp parallel for schedule(dynamic) if (2 * static_cast <int>(n) >= omp_get_max_threads())
   for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) {
     const size_t i = static_cast<size_t>(k);
     try {
@@ -213,17 +217,15 @@ void assemble(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig
 
 }  // namespace
 
-HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& m,
-                           const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed,
-                           uint64_t step, uint64_t rank, int64_t first_index) {
+HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& m, const ObjectiveConfig& obj,
+                           const EmptyPrompt& empty, uint64_t seed, uint64_t step, uint64_t rank, int64_t first_index) {
   HostBatch b;
   make_train_batch(b, samples, m, obj, empty, seed, step, rank, first_index);
   return b;
 }
 
-void make_train_batch(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig& m,
-                      const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed, uint64_t step,
-                      uint64_t rank, int64_t first_index) {
+void make_train_batch(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig& m, const ObjectiveConfig& obj,
+                      const EmptyPrompt& empty, uint64_t seed, uint64_t step, uint64_t rank, int64_t first_index) {
   if (obj.timestep_sampling != "uniform" && obj.timestep_sampling != "logit_normal")
     fail("timestep_sampling '{}' is not one of uniform, logit_normal", obj.timestep_sampling);
   int64_t img_tokens = -1;  // for the shift; known after packing the first sample
@@ -247,8 +249,8 @@ void make_train_batch(HostBatch& b, const std::vector<Sample>& samples, const Fl
     for (double& t : b.t) t = shift_timestep(t, img_tokens);
 }
 
-HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxConfig& m,
-                                const ObjectiveConfig& obj, uint64_t seed, int64_t first_index) {
+HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxConfig& m, const ObjectiveConfig& obj,
+                                uint64_t seed, int64_t first_index) {
   HostBatch b;
   assemble(b, samples, m, obj, nullptr, seed, [&](size_t i) {
     const uint64_t j = static_cast<uint64_t>(first_index) + i;
@@ -259,7 +261,8 @@ HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxCo
                               : static_cast<double>(j % 8);
     if (bucket < 0 || bucket > 7 || bucket != std::floor(bucket))
       fail("validation sample {} in {}: timestep bucket {} is not an integer in 0..7", s.key, s.shard, bucket);
-    return PerSample{bucket / 8.0, false, validation_stream(j, Draw::vae_noise), validation_stream(j, Draw::flow_noise)};
+    return PerSample{bucket / 8.0, false, validation_stream(j, Draw::vae_noise),
+                     validation_stream(j, Draw::flow_noise)};
   });
   return b;
 }

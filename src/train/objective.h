@@ -62,16 +62,15 @@ double shift_timestep(double t, int64_t image_tokens);
 void pack_patches_into(const HostTensor& x, int64_t patch, float* out);
 
 // Training batch for `step`: samples[i] is global-batch sample first_index + i on `rank`.
-HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& model,
-                           const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed,
-                           uint64_t step, uint64_t rank, int64_t first_index);
+HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& model, const ObjectiveConfig& obj,
+                           const EmptyPrompt& empty, uint64_t seed, uint64_t step, uint64_t rank, int64_t first_index);
 // The same into `b`, reusing its vectors (the trainer's one batch, written in place each step).
 void make_train_batch(HostBatch& b, const std::vector<Sample>& samples, const FluxConfig& model,
-                      const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed, uint64_t step,
-                      uint64_t rank, int64_t first_index);
+                      const ObjectiveConfig& obj, const EmptyPrompt& empty, uint64_t seed, uint64_t step, uint64_t rank,
+                      int64_t first_index);
 // Validation batch (MLPerf): sample j at t = k/8 with k its "timestep" field (MLPerf's COCO
 // validation set) or j mod 8; fixed noise, no text dropout.
-HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxConfig& model,
-                                const ObjectiveConfig& obj, uint64_t seed, int64_t first_index);
+HostBatch make_validation_batch(const std::vector<Sample>& samples, const FluxConfig& model, const ObjectiveConfig& obj,
+                                uint64_t seed, int64_t first_index);
 
 }  // namespace flux8

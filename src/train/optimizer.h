@@ -23,9 +23,9 @@ struct AdamWConfig {
 };
 
 struct StepStats {
-  double grad_norm = 0;   // before clipping
+  double grad_norm = 0;  // before clipping
   double lr = 0;
-  bool applied = false;   // false: non-finite gradient, weights unchanged
+  bool applied = false;  // false: non-finite gradient, weights unchanged
 };
 
 class AdamWOptimizer {

@@ -8,7 +8,9 @@
 namespace flux8 {
 
 Progress::Progress(const std::string& path, bool append, int64_t start_step, int64_t total)
-    : tty_(::isatty(STDOUT_FILENO) != 0), start_step_(start_step), total_(total),
+    : tty_(::isatty(STDOUT_FILENO) != 0),
+      start_step_(start_step),
+      total_(total),
       t0_(std::chrono::steady_clock::now()) {
   if (!path.empty()) {
     metrics_.open(path, append ? std::ios::app : std::ios::trunc);
@@ -44,7 +46,7 @@ void Progress::step(const StepReport& r, bool log_line) {
                                {"data_assemble_s", r.data.assemble_s},
                                {"data_upload_s", r.data.upload_s},
                                {"energy_j_per_step", r.energy_j_per_step >= 0 ? nlohmann::json(r.energy_j_per_step)
-                                                                               : nlohmann::json(nullptr)},
+                                                                              : nlohmann::json(nullptr)},
                                {"gpu_power_w", r.power_w >= 0 ? nlohmann::json(r.power_w) : nlohmann::json(nullptr)},
                                {"skipped", r.skipped}}
                     .dump()
@@ -54,14 +56,13 @@ void Progress::step(const StepReport& r, bool log_line) {
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
   const int64_t done = r.step - start_step_;
   const double eta = done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - r.step) : 0;
-  const std::string stats = fmt::format("loss {:.4f}  lr {:.2e}  grad {:.3f}  {:.0f} ms/step  {:.1f} samples/s  {:.0f} tok/s  "
-                                        "{:.1f} TFLOP/s{}  data wait {:.0f} ms{}",
-                                        r.loss, r.lr, r.grad_norm, r.step_seconds * 1e3,
-                                        r.samples_per_second, r.tokens_per_second, r.model_tflops_per_second,
-                                        r.energy_j_per_step >= 0
-                                            ? fmt::format("  {:.1f} J/step {:.0f} W", r.energy_j_per_step, r.power_w)
-                                            : "",
-                                        r.data.wait_s * 1e3, r.skipped ? "  SKIPPED (non-finite)" : "");
+  const std::string stats = fmt::format(
+      "loss {:.4f}  lr {:.2e}  grad {:.3f}  {:.0f} ms/step  {:.1f} samples/s  {:.0f} tok/s  "
+      "{:.1f} TFLOP/s{}  data wait {:.0f} ms{}",
+      r.loss, r.lr, r.grad_norm, r.step_seconds * 1e3, r.samples_per_second, r.tokens_per_second,
+      r.model_tflops_per_second,
+      r.energy_j_per_step >= 0 ? fmt::format("  {:.1f} J/step {:.0f} W", r.energy_j_per_step, r.power_w) : "",
+      r.data.wait_s * 1e3, r.skipped ? "  SKIPPED (non-finite)" : "");
   if (tty_) {
     const int width = 24;
     const int filled = total_ > 0 ? static_cast<int>(width * r.step / total_) : width;

@@ -4,9 +4,8 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace flux8 {
 
@@ -27,7 +26,7 @@ struct StepReport {
   double loss = 0, lr = 0, grad_norm = 0, step_seconds = 0;
   double samples_per_second = 0, tokens_per_second = 0;
   double model_tflops_per_second = 0;  // model FLOPs (docs/WORKLOADS.md's convention) / step time
-  DataTiming data;  // the step's micro-batches', summed
+  DataTiming data;                     // the step's micro-batches', summed
   bool skipped = false;
   // The device's energy over the steps since the last logged one (a device with an energy
   // counter, on logged steps; validation and checkpoints left out), else negative.

@@ -44,8 +44,8 @@ bool prepare_demo_data(const TrainConfig& cfg) {
   const fs::path dir = fs::path(cfg.train_data).parent_path();
   const DemoSpec spec = demo_spec(cfg);
   if (demo_dataset_matches(dir.string(), spec)) return false;
-  fmt::print("generating the demo dataset in {} ({} train + {} validation samples, {}x{} px)\n",
-             dir.string(), spec.train_samples, spec.val_samples, spec.image_size, spec.image_size);
+  fmt::print("generating the demo dataset in {} ({} train + {} validation samples, {}x{} px)\n", dir.string(),
+             spec.train_samples, spec.val_samples, spec.image_size, spec.image_size);
   std::fflush(stdout);
   write_demo_dataset(dir.string(), spec);
   return true;
@@ -56,7 +56,8 @@ EmptyPrompt load_empty_prompt(const TrainConfig& cfg) {
   const std::string& path = cfg.empty_prompt_file;
   EmptyPrompt e;
   if (path.empty()) {
-    e.t5 = HostTensor{{m.text_seq_len, m.context_dim}, std::vector<float>(static_cast<size_t>(m.text_seq_len * m.context_dim), 0.0f)};
+    e.t5 = HostTensor{{m.text_seq_len, m.context_dim},
+                      std::vector<float>(static_cast<size_t>(m.text_seq_len * m.context_dim), 0.0f)};
     e.clip = HostTensor{{m.vec_dim}, std::vector<float>(static_cast<size_t>(m.vec_dim), 0.0f)};
     return e;
   }
@@ -73,8 +74,7 @@ EmptyPrompt load_empty_prompt(const TrainConfig& cfg) {
     e.clip = read_npy_file(path + ".clip.npy");
   }
   if (e.t5.shape.size() != 2 || e.t5.shape[1] != m.context_dim || e.clip.numel() != m.vec_dim)
-    fail("empty_prompt_file {}: t5 must be [tokens, {}] and clip [{}] for this model", path,
-         m.context_dim, m.vec_dim);
+    fail("empty_prompt_file {}: t5 must be [tokens, {}] and clip [{}] for this model", path, m.context_dim, m.vec_dim);
   return e;
 }
 

@@ -23,8 +23,8 @@ std::vector<double> repeat(const std::vector<float>& v, int64_t times) {
 
 void check_encoding(const TextEncoding& e, const FluxConfig& c, const std::string& what) {
   if (e.t5.shape.size() != 2 || e.t5.shape[1] != c.context_dim || e.t5.shape[0] < 1)
-    fail("sampler: {}: t5 must be [tokens, {}] (the model's context_dim), got rank {} [{}]", what,
-         c.context_dim, e.t5.shape.size(), e.t5.shape.empty() ? 0 : e.t5.shape.back());
+    fail("sampler: {}: t5 must be [tokens, {}] (the model's context_dim), got rank {} [{}]", what, c.context_dim,
+         e.t5.shape.size(), e.t5.shape.empty() ? 0 : e.t5.shape.back());
   if (e.clip.numel() != c.vec_dim)
     fail("sampler: {}: clip has {} values, the model's vec_dim is {}", what, e.clip.numel(), c.vec_dim);
 }
@@ -42,11 +42,9 @@ TextInputs upload_text(InputBatch& batch, const TextEncoding& e, int64_t K, cons
 
 }  // namespace
 
-HostTensor sampler_noise(uint64_t seed, int64_t prompt, int64_t image, int64_t channels, int64_t h,
-                         int64_t w) {
+HostTensor sampler_noise(uint64_t seed, int64_t prompt, int64_t image, int64_t channels, int64_t h, int64_t w) {
   HostTensor x{{channels, h, w}, std::vector<float>(static_cast<size_t>(channels * h * w))};
-  const uint64_t stream =
-      rng_stream(kSampleTag, static_cast<uint64_t>(prompt), static_cast<uint64_t>(image));
+  const uint64_t stream = rng_stream(kSampleTag, static_cast<uint64_t>(prompt), static_cast<uint64_t>(image));
   for (size_t i = 0; i < x.data.size(); ++i) x.data[i] = rng_normal(seed, stream, i);
   return x;
 }
@@ -68,13 +66,15 @@ std::vector<HostTensor> sample_images(FluxModel& model, const std::vector<TextEn
   const int64_t h = o.height, w = o.width;
   if (K < 1) fail("sampler: images per prompt must be at least 1, got {}", K);
   if (h < 1 || w < 1 || h % p || w % p)
-    fail("sampler: a {}x{} latent grid is not a positive multiple of the patch size {} (image "
-         "side in pixels must be a multiple of patch_size * vae_downsample = {})",
-         h, w, p, p * c.vae_downsample);
+    fail(
+        "sampler: a {}x{} latent grid is not a positive multiple of the patch size {} (image "
+        "side in pixels must be a multiple of patch_size * vae_downsample = {})",
+        h, w, p, p * c.vae_downsample);
   if (C * p * p != c.in_channels || c.out_channels != c.in_channels)
-    fail("sampler: model {}: latent_channels {} x patch {}x{} = {} features per token, but "
-         "in_channels is {} and out_channels {}; they must all agree to sample",
-         c.name, C, p, p, C * p * p, c.in_channels, c.out_channels);
+    fail(
+        "sampler: model {}: latent_channels {} x patch {}x{} = {} features per token, but "
+        "in_channels is {} and out_channels {}; they must all agree to sample",
+        c.name, C, p, p, C * p * p, c.in_channels, c.out_channels);
   const bool cfg = o.cfg_scale != 1.0;
   if (cfg && !empty) fail("sampler: cfg_scale {} needs the empty prompt's encodings", o.cfg_scale);
   for (size_t i = 0; i < prompts.size(); ++i) check_encoding(prompts[i], c, fmt::format("prompt {}", i));
@@ -102,8 +102,7 @@ std::vector<HostTensor> sample_images(FluxModel& model, const std::vector<TextEn
     for (int64_t k = 0; k < K; ++k) all_ids.insert(all_ids.end(), ids.begin(), ids.end());
     cond.img_ids = batch.make(Shape{K, Li, 3}, all_ids);
     cond.timesteps = batch.make(Shape{K}, std::vector<double>(static_cast<size_t>(K), 1.0));
-    if (c.guidance_embed)
-      cond.guidance = batch.make(Shape{K}, std::vector<double>(static_cast<size_t>(K), o.guidance));
+    if (c.guidance_embed) cond.guidance = batch.make(Shape{K}, std::vector<double>(static_cast<size_t>(K), o.guidance));
     const TextInputs tc = upload_text(batch, prompts[pi], K, c);
     cond.txt = tc.txt, cond.txt_ids = tc.txt_ids, cond.y = tc.y;
     FluxInputs uncond = cond;

@@ -21,9 +21,9 @@ class FluxModel;
 
 struct SamplerOptions {
   int64_t steps = 20;
-  bool shift = true;              // resolution-dependent timestep shift
-  double guidance = 3.5;          // guidance-embedding input; ignored by other models
-  double cfg_scale = 1.0;         // classifier-free guidance scale; 1 = off (one forward/step)
+  bool shift = true;       // resolution-dependent timestep shift
+  double guidance = 3.5;   // guidance-embedding input; ignored by other models
+  double cfg_scale = 1.0;  // classifier-free guidance scale; 1 = off (one forward/step)
   uint64_t seed = 0;
   int64_t images_per_prompt = 4;
   int64_t height = 0, width = 0;  // in latent cells: image pixels / vae_downsample
@@ -33,8 +33,7 @@ struct SamplerOptions {
 // (row-major) is rng_normal(seed, rng_stream("sample", prompt, image), i). Keying by
 // (prompt, image) makes an image independent of how many prompts or images are sampled with
 // it, and of the batch it runs in.
-HostTensor sampler_noise(uint64_t seed, int64_t prompt, int64_t image, int64_t channels,
-                         int64_t h, int64_t w);
+HostTensor sampler_noise(uint64_t seed, int64_t prompt, int64_t image, int64_t channels, int64_t h, int64_t w);
 
 // Samples opts.images_per_prompt images for each prompt. `empty` (the empty prompt's
 // encodings) is needed only when cfg_scale ≠ 1. Returns the images prompt-major (image k of

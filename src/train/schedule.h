@@ -11,7 +11,7 @@ struct LrSchedule {
   double lr = 1e-4;
   double min_lr = 0.0;
   int64_t warmup_iters = 0;
-  int64_t decay_iters = 0;  // step at which decay ends
+  int64_t decay_iters = 0;         // step at which decay ends
   std::string style = "constant";  // constant | cosine | linear
 
   // Rate for the optimizer step `step` (1-based: the first update uses step 1).

@@ -30,11 +30,10 @@ void write_stderr(const char* msg) {
 extern "C" void on_stop_signal(int sig) {
   int none = 0;
   if (g_stop_signal.compare_exchange_strong(none, sig)) {
-    write_stderr(sig == SIGINT
-                     ? "\nflux8: SIGINT received: stopping after this step with a checkpoint "
-                       "(interrupt again to stop at once, without one)\n"
-                     : "\nflux8: SIGTERM received: stopping after this step with a checkpoint "
-                       "(send it again to stop at once, without one)\n");
+    write_stderr(sig == SIGINT ? "\nflux8: SIGINT received: stopping after this step with a checkpoint "
+                                 "(interrupt again to stop at once, without one)\n"
+                               : "\nflux8: SIGTERM received: stopping after this step with a checkpoint "
+                                 "(send it again to stop at once, without one)\n");
     return;
   }
   write_stderr("\nflux8: second stop signal: stopping now without a checkpoint\n");
@@ -53,8 +52,7 @@ void install_stop_signals() {
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;  // interrupted reads/writes resume instead of failing with EINTR
-  if (::sigaction(SIGINT, &sa, &g_previous_int) != 0 ||
-      ::sigaction(SIGTERM, &sa, &g_previous_term) != 0)
+  if (::sigaction(SIGINT, &sa, &g_previous_int) != 0 || ::sigaction(SIGTERM, &sa, &g_previous_term) != 0)
     fail("cannot install SIGINT/SIGTERM handlers: {}", std::strerror(errno));
   g_installed = true;
 }

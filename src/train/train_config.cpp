@@ -60,9 +60,10 @@ void read_data(const Config& cfg, TrainConfig& t) {
   t.image_size = cfg.get_int("image_size");
   if (t.demo_data) {
     if (t.model.vae_downsample != 1 || t.model.latent_channels != 3)
-      fail("demo_data is on ({}), but the model is not a pixel-space RGB model (set vae_downsample: 1 and "
-           "latent_channels: 3, as configs/models/flux_tiny_demo.yaml does)",
-           cfg.source("demo_data"));
+      fail(
+          "demo_data is on ({}), but the model is not a pixel-space RGB model (set vae_downsample: 1 and "
+          "latent_channels: 3, as configs/models/flux_tiny_demo.yaml does)",
+          cfg.source("demo_data"));
     if (t.train_data.empty()) fail("demo_data is on but train_data is empty: set it to DIR/train-*.tar");
   }
   if (t.train_data.empty())

@@ -116,8 +116,8 @@ void count_micro_batch(StepLoss& step, const HostBatch& hb, const FluxConfig& cf
 }
 }  // namespace
 
-StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
-                                   int64_t micro, uint64_t step) {
+StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples, int64_t micro,
+                                   uint64_t step) {
   const int64_t global = static_cast<int64_t>(samples.size());
   if (micro < 1 || global % micro) fail("a step of {} samples cannot be split into micro-batches of {}", global, micro);
   ctx.model.params().zero_grads();

@@ -67,8 +67,9 @@ struct StepContext {
 struct StepLoss {
   double loss = 0;     // mean loss over the global batch
   int64_t tokens = 0;  // text + image tokens processed
-  double model_flops = 0;  // model FLOPs of the step's forward and backward (docs/WORKLOADS.md's convention, model/flops.h)
-  DataTiming data;     // from a BatchPipeline: the micro-batches' host time, summed
+  double model_flops =
+      0;            // model FLOPs of the step's forward and backward (docs/WORKLOADS.md's convention, model/flops.h)
+  DataTiming data;  // from a BatchPipeline: the micro-batches' host time, summed
 };
 
 // Zeroes the gradients, then accumulates the gradient of the step's mean loss over
@@ -76,8 +77,8 @@ struct StepLoss {
 // `micro` samples. Each micro-batch's loss gradient is scaled by micro/global, so any split
 // gives the same gradient up to rounding. The losses stay on the device until the last backward
 // is queued: nothing in between waits for it.
-StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples,
-                                   int64_t micro, uint64_t step);
+StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples, int64_t micro,
+                                   uint64_t step);
 
 class BatchPipeline;
 // The same with the micro-batches of step `step` (0-based) taken from `pipeline`, which built
@@ -91,7 +92,6 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
 // writing the new weights and their FP8 casts with the next step's scales, then those casts
 // completed. With `finite_loss` false AdamW is skipped (the weights stay; their casts are redone
 // with the new scales) and the result is not applied.
-StepStats apply_optimizer_step(FluxModel& model, AdamWOptimizer& opt, int64_t step, double lr,
-                               bool finite_loss = true);
+StepStats apply_optimizer_step(FluxModel& model, AdamWOptimizer& opt, int64_t step, double lr, bool finite_loss = true);
 
 }  // namespace flux8

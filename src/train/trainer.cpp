@@ -95,8 +95,7 @@ void build_model(Run& r) {
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
   if (r.cfg.cuda_graph && r.be->can_capture())
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
-  r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8,
-                                        r.cfg.recompute);
+  r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute);
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), r.cfg.adam);
   // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients
   // stay as factors (ParamStore::keep_low_rank_grads).
@@ -113,9 +112,9 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
       r.resume.verify_seconds = seconds_since(t0);
       const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
-      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(),
-                      registry, &r.resume.fp8_note, CheckpointVerify::sizes);  // its digests were just verified
-      r.state.config_yaml = r.cfg.config_yaml;  // the config of this run goes into its checkpoints
+      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), registry,
+                      &r.resume.fp8_note, CheckpointVerify::sizes);  // its digests were just verified
+      r.state.config_yaml = r.cfg.config_yaml;                       // the config of this run goes into its checkpoints
       r.resume.from = *dir;
       r.resume.load_seconds = seconds_since(t1);
     }
@@ -141,8 +140,8 @@ void open_loader(Run& r) {
 
 void open_metrics(Run& r) {
   r.start_step = r.state.step;
-  r.progress = std::make_unique<Progress>((fs::path(r.cfg.save_dir) / "metrics.jsonl").string(),
-                                          !r.resume.from.empty(), r.start_step, r.cfg.train_iters);
+  r.progress = std::make_unique<Progress>((fs::path(r.cfg.save_dir) / "metrics.jsonl").string(), !r.resume.from.empty(),
+                                          r.start_step, r.cfg.train_iters);
   r.buf = std::make_unique<StepBuffers>(*r.be, DType::f32);
 }
 
@@ -167,9 +166,10 @@ void announce_run(Run& r) {
                         dtype_name(r.opt->moment_dtype()), dtype_name(params.dtype())));
   // (On, the default, a backend without graphs runs op by op without a word; set, it says so.)
   if (r.graph)
-    note(r, "cuda_graph: each micro-batch's forward and backward run as CUDA graphs, captured from the first "
-            "steps (segments of " +
-                std::to_string(r.graph->graph_options().segment_ops) + " ops)");
+    note(r,
+         "cuda_graph: each micro-batch's forward and backward run as CUDA graphs, captured from the first "
+         "steps (segments of " +
+             std::to_string(r.graph->graph_options().segment_ops) + " ops)");
   else if (r.cfg.cuda_graph && r.cfg.cuda_graph_set)
     note(r, "cuda_graph: the " + r.be->name() + " backend has no graphs; running op by op");
   if (!r.be->repeats_bit_for_bit())
@@ -185,8 +185,11 @@ void announce_run(Run& r) {
     r.progress->event(fmt::format("resumed from {} at step {} (last loss {:.4f}; verified in {:.1f} s, loaded in "
                                   "{:.1f} s)",
                                   res.from, r.state.step, r.state.last_loss, res.verify_seconds, res.load_seconds),
-                      {{"event", "resume"}, {"step", r.state.step}, {"checkpoint", res.from},
-                       {"verify_seconds", res.verify_seconds}, {"load_seconds", res.load_seconds}});
+                      {{"event", "resume"},
+                       {"step", r.state.step},
+                       {"checkpoint", res.from},
+                       {"verify_seconds", res.verify_seconds},
+                       {"load_seconds", res.load_seconds}});
     if (!res.fp8_note.empty()) note(r, res.fp8_note);
   }
 }
@@ -207,18 +210,19 @@ void handle_skipped_step(Run& r, int64_t step, double loss) {
   ++r.state.skipped_steps;
   const std::string first = first_nonfinite_gradient(r.model->params());
   const char* what = std::isfinite(loss) ? "gradient" : "loss";
-  r.progress->event(
-      fmt::format("step {}: non-finite {} (first non-finite gradient: {}); step skipped, weights kept", step + 1, what,
-                  first),
-      {{"event", "skipped_step"}, {"step", step + 1}, {"first_nonfinite", first}});
+  r.progress->event(fmt::format("step {}: non-finite {} (first non-finite gradient: {}); step skipped, weights kept",
+                                step + 1, what, first),
+                    {{"event", "skipped_step"}, {"step", step + 1}, {"first_nonfinite", first}});
   if (r.cfg.nan_policy == TrainConfig::NanPolicy::halt)
-    fail("step {}: non-finite {} (first non-finite gradient: {}) and nan_policy is halt; the last checkpoint "
-         "is intact",
-         step + 1, what, first);
+    fail(
+        "step {}: non-finite {} (first non-finite gradient: {}) and nan_policy is halt; the last checkpoint "
+        "is intact",
+        step + 1, what, first);
   if (++r.consecutive_skips >= r.cfg.nan_max_consecutive_skips)
-    fail("{} consecutive steps had a non-finite loss or gradient (last at step {}); stopping. Lower lr "
-         "or check the data; the last checkpoint is intact.",
-         r.consecutive_skips, step + 1);
+    fail(
+        "{} consecutive steps had a non-finite loss or gradient (last at step {}); stopping. Lower lr "
+        "or check the data; the last checkpoint is intact.",
+        r.consecutive_skips, step + 1);
 }
 
 void restart_energy(Run& r) { r.energy = EnergyWindow{r.be->power_reading(), std::chrono::steady_clock::now(), 0}; }
@@ -226,9 +230,17 @@ void restart_energy(Run& r) { r.energy = EnergyWindow{r.be->power_reading(), std
 // The step's metrics line (every log_interval steps and the last), with the energy a step
 // since the last one where the device counts it.
 void log_step(Run& r, const StepLoss& sl, const StepStats& st, double lr, double secs) {
-  StepReport report{r.state.step, r.cfg.train_iters, sl.loss, lr, st.grad_norm, secs,
-                    static_cast<double>(r.cfg.global_batch) / secs, static_cast<double>(sl.tokens) / secs,
-                    sl.model_flops / secs / 1e12, sl.data, !st.applied};
+  StepReport report{r.state.step,
+                    r.cfg.train_iters,
+                    sl.loss,
+                    lr,
+                    st.grad_norm,
+                    secs,
+                    static_cast<double>(r.cfg.global_batch) / secs,
+                    static_cast<double>(sl.tokens) / secs,
+                    sl.model_flops / secs / 1e12,
+                    sl.data,
+                    !st.applied};
   const bool log_line = r.state.step % r.cfg.log_interval == 0 || r.state.step == r.cfg.train_iters;
   ++r.energy.steps;
   if (log_line && r.energy.start.available) {
@@ -308,8 +320,8 @@ double run_validation(Run& r, const char* when) {
   const Validation v = validate(r);
   if (r.model->fp8()) r.model->fp8()->set_recording(true);
   if (r.val.empty()) return v.score;
-  nlohmann::json rec{{"step", r.state.step}, {"val_loss", v.score},
-                     {"val_loss_by_t", std::vector<double>(v.by_t, v.by_t + 8)}};
+  nlohmann::json rec{
+      {"step", r.state.step}, {"val_loss", v.score}, {"val_loss_by_t", std::vector<double>(v.by_t, v.by_t + 8)}};
   r.progress->event(fmt::format("validation ({}) at step {}: {:.4f}", when, r.state.step, v.score), rec);
   return v.score;
 }
@@ -341,8 +353,12 @@ const Fp8MetaRegistry* fp8_state(Run& r) { return r.model->fp8() ? &r.model->fp8
 void report_saved(Run& r, const AsyncCheckpointer::Finished& f) {
   r.progress->event(fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s, written behind training)", f.dir,
                                 f.bytes / 1e9, f.write_seconds),
-                    {{"event", "checkpoint"}, {"step", f.step}, {"path", f.dir}, {"bytes", f.bytes},
-                     {"seconds", f.write_seconds}, {"async", true}});
+                    {{"event", "checkpoint"},
+                     {"step", f.step},
+                     {"path", f.dir},
+                     {"bytes", f.bytes},
+                     {"seconds", f.write_seconds},
+                     {"async", true}});
 }
 
 void save_behind(Run& r) {
@@ -356,8 +372,11 @@ void save_behind(Run& r) {
                          s.previous ? "waiting for the previous save" : "mapping its memory");
   r.progress->event(fmt::format("saving checkpoint {} behind training (host copy of {:.2f} GB in {:.2f} s{})", s.dir,
                                 s.snapshot_bytes / 1e9, s.snapshot_seconds, waited),
-                    {{"event", "checkpoint_snapshot"}, {"step", r.state.step}, {"path", s.dir},
-                     {"snapshot_bytes", s.snapshot_bytes}, {"snapshot_seconds", s.snapshot_seconds},
+                    {{"event", "checkpoint_snapshot"},
+                     {"step", r.state.step},
+                     {"path", s.dir},
+                     {"snapshot_bytes", s.snapshot_bytes},
+                     {"snapshot_seconds", s.snapshot_seconds},
                      {"wait_seconds", s.wait_seconds}});
 }
 
@@ -369,10 +388,13 @@ void save(Run& r) {
                       static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r));
   const double secs = seconds_since(t0);
   const uint64_t bytes = checkpoint_bytes(r.result.last_checkpoint);
-  r.progress->event(fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", r.result.last_checkpoint, bytes / 1e9,
-                                secs),
-                    {{"event", "checkpoint"}, {"step", r.state.step}, {"path", r.result.last_checkpoint},
-                     {"bytes", bytes}, {"seconds", secs}});
+  r.progress->event(
+      fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", r.result.last_checkpoint, bytes / 1e9, secs),
+      {{"event", "checkpoint"},
+       {"step", r.state.step},
+       {"path", r.result.last_checkpoint},
+       {"bytes", bytes},
+       {"seconds", secs}});
 }
 
 // A background save that has finished (or failed: the error stops the run here).
@@ -384,7 +406,7 @@ void poll_saver(Run& r) {
 // ---- the step loop --------------------------------------------------------------------------
 
 void start_pipeline(Run& r) {
-  BatchPipelineSpec spec{r.cfg.model,       r.cfg.objective,  r.empty,        r.state.seed,
+  BatchPipelineSpec spec{r.cfg.model,        r.cfg.objective,   r.empty,      r.state.seed,
                          r.cfg.global_batch, r.cfg.micro_batch, r.start_step, r.cfg.train_iters};
   spec.mode = r.cfg.data_overlap;
   r.pipeline = std::make_unique<BatchPipeline>(*r.be, *r.loader, spec);

@@ -16,11 +16,11 @@ struct TrainOptions {
 };
 
 struct TrainResult {
-  int64_t steps_done = 0;     // optimizer steps completed in total (including before a resume)
-  double first_val_loss = 0;  // validation score at the start of this run (NaN without validation)
-  double last_val_loss = 0;   // at the end
-  double last_loss = 0;       // training loss of the last step
-  bool stopped_early = false; // by a signal or stop_after
+  int64_t steps_done = 0;      // optimizer steps completed in total (including before a resume)
+  double first_val_loss = 0;   // validation score at the start of this run (NaN without validation)
+  double last_val_loss = 0;    // at the end
+  double last_loss = 0;        // training loss of the last step
+  bool stopped_early = false;  // by a signal or stop_after
   std::string last_checkpoint;
 };
 

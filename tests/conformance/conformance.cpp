@@ -23,9 +23,7 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 void store(uint8_t* p, DType t, double v) {
   switch (t) {
-    case DType::f64:
-      std::memcpy(p, &v, 8);
-      break;
+    case DType::f64: std::memcpy(p, &v, 8); break;
     case DType::f32: {
       const float f = static_cast<float>(v);
       std::memcpy(p, &f, 4);
@@ -36,11 +34,8 @@ void store(uint8_t* p, DType t, double v) {
       std::memcpy(p, &b, 2);
       break;
     }
-    case DType::u8:
-      *p = static_cast<uint8_t>(v);
-      break;
-    default:
-      throw std::logic_error("conformance: unsupported element type");
+    case DType::u8: *p = static_cast<uint8_t>(v); break;
+    default: throw std::logic_error("conformance: unsupported element type");
   }
 }
 
@@ -61,10 +56,8 @@ double load(const uint8_t* p, DType t) {
       std::memcpy(&b, p, 2);
       return bf16_bits_to_f32(b);
     }
-    case DType::u8:
-      return *p;
-    default:
-      throw std::logic_error("conformance: unsupported element type");
+    case DType::u8: return *p;
+    default: throw std::logic_error("conformance: unsupported element type");
   }
 }
 
@@ -99,14 +92,10 @@ Run::~Run() {
 
 DType Run::dtype_of(Role role, int64_t cols) const {
   switch (role) {
-    case Role::activation:
-      return be.activation_dtype(compute);
-    case Role::parameter:
-      return compute;
-    case Role::gradient:
-      return be.gradient_dtype(compute);
-    case Role::heads:
-      return be.attention_heads_dtype(be.activation_dtype(compute), cols);
+    case Role::activation: return be.activation_dtype(compute);
+    case Role::parameter: return compute;
+    case Role::gradient: return be.gradient_dtype(compute);
+    case Role::heads: return be.attention_heads_dtype(be.activation_dtype(compute), cols);
   }
   return compute;
 }

@@ -76,14 +76,10 @@ std::string judge_output(const Case& c, const Run::Output& got, const Run::Outpu
 
 std::string_view variant_name(Variant v) {
   switch (v) {
-    case Variant::cpu_f32:
-      return "cpu_f32";
-    case Variant::cpu_bf16_rounding:
-      return "cpu_bf16_rounding";
-    case Variant::cuda_f32:
-      return "cuda_f32";
-    case Variant::cuda_bf16:
-      return "cuda_bf16";
+    case Variant::cpu_f32: return "cpu_f32";
+    case Variant::cpu_bf16_rounding: return "cpu_bf16_rounding";
+    case Variant::cuda_f32: return "cuda_f32";
+    case Variant::cuda_bf16: return "cuda_bf16";
   }
   return "?";
 }

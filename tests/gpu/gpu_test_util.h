@@ -22,10 +22,10 @@
 namespace flux8::testing {
 
 // Skips the calling test when there is no GPU; else returns the shared CUDA backend.
-#define FLUX8_REQUIRE_GPU()                                                            \
-  do {                                                                                 \
-    if (const std::string why = ::flux8::cuda_unavailable_reason(); !why.empty())      \
-      GTEST_SKIP() << "no usable GPU: " << why;                                        \
+#define FLUX8_REQUIRE_GPU()                                                       \
+  do {                                                                            \
+    if (const std::string why = ::flux8::cuda_unavailable_reason(); !why.empty()) \
+      GTEST_SKIP() << "no usable GPU: " << why;                                   \
   } while (0)
 
 inline Backend& gpu() {
@@ -186,7 +186,8 @@ int64_t beyond_one_bf16_ulp(const std::vector<V>& got, const std::vector<V>& wan
 // A contiguous bf16 device tensor (attention heads in bf16: Backend::attention_heads_dtype).
 struct Bf16Dev {
   Tensor t;
-  explicit Bf16Dev(Shape s) : t(gpu().allocate(static_cast<size_t>(s.numel() > 0 ? s.numel() : 1) * 2), DType::bf16, s) {}
+  explicit Bf16Dev(Shape s)
+      : t(gpu().allocate(static_cast<size_t>(s.numel() > 0 ? s.numel() : 1) * 2), DType::bf16, s) {}
   ~Bf16Dev() { gpu().release(t.data); }
   Bf16Dev(const Bf16Dev&) = delete;
   // Each value rounded to nearest even.

@@ -76,8 +76,8 @@ Errors compare_with_cpu(const Heads& h, double input_std = 1.0, uint64_t seed = 
   e.dk = gpu_vs_cpu(dk);
   e.dv = gpu_vs_cpu(dv);
   std::printf("[B, n, L, D] = [%ld, %ld, %ld, %ld], input std %g: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
-              static_cast<long>(h.B), static_cast<long>(h.n), static_cast<long>(h.L), static_cast<long>(h.D),
-              input_std, e.o, e.lse, e.dq, e.dk, e.dv);
+              static_cast<long>(h.B), static_cast<long>(h.n), static_cast<long>(h.L), static_cast<long>(h.D), input_std,
+              e.o, e.lse, e.dq, e.dk, e.dv);
   return e;
 }
 
@@ -258,8 +258,10 @@ TEST(CudaAttention, PartialGradientsAndUnalignedStatistics) {
     // The same inputs and plans give the same bits, except that cuDNN sums dq's contributions
     // of different key blocks with atomics in any order (see DeterministicBackward): the f32
     // sums differ in the last bits, which can move an element of the bf16 dq by one step, 2⁻⁸.
-    if (p == AttentionPath::cudnn) EXPECT_LE(rel_l2(dq_partial, dq.down()), 1e-3);
-    else EXPECT_EQ(dq_partial, dq.down());
+    if (p == AttentionPath::cudnn)
+      EXPECT_LE(rel_l2(dq_partial, dq.down()), 1e-3);
+    else
+      EXPECT_EQ(dq_partial, dq.down());
     EXPECT_EQ(dk2.down(), dk.down());
     EXPECT_EQ(dv2.down(), dv.down());
 
@@ -293,8 +295,10 @@ TEST(CudaAttention, DeterministicBackwardRepeatsBitForBit) {
     gpu().attention_backward(dq.dev, dk.dev, dv.dev, dout.dev, q.dev, k.dev, v.dev, o.dev, lse.dev, 0.125);
     const std::vector<float> got[3] = {dq.down(), dk.down(), dv.down()};
     for (int i = 0; i < 3; ++i) {
-      if (run == 0) first[i] = got[i];
-      else EXPECT_EQ(got[i], first[i]) << "gradient " << i << ", run " << run;
+      if (run == 0)
+        first[i] = got[i];
+      else
+        EXPECT_EQ(got[i], first[i]) << "gradient " << i << ", run " << run;
     }
   }
 }

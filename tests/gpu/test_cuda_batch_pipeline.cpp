@@ -66,8 +66,12 @@ TEST(CudaBatchPipeline, MicroBatchesEqualTheCpuOnesWhileTheDeviceIsBusy) {
     in.timesteps = copy_of(mb.in->timesteps);
     in.y = copy_of(mb.in->y);
     const Tensor target = copy_of(mb.target);
-    for (auto [y, x] : {std::pair{in.img, mb.in->img}, {in.img_ids, mb.in->img_ids}, {in.txt, mb.in->txt},
-                        {in.txt_ids, mb.in->txt_ids}, {in.timesteps, mb.in->timesteps}, {in.y, mb.in->y},
+    for (auto [y, x] : {std::pair{in.img, mb.in->img},
+                        {in.img_ids, mb.in->img_ids},
+                        {in.txt, mb.in->txt},
+                        {in.txt_ids, mb.in->txt_ids},
+                        {in.timesteps, mb.in->timesteps},
+                        {in.y, mb.in->y},
                         {target, mb.target}})
       be.copy(y, x);
     pipeline.release();  // queued, not done: the producer may now refill this slot after them

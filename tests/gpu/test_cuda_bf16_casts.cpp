@@ -6,9 +6,9 @@
 //   f32: codes, scales, amax and CastStats, exactly as the f32 cast does (test_cuda_fp8.cpp).
 // - quantize_fused (GELU, its backward, LayerNorm + modulation) must give bit for bit what the
 //   GPU's own op followed by the cast gives for the same values. Not the CPU: it evaluates those
-//   ops with glibc's tanhf and without FMA contraction, some f32 ulps from the device, which moves an occasional code (and
-//   with current scaling the amax, hence every scale). The f32 fused path is tied to the GPU's
-//   op followed by the cast in test_cuda_fp8.cpp, and the op to the CPU in test_cuda_ops.cpp.
+//   ops with glibc's tanhf and without FMA contraction, some f32 ulps from the device, which moves an occasional code
+//   (and with current scaling the amax, hence every scale). The f32 fused path is tied to the GPU's op followed by the
+//   cast in test_cuda_fp8.cpp, and the op to the CPU in test_cuda_ops.cpp.
 // - qk_norm_rope_to_heads and its backward store the f32 path's results rounded once to
 //   nearest even: bit for bit against the GPU's f32 path, close to the CPU (see below).
 #include <array>
@@ -75,8 +75,9 @@ TEST(CudaBf16Casts, QuantizeEqualsCpuBitForBit) {
             Backend::Quantize q = quantize_for(recipe, format, g);
             q.amax = amax.on(g);
             q.stats = &stats[g];
-            (g ? gpu() : cpu()).quantize(want_row ? row.on(g) : QTensor{}, want_col ? col.on(g) : QTensor{},
-                                         x.t(g).cols_slice(c.offset, c.cols), q);
+            (g ? gpu() : cpu())
+                .quantize(want_row ? row.on(g) : QTensor{}, want_col ? col.on(g) : QTensor{},
+                          x.t(g).cols_slice(c.offset, c.cols), q);
           }
           gpu().synchronize();  // the CUDA backend delivers the statistics at the next synchronisation
           if (want_row) expect_equals_cpu(row, "rowwise");
@@ -199,8 +200,8 @@ TEST(CudaBf16Casts, FusedCastsEqualOpThenCastBitForBit) {
     const double eps = 1e-6;
     Bf16Pair x16({B, L, H}, fc.pad), mod16({B, 2 * H}, fc.pad ? 1 : 0), y16({B, L, H}), gx16({B, L, H}, fc.pad);
     x16.randn(81, 2.0);
-    gx16.randn(83, 2.0);  // gelu_tanh_backward: x16 is dy, gx16 the GELU's input (rows of whole 8-byte
-                          // quads, read 4 at a time; test_cuda_fp8.cpp's f32 one is not aligned)
+    gx16.randn(83, 2.0);        // gelu_tanh_backward: x16 is dy, gx16 the GELU's input (rows of whole 8-byte
+                                // quads, read 4 at a time; test_cuda_fp8.cpp's f32 one is not aligned)
     x16.host.at(5, 7) = 40.0f;  // an outlier: per-tensor scales shrink, small values flush
     x16.up();
     mod16.randn(82, 0.5);
@@ -278,9 +279,8 @@ TEST(CudaBf16Casts, CastsWithAHeadEqualTheAssembledTensorCast) {
   uint64_t seed = 700;
   // The last case has more tiles than a wave of the per-tensor kernel's blocks (41 x 24), head
   // tiles and op tiles in one grid.
-  for (const HeadCase hc : {HeadCase{3, 200, 384, 128, 0}, HeadCase{2, 150, 256, 256, 0},
-                            HeadCase{3, 43, 257, 70, 3}, HeadCase{2, 130, 384, 128, 4},
-                            HeadCase{2, 2600, 2048, 1024, 0}}) {
+  for (const HeadCase hc : {HeadCase{3, 200, 384, 128, 0}, HeadCase{2, 150, 256, 256, 0}, HeadCase{3, 43, 257, 70, 3},
+                            HeadCase{2, 130, 384, 128, 4}, HeadCase{2, 2600, 2048, 1024, 0}}) {
     const int64_t B = hc.B, L = hc.L, H = hc.H, C = hc.head + H;
     Bf16Pair x16({B, L, H}, hc.pad), gx16({B, L, H}, hc.pad), mod16({B, 2 * H});
     // The head: a column window of a wider buffer (its ld is not its width) when padded.
@@ -371,11 +371,11 @@ TEST(CudaBf16Casts, CastsRejectMixedTypesByName) {
   Pair gx32({B, L, H});
   refused(CastInput::gelu_tanh_backward_of(x16.dev, gx32.dev), q, "gelu_x");
   // The same arguments with the types right are taken.
-  EXPECT_NO_THROW(gpu().quantize_fused(row.dev, QTensor{},
-                                       CastInput::layernorm_modulate_of(x16.dev, mean.dev, rstd.dev,
-                                                                        mod16.dev.cols_slice(0, H),
-                                                                        mod16.dev.cols_slice(H, H), 1e-6),
-                                       q));
+  EXPECT_NO_THROW(
+      gpu().quantize_fused(row.dev, QTensor{},
+                           CastInput::layernorm_modulate_of(x16.dev, mean.dev, rstd.dev, mod16.dev.cols_slice(0, H),
+                                                            mod16.dev.cols_slice(H, H), 1e-6),
+                           q));
   gpu().synchronize();
 }
 
@@ -413,8 +413,8 @@ TEST(CudaBf16Casts, QkNormRopeEqualsF32PathRounded) {
 
     Pair qh32(heads), kh32(heads), vh32(heads), rq32({S}), rk32({S}), rq16({S}), rk16({S});
     Bf16Dev qh16(heads), kh16(heads), vh16(heads);
-    gpu().qk_norm_rope_to_heads(qh32.dev, kh32.dev, vh32.dev, rq32.dev, rk32.dev, win(tok32.dev, 0),
-                                win(tok32.dev, 1), win(tok32.dev, 2), q_scale.dev, k_scale.dev, pe.dev, Lt, 1e-6);
+    gpu().qk_norm_rope_to_heads(qh32.dev, kh32.dev, vh32.dev, rq32.dev, rk32.dev, win(tok32.dev, 0), win(tok32.dev, 1),
+                                win(tok32.dev, 2), q_scale.dev, k_scale.dev, pe.dev, Lt, 1e-6);
     gpu().qk_norm_rope_to_heads(qh16.t, kh16.t, vh16.t, rq16.dev, rk16.dev, win(tok16.dev, 0), win(tok16.dev, 1),
                                 win(tok16.dev, 2), q_scale.dev, k_scale.dev, pe.dev, Lt, 1e-6);
     // Whole tensors: the rows of the other stream are zero in both.
@@ -439,7 +439,7 @@ TEST(CudaBf16Casts, QkNormRopeEqualsF32PathRounded) {
     dqh16.up(dqh32.host.mem), dkh16.up(dkh32.host.mem), dvh16.up(dvh32.host.mem);
     Pair d32({B, c.Ls, 3 * H}, c.pad);
     Bf16Pair d16({B, c.Ls, 3 * H}, c.pad);
-    d32.randn(514), d16.randn(514);  // garbage to overwrite
+    d32.randn(514), d16.randn(514);                       // garbage to overwrite
     Pair dqs32({D}), dks32({D}), dqs16({D}), dks16({D});  // accumulated: the same start
     dqs32.randn(515), dqs16.randn(515), dks32.randn(516), dks16.randn(516);
     gpu().qk_norm_rope_to_heads_backward(win(d32.dev, 0), win(d32.dev, 1), win(d32.dev, 2), dqs32.dev, dks32.dev,
@@ -570,10 +570,9 @@ TEST(CudaBf16Casts, QkNormRopeNearCpuBf16Twin) {
     Pair dq_scale({D}), dk_scale({D});
     dq_scale.fill(0.0f), dk_scale.fill(0.0f);  // the sums alone, not diluted by a start value
     run_both_bf16([&](Backend& be, bool g) {
-      be.qk_norm_rope_to_heads_backward(window(d, g, 0), window(d, g, 1), window(d, g, 2), dq_scale.t(g),
-                                        dk_scale.t(g), dqh.t(g), dkh.t(g), dvh.t(g), window(tok, g, 0),
-                                        window(tok, g, 1), q_rstd.t(g), k_rstd.t(g), q_scale.t(g), k_scale.t(g),
-                                        pe.t(g), Lt);
+      be.qk_norm_rope_to_heads_backward(window(d, g, 0), window(d, g, 1), window(d, g, 2), dq_scale.t(g), dk_scale.t(g),
+                                        dqh.t(g), dkh.t(g), dvh.t(g), window(tok, g, 0), window(tok, g, 1), q_rstd.t(g),
+                                        k_rstd.t(g), q_scale.t(g), k_scale.t(g), pe.t(g), Lt);
     });
     EXPECT_LE(gpu_vs_cpu(d), kTwin) << "dq | dk | dv";
     EXPECT_LE(gpu_vs_cpu(dq_scale), kTwin) << "dq_scale";
@@ -594,23 +593,31 @@ TEST(CudaBf16Casts, QkNormRopeRejectsMixedTypesByName) {
   const auto w16 = [&](int64_t i) { return tok16.dev.cols_slice(i * H, H); };
   const auto w32 = [&](int64_t i) { return tok32.dev.cols_slice(i * H, H); };
   const auto refused = [](auto call, const std::string& name) { expect_refused("'" + name + "'", call); };
-  refused([&] {
-    gpu().qk_norm_rope_to_heads(qh.t, kh.t, vh.t, rstd.dev, rstd.dev, w16(0), w16(1), w32(2), scale.dev, scale.dev,
-                                pe.dev, 0, 1e-6);
-  }, "v");
-  refused([&] {
-    gpu().qk_norm_rope_to_heads(qh.t, kh.t, vh.t, rstd16.dev, rstd16.dev, w16(0), w16(1), w16(2), scale.dev,
-                                scale.dev, pe.dev, 0, 1e-6);
-  }, "q_rstd");
-  refused([&] {
-    gpu().qk_norm_rope_to_heads_backward(w32(0), w32(1), w32(2), dscale.dev, dscale.dev, dh16.t, dh16.t, dh16.t,
-                                         w16(0), w16(1), rstd.dev, rstd.dev, scale.dev, scale.dev, pe.dev, 0);
-  }, "q");
+  refused(
+      [&] {
+        gpu().qk_norm_rope_to_heads(qh.t, kh.t, vh.t, rstd.dev, rstd.dev, w16(0), w16(1), w32(2), scale.dev, scale.dev,
+                                    pe.dev, 0, 1e-6);
+      },
+      "v");
+  refused(
+      [&] {
+        gpu().qk_norm_rope_to_heads(qh.t, kh.t, vh.t, rstd16.dev, rstd16.dev, w16(0), w16(1), w16(2), scale.dev,
+                                    scale.dev, pe.dev, 0, 1e-6);
+      },
+      "q_rstd");
+  refused(
+      [&] {
+        gpu().qk_norm_rope_to_heads_backward(w32(0), w32(1), w32(2), dscale.dev, dscale.dev, dh16.t, dh16.t, dh16.t,
+                                             w16(0), w16(1), rstd.dev, rstd.dev, scale.dev, scale.dev, pe.dev, 0);
+      },
+      "q");
   // The scale gradients are f32 or bf16 (grad_precision: bf16), the two of a call alike.
-  refused([&] {
-    gpu().qk_norm_rope_to_heads_backward(w16(0), w16(1), w16(2), dscale16.dev, dscale.dev, dh16.t, dh16.t, dh16.t,
-                                         w16(0), w16(1), rstd.dev, rstd.dev, scale.dev, scale.dev, pe.dev, 0);
-  }, "dk_scale");
+  refused(
+      [&] {
+        gpu().qk_norm_rope_to_heads_backward(w16(0), w16(1), w16(2), dscale16.dev, dscale.dev, dh16.t, dh16.t, dh16.t,
+                                             w16(0), w16(1), rstd.dev, rstd.dev, scale.dev, scale.dev, pe.dev, 0);
+      },
+      "dk_scale");
   EXPECT_NO_THROW(gpu().qk_norm_rope_to_heads(qh.t, kh.t, vh.t, rstd.dev, rstd.dev, w16(0), w16(1), w16(2), scale.dev,
                                               scale.dev, pe.dev, 0, 1e-6));
   gpu().synchronize();

@@ -73,7 +73,8 @@ TEST(CudaBf16Grads, LinearBackwardRoundsItsSums) {
   // Mixed gradient types in one call are refused, naming the tensor.
   Pair db32({M});
   Bf16Pair dw16({M, K});
-  expect_refused("'db'", [&] { gpu().linear_backward(Tensor{}, dw16.dev, db32.dev, dy32.dev, x32.dev, w.dev, false, false); });
+  expect_refused("'db'",
+                 [&] { gpu().linear_backward(Tensor{}, dw16.dev, db32.dev, dy32.dev, x32.dev, w.dev, false, false); });
 }
 
 // Quantize::column_sums (an FP8 Linear's bias gradient, summed in the cast of its output

@@ -54,7 +54,8 @@ TEST(CudaBf16Moments, ElementPathAndWeightCastsMatchTheCpu) {
   };
   for (int64_t step = 1; step <= 3; ++step) {
     const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 0.6, step};
-    run_both([&](Backend& be, bool g) { be.adamw(from1(p, g), from1(gr, g), from1(m, g), from1(v, g), h, {}, {}, {}); });
+    run_both(
+        [&](Backend& be, bool g) { be.adamw(from1(p, g), from1(gr, g), from1(m, g), from1(v, g), h, {}, {}, {}); });
     ASSERT_EQ(p.down(), p.host.mem) << "step " << step;
     ASSERT_EQ(m.down(), m.host.mem) << "step " << step;
     ASSERT_EQ(v.down(), v.host.mem) << "step " << step;

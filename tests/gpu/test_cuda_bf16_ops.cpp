@@ -57,8 +57,7 @@ struct Strides {
 };
 // 53 columns, pads 3/5: one element a thread; 52, pads 4/8: rows of 8-byte groups; no pads:
 // contiguous (flat, 37·53 elements: a tail after the groups of 4).
-constexpr std::array<Strides, 4> kStrides{Strides{53, 3, 5}, Strides{52, 4, 8}, Strides{53, 0, 0},
-                                          Strides{52, 0, 0}};
+constexpr std::array<Strides, 4> kStrides{Strides{53, 3, 5}, Strides{52, 4, 8}, Strides{53, 0, 0}, Strides{52, 0, 0}};
 
 TEST(CudaBf16Ops, FillAddAccumulate) {
   FLUX8_REQUIRE_GPU();
@@ -212,8 +211,7 @@ TEST(CudaBf16Ops, LayerNormModulate) {
   // (cp.async two pairs of rows ahead): 111 rows of 200 (one row a block: the single-row step
   // alone) and 1200 rows of 256 (5 a block: two pairs, then a single row) too.
   for (const Case c : {Case{37, 203, 2}, Case{37, 200, 0}, Case{400, 256, 0}, Case{300, 200, 4}, Case{1000, 36, 3},
-                       Case{2900, 200, 0},
-                       Case{33, 1500, 0}, Case{33, 1500, 2}, Case{40, 3072, 4}, Case{512, 3072, 0},
+                       Case{2900, 200, 0}, Case{33, 1500, 0}, Case{33, 1500, 2}, Case{40, 3072, 4}, Case{512, 3072, 0},
                        Case{20, 3000, 1}, Case{9, 4000, 0}, Case{9, 4100, 2}}) {
     SCOPED_TRACE(::testing::Message() << "L=" << c.L << " H=" << c.H << " pad=" << c.pad);
     const int64_t B = 3, L = c.L, H = c.H;
@@ -239,8 +237,8 @@ TEST(CudaBf16Ops, LayerNormModulate) {
     for (bool acc : {false, true}) {
       dx.up(), dmod.up();
       run_both_bf16([&](Backend& be, bool g) {
-        be.layernorm_modulate_backward(dx.t(g), window(dmod, g, 2), window(dmod, g, 3), dy.t(g), x.t(g),
-                                       mean.t(g), rstd.t(g), window(mod, g, 1), acc);
+        be.layernorm_modulate_backward(dx.t(g), window(dmod, g, 2), window(dmod, g, 3), dy.t(g), x.t(g), mean.t(g),
+                                       rstd.t(g), window(mod, g, 1), acc);
       });
       EXPECT_ROUNDED_CLOSE(dx);
       EXPECT_TRUE(dx.padding_untouched());
@@ -248,8 +246,8 @@ TEST(CudaBf16Ops, LayerNormModulate) {
     }
     // dshift/dscale alone (no dx), and their bits from run to run: a fixed summation order.
     const auto gpu_dmod_bits = [&] {
-      gpu().layernorm_modulate_backward(Tensor{}, window(dmod, true, 2), window(dmod, true, 3), dy.dev, x.dev,
-                                        mean.dev, rstd.dev, window(mod, true, 1), false);
+      gpu().layernorm_modulate_backward(Tensor{}, window(dmod, true, 2), window(dmod, true, 3), dy.dev, x.dev, mean.dev,
+                                        rstd.dev, window(mod, true, 1), false);
       return dmod.all_bits();
     };
     const std::vector<uint16_t> first = gpu_dmod_bits();
@@ -335,9 +333,8 @@ TEST(CudaBf16Ops, GatedResidual) {
     EXPECT_TRUE(x.padding_untouched());
     // The backward of the updated residual stream x as the incoming gradient.
     x.up();
-    run_both_bf16([&](Backend& be, bool g) {
-      be.gated_residual_backward(dy.t(g), gate(dmod, g), x.t(g), y.t(g), gate(mod, g));
-    });
+    run_both_bf16(
+        [&](Backend& be, bool g) { be.gated_residual_backward(dy.t(g), gate(dmod, g), x.t(g), y.t(g), gate(mod, g)); });
     EXPECT_BITS_EQUAL(dy);  // one exact product, rounded once
     EXPECT_TRUE(dy.padding_untouched());
     EXPECT_ROUNDED_CLOSE(dmod);
@@ -347,9 +344,8 @@ TEST(CudaBf16Ops, GatedResidual) {
       be.gated_residual_backward(Tensor{}, gate(dmod, g), dx.t(g), y.t(g), gate(mod, g));
     });
     EXPECT_ROUNDED_CLOSE(dmod);
-    run_both_bf16([&](Backend& be, bool g) {
-      be.gated_residual_backward(dy.t(g), Tensor{}, dx.t(g), Tensor{}, gate(mod, g));
-    });
+    run_both_bf16(
+        [&](Backend& be, bool g) { be.gated_residual_backward(dy.t(g), Tensor{}, dx.t(g), Tensor{}, gate(mod, g)); });
     EXPECT_BITS_EQUAL(dy);
     EXPECT_TRUE(dy.padding_untouched());
   }

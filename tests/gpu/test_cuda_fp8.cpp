@@ -19,8 +19,8 @@
 #include "fp8/quantize.h"
 #include "fp8_test_util.h"
 #include "gpu_test_util.h"
-#include "model/linear_site.h"
 #include "model/fp8_runtime.h"
+#include "model/linear_site.h"
 
 namespace flux8::testing {
 namespace {
@@ -34,8 +34,8 @@ struct CastShape {
 // Awkward on purpose: single element, smaller than every block, partial tiles on both edges,
 // and exact tiles; every input is a strided window (pad > 0).
 const CastShape kCastShapes[] = {
-    {1, 1, 3, false}, {3, 5, 2, false}, {130, 257, 5, false}, {257, 129, 1, false}, {128, 256, 4, false},
-    {130, 257, 3, true},
+    {1, 1, 3, false},     {3, 5, 2, false},     {130, 257, 5, false},
+    {257, 129, 1, false}, {128, 256, 4, false}, {130, 257, 3, true},
 };
 
 // N(0,1) with plant_cast_extremes.
@@ -187,7 +187,8 @@ TEST(CudaQuantize, DeferredStatisticsMergeInOrder) {
     xs.back()->up();
   }
   std::vector<std::unique_ptr<QPair>> rows;
-  for (int k = 0; k < 3; ++k) rows.push_back(std::make_unique<QPair>(3 + k, 37, Fp8Format::e4m3, Fp8Scaling::per_tensor));
+  for (int k = 0; k < 3; ++k)
+    rows.push_back(std::make_unique<QPair>(3 + k, 37, Fp8Format::e4m3, Fp8Scaling::per_tensor));
   CastStats stats_cpu[3], stats_gpu[3];
   Scalar amax[3] = {Scalar(0.0f), Scalar(0.0f), Scalar(0.0f)};
   Backend::Quantize q;
@@ -344,8 +345,10 @@ TEST(CudaFp8, DelayedScalingUpdateMatchesCpu) {
             std::memcpy(b.data(), v.data(), b.size());
             return b;
           };
-          EXPECT_EQ(first_difference(as_bytes(history.down()), as_bytes(history.host.mem), 4), "") << "history, step " << step;
-          EXPECT_EQ(first_difference(as_bytes(scale.down()), as_bytes(scale.host.mem), 4), "") << "scale, step " << step;
+          EXPECT_EQ(first_difference(as_bytes(history.down()), as_bytes(history.host.mem), 4), "")
+              << "history, step " << step;
+          EXPECT_EQ(first_difference(as_bytes(scale.down()), as_bytes(scale.host.mem), 4), "")
+              << "scale, step " << step;
           EXPECT_EQ(first_difference(as_bytes(scale_inv.down()), as_bytes(scale_inv.host.mem), 4), "")
               << "scale_inv, step " << step;
         }
@@ -378,8 +381,8 @@ TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
     Fp8Format format;
     float scale, amax_before;
   };
-  const Weight weights[] = {{0, 137, 301, Fp8Format::e4m3, 300.0f, 0.0f},   // 41237: several chunks
-                            {50001, 7, 13, Fp8Format::e5m2, 2.0f, 0.25f},  // odd offset, per element
+  const Weight weights[] = {{0, 137, 301, Fp8Format::e4m3, 300.0f, 0.0f},      // 41237: several chunks
+                            {50001, 7, 13, Fp8Format::e5m2, 2.0f, 0.25f},      // odd offset, per element
                             {60000, 64, 96, Fp8Format::e4m3, 1500.0f, 9.0f}};  // saturates; amax stays 9
   std::vector<std::unique_ptr<QPair>> codes;
   Pair scales({3}), amax({3});
@@ -399,8 +402,7 @@ TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
       for (int i = 0; i < 3; ++i)
         casts.push_back({weights[i].offset, codes[static_cast<size_t>(i)]->on(g),
                          static_cast<const float*>(scales.t(g).data) + i, static_cast<float*>(amax.t(g).data) + i});
-      const Backend::ParamCopy copies[] = {
-          {70000, g ? copy.t : Tensor(copy_host.data(), DType::bf16, Shape{1000})}};
+      const Backend::ParamCopy copies[] = {{70000, g ? copy.t : Tensor(copy_host.data(), DType::bf16, Shape{1000})}};
       be.adamw(p.t(g), gr.t(g), m.t(g), v.t(g), h, copies, casts, {});
     });
     EXPECT_EQ(p.down(), p.host.mem);
@@ -418,7 +420,8 @@ TEST(CudaFp8, AdamWCastsEqualQuantizeOfTheNewWeights) {
 TEST(CudaFp8, TransposeCodesEqualsCpu) {
   FLUX8_REQUIRE_GPU();
   std::mt19937 rng(5);
-  for (const auto& [R, C] : {std::pair<int64_t, int64_t>{64, 128}, {256, 384}, {144, 272}, {132, 260}, {37, 53}, {1, 5}, {5, 1}, {4, 8}}) {
+  for (const auto& [R, C] :
+       {std::pair<int64_t, int64_t>{64, 128}, {256, 384}, {144, 272}, {132, 260}, {37, 53}, {1, 5}, {5, 1}, {4, 8}}) {
     QPair src(R, C, Fp8Format::e4m3, Fp8Scaling::per_tensor), dst(C, R, Fp8Format::e4m3, Fp8Scaling::per_tensor);
     for (uint8_t& b : src.codes) b = static_cast<uint8_t>(rng());
     src.scales[0] = 0.0123f;
@@ -555,13 +558,13 @@ struct GemmShape {
   bool cublas;  // k % 16 == 0, m and n multiples of 8, c rows 16-byte aligned
 };
 const GemmShape kGemmShapes[] = {
-    {37, 29, 45, 3, false},     // odd k: emulated for every recipe
-    {64, 96, 80, 4, true},      // one partial k block (the 128x128 scales padded to 4 k blocks)
-    {136, 264, 656, 4, true},   // partial 128-row tiles, 6 k blocks (padded to 8)
-    {256, 384, 512, 4, true},   // the plain cuBLASLt case
-    {40, 24, 64, 3, false},     // k % 16 == 0 but c rows not 16-byte aligned: emulated
-    {52, 192, 64, 0, true},     // m % 8 != 0 (a text stream's B·L): cuBLASLt, or the emulated kernel
-                                // where it refuses (bf16 c at such shapes, GemmRefused)
+    {37, 29, 45, 3, false},    // odd k: emulated for every recipe
+    {64, 96, 80, 4, true},     // one partial k block (the 128x128 scales padded to 4 k blocks)
+    {136, 264, 656, 4, true},  // partial 128-row tiles, 6 k blocks (padded to 8)
+    {256, 384, 512, 4, true},  // the plain cuBLASLt case
+    {40, 24, 64, 3, false},    // k % 16 == 0 but c rows not 16-byte aligned: emulated
+    {52, 192, 64, 0, true},    // m % 8 != 0 (a text stream's B·L): cuBLASLt, or the emulated kernel
+                               // where it refuses (bf16 c at such shapes, GemmRefused)
 };
 
 // x [rows, cols] quantized on the CPU with a recipe's current scales; the same bytes go to the device.
@@ -609,10 +612,9 @@ class CudaGemmFp8 : public ::testing::TestWithParam<int> {};
 TEST_P(CudaGemmFp8, MatchesCpu) {
   FLUX8_REQUIRE_GPU();
   const GemmOperands& o = kGemmOperands[GetParam()];
-  expect_gemms_match_cpu<Pair>(o, 1000 + 100 * static_cast<uint64_t>(GetParam()), cpu(), "",
-                               [&](const GemmShape& s) {
-                                 return cublas_pair(o) && s.cublas ? kTensorCoreTolerance : kFp32Tolerance;
-                               });
+  expect_gemms_match_cpu<Pair>(o, 1000 + 100 * static_cast<uint64_t>(GetParam()), cpu(), "", [&](const GemmShape& s) {
+    return cublas_pair(o) && s.cublas ? kTensorCoreTolerance : kFp32Tolerance;
+  });
 }
 
 // An output in bf16 storage (an activation: fprop's y, dgrad's dx): both backends round the fp32
@@ -630,8 +632,7 @@ TEST_P(CudaGemmFp8, Bf16OutputMatchesCpu) {
                                    cpu_bf16(), "bf16 c: ", [](const GemmShape&) { return kBf16OutputTolerance; });
 }
 
-INSTANTIATE_TEST_SUITE_P(AllOperandPairs, CudaGemmFp8,
-                         ::testing::Range(0, static_cast<int>(std::size(kGemmOperands))),
+INSTANTIATE_TEST_SUITE_P(AllOperandPairs, CudaGemmFp8, ::testing::Range(0, static_cast<int>(std::size(kGemmOperands))),
                          [](const ::testing::TestParamInfo<int>& info) {
                            const GemmOperands& o = kGemmOperands[info.param];
                            return fmt::format("{}_{}_x_{}_{}", fp8_scaling_name(o.sa), fp8_format_name(o.fa),
@@ -736,9 +737,9 @@ TEST(CudaGemmFp8, FastAccumulationReachesCublasAndStaysWithinItsBound) {
 TEST(CudaGemmFp8, Bf16BiasEqualsTheF32Bias) {
   FLUX8_REQUIRE_GPU();
   const int64_t m = 72, n = 104;
-  for (const auto [k, scaling] : {std::pair{int64_t{256}, Fp8Scaling::per_tensor},
-                                  std::pair{int64_t{256}, Fp8Scaling::block_1x128},
-                                  std::pair{int64_t{24}, Fp8Scaling::per_tensor}}) {
+  for (const auto [k, scaling] :
+       {std::pair{int64_t{256}, Fp8Scaling::per_tensor}, std::pair{int64_t{256}, Fp8Scaling::block_1x128},
+        std::pair{int64_t{24}, Fp8Scaling::per_tensor}}) {
     SCOPED_TRACE(fmt::format("k {} {}", k, fp8_scaling_name(scaling)));
     const Fp8Scaling b_scaling = scaling == Fp8Scaling::per_tensor ? scaling : Fp8Scaling::block_128x128;
     QPair a(m, k, Fp8Format::e4m3, scaling), b(n, k, Fp8Format::e4m3, b_scaling);

@@ -83,7 +83,7 @@ struct DevHeads {
       c[i] = quantize_value(static_cast<float>(std * rng_normal(seed, 2, i)), 1.0f / scale_inv, q.format);
     if (specials && c.size() > 64) {
       const bool e4 = q.format == Fp8Format::e4m3;
-      c[3] = e4 ? 0x7F : 0x7E, c[c.size() / 2] = e4 ? 0xFF : 0xFD;  // NaN codes
+      c[3] = e4 ? 0x7F : 0x7E, c[c.size() / 2] = e4 ? 0xFF : 0xFD;   // NaN codes
       c[41] = e4 ? 0x7E : 0x7C, c[c.size() - 5] = e4 ? 0xFE : 0xFC;  // the largest finite / ±inf
     }
     gpu().upload(q.codes, c.data(), c.size());
@@ -120,7 +120,7 @@ void expect_same_targets(CastTargets& got, CastTargets& want, bool counts, const
 
 struct HeadsCase {
   int64_t B, n, D, Lt, Li, pad;
-  bool bf16;  // bf16 activations (the training configuration), else f32
+  bool bf16;   // bf16 activations (the training configuration), else f32
   bool fused;  // whether the fused kernels take it (else the defaults run: the call must still work)
 };
 // D = 128: Flux (16 lanes a segment); D = 64: 8 lanes; D = 40: not 8·2^k, the pair path (left to
@@ -128,8 +128,8 @@ struct HeadsCase {
 // (13,203 segments) gives the forward runs of 2 segments a group and the backward runs of 4
 // (segments_per_group), each with a short last run and runs that cross tokens.
 const HeadsCase kCases[] = {
-    {2, 3, 128, 7, 45, 0, true, true},  {2, 3, 128, 7, 45, 8, false, true}, {1, 2, 64, 5, 19, 0, true, true},
-    {2, 2, 40, 3, 11, 0, true, false},  {1, 2, 128, 4, 9, 3, true, false},  {1, 3, 128, 7, 4401, 0, true, true},
+    {2, 3, 128, 7, 45, 0, true, true}, {2, 3, 128, 7, 45, 8, false, true}, {1, 2, 64, 5, 19, 0, true, true},
+    {2, 2, 40, 3, 11, 0, true, false}, {1, 2, 128, 4, 9, 3, true, false},  {1, 3, 128, 7, 4401, 0, true, true},
 };
 
 Backend& backend_for(const HeadsCase& c) { return c.bf16 ? gpu_bf16_activations() : gpu(); }
@@ -157,13 +157,12 @@ TEST(CudaFp8Heads, QkNormRopeWritesTheCastOfThePlainOp) {
           k_rstd_r({c.B * c.Li * c.n});
       const auto run = [&](bool fused_call, DevHeads& qh, DevHeads& kh, DevHeads& vh, CastTargets& a, CastTargets& b,
                            CastTargets& v, Pair& qr, Pair& kr) {
-        for (const auto& [tok, offset, stats] :
-             {std::tuple{&txt, int64_t{0}, false}, std::tuple{&img, c.Lt, true}}) {
+        for (const auto& [tok, offset, stats] : {std::tuple{&txt, int64_t{0}, false}, std::tuple{&img, c.Lt, true}}) {
           const Tensor rq_t = stats ? qr.dev : Tensor{}, rk_t = stats ? kr.dev : Tensor{};
           const auto [fq, fk, fv] = std::tuple{a.on(qh, counts), b.on(kh, counts), v.on(vh, counts)};
           if (fused_call)
-            be.qk_norm_rope_to_heads_fp8(fq, fk, fv, rq_t, rk_t, win(*tok, 0), win(*tok, 1), win(*tok, 2),
-                                         q_scale.dev, k_scale.dev, pe.dev, offset, 1e-6);
+            be.qk_norm_rope_to_heads_fp8(fq, fk, fv, rq_t, rk_t, win(*tok, 0), win(*tok, 1), win(*tok, 2), q_scale.dev,
+                                         k_scale.dev, pe.dev, offset, 1e-6);
           else
             be.Backend::qk_norm_rope_to_heads_fp8(fq, fk, fv, rq_t, rk_t, win(*tok, 0), win(*tok, 1), win(*tok, 2),
                                                   q_scale.dev, k_scale.dev, pe.dev, offset, 1e-6);
@@ -213,9 +212,9 @@ TEST(CudaFp8Heads, QkNormRopeBackwardReadsTheDequantizedHeads) {
       Pair dq_scale({c.D}), dk_scale({c.D});
       dq_scale.randn(821), dk_scale.randn(822);  // accumulated into
       if (fused_call)
-        be.qk_norm_rope_to_heads_backward_fp8(win(d, 0), win(d, 1), win(d, 2), dq_scale.dev, dk_scale.dev, dq8.q,
-                                              dk8.q, dv8.q, win(img, 0), win(img, 1), q_rstd.dev, k_rstd.dev,
-                                              q_scale.dev, k_scale.dev, pe.dev, c.Lt);
+        be.qk_norm_rope_to_heads_backward_fp8(win(d, 0), win(d, 1), win(d, 2), dq_scale.dev, dk_scale.dev, dq8.q, dk8.q,
+                                              dv8.q, win(img, 0), win(img, 1), q_rstd.dev, k_rstd.dev, q_scale.dev,
+                                              k_scale.dev, pe.dev, c.Lt);
       else
         be.Backend::qk_norm_rope_to_heads_backward_fp8(win(d, 0), win(d, 1), win(d, 2), dq_scale.dev, dk_scale.dev,
                                                        dq8.q, dk8.q, dv8.q, win(img, 0), win(img, 1), q_rstd.dev,

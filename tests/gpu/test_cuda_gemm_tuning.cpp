@@ -50,7 +50,8 @@ int count_lines(const std::string& path) {
 TEST(CudaGemmTuning, AutotuneTimesOnceThenReadsTheCache) {
   FLUX8_REQUIRE_GPU();
   const std::string cache =
-      (std::filesystem::temp_directory_path() / ("flux8_autotune_test_" + std::to_string(::getpid()) + ".tsv")).string();
+      (std::filesystem::temp_directory_path() / ("flux8_autotune_test_" + std::to_string(::getpid()) + ".tsv"))
+          .string();
   std::filesystem::remove(cache);
   ScopedEnv on("FLUX8_GEMM_AUTOTUNE", "1"), path("FLUX8_GEMM_AUTOTUNE_CACHE", cache);
   BackendOptions o;

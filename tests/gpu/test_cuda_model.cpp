@@ -17,9 +17,8 @@ namespace {
 
 ModelRun run_model(Backend& be, const FluxConfig& cfg, const Fp8Config* fp8, int64_t B, int64_t Lt, int64_t Li,
                    int steps = 1, double weight_std = 0.3) {
-  return testing::run_model(be, cfg,
-                            {.fp8 = fp8, .batch = B, .txt_tokens = Lt, .img_tokens = Li, .steps = steps,
-                             .weight_std = weight_std});
+  return testing::run_model(
+      be, cfg, {.fp8 = fp8, .batch = B, .txt_tokens = Lt, .img_tokens = Li, .steps = steps, .weight_std = weight_std});
 }
 
 void expect_close(const ModelRun& gpu_run, const ModelRun& cpu_run, double tol_pred, double tol_grad) {
@@ -172,9 +171,9 @@ TEST(CudaModel, Fp8AttentionMatchesCpuAndRepeats) {
   Fp8Config fp8 = delayed_hybrid_fp8();
   fp8.dot_product_attention = true;
   auto run = [&](Backend& be, const Fp8Config* f, Recompute rc = Recompute::none) {
-    return testing::run_model(be, cfg,
-                              {.fp8 = f, .recompute = rc, .batch = 2, .txt_tokens = 16, .img_tokens = 48,
-                               .steps = 3, .weight_std = 0.1});
+    return testing::run_model(
+        be, cfg,
+        {.fp8 = f, .recompute = rc, .batch = 2, .txt_tokens = 16, .img_tokens = 48, .steps = 3, .weight_std = 0.1});
   };
   const ModelRun exact = run(cpu(), nullptr);
   const ModelRun c = run(cpu(), &fp8);
@@ -211,8 +210,14 @@ TEST(CudaModel, Fp8WeightCastsWrittenByAdamWEqualCastsAtFirstUse) {
   FLUX8_REQUIRE_GPU();
   const FluxConfig cfg = fp8_test_config();
   const Fp8Config fp8 = delayed_hybrid_fp8();
-  testing::ModelRunOptions o{.fp8 = &fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 4,
-                             .weight_std = 0.1, .optimizer = true, .collect_stats = false};
+  testing::ModelRunOptions o{.fp8 = &fp8,
+                             .batch = 2,
+                             .txt_tokens = 6,
+                             .img_tokens = 20,
+                             .steps = 4,
+                             .weight_std = 0.1,
+                             .optimizer = true,
+                             .collect_stats = false};
   for (Backend* be : {&gpu(), &gpu_bf16_activations()}) {
     o.fused_weight_casts = true;
     const ModelRun fused = testing::run_model(*be, cfg, o);
@@ -268,7 +273,8 @@ struct Bf16StorageCase {
 };
 std::vector<Bf16StorageCase> bf16_storage_cases(const Fp8Config& delayed) {
   const FluxConfig odd = odd_config(2, 2, true);
-  return {{"BF16", odd, nullptr, 0}, {"BF16, low-rank", odd, nullptr, 2}, {"FP8 delayed", fp8_test_config(), &delayed, 0}};
+  return {
+      {"BF16", odd, nullptr, 0}, {"BF16, low-rank", odd, nullptr, 2}, {"FP8 delayed", fp8_test_config(), &delayed, 0}};
 }
 
 // grad_precision: bf16 (the gradient buffer in bf16) against the same GPU configuration with f32
@@ -283,7 +289,11 @@ TEST(CudaModel, Bf16GradientsAreF32GradientsRounded) {
   const Fp8Config fp8 = delayed_hybrid_fp8();
   for (const Bf16StorageCase& c : bf16_storage_cases(fp8)) {
     SCOPED_TRACE(c.name);
-    testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .weight_std = 0.1,
+    testing::ModelRunOptions o{.fp8 = c.fp8,
+                               .batch = 2,
+                               .txt_tokens = 6,
+                               .img_tokens = 20,
+                               .weight_std = 0.1,
                                .low_rank_rows = c.low_rank_rows};
     const ModelRun f32 = testing::run_model(gpu_bf16_activations(), c.cfg, o);
     const ModelRun bf16 = testing::run_model(gpu_bf16_grads(), c.cfg, o);
@@ -314,8 +324,14 @@ TEST(CudaModel, Bf16MomentsTrainLikeF32Moments) {
   const Fp8Config fp8 = delayed_hybrid_fp8();
   for (const Bf16StorageCase& c : bf16_storage_cases(fp8)) {
     SCOPED_TRACE(c.name);
-    testing::ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 3,
-                               .weight_std = 0.1, .optimizer = true, .low_rank_rows = c.low_rank_rows};
+    testing::ModelRunOptions o{.fp8 = c.fp8,
+                               .batch = 2,
+                               .txt_tokens = 6,
+                               .img_tokens = 20,
+                               .steps = 3,
+                               .weight_std = 0.1,
+                               .optimizer = true,
+                               .low_rank_rows = c.low_rank_rows};
     const ModelRun f32 = testing::run_model(gpu_bf16_activations(), c.cfg, o);
     o.moment_dtype = DType::bf16;
     const ModelRun bf16 = testing::run_model(gpu_bf16_activations(), c.cfg, o);
@@ -349,9 +365,9 @@ TEST(CudaModel, RecomputePoliciesReproduceNone) {
   for (const Case& c : {Case{"bf16", odd_config(2, 3, true), nullptr}, Case{"fp8 delayed", fp8_test_config(), &fp8}}) {
     SCOPED_TRACE(c.name);
     const auto run = [&](Recompute rc) {
-      return testing::run_model(be, c.cfg,
-                                {.fp8 = c.fp8, .recompute = rc, .batch = 2, .txt_tokens = 5, .img_tokens = 9,
-                                 .steps = 2, .optimizer = true});
+      return testing::run_model(
+          be, c.cfg,
+          {.fp8 = c.fp8, .recompute = rc, .batch = 2, .txt_tokens = 5, .img_tokens = 9, .steps = 2, .optimizer = true});
     };
     const ModelRun none = run(Recompute::none);
     for (Recompute rc : {Recompute::selective, Recompute::full}) {

@@ -36,8 +36,8 @@ cuda::Gemm& gemm_of(Backend& be) { return dynamic_cast<CudaBackend&>(be).gemm();
 TEST(CudaOps, UploadsArriveWholeThroughThePinnedChunks) {
   FLUX8_REQUIRE_GPU();
   Backend& be = gpu();
-  for (const size_t bytes : {size_t(100), size_t(4) << 20, (size_t(8) << 20) - 1, (size_t(16) << 20) + 1,
-                             size_t(27'000'003)}) {
+  for (const size_t bytes :
+       {size_t(100), size_t(4) << 20, (size_t(8) << 20) - 1, (size_t(16) << 20) + 1, size_t(27'000'003)}) {
     SCOPED_TRACE(bytes);
     std::vector<uint8_t> host(bytes), back(bytes);
     uint64_t x = 0x9e3779b97f4a7c15ull ^ bytes;
@@ -208,8 +208,8 @@ TEST(CudaOps, LinearDgradGeluBf16Activations) {
     int64_t N, K, M, Kh, pad;
     bool epilogue;
   };
-  for (const Case c : {Case{128, 160, 256, 160, 8, true}, Case{128, 160, 256, 96, 8, true},
-                       Case{67, 29, 45, 13, 3, false}}) {
+  for (const Case c :
+       {Case{128, 160, 256, 160, 8, true}, Case{128, 160, 256, 96, 8, true}, Case{67, 29, 45, 13, 3, false}}) {
     SCOPED_TRACE(::testing::Message() << "N=" << c.N << " K=" << c.K << " M=" << c.M << " GELU over " << c.Kh);
     const int64_t K0 = c.K - c.Kh;
     Bf16Pair dy({c.N, c.M}, c.pad), h({c.N, c.Kh}, c.pad), dh({c.N, c.Kh}, c.pad + 8),
@@ -339,8 +339,13 @@ TEST(CudaOps, LayerNormModulate) {
   // (Flux: 512 x 6), 4100 (beyond 4096: the row-loop forward and three-pass backward). Unpadded
   // rows of 256 and 3072 take the 4-column groups and the staged backward (cp.async two pairs
   // of rows ahead): 1200 rows give 5 a block (two pairs and a single row), 1536 give 6.
-  for (const auto [L, H, pad] : {std::array<int64_t, 3>{37, 203, 2}, {300, 203, 2}, {33, 1500, 2}, {40, 3072, 2},
-                                 {9, 4100, 2}, {400, 256, 0}, {512, 3072, 0}}) {
+  for (const auto [L, H, pad] : {std::array<int64_t, 3>{37, 203, 2},
+                                 {300, 203, 2},
+                                 {33, 1500, 2},
+                                 {40, 3072, 2},
+                                 {9, 4100, 2},
+                                 {400, 256, 0},
+                                 {512, 3072, 0}}) {
     SCOPED_TRACE(::testing::Message() << "L=" << L << " H=" << H << " pad=" << pad);
     const int64_t B = 3;
     Pair x({B, L, H}, pad), y({B, L, H}, pad ? 1 : 0), mean({B * L}), rstd({B * L});
@@ -361,8 +366,8 @@ TEST(CudaOps, LayerNormModulate) {
     dy.randn(34), dx.randn(35), dmod.randn(36);
     for (bool acc : {false, true}) {
       run_both([&](Backend& be, bool g) {
-        be.layernorm_modulate_backward(dx.t(g), dmod.t(g).cols_slice(0, H), dmod.t(g).cols_slice(H, H), dy.t(g),
-                                       x.t(g), mean.t(g), rstd.t(g), window(g, 1), acc);
+        be.layernorm_modulate_backward(dx.t(g), dmod.t(g).cols_slice(0, H), dmod.t(g).cols_slice(H, H), dy.t(g), x.t(g),
+                                       mean.t(g), rstd.t(g), window(g, 1), acc);
       });
       // dx = rstd·(g − mean g − x̂·mean(g x̂)) cancels: a few ulps of the f32 inputs, relative.
       EXPECT_CLOSE(dx, 1e-5);
@@ -441,8 +446,7 @@ TEST(CudaOps, GatedResidual) {
     run_both([&](Backend& be, bool g) { be.gated_residual(x.t(g), x.t(g), y.t(g), mod.t(g).cols_slice(H, H)); });
     EXPECT_CLOSE(x, kElementwise);
     run_both([&](Backend& be, bool g) {
-      be.gated_residual_backward(dy.t(g), dmod.t(g).cols_slice(2 * H, H), dx.t(g), y.t(g),
-                                 mod.t(g).cols_slice(H, H));
+      be.gated_residual_backward(dy.t(g), dmod.t(g).cols_slice(2 * H, H), dx.t(g), y.t(g), mod.t(g).cols_slice(H, H));
     });
     EXPECT_CLOSE(dy, kElementwise);
     EXPECT_CLOSE(dmod, kReduce);
@@ -475,12 +479,11 @@ TEST(CudaOps, RopeTableAndRotation) {
 // dscale spans many chunks (the last partial) and chunks longer than 256 segments.
 // Rows aligned to 8 elements (pad 0) with D = 8·2^k take the vector path (16-byte accesses, a
 // group of D/8 lanes per segment: 16 at Flux's 128, 2 at D = 16), the others the pair path;
-// the backend's counter says which ran. Tolerances, ‖gpu − cpu‖₂/‖cpu‖₂: q, k, rstd: rstd comes from a double sum of squares rounded
-// once to f32 (another summation order may round it an ulp apart), then f32 products and a
-// rotation the device contracts into FMAs: a few ulps, kReduce (1e-6). v, dv: copies, exact.
-// d[Q|K]: rmsnorm_heads_backward's cancellation, as in RmsNormHeads: 1e-5. dscale: double sums
-// of the same f32 products up to the rotation's ulps: kReduce. A wrong index, pair or term
-// gives errors of order 1.
+// the backend's counter says which ran. Tolerances, ‖gpu − cpu‖₂/‖cpu‖₂: q, k, rstd: rstd comes from a double sum of
+// squares rounded once to f32 (another summation order may round it an ulp apart), then f32 products and a rotation the
+// device contracts into FMAs: a few ulps, kReduce (1e-6). v, dv: copies, exact. d[Q|K]: rmsnorm_heads_backward's
+// cancellation, as in RmsNormHeads: 1e-5. dscale: double sums of the same f32 products up to the rotation's ulps:
+// kReduce. A wrong index, pair or term gives errors of order 1.
 TEST(CudaOps, QkNormRopeToHeads) {
   FLUX8_REQUIRE_GPU();
   struct Case {
@@ -621,9 +624,8 @@ TEST(CudaOps, Bf16AttentionHeads) {
     dqb.up(dqh.host.mem), dkb.up(dkh.host.mem), dvb.up(dvh.host.mem);
     ds32.fill(0.0f), ds16.fill(0.0f);
     const auto dwin = [&](Pair& p, int64_t i) { return p.dev.cols_slice(i * H, H); };
-    gpu().qk_norm_rope_to_heads_backward(dwin(d32, 0), dwin(d32, 1), dwin(d32, 2), ds32.dev, ds32.dev, dqh.dev,
-                                         dkh.dev, dvh.dev, win(0), win(1), rq.dev, rk.dev, q_scale.dev, k_scale.dev,
-                                         pe.dev, Lt);
+    gpu().qk_norm_rope_to_heads_backward(dwin(d32, 0), dwin(d32, 1), dwin(d32, 2), ds32.dev, ds32.dev, dqh.dev, dkh.dev,
+                                         dvh.dev, win(0), win(1), rq.dev, rk.dev, q_scale.dev, k_scale.dev, pe.dev, Lt);
     gpu().qk_norm_rope_to_heads_backward(dwin(d16, 0), dwin(d16, 1), dwin(d16, 2), ds16.dev, ds16.dev, dqb.t, dkb.t,
                                          dvb.t, win(0), win(1), rq.dev, rk.dev, q_scale.dev, k_scale.dev, pe.dev, Lt);
     EXPECT_EQ(d16.down(), d32.down());

@@ -32,7 +32,7 @@ void expect_graphs_ran(const ModelRun& graphed, bool fallbacks) {
 
 TEST(CudaStepGraph, GraphedStepsEqualEagerOnesBitForBit) {
   FLUX8_REQUIRE_GPU();
-  FluxConfig odd = odd_config(1, 2, true);  // D = 10: attention on the reference kernel
+  FluxConfig odd = odd_config(1, 2, true);   // D = 10: attention on the reference kernel
   FluxConfig wide = odd_config(1, 1, true);  // D = 128: cuDNN, BF16 and FP8
   wide.hidden_size = 256;
   wide.num_heads = 2;
@@ -52,11 +52,17 @@ TEST(CudaStepGraph, GraphedStepsEqualEagerOnesBitForBit) {
         Case{"odd, bf16 gradients, FP8 delayed (emulated GEMMs: failed captures)", &gpu_bf16_grads(), &odd, &fp8, 0,
              true},
         Case{"D = 128, BF16 (cuDNN)", &gpu_bf16_activations(), &wide, nullptr, 0, false},
-        Case{"D = 128, FP8 delayed + FP8 attention, low-rank", &gpu_bf16_grads(), &wide, &fp8_attention, 4,
-             false}}) {
+        Case{"D = 128, FP8 delayed + FP8 attention, low-rank", &gpu_bf16_grads(), &wide, &fp8_attention, 4, false}}) {
     SCOPED_TRACE(c.name);
-    ModelRunOptions o{.fp8 = c.fp8, .batch = 2, .txt_tokens = 16, .img_tokens = 48, .steps = 4, .weight_std = 0.1,
-                      .optimizer = true, .collect_stats = false, .low_rank_rows = c.low_rank_rows};
+    ModelRunOptions o{.fp8 = c.fp8,
+                      .batch = 2,
+                      .txt_tokens = 16,
+                      .img_tokens = 48,
+                      .steps = 4,
+                      .weight_std = 0.1,
+                      .optimizer = true,
+                      .collect_stats = false,
+                      .low_rank_rows = c.low_rank_rows};
     const ModelRun eager = run_model(*c.be, *c.cfg, o);
     o.graph_segment_ops = 16;
     const ModelRun graphed = run_model(*c.be, *c.cfg, o);
@@ -74,8 +80,8 @@ TEST(CudaStepGraph, TelemetryStepsCountAsEagerOnes) {
   fp8.enabled = true;
   fp8.hybrid = true;
   fp8.recipe = Fp8Recipe::delayed;
-  ModelRunOptions o{.fp8 = &fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 3, .optimizer = true,
-                    .collect_stats = true};
+  ModelRunOptions o{
+      .fp8 = &fp8, .batch = 2, .txt_tokens = 6, .img_tokens = 20, .steps = 3, .optimizer = true, .collect_stats = true};
   const ModelRun eager = run_model(gpu_bf16_activations(), cfg, o);
   o.graph_segment_ops = 4;
   const ModelRun graphed = run_model(gpu_bf16_activations(), cfg, o);

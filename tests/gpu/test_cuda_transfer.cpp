@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "backend/transfer.h"
+#include "backend_buffer.h"
 #include "core/rng.h"
 #include "gpu_test_util.h"
-#include "backend_buffer.h"
 
 namespace flux8 {
 namespace {

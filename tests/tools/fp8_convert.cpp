@@ -38,8 +38,7 @@ void write_file(const char* path, const void* data, size_t bytes) {
 }
 
 int usage() {
-  std::fprintf(stderr,
-               "usage: flux8_fp8_convert <encode-f32|encode-bf16|decode> <e4m3|e5m2|e8m0> <in> <out>\n");
+  std::fprintf(stderr, "usage: flux8_fp8_convert <encode-f32|encode-bf16|decode> <e4m3|e5m2|e8m0> <in> <out>\n");
   return 2;
 }
 

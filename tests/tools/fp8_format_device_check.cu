@@ -20,7 +20,8 @@ namespace {
 constexpr uint64_t kChunk = 1ull << 28;
 
 __global__ void encode_kernel(uint64_t base, uint8_t* e4, uint8_t* e5, uint8_t* e8, uint8_t* mx) {
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < kChunk; i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < kChunk;
+       i += uint64_t(gridDim.x) * blockDim.x) {
     const float x = __uint_as_float(static_cast<uint32_t>(base + i));
     e4[i] = fp8_encode(x, Fp8Format::e4m3);
     e5[i] = fp8_encode(x, Fp8Format::e5m2);
@@ -49,13 +50,13 @@ uint32_t bits(float f) {
   return u;
 }
 
-#define CHECK_CUDA(x)                                                               \
-  do {                                                                              \
-    cudaError_t err_ = (x);                                                         \
-    if (err_ != cudaSuccess) {                                                      \
+#define CHECK_CUDA(x)                                                                   \
+  do {                                                                                  \
+    cudaError_t err_ = (x);                                                             \
+    if (err_ != cudaSuccess) {                                                          \
       std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      return 1;                                                                     \
-    }                                                                               \
+      return 1;                                                                         \
+    }                                                                                   \
   } while (0)
 
 }  // namespace
@@ -87,9 +88,9 @@ int main() {
     }
     mismatches[0] += m0, mismatches[1] += m1, mismatches[2] += m2, mismatches[3] += m3;
   }
-  std::printf("all 2^32 f32: mismatches e4m3 %lld, e5m2 %lld, e8m0 %lld, mx scale %lld\n", mismatches[0],
-              mismatches[1], mismatches[2], mismatches[3]);
-  uint8_t *dbf;
+  std::printf("all 2^32 f32: mismatches e4m3 %lld, e5m2 %lld, e8m0 %lld, mx scale %lld\n", mismatches[0], mismatches[1],
+              mismatches[2], mismatches[3]);
+  uint8_t* dbf;
   uint32_t* ddec;
   CHECK_CUDA(cudaMalloc(&dbf, 2 * 65536));
   CHECK_CUDA(cudaMalloc(&ddec, 4 * 768));

@@ -23,8 +23,7 @@ T silu_grad(T x) {
 
 // out = f(x) elementwise, or out (+)= dy ⊙ f'(x) for a backward.
 template <typename T, typename F>
-void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, const Ctx& c,
-              F f) {
+void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumulate, const Ctx& c, F f) {
   parallel_for(x.rows(), c, [&](int64_t r) {
     T* o = row<T>(out, r);
     const T* xr = row<T>(x, r);
@@ -41,9 +40,7 @@ void map_rows(const Tensor& out, const Tensor& x, const Tensor& dy, bool accumul
 void CpuBackend::execute(const op::Silu& args) {
   const auto [t, c] = begin_call(options_, args);
   require_same_matrix("silu", {"y", args.y}, {"x", args.x});
-  dispatch(t, [&]<typename T>(T) {
-    map_rows<T>(args.y, args.x, {}, false, c, [](T v) { return v * sigmoid(v); });
-  });
+  dispatch(t, [&]<typename T>(T) { map_rows<T>(args.y, args.x, {}, false, c, [](T v) { return v * sigmoid(v); }); });
 }
 
 void CpuBackend::execute(const op::SiluBackward& args) {

@@ -84,11 +84,10 @@ void CpuBackend::execute(const op::AttentionBackward& args) {
             dp[i * L + j] = static_cast<T>(p[i * L + j] * (dp[i * L + j] - delta) * args.scale);
         });
         if (args.dq.defined())
-          gemm<T>(false, false, m, D, L, T(1), dp.data(), L, kh, args.k.ld, T(0),
-                  row<T>(args.dq, bh * L + i0), args.dq.ld);
+          gemm<T>(false, false, m, D, L, T(1), dp.data(), L, kh, args.k.ld, T(0), row<T>(args.dq, bh * L + i0),
+                  args.dq.ld);
         if (args.dk.defined())
-          gemm<T>(true, false, L, D, m, T(1), dp.data(), L, qb, args.q.ld, beta, row<T>(args.dk, bh * L),
-                  args.dk.ld);
+          gemm<T>(true, false, L, D, m, T(1), dp.data(), L, qb, args.q.ld, beta, row<T>(args.dk, bh * L), args.dk.ld);
       }
     }
     // Round once the block sums are complete, as a kernel storing bf16 results would.

@@ -37,7 +37,9 @@ void record_amax(float* target, const std::vector<float>& row_amax) {
 }
 
 // Writes `value`·scale cast to t's format as element i of t.
-inline void put(const QTensor& t, int64_t i, float value, float scale) { t.codes[i] = quantize_value(value, scale, t.format); }
+inline void put(const QTensor& t, int64_t i, float value, float scale) {
+  t.codes[i] = quantize_value(value, scale, t.format);
+}
 
 }  // namespace
 
@@ -110,7 +112,8 @@ void CpuBackend::execute(const op::AttentionFp8Backward& args) {
   constexpr std::string_view op = "attention_fp8_backward";
   const auto [B, n, L, D] = ops::check(op, args);
   const Ctx c = make_ctx(options_, DType::f32);
-  const std::vector<float> qv = decode(args.q), kv = decode(args.k), vv = decode(args.v), ov = decode(args.o), dov = decode(args.dout);
+  const std::vector<float> qv = decode(args.q), kv = decode(args.k), vv = decode(args.v), ov = decode(args.o),
+                           dov = decode(args.dout);
   const float attn = static_cast<float>(args.scale), descale_q = args.q.scale_inv[0], descale_k = args.k.scale_inv[0],
               descale_v = args.v.scale_inv[0], descale_o = args.o.scale_inv[0], descale_do = args.dout.scale_inv[0],
               scale_s = Fp8AttentionScales::p_scale(args.q.format), descale_s = scale_inverse(scale_s),

@@ -38,8 +38,7 @@ struct Ctx {
 };
 inline Ctx make_ctx(const BackendOptions& o, DType t) {
   // Read per call so that omp_set_num_threads() between calls takes effect.
-  return Ctx{o.round_activations_to_bf16 && t == DType::f32,
-             o.threads > 0 ? o.threads : omp_get_max_threads()};
+  return Ctx{o.round_activations_to_bf16 && t == DType::f32, o.threads > 0 ? o.threads : omp_get_max_threads()};
 }
 
 // The element type of an op call (call_dtype over its tensors) and the context it runs in.
@@ -113,8 +112,7 @@ inline void rotate_pairs(T* y, const T* x, const T* cs, int64_t D, bool inverse,
 // depends only on `rows`; chunk partials are combined in chunk order, so the result is the
 // same for every thread count.
 template <typename AddRow>
-std::vector<double> grouped_column_sums(int64_t groups, int64_t rows, int64_t cols, const Ctx& c,
-                                        AddRow add_row) {
+std::vector<double> grouped_column_sums(int64_t groups, int64_t rows, int64_t cols, const Ctx& c, AddRow add_row) {
   const int64_t chunks = std::clamp<int64_t>(rows / 64, 1, 32);
   const int64_t chunk_rows = (rows + chunks - 1) / chunks;
   std::vector<double> partial(static_cast<size_t>(groups * chunks * cols), 0.0);
@@ -161,8 +159,7 @@ T gelu_tanh_value(T x) {
 template <typename T>
 T gelu_tanh_grad(T x) {
   const T th = std::tanh(T(kGeluC) * (x + T(kGeluA) * x * x * x));
-  return T(0.5) * (T(1) + th) +
-         T(0.5) * x * (T(1) - th * th) * T(kGeluC) * (T(1) + T(3 * kGeluA) * x * x);
+  return T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th * th) * T(kGeluC) * (T(1) + T(3 * kGeluA) * x * x);
 }
 
 // The GELU epilogue of linear_gelu on the product already in h [rows, n] (unrounded):
@@ -204,17 +201,16 @@ void dgelu_epilogue(const T* p, const Tensor& dx, const Tensor& dh, const Tensor
 // Single-threaded: OpenBLAS runs with one thread (see CpuBackend's constructor), so it can be
 // called from inside parallel regions (attention heads) without oversubscribing the cores.
 template <typename T>
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
-          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc);
 
 // The same on the op's threads: C's rows are cut into blocks of a fixed size (a function of
 // the shape only) and the blocks are shared among the threads. OpenBLAS may round an element
 // differently depending on where it falls in the block it is given (edge kernels), so the
 // blocks must not depend on the thread count: then the bits do not either.
 template <typename T>
-void parallel_gemm(const Ctx& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-                   T alpha, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
-                   int64_t ldc) {
+void parallel_gemm(const Ctx& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+                   int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   constexpr int64_t kRowBlock = 64;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   if (blocks <= 1 || m * n * k < (1 << 16)) {

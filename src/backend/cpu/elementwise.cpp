@@ -22,8 +22,9 @@ void CpuBackend::execute(const op::FillRandom& args) {
     T* out = args.y.ptr<T>();
     parallel_for(args.y.numel(), c, [&](int64_t i) {
       const uint64_t k = static_cast<uint64_t>(i);
-      const double v = args.dist == Random::normal ? static_cast<double>(rng_normal(args.seed, args.stream, k))
-                                              : 2.0 * static_cast<double>(rng_uniform(args.seed, args.stream, k)) - 1.0;
+      const double v = args.dist == Random::normal
+                           ? static_cast<double>(rng_normal(args.seed, args.stream, k))
+                           : 2.0 * static_cast<double>(rng_uniform(args.seed, args.stream, k)) - 1.0;
       out[i] = static_cast<T>(args.scale * v);
     });
   });

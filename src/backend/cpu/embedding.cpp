@@ -23,8 +23,7 @@ void CpuBackend::execute(const op::TimestepEmbedding& args) {
       const double scaled_t = static_cast<double>(args.time_factor) * static_cast<double>(args.t.ptr<T>()[b]);
       T* o = row<T>(args.out, b);
       for (int64_t k = 0; k < half; ++k) {
-        const double arg = scaled_t * std::exp(neg_log_period * static_cast<double>(k) /
-                                               static_cast<double>(half));
+        const double arg = scaled_t * std::exp(neg_log_period * static_cast<double>(k) / static_cast<double>(half));
         o[k] = act<T>(static_cast<T>(std::cos(arg)), c);
         o[half + k] = act<T>(static_cast<T>(std::sin(arg)), c);
       }

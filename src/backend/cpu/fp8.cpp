@@ -56,9 +56,9 @@ QuantizedTensor cast(const std::vector<float>& x, int64_t rows, int64_t cols, co
 std::vector<float> dequantize_view(const QTensor& q, const Ctx& c) {
   std::vector<float> out(static_cast<size_t>(q.numel()));
   const int64_t br = q.scaling == Fp8Scaling::block_128x128 ? 128 : 1;
-  const int64_t bc = q.scaling == Fp8Scaling::per_tensor      ? std::max<int64_t>(q.cols, 1)
-                     : q.scaling == Fp8Scaling::mx_1x32      ? 32
-                                                             : 128;
+  const int64_t bc = q.scaling == Fp8Scaling::per_tensor ? std::max<int64_t>(q.cols, 1)
+                     : q.scaling == Fp8Scaling::mx_1x32  ? 32
+                                                         : 128;
   const int64_t scale_cols = (q.cols + bc - 1) / bc;
   parallel_for(q.rows, c, [&](int64_t r) {
     for (int64_t j = 0; j < q.cols; ++j) {
@@ -82,11 +82,13 @@ void CpuBackend::execute(const op::Quantize& args) {
     // One scale for both copies under per-tensor scaling: the registry's (delayed) or this
     // tensor's current scale.
     const float amax = tensor_amax(xr.data(), R * C);
-    const float scale = args.q.delayed_scale ? *args.q.delayed_scale : current_scale(amax, fp8_max(args.q.format), args.q.pow2);
+    const float scale =
+        args.q.delayed_scale ? *args.q.delayed_scale : current_scale(amax, fp8_max(args.q.format), args.q.pow2);
     CastStats st;
     if (args.rowwise.defined()) store(args.rowwise, cast(xr, R, C, args.q, scale, &st), "rowwise");
     if (args.columnwise.defined())
-      store(args.columnwise, cast(gather(args.x, true, c), C, R, args.q, scale, args.rowwise.defined() ? nullptr : &st), "columnwise");
+      store(args.columnwise, cast(gather(args.x, true, c), C, R, args.q, scale, args.rowwise.defined() ? nullptr : &st),
+            "columnwise");
     if (args.q.amax) *args.q.amax = amax_accumulate(*args.q.amax, amax);
     if (args.q.stats) args.q.stats->merge(st);
   }
@@ -106,8 +108,9 @@ void CpuBackend::execute(const op::TransposeCodes& args) {
 
 void CpuBackend::execute(const op::DelayedScalingUpdate& args) {
   const auto d = ops::check("delayed_scaling_update", args);
-  delayed_update_all(args.amax_history.ptr<float>(), static_cast<int>(d.n), static_cast<int>(d.L), args.fp8_max.ptr<float>(),
-                     args.algo, args.margin, args.scale.ptr<float>(), args.scale_inv.ptr<float>());
+  delayed_update_all(args.amax_history.ptr<float>(), static_cast<int>(d.n), static_cast<int>(d.L),
+                     args.fp8_max.ptr<float>(), args.algo, args.margin, args.scale.ptr<float>(),
+                     args.scale_inv.ptr<float>());
 }
 
 // fp32 sums whatever `sum` asks: the CPU has no faster, less precise accumulation to offer.

@@ -12,8 +12,7 @@ namespace {
 // Moves between tokens[b, l, h·D : (h+1)·D] and heads[b, h, offset + l, :]; parallel over
 // (b, h, l), each task owning one destination row segment.
 template <typename T>
-void move_heads(const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads,
-                const Ctx& c) {
+void move_heads(const Tensor& heads, const Tensor& tokens, int64_t offset, bool to_heads, const Ctx& c) {
   const int64_t D = heads.shape[3];
   for_each_head_row<T>(heads, tokens, offset, c, [&](T* hr, T* tr, int64_t, int64_t) {
     T* dst = to_heads ? hr : tr;
@@ -24,8 +23,7 @@ void move_heads(const Tensor& heads, const Tensor& tokens, int64_t offset, bool 
 
 // out[b, offset + l, :] <-> part[b, l, :] for l < part's length.
 template <typename T>
-void move_tokens(const Tensor& joint, const Tensor& part, int64_t offset, bool to_joint,
-                 const Ctx& c) {
+void move_tokens(const Tensor& joint, const Tensor& part, int64_t offset, bool to_joint, const Ctx& c) {
   const int64_t B = joint.shape[0], L = joint.shape[1], C = joint.shape[2], Lp = part.shape[1];
   parallel_for(B * Lp, c, [&](int64_t i) {
     const int64_t b = i / Lp, l = i % Lp;

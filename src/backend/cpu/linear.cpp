@@ -14,8 +14,8 @@ using namespace cpu;
 namespace cpu {
 
 template <typename T>
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
-          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
   constexpr int64_t kMax = std::numeric_limits<blasint>::max();
   FLUX8_CHECK(m <= kMax && n <= kMax && k <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax,
@@ -24,16 +24,16 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, 
   // BLAS requires ld >= 1 even for empty operands.
   const auto ld = [](int64_t v) { return static_cast<blasint>(std::max<int64_t>(v, 1)); };
   if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
-                static_cast<blasint>(k), alpha, a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
+    cblas_sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha,
+                a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
   else
-    cblas_dgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
-                static_cast<blasint>(k), alpha, a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
+    cblas_dgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha,
+                a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
 }
-template void gemm<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t,
-                          const float*, int64_t, float, float*, int64_t);
-template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*, int64_t,
-                           const double*, int64_t, double, double*, int64_t);
+template void gemm<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                          float, float*, int64_t);
+template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*, int64_t, const double*,
+                           int64_t, double, double*, int64_t);
 
 }  // namespace cpu
 
@@ -42,7 +42,8 @@ void CpuBackend::execute(const op::Linear& args) {
   const auto [t, c] = begin_call(options_, args);
   const auto [N, K, M] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
-    parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0), args.y.ptr<T>(), args.y.ld);
+    parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0),
+                     args.y.ptr<T>(), args.y.ld);
     // Bias after the product, as a GEMM epilogue does.
     const T* bias = args.b.defined() ? args.b.ptr<T>() : nullptr;
     if (!bias && !c.round_bf16) return;
@@ -59,7 +60,8 @@ void CpuBackend::execute(const op::LinearGelu& args) {
   const auto [t, c] = begin_call(options_, args);
   [[maybe_unused]] const auto [N, K, M, G] = ops::check(op, args);
   dispatch(t, [&]<typename T>(T) {
-    parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0), args.h.ptr<T>(), args.h.ld);
+    parallel_gemm<T>(c, false, true, N, M, K, T(1), args.x.ptr<T>(), args.x.ld, args.w.ptr<T>(), args.w.ld, T(0),
+                     args.h.ptr<T>(), args.h.ld);
     gelu_epilogue<T>(args.h, args.y, args.b.defined() ? args.b.ptr<T>() : nullptr, c);
   });
 }
@@ -71,7 +73,8 @@ void CpuBackend::execute(const op::LinearDgradGelu& args) {
   dispatch(t, [&]<typename T>(T) {
     // The whole product P = dy·w first (one GEMM, as an unfused backward computes it), unrounded.
     std::vector<T> p(static_cast<size_t>(N * K));
-    parallel_gemm<T>(c, false, false, N, K, M, T(1), args.dy.ptr<T>(), args.dy.ld, args.w.ptr<T>(), args.w.ld, T(0), p.data(), K);
+    parallel_gemm<T>(c, false, false, N, K, M, T(1), args.dy.ptr<T>(), args.dy.ld, args.w.ptr<T>(), args.w.ld, T(0),
+                     p.data(), K);
     dgelu_epilogue<T>(p.data(), args.dx, args.dh, args.h, c);
   });
 }
@@ -89,7 +92,7 @@ void CpuBackend::execute(const op::LinearBackward& args) {
       if (args.dx.rows() != N || args.dx.cols() != K)
         fail("{}: input gradient 'dx' {} must have {} rows of {} columns", op, args.dx.str(), N, K);
       parallel_gemm<T>(c, false, false, N, K, M, T(1), args.dy.ptr<T>(), args.dy.ld, args.w.ptr<T>(), args.w.ld,
-              args.accumulate_dx ? T(1) : T(0), args.dx.ptr<T>(), args.dx.ld);
+                       args.accumulate_dx ? T(1) : T(0), args.dx.ptr<T>(), args.dx.ld);
       if (c.round_bf16)
         parallel_for(N, c, [&](int64_t r) {
           T* dxr = row<T>(args.dx, r);
@@ -108,8 +111,7 @@ void CpuBackend::execute(const op::LinearBackward& args) {
     }
     if (args.db.defined()) {
       if (args.db.numel() != M || !args.db.contiguous())
-        fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, args.db.str(),
-             M);
+        fail("{}: bias gradient 'db' {} must be a contiguous vector of {} elements", op, args.db.str(), M);
       if (!args.accumulate_params) fill(args.db, 0.0);
       add_column_sums<T>(args.db, args.dy, c);
     }

@@ -121,8 +121,7 @@ void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
         const int64_t r = i / n, h = i % n;
         const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;
         double sum_gx = 0;
-        for (int64_t d = 0; d < D; ++d)
-          sum_gx += static_cast<double>(dys[d]) * sc[d] * xs[d] * rs[i];
+        for (int64_t d = 0; d < D; ++d) sum_gx += static_cast<double>(dys[d]) * sc[d] * xs[d] * rs[i];
         const double mean_gx = sum_gx / static_cast<double>(D);
         T* dxs = row<T>(args.dx, r) + h * D;
         for (int64_t d = 0; d < D; ++d) {
@@ -137,8 +136,7 @@ void CpuBackend::execute(const op::RmsnormHeadsBackward& args) {
         const T *xs = row<T>(args.x, r) + h * D, *dys = row<T>(args.dy, r) + h * D;
         for (int64_t d = 0; d < D; ++d) acc[d] += static_cast<double>(dys[d]) * xs[d] * rs[i];
       });
-      for (int64_t d = 0; d < D; ++d)
-        args.dscale.ptr<T>()[d] = static_cast<T>(args.dscale.ptr<T>()[d] + s[d]);
+      for (int64_t d = 0; d < D; ++d) args.dscale.ptr<T>()[d] = static_cast<T>(args.dscale.ptr<T>()[d] + s[d]);
     }
   });
 }

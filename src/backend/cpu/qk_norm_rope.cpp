@@ -41,8 +41,8 @@ void CpuBackend::execute(const op::QkNormRopeToHeads& args) {
     // The normalised stream in token layout, and statistics nobody asked to keep.
     std::vector<T> normed(static_cast<size_t>(d.B * d.Ls * d.n * d.D)), unkept;
     const Tensor normed_t(normed.data(), t, args.q.shape);
-    for (auto [heads, rstd, x, scale] :
-         {std::tuple{args.q_heads, args.q_rstd, args.q, args.q_scale}, std::tuple{args.k_heads, args.k_rstd, args.k, args.k_scale}}) {
+    for (auto [heads, rstd, x, scale] : {std::tuple{args.q_heads, args.q_rstd, args.q, args.q_scale},
+                                         std::tuple{args.k_heads, args.k_rstd, args.k, args.k_scale}}) {
       if (!rstd.defined()) {
         unkept.resize(static_cast<size_t>(d.B * d.Ls * d.n));
         rstd = Tensor(unkept.data(), t, Shape{d.B * d.Ls * d.n});

@@ -67,13 +67,7 @@ class GradientReader {
 void CpuBackend::execute(const op::FlowMatchInputs& args) {
   constexpr std::string_view op = "flow_match_inputs";
   const auto [dt, c] = begin_call(options_, args);
-  for (Named n : {Named{"xt", args.xt}, Named{"target", args.target}, Named{"x0", args.x0}}) require_contiguous(op, n);
-  require_shape(op, {"xt", args.xt}, args.x0.shape);
-  require_shape(op, {"target", args.target}, args.x0.shape);
-  const int64_t B = args.x0.shape[0], per = args.x0.numel() / B;
-  require_vector(op, {"t", args.t}, B);
-  if (static_cast<int64_t>(args.streams.size()) != B)
-    fail("{}: {} noise streams for a batch of {}", op, args.streams.size(), B);
+  const int64_t B = check(op, args), per = args.x0.numel() / B;
   dispatch(dt, [&]<typename T>(T) {
     parallel_for(B, c, [&](int64_t b) {
       const double tb = static_cast<double>(args.t.ptr<T>()[b]);
@@ -92,17 +86,20 @@ void CpuBackend::execute(const op::FlowMatchInputs& args) {
 double CpuBackend::execute(const op::MseLoss& args) {
   constexpr std::string_view op = "mse_loss";
   const auto [dt, c] = begin_call(options_, args);
-  for (Named n : {Named{"dpred", args.dpred}, Named{"pred", args.pred}, Named{"target", args.target}}) require_contiguous(op, n);
+  for (Named n : {Named{"dpred", args.dpred}, Named{"pred", args.pred}, Named{"target", args.target}})
+    require_contiguous(op, n);
   require_shape(op, {"target", args.target}, args.pred.shape);
   if (args.dpred.defined()) require_shape(op, {"dpred", args.dpred}, args.pred.shape);
   const int64_t n = args.pred.numel();
   double loss = 0;
   dispatch(dt, [&]<typename T>(T) {
     const T *p = args.pred.ptr<T>(), *y = args.target.ptr<T>();
-    loss = ordered_sum(n, c, [&](int64_t i) {
-             const double d = static_cast<double>(p[i]) - static_cast<double>(y[i]);
-             return d * d;
-           }) / static_cast<double>(n);
+    loss = ordered_sum(n, c,
+                       [&](int64_t i) {
+                         const double d = static_cast<double>(p[i]) - static_cast<double>(y[i]);
+                         return d * d;
+                       }) /
+           static_cast<double>(n);
     if (args.dpred.defined()) {
       T* g = args.dpred.ptr<T>();
       const double k = 2.0 * args.grad_scale / static_cast<double>(n);
@@ -121,7 +118,8 @@ double CpuBackend::execute(const op::SumSquares& args) {
   double s = 0;
   dispatch(dt, [&]<typename T>(T) {
     const T* p = args.x.ptr<T>();
-    s = ordered_sum(args.x.numel(), c, [&](int64_t i) { return static_cast<double>(p[i]) * static_cast<double>(p[i]); });
+    s = ordered_sum(args.x.numel(), c,
+                    [&](int64_t i) { return static_cast<double>(p[i]) * static_cast<double>(p[i]); });
   });
   return s;
 }

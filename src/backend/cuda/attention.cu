@@ -44,7 +44,7 @@ namespace flux8::cuda {
 
 namespace {
 
-std::atomic<int> g_path{-1};           // -1: not chosen yet (read FLUX8_ATTENTION at first use)
+std::atomic<int> g_path{-1};  // -1: not chosen yet (read FLUX8_ATTENTION at first use)
 std::atomic<int64_t> g_plans_built{0}, g_cudnn_calls{0}, g_reference_calls{0}, g_plans_prefetched{0};
 
 AttentionPath path_from_environment() {
@@ -85,7 +85,19 @@ namespace {
 
 // Graph tensor ids of the BF16 graphs (below kFirstVirtual).
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kDO, kDQ, kDK, kDV, kOne, kSoftmaxSum, kDQAccum,
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kScale,
+  kDO,
+  kDQ,
+  kDK,
+  kDV,
+  kOne,
+  kSoftmaxSum,
+  kDQAccum,
 };
 
 // y = mode(x, b) (b null for a unary mode) into a new f32 virtual tensor of the scores' shape
@@ -207,8 +219,10 @@ std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministi
 
 CudnnPlan& Attention::bf16_plan(const AttentionShape& s, Direction d) {
   return cudnn_->plan(int(d), 0, s, [&](GraphBuilder& g) {
-    if (d == Direction::forward) build_forward_graph(g, s);
-    else build_backward_graph(g, s, d == Direction::backward_deterministic);
+    if (d == Direction::forward)
+      build_forward_graph(g, s);
+    else
+      build_backward_graph(g, s, d == Direction::backward_deterministic);
   });
 }
 
@@ -241,13 +255,16 @@ bool Attention::use_cudnn(const AttentionShape& s, Direction d) {
   if (why.empty()) return true;
   const char* op = d == Direction::forward ? "attention" : "attention_backward";
   if (path == AttentionPath::cudnn)
-    fail("{}: cuDNN does not run [B, n, L, D] = [{}, {}, {}, {}]: {} (FLUX8_ATTENTION=auto or reference uses the "
-         "reference kernel)",
-         op, s.batch, s.heads, s.seq, s.head_dim, why);
+    fail(
+        "{}: cuDNN does not run [B, n, L, D] = [{}, {}, {}, {}]: {} (FLUX8_ATTENTION=auto or reference uses the "
+        "reference kernel)",
+        op, s.batch, s.heads, s.seq, s.head_dim, why);
   if (plan && !plan->logged) {  // shape-independent refusals (odd head dims) are expected, not logged
     plan->logged = true;
-    fmt::print(stderr, "flux8: {}: cuDNN does not run [B, n, L, D] = [{}, {}, {}, {}] ({}); using the f32 "
-               "reference kernel\n", op, s.batch, s.heads, s.seq, s.head_dim, why);
+    fmt::print(stderr,
+               "flux8: {}: cuDNN does not run [B, n, L, D] = [{}, {}, {}, {}] ({}); using the f32 "
+               "reference kernel\n",
+               op, s.batch, s.heads, s.seq, s.head_dim, why);
   }
   return false;
 }
@@ -311,7 +328,7 @@ void Attention::forward(void* o, float* lse, const void* q, const void* k, const
   const CudnnPlan& p = bf16_plan(s, Direction::forward);
   const size_t bf16_bytes = static_cast<size_t>(n) * sizeof(__nv_bfloat16);
   const size_t stats_bytes = static_cast<size_t>(s.rows()) * sizeof(float);
-  const bool stage_stats = !aligned16(lse);  // cuDNN writes Stats with 16-byte alignment
+  const bool stage_stats = !aligned16(lse);     // cuDNN writes Stats with 16-byte alignment
   const size_t staged = bf16 ? 0 : bf16_bytes;  // f32 heads: bf16 copies of q, k, v and o
   Regions r;
   const size_t q16 = r.take(staged), k16 = r.take(staged), v16 = r.take(staged), o16 = r.take(staged);
@@ -330,8 +347,7 @@ void Attention::forward(void* o, float* lse, const void* q, const void* k, const
                    stats_ptr, &scale_f},
                   at<void>(base, ws));
   if (!bf16) to_f32(static_cast<float*>(o), static_cast<const __nv_bfloat16*>(ob), n, stream_);
-  if (stage_stats)
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(lse, stats_ptr, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+  if (stage_stats) FLUX8_CUDA_CHECK(cudaMemcpyAsync(lse, stats_ptr, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
   ++g_cudnn_calls;
 }
 
@@ -358,9 +374,9 @@ void Attention::backward(void* dq, void* dk, void* dv, const void* dout, const v
       for (int i = 0; i < 5; ++i) to_f32(at<float>(base, in[i]), static_cast<const __nv_bfloat16*>(src[i]), n, stream_);
       void* dst[3] = {dq, dk, dv};
       reference_attention_backward(dq ? at<float>(base, out[0]) : nullptr, dk ? at<float>(base, out[1]) : nullptr,
-                                   dv ? at<float>(base, out[2]) : nullptr, at<float>(base, in[4]), at<float>(base, in[0]),
-                                   at<float>(base, in[1]), at<float>(base, in[2]), at<float>(base, in[3]), lse, s,
-                                   static_cast<float>(scale), delta, stream_);
+                                   dv ? at<float>(base, out[2]) : nullptr, at<float>(base, in[4]),
+                                   at<float>(base, in[0]), at<float>(base, in[1]), at<float>(base, in[2]),
+                                   at<float>(base, in[3]), lse, s, static_cast<float>(scale), delta, stream_);
       for (int i = 0; i < 3; ++i)
         if (dst[i]) to_bf16(static_cast<__nv_bfloat16*>(dst[i]), at<float>(base, out[i]), n, stream_);
     }
@@ -395,13 +411,12 @@ void Attention::backward(void* dq, void* dk, void* dv, const void* dout, const v
   void* dkb = bf16 && dk ? dk : at<void>(base, dk16);
   void* dvb = bf16 && dv ? dv : at<void>(base, dv16);
   float* stats_ptr = stage_stats ? at<float>(base, stats) : const_cast<float*>(lse);
-  if (stage_stats)
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(stats_ptr, lse, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
+  if (stage_stats) FLUX8_CUDA_CHECK(cudaMemcpyAsync(stats_ptr, lse, stats_bytes, cudaMemcpyDeviceToDevice, stream_));
   float scale_f = static_cast<float>(scale), one = 1.0f;
   auto in = [](const __nv_bfloat16* p) { return static_cast<void*>(const_cast<__nv_bfloat16*>(p)); };
   std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kOne, kSoftmaxSum};
-  std::vector<void*> pointers{in(qb), in(kb), in(vb), in(ob), in(dob), stats_ptr, dqb, dkb, dvb,
-                              &scale_f, &one, at<void>(base, softmax_sum)};
+  std::vector<void*> pointers{in(qb), in(kb), in(vb), in(ob),   in(dob), stats_ptr,
+                              dqb,    dkb,    dvb,    &scale_f, &one,    at<void>(base, softmax_sum)};
   if (accumulate_dq) {
     // cuDNN adds dQ's contributions into dQ_accum with atomics: it must start at zero
     // (cudnn-frontend memsets it as a workspace modification). The staging buffer holds the
@@ -465,8 +480,8 @@ void CudaBackend::execute(const op::AttentionBackward& args) {
   const AttentionShape s =
       dense_heads(op, ops::check(op, args), tensor_fields(args, {"q", "k", "v", "o", "dout", "dq", "dk", "dv"}));
   FLUX8_CHECK(attention_ != nullptr, "CudaBackend has no Attention (make_attention not called)");
-  attention_->backward(args.dq.data, args.dk.data, args.dv.data, args.dout.data, args.q.data, args.k.data, args.v.data, args.o.data, args.lse.ptr<float>(), bf16, s,
-                       args.scale);
+  attention_->backward(args.dq.data, args.dk.data, args.dv.data, args.dout.data, args.q.data, args.k.data, args.v.data,
+                       args.o.data, args.lse.ptr<float>(), bf16, s, args.scale);
 }
 
 DType CudaBackend::attention_heads_dtype(DType activations, int64_t head_dim) const {

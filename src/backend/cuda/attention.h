@@ -43,9 +43,9 @@ AttentionPath attention_path();
 
 // Counters since the process started (tests check that plans are cached and which path ran).
 struct AttentionCounters {
-  int64_t cudnn_plans_built = 0;  // cuDNN execution plans finalized (forward and backward)
-  int64_t cudnn_calls = 0;        // forward/backward calls run by cuDNN
-  int64_t reference_calls = 0;    // forward/backward calls run by the reference kernel
+  int64_t cudnn_plans_built = 0;       // cuDNN execution plans finalized (forward and backward)
+  int64_t cudnn_calls = 0;             // forward/backward calls run by cuDNN
+  int64_t reference_calls = 0;         // forward/backward calls run by the reference kernel
   int64_t cudnn_plans_prefetched = 0;  // of the plans built, those built on the helper thread
 };
 AttentionCounters attention_counters();
@@ -118,13 +118,12 @@ class Attention {
     float* lse = nullptr;
     const float *descale_q = nullptr, *descale_k = nullptr, *descale_v = nullptr;
     const float* scale_o = nullptr;  // (P's scale is fixed: Backend::attention_fp8)
-    float* o_scale_inv = nullptr;  // written 1/scale_o
+    float* o_scale_inv = nullptr;    // written 1/scale_o
     float *amax_s = nullptr, *amax_o = nullptr;
   };
   struct Fp8Backward {
     AttentionShape shape;
-    Fp8Format qkv = Fp8Format::e4m3, o_format = Fp8Format::e4m3, dout_format = Fp8Format::e5m2,
-              grads = Fp8Format::e5m2;
+    Fp8Format qkv = Fp8Format::e4m3, o_format = Fp8Format::e4m3, dout_format = Fp8Format::e5m2, grads = Fp8Format::e5m2;
     bool token_major = false;
     double scale = 1.0;
     const uint8_t *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *dout = nullptr;

@@ -178,14 +178,13 @@ struct Layout {
   }
 };
 
-
 // One finalized execution plan (or cuDNN's refusal) with every descriptor it was built from.
 struct CudnnPlan {
   std::vector<cudnnBackendDescriptor_t> descriptors;
   cudnnBackendDescriptor_t plan = nullptr;
   int64_t workspace_bytes = 0;
-  std::string refused;  // non-empty: cuDNN does not run this graph, and why
-  bool logged = false;  // the fallback to the reference kernel was reported
+  std::string refused;               // non-empty: cuDNN does not run this graph, and why
+  bool logged = false;               // the fallback to the reference kernel was reported
   std::shared_future<void> pending;  // valid while the helper thread builds it (Cudnn::prefetch)
   void drop_descriptors() {
     for (auto it = descriptors.rbegin(); it != descriptors.rend(); ++it) cudnnBackendDestroyDescriptor(*it);
@@ -244,8 +243,7 @@ struct Attention::Cudnn {
   // The plan of one graph kind (`kind`, and `variant`: its element types) at one shape, built
   // by `describe` at first use and cached, refusals included.
   using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t>;
-  CudnnPlan& plan(int kind, int variant, const AttentionShape& s,
-                  const std::function<void(GraphBuilder&)>& describe) {
+  CudnnPlan& plan(int kind, int variant, const AttentionShape& s, const std::function<void(GraphBuilder&)>& describe) {
     const PlanKey key{kind, variant, s.batch, s.heads, s.seq, s.head_dim};
     auto it = plans.find(key);
     if (it != plans.end()) {
@@ -378,8 +376,7 @@ struct Attention::Cudnn {
     return staging;
   }
 
-  void execute(const CudnnPlan& p, const std::vector<int64_t>& ids, const std::vector<void*>& ptrs,
-               void* workspace) {
+  void execute(const CudnnPlan& p, const std::vector<int64_t>& ids, const std::vector<void*>& ptrs, void* workspace) {
     cudnnBackendDescriptor_t pack = nullptr;
     FLUX8_CUDNN_CHECK(cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &pack));
     cudnnStatus_t s = cudnnBackendSetAttribute(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,

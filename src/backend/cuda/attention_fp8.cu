@@ -33,9 +33,35 @@ namespace flux8::cuda {
 namespace {
 
 enum Fp8Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kAttnScale, kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO, kAmaxS,
-  kAmaxO, kDO, kDescaleO, kDescaleDO, kDescaleDS, kScaleDS, kScaleDQ, kScaleDK, kScaleDV, kDQ, kDK, kDV, kAmaxDQ,
-  kAmaxDK, kAmaxDV, kAmaxDS,
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kAttnScale,
+  kDescaleQ,
+  kDescaleK,
+  kDescaleV,
+  kDescaleS,
+  kScaleS,
+  kScaleO,
+  kAmaxS,
+  kAmaxO,
+  kDO,
+  kDescaleO,
+  kDescaleDO,
+  kDescaleDS,
+  kScaleDS,
+  kScaleDQ,
+  kScaleDK,
+  kScaleDV,
+  kDQ,
+  kDK,
+  kDV,
+  kAmaxDQ,
+  kAmaxDK,
+  kAmaxDV,
+  kAmaxDS,
 };
 
 cudnnDataType_t cudnn_type(Fp8Format f) { return f == Fp8Format::e4m3 ? CUDNN_DATA_FP8_E4M3 : CUDNN_DATA_FP8_E5M2; }
@@ -251,8 +277,10 @@ std::string static_refusal_fp8(const AttentionShape& s, Fp8Format grads) {
   if (s.head_dim != 128)
     return fmt::format("head dim {}: cuDNN's FP8 attention backward on Hopper takes head dim 128 only", s.head_dim);
   if (s.seq % 64 != 0)
-    return fmt::format("sequence length {} is not a multiple of 64: cuDNN's FP8 backward gets the last rows' dQ "
-                       "wrong there", s.seq);
+    return fmt::format(
+        "sequence length {} is not a multiple of 64: cuDNN's FP8 backward gets the last rows' dQ "
+        "wrong there",
+        s.seq);
   if (grads != Fp8Format::e5m2)
     return "E4M3 gradients: cuDNN's FP8 backward gives NaN dQ rows where dO is zero; the gradients (dO, dS, dq, dk, "
            "dv) must be E5M2 (fp8: hybrid)";
@@ -262,8 +290,8 @@ std::string static_refusal_fp8(const AttentionShape& s, Fp8Format grads) {
 }  // namespace
 
 CudnnPlan& Attention::fp8_forward_plan(const Fp8Forward& a) {
-  return cudnn_->plan(int(Direction::forward_fp8), fp8_variant(a.qkv, a.o_format, a.qkv, a.qkv, a.token_major),
-                      a.shape, [&](GraphBuilder& g) { build_forward_fp8_graph(g, a); });
+  return cudnn_->plan(int(Direction::forward_fp8), fp8_variant(a.qkv, a.o_format, a.qkv, a.qkv, a.token_major), a.shape,
+                      [&](GraphBuilder& g) { build_forward_fp8_graph(g, a); });
 }
 
 CudnnPlan& Attention::fp8_backward_plan(const Fp8Backward& a) {
@@ -299,16 +327,17 @@ namespace {
 // kernel has no FP8 twin, and a run that asked for FP8 attention must not silently lose it).
 const CudnnPlan& runnable(CudnnPlan& p, const AttentionShape& s, std::string_view op) {
   if (!p.refused.empty())
-    fail("{}: cuDNN does not run FP8 attention of [B, n, L, D] = [{}, {}, {}, {}] here: {} (set "
-         "fp8_dot_product_attention: false)",
-         op, s.batch, s.heads, s.seq, s.head_dim, p.refused);
+    fail(
+        "{}: cuDNN does not run FP8 attention of [B, n, L, D] = [{}, {}, {}, {}] here: {} (set "
+        "fp8_dot_product_attention: false)",
+        op, s.batch, s.heads, s.seq, s.head_dim, p.refused);
   return p;
 }
 
 void check_static(const AttentionShape& s, Fp8Format grads, std::string_view op) {
   if (std::string why = static_refusal_fp8(s, grads); !why.empty())
-    fail("{}: [B, n, L, D] = [{}, {}, {}, {}]: {} (set fp8_dot_product_attention: false)", op, s.batch, s.heads,
-         s.seq, s.head_dim, why);
+    fail("{}: [B, n, L, D] = [{}, {}, {}, {}]: {} (set fp8_dot_product_attention: false)", op, s.batch, s.heads, s.seq,
+         s.head_dim, why);
 }
 
 }  // namespace
@@ -317,7 +346,7 @@ void Attention::forward_fp8(const Fp8Forward& a) {
   constexpr std::string_view op = "attention_fp8";
   const AttentionShape& s = a.shape;
   if (s.numel() == 0) return;
-  check_static(s, Fp8Format::e5m2, op);  // the forward alone has no gradients
+  check_static(s, Fp8Format::e5m2, op);                         // the forward alone has no gradients
   const PrefetchWait backward_plan = prefetch_fp8_backward(a);  // compiles while the forward's does
   const CudnnPlan& p = runnable(fp8_forward_plan(a), s, op);
   // Slots 0-5: the scales read; 6, 7: cuDNN's amaxes.
@@ -331,8 +360,8 @@ void Attention::forward_fp8(const Fp8Forward& a) {
   cudnn_->execute(p,
                   {kQ, kK, kV, kO, kStats, kAttnScale, kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO,
                    kAmaxS, kAmaxO},
-                  {in(a.q), in(a.k), in(a.v), a.o, st.stats, &attn_scale, st.slot_at(0), st.slot_at(1),
-                   st.slot_at(2), st.slot_at(3), st.slot_at(4), st.slot_at(5), st.slot_at(6), st.slot_at(7)},
+                  {in(a.q), in(a.k), in(a.v), a.o, st.stats, &attn_scale, st.slot_at(0), st.slot_at(1), st.slot_at(2),
+                   st.slot_at(3), st.slot_at(4), st.slot_at(5), st.slot_at(6), st.slot_at(7)},
                   st.workspace);
   if (st.staged())
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(a.lse, st.stats, st.stats_bytes, cudaMemcpyDeviceToDevice, stream_));
@@ -368,15 +397,15 @@ void Attention::backward_fp8(const Fp8Backward& a) {
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(st.stats, a.lse, st.stats_bytes, cudaMemcpyDeviceToDevice, stream_));
   float attn_scale = static_cast<float>(a.scale);
   auto in = [](const uint8_t* p) { return static_cast<void*>(const_cast<uint8_t*>(p)); };
-  cudnn_->execute(p,
-                  {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kAttnScale, kDescaleQ, kDescaleK, kDescaleV,
-                   kDescaleO, kDescaleDO, kDescaleS, kDescaleDS, kScaleS, kScaleDS, kScaleDQ, kScaleDK, kScaleDV,
-                   kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDS},
-                  {in(a.q), in(a.k), in(a.v), in(a.o), in(a.dout), st.stats, a.dq, a.dk, a.dv, &attn_scale,
-                   st.slot_at(0), st.slot_at(1), st.slot_at(2), st.slot_at(3), st.slot_at(4), st.slot_at(5),
-                   st.slot_at(6), st.slot_at(7), st.slot_at(8), st.slot_at(9), st.slot_at(10), st.slot_at(11),
-                   st.slot_at(12), st.slot_at(13), st.slot_at(14), st.slot_at(15)},
-                  st.workspace);
+  cudnn_->execute(
+      p, {kQ,         kK,        kV,        kO,        kDO,       kStats,     kDQ,       kDK,        kDV,
+          kAttnScale, kDescaleQ, kDescaleK, kDescaleV, kDescaleO, kDescaleDO, kDescaleS, kDescaleDS, kScaleS,
+          kScaleDS,   kScaleDQ,  kScaleDK,  kScaleDV,  kAmaxDQ,   kAmaxDK,    kAmaxDV,   kAmaxDS},
+      {in(a.q),        in(a.k),        in(a.v),        in(a.o),        in(a.dout),    st.stats,      a.dq,
+       a.dk,           a.dv,           &attn_scale,    st.slot_at(0),  st.slot_at(1), st.slot_at(2), st.slot_at(3),
+       st.slot_at(4),  st.slot_at(5),  st.slot_at(6),  st.slot_at(7),  st.slot_at(8), st.slot_at(9), st.slot_at(10),
+       st.slot_at(11), st.slot_at(12), st.slot_at(13), st.slot_at(14), st.slot_at(15)},
+      st.workspace);
   Fp8Finish f{};
   f.scale_inv[0] = a.dq_scale_inv, f.scale[0] = a.scale_dq;
   f.scale_inv[1] = a.dk_scale_inv, f.scale[1] = a.scale_dk;
@@ -449,8 +478,10 @@ AttentionShape shape_of(const ops::AttentionDims& d) { return AttentionShape{d.B
 void CudaBackend::execute(const op::Dequantize& args) {
   ops::check("dequantize", args);
   if (args.x.numel() == 0) return;
-  if (args.y.dtype == DType::bf16) launch_dequantize<__nv_bfloat16>(args.y, args.x, stream_);
-  else launch_dequantize<float>(args.y, args.x, stream_);
+  if (args.y.dtype == DType::bf16)
+    launch_dequantize<__nv_bfloat16>(args.y, args.x, stream_);
+  else
+    launch_dequantize<float>(args.y, args.x, stream_);
 }
 
 void CudaBackend::execute(const op::AttentionFp8& args) {

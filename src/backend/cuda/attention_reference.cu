@@ -24,9 +24,9 @@ namespace flux8::cuda {
 
 namespace {
 
-constexpr int kWarps = 8;                         // rows per block
-constexpr int kMaxTile = 32;                      // other-side rows per shared-memory tile (≤ lanes)
-constexpr size_t kTileBytes = size_t(48) << 10;   // default dynamic shared memory limit
+constexpr int kWarps = 8;                        // rows per block
+constexpr int kMaxTile = 32;                     // other-side rows per shared-memory tile (≤ lanes)
+constexpr size_t kTileBytes = size_t(48) << 10;  // default dynamic shared memory limit
 constexpr unsigned kFull = 0xffffffffu;
 
 __device__ inline float warp_sum(float x) {
@@ -72,8 +72,8 @@ __device__ inline float dot_row(const float (&r)[kPerLane], const float* tile_ro
 
 // grid (B·n, ceil(L / kWarps)), block kWarps·32, dynamic shared 2·tile·D floats.
 template <int kPerLane>
-__global__ void forward_kernel(float* o, float* lse, const float* q, const float* k, const float* v, int64_t L,
-                               int D, int tile, float scale) {
+__global__ void forward_kernel(float* o, float* lse, const float* q, const float* k, const float* v, int64_t L, int D,
+                               int tile, float scale) {
   extern __shared__ float shared[];
   float* ks = shared;
   float* vs = shared + tile * D;
@@ -262,10 +262,14 @@ __global__ void dkdv_kernel(float* dk, float* dv, const float* dout, const float
 // Calls f(std::integral_constant<int, P>) with P the smallest of 1, 2, 4, 8 with 32·P ≥ D.
 template <typename F>
 void with_per_lane(int64_t D, F f) {
-  if (D <= 32) f(std::integral_constant<int, 1>{});
-  else if (D <= 64) f(std::integral_constant<int, 2>{});
-  else if (D <= 128) f(std::integral_constant<int, 4>{});
-  else f(std::integral_constant<int, 8>{});
+  if (D <= 32)
+    f(std::integral_constant<int, 1>{});
+  else if (D <= 64)
+    f(std::integral_constant<int, 2>{});
+  else if (D <= 128)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
 }
 
 void check_shape(const AttentionShape& s) {
@@ -289,7 +293,8 @@ void reference_attention_forward(float* o, float* lse, const float* q, const flo
   const int D = static_cast<int>(s.head_dim), tile = tile_rows(D, 2);
   const size_t shared = sizeof(float) * 2 * static_cast<size_t>(tile) * D;
   with_per_lane(D, [&](auto per_lane) {
-    forward_kernel<decltype(per_lane)::value><<<row_grid(s), kWarps * 32, shared, stream>>>(o, lse, q, k, v, s.seq, D, tile, scale);
+    forward_kernel<decltype(per_lane)::value>
+        <<<row_grid(s), kWarps * 32, shared, stream>>>(o, lse, q, k, v, s.seq, D, tile, scale);
     FLUX8_LAUNCH_CHECK(forward_kernel);
   });
 }
@@ -308,16 +313,15 @@ void reference_attention_backward(float* dq, float* dk, float* dv, const float* 
     if (dq) {
       const int tile = tile_rows(D, 2);
       const size_t shared = sizeof(float) * 2 * static_cast<size_t>(tile) * D;
-      dq_kernel<P><<<row_grid(s), kWarps * 32, shared, stream>>>(dq, dout, q, k, v, lse, delta, s.seq, D, tile,
-                                                                  scale);
+      dq_kernel<P><<<row_grid(s), kWarps * 32, shared, stream>>>(dq, dout, q, k, v, lse, delta, s.seq, D, tile, scale);
       FLUX8_LAUNCH_CHECK(dq_kernel);
     }
     if (dk || dv) {
       // Two [tile, D] tiles plus lse and δ of the tile: one extra "row" of D floats covers them.
       const int tile = tile_rows(D + 1, 2);
       const size_t shared = sizeof(float) * 2 * static_cast<size_t>(tile) * (D + 1);
-      dkdv_kernel<P><<<row_grid(s), kWarps * 32, shared, stream>>>(dk, dv, dout, q, k, v, lse, delta, s.seq, D,
-                                                                    tile, scale);
+      dkdv_kernel<P>
+          <<<row_grid(s), kWarps * 32, shared, stream>>>(dk, dv, dout, q, k, v, lse, delta, s.seq, D, tile, scale);
       FLUX8_LAUNCH_CHECK(dkdv_kernel);
     }
   });

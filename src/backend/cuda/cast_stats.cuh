@@ -71,9 +71,10 @@ struct CastTally {
   }
 
   // The block's amax max-accumulated into *target by one atomic, where no counts are wanted:
-  // cheaper than a partial per block and a totalling kernel (tens of µs a tensor of 12k partials). The bit patterns of non-negative floats order as the floats do, and
-  // amax targets hold non-negative, non-NaN values (amax_accumulate never stores NaN, staging
-  // starts at +0), so an integer atomicMax is the float max. Every thread of the block calls it.
+  // cheaper than a partial per block and a totalling kernel (tens of µs a tensor of 12k partials). The bit patterns of
+  // non-negative floats order as the floats do, and amax targets hold non-negative, non-NaN values (amax_accumulate
+  // never stores NaN, staging starts at +0), so an integer atomicMax is the float max. Every thread of the block calls
+  // it.
   __device__ void max_block_amax_into(float* target) const {
     __shared__ uint32_t red[32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = (blockDim.x + 31) / 32;

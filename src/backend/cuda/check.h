@@ -16,19 +16,19 @@ namespace flux8::cuda {
 
 }  // namespace flux8::cuda
 
-#define FLUX8_CUDA_CHECK(call)                                                   \
-  do {                                                                           \
-    const cudaError_t flux8_e_ = (call);                                         \
+#define FLUX8_CUDA_CHECK(call)                                                                  \
+  do {                                                                                          \
+    const cudaError_t flux8_e_ = (call);                                                        \
     if (flux8_e_ != cudaSuccess) ::flux8::cuda::fail_cuda(flux8_e_, #call, __FILE__, __LINE__); \
   } while (0)
-#define FLUX8_CUBLAS_CHECK(call)                                                       \
-  do {                                                                                 \
-    const cublasStatus_t flux8_s_ = (call);                                            \
+#define FLUX8_CUBLAS_CHECK(call)                                                                            \
+  do {                                                                                                      \
+    const cublasStatus_t flux8_s_ = (call);                                                                 \
     if (flux8_s_ != CUBLAS_STATUS_SUCCESS) ::flux8::cuda::fail_cublas(flux8_s_, #call, __FILE__, __LINE__); \
   } while (0)
-#define FLUX8_CUDNN_CHECK(call)                                                        \
-  do {                                                                                 \
-    const cudnnStatus_t flux8_s_ = (call);                                             \
+#define FLUX8_CUDNN_CHECK(call)                                                                           \
+  do {                                                                                                    \
+    const cudnnStatus_t flux8_s_ = (call);                                                                \
     if (flux8_s_ != CUDNN_STATUS_SUCCESS) ::flux8::cuda::fail_cudnn(flux8_s_, #call, __FILE__, __LINE__); \
   } while (0)
 // After a <<<...>>> launch: catches bad launch configurations at the launch site (asynchronous

@@ -371,21 +371,21 @@ __global__ void column_partials_kernel(int64_t rows, int64_t cols, int64_t chunk
 constexpr int kColumnTotalWarps = 8;
 __global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const double* partial, float* out,
                                              int64_t out_ld, bool accumulate);
-__global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const double* partial,
-                                             __nv_bfloat16* out, int64_t out_ld, bool accumulate);
+__global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const double* partial, __nv_bfloat16* out,
+                                             int64_t out_ld, bool accumulate);
 
 // The second pass on its own, for kernels that write partials [groups, chunks, cols] of their
 // own (the one-pass LayerNorm backward, the FP8 casts, the QK-norm backward): out[g, c] (=, or
 // += when accumulate) Σ_k partial[g, k, c] in a fixed order (each warp of a block over a
 // contiguous run of chunks, then the warps in order).
 template <typename T>
-void column_partials_total(CudaBackend& be, int64_t groups, int64_t cols, int64_t chunks, const double* partial,
-                           T* out, int64_t out_ld, bool accumulate) {
+void column_partials_total(CudaBackend& be, int64_t groups, int64_t cols, int64_t chunks, const double* partial, T* out,
+                           int64_t out_ld, bool accumulate) {
   if (groups == 0 || cols == 0) return;
   if (groups > 65535) fail("column sums: {} groups is beyond the launch limit of 65535", groups);
   const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(groups));
   column_partials_total_kernel<<<grid, dim3(32, kColumnTotalWarps), 0, be.stream()>>>(cols, chunks, partial, out,
-                                                                                     out_ld, accumulate);
+                                                                                      out_ld, accumulate);
   FLUX8_LAUNCH_CHECK(column_partials_total_kernel);
 }
 
@@ -400,7 +400,8 @@ inline ColumnChunks column_chunks(CudaBackend& be, int64_t groups, int64_t rows,
   if (groups > 65535) fail("column_sums: {} groups is beyond the launch limit of 65535", groups);
   if (rows > chunk_rows * 65535) chunk_rows = (rows + 65534) / 65535;
   const int64_t chunks = rows > 0 ? (rows + chunk_rows - 1) / chunk_rows : 1;
-  auto* partial = static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
+  auto* partial =
+      static_cast<double*>(be.reduction_scratch(static_cast<size_t>(groups * chunks * cols) * sizeof(double)));
   return {chunk_rows, chunks, partial};
 }
 
@@ -419,8 +420,8 @@ void column_sums(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V 
 // column_sums over rows of whole 4-column groups (cols a multiple of 4): value4(g, r, c) gives
 // the float4 of columns c..c+3 (c a multiple of 4), so a warp moves 128 columns per row in one
 // vector access a thread, where column_sums' warp of 32 scalar columns took four times the
-// instructions and keeps too few loads in flight. The same order of sums as column_sums within a chunk; shorter chunks where the
-// grid would be small (column_sums4_chunk_rows).
+// instructions and keeps too few loads in flight. The same order of sums as column_sums within a chunk; shorter chunks
+// where the grid would be small (column_sums4_chunk_rows).
 template <typename V>
 __global__ void column_partials4_kernel(int64_t rows, int64_t cols, int64_t chunks, int64_t chunk_rows, V value4,
                                         double* partial) {
@@ -466,8 +467,7 @@ void column_sums4(CudaBackend& be, int64_t groups, int64_t rows, int64_t cols, V
   const ColumnChunks k = column_chunks(be, groups, rows, cols, column_sums4_chunk_rows(groups, rows, cols));
   const dim3 grid(static_cast<unsigned>((cols / 4 + 31) / 32), static_cast<unsigned>(k.chunks),
                   static_cast<unsigned>(groups));
-  column_partials4_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, k.chunks, k.chunk_rows, value4,
-                                                                 k.partial);
+  column_partials4_kernel<<<grid, dim3(32, 8), 0, be.stream()>>>(rows, cols, k.chunks, k.chunk_rows, value4, k.partial);
   FLUX8_LAUNCH_CHECK(column_partials4_kernel);
   column_partials_total(be, groups, cols, k.chunks, k.partial, out, out_ld, accumulate);
 }

@@ -153,8 +153,8 @@ class CudaBackend final : public Backend {
   };
   ChunkTable adamw_table_, squares_table_;
   // Uploads `flat_count` then `low_rank_count` chunks of `chunk_bytes` each as t's table.
-  void upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const void* flat, int64_t flat_count,
-                          const void* low_rank, int64_t low_rank_count, std::vector<int64_t> layout);
+  void upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const void* flat, int64_t flat_count, const void* low_rank,
+                          int64_t low_rank_count, std::vector<int64_t> layout);
   // Casts whose statistics are still on the device (flush_cast_stats), in cast order.
   struct PendingCastStats {
     CastStats* stats;

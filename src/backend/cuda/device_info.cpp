@@ -17,8 +17,8 @@ namespace {
 // cuBLASLt, cuDNN (9+) and NCCL (2.9+) encode versions as major·10000 + minor·100 + patch.
 std::string version3(size_t v) { return fmt::format("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100); }
 
-std::string fp8_gemm_support(cuda::Gemm& gemm, cudaDataType_t a, cudaDataType_t b,
-                             cublasLtMatmulMatrixScale_t mode_a, cublasLtMatmulMatrixScale_t mode_b) {
+std::string fp8_gemm_support(cuda::Gemm& gemm, cudaDataType_t a, cudaDataType_t b, cublasLtMatmulMatrixScale_t mode_a,
+                             cublasLtMatmulMatrixScale_t mode_b) {
   cuda::GemmDesc d;
   d.trans_a = CUBLAS_OP_T;
   d.m = d.n = d.k = 3072;
@@ -80,18 +80,18 @@ CudaReport cuda_report() {
     constexpr auto scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
     const std::string e4m3 = fp8_gemm_support(gemm, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, scalar, scalar);
     const std::string hybrid = fp8_gemm_support(gemm, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, scalar, scalar);
-    const std::string per_tensor =
-        e4m3.empty() && hybrid.empty() ? "native (cuBLASLt per-tensor FP8, e4m3 and hybrid)"
-                                       : "no: " + (e4m3.empty() ? hybrid : e4m3);
+    const std::string per_tensor = e4m3.empty() && hybrid.empty() ? "native (cuBLASLt per-tensor FP8, e4m3 and hybrid)"
+                                                                  : "no: " + (e4m3.empty() ? hybrid : e4m3);
     r.fp8_recipes.push_back({"delayed", per_tensor});
     r.fp8_recipes.push_back({"tensorwise", per_tensor});
-    const std::string blk = fp8_gemm_support(gemm, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3,
-                                             CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
-                                             CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+    const std::string blk =
+        fp8_gemm_support(gemm, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                         CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
     r.fp8_recipes.push_back({"blockwise", blk.empty() ? "native (cuBLASLt 1x128 / 128x128 block scales)"
                                                       : "emulated (dequantize + fp32 GEMM): " + blk});
-    r.fp8_recipes.push_back({"mxfp8", "emulated (dequantize + fp32 GEMM): MXFP8 GEMMs are native on sm_100 "
-                                      "(Blackwell), not on Hopper"});
+    r.fp8_recipes.push_back({"mxfp8",
+                             "emulated (dequantize + fp32 GEMM): MXFP8 GEMMs are native on sm_100 "
+                             "(Blackwell), not on Hopper"});
   }
   {
     // fp8_dot_product_attention: cuDNN's FP8 forward and backward plans built for a small shape

@@ -19,9 +19,9 @@ struct CudaReport {
   struct Line {
     std::string key, value;
   };
-  std::vector<Line> lines;          // "GPU", "compute capability", "driver", "cuBLASLt", ...
-  std::vector<Line> fp8_recipes;    // recipe (and "FP8 attention") -> "native (...)", "emulated: ...", "no: ..."
-  bool usable = false;              // a GPU this build can run on
+  std::vector<Line> lines;        // "GPU", "compute capability", "driver", "cuBLASLt", ...
+  std::vector<Line> fp8_recipes;  // recipe (and "FP8 attention") -> "native (...)", "emulated: ...", "no: ..."
+  bool usable = false;            // a GPU this build can run on
 };
 CudaReport cuda_report();
 

@@ -36,9 +36,9 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/cast_stats.cuh"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fp8_encode.cuh"
-#include "backend/cuda/cast_stats.cuh"
 #include "backend/cuda/pointwise.cuh"
 #include "fp8/quantize.h"
 #include "fp8/recipe.h"
@@ -63,7 +63,6 @@ struct CastDst {
   int64_t scale_cols = 0;      // scales per block-row of this copy
 };
 
-
 // An activation element as f32. bf16 widens by taking its bits as the high half of the f32's:
 // exact, as load() is, and NaNs keep their sign and payload, as in the CPU's bf16_bits_to_f32,
 // whatever the conversion instruction does with them (a NaN's FP8 code carries its sign).
@@ -83,10 +82,10 @@ struct Source {
   Backend::CastInput::Op op;
   const T* x;
   int64_t ld;
-  const float *mean, *rstd;  // layernorm_modulate: per row
-  MatOf<T> shift, scale;     // layernorm_modulate: [B, cols], sample of row r = r / tokens; gated:
-                             // scale is the gate
-  FastDivisor per_sample;    // r / tokens without a 64-bit division per element
+  const float *mean, *rstd;   // layernorm_modulate: per row
+  MatOf<T> shift, scale;      // layernorm_modulate: [B, cols], sample of row r = r / tokens; gated:
+                              // scale is the gate
+  FastDivisor per_sample;     // r / tokens without a 64-bit division per element
   const T* gelu_x = nullptr;  // gelu_tanh_backward: the GELU's input (x is dy), row stride gelu_ld
   int64_t gelu_ld = 0;
   bool shift_vec4 = false, scale_vec4 = false;  // shift/scale rows load 4 columns at once
@@ -110,8 +109,7 @@ struct Source {
     if constexpr (kOp == Backend::CastInput::Op::gelu_tanh) {
       return as_stored<T>(gelu_value(v));
     } else if constexpr (kOp == Backend::CastInput::Op::layernorm_modulate) {
-      return as_stored<T>(
-          layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
+      return as_stored<T>(layernorm_modulate_value(v, mean[r], rstd[r], widen(shift.at(b, c)), widen(scale.at(b, c))));
     } else if constexpr (kOp == Backend::CastInput::Op::gelu_tanh_backward) {
       return gelu_backward_value(v, widen(gelu_x[r * gelu_ld + c]));
     } else if constexpr (kOp == Backend::CastInput::Op::gated) {
@@ -149,14 +147,14 @@ struct CastArgs {
   const float* tensor_scale;  // per_tensor: the scale, in device memory (current: computed by
                               // the amax pass; delayed: the registry's, read in stream order)
   CastDst row, col;
-  bool stats_from_col;       // CastStats describe the columnwise cast (no rowwise copy)
-  StatsPartial* partials;    // [tiles] where the counts are wanted (totalled after the kernel), else null
-  float* amax_target;        // without partials: the amax alone, max-accumulated here by one atomic per tile
-  double* column_partials;   // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
-  bool x_vec4;               // x and its ld allow loading 4 columns as one access (per-tensor kernel)
-  bool gelu_vec4;            // the same for the GELU input of gelu_tanh_backward
-  bool head_vec4;            // the same for the head (CastInput::head)
-  bool full_tiles;           // the per-tensor kernel's kFull path may take x's inner 128x128 tiles
+  bool stats_from_col;      // CastStats describe the columnwise cast (no rowwise copy)
+  StatsPartial* partials;   // [tiles] where the counts are wanted (totalled after the kernel), else null
+  float* amax_target;       // without partials: the amax alone, max-accumulated here by one atomic per tile
+  double* column_partials;  // [row tiles, cols]: each tile's column sums (Quantize::column_sums), or null
+  bool x_vec4;              // x and its ld allow loading 4 columns as one access (per-tensor kernel)
+  bool gelu_vec4;           // the same for the GELU input of gelu_tanh_backward
+  bool head_vec4;           // the same for the head (CastInput::head)
+  bool full_tiles;          // the per-tensor kernel's kFull path may take x's inner 128x128 tiles
 };
 
 __device__ inline uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
@@ -202,8 +200,8 @@ __device__ inline Tile tile_of(const CastArgs<T>& a) {
 // the amax-only casts (every delayed cast of a step without a telemetry report) the partials'
 // write and the one-block totalling kernel after each cast. Every thread of the block calls it.
 template <typename T>
-__device__ inline void finish_tile_stats(const CastArgs<T>& a, uint32_t amax_bits, uint32_t nonzero,
-                                         uint32_t saturated, uint32_t flushed) {
+__device__ inline void finish_tile_stats(const CastArgs<T>& a, uint32_t amax_bits, uint32_t nonzero, uint32_t saturated,
+                                         uint32_t flushed) {
   CastTally<true> tally;
   tally.amax_bits = amax_bits;
   tally.nonzero = nonzero, tally.saturated = saturated, tally.flushed = flushed;
@@ -213,7 +211,7 @@ __device__ inline void finish_tile_stats(const CastArgs<T>& a, uint32_t amax_bit
 template <Fp8Scaling S, typename T>
 __global__ void __launch_bounds__(kCastThreads) cast_tile_kernel(CastArgs<T> a) {
   static_assert(S != Fp8Scaling::per_tensor, "per-tensor casts run cast_per_tensor_kernel");
-  extern __shared__ float tile[];  // [kTile][kPitch]
+  extern __shared__ float tile[];                            // [kTile][kPitch]
   constexpr int kSeg = S == Fp8Scaling::mx_1x32 ? 32 : 128;  // 1-D block length
   constexpr int kNumSeg = kTile / kSeg;
   __shared__ float row_scale[kTile][kNumSeg];  // 1-D scalings: scale of (tile row, segment)
@@ -466,8 +464,7 @@ __device__ __forceinline__ void cast_rows(const CastArgs<T>& a, const Tile& t, c
   // stalls) and keeps 8 bf16 rows (8 bytes each) in flight where that
   // leaves 4 blocks per SM (≤ 64 registers: the identity cast and GELU's; LayerNorm's and GELU
   // backward's two inputs would take 78–108).
-  constexpr int kAhead =
-      kFull && sizeof(T) == 2 && (kOp == Op::identity || kOp == Op::gelu_tanh) ? 8 : 4;
+  constexpr int kAhead = kFull && sizeof(T) == 2 && (kOp == Op::identity || kOp == Op::gelu_tanh) ? 8 : 4;
 #pragma unroll 1
   for (int i0 = warp; i0 < nr; i0 += kWarps * kAhead) {
     Quad<T> quad[kAhead];
@@ -620,8 +617,8 @@ __global__ void __launch_bounds__(kCastThreads) cast_per_tensor_kernel(CastArgs<
 // One block: Σ of the tiles' partials (thread t takes partials t, t + 256, ...; then a fixed tree)
 // into *out (the host's telemetry, when wanted) and the amax max-accumulated into *amax (the
 // delayed-scaling staging slot, in device memory, when given).
-__global__ void __launch_bounds__(kCastThreads) stats_total_kernel(const StatsPartial* p, int64_t n,
-                                                                   StatsTotal* out, float* amax_target) {
+__global__ void __launch_bounds__(kCastThreads)
+    stats_total_kernel(const StatsPartial* p, int64_t n, StatsTotal* out, float* amax_target) {
   __shared__ float sh_amax[kCastThreads];
   __shared__ unsigned long long sh[3][kCastThreads];
   float amax = 0.0f;
@@ -699,8 +696,8 @@ __global__ void __launch_bounds__(32 * kUpdateWarps)
 
 // Per-tensor current scaling, pass 1: block b takes rows b, b + gridDim.x, ...
 template <typename T>
-__global__ void __launch_bounds__(kCastThreads) amax_partials_kernel(Source<T> x, int64_t rows, int64_t cols,
-                                                                     float* partial) {
+__global__ void __launch_bounds__(kCastThreads)
+    amax_partials_kernel(Source<T> x, int64_t rows, int64_t cols, float* partial) {
   __shared__ float sh[kWarps];
   float m = 0.0f;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
@@ -715,8 +712,8 @@ __global__ void __launch_bounds__(kCastThreads) amax_partials_kernel(Source<T> x
 }
 
 // Pass 2: the tensor's amax and current scale (left on the device for the cast kernel).
-__global__ void __launch_bounds__(kCastThreads) current_scale_kernel(const float* partial, int n, Fp8Format f,
-                                                                     bool pow2, float* scale) {
+__global__ void __launch_bounds__(kCastThreads)
+    current_scale_kernel(const float* partial, int n, Fp8Format f, bool pow2, float* scale) {
   __shared__ float sh[kWarps];
   float m = 0.0f;
   for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, partial[i]);
@@ -849,18 +846,18 @@ void add_column_sums(CudaBackend& be, const Source<T>& src, int64_t rows, int64_
 constexpr int kCodeTile = 128;
 __device__ inline int swizzled_piece(int row, int piece) { return piece ^ ((row >> 4) & 7); }
 
-__global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst, const uint8_t* src, int64_t R,
-                                                                   int64_t C, float* dst_scale_inv,
-                                                                   const float* src_scale_inv, bool vec) {
+__global__ void __launch_bounds__(kThreads)
+    transpose_codes_kernel(uint8_t* dst, const uint8_t* src, int64_t R, int64_t C, float* dst_scale_inv,
+                           const float* src_scale_inv, bool vec) {
   static_assert(kThreads == 256, "one (quad, band) job per thread: 32 quads x 8 bands");
   __shared__ __align__(16) uint8_t tile[kCodeTile][kCodeTile];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kCodeTile, c0 = static_cast<int64_t>(blockIdx.x) * kCodeTile;
   const int nr = static_cast<int>(R - r0 < kCodeTile ? R - r0 : kCodeTile);
   const int nc = static_cast<int>(C - c0 < kCodeTile ? C - c0 : kCodeTile);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *dst_scale_inv = *src_scale_inv;
-  if (vec) {  // nr, nc multiples of 16
-    constexpr int kPieces = kCodeTile / 16;                       // 16-byte pieces a tile row
-    constexpr int kEach = kCodeTile * kPieces / kThreads;         // pieces a thread loads
+  if (vec) {                                               // nr, nc multiples of 16
+    constexpr int kPieces = kCodeTile / 16;                // 16-byte pieces a tile row
+    constexpr int kEach = kCodeTile * kPieces / kThreads;  // pieces a thread loads
     uint4 piece[kEach];
 #pragma unroll
     for (int k = 0; k < kEach; ++k) {
@@ -882,7 +879,8 @@ __global__ void __launch_bounds__(kThreads) transpose_codes_kernel(uint8_t* dst,
     uint32_t out[4][4];  // [column e of the quad][word a: rows 16m + 4a .. 4a+3]
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
-      const uint32_t lo01 = __byte_perm(w[4 * a], w[4 * a + 1], 0x5140), hi01 = __byte_perm(w[4 * a], w[4 * a + 1], 0x7362);
+      const uint32_t lo01 = __byte_perm(w[4 * a], w[4 * a + 1], 0x5140),
+                     hi01 = __byte_perm(w[4 * a], w[4 * a + 1], 0x7362);
       const uint32_t lo23 = __byte_perm(w[4 * a + 2], w[4 * a + 3], 0x5140),
                      hi23 = __byte_perm(w[4 * a + 2], w[4 * a + 3], 0x7362);
       out[0][a] = __byte_perm(lo01, lo23, 0x5410);
@@ -916,9 +914,10 @@ void CudaBackend::execute(const op::TransposeCodes& args) {
   const dim3 grid(static_cast<unsigned>((args.src.cols + cuda::kCodeTile - 1) / cuda::kCodeTile),
                   static_cast<unsigned>((args.src.rows + cuda::kCodeTile - 1) / cuda::kCodeTile));
   if (grid.y > 65535) fail("transpose_codes: {} rows is more than this kernel's grid takes", args.src.rows);
-  const bool vec = args.src.rows % 16 == 0 && args.src.cols % 16 == 0 && cuda::aligned16(args.src.codes) && cuda::aligned16(args.dst.codes);
-  cuda::transpose_codes_kernel<<<grid, cuda::kThreads, 0, stream_>>>(args.dst.codes, args.src.codes, args.src.rows, args.src.cols,
-                                                                      args.dst.scale_inv, args.src.scale_inv, vec);
+  const bool vec = args.src.rows % 16 == 0 && args.src.cols % 16 == 0 && cuda::aligned16(args.src.codes) &&
+                   cuda::aligned16(args.dst.codes);
+  cuda::transpose_codes_kernel<<<grid, cuda::kThreads, 0, stream_>>>(
+      args.dst.codes, args.src.codes, args.src.rows, args.src.cols, args.dst.scale_inv, args.src.scale_inv, vec);
   FLUX8_LAUNCH_CHECK(transpose_codes_kernel);
 }
 
@@ -1091,9 +1090,7 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
     CastArgs<T> a = cast_args(args, src, R, C, tiles_x, current ? scale_dev : args.q.delayed_scale,
                               args.q.stats ? partials : nullptr, column_partials);
     switch (args.q.scaling) {
-      case Fp8Scaling::per_tensor:
-        launch_per_tensor(a, args.q.stats != nullptr, tiles, stream());
-        break;
+      case Fp8Scaling::per_tensor: launch_per_tensor(a, args.q.stats != nullptr, tiles, stream()); break;
       case Fp8Scaling::block_1x128: launch_cast<Fp8Scaling::block_1x128>(a, tiles, stream()); break;
       case Fp8Scaling::block_128x128: launch_cast<Fp8Scaling::block_128x128>(a, tiles, stream()); break;
       case Fp8Scaling::mx_1x32: launch_cast<Fp8Scaling::mx_1x32>(a, tiles, stream()); break;
@@ -1121,8 +1118,8 @@ void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elem
     }
     total = static_cast<StatsTotal*>(stats_dev_) + pending_stats_.size();
   }
-  cuda::stats_total_kernel<<<1, cuda::kCastThreads, 0, stream()>>>(static_cast<const cuda::StatsPartial*>(partials),
-                                                                  n, total, q.amax);
+  cuda::stats_total_kernel<<<1, cuda::kCastThreads, 0, stream()>>>(static_cast<const cuda::StatsPartial*>(partials), n,
+                                                                   total, q.amax);
   FLUX8_LAUNCH_CHECK(stats_total_kernel);
   if (q.stats) pending_stats_.push_back(PendingCastStats{q.stats, elements});
 }
@@ -1133,8 +1130,8 @@ void CudaBackend::execute(const op::DelayedScalingUpdate& args) {
   if (d.n == 0) return;
   const int64_t blocks = (d.n + 31) / 32;
   delayed_update_kernel<<<static_cast<unsigned>(blocks), 32 * cuda::kUpdateWarps, 0, stream()>>>(
-      args.amax_history.ptr<float>(), d.n, d.L, args.fp8_max.ptr<float>(), args.algo, args.margin, args.scale.ptr<float>(),
-      args.scale_inv.ptr<float>());
+      args.amax_history.ptr<float>(), d.n, d.L, args.fp8_max.ptr<float>(), args.algo, args.margin,
+      args.scale.ptr<float>(), args.scale_inv.ptr<float>());
   FLUX8_LAUNCH_CHECK(delayed_update_kernel);
 }
 
@@ -1146,8 +1143,7 @@ void CudaBackend::flush_cast_stats() {
   const std::vector<PendingCastStats> pending = std::move(pending_stats_);
   pending_stats_.clear();
   const size_t n = pending.size();
-  FLUX8_CUDA_CHECK(
-      cudaMemcpyAsync(stats_host_, stats_dev_, n * sizeof(StatsTotal), cudaMemcpyDeviceToHost, stream()));
+  FLUX8_CUDA_CHECK(cudaMemcpyAsync(stats_host_, stats_dev_, n * sizeof(StatsTotal), cudaMemcpyDeviceToHost, stream()));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream()));
   const auto* totals = static_cast<const StatsTotal*>(stats_host_);
   for (size_t i = 0; i < n; ++i) {  // in cast order, as the CPU backend merges them

@@ -90,8 +90,8 @@ __device__ inline float dequantized(const Operand& q, int64_t r, int64_t c) {
 constexpr int kBM = 64, kBN = 64, kBK = 16, kGemmThreads = 256;
 
 template <typename T>
-__global__ void __launch_bounds__(kGemmThreads) emulated_gemm_kernel(Operand a, Operand b, T* c, int64_t ldc,
-                                                                     BiasVector bias, bool accumulate) {
+__global__ void __launch_bounds__(kGemmThreads)
+    emulated_gemm_kernel(Operand a, Operand b, T* c, int64_t ldc, BiasVector bias, bool accumulate) {
   __shared__ float as[kBK][kBM + 1];
   __shared__ float bs[kBK][kBN + 1];
   const int64_t m = a.rows, n = b.rows, k = a.cols;
@@ -133,8 +133,8 @@ void emulated_gemm(CudaBackend& be, const Tensor& c, const QTensor& a, const QTe
   FLUX8_CHECK(gy <= 65535 && gx < (int64_t(1) << 31), "gemm_fp8_tn: m = {}, n = {} exceed one launch", m, n);
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   if (c.dtype == DType::bf16)
-    emulated_gemm_kernel<<<grid, kGemmThreads, 0, be.stream()>>>(operand(a), operand(b), c.ptr<__nv_bfloat16>(),
-                                                                 c.ld, bias, accumulate);
+    emulated_gemm_kernel<<<grid, kGemmThreads, 0, be.stream()>>>(operand(a), operand(b), c.ptr<__nv_bfloat16>(), c.ld,
+                                                                 bias, accumulate);
   else
     emulated_gemm_kernel<<<grid, kGemmThreads, 0, be.stream()>>>(operand(a), operand(b), c.ptr<float>(), c.ld, bias,
                                                                  accumulate);
@@ -146,8 +146,7 @@ void note_emulated(const std::string& key, const std::string& what, const std::s
   static std::mutex mutex;
   static std::set<std::string> seen;
   const std::lock_guard<std::mutex> lock(mutex);
-  if (seen.insert(key).second)
-    fmt::print(stderr, "gemm_fp8_tn: {} emulated (dequantize + fp32 GEMM): {}\n", what, why);
+  if (seen.insert(key).second) fmt::print(stderr, "gemm_fp8_tn: {} emulated (dequantize + fp32 GEMM): {}\n", what, why);
 }
 
 // FLUX8_GEMM_BACKEND pins where FP8 GEMMs run: auto (unset or empty: cuBLASLt where it has a
@@ -195,9 +194,10 @@ std::string native_blocker(const Tensor& c, const QTensor& a, const QTensor& b, 
   }
   if (is_block(a.scaling) && (n % 8 != 0 || (a.scaling == Fp8Scaling::block_1x128 && m % 8 != 0))) {
     key = "block8";
-    return fmt::format("m = {}, n = {}: cuBLASLt's block-scaled GEMMs need n % 8 == 0, and m % 8 == 0 when a has "
-                       "1x128 blocks",
-                       m, n);
+    return fmt::format(
+        "m = {}, n = {}: cuBLASLt's block-scaled GEMMs need n % 8 == 0, and m % 8 == 0 when a has "
+        "1x128 blocks",
+        m, n);
   }
   if (!aligned16(a.codes) || !aligned16(b.codes) || !aligned16(c.data) || (c.ld * dtype_size(c.dtype)) % 16 != 0) {
     key = "align";
@@ -249,8 +249,8 @@ GemmDesc fp8_desc(const Tensor& c, const QTensor& a, const QTensor& b, Fp8Accumu
   d.type_d = c.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
   d.compute = CUBLAS_COMPUTE_32F;
   d.scale_mode_a = scale_mode(b.scaling), d.scale_mode_b = scale_mode(a.scaling);
-  d.fast_accum = sum == Fp8Accumulation::fast && a.scaling == Fp8Scaling::per_tensor &&
-                 b.scaling == Fp8Scaling::per_tensor;
+  d.fast_accum =
+      sum == Fp8Accumulation::fast && a.scaling == Fp8Scaling::per_tensor && b.scaling == Fp8Scaling::per_tensor;
   return d;
 }
 
@@ -278,9 +278,10 @@ void CudaBackend::execute(const op::GemmFp8Tn& call) {
       fail("{}: operand {} [{}, {}] ({}) has no scales", op, q == &call.a ? "a" : "b", q->rows, q->cols,
            fp8_scaling_name(q->scaling));
   if (call.a.format == Fp8Format::e5m2 && call.b.format == Fp8Format::e5m2)
-    fail("{}: a and b are both E5M2; FP8 GEMMs take at most one E5M2 operand (cuBLASLt has no E5M2 x E5M2 "
-         "kernel). Cast one of them to E4M3 (fp8: hybrid uses E5M2 for grad_output only)",
-         op);
+    fail(
+        "{}: a and b are both E5M2; FP8 GEMMs take at most one E5M2 operand (cuBLASLt has no E5M2 x E5M2 "
+        "kernel). Cast one of them to E4M3 (fp8: hybrid uses E5M2 for grad_output only)",
+        op);
   const int64_t m = call.a.rows, n = call.b.rows, k = call.a.cols;
   if (m == 0 || n == 0) return;
   if (k == 0) {  // empty reduction: c = (c) + bias, which the tiled kernel does without a product

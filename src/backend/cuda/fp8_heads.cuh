@@ -92,7 +92,7 @@ __device__ inline void store8_fp8(const Fp8HeadsOut& o, int64_t offset, const fl
 __device__ inline float2 decode_pair(uint32_t pair, Fp8Format f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu),
-                                                    f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+                                                   f == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
   return __half22float2(__half2(h));
 #else
   return make_float2(fp8_decode(static_cast<uint8_t>(pair), f), fp8_decode(static_cast<uint8_t>(pair >> 8), f));

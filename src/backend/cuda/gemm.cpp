@@ -74,13 +74,14 @@ std::string describe(const GemmDesc& d) {
   const char* epilogue = d.epilogue == Epilogue::gelu_aux ? " gelu(aux)"
                          : d.epilogue == Epilogue::dgelu  ? " dgelu(aux)"
                                                           : "";
-  return fmt::format("{}{} m={} n={} k={} lda={} ldb={} ldd={} {} x {} -> {}{}{}{}{}", d.trans_a == CUBLAS_OP_T ? 'T' : 'N',
-                     d.trans_b == CUBLAS_OP_T ? 'T' : 'N', d.m, d.n, d.k, d.lda, d.ldb, d.ldd, type_name(d.type_a),
-                     type_name(d.type_b), type_name(d.type_d), d.bias ? (d.bias_type == CUDA_R_32F ? " +bias" : " +bf16 bias") : "",
-                     epilogue, d.accumulate ? " +=" : "",
-                     d.scale_mode_a == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F     ? " scales 1x128"
+  return fmt::format("{}{} m={} n={} k={} lda={} ldb={} ldd={} {} x {} -> {}{}{}{}{}",
+                     d.trans_a == CUBLAS_OP_T ? 'T' : 'N', d.trans_b == CUBLAS_OP_T ? 'T' : 'N', d.m, d.n, d.k, d.lda,
+                     d.ldb, d.ldd, type_name(d.type_a), type_name(d.type_b), type_name(d.type_d),
+                     d.bias ? (d.bias_type == CUDA_R_32F ? " +bias" : " +bf16 bias") : "", epilogue,
+                     d.accumulate ? " +=" : "",
+                     d.scale_mode_a == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F       ? " scales 1x128"
                      : d.scale_mode_a == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F ? " scales 128x128"
-                                                                                      : "");
+                                                                                     : "");
 }
 
 // Everything the key holds, for the autotuning cache (describe() leaves out compute type and
@@ -101,7 +102,7 @@ struct Gemm::Plan {
   bool refused = false;  // found, then refused when run (GemmRefused from then on)
   GemmTiming timing;     // FLUX8_GEMM_PROFILE=1
   bool ran = false;      // its first call (which may load the kernel) is not timed
-  std::string why_not;  // heuristic's failure, when !found
+  std::string why_not;   // heuristic's failure, when !found
   ~Plan() {
     if (desc) cublasLtMatmulDescDestroy(desc);
     if (a) cublasLtMatrixLayoutDestroy(a);
@@ -189,8 +190,8 @@ void Gemm::store_tuning(const std::string& key, int index, double ms) {
 void Gemm::tune(Plan& p, const GemmDesc& g, const GemmArgs& args) {
   p.tuned = true;
   const std::string key = tuning_key(g);
-  if (auto it = cache_.find(key); it != cache_.end() && it->second >= 0 &&
-                                 it->second < static_cast<int>(p.candidates.size())) {
+  if (auto it = cache_.find(key);
+      it != cache_.end() && it->second >= 0 && it->second < static_cast<int>(p.candidates.size())) {
     p.algo = p.candidates[static_cast<size_t>(it->second)];
     ++tuned_from_cache_;
     return;
@@ -248,7 +249,8 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   FLUX8_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, g.compute, CUDA_R_32F));
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, g.trans_a);
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b);
-  if (g.bias && g.epilogue == Epilogue::dgelu) fail("GEMM {}: a bias cannot be added in a gradient epilogue", describe(g));
+  if (g.bias && g.epilogue == Epilogue::dgelu)
+    fail("GEMM {}: a bias cannot be added in a gradient epilogue", describe(g));
   cublasLtEpilogue_t epilogue = g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   switch (g.epilogue) {
     case Epilogue::none: break;
@@ -257,8 +259,7 @@ Gemm::Plan& Gemm::plan(const GemmDesc& g) {
   }
   if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
   if (g.bias) set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.bias_type);
-  if (has_aux(g.epilogue))
-    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
+  if (has_aux(g.epilogue)) set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
   if (fp8) {
     const int8_t fast = g.fast_accum ? 1 : 0;
     set(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast);
@@ -315,8 +316,7 @@ namespace {
 std::string algo_config(const cublasLtMatmulAlgo_t& algo) {
   const auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, auto& value) {
     size_t written = 0;
-    return cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) ==
-           CUBLAS_STATUS_SUCCESS;
+    return cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) == CUBLAS_STATUS_SUCCESS;
   };
   int32_t id = -1, splits = 1;
   uint32_t tile = 0, reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
@@ -324,10 +324,10 @@ std::string algo_config(const cublasLtMatmulAlgo_t& algo) {
       !get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, splits) || !get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, reduction))
     return " [algorithm: not readable]";
   if (splits <= 1) return fmt::format(" [algo {} tile {}]", id, tile);
-  const char* scheme = reduction == CUBLASLT_REDUCTION_SCHEME_INPLACE         ? "in place"
+  const char* scheme = reduction == CUBLASLT_REDUCTION_SCHEME_INPLACE        ? "in place"
                        : reduction == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE ? "in the compute type"
                        : reduction == CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE  ? "in the output type"
-                                                                              : "none";
+                                                                             : "none";
   return fmt::format(" [algo {} tile {}, split-K {}: reduction {}]", id, tile, splits, scheme);
 }
 
@@ -399,8 +399,8 @@ void Gemm::run(const GemmDesc& g, const GemmArgs& args) {
     FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the start event then marks this GEMM's launch
     FLUX8_CUDA_CHECK(cudaEventRecord(pair.start, stream_));
   }
-  const cublasStatus_t s = cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, args.d, p.d,
-                                          args.d, p.d, &p.algo, workspace_, workspace_bytes_, stream_);
+  const cublasStatus_t s = cublasLtMatmul(handle_, p.desc, &alpha, args.a, p.a, args.b, p.b, &beta, args.d, p.d, args.d,
+                                          p.d, &p.algo, workspace_, workspace_bytes_, stream_);
   if (time_it) {
     FLUX8_CUDA_CHECK(cudaEventRecord(pair.stop, stream_));
     if (s == CUBLAS_STATUS_SUCCESS) {  // else nothing ran: not a timed call
@@ -462,8 +462,9 @@ void Gemm::print_profile() {
   if (rows.empty()) return;
   double total = 0;
   for (const GemmTiming& r : rows) total += r.ms;
-  fmt::print(stderr, "gemm profile (FLUX8_GEMM_PROFILE=1): device time + launch of the cuBLASLt calls of this "
-                     "process, per description (column-major D[m, n]; each description's first call not timed)\n");
+  fmt::print(stderr,
+             "gemm profile (FLUX8_GEMM_PROFILE=1): device time + launch of the cuBLASLt calls of this "
+             "process, per description (column-major D[m, n]; each description's first call not timed)\n");
   fmt::print(stderr, "  {:>8} {:>10} {:>10} {:>9} {:>6}  {}\n", "calls", "ms total", "ms/call", "TFLOP/s", "share",
              "description");
   for (const GemmTiming& r : rows)

@@ -68,12 +68,12 @@ struct GemmDesc {
   // cuBLASLt's VEC128 / BLK128x128 f32 scale tensors).
   cublasLtMatmulMatrixScale_t scale_mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   cublasLtMatmulMatrixScale_t scale_mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-  bool bias = false;        // epilogue: D += bias[m] broadcast along n
+  bool bias = false;                      // epilogue: D += bias[m] broadcast along n
   cudaDataType_t bias_type = CUDA_R_32F;  // f32, or bf16 (what cuBLASLt's FP8 GEMMs take for bf16 D)
-  bool fast_accum = false;  // FP8: Hopper's fast (less precise) accumulation (fprop)
-  bool accumulate = false;  // beta = 1 (D += ...), else beta = 0
+  bool fast_accum = false;                // FP8: Hopper's fast (less precise) accumulation (fprop)
+  bool accumulate = false;                // beta = 1 (D += ...), else beta = 0
   Epilogue epilogue = Epilogue::none;
-  int64_t aux_ld = 0;       // gelu_aux, dgelu: a multiple of 8, ≥ m
+  int64_t aux_ld = 0;  // gelu_aux, dgelu: a multiple of 8, ≥ m
 
   auto key() const {
     return std::make_tuple(trans_a, trans_b, m, n, k, lda, ldb, ldd, type_a, type_b, type_d, compute, scale_mode_a,
@@ -104,8 +104,8 @@ struct GemmArgs {
   const void* bias = nullptr;
   const float* scale_a = nullptr;  // FP8: scale_inv of A (a scalar or a scale tensor)
   const float* scale_b = nullptr;
-  float* amax_d = nullptr;         // when set: amax of D (FP8 output cast of the next op)
-  void* aux = nullptr;             // Epilogue::gelu_aux (written), dgelu (read)
+  float* amax_d = nullptr;  // when set: amax of D (FP8 output cast of the next op)
+  void* aux = nullptr;      // Epilogue::gelu_aux (written), dgelu (read)
   float alpha = 1.0f;
 };
 

@@ -76,7 +76,10 @@ void move_head_groups(CudaBackend& be, MatOf<HT> H, MatOf<TT> T, int64_t rows, i
     const int h = cw / Dw, d = (cw - h * Dw) * W;
     HT* hv = &H.at((b * n + h) * L + offset + l, d);
     TT* tv = &T.at(r, h * D + d);
-    if (to_heads) move_group<W>(hv, tv); else move_group<W>(tv, hv);
+    if (to_heads)
+      move_group<W>(hv, tv);
+    else
+      move_group<W>(tv, hv);
   });
 }
 
@@ -88,7 +91,10 @@ void move_token_groups(CudaBackend& be, MatOf<T> J, MatOf<T> P, int64_t rows, in
     const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
     T* jv = &J.at(b * L + offset + l, W * jw);
     T* pv = &P.at(r, W * jw);
-    if (to_joint) move_group<W>(jv, pv); else move_group<W>(pv, jv);
+    if (to_joint)
+      move_group<W>(jv, pv);
+    else
+      move_group<W>(pv, jv);
   });
 }
 
@@ -116,7 +122,10 @@ void move_heads(CudaBackend& be, const Tensor& heads, const Tensor& tokens, int6
     const int h = c / Di, d = c - h * Di;
     HT& hv = H.at((b * n + h) * L + offset + l, d);
     TT& tv = T.at(r, c);
-    if (to_heads) move1(hv, tv); else move1(tv, hv);
+    if (to_heads)
+      move1(hv, tv);
+    else
+      move1(tv, hv);
   });
 }
 
@@ -152,7 +161,10 @@ void move_tokens(CudaBackend& be, const Tensor& joint, const Tensor& part, int64
     const int64_t b = per_sample.divide(static_cast<uint32_t>(r)), l = r - b * Lp;
     T& jv = J.at(b * L + offset + l, j);
     T& pv = P.at(r, j);
-    if (to_joint) jv = pv; else pv = jv;
+    if (to_joint)
+      jv = pv;
+    else
+      pv = jv;
   });
 }
 
@@ -219,8 +231,7 @@ void gated_residual_backward_as(CudaBackend& be, std::string_view op, const op::
 }
 
 template <typename T>
-void timestep_embedding_as(CudaBackend& be, const Tensor& out, const Tensor& t, double time_factor,
-                           double max_period) {
+void timestep_embedding_as(CudaBackend& be, const Tensor& out, const Tensor& t, double time_factor, double max_period) {
   const int64_t B = out.shape[0], dim = out.shape[1], half = dim / 2;
   const MatOf<T> O = mat_of<T>(out);
   const float* tv = t.ptr<float>();
@@ -297,8 +308,15 @@ std::optional<HeadGroups> head_groups(const Tensor& tokens, const QTensor& codes
   if (D % 8 != 0 || !fp8_heads_vec8(codes) || !vec8_rows(mat_of<TT>(tokens)) || groups == 0 ||
       groups >= (int64_t(1) << 31))
     return std::nullopt;
-  return HeadGroups{FastDivisor(static_cast<uint32_t>(n * D / 8)), FastDivisor(static_cast<uint32_t>(Ls)),
-                    n, L, Ls, D, offset, groups, static_cast<int>(D / 8)};
+  return HeadGroups{FastDivisor(static_cast<uint32_t>(n * D / 8)),
+                    FastDivisor(static_cast<uint32_t>(Ls)),
+                    n,
+                    L,
+                    Ls,
+                    D,
+                    offset,
+                    groups,
+                    static_cast<int>(D / 8)};
 }
 
 // f.template operator()<TT, H>() for the tokens' type and the heads' (attention_heads_dtype).
@@ -306,9 +324,12 @@ template <typename F>
 void with_token_head_types(std::string_view op, const Tensor& tokens, DType heads, F&& f) {
   const bool tokens_bf16 = activations_in_bf16(op, {{"tokens", tokens}});
   if (tokens_bf16 && heads != DType::bf16) fail("{}: bf16 tokens need bf16 heads", op);
-  if (tokens_bf16) f.template operator()<bf16, bf16>();
-  else if (heads == DType::bf16) f.template operator()<float, bf16>();
-  else f.template operator()<float, float>();
+  if (tokens_bf16)
+    f.template operator()<bf16, bf16>();
+  else if (heads == DType::bf16)
+    f.template operator()<float, bf16>();
+  else
+    f.template operator()<float, float>();
 }
 
 }  // namespace
@@ -326,24 +347,25 @@ void CudaBackend::execute(const op::TokensToHeadsFp8& args) {
   const Shape h = ops::check(op, args);
   bool done = false;
   if (args.heads.q.scaling == Fp8Scaling::per_tensor && args.heads.q.delayed_scale) {
-    with_token_head_types(op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]), [&]<typename TT, typename H>() {
-      const auto hg = head_groups<TT>(args.tokens, args.heads.codes, h, args.token_offset);
-      if (!hg) return;
-      const int64_t blocks = exact_blocks(hg->groups);
-      const bool count = args.heads.q.stats != nullptr;
-      auto* partials =
-          count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(blocks) * sizeof(StatsPartial))) : nullptr;
-      const Fp8HeadsOut out = fp8_heads_out(args.heads, count, partials);
-      if (count)
-        tokens_to_fp8_heads_kernel<TT, H, true>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, out);
-      else
-        tokens_to_fp8_heads_kernel<TT, H, false>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, out);
-      FLUX8_LAUNCH_CHECK(tokens_to_fp8_heads_kernel);
-      if (count) total_cast_stats(partials, blocks, hg->groups * 8, args.heads.q);  // else: the amax by atomics
-      done = true;
-    });
+    with_token_head_types(
+        op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]), [&]<typename TT, typename H>() {
+          const auto hg = head_groups<TT>(args.tokens, args.heads.codes, h, args.token_offset);
+          if (!hg) return;
+          const int64_t blocks = exact_blocks(hg->groups);
+          const bool count = args.heads.q.stats != nullptr;
+          auto* partials =
+              count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(blocks) * sizeof(StatsPartial))) : nullptr;
+          const Fp8HeadsOut out = fp8_heads_out(args.heads, count, partials);
+          if (count)
+            tokens_to_fp8_heads_kernel<TT, H, true>
+                <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, out);
+          else
+            tokens_to_fp8_heads_kernel<TT, H, false>
+                <<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, out);
+          FLUX8_LAUNCH_CHECK(tokens_to_fp8_heads_kernel);
+          if (count) total_cast_stats(partials, blocks, hg->groups * 8, args.heads.q);  // else: the amax by atomics
+          done = true;
+        });
   }
   if (!done) Backend::execute(args);
 }
@@ -352,14 +374,15 @@ void CudaBackend::execute(const op::HeadsToTokensFp8& args) {
   constexpr std::string_view op = "heads_to_tokens_fp8";
   const Shape h = ops::check(op, args);
   bool done = false;
-  with_token_head_types(op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]), [&]<typename TT, typename H>() {
-    const auto hg = head_groups<TT>(args.tokens, args.heads, h, args.token_offset);
-    if (!hg) return;
-    fp8_heads_to_tokens_kernel<TT, H>
-        <<<exact_blocks(hg->groups), kThreads, 0, stream_>>>(mat_of<TT>(args.tokens), *hg, fp8_heads_in(args.heads));
-    FLUX8_LAUNCH_CHECK(fp8_heads_to_tokens_kernel);
-    done = true;
-  });
+  with_token_head_types(op, args.tokens, attention_heads_dtype(args.tokens.dtype, h[3]),
+                        [&]<typename TT, typename H>() {
+                          const auto hg = head_groups<TT>(args.tokens, args.heads, h, args.token_offset);
+                          if (!hg) return;
+                          fp8_heads_to_tokens_kernel<TT, H><<<exact_blocks(hg->groups), kThreads, 0, stream_>>>(
+                              mat_of<TT>(args.tokens), *hg, fp8_heads_in(args.heads));
+                          FLUX8_LAUNCH_CHECK(fp8_heads_to_tokens_kernel);
+                          done = true;
+                        });
   if (!done) Backend::execute(args);
 }
 

@@ -168,7 +168,8 @@ bool run_with_bias_epilogue(CudaBackend& be, GemmDesc d, GemmArgs args, const Te
     // A slice of a bf16 copy (linear_gelu's GELU part) may start anywhere; cuBLASLt is only
     // handed 16-byte aligned vectors, as a refusal would mark the description unsupported.
     void* aligned = be.epilogue_scratch(static_cast<size_t>(n) * 2);
-    FLUX8_CUDA_CHECK(cudaMemcpyAsync(aligned, bias.p, static_cast<size_t>(n) * 2, cudaMemcpyDeviceToDevice, be.stream()));
+    FLUX8_CUDA_CHECK(
+        cudaMemcpyAsync(aligned, bias.p, static_cast<size_t>(n) * 2, cudaMemcpyDeviceToDevice, be.stream()));
     args.bias = aligned;
   }
   const bool bf16_c = c.dtype == DType::bf16;
@@ -212,8 +213,7 @@ void gemm_with_bias(CudaBackend& be, GemmDesc d, GemmArgs args, const Tensor& c,
       fmt::print(stderr, "{}; computed by a plain kernel instead (noted once)\n", refused.what());
     }
     const unsigned columns = static_cast<unsigned>(d.n < 65535 ? d.n : 65535);  // the kernel loops past
-    plain_gemm_kernel<<<dim3(exact_blocks(d.m), columns), kThreads, 0, be.stream()>>>(
-        d, args.a, args.b, args.d, bias);
+    plain_gemm_kernel<<<dim3(exact_blocks(d.m), columns), kThreads, 0, be.stream()>>>(d, args.a, args.b, args.d, bias);
     FLUX8_LAUNCH_CHECK(plain_gemm_kernel);
     return;
   }
@@ -263,7 +263,9 @@ GemmDesc dgrad_desc(const Operand& W, const Operand& DY, const Tensor& dx, int64
 // call would be refused when run and mark its description unsupported for every later call of
 // the shape, so such calls take the unfused path without asking.
 bool epilogue_operands_aligned(std::initializer_list<Operand> operands, std::initializer_list<const Tensor*> outputs) {
-  auto ok = [](const void* p, int64_t ld, size_t elem) { return aligned16(p) && (static_cast<size_t>(ld) * elem) % 16 == 0; };
+  auto ok = [](const void* p, int64_t ld, size_t elem) {
+    return aligned16(p) && (static_cast<size_t>(ld) * elem) % 16 == 0;
+  };
   for (const Operand& o : operands)
     if (!ok(o.p, o.ld, o.type == CUDA_R_16BF ? 2 : 4)) return false;
   for (const Tensor* t : outputs)
@@ -330,7 +332,8 @@ void CudaBackend::execute(const op::LinearBackward& args) {
   if (args.dw.defined()) {
     require_shape(op, {"dw", args.dw}, args.w.shape);
     require_defined(op, {"x", args.x});
-    if (args.x.rows() != N || args.x.cols() != K) fail("{}: input 'x' {} must have {} rows of {} columns", op, args.x.str(), N, K);
+    if (args.x.rows() != N || args.x.cols() != K)
+      fail("{}: input 'x' {} must have {} rows of {} columns", op, args.x.str(), N, K);
     if (N > 0) {
       // dwᵀ[K,M] += xᵀ[K,N] · dy[N,M]
       const Operand X = ops.get(args.x);
@@ -339,7 +342,7 @@ void CudaBackend::execute(const op::LinearBackward& args) {
       d.m = K, d.n = M, d.k = N;
       d.lda = X.ld, d.ldb = DY.ld, d.ldd = args.dw.ld;
       d.type_a = d.type_b = ops.type();
-      d.type_d = cuda_type(args.dw);  // f32, or bf16: the fp32 sum rounded as it is stored (+= reads it back)
+      d.type_d = cuda_type(args.dw);          // f32, or bf16: the fp32 sum rounded as it is stored (+= reads it back)
       d.accumulate = args.accumulate_params;  // beta = 0: the old contents are never read
       if (args.dw.dtype == DType::bf16 && d.type_a == CUDA_R_32F) {
         // Exact f32 GEMMs (gemm_precision: f32) have no bf16 output in cuBLASLt: the sum goes to
@@ -424,7 +427,8 @@ void CudaBackend::execute(const op::LinearDgradGelu& args) {
       if (!fused) note_unfused(d.epilogue, why);
     }
   }
-  if (first > 0) linear_backward(args.dx, Tensor{}, Tensor{}, args.dy, Tensor{}, args.w.cols_slice(0, first), false, false);
+  if (first > 0)
+    linear_backward(args.dx, Tensor{}, Tensor{}, args.dy, Tensor{}, args.w.cols_slice(0, first), false, false);
   if (fused) return;
   // No epilogue: the GELU part's input gradient (rounded), then the GELU's backward in place.
   linear_backward(args.dh, Tensor{}, Tensor{}, args.dy, Tensor{}, w_gelu, false, false);

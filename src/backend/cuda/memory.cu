@@ -36,9 +36,10 @@ std::string cuda_unavailable_reason() {
     return fmt::format("{} is compute capability {}.{}; this build targets Hopper (sm_90a)", prop.name, prop.major,
                        prop.minor);
   if (prop.major != 9)
-    return fmt::format("{} is compute capability {}.{}; this build has sm_90a code only (rebuild with "
-                       "CMAKE_CUDA_ARCHITECTURES for it)",
-                       prop.name, prop.major, prop.minor);
+    return fmt::format(
+        "{} is compute capability {}.{}; this build has sm_90a code only (rebuild with "
+        "CMAKE_CUDA_ARCHITECTURES for it)",
+        prop.name, prop.major, prop.minor);
   return "";
 }
 
@@ -357,8 +358,8 @@ double CudaBackend::timing_elapsed_ms(int64_t from, int64_t to) {
   if (from < 0 || to < 0 || from >= n || to >= n)
     fail("timing_elapsed_ms: marks {} and {} are not both among the {} recorded", from, to, n);
   float ms = 0.0f;
-  FLUX8_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_events_[static_cast<size_t>(from)],
-                                        timing_events_[static_cast<size_t>(to)]));
+  FLUX8_CUDA_CHECK(
+      cudaEventElapsedTime(&ms, timing_events_[static_cast<size_t>(from)], timing_events_[static_cast<size_t>(to)]));
   return ms;
 }
 
@@ -390,9 +391,8 @@ void convert(CudaBackend& be, const Tensor& y, const Tensor& x) {
     return;
   }
   if (vec4_rows(YM) && vec4_rows(XM)) {
-    for_each_row(be, YM.rows, YM.cols / 4, [=] __device__(int64_t r, int q) {
-      store4(&YM.at(r, 4 * q), load4(&XM.at(r, 4 * q)));
-    });
+    for_each_row(be, YM.rows, YM.cols / 4,
+                 [=] __device__(int64_t r, int q) { store4(&YM.at(r, 4 * q), load4(&XM.at(r, 4 * q))); });
     return;
   }
   for_each_row(be, YM.rows, YM.cols, [=] __device__(int64_t r, int c) { YM.set(r, c, XM.get(r, c)); });
@@ -417,8 +417,8 @@ __global__ void copy_batch_kernel(CopyEntries batch) {
   const int64_t n = c.rows * c.cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / c.cols, k = i - r * c.cols;
-    const float v = c.x_bf16 ? load(static_cast<const bf16*>(c.x)[r * c.x_ld + k])
-                             : static_cast<const float*>(c.x)[r * c.x_ld + k];
+    const float v =
+        c.x_bf16 ? load(static_cast<const bf16*>(c.x)[r * c.x_ld + k]) : static_cast<const float*>(c.x)[r * c.x_ld + k];
     if (c.y_bf16)
       store(static_cast<bf16*>(c.y)[r * c.y_ld + k], v);
     else
@@ -521,8 +521,8 @@ void CudaBackend::execute(const op::Copy& args) {
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(args.y.data, args.x.data, args.x.bytes(), cudaMemcpyDeviceToDevice, stream_));
     return;
   }
-  FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(args.y.data, args.y.ld * elem, args.x.data, args.x.ld * elem, args.x.cols() * elem, args.x.rows(),
-                                     cudaMemcpyDeviceToDevice, stream_));
+  FLUX8_CUDA_CHECK(cudaMemcpy2DAsync(args.y.data, args.y.ld * elem, args.x.data, args.x.ld * elem, args.x.cols() * elem,
+                                     args.x.rows(), cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaBackend::execute(const op::CopyBatch& args) {
@@ -539,11 +539,18 @@ void CudaBackend::execute(const op::CopyBatch& args) {
         return t.defined() && (t.dtype == DType::f32 || t.dtype == DType::bf16) && t.ld >= t.cols();
       };
       if (!storable(p.y) || !storable(p.x) || p.y.rows() != p.x.rows() || p.y.cols() != p.x.cols())
-        fail("{}: pair {}: y {} and x {} must be f32 or bf16 tensors of one [rows, cols] (rows at least their "
-             "columns apart)", op, first + i,
-             p.y.defined() ? p.y.str() : "undefined", p.x.defined() ? p.x.str() : "undefined");
-      batch.e[i] = CopyEntry{p.y.data, p.x.data, p.y.rows(), p.y.cols(), p.y.ld, p.x.ld,
-                             p.y.dtype == DType::bf16, p.x.dtype == DType::bf16};
+        fail(
+            "{}: pair {}: y {} and x {} must be f32 or bf16 tensors of one [rows, cols] (rows at least their "
+            "columns apart)",
+            op, first + i, p.y.defined() ? p.y.str() : "undefined", p.x.defined() ? p.x.str() : "undefined");
+      batch.e[i] = CopyEntry{p.y.data,
+                             p.x.data,
+                             p.y.rows(),
+                             p.y.cols(),
+                             p.y.ld,
+                             p.x.ld,
+                             p.y.dtype == DType::bf16,
+                             p.x.dtype == DType::bf16};
       widest = std::max(widest, p.y.numel());
     }
     if (widest == 0) continue;

@@ -113,9 +113,9 @@ __device__ inline void row_statistics(const float (&xv)[kV * kGroups], int64_t H
 
 // Row r per block: the statistics (row_statistics), y from the same registers: x is read once.
 template <typename T, int kV, int kThr, int kGroups>
-__global__ void __launch_bounds__(kThr) layernorm_modulate_kernel(MatOf<T> y, float* mean, float* rstd, MatOf<T> x,
-                                                                  MatOf<T> shift, MatOf<T> scale, int64_t L,
-                                                                  float eps) {
+__global__ void __launch_bounds__(kThr)
+    layernorm_modulate_kernel(MatOf<T> y, float* mean, float* rstd, MatOf<T> x, MatOf<T> shift, MatOf<T> scale,
+                              int64_t L, float eps) {
   constexpr int kCols = kV * kGroups, kWarps = kThr / 32;
   __shared__ float sh[2][kWarps][1];
   int parity = 0;
@@ -153,9 +153,9 @@ __global__ void __launch_bounds__(kThr) layernorm_modulate_kernel(MatOf<T> y, fl
 // rstd [B, L] with row stride stats_ld. The next LayerNorm's pass over out (its statistics
 // alone, in FP8) is saved for two block-wide sums here.
 template <typename T, int kV, int kThr, int kGroups>
-__global__ void __launch_bounds__(kThr) gated_residual_stats_kernel(MatOf<T> out, float* mean, float* rstd,
-                                                                    int64_t stats_ld, MatOf<T> x, MatOf<T> y,
-                                                                    MatOf<T> gate, int64_t L, float eps) {
+__global__ void __launch_bounds__(kThr)
+    gated_residual_stats_kernel(MatOf<T> out, float* mean, float* rstd, int64_t stats_ld, MatOf<T> x, MatOf<T> y,
+                                MatOf<T> gate, int64_t L, float eps) {
   constexpr int kCols = kV * kGroups, kWarps = kThr / 32;
   __shared__ float sh[2][kWarps][1];
   int parity = 0;
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThr) gated_residual_stats_kernel(MatOf<T> out
 // filled ahead (StagedRows, the staged kernel below).
 template <typename T, int kV>
 struct GlobalRows {
-  const MatOf<T> &dy, &x, &dx;
+  const MatOf<T>&dy, &x, &dx;
   int64_t r;
   __device__ void dy_x(int q, int, int64_t j, float* dyv, float* xv) const {
     load_vec<kV>(dy, r + q, j, dyv);
@@ -207,8 +207,7 @@ template <int kR, typename T, int kV, int kThr, int kGroups, typename Rows>
 __device__ inline void ln_backward_rows(const Rows& rows, const MatOf<T>& dx, const float* mean, const float* rstd,
                                         const MatOf<T>& scale, int64_t b, int64_t r, int64_t H, float inv_h,
                                         bool accumulate, float (&acc_shift)[kV * kGroups],
-                                        float (&acc_scale)[kV * kGroups], float (&sh)[2][kThr / 32][4],
-                                        int& parity) {
+                                        float (&acc_scale)[kV * kGroups], float (&sh)[2][kThr / 32][4], int& parity) {
   constexpr int kCols = kV * kGroups;
   float dyv[kR][kCols], xhat[kR][kCols], mu[kR], rs[kR];
 #pragma unroll
@@ -302,9 +301,10 @@ __device__ inline void write_ln_partials(const float (&acc_shift)[kV * kGroups],
 // order. Rows in 4-column groups (kV = 4) take the staged variant below, which reads the same
 // values from shared memory.
 template <typename T, int kV, int kThr, int kGroups>
-__global__ void __launch_bounds__(kThr, 2) layernorm_modulate_backward_kernel(
-    MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean, const float* rstd, MatOf<T> scale, int64_t L,
-    int64_t rows, bool accumulate, double* shift_partial, double* scale_partial, int64_t chunks) {
+__global__ void __launch_bounds__(kThr, 2)
+    layernorm_modulate_backward_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean, const float* rstd,
+                                       MatOf<T> scale, int64_t L, int64_t rows, bool accumulate, double* shift_partial,
+                                       double* scale_partial, int64_t chunks) {
   constexpr int kCols = kV * kGroups, kWarps = kThr / 32;
   __shared__ float sh[2][kWarps][4];
   int parity = 0;
@@ -328,12 +328,12 @@ __global__ void __launch_bounds__(kThr, 2) layernorm_modulate_backward_kernel(
 // order, but each thread copies its own columns of the rows kStages − 1 pairs ahead into
 // shared memory with cp.async (dy, x and, when accumulating, the old dx) and reads the current
 // pair from there. The kernel above leaves its warps mostly stalled on their loads at low
-// occupancy — a block issues a pair's loads only after the previous pair's barrier. A thread reads back only the slots it filled itself, so the stages
-// need no barrier beyond cp.async's own wait.
+// occupancy — a block issues a pair's loads only after the previous pair's barrier. A thread reads back only the slots
+// it filled itself, so the stages need no barrier beyond cp.async's own wait.
 template <typename T, int kThr, int kGroups>
 struct StagedRows {
   static constexpr int kV = 4, kSlot = kGroups * kThr * kV;  // one row of one tensor
-  static constexpr int kStage = 3 * 2 * kSlot;                // dy, x, old dx of two rows
+  static constexpr int kStage = 3 * 2 * kSlot;               // dy, x, old dx of two rows
   const T* stage;
   __device__ const T* slot(int tensor, int q, int g) const {
     return stage + (tensor * 2 + q) * kSlot + (g * kThr + threadIdx.x) * kV;
@@ -375,9 +375,11 @@ struct StagedRows {
 };
 
 template <typename T, int kThr, int kGroups, int kStages>
-__global__ void __launch_bounds__(kThr, 2) layernorm_modulate_backward_staged_kernel(
-    MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean, const float* rstd, MatOf<T> scale, int64_t L,
-    int64_t rows, bool accumulate, double* shift_partial, double* scale_partial, int64_t chunks) {
+__global__ void __launch_bounds__(kThr, 2)
+    layernorm_modulate_backward_staged_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean,
+                                              const float* rstd, MatOf<T> scale, int64_t L, int64_t rows,
+                                              bool accumulate, double* shift_partial, double* scale_partial,
+                                              int64_t chunks) {
   using Rows = StagedRows<T, kThr, kGroups>;
   constexpr int kV = 4, kCols = kV * kGroups, kWarps = kThr / 32;
   extern __shared__ float4 staged_smem[];  // kStages stages of Rows::kStage elements
@@ -419,20 +421,33 @@ __global__ void __launch_bounds__(kThr, 2) layernorm_modulate_backward_staged_ke
 template <typename F>
 bool with_row_variant(int64_t H, bool vec4, F&& f) {
   if (vec4) {
-    if (H <= 512) f.template operator()<4, 128, 1>();
-    else if (H <= 1024) f.template operator()<4, 256, 1>();
-    else if (H <= 2048) f.template operator()<4, 256, 2>();
-    else if (H <= 3072) f.template operator()<4, 256, 3>();
-    else if (H <= 4096) f.template operator()<4, 256, 4>();
-    else return false;
+    if (H <= 512)
+      f.template operator()<4, 128, 1>();
+    else if (H <= 1024)
+      f.template operator()<4, 256, 1>();
+    else if (H <= 2048)
+      f.template operator()<4, 256, 2>();
+    else if (H <= 3072)
+      f.template operator()<4, 256, 3>();
+    else if (H <= 4096)
+      f.template operator()<4, 256, 4>();
+    else
+      return false;
   } else {
-    if (H <= 256) f.template operator()<1, 256, 1>();
-    else if (H <= 512) f.template operator()<1, 256, 2>();
-    else if (H <= 1024) f.template operator()<1, 256, 4>();
-    else if (H <= 2048) f.template operator()<1, 512, 4>();
-    else if (H <= 3072) f.template operator()<1, 512, 6>();
-    else if (H <= 4096) f.template operator()<1, 512, 8>();
-    else return false;
+    if (H <= 256)
+      f.template operator()<1, 256, 1>();
+    else if (H <= 512)
+      f.template operator()<1, 256, 2>();
+    else if (H <= 1024)
+      f.template operator()<1, 256, 4>();
+    else if (H <= 2048)
+      f.template operator()<1, 512, 4>();
+    else if (H <= 3072)
+      f.template operator()<1, 512, 6>();
+    else if (H <= 4096)
+      f.template operator()<1, 512, 8>();
+    else
+      return false;
   }
   return true;
 }
@@ -460,8 +475,8 @@ __global__ void layernorm_modulate_wide_kernel(MatOf<T> y, float* mean, float* r
 }
 
 template <typename T>
-__global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean,
-                                             const float* rstd, MatOf<T> scale, int64_t L, bool accumulate) {
+__global__ void layernorm_modulate_dx_kernel(MatOf<T> dx, MatOf<T> dy, MatOf<T> x, const float* mean, const float* rstd,
+                                             MatOf<T> scale, int64_t L, bool accumulate) {
   __shared__ double sh[kThreads];
   const int64_t r = blockIdx.x, H = x.cols, b = r / L;
   const float mu = mean[r], rs = rstd[r];
@@ -526,8 +541,7 @@ __global__ void rmsnorm_heads_dx_kernel(Mat dx, Mat dy, Mat x, const float* rstd
   const int64_t r = seg / n, off = (seg % n) * D;
   const double rs = rstd[seg];
   double s = 0;
-  for (int64_t d = lane; d < D; d += 32)
-    s += static_cast<double>(dy.at(r, off + d)) * scale[d] * x.at(r, off + d) * rs;
+  for (int64_t d = lane; d < D; d += 32) s += static_cast<double>(dy.at(r, off + d)) * scale[d] * x.at(r, off + d) * rs;
   const double mean_gx = warp_sum(s) / static_cast<double>(D);
   for (int64_t d = lane; d < D; d += 32) {
     const double g = static_cast<double>(dy.at(r, off + d)) * scale[d];
@@ -547,21 +561,20 @@ void layernorm_modulate_as(CudaBackend& be, const Tensor& y, const Tensor& mean,
     FLUX8_LAUNCH_CHECK(layernorm_modulate_kernel);
   });
   if (launched) return;
-  layernorm_modulate_wide_kernel<T><<<grid, kThreads, 0, be.stream()>>>(Y, mean.ptr<float>(), rstd.ptr<float>(), X,
-                                                                        SH, SC, L, static_cast<float>(eps));
+  layernorm_modulate_wide_kernel<T><<<grid, kThreads, 0, be.stream()>>>(Y, mean.ptr<float>(), rstd.ptr<float>(), X, SH,
+                                                                        SC, L, static_cast<float>(eps));
   FLUX8_LAUNCH_CHECK(layernorm_modulate_wide_kernel);
 }
 
 // The one-pass backward (H ≤ 4096, B ≤ 65535), for activations of type T.
 template <typename T>
-void layernorm_modulate_backward_one_pass(CudaBackend& be, const Tensor& dx, const Tensor& dshift,
-                                          const Tensor& dscale, const Tensor& dy, const Tensor& x, const Tensor& mean,
-                                          const Tensor& rstd, const Tensor& scale, bool accumulate_dx, int64_t B,
-                                          int64_t L, int64_t H) {
+void layernorm_modulate_backward_one_pass(CudaBackend& be, const Tensor& dx, const Tensor& dshift, const Tensor& dscale,
+                                          const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                                          const Tensor& scale, bool accumulate_dx, int64_t B, int64_t L, int64_t H) {
   const int64_t rows = ln_rows_per_block(B, L), chunks = (L + rows - 1) / rows;
   const size_t partial_bytes = static_cast<size_t>(2 * B * chunks * H) * sizeof(double);
-  double* partial = dshift.defined() || dscale.defined() ? static_cast<double*>(be.reduction_scratch(partial_bytes))
-                                                         : nullptr;
+  double* partial =
+      dshift.defined() || dscale.defined() ? static_cast<double*>(be.reduction_scratch(partial_bytes)) : nullptr;
   double* shift_partial = dshift.defined() ? partial : nullptr;
   double* scale_partial = dscale.defined() ? partial + B * chunks * H : nullptr;
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(B));
@@ -629,9 +642,11 @@ void CudaBackend::execute(const op::LayernormModulate& args) {
   require_f32(op, tensor_fields(args, {"mean", "rstd"}));  // statistics: f32 whatever the activations
   if (B * L == 0) return;
   if (bf)
-    layernorm_modulate_as<__nv_bfloat16>(*this, args.y, args.mean, args.rstd, args.x, args.shift, args.scale, B * L, L, args.eps);
+    layernorm_modulate_as<__nv_bfloat16>(*this, args.y, args.mean, args.rstd, args.x, args.shift, args.scale, B * L, L,
+                                         args.eps);
   else
-    layernorm_modulate_as<float>(*this, args.y, args.mean, args.rstd, args.x, args.shift, args.scale, B * L, L, args.eps);
+    layernorm_modulate_as<float>(*this, args.y, args.mean, args.rstd, args.x, args.shift, args.scale, B * L, L,
+                                 args.eps);
 }
 
 void CudaBackend::execute(const op::GatedResidualStats& args) {
@@ -668,20 +683,21 @@ void CudaBackend::execute(const op::LayernormModulateBackward& args) {
   if (B * L > 0 && H > 0 && H <= 4096 && B <= 65535 && args.scale.defined()) {
     require_shape(op, {"scale", args.scale}, Shape{B, H});
     if (bf)
-      layernorm_modulate_backward_one_pass<__nv_bfloat16>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale,
-                                                          args.accumulate_dx, B, L, H);
+      layernorm_modulate_backward_one_pass<__nv_bfloat16>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x,
+                                                          args.mean, args.rstd, args.scale, args.accumulate_dx, B, L,
+                                                          H);
     else
-      layernorm_modulate_backward_one_pass<float>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale, args.accumulate_dx,
-                                                  B, L, H);
+      layernorm_modulate_backward_one_pass<float>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean,
+                                                  args.rstd, args.scale, args.accumulate_dx, B, L, H);
     return;
   }
   if (args.dx.defined() && B * L > 0) require_shape(op, {"scale", args.scale}, Shape{B, H});
   if (bf)
-    layernorm_modulate_backward_passes<__nv_bfloat16>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale,
-                                                      args.accumulate_dx, B, L, H);
+    layernorm_modulate_backward_passes<__nv_bfloat16>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x,
+                                                      args.mean, args.rstd, args.scale, args.accumulate_dx, B, L, H);
   else
-    layernorm_modulate_backward_passes<float>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean, args.rstd, args.scale, args.accumulate_dx, B,
-                                              L, H);
+    layernorm_modulate_backward_passes<float>(*this, args.dx, args.dshift, args.dscale, args.dy, args.x, args.mean,
+                                              args.rstd, args.scale, args.accumulate_dx, B, L, H);
 }
 
 void CudaBackend::execute(const op::RmsnormHeads& args) {
@@ -690,8 +706,8 @@ void CudaBackend::execute(const op::RmsnormHeads& args) {
   const auto [D, n, rows] = ops::check(op, args);
   const int64_t segments = rows * n;
   if (segments == 0) return;
-  rmsnorm_heads_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(mat(args.y), args.rstd.ptr<float>(), mat(args.x),
-                                                                            args.scale.ptr<float>(), D, n, segments, args.eps);
+  rmsnorm_heads_kernel<<<exact_blocks(segments * 32), kThreads, 0, stream_>>>(
+      mat(args.y), args.rstd.ptr<float>(), mat(args.x), args.scale.ptr<float>(), D, n, segments, args.eps);
   FLUX8_LAUNCH_CHECK(rmsnorm_heads_kernel);
 }
 

@@ -20,9 +20,9 @@ struct NvmlDevice::Api {
   Return (*shutdown)() = nullptr;
   const char* (*error_string)(Return) = nullptr;
   Return (*handle_by_pci_bus_id)(const char*, Device*) = nullptr;
-  Return (*total_energy)(Device, unsigned long long*) = nullptr;  // mJ since the driver loaded
+  Return (*total_energy)(Device, unsigned long long*) = nullptr;    // mJ since the driver loaded
   Return (*enforced_power_limit)(Device, unsigned int*) = nullptr;  // mW
-  Return (*clock_info)(Device, int, unsigned int*) = nullptr;     // MHz
+  Return (*clock_info)(Device, int, unsigned int*) = nullptr;       // MHz
   Return (*clock_reasons)(Device, unsigned long long*) = nullptr;
 
   ~Api() {

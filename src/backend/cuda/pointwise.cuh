@@ -21,11 +21,11 @@ namespace flux8::cuda {
 // multiply into ex2 — __expf's range fix-up for denormal results (a compare and two predicated
 // multiplies) is not needed, as t underflowing to 0 gives the right limits r = 1, t·r = 0 — and
 // σ(2u)(1 − σ(2u)) = t·r², the same whichever of r and t·r is σ(2u).
-constexpr float kGeluC = 0.7978845608028654f;                              // C = √(2/π)
-constexpr float kGeluCA = static_cast<float>(0.7978845608028654 * 0.044715);  // C·a, a = 0.044715
-constexpr float kGelu2C = static_cast<float>(2.0 * 0.7978845608028654);      // 2C
+constexpr float kGeluC = 0.7978845608028654f;                                        // C = √(2/π)
+constexpr float kGeluCA = static_cast<float>(0.7978845608028654 * 0.044715);         // C·a, a = 0.044715
+constexpr float kGelu2C = static_cast<float>(2.0 * 0.7978845608028654);              // 2C
 constexpr float kGelu6CA = static_cast<float>(6.0 * 0.7978845608028654 * 0.044715);  // 6C·a
-constexpr float kMinus2Log2e = static_cast<float>(-2.0 * 1.4426950408889634);  // e^(−2v) = 2^(v·this)
+constexpr float kMinus2Log2e = static_cast<float>(-2.0 * 1.4426950408889634);        // e^(−2v) = 2^(v·this)
 
 __device__ inline float exp2_approx_ftz(float v) {
   float y;

@@ -81,9 +81,7 @@ struct Heads {
   H* p;
   int64_t ld;
   __device__ float2 load2(int64_t row, int64_t col, bool vec) const { return load_pair(p + row * ld + col, vec); }
-  __device__ void store2(int64_t row, int64_t col, float2 v, bool vec) const {
-    store_pair(p + row * ld + col, v, vec);
-  }
+  __device__ void store2(int64_t row, int64_t col, float2 v, bool vec) const { store_pair(p + row * ld + col, v, vec); }
 };
 template <typename H>
 Heads<H> heads_of(const Tensor& t) {
@@ -279,10 +277,8 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
     if (q_norm || k_norm) {
       float2 cs[kPairs];
       load_table(cs, a.pe, s, a.g.D, lane, a.g.vec);
-      if (q_norm)
-        norm_rotate_backward(a.dq, q_acc, a.dq_heads, a.q, a.q_rstd, a.q_scale, cs, s, seg, lane, a.g);
-      if (k_norm)
-        norm_rotate_backward(a.dk, k_acc, a.dk_heads, a.k, a.k_rstd, a.k_scale, cs, s, seg, lane, a.g);
+      if (q_norm) norm_rotate_backward(a.dq, q_acc, a.dq_heads, a.q, a.q_rstd, a.q_scale, cs, s, seg, lane, a.g);
+      if (k_norm) norm_rotate_backward(a.dk, k_acc, a.dk_heads, a.k, a.k_rstd, a.k_scale, cs, s, seg, lane, a.g);
     }
     if (a.dv.p) {
 #pragma unroll
@@ -303,10 +299,10 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kPairs <= 2 ? 2 : 1)
 // each lane 8 consecutive elements (4 RoPE pairs) in one 16-byte access of bf16 (two of f32),
 // a segment's loads all issued before its arithmetic. The plain forward takes one segment per
 // group; the FP8-heads forward and the backward take a run of segments per group with the next
-// segments' loads in flight (segments_per_group, forward_runs, BackwardLoads). The pair path's 4-byte accesses and per-element scale loads leave both
-// directions latency-bound; the vector path takes about a third off each (docs/PERFORMANCE.md,
-// Measurements behind the kernels). The sums run over the group's lanes (xor butterfly,
-// a fixed order), so each path is deterministic; the two paths differ by f32 rounding.
+// segments' loads in flight (segments_per_group, forward_runs, BackwardLoads). The pair path's 4-byte accesses and
+// per-element scale loads leave both directions latency-bound; the vector path takes about a third off each
+// (docs/PERFORMANCE.md, Measurements behind the kernels). The sums run over the group's lanes (xor butterfly, a fixed
+// order), so each path is deterministic; the two paths differ by f32 rounding.
 
 // Blocks per SM the FP8-heads forward is laid out for (segments_per_group) and compiled for (≤ 64
 // registers a thread). Left to itself ptxas gives it 72 registers: 3 blocks of 256 threads per
@@ -408,8 +404,8 @@ struct RopeRowCache {
 // arithmetic, the RoPE row loaded once per token (consecutive segments are a token's heads).
 // One segment per group, as the plain forward below runs, left each block's loads, arithmetic
 // and statistics reduction in turn, with nothing in flight during the last two (runs are faster:
-// docs/PERFORMANCE.md, Measurements behind the kernels). For each segment: store(head row, 0, v), then store(head row, 1,
-// q's output), store(head row, 2, k's), each the 8 values of the lane's columns c.
+// docs/PERFORMANCE.md, Measurements behind the kernels). For each segment: store(head row, 0, v), then store(head row,
+// 1, q's output), store(head row, 2, k's), each the 8 values of the lane's columns c.
 template <int kLanes, typename T, typename H, typename Store>
 __device__ inline void forward_runs(const ForwardArgs<T, H>& a, int64_t per_group, const ScaleTile<8 * kLanes>& scales,
                                     int c, Store&& store) {
@@ -593,8 +589,8 @@ __device__ inline void widen_head_grad(const R& r, float s, Fp8Format f, float (
 // dv8 and dequantized as dequantize() into H gives them; the heads tensors of `a` are not used.
 template <int kLanes, typename T, typename H, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
-    qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, int64_t per_group, float* q_part,
-                                              float* k_part, Fp8HeadsIn dq8, Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
+    qk_norm_rope_to_heads_backward_vec_kernel(BackwardArgs<T, H> a, int64_t per_group, float* q_part, float* k_part,
+                                              Fp8HeadsIn dq8, Fp8HeadsIn dk8, Fp8HeadsIn dv8) {
   constexpr int kGroups = kThreads / kLanes, D = 8 * kLanes;
   __shared__ alignas(16) float tile[2][kGroups][D];
   __shared__ ScaleTile<D> scales;
@@ -608,7 +604,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardVecBlocksPerSm)
     if (a.dv.p) dv_s = *dv8.scale_inv;
   }
   float q_acc[8] = {}, k_acc[8] = {};
-  if (first < last) {  // the same for the whole group
+  if (first < last) {                            // the same for the whole group
     BackwardLoads<T, H, kFp8> cur, next, after;  // segments seg, seg + 1, seg + 2
     cur.load(a, a.g.segment(first), first, c, dq8, dk8, dv8);
     if (first + 1 < last) next.load(a, a.g.segment(first + 1), first + 1, c, dq8, dk8, dv8);
@@ -686,26 +682,30 @@ int vec_path_lanes(int64_t D, std::initializer_list<Tensor> rows, const Tensor& 
   return reinterpret_cast<uintptr_t>(pe.data) % 32 == 0 ? lanes : 0;
 }
 
-// f.template operator()<kLanes>() for the vector path's lanes per segment.
+// f.template operator()<kN>() for kN = n, a power of two from kFrom up to kMax (any other n:
+// kMax): the vector path's lanes per segment (up to 32), the pair path's pairs per lane (up to 8).
+template <int kFrom, int kMax, typename F>
+void with_power_of_two(int n, F&& f) {
+  if constexpr (kFrom >= kMax)
+    f.template operator()<kMax>();
+  else if (n == kFrom)
+    f.template operator()<kFrom>();
+  else
+    with_power_of_two<kFrom * 2, kMax>(n, f);
+}
 template <typename F>
 void with_lanes(int lanes, F&& f) {
-  switch (lanes) {
-    case 1: f.template operator()<1>(); break;
-    case 2: f.template operator()<2>(); break;
-    case 4: f.template operator()<4>(); break;
-    case 8: f.template operator()<8>(); break;
-    case 16: f.template operator()<16>(); break;
-    default: f.template operator()<32>(); break;
-  }
+  with_power_of_two<1, 32>(lanes, f);
 }
 
 // Pairs per lane for head dim D: the smallest power of two with 32·kPairs ≥ D/2.
 int pairs_per_lane(std::string_view op, int64_t D) {
   for (int k = 1; k <= kMaxPairsPerLane; k *= 2)
     if (32 * k >= D / 2) return k;
-  fail("{}: head dim {} is beyond the {} this kernel holds in registers (Flux uses 128); the unfused "
-       "rmsnorm_heads, tokens_to_heads and rope take any even D",
-       op, D, 64 * kMaxPairsPerLane);
+  fail(
+      "{}: head dim {} is beyond the {} this kernel holds in registers (Flux uses 128); the unfused "
+      "rmsnorm_heads, tokens_to_heads and rope take any even D",
+      op, D, 64 * kMaxPairsPerLane);
 }
 
 // Whether every row start of these tensors is pair-aligned (ld even, base a multiple of two
@@ -734,12 +734,7 @@ Geometry geometry_of(std::string_view op, const ops::QkNormRopeDims& d, int64_t 
 // f.template operator()<kPairs>() for the pairs per lane pairs_per_lane gave.
 template <typename F>
 void with_pairs(int pairs, F&& f) {
-  switch (pairs) {
-    case 1: f.template operator()<1>(); break;
-    case 2: f.template operator()<2>(); break;
-    case 4: f.template operator()<4>(); break;
-    default: f.template operator()<8>(); break;
-  }
+  with_power_of_two<1, 8>(pairs, f);
 }
 
 // The forward kernels' arguments; q_rstd, k_rstd undefined: not saved.
@@ -767,11 +762,15 @@ ForwardArgs<T, H> forward_args(Heads<H> q_heads, Heads<H> k_heads, Heads<H> v_he
 template <typename F>
 void with_types(bool tokens_bf16, bool heads_bf16, F&& f) {
   if (tokens_bf16) {
-    if (heads_bf16) f.template operator()<__nv_bfloat16, __nv_bfloat16>();
-    else f.template operator()<__nv_bfloat16, float>();
+    if (heads_bf16)
+      f.template operator()<__nv_bfloat16, __nv_bfloat16>();
+    else
+      f.template operator()<__nv_bfloat16, float>();
   } else {
-    if (heads_bf16) f.template operator()<float, __nv_bfloat16>();
-    else f.template operator()<float, float>();
+    if (heads_bf16)
+      f.template operator()<float, __nv_bfloat16>();
+    else
+      f.template operator()<float, float>();
   }
 }
 
@@ -817,13 +816,15 @@ void CudaBackend::execute(const op::QkNormRopeToHeads& args) {
   require_f32(op, tensor_fields(args, {"q_rstd", "k_rstd", "q_scale", "k_scale", "pe"}));
   const bool heads_bf16 = heads_in_bf16(op, tensor_fields(args, {"q_heads", "k_heads", "v_heads"}));
   const int pairs = pairs_per_lane(op, d.D);
-  const Geometry geo = geometry_of(op, d, args.token_offset, {args.q_heads, args.k_heads, args.v_heads, args.q, args.k, args.v, args.pe});
+  const Geometry geo = geometry_of(op, d, args.token_offset,
+                                   {args.q_heads, args.k_heads, args.v_heads, args.q, args.k, args.v, args.pe});
   if (geo.segments == 0) return;
   const int lanes = vec_path_lanes(d.D, {args.q_heads, args.k_heads, args.v_heads, args.q, args.k, args.v}, args.pe);
   const unsigned blocks = exact_blocks(geo.segments * (lanes > 0 ? lanes : 32));
   const auto launch = [&]<typename T, typename H>() {
-    const auto a = forward_args<T, H>(heads_of<H>(args.q_heads), heads_of<H>(args.k_heads), heads_of<H>(args.v_heads), args.q_rstd,
-                                      args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe, geo, args.eps);
+    const auto a =
+        forward_args<T, H>(heads_of<H>(args.q_heads), heads_of<H>(args.k_heads), heads_of<H>(args.v_heads), args.q_rstd,
+                           args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale, args.pe, geo, args.eps);
     if (lanes > 0) {
       with_lanes(lanes, [&]<int kLanes>() {
         qk_norm_rope_to_heads_vec_kernel<kLanes><<<blocks, kThreads, 0, stream_>>>(a);
@@ -846,7 +847,8 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
   const DType t = attention_heads_dtype(args.q.dtype, h[3]);
   // Shape proxies over the codes: heads of the plain op's type for its checks and path choice
   // (never written: the kernel writes the codes).
-  const Tensor qh(args.q_heads.codes.codes, t, h), kh(args.k_heads.codes.codes, t, h), vh(args.v_heads.codes.codes, t, h);
+  const Tensor qh(args.q_heads.codes.codes, t, h), kh(args.k_heads.codes.codes, t, h),
+      vh(args.v_heads.codes.codes, t, h);
   op::QkNormRopeToHeads plain = same_named_fields<op::QkNormRopeToHeads>(args);
   plain.q_heads = qh, plain.k_heads = kh, plain.v_heads = vh;
   const auto d = ops::check(op, plain);
@@ -868,11 +870,13 @@ void CudaBackend::execute(const op::QkNormRopeToHeadsFp8& args) {
   const bool count = args.q_heads.q.stats || args.k_heads.q.stats || args.v_heads.q.stats;
   auto* partials =
       count ? static_cast<StatsPartial*>(scratch(static_cast<size_t>(3 * blocks) * sizeof(StatsPartial))) : nullptr;
-  const Fp8HeadsOut q8 = fp8_heads_out(args.q_heads, count, partials), k8 = fp8_heads_out(args.k_heads, count, partials + blocks),
+  const Fp8HeadsOut q8 = fp8_heads_out(args.q_heads, count, partials),
+                    k8 = fp8_heads_out(args.k_heads, count, partials + blocks),
                     v8 = fp8_heads_out(args.v_heads, count, partials + 2 * blocks);
   with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
-    const auto a = forward_args<T, H>(Heads<H>{}, Heads<H>{}, Heads<H>{}, args.q_rstd, args.k_rstd, args.q, args.k, args.v, args.q_scale, args.k_scale,
-                                      args.pe, geo, args.eps);  // (the heads: the FP8 outputs instead)
+    const auto a =
+        forward_args<T, H>(Heads<H>{}, Heads<H>{}, Heads<H>{}, args.q_rstd, args.k_rstd, args.q, args.k, args.v,
+                           args.q_scale, args.k_scale, args.pe, geo, args.eps);  // (the heads: the FP8 outputs instead)
     with_lanes(lanes, [&]<int kLanes>() {
       if (count)
         qk_norm_rope_to_heads_fp8_kernel<kLanes, T, H, true>
@@ -995,7 +999,8 @@ bool CudaBackend::qk_norm_rope_backward(std::string_view op, const op::QkNormRop
   with_types(bf16, heads_bf16, [&]<typename T, typename H>() {
     const BackwardArgs<T, H> a = kernel_args.template operator()<T, H>(q_partial, k_partial, chunk);
     with_pairs(pairs, [&]<int kPairs>() {
-      qk_norm_rope_to_heads_backward_kernel<kPairs><<<static_cast<unsigned>(chunks), kBackwardWarps * 32, 0, stream_>>>(a);
+      qk_norm_rope_to_heads_backward_kernel<kPairs>
+          <<<static_cast<unsigned>(chunks), kBackwardWarps * 32, 0, stream_>>>(a);
       FLUX8_LAUNCH_CHECK(qk_norm_rope_to_heads_backward_kernel);
     });
   });

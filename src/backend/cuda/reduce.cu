@@ -46,8 +46,8 @@ __global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const
                                              int64_t out_ld, bool accumulate) {
   column_partials_total_of(cols, chunks, partial, out, out_ld, accumulate);
 }
-__global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const double* partial,
-                                             __nv_bfloat16* out, int64_t out_ld, bool accumulate) {
+__global__ void column_partials_total_kernel(int64_t cols, int64_t chunks, const double* partial, __nv_bfloat16* out,
+                                             int64_t out_ld, bool accumulate) {
   column_partials_total_of(cols, chunks, partial, out, out_ld, accumulate);
 }
 

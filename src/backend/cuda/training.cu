@@ -37,12 +37,7 @@ __device__ inline void flow_match_element(int64_t i, int64_t per, uint64_t seed,
 void CudaBackend::execute(const op::FlowMatchInputs& args) {
   constexpr std::string_view op = "flow_match_inputs";
   require_f32(args);
-  for (Named n : {Named{"xt", args.xt}, Named{"target", args.target}, Named{"x0", args.x0}}) require_contiguous(op, n);
-  require_shape(op, {"xt", args.xt}, args.x0.shape);
-  require_shape(op, {"target", args.target}, args.x0.shape);
-  const int64_t B = args.x0.shape[0], per = args.x0.numel() / B;
-  require_vector(op, {"t", args.t}, B);
-  if (static_cast<int64_t>(args.streams.size()) != B) fail("{}: {} noise streams for a batch of {}", op, args.streams.size(), B);
+  const int64_t B = ops::check(op, args), per = args.x0.numel() / B;
   const float *x = args.x0.ptr<float>(), *tv = args.t.ptr<float>();
   float *xo = args.xt.ptr<float>(), *tg = args.target.ptr<float>();
   // The per-sample stream ids travel in the kernel's arguments (2 KiB): nothing waits, so the
@@ -51,17 +46,16 @@ void CudaBackend::execute(const op::FlowMatchInputs& args) {
   if (B <= FlowMatchStreams::kCount) {
     FlowMatchStreams ids{};
     for (int64_t b = 0; b < B; ++b) ids.v[b] = args.streams[static_cast<size_t>(b)];
-    for_each(*this, B * per, [=] __device__(int64_t i) {
-      flow_match_element(i, per, args.seed, ids.v[i / per], x, tv, xo, tg);
-    });
+    for_each(*this, B * per,
+             [=] __device__(int64_t i) { flow_match_element(i, per, args.seed, ids.v[i / per], x, tv, xo, tg); });
     return;
   }
   uint64_t* dev_streams = static_cast<uint64_t*>(scratch(static_cast<size_t>(B) * sizeof(uint64_t)));
-  FLUX8_CUDA_CHECK(cudaMemcpyAsync(dev_streams, args.streams.data(), B * sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
+  FLUX8_CUDA_CHECK(
+      cudaMemcpyAsync(dev_streams, args.streams.data(), B * sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for_each(*this, B * per, [=] __device__(int64_t i) {
-    flow_match_element(i, per, args.seed, dev_streams[i / per], x, tv, xo, tg);
-  });
+  for_each(*this, B * per,
+           [=] __device__(int64_t i) { flow_match_element(i, per, args.seed, dev_streams[i / per], x, tv, xo, tg); });
 }
 
 namespace {
@@ -97,7 +91,8 @@ double CudaBackend::execute(const op::MseLoss& args) {
 void CudaBackend::execute(const op::MseLossInto& args) {
   constexpr std::string_view op = "mse_loss_into";
   if (args.loss.dtype != DType::f64 || args.loss.numel() != 1 || !args.loss.contiguous())
-    fail("{}: loss must be one contiguous f64 element, got {} {}", op, dtype_name(args.loss.dtype), args.loss.shape.str());
+    fail("{}: loss must be one contiguous f64 element, got {} {}", op, dtype_name(args.loss.dtype),
+         args.loss.shape.str());
   const auto [partial, chunks] = queue_mse_loss(*this, op, args.dpred, args.pred, args.target, args.grad_scale);
   // The same fixed-order total as mse_loss, then the same division (IEEE, in double): its value.
   sum_partials_kernel<<<1, kThreads, 0, stream_>>>(partial, chunks, partial + chunks);
@@ -281,8 +276,11 @@ __device__ __forceinline__ bool low_rank_quads(const LowRankChunk& L, int64_t be
 
 // The chunk of low-rank gradient g that starts at its element `first`.
 LowRankChunk low_rank_chunk(const Backend::LowRankGrad& g, int64_t first) {
-  return LowRankChunk{g.a.ptr<float>(), g.b.ptr<float>(), static_cast<uint32_t>(first),
-                      static_cast<uint32_t>(g.a.shape[1]), static_cast<uint32_t>(g.b.shape[1]),
+  return LowRankChunk{g.a.ptr<float>(),
+                      g.b.ptr<float>(),
+                      static_cast<uint32_t>(first),
+                      static_cast<uint32_t>(g.a.shape[1]),
+                      static_cast<uint32_t>(g.b.shape[1]),
                       static_cast<uint32_t>(g.rank())};
 }
 
@@ -324,11 +322,11 @@ void add_low_rank_layout(std::string_view op, const std::vector<Backend::LowRank
                          std::vector<int64_t>& layout) {
   for (const Backend::LowRankGrad& g : sorted) {
     if (g.size() >= (int64_t(1) << 32) || g.rank() >= (int64_t(1) << 32))
-      fail("{}: low-rank gradient [{}, {}] of rank {} is too large for this backend's 32-bit indices", op,
-           g.a.shape[1], g.b.shape[1], g.rank());
-    layout.insert(layout.end(), {g.offset, static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.a.data)),
-                                 static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.b.data)), g.rank(),
-                                 g.a.shape[1], g.b.shape[1]});
+      fail("{}: low-rank gradient [{}, {}] of rank {} is too large for this backend's 32-bit indices", op, g.a.shape[1],
+           g.b.shape[1], g.rank());
+    layout.insert(layout.end(),
+                  {g.offset, static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.a.data)),
+                   static_cast<int64_t>(reinterpret_cast<uintptr_t>(g.b.data)), g.rank(), g.a.shape[1], g.b.shape[1]});
   }
 }
 
@@ -433,12 +431,14 @@ double CudaBackend::execute(const op::GradientSumSquares& args) {
     // The flat elements between the low-rank gradients in chunks, then one entry per pair of
     // factor rows of each gradient.
     std::vector<SquaresChunk> flat, factors;
-    cut_chunks<int>(n, kSquaresChunk, {}, sorted, [&](int64_t begin, int64_t end, const Covered<int>*, LowRankChunk lr) {
-      if (!lr.a) flat.push_back(SquaresChunk{begin, end, lr, 0, 0});
-    });
+    cut_chunks<int>(n, kSquaresChunk, {}, sorted,
+                    [&](int64_t begin, int64_t end, const Covered<int>*, LowRankChunk lr) {
+                      if (!lr.a) flat.push_back(SquaresChunk{begin, end, lr, 0, 0});
+                    });
     for (const LowRankGrad& g : sorted)
       for (uint32_t r = 0; r < g.rank(); ++r)
-        for (uint32_t q = r; q < g.rank(); ++q) factors.push_back(SquaresChunk{g.offset, g.end(), low_rank_chunk(g, 0), r, q});
+        for (uint32_t q = r; q < g.rank(); ++q)
+          factors.push_back(SquaresChunk{g.offset, g.end(), low_rank_chunk(g, 0), r, q});
     upload_chunk_table(squares_table_, sizeof(SquaresChunk), flat.data(), static_cast<int64_t>(flat.size()),
                        factors.data(), static_cast<int64_t>(factors.size()), std::move(layout));
   }
@@ -505,8 +505,7 @@ constexpr int64_t kAdamwChunk = 32 * 4 * kThreads;
 // Stores one element's new moments: f32 as they are; bf16 rounded stochastically with the
 // element's noise (core/stochastic_rounding.h: the CPU backend's bits).
 __device__ __forceinline__ void store_moments(float& m, float& v, float mi, float vi, uint32_t) { m = mi, v = vi; }
-__device__ __forceinline__ void store_moments(__nv_bfloat16& m, __nv_bfloat16& v, float mi, float vi,
-                                              uint32_t noise) {
+__device__ __forceinline__ void store_moments(__nv_bfloat16& m, __nv_bfloat16& v, float mi, float vi, uint32_t noise) {
   m = __ushort_as_bfloat16(f32_to_bf16_bits_stochastic(mi, noise));
   v = __ushort_as_bfloat16(f32_to_bf16_bits_stochastic(vi, noise >> 16));
 }
@@ -527,10 +526,10 @@ __device__ __forceinline__ void store_moments4(__nv_bfloat16* m, __nv_bfloat16* 
   const auto w = [](float x, uint32_t r) { return bf16_stochastic_word(x, r); };
   // The high halves of two words (their bf16 bits), lo in the low half: __byte_perm(lo, hi, 0x7632).
   const auto pack = [](uint32_t lo, uint32_t hi) { return __byte_perm(lo, hi, 0x7632u); };
-  *reinterpret_cast<uint2*>(m) = make_uint2(pack(w(mq.x, r8(n0, 0)), w(mq.y, r8(n0, 1))),
-                                            pack(w(mq.z, r8(n1, 0)), w(mq.w, r8(n1, 1))));
-  *reinterpret_cast<uint2*>(v) = make_uint2(pack(w(vq.x, r8(n0, 2)), w(vq.y, r8(n0, 3))),
-                                            pack(w(vq.z, r8(n1, 2)), w(vq.w, r8(n1, 3))));
+  *reinterpret_cast<uint2*>(m) =
+      make_uint2(pack(w(mq.x, r8(n0, 0)), w(mq.y, r8(n0, 1))), pack(w(mq.z, r8(n1, 0)), w(mq.w, r8(n1, 1))));
+  *reinterpret_cast<uint2*>(v) =
+      make_uint2(pack(w(vq.x, r8(n0, 2)), w(vq.y, r8(n0, 3))), pack(w(vq.z, r8(n1, 2)), w(vq.w, r8(n1, 3))));
 }
 
 // AdamW over the chunks, four elements an access where the buffers allow (`quads`: all four
@@ -545,8 +544,8 @@ __device__ __forceinline__ void store_moments4(__nv_bfloat16* m, __nv_bfloat16* 
 // the gradients' and the moments' storage (float or bf16).
 template <bool kLowRank, typename G, typename Mo>
 __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restrict__ p, const G* __restrict__ g,
-                                            Mo* __restrict__ m, Mo* __restrict__ v, const AdamwStep& step,
-                                            bool quads, uint32_t* warp_amax) {
+                                            Mo* __restrict__ m, Mo* __restrict__ v, const AdamwStep& step, bool quads,
+                                            uint32_t* warp_amax) {
   const int64_t n = c.end - c.begin;
   float* __restrict__ pc = p + c.begin;
   const G* __restrict__ gc = kLowRank ? nullptr : g + c.begin;
@@ -666,16 +665,16 @@ void CudaBackend::execute(const op::Adamw& args) {
                        AdamwChunk{0, 0, static_cast<__nv_bfloat16*>(c.copy.data), nullptr, nullptr, nullptr, nullptr,
                                   Fp8Format::e4m3, LowRankChunk{}}});
   for (const ParamCast& c : args.casts)
-    outputs.push_back({c.offset, c.codes.numel(),
-                       AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format,
-                                  LowRankChunk{}}});
+    outputs.push_back(
+        {c.offset, c.codes.numel(),
+         AdamwChunk{0, 0, nullptr, c.codes.codes, c.scale, c.amax, c.codes.scale_inv, c.codes.format, LowRankChunk{}}});
   std::sort(outputs.begin(), outputs.end(), [](const Output& a, const Output& b) { return a.offset < b.offset; });
   std::vector<int64_t> layout{n};
   for (const Output& o : outputs) {
     const AdamwChunk& f = o.first;
-    for (const void* ptr : {static_cast<const void*>(f.copy), static_cast<const void*>(f.codes),
-                            static_cast<const void*>(f.scale), static_cast<const void*>(f.amax),
-                            static_cast<const void*>(f.scale_inv)})
+    for (const void* ptr :
+         {static_cast<const void*>(f.copy), static_cast<const void*>(f.codes), static_cast<const void*>(f.scale),
+          static_cast<const void*>(f.amax), static_cast<const void*>(f.scale_inv)})
       layout.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)));
     layout.push_back(o.offset);
     layout.push_back(o.count);
@@ -697,8 +696,8 @@ void CudaBackend::execute(const op::Adamw& args) {
                              k.lr = lr;
                              (lr.a ? factors : flat).push_back(k);
                            });
-    upload_chunk_table(adamw_table_, sizeof(AdamwChunk), flat.data(), static_cast<int64_t>(flat.size()),
-                       factors.data(), static_cast<int64_t>(factors.size()), std::move(layout));
+    upload_chunk_table(adamw_table_, sizeof(AdamwChunk), flat.data(), static_cast<int64_t>(flat.size()), factors.data(),
+                       static_cast<int64_t>(factors.size()), std::move(layout));
   }
 
   const AdamWConstants k = AdamWConstants::of(args.h);

@@ -42,16 +42,15 @@ FLUX8_OP(QkNormRopeToHeads, qk_norm_rope_to_heads, void, (Tensor, q_heads), (Ten
 // the forward's pre-norm q, k and statistics: dq, dk, dv [B, Ls, n·D] (any ld) overwritten;
 // dq_scale, dk_scale [D] accumulated. Equal to rope(inverse) → heads_to_tokens →
 // rmsnorm_heads_backward, and heads_to_tokens(dv_heads).
-FLUX8_OP(QkNormRopeToHeadsBackward, qk_norm_rope_to_heads_backward, void, (Tensor, dq), (Tensor, dk),
-         (Tensor, dv), (Tensor, dq_scale), (Tensor, dk_scale), (Tensor, dq_heads), (Tensor, dk_heads),
-         (Tensor, dv_heads), (Tensor, q), (Tensor, k), (Tensor, q_rstd), (Tensor, k_rstd), (Tensor, q_scale),
-         (Tensor, k_scale), (Tensor, pe), (int64_t, token_offset))
+FLUX8_OP(QkNormRopeToHeadsBackward, qk_norm_rope_to_heads_backward, void, (Tensor, dq), (Tensor, dk), (Tensor, dv),
+         (Tensor, dq_scale), (Tensor, dk_scale), (Tensor, dq_heads), (Tensor, dk_heads), (Tensor, dv_heads),
+         (Tensor, q), (Tensor, k), (Tensor, q_rstd), (Tensor, k_rstd), (Tensor, q_scale), (Tensor, k_scale),
+         (Tensor, pe), (int64_t, token_offset))
 
 // ---- attention: q, k, v, o [B, n, L, D]; non-causal, no mask ------------------------------------
 //   o = softmax(q·kᵀ·scale)·v;  lse [B, n, L] = log Σ_j exp(q·k_j·scale) saved.
 // The heads' element type is PrecisionPolicy::attention_heads_dtype.
-FLUX8_OP(Attention, attention, void, (Tensor, o), (Tensor, lse), (Tensor, q), (Tensor, k), (Tensor, v),
-         (double, scale))
+FLUX8_OP(Attention, attention, void, (Tensor, o), (Tensor, lse), (Tensor, q), (Tensor, k), (Tensor, v), (double, scale))
 // dq, dk, dv overwritten.
 FLUX8_OP(AttentionBackward, attention_backward, void, (Tensor, dq), (Tensor, dk), (Tensor, dv), (Tensor, dout),
          (Tensor, q), (Tensor, k), (Tensor, v), (Tensor, o), (Tensor, lse), (double, scale))

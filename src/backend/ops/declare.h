@@ -25,8 +25,8 @@
 // ---- FLUX8_OP_FOR_EACH(M, a, b, ...): M(a) M(b) ... for up to 20 arguments ------------------------
 #define FLUX8_OP_CAT_(a, b) a##b
 #define FLUX8_OP_CAT(a, b) FLUX8_OP_CAT_(a, b)
-#define FLUX8_OP_NARG_(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18, _19, _20, \
-                       N, ...)                                                                                   \
+#define FLUX8_OP_NARG_(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18, _19, _20, N, \
+                       ...)                                                                                          \
   N
 #define FLUX8_OP_NARG(...) \
   FLUX8_OP_NARG_(__VA_ARGS__, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1)
@@ -60,16 +60,14 @@
 #define FLUX8_OP_FIELD_TIE_(type, name) std::tie(name),
 #define FLUX8_OP_FIELD_TIE(pair) FLUX8_OP_FIELD_TIE_ pair
 
-#define FLUX8_OP(Type, op_name, Result, ...)                                                               \
-  struct Type {                                                                                            \
-    using result_type = Result;                                                                            \
-    static constexpr std::string_view name = #op_name;                                                     \
-    FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD, __VA_ARGS__)                                                         \
-    static constexpr std::array field_names{FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD_NAME, __VA_ARGS__)};          \
-    auto fields() { return std::tuple_cat(FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD_TIE, __VA_ARGS__) std::tuple<>{}); } \
-    auto fields() const {                                                                                  \
-      return std::tuple_cat(FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD_TIE, __VA_ARGS__) std::tuple<>{});            \
-    }                                                                                                      \
+#define FLUX8_OP(Type, op_name, Result, ...)                                                                          \
+  struct Type {                                                                                                       \
+    using result_type = Result;                                                                                       \
+    static constexpr std::string_view name = #op_name;                                                                \
+    FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD, __VA_ARGS__)                                                                    \
+    static constexpr std::array field_names{FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD_NAME, __VA_ARGS__)};                     \
+    auto fields() { return std::tuple_cat(FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD_TIE, __VA_ARGS__) std::tuple<>{}); }       \
+    auto fields() const { return std::tuple_cat(FLUX8_OP_FOR_EACH(FLUX8_OP_FIELD_TIE, __VA_ARGS__) std::tuple<>{}); } \
   };
 
 namespace flux8 {
@@ -88,8 +86,7 @@ template <typename T>
 struct List : std::vector<T> {
   List() = default;
   template <typename R>
-    requires std::is_convertible_v<const R&, std::span<const T>>
-  List(const R& items) {
+  requires std::is_convertible_v<const R&, std::span<const T>> List(const R& items) {
     const std::span<const T> s = items;
     this->assign(s.begin(), s.end());
   }
@@ -118,12 +115,13 @@ void for_each_field(S& s, Fn&& fn) {
 // signatures and checks read it field by field; FLUX8_CHECK_FIELDS(T) after it fails the build when
 // a field is missing from the list.
 #define FLUX8_FIELDS_NAME_(name) #name,
-#define FLUX8_FIELDS(...)                                                                     \
+#define FLUX8_FIELDS(...)                                                                      \
   static constexpr std::array field_names{FLUX8_OP_FOR_EACH(FLUX8_FIELDS_NAME_, __VA_ARGS__)}; \
-  auto fields() { return std::tie(__VA_ARGS__); }                                             \
+  auto fields() { return std::tie(__VA_ARGS__); }                                              \
   auto fields() const { return std::tie(__VA_ARGS__); }
-#define FLUX8_CHECK_FIELDS(T) \
-  static_assert(::flux8::aggregate_field_count<T>() == T::field_names.size(), #T ": FLUX8_FIELDS must list every field")
+#define FLUX8_CHECK_FIELDS(T)                                                                                      \
+  static_assert(::flux8::aggregate_field_count<T>() == T::field_names.size(), #T ": FLUX8_FIELDS must list every " \
+                                                                                 "field")
 
 namespace flux8 {
 namespace detail {
@@ -133,7 +131,9 @@ struct AnyField {
   operator T() const;
 };
 template <typename T, typename... A>
-concept BraceConstructible = requires { T{std::declval<A>()...}; };
+concept BraceConstructible = requires {
+  T{std::declval<A>()...};
+};
 template <typename T, size_t... I>
 constexpr bool constructs_from_seq(std::index_sequence<I...>) {
   return BraceConstructible<T, decltype((void)I, AnyField{})...>;

@@ -35,7 +35,7 @@ FLUX8_OP(Copy, copy, void, (Tensor, y), (Tensor, x))
 // For many small copies — the low-rank gradient factors' rows, a few a Linear — whose launches cost
 // more than their bytes. No pair's y may overlap another pair's x or y.
 FLUX8_OP(CopyBatch, copy_batch, void, (List<CopyPair>, pairs))
-FLUX8_OP(Add, add, void, (Tensor, y), (Tensor, a), (Tensor, b))  // y = a + b
+FLUX8_OP(Add, add, void, (Tensor, y), (Tensor, a), (Tensor, b))   // y = a + b
 FLUX8_OP(Accumulate, accumulate, void, (Tensor, y), (Tensor, x))  // y += x
 
 // ---- activations (any ld) ---------------------------------------------------------------------
@@ -54,11 +54,11 @@ FLUX8_OP(GatedResidual, gated_residual, void, (Tensor, out), (Tensor, x), (Tenso
 // reads out next, which then need not read it again (in FP8 that LayerNorm runs inside its Linear's
 // input cast and computes nothing but them). A window of a wider [B, L'] takes one stream's rows of
 // the joint sequence. The default runs the two ops; a backend may fuse.
-FLUX8_OP(GatedResidualStats, gated_residual_stats, void, (Tensor, out), (Tensor, mean), (Tensor, rstd),
-         (Tensor, x), (Tensor, y), (Tensor, gate), (double, eps))
+FLUX8_OP(GatedResidualStats, gated_residual_stats, void, (Tensor, out), (Tensor, mean), (Tensor, rstd), (Tensor, x),
+         (Tensor, y), (Tensor, gate), (double, eps))
 // dy = gate[b] ⊙ dx; dgate[b] = Σ_l dx ⊙ y (overwritten).
-FLUX8_OP(GatedResidualBackward, gated_residual_backward, void, (Tensor, dy), (Tensor, dgate), (Tensor, dx),
-         (Tensor, y), (Tensor, gate))
+FLUX8_OP(GatedResidualBackward, gated_residual_backward, void, (Tensor, dy), (Tensor, dgate), (Tensor, dx), (Tensor, y),
+         (Tensor, gate))
 
 // ---- sinusoidal embedding: out [B, dim], t [B] -------------------------------------------------
 //   t' = time_factor·t;  f_k = exp(−ln(max_period)·k/(dim/2));  out = [cos(t'f), sin(t'f)]

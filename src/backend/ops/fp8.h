@@ -90,8 +90,7 @@ struct CastInput {
     in.x = dx, in.gate = gate;
     return in;
   }
-  static CastInput layernorm_modulate_of(Tensor x, Tensor mean, Tensor rstd, Tensor shift, Tensor scale,
-                                         double eps) {
+  static CastInput layernorm_modulate_of(Tensor x, Tensor mean, Tensor rstd, Tensor shift, Tensor scale, double eps) {
     CastInput in;
     in.op = Op::layernorm_modulate;
     in.x = x, in.mean = mean, in.rstd = rstd, in.shift = shift, in.scale = scale, in.eps = eps;

@@ -13,7 +13,7 @@ namespace flux8 {
 
 // The delayed scales and amax slots of one FP8 attention call (see op::AttentionFp8).
 struct Fp8AttentionScales {
-  const float* o = nullptr;  // forward output
+  const float* o = nullptr;   // forward output
   const float* ds = nullptr;  // dS's scale and its inverse
   const float* ds_inv = nullptr;
   const float* dq = nullptr;  // backward outputs
@@ -41,7 +41,7 @@ FLUX8_CHECK_FIELDS(Fp8AttentionScales);
 // that type gives it. The defaults run just that, through temporaries (the CPU backend; the
 // reference of the CUDA backend's fused kernels).
 struct Fp8Heads {
-  QTensor codes;  // per-tensor, [B·n·L, D]
+  QTensor codes;   // per-tensor, [B·n·L, D]
   QuantizeSpec q;  // per-tensor, with delayed_scale
   FLUX8_FIELDS(codes, q)
 };

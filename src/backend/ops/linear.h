@@ -16,8 +16,8 @@ FLUX8_OP(Linear, linear, void, (Tensor, y), (Tensor, x), (Tensor, w), (Tensor, b
 FLUX8_OP(BiasAdd, bias_add, void, (Tensor, y), (Tensor, b))
 // dx[N,K] = dy·w (+= if accumulate_dx); dw[M,K] += dyᵀ·x; db[M] += Σ_rows dy (dw and db overwritten
 // instead when accumulate_params is false: their old contents are never read).
-FLUX8_OP(LinearBackward, linear_backward, void, (Tensor, dx), (Tensor, dw), (Tensor, db), (Tensor, dy),
-         (Tensor, x), (Tensor, w), (bool, accumulate_dx), (bool, accumulate_params))
+FLUX8_OP(LinearBackward, linear_backward, void, (Tensor, dx), (Tensor, dw), (Tensor, db), (Tensor, dy), (Tensor, x),
+         (Tensor, w), (bool, accumulate_dx), (bool, accumulate_params))
 // A Linear whose last output columns go through GELU (an MLP's first layer; the single block's
 // linear1, whose MLP part follows q, k, v), the GELU in the GEMM's epilogue where the backend has
 // one: h[N,M] = x·wᵀ + b (kept for the backward) and y[N,My] = gelu_tanh of h's last My columns
@@ -32,7 +32,6 @@ FLUX8_OP(LinearGelu, linear_gelu, void, (Tensor, y), (Tensor, h), (Tensor, x), (
 // last Kh columns, both overwritten; fused (and on the CPU) each rounds once, P is not rounded
 // before the derivative multiplies it (unfused: the stored P). The weight and bias gradients are
 // linear_backward's (with dx undefined). Activations: dx, dh, dy, h. Any ld.
-FLUX8_OP(LinearDgradGelu, linear_dgrad_gelu, void, (Tensor, dx), (Tensor, dh), (Tensor, dy), (Tensor, w),
-         (Tensor, h))
+FLUX8_OP(LinearDgradGelu, linear_dgrad_gelu, void, (Tensor, dx), (Tensor, dh), (Tensor, dy), (Tensor, w), (Tensor, h))
 
 }  // namespace flux8::op
