@@ -121,16 +121,36 @@ void read_text_embeddings(const std::string& path, std::vector<TextEncoding>& pr
   if (f.contains("t5.empty")) empty = TextEncoding{read_host(f, "t5.empty"), read_host(f, "clip.empty")};
 }
 
-int run_sample(const Opts& o) {
-  auto [config, weights] = resolve_model(o);
-  const FluxConfig cfg = FluxConfig::from_config(config);
-  std::error_code ec;
-  if (fs::equivalent(o.out, weights, ec))
-    fail("sample: --out {} is the weights file being sampled; writing it would overwrite the model", o.out);
-  const bool pixel = cfg.vae_downsample == 1;
-  const std::string kind = pixel ? "pixel-space" : fmt::format("latent (vae_downsample {})", cfg.vae_downsample);
+// The samples as latents in the VAE's space (training used x = scale·(z − shift)), with what made
+// them in the file's metadata.
+void write_latents(const Opts& o, const Config& config, const FluxConfig& cfg, const SamplerOptions& so,
+                   const std::vector<HostTensor>& images, const std::vector<std::string>& labels, int64_t image_size) {
+  const double vs = config.get_float("vae_scale_factor"), vf = config.get_float("vae_shift_factor");
+  std::vector<float> latents;
+  for (const HostTensor& im : images)
+    for (float v : im.data) latents.push_back(static_cast<float>(v / vs + vf));
+  SafetensorsWriter out;
+  out.add("latents", DType::f32, {static_cast<int64_t>(images.size()), cfg.latent_channels, so.height, so.width},
+          latents.data());
+  out.set_metadata("producer", "flux8 sample");
+  out.set_metadata("model", cfg.name);
+  out.set_metadata("prompts", nlohmann::json(labels).dump());
+  out.set_metadata("images_per_prompt", std::to_string(so.images_per_prompt));
+  out.set_metadata("image_size", std::to_string(image_size));
+  out.set_metadata("steps", std::to_string(so.steps));
+  out.set_metadata("shift", so.shift ? "true" : "false");
+  out.set_metadata("cfg_scale", fmt::format("{}", so.cfg_scale));
+  if (cfg.guidance_embed) out.set_metadata("guidance", fmt::format("{}", so.guidance));
+  out.set_metadata("seed", std::to_string(so.seed));
+  out.set_metadata("vae_scale_factor", fmt::format("{}", vs));
+  out.set_metadata("vae_shift_factor", fmt::format("{}", vf));
+  out.write(o.out);
+  fmt::print("wrote {} (latents [{}, {}, {}, {}], prompt-major; decode with tools/decode_latents.py)\n", o.out,
+             images.size(), cfg.latent_channels, so.height, so.width);
+}
 
-  // Output format follows the model.
+// The output format follows the model: a PNG grid of a pixel-space RGB model, latents otherwise.
+void check_output_format(const Opts& o, const FluxConfig& cfg, bool pixel, const std::string& kind) {
   if (pixel && cfg.latent_channels != 3)
     fail(
         "sample: model {} is pixel-space (vae_downsample 1) with latent_channels {}; a PNG grid "
@@ -147,6 +167,18 @@ int run_sample(const Opts& o) {
         "--out FILE.safetensors (got {}) and decode with tools/decode_latents.py",
         cfg.name, kind, o.out);
   if (o.grid_scale && !pixel) fail("sample: --grid-scale applies to PNG grids of pixel-space models only");
+}
+
+int run_sample(const Opts& o) {
+  auto [config, weights] = resolve_model(o);
+  const FluxConfig cfg = FluxConfig::from_config(config);
+  std::error_code ec;
+  if (fs::equivalent(o.out, weights, ec))
+    fail("sample: --out {} is the weights file being sampled; writing it would overwrite the model", o.out);
+  const bool pixel = cfg.vae_downsample == 1;
+  const std::string kind = pixel ? "pixel-space" : fmt::format("latent (vae_downsample {})", cfg.vae_downsample);
+
+  check_output_format(o, cfg, pixel, kind);
 
   // Prompts.
   std::vector<TextEncoding> prompts;
@@ -220,29 +252,7 @@ int run_sample(const Opts& o) {
                so.images_per_prompt, image_size, image_size, scale);
     return 0;
   }
-  // Back to the VAE's latent space: training used x = scale·(z − shift).
-  const double vs = config.get_float("vae_scale_factor"), vf = config.get_float("vae_shift_factor");
-  std::vector<float> latents;
-  for (const HostTensor& im : images)
-    for (float v : im.data) latents.push_back(static_cast<float>(v / vs + vf));
-  SafetensorsWriter out;
-  out.add("latents", DType::f32, {static_cast<int64_t>(images.size()), cfg.latent_channels, so.height, so.width},
-          latents.data());
-  out.set_metadata("producer", "flux8 sample");
-  out.set_metadata("model", cfg.name);
-  out.set_metadata("prompts", nlohmann::json(labels).dump());
-  out.set_metadata("images_per_prompt", std::to_string(so.images_per_prompt));
-  out.set_metadata("image_size", std::to_string(image_size));
-  out.set_metadata("steps", std::to_string(so.steps));
-  out.set_metadata("shift", so.shift ? "true" : "false");
-  out.set_metadata("cfg_scale", fmt::format("{}", so.cfg_scale));
-  if (cfg.guidance_embed) out.set_metadata("guidance", fmt::format("{}", so.guidance));
-  out.set_metadata("seed", std::to_string(so.seed));
-  out.set_metadata("vae_scale_factor", fmt::format("{}", vs));
-  out.set_metadata("vae_shift_factor", fmt::format("{}", vf));
-  out.write(o.out);
-  fmt::print("wrote {} (latents [{}, {}, {}, {}], prompt-major; decode with tools/decode_latents.py)\n", o.out,
-             images.size(), cfg.latent_channels, so.height, so.width);
+  write_latents(o, config, cfg, so, images, labels, image_size);
   return 0;
 }
 

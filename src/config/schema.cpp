@@ -34,10 +34,9 @@ KeySpec int_list_key(const char* section, const char* name, std::vector<int64_t>
   return {name, section, KeyType::int_list, std::move(def), r, {}, help};
 }
 
-// Defaults are the flux_12b_schnell model (docs/FLUX.md) so an empty config is a real model.
-std::vector<KeySpec> make_keys() {
+// Model architecture (FluxConfig).
+std::vector<KeySpec> model_keys() {
   return {
-      // ---- model: architecture (FluxConfig) ----
       string_key("model", "model_name", "flux_12b_schnell", "name recorded in logs and checkpoints"),
       int_key("model", "hidden_size", 3072, at_least(1), "hidden width H"),
       int_key("model", "num_attention_heads", 24, at_least(1), "attention heads n; head dim = H / n"),
@@ -60,7 +59,12 @@ std::vector<KeySpec> make_keys() {
       int_key("model", "vae_downsample", 8, at_least(1), "pixels per latent cell; 1 = pixel-space model"),
       int_key("model", "text_seq_len", 256, at_least(1), "text tokens per sample"),
       int_key("model", "image_size", 256, at_least(1), "training image side in pixels"),
-      // ---- runtime ----
+  };
+}
+
+// Runtime: backend, threads, precisions.
+std::vector<KeySpec> runtime_keys() {
+  return {
       int_key("runtime", "seed", 1234, at_least(0), "seed of every random stream"),
       int_key("runtime", "micro_batch_size", 1, at_least(1), "samples per forward/backward"),
       choice_key(
@@ -95,7 +99,12 @@ std::vector<KeySpec> make_keys() {
                "overrides it. The CPU ignores it"),
       int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
-      // ---- training: optimizer and schedule ----
+  };
+}
+
+// Training: optimizer and schedule.
+std::vector<KeySpec> training_keys() {
+  return {
       int_key("training", "train_iters", 1000, at_least(1), "optimizer steps of the run"),
       choice_key("training", "recompute_granularity", "none", {"none", "selective", "full"},
                  "activation recomputation: none; selective (drop q/k/v and the attention and GELU outputs that feed a "
@@ -120,7 +129,12 @@ std::vector<KeySpec> make_keys() {
       float_key("training", "weight_decay", 0.1, at_least(0), "AdamW decoupled weight decay"),
       float_key("training", "clip_grad", 1.0, at_least(0), "clip the global gradient norm to this; 0 = no clipping"),
 
-      // ---- objective (rectified flow) ----
+  };
+}
+
+// The rectified-flow objective.
+std::vector<KeySpec> objective_keys() {
+  return {
       choice_key("objective", "timestep_sampling", "uniform", {"uniform", "logit_normal"},
                  "distribution of t (MLPerf: uniform)"),
       float_key("objective", "logit_mean", 0.0, any(), "mean of the logit-normal t"),
@@ -133,7 +147,12 @@ std::vector<KeySpec> make_keys() {
       float_key("objective", "train_guidance", 1.0, at_least(0),
                 "guidance input during training (guidance_embed models)"),
 
-      // ---- data ----
+  };
+}
+
+// Data.
+std::vector<KeySpec> data_keys() {
+  return {
       string_key("data", "train_data", "", "training shards: a glob (data/train-*.tar), a list file or a directory"),
       string_key("data", "valid_data", "", "validation shards (same forms); empty = no validation"),
       string_key("data", "empty_prompt_file", "",
@@ -152,7 +171,12 @@ std::vector<KeySpec> make_keys() {
       int_key("data", "demo_train_samples", 4000, at_least(1), "demo dataset: training samples"),
       int_key("data", "demo_val_samples", 256, at_least(1), "demo dataset: validation samples"),
 
-      // ---- run: checkpoints, evaluation, logging, samples ----
+  };
+}
+
+// The run: checkpoints, evaluation, logging, samples.
+std::vector<KeySpec> run_keys() {
+  return {
       string_key("run", "save_dir", "runs/flux8", "directory of checkpoints, metrics.jsonl and samples"),
       int_key("run", "save_interval", 0, at_least(0), "checkpoint every N steps (and at the end); 0 = only at the end"),
       int_key("run", "keep_last_checkpoints", 3, at_least(0), "checkpoints kept; 0 = keep all"),
@@ -170,7 +194,12 @@ std::vector<KeySpec> make_keys() {
       int_key("run", "sample_steps", 20, at_least(1), "Euler steps of the end-of-run samples"),
       int_key("run", "samples_per_prompt", 4, at_least(1), "images per prompt in the end-of-run grid"),
 
-      // ---- FP8 (Transformer Engine semantics; Megatron/Primus key names) ----
+  };
+}
+
+// FP8 (Transformer Engine semantics; Megatron/Primus key names).
+std::vector<KeySpec> fp8_keys() {
+  return {
       choice_key("fp8", "fp8", "none", {"none", "e4m3", "hybrid"},
                  "FP8 training: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients); none (or null) = BF16"),
       choice_key("fp8", "fp8_recipe", "delayed", {"delayed", "tensorwise", "blockwise", "mxfp8"}, "scaling recipe"),
@@ -206,6 +235,16 @@ std::vector<KeySpec> make_keys() {
       int_key("training", "nan_max_consecutive_skips", 10, at_least(1),
               "with nan_policy skip: stop after this many bad steps in a row"),
   };
+}
+
+// Defaults are the flux_12b_schnell model (docs/FLUX.md) so an empty config is a real model.
+std::vector<KeySpec> make_keys() {
+  std::vector<KeySpec> keys;
+  for (auto section : {model_keys, runtime_keys, training_keys, objective_keys, data_keys, run_keys, fp8_keys}) {
+    std::vector<KeySpec> part = section();
+    keys.insert(keys.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+  }
+  return keys;
 }
 
 size_t edit_distance(std::string_view a, std::string_view b) {
