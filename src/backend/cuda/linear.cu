@@ -441,9 +441,9 @@ void CudaBackend::execute(const op::BiasAdd& args) {
   ops::require_vector(op, {"b", args.b}, args.y.cols());
   const cuda::BiasVector bias = cuda::bias_vector(op, args.b, args.y);
   if (bf16)
-    cuda::add_bias<__nv_bfloat16>(*this, args.y, bias);
+    add_bias<__nv_bfloat16>(*this, args.y, bias);
   else
-    cuda::add_bias<float>(*this, args.y, bias);
+    add_bias<float>(*this, args.y, bias);
 }
 
 }  // namespace flux8
