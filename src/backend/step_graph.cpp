@@ -122,6 +122,7 @@ void StepGraph::abandon_region() {
 }
 
 double StepGraph::intercept(Ops& ops, AnyOp&& op) {
+  if (!recording_) return ops.execute_any(op);
   // An op whose result the host reads, or one that waits for the host itself, never sits in a graph.
   const bool at_once = std::visit(
       []<typename Op>(const Op&) {
@@ -131,8 +132,8 @@ double StepGraph::intercept(Ops& ops, AnyOp&& op) {
           return !std::is_void_v<typename Op::result_type> || op::waits_for_host<Op>;
       },
       op);
-  if (!recording_ || at_once) {
-    if (recording_) close_segment();
+  if (at_once) {
+    close_segment();
     return ops.execute_any(op);
   }
   Signature sig(signature_);
