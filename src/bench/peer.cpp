@@ -111,8 +111,9 @@ PeerFile parse_peer_file(const std::string& text, const std::string& path) {
 }
 
 PeerFile load_peer_file(const std::string& path) {
-  const std::optional<std::string> text = read_file_text(path);
-  if (!text) fail("peer file {}: cannot be read (make it with tools/peer_bench.py --out {})", path, path);
+  std::string error;
+  const std::optional<std::string> text = read_file_text(path, error);
+  if (!text) fail("peer file {}: {} (make it with tools/peer_bench.py --out {})", path, error, path);
   return parse_peer_file(*text, path);
 }
 

@@ -44,12 +44,6 @@ bool ends_with(std::string s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string read_text(const std::string& path) {
-  std::optional<std::string> text = read_file_text(path);
-  if (!text) fail("cannot read {}", path);
-  return std::move(*text);
-}
-
 // The run config and the weights file named by --checkpoint (and -c).
 std::pair<Config, std::string> resolve_model(const Opts& o) {
   std::error_code ec;
@@ -86,7 +80,7 @@ std::pair<Config, std::string> resolve_model(const Opts& o) {
         dir, o.config);
   if (!fs::exists(fs::path(dir) / "model.safetensors")) fail("sample: checkpoint {} has no model.safetensors", dir);
   const std::string state_path = (fs::path(dir) / "trainer_state.json").string();
-  const TrainerState state = trainer_state_from_json(read_text(state_path), state_path);
+  const TrainerState state = trainer_state_from_json(read_text_or_fail(state_path, "trainer state"), state_path);
   if (state.config_yaml.empty())
     fail(
         "sample: {} has an empty config_yaml; give the weights file {}/model.safetensors with "

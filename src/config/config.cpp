@@ -139,12 +139,6 @@ std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& k
        node_text(value));
 }
 
-std::string read_text(const std::string& path) {
-  std::optional<std::string> text = read_file_text(path);
-  if (!text) fail("cannot read config file '{}': {}", path, std::strerror(errno));
-  return std::move(*text);
-}
-
 }  // namespace
 
 ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml, const std::string& where) {
@@ -198,7 +192,7 @@ void Config::merge_file(const std::string& path, std::vector<std::string>& chain
     fail("include cycle: {}{}", cycle, id);
   }
   chain.push_back(id);
-  merge_text(read_text(path), path, chain);
+  merge_text(read_text_or_fail(path, "config file"), path, chain);
   chain.pop_back();
 }
 

@@ -73,12 +73,6 @@ void write_file_durably(const std::string& path, const std::string& text) {
   if (rc != 0) fail("cannot fsync '{}': {}", path, std::strerror(err));
 }
 
-std::string read_text(const std::string& path) {
-  std::optional<std::string> text = read_file_text(path);
-  if (!text) fail("cannot open '{}': {}", path, std::strerror(errno));
-  return std::move(*text);
-}
-
 // Swaps two directory entries atomically (Linux renameat2 RENAME_EXCHANGE); false when the
 // file system does not support it.
 bool exchange_paths(const std::string& a, const std::string& b) {
@@ -151,7 +145,7 @@ Manifest read_manifest(const std::string& dir) {
     fail("{} is missing (the checkpoint was never finished, or is not a flux8 checkpoint)", kManifestFile);
   Manifest m;
   try {
-    const json j = json::parse(read_text(path));
+    const json j = json::parse(read_text_or_fail(path, "checkpoint file"));
     m.version = j.at("format_version").get<int>();
     if (m.version > kCheckpointFormatVersion)
       fail("{} has format_version {}; this flux8 reads version {} (written by a newer flux8?)", kManifestFile,
@@ -642,7 +636,7 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
   check_moments(store, adam_m, adam_v, "load_checkpoint");
   verify_checkpoint(dir, verify == CheckpointVerify::digests);
   const std::string state_path = (fs::path(dir) / kStateFile).string();
-  TrainerState loaded = trainer_state_from_json(read_text(state_path), state_path);
+  TrainerState loaded = trainer_state_from_json(read_text_or_fail(state_path, "trainer state"), state_path);
   const Manifest m = read_manifest(dir);
   if (loaded.step != m.step)
     fail("checkpoint {}: {} says step {}, {} says step {}", dir, kStateFile, loaded.step, kManifestFile, m.step);
