@@ -135,7 +135,7 @@ TEST(BenchPeer, MalformedFileNamesTheFileAndTheKey) {
   const std::string text = dir.write("text.json", "W1 80 ms\n");
   expect_mentions(error_of([&] { load_peer_file(text); }), {text, "not JSON"});
   expect_mentions(error_of([&] { load_peer_file(dir.file("absent.json")); }),
-                  {dir.file("absent.json"), "cannot be read"});
+                  {dir.file("absent.json"), "No such file"});
 }
 
 TEST(BenchPeer, CpuDeviceNameIsTheProcessorsModel) {
