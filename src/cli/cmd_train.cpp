@@ -21,7 +21,8 @@ Command add_train_command(CLI::App& app) {
                 "refuse to start if there are checkpoints but none verifies)");
   cmd->add_option("--init-from", o->init_from,
                   "start from these weights (a checkpoint directory or a .safetensors in reference or "
-                  "diffusers naming, e.g. flux1-schnell.safetensors); optimizer state starts fresh");
+                  "diffusers naming, e.g. flux1-schnell.safetensors; a checkpoint's model file is checked "
+                  "against its manifest); optimizer state starts fresh");
   cmd->add_option("--stop-after", o->stop_after,
                   "stop after N steps of this run, saving a checkpoint, as a SIGTERM would (exit status 0)");
   return {cmd, [o]() {

@@ -18,7 +18,6 @@
 #include <map>
 #include <mutex>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 #include <vector>
@@ -36,7 +35,6 @@
 namespace flux8 {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 
 namespace {
 
