@@ -3,9 +3,13 @@
 // written from a host snapshot behind training, and the stop signals.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -116,6 +120,15 @@ struct TempRoot {
 };
 
 using testing::error_of;
+using testing::expect_mentions;
+
+// The names in `dir`, sorted.
+std::vector<std::string> listing(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 // A model with its moments: parameters random, moments distinct random values (v > 0).
 struct ModelRun {
@@ -283,6 +296,7 @@ TEST(Checkpoint, NonFiniteLossRoundTrips) {
 
 TEST(Checkpoint, TrainerStateReadStrictly) {
   TrainerState s;
+  s.step = 10;
   nlohmann::json j = nlohmann::json::parse(trainer_state_to_json(s));
   j.erase("data_position");
   std::string e = error_of([&] { trainer_state_from_json(j.dump(), "ckpt/trainer_state.json"); });
@@ -296,6 +310,38 @@ TEST(Checkpoint, TrainerStateReadStrictly) {
   j["learning_rate"] = 1;
   e = error_of([&] { trainer_state_from_json(j.dump(), "f.json"); });
   EXPECT_NE(e.find("unknown field 'learning_rate'"), std::string::npos) << e;
+}
+
+// Counts and positions out of range are refused with the file and the key named, before the
+// loader takes the position as an unsigned number; so is JSON no writer of it produces.
+TEST(Checkpoint, TrainerStateValuesOutOfRangeAreRefused) {
+  TrainerState s;
+  s.step = 10;
+  const std::string where = "ckpt/step-0000010/trainer_state.json";
+  const std::vector<std::tuple<const char*, nlohmann::json, const char*>> cases = {
+      {"data_position", -1, "field 'data_position' must be an integer >= 0, got -1"},
+      {"data_epoch", -7, "field 'data_epoch' must be an integer >= 0, got -7"},
+      {"consumed_samples", -16, "field 'consumed_samples' must be an integer >= 0"},
+      {"step", -3, "field 'step' must be an integer >= 0"},
+      {"step", 1.5, "field 'step' must be an integer >= 0, got 1.5"},
+      {"data_position", uint64_t{1} << 63, "field 'data_position' must be an integer >= 0, got 9223372036854775808"},
+      {"skipped_steps", 11, "field 'skipped_steps' must be an integer from 0 to 10, got 11"},
+      {"skipped_steps", -1, "field 'skipped_steps' must be an integer from 0 to 10"},
+      {"seed", -5, "field 'seed' must be an integer >= 0"},
+      {"last_loss", "big", "field 'last_loss' must be a number"},
+      {"config_yaml", 3, "field 'config_yaml' must be a string"},
+  };
+  for (const auto& [key, value, want] : cases) {
+    nlohmann::json j = nlohmann::json::parse(trainer_state_to_json(s));
+    j[key] = value;
+    const std::string e = error_of([&] { trainer_state_from_json(j.dump(), where); });
+    EXPECT_NE(e.find(where + ": " + want), std::string::npos) << key << ": " << e;
+  }
+  for (const std::string& text : {std::string(100000, '[') + std::string(100000, ']'),
+                                  std::string(R"({"step": 1e999})"), std::string("[1, 2]"), std::string("{\"step\"")}) {
+    const std::string e = error_of([&] { trainer_state_from_json(text, where); });
+    EXPECT_EQ(e.rfind(where + ": ", 0), 0u) << e;
+  }
 }
 
 TEST(Checkpoint, AlteredByteIsRefused) {
@@ -382,6 +428,50 @@ TEST(Checkpoint, PieceDigestsOfAnySizeAndVersion1ManifestsVerify) {
   EXPECT_NE(v1.find("optimizer.safetensors has sha256"), std::string::npos) << v1;
 }
 
+// A manifest that is not what flux8 writes is refused naming the checkpoint, manifest.json and
+// the key, whatever the value: no library exception, no truncated number, no deep recursion.
+TEST(Checkpoint, ManifestReadStrictly) {
+  TempRoot root;
+  ModelRun a;
+  a.randomize(2);
+  const std::string dir = a.save(root.str(), 100);
+  const fs::path path = fs::path(dir) / "manifest.json";
+  const std::string good = testing::read_bytes(path.string());
+  auto refused = [&](const std::string& text, const std::string& want) {
+    testing::write_bytes(path.string(), text);
+    const std::string e = error_of([&] { verify_checkpoint(dir); });
+    EXPECT_NE(e.find("checkpoint " + dir + ": manifest.json"), std::string::npos) << e;
+    EXPECT_NE(e.find(want), std::string::npos) << "want '" << want << "' in: " << e;
+    EXPECT_EQ(find_latest_checkpoint(root.str()), std::nullopt);
+  };
+  auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json m = nlohmann::json::parse(good);
+    edit(m);
+    return m.dump();
+  };
+  refused(edited([](auto& m) { m["step"] = -100; }), "field 'step' must be an integer >= 0, got -100");
+  refused(edited([](auto& m) { m["format_version"] = uint64_t{1} << 40; }),
+          "field 'format_version' must be an integer from 1 to 2147483647, got 1099511627776");
+  refused(edited([](auto& m) { m["format_version"] = "2"; }), "field 'format_version' must be an integer");
+  refused(edited([](auto& m) { m["files"] = nlohmann::json::array(); }), "field 'files' must be an object");
+  refused(edited([](auto& m) { m["files"]["trainer_state.json"]["bytes"] = -1; }),
+          "files.trainer_state.json: field 'bytes' must be an integer >= 0, got -1");
+  refused(edited([](auto& m) { m["files"]["trainer_state.json"]["sha256"] = "abc"; }),
+          "files.trainer_state.json: field 'sha256' must be a SHA-256 digest");
+  refused(edited([](auto& m) { m["files"]["model.safetensors"]["piece_bytes"] = 0; }),
+          "files.model.safetensors: field 'piece_bytes' must be an integer >= 1, got 0");
+  refused(edited([](auto& m) { m["files"]["model.safetensors"]["piece_sha256"][0] = 7; }),
+          "field 'piece_sha256' must list SHA-256 digests");
+  refused(edited([](auto& m) { m["files"]["model.safetensors"]["bytes"] = UINT64_MAX; }), "piece digests");
+  refused(edited([](auto& m) { m["files"]["../model.safetensors"] = m["files"]["model.safetensors"]; }),
+          "invalid file name '../model.safetensors'");
+  refused(std::string(50000, '[') + std::string(50000, ']'), "not valid JSON");
+  refused(R"({"format_version": 2, "step": 1e400, "files": {}})", "not valid JSON");
+  refused("", "not valid JSON");
+  testing::write_bytes(path.string(), good);
+  EXPECT_NO_THROW(verify_checkpoint(dir));
+}
+
 // CheckpointVerify::sizes (a resume, whose find_latest_checkpoint just hashed everything) reads
 // no digest: an altered byte goes through, a missing or truncated file still does not.
 TEST(Checkpoint, SizesOnlyLoadSkipsTheDigests) {
@@ -448,6 +538,64 @@ TEST(Checkpoint, FindLatestSkipsCorruptAndUnfinished) {
   EXPECT_FALSE(fs::exists(root.path / ".tmp-step-0002000-999999"));
 }
 
+// --resume's choice: the newest checkpoint that verifies; none when ROOT has no checkpoint; and
+// an error naming every checkpoint and its problem when there are some but none verifies.
+TEST(Checkpoint, ResumeRefusesWhenNoCheckpointVerifies) {
+  TempRoot root;
+  ModelRun run;
+  run.randomize(5);
+  EXPECT_EQ(checkpoint_to_resume(root.str()), std::nullopt);
+  EXPECT_EQ(checkpoint_to_resume((root.path / "absent").string()), std::nullopt);
+  fs::create_directory(root.path / ".tmp-step-0000300-999999");  // not a checkpoint
+  EXPECT_EQ(checkpoint_to_resume(root.str()), std::nullopt);
+  const std::string s100 = run.save(root.str(), 100);
+  const std::string s200 = run.save(root.str(), 200);
+  flip_byte(fs::path(s200) / "model.safetensors", fs::file_size(fs::path(s200) / "model.safetensors") - 10);
+  EXPECT_EQ(checkpoint_to_resume(root.str()), s100);
+  fs::resize_file(fs::path(s100) / "optimizer.safetensors", 1000);
+  const std::string e = error_of([&] { checkpoint_to_resume(root.str()); });
+  expect_mentions(e, {"--resume: " + root.str() + " holds 2 checkpoints, and none verifies",
+                      s200 + ": model.safetensors bytes [", "altered or damaged on disk",
+                      s100 + ": optimizer.safetensors has 1000 bytes", "Nothing was changed"});
+  EXPECT_TRUE(fs::exists(s100) && fs::exists(s200));
+}
+
+// Pruning keeps the newest keep_last checkpoints that verify: a damaged one does not take a
+// place, whether a resume found it (remembered) or pruning reads it for the first time (a copy
+// this process never saw); it is left in place and named in a warning. Older ones go.
+TEST(Checkpoint, PruningDoesNotCountDamagedCheckpoints) {
+  TempRoot root;
+  ModelRun run;
+  run.randomize(6);
+  const std::string a = (root.path / "a").string();
+  const std::string s100 = run.save(a, 100), s200 = run.save(a, 200), s300 = run.save(a, 300);
+  flip_byte(fs::path(s300) / "model.safetensors", 200);
+  flip_byte(fs::path(s200) / "optimizer.safetensors", 300);
+  ASSERT_EQ(find_latest_checkpoint(a), s100);  // as --resume finds them
+  ::testing::internal::CaptureStderr();
+  run.save(a, 150, 2);  // the resumed run's first save
+  const std::string warnings = ::testing::internal::GetCapturedStderr();
+  auto names = [](const std::string& dir) { return listing(dir); };
+  EXPECT_EQ(names(a), (std::vector<std::string>{"step-0000100", "step-0000150", "step-0000200", "step-0000300"}));
+  expect_mentions(warnings, {"checkpoint " + s300 + " is damaged (model.safetensors bytes [",
+                             "checkpoint " + s200 + " is damaged (optimizer.safetensors bytes [",
+                             "left in place for inspection"});
+  run.save(a, 160, 2);  // warned once per checkpoint; step 100 is now older than the two kept
+  EXPECT_EQ(names(a), (std::vector<std::string>{"step-0000150", "step-0000160", "step-0000200", "step-0000300"}));
+
+  // Copies this process never verified: read (digests) when pruning first meets them.
+  const std::string b = (root.path / "b").string();
+  fs::create_directories(b);
+  for (const char* step : {"step-0000150", "step-0000160"})
+    fs::copy(fs::path(a) / step, fs::path(b) / step, fs::copy_options::recursive);
+  const fs::path model = fs::path(b) / "step-0000160" / "model.safetensors";
+  flip_byte(model, fs::file_size(model) / 2);
+  ::testing::internal::CaptureStderr();
+  run.save(b, 170, 2);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("step-0000160 is damaged"), std::string::npos);
+  EXPECT_EQ(names(b), (std::vector<std::string>{"step-0000150", "step-0000160", "step-0000170"}));
+}
+
 TEST(Checkpoint, ResaveSameStepReplacesIt) {
   TempRoot root;
   ModelRun a, b;
@@ -499,6 +647,65 @@ TEST(Checkpoint, ResolveWeightsPath) {
   EXPECT_NE(e.find("step-0000100"), std::string::npos) << e;
   e = error_of([&] { resolve_weights_path((root.path / "nope").string()); });
   EXPECT_NE(e.find("no such file or directory"), std::string::npos) << e;
+}
+
+// --init-from step-N/model.safetensors (or a link to it) is checked against the checkpoint's
+// manifest as --init-from step-N is; a copy of the file outside any checkpoint loads as it is.
+TEST(Checkpoint, WeightsFileInsideACheckpointIsVerified) {
+  TempRoot root;
+  ModelRun a;
+  a.randomize(10);
+  const std::string dir = a.save((root.path / "run").string(), 100);
+  const std::string model = (fs::path(dir) / "model.safetensors").string();
+  const std::string copy = (root.path / "weights.safetensors").string();
+  fs::copy_file(model, copy);
+  const std::string link = (root.path / "link.safetensors").string();
+  fs::create_symlink(model, link);
+  flip_byte(model, fs::file_size(model) - 50);
+  for (const std::string& given : {dir, model, link}) {
+    const std::string e = error_of([&] { resolve_weights_path(given); });
+    expect_mentions(e, {"checkpoint " + dir, "model.safetensors bytes [", "altered or damaged on disk"});
+  }
+  EXPECT_EQ(resolve_weights_path(copy), copy);
+  fs::resize_file(model, 100);
+  expect_mentions(error_of([&] { resolve_weights_path(model); }), {"model.safetensors has 100 bytes"});
+  testing::write_bytes((fs::path(dir) / "manifest.json").string(), "{");
+  expect_mentions(error_of([&] { resolve_weights_path(model); }), {"checkpoint " + dir + ": manifest.json"});
+}
+
+// A save that fails part way (here: a file size limit, as a full disk would) removes its
+// temporary directory, the files it finished included, before it reports the error; the
+// checkpoint before it stays the newest. The same in line and behind training.
+TEST(Checkpoint, FailedSaveLeavesNothingBehind) {
+  TempRoot root;
+  ModelRun run;
+  run.randomize(11);
+  const std::string first = run.save(root.str(), 100);
+  const uint64_t optimizer_bytes = fs::file_size(fs::path(first) / "optimizer.safetensors");
+  struct rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto limited = [&](const std::function<void()>& save) {
+    const auto previous = ::signal(SIGXFSZ, SIG_IGN);  // writes past the limit fail with EFBIG
+    struct rlimit lim = saved;
+    lim.rlim_cur = optimizer_bytes / 2;  // the model file fits, the optimizer's does not
+    EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    const std::string e = error_of(save);
+    ::setrlimit(RLIMIT_FSIZE, &saved);
+    ::signal(SIGXFSZ, previous);
+    return e;
+  };
+  const std::string in_line = limited([&] { run.save(root.str(), 200); });
+  expect_mentions(in_line, {"saving checkpoint " + (root.path / "step-0000200").string() + " failed",
+                            "optimizer.safetensors", std::strerror(EFBIG), "the checkpoints before it are intact"});
+  const std::string behind = limited([&] {
+    AsyncCheckpointer saver(root.str(), 0);
+    run.state.step = 300;
+    saver.start(run.state, run.store, run.m, run.v, nullptr);
+    saver.wait();
+  });
+  expect_mentions(behind, {"checkpoint of step 300", std::strerror(EFBIG)});
+  EXPECT_EQ(listing(root.path), std::vector<std::string>{"step-0000100"});
+  EXPECT_EQ(find_latest_checkpoint(root.str()), first);
 }
 
 TEST(Checkpoint, WrongMomentBufferIsRefused) {

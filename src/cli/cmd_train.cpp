@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "cli/commands.h"
+#include "train/signals.h"
 #include "train/trainer.h"
 
 namespace flux8::cli {
@@ -16,19 +17,21 @@ Command add_train_command(CLI::App& app) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o->overrides, "override a config key: --set key=value (repeatable)");
   cmd->add_flag("--resume", o->resume,
-                "continue from the newest valid checkpoint in save_dir (start fresh if there is none)");
+                "continue from the newest checkpoint in save_dir that verifies (start fresh if there is none; "
+                "refuse to start if there are checkpoints but none verifies)");
   cmd->add_option("--init-from", o->init_from,
                   "start from these weights (a checkpoint directory or a .safetensors in reference or "
-                  "diffusers naming, e.g. flux1-schnell.safetensors); optimizer state starts fresh");
+                  "diffusers naming, e.g. flux1-schnell.safetensors; a checkpoint's model file is checked "
+                  "against its manifest); optimizer state starts fresh");
   cmd->add_option("--stop-after", o->stop_after,
-                  "stop after N steps of this run, saving a checkpoint, as a SIGTERM would");
+                  "stop after N steps of this run, saving a checkpoint, as a SIGTERM would (exit status 0)");
   return {cmd, [o]() {
             const TrainResult r = run_training(*o);
             if (!r.stopped_early && std::isfinite(r.first_val_loss) && std::isfinite(r.last_val_loss))
               fmt::print("done: {} steps; validation loss {:.4f} -> {:.4f} ({:+.1f}%)\n", r.steps_done,
                          r.first_val_loss, r.last_val_loss,
                          100.0 * (r.last_val_loss - r.first_val_loss) / r.first_val_loss);
-            return 0;
+            return r.stopped_early ? kStoppedExitCode : 0;
           }};
 }
 

@@ -51,10 +51,7 @@ AsyncCheckpointer::Finished AsyncCheckpointer::collect() {
   try {
     return pending_.get();  // leaves pending_ invalid
   } catch (const std::exception& e) {
-    fail(
-        "checkpoint of step {} (written in the background, async_save) failed: {}; the checkpoints before it "
-        "are intact",
-        step, e.what());
+    fail("checkpoint of step {} (written in the background, async_save): {}", step, e.what());
   }
 }
 

@@ -9,14 +9,15 @@
 #include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <future>
 #include <iostream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 #include <vector>
@@ -29,11 +30,11 @@
 #include "fp8/state_io.h"
 #include "io/safetensors.h"
 #include "model/weights_io.h"
+#include "train/checkpoint_manifest.h"
 
 namespace flux8 {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 
 namespace {
 
@@ -122,56 +123,16 @@ std::vector<StepDir> list_step_dirs(const std::string& root) {
 
 // ---- manifest ----------------------------------------------------------------------------
 
-// A file's size and digests: one SHA-256 of the whole file, or (the large files since format
-// version 2) one per piece of piece_bytes from offset 0, which verify side by side.
-struct FileRecord {
-  uint64_t bytes = 0;
-  std::string sha256;
-  uint64_t piece_bytes = 0;
-  std::vector<std::string> piece_sha256;
-};
-
-struct Manifest {
-  int version = 0;
-  int64_t step = 0;
-  std::map<std::string, FileRecord> files;
-};
-
 // Throws an Error with a short problem (no directory prefix) when the manifest is unusable.
 Manifest read_manifest(const std::string& dir) {
   const std::string path = (fs::path(dir) / kManifestFile).string();
   std::error_code ec;
   if (!fs::exists(path, ec))
     fail("{} is missing (the checkpoint was never finished, or is not a flux8 checkpoint)", kManifestFile);
-  Manifest m;
-  try {
-    const json j = json::parse(read_text_or_fail(path, "checkpoint file"));
-    m.version = j.at("format_version").get<int>();
-    if (m.version > kCheckpointFormatVersion)
-      fail("{} has format_version {}; this flux8 reads version {} (written by a newer flux8?)", kManifestFile,
-           m.version, kCheckpointFormatVersion);
-    m.step = j.at("step").get<int64_t>();
-    for (const auto& [name, rec] : j.at("files").items()) {
-      if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
-        fail("{} lists an invalid file name '{}'", kManifestFile, name);
-      FileRecord r;
-      r.bytes = rec.at("bytes").get<uint64_t>();
-      if (rec.contains("piece_sha256")) {
-        r.piece_bytes = rec.at("piece_bytes").get<uint64_t>();
-        r.piece_sha256 = rec.at("piece_sha256").get<std::vector<std::string>>();
-        const uint64_t pieces =
-            r.piece_bytes == 0 ? 0 : std::max<uint64_t>(1, (r.bytes + r.piece_bytes - 1) / r.piece_bytes);
-        if (pieces == 0 || r.piece_sha256.size() != pieces)
-          fail("{} lists {} piece digests of {} bytes for {} ({} bytes), expected {}", kManifestFile,
-               r.piece_sha256.size(), r.piece_bytes, name, r.bytes, pieces);
-      } else {
-        r.sha256 = rec.at("sha256").get<std::string>();
-      }
-      m.files[name] = std::move(r);
-    }
-  } catch (const json::exception& e) {
-    fail("{} is not a valid manifest: {}", kManifestFile, e.what());
-  }
+  std::string error;
+  const std::optional<std::string> text = read_file_text(path, error);
+  if (!text) fail("{} cannot be read: {}", kManifestFile, error);
+  Manifest m = manifest_from_text(*text);
   for (const char* required : {kModelFile, kOptimizerFile, kStateFile})
     if (!m.files.count(required)) fail("{} does not list {}", kManifestFile, required);
   return m;
@@ -209,7 +170,7 @@ std::string check_digest(const std::string& dir, const DigestCheck& c) {
       return "";
     }
     const uint64_t begin = static_cast<uint64_t>(c.piece) * c.rec->piece_bytes;
-    const uint64_t end = std::min(c.rec->bytes, begin + c.rec->piece_bytes);
+    const uint64_t end = begin + std::min(c.rec->bytes - begin, c.rec->piece_bytes);
     const std::string digest = sha256_file_range(path, begin, end - begin);
     const std::string& want = c.rec->piece_sha256[static_cast<size_t>(c.piece)];
     if (digest != want)
@@ -346,13 +307,6 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
     }
 }
 
-// JSON has no NaN or infinity; a non-finite loss is stored as a string.
-json loss_to_json(double x) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  return x;
-}
-
 void remove_quietly(const std::string& path) {
   std::error_code ec;
   fs::remove_all(path, ec);
@@ -372,96 +326,160 @@ void remove_stale_tmp_dirs(const std::string& root) {
   }
 }
 
+// Checkpoints whose digests this process verified, or which it wrote, with what their files
+// looked like then (names, sizes, modification times): pruning takes one as complete, or as
+// damaged, without reading it again while its files are unchanged. Saves run on the
+// background saver's thread too: guarded.
+class KnownCheckpoints {
+ public:
+  // "" when `dir` is complete: from memory, or its digests verified now (and remembered).
+  std::string problem(const std::string& dir) {
+    const std::string print = fingerprint(dir);
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      const auto it = known_.find(dir);
+      if (it != known_.end() && it->second.fingerprint == print) return it->second.problem;
+    }
+    return record(dir, checkpoint_problem(dir, /*hash=*/true));
+  }
+  // True the first time it is asked about `dir` (one warning per damaged checkpoint and run).
+  bool first_warning(const std::string& dir) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return warned_.insert(dir).second;
+  }
+  std::string record(const std::string& dir, const std::string& problem) {
+    const std::string print = fingerprint(dir);
+    const std::lock_guard<std::mutex> lock(mu_);
+    known_[dir] = {print, problem};
+    return problem;
+  }
+  void forget(const std::string& dir) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    known_.erase(dir);
+  }
+
+ private:
+  static std::string fingerprint(const std::string& dir) {
+    std::vector<std::string> files;
+    std::error_code ec;
+    for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+      const uint64_t bytes = e.file_size(ec);
+      const auto mtime = e.last_write_time(ec).time_since_epoch().count();
+      files.push_back(fmt::format("{}:{}:{}", e.path().filename().string(), bytes, mtime));
+    }
+    std::sort(files.begin(), files.end());
+    return fmt::format("{}", fmt::join(files, "/"));
+  }
+  struct Entry {
+    std::string fingerprint, problem;
+  };
+  std::mutex mu_;
+  std::map<std::string, Entry> known_;
+  std::set<std::string> warned_;
+};
+
+KnownCheckpoints& known_checkpoints() {
+  static KnownCheckpoints known;
+  return known;
+}
+
+// Keeps the checkpoint just written and the newest keep_last - 1 others that verify; removes
+// every checkpoint older than those. A damaged checkpoint among them is not counted and not
+// removed: it is left in place for inspection (it may be the only trace of what went wrong),
+// and a warning names it and its problem.
 void prune(const std::string& root, const std::string& just_saved, int keep_last) {
   if (keep_last <= 0) return;
   int kept = 1;  // the checkpoint just written
   for (const StepDir& d : list_step_dirs(root)) {
     if (d.path == just_saved) continue;
-    if (kept < keep_last && checkpoint_problem(d.path, /*hash=*/false).empty()) {
-      ++kept;
+    if (kept >= keep_last) {
+      remove_quietly(d.path);
+      known_checkpoints().forget(d.path);
       continue;
     }
-    // Older than the newest keep_last complete checkpoints, or incomplete.
-    remove_quietly(d.path);
-  }
-}
-
-}  // namespace
-
-std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:07d}", step); }
-
-std::string trainer_state_to_json(const TrainerState& s) {
-  json j;
-  j["step"] = s.step;
-  j["consumed_samples"] = s.consumed_samples;
-  j["data_epoch"] = s.data_epoch;
-  j["data_position"] = s.data_position;
-  j["seed"] = s.seed;
-  j["skipped_steps"] = s.skipped_steps;
-  j["last_loss"] = loss_to_json(s.last_loss);
-  j["config_yaml"] = s.config_yaml;
-  j["flux8_version"] = s.flux8_version;
-  return j.dump(2) + "\n";
-}
-
-TrainerState trainer_state_from_json(const std::string& text, const std::string& where) {
-  std::string error;
-  std::optional<json> parsed = parse_json(text, error);
-  if (!parsed) fail("{}: not valid JSON: {}", where, error);
-  json& j = *parsed;
-  if (!j.is_object()) fail("{}: expected a JSON object", where);
-  TrainerState s;
-  std::set<std::string> known;
-  auto field = [&](const char* key) -> const json& {
-    known.insert(key);
-    if (!j.contains(key)) fail("{}: missing field '{}'", where, key);
-    return j[key];
-  };
-  auto int_field = [&](const char* key, int64_t& out) {
-    const json& v = field(key);
-    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)))
-      fail("{}: field '{}' must be an integer, got {}", where, key, v.dump());
-    out = v.get<int64_t>();
-  };
-  auto string_field = [&](const char* key, std::string& out) {
-    const json& v = field(key);
-    if (!v.is_string()) fail("{}: field '{}' must be a string, got {}", where, key, v.dump());
-    out = v.get<std::string>();
-  };
-  int_field("step", s.step);
-  int_field("consumed_samples", s.consumed_samples);
-  int_field("data_epoch", s.data_epoch);
-  int_field("data_position", s.data_position);
-  int_field("skipped_steps", s.skipped_steps);
-  {
-    const json& v = field("seed");
-    if (!v.is_number_unsigned()) fail("{}: field 'seed' must be a non-negative integer, got {}", where, v.dump());
-    s.seed = v.get<uint64_t>();
-  }
-  {
-    const json& v = field("last_loss");
-    if (v.is_number()) {
-      s.last_loss = v.get<double>();
-    } else if (v == "nan") {
-      s.last_loss = std::numeric_limits<double>::quiet_NaN();
-    } else if (v == "inf" || v == "-inf") {
-      s.last_loss = (v == "inf" ? 1 : -1) * std::numeric_limits<double>::infinity();
-    } else {
-      fail("{}: field 'last_loss' must be a number, \"nan\", \"inf\" or \"-inf\", got {}", where, v.dump());
+    const std::string problem = known_checkpoints().problem(d.path);
+    if (problem.empty()) {
+      ++kept;
+    } else if (known_checkpoints().first_warning(d.path)) {
+      std::cerr << fmt::format(
+          "flux8: warning: checkpoint {} is damaged ({}); it is left in place for inspection and does not count "
+          "toward keep_last_checkpoints: remove it once it is no longer needed\n",
+          d.path, problem);
     }
   }
-  string_field("config_yaml", s.config_yaml);
-  string_field("flux8_version", s.flux8_version);
-  for (const auto& [key, value] : j.items())
-    if (!known.count(key)) fail("{}: unknown field '{}' (written by a newer flux8, or edited by hand?)", where, key);
-  return s;
 }
 
-namespace {
+// FLUX8_TEST_STOP_IN_SAVE=N (for the fault tests, tests/test_faults.cpp): the save of step N
+// stops this process with SIGSTOP once its model and optimizer files are in the temporary
+// directory and before its manifest is, so that a test can kill it there. Read once.
+void stop_here_if_testing(int64_t step) {
+  static const int64_t stop_step = [] {
+    const char* e = std::getenv("FLUX8_TEST_STOP_IN_SAVE");
+    if (!e || !*e) return int64_t{-1};
+    char* end = nullptr;
+    const long long v = std::strtoll(e, &end, 10);
+    if (*end != '\0' || v < 0)
+      fail("FLUX8_TEST_STOP_IN_SAVE='{}': expected a step number (a test hook; unset it)", quote_excerpt(e));
+    return static_cast<int64_t>(v);
+  }();
+  if (step == stop_step) ::raise(SIGSTOP);
+}
+
+// The files of a checkpoint of `state` written and fsynced into `tmp_dir`, the manifest last.
+void write_checkpoint_files(const std::string& tmp_dir, const TrainerState& state, const SafetensorsWriter& model,
+                            const SafetensorsWriter& optimizer, const SafetensorsWriter* fp8) {
+  auto in_tmp = [&](const char* file) { return (fs::path(tmp_dir) / file).string(); };
+  // Every file is written and fsynced by its writer (safetensors: temp file + rename). The two
+  // large ones are written side by side and hashed as they are written.
+  const std::vector<SafetensorsWriter::Written> written =
+      SafetensorsWriter::write_together({{&model, in_tmp(kModelFile)}, {&optimizer, in_tmp(kOptimizerFile)}});
+  stop_here_if_testing(state.step);
+  write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
+  if (fp8) fp8->write(in_tmp(kFp8File));
+
+  std::map<std::string, FileRecord> files;
+  // The large files' digests per piece, from their writers; the small ones' (a few KB) read.
+  for (const auto& [file, w] : {std::pair{kModelFile, &written[0]}, std::pair{kOptimizerFile, &written[1]}})
+    files[file] = FileRecord{w->bytes, "", SafetensorsWriter::kPieceBytes, w->piece_sha256};
+  std::vector<const char*> small = {kStateFile};
+  if (fp8) small.push_back(kFp8File);
+  for (const char* file : small) files[file] = FileRecord{fs::file_size(in_tmp(file)), sha256_file(in_tmp(file)), 0, {}};
+  write_file_durably(in_tmp(kManifestFile), manifest_to_text(state.step, files));
+  fsync_path(tmp_dir, /*directory=*/true);
+}
+
+// Renames the complete `tmp_dir` to `final_dir`. On failure the previous step-N, if any, is
+// back under its name.
+void publish_checkpoint(const std::string& root, const std::string& tmp_dir, const std::string& final_dir) {
+  std::error_code ec;
+  if (!fs::exists(final_dir, ec)) {
+    rename_path(tmp_dir, final_dir);
+  } else if (exchange_paths(tmp_dir, final_dir)) {
+    // Replacing step-N: swapped atomically, so a crash leaves one of the two complete versions
+    // under the name; the old one is now under the .tmp name.
+    fsync_path(root, true);
+    remove_quietly(tmp_dir);
+  } else {
+    const std::string old_dir = tmp_dir + "-old";
+    rename_path(final_dir, old_dir);
+    try {
+      rename_path(tmp_dir, final_dir);
+    } catch (const Error&) {
+      if (::rename(old_dir.c_str(), final_dir.c_str()) != 0)
+        std::cerr << fmt::format("flux8: warning: the previous {} is now '{}': rename it back\n", final_dir, old_dir);
+      throw;
+    }
+    fsync_path(root, true);
+    remove_quietly(old_dir);
+  }
+  fsync_path(root, /*directory=*/true);
+}
 
 // Writes ROOT/step-N from the files' writers (the parameters' and moments' from the device or
-// from a snapshot: the same bytes either way), then prunes. On any thread: nothing here uses
-// the backend except what the writers' fills do.
+// from a snapshot: the same bytes either way), then prunes. A save that fails removes its
+// temporary directory (and whatever it holds) before it reports the error: the checkpoints
+// before it stay as they were. On any thread: nothing here uses the backend except what the
+// writers' fills do.
 std::string write_checkpoint_dir(const std::string& root, const TrainerState& state, const SafetensorsWriter& model,
                                  const SafetensorsWriter& optimizer, const SafetensorsWriter* fp8, int keep_last) {
   if (state.step < 0) fail("save_checkpoint: step {} is negative", state.step);
@@ -475,55 +493,23 @@ std::string write_checkpoint_dir(const std::string& root, const TrainerState& st
   fs::remove_all(tmp_dir, ec);
   fs::create_directory(tmp_dir, ec);
   if (ec) fail("cannot create '{}': {}", tmp_dir, ec.message());
-
-  auto in_tmp = [&](const char* file) { return (fs::path(tmp_dir) / file).string(); };
-  // Every file is written and fsynced by its writer (safetensors: temp file + rename). The two
-  // large ones are written side by side and hashed as they are written.
-  const std::vector<SafetensorsWriter::Written> written =
-      SafetensorsWriter::write_together({{&model, in_tmp(kModelFile)}, {&optimizer, in_tmp(kOptimizerFile)}});
-  write_file_durably(in_tmp(kStateFile), trainer_state_to_json(state));
-  if (fp8) fp8->write(in_tmp(kFp8File));
-
-  json manifest;
-  manifest["format"] = "flux8-checkpoint";
-  manifest["format_version"] = kCheckpointFormatVersion;
-  manifest["step"] = state.step;
-  manifest["files"] = json::object();
-  // The large files' digests per piece, from their writers; the small ones' (a few KB) read.
-  for (const auto& [file, w] : {std::pair{kModelFile, &written[0]}, std::pair{kOptimizerFile, &written[1]}})
-    manifest["files"][file] = {
-        {"bytes", w->bytes}, {"piece_bytes", SafetensorsWriter::kPieceBytes}, {"piece_sha256", w->piece_sha256}};
-  std::vector<const char*> small = {kStateFile};
-  if (fp8) small.push_back(kFp8File);
-  for (const char* file : small)
-    manifest["files"][file] = {{"bytes", fs::file_size(in_tmp(file))}, {"sha256", sha256_file(in_tmp(file))}};
-  write_file_durably(in_tmp(kManifestFile), manifest.dump(2) + "\n");
-  fsync_path(tmp_dir, /*directory=*/true);
-
-  if (fs::exists(final_dir, ec)) {
-    // Replacing step-N: swap atomically where the file system can, so a crash leaves one of
-    // the two complete versions under the name; the old one ends up under the .tmp name.
-    if (!exchange_paths(tmp_dir, final_dir)) {
-      const std::string old_dir = tmp_dir + "-old";
-      rename_path(final_dir, old_dir);
-      rename_path(tmp_dir, final_dir);
-      fsync_path(root, true);
-      remove_quietly(old_dir);
-    } else {
-      fsync_path(root, true);
-      remove_quietly(tmp_dir);
-    }
-  } else {
-    rename_path(tmp_dir, final_dir);
+  try {
+    write_checkpoint_files(tmp_dir, state, model, optimizer, fp8);
+    publish_checkpoint(root, tmp_dir, final_dir);
+  } catch (const std::exception& e) {
+    remove_quietly(tmp_dir);
+    fail("saving checkpoint {} failed: {}; nothing of it is left in {}, and the checkpoints before it are intact",
+         final_dir, e.what(), root);
   }
-  fsync_path(root, /*directory=*/true);
-
+  known_checkpoints().record(final_dir, "");
   prune(root, final_dir, keep_last);
   remove_stale_tmp_dirs(root);
   return final_dir;
 }
 
 }  // namespace
+
+std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:07d}", step); }
 
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
@@ -609,17 +595,21 @@ void verify_checkpoint(const std::string& dir, bool hash) {
 
 void verify_checkpoint(const std::string& dir) { verify_checkpoint(dir, /*hash=*/true); }
 
-std::optional<std::string> find_latest_checkpoint(const std::string& root, std::string* report) {
-  std::vector<std::string> skipped;
-  std::optional<std::string> found;
+namespace {
+
+// The newest ROOT/step-N that verifies (its digests), and each newer one's "path: problem".
+// Every result is remembered for pruning.
+std::optional<std::string> newest_verified(const std::string& root, std::vector<std::string>& skipped) {
   for (const StepDir& d : list_step_dirs(root)) {
-    const std::string problem = checkpoint_problem(d.path, /*hash=*/true);
-    if (problem.empty()) {
-      found = d.path;
-      break;
-    }
+    const std::string problem = known_checkpoints().record(d.path, checkpoint_problem(d.path, /*hash=*/true));
+    if (problem.empty()) return d.path;
     skipped.push_back(fmt::format("{}: {}", d.path, problem));
   }
+  return std::nullopt;
+}
+
+void warn_skipped(const std::vector<std::string>& skipped, const std::optional<std::string>& found,
+                  std::string* report) {
   const std::string using_what =
       found ? "using " + fs::path(*found).filename().string() : "no complete checkpoint remains";
   for (const std::string& s : skipped) {
@@ -627,6 +617,27 @@ std::optional<std::string> find_latest_checkpoint(const std::string& root, std::
     std::cerr << line;
     if (report) *report += line;
   }
+}
+
+}  // namespace
+
+std::optional<std::string> find_latest_checkpoint(const std::string& root, std::string* report) {
+  std::vector<std::string> skipped;
+  const std::optional<std::string> found = newest_verified(root, skipped);
+  warn_skipped(skipped, found, report);
+  return found;
+}
+
+std::optional<std::string> checkpoint_to_resume(const std::string& root, std::string* report) {
+  std::vector<std::string> skipped;
+  const std::optional<std::string> found = newest_verified(root, skipped);
+  if (!found && !skipped.empty())
+    fail(
+        "--resume: {} holds {} checkpoint{}, and none verifies:\n  {}\nNothing was changed. Restore a good copy of "
+        "one of them; or, to start the run over, move them (and metrics.jsonl) away or set another save_dir, and "
+        "run without --resume",
+        root, skipped.size(), skipped.size() == 1 ? "" : "s", fmt::join(skipped, "\n  "));
+  warn_skipped(skipped, found, report);
   return found;
 }
 
@@ -654,10 +665,38 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
   state = std::move(loaded);
 }
 
+namespace {
+
+// Fails unless the file `name` of checkpoint `dir` matches its manifest (size and digests).
+void verify_checkpoint_file(const std::string& dir, const std::string& name) {
+  const Manifest m = [&] {
+    try {
+      return read_manifest(dir);
+    } catch (const Error& e) {
+      fail("checkpoint {}: {}", dir, e.what());
+    }
+  }();
+  const auto rec = m.files.find(name);
+  if (rec == m.files.end()) fail("checkpoint {}: {} does not list {}", dir, kManifestFile, name);
+  std::string problem = check_file_size(dir, name, rec->second);
+  if (problem.empty()) problem = check_digests(dir, m, name.c_str());
+  if (!problem.empty()) fail("checkpoint {}: {}; it cannot be used", dir, problem);
+}
+
+}  // namespace
+
 std::string resolve_weights_path(const std::string& path_or_dir) {
   std::error_code ec;
   const fs::file_status st = fs::status(path_or_dir, ec);
-  if (fs::is_regular_file(st)) return path_or_dir;
+  if (fs::is_regular_file(st)) {
+    // A file inside a checkpoint directory (step-N/model.safetensors, or a link to it) is
+    // checked against that checkpoint's manifest, as the directory would be; any other
+    // weights file is taken as it is.
+    const fs::path real = fs::canonical(path_or_dir, ec);
+    if (!ec && fs::exists(real.parent_path() / kManifestFile))
+      verify_checkpoint_file(real.parent_path().string(), real.filename().string());
+    return path_or_dir;
+  }
   if (!fs::is_directory(st))
     fail(
         "--init-from '{}': no such file or directory; give a .safetensors weights file or a "
@@ -665,16 +704,7 @@ std::string resolve_weights_path(const std::string& path_or_dir) {
         path_or_dir);
   const fs::path dir(path_or_dir);
   if (fs::exists(dir / kManifestFile)) {
-    const Manifest m = [&] {
-      try {
-        return read_manifest(path_or_dir);
-      } catch (const Error& e) {
-        fail("checkpoint {}: {}", path_or_dir, e.what());
-      }
-    }();
-    std::string problem = check_file_size(path_or_dir, kModelFile, m.files.at(kModelFile));
-    if (problem.empty()) problem = check_digests(path_or_dir, m, kModelFile);
-    if (!problem.empty()) fail("checkpoint {}: {}; it cannot be used", path_or_dir, problem);
+    verify_checkpoint_file(path_or_dir, kModelFile);
     return (dir / kModelFile).string();
   }
   if (fs::exists(dir / kModelFile)) return (dir / kModelFile).string();

@@ -35,11 +35,21 @@ inline constexpr int kCheckpointFormatVersion = 2;
 // "step-0000100" (at least 7 digits; more for steps >= 10^7).
 std::string checkpoint_dir_name(int64_t step);
 
-// Writes ROOT/step-N (N = state.step), replacing an existing one, then keeps only the newest
-// `keep_last` complete checkpoints (the one just written always among them; keep_last <= 0
-// keeps all) and removes .tmp-* directories left by killed runs. adam_m and adam_v are flat
-// moment buffers laid out like store.flat_params(). Returns the checkpoint's path.
-// With `fp8`, the delayed-scaling state is saved too (fp8_state.safetensors).
+// Writes ROOT/step-N (N = state.step), replacing an existing one, then prunes (keep_last <= 0
+// keeps all): it keeps the checkpoint just written and the newest keep_last - 1 others that
+// verify, and removes every checkpoint older than those. A damaged checkpoint among the kept
+// ones does not count toward keep_last and is not removed: it is left in place, with a warning
+// on stderr (once per process) naming it and its problem, for a person to inspect and remove.
+// Whether a checkpoint verifies is remembered per process (the ones it wrote or verified, while
+// their files' sizes and times are unchanged), so pruning reads only checkpoints it has not
+// seen. Then .tmp-* directories left by killed runs are removed. A save that fails removes its
+// own temporary directory before it throws, and the checkpoints before it stay as they were.
+// adam_m and adam_v are flat moment buffers laid out like store.flat_params(). Returns the
+// checkpoint's path. With `fp8`, the delayed-scaling state is saved too (fp8_state.safetensors).
+//
+// Test hook: FLUX8_TEST_STOP_IN_SAVE=N in the environment (read once) stops the process with
+// SIGSTOP in the save of step N, after its model and optimizer files are written into the
+// temporary directory and before its manifest (tests/test_faults.cpp kills it there).
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
                             const Fp8MetaRegistry* fp8 = nullptr);
@@ -88,6 +98,12 @@ class CheckpointSnapshot {
 // failing file; the same lines are appended to *report when given.
 std::optional<std::string> find_latest_checkpoint(const std::string& root, std::string* report = nullptr);
 
+// The checkpoint `--resume` continues from: find_latest_checkpoint's, except that when ROOT has
+// checkpoints and none of them verifies it fails, naming each one and its problem, instead of
+// returning nullopt (a run that started over would overwrite metrics.jsonl and, by pruning, the
+// damaged checkpoints someone may still recover). nullopt only when ROOT has no step-N at all.
+std::optional<std::string> checkpoint_to_resume(const std::string& root, std::string* report = nullptr);
+
 // Fails naming the directory, the file and the problem (missing, wrong size, checksum).
 void verify_checkpoint(const std::string& dir);
 
@@ -106,12 +122,14 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8 = nullptr,
                      std::string* fp8_note = nullptr, CheckpointVerify verify = CheckpointVerify::digests);
 
-// For --init-from: a checkpoint directory -> its model.safetensors (checked against the
-// manifest); a file -> itself; anything else fails saying what was expected.
+// For --init-from: a checkpoint directory -> its model.safetensors, checked against the
+// manifest; a file inside a checkpoint directory (step-N/model.safetensors) -> itself, checked
+// the same way; any other file -> itself; anything else fails saying what was expected.
 std::string resolve_weights_path(const std::string& path_or_dir);
 
-// trainer_state.json text, and its strict reader: every field must be present with its type,
-// unknown fields are refused; errors name `where` and the field.
+// trainer_state.json text, and its strict reader: every field must be present with its type
+// and in range (counts and positions >= 0, skipped_steps <= step), unknown fields are refused;
+// errors name `where` and the field (src/train/checkpoint_manifest.cpp).
 std::string trainer_state_to_json(const TrainerState& state);
 TrainerState trainer_state_from_json(const std::string& text, const std::string& where);
 

@@ -5,6 +5,12 @@
 // a run stuck in I/O or a collective can still be stopped.
 namespace flux8 {
 
+// The exit status of `flux8 train` stopped by the first SIGINT/SIGTERM (or --stop-after) once
+// its checkpoint is saved: 0, as for a finished run, so that a scheduler that preempted the job
+// treats it as a clean stop and requeues it with --resume. A second signal ends the process by
+// that signal (a shell reports 128 + its number), without a checkpoint.
+inline constexpr int kStoppedExitCode = 0;
+
 // Installs the handlers (idempotent) and clears any earlier request.
 void install_stop_signals();
 // Puts back the handlers that were in place before install_stop_signals() (tests, tools).

@@ -2,6 +2,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -104,11 +105,13 @@ void build_model(Run& r) {
   r.state.config_yaml = r.cfg.config_yaml;
 }
 
-// --resume: the newest valid checkpoint, if any; otherwise fresh weights (or --init-from's).
+// --resume: the newest checkpoint that verifies, if any; otherwise fresh weights (or
+// --init-from's). Checkpoints of which none verifies stop the run here, before metrics.jsonl or
+// any checkpoint is touched.
 void restore_or_init(Run& r, const TrainOptions& opt) {
   if (opt.resume) {
     const auto t0 = std::chrono::steady_clock::now();
-    if (auto dir = find_latest_checkpoint(r.cfg.save_dir)) {  // verifies every file's digest
+    if (auto dir = checkpoint_to_resume(r.cfg.save_dir)) {  // verifies every file's digest
       r.resume.verify_seconds = seconds_since(t0);
       const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
@@ -202,6 +205,18 @@ std::string first_nonfinite_gradient(ParamStore& store) {
     if (!std::isfinite(s)) return p.name;
   }
   return "(none: the loss itself was non-finite)";
+}
+
+// NanGradientFault (tests): a NaN in the named parameter's gradient on the listed steps. The
+// low-rank factors are written out first, so that the parameter's gradient is the flat one.
+void inject_nan_gradient(Run& r, const NanGradientFault& fault, int64_t step) {
+  if (std::find(fault.steps.begin(), fault.steps.end(), step + 1) == fault.steps.end()) return;
+  ParamStore& store = r.model->params();
+  store.materialize_low_rank_grads();
+  const Tensor g = store.grad(fault.param);
+  std::vector<double> values = to_host(*r.be, g);
+  values.at(0) = std::numeric_limits<double>::quiet_NaN();
+  from_host(*r.be, g, values);
 }
 
 // A step the optimizer skipped for a non-finite loss or gradient: logged, and the run stops
@@ -418,7 +433,7 @@ void start_pipeline(Run& r) {
 
 // One optimizer step: gradients over the step's micro-batches, the update, the state and the
 // metrics line.
-void take_step(Run& r, const StepContext& ctx) {
+void take_step(Run& r, const StepContext& ctx, const TrainOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t step = r.state.step;  // 0-based index of the step being taken
   Fp8Runtime* fp8 = r.model->fp8();
@@ -427,6 +442,7 @@ void take_step(Run& r, const StepContext& ctx) {
   if (fp8) fp8->set_collect_stats(report_fp8);
   LoaderState ls;  // the loader's position after this step's samples (the pipeline reads ahead)
   const StepLoss sl = accumulate_step_gradients(ctx, *r.pipeline, step, &ls);
+  if (!opt.nan_gradient.param.empty()) inject_nan_gradient(r, opt.nan_gradient, step);
   const double lr = r.cfg.schedule.at(step + 1);
   // FP8: one delayed-scaling update for all tensors (an inf/NaN amax keeps the old scale),
   // then the update, which also writes the new weights' casts (delayed recipe).
@@ -471,7 +487,7 @@ void step_loop(Run& r, const TrainOptions& opt) {
   const StepContext ctx{*r.model, r.cfg.model, r.cfg.objective, r.empty, *r.buf, r.state.seed, r.graph.get()};
   restart_energy(r);
   while (r.state.step < r.cfg.train_iters) {
-    take_step(r, ctx);
+    take_step(r, ctx, opt);
     if (!after_step(r, opt)) break;
   }
 }

@@ -1,18 +1,27 @@
 #pragma once
 // The training loop: data -> objective -> forward/backward with gradient accumulation ->
 // clipping + AdamW -> metrics, validation, checkpoints; resumable bit for bit.
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace flux8 {
 
+// Tests only (no command-line option): a NaN written into one parameter's gradient before the
+// optimizer update of the given steps, which the run must then skip (tests/test_faults.cpp).
+struct NanGradientFault {
+  std::string param;           // a parameter's reference name, e.g. "final_layer.linear.weight"
+  std::vector<int64_t> steps;  // 1-based, as in the log
+};
+
 struct TrainOptions {
   std::string config_path;
   std::vector<std::string> overrides;  // --set key=value
-  bool resume = false;                 // continue from the newest valid checkpoint in save_dir
+  bool resume = false;  // continue from the newest checkpoint in save_dir that verifies (checkpoint_to_resume)
   std::string init_from;               // load weights only (a checkpoint dir or .safetensors)
   int64_t stop_after = 0;              // stop (with a checkpoint) after this many steps in this run
+  NanGradientFault nan_gradient;       // tests only
 };
 
 struct TrainResult {
