@@ -3,10 +3,9 @@
 // error naming the file and the tensor.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -30,9 +29,9 @@ FluxConfig model(bool guidance = false) { return odd_config(1, 1, guidance); }
 class InputsFile {
  public:
   explicit InputsFile(const TempDir& dir) : path_(dir.path("inputs.safetensors")) {}
-  std::map<std::string, std::vector<int64_t>> shapes = {
-      {"img", {2, 4, 5}}, {"img_ids", {4, 3}}, {"txt", {2, 3, 7}}, {"txt_ids", {2, 3, 3}},
-      {"timesteps", {2}}, {"y", {2, 3}},       {"guidance", {1}}};
+  std::map<std::string, std::vector<int64_t>> shapes = {{"img", {2, 4, 5}},     {"img_ids", {4, 3}}, {"txt", {2, 3, 7}},
+                                                        {"txt_ids", {2, 3, 3}}, {"timesteps", {2}},  {"y", {2, 3}},
+                                                        {"guidance", {1}}};
 
   // Written directly (the writer's fsyncs would make these tests slow).
   std::string write() const {
@@ -100,8 +99,8 @@ TEST(ForwardInputs, HugeClaimedBatchIsRefusedBeforeAllocating) {
   TempDir dir;
   InputsFile f(dir);
   const int64_t B = 1'000'000'000;
-  f.shapes = {{"img", {B, 0, 5}}, {"img_ids", {0, 3}}, {"txt", {B, 0, 7}}, {"txt_ids", {0, 3}},
-              {"timesteps", {1}}, {"y", {B, 0}}};
+  f.shapes = {{"img", {B, 0, 5}},  {"img_ids", {0, 3}}, {"txt", {B, 0, 7}},
+              {"txt_ids", {0, 3}}, {"timesteps", {1}},  {"y", {B, 0}}};
   const std::string path = f.write();
   EXPECT_LT(std::filesystem::file_size(path), 2048u);
   auto be = make_backend("cpu");
@@ -112,14 +111,13 @@ TEST(ForwardInputs, HugeClaimedBatchIsRefusedBeforeAllocating) {
 
 TEST(ForwardInputs, InconsistentShapesNameTheTensor) {
   TempDir dir;
-  const std::map<std::string, std::vector<int64_t>> bad = {
-      {"img", {2, 4, 6}},       // in_channels is 5
-      {"txt", {3, 3, 7}},       // batch 3, img's is 2
-      {"img_ids", {2, 5, 3}},   // 5 tokens, img has 4
-      {"txt_ids", {3, 2}},      // not [L, 3]
-      {"timesteps", {3}},       // not [B] or [1]
-      {"y", {2, 4}},            // vec_dim is 3
-      {"guidance", {2, 1}}};
+  const std::map<std::string, std::vector<int64_t>> bad = {{"img", {2, 4, 6}},      // in_channels is 5
+                                                           {"txt", {3, 3, 7}},      // batch 3, img's is 2
+                                                           {"img_ids", {2, 5, 3}},  // 5 tokens, img has 4
+                                                           {"txt_ids", {3, 2}},     // not [L, 3]
+                                                           {"timesteps", {3}},      // not [B] or [1]
+                                                           {"y", {2, 4}},           // vec_dim is 3
+                                                           {"guidance", {2, 1}}};
   for (const auto& [name, shape] : bad) {
     InputsFile f(dir);
     f.shapes[name] = shape;
@@ -149,16 +147,16 @@ struct ForwardCli {
   int run(const std::string& args) {
     const std::string config =
         dir.write("tiny.yaml", "include: " + std::string(FLUX8_SOURCE_DIR) + "/configs/models/flux_tiny_demo.yaml\n");
-    return run_flux8("forward --set backend=cpu -c " + config + " --init-seed 1 --out " + dir.path("out.safetensors") +
-                         " " + args,
-                     dir.file("log.txt"), &log);
+    return run_flux8(
+        "forward --set backend=cpu -c " + config + " --init-seed 1 --out " + dir.path("out.safetensors") + " " + args,
+        dir.file("log.txt"), &log);
   }
 };
 
 // The tiny demo model: in_channels 12, context_dim 32, vec_dim 32.
 std::map<std::string, std::vector<int64_t>> demo_shapes(int64_t batch) {
-  return {{"img", {batch, 4, 12}}, {"img_ids", {4, 3}}, {"txt", {batch, 2, 32}}, {"txt_ids", {2, 3}},
-          {"timesteps", {1}},      {"y", {batch, 32}}};
+  return {{"img", {batch, 4, 12}}, {"img_ids", {4, 3}}, {"txt", {batch, 2, 32}},
+          {"txt_ids", {2, 3}},     {"timesteps", {1}},  {"y", {batch, 32}}};
 }
 
 TEST(ForwardInputs, CliNamesAnEmptyBatchInsteadOfFailingInAnOp) {

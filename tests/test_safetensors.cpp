@@ -424,8 +424,7 @@ namespace {
 // A file holding one tensor 'w' whose entry has the given JSON texts, and `data` after it.
 std::string write_entry(const std::string& path, const std::string& dtype, const std::string& shape,
                         const std::string& offsets, const std::string& data = "") {
-  return write_raw(path,
-                   R"({"w":{"dtype":)" + dtype + R"(,"shape":)" + shape + R"(,"data_offsets":)" + offsets + "}}",
+  return write_raw(path, R"({"w":{"dtype":)" + dtype + R"(,"shape":)" + shape + R"(,"data_offsets":)" + offsets + "}}",
                    data);
 }
 
@@ -481,7 +480,8 @@ TEST(SafetensorsCorrupt, NumbersOutOfRangeNameTheTensor) {
     write_entry(p, R"("F32")", c.shape, c.offsets, data);
     const std::string msg = open_error(p);
     expect_mentions(msg, {"n.safetensors", "tensor 'w'"});
-    for (const std::string& m : c.mentions) EXPECT_NE(msg.find(m), std::string::npos) << c.shape << " " << c.offsets << ": " << msg;
+    for (const std::string& m : c.mentions)
+      EXPECT_NE(msg.find(m), std::string::npos) << c.shape << " " << c.offsets << ": " << msg;
   }
 }
 
@@ -513,7 +513,8 @@ TEST(SafetensorsCorrupt, HeaderLengthIsCheckedAgainstTheFileAndTheLimit) {
 TEST(SafetensorsCorrupt, DuplicateNamesAndKeys) {
   TempDir dir;
   const std::string e = R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
-  const std::string p = write_raw(dir.path("d.safetensors"), R"({"a":)" + e + R"(,"a":)" + e + "}", std::string(4, '\0'));
+  const std::string p =
+      write_raw(dir.path("d.safetensors"), R"({"a":)" + e + R"(,"a":)" + e + "}", std::string(4, '\0'));
   expect_mentions(open_error(p), {"d.safetensors", "tensor 'a'", "appears twice"});
   write_raw(p, R"({"a":{"dtype":"F32","dtype":"U8","shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'));
   expect_mentions(open_error(p), {"tensor 'a'", "key 'dtype' appears twice"});
@@ -563,7 +564,9 @@ TEST(SafetensorsCorrupt, OpensThroughAnyPathAndRefusesWhatIsNotAFile) {
   ::close(fd);
   const SafetensorsReader in_memory(std::vector<uint8_t>(bytes.begin(), bytes.end()), "member.safetensors");
   EXPECT_EQ(in_memory.tensor("w").nbytes, 3u);
-  expect_mentions(error_of([] { SafetensorsReader r(std::vector<uint8_t>{1, 0, 0, 0, 0, 0, 0, 0, '{'}, "m"); }),
+  expect_mentions(error_of([] {
+                    SafetensorsReader r(std::vector<uint8_t>{1, 0, 0, 0, 0, 0, 0, 0, '{'}, "m");
+                  }),
                   {"'m'", "not valid JSON"});
 
   expect_mentions(open_error(dir.path()), {"not a regular file"});

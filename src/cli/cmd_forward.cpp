@@ -91,7 +91,8 @@ Command add_forward_command(CLI::App& app) {
             InputBatch batch(*be, dtype);
             batch.load(in_file, cfg);
             const Tensor pred = model.forward(batch.inputs());
-            FLUX8_CHECK(pred.shape == Shape({pred_dims[0], pred_dims[1], pred_dims[2]}), "pred is {}", pred.shape.str());
+            const Shape pred_shape{pred_dims[0], pred_dims[1], pred_dims[2]};
+            FLUX8_CHECK(pred.shape == pred_shape, "pred is {}, not {}", pred.shape.str(), pred_shape.str());
             const std::vector<double> pred_host = to_host(*be, pred);
 
             // Outputs are stored in the precision of the run (F64 for --precision f64).

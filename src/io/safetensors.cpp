@@ -13,10 +13,10 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string_view>
-#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "core/checked.h"
@@ -218,8 +218,7 @@ SafetensorsTensor read_entry(const std::string& name, const json& entry, const u
   if (!need) bad(fmt::format("shape {} of {} needs more than 2^64 bytes", shape_text(t.shape), t.dtype));
 
   const json& off = entry.at("data_offsets");
-  if (!off.is_array() || off.size() != 2)
-    bad(fmt::format("data_offsets is {}, not [begin, end]", describe(off)));
+  if (!off.is_array() || off.size() != 2) bad(fmt::format("data_offsets is {}, not [begin, end]", describe(off)));
   const std::optional<uint64_t> begin = as_count(off[0], why);
   if (!begin) bad(fmt::format("data_offsets begin: {}", why));
   const std::optional<uint64_t> end = as_count(off[1], why);

@@ -30,8 +30,8 @@ class InputCheck {
   InputBatch::Extent run() {
     const std::vector<int64_t>& img = stored("img").shape;
     if (img.size() != 3 || img[2] != cfg_.in_channels)
-      bad("img", img, fmt::format("must be [batch, image tokens, {}] (in_channels of model '{}')", cfg_.in_channels,
-                                  cfg_.name));
+      bad("img", img,
+          fmt::format("must be [batch, image tokens, {}] (in_channels of model '{}')", cfg_.in_channels, cfg_.name));
     InputBatch::Extent e{img[0], img[1], 0};
     if (e.batch == 0) bad("img", img, "holds no sample: the batch must be at least 1");
     if (e.image_tokens == 0) bad("img", img, "holds no image tokens: each sample needs at least one");
@@ -49,8 +49,9 @@ class InputCheck {
     per_sample("timesteps", e.batch);
     const std::vector<int64_t>& y = stored("y").shape;
     if (y != std::vector<int64_t>{e.batch, cfg_.vec_dim})
-      bad("y", y, fmt::format("must be [{}, {}] (the batch of 'img', vec_dim of model '{}')", e.batch, cfg_.vec_dim,
-                              cfg_.name));
+      bad("y", y,
+          fmt::format("must be [{}, {}] (the batch of 'img', vec_dim of model '{}')", e.batch, cfg_.vec_dim,
+                      cfg_.name));
     if (cfg_.guidance_embed) per_sample("guidance", e.batch);
     return e;
   }
@@ -74,8 +75,8 @@ class InputCheck {
   void position_ids(const std::string& name, int64_t batch, int64_t tokens) const {
     const std::vector<int64_t>& s = stored(name).shape;
     if (s != std::vector<int64_t>{tokens, 3} && s != std::vector<int64_t>{batch, tokens, 3})
-      bad(name, s, fmt::format("must be [{}, 3] or [{}, {}, 3] (the tokens and batch of the features)", tokens, batch,
-                               tokens));
+      bad(name, s,
+          fmt::format("must be [{}, 3] or [{}, {}, 3] (the tokens and batch of the features)", tokens, batch, tokens));
   }
   // [B], or one value ([1] or []) shared by the batch.
   void per_sample(const std::string& name, int64_t batch) const {
@@ -118,8 +119,9 @@ void InputBatch::load(const SafetensorsReader& file, const FluxConfig& cfg, cons
   // they are products of numbers from the file and are computed as such.
   const auto count = [&](std::initializer_list<int64_t> dims) {
     const std::optional<uint64_t> n = checked_product(dims, uint64_t(std::numeric_limits<int64_t>::max()));
-    if (!n) fail("inputs {}: batch {} with {} image and {} text tokens is too large", file.path(), e.batch,
-                 e.image_tokens, e.text_tokens);
+    if (!n)
+      fail("inputs {}: batch {} with {} image and {} text tokens is too large", file.path(), e.batch, e.image_tokens,
+           e.text_tokens);
     return static_cast<int64_t>(*n);
   };
   const auto values = [&](const std::string& name, int64_t n) {
