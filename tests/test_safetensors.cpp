@@ -1,6 +1,8 @@
 // safetensors I/O: round trips of every dtype, RNE conversion on write, header layout, atomic
 // writes, and a clear error for each way a file can be damaged.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@ using namespace flux8;
 namespace {
 
 using flux8::testing::error_of;
+using flux8::testing::read_bytes;
 using flux8::testing::TempDir;
 
 // A file assembled byte by byte, to produce damage the writer never would.
@@ -412,4 +415,162 @@ TEST(SafetensorsCorrupt, GapsTrailingBytesAndUnknownDtype) {
   expect_mentions(error_of([&] { SafetensorsReader r(dt); }), {"'a'", "unknown dtype 'F33'"});
   const std::string meta = write_raw(dir.path("meta.safetensors"), R"({"__metadata__":{"k":1}})", "");
   expect_mentions(error_of([&] { SafetensorsReader r(meta); }), {"__metadata__", "'k'", "not a string"});
+}
+
+// ---- crafted headers: each is an error naming the file and the tensor, never a crash ----
+
+namespace {
+
+// A file holding one tensor 'w' whose entry has the given JSON texts, and `data` after it.
+std::string write_entry(const std::string& path, const std::string& dtype, const std::string& shape,
+                        const std::string& offsets, const std::string& data = "") {
+  return write_raw(path, R"({"w":{"dtype":)" + dtype + R"(,"shape":)" + shape + R"(,"data_offsets":)" + offsets + "}}",
+                   data);
+}
+
+std::string open_error(const std::string& path) {
+  return error_of([&] { SafetensorsReader r(path); });
+}
+
+}  // namespace
+
+TEST(SafetensorsCorrupt, DeepNestingIsRefusedWithoutWalkingIt) {
+  TempDir dir;
+  const std::string deep = std::string(200000, '[') + "1" + std::string(200000, ']');
+  const std::string p = dir.path("deep.safetensors");
+  write_entry(p, R"("F32")", deep, "[0,4]", std::string(4, '\0'));
+  std::string msg = open_error(p);
+  expect_mentions(msg, {"deep.safetensors", "tensor 'w'", "nested more than"});
+  EXPECT_LT(msg.size(), 400u) << msg;
+  write_entry(p, R"("F32")", "[1]", deep, std::string(4, '\0'));
+  expect_mentions(open_error(p), {"deep.safetensors", "tensor 'w'", "nested more than"});
+  // Nested within the JSON limit: the value is described, not printed.
+  const std::string nested = std::string(40, '[') + std::string(40, ']');
+  write_entry(p, R"("F32")", "[" + nested + "]", "[0,4]", std::string(4, '\0'));
+  msg = open_error(p);
+  expect_mentions(msg, {"tensor 'w'", "shape entry 0", "a list of 1", "not a number"});
+  EXPECT_EQ(msg.find("[[["), std::string::npos) << msg;
+  write_entry(p, R"("F32")", "[1]", "[" + nested + ",4]", std::string(4, '\0'));
+  expect_mentions(open_error(p), {"tensor 'w'", "data_offsets begin", "a list of 1"});
+}
+
+TEST(SafetensorsCorrupt, NumbersOutOfRangeNameTheTensor) {
+  TempDir dir;
+  const std::string p = dir.path("n.safetensors");
+  const std::string data(8, '\0');
+  struct Case {
+    std::string shape, offsets;
+    std::vector<std::string> mentions;
+  };
+  const std::vector<Case> cases = {
+      {"[1e400]", "[0,8]", {"not valid JSON", "number overflow"}},
+      {"[2]", "[0,-1e400]", {"not valid JSON", "number overflow"}},
+      {"[18446744073709551616]", "[0,8]", {"shape entry 0", "larger than 2^63-1"}},
+      {"[9223372036854775808]", "[0,8]", {"shape entry 0", "larger than 2^63-1"}},
+      {"[2,-2]", "[0,8]", {"shape entry 1", "-2 is negative"}},
+      {"[2.5]", "[0,8]", {"shape entry 0", "2.5 is not an integer"}},
+      {"[\"2\"]", "[0,8]", {"shape entry 0", "the string '2' is not a number"}},
+      {"[2]", "[-8,0]", {"data_offsets begin", "negative"}},
+      {"[2]", "[0,18446744073709551615]", {"data_offsets end", "larger than 2^63-1"}},
+      {"[2]", "[0,8.5]", {"data_offsets end", "8.5 is not an integer"}},
+      {"[2]", "[0]", {"data_offsets is a list of 1"}},
+      {"[2]", "{\"a\":1}", {"data_offsets is an object"}},
+  };
+  for (const Case& c : cases) {
+    write_entry(p, R"("F32")", c.shape, c.offsets, data);
+    const std::string msg = open_error(p);
+    expect_mentions(msg, {"n.safetensors", "tensor 'w'"});
+    for (const std::string& m : c.mentions)
+      EXPECT_NE(msg.find(m), std::string::npos) << c.shape << " " << c.offsets << ": " << msg;
+  }
+}
+
+// Element count × element size must not wrap modulo 2^64 into the span of the offsets.
+TEST(SafetensorsCorrupt, SizesThatWouldWrapAreRefused) {
+  TempDir dir;
+  const std::string p = dir.path("w.safetensors");
+  write_entry(p, R"("F64")", "[2305843009213693952]", "[0,0]");  // 2^61 · 8 bytes = 2^64
+  expect_mentions(open_error(p), {"w.safetensors", "tensor 'w'", "more than 2^64 bytes"});
+  write_entry(p, R"("U8")", "[4294967296,4294967296]", "[0,0]");  // 2^64 elements
+  expect_mentions(open_error(p), {"tensor 'w'", "more than 2^63-1 elements"});
+  write_entry(p, R"("U8")", "[0,4294967296,4294967296]", "[0,0]");  // empty, but the rest would wrap
+  expect_mentions(open_error(p), {"tensor 'w'", "more than 2^63-1 elements"});
+  write_entry(p, R"("U8")", "[0,4294967296]", "[0,0]");  // empty and representable: fine
+  EXPECT_EQ(SafetensorsReader(p).tensor("w").numel(), 0);
+}
+
+TEST(SafetensorsCorrupt, HeaderLengthIsCheckedAgainstTheFileAndTheLimit) {
+  TempDir dir;
+  const std::string p = write_raw(dir.path("h.safetensors"), "{}", "", ~uint64_t{0});
+  expect_mentions(open_error(p), {"h.safetensors", "header length 18446744073709551615", "exceeds the 2 bytes"});
+  // A header over 100 MB is refused before it is read (the file is sparse: nothing is written).
+  const uint64_t n = 100'000'001;
+  write_raw(p, "", "", n);
+  fs::resize_file(p, 8 + n);
+  expect_mentions(open_error(p), {"h.safetensors", "header length 100000001", "limit of 100000000"});
+}
+
+TEST(SafetensorsCorrupt, DuplicateNamesAndKeys) {
+  TempDir dir;
+  const std::string e = R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  const std::string p =
+      write_raw(dir.path("d.safetensors"), R"({"a":)" + e + R"(,"a":)" + e + "}", std::string(4, '\0'));
+  expect_mentions(open_error(p), {"d.safetensors", "tensor 'a'", "appears twice"});
+  write_raw(p, R"({"a":{"dtype":"F32","dtype":"U8","shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  expect_mentions(open_error(p), {"tensor 'a'", "key 'dtype' appears twice"});
+  write_raw(p, R"({"__metadata__":{"k":"1","k":"2"}})", "");
+  expect_mentions(open_error(p), {"__metadata__", "key 'k' appears twice"});
+}
+
+TEST(SafetensorsCorrupt, MetadataAndDtypeOfTheWrongKind) {
+  TempDir dir;
+  const std::string p = write_raw(dir.path("m.safetensors"), R"({"__metadata__":["a"]})", "");
+  expect_mentions(open_error(p), {"m.safetensors", "__metadata__ is a list of 1, not an object"});
+  write_raw(p, R"({"__metadata__":{"k":{"x":1}}})", "");
+  expect_mentions(open_error(p), {"__metadata__ value of 'k' is an object, not a string"});
+  write_entry(p, "7", "[1]", "[0,4]", std::string(4, '\0'));
+  expect_mentions(open_error(p), {"tensor 'w'", "dtype is 7, not a string"});
+}
+
+// Untrusted text in a message is a short excerpt: a megabyte name, dtype or number is cut.
+TEST(SafetensorsCorrupt, LongValuesAreQuotedShort) {
+  TempDir dir;
+  const std::string big(1 << 20, 'x');
+  const std::string p = dir.path("l.safetensors");
+  write_entry(p, "\"" + big + "\"", "[1]", "[0,4]", std::string(4, '\0'));
+  std::string msg = open_error(p);
+  expect_mentions(msg, {"tensor 'w'", "unknown dtype 'xxx", "..."});
+  EXPECT_LT(msg.size(), 500u);
+  write_raw(p, "{\"" + big + R"(":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  msg = open_error(p);
+  expect_mentions(msg, {"l.safetensors", "tensor 'xxx"});
+  EXPECT_LT(msg.size(), 500u);
+  write_entry(p, R"("F32")", "[1" + std::string(1 << 20, '0') + "]", "[0,4]", std::string(4, '\0'));
+  msg = open_error(p);
+  expect_mentions(msg, {"l.safetensors", "tensor 'w'"});
+  EXPECT_LT(msg.size(), 500u);
+}
+
+// What the fuzz targets do: any bytes, through a path or in memory, are an Error or a reader.
+TEST(SafetensorsCorrupt, OpensThroughAnyPathAndRefusesWhatIsNotAFile) {
+  TempDir dir;
+  const std::string good = write_entry(dir.path("g.safetensors"), R"("U8")", "[3]", "[0,3]", "abc");
+  const std::string bytes = read_bytes(good);
+  const int fd = ::memfd_create("safetensors", 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  const SafetensorsReader via_fd(fmt::format("/proc/self/fd/{}", fd));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(via_fd.tensor("w").data), 3), "abc");
+  ::close(fd);
+  const SafetensorsReader in_memory(std::vector<uint8_t>(bytes.begin(), bytes.end()), "member.safetensors");
+  EXPECT_EQ(in_memory.tensor("w").nbytes, 3u);
+  expect_mentions(error_of([] {
+                    SafetensorsReader r(std::vector<uint8_t>{1, 0, 0, 0, 0, 0, 0, 0, '{'}, "m");
+                  }),
+                  {"'m'", "not valid JSON"});
+
+  expect_mentions(open_error(dir.path()), {"not a regular file"});
+  const std::string fifo = dir.path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_mentions(open_error(fifo), {"fifo", "not a regular file"});  // without waiting for a writer
 }

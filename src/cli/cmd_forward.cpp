@@ -1,10 +1,12 @@
 // `flux8 forward`: run the model on given inputs and write the prediction (and, with
 // --loss-grad, the parameter gradients of mean(pred·probe)), so flux8 can be checked against
 // any other implementation.
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <cmath>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/transfer.h"
@@ -17,6 +19,24 @@
 #include "model/weights_io.h"
 
 namespace flux8::cli {
+
+namespace {
+
+// --loss-grad's probe must be shaped like pred.
+void check_probe(const SafetensorsReader& in_file, const std::vector<int64_t>& pred_dims) {
+  const std::string pred_text = fmt::format("[{}]", fmt::join(pred_dims, ", "));
+  if (!in_file.contains("probe"))
+    fail("forward --loss-grad: inputs {} has no 'probe' tensor (shape {}, like pred)", in_file.path(), pred_text);
+  const SafetensorsTensor& probe = in_file.tensor("probe");
+  if (probe.shape != pred_dims)
+    fail("forward --loss-grad: inputs {}: tensor 'probe' has shape [{}]; it must be {}, the shape of pred",
+         in_file.path(), fmt::join(probe.shape, ", "), pred_text);
+  if (!safetensors_converts(probe.dtype))
+    fail("forward --loss-grad: inputs {}: tensor 'probe' has dtype {}; it must be F32, F64, BF16, F16, I32 or I64",
+         in_file.path(), probe.dtype);
+}
+
+}  // namespace
 
 Command add_forward_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("forward",
@@ -55,16 +75,24 @@ Command add_forward_command(CLI::App& app) {
             bopts.round_activations_to_bf16 = bopts.round_activations_to_bf16 || o->bf16_activations;
             std::unique_ptr<Backend> be = make_backend(config.get_string("backend"), bopts);
 
+            // The inputs are checked before the model is built: a bad inputs file fails at once,
+            // naming the tensor, instead of after the weights load or inside a model op.
+            const SafetensorsReader in_file(o->inputs);
+            const InputBatch::Extent extent = InputBatch::check(in_file, cfg);
+            const std::vector<int64_t> pred_dims{extent.batch, extent.image_tokens, cfg.out_channels};
+            if (o->loss_grad) check_probe(in_file, pred_dims);
+
             FluxModel model(cfg, *be, dtype);
             if (o->init_seed)
               model.params().init(*o->init_seed);
             else
               load_weights(model.params(), cfg, o->checkpoint);
 
-            const SafetensorsReader in_file(o->inputs);
             InputBatch batch(*be, dtype);
             batch.load(in_file, cfg);
             const Tensor pred = model.forward(batch.inputs());
+            const Shape pred_shape{pred_dims[0], pred_dims[1], pred_dims[2]};
+            FLUX8_CHECK(pred.shape == pred_shape, "pred is {}, not {}", pred.shape.str(), pred_shape.str());
             const std::vector<double> pred_host = to_host(*be, pred);
 
             // Outputs are stored in the precision of the run (F64 for --precision f64).
@@ -83,11 +111,8 @@ Command add_forward_command(CLI::App& app) {
             };
             add("pred", pred.shape, pred_host);
             if (o->loss_grad) {
-              if (!in_file.contains("probe"))
-                fail("forward --loss-grad: inputs {} has no 'probe' tensor (shape {})", o->inputs, pred.shape.str());
               std::vector<double> probe(static_cast<size_t>(in_file.tensor("probe").numel()));
-              in_file.read_f64("probe", probe.data(),
-                               std::vector<int64_t>(pred.shape.d.begin(), pred.shape.d.begin() + pred.shape.rank));
+              in_file.read_f64("probe", probe.data(), pred_dims);
               // loss = mean(pred·probe) -> dloss/dpred = probe / numel
               double loss = 0;
               std::vector<double> dpred(probe.size());

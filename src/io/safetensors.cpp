@@ -11,10 +11,15 @@
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <string_view>
 #include <utility>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/sha256.h"
 #include "core/text_file.h"
@@ -40,8 +45,6 @@ size_t element_size(const std::string& dtype) {
 
 std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
-bool is_index(const json& j) { return j.is_number_unsigned() || (j.is_number_integer() && j.get<int64_t>() >= 0); }
-
 template <typename Src>
 Src load(const uint8_t* p) {
   Src v;
@@ -49,12 +52,199 @@ Src load(const uint8_t* p) {
   return v;
 }
 
+// The header is untrusted: a name, a dtype or a library's message about it is quoted in an
+// error as a short excerpt, never whole.
+std::string in_quotes(std::string_view text) { return "'" + quote_excerpt(text, 160) + "'"; }
+
+// A header value for an error message, without serialising a container (which may be large).
+std::string describe(const json& v) {
+  if (v.is_string()) return "the string " + in_quotes(v.get_ref<const std::string&>());
+  if (v.is_array()) return fmt::format("a list of {}", v.size());
+  if (v.is_object()) return "an object";
+  return v.dump();  // a number, true, false or null: a few characters
+}
+
+// A shape entry or byte offset as a count in [0, 2^63): nullopt with the reason in `why`.
+std::optional<uint64_t> as_count(const json& v, std::string& why) {
+  constexpr uint64_t kMax = uint64_t(std::numeric_limits<int64_t>::max());
+  if (v.is_number_unsigned() && v.get<uint64_t>() <= kMax) return v.get<uint64_t>();
+  if (v.is_number_unsigned() || (v.is_number_float() && v.get<double>() >= 0x1p63))
+    why = fmt::format("{} is larger than 2^63-1", v.dump());
+  else if (v.is_number_integer() || (v.is_number_float() && v.get<double>() < 0))
+    why = fmt::format("{} is negative", v.dump());
+  else if (v.is_number_float())
+    why = fmt::format("{} is not an integer (counts are written without a decimal point or exponent)", v.dump());
+  else
+    why = describe(v) + " is not a number";
+  return std::nullopt;
+}
+
+// The reference implementation's limit on the JSON header.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+// How an error names the header entry it is about.
+std::string entry_label(const std::string& name) {
+  return name == "__metadata__" ? "entry __metadata__" : "tensor " + in_quotes(name);
+}
+
+// A first pass over the header with nlohmann's SAX parser, which is iterative (nesting costs it
+// no stack), to find what the DOM parse would not say: which entry a syntax error, an
+// out-of-range number or too deep a nesting is in, and a key that occurs twice in one object.
+// The DOM parser keeps the last of two equal keys silently; the reference implementation
+// refuses such a header, and so does flux8, since which entry is meant cannot be known.
+class HeaderScan {
+ public:
+  std::string problem;  // empty when the header is well-formed
+  std::string entry;    // the top-level key the problem is inside, if any
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(json::number_integer_t) { return true; }
+  bool number_unsigned(json::number_unsigned_t) { return true; }
+  bool number_float(json::number_float_t, const std::string&) { return true; }
+  bool string(std::string&) { return true; }
+  bool binary(json::binary_t&) { return true; }
+  bool start_object(size_t) { return open(); }
+  bool end_object() { return close(); }
+  bool start_array(size_t) { return open(); }
+  bool end_array() { return close(); }
+  bool key(std::string& k) {
+    if (keys_.size() == 1) top_key_ = k;
+    if (keys_.back().insert(k).second) return true;
+    if (keys_.size() == 1) {
+      entry = k;
+      problem = "it appears twice in the header";
+      return false;
+    }
+    return stop(fmt::format("key {} appears twice in its entry", in_quotes(k)));
+  }
+  bool parse_error(size_t, const std::string&, const nlohmann::detail::exception& e) {
+    return stop(fmt::format("header is not valid JSON: {}", quote_excerpt(e.what(), 200)));
+  }
+
+ private:
+  bool open() {
+    if (keys_.size() >= static_cast<size_t>(kMaxJsonDepth))
+      return stop(fmt::format("header is nested more than {} levels deep", kMaxJsonDepth));
+    keys_.emplace_back();  // one per open object or list: its size is the nesting depth
+    return true;
+  }
+  bool close() {
+    keys_.pop_back();
+    return true;
+  }
+  // Records the problem, inside the current top-level entry when there is one.
+  bool stop(std::string why) {
+    problem = std::move(why);
+    if (keys_.size() >= 2) entry = top_key_;
+    return false;
+  }
+
+  std::vector<std::set<std::string>> keys_;
+  std::string top_key_;
+};
+
+// The header's JSON at map[8, 8 + n), checked for size, syntax, nesting depth and duplicate keys;
+// `header_bytes` is set to n.
+json parse_header(const uint8_t* map, size_t size, const std::string& path, uint64_t& header_bytes) {
+  const uint64_t n = load<uint64_t>(map);
+  if (n > size - 8)
+    fail("safetensors file '{}': header length {} exceeds the {} bytes after it (truncated?)", path, n, size - 8);
+  if (n > kMaxHeaderBytes)
+    fail("safetensors file '{}': header length {} exceeds the format's limit of {} bytes (not a safetensors file?)",
+         path, n, kMaxHeaderBytes);
+  header_bytes = n;
+  const std::string_view text(reinterpret_cast<const char*>(map + 8), n);
+  HeaderScan scan;
+  json::sax_parse(text.begin(), text.end(), &scan);
+  if (!scan.problem.empty())
+    fail("safetensors file '{}'{}: {}", path, scan.entry.empty() ? "" : ", " + entry_label(scan.entry), scan.problem);
+  std::string error;
+  std::optional<json> parsed = parse_json(text, error);
+  if (!parsed) fail("safetensors file '{}': header is not valid JSON: {}", path, quote_excerpt(error, 200));
+  if (!parsed->is_object()) fail("safetensors file '{}': header is {}, not a JSON object", path, describe(*parsed));
+  return std::move(*parsed);
+}
+
+std::map<std::string, std::string> read_metadata(const json& entry, const std::string& path) {
+  if (!entry.is_object()) fail("safetensors file '{}': __metadata__ is {}, not an object", path, describe(entry));
+  std::map<std::string, std::string> metadata;
+  for (const auto& [k, v] : entry.items()) {
+    if (!v.is_string())
+      fail("safetensors file '{}': __metadata__ value of {} is {}, not a string", path, in_quotes(k), describe(v));
+    metadata[k] = v.get<std::string>();
+  }
+  return metadata;
+}
+
+// One tensor's header entry, checked against the data buffer [data, data + data_size).
+SafetensorsTensor read_entry(const std::string& name, const json& entry, const uint8_t* data, uint64_t data_size,
+                             const std::string& path) {
+  struct EntryError {
+    const std::string& path;
+    const std::string& name;
+    [[noreturn]] void operator()(const std::string& what) const {
+      fail("safetensors file '{}', tensor {}: {}", path, in_quotes(name), what);
+    }
+  };
+  const EntryError bad{path, name};
+  if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") || !entry.contains("data_offsets"))
+    bad("entry must be an object with dtype, shape and data_offsets");
+  SafetensorsTensor t;
+  t.name = name;
+  const json& dtype = entry.at("dtype");
+  if (!dtype.is_string()) bad(fmt::format("dtype is {}, not a string", describe(dtype)));
+  t.dtype = dtype.get<std::string>();
+  const size_t esize = element_size(t.dtype);
+  if (esize == 0) bad(fmt::format("unknown dtype {}", in_quotes(t.dtype)));
+
+  const json& shape = entry.at("shape");
+  if (!shape.is_array()) bad(fmt::format("shape is {}, not a list", describe(shape)));
+  std::string why;
+  std::vector<uint64_t> nonzero;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const std::optional<uint64_t> d = as_count(shape[i], why);
+    if (!d) bad(fmt::format("shape entry {}: {}", i, why));
+    t.shape.push_back(static_cast<int64_t>(*d));
+    if (*d != 0) nonzero.push_back(*d);
+  }
+  // The product of the non-zero dimensions must fit int64 too: a [0, 2^40, 2^40] tensor holds
+  // nothing, but code that divides out or multiplies a subset of its dimensions must not wrap.
+  const uint64_t int64_max = uint64_t(std::numeric_limits<int64_t>::max());
+  if (!checked_product(nonzero, int64_max))
+    bad(fmt::format("shape {} has more than 2^63-1 elements", shape_text(t.shape)));
+  const std::optional<uint64_t> numel = checked_product(t.shape, int64_max);
+  const std::optional<uint64_t> need = checked_mul<uint64_t>(*numel, esize);
+  if (!need) bad(fmt::format("shape {} of {} needs more than 2^64 bytes", shape_text(t.shape), t.dtype));
+
+  const json& off = entry.at("data_offsets");
+  if (!off.is_array() || off.size() != 2) bad(fmt::format("data_offsets is {}, not [begin, end]", describe(off)));
+  const std::optional<uint64_t> begin = as_count(off[0], why);
+  if (!begin) bad(fmt::format("data_offsets begin: {}", why));
+  const std::optional<uint64_t> end = as_count(off[1], why);
+  if (!end) bad(fmt::format("data_offsets end: {}", why));
+  if (*begin > *end) bad(fmt::format("data_offsets [{}, {}] must be [begin, end] with begin <= end", *begin, *end));
+  if (*end > data_size)
+    bad(fmt::format("data_offsets [{}, {}] run past the {}-byte data buffer (truncated?)", *begin, *end, data_size));
+  if (*need != *end - *begin)
+    bad(fmt::format("shape {} of {} needs {} bytes but data_offsets [{}, {}] span {}", shape_text(t.shape), t.dtype,
+                    *need, *begin, *end, *end - *begin));
+  t.data = data + *begin;
+  t.nbytes = static_cast<size_t>(*end - *begin);
+  return t;
+}
+
 }  // namespace
 
 int64_t SafetensorsTensor::numel() const {
+  // The reader checked that the product fits int64.
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+bool safetensors_converts(const std::string& dtype) {
+  return dtype == "F32" || dtype == "F64" || dtype == "BF16" || dtype == "F16" || dtype == "I32" || dtype == "I64";
 }
 
 const char* safetensors_dtype_name(DType t) {
@@ -72,13 +262,18 @@ const char* safetensors_dtype_name(DType t) {
 // Reader
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below as not a file.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail("cannot open safetensors file '{}': {}", path, std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
     fail("cannot stat safetensors file '{}': {}", path, std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail("safetensors file '{}' is not a regular file (a directory or a device?)", path);
   }
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < 8) {
@@ -117,87 +312,52 @@ SafetensorsReader::SafetensorsReader(std::vector<uint8_t> bytes, const std::stri
 }
 
 void SafetensorsReader::parse() {
-  const std::string& path = path_;
-  const size_t size = map_size_;
-  {
-    const uint64_t n = load<uint64_t>(map_);
-    if (n > size - 8)
-      fail("safetensors file '{}': header length {} exceeds the {} bytes after it (truncated?)", path, n, size - 8);
-    const char* text = reinterpret_cast<const char*>(map_ + 8);
-    std::string error;
-    const std::optional<json> parsed = parse_json(std::string_view(text, n), error);
-    if (!parsed) fail("safetensors file '{}': header is not valid JSON: {}", path, error);
-    const json& header = *parsed;
-    if (!header.is_object()) fail("safetensors file '{}': header is not a JSON object", path);
-
-    const uint8_t* data = map_ + 8 + n;
-    const size_t data_size = size - 8 - n;
-    for (const auto& [name, entry] : header.items()) {
-      if (name == "__metadata__") {
-        if (!entry.is_object()) fail("safetensors file '{}': __metadata__ is not an object", path);
-        for (const auto& [k, v] : entry.items()) {
-          if (!v.is_string()) fail("safetensors file '{}': __metadata__ value of '{}' is not a string", path, k);
-          metadata_[k] = v.get<std::string>();
-        }
-        continue;
-      }
-      const auto bad = [&](const std::string& what) {
-        fail("safetensors file '{}', tensor '{}': {}", path, name, what);
-      };
-      if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") || !entry.contains("data_offsets"))
-        bad("entry must be an object with dtype, shape and data_offsets");
-      SafetensorsTensor t;
-      t.name = name;
-      if (!entry["dtype"].is_string()) bad("dtype is not a string");
-      t.dtype = entry["dtype"].get<std::string>();
-      const size_t esize = element_size(t.dtype);
-      if (esize == 0) bad(fmt::format("unknown dtype '{}'", t.dtype));
-      const json& shape = entry["shape"];
-      if (!shape.is_array()) bad("shape is not a list");
-      // Element count with an overflow guard: a corrupt shape must not wrap around to a
-      // plausible byte count.
-      uint64_t numel = 1;
-      for (const json& d : shape) {
-        if (!is_index(d)) bad(fmt::format("shape {} has an entry that is not a count", shape.dump()));
-        const uint64_t v = d.get<uint64_t>();
-        if (v != 0 && numel > (uint64_t(1) << 62) / v) bad("shape is impossibly large");
-        numel *= v;
-        t.shape.push_back(static_cast<int64_t>(v));
-      }
-      const json& off = entry["data_offsets"];
-      if (!off.is_array() || off.size() != 2 || !is_index(off[0]) || !is_index(off[1]) ||
-          off[0].get<uint64_t>() > off[1].get<uint64_t>())
-        bad(fmt::format("data_offsets {} must be [begin, end] with begin <= end", off.dump()));
-      const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-      if (end > data_size)
-        bad(fmt::format("data_offsets [{}, {}] run past the {}-byte data buffer (truncated?)", begin, end, data_size));
-      if (numel * esize != end - begin)
-        bad(fmt::format("shape {} of {} needs {} bytes but data_offsets [{}, {}] span {}", shape_text(t.shape), t.dtype,
-                        numel * esize, begin, end, end - begin));
-      t.data = data + begin;
-      t.nbytes = end - begin;
-      tensors_.push_back(std::move(t));
-    }
-
-    // The buffer must be exactly tiled by the tensors: no overlap, no gap, nothing after.
-    std::sort(tensors_.begin(), tensors_.end(),
-              [](const auto& a, const auto& b) { return a.data != b.data ? a.data < b.data : a.nbytes < b.nbytes; });
-    size_t covered = 0;
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      const SafetensorsTensor& t = tensors_[i];
-      const size_t begin = static_cast<size_t>(t.data - data);
-      if (begin < covered)
-        fail("safetensors file '{}': tensor '{}' (bytes {}..{}) overlaps tensor '{}'", path, t.name, begin,
-             begin + t.nbytes, tensors_[i - 1].name);
-      if (begin > covered)
-        fail("safetensors file '{}': data bytes {}..{} before tensor '{}' belong to no tensor", path, covered, begin,
-             t.name);
-      covered = begin + t.nbytes;
-      index_[t.name] = i;
-    }
-    if (covered != data_size)
-      fail("safetensors file '{}': data buffer is {} bytes but the tensors cover {}", path, data_size, covered);
+  // Errors name the file, and the tensor whose entry was being read; a library's exception
+  // (a JSON type error, an allocation that fails) is turned into such an error here.
+  std::string entry_name;
+  try {
+    index_header(entry_name);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("safetensors file '{}'{}: cannot read the header: {}", path_,
+         entry_name.empty() ? "" : ", " + entry_label(entry_name), quote_excerpt(e.what(), 200));
   }
+}
+
+void SafetensorsReader::index_header(std::string& entry_name) {
+  const std::string& path = path_;
+  uint64_t n = 0;
+  const json header = parse_header(map_, map_size_, path, n);
+  const uint8_t* data = map_ + 8 + n;
+  const uint64_t data_size = map_size_ - 8 - n;
+  for (const auto& [name, entry] : header.items()) {
+    entry_name = name;
+    if (name == "__metadata__")
+      metadata_ = read_metadata(entry, path);
+    else
+      tensors_.push_back(read_entry(name, entry, data, data_size, path));
+  }
+  entry_name.clear();
+
+  // The buffer must be exactly tiled by the tensors: no overlap, no gap, nothing after.
+  std::sort(tensors_.begin(), tensors_.end(),
+            [](const auto& a, const auto& b) { return a.data != b.data ? a.data < b.data : a.nbytes < b.nbytes; });
+  uint64_t covered = 0;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const SafetensorsTensor& t = tensors_[i];
+    const uint64_t begin = static_cast<uint64_t>(t.data - data);
+    if (begin < covered)
+      fail("safetensors file '{}': tensor {} (bytes {}..{}) overlaps tensor {}", path, in_quotes(t.name), begin,
+           begin + t.nbytes, in_quotes(tensors_[i - 1].name));
+    if (begin > covered)
+      fail("safetensors file '{}': data bytes {}..{} before tensor {} belong to no tensor", path, covered, begin,
+           in_quotes(t.name));
+    covered = begin + t.nbytes;
+    index_[t.name] = i;
+  }
+  if (covered != data_size)
+    fail("safetensors file '{}': data buffer is {} bytes but the tensors cover {}", path, data_size, covered);
 }
 
 SafetensorsReader::~SafetensorsReader() {
@@ -261,9 +421,9 @@ void SafetensorsReader::convert(const SafetensorsTensor& t, T* dst) const {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(load<int64_t>(p + 8 * i));
   } else {
     fail(
-        "safetensors file '{}', tensor '{}': cannot convert dtype {} to floating point (supported: "
+        "safetensors file '{}', tensor {}: cannot convert dtype {} to floating point (supported: "
         "F32, F64, BF16, F16, I32, I64)",
-        path_, t.name, t.dtype);
+        path_, in_quotes(t.name), t.dtype);
   }
 }
 
@@ -294,12 +454,12 @@ void SafetensorsWriter::add_entry(Entry e) {
   if (e.name.empty() || e.name == "__metadata__") fail("safetensors writer: invalid tensor name '{}'", e.name);
   for (const Entry& other : entries_)
     if (other.name == e.name) fail("safetensors writer: tensor '{}' added twice", e.name);
-  int64_t numel = 1;
-  for (int64_t d : e.shape) {
+  for (int64_t d : e.shape)
     if (d < 0) fail("safetensors writer: tensor '{}' has negative shape {}", e.name, shape_text(e.shape));
-    numel *= d;
-  }
-  if (numel > 0 && !e.fill) fail("safetensors writer: tensor '{}' has no data", e.name);
+  const std::optional<uint64_t> numel = checked_product(e.shape, uint64_t(std::numeric_limits<int64_t>::max()));
+  if (!numel || !checked_mul<uint64_t>(*numel, dtype_size(e.target)))
+    fail("safetensors writer: tensor '{}' has impossibly large shape {}", e.name, shape_text(e.shape));
+  if (*numel > 0 && !e.fill) fail("safetensors writer: tensor '{}' has no data", e.name);
   entries_.push_back(std::move(e));
 }
 

@@ -25,7 +25,10 @@ struct SafetensorsTensor {
 };
 
 // Maps a file read-only and validates the whole header on open, so a damaged checkpoint fails
-// before training starts, naming the file and the tensor.
+// before training starts, naming the file and the tensor. Any bytes are safe to open: every
+// problem (a header over 100 MB, nesting, numbers out of range, sizes that would wrap, offsets
+// that overlap or leave the file, duplicate names) is a flux8::Error, found before anything is
+// allocated for the tensors. Only a file that shrinks while mapped can still fault on access.
 class SafetensorsReader {
  public:
   explicit SafetensorsReader(const std::string& path);
@@ -53,6 +56,8 @@ class SafetensorsReader {
 
  private:
   void parse();  // validates the image at map_[0, map_size_) and fills the tensor index
+  // parse()'s work; `entry_name` is the header entry being read, for parse()'s error message.
+  void index_header(std::string& entry_name);
   template <typename T>
   void convert(const SafetensorsTensor& t, T* dst) const;
   // convert() after checking the stored shape against `expected` (when given).
@@ -123,6 +128,9 @@ class SafetensorsWriter {
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
 };
+
+// Whether read_f32/read_f64 convert a tensor of this file dtype.
+bool safetensors_converts(const std::string& dtype);
 
 // "F32", "F64", "BF16", "F16": the file's name for a flux8 dtype.
 const char* safetensors_dtype_name(DType t);

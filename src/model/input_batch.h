@@ -20,8 +20,16 @@ class InputBatch {
  public:
   InputBatch(Backend& backend, DType dtype) : buffers_(backend, dtype) {}
 
-  // Reads `prefix + name` for every input; fails naming the file and tensor when one is
-  // missing or has the wrong shape.
+  // The batch and token counts the inputs in `file` give.
+  struct Extent {
+    int64_t batch = 0, image_tokens = 0, text_tokens = 0;
+  };
+  // Checks the shapes of `prefix + name` for every input against each other and the model from
+  // the file's header alone, without reading or allocating anything; fails naming the file and
+  // the tensor when one is missing, has a dtype that does not convert, has a shape that does
+  // not fit, or holds no sample or no token.
+  static Extent check(const SafetensorsReader& file, const FluxConfig& cfg, const std::string& prefix = "");
+  // check(), then reads every input.
   void load(const SafetensorsReader& file, const FluxConfig& cfg, const std::string& prefix = "");
   const FluxInputs& inputs() const { return inputs_; }
   int64_t batch() const { return inputs_.img.shape[0]; }
