@@ -28,8 +28,8 @@ class Config {
   Config();
 
   // Reads `path` (following include:/bases:), then applies `overrides`, each "key=value" with the
-  // value in YAML syntax ("axes_dim=[16,56,56]"). Throws flux8::Error naming file, line and key,
-  // and nothing else: a library exception becomes an Error naming the file. Bounded: a config
+  // value in YAML syntax ("axes_dim=[16,56,56]"). Throws flux8::Error naming file, line and key;
+  // yaml-cpp's and the file system's errors become such an Error too. Bounded: a config
   // file is at most kMaxConfigFileBytes, includes nest at most kMaxIncludeDepth deep and one
   // load reads at most kMaxConfigFilesRead files.
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
