@@ -104,12 +104,15 @@ Memory step_memory(const Config& config, const InfoReport& r, const ActivationEs
   return m;
 }
 
-InfoReport compute_info(const Config& config, int64_t image_size, int64_t batch) {
+// Every size below is bounded: from_config checks each key against the schema's range and the
+// step against kMaxStepElements, so parameter counts and the activation plan fit int64, and the
+// memory and FLOP totals are doubles.
+InfoReport compute_info(const Config& config) {
   InfoReport r;
   r.cfg = FluxConfig::from_config(config);
   const FluxConfig& cfg = r.cfg;
-  r.pixels = image_size ? image_size : config.get_int("image_size");
-  r.batch = batch ? batch : config.get_int("micro_batch_size");
+  r.pixels = config.get_int("image_size");
+  r.batch = config.get_int("micro_batch_size");
   r.shape = StepShape{r.batch, cfg.text_seq_len, cfg.image_tokens(r.pixels)};
 
   const ParamLayout layout = ParamLayout::build(cfg);
@@ -221,7 +224,7 @@ Command add_info_command(CLI::App& app) {
       app.add_subcommand("info", "parameter count, model FLOPs per sample and training-step memory of a config");
   struct Opts {
     ConfigOptions cfg;
-    int64_t image_size = 0, batch = 0;
+    std::string image_size, batch;  // as text: checked like the config keys they override
     bool json = false;
   };
   auto o = std::make_shared<Opts>();
@@ -230,8 +233,10 @@ Command add_info_command(CLI::App& app) {
   cmd->add_option("--batch", o->batch, "samples per step (default: config micro_batch_size)");
   cmd->add_flag("--json", o->json, "print JSON instead of text");
   return {cmd, [o]() {
-            const Config config = Config::load(o->cfg.config, o->cfg.overrides);
-            InfoReport report = compute_info(config, o->image_size, o->batch);
+            Config config = Config::load(o->cfg.config, o->cfg.overrides);
+            if (!o->image_size.empty()) config.set("image_size", o->image_size, "--image-size");
+            if (!o->batch.empty()) config.set("micro_batch_size", o->batch, "--batch");
+            InfoReport report = compute_info(config);
             report.config_path = o->cfg.config;
             if (o->json)
               print_info_json(report);

@@ -1,5 +1,6 @@
 #include "config/config.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -19,6 +20,11 @@ namespace flux8 {
 namespace {
 
 constexpr const char* kKeyHelp = "all keys are listed in docs/CONFIG.md and by `flux8 config --list`";
+// Paths and keys quoted in errors come from the file: long enough for any real one, bounded.
+constexpr size_t kMaxQuotedPath = 300;
+// A "key" longer than any registered one is not a typo of one (and an edit distance to it
+// would cost time quadratic in its length).
+constexpr size_t kMaxSuggestedKeyLength = 64;
 
 // yaml-cpp marks are 0-based; editors count from 1.
 std::string at(const std::string& file, const YAML::Mark& mark) {
@@ -27,17 +33,24 @@ std::string at(const std::string& file, const YAML::Mark& mark) {
 }
 
 [[noreturn]] void fail_unknown_key(const std::string& key, const std::string& where) {
-  const std::string guess = closest_config_key(key);
+  const std::string guess = key.size() <= kMaxSuggestedKeyLength ? closest_config_key(key) : "";
   const std::string hint = guess.empty() ? "" : fmt::format("; did you mean '{}'?", guess);
-  fail("unknown config key '{}' in {}{} ({})", key, where, hint, kKeyHelp);
+  fail("unknown config key '{}' in {}{} ({})", quote_excerpt(key), where, hint, kKeyHelp);
 }
 
+// A value quoted for an error message: short, printable, and written without walking nested
+// values (a list shows its scalars, deeper entries as [...] or {...}).
 std::string node_text(const YAML::Node& node) {
   if (!node.IsDefined() || node.IsNull()) return "no value";
-  if (node.IsScalar()) return fmt::format("'{}'", node.Scalar());
-  YAML::Emitter out;
-  out << YAML::Flow << node;
-  return fmt::format("'{}'", out.c_str());
+  if (node.IsScalar()) return fmt::format("'{}'", quote_excerpt(node.Scalar()));
+  if (node.IsMap()) return "a mapping";
+  std::string flow = "[";
+  for (const YAML::Node& e : node) {
+    if (flow.size() > 80) break;  // quote_excerpt cuts it with "..."
+    if (flow.size() > 1) flow += ", ";
+    flow += e.IsScalar() ? e.Scalar() : e.IsSequence() ? "[...]" : e.IsMap() ? "{...}" : "null";
+  }
+  return fmt::format("'{}'", quote_excerpt(flow + "]"));
 }
 
 [[noreturn]] void fail_value(const KeySpec& spec, const std::string& where, const std::string& got) {
@@ -63,7 +76,9 @@ bool parse_bool(std::string s, bool& out) {
   return false;
 }
 
-// Number scalars must also lie in the key's range; lists check every element.
+// Number scalars must also lie in the key's range; lists check every element. Integers are
+// written as integers: 1e12, 1.5, true or a number beyond int64 are refused, never rounded or
+// truncated. Every integer key's range lies within +-2^53, where the double comparison is exact.
 template <typename T>
 T number(const KeySpec& spec, const YAML::Node& node, const std::string& where, const std::string& whole) {
   T v{};
@@ -112,11 +127,20 @@ ConfigValue parse_node(const KeySpec& spec, const YAML::Node& node, const std::s
   fail("flux8 bug: key type of '{}' not handled", spec.name);
 }
 
+// yaml-cpp bounds the depth its parser recurses to (YAML::DeepRecursion, from version 0.7, whose
+// header is included so that an older yaml-cpp, which a value nested [[[[...]]]] thousands deep
+// drives into a stack overflow, fails the build instead).
 YAML::Node load_yaml(const std::string& text, const std::string& file) {
+  if (text.size() > kMaxConfigFileBytes)
+    fail("{}: {} bytes of config, more than the {} a config may have", file, text.size(), kMaxConfigFileBytes);
   try {
     return YAML::Load(text);
+  } catch (const YAML::DeepRecursion& e) {
+    fail("{}: malformed YAML: values nested {} or more levels deep (config values are scalars or flat lists)",
+         at(file, e.mark), e.depth());
   } catch (const YAML::Exception& e) {
-    fail("{}:{}:{}: malformed YAML: {}", file, e.mark.line + 1, e.mark.column + 1, e.msg);
+    if (e.mark.is_null()) fail("{}: malformed YAML: {}", file, quote_excerpt(e.msg, 200));
+    fail("{}:{}:{}: malformed YAML: {}", file, e.mark.line + 1, e.mark.column + 1, quote_excerpt(e.msg, 200));
   }
 }
 
@@ -139,17 +163,52 @@ std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& k
        node_text(value));
 }
 
+// `inc` resolved against the including file's directory.
+std::string resolve_include(const std::string& file, const std::string& inc) {
+  return (fs::path(file).parent_path() / inc).lexically_normal().string();
+}
+
+// Only a regular file is read: not a directory, a device such as /dev/zero, or a FIFO (whose
+// open would block).
+void check_regular_file(const std::string& path, const std::string& from, bool included) {
+  const std::string shown = quote_excerpt(path, kMaxQuotedPath);
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (st.type() == fs::file_type::not_found)
+    fail("{}config file '{}' does not exist{}", from, shown,
+         included ? " (includes are relative to the including file)" : "");
+  if (ec) fail("{}cannot read config file '{}': {}", from, shown, ec.message());
+  if (!fs::is_regular_file(st))
+    fail("{}config file '{}' is {}; a config must be a regular YAML file", from, shown,
+         fs::is_directory(st) ? "a directory" : "a device, FIFO or socket, not a regular file");
+}
+
+// The identity of a file for cycle detection: its canonical path when there is one.
+std::string file_identity(const std::string& path) {
+  std::error_code ec;
+  const fs::path canonical = fs::weakly_canonical(path, ec);
+  return ec ? fs::path(path).lexically_normal().string() : canonical.string();
+}
+
 }  // namespace
+
+struct Config::IncludeWalk {
+  std::vector<std::string> chain;  // files being read, outermost first
+  size_t files_read = 0;
+};
 
 ConfigValue parse_config_value(const KeySpec& spec, const std::string& value_yaml, const std::string& where) {
   // `--set key=` clears a string key (YAML would read an empty value as null).
   if (value_yaml.empty() && spec.type == KeyType::string) return std::string();
+  if (value_yaml.size() > kMaxConfigFileBytes)
+    fail("{} in {}: a value of {} bytes, more than the {} a whole config may have", spec.name, where, value_yaml.size(),
+         kMaxConfigFileBytes);
   YAML::Node node;
   try {
     node = YAML::Load(value_yaml);
   } catch (const YAML::Exception& e) {
-    fail("{} in {}: value '{}' is malformed YAML ({}); lists are written [1, 2, 3]", spec.name, where, value_yaml,
-         e.msg);
+    fail("{} in {}: value '{}' is malformed YAML ({}); lists are written [1, 2, 3]", spec.name, where,
+         quote_excerpt(value_yaml), quote_excerpt(e.msg, 200));
   }
   return parse_node(spec, node, where);
 }
@@ -159,10 +218,10 @@ Config::Config() {
 }
 
 Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
-  if (!fs::exists(path)) fail("config file '{}' does not exist", path);
   Config cfg;
   cfg.path_ = path;
-  cfg.merge_file(path);
+  IncludeWalk walk;
+  cfg.merge_file(path, walk, "");
   for (const std::string& o : overrides) cfg.apply_override(o);
   return cfg;
 }
@@ -171,32 +230,46 @@ Config Config::load_text(const std::string& yaml_text, const std::string& origin
                          const std::vector<std::string>& overrides) {
   Config cfg;
   cfg.path_ = origin;
-  std::vector<std::string> chain;
-  cfg.merge_text(yaml_text, origin, chain);
+  IncludeWalk walk;
+  cfg.merge_text(yaml_text, origin, walk);
   for (const std::string& o : overrides) cfg.apply_override(o);
   return cfg;
 }
 
 void Config::merge_file(const std::string& path) {
-  std::vector<std::string> chain;
-  merge_file(path, chain);
+  IncludeWalk walk;
+  merge_file(path, walk, "");
 }
 
-void Config::merge_file(const std::string& path, std::vector<std::string>& chain) {
+void Config::merge_file(const std::string& path, IncludeWalk& walk, const std::string& included_at) {
+  const std::string from = included_at.empty() ? "" : included_at + ": ";
   // Cycles are detected on the stack of files being read, so a file included twice through
-  // different branches (a diamond) is fine.
-  const std::string id = fs::weakly_canonical(path).string();
-  if (std::find(chain.begin(), chain.end(), id) != chain.end()) {
+  // different branches (a diamond) is fine; the depth and count limits bound the rest.
+  const std::string id = file_identity(path);
+  if (std::find(walk.chain.begin(), walk.chain.end(), id) != walk.chain.end()) {
     std::string cycle;
-    for (auto it = std::find(chain.begin(), chain.end(), id); it != chain.end(); ++it) cycle += *it + " -> ";
-    fail("include cycle: {}{}", cycle, id);
+    for (auto it = std::find(walk.chain.begin(), walk.chain.end(), id); it != walk.chain.end(); ++it)
+      cycle += *it + " -> ";
+    fail("{}include cycle: {}{}", from, cycle, id);
   }
-  chain.push_back(id);
-  merge_text(read_text_or_fail(path, "config file"), path, chain);
-  chain.pop_back();
+  if (walk.chain.size() >= kMaxIncludeDepth)
+    fail("{}including '{}' nests includes {} files deep, more than the {} allowed ({} includes it)", from,
+         quote_excerpt(path, kMaxQuotedPath), walk.chain.size() + 1, kMaxIncludeDepth, walk.chain.back());
+  if (++walk.files_read > kMaxConfigFilesRead)
+    fail(
+        "{}including '{}' reads more than {} config files in one load (a file included from several places counts "
+        "each time)",
+        from, quote_excerpt(path, kMaxQuotedPath), kMaxConfigFilesRead);
+  check_regular_file(path, from, !included_at.empty());
+  std::string error;
+  const std::optional<std::string> text = read_file_text(path, error, kMaxConfigFileBytes);
+  if (!text) fail("{}cannot read config file '{}': {}", from, quote_excerpt(path, kMaxQuotedPath), error);
+  walk.chain.push_back(id);
+  merge_text(*text, path, walk);
+  walk.chain.pop_back();
 }
 
-void Config::merge_text(const std::string& text, const std::string& path, std::vector<std::string>& chain) {
+void Config::merge_text(const std::string& text, const std::string& path, IncludeWalk& walk) {
   const YAML::Node root = load_yaml(text, path);
   if (root.IsNull()) return;  // an empty file sets nothing
   if (!root.IsMap()) fail("{}: the top level of a config file must be a mapping of key: value lines", path);
@@ -206,14 +279,13 @@ void Config::merge_text(const std::string& text, const std::string& path, std::v
   for (const auto& kv : root) {
     const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "";
     if (key.empty()) fail("{}: config keys must be plain names", at(path, kv.first.Mark()));
-    if (!seen.insert(key).second) fail("{}: key '{}' appears twice in the same file", at(path, kv.first.Mark()), key);
+    if (!seen.insert(key).second)
+      fail("{}: key '{}' appears twice in the same file", at(path, kv.first.Mark()), quote_excerpt(key));
     if (key != "include" && key != "bases") continue;
     for (const auto& [inc, mark] : include_list(kv.first, kv.second, path)) {
-      const fs::path resolved = (fs::path(path).parent_path() / inc).lexically_normal();
-      if (!fs::exists(resolved))
-        fail("{} includes '{}', but {} does not exist (includes are relative to the including file)", at(path, mark),
-             inc, resolved.string());
-      merge_file(resolved.string(), chain);
+      const std::string where = at(path, mark);
+      merge_file(resolve_include(path, inc), walk,
+                 fmt::format("{}: {} '{}'", where, key, quote_excerpt(inc, kMaxQuotedPath)));
     }
   }
   for (const auto& kv : root) {
@@ -222,17 +294,22 @@ void Config::merge_text(const std::string& text, const std::string& path, std::v
     const std::string where = at(path, kv.first.Mark());
     const KeySpec* spec = find_config_key(key);
     if (!spec) fail_unknown_key(key, where);
-    entries_[key] = Entry{parse_node(*spec, kv.second, at(path, kv.second.Mark())), where};
+    // A missing value has no line of its own (yaml-cpp marks the next one): name the key's.
+    const YAML::Mark mark = kv.second.IsNull() ? kv.first.Mark() : kv.second.Mark();
+    entries_[key] = Entry{parse_node(*spec, kv.second, at(path, mark)), where};
   }
 }
 
 void Config::apply_override(const std::string& key_equals_value) {
   const size_t eq = key_equals_value.find('=');
   if (eq == std::string::npos)
-    fail("--set '{}' must have the form key=value (e.g. --set micro_batch_size=4)", key_equals_value);
+    fail("--set '{}' must have the form key=value (e.g. --set micro_batch_size=4)", quote_excerpt(key_equals_value));
   std::string key = key_equals_value.substr(0, eq);
   key.erase(0, key.find_first_not_of(" \t"));
   key.erase(key.find_last_not_of(" \t") + 1);
+  if (key.empty())
+    fail("--set '{}' has no key before '=' (the form is key=value, e.g. --set micro_batch_size=4)",
+         quote_excerpt(key_equals_value));
   set(key, key_equals_value.substr(eq + 1), "--set");
 }
 

@@ -6,6 +6,8 @@
 //   Config cfg = Config::load("configs/exp.yaml", {"micro_batch_size=4"});
 //   int64_t h = cfg.get_int("hidden_size");
 //   cfg.source("hidden_size");  // "configs/models/flux_535m.yaml:5"
+#include <cstddef>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -14,18 +16,28 @@
 
 namespace flux8 {
 
+// Config files are kilobytes; the limits keep a crafted one (or an include of /dev/zero, a
+// directory, or a file including itself through many others) to a clear error in bounded time.
+inline constexpr uint64_t kMaxConfigFileBytes = 1ull << 20;
+inline constexpr size_t kMaxIncludeDepth = 16;
+inline constexpr size_t kMaxConfigFilesRead = 256;
+
 class Config {
  public:
   // Every key at its schema default.
   Config();
 
   // Reads `path` (following include:/bases:), then applies `overrides`, each "key=value" with the
-  // value in YAML syntax ("axes_dim=[16,56,56]"). Throws flux8::Error naming file, line and key.
+  // value in YAML syntax ("axes_dim=[16,56,56]"). Throws flux8::Error naming file, line and key;
+  // yaml-cpp's and the file system's errors become such an Error too. Bounded: a config
+  // file is at most kMaxConfigFileBytes, includes nest at most kMaxIncludeDepth deep and one
+  // load reads at most kMaxConfigFilesRead files.
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
 
   // Like load(), from YAML text instead of a file (e.g. the resolved config a checkpoint's
   // trainer_state.json stores). `origin` stands in for the file name in provenance and errors;
-  // includes are resolved relative to its directory.
+  // includes are resolved relative to its directory. The cross-key checks are the readers'
+  // (FluxConfig::from_config, TrainConfig::from_config).
   static Config load_text(const std::string& yaml_text, const std::string& origin,
                           const std::vector<std::string>& overrides = {});
 
@@ -58,8 +70,10 @@ class Config {
     ConfigValue value;
     std::string source;
   };
-  void merge_file(const std::string& path, std::vector<std::string>& include_chain);
-  void merge_text(const std::string& text, const std::string& path, std::vector<std::string>& include_chain);
+  struct IncludeWalk;  // the files being read (for cycles and depth) and how many were read
+  // `included_at` ("file:line") names the include line that led here, "" for the top file.
+  void merge_file(const std::string& path, IncludeWalk& walk, const std::string& included_at);
+  void merge_text(const std::string& text, const std::string& path, IncludeWalk& walk);
   const Entry& entry(const std::string& key) const;
 
   std::map<std::string, Entry> entries_;

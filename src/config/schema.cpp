@@ -13,6 +13,23 @@ namespace {
 Range at_least(double lo) { return Range{lo}; }
 Range above(double lo) { return Range{lo, std::numeric_limits<double>::infinity(), true}; }
 Range any() { return Range{}; }
+Range between(double lo, double hi) { return Range{lo, hi}; }
+
+// Upper bounds of the integer keys. Every integer key has one, so that sizes derived from them
+// (head dim, MLP width, tokens, parameter and activation counts) cannot overflow int64 and no
+// loop a key drives runs for ages; each is far beyond a 100B-parameter model trained at
+// 4096 px. All are below 2^53, so a double compares them exactly.
+constexpr double kMaxWidth = 65536;            // hidden_size, channels, feature dims, heads
+constexpr double kMaxBlocks = 1024;            // double or single blocks
+constexpr double kMaxImageSide = 16384;        // pixels
+constexpr double kMaxPatch = 64;               // patch_size, vae_downsample
+constexpr double kMaxTextTokens = 65536;       // text_seq_len
+constexpr double kMaxMlpRatio = 64;            // MLP width / H
+constexpr double kMaxBatch = 65536;            // samples in a micro-batch
+constexpr double kMaxGlobalBatch = 1 << 24;    // samples in an optimizer step
+constexpr double kMaxSteps = 1e9;              // step counts and intervals
+constexpr double kMaxSamples = 1e9;            // sample counts
+constexpr double kMaxSeed = 9007199254740991;  // 2^53 - 1
 
 KeySpec int_key(const char* section, const char* name, int64_t def, Range r, const char* help) {
   return {name, section, KeyType::integer, def, r, {}, help};
@@ -38,35 +55,36 @@ KeySpec int_list_key(const char* section, const char* name, std::vector<int64_t>
 std::vector<KeySpec> model_keys() {
   return {
       string_key("model", "model_name", "flux_12b_schnell", "name recorded in logs and checkpoints"),
-      int_key("model", "hidden_size", 3072, at_least(1), "hidden width H"),
-      int_key("model", "num_attention_heads", 24, at_least(1), "attention heads n; head dim = H / n"),
-      int_key("model", "num_double_blocks", 19, at_least(0), "double-stream (MMDiT) blocks"),
-      int_key("model", "num_single_blocks", 38, at_least(0), "single-stream blocks"),
-      int_key("model", "in_channels", 64, at_least(1), "features per image token (channels x patch^2)"),
-      int_key("model", "out_channels", 0, at_least(0), "output features per token; 0 = in_channels"),
-      int_key("model", "context_dim", 4096, at_least(1), "text-encoder (T5) features per text token"),
-      int_key("model", "vec_dim", 768, at_least(1), "pooled text (CLIP) features"),
-      float_key("model", "mlp_ratio", 4.0, above(0), "MLP hidden width = mlp_ratio * H"),
+      int_key("model", "hidden_size", 3072, between(1, kMaxWidth), "hidden width H"),
+      int_key("model", "num_attention_heads", 24, between(1, kMaxWidth), "attention heads n; head dim = H / n"),
+      int_key("model", "num_double_blocks", 19, between(0, kMaxBlocks), "double-stream (MMDiT) blocks"),
+      int_key("model", "num_single_blocks", 38, between(0, kMaxBlocks), "single-stream blocks"),
+      int_key("model", "in_channels", 64, between(1, kMaxWidth), "features per image token (channels x patch^2)"),
+      int_key("model", "out_channels", 0, between(0, kMaxWidth), "output features per token; 0 = in_channels"),
+      int_key("model", "context_dim", 4096, between(1, kMaxWidth), "text-encoder (T5) features per text token"),
+      int_key("model", "vec_dim", 768, between(1, kMaxWidth), "pooled text (CLIP) features"),
+      float_key("model", "mlp_ratio", 4.0, Range{0, kMaxMlpRatio, true}, "MLP hidden width = mlp_ratio * H"),
       bool_key("model", "guidance_embed", false, "embed the guidance scale (dev models)"),
       bool_key("model", "qkv_bias", true, "qkv projections have a bias"),
-      int_list_key("model", "axes_dim", {16, 56, 56}, at_least(1),
+      int_list_key("model", "axes_dim", {16, 56, 56}, between(1, kMaxWidth),
                    "RoPE width per position axis; even, sums to head dim"),
       float_key("model", "rope_theta", 10000.0, above(0), "RoPE base"),
       float_key("model", "qk_norm_eps", 1e-6, above(0), "epsilon of the q/k RMSNorm"),
       float_key("model", "layernorm_eps", 1e-6, above(0), "epsilon of the affine-free LayerNorms"),
-      int_key("model", "latent_channels", 16, at_least(1), "channels of the latent (or pixel) image before patching"),
-      int_key("model", "patch_size", 2, at_least(1), "side of the square patch packed into one token"),
-      int_key("model", "vae_downsample", 8, at_least(1), "pixels per latent cell; 1 = pixel-space model"),
-      int_key("model", "text_seq_len", 256, at_least(1), "text tokens per sample"),
-      int_key("model", "image_size", 256, at_least(1), "training image side in pixels"),
+      int_key("model", "latent_channels", 16, between(1, kMaxWidth),
+              "channels of the latent (or pixel) image before patching"),
+      int_key("model", "patch_size", 2, between(1, kMaxPatch), "side of the square patch packed into one token"),
+      int_key("model", "vae_downsample", 8, between(1, kMaxPatch), "pixels per latent cell; 1 = pixel-space model"),
+      int_key("model", "text_seq_len", 256, between(1, kMaxTextTokens), "text tokens per sample"),
+      int_key("model", "image_size", 256, between(1, kMaxImageSide), "training image side in pixels"),
   };
 }
 
 // Runtime: backend, threads, precisions.
 std::vector<KeySpec> runtime_keys() {
   return {
-      int_key("runtime", "seed", 1234, at_least(0), "seed of every random stream"),
-      int_key("runtime", "micro_batch_size", 1, at_least(1), "samples per forward/backward"),
+      int_key("runtime", "seed", 1234, between(0, kMaxSeed), "seed of every random stream"),
+      int_key("runtime", "micro_batch_size", 1, between(1, kMaxBatch), "samples per forward/backward"),
       choice_key(
           "runtime", "backend", "cpu", {"cpu", "cuda", "auto"},
           "compute backend: cpu, cuda, or auto (cuda when this build has it and a usable GPU is present, else cpu)"),
@@ -97,7 +115,7 @@ std::vector<KeySpec> runtime_keys() {
                "varies from run to run, as PyTorch's SDPA does: faster, and without the deterministic backward's dP "
                "workspace, docs/PERFORMANCE.md; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 "
                "overrides it. The CPU ignores it"),
-      int_key("runtime", "threads", 0, at_least(0), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
+      int_key("runtime", "threads", 0, between(0, 4096), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
   };
 }
@@ -105,18 +123,19 @@ std::vector<KeySpec> runtime_keys() {
 // Training: optimizer and schedule.
 std::vector<KeySpec> training_keys() {
   return {
-      int_key("training", "train_iters", 1000, at_least(1), "optimizer steps of the run"),
+      int_key("training", "train_iters", 1000, between(1, kMaxSteps), "optimizer steps of the run"),
       choice_key("training", "recompute_granularity", "none", {"none", "selective", "full"},
                  "activation recomputation: none; selective (drop q/k/v and the attention and GELU outputs that feed a "
                  "Linear, recompute them in the backward without GEMMs); or full (keep only block inputs; re-run each "
                  "block's forward in the backward)"),
-      int_key("training", "global_batch_size", 0, at_least(0),
+      int_key("training", "global_batch_size", 0, between(0, kMaxGlobalBatch),
               "samples per optimizer step (a multiple of micro_batch_size); 0 = micro_batch_size"),
       float_key("training", "lr", 1e-4, above(0), "peak learning rate"),
       float_key("training", "min_lr", 0.0, at_least(0), "learning rate at the end of the decay"),
-      int_key("training", "lr_warmup_iters", 0, at_least(0), "steps of linear warmup from 0 to lr"),
+      int_key("training", "lr_warmup_iters", 0, between(0, kMaxSteps), "steps of linear warmup from 0 to lr"),
       choice_key("training", "lr_decay_style", "constant", {"constant", "cosine", "linear"}, "decay after warmup"),
-      int_key("training", "lr_decay_iters", 0, at_least(0), "step at which the decay reaches min_lr; 0 = train_iters"),
+      int_key("training", "lr_decay_iters", 0, between(0, kMaxSteps),
+              "step at which the decay reaches min_lr; 0 = train_iters"),
       float_key("training", "adam_beta1", 0.9, Range{0, 1}, "AdamW beta1"),
       float_key("training", "adam_beta2", 0.95, Range{0, 1}, "AdamW beta2"),
       float_key("training", "adam_eps", 1e-8, above(0), "AdamW epsilon"),
@@ -157,8 +176,8 @@ std::vector<KeySpec> data_keys() {
       string_key("data", "valid_data", "", "validation shards (same forms); empty = no validation"),
       string_key("data", "empty_prompt_file", "",
                  "safetensors with t5 and clip of the empty prompt (text dropout); empty = zeros"),
-      int_key("data", "data_shuffle_buffer", 1000, at_least(0), "samples in the shuffle buffer; 0 = no shuffling"),
-      int_key("data", "data_prefetch", 64, at_least(1), "samples decoded ahead by the loader thread"),
+      int_key("data", "data_shuffle_buffer", 1000, between(0, 1e6), "samples in the shuffle buffer; 0 = no shuffling"),
+      int_key("data", "data_prefetch", 64, between(1, 65536), "samples decoded ahead by the loader thread"),
       choice_key("data", "data_overlap", "auto", {"auto", "on", "off"},
                  "build and upload micro-batch k + 1 (loader, VAE draw, patches, text features, the copy to the "
                  "device) on a thread of its own while the device computes k, into two device input buffers (on: "
@@ -168,8 +187,8 @@ std::vector<KeySpec> data_keys() {
                "skip the rest of a corrupt shard with a warning instead of stopping"),
       bool_key("data", "demo_data", false,
                "generate the embedded demo dataset into train_data's directory when it has no shards"),
-      int_key("data", "demo_train_samples", 4000, at_least(1), "demo dataset: training samples"),
-      int_key("data", "demo_val_samples", 256, at_least(1), "demo dataset: validation samples"),
+      int_key("data", "demo_train_samples", 4000, between(1, 1e6), "demo dataset: training samples"),
+      int_key("data", "demo_val_samples", 256, between(1, 1e6), "demo dataset: validation samples"),
 
   };
 }
@@ -178,21 +197,22 @@ std::vector<KeySpec> data_keys() {
 std::vector<KeySpec> run_keys() {
   return {
       string_key("run", "save_dir", "runs/flux8", "directory of checkpoints, metrics.jsonl and samples"),
-      int_key("run", "save_interval", 0, at_least(0), "checkpoint every N steps (and at the end); 0 = only at the end"),
-      int_key("run", "keep_last_checkpoints", 3, at_least(0), "checkpoints kept; 0 = keep all"),
+      int_key("run", "save_interval", 0, between(0, kMaxSteps),
+              "checkpoint every N steps (and at the end); 0 = only at the end"),
+      int_key("run", "keep_last_checkpoints", 3, between(0, 1e6), "checkpoints kept; 0 = keep all"),
       choice_key("run", "async_save", "auto", {"auto", "on", "off"},
                  "write checkpoints behind training: a save waits only for a host copy of the parameters and AdamW "
                  "moments, then a thread of its own converts, hashes and writes the same files while the next steps "
                  "run, one save in flight (on: when the copy fits in half the host memory available at the start, else "
                  "in line; off: each save in line, training waits for it; auto: on with the CUDA backend, off on the "
                  "CPU, whose cores compute the step)"),
-      int_key("run", "eval_interval", 0, at_least(0),
+      int_key("run", "eval_interval", 0, between(0, kMaxSteps),
               "validate every N steps (and at step 0 and the end); 0 = only at the start and end"),
-      int_key("run", "eval_samples", 0, at_least(0), "validation samples used; 0 = all"),
-      int_key("run", "log_interval", 1, at_least(1), "metrics line every N steps"),
+      int_key("run", "eval_samples", 0, between(0, kMaxSamples), "validation samples used; 0 = all"),
+      int_key("run", "log_interval", 1, between(1, kMaxSteps), "metrics line every N steps"),
       string_key("run", "sample_prompts", "", "prompts for the sample grid written at the end, separated by ';'"),
-      int_key("run", "sample_steps", 20, at_least(1), "Euler steps of the end-of-run samples"),
-      int_key("run", "samples_per_prompt", 4, at_least(1), "images per prompt in the end-of-run grid"),
+      int_key("run", "sample_steps", 20, between(1, 10000), "Euler steps of the end-of-run samples"),
+      int_key("run", "samples_per_prompt", 4, between(1, 256), "images per prompt in the end-of-run grid"),
 
   };
 }
@@ -203,8 +223,8 @@ std::vector<KeySpec> fp8_keys() {
       choice_key("fp8", "fp8", "none", {"none", "e4m3", "hybrid"},
                  "FP8 training: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients); none (or null) = BF16"),
       choice_key("fp8", "fp8_recipe", "delayed", {"delayed", "tensorwise", "blockwise", "mxfp8"}, "scaling recipe"),
-      int_key("fp8", "fp8_margin", 0, at_least(0), "delayed: scale = fp8_max * 2^-margin / amax"),
-      int_key("fp8", "fp8_amax_history_len", 1024, at_least(1), "delayed: steps of amax history"),
+      int_key("fp8", "fp8_margin", 0, between(0, 64), "delayed: scale = fp8_max * 2^-margin / amax"),
+      int_key("fp8", "fp8_amax_history_len", 1024, between(1, 65536), "delayed: steps of amax history"),
       choice_key("fp8", "fp8_amax_compute_algo", "max", {"max", "most_recent"},
                  "delayed: amax from the history window's max or the newest value"),
       bool_key("fp8", "fp8_wgrad", true, "compute weight gradients in FP8; false = from the BF16 operands"),
@@ -223,16 +243,16 @@ std::vector<KeySpec> fp8_keys() {
                "FP8 attention including the qkv/proj boundaries (not implemented: an error when true)"),
       bool_key("fp8", "first_last_layers_bf16", false,
                "keep the first/last blocks (double blocks counted first, then single) in BF16"),
-      int_key("fp8", "num_layers_at_start_in_bf16", 1, at_least(0),
+      int_key("fp8", "num_layers_at_start_in_bf16", 1, between(0, 2 * kMaxBlocks),
               "blocks kept in BF16 at the start (with first_last_layers_bf16)"),
-      int_key("fp8", "num_layers_at_end_in_bf16", 1, at_least(0),
+      int_key("fp8", "num_layers_at_end_in_bf16", 1, between(0, 2 * kMaxBlocks),
               "blocks kept in BF16 at the end (with first_last_layers_bf16)"),
-      int_key("fp8", "fp8_stats_interval", 100, at_least(0),
+      int_key("fp8", "fp8_stats_interval", 100, between(0, kMaxSteps),
               "FP8 telemetry (amax, scale, saturation, underflow per tensor) every N steps, counted only on those "
               "steps; 0 = off"),
       choice_key("training", "nan_policy", "skip", {"skip", "halt"},
                  "non-finite loss or gradient: skip the step (weights kept) or stop at once"),
-      int_key("training", "nan_max_consecutive_skips", 10, at_least(1),
+      int_key("training", "nan_max_consecutive_skips", 10, between(1, kMaxSteps),
               "with nan_policy skip: stop after this many bad steps in a row"),
   };
 }
@@ -270,22 +290,36 @@ std::string format_number(double v) {
   return s;
 }
 
+// A YAML double-quoted string; control characters escaped so that dump() loads back.
 std::string quote(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\')
+      out += '\\', out += c;
+    else if (u < 0x20 || u == 0x7f)
+      out += fmt::format("\\x{:02x}", u);
+    else
+      out += c;
   }
   return out + "\"";
 }
 
 }  // namespace
 
+namespace {
+// Whole bounds as integers (65536, 1000000000), not as "1e+09".
+std::string format_bound(double v) {
+  if (v == std::trunc(v) && std::fabs(v) <= 9007199254740992.0) return fmt::format("{}", static_cast<int64_t>(v));
+  return fmt::format("{}", v);
+}
+}  // namespace
+
 std::string Range::describe() const {
   const bool has_lo = std::isfinite(lo), has_hi = std::isfinite(hi);
-  if (has_lo && has_hi) return fmt::format("in {}{}, {}]", lo_open ? "(" : "[", lo, hi);
-  if (has_lo) return fmt::format("{} {}", lo_open ? ">" : ">=", lo);
-  if (has_hi) return fmt::format("<= {}", hi);
+  if (has_lo && has_hi) return fmt::format("in {}{}, {}]", lo_open ? "(" : "[", format_bound(lo), format_bound(hi));
+  if (has_lo) return fmt::format("{} {}", lo_open ? ">" : ">=", format_bound(lo));
+  if (has_hi) return fmt::format("<= {}", format_bound(hi));
   return "";
 }
 
