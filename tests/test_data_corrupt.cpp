@@ -463,3 +463,34 @@ TEST(DataLoaderCorruptTest, BrokenFramingSkipsTheRestOfTheShardWithoutSpinning) 
     EXPECT_GE(l.corrupt_skipped(), 4u);
   });
 }
+
+TEST(DataLoaderCorruptTest, ASampleTheCheckRefusesIsSkippedOrStopsTheStream) {
+  TempDir tmp;
+  {
+    TarWriter w(tmp.path("train-000000.tar"));
+    for (int g = 0; g < 4; ++g) {
+      w.add(fmt::format("{:06d}.t5.npy", g), g == 2 ? npy_f32({1, 2}, {2, 2}) : npy_f32({1}, {float(g)}));
+      w.add(fmt::format("{:06d}.txt", g), "caption");
+    }
+    w.finish();
+  }
+  LoaderOptions o;
+  o.source = tmp.path("train-*.tar");
+  o.single_pass = true;
+  o.check = [](const Sample& s) {
+    if (s.at("t5").shape.size() != 1) fail("sample {}: t5 must be [1]", s.key);
+  };
+  const std::string where = "shard " + tmp.path("train-000000.tar") + ", member 000002.t5.npy / 000002.txt";
+  o.skip_corrupt = true;
+  ::testing::internal::CaptureStderr();
+  DataLoader l(o);
+  EXPECT_EQ(drain(l), (std::vector<int>{0, 1, 3}));
+  expect_mentions(::testing::internal::GetCapturedStderr(), {where, "t5 must be [1]", "skipping sample '000002'"});
+  EXPECT_EQ(l.corrupt_skipped(), 1u);
+  o.skip_corrupt = false;
+  DataLoader strict(o);
+  Sample s;
+  ASSERT_TRUE(strict.next(s));
+  ASSERT_TRUE(strict.next(s));
+  expect_mentions(error_of([&] { strict.next(s); }), {where, "t5 must be [1]"});
+}

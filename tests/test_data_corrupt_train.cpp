@@ -1,5 +1,6 @@
 // Fault test: a training run whose shards are damaged after its first checkpoint, before it
-// reads them. Resumed without data_skip_corrupt, `flux8 train` exits non-zero naming shard and
+// reads them: a member that does not decode, a sample whose shapes do not fit the model, a tar
+// header that fails its checksum. Resumed without data_skip_corrupt, `flux8 train` exits non-zero naming shard and
 // member, and the checkpoint stays the newest, intact; with it, the run completes, each skip
 // named on stderr.
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include "data/demo.h"
 #include "data/loader.h"
 #include "data/tar.h"
+#include "data_test_util.h"
 #include "train/checkpoint.h"
 #include "train_test_util.h"
 #include "test_util.h"
@@ -21,6 +23,7 @@ using flux8::testing::expect_mentions;
 using flux8::testing::read_bytes;
 using flux8::testing::RunDir;
 using flux8::testing::write_bytes;
+using flux8::testing::data::npy_f32;
 
 namespace {
 
@@ -77,6 +80,22 @@ TEST(TrainFaultTest, ShardCorruptedMidRunStopsOrIsSkipped) {
   const std::vector<std::string> order =
       epoch_shards(resolve_shards((data / "train-*.tar").string()), kSeed, 0, 0, 1, /*shuffle=*/true);
   ASSERT_GE(order.size(), 3u);
+  const std::string wrong_shape = fmt::format("{}.t5.npy", first_member_of_sample(order[1], 6).name.substr(0, 6));
+  // A sample whose text features do not fit the model: sample 14's t5 of context_dim 7.
+  {
+    std::vector<std::pair<std::string, std::vector<uint8_t>>> members;
+    TarReader r(order[1]);
+    TarMember m;
+    while (r.next(m)) members.emplace_back(m.name, r.read_data());
+    TarWriter w(order[1]);
+    for (const auto& [name, data] : members) {
+      if (name == wrong_shape)
+        w.add(name, npy_f32({4, 7}, std::vector<float>(28, 0.5f)));
+      else
+        w.add(name, data.data(), data.size());
+    }
+    w.finish();
+  }
   // A member that does not decode: sample 13's first .npy loses its magic.
   const TarMember bad_member = first_member_of_sample(order[1], 5);
   std::string bytes = read_bytes(order[1]);
@@ -98,10 +117,11 @@ TEST(TrainFaultTest, ShardCorruptedMidRunStopsOrIsSkipped) {
             std::optional<std::string>((dir.root / "run" / "step-0000003").string()))
       << report;
 
-  // With it: the run completes; the sample and the rest of the third shard are skipped, each
-  // named.
+  // With it: the run completes; the two samples and the rest of the third shard are skipped,
+  // each named.
   ASSERT_EQ(train("skip", " --resume --set data_skip_corrupt=true", &log), 0) << log;
   EXPECT_TRUE(fs::exists(dir.root / "skip" / "step-0000006"));
   expect_mentions(log, {"shard " + order[1] + ", member " + bad_member.name, "skipping sample",
+                        "shard " + order[1] + ", member ", " / " + wrong_shape + " / ", "t5 must be [tokens, 8]",
                         "shard " + order[2] + ", member", "checksum", "skipping the rest of shard " + order[2]});
 }

@@ -227,6 +227,21 @@ struct DataLoader::Entry {
   std::exception_ptr error;     // the decode error that stops the stream where the sample is
 };
 
+Sample DataLoader::decode(const RawSample& raw) const {
+  const bool lazy = std::any_of(raw.members.begin(), raw.members.end(),
+                                [](const SampleMember& m) { return m.fault.empty() && m.data.size() != m.size; });
+  Sample s = lazy ? load_sample(raw) : decode_sample(raw);
+  if (!options_.check) return s;
+  try {
+    options_.check(s);
+  } catch (const Error& err) {
+    std::vector<std::string> names;
+    for (const SampleMember& m : raw.members) names.push_back(m.name);
+    fail("shard {}, member {}: {}", raw.shard, fmt::join(names, " / "), err.what());
+  }
+  return s;
+}
+
 // Reads a run of samples of `reader` in order (up to `want`; all lazy while the resume point is
 // ahead) and decodes them side by side. A read error after some samples is returned in
 // `read_error`, and decode errors in their entries, to be raised where one at a time would
@@ -258,7 +273,7 @@ bool DataLoader::read_run(WebDatasetReader& reader, size_t want, bool lazy, std:
     Entry& e = run[static_cast<size_t>(i)];
     if (e.lazy) continue;
     try {
-      e.sample = decode_sample(e.located);
+      e.sample = decode(e.located);
       e.located = RawSample();
     } catch (...) {
       errors[static_cast<size_t>(i)] = std::current_exception();
@@ -306,7 +321,7 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
     if (index < skip) return true;
     if (e.lazy) {
       try {
-        e.sample = load_sample(e.located);
+        e.sample = decode(e.located);
       } catch (const Error& err) {
         if (!options_.skip_corrupt) throw;
         e.corrupt = err.what();

@@ -25,7 +25,8 @@
 // stderr naming shard and member, counted in corrupt_skipped() when the reader thread meets it
 // (it reads ahead of next()), and the stream goes on:
 //   - a sample that fails to decode (its json, an .npy or raw member, a safetensors member, a
-//     member whose pax or long-name header is malformed) is skipped alone: it keeps its place
+//     member whose pax or long-name header is malformed) or that `check` refuses (shapes that do
+//     not fit the model) is skipped alone: it keeps its place
 //     in the shuffle order, so a resumed run skips the same sample at the same position;
 //   - a fault in the tar framing (a header failing its checksum, a size that is not a number or
 //     runs past the end of the file, a truncated file) leaves no position to read on from: the
@@ -37,6 +38,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -47,6 +49,7 @@
 namespace flux8 {
 
 class WebDatasetReader;
+struct RawSample;
 
 struct LoaderOptions {
   std::string source;  // glob ("data/train-*.tar"), directory of .tar, a .tar, or a list
@@ -63,6 +66,10 @@ struct LoaderOptions {
   // read in order, decoded side by side, then taken in order as if one by one. 0 = a quarter
   // of the cores, at most 4 (1 on small machines, whose cores compute the step).
   int decode_threads = 0;
+  // What the consumer needs of each sample (the model's shapes): throws an Error saying what does
+  // not fit. A sample it refuses counts as one that fails to decode (skip_corrupt skips it, the
+  // error names shard and members). Called on the decoding threads.
+  std::function<void(const Sample&)> check;
 };
 
 struct LoaderState {
@@ -110,7 +117,8 @@ class DataLoader {
   bool run_epoch(uint64_t epoch, uint64_t skip);  // false when stopped
   bool read_run(WebDatasetReader& reader, size_t want, bool lazy, std::vector<Entry>& run,
                 std::exception_ptr& read_error);
-  bool push(Item item);  // false when stopped
+  Sample decode(const RawSample& raw) const;  // decoded (or loaded, if header-only) and checked
+  bool push(Item item);                       // false when stopped
   // Counts a skip and says on stderr what was wrong (naming shard and member) and what goes.
   void skip_corrupt_warning(const std::string& what, const std::string& skipped);
 
