@@ -304,8 +304,14 @@ std::vector<uint8_t> TarReader::read_data() {
   data_pending_ = false;
   pos_ = current_end_;
   if (!current_.fault.empty()) fail_at(current_.name, current_.fault);
-  // The size was checked against the file when the header was read.
-  std::vector<uint8_t> data(current_.size);
+  // The size was checked against the file when the header was read: a valid member of this
+  // size needs this memory too.
+  std::vector<uint8_t> data;
+  try {
+    data.resize(current_.size);
+  } catch (const std::bad_alloc&) {
+    fail_at(current_.name, fmt::format("{} data bytes do not fit in memory", current_.size));
+  }
   read_at(current_.data_offset, data.data(), data.size(), current_.name);
   return data;
 }

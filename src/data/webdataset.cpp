@@ -210,6 +210,21 @@ void json_layout(const json& meta, const std::string& name, const std::string& c
   }
 }
 
+// Runs one member's decoding; any exception from a library (nlohmann, the standard library, an
+// allocation) becomes an Error naming the member.
+template <typename F>
+void decoding(const std::string& where, F&& decode) {
+  try {
+    decode();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    fail("{}: out of memory while decoding it", where);
+  } catch (const std::exception& e) {
+    fail("{}: cannot decode it: {}", where, quote_excerpt(e.what(), 200));
+  }
+}
+
 constexpr char kNpyMagic[] = "\x93NUMPY";
 
 bool is_npy(const std::vector<uint8_t>& d) { return d.size() >= 6 && std::memcmp(d.data(), kNpyMagic, 6) == 0; }
@@ -300,9 +315,8 @@ Elem npy_elem(const std::string& descr, const std::string& where, bool u2_is_bf1
   return e;
 }
 
-}  // namespace
-
-HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where, bool u2_is_bf16) {
+// The tensor of a .npy image (decode_npy without its exception guard).
+HostTensor npy_tensor(const uint8_t* data, size_t size, const std::string& where, bool u2_is_bf16) {
   // Layout: magic "\x93NUMPY", major, minor, header length (u16 for v1, u32 for v2/v3), the
   // header (a Python dict literal, padded with spaces and '\n'), then the array data.
   if (size < 10 || std::memcmp(data, kNpyMagic, 6) != 0) fail("{}: not a .npy file (no \\x93NUMPY magic)", where);
@@ -360,6 +374,14 @@ HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where
   return make_tensor(data + header_at + header_len, shape, e);
 }
 
+}  // namespace
+
+HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where, bool u2_is_bf16) {
+  HostTensor t;
+  decoding(where, [&] { t = npy_tensor(data, size, where, u2_is_bf16); });
+  return t;
+}
+
 HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype, const std::vector<int64_t>& shape,
                       const std::string& where, const std::string& source) {
   Elem e;
@@ -371,7 +393,9 @@ HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype
   if (size != *expected)
     fail("{}: {} bytes, but {} says {} {} = {} bytes", where, size, source, shape_text(shape), quote_excerpt(dtype),
          *expected);
-  return make_tensor(data, shape, e);
+  HostTensor t;
+  decoding(where, [&] { t = make_tensor(data, shape, e); });
+  return t;
 }
 
 namespace {
@@ -497,21 +521,6 @@ void apply_caption(Sample& s, const json& meta) {
       s.caption = it->get<std::string>();
       return;
     }
-}
-
-// Runs one member's decoding; any exception from a library (nlohmann, the standard library, an
-// allocation) becomes an Error naming the member.
-template <typename F>
-void decoding(const std::string& where, F&& decode) {
-  try {
-    decode();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::bad_alloc&) {
-    fail("{}: out of memory while decoding it", where);
-  } catch (const std::exception& e) {
-    fail("{}: cannot decode it: {}", where, quote_excerpt(e.what(), 200));
-  }
 }
 
 // One member into the sample (by its extension; others are not flux8's to decode).
