@@ -184,7 +184,8 @@ std::vector<KeySpec> data_keys() {
                  "always; off: on the training thread before each micro-batch; auto: on with the CUDA backend, off on "
                  "the CPU, whose cores compute the step). Same results either way"),
       bool_key("data", "data_skip_corrupt", false,
-               "skip the rest of a corrupt shard with a warning instead of stopping"),
+               "skip a sample that fails to decode (and the rest of a shard whose tar framing is broken) with a "
+               "warning naming shard and member, instead of stopping"),
       bool_key("data", "demo_data", false,
                "generate the embedded demo dataset into train_data's directory when it has no shards"),
       int_key("data", "demo_train_samples", 4000, between(1, 1e6), "demo dataset: training samples"),

@@ -190,10 +190,9 @@ Sample DataLoader::next() {
   return s;
 }
 
-void DataLoader::skip_corrupt_warning(const std::string& shard, const std::string& what, bool rest_of_shard) {
+void DataLoader::skip_corrupt_warning(const std::string& what, const std::string& skipped) {
   corrupt_skipped_.fetch_add(1);
-  fmt::print(stderr, "flux8: warning: {} -- skipping {} (skip_corrupt)\n", what,
-             rest_of_shard ? "the rest of shard " + shard : std::string("this sample"));
+  fmt::print(stderr, "flux8: warning: {} -- skipping {} (data_skip_corrupt)\n", what, skipped);
 }
 
 void DataLoader::produce(LoaderState s) {
@@ -216,6 +215,88 @@ void DataLoader::produce(LoaderState s) {
   not_empty_.notify_all();
 }
 
+// A buffered sample: decoded, or (while replaying up to a resume point) only located, or (with
+// skip_corrupt) one that failed to decode, which keeps its place in the order and is skipped
+// when it leaves the buffer. So the emit indices, and with them a resume point, are the same
+// whether a sample was decoded or replayed unread.
+struct DataLoader::Entry {
+  Sample sample;
+  RawSample located;
+  bool lazy = false;
+  std::string corrupt;          // the decode error skip_corrupt skips
+  std::exception_ptr error;     // the decode error that stops the stream where the sample is
+};
+
+Sample DataLoader::decode(const RawSample& raw) const {
+  const bool lazy = std::any_of(raw.members.begin(), raw.members.end(),
+                                [](const SampleMember& m) { return m.fault.empty() && m.data.size() != m.size; });
+  Sample s = lazy ? load_sample(raw) : decode_sample(raw);
+  if (!options_.check) return s;
+  try {
+    options_.check(s);
+  } catch (const Error& err) {
+    std::vector<std::string> names;
+    for (const SampleMember& m : raw.members) names.push_back(m.name);
+    fail("shard {}, member {}: {}", raw.shard, fmt::join(names, " / "), err.what());
+  }
+  return s;
+}
+
+// Reads a run of samples of `reader` in order (up to `want`; all lazy while the resume point is
+// ahead) and decodes them side by side. A read error after some samples is returned in
+// `read_error`, and decode errors in their entries, to be raised where one at a time would
+// have: after the samples before them are buffered. False at the end of the shard.
+bool DataLoader::read_run(WebDatasetReader& reader, size_t want, bool lazy, std::vector<Entry>& run,
+                          std::exception_ptr& read_error) {
+  const int threads = decode_threads(options_);
+  bool more = true;
+  run.clear();
+  while (run.size() < want) {
+    Entry e;
+    e.lazy = lazy;  // may still be dropped: read headers only
+    try {
+      if (!reader.next_raw(e.located, !e.lazy)) {
+        more = false;
+        break;
+      }
+    } catch (...) {
+      read_error = std::current_exception();
+      more = false;
+      break;
+    }
+    run.push_back(std::move(e));
+  }
+  std::vector<std::exception_ptr> errors(run.size());
+  const int64_t n = static_cast<int64_t>(run.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    Entry& e = run[static_cast<size_t>(i)];
+    if (e.lazy) continue;
+    try {
+      e.sample = decode(e.located);
+      e.located = RawSample();
+    } catch (...) {
+      errors[static_cast<size_t>(i)] = std::current_exception();
+    }
+  }
+  for (size_t i = 0; i < run.size(); ++i) {
+    if (!errors[i]) continue;
+    try {
+      std::rethrow_exception(errors[i]);
+    } catch (const Error& err) {
+      if (!options_.skip_corrupt) {
+        run[i].error = errors[i];
+        continue;
+      }
+      run[i].corrupt = err.what();
+      run[i].located.members.clear();  // only its key and shard are needed now
+    } catch (...) {
+      run[i].error = errors[i];
+    }
+  }
+  return more;
+}
+
 bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
   const bool shuffle = !options_.single_pass;
   const std::vector<std::string> shards =
@@ -223,14 +304,8 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
   const size_t slots = shuffle ? options_.shuffle_buffer : 0;
   const uint64_t stream = rng_stream(kShuffleBufferPurpose, epoch, static_cast<uint64_t>(options_.rank));
 
-  // A buffered sample: decoded, or (while replaying up to a resume point) only located.
-  struct Entry {
-    Sample sample;
-    RawSample located;
-    bool lazy = false;
-  };
   std::vector<Entry> buffer;
-  uint64_t draws = 0, emitted = 0;
+  uint64_t draws = 0, emitted = 0, delivered = 0;
 
   const auto take_random = [&]() {
     const uint64_t j = draw_below(options_.seed, stream, draws++, buffer.size());
@@ -239,28 +314,32 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
     buffer.pop_back();
     return e;
   };
-  // Samples before the resume point were returned by the earlier run: drop them unread.
+  // Samples before the resume point were returned (or skipped) by the earlier run: drop them
+  // unread.
   const auto emit = [&](Entry e) -> bool {
     const uint64_t index = emitted++;
     if (index < skip) return true;
     if (e.lazy) {
       try {
-        e.sample = load_sample(e.located);
+        e.sample = decode(e.located);
       } catch (const Error& err) {
         if (!options_.skip_corrupt) throw;
-        skip_corrupt_warning(e.located.shard, err.what(), false);
-        return true;
+        e.corrupt = err.what();
       }
     }
+    if (!e.corrupt.empty()) {
+      skip_corrupt_warning(e.corrupt, fmt::format("sample '{}' of shard {}", e.located.key, e.located.shard));
+      return true;
+    }
+    ++delivered;
     return push(Item{std::move(e.sample), epoch, index});
   };
 
   // Runs of samples read in order, decoded side by side, then buffered in order: the same
   // entries, emits and errors as one at a time. While the resume point is ahead (entries may be
   // lazy), one at a time.
-  const int threads = decode_threads(options_);
+  const size_t run_size = decode_threads(options_) > 1 ? kDecodeRun : 1;
   std::vector<Entry> run;
-  std::vector<std::exception_ptr> decode_errors;
   for (const std::string& shard : shards) {
     try {
       WebDatasetReader reader(shard);
@@ -269,47 +348,21 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
           std::lock_guard<std::mutex> lk(mu_);
           if (stop_) return false;
         }
-        const size_t want = threads > 1 && emitted >= skip ? kDecodeRun : 1;
-        run.clear();
         std::exception_ptr read_error;  // raised after the samples read before it are buffered
-        while (run.size() < want) {
-          Entry e;
-          e.lazy = emitted < skip;  // may still be dropped: read headers only
-          try {
-            if (!reader.next_raw(e.located, !e.lazy)) {
-              more = false;
-              break;
-            }
-          } catch (...) {
-            read_error = std::current_exception();
-            more = false;
-            break;
-          }
-          run.push_back(std::move(e));
-        }
-        decode_errors.assign(run.size(), nullptr);
-        const int64_t n = static_cast<int64_t>(run.size());
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n > 1)
-        for (int64_t i = 0; i < n; ++i) {
-          Entry& e = run[static_cast<size_t>(i)];
-          if (e.lazy) continue;
-          try {
-            e.sample = decode_sample(e.located);
-            e.located = RawSample();
-          } catch (...) {
-            decode_errors[static_cast<size_t>(i)] = std::current_exception();
-          }
-        }
-        for (size_t i = 0; i < run.size(); ++i) {
-          if (decode_errors[i]) std::rethrow_exception(decode_errors[i]);  // the rest of the run is this shard's
-          buffer.push_back(std::move(run[i]));
+        const bool lazy = emitted < skip;
+        more = read_run(reader, lazy ? 1 : run_size, lazy, run, read_error);
+        for (Entry& e : run) {
+          if (e.error) std::rethrow_exception(e.error);  // the rest of the run is this shard's
+          buffer.push_back(std::move(e));
           if (buffer.size() > slots && !emit(take_random())) return false;
         }
         if (read_error) std::rethrow_exception(read_error);
       }
     } catch (const Error& err) {
+      // The tar framing is broken (or the shard cannot be opened): nothing after the fault can
+      // be located, so the rest of the shard goes.
       if (!options_.skip_corrupt) throw;
-      skip_corrupt_warning(shard, err.what(), true);
+      skip_corrupt_warning(err.what(), "the rest of shard " + shard);
     }
   }
   while (!buffer.empty())
@@ -320,9 +373,9 @@ bool DataLoader::run_epoch(uint64_t epoch, uint64_t skip) {
         "data loader: resume state says {} samples were consumed in epoch {}, but rank {} of {} "
         "has only {} in that epoch (were the shards or the data-parallel size changed?)",
         skip, epoch, options_.rank, options_.world, emitted);
-  if (emitted == 0)
+  if (delivered == 0 && skip == 0)
     fail("data loader: epoch {} has no samples for rank {} of {} (shards: {}){}", epoch, options_.rank, options_.world,
-         fmt::join(shards, ", "), corrupt_skipped() > 0 ? "; every shard was skipped as corrupt" : "");
+         fmt::join(shards, ", "), corrupt_skipped() > 0 ? "; every sample was skipped as corrupt" : "");
   return true;
 }
 

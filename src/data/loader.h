@@ -19,18 +19,26 @@
 // Decoding may run over several threads (decode_threads); the order, the errors and what
 // skip_corrupt skips are the same as decoding one sample after another.
 //
-// Faults: a corrupt or truncated shard, or a member that fails to decode, is an Error naming
-// shard and member, raised by next() after the samples read before it. With skip_corrupt the
-// rest of that shard is skipped instead, with a warning line on stderr, and counted in
-// corrupt_skipped() when the reader thread meets it (it reads ahead of next()). Caveat: a
-// resumed loader does not decode the samples it skips, so a sample whose tar structure is sound
-// but whose content fails to decode, skipped while resuming, does not cut its shard short as
-// it did in the original run (one still in the shuffle buffer is skipped alone, with a warning).
+// Faults: without skip_corrupt, a shard that cannot be read or a sample that fails to decode is
+// an Error naming shard and member, raised by next() after the samples read before it; the
+// stream stops there. With skip_corrupt (the config's data_skip_corrupt) each fault is a line on
+// stderr naming shard and member, counted in corrupt_skipped() when the reader thread meets it
+// (it reads ahead of next()), and the stream goes on:
+//   - a sample that fails to decode (its json, an .npy or raw member, a safetensors member, a
+//     member whose pax or long-name header is malformed) or that `check` refuses (shapes that do
+//     not fit the model) is skipped alone: it keeps its place
+//     in the shuffle order, so a resumed run skips the same sample at the same position;
+//   - a fault in the tar framing (a header failing its checksum, a size that is not a number or
+//     runs past the end of the file, a truncated file) leaves no position to read on from: the
+//     rest of that shard is skipped, with the sample whose members were being gathered. The
+//     number of samples lost is not known; it counts as one skip.
+// An epoch in which every sample was skipped is an error: the run would otherwise train on nothing.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -39,6 +47,9 @@
 #include "data/sample.h"
 
 namespace flux8 {
+
+class WebDatasetReader;
+struct RawSample;
 
 struct LoaderOptions {
   std::string source;  // glob ("data/train-*.tar"), directory of .tar, a .tar, or a list
@@ -55,6 +66,10 @@ struct LoaderOptions {
   // read in order, decoded side by side, then taken in order as if one by one. 0 = a quarter
   // of the cores, at most 4 (1 on small machines, whose cores compute the step).
   int decode_threads = 0;
+  // What the consumer needs of each sample (the model's shapes): throws an Error saying what does
+  // not fit. A sample it refuses counts as one that fails to decode (skip_corrupt skips it, the
+  // error names shard and members). Called on the decoding threads.
+  std::function<void(const Sample&)> check;
 };
 
 struct LoaderState {
@@ -95,12 +110,17 @@ class DataLoader {
     Sample sample;
     uint64_t epoch = 0, index = 0;
   };
+  struct Entry;  // a sample in the shuffle buffer
   void start(const LoaderState& state);
   void stop();
   void produce(LoaderState start);
   bool run_epoch(uint64_t epoch, uint64_t skip);  // false when stopped
-  bool push(Item item);                           // false when stopped
-  void skip_corrupt_warning(const std::string& shard, const std::string& what, bool rest_of_shard);
+  bool read_run(WebDatasetReader& reader, size_t want, bool lazy, std::vector<Entry>& run,
+                std::exception_ptr& read_error);
+  Sample decode(const RawSample& raw) const;  // decoded (or loaded, if header-only) and checked
+  bool push(Item item);                       // false when stopped
+  // Counts a skip and says on stderr what was wrong (naming shard and member) and what goes.
+  void skip_corrupt_warning(const std::string& what, const std::string& skipped);
 
   LoaderOptions options_;
   std::vector<std::string> shards_;

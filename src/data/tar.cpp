@@ -8,16 +8,29 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <functional>
+#include <optional>
 
+#include "core/checked.h"
 #include "core/error.h"
+#include "core/text_file.h"
 
 namespace flux8 {
 namespace {
 
 constexpr uint64_t kBlock = 512;
+// Long names and pax records are a few hundred bytes; a larger extended header is not one flux8
+// can use, and reading it would only spend memory.
+constexpr uint64_t kMaxExtendedHeader = 1u << 20;
 
-uint64_t round_up(uint64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
+// `n` rounded up to whole blocks, or nullopt where that passes 2^64.
+std::optional<uint64_t> padded_size(uint64_t n) {
+  const std::optional<uint64_t> up = checked_add<uint64_t>(n, kBlock - 1);
+  if (!up) return std::nullopt;
+  return *up / kBlock * kBlock;
+}
+
+// Zero bytes after `n` data bytes up to the next block boundary.
+size_t padding(size_t n) { return (kBlock - n % kBlock) % kBlock; }
 
 bool all_zero(const uint8_t* b) {
   return std::all_of(b, b + kBlock, [](uint8_t c) { return c == 0; });
@@ -31,7 +44,8 @@ std::string field_text(const uint8_t* p, size_t n) {
 }
 
 // Octal text (leading spaces, terminated by NUL or space), or GNU base-256: first byte 0x80,
-// the remaining bytes a big-endian number. Returns false when the field is not a number.
+// the remaining bytes a big-endian number. Returns false when the field is not a number or the
+// number does not fit 64 bits.
 bool parse_number(const uint8_t* p, size_t n, uint64_t& out) {
   out = 0;
   if (p[0] & 0x80) {
@@ -46,7 +60,7 @@ bool parse_number(const uint8_t* p, size_t n, uint64_t& out) {
   while (i < n && p[i] == ' ') ++i;
   bool any = false;
   for (; i < n && p[i] >= '0' && p[i] <= '7'; ++i) {
-    if (out >> 60) return false;
+    if (out >> 61) return false;
     out = out * 8 + static_cast<uint64_t>(p[i] - '0');
     any = true;
   }
@@ -57,36 +71,77 @@ bool parse_number(const uint8_t* p, size_t n, uint64_t& out) {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// What a pax extended header says about the member after it.
+struct PaxFields {
+  std::string path;
+  uint64_t size = 0;
+  bool has_size = false;
+};
+
 // Applies the records of a pax extended header ("<len> <key>=<value>\n" ...) that flux8 uses.
-void apply_pax(const std::vector<uint8_t>& data, std::string& path, uint64_t& size, bool& has_size,
-               const std::function<void(const std::string&)>& bad) {
+// Every length is checked against the bytes left before it is used. Returns the fault, or an
+// empty string.
+std::string apply_pax(std::string_view data, PaxFields& out) {
   size_t pos = 0;
   while (pos < data.size()) {
-    if (data[pos] == 0) break;  // some writers pad with NULs
+    if (data[pos] == '\0') break;  // some writers pad with NULs
+    const size_t left = data.size() - pos;
     size_t sp = pos;
     uint64_t len = 0;
-    while (sp < data.size() && data[sp] >= '0' && data[sp] <= '9')
+    while (sp < data.size() && data[sp] >= '0' && data[sp] <= '9' && len <= left) {
       len = len * 10 + static_cast<uint64_t>(data[sp++] - '0');
-    if (sp >= data.size() || data[sp] != ' ' || len == 0 || pos + len > data.size() || data[pos + len - 1] != '\n')
-      bad(fmt::format("malformed pax record at byte {} of the extended header", pos));
-    const char* text = reinterpret_cast<const char*>(data.data());
-    const std::string rec(text + sp + 1, text + pos + len - 1);  // without the '\n'
+    }
+    // A record is "<len> <key>=<value>\n", its length counting itself: more than the digits
+    // and the space, and no more than what is left.
+    if (sp == pos || sp >= data.size() || data[sp] != ' ' || len > left || len < sp - pos + 2 ||
+        data[pos + len - 1] != '\n')
+      return fmt::format("malformed pax record at byte {} of the extended header: {}", pos,
+                         quote_excerpt(data.substr(pos, 40)));
+    const std::string_view rec = data.substr(sp + 1, pos + len - 1 - (sp + 1));  // without the '\n'
     const size_t eq = rec.find('=');
-    if (eq == std::string::npos) bad(fmt::format("pax record '{}' has no '='", rec));
-    const std::string key = rec.substr(0, eq), value = rec.substr(eq + 1);
+    if (eq == std::string_view::npos) return fmt::format("pax record '{}' has no '='", quote_excerpt(rec));
+    const std::string_view key = rec.substr(0, eq), value = rec.substr(eq + 1);
     if (key == "path") {
-      path = value;
+      out.path = std::string(value);
     } else if (key == "size") {
-      uint64_t v = 0;
-      if (value.empty() || value.size() > 19 ||
-          !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; }))
-        bad(fmt::format("pax size '{}' is not a number", value));
-      for (char c : value) v = v * 10 + static_cast<uint64_t>(c - '0');
-      size = v;
-      has_size = true;
+      std::optional<uint64_t> v = value.empty() ? std::nullopt : std::optional<uint64_t>(0);
+      for (size_t i = 0; v && i < value.size(); ++i) {
+        const std::optional<uint64_t> tens = checked_mul<uint64_t>(*v, 10);
+        v = value[i] >= '0' && value[i] <= '9' && tens
+                ? checked_add<uint64_t>(*tens, static_cast<uint64_t>(value[i] - '0'))
+                : std::nullopt;
+      }
+      if (!v) return fmt::format("pax size '{}' is not a number of bytes that fits 64 bits", quote_excerpt(value));
+      out.size = *v;
+      out.has_size = true;
     }
     pos += len;
   }
+  return {};
+}
+
+// The checksum field of header `h` matches its bytes (the field counted as spaces; some old
+// writers summed signed chars).
+bool checksum_matches(const uint8_t* h, uint64_t stored, uint64_t& sum) {
+  sum = 0;
+  int64_t signed_sum = 0;
+  for (uint64_t i = 0; i < kBlock; ++i) {
+    const uint8_t c = (i >= 148 && i < 156) ? uint8_t(' ') : h[i];
+    sum += c;
+    signed_sum += static_cast<int8_t>(c);
+  }
+  return stored == sum || static_cast<int64_t>(stored) == signed_sum;
+}
+
+// The member name a header gives (POSIX ustar "ustar\0" keeps a path prefix; GNU "ustar  " uses
+// that area otherwise).
+std::string header_name(const uint8_t* h) {
+  std::string name = field_text(h, 100);
+  if (std::memcmp(h + 257, "ustar\0", 6) == 0) {
+    const std::string prefix = field_text(h + 345, 155);
+    if (!prefix.empty()) name = prefix + "/" + name;
+  }
+  return name;
 }
 
 }  // namespace
@@ -95,15 +150,29 @@ void apply_pax(const std::vector<uint8_t>& data, std::string& path, uint64_t& si
 // Reader
 
 TarReader::TarReader(const std::string& path) : path_(path) {
-  file_.reset(std::fopen(path.c_str(), "rbe"));
-  if (!file_) fail("shard {}: cannot open: {}", path, errno_text());
+  // Non-blocking: opening a FIFO for reading would otherwise wait for a writer, forever. (On a
+  // regular file the flag changes nothing.)
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd_ < 0) fail("shard {}: cannot open: {}", path, errno_text());
   struct stat st {};
-  if (::fstat(::fileno(file_.get()), &st) != 0) {
-    const std::string err = errno_text();
-    file_.reset();
-    fail("shard {}: cannot stat: {}", path, err);
+  std::string problem;
+  if (::fstat(fd_, &st) != 0)
+    problem = "cannot stat: " + errno_text();
+  else if (!S_ISREG(st.st_mode))
+    problem = "not a regular file (a shard must be a .tar file)";
+  if (!problem.empty()) {
+    ::close(fd_);
+    fd_ = -1;
+    fail("shard {}: {}", path, problem);
   }
   file_size_ = static_cast<uint64_t>(st.st_size);
+}
+
+TarReader::TarReader(std::string name, std::string_view bytes)
+    : path_(std::move(name)), bytes_(bytes.data()), file_size_(bytes.size()) {}
+
+TarReader::~TarReader() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void TarReader::fail_at(const std::string& member, const std::string& what) const {
@@ -114,43 +183,53 @@ std::string TarReader::position() const {
   return last_name_.empty() ? std::string("(none yet: first header)") : "after " + last_name_;
 }
 
-void TarReader::seek(uint64_t offset) {
-  if (::fseeko(file_.get(), static_cast<off_t>(offset), SEEK_SET) != 0)
-    fail("shard {}: cannot seek to byte {}: {}", path_, offset, errno_text());
+// Callers have checked [offset, offset + n) against file_size_; a short read means the file
+// shrank since it was opened.
+void TarReader::read_at(uint64_t offset, void* dst, size_t n, const std::string& member) const {
+  if (fd_ < 0) {
+    if (n > 0) std::memcpy(dst, bytes_ + offset, n);
+    return;
+  }
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd_, static_cast<char*>(dst) + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) fail_at(member, fmt::format("read error at byte {}: {}", offset + done, errno_text()));
+    if (r == 0)
+      fail_at(member, fmt::format("the file ends at byte {}, before the {} bytes at byte {} (did it change while "
+                                  "being read?)",
+                                  offset + done, n, offset));
+    done += static_cast<size_t>(r);
+  }
 }
 
-bool TarReader::read_block(uint8_t* block, const char* what) {
-  const size_t got = std::fread(block, 1, kBlock, file_.get());
-  if (got == kBlock) {
-    pos_ += kBlock;
-    return true;
-  }
-  if (std::ferror(file_.get())) fail("shard {}: read error at byte {}: {}", path_, pos_, errno_text());
-  if (got == 0) return false;
-  fail_at(position(), fmt::format("the file ends {} bytes into a 512-byte {} block at byte {} (truncated "
-                                  "shard; re-copy or regenerate it)",
-                                  got, what, pos_));
+bool TarReader::read_header(uint8_t* block) {
+  const uint64_t left = file_size_ - pos_;
+  if (left == 0) return false;
+  if (left < kBlock)
+    fail_at(position(), fmt::format("the file ends {} bytes into a 512-byte header block at byte {} (truncated "
+                                    "shard; re-copy or regenerate it)",
+                                    left, pos_));
+  read_at(pos_, block, kBlock, position());
+  pos_ += kBlock;
+  return true;
 }
 
 bool TarReader::next(TarMember& member) {
   if (ended_) return false;
   if (data_pending_) {
-    pos_ = current_.data_offset + round_up(current_.size);
-    seek(pos_);
+    pos_ = current_end_;
     data_pending_ = false;
   }
-  std::string long_name, pax_path;
-  uint64_t pax_size = 0;
-  bool has_pax_size = false;
+  std::string long_name, fault;
+  PaxFields pax;
+  bool extended = false;  // a long-name or pax header waits for its member
   uint8_t h[kBlock];
   for (;;) {
     const uint64_t header_at = pos_;
     const std::string where = position();
-    if (!read_block(h, "header")) {  // EOF on a block boundary: tolerated missing end marker
-      if (!long_name.empty() || !pax_path.empty())
-        fail_at(where,
-                "the file ends after a long-name/pax header, before its member "
-                "(truncated shard)");
+    if (!read_header(h)) {  // end on a block boundary: tolerated missing end marker
+      if (extended) fail_at(where, "the file ends after a long-name/pax header, before its member (truncated shard)");
       ended_ = true;
       return false;
     }
@@ -158,90 +237,96 @@ bool TarReader::next(TarMember& member) {
       ended_ = true;
       return false;
     }
-    uint64_t stored = 0;
+    uint64_t stored = 0, sum = 0;
     if (!parse_number(h + 148, 8, stored))
       fail_at(where, fmt::format("header at byte {} has no valid checksum field; this is not a tar "
                                  "header (corrupt shard)",
                                  header_at));
-    uint64_t sum = 0;
-    int64_t signed_sum = 0;  // some old writers summed signed chars
-    for (uint64_t i = 0; i < kBlock; ++i) {
-      const uint8_t c = (i >= 148 && i < 156) ? uint8_t(' ') : h[i];
-      sum += c;
-      signed_sum += static_cast<int8_t>(c);
-    }
-    if (stored != sum && static_cast<int64_t>(stored) != signed_sum)
+    if (!checksum_matches(h, stored, sum))
       fail_at(where, fmt::format("header at byte {} has checksum {} but its bytes sum to {} "
                                  "(corrupt shard; re-copy or regenerate it)",
                                  header_at, stored, sum));
-
-    std::string name = field_text(h, 100);
-    // POSIX ustar ("ustar\0") keeps a path prefix; GNU ("ustar  ") uses that area otherwise.
-    if (std::memcmp(h + 257, "ustar\0", 6) == 0) {
-      const std::string prefix = field_text(h + 345, 155);
-      if (!prefix.empty()) name = prefix + "/" + name;
-    }
-    const std::string shown = !pax_path.empty() ? pax_path : !long_name.empty() ? long_name : name;
+    const std::string name = !pax.path.empty() ? pax.path : !long_name.empty() ? long_name : header_name(h);
     uint64_t size = 0;
     if (!parse_number(h + 124, 12, size))
-      fail_at(shown, fmt::format("header at byte {} has an invalid size field", header_at));
-    if (has_pax_size) size = pax_size;
+      fail_at(name, fmt::format("header at byte {} has an invalid size field (corrupt shard)", header_at));
     const char type = static_cast<char>(h[156]);
+    const bool extension = type == 'L' || type == 'x' || type == 'g' || type == 'K';
+    if (pax.has_size && !extension) size = pax.size;
     const uint64_t data_at = pos_;
-    if (data_at + round_up(size) > file_size_)
-      fail_at(shown, fmt::format("header says {} data bytes (padded to {}) from byte {}, but the "
-                                 "file ends at byte {} (truncated shard; re-copy or regenerate it)",
-                                 size, round_up(size), data_at, file_size_));
+    const std::optional<uint64_t> padded = padded_size(size);
+    if (!padded || *padded > file_size_ - data_at)
+      fail_at(name, fmt::format("header says {} data bytes from byte {}, but the file ends at byte {} "
+                                "(truncated or corrupt shard; re-copy or regenerate it)",
+                                size, data_at, file_size_));
+    const uint64_t data_end = data_at + *padded;
 
-    if (type == 'L' || type == 'x' || type == 'g' || type == 'K') {
-      if (size > (64u << 20)) fail_at(shown, fmt::format("extended header of {} bytes is implausibly large", size));
-      std::vector<uint8_t> data(size);
-      if (size > 0 && std::fread(data.data(), 1, size, file_.get()) != size)
-        fail_at(shown, "short read in an extended header");
-      pos_ = data_at + round_up(size);
-      seek(pos_);
-      if (type == 'L') {
-        long_name = field_text(data.data(), data.size());
-      } else if (type == 'x') {
-        apply_pax(data, pax_path, pax_size, has_pax_size, [&](const std::string& what) { fail_at(shown, what); });
+    if (type == 'L' || type == 'x') {
+      extended = true;
+      if (size > kMaxExtendedHeader) {
+        fault = fmt::format("its {} header of {} bytes is larger than the {} flux8 reads",
+                            type == 'L' ? "long-name" : "pax", size, kMaxExtendedHeader);
+      } else {
+        std::string data(size, '\0');
+        read_at(data_at, data.data(), data.size(), name);
+        if (type == 'L') {
+          long_name = field_text(reinterpret_cast<const uint8_t*>(data.data()), data.size());
+        } else if (std::string bad = apply_pax(data, pax); !bad.empty()) {
+          fault = std::move(bad);
+        }
       }
-      continue;  // 'g' (global pax) and 'K' (long link name) carry nothing flux8 uses
+      pos_ = data_end;
+      continue;
     }
-
-    const std::string full = !pax_path.empty() ? pax_path : !long_name.empty() ? long_name : name;
+    if (type == 'g' || type == 'K') {  // global pax, long link name: nothing flux8 uses
+      pos_ = data_end;
+      continue;
+    }
+    last_name_ = name;
     if (type == '0' || type == '\0' || type == '7') {
-      current_ = TarMember{full, size, data_at};
-      last_name_ = full;
+      current_ = TarMember{name, size, data_at, fault};
+      current_end_ = data_end;
       data_pending_ = true;
       member = current_;
       return true;
     }
     // Directories, links, devices: no data of interest; skip whatever data they declare.
-    last_name_ = full;
     long_name.clear();
-    pax_path.clear();
-    has_pax_size = false;
-    pos_ = data_at + round_up(size);
-    seek(pos_);
+    fault.clear();
+    pax = PaxFields{};
+    extended = false;
+    pos_ = data_end;
   }
 }
 
 std::vector<uint8_t> TarReader::read_data() {
   if (!data_pending_) fail("shard {}: read_data() without a current member (or read twice)", path_);
-  std::vector<uint8_t> data(current_.size);
-  if (current_.size > 0 && std::fread(data.data(), 1, current_.size, file_.get()) != current_.size)
-    fail_at(current_.name, fmt::format("short read of {} bytes at byte {} (file changed while "
-                                       "reading?)",
-                                       current_.size, current_.data_offset));
-  pos_ = current_.data_offset + round_up(current_.size);
-  seek(pos_);
   data_pending_ = false;
+  pos_ = current_end_;
+  if (!current_.fault.empty()) fail_at(current_.name, current_.fault);
+  // The size was checked against the file when the header was read: a valid member of this
+  // size needs this memory too.
+  std::vector<uint8_t> data;
+  try {
+    data.resize(current_.size);
+  } catch (const std::bad_alloc&) {
+    fail_at(current_.name, fmt::format("{} data bytes do not fit in memory", current_.size));
+  }
+  read_at(current_.data_offset, data.data(), data.size(), current_.name);
   return data;
 }
 
 std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, uint64_t size, const std::string& what) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // as TarReader's
   if (fd < 0) fail("shard {}, member {}: cannot open: {}", path, what, errno_text());
+  struct stat st {};
+  const std::optional<uint64_t> end = checked_add(offset, size);
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || !end || *end > static_cast<uint64_t>(st.st_size)) {
+    ::close(fd);
+    fail("shard {}, member {}: the file no longer holds {} bytes at byte {} (shard changed or truncated since it was "
+         "indexed?)",
+         path, what, size, offset);
+  }
   std::vector<uint8_t> data(size);
   uint64_t done = 0;
   while (done < size) {
@@ -314,11 +399,11 @@ void TarWriter::add(const std::string& name, const void* data, size_t size) {
   if (name.size() > 100) {
     write_header("././@LongLink", name.size() + 1, 'L');
     write(name.c_str(), name.size() + 1);
-    write(zeros, round_up(name.size() + 1) - (name.size() + 1));
+    write(zeros, padding(name.size() + 1));
   }
   write_header(name, size, '0');
   write(data, size);
-  write(zeros, round_up(size) - size);
+  write(zeros, padding(size));
 }
 
 void TarWriter::finish() {

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace flux8 {
@@ -23,6 +24,9 @@ struct TarMember {
   std::string name;          // full path inside the archive (long and pax names applied)
   uint64_t size = 0;         // data bytes
   uint64_t data_offset = 0;  // where the data starts in the file (for random access later)
+  // Why the member cannot be used though the archive around it is sound (its long-name or pax
+  // header was malformed or oversized); empty for a good member. read_data() fails with it.
+  std::string fault;
 };
 
 // An open stdio file, closed when its owner goes away.
@@ -31,42 +35,61 @@ struct FileCloser {
 };
 using FileHandle = std::unique_ptr<std::FILE, FileCloser>;
 
-// Reads the regular-file members of a tar file in order. Every header's checksum is verified,
-// and a member whose data (or padding) runs past the end of the file is reported as truncated
-// as soon as its header is read, so reading and skipping find the same faults. End of archive
-// is a zero block; a file that simply ends on a block boundary after a member is accepted
-// (missing end marker), a partial block is not. Errors name the file and the member:
-//   "shard <path>, member <name>: ...".
+// Reads the regular-file members of a tar archive in order, from a file or from bytes in
+// memory. Every header's checksum is verified, and every size a header gives is checked against
+// the bytes left in the archive before it is used: a member whose data (or padding) runs past
+// the end is reported as truncated as soon as its header is read, so reading and skipping find
+// the same faults, and nothing is allocated beyond what the archive holds. Each header read
+// moves forward by at least one block, so any input ends in time. End of archive is a zero
+// block; an archive that simply ends on a block boundary after a member is accepted (missing end
+// marker), a partial block is not.
+//
+// Faults come in two kinds. A member whose extended header (GNU long name, pax records) is
+// malformed is returned with `fault` set: the archive's framing is intact and the next member
+// can be read. A header that fails its checksum, a size field that is not a number, or a size
+// past the end leave no trustworthy position: next() fails, and the rest of the archive cannot
+// be read. Errors are flux8::Error naming archive and member: "shard <path>, member <name>: ...".
 class TarReader {
  public:
+  // A tar file (a regular file: a memfd's /proc/self/fd/N path is one).
   explicit TarReader(const std::string& path);
+  // Bytes in memory, named `name` in errors; `bytes` must outlive the reader.
+  TarReader(std::string name, std::string_view bytes);
+  ~TarReader();
+  TarReader(const TarReader&) = delete;
+  TarReader& operator=(const TarReader&) = delete;
 
   const std::string& path() const { return path_; }
+  // True for a reader of bytes in memory (no file to read members from by random access).
+  bool in_memory() const { return fd_ < 0; }
 
   // Advances to the next regular-file member (skipping the unread data of the current one).
   // Returns false at the end of the archive.
   bool next(TarMember& member);
-  // The data of the current member; once per member, before the next call to next().
+  // The data of the current member; once per member, before the next call to next(). Fails
+  // for a member with a fault.
   std::vector<uint8_t> read_data();
 
  private:
-  bool read_block(uint8_t* block, const char* what);  // false on a clean EOF
-  void seek(uint64_t offset);
+  void read_at(uint64_t offset, void* dst, size_t n, const std::string& member) const;
+  bool read_header(uint8_t* block);  // false at the end of the archive's bytes
   [[noreturn]] void fail_at(const std::string& member, const std::string& what) const;
   std::string position() const;  // "after <last member>": a header that cannot be trusted
 
   std::string path_;
-  FileHandle file_;
+  int fd_ = -1;
+  const char* bytes_ = nullptr;  // the archive in memory (fd_ < 0)
   uint64_t file_size_ = 0;
   uint64_t pos_ = 0;       // offset of the next header block when no data is pending
   std::string last_name_;  // previous member, for errors in a header that cannot be trusted
   TarMember current_;
+  uint64_t current_end_ = 0;   // offset after current_'s padded data
   bool data_pending_ = false;  // current_'s data has not been read
   bool ended_ = false;
 };
 
 // Reads `size` bytes at `offset` of a file (random access into a shard for a member found
-// earlier); `what` names it in errors.
+// earlier); `what` names it in errors. Fails, before allocating, when the file holds fewer.
 std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, uint64_t size, const std::string& what);
 
 // Writes a tar file (regular members, ustar headers, GNU long-name entries for names over 100

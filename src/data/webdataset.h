@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "data/sample.h"
@@ -39,6 +40,7 @@ struct SampleMember {
   std::string name;
   uint64_t offset = 0, size = 0;
   std::vector<uint8_t> data;
+  std::string fault;  // TarMember::fault: the member cannot be used (decode_sample fails with it)
 };
 
 // The members of one sample, not yet decoded (data empty when read header-only).
@@ -53,23 +55,30 @@ bool split_member_name(const std::string& name, std::string& key, std::string& e
 // "latents" -> "latent", "prompt_embeds" -> "t5", ...; other names unchanged.
 std::string canonical_field_name(const std::string& name);
 
-// Decodes the members (with data) into a sample. Errors name the shard, the member and what
-// is wrong.
+// Decodes the members (with data) into a sample. Member data is untrusted: whatever the bytes,
+// this returns or throws flux8::Error naming the shard, the member and what is wrong (library
+// exceptions are turned into such errors), in time and memory bounded by the data's size.
 Sample decode_sample(const RawSample& raw);
-// Reads the data of a header-only RawSample by random access, then decodes it.
+// Reads the data of a header-only RawSample by random access in its shard file, then decodes it.
 Sample load_sample(const RawSample& raw);
 
-// Individual decoders; `where` ("shard S, member M") prefixes error messages.
+// Individual decoders of untrusted bytes, with decode_sample's guarantees; `where` ("shard S,
+// member M") prefixes error messages, which quote at most a short excerpt of the input.
 HostTensor decode_npy(const uint8_t* data, size_t size, const std::string& where, bool u2_is_bf16 = false);
 // Raw little-endian `dtype` ("bf16", "f16", "f32", also "bfloat16", "float16", "float32");
 // `source` says where dtype and shape came from, for the size-mismatch message.
 HostTensor decode_raw(const uint8_t* data, size_t size, const std::string& dtype, const std::vector<int64_t>& shape,
                       const std::string& where, const std::string& source = "the expected layout");
 
-// Reads the samples of one shard in order.
+// Reads the samples of one shard in order. A tar framing fault (TarReader) fails next_raw(),
+// next() and skip(), and the rest of the shard cannot be read; a member with a fault of its own
+// is returned in its sample, whose decoding then fails.
 class WebDatasetReader {
  public:
   explicit WebDatasetReader(const std::string& shard_path);
+  // A shard in memory, named `name` in errors; `bytes` must outlive the reader (its samples
+  // are read with data: load_sample needs a file).
+  WebDatasetReader(std::string name, std::string_view bytes);
   const std::string& shard() const { return tar_.path(); }
 
   // Groups the next sample's members, reading their data when `with_data`, else only headers

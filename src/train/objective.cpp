@@ -129,6 +129,24 @@ HostTensor vae_draw(const Sample& s, const ObjectiveConfig& obj, uint64_t seed, 
   return z;
 }
 
+}  // namespace
+
+void check_sample_fits(const Sample& s, const FluxConfig& m) {
+  const HostTensor& image = image_field(s);
+  const int64_t features = patch_grid(image.shape, m.patch_size).second;
+  if (features != m.in_channels)
+    fail("sample {} in {}: {} channels x {}x{} patches = {} features per token, but the model's in_channels is {}",
+         s.key, s.shard, image.shape[0], m.patch_size, m.patch_size, features, m.in_channels);
+  const HostTensor& t5 = s.at("t5");
+  if (t5.shape.size() != 2 || t5.shape[1] != m.context_dim)
+    fail("sample {} in {}: t5 must be [tokens, {}] (context_dim)", s.key, s.shard, m.context_dim);
+  if (s.at("clip").numel() != m.vec_dim)
+    fail("sample {} in {}: clip has {} values, the model's vec_dim is {}", s.key, s.shard, s.at("clip").numel(),
+         m.vec_dim);
+}
+
+namespace {
+
 struct PerSample {
   double t;
   bool drop_text;

@@ -61,6 +61,11 @@ double shift_timestep(double t, int64_t image_tokens);
 // pack_patches into out[rows·cols] (f32: the batch's x0), rows and cols known from x's shape.
 void pack_patches_into(const HostTensor& x, int64_t patch, float* out);
 
+// Fails naming the sample when its own tensors do not fit `model` (image data and its patch
+// grid, t5 [tokens, context_dim], clip [vec_dim]): what the batch builders check of each sample,
+// for the data loader to check as it decodes (LoaderOptions::check).
+void check_sample_fits(const Sample& s, const FluxConfig& model);
+
 // Training batch for `step`: samples[i] is global-batch sample first_index + i on `rank`.
 HostBatch make_train_batch(const std::vector<Sample>& samples, const FluxConfig& model, const ObjectiveConfig& obj,
                            const EmptyPrompt& empty, uint64_t seed, uint64_t step, uint64_t rank, int64_t first_index);

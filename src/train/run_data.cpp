@@ -87,6 +87,7 @@ std::vector<Sample> load_validation_set(const TrainConfig& cfg) {
   o.single_pass = true;
   o.shuffle_buffer = 0;
   o.skip_corrupt = cfg.data_skip_corrupt;
+  o.check = [&model = cfg.model](const Sample& s) { check_sample_fits(s, model); };
   DataLoader loader(o);
   const int64_t limit = cfg.eval_samples;
   Sample s;

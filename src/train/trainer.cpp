@@ -137,6 +137,7 @@ void open_loader(Run& r) {
   lo.shuffle_buffer = r.cfg.data_shuffle_buffer;
   lo.prefetch = r.cfg.data_prefetch;
   lo.skip_corrupt = r.cfg.data_skip_corrupt;
+  lo.check = [&model = r.cfg.model](const Sample& s) { check_sample_fits(s, model); };
   r.loader = std::make_unique<DataLoader>(
       lo, LoaderState{static_cast<uint64_t>(r.state.data_epoch), static_cast<uint64_t>(r.state.data_position)});
 }
