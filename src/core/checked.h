@@ -30,8 +30,7 @@ std::optional<T> checked_mul(T a, T b) {
 // The product of `dims` (an element count), or nullopt when a dimension is negative or the
 // product exceeds `limit`.
 template <typename Range>
-std::optional<uint64_t> checked_product(const Range& dims,
-                                        uint64_t limit = std::numeric_limits<uint64_t>::max()) {
+std::optional<uint64_t> checked_product(const Range& dims, uint64_t limit = std::numeric_limits<uint64_t>::max()) {
   uint64_t n = 1;
   for (auto d : dims) {
     if constexpr (std::is_signed_v<decltype(d)>)

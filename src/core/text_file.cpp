@@ -1,26 +1,32 @@
 #include "core/text_file.h"
 
-#include "core/error.h"
-
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
+
+#include "core/error.h"
 
 namespace flux8 {
 
 std::optional<std::string> read_file_text(const std::string& path, std::string& error, uint64_t max_bytes) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever. fstat on
+  // the opened descriptor: what is checked is what is read, and a directory or a device is
+  // refused before any read.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
     error = std::strerror(errno);
     return std::nullopt;
   }
-  // stat after open: the size checked is the file's that was opened, and a directory (which
-  // ifstream opens on Linux) or a device is refused before any read.
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     error = "not a regular file";
     return std::nullopt;
   }
@@ -28,10 +34,20 @@ std::optional<std::string> read_file_text(const std::string& path, std::string& 
     error = fmt::format("{} bytes, more than the {} this file may have", st.st_size, max_bytes);
     return std::nullopt;
   }
+  // A file that grew since fstat is read up to the size checked; one that shrank is cut short.
   std::string text(static_cast<size_t>(st.st_size), '\0');
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  // A file that grew since stat is read up to the size checked; one that shrank is cut short.
-  text.resize(static_cast<size_t>(in.gcount()));
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      error = std::strerror(errno);
+      return std::nullopt;
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  text.resize(got);
   return text;
 }
 

@@ -7,6 +7,7 @@
 #include <iterator>
 
 #include "core/error.h"
+#include "core/text_file.h"
 #include "data/demo.h"
 #include "data/loader.h"
 #include "data/webdataset.h"
@@ -30,10 +31,10 @@ DemoSpec demo_spec(const TrainConfig& cfg) {
   return s;
 }
 
+// An empty prompt's embedding: a few hundred KB for any real text encoder, bounded like the
+// other small files flux8 reads whole.
 HostTensor read_npy_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open {} (empty_prompt_file prefix + .t5.npy / .clip.npy)", path);
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string bytes = read_text_or_fail(path, "empty_prompt_file (prefix + .t5.npy / .clip.npy)");
   return decode_npy(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
 }
 
