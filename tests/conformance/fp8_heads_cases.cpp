@@ -197,9 +197,12 @@ const Cases kFp8HeadsCases({
      }},
     {.op = "heads_to_tokens_fp8",
      .name = "stream_at_offset",
-     .why = "code · scale_inv is exact in f32 (bf16: one rounding, the same everywhere): bit for bit",
+     .bf16_steps = 1,
+     .why = "code · scale_inv is exact in f32: bit for bit; where the run's heads are bf16 (the CUDA backend's "
+            "attention_heads_dtype, also beside f32 tokens) the value read is that one rounded once",
      .judge = Judge::cpu_f32,
      .build = [](Run& r) -> AnyOp {
+       r.scratch({Rows, D}, Role::heads);  // a tensor of the heads' type: the run counts its bf16 rounding
        return op::HeadsToTokensFp8{
            .tokens = r.output("tokens", {B, 7, H}, 3), .heads = cast_of(r, r.input({Rows, D}, 134)), .token_offset = 5};
      }},
