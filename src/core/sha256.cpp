@@ -10,7 +10,6 @@
 #include <vector>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -88,14 +87,9 @@ void portable(uint32_t state[8], const uint8_t* data, size_t blocks) {
 }
 
 #if defined(__x86_64__)
-// CPUID directly: clang before 16 has no "sha" for __builtin_cpu_supports, and the fuzz build
-// (tests/fuzz) compiles this with clang. SHA: leaf 7 EBX bit 29; SSE4.1, SSSE3: leaf 1 ECX bits 19, 9.
 bool hardware_available() {
-  static const bool available = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 19)) || !(ecx & (1u << 9))) return false;
-    return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (ebx & (1u << 29));
-  }();
+  static const bool available =
+      __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1") && __builtin_cpu_supports("ssse3");
   return available;
 }
 
