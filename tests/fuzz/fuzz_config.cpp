@@ -4,8 +4,9 @@
 //
 // Input: up to four parts separated by a line "#--": main.yaml, a.yaml, b.yaml (which main.yaml
 // and each other may include by those names) and the overrides, one key=value per line. The
-// three files are memfds behind symbolic links in a directory made once per process, so an
-// include resolves as it would on disk.
+// three files live in a directory made once per process in /dev/shm (memory, not disk), so an
+// include resolves as it would anywhere. They are real files, not memfds: Config resolves each
+// path with weakly_canonical, which cannot follow a /proc/self/fd link to a memfd.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,7 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <memory>
+#include <fstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -34,24 +35,28 @@ constexpr const char* kFileNames[] = {"main.yaml", "a.yaml", "b.yaml"};
 
 struct ConfigDir {
   std::string dir;
-  std::vector<std::unique_ptr<flux8::fuzz::MemFile>> files;
 
   ConfigDir() {
-    const fs::path tmpl = fs::temp_directory_path() / "flux8-fuzz-config-XXXXXX";
-    std::string buf = tmpl.string();
+    std::error_code ec;
+    const fs::path base = fs::is_directory("/dev/shm", ec) ? fs::path("/dev/shm") : fs::temp_directory_path();
+    std::string buf = (base / "flux8-fuzz-config-XXXXXX").string();
     if (!mkdtemp(buf.data())) {
       std::perror("fuzz harness: mkdtemp");
       std::abort();
     }
     dir = buf;
-    for (const char* name : kFileNames) {
-      files.push_back(std::make_unique<flux8::fuzz::MemFile>(name));
-      fs::create_symlink(files.back()->path(), fs::path(dir) / name);
-    }
   }
   ~ConfigDir() {
     std::error_code ec;
     fs::remove_all(dir, ec);
+  }
+  void write(const char* name, std::string_view text) const {
+    std::ofstream out(fs::path(dir) / name, std::ios::binary | std::ios::trunc);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    if (!out) {
+      std::fprintf(stderr, "fuzz harness: cannot write %s/%s\n", dir.c_str(), name);
+      std::abort();
+    }
   }
 };
 
@@ -87,7 +92,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<std::string_view> parts =
       split(std::string_view(reinterpret_cast<const char*>(data), size), std::size(kFileNames) + 1);
   for (size_t i = 0; i < std::size(kFileNames); ++i)
-    config_dir.files[i]->assign(i < parts.size() ? parts[i] : std::string_view());
+    config_dir.write(kFileNames[i], i < parts.size() ? parts[i] : std::string_view());
   std::vector<std::string> overrides;
   if (parts.size() > std::size(kFileNames)) {
     std::string_view rest = parts.back();
