@@ -38,17 +38,28 @@ def safetensors(tensors, metadata=None, header_override=None):
     return struct.pack("<Q", len(raw)) + raw + data
 
 
-def tar(members, fmt=tarfile.USTAR_FORMAT):
+def tar(members, fmt=tarfile.USTAR_FORMAT, pax=None):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
         for name, payload in members:
             info = tarfile.TarInfo(name)
             info.size, info.mtime, info.mode = len(payload), 0, 0o644
+            info.pax_headers = dict(pax or {})
             t.addfile(info, io.BytesIO(payload))
     # The end marker (two zero blocks) without tarfile's padding to a 10 KiB record.
     data = buf.getvalue()
     end = len(data.rstrip(b"\0"))
     return data[:end + (-end) % 512 + 1024]
+
+
+def base256_sizes(archive):
+    """The archive with its first header's size in GNU base-256 (valid, and what large members use)."""
+    data = bytearray(archive)
+    size = int(data[124:136].split(b"\0")[0] or b"0", 8)
+    data[124:136] = b"\x80" + size.to_bytes(11, "big")
+    data[148:156] = b" " * 8
+    data[148:156] = b"%06o\0 " % sum(data[:512])
+    return bytes(data)
 
 
 def f32(*values):
@@ -93,6 +104,8 @@ def corpus_webdataset():
         "gnu_long_name": tar(long_name, fmt=tarfile.GNU_FORMAT),
         "pax_long_name": tar(long_name, fmt=tarfile.PAX_FORMAT),
         "truncated": good[:len(good) - 1024 - 300],
+        "gnu_base256_size": base256_sizes(tar(sample[:2])),
+        "pax_size": tar([("000005.txt", b"pax sized caption")], fmt=tarfile.PAX_FORMAT, pax={"size": "17"}),
         "bad_json_shape": tar([("000004.t5.bytes", b"\0" * 8), ("000004.json", b'{"t5": {"shape": [3], "dtype": "f32"}}')]),
     }
 
