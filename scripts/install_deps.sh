@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what flux8 needs to build and test on Debian/Ubuntu: a C++20 compiler, CMake, Ninja,
 # OpenBLAS, yaml-cpp, nlohmann-json, CLI11, fmt, libpng, GoogleTest, clang with libFuzzer (the
-# fuzz targets); and the Python packages the interop tests use (numpy, safetensors). Safe to run again: installed packages are skipped.
+# fuzz targets); and the Python packages the interop tests use (numpy, safetensors). Safe to run
+# again: installed packages are skipped.
 set -euo pipefail
 
 packages=(build-essential cmake ninja-build pkg-config libopenblas-dev libyaml-cpp-dev
