@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 jobs=$(nproc 2>/dev/null || echo 2)
 # Ninja for a new build/; an existing one keeps the generator it was configured with (CMake
-# refuses to switch it).
+# refuses to switch it). build/ is shared with scripts/test.sh: the configuration leaves
+# FLUX8_TESTS as it is and only the flux8 target is built, so neither script undoes the other.
 gen=(-G Ninja); [ -f build/CMakeCache.txt ] && gen=()
-cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DFLUX8_TESTS=OFF > /dev/null
+cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build -j "$jobs" --target flux8
 build/flux8 train -c configs/demo.yaml "$@"
 echo "sample grid: runs/demo/samples.png   metrics: runs/demo/metrics.jsonl   checkpoints: runs/demo/step-*"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what flux8 needs to build and test on Debian/Ubuntu: a C++20 compiler, CMake, Ninja,
-# OpenBLAS, yaml-cpp, nlohmann-json, CLI11, fmt, libpng, GoogleTest; and the Python packages the
-# interop tests use (numpy, safetensors). Safe to run again: installed packages are skipped.
+# OpenBLAS, yaml-cpp, nlohmann-json, CLI11, fmt, libpng, GoogleTest, clang with libFuzzer (the
+# fuzz targets); and the Python packages the interop tests use (numpy, safetensors). Safe to run
+# again: installed packages are skipped.
 set -euo pipefail
 
 packages=(build-essential cmake ninja-build pkg-config libopenblas-dev libyaml-cpp-dev
@@ -16,6 +17,31 @@ if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
   $sudo_cmd apt-get update -q
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# clang 16 or newer, with libFuzzer and OpenMP, for the fuzz targets (scripts/fuzz.sh): clang 14
+# and 15 lack C++20 features flux8 uses. libFuzzer (libclang_rt.fuzzer-*.a) ships in
+# libclang-rt-N-dev on Debian 12 and Ubuntu 24.04, in libclang-common-N-dev on older releases.
+have_clang=""
+for v in 21 20 19 18 17 16; do
+  if command -v "clang++-$v" > /dev/null &&
+     compgen -G "$(clang++-$v -print-resource-dir)/lib/*/libclang_rt.fuzzer*.a" > /dev/null; then
+    have_clang=$v; break
+  fi
+done
+if [ -z "$have_clang" ]; then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -q
+  for v in 19 18 17 16; do
+    if apt-cache show "clang-$v" > /dev/null 2>&1; then
+      clang_packages=("clang-$v" "libomp-$v-dev")
+      apt-cache show "libclang-rt-$v-dev" > /dev/null 2>&1 && clang_packages+=("libclang-rt-$v-dev")
+      echo "installing: ${clang_packages[*]}"
+      DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q --no-install-recommends "${clang_packages[@]}"
+      break
+    fi
+  done
 fi
 
 # ml_dtypes 0.7.x: the E8M0 reference that tests/python/test_fp8_ml_dtypes.py compares with,

@@ -211,7 +211,9 @@ TEST(TrainStep, LowRankGradientsEqualDenseOnes) {
     size_t low_rank = 0;
   };
   int64_t per_sample = 0;
-  for (const ParamInfo& p : ParamLayout::build(cfg).params()) per_sample += p.per_sample;
+  // A named layout: a range-for over params() of a temporary reads it after it is destroyed.
+  const ParamLayout layout = ParamLayout::build(cfg);
+  for (const ParamInfo& p : layout.params()) per_sample += p.per_sample;
   const auto run = [&](int64_t keep, bool materialize) {
     auto be = make_backend("cpu");
     FluxModel model(cfg, *be, DType::f32);
