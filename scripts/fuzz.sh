@@ -6,6 +6,8 @@
 # Usage: scripts/fuzz.sh [SECONDS per target (default 60) | -runs=N] [target...]
 #   scripts/fuzz.sh 600                 ten minutes per target
 #   scripts/fuzz.sh -runs=1000000 npy   one target, a fixed number of executions
+# FLUX8_FUZZ_SEED=S fixes libFuzzer's random seed: with -runs=N a run is then the same inputs
+# every time (CI's stage, so that it cannot fail at random), given the same corpus directories.
 # Reproduce a finding: build-fuzz/fuzz/fuzz_<target> build-fuzz/findings/<target>/crash-...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +51,7 @@ for t in "${targets[@]}"; do
   # New inputs go to the working corpus (first directory); the seeds in the repository stay.
   work=build-fuzz/corpus/$t findings=build-fuzz/findings/$t log=build-fuzz/logs/$t.log
   mkdir -p "$work" "$findings" build-fuzz/logs
-  args=("$budget" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 -print_final_stats=1
+  args=("$budget" ${FLUX8_FUZZ_SEED:+-seed=$FLUX8_FUZZ_SEED} -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 -print_final_stats=1
         -artifact_prefix="$findings/")
   case $t in
     checkpoint_json) args+=(-dict=tests/fuzz/dict/json.dict) ;;

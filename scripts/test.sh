@@ -3,8 +3,9 @@
 #   release  builds flux8 (Release) and its tests in build/ and runs CTest;
 #   asan     the CPU suite built with AddressSanitizer + UndefinedBehaviorSanitizer in
 #            build-asan/ (scripts/sanitize.sh);
-#   fuzz     every fuzz target of tests/fuzz for $FLUX8_FUZZ_SECONDS (default 60) seconds each
-#            (scripts/fuzz.sh, build-fuzz/).
+#   fuzz     every fuzz target of tests/fuzz, $FLUX8_FUZZ_RUNS (default 30000) executions each
+#            from a fixed seed and the seed corpora alone, so the stage gives the same verdict on
+#            every run (scripts/fuzz.sh, build-fuzz/; longer, varying runs: scripts/fuzz.sh SECONDS).
 # A stage that runs no test fails. Usage: scripts/test.sh [extra ctest arguments, e.g. -R Golden]
 # (they apply to the release and asan stages); FLUX8_TEST_STAGES="release" runs only the named
 # stages.
@@ -33,6 +34,8 @@ if [[ " $stages " == *" asan "* ]]; then
 fi
 if [[ " $stages " == *" fuzz "* ]]; then
   start=$SECONDS
-  scripts/fuzz.sh "${FLUX8_FUZZ_SECONDS:-60}"
+  # A fresh working corpus: inputs a local run found earlier would change what this one tries.
+  rm -rf build-fuzz/corpus
+  FLUX8_FUZZ_SEED=${FLUX8_FUZZ_SEED:-1} scripts/fuzz.sh "-runs=${FLUX8_FUZZ_RUNS:-30000}"
   stage_timer fuzz "$start"
 fi
