@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -47,6 +48,16 @@ inline std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
   return out;
 }
 
+// Header `h` with its checksum computed (again, after an edit).
+inline std::string rechecksummed(std::string h) {
+  std::memset(h.data() + 148, ' ', 8);
+  unsigned sum = 0;
+  for (char c : h) sum += static_cast<uint8_t>(c);
+  std::snprintf(h.data() + 148, 8, "%06o", sum);
+  h[155] = ' ';
+  return h;
+}
+
 // One 512-byte header assembled by hand (octal fields, checksum), for cases the writer never
 // produces: pax headers, ustar prefixes, directories.
 inline std::string raw_header(const std::string& name, uint64_t size, char type, const std::string& prefix = "") {
@@ -59,12 +70,7 @@ inline std::string raw_header(const std::string& name, uint64_t size, char type,
   std::memcpy(h.data() + 257, "ustar", 6);
   std::memcpy(h.data() + 263, "00", 2);
   std::memcpy(h.data() + 345, prefix.data(), prefix.size());
-  std::memset(h.data() + 148, ' ', 8);
-  unsigned sum = 0;
-  for (char c : h) sum += static_cast<uint8_t>(c);
-  std::snprintf(h.data() + 148, 8, "%06o", sum);
-  h[155] = ' ';
-  return h;
+  return rechecksummed(std::move(h));
 }
 inline std::string padded(const std::string& data) { return data + std::string((512 - data.size() % 512) % 512, '\0'); }
 // A pax record "<len> key=value\n", where len counts the whole record including itself.

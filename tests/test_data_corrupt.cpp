@@ -39,16 +39,6 @@ void promptly(F body) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, kPromptly);
 }
 
-// Header `h` with its checksum recomputed after an edit.
-std::string rechecksummed(std::string h) {
-  std::memset(h.data() + 148, ' ', 8);
-  unsigned sum = 0;
-  for (char c : h) sum += static_cast<uint8_t>(c);
-  std::snprintf(h.data() + 148, 8, "%06o", sum);
-  h[155] = ' ';
-  return h;
-}
-
 // A regular member's header whose size field is GNU base-256 (0x80, then big-endian bytes).
 std::string base256_header(const std::string& name, uint64_t size) {
   std::string h = raw_header(name, 0, '0');
