@@ -16,8 +16,8 @@
 namespace flux8::testing::data {
 
 // A .npy v1.0 (or v2.0) image: descr as given, C order, data bytes as given.
-inline std::string npy(const std::string& descr, const std::vector<int64_t>& shape, const std::string& data, int version = 1,
-                bool fortran = false) {
+inline std::string npy(const std::string& descr, const std::vector<int64_t>& shape, const std::string& data,
+                       int version = 1, bool fortran = false) {
   std::string shape_text = "(";
   for (int64_t d : shape) shape_text += std::to_string(d) + ", ";
   if (shape.size() > 1) shape_text.resize(shape_text.size() - 2);
@@ -80,6 +80,5 @@ inline std::string pax_record(const std::string& key, const std::string& value) 
   while (std::to_string(len).size() + body.size() != len) ++len;
   return std::to_string(len) + body;
 }
-
 
 }  // namespace flux8::testing::data

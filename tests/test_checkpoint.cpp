@@ -554,9 +554,9 @@ TEST(Checkpoint, ResumeRefusesWhenNoCheckpointVerifies) {
   EXPECT_EQ(checkpoint_to_resume(root.str()), s100);
   fs::resize_file(fs::path(s100) / "optimizer.safetensors", 1000);
   const std::string e = error_of([&] { checkpoint_to_resume(root.str()); });
-  expect_mentions(e, {"--resume: " + root.str() + " holds 2 checkpoints, and none verifies",
-                      s200 + ": model.safetensors bytes [", "altered or damaged on disk",
-                      s100 + ": optimizer.safetensors has 1000 bytes", "Nothing was changed"});
+  expect_mentions(
+      e, {"--resume: " + root.str() + " holds 2 checkpoints, and none verifies", s200 + ": model.safetensors bytes [",
+          "altered or damaged on disk", s100 + ": optimizer.safetensors has 1000 bytes", "Nothing was changed"});
   EXPECT_TRUE(fs::exists(s100) && fs::exists(s200));
 }
 
@@ -577,9 +577,9 @@ TEST(Checkpoint, PruningDoesNotCountDamagedCheckpoints) {
   const std::string warnings = ::testing::internal::GetCapturedStderr();
   auto names = [](const std::string& dir) { return listing(dir); };
   EXPECT_EQ(names(a), (std::vector<std::string>{"step-0000100", "step-0000150", "step-0000200", "step-0000300"}));
-  expect_mentions(warnings, {"checkpoint " + s300 + " is damaged (model.safetensors bytes [",
-                             "checkpoint " + s200 + " is damaged (optimizer.safetensors bytes [",
-                             "left in place for inspection"});
+  expect_mentions(
+      warnings, {"checkpoint " + s300 + " is damaged (model.safetensors bytes [",
+                 "checkpoint " + s200 + " is damaged (optimizer.safetensors bytes [", "left in place for inspection"});
   run.save(a, 160, 2);  // warned once per checkpoint; step 100 is now older than the two kept
   EXPECT_EQ(names(a), (std::vector<std::string>{"step-0000150", "step-0000160", "step-0000200", "step-0000300"}));
 

@@ -19,8 +19,8 @@
 #include "data/loader.h"
 #include "data/tar.h"
 #include "data/webdataset.h"
-#include "io/safetensors.h"
 #include "data_test_util.h"
+#include "io/safetensors.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;

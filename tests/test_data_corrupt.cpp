@@ -260,7 +260,9 @@ TEST(NpyCorruptTest, ZeroSizeArraysDecodeWithoutCopying) {
   }
   EXPECT_TRUE(npy_of(npy("<u2", {0}, "")).data.empty());
   // An empty array still may not carry dimensions whose products overflow later.
-  expect_mentions(error_of([] { npy_of(npy("<f4", {0, int64_t(1) << 40, int64_t(1) << 40}, "")); }),
+  expect_mentions(error_of([] {
+                    npy_of(npy("<f4", {0, int64_t(1) << 40, int64_t(1) << 40}, ""));
+                  }),
                   {"member k.t5.npy", "impossibly large"});
 }
 

@@ -13,9 +13,9 @@
 #include "data/loader.h"
 #include "data/tar.h"
 #include "data_test_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train_test_util.h"
-#include "test_util.h"
 
 namespace fs = std::filesystem;
 using namespace flux8;
@@ -63,13 +63,13 @@ TEST(TrainFaultTest, ShardCorruptedMidRunStopsOrIsSkipped) {
   spec.seed = kSeed;
   write_demo_dataset(data.string(), spec);
   // No shuffle buffer: step k reads the epoch's samples 4(k-1) .. 4k-1 in shard order.
-  const std::string sets = " --set demo_data=false --set data_shuffle_buffer=0 --set save_interval=3 --set seed=" +
-                           std::to_string(kSeed);
+  const std::string sets =
+      " --set demo_data=false --set data_shuffle_buffer=0 --set save_interval=3 --set seed=" + std::to_string(kSeed);
   const std::string config = (dir.root / "exp.yaml").string();
   const auto train = [&](const std::string& save, const std::string& extra, std::string* log) {
-    return flux8::testing::run_flux8("train -c " + config + sets + " --set save_dir=" + (dir.root / save).string() +
-                                         extra,
-                                     (dir.root / (save + ".log")).string(), log);
+    return flux8::testing::run_flux8(
+        "train -c " + config + sets + " --set save_dir=" + (dir.root / save).string() + extra,
+        (dir.root / (save + ".log")).string(), log);
   };
   std::string log;
   ASSERT_EQ(train("run", " --stop-after 3", &log), 0) << log;

@@ -2,9 +2,9 @@
 // train` killed with SIGKILL in the middle of a save, stopped by SIGTERM, and out of disk space
 // during a save (child processes of the real binary); --resume over checkpoints of which none
 // verifies; a NaN in a gradient (in process, through TrainOptions::nan_gradient).
-#include <gtest/gtest.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -44,7 +44,8 @@ struct Flux8Train {
   Flux8Train(const testing::RunDir& dir, const std::string& save_dir, const std::vector<std::string>& extra,
              std::optional<int64_t> stop_in_save = std::nullopt, std::optional<rlim_t> file_size_limit = std::nullopt)
       : log((dir.root / fmt::format("{}-{}.log", save_dir, next_log_number())).string()) {
-    std::vector<std::string> args = {FLUX8_BINARY, "train", "-c", (dir.root / "exp.yaml").string(),
+    std::vector<std::string> args = {FLUX8_BINARY, "train",
+                                     "-c",         (dir.root / "exp.yaml").string(),
                                      "--set",      "save_dir=" + (dir.root / save_dir).string()};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<std::string> env;
@@ -144,8 +145,8 @@ TEST(Faults, KillDuringSaveThenResumeIsBitExact) {
   ASSERT_EQ(::kill(child.pid, SIGKILL), 0);
   const int killed = child.wait_for_change();
   ASSERT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL);
-  EXPECT_EQ(listing(dir.root / "run"), (std::vector<std::string>{tmp.filename().string(), "metrics.jsonl",
-                                                                  "step-0000002"}));
+  EXPECT_EQ(listing(dir.root / "run"),
+            (std::vector<std::string>{tmp.filename().string(), "metrics.jsonl", "step-0000002"}));
 
   const auto [rc, out] = run_train(dir, "run", {"--set", "save_interval=2", "--resume"});
   ASSERT_EQ(rc, 0) << out;
@@ -278,13 +279,13 @@ TEST(Faults, NanGradientSkipsTheStepAndHaltsAfterTheConfiguredCount) {
   ::testing::internal::CaptureStdout();
   const std::string e = testing::error_of([&] { run_training(twice); });
   ::testing::internal::GetCapturedStdout();
-  expect_mentions(e, {"2 consecutive steps had a non-finite loss or gradient (last at step 4)",
-                      "the last checkpoint is intact"});
+  expect_mentions(
+      e, {"2 consecutive steps had a non-finite loss or gradient (last at step 4)", "the last checkpoint is intact"});
   const std::vector<nlohmann::json> both = skipped_steps(dir.root / "twice" / "metrics.jsonl");
   ASSERT_EQ(both.size(), 2u);
   for (const nlohmann::json& j : both) EXPECT_EQ(j["first_nonfinite"], param);
-  EXPECT_EQ(listing(dir.root / "twice"), (std::vector<std::string>{"metrics.jsonl", "step-0000001", "step-0000002",
-                                                                   "step-0000003"}));
+  EXPECT_EQ(listing(dir.root / "twice"),
+            (std::vector<std::string>{"metrics.jsonl", "step-0000001", "step-0000002", "step-0000003"}));
 }
 
 }  // namespace

@@ -223,8 +223,8 @@ struct DataLoader::Entry {
   Sample sample;
   RawSample located;
   bool lazy = false;
-  std::string corrupt;          // the decode error skip_corrupt skips
-  std::exception_ptr error;     // the decode error that stops the stream where the sample is
+  std::string corrupt;       // the decode error skip_corrupt skips
+  std::exception_ptr error;  // the decode error that stops the stream where the sample is
 };
 
 Sample DataLoader::decode(const RawSample& raw) const {

@@ -323,9 +323,10 @@ std::vector<uint8_t> read_file_range(const std::string& path, uint64_t offset, u
   const std::optional<uint64_t> end = checked_add(offset, size);
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || !end || *end > static_cast<uint64_t>(st.st_size)) {
     ::close(fd);
-    fail("shard {}, member {}: the file no longer holds {} bytes at byte {} (shard changed or truncated since it was "
-         "indexed?)",
-         path, what, size, offset);
+    fail(
+        "shard {}, member {}: the file no longer holds {} bytes at byte {} (shard changed or truncated since it was "
+        "indexed?)",
+        path, what, size, offset);
   }
   std::vector<uint8_t> data(size);
   uint64_t done = 0;

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <bit>
 #include <cctype>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "core/checked.h"
 #include "core/dtype.h"
@@ -196,7 +196,8 @@ void json_layout(const json& meta, const std::string& name, const std::string& c
         shape = json_shape(*s, where, "'" + n + "'.shape");
         has_shape = true;
       }
-      if (const json* d = json_member(*f, "dtype", json::value_t::string, where, n + ".dtype")) dtype = d->get<std::string>();
+      if (const json* d = json_member(*f, "dtype", json::value_t::string, where, n + ".dtype"))
+        dtype = d->get<std::string>();
     }
     if (shapes)
       if (const auto s = shapes->find(n); s != shapes->end()) {
@@ -204,7 +205,8 @@ void json_layout(const json& meta, const std::string& name, const std::string& c
         has_shape = true;
       }
     if (dtypes) {
-      if (const json* d = json_member(*dtypes, n, json::value_t::string, where, "dtypes." + n)) dtype = d->get<std::string>();
+      if (const json* d = json_member(*dtypes, n, json::value_t::string, where, "dtypes." + n))
+        dtype = d->get<std::string>();
     }
     if (has_shape) return;
   }
@@ -554,8 +556,7 @@ void decode_member(const SampleMember& m, const RawSample& raw, const json& meta
 Sample decode_sample(const RawSample& raw) {
   for (const SampleMember& m : raw.members)
     if (!m.fault.empty())
-      fail("{}: {} (the shard around it is intact; its sample cannot be used)", where_text(raw.shard, m.name),
-           m.fault);
+      fail("{}: {} (the shard around it is intact; its sample cannot be used)", where_text(raw.shard, m.name), m.fault);
   Sample s;
   s.key = raw.key;
   s.shard = raw.shard;

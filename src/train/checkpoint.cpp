@@ -16,8 +16,8 @@
 #include <iostream>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
@@ -443,7 +443,8 @@ void write_checkpoint_files(const std::string& tmp_dir, const TrainerState& stat
     files[file] = FileRecord{w->bytes, "", SafetensorsWriter::kPieceBytes, w->piece_sha256};
   std::vector<const char*> small = {kStateFile};
   if (fp8) small.push_back(kFp8File);
-  for (const char* file : small) files[file] = FileRecord{fs::file_size(in_tmp(file)), sha256_file(in_tmp(file)), 0, {}};
+  for (const char* file : small)
+    files[file] = FileRecord{fs::file_size(in_tmp(file)), sha256_file(in_tmp(file)), 0, {}};
   write_file_durably(in_tmp(kManifestFile), manifest_to_text(state.step, files));
   fsync_path(tmp_dir, /*directory=*/true);
 }

@@ -103,8 +103,8 @@ FileRecord file_record(const json& value, const std::string& name) {
          want);
   for (const json& d : pieces) {
     if (!Fields::is_sha256(d))
-      fail("{}: files.{}: field 'piece_sha256' must list SHA-256 digests (64 hex digits), got {}", kManifestFile,
-           name, Fields::excerpt(d));
+      fail("{}: files.{}: field 'piece_sha256' must list SHA-256 digests (64 hex digits), got {}", kManifestFile, name,
+           Fields::excerpt(d));
     r.piece_sha256.push_back(d.get<std::string>());
   }
   return r;
@@ -156,9 +156,10 @@ std::string manifest_to_text(int64_t step, const std::map<std::string, FileRecor
   manifest["step"] = step;
   manifest["files"] = json::object();
   for (const auto& [name, r] : files)
-    manifest["files"][name] = r.piece_sha256.empty()
-                                  ? json{{"bytes", r.bytes}, {"sha256", r.sha256}}
-                                  : json{{"bytes", r.bytes}, {"piece_bytes", r.piece_bytes}, {"piece_sha256", r.piece_sha256}};
+    manifest["files"][name] =
+        r.piece_sha256.empty()
+            ? json{{"bytes", r.bytes}, {"sha256", r.sha256}}
+            : json{{"bytes", r.bytes}, {"piece_bytes", r.piece_bytes}, {"piece_sha256", r.piece_sha256}};
   return manifest.dump(2) + "\n";
 }
 

@@ -18,10 +18,10 @@ struct NanGradientFault {
 struct TrainOptions {
   std::string config_path;
   std::vector<std::string> overrides;  // --set key=value
-  bool resume = false;  // continue from the newest checkpoint in save_dir that verifies (checkpoint_to_resume)
-  std::string init_from;               // load weights only (a checkpoint dir or .safetensors)
-  int64_t stop_after = 0;              // stop (with a checkpoint) after this many steps in this run
-  NanGradientFault nan_gradient;       // tests only
+  bool resume = false;     // continue from the newest checkpoint in save_dir that verifies (checkpoint_to_resume)
+  std::string init_from;   // load weights only (a checkpoint dir or .safetensors)
+  int64_t stop_after = 0;  // stop (with a checkpoint) after this many steps in this run
+  NanGradientFault nan_gradient;  // tests only
 };
 
 struct TrainResult {

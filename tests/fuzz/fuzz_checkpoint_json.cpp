@@ -32,8 +32,10 @@ struct CheckpointDir {
     dir = (fs::path(root) / flux8::checkpoint_dir_name(1)).string();
     fs::create_directory(dir);
     // Sizes 1, 2, 3 and 0 bytes: the seed manifests list them with these sizes.
-    for (const auto& [name, text] : {std::pair{"model.safetensors", "m"}, {"optimizer.safetensors", "op"},
-                                     {"trainer_state.json", "{}\n"}, {"fp8_state.safetensors", ""}})
+    for (const auto& [name, text] : {std::pair{"model.safetensors", "m"},
+                                     {"optimizer.safetensors", "op"},
+                                     {"trainer_state.json", "{}\n"},
+                                     {"fp8_state.safetensors", ""}})
       std::ofstream(fs::path(dir) / name, std::ios::binary) << text;
     fs::create_symlink(manifest.path(), fs::path(dir) / "manifest.json");
   }

@@ -79,7 +79,8 @@ void derive_settings(const flux8::Config& cfg) {
     const int64_t image_tokens = model.image_tokens(cfg.get_int("image_size"));
     const flux8::ParamLayout layout = flux8::ParamLayout::build(model);
     (void)layout.total();
-    (void)flux8::model_flops(model, flux8::StepShape{cfg.get_int("micro_batch_size"), model.text_seq_len, image_tokens});
+    (void)flux8::model_flops(model,
+                             flux8::StepShape{cfg.get_int("micro_batch_size"), model.text_seq_len, image_tokens});
   });
   flux8::fuzz::expect_only_input_errors([&] { (void)flux8::TrainConfig::from_config(cfg); });
   flux8::fuzz::expect_only_input_errors([&] { (void)flux8::Fp8Config::from_config(cfg); });
