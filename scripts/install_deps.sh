@@ -6,7 +6,8 @@
 set -euo pipefail
 
 packages=(build-essential cmake ninja-build pkg-config libopenblas-dev libyaml-cpp-dev
-          nlohmann-json3-dev libcli11-dev libfmt-dev libpng-dev libgtest-dev python3 python3-pip)
+          nlohmann-json3-dev libcli11-dev libfmt-dev libpng-dev libgtest-dev python3 python3-pip
+          libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
