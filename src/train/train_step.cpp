@@ -142,8 +142,10 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
   const BatchPipelineSpec& spec = pipeline.spec();
   ctx.model.params().zero_grads();
   StepLoss out;
+  // Each part's loss gradient is scaled by its share of the whole step (all ranks): the sum of
+  // the ranks' gradients is the gradient of the step's mean loss.
   const double share = static_cast<double>(spec.micro) / static_cast<double>(spec.global);
-  const int64_t parts = spec.global / spec.micro;
+  const int64_t parts = pipeline.parts();
   const Tensor losses = ctx.buffers.losses(parts);
   for (int64_t part = 0; part < parts; ++part) {
     const BatchPipeline::MicroBatch mb = pipeline.acquire();
@@ -156,6 +158,9 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
     pipeline.release();
     if (loader_after) *loader_after = mb.loader_after;
   }
+  // Every rank's parts' losses, summed part by part over the ranks: the step's loss is then the
+  // same on every rank.
+  if (ctx.data_parallel) ctx.data_parallel->all_reduce(losses);
   out.loss = step_loss(ctx.model.backend(), losses, parts, share);
   return out;
 }
@@ -164,7 +169,7 @@ StepStats apply_optimizer_step(FluxModel& model, AdamWOptimizer& opt, int64_t st
   model.before_optimizer_step();
   const std::vector<Backend::ParamCast> casts = model.weight_casts();
   const StepStats st = finite_loss ? opt.step(step, lr, casts) : StepStats{NAN, lr, false};
-  model.after_optimizer_step(st.applied && !casts.empty());
+  model.after_optimizer_step(st.applied && st.casts_written);
   return st;
 }
 

@@ -4,6 +4,7 @@
 #include <functional>
 #include <vector>
 
+#include "backend/communicator.h"
 #include "backend/step_graph.h"
 #include "data/loader.h"
 #include "data/sample.h"
@@ -62,6 +63,8 @@ struct StepContext {
   // cuda_graph: the model's backend, whose regions each micro-batch's forward, loss and
   // backward run in (null: op by op).
   StepGraph* graph = nullptr;
+  // The data-parallel group (null: one rank): the step's losses are summed over it.
+  Communicator* data_parallel = nullptr;
 };
 
 struct StepLoss {
