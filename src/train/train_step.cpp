@@ -117,22 +117,24 @@ void count_micro_batch(StepLoss& step, const HostBatch& hb, const FluxConfig& cf
 }  // namespace
 
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples, int64_t micro,
-                                   uint64_t step) {
-  const int64_t global = static_cast<int64_t>(samples.size());
-  if (micro < 1 || global % micro) fail("a step of {} samples cannot be split into micro-batches of {}", global, micro);
+                                   uint64_t step, int64_t first_index, int64_t global_samples) {
+  const int64_t local = static_cast<int64_t>(samples.size());
+  const int64_t global = global_samples > 0 ? global_samples : local;
+  if (micro < 1 || local % micro) fail("a step of {} samples cannot be split into micro-batches of {}", local, micro);
   ctx.model.params().zero_grads();
   StepLoss out;
   const double share = static_cast<double>(micro) / static_cast<double>(global);
-  const int64_t parts = global / micro;
+  const int64_t parts = local / micro;
   const Tensor losses = ctx.buffers.losses(parts);
-  for (int64_t first = 0, part_index = 0; first < global; first += micro, ++part_index) {
+  for (int64_t first = 0, part_index = 0; first < local; first += micro, ++part_index) {
     const std::vector<Sample> part(samples.begin() + first, samples.begin() + first + micro);
     HostBatch& hb = ctx.buffers.host;
-    make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first);
+    make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first_index + first);
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
     micro_batch_gradients(ctx, in, ctx.buffers.target, ctx.buffers.dpred, loss_of_part(losses, part_index), share);
     count_micro_batch(out, hb, ctx.cfg);
   }
+  if (ctx.data_parallel) ctx.data_parallel->all_reduce(losses);
   out.loss = step_loss(ctx.model.backend(), losses, parts, share);
   return out;
 }

@@ -80,8 +80,11 @@ struct StepLoss {
 // `micro` samples. Each micro-batch's loss gradient is scaled by micro/global, so any split
 // gives the same gradient up to rounding. The losses stay on the device until the last backward
 // is queued: nothing in between waits for it.
+// With data parallelism (ctx.data_parallel), `samples` are this rank's share of a step of
+// `global_samples`, starting at index `first_index` of the global batch (its draws are keyed by
+// that index); the loss is then the whole step's, summed over the ranks. 0: samples.size().
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples, int64_t micro,
-                                   uint64_t step);
+                                   uint64_t step, int64_t first_index = 0, int64_t global_samples = 0);
 
 class BatchPipeline;
 // The same with the micro-batches of step `step` (0-based) taken from `pipeline`, which built
