@@ -12,24 +12,14 @@
 #include "backend/backend.h"
 #include "model/tensor_parallel.h"
 #include "model/weights_io.h"
-#include "model_test_util.h"
+#include "test_tp_util.h"
 #include "test_util.h"
 
 namespace flux8 {
 namespace {
 
 using testing::error_of;
-
-// H 24, 4 heads of 6, M 60 (mlp_ratio 2.5): splits over 2 and 4 ranks; odd in/out/context/vec.
-FluxConfig tp_config(int64_t doubles, int64_t singles) {
-  FluxConfig c = testing::odd_config(doubles, singles, true);
-  c.name = "tp_test";
-  c.hidden_size = 24;
-  c.num_heads = 4;
-  c.mlp_ratio = 2.5;
-  c.axes_dim = {2, 2, 2};
-  return c;
-}
+using testing::tp_config;
 
 std::vector<double> iota(int64_t n) {
   std::vector<double> v(static_cast<size_t>(n));

@@ -18,11 +18,18 @@
 
 #include "backend/communicator.h"
 #include "backend/step_graph.h"
-#include "model_test_util.h"
+#include "test_tp_util.h"
 #include "test_util.h"
 
 namespace flux8 {
 namespace {
+
+using testing::full_params;
+using testing::RankResult;
+using testing::run_rank;
+using testing::tp_config;
+using testing::TpOptions;
+using testing::Values;
 
 // The members of a group of threads. Every collective is two barriers: each rank publishes its
 // tensor, reads all of them into a result of its own, and writes that back after the second.
@@ -153,85 +160,6 @@ std::vector<R> run_ranks(int size, const std::function<R(TensorParallel)>& body)
   return results;
 }
 
-using Values = std::vector<std::pair<std::string, std::vector<double>>>;  // (name, values), layout order
-
-struct TpOptions {
-  DType dtype = DType::f64;
-  const Fp8Config* fp8 = nullptr;
-  Recompute recompute = Recompute::none;
-  int steps = 1, micro_batches = 1;
-  bool optimizer = false;  // AdamW (no clipping) after each step
-};
-
-struct RankResult {
-  std::vector<double> pred;
-  Values grads, params;
-};
-
-// H 24, 4 heads of 6, M 60: splits over 2 and 4 ranks; odd input, output, text and vector widths.
-FluxConfig tp_config(int64_t doubles, int64_t singles) {
-  FluxConfig c = testing::odd_config(doubles, singles, true);
-  c.name = "tp_test";
-  c.hidden_size = 24;
-  c.num_heads = 4;
-  c.mlp_ratio = 2.5;
-  c.axes_dim = {2, 2, 2};
-  return c;
-}
-
-// Every parameter of the whole model (testing::randomize_params of a one-rank store).
-Values full_params(const FluxConfig& cfg, DType dtype) {
-  auto be = make_backend("cpu");
-  ParamStore store(cfg, *be, dtype);
-  testing::randomize_params(store, 7);
-  Values v;
-  for (const ParamInfo& p : store.layout().params()) v.emplace_back(p.name, to_host(*be, store.param(p.name)));
-  return v;
-}
-
-// One rank's training steps: its shards of `full`, the same inputs and probes on every rank.
-RankResult run_rank(const FluxConfig& cfg, TensorParallel tp, const TpOptions& o, const Values& full) {
-  BackendOptions bo;
-  bo.threads = 1;
-  auto be = make_backend("cpu", bo);
-  FluxModel model(cfg, *be, o.dtype, o.fp8, o.recompute, tp);
-  ParamStore& P = model.params();
-  for (const auto& [name, values] : full) {
-    const ParamShard& s = P.layout().at(name).shard;
-    from_host(*be, P.param(name), s.sharded() ? take_shard(s, s.rank, values) : values);
-  }
-  P.params_changed();
-  InputBatch batch(*be, o.dtype);
-  FluxInputs in;
-  testing::random_inputs(batch, cfg, 2, 3, 5, 11, in);
-  std::unique_ptr<AdamWOptimizer> opt;
-  if (o.optimizer) opt = std::make_unique<AdamWOptimizer>(P, AdamWConfig{.clip_grad = 0});
-  RankResult r;
-  Tensor dpred;
-  for (int s = 0; s < o.steps; ++s) {
-    P.zero_grads();
-    for (int m = 0; m < o.micro_batches; ++m) {
-      const Tensor pred = model.forward(in);
-      r.pred = to_host(*be, pred);
-      std::vector<double> probe(r.pred.size());
-      for (size_t i = 0; i < probe.size(); ++i) probe[i] = rng_normal(3, static_cast<uint64_t>(s * 16 + m), i);
-      if (!dpred.defined())
-        dpred = batch.make(pred.shape, probe);
-      else
-        from_host(*be, dpred, probe);
-      model.backward(dpred);
-    }
-    model.before_optimizer_step();
-    if (opt) opt->step(s + 1, 1e-2);
-    model.after_optimizer_step(false);
-  }
-  for (const ParamInfo& p : P.layout().params()) {
-    r.grads.emplace_back(p.name, to_host(*be, P.grad(p.name)));
-    r.params.emplace_back(p.name, to_host(*be, P.param(p.name)));
-  }
-  return r;
-}
-
 // The ranks' tensors as whole ones; replicated tensors must be the same bits on every rank.
 Values assemble(const FluxConfig& cfg, const std::vector<RankResult>& ranks, Values RankResult::*field) {
   const int T = static_cast<int>(ranks.size());
@@ -251,14 +179,6 @@ Values assemble(const FluxConfig& cfg, const std::vector<RankResult>& ranks, Val
   return out;
 }
 
-void expect_close(const Values& a, const Values& b, double tolerance, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_EQ(a[i].first, b[i].first);
-    EXPECT_LE(testing::max_rel_error(a[i].second, b[i].second), tolerance) << what << " of " << a[i].first;
-  }
-}
-
 // The model at T ranks against one rank: prediction, every gradient, and (with an optimizer)
 // every parameter after the steps.
 void expect_tp_matches_one_rank(const FluxConfig& cfg, int T, const TpOptions& o, double tolerance = 1e-12) {
@@ -268,8 +188,8 @@ void expect_tp_matches_one_rank(const FluxConfig& cfg, int T, const TpOptions& o
       run_ranks<RankResult>(T, [&](TensorParallel tp) { return run_rank(cfg, tp, o, full); });
   for (int r = 0; r < T; ++r) EXPECT_EQ(ranks[static_cast<size_t>(r)].pred, ranks[0].pred) << "rank " << r;
   EXPECT_LE(testing::max_rel_error(ranks[0].pred, one.pred), tolerance) << "prediction";
-  expect_close(assemble(cfg, ranks, &RankResult::grads), one.grads, tolerance, "gradient");
-  if (o.optimizer) expect_close(assemble(cfg, ranks, &RankResult::params), one.params, tolerance, "parameter");
+  testing::expect_close(assemble(cfg, ranks, &RankResult::grads), one.grads, tolerance, "gradient");
+  if (o.optimizer) testing::expect_close(assemble(cfg, ranks, &RankResult::params), one.params, tolerance, "parameter");
 }
 
 TEST(TpModel, TwoRanksEqualOneInForwardAndEveryGradient) { expect_tp_matches_one_rank(tp_config(2, 2), 2, {}); }
