@@ -125,6 +125,24 @@ TEST(TpLayout, ShardsCoverTheModelOnce) {
   }
 }
 
+TEST(TpLayout, Flux12bDevPerRank) {
+  // flux_12b_dev: 8,608,346,112 parameters in split block tensors, 3,293,062,208 replicated (3.23B
+  // of them the blocks' modulation Linears).
+  FluxConfig cfg;
+  cfg.guidance_embed = true;
+  EXPECT_EQ(ParamLayout::build(cfg).total(), 11'901'408'320);
+  EXPECT_EQ(ParamLayout::build(cfg, 1, 2).total(), 8'608'346'112 / 2 + 3'293'062'208);
+  EXPECT_EQ(ParamLayout::build(cfg, 3, 4).total(), 8'608'346'112 / 4 + 3'293'062'208);
+  int64_t modulation = 0;
+  const ParamLayout rank0 = ParamLayout::build(cfg, 0, 2);
+  for (const ParamInfo& p : rank0.params())
+    if (p.name.find("_mod.lin") != std::string::npos || p.name.find("modulation.lin") != std::string::npos) {
+      EXPECT_FALSE(p.shard.sharded()) << p.name;
+      modulation += p.shape.numel();
+    }
+  EXPECT_EQ(modulation, 3'228'567'552);
+}
+
 TEST(TpLayout, FusedLinear1GivesEachRankWholeHeadsAndItsMlpSlice) {
   // linear1's rows [q | k | v | mlp] = [24 | 24 | 24 | 60]: rank 1 of 2 holds rows 12..23 of each
   // of q, k, v (heads 2 and 3) and rows 30..59 of the MLP, in that order.
@@ -214,6 +232,11 @@ TEST(TpLayout, LoadWeightsTakesTheRanksShardOfAFullFile) {
   EXPECT_NE(msg.find("rank 0 of 2 tensor-parallel ranks"), std::string::npos) << msg;
   EXPECT_NE(msg.find("double_blocks.0.img_attn.qkv.weight"), std::string::npos) << msg;
   EXPECT_NE(msg.find("assemble"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] {
+              reference_weights_writer(shard.layout().params(), FlatSource::on_backend(*be, shard.flat_params()),
+                                       DType::f32, {});
+            }).find("holds a shard of"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -147,6 +147,17 @@ void check_file_dtype(DType file_dtype) {
   if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
     fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
 }
+
+// A weights file holds whole tensors under their reference names: a tensor-parallel rank's
+// shards would be written with the wrong shapes.
+void check_whole_tensors(const std::vector<ParamInfo>& params, const std::string& what) {
+  for (const ParamInfo& p : params)
+    if (p.shard.sharded())
+      fail(
+          "{}: this model is rank {} of {} tensor-parallel ranks and holds a shard of '{}' ({} of {}); a weights "
+          "file holds whole tensors: assemble them from every rank's shards (assemble_full) first",
+          what, p.shard.rank, p.shard.size, p.name, p.shape.str(), p.shard.full.str());
+}
 }  // namespace
 
 SafetensorsWriter::FillChunk FlatSource::fill(const ParamInfo& p, DType file_dtype,
@@ -164,6 +175,7 @@ SafetensorsWriter::FillChunk FlatSource::fill(const ParamInfo& p, DType file_dty
 SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params, const FlatSource& src,
                                            DType file_dtype, const std::map<std::string, std::string>& metadata) {
   check_file_dtype(file_dtype);
+  check_whole_tensors(params, "the weights writer");
   SafetensorsWriter writer;
   auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
   for (const ParamInfo& p : params)
@@ -175,12 +187,7 @@ SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params,
 
 void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path, DType file_dtype,
                   WeightNaming naming, const std::map<std::string, std::string>& metadata) {
-  for (const ParamInfo& p : store.layout().params())
-    if (p.shard.sharded())
-      fail(
-          "save_weights {}: this model is rank {} of {} tensor-parallel ranks and holds a shard of '{}' ({} of {}); "
-          "a weights file holds whole tensors: assemble them from every rank's shards (assemble_full) first",
-          path, p.shard.rank, p.shard.size, p.name, p.shape.str(), p.shard.full.str());
+  check_whole_tensors(store.layout().params(), "save_weights " + path);
   if (naming == WeightNaming::reference) {
     reference_weights_writer(store.layout().params(), FlatSource::on_backend(store.backend(), store.flat_params()),
                              file_dtype, metadata)

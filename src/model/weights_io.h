@@ -58,7 +58,8 @@ struct FlatSource {
 
 // The writer of all parameters in the reference naming (file dtype bf16, f32 or f16) from `src`,
 // with "format": "pt" and `metadata`: each parameter is produced a piece at a time when the
-// writer writes. save_weights' reference files and checkpoints' model.safetensors.
+// writer writes. save_weights' reference files and checkpoints' model.safetensors. Whole tensors
+// only: a tensor-parallel rank's shards are refused (assemble_full gathers them).
 SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params, const FlatSource& src,
                                            DType file_dtype, const std::map<std::string, std::string>& metadata);
 
