@@ -244,7 +244,7 @@ void FluxModel::bind_partial_grads() {
     const Tensor part(static_cast<char*>(partial_grads_) + i * static_cast<size_t>(D) * dtype_size(t), t, Shape{D});
     partial_.push_back({s.ds, part});
     s.ds = part;
-    s.store = nullptr;  // the part is zeroed once a backward (prepare_grad: nothing to do)
+    s.store = nullptr;  // the part is zeroed at the start of every backward: prepare_grad has nothing to do
   }
 }
 
