@@ -6,12 +6,12 @@
 // (tests/mpi runs the same comparison over MPI processes.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,7 +33,7 @@ using testing::Values;
 
 // The members of a group of threads. Every collective is two barriers: each rank publishes its
 // tensor, reads all of them into a result of its own, and writes that back after the second.
-// Sums run over the ranks in rank order, so every rank gets the same bits.
+// Sums run over the ranks in rank order (in double), so every rank gets the same bits.
 class ThreadGroup {
  public:
   explicit ThreadGroup(int size) : size_(size), barrier_(size), slots_(static_cast<size_t>(size)) {}
@@ -64,12 +64,12 @@ double element(const Tensor& t, int64_t i) {
   fail("thread group: {} tensors are not supported", dtype_name(t.dtype));
 }
 
-void set_elements(const Tensor& t, int64_t first, const std::vector<double>& v) {
+void set_elements(const Tensor& t, const std::vector<double>& v) {
   for (size_t j = 0; j < v.size(); ++j) {
     if (t.dtype == DType::f64)
-      t.ptr<double>()[first + static_cast<int64_t>(j)] = v[j];
+      t.ptr<double>()[j] = v[j];
     else
-      t.ptr<float>()[first + static_cast<int64_t>(j)] = static_cast<float>(v[j]);
+      t.ptr<float>()[j] = static_cast<float>(v[j]);
   }
 }
 
@@ -91,7 +91,7 @@ class ThreadRank final : public Communicator {
       }
       r[static_cast<size_t>(i)] = acc;
     }
-    finish(t, 0, r);
+    finish(t, r);
   }
   void reduce_scatter(const Tensor& out, const Tensor& in, bool) override {
     publish(in);
@@ -102,7 +102,7 @@ class ThreadRank final : public Communicator {
       for (int q = 1; q < size(); ++q) acc += element(g_.slots_[static_cast<size_t>(q)], rank_ * n + i);
       r[static_cast<size_t>(i)] = acc;
     }
-    finish(out, 0, r);
+    finish(out, r);
   }
   void all_gather(const Tensor& out, const Tensor& in, bool) override {
     publish(in);
@@ -110,14 +110,14 @@ class ThreadRank final : public Communicator {
     std::vector<double> r;
     for (int q = 0; q < size(); ++q)
       for (int64_t i = 0; i < n; ++i) r.push_back(element(g_.slots_[static_cast<size_t>(q)], i));
-    finish(out, 0, r);
+    finish(out, r);
   }
   void broadcast(const Tensor& t, int root) override {
     publish(t);
     std::vector<double> r(static_cast<size_t>(t.numel()));
     for (int64_t i = 0; i < t.numel(); ++i)
       r[static_cast<size_t>(i)] = element(g_.slots_[static_cast<size_t>(root)], i);
-    finish(t, 0, r);
+    finish(t, r);
   }
   void barrier() override { g_.sync(); }
 
@@ -127,9 +127,9 @@ class ThreadRank final : public Communicator {
     g_.slots_[static_cast<size_t>(rank_)] = t;
     g_.sync();
   }
-  void finish(const Tensor& t, int64_t first, const std::vector<double>& v) {
+  void finish(const Tensor& t, const std::vector<double>& v) {
     g_.sync();  // every rank has read every input
-    set_elements(t, first, v);
+    set_elements(t, v);
   }
   ThreadGroup& g_;
   int rank_;
