@@ -6,6 +6,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -40,7 +41,7 @@ struct WholeState {
   Values params, m, v;
 };
 
-WholeState random_whole_state(const FluxConfig& cfg) {
+WholeState random_f32_state(const FluxConfig& cfg) {
   WholeState w;
   const ParamLayout layout = ParamLayout::build(cfg);
   for (size_t i = 0; i < layout.params().size(); ++i) {
@@ -94,6 +95,31 @@ struct RankState {
     return out;
   }
 };
+
+// random_f32_state with the moments as a one-rank store of `moments` holds them (bf16: rounded).
+WholeState random_whole_state(const FluxConfig& cfg, DType moments) {
+  WholeState w = random_f32_state(cfg);
+  RankState whole(cfg, 0, 1, moments);
+  whole.fill(w);
+  w.m = whole.read(whole.m);
+  w.v = whole.read(whole.v);
+  return w;
+}
+
+// Every tensor the same bits; a difference is reported with the tensor's name and first element.
+void expect_same_values(const Values& got, const Values& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i].first, want[i].first) << what;
+    const std::vector<double>& a = got[i].second;
+    const std::vector<double>& b = want[i].second;
+    ASSERT_EQ(a.size(), b.size()) << what << ", " << got[i].first;
+    const auto at = std::mismatch(a.begin(), a.end(), b.begin());
+    if (at.first != a.end())
+      ADD_FAILURE() << what << ", " << got[i].first << "[" << (at.first - a.begin()) << "]: " << *at.first << " vs "
+                    << *at.second;
+  }
+}
 
 // This rank's shards of the whole tensors.
 Values shards_of(const ParamStore& store, const Values& whole) {
@@ -163,15 +189,15 @@ void expect_loads(const std::string& dir, const FluxConfig& cfg, int tp_rank, in
   load_checkpoint(dir, state, cfg, r.store, r.m, r.v);
   EXPECT_EQ(state.step, test_state().step);
   const std::string where = fmt::format("{} at TP={} rank {}", dir, tp_size, tp_rank);
-  EXPECT_EQ(r.read(r.store.flat_params()), shards_of(r.store, w.params)) << "parameters of " << where;
-  EXPECT_EQ(r.read(r.m), shards_of(r.store, w.m)) << "exp_avg of " << where;
-  EXPECT_EQ(r.read(r.v), shards_of(r.store, w.v)) << "exp_avg_sq of " << where;
+  expect_same_values(r.read(r.store.flat_params()), shards_of(r.store, w.params), "parameters of " + where);
+  expect_same_values(r.read(r.m), shards_of(r.store, w.m), "exp_avg of " + where);
+  expect_same_values(r.read(r.v), shards_of(r.store, w.v), "exp_avg_sq of " + where);
 }
 
 void expect_tp_checkpoint_is_the_one_rank_checkpoint(int tp, DType moments) {
   if (world_size() % tp != 0) GTEST_SKIP() << "needs a multiple of " << tp << " ranks";
   const FluxConfig cfg = tp_config(1, 2);
-  const WholeState w = random_whole_state(cfg);
+  const WholeState w = random_whole_state(cfg, moments);
   const TrainerState state = test_state();
   RankState mine(cfg, world_rank() % tp, tp, moments);
   mine.fill(w);
