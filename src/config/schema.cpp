@@ -271,10 +271,12 @@ std::vector<KeySpec> parallel_keys() {
       bool_key("parallel", "use_distributed_optimizer", false,
                "ZeRO-1: each data-parallel rank keeps and updates only its shard of the AdamW moments; gradients "
                "are reduce-scattered and the updated weights all-gathered"),
-      bool_key("parallel", "overlap_grad_reduce", true,
-               "reduce the gradients in buckets as the backward finishes them (with several data-parallel ranks)"),
-      bool_key("parallel", "overlap_param_gather", true,
-               "with use_distributed_optimizer: gather the updated weights beside the next step's first work"),
+      bool_key("parallel", "overlap_grad_reduce", false,
+               "accepted for Megatron configs; the gradients are reduced in buckets after the step's last "
+               "backward (overlapping them with the backward is not implemented: the log says so when this is on)"),
+      bool_key("parallel", "overlap_param_gather", false,
+               "accepted for Megatron configs; with use_distributed_optimizer the updated weights are gathered "
+               "right after the update (overlapping the gather with the next step is not implemented)"),
       float_key("parallel", "distributed_timeout_minutes", 10, above(0),
                 "a collective that waits longer than this for the other ranks ends the job, naming the rank"),
   };

@@ -230,6 +230,9 @@ void announce_run(Run& r) {
                                            "(use_distributed_optimizer)"
                                          : "",
                         r.groups->dp().describe()));
+  if (r.cfg.overlap_grad_reduce || r.cfg.overlap_param_gather)
+    note(r, "overlap_grad_reduce / overlap_param_gather: accepted, but the gradients are reduced after the step's last "
+            "backward and the weights gathered right after the update (no overlap with compute)");
   if (params.grad_dtype() != params.dtype())
     note(r, fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                         dtype_name(params.grad_dtype()), dtype_name(params.dtype())));
