@@ -91,6 +91,9 @@ class Device {
   // True when every op gives the same bits on every run of the same inputs (false: the CUDA
   // backend with deterministic_attention off, whose attention backward sums with atomics).
   virtual bool repeats_bit_for_bit() const { return true; }
+  // True when allocate()'s memory is the host's (the CPU backend): collectives then send it as it
+  // is; otherwise they go through the device (NCCL) or stage through host buffers (src/dist).
+  virtual bool memory_is_host() const { return false; }
 
   // ---- device timing (flux8 bench --profile) ------------------------------------------------------
   // timing_mark() records the point the backend's queued work has reached (on the GPU an event in

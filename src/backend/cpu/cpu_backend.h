@@ -15,6 +15,7 @@ class CpuBackend : public Backend {
   explicit CpuBackend(const BackendOptions& options);
 
   std::string name() const override { return "cpu"; }
+  bool memory_is_host() const override { return true; }
   const BackendOptions& options() const override { return options_; }
 
   void* allocate(size_t bytes) override;
