@@ -17,7 +17,7 @@
 set(FLUX8_INCLUDE_TREES ${CMAKE_BINARY_DIR}/include)
 
 # The folders under src/ that are layers of their own, though nested in another layer's folder.
-set(FLUX8_NESTED_LAYER_DIRS backend/cpu backend/cuda)
+set(FLUX8_NESTED_LAYER_DIRS backend/cpu backend/cuda dist/nccl)
 
 # The layers `layer` may include: itself and the closure of what it uses.
 function(_flux8_visible_layers layer out_var)

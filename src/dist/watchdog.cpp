@@ -1,7 +1,6 @@
 #include "dist/watchdog.h"
 
 #include <fmt/format.h>
-#include <mpi.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -11,6 +10,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "dist/mpi_runtime.h"
 
 namespace flux8 {
 
@@ -18,19 +18,54 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Twice a second: a stall is seen within half a second of the timeout, at no measurable cost.
+// At most twice a second (a quarter of a short timeout): a stall is seen within half a second of
+// the timeout, at no measurable cost.
 constexpr auto kPollInterval = std::chrono::milliseconds(500);
 // A queue's abort (ncclCommAbort) may itself block on a broken peer: the job ends regardless.
 constexpr auto kAbortBound = std::chrono::seconds(10);
 
-bool mpi_running() {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  return initialized && !finalized;
-}
-
 double seconds(std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000.0; }
+
+// A host communicator's collectives, each a host wait while it runs.
+class WatchedCommunicator final : public Communicator {
+ public:
+  WatchedCommunicator(std::unique_ptr<Communicator> inner, CollectiveWatchdog& dog)
+      : inner_(std::move(inner)), dog_(dog) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string describe() const override { return inner_->describe(); }
+  void all_reduce(const Tensor& t, ReduceOp op, bool async) override {
+    const auto wait = watch("all_reduce");
+    inner_->all_reduce(t, op, async);
+  }
+  void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override {
+    const auto wait = watch("reduce_scatter");
+    inner_->reduce_scatter(out, in, async);
+  }
+  void all_gather(const Tensor& out, const Tensor& in, bool async) override {
+    const auto wait = watch("all_gather");
+    inner_->all_gather(out, in, async);
+  }
+  void broadcast(const Tensor& t, int root) override {
+    const auto wait = watch("broadcast");
+    inner_->broadcast(t, root);
+  }
+  void join() override {
+    const auto wait = watch("join");
+    inner_->join();
+  }
+  void barrier() override {
+    const auto wait = watch("barrier");
+    inner_->barrier();
+  }
+
+ private:
+  CollectiveWatchdog::HostWait watch(std::string_view collective) {
+    return dog_.host_wait(fmt::format("{} on {}", collective, inner_->describe()));
+  }
+  std::unique_ptr<Communicator> inner_;
+  CollectiveWatchdog& dog_;
+};
 
 }  // namespace
 
@@ -49,26 +84,9 @@ std::chrono::milliseconds collective_timeout(double distributed_timeout_minutes)
   return std::chrono::milliseconds(static_cast<int64_t>(distributed_timeout_minutes * 60000.0));
 }
 
-std::string world_rank_name() {
-  if (!mpi_running()) return "rank 0 of 1";
-  int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return fmt::format("rank {} of {}", rank, size);
-}
-
-void end_job(const std::string& message, int exit_code) {
-  const std::string line = fmt::format("flux8: {}: {}\n", world_rank_name(), message);
-  std::fputs(line.c_str(), stderr);
-  std::fflush(stderr);
-  std::fflush(stdout);
-  if (mpi_running()) MPI_Abort(MPI_COMM_WORLD, exit_code);
-  std::_Exit(exit_code);
-}
-
 CollectiveWatchdog::CollectiveWatchdog(std::chrono::milliseconds timeout, EndJob end)
     : timeout_ms_(timeout.count()), end_(std::move(end)) {
-  if (!end_) end_ = [](const std::string& message) { end_job(message); };
+  if (!end_) end_ = [](const std::string& message) { abort_job(message, 1); };
   thread_ = std::thread([this] { run(); });
 }
 
@@ -139,7 +157,9 @@ std::string CollectiveWatchdog::check(Clock::time_point now, std::vector<Watched
 void CollectiveWatchdog::run() {
   std::unique_lock lock(mutex_);
   while (!stopping_ && !fired_) {
-    wake_.wait_for(lock, kPollInterval, [this] { return stopping_; });
+    const auto interval = std::clamp(timeout() / 4, std::chrono::milliseconds(10),
+                                     std::chrono::duration_cast<std::chrono::milliseconds>(kPollInterval));
+    wake_.wait_for(lock, interval, [this] { return stopping_; });
     if (stopping_) break;
     std::vector<WatchedQueue*> to_abort;
     const std::string message = check(Clock::now(), to_abort);
@@ -163,6 +183,10 @@ void CollectiveWatchdog::run() {
 CollectiveWatchdog& collective_watchdog() {
   static CollectiveWatchdog dog(collective_timeout(10.0));
   return dog;
+}
+
+std::unique_ptr<Communicator> watch_host_collectives(std::unique_ptr<Communicator> host, CollectiveWatchdog& watchdog) {
+  return std::make_unique<WatchedCommunicator>(std::move(host), watchdog);
 }
 
 }  // namespace flux8

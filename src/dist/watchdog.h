@@ -6,8 +6,8 @@
 // that has waited longer than the collective timeout, or a device queue that reports an error,
 // ends the job with a message naming the waiting rank, the group and the collective.
 //
-// The job ends through MPI_Abort when MPI is running (the launcher then stops every rank), else
-// the process exits: a hung rank cannot be relied on to unwind.
+// The job ends through abort_job (dist/mpi_runtime.h: MPI_Abort, after which the launcher stops
+// every rank): a hung rank cannot be relied on to unwind.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,18 +20,13 @@
 #include <thread>
 #include <vector>
 
+#include "backend/communicator.h"
+
 namespace flux8 {
 
 // The collective timeout: FLUX8_COLLECTIVE_TIMEOUT_S (seconds, for tests) when set, else the
 // config's distributed_timeout_minutes. Fails naming the variable when it is not a positive number.
 std::chrono::milliseconds collective_timeout(double distributed_timeout_minutes);
-
-// Ends the job at once: `message` on stderr, prefixed with this process's world rank, then
-// MPI_Abort(MPI_COMM_WORLD, exit_code) when MPI is initialised, else _Exit(exit_code).
-[[noreturn]] void end_job(const std::string& message, int exit_code = 1);
-
-// "rank 3 of 8" (MPI's world), or "rank 0 of 1" when MPI is not running.
-std::string world_rank_name();
 
 // A queue of device collectives (one NCCL communicator), polled from the watchdog's thread.
 class WatchedQueue {
@@ -52,7 +47,7 @@ class WatchedQueue {
 
 class CollectiveWatchdog {
  public:
-  // What ends the job; the default is end_job. Tests pass one that records the message.
+  // What ends the job; the default is abort_job. Tests pass one that records the message.
   using EndJob = std::function<void(const std::string& message)>;
   explicit CollectiveWatchdog(std::chrono::milliseconds timeout, EndJob end = {});
   ~CollectiveWatchdog();
@@ -112,5 +107,9 @@ class CollectiveWatchdog {
 // collective_timeout(10) (Megatron's default distributed_timeout_minutes) until the job sets its
 // own with set_timeout.
 CollectiveWatchdog& collective_watchdog();
+
+// `host` (a communicator whose collectives are done when they return: MPI) with each collective a
+// host wait of `watchdog` from its call to its return.
+std::unique_ptr<Communicator> watch_host_collectives(std::unique_ptr<Communicator> host, CollectiveWatchdog& watchdog);
 
 }  // namespace flux8

@@ -27,14 +27,14 @@ using Clock = std::chrono::steady_clock;
 
 class NcclCommunicator final : public Communicator, public WatchedQueue {
  public:
-  NcclCommunicator(CudaBackend& backend, const GroupMembership& group, CollectiveWatchdog& watchdog);
+  NcclCommunicator(CudaBackend& backend, const NcclGroup& group, CollectiveWatchdog& watchdog);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::string describe() const override { return "nccl " + name_; }
+  std::string describe() const override { return fmt::format("{} group (NCCL, rank {} of {})", name_, rank_, size_); }
 
   void all_reduce(const Tensor& t, ReduceOp op, bool async) override;
   void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override;
@@ -55,11 +55,9 @@ class NcclCommunicator final : public Communicator, public WatchedQueue {
     Clock::time_point since;
   };
 
-  void set_up(const GroupMembership& group);
-  // "all_reduce on nccl data-parallel (rank 1 of 2)": what errors and the watchdog name.
-  std::string where(std::string_view collective) const {
-    return fmt::format("{} on {} (rank {} of {})", collective, describe(), rank_, size_);
-  }
+  void set_up(const NcclGroup& group);
+  // "all_reduce on data-parallel group (NCCL, rank 1 of 2)": what errors and the watchdog name.
+  std::string where(std::string_view collective) const { return fmt::format("{} on {}", collective, describe()); }
   ncclDataType_t nccl_type(std::string_view collective, const Tensor& t, bool reduces) const;
   // Queues `call` (one NCCL collective on stream_) between the two events described above.
   template <typename Call>
@@ -85,10 +83,10 @@ class NcclCommunicator final : public Communicator, public WatchedQueue {
   std::vector<std::unique_ptr<Device::Event>> free_events_;
 };
 
-NcclCommunicator::NcclCommunicator(CudaBackend& backend, const GroupMembership& group, CollectiveWatchdog& watchdog)
+NcclCommunicator::NcclCommunicator(CudaBackend& backend, const NcclGroup& group, CollectiveWatchdog& watchdog)
     : backend_(backend), watchdog_(watchdog), name_(group.name), rank_(group.rank), size_(group.size) {
   if (size_ < 1 || rank_ < 0 || rank_ >= size_)
-    fail("nccl {}: rank {} of {} is not a place in a group", name_, rank_, size_);
+    fail("{} group (NCCL): rank {} of {} is not a place in a group", name_, rank_, size_);
   device_ = backend.device();
   FLUX8_CUDA_CHECK(cudaSetDevice(device_));
   FLUX8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -105,7 +103,7 @@ NcclCommunicator::NcclCommunicator(CudaBackend& backend, const GroupMembership& 
   watchdog_.watch(this);
 }
 
-void NcclCommunicator::set_up(const GroupMembership& group) {
+void NcclCommunicator::set_up(const NcclGroup& group) {
   ncclUniqueId id{};
   if (rank_ == 0) {
     const ncclResult_t r = ncclGetUniqueId(&id);
@@ -288,8 +286,7 @@ std::string NcclCommunicator::failure() {
   const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
   if (r != ncclSuccess) state = r;
   if (state == ncclSuccess || state == ncclInProgress) return "";
-  return fmt::format("{} (rank {} of {}): NCCL reports {}: {}", describe(), rank_, size_, ncclGetErrorString(state),
-                     ncclGetLastError(comm_));
+  return fmt::format("{}: NCCL reports {}: {}", describe(), ncclGetErrorString(state), ncclGetLastError(comm_));
 }
 
 void NcclCommunicator::abort() {
@@ -298,7 +295,7 @@ void NcclCommunicator::abort() {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_nccl_communicator(CudaBackend& backend, const GroupMembership& group,
+std::unique_ptr<Communicator> make_nccl_communicator(CudaBackend& backend, const NcclGroup& group,
                                                      CollectiveWatchdog& watchdog) {
   return std::make_unique<NcclCommunicator>(backend, group, watchdog);
 }
