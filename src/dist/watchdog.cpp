@@ -131,7 +131,7 @@ std::string CollectiveWatchdog::check(Clock::time_point now, std::vector<Watched
   const auto limit = timeout();
   const auto stalled = [&](std::string_view what, Clock::time_point since) {
     return fmt::format(
-        "{} has waited {:.0f} s for the other ranks, longer than the collective timeout of {:g} s "
+        "{} has waited {:.1f} s for the other ranks, longer than the collective timeout of {:g} s "
         "(distributed_timeout_minutes; FLUX8_COLLECTIVE_TIMEOUT_S overrides it): a rank of the group died or "
         "hangs; ending the job",
         what, std::chrono::duration<double>(now - since).count(), seconds(limit));
