@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -11,6 +12,7 @@
 #include <thread>
 #include <utility>
 
+#include "backend/communicator.h"
 #include "core/error.h"
 #include "dist/watchdog.h"
 
@@ -115,6 +117,37 @@ TEST(CollectiveWatchdog, AQueueErrorEndsTheJobAtOnce) {
   EXPECT_NE(m->find("nccl tensor-parallel (rank 0 of 2): NCCL reports"), std::string::npos) << *m;
   EXPECT_EQ(queue.aborts.load(), 1);
   dog.unwatch(&queue);
+}
+
+// A host communicator whose all-reduce takes as long as the test says (and does nothing else).
+class SlowCommunicator final : public Communicator {
+ public:
+  explicit SlowCommunicator(std::chrono::milliseconds takes) : takes_(takes) {}
+  int rank() const override { return 1; }
+  int size() const override { return 2; }
+  std::string describe() const override { return "data-parallel group (MPI, rank 1 of 2)"; }
+  void all_reduce(const Tensor&, ReduceOp, bool) override { std::this_thread::sleep_for(takes_); }
+  void reduce_scatter(const Tensor&, const Tensor&, bool) override {}
+  void all_gather(const Tensor&, const Tensor&, bool) override {}
+  void broadcast(const Tensor&, int) override {}
+  void barrier() override {}
+
+ private:
+  std::chrono::milliseconds takes_;
+};
+
+TEST(CollectiveWatchdog, WatchesEachCollectiveOfAHostCommunicator) {
+  Ending ending;
+  CollectiveWatchdog dog(200ms, ending.recorder());
+  auto quick = watch_host_collectives(std::make_unique<SlowCommunicator>(10ms), dog);
+  for (int i = 0; i < 10; ++i) quick->all_reduce(Tensor());
+  EXPECT_EQ(quick->describe(), "data-parallel group (MPI, rank 1 of 2)");
+  EXPECT_FALSE(ending.wait(300ms)) << *ending.message;
+  auto slow = watch_host_collectives(std::make_unique<SlowCommunicator>(1500ms), dog);
+  slow->all_reduce(Tensor());
+  const std::optional<std::string> m = ending.wait(100ms);
+  ASSERT_TRUE(m) << "an all-reduce of 1.5 s against a timeout of 0.2 s was not reported";
+  EXPECT_NE(m->find("all_reduce on data-parallel group (MPI, rank 1 of 2) has waited"), std::string::npos) << *m;
 }
 
 TEST(CollectiveWatchdog, TimeoutFromTheConfigOrTheEnvironment) {

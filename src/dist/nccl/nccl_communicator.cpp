@@ -167,13 +167,14 @@ ncclDataType_t NcclCommunicator::nccl_type(std::string_view collective, const Te
     case DType::f32: return ncclFloat32;
     case DType::f64: return ncclFloat64;
     case DType::bf16: return ncclBfloat16;
+    case DType::f16: return ncclFloat16;
     case DType::u8:
       // FP8 codes (and other bytes) are moved, never summed.
       if (!reduces) return ncclUint8;
       break;
     default: break;
   }
-  fail("{}: {} is not a type this collective takes (f32, f64, bf16{})", where(collective), t.str(),
+  fail("{}: {} is not a type this collective takes (f32, f64, bf16, f16{})", where(collective), t.str(),
        reduces ? "" : "; u8 bytes");
 }
 
