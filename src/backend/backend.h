@@ -28,6 +28,12 @@ struct BackendOptions {
   // false: its faster backward, whose dq sums with atomics in a varying order). The CPU always
   // repeats bit for bit.
   bool deterministic_attention = true;
+  // CUDA: the GPU, by index among the visible ones (-1: the current device, 0 unless set). A rank
+  // of a job passes its index among the job's ranks on its node; more ranks than GPUs is an error
+  // unless `share_device` (the host-staged communicator's tests: several ranks on one GPU), when
+  // ranks wrap around the GPUs.
+  int device = -1;
+  bool share_device = false;
 
   // From the config keys threads, round_activations_to_bf16, gemm_precision,
   // activation_precision, grad_precision and deterministic_attention (which

@@ -1,10 +1,24 @@
 // flux8: trains Flux diffusion transformers. See README.md and `flux8 --help`.
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/process_clock.h"
+#include "dist/mpi_runtime.h"
+
+namespace {
+// Under a launcher one rank's error ends the whole job (the others would wait for it in their
+// next collective): its message goes out prefixed with the rank and every rank exits. Alone, the
+// process returns the code.
+int error_exit(const char* kind, const char* what, int code) {
+  if (flux8::job_placement().launched)
+    flux8::abort_job(std::string("flux8: ") + kind + what, code);
+  std::fprintf(stderr, "flux8: %s%s\n", kind, what);
+  return code;
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   (void)flux8::seconds_since_process_start();  // its fallback clock starts here where /proc is missing
@@ -16,20 +30,25 @@ int main(int argc, char** argv) {
       flux8::cli::add_init_command(app),   flux8::cli::add_config_command(app), flux8::cli::add_data_command(app),
       flux8::cli::add_sample_command(app), flux8::cli::add_check_command(app),  flux8::cli::add_bench_command(app),
   };
+  // A process started by mpirun or srun joins its job here; one started alone never touches MPI.
+  flux8::start_job(&argc, &argv);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  int rc = 0;
   try {
     for (const auto& cmd : commands)
-      if (cmd.app->parsed()) return cmd.run();
+      if (cmd.app->parsed()) {
+        rc = cmd.run();
+        break;
+      }
   } catch (const flux8::Error& e) {
-    std::fprintf(stderr, "flux8: error: %s\n", e.what());
-    return 1;
+    return error_exit("error: ", e.what(), 1);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "flux8: unexpected error: %s\n", e.what());
-    return 2;
+    return error_exit("unexpected error: ", e.what(), 2);
   }
-  return 0;
+  flux8::finish_job();
+  return rc;
 }

@@ -258,10 +258,33 @@ std::vector<KeySpec> fp8_keys() {
   };
 }
 
+// How a job of several ranks splits the work (Megatron's key names; docs/DISTRIBUTED.md).
+std::vector<KeySpec> parallel_keys() {
+  return {
+      int_key("parallel", "tensor_model_parallel_size", 1, between(1, 1024),
+              "ranks that split each block's attention heads and MLP (Megatron-style, neighbouring ranks); the "
+              "job's ranks / this = the data-parallel size"),
+      int_key("parallel", "pipeline_model_parallel_size", 1, between(1, 1024),
+              "pipeline stages: 1 (flux8 does not split the model into stages)"),
+      int_key("parallel", "context_parallel_size", 1, between(1, 1024),
+              "ranks that split a sequence: 1 (sequences are not split)"),
+      bool_key("parallel", "use_distributed_optimizer", false,
+               "ZeRO-1: each data-parallel rank keeps and updates only its shard of the AdamW moments; gradients "
+               "are reduce-scattered and the updated weights all-gathered"),
+      bool_key("parallel", "overlap_grad_reduce", true,
+               "reduce the gradients in buckets as the backward finishes them (with several data-parallel ranks)"),
+      bool_key("parallel", "overlap_param_gather", true,
+               "with use_distributed_optimizer: gather the updated weights beside the next step's first work"),
+      float_key("parallel", "distributed_timeout_minutes", 10, above(0),
+                "a collective that waits longer than this for the other ranks ends the job, naming the rank"),
+  };
+}
+
 // Defaults are the flux_12b_schnell model (docs/FLUX.md) so an empty config is a real model.
 std::vector<KeySpec> make_keys() {
   std::vector<KeySpec> keys;
-  for (auto section : {model_keys, runtime_keys, training_keys, objective_keys, data_keys, run_keys, fp8_keys}) {
+  for (auto section : {model_keys, runtime_keys, training_keys, objective_keys, data_keys, run_keys, fp8_keys,
+                       parallel_keys}) {
     std::vector<KeySpec> part = section();
     keys.insert(keys.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
   }

@@ -12,7 +12,13 @@ BatchPipeline::BatchPipeline(Backend& be, DataLoader& loader, const BatchPipelin
     : be_(be), loader_(loader), spec_(spec) {
   if (spec.micro < 1 || spec.global < spec.micro || spec.global % spec.micro)
     fail("a step of {} samples cannot be split into micro-batches of {}", spec.global, spec.micro);
-  parts_ = spec.global / spec.micro;
+  if (spec.dp_size < 1 || spec.dp_rank < 0 || spec.dp_rank >= spec.dp_size)
+    fail("batch pipeline: data-parallel rank {} of {}", spec.dp_rank, spec.dp_size);
+  if (spec.global % (spec.micro * spec.dp_size))
+    fail("global_batch_size {} cannot be split into {} data-parallel ranks of micro-batches of {} (micro_batch_size); "
+         "make it a multiple of {}",
+         spec.global, spec.dp_size, spec.micro, spec.micro * spec.dp_size);
+  parts_ = spec.global / spec.dp_size / spec.micro;
   end_index_ = spec.end_step > spec.first_step ? (spec.end_step - spec.first_step) * parts_ : 0;
   queue_ = be.make_copy_queue();
   background_ = spec.mode == BatchPipelineSpec::Mode::thread ||
@@ -59,13 +65,20 @@ void BatchPipeline::produce(Slot& s, int64_t index) {
   try {
     auto t0 = std::chrono::steady_clock::now();
     samples_.clear();
+    // The other ranks' samples of the step, before and after this rank's share, are read and
+    // dropped: the loader's position after a step is then the same on every rank.
+    const int64_t share = spec_.global / spec_.dp_size;
+    if (s.part == 0)
+      for (int64_t i = 0; i < share * spec_.dp_rank; ++i) loader_.next();
     for (int64_t i = 0; i < spec_.micro; ++i) samples_.push_back(loader_.next());
+    if (s.part == parts_ - 1)
+      for (int64_t i = 0; i < share * (spec_.dp_size - 1 - spec_.dp_rank); ++i) loader_.next();
     s.loader_after = loader_.state();
     s.timing.read_s = seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
     HostBatch& host = s.buffers->host;
     make_train_batch(host, samples_, spec_.model, spec_.obj, spec_.empty, spec_.seed, static_cast<uint64_t>(s.step), 0,
-                     s.part * spec_.micro);
+                     share * spec_.dp_rank + s.part * spec_.micro);
     s.timing.assemble_s = seconds_since(t0);
     if (s.buffers->holds(host)) {  // else the training thread allocates and uploads
       t0 = std::chrono::steady_clock::now();

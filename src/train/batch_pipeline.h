@@ -43,13 +43,19 @@ struct BatchPipelineSpec {
   const ObjectiveConfig& obj;
   const EmptyPrompt& empty;
   uint64_t seed = 0;
-  int64_t global = 1, micro = 1;  // samples a step and a micro-batch (global % micro == 0)
+  int64_t global = 1, micro = 1;  // samples a step (all ranks) and a micro-batch
   int64_t first_step = 0;         // 0-based index of the first step's batch
   int64_t end_step = 0;           // no batch is built for this step or later
   // Build and upload on a thread of its own, or inside acquire() on the caller's; automatic:
   // a thread when the backend's copy queue is asynchronous (CUDA), the caller's otherwise (the
   // CPU backend computes on every core, and its batches are small beside its steps).
   enum class Mode { automatic, thread, caller } mode = Mode::automatic;
+  // Data parallelism: rank dp_rank of dp_size builds the micro-batches of its consecutive share
+  // of each step's samples, global / dp_size of them (a multiple of micro). Every rank reads the
+  // whole step's samples from its loader (the same stream on every rank) and builds only its
+  // own, so the global batch and every draw keyed by a sample's index in it are those of one
+  // process, whatever dp_size is.
+  int dp_rank = 0, dp_size = 1;
 };
 
 class BatchPipeline {
@@ -61,6 +67,8 @@ class BatchPipeline {
   BatchPipeline& operator=(const BatchPipeline&) = delete;
 
   bool background() const { return background_; }
+  // Micro-batches a step on this rank.
+  int64_t parts() const { return parts_; }
   const BatchPipelineSpec& spec() const { return spec_; }
 
   // A micro-batch on the device: the model's inputs with x_t and the target drawn.

@@ -21,24 +21,94 @@ AdamWConfig AdamWConfig::from_config(const Config& c) {
 }
 
 AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(store), cfg_(cfg) {
-  const Shape s{store.layout().total()};
   // adam_moment_precision bf16 applies to f32 parameters; the f64 models of the gradient
   // checks keep f64 moments (moment_dtype f32 means "the parameters' type").
   if (cfg.moment_dtype == DType::bf16 && store.dtype() != DType::f32)
     fail("adam_moment_precision bf16 needs f32 parameters; this model's are {}", dtype_name(store.dtype()));
-  const DType dt = cfg.moment_dtype == DType::bf16 ? DType::bf16 : store.dtype();
-  const size_t bytes = static_cast<size_t>(s.numel()) * dtype_size(dt);
-  m_ = Tensor(store.backend().allocate(bytes), dt, s);
-  v_ = Tensor(store.backend().allocate(bytes), dt, s);
+  owned_ = FlatRange{0, store.layout().total()};
+  m_ = allocate_moment(owned_.count);
+  v_ = allocate_moment(owned_.count);
+}
+
+Tensor AdamWOptimizer::allocate_moment(int64_t n) {
+  const DType dt = cfg_.moment_dtype == DType::bf16 ? DType::bf16 : store_.dtype();
+  return Tensor(store_.backend().allocate(static_cast<size_t>(n) * dtype_size(dt)), dt, Shape{n});
 }
 
 AdamWOptimizer::~AdamWOptimizer() {
+  release_full_moments();
   store_.backend().release(m_.data);
   store_.backend().release(v_.data);
 }
 
-StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend::ParamCast> casts) {
+void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
+  dp_ = dp && dp->size() > 1 ? dp : nullptr;
+  const bool shard = dp_ && distributed;
+  if (shard == sharded_) return;
+  sharded_ = shard;
   Backend& be = store_.backend();
+  be.release(m_.data);
+  be.release(v_.data);
+  const int64_t total = store_.layout().total();
+  sharding_ = FlatSharding::of(total, shard ? dp_->size() : 1);
+  owned_ = shard ? sharding_.owned(dp_->rank()) : FlatRange{0, total};
+  m_ = allocate_moment(owned_.count);
+  v_ = allocate_moment(owned_.count);
+}
+
+void AdamWOptimizer::allocate_full_moments() {
+  if (!sharded_ || full_m_.defined()) return;
+  full_m_ = allocate_moment(sharding_.total);
+  full_v_ = allocate_moment(sharding_.total);
+}
+
+void AdamWOptimizer::gather_moments() {
+  if (!sharded_) return;
+  allocate_full_moments();
+  Backend& be = store_.backend();
+  for (auto [mine, full] : {std::pair{m_, full_m_}, std::pair{v_, full_v_}}) {
+    be.copy(flat_slice(full, owned_), mine);
+    dp_->all_gather_params(full, sharding_);
+  }
+}
+
+void AdamWOptimizer::scatter_moments() {
+  if (!sharded_) return;
+  Backend& be = store_.backend();
+  be.copy(m_, flat_slice(full_m_, owned_));
+  be.copy(v_, flat_slice(full_v_, owned_));
+}
+
+void AdamWOptimizer::release_full_moments() {
+  if (!full_m_.defined()) return;
+  store_.backend().release(full_m_.data);
+  store_.backend().release(full_v_.data);
+  full_m_ = full_v_ = Tensor{};
+}
+
+StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
+  Backend& be = store_.backend();
+  StepStats s;
+  s.lr = lr;
+  const Tensor grads = store_.flat_grads(), params = store_.flat_params();
+  dp_->reduce_scatter_gradients(grads, sharding_);
+  double sum_squares[1] = {be.gradient_sum_squares(flat_slice(grads, owned_), {})};
+  dp_->sum(sum_squares);
+  s.grad_norm = std::sqrt(sum_squares[0]);
+  if (!std::isfinite(s.grad_norm)) return s;
+  const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
+  be.adamw(flat_slice(params, owned_), flat_slice(grads, owned_), m_, v_,
+           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, {}, {}, {});
+  dp_->all_gather_params(params, sharding_);
+  store_.params_changed();  // operand copies are made again from the gathered weights
+  s.applied = true;
+  return s;
+}
+
+StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend::ParamCast> casts) {
+  if (sharded_) return sharded_step(step, lr);
+  Backend& be = store_.backend();
+  if (dp_) dp_->all_reduce_gradients(store_.flat_grads());
   StepStats s;
   s.lr = lr;
   // The per-sample Linears' gradients may be kept as factors (ParamStore::keep_low_rank_grads):
@@ -55,6 +125,7 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
            low_rank);
   store_.params_updated();
   s.applied = true;
+  s.casts_written = !casts.empty();
   return s;
 }
 

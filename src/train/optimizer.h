@@ -7,6 +7,7 @@
 
 #include "backend/backend.h"
 #include "model/params.h"
+#include "train/data_parallel.h"
 #include "train/schedule.h"
 
 namespace flux8 {
@@ -26,6 +27,7 @@ struct StepStats {
   double grad_norm = 0;  // before clipping
   double lr = 0;
   bool applied = false;  // false: non-finite gradient, weights unchanged
+  bool casts_written = false;  // the FP8 casts passed to step() were written with the weights
 };
 
 class AdamWOptimizer {
@@ -40,15 +42,43 @@ class AdamWOptimizer {
   // `casts`: FP8 casts of the new weights to write with them (FluxModel::weight_casts).
   StepStats step(int64_t step, double lr, std::span<const Backend::ParamCast> casts = {});
 
-  // The moments (in moment_dtype(); checkpoints store them as f32).
+  // Data parallelism: step() first sums the gradients over `dp`'s group. With `distributed`
+  // (use_distributed_optimizer, ZeRO-1) this rank keeps the moments of its shard of the flat
+  // buffer only (FlatSharding): the gradients are reduce-scattered, the norm is summed over the
+  // shards, AdamW updates the shard, and the new weights are all-gathered (the FP8 casts and
+  // bf16 operand copies are then made afresh from them, at their first use). Call before the
+  // first step; the moments start at zero.
+  void set_data_parallel(DataParallel* dp, bool distributed);
+  bool sharded() const { return sharded_; }
+
+  // The moments (in moment_dtype(); checkpoints store them as f32): this rank's, of the whole
+  // buffer or, sharded, of owned() only.
   DType moment_dtype() const { return m_.dtype; }
   Tensor exp_avg() const { return m_; }
   Tensor exp_avg_sq() const { return v_; }
+  FlatRange owned() const { return owned_; }
+  // Whole-buffer moments for checkpoints. gather_moments(): the group's shards all-gathered into
+  // buffers of the whole size (every rank takes part), which full_exp_avg()/full_exp_avg_sq()
+  // return until release_full_moments(); without sharding they are the moments themselves.
+  // After a checkpoint has been loaded into them, scatter_moments() takes this rank's shard.
+  void gather_moments();
+  void allocate_full_moments();
+  void scatter_moments();
+  void release_full_moments();
+  Tensor full_exp_avg() const { return sharded_ ? full_m_ : m_; }
+  Tensor full_exp_avg_sq() const { return sharded_ ? full_v_ : v_; }
 
  private:
+  StepStats sharded_step(int64_t step, double lr);
+  Tensor allocate_moment(int64_t n);
   ParamStore& store_;
   AdamWConfig cfg_;
   Tensor m_, v_;
+  DataParallel* dp_ = nullptr;
+  bool sharded_ = false;
+  FlatSharding sharding_;
+  FlatRange owned_;
+  Tensor full_m_, full_v_;
 };
 
 }  // namespace flux8

@@ -7,8 +7,9 @@
 
 namespace flux8 {
 
-Progress::Progress(const std::string& path, bool append, int64_t start_step, int64_t total)
+Progress::Progress(const std::string& path, bool append, int64_t start_step, int64_t total, bool print)
     : tty_(::isatty(STDOUT_FILENO) != 0),
+      print_(print),
       start_step_(start_step),
       total_(total),
       t0_(std::chrono::steady_clock::now()) {
@@ -63,6 +64,7 @@ void Progress::step(const StepReport& r, bool log_line) {
       r.model_tflops_per_second,
       r.energy_j_per_step >= 0 ? fmt::format("  {:.1f} J/step {:.0f} W", r.energy_j_per_step, r.power_w) : "",
       r.data.wait_s * 1e3, r.skipped ? "  SKIPPED (non-finite)" : "");
+  if (!print_) return;
   if (tty_) {
     const int width = 24;
     const int filled = total_ > 0 ? static_cast<int>(width * r.step / total_) : width;
@@ -78,8 +80,10 @@ void Progress::step(const StepReport& r, bool log_line) {
 
 void Progress::event(const std::string& line, const nlohmann::json& record) {
   clear_bar();
-  fmt::print("{}\n", line);
-  std::fflush(stdout);
+  if (print_) {
+    fmt::print("{}\n", line);
+    std::fflush(stdout);
+  }
   if (metrics_ && !record.is_null()) {
     metrics_ << record.dump() << "\n";
     metrics_.flush();

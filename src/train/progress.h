@@ -35,8 +35,9 @@ struct StepReport {
 
 class Progress {
  public:
-  // metrics_path "" disables the file; append keeps earlier lines (resume).
-  Progress(const std::string& metrics_path, bool append, int64_t start_step, int64_t total_steps);
+  // metrics_path "" disables the file; append keeps earlier lines (resume). print false: nothing
+  // on stdout either (the ranks of a job other than rank 0, whose lines would repeat its own).
+  Progress(const std::string& metrics_path, bool append, int64_t start_step, int64_t total_steps, bool print = true);
   ~Progress();
 
   void step(const StepReport& r, bool log_line);
@@ -48,6 +49,7 @@ class Progress {
   void clear_bar();
   std::ofstream metrics_;
   bool tty_;
+  bool print_ = true;
   bool bar_shown_ = false;
   int64_t start_step_, total_;
   std::chrono::steady_clock::time_point t0_;

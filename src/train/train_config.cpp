@@ -101,6 +101,20 @@ TrainConfig TrainConfig::from_config(const Config& cfg) {
   t.nan_max_consecutive_skips = cfg.get_int("nan_max_consecutive_skips");
   read_data(cfg, t);
   read_run_outputs(cfg, t);
+  t.tensor_parallel = static_cast<int>(cfg.get_int("tensor_model_parallel_size"));
+  t.pipeline_parallel = static_cast<int>(cfg.get_int("pipeline_model_parallel_size"));
+  t.context_parallel = static_cast<int>(cfg.get_int("context_parallel_size"));
+  if (t.pipeline_parallel != 1)
+    fail("pipeline_model_parallel_size is {} ({}): flux8 does not split the model into pipeline stages; set it to 1 "
+         "and use tensor_model_parallel_size to split the blocks",
+         t.pipeline_parallel, cfg.source("pipeline_model_parallel_size"));
+  if (t.context_parallel != 1)
+    fail("context_parallel_size is {} ({}): flux8 does not split sequences across ranks; set it to 1",
+         t.context_parallel, cfg.source("context_parallel_size"));
+  t.distributed_optimizer = cfg.get_bool("use_distributed_optimizer");
+  t.overlap_grad_reduce = cfg.get_bool("overlap_grad_reduce");
+  t.overlap_param_gather = cfg.get_bool("overlap_param_gather");
+  t.distributed_timeout_s = cfg.get_float("distributed_timeout_minutes") * 60.0;
   t.config_yaml = cfg.dump();
   return t;
 }

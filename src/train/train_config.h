@@ -60,6 +60,13 @@ struct TrainConfig {
   std::vector<std::string> sample_prompts;  // sample_prompts, split at ';' and trimmed
   int64_t sample_steps = 0, samples_per_prompt = 0;
 
+  // Parallelism (docs/DISTRIBUTED.md): the Megatron keys.
+  int tensor_parallel = 1;  // tensor_model_parallel_size
+  int pipeline_parallel = 1, context_parallel = 1;
+  bool distributed_optimizer = false;  // use_distributed_optimizer
+  bool overlap_grad_reduce = true, overlap_param_gather = true;
+  double distributed_timeout_s = 600;  // distributed_timeout_minutes
+
   std::string config_yaml;  // the resolved config (Config::dump), for the checkpoints
 
   // Reads every key above and checks what the schema cannot check key by key; errors name the

@@ -117,22 +117,24 @@ void count_micro_batch(StepLoss& step, const HostBatch& hb, const FluxConfig& cf
 }  // namespace
 
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples, int64_t micro,
-                                   uint64_t step) {
-  const int64_t global = static_cast<int64_t>(samples.size());
-  if (micro < 1 || global % micro) fail("a step of {} samples cannot be split into micro-batches of {}", global, micro);
+                                   uint64_t step, int64_t first_index, int64_t global_samples) {
+  const int64_t local = static_cast<int64_t>(samples.size());
+  const int64_t global = global_samples > 0 ? global_samples : local;
+  if (micro < 1 || local % micro) fail("a step of {} samples cannot be split into micro-batches of {}", local, micro);
   ctx.model.params().zero_grads();
   StepLoss out;
   const double share = static_cast<double>(micro) / static_cast<double>(global);
-  const int64_t parts = global / micro;
+  const int64_t parts = local / micro;
   const Tensor losses = ctx.buffers.losses(parts);
-  for (int64_t first = 0, part_index = 0; first < global; first += micro, ++part_index) {
+  for (int64_t first = 0, part_index = 0; first < local; first += micro, ++part_index) {
     const std::vector<Sample> part(samples.begin() + first, samples.begin() + first + micro);
     HostBatch& hb = ctx.buffers.host;
-    make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first);
+    make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first_index + first);
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
     micro_batch_gradients(ctx, in, ctx.buffers.target, ctx.buffers.dpred, loss_of_part(losses, part_index), share);
     count_micro_batch(out, hb, ctx.cfg);
   }
+  if (ctx.data_parallel) ctx.data_parallel->all_reduce(losses);
   out.loss = step_loss(ctx.model.backend(), losses, parts, share);
   return out;
 }
@@ -142,8 +144,10 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
   const BatchPipelineSpec& spec = pipeline.spec();
   ctx.model.params().zero_grads();
   StepLoss out;
+  // Each part's loss gradient is scaled by its share of the whole step (all ranks): the sum of
+  // the ranks' gradients is the gradient of the step's mean loss.
   const double share = static_cast<double>(spec.micro) / static_cast<double>(spec.global);
-  const int64_t parts = spec.global / spec.micro;
+  const int64_t parts = pipeline.parts();
   const Tensor losses = ctx.buffers.losses(parts);
   for (int64_t part = 0; part < parts; ++part) {
     const BatchPipeline::MicroBatch mb = pipeline.acquire();
@@ -156,6 +160,9 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
     pipeline.release();
     if (loader_after) *loader_after = mb.loader_after;
   }
+  // Every rank's parts' losses, summed part by part over the ranks: the step's loss is then the
+  // same on every rank.
+  if (ctx.data_parallel) ctx.data_parallel->all_reduce(losses);
   out.loss = step_loss(ctx.model.backend(), losses, parts, share);
   return out;
 }
@@ -164,7 +171,7 @@ StepStats apply_optimizer_step(FluxModel& model, AdamWOptimizer& opt, int64_t st
   model.before_optimizer_step();
   const std::vector<Backend::ParamCast> casts = model.weight_casts();
   const StepStats st = finite_loss ? opt.step(step, lr, casts) : StepStats{NAN, lr, false};
-  model.after_optimizer_step(st.applied && !casts.empty());
+  model.after_optimizer_step(st.applied && st.casts_written);
   return st;
 }
 

@@ -4,6 +4,7 @@
 #include <functional>
 #include <vector>
 
+#include "backend/communicator.h"
 #include "backend/step_graph.h"
 #include "data/loader.h"
 #include "data/sample.h"
@@ -62,6 +63,8 @@ struct StepContext {
   // cuda_graph: the model's backend, whose regions each micro-batch's forward, loss and
   // backward run in (null: op by op).
   StepGraph* graph = nullptr;
+  // The data-parallel group (null: one rank): the step's losses are summed over it.
+  Communicator* data_parallel = nullptr;
 };
 
 struct StepLoss {
@@ -77,8 +80,11 @@ struct StepLoss {
 // `micro` samples. Each micro-batch's loss gradient is scaled by micro/global, so any split
 // gives the same gradient up to rounding. The losses stay on the device until the last backward
 // is queued: nothing in between waits for it.
+// With data parallelism (ctx.data_parallel), `samples` are this rank's share of a step of
+// `global_samples`, starting at index `first_index` of the global batch (its draws are keyed by
+// that index); the loss is then the whole step's, summed over the ranks. 0: samples.size().
 StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sample>& samples, int64_t micro,
-                                   uint64_t step);
+                                   uint64_t step, int64_t first_index = 0, int64_t global_samples = 0);
 
 class BatchPipeline;
 // The same with the micro-batches of step `step` (0-based) taken from `pipeline`, which built

@@ -8,7 +8,9 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <cstdlib>
 #include <optional>
+#include <string_view>
 
 #include "backend/backend.h"
 #include "backend/energy.h"
@@ -17,12 +19,16 @@
 #include "config/config.h"
 #include "core/error.h"
 #include "core/process_clock.h"
+#include "core/sha256.h"
 #include "data/loader.h"
+#include "dist/mpi_runtime.h"
+#include "dist/process_groups.h"
 #include "model/flux_model.h"
 #include "model/weights_io.h"
 #include "train/async_checkpoint.h"
 #include "train/batch_pipeline.h"
 #include "train/checkpoint.h"
+#include "train/data_parallel.h"
 #include "train/end_samples.h"
 #include "train/fp8_report.h"
 #include "train/objective.h"
@@ -59,6 +65,10 @@ struct Resume {
 struct Run {
   TrainConfig cfg;
   std::unique_ptr<Backend> be;
+  // The job's ranks (one-rank groups for a process started alone) and the data-parallel
+  // reductions over them; `world` reduces what every rank must agree on (FP8 amaxes, the stop).
+  std::unique_ptr<ProcessGroups> groups;
+  std::unique_ptr<DataParallel> dp, world;
   // cuda_graph: the graph recorder intercepting `be`'s ops.
   std::unique_ptr<StepGraph> graph;
   std::unique_ptr<FluxModel> model;
@@ -90,17 +100,63 @@ void prepare_config_and_data(Run& r, const TrainOptions& opt) {
   r.val = load_validation_set(r.cfg);
 }
 
+// Rank 0 speaks for the job: it alone prints, writes metrics.jsonl and checkpoints.
+bool lead_rank(const Run& r) { return !r.groups || r.groups->world_rank() == 0; }
+
+// The rank's device (its index among the job's ranks on its node), the process groups, and the
+// checks that every rank runs the same config.
+void join_job(Run& r) {
+  const JobPlacement& job = job_placement();
+  BackendOptions options = r.cfg.backend_options;
+  if (job.launched) {
+    options.device = job.local_rank;
+    const char* comm = std::getenv("FLUX8_COMM");
+    options.share_device = comm && std::string_view(comm) == "mpi";
+  }
+  r.be = make_backend(r.cfg.backend, options);
+  const ParallelSizes sizes{r.cfg.tensor_parallel, r.cfg.pipeline_parallel, r.cfg.context_parallel};
+  r.groups = std::make_unique<ProcessGroups>(job.launched ? job_world() : MPI_COMM_NULL, sizes, *r.be);
+  r.dp = std::make_unique<DataParallel>(r.groups->dp(), *r.be);
+  r.world = std::make_unique<DataParallel>(r.groups->world(), *r.be);
+  if (!r.groups->distributed()) return;
+  // The resolved config's hash against rank 0's: ranks that read different files (or got other
+  // --set values) would train different models and deadlock on the first mismatched collective.
+  const std::string digest = sha256_hex(r.cfg.config_yaml).substr(0, 12);
+  std::vector<double> mine{static_cast<double>(std::stoull(digest.substr(0, 6), nullptr, 16)),
+                           static_cast<double>(std::stoull(digest.substr(6, 6), nullptr, 16))};
+  std::vector<double> lead = mine;
+  r.world->broadcast(lead, 0);
+  if (lead != mine)
+    fail("the resolved config differs between ranks (hash {} here; rank 0 has another): every rank must read the same "
+         "config files with the same --set values (`flux8 config -c FILE` prints the resolved config)",
+         digest);
+  if (r.groups->tp_size() > 1)
+    fail("tensor_model_parallel_size {}: the model's blocks are not split across ranks in this build; set it to 1 "
+         "(data parallelism over all {} ranks)",
+         r.groups->tp_size(), r.groups->world_size());
+}
+
 void build_model(Run& r) {
-  r.be = make_backend(r.cfg.backend, r.cfg.backend_options);
+  join_job(r);
   // cuda_graph: each micro-batch's forward and backward recorded and launched as CUDA graphs
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
   if (r.cfg.cuda_graph && r.be->can_capture())
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
   r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute);
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), r.cfg.adam);
+  r.opt->set_data_parallel(r.dp.get(), r.cfg.distributed_optimizer);
   // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients
-  // stay as factors (ParamStore::keep_low_rank_grads).
-  r.model->params().keep_low_rank_grads(r.cfg.global_batch);
+  // stay as factors (ParamStore::keep_low_rank_grads) — on one data-parallel rank, where the
+  // gradient buffer need not be reduced.
+  r.model->params().keep_low_rank_grads(r.dp->size() > 1 ? 0 : r.cfg.global_batch);
+  // FP8: every rank's amaxes max-reduced before the delayed-scaling update, so every rank holds
+  // the scales one process would.
+  if (r.model->fp8() && r.groups->distributed())
+    r.model->fp8()->registry().set_allreduce_hook([&world = *r.world](float* row, int n) {
+      std::vector<double> v(row, row + n);
+      world.max(v);
+      for (int i = 0; i < n; ++i) row[i] = static_cast<float>(v[static_cast<size_t>(i)]);
+    });
   r.state.seed = r.cfg.seed;
   r.state.config_yaml = r.cfg.config_yaml;
 }
@@ -115,8 +171,12 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
       r.resume.verify_seconds = seconds_since(t0);
       const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
-      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), registry,
-                      &r.resume.fp8_note, CheckpointVerify::sizes);  // its digests were just verified
+      // Whole-buffer moments (a sharded optimizer's are gathered space, then scattered).
+      r.opt->allocate_full_moments();
+      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
+                      registry, &r.resume.fp8_note, CheckpointVerify::sizes);  // its digests were just verified
+      r.opt->scatter_moments();
+      r.opt->release_full_moments();
       r.state.config_yaml = r.cfg.config_yaml;                       // the config of this run goes into its checkpoints
       r.resume.from = *dir;
       r.resume.load_seconds = seconds_since(t1);
@@ -144,8 +204,9 @@ void open_loader(Run& r) {
 
 void open_metrics(Run& r) {
   r.start_step = r.state.step;
-  r.progress = std::make_unique<Progress>((fs::path(r.cfg.save_dir) / "metrics.jsonl").string(), !r.resume.from.empty(),
-                                          r.start_step, r.cfg.train_iters);
+  const bool lead = lead_rank(r);
+  r.progress = std::make_unique<Progress>(lead ? (fs::path(r.cfg.save_dir) / "metrics.jsonl").string() : "",
+                                          !r.resume.from.empty(), r.start_step, r.cfg.train_iters, lead);
   r.buf = std::make_unique<StepBuffers>(*r.be, DType::f32);
 }
 
@@ -162,6 +223,13 @@ void announce_run(Run& r) {
                       r.cfg.global_batch, r.cfg.accumulation, r.cfg.micro_batch, r.cfg.train_iters, r.val.size(),
                       r.cfg.save_dir));
   note(r, fmt::format("precision: {}", r.cfg.fp8.describe()));
+  if (r.groups->distributed())
+    note(r, fmt::format("parallel: {}: {} samples a rank a step{}; gradients over {}", r.groups->describe(),
+                        r.cfg.global_batch / r.dp->size(),
+                        r.opt->sharded() ? ", AdamW moments sharded over the data-parallel ranks "
+                                           "(use_distributed_optimizer)"
+                                         : "",
+                        r.groups->dp().describe()));
   if (params.grad_dtype() != params.dtype())
     note(r, fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                         dtype_name(params.grad_dtype()), dtype_name(params.dtype())));
@@ -298,7 +366,9 @@ Validation validate(Run& r) {
   const size_t micro = static_cast<size_t>(r.cfg.micro_batch);
   double sum[8] = {0};
   int64_t count[8] = {0};
-  for (size_t first = 0; first < r.val.size(); first += micro) {
+  // Data-parallel ranks take turns by micro-batch; the sums and counts are added up over them.
+  const size_t ranks = static_cast<size_t>(r.dp->size()), rank = static_cast<size_t>(r.dp->rank());
+  for (size_t first = micro * rank; first < r.val.size(); first += micro * ranks) {
     const size_t n = std::min(r.val.size() - first, micro);
     const std::vector<Sample> part(r.val.begin() + static_cast<std::ptrdiff_t>(first),
                                    r.val.begin() + static_cast<std::ptrdiff_t>(first + n));
@@ -317,6 +387,11 @@ Validation validate(Run& r) {
       ++count[bucket];
     }
   }
+  std::vector<double> reduced(16);
+  for (int k = 0; k < 8; ++k) reduced[static_cast<size_t>(k)] = sum[k], reduced[8 + static_cast<size_t>(k)] = count[k];
+  r.dp->sum(reduced);
+  for (int k = 0; k < 8; ++k)
+    sum[k] = reduced[static_cast<size_t>(k)], count[k] = static_cast<int64_t>(reduced[8 + static_cast<size_t>(k)]);
   double total = 0;
   int buckets = 0;
   for (int k = 0; k < 8; ++k) {
@@ -348,9 +423,10 @@ double run_validation(Run& r, const char* when) {
 void prepare_checkpoints(Run& r) {
   const bool behind = r.cfg.async_save == TrainConfig::AsyncSave::on ||
                       (r.cfg.async_save == TrainConfig::AsyncSave::automatic && r.be->computes_beside_host());
-  if (!behind) return;
+  if (!behind || !lead_rank(r)) return;
   ParamStore& params = r.model->params();
-  const uint64_t need = CheckpointSnapshot::bytes_for(params, r.opt->exp_avg(), r.opt->exp_avg_sq());
+  r.opt->allocate_full_moments();  // (sized as the checkpoint's: whole-buffer moments)
+  const uint64_t need = CheckpointSnapshot::bytes_for(params, r.opt->full_exp_avg(), r.opt->full_exp_avg_sq());
   const std::optional<uint64_t> available = host_memory_available();
   if (!AsyncCheckpointer::fits(need, available)) {
     note(r, fmt::format("async_save: a checkpoint's host copy ({:.2f} GB) is more than half the host memory "
@@ -359,7 +435,8 @@ void prepare_checkpoints(Run& r) {
     return;
   }
   r.saver = std::make_unique<AsyncCheckpointer>(r.cfg.save_dir, static_cast<int>(r.cfg.keep_last_checkpoints));
-  r.saver->prepare(params, r.opt->exp_avg(), r.opt->exp_avg_sq());
+  r.saver->prepare(params, r.opt->full_exp_avg(), r.opt->full_exp_avg_sq());
+  r.opt->release_full_moments();
   note(r, fmt::format("checkpoints: written behind training (async_save) from a host copy of {:.2f} GB", need / 1e9));
 }
 
@@ -379,7 +456,7 @@ void report_saved(Run& r, const AsyncCheckpointer::Finished& f) {
 
 void save_behind(Run& r) {
   const AsyncCheckpointer::Started s =
-      r.saver->start(r.state, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), fp8_state(r));
+      r.saver->start(r.state, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(), fp8_state(r));
   if (s.previous) report_saved(r, *s.previous);
   r.result.last_checkpoint = s.dir;
   std::string waited;  // for the previous save, or (the first save) for the copy's memory to be mapped
@@ -396,12 +473,26 @@ void save_behind(Run& r) {
                      {"wait_seconds", s.wait_seconds}});
 }
 
+// The checkpoint of the whole job: every rank takes part in gathering the state (a sharded
+// optimizer's moments), rank 0 writes it. A rank that fails here ends the job (src/cli/main.cpp),
+// so no rank goes on past a checkpoint that was not written; the atomic rename keeps the previous
+// one the newest.
 void save(Run& r) {
-  if (r.saver) return save_behind(r);
+  r.opt->gather_moments();
+  if (!lead_rank(r)) {
+    r.opt->release_full_moments();
+    return;
+  }
+  if (r.saver) {
+    save_behind(r);  // the host copy is taken before start() returns
+    r.opt->release_full_moments();
+    return;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   r.result.last_checkpoint =
-      save_checkpoint(r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(),
-                      static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r));
+      save_checkpoint(r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(),
+                      r.opt->full_exp_avg_sq(), static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r));
+  r.opt->release_full_moments();
   const double secs = seconds_since(t0);
   const uint64_t bytes = checkpoint_bytes(r.result.last_checkpoint);
   r.progress->event(
@@ -425,6 +516,8 @@ void start_pipeline(Run& r) {
   BatchPipelineSpec spec{r.cfg.model,        r.cfg.objective,   r.empty,      r.state.seed,
                          r.cfg.global_batch, r.cfg.micro_batch, r.start_step, r.cfg.train_iters};
   spec.mode = r.cfg.data_overlap;
+  spec.dp_rank = r.dp->rank();
+  spec.dp_size = r.dp->size();
   r.pipeline = std::make_unique<BatchPipeline>(*r.be, *r.loader, spec);
   note(r, r.pipeline->background()
               ? "data: each micro-batch built and uploaded on a thread of its own while the device computes the one "
@@ -470,7 +563,12 @@ bool after_step(Run& r, const TrainOptions& opt) {
     run_validation(r, "interval");
     outside_steps = true;
   }
-  const bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - r.start_step >= opt.stop_after);
+  bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - r.start_step >= opt.stop_after);
+  if (r.groups->distributed()) {  // a signal reaches the ranks at different steps: stop together
+    std::vector<double> any{stop ? 1.0 : 0.0};
+    r.world->max(any);
+    stop = any[0] > 0;
+  }
   if ((r.cfg.save_interval > 0 && r.state.step % r.cfg.save_interval == 0) || last || stop) {
     save(r);
     outside_steps = true;
@@ -485,7 +583,9 @@ bool after_step(Run& r, const TrainOptions& opt) {
 }
 
 void step_loop(Run& r, const TrainOptions& opt) {
-  const StepContext ctx{*r.model, r.cfg.model, r.cfg.objective, r.empty, *r.buf, r.state.seed, r.graph.get()};
+  const StepContext ctx{*r.model,      r.cfg.model,    r.cfg.objective,
+                        r.empty,       *r.buf,         r.state.seed,
+                        r.graph.get(), r.dp->size() > 1 ? &r.dp->group() : nullptr};
   restart_energy(r);
   while (r.state.step < r.cfg.train_iters) {
     take_step(r, ctx, opt);
@@ -498,7 +598,7 @@ void step_loop(Run& r, const TrainOptions& opt) {
 void finish(Run& r) {
   if (!r.result.stopped_early) {  // while the last checkpoint is written
     r.result.last_val_loss = run_validation(r, "end");
-    write_end_of_run_samples(r.cfg, *r.model, *r.progress);
+    if (lead_rank(r)) write_end_of_run_samples(r.cfg, *r.model, *r.progress);
   }
   if (r.saver)
     if (auto f = r.saver->wait()) report_saved(r, *f);

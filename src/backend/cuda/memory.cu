@@ -46,6 +46,15 @@ std::string cuda_unavailable_reason() {
 std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options) {
   if (const std::string why = cuda_unavailable_reason(); !why.empty())
     fail("backend 'cuda': no usable GPU here: {}. Use backend: cpu (or run on a Hopper GPU)", why);
+  if (options.device >= 0) {
+    int count = 0;
+    FLUX8_CUDA_CHECK(cudaGetDeviceCount(&count));
+    if (options.device >= count && !options.share_device)
+      fail("backend 'cuda': this rank is number {} on its node, which has {} GPU{}: launch at most {} rank{} per node "
+           "(mpirun --map-by ppr:{}:node, or srun --ntasks-per-node={})",
+           options.device, count, count == 1 ? "" : "s", count, count == 1 ? "" : "s", count, count);
+    FLUX8_CUDA_CHECK(cudaSetDevice(options.device % count));
+  }
   return std::make_unique<CudaBackend>(options);
 }
 
