@@ -25,6 +25,7 @@
 #include "dist/process_groups.h"
 #include "dist/watchdog.h"
 #include "mpi/mpi_test_util.h"
+#include "train_test_util.h"
 
 namespace flux8::testing {
 
@@ -52,24 +53,22 @@ bool names_the_launch(std::string_view var) {
   return false;
 }
 
-// `mpirun -np 2` of this binary's RankFailureWorker test in `mode`, its output in a file.
+// A process started from this one, its output in a file: `command` with this process's
+// environment, less the launcher's variables, plus `extra_env`.
 class Job {
  public:
-  Job(const std::string& mode, const std::vector<std::string>& extra_env)
-      : log_(fs::temp_directory_path() / fmt::format("flux8_rank_failure_{}_{}.log", mode, ::getpid())) {
-    std::vector<std::string> args = {FLUX8_MPIEXEC, "-np", "2", "--oversubscribe", fs::read_symlink("/proc/self/exe").string(),
-                                     "--gtest_filter=RankFailureWorker.*"};
+  Job(const std::string& tag, std::vector<std::string> command, const std::vector<std::string>& extra_env)
+      : log_(fs::temp_directory_path() / fmt::format("flux8_rank_failure_{}_{}.log", tag, ::getpid())) {
     std::vector<std::string> env;
     for (char** e = environ; *e; ++e)
       if (!names_the_launch(*e)) env.emplace_back(*e);
     for (const char* keep : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
                              "OMPI_MCA_btl_vader_single_copy_mechanism=none"})
       env.emplace_back(keep);
-    env.push_back("FLUX8_TEST_RANK_FAILURE=" + mode);
     env.insert(env.end(), extra_env.begin(), extra_env.end());
     // Everything the child needs is built before fork(): after it, only async-signal-safe calls.
     std::vector<char*> argv, envp;
-    for (std::string& a : args) argv.push_back(a.data());
+    for (std::string& a : command) argv.push_back(a.data());
     for (std::string& e : env) envp.push_back(e.data());
     argv.push_back(nullptr);
     envp.push_back(nullptr);
@@ -96,6 +95,16 @@ class Job {
   Job& operator=(const Job&) = delete;
 
   std::string output() const { return read_text(log_); }
+
+  // Waits until the output says `marker`.
+  bool wait_for_output(const std::string& marker, std::chrono::seconds at_most) const {
+    const auto until = Clock::now() + at_most;
+    while (Clock::now() < until) {
+      if (output().find(marker) != std::string::npos) return true;
+      std::this_thread::sleep_for(50ms);
+    }
+    return false;
+  }
 
   // Waits until every rank has printed `marker`.
   bool wait_for_ranks(const std::string& marker, std::chrono::seconds at_most) const {
@@ -157,8 +166,24 @@ class Job {
   bool exited_ = false;
 };
 
+// `mpirun -np 2` of `command`.
+std::vector<std::string> two_ranks(std::vector<std::string> command) {
+  std::vector<std::string> launch = {FLUX8_MPIEXEC, "-np", "2", "--oversubscribe"};
+  launch.insert(launch.end(), command.begin(), command.end());
+  return launch;
+}
+
+// Two ranks of this binary's RankFailureWorker test in `mode`.
+std::vector<std::string> worker_job() {
+  return two_ranks({fs::read_symlink("/proc/self/exe").string(), "--gtest_filter=RankFailureWorker.*"});
+}
+
+// The end of a job's output, for failure messages (a trainer's progress lines run long).
+std::string last_lines(const std::string& out) { return out.size() <= 4000 ? out : "..." + out.substr(out.size() - 4000); }
+
 void expect_mentions(const std::string& out, const std::string& what) {
-  EXPECT_NE(out.find(what), std::string::npos) << "the job's output does not say \"" << what << "\":\n" << out;
+  EXPECT_NE(out.find(what), std::string::npos) << "the job's output does not say \"" << what << "\":\n"
+                                               << last_lines(out);
 }
 
 }  // namespace
@@ -197,27 +222,27 @@ TEST(RankFailureWorker, CollectivesUntilTheJobEnds) {
 
 TEST(RankFailure, AKilledRankEndsTheJobNamingIt) {
   FLUX8_REQUIRE_RANKS(1);
-  Job job("loop", {});
-  ASSERT_TRUE(job.wait_for_ranks("collectives running", 60s)) << job.output();
+  Job job("killed", worker_job(), {"FLUX8_TEST_RANK_FAILURE=loop"});
+  ASSERT_TRUE(job.wait_for_ranks("collectives running", 60s)) << last_lines(job.output());
   const pid_t victim = job.rank_pid(1);
   ASSERT_GT(victim, 0) << "rank 1's process was not found";
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   const std::optional<int> status = job.exit_status(kJobMustEndWithin);
-  ASSERT_TRUE(status) << "the job still ran 60 s after rank 1 was killed:\n" << job.output();
+  ASSERT_TRUE(status) << "the job still ran 60 s after rank 1 was killed:\n" << last_lines(job.output());
   EXPECT_NE(*status, 0);
-  expect_mentions(job.output(), "rank 1");
+  expect_mentions(job.output(), "process rank 1");  // Open MPI names the rank that died
 }
 
 TEST(RankFailure, AHungRankEndsTheJobAtTheCollectiveTimeout) {
   FLUX8_REQUIRE_RANKS(1);
-  Job job("loop", {"FLUX8_COLLECTIVE_TIMEOUT_S=2"});
-  ASSERT_TRUE(job.wait_for_ranks("collectives running", 60s)) << job.output();
+  Job job("hung", worker_job(), {"FLUX8_TEST_RANK_FAILURE=loop", "FLUX8_COLLECTIVE_TIMEOUT_S=2"});
+  ASSERT_TRUE(job.wait_for_ranks("collectives running", 60s)) << last_lines(job.output());
   const pid_t victim = job.rank_pid(1);
   ASSERT_GT(victim, 0) << "rank 1's process was not found";
   ASSERT_EQ(::kill(victim, SIGSTOP), 0);  // alive, but never reaches its next collective
   const std::optional<int> status = job.exit_status(kJobMustEndWithin);
   if (!status) ::kill(victim, SIGCONT);
-  ASSERT_TRUE(status) << "the job still ran 60 s after rank 1 stopped:\n" << job.output();
+  ASSERT_TRUE(status) << "the job still ran 60 s after rank 1 stopped:\n" << last_lines(job.output());
   EXPECT_NE(*status, 0);
   const std::string out = job.output();
   expect_mentions(out, "rank 0 of 2: all_reduce on world group");
@@ -226,11 +251,36 @@ TEST(RankFailure, AHungRankEndsTheJobAtTheCollectiveTimeout) {
 
 TEST(RankFailure, AnErrorOnOneRankEndsTheJobNamingIt) {
   FLUX8_REQUIRE_RANKS(1);
-  Job job("throw", {});
+  Job job("error", worker_job(), {"FLUX8_TEST_RANK_FAILURE=throw"});
   const std::optional<int> status = job.exit_status(kJobMustEndWithin);
-  ASSERT_TRUE(status) << "the job still ran 60 s after rank 1's error:\n" << job.output();
+  ASSERT_TRUE(status) << "the job still ran 60 s after rank 1's error:\n" << last_lines(job.output());
   EXPECT_NE(*status, 0);
   expect_mentions(job.output(), "rank 1 of 2: error: an error injected at step 50");
+}
+
+// The same on the real trainer: `mpirun -np 2 flux8 train` of the tiny demo model (data parallel
+// over two ranks), rank 1 killed in the middle of its steps.
+TEST(RankFailure, AKilledRankEndsATrainingJobNamingIt) {
+  FLUX8_REQUIRE_RANKS(1);
+  const RunDir dir("rank_failure");
+  const std::string config = (dir.root / "exp.yaml").string();
+  {
+    Job data("data", {FLUX8_BINARY, "data", "demo", "--out", (dir.root / "data").string(), "-c", config}, {});
+    const std::optional<int> status = data.exit_status(120s);
+    ASSERT_TRUE(status && *status == 0) << last_lines(data.output());
+  }
+  Job job("train",
+          two_ranks({FLUX8_BINARY, "train", "-c", config, "--set", "save_dir=" + (dir.root / "run").string(), "--set",
+                     "train_iters=1000000", "--set", "threads=1"}),
+          {});
+  ASSERT_TRUE(job.wait_for_output("first step done", 60s)) << last_lines(job.output());
+  const pid_t victim = job.rank_pid(1);
+  ASSERT_GT(victim, 0) << "rank 1's process was not found";
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  const std::optional<int> status = job.exit_status(kJobMustEndWithin);
+  ASSERT_TRUE(status) << "the training job still ran 60 s after rank 1 was killed:\n" << last_lines(job.output());
+  EXPECT_NE(*status, 0);
+  expect_mentions(job.output(), "process rank 1");  // Open MPI names the rank that died
 }
 
 }  // namespace flux8::testing
