@@ -41,12 +41,14 @@ std::string fewer_gpus_than_ranks() {
   return "";
 }
 
-// The rank's GPU: its local rank's, or the one GPU that all share.
+// The rank's GPU, as the trainer picks it: its local rank's, the ranks wrapping around the GPUs
+// where there are fewer (the host-staged kind; the NCCL kind skips itself there).
 Backend& cuda_backend() {
   static std::unique_ptr<Backend> be = [] {
-    const int count = gpu_count();
-    cudaSetDevice(count > 0 ? job_placement().local_rank % count : 0);
-    return make_backend("cuda");
+    BackendOptions options;
+    options.device = job_placement().local_rank;
+    options.share_device = true;
+    return make_backend("cuda", options);
   }();
   return *be;
 }
