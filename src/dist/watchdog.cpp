@@ -74,9 +74,10 @@ std::chrono::milliseconds collective_timeout(double distributed_timeout_minutes)
     char* end = nullptr;
     const double s = std::strtod(e, &end);
     if (end == e || *end != '\0' || !(s > 0) || s > 1e7)
-      fail("FLUX8_COLLECTIVE_TIMEOUT_S={}: expected a positive number of seconds (or unset it to use the config's "
-           "distributed_timeout_minutes)",
-           e);
+      fail(
+          "FLUX8_COLLECTIVE_TIMEOUT_S={}: expected a positive number of seconds (or unset it to use the config's "
+          "distributed_timeout_minutes)",
+          e);
     return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
   }
   if (!(distributed_timeout_minutes > 0) || distributed_timeout_minutes > 1e5)

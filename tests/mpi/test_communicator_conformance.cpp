@@ -144,8 +144,7 @@ TEST_P(CommunicatorConformance, AllGatherOutOfPlaceAndInPlace) {
       const std::vector<double> mine = input(rank, n, 3, t);
       std::copy(mine.begin(), mine.end(), stale.begin() + rank * n);
       upload(*be, whole.t, stale);
-      const Tensor slice(static_cast<uint8_t*>(whole.mem) + static_cast<size_t>(rank * n) * dtype_size(t), t,
-                         Shape{n});
+      const Tensor slice(static_cast<uint8_t*>(whole.mem) + static_cast<size_t>(rank * n) * dtype_size(t), t, Shape{n});
       comm->all_gather(whole.t, slice);
       expect_equal(download(*be, whole.t), want, label(*comm, "all_gather in place", t, n));
     }
@@ -185,9 +184,10 @@ TEST_P(CommunicatorConformance, BarrierWaitsForEveryRank) {
   BackendBuffer name_bytes(*be, DType::u8, 256);
   std::string folder;
   if (comm->rank() == 0) {
-    folder = (std::filesystem::temp_directory_path() /
-              fmt::format("flux8_barrier_{}_{}", ::getpid(), std::chrono::steady_clock::now().time_since_epoch().count()))
-                 .string();
+    folder =
+        (std::filesystem::temp_directory_path() /
+         fmt::format("flux8_barrier_{}_{}", ::getpid(), std::chrono::steady_clock::now().time_since_epoch().count()))
+            .string();
     std::filesystem::create_directories(folder);
   }
   std::vector<uint8_t> bytes(256, 0);

@@ -179,7 +179,9 @@ std::vector<std::string> worker_job() {
 }
 
 // The end of a job's output, for failure messages (a trainer's progress lines run long).
-std::string last_lines(const std::string& out) { return out.size() <= 4000 ? out : "..." + out.substr(out.size() - 4000); }
+std::string last_lines(const std::string& out) {
+  return out.size() <= 4000 ? out : "..." + out.substr(out.size() - 4000);
+}
 
 void expect_mentions(const std::string& out, const std::string& what) {
   EXPECT_NE(out.find(what), std::string::npos) << "the job's output does not say \"" << what << "\":\n"

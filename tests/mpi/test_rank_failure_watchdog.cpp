@@ -4,8 +4,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <memory>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -93,8 +93,8 @@ TEST(CollectiveWatchdog, WaitsWithinTheTimeoutEndNothing) {
 TEST(CollectiveWatchdog, AStalledDeviceQueueIsAbortedAndNamed) {
   Ending ending;
   FakeQueue queue;
-  queue.pending = WatchedQueue::Pending{"reduce_scatter on nccl data-parallel (rank 3 of 4)",
-                                        std::chrono::steady_clock::now()};
+  queue.pending =
+      WatchedQueue::Pending{"reduce_scatter on nccl data-parallel (rank 3 of 4)", std::chrono::steady_clock::now()};
   CollectiveWatchdog dog(100ms, ending.recorder());
   dog.watch(&queue);
   const std::optional<std::string> m = ending.wait(5000ms);
@@ -110,7 +110,8 @@ TEST(CollectiveWatchdog, AQueueErrorEndsTheJobAtOnce) {
   CollectiveWatchdog dog(std::chrono::minutes(10), ending.recorder());
   dog.watch(&queue);
   EXPECT_FALSE(ending.wait(100ms));  // healthy and idle
-  queue.fail_with("nccl tensor-parallel (rank 0 of 2): NCCL reports remote process exited or there was a network error");
+  queue.fail_with(
+      "nccl tensor-parallel (rank 0 of 2): NCCL reports remote process exited or there was a network error");
   // A ten-minute timeout polls twice a second.
   const std::optional<std::string> m = ending.wait(3000ms);
   ASSERT_TRUE(m);

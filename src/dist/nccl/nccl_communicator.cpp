@@ -148,9 +148,10 @@ void NcclCommunicator::settle(ncclResult_t result, std::string_view what) {
   while (result == ncclInProgress) {
     if (Clock::now() > deadline) {
       if (!aborted_.exchange(true)) ncclCommAbort(comm_);
-      fail("{}: waited more than {} s for the other ranks (distributed_timeout_minutes; "
-           "FLUX8_COLLECTIVE_TIMEOUT_S): a rank of the group died or hangs",
-           where(what), std::chrono::duration_cast<std::chrono::seconds>(watchdog_.timeout()).count());
+      fail(
+          "{}: waited more than {} s for the other ranks (distributed_timeout_minutes; "
+          "FLUX8_COLLECTIVE_TIMEOUT_S): a rank of the group died or hangs",
+          where(what), std::chrono::duration_cast<std::chrono::seconds>(watchdog_.timeout()).count());
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
     if (ncclCommGetAsyncError(comm_, &result) != ncclSuccess) break;
@@ -162,7 +163,8 @@ void NcclCommunicator::settle(ncclResult_t result, std::string_view what) {
 
 ncclDataType_t NcclCommunicator::nccl_type(std::string_view collective, const Tensor& t, bool reduces) const {
   if (!t.defined()) fail("{}: an undefined tensor", where(collective));
-  if (!t.contiguous()) fail("{}: {} is a strided view; collectives take contiguous tensors", where(collective), t.str());
+  if (!t.contiguous())
+    fail("{}: {} is a strided view; collectives take contiguous tensors", where(collective), t.str());
   switch (t.dtype) {
     case DType::f32: return ncclFloat32;
     case DType::f64: return ncclFloat64;
@@ -219,9 +221,8 @@ void NcclCommunicator::enqueue(std::string_view collective, bool async, Call&& c
 void NcclCommunicator::all_reduce(const Tensor& t, ReduceOp op, bool async) {
   const ncclDataType_t type = nccl_type("all_reduce", t, true);
   const ncclRedOp_t nccl_op = op == ReduceOp::max ? ncclMax : ncclSum;
-  enqueue("all_reduce", async, [&] {
-    return ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), type, nccl_op, comm_, stream_);
-  });
+  enqueue("all_reduce", async,
+          [&] { return ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), type, nccl_op, comm_, stream_); });
 }
 
 void NcclCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool async) {
@@ -238,20 +239,18 @@ void NcclCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool 
 void NcclCommunicator::all_gather(const Tensor& out, const Tensor& in, bool async) {
   const ncclDataType_t type = nccl_type("all_gather", in, false);
   if (out.dtype != in.dtype || out.numel() != in.numel() * size_)
-    fail("{}: out {} must hold {} times the elements of in {}, of the same type", where("all_gather"), out.str(),
-         size_, in.str());
+    fail("{}: out {} must hold {} times the elements of in {}, of the same type", where("all_gather"), out.str(), size_,
+         in.str());
   nccl_type("all_gather", out, false);
-  enqueue("all_gather", async, [&] {
-    return ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), type, comm_, stream_);
-  });
+  enqueue("all_gather", async,
+          [&] { return ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), type, comm_, stream_); });
 }
 
 void NcclCommunicator::broadcast(const Tensor& t, int root) {
   const ncclDataType_t type = nccl_type("broadcast", t, false);
   if (root < 0 || root >= size_) fail("{}: root {} is not a rank of the group", where("broadcast"), root);
-  enqueue("broadcast", false, [&] {
-    return ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), type, root, comm_, stream_);
-  });
+  enqueue("broadcast", false,
+          [&] { return ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), type, root, comm_, stream_); });
 }
 
 void NcclCommunicator::join() {
@@ -265,9 +264,8 @@ void NcclCommunicator::join() {
 
 void NcclCommunicator::barrier() {
   const Tensor word(barrier_word_, DType::f32, Shape{1});
-  enqueue("barrier", false, [&] {
-    return ncclAllReduce(word.data, word.data, 1, ncclFloat32, ncclSum, comm_, stream_);
-  });
+  enqueue("barrier", false,
+          [&] { return ncclAllReduce(word.data, word.data, 1, ncclFloat32, ncclSum, comm_, stream_); });
   // The barrier's all-reduce followed this rank's queued ops and needed every rank's: once the
   // stream has drained, all of it is done. A stall here is the watchdog's to end.
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));

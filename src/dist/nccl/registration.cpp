@@ -21,9 +21,10 @@ std::unique_ptr<Communicator> make_for_cuda(MPI_Comm comm, Backend& backend, con
   MPI_Comm_size(comm, &group.size);
   group.share_from_first_rank = [comm, what](void* data, size_t bytes) {
     if (MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, 0, comm) != MPI_SUCCESS)
-      fail("{} group (NCCL): sharing NCCL's unique id over MPI failed (another rank of the job may have failed; its "
-           "message says why)",
-           what);
+      fail(
+          "{} group (NCCL): sharing NCCL's unique id over MPI failed (another rank of the job may have failed; its "
+          "message says why)",
+          what);
   };
   return make_nccl_communicator(*cuda, group, collective_watchdog());
 }

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "backend/cuda/factory.h"
+#include "backend/registry.h"
 #include "backend/step_graph.h"
 #include "backend_buffer.h"
-#include "backend/registry.h"
 #include "dist/process_groups.h"
 #include "mpi/mpi_test_util.h"
 #include "mpi/test_communicator_conformance.h"
@@ -38,9 +38,10 @@ std::string no_gpu() {
 std::string fewer_gpus_than_ranks() {
   if (std::string why = no_gpu(); !why.empty()) return why;
   if (gpu_count() < job_placement().local_size)
-    return fmt::format("NCCL needs a GPU per rank: {} ranks on this node, {} GPUs (FLUX8_COMM=mpi stages them "
-                       "through the host)",
-                       job_placement().local_size, gpu_count());
+    return fmt::format(
+        "NCCL needs a GPU per rank: {} ranks on this node, {} GPUs (FLUX8_COMM=mpi stages them "
+        "through the host)",
+        job_placement().local_size, gpu_count());
   return "";
 }
 
