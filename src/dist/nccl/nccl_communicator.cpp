@@ -96,7 +96,7 @@ NcclCommunicator::NcclCommunicator(CudaBackend& backend, const NcclGroup& group,
     set_up(group);
     barrier_word_ = backend.allocate(sizeof(float));
   } catch (...) {
-    if (comm_) ncclCommAbort(comm_);
+    if (comm_ && !aborted_.exchange(true)) ncclCommAbort(comm_);
     cudaStreamDestroy(stream_);
     throw;
   }
@@ -154,7 +154,7 @@ void NcclCommunicator::settle(ncclResult_t result, std::string_view what) {
           where(what), std::chrono::duration_cast<std::chrono::seconds>(watchdog_.timeout()).count());
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
-    if (ncclCommGetAsyncError(comm_, &result) != ncclSuccess) break;
+    if (const ncclResult_t query = ncclCommGetAsyncError(comm_, &result); query != ncclSuccess) result = query;
   }
   if (result != ncclSuccess)
     fail("{}: NCCL failed: {}: {} (NCCL_DEBUG=WARN says more)", where(what), ncclGetErrorString(result),
