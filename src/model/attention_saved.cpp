@@ -2,9 +2,9 @@
 
 namespace flux8 {
 
-void BlockAttentionSaved::place_recomputed(Arena& scratch, const FluxConfig& c, StepShape sh, DType heads) {
+void BlockAttentionSaved::place_recomputed(Arena& scratch, const BlockWidths& w, StepShape sh, DType heads) {
   if (att8.defined()) return;  // FP8 attention writes only its casts (kept)
-  allocate_heads_qkv(scratch, c, sh, heads, SlotKind::workspace, q, k, v);
+  allocate_heads_qkv(scratch, w, sh, heads, SlotKind::workspace, q, k, v);
 }
 
 }  // namespace flux8

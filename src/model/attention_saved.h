@@ -15,7 +15,7 @@ struct BlockAttentionSaved {
   bool selective = false;
   // Selective: the forward still writes q, k, v. Points them at scratch for one forward; the
   // caller releases the scratch after it and calls forget_recomputed().
-  void place_recomputed(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType heads);
+  void place_recomputed(Arena& scratch, const BlockWidths& widths, StepShape shape, DType heads);
   void forget_recomputed() { q = k = v = Tensor{}; }
 };
 

@@ -11,9 +11,9 @@ void bind_qk_norm(ParamStore& store, const std::string& attn, ScaleParam& q_norm
   k_norm = ScaleParam::bind(store, attn + "norm.key_norm.scale");
 }
 
-void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,
+void allocate_heads_qkv(Arena& a, const BlockWidths& w, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,
                         Tensor& v) {
-  const Shape shape{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
+  const Shape shape = heads_shape(w, sh);
   q = a.alloc(heads, shape, kind);
   k = a.alloc(heads, shape, kind);
   v = a.alloc(heads, shape, kind);

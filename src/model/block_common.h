@@ -9,6 +9,7 @@
 #include "model/fp8_runtime.h"
 #include "model/linear_site.h"
 #include "model/params.h"
+#include "model/tensor_parallel.h"
 
 namespace flux8 {
 
@@ -50,6 +51,11 @@ struct BlockContext {
   // LayerNorm runs inside an FP8 cast (Backend::gated_residual_stats; FLUX8_FUSED_NORM_STATS=0
   // turns it off, for A/B measurements).
   bool norm_stats_in_residual = true;
+  // This rank's widths (the whole model's without tensor parallelism) and its tensor-parallel
+  // group: the blocks sum each row-parallel Linear's output over it in the forward and each
+  // column-parallel Linear's input gradient in the backward.
+  BlockWidths widths;
+  TensorParallel tp;
 };
 
 // Where a block writes the row statistics of an output for the LayerNorm that reads it next
@@ -83,8 +89,10 @@ inline DType statistics_dtype(DType activations) { return activations == DType::
 
 // q, k and v of a block's attention in the head-major layout [B, heads, L, D], from `a`
 // (selective recompute puts them in scratch for one forward or backward).
-void allocate_heads_qkv(Arena& a, const FluxConfig& c, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,
+void allocate_heads_qkv(Arena& a, const BlockWidths& w, StepShape sh, DType heads, SlotKind kind, Tensor& q, Tensor& k,
                         Tensor& v);
+// The head-major shape of this rank's heads: [B, heads, L, D].
+inline Shape heads_shape(const BlockWidths& w, StepShape sh) { return {sh.batch, w.heads, sh.tokens(), w.head_dim}; }
 
 // Turns FP8 amax/statistics recording off while it lives. A recomputed cast uses the step's
 // scales and gives the same codes, but the forward already recorded it once.

@@ -28,9 +28,9 @@ DoubleStreamParams bind_stream(ParamStore& s, const std::string& p) {
   return d;
 }
 
-DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int64_t Ls, DType t,
+DoubleStreamSaved allocate_stream(Arena& a, const BlockWidths& w, int64_t B, int64_t Ls, DType t,
                                   const DoubleStreamParams& p, const Fp8Runtime* fp8, bool selective) {
-  const int64_t H = c.hidden_size, M = c.mlp_hidden(), n = c.num_heads;
+  const int64_t H = w.hidden, A = w.attention, M = w.mlp, n = w.heads;
   DoubleStreamSaved s;
   auto act = [&](int64_t cols) { return a.alloc(t, Shape{B, Ls, cols}, SlotKind::activation); };
   auto lin = [&](const LinearSite& site, int64_t cols) {
@@ -45,10 +45,10 @@ DoubleStreamSaved allocate_stream(Arena& a, const FluxConfig& c, int64_t B, int6
   s.ln1_mean = stat(1);
   s.ln1_rstd = stat(1);
   s.xm1 = lin(p.qkv, H);
-  s.qkv = act(3 * H);
+  s.qkv = act(3 * A);
   s.q_rstd = stat(n);
   s.k_rstd = stat(n);
-  if (!selective) s.attn = lin(p.proj, H);
+  if (!selective) s.attn = lin(p.proj, A);
   s.proj_out = act(H);
   s.x_mid = act(H);
   s.ln2_mean = stat(1);
@@ -82,20 +82,19 @@ std::vector<LinearSite*> DoubleBlockParams::sites() {
 // stays because GELU cannot be inverted and recomputing it is the mlp_in GEMM, which in FP8
 // cannot even be redone bit-exactly (only the transposed cast of its input is kept). o and lse
 // stay: recomputing them is the attention forward, the most expensive op that is not a GEMM.
-DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t, DType ht,
+DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const BlockWidths& w, StepShape sh, DType t, DType ht,
                                             const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
   DoubleBlockSaved s;
   s.selective = selective;
-  s.txt = allocate_stream(a, c, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
-  s.img = allocate_stream(a, c, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
-  const Shape heads{sh.batch, c.num_heads, sh.tokens(), c.head_dim()};
+  s.txt = allocate_stream(a, w, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
+  s.img = allocate_stream(a, w, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
   if (p.fp8_attention >= 0) {
-    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, fp8);
+    s.att8 = Fp8AttentionSaved::allocate(a, w, sh, fp8);
   } else {
-    if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
-    s.o = a.alloc(ht, heads, SlotKind::activation);
+    if (!selective) allocate_heads_qkv(a, w, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+    s.o = a.alloc(ht, heads_shape(w, sh), SlotKind::activation);
   }
-  s.lse = a.alloc(statistics_dtype(t), Shape{sh.batch, c.num_heads, sh.tokens()}, SlotKind::statistic);
+  s.lse = a.alloc(statistics_dtype(t), Shape{sh.batch, w.heads, sh.tokens()}, SlotKind::statistic);
   return s;
 }
 
@@ -107,13 +106,13 @@ namespace {
 // q_rstd, k_rstd undefined: not saved (recomputation).
 void stream_qkv_to_heads(const BlockContext& ctx, DoubleStreamParams& p, const Tensor& qkv, Tensor q_rstd,
                          Tensor k_rstd, const DoubleBlockSaved& joint, int64_t offset, int fp8_attention) {
-  const int64_t H = ctx.cfg.hidden_size;
+  const int64_t A = ctx.widths.attention;
   if (joint.att8.defined())
-    fp8_attention_qkv(ctx, fp8_attention, joint.att8, q_rstd, k_rstd, qkv.cols_slice(0, H), qkv.cols_slice(H, H),
-                      qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, offset);
+    fp8_attention_qkv(ctx, fp8_attention, joint.att8, q_rstd, k_rstd, qkv.cols_slice(0, A), qkv.cols_slice(A, A),
+                      qkv.cols_slice(2 * A, A), p.q_norm.s, p.k_norm.s, offset);
   else
-    ctx.be.qk_norm_rope_to_heads(joint.q, joint.k, joint.v, q_rstd, k_rstd, qkv.cols_slice(0, H), qkv.cols_slice(H, H),
-                                 qkv.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe, offset, ctx.cfg.qk_norm_eps);
+    ctx.be.qk_norm_rope_to_heads(joint.q, joint.k, joint.v, q_rstd, k_rstd, qkv.cols_slice(0, A), qkv.cols_slice(A, A),
+                                 qkv.cols_slice(2 * A, A), p.q_norm.s, p.k_norm.s, ctx.pe, offset, ctx.cfg.qk_norm_eps);
 }
 
 // Stream part before attention: modulation, LayerNorm 1, qkv, then QK-norm + RoPE into the
@@ -122,7 +121,7 @@ void stream_qkv_to_heads(const BlockContext& ctx, DoubleStreamParams& p, const T
 void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p, DoubleStreamSaved& s, DoubleBlockSaved& joint,
                           Tensor x, int64_t offset, int fp8_attention) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size;
+  const int64_t H = ctx.widths.hidden;
   const size_t mark = ctx.scratch.mark();
   s.x_in = x;
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
@@ -139,16 +138,18 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p, Double
 // Both residuals are written out of place — x_mid = x + gate1 ⊙ proj into its saved slot,
 // out = x_mid + gate2 ⊙ mlp — so neither the block input nor x_mid needs a copy. Where LayerNorm
 // 2 runs inside mlp_in's FP8 cast, the first residual writes its statistics, and the second
-// those of the next LayerNorm (`next`), if any.
+// those of the next LayerNorm (`next`), if any. proj and mlp_out are row-parallel: their outputs
+// are summed over the tensor-parallel group before they join the residual.
 void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p, DoubleStreamSaved& s,
                            const DoubleBlockSaved& joint, Tensor x, Tensor out, int64_t offset, NormStatsOut next) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size, B = x.shape[0], Ls = x.shape[1];
+  const int64_t H = ctx.widths.hidden, B = x.shape[0], Ls = x.shape[1];
   const double eps = ctx.cfg.layernorm_eps;
   const size_t mark = ctx.scratch.mark();
-  const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, x.shape, ctx.dtype);
+  const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, Shape{B, Ls, ctx.widths.attention}, ctx.dtype);
   attention_output_to_tokens(be, attn, joint.att8, joint.o, offset);
   site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
+  ctx.tp.all_reduce(s.proj_out);
   Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, eps);
   ln2.statistics_ready = ctx.norm_stats_in_residual && layernorm_in_cast(p.mlp_in, ctx.fp8, s.xm2);
   const NormStatsOut ln2_stats = ln2.statistics_ready
@@ -164,6 +165,7 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p, Doubl
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h),
                        s.mlp_g, ctx.dtype);
   }
+  ctx.tp.all_reduce(s.mlp_out);
   gated_residual_to(be, out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H), next, eps);
   ctx.scratch.release_to(mark);
 }
@@ -171,14 +173,16 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p, Doubl
 // Backward of stream_post_attention: dx holds d(block output) and becomes d(x_mid); the
 // attention-output gradient is scattered into the joint dO (with FP8 attention: d8's, cast).
 // Selective: the mlp_out and proj inputs are recomputed (as stream_post_attention made them) just
-// before their backward.
+// before their backward. mlp_in is column-parallel: its input gradient is summed over the
+// tensor-parallel group.
 void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams& p, const DoubleStreamSaved& s,
                                     const DoubleBlockSaved& joint, Tensor dmod, Tensor dx, Tensor d_o,
                                     const Fp8AttentionGrads& d8, int fp8_attention, int64_t offset) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
+  const int64_t H = ctx.widths.hidden, M = ctx.widths.mlp;
   const Shape tok = s.x_in.shape;
   const int64_t B = tok[0], Ls = tok[1];
+  const Shape attn_tok{B, Ls, ctx.widths.attention};
   Arena& a = ctx.scratch;
   const size_t mark = a.mark();
   // BF16: GELU's backward in the epilogue of mlp_out's dgrad GEMM, which writes d_m2 itself;
@@ -208,15 +212,16 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   else  // GELU's backward inside the casts of the MLP input's output gradient (FP8), or into d_m2.
     site_backward_fused(be, ctx.fp8, a, p.mlp_in, d_h, Backend::CastInput::gelu_tanh_backward_of(d_m, s.mlp_h), d_m2,
                         s.xm2, false);
+  ctx.tp.all_reduce(d_h);
   be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid, s.ln2_mean, s.ln2_rstd,
                                  chunk(s.mod, 4, H), true);
 
-  Tensor d_attn = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+  Tensor d_attn = a.alloc(ctx.dtype, attn_tok, SlotKind::workspace);
   const Backend::CastInput d_proj =
       gated_branch_backward(be, p.proj, ctx.fp8, d_h, chunk(dmod, 2, H), dx, s.proj_out, chunk(s.mod, 2, H));
   SavedLinearInput attn = s.attn;
   if (joint.selective) {
-    const Tensor x = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+    const Tensor x = a.alloc(ctx.dtype, attn_tok, SlotKind::workspace);
     attention_output_to_tokens(be, x, joint.att8, joint.o, offset);
     attn = recompute_linear_input(be, ctx.fp8, a, p.proj, x);
   }
@@ -237,30 +242,32 @@ void recompute_joint_qkv(const BlockContext& ctx, DoubleBlockParams& p, const Do
 }
 
 // Backward of stream_pre_attention: this stream's d(qkv) from the joint dq/dk/dv (with FP8
-// attention: d8's) through RoPE, the layout and QK-norm in one op, then d(block input) in dx.
+// attention: d8's) through RoPE, the layout and QK-norm in one op, then d(block input) in dx
+// (qkv is column-parallel: its input gradient is summed over the tensor-parallel group).
 void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& p, const DoubleStreamSaved& s,
                                    Tensor dmod, Tensor dx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                    const Fp8AttentionGrads& d8, int64_t offset) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size;
+  const int64_t H = ctx.widths.hidden, A = ctx.widths.attention;
   const Shape tok = s.x_in.shape;
   Arena& a = ctx.scratch;
   const size_t mark = a.mark();
-  Tensor d_qkv = a.alloc(ctx.dtype, Shape{tok[0], tok[1], 3 * H}, SlotKind::workspace);
+  Tensor d_qkv = a.alloc(ctx.dtype, Shape{tok[0], tok[1], 3 * A}, SlotKind::workspace);
   Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);
 
   p.q_norm.prepare_grad();
   p.k_norm.prepare_grad();
   if (d8.defined())
-    be.qk_norm_rope_to_heads_backward_fp8(d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H),
-                                          p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv, s.qkv.cols_slice(0, H),
-                                          s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,
+    be.qk_norm_rope_to_heads_backward_fp8(d_qkv.cols_slice(0, A), d_qkv.cols_slice(A, A), d_qkv.cols_slice(2 * A, A),
+                                          p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv, s.qkv.cols_slice(0, A),
+                                          s.qkv.cols_slice(A, A), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe,
                                           offset);
   else
     be.qk_norm_rope_to_heads_backward(
-        d_qkv.cols_slice(0, H), d_qkv.cols_slice(H, H), d_qkv.cols_slice(2 * H, H), p.q_norm.ds, p.k_norm.ds, dq, dk,
-        dv, s.qkv.cols_slice(0, H), s.qkv.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, offset);
+        d_qkv.cols_slice(0, A), d_qkv.cols_slice(A, A), d_qkv.cols_slice(2 * A, A), p.q_norm.ds, p.k_norm.ds, dq, dk,
+        dv, s.qkv.cols_slice(0, A), s.qkv.cols_slice(A, A), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, offset);
   site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, s.xm1, false);
+  ctx.tp.all_reduce(d_h);
   be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in, s.ln1_mean, s.ln1_rstd,
                                  chunk(s.mod, 1, H), true);
   site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);
@@ -286,7 +293,7 @@ void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleB
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& s, Tensor dtxt,
                            Tensor dimg) {
   Backend& be = ctx.be;
-  const int64_t Lt = ctx.shape.txt_tokens, B = ctx.shape.batch, H = ctx.cfg.hidden_size;
+  const int64_t Lt = ctx.shape.txt_tokens, B = ctx.shape.batch, H = ctx.widths.hidden;
   Arena& a = ctx.scratch;
   const size_t mark = a.mark();
   Tensor dmod_txt = a.alloc(ctx.dtype, Shape{B, 6 * H}, SlotKind::workspace);
@@ -303,7 +310,7 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const 
     fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d8);
   } else {
     if (s.selective) {
-      joint.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
+      joint.place_recomputed(a, ctx.widths, ctx.shape, ctx.heads_dtype);
       recompute_joint_qkv(ctx, p, joint);
     }
     be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse, attention_scale(ctx.cfg));
@@ -315,24 +322,24 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const 
   a.release_to(mark);
 }
 
-void double_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
+void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
                                bool selective, bool fp8_sites) {
   // Everything double_block_backward and its helpers take, summed (an upper bound of the
   // simultaneous use; an overflow would fail loudly in Arena::alloc).
-  const int64_t B = sh.batch, H = c.hidden_size, M = c.mlp_hidden();
+  const int64_t B = sh.batch, H = w.hidden, A = w.attention, M = w.mlp;
   const int64_t Lmax = std::max(sh.txt_tokens, sh.img_tokens);
-  const Shape heads{B, c.num_heads, sh.tokens(), c.head_dim()};
+  const Shape heads = heads_shape(w, sh);
   for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
   for (int i = 0; i < 3; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
   // d_m2, and d_m where GELU's backward is not in a dgrad epilogue (FP8 sites; BF16 has none).
   for (int i = 0; i < (fp8 || fp8_sites ? 2 : 1); ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, 3 * H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, std::max(H, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * Lmax, std::max(3 * H, M));
+  a.alloc(t, Shape{B, Lmax, 3 * A}, SlotKind::workspace);
+  a.alloc(t, Shape{B, Lmax, std::max(A, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
+  plan_site_scratch(a, fp8, B * Lmax, std::max({3 * A, M, H}));
   // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
   // bf16 heads above stay planned for blocks without it).
-  if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, c, sh, *fp8);
+  if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
   if (!selective) return;
   // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
   // and one recomputed Linear input with its FP8 cast.

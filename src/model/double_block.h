@@ -48,7 +48,7 @@ struct DoubleStreamSaved {
 struct DoubleBlockSaved : BlockAttentionSaved {
   DoubleStreamSaved txt, img;
   // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
-  static DoubleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype, DType heads,
+  static DoubleBlockSaved allocate(Arena& arena, const BlockWidths& widths, StepShape shape, DType dtype, DType heads,
                                    const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
 };
 
@@ -67,7 +67,7 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const 
 
 // Scratch memory the block needs at most (planning).
 // fp8_sites: plan as if the block's Linears ran in FP8 without an Fp8Runtime (estimates).
-void double_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
+void double_block_plan_scratch(Arena& scratch, const BlockWidths& widths, StepShape shape, DType dtype,
                                const Fp8Runtime* fp8, bool selective = false, bool fp8_sites = false);
 
 }  // namespace flux8

@@ -5,6 +5,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "backend/step_graph.h"
 #include "core/error.h"
 
 namespace flux8 {
@@ -56,10 +57,11 @@ struct ModelSaved {
   // txt_at[i + 1], ..., which block i + 1's backward no longer needs.
   size_t block_region = 0;
 
-  // io: the model's type (inputs, pred); t: the activations'; ht: the attention heads'.
-  static ModelSaved allocate(Arena& a, const FluxConfig& c, StepShape sh, DType io, DType t, DType ht,
-                             const std::vector<DoubleBlockParams>& dp, const std::vector<SingleBlockParams>& sp,
-                             const Fp8Runtime* fp8, Recompute recompute) {
+  // io: the model's type (inputs, pred); t: the activations'; ht: the attention heads'; w: the
+  // blocks' widths on this rank.
+  static ModelSaved allocate(Arena& a, const FluxConfig& c, const BlockWidths& w, StepShape sh, DType io, DType t,
+                             DType ht, const std::vector<DoubleBlockParams>& dp,
+                             const std::vector<SingleBlockParams>& sp, const Fp8Runtime* fp8, Recompute recompute) {
     const int64_t B = sh.batch, H = c.hidden_size, L = sh.tokens();
     const DType st = statistics_dtype(t);
     ModelSaved s;
@@ -94,20 +96,20 @@ struct ModelSaved {
     if (recompute != Recompute::full) {
       const bool selective = recompute == Recompute::selective;
       for (const DoubleBlockParams& p : dp)
-        s.doubles.push_back(DoubleBlockSaved::allocate(a, c, sh, t, ht, p, fp8, selective));
+        s.doubles.push_back(DoubleBlockSaved::allocate(a, w, sh, t, ht, p, fp8, selective));
       for (const SingleBlockParams& p : sp)
-        s.singles.push_back(SingleBlockSaved::allocate(a, c, sh, t, ht, p, fp8, selective));
+        s.singles.push_back(SingleBlockSaved::allocate(a, w, sh, t, ht, p, fp8, selective));
       return s;
     }
     // The block region holds one block at a time: measure the largest (blocks differ when
     // some run in FP8 and others in BF16).
     s.block_region = a.mark();
     for (const DoubleBlockParams& p : dp) {
-      DoubleBlockSaved::allocate(a, c, sh, t, ht, p, fp8);
+      DoubleBlockSaved::allocate(a, w, sh, t, ht, p, fp8);
       a.release_to(s.block_region);
     }
     for (const SingleBlockParams& p : sp) {
-      SingleBlockSaved::allocate(a, c, sh, t, ht, p, fp8);
+      SingleBlockSaved::allocate(a, w, sh, t, ht, p, fp8);
       a.release_to(s.block_region);
     }
     return s;
@@ -117,8 +119,8 @@ struct ModelSaved {
 namespace {
 
 // Scratch needed besides the blocks': the model-level backward buffers.
-void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
-                        Recompute recompute, bool fp8_sites = false) {
+void plan_model_scratch(Arena& a, const FluxConfig& c, const BlockWidths& w, StepShape sh, DType t,
+                        const Fp8Runtime* fp8, Recompute recompute, bool fp8_sites = false) {
   const bool selective = recompute == Recompute::selective;
   const int64_t B = sh.batch, H = c.hidden_size;
   a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted
@@ -128,9 +130,9 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, co
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);               // final dxm
   for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
   const size_t mark = a.mark();  // blocks run one at a time: the larger of the two counts
-  double_block_plan_scratch(a, c, sh, t, fp8, selective, fp8_sites);
+  double_block_plan_scratch(a, w, sh, t, fp8, selective, fp8_sites);
   a.release_to(mark);
-  single_block_plan_scratch(a, c, sh, t, fp8, selective);
+  single_block_plan_scratch(a, w, sh, t, fp8, selective);
 }
 
 // FLUX8_FUSED_NORM_STATS: 0 makes every LayerNorm compute its own statistics again (the gated
@@ -156,15 +158,18 @@ Recompute recompute_from_name(const std::string& name) {
   fail("recompute_granularity '{}': choose none, selective or full", name);
 }
 
-FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8, Recompute recompute)
-    : cfg_(cfg), be_(backend), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
+FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8, Recompute recompute,
+                     TensorParallel tp)
+    : cfg_(cfg), be_(backend), tp_(tp), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
+  widths_ = BlockWidths::of(cfg_, tp_.size());
   norm_stats_in_residual_ = norm_stats_in_residual_from_environment();
   act_dtype_ = be_.activation_dtype(dtype_);
   heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
-  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_);
+  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size());
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i) double_params_.push_back(DoubleBlockParams::bind(*params_, i));
   for (int64_t i = 0; i < cfg_.num_single_blocks; ++i) single_params_.push_back(SingleBlockParams::bind(*params_, i));
+  if (tp_.sharded()) bind_partial_grads();
   if (fp8 && fp8->enabled) {
     if (dtype_ != DType::f32) fail("FP8 training runs the model in f32 (the CPU emulation's working type)");
     fp8_ = std::make_unique<Fp8Runtime>(*fp8, be_);
@@ -216,34 +221,87 @@ void FluxModel::after_optimizer_step(bool casts_written) {
   if (fp8_) fp8_->weights_updated(casts_written);
 }
 
-FluxModel::~FluxModel() = default;
+FluxModel::~FluxModel() {
+  if (partial_grads_) be_.release(partial_grads_);
+}
 
-ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape, Recompute recompute) {
+void FluxModel::bind_partial_grads() {
+  std::vector<ScaleParam*> scales;
+  for (DoubleBlockParams& d : double_params_)
+    for (DoubleStreamParams* p : {&d.txt, &d.img}) scales.insert(scales.end(), {&p->q_norm, &p->k_norm});
+  for (SingleBlockParams& p : single_params_) scales.insert(scales.end(), {&p.q_norm, &p.k_norm});
+  // The scales are every tensor whose gradient is partial per rank: a layout that marks another
+  // would leave it unreduced.
+  size_t marked = 0;
+  for (const ParamInfo& p : params_->layout().params()) marked += p.shard.reduce_grad ? 1 : 0;
+  FLUX8_CHECK(marked == scales.size(), "{} tensors with partial gradients, {} QK-norm scales", marked, scales.size());
+  const DType t = params_->grad_dtype();
+  const int64_t D = cfg_.head_dim(), n = static_cast<int64_t>(scales.size()) * D;
+  partial_grads_ = be_.allocate(static_cast<size_t>(n) * dtype_size(t));
+  partial_flat_ = Tensor(partial_grads_, t, Shape{n});
+  for (size_t i = 0; i < scales.size(); ++i) {
+    ScaleParam& s = *scales[i];
+    const Tensor part(static_cast<char*>(partial_grads_) + i * static_cast<size_t>(D) * dtype_size(t), t, Shape{D});
+    partial_.push_back({s.ds, part});
+    s.ds = part;
+    s.store = nullptr;  // the part is zeroed at the start of every backward: prepare_grad has nothing to do
+  }
+}
+
+void FluxModel::reduce_partial_grads() {
+  if (partial_.empty()) return;
+  tp_.all_reduce(partial_flat_);
+  for (const PartialGrad& g : partial_) {
+    if (params_->first_write(g.grad))
+      be_.copy(g.grad, g.part);
+    else
+      be_.accumulate(g.grad, g.part);
+  }
+}
+
+void FluxModel::check_no_step_graph() const {
+  if (tp_.sharded() && dynamic_cast<const StepGraph*>(be_.interceptor()))
+    fail(
+        "cuda_graph with tensor_model_parallel_size {}: a step graph cannot hold the tensor-parallel collectives "
+        "between the blocks' ops; set cuda_graph: false",
+        tp_.size());
+}
+
+BlockContext FluxModel::block_context(const Tensor& d_silu_vec) {
+  const ModelSaved& s = *saved_;
+  return BlockContext{be_,        cfg_,       shape_,     act_dtype_,   scratch_arena_,          s.pe,
+                      s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_, norm_stats_in_residual_, widths_,
+                      tp_};
+}
+
+ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape, Recompute recompute,
+                                                   int tp_size) {
+  const BlockWidths w = BlockWidths::of(cfg, tp_size);
   Arena saved, scratch;  // measuring arenas
   // BF16 plan: default sites are not FP8.
   const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
-  ModelSaved::allocate(saved, cfg, shape, DType::f32, DType::f32, DType::f32, dp, sp, nullptr, recompute);
+  ModelSaved::allocate(saved, cfg, w, shape, DType::f32, DType::f32, DType::f32, dp, sp, nullptr, recompute);
   // The same with every block's attention in FP8 (its q, k, v, o kept as FP8 codes).
   Arena saved_fp8_attention;
   std::vector<DoubleBlockParams> dp8 = dp;
   std::vector<SingleBlockParams> sp8 = sp;
   for (DoubleBlockParams& p : dp8) p.fp8_attention = 0;
   for (SingleBlockParams& p : sp8) p.fp8_attention = 0;
-  ModelSaved::allocate(saved_fp8_attention, cfg, shape, DType::f32, DType::f32, DType::f32, dp8, sp8, nullptr,
+  ModelSaved::allocate(saved_fp8_attention, cfg, w, shape, DType::f32, DType::f32, DType::f32, dp8, sp8, nullptr,
                        recompute);
-  plan_model_scratch(scratch, cfg, shape, DType::f32, nullptr, recompute);
+  plan_model_scratch(scratch, cfg, w, shape, DType::f32, nullptr, recompute);
   Arena scratch_fp8;
-  plan_model_scratch(scratch_fp8, cfg, shape, DType::f32, nullptr, recompute, /*fp8_sites=*/true);
+  plan_model_scratch(scratch_fp8, cfg, w, shape, DType::f32, nullptr, recompute, /*fp8_sites=*/true);
   return {saved.peak_usage(), saved_fp8_attention.peak_usage(), static_cast<int64_t>(scratch.peak() / 4),
           static_cast<int64_t>(scratch_fp8.peak() / 4)};
 }
 
 void FluxModel::plan(StepShape s) {
   Arena saved, scratch;
-  ModelSaved::allocate(saved, cfg_, s, dtype_, act_dtype_, heads_dtype_, double_params_, single_params_, fp8_.get(),
-                       recompute_);
-  plan_model_scratch(scratch, cfg_, s, act_dtype_, fp8_.get(), recompute_);
+  ModelSaved::allocate(saved, cfg_, widths_, s, dtype_, act_dtype_, heads_dtype_, double_params_, single_params_,
+                       fp8_.get(), recompute_);
+  plan_model_scratch(scratch, cfg_, widths_, s, act_dtype_, fp8_.get(), recompute_);
   saved_arena_.reserve(be_, saved.peak());
   scratch_arena_.reserve(be_, scratch.peak());
   planned_ = s;
@@ -272,12 +330,14 @@ Tensor FluxModel::forward(const FluxInputs& in) {
       sh.tokens() > planned_.tokens())
     plan(StepShape{std::max(sh.batch, planned_.batch), std::max(sh.txt_tokens, planned_.txt_tokens),
                    std::max(sh.img_tokens, planned_.img_tokens)});
+  check_no_step_graph();
   shape_ = sh;
   inputs_ = in;
   saved_arena_.reset();
   scratch_arena_.reset();
-  saved_ = std::make_unique<ModelSaved>(ModelSaved::allocate(saved_arena_, c, sh, dtype_, act_dtype_, heads_dtype_,
-                                                             double_params_, single_params_, fp8_.get(), recompute_));
+  saved_ =
+      std::make_unique<ModelSaved>(ModelSaved::allocate(saved_arena_, c, widths_, sh, dtype_, act_dtype_, heads_dtype_,
+                                                        double_params_, single_params_, fp8_.get(), recompute_));
   ModelSaved& s = *saved_;
   ParamStore& P = *params_;
   // The inputs in the activation type (a conversion when it is not the model's).
@@ -340,12 +400,10 @@ void FluxModel::embed_conditioning(const FluxInputs& in, const Tensor& x_y) {
 
 // The double blocks on the two streams, then the single blocks on the joint sequence.
 void FluxModel::run_blocks() {
-  const FluxConfig& c = cfg_;
   const StepShape sh = shape_;
   const int64_t B = sh.batch;
   ModelSaved& s = *saved_;
-  BlockContext ctx{be_, c, sh, act_dtype_, scratch_arena_, s.pe, s.silu_vec, Tensor{}, fp8_.get(), heads_dtype_};
-  ctx.norm_stats_in_residual = norm_stats_in_residual_;
+  const BlockContext ctx = block_context(Tensor{});
   const bool full = recompute_ == Recompute::full;
   // Each block's output residuals write the row statistics of the next block's LayerNorm where
   // it runs inside an FP8 cast (not with full recomputation: the next block's saved statistics
@@ -378,7 +436,7 @@ void FluxModel::run_blocks() {
         }
       }
       const size_t mark = scratch_arena_.mark();
-      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);  // q, k, v: this forward only
+      if (blk.selective) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);  // q, k, v: this forward only
       double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1],
                            next_txt, next_img);
       scratch_arena_.release_to(mark);
@@ -386,7 +444,7 @@ void FluxModel::run_blocks() {
       continue;
     }
     DoubleBlockSaved blk =
-        DoubleBlockSaved::allocate(saved_arena_, c, sh, act_dtype_, heads_dtype_, double_params_[i], fp8_.get());
+        DoubleBlockSaved::allocate(saved_arena_, widths_, sh, act_dtype_, heads_dtype_, double_params_[i], fp8_.get());
     double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1]);
     saved_arena_.release_to(s.block_region);
   }
@@ -396,14 +454,14 @@ void FluxModel::run_blocks() {
       SingleBlockSaved& blk = s.singles[i];
       const NormStatsOut next = hand_over && i + 1 < single_params_.size() ? next_single(i + 1) : NormStatsOut{};
       const size_t mark = scratch_arena_.mark();
-      if (blk.selective) blk.place_recomputed(scratch_arena_, c, sh, heads_dtype_);
+      if (blk.selective) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);
       single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1], next);
       scratch_arena_.release_to(mark);
       if (blk.selective) blk.forget_recomputed();
       continue;
     }
     SingleBlockSaved blk =
-        SingleBlockSaved::allocate(saved_arena_, c, sh, act_dtype_, heads_dtype_, single_params_[i], fp8_.get());
+        SingleBlockSaved::allocate(saved_arena_, widths_, sh, act_dtype_, heads_dtype_, single_params_[i], fp8_.get());
     single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
     saved_arena_.release_to(s.block_region);
   }
@@ -411,6 +469,7 @@ void FluxModel::run_blocks() {
 
 void FluxModel::backward(const Tensor& dpred) {
   if (!saved_) fail("FluxModel::backward called without a forward");
+  check_no_step_graph();
   const FluxConfig& c = cfg_;
   const StepShape sh = shape_;
   const int64_t B = sh.batch, H = c.hidden_size;
@@ -445,8 +504,8 @@ void FluxModel::backward(const Tensor& dpred) {
   linear_backward_params(be_, ada, d_silu_vec, dmod, s.silu_vec, P.operand(ada.w), false);
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
-  BlockContext ctx{be_, c, sh, t, a, s.pe, s.silu_vec, d_silu_vec, fp8_.get(), heads_dtype_};
-  ctx.norm_stats_in_residual = norm_stats_in_residual_;  // full recomputation re-runs block forwards
+  const BlockContext ctx = block_context(d_silu_vec);  // full recomputation re-runs block forwards
+  if (partial_flat_.defined()) be_.fill(partial_flat_, 0.0);
   be_.fill(dtxt, 0.0);
   be_.concat_tokens(dz, dtxt, dimg);
   // Recompute::selective recomputes inside each block's backward; full re-runs whole blocks
@@ -459,7 +518,7 @@ void FluxModel::backward(const Tensor& dpred) {
       continue;
     }
     SingleBlockSaved blk =
-        SingleBlockSaved::allocate(saved_arena_, c, sh, t, heads_dtype_, single_params_[i], fp8_.get());
+        SingleBlockSaved::allocate(saved_arena_, widths_, sh, t, heads_dtype_, single_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
       single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1]);
@@ -474,7 +533,7 @@ void FluxModel::backward(const Tensor& dpred) {
       continue;
     }
     DoubleBlockSaved blk =
-        DoubleBlockSaved::allocate(saved_arena_, c, sh, t, heads_dtype_, double_params_[i], fp8_.get());
+        DoubleBlockSaved::allocate(saved_arena_, widths_, sh, t, heads_dtype_, double_params_[i], fp8_.get());
     {
       const NoFp8Recording quiet(fp8_.get());
       double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1]);
@@ -501,6 +560,7 @@ void FluxModel::backward(const Tensor& dpred) {
   embedder_backward("time_in", s.time, s.time.x);
   if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);
   embedder_backward("vector_in", s.vector, s.y_in.defined() ? s.y_in : inputs_.y);
+  reduce_partial_grads();
   params_->finish_grads();  // every gradient written (overwritten first, since zero_grads)
 }
 

@@ -10,6 +10,7 @@
 #include "model/block_common.h"
 #include "model/double_block.h"
 #include "model/single_block.h"
+#include "model/tensor_parallel.h"
 
 namespace flux8 {
 
@@ -61,8 +62,13 @@ class FluxModel {
  public:
   // With an enabled Fp8Config the block Linears (and optionally the modulation Linears) run in
   // FP8 as the recipe says; FP8 needs dtype f32.
+  // tp: the tensor-parallel group this model is one rank of (model/tensor_parallel.h): its
+  // parameters are this rank's shards (ParamLayout::build) and its blocks run the group's
+  // collectives. Every rank of the group calls forward() and backward() with the same inputs
+  // and the same output gradient, and gets the same prediction; the gradients it leaves are
+  // its shards' and the replicated tensors' whole ones (the same on every rank).
   FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32, const Fp8Config* fp8 = nullptr,
-            Recompute recompute = Recompute::none);
+            Recompute recompute = Recompute::none, TensorParallel tp = {});
   ~FluxModel();
 
   const FluxConfig& config() const { return cfg_; }
@@ -70,6 +76,8 @@ class FluxModel {
   Backend& backend() { return be_; }
   DType dtype() const { return dtype_; }
   DType activation_dtype() const { return act_dtype_; }
+  const TensorParallel& tensor_parallel() const { return tp_; }
+  const BlockWidths& block_widths() const { return widths_; }
 
   // Reserves activation memory for steps up to this shape. forward() re-plans if a larger
   // shape arrives; training plans once so the step never allocates.
@@ -80,8 +88,9 @@ class FluxModel {
   // Accumulates the parameter gradients of a loss whose gradient w.r.t. pred is dpred.
   void backward(const Tensor& dpred);
 
+  // Per rank of a tensor-parallel group of tp_size ranks (1: the whole model).
   static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape,
-                                                 Recompute recompute = Recompute::none);
+                                                 Recompute recompute = Recompute::none, int tp_size = 1);
   Recompute recompute() const { return recompute_; }
 
   // FP8 state (null in BF16 runs).
@@ -102,9 +111,20 @@ class FluxModel {
   // Parts of forward(), on shape_ and saved_.
   void embed_conditioning(const FluxInputs& in, const Tensor& x_y);
   void run_blocks();
+  BlockContext block_context(const Tensor& d_silu_vec);
+  // Tensor parallelism: the QK-norm scales' gradients (ParamShard::reduce_grad) are accumulated
+  // by the blocks into partial_grads_, this backward's part alone, which the end of the
+  // backward sums over the group (one all-reduce for all of them) and adds to the gradients.
+  void bind_partial_grads();
+  void reduce_partial_grads();
+  // Tensor parallelism runs collectives between the blocks' ops, which a step graph
+  // (backend/step_graph.h, cuda_graph) would neither capture nor replay: refused with it.
+  void check_no_step_graph() const;
 
   FluxConfig cfg_;
   Backend& be_;
+  TensorParallel tp_;
+  BlockWidths widths_;
   DType dtype_;        // parameters, inputs, pred and dpred
   DType act_dtype_;    // activations and their gradients: Backend::activation_dtype(dtype_)
   DType heads_dtype_;  // attention q, k, v, o and their gradients: Backend::attention_heads_dtype
@@ -114,6 +134,12 @@ class FluxModel {
   std::vector<DoubleBlockParams> double_params_;
   std::vector<SingleBlockParams> single_params_;
   std::unique_ptr<Fp8Runtime> fp8_;
+  struct PartialGrad {
+    Tensor grad, part;  // the parameter's gradient; this backward's part of it (in partial_grads_)
+  };
+  void* partial_grads_ = nullptr;
+  Tensor partial_flat_;
+  std::vector<PartialGrad> partial_;
   Arena saved_arena_, scratch_arena_;
   StepShape planned_{0, 0, 0};
   StepShape shape_{0, 0, 0};

@@ -8,43 +8,41 @@ namespace {
 
 using T = Fp8Runtime::AttentionTensor;
 
-QTensor heads_cast(Arena& a, const FluxConfig& c, StepShape sh, Fp8Format f, SlotKind kind) {
-  return allocate_qtensor(a, sh.batch * c.num_heads * sh.tokens(), c.head_dim(), f, Fp8Scaling::per_tensor, kind);
+QTensor heads_cast(Arena& a, const BlockWidths& w, StepShape sh, Fp8Format f, SlotKind kind) {
+  return allocate_qtensor(a, sh.batch * w.heads * sh.tokens(), w.head_dim, f, Fp8Scaling::per_tensor, kind);
 }
 
-Shape heads_shape(const BlockContext& ctx) {
-  return {ctx.shape.batch, ctx.cfg.num_heads, ctx.shape.tokens(), ctx.cfg.head_dim()};
-}
+Shape heads_shape(const BlockContext& ctx) { return flux8::heads_shape(ctx.widths, ctx.shape); }
 
 }  // namespace
 
-Fp8AttentionSaved Fp8AttentionSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, const Fp8Runtime* fp8) {
+Fp8AttentionSaved Fp8AttentionSaved::allocate(Arena& a, const BlockWidths& w, StepShape sh, const Fp8Runtime* fp8) {
   Fp8AttentionSaved s;
   const Fp8Format f = fp8 ? fp8->attention_format(T::q) : Fp8Format::e4m3;
-  s.q = heads_cast(a, c, sh, f, SlotKind::fp8_heads);
-  s.k = heads_cast(a, c, sh, f, SlotKind::fp8_heads);
-  s.v = heads_cast(a, c, sh, f, SlotKind::fp8_heads);
-  s.o = heads_cast(a, c, sh, fp8 ? fp8->attention_format(T::o) : Fp8Format::e4m3, SlotKind::fp8_heads);
+  s.q = heads_cast(a, w, sh, f, SlotKind::fp8_heads);
+  s.k = heads_cast(a, w, sh, f, SlotKind::fp8_heads);
+  s.v = heads_cast(a, w, sh, f, SlotKind::fp8_heads);
+  s.o = heads_cast(a, w, sh, fp8 ? fp8->attention_format(T::o) : Fp8Format::e4m3, SlotKind::fp8_heads);
   return s;
 }
 
-Fp8AttentionGrads Fp8AttentionGrads::allocate(Arena& a, const FluxConfig& c, StepShape sh, const Fp8Runtime& fp8) {
+Fp8AttentionGrads Fp8AttentionGrads::allocate(Arena& a, const BlockWidths& w, StepShape sh, const Fp8Runtime& fp8) {
   const Fp8Format g = fp8.attention_format(T::dout);
   Fp8AttentionGrads d;
-  d.dout = heads_cast(a, c, sh, g, SlotKind::workspace);
-  d.dq = heads_cast(a, c, sh, g, SlotKind::workspace);
-  d.dk = heads_cast(a, c, sh, g, SlotKind::workspace);
-  d.dv = heads_cast(a, c, sh, g, SlotKind::workspace);
+  d.dout = heads_cast(a, w, sh, g, SlotKind::workspace);
+  d.dq = heads_cast(a, w, sh, g, SlotKind::workspace);
+  d.dk = heads_cast(a, w, sh, g, SlotKind::workspace);
+  d.dv = heads_cast(a, w, sh, g, SlotKind::workspace);
   return d;
 }
 
 AttentionHeadGrads AttentionHeadGrads::allocate(const BlockContext& ctx, bool fp8_attention) {
   AttentionHeadGrads g;
   if (fp8_attention) {
-    g.fp8 = Fp8AttentionGrads::allocate(ctx.scratch, ctx.cfg, ctx.shape, *ctx.fp8);
+    g.fp8 = Fp8AttentionGrads::allocate(ctx.scratch, ctx.widths, ctx.shape, *ctx.fp8);
   } else {
     g.o = ctx.scratch.alloc(ctx.heads_dtype, heads_shape(ctx), SlotKind::workspace);
-    allocate_heads_qkv(ctx.scratch, ctx.cfg, ctx.shape, ctx.heads_dtype, SlotKind::workspace, g.q, g.k, g.v);
+    allocate_heads_qkv(ctx.scratch, ctx.widths, ctx.shape, ctx.heads_dtype, SlotKind::workspace, g.q, g.k, g.v);
   }
   return g;
 }

@@ -16,7 +16,7 @@ struct Fp8AttentionSaved {
   QTensor q, k, v, o;  // [B·n·L, D] per-tensor casts of the head-major heads
   bool defined() const { return q.defined(); }
   // fp8 null: planning without a runtime (the estimates); the codes' sizes do not depend on it.
-  static Fp8AttentionSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, const Fp8Runtime* fp8);
+  static Fp8AttentionSaved allocate(Arena& arena, const BlockWidths& widths, StepShape shape, const Fp8Runtime* fp8);
 };
 
 // The backward's FP8 heads, in scratch: dO (written per stream by fp8_attention_dout), and dq,
@@ -25,7 +25,7 @@ struct Fp8AttentionSaved {
 struct Fp8AttentionGrads {
   QTensor dout, dq, dk, dv;
   bool defined() const { return dout.defined(); }
-  static Fp8AttentionGrads allocate(Arena& scratch, const FluxConfig& cfg, StepShape shape, const Fp8Runtime& fp8);
+  static Fp8AttentionGrads allocate(Arena& scratch, const BlockWidths& widths, StepShape shape, const Fp8Runtime& fp8);
 };
 
 // A block's attention head gradients for its backward, in ctx.scratch: dO, dq, dk, dv as heads

@@ -18,6 +18,8 @@ LinearSite LinearSite::bind(ParamStore& store, const std::string& prefix) {
   if (store.layout().find(prefix + ".bias")) {
     s.b = store.param(prefix + ".bias");
     s.db = store.grad(prefix + ".bias");
+    const ParamShard& w = store.layout().at(prefix + ".weight").shard;
+    s.bias_in_forward = !(w.sharded() && w.split == ShardSplit::cols && w.rank != 0);
   }
   return s;
 }

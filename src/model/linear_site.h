@@ -32,6 +32,9 @@ struct LinearSite {
   int64_t w_version = -1;
   bool w_recorded = false;  // the cast's amax went into the delayed-scaling history
   bool w_counted = false;   // the cast counted its telemetry (Fp8Runtime::collect_stats)
+  // A row-parallel Linear's bias is added by rank 0 of its tensor-parallel group alone (before
+  // the all-reduce that sums the ranks' partial outputs); false on the other ranks.
+  bool bias_in_forward = true;
 
   static LinearSite bind(ParamStore& store, const std::string& prefix);
   // For the backward about to write dw and db: false when it is their first write of the step
@@ -40,8 +43,12 @@ struct LinearSite {
   // The weight as a BF16 GEMM takes it: the store's per-step rounded copy where it keeps one
   // (ParamStore::operand), else w.
   Tensor w_operand() const { return store ? store->operand(w) : w; }
-  // The bias as the GEMM writing `out` takes it (ParamStore::bias_operand), else b.
-  Tensor b_operand(const Tensor& out) const { return store ? store->bias_operand(b, out) : b; }
+  // The bias as the forward GEMM writing `out` takes it (ParamStore::bias_operand), else b;
+  // undefined where this rank adds no bias (bias_in_forward).
+  Tensor b_operand(const Tensor& out) const {
+    if (!bias_in_forward) return Tensor{};
+    return store ? store->bias_operand(b, out) : b;
+  }
 };
 
 // What a Linear keeps for its backward: the input itself (BF16, or FP8 with fp8_wgrad: false)

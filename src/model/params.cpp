@@ -6,6 +6,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/tensor_parallel.h"
 
 namespace flux8 {
 
@@ -14,30 +15,52 @@ namespace {
 size_t padded_bytes(size_t bytes) { return (bytes + 255) / 256 * 256; }
 }  // namespace
 
-void ParamLayout::add(std::string name, Shape shape, ParamInit init, std::string component, bool block_linear,
+void ParamLayout::add(std::string name, ParamShard shard, ParamInit init, std::string component, bool block_linear,
                       bool linear_weight, bool per_sample) {
+  const Shape shape = shard.local_shape();
   index_.emplace(name, params_.size());
-  params_.push_back(
-      {std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight, per_sample, false});
+  params_.push_back({std::move(name), shape, total_, init, std::move(component), block_linear, linear_weight,
+                     per_sample, false, std::move(shard)});
   total_ += shape.numel();
 }
 
 void ParamLayout::add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init,
-                             const std::string& component, bool bias, bool block_linear, bool per_sample) {
-  add(prefix + ".weight", Shape{out, in}, init, component, block_linear, true, per_sample);
+                             const std::string& component, bool bias, bool block_linear, bool per_sample,
+                             LinearParallel parallel, std::vector<int64_t> segments) {
+  ParamShard w = replicated(Shape{out, in}), b = replicated(Shape{out});
+  if (parallel == LinearParallel::column) {
+    w.split = b.split = ShardSplit::rows;
+    w.segments = b.segments = segments.empty() ? std::vector<int64_t>{out} : segments;
+  } else if (parallel == LinearParallel::row) {
+    w.split = ShardSplit::cols;
+    w.segments = segments.empty() ? std::vector<int64_t>{in} : segments;
+  }
+  add(prefix + ".weight", std::move(w), init, component, block_linear, true, per_sample);
   if (!bias) return;
-  add(prefix + ".bias", Shape{out}, ParamInit::zeros, component);
+  add(prefix + ".bias", std::move(b), ParamInit::zeros, component);
   params_.back().linear_bias = true;
 }
 
 // Order follows the reference module definition order (and so its state dict).
-ParamLayout ParamLayout::build(const FluxConfig& c) {
+ParamLayout ParamLayout::build(const FluxConfig& c, int tp_rank, int tp_size) {
+  check_tensor_parallel(c, tp_size);
+  if (tp_rank < 0 || tp_rank >= tp_size)
+    fail("tensor-parallel rank {} is outside a group of {} ranks", tp_rank, tp_size);
   ParamLayout L;
+  L.rank_ = tp_rank;
+  L.size_ = tp_size;
   const int64_t H = c.hidden_size, M = c.mlp_hidden(), D = c.head_dim();
   const auto xavier = ParamInit::xavier_uniform, normal = ParamInit::normal_002, zeros = ParamInit::zeros;
+  const auto column = LinearParallel::column, row = LinearParallel::row;
   auto mlp_embedder = [&](const std::string& name, int64_t in) {
     L.add_linear(name + ".in_layer", H, in, normal, name, true, false, true);
     L.add_linear(name + ".out_layer", H, H, normal, name, true, false, true);
+  };
+  // The QK-norm scales: shared by every head, so each rank's gradient is its heads' part.
+  auto qk_norm_scale = [&](const std::string& name, const std::string& component) {
+    ParamShard s = L.replicated(Shape{D});
+    s.reduce_grad = true;
+    L.add(name, std::move(s), ParamInit::ones, component);
   };
   L.add_linear("img_in", H, c.in_channels, xavier, "img_in", true);
   mlp_embedder("time_in", 256);
@@ -50,20 +73,20 @@ ParamLayout ParamLayout::build(const FluxConfig& c) {
     for (const char* s : {"img", "txt"}) {
       const std::string p = b + s;
       L.add_linear(p + "_mod.lin", 6 * H, H, zeros, "double_blocks", true, false, true);
-      L.add_linear(p + "_attn.qkv", 3 * H, H, xavier, "double_blocks", c.qkv_bias, true);
-      L.add(p + "_attn.norm.query_norm.scale", Shape{D}, ParamInit::ones, "double_blocks");
-      L.add(p + "_attn.norm.key_norm.scale", Shape{D}, ParamInit::ones, "double_blocks");
-      L.add_linear(p + "_attn.proj", H, H, xavier, "double_blocks", true, true);
-      L.add_linear(p + "_mlp.0", M, H, xavier, "double_blocks", true, true);
-      L.add_linear(p + "_mlp.2", H, M, xavier, "double_blocks", true, true);
+      L.add_linear(p + "_attn.qkv", 3 * H, H, xavier, "double_blocks", c.qkv_bias, true, false, column, {H, H, H});
+      qk_norm_scale(p + "_attn.norm.query_norm.scale", "double_blocks");
+      qk_norm_scale(p + "_attn.norm.key_norm.scale", "double_blocks");
+      L.add_linear(p + "_attn.proj", H, H, xavier, "double_blocks", true, true, false, row);
+      L.add_linear(p + "_mlp.0", M, H, xavier, "double_blocks", true, true, false, column);
+      L.add_linear(p + "_mlp.2", H, M, xavier, "double_blocks", true, true, false, row);
     }
   }
   for (int64_t i = 0; i < c.num_single_blocks; ++i) {
     const std::string b = "single_blocks." + std::to_string(i) + ".";
-    L.add_linear(b + "linear1", 3 * H + M, H, xavier, "single_blocks", true, true);
-    L.add_linear(b + "linear2", H, H + M, xavier, "single_blocks", true, true);
-    L.add(b + "norm.query_norm.scale", Shape{D}, ParamInit::ones, "single_blocks");
-    L.add(b + "norm.key_norm.scale", Shape{D}, ParamInit::ones, "single_blocks");
+    L.add_linear(b + "linear1", 3 * H + M, H, xavier, "single_blocks", true, true, false, column, {H, H, H, M});
+    L.add_linear(b + "linear2", H, H + M, xavier, "single_blocks", true, true, false, row, {H, M});
+    qk_norm_scale(b + "norm.query_norm.scale", "single_blocks");
+    qk_norm_scale(b + "norm.key_norm.scale", "single_blocks");
     L.add_linear(b + "modulation.lin", 3 * H, H, zeros, "single_blocks", true, false, true);
   }
   L.add_linear("final_layer.linear", c.out_channels, H, zeros, "final_layer", true);
@@ -82,8 +105,11 @@ const ParamInfo& ParamLayout::at(std::string_view name) const {
   return *p;
 }
 
-ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype)
-    : layout_(ParamLayout::build(cfg)), backend_(backend), dtype_(dtype), grad_dtype_(backend.gradient_dtype(dtype)) {
+ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank, int tp_size)
+    : layout_(ParamLayout::build(cfg, tp_rank, tp_size)),
+      backend_(backend),
+      dtype_(dtype),
+      grad_dtype_(backend.gradient_dtype(dtype)) {
   const size_t elements = static_cast<size_t>(layout_.total());
   params_ = backend.allocate(elements * dtype_size(dtype));
   grads_ = backend.allocate(elements * dtype_size(grad_dtype_));
@@ -102,6 +128,20 @@ static Tensor view(void* base, DType dtype, const ParamInfo& p) {
   return Tensor(static_cast<char*>(base) + static_cast<size_t>(p.offset) * dtype_size(dtype), dtype, p.shape);
 }
 
+// take_shard on the backend: `local` (contiguous, the shard's shape) from `full` (contiguous).
+static void copy_shard_on_backend(Backend& be, const ParamShard& s, const Tensor& full, const Tensor& local) {
+  const bool by_rows = s.split == ShardSplit::rows;
+  // Rows of a 1-D tensor are its elements.
+  const Tensor f = full.shape.rank == 1 ? full.reshaped(Shape{full.numel(), 1}) : full;
+  const Tensor l = local.shape.rank == 1 ? local.reshaped(Shape{local.numel(), 1}) : local;
+  for (const ShardPiece& piece : shard_pieces(s, s.rank)) {
+    if (by_rows)
+      be.copy(l.rows_slice(piece.local_begin, piece.count), f.rows_slice(piece.full_begin, piece.count));
+    else
+      be.copy(l.cols_slice(piece.local_begin, piece.count), f.cols_slice(piece.full_begin, piece.count));
+  }
+}
+
 Tensor ParamStore::param(std::string_view name) const { return view(params_, dtype_, layout_.at(name)); }
 Tensor ParamStore::grad(std::string_view name) const { return view(grads_, grad_dtype_, layout_.at(name)); }
 Tensor ParamStore::flat_params() const { return Tensor(params_, dtype_, Shape{layout_.total()}); }
@@ -109,12 +149,19 @@ Tensor ParamStore::flat_grads() const { return Tensor(grads_, grad_dtype_, Shape
 
 void ParamStore::init(uint64_t seed) {
   params_changed();
+  // A shard is drawn as the full tensor (in a buffer of the largest one) and its pieces copied.
+  int64_t largest_split = 0;
+  for (const ParamInfo& p : layout_.params())
+    if (p.shard.sharded()) largest_split = std::max(largest_split, p.shard.full.numel());
+  void* full_buffer =
+      largest_split > 0 ? backend_.allocate(static_cast<size_t>(largest_split) * dtype_size(dtype_)) : nullptr;
   // On the backend (the GPU for a CUDA run): 1.31B parameters start in milliseconds instead of
   // seconds of host generation and upload. Each value is a pure function of (seed, stream, j).
   for (size_t i = 0; i < layout_.params().size(); ++i) {
     const ParamInfo& p = layout_.params()[i];
     const uint64_t stream = rng_stream(0x706172616d73ull /*"params"*/, i);
-    const Tensor t = view(params_, dtype_, p);
+    const Tensor local = view(params_, dtype_, p);
+    const Tensor t = p.shard.sharded() ? Tensor(full_buffer, dtype_, p.shard.full) : local;
     switch (p.init) {
       case ParamInit::zeros: backend_.fill(t, 0.0); break;
       case ParamInit::ones: backend_.fill(t, 1.0); break;
@@ -122,10 +169,12 @@ void ParamStore::init(uint64_t seed) {
       case ParamInit::xavier_uniform:
         // U(−a, a), a = √(6 / (fan_in + fan_out)) on the fused weight shape.
         backend_.fill_random(t, Backend::Random::uniform, seed, stream,
-                             std::sqrt(6.0 / static_cast<double>(p.shape[0] + p.shape[1])));
+                             std::sqrt(6.0 / static_cast<double>(p.shard.full[0] + p.shard.full[1])));
         break;
     }
+    if (p.shard.sharded()) copy_shard_on_backend(backend_, p.shard, t, local);
   }
+  if (full_buffer) backend_.release(full_buffer);
 }
 
 void ParamStore::zero_grads() {

@@ -1,8 +1,10 @@
 #pragma once
 // Parameters live in one flat buffer (and gradients in a second one of the same layout);
 // each tensor is a view with its Black Forest Labs Flux.1 state-dict name and shape, so
-// checkpoints are the reference format. The layout is a pure function of the config, which
-// lets `flux8 info` count a 12B model without allocating it.
+// checkpoints are the reference format. The layout is a pure function of the config (and of
+// the tensor-parallel rank and size: a rank holds its shard of each split tensor, under the
+// reference name, model/param_shard.h), which lets `flux8 info` count a 12B model without
+// allocating it.
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -12,14 +14,15 @@
 #include "backend/backend.h"
 #include "core/tensor.h"
 #include "model/flux_config.h"
+#include "model/param_shard.h"
 
 namespace flux8 {
 
 enum class ParamInit : uint8_t { xavier_uniform, normal_002, zeros, ones };
 
 struct ParamInfo {
-  std::string name;  // reference name, e.g. "double_blocks.0.img_attn.qkv.weight"
-  Shape shape;
+  std::string name;    // reference name, e.g. "double_blocks.0.img_attn.qkv.weight"
+  Shape shape;         // this rank's tensor (the full one unless shard.sharded())
   int64_t offset = 0;  // elements from the start of the flat buffer
   ParamInit init = ParamInit::zeros;
   std::string component;       // "img_in", "double_blocks", ... (for per-component counts)
@@ -29,11 +32,27 @@ struct ParamInfo {
   // MLPs): its gradient has the rank of a step's samples (ParamStore::keep_low_rank_grads).
   bool per_sample = false;
   bool linear_bias = false;  // the bias of a Linear (add_linear)
+  // How this tensor maps onto the reference tensor under tensor parallelism. The split is
+  // described at every size (a tensor-parallel size of 1 holds the whole tensor).
+  ParamShard shard;
 };
+
+// How a Linear's weight (and bias) split over a tensor-parallel group.
+//   column: the output features split (weight rows and bias), in `segments` of the output
+//     (fused [q | k | v] or [q | k | v | mlp]: each segment split evenly).
+//   row: the input features split (weight columns, in `segments` of the input); the bias is
+//     replicated and added once: by rank 0's GEMM, before the all-reduce that sums the partial
+//     outputs (LinearSite::bias_in_forward). Its gradient is the column sum of the output
+//     gradient, which is replicated, so every rank computes the whole bias gradient.
+enum class LinearParallel : uint8_t { replicated, column, row };
 
 class ParamLayout {
  public:
-  static ParamLayout build(const FluxConfig& cfg);
+  // The whole model: one rank, every tensor whole.
+  static ParamLayout build(const FluxConfig& cfg) { return build(cfg, 0, 1); }
+  // Rank tp_rank's shard of a model split over tp_size tensor-parallel ranks (model/
+  // tensor_parallel.h): fails naming the model when its heads or MLP width do not split.
+  static ParamLayout build(const FluxConfig& cfg, int tp_rank, int tp_size);
 
   const std::vector<ParamInfo>& params() const { return params_; }
   int64_t total() const { return total_; }
@@ -41,10 +60,15 @@ class ParamLayout {
   const ParamInfo& at(std::string_view name) const;  // fails naming the tensor
 
  private:
-  void add(std::string name, Shape shape, ParamInit init, std::string component, bool block_linear = false,
+  // `shard` describes the full tensor (its shape `full`, the split and the segments); add()
+  // places this rank's shard of it.
+  void add(std::string name, ParamShard shard, ParamInit init, std::string component, bool block_linear = false,
            bool linear_weight = false, bool per_sample = false);
   void add_linear(const std::string& prefix, int64_t out, int64_t in, ParamInit init, const std::string& component,
-                  bool bias, bool block_linear = false, bool per_sample = false);
+                  bool bias, bool block_linear = false, bool per_sample = false,
+                  LinearParallel parallel = LinearParallel::replicated, std::vector<int64_t> segments = {});
+  ParamShard replicated(Shape full) const { return ParamShard{ShardSplit::replicated, full, {}, rank_, size_}; }
+  int rank_ = 0, size_ = 1;
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, size_t> index_;
   int64_t total_ = 0;
@@ -53,7 +77,8 @@ class ParamLayout {
 // Owns the flat parameter and gradient buffers on a backend.
 class ParamStore {
  public:
-  ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype);
+  // tp_rank, tp_size: this rank's shard of a tensor-parallel model (ParamLayout::build).
+  ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank = 0, int tp_size = 1);
   ~ParamStore();
   ParamStore(const ParamStore&) = delete;
   ParamStore& operator=(const ParamStore&) = delete;
@@ -70,7 +95,8 @@ class ParamStore {
   Tensor flat_grads() const;
 
   // MLPerf-reference initialisation (docs/FLUX.md), from the counter-based RNG: the same
-  // seed gives the same weights on every backend and thread count.
+  // seed gives the same weights on every backend and thread count — and at every
+  // tensor-parallel size: each element is drawn at its index in the full reference tensor.
   void init(uint64_t seed);
 
   // The gradients of one optimizer step. zero_grads() does not fill the gradient buffer (a

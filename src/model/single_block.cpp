@@ -1,5 +1,6 @@
 #include "model/single_block.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -19,10 +20,10 @@ SingleBlockParams SingleBlockParams::bind(ParamStore& s, int64_t index) {
 // linear2's input cat (H + M = 5H: a copy of o and the GELU of u's MLP part) — 8H of the 19H a
 // token keeps, for no GEMM. u and o stay: the first is a GEMM output that QK-norm's and GELU's
 // backward need anyway, the second would cost the attention forward (with lse) to recompute.
-SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepShape sh, DType t, DType ht,
+SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const BlockWidths& w, StepShape sh, DType t, DType ht,
                                             const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
-  const int64_t B = sh.batch, L = sh.tokens(), H = c.hidden_size, M = c.mlp_hidden();
-  const int64_t n = c.num_heads;
+  const int64_t B = sh.batch, L = sh.tokens(), H = w.hidden, A = w.attention, M = w.mlp;
+  const int64_t n = w.heads;
   SingleBlockSaved s;
   s.selective = selective;
   if (wgrad_in_fp8(p.mod, fp8)) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
@@ -31,18 +32,17 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const FluxConfig& c, StepS
   s.ln_mean = a.alloc(st, Shape{B * L}, SlotKind::statistic);
   s.ln_rstd = a.alloc(st, Shape{B * L}, SlotKind::statistic);
   s.zm = allocate_linear_input(a, p.linear1, fp8, Shape{B, L, H}, t);
-  s.u = a.alloc(t, Shape{B, L, 3 * H + M}, SlotKind::activation);
+  s.u = a.alloc(t, Shape{B, L, 3 * A + M}, SlotKind::activation);
   s.q_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
-  const Shape heads{B, n, L, c.head_dim()};
   if (p.fp8_attention >= 0) {
-    s.att8 = Fp8AttentionSaved::allocate(a, c, sh, fp8);
+    s.att8 = Fp8AttentionSaved::allocate(a, w, sh, fp8);
   } else {
-    if (!selective) allocate_heads_qkv(a, c, sh, ht, SlotKind::activation, s.q, s.k, s.v);
-    s.o = a.alloc(ht, heads, SlotKind::activation);
+    if (!selective) allocate_heads_qkv(a, w, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+    s.o = a.alloc(ht, heads_shape(w, sh), SlotKind::activation);
   }
   s.lse = a.alloc(st, Shape{B, n, L}, SlotKind::statistic);
-  if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, H + M}, t);
+  if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, A + M}, t);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   return s;
 }
@@ -52,10 +52,10 @@ namespace {
 // Selective: linear2's input as single_block_forward made it — the attention output in token
 // layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
 SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
-  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
-  const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], H + M}, SlotKind::workspace);
-  attention_output_to_tokens(ctx.be, cat.cols_slice(0, H), s.att8, s.o, 0);
-  ctx.be.gelu_tanh(cat.cols_slice(H, M), s.u.cols_slice(3 * H, M));
+  const int64_t A = ctx.widths.attention, M = ctx.widths.mlp;
+  const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], A + M}, SlotKind::workspace);
+  attention_output_to_tokens(ctx.be, cat.cols_slice(0, A), s.att8, s.o, 0);
+  ctx.be.gelu_tanh(cat.cols_slice(A, M), s.u.cols_slice(3 * A, M));
   return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
 }
 
@@ -64,13 +64,13 @@ SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, co
 // undefined: not saved (recomputation).
 void qkv_to_heads(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s, Tensor q_rstd,
                   Tensor k_rstd) {
-  const int64_t H = ctx.cfg.hidden_size;
+  const int64_t A = ctx.widths.attention;
   if (s.att8.defined())
-    fp8_attention_qkv(ctx, p.fp8_attention, s.att8, q_rstd, k_rstd, s.u.cols_slice(0, H), s.u.cols_slice(H, H),
-                      s.u.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, 0);
+    fp8_attention_qkv(ctx, p.fp8_attention, s.att8, q_rstd, k_rstd, s.u.cols_slice(0, A), s.u.cols_slice(A, A),
+                      s.u.cols_slice(2 * A, A), p.q_norm.s, p.k_norm.s, 0);
   else
-    ctx.be.qk_norm_rope_to_heads(s.q, s.k, s.v, q_rstd, k_rstd, s.u.cols_slice(0, H), s.u.cols_slice(H, H),
-                                 s.u.cols_slice(2 * H, H), p.q_norm.s, p.k_norm.s, ctx.pe, 0, ctx.cfg.qk_norm_eps);
+    ctx.be.qk_norm_rope_to_heads(s.q, s.k, s.v, q_rstd, k_rstd, s.u.cols_slice(0, A), s.u.cols_slice(A, A),
+                                 s.u.cols_slice(2 * A, A), p.q_norm.s, p.k_norm.s, ctx.pe, 0, ctx.cfg.qk_norm_eps);
 }
 
 // Selective: q, k, v (scratch views in `r`) from the kept u, by single_block_forward's op.
@@ -84,7 +84,7 @@ void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBl
 void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleBlockSaved& s, Tensor z, Tensor z_out,
                           NormStatsOut next) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
+  const int64_t H = ctx.widths.hidden, A = ctx.widths.attention, M = ctx.widths.mlp;
   const size_t outer = ctx.scratch.mark();
   s.z_in = z;  // saved as it is: the caller keeps it unchanged until the block's backward
   if (!s.mod_in.cast_t.defined()) s.mod_in.full = ctx.silu_vec;
@@ -96,16 +96,18 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
   // linear2's input is cat = [o in token layout | GELU(u's MLP part)]. BF16: linear1's GEMM
   // writes u and, GELU in its epilogue, cat's MLP part. FP8: linear1 is a plain GEMM and the
   // GELU runs inside linear2's input cast, which reads o's tokens and u as they are (a cast
-  // with a head: cat is never assembled, the GELU's output never stored).
+  // with a head: cat is never assembled, the GELU's output never stored). Under tensor
+  // parallelism u and cat are this rank's heads and MLP share: [q | k | v | mlp] of A, A, A, M and
+  // [attention | mlp] of A, M; linear2 is row-parallel, its output summed over the group.
   const bool gelu_epilogue = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
   Tensor cat, o_tokens;
   if (gelu_epilogue) {
-    cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], H + M}, ctx.dtype);
-    site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(H, M), s.u, ln, s.zm, ctx.dtype);
-    o_tokens = cat.cols_slice(0, H);
+    cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], A + M}, ctx.dtype);
+    site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(A, M), s.u, ln, s.zm, ctx.dtype);
+    o_tokens = cat.cols_slice(0, A);
   } else {
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u, ln, s.zm, ctx.dtype);
-    o_tokens = ctx.scratch.alloc(ctx.dtype, z.shape, SlotKind::workspace);
+    o_tokens = ctx.scratch.alloc(ctx.dtype, Shape{z.shape[0], z.shape[1], A}, SlotKind::workspace);
   }
 
   // (FP8 attention: q, k, v and o exist only as the FP8 casts in s.att8)
@@ -119,29 +121,32 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
     site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
   else
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear2, s.out,
-                       Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * H, M)).with_head(o_tokens), s.cat,
+                       Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * A, M)).with_head(o_tokens), s.cat,
                        ctx.dtype);
+  ctx.tp.all_reduce(s.out);
   gated_residual_to(be, z_out, z, s.out, s.mod.cols_slice(2 * H, H), next, ctx.cfg.layernorm_eps);
   ctx.scratch.release_to(outer);
 }
 
 void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s, Tensor dz) {
   Backend& be = ctx.be;
-  const int64_t H = ctx.cfg.hidden_size, M = ctx.cfg.mlp_hidden();
+  const int64_t H = ctx.widths.hidden, A = ctx.widths.attention, M = ctx.widths.mlp;
   const int64_t B = ctx.shape.batch, L = ctx.shape.tokens();
   Arena& a = ctx.scratch;
   const size_t mark = a.mark();
   Tensor dmod = a.alloc(ctx.dtype, Shape{B, 3 * H}, SlotKind::workspace);
   Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
-  // d_u: u's gradient [dq dk dv | MLP part]. linear2's input gradient is [d_attn | d(GELU
-  // output)]. BF16: GELU's backward in the dgrad GEMM's epilogue writes d_u's MLP part and d_attn
-  // is a buffer of its own. FP8: the dgrad writes [d_attn | d(GELU output)] into d_u's last
-  // H + M columns, and GELU's backward runs inside linear1's output-gradient cast (a cast with
-  // d_u's first 3H columns as its head). d_attn then sits on dv's columns: it is read (into the
-  // attention's dO) before QK-norm's backward writes dv there.
+  // d_u: u's gradient [dq dk dv | MLP part] (A = the attention width, H / T under tensor
+  // parallelism). linear2's input gradient is [d_attn | d(GELU output)]. BF16: GELU's backward in
+  // the dgrad GEMM's epilogue writes d_u's MLP part and d_attn is a buffer of its own. FP8: the
+  // dgrad writes [d_attn | d(GELU output)] into d_u's last A + M columns, and GELU's backward
+  // runs inside linear1's output-gradient cast (a cast with d_u's first 3A columns as its head).
+  // d_attn then sits on dv's columns: it is read (into the attention's dO) before QK-norm's
+  // backward writes dv there. linear1 is column-parallel: its input gradient is summed over the
+  // tensor-parallel group.
   const bool gelu_epilogue = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
-  Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * H + M}, SlotKind::workspace);
-  Tensor d_attn = gelu_epilogue ? a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace) : d_u.cols_slice(2 * H, H);
+  Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * A + M}, SlotKind::workspace);
+  Tensor d_attn = gelu_epilogue ? a.alloc(ctx.dtype, Shape{B, L, A}, SlotKind::workspace) : d_u.cols_slice(2 * A, A);
   // The head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
   const bool fp8_attention = s.att8.defined();
   const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
@@ -153,9 +158,9 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   const size_t cat_mark = a.mark();
   const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
   if (gelu_epilogue)
-    site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M), d_h, cat);
+    site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * A, M), s.u.cols_slice(3 * A, M), d_h, cat);
   else
-    site_backward_fused(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * H, H + M), d_out, d_h, cat, false);
+    site_backward_fused(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * A, A + M), d_out, d_h, cat, false);
   a.release_to(cat_mark);
   const size_t qkv_mark = a.mark();
   if (fp8_attention) {
@@ -164,7 +169,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   } else {
     be.tokens_to_heads(d_o, d_attn, 0);
     if (s.selective) {
-      r.place_recomputed(a, ctx.cfg, ctx.shape, ctx.heads_dtype);
+      r.place_recomputed(a, ctx.widths, ctx.shape, ctx.heads_dtype);
       recompute_qkv(ctx, p, r);
     }
     be.attention_backward(d_q, d_k, d_v, d_o, r.q, r.k, r.v, s.o, s.lse, attention_scale(ctx.cfg));
@@ -173,20 +178,21 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   p.q_norm.prepare_grad();
   p.k_norm.prepare_grad();
   if (fp8_attention)
-    be.qk_norm_rope_to_heads_backward_fp8(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H),
-                                          p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv, s.u.cols_slice(0, H),
-                                          s.u.cols_slice(H, H), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
+    be.qk_norm_rope_to_heads_backward_fp8(d_u.cols_slice(0, A), d_u.cols_slice(A, A), d_u.cols_slice(2 * A, A),
+                                          p.q_norm.ds, p.k_norm.ds, d8.dq, d8.dk, d8.dv, s.u.cols_slice(0, A),
+                                          s.u.cols_slice(A, A), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
   else
-    be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, H), d_u.cols_slice(H, H), d_u.cols_slice(2 * H, H), p.q_norm.ds,
-                                      p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, H), s.u.cols_slice(H, H), s.q_rstd,
+    be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, A), d_u.cols_slice(A, A), d_u.cols_slice(2 * A, A), p.q_norm.ds,
+                                      p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, A), s.u.cols_slice(A, A), s.q_rstd,
                                       s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
   if (gelu_epilogue)
     site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
   else  // GELU's backward inside the casts of linear1's output gradient (or, BF16 wgrad, into d_u)
     site_backward_fused(be, ctx.fp8, a, p.linear1, d_h,
-                        Backend::CastInput::gelu_tanh_backward_of(d_u.cols_slice(3 * H, M), s.u.cols_slice(3 * H, M))
-                            .with_head(d_u.cols_slice(0, 3 * H)),
+                        Backend::CastInput::gelu_tanh_backward_of(d_u.cols_slice(3 * A, M), s.u.cols_slice(3 * A, M))
+                            .with_head(d_u.cols_slice(0, 3 * A)),
                         d_u, s.zm, false);
+  ctx.tp.all_reduce(d_h);
   be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in, s.ln_mean, s.ln_rstd,
                                  s.mod.cols_slice(H, H), true);
   site_backward(be, ctx.fp8, a, p.mod, ctx.d_silu_vec, dmod, s.mod_in, true);
@@ -194,27 +200,27 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   a.release_to(mark);
 }
 
-void single_block_plan_scratch(Arena& a, const FluxConfig& c, StepShape sh, DType t, const Fp8Runtime* fp8,
+void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
                                bool selective) {
   // Everything single_block_backward takes (the forward takes less).
-  const int64_t B = sh.batch, L = sh.tokens(), H = c.hidden_size, M = c.mlp_hidden();
-  const Shape heads{B, c.num_heads, L, c.head_dim()};
+  const int64_t B = sh.batch, L = sh.tokens(), H = w.hidden, A = w.attention, M = w.mlp;
+  const Shape heads = heads_shape(w, sh);
   a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
   a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, 3 * H + M}, SlotKind::workspace);
+  a.alloc(t, Shape{B, L, 3 * A + M}, SlotKind::workspace);
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * L, 3 * H + M);
+  a.alloc(t, Shape{B, L, A + M}, SlotKind::workspace);  // forward: a Linear's input buffer
+  plan_site_scratch(a, fp8, B * L, std::max(3 * A + M, H));
   // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
   // bf16 heads above stay planned for blocks without it).
-  if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, c, sh, *fp8);
+  if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
   if (!selective) return;
   // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
   // and the recomputed cat with its FP8 cast.
   for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H + M}, SlotKind::workspace);
-  plan_recompute_linear_input(a, fp8, B * L, H + M);
+  a.alloc(t, Shape{B, L, A + M}, SlotKind::workspace);
+  plan_recompute_linear_input(a, fp8, B * L, A + M);
 }
 
 }  // namespace flux8

@@ -32,7 +32,7 @@ struct SingleBlockSaved : BlockAttentionSaved {
   SavedLinearInput cat;  // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
   Tensor out;            // linear2 output (gate gradient)
   // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
-  static SingleBlockSaved allocate(Arena& arena, const FluxConfig& cfg, StepShape shape, DType dtype, DType heads,
+  static SingleBlockSaved allocate(Arena& arena, const BlockWidths& widths, StepShape shape, DType dtype, DType heads,
                                    const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
 };
 
@@ -45,7 +45,7 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
 // dz: gradient of the output in, of the input out. Parameter grads, d_silu_vec accumulated.
 void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& saved, Tensor dz);
 
-void single_block_plan_scratch(Arena& scratch, const FluxConfig& cfg, StepShape shape, DType dtype,
+void single_block_plan_scratch(Arena& scratch, const BlockWidths& widths, StepShape shape, DType dtype,
                                const Fp8Runtime* fp8, bool selective = false);
 
 }  // namespace flux8

@@ -64,12 +64,14 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
 
   Problems problems;
   std::set<std::string> used;
-  // Expected file tensors: name -> shape.
+  // Expected file tensors: name -> shape. The file holds whole tensors: a tensor-parallel rank
+  // checks the full model's and loads its shards out of them.
+  const ParamLayout full = ParamLayout::build(cfg);
   std::map<std::string, std::vector<int64_t>> expected;
   if (naming == WeightNaming::reference) {
-    for (const ParamInfo& p : store.layout().params()) expected[p.name] = dims(p.shape);
+    for (const ParamInfo& p : full.params()) expected[p.name] = dims(p.shape);
   } else {
-    for (const DiffusersTensor& t : diffusers_tensors(store.layout(), cfg)) expected[t.name] = dims(t.shape);
+    for (const DiffusersTensor& t : diffusers_tensors(full, cfg)) expected[t.name] = dims(t.shape);
   }
   for (const auto& [name, shape] : expected) {
     const std::string full = prefix + name;
@@ -94,22 +96,27 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
   UploadBuffers buffers;
   for (const ParamInfo& p : store.layout().params()) {
     const Tensor t = store.param(p.name);
-    if (naming == WeightNaming::reference) {
+    if (naming == WeightNaming::reference && !p.shard.sharded()) {
       upload_file_tensor(be, file, prefix + p.name, t, buffers);
       continue;
     }
-    // Diffusers' tensors hold pieces of several parameters: assembled in f64 (exact for any
-    // parameter type).
-    std::vector<double> values(static_cast<size_t>(p.shape.numel()));
-    const int64_t row_elems = p.shape.numel() / p.shape[0];
-    for (const NamePiece& piece : diffusers_pieces(p, cfg)) {
-      const std::string full = prefix + piece.diffusers;
-      std::vector<double> src(static_cast<size_t>(file.tensor(full).numel()));
-      file.read_f64(full, src.data());
-      std::copy_n(src.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
-                  values.begin() + piece.bfl_row * row_elems);
+    // A shard, or diffusers' tensors, which hold pieces of several parameters: the whole tensor
+    // assembled in f64 (exact for any parameter type), then this rank's shard of it.
+    const ParamInfo& whole = full.at(p.name);
+    std::vector<double> values(static_cast<size_t>(whole.shape.numel()));
+    if (naming == WeightNaming::reference) {
+      file.read_f64(prefix + p.name, values.data());
+    } else {
+      const int64_t row_elems = whole.shape.numel() / whole.shape[0];
+      for (const NamePiece& piece : diffusers_pieces(whole, cfg)) {
+        const std::string name = prefix + piece.diffusers;
+        std::vector<double> src(static_cast<size_t>(file.tensor(name).numel()));
+        file.read_f64(name, src.data());
+        std::copy_n(src.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
+                    values.begin() + piece.bfl_row * row_elems);
+      }
     }
-    from_host(be, t, values);
+    from_host(be, t, p.shard.sharded() ? take_shard(p.shard, p.shard.rank, values) : values);
   }
   store.params_changed();
 }
@@ -140,6 +147,17 @@ void check_file_dtype(DType file_dtype) {
   if (file_dtype != DType::f32 && file_dtype != DType::bf16 && file_dtype != DType::f16)
     fail("save_weights: file dtype must be f32, bf16 or f16, not {}", dtype_name(file_dtype));
 }
+
+// A weights file holds whole tensors under their reference names: a tensor-parallel rank's
+// shards would be written with the wrong shapes.
+void check_whole_tensors(const std::vector<ParamInfo>& params, const std::string& what) {
+  for (const ParamInfo& p : params)
+    if (p.shard.sharded())
+      fail(
+          "{}: this model is rank {} of {} tensor-parallel ranks and holds a shard of '{}' ({} of {}); a weights "
+          "file holds whole tensors: assemble them from every rank's shards (assemble_full) first",
+          what, p.shard.rank, p.shard.size, p.name, p.shape.str(), p.shard.full.str());
+}
 }  // namespace
 
 SafetensorsWriter::FillChunk FlatSource::fill(const ParamInfo& p, DType file_dtype,
@@ -157,6 +175,7 @@ SafetensorsWriter::FillChunk FlatSource::fill(const ParamInfo& p, DType file_dty
 SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params, const FlatSource& src,
                                            DType file_dtype, const std::map<std::string, std::string>& metadata) {
   check_file_dtype(file_dtype);
+  check_whole_tensors(params, "the weights writer");
   SafetensorsWriter writer;
   auto scratch = std::make_shared<std::vector<uint8_t>>();  // the fills run one after another
   for (const ParamInfo& p : params)
@@ -168,6 +187,7 @@ SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params,
 
 void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path, DType file_dtype,
                   WeightNaming naming, const std::map<std::string, std::string>& metadata) {
+  check_whole_tensors(store.layout().params(), "save_weights " + path);
   if (naming == WeightNaming::reference) {
     reference_weights_writer(store.layout().params(), FlatSource::on_backend(store.backend(), store.flat_params()),
                              file_dtype, metadata)

@@ -24,6 +24,8 @@ enum class WeightNaming { reference, diffusers };
 //
 // Checks every tensor's presence, shape and dtype (F32, BF16, F16 or F64) and fails with
 // one message listing every mismatch (missing, unexpected, wrong shape, wrong dtype).
+// The file holds whole tensors; a tensor-parallel rank's store (ParamLayout::build with a
+// rank) loads its shard of each.
 void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path, const std::string& prefix = "");
 
 // Buffers upload_file_tensor reuses from call to call.
@@ -56,11 +58,13 @@ struct FlatSource {
 
 // The writer of all parameters in the reference naming (file dtype bf16, f32 or f16) from `src`,
 // with "format": "pt" and `metadata`: each parameter is produced a piece at a time when the
-// writer writes. save_weights' reference files and checkpoints' model.safetensors.
+// writer writes. save_weights' reference files and checkpoints' model.safetensors. Whole tensors
+// only: a tensor-parallel rank's shards are refused (assemble_full gathers them).
 SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params, const FlatSource& src,
                                            DType file_dtype, const std::map<std::string, std::string>& metadata);
 
-// Writes all parameters (file dtype bf16, f32 or f16) atomically. In the reference naming each
+// Writes all parameters (file dtype bf16, f32 or f16) atomically. The store must hold whole
+// tensors (a tensor-parallel rank's store is refused: its shards are gathered first). In the reference naming each
 // parameter streams from the backend to the file a piece at a time (no host copy of the model).
 void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path, DType file_dtype,
                   WeightNaming naming, const std::map<std::string, std::string>& metadata = {});

@@ -1,0 +1,121 @@
+// `flux8 train` under mpirun: data-parallel runs against one process, checkpoints across job
+// sizes, and the errors of a misconfigured job. The CPU backend, two ranks of one OpenMP thread.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "model_test_util.h"
+#include "test_util.h"
+#include "train_test_util.h"
+
+namespace flux8 {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Runs `mpirun -np N flux8 <args>` (FLUX8_MPIEXEC: the launcher CMake found), output in `log`;
+// returns the exit status.
+int run_mpi(int np, const std::string& args, const fs::path& log_file, std::string* log) {
+  const std::string cmd = std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
+                          "OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1 " +
+                          "ASAN_OPTIONS=detect_leaks=0 " + FLUX8_MPIEXEC + " -np " + std::to_string(np) +
+                          " --oversubscribe " + args + " > " + log_file.string() + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  *log = testing::read_bytes(log_file.string());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+std::string train_args(const testing::RunDir& dir, const std::string& save, const std::string& extra = "") {
+  return std::string(FLUX8_BINARY) + " train -c " + (dir.root / "exp.yaml").string() + " --set save_dir=" +
+         (dir.root / save).string() + " --set threads=1 " + extra;
+}
+
+std::vector<double> tensor_values(const std::string& file) {
+  const SafetensorsReader r(file);
+  std::vector<double> out;
+  for (const std::string& n : r.names()) {
+    const auto& t = r.tensor(n);
+    const float* p = reinterpret_cast<const float*>(t.data);
+    out.insert(out.end(), p, p + t.nbytes / sizeof(float));
+  }
+  return out;
+}
+
+std::string model_file(const testing::RunDir& dir, const std::string& run, int step) {
+  return (dir.root / run / fmt::format("step-{:07d}", step) / "model.safetensors").string();
+}
+
+TEST(DataParallelTrain, TwoRanksFollowOneProcess) {
+  const testing::RunDir dir("dp_train");
+  TrainOptions one = dir.options("one");
+  one.overrides.push_back("threads=1");
+  run_training(one);
+  std::string log;
+  ASSERT_EQ(0, run_mpi(2, train_args(dir, "two"), dir.root / "two.log", &log)) << log;
+  ASSERT_EQ(0, run_mpi(2, train_args(dir, "zero", "--set use_distributed_optimizer=true"), dir.root / "zero.log", &log))
+      << log;
+  EXPECT_NE(log.find("TP=1 x DP=2"), std::string::npos) << log;
+  const std::vector<double> l1 = testing::step_losses(dir.root / "one" / "metrics.jsonl");
+  ASSERT_EQ(l1.size(), 6u);
+  for (const char* run : {"two", "zero"}) {
+    SCOPED_TRACE(run);
+    // f32: the gradients are summed in another order than one process's micro-batches.
+    const std::vector<double> l2 = testing::step_losses(dir.root / run / "metrics.jsonl");
+    ASSERT_EQ(l2.size(), l1.size());
+    EXPECT_LT(testing::max_rel_error(l2, l1), 1e-6);
+    EXPECT_LT(testing::max_rel_error(tensor_values(model_file(dir, run, 6)), tensor_values(model_file(dir, "one", 6))),
+              1e-5);
+  }
+}
+
+// A checkpoint of a 2-rank job with the distributed optimizer resumes bit for bit at 2 ranks, and
+// at 1 rank (one process, the same files) goes on where one process would.
+TEST(DataParallelTrain, CheckpointResumesAtTheSameAndAnotherJobSize) {
+  const testing::RunDir dir("dp_resume");
+  const std::string zero = "--set use_distributed_optimizer=true";
+  std::string log;
+  ASSERT_EQ(0, run_mpi(2, train_args(dir, "straight", zero), dir.root / "a.log", &log)) << log;
+  ASSERT_EQ(0, run_mpi(2, train_args(dir, "resumed", zero + " --stop-after 3"), dir.root / "b.log", &log)) << log;
+  fs::copy(dir.root / "resumed", dir.root / "alone", fs::copy_options::recursive);
+  ASSERT_EQ(0, run_mpi(2, train_args(dir, "resumed", zero + " --resume"), dir.root / "c.log", &log)) << log;
+  EXPECT_NE(log.find("resumed from"), std::string::npos) << log;
+  EXPECT_EQ(testing::step_losses(dir.root / "straight" / "metrics.jsonl"),
+            testing::step_losses(dir.root / "resumed" / "metrics.jsonl"));
+  testing::expect_same_tensors(model_file(dir, "straight", 6), model_file(dir, "resumed", 6));
+  testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "optimizer.safetensors").string(),
+                               (dir.root / "resumed" / "step-0000006" / "optimizer.safetensors").string());
+
+  TrainOptions alone = dir.options("alone");
+  alone.overrides.push_back("threads=1");
+  alone.resume = true;
+  EXPECT_EQ(run_training(alone).steps_done, 6);
+  const std::vector<double> two = testing::step_losses(dir.root / "straight" / "metrics.jsonl");
+  const std::vector<double> one = testing::step_losses(dir.root / "alone" / "metrics.jsonl");
+  ASSERT_EQ(one.size(), two.size());
+  EXPECT_LT(testing::max_rel_error(one, two), 1e-6);
+}
+
+TEST(DataParallelTrain, RefusesRanksWithDifferentConfigs) {
+  const testing::RunDir dir("dp_config");
+  std::string log;
+  const std::string a = train_args(dir, "x", "--set lr=1e-3"), b = train_args(dir, "x", "--set lr=2e-3");
+  EXPECT_NE(0, run_mpi(1, a + " : -np 1 " + b, dir.root / "log", &log));
+  testing::expect_mentions(log, {"differs between ranks", "rank 1 of 2"});
+}
+
+TEST(DataParallelTrain, RefusesSizesThatDoNotSplit) {
+  const testing::RunDir dir("dp_sizes");
+  std::string log;
+  EXPECT_NE(0, run_mpi(2, train_args(dir, "x", "--set tensor_model_parallel_size=3"), dir.root / "log", &log));
+  testing::expect_mentions(log, {"tensor_model_parallel_size: 3 does not divide the job's 2 ranks"});
+  EXPECT_NE(0, run_mpi(2, train_args(dir, "x", "--set global_batch_size=2"), dir.root / "log", &log));
+  testing::expect_mentions(log, {"global_batch_size 2", "make it a multiple of 4"});
+  EXPECT_NE(0, run_mpi(1, train_args(dir, "x", "--set pipeline_model_parallel_size=2"), dir.root / "log", &log));
+  testing::expect_mentions(log, {"pipeline_model_parallel_size is 2"});
+}
+
+}  // namespace
+}  // namespace flux8
