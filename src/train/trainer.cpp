@@ -23,6 +23,7 @@
 #include "data/loader.h"
 #include "dist/mpi_runtime.h"
 #include "dist/process_groups.h"
+#include "dist/watchdog.h"
 #include "model/flux_model.h"
 #include "model/weights_io.h"
 #include "train/async_checkpoint.h"
@@ -114,6 +115,7 @@ void join_job(Run& r) {
     options.share_device = comm && std::string_view(comm) == "mpi";
   }
   r.be = make_backend(r.cfg.backend, options);
+  if (job.launched) collective_watchdog().set_timeout(collective_timeout(r.cfg.distributed_timeout_s / 60.0));
   const ParallelSizes sizes{r.cfg.tensor_parallel, r.cfg.pipeline_parallel, r.cfg.context_parallel};
   r.groups = std::make_unique<ProcessGroups>(job.launched ? job_world() : MPI_COMM_NULL, sizes, *r.be);
   r.dp = std::make_unique<DataParallel>(r.groups->dp(), *r.be);
