@@ -14,6 +14,9 @@
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
+#   disttrain (not a default stage) scripts/dist_train_check.sh on the GPU: the demo trained by one
+#          rank, and by 2 or 4 ranks sharing GPU 0 (FLUX8_COMM=mpi) at DP=2, DP=2 with the
+#          distributed optimizer, TP=2 and TP=2 x DP=2 -> $OUT/disttrain.txt
 #   dist   (not a default stage) the GPU collective conformance suite (tests/gpu/dist) under the
 #          build's mpiexec: one rank (NCCL and MPI staged through the host), two ranks sharing
 #          GPU 0 with FLUX8_COMM=mpi, and, where the machine has several GPUs, one rank per GPU
@@ -236,6 +239,12 @@ if has dist; then
   if [ "${gpus:-0}" -ge 2 ]; then
     dist_run "$gpus ranks, one per GPU (NCCL)" "$mpiexec" -np "$gpus"
   fi
+fi
+
+if has disttrain; then
+  stage disttrain
+  scripts/dist_train_check.sh cuda "${GPU_CHECK_DISTTRAIN_STEPS:-20}" | tee "$OUT/disttrain.txt" ||
+    die "the distributed training check failed (runs/dist_check.*.log)"
 fi
 
 if has demo; then
