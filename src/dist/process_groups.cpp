@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "dist/mpi_communicator.h"
+#include "dist/mpi_runtime.h"
 #include "dist/watchdog.h"
 
 namespace flux8 {
@@ -21,6 +22,14 @@ std::vector<DeviceCommunicatorFactory>& device_factories() {
 
 void register_device_communicator(DeviceCommunicatorFactory factory) {
   device_factories().push_back(std::move(factory));
+}
+
+void place_on_node(BackendOptions& options) {
+  const JobPlacement& job = job_placement();
+  if (!job.launched) return;
+  options.device = job.local_rank;
+  const char* comm = std::getenv("FLUX8_COMM");
+  options.share_device = comm && std::string_view(comm) == "mpi";
 }
 
 int ParallelSizes::dp_for(int world) const {

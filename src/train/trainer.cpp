@@ -109,11 +109,7 @@ bool lead_rank(const Run& r) { return !r.groups || r.groups->world_rank() == 0; 
 void join_job(Run& r) {
   const JobPlacement& job = job_placement();
   BackendOptions options = r.cfg.backend_options;
-  if (job.launched) {
-    options.device = job.local_rank;
-    const char* comm = std::getenv("FLUX8_COMM");
-    options.share_device = comm && std::string_view(comm) == "mpi";
-  }
+  place_on_node(options);
   r.be = make_backend(r.cfg.backend, options);
   if (job.launched) collective_watchdog().set_timeout(collective_timeout(r.cfg.distributed_timeout_s / 60.0));
   const ParallelSizes sizes{r.cfg.tensor_parallel, r.cfg.pipeline_parallel, r.cfg.context_parallel};
