@@ -265,9 +265,9 @@ std::vector<KeySpec> parallel_keys() {
               "ranks that split each block's attention heads and MLP (Megatron-style, neighbouring ranks); the "
               "job's ranks / this = the data-parallel size"),
       int_key("parallel", "pipeline_model_parallel_size", 1, between(1, 1024),
-              "pipeline stages: 1 (flux8 does not split the model into stages)"),
+              "pipeline stages: 1 (flux8 does not split the model into stages; other values are refused)"),
       int_key("parallel", "context_parallel_size", 1, between(1, 1024),
-              "ranks that split a sequence: 1 (sequences are not split)"),
+              "ranks that split a sequence: 1 (sequences are not split; other values are refused)"),
       bool_key("parallel", "use_distributed_optimizer", false,
                "ZeRO-1: each data-parallel rank keeps and updates only its shard of the AdamW moments; gradients "
                "are reduce-scattered and the updated weights all-gathered"),
