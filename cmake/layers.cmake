@@ -6,8 +6,9 @@
 #   - its sources: every .cpp (and .cu) directly in its folder and in subfolders that are not
 #     layers of their own (src/backend/cpu and src/backend/cuda are);
 #   - the static library flux8_<layer> (dashes become underscores), or the executable <name>,
-#     linked to the libraries of the layers it USES. LINK_WHOLE: every user links the library
-#     whole, for the static registrations in it (the backend implementations: registry.h);
+#     linked to the libraries of the layers it USES. LINK_WHOLE: every executable using it links
+#     the library whole, for the static registrations in it (the backend implementations:
+#     registry.h; NCCL: dist/process_groups.h); a library layer using it sees its headers only;
 #   - its include tree, build/include/<layer>/: one symbolic link per visible layer (the layer
 #     itself and everything it uses, directly or not) to that layer's folder in src/. The
 #     library's only include path into src/ is that tree, so including a header of a layer it
@@ -17,7 +18,7 @@
 set(FLUX8_INCLUDE_TREES ${CMAKE_BINARY_DIR}/include)
 
 # The folders under src/ that are layers of their own, though nested in another layer's folder.
-set(FLUX8_NESTED_LAYER_DIRS backend/cpu backend/cuda)
+set(FLUX8_NESTED_LAYER_DIRS backend/cpu backend/cuda dist/nccl)
 
 # The layers `layer` may include: itself and the closure of what it uses.
 function(_flux8_visible_layers layer out_var)
@@ -94,13 +95,19 @@ function(flux8_layer)
   endif()
   set(FLUX8_LAYER_${L_NAME}_TARGET ${target} CACHE INTERNAL "")
   set(FLUX8_LAYER_${L_NAME}_LINK ${target} CACHE INTERNAL "")
+  set(FLUX8_LAYER_${L_NAME}_WHOLE ${L_LINK_WHOLE} CACHE INTERNAL "")
   if(L_LINK_WHOLE)
     set(FLUX8_LAYER_${L_NAME}_LINK "$<LINK_LIBRARY:WHOLE_ARCHIVE,${target}>" CACHE INTERNAL "")
   endif()
   target_include_directories(${target} PRIVATE ${tree})
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
   foreach(used ${L_USES})
-    target_link_libraries(${target} PUBLIC ${FLUX8_LAYER_${used}_LINK})
+    # A library using a LINK_WHOLE layer (dist-nccl uses backend-cuda) sees its headers but does
+    # not link it: the executables link that layer whole themselves, and CMake allows one
+    # feature per library on a link line (a plain link beside the whole one is an error).
+    if(NOT (FLUX8_LAYER_${used}_WHOLE AND NOT L_EXECUTABLE))
+      target_link_libraries(${target} PUBLIC ${FLUX8_LAYER_${used}_LINK})
+    endif()
   endforeach()
 endfunction()
 

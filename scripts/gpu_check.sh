@@ -14,6 +14,13 @@
 #   test   the whole CTest suite, GPU conformance tests (label gpu) included -> $OUT/ctest.log
 #          (Python checks are skipped, with a note, when python3 lacks numpy/safetensors/ml_dtypes)
 #   check  `flux8 check` (GPU, versions, FP8 recipes here) -> $OUT/check.txt
+#   disttrain (not a default stage) scripts/dist_train_check.sh on the GPU: the demo trained by one
+#          rank, and by 2 or 4 ranks sharing GPU 0 (FLUX8_COMM=mpi) at DP=2, DP=2 with the
+#          distributed optimizer, TP=2 and TP=2 x DP=2 -> $OUT/disttrain.txt
+#   dist   (not a default stage) the GPU collective conformance suite (tests/gpu/dist) under the
+#          build's mpiexec: one rank (NCCL and MPI staged through the host), two ranks sharing
+#          GPU 0 with FLUX8_COMM=mpi, and, where the machine has several GPUs, one rank per GPU
+#          with the default choice (NCCL) -> $OUT/dist.txt
 #   bench  `flux8 bench`, the parts in GPU_CHECK_BENCH_PARTS (default "peer gemm steps profile"):
 #            peer       first, the PyTorch peer on this GPU: diffusers and torchao installed from
 #                       .carry/wheels (scripts/prepare_peer_wheels.sh) into a folder of their own,
@@ -203,6 +210,41 @@ fi
 if has check; then
   stage check
   build/flux8 check | tee "$OUT/check.txt" || die "flux8 check says the CUDA backend cannot run here"
+fi
+
+if has dist; then
+  stage dist
+  [ -x build/flux8_gpu_dist_tests ] || die "no build/flux8_gpu_dist_tests: run the build stage"
+  mpiexec=$(sed -n 's/^MPIEXEC_EXECUTABLE:FILEPATH=//p' build/CMakeCache.txt)
+  [ -x "$mpiexec" ] || die "build/CMakeCache.txt names no mpiexec (MPIEXEC_EXECUTABLE): the build found no Open MPI"
+  # (gpu_env.sh has relocated .carry's Open MPI; these also serve one installed on the machine.)
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  : > "$OUT/dist.txt"
+  dist_run() {  # $1: what, then the environment and mpiexec's arguments
+    local what=$1 log rc; shift
+    log=$(mktemp)
+    set +e
+    env "$@" build/flux8_gpu_dist_tests --gtest_color=no > "$log" 2>&1
+    rc=$?
+    set -e
+    { echo "== $what"; cat "$log"; } >> "$OUT/dist.txt"
+    echo "$what: $(grep -cE '^\[ +OK \]' "$log") passed, $(grep -cE '^\[ +SKIPPED \] .*\(' "$log") skipped," \
+         "$(grep -cE '^\[ +FAILED +\] .*\(' "$log") failed (rank 0's count)"
+    grep -A1 ': Skipped$' "$log" | grep -vE ': Skipped$|^--$' | sort | uniq -c | sed 's/^/  skipped: /'
+    [ "$rc" -eq 0 ] || { grep -E 'FAILED|Failure' "$log" | head -20; die "the GPU collective tests ($what) failed: see dist.txt"; }
+  }
+  dist_run "one rank: NCCL and host-staged MPI" "$mpiexec" -np 1
+  dist_run "two ranks on GPU 0, FLUX8_COMM=mpi" FLUX8_COMM=mpi "$mpiexec" -np 2 --oversubscribe
+  if [ "${gpus:-0}" -ge 2 ]; then
+    dist_run "$gpus ranks, one per GPU (NCCL)" "$mpiexec" -np "$gpus"
+  fi
+fi
+
+if has disttrain; then
+  stage disttrain
+  scripts/dist_train_check.sh cuda "${GPU_CHECK_DISTTRAIN_STEPS:-20}" | tee "$OUT/disttrain.txt" ||
+    die "the distributed training check failed (runs/dist_check.*.log)"
 fi
 
 if has demo; then

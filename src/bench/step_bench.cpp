@@ -16,9 +16,12 @@
 #include "core/process_clock.h"
 #include "core/rng.h"
 #include "data/synthetic.h"
+#include "dist/mpi_runtime.h"
+#include "dist/process_groups.h"
 #include "model/flops.h"
 #include "model/flux_model.h"
 #include "model/input_batch.h"
+#include "train/data_parallel.h"
 #include "train/optimizer.h"
 #include "train/train_step.h"
 
@@ -280,18 +283,31 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   const auto t0 = Clock::now();
   const double launch_to_backend = seconds_since_process_start();
   std::unique_ptr<OpProfiler> profiler = spec.profile ? std::make_unique<OpProfiler>(device) : nullptr;
+  std::unique_ptr<ProcessGroups> groups;
+  std::unique_ptr<DataParallel> dp, tp;
+  if (job_placement().launched) {
+    groups = std::make_unique<ProcessGroups>(job_world(), ParallelSizes{.tp = spec.tensor_parallel}, device);
+    dp = std::make_unique<DataParallel>(groups->dp(), device);
+    tp = std::make_unique<DataParallel>(groups->tp(), device);
+  }
+  const int tp_size = groups ? groups->tp_size() : 1;
   std::unique_ptr<StepGraph> graph;
-  if (spec.cuda_graph && !profiler && device.can_capture())
+  if (spec.cuda_graph && !profiler && device.can_capture() && tp_size == 1)
     graph = std::make_unique<StepGraph>(device, StepGraph::Options::from_environment());
   Backend& be = device;  // the profiler or the graph recorder, when made, intercept its ops
   StepBenchResult r;
   r.workload = spec.workload;
   r.precision = spec.fp8.enabled ? "FP8 " + spec.fp8.describe() : "BF16";
-  FluxModel model(spec.model, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute);
+  if (groups) r.parallel = groups->describe();
+  FluxModel model(spec.model, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute,
+                  TensorParallel{groups ? &groups->tp() : nullptr});
   model.params().init(spec.seed);
   model.plan(spec.shape);
   AdamWOptimizer opt(model.params(), spec.adam);
-  model.params().keep_low_rank_grads(spec.shape.batch);  // as the trainer: W2's 2 samples keep them
+  opt.set_data_parallel(dp.get(), spec.distributed_optimizer);
+  opt.set_tensor_parallel(tp.get());
+  // As the trainer: W2's 2 samples keep them (one data-parallel rank).
+  model.params().keep_low_rank_grads(dp && dp->size() > 1 ? 0 : spec.shape.batch);
   be.synchronize();
   // What a training launch does before its first step (the synthetic data below is the
   // benchmark's own and is not counted).

@@ -43,6 +43,11 @@ struct StepBenchSpec {
   // Also time the trainer's host work before each step at this shape (data_assemble_ms,
   // data_upload_ms): MLPerf-like samples assembled into a batch and uploaded.
   bool data_path = false;
+  // Under a launcher (mpirun, srun) every rank runs the step on its GPU: the model split over
+  // tensor_parallel ranks, the gradients summed over the rest (data parallelism, synthetic data
+  // the same on every rank), AdamW's moments sharded with distributed_optimizer.
+  int tensor_parallel = 1;
+  bool distributed_optimizer = false;
 };
 
 struct OpTime {
@@ -52,6 +57,7 @@ struct OpTime {
 
 struct StepBenchResult {
   std::string workload, precision;
+  std::string parallel;  // "TP=2 x DP=4 (8 ranks)" under a launcher, else ""
   std::vector<double> step_ms;  // every timed step
   double median_ms = 0, tflops = 0, model_tflop = 0;
   double setup_s = 0;       // backend ready -> model built, parameters initialised, memory planned

@@ -5,6 +5,7 @@
 #include <fmt/core.h>
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -14,6 +15,8 @@
 #include "bench/peer.h"
 #include "bench/roofline.h"
 #include "bench/step_bench.h"
+#include "dist/mpi_runtime.h"
+#include "dist/process_groups.h"
 #include "bench/targets.h"
 #include "cli/commands.h"
 #include "config/config.h"
@@ -239,6 +242,7 @@ RunPlan plan_runs(const BenchOptions& o) {
     for (const std::string& w : o.workloads) plan.specs.push_back(workload_spec(w, FLUX8_SOURCE_DIR));
   }
   plan.backend = backend_options(plan.keys);
+  place_on_node(plan.backend);  // under a launcher: this rank's GPU
   const Recompute recompute = recompute_from_name(plan.keys.get_string("recompute_granularity"));
   for (StepBenchSpec& s : plan.specs) {
     s.recompute = recompute;
@@ -250,6 +254,8 @@ RunPlan plan_runs(const BenchOptions& o) {
     s.data = o.data == "structured" ? BenchData::structured : BenchData::prototypes;
     s.steps = o.steps;
     s.warmup = o.warmup;
+    s.tensor_parallel = static_cast<int>(plan.keys.get_int("tensor_model_parallel_size"));
+    s.distributed_optimizer = plan.keys.get_bool("use_distributed_optimizer");
   }
   if (plan.keys.get_bool("cuda_graph") && o.profile && plan.keys.source("cuda_graph") != "default")
     fmt::print("note: cuda_graph is off under --profile (its per-op timing marks need every op issued on its own)\n");
@@ -349,6 +355,7 @@ json run_json(const StepBenchResult& r, const StepBenchSpec& s, const std::strin
           {"precision", precision},
           {"fp8_format", precision == "bf16" ? "" : o.format},
           {"describe", r.precision},
+          {"parallel", r.parallel},
           {"batch", s.shape.batch},
           {"txt_tokens", s.shape.txt_tokens},
           {"img_tokens", s.shape.img_tokens},
@@ -405,6 +412,7 @@ std::vector<WorkloadRun> run_workload(StepBenchSpec s, const RunPlan& plan, cons
                r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", run.summary.label(),
                r.median_ms, r.tflops, r.setup_s, r.first_step_s, r.peak_allocated_gib, r.device_used_gib,
                r.activation_gib);
+    if (!r.parallel.empty()) fmt::print("  {}: each rank's step on its own micro-batch (a tensor-parallel group shares one); memory per rank\n", r.parallel);
     print_run_notes(r, o.backend);
     const std::vector<RooflinePart> parts =
         r.ops.empty() ? std::vector<RooflinePart>{} : roofline_parts(r.ops, model_flops(s.model, s.shape));
@@ -525,6 +533,10 @@ Command add_bench_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   add_bench_options(cmd, *o);
   return {cmd, [o]() {
+            // Under a launcher every rank runs the steps (their collectives need all of them) and
+            // rank 0 reports: the others' stdout goes nowhere and they write no --json.
+            const bool lead = job_placement().rank == 0;
+            if (!lead && !std::freopen("/dev/null", "w", stdout)) fail("bench: cannot silence rank {}", job_placement().rank);
             json out;
             if (o->gemm) {
               Config keys;
@@ -535,7 +547,7 @@ Command add_bench_command(CLI::App& app) {
             } else {
               run_step_benchmarks(*o, out);
             }
-            if (!o->json_file.empty()) {
+            if (!o->json_file.empty() && lead) {
               std::ofstream f(o->json_file);
               if (!f) fail("bench: cannot write {}", o->json_file);
               f << out.dump(2) << "\n";

@@ -265,16 +265,18 @@ std::vector<KeySpec> parallel_keys() {
               "ranks that split each block's attention heads and MLP (Megatron-style, neighbouring ranks); the "
               "job's ranks / this = the data-parallel size"),
       int_key("parallel", "pipeline_model_parallel_size", 1, between(1, 1024),
-              "pipeline stages: 1 (flux8 does not split the model into stages)"),
+              "pipeline stages: 1 (flux8 does not split the model into stages; other values are refused)"),
       int_key("parallel", "context_parallel_size", 1, between(1, 1024),
-              "ranks that split a sequence: 1 (sequences are not split)"),
+              "ranks that split a sequence: 1 (sequences are not split; other values are refused)"),
       bool_key("parallel", "use_distributed_optimizer", false,
                "ZeRO-1: each data-parallel rank keeps and updates only its shard of the AdamW moments; gradients "
                "are reduce-scattered and the updated weights all-gathered"),
-      bool_key("parallel", "overlap_grad_reduce", true,
-               "reduce the gradients in buckets as the backward finishes them (with several data-parallel ranks)"),
-      bool_key("parallel", "overlap_param_gather", true,
-               "with use_distributed_optimizer: gather the updated weights beside the next step's first work"),
+      bool_key("parallel", "overlap_grad_reduce", false,
+               "accepted for Megatron configs; the gradients are reduced in buckets after the step's last "
+               "backward (overlapping them with the backward is not implemented: the log says so when this is on)"),
+      bool_key("parallel", "overlap_param_gather", false,
+               "accepted for Megatron configs; with use_distributed_optimizer the updated weights are gathered "
+               "right after the update (overlapping the gather with the next step is not implemented)"),
       float_key("parallel", "distributed_timeout_minutes", 10, above(0),
                 "a collective that waits longer than this for the other ranks ends the job, naming the rank"),
   };

@@ -8,6 +8,8 @@
 
 #include "core/error.h"
 #include "dist/mpi_communicator.h"
+#include "dist/mpi_runtime.h"
+#include "dist/watchdog.h"
 
 namespace flux8 {
 
@@ -20,6 +22,14 @@ std::vector<DeviceCommunicatorFactory>& device_factories() {
 
 void register_device_communicator(DeviceCommunicatorFactory factory) {
   device_factories().push_back(std::move(factory));
+}
+
+void place_on_node(BackendOptions& options) {
+  const JobPlacement& job = job_placement();
+  if (!job.launched) return;
+  options.device = job.local_rank;
+  const char* comm = std::getenv("FLUX8_COMM");
+  options.share_device = comm && std::string_view(comm) == "mpi";
 }
 
 int ParallelSizes::dp_for(int world) const {
@@ -38,7 +48,11 @@ int ParallelSizes::dp_for(int world) const {
 }
 
 std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, Backend& be, const std::string& what) {
-  if (be.memory_is_host()) return std::make_unique<MpiCommunicator>(comm, nullptr, what);
+  // MPI collectives block the calling thread: the watchdog times each from its call to its return.
+  auto mpi = [&](Device* device) {
+    return watch_host_collectives(std::make_unique<MpiCommunicator>(comm, device, what), collective_watchdog());
+  };
+  if (be.memory_is_host()) return mpi(nullptr);
   const char* forced = std::getenv("FLUX8_COMM");
   const std::string_view choice = forced ? forced : "";
   if (!choice.empty() && choice != "mpi" && choice != "nccl")
@@ -47,7 +61,7 @@ std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, Backend& be
     for (const DeviceCommunicatorFactory& f : device_factories())
       if (auto c = f(comm, be, what)) return c;
   if (choice == "nccl") fail("FLUX8_COMM=nccl: this build has no NCCL communicator for the {} backend", be.name());
-  return std::make_unique<MpiCommunicator>(comm, &be, what);
+  return mpi(&be);
 }
 
 ProcessGroups::ProcessGroups(MPI_Comm world, const ParallelSizes& sizes, Backend& be) {

@@ -53,6 +53,10 @@ class ProcessGroups {
   std::unique_ptr<Communicator> world_, tp_, dp_;
 };
 
+// A launched rank's device: its index among the job's ranks on its node, shared with other
+// ranks (wrapping around the node's GPUs) only with FLUX8_COMM=mpi. Unchanged outside a job.
+void place_on_node(BackendOptions& options);
+
 // The communicator of one group over `comm` for tensors in `be`'s memory: MPI on host memory;
 // on a device, the device's own communicator where one is registered (NCCL) unless the
 // environment says FLUX8_COMM=mpi, else MPI staged through host buffers.

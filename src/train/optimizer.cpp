@@ -1,5 +1,6 @@
 #include "train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -86,15 +87,33 @@ void AdamWOptimizer::release_full_moments() {
   full_m_ = full_v_ = Tensor{};
 }
 
+double AdamWOptimizer::job_sum_squares(FlatRange range, const std::vector<Backend::LowRankGrad>& low_rank) {
+  Backend& be = store_.backend();
+  const Tensor grads = store_.flat_grads();
+  // [0]: everything in range; [1]: the split parameters' part of it, to be summed over the
+  // tensor-parallel group while the replicated rest counts once.
+  std::vector<double> local{be.gradient_sum_squares(flat_slice(grads, range), low_rank), 0.0};
+  if (tp_)
+    for (const ParamInfo& p : store_.layout().params()) {
+      if (!p.shard.sharded()) continue;
+      const int64_t begin = std::max(p.offset, range.begin);
+      const int64_t end = std::min(p.offset + p.shape.numel(), range.end());
+      if (end > begin) local[1] += be.sum_squares(flat_slice(grads, {begin, end - begin}));
+    }
+  if (sharded_) dp_->sum(local);  // the data-parallel shards of the buffer
+  if (!tp_) return local[0];
+  std::vector<double> split{local[1]};
+  tp_->sum(split);
+  return (local[0] - local[1]) + split[0];
+}
+
 StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
   Backend& be = store_.backend();
   StepStats s;
   s.lr = lr;
   const Tensor grads = store_.flat_grads(), params = store_.flat_params();
   dp_->reduce_scatter_gradients(grads, sharding_);
-  double sum_squares[1] = {be.gradient_sum_squares(flat_slice(grads, owned_), {})};
-  dp_->sum(sum_squares);
-  s.grad_norm = std::sqrt(sum_squares[0]);
+  s.grad_norm = std::sqrt(job_sum_squares(owned_, {}));
   if (!std::isfinite(s.grad_norm)) return s;
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
   be.adamw(flat_slice(params, owned_), flat_slice(grads, owned_), m_, v_,
@@ -114,7 +133,7 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
   // The per-sample Linears' gradients may be kept as factors (ParamStore::keep_low_rank_grads):
   // the norm and the update read them from there.
   const std::vector<Backend::LowRankGrad> low_rank = store_.low_rank_grads();
-  s.grad_norm = std::sqrt(be.gradient_sum_squares(store_.flat_grads(), low_rank));
+  s.grad_norm = std::sqrt(job_sum_squares(FlatRange{0, store_.layout().total()}, low_rank));
   if (!std::isfinite(s.grad_norm)) return s;
   // Clipping scales the gradient inside the update (no extra pass over the gradients).
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;

@@ -49,6 +49,10 @@ class AdamWOptimizer {
   // bf16 operand copies are then made afresh from them, at their first use). Call before the
   // first step; the moments start at zero.
   void set_data_parallel(DataParallel* dp, bool distributed);
+  // Tensor parallelism: `tp` reduces over the model's tensor-parallel group, whose ranks hold
+  // the shards of the split parameters and the same replicated ones: the gradient norm counts
+  // every shard once and every replicated tensor once.
+  void set_tensor_parallel(DataParallel* tp) { tp_ = tp && tp->size() > 1 ? tp : nullptr; }
   bool sharded() const { return sharded_; }
 
   // The moments (in moment_dtype(); checkpoints store them as f32): this rank's, of the whole
@@ -70,11 +74,15 @@ class AdamWOptimizer {
 
  private:
   StepStats sharded_step(int64_t step, double lr);
+  // The squared norm of the whole model's gradient, from this rank's gradients in `range` (all of
+  // the buffer, or its owned shard after a reduce-scatter) and `low_rank`.
+  double job_sum_squares(FlatRange range, const std::vector<Backend::LowRankGrad>& low_rank);
   Tensor allocate_moment(int64_t n);
   ParamStore& store_;
   AdamWConfig cfg_;
   Tensor m_, v_;
   DataParallel* dp_ = nullptr;
+  DataParallel* tp_ = nullptr;
   bool sharded_ = false;
   FlatSharding sharding_;
   FlatRange owned_;

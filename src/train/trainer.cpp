@@ -23,6 +23,7 @@
 #include "data/loader.h"
 #include "dist/mpi_runtime.h"
 #include "dist/process_groups.h"
+#include "dist/watchdog.h"
 #include "model/flux_model.h"
 #include "model/weights_io.h"
 #include "train/async_checkpoint.h"
@@ -69,7 +70,7 @@ struct Run {
   // The job's ranks (one-rank groups for a process started alone) and the data-parallel
   // reductions over them; `world` reduces what every rank must agree on (FP8 amaxes, the stop).
   std::unique_ptr<ProcessGroups> groups;
-  std::unique_ptr<DataParallel> dp, world;
+  std::unique_ptr<DataParallel> dp, tp, world;
   // cuda_graph: the graph recorder intercepting `be`'s ops.
   std::unique_ptr<StepGraph> graph;
   std::unique_ptr<FluxModel> model;
@@ -109,15 +110,13 @@ bool lead_rank(const Run& r) { return !r.groups || r.groups->world_rank() == 0; 
 void join_job(Run& r) {
   const JobPlacement& job = job_placement();
   BackendOptions options = r.cfg.backend_options;
-  if (job.launched) {
-    options.device = job.local_rank;
-    const char* comm = std::getenv("FLUX8_COMM");
-    options.share_device = comm && std::string_view(comm) == "mpi";
-  }
+  place_on_node(options);
   r.be = make_backend(r.cfg.backend, options);
+  if (job.launched) collective_watchdog().set_timeout(collective_timeout(r.cfg.distributed_timeout_s / 60.0));
   const ParallelSizes sizes{r.cfg.tensor_parallel, r.cfg.pipeline_parallel, r.cfg.context_parallel};
   r.groups = std::make_unique<ProcessGroups>(job.launched ? job_world() : MPI_COMM_NULL, sizes, *r.be);
   r.dp = std::make_unique<DataParallel>(r.groups->dp(), *r.be);
+  r.tp = std::make_unique<DataParallel>(r.groups->tp(), *r.be);
   r.world = std::make_unique<DataParallel>(r.groups->world(), *r.be);
   if (!r.groups->distributed()) return;
   // The resolved config's hash against rank 0's: ranks that read different files (or got other
@@ -131,21 +130,20 @@ void join_job(Run& r) {
     fail("the resolved config differs between ranks (hash {} here; rank 0 has another): every rank must read the same "
          "config files with the same --set values (`flux8 config -c FILE` prints the resolved config)",
          digest);
-  if (r.groups->tp_size() > 1)
-    fail("tensor_model_parallel_size {}: the model's blocks are not split across ranks in this build; set it to 1 "
-         "(data parallelism over all {} ranks)",
-         r.groups->tp_size(), r.groups->world_size());
 }
 
 void build_model(Run& r) {
   join_job(r);
   // cuda_graph: each micro-batch's forward and backward recorded and launched as CUDA graphs
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
-  if (r.cfg.cuda_graph && r.be->can_capture())
+  // A graph cannot hold the tensor-parallel collectives inside the blocks: op by op there.
+  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1)
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
-  r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute);
+  r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute,
+                                        TensorParallel{&r.groups->tp()});
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), r.cfg.adam);
   r.opt->set_data_parallel(r.dp.get(), r.cfg.distributed_optimizer);
+  r.opt->set_tensor_parallel(r.tp.get());
   // A step's samples are the rows every per-sample Linear sees: few enough, and their gradients
   // stay as factors (ParamStore::keep_low_rank_grads) — on one data-parallel rank, where the
   // gradient buffer need not be reduced.
@@ -231,6 +229,9 @@ void announce_run(Run& r) {
                                            "(use_distributed_optimizer)"
                                          : "",
                         r.groups->dp().describe()));
+  if (r.cfg.overlap_grad_reduce || r.cfg.overlap_param_gather)
+    note(r, "overlap_grad_reduce / overlap_param_gather: accepted, but the gradients are reduced after the step's last "
+            "backward and the weights gathered right after the update (no overlap with compute)");
   if (params.grad_dtype() != params.dtype())
     note(r, fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                         dtype_name(params.grad_dtype()), dtype_name(params.dtype())));
@@ -243,6 +244,8 @@ void announce_run(Run& r) {
          "cuda_graph: each micro-batch's forward and backward run as CUDA graphs, captured from the first "
          "steps (segments of " +
              std::to_string(r.graph->graph_options().segment_ops) + " ops)");
+  else if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() > 1)
+    note(r, "cuda_graph: off under tensor parallelism (a graph cannot hold the collectives inside the blocks)");
   else if (r.cfg.cuda_graph && r.cfg.cuda_graph_set)
     note(r, "cuda_graph: the " + r.be->name() + " backend has no graphs; running op by op");
   if (!r.be->repeats_bit_for_bit())
@@ -626,7 +629,12 @@ void step_loop(Run& r, const TrainOptions& opt) {
 void finish(Run& r) {
   if (!r.result.stopped_early) {  // while the last checkpoint is written
     r.result.last_val_loss = run_validation(r, "end");
-    if (lead_rank(r)) write_end_of_run_samples(r.cfg, *r.model, *r.progress);
+    // (Under tensor parallelism the sampler's forward would need every rank of the group.)
+    if (r.groups->tp_size() > 1 && !r.cfg.sample_prompts.empty())
+      note(r, "sample_prompts: no end-of-run samples under tensor parallelism; `flux8 sample --checkpoint` the last "
+              "checkpoint on one GPU");
+    else if (lead_rank(r))
+      write_end_of_run_samples(r.cfg, *r.model, *r.progress);
   }
   if (r.saver)
     if (auto f = r.saver->wait()) report_saved(r, *f);

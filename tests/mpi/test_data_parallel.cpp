@@ -2,6 +2,7 @@
 // every rank computes the single-process reference itself, then its share of the batch with
 // gradients and losses summed over the job, and compares losses, gradients and the weights after
 // five AdamW steps — plain and with the distributed optimizer (ZeRO-1). Runs at any job size.
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -96,7 +97,9 @@ Trajectory train(const FluxConfig& cfg, DType dtype, int64_t global, int steps, 
 
 void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol, const char* what) {
   ASSERT_EQ(a.size(), b.size()) << what;
-  EXPECT_LT(testing::max_rel_error(a, b), tol) << what;
+  const double e = testing::max_rel_error(a, b);
+  EXPECT_LT(e, tol) << what;
+  if (world_rank() == 0) std::printf("%d ranks, %s: largest relative difference %.3g\n", world_size(), what, e);
 }
 
 // The weights of every rank bit for bit equal rank 0's.

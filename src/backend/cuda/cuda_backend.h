@@ -42,6 +42,10 @@ class CudaBackend final : public Backend {
   void release_timing_marks() override;
   const BackendOptions& options() const override { return options_; }
   cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }  // the CUDA device index the stream belongs to
+  // The CUDA event behind an event of this backend (make_event), for a queue of another library
+  // (NCCL's) to order its stream with this backend's ops; fails for another backend's event.
+  static cudaEvent_t native_event(const Event& e);
   cuda::Gemm& gemm() { return *gemm_; }
 
   void* allocate(size_t bytes) override;

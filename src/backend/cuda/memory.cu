@@ -250,6 +250,7 @@ class CudaCopyQueue final : public Backend::CopyQueue {
 }  // namespace
 
 std::unique_ptr<Backend::Event> CudaBackend::make_event() { return std::make_unique<CudaEvent>(); }
+cudaEvent_t CudaBackend::native_event(const Event& e) { return cuda_event(e); }
 std::unique_ptr<Backend::CopyQueue> CudaBackend::make_copy_queue() { return std::make_unique<CudaCopyQueue>(device_); }
 
 void CudaBackend::do_record_event(Event& e) {
