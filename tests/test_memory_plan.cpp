@@ -11,8 +11,8 @@
 #include "bench/memory_plan.h"
 #include "config/config.h"
 #include "model/params.h"
-#include "train/data_parallel.h"
 #include "test_util.h"
+#include "train/data_parallel.h"
 
 namespace flux8 {
 namespace {
@@ -25,7 +25,9 @@ const std::string kDev = std::string(FLUX8_SOURCE_DIR) + "/configs/models/flux_1
 struct InfoCli {
   testing::TempDir dir;
   std::string log;
-  int run(const std::string& args) { return testing::run_flux8("info -c " + kTiny + " " + args, dir.file("log.txt"), &log); }
+  int run(const std::string& args) {
+    return testing::run_flux8("info -c " + kTiny + " " + args, dir.file("log.txt"), &log);
+  }
   nlohmann::json json(const std::string& args) {
     EXPECT_EQ(run(args + " --json"), 0) << log;
     return nlohmann::json::parse(log, nullptr, false);
@@ -55,8 +57,9 @@ TEST(MemoryPlan, OneGpuIsTheSingleGpuBreakdown) {
       EXPECT_EQ(bytes["attention_workspace"], j["deterministic_attention_workspace_bytes"]);
       const nlohmann::json& r = plan["recompute"][recompute];
       EXPECT_EQ(r["activations_bytes"], today["activations"][column]);
-      EXPECT_DOUBLE_EQ(r["step_total_bytes"].get<double>(),
-                       today["total"][column].get<double>() + j["deterministic_attention_workspace_bytes"].get<double>());
+      EXPECT_DOUBLE_EQ(
+          r["step_total_bytes"].get<double>(),
+          today["total"][column].get<double>() + j["deterministic_attention_workspace_bytes"].get<double>());
     }
   // Without --tp/--dp `flux8 info` prints the single-GPU breakdown alone, as before.
   ASSERT_EQ(cli.run(""), 0) << cli.log;
@@ -64,9 +67,9 @@ TEST(MemoryPlan, OneGpuIsTheSingleGpuBreakdown) {
   EXPECT_EQ(cli.log.find("memory plan"), std::string::npos) << cli.log;
   EXPECT_FALSE(cli.json("").contains("memory_plan"));
   ASSERT_EQ(cli.run("--tp 2 --dp 4 --distributed-optimizer --gpu-memory 0.001"), 0) << cli.log;
-  testing::expect_mentions(cli.log, {"memory plan of one GPU: tensor-parallel 2 x data-parallel 4 = 8 GPUs",
-                                     "its shard over the 4 data-parallel ranks", "peak, a checkpoint save or resume",
-                                     "fits 0.00 GiB"});
+  testing::expect_mentions(
+      cli.log, {"memory plan of one GPU: tensor-parallel 2 x data-parallel 4 = 8 GPUs",
+                "its shard over the 4 data-parallel ranks", "peak, a checkpoint save or resume", "fits 0.00 GiB"});
 }
 
 TEST(MemoryPlan, TensorParallelRankHoldsItsLayoutAndActivations) {
@@ -118,8 +121,7 @@ TEST(MemoryPlan, DistributedOptimizerShardsTheMomentsOnly) {
 TEST(MemoryPlan, SizesThatDoNotSplitAreRefusedByName) {
   InfoCli cli;
   EXPECT_NE(cli.run("--tp 3"), 0);
-  EXPECT_NE(cli.log.find("num_heads 4 is not divisible by tensor_model_parallel_size 3"), std::string::npos)
-      << cli.log;
+  EXPECT_NE(cli.log.find("num_heads 4 is not divisible by tensor_model_parallel_size 3"), std::string::npos) << cli.log;
   EXPECT_NE(cli.run("--tp 2 --set mlp_ratio=3.03125"), 0);
   testing::expect_mentions(cli.log, {"the MLP width 291", "tensor_model_parallel_size 2"});
   // The config's tensor_model_parallel_size asks for the plan too, and is checked the same way.

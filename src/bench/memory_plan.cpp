@@ -30,8 +30,8 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   p.parallel = parallel;
   const FluxConfig cfg = FluxConfig::from_config(config);
   check_tensor_parallel(cfg, parallel.tp);
-  p.shape = StepShape{config.get_int("micro_batch_size"), cfg.text_seq_len,
-                      cfg.image_tokens(config.get_int("image_size"))};
+  p.shape =
+      StepShape{config.get_int("micro_batch_size"), cfg.text_seq_len, cfg.image_tokens(config.get_int("image_size"))};
   p.fp8 = Fp8Config::from_config(config).enabled;
   p.fp8_attention = p.fp8 && config.get_bool("fp8_dot_product_attention");
   p.bf16_activations = config.get_string("activation_precision") == "bf16";

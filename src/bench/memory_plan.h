@@ -17,8 +17,8 @@ class Config;
 
 // How a job splits over its GPUs.
 struct ParallelShape {
-  int tp = 1;  // tensor_model_parallel_size
-  int dp = 1;  // data-parallel ranks (the job's ranks / tp)
+  int tp = 1;                          // tensor_model_parallel_size
+  int dp = 1;                          // data-parallel ranks (the job's ranks / tp)
   bool distributed_optimizer = false;  // use_distributed_optimizer
   int world() const { return tp * dp; }
   // The AdamW moments are sharded only over a data-parallel group of more than one rank
@@ -40,11 +40,11 @@ struct MemoryPlan {
   int64_t moment_elements = 0;  // the moments of the rank that keeps most (the last rank owns the tail)
 
   // Bytes on one GPU.
-  double operand_copies = 0;  // bf16 copies of the Linear weights not run in FP8
-  double fp8_casts = 0;       // E4M3 weight and its transpose, per FP8 block-Linear weight
-  double masters = 0;         // f32 parameters
-  double gradients = 0;       // the whole local gradient buffer (reduce-scattered in place)
-  double moments = 0;         // exp_avg and exp_avg_sq of moment_elements
+  double operand_copies = 0;                             // bf16 copies of the Linear weights not run in FP8
+  double fp8_casts = 0;                                  // E4M3 weight and its transpose, per FP8 block-Linear weight
+  double masters = 0;                                    // f32 parameters
+  double gradients = 0;                                  // the whole local gradient buffer (reduce-scattered in place)
+  double moments = 0;                                    // exp_avg and exp_avg_sq of moment_elements
   std::array<double, kRecomputeSettings> activations{};  // saved tensors + one block's backward scratch
   double attention_workspace = 0;  // cuDNN's deterministic attention backward: dP of this rank's heads
   // A checkpoint save or resume gathers the whole buffer's moments on every rank of a sharded

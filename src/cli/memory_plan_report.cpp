@@ -41,9 +41,10 @@ std::vector<StateRow> state_rows(const MemoryPlan& p) {
 std::string moments_line(const MemoryPlan& p) {
   const ParallelShape& s = p.parallel;
   if (s.moments_sharded())
-    return fmt::format("{} elements on this GPU, its shard over the {} data-parallel ranks\n"
-                       "    (use_distributed_optimizer)",
-                       with_commas(p.moment_elements), s.dp);
+    return fmt::format(
+        "{} elements on this GPU, its shard over the {} data-parallel ranks\n"
+        "    (use_distributed_optimizer)",
+        with_commas(p.moment_elements), s.dp);
   if (s.distributed_optimizer) return "whole on the GPU (use_distributed_optimizer with one data-parallel rank)";
   return s.dp > 1 ? "whole on every GPU (use_distributed_optimizer: false)" : "whole on the GPU";
 }
@@ -70,9 +71,10 @@ void print_memory_plan(const MemoryPlan& p, double gpu_bytes) {
              s.dp, s.world(), p.fp8 ? "FP8" : "BF16", p.shape.batch);
   fmt::print("  parameters on each GPU: {} of {}", with_commas(p.rank_params), with_commas(p.model_params));
   if (s.tp > 1)
-    fmt::print("\n    (the blocks' heads and MLP split over {} ranks; modulation, embedders and final layer\n"
-               "    whole on every rank)",
-               s.tp);
+    fmt::print(
+        "\n    (the blocks' heads and MLP split over {} ranks; modulation, embedders and final layer\n"
+        "    whole on every rank)",
+        s.tp);
   fmt::print("\n  AdamW moments: {}\n\n", moments_line(p));
   for (const StateRow& r : state_rows(p)) fmt::print("  {:<36} {:>12}\n", r.name, gib(r.bytes));
   fmt::print("  {:<36} {:>12}\n", "model state", gib(p.state()));
@@ -99,10 +101,14 @@ nlohmann::json memory_plan_json(const MemoryPlan& p, double gpu_bytes) {
   j["fp8"] = p.fp8;
   j["parameters_per_gpu"] = p.rank_params;
   j["moment_elements_per_gpu"] = p.moment_elements;
-  j["bytes"] = {{"bf16_weight_copies", p.operand_copies}, {"fp8_weight_casts", p.fp8_casts},
-                {"master_weights", p.masters},          {"gradients", p.gradients},
-                {"adam_moments", p.moments},            {"model_state", p.state()},
-                {"attention_workspace", p.attention_workspace}, {"gathered_moments", p.gathered_moments}};
+  j["bytes"] = {{"bf16_weight_copies", p.operand_copies},
+                {"fp8_weight_casts", p.fp8_casts},
+                {"master_weights", p.masters},
+                {"gradients", p.gradients},
+                {"adam_moments", p.moments},
+                {"model_state", p.state()},
+                {"attention_workspace", p.attention_workspace},
+                {"gathered_moments", p.gathered_moments}};
   j["gpu_memory_bytes"] = gpu_bytes;
   for (size_t i = 0; i < std::size(kSettings); ++i) {
     const Recompute r = kSettings[i];
