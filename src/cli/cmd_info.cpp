@@ -268,7 +268,9 @@ void print_plan(Config& config, const PlanOptions& o, const InfoReport& report, 
 
 Command add_info_command(CLI::App& app) {
   auto* cmd =
-      app.add_subcommand("info", "parameter count, model FLOPs per sample and training-step memory of a config");
+      app.add_subcommand("info",
+                         "parameter count, model FLOPs per sample and training-step memory of a config; with --tp/--dp "
+                         "the memory plan of one GPU of a parallel job");
   struct Opts {
     ConfigOptions cfg;
     std::string image_size, batch;  // as text: checked like the config keys they override
@@ -280,14 +282,14 @@ Command add_info_command(CLI::App& app) {
   cmd->add_option("--image-size", o->image_size, "image side in pixels (default: config image_size)");
   cmd->add_option("--batch", o->batch, "samples per step (default: config micro_batch_size)");
   cmd->add_option("--tp", o->plan.tp,
-                  "print the memory plan of one GPU of a job with this tensor-parallel size (default: config "
-                  "tensor_model_parallel_size)");
-  cmd->add_option("--dp", o->plan.dp, "... and this data-parallel size (default 1)");
+                  "tensor-parallel size: print the memory plan of one GPU of a --tp x --dp job instead of the "
+                  "single-GPU breakdown (default: config tensor_model_parallel_size)");
+  cmd->add_option("--dp", o->plan.dp, "data-parallel size of the memory plan (default 1)");
   cmd->add_flag("--distributed-optimizer", o->plan.distributed_optimizer,
-                "... with the AdamW moments sharded over the data-parallel ranks (default: config "
+                "memory plan with the AdamW moments sharded over the data-parallel ranks (default: config "
                 "use_distributed_optimizer)");
   cmd->add_option("--gpu-memory", o->plan.gpu_memory,
-                  "... and say which recompute settings fit a GPU of this many GiB (default 80)");
+                  "GiB of one GPU, to say which recompute settings of the memory plan fit (default 80)");
   cmd->add_flag("--json", o->json, "print JSON instead of text");
   return {cmd, [o]() {
             Config config = Config::load(o->cfg.config, o->cfg.overrides);
