@@ -5,6 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <type_traits>
 
 #include "cli/commands.h"
 #include "cli/memory_plan_report.h"
@@ -231,7 +232,8 @@ T parse_option(const std::string& text, const char* option, T low, T high, const
   T v{};
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || end != text.data() + text.size() || !(v >= low && v <= high))
-    fail("{} '{}': {} must be a number from {} to {}", option, text, what, low, high);
+    fail("{} '{}': {} must be {} from {} to {}", option, text, what,
+         std::is_integral_v<T> ? "a whole number" : "a number", low, high);
   return v;
 }
 
@@ -250,8 +252,9 @@ void print_plan(Config& config, const PlanOptions& o, const InfoReport& report, 
   shape.tp = static_cast<int>(config.get_int("tensor_model_parallel_size"));
   shape.dp = o.dp.empty() ? 1 : parse_option<int>(o.dp, "--dp", 1, 65536, "the data-parallel size");
   shape.distributed_optimizer = config.get_bool("use_distributed_optimizer");
-  const double gpu_gib =
-      o.gpu_memory.empty() ? 80.0 : parse_option<double>(o.gpu_memory, "--gpu-memory", 0.001, 1e6, "GiB per GPU");
+  const double gpu_gib = o.gpu_memory.empty()
+                             ? 80.0
+                             : parse_option<double>(o.gpu_memory, "--gpu-memory", 0.001, 1e6, "the GiB of one GPU");
   const MemoryPlan plan = MemoryPlan::of(config, shape);
   const double gpu_bytes = gpu_gib * 1024.0 * 1024.0 * 1024.0;
   if (json) {
