@@ -1,4 +1,5 @@
-// `flux8 info`: parameter counts, model FLOPs and the memory of a training step.
+// `flux8 info`: parameter counts, model FLOPs and the memory of a training step; with --tp/--dp the
+// memory plan of one GPU of a parallel job (bench/memory_plan.h).
 #include <fmt/core.h>
 
 #include <charconv>
