@@ -118,6 +118,23 @@ TEST(MemoryPlan, DistributedOptimizerShardsTheMomentsOnly) {
   EXPECT_EQ(bf16.moments, 4.0 * static_cast<double>(sharded.moment_elements));
 }
 
+// The plans docs/DISTRIBUTED.md quotes: flux_12b_dev at 1024 px, micro-batch 1, FP8 (delayed),
+// distributed optimizer. TP=2 x DP=1 fits two 141 GB GPUs with full recompute only; TP=2 x DP=16
+// does not fit 40 GB with any setting, since the masters and gradients stay whole.
+TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
+  const Config config = Config::load(kDev, {"image_size=1024", "micro_batch_size=1", "fp8=hybrid", "fp8_recipe=delayed",
+                                            "use_distributed_optimizer=true"});
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  const double gpu_141gb = 141e9, gpu_40gb = 40e9;
+  const MemoryPlan two = MemoryPlan::of(config, {2, 1, true}), many = MemoryPlan::of(config, {2, 16, true});
+  EXPECT_GT(two.peak(Recompute::selective), gpu_141gb);
+  EXPECT_LE(two.peak(Recompute::full), gpu_141gb);
+  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 130.07, 0.005);
+  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 77.00, 0.005);
+  EXPECT_NEAR(many.peak(Recompute::full) / kGiB, 133.61, 0.005);
+  EXPECT_GT(many.masters + many.gradients, gpu_40gb);
+}
+
 TEST(MemoryPlan, SizesThatDoNotSplitAreRefusedByName) {
   InfoCli cli;
   EXPECT_NE(cli.run("--tp 3"), 0);
