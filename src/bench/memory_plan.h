@@ -47,8 +47,9 @@ struct MemoryPlan {
   double moments = 0;                                    // exp_avg and exp_avg_sq of moment_elements
   std::array<double, kRecomputeSettings> activations{};  // saved tensors + one block's backward scratch
   double attention_workspace = 0;  // cuDNN's deterministic attention backward: dP of this rank's heads
-  // A checkpoint save or resume gathers the whole buffer's moments on every rank of a sharded
-  // optimizer (AdamWOptimizer::gather_moments, allocate_full_moments) beside everything else.
+  // A checkpoint save gathers the whole buffer's moments on every rank of a sharded optimizer
+  // (AdamWOptimizer::gather_moments) beside everything else; a resume allocates the same
+  // (allocate_full_moments) before the first step reserves the activations.
   double gathered_moments = 0;
 
   double state() const { return operand_copies + fp8_casts + masters + gradients + moments; }

@@ -58,7 +58,7 @@ void print_recompute_rows(const MemoryPlan& p, double gpu_bytes) {
   };
   row("activations", [&](Recompute r) { return gib(p.activations[static_cast<size_t>(r)]); });
   row("total, a training step", [&](Recompute r) { return gib(p.step_total(r)); });
-  if (p.gathered_moments > 0) row("peak, a checkpoint save or resume", [&](Recompute r) { return gib(p.peak(r)); });
+  if (p.gathered_moments > 0) row("peak, a checkpoint save", [&](Recompute r) { return gib(p.peak(r)); });
   const std::string fits = fmt::format("fits {}", gib(gpu_bytes));
   row(fits.c_str(), [&](Recompute r) { return p.peak(r) <= gpu_bytes ? "yes" : "no"; });
 }
@@ -82,8 +82,8 @@ void print_memory_plan(const MemoryPlan& p, double gpu_bytes) {
   print_recompute_rows(p, gpu_bytes);
   if (p.gathered_moments > 0)
     fmt::print(
-        "  (a checkpoint save or resume gathers the whole buffer's AdamW moments, {}, on every rank\n"
-        "   beside the training state and the activations)\n",
+        "  (a checkpoint save gathers the whole buffer's AdamW moments, {}, on every rank beside the\n"
+        "   training state and the activations; a resume allocates them before the first step)\n",
         gib(p.gathered_moments));
   fmt::print(
       "  (activations in {} (activation_precision); the attention workspace is cuDNN's deterministic\n"
