@@ -8,9 +8,7 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
-#include <cstdlib>
 #include <optional>
-#include <string_view>
 
 #include "backend/backend.h"
 #include "backend/energy.h"
