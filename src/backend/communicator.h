@@ -47,8 +47,9 @@ class Communicator {
 };
 
 // The group of one rank: every collective is the identity (a copy where in and out differ), no
-// process is involved. Copies go through the backend's ops, so it serves any backend.
-class Ops;
-std::unique_ptr<Communicator> make_single_rank_communicator(Ops& ops, std::string what);
+// process is involved. Its copies (of any dtype, FP8 codes too) go through host memory: no
+// training path copies between different tensors in a group of one.
+class Device;
+std::unique_ptr<Communicator> make_single_rank_communicator(Device& device, std::string what);
 
 }  // namespace flux8

@@ -1,12 +1,17 @@
-// `flux8 info`: parameter counts, model FLOPs and the memory of a training step.
+// `flux8 info`: parameter counts, model FLOPs and the memory of a training step; with --tp/--dp the
+// memory plan of one GPU of a parallel job (bench/memory_plan.h).
 #include <fmt/core.h>
 
+#include <charconv>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <type_traits>
 
 #include "cli/commands.h"
+#include "cli/memory_plan_report.h"
 #include "config/config.h"
+#include "core/error.h"
 #include "model/flops.h"
 #include "model/flux_model.h"
 #include "model/params.h"
@@ -136,7 +141,7 @@ InfoReport compute_info(const Config& config) {
   return r;
 }
 
-void print_info_json(const InfoReport& r) {
+nlohmann::json info_json(const InfoReport& r) {
   const Memory& m = r.memory;
   nlohmann::json j;
   j["model"] = r.cfg.name;
@@ -160,7 +165,7 @@ void print_info_json(const InfoReport& r) {
   j["async_save_copy_fits_this_host"] = m.copy_fits;
   j["memory_bytes"]["total"] = {{"bf16", m.total.bf16}, {"fp8", m.total.fp8}};
   j["memory_bytes_cuda_today"]["total"] = {{"bf16", m.total.today_bf16}, {"fp8", m.total.today_fp8}};
-  fmt::print("{}\n", j.dump(2));
+  return j;
 }
 
 void print_memory_text(const InfoReport& r) {
@@ -200,7 +205,8 @@ void print_memory_text(const InfoReport& r) {
                                       *m.host_available / 1e9));
 }
 
-void print_info_text(const InfoReport& r) {
+// The model, its parameters and FLOPs.
+void print_header_text(const InfoReport& r) {
   const FluxConfig& cfg = r.cfg;
   fmt::print("model {} ({})\n", cfg.name, r.config_path);
   fmt::print("  hidden {}, heads {} (head dim {}), mlp {}, double blocks {}, single blocks {}, guidance {}\n",
@@ -214,23 +220,80 @@ void print_info_text(const InfoReport& r) {
   fmt::print("model FLOPs per sample: forward {:.2f} GFLOP, training step (fwd+bwd) {:.2f} GFLOP\n",
              r.per_sample.forward() / 1e9, r.per_sample.training() / 1e9);
   fmt::print("model FLOPs per step:   training {:.3f} TFLOP\n", r.per_step.training() / 1e12);
+}
+
+void print_info_text(const InfoReport& r) {
+  print_header_text(r);
   print_memory_text(r);
+}
+
+// The value of --dp or --gpu-memory: a number in [low, high], else an error naming the option.
+template <typename T>
+T parse_option(const std::string& text, const char* option, T low, T high, const char* what) {
+  T v{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || !(v >= low && v <= high))
+    fail("{} '{}': {} must be {} from {} to {}", option, text, what,
+         std::is_integral_v<T> ? "a whole number" : "a number", low, high);
+  return v;
+}
+
+struct PlanOptions {
+  std::string tp, dp, gpu_memory;  // as text: checked here and by the config schema
+  bool distributed_optimizer = false;
+  bool requested() const { return !tp.empty() || !dp.empty() || !gpu_memory.empty() || distributed_optimizer; }
+};
+
+// The plan of one GPU for --tp/--dp (tensor_model_parallel_size and use_distributed_optimizer
+// from the config unless the options say otherwise).
+void print_plan(Config& config, const PlanOptions& o, const InfoReport& report, bool json) {
+  if (!o.tp.empty()) config.set("tensor_model_parallel_size", o.tp, "--tp");
+  if (o.distributed_optimizer) config.set("use_distributed_optimizer", "true", "--distributed-optimizer");
+  ParallelShape shape;
+  shape.tp = static_cast<int>(config.get_int("tensor_model_parallel_size"));
+  shape.dp = o.dp.empty() ? 1 : parse_option<int>(o.dp, "--dp", 1, 65536, "the data-parallel size");
+  shape.distributed_optimizer = config.get_bool("use_distributed_optimizer");
+  const double gpu_gib = o.gpu_memory.empty()
+                             ? 80.0
+                             : parse_option<double>(o.gpu_memory, "--gpu-memory", 0.001, 1e6, "the GiB of one GPU");
+  const MemoryPlan plan = MemoryPlan::of(config, shape);
+  const double gpu_bytes = gpu_gib * 1024.0 * 1024.0 * 1024.0;
+  if (json) {
+    nlohmann::json j = info_json(report);
+    j["memory_plan"] = memory_plan_json(plan, gpu_bytes);
+    fmt::print("{}\n", j.dump(2));
+    return;
+  }
+  print_header_text(report);
+  print_memory_plan(plan, gpu_bytes);
 }
 
 }  // namespace
 
 Command add_info_command(CLI::App& app) {
   auto* cmd =
-      app.add_subcommand("info", "parameter count, model FLOPs per sample and training-step memory of a config");
+      app.add_subcommand("info",
+                         "parameter count, model FLOPs per sample and training-step memory of a config; with --tp/--dp "
+                         "the memory plan of one GPU of a parallel job");
   struct Opts {
     ConfigOptions cfg;
     std::string image_size, batch;  // as text: checked like the config keys they override
+    PlanOptions plan;
     bool json = false;
   };
   auto o = std::make_shared<Opts>();
   o->cfg.add_to(*cmd);
   cmd->add_option("--image-size", o->image_size, "image side in pixels (default: config image_size)");
   cmd->add_option("--batch", o->batch, "samples per step (default: config micro_batch_size)");
+  cmd->add_option("--tp", o->plan.tp,
+                  "tensor-parallel size: print the memory plan of one GPU of a --tp x --dp job instead of the "
+                  "single-GPU breakdown (default: config tensor_model_parallel_size)");
+  cmd->add_option("--dp", o->plan.dp, "data-parallel size of the memory plan (default 1)");
+  cmd->add_flag("--distributed-optimizer", o->plan.distributed_optimizer,
+                "memory plan with the AdamW moments sharded over the data-parallel ranks (default: config "
+                "use_distributed_optimizer)");
+  cmd->add_option("--gpu-memory", o->plan.gpu_memory,
+                  "GiB of one GPU, to say which recompute settings of the memory plan fit (default 80)");
   cmd->add_flag("--json", o->json, "print JSON instead of text");
   return {cmd, [o]() {
             Config config = Config::load(o->cfg.config, o->cfg.overrides);
@@ -238,8 +301,10 @@ Command add_info_command(CLI::App& app) {
             if (!o->batch.empty()) config.set("micro_batch_size", o->batch, "--batch");
             InfoReport report = compute_info(config);
             report.config_path = o->cfg.config;
-            if (o->json)
-              print_info_json(report);
+            if (o->plan.requested() || config.get_int("tensor_model_parallel_size") > 1)
+              print_plan(config, o->plan, report, o->json);
+            else if (o->json)
+              fmt::print("{}\n", info_json(report).dump(2));
             else
               print_info_text(report);
             return 0;

@@ -79,6 +79,10 @@ void abort_job(const std::string& message, int exit_code) {
   std::_Exit(exit_code);
 }
 
+void job_barrier() {
+  if (g_placement.launched) check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier (waiting for the job's ranks)");
+}
+
 MPI_Comm job_world() { return g_placement.launched ? MPI_COMM_WORLD : MPI_COMM_SELF; }
 
 }  // namespace flux8

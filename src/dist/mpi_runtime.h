@@ -30,6 +30,10 @@ void finish_job();
 // "rank 3 of 8: " inside a launched job, "" outside: the prefix of this rank's messages.
 std::string rank_prefix();
 
+// Returns when every rank of a launched job has called it (no-op alone): for host work one rank
+// does for all, such as generating the demo dataset, before the others read it.
+void job_barrier();
+
 // The job's ranks as an MPI communicator (MPI_COMM_WORLD; MPI_COMM_SELF before start_job).
 MPI_Comm job_world();
 

@@ -8,9 +8,7 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
-#include <cstdlib>
 #include <optional>
-#include <string_view>
 
 #include "backend/backend.h"
 #include "backend/energy.h"
@@ -97,7 +95,9 @@ struct Run {
 void prepare_config_and_data(Run& r, const TrainOptions& opt) {
   r.cfg = TrainConfig::from_config(Config::load(opt.config_path, opt.overrides));
   fs::create_directories(r.cfg.save_dir);
-  prepare_demo_data(r.cfg);
+  // One rank writes the demo dataset; the others read it once it is there.
+  if (job_placement().rank == 0) prepare_demo_data(r.cfg);
+  job_barrier();
   r.empty = load_empty_prompt(r.cfg);
   r.val = load_validation_set(r.cfg);
 }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -261,20 +262,33 @@ TEST(RankFailure, AnErrorOnOneRankEndsTheJobNamingIt) {
 }
 
 // The same on the real trainer: `mpirun -np 2 flux8 train` of the tiny demo model (data parallel
-// over two ranks), rank 1 killed in the middle of its steps.
+// over two ranks), with the demo's data written before.
+class TrainingJob {
+ public:
+  explicit TrainingJob(const std::vector<std::string>& extra_env) : dir_("rank_failure") {
+    const std::string config = (dir_.root / "exp.yaml").string();
+    {
+      Job data("data", {FLUX8_BINARY, "data", "demo", "--out", (dir_.root / "data").string(), "-c", config}, {});
+      const std::optional<int> status = data.exit_status(120s);
+      EXPECT_TRUE(status && *status == 0) << last_lines(data.output());
+    }
+    job_ = std::make_unique<Job>(
+        "train",
+        two_ranks({FLUX8_BINARY, "train", "-c", config, "--set", "save_dir=" + (dir_.root / "run").string(), "--set",
+                   "train_iters=1000000", "--set", "threads=1"}),
+        extra_env);
+  }
+  Job& job() { return *job_; }
+
+ private:
+  RunDir dir_;
+  std::unique_ptr<Job> job_;
+};
+
 TEST(RankFailure, AKilledRankEndsATrainingJobNamingIt) {
   FLUX8_REQUIRE_RANKS(1);
-  const RunDir dir("rank_failure");
-  const std::string config = (dir.root / "exp.yaml").string();
-  {
-    Job data("data", {FLUX8_BINARY, "data", "demo", "--out", (dir.root / "data").string(), "-c", config}, {});
-    const std::optional<int> status = data.exit_status(120s);
-    ASSERT_TRUE(status && *status == 0) << last_lines(data.output());
-  }
-  Job job("train",
-          two_ranks({FLUX8_BINARY, "train", "-c", config, "--set", "save_dir=" + (dir.root / "run").string(), "--set",
-                     "train_iters=1000000", "--set", "threads=1"}),
-          {});
+  TrainingJob training({});
+  Job& job = training.job();
   ASSERT_TRUE(job.wait_for_output("first step done", 60s)) << last_lines(job.output());
   const pid_t victim = job.rank_pid(1);
   ASSERT_GT(victim, 0) << "rank 1's process was not found";
@@ -283,6 +297,26 @@ TEST(RankFailure, AKilledRankEndsATrainingJobNamingIt) {
   ASSERT_TRUE(status) << "the training job still ran 60 s after rank 1 was killed:\n" << last_lines(job.output());
   EXPECT_NE(*status, 0);
   expect_mentions(job.output(), "process rank 1");  // Open MPI names the rank that died
+}
+
+// Rank 1 stopped in the middle of training: rank 0 waits in its next gradient reduction until the
+// collective timeout, then ends the job saying where it waited.
+TEST(RankFailure, AHungRankEndsATrainingJobAtTheCollectiveTimeout) {
+  FLUX8_REQUIRE_RANKS(1);
+  TrainingJob training({"FLUX8_COLLECTIVE_TIMEOUT_S=3"});
+  Job& job = training.job();
+  ASSERT_TRUE(job.wait_for_output("first step done", 60s)) << last_lines(job.output());
+  const pid_t victim = job.rank_pid(1);
+  ASSERT_GT(victim, 0) << "rank 1's process was not found";
+  ASSERT_EQ(::kill(victim, SIGSTOP), 0);
+  const std::optional<int> status = job.exit_status(kJobMustEndWithin);
+  if (!status) ::kill(victim, SIGCONT);
+  ASSERT_TRUE(status) << "the training job still ran 60 s after rank 1 stopped:\n" << last_lines(job.output());
+  EXPECT_NE(*status, 0);
+  const std::string out = job.output();
+  expect_mentions(out, "rank 0 of 2: ");
+  expect_mentions(out, "group (MPI, rank 0 of 2) has waited");
+  expect_mentions(out, "longer than the collective timeout of 3 s");
 }
 
 }  // namespace flux8::testing

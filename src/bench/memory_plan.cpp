@@ -1,0 +1,83 @@
+#include "bench/memory_plan.h"
+
+#include <algorithm>
+
+#include "config/config.h"
+#include "core/error.h"
+#include "fp8/fp8_config.h"
+#include "model/params.h"
+#include "model/tensor_parallel.h"
+#include "train/data_parallel.h"
+
+namespace flux8 {
+
+double MemoryPlan::step_total(Recompute r) const {
+  return state() + activations[static_cast<size_t>(r)] + attention_workspace;
+}
+
+double MemoryPlan::peak(Recompute r) const { return step_total(r) + gathered_moments; }
+
+MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
+  if (parallel.tp < 1 || parallel.dp < 1)
+    fail("a memory plan needs at least one tensor-parallel and one data-parallel rank (got {} x {})", parallel.tp,
+         parallel.dp);
+  // The splits flux8 does not make (train/train_config.cpp refuses them the same way).
+  for (const char* key : {"pipeline_model_parallel_size", "context_parallel_size"})
+    if (config.get_int(key) != 1)
+      fail("{} is {} ({}): flux8 splits a model over tensor- and data-parallel ranks only; set it to 1", key,
+           config.get_int(key), config.source(key));
+  MemoryPlan p;
+  p.parallel = parallel;
+  const FluxConfig cfg = FluxConfig::from_config(config);
+  check_tensor_parallel(cfg, parallel.tp);
+  p.shape =
+      StepShape{config.get_int("micro_batch_size"), cfg.text_seq_len, cfg.image_tokens(config.get_int("image_size"))};
+  p.fp8 = Fp8Config::from_config(config).enabled;
+  p.fp8_attention = p.fp8 && config.get_bool("fp8_dot_product_attention");
+  p.bf16_activations = config.get_string("activation_precision") == "bf16";
+  p.bf16_grads = config.get_string("grad_precision") == "bf16";
+  p.bf16_moments = config.get_string("adam_moment_precision") == "bf16";
+
+  // Every rank of a tensor-parallel group holds as many parameters (whole heads and equal MLP
+  // slices, the rest replicated): rank 0's layout stands for all.
+  const ParamLayout layout = ParamLayout::build(cfg, 0, parallel.tp);
+  int64_t block_linear = 0, linear_weight = 0;
+  for (const ParamInfo& info : layout.params()) {
+    if (info.block_linear) block_linear += info.shape.numel();
+    if (info.linear_weight) linear_weight += info.shape.numel();
+  }
+  p.model_params = ParamLayout::build(cfg).total();
+  p.rank_params = layout.total();
+  const double P = static_cast<double>(p.rank_params);
+
+  // The CUDA backend's buffers: FP8 block Linears keep their weight's E4M3 cast and its transpose
+  // instead of a bf16 copy; every other Linear weight keeps a bf16 copy.
+  p.fp8_casts = p.fp8 ? 2.0 * static_cast<double>(block_linear) : 0.0;
+  p.operand_copies = 2.0 * static_cast<double>(linear_weight) - p.fp8_casts;
+  p.masters = 4.0 * P;
+  p.gradients = (p.bf16_grads ? 2.0 : 4.0) * P;
+  const double moment_bytes = p.bf16_moments ? 4.0 : 8.0;  // two moments
+  if (parallel.moments_sharded()) {
+    const FlatSharding sharding = FlatSharding::of(p.rank_params, parallel.dp);
+    p.moment_elements = sharding.owned(parallel.dp - 1).count;
+    p.gathered_moments = moment_bytes * P;
+  } else {
+    p.moment_elements = p.rank_params;
+  }
+  p.moments = moment_bytes * static_cast<double>(p.moment_elements);
+
+  for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+    const ActivationEstimate act = FluxModel::estimate_activations(cfg, p.shape, r, parallel.tp);
+    p.activations[static_cast<size_t>(r)] =
+        p.bf16_activations ? act.gpu_bytes(p.fp8, p.fp8_attention) : act.f32_bytes(p.fp8);
+  }
+  // cuDNN's deterministic BF16 attention backward keeps dP (batch x the rank's heads x L^2 bf16)
+  // in one workspace; FP8 attention keeps none.
+  const double L = static_cast<double>(p.shape.txt_tokens + p.shape.img_tokens);
+  const double heads = static_cast<double>(cfg.num_heads / parallel.tp);
+  if (config.get_bool("deterministic_attention") && !p.fp8_attention)
+    p.attention_workspace = 2.0 * static_cast<double>(p.shape.batch) * heads * L * L;
+  return p;
+}
+
+}  // namespace flux8

@@ -1,0 +1,123 @@
+#include "cli/memory_plan_report.h"
+
+#include <fmt/core.h>
+
+#include <string>
+
+namespace flux8::cli {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr Recompute kSettings[] = {Recompute::none, Recompute::selective, Recompute::full};
+constexpr const char* kSettingNames[] = {"none", "selective", "full"};
+
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / kGiB); }
+
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return out;
+}
+
+struct StateRow {
+  std::string name;
+  double bytes;
+};
+
+std::vector<StateRow> state_rows(const MemoryPlan& p) {
+  return {
+      {"bf16 weight copies", p.operand_copies},
+      {"FP8 weight casts", p.fp8_casts},
+      {"f32 master weights", p.masters},
+      {p.bf16_grads ? "gradients (bf16)" : "gradients (f32)", p.gradients},
+      {p.bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (f32)", p.moments},
+  };
+}
+
+std::string moments_line(const MemoryPlan& p) {
+  const ParallelShape& s = p.parallel;
+  if (s.moments_sharded())
+    return fmt::format(
+        "{} elements on this GPU, its shard over the {} data-parallel ranks\n"
+        "    (use_distributed_optimizer)",
+        with_commas(p.moment_elements), s.dp);
+  if (s.distributed_optimizer) return "whole on the GPU (use_distributed_optimizer with one data-parallel rank)";
+  return s.dp > 1 ? "whole on every GPU (use_distributed_optimizer: false)" : "whole on the GPU";
+}
+
+void print_recompute_rows(const MemoryPlan& p, double gpu_bytes) {
+  fmt::print("\n  {:<36} {:>12} {:>12} {:>12}\n", "recompute_granularity", "none", "selective", "full");
+  auto row = [&](const char* name, auto value) {
+    fmt::print("  {:<36}", name);
+    for (Recompute r : kSettings) fmt::print(" {:>12}", value(r));
+    fmt::print("\n");
+  };
+  row("activations", [&](Recompute r) { return gib(p.activations[static_cast<size_t>(r)]); });
+  row("total, a training step", [&](Recompute r) { return gib(p.step_total(r)); });
+  if (p.gathered_moments > 0) row("peak, a checkpoint save", [&](Recompute r) { return gib(p.peak(r)); });
+  const std::string fits = fmt::format("fits {}", gib(gpu_bytes));
+  row(fits.c_str(), [&](Recompute r) { return p.peak(r) <= gpu_bytes ? "yes" : "no"; });
+}
+
+}  // namespace
+
+void print_memory_plan(const MemoryPlan& p, double gpu_bytes) {
+  const ParallelShape& s = p.parallel;
+  fmt::print("\nmemory plan of one GPU: tensor-parallel {} x data-parallel {} = {} GPUs, {}, batch {} a GPU\n", s.tp,
+             s.dp, s.world(), p.fp8 ? "FP8" : "BF16", p.shape.batch);
+  fmt::print("  parameters on each GPU: {} of {}", with_commas(p.rank_params), with_commas(p.model_params));
+  if (s.tp > 1)
+    fmt::print(
+        "\n    (the blocks' heads and MLP split over {} ranks; modulation, embedders and final layer\n"
+        "    whole on every rank)",
+        s.tp);
+  fmt::print("\n  AdamW moments: {}\n\n", moments_line(p));
+  for (const StateRow& r : state_rows(p)) fmt::print("  {:<36} {:>12}\n", r.name, gib(r.bytes));
+  fmt::print("  {:<36} {:>12}\n", "model state", gib(p.state()));
+  fmt::print("  {:<36} {:>12}\n", "attention backward workspace", gib(p.attention_workspace));
+  print_recompute_rows(p, gpu_bytes);
+  if (p.gathered_moments > 0)
+    fmt::print(
+        "  (a checkpoint save gathers the whole buffer's AdamW moments, {}, on every rank beside the\n"
+        "   training state and the activations; a resume allocates them before the first step)\n",
+        gib(p.gathered_moments));
+  fmt::print(
+      "  (activations in {} (activation_precision); the attention workspace is cuDNN's deterministic\n"
+      "   backward's dP (deterministic_attention: true; none in FP8 attention); not counted: the CUDA\n"
+      "   context (~0.5 GiB), cuBLASLt and NCCL buffers, allocator fragmentation; see docs/MEMORY.md)\n",
+      p.bf16_activations ? "bf16" : "f32");
+}
+
+nlohmann::json memory_plan_json(const MemoryPlan& p, double gpu_bytes) {
+  nlohmann::json j;
+  j["tensor_parallel"] = p.parallel.tp;
+  j["data_parallel"] = p.parallel.dp;
+  j["gpus"] = p.parallel.world();
+  j["distributed_optimizer"] = p.parallel.distributed_optimizer;
+  j["fp8"] = p.fp8;
+  j["parameters_per_gpu"] = p.rank_params;
+  j["moment_elements_per_gpu"] = p.moment_elements;
+  j["bytes"] = {{"bf16_weight_copies", p.operand_copies},
+                {"fp8_weight_casts", p.fp8_casts},
+                {"master_weights", p.masters},
+                {"gradients", p.gradients},
+                {"adam_moments", p.moments},
+                {"model_state", p.state()},
+                {"attention_workspace", p.attention_workspace},
+                {"gathered_moments", p.gathered_moments}};
+  j["gpu_memory_bytes"] = gpu_bytes;
+  for (size_t i = 0; i < std::size(kSettings); ++i) {
+    const Recompute r = kSettings[i];
+    j["recompute"][kSettingNames[i]] = {{"activations_bytes", p.activations[i]},
+                                        {"step_total_bytes", p.step_total(r)},
+                                        {"peak_bytes", p.peak(r)},
+                                        {"fits", p.peak(r) <= gpu_bytes}};
+  }
+  return j;
+}
+
+}  // namespace flux8::cli

@@ -1,0 +1,169 @@
+// The per-GPU memory plan of a tensor × data-parallel job (bench/memory_plan.h, `flux8 info --tp
+// T --dp D`): one GPU's plan is the single-GPU breakdown of `flux8 info`, a tensor-parallel rank
+// holds its ParamLayout, the distributed optimizer divides the moments (and only them) over the
+// data-parallel ranks, and sizes that do not split are refused by name.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "bench/memory_plan.h"
+#include "config/config.h"
+#include "model/params.h"
+#include "test_util.h"
+#include "train/data_parallel.h"
+
+namespace flux8 {
+namespace {
+
+using testing::error_of;
+
+const std::string kTiny = std::string(FLUX8_SOURCE_DIR) + "/configs/models/flux_tiny_demo.yaml";
+const std::string kDev = std::string(FLUX8_SOURCE_DIR) + "/configs/models/flux_12b_dev.yaml";
+
+struct InfoCli {
+  testing::TempDir dir;
+  std::string log;
+  int run(const std::string& args) {
+    return testing::run_flux8("info -c " + kTiny + " " + args, dir.file("log.txt"), &log);
+  }
+  nlohmann::json json(const std::string& args) {
+    EXPECT_EQ(run(args + " --json"), 0) << log;
+    return nlohmann::json::parse(log, nullptr, false);
+  }
+};
+
+constexpr const char* kSettings[] = {"none", "selective", "full"};
+
+TEST(MemoryPlan, OneGpuIsTheSingleGpuBreakdown) {
+  InfoCli cli;
+  for (const auto& [fp8, column] : {std::pair{"none", "bf16"}, std::pair{"hybrid", "fp8"}})
+    for (const char* recompute : kSettings) {
+      const nlohmann::json j =
+          cli.json(fmt::format("--set fp8={} --set recompute_granularity={} --tp 1 --dp 1", fp8, recompute));
+      ASSERT_TRUE(j.contains("memory_plan")) << cli.log;
+      const nlohmann::json& today = j["memory_bytes_cuda_today"];
+      const nlohmann::json& plan = j["memory_plan"];
+      const nlohmann::json& bytes = plan["bytes"];
+      SCOPED_TRACE(fmt::format("fp8 {}, recompute {}", fp8, recompute));
+      EXPECT_EQ(plan["parameters_per_gpu"], j["parameters"]);
+      EXPECT_EQ(bytes["bf16_weight_copies"], today["weights (bf16)"][column]);
+      EXPECT_EQ(bytes["fp8_weight_casts"], today["fp8 weight copies"][column]);
+      EXPECT_EQ(bytes["master_weights"], today["fp32 master weights"][column]);
+      EXPECT_EQ(bytes["gradients"], today["fp32 gradients"][column]);
+      EXPECT_EQ(bytes["adam_moments"], today["AdamW moments (fp32)"][column]);
+      EXPECT_EQ(bytes["gathered_moments"], 0.0);
+      EXPECT_EQ(bytes["attention_workspace"], j["deterministic_attention_workspace_bytes"]);
+      const nlohmann::json& r = plan["recompute"][recompute];
+      EXPECT_EQ(r["activations_bytes"], today["activations"][column]);
+      EXPECT_DOUBLE_EQ(
+          r["step_total_bytes"].get<double>(),
+          today["total"][column].get<double>() + j["deterministic_attention_workspace_bytes"].get<double>());
+    }
+  // Without --tp/--dp `flux8 info` prints the single-GPU breakdown alone, as before.
+  ASSERT_EQ(cli.run(""), 0) << cli.log;
+  EXPECT_NE(cli.log.find("memory of a training step on the GPU"), std::string::npos) << cli.log;
+  EXPECT_EQ(cli.log.find("memory plan"), std::string::npos) << cli.log;
+  EXPECT_FALSE(cli.json("").contains("memory_plan"));
+  ASSERT_EQ(cli.run("--tp 2 --dp 4 --distributed-optimizer --gpu-memory 0.001"), 0) << cli.log;
+  testing::expect_mentions(cli.log,
+                           {"memory plan of one GPU: tensor-parallel 2 x data-parallel 4 = 8 GPUs",
+                            "its shard over the 4 data-parallel ranks", "peak, a checkpoint save", "fits 0.00 GiB"});
+}
+
+TEST(MemoryPlan, TensorParallelRankHoldsItsLayoutAndActivations) {
+  const Config config = Config::load(kTiny, {"micro_batch_size=2", "image_size=16"});
+  const FluxConfig cfg = FluxConfig::from_config(config);
+  const MemoryPlan one = MemoryPlan::of(config, {1, 1, false}), two = MemoryPlan::of(config, {2, 1, false});
+  EXPECT_EQ(two.model_params, ParamLayout::build(cfg).total());
+  EXPECT_EQ(two.rank_params, ParamLayout::build(cfg, 0, 2).total());
+  EXPECT_EQ(two.rank_params, ParamLayout::build(cfg, 1, 2).total());
+  EXPECT_LT(two.rank_params, one.rank_params);
+  EXPECT_EQ(two.masters, 4.0 * static_cast<double>(two.rank_params));
+  EXPECT_EQ(two.gradients, two.masters);
+  for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+    const ActivationEstimate act = FluxModel::estimate_activations(cfg, two.shape, r, 2);
+    EXPECT_EQ(two.activations[static_cast<size_t>(r)], act.gpu_bytes(false));
+  }
+  EXPECT_LT(two.activations[0], one.activations[0]);
+  EXPECT_EQ(two.attention_workspace, one.attention_workspace / 2) << "half the heads a rank";
+
+  // flux_12b_dev: the blocks' 8,608,346,112 split parameters halve, the 3,293,062,208 replicated stay.
+  const MemoryPlan dev = MemoryPlan::of(Config::load(kDev), {2, 1, false});
+  EXPECT_EQ(dev.model_params, 11'901'408'320);
+  EXPECT_EQ(dev.rank_params, 8'608'346'112 / 2 + 3'293'062'208);
+}
+
+TEST(MemoryPlan, DistributedOptimizerShardsTheMomentsOnly) {
+  const Config config = Config::load(kDev, {"image_size=256"});
+  const MemoryPlan whole = MemoryPlan::of(config, {2, 16, false}), sharded = MemoryPlan::of(config, {2, 16, true});
+  const int64_t P = whole.rank_params;
+  EXPECT_EQ(whole.moment_elements, P);
+  EXPECT_EQ(whole.moments, 8.0 * static_cast<double>(P));
+  EXPECT_EQ(whole.gathered_moments, 0.0);
+  EXPECT_EQ(sharded.moment_elements, FlatSharding::of(P, 16).owned(15).count);
+  EXPECT_EQ(sharded.moments, 8.0 * static_cast<double>(sharded.moment_elements));
+  EXPECT_NEAR(sharded.moments / whole.moments, 1.0 / 16, 1e-6);
+  // What the optimizer shards today: the moments. Master weights and the gradient buffer stay
+  // whole on every data-parallel rank, and a checkpoint gathers the whole moments.
+  const MemoryPlan one_rank = MemoryPlan::of(config, {2, 1, false});
+  EXPECT_EQ(sharded.masters, one_rank.masters);
+  EXPECT_EQ(sharded.gradients, one_rank.gradients);
+  EXPECT_EQ(sharded.operand_copies + sharded.fp8_casts, one_rank.operand_copies + one_rank.fp8_casts);
+  EXPECT_EQ(sharded.gathered_moments, whole.moments);
+  EXPECT_EQ(sharded.peak(Recompute::full), sharded.step_total(Recompute::full) + whole.moments);
+  // One data-parallel rank has nothing to shard over (AdamWOptimizer::set_data_parallel).
+  EXPECT_EQ(MemoryPlan::of(config, {2, 1, true}).moments, whole.moments);
+  // bf16 moments: 4 bytes an element for the two.
+  const MemoryPlan bf16 = MemoryPlan::of(Config::load(kDev, {"adam_moment_precision=bf16"}), {2, 16, true});
+  EXPECT_EQ(bf16.moments, 4.0 * static_cast<double>(sharded.moment_elements));
+}
+
+// The plans docs/DISTRIBUTED.md quotes: flux_12b_dev at 1024 px, micro-batch 1, FP8 (delayed),
+// distributed optimizer. TP=2 x DP=1 fits two 141 GB GPUs with full recompute only; TP=2 x DP=16
+// does not fit 40 GB with any setting, since the masters and gradients stay whole.
+TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
+  const Config config = Config::load(kDev, {"image_size=1024", "micro_batch_size=1", "fp8=hybrid", "fp8_recipe=delayed",
+                                            "use_distributed_optimizer=true"});
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  const double gpu_141gb = 141e9, gpu_40gb = 40e9;
+  const MemoryPlan two = MemoryPlan::of(config, {2, 1, true}), many = MemoryPlan::of(config, {2, 16, true});
+  EXPECT_GT(two.peak(Recompute::selective), gpu_141gb);
+  EXPECT_LE(two.peak(Recompute::full), gpu_141gb);
+  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 130.07, 0.005);
+  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 77.00, 0.005);
+  EXPECT_NEAR(many.peak(Recompute::full) / kGiB, 133.61, 0.005);
+  EXPECT_GT(many.masters + many.gradients, gpu_40gb);
+}
+
+TEST(MemoryPlan, SizesThatDoNotSplitAreRefusedByName) {
+  InfoCli cli;
+  EXPECT_NE(cli.run("--tp 3"), 0);
+  EXPECT_NE(cli.log.find("num_heads 4 is not divisible by tensor_model_parallel_size 3"), std::string::npos) << cli.log;
+  EXPECT_NE(cli.run("--tp 2 --set mlp_ratio=3.03125"), 0);
+  testing::expect_mentions(cli.log, {"the MLP width 291", "tensor_model_parallel_size 2"});
+  // The config's tensor_model_parallel_size asks for the plan too, and is checked the same way.
+  EXPECT_NE(cli.run("--set tensor_model_parallel_size=3"), 0);
+  EXPECT_NE(cli.log.find("not divisible by tensor_model_parallel_size 3"), std::string::npos) << cli.log;
+  for (const char* tp : {"0", "-1", "two", "1.5", "4096"}) {
+    EXPECT_NE(cli.run(fmt::format("--tp={}", tp)), 0) << tp;
+    EXPECT_NE(cli.log.find("--tp"), std::string::npos) << tp << ": " << cli.log;
+  }
+  for (const char* dp : {"0", "-2", "1.5", "x", "100000"}) {
+    EXPECT_NE(cli.run(fmt::format("--dp={}", dp)), 0) << dp;
+    EXPECT_NE(cli.log.find(fmt::format("--dp '{}': the data-parallel size", dp)), std::string::npos)
+        << dp << ": " << cli.log;
+  }
+  for (const char* gib : {"0", "-80", "lots"}) {
+    EXPECT_NE(cli.run(fmt::format("--tp 1 --gpu-memory={}", gib)), 0) << gib;
+    EXPECT_NE(cli.log.find(fmt::format("--gpu-memory '{}'", gib)), std::string::npos) << gib << ": " << cli.log;
+  }
+  EXPECT_NE(cli.run("--tp 2 --set pipeline_model_parallel_size=2"), 0);
+  EXPECT_NE(cli.log.find("pipeline_model_parallel_size is 2"), std::string::npos) << cli.log;
+  const Config config = Config::load(kTiny);
+  EXPECT_NE(error_of([&] { MemoryPlan::of(config, {1, 0, false}); }).find("at least one"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace flux8
