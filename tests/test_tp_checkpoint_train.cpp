@@ -8,11 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
 #include "model_test_util.h"
 #include "test_util.h"
-#include "train/run_data.h"
-#include "train/train_config.h"
 #include "train_test_util.h"
 
 namespace flux8 {
@@ -44,8 +41,6 @@ std::string checkpoint_file(const testing::RunDir& dir, const std::string& run, 
 
 TEST(TensorParallelTrain, CheckpointResumesAtTheSameLayoutAndAtOneRank) {
   const testing::RunDir dir("tp_resume");
-  // The demo dataset written by this process before the ranks start, which would each write it.
-  prepare_demo_data(TrainConfig::from_config(Config::load(dir.options("data").config_path, {})));
   std::string log;
   ASSERT_EQ(0, run_mpi(4, tp_train_args(dir, "straight"), dir.root / "a.log", &log)) << log;
   EXPECT_NE(log.find("TP=2 x DP=2"), std::string::npos) << log;
