@@ -31,6 +31,7 @@
 #include "io/safetensors.h"
 #include "model/weights_io.h"
 #include "train/checkpoint_manifest.h"
+#include "train/checkpoint_shards.h"
 
 namespace flux8 {
 
@@ -300,10 +301,10 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
   for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}})
     for (const ParamInfo& p : store.layout().params()) {
       const std::string name = optimizer_tensor_name(moment, p.name);
-      if (file.tensor(name).shape != dims(p.shape))
+      if (file.tensor(name).shape != dims(p.shard.full))
         fail("safetensors file '{}', tensor '{}': shape is [{}] but [{}] was expected", path, name,
-             fmt::join(file.tensor(name).shape, ", "), fmt::join(dims(p.shape), ", "));
-      upload_file_tensor(be, file, name, slice_of(*flat, p), buffers);  // bf16 moments: rounded on the way
+             fmt::join(file.tensor(name).shape, ", "), fmt::join(dims(p.shard.full), ", "));
+      upload_file_shard(be, file, name, p, slice_of(*flat, p), buffers);  // bf16 moments: rounded on the way
     }
 }
 
@@ -521,6 +522,15 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state, 
   const SafetensorsWriter model = model_writer(state, params, FlatSource::on_backend(be, store.flat_params()));
   const SafetensorsWriter optimizer =
       optimizer_writer(state, params, FlatSource::on_backend(be, adam_m), FlatSource::on_backend(be, adam_v));
+  const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
+  return write_checkpoint_dir(root, state, model, optimizer, fp8_file ? &*fp8_file : nullptr, keep_last);
+}
+
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const std::vector<ParamInfo>& params,
+                            const FlatSource& values, const FlatSource& adam_m, const FlatSource& adam_v,
+                            int keep_last, const Fp8MetaRegistry* fp8) {
+  const SafetensorsWriter model = model_writer(state, params, values);
+  const SafetensorsWriter optimizer = optimizer_writer(state, params, adam_m, adam_v);
   const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
   return write_checkpoint_dir(root, state, model, optimizer, fp8_file ? &*fp8_file : nullptr, keep_last);
 }

@@ -24,6 +24,7 @@
 #include "io/safetensors.h"
 #include "model/flux_config.h"
 #include "model/params.h"
+#include "model/weights_io.h"
 #include "train/trainer_state.h"
 
 namespace flux8 {
@@ -53,6 +54,13 @@ std::string checkpoint_dir_name(int64_t step);
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
                             const Fp8MetaRegistry* fp8 = nullptr);
+
+// The same files from flat buffers laid out like `params`, on a backend or in host memory: the
+// checkpoint of a tensor-parallel job, whose whole tensors world rank 0 assembled from the
+// ranks' shards (train/checkpoint_shards.h). `params` holds whole tensors (a one-rank layout).
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const std::vector<ParamInfo>& params,
+                            const FlatSource& values, const FlatSource& adam_m, const FlatSource& adam_v,
+                            int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
 
 // The bytes of a checkpoint directory's files (what the log says a save wrote).
 uint64_t checkpoint_bytes(const std::string& dir);
@@ -114,7 +122,8 @@ enum class CheckpointVerify { digests, sizes };
 
 // Verifies `dir`, then loads parameters, moments and state exactly as saved (F32 values into
 // f32 or f64 buffers; into bf16 moments rounded to nearest even, exact for moments saved from
-// bf16). `state` is assigned only when everything loaded.
+// bf16). `state` is assigned only when everything loaded. The files hold whole tensors: a
+// tensor-parallel rank's store and moments get their shards of them, at any tensor-parallel size.
 // With `fp8` (an FP8 run), its state is restored from the checkpoint's FP8 state, or starts
 // fresh when the checkpoint has none (a BF16 run); a BF16 run ignores a checkpoint's FP8 state.
 // What happened is described in *fp8_note.

@@ -27,6 +27,7 @@
 #include "train/async_checkpoint.h"
 #include "train/batch_pipeline.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_shards.h"
 #include "train/data_parallel.h"
 #include "train/end_samples.h"
 #include "train/fp8_report.h"
@@ -427,6 +428,10 @@ void prepare_checkpoints(Run& r) {
   const bool behind = r.cfg.async_save == TrainConfig::AsyncSave::on ||
                       (r.cfg.async_save == TrainConfig::AsyncSave::automatic && r.be->computes_beside_host());
   if (!behind || !lead_rank(r)) return;
+  if (r.groups->tp_size() > 1) {  // the host copy would hold rank 0's shards only
+    note(r, "async_save: a tensor-parallel job's checkpoints are written in line (rank 0 assembles the shards)");
+    return;
+  }
   ParamStore& params = r.model->params();
   r.opt->allocate_full_moments();  // (sized as the checkpoint's: whole-buffer moments)
   const uint64_t need = CheckpointSnapshot::bytes_for(params, r.opt->full_exp_avg(), r.opt->full_exp_avg_sq());
@@ -476,12 +481,43 @@ void save_behind(Run& r) {
                      {"wait_seconds", s.wait_seconds}});
 }
 
+// The log line and metrics event of the checkpoint rank 0 just wrote in line.
+void report_saved_in_line(Run& r, double secs) {
+  const uint64_t bytes = checkpoint_bytes(r.result.last_checkpoint);
+  r.progress->event(
+      fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", r.result.last_checkpoint, bytes / 1e9, secs),
+      {{"event", "checkpoint"},
+       {"step", r.state.step},
+       {"path", r.result.last_checkpoint},
+       {"bytes", bytes},
+       {"seconds", secs}});
+}
+
+// Tensor parallelism: the ranks of tensor-parallel group 0 bring their shards to rank 0, which
+// writes the checkpoint of the whole model (train/checkpoint_shards.h); no host copy behind
+// training.
+void save_tensor_parallel(Run& r) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string dir = save_checkpoint_shards(*r.groups, r.cfg.save_dir, r.state, r.cfg.model, r.model->params(),
+                                                 r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
+                                                 static_cast<int>(r.cfg.keep_last_checkpoints),
+                                                 lead_rank(r) ? fp8_state(r) : nullptr);
+  r.opt->release_full_moments();
+  if (!lead_rank(r)) return;
+  r.result.last_checkpoint = dir;
+  report_saved_in_line(r, seconds_since(t0));
+}
+
 // The checkpoint of the whole job: every rank takes part in gathering the state (a sharded
 // optimizer's moments), rank 0 writes it. A rank that fails here ends the job (src/cli/main.cpp),
 // so no rank goes on past a checkpoint that was not written; the atomic rename keeps the previous
 // one the newest.
 void save(Run& r) {
   r.opt->gather_moments();
+  if (r.groups->tp_size() > 1) {
+    save_tensor_parallel(r);
+    return;
+  }
   if (!lead_rank(r)) {
     r.opt->release_full_moments();
     return;
@@ -496,15 +532,7 @@ void save(Run& r) {
       save_checkpoint(r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(),
                       r.opt->full_exp_avg_sq(), static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r));
   r.opt->release_full_moments();
-  const double secs = seconds_since(t0);
-  const uint64_t bytes = checkpoint_bytes(r.result.last_checkpoint);
-  r.progress->event(
-      fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", r.result.last_checkpoint, bytes / 1e9, secs),
-      {{"event", "checkpoint"},
-       {"step", r.state.step},
-       {"path", r.result.last_checkpoint},
-       {"bytes", bytes},
-       {"seconds", secs}});
+  report_saved_in_line(r, seconds_since(t0));
 }
 
 // A background save that has finished (or failed: the error stops the run here).

@@ -1,0 +1,135 @@
+#include "train/checkpoint_shards.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "backend/transfer.h"
+#include "core/error.h"
+#include "train/checkpoint.h"
+
+namespace flux8 {
+
+namespace {
+
+// A flat buffer of the whole model (the one-rank layout) in host memory.
+struct WholeFlat {
+  std::unique_ptr<std::byte[]> data;  // uninitialised: every parameter's elements are written
+  DType dtype = DType::f32;
+  FlatSource source() const { return FlatSource{nullptr, data.get(), dtype}; }
+};
+
+// One backend buffer that holds a split tensor's shards from every rank, for all_gather.
+class Staging {
+ public:
+  Staging(Backend& be, size_t bytes) : be_(be), data_(bytes ? be.allocate(bytes) : nullptr) {}
+  ~Staging() {
+    if (data_) be_.release(data_);
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  Backend& be_;
+  void* data_;
+};
+
+Tensor flat_view(void* data, DType dtype, int64_t n) { return Tensor(data, dtype, Shape{n}); }
+
+// The bytes of the largest split tensor's whole size, in the widest of the buffers' types.
+size_t staging_bytes(const ParamLayout& local, const std::vector<const Tensor*>& flats) {
+  int64_t most = 0;
+  for (const ParamInfo& p : local.params())
+    if (p.shard.sharded()) most = std::max(most, p.shard.full.numel());
+  size_t widest = 0;
+  for (const Tensor* f : flats) widest = std::max(widest, dtype_size(f->dtype));
+  return static_cast<size_t>(most) * widest;
+}
+
+void check_buffer(const ProcessGroups& groups, const ParamStore& store, const Tensor& t, const char* name) {
+  const int64_t n = store.layout().total();
+  if (!t.defined() || !t.contiguous() || t.numel() != n ||
+      (t.dtype != DType::f32 && t.dtype != DType::f64 && t.dtype != DType::bf16))
+    fail(
+        "save_checkpoint_shards on rank {} (tensor-parallel rank {} of {}): {} must be a contiguous f32/f64/bf16 "
+        "buffer of {} elements laid out like this rank's parameters (the whole-buffer moments: gather_moments() "
+        "first), got {}",
+        groups.world_rank(), groups.tp_rank(), groups.tp_size(), name, n, t.str());
+}
+
+void check_store(const ProcessGroups& groups, const ParamStore& store) {
+  for (const ParamInfo& p : store.layout().params())
+    if (p.shard.size != groups.tp_size() || p.shard.rank != groups.tp_rank())
+      fail(
+          "save_checkpoint_shards on rank {}: parameter '{}' is tensor-parallel rank {} of {}, but this rank is "
+          "tensor-parallel rank {} of {}: build the model with the job's tensor-parallel group",
+          groups.world_rank(), p.name, p.shard.rank, p.shard.size, groups.tp_rank(), groups.tp_size());
+}
+
+// Brings `flat` (this rank's shard of every tensor, laid out like `local`) to tensor-parallel
+// rank 0 as the whole model laid out like `whole`: split tensors all-gathered one at a time
+// through `staging`, the rest downloaded by rank 0 alone. `out` is filled on rank 0 only.
+void gather_flat(Communicator& tp, Backend& be, const ParamLayout& local, const ParamLayout& whole, const Tensor& flat,
+                 const Staging& staging, WholeFlat* out) {
+  const size_t esize = dtype_size(flat.dtype);
+  std::vector<std::byte> shards;  // rank 0: one split tensor's shards, downloaded
+  for (const ParamInfo& p : local.params()) {
+    const int64_t n = p.shape.numel();
+    std::byte* full = out ? out->data.get() + static_cast<size_t>(whole.at(p.name).offset) * esize : nullptr;
+    const auto* mine = static_cast<const std::byte*>(flat.data) + static_cast<size_t>(p.offset) * esize;
+    if (!p.shard.sharded()) {
+      if (out) be.download(full, mine, static_cast<size_t>(n) * esize);
+      continue;
+    }
+    const int64_t gathered = n * p.shard.size;
+    tp.all_gather(flat_view(staging.data(), flat.dtype, gathered),
+                  flat_view(const_cast<std::byte*>(mine), flat.dtype, n));
+    if (!out) continue;
+    shards.resize(static_cast<size_t>(gathered) * esize);
+    be.download(shards.data(), staging.data(), shards.size());
+    for (int r = 0; r < p.shard.size; ++r)
+      place_shard(p.shard, r, shards.data() + static_cast<size_t>(r * n) * esize, full, esize);
+  }
+}
+
+}  // namespace
+
+std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& root, const TrainerState& state,
+                                   const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
+                                   const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8) {
+  if (groups.dp_rank() != 0) return "";
+  check_store(groups, store);
+  const Tensor params = store.flat_params();
+  check_buffer(groups, store, adam_m, "adam_m");
+  check_buffer(groups, store, adam_v, "adam_v");
+  const bool writer = groups.tp_rank() == 0;
+  Backend& be = store.backend();
+  const ParamLayout whole = ParamLayout::build(cfg);
+  const Staging staging(be, staging_bytes(store.layout(), {&params, &adam_m, &adam_v}));
+  WholeFlat values, m, v;
+  for (const auto& [flat, host] : {std::pair{&params, &values}, std::pair{&adam_m, &m}, std::pair{&adam_v, &v}}) {
+    if (writer) {
+      host->dtype = flat->dtype;
+      host->data.reset(new std::byte[static_cast<size_t>(whole.total()) * dtype_size(flat->dtype)]);
+    }
+    gather_flat(groups.tp(), be, store.layout(), whole, *flat, staging, writer ? host : nullptr);
+  }
+  if (!writer) return "";
+  return save_checkpoint(root, state, whole.params(), values.source(), m.source(), v.source(), keep_last, fp8);
+}
+
+void upload_file_shard(Backend& be, const SafetensorsReader& file, const std::string& name, const ParamInfo& p,
+                       const Tensor& t, UploadBuffers& buffers) {
+  if (!p.shard.sharded()) {
+    upload_file_tensor(be, file, name, t, buffers);
+    return;
+  }
+  std::vector<double>& whole = buffers.f64;
+  whole.resize(static_cast<size_t>(p.shard.full.numel()));
+  file.read_f64(name, whole.data());
+  from_host(be, t, take_shard(p.shard, p.shard.rank, whole));
+}
+
+}  // namespace flux8
