@@ -30,8 +30,8 @@ int run_mpi(int np, const std::string& args, const fs::path& log_file, std::stri
 }
 
 std::string tp_train_args(const testing::RunDir& dir, const std::string& save, const std::string& extra = "") {
-  return std::string(FLUX8_BINARY) + " train -c " + (dir.root / "exp.yaml").string() + " --set save_dir=" +
-         (dir.root / save).string() +
+  return std::string(FLUX8_BINARY) + " train -c " + (dir.root / "exp.yaml").string() +
+         " --set save_dir=" + (dir.root / save).string() +
          " --set threads=1 --set tensor_model_parallel_size=2 --set use_distributed_optimizer=true " + extra;
 }
 

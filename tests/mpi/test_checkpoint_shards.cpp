@@ -84,7 +84,8 @@ struct RankState {
                   p.shape);
   }
   void fill(const WholeState& w) {
-    for (const auto& [flat, whole] : {std::pair{store.flat_params(), &w.params}, std::pair{m, &w.m}, std::pair{v, &w.v}})
+    for (const auto& [flat, whole] :
+         {std::pair{store.flat_params(), &w.params}, std::pair{m, &w.m}, std::pair{v, &w.v}})
       for (size_t i = 0; i < whole->size(); ++i) {
         const ParamInfo& p = store.layout().params()[i];
         const std::vector<double>& values = (*whole)[i].second;
@@ -291,8 +292,8 @@ TEST(CheckpointShards, ShardedOptimizerResumesBitExactly) {
   a.step(2);
   b.step(2);
   for (const auto& [what, resumed, straight] : {std::tuple{"parameters", b.store.flat_params(), a.store.flat_params()},
-                                                 std::tuple{"exp_avg", b.opt.exp_avg(), a.opt.exp_avg()},
-                                                 std::tuple{"exp_avg_sq", b.opt.exp_avg_sq(), a.opt.exp_avg_sq()}})
+                                                std::tuple{"exp_avg", b.opt.exp_avg(), a.opt.exp_avg()},
+                                                std::tuple{"exp_avg_sq", b.opt.exp_avg_sq(), a.opt.exp_avg_sq()}})
     expect_same_values({{what, to_host(*b.be, resumed)}}, {{what, to_host(*a.be, straight)}},
                        fmt::format("rank {} after the resumed step", world_rank()));
 }
