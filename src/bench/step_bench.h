@@ -57,7 +57,7 @@ struct OpTime {
 
 struct StepBenchResult {
   std::string workload, precision;
-  std::string parallel;  // "TP=2 x DP=4 (8 ranks)" under a launcher, else ""
+  std::string parallel;         // "TP=2 x DP=4 (8 ranks)" under a launcher, else ""
   std::vector<double> step_ms;  // every timed step
   double median_ms = 0, tflops = 0, model_tflop = 0;
   double setup_s = 0;       // backend ready -> model built, parameters initialised, memory planned

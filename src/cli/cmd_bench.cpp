@@ -15,12 +15,12 @@
 #include "bench/peer.h"
 #include "bench/roofline.h"
 #include "bench/step_bench.h"
-#include "dist/mpi_runtime.h"
-#include "dist/process_groups.h"
 #include "bench/targets.h"
 #include "cli/commands.h"
 #include "config/config.h"
 #include "core/error.h"
+#include "dist/mpi_runtime.h"
+#include "dist/process_groups.h"
 #include "model/flops.h"
 #if FLUX8_HAVE_CUDA
 #include "backend/cuda/factory.h"
@@ -412,7 +412,10 @@ std::vector<WorkloadRun> run_workload(StepBenchSpec s, const RunPlan& plan, cons
                r.workload == s.model.name ? r.workload : r.workload + " (" + s.model.name + ")", run.summary.label(),
                r.median_ms, r.tflops, r.setup_s, r.first_step_s, r.peak_allocated_gib, r.device_used_gib,
                r.activation_gib);
-    if (!r.parallel.empty()) fmt::print("  {}: each rank's step on its own micro-batch (a tensor-parallel group shares one); memory per rank\n", r.parallel);
+    if (!r.parallel.empty())
+      fmt::print(
+          "  {}: each rank's step on its own micro-batch (a tensor-parallel group shares one); memory per rank\n",
+          r.parallel);
     print_run_notes(r, o.backend);
     const std::vector<RooflinePart> parts =
         r.ops.empty() ? std::vector<RooflinePart>{} : roofline_parts(r.ops, model_flops(s.model, s.shape));
@@ -536,7 +539,8 @@ Command add_bench_command(CLI::App& app) {
             // Under a launcher every rank runs the steps (their collectives need all of them) and
             // rank 0 reports: the others' stdout goes nowhere and they write no --json.
             const bool lead = job_placement().rank == 0;
-            if (!lead && !std::freopen("/dev/null", "w", stdout)) fail("bench: cannot silence rank {}", job_placement().rank);
+            if (!lead && !std::freopen("/dev/null", "w", stdout))
+              fail("bench: cannot silence rank {}", job_placement().rank);
             json out;
             if (o->gemm) {
               Config keys;

@@ -28,7 +28,8 @@ Command add_train_command(CLI::App& app) {
                   "stop after N steps of this run, saving a checkpoint, as a SIGTERM would (exit status 0)");
   return {cmd, [o]() {
             const TrainResult r = run_training(*o);
-            if (job_placement().rank == 0 && !r.stopped_early && std::isfinite(r.first_val_loss) && std::isfinite(r.last_val_loss))
+            if (job_placement().rank == 0 && !r.stopped_early && std::isfinite(r.first_val_loss) &&
+                std::isfinite(r.last_val_loss))
               fmt::print("done: {} steps; validation loss {:.4f} -> {:.4f} ({:+.1f}%)\n", r.steps_done,
                          r.first_val_loss, r.last_val_loss,
                          100.0 * (r.last_val_loss - r.first_val_loss) / r.first_val_loss);

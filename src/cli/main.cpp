@@ -13,8 +13,7 @@ namespace {
 // next collective): its message goes out prefixed with the rank and every rank exits. Alone, the
 // process returns the code.
 int error_exit(const char* kind, const char* what, int code) {
-  if (flux8::job_placement().launched)
-    flux8::abort_job(std::string("flux8: ") + kind + what, code);
+  if (flux8::job_placement().launched) flux8::abort_job(std::string("flux8: ") + kind + what, code);
   std::fprintf(stderr, "flux8: %s%s\n", kind, what);
   return code;
 }

@@ -285,8 +285,8 @@ std::vector<KeySpec> parallel_keys() {
 // Defaults are the flux_12b_schnell model (docs/FLUX.md) so an empty config is a real model.
 std::vector<KeySpec> make_keys() {
   std::vector<KeySpec> keys;
-  for (auto section : {model_keys, runtime_keys, training_keys, objective_keys, data_keys, run_keys, fp8_keys,
-                       parallel_keys}) {
+  for (auto section :
+       {model_keys, runtime_keys, training_keys, objective_keys, data_keys, run_keys, fp8_keys, parallel_keys}) {
     std::vector<KeySpec> part = section();
     keys.insert(keys.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
   }

@@ -19,16 +19,11 @@ constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
 double load(const char* p, DType t, int64_t i) {
   switch (t) {
-    case DType::f64:
-      return reinterpret_cast<const double*>(p)[i];
-    case DType::f32:
-      return reinterpret_cast<const float*>(p)[i];
-    case DType::bf16:
-      return bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DType::f16:
-      return f16_bits_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DType::u8:
-      return reinterpret_cast<const uint8_t*>(p)[i];
+    case DType::f64: return reinterpret_cast<const double*>(p)[i];
+    case DType::f32: return reinterpret_cast<const float*>(p)[i];
+    case DType::bf16: return bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::f16: return f16_bits_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::u8: return reinterpret_cast<const uint8_t*>(p)[i];
   }
   return 0;
 }
@@ -58,8 +53,8 @@ void MpiCommunicator::check_mpi(int rc, const char* what) const {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
-  fail("{}{}: {} failed: {} (another rank of the job may have failed; its message says why)", rank_prefix(),
-       what_, what, std::string(text, static_cast<size_t>(len)));
+  fail("{}{}: {} failed: {} (another rank of the job may have failed; its message says why)", rank_prefix(), what_,
+       what, std::string(text, static_cast<size_t>(len)));
 }
 
 void MpiCommunicator::check_tensor(const Tensor& t, const char* what) const {
@@ -142,9 +137,9 @@ void MpiCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool) 
     const size_t cb = static_cast<size_t>(c) * es;
     for (int r = 0; r < size_; ++r)
       std::memcpy(send.data() + r * cb, src + (static_cast<size_t>(r * n + begin)) * es, cb);
-    check_mpi(MPI_Alltoall(send.data(), static_cast<int>(cb), MPI_BYTE, parts.data(), static_cast<int>(cb), MPI_BYTE,
-                           comm_),
-              "reduce_scatter (MPI_Alltoall)");
+    check_mpi(
+        MPI_Alltoall(send.data(), static_cast<int>(cb), MPI_BYTE, parts.data(), static_cast<int>(cb), MPI_BYTE, comm_),
+        "reduce_scatter (MPI_Alltoall)");
     reduce_parts(parts.data(), result.data() + static_cast<size_t>(begin) * es, c, in.dtype, ReduceOp::sum);
   }
   host_out(out, result.data(), stage_b_);
@@ -193,17 +188,17 @@ void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op, bool) {
     const size_t cb = static_cast<size_t>(c) * es;
     for (int r = 0; r < size_; ++r)
       std::memcpy(send.data() + r * cb, padded.data() + (static_cast<size_t>(r * per + begin)) * es, cb);
-    check_mpi(MPI_Alltoall(send.data(), static_cast<int>(cb), MPI_BYTE, parts.data(), static_cast<int>(cb), MPI_BYTE,
-                           comm_),
-              "all_reduce (MPI_Alltoall)");
+    check_mpi(
+        MPI_Alltoall(send.data(), static_cast<int>(cb), MPI_BYTE, parts.data(), static_cast<int>(cb), MPI_BYTE, comm_),
+        "all_reduce (MPI_Alltoall)");
     reduce_parts(parts.data(), mine.data() + static_cast<size_t>(begin) * es, c, t.dtype, op);
   }
   std::vector<char> recv(send.size());
   for (int64_t begin = 0; begin < per; begin += chunk) {
     const int64_t c = std::min(chunk, per - begin);
     const size_t cb = static_cast<size_t>(c) * es;
-    check_mpi(MPI_Allgather(mine.data() + static_cast<size_t>(begin) * es, static_cast<int>(cb), MPI_BYTE,
-                            recv.data(), static_cast<int>(cb), MPI_BYTE, comm_),
+    check_mpi(MPI_Allgather(mine.data() + static_cast<size_t>(begin) * es, static_cast<int>(cb), MPI_BYTE, recv.data(),
+                            static_cast<int>(cb), MPI_BYTE, comm_),
               "all_reduce (MPI_Allgather)");
     for (int r = 0; r < size_; ++r)
       std::memcpy(padded.data() + (static_cast<size_t>(r * per + begin)) * es, recv.data() + r * cb, cb);

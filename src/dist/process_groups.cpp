@@ -34,16 +34,18 @@ void place_on_node(BackendOptions& options) {
 
 int ParallelSizes::dp_for(int world) const {
   if (pp != 1)
-    fail("pipeline_model_parallel_size: {} is not supported (flux8 splits a model by tensor parallelism only); set it "
-         "to 1",
-         pp);
+    fail(
+        "pipeline_model_parallel_size: {} is not supported (flux8 splits a model by tensor parallelism only); set it "
+        "to 1",
+        pp);
   if (cp != 1)
     fail("context_parallel_size: {} is not supported (sequences are not split across ranks); set it to 1", cp);
   if (tp < 1) fail("tensor_model_parallel_size: {} must be at least 1", tp);
   if (world % tp != 0)
-    fail("tensor_model_parallel_size: {} does not divide the job's {} ranks; launch a multiple of {} ranks or change "
-         "it",
-         tp, world, tp);
+    fail(
+        "tensor_model_parallel_size: {} does not divide the job's {} ranks; launch a multiple of {} ranks or change "
+        "it",
+        tp, world, tp);
   return world / tp;
 }
 

@@ -15,9 +15,10 @@ BatchPipeline::BatchPipeline(Backend& be, DataLoader& loader, const BatchPipelin
   if (spec.dp_size < 1 || spec.dp_rank < 0 || spec.dp_rank >= spec.dp_size)
     fail("batch pipeline: data-parallel rank {} of {}", spec.dp_rank, spec.dp_size);
   if (spec.global % (spec.micro * spec.dp_size))
-    fail("global_batch_size {} cannot be split into {} data-parallel ranks of micro-batches of {} (micro_batch_size); "
-         "make it a multiple of {}",
-         spec.global, spec.dp_size, spec.micro, spec.micro * spec.dp_size);
+    fail(
+        "global_batch_size {} cannot be split into {} data-parallel ranks of micro-batches of {} (micro_batch_size); "
+        "make it a multiple of {}",
+        spec.global, spec.dp_size, spec.micro, spec.micro * spec.dp_size);
   parts_ = spec.global / spec.dp_size / spec.micro;
   end_index_ = spec.end_step > spec.first_step ? (spec.end_step - spec.first_step) * parts_ : 0;
   queue_ = be.make_copy_queue();

@@ -527,8 +527,8 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state, 
 }
 
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const std::vector<ParamInfo>& params,
-                            const FlatSource& values, const FlatSource& adam_m, const FlatSource& adam_v,
-                            int keep_last, const Fp8MetaRegistry* fp8) {
+                            const FlatSource& values, const FlatSource& adam_m, const FlatSource& adam_v, int keep_last,
+                            const Fp8MetaRegistry* fp8) {
   const SafetensorsWriter model = model_writer(state, params, values);
   const SafetensorsWriter optimizer = optimizer_writer(state, params, adam_m, adam_v);
   const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;

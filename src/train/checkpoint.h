@@ -59,8 +59,8 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state, 
 // checkpoint of a tensor-parallel job, whose whole tensors world rank 0 assembled from the
 // ranks' shards (train/checkpoint_shards.h). `params` holds whole tensors (a one-rank layout).
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const std::vector<ParamInfo>& params,
-                            const FlatSource& values, const FlatSource& adam_m, const FlatSource& adam_v,
-                            int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
+                            const FlatSource& values, const FlatSource& adam_m, const FlatSource& adam_v, int keep_last,
+                            const Fp8MetaRegistry* fp8 = nullptr);
 
 // The bytes of a checkpoint directory's files (what the log says a save wrote).
 uint64_t checkpoint_bytes(const std::string& dir);

@@ -26,7 +26,7 @@ struct AdamWConfig {
 struct StepStats {
   double grad_norm = 0;  // before clipping
   double lr = 0;
-  bool applied = false;  // false: non-finite gradient, weights unchanged
+  bool applied = false;        // false: non-finite gradient, weights unchanged
   bool casts_written = false;  // the FP8 casts passed to step() were written with the weights
 };
 

@@ -105,9 +105,10 @@ TrainConfig TrainConfig::from_config(const Config& cfg) {
   t.pipeline_parallel = static_cast<int>(cfg.get_int("pipeline_model_parallel_size"));
   t.context_parallel = static_cast<int>(cfg.get_int("context_parallel_size"));
   if (t.pipeline_parallel != 1)
-    fail("pipeline_model_parallel_size is {} ({}): flux8 does not split the model into pipeline stages; set it to 1 "
-         "and use tensor_model_parallel_size to split the blocks",
-         t.pipeline_parallel, cfg.source("pipeline_model_parallel_size"));
+    fail(
+        "pipeline_model_parallel_size is {} ({}): flux8 does not split the model into pipeline stages; set it to 1 "
+        "and use tensor_model_parallel_size to split the blocks",
+        t.pipeline_parallel, cfg.source("pipeline_model_parallel_size"));
   if (t.context_parallel != 1)
     fail("context_parallel_size is {} ({}): flux8 does not split sequences across ranks; set it to 1",
          t.context_parallel, cfg.source("context_parallel_size"));

@@ -63,9 +63,9 @@ struct TrainConfig {
   // Parallelism (docs/DISTRIBUTED.md): the Megatron keys.
   int tensor_parallel = 1;  // tensor_model_parallel_size
   int pipeline_parallel = 1, context_parallel = 1;
-  bool distributed_optimizer = false;  // use_distributed_optimizer
+  bool distributed_optimizer = false;                              // use_distributed_optimizer
   bool overlap_grad_reduce = false, overlap_param_gather = false;  // accepted; no overlap (docs/DISTRIBUTED.md)
-  double distributed_timeout_s = 600;  // distributed_timeout_minutes
+  double distributed_timeout_s = 600;                              // distributed_timeout_minutes
 
   std::string config_yaml;  // the resolved config (Config::dump), for the checkpoints
 

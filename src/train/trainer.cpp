@@ -127,9 +127,10 @@ void join_job(Run& r) {
   std::vector<double> lead = mine;
   r.world->broadcast(lead, 0);
   if (lead != mine)
-    fail("the resolved config differs between ranks (hash {} here; rank 0 has another): every rank must read the same "
-         "config files with the same --set values (`flux8 config -c FILE` prints the resolved config)",
-         digest);
+    fail(
+        "the resolved config differs between ranks (hash {} here; rank 0 has another): every rank must read the same "
+        "config files with the same --set values (`flux8 config -c FILE` prints the resolved config)",
+        digest);
 }
 
 void build_model(Run& r) {
@@ -176,7 +177,7 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
                       registry, &r.resume.fp8_note, CheckpointVerify::sizes);  // its digests were just verified
       r.opt->scatter_moments();
       r.opt->release_full_moments();
-      r.state.config_yaml = r.cfg.config_yaml;                       // the config of this run goes into its checkpoints
+      r.state.config_yaml = r.cfg.config_yaml;  // the config of this run goes into its checkpoints
       r.resume.from = *dir;
       r.resume.load_seconds = seconds_since(t1);
     }
@@ -230,8 +231,9 @@ void announce_run(Run& r) {
                                          : "",
                         r.groups->dp().describe()));
   if (r.cfg.overlap_grad_reduce || r.cfg.overlap_param_gather)
-    note(r, "overlap_grad_reduce / overlap_param_gather: accepted, but the gradients are reduced after the step's last "
-            "backward and the weights gathered right after the update (no overlap with compute)");
+    note(r,
+         "overlap_grad_reduce / overlap_param_gather: accepted, but the gradients are reduced after the step's last "
+         "backward and the weights gathered right after the update (no overlap with compute)");
   if (params.grad_dtype() != params.dtype())
     note(r, fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                         dtype_name(params.grad_dtype()), dtype_name(params.dtype())));
@@ -498,10 +500,9 @@ void report_saved_in_line(Run& r, double secs) {
 // training.
 void save_tensor_parallel(Run& r) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string dir = save_checkpoint_shards(*r.groups, r.cfg.save_dir, r.state, r.cfg.model, r.model->params(),
-                                                 r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
-                                                 static_cast<int>(r.cfg.keep_last_checkpoints),
-                                                 lead_rank(r) ? fp8_state(r) : nullptr);
+  const std::string dir = save_checkpoint_shards(
+      *r.groups, r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(),
+      r.opt->full_exp_avg_sq(), static_cast<int>(r.cfg.keep_last_checkpoints), lead_rank(r) ? fp8_state(r) : nullptr);
   r.opt->release_full_moments();
   if (!lead_rank(r)) return;
   r.result.last_checkpoint = dir;
@@ -614,9 +615,8 @@ bool after_step(Run& r, const TrainOptions& opt) {
 }
 
 void step_loop(Run& r, const TrainOptions& opt) {
-  const StepContext ctx{*r.model,      r.cfg.model,    r.cfg.objective,
-                        r.empty,       *r.buf,         r.state.seed,
-                        r.graph.get(), r.dp->size() > 1 ? &r.dp->group() : nullptr};
+  const StepContext ctx{*r.model, r.cfg.model,  r.cfg.objective, r.empty,
+                        *r.buf,   r.state.seed, r.graph.get(),   r.dp->size() > 1 ? &r.dp->group() : nullptr};
   restart_energy(r);
   while (r.state.step < r.cfg.train_iters) {
     take_step(r, ctx, opt);
@@ -631,8 +631,9 @@ void finish(Run& r) {
     r.result.last_val_loss = run_validation(r, "end");
     // (Under tensor parallelism the sampler's forward would need every rank of the group.)
     if (r.groups->tp_size() > 1 && !r.cfg.sample_prompts.empty())
-      note(r, "sample_prompts: no end-of-run samples under tensor parallelism; `flux8 sample --checkpoint` the last "
-              "checkpoint on one GPU");
+      note(r,
+           "sample_prompts: no end-of-run samples under tensor parallelism; `flux8 sample --checkpoint` the last "
+           "checkpoint on one GPU");
     else if (lead_rank(r))
       write_end_of_run_samples(r.cfg, *r.model, *r.progress);
   }
