@@ -5,11 +5,13 @@
 # through the host-staged communicator (FLUX8_COMM=mpi); elsewhere they run on the CPU backend.
 #   scripts/dist_train_check.sh [BACKEND] [STEPS]      (cpu or cuda; 20 steps)
 # DIST_CHECK_LAYOUTS: the layouts to run (default "dp2 dp2_zero tp2 tp2_dp2").
-# Needs build/flux8 and mpirun (Open MPI). Output: a table on stdout; runs under runs/dist_check.
+# Needs mpirun (Open MPI) and the flux8 binary: FLUX8_BIN, default build/flux8. Output: a table on
+# stdout; runs under runs/dist_check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 backend=${1:-cpu}
 steps=${2:-20}
+bin=${FLUX8_BIN:-build/flux8}
 root=runs/dist_check
 rm -rf "$root"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
@@ -19,7 +21,7 @@ common=(-c configs/demo.yaml --set backend="$backend" --set train_iters="$steps"
         --set save_interval=0 --set log_interval=1)
 [ "$backend" = cpu ] && common+=(--set threads=1)
 # The demo's data is generated once, by the single process.
-build/flux8 train "${common[@]}" --set save_dir="$root/one" > "$root.one.log" 2>&1 ||
+"$bin" train "${common[@]}" --set save_dir="$root/one" > "$root.one.log" 2>&1 ||
   { tail -20 "$root.one.log"; exit 1; }
 layouts=("dp2:2:--set tensor_model_parallel_size=1" "dp2_zero:2:--set use_distributed_optimizer=true"
          "tp2:2:--set tensor_model_parallel_size=2" "tp2_dp2:4:--set tensor_model_parallel_size=2")
@@ -30,7 +32,7 @@ for layout in "${layouts[@]}"; do
   [[ "$wanted" == *" $name "* ]] || continue
   ran+=("$name")
   # shellcheck disable=SC2086
-  mpirun -np "$np" --oversubscribe build/flux8 train "${common[@]}" $extra --set save_dir="$root/$name" \
+  mpirun -np "$np" --oversubscribe "$bin" train "${common[@]}" $extra --set save_dir="$root/$name" \
     > "$root.$name.log" 2>&1 || { tail -20 "$root.$name.log"; echo "$name failed" >&2; exit 1; }
 done
 python3 - "$root" "${ran[@]}" <<'PY'

@@ -16,18 +16,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Runs `mpirun -np N flux8 <args>` (FLUX8_MPIEXEC: the launcher CMake found), output in `log`;
-// returns the exit status.
-int run_mpi(int np, const std::string& args, const fs::path& log_file, std::string* log) {
-  const std::string cmd = std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
-                          "OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1 " +
-                          "LSAN_OPTIONS=suppressions=" FLUX8_SOURCE_DIR "/tests/mpi/lsan_open_mpi.supp " +
-                          FLUX8_MPIEXEC + " -np " + std::to_string(np) + " --oversubscribe " + args + " > " +
-                          log_file.string() + " 2>&1";
-  const int rc = std::system(cmd.c_str());
-  *log = testing::read_bytes(log_file.string());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
+using testing::run_mpi;
 
 std::string train_args(const testing::RunDir& dir, const std::string& save, const std::string& extra = "") {
   return std::string(FLUX8_BINARY) + " train -c " + (dir.root / "exp.yaml").string() +

@@ -31,22 +31,8 @@ namespace fs = std::filesystem;
 
 using testing::tiny_demo_model;
 
-// `n` demo samples (8 px images) for the tiny model, and its empty prompt as zeros.
-std::vector<Sample> demo_batch(const FluxConfig& cfg, int n) {
-  DemoSpec spec;
-  spec.image_size = 8;
-  spec.text_seq_len = cfg.text_seq_len;
-  spec.context_dim = cfg.context_dim;
-  spec.vec_dim = cfg.vec_dim;
-  std::vector<Sample> samples;
-  for (int i = 0; i < n; ++i) samples.push_back(demo_sample(spec, i));
-  return samples;
-}
-EmptyPrompt zero_prompt(const FluxConfig& cfg) {
-  return EmptyPrompt{HostTensor{{cfg.text_seq_len, cfg.context_dim},
-                                std::vector<float>(static_cast<size_t>(cfg.text_seq_len * cfg.context_dim), 0.0f)},
-                     HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim), 0.0f)}};
-}
+using testing::demo_batch;
+using testing::zero_prompt;
 
 TEST(TrainStep, GradientAccumulationMatchesOneBigBatch) {
   // 4 micro-batches of 8 give the gradient of one batch of 32: same samples, same noise

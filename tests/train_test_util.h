@@ -1,8 +1,10 @@
 #pragma once
 // A tiny demo training run in a temporary directory, for trainer tests.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +17,7 @@
 #include "data/loader.h"
 #include "io/safetensors.h"
 #include "train/batch_pipeline.h"
+#include "train/objective.h"
 #include "train/trainer.h"
 
 namespace flux8::testing {
@@ -98,6 +101,42 @@ inline void expect_overlap_changes_nothing(const RunDir& dir, const std::vector<
 }
 
 // The demo model of RunDir's config as a FluxConfig (8 px images, 16 image tokens).
+// `n` demo samples (8 px images) for the tiny model, from demo sample `first` on.
+inline std::vector<Sample> demo_batch(const FluxConfig& cfg, int n, int first = 0) {
+  DemoSpec spec;
+  spec.image_size = 8;
+  spec.text_seq_len = cfg.text_seq_len;
+  spec.context_dim = cfg.context_dim;
+  spec.vec_dim = cfg.vec_dim;
+  std::vector<Sample> samples;
+  for (int i = first; i < first + n; ++i) samples.push_back(demo_sample(spec, i));
+  return samples;
+}
+
+// The empty prompt's encodings as zeros.
+inline EmptyPrompt zero_prompt(const FluxConfig& cfg) {
+  return EmptyPrompt{HostTensor{{cfg.text_seq_len, cfg.context_dim},
+                                std::vector<float>(static_cast<size_t>(cfg.text_seq_len * cfg.context_dim), 0.0f)},
+                     HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim), 0.0f)}};
+}
+
+#ifdef FLUX8_MPIEXEC
+// Runs `mpirun -np N <args>` (FLUX8_MPIEXEC: the launcher CMake found; one OpenMP thread a rank,
+// Open MPI allowed as root and in containers, its own leaks left out of LeakSanitizer's report)
+// with its output in `log_file` and *log; returns the exit status (-1 if it did not exit).
+inline int run_mpi(int np, const std::string& args, const fs::path& log_file, std::string* log) {
+  const std::string cmd = std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
+                          "OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1 " +
+                          "LSAN_OPTIONS=suppressions=" FLUX8_SOURCE_DIR "/tests/mpi/lsan_open_mpi.supp " +
+                          FLUX8_MPIEXEC + " -np " + std::to_string(np) + " --oversubscribe " + args + " > " +
+                          log_file.string() + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(log_file);
+  *log = std::string(std::istreambuf_iterator<char>(in), {});
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+#endif
+
 inline FluxConfig tiny_demo_model() {
   FluxConfig c;
   c.name = "tiny";

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "cli/commands.h"
+#include "cli/text_format.h"
 #include "cli/memory_plan_report.h"
 #include "config/config.h"
 #include "core/error.h"
@@ -20,17 +21,6 @@
 namespace flux8::cli {
 
 namespace {
-
-std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
-
-std::string with_commas(int64_t v) {
-  std::string s = std::to_string(v), out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i && (s.size() - i) % 3 == 0) out += ',';
-    out += s[i];
-  }
-  return out;
-}
 
 // What `flux8 info` prints, computed once for both the text and the JSON output.
 struct Memory {

@@ -4,24 +4,14 @@
 
 #include <string>
 
+#include "cli/text_format.h"
+
 namespace flux8::cli {
 
 namespace {
 
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr Recompute kSettings[] = {Recompute::none, Recompute::selective, Recompute::full};
 constexpr const char* kSettingNames[] = {"none", "selective", "full"};
-
-std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / kGiB); }
-
-std::string with_commas(int64_t v) {
-  std::string s = std::to_string(v), out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i && (s.size() - i) % 3 == 0) out += ',';
-    out += s[i];
-  }
-  return out;
-}
 
 struct StateRow {
   std::string name;

@@ -118,6 +118,42 @@ void MpiCommunicator::reduce_parts(const char* parts, char* out, int64_t count, 
   }
 }
 
+// Rank r's slice r of the sum over the ranks of `slices` (size() slices of `per` elements, host
+// memory) into `mine`: an all-to-all of each chunk, then the rank-ordered reduction.
+void MpiCommunicator::reduce_slices(const char* slices, int64_t per, DType t, ReduceOp op, char* mine,
+                                    const char* what) {
+  const size_t es = dtype_size(t);
+  const int64_t chunk = std::max<int64_t>(1, kMaxChunkBytes / static_cast<int64_t>(es) / size_);
+  std::vector<char> send(static_cast<size_t>(std::min(chunk, std::max<int64_t>(per, 1)) * size_) * es);
+  std::vector<char> parts(send.size());
+  for (int64_t begin = 0; begin < per; begin += chunk) {
+    const int64_t c = std::min(chunk, per - begin);
+    const size_t cb = static_cast<size_t>(c) * es;
+    for (int r = 0; r < size_; ++r)
+      std::memcpy(send.data() + r * cb, slices + (static_cast<size_t>(r * per + begin)) * es, cb);
+    check_mpi(
+        MPI_Alltoall(send.data(), static_cast<int>(cb), MPI_BYTE, parts.data(), static_cast<int>(cb), MPI_BYTE, comm_),
+        what);
+    reduce_parts(parts.data(), mine + static_cast<size_t>(begin) * es, c, t, op);
+  }
+}
+
+// Every rank's `mine` (`per` elements, host memory) into slice r of `all`, chunk by chunk.
+void MpiCommunicator::gather_slices(const char* mine, int64_t per, DType t, char* all, const char* what) {
+  const size_t es = dtype_size(t);
+  const int64_t chunk = std::max<int64_t>(1, kMaxChunkBytes / static_cast<int64_t>(es) / size_);
+  std::vector<char> recv(static_cast<size_t>(std::min(chunk, std::max<int64_t>(per, 1)) * size_) * es);
+  for (int64_t begin = 0; begin < per; begin += chunk) {
+    const int64_t c = std::min(chunk, per - begin);
+    const size_t cb = static_cast<size_t>(c) * es;
+    check_mpi(MPI_Allgather(mine + static_cast<size_t>(begin) * es, static_cast<int>(cb), MPI_BYTE, recv.data(),
+                            static_cast<int>(cb), MPI_BYTE, comm_),
+              what);
+    for (int r = 0; r < size_; ++r)
+      std::memcpy(all + (static_cast<size_t>(r * per + begin)) * es, recv.data() + r * cb, cb);
+  }
+}
+
 void MpiCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool) {
   check_tensor(out, "reduce_scatter");
   check_tensor(in, "reduce_scatter");
@@ -125,23 +161,8 @@ void MpiCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool) 
   if (in.numel() != n * size_ || in.dtype != out.dtype)
     fail("{}: reduce_scatter of {} into {}: the input must hold {} x the output's elements, of its type", describe(),
          in.str(), out.str(), size_);
-  const char* src = host_in(in, stage_a_);
-  const size_t es = dtype_size(in.dtype);
-  std::vector<char> parts(static_cast<size_t>(n * size_) * es);
-  std::vector<char> result(static_cast<size_t>(n) * es);
-  // In chunks of the per-rank slice: every rank sends chunk c of each slice, then reduces it.
-  const int64_t chunk = std::max<int64_t>(1, kMaxChunkBytes / static_cast<int64_t>(es) / size_);
-  std::vector<char> send(static_cast<size_t>(std::min(chunk, n) * size_) * es);
-  for (int64_t begin = 0; begin < n; begin += chunk) {
-    const int64_t c = std::min(chunk, n - begin);
-    const size_t cb = static_cast<size_t>(c) * es;
-    for (int r = 0; r < size_; ++r)
-      std::memcpy(send.data() + r * cb, src + (static_cast<size_t>(r * n + begin)) * es, cb);
-    check_mpi(
-        MPI_Alltoall(send.data(), static_cast<int>(cb), MPI_BYTE, parts.data(), static_cast<int>(cb), MPI_BYTE, comm_),
-        "reduce_scatter (MPI_Alltoall)");
-    reduce_parts(parts.data(), result.data() + static_cast<size_t>(begin) * es, c, in.dtype, ReduceOp::sum);
-  }
+  std::vector<char> result(out.bytes());
+  reduce_slices(host_in(in, stage_a_), n, in.dtype, ReduceOp::sum, result.data(), "reduce_scatter (MPI_Alltoall)");
   host_out(out, result.data(), stage_b_);
 }
 
@@ -152,57 +173,25 @@ void MpiCommunicator::all_gather(const Tensor& out, const Tensor& in, bool) {
   if (out.numel() != n * size_ || in.dtype != out.dtype)
     fail("{}: all_gather of {} into {}: the output must hold {} x the input's elements, of its type", describe(),
          in.str(), out.str(), size_);
-  const size_t es = dtype_size(in.dtype);
+  // (A copy of the input first: `in` may be out's own slice.)
   std::vector<char> mine(in.bytes());
   std::memcpy(mine.data(), host_in(in, stage_a_), in.bytes());
   std::vector<char> all(out.bytes());
-  const int64_t chunk = std::max<int64_t>(1, kMaxChunkBytes / static_cast<int64_t>(es));
-  std::vector<char> recv(static_cast<size_t>(std::min(chunk, std::max<int64_t>(n, 1)) * size_) * es);
-  for (int64_t begin = 0; begin < n; begin += chunk) {
-    const int64_t c = std::min(chunk, n - begin);
-    const size_t cb = static_cast<size_t>(c) * es;
-    check_mpi(MPI_Allgather(mine.data() + static_cast<size_t>(begin) * es, static_cast<int>(cb), MPI_BYTE, recv.data(),
-                            static_cast<int>(cb), MPI_BYTE, comm_),
-              "all_gather (MPI_Allgather)");
-    for (int r = 0; r < size_; ++r)
-      std::memcpy(all.data() + (static_cast<size_t>(r * n + begin)) * es, recv.data() + r * cb, cb);
-  }
+  gather_slices(mine.data(), n, in.dtype, all.data(), "all_gather (MPI_Allgather)");
   host_out(out, all.data(), stage_b_);
 }
 
 void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op, bool) {
   check_tensor(t, "all_reduce");
   if (size_ == 1) return;
-  const int64_t n = t.numel();
   const size_t es = dtype_size(t.dtype);
-  // Padded to a multiple of the group's size: rank r reduces slice r, then all gather.
-  const int64_t per = (n + size_ - 1) / size_;
+  // Padded to a multiple of the group's size: rank r reduces slice r, then every slice is gathered.
+  const int64_t per = (t.numel() + size_ - 1) / size_;
   std::vector<char> padded(static_cast<size_t>(per * size_) * es, 0);
   std::memcpy(padded.data(), host_in(t, stage_a_), t.bytes());
-  std::vector<char> parts(static_cast<size_t>(per * size_) * es);
   std::vector<char> mine(static_cast<size_t>(per) * es);
-  const int64_t chunk = std::max<int64_t>(1, kMaxChunkBytes / static_cast<int64_t>(es) / size_);
-  std::vector<char> send(static_cast<size_t>(std::min(chunk, per) * size_) * es);
-  for (int64_t begin = 0; begin < per; begin += chunk) {
-    const int64_t c = std::min(chunk, per - begin);
-    const size_t cb = static_cast<size_t>(c) * es;
-    for (int r = 0; r < size_; ++r)
-      std::memcpy(send.data() + r * cb, padded.data() + (static_cast<size_t>(r * per + begin)) * es, cb);
-    check_mpi(
-        MPI_Alltoall(send.data(), static_cast<int>(cb), MPI_BYTE, parts.data(), static_cast<int>(cb), MPI_BYTE, comm_),
-        "all_reduce (MPI_Alltoall)");
-    reduce_parts(parts.data(), mine.data() + static_cast<size_t>(begin) * es, c, t.dtype, op);
-  }
-  std::vector<char> recv(send.size());
-  for (int64_t begin = 0; begin < per; begin += chunk) {
-    const int64_t c = std::min(chunk, per - begin);
-    const size_t cb = static_cast<size_t>(c) * es;
-    check_mpi(MPI_Allgather(mine.data() + static_cast<size_t>(begin) * es, static_cast<int>(cb), MPI_BYTE, recv.data(),
-                            static_cast<int>(cb), MPI_BYTE, comm_),
-              "all_reduce (MPI_Allgather)");
-    for (int r = 0; r < size_; ++r)
-      std::memcpy(padded.data() + (static_cast<size_t>(r * per + begin)) * es, recv.data() + r * cb, cb);
-  }
+  reduce_slices(padded.data(), per, t.dtype, op, mine.data(), "all_reduce (MPI_Alltoall)");
+  gather_slices(mine.data(), per, t.dtype, padded.data(), "all_reduce (MPI_Allgather)");
   host_out(t, padded.data(), stage_b_);
 }
 

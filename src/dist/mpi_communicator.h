@@ -43,6 +43,8 @@ class MpiCommunicator final : public Communicator {
   void host_out(const Tensor& t, const char* host, std::vector<char>& stage);
   // The rank-ordered reduction of `count` elements: parts[r * count ...] over r into out.
   void reduce_parts(const char* parts, char* out, int64_t count, DType t, ReduceOp op) const;
+  void reduce_slices(const char* slices, int64_t per, DType t, ReduceOp op, char* mine, const char* what);
+  void gather_slices(const char* mine, int64_t per, DType t, char* all, const char* what);
   void check_mpi(int rc, const char* what) const;
   void check_tensor(const Tensor& t, const char* what) const;
 

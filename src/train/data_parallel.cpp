@@ -33,30 +33,26 @@ DataParallel::DataParallel(Communicator& group, Backend& be) : group_(group), be
 
 DataParallel::~DataParallel() { be_.release(scratch_.data); }
 
-void DataParallel::reduce(std::span<double> values, ReduceOp op) {
+void DataParallel::through_scratch(std::span<double> values, const std::function<void(const Tensor&)>& collective) {
   if (group_.size() == 1) return;
   for (size_t begin = 0; begin < values.size(); begin += kScratch) {
     const size_t n = std::min<size_t>(kScratch, values.size() - begin);
     const Tensor t(scratch_.data, DType::f64, Shape{static_cast<int64_t>(n)});
     be_.upload(t.data, values.data() + begin, n * sizeof(double));
-    group_.all_reduce(t, op);
+    collective(t);
     be_.download(values.data() + begin, t.data, n * sizeof(double));
   }
 }
 
+void DataParallel::sum(std::span<double> values) {
+  through_scratch(values, [&](const Tensor& t) { group_.all_reduce(t, ReduceOp::sum); });
+}
+void DataParallel::max(std::span<double> values) {
+  through_scratch(values, [&](const Tensor& t) { group_.all_reduce(t, ReduceOp::max); });
+}
 void DataParallel::broadcast(std::span<double> values, int root) {
-  if (group_.size() == 1) return;
-  for (size_t begin = 0; begin < values.size(); begin += kScratch) {
-    const size_t n = std::min<size_t>(kScratch, values.size() - begin);
-    const Tensor t(scratch_.data, DType::f64, Shape{static_cast<int64_t>(n)});
-    be_.upload(t.data, values.data() + begin, n * sizeof(double));
-    group_.broadcast(t, root);
-    be_.download(values.data() + begin, t.data, n * sizeof(double));
-  }
+  through_scratch(values, [&](const Tensor& t) { group_.broadcast(t, root); });
 }
-
-void DataParallel::sum(std::span<double> values) { reduce(values, ReduceOp::sum); }
-void DataParallel::max(std::span<double> values) { reduce(values, ReduceOp::max); }
 
 void DataParallel::all_reduce_gradients(const Tensor& grads) {
   if (group_.size() == 1) return;

@@ -3,6 +3,7 @@
 // in a fixed order, so runs repeat bit for bit) and a few host values (validation sums, the
 // gradient norm's shards), sent through a small buffer in the backend's memory because device
 // communicators take device tensors only.
+#include <functional>
 #include <span>
 
 #include "backend/backend.h"
@@ -59,7 +60,8 @@ class DataParallel {
   void all_gather_params(const Tensor& params, const FlatSharding& sharding);
 
  private:
-  void reduce(std::span<double> values, ReduceOp op);
+  // values through the scratch buffer, kScratch at a time, each piece handed to `collective`.
+  void through_scratch(std::span<double> values, const std::function<void(const Tensor&)>& collective);
   Communicator& group_;
   Backend& be_;
   Tensor scratch_;  // f64 [kScratch] in backend memory

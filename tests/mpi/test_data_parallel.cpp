@@ -23,22 +23,8 @@ namespace {
 using testing::world_rank;
 using testing::world_size;
 
-std::vector<Sample> demo_batch(const FluxConfig& cfg, int first, int n) {
-  DemoSpec spec;
-  spec.image_size = 8;
-  spec.text_seq_len = cfg.text_seq_len;
-  spec.context_dim = cfg.context_dim;
-  spec.vec_dim = cfg.vec_dim;
-  std::vector<Sample> samples;
-  for (int i = first; i < first + n; ++i) samples.push_back(demo_sample(spec, i));
-  return samples;
-}
-
-EmptyPrompt zero_prompt(const FluxConfig& cfg) {
-  return EmptyPrompt{HostTensor{{cfg.text_seq_len, cfg.context_dim},
-                                std::vector<float>(static_cast<size_t>(cfg.text_seq_len * cfg.context_dim), 0.0f)},
-                     HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim), 0.0f)}};
-}
+using testing::demo_batch;
+using testing::zero_prompt;
 
 struct Trajectory {
   std::vector<double> losses, norms;
@@ -77,7 +63,7 @@ Trajectory train(const FluxConfig& cfg, DType dtype, int64_t global, int steps, 
   Trajectory t;
   for (int step = 0; step < steps; ++step) {
     const std::vector<Sample> samples =
-        demo_batch(cfg, static_cast<int>(step * global + rank * share), static_cast<int>(share));
+        demo_batch(cfg, static_cast<int>(share), static_cast<int>(step * global + rank * share));
     const StepLoss sl = accumulate_step_gradients(ctx, samples, 2, static_cast<uint64_t>(step), rank * share, global);
     t.losses.push_back(sl.loss);
     if (step == 0 && local_dp && !distributed) {
