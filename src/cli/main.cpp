@@ -34,7 +34,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int rc = app.exit(e);  // --help, --version, or a usage error
+    flux8::finish_job();
+    return rc;
   }
   int rc = 0;
   try {
