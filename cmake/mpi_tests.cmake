@@ -15,7 +15,7 @@ if(FLUX8_MPI_TEST_SOURCES)
   # the machine's cores.
   set(FLUX8_MPI_TEST_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
       OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-      LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/mpi/lsan_open_mpi.supp)
+      ASAN_OPTIONS=detect_leaks=0:check_initialization_order=1:strict_init_order=1)
   foreach(np ${FLUX8_MPI_TEST_SIZES})
     add_test(NAME mpi.np${np}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} --oversubscribe
