@@ -14,6 +14,7 @@ steps=${2:-20}
 bin=${FLUX8_BIN:-build/flux8}
 root=runs/dist_check
 rm -rf "$root"
+mkdir -p "$(dirname "$root")"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 [ "$backend" = cuda ] && export FLUX8_COMM=mpi
 common=(-c configs/demo.yaml --set backend="$backend" --set train_iters="$steps" --set micro_batch_size=4

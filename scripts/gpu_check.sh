@@ -217,7 +217,7 @@ if has dist; then
   [ -x build/flux8_gpu_dist_tests ] || die "no build/flux8_gpu_dist_tests: run the build stage"
   mpiexec=$(sed -n 's/^MPIEXEC_EXECUTABLE:FILEPATH=//p' build/CMakeCache.txt)
   [ -x "$mpiexec" ] || die "build/CMakeCache.txt names no mpiexec (MPIEXEC_EXECUTABLE): the build found no Open MPI"
-  # (gpu_env.sh has relocated .carry's Open MPI; these also serve one installed on the machine.)
+  # (The GPU machine's own Open MPI, 4.1.6, with which the build stage found MPI.)
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   : > "$OUT/dist.txt"

@@ -14,12 +14,3 @@ for flux8_d in "$flux8_cudnn_root" "$flux8_nccl_root"; do
   [ -n "$flux8_d" ] && export LD_LIBRARY_PATH=$flux8_d/lib:$LD_LIBRARY_PATH
 done
 export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/usr/local/cuda/lib64
-# Open MPI from .carry, relocated (OPAL_PREFIX: where its components, help texts and wrapper data
-# are), run as root, without the transports whose libraries are not there and without the
-# cross-process copy a sandbox forbids.
-if [ -x "$flux8_carry/bin/mpirun" ]; then
-  export OPAL_PREFIX=$flux8_carry PATH=$flux8_carry/bin:$PATH
-  export LD_LIBRARY_PATH=$flux8_carry/lib/x86_64-linux-gnu/openmpi/lib:$LD_LIBRARY_PATH
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mca_base_component_show_load_errors=0
-  export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader
-fi

@@ -7,17 +7,15 @@
 # update-alternatives would make for OpenBLAS. scripts/gpu_check.sh builds against it with
 #   cmake -DCMAKE_PREFIX_PATH=$PWD/.carry/usr -DFLUX8_EXTRA_PREFIX=$PWD/.carry/usr
 # and runs with LD_LIBRARY_PATH=.carry/usr/lib/x86_64-linux-gnu{,/openblas-pthread}.
-# With FLUX8_PEER_WHEELS=1, scripts/prepare_peer_wheels.sh then adds .carry/wheels/: the Python
-# wheels of the PyTorch peer (tools/peer_bench.py) that gpu_check.sh's bench stage installs there.
+# Then scripts/prepare_peer_wheels.sh adds .carry/wheels/: the Python wheels of the PyTorch peer
+# (tools/peer_bench.py) that gpu_check.sh's bench stage installs there.
 # Usage: scripts/prepare_carry.sh   (safe to run again: it rebuilds .carry/ from scratch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(libyaml-cpp-dev libyaml-cpp0.7 libfmt-dev libfmt9 libcli11-dev nlohmann-json3-dev
           libopenblas-dev libopenblas0 libopenblas0-pthread libopenblas-pthread-dev
-          libgfortran5 libquadmath0 libgtest-dev libpng-dev libpng16-16 zlib1g-dev zlib1g
-          libopenmpi3 libopenmpi-dev openmpi-bin openmpi-common libpmix2 libhwloc15 libevent-core-2.1-7
-          libevent-pthreads-2.1-7 libmunge2)
+          libgfortran5 libquadmath0 libgtest-dev libpng-dev libpng16-16 zlib1g-dev zlib1g)
 max_mib=60  # the device tool carries 64 MiB at most, with the working tree
 
 command -v apt-get >/dev/null && command -v dpkg >/dev/null || { echo "needs apt-get and dpkg (Debian)" >&2; exit 1; }
@@ -52,16 +50,6 @@ rm -f "$lib"/openblas-pthread/liblapack.*
 find .carry \( -name 'libopenblas*.a' -o -name 'libblas.a' -o -name 'liblapack.a' \) -delete
 # The GoogleTest sources (googletest package) are only for building it from source: drop them.
 rm -rf .carry/usr/src
-# Open MPI: flux8 uses its C library and mpirun; drop the Fortran, Java and OpenSHMEM bindings,
-# MPI-IO and the Fortran modules. (Components whose libraries the GPU machine lacks — UCX,
-# libfabric, verbs — fail to load there and are skipped: gpu_env.sh silences that.)
-ompi=$lib/openmpi
-rm -rf "$ompi"/lib/*fortran* "$ompi"/lib/*mpifh* "$ompi"/lib/*usempi* "$ompi"/lib/*java* "$ompi"/lib/*oshmem* \
-       "$ompi"/include/*.mod "$ompi"/lib/openmpi3/mca_{io,fbtl,fcoll,fs,sharedfp,spml,sshmem,atomic,scoll}_* \
-       "$lib"/fortran "$lib"/liboshmem* "$lib"/libmpi_mpifh* "$lib"/libmpi_usempi* "$lib"/libmpi_java* \
-       "$lib"/libmpi_cxx* .carry/usr/share/openmpi/*oshmem* .carry/usr/share/openmpi/*fort* \
-       .carry/usr/share/openmpi/*java*
-find .carry -xtype l -delete  # links to what was just dropped
 
 # Make every absolute symbolic link relative (an absolute one would point into the GPU machine's /).
 carry_abs=$(cd .carry && pwd)
@@ -90,9 +78,7 @@ if grep -rnE '/usr/(include|lib)' "$lib"/cmake .carry/usr/share/cmake* 2>/dev/nu
   echo "the CMake package files above hard-code /usr paths" >&2; exit 1
 fi
 
-# The peer's wheels (about 10 MiB) leave too little room beside Open MPI within the device tool's
-# 64 MiB: only on request, for the bench stage's peer part.
-if [ "${FLUX8_PEER_WHEELS:-0}" = 1 ]; then scripts/prepare_peer_wheels.sh; fi
+scripts/prepare_peer_wheels.sh
 
 size_mib=$(du -sm .carry | cut -f1)
 echo "packages: $(wc -l < .carry/PACKAGES), .carry: ${size_mib} MiB"
