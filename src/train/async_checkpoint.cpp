@@ -61,6 +61,11 @@ void AsyncCheckpointer::prepare(const ParamStore& store, const Tensor& adam_m, c
       std::async(std::launch::async, [this, &store, m = adam_m, v = adam_v] { snapshot_.reserve(store, m, v); });
 }
 
+void AsyncCheckpointer::prepare(const ParamStore& store, DType moment_dtype) {
+  FLUX8_CHECK(!preparing_.valid() && !pending_.valid(), "AsyncCheckpointer::prepare after a save started");
+  preparing_ = std::async(std::launch::async, [this, &store, moment_dtype] { snapshot_.reserve(store, moment_dtype); });
+}
+
 std::optional<AsyncCheckpointer::Finished> AsyncCheckpointer::poll() {
   if (!pending_.valid() || pending_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return std::nullopt;
   return collect();

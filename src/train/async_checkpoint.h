@@ -32,6 +32,7 @@ class AsyncCheckpointer {
   // Maps the snapshot's host memory on a thread of its own now, while training starts, so that
   // the first save's copy costs what later ones do (optional; start() waits for it).
   void prepare(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v);
+  void prepare(const ParamStore& store, DType moment_dtype);  // moments laid out like the parameters
 
   struct Finished {
     int64_t step = 0;

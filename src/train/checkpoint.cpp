@@ -562,11 +562,20 @@ void CheckpointSnapshot::HostFlat::reserve(size_t n, bool touch) {
   for (std::thread& t : threads) t.join();
 }
 
+uint64_t CheckpointSnapshot::bytes_for(const ParamStore& store, DType moment_dtype) {
+  return static_cast<uint64_t>(store.layout().total()) * (dtype_size(store.dtype()) + 2 * dtype_size(moment_dtype));
+}
+
 void CheckpointSnapshot::reserve(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
   check_moments(store, adam_m, adam_v, "CheckpointSnapshot::reserve");
-  const Tensor flat = store.flat_params();
-  for (const auto& [host, t] : {std::pair{&params_, &flat}, std::pair{&m_, &adam_m}, std::pair{&v_, &adam_v}})
-    host->reserve(static_cast<size_t>(t->numel()) * dtype_size(t->dtype), /*touch=*/true);
+  FLUX8_CHECK(adam_m.dtype == adam_v.dtype, "CheckpointSnapshot::reserve: moments of two types");
+  reserve(store, adam_m.dtype);
+}
+
+void CheckpointSnapshot::reserve(const ParamStore& store, DType moment_dtype) {
+  const auto n = static_cast<size_t>(store.layout().total());
+  params_.reserve(n * dtype_size(store.dtype()), /*touch=*/true);
+  for (HostFlat* host : {&m_, &v_}) host->reserve(n * dtype_size(moment_dtype), /*touch=*/true);
 }
 
 void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,

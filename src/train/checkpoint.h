@@ -75,9 +75,13 @@ class CheckpointSnapshot {
  public:
   // Host bytes a snapshot of this state takes: the parameters and both moments in their types.
   static uint64_t bytes_for(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v);
+  // The same from the moments' type alone: the moments are laid out like the parameters (a
+  // sharded optimizer's whole-buffer moments need not exist to be counted).
+  static uint64_t bytes_for(const ParamStore& store, DType moment_dtype);
   // Allocates and touches the buffers of a snapshot of this state (sizes and types only: no
   // backend call, so any thread may run it before the first take()).
   void reserve(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v);
+  void reserve(const ParamStore& store, DType moment_dtype);
   // Copies the state as save_checkpoint would write it now (same arguments).
   void take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
             const Fp8MetaRegistry* fp8);

@@ -435,8 +435,8 @@ void prepare_checkpoints(Run& r) {
     return;
   }
   ParamStore& params = r.model->params();
-  r.opt->allocate_full_moments();  // (sized as the checkpoint's: whole-buffer moments)
-  const uint64_t need = CheckpointSnapshot::bytes_for(params, r.opt->full_exp_avg(), r.opt->full_exp_avg_sq());
+  // (Whole-buffer moments, as a checkpoint holds them, counted from their type.)
+  const uint64_t need = CheckpointSnapshot::bytes_for(params, r.opt->moment_dtype());
   const std::optional<uint64_t> available = host_memory_available();
   if (!AsyncCheckpointer::fits(need, available)) {
     note(r, fmt::format("async_save: a checkpoint's host copy ({:.2f} GB) is more than half the host memory "
@@ -445,8 +445,7 @@ void prepare_checkpoints(Run& r) {
     return;
   }
   r.saver = std::make_unique<AsyncCheckpointer>(r.cfg.save_dir, static_cast<int>(r.cfg.keep_last_checkpoints));
-  r.saver->prepare(params, r.opt->full_exp_avg(), r.opt->full_exp_avg_sq());
-  r.opt->release_full_moments();
+  r.saver->prepare(params, r.opt->moment_dtype());
   note(r, fmt::format("checkpoints: written behind training (async_save) from a host copy of {:.2f} GB", need / 1e9));
 }
 
