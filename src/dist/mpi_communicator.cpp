@@ -28,6 +28,17 @@ double load(const char* p, DType t, int64_t i) {
   return 0;
 }
 
+// out[i] = parts[i] of rank 0 + ... + of rank ranks - 1, each rank's part `stride` bytes on.
+template <typename T>
+void sum_in_rank_order(const char* parts, char* out, int64_t count, int64_t stride, int ranks) {
+  auto* o = reinterpret_cast<T*>(out);
+  for (int64_t i = 0; i < count; ++i) {
+    T s = reinterpret_cast<const T*>(parts)[i];
+    for (int r = 1; r < ranks; ++r) s += reinterpret_cast<const T*>(parts + r * stride)[i];
+    o[i] = s;
+  }
+}
+
 }  // namespace
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, Device* device, std::string what)
@@ -61,43 +72,26 @@ void MpiCommunicator::check_tensor(const Tensor& t, const char* what) const {
   if (!t.contiguous()) fail("{}: {} of a non-contiguous tensor {}", describe(), what, t.str());
 }
 
-char* MpiCommunicator::host_in(const Tensor& t, std::vector<char>& stage) {
+char* MpiCommunicator::host_in(const Tensor& t) {
   if (!device_) return static_cast<char*>(t.data);
-  stage.resize(t.bytes());
-  device_->download(stage.data(), t.data, t.bytes());  // after the ops queued before
-  return stage.data();
+  stage_.resize(t.bytes());
+  device_->download(stage_.data(), t.data, t.bytes());  // after the ops queued before
+  return stage_.data();
 }
 
-void MpiCommunicator::host_out(const Tensor& t, const char* host, std::vector<char>& stage) {
+void MpiCommunicator::host_out(const Tensor& t, const char* host) {
   if (!device_) {
     if (host != t.data) std::memcpy(t.data, host, t.bytes());
     return;
   }
   device_->upload(t.data, host, t.bytes());
-  (void)stage;
 }
 
 void MpiCommunicator::reduce_parts(const char* parts, char* out, int64_t count, DType t, ReduceOp op) const {
   const size_t es = dtype_size(t);
   const int64_t stride = count * static_cast<int64_t>(es);
-  if (t == DType::f64 && op == ReduceOp::sum) {
-    auto* o = reinterpret_cast<double*>(out);
-    for (int64_t i = 0; i < count; ++i) {
-      double s = reinterpret_cast<const double*>(parts)[i];
-      for (int r = 1; r < size_; ++r) s += reinterpret_cast<const double*>(parts + r * stride)[i];
-      o[i] = s;
-    }
-    return;
-  }
-  if (t == DType::f32 && op == ReduceOp::sum) {
-    auto* o = reinterpret_cast<float*>(out);
-    for (int64_t i = 0; i < count; ++i) {
-      float s = reinterpret_cast<const float*>(parts)[i];
-      for (int r = 1; r < size_; ++r) s += reinterpret_cast<const float*>(parts + r * stride)[i];
-      o[i] = s;
-    }
-    return;
-  }
+  if (op == ReduceOp::sum && t == DType::f64) return sum_in_rank_order<double>(parts, out, count, stride, size_);
+  if (op == ReduceOp::sum && t == DType::f32) return sum_in_rank_order<float>(parts, out, count, stride, size_);
   if (t == DType::u8 && op == ReduceOp::sum) fail("{}: sums of FP8 codes (u8) are not defined", describe());
   // max in any type (NaN wins: a non-finite amax must reach every rank), sums of 16-bit floats in f32.
   for (int64_t i = 0; i < count; ++i) {
@@ -162,8 +156,8 @@ void MpiCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool) 
     fail("{}: reduce_scatter of {} into {}: the input must hold {} x the output's elements, of its type", describe(),
          in.str(), out.str(), size_);
   std::vector<char> result(out.bytes());
-  reduce_slices(host_in(in, stage_a_), n, in.dtype, ReduceOp::sum, result.data(), "reduce_scatter (MPI_Alltoall)");
-  host_out(out, result.data(), stage_b_);
+  reduce_slices(host_in(in), n, in.dtype, ReduceOp::sum, result.data(), "reduce_scatter (MPI_Alltoall)");
+  host_out(out, result.data());
 }
 
 void MpiCommunicator::all_gather(const Tensor& out, const Tensor& in, bool) {
@@ -175,10 +169,10 @@ void MpiCommunicator::all_gather(const Tensor& out, const Tensor& in, bool) {
          in.str(), out.str(), size_);
   // (A copy of the input first: `in` may be out's own slice.)
   std::vector<char> mine(in.bytes());
-  std::memcpy(mine.data(), host_in(in, stage_a_), in.bytes());
+  std::memcpy(mine.data(), host_in(in), in.bytes());
   std::vector<char> all(out.bytes());
   gather_slices(mine.data(), n, in.dtype, all.data(), "all_gather (MPI_Allgather)");
-  host_out(out, all.data(), stage_b_);
+  host_out(out, all.data());
 }
 
 void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op, bool) {
@@ -188,22 +182,22 @@ void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op, bool) {
   // Padded to a multiple of the group's size: rank r reduces slice r, then every slice is gathered.
   const int64_t per = (t.numel() + size_ - 1) / size_;
   std::vector<char> padded(static_cast<size_t>(per * size_) * es, 0);
-  std::memcpy(padded.data(), host_in(t, stage_a_), t.bytes());
+  std::memcpy(padded.data(), host_in(t), t.bytes());
   std::vector<char> mine(static_cast<size_t>(per) * es);
   reduce_slices(padded.data(), per, t.dtype, op, mine.data(), "all_reduce (MPI_Alltoall)");
   gather_slices(mine.data(), per, t.dtype, padded.data(), "all_reduce (MPI_Allgather)");
-  host_out(t, padded.data(), stage_b_);
+  host_out(t, padded.data());
 }
 
 void MpiCommunicator::broadcast(const Tensor& t, int root) {
   check_tensor(t, "broadcast");
   if (root < 0 || root >= size_) fail("{}: broadcast from rank {}, which is not in the group", describe(), root);
-  char* host = host_in(t, stage_a_);
+  char* host = host_in(t);
   for (int64_t begin = 0; begin < static_cast<int64_t>(t.bytes()); begin += kMaxChunkBytes) {
     const int64_t c = std::min<int64_t>(kMaxChunkBytes, static_cast<int64_t>(t.bytes()) - begin);
     check_mpi(MPI_Bcast(host + begin, static_cast<int>(c), MPI_BYTE, root, comm_), "broadcast (MPI_Bcast)");
   }
-  host_out(t, host, stage_b_);
+  host_out(t, host);
 }
 
 void MpiCommunicator::barrier() {

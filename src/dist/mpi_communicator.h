@@ -38,9 +38,10 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm mpi_comm() const { return comm_; }
 
  private:
-  // Host views of a tensor's bytes: the tensor itself in host memory, else a staging buffer.
-  char* host_in(const Tensor& t, std::vector<char>& stage);
-  void host_out(const Tensor& t, const char* host, std::vector<char>& stage);
+  // A host view of a tensor's bytes: the tensor itself in host memory, else stage_ (valid until
+  // the next host_in); host_out writes them back.
+  char* host_in(const Tensor& t);
+  void host_out(const Tensor& t, const char* host);
   // The rank-ordered reduction of `count` elements: parts[r * count ...] over r into out.
   void reduce_parts(const char* parts, char* out, int64_t count, DType t, ReduceOp op) const;
   void reduce_slices(const char* slices, int64_t per, DType t, ReduceOp op, char* mine, const char* what);
@@ -52,7 +53,7 @@ class MpiCommunicator final : public Communicator {
   Device* device_;
   std::string what_;
   int rank_ = 0, size_ = 1;
-  std::vector<char> stage_a_, stage_b_;
+  std::vector<char> stage_;
 };
 
 }  // namespace flux8
