@@ -18,6 +18,14 @@ std::vector<DeviceCommunicatorFactory>& device_factories() {
   static std::vector<DeviceCommunicatorFactory> f;
   return f;
 }
+// FLUX8_COMM: "mpi", "nccl", or "" (unset: the device's own where there is one).
+std::string_view communicator_choice() {
+  const char* value = std::getenv("FLUX8_COMM");
+  const std::string_view choice = value ? value : "";
+  if (!choice.empty() && choice != "mpi" && choice != "nccl")
+    fail("FLUX8_COMM={}: expected mpi (host-staged, several ranks may share a GPU) or nccl", choice);
+  return choice;
+}
 }  // namespace
 
 void register_device_communicator(DeviceCommunicatorFactory factory) {
@@ -28,8 +36,7 @@ void place_on_node(BackendOptions& options) {
   const JobPlacement& job = job_placement();
   if (!job.launched) return;
   options.device = job.local_rank;
-  const char* comm = std::getenv("FLUX8_COMM");
-  options.share_device = comm && std::string_view(comm) == "mpi";
+  options.share_device = communicator_choice() == "mpi";
 }
 
 int ParallelSizes::dp_for(int world) const {
@@ -55,10 +62,7 @@ std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, Backend& be
     return watch_host_collectives(std::make_unique<MpiCommunicator>(comm, device, what), collective_watchdog());
   };
   if (be.memory_is_host()) return mpi(nullptr);
-  const char* forced = std::getenv("FLUX8_COMM");
-  const std::string_view choice = forced ? forced : "";
-  if (!choice.empty() && choice != "mpi" && choice != "nccl")
-    fail("FLUX8_COMM={}: expected mpi (host-staged, several ranks may share a GPU) or nccl", choice);
+  const std::string_view choice = communicator_choice();
   if (choice != "mpi")
     for (const DeviceCommunicatorFactory& f : device_factories())
       if (auto c = f(comm, be, what)) return c;
