@@ -87,19 +87,29 @@ void AdamWOptimizer::release_full_moments() {
   full_m_ = full_v_ = Tensor{};
 }
 
+void AdamWOptimizer::set_tensor_parallel(DataParallel* tp) {
+  tp_ = tp && tp->size() > 1 ? tp : nullptr;
+  split_runs_.clear();
+  if (!tp_) return;
+  for (const ParamInfo& p : store_.layout().params()) {
+    if (!p.shard.sharded()) continue;
+    if (!split_runs_.empty() && split_runs_.back().end() == p.offset)
+      split_runs_.back().count += p.shape.numel();
+    else
+      split_runs_.push_back({p.offset, p.shape.numel()});
+  }
+}
+
 double AdamWOptimizer::job_sum_squares(FlatRange range, const std::vector<Backend::LowRankGrad>& low_rank) {
   Backend& be = store_.backend();
   const Tensor grads = store_.flat_grads();
   // [0]: everything in range; [1]: the split parameters' part of it, to be summed over the
   // tensor-parallel group while the replicated rest counts once.
   std::vector<double> local{be.gradient_sum_squares(flat_slice(grads, range), low_rank), 0.0};
-  if (tp_)
-    for (const ParamInfo& p : store_.layout().params()) {
-      if (!p.shard.sharded()) continue;
-      const int64_t begin = std::max(p.offset, range.begin);
-      const int64_t end = std::min(p.offset + p.shape.numel(), range.end());
-      if (end > begin) local[1] += be.sum_squares(flat_slice(grads, {begin, end - begin}));
-    }
+  for (const FlatRange& run : split_runs_) {
+    const int64_t begin = std::max(run.begin, range.begin), end = std::min(run.end(), range.end());
+    if (end > begin) local[1] += be.sum_squares(flat_slice(grads, {begin, end - begin}));
+  }
   if (sharded_) dp_->sum(local);  // the data-parallel shards of the buffer
   if (!tp_) return local[0];
   std::vector<double> split{local[1]};

@@ -4,6 +4,7 @@
 // are themselves the master weights), in the parameters' type or, with adam_moment_precision
 // bf16, in bf16 (stochastically rounded: Backend::AdamW).
 #include <span>
+#include <vector>
 
 #include "backend/backend.h"
 #include "model/params.h"
@@ -52,7 +53,7 @@ class AdamWOptimizer {
   // Tensor parallelism: `tp` reduces over the model's tensor-parallel group, whose ranks hold
   // the shards of the split parameters and the same replicated ones: the gradient norm counts
   // every shard once and every replicated tensor once.
-  void set_tensor_parallel(DataParallel* tp) { tp_ = tp && tp->size() > 1 ? tp : nullptr; }
+  void set_tensor_parallel(DataParallel* tp);
   bool sharded() const { return sharded_; }
 
   // The moments (in moment_dtype(); checkpoints store them as f32): this rank's, of the whole
@@ -83,6 +84,8 @@ class AdamWOptimizer {
   Tensor m_, v_;
   DataParallel* dp_ = nullptr;
   DataParallel* tp_ = nullptr;
+  // With tp_: the flat buffer's runs of split parameters (adjacent ones merged), for the norm.
+  std::vector<FlatRange> split_runs_;
   bool sharded_ = false;
   FlatSharding sharding_;
   FlatRange owned_;
