@@ -18,10 +18,7 @@ namespace fs = std::filesystem;
 
 using testing::run_mpi;
 
-std::string train_args(const testing::RunDir& dir, const std::string& save, const std::string& extra = "") {
-  return std::string(FLUX8_BINARY) + " train -c " + (dir.root / "exp.yaml").string() +
-         " --set save_dir=" + (dir.root / save).string() + " --set threads=1 " + extra;
-}
+using testing::train_args;
 
 std::vector<double> tensor_values(const std::string& file) {
   const SafetensorsReader r(file);

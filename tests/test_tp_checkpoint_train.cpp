@@ -20,9 +20,8 @@ namespace fs = std::filesystem;
 using testing::run_mpi;
 
 std::string tp_train_args(const testing::RunDir& dir, const std::string& save, const std::string& extra = "") {
-  return std::string(FLUX8_BINARY) + " train -c " + (dir.root / "exp.yaml").string() +
-         " --set save_dir=" + (dir.root / save).string() +
-         " --set threads=1 --set tensor_model_parallel_size=2 --set use_distributed_optimizer=true " + extra;
+  return testing::train_args(dir, save,
+                             "--set tensor_model_parallel_size=2 --set use_distributed_optimizer=true " + extra);
 }
 
 std::string checkpoint_file(const testing::RunDir& dir, const std::string& run, int step, const char* file) {

@@ -120,6 +120,15 @@ inline EmptyPrompt zero_prompt(const FluxConfig& cfg) {
                      HostTensor{{cfg.vec_dim}, std::vector<float>(static_cast<size_t>(cfg.vec_dim), 0.0f)}};
 }
 
+#ifdef FLUX8_BINARY
+// `flux8 train` of dir's config into dir.root / save, one OpenMP thread, then `extra`: a command
+// line for run_mpi.
+inline std::string train_args(const RunDir& dir, const std::string& save, const std::string& extra = "") {
+  return std::string(FLUX8_BINARY) + " train -c " + (dir.root / "exp.yaml").string() +
+         " --set save_dir=" + (dir.root / save).string() + " --set threads=1 " + extra;
+}
+#endif
+
 #ifdef FLUX8_MPIEXEC
 // Runs `mpirun -np N <args>` (FLUX8_MPIEXEC: the launcher CMake found; one OpenMP thread a rank,
 // Open MPI allowed as root and in containers; no leak check under AddressSanitizer, as for
@@ -128,9 +137,8 @@ inline EmptyPrompt zero_prompt(const FluxConfig& cfg) {
 inline int run_mpi(int np, const std::string& args, const fs::path& log_file, std::string* log) {
   const std::string cmd = std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
                           "OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1 " +
-                          "ASAN_OPTIONS=detect_leaks=0 " +
-                          FLUX8_MPIEXEC + " -np " + std::to_string(np) + " --oversubscribe " + args + " > " +
-                          log_file.string() + " 2>&1";
+                          "ASAN_OPTIONS=detect_leaks=0 " + FLUX8_MPIEXEC + " -np " + std::to_string(np) +
+                          " --oversubscribe " + args + " > " + log_file.string() + " 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream in(log_file);
   *log = std::string(std::istreambuf_iterator<char>(in), {});
