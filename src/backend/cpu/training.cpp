@@ -175,6 +175,8 @@ void CpuBackend::execute(const op::Adamw& args) {
   // (step, element) (core/stochastic_rounding.h), the update itself using the unrounded values.
   const bool bf16_moments = args.m.dtype == DType::bf16;
   const uint32_t step_key = adamw_step_key(args.h.step);
+  if (args.h.index_base % 2 != 0)
+    fail("{}: index_base {} is odd (the moments' noise comes in pairs)", op, args.h.index_base);
   dispatch(dt, [&]<typename T>(T) {
     T* p = args.param.ptr<T>();
     const GradientReader<T> g(args.grad.ptr<T>(), sorted);
@@ -198,7 +200,8 @@ void CpuBackend::execute(const op::Adamw& args) {
           for (int64_t i = ch * kChunk; i < end; ++i) {
             float mi, vi;
             update(i, bf16_bits_to_f32(mb[i]), bf16_bits_to_f32(vb[i]), mi, vi);
-            const uint32_t r = adamw_moment_bits(adamw_pair_noise(step_key, i >> 1), i);
+            const int64_t e = args.h.index_base + i;
+            const uint32_t r = adamw_moment_bits(adamw_pair_noise(step_key, e >> 1), e);
             mb[i] = f32_to_bf16_bits_stochastic(mi, r);
             vb[i] = f32_to_bf16_bits_stochastic(vi, r >> 16);
           }

@@ -471,6 +471,7 @@ namespace {
 struct AdamwStep {
   float gs, b1, b2, ob1, ob2, eps_hat, dec, step_size;
   uint32_t noise_key;  // adamw_step_key: bf16 moments' stochastic rounding
+  int64_t index_base;  // the flat index of p[0] (AdamWHyper::index_base), even
   __device__ void operator()(float& p, float g, float& m, float& v) const {
     const float gi = __fmul_rn(gs, g);
     const float mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(ob1, gi));
@@ -577,7 +578,7 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
     step(pq.z, gq.z, mq.z, vq.z);
     step(pq.w, gq.w, mq.w, vq.w);
     reinterpret_cast<float4*>(pc)[q] = pq;
-    store_moments4(mc + 4 * q, vc + 4 * q, mq, vq, step.noise_key, c.begin + 4 * q);
+    store_moments4(mc + 4 * q, vc + 4 * q, mq, vq, step.noise_key, step.index_base + c.begin + 4 * q);
     if (out) {
       const __nv_bfloat162 lo = __floats2bfloat162_rn(pq.x, pq.y), hi = __floats2bfloat162_rn(pq.z, pq.w);
       uint2 bits;
@@ -602,7 +603,7 @@ __device__ __forceinline__ void adamw_chunk(const AdamwChunk& c, float* __restri
     }
     float mi = load(mc[i]), vi = load(vc[i]);
     step(pc[i], gi, mi, vi);
-    const int64_t e = c.begin + i;
+    const int64_t e = step.index_base + c.begin + i;
     store_moments(mc[i], vc[i], mi, vi, adamw_moment_bits(adamw_pair_noise(step.noise_key, e >> 1), e));
     if (out) out[i] = __float2bfloat16_rn(pc[i]);
     if (codes) {
@@ -709,7 +710,9 @@ void CudaBackend::execute(const op::Adamw& args) {
                        static_cast<float>(k.eps_hat),
                        static_cast<float>(k.decay),
                        static_cast<float>(k.step_size),
-                       adamw_step_key(args.h.step)};
+                       adamw_step_key(args.h.step),
+                       args.h.index_base};
+  if (args.h.index_base % 2 != 0) fail("adamw: index_base {} is odd (the moments' noise comes in pairs)", args.h.index_base);
   float* p = args.param.ptr<float>();
   const auto* table = static_cast<const AdamwChunk*>(adamw_table_.data);
   const int64_t split = adamw_table_.first_low_rank, count = adamw_table_.count;

@@ -32,7 +32,11 @@ FLUX8_CHECK_FIELDS(LowRankGrad);
 struct AdamWHyper {
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_scale = 0;
   int64_t step = 0;  // 1-based
-  FLUX8_FIELDS(lr, beta1, beta2, eps, weight_decay, grad_scale, step)
+  // The flat index of param[0] in the whole parameter buffer, for the bf16 moments' rounding
+  // noise (drawn per flat index): an update of a slice (a distributed optimizer's shard, an
+  // offloaded chunk) rounds as the update of the whole buffer does. Even.
+  int64_t index_base = 0;
+  FLUX8_FIELDS(lr, beta1, beta2, eps, weight_decay, grad_scale, step, index_base)
 };
 FLUX8_CHECK_FIELDS(AdamWHyper);
 
@@ -116,10 +120,10 @@ FLUX8_OP(GradientSumSquares, gradient_sum_squares, double, (Tensor, grads), (Lis
 // The moments m and v are in the parameters' type, or both bf16 with f32 parameters
 // (adam_moment_precision: bf16): read widened, updated in f32 as above (p from the unrounded m, v),
 // stored rounded stochastically — f32_to_bf16_bits_stochastic with the bits of adamw_pair_noise for
-// (step, flat index / 2), a byte for each of the pair's m and v (core/stochastic_rounding.h) — the
-// same bits on every backend. `copies` and `casts` are written from the new values (ParamCopy,
-// ParamCast); `low_rank`: ranges whose gradient comes from their factors, as gradient_sum_squares
-// reads it (`grad` is not read there).
+// (step, flat index / 2; the flat index counts from h.index_base), a byte for each of the pair's m and v
+// (core/stochastic_rounding.h) — the same bits on every backend. `copies` and `casts` are written from the new values
+// (ParamCopy, ParamCast); `low_rank`: ranges whose gradient comes from their factors, as gradient_sum_squares reads it
+// (`grad` is not read there).
 FLUX8_OP(Adamw, adamw, void, (Tensor, param), (Tensor, grad), (Tensor, m), (Tensor, v), (AdamWHyper, h),
          (List<ParamCopy>, copies), (List<ParamCast>, casts), (List<LowRankGrad>, low_rank))
 
