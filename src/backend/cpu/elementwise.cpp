@@ -1,4 +1,6 @@
 // fill, copy, add, accumulate and the gated residual: elementwise over [rows, cols], any ld.
+#include <cstring>
+
 #include "backend/cpu/common.h"
 #include "backend/cpu/cpu_backend.h"
 #include "core/rng.h"
@@ -31,6 +33,15 @@ void CpuBackend::execute(const op::FillRandom& args) {
 }
 
 void CpuBackend::execute(const op::Copy& args) {
+  // bf16 to bf16 (moments of adam_moment_precision: bf16, gathered or scattered by a sharded
+  // optimizer): the bits as they are, as the CUDA backend copies them.
+  if (args.x.defined() && args.y.defined() && args.x.dtype == DType::bf16 && args.y.dtype == DType::bf16) {
+    require_same_matrix("copy", {"y", args.y}, {"x", args.x});
+    for (int64_t r = 0; r < args.y.rows(); ++r)
+      std::memcpy(static_cast<uint16_t*>(args.y.data) + r * args.y.ld,
+                  static_cast<const uint16_t*>(args.x.data) + r * args.x.ld, static_cast<size_t>(args.x.cols()) * 2);
+    return;
+  }
   const auto [t, c] = begin_call(options_, args);
   require_same_matrix("copy", {"y", args.y}, {"x", args.x});
   dispatch(t, [&]<typename T>(T) {
