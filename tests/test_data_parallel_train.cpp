@@ -85,6 +85,30 @@ TEST(DataParallelTrain, CheckpointResumesAtTheSameAndAnotherJobSize) {
   EXPECT_LT(testing::max_rel_error(one, two), 1e-6);
 }
 
+// The distributed optimizer's update of a shard rounds bf16 moments as the whole buffer's update
+// does (AdamWHyper::index_base), and offloaded shards (each rank's in its host memory, gathered
+// for the checkpoint through the backend) train as shards on the backend: bit for bit.
+TEST(DataParallelTrain, ShardedAndOffloadedMomentsFollowWholeOnes) {
+  const testing::RunDir dir("dp_offload");
+  const std::string bf16 = "--set adam_moment_precision=bf16 ";
+  const std::string zero = "--set use_distributed_optimizer=true ";
+  const std::string offload = "--set optimizer_offload=cpu --set optimizer_offload_chunk=256 ";
+  std::string log;
+  for (const auto& [run, args] :
+       {std::pair{"whole", bf16}, std::pair{"zero", bf16 + zero}, std::pair{"offload", bf16 + zero + offload},
+        std::pair{"f32_zero", zero}, std::pair{"f32_offload", zero + offload}})
+    ASSERT_EQ(0, run_mpi(2, train_args(dir, run, args), dir.root / (std::string(run) + ".log"), &log)) << log;
+  for (const auto& [run, base] :
+       {std::pair{"zero", "whole"}, std::pair{"offload", "whole"}, std::pair{"f32_offload", "f32_zero"}}) {
+    SCOPED_TRACE(run);
+    EXPECT_EQ(testing::step_losses(dir.root / run / "metrics.jsonl"),
+              testing::step_losses(dir.root / base / "metrics.jsonl"));
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      testing::expect_same_tensors((dir.root / run / "step-0000006" / file).string(),
+                                   (dir.root / base / "step-0000006" / file).string());
+  }
+}
+
 TEST(DataParallelTrain, RefusesRanksWithDifferentConfigs) {
   const testing::RunDir dir("dp_config");
   std::string log;

@@ -5,6 +5,7 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -135,6 +136,25 @@ TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
   EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 77.00, 0.005);
   EXPECT_NEAR(many.peak(Recompute::full) / kGiB, 133.61, 0.005);
   EXPECT_GT(many.masters + many.gradients, gpu_40gb);
+}
+
+// optimizer_offload: cpu moves the moments (a rank's shard, with the distributed optimizer) to host
+// memory; the GPU keeps one chunk of each, of at least the largest parameter, and a checkpoint
+// gathers the moments into host memory instead of the GPU's.
+TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
+  const Config on_gpu = Config::load(kDev, {"adam_moment_precision=bf16"});
+  const Config offloaded = Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=cpu"});
+  int64_t largest = 0;
+  const ParamLayout layout = ParamLayout::build(FluxConfig::from_config(on_gpu));
+  for (const ParamInfo& p : layout.params()) largest = std::max(largest, p.shape.numel());
+  for (const ParallelShape shape : {ParallelShape{1, 1, false}, ParallelShape{1, 8, true}}) {
+    const MemoryPlan a = MemoryPlan::of(on_gpu, shape), b = MemoryPlan::of(offloaded, shape);
+    EXPECT_TRUE(b.offload);
+    EXPECT_EQ(b.host_moments, a.moments);
+    EXPECT_EQ(b.moments, 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
+    EXPECT_EQ(b.gathered_moments, 0.0);
+    EXPECT_EQ(a.state() - b.state(), a.moments - b.moments);
+  }
 }
 
 TEST(MemoryPlan, SizesThatDoNotSplitAreRefusedByName) {

@@ -65,6 +65,16 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     p.moment_elements = p.rank_params;
   }
   p.moments = moment_bytes * static_cast<double>(p.moment_elements);
+  p.offload = config.get_string("optimizer_offload") == "cpu";
+  if (p.offload) {
+    // AdamWOptimizer's device chunk: offload_chunk elements, passed by up to a parameter.
+    int64_t largest = 0;
+    for (const ParamInfo& info : layout.params()) largest = std::max(largest, info.shape.numel());
+    const int64_t chunk = std::min(p.moment_elements, config.get_int("optimizer_offload_chunk") + largest);
+    p.host_moments = p.moments;
+    p.moments = moment_bytes * static_cast<double>(chunk);
+    p.gathered_moments = 0;
+  }
 
   for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
     const ActivationEstimate act = FluxModel::estimate_activations(cfg, p.shape, r, parallel.tp);

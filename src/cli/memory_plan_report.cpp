@@ -24,12 +24,18 @@ std::vector<StateRow> state_rows(const MemoryPlan& p) {
       {"FP8 weight casts", p.fp8_casts},
       {"f32 master weights", p.masters},
       {p.bf16_grads ? "gradients (bf16)" : "gradients (f32)", p.gradients},
-      {p.bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (f32)", p.moments},
+      {std::string(p.bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (f32)") + (p.offload ? ", a chunk" : ""),
+       p.moments},
   };
 }
 
 std::string moments_line(const MemoryPlan& p) {
   const ParallelShape& s = p.parallel;
+  if (p.offload)
+    return fmt::format(
+        "{} elements{}, in host memory ({}; optimizer_offload: cpu),\n"
+        "    streamed through the GPU a chunk at a time",
+        with_commas(p.moment_elements), s.moments_sharded() ? " (this rank's shard)" : "", gib(p.host_moments));
   if (s.moments_sharded())
     return fmt::format(
         "{} elements on this GPU, its shard over the {} data-parallel ranks\n"
@@ -98,7 +104,9 @@ nlohmann::json memory_plan_json(const MemoryPlan& p, double gpu_bytes) {
                 {"adam_moments", p.moments},
                 {"model_state", p.state()},
                 {"attention_workspace", p.attention_workspace},
-                {"gathered_moments", p.gathered_moments}};
+                {"gathered_moments", p.gathered_moments},
+                {"optimizer_offload", p.offload},
+                {"host_moments", p.host_moments}};
   j["gpu_memory_bytes"] = gpu_bytes;
   for (size_t i = 0; i < std::size(kSettings); ++i) {
     const Recompute r = kSettings[i];

@@ -145,6 +145,14 @@ std::vector<KeySpec> training_keys() {
                  "stochastically (unbiased to 1/512 of a bf16 ulp, so a small beta2 step is not lost; the random bits "
                  "are a hash of step and element: reproducible, the same on CPU and GPU) — 4 bytes a parameter less "
                  "memory and 8 less AdamW traffic; master weights stay f32 and checkpoints store the moments as F32"),
+      choice_key("training", "optimizer_offload", "none", {"none", "cpu"},
+                 "where the AdamW moments live (after DeepSpeed's ZeRO-Offload). cpu: in host memory, streamed "
+                 "through the device a chunk at a time for each update (the device holds one chunk of each moment); "
+                 "the same update, bit for bit, at the cost of moving the moments over PCIe twice a step. With "
+                 "use_distributed_optimizer each rank offloads its shard. The f32 master weights stay on the device"),
+      int_key("training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
+              "optimizer_offload: elements of each moment the device holds at a time (whole parameters: a chunk "
+              "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies"),
       float_key("training", "weight_decay", 0.1, at_least(0), "AdamW decoupled weight decay"),
       float_key("training", "clip_grad", 1.0, at_least(0), "clip the global gradient norm to this; 0 = no clipping"),
 

@@ -281,7 +281,8 @@ SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<
   return writer;
 }
 
-void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v) {
+void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+                    Backend& be) {
   const SafetensorsReader file(path);
   std::vector<std::string> problems;
   size_t expected = 0;
@@ -296,7 +297,6 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
   if (!problems.empty())
     fail("optimizer state {} does not match this model ({}{}); was it saved with another config?", path,
          problems.front(), problems.size() > 1 ? fmt::format(" and {} more", problems.size() - 1) : "");
-  Backend& be = store.backend();
   UploadBuffers buffers;
   for (const auto& [moment, flat] : {std::pair{"exp_avg", &adam_m}, std::pair{"exp_avg_sq", &adam_v}})
     for (const ParamInfo& p : store.layout().params()) {
@@ -515,13 +515,14 @@ std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:07d}"
 
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
-                            const Fp8MetaRegistry* fp8) {
+                            const Fp8MetaRegistry* fp8, Backend* moments_backend) {
   check_moments(store, adam_m, adam_v, "save_checkpoint");
   Backend& be = store.backend();
+  Backend& mb = moments_backend ? *moments_backend : be;
   const std::vector<ParamInfo>& params = store.layout().params();
   const SafetensorsWriter model = model_writer(state, params, FlatSource::on_backend(be, store.flat_params()));
   const SafetensorsWriter optimizer =
-      optimizer_writer(state, params, FlatSource::on_backend(be, adam_m), FlatSource::on_backend(be, adam_v));
+      optimizer_writer(state, params, FlatSource::on_backend(mb, adam_m), FlatSource::on_backend(mb, adam_v));
   const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
   return write_checkpoint_dir(root, state, model, optimizer, fp8_file ? &*fp8_file : nullptr, keep_last);
 }
@@ -663,7 +664,7 @@ std::optional<std::string> checkpoint_to_resume(const std::string& root, std::st
 
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8, std::string* fp8_note,
-                     CheckpointVerify verify) {
+                     CheckpointVerify verify, Backend* moments_backend) {
   check_moments(store, adam_m, adam_v, "load_checkpoint");
   verify_checkpoint(dir, verify == CheckpointVerify::digests);
   const std::string state_path = (fs::path(dir) / kStateFile).string();
@@ -672,7 +673,8 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
   if (loaded.step != m.step)
     fail("checkpoint {}: {} says step {}, {} says step {}", dir, kStateFile, loaded.step, kManifestFile, m.step);
   load_weights(store, cfg, (fs::path(dir) / kModelFile).string());
-  load_optimizer((fs::path(dir) / kOptimizerFile).string(), store, adam_m, adam_v);
+  load_optimizer((fs::path(dir) / kOptimizerFile).string(), store, adam_m, adam_v,
+                 moments_backend ? *moments_backend : store.backend());
   const bool has_fp8 = m.files.count(kFp8File) != 0;
   std::string note;
   if (fp8 && has_fp8)

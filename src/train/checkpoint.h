@@ -45,7 +45,8 @@ std::string checkpoint_dir_name(int64_t step);
 // their files' sizes and times are unchanged), so pruning reads only checkpoints it has not
 // seen. Then .tmp-* directories left by killed runs are removed. A save that fails removes its
 // own temporary directory before it throws, and the checkpoints before it stay as they were.
-// adam_m and adam_v are flat moment buffers laid out like store.flat_params(). Returns the
+// adam_m and adam_v are flat moment buffers laid out like store.flat_params(), on
+// `moments_backend` (null: the store's backend; offloaded moments are on a host one). Returns the
 // checkpoint's path. With `fp8`, the delayed-scaling state is saved too (fp8_state.safetensors).
 //
 // Test hook: FLUX8_TEST_STOP_IN_SAVE=N in the environment (read once) stops the process with
@@ -53,7 +54,7 @@ std::string checkpoint_dir_name(int64_t step);
 // temporary directory and before its manifest (tests/test_faults.cpp kills it there).
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
-                            const Fp8MetaRegistry* fp8 = nullptr);
+                            const Fp8MetaRegistry* fp8 = nullptr, Backend* moments_backend = nullptr);
 
 // The same files from flat buffers laid out like `params`, on a backend or in host memory: the
 // checkpoint of a tensor-parallel job, whose whole tensors world rank 0 assembled from the
@@ -130,10 +131,12 @@ enum class CheckpointVerify { digests, sizes };
 // tensor-parallel rank's store and moments get their shards of them, at any tensor-parallel size.
 // With `fp8` (an FP8 run), its state is restored from the checkpoint's FP8 state, or starts
 // fresh when the checkpoint has none (a BF16 run); a BF16 run ignores a checkpoint's FP8 state.
-// What happened is described in *fp8_note.
+// What happened is described in *fp8_note. The moments are on `moments_backend` (null: the
+// store's).
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8 = nullptr,
-                     std::string* fp8_note = nullptr, CheckpointVerify verify = CheckpointVerify::digests);
+                     std::string* fp8_note = nullptr, CheckpointVerify verify = CheckpointVerify::digests,
+                     Backend* moments_backend = nullptr);
 
 // For --init-from: a checkpoint directory -> its model.safetensors, checked against the
 // manifest; a file inside a checkpoint directory (step-N/model.safetensors) -> itself, checked

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/registry.h"
 #include "config/config.h"
 #include "core/error.h"
 
@@ -18,14 +20,29 @@ AdamWConfig AdamWConfig::from_config(const Config& c) {
   a.weight_decay = c.get_float("weight_decay");
   a.clip_grad = c.get_float("clip_grad");
   a.moment_dtype = c.get_string("adam_moment_precision") == "bf16" ? DType::bf16 : DType::f32;
+  a.offload = c.get_string("optimizer_offload") == "cpu";
+  a.offload_chunk = c.get_int("optimizer_offload_chunk");
   return a;
 }
+
+namespace {
+// The host memory of offloaded moments: a CPU backend's, so that checkpoints read and write them
+// through the same Backend calls as moments on the device.
+std::unique_ptr<Backend> make_host_backend() {
+  for (const BackendEntry& e : registered_backends())
+    if (e.name == "cpu") return e.create(BackendOptions{});
+  fail("optimizer_offload: cpu needs the cpu backend, which this build lacks");
+}
+}  // namespace
 
 AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(store), cfg_(cfg) {
   // adam_moment_precision bf16 applies to f32 parameters; the f64 models of the gradient
   // checks keep f64 moments (moment_dtype f32 means "the parameters' type").
   if (cfg.moment_dtype == DType::bf16 && store.dtype() != DType::f32)
     fail("adam_moment_precision bf16 needs f32 parameters; this model's are {}", dtype_name(store.dtype()));
+  if (cfg.offload && cfg.offload_chunk < 64)
+    fail("optimizer offload: a chunk of {} elements is below the minimum of 64", cfg.offload_chunk);
+  if (cfg.offload) host_ = make_host_backend();
   owned_ = FlatRange{0, store.layout().total()};
   m_ = allocate_moment(owned_.count);
   v_ = allocate_moment(owned_.count);
@@ -33,13 +50,17 @@ AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(stor
 
 Tensor AdamWOptimizer::allocate_moment(int64_t n) {
   const DType dt = cfg_.moment_dtype == DType::bf16 ? DType::bf16 : store_.dtype();
-  return Tensor(store_.backend().allocate(static_cast<size_t>(n) * dtype_size(dt)), dt, Shape{n});
+  return Tensor(moments_backend().allocate(static_cast<size_t>(n) * dtype_size(dt)), dt, Shape{n});
 }
 
 AdamWOptimizer::~AdamWOptimizer() {
   release_full_moments();
-  store_.backend().release(m_.data);
-  store_.backend().release(v_.data);
+  moments_backend().release(m_.data);
+  moments_backend().release(v_.data);
+  if (dm_.defined()) {
+    store_.backend().release(dm_.data);
+    store_.backend().release(dv_.data);
+  }
 }
 
 void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
@@ -47,7 +68,7 @@ void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
   const bool shard = dp_ && distributed;
   if (shard == sharded_) return;
   sharded_ = shard;
-  Backend& be = store_.backend();
+  Backend& be = moments_backend();
   be.release(m_.data);
   be.release(v_.data);
   const int64_t total = store_.layout().total();
@@ -66,24 +87,56 @@ void AdamWOptimizer::allocate_full_moments() {
 void AdamWOptimizer::gather_moments() {
   if (!sharded_) return;
   allocate_full_moments();
-  Backend& be = store_.backend();
+  Backend& be = moments_backend();
   for (auto [mine, full] : {std::pair{m_, full_m_}, std::pair{v_, full_v_}}) {
+    if (host_) {
+      gather_offloaded(mine, full);
+      continue;
+    }
     be.copy(flat_slice(full, owned_), mine);
     dp_->all_gather_params(full, sharding_);
   }
 }
 
+void AdamWOptimizer::gather_offloaded(const Tensor& mine, const Tensor& full) {
+  // Round k brings every rank's k-th piece of its shard: piece j of the group's gather buffer is
+  // rank j's, the shorter ones (past the end of a shard) padded. The last rank's shard is the
+  // longest (it owns the tail).
+  Backend& be = store_.backend();
+  const int ranks = sharding_.ranks;
+  const int64_t longest = sharding_.owned(ranks - 1).count;
+  const int64_t piece = std::max<int64_t>(64, std::min(cfg_.offload_chunk, (longest + 63) / 64 * 64) / 64 * 64);
+  const size_t es = dtype_size(mine.dtype);
+  const Tensor buffer(be.allocate(static_cast<size_t>(piece) * ranks * es), mine.dtype, Shape{piece * ranks});
+  const FlatSharding pieces = FlatSharding::of(piece * ranks, ranks);
+  std::vector<std::byte> host(static_cast<size_t>(piece) * ranks * es);
+  for (int64_t at = 0; at < longest; at += piece) {
+    const int64_t n = std::clamp<int64_t>(owned_.count - at, 0, piece);
+    if (n > 0) be.upload(flat_slice(buffer, {piece * dp_->rank(), n}).data, flat_slice(mine, {at, n}).data, n * es);
+    dp_->all_gather_params(buffer, pieces);
+    be.download(host.data(), buffer.data, host.size());
+    for (int r = 0; r < ranks; ++r) {
+      const FlatRange theirs = sharding_.owned(r);
+      const int64_t k = std::clamp<int64_t>(theirs.count - at, 0, piece);
+      if (k > 0)
+        std::memcpy(flat_slice(full, {theirs.begin + at, k}).data, host.data() + static_cast<size_t>(r * piece) * es,
+                    static_cast<size_t>(k) * es);
+    }
+  }
+  be.release(buffer.data);
+}
+
 void AdamWOptimizer::scatter_moments() {
   if (!sharded_) return;
-  Backend& be = store_.backend();
+  Backend& be = moments_backend();
   be.copy(m_, flat_slice(full_m_, owned_));
   be.copy(v_, flat_slice(full_v_, owned_));
 }
 
 void AdamWOptimizer::release_full_moments() {
   if (!full_m_.defined()) return;
-  store_.backend().release(full_m_.data);
-  store_.backend().release(full_v_.data);
+  moments_backend().release(full_m_.data);
+  moments_backend().release(full_v_.data);
   full_m_ = full_v_ = Tensor{};
 }
 
@@ -118,7 +171,6 @@ double AdamWOptimizer::job_sum_squares(FlatRange range, const std::vector<Backen
 }
 
 StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
-  Backend& be = store_.backend();
   StepStats s;
   s.lr = lr;
   const Tensor grads = store_.flat_grads(), params = store_.flat_params();
@@ -126,8 +178,7 @@ StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
   s.grad_norm = std::sqrt(job_sum_squares(owned_, {}));
   if (!std::isfinite(s.grad_norm)) return s;
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
-  be.adamw(flat_slice(params, owned_), flat_slice(grads, owned_), m_, v_,
-           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, {}, {}, {});
+  update(owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, {}, {}, {});
   dp_->all_gather_params(params, sharding_);
   store_.params_changed();  // operand copies are made again from the gathered weights
   s.applied = true;
@@ -136,7 +187,6 @@ StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
 
 StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend::ParamCast> casts) {
   if (sharded_) return sharded_step(step, lr);
-  Backend& be = store_.backend();
   if (dp_) dp_->all_reduce_gradients(store_.flat_grads());
   StepStats s;
   s.lr = lr;
@@ -149,13 +199,102 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
   // The weights' bf16 operand copies are written with the new weights (a conversion pass less).
   const std::vector<Backend::ParamCopy> copies = store_.operand_copies();
-  be.adamw(store_.flat_params(), store_.flat_grads(), m_, v_,
-           Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies, casts,
-           low_rank);
+  update(owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies, casts,
+         low_rank);
   store_.params_updated();
   s.applied = true;
   s.casts_written = !casts.empty();
   return s;
+}
+
+// ---- the update, in place or streamed from host memory ----------------------------------------
+
+void AdamWOptimizer::update(FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
+                            std::span<const Backend::ParamCast> casts,
+                            const std::vector<Backend::LowRankGrad>& low_rank) {
+  if (!host_) {
+    Backend::AdamW at = h;
+    at.index_base = range.begin;
+    store_.backend().adamw(flat_slice(store_.flat_params(), range), flat_slice(store_.flat_grads(), range), m_, v_, at,
+                           copies, casts, low_rank);
+    return;
+  }
+  // Copies, casts and low-rank gradients cover whole parameters: their chunks end at parameter
+  // boundaries. A shard's update has none of them and cuts where it likes.
+  const std::vector<FlatRange> chunks = offload_chunks(range, !sharded_);
+  int64_t longest = 0;
+  for (const FlatRange& c : chunks) longest = std::max(longest, c.count);
+  allocate_device_chunk(longest);
+  for (const FlatRange& c : chunks) update_chunk(c, h, copies, casts, low_rank);
+}
+
+std::vector<FlatRange> AdamWOptimizer::offload_chunks(FlatRange range, bool whole_params) const {
+  std::vector<FlatRange> chunks;
+  if (!whole_params) {
+    for (int64_t at = range.begin; at < range.end(); at += cfg_.offload_chunk)
+      chunks.push_back({at, std::min(cfg_.offload_chunk, range.end() - at)});
+    return chunks;
+  }
+  // A chunk grows parameter by parameter to offload_chunk elements; it may end only where the
+  // next parameter starts at an even index (the moments' rounding noise comes in pairs), so a
+  // chunk can pass the target by a parameter or two.
+  int64_t begin = range.begin;
+  for (const ParamInfo& p : store_.layout().params()) {
+    if (p.offset <= begin || p.offset % 2 != 0) continue;
+    if (p.offset + p.shape.numel() - begin > cfg_.offload_chunk) {
+      chunks.push_back({begin, p.offset - begin});
+      begin = p.offset;
+    }
+  }
+  if (range.end() > begin) chunks.push_back({begin, range.end() - begin});
+  return chunks;
+}
+
+void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
+  if (dm_.defined() && dm_.numel() >= elements) return;
+  Backend& be = store_.backend();
+  if (dm_.defined()) {
+    be.release(dm_.data);
+    be.release(dv_.data);
+  }
+  const size_t bytes = static_cast<size_t>(elements) * dtype_size(m_.dtype);
+  dm_ = Tensor(be.allocate(bytes), m_.dtype, Shape{elements});
+  dv_ = Tensor(be.allocate(bytes), m_.dtype, Shape{elements});
+}
+
+void AdamWOptimizer::update_chunk(FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
+                                  std::span<const Backend::ParamCast> casts,
+                                  const std::vector<Backend::LowRankGrad>& low_rank) {
+  // adamw's lists count offsets from its param tensor: from the chunk's start here.
+  std::vector<Backend::ParamCopy> chunk_copies;
+  for (Backend::ParamCopy c : copies)
+    if (c.offset >= chunk.begin && c.offset < chunk.end()) {
+      c.offset -= chunk.begin;
+      chunk_copies.push_back(c);
+    }
+  std::vector<Backend::ParamCast> chunk_casts;
+  for (Backend::ParamCast c : casts)
+    if (c.offset >= chunk.begin && c.offset < chunk.end()) {
+      c.offset -= chunk.begin;
+      chunk_casts.push_back(c);
+    }
+  std::vector<Backend::LowRankGrad> chunk_low_rank;
+  for (Backend::LowRankGrad g : low_rank)
+    if (g.offset >= chunk.begin && g.offset < chunk.end()) {
+      g.offset -= chunk.begin;
+      chunk_low_rank.push_back(g);
+    }
+  Backend& be = store_.backend();
+  const FlatRange mine{chunk.begin - owned_.begin, chunk.count};  // in this rank's moments
+  const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
+  const Tensor dm = flat_slice(dm_, {0, chunk.count}), dv = flat_slice(dv_, {0, chunk.count});
+  be.upload(dm.data, flat_slice(m_, mine).data, bytes);
+  be.upload(dv.data, flat_slice(v_, mine).data, bytes);
+  h.index_base = chunk.begin;
+  be.adamw(flat_slice(store_.flat_params(), chunk), flat_slice(store_.flat_grads(), chunk), dm, dv, h, chunk_copies,
+           chunk_casts, chunk_low_rank);
+  be.download(flat_slice(m_, mine).data, dm.data, bytes);
+  be.download(flat_slice(v_, mine).data, dv.data, bytes);
 }
 
 }  // namespace flux8

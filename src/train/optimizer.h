@@ -3,6 +3,7 @@
 // two more flat buffers laid out like the parameters (on the CPU backend the f32 parameters
 // are themselves the master weights), in the parameters' type or, with adam_moment_precision
 // bf16, in bf16 (stochastically rounded: Backend::AdamW).
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -21,6 +22,11 @@ struct AdamWConfig {
   // Storage of the moments: the parameters' type (f32), or bf16 (f32 parameters only):
   // adam_moment_precision.
   DType moment_dtype = DType::f32;
+  // optimizer_offload: cpu — the moments live in host memory and stream through the backend a
+  // chunk at a time for the update (AdamWOptimizer::step): the device holds one chunk of each.
+  bool offload = false;
+  // Elements of a chunk (a chunk of whole parameters is at least the largest parameter).
+  int64_t offload_chunk = int64_t{1} << 26;
   static AdamWConfig from_config(const Config& cfg);
 };
 
@@ -57,15 +63,19 @@ class AdamWOptimizer {
   bool sharded() const { return sharded_; }
 
   // The moments (in moment_dtype(); checkpoints store them as f32): this rank's, of the whole
-  // buffer or, sharded, of owned() only.
+  // buffer or, sharded, of owned() only. They live on moments_backend(): the parameters' backend,
+  // or with offload a CPU backend holding them in host memory.
   DType moment_dtype() const { return m_.dtype; }
+  Backend& moments_backend() const { return host_ ? *host_ : store_.backend(); }
+  bool offloaded() const { return host_ != nullptr; }
   Tensor exp_avg() const { return m_; }
   Tensor exp_avg_sq() const { return v_; }
   FlatRange owned() const { return owned_; }
-  // Whole-buffer moments for checkpoints. gather_moments(): the group's shards all-gathered into
-  // buffers of the whole size (every rank takes part), which full_exp_avg()/full_exp_avg_sq()
-  // return until release_full_moments(); without sharding they are the moments themselves.
-  // After a checkpoint has been loaded into them, scatter_moments() takes this rank's shard.
+  // Whole-buffer moments for checkpoints (on moments_backend()). gather_moments(): the group's
+  // shards all-gathered into buffers of the whole size (every rank takes part), which
+  // full_exp_avg()/full_exp_avg_sq() return until release_full_moments(); without sharding they
+  // are the moments themselves. After a checkpoint has been loaded into them, scatter_moments()
+  // takes this rank's shard.
   void gather_moments();
   void allocate_full_moments();
   void scatter_moments();
@@ -75,13 +85,29 @@ class AdamWOptimizer {
 
  private:
   StepStats sharded_step(int64_t step, double lr);
+  // AdamW over the parameters `range` (inside owned()): in place, or with offload a chunk of
+  // `chunks` at a time through the device buffers dm_/dv_. copies/casts/low_rank as adamw takes
+  // them for the whole flat buffer.
+  void update(FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
+              std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
+  void update_chunk(FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
+                    std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
+  // Offload: the chunks of `range` — whole parameters, starting at even indices — and the device
+  // buffers for the largest.
+  std::vector<FlatRange> offload_chunks(FlatRange range, bool whole_params) const;
+  void allocate_device_chunk(int64_t elements);
+  // Offload with sharding: the group's shards of host moment `mine` into `full`, through the
+  // device buffers.
+  void gather_offloaded(const Tensor& mine, const Tensor& full);
   // The squared norm of the whole model's gradient, from this rank's gradients in `range` (all of
   // the buffer, or its owned shard after a reduce-scatter) and `low_rank`.
   double job_sum_squares(FlatRange range, const std::vector<Backend::LowRankGrad>& low_rank);
   Tensor allocate_moment(int64_t n);
   ParamStore& store_;
   AdamWConfig cfg_;
+  std::unique_ptr<Backend> host_;  // offload: the moments' memory
   Tensor m_, v_;
+  Tensor dm_, dv_;  // offload: one chunk of each moment on the parameters' backend
   DataParallel* dp_ = nullptr;
   DataParallel* tp_ = nullptr;
   // With tp_: the flat buffer's runs of split parameters (adjacent ones merged), for the norm.

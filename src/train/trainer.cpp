@@ -174,7 +174,8 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
       // Whole-buffer moments (a sharded optimizer's are gathered space, then scattered).
       r.opt->allocate_full_moments();
       load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
-                      registry, &r.resume.fp8_note, CheckpointVerify::sizes);  // its digests were just verified
+                      registry, &r.resume.fp8_note, CheckpointVerify::sizes,  // its digests were just verified
+                      &r.opt->moments_backend());
       r.opt->scatter_moments();
       r.opt->release_full_moments();
       r.state.config_yaml = r.cfg.config_yaml;  // the config of this run goes into its checkpoints
@@ -237,6 +238,10 @@ void announce_run(Run& r) {
   if (params.grad_dtype() != params.dtype())
     note(r, fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                         dtype_name(params.grad_dtype()), dtype_name(params.dtype())));
+  if (r.opt->offloaded())
+    note(r, fmt::format("optimizer_offload: the AdamW moments ({:.2f} GB) live in host memory and stream through the "
+                        "device for each update",
+                        2.0 * static_cast<double>(r.opt->owned().count) * dtype_size(r.opt->moment_dtype()) / 1e9));
   if (r.opt->moment_dtype() != params.dtype())
     note(r, fmt::format("AdamW moments: stored in {} (adam_moment_precision), rounded stochastically; computed in {}",
                         dtype_name(r.opt->moment_dtype()), dtype_name(params.dtype())));
@@ -430,6 +435,10 @@ void prepare_checkpoints(Run& r) {
   const bool behind = r.cfg.async_save == TrainConfig::AsyncSave::on ||
                       (r.cfg.async_save == TrainConfig::AsyncSave::automatic && r.be->computes_beside_host());
   if (!behind || !lead_rank(r)) return;
+  if (r.opt->offloaded()) {  // the moments are in host memory already: the save reads them there
+    note(r, "async_save: with optimizer_offload the checkpoints are written in line from the host moments");
+    return;
+  }
   if (r.groups->tp_size() > 1) {  // the host copy would hold rank 0's shards only
     note(r, "async_save: a tensor-parallel job's checkpoints are written in line (rank 0 assembles the shards)");
     return;
@@ -528,9 +537,9 @@ void save(Run& r) {
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  r.result.last_checkpoint =
-      save_checkpoint(r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(),
-                      r.opt->full_exp_avg_sq(), static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r));
+  r.result.last_checkpoint = save_checkpoint(
+      r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
+      static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r), &r.opt->moments_backend());
   r.opt->release_full_moments();
   report_saved_in_line(r, seconds_since(t0));
 }

@@ -1,0 +1,106 @@
+// optimizer_offload: cpu (train/optimizer.h): the moments in host memory, streamed through the
+// backend in chunks, give the same training bit for bit as moments kept on the backend — with f32
+// and with stochastically rounded bf16 moments, with FP8 weight casts written by the update, across
+// a checkpoint and a resume — and the update of a slice rounds as the update of the whole buffer.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/transfer.h"
+#include "model_test_util.h"
+#include "test_util.h"
+#include "train/data_parallel.h"
+#include "train_test_util.h"
+
+namespace flux8 {
+namespace {
+
+using testing::RunDir;
+
+// Straight runs with the moments on the backend and offloaded in chunks of 256 elements (the
+// tiny model's largest parameter has 576: chunks of one parameter and of several); the offloaded
+// one stops after step 3 and resumes.
+void expect_offload_changes_nothing(const std::vector<std::string>& extra) {
+  const RunDir dir("offload");
+  auto options = [&](const char* save, bool offload) {
+    TrainOptions o = dir.options(save);
+    o.overrides.insert(o.overrides.end(), extra.begin(), extra.end());
+    o.overrides.push_back("save_interval=3");
+    if (offload) {
+      o.overrides.push_back("optimizer_offload=cpu");
+      o.overrides.push_back("optimizer_offload_chunk=256");
+    }
+    return o;
+  };
+  run_training(options("device", false));
+  TrainOptions off = options("host", true);
+  off.stop_after = 3;
+  EXPECT_TRUE(run_training(off).stopped_early);
+  off.resume = true;
+  off.stop_after = 0;
+  EXPECT_EQ(run_training(off).steps_done, 6);
+  const std::vector<double> a = testing::step_losses(dir.root / "device" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  EXPECT_EQ(testing::step_losses(dir.root / "host" / "metrics.jsonl"), a);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    testing::expect_same_tensors((dir.root / "device" / "step-0000006" / file).string(),
+                                 (dir.root / "host" / "step-0000006" / file).string());
+}
+
+TEST(OptimizerOffload, SameTrainingAsMomentsOnTheBackend) { expect_offload_changes_nothing({}); }
+
+TEST(OptimizerOffload, SameTrainingWithBf16MomentsAndFp8Casts) {
+  expect_offload_changes_nothing({"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"});
+}
+
+TEST(OptimizerOffload, RefusedWithTensorParallelism) {
+  const RunDir dir("offload_tp");
+  TrainOptions o = dir.options("run");
+  o.overrides.push_back("optimizer_offload=cpu");
+  o.overrides.push_back("tensor_model_parallel_size=2");
+  const std::string e = testing::error_of([&] { run_training(o); });
+  EXPECT_NE(e.find("optimizer_offload: cpu"), std::string::npos) << e;
+  EXPECT_NE(e.find("tensor_model_parallel_size"), std::string::npos) << e;
+}
+
+// adamw over two halves of a buffer, each told its flat index (AdamWHyper::index_base), writes the
+// bf16 moments the update of the whole buffer writes: their rounding noise is drawn per flat index.
+TEST(OptimizerOffload, SlicesRoundTheirMomentsAsTheWholeBuffer) {
+  auto be = make_backend("cpu");
+  const int64_t n = 1000, half = 500;
+  auto fill = [&](DType dt, double scale, uint64_t seed) {
+    const Tensor t(be->allocate(static_cast<size_t>(n) * dtype_size(dt)), dt, Shape{n});
+    std::vector<double> v(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = scale * std::sin(0.37 * static_cast<double>(i + seed));
+    from_host(*be, t, v);
+    return t;
+  };
+  const Backend::AdamW h{1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 3};
+  const Tensor p1 = fill(DType::f32, 1.0, 1), p2 = fill(DType::f32, 1.0, 1), g = fill(DType::f32, 0.01, 2);
+  const Tensor m1 = fill(DType::bf16, 0.001, 3), m2 = fill(DType::bf16, 0.001, 3);
+  const Tensor v1 = fill(DType::bf16, 1e-5, 4), v2 = fill(DType::bf16, 1e-5, 4);
+  for (const Tensor* t : {&v1, &v2}) {  // second moments are not negative
+    std::vector<double> x = to_host(*be, *t);
+    for (double& e : x) e = std::abs(e);
+    from_host(*be, *t, x);
+  }
+  be->adamw(p1, g, m1, v1, h, {}, {}, {});
+  for (const FlatRange r : {FlatRange{0, half}, FlatRange{half, n - half}}) {
+    Backend::AdamW at = h;
+    at.index_base = r.begin;
+    be->adamw(flat_slice(p2, r), flat_slice(g, r), flat_slice(m2, r), flat_slice(v2, r), at, {}, {}, {});
+  }
+  EXPECT_EQ(to_host(*be, p1), to_host(*be, p2));
+  EXPECT_EQ(to_host(*be, m1), to_host(*be, m2));
+  EXPECT_EQ(to_host(*be, v1), to_host(*be, v2));
+  Backend::AdamW odd = h;
+  odd.index_base = 3;
+  const std::string e = testing::error_of([&] { be->adamw(p2, g, m2, v2, odd, {}, {}, {}); });
+  EXPECT_NE(e.find("index_base 3 is odd"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace flux8
