@@ -215,8 +215,8 @@ std::vector<KeySpec> run_keys() {
       int_key("run", "sample_steps", 20, between(1, 10000), "Euler steps of the end-of-run samples"),
       int_key("run", "samples_per_prompt", 4, between(1, 256), "images per prompt in the end-of-run grid"),
       string_key("run", "tensorboard_dir", "",
-                 "TensorBoard event files (events.out.tfevents.*, written by rank 0): \"\" = SAVE_DIR/tensorboard, "
-                 "none = no event files"),
+                 "directory of the TensorBoard event files (events.out.tfevents.*, written by rank 0): \"\" = "
+                 "SAVE_DIR/tensorboard; none = no event files"),
       bool_key("run", "log_timers_to_tensorboard", false,
                "also write the timers (step, data wait/read/assemble/upload, validation, checkpoint save) to "
                "TensorBoard under timers/ (Megatron's key)"),

@@ -42,7 +42,7 @@ class EventFileWriter {
   // An image summary from PNG bytes (io/png.h writes them) of width × height pixels, RGB.
   void add_image(std::string_view tag, int64_t step, std::string_view png, int width, int height);
   // A resumed run's first event: TensorBoard discards what earlier files hold at `step` and
-  // after, the steps this run takes again.
+  // after (SessionLog START).
   void add_session_start(int64_t step);
 
  private:

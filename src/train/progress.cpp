@@ -24,21 +24,33 @@ std::string_view record_kind_name(RecordKind k) {
   return "run";
 }
 
-int64_t truncate_metrics_after(const std::string& path, int64_t step) {
+std::optional<RecordKind> record_kind_from_name(std::string_view name) {
+  for (RecordKind k : {RecordKind::step, RecordKind::eval, RecordKind::fp8, RecordKind::checkpoint, RecordKind::sample,
+                       RecordKind::run})
+    if (record_kind_name(k) == name) return k;
+  return std::nullopt;
+}
+
+std::vector<nlohmann::json> truncate_metrics_after(const std::string& path, int64_t step) {
+  std::vector<nlohmann::json> at_step;
   std::ifstream in(path);
-  if (!in) return 0;  // no metrics yet
+  if (!in) return at_step;  // no metrics yet
   std::string kept;
   int64_t dropped = 0;
   for (std::string line; std::getline(in, line);) {
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    const bool keep = j.is_object() && (!j.contains("step") || (j["step"].is_number_integer() && j["step"] <= step));
-    if (keep)
+    // (An eval record at `step` goes too: the resumed run validates there first and writes it again.)
+    const bool keep = j.is_object() && (!j.contains("step") || (j["step"].is_number_integer() && j["step"] <= step &&
+                                                                !(j["step"] == step && j.value("kind", "") == "eval")));
+    if (keep) {
       kept += line + "\n";
-    else
+      if (j.contains("step") && j["step"] == step) at_step.push_back(j);
+    } else {
       ++dropped;
+    }
   }
   in.close();
-  if (dropped == 0) return 0;
+  if (dropped == 0) return at_step;
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -49,7 +61,7 @@ int64_t truncate_metrics_after(const std::string& path, int64_t step) {
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) fail("cannot replace {} with {}: {}", path, tmp, ec.message());
-  return dropped;
+  return at_step;
 }
 
 Progress::Progress(const std::string& path, int64_t resume_step, int64_t start_step, int64_t total, bool print)
@@ -60,7 +72,7 @@ Progress::Progress(const std::string& path, int64_t resume_step, int64_t start_s
       t0_(std::chrono::steady_clock::now()) {
   if (!path.empty()) {
     const bool append = resume_step >= 0;
-    if (append) truncate_metrics_after(path, resume_step);
+    if (append) resumed_step_records_ = truncate_metrics_after(path, resume_step);
     metrics_.open(path, append ? std::ios::app : std::ios::trunc);
     if (!metrics_) fail("cannot open {} for writing (metrics)", path);
   }
@@ -68,7 +80,12 @@ Progress::Progress(const std::string& path, int64_t resume_step, int64_t start_s
 
 Progress::~Progress() { finish(); }
 
-void Progress::set_tensorboard(std::unique_ptr<TensorBoardLog> tb) { tb_ = std::move(tb); }
+void Progress::set_tensorboard(std::unique_ptr<TensorBoardLog> tb) {
+  tb_ = std::move(tb);
+  for (const nlohmann::json& r : resumed_step_records_)
+    if (const auto kind = record_kind_from_name(r.value("kind", ""))) tb_->record(*kind, r);
+  resumed_step_records_.clear();
+}
 
 void Progress::clear_bar() {
   if (bar_shown_) fmt::print("\r\033[K");

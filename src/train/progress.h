@@ -10,7 +10,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <optional>
 #include <string_view>
+#include <vector>
 
 namespace flux8 {
 
@@ -44,12 +46,14 @@ struct StepReport {
 // Every metrics.jsonl record's `kind`.
 enum class RecordKind { step, eval, fp8, checkpoint, sample, run };
 std::string_view record_kind_name(RecordKind k);
+std::optional<RecordKind> record_kind_from_name(std::string_view name);
 
 // Keeps the records of `path` (metrics.jsonl) up to and including `step`, dropping the later
-// ones (and any line that does not parse: the tail of a write cut short), so that a run resumed
-// from the checkpoint of that step writes each later step once. The file is rewritten in place
-// through a temporary and a rename. Returns the number of records dropped.
-int64_t truncate_metrics_after(const std::string& path, int64_t step);
+// ones, the validation at `step` (a resumed run validates there again) and any line that does not
+// parse (the tail of a write cut short), so that a run resumed from the checkpoint of that step
+// writes each record once. The file is rewritten in place
+// through a temporary and a rename. Returns the records kept at `step`.
+std::vector<nlohmann::json> truncate_metrics_after(const std::string& path, int64_t step);
 
 class Progress {
  public:
@@ -62,7 +66,8 @@ class Progress {
 
   // Every record then carries the device's allocated and peak memory (Device::memory_use).
   void set_device(const Device* device) { device_ = device; }
-  // Every record from then on is also written to TensorBoard.
+  // Every record from then on is also written to TensorBoard; after a resume, first the records
+  // kept at the resumed step (TensorBoardLog drops what earlier event files hold from there on).
   void set_tensorboard(std::unique_ptr<TensorBoardLog> tb);
   TensorBoardLog* tensorboard() { return tb_.get(); }
 
@@ -82,6 +87,7 @@ class Progress {
   std::ofstream metrics_;
   const Device* device_ = nullptr;
   std::unique_ptr<TensorBoardLog> tb_;
+  std::vector<nlohmann::json> resumed_step_records_;
   bool tty_;
   bool print_ = true;
   bool bar_shown_ = false;

@@ -20,7 +20,7 @@ std::string fp8_tensor_group(const std::string& tensor, const std::string& role)
 
 TensorBoardLog::TensorBoardLog(const std::string& dir, bool timers, int64_t resume_step)
     : writer_(dir), timers_(timers) {
-  if (resume_step >= 0) writer_.add_session_start(resume_step + 1);
+  if (resume_step >= 0) writer_.add_session_start(resume_step);
 }
 
 // A number field of the record, when it is there and not null.

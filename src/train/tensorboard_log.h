@@ -29,7 +29,7 @@ std::string fp8_tensor_group(const std::string& tensor, const std::string& role)
 class TensorBoardLog {
  public:
   // resume_step >= 0: a resumed run, whose first event tells TensorBoard to drop what the
-  // earlier files hold after that step.
+  // earlier files hold from that step on (Progress writes that step's kept records again).
   TensorBoardLog(const std::string& dir, bool timers, int64_t resume_step);
   const std::string& path() const { return writer_.path(); }
 
