@@ -151,7 +151,8 @@ TEST(Faults, KillDuringSaveThenResumeIsBitExact) {
   const auto [rc, out] = run_train(dir, "run", {"--set", "save_interval=2", "--resume"});
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("resumed from " + (dir.root / "run" / "step-0000002").string()), std::string::npos) << out;
-  EXPECT_EQ(listing(dir.root / "run"), (std::vector<std::string>{"metrics.jsonl", "step-0000004", "step-0000006", "tensorboard"}));
+  EXPECT_EQ(listing(dir.root / "run"),
+            (std::vector<std::string>{"metrics.jsonl", "step-0000004", "step-0000006", "tensorboard"}));
   for (const char* step : {"step-0000004", "step-0000006"})
     expect_same_checkpoint(dir.root / "straight" / step, dir.root / "run" / step);
   // The killed run logged steps 1-4, the resumed one 3-6.
@@ -180,7 +181,8 @@ TEST(Faults, SigtermSavesACheckpointAndExitsCleanly) {
   EXPECT_EQ(rc, kStoppedExitCode) << out;
   expect_mentions(out, {"SIGTERM received: stopping after this step with a checkpoint",
                         "stopping at step 3 (SIGTERM); resume with --resume"});
-  EXPECT_EQ(listing(dir.root / "run"), (std::vector<std::string>{"metrics.jsonl", "step-0000002", "step-0000003", "tensorboard"}));
+  EXPECT_EQ(listing(dir.root / "run"),
+            (std::vector<std::string>{"metrics.jsonl", "step-0000002", "step-0000003", "tensorboard"}));
   EXPECT_NO_THROW(verify_checkpoint((dir.root / "run" / "step-0000003").string()));
 
   const auto [rc2, out2] = run_train(dir, "run", {"--set", "save_interval=2", "--resume"});

@@ -229,8 +229,8 @@ std::vector<KeySpec> run_keys() {
       choice_key("run", "mlperf_submission_status", "onprem", {"onprem", "cloud", "preview", "research"},
                  "MLPerf log: submission_status"),
       float_key("run", "target_eval_loss", 0, between(0, 1e30),
-                "stop the run (MLPerf run_stop status success) at the first validation whose loss is at or below "
-                "this; 0 = no target (MLPerf Flux: 0.586)"),
+                "stop the run, after a checkpoint (MLPerf run_stop status success), at the first validation after "
+                "training began whose loss is at or below this; 0 = no target (MLPerf Flux: 0.586)"),
 
   };
 }

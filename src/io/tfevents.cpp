@@ -63,8 +63,7 @@ void put_bytes(std::string& out, uint32_t field, std::string_view v) {
 }
 
 // tensorflow.Event's fields (tensorflow/core/util/event.proto).
-constexpr uint32_t kEventWallTime = 1, kEventStep = 2, kEventFileVersion = 3, kEventSummary = 5,
-                   kEventSessionLog = 7;
+constexpr uint32_t kEventWallTime = 1, kEventStep = 2, kEventFileVersion = 3, kEventSummary = 5, kEventSessionLog = 7;
 // Summary.value; Summary.Value's tag, simple_value and image; Summary.Image's fields.
 constexpr uint32_t kSummaryValue = 1, kValueTag = 1, kValueSimple = 2, kValueImage = 4;
 constexpr uint32_t kImageHeight = 1, kImageWidth = 2, kImageColorspace = 3, kImageEncoded = 4;
@@ -159,9 +158,8 @@ EventFileWriter::EventFileWriter(const std::string& dir) {
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "localhost");
   const double now = unix_seconds();
-  path_ = (std::filesystem::path(dir) /
-           ("events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) + "." + host + "." +
-            std::to_string(::getpid())))
+  path_ = (std::filesystem::path(dir) / ("events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) + "." +
+                                         host + "." + std::to_string(::getpid())))
               .string();
   out_.open(path_, std::ios::binary | std::ios::app);
   if (!out_) fail("cannot open {} for writing (TensorBoard events; set tensorboard_dir elsewhere)", path_);

@@ -44,8 +44,8 @@ void MlperfLog::write(const char* type, const std::string& key, const nlohmann::
                       const nlohmann::json& metadata) {
   nlohmann::json meta = metadata.is_object() ? metadata : nlohmann::json::object();
   meta["file"] = "flux8";
-  const nlohmann::json line{{"namespace", ""},  {"time_ms", unix_ms()}, {"event_type", type},
-                            {"key", key},       {"value", value},       {"metadata", meta}};
+  const nlohmann::json line{{"namespace", ""}, {"time_ms", unix_ms()}, {"event_type", type},
+                            {"key", key},      {"value", value},       {"metadata", meta}};
   out_ << ":::MLLOG " << line.dump() << "\n";
   out_.flush();
   if (!out_) fail("cannot write {} (the MLPerf log): is the disk full?", path_);

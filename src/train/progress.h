@@ -9,8 +9,8 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <string>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 

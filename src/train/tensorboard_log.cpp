@@ -11,7 +11,8 @@ std::string fp8_tensor_group(const std::string& tensor, const std::string& role)
   std::string out;
   std::istringstream parts(tensor);
   for (std::string part; std::getline(parts, part, '.');) {
-    const bool index = !part.empty() && std::all_of(part.begin(), part.end(), [](unsigned char c) { return std::isdigit(c); });
+    const bool index =
+        !part.empty() && std::all_of(part.begin(), part.end(), [](unsigned char c) { return std::isdigit(c); });
     if (index) continue;
     out += (out.empty() ? "" : ".") + part;
   }

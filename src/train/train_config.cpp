@@ -82,7 +82,9 @@ void read_run_outputs(const Config& cfg, TrainConfig& t) {
   t.sample_steps = cfg.get_int("sample_steps");
   t.samples_per_prompt = cfg.get_int("samples_per_prompt");
   const std::string tb = cfg.get_string("tensorboard_dir");
-  t.tensorboard_dir = tb == "none" ? "" : tb.empty() ? (std::filesystem::path(t.save_dir) / "tensorboard").string() : tb;
+  t.tensorboard_dir = tb == "none" ? ""
+                      : tb.empty() ? (std::filesystem::path(t.save_dir) / "tensorboard").string()
+                                   : tb;
   t.log_timers_to_tensorboard = cfg.get_bool("log_timers_to_tensorboard");
   t.mlperf = {cfg.get_bool("mlperf_logging"), cfg.get_string("mlperf_submission_org"),
               cfg.get_string("mlperf_submission_platform"), cfg.get_string("mlperf_submission_division"),

@@ -363,7 +363,8 @@ void log_step(Run& r, const StepLoss& sl, const StepStats& st, double lr, double
     r.progress->event(fmt::format("first step done {:.2f} s after launch (libraries, device, model, data, validation "
                                   "and the step itself)",
                                   since_launch),
-                      RecordKind::run, {{"event", "first_step"}, {"step", r.state.step}, {"seconds_since_launch", since_launch}});
+                      RecordKind::run,
+                      {{"event", "first_step"}, {"step", r.state.step}, {"seconds_since_launch", since_launch}});
   }
 }
 
@@ -630,8 +631,8 @@ bool after_step(Run& r, const TrainOptions& opt) {
     if (reached_target(r, score)) {
       r.result.reached_target = true;
       r.result.last_val_loss = score;
-      r.progress->event(fmt::format("validation loss {:.4f} reached target_eval_loss {} at step {}: stopping",
-                                    score, r.cfg.target_eval_loss, r.state.step),
+      r.progress->event(fmt::format("validation loss {:.4f} reached target_eval_loss {} at step {}: stopping", score,
+                                    r.cfg.target_eval_loss, r.state.step),
                         RecordKind::run, {{"event", "target_reached"}, {"step", r.state.step}, {"val_loss", score}});
     }
     outside_steps = true;

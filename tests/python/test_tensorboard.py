@@ -207,7 +207,7 @@ def main(argv):
         check_tensorboard(run, again)
 
         # target_eval_loss: the first interval validation at or below it ends the run, a success.
-        run, log = train(flux8, src, tmp, "target", "eval_interval=1", "target_eval_loss=100")
+        run, log = train(flux8, src, tmp, "target", "eval_interval=1", "target_eval_loss=100", "sample_prompts=")
         assert "reached target_eval_loss 100 at step 1: stopping" in log, log
         recs = records(run)
         assert [r["step"] for r in recs if r["kind"] == "step"] == [1], recs
