@@ -4,8 +4,8 @@
     python3 tests/python/test_tensorboard.py <flux8 binary> <source dir>
 
 Needs the `tensorboard` and `mlperf-logging` pip packages (scripts/install_deps.sh installs
-them). Trains configs/demo.yaml on the CPU for a few steps (FP8 hybrid, telemetry every 2
-steps), then checks:
+them). Trains configs/demo.yaml, its model shrunk, on the CPU for a few steps (FP8 hybrid,
+telemetry every 2 steps), then checks:
   1. metrics.jsonl: every record has a known `kind`, a wall `time` within the run, an integer
      `step` and the device memory (allocated <= peak); each step is logged once.
   2. TensorBoard, through its own event reader (event_accumulator, which checks each record's
@@ -39,7 +39,10 @@ def train(flux8, src, tmp, name, *sets, resume=False):
     data = os.path.join(tmp, "data")
     run = os.path.join(tmp, name)
     cmd = [flux8, "train", "-c", os.path.join(src, "configs", "demo.yaml")]
-    for s in ["backend=cpu", "threads=2", f"save_dir={run}", f"train_data={data}/train-*.tar",
+    # The demo config with its model shrunk (one block of each kind, 8x8 images): seconds a run.
+    for s in ["backend=cpu", "threads=2", "hidden_size=24", "num_attention_heads=2", "axes_dim=[2,4,6]",
+              "num_double_blocks=1", "num_single_blocks=1", "context_dim=8", "vec_dim=8", "text_seq_len=4",
+              "image_size=8", f"save_dir={run}", f"train_data={data}/train-*.tar",
               f"valid_data={data}/val-*.tar", f"empty_prompt_file={data}/empty_prompt", "demo_train_samples=32",
               "demo_val_samples=8", "data_shuffle_buffer=8", "micro_batch_size=2", "train_iters=4",
               "eval_interval=2", "save_interval=2", "keep_last_checkpoints=0", "log_interval=1", "fp8=hybrid",
