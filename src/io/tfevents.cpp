@@ -62,7 +62,7 @@ void put_bytes(std::string& out, uint32_t field, std::string_view v) {
   out.append(v);
 }
 
-// tensorflow.Event's fields (tensorflow/core/util/event.proto).
+// tensorflow.Event's fields, as TensorFlow's event.proto numbers them.
 constexpr uint32_t kEventWallTime = 1, kEventStep = 2, kEventFileVersion = 3, kEventSummary = 5, kEventSessionLog = 7;
 // Summary.value; Summary.Value's tag, simple_value and image; Summary.Image's fields.
 constexpr uint32_t kSummaryValue = 1, kValueTag = 1, kValueSimple = 2, kValueImage = 4;
