@@ -48,9 +48,12 @@ fi
 # ml_dtypes 0.7.x: the E8M0 reference that tests/python/test_fp8_ml_dtypes.py compares with,
 # checked against flux8 over all 2^32 f32 inputs. 0.7 changed how f32 subnormals round (older
 # copies are upgraded); the pin keeps a later release's rule change from failing CI unannounced.
-python_packages=(numpy safetensors "ml_dtypes>=0.7,<0.8")
-if ! python3 -c "import numpy, safetensors, ml_dtypes, sys
-sys.exit(tuple(int(p) for p in ml_dtypes.__version__.split('.')[:2]) != (0, 7))" 2>/dev/null; then
+# tensorboard's event reader and mlperf-logging's compliance checker (with the 6.1.0 training
+# rules) read back what tests/python/test_tensorboard.py's run writes.
+python_packages=(numpy safetensors "ml_dtypes>=0.7,<0.8" tensorboard "mlperf-logging>=4.1.68")
+if ! python3 -c "import numpy, safetensors, ml_dtypes, tensorboard, os, sys, mlperf_logging.compliance_checker as c
+sys.exit(not os.path.isdir(os.path.join(os.path.dirname(c.__file__), 'training_6.1.0')) or
+         tuple(int(p) for p in ml_dtypes.__version__.split('.')[:2]) != (0, 7))" 2>/dev/null; then
   echo "installing Python packages: ${python_packages[*]}"
   python3 -m pip install -q "${python_packages[@]}" 2>/dev/null ||
     python3 -m pip install -q --break-system-packages "${python_packages[@]}"

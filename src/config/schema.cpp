@@ -222,6 +222,23 @@ std::vector<KeySpec> run_keys() {
       string_key("run", "sample_prompts", "", "prompts for the sample grid written at the end, separated by ';'"),
       int_key("run", "sample_steps", 20, between(1, 10000), "Euler steps of the end-of-run samples"),
       int_key("run", "samples_per_prompt", 4, between(1, 256), "images per prompt in the end-of-run grid"),
+      string_key("run", "tensorboard_dir", "",
+                 "directory of the TensorBoard event files (events.out.tfevents.*, written by rank 0): \"\" = "
+                 "SAVE_DIR/tensorboard; none = no event files"),
+      bool_key("run", "log_timers_to_tensorboard", false,
+               "also write the timers (step, data wait/read/assemble/upload, validation, checkpoint save) to "
+               "TensorBoard under timers/ (Megatron's key)"),
+      bool_key("run", "mlperf_logging", false,
+               "write SAVE_DIR/mlperf.log: the MLPerf Training log (`:::MLLOG` lines) of the Flux benchmark"),
+      string_key("run", "mlperf_submission_org", "flux8", "MLPerf log: submission_org"),
+      string_key("run", "mlperf_submission_platform", "",
+                 "MLPerf log: submission_platform; \"\" = the backend's device name"),
+      choice_key("run", "mlperf_submission_division", "open", {"open", "closed"}, "MLPerf log: submission_division"),
+      choice_key("run", "mlperf_submission_status", "onprem", {"onprem", "cloud", "preview", "research"},
+                 "MLPerf log: submission_status"),
+      float_key("run", "target_eval_loss", 0, between(0, 1e30),
+                "stop the run, after a checkpoint (MLPerf run_stop status success), at the first validation after "
+                "training began whose loss is at or below this; 0 = no target (MLPerf Flux: 0.586)"),
 
   };
 }

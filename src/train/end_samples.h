@@ -10,9 +10,8 @@ namespace flux8 {
 
 class Progress;
 
-// Writes SAVE_DIR/samples.png (pixel-space models) or SAVE_DIR/samples.safetensors (latent
-// models, when the config names text embeddings) for the prompts in sample_prompts; nothing
-// when sample_prompts is empty.
-void write_end_of_run_samples(const TrainConfig& cfg, FluxModel& model, Progress& progress);
+// Writes SAVE_DIR/samples.png (pixel-space models; also TensorBoard's image "samples" at `step`)
+// for the prompts in sample_prompts; nothing when sample_prompts is empty.
+void write_end_of_run_samples(const TrainConfig& cfg, FluxModel& model, int64_t step, Progress& progress);
 
 }  // namespace flux8

@@ -77,7 +77,7 @@ void report_fp8_stats(Fp8Runtime& fp8, int64_t step, Progress& progress) {
   progress.event(
       fmt::format("FP8 health at step {} ({} tensors): most saturated: {}; most underflow: {}", step, entries.size(),
                   worst(entries, &Entry::saturated, 3), worst(entries, &Entry::underflow, 3)),
-      {{"step", step}, {"fp8", tensors}});
+      RecordKind::fp8, {{"step", step}, {"fp8", tensors}});
 }
 
 }  // namespace flux8

@@ -1,13 +1,23 @@
 #pragma once
 // What a run tells its user: a progress bar with ETA on a terminal (plain lines otherwise),
-// and metrics.jsonl with one JSON object per logged step and per validation.
+// metrics.jsonl with one JSON object per record (a logged step, a validation, FP8 telemetry, a
+// checkpoint, samples, run events), and the same records as TensorBoard scalars where
+// tensorboard_dir is set (train/tensorboard_log.h). docs/USAGE.md ("Watching a run") lists the
+// fields and tags.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace flux8 {
+
+class Device;
+class TensorBoardLog;
 
 // Where a step's (or a micro-batch's) data took host time, in seconds (train/batch_pipeline.h):
 // taking the samples from the loader (which decodes on threads of its own: this is the wait for
@@ -33,21 +43,51 @@ struct StepReport {
   double energy_j_per_step = -1, power_w = -1;
 };
 
+// Every metrics.jsonl record's `kind`.
+enum class RecordKind { step, eval, fp8, checkpoint, sample, run };
+std::string_view record_kind_name(RecordKind k);
+std::optional<RecordKind> record_kind_from_name(std::string_view name);
+
+// Keeps the records of `path` (metrics.jsonl) up to and including `step`, dropping the later
+// ones, the validation at `step` (a resumed run validates there again) and any line that does not
+// parse (the tail of a write cut short), so that a run resumed from the checkpoint of that step
+// writes each record once. The file is rewritten in place
+// through a temporary and a rename. Returns the records kept at `step`.
+std::vector<nlohmann::json> truncate_metrics_after(const std::string& path, int64_t step);
+
 class Progress {
  public:
-  // metrics_path "" disables the file; append keeps earlier lines (resume). print false: nothing
-  // on stdout either (the ranks of a job other than rank 0, whose lines would repeat its own).
-  Progress(const std::string& metrics_path, bool append, int64_t start_step, int64_t total_steps, bool print = true);
+  // metrics_path "" disables the file; resume_step >= 0 keeps the records up to that step (a
+  // resumed run), otherwise the file starts empty. print false: nothing on stdout either (the
+  // ranks of a job other than rank 0, whose lines would repeat its own).
+  Progress(const std::string& metrics_path, int64_t resume_step, int64_t start_step, int64_t total_steps,
+           bool print = true);
   ~Progress();
 
+  // Every record then carries the device's allocated and peak memory (Device::memory_use).
+  void set_device(const Device* device) { device_ = device; }
+  // Every record from then on is also written to TensorBoard; after a resume, first the records
+  // kept at the resumed step (TensorBoardLog drops what earlier event files hold from there on).
+  void set_tensorboard(std::unique_ptr<TensorBoardLog> tb);
+  TensorBoardLog* tensorboard() { return tb_.get(); }
+
   void step(const StepReport& r, bool log_line);
-  // Any other event (validation, checkpoint, resume): a log line and a metrics record.
-  void event(const std::string& line, const nlohmann::json& record);
+  // A record of `kind` (it must hold "step") with its log line; a line "" prints nothing.
+  void event(const std::string& line, RecordKind kind, nlohmann::json record);
+  // A log line only.
+  void note(const std::string& line);
+  // An image (PNG bytes, width × height RGB) for TensorBoard's Images tab, at `step`; nothing
+  // without TensorBoard. The PNG file itself is the caller's (with its `sample` record).
+  void image(const std::string& tag, int64_t step, const std::string& png, int width, int height);
   void finish();
 
  private:
+  void write_record(RecordKind kind, nlohmann::json& record);
   void clear_bar();
   std::ofstream metrics_;
+  const Device* device_ = nullptr;
+  std::unique_ptr<TensorBoardLog> tb_;
+  std::vector<nlohmann::json> resumed_step_records_;
   bool tty_;
   bool print_ = true;
   bool bar_shown_ = false;

@@ -1,5 +1,6 @@
 #include "train/train_config.h"
 
+#include <filesystem>
 #include <sstream>
 
 #include "config/config.h"
@@ -80,6 +81,18 @@ void read_run_outputs(const Config& cfg, TrainConfig& t) {
   t.sample_prompts = split_prompts(cfg.get_string("sample_prompts"));
   t.sample_steps = cfg.get_int("sample_steps");
   t.samples_per_prompt = cfg.get_int("samples_per_prompt");
+  const std::string tb = cfg.get_string("tensorboard_dir");
+  t.tensorboard_dir = tb == "none" ? ""
+                      : tb.empty() ? (std::filesystem::path(t.save_dir) / "tensorboard").string()
+                                   : tb;
+  t.log_timers_to_tensorboard = cfg.get_bool("log_timers_to_tensorboard");
+  t.mlperf = {cfg.get_bool("mlperf_logging"), cfg.get_string("mlperf_submission_org"),
+              cfg.get_string("mlperf_submission_platform"), cfg.get_string("mlperf_submission_division"),
+              cfg.get_string("mlperf_submission_status")};
+  if (t.mlperf.on && t.mlperf.org.empty())
+    fail("mlperf_submission_org is empty ({}): the MLPerf log needs the submitting organisation's name",
+         cfg.source("mlperf_submission_org"));
+  t.target_eval_loss = cfg.get_float("target_eval_loss");
 }
 
 }  // namespace

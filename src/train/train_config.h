@@ -59,6 +59,14 @@ struct TrainConfig {
   int64_t eval_interval = 0, log_interval = 1;
   std::vector<std::string> sample_prompts;  // sample_prompts, split at ';' and trimmed
   int64_t sample_steps = 0, samples_per_prompt = 0;
+  // Logs beside metrics.jsonl (docs/USAGE.md, "Watching a run").
+  std::string tensorboard_dir;  // resolved: SAVE_DIR/tensorboard by default, "" for none
+  bool log_timers_to_tensorboard = false;
+  struct MlperfSubmission {
+    bool on = false;  // mlperf_logging
+    std::string org, platform, division, status;
+  } mlperf;
+  double target_eval_loss = 0;  // 0 = none
 
   // Parallelism (docs/DISTRIBUTED.md): the Megatron keys.
   int tensor_parallel = 1;  // tensor_model_parallel_size

@@ -31,11 +31,13 @@
 #include "train/data_parallel.h"
 #include "train/end_samples.h"
 #include "train/fp8_report.h"
+#include "train/mlperf_log.h"
 #include "train/objective.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/run_data.h"
 #include "train/signals.h"
+#include "train/tensorboard_log.h"
 #include "train/train_config.h"
 #include "train/train_step.h"
 
@@ -64,6 +66,9 @@ struct Resume {
 // and the saver before the buffers, the loader and the model, the graph before the backend.
 struct Run {
   TrainConfig cfg;
+  // mlperf_logging on rank 0; kept to the last, so that a run ending in an error logs run_stop
+  // aborted.
+  std::unique_ptr<MlperfLog> mlperf;
   std::unique_ptr<Backend> be;
   // The job's ranks (one-rank groups for a process started alone) and the data-parallel
   // reductions over them; `world` reduces what every rank must agree on (FP8 amaxes, the stop).
@@ -87,6 +92,7 @@ struct Run {
   int64_t start_step = 0;
   int consecutive_skips = 0;
   TrainResult result;
+  int64_t resume_step() const { return resume.from.empty() ? -1 : start_step; }
 };
 
 // ---- setup ----------------------------------------------------------------------------------
@@ -95,6 +101,10 @@ struct Run {
 void prepare_config_and_data(Run& r, const TrainOptions& opt) {
   r.cfg = TrainConfig::from_config(Config::load(opt.config_path, opt.overrides));
   fs::create_directories(r.cfg.save_dir);
+  if (r.cfg.mlperf.on && job_placement().rank == 0) {
+    r.mlperf = std::make_unique<MlperfLog>((fs::path(r.cfg.save_dir) / "mlperf.log").string());
+    r.mlperf->init_start(r.cfg, opt.config_path);
+  }
   // One rank writes the demo dataset; the others read it once it is there.
   if (job_placement().rank == 0) prepare_demo_data(r.cfg);
   job_barrier();
@@ -207,13 +217,17 @@ void open_metrics(Run& r) {
   r.start_step = r.state.step;
   const bool lead = lead_rank(r);
   r.progress = std::make_unique<Progress>(lead ? (fs::path(r.cfg.save_dir) / "metrics.jsonl").string() : "",
-                                          !r.resume.from.empty(), r.start_step, r.cfg.train_iters, lead);
+                                          r.resume_step(), r.start_step, r.cfg.train_iters, lead);
+  r.progress->set_device(r.be.get());
+  if (lead && !r.cfg.tensorboard_dir.empty())
+    r.progress->set_tensorboard(
+        std::make_unique<TensorBoardLog>(r.cfg.tensorboard_dir, r.cfg.log_timers_to_tensorboard, r.resume_step()));
   r.buf = std::make_unique<StepBuffers>(*r.be, DType::f32);
 }
 
 // ---- logging --------------------------------------------------------------------------------
 
-void note(Run& r, const std::string& line) { r.progress->event(line, nullptr); }
+void note(Run& r, const std::string& line) { r.progress->note(line); }
 
 // What the run is and how it computes, at its start.
 void announce_run(Run& r) {
@@ -268,6 +282,7 @@ void announce_run(Run& r) {
     r.progress->event(fmt::format("resumed from {} at step {} (last loss {:.4f}; verified in {:.1f} s, loaded in "
                                   "{:.1f} s)",
                                   res.from, r.state.step, r.state.last_loss, res.verify_seconds, res.load_seconds),
+                      RecordKind::run,
                       {{"event", "resume"},
                        {"step", r.state.step},
                        {"checkpoint", res.from},
@@ -307,7 +322,7 @@ void handle_skipped_step(Run& r, int64_t step, double loss) {
   const char* what = std::isfinite(loss) ? "gradient" : "loss";
   r.progress->event(fmt::format("step {}: non-finite {} (first non-finite gradient: {}); step skipped, weights kept",
                                 step + 1, what, first),
-                    {{"event", "skipped_step"}, {"step", step + 1}, {"first_nonfinite", first}});
+                    RecordKind::run, {{"event", "skipped_step"}, {"step", step + 1}, {"first_nonfinite", first}});
   if (r.cfg.nan_policy == TrainConfig::NanPolicy::halt)
     fail(
         "step {}: non-finite {} (first non-finite gradient: {}) and nan_policy is halt; the last checkpoint "
@@ -353,6 +368,7 @@ void log_step(Run& r, const StepLoss& sl, const StepStats& st, double lr, double
     r.progress->event(fmt::format("first step done {:.2f} s after launch (libraries, device, model, data, validation "
                                   "and the step itself)",
                                   since_launch),
+                      RecordKind::run,
                       {{"event", "first_step"}, {"step", r.state.step}, {"seconds_since_launch", since_launch}});
   }
 }
@@ -415,17 +431,32 @@ Validation validate(Run& r) {
   return v;
 }
 
-// Validates and logs the score (NaN without a validation set).
+// Validates and logs the score (NaN without a validation set); in the MLPerf log, it ends the
+// block of training before it.
 double run_validation(Run& r, const char* when) {
+  const auto t0 = std::chrono::steady_clock::now();
   // Validation casts must not enter the delayed-scaling amax history.
   if (r.model->fp8()) r.model->fp8()->set_recording(false);
   const Validation v = validate(r);
   if (r.model->fp8()) r.model->fp8()->set_recording(true);
   if (r.val.empty()) return v.score;
-  nlohmann::json rec{
-      {"step", r.state.step}, {"val_loss", v.score}, {"val_loss_by_t", std::vector<double>(v.by_t, v.by_t + 8)}};
-  r.progress->event(fmt::format("validation ({}) at step {}: {:.4f}", when, r.state.step, v.score), rec);
+  nlohmann::json rec{{"step", r.state.step},
+                     {"val_loss", v.score},
+                     {"val_loss_by_t", std::vector<double>(v.by_t, v.by_t + 8)},
+                     {"when", when},
+                     {"seconds", seconds_since(t0)}};
+  r.progress->event(fmt::format("validation ({}) at step {}: {:.4f}", when, r.state.step, v.score), RecordKind::eval,
+                    rec);
+  if (r.mlperf) {
+    r.mlperf->block_stop(r.state.consumed_samples);
+    r.mlperf->eval(r.state.consumed_samples, v.score);
+  }
   return v.score;
+}
+
+// target_eval_loss set and reached by this validation score.
+bool reached_target(const Run& r, double val_loss) {
+  return r.cfg.target_eval_loss > 0 && std::isfinite(val_loss) && val_loss <= r.cfg.target_eval_loss;
 }
 
 // ---- checkpoints ----------------------------------------------------------------------------
@@ -464,6 +495,7 @@ const Fp8MetaRegistry* fp8_state(Run& r) { return r.model->fp8() ? &r.model->fp8
 void report_saved(Run& r, const AsyncCheckpointer::Finished& f) {
   r.progress->event(fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s, written behind training)", f.dir,
                                 f.bytes / 1e9, f.write_seconds),
+                    RecordKind::checkpoint,
                     {{"event", "checkpoint"},
                      {"step", f.step},
                      {"path", f.dir},
@@ -483,6 +515,7 @@ void save_behind(Run& r) {
                          s.previous ? "waiting for the previous save" : "mapping its memory");
   r.progress->event(fmt::format("saving checkpoint {} behind training (host copy of {:.2f} GB in {:.2f} s{})", s.dir,
                                 s.snapshot_bytes / 1e9, s.snapshot_seconds, waited),
+                    RecordKind::checkpoint,
                     {{"event", "checkpoint_snapshot"},
                      {"step", r.state.step},
                      {"path", s.dir},
@@ -496,6 +529,7 @@ void report_saved_in_line(Run& r, double secs) {
   const uint64_t bytes = checkpoint_bytes(r.result.last_checkpoint);
   r.progress->event(
       fmt::format("saved checkpoint {} ({:.2f} GB in {:.1f} s)", r.result.last_checkpoint, bytes / 1e9, secs),
+      RecordKind::checkpoint,
       {{"event", "checkpoint"},
        {"step", r.state.step},
        {"path", r.result.last_checkpoint},
@@ -568,6 +602,7 @@ void start_pipeline(Run& r) {
 // One optimizer step: gradients over the step's micro-batches, the update, the state and the
 // metrics line.
 void take_step(Run& r, const StepContext& ctx, const TrainOptions& opt) {
+  if (r.mlperf) r.mlperf->block_start(r.state.consumed_samples);  // after a validation (or at the start)
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t step = r.state.step;  // 0-based index of the step being taken
   Fp8Runtime* fp8 = r.model->fp8();
@@ -600,8 +635,20 @@ bool after_step(Run& r, const TrainOptions& opt) {
   const bool last = r.state.step == r.cfg.train_iters;
   bool outside_steps = false;  // validation or a checkpoint: left out of the energy a step
   if (r.cfg.eval_interval > 0 && r.state.step % r.cfg.eval_interval == 0 && !last) {
-    run_validation(r, "interval");
+    const double score = run_validation(r, "interval");
+    // (Every rank holds the same reduced score: they stop together.)
+    if (reached_target(r, score)) {
+      r.result.reached_target = true;
+      r.result.last_val_loss = score;
+      r.progress->event(fmt::format("validation loss {:.4f} reached target_eval_loss {} at step {}: stopping", score,
+                                    r.cfg.target_eval_loss, r.state.step),
+                        RecordKind::run, {{"event", "target_reached"}, {"step", r.state.step}, {"val_loss", score}});
+    }
     outside_steps = true;
+  }
+  if (r.result.reached_target) {
+    save(r);
+    return false;
   }
   bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - r.start_step >= opt.stop_after);
   if (r.groups->distributed()) {  // a signal reaches the ranks at different steps: stop together
@@ -617,7 +664,7 @@ bool after_step(Run& r, const TrainOptions& opt) {
   if (!stop || last) return true;
   r.progress->event(fmt::format("stopping at step {} ({}); resume with --resume", r.state.step,
                                 stop_requested() ? stop_signal_name() : "--stop-after"),
-                    {{"event", "stopped"}, {"step", r.state.step}});
+                    RecordKind::run, {{"event", "stopped"}, {"step", r.state.step}});
   r.result.stopped_early = true;
   return false;
 }
@@ -636,18 +683,25 @@ void step_loop(Run& r, const TrainOptions& opt) {
 
 void finish(Run& r) {
   if (!r.result.stopped_early) {  // while the last checkpoint is written
-    r.result.last_val_loss = run_validation(r, "end");
+    if (!r.result.reached_target) {
+      r.result.last_val_loss = run_validation(r, "end");
+      r.result.reached_target = reached_target(r, r.result.last_val_loss);
+    }
     // (Under tensor parallelism the sampler's forward would need every rank of the group.)
     if (r.groups->tp_size() > 1 && !r.cfg.sample_prompts.empty())
       note(r,
            "sample_prompts: no end-of-run samples under tensor parallelism; `flux8 sample --checkpoint` the last "
            "checkpoint on one GPU");
     else if (lead_rank(r))
-      write_end_of_run_samples(r.cfg, *r.model, *r.progress);
+      write_end_of_run_samples(r.cfg, *r.model, r.state.step, *r.progress);
   }
   if (r.saver)
     if (auto f = r.saver->wait()) report_saved(r, *f);
   restore_stop_signals();
+  // MLPerf: success when the run reached its target, or finished without one.
+  if (r.mlperf)
+    r.mlperf->run_stop(r.state.consumed_samples,
+                       r.cfg.target_eval_loss > 0 ? r.result.reached_target : !r.result.stopped_early);
   r.progress->finish();
   r.result.steps_done = r.state.step;
   r.result.last_loss = r.state.last_loss;
@@ -665,6 +719,10 @@ TrainResult run_training(const TrainOptions& opt) {
   open_metrics(r);
   announce_run(r);
   prepare_checkpoints(r);
+  if (r.mlperf) {
+    r.mlperf->hyperparameters(r.cfg, static_cast<int64_t>(r.val.size()), r.be->name());
+    r.mlperf->run_start(r.state.consumed_samples);
+  }
   r.result.first_val_loss = run_validation(r, r.start_step == 0 ? "start" : "resume");
   start_pipeline(r);
   step_loop(r, opt);

@@ -30,6 +30,8 @@ struct TrainResult {
   double last_val_loss = 0;    // at the end
   double last_loss = 0;        // training loss of the last step
   bool stopped_early = false;  // by a signal or stop_after
+  // Validation reached target_eval_loss: the run stopped there, finished.
+  bool reached_target = false;
   std::string last_checkpoint;
 };
 
