@@ -59,6 +59,10 @@ struct TrainConfig {
   int64_t eval_interval = 0, log_interval = 1;
   std::vector<std::string> sample_prompts;  // sample_prompts, split at ';' and trimmed
   int64_t sample_steps = 0, samples_per_prompt = 0;
+  int64_t sample_interval = 0;         // previews into save_dir/samples/ every N steps; 0 = none
+  std::string sample_text_embeddings;  // encoded prompts (latent models; pixel-space models may use them too)
+  std::string sample_vae;              // decodes latent samples to PNG; empty = latents kept
+  double sample_guidance = 3.5;
 
   // Parallelism (docs/DISTRIBUTED.md): the Megatron keys.
   int tensor_parallel = 1;  // tensor_model_parallel_size
