@@ -12,7 +12,7 @@ Shared by tools/encode_dataset.py and tools/encode_prompts.py:
 Each model comes from a local directory or a Hugging Face id. A FLUX.1 repository (or a local
 copy of one) holds all three: --flux-repo R means vae/, text_encoder_2/ + tokenizer_2/ (T5) and
 text_encoder/ + tokenizer/ (CLIP) of R. Hub downloads need network access and, for gated repos
-such as black-forest-labs/FLUX.1-dev, a token (huggingface-cli login).
+such as black-forest-labs/FLUX.1-dev, a token (hf auth login).
 """
 import io
 import os
