@@ -45,6 +45,7 @@ import json
 import os
 import sys
 import tarfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -131,9 +132,15 @@ def tar_caption(tf, member, ext):
     return ""
 
 
+def read_member(tf, member, lock):
+    with lock:
+        return tf.extractfile(member).read()
+
+
 def tar_items(path):
     """Samples of a WebDataset tar: members grouped by key (path up to the basename's first dot)."""
     tf = tarfile.open(path)
+    lock = threading.Lock()  # the decoding threads share the tar's file position
     groups = {}
     for m in tf.getmembers():
         if not m.isfile():
@@ -159,7 +166,7 @@ def tar_items(path):
                 except ValueError as e:
                     problem = f"unreadable {ext} caption: {e}"
                 break
-        items.append(Item(source, caption, (lambda m=image: tf.extractfile(m).read()), problem))
+        items.append(Item(source, caption, (lambda m=image: read_member(tf, m, lock)), problem))
     return items
 
 

@@ -138,9 +138,10 @@ int write_latent_samples(const Opts& o, const Config& config, const FluxConfig& 
                               o.vae.empty() ? config.get_string("sample_vae") : o.vae};
   const DecodeOutcome d = decode_latents_to_png(decoder, latents, o.out);
   if (d.ok()) return 0;
-  fmt::print(stderr,
-             "sample: {} not written: {}. The latents are kept in {}; decode them with\n  {} {} {} --vae VAE --out {}\n",
-             o.out, d.reason, latents, LatentDecoder::python(), decoder.script, latents, o.out);
+  fmt::print(
+      stderr,
+      "sample: {} not written: {}. The latents are kept in {}; decode them with\n  {} {} {} --vae VAE --out {}\n",
+      o.out, d.reason, latents, LatentDecoder::python(), decoder.script, latents, o.out);
   return 1;
 }
 
@@ -276,7 +277,8 @@ Command add_sample_command(CLI::App& app) {
   cmd->add_option("--vae", o->vae,
                   "latent models, --out GRID.png: the VAE that decodes the latents (a local directory or a Hugging "
                   "Face id; default: the config's sample_vae)");
-  cmd->add_option("--out", o->out, "GRID.png, or (latent models) LATENTS.safetensors for the latents alone")->required();
+  cmd->add_option("--out", o->out, "GRID.png, or (latent models) LATENTS.safetensors for the latents alone")
+      ->required();
   return {cmd, [o]() { return run_sample(*o); }};
 }
 

@@ -211,11 +211,13 @@ std::vector<KeySpec> run_keys() {
               "validate every N steps (and at step 0 and the end); 0 = only at the start and end"),
       int_key("run", "eval_samples", 0, between(0, kMaxSamples), "validation samples used; 0 = all"),
       int_key("run", "log_interval", 1, between(1, kMaxSteps), "metrics line every N steps"),
-      string_key("run", "sample_prompts", "", "prompts of the sample grids (previews, end of run), separated by ';' (pixel-space models)"),
+      string_key("run", "sample_prompts", "",
+                 "prompts of the sample grids (previews, end of run), separated by ';' (pixel-space models)"),
       int_key("run", "sample_steps", 20, between(1, 10000), "Euler steps of the samples (previews, end of run)"),
       int_key("run", "samples_per_prompt", 4, between(1, 256), "images per prompt in the sample grids"),
-      int_key("run", "sample_interval", 0, between(0, kMaxSteps),
-              "a preview grid of the sample prompts into save_dir/samples/ every N steps; 0 = only the end-of-run grid"),
+      int_key(
+          "run", "sample_interval", 0, between(0, kMaxSteps),
+          "a preview grid of the sample prompts into save_dir/samples/ every N steps; 0 = only the end-of-run grid"),
       string_key("run", "sample_text_embeddings", "",
                  "latent models: the sample prompts as T5/CLIP encodings (tools/encode_prompts.py), for the previews "
                  "and the end-of-run grid"),

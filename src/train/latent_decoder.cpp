@@ -56,8 +56,9 @@ DecodeOutcome run_decoder(const LatentDecoder& d, std::vector<std::string> args)
   const int rc = run_command(args, error);
   if (rc == 0) return {Status::ok, ""};
   if (rc < 0 && error == std::strerror(ENOENT))
-    return {Status::no_python,
-            fmt::format("there is no Python interpreter '{}' (set FLUX8_PYTHON to one with torch and diffusers)", python)};
+    return {
+        Status::no_python,
+        fmt::format("there is no Python interpreter '{}' (set FLUX8_PYTHON to one with torch and diffusers)", python)};
   if (rc == kMissingPackagesStatus)
     return {Status::missing_packages,
             fmt::format("{} lacks torch, diffusers, safetensors or Pillow (pip install torch diffusers safetensors "

@@ -88,12 +88,11 @@ void read_run_outputs(const Config& cfg, TrainConfig& t) {
   const bool pixel = t.model.vae_downsample == 1;
   // Previews with nothing to draw would be a setting silently doing nothing.
   if (t.sample_interval > 0 && t.sample_text_embeddings.empty() && (!pixel || t.sample_prompts.empty()))
-    fail(
-        "sample_interval is {} ({}), but there are no sample prompts: {}", t.sample_interval,
-        cfg.source("sample_interval"),
-        pixel ? "set sample_prompts (text, ';'-separated) or sample_text_embeddings"
-              : "a latent model samples from encoded prompts: set sample_text_embeddings to a file written by "
-                "tools/encode_prompts.py");
+    fail("sample_interval is {} ({}), but there are no sample prompts: {}", t.sample_interval,
+         cfg.source("sample_interval"),
+         pixel ? "set sample_prompts (text, ';'-separated) or sample_text_embeddings"
+               : "a latent model samples from encoded prompts: set sample_text_embeddings to a file written by "
+                 "tools/encode_prompts.py");
   if (!t.sample_text_embeddings.empty() && !std::filesystem::is_regular_file(t.sample_text_embeddings))
     fail("sample_text_embeddings {} ({}): no such file; write it with tools/encode_prompts.py",
          t.sample_text_embeddings, cfg.source("sample_text_embeddings"));

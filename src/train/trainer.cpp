@@ -432,8 +432,7 @@ void prepare_samples(Run& r, const TrainOptions& opt) {
   const bool wanted = !r.cfg.sample_prompts.empty() || !r.cfg.sample_text_embeddings.empty();
   if (!wanted) return;
   if (r.groups->tp_size() > 1) {
-    note(r,
-         "samples: none drawn under tensor parallelism; `flux8 sample --checkpoint` a checkpoint on one GPU");
+    note(r, "samples: none drawn under tensor parallelism; `flux8 sample --checkpoint` a checkpoint on one GPU");
     return;
   }
   if (lead_rank(r)) r.samples = std::make_unique<RunSamples>(r.cfg, opt.decode_script, *r.progress);

@@ -11,9 +11,10 @@ downloaded. A tiny Flux model takes their dimensions (context_dim = T5's d_model
 CLIP's hidden size, in_channels = 16 x 2x2).
 
 Checks
-  1. tools/encode_dataset.py on a folder of 16 generated images (various sizes) with .txt
-     captions, plus an undecodable image and an empty caption: those two are reported by name
-     and skipped (and listed in skipped.txt); with --on-bad stop the run stops naming the first.
+  1. tools/encode_dataset.py on 16 generated images (various sizes) in a folder with .txt
+     captions, a WebDataset tar and a CSV, plus an undecodable image and an empty caption: those
+     two are reported by name and skipped (and listed in skipped.txt); with --on-bad stop the run
+     stops naming the first.
      Shards hold the MLPerf members with the expected shapes and bf16 storage; a solid-colour
      image's mean equals the VAE's own encoding and a caption's t5/clip equal the encoders' own;
      the empty prompt file and dataset.yaml hold what the trainer needs. A second run writes
@@ -28,6 +29,7 @@ Checks
 Needs torch, diffusers, transformers, tokenizers, Pillow, numpy, safetensors. Without them it
 exits 77 (skipped), except under CI (CI=true), where it fails.
 """
+import io
 import json
 import os
 import shutil
@@ -110,38 +112,72 @@ def make_encoders(root, words):
 
 # ---- data ---------------------------------------------------------------------------------------
 
-def make_images(folder):
-    """16 images of a coloured shape (sizes vary, so resizing and cropping run) + two bad inputs."""
+def shape_image(i):
+    colour, shape = list(COLOURS)[i % 4], SHAPES[i // 4]
+    w, h = [(RES, RES), (96, 64), (64, 80), (128, 128)][i % 4]
+    im = Image.new("RGB", (w, h), (250, 250, 250))
+    d = ImageDraw.Draw(im)
+    fill = COLOURS[colour]
+    if shape == "circle":
+        d.ellipse((w // 4, h // 4, 3 * w // 4, 3 * h // 4), fill=fill)
+    elif shape == "square":
+        d.rectangle((w // 4, h // 4, 3 * w // 4, 3 * h // 4), fill=fill)
+    elif shape == "stripe":
+        d.rectangle((0, h // 3, w, 2 * h // 3), fill=fill)
+    else:
+        d.line((0, 0, w, h), fill=fill, width=8)
+    return im, f"a {colour} {shape}"
+
+
+def png_bytes(im):
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make_inputs(tmp):
+    """16 images of a coloured shape (sizes vary, so resizing and cropping run) as the three kinds
+    of input: 12 in a folder with .txt captions (and two bad inputs), 2 in a WebDataset tar (a .txt
+    and a .json caption), 2 in a CSV. Returns the inputs and {source name: caption}."""
+    folder, expected = os.path.join(tmp, "images"), {}
+    os.makedirs(os.path.join(tmp, "table", "pics"))
     os.makedirs(folder)
-    captions = {}
+    tar = tarfile.open(os.path.join(tmp, "extra.tar"), "w")
+    rows = []
     for i in range(16):
-        colour, shape = list(COLOURS)[i % 4], SHAPES[i // 4]
-        w, h = [(RES, RES), (96, 64), (64, 80), (128, 128)][i % 4]
-        im = Image.new("RGB", (w, h), (250, 250, 250))
-        d = ImageDraw.Draw(im)
-        box = (w // 4, h // 4, 3 * w // 4, 3 * h // 4)
-        {"circle": d.ellipse, "square": d.rectangle, "stripe": lambda b, fill: d.rectangle(
-            (0, h // 3, w, 2 * h // 3), fill=fill), "cross": lambda b, fill: d.line(
-            (0, 0, w, h), fill=fill, width=8)}[shape](box, fill=COLOURS[colour])
+        im, caption = shape_image(i)
         name = f"img_{i:02d}"
-        im.save(os.path.join(folder, name + ".png"))
-        captions[name] = f"a {colour} {shape}"
-    # img_00 is replaced by a solid colour: its encoding is checked against the VAE's own.
-    Image.new("RGB", (RES, RES), COLOURS["red"]).save(os.path.join(folder, "img_00.png"))
-    for name, text in captions.items():
-        with open(os.path.join(folder, name + ".txt"), "w") as f:
-            f.write(text + "\n")
+        if i == 0:  # a solid colour: its encoding is checked against the VAE's own
+            im = Image.new("RGB", (RES, RES), COLOURS["red"])
+        if i < 12:
+            im.save(os.path.join(folder, name + ".png"))
+            with open(os.path.join(folder, name + ".txt"), "w") as f:
+                f.write(caption + "\n")
+            expected[name + ".png"] = caption
+        elif i < 14:
+            text = caption.encode() if i == 12 else json.dumps({"caption": caption}).encode()
+            for member, data in ((name + ".png", png_bytes(im)), (name + (".txt" if i == 12 else ".json"), text)):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            expected[f"extra.tar:{name}"] = caption
+        else:
+            im.save(os.path.join(tmp, "table", "pics", name + ".png"))
+            rows.append((f"pics/{name}.png", caption))
+            expected[f"table.csv row {len(rows)} (pics/{name}.png)"] = caption
+    tar.close()
+    with open(os.path.join(tmp, "table", "table.csv"), "w") as f:
+        f.write("image,caption\n" + "".join(f"{p},{c}\n" for p, c in rows))
     with open(os.path.join(folder, "bad_corrupt.png"), "wb") as f:
         f.write(b"\x89PNG\r\n\x1a\n this is not an image")
     with open(os.path.join(folder, "bad_corrupt.txt"), "w") as f:
         f.write("a broken file\n")
     Image.new("RGB", (RES, RES), (0, 0, 0)).save(os.path.join(folder, "bad_empty.png"))
     open(os.path.join(folder, "bad_empty.txt"), "w").close()
-    return captions
+    return [folder, os.path.join(tmp, "extra.tar"), os.path.join(tmp, "table", "table.csv")], expected
 
 
 def npy_member(tf, name):
-    import io
     return np.load(io.BytesIO(tf.extractfile(name).read()))
 
 
@@ -170,15 +206,17 @@ def encoders_args(enc):
             "--device", "cpu"]
 
 
-def check_encoding(out, enc, captions):
+def check_encoding(out, enc, expected):
     samples = read_shards(out)
     check(len(samples) == 16, f"16 samples encoded (got {len(samples)})")
     check(sorted(n for n in os.listdir(out) if n.endswith(".tar")) ==
           ["train-000000.tar", "train-000001.tar", "train-000002.tar", "val-000000.tar"],
           "shards train-000000..2 (6 inputs each) and val-000000 (the last 2 inputs)")
     by_source = {s["json"]["source"]: s for s in samples.values()}
-    check(all(by_source[n + ".png"]["json"]["caption"] == c for n, c in captions.items()),
-          "each sample's json carries its caption and source image")
+    check({k: s["json"]["caption"] for k, s in by_source.items()} == expected,
+          "each sample's json carries its caption and source: folder, tar (.txt and .json captions), CSV")
+    check(sorted(s["shard"] for s in samples.values() if "table.csv" in s["json"]["source"]) ==
+          ["val-000000.tar"] * 2, "the last two inputs (the CSV's) are the validation shard")
     shapes_ok = all(s["mean"].shape == (16, RES // 8, RES // 8) and s["logvar"].shape == s["mean"].shape and
                     s["t5"].shape == (TEXT_LEN, CTX) and s["clip"].shape == (VEC,) for s in samples.values())
     check(shapes_ok, "mean/logvar [16, 8, 8], t5 [16, 32], clip [32]")
@@ -195,7 +233,7 @@ def check_encoding(out, enc, captions):
     check(np.allclose(got, want, rtol=1e-2, atol=1e-2), "a solid red image's mean is the VAE's encoding of it")
     tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(enc, "t5"))
     t5 = T5EncoderModel.from_pretrained(os.path.join(enc, "t5"))
-    ids = tok([captions["img_05"]], padding="max_length", max_length=TEXT_LEN, return_tensors="pt").input_ids
+    ids = tok([expected["img_05.png"]], padding="max_length", max_length=TEXT_LEN, return_tensors="pt").input_ids
     with torch.no_grad():
         want = t5(input_ids=ids).last_hidden_state[0].numpy()
     got = bf16_to_f32(by_source["img_05.png"]["t5"])
@@ -214,9 +252,9 @@ def check_encoding(out, enc, captions):
           f"dataset.yaml: the shards, empty prompt, size and the VAE's factors ({yaml})")
 
 
-def encode_dataset(tmp, enc, captions):
-    images, out = os.path.join(tmp, "images"), os.path.join(tmp, "data")
-    cmd = [sys.executable, os.path.join(TOOLS, "encode_dataset.py"), images, "--out", out, "--resolution", str(RES),
+def encode_dataset(tmp, enc, inputs, expected):
+    out = os.path.join(tmp, "data")
+    cmd = [sys.executable, os.path.join(TOOLS, "encode_dataset.py"), *inputs, "--out", out, "--resolution", str(RES),
            "--vae", os.path.join(enc, "vae"), "--shard-size", "6", "--val-count", "2", "--batch", "4"]
     cmd += encoders_args(enc)
     r = run(cmd + ["--on-bad", "stop"], expect=1)
@@ -225,7 +263,7 @@ def encode_dataset(tmp, enc, captions):
     r = run(cmd)
     check("skipped bad_empty.png: empty caption" in r.stderr and "skipped bad_corrupt.png" in r.stderr,
           "the bad inputs are reported by name")
-    check_encoding(out, enc, captions)
+    check_encoding(out, enc, expected)
     stamps = {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out) if n.endswith(".tar")}
     r = run(cmd)
     check("(4 already written)" in r.stderr and stamps == {
@@ -319,11 +357,11 @@ def sample(tmp, ckpt, enc, prompts, env):
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        captions = make_images(os.path.join(tmp, "images"))
-        words = {w for c in captions.values() for w in c.split()} | {"broken", "file"}
+        inputs, expected = make_inputs(tmp)
+        words = {w for c in expected.values() for w in c.split()} | {"broken", "file"}
         enc = os.path.join(tmp, "encoders")
         make_encoders(enc, words)
-        data = encode_dataset(tmp, enc, captions)
+        data = encode_dataset(tmp, enc, inputs, expected)
         prompts = os.path.join(tmp, "prompts.safetensors")
         run([sys.executable, os.path.join(TOOLS, "encode_prompts.py"), "--prompt", "a red circle", "--prompt",
              "a blue cross", "--out", prompts] + encoders_args(enc))
