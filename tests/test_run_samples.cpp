@@ -87,7 +87,7 @@ TEST(RunSamples, SampleIntervalWithoutPromptsIsAnError) {
   };
   testing::expect_mentions(config_error(), {"sample_interval is 2", "sample_prompts"});
   o.overrides.insert(o.overrides.end(),
-                     {"vae_downsample=8", "latent_channels=16", "in_channels=64", "demo_data=false"});
+                     {"vae_downsample=8", "latent_channels=16", "in_channels=64", "demo_data=false", "image_size=32"});
   testing::expect_mentions(config_error(),
                            {"sample_interval is 2", "sample_text_embeddings", "tools/encode_prompts.py"});
   o.overrides.push_back("sample_text_embeddings=" + (dir.root / "missing.safetensors").string());
