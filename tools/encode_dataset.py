@@ -27,11 +27,12 @@ DIR receives (the MLPerf Flux preprocessed layout, one sample per image):
   dataset.json              settings and the samples of each finished shard
   skipped.txt               the inputs left out, one per line with the reason
 
-Inputs are sorted and shard k holds inputs [k*S, (k+1)*S) (S = --shard-size), so a run that is
-stopped and started again with the same arguments skips the shards already written (each is
-written to a temporary name and renamed when complete) and encodes the rest. Images that do
-not decode and empty captions are reported by name and skipped (--on-bad skip, the default) or
-stop the run (--on-bad stop). Work runs in batches on the GPU when there is one.
+The inputs are read in the order given, each one's images sorted, and shard k holds images
+[k*S, (k+1)*S) of that order (S = --shard-size), so a run that is stopped and started again with
+the same arguments skips the shards already written (each is written to a temporary name and
+renamed when complete) and encodes the rest. Images that do not decode and empty captions are
+reported by name and skipped (--on-bad skip, the default) or stop the run (--on-bad stop). Work
+runs in batches on the GPU when there is one.
 
 Needs torch, diffusers, transformers and Pillow (pyarrow for parquet). Exit status: 0 done; 1 an
 error or a bad input under --on-bad stop; 3 a package is missing.

@@ -17,7 +17,7 @@ tools/encode_dataset.py records them in DIR/dataset.json.
     build/flux8 sample --checkpoint RUN/step-N --text-embeddings prompts.safetensors --vae VAE --out grid.png
     # or in a run config: sample_text_embeddings: prompts.safetensors (previews, end-of-run grid)
 
-Needs torch, diffusers and transformers. Exit status: 0 done; 1 an error; 3 a package is missing.
+Needs torch and transformers. Exit status: 0 done; 1 an error; 3 a package is missing.
 """
 import argparse
 import json
@@ -55,7 +55,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    fe.import_torch_stack(TOOL)
+    fe.import_torch_stack(TOOL, vae=False)
     from safetensors.torch import save_file
     enc = fe.TextEncoders(args, TOOL)
     tensors = {}

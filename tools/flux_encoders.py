@@ -27,12 +27,14 @@ def fail(tool, msg, status=1):
     sys.exit(status)
 
 
-def import_torch_stack(tool):
-    """torch, diffusers and transformers, or exit MISSING_PACKAGES saying what to install."""
+def import_torch_stack(tool, vae=True):
+    """torch, transformers and (for the VAE) diffusers, or exit MISSING_PACKAGES saying what to
+    install."""
     try:
         import torch  # noqa: F401
-        import diffusers  # noqa: F401
         import transformers  # noqa: F401
+        if vae:
+            import diffusers  # noqa: F401
     except ImportError as e:
         fail(tool, f"{e}; this tool needs torch, diffusers and transformers: "
                    "python3 -m pip install torch diffusers transformers pillow", MISSING_PACKAGES)

@@ -29,6 +29,7 @@ Checks
 Needs torch, diffusers, transformers, tokenizers, Pillow, numpy, safetensors. Without them it
 exits 77 (skipped), except under CI (CI=true), where it fails.
 """
+import contextlib
 import io
 import json
 import os
@@ -67,6 +68,23 @@ def check(ok, what):
     global failures
     print(("ok   " if ok else "FAIL ") + what)
     failures += not ok
+
+
+def run_tool(script, args, expect=0):
+    """A tool's main() in this process (which has imported torch already: each new Python
+    process spends seconds importing it): its exit status and what it wrote to stderr."""
+    sys.path.insert(0, TOOLS)
+    module = __import__(script)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            status = module.main(args)
+    except SystemExit as e:
+        status = e.code
+    if status != expect:
+        print(err.getvalue()[-4000:])
+        sys.exit(f"FAIL: tools/{script}.py exited {status}, expected {expect}")
+    return err.getvalue()
 
 
 def run(args, expect=0, env=None):
@@ -254,19 +272,18 @@ def check_encoding(out, enc, expected):
 
 def encode_dataset(tmp, enc, inputs, expected):
     out = os.path.join(tmp, "data")
-    cmd = [sys.executable, os.path.join(TOOLS, "encode_dataset.py"), *inputs, "--out", out, "--resolution", str(RES),
-           "--vae", os.path.join(enc, "vae"), "--shard-size", "6", "--val-count", "2", "--batch", "4"]
-    cmd += encoders_args(enc)
-    r = run(cmd + ["--on-bad", "stop"], expect=1)
-    check("stopped at bad_corrupt.png: image does not decode" in r.stderr, "--on-bad stop names the bad image")
+    args = [*inputs, "--out", out, "--resolution", str(RES), "--vae", os.path.join(enc, "vae"), "--shard-size", "6",
+            "--val-count", "2", "--batch", "4"] + encoders_args(enc)
+    err = run_tool("encode_dataset", args + ["--on-bad", "stop"], expect=1)
+    check("stopped at bad_corrupt.png: image does not decode" in err, "--on-bad stop names the bad image")
     shutil.rmtree(out)
-    r = run(cmd)
+    r = run([sys.executable, os.path.join(TOOLS, "encode_dataset.py")] + args)  # as a command, once
     check("skipped bad_empty.png: empty caption" in r.stderr and "skipped bad_corrupt.png" in r.stderr,
           "the bad inputs are reported by name")
     check_encoding(out, enc, expected)
     stamps = {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out) if n.endswith(".tar")}
-    r = run(cmd)
-    check("(4 already written)" in r.stderr and stamps == {
+    err = run_tool("encode_dataset", args)
+    check("(4 already written)" in err and stamps == {
         n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out) if n.endswith(".tar")},
         "a second run finds every shard written and rewrites none")
     return out
@@ -363,8 +380,8 @@ def main():
         make_encoders(enc, words)
         data = encode_dataset(tmp, enc, inputs, expected)
         prompts = os.path.join(tmp, "prompts.safetensors")
-        run([sys.executable, os.path.join(TOOLS, "encode_prompts.py"), "--prompt", "a red circle", "--prompt",
-             "a blue cross", "--out", prompts] + encoders_args(enc))
+        run_tool("encode_prompts", ["--prompt", "a red circle", "--prompt", "a blue cross", "--out", prompts] +
+                 encoders_args(enc))
         with safe_open(prompts, "np") as f:
             check(sorted(f.keys()) == ["clip.0", "clip.1", "clip.empty", "t5.0", "t5.1", "t5.empty"] and
                   f.get_tensor("t5.1").shape == (TEXT_LEN, CTX) and f.get_tensor("clip.0").shape == (VEC,),
