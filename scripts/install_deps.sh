@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what flux8 needs to build and test on Debian/Ubuntu: a C++20 compiler, CMake, Ninja,
 # OpenBLAS, yaml-cpp, nlohmann-json, CLI11, fmt, libpng, GoogleTest, clang with libFuzzer (the
-# fuzz targets); and the Python packages the interop tests use (numpy, safetensors). Safe to run
-# again: installed packages are skipped.
+# fuzz targets); and the Python packages the interop and encoder tests use (numpy, safetensors,
+# torch, diffusers, transformers). Safe to run again: installed packages are skipped.
 set -euo pipefail
 
 packages=(build-essential cmake ninja-build pkg-config libopenblas-dev libyaml-cpp-dev
@@ -49,9 +49,15 @@ fi
 # checked against flux8 over all 2^32 f32 inputs. 0.7 changed how f32 subnormals round (older
 # copies are upgraded); the pin keeps a later release's rule change from failing CI unannounced.
 # tensorboard's event reader and mlperf-logging's compliance checker (with the 6.1.0 training
-# rules) read back what tests/python/test_tensorboard.py's run writes.
-python_packages=(numpy safetensors "ml_dtypes>=0.7,<0.8" tensorboard "mlperf-logging>=4.1.68")
+# rules) read back what tests/python/test_tensorboard.py's run writes. torch, diffusers,
+# transformers (with tokenizers) and Pillow: the encoders of tools/encode_dataset.py,
+# tools/encode_prompts.py and tools/decode_latents.py, which tests/python/test_encode_to_picture.py
+# runs with tiny models. PyPI's torch for Linux brings its CUDA libraries along (a few GB); there is
+# no CPU-only torch on PyPI.
+python_packages=(numpy safetensors "ml_dtypes>=0.7,<0.8" tensorboard "mlperf-logging>=4.1.68" torch diffusers
+                 transformers tokenizers pillow)
 if ! python3 -c "import numpy, safetensors, ml_dtypes, tensorboard, os, sys, mlperf_logging.compliance_checker as c
+import torch, diffusers, transformers, tokenizers, PIL
 sys.exit(not os.path.isdir(os.path.join(os.path.dirname(c.__file__), 'training_6.1.0')) or
          tuple(int(p) for p in ml_dtypes.__version__.split('.')[:2]) != (0, 7))" 2>/dev/null; then
   echo "installing Python packages: ${python_packages[*]}"

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode the latents written by `flux8 sample` (latent models) with the Flux VAE into a PNG grid.
 
-flux8 has no VAE decoder, so sampling a latent model ends in a safetensors file:
+flux8 has no VAE decoder: `flux8 sample --out GRID.png` and the trainer's previews (sample_vae)
+run this script, and without Python and diffusers keep the latents, a safetensors file:
   latents   [images, 16, h, w] F32, prompt-major (image k of prompt p at p*K + k), already in the
             VAE's latent space (flux8 applied z = x / vae_scale_factor + vae_shift_factor)
   metadata  prompts (JSON list), images_per_prompt, image_size, steps, seed, ...
@@ -12,6 +13,9 @@ Needs torch, diffusers and Pillow (not flux8's own dependencies):
 
     python3 tools/decode_latents.py latents.safetensors --out grid.png \
         [--vae black-forest-labs/FLUX.1-schnell | --vae /path/to/vae] [--device cuda] [--dtype bfloat16]
+    python3 tools/decode_latents.py --check --vae /path/to/vae   # the packages import, the VAE loads
+
+Exit status: 0 done; 3 a package is missing; 1 any other error (a message says which).
 
 --vae is a Hugging Face Hub id (its `vae` subfolder is loaded; FLUX.1-dev and -schnell share the
 VAE) or a local directory: either a VAE folder holding config.json + weights, or a pipeline folder
@@ -26,8 +30,10 @@ import sys
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("latents", help="safetensors file written by `flux8 sample` (tensor 'latents')")
-    p.add_argument("--out", required=True, help="output PNG grid")
+    p.add_argument("latents", nargs="?", help="safetensors file written by `flux8 sample` (tensor 'latents')")
+    p.add_argument("--out", help="output PNG grid")
+    p.add_argument("--check", action="store_true",
+                   help="only check that the packages import and the VAE loads, then exit")
     p.add_argument("--vae", default="black-forest-labs/FLUX.1-schnell",
                    help="Hub id (subfolder vae) or local VAE/pipeline directory")
     p.add_argument("--subfolder", default=None,
@@ -41,12 +47,32 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def fail(msg):
-    sys.exit(f"decode_latents: error: {msg}")
+MISSING_PACKAGES = 3  # the exit status flux8 reads as "no decoder here, keep the latents"
+
+
+def fail(msg, status=1):
+    print(f"decode_latents: error: {msg}", file=sys.stderr)
+    sys.exit(status)
+
+
+def load_vae(args, torch, AutoencoderKL):
+    subfolder = args.subfolder
+    if subfolder is None:
+        local_vae = os.path.isdir(args.vae) and os.path.isfile(os.path.join(args.vae, "config.json"))
+        subfolder = None if local_vae else "vae"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    try:
+        vae = AutoencoderKL.from_pretrained(args.vae, subfolder=subfolder, torch_dtype=dtype)
+    except Exception as e:  # diffusers raises several types for missing/offline repos
+        fail(f"cannot load the VAE from {args.vae!r} (subfolder {subfolder!r}): {e}")
+    return vae.to(device).eval(), device, dtype
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if not args.check and (args.latents is None or args.out is None):
+        fail("give LATENTS and --out GRID.png (or --check)")
     try:
         import numpy as np
         import torch
@@ -54,7 +80,11 @@ def main(argv=None):
         from PIL import Image
         from safetensors import safe_open
     except ImportError as e:
-        fail(f"{e}; this tool needs torch, diffusers, safetensors and Pillow (see --help)")
+        fail(f"{e}; this tool needs torch, diffusers, safetensors and Pillow (see --help)", MISSING_PACKAGES)
+    if args.check:
+        vae, device, _ = load_vae(args, torch, AutoencoderKL)
+        print(f"decode_latents: ready: VAE {args.vae} ({vae.config.latent_channels} latent channels) on {device}")
+        return 0
 
     if not os.path.isfile(args.latents):
         fail(f"{args.latents}: no such file")
@@ -69,17 +99,7 @@ def main(argv=None):
     per_row = args.per_row or int(meta.get("images_per_prompt", latents.shape[0]))
     prompts = json.loads(meta.get("prompts", "[]"))
 
-    subfolder = args.subfolder
-    if subfolder is None:
-        local_vae = os.path.isdir(args.vae) and os.path.isfile(os.path.join(args.vae, "config.json"))
-        subfolder = None if local_vae else "vae"
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
-    try:
-        vae = AutoencoderKL.from_pretrained(args.vae, subfolder=subfolder, torch_dtype=dtype)
-    except Exception as e:  # diffusers raises several types for missing/offline repos
-        fail(f"cannot load the VAE from {args.vae!r} (subfolder {subfolder!r}): {e}")
-    vae = vae.to(device).eval()
+    vae, device, dtype = load_vae(args, torch, AutoencoderKL)
     if vae.config.latent_channels != latents.shape[1]:
         fail(f"the VAE at {args.vae} has {vae.config.latent_channels} latent channels, "
              f"{args.latents} has {latents.shape[1]}")

@@ -1,12 +1,12 @@
 // `flux8 sample`: images from a trained model with the Euler sampler (train/sampler.h).
-// Pixel-space models (the embedded demo) write a PNG grid; latent models write their latents
-// for tools/decode_latents.py, because flux8 has no VAE decoder and no T5/CLIP.
+// Pixel-space models (the embedded demo) write a PNG grid. Latent models write their latents
+// and, for a .png --out, decode them through the VAE with tools/decode_latents.py
+// (train/latent_decoder.h): flux8 has no VAE decoder and no T5/CLIP of its own.
 #include <fmt/core.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "backend/backend.h"
@@ -16,10 +16,11 @@
 #include "core/text_file.h"
 #include "data/text_encoder.h"
 #include "io/png.h"
-#include "io/safetensors.h"
 #include "model/flux_model.h"
 #include "model/weights_io.h"
 #include "train/checkpoint.h"
+#include "train/latent_decoder.h"
+#include "train/sample_files.h"
 #include "train/sampler.h"
 
 namespace flux8::cli {
@@ -29,7 +30,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct Opts {
-  std::string checkpoint, config, text_embeddings, out;
+  std::string checkpoint, config, text_embeddings, out, vae;
   std::vector<std::string> overrides, prompts;
   int64_t steps = 20, per_prompt = 4;
   bool shift = false, no_shift = false;
@@ -89,60 +90,6 @@ std::pair<Config, std::string> resolve_model(const Opts& o) {
   return {Config::load_text(state.config_yaml, state_path + ":config_yaml", o.overrides), resolve_weights_path(dir)};
 }
 
-HostTensor read_host(const SafetensorsReader& f, const std::string& name) {
-  HostTensor t{f.tensor(name).shape, {}};
-  t.data.resize(static_cast<size_t>(t.numel()));
-  f.read_f32(name, t.data.data());
-  return t;
-}
-
-// Prompt encodings from --text-embeddings: t5.<i>, clip.<i> for i = 0.., t5.empty/clip.empty.
-void read_text_embeddings(const std::string& path, std::vector<TextEncoding>& prompts,
-                          std::optional<TextEncoding>& empty) {
-  const SafetensorsReader f(path);
-  for (size_t i = 0; f.contains(fmt::format("t5.{}", i)); ++i) {
-    if (!f.contains(fmt::format("clip.{}", i)))
-      fail("sample: --text-embeddings {} has t5.{} but no clip.{}", path, i, i);
-    prompts.push_back({read_host(f, fmt::format("t5.{}", i)), read_host(f, fmt::format("clip.{}", i))});
-  }
-  if (prompts.empty())
-    fail(
-        "sample: --text-embeddings {} has no t5.0; expected t5.<i> [tokens, context_dim] and "
-        "clip.<i> [vec_dim] for prompts i = 0, 1, ...",
-        path);
-  if (f.contains("t5.empty") != f.contains("clip.empty"))
-    fail("sample: --text-embeddings {} must hold both t5.empty and clip.empty, or neither", path);
-  if (f.contains("t5.empty")) empty = TextEncoding{read_host(f, "t5.empty"), read_host(f, "clip.empty")};
-}
-
-// The samples as latents in the VAE's space (training used x = scale·(z − shift)), with what made
-// them in the file's metadata.
-void write_latents(const Opts& o, const Config& config, const FluxConfig& cfg, const SamplerOptions& so,
-                   const std::vector<HostTensor>& images, const std::vector<std::string>& labels, int64_t image_size) {
-  const double vs = config.get_float("vae_scale_factor"), vf = config.get_float("vae_shift_factor");
-  std::vector<float> latents;
-  for (const HostTensor& im : images)
-    for (float v : im.data) latents.push_back(static_cast<float>(v / vs + vf));
-  SafetensorsWriter out;
-  out.add("latents", DType::f32, {static_cast<int64_t>(images.size()), cfg.latent_channels, so.height, so.width},
-          latents.data());
-  out.set_metadata("producer", "flux8 sample");
-  out.set_metadata("model", cfg.name);
-  out.set_metadata("prompts", nlohmann::json(labels).dump());
-  out.set_metadata("images_per_prompt", std::to_string(so.images_per_prompt));
-  out.set_metadata("image_size", std::to_string(image_size));
-  out.set_metadata("steps", std::to_string(so.steps));
-  out.set_metadata("shift", so.shift ? "true" : "false");
-  out.set_metadata("cfg_scale", fmt::format("{}", so.cfg_scale));
-  if (cfg.guidance_embed) out.set_metadata("guidance", fmt::format("{}", so.guidance));
-  out.set_metadata("seed", std::to_string(so.seed));
-  out.set_metadata("vae_scale_factor", fmt::format("{}", vs));
-  out.set_metadata("vae_shift_factor", fmt::format("{}", vf));
-  out.write(o.out);
-  fmt::print("wrote {} (latents [{}, {}, {}, {}], prompt-major; decode with tools/decode_latents.py)\n", o.out,
-             images.size(), cfg.latent_channels, so.height, so.width);
-}
-
 // The output format follows the model: a PNG grid of a pixel-space RGB model, latents otherwise.
 void check_output_format(const Opts& o, const FluxConfig& cfg, bool pixel, const std::string& kind) {
   if (pixel && cfg.latent_channels != 3)
@@ -155,12 +102,47 @@ void check_output_format(const Opts& o, const FluxConfig& cfg, bool pixel, const
         "sample: model {} is a pixel-space model; it writes a PNG grid, so --out must end in .png "
         "(got {})",
         cfg.name, o.out);
-  if (!pixel && !ends_with(o.out, ".safetensors"))
+  if (!pixel && !ends_with(o.out, ".safetensors") && !ends_with(o.out, ".png"))
     fail(
-        "sample: model {} is a {} model; flux8 cannot decode latents, so it writes them: give "
-        "--out FILE.safetensors (got {}) and decode with tools/decode_latents.py",
+        "sample: model {} is a {} model: give --out GRID.png (decoded through the VAE, --vae) or "
+        "--out LATENTS.safetensors (the latents alone; got {})",
         cfg.name, kind, o.out);
   if (o.grid_scale && !pixel) fail("sample: --grid-scale applies to PNG grids of pixel-space models only");
+  if (!o.vae.empty() && pixel) fail("sample: --vae applies to latent models; model {} is pixel-space", cfg.name);
+}
+
+// A latent model's PNG needs a VAE; said before sampling rather than after.
+void check_vae_given(const Opts& o, const Config& config, bool pixel) {
+  if (!pixel && ends_with(o.out, ".png") && o.vae.empty() && config.get_string("sample_vae").empty())
+    fail(
+        "sample: --out {} is a PNG, which a latent model gets through the VAE: give --vae (a local VAE directory, "
+        "or e.g. black-forest-labs/FLUX.1-dev, whose vae/ subfolder is used), or --out FILE.safetensors for the "
+        "latents alone",
+        o.out);
+}
+
+// Latent samples: the latents file, then (for a .png --out) the PNG decoded through the VAE.
+// Exit status 1 when the PNG could not be made; the latents are kept either way.
+int write_latent_samples(const Opts& o, const Config& config, const FluxConfig& cfg, const SamplerOptions& so,
+                         const std::vector<HostTensor>& images, const std::vector<std::string>& labels,
+                         int64_t image_size) {
+  const bool png = ends_with(o.out, ".png");
+  const std::string latents = png ? o.out.substr(0, o.out.size() - 4) + ".latents.safetensors" : o.out;
+  write_sample_latents(latents, images, so,
+                       {"flux8 sample", cfg.name, labels, image_size, config.get_float("vae_scale_factor"),
+                        config.get_float("vae_shift_factor"), cfg.guidance_embed});
+  fmt::print("wrote {} (latents [{}, {}, {}, {}], prompt-major)\n", latents, images.size(), cfg.latent_channels,
+             so.height, so.width);
+  if (!png) return 0;
+  const LatentDecoder decoder{std::string(FLUX8_SOURCE_DIR) + "/tools/decode_latents.py",
+                              o.vae.empty() ? config.get_string("sample_vae") : o.vae};
+  const DecodeOutcome d = decode_latents_to_png(decoder, latents, o.out);
+  if (d.ok()) return 0;
+  fmt::print(
+      stderr,
+      "sample: {} not written: {}. The latents are kept in {}; decode them with\n  {} {} {} --vae VAE --out {}\n",
+      o.out, d.reason, latents, LatentDecoder::python(), decoder.script, latents, o.out);
+  return 1;
 }
 
 int run_sample(const Opts& o) {
@@ -173,20 +155,22 @@ int run_sample(const Opts& o) {
   const std::string kind = pixel ? "pixel-space" : fmt::format("latent (vae_downsample {})", cfg.vae_downsample);
 
   check_output_format(o, cfg, pixel, kind);
+  check_vae_given(o, config, pixel);
 
   // Prompts.
   std::vector<TextEncoding> prompts;
   std::optional<TextEncoding> empty;
   std::vector<std::string> labels = o.prompts;
   if (!o.text_embeddings.empty()) {
-    read_text_embeddings(o.text_embeddings, prompts, empty);
+    EncodedPrompts encoded = read_encoded_prompts(o.text_embeddings, "sample: --text-embeddings");
+    prompts = std::move(encoded.prompts);
+    empty = std::move(encoded.empty);
     if (!labels.empty() && labels.size() != prompts.size())
       fail(
           "sample: {} --prompt given but --text-embeddings {} holds {} prompts (t5.0 .. t5.{}); "
           "give one --prompt per encoding, or none",
           labels.size(), o.text_embeddings, prompts.size(), prompts.size() - 1);
-    if (labels.empty())
-      for (size_t i = 0; i < prompts.size(); ++i) labels.push_back(fmt::format("<{} t5.{}>", o.text_embeddings, i));
+    if (labels.empty()) labels = std::move(encoded.labels);
   } else if (pixel) {
     if (o.prompts.empty()) fail("sample: give at least one --prompt \"...\"");
     const DemoTextEncoder enc(cfg.text_seq_len, cfg.context_dim, cfg.vec_dim);
@@ -211,7 +195,7 @@ int run_sample(const Opts& o) {
         "sample: model {} has no guidance embedding (guidance_embed false), so --guidance has no "
         "input to set; use --cfg-scale for classifier-free guidance",
         cfg.name);
-  so.guidance = o.guidance.value_or(3.5);
+  so.guidance = o.guidance.value_or(config.get_float("sample_guidance"));
   if (so.cfg_scale != 1.0 && !empty)
     fail(
         "sample: --cfg-scale {} needs the empty prompt's encodings: add t5.empty and clip.empty to "
@@ -246,8 +230,7 @@ int run_sample(const Opts& o) {
                so.images_per_prompt, image_size, image_size, scale);
     return 0;
   }
-  write_latents(o, config, cfg, so, images, labels, image_size);
-  return 0;
+  return write_latent_samples(o, config, cfg, so, images, labels, image_size);
 }
 
 }  // namespace
@@ -256,10 +239,12 @@ Command add_sample_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("sample", "generate images from a checkpoint with the Euler sampler");
   cmd->footer(
       "Timesteps run 1 -> 0. Pixel-space models (vae_downsample 1) encode --prompt with the built-in demo "
-      "text encoder and write a PNG grid, one row per prompt. Latent models need --text-embeddings (real "
-      "T5/CLIP encodings) and write --out latents.safetensors: 'latents' [images, latent_channels, h, w], "
-      "prompt-major, already mapped back to the VAE's space (z = x / vae_scale_factor + vae_shift_factor, "
-      "the config's keys), with the prompts in the metadata; decode them with tools/decode_latents.py");
+      "text encoder and write a PNG grid, one row per prompt. Latent models need --text-embeddings (T5/CLIP "
+      "encodings from tools/encode_prompts.py) and write 'latents' [images, latent_channels, h, w], "
+      "prompt-major, mapped back to the VAE's space (z = x / vae_scale_factor + vae_shift_factor, the "
+      "config's keys), with the prompts in the metadata: --out GRID.png writes them to GRID.latents.safetensors "
+      "and decodes them through the VAE (--vae) with tools/decode_latents.py, run by $FLUX8_PYTHON (else "
+      "python3) with torch and diffusers; --out FILE.safetensors writes the latents alone");
   auto o = std::make_shared<Opts>();
   cmd->add_option("--checkpoint", o->checkpoint,
                   "checkpoint directory (ROOT/step-N, config from its trainer_state.json; a "
@@ -276,7 +261,8 @@ Command add_sample_command(CLI::App& app) {
   cmd->add_option("--steps", o->steps, "Euler steps")->capture_default_str()->check(CLI::Range(1, 100000));
   auto* shift = cmd->add_flag("--shift", o->shift, "resolution-dependent timestep shift (default for latent models)");
   cmd->add_flag("--no-shift", o->no_shift, "no timestep shift (default for pixel-space models)")->excludes(shift);
-  cmd->add_option("--guidance", o->guidance, "guidance-embedding input (guidance_embed models; default 3.5)");
+  cmd->add_option("--guidance", o->guidance,
+                  "guidance-embedding input (guidance_embed models; default: the config's sample_guidance, 3.5)");
   cmd->add_option("--cfg-scale", o->cfg_scale, "classifier-free guidance v = v_empty + S*(v_prompt - v_empty); 1 = off")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "noise seed (default: the config's seed)");
@@ -288,7 +274,11 @@ Command add_sample_command(CLI::App& app) {
   cmd->add_option("--grid-scale", o->grid_scale,
                   "PNG grid: each pixel shown as NxN (default: enough for >= 128 px cells)")
       ->check(CLI::Range(1, 64));
-  cmd->add_option("--out", o->out, "grid.png (pixel-space models) or latents.safetensors (latent models)")->required();
+  cmd->add_option("--vae", o->vae,
+                  "latent models, --out GRID.png: the VAE that decodes the latents (a local directory or a Hugging "
+                  "Face id; default: the config's sample_vae)");
+  cmd->add_option("--out", o->out, "GRID.png, or (latent models) LATENTS.safetensors for the latents alone")
+      ->required();
   return {cmd, [o]() { return run_sample(*o); }};
 }
 

@@ -13,6 +13,7 @@ namespace flux8::cli {
 Command add_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "train a Flux model (rectified flow) from a YAML config");
   auto o = std::make_shared<TrainOptions>();
+  o->decode_script = std::string(FLUX8_SOURCE_DIR) + "/tools/decode_latents.py";
   cmd->add_option("-c,--config", o->config_path, "experiment YAML (e.g. configs/demo.yaml)")
       ->required()
       ->check(CLI::ExistingFile);

@@ -219,9 +219,21 @@ std::vector<KeySpec> run_keys() {
               "validate every N steps (and at step 0 and the end); 0 = only at the start and end"),
       int_key("run", "eval_samples", 0, between(0, kMaxSamples), "validation samples used; 0 = all"),
       int_key("run", "log_interval", 1, between(1, kMaxSteps), "metrics line every N steps"),
-      string_key("run", "sample_prompts", "", "prompts for the sample grid written at the end, separated by ';'"),
-      int_key("run", "sample_steps", 20, between(1, 10000), "Euler steps of the end-of-run samples"),
-      int_key("run", "samples_per_prompt", 4, between(1, 256), "images per prompt in the end-of-run grid"),
+      string_key("run", "sample_prompts", "",
+                 "prompts of the sample grids (previews, end of run), separated by ';' (pixel-space models)"),
+      int_key("run", "sample_steps", 20, between(1, 10000), "Euler steps of the samples (previews, end of run)"),
+      int_key("run", "samples_per_prompt", 4, between(1, 256), "images per prompt in the sample grids"),
+      int_key(
+          "run", "sample_interval", 0, between(0, kMaxSteps),
+          "a preview grid of the sample prompts into save_dir/samples/ every N steps; 0 = only the end-of-run grid"),
+      string_key("run", "sample_text_embeddings", "",
+                 "latent models: the sample prompts as T5/CLIP encodings (tools/encode_prompts.py), for the previews "
+                 "and the end-of-run grid"),
+      string_key("run", "sample_vae", "",
+                 "latent models: the VAE that decodes samples to PNG through tools/decode_latents.py (a local "
+                 "directory or a Hugging Face id); empty = samples kept as latents"),
+      float_key("run", "sample_guidance", 3.5, Range{0, 100},
+                "guidance-embedding input of the samples (guidance_embed models, e.g. FLUX.1-dev)"),
       string_key("run", "tensorboard_dir", "",
                  "directory of the TensorBoard event files (events.out.tfevents.*, written by rank 0): \"\" = "
                  "SAVE_DIR/tensorboard; none = no event files"),

@@ -93,6 +93,21 @@ void read_run_outputs(const Config& cfg, TrainConfig& t) {
     fail("mlperf_submission_org is empty ({}): the MLPerf log needs the submitting organisation's name",
          cfg.source("mlperf_submission_org"));
   t.target_eval_loss = cfg.get_float("target_eval_loss");
+  t.sample_interval = cfg.get_int("sample_interval");
+  t.sample_text_embeddings = cfg.get_string("sample_text_embeddings");
+  t.sample_vae = cfg.get_string("sample_vae");
+  t.sample_guidance = cfg.get_float("sample_guidance");
+  const bool pixel = t.model.vae_downsample == 1;
+  // Previews with nothing to draw would be a setting silently doing nothing.
+  if (t.sample_interval > 0 && t.sample_text_embeddings.empty() && (!pixel || t.sample_prompts.empty()))
+    fail("sample_interval is {} ({}), but there are no sample prompts: {}", t.sample_interval,
+         cfg.source("sample_interval"),
+         pixel ? "set sample_prompts (text, ';'-separated) or sample_text_embeddings"
+               : "a latent model samples from encoded prompts: set sample_text_embeddings to a file written by "
+                 "tools/encode_prompts.py");
+  if (!t.sample_text_embeddings.empty() && !std::filesystem::is_regular_file(t.sample_text_embeddings))
+    fail("sample_text_embeddings {} ({}): no such file; write it with tools/encode_prompts.py",
+         t.sample_text_embeddings, cfg.source("sample_text_embeddings"));
 }
 
 }  // namespace

@@ -67,6 +67,10 @@ struct TrainConfig {
     std::string org, platform, division, status;
   } mlperf;
   double target_eval_loss = 0;  // 0 = none
+  int64_t sample_interval = 0;         // previews into save_dir/samples/ every N steps; 0 = none
+  std::string sample_text_embeddings;  // encoded prompts (latent models; pixel-space models may use them too)
+  std::string sample_vae;              // decodes latent samples to PNG; empty = latents kept
+  double sample_guidance = 3.5;
 
   // Parallelism (docs/DISTRIBUTED.md): the Megatron keys.
   int tensor_parallel = 1;  // tensor_model_parallel_size

@@ -29,13 +29,13 @@
 #include "train/checkpoint.h"
 #include "train/checkpoint_shards.h"
 #include "train/data_parallel.h"
-#include "train/end_samples.h"
 #include "train/fp8_report.h"
 #include "train/mlperf_log.h"
 #include "train/objective.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/run_data.h"
+#include "train/run_samples.h"
 #include "train/signals.h"
 #include "train/tensorboard_log.h"
 #include "train/train_config.h"
@@ -88,6 +88,7 @@ struct Run {
   // Checkpoints written behind training where the host copy fits (async_save), else null.
   std::unique_ptr<AsyncCheckpointer> saver;
   std::unique_ptr<BatchPipeline> pipeline;
+  std::unique_ptr<RunSamples> samples;  // rank 0's previews and end-of-run grid
   EnergyWindow energy;
   int64_t start_step = 0;
   int consecutive_skips = 0;
@@ -459,6 +460,31 @@ bool reached_target(const Run& r, double val_loss) {
   return r.cfg.target_eval_loss > 0 && std::isfinite(val_loss) && val_loss <= r.cfg.target_eval_loss;
 }
 
+// ---- samples --------------------------------------------------------------------------------
+
+// Previews and the end-of-run grid: rank 0 draws them, on one process's forward (a
+// tensor-parallel forward needs every rank of its group, so none are drawn there).
+void prepare_samples(Run& r, const TrainOptions& opt) {
+  const bool wanted = !r.cfg.sample_prompts.empty() || !r.cfg.sample_text_embeddings.empty();
+  if (!wanted) return;
+  if (r.groups->tp_size() > 1) {
+    note(r, "samples: none drawn under tensor parallelism; `flux8 sample --checkpoint` a checkpoint on one GPU");
+    return;
+  }
+  if (lead_rank(r)) r.samples = std::make_unique<RunSamples>(r.cfg, opt.decode_script, *r.progress);
+}
+
+// Samples of the model as it is, with FP8 casts kept out of the delayed-scaling history (as
+// validation does).
+void draw_samples(Run& r, bool end_of_run) {
+  if (r.model->fp8()) r.model->fp8()->set_recording(false);
+  if (end_of_run)
+    r.samples->write_end_of_run(*r.model, r.state.step);
+  else
+    r.samples->write_preview(*r.model, r.state.step);
+  if (r.model->fp8()) r.model->fp8()->set_recording(true);
+}
+
 // ---- checkpoints ----------------------------------------------------------------------------
 
 // async_save: a saver writing behind training where a checkpoint's host copy fits in memory.
@@ -650,6 +676,10 @@ bool after_step(Run& r, const TrainOptions& opt) {
     save(r);
     return false;
   }
+  if (r.samples && r.samples->preview_due(r.state.step) && !last) {  // (the last step: the end-of-run grid)
+    draw_samples(r, false);
+    outside_steps = true;
+  }
   bool stop = stop_requested() || (opt.stop_after > 0 && r.state.step - r.start_step >= opt.stop_after);
   if (r.groups->distributed()) {  // a signal reaches the ranks at different steps: stop together
     std::vector<double> any{stop ? 1.0 : 0.0};
@@ -687,13 +717,7 @@ void finish(Run& r) {
       r.result.last_val_loss = run_validation(r, "end");
       r.result.reached_target = reached_target(r, r.result.last_val_loss);
     }
-    // (Under tensor parallelism the sampler's forward would need every rank of the group.)
-    if (r.groups->tp_size() > 1 && !r.cfg.sample_prompts.empty())
-      note(r,
-           "sample_prompts: no end-of-run samples under tensor parallelism; `flux8 sample --checkpoint` the last "
-           "checkpoint on one GPU");
-    else if (lead_rank(r))
-      write_end_of_run_samples(r.cfg, *r.model, r.state.step, *r.progress);
+    if (r.samples) draw_samples(r, true);
   }
   if (r.saver)
     if (auto f = r.saver->wait()) report_saved(r, *f);
@@ -718,6 +742,7 @@ TrainResult run_training(const TrainOptions& opt) {
   install_stop_signals();
   open_metrics(r);
   announce_run(r);
+  prepare_samples(r, opt);
   prepare_checkpoints(r);
   if (r.mlperf) {
     r.mlperf->hyperparameters(r.cfg, static_cast<int64_t>(r.val.size()), r.be->name());

@@ -22,6 +22,7 @@ struct TrainOptions {
   std::string init_from;   // load weights only (a checkpoint dir or .safetensors)
   int64_t stop_after = 0;  // stop (with a checkpoint) after this many steps in this run
   NanGradientFault nan_gradient;  // tests only
+  std::string decode_script;      // tools/decode_latents.py: decodes latent samples to PNG (train/latent_decoder.h)
 };
 
 struct TrainResult {

@@ -136,7 +136,7 @@ def check_tensorboard(run, recs):
     fp8_tags = {t for t in tags if t.startswith("fp8/")}
     assert fp8_tags == {f"fp8/{k}/{g}" for g in groups for k in ("saturated", "underflow")}, fp8_tags
     # The sample grid as an image summary: samples.png's bytes and size.
-    [img] = acc.Images("samples")
+    [img] = acc.Images("samples/final")
     with open(os.path.join(run, "samples.png"), "rb") as f:
         png = f.read()
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
