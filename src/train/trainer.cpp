@@ -233,6 +233,7 @@ void announce_run(Run& r) {
                       r.cfg.global_batch, r.cfg.accumulation, r.cfg.micro_batch, r.cfg.train_iters, r.val.size(),
                       r.cfg.save_dir));
   note(r, fmt::format("precision: {}", r.cfg.fp8.describe()));
+  for (const std::string& w : r.cfg.warnings) note(r, "warning: " + w);
   if (r.groups->distributed())
     note(r, fmt::format("parallel: {}: {} samples a rank a step{}; gradients over {}", r.groups->describe(),
                         r.cfg.global_batch / r.dp->size(),
