@@ -77,9 +77,6 @@ std::vector<KeySpec> model_keys() {
       int_key("model", "vae_downsample", 8, between(1, kMaxPatch), "pixels per latent cell; 1 = pixel-space model"),
       int_key("model", "text_seq_len", 256, between(1, kMaxTextTokens), "text tokens per sample"),
       int_key("model", "image_size", 256, between(1, kMaxImageSide), "training image side in pixels"),
-      int_key("model", "seq_length", 0, between(0, kMaxTextTokens + kMaxImageSide * kMaxImageSide),
-              "Megatron's tokens per sample, accepted when it equals text_seq_len + the image tokens of image_size "
-              "(a check, nothing else); any other value is an error naming the two keys to set. 0 = not given"),
   };
 }
 
@@ -140,6 +137,9 @@ std::vector<KeySpec> training_keys() {
       int_key("training", "recompute_num_layers", 0, between(0, 2 * kMaxBlocks),
               "blocks of recompute_method (block: how many, from the first; uniform: the group size); needed "
               "with a recompute_method"),
+      int_key("training", "seq_length", 0, between(0, kMaxTextTokens + kMaxImageSide * kMaxImageSide),
+              "Megatron's tokens per sample, accepted when it equals text_seq_len + the image tokens of image_size "
+              "(a check, nothing else); any other value is an error naming the two keys to set. 0 = not given"),
       int_key("training", "global_batch_size", 0, between(0, kMaxGlobalBatch),
               "samples per optimizer step (a multiple of micro_batch_size); 0 = micro_batch_size"),
       choice_key("training", "optimizer", "adamw", {"adamw", "adam"},
