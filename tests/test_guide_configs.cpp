@@ -139,7 +139,8 @@ TEST(GuideConfigs, PrimusExperimentLoadsWithOneWarning) {
       {"primus_experiment.yaml: Primus experiment: 11 keys with no flux8 meaning, not used:", "work_group", "user_name",
        "exp_name", "workspace", "modules.pre_trainer.framework", "modules.pre_trainer.config",
        "modules.pre_trainer.overrides.stderr_sink_level", "modules.pre_trainer.overrides.log_avg_skip_iterations",
-       "modules.pre_trainer.overrides.mock_data", "modules.pre_trainer.overrides.ckpt_format", "overrides.lr_decay_iters: null (flux8's default kept)"});
+       "modules.pre_trainer.overrides.mock_data", "modules.pre_trainer.overrides.ckpt_format",
+       "overrides.lr_decay_iters: null (flux8's default kept)"});
   const TrainConfig t = TrainConfig::from_config(cfg);
   EXPECT_EQ(t.recompute, (RecomputePolicy{Recompute::full, 1}));
   EXPECT_EQ(t.warnings.size(), 1u);

@@ -236,8 +236,7 @@ void announce_run(Run& r) {
   for (const std::string& w : r.cfg.warnings) note(r, "warning: " + w);
   if (const RecomputePolicy& rc = r.cfg.recompute; rc.blocks < r.cfg.model.num_blocks())
     note(r, fmt::format("recompute: {} in the first {} of {} blocks (recompute_method block)",
-                        rc.granularity == Recompute::full ? "full" : "selective", rc.blocks,
-                        r.cfg.model.num_blocks()));
+                        rc.granularity == Recompute::full ? "full" : "selective", rc.blocks, r.cfg.model.num_blocks()));
   if (r.groups->distributed())
     note(r, fmt::format("parallel: {}: {} samples a rank a step{}; gradients over {}", r.groups->describe(),
                         r.cfg.global_batch / r.dp->size(),
