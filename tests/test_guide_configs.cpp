@@ -18,6 +18,8 @@
 namespace flux8::testing {
 namespace {
 
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
 std::string fixture(const std::string& name) { return std::string(FLUX8_SOURCE_DIR) + "/tests/fixtures/guide/" + name; }
 
 TrainConfig load_fixture(const std::string& name, const std::vector<std::string>& sets = {}) {
@@ -221,17 +223,24 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
   if (const MemoryKnob* k = knob("tensor_model_parallel_size: 2")) EXPECT_EQ(k->note, "on 2 GPUs");
   for (size_t i = 1; i < a.knobs.size(); ++i) EXPECT_GE(a.knobs[i - 1].saving, a.knobs[i].saving);
 
-  // A device between the peak with full recomputation and the others: only that one fits.
-  const double device = plan.peak(Recompute::full) + 1.0;
-  const std::string text = describe_memory_advice(a, device, "run.yaml", one);
-  expect_mentions(text, {"planned peak of one GPU with these settings", "recompute_granularity: full",
-                         "flux8 info -c run.yaml --tp 1 --dp 1"});
+  // A device just above the peak with full recomputation; the failed allocation lacked 1 GiB.
+  const AllocationFailure failure{3.0 * kGiB, 2.0 * kGiB, plan.peak(Recompute::full) + 1.0};
+  const std::string text = describe_memory_advice(a, failure, "run.yaml", one);
+  expect_mentions(text, {"planned peak of one GPU with these settings", "the failed allocation lacked 1.00 GiB",
+                         "recompute_granularity: full", "flux8 info -c run.yaml --tp 1 --dp 1"});
   size_t fits = 0;
   for (size_t p = text.find("  fits"); p != std::string::npos; p = text.find("  fits", p + 1)) ++fits;
   size_t expected = 0;
-  for (const MemoryKnob& k : a.knobs) expected += k.peak <= device ? 1 : 0;
+  for (const MemoryKnob& k : a.knobs) expected += k.peak <= failure.total && k.saving >= kGiB ? 1 : 0;
   EXPECT_EQ(fits, expected);
   EXPECT_GE(expected, 1u);
+  // Each test only where the device told: a saving below the shortfall never fits; with nothing
+  // known, nothing is said to fit.
+  const MemoryKnob small{"x", "", 0.5 * kGiB, 0};
+  EXPECT_FALSE(knob_fits(small, failure));
+  EXPECT_TRUE(knob_fits(small, AllocationFailure{1.0 * kGiB, 0.75 * kGiB, 0}));
+  EXPECT_FALSE(knob_fits(small, AllocationFailure{}));
+  EXPECT_EQ(describe_memory_advice(a, AllocationFailure{}, "run.yaml", one).find("fits"), std::string::npos);
 
   // Settings already taken are not advised again; with several data-parallel ranks twice the
   // tensor parallelism stays on the same GPUs, and the distributed optimizer is advised only

@@ -75,16 +75,27 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
   return a;
 }
 
-std::string describe_memory_advice(const MemoryAdvice& advice, double device_bytes, const std::string& config_path,
-                                   ParallelShape parallel) {
+bool knob_fits(const MemoryKnob& knob, const AllocationFailure& failure) {
+  if (failure.total <= 0 && failure.shortfall() <= 0) return false;  // nothing known to fit against
+  if (failure.total > 0 && knob.peak > failure.total) return false;
+  return knob.saving >= failure.shortfall();
+}
+
+std::string describe_memory_advice(const MemoryAdvice& advice, const AllocationFailure& failure,
+                                   const std::string& config_path, ParallelShape parallel) {
   std::string out = fmt::format("\nplanned peak of one GPU with these settings: {:.2f} GiB", advice.peak / kGiB);
-  if (device_bytes > 0) out += fmt::format(" (the device has {:.2f} GiB)", device_bytes / kGiB);
+  if (failure.total > 0) out += fmt::format(" (the device has {:.2f} GiB)", failure.total / kGiB);
+  if (failure.shortfall() > 0)
+    out += fmt::format("; the failed allocation lacked {:.2f} GiB", failure.shortfall() / kGiB);
   if (advice.knobs.empty()) return out + "; no setting flux8 plans lowers it: use more GPUs or a smaller image_size";
+  const bool known = failure.total > 0 || failure.shortfall() > 0;
   out += "; settings that lower it (planned saving a GPU";
-  out += device_bytes > 0 ? "; fits: the planned peak with that setting alone is within the device):" : "):";
+  out += known ? "; fits: that setting alone saves what the allocation lacked and brings the planned peak within the "
+                 "device):"
+               : "):";
   for (const MemoryKnob& k : advice.knobs) {
     out += fmt::format("\n  {:<38} -{:.2f} GiB", k.setting, k.saving / kGiB);
-    if (device_bytes > 0 && k.peak <= device_bytes) out += "  fits";
+    if (knob_fits(k, failure)) out += "  fits";
     if (!k.note.empty()) out += "  (" + k.note + ")";
   }
   out += fmt::format(

@@ -29,9 +29,21 @@ struct MemoryAdvice {
 // could change, planned.
 MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel);
 
-// The advice as lines to append to an out-of-memory error: `device_bytes` is the GPU's memory
-// (0: unknown, then nothing is said about what fits); `config_path` for the `flux8 info` line.
-std::string describe_memory_advice(const MemoryAdvice& advice, double device_bytes, const std::string& config_path,
-                                   ParallelShape parallel);
+// What the device said when an allocation failed (OutOfMemoryError); 0 = not known.
+struct AllocationFailure {
+  double requested = 0, free = 0, total = 0;
+  // The bytes the failed allocation lacked.
+  double shortfall() const { return requested > free ? requested - free : 0; }
+};
+
+// Whether `knob` alone would fit: the plan's peak with it within the device's memory, and its
+// saving at least what the failed allocation lacked (the plan leaves out the CUDA context and
+// fragmentation; the shortfall is what the device really missed). Each test only where known.
+bool knob_fits(const MemoryKnob& knob, const AllocationFailure& failure);
+
+// The advice as lines to append to an out-of-memory error (`config_path` for the `flux8 info`
+// line); where nothing about the device is known, nothing is said about what fits.
+std::string describe_memory_advice(const MemoryAdvice& advice, const AllocationFailure& failure,
+                                   const std::string& config_path, ParallelShape parallel);
 
 }  // namespace flux8

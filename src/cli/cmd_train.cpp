@@ -26,8 +26,9 @@ namespace {
     parallel.tp = static_cast<int>(cfg.get_int("tensor_model_parallel_size"));
     parallel.dp = std::max(1, job_placement().size / parallel.tp);
     parallel.distributed_optimizer = cfg.get_bool("use_distributed_optimizer");
-    advice =
-        describe_memory_advice(memory_advice(cfg, parallel), static_cast<double>(e.total), o.config_path, parallel);
+    const AllocationFailure failure{static_cast<double>(e.requested), static_cast<double>(e.free),
+                                    static_cast<double>(e.total)};
+    advice = describe_memory_advice(memory_advice(cfg, parallel), failure, o.config_path, parallel);
   } catch (const Error&) {
   }
   throw OutOfMemoryError(e.what() + advice, e.requested, e.free, e.total);
