@@ -95,7 +95,7 @@ inline double max_rel_error(const std::vector<double>& a, const std::vector<doub
 struct ModelRunOptions {
   DType dtype = DType::f32;
   const Fp8Config* fp8 = nullptr;
-  Recompute recompute = Recompute::none;
+  RecomputePolicy recompute = Recompute::none;
   int64_t batch = 2, txt_tokens = 5, img_tokens = 9;
   int steps = 1;
   double weight_std = 0.3;

@@ -15,6 +15,7 @@
 #include "data_test_util.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/signals.h"
 #include "train_test_util.h"
 
 namespace fs = std::filesystem;
@@ -72,7 +73,7 @@ TEST(TrainFaultTest, ShardCorruptedMidRunStopsOrIsSkipped) {
         (dir.root / (save + ".log")).string(), log);
   };
   std::string log;
-  ASSERT_EQ(train("run", " --stop-after 3", &log), 0) << log;
+  ASSERT_EQ(train("run", " --stop-after 3", &log), kStoppedExitCode) << log;
   ASSERT_TRUE(fs::exists(dir.root / "run" / "step-0000003"));
   fs::copy(dir.root / "run", dir.root / "skip", fs::copy_options::recursive);
 

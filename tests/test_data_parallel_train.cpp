@@ -9,6 +9,7 @@
 #include "io/safetensors.h"
 #include "model_test_util.h"
 #include "test_util.h"
+#include "train/signals.h"
 #include "train_test_util.h"
 
 namespace flux8 {
@@ -65,7 +66,9 @@ TEST(DataParallelTrain, CheckpointResumesAtTheSameAndAnotherJobSize) {
   const std::string zero = "--set use_distributed_optimizer=true";
   std::string log;
   ASSERT_EQ(0, run_mpi(2, train_args(dir, "straight", zero), dir.root / "a.log", &log)) << log;
-  ASSERT_EQ(0, run_mpi(2, train_args(dir, "resumed", zero + " --stop-after 3"), dir.root / "b.log", &log)) << log;
+  ASSERT_EQ(kStoppedExitCode,
+            run_mpi(2, train_args(dir, "resumed", zero + " --stop-after 3"), dir.root / "b.log", &log))
+      << log;
   fs::copy(dir.root / "resumed", dir.root / "alone", fs::copy_options::recursive);
   ASSERT_EQ(0, run_mpi(2, train_args(dir, "resumed", zero + " --resume"), dir.root / "c.log", &log)) << log;
   EXPECT_NE(log.find("resumed from"), std::string::npos) << log;

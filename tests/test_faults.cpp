@@ -164,8 +164,8 @@ TEST(Faults, KillDuringSaveThenResumeIsBitExact) {
 }
 
 // SIGTERM (a scheduler's preemption) arrives during step 2's save: the run finishes that save,
-// takes one more step, saves step 3 and exits with kStoppedExitCode (0); --resume then ends
-// exactly where the uninterrupted run does.
+// takes one more step, saves step 3 and exits with kStoppedExitCode (75: requeue me); --resume
+// then ends exactly where the uninterrupted run does.
 TEST(Faults, SigtermSavesACheckpointAndExitsCleanly) {
   const testing::RunDir dir("faults_sigterm");
   run_straight(dir);
@@ -194,7 +194,7 @@ TEST(Faults, SigtermSavesACheckpointAndExitsCleanly) {
 TEST(Faults, DiskFullDuringSaveKeepsThePreviousCheckpoint) {
   const testing::RunDir dir("faults_disk_full");
   const auto [rc, out] = run_train(dir, "run", {"--set", "save_interval=2", "--stop-after", "2"});
-  ASSERT_EQ(rc, 0) << out;
+  ASSERT_EQ(rc, kStoppedExitCode) << out;
   const fs::path step2 = dir.root / "run" / "step-0000002";
   const uint64_t model = fs::file_size(step2 / "model.safetensors");
   const uint64_t optimizer = fs::file_size(step2 / "optimizer.safetensors");

@@ -15,7 +15,7 @@
 namespace flux8::testing {
 namespace {
 
-ModelRun run(const FluxConfig& cfg, DType dtype, const Fp8Config* fp8, Recompute rc, int steps) {
+ModelRun run(const FluxConfig& cfg, DType dtype, const Fp8Config* fp8, RecomputePolicy rc, int steps) {
   auto be = make_backend("cpu");
   return run_model(*be, cfg,
                    {.dtype = dtype,
@@ -86,6 +86,47 @@ TEST(Recompute, GivesIdenticalGradientsInFp8OverSteps) {
   {
     SCOPED_TRACE("tensorwise, fp8_wgrad off");
     expect_identical_to_none(cfg, DType::f32, &fp8, 2);
+  }
+}
+
+// recompute_method block (RecomputePolicy with a block count): the first N blocks recompute,
+// double blocks counted first; the rest keep their activations. Still the same bits, whether
+// the boundary falls among the double blocks, at the switch to the single blocks or among them
+// (FP8: the LayerNorm statistics a kept block hands to the next are not handed to a recomputed
+// one).
+TEST(Recompute, TheFirstBlocksOnlyGiveIdenticalGradients) {
+  const FluxConfig cfg = odd_config(2, 3, true);
+  const ModelRun none = run(cfg, DType::f32, nullptr, Recompute::none, 1);
+  Fp8Config fp8;
+  fp8.enabled = true;
+  fp8.hybrid = true;
+  fp8.amax_history_len = 3;
+  const ModelRun none8 = run(cfg, DType::f32, &fp8, Recompute::none, 2);
+  for (Recompute rc : kRecomputing)
+    for (int64_t blocks : {1, 2, 4}) {
+      SCOPED_TRACE(::testing::Message() << name_of(rc) << ", first " << blocks << " blocks");
+      expect_identical(run(cfg, DType::f32, nullptr, RecomputePolicy{rc, blocks}, 1), none);
+      expect_identical(run(cfg, DType::f32, &fp8, RecomputePolicy{rc, blocks}, 2), none8);
+    }
+}
+
+// Recomputing the first blocks keeps less than recomputing none and more than recomputing all,
+// more so the fewer blocks recompute (down to where the saving of a few blocks is outweighed by
+// the region one recomputed block needs, not tested here).
+TEST(Recompute, TheFirstBlocksOnlyKeepTheRestsActivations) {
+  const FluxConfig cfg = odd_config(4, 8, true);
+  const StepShape sh{2, 16, 64};
+  for (Recompute rc : kRecomputing) {
+    SCOPED_TRACE(name_of(rc));
+    double previous = FluxModel::estimate_activations(cfg, sh, rc).gpu_bytes(false);
+    for (int64_t blocks : {8, 4}) {
+      const double bytes = FluxModel::estimate_activations(cfg, sh, RecomputePolicy{rc, blocks}).gpu_bytes(false);
+      EXPECT_GT(bytes, previous) << blocks;
+      previous = bytes;
+    }
+    EXPECT_LT(previous, FluxModel::estimate_activations(cfg, sh, Recompute::none).gpu_bytes(false));
+    EXPECT_EQ(FluxModel::estimate_activations(cfg, sh, RecomputePolicy{rc, 12}).gpu_bytes(false),
+              FluxModel::estimate_activations(cfg, sh, rc).gpu_bytes(false));
   }
 }
 

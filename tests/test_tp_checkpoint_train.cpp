@@ -10,6 +10,7 @@
 
 #include "model_test_util.h"
 #include "test_util.h"
+#include "train/signals.h"
 #include "train_test_util.h"
 
 namespace flux8 {
@@ -33,7 +34,8 @@ TEST(TensorParallelTrain, CheckpointResumesAtTheSameLayoutAndAtOneRank) {
   std::string log;
   ASSERT_EQ(0, run_mpi(4, tp_train_args(dir, "straight"), dir.root / "a.log", &log)) << log;
   EXPECT_NE(log.find("TP=2 x DP=2"), std::string::npos) << log;
-  ASSERT_EQ(0, run_mpi(4, tp_train_args(dir, "resumed", "--stop-after 3"), dir.root / "b.log", &log)) << log;
+  ASSERT_EQ(kStoppedExitCode, run_mpi(4, tp_train_args(dir, "resumed", "--stop-after 3"), dir.root / "b.log", &log))
+      << log;
   fs::copy(dir.root / "resumed", dir.root / "alone", fs::copy_options::recursive);
   ASSERT_EQ(0, run_mpi(4, tp_train_args(dir, "resumed", "--resume"), dir.root / "c.log", &log)) << log;
   EXPECT_NE(log.find("resumed from"), std::string::npos) << log;

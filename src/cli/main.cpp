@@ -1,9 +1,11 @@
 // flux8: trains Flux diffusion transformers. See README.md and `flux8 --help`.
 #include <cstdio>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/exit_codes.h"
 #include "core/error.h"
 #include "core/process_clock.h"
 #include "dist/mpi_runtime.h"
@@ -24,6 +26,7 @@ int main(int argc, char** argv) {
   CLI::App app{"flux8: a C++/CUDA engine that trains Flux diffusion transformers in BF16 and FP8"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "flux8 0.1.0");
+  app.footer(flux8::cli::kExitCodesHelp);
   const std::vector<flux8::cli::Command> commands = {
       flux8::cli::add_train_command(app),  flux8::cli::add_info_command(app),   flux8::cli::add_forward_command(app),
       flux8::cli::add_init_command(app),   flux8::cli::add_config_command(app), flux8::cli::add_data_command(app),
@@ -34,9 +37,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);  // --help, --version, or a usage error
+    const int rc = app.exit(e);  // --help, --version, or a usage error (a config error: nothing ran)
     flux8::finish_job();
-    return rc;
+    return rc == 0 ? 0 : flux8::cli::kExitConfigError;
   }
   int rc = 0;
   try {
@@ -46,9 +49,11 @@ int main(int argc, char** argv) {
         break;
       }
   } catch (const flux8::Error& e) {
-    return error_exit("error: ", e.what(), 1);
+    return error_exit("error: ", e.what(), flux8::cli::exit_code_of(e.kind()));
+  } catch (const std::bad_alloc& e) {
+    return error_exit("error: out of host memory: ", e.what(), flux8::cli::kExitOutOfMemory);
   } catch (const std::exception& e) {
-    return error_exit("unexpected error: ", e.what(), 2);
+    return error_exit("unexpected error: ", e.what(), flux8::cli::kExitUnexpected);
   }
   flux8::finish_job();
   return rc;

@@ -1,5 +1,6 @@
 #include "config/config.h"
 
+#include <fmt/ranges.h>
 #include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <set>
 
+#include "config/primus.h"
 #include "core/error.h"
 #include "core/text_file.h"
 
@@ -163,6 +165,9 @@ std::vector<std::pair<std::string, YAML::Mark>> include_list(const YAML::Node& k
        node_text(value));
 }
 
+// include: (flux8), bases: (Primus's model files) and extends: (Primus experiments) mean the same.
+bool is_include_key(const std::string& key) { return key == "include" || key == "bases" || key == "extends"; }
+
 // `inc` resolved against the including file's directory.
 std::string resolve_include(const std::string& file, const std::string& inc) {
   return (fs::path(file).parent_path() / inc).lexically_normal().string();
@@ -223,6 +228,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   IncludeWalk walk;
   cfg.merge_file(path, walk, "");
   for (const std::string& o : overrides) cfg.apply_override(o);
+  cfg.check_aliases_agree();
   return cfg;
 }
 
@@ -233,6 +239,7 @@ Config Config::load_text(const std::string& yaml_text, const std::string& origin
   IncludeWalk walk;
   cfg.merge_text(yaml_text, origin, walk);
   for (const std::string& o : overrides) cfg.apply_override(o);
+  cfg.check_aliases_agree();
   return cfg;
 }
 
@@ -273,6 +280,10 @@ void Config::merge_text(const std::string& text, const std::string& path, Includ
   const YAML::Node root = load_yaml(text, path);
   if (root.IsNull()) return;  // an empty file sets nothing
   if (!root.IsMap()) fail("{}: the top level of a config file must be a mapping of key: value lines", path);
+  if (is_primus_experiment(root)) {
+    merge_primus(root, path, walk);
+    return;
+  }
 
   // Includes first, whatever their position in the file, so this file's keys override them.
   std::set<std::string> seen;
@@ -281,7 +292,7 @@ void Config::merge_text(const std::string& text, const std::string& path, Includ
     if (key.empty()) fail("{}: config keys must be plain names", at(path, kv.first.Mark()));
     if (!seen.insert(key).second)
       fail("{}: key '{}' appears twice in the same file", at(path, kv.first.Mark()), quote_excerpt(key));
-    if (key != "include" && key != "bases") continue;
+    if (!is_include_key(key)) continue;
     for (const auto& [inc, mark] : include_list(kv.first, kv.second, path)) {
       const std::string where = at(path, mark);
       merge_file(resolve_include(path, inc), walk,
@@ -290,14 +301,48 @@ void Config::merge_text(const std::string& text, const std::string& path, Includ
   }
   for (const auto& kv : root) {
     const std::string key = kv.first.Scalar();
-    if (key == "include" || key == "bases") continue;
+    if (is_include_key(key)) continue;
     const std::string where = at(path, kv.first.Mark());
     const KeySpec* spec = find_config_key(key);
     if (!spec) fail_unknown_key(key, where);
     // A missing value has no line of its own (yaml-cpp marks the next one): name the key's.
     const YAML::Mark mark = kv.second.IsNull() ? kv.first.Mark() : kv.second.Mark();
-    entries_[key] = Entry{parse_node(*spec, kv.second, at(path, mark)), where};
+    store(key, parse_node(*spec, kv.second, at(path, mark)), where);
   }
+}
+
+// Includes (extends/bases and the module's model file) first, then the module's overrides
+// that flux8 knows; the rest in one warning.
+void Config::merge_primus(const YAML::Node& root, const std::string& path, IncludeWalk& walk) {
+  const PrimusExperiment e = read_primus_experiment(root, path);
+  for (const auto& [inc, where] : e.includes)
+    merge_file(resolve_include(path, inc), walk, fmt::format("{} '{}'", where, quote_excerpt(inc, kMaxQuotedPath)));
+  for (const PrimusSetting& s : e.settings)
+    store(s.key, parse_node(*find_config_key(s.key), s.value, s.where), s.where);
+  if (const std::string w = primus_ignored_warning(e, path); !w.empty()) warnings_.push_back(w);
+}
+
+// An alias (schema.h: KeyAlias) sets its key too, with the alias named in the provenance.
+void Config::store(const std::string& key, ConfigValue value, const std::string& source) {
+  if (const KeyAlias* alias = find_key_alias(key)) {
+    const std::string& given = std::get<std::string>(value);
+    for (const auto& [from, to] : alias->values)
+      if (from == given) entries_[alias->key] = Entry{to, fmt::format("{} ({})", source, key)};
+  }
+  entries_[key] = Entry{std::move(value), source};
+}
+
+// Two aliases of one key set to different values (exp_avg_dtype bf16, exp_avg_sq_dtype fp32):
+// flux8 has one key for both, so it cannot honour them.
+void Config::check_aliases_agree() const {
+  for (const KeyAlias& a : config_key_aliases())
+    for (const KeyAlias& b : config_key_aliases()) {
+      if (a.key != b.key || a.alias >= b.alias) continue;
+      const Entry &x = entry(a.alias), &y = entry(b.alias);
+      if (x.source == "default" || y.source == "default" || x.value == y.value) continue;
+      fail("{} is {} ({}) but {} is {} ({}): flux8 keeps both in one type, {}; set both to the same value", a.alias,
+           std::get<std::string>(x.value), x.source, b.alias, std::get<std::string>(y.value), y.source, a.key);
+    }
 }
 
 void Config::apply_override(const std::string& key_equals_value) {
@@ -316,7 +361,7 @@ void Config::apply_override(const std::string& key_equals_value) {
 void Config::set(const std::string& key, const std::string& value_yaml, const std::string& source) {
   const KeySpec* spec = find_config_key(key);
   if (!spec) fail_unknown_key(key, source);
-  entries_[key] = Entry{parse_config_value(*spec, value_yaml, source), source};
+  store(key, parse_config_value(*spec, value_yaml, source), source);
 }
 
 const Config::Entry& Config::entry(const std::string& key) const {
@@ -355,12 +400,40 @@ std::string Config::dump() const {
   std::string out = "# flux8 resolved config; trailing comments say where each value came from\n";
   std::string section;
   for (const KeySpec& k : config_keys()) {
+    if (find_key_alias(k.name)) continue;  // its key holds the value, with the alias in its provenance
     if (k.section != section) {
       section = k.section;
       out += fmt::format("\n# ---- {} ----\n", section);
     }
     const Entry& e = entry(k.name);
     out += fmt::format("{}: {}  # {}\n", k.name, format_key_value(k, e.value), e.source);
+  }
+  return out;
+}
+
+}  // namespace flux8
+
+namespace flux8 {
+
+std::string convert_primus_experiment(const std::string& path) {
+  check_regular_file(path, "", false);
+  std::string error;
+  const std::optional<std::string> text = read_file_text(path, error, kMaxConfigFileBytes);
+  if (!text) fail("cannot read '{}': {}", quote_excerpt(path, kMaxQuotedPath), error);
+  const YAML::Node root = load_yaml(*text, path);
+  if (!is_primus_experiment(root))
+    fail("{} is not a Primus experiment (it has no `modules:` mapping); flux8 reads it as it is: flux8 config -c {}",
+         path, path);
+  const PrimusExperiment e = read_primus_experiment(root, path);
+  std::string out = fmt::format("# flux8 config converted from the Primus experiment {} (module {})\n", path, e.module);
+  if (!e.ignored.empty()) out += fmt::format("# left out, no flux8 meaning: {}\n", fmt::join(e.ignored, ", "));
+  if (!e.includes.empty()) {
+    out += "include:  # relative to the directory of " + path + "\n";
+    for (const auto& [inc, where] : e.includes) out += fmt::format("  - {}  # {}\n", inc, where);
+  }
+  for (const PrimusSetting& s : e.settings) {
+    const KeySpec& spec = *find_config_key(s.key);
+    out += fmt::format("{}: {}  # {}\n", s.key, format_key_value(spec, parse_node(spec, s.value, s.where)), s.where);
   }
   return out;
 }

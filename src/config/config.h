@@ -14,6 +14,10 @@
 
 #include "config/schema.h"
 
+namespace YAML {
+class Node;
+}
+
 namespace flux8 {
 
 // Config files are kilobytes; the limits keep a crafted one (or an include of /dev/zero, a
@@ -60,6 +64,9 @@ class Config {
   const std::string& source(const std::string& key) const;
   // The top-level file given to load(), "" for a default Config.
   const std::string& path() const { return path_; }
+  // What loading found worth saying but not refusing (a Primus experiment's keys that flux8 has
+  // no use for), one line each; the command prints them.
+  const std::vector<std::string>& warnings() const { return warnings_; }
 
   // The resolved config as YAML (sections as comments, provenance as trailing comments);
   // loading it back gives the same values.
@@ -74,11 +81,20 @@ class Config {
   // `included_at` ("file:line") names the include line that led here, "" for the top file.
   void merge_file(const std::string& path, IncludeWalk& walk, const std::string& included_at);
   void merge_text(const std::string& text, const std::string& path, IncludeWalk& walk);
+  void merge_primus(const YAML::Node& root, const std::string& path, IncludeWalk& walk);
+  void store(const std::string& key, ConfigValue value, const std::string& source);
+  void check_aliases_agree() const;
   const Entry& entry(const std::string& key) const;
 
   std::map<std::string, Entry> entries_;
   std::string path_;
+  std::vector<std::string> warnings_;
 };
+
+// A Primus experiment file (config/primus.h) as a flux8 config: its includes, the module's
+// `overrides:` keys flux8 knows (values checked), and a comment listing the keys left out
+// (`flux8 config --from-primus FILE`). Include paths stay relative to FILE's directory.
+std::string convert_primus_experiment(const std::string& path);
 
 // Parses YAML text as a value of `spec`'s type and checks range/choices. `where` names the
 // origin in error messages (e.g. "--set").

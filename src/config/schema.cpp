@@ -128,8 +128,23 @@ std::vector<KeySpec> training_keys() {
                  "activation recomputation: none; selective (drop q/k/v and the attention and GELU outputs that feed a "
                  "Linear, recompute them in the backward without GEMMs); or full (keep only block inputs; re-run each "
                  "block's forward in the backward)"),
+      choice_key("training", "recompute_method", "none", {"none", "block", "uniform"},
+                 "Megatron's choice of the blocks recompute_granularity applies to (double blocks counted first, "
+                 "then single): block = the first recompute_num_layers blocks, the others keep every activation; "
+                 "uniform = every block, in groups of recompute_num_layers (flux8 keeps each block's input, so a "
+                 "group of N recomputes as N groups of 1: the same work, a little more memory; docs/CONFIG.md); "
+                 "none (or null) = every block"),
+      int_key("training", "recompute_num_layers", 0, between(0, 2 * kMaxBlocks),
+              "blocks of recompute_method (block: how many, from the first; uniform: the group size); needed "
+              "with a recompute_method"),
+      int_key("training", "seq_length", 0, between(0, kMaxTextTokens + kMaxImageSide * kMaxImageSide),
+              "Megatron's tokens per sample, accepted when it equals text_seq_len + the image tokens of image_size "
+              "(a check, nothing else); any other value is an error naming the two keys to set. 0 = not given"),
       int_key("training", "global_batch_size", 0, between(0, kMaxGlobalBatch),
               "samples per optimizer step (a multiple of micro_batch_size); 0 = micro_batch_size"),
+      choice_key("training", "optimizer", "adamw", {"adamw", "adam"},
+                 "the optimizer: AdamW with decoupled weight decay (Megatron's adam is the same optimizer); flux8 "
+                 "has no other"),
       float_key("training", "lr", 1e-4, above(0), "peak learning rate"),
       float_key("training", "min_lr", 0.0, at_least(0), "learning rate at the end of the decay"),
       int_key("training", "lr_warmup_iters", 0, between(0, kMaxSteps), "steps of linear warmup from 0 to lr"),
@@ -153,6 +168,11 @@ std::vector<KeySpec> training_keys() {
       int_key("training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
               "optimizer_offload: elements of each moment the device holds at a time (whole parameters: a chunk "
               "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies"),
+      choice_key("training", "exp_avg_dtype", "fp32", {"fp32", "bf16"},
+                 "Megatron's name for adam_moment_precision (fp32 = f32): setting it sets that key; with "
+                 "exp_avg_sq_dtype both must agree (flux8 stores the two moments in one type)"),
+      choice_key("training", "exp_avg_sq_dtype", "fp32", {"fp32", "bf16"},
+                 "Megatron's name for adam_moment_precision, as exp_avg_dtype"),
       float_key("training", "weight_decay", 0.1, at_least(0), "AdamW decoupled weight decay"),
       float_key("training", "clip_grad", 1.0, at_least(0), "clip the global gradient norm to this; 0 = no clipping"),
 
@@ -369,6 +389,20 @@ std::string quote(const std::string& s) {
 }
 
 }  // namespace
+
+const std::vector<KeyAlias>& config_key_aliases() {
+  static const std::vector<KeyAlias> aliases = {
+      {"exp_avg_dtype", "adam_moment_precision", {{"fp32", "f32"}, {"bf16", "bf16"}}},
+      {"exp_avg_sq_dtype", "adam_moment_precision", {{"fp32", "f32"}, {"bf16", "bf16"}}},
+  };
+  return aliases;
+}
+
+const KeyAlias* find_key_alias(std::string_view name) {
+  for (const KeyAlias& a : config_key_aliases())
+    if (a.alias == name) return &a;
+  return nullptr;
+}
 
 namespace {
 // Whole bounds as integers (65536, 1000000000), not as "1e+09".

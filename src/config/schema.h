@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -35,6 +36,16 @@ struct KeySpec {
   std::vector<std::string> choices;  // only for KeyType::choice
   std::string help;
 };
+
+// A key under another framework's name (Megatron's exp_avg_dtype for adam_moment_precision):
+// registered like any key, but setting it sets `key` to the mapped value, and the resolved config
+// (dump()) shows only `key`, whose provenance names the alias.
+struct KeyAlias {
+  std::string alias, key;
+  std::vector<std::pair<std::string, std::string>> values;  // the alias's value -> the key's
+};
+const std::vector<KeyAlias>& config_key_aliases();
+const KeyAlias* find_key_alias(std::string_view name);  // nullptr when `name` is no alias
 
 // All registered keys, in table order (which is also the order of dump() and docs).
 const std::vector<KeySpec>& config_keys();

@@ -208,6 +208,10 @@ void DataLoader::produce(LoaderState s) {
       std::lock_guard<std::mutex> lk(mu_);
       done_ = true;
     }
+  } catch (const Error& e) {  // a shard or sample that cannot be read: a data error (its exit status)
+    std::lock_guard<std::mutex> lk(mu_);
+    error_ = e.kind() == ErrorKind::general ? std::make_exception_ptr(Error(e.what(), ErrorKind::data))
+                                            : std::current_exception();
   } catch (...) {
     std::lock_guard<std::mutex> lk(mu_);
     error_ = std::current_exception();

@@ -64,10 +64,10 @@ Fp8Config Fp8Config::from_config(const Config& c) {
   const bool per_tensor = per_tensor_recipe(f.recipe);
   f.fprop_fast_accumulation = c.get_bool("fp8_fprop_fast_accumulation") && per_tensor;
   if (!per_tensor && set("fp8_fprop_fast_accumulation") && c.get_bool("fp8_fprop_fast_accumulation"))
-    fail(
-        "{} applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each 128-wide block in "
-        "fp32, so the recipe {} ({}) takes no fast accumulation: remove the key or set it to false",
-        where("fp8_fprop_fast_accumulation"), recipe, recipe, c.source("fp8_recipe"));
+    f.warnings.push_back(fmt::format(
+        "{} has no effect: it applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each "
+        "128-wide block in fp32 (fp8_recipe {}, {})",
+        where("fp8_fprop_fast_accumulation"), recipe, recipe, c.source("fp8_recipe")));
   if (c.get_bool("fp8_multi_head_attention"))
     fail(
         "{}: FP8 attention with FP8 q, k, v, o passed to and from the Linears around it is not implemented; "
@@ -83,15 +83,33 @@ Fp8Config Fp8Config::from_config(const Config& c) {
         "{} needs fp8: hybrid: with E4M3 gradients cuDNN's FP8 attention backward gives NaN dQ rows where the "
         "output gradient is zero (every Flux step has such rows: the text tokens of the last single block)",
         where("fp8_dot_product_attention"));
+  // Settings of another recipe: the guide's tuning profiles carry the delayed recipe's amax
+  // settings into tensorwise runs, where scales come from each tensor's current amax.
+  if (f.recipe != Fp8Recipe::delayed) {
+    // At their defaults, as if they were not given: a run (and its checkpoints' FP8 state) is
+    // the same with or without them.
+    const Fp8Config defaults;
+    f.margin = defaults.margin;
+    f.amax_history_len = defaults.amax_history_len;
+    f.amax_max = defaults.amax_max;
+  }
   if (f.recipe != Fp8Recipe::delayed)
     for (const char* key : {"fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"})
       if (set(key))
-        fail("{} applies to fp8_recipe: delayed only, but the recipe is {} ({})", where(key), recipe,
-             c.source("fp8_recipe"));
+        f.warnings.push_back(fmt::format(
+            "{} has no effect: it applies to fp8_recipe: delayed only, and the recipe is {} ({}), whose scales "
+            "come from {}",
+            where(key), recipe, c.source("fp8_recipe"),
+            f.recipe == Fp8Recipe::tensorwise ? "each tensor's amax of the current step"
+                                              : "the amax of each block of the current step"));
   if (rounding != "auto" && (f.recipe == Fp8Recipe::delayed || f.recipe == Fp8Recipe::mxfp8))
-    fail("{} applies to the tensorwise and blockwise recipes; {} scales are {}", where("fp8_scale_rounding"), recipe,
-         f.recipe == Fp8Recipe::mxfp8 ? "E8M0 powers of two by definition" : "fp8_max * 2^-margin / amax");
-  f.power_of_2_scales = rounding == "power_of_2" || (rounding == "auto" && f.recipe == Fp8Recipe::blockwise);
+    f.warnings.push_back(
+        fmt::format("{} has no effect: it applies to the tensorwise and blockwise recipes; {} scales "
+                    "are {}",
+                    where("fp8_scale_rounding"), recipe,
+                    f.recipe == Fp8Recipe::mxfp8 ? "E8M0 powers of two by definition" : "fp8_max * 2^-margin / amax"));
+  f.power_of_2_scales = (f.recipe == Fp8Recipe::tensorwise || f.recipe == Fp8Recipe::blockwise) &&
+                        (rounding == "power_of_2" || (rounding == "auto" && f.recipe == Fp8Recipe::blockwise));
   if (!f.first_last_bf16 && (set("num_layers_at_start_in_bf16") || set("num_layers_at_end_in_bf16")))
     fail("{} / {} take effect only with first_last_layers_bf16: true", where("num_layers_at_start_in_bf16"),
          where("num_layers_at_end_in_bf16"));

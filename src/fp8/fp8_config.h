@@ -2,6 +2,7 @@
 // The FP8 settings of a run, resolved and checked from the config keys (docs/FP8.md).
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace flux8 {
 
@@ -26,9 +27,12 @@ struct Fp8Config {
   bool first_last_bf16 = false;
   int64_t bf16_start = 1, bf16_end = 1;
   int64_t stats_interval = 100;
+  // Keys set to no effect under the recipe (the amax history under tensorwise, ...): each named
+  // with the reason, for the log. Not errors: a tuning profile written for one recipe still loads.
+  std::vector<std::string> warnings;
 
-  // Reads and cross-checks the fp8 keys; an impossible or ignored combination is an error
-  // naming the keys and where they were set.
+  // Reads and cross-checks the fp8 keys; an impossible combination, or FP8 keys without fp8,
+  // is an error naming the keys and where they were set; a key the recipe ignores, a warning.
   static Fp8Config from_config(const Config& cfg);
   // Whether block `index` (double blocks first, then single) runs its Linears in FP8.
   bool block_in_fp8(int64_t index, int64_t num_blocks) const;

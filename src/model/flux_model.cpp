@@ -50,7 +50,9 @@ struct ModelSaved {
   // inputs img, txt, y converted (the first Linears' saved inputs) and pred converted back.
   // Otherwise undefined: the inputs are used as they are and pred is returned.
   Tensor img_in, txt_in, y_in, pred_out;
-  std::vector<DoubleBlockSaved> doubles;  // every block's activations (Recompute::none, selective)
+  // Every kept block's activations (Recompute::none, selective); a block under Recompute::full
+  // has an empty entry.
+  std::vector<DoubleBlockSaved> doubles;
   std::vector<SingleBlockSaved> singles;
   // Recompute::full: the arena mark where the one block region (a block's activations,
   // recomputed) starts. Block i's forward is re-run from its kept input (txt_at[i], ...) into
@@ -61,7 +63,8 @@ struct ModelSaved {
   // blocks' widths on this rank.
   static ModelSaved allocate(Arena& a, const FluxConfig& c, const BlockWidths& w, StepShape sh, DType io, DType t,
                              DType ht, const std::vector<DoubleBlockParams>& dp,
-                             const std::vector<SingleBlockParams>& sp, const Fp8Runtime* fp8, Recompute recompute) {
+                             const std::vector<SingleBlockParams>& sp, const Fp8Runtime* fp8,
+                             const RecomputePolicy& recompute) {
     const int64_t B = sh.batch, H = c.hidden_size, L = sh.tokens();
     const DType st = statistics_dtype(t);
     ModelSaved s;
@@ -93,23 +96,29 @@ struct ModelSaved {
     s.final_rstd = a.alloc(st, Shape{B * sh.img_tokens}, SlotKind::statistic);
     s.final_xm = act(Shape{B, sh.img_tokens, H});
     s.pred = act(Shape{B, sh.img_tokens, c.out_channels});
-    if (recompute != Recompute::full) {
-      const bool selective = recompute == Recompute::selective;
-      for (const DoubleBlockParams& p : dp)
-        s.doubles.push_back(DoubleBlockSaved::allocate(a, w, sh, t, ht, p, fp8, selective));
-      for (const SingleBlockParams& p : sp)
-        s.singles.push_back(SingleBlockSaved::allocate(a, w, sh, t, ht, p, fp8, selective));
-      return s;
+    const int64_t nd = static_cast<int64_t>(dp.size());
+    auto mode = [&](int64_t block) { return recompute.of_block(block); };
+    for (int64_t i = 0; i < nd; ++i)
+      s.doubles.push_back(mode(i) == Recompute::full ? DoubleBlockSaved{}
+                                                     : DoubleBlockSaved::allocate(a, w, sh, t, ht, dp[size_t(i)], fp8,
+                                                                                  mode(i) == Recompute::selective));
+    for (size_t j = 0; j < sp.size(); ++j) {
+      const Recompute m = mode(nd + static_cast<int64_t>(j));
+      s.singles.push_back(m == Recompute::full
+                              ? SingleBlockSaved{}
+                              : SingleBlockSaved::allocate(a, w, sh, t, ht, sp[j], fp8, m == Recompute::selective));
     }
-    // The block region holds one block at a time: measure the largest (blocks differ when
-    // some run in FP8 and others in BF16).
+    // The block region holds one fully recomputed block at a time: measure the largest (blocks
+    // differ when some run in FP8 and others in BF16).
     s.block_region = a.mark();
-    for (const DoubleBlockParams& p : dp) {
-      DoubleBlockSaved::allocate(a, w, sh, t, ht, p, fp8);
+    for (int64_t i = 0; i < nd; ++i) {
+      if (mode(i) != Recompute::full) continue;
+      DoubleBlockSaved::allocate(a, w, sh, t, ht, dp[size_t(i)], fp8);
       a.release_to(s.block_region);
     }
-    for (const SingleBlockParams& p : sp) {
-      SingleBlockSaved::allocate(a, w, sh, t, ht, p, fp8);
+    for (size_t j = 0; j < sp.size(); ++j) {
+      if (mode(nd + static_cast<int64_t>(j)) != Recompute::full) continue;
+      SingleBlockSaved::allocate(a, w, sh, t, ht, sp[j], fp8);
       a.release_to(s.block_region);
     }
     return s;
@@ -120,8 +129,10 @@ namespace {
 
 // Scratch needed besides the blocks': the model-level backward buffers.
 void plan_model_scratch(Arena& a, const FluxConfig& c, const BlockWidths& w, StepShape sh, DType t,
-                        const Fp8Runtime* fp8, Recompute recompute, bool fp8_sites = false) {
-  const bool selective = recompute == Recompute::selective;
+                        const Fp8Runtime* fp8, const RecomputePolicy& recompute, bool fp8_sites = false) {
+  // Selective recomputation on some blocks only: the larger of the two kinds of block.
+  const bool selective = recompute.granularity == Recompute::selective;
+  const bool mixed = selective && recompute.blocks < c.num_blocks();
   const int64_t B = sh.batch, H = c.hidden_size;
   a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted
   a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);               // dtxt
@@ -129,10 +140,15 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, const BlockWidths& w, Ste
   a.alloc(t, Shape{B, sh.tokens(), H}, SlotKind::workspace);                 // dz
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);               // final dxm
   for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
-  const size_t mark = a.mark();  // blocks run one at a time: the larger of the two counts
+  const size_t mark = a.mark();  // blocks run one at a time: the larger of the counts
   double_block_plan_scratch(a, w, sh, t, fp8, selective, fp8_sites);
   a.release_to(mark);
   single_block_plan_scratch(a, w, sh, t, fp8, selective);
+  if (!mixed) return;
+  a.release_to(mark);
+  double_block_plan_scratch(a, w, sh, t, fp8, false, fp8_sites);
+  a.release_to(mark);
+  single_block_plan_scratch(a, w, sh, t, fp8, false);
 }
 
 // FLUX8_FUSED_NORM_STATS: 0 makes every LayerNorm compute its own statistics again (the gated
@@ -158,8 +174,8 @@ Recompute recompute_from_name(const std::string& name) {
   fail("recompute_granularity '{}': choose none, selective or full", name);
 }
 
-FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8, Recompute recompute,
-                     TensorParallel tp)
+FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
+                     RecomputePolicy recompute, TensorParallel tp)
     : cfg_(cfg), be_(backend), tp_(tp), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
   widths_ = BlockWidths::of(cfg_, tp_.size());
@@ -274,7 +290,7 @@ BlockContext FluxModel::block_context(const Tensor& d_silu_vec) {
                       tp_};
 }
 
-ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape, Recompute recompute,
+ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape, RecomputePolicy recompute,
                                                    int tp_size) {
   const BlockWidths w = BlockWidths::of(cfg, tp_size);
   Arena saved, scratch;  // measuring arenas
@@ -404,12 +420,14 @@ void FluxModel::run_blocks() {
   const int64_t B = sh.batch;
   ModelSaved& s = *saved_;
   const BlockContext ctx = block_context(Tensor{});
-  const bool full = recompute_ == Recompute::full;
+  const int64_t nd = static_cast<int64_t>(double_params_.size());
+  auto full_double = [&](size_t i) { return recompute_.of_block(static_cast<int64_t>(i)) == Recompute::full; };
+  auto full_single = [&](size_t j) { return recompute_.of_block(nd + static_cast<int64_t>(j)) == Recompute::full; };
   // Each block's output residuals write the row statistics of the next block's LayerNorm where
-  // it runs inside an FP8 cast (not with full recomputation: the next block's saved statistics
-  // are allocated only when it runs). The last double block's two streams write theirs into
-  // the first single block's, at their rows of the joint sequence (text first).
-  const bool hand_over = !full && norm_stats_in_residual_;
+  // it runs inside an FP8 cast (not into a fully recomputed block: its saved statistics are
+  // allocated only when it runs). The last double block's two streams write theirs into the
+  // first single block's, at their rows of the joint sequence (text first).
+  const bool hand_over = norm_stats_in_residual_;
   const int64_t Lt = sh.txt_tokens, Li = sh.img_tokens, L = sh.tokens();
   const auto next_single = [&](size_t i) {
     SingleBlockSaved& n = s.singles[i];
@@ -423,13 +441,15 @@ void FluxModel::run_blocks() {
     return NormStatsOut{stats_rows(n.ln1_mean, B, Ls), stats_rows(n.ln1_rstd, B, Ls)};
   };
   for (size_t i = 0; i < double_params_.size(); ++i) {
-    if (!full) {
+    if (!full_double(i)) {
       DoubleBlockSaved& blk = s.doubles[i];
       NormStatsOut next_txt, next_img;
       if (hand_over && i + 1 < double_params_.size()) {
-        next_txt = next_stream(double_params_[i + 1].txt, s.doubles[i + 1].txt, Lt);
-        next_img = next_stream(double_params_[i + 1].img, s.doubles[i + 1].img, Li);
-      } else if (hand_over && !single_params_.empty()) {
+        if (!full_double(i + 1)) {
+          next_txt = next_stream(double_params_[i + 1].txt, s.doubles[i + 1].txt, Lt);
+          next_img = next_stream(double_params_[i + 1].img, s.doubles[i + 1].img, Li);
+        }
+      } else if (hand_over && !single_params_.empty() && !full_single(0)) {
         if (const NormStatsOut joint = next_single(0); joint.defined()) {  // the streams' columns of it
           next_txt = {joint.mean.cols_slice(0, Lt), joint.rstd.cols_slice(0, Lt)};
           next_img = {joint.mean.cols_slice(Lt, Li), joint.rstd.cols_slice(Lt, Li)};
@@ -450,9 +470,10 @@ void FluxModel::run_blocks() {
   }
   be_.concat_tokens(s.z_at[0], s.txt_at.back(), s.img_at.back());
   for (size_t i = 0; i < single_params_.size(); ++i) {
-    if (!full) {
+    if (!full_single(i)) {
       SingleBlockSaved& blk = s.singles[i];
-      const NormStatsOut next = hand_over && i + 1 < single_params_.size() ? next_single(i + 1) : NormStatsOut{};
+      const NormStatsOut next =
+          hand_over && i + 1 < single_params_.size() && !full_single(i + 1) ? next_single(i + 1) : NormStatsOut{};
       const size_t mark = scratch_arena_.mark();
       if (blk.selective) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);
       single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1], next);
@@ -511,9 +532,9 @@ void FluxModel::backward(const Tensor& dpred) {
   // Recompute::selective recomputes inside each block's backward; full re-runs whole blocks
   // here. Recomputed forwards cast with the step's scales and must not record amaxes or
   // statistics twice.
-  const bool full = recompute_ == Recompute::full;
+  const int64_t nd = static_cast<int64_t>(double_params_.size());
   for (size_t i = single_params_.size(); i-- > 0;) {
-    if (!full) {
+    if (recompute_.of_block(nd + static_cast<int64_t>(i)) != Recompute::full) {
       single_block_backward(ctx, single_params_[i], s.singles[i], dz);
       continue;
     }
@@ -528,7 +549,7 @@ void FluxModel::backward(const Tensor& dpred) {
   }
   be_.split_tokens(dtxt, dimg, dz);
   for (size_t i = double_params_.size(); i-- > 0;) {
-    if (!full) {
+    if (recompute_.of_block(static_cast<int64_t>(i)) != Recompute::full) {
       double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
       continue;
     }

@@ -2,6 +2,8 @@
 // The whole Flux transformer (docs/FLUX.md): embedders, double blocks on separate text/image
 // streams, single blocks on the joint sequence, final layer; forward and hand-written
 // backward. Activations are carved from planned arenas; nothing is allocated inside a step.
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +60,19 @@ enum class Recompute : uint8_t { none, selective, full };
 // From the recompute_granularity key's value.
 Recompute recompute_from_name(const std::string& name);
 
+// Which blocks recompute (Megatron's recompute_method block with recompute_num_layers N): the
+// first `blocks` blocks, double blocks counted first, then single, take `granularity`; the rest
+// keep every activation. A Recompute alone applies to every block.
+struct RecomputePolicy {
+  Recompute granularity = Recompute::none;
+  int64_t blocks = std::numeric_limits<int64_t>::max();
+  RecomputePolicy() = default;
+  RecomputePolicy(Recompute g) : granularity(g) {}  // NOLINT: every block, where a Recompute was given
+  RecomputePolicy(Recompute g, int64_t first_blocks) : granularity(g), blocks(first_blocks) {}
+  Recompute of_block(int64_t index) const { return index < blocks ? granularity : Recompute::none; }
+  bool operator==(const RecomputePolicy&) const = default;
+};
+
 class FluxModel {
  public:
   // With an enabled Fp8Config the block Linears (and optionally the modulation Linears) run in
@@ -68,7 +83,7 @@ class FluxModel {
   // and the same output gradient, and gets the same prediction; the gradients it leaves are
   // its shards' and the replicated tensors' whole ones (the same on every rank).
   FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32, const Fp8Config* fp8 = nullptr,
-            Recompute recompute = Recompute::none, TensorParallel tp = {});
+            RecomputePolicy recompute = Recompute::none, TensorParallel tp = {});
   ~FluxModel();
 
   const FluxConfig& config() const { return cfg_; }
@@ -90,8 +105,8 @@ class FluxModel {
 
   // Per rank of a tensor-parallel group of tp_size ranks (1: the whole model).
   static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape,
-                                                 Recompute recompute = Recompute::none, int tp_size = 1);
-  Recompute recompute() const { return recompute_; }
+                                                 RecomputePolicy recompute = Recompute::none, int tp_size = 1);
+  const RecomputePolicy& recompute() const { return recompute_; }
 
   // FP8 state (null in BF16 runs).
   Fp8Runtime* fp8() { return fp8_.get(); }
@@ -128,7 +143,7 @@ class FluxModel {
   DType dtype_;        // parameters, inputs, pred and dpred
   DType act_dtype_;    // activations and their gradients: Backend::activation_dtype(dtype_)
   DType heads_dtype_;  // attention q, k, v, o and their gradients: Backend::attention_heads_dtype
-  Recompute recompute_;
+  RecomputePolicy recompute_;
   bool norm_stats_in_residual_ = true;  // BlockContext::norm_stats_in_residual (FLUX8_FUSED_NORM_STATS)
   std::unique_ptr<ParamStore> params_;
   std::vector<DoubleBlockParams> double_params_;

@@ -6,10 +6,10 @@
 namespace flux8 {
 
 // The exit status of `flux8 train` stopped by the first SIGINT/SIGTERM (or --stop-after) once
-// its checkpoint is saved: 0, as for a finished run, so that a scheduler that preempted the job
-// treats it as a clean stop and requeues it with --resume. A second signal ends the process by
-// that signal (a shell reports 128 + its number), without a checkpoint.
-inline constexpr int kStoppedExitCode = 0;
+// its checkpoint is saved: 75 (sysexits' EX_TEMPFAIL, "try again"), not 0, so that a scheduler
+// tells a preempted run from a finished one and requeues it with --resume. A second signal ends
+// the process by that signal (a shell reports 128 + its number), without a checkpoint.
+inline constexpr int kStoppedExitCode = 75;
 
 // Installs the handlers (idempotent) and clears any earlier request.
 void install_stop_signals();

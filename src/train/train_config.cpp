@@ -1,5 +1,7 @@
 #include "train/train_config.h"
 
+#include <fmt/core.h>
+
 #include <filesystem>
 #include <sstream>
 
@@ -110,6 +112,52 @@ void read_run_outputs(const Config& cfg, TrainConfig& t) {
          t.sample_text_embeddings, cfg.source("sample_text_embeddings"));
 }
 
+// recompute_method / recompute_num_layers with Megatron's meaning (docs/CONFIG.md): block = the
+// first N blocks recompute, the others keep their activations; uniform = every block, in groups
+// of N. flux8 keeps every block's input, so a uniform group of N recomputes as N groups of 1.
+RecomputePolicy read_recompute(const Config& cfg, std::vector<std::string>& warnings, int64_t num_blocks) {
+  const Recompute granularity = recompute_from_name(cfg.get_string("recompute_granularity"));
+  const std::string method = cfg.get_string("recompute_method");
+  const int64_t n = cfg.get_int("recompute_num_layers");
+  auto where = [&](const char* key) { return fmt::format("{} ({})", key, cfg.source(key)); };
+  if (method == "none") {
+    if (cfg.source("recompute_num_layers") != "default")
+      warnings.push_back(
+          fmt::format("{} has no effect without a recompute_method (block or uniform)", where("recompute_num_layers")));
+    return granularity;
+  }
+  if (granularity == Recompute::none) {
+    warnings.push_back(fmt::format("{} has no effect: recompute_granularity is none ({})", where("recompute_method"),
+                                   cfg.source("recompute_granularity")));
+    return granularity;
+  }
+  if (n < 1)
+    fail("{} is {} but recompute_num_layers is not set: set it to {}", where("recompute_method"), method,
+         method == "block" ? "how many blocks recompute, from the first" : "the blocks of a recompute group");
+  if (method == "block") return RecomputePolicy{granularity, n};
+  if (granularity == Recompute::full && n > 1)
+    warnings.push_back(fmt::format(
+        "{} with recompute_num_layers {}: flux8 keeps the input of every block, not one per group of {}, and "
+        "re-runs each block's forward on its own (the same recomputation; the inputs of the {} blocks take a little "
+        "more memory than Megatron's)",
+        where("recompute_method"), n, n, num_blocks));
+  return granularity;
+}
+
+// Megatron's seq_length is the tokens of a sample; a Flux sample's are text_seq_len text tokens
+// and the image tokens of image_size, so it is accepted only where it states that sum.
+void check_seq_length(const Config& cfg, const FluxConfig& model) {
+  const int64_t given = cfg.get_int("seq_length");
+  if (given == 0) return;
+  const int64_t image = model.image_tokens(cfg.get_int("image_size"));
+  if (given == model.text_seq_len + image) return;
+  fail(
+      "seq_length is {} ({}), but a sample of this model has text_seq_len {} ({}) + {} image tokens (image_size {} "
+      "({}) / {} pixels a token, squared) = {} tokens: set text_seq_len and image_size, and remove seq_length",
+      given, cfg.source("seq_length"), model.text_seq_len, cfg.source("text_seq_len"), image, cfg.get_int("image_size"),
+      cfg.source("image_size"), model.vae_downsample * model.patch_size, model.text_seq_len + image);
+}
+
 }  // namespace
 
 TrainConfig TrainConfig::from_config(const Config& cfg) {
@@ -122,7 +170,10 @@ TrainConfig TrainConfig::from_config(const Config& cfg) {
   t.fp8 = Fp8Config::from_config(cfg);
   t.adam = AdamWConfig::from_config(cfg);
   t.seed = static_cast<uint64_t>(cfg.get_int("seed"));
-  t.recompute = recompute_from_name(cfg.get_string("recompute_granularity"));
+  check_seq_length(cfg, t.model);
+  t.warnings = cfg.warnings();
+  t.warnings.insert(t.warnings.end(), t.fp8.warnings.begin(), t.fp8.warnings.end());
+  t.recompute = read_recompute(cfg, t.warnings, t.model.num_blocks());
   t.cuda_graph = cfg.get_bool("cuda_graph");
   t.cuda_graph_set = cfg.source("cuda_graph") != "default";
   t.nan_policy = cfg.get_string("nan_policy") == "halt" ? NanPolicy::halt : NanPolicy::skip;

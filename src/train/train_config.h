@@ -34,7 +34,7 @@ struct TrainConfig {
   int64_t train_iters = 1;
   LrSchedule schedule;  // lr, min_lr, lr_warmup_iters, lr_decay_iters (0 there: train_iters), lr_decay_style
   uint64_t seed = 0;
-  Recompute recompute = Recompute::none;  // recompute_granularity
+  RecomputePolicy recompute = Recompute::none;  // recompute_granularity, recompute_method, recompute_num_layers
   bool cuda_graph = true;
   bool cuda_graph_set = false;  // cuda_graph was set by the user, not left at its default
   enum class NanPolicy { skip, halt } nan_policy = NanPolicy::skip;
@@ -81,6 +81,9 @@ struct TrainConfig {
   double distributed_timeout_s = 600;                              // distributed_timeout_minutes
 
   std::string config_yaml;  // the resolved config (Config::dump), for the checkpoints
+  // What the config sets to no effect, or what flux8 honours differently from Megatron, one
+  // line each naming the key (the trainer logs them at the start).
+  std::vector<std::string> warnings;
 
   // Reads every key above and checks what the schema cannot check key by key; errors name the
   // key and where it was set.

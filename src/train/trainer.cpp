@@ -99,18 +99,24 @@ struct Run {
 // ---- setup ----------------------------------------------------------------------------------
 
 // Config and data first: a bad key or path fails before the device and the model are set up.
+// What fails here is a config error, then a data error (the exit status says which).
 void prepare_config_and_data(Run& r, const TrainOptions& opt) {
-  r.cfg = TrainConfig::from_config(Config::load(opt.config_path, opt.overrides));
+  r.cfg = with_error_kind(ErrorKind::config,
+                          [&] { return TrainConfig::from_config(Config::load(opt.config_path, opt.overrides)); });
   fs::create_directories(r.cfg.save_dir);
   if (r.cfg.mlperf.on && job_placement().rank == 0) {
     r.mlperf = std::make_unique<MlperfLog>((fs::path(r.cfg.save_dir) / "mlperf.log").string());
     r.mlperf->init_start(r.cfg, opt.config_path);
   }
   // One rank writes the demo dataset; the others read it once it is there.
-  if (job_placement().rank == 0) prepare_demo_data(r.cfg);
+  with_error_kind(ErrorKind::data, [&] {
+    if (job_placement().rank == 0) prepare_demo_data(r.cfg);
+  });
   job_barrier();
-  r.empty = load_empty_prompt(r.cfg);
-  r.val = load_validation_set(r.cfg);
+  with_error_kind(ErrorKind::data, [&] {
+    r.empty = load_empty_prompt(r.cfg);
+    r.val = load_validation_set(r.cfg);
+  });
 }
 
 // Rank 0 speaks for the job: it alone prints, writes metrics.jsonl and checkpoints.
@@ -192,6 +198,8 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
       r.state.config_yaml = r.cfg.config_yaml;  // the config of this run goes into its checkpoints
       r.resume.from = *dir;
       r.resume.load_seconds = seconds_since(t1);
+    } else if (lead_rank(r)) {
+      fmt::print("--resume: no checkpoint in {}; starting from step 0\n", r.cfg.save_dir);
     }
   }
   if (r.resume.from.empty()) {
@@ -210,8 +218,10 @@ void open_loader(Run& r) {
   lo.prefetch = r.cfg.data_prefetch;
   lo.skip_corrupt = r.cfg.data_skip_corrupt;
   lo.check = [&model = r.cfg.model](const Sample& s) { check_sample_fits(s, model); };
-  r.loader = std::make_unique<DataLoader>(
-      lo, LoaderState{static_cast<uint64_t>(r.state.data_epoch), static_cast<uint64_t>(r.state.data_position)});
+  r.loader = with_error_kind(ErrorKind::data, [&] {
+    return std::make_unique<DataLoader>(
+        lo, LoaderState{static_cast<uint64_t>(r.state.data_epoch), static_cast<uint64_t>(r.state.data_position)});
+  });
 }
 
 void open_metrics(Run& r) {
@@ -239,6 +249,10 @@ void announce_run(Run& r) {
                       r.cfg.global_batch, r.cfg.accumulation, r.cfg.micro_batch, r.cfg.train_iters, r.val.size(),
                       r.cfg.save_dir));
   note(r, fmt::format("precision: {}", r.cfg.fp8.describe()));
+  for (const std::string& w : r.cfg.warnings) note(r, "warning: " + w);
+  if (const RecomputePolicy& rc = r.cfg.recompute; rc.blocks < r.cfg.model.num_blocks())
+    note(r, fmt::format("recompute: {} in the first {} of {} blocks (recompute_method block)",
+                        rc.granularity == Recompute::full ? "full" : "selective", rc.blocks, r.cfg.model.num_blocks()));
   if (r.groups->distributed())
     note(r, fmt::format("parallel: {}: {} samples a rank a step{}; gradients over {}", r.groups->describe(),
                         r.cfg.global_batch / r.dp->size(),
@@ -325,15 +339,15 @@ void handle_skipped_step(Run& r, int64_t step, double loss) {
                                 step + 1, what, first),
                     RecordKind::run, {{"event", "skipped_step"}, {"step", step + 1}, {"first_nonfinite", first}});
   if (r.cfg.nan_policy == TrainConfig::NanPolicy::halt)
-    fail(
-        "step {}: non-finite {} (first non-finite gradient: {}) and nan_policy is halt; the last checkpoint "
-        "is intact",
-        step + 1, what, first);
+    fail(ErrorKind::nonfinite,
+         "step {}: non-finite {} (first non-finite gradient: {}) and nan_policy is halt; the last checkpoint "
+         "is intact",
+         step + 1, what, first);
   if (++r.consecutive_skips >= r.cfg.nan_max_consecutive_skips)
-    fail(
-        "{} consecutive steps had a non-finite loss or gradient (last at step {}); stopping. Lower lr "
-        "or check the data; the last checkpoint is intact.",
-        r.consecutive_skips, step + 1);
+    fail(ErrorKind::nonfinite,
+         "{} consecutive steps had a non-finite loss or gradient (last at step {}); stopping. Lower lr "
+         "or check the data; the last checkpoint is intact.",
+         r.consecutive_skips, step + 1);
 }
 
 void restart_energy(Run& r) { r.energy = EnergyWindow{r.be->power_reading(), std::chrono::steady_clock::now(), 0}; }

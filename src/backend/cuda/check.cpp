@@ -3,6 +3,17 @@
 namespace flux8::cuda {
 
 void fail_cuda(cudaError_t e, const char* call, const char* file, int line) {
+  // An allocation outside the backend's own allocate() (workspaces, staging buffers): the same
+  // kind of error, with the device's free and total memory (the request is not known here).
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    throw OutOfMemoryError(
+        fmt::format("CUDA error {} ({}) in {} at {}:{} ({:.2f} GiB free of {:.1f} GiB)", cudaGetErrorName(e),
+                    cudaGetErrorString(e), call, file, line, free_b / 1073741824.0, total_b / 1073741824.0),
+        0, free_b, total_b);
+  }
   fail("CUDA error {} ({}) in {} at {}:{}", cudaGetErrorName(e), cudaGetErrorString(e), call, file, line);
 }
 

@@ -45,6 +45,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/gemm_environment.h"
 #include "backend/op_checks.h"
 #include "fp8/quantize.h"
 
@@ -149,21 +150,15 @@ void note_emulated(const std::string& key, const std::string& what, const std::s
   if (seen.insert(key).second) fmt::print(stderr, "gemm_fp8_tn: {} emulated (dequantize + fp32 GEMM): {}\n", what, why);
 }
 
-// FLUX8_GEMM_BACKEND pins where FP8 GEMMs run: auto (unset or empty: cuBLASLt where it has a
-// kernel, the emulated kernel elsewhere), cublaslt (a product cuBLASLt cannot run is an error
-// naming the reason: a run that must not fall back silently) or emulated (every FP8 GEMM on the
-// dequantize + fp32 kernel: the reference, to tell a cuBLASLt problem from a cast problem).
-enum class GemmBackend : uint8_t { automatic, cublaslt, emulated };
+// FLUX8_GEMM_BACKEND (or PRIMUS_TURBO_GEMM_BACKEND) pins where FP8 GEMMs run: auto (unset or
+// empty: cuBLASLt where it has a kernel, the emulated kernel elsewhere), cublaslt (a product
+// cuBLASLt cannot run is an error naming the reason: a run that must not fall back silently) or
+// emulated (every FP8 GEMM on the dequantize + fp32 kernel: the reference, to tell a cuBLASLt
+// problem from a cast problem). Parsed in backend/gemm_environment.h.
+using GemmBackend = Fp8GemmBackend;
 
 // Read at every call (a getenv is nothing next to a GEMM), so a test or tool may change it.
-GemmBackend gemm_backend() {
-  const char* e = std::getenv("FLUX8_GEMM_BACKEND");
-  const std::string_view v = e ? e : "";
-  if (v.empty() || v == "auto") return GemmBackend::automatic;
-  if (v == "cublaslt") return GemmBackend::cublaslt;
-  if (v == "emulated") return GemmBackend::emulated;
-  fail("FLUX8_GEMM_BACKEND={}: expected auto, cublaslt or emulated", v);
-}
+GemmBackend gemm_backend() { return fp8_gemm_backend_from_environment(); }
 
 cudaDataType_t cuda_type(Fp8Format f) { return f == Fp8Format::e4m3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/gemm_environment.h"
 #include "core/error.h"
 
 namespace flux8::cuda {
@@ -52,12 +53,8 @@ bool profile_from_environment() {
 
 constexpr size_t kTimedBatch = 2048;  // event pairs recorded before they are read (one wait)
 
-bool autotune_from_environment() {
-  const std::string v = env("FLUX8_GEMM_AUTOTUNE");
-  if (v.empty() || v == "0" || v == "false" || v == "off") return false;
-  if (v == "1" || v == "true" || v == "on") return true;
-  fail("FLUX8_GEMM_AUTOTUNE={}: expected 1 (time cuBLASLt's candidate algorithms per GEMM shape) or 0", v);
-}
+// FLUX8_GEMM_AUTOTUNE or PRIMUS_TURBO_AUTO_TUNE (backend/gemm_environment.h).
+bool autotune_from_environment() { return gemm_autotune_from_environment(); }
 
 std::string default_cache_path() {
   if (const std::string xdg = env("XDG_CACHE_HOME"); !xdg.empty()) return xdg + "/flux8/gemm_autotune.tsv";

@@ -99,8 +99,12 @@ void* CudaBackend::allocate(size_t bytes) {
     cudaGetLastError();
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
-    fail("cuda backend: out of device memory allocating {:.2f} GiB ({} free of {:.1f} GiB): {}", n / 1073741824.0,
-         fmt::format("{:.2f} GiB", free_b / 1073741824.0), total_b / 1073741824.0, cudaGetErrorString(e));
+    // The sizes travel with the error: whoever catches it says which settings would fit.
+    throw OutOfMemoryError(
+        fmt::format("cuda backend: out of device memory allocating {:.2f} GiB ({:.2f} GiB free of "
+                    "{:.1f} GiB): {}",
+                    n / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0, cudaGetErrorString(e)),
+        n, free_b, total_b);
   }
   FLUX8_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_));
   FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
