@@ -175,7 +175,7 @@ void WeightSource::check(const FluxConfig& cfg) const {
     for (const std::string& scale : scales) {
       used.insert(scale);
       if (!is_fp8(t.dtype))
-        problems.add(fmt::format("scale: {} is {}, but {} scales only FP8 weights", scale, t.dtype, name));
+        problems.add(fmt::format("scale: {} scales FP8 weights only, but {} is {}", scale, name, t.dtype));
       const std::string why = scale_problem(files_.file_of(scale), files_.tensor(scale));
       if (!why.empty()) problems.add(why);
     }

@@ -351,7 +351,7 @@ def main():
         tensors[bf16_name] = torch.from_numpy(bfl["double_blocks.0.img_mlp.0.weight"]).to(torch.bfloat16)
         torch_save(tensors, p("scaled_bf16.safetensors"), metadata=meta)
         expect_error(["export", p("scaled_bf16.safetensors"), "-c", CONFIG, *SET, "--format", "bfl", "--out",
-                      p("x.safetensors")], bf16_name, "scales only FP8")
+                      p("x.safetensors")], bf16_name, "scales FP8 weights only")
 
     if failures:
         print(f"test_export_import: {failures} check(s) failed")
