@@ -91,7 +91,8 @@ struct ShardedFolder {
   ShardedFolder() {
     write_shard("s-1.safetensors", {"a", "b"});
     write_shard("s-2.safetensors", {"c", "d"});
-    write_index({{"a", "s-1.safetensors"}, {"b", "s-1.safetensors"}, {"c", "s-2.safetensors"}, {"d", "s-2.safetensors"}});
+    write_index(
+        {{"a", "s-1.safetensors"}, {"b", "s-1.safetensors"}, {"c", "s-2.safetensors"}, {"d", "s-2.safetensors"}});
   }
   void write_shard(const std::string& name, const std::vector<std::string>& tensors) {
     SafetensorsWriter w;
@@ -124,7 +125,8 @@ TEST(SafetensorsSet, RefusesPartialAndMixedFolders) {
   }
   {
     ShardedFolder f;  // the index says c is in s-1
-    f.write_index({{"a", "s-1.safetensors"}, {"b", "s-1.safetensors"}, {"c", "s-1.safetensors"}, {"d", "s-2.safetensors"}});
+    f.write_index(
+        {{"a", "s-1.safetensors"}, {"b", "s-1.safetensors"}, {"c", "s-1.safetensors"}, {"d", "s-2.safetensors"}});
     expect_has(error_of([&] { SafetensorsSet::open_index(f.tmp.file("index.json")); }),
                "s-1.safetensors', which has no such tensor");
   }
@@ -349,8 +351,9 @@ TEST(WeightSource, ComfyFp8ScalesAndBadScales) {
   bad.write(m.tmp.file("bad.safetensors"));
   const std::string e = error_of([&] { load_weights(back, m.cfg, m.tmp.file("bad.safetensors")); });
   expect_has(e, "bad.safetensors");
-  expect_has(e, "scale: model.diffusion_model.txt_in.weight_scale scales FP8 weights only, but "
-                "model.diffusion_model.txt_in.weight is BF16");
+  expect_has(e,
+             "scale: model.diffusion_model.txt_in.weight_scale scales FP8 weights only, but "
+             "model.diffusion_model.txt_in.weight is BF16");
   expect_has(e, "model.diffusion_model.txt_in.weight_scale is -2; it must be finite and positive");
 }
 

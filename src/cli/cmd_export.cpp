@@ -40,9 +40,10 @@ std::pair<Config, std::string> resolve_model(const Opts& o) {
             resolve_weights_path(o.checkpoint)};
   }
   if (!fs::exists(o.checkpoint, ec))
-    fail("export: {}: no such file or directory; give a checkpoint directory (ROOT/step-N), a .safetensors "
-         "weights file or a diffusers folder",
-         o.checkpoint);
+    fail(
+        "export: {}: no such file or directory; give a checkpoint directory (ROOT/step-N), a .safetensors "
+        "weights file or a diffusers folder",
+        o.checkpoint);
   const std::string weights = resolve_weights_path(o.checkpoint);
   if (!o.config.empty()) return {Config::load(o.config, o.overrides), weights};
   const std::string located = locate_weights(weights);
@@ -52,9 +53,10 @@ std::pair<Config, std::string> resolve_model(const Opts& o) {
       if (const auto it = file.metadata().find(key); it != file.metadata().end() && !it->second.empty())
         return {Config::load_text(it->second, located + ":" + key, o.overrides), weights};
   }
-  fail("export: {} does not say which model it holds; give its config with -c/--config (e.g. "
-       "configs/models/flux_12b_dev.yaml)",
-       o.checkpoint);
+  fail(
+      "export: {} does not say which model it holds; give its config with -c/--config (e.g. "
+      "configs/models/flux_12b_dev.yaml)",
+      o.checkpoint);
 }
 
 }  // namespace

@@ -664,10 +664,9 @@ struct SafetensorsWriter::Job {
       for (int64_t d : e.shape) numel *= static_cast<size_t>(d);
       numels.push_back(numel);
       const uint64_t bytes = numel * dtype_size(e.target);
-      header[e.name] = {
-          {"dtype", e.file_dtype.empty() ? std::string(safetensors_dtype_name(e.target)) : e.file_dtype},
-          {"shape", e.shape},
-          {"data_offsets", {offset, offset + bytes}}};
+      header[e.name] = {{"dtype", e.file_dtype.empty() ? std::string(safetensors_dtype_name(e.target)) : e.file_dtype},
+                        {"shape", e.shape},
+                        {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
     }
     std::string text = header.dump();

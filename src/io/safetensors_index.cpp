@@ -19,7 +19,12 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-std::string in_quotes(std::string_view text) { return "'" + quote_excerpt(text, 160) + "'"; }
+std::string in_quotes(std::string_view text) {
+  std::string out = "'";
+  out += quote_excerpt(text, 160);
+  out += '\'';
+  return out;
+}
 
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
@@ -65,8 +70,8 @@ SafetensorsIndex SafetensorsIndex::parse(std::string_view text, const std::strin
     const std::string& name = file.get_ref<const std::string&>();
     const std::string problem = shard_name_problem(name);
     if (!problem.empty())
-      fail("safetensors index '{}': weight_map entry {} names {}, which is {}", path, in_quotes(tensor), in_quotes(name),
-           problem);
+      fail("safetensors index '{}': weight_map entry {} names {}, which is {}", path, in_quotes(tensor),
+           in_quotes(name), problem);
     index.weight_map[tensor] = name;
     shards.insert(name);
   }
@@ -107,22 +112,25 @@ SafetensorsSet SafetensorsSet::open_index(const std::string& index_path) {
   for (const auto& [tensor, shard] : index.weight_map) {
     const size_t n = file_number.at(shard);
     if (!set.files_[n]->contains(tensor))
-      fail("safetensors index '{}' puts tensor {} in shard '{}', which has no such tensor (a shard from another "
-           "checkpoint, or a damaged index?)",
-           index_path, in_quotes(tensor), set.files_[n]->path());
+      fail(
+          "safetensors index '{}' puts tensor {} in shard '{}', which has no such tensor (a shard from another "
+          "checkpoint, or a damaged index?)",
+          index_path, in_quotes(tensor), set.files_[n]->path());
     set.where_[tensor] = n;
   }
   for (size_t n = 0; n < set.files_.size(); ++n)
     for (const std::string& tensor : set.files_[n]->names()) {
       const auto it = index.weight_map.find(tensor);
       if (it == index.weight_map.end())
-        fail("safetensors shard '{}' holds tensor {}, which its index '{}' does not list (a shard from another "
-             "checkpoint?)",
-             set.files_[n]->path(), in_quotes(tensor), index_path);
+        fail(
+            "safetensors shard '{}' holds tensor {}, which its index '{}' does not list (a shard from another "
+            "checkpoint?)",
+            set.files_[n]->path(), in_quotes(tensor), index_path);
       if (file_number.at(it->second) != n)
-        fail("safetensors shard '{}' holds tensor {}, which its index '{}' puts in '{}'; a tensor must be in one "
-             "shard",
-             set.files_[n]->path(), in_quotes(tensor), index_path, it->second);
+        fail(
+            "safetensors shard '{}' holds tensor {}, which its index '{}' puts in '{}'; a tensor must be in one "
+            "shard",
+            set.files_[n]->path(), in_quotes(tensor), index_path, it->second);
     }
   return set;
 }
@@ -174,20 +182,27 @@ uint64_t parse_byte_size(std::string_view text, const std::string& what) {
   while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
   std::string unit(text.substr(digits));
   std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::tolower(c); });
-  static const std::map<std::string, uint64_t> units = {
-      {"", 1},          {"b", 1},           {"kb", 1000},       {"mb", 1000'000},   {"gb", 1000'000'000},
-      {"tb", 1000'000'000'000}, {"kib", 1ull << 10}, {"mib", 1ull << 20}, {"gib", 1ull << 30}, {"tib", 1ull << 40}};
+  static const std::map<std::string, uint64_t> units = {{"", 1},
+                                                        {"b", 1},
+                                                        {"kb", 1000},
+                                                        {"mb", 1000'000},
+                                                        {"gb", 1000'000'000},
+                                                        {"tb", 1000'000'000'000},
+                                                        {"kib", 1ull << 10},
+                                                        {"mib", 1ull << 20},
+                                                        {"gib", 1ull << 30},
+                                                        {"tib", 1ull << 40}};
   const auto u = units.find(unit);
-  std::optional<uint64_t> value = digits > 0 && digits <= 19 && u != units.end() ? std::optional<uint64_t>(0)
-                                                                                 : std::nullopt;
+  std::optional<uint64_t> value =
+      digits > 0 && digits <= 19 && u != units.end() ? std::optional<uint64_t>(0) : std::nullopt;
   for (size_t i = 0; value && i < digits; ++i) {
     value = checked_mul<uint64_t>(*value, 10);
     if (value) value = checked_add<uint64_t>(*value, static_cast<uint64_t>(text[i] - '0'));
   }
   if (value) value = checked_mul<uint64_t>(*value, u->second);
   if (!value || *value == 0 || *value > uint64_t(std::numeric_limits<int64_t>::max()))
-    fail("{}: '{}' is not a size; give a positive number of bytes with an optional unit, e.g. 10GB, 500MB, 2GiB",
-         what, quote_excerpt(text, 40));
+    fail("{}: '{}' is not a size; give a positive number of bytes with an optional unit, e.g. 10GB, 500MB, 2GiB", what,
+         quote_excerpt(text, 40));
   return *value;
 }
 

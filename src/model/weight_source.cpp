@@ -102,8 +102,8 @@ std::string locate_weights(const std::string& path) {
 WeightSource WeightSource::open(const std::string& path, const std::string& prefix) {
   WeightSource s;
   s.path_ = locate_weights(path);
-  s.files_ = ends_with(s.path_, ".index.json") ? SafetensorsSet::open_index(s.path_)
-                                               : SafetensorsSet::open_file(s.path_);
+  s.files_ =
+      ends_with(s.path_, ".index.json") ? SafetensorsSet::open_index(s.path_) : SafetensorsSet::open_file(s.path_);
   s.prefix_ = prefix;
   const SafetensorsSet& f = s.files_;
   if (prefix.empty() && !f.contains("img_in.weight") && !f.contains("x_embedder.weight") &&
@@ -162,8 +162,8 @@ void WeightSource::check(const FluxConfig& cfg) const {
       problems.add(
           fmt::format("shape: {} is {} in the file, the model needs {}", name, shape_str(t.shape), shape_str(shape)));
     if (!loadable(t.dtype))
-      problems.add(fmt::format("dtype: {} is {}; weights must be F32, BF16, F16, F64, F8_E4M3 or F8_E5M2", name,
-                               t.dtype));
+      problems.add(
+          fmt::format("dtype: {} is {}; weights must be F32, BF16, F16, F64, F8_E4M3 or F8_E5M2", name, t.dtype));
     if (!ends_with(name, ".weight")) continue;
     const std::string layer = name.substr(0, name.size() - 7);
     std::vector<std::string> scales;

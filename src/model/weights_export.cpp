@@ -120,14 +120,13 @@ uint64_t add_tensor(SafetensorsWriter& w, const OutTensor& t, TensorAssembler& a
   }
   // The scale is needed before the codes: the weight's first fill computes it.
   auto scale = std::make_shared<float>(1.0f);
-  w.add_filled_bytes(t.name, "F8_E4M3", dims(t.shape),
-                     [&assembler, &t, scale](size_t first, size_t count, void* dst) {
-                       const std::vector<double>& v = assembler.values(t);
-                       if (first == 0) *scale = fp8_scale(v);
-                       uint8_t* out = static_cast<uint8_t*>(dst);
-                       for (size_t i = 0; i < count; ++i)
-                         out[i] = e4m3_encode(static_cast<float>(v[first + i] / static_cast<double>(*scale)));
-                     });
+  w.add_filled_bytes(t.name, "F8_E4M3", dims(t.shape), [&assembler, &t, scale](size_t first, size_t count, void* dst) {
+    const std::vector<double>& v = assembler.values(t);
+    if (first == 0) *scale = fp8_scale(v);
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    for (size_t i = 0; i < count; ++i)
+      out[i] = e4m3_encode(static_cast<float>(v[first + i] / static_cast<double>(*scale)));
+  });
   const std::string layer = t.name.substr(0, t.name.size() - 7);
   w.add_filled(layer + ".weight_scale", DType::f32, {},
                [scale](size_t, size_t, void* dst) { *static_cast<float*>(dst) = *scale; });
@@ -171,8 +170,7 @@ ExportResult write_bfl(const std::vector<OutTensor>& tensors, TensorAssembler& a
   w.set_metadata("format", "pt");
   for (const auto& [k, v] : o.metadata) w.set_metadata(k, v);
   if (!layers.empty())
-    w.set_metadata("_quantization_metadata",
-                   nlohmann::json{{"format_version", "1.0"}, {"layers", layers}}.dump());
+    w.set_metadata("_quantization_metadata", nlohmann::json{{"format_version", "1.0"}, {"layers", layers}}.dump());
   w.write(out);
   r.files.push_back(out);
   r.tensors = tensors.size();
@@ -231,7 +229,8 @@ std::string diffusers_config_json(const FluxConfig& cfg) {
   j["num_attention_heads"] = cfg.num_heads;
   j["num_layers"] = cfg.num_double_blocks;
   j["num_single_layers"] = cfg.num_single_blocks;
-  j["out_channels"] = cfg.out_channels == cfg.in_channels ? nlohmann::ordered_json() : nlohmann::ordered_json(cfg.out_channels);
+  j["out_channels"] =
+      cfg.out_channels == cfg.in_channels ? nlohmann::ordered_json() : nlohmann::ordered_json(cfg.out_channels);
   j["patch_size"] = 1;
   j["pooled_projection_dim"] = cfg.vec_dim;
   return j.dump(2) + "\n";
@@ -249,7 +248,8 @@ ExportResult export_weights(const WeightSource& source, const FluxConfig& cfg, c
   const std::vector<OutTensor> tensors = out_tensors(layout, cfg, o);
   TensorAssembler assembler(source, cfg);
   if (o.format == ExportFormat::bfl) {
-    if (fs::is_directory(out)) fail("export --format bfl: --out {} is a folder; give the .safetensors file to write", out);
+    if (fs::is_directory(out))
+      fail("export --format bfl: --out {} is a folder; give the .safetensors file to write", out);
     return write_bfl(tensors, assembler, out, o);
   }
   std::error_code ec;

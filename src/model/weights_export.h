@@ -31,8 +31,8 @@ enum class ExportDtype { f32, bf16, fp8 };
 struct ExportOptions {
   ExportFormat format = ExportFormat::diffusers;
   ExportDtype dtype = ExportDtype::bf16;
-  uint64_t max_shard_bytes = 10'000'000'000;         // diffusers' save_pretrained default, "10GB"
-  std::map<std::string, std::string> metadata;        // added to every safetensors file written
+  uint64_t max_shard_bytes = 10'000'000'000;    // diffusers' save_pretrained default, "10GB"
+  std::map<std::string, std::string> metadata;  // added to every safetensors file written
 };
 
 struct ExportResult {

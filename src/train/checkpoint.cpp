@@ -664,17 +664,19 @@ std::optional<std::string> checkpoint_to_resume(const std::string& root, std::st
 std::string chosen_checkpoint(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec))
-    fail("--resume {}: no such checkpoint directory; give a checkpoint (ROOT/step-N) or a save_dir to take its "
-         "newest",
-         path);
+    fail(
+        "--resume {}: no such checkpoint directory; give a checkpoint (ROOT/step-N) or a save_dir to take its "
+        "newest",
+        path);
   if (fs::exists(fs::path(path) / kManifestFile, ec)) {
     verify_checkpoint(path);
     return path;
   }
   if (list_step_dirs(path).empty())
-    fail("--resume {}: the folder holds neither a checkpoint ({}) nor checkpoints (step-N); give a checkpoint "
-         "directory or a save_dir",
-         path, kManifestFile);
+    fail(
+        "--resume {}: the folder holds neither a checkpoint ({}) nor checkpoints (step-N); give a checkpoint "
+        "directory or a save_dir",
+        path, kManifestFile);
   return *checkpoint_to_resume(path);  // a root: its newest that verifies (or it fails)
 }
 
