@@ -4,6 +4,7 @@
 #include <fmt/core.h>
 
 #include <filesystem>
+#include <optional>
 
 #include "cli/commands.h"
 #include "config/config.h"
@@ -30,14 +31,20 @@ struct Opts {
 // metadata; anything else (a diffusers folder, a file from elsewhere) needs -c.
 std::pair<Config, std::string> resolve_model(const Opts& o) {
   std::error_code ec;
-  if (fs::exists(fs::path(o.checkpoint) / "trainer_state.json", ec)) {
+  std::string dir = o.checkpoint;
+  if (fs::is_directory(dir, ec) && !fs::exists(fs::path(dir) / "trainer_state.json", ec) && !is_diffusers_folder(dir)) {
+    if (const std::optional<std::string> latest = find_latest_checkpoint(dir)) {  // a checkpoint root
+      fmt::print("export: using the newest checkpoint of {}: {}\n", dir, *latest);
+      dir = *latest;
+    }
+  }
+  if (fs::exists(fs::path(dir) / "trainer_state.json", ec)) {
     if (!o.config.empty())
       fail("export: {} is a checkpoint directory, which carries its run's config; drop -c (change keys with --set)",
-           o.checkpoint);
-    const std::string state_path = (fs::path(o.checkpoint) / "trainer_state.json").string();
+           dir);
+    const std::string state_path = (fs::path(dir) / "trainer_state.json").string();
     const TrainerState state = trainer_state_from_json(read_text_or_fail(state_path, "trainer state"), state_path);
-    return {Config::load_text(state.config_yaml, state_path + ":config_yaml", o.overrides),
-            resolve_weights_path(o.checkpoint)};
+    return {Config::load_text(state.config_yaml, state_path + ":config_yaml", o.overrides), resolve_weights_path(dir)};
   }
   if (!fs::exists(o.checkpoint, ec))
     fail(
@@ -66,8 +73,8 @@ Command add_export_command(CLI::App& app) {
       "export", "write a checkpoint's model for other programs: BFL/ComfyUI file or diffusers folder, f32/bf16/fp8");
   auto o = std::make_shared<Opts>();
   cmd->add_option("checkpoint", o->checkpoint,
-                  "a checkpoint directory (ROOT/step-N), a .safetensors weights file (either naming, any dtype) or "
-                  "a diffusers folder")
+                  "a checkpoint directory (ROOT/step-N; a ROOT: its newest that verifies), a .safetensors weights "
+                  "file (either naming, any dtype) or a diffusers folder")
       ->required();
   cmd->add_option("--format", o->format,
                   "bfl: one .safetensors file in the reference names; diffusers: a FluxTransformer2DModel folder")

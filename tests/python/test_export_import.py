@@ -32,6 +32,8 @@ Checks
      is within E4M3's rounding of the weights; flux8 reads its own FP8 file back exactly.
   7. Bad folders fail naming the file and tensor: a missing shard, a tensor the index puts in
      another shard, a negative scale, an FP8 file whose scale sits beside a BF16 weight.
+  8. A training run's checkpoint directory exports without -c (it carries its config), and so
+     does its save_dir (the newest checkpoint): diffusers loads the model.safetensors values.
 """
 from __future__ import annotations
 
@@ -352,6 +354,20 @@ def main():
         torch_save(tensors, p("scaled_bf16.safetensors"), metadata=meta)
         expect_error(["export", p("scaled_bf16.safetensors"), "-c", CONFIG, *SET, "--format", "bfl", "--out",
                       p("x.safetensors")], bf16_name, "scales FP8 weights only")
+
+        # ---- 8: a checkpoint directory carries its config ---------------------------------------
+        run = p("run")
+        flux8("train", "-c", os.path.join(SRC, "configs", "demo.yaml"), *SET, "--set", f"save_dir={run}",
+              "--set", f"train_data={p('data')}/train-*.tar", "--set", f"valid_data={p('data')}/val-*.tar",
+              "--set", f"empty_prompt_file={p('data')}/empty_prompt", "--set", "demo_train_samples=32",
+              "--set", "demo_val_samples=8", "--set", "micro_batch_size=4", "--set", "train_iters=2",
+              "--set", "save_interval=2", "--set", "eval_interval=2", "--set", "backend=cpu",
+              "--set", "sample_prompts=")
+        trained = load_file(os.path.join(run, "step-0000002", "model.safetensors"))
+        trained_dif = bfl_to_diffusers(trained)
+        for source, out in ((os.path.join(run, "step-0000002"), p("from_ckpt")), (run, p("from_root"))):
+            flux8("export", source, "--format", "diffusers", "--dtype", "f32", "--out", out)
+            load_diffusers(out, {k: np.ascontiguousarray(v) for k, v in trained_dif.items()}, f"export of {source}")
 
     if failures:
         print(f"test_export_import: {failures} check(s) failed")
