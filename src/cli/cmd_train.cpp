@@ -23,9 +23,10 @@ Command add_train_command(CLI::App& app) {
                   "checkpoint directory (ROOT/step-N), or the newest of that checkpoint root")
       ->expected(0, 1);
   cmd->add_option("--init-from", o->init_from,
-                  "start from these weights (a checkpoint directory or a .safetensors in reference or "
-                  "diffusers naming, e.g. flux1-schnell.safetensors; a checkpoint's model file is checked "
-                  "against its manifest); optimizer state starts fresh");
+                  "start from these weights (a checkpoint directory, a .safetensors in reference or diffusers "
+                  "naming in F32/BF16/F16 or FP8 with ComfyUI's scales, e.g. flux1-schnell.safetensors, or a "
+                  "diffusers folder, sharded or not; a checkpoint's model file is checked against its manifest); "
+                  "optimizer state starts fresh");
   cmd->add_option("--stop-after", o->stop_after,
                   "stop after N steps of this run, saving a checkpoint, as a SIGTERM would (exit status 0)");
   return {cmd, [o, cmd]() {
