@@ -560,6 +560,25 @@ TEST(Checkpoint, ResumeRefusesWhenNoCheckpointVerifies) {
   EXPECT_TRUE(fs::exists(s100) && fs::exists(s200));
 }
 
+// --resume PATH: a chosen checkpoint is taken whatever its step, once every digest verifies; a
+// checkpoint root gives its newest that verifies; anything else is refused by name.
+TEST(Checkpoint, ResumeFromAChosenCheckpoint) {
+  TempRoot root;
+  ModelRun run;
+  run.randomize(5);
+  const std::string s100 = run.save(root.str(), 100);
+  const std::string s200 = run.save(root.str(), 200);
+  EXPECT_EQ(chosen_checkpoint(s100), s100);
+  EXPECT_EQ(chosen_checkpoint(root.str()), s200);
+  flip_byte(fs::path(s100) / "model.safetensors", 100);
+  expect_mentions(error_of([&] { chosen_checkpoint(s100); }), {s100, "model.safetensors", "cannot be used"});
+  expect_mentions(error_of([&] { chosen_checkpoint((root.path / "absent").string()); }),
+                  {"--resume " + (root.path / "absent").string() + ": no such checkpoint directory"});
+  fs::create_directory(root.path / "empty");
+  expect_mentions(error_of([&] { chosen_checkpoint((root.path / "empty").string()); }),
+                  {"holds neither a checkpoint (manifest.json) nor checkpoints (step-N)"});
+}
+
 // Pruning keeps the newest keep_last checkpoints that verify: a damaged one does not take a
 // place, whether a resume found it (remembered) or pruning reads it for the first time (a copy
 // this process never saw); it is left in place and named in a warning. Older ones go.

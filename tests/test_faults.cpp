@@ -163,6 +163,19 @@ TEST(Faults, KillDuringSaveThenResumeIsBitExact) {
   EXPECT_EQ(resumed, straight);
 }
 
+// --resume PATH: a run in an empty save_dir continues from the chosen checkpoint of another
+// run (step 4 of the uninterrupted one) and writes step 6 byte for byte as that run did.
+TEST(Faults, ResumeFromAChosenCheckpointIsBitExact) {
+  const testing::RunDir dir("faults_resume_path");
+  run_straight(dir);
+  const std::string chosen = (dir.root / "straight" / "step-0000004").string();
+  const auto [rc, out] = run_train(dir, "run", {"--set", "save_interval=2", "--resume", chosen});
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("resumed from " + chosen), std::string::npos) << out;
+  EXPECT_EQ(listing(dir.root / "run"), (std::vector<std::string>{"metrics.jsonl", "step-0000006"}));
+  expect_same_checkpoint(dir.root / "straight" / "step-0000006", dir.root / "run" / "step-0000006");
+}
+
 // SIGTERM (a scheduler's preemption) arrives during step 2's save: the run finishes that save,
 // takes one more step, saves step 3 and exits with kStoppedExitCode (75: requeue me); --resume
 // then ends exactly where the uninterrupted run does.

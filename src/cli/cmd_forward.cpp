@@ -50,8 +50,10 @@ Command add_forward_command(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   o->cfg.add_to(*cmd);
-  cmd->add_option("--checkpoint", o->checkpoint, "weights (reference or diffusers names, safetensors)")
-      ->check(CLI::ExistingFile);
+  cmd->add_option("--checkpoint", o->checkpoint,
+                  "weights: a .safetensors file (reference or diffusers names; F32, BF16, F16 or FP8) or a "
+                  "diffusers folder")
+      ->check(CLI::ExistingPath);
   cmd->add_option("--init-seed", o->init_seed, "instead of --checkpoint: MLPerf initialisation from this seed");
   cmd->add_option("--inputs", o->inputs, "safetensors file with the model inputs")
       ->required()

@@ -45,17 +45,21 @@ Command add_train_command(CLI::App& app) {
       ->required()
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o->overrides, "override a config key: --set key=value (repeatable)");
-  cmd->add_flag("--resume", o->resume,
-                "continue from the newest checkpoint in save_dir that verifies (with none there, say so and start "
-                "from step 0; refuse to start if there are checkpoints but none verifies)");
+  cmd->add_option("--resume", o->resume_from,
+                  "continue from the newest checkpoint in save_dir that verifies (with none there, say so and start "
+                  "from step 0; refuse to start if there are checkpoints but none verifies); --resume PATH: from "
+                  "that checkpoint directory (ROOT/step-N), or the newest of that checkpoint root")
+      ->expected(0, 1);
   cmd->add_option("--init-from", o->init_from,
-                  "start from these weights (a checkpoint directory or a .safetensors in reference or "
-                  "diffusers naming, e.g. flux1-schnell.safetensors; a checkpoint's model file is checked "
-                  "against its manifest); optimizer state starts fresh");
+                  "start from these weights (a checkpoint directory, a .safetensors in reference or diffusers "
+                  "naming in F32/BF16/F16 or FP8 with ComfyUI's scales, e.g. flux1-schnell.safetensors, or a "
+                  "diffusers folder, sharded or not; a checkpoint's model file is checked against its manifest); "
+                  "optimizer state starts fresh");
   cmd->add_option("--stop-after", o->stop_after,
                   "stop after N steps of this run, saving a checkpoint, as a SIGTERM would (exit status 75: "
                   "resume with --resume)");
-  return {cmd, [o]() {
+  return {cmd, [o, cmd]() {
+            o->resume = cmd->count("--resume") > 0;
             TrainResult r;
             try {
               r = run_training(*o);

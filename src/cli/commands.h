@@ -29,5 +29,6 @@ Command add_check_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
 Command add_train_command(CLI::App& app);
 Command add_data_command(CLI::App& app);
+Command add_export_command(CLI::App& app);
 
 }  // namespace flux8::cli

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
       flux8::cli::add_train_command(app),  flux8::cli::add_info_command(app),   flux8::cli::add_forward_command(app),
       flux8::cli::add_init_command(app),   flux8::cli::add_config_command(app), flux8::cli::add_data_command(app),
       flux8::cli::add_sample_command(app), flux8::cli::add_check_command(app),  flux8::cli::add_bench_command(app),
+      flux8::cli::add_export_command(app),
   };
   // A process started by mpirun or srun joins its job here; one started alone never touches MPI.
   flux8::start_job(&argc, &argv);

@@ -470,7 +470,7 @@ void SafetensorsWriter::add(const std::string& name, DType dtype, const std::vec
     fill = [data, esize](size_t first, size_t count, void* dst) {
       std::memcpy(dst, static_cast<const uint8_t*>(data) + first * esize, count * esize);
     };
-  add_entry({name, dtype, shape, std::move(fill)});
+  add_entry({name, dtype, shape, std::move(fill), {}});
 }
 
 void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<int64_t>& shape, const float* data,
@@ -482,12 +482,19 @@ void SafetensorsWriter::add_f32_as(const std::string& name, const std::vector<in
     fill = [data, target](size_t first, size_t count, void* dst) {
       convert_elements(data + first, DType::f32, count, target, dst);
     };
-  add_entry({name, target, shape, std::move(fill)});
+  add_entry({name, target, shape, std::move(fill), {}});
 }
 
 void SafetensorsWriter::add_filled(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
                                    FillChunk fill) {
-  add_entry({name, dtype, shape, std::move(fill)});
+  add_entry({name, dtype, shape, std::move(fill), {}});
+}
+
+void SafetensorsWriter::add_filled_bytes(const std::string& name, const std::string& file_dtype,
+                                         const std::vector<int64_t>& shape, FillChunk fill) {
+  if (element_size(file_dtype) != 1)
+    fail("safetensors writer: tensor '{}': '{}' is not a one-byte safetensors dtype", name, file_dtype);
+  add_entry({name, DType::u8, shape, std::move(fill), file_dtype});
 }
 
 void SafetensorsWriter::set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
@@ -657,8 +664,9 @@ struct SafetensorsWriter::Job {
       for (int64_t d : e.shape) numel *= static_cast<size_t>(d);
       numels.push_back(numel);
       const uint64_t bytes = numel * dtype_size(e.target);
-      header[e.name] = {
-          {"dtype", safetensors_dtype_name(e.target)}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+      header[e.name] = {{"dtype", e.file_dtype.empty() ? std::string(safetensors_dtype_name(e.target)) : e.file_dtype},
+                        {"shape", e.shape},
+                        {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
     }
     std::string text = header.dump();

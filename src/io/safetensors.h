@@ -91,6 +91,10 @@ class SafetensorsWriter {
   // A tensor of `dtype` whose bytes `fill` produces while the file is written (e.g. downloaded
   // from the device a piece at a time).
   void add_filled(const std::string& name, DType dtype, const std::vector<int64_t>& shape, FillChunk fill);
+  // A tensor of a one-byte dtype flux8 has no DType for ("F8_E4M3", "F8_E5M2", "I8", ...): `fill`
+  // produces its bytes as above.
+  void add_filled_bytes(const std::string& name, const std::string& file_dtype, const std::vector<int64_t>& shape,
+                        FillChunk fill);
   void set_metadata(const std::string& key, const std::string& value);
 
   // The file is hashed as it is written, in pieces of kPieceBytes from offset 0 (the last one
@@ -122,6 +126,7 @@ class SafetensorsWriter {
     DType target;  // what the file holds
     std::vector<int64_t> shape;
     FillChunk fill;
+    std::string file_dtype;  // the header's dtype when DType has none (add_filled_bytes)
   };
   void add_entry(Entry e);
 

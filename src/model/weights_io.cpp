@@ -19,103 +19,24 @@ namespace {
 
 std::vector<int64_t> dims(const Shape& s) { return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank); }
 
-std::string shape_str(const std::vector<int64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
-
-bool loadable_dtype(const std::string& d) { return d == "F32" || d == "BF16" || d == "F16" || d == "F64"; }
-
-// Collects every problem before failing, so one run shows the user all of them.
-struct Problems {
-  std::vector<std::string> lines;
-  void add(std::string s) { lines.push_back(std::move(s)); }
-  void raise(const std::string& path, const FluxConfig& cfg, WeightNaming naming) const {
-    if (lines.empty()) return;
-    std::string msg = fmt::format("checkpoint {} ({} naming) does not match model '{}' ({} problem{}):", path,
-                                  naming == WeightNaming::reference ? "reference" : "diffusers", cfg.name, lines.size(),
-                                  lines.size() == 1 ? "" : "s");
-    const size_t shown = std::min<size_t>(lines.size(), 40);
-    for (size_t i = 0; i < shown; ++i) msg += "\n  " + lines[i];
-    if (shown < lines.size()) msg += fmt::format("\n  ... and {} more", lines.size() - shown);
-    msg +=
-        "\nCheck that the config (hidden_size, num_*_blocks, guidance_embed, in_channels, ...) "
-        "is the one the checkpoint was made with.";
-    throw Error(msg);
-  }
-};
-
 }  // namespace
 
-void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path, const std::string& prefix_in) {
-  SafetensorsReader file(path);
-  std::string prefix = prefix_in;
-  if (prefix.empty() && !file.contains("img_in.weight") && !file.contains("x_embedder.weight") &&
-      (file.contains("model.diffusion_model.img_in.weight")))
-    prefix = "model.diffusion_model.";
-  WeightNaming naming;
-  if (file.contains(prefix + "img_in.weight")) {
-    naming = WeightNaming::reference;
-  } else if (file.contains(prefix + "x_embedder.weight")) {
-    naming = WeightNaming::diffusers;
-  } else {
-    fail(
-        "checkpoint {}: found neither '{}img_in.weight' (reference Flux naming) nor "
-        "'{}x_embedder.weight' (diffusers naming); is this a Flux transformer checkpoint?",
-        path, prefix, prefix);
-  }
-
-  Problems problems;
-  std::set<std::string> used;
-  // Expected file tensors: name -> shape. The file holds whole tensors: a tensor-parallel rank
-  // checks the full model's and loads its shards out of them.
+void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path, const std::string& prefix) {
+  const WeightSource source = WeightSource::open(path, prefix);
+  source.check(cfg);
   const ParamLayout full = ParamLayout::build(cfg);
-  std::map<std::string, std::vector<int64_t>> expected;
-  if (naming == WeightNaming::reference) {
-    for (const ParamInfo& p : full.params()) expected[p.name] = dims(p.shape);
-  } else {
-    for (const DiffusersTensor& t : diffusers_tensors(full, cfg)) expected[t.name] = dims(t.shape);
-  }
-  for (const auto& [name, shape] : expected) {
-    const std::string full = prefix + name;
-    if (!file.contains(full)) {
-      problems.add(fmt::format("missing: {} {}", full, shape_str(shape)));
-      continue;
-    }
-    used.insert(full);
-    const SafetensorsTensor& t = file.tensor(full);
-    if (t.shape != shape)
-      problems.add(
-          fmt::format("shape: {} is {} in the file, the model needs {}", full, shape_str(t.shape), shape_str(shape)));
-    if (!loadable_dtype(t.dtype))
-      problems.add(fmt::format("dtype: {} is {}; weights must be F32, BF16, F16 or F64", full, t.dtype));
-  }
-  for (const std::string& name : file.names())
-    if (name.rfind(prefix, 0) == 0 && !used.count(name))
-      problems.add(fmt::format("unexpected: {} (no such parameter in this model)", name));
-  problems.raise(path, cfg, naming);
-
   Backend& be = store.backend();
   UploadBuffers buffers;
+  std::vector<double> values;
   for (const ParamInfo& p : store.layout().params()) {
     const Tensor t = store.param(p.name);
-    if (naming == WeightNaming::reference && !p.shard.sharded()) {
-      upload_file_tensor(be, file, prefix + p.name, t, buffers);
+    if (const std::string name = source.stored_as_is(p.name); !name.empty() && !p.shard.sharded()) {
+      upload_file_tensor(be, source.files().file_of(name), name, t, buffers);
       continue;
     }
-    // A shard, or diffusers' tensors, which hold pieces of several parameters: the whole tensor
-    // assembled in f64 (exact for any parameter type), then this rank's shard of it.
-    const ParamInfo& whole = full.at(p.name);
-    std::vector<double> values(static_cast<size_t>(whole.shape.numel()));
-    if (naming == WeightNaming::reference) {
-      file.read_f64(prefix + p.name, values.data());
-    } else {
-      const int64_t row_elems = whole.shape.numel() / whole.shape[0];
-      for (const NamePiece& piece : diffusers_pieces(whole, cfg)) {
-        const std::string name = prefix + piece.diffusers;
-        std::vector<double> src(static_cast<size_t>(file.tensor(name).numel()));
-        file.read_f64(name, src.data());
-        std::copy_n(src.begin() + piece.diffusers_row * row_elems, piece.rows * row_elems,
-                    values.begin() + piece.bfl_row * row_elems);
-      }
-    }
+    // A shard, diffusers' tensors (pieces of several parameters) or FP8 codes: the whole tensor
+    // in f64 (exact for any parameter type), then this rank's shard of it.
+    source.read_param(full.at(p.name), cfg, values);
     from_host(be, t, p.shard.sharded() ? take_shard(p.shard, p.shard.rank, values) : values);
   }
   store.params_changed();

@@ -11,21 +11,21 @@
 #include "io/safetensors.h"
 #include "model/flux_config.h"
 #include "model/params.h"
+#include "model/weight_source.h"
 
 namespace flux8 {
 
 class Backend;
 
-enum class WeightNaming { reference, diffusers };
-
-// Detected from the file: "img_in.weight" -> reference, "x_embedder.weight" -> diffusers.
-// Names may carry `prefix` (e.g. "model.diffusion_model." as ComfyUI stores them); when
-// prefix is empty, "model.diffusion_model." is tried too.
+// Loads the weights at `path`: any file or folder WeightSource reads (model/weight_source.h:
+// either naming, a diffusers folder with shards, F32/F64/BF16/F16 or FP8 tensors with ComfyUI's
+// scales). Names may carry `prefix` (e.g. "model.diffusion_model." as ComfyUI stores them);
+// when prefix is empty, "model.diffusion_model." is tried too.
 //
-// Checks every tensor's presence, shape and dtype (F32, BF16, F16 or F64) and fails with
-// one message listing every mismatch (missing, unexpected, wrong shape, wrong dtype).
-// The file holds whole tensors; a tensor-parallel rank's store (ParamLayout::build with a
-// rank) loads its shard of each.
+// Checks every tensor's presence, shape and dtype and fails with one message listing every
+// mismatch (missing, unexpected, wrong shape, wrong dtype, bad scale). The file holds whole
+// tensors; a tensor-parallel rank's store (ParamLayout::build with a rank) loads its shard of
+// each.
 void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& path, const std::string& prefix = "");
 
 // Buffers upload_file_tensor reuses from call to call.

@@ -662,6 +662,25 @@ std::optional<std::string> checkpoint_to_resume(const std::string& root, std::st
   return found;
 }
 
+std::string chosen_checkpoint(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec))
+    fail(
+        "--resume {}: no such checkpoint directory; give a checkpoint (ROOT/step-N) or a save_dir to take its "
+        "newest",
+        path);
+  if (fs::exists(fs::path(path) / kManifestFile, ec)) {
+    verify_checkpoint(path);
+    return path;
+  }
+  if (list_step_dirs(path).empty())
+    fail(
+        "--resume {}: the folder holds neither a checkpoint ({}) nor checkpoints (step-N); give a checkpoint "
+        "directory or a save_dir",
+        path, kManifestFile);
+  return *checkpoint_to_resume(path);  // a root: its newest that verifies (or it fails)
+}
+
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8, std::string* fp8_note,
                      CheckpointVerify verify, Backend* moments_backend) {
@@ -730,6 +749,7 @@ std::string resolve_weights_path(const std::string& path_or_dir) {
     return (dir / kModelFile).string();
   }
   if (fs::exists(dir / kModelFile)) return (dir / kModelFile).string();
+  if (is_diffusers_folder(path_or_dir)) return path_or_dir;  // read by WeightSource
   const std::vector<StepDir> steps = list_step_dirs(path_or_dir);
   if (!steps.empty())
     fail(
@@ -737,8 +757,9 @@ std::string resolve_weights_path(const std::string& path_or_dir) {
         "e.g. '{}'",
         path_or_dir, steps.front().path);
   fail(
-      "--init-from '{}' is a directory without {} or {}; give a .safetensors weights file or a "
-      "checkpoint directory (ROOT/step-N)",
+      "--init-from '{}' is a directory without {} or {}, and not a diffusers folder (no "
+      "diffusion_pytorch_model.safetensors[.index.json], nor in transformer/); give a .safetensors weights file, a "
+      "diffusers folder or a checkpoint directory (ROOT/step-N)",
       path_or_dir, kManifestFile, kModelFile);
 }
 

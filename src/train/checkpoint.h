@@ -117,6 +117,10 @@ std::optional<std::string> find_latest_checkpoint(const std::string& root, std::
 // damaged checkpoints someone may still recover). nullopt only when ROOT has no step-N at all.
 std::optional<std::string> checkpoint_to_resume(const std::string& root, std::string* report = nullptr);
 
+// For --resume PATH: a checkpoint directory (ROOT/step-N) is verified (every digest) and taken,
+// whatever step it is at; a checkpoint root gives checkpoint_to_resume's; anything else fails.
+std::string chosen_checkpoint(const std::string& path);
+
 // Fails naming the directory, the file and the problem (missing, wrong size, checksum).
 void verify_checkpoint(const std::string& dir);
 
@@ -140,7 +144,8 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
 
 // For --init-from: a checkpoint directory -> its model.safetensors, checked against the
 // manifest; a file inside a checkpoint directory (step-N/model.safetensors) -> itself, checked
-// the same way; any other file -> itself; anything else fails saying what was expected.
+// the same way; any other file, and a diffusers folder (model/weight_source.h) -> itself;
+// anything else fails saying what was expected.
 std::string resolve_weights_path(const std::string& path_or_dir);
 
 // trainer_state.json text, and its strict reader: every field must be present with its type

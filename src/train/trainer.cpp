@@ -178,13 +178,15 @@ void build_model(Run& r) {
   r.state.config_yaml = r.cfg.config_yaml;
 }
 
-// --resume: the newest checkpoint that verifies, if any; otherwise fresh weights (or
-// --init-from's). Checkpoints of which none verifies stop the run here, before metrics.jsonl or
+// --resume: the newest checkpoint that verifies (--resume PATH: that one), if any; otherwise
+// fresh weights (or --init-from's). Checkpoints of which none verifies stop the run here, before metrics.jsonl or
 // any checkpoint is touched.
 void restore_or_init(Run& r, const TrainOptions& opt) {
   if (opt.resume) {
     const auto t0 = std::chrono::steady_clock::now();
-    if (auto dir = checkpoint_to_resume(r.cfg.save_dir)) {  // verifies every file's digest
+    std::optional<std::string> dir = opt.resume_from.empty() ? checkpoint_to_resume(r.cfg.save_dir)
+                                                             : std::optional(chosen_checkpoint(opt.resume_from));
+    if (dir) {  // every file's digest verified
       r.resume.verify_seconds = seconds_since(t0);
       const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;

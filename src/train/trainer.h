@@ -19,6 +19,7 @@ struct TrainOptions {
   std::string config_path;
   std::vector<std::string> overrides;  // --set key=value
   bool resume = false;     // continue from the newest checkpoint in save_dir that verifies (checkpoint_to_resume)
+  std::string resume_from;  // with resume: this checkpoint (or root's newest) instead (chosen_checkpoint)
   std::string init_from;   // load weights only (a checkpoint dir or .safetensors)
   int64_t stop_after = 0;  // stop (with a checkpoint) after this many steps in this run
   NanGradientFault nan_gradient;  // tests only

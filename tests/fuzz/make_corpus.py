@@ -148,9 +148,25 @@ def corpus_checkpoint_json():
     }
 
 
+def corpus_safetensors_index():
+    # The fuzz target's folder holds s-1.safetensors (a, b) and s-2.safetensors (c)
+    # (fuzz_safetensors_index.cpp).
+    good = {"a": "s-1.safetensors", "b": "s-1.safetensors", "c": "s-2.safetensors"}
+    index = lambda m, **meta: json.dumps({"metadata": dict({"total_size": 24}, **meta), "weight_map": m})  # noqa: E731
+    return {
+        "index": index(good),
+        "index_wrong_shard": index(dict(good, c="s-1.safetensors")),
+        "index_unlisted": index({"a": "s-1.safetensors", "c": "s-2.safetensors"}),
+        "index_missing_shard": index(dict(good, d="s-3.safetensors")),
+        "index_path": index(dict(good, a="../s-1.safetensors")),
+        "index_bad_total": index(good, total_size=-1),
+    }
+
+
 def main():
     targets = {"safetensors": corpus_safetensors, "npy": corpus_npy, "webdataset": corpus_webdataset,
-               "config": corpus_config, "checkpoint_json": corpus_checkpoint_json}
+               "config": corpus_config, "checkpoint_json": corpus_checkpoint_json,
+               "safetensors_index": corpus_safetensors_index}
     total = 0
     for target, make in targets.items():
         out = os.path.join(CORPUS, target)
