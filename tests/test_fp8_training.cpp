@@ -5,8 +5,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "bench/op_profiler.h"
 #include "config/config.h"
@@ -14,6 +17,7 @@
 #include "fp8/fp8_config.h"
 #include "fp8/state_io.h"
 #include "model_test_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train_test_util.h"
 
@@ -424,6 +428,55 @@ TEST(Fp8Config, ImpossibleCombinationsNameTheKeys) {
   // Megatron's `fp8: null` means off.
   EXPECT_FALSE(
       Fp8Config::from_config(Config::load(std::string(FLUX8_SOURCE_DIR) + "/configs/demo.yaml", {"fp8=null"})).enabled);
+}
+
+}  // namespace
+}  // namespace flux8
+
+namespace flux8 {
+namespace {
+
+// The FP8 health report warns when a tensor's casts flush more than fp8_underflow_warning of its
+// non-zero values, in the log (naming the tensor and the remedy for the run's recipe) and in the
+// fp8 record's "warnings"; a threshold of 0 never warns.
+TEST(Fp8Training, UnderflowPastTheThresholdWarnsWithTheRemedy) {
+  const testing::RunDir dir("fp8_warn");
+  auto fp8_records = [&](const char* run) {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(dir.root / run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);)
+      if (auto j = nlohmann::json::parse(line); j.value("kind", "") == "fp8") out.push_back(j);
+    return out;
+  };
+  // E4M3 gradients under delayed scaling with the max of a long history: gradients flush first.
+  const std::string fp8 = " --set fp8=e4m3 --set fp8_recipe=delayed --set fp8_stats_interval=1";
+  auto train = [&](const char* run, const std::string& extra, std::string* log) {
+    return testing::run_flux8(
+        "train -c " + (dir.root / "exp.yaml").string() + " --set save_dir=" + (dir.root / run).string() + fp8 + extra,
+        (dir.root / (std::string(run) + ".log")).string(), log);
+  };
+  std::string log;
+  ASSERT_EQ(0, train("warn", " --set fp8_underflow_warning=1e-9 --set fp8_saturation_warning=0", &log)) << log;
+  EXPECT_NE(log.find("warning: FP8 health at step "), std::string::npos) << log;
+  EXPECT_NE(log.find("underflow above 1e-07%"), std::string::npos) << log;
+  EXPECT_NE(log.find("grad_output"), std::string::npos) << log;
+  EXPECT_NE(log.find("fp8: hybrid"), std::string::npos) << log;
+  EXPECT_NE(log.find("fp8_amax_compute_algo: most_recent"), std::string::npos) << log;
+  const std::vector<nlohmann::json> warned = fp8_records("warn");
+  ASSERT_EQ(warned.size(), 6u);
+  int with_warnings = 0;
+  for (const nlohmann::json& r : warned) {
+    with_warnings += !r["warnings"].empty();
+    for (const nlohmann::json& w : r["warnings"]) {
+      EXPECT_EQ(w["kind"], "underflow");
+      EXPECT_GT(w["fraction"].get<double>(), 1e-9);
+      EXPECT_EQ(w["threshold"].get<double>(), 1e-9);
+    }
+  }
+  EXPECT_GT(with_warnings, 0);
+  ASSERT_EQ(0, train("quiet", " --set fp8_underflow_warning=0 --set fp8_saturation_warning=0", &log)) << log;
+  EXPECT_EQ(log.find("warning: FP8 health"), std::string::npos) << log;
+  for (const nlohmann::json& r : fp8_records("quiet")) EXPECT_TRUE(r["warnings"].empty()) << r.dump();
 }
 
 }  // namespace

@@ -308,6 +308,12 @@ std::vector<KeySpec> fp8_keys() {
       int_key("fp8", "fp8_stats_interval", 100, between(0, kMaxSteps),
               "FP8 telemetry (amax, scale, saturation, underflow per tensor) every N steps, counted only on those "
               "steps; 0 = off"),
+      float_key("fp8", "fp8_underflow_warning", 0.05, between(0, 1),
+                "the FP8 health report (every fp8_stats_interval steps) warns, naming the tensor and the remedy, "
+                "when a cast flushes more than this fraction of a tensor's non-zero values to zero; 0 = never"),
+      float_key("fp8", "fp8_saturation_warning", 0.001, between(0, 1),
+                "the FP8 health report warns when a cast clamps more than this fraction of a tensor's values to the "
+                "format's largest; 0 = never"),
       choice_key("training", "nan_policy", "skip", {"skip", "halt"},
                  "non-finite loss or gradient: skip the step (weights kept) or stop at once"),
       int_key("training", "nan_max_consecutive_skips", 10, between(1, kMaxSteps),

@@ -43,6 +43,8 @@ Fp8Config Fp8Config::from_config(const Config& c) {
   f.bf16_start = c.get_int("num_layers_at_start_in_bf16");
   f.bf16_end = c.get_int("num_layers_at_end_in_bf16");
   f.stats_interval = c.get_int("fp8_stats_interval");
+  f.underflow_warning = c.get_float("fp8_underflow_warning");
+  f.saturation_warning = c.get_float("fp8_saturation_warning");
   const std::string rounding = c.get_string("fp8_scale_rounding");
 
   auto set = [&](const char* key) { return c.source(key) != "default"; };

@@ -27,6 +27,9 @@ struct Fp8Config {
   bool first_last_bf16 = false;
   int64_t bf16_start = 1, bf16_end = 1;
   int64_t stats_interval = 100;
+  // The FP8 health report warns when a tensor's flushed fraction of non-zeros or saturated
+  // fraction passes these (fp8_underflow_warning, fp8_saturation_warning; 0 = never).
+  double underflow_warning = 0.05, saturation_warning = 0.001;
   // Keys set to no effect under the recipe (the amax history under tensorwise, ...): each named
   // with the reason, for the log. Not errors: a tuning profile written for one recipe still loads.
   std::vector<std::string> warnings;
