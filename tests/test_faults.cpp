@@ -172,7 +172,7 @@ TEST(Faults, ResumeFromAChosenCheckpointIsBitExact) {
   const auto [rc, out] = run_train(dir, "run", {"--set", "save_interval=2", "--resume", chosen});
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("resumed from " + chosen), std::string::npos) << out;
-  EXPECT_EQ(listing(dir.root / "run"), (std::vector<std::string>{"metrics.jsonl", "step-0000006"}));
+  EXPECT_EQ(listing(dir.root / "run"), (std::vector<std::string>{"metrics.jsonl", "step-0000006", "tensorboard"}));
   expect_same_checkpoint(dir.root / "straight" / "step-0000006", dir.root / "run" / "step-0000006");
 }
 
