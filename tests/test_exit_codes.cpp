@@ -73,6 +73,9 @@ TEST(ExitCodes, HelpShowsTheTable) {
     expect_mentions(log, {"Exit status:", "  0  finished", "75  stopped after saving a checkpoint", "--resume",
                           "78  config error", "65  data error", "79  out of memory", "80  stopped on non-finite"});
   }
+  // How to watch a run, where the run is started.
+  ASSERT_EQ(run_flux8("train --help", dir.file("help.txt"), &log), 0) << log;
+  expect_mentions(log, {"tensorboard --logdir SAVE_DIR/tensorboard", "SAVE_DIR/metrics.jsonl"});
 }
 
 // The kinds the statuses come from: a non-finite stop (nan_policy halt) and out of memory.

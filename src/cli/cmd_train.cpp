@@ -38,7 +38,11 @@ namespace {
 
 Command add_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "train a Flux model (rectified flow) from a YAML config");
-  cmd->footer(kExitCodesHelp);
+  cmd->footer(
+      std::string("Watching a run: tensorboard --logdir SAVE_DIR/tensorboard (tensorboard_dir names another; loss, "
+                  "lr, grad norm,\n  throughput, memory, validation, FP8 health, samples); every record is also in "
+                  "SAVE_DIR/metrics.jsonl,\n  and mlperf_logging: true writes SAVE_DIR/mlperf.log.\n\n") +
+      kExitCodesHelp);
   auto o = std::make_shared<TrainOptions>();
   o->decode_script = std::string(FLUX8_SOURCE_DIR) + "/tools/decode_latents.py";
   cmd->add_option("-c,--config", o->config_path, "experiment YAML (e.g. configs/demo.yaml)")
