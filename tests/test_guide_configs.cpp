@@ -221,6 +221,10 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
   if (const MemoryKnob* k = knob("grad_precision: bf16"))
     EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - MemoryPlan::of(bf16, one).peak(Recompute::none));
   knob("adam_moment_precision: bf16");
+  Config offloaded = cfg;
+  offloaded.set("optimizer_offload", "cpu");
+  if (const MemoryKnob* k = knob("optimizer_offload: cpu"))
+    EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - MemoryPlan::of(offloaded, one).peak(Recompute::none));
   knob("micro_batch_size: 1");
   if (const MemoryKnob* k = knob("tensor_model_parallel_size: 2")) EXPECT_EQ(k->note, "on 2 GPUs");
   for (size_t i = 1; i < a.knobs.size(); ++i) EXPECT_GE(a.knobs[i - 1].saving, a.knobs[i].saving);

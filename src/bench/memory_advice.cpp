@@ -48,6 +48,10 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
     add("adam_moment_precision: bf16", "", peak_with(cfg, parallel, {{"adam_moment_precision", "bf16"}}));
   if (cfg.get_string("activation_precision") == "f32")
     add("activation_precision: bf16", "", peak_with(cfg, parallel, {{"activation_precision", "bf16"}}));
+  // (Offload is refused under tensor parallelism: TrainConfig.)
+  if (cfg.get_string("optimizer_offload") == "none" && parallel.tp == 1)
+    add("optimizer_offload: cpu", "the AdamW moments in host memory",
+        peak_with(cfg, parallel, {{"optimizer_offload", "cpu"}}));
   if (parallel.dp > 1 && !parallel.distributed_optimizer) {
     ParallelShape zero = parallel;
     zero.distributed_optimizer = true;
