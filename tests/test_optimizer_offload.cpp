@@ -71,8 +71,10 @@ TEST(OptimizerOffload, RefusedWithTensorParallelism) {
 TEST(OptimizerOffload, SlicesRoundTheirMomentsAsTheWholeBuffer) {
   auto be = make_backend("cpu");
   const int64_t n = 1000, half = 500;
+  std::vector<Tensor> owned;
   auto fill = [&](DType dt, double scale, uint64_t seed) {
     const Tensor t(be->allocate(static_cast<size_t>(n) * dtype_size(dt)), dt, Shape{n});
+    owned.push_back(t);
     std::vector<double> v(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = scale * std::sin(0.37 * static_cast<double>(i + seed));
     from_host(*be, t, v);
@@ -100,6 +102,7 @@ TEST(OptimizerOffload, SlicesRoundTheirMomentsAsTheWholeBuffer) {
   odd.index_base = 3;
   const std::string e = testing::error_of([&] { be->adamw(p2, g, m2, v2, odd, {}, {}, {}); });
   EXPECT_NE(e.find("index_base 3 is odd"), std::string::npos) << e;
+  for (const Tensor& t : owned) be->release(t.data);
 }
 
 }  // namespace
