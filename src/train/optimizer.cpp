@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "backend/backend.h"
@@ -266,24 +267,18 @@ void AdamWOptimizer::update_chunk(FlatRange chunk, Backend::AdamW h, std::span<c
                                   std::span<const Backend::ParamCast> casts,
                                   const std::vector<Backend::LowRankGrad>& low_rank) {
   // adamw's lists count offsets from its param tensor: from the chunk's start here.
-  std::vector<Backend::ParamCopy> chunk_copies;
-  for (Backend::ParamCopy c : copies)
-    if (c.offset >= chunk.begin && c.offset < chunk.end()) {
-      c.offset -= chunk.begin;
-      chunk_copies.push_back(c);
-    }
-  std::vector<Backend::ParamCast> chunk_casts;
-  for (Backend::ParamCast c : casts)
-    if (c.offset >= chunk.begin && c.offset < chunk.end()) {
-      c.offset -= chunk.begin;
-      chunk_casts.push_back(c);
-    }
-  std::vector<Backend::LowRankGrad> chunk_low_rank;
-  for (Backend::LowRankGrad g : low_rank)
-    if (g.offset >= chunk.begin && g.offset < chunk.end()) {
-      g.offset -= chunk.begin;
-      chunk_low_rank.push_back(g);
-    }
+  const auto in_chunk = [&](const auto& items) {
+    std::vector<std::decay_t<decltype(*items.begin())>> out;
+    for (auto item : items)
+      if (item.offset >= chunk.begin && item.offset < chunk.end()) {
+        item.offset -= chunk.begin;
+        out.push_back(item);
+      }
+    return out;
+  };
+  const auto chunk_copies = in_chunk(copies);
+  const auto chunk_casts = in_chunk(casts);
+  const auto chunk_low_rank = in_chunk(low_rank);
   Backend& be = store_.backend();
   const FlatRange mine{chunk.begin - owned_.begin, chunk.count};  // in this rank's moments
   const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
