@@ -50,7 +50,7 @@ inline void randomize_params(ParamStore& store, uint64_t seed, double std = 0.3)
     std::vector<double> v(static_cast<size_t>(p.shape.numel()));
     for (size_t j = 0; j < v.size(); ++j)
       v[j] = (is_scale ? 1.0 : 0.0) + (is_scale ? 0.2 : std) * rng_normal(seed, i, j);
-    from_host(store.backend(), store.param(p.name), v);
+    from_host(store.masters_backend(), store.param(p.name), v);
   }
   store.params_changed();
 }
@@ -106,7 +106,10 @@ struct ModelRunOptions {
   // > 0: the per-sample Linears' gradients kept as low-rank factors of up to this many rows
   // (ParamStore::keep_low_rank_grads), written out before the gradients are read.
   int64_t low_rank_rows = 0;
-  DType moment_dtype = DType::f32;                           // the optimizer's moments (adam_moment_precision)
+  DType moment_dtype = DType::f32;  // the optimizer's moments (adam_moment_precision)
+  // The f32 master weights and the moments in host memory (optimizer_offload: cpu), the optimizer
+  // streaming them through the backend in chunks of this many elements; 0: on the backend.
+  int64_t offload_chunk = 0;
   uint64_t param_seed = 7, input_seed = 11, probe_seed = 3;  // probe of step s: stream s
   // > 0: the model runs on a StepGraph over `be` with segments of this many ops, the forward and
   // the backward each a region (cuda_graph; on the CPU the replay twin).
@@ -151,7 +154,8 @@ inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRun
           ? std::make_unique<StepGraph>(device, StepGraph::Options{.segment_ops = o.graph_segment_ops})
           : nullptr;
   Backend& be = device;  // the graph, when made, records its ops
-  FluxModel model(cfg, be, o.dtype, o.fp8, o.recompute);
+  const std::unique_ptr<Backend> host = o.offload_chunk > 0 ? make_backend("cpu") : nullptr;
+  FluxModel model(cfg, be, o.dtype, o.fp8, o.recompute, {}, host.get());
   randomize_params(model.params(), o.param_seed, o.weight_std);
   if (o.low_rank_rows > 0 && !model.params().keep_low_rank_grads(o.low_rank_rows))
     fail("run_model: the store refused low-rank gradients of {} rows", o.low_rank_rows);
@@ -161,7 +165,11 @@ inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRun
   model.plan(StepShape{o.batch, o.txt_tokens, o.img_tokens});
   if (model.fp8()) model.fp8()->set_collect_stats(o.collect_stats);
   std::unique_ptr<AdamWOptimizer> opt;
-  if (o.optimizer) opt = std::make_unique<AdamWOptimizer>(model.params(), AdamWConfig{.moment_dtype = o.moment_dtype});
+  if (o.optimizer)
+    opt = std::make_unique<AdamWOptimizer>(model.params(), AdamWConfig{.moment_dtype = o.moment_dtype,
+                                                                       .offload = o.offload_chunk > 0,
+                                                                       .offload_masters = o.offload_chunk > 0,
+                                                                       .offload_chunk = o.offload_chunk});
   ModelRun r;
   if (opt) r.moment_dtype = opt->moment_dtype();
   Tensor dpred;  // the probe of each step, in one buffer

@@ -95,7 +95,7 @@ TEST(DataParallelTrain, ShardedAndOffloadedMomentsFollowWholeOnes) {
   const testing::RunDir dir("dp_offload");
   const std::string bf16 = "--set adam_moment_precision=bf16 ";
   const std::string zero = "--set use_distributed_optimizer=true ";
-  const std::string offload = "--set optimizer_offload=cpu --set optimizer_offload_chunk=256 ";
+  const std::string offload = "--set optimizer_offload=moments --set optimizer_offload_chunk=256 ";
   std::string log;
   for (const auto& [run, args] :
        {std::pair{"whole", bf16}, std::pair{"zero", bf16 + zero}, std::pair{"offload", bf16 + zero + offload},

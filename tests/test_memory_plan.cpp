@@ -138,12 +138,12 @@ TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
   EXPECT_GT(many.masters + many.gradients, gpu_40gb);
 }
 
-// optimizer_offload: cpu moves the moments (a rank's shard, with the distributed optimizer) to host
-// memory; the GPU keeps one chunk of each, of at least the largest parameter, and a checkpoint
+// optimizer_offload: moments moves the moments (a rank's shard, with the distributed optimizer) to
+// host memory; the GPU keeps one chunk of each, of at least the largest parameter, and a checkpoint
 // gathers the moments into host memory instead of the GPU's.
 TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
   const Config on_gpu = Config::load(kDev, {"adam_moment_precision=bf16"});
-  const Config offloaded = Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=cpu"});
+  const Config offloaded = Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments"});
   int64_t largest = 0;
   const ParamLayout layout = ParamLayout::build(FluxConfig::from_config(on_gpu));
   for (const ParamInfo& p : layout.params()) largest = std::max(largest, p.shape.numel());
@@ -155,6 +155,29 @@ TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
     EXPECT_EQ(b.gathered_moments, 0.0);
     EXPECT_EQ(a.state() - b.state(), a.moments - b.moments);
   }
+}
+
+// optimizer_offload: cpu moves the f32 master weights to host memory too: the GPU keeps the small
+// parameters in f32, a staging buffer of the largest and the optimizer's chunk of masters.
+TEST(MemoryPlan, OffloadedMastersLeaveTheSmallParametersAndAChunkOnTheGpu) {
+  const Config moments = Config::load(kDev, {"optimizer_offload=moments"});
+  const Config masters = Config::load(kDev, {"optimizer_offload=cpu"});
+  int64_t largest = 0, small = 0;
+  const ParamLayout layout = ParamLayout::build(FluxConfig::from_config(masters));
+  for (const ParamInfo& p : layout.params()) {
+    largest = std::max(largest, p.shape.numel());
+    if (!p.linear_weight) small += p.shape.numel();
+  }
+  const int64_t chunk = (int64_t{1} << 26) + largest;
+  const MemoryPlan a = MemoryPlan::of(moments, {}), b = MemoryPlan::of(masters, {});
+  EXPECT_TRUE(b.offload);
+  EXPECT_TRUE(b.offload_masters);
+  EXPECT_FALSE(a.offload_masters);
+  EXPECT_EQ(b.host_masters, 4.0 * static_cast<double>(layout.total()));
+  EXPECT_EQ(b.masters, 4.0 * static_cast<double>(small + largest + chunk));
+  EXPECT_EQ(b.host_moments, a.host_moments);
+  EXPECT_EQ(a.state() - b.state(), a.masters - b.masters);
+  EXPECT_LT(b.masters, 0.1 * a.masters);
 }
 
 TEST(MemoryPlan, SizesThatDoNotSplitAreRefusedByName) {

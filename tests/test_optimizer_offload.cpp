@@ -1,7 +1,9 @@
-// optimizer_offload: cpu (train/optimizer.h): the moments in host memory, streamed through the
-// backend in chunks, give the same training bit for bit as moments kept on the backend — with f32
-// and with stochastically rounded bf16 moments, with FP8 weight casts written by the update, across
-// a checkpoint and a resume — and the update of a slice rounds as the update of the whole buffer.
+// optimizer_offload (train/optimizer.h): the moments (moments), and the moments with the f32 master
+// weights (cpu), in host memory, streamed through the backend in chunks, give the same training bit
+// for bit as state kept on the backend — with f32 and with stochastically rounded bf16 moments,
+// with FP8 weight casts written by the update or cast from staged masters, across a checkpoint and
+// a resume — and the update of a slice rounds as the update of the whole buffer.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,14 +25,14 @@ using testing::RunDir;
 // Straight runs with the moments on the backend and offloaded in chunks of 256 elements (the
 // tiny model's largest parameter has 576: chunks of one parameter and of several); the offloaded
 // one stops after step 3 and resumes.
-void expect_offload_changes_nothing(const std::vector<std::string>& extra) {
+void expect_offload_changes_nothing(const std::string& offload, const std::vector<std::string>& extra) {
   const RunDir dir("offload");
-  auto options = [&](const char* save, bool offload) {
+  auto options = [&](const char* save, bool offloaded) {
     TrainOptions o = dir.options(save);
     o.overrides.insert(o.overrides.end(), extra.begin(), extra.end());
     o.overrides.push_back("save_interval=3");
-    if (offload) {
-      o.overrides.push_back("optimizer_offload=cpu");
+    if (offloaded) {
+      o.overrides.push_back("optimizer_offload=" + offload);
       o.overrides.push_back("optimizer_offload_chunk=256");
     }
     return o;
@@ -50,10 +52,27 @@ void expect_offload_changes_nothing(const std::vector<std::string>& extra) {
                                  (dir.root / "host" / "step-0000006" / file).string());
 }
 
-TEST(OptimizerOffload, SameTrainingAsMomentsOnTheBackend) { expect_offload_changes_nothing({}); }
+TEST(OptimizerOffload, SameTrainingAsMomentsOnTheBackend) { expect_offload_changes_nothing("moments", {}); }
 
 TEST(OptimizerOffload, SameTrainingWithBf16MomentsAndFp8Casts) {
-  expect_offload_changes_nothing({"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"});
+  expect_offload_changes_nothing("moments", {"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"});
+}
+
+TEST(OptimizerOffload, SameTrainingWithMastersInHostMemory) { expect_offload_changes_nothing("cpu", {}); }
+
+// Delayed scaling: the update writes the casts; tensorwise: every cast reads a staged master.
+TEST(OptimizerOffload, SameTrainingWithMastersInHostMemoryAndFp8) {
+  expect_offload_changes_nothing("cpu", {"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"});
+  expect_offload_changes_nothing("cpu", {"fp8=e4m3", "fp8_recipe=tensorwise", "grad_precision=bf16"});
+}
+
+TEST(OptimizerOffload, MastersInHostMemoryRefusedWithTheDistributedOptimizer) {
+  const RunDir dir("offload_zero");
+  TrainOptions o = dir.options("run");
+  o.overrides.push_back("optimizer_offload=cpu");
+  o.overrides.push_back("use_distributed_optimizer=true");
+  const std::string e = testing::error_of([&] { run_training(o); });
+  testing::expect_mentions(e, {"optimizer_offload: cpu", "use_distributed_optimizer", "optimizer_offload: moments"});
 }
 
 TEST(OptimizerOffload, RefusedWithTensorParallelism) {
@@ -64,6 +83,30 @@ TEST(OptimizerOffload, RefusedWithTensorParallelism) {
   const std::string e = testing::error_of([&] { run_training(o); });
   EXPECT_NE(e.find("optimizer_offload: cpu"), std::string::npos) << e;
   EXPECT_NE(e.find("tensor_model_parallel_size"), std::string::npos) << e;
+}
+
+// The model on offloaded masters reads their device forms (residents, operand copies, casts of
+// staged masters) and trains as the model on masters kept on the backend: predictions and every
+// gradient after three AdamW steps, odd shapes, with low-rank gradients, in f32 and in FP8 with the
+// casts written by the update and cast at first use.
+TEST(OptimizerOffload, ModelOnOffloadedMastersMatchesBitForBit) {
+  auto be = make_backend("cpu");
+  const FluxConfig cfg = testing::odd_config(1, 1, true);
+  const Fp8Config fp8 = testing::delayed_hybrid_fp8();
+  for (const bool in_fp8 : {false, true})
+    for (const bool fused_casts : {true, false}) {
+      SCOPED_TRACE(fmt::format("fp8 {} fused casts {}", in_fp8, fused_casts));
+      testing::ModelRunOptions o;
+      o.fp8 = in_fp8 ? &fp8 : nullptr;
+      o.steps = 3;
+      o.optimizer = true;
+      o.fused_weight_casts = fused_casts;
+      o.low_rank_rows = 4;
+      o.moment_dtype = DType::bf16;
+      const testing::ModelRun on_backend = testing::run_model(*be, cfg, o);
+      o.offload_chunk = 300;
+      testing::expect_identical_runs(on_backend, testing::run_model(*be, cfg, o));
+    }
 }
 
 // adamw over two halves of a buffer, each told its flat index (AdamWHyper::index_base), writes the

@@ -50,7 +50,11 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
     add("activation_precision: bf16", "", peak_with(cfg, parallel, {{"activation_precision", "bf16"}}));
   // (Offload is refused under tensor parallelism: TrainConfig.)
   if (cfg.get_string("optimizer_offload") == "none" && parallel.tp == 1)
-    add("optimizer_offload: cpu", "the AdamW moments in host memory",
+    add("optimizer_offload: moments", "the AdamW moments in host memory",
+        peak_with(cfg, parallel, {{"optimizer_offload", "moments"}}));
+  // (cpu keeps every rank's whole master weights on its host: not with the distributed optimizer.)
+  if (cfg.get_string("optimizer_offload") != "cpu" && parallel.tp == 1 && !parallel.distributed_optimizer)
+    add("optimizer_offload: cpu", "the f32 master weights and the AdamW moments in host memory",
         peak_with(cfg, parallel, {{"optimizer_offload", "cpu"}}));
   if (parallel.dp > 1 && !parallel.distributed_optimizer) {
     ParallelShape zero = parallel;

@@ -65,15 +65,25 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     p.moment_elements = p.rank_params;
   }
   p.moments = moment_bytes * static_cast<double>(p.moment_elements);
-  p.offload = config.get_string("optimizer_offload") == "cpu";
+  p.offload = config.get_string("optimizer_offload") != "none";
+  p.offload_masters = config.get_string("optimizer_offload") == "cpu";
   if (p.offload) {
     // AdamWOptimizer's device chunk: offload_chunk elements, passed by up to a parameter.
-    int64_t largest = 0;
-    for (const ParamInfo& info : layout.params()) largest = std::max(largest, info.shape.numel());
+    int64_t largest = 0, small = 0;
+    for (const ParamInfo& info : layout.params()) {
+      largest = std::max(largest, info.shape.numel());
+      if (!info.linear_weight) small += info.shape.numel();
+    }
     const int64_t chunk = std::min(p.moment_elements, config.get_int("optimizer_offload_chunk") + largest);
     p.host_moments = p.moments;
     p.moments = moment_bytes * static_cast<double>(chunk);
     p.gathered_moments = 0;
+    if (p.offload_masters) {
+      // ParamStore's f32 residents of the small parameters, the staging buffer of the largest
+      // (FP8 casts, operand copies) and the optimizer's chunk of masters.
+      p.host_masters = p.masters;
+      p.masters = 4.0 * static_cast<double>(small + largest + chunk);
+    }
   }
 
   for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {

@@ -35,18 +35,20 @@ struct MemoryPlan {
   bool fp8_attention = false;  // fp8_dot_product_attention with fp8
   bool bf16_activations = true;
   bool bf16_grads = false, bf16_moments = false;
-  bool offload = false;         // optimizer_offload: cpu — the moments in host memory, a chunk on the GPU
-  int64_t model_params = 0;     // the whole model
-  int64_t rank_params = 0;      // one tensor-parallel rank's (every rank of the group holds as many)
-  int64_t moment_elements = 0;  // the moments of the rank that keeps most (the last rank owns the tail)
+  bool offload = false;          // optimizer_offload: moments or cpu — the moments in host memory, a chunk on the GPU
+  bool offload_masters = false;  // optimizer_offload: cpu — the f32 master weights too
+  int64_t model_params = 0;      // the whole model
+  int64_t rank_params = 0;       // one tensor-parallel rank's (every rank of the group holds as many)
+  int64_t moment_elements = 0;   // the moments of the rank that keeps most (the last rank owns the tail)
 
   // Bytes on one GPU.
   double operand_copies = 0;  // bf16 copies of the Linear weights not run in FP8
   double fp8_casts = 0;       // E4M3 weight and its transpose, per FP8 block-Linear weight
-  double masters = 0;         // f32 parameters
+  double masters = 0;         // f32 parameters (offload_masters: the small ones, a chunk and a staging buffer)
   double gradients = 0;       // the whole local gradient buffer (reduce-scattered in place)
   double moments = 0;         // exp_avg and exp_avg_sq of moment_elements (offload: the device's chunk of each)
   double host_moments = 0;    // offload: the rank's moments in host memory
+  double host_masters = 0;    // offload_masters: the rank's f32 master weights in host memory
   std::array<double, kRecomputeSettings> activations{};  // saved tensors + one block's backward scratch
   double attention_workspace = 0;  // cuDNN's deterministic attention backward: dP of this rank's heads
   // A checkpoint save gathers the whole buffer's moments on every rank of a sharded optimizer

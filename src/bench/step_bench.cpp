@@ -292,15 +292,17 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   }
   const int tp_size = groups ? groups->tp_size() : 1;
   std::unique_ptr<StepGraph> graph;
-  if (spec.cuda_graph && !profiler && device.can_capture() && tp_size == 1)
+  // (As the trainer: no graphs around the uploads of offloaded master weights.)
+  if (spec.cuda_graph && !profiler && device.can_capture() && tp_size == 1 && !spec.adam.offload_masters)
     graph = std::make_unique<StepGraph>(device, StepGraph::Options::from_environment());
+  const std::unique_ptr<Backend> host_memory = spec.adam.offload_masters ? make_backend("cpu") : nullptr;
   Backend& be = device;  // the profiler or the graph recorder, when made, intercept its ops
   StepBenchResult r;
   r.workload = spec.workload;
   r.precision = spec.fp8.enabled ? "FP8 " + spec.fp8.describe() : "BF16";
   if (groups) r.parallel = groups->describe();
   FluxModel model(spec.model, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute,
-                  TensorParallel{groups ? &groups->tp() : nullptr});
+                  TensorParallel{groups ? &groups->tp() : nullptr}, host_memory.get());
   model.params().init(spec.seed);
   model.plan(spec.shape);
   AdamWOptimizer opt(model.params(), spec.adam);

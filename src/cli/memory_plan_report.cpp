@@ -22,7 +22,7 @@ std::vector<StateRow> state_rows(const MemoryPlan& p) {
   return {
       {"bf16 weight copies", p.operand_copies},
       {"FP8 weight casts", p.fp8_casts},
-      {"f32 master weights", p.masters},
+      {p.offload_masters ? "f32 weights (small, chunk, staging)" : "f32 master weights", p.masters},
       {p.bf16_grads ? "gradients (bf16)" : "gradients (f32)", p.gradients},
       {std::string(p.bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (f32)") + (p.offload ? ", a chunk" : ""),
        p.moments},
@@ -31,9 +31,14 @@ std::vector<StateRow> state_rows(const MemoryPlan& p) {
 
 std::string moments_line(const MemoryPlan& p) {
   const ParallelShape& s = p.parallel;
+  if (p.offload_masters)
+    return fmt::format(
+        "{} elements, in host memory ({}; optimizer_offload: cpu) with the f32 master\n"
+        "    weights ({}), streamed through the GPU a chunk at a time",
+        with_commas(p.moment_elements), gib(p.host_moments), gib(p.host_masters));
   if (p.offload)
     return fmt::format(
-        "{} elements{}, in host memory ({}; optimizer_offload: cpu),\n"
+        "{} elements{}, in host memory ({}; optimizer_offload: moments),\n"
         "    streamed through the GPU a chunk at a time",
         with_commas(p.moment_elements), s.moments_sharded() ? " (this rank's shard)" : "", gib(p.host_moments));
   if (s.moments_sharded())
@@ -106,7 +111,9 @@ nlohmann::json memory_plan_json(const MemoryPlan& p, double gpu_bytes) {
                 {"attention_workspace", p.attention_workspace},
                 {"gathered_moments", p.gathered_moments},
                 {"optimizer_offload", p.offload},
-                {"host_moments", p.host_moments}};
+                {"offload_masters", p.offload_masters},
+                {"host_moments", p.host_moments},
+                {"host_masters", p.host_masters}};
   j["gpu_memory_bytes"] = gpu_bytes;
   for (size_t i = 0; i < std::size(kSettings); ++i) {
     const Recompute r = kSettings[i];

@@ -160,11 +160,14 @@ std::vector<KeySpec> training_keys() {
                  "stochastically (unbiased to 1/512 of a bf16 ulp, so a small beta2 step is not lost; the random bits "
                  "are a hash of step and element: reproducible, the same on CPU and GPU) — 4 bytes a parameter less "
                  "memory and 8 less AdamW traffic; master weights stay f32 and checkpoints store the moments as F32"),
-      choice_key("training", "optimizer_offload", "none", {"none", "cpu"},
-                 "where the AdamW moments live (after DeepSpeed's ZeRO-Offload). cpu: in host memory, streamed "
-                 "through the device a chunk at a time for each update (the device holds one chunk of each moment); "
-                 "the same update, bit for bit, at the cost of moving the moments over PCIe twice a step. With "
-                 "use_distributed_optimizer each rank offloads its shard. The f32 master weights stay on the device"),
+      choice_key("training", "optimizer_offload", "none", {"none", "moments", "cpu"},
+                 "what of the optimizer's state lives in host memory (after DeepSpeed's ZeRO-Offload), streamed "
+                 "through the device a chunk at a time for each update: the same update, bit for bit, at the cost "
+                 "of moving it over PCIe twice a step. moments: the AdamW moments (with use_distributed_optimizer "
+                 "each rank offloads its shard). cpu: the moments and the f32 master weights; the device keeps the "
+                 "weights only as the model reads them (bf16 copies, FP8 casts, the small f32 tensors) — 4 bytes a "
+                 "parameter less than moments; not with use_distributed_optimizer. Neither with "
+                 "tensor_model_parallel_size > 1"),
       int_key("training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
               "optimizer_offload: elements of each moment the device holds at a time (whole parameters: a chunk "
               "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies"),

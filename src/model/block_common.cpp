@@ -3,7 +3,7 @@
 namespace flux8 {
 
 ScaleParam ScaleParam::bind(ParamStore& store, const std::string& name) {
-  return {store.param(name), store.grad(name), &store};
+  return {store.device_param(name), store.grad(name), &store};
 }
 
 void bind_qk_norm(ParamStore& store, const std::string& attn, ScaleParam& q_norm, ScaleParam& k_norm) {

@@ -175,14 +175,14 @@ Recompute recompute_from_name(const std::string& name) {
 }
 
 FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
-                     RecomputePolicy recompute, TensorParallel tp)
+                     RecomputePolicy recompute, TensorParallel tp, Backend* masters)
     : cfg_(cfg), be_(backend), tp_(tp), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
   widths_ = BlockWidths::of(cfg_, tp_.size());
   norm_stats_in_residual_ = norm_stats_in_residual_from_environment();
   act_dtype_ = be_.activation_dtype(dtype_);
   heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
-  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size());
+  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size(), masters);
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i) double_params_.push_back(DoubleBlockParams::bind(*params_, i));
   for (int64_t i = 0; i < cfg_.num_single_blocks; ++i) single_params_.push_back(SingleBlockParams::bind(*params_, i));
   if (tp_.sharded()) bind_partial_grads();
@@ -341,6 +341,7 @@ Tensor FluxModel::forward(const FluxInputs& in) {
   check_input(in.timesteps, "timesteps", Shape{B});
   check_input(in.y, "y", Shape{B, c.vec_dim});
   if (c.guidance_embed) check_input(in.guidance, "guidance", Shape{B});
+  params_->refresh_device_forms();  // offloaded masters written by init or a load since
 
   if (sh.batch > planned_.batch || sh.txt_tokens > planned_.txt_tokens || sh.img_tokens > planned_.img_tokens ||
       sh.tokens() > planned_.tokens())

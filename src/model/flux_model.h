@@ -82,8 +82,10 @@ class FluxModel {
   // collectives. Every rank of the group calls forward() and backward() with the same inputs
   // and the same output gradient, and gets the same prediction; the gradients it leaves are
   // its shards' and the replicated tensors' whole ones (the same on every rank).
+  // masters: a host backend to keep the f32 master weights on (optimizer_offload: cpu; null: the
+  // backend keeps them) — the model then reads their device forms (ParamStore).
   FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32, const Fp8Config* fp8 = nullptr,
-            RecomputePolicy recompute = Recompute::none, TensorParallel tp = {});
+            RecomputePolicy recompute = Recompute::none, TensorParallel tp = {}, Backend* masters = nullptr);
   ~FluxModel();
 
   const FluxConfig& config() const { return cfg_; }

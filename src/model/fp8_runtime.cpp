@@ -203,7 +203,7 @@ void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
 void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
   if (site.w_version == weight_version_ && (site.w_recorded || !recording_) && (site.w_counted || !collect_stats_))
     return;
-  be_.quantize(site.w_row, site.w_col, site.w, quantize_args(site, Operand::weight));
+  be_.quantize(site.w_row, site.w_col, site.w_master(), quantize_args(site, Operand::weight));
   site.w_version = weight_version_;
   site.w_recorded = recording_;
   site.w_counted = collect_stats_;

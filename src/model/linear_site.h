@@ -43,6 +43,8 @@ struct LinearSite {
   // The weight as a BF16 GEMM takes it: the store's per-step rounded copy where it keeps one
   // (ParamStore::operand), else w.
   Tensor w_operand() const { return store ? store->operand(w) : w; }
+  // The f32 weight on the backend, for its FP8 cast (ParamStore::master_on_device).
+  Tensor w_master() const { return store ? store->master_on_device(w) : w; }
   // The bias as the forward GEMM writing `out` takes it (ParamStore::bias_operand), else b;
   // undefined where this rank adds no bias (bias_in_forward).
   Tensor b_operand(const Tensor& out) const {

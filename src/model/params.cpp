@@ -10,11 +10,6 @@
 
 namespace flux8 {
 
-namespace {
-// The bytes a view of `bytes` takes in a buffer of views that each start 256-byte aligned.
-size_t padded_bytes(size_t bytes) { return (bytes + 255) / 256 * 256; }
-}  // namespace
-
 void ParamLayout::add(std::string name, ParamShard shard, ParamInit init, std::string component, bool block_linear,
                       bool linear_weight, bool per_sample) {
   const Shape shape = shard.local_shape();
@@ -105,23 +100,36 @@ const ParamInfo& ParamLayout::at(std::string_view name) const {
   return *p;
 }
 
-ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank, int tp_size)
+ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank, int tp_size, Backend* masters)
     : layout_(ParamLayout::build(cfg, tp_rank, tp_size)),
       backend_(backend),
+      masters_(masters ? *masters : backend),
       dtype_(dtype),
       grad_dtype_(backend.gradient_dtype(dtype)) {
+  if (masters_offloaded() && !masters_.memory_is_host())
+    fail("internal error: offloaded master weights need a backend whose memory is host memory");
   const size_t elements = static_cast<size_t>(layout_.total());
-  params_ = backend.allocate(elements * dtype_size(dtype));
+  params_ = masters_.allocate(elements * dtype_size(dtype));
   grads_ = backend.allocate(elements * dtype_size(grad_dtype_));
   for (size_t i = 0; i < layout_.params().size(); ++i) by_offset_.emplace(layout_.params()[i].offset, i);
   written_.assign(layout_.params().size(), 1);  // the buffer starts zero-filled: a valid gradient
+  if (masters_offloaded()) {
+    // Every parameter but the Linear weights (which get operand copies or FP8 casts) is read by
+    // the model as it is stored: those keep an f32 resident on the backend.
+    std::vector<size_t> small;
+    for (size_t i = 0; i < layout_.params().size(); ++i)
+      if (!layout_.params()[i].linear_weight) small.push_back(i);
+    allocate_residents(small);
+  }
 }
 
 ParamStore::~ParamStore() {
-  backend_.release(params_);
+  masters_.release(params_);
   backend_.release(grads_);
   if (operand_buffer_) backend_.release(operand_buffer_);
   if (low_rank_buffer_) backend_.release(low_rank_buffer_);
+  for (void* b : resident_buffers_) backend_.release(b);
+  if (staging_.defined()) backend_.release(staging_.data);
 }
 
 static Tensor view(void* base, DType dtype, const ParamInfo& p) {
@@ -154,7 +162,7 @@ void ParamStore::init(uint64_t seed) {
   for (const ParamInfo& p : layout_.params())
     if (p.shard.sharded()) largest_split = std::max(largest_split, p.shard.full.numel());
   void* full_buffer =
-      largest_split > 0 ? backend_.allocate(static_cast<size_t>(largest_split) * dtype_size(dtype_)) : nullptr;
+      largest_split > 0 ? masters_.allocate(static_cast<size_t>(largest_split) * dtype_size(dtype_)) : nullptr;
   // On the backend (the GPU for a CUDA run): 1.31B parameters start in milliseconds instead of
   // seconds of host generation and upload. Each value is a pure function of (seed, stream, j).
   for (size_t i = 0; i < layout_.params().size(); ++i) {
@@ -163,18 +171,18 @@ void ParamStore::init(uint64_t seed) {
     const Tensor local = view(params_, dtype_, p);
     const Tensor t = p.shard.sharded() ? Tensor(full_buffer, dtype_, p.shard.full) : local;
     switch (p.init) {
-      case ParamInit::zeros: backend_.fill(t, 0.0); break;
-      case ParamInit::ones: backend_.fill(t, 1.0); break;
-      case ParamInit::normal_002: backend_.fill_random(t, Backend::Random::normal, seed, stream, 0.02); break;
+      case ParamInit::zeros: masters_.fill(t, 0.0); break;
+      case ParamInit::ones: masters_.fill(t, 1.0); break;
+      case ParamInit::normal_002: masters_.fill_random(t, Backend::Random::normal, seed, stream, 0.02); break;
       case ParamInit::xavier_uniform:
         // U(−a, a), a = √(6 / (fan_in + fan_out)) on the fused weight shape.
-        backend_.fill_random(t, Backend::Random::uniform, seed, stream,
+        masters_.fill_random(t, Backend::Random::uniform, seed, stream,
                              std::sqrt(6.0 / static_cast<double>(p.shard.full[0] + p.shard.full[1])));
         break;
     }
-    if (p.shard.sharded()) copy_shard_on_backend(backend_, p.shard, t, local);
+    if (p.shard.sharded()) copy_shard_on_backend(masters_, p.shard, t, local);
   }
-  if (full_buffer) backend_.release(full_buffer);
+  if (full_buffer) masters_.release(full_buffer);
 }
 
 void ParamStore::zero_grads() {
@@ -194,6 +202,16 @@ size_t ParamStore::index_in(const void* buffer, const Tensor& view) const {
 
 void ParamStore::use_operand_copies(const std::vector<std::string>& names) {
   const DType t = backend_.weight_operand_dtype(dtype_);
+  if (t == dtype_ && masters_offloaded() && residents_.size() == layout_.params().size()) {
+    // No operand type (the CPU backend): the weights the GEMMs read as stored need residents.
+    std::vector<size_t> which;
+    for (const std::string& name : names) {
+      const size_t i = static_cast<size_t>(&layout_.at(name) - layout_.params().data());
+      if (!residents_[i].defined()) which.push_back(i);
+    }
+    allocate_residents(which);
+    return;
+  }
   if (t == dtype_ || names.empty() || operand_buffer_) return;
   operands_.assign(layout_.params().size(), OperandCopy{});
   std::vector<std::pair<size_t, size_t>> placed;  // (parameter, byte offset in the buffer)
@@ -351,6 +369,7 @@ void ParamStore::params_updated() {
   ++params_version_;
   for (OperandCopy& c : operands_)
     if (c.copy.defined()) c.version = params_version_;
+  if (masters_offloaded()) forms_version_ = params_version_;
 }
 
 bool ParamStore::first_write(const Tensor& grad) {

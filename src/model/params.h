@@ -6,6 +6,7 @@
 // reference name, model/param_shard.h), which lets `flux8 info` count a 12B model without
 // allocating it.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -75,10 +76,22 @@ class ParamLayout {
 };
 
 // Owns the flat parameter and gradient buffers on a backend.
+//
+// Offloaded master weights (optimizer_offload: cpu): the flat parameter buffer — the f32 master
+// weights — lives on `masters`, a host backend, while the gradients and everything the model reads
+// stay on `backend`. The model then reads only device forms of the parameters: the operand copies
+// (bf16 Linear weights and biases), f32 residents of the small parameters (norm scales, biases,
+// and Linear weights where the backend has no operand type), and the FP8 sites' casts, made from
+// masters staged through the device one tensor at a time (master_on_device). param() and
+// flat_params() still return views of the masters, for the optimizer, checkpoints and as keys
+// for operand(). refresh_device_forms() rebuilds the forms after anything but the optimizer
+// wrote the masters (init, loading); the optimizer writes them with the weights.
 class ParamStore {
  public:
   // tp_rank, tp_size: this rank's shard of a tensor-parallel model (ParamLayout::build).
-  ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank = 0, int tp_size = 1);
+  // masters: the backend holding the master weights (null: `backend`).
+  ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank = 0, int tp_size = 1,
+             Backend* masters = nullptr);
   ~ParamStore();
   ParamStore(const ParamStore&) = delete;
   ParamStore& operator=(const ParamStore&) = delete;
@@ -89,6 +102,9 @@ class ParamStore {
   // (Backend::gradient_dtype, grad_precision: bf16).
   DType grad_dtype() const { return grad_dtype_; }
   Backend& backend() const { return backend_; }
+  // Where param() and flat_params() live: backend(), or the host backend of offloaded masters.
+  Backend& masters_backend() const { return masters_; }
+  bool masters_offloaded() const { return &masters_ != &backend_; }
   Tensor param(std::string_view name) const;
   Tensor grad(std::string_view name) const;
   Tensor flat_params() const;  // [total]
@@ -163,6 +179,21 @@ class ParamStore {
   // the store keeps a copy of b in out's type (a bf16 output's epilogue adds a bf16 bias, which
   // the GEMM would otherwise round from b on every call), else b itself.
   Tensor bias_operand(const Tensor& b, const Tensor& out);
+  // The tensor an op reads for a parameter it takes as it is stored (a norm scale): param(name),
+  // or with offloaded masters its f32 resident, kept current by refresh_device_forms() and the
+  // optimizer (the tensor stays the same, so a block may bind it once).
+  Tensor device_param(std::string_view name);
+  // `w`'s current values on the backend, for an op that reads the master itself (an FP8 cast):
+  // w, or with offloaded masters its resident or a copy staged in a buffer of the store's —
+  // valid until the next call.
+  Tensor master_on_device(const Tensor& w);
+  // Offloaded masters: after params_changed(), uploads the masters and rebuilds every device form
+  // (a no-op when current, and without offload).
+  void refresh_device_forms();
+  // Offloaded masters: the residents of the parameters inside the `count` elements of the flat
+  // buffer from `begin`, as copies from `chunk_on_device` (those masters on the backend), for the
+  // optimizer to issue after updating them. A parameter must lie wholly inside or outside.
+  std::vector<Backend::CopyPair> resident_copies(int64_t begin, int64_t count, const Tensor& chunk_on_device) const;
   void params_changed() { ++params_version_; }
   std::vector<Backend::ParamCopy> operand_copies() const;
   void params_updated();
@@ -174,10 +205,13 @@ class ParamStore {
   // The layout index of `view` if it is a whole parameter's view into `buffer` (params_ or
   // grads_), else kNoParam.
   static constexpr size_t kNoParam = static_cast<size_t>(-1);
+  // The bytes a view of `bytes` takes in a buffer of views that each start 256-byte aligned.
+  static size_t padded_bytes(size_t bytes) { return (bytes + 255) / 256 * 256; }
   size_t index_in(const void* buffer, const Tensor& view) const;
 
   ParamLayout layout_;
   Backend& backend_;
+  Backend& masters_;
   DType dtype_, grad_dtype_;
   void* params_ = nullptr;
   void* grads_ = nullptr;
@@ -209,6 +243,17 @@ class ParamStore {
   void* operand_buffer_ = nullptr;
   size_t operand_bytes_ = 0;
   int64_t params_version_ = 0;
+  // Offloaded masters (params_offload.cpp): per parameter, its f32 resident on the backend
+  // (undefined: none), their buffer, the params_version_ the device forms were made at, and the
+  // staging buffer of master_on_device.
+  std::vector<Tensor> residents_;
+  std::vector<void*> resident_buffers_;
+  int64_t forms_version_ = -1;
+  Tensor staging_;
+  void allocate_residents(const std::vector<size_t>& which);
+  Tensor stage(const ParamInfo& p);
+  // operand() (out: none) and bias_operand() (out: the output's type) with offloaded masters.
+  Tensor offloaded_operand(const Tensor& p, std::optional<DType> out);
 };
 
 }  // namespace flux8

@@ -25,7 +25,7 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
   const WeightSource source = WeightSource::open(path, prefix);
   source.check(cfg);
   const ParamLayout full = ParamLayout::build(cfg);
-  Backend& be = store.backend();
+  Backend& be = store.masters_backend();
   UploadBuffers buffers;
   std::vector<double> values;
   for (const ParamInfo& p : store.layout().params()) {
@@ -110,13 +110,13 @@ void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::str
                   WeightNaming naming, const std::map<std::string, std::string>& metadata) {
   check_whole_tensors(store.layout().params(), "save_weights " + path);
   if (naming == WeightNaming::reference) {
-    reference_weights_writer(store.layout().params(), FlatSource::on_backend(store.backend(), store.flat_params()),
-                             file_dtype, metadata)
+    reference_weights_writer(store.layout().params(),
+                             FlatSource::on_backend(store.masters_backend(), store.flat_params()), file_dtype, metadata)
         .write(path);
     return;
   }
   check_file_dtype(file_dtype);
-  Backend& be = store.backend();
+  Backend& be = store.masters_backend();
   SafetensorsWriter writer;
   // Host copies must outlive write(): one f32 vector per file tensor (diffusers' tensors are
   // assembled from pieces of several parameters).

@@ -517,8 +517,8 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state, 
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
                             const Fp8MetaRegistry* fp8, Backend* moments_backend) {
   check_moments(store, adam_m, adam_v, "save_checkpoint");
-  Backend& be = store.backend();
-  Backend& mb = moments_backend ? *moments_backend : be;
+  Backend& be = store.masters_backend();
+  Backend& mb = moments_backend ? *moments_backend : store.backend();
   const std::vector<ParamInfo>& params = store.layout().params();
   const SafetensorsWriter model = model_writer(state, params, FlatSource::on_backend(be, store.flat_params()));
   const SafetensorsWriter optimizer =
@@ -582,12 +582,11 @@ void CheckpointSnapshot::reserve(const ParamStore& store, DType moment_dtype) {
 void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,
                               const Tensor& adam_v, const Fp8MetaRegistry* fp8) {
   check_moments(store, adam_m, adam_v, "CheckpointSnapshot::take");
-  Backend& be = store.backend();
   const Tensor flat = store.flat_params();
   for (const auto& [host, t] : {std::pair{&params_, &flat}, std::pair{&m_, &adam_m}, std::pair{&v_, &adam_v}}) {
     host->reserve(static_cast<size_t>(t->numel()) * dtype_size(t->dtype), /*touch=*/false);
     host->dtype = t->dtype;
-    be.download(host->data.get(), t->data, host->bytes);
+    (t == &flat ? store.masters_backend() : store.backend()).download(host->data.get(), t->data, host->bytes);
   }
   state_ = state;
   params_layout_ = store.layout().params();

@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/registry.h"
 #include "config/config.h"
 #include "core/error.h"
 
@@ -21,20 +20,12 @@ AdamWConfig AdamWConfig::from_config(const Config& c) {
   a.weight_decay = c.get_float("weight_decay");
   a.clip_grad = c.get_float("clip_grad");
   a.moment_dtype = c.get_string("adam_moment_precision") == "bf16" ? DType::bf16 : DType::f32;
-  a.offload = c.get_string("optimizer_offload") == "cpu";
+  const std::string offload = c.get_string("optimizer_offload");
+  a.offload = offload != "none";
+  a.offload_masters = offload == "cpu";
   a.offload_chunk = c.get_int("optimizer_offload_chunk");
   return a;
 }
-
-namespace {
-// The host memory of offloaded moments: a CPU backend's, so that checkpoints read and write them
-// through the same Backend calls as moments on the device.
-std::unique_ptr<Backend> make_host_backend() {
-  for (const BackendEntry& e : registered_backends())
-    if (e.name == "cpu") return e.create(BackendOptions{});
-  fail("optimizer_offload: cpu needs the cpu backend, which this build lacks");
-}
-}  // namespace
 
 AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(store), cfg_(cfg) {
   // adam_moment_precision bf16 applies to f32 parameters; the f64 models of the gradient
@@ -43,7 +34,16 @@ AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(stor
     fail("adam_moment_precision bf16 needs f32 parameters; this model's are {}", dtype_name(store.dtype()));
   if (cfg.offload && cfg.offload_chunk < 64)
     fail("optimizer offload: a chunk of {} elements is below the minimum of 64", cfg.offload_chunk);
-  if (cfg.offload) host_ = make_host_backend();
+  if (cfg.offload_masters != store.masters_offloaded())
+    fail("internal error: optimizer_offload: cpu needs the model's master weights in host memory, and only then");
+  // The host memory of offloaded moments: a CPU backend's, so that checkpoints read and write them
+  // through the same Backend calls as moments on the device.
+  if (cfg.offload_masters) {
+    host_ = &store.masters_backend();
+  } else if (cfg.offload) {
+    own_host_ = make_backend("cpu");
+    host_ = own_host_.get();
+  }
   owned_ = FlatRange{0, store.layout().total()};
   m_ = allocate_moment(owned_.count);
   v_ = allocate_moment(owned_.count);
@@ -62,11 +62,17 @@ AdamWOptimizer::~AdamWOptimizer() {
     store_.backend().release(dm_.data);
     store_.backend().release(dv_.data);
   }
+  if (dp_chunk_.defined()) store_.backend().release(dp_chunk_.data);
 }
 
 void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
   dp_ = dp && dp->size() > 1 ? dp : nullptr;
   const bool shard = dp_ && distributed;
+  if (shard && store_.masters_offloaded())
+    fail(
+        "optimizer_offload: cpu keeps every rank's whole f32 master weights in its host memory, which "
+        "use_distributed_optimizer would shard: set optimizer_offload: moments to offload each rank's shard of the "
+        "moments, or turn use_distributed_optimizer off");
   if (shard == sharded_) return;
   sharded_ = shard;
   Backend& be = moments_backend();
@@ -258,9 +264,13 @@ void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
     be.release(dm_.data);
     be.release(dv_.data);
   }
+  if (dp_chunk_.defined()) be.release(dp_chunk_.data);
   const size_t bytes = static_cast<size_t>(elements) * dtype_size(m_.dtype);
   dm_ = Tensor(be.allocate(bytes), m_.dtype, Shape{elements});
   dv_ = Tensor(be.allocate(bytes), m_.dtype, Shape{elements});
+  if (store_.masters_offloaded())
+    dp_chunk_ = Tensor(be.allocate(static_cast<size_t>(elements) * dtype_size(store_.dtype())), store_.dtype(),
+                       Shape{elements});
 }
 
 void AdamWOptimizer::update_chunk(FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
@@ -286,8 +296,18 @@ void AdamWOptimizer::update_chunk(FlatRange chunk, Backend::AdamW h, std::span<c
   be.upload(dm.data, flat_slice(m_, mine).data, bytes);
   be.upload(dv.data, flat_slice(v_, mine).data, bytes);
   h.index_base = chunk.begin;
-  be.adamw(flat_slice(store_.flat_params(), chunk), flat_slice(store_.flat_grads(), chunk), dm, dv, h, chunk_copies,
-           chunk_casts, chunk_low_rank);
+  // Offloaded masters come up with their moments and go back with them; the residents the model
+  // reads are copied from the updated chunk.
+  const Tensor masters = flat_slice(store_.flat_params(), chunk);
+  const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(masters.dtype);
+  const Tensor params = store_.masters_offloaded() ? flat_slice(dp_chunk_, {0, chunk.count}) : masters;
+  if (store_.masters_offloaded()) be.upload(params.data, masters.data, master_bytes);
+  be.adamw(params, flat_slice(store_.flat_grads(), chunk), dm, dv, h, chunk_copies, chunk_casts, chunk_low_rank);
+  if (store_.masters_offloaded()) {
+    const std::vector<Backend::CopyPair> residents = store_.resident_copies(chunk.begin, chunk.count, params);
+    if (!residents.empty()) be.copy_batch(residents);
+    be.download(masters.data, params.data, master_bytes);
+  }
   be.download(flat_slice(m_, mine).data, dm.data, bytes);
   be.download(flat_slice(v_, mine).data, dv.data, bytes);
 }

@@ -22,9 +22,12 @@ struct AdamWConfig {
   // Storage of the moments: the parameters' type (f32), or bf16 (f32 parameters only):
   // adam_moment_precision.
   DType moment_dtype = DType::f32;
-  // optimizer_offload: cpu — the moments live in host memory and stream through the backend a
-  // chunk at a time for the update (AdamWOptimizer::step): the device holds one chunk of each.
+  // optimizer_offload: moments or cpu — the moments live in host memory and stream through the
+  // backend a chunk at a time for the update (AdamWOptimizer::step): the device holds one chunk of
+  // each. cpu also keeps the f32 master weights in host memory (offload_masters: the model's
+  // ParamStore holds them there, model/params.h), streamed with the moments.
   bool offload = false;
+  bool offload_masters = false;
   // Elements of a chunk (a chunk of whole parameters is at least the largest parameter).
   int64_t offload_chunk = int64_t{1} << 26;
   static AdamWConfig from_config(const Config& cfg);
@@ -64,7 +67,8 @@ class AdamWOptimizer {
 
   // The moments (in moment_dtype(); checkpoints store them as f32): this rank's, of the whole
   // buffer or, sharded, of owned() only. They live on moments_backend(): the parameters' backend,
-  // or with offload a CPU backend holding them in host memory.
+  // or with offload a CPU backend holding them in host memory (the masters' own when they are
+  // offloaded too).
   DType moment_dtype() const { return m_.dtype; }
   Backend& moments_backend() const { return host_ ? *host_ : store_.backend(); }
   bool offloaded() const { return host_ != nullptr; }
@@ -105,9 +109,11 @@ class AdamWOptimizer {
   Tensor allocate_moment(int64_t n);
   ParamStore& store_;
   AdamWConfig cfg_;
-  std::unique_ptr<Backend> host_;  // offload: the moments' memory
+  Backend* host_ = nullptr;            // offload: the moments' memory
+  std::unique_ptr<Backend> own_host_;  // host_ when the masters are not offloaded
   Tensor m_, v_;
-  Tensor dm_, dv_;  // offload: one chunk of each moment on the parameters' backend
+  Tensor dm_, dv_;   // offload: one chunk of each moment on the parameters' backend
+  Tensor dp_chunk_;  // offloaded masters: one chunk of them on the parameters' backend
   DataParallel* dp_ = nullptr;
   DataParallel* tp_ = nullptr;
   // With tp_: the flat buffer's runs of split parameters (adjacent ones merged), for the norm.

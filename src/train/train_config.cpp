@@ -192,13 +192,21 @@ TrainConfig TrainConfig::from_config(const Config& cfg) {
     fail("context_parallel_size is {} ({}): flux8 does not split sequences across ranks; set it to 1",
          t.context_parallel, cfg.source("context_parallel_size"));
   t.distributed_optimizer = cfg.get_bool("use_distributed_optimizer");
-  t.optimizer_offload = cfg.get_string("optimizer_offload") == "cpu";
+  const std::string offload = cfg.get_string("optimizer_offload");
+  t.optimizer_offload = offload != "none";
+  t.offload_masters = offload == "cpu";
   if (t.optimizer_offload && t.tensor_parallel > 1)
     fail(
-        "optimizer_offload: cpu ({}) with tensor_model_parallel_size {}: a tensor-parallel job's checkpoints gather "
-        "the moments through the devices, which offloaded moments are not on; set optimizer_offload: none, or "
-        "tensor_model_parallel_size: 1 with use_distributed_optimizer to split the moments instead",
-        cfg.source("optimizer_offload"), t.tensor_parallel);
+        "optimizer_offload: {} ({}) with tensor_model_parallel_size {}: a tensor-parallel job's checkpoints gather "
+        "the weights and moments through the devices, which offloaded ones are not on; set optimizer_offload: none, "
+        "or tensor_model_parallel_size: 1 with use_distributed_optimizer to split the moments instead",
+        offload, cfg.source("optimizer_offload"), t.tensor_parallel);
+  if (t.offload_masters && t.distributed_optimizer)
+    fail(
+        "optimizer_offload: cpu ({}) with use_distributed_optimizer: cpu keeps every rank's whole f32 master "
+        "weights in its host memory; set optimizer_offload: moments to offload each rank's shard of the moments, or "
+        "turn use_distributed_optimizer off",
+        cfg.source("optimizer_offload"));
   t.overlap_grad_reduce = cfg.get_bool("overlap_grad_reduce");
   t.overlap_param_gather = cfg.get_bool("overlap_param_gather");
   t.distributed_timeout_s = cfg.get_float("distributed_timeout_minutes") * 60.0;

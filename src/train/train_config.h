@@ -66,7 +66,7 @@ struct TrainConfig {
     bool on = false;  // mlperf_logging
     std::string org, platform, division, status;
   } mlperf;
-  double target_eval_loss = 0;  // 0 = none
+  double target_eval_loss = 0;         // 0 = none
   int64_t sample_interval = 0;         // previews into save_dir/samples/ every N steps; 0 = none
   std::string sample_text_embeddings;  // encoded prompts (latent models; pixel-space models may use them too)
   std::string sample_vae;              // decodes latent samples to PNG; empty = latents kept
@@ -75,8 +75,9 @@ struct TrainConfig {
   // Parallelism (docs/DISTRIBUTED.md): the Megatron keys.
   int tensor_parallel = 1;  // tensor_model_parallel_size
   int pipeline_parallel = 1, context_parallel = 1;
-  bool distributed_optimizer = false;                              // use_distributed_optimizer
-  bool optimizer_offload = false;                                  // optimizer_offload: cpu
+  bool distributed_optimizer = false;  // use_distributed_optimizer
+  bool optimizer_offload = false;      // optimizer_offload: moments or cpu (the moments in host memory)
+  bool offload_masters = false;        // optimizer_offload: cpu (the f32 master weights too)
   bool overlap_grad_reduce = false, overlap_param_gather = false;  // accepted; no overlap (docs/DISTRIBUTED.md)
   double distributed_timeout_s = 600;                              // distributed_timeout_minutes
 

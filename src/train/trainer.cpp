@@ -70,6 +70,8 @@ struct Run {
   // aborted.
   std::unique_ptr<MlperfLog> mlperf;
   std::unique_ptr<Backend> be;
+  // optimizer_offload: cpu — the host memory holding the f32 master weights and the moments.
+  std::unique_ptr<Backend> host_memory;
   // The job's ranks (one-rank groups for a process started alone) and the data-parallel
   // reductions over them; `world` reduces what every rank must agree on (FP8 amaxes, the stop).
   std::unique_ptr<ProcessGroups> groups;
@@ -154,11 +156,13 @@ void build_model(Run& r) {
   join_job(r);
   // cuda_graph: each micro-batch's forward and backward recorded and launched as CUDA graphs
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
-  // A graph cannot hold the tensor-parallel collectives inside the blocks: op by op there.
-  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1)
+  // A graph cannot hold the tensor-parallel collectives inside the blocks, nor the uploads of
+  // offloaded master weights for FP8 casts: op by op there.
+  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1 && !r.cfg.offload_masters)
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
+  if (r.cfg.offload_masters) r.host_memory = make_backend("cpu");
   r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute,
-                                        TensorParallel{&r.groups->tp()});
+                                        TensorParallel{&r.groups->tp()}, r.host_memory.get());
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), r.cfg.adam);
   r.opt->set_data_parallel(r.dp.get(), r.cfg.distributed_optimizer);
   r.opt->set_tensor_parallel(r.tp.get());
@@ -269,7 +273,14 @@ void announce_run(Run& r) {
   if (params.grad_dtype() != params.dtype())
     note(r, fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                         dtype_name(params.grad_dtype()), dtype_name(params.dtype())));
-  if (r.opt->offloaded())
+  if (params.masters_offloaded())
+    note(r,
+         fmt::format("optimizer_offload: the f32 master weights ({:.2f} GB) and the AdamW moments ({:.2f} GB) live in "
+                     "host memory and stream through the device for each update; the device keeps the weights "
+                     "only as the model reads them (bf16 copies, FP8 casts, small f32 tensors); CUDA graphs off",
+                     static_cast<double>(params.layout().total()) * dtype_size(params.dtype()) / 1e9,
+                     2.0 * static_cast<double>(r.opt->owned().count) * dtype_size(r.opt->moment_dtype()) / 1e9));
+  else if (r.opt->offloaded())
     note(r, fmt::format("optimizer_offload: the AdamW moments ({:.2f} GB) live in host memory and stream through the "
                         "device for each update",
                         2.0 * static_cast<double>(r.opt->owned().count) * dtype_size(r.opt->moment_dtype()) / 1e9));
