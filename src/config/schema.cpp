@@ -169,7 +169,7 @@ std::vector<KeySpec> training_keys() {
                  "parameter less than moments; not with use_distributed_optimizer. Neither with "
                  "tensor_model_parallel_size > 1"),
       int_key("training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
-              "optimizer_offload: elements of each moment the device holds at a time (whole parameters: a chunk "
+              "optimizer_offload: elements of each moment (and of the masters, with cpu) the device holds at a time (whole parameters: a chunk "
               "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies"),
       choice_key("training", "exp_avg_dtype", "fp32", {"fp32", "bf16"},
                  "Megatron's name for adam_moment_precision (fp32 = f32): setting it sets that key; with "
