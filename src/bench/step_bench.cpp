@@ -326,6 +326,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   // ms of a mostly idle device each), and its clock while the last one runs.
   PowerReading energy_start, energy_busy;
   Clock::time_point window_start{};
+  std::vector<double> transfer_ms, update_ms;  // optimizer_offload, per timed step
   for (int s = 0; s < total; ++s) {
     if (profiler) profiler->pause(true);
     data.load(s);
@@ -350,8 +351,12 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     if (s + 1 == total) energy_busy = be.power_reading();  // the step still running on the device
     double loss = 0;
     be.download(&loss, loss_buf.t.data, sizeof loss);
-    apply_optimizer_step(model, opt, s + 1, spec.lr);  // as the trainer
+    const StepStats st = apply_optimizer_step(model, opt, s + 1, spec.lr);  // as the trainer
     be.synchronize();
+    if (opt.offloaded() && s >= spec.warmup) {
+      transfer_ms.push_back(1e3 * st.transfer_s);
+      update_ms.push_back(1e3 * st.update_s);
+    }
     const double ms = 1e3 * seconds_since(ts);
     if (s == 0) {
       r.first_step_s = r.setup_s + ms / 1e3;
@@ -373,6 +378,10 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   r.energy = summarize_energy(energy_start, be.power_reading(), energy_busy, static_cast<int>(r.step_ms.size()),
                               seconds_since(window_start));
   summarize_run(be, spec, graph.get(), profiler.get(), r);
+  if (!transfer_ms.empty()) {
+    r.offload_transfer_ms = median(transfer_ms);
+    r.offload_update_ms = median(update_ms);
+  }
   if (spec.data_path) time_data_path(device, spec, r);  // after the memory peak: its buffers are extra
   return r;
 }

@@ -282,6 +282,11 @@ void print_run_notes(const StepBenchResult& r, const std::string& backend) {
         "  trainer data path (host, before each step; not in the step time): {:.1f} ms to assemble the "
         "batch, {:.1f} ms to upload it\n",
         r.data_assemble_ms, r.data_upload_ms);
+  if (r.offload_transfer_ms >= 0)
+    fmt::print(
+        "  optimizer_offload: of the step, {:.1f} ms moving optimizer state over PCIe and {:.1f} ms updating "
+        "its chunks on the device\n",
+        r.offload_transfer_ms, r.offload_update_ms);
   if (r.cuda_graph)
     fmt::print(
         "  cuda_graph: {:.1f} graphs a step holding {:.0f} ops, {:.0f} ops issued one by one{}\n",
@@ -386,6 +391,8 @@ json run_json(const StepBenchResult& r, const StepBenchSpec& s, const std::strin
           {"graph_capture_failures", r.graph_capture_failures},
           {"data_assemble_ms", number_or_null(r.data_assemble_ms)},
           {"data_upload_ms", number_or_null(r.data_upload_ms)},
+          {"offload_transfer_ms", number_or_null(r.offload_transfer_ms)},
+          {"offload_update_ms", number_or_null(r.offload_update_ms)},
           {"ops", ops},
           {"idle_before", idle_before},
           {"roofline", roofline},

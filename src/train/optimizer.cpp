@@ -1,6 +1,7 @@
 #include "train/optimizer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -185,7 +186,7 @@ StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
   s.grad_norm = std::sqrt(job_sum_squares(owned_, {}));
   if (!std::isfinite(s.grad_norm)) return s;
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
-  update(owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, {}, {}, {});
+  update(s, owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, {}, {}, {});
   dp_->all_gather_params(params, sharding_);
   store_.params_changed();  // operand copies are made again from the gathered weights
   s.applied = true;
@@ -206,8 +207,8 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
   // The weights' bf16 operand copies are written with the new weights (a conversion pass less).
   const std::vector<Backend::ParamCopy> copies = store_.operand_copies();
-  update(owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies, casts,
-         low_rank);
+  update(s, owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies,
+         casts, low_rank);
   store_.params_updated();
   s.applied = true;
   s.casts_written = !casts.empty();
@@ -216,7 +217,7 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
 
 // ---- the update, in place or streamed from host memory ----------------------------------------
 
-void AdamWOptimizer::update(FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
+void AdamWOptimizer::update(StepStats& s, FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
                             std::span<const Backend::ParamCast> casts,
                             const std::vector<Backend::LowRankGrad>& low_rank) {
   if (!host_) {
@@ -232,7 +233,7 @@ void AdamWOptimizer::update(FlatRange range, const Backend::AdamW& h, std::span<
   int64_t longest = 0;
   for (const FlatRange& c : chunks) longest = std::max(longest, c.count);
   allocate_device_chunk(longest);
-  for (const FlatRange& c : chunks) update_chunk(c, h, copies, casts, low_rank);
+  for (const FlatRange& c : chunks) update_chunk(s, c, h, copies, casts, low_rank);
 }
 
 std::vector<FlatRange> AdamWOptimizer::offload_chunks(FlatRange range, bool whole_params) const {
@@ -273,7 +274,7 @@ void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
                        Shape{elements});
 }
 
-void AdamWOptimizer::update_chunk(FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
+void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
                                   std::span<const Backend::ParamCast> casts,
                                   const std::vector<Backend::LowRankGrad>& low_rank) {
   // adamw's lists count offsets from its param tensor: from the chunk's start here.
@@ -293,23 +294,33 @@ void AdamWOptimizer::update_chunk(FlatRange chunk, Backend::AdamW h, std::span<c
   const FlatRange mine{chunk.begin - owned_.begin, chunk.count};  // in this rank's moments
   const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
   const Tensor dm = flat_slice(dm_, {0, chunk.count}), dv = flat_slice(dv_, {0, chunk.count});
-  be.upload(dm.data, flat_slice(m_, mine).data, bytes);
-  be.upload(dv.data, flat_slice(v_, mine).data, bytes);
-  h.index_base = chunk.begin;
   // Offloaded masters come up with their moments and go back with them; the residents the model
   // reads are copied from the updated chunk.
   const Tensor masters = flat_slice(store_.flat_params(), chunk);
   const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(masters.dtype);
   const Tensor params = store_.masters_offloaded() ? flat_slice(dp_chunk_, {0, chunk.count}) : masters;
+  auto t = std::chrono::steady_clock::now();
+  const auto lap = [&t](double& total) {
+    const auto now = std::chrono::steady_clock::now();
+    total += std::chrono::duration<double>(now - t).count();
+    t = now;
+  };
+  be.synchronize();  // the step's backward, not this chunk's transfers
+  t = std::chrono::steady_clock::now();
+  be.upload(dm.data, flat_slice(m_, mine).data, bytes);
+  be.upload(dv.data, flat_slice(v_, mine).data, bytes);
   if (store_.masters_offloaded()) be.upload(params.data, masters.data, master_bytes);
+  lap(s.transfer_s);
+  h.index_base = chunk.begin;
   be.adamw(params, flat_slice(store_.flat_grads(), chunk), dm, dv, h, chunk_copies, chunk_casts, chunk_low_rank);
-  if (store_.masters_offloaded()) {
-    const std::vector<Backend::CopyPair> residents = store_.resident_copies(chunk.begin, chunk.count, params);
-    if (!residents.empty()) be.copy_batch(residents);
-    be.download(masters.data, params.data, master_bytes);
-  }
+  const std::vector<Backend::CopyPair> residents = store_.resident_copies(chunk.begin, chunk.count, params);
+  if (!residents.empty()) be.copy_batch(residents);
+  be.synchronize();
+  lap(s.update_s);
+  if (store_.masters_offloaded()) be.download(masters.data, params.data, master_bytes);
   be.download(flat_slice(m_, mine).data, dm.data, bytes);
   be.download(flat_slice(v_, mine).data, dv.data, bytes);
+  lap(s.transfer_s);
 }
 
 }  // namespace flux8

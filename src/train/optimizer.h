@@ -38,6 +38,9 @@ struct StepStats {
   double lr = 0;
   bool applied = false;        // false: non-finite gradient, weights unchanged
   bool casts_written = false;  // the FP8 casts passed to step() were written with the weights
+  // Offload: host seconds this update spent moving state over PCIe (uploads and downloads, which
+  // return when done) and running the chunks' updates (AdamW and the copies it writes, waited for).
+  double transfer_s = 0, update_s = 0;
 };
 
 class AdamWOptimizer {
@@ -92,9 +95,9 @@ class AdamWOptimizer {
   // AdamW over the parameters `range` (inside owned()): in place, or with offload a chunk of
   // `chunks` at a time through the device buffers dm_/dv_. copies/casts/low_rank as adamw takes
   // them for the whole flat buffer.
-  void update(FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
+  void update(StepStats& s, FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
               std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
-  void update_chunk(FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
+  void update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
                     std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
   // Offload: the chunks of `range` — whole parameters, starting at even indices — and the device
   // buffers for the largest.
