@@ -207,8 +207,8 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
   // The weights' bf16 operand copies are written with the new weights (a conversion pass less).
   const std::vector<Backend::ParamCopy> copies = store_.operand_copies();
-  update(s, owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies,
-         casts, low_rank);
+  update(s, owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, copies, casts,
+         low_rank);
   store_.params_updated();
   s.applied = true;
   s.casts_written = !casts.empty();
@@ -217,8 +217,8 @@ StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend:
 
 // ---- the update, in place or streamed from host memory ----------------------------------------
 
-void AdamWOptimizer::update(StepStats& s, FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
-                            std::span<const Backend::ParamCast> casts,
+void AdamWOptimizer::update(StepStats& s, FlatRange range, const Backend::AdamW& h,
+                            std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
                             const std::vector<Backend::LowRankGrad>& low_rank) {
   if (!host_) {
     Backend::AdamW at = h;
@@ -274,8 +274,8 @@ void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
                        Shape{elements});
 }
 
-void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
-                                  std::span<const Backend::ParamCast> casts,
+void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h,
+                                  std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
                                   const std::vector<Backend::LowRankGrad>& low_rank) {
   // adamw's lists count offsets from its param tensor: from the chunk's start here.
   const auto in_chunk = [&](const auto& items) {
