@@ -94,6 +94,12 @@ class Device {
   // True when allocate()'s memory is the host's (the CPU backend): collectives then send it as it
   // is; otherwise they go through the device (NCCL) or stage through host buffers (src/dist).
   virtual bool memory_is_host() const { return false; }
+  // Host memory that upload() and download() then copy straight from and into (on the GPU:
+  // page-locked, no staging through the backend's pinned buffers): the optimizer state that
+  // optimizer_offload keeps in host memory. False where the device cannot (the copies then stage
+  // as before) or needs nothing (the CPU). Unregister before the memory is freed.
+  virtual bool register_host_memory(void* /*p*/, size_t /*bytes*/) { return false; }
+  virtual void unregister_host_memory(void* /*p*/) {}
 
   // ---- device timing (flux8 bench --profile) ------------------------------------------------------
   // timing_mark() records the point the backend's queued work has reached (on the GPU an event in

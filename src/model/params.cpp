@@ -114,6 +114,8 @@ ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int
   for (size_t i = 0; i < layout_.params().size(); ++i) by_offset_.emplace(layout_.params()[i].offset, i);
   written_.assign(layout_.params().size(), 1);  // the buffer starts zero-filled: a valid gradient
   if (masters_offloaded()) {
+    // Page-locked where the backend can: the optimizer moves them over PCIe every step.
+    masters_pinned_ = backend_.register_host_memory(params_, elements * dtype_size(dtype));
     // Every parameter but the Linear weights (which get operand copies or FP8 casts) is read by
     // the model as it is stored: those keep an f32 resident on the backend.
     std::vector<size_t> small;
@@ -124,6 +126,7 @@ ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int
 }
 
 ParamStore::~ParamStore() {
+  if (masters_pinned_) backend_.unregister_host_memory(params_);
   masters_.release(params_);
   backend_.release(grads_);
   if (operand_buffer_) backend_.release(operand_buffer_);

@@ -248,6 +248,7 @@ class ParamStore {
   // staging buffer of master_on_device.
   std::vector<Tensor> residents_;
   std::vector<void*> resident_buffers_;
+  bool masters_pinned_ = false;  // registered with the backend (Device::register_host_memory)
   int64_t forms_version_ = -1;
   Tensor staging_;
   void allocate_residents(const std::vector<size_t>& which);

@@ -50,15 +50,28 @@ AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(stor
   v_ = allocate_moment(owned_.count);
 }
 
-Tensor AdamWOptimizer::allocate_moment(int64_t n) {
+Tensor AdamWOptimizer::allocate_moment(int64_t n, bool pin) {
   const DType dt = cfg_.moment_dtype == DType::bf16 ? DType::bf16 : store_.dtype();
-  return Tensor(moments_backend().allocate(static_cast<size_t>(n) * dtype_size(dt)), dt, Shape{n});
+  const size_t bytes = static_cast<size_t>(n) * dtype_size(dt);
+  const Tensor t(moments_backend().allocate(bytes), dt, Shape{n});
+  if (host_ && pin && store_.backend().register_host_memory(t.data, bytes)) pinned_.push_back(t.data);
+  return t;
+}
+
+void AdamWOptimizer::release_moment(Tensor& t) {
+  if (!t.defined()) return;
+  if (const auto it = std::find(pinned_.begin(), pinned_.end(), t.data); it != pinned_.end()) {
+    store_.backend().unregister_host_memory(t.data);
+    pinned_.erase(it);
+  }
+  moments_backend().release(t.data);
+  t = Tensor{};
 }
 
 AdamWOptimizer::~AdamWOptimizer() {
   release_full_moments();
-  moments_backend().release(m_.data);
-  moments_backend().release(v_.data);
+  release_moment(m_);
+  release_moment(v_);
   if (dm_.defined()) {
     store_.backend().release(dm_.data);
     store_.backend().release(dv_.data);
@@ -76,9 +89,8 @@ void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
         "moments, or turn use_distributed_optimizer off");
   if (shard == sharded_) return;
   sharded_ = shard;
-  Backend& be = moments_backend();
-  be.release(m_.data);
-  be.release(v_.data);
+  release_moment(m_);
+  release_moment(v_);
   const int64_t total = store_.layout().total();
   sharding_ = FlatSharding::of(total, shard ? dp_->size() : 1);
   owned_ = shard ? sharding_.owned(dp_->rank()) : FlatRange{0, total};
@@ -88,8 +100,8 @@ void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
 
 void AdamWOptimizer::allocate_full_moments() {
   if (!sharded_ || full_m_.defined()) return;
-  full_m_ = allocate_moment(sharding_.total);
-  full_v_ = allocate_moment(sharding_.total);
+  full_m_ = allocate_moment(sharding_.total, false);
+  full_v_ = allocate_moment(sharding_.total, false);
 }
 
 void AdamWOptimizer::gather_moments() {
@@ -142,10 +154,8 @@ void AdamWOptimizer::scatter_moments() {
 }
 
 void AdamWOptimizer::release_full_moments() {
-  if (!full_m_.defined()) return;
-  moments_backend().release(full_m_.data);
-  moments_backend().release(full_v_.data);
-  full_m_ = full_v_ = Tensor{};
+  release_moment(full_m_);
+  release_moment(full_v_);
 }
 
 void AdamWOptimizer::set_tensor_parallel(DataParallel* tp) {

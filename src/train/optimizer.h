@@ -109,7 +109,12 @@ class AdamWOptimizer {
   // The squared norm of the whole model's gradient, from this rank's gradients in `range` (all of
   // the buffer, or its owned shard after a reduce-scatter) and `low_rank`.
   double job_sum_squares(FlatRange range, const std::vector<Backend::LowRankGrad>& low_rank);
-  Tensor allocate_moment(int64_t n);
+  // On moments_backend(); offloaded and `pin`, registered with the parameters' backend for direct
+  // copies (Device::register_host_memory: the moments streamed every step, not a checkpoint's
+  // gathered ones). release_moment undoes both.
+  Tensor allocate_moment(int64_t n, bool pin = true);
+  void release_moment(Tensor& t);
+  std::vector<void*> pinned_;
   ParamStore& store_;
   AdamWConfig cfg_;
   Backend* host_ = nullptr;            // offload: the moments' memory

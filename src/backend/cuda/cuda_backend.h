@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <mutex>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -59,6 +60,8 @@ class CudaBackend final : public Backend {
   // CUDA graphs (StepGraph): stream capture of this backend's stream, thread-local mode (an op
   // that synchronises or allocates while capturing fails the capture, not the process).
   bool can_capture() const override { return true; }
+  bool register_host_memory(void* p, size_t bytes) override;
+  void unregister_host_memory(void* p) override;
   bool computes_beside_host() const override { return true; }
   void begin_capture() override;
   std::unique_ptr<Graph> end_capture() override;
@@ -171,6 +174,10 @@ class CudaBackend final : public Backend {
   static constexpr size_t kStagedUploadBytes = size_t(4) << 20;
   cuda::PinnedStaging upload_staging_;
   cuda::PinnedStaging download_staging_;
+  // register_host_memory's page-locked ranges (start, bytes), which copies use directly.
+  std::mutex registered_mutex_;
+  std::vector<std::pair<const char*, size_t>> registered_;
+  bool registered_range(const void* p, size_t bytes);
   void* stats_dev_ = nullptr;   // kPendingCastStats totals (fp8.cu's StatsTotal)
   void* stats_host_ = nullptr;  // pinned mirror
 };

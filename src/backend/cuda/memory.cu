@@ -50,9 +50,10 @@ std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options) {
     int count = 0;
     FLUX8_CUDA_CHECK(cudaGetDeviceCount(&count));
     if (options.device >= count && !options.share_device)
-      fail("backend 'cuda': this rank is number {} on its node, which has {} GPU{}: launch at most {} rank{} per node "
-           "(mpirun --map-by ppr:{}:node, or srun --ntasks-per-node={})",
-           options.device, count, count == 1 ? "" : "s", count, count == 1 ? "" : "s", count, count);
+      fail(
+          "backend 'cuda': this rank is number {} on its node, which has {} GPU{}: launch at most {} rank{} per node "
+          "(mpirun --map-by ppr:{}:node, or srun --ntasks-per-node={})",
+          options.device, count, count == 1 ? "" : "s", count, count == 1 ? "" : "s", count, count);
     FLUX8_CUDA_CHECK(cudaSetDevice(options.device % count));
   }
   return std::make_unique<CudaBackend>(options);
@@ -131,9 +132,38 @@ void CudaBackend::do_release(void* p) {
   FLUX8_CUDA_CHECK(cudaFree(p));
 }
 
+bool CudaBackend::register_host_memory(void* p, size_t bytes) {
+  if (!p || !bytes) return false;
+  if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) != cudaSuccess) {
+    (void)cudaGetLastError();  // not fatal: the copies stage through the pinned chunks instead
+    return false;
+  }
+  const std::lock_guard<std::mutex> lock(registered_mutex_);
+  registered_.emplace_back(static_cast<const char*>(p), bytes);
+  return true;
+}
+
+void CudaBackend::unregister_host_memory(void* p) {
+  const std::lock_guard<std::mutex> lock(registered_mutex_);
+  for (auto it = registered_.begin(); it != registered_.end(); ++it)
+    if (it->first == p) {
+      FLUX8_CUDA_CHECK(cudaHostUnregister(p));
+      registered_.erase(it);
+      return;
+    }
+}
+
+bool CudaBackend::registered_range(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  const std::lock_guard<std::mutex> lock(registered_mutex_);
+  for (const auto& [start, size] : registered_)
+    if (c >= start && c + bytes <= start + size) return true;
+  return false;
+}
+
 void CudaBackend::do_upload(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
-  if (bytes < kStagedUploadBytes) {
+  if (bytes < kStagedUploadBytes || registered_range(host_src, bytes)) {
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
     // The host buffer may be reused by the caller right away.
     FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -269,7 +299,7 @@ void CudaBackend::do_wait_event(const Event& e) {
 
 void CudaBackend::do_download(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
-  if (bytes < kStagedUploadBytes) {
+  if (bytes < kStagedUploadBytes || registered_range(host_dst, bytes)) {
     FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   } else {
     download_staging_.copy_to_host(host_dst, src, bytes, stream_);  // a checkpoint's snapshot: GBs
