@@ -35,6 +35,7 @@ non-finite loss or gradient and non-finite logged losses, summed over the seeds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -75,7 +76,9 @@ def parse_args(argv):
     p.add_argument("--final-window", type=int, default=500,
                    help="w1 tier: steps whose mean training loss is the final loss (default 500)")
     p.add_argument("--backend", default="cuda", choices=["cuda", "cpu"], help="w1 tier: flux8 bench --backend")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
+    p.add_argument("--gpus", default="", help="comma-separated GPU indices: each run gets one of them to itself "
+                   "(CUDA_VISIBLE_DEVICES), --jobs defaults to their count; e.g. 0,1,2,3,4,5,6,7")
+    p.add_argument("--jobs", type=int, default=None, help="runs at once (default 1, or the number of --gpus)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of each run (threads key and OMP_NUM_THREADS; default max(1, cores / jobs))")
     p.add_argument("--tolerance", type=float, default=1.0, help="the ±%% band of the 'within' column (default 1)")
@@ -88,12 +91,13 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def require_matplotlib() -> None:
+def require_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
-        raise HarnessError("matplotlib is missing: the curves cannot be plotted. Install it (scripts/install_deps.sh, "
-                           "or python3 -m pip install matplotlib), or pass --no-plots and plot later on another "
+        import numpy  # noqa: F401
+    except ImportError as e:
+        raise HarnessError(f"{e.name} is missing: the curves cannot be plotted. Install it (scripts/install_deps.sh, "
+                           f"or python3 -m pip install {e.name}), or pass --no-plots and plot later on another "
                            "machine with --plot-from OUT/results.json")
 
 
@@ -228,13 +232,13 @@ def write_outputs(out: str, data: dict, plots: bool, smoothing: int) -> str:
     with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
         f.write(table)
     if plots:
-        report.plot(os.path.join(out, "curves.png"), data, smoothing)
+        import convergence_plot  # (numpy and matplotlib: only when plotting)
+        convergence_plot.plot(os.path.join(out, "curves.png"), data, smoothing)
     return table
 
 
 def plot_from(path: str, smoothing: int | None) -> None:
-    require_matplotlib()
-    import json
+    require_plotting()
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -242,7 +246,8 @@ def plot_from(path: str, smoothing: int | None) -> None:
         raise HarnessError(f"--plot-from {path}: cannot read it ({e})")
     steps = max(len(r["train"]["step"]) for r in data["runs"])
     out = os.path.join(os.path.dirname(os.path.abspath(path)), "curves.png")
-    report.plot(out, data, smoothing or max(1, steps // 50))
+    import convergence_plot
+    convergence_plot.plot(out, data, smoothing or max(1, steps // 50))
     print(f"wrote {out}", file=sys.stderr)
 
 
@@ -252,9 +257,13 @@ def main(argv) -> int:
         plot_from(args.plot_from, args.smooth)
         return 0
     if not args.no_plots:
-        require_matplotlib()  # before hours of training, not after
+        require_plotting()  # before hours of training, not after
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    args.jobs = args.jobs or max(1, len(gpus))
     if args.jobs < 1 or (args.threads is not None and args.threads < 1):
         raise HarnessError("--jobs and --threads must be at least 1")
+    if gpus and args.jobs > len(gpus):
+        raise HarnessError(f"--jobs {args.jobs} with {len(gpus)} --gpus: at most one run a GPU")
     seeds = parse_seeds(args.seeds)
     variants = variants_of(args)
     flux8 = find_flux8(args.flux8)
@@ -264,7 +273,7 @@ def main(argv) -> int:
     if plan.runner == "train":
         prepare_demo_data(plan, seeds, cfg)
     runs = make_runs(plan, variants, seeds, threads)
-    runs_mod.run_all(plan, runs, args.jobs)
+    runs_mod.run_all(plan, runs, args.jobs, gpus)
     summary = report.summarize(variants, runs, "bf16", args.tolerance)
     meta = {"title": args.title or f"{args.tier} tier", "tier": args.tier, "what": what, "steps": steps,
             "seeds": seeds, "reference": "bf16", "tolerance_pct": args.tolerance,

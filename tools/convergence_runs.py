@@ -10,6 +10,8 @@ import dataclasses
 import json
 import math
 import os
+import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -218,21 +220,19 @@ def reusable(plan: Plan, run: Run) -> bool:
 
 def start_fresh(run: Run) -> None:
     """An unfinished run's folder is emptied: the run starts again from step 0."""
-    if os.path.isdir(run.folder):
-        for root, dirs, files in os.walk(run.folder, topdown=False):
-            for f in files:
-                os.remove(os.path.join(root, f))
-            for d in dirs:
-                os.rmdir(os.path.join(root, d))
+    shutil.rmtree(run.folder, ignore_errors=True)
     os.makedirs(run.folder, exist_ok=True)
     with open(os.path.join(run.folder, RUN_FILE), "w", encoding="utf-8") as f:
         json.dump({"identity": identity(run.command), "command": run.command}, f, indent=1)
 
 
-def execute(plan: Plan, run: Run) -> float:
-    """Runs one training; its output goes to run.log. Returns the wall seconds."""
+def execute(plan: Plan, run: Run, gpu: str | None) -> float:
+    """Runs one training (on GPU `gpu` when given: CUDA_VISIBLE_DEVICES); its output goes to
+    run.log. Returns the wall seconds."""
     start_fresh(run)
     env = dict(os.environ, OMP_NUM_THREADS=str(run.threads))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     t0 = time.time()
     with open(run.log, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(run.command) + "\n")
@@ -248,9 +248,10 @@ def execute(plan: Plan, run: Run) -> float:
     return seconds
 
 
-def run_all(plan: Plan, runs: list, jobs: int, say=lambda m: print(m, file=sys.stderr)) -> None:
-    """Runs what is not finished yet, `jobs` at a time. After a failure no new run starts; the
-    ones under way finish, then every failure is raised together."""
+def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m, file=sys.stderr)) -> None:
+    """Runs what is not finished yet, `jobs` at a time, each on a GPU of `gpus` that no other run
+    holds (all of them on the default device when gpus is empty). After a failure no new run
+    starts; the ones under way finish, then every failure is raised together."""
     todo = [r for r in runs if not reusable(plan, r)]
     for r in runs:
         if r not in todo:
@@ -261,18 +262,27 @@ def run_all(plan: Plan, runs: list, jobs: int, say=lambda m: print(m, file=sys.s
         with open(timings, "w", encoding="utf-8") as f:
             f.write("run\tthreads\tseconds\n")
 
+    free = queue.Queue()
+    for g in gpus:
+        free.put(g)
+
     def one(i_run):
         i, run = i_run
         if stop.is_set():
             return
-        say(f"[{i + 1}/{len(todo)}] {run.name}: started ({run.threads} threads), log {run.log}")
+        gpu = free.get() if gpus else None
+        where = "" if gpu is None else f", GPU {gpu}"
+        say(f"[{i + 1}/{len(todo)}] {run.name}: started ({run.threads} threads{where}), log {run.log}")
         try:
-            seconds = execute(plan, run)
+            seconds = execute(plan, run, gpu)
         except HarnessError as e:
             stop.set()
             with lock:
                 failures.append(str(e))
             return
+        finally:
+            if gpu is not None:
+                free.put(gpu)
         with lock:
             with open(timings, "a", encoding="utf-8") as f:
                 f.write(f"{run.name}\t{run.threads}\t{seconds:.0f}\n")

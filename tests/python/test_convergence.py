@@ -16,8 +16,10 @@ missing). Checks:
      timings.tsv.
   4. A second call reruns nothing; a call with another variant runs only that one; an
      unfinished run is rerun; a folder made with other arguments is refused.
-  5. A failing run (a misspelt key) is an error naming the run and its log; --set seed is refused.
-  6. The bench tier (flux8 bench --data structured) on the shrunk demo model.
+  5. A failing run (a misspelt key) is an error naming the run and its log; --set seed and more
+     jobs than --gpus are refused.
+  6. The bench tier (flux8 bench --data structured) on the shrunk demo model, its runs spread
+     over --gpus.
 """
 from __future__ import annotations
 
@@ -214,6 +216,8 @@ def check_failures(tmp):
     assert not os.path.exists(os.path.join(out, "results.json")), "no table from a failed call"
     res = harness(out, *demo_args("--set", "seed=3"), expect_ok=False)
     assert "use --seeds" in res.stderr, res.stderr
+    res = harness(out, *demo_args("--gpus", "0"), expect_ok=False)  # --jobs 2 (harness()) on one GPU
+    assert "at most one run a GPU" in res.stderr, res.stderr
 
 
 def check_bench_tier(tmp):
@@ -222,7 +226,9 @@ def check_bench_tier(tmp):
             "--final-window", "4", "--recipes", "tensorwise", "--formats", "hybrid"]
     for kv in SHRINK:
         args += ["--set", kv]
-    harness(out, *args)
+    res = harness(out, *args, "--gpus", "0,1")  # (CUDA_VISIBLE_DEVICES: ignored by the CPU backend)
+    started = [line for line in res.stderr.splitlines() if "started" in line]
+    assert len(started) == 4 and all(", GPU 0)" in s or ", GPU 1)" in s for s in started), res.stderr
     with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
         data = json.load(f)
     assert [e["variant"] for e in data["summary"]] == ["bf16", "tensorwise_hybrid"]
