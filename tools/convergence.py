@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -289,9 +290,19 @@ def main(argv) -> int:
     return 0
 
 
+def on_sigterm(signum, _frame):
+    runs_mod.stop_runs()
+    raise HarnessError(f"stopped by signal {signum}: the runs under way were stopped too; call again with the same "
+                       "arguments to finish (finished runs are reused)")
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         sys.exit(main(sys.argv[1:]))
     except HarnessError as e:
         print(f"tools/convergence.py: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # (Ctrl-C reaches the runs too: they share the terminal's process group)
+        print("tools/convergence.py: interrupted; call again with the same arguments to finish", file=sys.stderr)
+        sys.exit(130)

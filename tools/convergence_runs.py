@@ -226,6 +226,19 @@ def start_fresh(run: Run) -> None:
         json.dump({"identity": identity(run.command), "command": run.command}, f, indent=1)
 
 
+_live, _live_lock = set(), threading.Lock()  # the flux8 processes under way
+_stopping = threading.Event()  # set by stop_runs: no new run starts
+
+
+def stop_runs() -> None:
+    """Passes a SIGTERM on to every run under way (flux8 stops after its current step); their
+    folders stay unfinished, so the next call runs them again."""
+    _stopping.set()
+    with _live_lock:
+        for proc in _live:
+            proc.terminate()
+
+
 def execute(plan: Plan, run: Run, gpu: str | None) -> float:
     """Runs one training (on GPU `gpu` when given: CUDA_VISIBLE_DEVICES); its output goes to
     run.log. Returns the wall seconds."""
@@ -237,7 +250,12 @@ def execute(plan: Plan, run: Run, gpu: str | None) -> float:
     with open(run.log, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(run.command) + "\n")
         log.flush()
-        rc = subprocess.run(run.command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with _live_lock:
+            _live.add(proc)
+        rc = proc.wait()
+        with _live_lock:
+            _live.discard(proc)
     seconds = time.time() - t0
     if rc != 0:
         raise HarnessError(f"run {run.name} failed ({describe_exit(rc)}): see {run.log}\n{tail(run.log)}")
@@ -268,7 +286,7 @@ def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m
 
     def one(i_run):
         i, run = i_run
-        if stop.is_set():
+        if stop.is_set() or _stopping.is_set():
             return
         gpu = free.get() if gpus else None
         where = "" if gpu is None else f", GPU {gpu}"
