@@ -97,7 +97,7 @@ def parse_args(argv):
     p.add_argument("--no-plots", action="store_true",
                    help="write no PNG (where matplotlib is missing; plot later with --plot-from)")
     p.add_argument("--plot-from", metavar="RESULTS_JSON", help="only draw curves.png next to this results.json")
-    p.add_argument("--title", default=None, help="the table's and plot's title (default: the tier and config)")
+    p.add_argument("--title", default=None, help="the table's and plot's title (default: '<tier> tier')")
     return p.parse_args(argv)
 
 

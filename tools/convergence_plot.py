@@ -32,12 +32,12 @@ def stacked(runs: list, part: str, key: str) -> tuple:
     return np.array(steps), np.array(rows, dtype=float)
 
 
-def band(ax, steps, rows, label):
+def band(ax, steps, rows, label, color):
     mean = np.nanmean(rows, axis=0)
-    line, = ax.plot(steps, mean, label=label, lw=1.2)
+    ax.plot(steps, mean, label=label, lw=1.2, color=color)
     if rows.shape[0] > 1:
         sd = np.nanstd(rows, axis=0, ddof=1)
-        ax.fill_between(steps, mean - sd, mean + sd, color=line.get_color(), alpha=0.18, lw=0)
+        ax.fill_between(steps, mean - sd, mean + sd, color=color, alpha=0.18, lw=0)
 
 
 def plot(path: str, data: dict, smoothing: int) -> None:
@@ -57,20 +57,21 @@ def plot(path: str, data: dict, smoothing: int) -> None:
     ref_runs = sorted(by_variant[ref], key=lambda r: r["seed"])
     ref_steps, ref_rows = stacked(ref_runs, "train", "loss")
     ref_smooth = np.array([smooth(row, smoothing) for row in ref_rows])
-    for name, rs in by_variant.items():
+    for i, (name, rs) in enumerate(by_variant.items()):
+        color = f"C{i % 10}"  # one colour a variant in every panel
         rs = sorted(rs, key=lambda r: r["seed"])
         steps, rows = stacked(rs, "train", "loss")
         sm = np.array([smooth(row, smoothing) for row in rows])
-        band(axes[0], steps, sm, name)
+        band(axes[0], steps, sm, name, color)
         if has_eval:
-            band(axes[1], *stacked(rs, "eval", "val_loss"), name)
+            band(axes[1], *stacked(rs, "eval", "val_loss"), name, color)
         if name != ref and np.array_equal(steps, ref_steps):
             # Seed by seed where both have the same seeds (paired, as the table), else against
             # the reference's mean.
             paired = [r["seed"] for r in rs] == [r["seed"] for r in ref_runs]
             base = ref_smooth if paired else ref_smooth.mean(axis=0)
-            band(axes[-1], steps, 100.0 * (sm - base) / base, name)
-    axes[0].set_title(f"training loss (moving average of {smoothing} steps)")
+            band(axes[-1], steps, 100.0 * (sm - base) / base, name, color)
+    axes[0].set_title("training loss" + (f" (moving average of {smoothing} steps)" if smoothing > 1 else ""))
     if has_eval:
         axes[1].set_title("validation loss")
     axes[-1].set_title(f"smoothed training loss vs {ref}, same seed (%)")
