@@ -15,6 +15,7 @@ def summarize(variants: list, runs: list, reference: str, tolerance_pct: float) 
     by_variant = {v.name: {r.seed: r for r in runs if r.variant.name == v.name} for v in variants}
     finals = {name: {seed: r.result["final_loss"] for seed, r in rs.items()} for name, rs in by_variant.items()}
     ref_ok = all(x is not None for x in finals[reference].values())
+    ref_identical = identical_curves(list(by_variant[reference].values()))
     out = []
     for v in variants:
         rs = by_variant[v.name]
@@ -28,7 +29,10 @@ def summarize(variants: list, runs: list, reference: str, tolerance_pct: float) 
         if not bad:
             entry["mean"], entry["std"] = stats.mean_std(list(values.values()))
             if v.name != reference and ref_ok:
-                entry["vs_reference"] = stats.compare(values, finals[reference], tolerance_pct)
+                c = stats.compare(values, finals[reference], tolerance_pct)
+                if entry["identical_seeds"] or ref_identical:  # a zero-width interval, not a measurement
+                    c["verdict"] = "seeds identical"
+                entry["vs_reference"] = c
         out.append(entry)
     return out
 

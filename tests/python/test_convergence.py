@@ -240,6 +240,9 @@ def check_bench_tier(tmp):
         curves.setdefault(r["variant"], []).append(tuple(losses))
     for e in data["summary"]:  # flagged exactly when the seeds' curves are the same
         assert e["identical_seeds"] == (len(set(curves[e["variant"]])) == 1), e
+    c = data["summary"][1]["vs_reference"]
+    assert (c["verdict"] == "seeds identical") == (data["summary"][0]["identical_seeds"] or
+                                                   data["summary"][1]["identical_seeds"]), c
 
 
 def main():
