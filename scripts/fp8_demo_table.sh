@@ -1,88 +1,23 @@
 #!/usr/bin/env bash
-# Trains the embedded demo on the CPU backend (the FP8 reference emulation; a later
-# `--set backend=auto` argument moves it to a GPU) in BF16 and in FP8 with every recipe and format (same seed), and
-# prints the final validation losses as a markdown table (docs/FP8.md). About 50 minutes on
-# 2 CPU cores (FP8 is emulated bit-exactly on the CPU, ~1.9x slower than BF16 there).
+# The demo's FP8 table (docs/FP8.md): tools/convergence.py's demo tier with this script's
+# defaults: the CPU backend (the FP8 reference emulation; a later `--set backend=auto` argument
+# moves it to a GPU), BF16 and every recipe x format, printing the markdown table.
 # Usage: scripts/fp8_demo_table.sh [build/flux8] [extra --set arguments...]
-# On a machine with many cores, FLUX8_TABLE_JOBS=9 runs the 9 trainings at once (each with
-# FLUX8_TABLE_THREADS threads, default max(1, cores / jobs); results do not depend on the thread
-# count) and then prints the same table; it writes each run's wall time to
-# runs/fp8_table/timings.tsv (FLUX8_TABLE_OUT moves runs/fp8_table). Default (FLUX8_TABLE_JOBS unset or 1): one run after another.
+# Environment: FLUX8_TABLE_SEEDS (default 1234; e.g. 1234,7,42 for mean ± std and intervals),
+# FLUX8_TABLE_JOBS runs at once (default 1), FLUX8_TABLE_THREADS threads each (default
+# max(1, cores / jobs); results do not depend on the thread count), FLUX8_TABLE_OUT the output
+# folder (default runs/fp8_table: each run's <variant>_seed<S>.log and folder, timings.tsv,
+# results.json, table.md, and curves.png where matplotlib is installed).
+# A finished run in the output folder is reused; see `python3 tools/convergence.py --help`.
 set -euo pipefail
-# The whole script is one { } block: bash reads it completely before running it, so editing this
-# file while a table is being made cannot change what the running copy does next.
-{
 cd "$(dirname "$0")/.."
 bin=${1:-build/flux8}
 shift || true
-out=${FLUX8_TABLE_OUT:-runs/fp8_table}
-mkdir -p "$out"
-run() {  # name, then --set arguments
-  local name=$1; shift
-  "$bin" train -c configs/demo.yaml --set backend=cpu --set save_dir="$out/$name" --set sample_prompts= --set eval_interval=0 \
-      --set log_interval=100 --set fp8_stats_interval=0 "$@" > "$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log"; exit 1; }
-  grep -o 'validation loss [0-9.]* -> [0-9.]*' "$out/$name.log" | awk '{print $5}'
-}
-recipes=(delayed tensorwise blockwise mxfp8)
-formats=(e4m3 hybrid)
-njobs=${FLUX8_TABLE_JOBS:-1}
-if [ "$njobs" -gt 1 ]; then
-  cores=$(nproc 2>/dev/null || echo 2)
-  threads=${FLUX8_TABLE_THREADS:-$((cores / njobs > 0 ? cores / njobs : 1))}  # no more threads than cores
-  # The runs share the demo dataset: write it once first, or each run would write it at the same
-  # time (train_data's directory, runs/demo/data unless the extra arguments set it).
-  data_dir=runs/demo/data
-  for a in "$@"; do case $a in train_data=*) data_dir=$(dirname "${a#train_data=}") ;; esac; done
-  if [ ! -f "$data_dir/manifest.json" ]; then
-    "$bin" data demo --out "$data_dir" -c configs/demo.yaml "$@" > "$out/data.log" 2>&1 ||
-      { echo "writing the demo dataset failed: see $out/data.log" >&2; exit 1; }
-  fi
-  names=(bf16); args=("")
-  for recipe in "${recipes[@]}"; do
-    for format in "${formats[@]}"; do
-      names+=("${recipe}_${format}"); args+=("--set fp8=$format --set fp8_recipe=$recipe")
-    done
-  done
-  echo -e "run\tthreads\tseconds" > "$out/timings.tsv"
-  pids=(); failed=0
-  for idx in "${!names[@]}"; do
-    while [ "$(jobs -rp | wc -l)" -ge "$njobs" ]; do wait -n || true; done
-    # shellcheck disable=SC2086  # args[idx] is a list of words
-    # OMP_NUM_THREADS too: the FP8 quantizers' OpenMP regions (src/fp8/quantize.cpp) do not
-    # follow the threads key and would otherwise start one thread per core in every run.
-    ( export OMP_NUM_THREADS=$threads
-      t0=$(date +%s.%N)
-      run "${names[idx]}" --set threads="$threads" ${args[idx]} "$@" > "$out/${names[idx]}.result"
-      echo -e "${names[idx]}\t$threads\t$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.0f", b-a}')" >> "$out/timings.tsv"
-    ) &
-    pids+=($!)
-  done
-  for idx in "${!pids[@]}"; do
-    wait "${pids[idx]}" || { echo "${names[idx]} failed: see $out/${names[idx]}.log" >&2; failed=1; }
-  done
-  [ "$failed" -eq 0 ] || exit 1
-  bf16=$(cat "$out/bf16.result")
-  echo "| run | final validation loss | vs BF16 |"
-  echo "|---|---|---|"
-  echo "| BF16 | $bf16 | — |"
-  for recipe in "${recipes[@]}"; do
-    for format in "${formats[@]}"; do
-      v=$(cat "$out/${recipe}_${format}.result")
-      echo "| FP8 $recipe $format | $v | $(awk -v a="$v" -v b="$bf16" 'BEGIN{printf "%+.1f%%", 100*(a-b)/b}') |"
-    done
-  done
-  exit 0
+args=(--tier demo --flux8 "$bin" --out "${FLUX8_TABLE_OUT:-runs/fp8_table}" --seeds "${FLUX8_TABLE_SEEDS:-1234}"
+      --jobs "${FLUX8_TABLE_JOBS:-1}" --set backend=cpu)
+[ -n "${FLUX8_TABLE_THREADS:-}" ] && args+=(--threads "$FLUX8_TABLE_THREADS")
+if ! python3 -c "import matplotlib" 2>/dev/null; then
+  echo "note: no matplotlib here: the table without curves.png (plot it elsewhere with tools/convergence.py --plot-from)" >&2
+  args+=(--no-plots)
 fi
-
-bf16=$(run bf16 "$@")
-echo "| run | final validation loss | vs BF16 |"
-echo "|---|---|---|"
-echo "| BF16 | $bf16 | — |"
-for recipe in delayed tensorwise blockwise mxfp8; do
-  for format in e4m3 hybrid; do
-    v=$(run "${recipe}_${format}" --set fp8="$format" --set fp8_recipe="$recipe" "$@")
-    echo "| FP8 $recipe $format | $v | $(awk -v a="$v" -v b="$bf16" 'BEGIN{printf "%+.1f%%", 100*(a-b)/b}') |"
-  done
-done
-exit 0
-}
+exec python3 tools/convergence.py "${args[@]}" "$@"

@@ -52,12 +52,13 @@ fi
 # rules) read back what tests/python/test_tensorboard.py's run writes. torch, diffusers,
 # transformers (with tokenizers) and Pillow: the encoders of tools/encode_dataset.py,
 # tools/encode_prompts.py and tools/decode_latents.py, which tests/python/test_encode_to_picture.py
-# runs with tiny models. PyPI's torch for Linux brings its CUDA libraries along (a few GB); there is
+# runs with tiny models. matplotlib: the curves of tools/convergence.py (tests/python/test_convergence.py).
+# PyPI's torch for Linux brings its CUDA libraries along (a few GB); there is
 # no CPU-only torch on PyPI.
 python_packages=(numpy safetensors "ml_dtypes>=0.7,<0.8" tensorboard "mlperf-logging>=4.1.68" torch diffusers
-                 transformers tokenizers pillow)
+                 transformers tokenizers pillow matplotlib)
 if ! python3 -c "import numpy, safetensors, ml_dtypes, tensorboard, os, sys, mlperf_logging.compliance_checker as c
-import torch, diffusers, transformers, tokenizers, PIL
+import torch, diffusers, transformers, tokenizers, PIL, matplotlib
 sys.exit(not os.path.isdir(os.path.join(os.path.dirname(c.__file__), 'training_6.1.0')) or
          tuple(int(p) for p in ml_dtypes.__version__.split('.')[:2]) != (0, 7))" 2>/dev/null; then
   echo "installing Python packages: ${python_packages[*]}"
