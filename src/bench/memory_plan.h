@@ -35,6 +35,7 @@ struct MemoryPlan {
   bool fp8_attention = false;  // fp8_dot_product_attention with fp8
   bool bf16_activations = true;
   bool bf16_grads = false, bf16_moments = false;
+  bool recompute_elementwise = true;  // the blocks that keep activations recompute element-wise results
   bool offload = false;         // optimizer_offload: cpu — the moments in host memory, a chunk on the GPU
   int64_t model_params = 0;     // the whole model
   int64_t rank_params = 0;      // one tensor-parallel rank's (every rank of the group holds as many)

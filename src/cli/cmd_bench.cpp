@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -243,7 +244,8 @@ RunPlan plan_runs(const BenchOptions& o) {
   }
   plan.backend = backend_options(plan.keys);
   place_on_node(plan.backend);  // under a launcher: this rank's GPU
-  const Recompute recompute = recompute_from_name(plan.keys.get_string("recompute_granularity"));
+  const RecomputePolicy recompute{recompute_from_name(plan.keys.get_string("recompute_granularity")),
+                                  std::numeric_limits<int64_t>::max(), plan.keys.get_bool("recompute_elementwise")};
   for (StepBenchSpec& s : plan.specs) {
     s.recompute = recompute;
     s.adam = AdamWConfig::from_config(plan.keys);

@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include <charconv>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -122,7 +123,9 @@ InfoReport compute_info(const Config& config) {
   r.per_sample = model_flops(cfg, StepShape{1, r.shape.txt_tokens, r.shape.img_tokens});
   r.per_step = model_flops(cfg, r.shape);
   r.recompute = config.get_string("recompute_granularity");
-  const ActivationEstimate act = FluxModel::estimate_activations(cfg, r.shape, recompute_from_name(r.recompute));
+  const RecomputePolicy policy{recompute_from_name(r.recompute), std::numeric_limits<int64_t>::max(),
+                               config.get_bool("recompute_elementwise")};
+  const ActivationEstimate act = FluxModel::estimate_activations(cfg, r.shape, policy);
   r.bf16_storage = config.get_string("activation_precision") == "bf16";
   // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
   r.fp8_attention = config.get_bool("fp8_dot_product_attention");
