@@ -206,7 +206,8 @@ TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
   // where a double block's scratch is the peak (few text tokens, a wide MLP), FP8 plans more.
   FluxConfig wide = odd_config(1, 1, false);
   wide.mlp_ratio = 4.0;
-  const ActivationEstimate w = FluxModel::estimate_activations(wide, StepShape{2, 2, 64}, Recompute::none);
+  const ActivationEstimate w =
+      FluxModel::estimate_activations(wide, StepShape{2, 2, 64}, with_elementwise(Recompute::none, false));
   EXPECT_GT(w.workspace_elements_fp8, w.workspace_elements);
   // Between the two other policies, in BF16 and in FP8; the recomputed tensors need scratch.
   for (bool fp8 : {false, true}) {

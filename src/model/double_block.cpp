@@ -350,32 +350,60 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const 
 
 void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
                                BlockRecompute r, bool fp8_sites) {
-  // Everything double_block_backward and its helpers take, summed (an upper bound of the
-  // simultaneous use; an overflow would fail loudly in Arena::alloc).
+  // What double_block_backward holds throughout, then the largest of what each of its parts takes
+  // on top and releases (the stream parts at the longer stream's tokens), and apart from it the
+  // block's forward: the peak of the simultaneous use, allocation by allocation (an overflow
+  // would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, H = w.hidden, A = w.attention, M = w.mlp;
-  const int64_t Lmax = std::max(sh.txt_tokens, sh.img_tokens);
+  const int64_t rows = B * std::max(sh.txt_tokens, sh.img_tokens);
   const Shape heads = heads_shape(w, sh);
-  for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);
-  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
-  for (int i = 0; i < 3; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
-  // d_m2, and d_m where GELU's backward is not in a dgrad epilogue (FP8 sites; BF16 has none).
-  for (int i = 0; i < (fp8 || fp8_sites ? 2 : 1); ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, 3 * A}, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, std::max(A, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * Lmax, std::max({3 * A, M, H}));
-  // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
-  // bf16 heads above stay planned for blocks without it).
+  auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
+  auto site = [&] { plan_site_scratch(a, fp8, rows, std::max({3 * A, M, H})); };
+  auto recomputed_input = [&](int64_t cols) {  // a Linear input the block did not keep, with its FP8 cast
+    tokens(cols);
+    plan_recompute_linear_input(a, fp8, rows, cols);
+  };
+  const size_t start = a.mark();
+  for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);  // dmod of each stream
+  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);            // dO, dq, dk, dv
+  // FP8 attention: the backward's FP8 dO, dq, dk, dv instead (the bf16 heads above stay planned
+  // for blocks without it).
   if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
-  if (r.norms) {  // x_mid and one LayerNorm output with its FP8 cast (the forward's buffers too)
-    for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
-    plan_recompute_linear_input(a, fp8, B * Lmax, H);
-  }
-  if (!r.heads && !r.copies) return;
-  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
-  // and one recomputed Linear input with its FP8 cast.
-  for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
-  plan_recompute_linear_input(a, fp8, B * Lmax, M);
+  const size_t base = a.mark();
+  // After attention, a stream: d_h, d_m where GELU's backward is not in a dgrad epilogue (FP8
+  // sites), d_m2 and x_mid; then mlp_out's recomputed input, released before mlp_in's and proj's.
+  tokens(H);
+  if (fp8 || fp8_sites) tokens(M);
+  tokens(M);
+  if (r.norms) tokens(H);
+  const size_t stream = a.mark();
+  if (r.copies) recomputed_input(M);
+  site();
+  a.release_to(stream);
+  if (r.norms) recomputed_input(H);
+  tokens(A);  // d_attn
+  if (r.copies) recomputed_input(A);
+  site();
+  a.release_to(base);
+  // The joint attention's backward: q, k, v recomputed (FP8 attention recomputes none).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  a.release_to(base);
+  // Before attention, a stream: d_qkv, d_h and qkv's recomputed input.
+  tokens(3 * A);
+  tokens(H);
+  if (r.norms) recomputed_input(H);
+  site();
+  a.release_to(start);
+  // The forward: q, k, v in scratch, the Linear inputs and x_mid the block does not keep (and the
+  // buffer of an FP8 Linear's input that is kept only as a cast).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  tokens(A);
+  tokens(H);
+  tokens(M);
+  tokens(H);
+  site();
 }
 
 }  // namespace flux8

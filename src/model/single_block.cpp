@@ -217,29 +217,48 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
 
 void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
                                BlockRecompute r) {
-  // Everything single_block_backward takes (the forward takes less).
+  // What single_block_backward holds throughout, then the largest of what each of its parts takes
+  // on top and releases, and apart from it the block's forward: the peak of the simultaneous use,
+  // allocation by allocation (an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, L = sh.tokens(), H = w.hidden, A = w.attention, M = w.mlp;
+  const int64_t rows = B * L;
   const Shape heads = heads_shape(w, sh);
-  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, 3 * A + M}, SlotKind::workspace);
-  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, A + M}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * L, std::max(3 * A + M, H));
-  // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
-  // bf16 heads above stay planned for blocks without it).
+  auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
+  auto site = [&] { plan_site_scratch(a, fp8, rows, std::max(3 * A + M, H)); };
+  auto recomputed_input = [&](int64_t cols) {  // a Linear input the block did not keep, with its FP8 cast
+    tokens(cols);
+    plan_recompute_linear_input(a, fp8, rows, cols);
+  };
+  const size_t start = a.mark();
+  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);  // dmod
+  tokens(H);                                         // d_h
+  tokens(3 * A + M);                                 // d_u
+  tokens(A);                                         // d_attn (BF16 MLPs)
+  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);  // dO, dq, dk, dv
+  // FP8 attention: the backward's FP8 dO, dq, dk, dv instead (the bf16 heads above stay planned
+  // for blocks without it).
   if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
-  if (r.norms) {  // linear1's input with its FP8 cast (the forward's buffer too)
-    a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-    plan_recompute_linear_input(a, fp8, B * L, H);
-  }
-  if (!r.heads && !r.copies) return;
-  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
-  // and the recomputed cat with its FP8 cast.
-  for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, A + M}, SlotKind::workspace);
-  plan_recompute_linear_input(a, fp8, B * L, A + M);
+  const size_t base = a.mark();
+  // linear2's backward: its recomputed input.
+  if (r.copies) recomputed_input(A + M);
+  site();
+  a.release_to(base);
+  // The attention's backward: q, k, v recomputed (FP8 attention recomputes none).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  a.release_to(base);
+  // linear1's backward: its recomputed input.
+  if (r.norms) recomputed_input(H);
+  site();
+  a.release_to(start);
+  // The forward: q, k, v in scratch, linear1's and linear2's inputs where not kept, the attention
+  // output's tokens (FP8 MLPs).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  tokens(H);
+  tokens(A + M);
+  tokens(A);
+  site();
 }
 
 }  // namespace flux8
