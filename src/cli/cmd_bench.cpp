@@ -50,6 +50,7 @@ void add_bench_options(CLI::App* cmd, BenchOptions& o) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o.overrides,
                   "override a config key: fp8_* keys, recompute_granularity (none, selective, full), "
+                  "recompute_elementwise (false: the blocks keep their element-wise results), "
                   "activation_precision (bf16, f32), grad_precision (f32, bf16) and the AdamW keys (adam_*, "
                   "weight_decay, clip_grad; adam_moment_precision f32 or bf16), cuda_graph (true: the forward and "
                   "backward as CUDA graphs; not with --profile), deterministic_attention (false: cuDNN's faster "
