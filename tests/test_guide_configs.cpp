@@ -81,7 +81,10 @@ TEST(GuideConfigs, KeysWithoutEffectUnderTheRecipeWarn) {
 TEST(GuideConfigs, OutOfMemoryAdviceConfigsLoad) {
   const TrainConfig block = load_fixture("oom_recompute.yaml");
   EXPECT_EQ(block.recompute, (RecomputePolicy{Recompute::selective, 2}));
+  EXPECT_TRUE(block.recompute.elementwise) << "recompute_elementwise is on by default";
   EXPECT_TRUE(block.warnings.empty());
+  const TrainConfig keep = load_fixture("oom_recompute.yaml", {"recompute_elementwise=false"});
+  EXPECT_EQ(keep.recompute, (RecomputePolicy{Recompute::selective, 2, false}));
   const TrainConfig tp = load_fixture("oom_tensor_parallel.yaml");
   EXPECT_EQ(tp.tensor_parallel, 4);
 }
