@@ -81,7 +81,10 @@ TEST(GuideConfigs, KeysWithoutEffectUnderTheRecipeWarn) {
 TEST(GuideConfigs, OutOfMemoryAdviceConfigsLoad) {
   const TrainConfig block = load_fixture("oom_recompute.yaml");
   EXPECT_EQ(block.recompute, (RecomputePolicy{Recompute::selective, 2}));
+  EXPECT_TRUE(block.recompute.elementwise) << "recompute_elementwise is on by default";
   EXPECT_TRUE(block.warnings.empty());
+  const TrainConfig keep = load_fixture("oom_recompute.yaml", {"recompute_elementwise=false"});
+  EXPECT_EQ(keep.recompute, (RecomputePolicy{Recompute::selective, 2, false}));
   const TrainConfig tp = load_fixture("oom_tensor_parallel.yaml");
   EXPECT_EQ(tp.tensor_parallel, 4);
 }
@@ -212,8 +215,22 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
     ADD_FAILURE() << "no advice '" << setting << "'";
     return nullptr;
   };
-  if (const MemoryKnob* k = knob("recompute_granularity: selective"))
-    EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - plan.peak(Recompute::selective));
+  // recompute_elementwise (the default) keeps no more than selective does: no advice to use it.
+  for (const MemoryKnob& k : a.knobs) EXPECT_NE(k.setting, "recompute_granularity: selective");
+  {
+    Config keep_all = cfg;
+    keep_all.set("recompute_elementwise", "false");
+    const MemoryPlan p = MemoryPlan::of(keep_all, one);
+    const MemoryAdvice b = memory_advice(keep_all, one);
+    auto saving = [&](const std::string& setting) {
+      for (const MemoryKnob& k : b.knobs)
+        if (k.setting == setting) return k.saving;
+      ADD_FAILURE() << "no advice '" << setting << "' with recompute_elementwise: false";
+      return 0.0;
+    };
+    EXPECT_DOUBLE_EQ(saving("recompute_granularity: selective"), p.peak(Recompute::none) - p.peak(Recompute::selective));
+    EXPECT_DOUBLE_EQ(saving("recompute_elementwise: true"), p.peak(Recompute::none) - plan.peak(Recompute::none));
+  }
   if (const MemoryKnob* k = knob("recompute_granularity: full"))
     EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - plan.peak(Recompute::full));
   Config bf16 = cfg;

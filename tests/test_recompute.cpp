@@ -1,11 +1,15 @@
-// recompute_granularity: selective drops each block's large, cheap tensors (q, k, v, the
-// attention and GELU outputs that feed a Linear) and recomputes them in the block's backward;
-// full keeps only block inputs and re-runs each block's forward in the backward. The same ops on
-// the same inputs give the same bits, so every gradient must be identical to the run that keeps
-// all activations — in f64, f32 and FP8 (delayed scaling over several steps, where a recomputed
-// cast must not change the recorded amaxes; blockwise; tensorwise with fp8_wgrad off, where
-// FP8 Linears keep their inputs unquantized).
+// recompute_elementwise (on by default) makes every block that keeps its activations keep only
+// GEMM and attention outputs, its input and statistics, and recompute the element-wise and
+// layout results in its backward (LayerNorm + modulation outputs, x_mid, GELU outputs, q, k, v,
+// o in token layout); recompute_granularity: selective drops q, k, v and the attention and GELU
+// outputs even without it; full keeps only block inputs and re-runs each block's forward in the
+// backward. The same ops on the same inputs give the same bits, so every gradient must be
+// identical to the run that keeps all activations — in f64, f32 and FP8 (delayed scaling over
+// several steps, where a recomputed cast must not change the recorded amaxes; blockwise;
+// tensorwise with fp8_wgrad off, where FP8 Linears keep their inputs unquantized).
 #include <gtest/gtest.h>
+
+#include <limits>
 
 #include "backend/transfer.h"
 #include "core/error.h"
@@ -37,15 +41,25 @@ void expect_identical(const ModelRun& a, const ModelRun& b) {
 
 constexpr Recompute kRecomputing[] = {Recompute::selective, Recompute::full};
 
-const char* name_of(Recompute rc) { return rc == Recompute::selective ? "selective" : "full"; }
+const char* name_of(Recompute rc) {
+  return rc == Recompute::none ? "none" : rc == Recompute::selective ? "selective" : "full";
+}
 
-// Each recomputing policy against `none` on the same model, precision and steps.
+// A policy with recompute_elementwise set as given.
+RecomputePolicy with_elementwise(Recompute rc, bool elementwise, int64_t blocks = std::numeric_limits<int64_t>::max()) {
+  return RecomputePolicy{rc, blocks, elementwise};
+}
+
+// Every policy, with recompute_elementwise on and off, against the run that keeps every
+// activation (none, recompute_elementwise off) on the same model, precision and steps.
 void expect_identical_to_none(const FluxConfig& cfg, DType dtype, const Fp8Config* fp8, int steps) {
-  const ModelRun none = run(cfg, dtype, fp8, Recompute::none, steps);
-  for (Recompute rc : kRecomputing) {
-    SCOPED_TRACE(name_of(rc));
-    expect_identical(run(cfg, dtype, fp8, rc, steps), none);
-  }
+  const ModelRun keep_all = run(cfg, dtype, fp8, with_elementwise(Recompute::none, false), steps);
+  for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full})
+    for (bool elementwise : {true, false}) {
+      if (rc == Recompute::none && !elementwise) continue;
+      SCOPED_TRACE(::testing::Message() << name_of(rc) << ", recompute_elementwise " << elementwise);
+      expect_identical(run(cfg, dtype, fp8, with_elementwise(rc, elementwise), steps), keep_all);
+    }
 }
 
 TEST(Recompute, GivesIdenticalGradientsF64AndF32) {
@@ -96,38 +110,43 @@ TEST(Recompute, GivesIdenticalGradientsInFp8OverSteps) {
 // one).
 TEST(Recompute, TheFirstBlocksOnlyGiveIdenticalGradients) {
   const FluxConfig cfg = odd_config(2, 3, true);
-  const ModelRun none = run(cfg, DType::f32, nullptr, Recompute::none, 1);
+  const ModelRun none = run(cfg, DType::f32, nullptr, with_elementwise(Recompute::none, false), 1);
   Fp8Config fp8;
   fp8.enabled = true;
   fp8.hybrid = true;
   fp8.amax_history_len = 3;
-  const ModelRun none8 = run(cfg, DType::f32, &fp8, Recompute::none, 2);
+  const ModelRun none8 = run(cfg, DType::f32, &fp8, with_elementwise(Recompute::none, false), 2);
   for (Recompute rc : kRecomputing)
-    for (int64_t blocks : {1, 2, 4}) {
-      SCOPED_TRACE(::testing::Message() << name_of(rc) << ", first " << blocks << " blocks");
-      expect_identical(run(cfg, DType::f32, nullptr, RecomputePolicy{rc, blocks}, 1), none);
-      expect_identical(run(cfg, DType::f32, &fp8, RecomputePolicy{rc, blocks}, 2), none8);
-    }
+    for (int64_t blocks : {1, 2, 4})
+      for (bool elementwise : {true, false}) {
+        SCOPED_TRACE(::testing::Message() << name_of(rc) << ", first " << blocks << " blocks, recompute_elementwise "
+                                          << elementwise);
+        expect_identical(run(cfg, DType::f32, nullptr, with_elementwise(rc, elementwise, blocks), 1), none);
+        expect_identical(run(cfg, DType::f32, &fp8, with_elementwise(rc, elementwise, blocks), 2), none8);
+      }
 }
 
 // Recomputing the first blocks keeps less than recomputing none and more than recomputing all,
 // more so the fewer blocks recompute (down to where the saving of a few blocks is outweighed by
-// the region one recomputed block needs, not tested here).
+// the region one recomputed block needs, not tested here). recompute_elementwise off: the other
+// blocks keep everything.
 TEST(Recompute, TheFirstBlocksOnlyKeepTheRestsActivations) {
   const FluxConfig cfg = odd_config(4, 8, true);
   const StepShape sh{2, 16, 64};
+  auto bytes_of = [&](RecomputePolicy rc) { return FluxModel::estimate_activations(cfg, sh, rc).gpu_bytes(false); };
   for (Recompute rc : kRecomputing) {
     SCOPED_TRACE(name_of(rc));
-    double previous = FluxModel::estimate_activations(cfg, sh, rc).gpu_bytes(false);
+    double previous = bytes_of(with_elementwise(rc, false));
     for (int64_t blocks : {8, 4}) {
-      const double bytes = FluxModel::estimate_activations(cfg, sh, RecomputePolicy{rc, blocks}).gpu_bytes(false);
+      const double bytes = bytes_of(with_elementwise(rc, false, blocks));
       EXPECT_GT(bytes, previous) << blocks;
       previous = bytes;
     }
-    EXPECT_LT(previous, FluxModel::estimate_activations(cfg, sh, Recompute::none).gpu_bytes(false));
-    EXPECT_EQ(FluxModel::estimate_activations(cfg, sh, RecomputePolicy{rc, 12}).gpu_bytes(false),
-              FluxModel::estimate_activations(cfg, sh, rc).gpu_bytes(false));
+    EXPECT_LT(previous, bytes_of(with_elementwise(Recompute::none, false)));
+    EXPECT_EQ(bytes_of(with_elementwise(rc, false, 12)), bytes_of(with_elementwise(rc, false)));
   }
+  // With it, selective on the first blocks is what none does in every block.
+  EXPECT_EQ(bytes_of(RecomputePolicy{Recompute::selective, 4}), bytes_of(Recompute::none));
 }
 
 TEST(Recompute, FullKeepsOneBlockOfActivations) {
@@ -141,17 +160,19 @@ TEST(Recompute, FullKeepsOneBlockOfActivations) {
 }
 
 // fp8_dot_product_attention keeps each block's q, k, v and o as FP8 codes (1 byte) in place of
-// bf16 heads: without recomputation 4 heads fewer bf16 elements, with selective (which kept
-// only o and recomputed q, k, v) q, k, v kept as well; Linear inputs unchanged.
+// bf16 heads: without recomputation 4 heads fewer bf16 elements, with q, k, v recomputed (which
+// kept only o) q, k, v kept as well; Linear inputs unchanged.
 TEST(Recompute, Fp8AttentionKeepsFp8Heads) {
   FluxConfig cfg = odd_config(2, 3, true);
   const StepShape sh{2, 16, 64};
   const int64_t heads = sh.batch * sh.tokens() * cfg.hidden_size;  // B·n·L·D of one head tensor
   const int64_t blocks = cfg.num_double_blocks + cfg.num_single_blocks;
-  for (Recompute rc : {Recompute::none, Recompute::selective}) {
+  for (const RecomputePolicy& rc : {with_elementwise(Recompute::none, false), RecomputePolicy{Recompute::none},
+                                    with_elementwise(Recompute::selective, false)}) {
+    SCOPED_TRACE(::testing::Message() << name_of(rc.granularity) << ", recompute_elementwise " << rc.elementwise);
     const ActivationEstimate e = FluxModel::estimate_activations(cfg, sh, rc);
     auto kept = [](const ArenaUsage& u, SlotKind k) { return u.elements[static_cast<int>(k)]; };
-    const int64_t bf16_heads = rc == Recompute::none ? 4 : 1;
+    const int64_t bf16_heads = rc.saved_by_block(0).heads ? 1 : 4;
     EXPECT_EQ(kept(e.saved, SlotKind::activation) - kept(e.saved_fp8_attention, SlotKind::activation),
               blocks * bf16_heads * heads);
     EXPECT_EQ(kept(e.saved_fp8_attention, SlotKind::fp8_heads), blocks * 4 * heads);
@@ -167,8 +188,9 @@ TEST(Recompute, Fp8AttentionKeepsFp8Heads) {
 TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
   FluxConfig cfg = odd_config(4, 8, true);
   const StepShape sh{2, 16, 64};
-  const ActivationEstimate none = FluxModel::estimate_activations(cfg, sh, Recompute::none);
-  const ActivationEstimate selective = FluxModel::estimate_activations(cfg, sh, Recompute::selective);
+  const ActivationEstimate none = FluxModel::estimate_activations(cfg, sh, with_elementwise(Recompute::none, false));
+  const ActivationEstimate selective =
+      FluxModel::estimate_activations(cfg, sh, with_elementwise(Recompute::selective, false));
   const ActivationEstimate full = FluxModel::estimate_activations(cfg, sh, Recompute::full);
   // Per block and token: q, k, v (3H of activations) and the input of the Linear after
   // attention and GELU — proj and mlp_out per double-block stream, linear2 in a single block
@@ -184,7 +206,8 @@ TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
   // where a double block's scratch is the peak (few text tokens, a wide MLP), FP8 plans more.
   FluxConfig wide = odd_config(1, 1, false);
   wide.mlp_ratio = 4.0;
-  const ActivationEstimate w = FluxModel::estimate_activations(wide, StepShape{2, 2, 64}, Recompute::none);
+  const ActivationEstimate w =
+      FluxModel::estimate_activations(wide, StepShape{2, 2, 64}, with_elementwise(Recompute::none, false));
   EXPECT_GT(w.workspace_elements_fp8, w.workspace_elements);
   // Between the two other policies, in BF16 and in FP8; the recomputed tensors need scratch.
   for (bool fp8 : {false, true}) {
@@ -193,6 +216,35 @@ TEST(Recompute, SelectiveDropsExactlyTheRecomputedTensors) {
     EXPECT_LT(selective.gpu_bytes(fp8), none.gpu_bytes(fp8)) << "fp8 " << fp8;
   }
   EXPECT_GT(selective.workspace_elements, none.workspace_elements);
+}
+
+// recompute_elementwise: per block and token, besides selective's q, k, v (3H of activations)
+// and the inputs of proj and mlp_out (double-block stream) or linear2 (single block), the
+// LayerNorm outputs that feed qkv and mlp_in (double) or linear1 (single) — H each, Linear
+// inputs — and the double block's x_mid (H of activations). Statistics stay; selective then
+// drops nothing more. The saved bytes are those elements at 2 bytes (bf16), and in FP8 the Linear
+// inputs at 1 (their casts; their scales are kept too).
+TEST(Recompute, ElementwiseDropsExactlyTheRecomputedTensors) {
+  FluxConfig cfg = odd_config(4, 8, true);
+  const StepShape sh{2, 16, 64};
+  const ActivationEstimate keep_all =
+      FluxModel::estimate_activations(cfg, sh, with_elementwise(Recompute::none, false));
+  const ActivationEstimate none = FluxModel::estimate_activations(cfg, sh, Recompute::none);
+  const ActivationEstimate selective = FluxModel::estimate_activations(cfg, sh, Recompute::selective);
+  const int64_t per_block = sh.batch * sh.tokens(), H = cfg.hidden_size, M = cfg.mlp_hidden();
+  const int64_t nd = cfg.num_double_blocks, ns = cfg.num_single_blocks;
+  auto kept = [](const ActivationEstimate& e, SlotKind k) { return e.saved.elements[static_cast<int>(k)]; };
+  const int64_t activations = (nd + ns) * per_block * 3 * H + nd * per_block * H;
+  const int64_t linear_inputs = nd * per_block * (3 * H + M) + ns * per_block * (2 * H + M);
+  EXPECT_EQ(kept(keep_all, SlotKind::activation) - kept(none, SlotKind::activation), activations);
+  EXPECT_EQ(kept(keep_all, SlotKind::linear_input) - kept(none, SlotKind::linear_input), linear_inputs);
+  EXPECT_EQ(kept(keep_all, SlotKind::statistic), kept(none, SlotKind::statistic));
+  EXPECT_EQ(kept(none, SlotKind::workspace), 0) << "recomputed tensors belong in scratch";
+  EXPECT_EQ(none.saved.gpu_bytes(false), selective.saved.gpu_bytes(false));
+  EXPECT_EQ(keep_all.saved.gpu_bytes(false) - none.saved.gpu_bytes(false),
+            2.0 * static_cast<double>(activations + linear_inputs));
+  EXPECT_LT(none.saved.gpu_bytes(true), keep_all.saved.gpu_bytes(true));
+  EXPECT_GT(none.workspace_elements, keep_all.workspace_elements);
 }
 
 TEST(Recompute, PolicyNames) {

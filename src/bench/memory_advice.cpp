@@ -40,6 +40,8 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
   auto add = [&](std::string setting, std::string note, std::optional<double> peak) {
     if (peak && *peak < a.peak) a.knobs.push_back({std::move(setting), std::move(note), a.peak - *peak, *peak});
   };
+  if (!cfg.get_bool("recompute_elementwise"))
+    add("recompute_elementwise: true", "", peak_with(cfg, parallel, {{"recompute_elementwise", "true"}}));
   if (now == Recompute::none) add("recompute_granularity: selective", "", plan.peak(Recompute::selective));
   if (now != Recompute::full) add("recompute_granularity: full", "", plan.peak(Recompute::full));
   if (cfg.get_string("grad_precision") == "f32")

@@ -1,6 +1,7 @@
 #include "bench/memory_plan.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "config/config.h"
 #include "core/error.h"
@@ -86,8 +87,10 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     }
   }
 
+  p.recompute_elementwise = config.get_bool("recompute_elementwise");
   for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
-    const ActivationEstimate act = FluxModel::estimate_activations(cfg, p.shape, r, parallel.tp);
+    const RecomputePolicy policy{r, std::numeric_limits<int64_t>::max(), p.recompute_elementwise};
+    const ActivationEstimate act = FluxModel::estimate_activations(cfg, p.shape, policy, parallel.tp);
     p.activations[static_cast<size_t>(r)] =
         p.bf16_activations ? act.gpu_bytes(p.fp8, p.fp8_attention) : act.f32_bytes(p.fp8);
   }

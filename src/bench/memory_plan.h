@@ -35,6 +35,7 @@ struct MemoryPlan {
   bool fp8_attention = false;  // fp8_dot_product_attention with fp8
   bool bf16_activations = true;
   bool bf16_grads = false, bf16_moments = false;
+  bool recompute_elementwise = true;  // the blocks that keep activations recompute element-wise results
   bool offload = false;          // optimizer_offload: moments or cpu — the moments in host memory, a chunk on the GPU
   bool offload_masters = false;  // optimizer_offload: cpu — the f32 master weights too
   int64_t model_params = 0;      // the whole model

@@ -33,7 +33,7 @@ struct StepBenchSpec {
   int warmup = 3, steps = 10;
   uint64_t seed = 1234;
   double lr = 1e-4;  // constant learning rate of the AdamW steps
-  Recompute recompute = Recompute::none;
+  RecomputePolicy recompute = Recompute::none;
   bool profile = false;  // time every op (OpProfiler: device timing marks, nothing waits)
   BenchData data = BenchData::prototypes;
   AdamWConfig adam;  // the optimizer's hyper-parameters and moment storage

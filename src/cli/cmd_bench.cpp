@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -49,6 +50,7 @@ void add_bench_options(CLI::App* cmd, BenchOptions& o) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", o.overrides,
                   "override a config key: fp8_* keys, recompute_granularity (none, selective, full), "
+                  "recompute_elementwise (false: the blocks keep their element-wise results), "
                   "activation_precision (bf16, f32), grad_precision (f32, bf16) and the AdamW keys (adam_*, "
                   "weight_decay, clip_grad; adam_moment_precision f32 or bf16), cuda_graph (true: the forward and "
                   "backward as CUDA graphs; not with --profile), deterministic_attention (false: cuDNN's faster "
@@ -243,7 +245,8 @@ RunPlan plan_runs(const BenchOptions& o) {
   }
   plan.backend = backend_options(plan.keys);
   place_on_node(plan.backend);  // under a launcher: this rank's GPU
-  const Recompute recompute = recompute_from_name(plan.keys.get_string("recompute_granularity"));
+  const RecomputePolicy recompute{recompute_from_name(plan.keys.get_string("recompute_granularity")),
+                                  std::numeric_limits<int64_t>::max(), plan.keys.get_bool("recompute_elementwise")};
   for (StepBenchSpec& s : plan.specs) {
     s.recompute = recompute;
     s.adam = AdamWConfig::from_config(plan.keys);

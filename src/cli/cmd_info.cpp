@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include <charconv>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -43,6 +44,7 @@ struct InfoReport {
   std::vector<std::pair<std::string, int64_t>> components;
   ModelFlops per_sample, per_step;
   std::string recompute;
+  bool recompute_elementwise = true;
   bool bf16_storage = false, fp8_attention = false;
   Memory memory;
 };
@@ -122,7 +124,10 @@ InfoReport compute_info(const Config& config) {
   r.per_sample = model_flops(cfg, StepShape{1, r.shape.txt_tokens, r.shape.img_tokens});
   r.per_step = model_flops(cfg, r.shape);
   r.recompute = config.get_string("recompute_granularity");
-  const ActivationEstimate act = FluxModel::estimate_activations(cfg, r.shape, recompute_from_name(r.recompute));
+  r.recompute_elementwise = config.get_bool("recompute_elementwise");
+  const RecomputePolicy policy{recompute_from_name(r.recompute), std::numeric_limits<int64_t>::max(),
+                               r.recompute_elementwise};
+  const ActivationEstimate act = FluxModel::estimate_activations(cfg, r.shape, policy);
   r.bf16_storage = config.get_string("activation_precision") == "bf16";
   // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
   r.fp8_attention = config.get_bool("fp8_dot_product_attention");
@@ -142,6 +147,7 @@ nlohmann::json info_json(const InfoReport& r) {
   j["text_tokens"] = r.shape.txt_tokens;
   j["image_tokens"] = r.shape.img_tokens;
   j["recompute_granularity"] = r.recompute;
+  j["recompute_elementwise"] = r.recompute_elementwise;
   j["fp8_dot_product_attention"] = r.fp8_attention;
   j["flops_per_sample"] = {{"forward", r.per_sample.forward()}, {"training", r.per_sample.training()}};
   j["flops_per_step"] = {{"forward", r.per_step.forward()}, {"training", r.per_step.training()}};
@@ -172,9 +178,9 @@ void print_memory_text(const InfoReport& r) {
       "   activations and block scratch in {} (activation_precision), bf16 copies of the Linear\n"
       "   weights its BF16 GEMMs read (in FP8 those outside the block Linears); not\n"
       "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
-      "   FP8 saves Linear inputs in 1 byte; recompute_granularity {} (none, selective, full); no\n"
-      "   optimizer sharding; see docs/MEMORY.md)\n",
-      r.bf16_storage ? "bf16" : "f32", r.recompute);
+      "   FP8 saves Linear inputs in 1 byte (none where recomputed); recompute_granularity {} (none,\n"
+      "   selective, full), recompute_elementwise {}; no optimizer sharding; see docs/MEMORY.md)\n",
+      r.bf16_storage ? "bf16" : "f32", r.recompute, r.recompute_elementwise);
   if (r.fp8_attention)
     fmt::print(
         "  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"

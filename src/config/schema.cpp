@@ -128,6 +128,14 @@ std::vector<KeySpec> training_keys() {
                  "activation recomputation: none; selective (drop q/k/v and the attention and GELU outputs that feed a "
                  "Linear, recompute them in the backward without GEMMs); or full (keep only block inputs; re-run each "
                  "block's forward in the backward)"),
+      bool_key("training", "recompute_elementwise", true,
+               "blocks that keep their activations (recompute_granularity none or selective) keep only GEMM and "
+               "attention outputs, block inputs and statistics, and recompute the element-wise and layout results "
+               "from them in the backward: the LayerNorm + modulation and GELU outputs, the residual between "
+               "attention and MLP, QK-norm + RoPE'd q/k/v, o in token layout (in FP8 the Linear inputs' casts), as "
+               "torch.compile's partitioner does; the same gradients, less memory, a few element-wise passes more "
+               "per block (docs/MEMORY.md). false: none keeps them all, selective recomputes only q/k/v and the "
+               "attention and GELU outputs"),
       choice_key("training", "recompute_method", "none", {"none", "block", "uniform"},
                  "Megatron's choice of the blocks recompute_granularity applies to (double blocks counted first, "
                  "then single): block = the first recompute_num_layers blocks, the others keep every activation; "

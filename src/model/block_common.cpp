@@ -33,6 +33,29 @@ SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scr
   return s;
 }
 
+SavedLinearInput forward_linear_input(Arena& scratch, const LinearSite& site, const Fp8Runtime* fp8,
+                                      const SavedLinearInput& kept, Shape shape, DType dtype) {
+  if (kept.full.defined() || kept.cast_t.defined()) return kept;
+  SavedLinearInput s;
+  if (!wgrad_in_fp8(site, fp8)) s.full = scratch.alloc(dtype, shape, SlotKind::workspace);
+  return s;
+}
+
+SavedLinearInput recompute_linear_input_of(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
+                                           const Backend::CastInput& in, DType dtype) {
+  SavedLinearInput s;
+  if (!wgrad_in_fp8(site, fp8)) {
+    s.full = scratch.alloc(dtype, in.shape(), SlotKind::workspace);
+    be.produce(s.full, in);
+    return s;
+  }
+  s.cast_t = allocate_qtensor(scratch, in.cols(), in.x.rows(), fp8->format(Operand::input),
+                              fp8->scaling(Operand::input), SlotKind::workspace);
+  const NoFp8Recording quiet(fp8);
+  be.quantize_fused(QTensor{}, s.cast_t, in, fp8->quantize_args(site, Operand::input));
+  return s;
+}
+
 void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols) {
   if (!fp8 || !fp8->config().enabled || !fp8->config().wgrad) return;
   allocate_qtensor(scratch, cols, rows, fp8->format(Operand::input), fp8->scaling(Operand::input), SlotKind::workspace);

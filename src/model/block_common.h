@@ -112,12 +112,25 @@ class NoFp8Recording {
   bool was_;
 };
 
-// recompute_granularity: selective. A Linear input the forward did not keep, rebuilt for the
-// backward from `x`, the input recomputed exactly as the forward made it: `x` itself where the
-// site keeps its input (BF16, or FP8 with fp8_wgrad off), else the transposed FP8 cast that
-// site_forward would have kept, cast again from `x` into scratch (same scale, so same codes;
-// not recorded). Mirrors allocate_linear_input.
+// The saved input the forward hands a Linear whose input the block does not keep (`kept`
+// undefined; BlockRecompute): where the site keeps its input itself (BF16, or FP8 with fp8_wgrad
+// off) a scratch buffer of `shape`, written and read as the kept one would be, so the forward
+// runs the same ops either way; with FP8 wgrad nothing (the cast writes only the fprop operand).
+// `kept` itself where it is defined. Lives until the caller releases the scratch.
+SavedLinearInput forward_linear_input(Arena& scratch, const LinearSite& site, const Fp8Runtime* fp8,
+                                      const SavedLinearInput& kept, Shape shape, DType dtype);
+// A Linear input the forward did not keep, rebuilt in scratch for the backward from `x`, the
+// input recomputed exactly as the forward made it: `x` itself where the site keeps its input
+// (BF16, or FP8 with fp8_wgrad off), else the transposed FP8 cast that site_forward would have
+// kept, cast again from `x` (same scale, so same codes; not recorded). Mirrors
+// allocate_linear_input.
 SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site, Tensor x);
+// The same from the element-wise op that made the input (`in`: LayerNorm + modulation of a kept
+// x with its kept statistics, GELU of a kept pre-activation), as site_forward_fused ran it: the
+// op written to scratch, or with FP8 wgrad run inside the transposed cast alone (the input is
+// never stored). A LayerNorm's statistics are written again with the values they hold.
+SavedLinearInput recompute_linear_input_of(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
+                                           const Backend::CastInput& in, DType dtype);
 // Scratch recompute_linear_input takes for a rows x cols input, besides `x` (planning).
 void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols);
 

@@ -29,7 +29,7 @@ DoubleStreamParams bind_stream(ParamStore& s, const std::string& p) {
 }
 
 DoubleStreamSaved allocate_stream(Arena& a, const BlockWidths& w, int64_t B, int64_t Ls, DType t,
-                                  const DoubleStreamParams& p, const Fp8Runtime* fp8, bool selective) {
+                                  const DoubleStreamParams& p, const Fp8Runtime* fp8, BlockRecompute r) {
   const int64_t H = w.hidden, A = w.attention, M = w.mlp, n = w.heads;
   DoubleStreamSaved s;
   auto act = [&](int64_t cols) { return a.alloc(t, Shape{B, Ls, cols}, SlotKind::activation); };
@@ -44,18 +44,18 @@ DoubleStreamSaved allocate_stream(Arena& a, const BlockWidths& w, int64_t B, int
   s.mod = a.alloc(t, Shape{B, 6 * H}, SlotKind::activation);
   s.ln1_mean = stat(1);
   s.ln1_rstd = stat(1);
-  s.xm1 = lin(p.qkv, H);
+  if (!r.norms) s.xm1 = lin(p.qkv, H);
   s.qkv = act(3 * A);
   s.q_rstd = stat(n);
   s.k_rstd = stat(n);
-  if (!selective) s.attn = lin(p.proj, A);
+  if (!r.copies) s.attn = lin(p.proj, A);
   s.proj_out = act(H);
-  s.x_mid = act(H);
+  if (!r.norms) s.x_mid = act(H);
   s.ln2_mean = stat(1);
   s.ln2_rstd = stat(1);
-  s.xm2 = lin(p.mlp_in, H);
+  if (!r.norms) s.xm2 = lin(p.mlp_in, H);
   s.mlp_h = act(M);
-  if (!selective) s.mlp_g = lin(p.mlp_out, M);
+  if (!r.copies) s.mlp_g = lin(p.mlp_out, M);
   s.mlp_out = act(H);
   return s;
 }
@@ -74,24 +74,27 @@ std::vector<LinearSite*> DoubleBlockParams::sites() {
   return out;
 }
 
-// Selective recomputation drops what is large per token but cheap to rebuild from what stays:
-// q, k, v (3H per token, from qkv, which QK-norm's backward keeps anyway) and each stream's
-// attention output in token layout (H, a copy of o) and GELU output (M = 4H, from mlp_h) — 8H
-// of the 22H a token keeps, for no GEMM: the backward redoes QK-norm + RoPE + layout of q, k,
-// v (one op per stream), the layout copy of o, one GELU and, in FP8, the two casts. mlp_h
+// Recomputation drops what is large per token but cheap to rebuild from what stays, as a
+// compiler's min-cut partitioner does: q, k, v (3H per token, from qkv, which QK-norm's backward
+// keeps anyway), each stream's attention output in token layout (H, a copy of o) and GELU output
+// (M = 4H, from mlp_h), the two LayerNorm outputs (2H, from x_in and x_mid with their statistics)
+// and x_mid (H, the gated residual of x_in and proj_out) — 11H of the 22H a token keeps, for no
+// GEMM: the backward redoes QK-norm + RoPE + layout of q, k, v (one op per stream), the layout
+// copy of o, one GELU, one gated residual, two LayerNorms and, in FP8, the four casts. mlp_h
 // stays because GELU cannot be inverted and recomputing it is the mlp_in GEMM, which in FP8
-// cannot even be redone bit-exactly (only the transposed cast of its input is kept). o and lse
-// stay: recomputing them is the attention forward, the most expensive op that is not a GEMM.
+// cannot even be redone bit-exactly (only the transposed cast of its input is kept); proj_out and
+// mlp_out are GEMM outputs the gates' gradients read. o and lse stay: recomputing them is the
+// attention forward, the most expensive op that is not a GEMM.
 DoubleBlockSaved DoubleBlockSaved::allocate(Arena& a, const BlockWidths& w, StepShape sh, DType t, DType ht,
-                                            const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
+                                            const DoubleBlockParams& p, const Fp8Runtime* fp8, BlockRecompute r) {
   DoubleBlockSaved s;
-  s.selective = selective;
-  s.txt = allocate_stream(a, w, sh.batch, sh.txt_tokens, t, p.txt, fp8, selective);
-  s.img = allocate_stream(a, w, sh.batch, sh.img_tokens, t, p.img, fp8, selective);
+  s.recompute = r;
+  s.txt = allocate_stream(a, w, sh.batch, sh.txt_tokens, t, p.txt, fp8, r);
+  s.img = allocate_stream(a, w, sh.batch, sh.img_tokens, t, p.img, fp8, r);
   if (p.fp8_attention >= 0) {
     s.att8 = Fp8AttentionSaved::allocate(a, w, sh, fp8);
   } else {
-    if (!selective) allocate_heads_qkv(a, w, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+    if (!r.heads) allocate_heads_qkv(a, w, sh, ht, SlotKind::activation, s.q, s.k, s.v);
     s.o = a.alloc(ht, heads_shape(w, sh), SlotKind::activation);
   }
   s.lse = a.alloc(statistics_dtype(t), Shape{sh.batch, w.heads, sh.tokens()}, SlotKind::statistic);
@@ -129,7 +132,8 @@ void stream_pre_attention(const BlockContext& ctx, DoubleStreamParams& p, Double
   Backend::CastInput ln1 = layernorm_input(x, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps);
   ln1.statistics_ready = s.ln1_ready;
   s.ln1_ready = false;
-  site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv, ln1, s.xm1, ctx.dtype);
+  SavedLinearInput xm1 = forward_linear_input(ctx.scratch, p.qkv, ctx.fp8, s.xm1, x.shape, ctx.dtype);
+  site_forward_fused(be, ctx.fp8, ctx.scratch, p.qkv, s.qkv, ln1, xm1, ctx.dtype);
   stream_qkv_to_heads(ctx, p, s.qkv, s.q_rstd, s.k_rstd, joint, offset, fp8_attention);
   ctx.scratch.release_to(mark);
 }
@@ -146,35 +150,42 @@ void stream_post_attention(const BlockContext& ctx, DoubleStreamParams& p, Doubl
   const int64_t H = ctx.widths.hidden, B = x.shape[0], Ls = x.shape[1];
   const double eps = ctx.cfg.layernorm_eps;
   const size_t mark = ctx.scratch.mark();
-  const Tensor attn = linear_input_buffer(ctx.scratch, s.attn, Shape{B, Ls, ctx.widths.attention}, ctx.dtype);
+  // What the block does not keep is made in scratch, by the same ops (forward_linear_input).
+  Arena& a = ctx.scratch;
+  const Shape attn_tok{B, Ls, ctx.widths.attention};
+  SavedLinearInput attn_in = forward_linear_input(a, p.proj, ctx.fp8, s.attn, attn_tok, ctx.dtype);
+  SavedLinearInput xm2 = forward_linear_input(a, p.mlp_in, ctx.fp8, s.xm2, x.shape, ctx.dtype);
+  SavedLinearInput mlp_g = forward_linear_input(a, p.mlp_out, ctx.fp8, s.mlp_g, s.mlp_h.shape, ctx.dtype);
+  const Tensor x_mid = s.x_mid.defined() ? s.x_mid : a.alloc(ctx.dtype, x.shape, SlotKind::workspace);
+  const Tensor attn = linear_input_buffer(a, attn_in, attn_tok, ctx.dtype);
   attention_output_to_tokens(be, attn, joint.att8, joint.o, offset);
-  site_forward(be, ctx.fp8, ctx.scratch, p.proj, s.proj_out, attn, s.attn);
+  site_forward(be, ctx.fp8, a, p.proj, s.proj_out, attn, attn_in);
   ctx.tp.all_reduce(s.proj_out);
-  Backend::CastInput ln2 = layernorm_input(s.x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, eps);
-  ln2.statistics_ready = ctx.norm_stats_in_residual && layernorm_in_cast(p.mlp_in, ctx.fp8, s.xm2);
+  Backend::CastInput ln2 = layernorm_input(x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, eps);
+  ln2.statistics_ready = ctx.norm_stats_in_residual && layernorm_in_cast(p.mlp_in, ctx.fp8, xm2);
   const NormStatsOut ln2_stats = ln2.statistics_ready
                                      ? NormStatsOut{stats_rows(s.ln2_mean, B, Ls), stats_rows(s.ln2_rstd, B, Ls)}
                                      : NormStatsOut{};
-  gated_residual_to(be, s.x_mid, x, s.proj_out, chunk(s.mod, 2, H), ln2_stats, eps);
+  gated_residual_to(be, x_mid, x, s.proj_out, chunk(s.mod, 2, H), ln2_stats, eps);
   if (gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8)) {  // BF16: mlp_in's GEMM writes the GELU too
-    const Tensor g = linear_input_buffer(ctx.scratch, s.mlp_g, s.mlp_h.shape, ctx.dtype);
-    site_forward_gelu(be, ctx.fp8, ctx.scratch, p.mlp_in, g, s.mlp_h, ln2, s.xm2, ctx.dtype);
-    site_forward(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, g, s.mlp_g);
+    const Tensor g = linear_input_buffer(a, mlp_g, s.mlp_h.shape, ctx.dtype);
+    site_forward_gelu(be, ctx.fp8, a, p.mlp_in, g, s.mlp_h, ln2, xm2, ctx.dtype);
+    site_forward(be, ctx.fp8, a, p.mlp_out, s.mlp_out, g, mlp_g);
   } else {  // FP8: the LayerNorm and the GELU inside the casts of the Linears' inputs
-    site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_in, s.mlp_h, ln2, s.xm2, ctx.dtype);
-    site_forward_fused(be, ctx.fp8, ctx.scratch, p.mlp_out, s.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h),
-                       s.mlp_g, ctx.dtype);
+    site_forward_fused(be, ctx.fp8, a, p.mlp_in, s.mlp_h, ln2, xm2, ctx.dtype);
+    site_forward_fused(be, ctx.fp8, a, p.mlp_out, s.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h), mlp_g,
+                       ctx.dtype);
   }
   ctx.tp.all_reduce(s.mlp_out);
-  gated_residual_to(be, out, s.x_mid, s.mlp_out, chunk(s.mod, 5, H), next, eps);
+  gated_residual_to(be, out, x_mid, s.mlp_out, chunk(s.mod, 5, H), next, eps);
   ctx.scratch.release_to(mark);
 }
 
 // Backward of stream_post_attention: dx holds d(block output) and becomes d(x_mid); the
 // attention-output gradient is scattered into the joint dO (with FP8 attention: d8's, cast).
-// Selective: the mlp_out and proj inputs are recomputed (as stream_post_attention made them) just
-// before their backward. mlp_in is column-parallel: its input gradient is summed over the
-// tensor-parallel group.
+// What the block did not keep is recomputed (as stream_post_attention made it) just before its
+// use: x_mid first, then each Linear's input right before that Linear's backward. mlp_in is
+// column-parallel: its input gradient is summed over the tensor-parallel group.
 void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams& p, const DoubleStreamSaved& s,
                                     const DoubleBlockSaved& joint, Tensor dmod, Tensor dx, Tensor d_o,
                                     const Fp8AttentionGrads& d8, int fp8_attention, int64_t offset) {
@@ -191,36 +202,45 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);  // reused for every [B,Ls,H] grad
   Tensor d_m = gelu_fused ? Tensor{} : a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
   Tensor d_m2 = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
+  const double eps = ctx.cfg.layernorm_eps;
+  Tensor x_mid = s.x_mid;
+  if (joint.recompute.norms) {  // the forward's gated residual, one fused multiply-add an element
+    x_mid = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+    be.gated_residual(x_mid, s.x_in, s.proj_out, chunk(s.mod, 2, H));
+  }
 
   // mlp_out's output gradient gate ⊙ dx: inside its FP8 casts, or written to d_h.
   const Backend::CastInput d_mlp_out =
       gated_branch_backward(be, p.mlp_out, ctx.fp8, d_h, chunk(dmod, 5, H), dx, s.mlp_out, chunk(s.mod, 5, H));
   const size_t gelu_mark = a.mark();
-  SavedLinearInput mlp_g = s.mlp_g;
-  if (joint.selective) {
-    const Tensor g = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
-    be.gelu_tanh(g, s.mlp_h);
-    mlp_g = recompute_linear_input(be, ctx.fp8, a, p.mlp_out, g);
-  }
+  const SavedLinearInput mlp_g =
+      joint.recompute.copies
+          ? recompute_linear_input_of(be, ctx.fp8, a, p.mlp_out, Backend::CastInput::gelu_tanh_of(s.mlp_h), ctx.dtype)
+          : s.mlp_g;
   if (gelu_fused)
     site_backward_gelu(be, ctx.fp8, p.mlp_out, Tensor{}, d_m2, s.mlp_h, d_h, mlp_g);
   else
     site_backward_fused(be, ctx.fp8, a, p.mlp_out, d_m, d_mlp_out, d_h, mlp_g, false);
   a.release_to(gelu_mark);
+  const SavedLinearInput xm2 =
+      joint.recompute.norms
+          ? recompute_linear_input_of(be, ctx.fp8, a, p.mlp_in,
+                                      layernorm_input(x_mid, s.ln2_mean, s.ln2_rstd, s.mod, 3, H, eps), ctx.dtype)
+          : s.xm2;
   if (gelu_fused)
-    site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, s.xm2, false);
+    site_backward(be, ctx.fp8, a, p.mlp_in, d_h, d_m2, xm2, false);
   else  // GELU's backward inside the casts of the MLP input's output gradient (FP8), or into d_m2.
     site_backward_fused(be, ctx.fp8, a, p.mlp_in, d_h, Backend::CastInput::gelu_tanh_backward_of(d_m, s.mlp_h), d_m2,
-                        s.xm2, false);
+                        xm2, false);
   ctx.tp.all_reduce(d_h);
-  be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, s.x_mid, s.ln2_mean, s.ln2_rstd,
+  be.layernorm_modulate_backward(dx, chunk(dmod, 3, H), chunk(dmod, 4, H), d_h, x_mid, s.ln2_mean, s.ln2_rstd,
                                  chunk(s.mod, 4, H), true);
 
   Tensor d_attn = a.alloc(ctx.dtype, attn_tok, SlotKind::workspace);
   const Backend::CastInput d_proj =
       gated_branch_backward(be, p.proj, ctx.fp8, d_h, chunk(dmod, 2, H), dx, s.proj_out, chunk(s.mod, 2, H));
   SavedLinearInput attn = s.attn;
-  if (joint.selective) {
+  if (joint.recompute.copies) {
     const Tensor x = a.alloc(ctx.dtype, attn_tok, SlotKind::workspace);
     attention_output_to_tokens(be, x, joint.att8, joint.o, offset);
     attn = recompute_linear_input(be, ctx.fp8, a, p.proj, x);
@@ -233,7 +253,7 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   a.release_to(mark);
 }
 
-// Selective: q, k, v (scratch views in `joint`) recomputed from each stream's kept qkv by the
+// recompute.heads: q, k, v (scratch views in `joint`) recomputed from each stream's kept qkv by the
 // op of stream_pre_attention. QK-norm's statistics are not written again: the kept ones are
 // the same values and stay in use.
 void recompute_joint_qkv(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& joint) {
@@ -244,9 +264,10 @@ void recompute_joint_qkv(const BlockContext& ctx, DoubleBlockParams& p, const Do
 // Backward of stream_pre_attention: this stream's d(qkv) from the joint dq/dk/dv (with FP8
 // attention: d8's) through RoPE, the layout and QK-norm in one op, then d(block input) in dx
 // (qkv is column-parallel: its input gradient is summed over the tensor-parallel group).
+// recompute_norms: qkv's input is recomputed from x_in right before qkv's backward.
 void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& p, const DoubleStreamSaved& s,
                                    Tensor dmod, Tensor dx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                                   const Fp8AttentionGrads& d8, int64_t offset) {
+                                   const Fp8AttentionGrads& d8, int64_t offset, bool recompute_norms) {
   Backend& be = ctx.be;
   const int64_t H = ctx.widths.hidden, A = ctx.widths.attention;
   const Shape tok = s.x_in.shape;
@@ -266,7 +287,12 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
     be.qk_norm_rope_to_heads_backward(
         d_qkv.cols_slice(0, A), d_qkv.cols_slice(A, A), d_qkv.cols_slice(2 * A, A), p.q_norm.ds, p.k_norm.ds, dq, dk,
         dv, s.qkv.cols_slice(0, A), s.qkv.cols_slice(A, A), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, offset);
-  site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, s.xm1, false);
+  const SavedLinearInput xm1 =
+      recompute_norms ? recompute_linear_input_of(
+                            be, ctx.fp8, a, p.qkv,
+                            layernorm_input(s.x_in, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps), ctx.dtype)
+                      : s.xm1;
+  site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, xm1, false);
   ctx.tp.all_reduce(d_h);
   be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in, s.ln1_mean, s.ln1_rstd,
                                  chunk(s.mod, 1, H), true);
@@ -302,50 +328,82 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const 
   const bool fp8_attention = s.att8.defined();
   const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
 
-  DoubleBlockSaved joint = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
+  DoubleBlockSaved joint = s;  // views; recompute.heads without FP8 attention: q, k, v rebuilt in scratch
   stream_post_attention_backward(ctx, p.txt, s.txt, joint, dmod_txt, dtxt, d_o, d8, p.fp8_attention, 0);
   stream_post_attention_backward(ctx, p.img, s.img, joint, dmod_img, dimg, d_o, d8, p.fp8_attention, Lt);
   const size_t qkv_mark = a.mark();
   if (fp8_attention) {
     fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d8);
   } else {
-    if (s.selective) {
+    if (s.recompute.heads) {
       joint.place_recomputed(a, ctx.widths, ctx.shape, ctx.heads_dtype);
       recompute_joint_qkv(ctx, p, joint);
     }
     be.attention_backward(d_q, d_k, d_v, d_o, joint.q, joint.k, joint.v, s.o, s.lse, attention_scale(ctx.cfg));
   }
   a.release_to(qkv_mark);
-  stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, d8, 0);
-  stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, d8, Lt);
+  stream_pre_attention_backward(ctx, p.txt, s.txt, dmod_txt, dtxt, d_q, d_k, d_v, d8, 0, s.recompute.norms);
+  stream_pre_attention_backward(ctx, p.img, s.img, dmod_img, dimg, d_q, d_k, d_v, d8, Lt, s.recompute.norms);
   if (p.txt.mod.store) p.txt.mod.store->flush_low_rank_copies();  // dmod's rows, before their release
   a.release_to(mark);
 }
 
 void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
-                               bool selective, bool fp8_sites) {
-  // Everything double_block_backward and its helpers take, summed (an upper bound of the
-  // simultaneous use; an overflow would fail loudly in Arena::alloc).
+                               BlockRecompute r, bool fp8_sites) {
+  // What double_block_backward holds throughout, then the largest of what each of its parts takes
+  // on top and releases (the stream parts at the longer stream's tokens), and apart from it the
+  // block's forward: the peak of the simultaneous use, allocation by allocation (an overflow
+  // would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, H = w.hidden, A = w.attention, M = w.mlp;
-  const int64_t Lmax = std::max(sh.txt_tokens, sh.img_tokens);
+  const int64_t rows = B * std::max(sh.txt_tokens, sh.img_tokens);
   const Shape heads = heads_shape(w, sh);
-  for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);
-  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
-  for (int i = 0; i < 3; ++i) a.alloc(t, Shape{B, Lmax, H}, SlotKind::workspace);
-  // d_m2, and d_m where GELU's backward is not in a dgrad epilogue (FP8 sites; BF16 has none).
-  for (int i = 0; i < (fp8 || fp8_sites ? 2 : 1); ++i) a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, 3 * A}, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, std::max(A, M)}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * Lmax, std::max({3 * A, M, H}));
-  // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
-  // bf16 heads above stay planned for blocks without it).
+  auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
+  auto site = [&] { plan_site_scratch(a, fp8, rows, std::max({3 * A, M, H})); };
+  auto recomputed_input = [&](int64_t cols) {  // a Linear input the block did not keep, with its FP8 cast
+    tokens(cols);
+    plan_recompute_linear_input(a, fp8, rows, cols);
+  };
+  const size_t start = a.mark();
+  for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);  // dmod of each stream
+  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);            // dO, dq, dk, dv
+  // FP8 attention: the backward's FP8 dO, dq, dk, dv instead (the bf16 heads above stay planned
+  // for blocks without it).
   if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
-  if (!selective) return;
-  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
-  // and one recomputed Linear input with its FP8 cast.
-  for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, Lmax, M}, SlotKind::workspace);
-  plan_recompute_linear_input(a, fp8, B * Lmax, M);
+  const size_t base = a.mark();
+  // After attention, a stream: d_h, d_m where GELU's backward is not in a dgrad epilogue (FP8
+  // sites), d_m2 and x_mid; then mlp_out's recomputed input, released before mlp_in's and proj's.
+  tokens(H);
+  if (fp8 || fp8_sites) tokens(M);
+  tokens(M);
+  if (r.norms) tokens(H);
+  const size_t stream = a.mark();
+  if (r.copies) recomputed_input(M);
+  site();
+  a.release_to(stream);
+  if (r.norms) recomputed_input(H);
+  tokens(A);  // d_attn
+  if (r.copies) recomputed_input(A);
+  site();
+  a.release_to(base);
+  // The joint attention's backward: q, k, v recomputed (FP8 attention recomputes none).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  a.release_to(base);
+  // Before attention, a stream: d_qkv, d_h and qkv's recomputed input.
+  tokens(3 * A);
+  tokens(H);
+  if (r.norms) recomputed_input(H);
+  site();
+  a.release_to(start);
+  // The forward: q, k, v in scratch, the Linear inputs and x_mid the block does not keep (and the
+  // buffer of an FP8 Linear's input that is kept only as a cast).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  tokens(A);
+  tokens(H);
+  tokens(M);
+  tokens(H);
+  site();
 }
 
 }  // namespace flux8

@@ -27,29 +27,30 @@ struct DoubleStreamSaved {
   Tensor mod;                 // [B, 6H]: shift1 scale1 gate1 shift2 scale2 gate2
   Tensor ln1_mean, ln1_rstd;  // modulated LayerNorm 1
   bool ln1_ready = false;     // ln1_* written by the block before (NormStatsOut); the forward clears it
-  SavedLinearInput xm1;       // its output (qkv input)
+  SavedLinearInput xm1;       // its output (qkv input); not kept under recompute.norms
   Tensor qkv;                 // [B, Ls, 3H] before QK-norm
   Tensor q_rstd, k_rstd;
-  SavedLinearInput attn;  // attention output in token layout (proj input); not kept when selective
+  SavedLinearInput attn;  // attention output in token layout (proj input); not kept under recompute.copies
   Tensor proj_out;        // (gate1 gradient)
-  Tensor x_mid;           // residual after attention (LayerNorm 2 backward)
+  Tensor x_mid;           // residual after attention (LayerNorm 2 backward); not kept under recompute.norms
   Tensor ln2_mean, ln2_rstd;
-  SavedLinearInput xm2;    // (mlp_in input)
+  SavedLinearInput xm2;    // (mlp_in input); not kept under recompute.norms
   Tensor mlp_h;            // GELU input
-  SavedLinearInput mlp_g;  // GELU output (mlp_out input); not kept when selective
+  SavedLinearInput mlp_g;  // GELU output (mlp_out input); not kept under recompute.copies
   Tensor mlp_out;          // (gate2 gradient)
 };
 
-// The joint attention's q, k, v, o, lse and att8 are those of BlockAttentionSaved. With FP8
-// attention, selective recomputation recomputes the projection input from the FP8 o.
-// recompute_granularity: selective also drops each stream's attn and mlp_g; the backward
-// recomputes them in scratch with q, k, v (q, k, v from qkv: QK-norm, layout, RoPE; attn from
-// o: layout; mlp_g from mlp_h: GELU) and re-casts the two Linear inputs in FP8.
+// The joint attention's q, k, v, o, lse and att8 are those of BlockAttentionSaved. What
+// `recompute` drops the backward rebuilds in scratch: q, k, v from qkv (QK-norm, layout, RoPE;
+// heads), attn from o (layout; with FP8 attention from the FP8 o) and mlp_g from mlp_h (GELU;
+// copies), x_mid from x_in, proj_out and gate1 (the gated residual) and xm1, xm2 from x_in, x_mid
+// with their kept statistics (LayerNorm + modulation; norms) — in FP8 only the Linear inputs'
+// transposed casts, the op run inside the cast.
 struct DoubleBlockSaved : BlockAttentionSaved {
   DoubleStreamSaved txt, img;
   // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
   static DoubleBlockSaved allocate(Arena& arena, const BlockWidths& widths, StepShape shape, DType dtype, DType heads,
-                                   const DoubleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
+                                   const DoubleBlockParams& p, const Fp8Runtime* fp8, BlockRecompute recompute = {});
 };
 
 // The block on txt [B, Lt, H] and img [B, Li, H], its output written to txt_out and img_out
@@ -68,6 +69,6 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const 
 // Scratch memory the block needs at most (planning).
 // fp8_sites: plan as if the block's Linears ran in FP8 without an Fp8Runtime (estimates).
 void double_block_plan_scratch(Arena& scratch, const BlockWidths& widths, StepShape shape, DType dtype,
-                               const Fp8Runtime* fp8, bool selective = false, bool fp8_sites = false);
+                               const Fp8Runtime* fp8, BlockRecompute recompute = {}, bool fp8_sites = false);
 
 }  // namespace flux8

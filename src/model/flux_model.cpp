@@ -101,12 +101,12 @@ struct ModelSaved {
     for (int64_t i = 0; i < nd; ++i)
       s.doubles.push_back(mode(i) == Recompute::full ? DoubleBlockSaved{}
                                                      : DoubleBlockSaved::allocate(a, w, sh, t, ht, dp[size_t(i)], fp8,
-                                                                                  mode(i) == Recompute::selective));
+                                                                                  recompute.saved_by_block(i)));
     for (size_t j = 0; j < sp.size(); ++j) {
-      const Recompute m = mode(nd + static_cast<int64_t>(j));
-      s.singles.push_back(m == Recompute::full
-                              ? SingleBlockSaved{}
-                              : SingleBlockSaved::allocate(a, w, sh, t, ht, sp[j], fp8, m == Recompute::selective));
+      const int64_t block = nd + static_cast<int64_t>(j);
+      s.singles.push_back(mode(block) == Recompute::full ? SingleBlockSaved{}
+                                                         : SingleBlockSaved::allocate(a, w, sh, t, ht, sp[j], fp8,
+                                                                                      recompute.saved_by_block(block)));
     }
     // The block region holds one fully recomputed block at a time: measure the largest (blocks
     // differ when some run in FP8 and others in BF16).
@@ -130,9 +130,10 @@ namespace {
 // Scratch needed besides the blocks': the model-level backward buffers.
 void plan_model_scratch(Arena& a, const FluxConfig& c, const BlockWidths& w, StepShape sh, DType t,
                         const Fp8Runtime* fp8, const RecomputePolicy& recompute, bool fp8_sites = false) {
-  // Selective recomputation on some blocks only: the larger of the two kinds of block.
-  const bool selective = recompute.granularity == Recompute::selective;
-  const bool mixed = selective && recompute.blocks < c.num_blocks();
+  // The kept blocks' recomputation (the first's, and where the policy applies to some blocks
+  // only, the last's too): the larger of the two kinds of block.
+  const BlockRecompute first = recompute.saved_by_block(0);
+  const BlockRecompute last = recompute.saved_by_block(c.num_blocks() - 1);
   const int64_t B = sh.batch, H = c.hidden_size;
   a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted
   a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);               // dtxt
@@ -141,14 +142,14 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, const BlockWidths& w, Ste
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);               // final dxm
   for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
   const size_t mark = a.mark();  // blocks run one at a time: the larger of the counts
-  double_block_plan_scratch(a, w, sh, t, fp8, selective, fp8_sites);
+  double_block_plan_scratch(a, w, sh, t, fp8, first, fp8_sites);
   a.release_to(mark);
-  single_block_plan_scratch(a, w, sh, t, fp8, selective);
-  if (!mixed) return;
+  single_block_plan_scratch(a, w, sh, t, fp8, first);
+  if (last == first) return;
   a.release_to(mark);
-  double_block_plan_scratch(a, w, sh, t, fp8, false, fp8_sites);
+  double_block_plan_scratch(a, w, sh, t, fp8, last, fp8_sites);
   a.release_to(mark);
-  single_block_plan_scratch(a, w, sh, t, fp8, false);
+  single_block_plan_scratch(a, w, sh, t, fp8, last);
 }
 
 // FLUX8_FUSED_NORM_STATS: 0 makes every LayerNorm compute its own statistics again (the gated
@@ -166,6 +167,16 @@ bool norm_stats_in_residual_from_environment() {
 }
 
 }  // namespace
+
+BlockRecompute RecomputePolicy::saved_by_block(int64_t index) const {
+  const bool all = elementwise;
+  switch (of_block(index)) {
+    case Recompute::none: return {all, all, all};
+    case Recompute::selective: return {true, true, all};
+    case Recompute::full: return {};
+  }
+  return {};
+}
 
 Recompute recompute_from_name(const std::string& name) {
   if (name == "none") return Recompute::none;
@@ -457,11 +468,11 @@ void FluxModel::run_blocks() {
         }
       }
       const size_t mark = scratch_arena_.mark();
-      if (blk.selective) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);  // q, k, v: this forward only
+      if (blk.recompute.heads) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);  // q, k, v: this forward only
       double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1],
                            next_txt, next_img);
       scratch_arena_.release_to(mark);
-      if (blk.selective) blk.forget_recomputed();
+      if (blk.recompute.heads) blk.forget_recomputed();
       continue;
     }
     DoubleBlockSaved blk =
@@ -476,10 +487,10 @@ void FluxModel::run_blocks() {
       const NormStatsOut next =
           hand_over && i + 1 < single_params_.size() && !full_single(i + 1) ? next_single(i + 1) : NormStatsOut{};
       const size_t mark = scratch_arena_.mark();
-      if (blk.selective) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);
+      if (blk.recompute.heads) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);
       single_block_forward(ctx, single_params_[i], blk, s.z_at[i], s.z_at[i + 1], next);
       scratch_arena_.release_to(mark);
-      if (blk.selective) blk.forget_recomputed();
+      if (blk.recompute.heads) blk.forget_recomputed();
       continue;
     }
     SingleBlockSaved blk =

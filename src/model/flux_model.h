@@ -47,29 +47,40 @@ struct ActivationEstimate {
 struct EmbedderSaved;
 struct ModelSaved;
 
-// recompute_granularity. none: every block keeps its activations from forward to backward.
-// selective: every block keeps them except the large ones that are cheap to redo — q, k, v and
-// the attention/GELU outputs that feed a Linear (see DoubleBlockSaved, SingleBlockSaved); the
-// block's backward recomputes those in scratch with no GEMM and no attention forward.
-// full: only each block's input is kept; the backward runs the block's forward again (into one
-// reused region) right before its backward — activation memory of one block instead of all,
-// for one more forward pass. Results are bit-identical (the same ops on the same inputs; FP8
-// casts reuse the step's scales and are not recorded twice) — but for selective's recomputed
-// GELU where the forward's ran in a GEMM epilogue (docs/MEMORY.md).
+// recompute_granularity. none: every block keeps its activations from forward to backward — with
+// recompute_elementwise (RecomputePolicy::elementwise, the default) all but the element-wise and
+// layout results its backward can redo without a GEMM (BlockRecompute: q, k, v, the attention and
+// GELU outputs and the LayerNorm outputs that feed a Linear, the double block's x_mid).
+// selective: every block keeps them except q, k, v and the attention/GELU outputs that feed a
+// Linear (see DoubleBlockSaved, SingleBlockSaved), and with recompute_elementwise the rest of
+// none's list too; the block's backward recomputes those in scratch with no GEMM and no
+// attention forward. full: only each block's input is kept; the backward runs the block's
+// forward again (into one reused region, where the block keeps everything) right before its
+// backward — activation memory of one block instead of all, for one more forward pass. Results
+// are bit-identical (the same ops on the same inputs; FP8 casts reuse the step's scales and are
+// not recorded twice) — but for a recomputed GELU where the forward's ran in a GEMM epilogue
+// (docs/MEMORY.md).
 enum class Recompute : uint8_t { none, selective, full };
 // From the recompute_granularity key's value.
 Recompute recompute_from_name(const std::string& name);
 
 // Which blocks recompute (Megatron's recompute_method block with recompute_num_layers N): the
 // first `blocks` blocks, double blocks counted first, then single, take `granularity`; the rest
-// keep every activation. A Recompute alone applies to every block.
+// keep every activation (but, with `elementwise`, the element-wise results). A Recompute alone
+// applies to every block.
 struct RecomputePolicy {
   Recompute granularity = Recompute::none;
   int64_t blocks = std::numeric_limits<int64_t>::max();
+  bool elementwise = true;  // recompute_elementwise
   RecomputePolicy() = default;
   RecomputePolicy(Recompute g) : granularity(g) {}  // NOLINT: every block, where a Recompute was given
   RecomputePolicy(Recompute g, int64_t first_blocks) : granularity(g), blocks(first_blocks) {}
+  RecomputePolicy(Recompute g, int64_t first_blocks, bool elementwise_results)
+      : granularity(g), blocks(first_blocks), elementwise(elementwise_results) {}
   Recompute of_block(int64_t index) const { return index < blocks ? granularity : Recompute::none; }
+  // What a block that keeps its activations (none, selective) rebuilds in its backward; a block
+  // under full keeps everything in its one recomputed region.
+  BlockRecompute saved_by_block(int64_t index) const;
   bool operator==(const RecomputePolicy&) const = default;
 };
 

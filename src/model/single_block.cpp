@@ -16,40 +16,42 @@ SingleBlockParams SingleBlockParams::bind(ParamStore& s, int64_t index) {
   return p;
 }
 
-// Selective recomputation drops q, k, v (3H per token, from u: QK-norm + RoPE + layout) and
-// linear2's input cat (H + M = 5H: a copy of o and the GELU of u's MLP part) — 8H of the 19H a
-// token keeps, for no GEMM. u and o stay: the first is a GEMM output that QK-norm's and GELU's
-// backward need anyway, the second would cost the attention forward (with lse) to recompute.
+// Recomputation drops q, k, v (3H per token, from u: QK-norm + RoPE + layout), linear2's input
+// cat (H + M = 5H: a copy of o and the GELU of u's MLP part) and linear1's input zm (H: the
+// LayerNorm of z_in with its statistics) — 9H of the 19H a token keeps, for no GEMM. u and o
+// stay: the first is a GEMM output that QK-norm's and GELU's backward need anyway, the second
+// would cost the attention forward (with lse) to recompute; out is the GEMM output the gate's
+// gradient reads.
 SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const BlockWidths& w, StepShape sh, DType t, DType ht,
-                                            const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective) {
+                                            const SingleBlockParams& p, const Fp8Runtime* fp8, BlockRecompute r) {
   const int64_t B = sh.batch, L = sh.tokens(), H = w.hidden, A = w.attention, M = w.mlp;
   const int64_t n = w.heads;
   SingleBlockSaved s;
-  s.selective = selective;
+  s.recompute = r;
   if (wgrad_in_fp8(p.mod, fp8)) s.mod_in = allocate_linear_input(a, p.mod, fp8, Shape{B, H}, t);
   s.mod = a.alloc(t, Shape{B, 3 * H}, SlotKind::activation);
   const DType st = statistics_dtype(t);
   s.ln_mean = a.alloc(st, Shape{B * L}, SlotKind::statistic);
   s.ln_rstd = a.alloc(st, Shape{B * L}, SlotKind::statistic);
-  s.zm = allocate_linear_input(a, p.linear1, fp8, Shape{B, L, H}, t);
+  if (!r.norms) s.zm = allocate_linear_input(a, p.linear1, fp8, Shape{B, L, H}, t);
   s.u = a.alloc(t, Shape{B, L, 3 * A + M}, SlotKind::activation);
   s.q_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
   s.k_rstd = a.alloc(st, Shape{B * L * n}, SlotKind::statistic);
   if (p.fp8_attention >= 0) {
     s.att8 = Fp8AttentionSaved::allocate(a, w, sh, fp8);
   } else {
-    if (!selective) allocate_heads_qkv(a, w, sh, ht, SlotKind::activation, s.q, s.k, s.v);
+    if (!r.heads) allocate_heads_qkv(a, w, sh, ht, SlotKind::activation, s.q, s.k, s.v);
     s.o = a.alloc(ht, heads_shape(w, sh), SlotKind::activation);
   }
   s.lse = a.alloc(st, Shape{B, n, L}, SlotKind::statistic);
-  if (!selective) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, A + M}, t);
+  if (!r.copies) s.cat = allocate_linear_input(a, p.linear2, fp8, Shape{B, L, A + M}, t);
   s.out = a.alloc(t, Shape{B, L, H}, SlotKind::activation);
   return s;
 }
 
 namespace {
 
-// Selective: linear2's input as single_block_forward made it — the attention output in token
+// recompute.copies: linear2's input as single_block_forward made it — the attention output in token
 // layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
 SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
   const int64_t A = ctx.widths.attention, M = ctx.widths.mlp;
@@ -73,7 +75,7 @@ void qkv_to_heads(const BlockContext& ctx, SingleBlockParams& p, const SingleBlo
                                  s.u.cols_slice(2 * A, A), p.q_norm.s, p.k_norm.s, ctx.pe, 0, ctx.cfg.qk_norm_eps);
 }
 
-// Selective: q, k, v (scratch views in `r`) from the kept u, by single_block_forward's op.
+// recompute.heads: q, k, v (scratch views in `r`) from the kept u, by single_block_forward's op.
 // QK-norm's statistics are not written again: the kept ones are the same values and stay in use.
 void recompute_qkv(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& r) {
   qkv_to_heads(ctx, p, r, Tensor{}, Tensor{});
@@ -93,6 +95,10 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
                                                                     s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps);
   ln.statistics_ready = s.ln_ready;
   s.ln_ready = false;
+  // What the block does not keep is made in scratch, by the same ops (forward_linear_input).
+  const Shape tok{z.shape[0], z.shape[1], A + M};
+  SavedLinearInput zm = forward_linear_input(ctx.scratch, p.linear1, ctx.fp8, s.zm, z.shape, ctx.dtype);
+  SavedLinearInput cat_in = forward_linear_input(ctx.scratch, p.linear2, ctx.fp8, s.cat, tok, ctx.dtype);
   // linear2's input is cat = [o in token layout | GELU(u's MLP part)]. BF16: linear1's GEMM
   // writes u and, GELU in its epilogue, cat's MLP part. FP8: linear1 is a plain GEMM and the
   // GELU runs inside linear2's input cast, which reads o's tokens and u as they are (a cast
@@ -102,11 +108,11 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
   const bool gelu_epilogue = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
   Tensor cat, o_tokens;
   if (gelu_epilogue) {
-    cat = linear_input_buffer(ctx.scratch, s.cat, Shape{z.shape[0], z.shape[1], A + M}, ctx.dtype);
-    site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(A, M), s.u, ln, s.zm, ctx.dtype);
+    cat = linear_input_buffer(ctx.scratch, cat_in, tok, ctx.dtype);
+    site_forward_gelu(be, ctx.fp8, ctx.scratch, p.linear1, cat.cols_slice(A, M), s.u, ln, zm, ctx.dtype);
     o_tokens = cat.cols_slice(0, A);
   } else {
-    site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u, ln, s.zm, ctx.dtype);
+    site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear1, s.u, ln, zm, ctx.dtype);
     o_tokens = ctx.scratch.alloc(ctx.dtype, Shape{z.shape[0], z.shape[1], A}, SlotKind::workspace);
   }
 
@@ -118,10 +124,10 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
     be.attention(s.o, s.lse, s.q, s.k, s.v, attention_scale(ctx.cfg));
   attention_output_to_tokens(be, o_tokens, s.att8, s.o, 0);
   if (gelu_epilogue)
-    site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, s.cat);
+    site_forward(be, ctx.fp8, ctx.scratch, p.linear2, s.out, cat, cat_in);
   else
     site_forward_fused(be, ctx.fp8, ctx.scratch, p.linear2, s.out,
-                       Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * A, M)).with_head(o_tokens), s.cat,
+                       Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * A, M)).with_head(o_tokens), cat_in,
                        ctx.dtype);
   ctx.tp.all_reduce(s.out);
   gated_residual_to(be, z_out, z, s.out, s.mod.cols_slice(2 * H, H), next, ctx.cfg.layernorm_eps);
@@ -150,13 +156,13 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   // The head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
   const bool fp8_attention = s.att8.defined();
   const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
-  SingleBlockSaved r = s;  // views; selective without FP8 attention: q, k, v rebuilt in scratch
+  SingleBlockSaved r = s;  // views; recompute.heads without FP8 attention: q, k, v rebuilt in scratch
 
   // linear2's output gradient gate ⊙ dz: inside its FP8 casts, or written to d_h.
   const Backend::CastInput d_out = gated_branch_backward(be, p.linear2, ctx.fp8, d_h, dmod.cols_slice(2 * H, H), dz,
                                                          s.out, s.mod.cols_slice(2 * H, H));
   const size_t cat_mark = a.mark();
-  const SavedLinearInput cat = s.selective ? recompute_cat(ctx, p, r) : s.cat;
+  const SavedLinearInput cat = s.recompute.copies ? recompute_cat(ctx, p, r) : s.cat;
   if (gelu_epilogue)
     site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * A, M), s.u.cols_slice(3 * A, M), d_h, cat);
   else
@@ -168,7 +174,7 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
     fp8_attention_backward(ctx, p.fp8_attention, s.att8, s.lse, d8);
   } else {
     be.tokens_to_heads(d_o, d_attn, 0);
-    if (s.selective) {
+    if (s.recompute.heads) {
       r.place_recomputed(a, ctx.widths, ctx.shape, ctx.heads_dtype);
       recompute_qkv(ctx, p, r);
     }
@@ -185,13 +191,22 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
     be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, A), d_u.cols_slice(A, A), d_u.cols_slice(2 * A, A), p.q_norm.ds,
                                       p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, A), s.u.cols_slice(A, A), s.q_rstd,
                                       s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
+  const SavedLinearInput zm =
+      s.recompute.norms
+          ? recompute_linear_input_of(be, ctx.fp8, a, p.linear1,
+                                      Backend::CastInput::layernorm_modulate_of(s.z_in, s.ln_mean, s.ln_rstd,
+                                                                                s.mod.cols_slice(0, H),
+                                                                                s.mod.cols_slice(H, H),
+                                                                                ctx.cfg.layernorm_eps),
+                                      ctx.dtype)
+          : s.zm;
   if (gelu_epilogue)
-    site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, s.zm, false);
+    site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, zm, false);
   else  // GELU's backward inside the casts of linear1's output gradient (or, BF16 wgrad, into d_u)
     site_backward_fused(be, ctx.fp8, a, p.linear1, d_h,
                         Backend::CastInput::gelu_tanh_backward_of(d_u.cols_slice(3 * A, M), s.u.cols_slice(3 * A, M))
                             .with_head(d_u.cols_slice(0, 3 * A)),
-                        d_u, s.zm, false);
+                        d_u, zm, false);
   ctx.tp.all_reduce(d_h);
   be.layernorm_modulate_backward(dz, dmod.cols_slice(0, H), dmod.cols_slice(H, H), d_h, s.z_in, s.ln_mean, s.ln_rstd,
                                  s.mod.cols_slice(H, H), true);
@@ -201,26 +216,49 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
 }
 
 void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
-                               bool selective) {
-  // Everything single_block_backward takes (the forward takes less).
+                               BlockRecompute r) {
+  // What single_block_backward holds throughout, then the largest of what each of its parts takes
+  // on top and releases, and apart from it the block's forward: the peak of the simultaneous use,
+  // allocation by allocation (an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, L = sh.tokens(), H = w.hidden, A = w.attention, M = w.mlp;
+  const int64_t rows = B * L;
   const Shape heads = heads_shape(w, sh);
-  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, H}, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, 3 * A + M}, SlotKind::workspace);
-  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, A + M}, SlotKind::workspace);  // forward: a Linear's input buffer
-  plan_site_scratch(a, fp8, B * L, std::max(3 * A + M, H));
-  // FP8 attention: the backward's FP8 dO, dq, dk, dv (its forward has no heads temporaries; the
-  // bf16 heads above stay planned for blocks without it).
+  auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
+  auto site = [&] { plan_site_scratch(a, fp8, rows, std::max(3 * A + M, H)); };
+  auto recomputed_input = [&](int64_t cols) {  // a Linear input the block did not keep, with its FP8 cast
+    tokens(cols);
+    plan_recompute_linear_input(a, fp8, rows, cols);
+  };
+  const size_t start = a.mark();
+  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);  // dmod
+  tokens(H);                                         // d_h
+  tokens(3 * A + M);                                 // d_u
+  tokens(A);                                         // d_attn (BF16 MLPs)
+  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);  // dO, dq, dk, dv
+  // FP8 attention: the backward's FP8 dO, dq, dk, dv instead (the bf16 heads above stay planned
+  // for blocks without it).
   if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
-  if (!selective) return;
-  // Recomputed q, k, v (the forward's buffers for them too; FP8 attention recomputes none)
-  // and the recomputed cat with its FP8 cast.
-  for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
-  a.alloc(t, Shape{B, L, A + M}, SlotKind::workspace);
-  plan_recompute_linear_input(a, fp8, B * L, A + M);
+  const size_t base = a.mark();
+  // linear2's backward: its recomputed input.
+  if (r.copies) recomputed_input(A + M);
+  site();
+  a.release_to(base);
+  // The attention's backward: q, k, v recomputed (FP8 attention recomputes none).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  a.release_to(base);
+  // linear1's backward: its recomputed input.
+  if (r.norms) recomputed_input(H);
+  site();
+  a.release_to(start);
+  // The forward: q, k, v in scratch, linear1's and linear2's inputs where not kept, the attention
+  // output's tokens (FP8 MLPs).
+  if (r.heads)
+    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  tokens(H);
+  tokens(A + M);
+  tokens(A);
+  site();
 }
 
 }  // namespace flux8

@@ -16,24 +16,24 @@ struct SingleBlockParams {
   std::vector<LinearSite*> sites() { return {&mod, &linear1, &linear2}; }
 };
 
-// The attention's q, k, v, o, lse and att8 are those of BlockAttentionSaved.
-// recompute_granularity: selective also drops cat; the backward recomputes it in scratch with q,
-// k, v (q, k, v from u: QK-norm, layout, RoPE; cat from o and u's MLP part: layout and GELU) and
-// re-casts cat in FP8.
+// The attention's q, k, v, o, lse and att8 are those of BlockAttentionSaved. What `recompute`
+// drops the backward rebuilds in scratch: q, k, v from u (QK-norm, layout, RoPE; heads), cat from
+// o and u's MLP part (layout and GELU; copies) and zm from z_in with its kept statistics
+// (LayerNorm + modulation; norms) — in FP8 only the Linear inputs' transposed casts.
 struct SingleBlockSaved : BlockAttentionSaved {
   Tensor z_in;              // block input (LayerNorm backward): the caller's tensor, not a copy
   SavedLinearInput mod_in;  // SiLU(vec) as the modulation Linear saw it
   Tensor mod;               // [B, 3H]: shift, scale, gate
   Tensor ln_mean, ln_rstd;  // modulated LayerNorm
   bool ln_ready = false;    // ln_* written by the block(s) before (NormStatsOut); the forward clears it
-  SavedLinearInput zm;      // its output (linear1 input)
+  SavedLinearInput zm;      // its output (linear1 input); not kept under recompute.norms
   Tensor u;                 // linear1 output [B, L, 3H + M]
   Tensor q_rstd, k_rstd;
-  SavedLinearInput cat;  // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input)
+  SavedLinearInput cat;  // [B, L, H + M] = cat(attention, GELU(mlp)) (linear2 input); not kept under recompute.copies
   Tensor out;            // linear2 output (gate gradient)
   // dtype: the activations'; heads: q, k, v and o (Backend::attention_heads_dtype).
   static SingleBlockSaved allocate(Arena& arena, const BlockWidths& widths, StepShape shape, DType dtype, DType heads,
-                                   const SingleBlockParams& p, const Fp8Runtime* fp8, bool selective = false);
+                                   const SingleBlockParams& p, const Fp8Runtime* fp8, BlockRecompute recompute = {});
 };
 
 // The block on z [B, L, H], its output written to z_out (another tensor of z's shape). z is
@@ -46,6 +46,6 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
 void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& saved, Tensor dz);
 
 void single_block_plan_scratch(Arena& scratch, const BlockWidths& widths, StepShape shape, DType dtype,
-                               const Fp8Runtime* fp8, bool selective = false);
+                               const Fp8Runtime* fp8, BlockRecompute recompute = {});
 
 }  // namespace flux8

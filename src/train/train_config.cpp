@@ -115,7 +115,7 @@ void read_run_outputs(const Config& cfg, TrainConfig& t) {
 // recompute_method / recompute_num_layers with Megatron's meaning (docs/CONFIG.md): block = the
 // first N blocks recompute, the others keep their activations; uniform = every block, in groups
 // of N. flux8 keeps every block's input, so a uniform group of N recomputes as N groups of 1.
-RecomputePolicy read_recompute(const Config& cfg, std::vector<std::string>& warnings, int64_t num_blocks) {
+RecomputePolicy read_recompute_blocks(const Config& cfg, std::vector<std::string>& warnings, int64_t num_blocks) {
   const Recompute granularity = recompute_from_name(cfg.get_string("recompute_granularity"));
   const std::string method = cfg.get_string("recompute_method");
   const int64_t n = cfg.get_int("recompute_num_layers");
@@ -142,6 +142,13 @@ RecomputePolicy read_recompute(const Config& cfg, std::vector<std::string>& warn
         "more memory than Megatron's)",
         where("recompute_method"), n, n, num_blocks));
   return granularity;
+}
+
+// ... and recompute_elementwise: what the blocks that keep their activations recompute.
+RecomputePolicy read_recompute(const Config& cfg, std::vector<std::string>& warnings, int64_t num_blocks) {
+  RecomputePolicy policy = read_recompute_blocks(cfg, warnings, num_blocks);
+  policy.elementwise = cfg.get_bool("recompute_elementwise");
+  return policy;
 }
 
 // Megatron's seq_length is the tokens of a sample; a Flux sample's are text_seq_len text tokens

@@ -114,6 +114,20 @@ const Cases kFp8Cases({
                                 .q = {.amax = r.scalars("amax", 1, 0.0f)}};
      },
      .finish = [](Run& r) { compare_values(r, "rowwise", r.kept.at(0)); }},
+    {.op = "quantize_fused",
+     .name = "gelu_input_columnwise_only",
+     .fp8_steps = 1,
+     .why = "a recomputed Linear input cast again for its wgrad alone (recompute_elementwise): the GELU (tanhf) "
+            "may round an ulp apart from the CPU's, moving a code by one step",
+     .judge = Judge::cpu_f32,
+     .build = [](Run& r) -> AnyOp {
+       const QTensor col = r.qtensor("", C, R);
+       r.kept.push_back(col);
+       return op::QuantizeFused{.columnwise = col,
+                                .in = CastInput::gelu_tanh_of(r.input({R, C}, 114, 2.0, 3)),
+                                .q = {.amax = r.scalars("amax", 1, 0.0f)}};
+     },
+     .finish = [](Run& r) { compare_values(r, "columnwise", r.kept.at(0)); }},
     {.op = "gemm_fp8_tn",
      .name = "bias_window",
      .f32_terms = 2 * 64,

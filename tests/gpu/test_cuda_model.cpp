@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "backend/cuda/attention.h"
 #include "backend/transfer.h"
@@ -343,16 +344,18 @@ TEST(CudaModel, Bf16MomentsTrainLikeF32Moments) {
   }
 }
 
-// recompute_granularity on the GPU: full re-runs the same ops on the same inputs, so it gives the
-// bits of `none` — pred, every gradient and (FP8) the cast counts, over two steps with AdamW —
-// although it re-runs block i's forward from its kept input into block i + 1's input slot (the
-// residual stream is written out of place), which only the stream order makes safe. selective
-// gives them too except for the one documented difference (docs/MEMORY.md): where the forward's
-// GELU ran in a BF16 GEMM epilogue (from the unrounded sum), the recomputed one starts from the
-// stored bf16 pre-activation, so the weight gradient of the Linear that reads it (mlp_out,
-// linear2) may differ by that rounding — held to 1e-2 (norm-wise) there, everything else exact.
-// FP8 MLPs run their GELU in the casts, from the stored pre-activation as the recomputation
-// does: with FP8 every gradient is exact. (The odd BF16 config's GEMMs take no epilogue: M = 47.)
+// recompute_granularity and recompute_elementwise on the GPU, against `none` keeping every
+// activation (recompute_elementwise off): full re-runs the same ops on the same inputs, so it
+// gives the same bits — pred, every gradient and (FP8) the cast counts, over two steps with AdamW
+// — although it re-runs block i's forward from its kept input into block i + 1's input slot (the
+// residual stream is written out of place), which only the stream order makes safe. The
+// element-wise recomputations (selective, recompute_elementwise) give them too except for the one
+// documented difference (docs/MEMORY.md): where the forward's GELU ran in a BF16 GEMM epilogue
+// (from the unrounded sum), the recomputed one starts from the stored bf16 pre-activation, so the
+// weight gradient of the Linear that reads it (mlp_out, linear2) may differ by that rounding —
+// held to 1e-2 (norm-wise) there, everything else exact. FP8 MLPs run their GELU in the casts,
+// from the stored pre-activation as the recomputation does: with FP8 every gradient is exact.
+// (The odd BF16 config's GEMMs take no epilogue: M = 47.)
 TEST(CudaModel, RecomputePoliciesReproduceNone) {
   FLUX8_REQUIRE_GPU();
   Backend& be = gpu_bf16_activations();
@@ -362,23 +365,29 @@ TEST(CudaModel, RecomputePoliciesReproduceNone) {
     FluxConfig cfg;
     const Fp8Config* fp8;
   };
+  constexpr int64_t kAll = std::numeric_limits<int64_t>::max();
   for (const Case& c : {Case{"bf16", odd_config(2, 3, true), nullptr}, Case{"fp8 delayed", fp8_test_config(), &fp8}}) {
     SCOPED_TRACE(c.name);
-    const auto run = [&](Recompute rc) {
+    const auto run = [&](RecomputePolicy rc) {
       return testing::run_model(
           be, c.cfg,
           {.fp8 = c.fp8, .recompute = rc, .batch = 2, .txt_tokens = 5, .img_tokens = 9, .steps = 2, .optimizer = true});
     };
-    const ModelRun none = run(Recompute::none);
-    for (Recompute rc : {Recompute::selective, Recompute::full}) {
-      SCOPED_TRACE(rc == Recompute::full ? "full" : "selective");
+    const ModelRun none = run(RecomputePolicy{Recompute::none, kAll, false});
+    for (const RecomputePolicy& rc :
+         {RecomputePolicy{Recompute::none}, RecomputePolicy{Recompute::selective},
+          RecomputePolicy{Recompute::selective, kAll, false}, RecomputePolicy{Recompute::full}}) {
+      SCOPED_TRACE(::testing::Message() << (rc.granularity == Recompute::full        ? "full"
+                                            : rc.granularity == Recompute::selective ? "selective"
+                                                                                     : "none")
+                                        << ", recompute_elementwise " << rc.elementwise);
       const ModelRun r = run(rc);
       EXPECT_EQ(r.pred, none.pred);
       ASSERT_EQ(r.grads.size(), none.grads.size());
       for (size_t i = 0; i < r.grads.size(); ++i) {
         const std::string& name = r.grads[i].first;
         const bool reads_recomputed_gelu = name.ends_with("linear2.weight") || name.ends_with("_mlp.2.weight");
-        if (rc == Recompute::selective && reads_recomputed_gelu && !c.fp8)
+        if (rc.saved_by_block(0).copies && reads_recomputed_gelu && !c.fp8)
           EXPECT_LE(norm_rel_error(r.grads[i].second, none.grads[i].second), 1e-2) << name;
         else
           EXPECT_EQ(r.grads[i].second, none.grads[i].second) << name;
