@@ -10,9 +10,9 @@ Tiers:
         shape): flux_535m at W1's shape on structured synthetic data (fresh latents tied to the
         text by fixed random maps, plus noise), 5000 steps by default; every step's batch is
         new data, so the final loss is the mean training loss of the last --final-window steps.
-        flux8 bench trains at its constant learning rate (1e-4) and takes its seed from the
-        benchmark, not from the seed key: where the seeds give the same curve, the table says
-        "(seeds identical)" and the spread over them is zero, not seed noise.
+        flux8 bench trains at its constant learning rate (1e-4); the seed key sets its initial
+        weights, data and noise (where seeds ever give the same curve, the table says
+        "(seeds identical)" and the spread over them is zero, not seed noise).
 
 Each train run gets, before --set and the variant's keys (which may change them): seed, save_dir
 (its folder), log_interval=1, no sample grid (sample_prompts empty) and target_eval_loss=0 (every

@@ -257,6 +257,7 @@ RunPlan plan_runs(const BenchOptions& o) {
     s.data = o.data == "structured" ? BenchData::structured : BenchData::prototypes;
     s.steps = o.steps;
     s.warmup = o.warmup;
+    s.seed = static_cast<uint64_t>(plan.keys.get_int("seed"));  // init, data and noise (tools/convergence.py)
     s.tensor_parallel = static_cast<int>(plan.keys.get_int("tensor_model_parallel_size"));
     s.distributed_optimizer = plan.keys.get_bool("use_distributed_optimizer");
   }
