@@ -34,6 +34,8 @@ renamed when complete) and encodes the rest. Images that do not decode and empty
 reported by name and skipped (--on-bad skip, the default) or stop the run (--on-bad stop). Work
 runs in batches on the GPU when there is one.
 
+tools/encode_throughput.py measures this tool's images/s (encode_items, with the stages timed).
+
 Needs torch, diffusers, transformers and Pillow (pyarrow for parquet). Exit status: 0 done; 1 an
 error or a bad input under --on-bad stop; 3 a package is missing.
 """

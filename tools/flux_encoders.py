@@ -1,6 +1,6 @@
 """The encoders a Flux model is trained on, as flux8's data and prompt files need them.
 
-Shared by tools/encode_dataset.py and tools/encode_prompts.py:
+Shared by tools/encode_dataset.py, tools/encode_prompts.py and tools/encode_throughput.py:
   VAE   diffusers' AutoencoderKL (the Flux VAE: 16 latent channels, 8x downsampling); the
         shards keep its posterior (mean, logvar) and flux8 draws z and normalises it with
         vae_scale_factor / vae_shift_factor (the VAE's scaling_factor / shift_factor)
