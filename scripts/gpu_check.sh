@@ -23,8 +23,8 @@
 #          with the default choice (NCCL) -> $OUT/dist.txt
 #   bench  `flux8 bench`, the parts in GPU_CHECK_BENCH_PARTS (default "peer gemm steps profile"):
 #            peer       first, the PyTorch peer on this GPU: diffusers and torchao installed from
-#                       .carry/wheels (scripts/prepare_peer_wheels.sh) into a folder of their own,
-#                       then tools/peer_bench.py on W1 and W2 in its three modes
+#                       .carry/wheels (scripts/prepare_peer_wheels.sh) into a folder of their own
+#                       (install_carried_wheels), then tools/peer_bench.py on W1 and W2 in its three modes
 #                       (GPU_CHECK_PEER_ARGS adds options) -> $OUT/peer.json, peer.txt; the steps
 #                       part then prints each run's ratios to it (--peer)
 #            gemm       the FP8-linear vs cuBLASLt micro-benchmark
@@ -36,6 +36,13 @@
 #                       delayed hybrid on GPU_CHECK_CURVE_DATA (structured, or prototypes: the
 #                       memorised set); ~90 s
 #          -> $OUT/bench*.json, .txt
+#   encode (not a default stage) tools/encode_throughput.py: tools/encode_dataset.py's images/s
+#          at 1024 px with real-sized, randomly initialised encoders (the Flux VAE, T5 v1.1 XXL,
+#          CLIP ViT-L/14, bf16), diffusers installed from .carry/wheels as for the peer bench part,
+#          on GPU_CHECK_ENCODE_IMAGES (256) synthetic images, one pass for each batch of
+#          GPU_CHECK_ENCODE_BATCH ("8,16") with each decoding-thread count of
+#          GPU_CHECK_ENCODE_WORKERS ("4,<cores>"); GPU_CHECK_ENCODE_ARGS adds options; ~2 minutes,
+#          bounded by GPU_CHECK_DEADLINE -> $OUT/encode_throughput.json, .txt
 #   demo   the embedded demo trained on the GPU (configs/demo.yaml --set backend=cuda), in BF16
 #          and FP8 (delayed, hybrid) -> $OUT/demo_*.log, metrics
 #   ncu    Nsight Compute over one step (GPU_CHECK_NCU_ARGS, default W2 FP8 delayed + FP8
@@ -63,8 +70,9 @@
 # Everything printed also goes to $OUT/gpu_check.log. More than 8 files under $OUT (the device
 # tool's limit) leave gpu_check.log, ctest.log and the first *.txt/*.md/*.json as they are and
 # pack the rest into $OUT/more.tar.gz. GPU_CHECK_DEADLINE (seconds from start,
-# default 570) bounds the table stage so that its partial logs still come back before the
-# device tool's 600 s limit. Any failure stops the script with a message and a non-zero status.
+# default 570) bounds the table and encode stages so that their partial results still come
+# back before the device tool's 600 s limit. Any failure stops the script with a message and a
+# non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -113,6 +121,17 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 first_step() {  # $1: flux8 binary, $2: workload, $3: JIT cache folder
   CUDA_CACHE_PATH=$3 "$1" bench --workload "$2" --precision delayed --set fp8_dot_product_attention=true \
       --steps 3 --warmup 0 2>&1 | grep -E '^W|launch to first step:'
+}
+
+# The machine has no package registry: the wheels scripts/prepare_peer_wheels.sh put in
+# .carry/wheels are installed, without their dependencies (the machine's Python has those), into
+# a new folder of their own, wheel_site, to put on PYTHONPATH.
+install_carried_wheels() {  # $@: the packages
+  ls .carry/wheels/*.whl > /dev/null 2>&1 ||
+    die "no .carry/wheels: run scripts/prepare_carry.sh here and name .carry in carry"
+  wheel_site=$(mktemp -d)
+  "$python" -m pip install -q --no-index --no-deps --no-compile --find-links .carry/wheels --target "$wheel_site" \
+      "$@" || die "installing $* from .carry/wheels failed"
 }
 
 configure() {  # $1: source folder (its build/ folder is made)
@@ -270,13 +289,9 @@ if has bench; then
   peer_args=()
   if [[ " $parts " == *" peer "* ]]; then
     mark "bench peer"
-    ls .carry/wheels/*.whl > /dev/null 2>&1 ||
-      die "no .carry/wheels: run scripts/prepare_carry.sh here and name .carry in carry"
-    peer_site=$(mktemp -d)
-    "$python" -m pip install -q --no-index --no-deps --no-compile --find-links .carry/wheels --target "$peer_site" \
-        diffusers torchao || die "installing the peer's wheels from .carry/wheels failed"
+    install_carried_wheels diffusers torchao
     # shellcheck disable=SC2086  # GPU_CHECK_PEER_ARGS: extra options, split into words
-    PYTHONPATH=$peer_site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 "$python" tools/peer_bench.py \
+    PYTHONPATH=$wheel_site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 "$python" tools/peer_bench.py \
         --workload W1,W2 --out "$OUT/peer.json" ${GPU_CHECK_PEER_ARGS:-} 2>&1 | tee "$OUT/peer.txt" ||
       die "tools/peer_bench.py failed: see peer.txt"
     peer_args=(--peer "$OUT/peer.json")
@@ -310,6 +325,19 @@ if has bench; then
         --data "${GPU_CHECK_CURVE_DATA:-structured}" --json "$OUT/bench_curve.json" 2>&1 |
       tee "$OUT/bench_curve.txt" || die "the W1 loss-curve run failed"
   fi
+fi
+
+if has encode; then
+  stage encode
+  install_carried_wheels diffusers
+  left=$((deadline - $(elapsed)))
+  [ "$left" -gt 60 ] || die "only $left s left before GPU_CHECK_DEADLINE=$deadline: no time for the encode stage"
+  # shellcheck disable=SC2086  # GPU_CHECK_ENCODE_ARGS: extra options, split into words
+  PYTHONPATH=$wheel_site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 timeout -k 10 "$left" "$python" \
+      tools/encode_throughput.py --json "$OUT/encode_throughput.json" --images "${GPU_CHECK_ENCODE_IMAGES:-256}" \
+      --batch "${GPU_CHECK_ENCODE_BATCH:-8,16}" --workers "${GPU_CHECK_ENCODE_WORKERS:-4,$cores}" \
+      ${GPU_CHECK_ENCODE_ARGS:-} 2>&1 | tee "$OUT/encode_throughput.txt" ||
+    die "tools/encode_throughput.py failed or ran past $left s: see encode_throughput.txt (the JSON keeps the passes done)"
 fi
 
 if has ncu; then

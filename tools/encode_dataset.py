@@ -34,6 +34,8 @@ renamed when complete) and encodes the rest. Images that do not decode and empty
 reported by name and skipped (--on-bad skip, the default) or stop the run (--on-bad stop). Work
 runs in batches on the GPU when there is one.
 
+tools/encode_throughput.py measures this tool's images/s (encode_items, with the stages timed).
+
 Needs torch, diffusers, transformers and Pillow (pyarrow for parquet). Exit status: 0 done; 1 an
 error or a bad input under --on-bad stop; 3 a package is missing.
 """
@@ -283,37 +285,50 @@ def write_shard(path, records, storage):
 
 
 class Encoder:
-    def __init__(self, args):
-        self.text = fe.TextEncoders(args, TOOL)
-        self.vae, self.device, self.dtype = fe.load_vae(args, TOOL)
+    """The VAE and the text encoders the arguments name, or those in `built` (fe.TextEncoders'
+    keys plus "vae", and "names" for "vae" too), made by the caller."""
 
-    def encode(self, pixels, captions):
+    def __init__(self, args, built=None):
+        self.text = fe.TextEncoders(args, TOOL, built)
+        if built is None:
+            self.vae, self.device, self.dtype = fe.load_vae(args, TOOL)
+            self.vae_name = list(fe.locations(args, TOOL)["vae"])
+        else:
+            self.device, self.dtype = fe.device_and_dtype(args)
+            self.vae, self.vae_name = built["vae"].to(self.device).eval(), built["names"]["vae"]
+
+    def encode(self, pixels, captions, clock=fe.NO_CLOCK):
         import torch
-        with torch.no_grad():
+        with torch.no_grad(), clock.stage("vae"):
             x = torch.stack(pixels).to(self.device, self.dtype)
             dist = self.vae.encode(x).latent_dist
             mean, logvar = dist.mean.float().cpu(), dist.logvar.float().cpu()
-        t5, clip = self.text.encode(captions)
+        t5, clip = self.text.encode(captions, clock)
         return mean, logvar, t5, clip
 
 
-def prepared_batches(items, args, pool):
+def prepared_batches(items, args, pool, clock=fe.NO_CLOCK):
     """Yields [(index, item, pixels, why)] a batch at a time; the next two batches decode on the
-    pool's threads while one encodes, and at most three batches of pixels are held."""
+    pool's threads while one encodes, and at most three batches of pixels are held. The clock's
+    "decode_wait" stage is the time spent waiting for those threads."""
+    def ready(futures):
+        with clock.stage("decode_wait"):
+            return [(i, it, *f.result()) for i, it, f in futures]
+
     queue = collections.deque()
     for start in range(0, len(items), args.batch):
         chunk = list(enumerate(items[start:start + args.batch], start))
         queue.append([(i, it, pool.submit(prepare, it, args.resolution)) for i, it in chunk])
         if len(queue) > 2:
-            yield [(i, it, *f.result()) for i, it, f in queue.popleft()]
+            yield ready(queue.popleft())
     while queue:
-        yield [(i, it, *f.result()) for i, it, f in queue.popleft()]
+        yield ready(queue.popleft())
 
 
-def encode_shard(enc, args, items, first, pool, bar, report):
+def encode_shard(enc, args, items, first, pool, bar, report, clock=fe.NO_CLOCK):
     """Encodes items (inputs first, first + 1, ...) into records; bad ones go to report(item, why)."""
     records = []
-    for batch in prepared_batches(items, args, pool):
+    for batch in prepared_batches(items, args, pool, clock):
         good = []
         for i, item, pixels, why in batch:
             if why:
@@ -321,7 +336,7 @@ def encode_shard(enc, args, items, first, pool, bar, report):
             else:
                 good.append((i, item, pixels))
         if good:
-            mean, logvar, t5, clip = enc.encode([p for _, _, p in good], [it.caption for _, it, _ in good])
+            mean, logvar, t5, clip = enc.encode([p for _, _, p in good], [it.caption for _, it, _ in good], clock)
             for j, (i, item, _) in enumerate(good):
                 records.append((f"{first + i:09d}", item.caption, item.source, mean[j], logvar[j], t5[j], clip[j]))
         bar.update(len(batch))
@@ -369,7 +384,7 @@ def settings_of(args, enc, n_items):
     scale, shift = fe.vae_factors(enc.vae)
     return {"resolution": args.resolution, "text_seq_len": args.text_seq_len, "storage": args.storage,
             "shard_size": args.shard_size, "val_count": args.val_count, "inputs": n_items,
-            "vae": list(fe.locations(args, TOOL)["vae"]), "t5": list(enc.text.names["t5"]),
+            "vae": list(enc.vae_name), "t5": list(enc.text.names["t5"]),
             "clip": list(enc.text.names["clip"]), "vae_scale_factor": scale, "vae_shift_factor": shift,
             "context_dim": enc.text.context_dim, "vec_dim": enc.text.vec_dim,
             "vae_downsample": fe.vae_downsample(enc.vae), "latent_channels": enc.vae.config.latent_channels}
@@ -418,10 +433,17 @@ def write_config(out, settings, shards):
 def main(argv=None):
     args = parse_args(argv)
     fe.import_torch_stack(TOOL)
+    items = collect_items(args)
+    encode_items(args, items, Encoder(args))
+    return 0
+
+
+def encode_items(args, items, enc, clock=fe.NO_CLOCK):
+    """The shards of items in args.out, those of an earlier run with the same settings kept;
+    returns {shard name: {"samples", "skipped"}}. The clock times the stages: decode_wait, vae,
+    t5, clip (Encoder.encode) and write."""
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    items = collect_items(args)
-    enc = Encoder(args)
     settings = settings_of(args, enc, len(items))
     manifest_path = os.path.join(out, "dataset.json")
     done = load_manifest(manifest_path, settings)
@@ -449,9 +471,10 @@ def main(argv=None):
                                   "written so far are kept, and a new run with the same arguments goes on from them")
                 skipped.append(f"{item.source}\t{why}")
 
-            records = encode_shard(enc, args, items[first:end], first, pool, bar, report)
+            records = encode_shard(enc, args, items[first:end], first, pool, bar, report, clock)
             if records:
-                write_shard(os.path.join(out, name), records, args.storage)
+                with clock.stage("write"):
+                    write_shard(os.path.join(out, name), records, args.storage)
             shards[name] = {"samples": len(records), "skipped": len(skipped)}
             skipped_total += len(skipped)
             if skipped:
@@ -465,7 +488,7 @@ def main(argv=None):
           + (f"; {skipped_total} inputs skipped (listed in {os.path.join(out, 'skipped.txt')})" if skipped_total
              else "") + f"\n  train with: include {os.path.join(out, 'dataset.yaml')} in your run config",
           file=sys.stderr)
-    return 0
+    return shards
 
 
 if __name__ == "__main__":

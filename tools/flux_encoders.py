@@ -1,6 +1,6 @@
 """The encoders a Flux model is trained on, as flux8's data and prompt files need them.
 
-Shared by tools/encode_dataset.py and tools/encode_prompts.py:
+Shared by tools/encode_dataset.py, tools/encode_prompts.py and tools/encode_throughput.py:
   VAE   diffusers' AutoencoderKL (the Flux VAE: 16 latent channels, 8x downsampling); the
         shards keep its posterior (mean, logvar) and flux8 draws z and normalises it with
         vae_scale_factor / vae_shift_factor (the VAE's scaling_factor / shift_factor)
@@ -14,12 +14,25 @@ copy of one) holds all three: --flux-repo R means vae/, text_encoder_2/ + tokeni
 text_encoder/ + tokenizer/ (CLIP) of R. Hub downloads need network access and, for gated repos
 such as black-forest-labs/FLUX.1-dev, a token (hf auth login).
 """
+import contextlib
 import io
 import os
 import sys
 
 MISSING_PACKAGES = 3  # exit status when torch, diffusers or transformers is missing
 CLIP_TOKENS = 77      # CLIP's context length, as FLUX.1 pipelines tokenize for it
+
+
+class NoClock:
+    """Stage timing switched off: what the tools run with unless tools/encode_throughput.py times
+    the stages (its clock's stage(name) is a context manager that adds up the seconds)."""
+
+    @staticmethod
+    def stage(name):
+        return contextlib.nullcontext()
+
+
+NO_CLOCK = NoClock()
 
 
 def fail(tool, msg, status=1):
@@ -100,20 +113,21 @@ def device_and_dtype(args):
 
 
 class TextEncoders:
-    """T5 and CLIP with their tokenizers; encode() gives flux8's "t5" and "clip" per prompt."""
+    """T5 and CLIP with their tokenizers; encode() gives flux8's "t5" and "clip" per prompt.
 
-    def __init__(self, args, tool):
-        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
-        where = locations(args, tool)
+    built: {"t5", "t5_tokenizer", "clip", "clip_tokenizer", "names"} made by the caller
+    (tools/encode_throughput.py: random real-sized encoders) instead of the ones the arguments
+    name; "names" holds what the settings record for "t5" and "clip"."""
+
+    def __init__(self, args, tool, built=None):
         self.device, self.dtype = device_and_dtype(args)
         self.text_seq_len = args.text_seq_len
-        self.t5_tok = _load(tool, "T5 tokenizer", AutoTokenizer, where["t5_tokenizer"], "tokenizer_2")
-        self.clip_tok = _load(tool, "CLIP tokenizer", AutoTokenizer, where["clip_tokenizer"], "tokenizer")
-        self.t5 = _load(tool, "T5 encoder", T5EncoderModel, where["t5"], "text_encoder_2",
-                        dtype=self.dtype).to(self.device).eval()
-        self.clip = _load(tool, "CLIP text model", CLIPTextModel, where["clip"], "text_encoder",
-                          dtype=self.dtype).to(self.device).eval()
-        self.names = {"t5": where["t5"], "clip": where["clip"]}
+        if built is None:
+            built = load_text_encoders(args, tool, self.dtype)
+        self.t5_tok, self.clip_tok = built["t5_tokenizer"], built["clip_tokenizer"]
+        self.t5 = built["t5"].to(self.device).eval()
+        self.clip = built["clip"].to(self.device).eval()
+        self.names = {"t5": built["names"]["t5"], "clip": built["names"]["clip"]}
 
     @property
     def context_dim(self):
@@ -123,17 +137,30 @@ class TextEncoders:
     def vec_dim(self):
         return self.clip.config.hidden_size
 
-    def encode(self, prompts):
+    def encode(self, prompts, clock=NO_CLOCK):
         """(t5 [n, text_seq_len, context_dim], clip [n, vec_dim]) as float32 CPU tensors."""
         import torch
         with torch.no_grad():
-            ids = self.t5_tok(prompts, padding="max_length", max_length=self.text_seq_len, truncation=True,
-                              return_tensors="pt").input_ids.to(self.device)
-            t5 = self.t5(input_ids=ids).last_hidden_state
-            ids = self.clip_tok(prompts, padding="max_length", max_length=CLIP_TOKENS, truncation=True,
-                                return_tensors="pt").input_ids.to(self.device)
-            clip = self.clip(input_ids=ids).pooler_output
-        return t5.float().cpu(), clip.float().cpu()
+            with clock.stage("t5"):
+                ids = self.t5_tok(prompts, padding="max_length", max_length=self.text_seq_len, truncation=True,
+                                  return_tensors="pt").input_ids.to(self.device)
+                t5 = self.t5(input_ids=ids).last_hidden_state.float().cpu()
+            with clock.stage("clip"):
+                ids = self.clip_tok(prompts, padding="max_length", max_length=CLIP_TOKENS, truncation=True,
+                                    return_tensors="pt").input_ids.to(self.device)
+                clip = self.clip(input_ids=ids).pooler_output.float().cpu()
+        return t5, clip
+
+
+def load_text_encoders(args, tool, dtype):
+    """The tokenizers and models at the locations the arguments name, as TextEncoders takes them."""
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+    where = locations(args, tool)
+    return {"t5_tokenizer": _load(tool, "T5 tokenizer", AutoTokenizer, where["t5_tokenizer"], "tokenizer_2"),
+            "clip_tokenizer": _load(tool, "CLIP tokenizer", AutoTokenizer, where["clip_tokenizer"], "tokenizer"),
+            "t5": _load(tool, "T5 encoder", T5EncoderModel, where["t5"], "text_encoder_2", dtype=dtype),
+            "clip": _load(tool, "CLIP text model", CLIPTextModel, where["clip"], "text_encoder", dtype=dtype),
+            "names": {"t5": list(where["t5"]), "clip": list(where["clip"])}}
 
 
 def load_vae(args, tool):
