@@ -63,8 +63,10 @@ class Job {
     std::vector<std::string> env;
     for (char** e = environ; *e; ++e)
       if (!names_the_launch(*e)) env.emplace_back(*e);
+    // The job runs on this node alone, where Open MPI never calls its remote-shell agent — but it
+    // refuses to start when none is installed (containers without ssh): name one that exists.
     for (const char* keep : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
-                             "OMPI_MCA_btl_vader_single_copy_mechanism=none"})
+                             "OMPI_MCA_btl_vader_single_copy_mechanism=none", "OMPI_MCA_plm_rsh_agent=false"})
       env.emplace_back(keep);
     env.insert(env.end(), extra_env.begin(), extra_env.end());
     // Everything the child needs is built before fork(): after it, only async-signal-safe calls.

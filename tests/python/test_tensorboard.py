@@ -4,7 +4,7 @@
     python3 tests/python/test_tensorboard.py <flux8 binary> <source dir>
 
 Needs the `tensorboard` and `mlperf-logging` pip packages (scripts/install_deps.sh installs
-them). Trains configs/demo.yaml, its model shrunk, on the CPU for a few steps (FP8 hybrid,
+them); outside CI (no CI variable in the environment) it exits 77, skipped, without them. Trains configs/demo.yaml, its model shrunk, on the CPU for a few steps (FP8 hybrid,
 telemetry every 2 steps), then checks:
   1. metrics.jsonl: every record has a known `kind`, a wall `time` within the run, an integer
      `step` and the device memory (allocated <= peak); each step is logged once.
@@ -182,8 +182,14 @@ def check_compliance(log, tmp):
 
 
 def main(argv):
-    import mlperf_logging  # noqa: F401  (installed by scripts/install_deps.sh)
-    import tensorboard  # noqa: F401
+    try:
+        import mlperf_logging  # noqa: F401  (installed by scripts/install_deps.sh)
+        import tensorboard  # noqa: F401
+    except ImportError as e:  # only outside CI: CI installs them
+        if os.environ.get("CI"):
+            raise
+        print(f"test_tensorboard: skipped: {e} (pip install tensorboard mlperf-logging)")
+        return 77
     flux8 = argv[1]
     src = argv[2] if len(argv) > 2 else os.path.join(os.path.dirname(__file__), "..", "..")
     with tempfile.TemporaryDirectory() as tmp:
