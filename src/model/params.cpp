@@ -168,22 +168,29 @@ void ParamStore::init(uint64_t seed) {
       largest_split > 0 ? masters_.allocate(static_cast<size_t>(largest_split) * dtype_size(dtype_)) : nullptr;
   // On the backend (the GPU for a CUDA run): 1.31B parameters start in milliseconds instead of
   // seconds of host generation and upload. Each value is a pure function of (seed, stream, j).
+  // Offloaded masters are drawn on the backend too, a tensor at a time in the staging buffer, and
+  // downloaded: the host's cores draw them far slower.
+  const bool staged = masters_offloaded() && largest_split == 0;
+  Backend& be = staged ? backend_ : masters_;
   for (size_t i = 0; i < layout_.params().size(); ++i) {
     const ParamInfo& p = layout_.params()[i];
     const uint64_t stream = rng_stream(0x706172616d73ull /*"params"*/, i);
     const Tensor local = view(params_, dtype_, p);
-    const Tensor t = p.shard.sharded() ? Tensor(full_buffer, dtype_, p.shard.full) : local;
+    const Tensor t = p.shard.sharded() ? Tensor(full_buffer, dtype_, p.shard.full)
+                     : staged          ? Tensor(staging_for(p.shape.numel()).data, dtype_, p.shape)
+                                       : local;
     switch (p.init) {
-      case ParamInit::zeros: masters_.fill(t, 0.0); break;
-      case ParamInit::ones: masters_.fill(t, 1.0); break;
-      case ParamInit::normal_002: masters_.fill_random(t, Backend::Random::normal, seed, stream, 0.02); break;
+      case ParamInit::zeros: be.fill(t, 0.0); break;
+      case ParamInit::ones: be.fill(t, 1.0); break;
+      case ParamInit::normal_002: be.fill_random(t, Backend::Random::normal, seed, stream, 0.02); break;
       case ParamInit::xavier_uniform:
         // U(−a, a), a = √(6 / (fan_in + fan_out)) on the fused weight shape.
-        masters_.fill_random(t, Backend::Random::uniform, seed, stream,
-                             std::sqrt(6.0 / static_cast<double>(p.shard.full[0] + p.shard.full[1])));
+        be.fill_random(t, Backend::Random::uniform, seed, stream,
+                       std::sqrt(6.0 / static_cast<double>(p.shard.full[0] + p.shard.full[1])));
         break;
     }
     if (p.shard.sharded()) copy_shard_on_backend(masters_, p.shard, t, local);
+    if (staged) backend_.download(local.data, t.data, static_cast<size_t>(p.shape.numel()) * dtype_size(dtype_));
   }
   if (full_buffer) masters_.release(full_buffer);
 }

@@ -253,6 +253,7 @@ class ParamStore {
   Tensor staging_;
   void allocate_residents(const std::vector<size_t>& which);
   Tensor stage(const ParamInfo& p);
+  Tensor staging_for(int64_t elements);  // the staging buffer, of at least `elements`
   // operand() (out: none) and bias_operand() (out: the output's type) with offloaded masters.
   Tensor offloaded_operand(const Tensor& p, std::optional<DType> out);
 };

@@ -23,8 +23,7 @@ void ParamStore::allocate_residents(const std::vector<size_t>& which) {
   forms_version_ = -1;  // the new residents hold zeros until the next refresh
 }
 
-Tensor ParamStore::stage(const ParamInfo& p) {
-  const int64_t n = p.shape.numel();
+Tensor ParamStore::staging_for(int64_t n) {
   if (!staging_.defined() || staging_.numel() < n) {
     // Sized for the largest parameter once: FP8 casts stage every block weight in turn.
     int64_t largest = n;
@@ -32,11 +31,16 @@ Tensor ParamStore::stage(const ParamInfo& p) {
     if (staging_.defined()) backend_.release(staging_.data);
     staging_ = Tensor(backend_.allocate(static_cast<size_t>(largest) * dtype_size(dtype_)), dtype_, Shape{largest});
   }
+  return staging_;
+}
+
+Tensor ParamStore::stage(const ParamInfo& p) {
+  const int64_t n = p.shape.numel();
   // upload() returns after the copy, ordered after the ops queued before: an earlier reader of
   // the staging buffer is done with it.
   const Tensor master(static_cast<char*>(params_) + static_cast<size_t>(p.offset) * dtype_size(dtype_), dtype_,
                       p.shape);
-  const Tensor staged(staging_.data, dtype_, p.shape);
+  const Tensor staged(staging_for(n).data, dtype_, p.shape);
   backend_.upload(staged.data, master.data, static_cast<size_t>(n) * dtype_size(dtype_));
   return staged;
 }
