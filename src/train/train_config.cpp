@@ -200,9 +200,8 @@ TrainConfig TrainConfig::from_config(const Config& cfg) {
          t.context_parallel, cfg.source("context_parallel_size"));
   t.distributed_optimizer = cfg.get_bool("use_distributed_optimizer");
   const std::string offload = cfg.get_string("optimizer_offload");
-  t.optimizer_offload = offload != "none";
   t.offload_masters = offload == "cpu";
-  if (t.optimizer_offload && t.tensor_parallel > 1)
+  if (offload != "none" && t.tensor_parallel > 1)
     fail(
         "optimizer_offload: {} ({}) with tensor_model_parallel_size {}: a tensor-parallel job's checkpoints gather "
         "the weights and moments through the devices, which offloaded ones are not on; set optimizer_offload: none, "

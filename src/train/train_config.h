@@ -76,8 +76,7 @@ struct TrainConfig {
   int tensor_parallel = 1;  // tensor_model_parallel_size
   int pipeline_parallel = 1, context_parallel = 1;
   bool distributed_optimizer = false;  // use_distributed_optimizer
-  bool optimizer_offload = false;      // optimizer_offload: moments or cpu (the moments in host memory)
-  bool offload_masters = false;        // optimizer_offload: cpu (the f32 master weights too)
+  bool offload_masters = false;        // optimizer_offload: cpu (the f32 master weights in host memory)
   bool overlap_grad_reduce = false, overlap_param_gather = false;  // accepted; no overlap (docs/DISTRIBUTED.md)
   double distributed_timeout_s = 600;                              // distributed_timeout_minutes
 
