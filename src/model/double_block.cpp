@@ -288,10 +288,11 @@ void stream_pre_attention_backward(const BlockContext& ctx, DoubleStreamParams& 
         d_qkv.cols_slice(0, A), d_qkv.cols_slice(A, A), d_qkv.cols_slice(2 * A, A), p.q_norm.ds, p.k_norm.ds, dq, dk,
         dv, s.qkv.cols_slice(0, A), s.qkv.cols_slice(A, A), s.q_rstd, s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, offset);
   const SavedLinearInput xm1 =
-      recompute_norms ? recompute_linear_input_of(
-                            be, ctx.fp8, a, p.qkv,
-                            layernorm_input(s.x_in, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps), ctx.dtype)
-                      : s.xm1;
+      recompute_norms
+          ? recompute_linear_input_of(
+                be, ctx.fp8, a, p.qkv,
+                layernorm_input(s.x_in, s.ln1_mean, s.ln1_rstd, s.mod, 0, H, ctx.cfg.layernorm_eps), ctx.dtype)
+          : s.xm1;
   site_backward(be, ctx.fp8, a, p.qkv, d_h, d_qkv, xm1, false);
   ctx.tp.all_reduce(d_h);
   be.layernorm_modulate_backward(dx, chunk(dmod, 0, H), chunk(dmod, 1, H), d_h, s.x_in, s.ln1_mean, s.ln1_rstd,
@@ -363,6 +364,10 @@ void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
     tokens(cols);
     plan_recompute_linear_input(a, fp8, rows, cols);
   };
+  auto heads_scratch = [&] {  // q, k, v, where the block recomputes them (BlockRecompute::heads)
+    if (r.heads)
+      for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  };
   const size_t start = a.mark();
   for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);  // dmod of each stream
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);            // dO, dq, dk, dv
@@ -386,8 +391,7 @@ void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   site();
   a.release_to(base);
   // The joint attention's backward: q, k, v recomputed (FP8 attention recomputes none).
-  if (r.heads)
-    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  heads_scratch();
   a.release_to(base);
   // Before attention, a stream: d_qkv, d_h and qkv's recomputed input.
   tokens(3 * A);
@@ -397,8 +401,7 @@ void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   a.release_to(start);
   // The forward: q, k, v in scratch, the Linear inputs and x_mid the block does not keep (and the
   // buffer of an FP8 Linear's input that is kept only as a cast).
-  if (r.heads)
-    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  heads_scratch();
   tokens(A);
   tokens(H);
   tokens(M);

@@ -191,15 +191,13 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
     be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, A), d_u.cols_slice(A, A), d_u.cols_slice(2 * A, A), p.q_norm.ds,
                                       p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, A), s.u.cols_slice(A, A), s.q_rstd,
                                       s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
-  const SavedLinearInput zm =
-      s.recompute.norms
-          ? recompute_linear_input_of(be, ctx.fp8, a, p.linear1,
-                                      Backend::CastInput::layernorm_modulate_of(s.z_in, s.ln_mean, s.ln_rstd,
-                                                                                s.mod.cols_slice(0, H),
-                                                                                s.mod.cols_slice(H, H),
-                                                                                ctx.cfg.layernorm_eps),
-                                      ctx.dtype)
-          : s.zm;
+  const SavedLinearInput zm = s.recompute.norms
+                                  ? recompute_linear_input_of(be, ctx.fp8, a, p.linear1,
+                                                              Backend::CastInput::layernorm_modulate_of(
+                                                                  s.z_in, s.ln_mean, s.ln_rstd, s.mod.cols_slice(0, H),
+                                                                  s.mod.cols_slice(H, H), ctx.cfg.layernorm_eps),
+                                                              ctx.dtype)
+                                  : s.zm;
   if (gelu_epilogue)
     site_backward(be, ctx.fp8, a, p.linear1, d_h, d_u, zm, false);
   else  // GELU's backward inside the casts of linear1's output gradient (or, BF16 wgrad, into d_u)
@@ -229,11 +227,15 @@ void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
     tokens(cols);
     plan_recompute_linear_input(a, fp8, rows, cols);
   };
+  auto heads_scratch = [&] {  // q, k, v, where the block recomputes them (BlockRecompute::heads)
+    if (r.heads)
+      for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  };
   const size_t start = a.mark();
-  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);  // dmod
-  tokens(H);                                         // d_h
-  tokens(3 * A + M);                                 // d_u
-  tokens(A);                                         // d_attn (BF16 MLPs)
+  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);                    // dmod
+  tokens(H);                                                           // d_h
+  tokens(3 * A + M);                                                   // d_u
+  tokens(A);                                                           // d_attn (BF16 MLPs)
   for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);  // dO, dq, dk, dv
   // FP8 attention: the backward's FP8 dO, dq, dk, dv instead (the bf16 heads above stay planned
   // for blocks without it).
@@ -244,8 +246,7 @@ void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   site();
   a.release_to(base);
   // The attention's backward: q, k, v recomputed (FP8 attention recomputes none).
-  if (r.heads)
-    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  heads_scratch();
   a.release_to(base);
   // linear1's backward: its recomputed input.
   if (r.norms) recomputed_input(H);
@@ -253,8 +254,7 @@ void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   a.release_to(start);
   // The forward: q, k, v in scratch, linear1's and linear2's inputs where not kept, the attention
   // output's tokens (FP8 MLPs).
-  if (r.heads)
-    for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  heads_scratch();
   tokens(H);
   tokens(A + M);
   tokens(A);
