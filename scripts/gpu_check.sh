@@ -64,6 +64,11 @@
 #   table  scripts/fp8_demo_table.sh with the 9 trainings at once (FLUX8_TABLE_JOBS, default 9)
 #          -> $OUT/fp8_table.md, $OUT/timings.tsv, $OUT/fp8_table_logs.tar.gz (logs, metrics.jsonl);
 #          GPU_CHECK_TABLE_ARGS adds --set arguments (e.g. a short probe: --set train_iters=30)
+#   converge (not a default stage) tools/convergence.py --tier w1 (flux_535m at W1's shape, 5000
+#          steps a run) into runs/conv_w1 with GPU_CHECK_CONVERGE_ARGS (default: seeds 1,2,3, every
+#          recipe and format), starting runs only while they can end before GPU_CHECK_DEADLINE; name
+#          runs/conv_w1 in carry to go on from an earlier call's runs -> $OUT/converge.txt (the
+#          table), $OUT/converge.tar.gz (runs/conv_w1: logs, bench.json curves, results.json)
 # While the bench and ab stages run, nvidia-smi samples the SM clock, power and the reasons the
 # GPU holds its clocks back every 100 ms -> $OUT/gpu_clocks.csv (each benchmark's start is marked
 # with the time of day in gpu_check.log): step times drift up within a run of steps.
@@ -420,6 +425,24 @@ if has table; then
     [ "$rc" -eq 124 ] && die "the table did not finish in $left s (partial logs in fp8_table_logs.tar.gz)"
     die "scripts/fp8_demo_table.sh failed (status $rc)"
   fi
+fi
+if has converge; then
+  stage converge
+  [ -x build/flux8 ] || die "no build/flux8: run the build stage"
+  left=$((deadline - $(elapsed) - 10))
+  [ "$left" -gt 60 ] || die "only $left s left before GPU_CHECK_DEADLINE=$deadline: no time for a convergence run"
+  set +e
+  # shellcheck disable=SC2086  # GPU_CHECK_CONVERGE_ARGS: harness options, split into words
+  PYTHONUNBUFFERED=1 timeout -k 10 "$((left + 5))" "$python" tools/convergence.py --tier w1 --out runs/conv_w1 \
+      --no-plots --time-budget "$left" ${GPU_CHECK_CONVERGE_ARGS:---seeds 1,2,3} 2>&1 | tee "$OUT/converge.txt"
+  rc=${PIPESTATUS[0]}
+  set -e
+  tar czf "$OUT/converge.tar.gz" runs/conv_w1 2>/dev/null || true
+  case $rc in
+    0) ;;
+    3) echo "converge: runs are left (above); call again with runs/conv_w1 carried" ;;
+    *) die "tools/convergence.py failed (status $rc): see converge.txt" ;;
+  esac
 fi
 [ "${test_failed:-0}" -eq 0 ] || die "ctest failed: see ctest.log"
 echo; echo "GPU_CHECK OK ($(elapsed) s)"

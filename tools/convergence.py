@@ -91,6 +91,10 @@ def parse_args(argv):
     p.add_argument("--jobs", type=int, default=None, help="runs at once (default 1, or the number of --gpus)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of each run (threads key and OMP_NUM_THREADS; default max(1, cores / jobs))")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start a run only while it can end within SECONDS of this call's start (its length taken as "
+                   "the longest run in OUT/timings.tsv); what is left is reported and a later call with the same "
+                   "arguments runs it (exit status 3)")
     p.add_argument("--tolerance", type=float, default=1.0, help="the ±%% band of the 'within' column (default 1)")
     p.add_argument("--smooth", type=int, default=None,
                    help="moving-average window of the plotted training loss (default steps / 50, at least 1)")
@@ -213,9 +217,11 @@ def make_plan(args, flux8: str) -> tuple:
 
 
 def make_runs(plan: Plan, variants: list, seeds: list, threads: int) -> list:
+    """Seed by seed, so that a call cut short by --time-budget leaves whole seeds: paired
+    differences need every variant of a seed."""
     runs = []
-    for v in variants:
-        for seed in seeds:
+    for seed in seeds:
+        for v in variants:
             name = runs_mod.run_name(v, seed)
             run = Run(v, seed, os.path.join(plan.out, name), os.path.join(plan.out, name + ".log"), threads=threads)
             if plan.runner == "train":
@@ -283,11 +289,20 @@ def main(argv) -> int:
     if plan.runner == "train":
         prepare_demo_data(plan, seeds, cfg)
     runs = make_runs(plan, variants, seeds, threads)
-    runs_mod.run_all(plan, runs, args.jobs, gpus)
+    runs_mod.run_all(plan, runs, args.jobs, gpus, budget_s=args.time_budget)
+    missing = [r.name for r in runs if r.result is None]
+    if len(missing) == len(runs):
+        raise HarnessError(f"no run fits --time-budget {args.time_budget:g} s (runs take about "
+                           f"{runs_mod.longest_run_s(plan):.0f} s): give more time")
+    runs = [r for r in runs if r.result is not None]
+    variants = [v for v in variants if any(r.variant.name == v.name for r in runs)]
+    if not any(v.name == "bf16" for v in variants):
+        raise HarnessError("the bf16 reference has no finished run yet: call again with the same arguments")
     summary = report.summarize(variants, runs, "bf16", args.tolerance)
     meta = {"title": args.title or f"{args.tier} tier", "tier": args.tier, "what": what, "steps": steps,
             "seeds": seeds, "reference": "bf16", "tolerance_pct": args.tolerance,
-            "final_metric": runs[0].result["final_metric"], "command": ["tools/convergence.py"] + list(argv)}
+            "final_metric": runs[0].result["final_metric"], "command": ["tools/convergence.py"] + list(argv),
+            "not_run": missing}
     data = report.results_json(meta, runs, summary)
     table = write_outputs(plan.out, data, not args.no_plots, args.smooth or max(1, steps // 50))
     print(table, end="")
@@ -296,6 +311,10 @@ def main(argv) -> int:
         if e["identical_seeds"]:
             print(f"warning: {e['variant']}: every seed gave the same training curve: the seed does not reach these "
                   "runs, so the ± and the intervals are not seed noise", file=sys.stderr)
+    if missing:
+        print(f"{len(missing)} runs not started within --time-budget ({', '.join(missing)}): the table holds the "
+              "finished ones; call again with the same arguments to run the rest", file=sys.stderr)
+        return 3
     return 0
 
 

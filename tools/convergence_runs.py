@@ -266,10 +266,24 @@ def execute(plan: Plan, run: Run, gpu: str | None) -> float:
     return seconds
 
 
-def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m, file=sys.stderr)) -> None:
+def longest_run_s(plan: Plan) -> float:
+    """The longest wall time in OUT/timings.tsv (0 when none is recorded)."""
+    try:
+        with open(os.path.join(plan.out, "timings.tsv"), encoding="utf-8") as f:
+            rows = [line.split("\t") for line in f.read().splitlines()[1:]]
+    except OSError:
+        return 0.0
+    return max([float(r[2]) for r in rows if len(r) == 3] or [0.0])
+
+
+def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m, file=sys.stderr),
+            budget_s: float | None = None) -> None:
     """Runs what is not finished yet, `jobs` at a time, each on a GPU of `gpus` that no other run
     holds (all of them on the default device when gpus is empty). After a failure no new run
-    starts; the ones under way finish, then every failure is raised together."""
+    starts; the ones under way finish, then every failure is raised together. With `budget_s`, a
+    run starts only while the longest recorded run would still end within budget_s of now; the
+    others keep result None."""
+    t0 = time.time()
     todo = [r for r in runs if not reusable(plan, r)]
     for r in runs:
         if r not in todo:
@@ -287,6 +301,9 @@ def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m
     def one(i_run):
         i, run = i_run
         if stop.is_set() or _stopping.is_set():
+            return
+        if budget_s is not None and time.time() - t0 + longest_run_s(plan) > budget_s:
+            say(f"[{i + 1}/{len(todo)}] {run.name}: not started (--time-budget {budget_s:g} s)")
             return
         gpu = free.get() if gpus else None
         where = "" if gpu is None else f", GPU {gpu}"

@@ -194,6 +194,15 @@ def check_resume(out, first_stdout):
     started = sorted(line.split()[1].rstrip(":") for line in res.stderr.splitlines() if "started" in line)
     assert started == ["bf16_moments_seed1", "bf16_moments_seed2"], res.stderr
     assert "| bf16_moments | 2 |" in res.stdout, res.stdout
+    # --time-budget: runs that could not end in time are not started (every run so far took longer
+    # than 0 s); the finished ones make the table and the call says what is left (exit status 3).
+    res = harness(out, *demo_args("--variant", "late: adam_moment_precision=bf16", "--time-budget", "0"),
+                  expect_ok=False)
+    assert res.returncode == 3 and res.stderr.count("not started (--time-budget 0 s)") == 2, res.stderr
+    assert "2 runs not started within --time-budget (late_seed1, late_seed2)" in res.stderr, res.stderr
+    assert "| late |" not in res.stdout and "| delayed_hybrid | 2 |" in res.stdout, res.stdout
+    with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
+        assert json.load(f)["meta"]["not_run"] == ["late_seed1", "late_seed2"]
     # An interrupted run (no end-of-run validation yet) is run again, and only it.
     path = os.path.join(out, "delayed_hybrid_seed2", "metrics.jsonl")
     with open(path, encoding="utf-8") as f:
