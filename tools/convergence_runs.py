@@ -266,14 +266,26 @@ def execute(plan: Plan, run: Run, gpu: str | None) -> float:
     return seconds
 
 
-def longest_run_s(plan: Plan) -> float:
-    """The longest wall time in OUT/timings.tsv (0 when none is recorded)."""
+def recorded_run_s(plan: Plan) -> dict:
+    """Each run's wall seconds in OUT/timings.tsv (the longest where one is recorded twice)."""
     try:
         with open(os.path.join(plan.out, "timings.tsv"), encoding="utf-8") as f:
             rows = [line.split("\t") for line in f.read().splitlines()[1:]]
     except OSError:
-        return 0.0
-    return max([float(r[2]) for r in rows if len(r) == 3] or [0.0])
+        return {}
+    out = {}
+    for r in rows:
+        if len(r) == 3:
+            out[r[0]] = max(out.get(r[0], 0.0), float(r[2]))
+    return out
+
+
+def expected_run_s(plan: Plan, run: Run) -> float:
+    """A run's expected wall seconds: its variant's longest recorded run, else the shortest recorded
+    run of any variant (0 when none is recorded)."""
+    times = recorded_run_s(plan)
+    own = [s for name, s in times.items() if name.rsplit("_seed", 1)[0] == run.variant.name]
+    return max(own) if own else min(times.values(), default=0.0)
 
 
 def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m, file=sys.stderr),
@@ -281,8 +293,8 @@ def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m
     """Runs what is not finished yet, `jobs` at a time, each on a GPU of `gpus` that no other run
     holds (all of them on the default device when gpus is empty). After a failure no new run
     starts; the ones under way finish, then every failure is raised together. With `budget_s`, a
-    run starts only while the longest recorded run would still end within budget_s of now; the
-    others keep result None."""
+    run starts only while it is expected (expected_run_s) to end within budget_s of now; the others
+    keep result None."""
     t0 = time.time()
     todo = [r for r in runs if not reusable(plan, r)]
     for r in runs:
@@ -302,7 +314,7 @@ def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m
         i, run = i_run
         if stop.is_set() or _stopping.is_set():
             return
-        if budget_s is not None and time.time() - t0 + longest_run_s(plan) > budget_s:
+        if budget_s is not None and time.time() - t0 + expected_run_s(plan, run) > budget_s:
             say(f"[{i + 1}/{len(todo)}] {run.name}: not started (--time-budget {budget_s:g} s)")
             return
         gpu = free.get() if gpus else None
