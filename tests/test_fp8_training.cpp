@@ -422,6 +422,16 @@ TEST(Fp8Config, ImpossibleCombinationsNameTheKeys) {
   EXPECT_NE(config_error({"fp8=hybrid", "fp8_multi_head_attention=true"}).find("fp8_multi_head_attention (--set)"),
             std::string::npos);
   EXPECT_NE(config_error({"fp8_dot_product_attention=true"}).find("but fp8 is none"), std::string::npos);
+  for (const char* recipe : {"delayed", "tensorwise"})
+    EXPECT_EQ(config_error({"fp8=hybrid", std::string("fp8_recipe=") + recipe, "fp8_weight_transpose=in_backward"}),
+              "");
+  for (const char* recipe : {"blockwise", "mxfp8"})
+    EXPECT_NE(
+        config_error({"fp8=hybrid", std::string("fp8_recipe=") + recipe, "fp8_weight_transpose=in_backward"})
+            .find("fp8_weight_transpose (--set) needs a per-tensor recipe (delayed, tensorwise), but the recipe is"),
+        std::string::npos)
+        << recipe;
+  EXPECT_NE(config_error({"fp8_weight_transpose=in_backward"}).find("but fp8 is none"), std::string::npos);
   // Keys of another recipe have no effect: warnings, not errors (docs/CONFIG.md).
   EXPECT_EQ(config_error({"fp8=e4m3", "fp8_recipe=mxfp8", "fp8_margin=2"}), "");
   EXPECT_EQ(config_error({"fp8=e4m3", "fp8_scale_rounding=power_of_2"}), "");

@@ -117,6 +117,20 @@ TEST(MemoryPlan, RecomputeElementwiseKeepsLess) {
   EXPECT_LT(a.step_total(Recompute::none), b.step_total(Recompute::none));
 }
 
+// fp8_weight_transpose: in_backward keeps one byte an FP8 block-Linear parameter instead of two,
+// plus one transpose buffer of the largest (flux_12b_dev: a single block's linear1, 3072 x 21504).
+TEST(MemoryPlan, WeightsTransposedInTheBackwardKeepOneCast) {
+  const Config keep = Config::load(kDev, {"image_size=512", "fp8=hybrid"});
+  const Config in_backward = Config::load(kDev, {"image_size=512", "fp8=hybrid", "fp8_weight_transpose=in_backward"});
+  const MemoryPlan a = MemoryPlan::of(keep, {}), b = MemoryPlan::of(in_backward, {});
+  EXPECT_DOUBLE_EQ(b.fp8_casts, a.fp8_casts / 2 + 3072.0 * 21504.0);
+  EXPECT_DOUBLE_EQ(b.operand_copies, a.operand_copies);
+  EXPECT_DOUBLE_EQ(a.state() - b.state(), a.fp8_casts - b.fp8_casts);
+  const MemoryPlan bf16 = MemoryPlan::of(Config::load(kDev, {"image_size=512"}), {});
+  EXPECT_EQ(bf16.fp8_casts, 0.0);
+  EXPECT_DOUBLE_EQ(bf16.operand_copies, a.operand_copies + a.fp8_casts);  // every Linear's bf16 copy
+}
+
 TEST(MemoryPlan, DistributedOptimizerShardsTheMomentsOnly) {
   const Config config = Config::load(kDev, {"image_size=256"});
   const MemoryPlan whole = MemoryPlan::of(config, {2, 16, false}), sharded = MemoryPlan::of(config, {2, 16, true});

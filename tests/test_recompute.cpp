@@ -108,6 +108,29 @@ TEST(Recompute, GivesIdenticalGradientsInFp8OverSteps) {
 // the boundary falls among the double blocks, at the switch to the single blocks or among them
 // (FP8: the LayerNorm statistics a kept block hands to the next are not handed to a recomputed
 // one).
+// fp8_weight_transpose: in_backward transposes each weight's rowwise cast for its dgrad instead of
+// keeping the transposed cast: the same codes and scale, so the same bits — over steps whose
+// weights AdamW casts (delayed) and whose casts take each step's amax (tensorwise), with every
+// recompute setting (a recomputed forward leaves the shared buffer to the backward after it).
+TEST(Recompute, WeightsTransposedInTheBackwardGiveIdenticalGradients) {
+  const FluxConfig cfg = odd_config(2, 2, false);
+  for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+    Fp8Config keep;
+    keep.enabled = true;
+    keep.hybrid = true;
+    keep.recipe = recipe;
+    keep.amax_history_len = 3;
+    Fp8Config in_backward = keep;
+    in_backward.weight_transpose_in_backward = true;
+    for (Recompute rc : {Recompute::none, Recompute::full}) {
+      SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << ", " << name_of(rc));
+      const ModelRun a = run(cfg, DType::f32, &keep, with_elementwise(rc, true), 3);
+      const ModelRun b = run(cfg, DType::f32, &in_backward, with_elementwise(rc, true), 3);
+      expect_identical(b, a);
+    }
+  }
+}
+
 TEST(Recompute, TheFirstBlocksOnlyGiveIdenticalGradients) {
   const FluxConfig cfg = odd_config(2, 3, true);
   const ModelRun none = run(cfg, DType::f32, nullptr, with_elementwise(Recompute::none, false), 1);
@@ -119,8 +142,8 @@ TEST(Recompute, TheFirstBlocksOnlyGiveIdenticalGradients) {
   for (Recompute rc : kRecomputing)
     for (int64_t blocks : {1, 2, 4})
       for (bool elementwise : {true, false}) {
-        SCOPED_TRACE(::testing::Message() << name_of(rc) << ", first " << blocks << " blocks, recompute_elementwise "
-                                          << elementwise);
+        SCOPED_TRACE(::testing::Message()
+                     << name_of(rc) << ", first " << blocks << " blocks, recompute_elementwise " << elementwise);
         expect_identical(run(cfg, DType::f32, nullptr, with_elementwise(rc, elementwise, blocks), 1), none);
         expect_identical(run(cfg, DType::f32, &fp8, with_elementwise(rc, elementwise, blocks), 2), none8);
       }

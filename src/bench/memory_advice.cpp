@@ -48,6 +48,11 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
     add("grad_precision: bf16", "", peak_with(cfg, parallel, {{"grad_precision", "bf16"}}));
   if (cfg.get_string("adam_moment_precision") == "f32")
     add("adam_moment_precision: bf16", "", peak_with(cfg, parallel, {{"adam_moment_precision", "bf16"}}));
+  const std::string recipe = cfg.get_string("fp8_recipe");
+  if (cfg.get_string("fp8") != "none" && cfg.get_string("fp8_weight_transpose") == "keep" &&
+      (recipe == "delayed" || recipe == "tensorwise"))
+    add("fp8_weight_transpose: in_backward", "the dgrad's transposed weight casts made in the backward",
+        peak_with(cfg, parallel, {{"fp8_weight_transpose", "in_backward"}}));
   if (cfg.get_string("activation_precision") == "f32")
     add("activation_precision: bf16", "", peak_with(cfg, parallel, {{"activation_precision", "bf16"}}));
   // (Offload is refused under tensor parallelism: TrainConfig.)

@@ -42,9 +42,10 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   // Every rank of a tensor-parallel group holds as many parameters (whole heads and equal MLP
   // slices, the rest replicated): rank 0's layout stands for all.
   const ParamLayout layout = ParamLayout::build(cfg, 0, parallel.tp);
-  int64_t block_linear = 0, linear_weight = 0;
+  int64_t block_linear = 0, linear_weight = 0, largest_block_linear = 0;
   for (const ParamInfo& info : layout.params()) {
     if (info.block_linear) block_linear += info.shape.numel();
+    if (info.block_linear) largest_block_linear = std::max(largest_block_linear, info.shape.numel());
     if (info.linear_weight) linear_weight += info.shape.numel();
   }
   p.model_params = ParamLayout::build(cfg).total();
@@ -52,9 +53,13 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   const double P = static_cast<double>(p.rank_params);
 
   // The CUDA backend's buffers: FP8 block Linears keep their weight's E4M3 cast and its transpose
-  // instead of a bf16 copy; every other Linear weight keeps a bf16 copy.
-  p.fp8_casts = p.fp8 ? 2.0 * static_cast<double>(block_linear) : 0.0;
-  p.operand_copies = 2.0 * static_cast<double>(linear_weight) - p.fp8_casts;
+  // (or, fp8_weight_transpose: in_backward, one transpose buffer of the largest) instead of a bf16
+  // copy; every other Linear weight keeps a bf16 copy.
+  const bool keep_transposes = config.get_string("fp8_weight_transpose") == "keep";
+  p.fp8_casts = !p.fp8            ? 0.0
+                : keep_transposes ? 2.0 * static_cast<double>(block_linear)
+                                  : static_cast<double>(block_linear + largest_block_linear);
+  p.operand_copies = 2.0 * static_cast<double>(linear_weight - block_linear * (p.fp8 ? 1 : 0));
   p.masters = 4.0 * P;
   p.gradients = (p.bf16_grads ? 2.0 : 4.0) * P;
   const double moment_bytes = p.bf16_moments ? 4.0 : 8.0;  // two moments

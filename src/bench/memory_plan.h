@@ -44,7 +44,7 @@ struct MemoryPlan {
 
   // Bytes on one GPU.
   double operand_copies = 0;  // bf16 copies of the Linear weights not run in FP8
-  double fp8_casts = 0;       // E4M3 weight and its transpose, per FP8 block-Linear weight
+  double fp8_casts = 0;       // E4M3 weight and its transpose, per FP8 block-Linear weight (fp8_weight_transpose)
   double masters = 0;         // f32 parameters (offload_masters: the small ones, a chunk and a staging buffer)
   double gradients = 0;       // the whole local gradient buffer (reduce-scattered in place)
   double moments = 0;         // exp_avg and exp_avg_sq of moment_elements (offload: the device's chunk of each)

@@ -2,6 +2,7 @@
 // memory plan of one GPU of a parallel job (bench/memory_plan.h).
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <charconv>
 #include <limits>
 #include <map>
@@ -10,8 +11,8 @@
 #include <type_traits>
 
 #include "cli/commands.h"
-#include "cli/text_format.h"
 #include "cli/memory_plan_report.h"
+#include "cli/text_format.h"
 #include "config/config.h"
 #include "core/error.h"
 #include "model/flops.h"
@@ -50,7 +51,7 @@ struct InfoReport {
 };
 
 Memory step_memory(const Config& config, const InfoReport& r, const ActivationEstimate& act, double P,
-                   int64_t block_linear_params, int64_t linear_weight_params) {
+                   int64_t block_linear_params, int64_t largest_block_linear, int64_t linear_weight_params) {
   Memory m;
   // grad_precision: bf16 stores the parameter gradients in 2 bytes (CUDA).
   const bool bf16_grads = config.get_string("grad_precision") == "bf16";
@@ -68,9 +69,13 @@ Memory step_memory(const Config& config, const InfoReport& r, const ActivationEs
   // every Linear in BF16, those outside the FP8 block Linears in FP8).
   const double fp8_copies = 2.0 * static_cast<double>(block_linear_params);
   const double bf16_linears = 2.0 * static_cast<double>(linear_weight_params);
+  // fp8_weight_transpose: in_backward keeps one cast and one transpose buffer of the largest.
+  const double fp8_casts_today = config.get_string("fp8_weight_transpose") == "keep"
+                                     ? fp8_copies
+                                     : static_cast<double>(block_linear_params + largest_block_linear);
   m.rows = {
       {"weights (bf16)", 2 * P, 2 * P, bf16_linears, bf16_linears - fp8_copies},
-      {"fp8 weight copies", 0, fp8_copies, 0, fp8_copies},
+      {"fp8 weight copies", 0, fp8_copies, 0, fp8_casts_today},
       {"fp32 master weights", 4 * P, 4 * P, 4 * P, 4 * P},
       {bf16_grads ? "gradients (bf16)" : "fp32 gradients", grad_bytes * P, grad_bytes * P, grad_bytes * P,
        grad_bytes * P},
@@ -113,11 +118,12 @@ InfoReport compute_info(const Config& config) {
   r.shape = StepShape{r.batch, cfg.text_seq_len, cfg.image_tokens(r.pixels)};
 
   const ParamLayout layout = ParamLayout::build(cfg);
-  int64_t block_linear_params = 0, linear_weight_params = 0;
+  int64_t block_linear_params = 0, largest_block_linear = 0, linear_weight_params = 0;
   for (const ParamInfo& p : layout.params()) {
     if (r.components.empty() || r.components.back().first != p.component) r.components.push_back({p.component, 0});
     r.components.back().second += p.shape.numel();
     if (p.block_linear) block_linear_params += p.shape.numel();
+    if (p.block_linear) largest_block_linear = std::max(largest_block_linear, p.shape.numel());
     if (p.linear_weight) linear_weight_params += p.shape.numel();
   }
   r.total_params = layout.total();
@@ -131,8 +137,8 @@ InfoReport compute_info(const Config& config) {
   r.bf16_storage = config.get_string("activation_precision") == "bf16";
   // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
   r.fp8_attention = config.get_bool("fp8_dot_product_attention");
-  r.memory =
-      step_memory(config, r, act, static_cast<double>(layout.total()), block_linear_params, linear_weight_params);
+  r.memory = step_memory(config, r, act, static_cast<double>(layout.total()), block_linear_params, largest_block_linear,
+                         linear_weight_params);
   return r;
 }
 

@@ -53,7 +53,7 @@ Fp8Config Fp8Config::from_config(const Config& c) {
   if (!f.enabled) {
     // A run that asks for FP8 details but not FP8 itself would silently train in BF16.
     for (const char* key : {"fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
-                            "fp8_scale_rounding", "fp8_modulation", "fp8_dot_product_attention",
+                            "fp8_scale_rounding", "fp8_modulation", "fp8_dot_product_attention", "fp8_weight_transpose",
                             "fp8_fprop_fast_accumulation", "fp8_multi_head_attention", "first_last_layers_bf16",
                             "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"})
       if (set(key))
@@ -70,6 +70,14 @@ Fp8Config Fp8Config::from_config(const Config& c) {
         "{} has no effect: it applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each "
         "128-wide block in fp32 (fp8_recipe {}, {})",
         where("fp8_fprop_fast_accumulation"), recipe, recipe, c.source("fp8_recipe")));
+  f.weight_transpose_in_backward = c.get_string("fp8_weight_transpose") == "in_backward";
+  // A block-scaled cast's transpose has scales of its own (1x32 blocks along the other axis) or
+  // tiles to move with their scales; only the per-tensor codes transpose as they are.
+  if (f.weight_transpose_in_backward && !per_tensor)
+    fail(
+        "{} needs a per-tensor recipe (delayed, tensorwise), but the recipe is {} ({}); use fp8_weight_transpose: "
+        "keep, or a per-tensor recipe",
+        where("fp8_weight_transpose"), recipe, c.source("fp8_recipe"));
   if (c.get_bool("fp8_multi_head_attention"))
     fail(
         "{}: FP8 attention with FP8 q, k, v, o passed to and from the Linears around it is not implemented; "
@@ -135,6 +143,7 @@ std::string Fp8Config::describe() const {
   if (per_tensor_recipe(recipe))
     s += fprop_fast_accumulation ? ", forward GEMMs with fast accumulation" : ", forward GEMMs in fp32 accumulation";
   if (dot_product_attention) s += ", FP8 attention";
+  if (weight_transpose_in_backward) s += ", weights transposed in the backward";
   if (first_last_bf16) s += fmt::format(", first {} / last {} blocks in BF16", bf16_start, bf16_end);
   return s;
 }

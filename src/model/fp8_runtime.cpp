@@ -185,14 +185,22 @@ void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
   sites_.clear();
   for (LinearSite* s : sites)
     if (s->fp8) sites_.push_back(s);
+  const bool keep = !cfg_.weight_transpose_in_backward;
+  int64_t largest = 0;
   auto plan = [&](Arena& a) {
     for (LinearSite* s : sites) {
       if (!s->fp8) continue;
       const int64_t M = s->w.shape[0], K = s->w.shape[1];
       s->w_row = allocate_qtensor(a, M, K, format(Operand::weight), scaling(Operand::weight), SlotKind::activation);
-      s->w_col = allocate_qtensor(a, K, M, format(Operand::weight), scaling(Operand::weight), SlotKind::activation);
+      s->w_col =
+          keep ? allocate_qtensor(a, K, M, format(Operand::weight), scaling(Operand::weight), SlotKind::activation)
+               : QTensor{};
       s->w_version = -1;
+      largest = std::max(largest, M * K);
     }
+    if (!keep && largest > 0)  // shaped per site by dgrad_weight
+      shared_col_ =
+          allocate_qtensor(a, 1, largest, format(Operand::weight), Fp8Scaling::per_tensor, SlotKind::activation);
   };
   Arena measure;
   plan(measure);
@@ -207,6 +215,15 @@ void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
   site.w_version = weight_version_;
   site.w_recorded = recording_;
   site.w_counted = collect_stats_;
+}
+
+QTensor Fp8Runtime::dgrad_weight(const LinearSite& site) {
+  if (site.w_col.defined()) return site.w_col;
+  QTensor col = shared_col_;
+  col.rows = site.w_row.cols;
+  col.cols = site.w_row.rows;
+  be_.transpose_codes(col, site.w_row);
+  return col;
 }
 
 std::vector<Backend::ParamCast> Fp8Runtime::weight_casts(ParamStore& store) {
@@ -228,7 +245,7 @@ void Fp8Runtime::weights_updated(bool cast_by_update) {
   ++weight_version_;
   if (!cast_by_update) return;
   for (LinearSite* s : sites_) {
-    be_.transpose_codes(s->w_col, s->w_row);
+    if (s->w_col.defined()) be_.transpose_codes(s->w_col, s->w_row);
     s->w_version = weight_version_;
     s->w_recorded = true;
     s->w_counted = false;

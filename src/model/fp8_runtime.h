@@ -84,6 +84,10 @@ class Fp8Runtime {
   // Casts a site's weight unless this step's cast is in place (and recorded, and counted when
   // the step counts telemetry).
   void ensure_weight_cast(LinearSite& site);
+  // The dgrad operand of a site whose forward cast its weight this step: its kept columnwise
+  // cast, or (fp8_weight_transpose: in_backward) the rowwise cast transposed into the buffer
+  // every site shares — valid until the next call.
+  QTensor dgrad_weight(const LinearSite& site);
 
   // Casts of validation passes must not move the delayed-scaling history.
   void set_recording(bool on) { recording_ = on; }
@@ -128,6 +132,7 @@ class Fp8Runtime {
   std::vector<int> attention_slot_;  // registry slot of each attention's q (k +1, ..., dv +8)
   std::vector<AttentionCastStats> attention_stats_, last_attention_stats_;
   Arena weight_arena_;
+  QTensor shared_col_;  // in_backward: the largest site's columnwise cast, reused by every site
   int64_t weight_version_ = 0;
   bool recording_ = true;
   bool collect_stats_ = true;

@@ -167,7 +167,7 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
   q.column_sums_accumulate = accumulate;
   be.quantize_fused(dy_row, dy_col, dy, q);
   if (dx.defined())
-    be.gemm_fp8_tn(dx, dy_row, site.w_col, Tensor{}, accumulate_dx, Fp8Accumulation::fp32);  // dgrad: dy·w
+    be.gemm_fp8_tn(dx, dy_row, fp8.dgrad_weight(site), Tensor{}, accumulate_dx, Fp8Accumulation::fp32);  // dgrad
   if (fp8_wgrad)
     be.gemm_fp8_tn(site.dw, dy_col, saved.cast_t, Tensor{}, accumulate, Fp8Accumulation::fp32);  // wgrad: dyᵀ·x
   else

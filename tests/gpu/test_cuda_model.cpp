@@ -232,6 +232,36 @@ TEST(CudaModel, Fp8WeightCastsWrittenByAdamWEqualCastsAtFirstUse) {
   }
 }
 
+// fp8_weight_transpose: in_backward — each dgrad transposes the rowwise cast (AdamW's, delayed;
+// each step's own, tensorwise) into one shared buffer instead of reading a kept transposed cast:
+// the same bits as keeping them, with the optimizer's fused casts and on bf16 activations.
+TEST(CudaModel, Fp8WeightsTransposedInTheBackwardEqualKeptTransposes) {
+  FLUX8_REQUIRE_GPU();
+  const FluxConfig cfg = fp8_test_config();
+  for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+    Fp8Config keep = delayed_hybrid_fp8();
+    keep.recipe = recipe;
+    Fp8Config in_backward = keep;
+    in_backward.weight_transpose_in_backward = true;
+    testing::ModelRunOptions o{.batch = 2,
+                               .txt_tokens = 6,
+                               .img_tokens = 20,
+                               .steps = 3,
+                               .weight_std = 0.1,
+                               .optimizer = true,
+                               .fused_weight_casts = recipe == Fp8Recipe::delayed,
+                               .collect_stats = false};
+    SCOPED_TRACE(fp8_recipe_name(recipe));
+    o.fp8 = &keep;
+    const ModelRun a = testing::run_model(gpu_bf16_activations(), cfg, o);
+    o.fp8 = &in_backward;
+    const ModelRun b = testing::run_model(gpu_bf16_activations(), cfg, o);
+    EXPECT_EQ(a.pred, b.pred);
+    ASSERT_EQ(a.grads.size(), b.grads.size());
+    for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i].second, b.grads[i].second) << a.grads[i].first;
+  }
+}
+
 // Activations stored in bf16 (the training configuration) against the CPU backend that rounds
 // every activation to bf16 (round_activations_to_bf16). Both round, but wherever their f32
 // values differ in the last bits (summation order) they round to neighbouring bf16 numbers,
