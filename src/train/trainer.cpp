@@ -272,19 +272,22 @@ void open_metrics(Run& r) {
 
 void note(Run& r, const std::string& line) { r.progress->note(line); }
 
-// "gradients: all-reduced over the data-parallel group in 711 buckets of up to 16.8M elements, each
-// started during the last micro-batch's backward once its gradients are final ..."
+// "gradients: summed over the data-parallel group in 711 buckets of up to 16.8M elements, each
+// all-reduced, started during the last micro-batch's backward as each bucket's gradients are final
+// (overlap_grad_reduce); 711 collectives a step"
 std::string gradient_reduction_line(const Run& r) {
   const GradientBuckets& b = *r.buckets;
+  const size_t n = b.buckets().size(), collectives = b.collectives_per_step();
   return fmt::format(
-      "gradients: {} over the data-parallel group in {} bucket{} of up to {:.1f}M elements, {} ({} collective{} a "
-      "step)",
-      r.opt->sharded() ? "each bucket reduced to the ranks owning it (use_distributed_optimizer)" : "all-reduced",
-      b.buckets().size(), b.buckets().size() == 1 ? "" : "s", static_cast<double>(DataParallel::kBucketElements) / 1e6,
-      overlaps_grad_reduce(r) ? "each started during the last micro-batch's backward once its gradients are final "
+      "gradients: summed over the data-parallel group in {} bucket{} of up to {:.1f}M elements, {}, {}; {} "
+      "collective{} a step",
+      n, n == 1 ? "" : "s", static_cast<double>(DataParallel::kBucketElements) / 1e6,
+      r.opt->sharded() ? "each reduced to the ranks whose shards it meets (use_distributed_optimizer)"
+                       : "each all-reduced",
+      overlaps_grad_reduce(r) ? "started during the last micro-batch's backward as each bucket's gradients are final "
                                 "(overlap_grad_reduce)"
-                              : "after the last micro-batch's backward (overlap_grad_reduce: false)",
-      b.collectives_per_step(), b.collectives_per_step() == 1 ? "" : "s");
+                              : "started after the last micro-batch's backward (overlap_grad_reduce: false)",
+      collectives, collectives == 1 ? "" : "s");
 }
 
 // What the run is and how it computes, at its start.
