@@ -348,8 +348,8 @@ std::vector<KeySpec> parallel_keys() {
       bool_key("parallel", "overlap_grad_reduce", false,
                "data parallelism: each 2^24-element gradient bucket's reduction starts during the step's last "
                "backward as soon as the bucket's gradients are final (off: after that backward); the same "
-               "collectives in the same order, so the same bits either way. Turns `cuda_graph` off "
-               "(docs/DISTRIBUTED.md)"),
+               "collectives in the same order, so the same bits either way. With more than one data-parallel "
+               "rank it turns `cuda_graph` off (docs/DISTRIBUTED.md)"),
       bool_key("parallel", "overlap_param_gather", false,
                "accepted for Megatron configs; with use_distributed_optimizer the updated weights are gathered "
                "right after the update (overlapping the gather with the next step is not implemented)"),
