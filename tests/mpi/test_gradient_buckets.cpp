@@ -42,6 +42,9 @@ struct RunSpec {
 struct Trajectory {
   std::vector<double> losses, norms, weights;
   size_t buckets = 0, started_in_backward = 0;  // of the last step
+  size_t collectives = 0;                       // a step
+  int64_t total = 0;                            // the rank's flat buffer
+  int dp_size = 1;
 };
 
 FluxConfig model_config() {
@@ -97,7 +100,13 @@ Trajectory train(const RunSpec& run, Reduction how) {
     t.norms.push_back(apply_optimizer_step(model, opt, step + 1, 1e-2).grad_norm);
   }
   t.weights = to_host(*be, model.params().flat_params());
-  if (buckets) t.buckets = buckets->buckets().size(), t.started_in_backward = buckets->started_in_backward();
+  if (buckets) {
+    t.buckets = buckets->buckets().size();
+    t.started_in_backward = buckets->started_in_backward();
+    t.collectives = buckets->collectives_per_step();
+  }
+  t.total = model.params().layout().total();
+  t.dp_size = dp.size();
   return t;
 }
 
@@ -122,6 +131,14 @@ void expect_reductions_agree(const RunSpec& run) {
     expect_same_bits(t->norms, reference.norms, "gradient norms");
     expect_same_bits(t->weights, reference.weights, "weights");
   }
+  // One collective a bucket, and one more for each shard boundary inside a bucket.
+  size_t expected = during.buckets;
+  if (run.distributed && during.dp_size > 1) {
+    const FlatSharding sharding = FlatSharding::of(during.total, during.dp_size);
+    for (int r = 1; r < during.dp_size; ++r)
+      expected += (during.total - sharding.owned(r).begin) % run.bucket_elements != 0 ? 1 : 0;
+  }
+  EXPECT_EQ(during.collectives, expected);
   EXPECT_EQ(after.started_in_backward, 0u);
   EXPECT_EQ(during.started_in_backward, during.buckets);
   if (world_rank() == 0)
