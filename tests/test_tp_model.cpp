@@ -104,6 +104,17 @@ class ThreadRank final : public Communicator {
     }
     finish(out, r);
   }
+  void reduce(const Tensor& t, int root, bool) override {
+    publish(t);
+    std::vector<double> r(static_cast<size_t>(t.numel()));
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      double acc = element(g_.slots_[0], i);
+      for (int q = 1; q < size(); ++q) acc += element(g_.slots_[static_cast<size_t>(q)], i);
+      r[static_cast<size_t>(i)] = acc;
+    }
+    g_.sync();  // every rank has read every input
+    if (rank_ == root) set_elements(t, r);
+  }
   void all_gather(const Tensor& out, const Tensor& in, bool) override {
     publish(in);
     const int64_t n = in.numel();

@@ -19,6 +19,9 @@ class SingleRankCommunicator final : public Communicator {
   void all_reduce(const Tensor&, ReduceOp, bool) override {}
   void reduce_scatter(const Tensor& out, const Tensor& in, bool) override { copy(out, in, "reduce_scatter"); }
   void all_gather(const Tensor& out, const Tensor& in, bool) override { copy(out, in, "all_gather"); }
+  void reduce(const Tensor&, int root, bool) override {
+    if (root != 0) fail("{}: reduce to rank {} in a group of one rank", describe(), root);
+  }
   void broadcast(const Tensor&, int root) override {
     if (root != 0) fail("{}: broadcast from rank {} in a group of one rank", describe(), root);
   }

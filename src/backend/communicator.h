@@ -36,6 +36,11 @@ class Communicator {
   virtual void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum, bool async = false) = 0;
   // in: size() * n elements; out: n elements, rank r's out = the sum over ranks of in's slice r.
   virtual void reduce_scatter(const Tensor& out, const Tensor& in, bool async = false) = 0;
+  // t = the sum over the ranks' t, on `root` alone; the other ranks' t are left as they were.
+  // The distributed optimizer's reduction of a gradient bucket that lies in the shards of one or
+  // a few ranks. Sums are formed in an order fixed by the group's size alone (MPI: the rank order
+  // of all_reduce and reduce_scatter, so the same elements give the same bits by either path).
+  virtual void reduce(const Tensor& t, int root, bool async = false) = 0;
   // in: n elements; out: size() * n, slice r = rank r's in. `in` may be out's slice rank().
   virtual void all_gather(const Tensor& out, const Tensor& in, bool async = false) = 0;
   // t = root's t on every rank.

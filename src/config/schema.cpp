@@ -352,8 +352,10 @@ std::vector<KeySpec> parallel_keys() {
                "ZeRO-1: each data-parallel rank keeps and updates only its shard of the AdamW moments; gradients "
                "are reduce-scattered and the updated weights all-gathered"),
       bool_key("parallel", "overlap_grad_reduce", false,
-               "accepted for Megatron configs; the gradients are reduced in buckets after the step's last "
-               "backward (overlapping them with the backward is not implemented: the log says so when this is on)"),
+               "data parallelism: each 2^24-element gradient bucket's reduction starts during the step's last "
+               "backward as soon as the bucket's gradients are final (off: after that backward); the same "
+               "collectives in the same order, so the same bits either way. With more than one data-parallel "
+               "rank it turns `cuda_graph` off (docs/DISTRIBUTED.md)"),
       bool_key("parallel", "overlap_param_gather", false,
                "accepted for Megatron configs; with use_distributed_optimizer the updated weights are gathered "
                "right after the update (overlapping the gather with the next step is not implemented)"),

@@ -160,6 +160,29 @@ void MpiCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool) 
   host_out(out, result.data());
 }
 
+void MpiCommunicator::reduce(const Tensor& t, int root, bool) {
+  check_tensor(t, "reduce");
+  if (root < 0 || root >= size_) fail("{}: reduce to rank {}, which is not in the group", describe(), root);
+  if (size_ == 1) return;
+  const size_t es = dtype_size(t.dtype);
+  const int64_t n = t.numel();
+  const int64_t chunk = std::max<int64_t>(1, kMaxChunkBytes / static_cast<int64_t>(es) / size_);
+  const char* host = host_in(t);
+  std::vector<char> result(rank_ == root ? t.bytes() : 0);
+  std::vector<char> parts(rank_ == root ? static_cast<size_t>(std::min(chunk, std::max<int64_t>(n, 1)) * size_) * es
+                                        : 0);
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    const int64_t c = std::min(chunk, n - begin);
+    const size_t cb = static_cast<size_t>(c) * es;
+    check_mpi(MPI_Gather(host + static_cast<size_t>(begin) * es, static_cast<int>(cb), MPI_BYTE, parts.data(),
+                         static_cast<int>(cb), MPI_BYTE, root, comm_),
+              "reduce (MPI_Gather)");
+    if (rank_ == root)
+      reduce_parts(parts.data(), result.data() + static_cast<size_t>(begin) * es, c, t.dtype, ReduceOp::sum);
+  }
+  if (rank_ == root) host_out(t, result.data());
+}
+
 void MpiCommunicator::all_gather(const Tensor& out, const Tensor& in, bool) {
   check_tensor(out, "all_gather");
   check_tensor(in, "all_gather");

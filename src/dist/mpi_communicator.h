@@ -4,7 +4,8 @@
 // the path that lets several ranks share one GPU in tests (FLUX8_COMM=mpi), where NCCL refuses.
 //
 // Sums are formed on the host in rank order: reduce_scatter is an all-to-all that gives rank r
-// every rank's slice r, which it adds up rank 0 first; all_reduce is that and an all-gather. The
+// every rank's slice r, which it adds up rank 0 first; all_reduce is that and an all-gather;
+// reduce gathers every rank's tensor to the root, which adds them up the same way. The
 // result depends only on the group's size (never on MPI's choice of algorithm, which varies with
 // message size and can differ between ranks), every rank holds identical bits, and the bytes a
 // rank sends are those of a ring's reduce-scatter. bf16 and f16 are summed in f32 and rounded
@@ -32,6 +33,7 @@ class MpiCommunicator final : public Communicator {
   std::string describe() const override;
   void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum, bool async = false) override;
   void reduce_scatter(const Tensor& out, const Tensor& in, bool async = false) override;
+  void reduce(const Tensor& t, int root, bool async = false) override;
   void all_gather(const Tensor& out, const Tensor& in, bool async = false) override;
   void broadcast(const Tensor& t, int root) override;
   void barrier() override;

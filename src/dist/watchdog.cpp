@@ -42,6 +42,10 @@ class WatchedCommunicator final : public Communicator {
     const auto wait = watch("reduce_scatter");
     inner_->reduce_scatter(out, in, async);
   }
+  void reduce(const Tensor& t, int root, bool async) override {
+    const auto wait = watch("reduce");
+    inner_->reduce(t, root, async);
+  }
   void all_gather(const Tensor& out, const Tensor& in, bool async) override {
     const auto wait = watch("all_gather");
     inner_->all_gather(out, in, async);

@@ -197,6 +197,7 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i) double_params_.push_back(DoubleBlockParams::bind(*params_, i));
   for (int64_t i = 0; i < cfg_.num_single_blocks; ++i) single_params_.push_back(SingleBlockParams::bind(*params_, i));
   if (tp_.sharded()) bind_partial_grads();
+  plan_final_parts();
   if (fp8 && fp8->enabled) {
     if (dtype_ != DType::f32) fail("FP8 training runs the model in f32 (the CPU emulation's working type)");
     fp8_ = std::make_unique<Fp8Runtime>(*fp8, be_);
@@ -275,15 +276,52 @@ void FluxModel::bind_partial_grads() {
   }
 }
 
-void FluxModel::reduce_partial_grads() {
-  if (partial_.empty()) return;
-  tp_.all_reduce(partial_flat_);
-  for (const PartialGrad& g : partial_) {
+void FluxModel::reduce_partial_grads(size_t first, size_t count) {
+  if (count == 0) return;
+  const int64_t D = cfg_.head_dim();
+  const size_t es = dtype_size(partial_flat_.dtype);
+  tp_.all_reduce(Tensor(static_cast<char*>(partial_flat_.data) + first * static_cast<size_t>(D) * es,
+                        partial_flat_.dtype, Shape{static_cast<int64_t>(count) * D}));
+  for (size_t i = first; i < first + count; ++i) {
+    const PartialGrad& g = partial_[i];
     if (params_->first_write(g.grad))
       be_.copy(g.grad, g.part);
     else
       be_.accumulate(g.grad, g.part);
   }
+}
+
+void FluxModel::plan_final_parts() {
+  // A parameter's part: its block ("double_blocks.3"), the final layer, the input Linears, or its
+  // embedder ("time_in").
+  const auto part_of = [](const std::string& name) {
+    for (const char* blocks : {"double_blocks.", "single_blocks."})
+      if (name.starts_with(blocks)) return name.substr(0, name.find('.', std::string_view(blocks).size()));
+    if (name.starts_with("img_in.") || name.starts_with("txt_in.")) return std::string("inputs");
+    return name.substr(0, name.find('.'));
+  };
+  const std::vector<ParamInfo>& params = params_->layout().params();
+  for (size_t i = 0; i < params.size(); ++i) final_parts_[part_of(params[i].name)].params.push_back(i);
+  // The blocks' parts by index, with their QK-norm scales in partial_ (bind_partial_grads's order:
+  // each double block's txt and img q and k, then each single block's q and k).
+  const auto take_block = [&](const char* blocks, size_t i, size_t first, size_t count) {
+    const auto at = final_parts_.find(fmt::format("{}.{}", blocks, i));
+    FLUX8_CHECK(at != final_parts_.end(), "no parameters of {}.{}", blocks, i);
+    FinalPart p = std::move(at->second);
+    final_parts_.erase(at);
+    if (!partial_.empty()) p.partial_first = first, p.partial_count = count;
+    return p;
+  };
+  const size_t nd = double_params_.size();
+  for (size_t i = 0; i < nd; ++i) double_parts_.push_back(take_block("double_blocks", i, 4 * i, 4));
+  for (size_t i = 0; i < single_params_.size(); ++i)
+    single_parts_.push_back(take_block("single_blocks", i, 4 * nd + 2 * i, 2));
+}
+
+void FluxModel::report_final(FinalGradients* final, const FinalPart& part) {
+  if (!final) return;
+  reduce_partial_grads(part.partial_first, part.partial_count);
+  final->gradients_final(part.params);
 }
 
 void FluxModel::check_no_step_graph() const {
@@ -500,7 +538,7 @@ void FluxModel::run_blocks() {
   }
 }
 
-void FluxModel::backward(const Tensor& dpred) {
+void FluxModel::backward(const Tensor& dpred, FinalGradients* final) {
   if (!saved_) fail("FluxModel::backward called without a forward");
   check_no_step_graph();
   const FluxConfig& c = cfg_;
@@ -535,6 +573,7 @@ void FluxModel::backward(const Tensor& dpred) {
   be_.layernorm_modulate_backward(dimg, dmod.cols_slice(0, H), dmod.cols_slice(H, H), dxm, s.img, s.final_mean,
                                   s.final_rstd, s.final_mod.cols_slice(H, H), false);
   linear_backward_params(be_, ada, d_silu_vec, dmod, s.silu_vec, P.operand(ada.w), false);
+  report_final(final, final_parts_.at("final_layer"));
 
   // Single blocks on the joint sequence; the text tokens were dropped, so their gradient is 0.
   const BlockContext ctx = block_context(d_silu_vec);  // full recomputation re-runs block forwards
@@ -546,8 +585,10 @@ void FluxModel::backward(const Tensor& dpred) {
   // statistics twice.
   const int64_t nd = static_cast<int64_t>(double_params_.size());
   for (size_t i = single_params_.size(); i-- > 0;) {
+    const FinalPart& part = single_parts_[i];
     if (recompute_.of_block(nd + static_cast<int64_t>(i)) != Recompute::full) {
       single_block_backward(ctx, single_params_[i], s.singles[i], dz);
+      report_final(final, part);
       continue;
     }
     SingleBlockSaved blk =
@@ -558,11 +599,14 @@ void FluxModel::backward(const Tensor& dpred) {
     }
     single_block_backward(ctx, single_params_[i], blk, dz);
     saved_arena_.release_to(s.block_region);
+    report_final(final, part);
   }
   be_.split_tokens(dtxt, dimg, dz);
   for (size_t i = double_params_.size(); i-- > 0;) {
+    const FinalPart& part = double_parts_[i];
     if (recompute_.of_block(static_cast<int64_t>(i)) != Recompute::full) {
       double_block_backward(ctx, double_params_[i], s.doubles[i], dtxt, dimg);
+      report_final(final, part);
       continue;
     }
     DoubleBlockSaved blk =
@@ -573,6 +617,7 @@ void FluxModel::backward(const Tensor& dpred) {
     }
     double_block_backward(ctx, double_params_[i], blk, dtxt, dimg);
     saved_arena_.release_to(s.block_region);
+    report_final(final, part);
   }
 
   const LinearSite img_in = LinearSite::bind(P, "img_in"), txt_in = LinearSite::bind(P, "txt_in");
@@ -580,6 +625,7 @@ void FluxModel::backward(const Tensor& dpred) {
                       false, img_in.accumulate_grads());
   be_.linear_backward(Tensor{}, txt_in.dw, txt_in.db, dtxt, s.txt_in.defined() ? s.txt_in : inputs_.txt, txt_in.w,
                       false, txt_in.accumulate_grads());
+  report_final(final, final_parts_.at("inputs"));
 
   // Conditioning vector: every embedder receives dvec.
   be_.silu_backward(dvec, d_silu_vec, s.vec, false);
@@ -589,11 +635,12 @@ void FluxModel::backward(const Tensor& dpred) {
     be_.silu_backward(dhidden, dact, e.hidden, false);
     linear_backward_params(be_, m.in_layer, Tensor{}, dhidden, x, m.in_layer.w, false);
     P.flush_low_rank_copies();  // dact's and dhidden's rows, before the next embedder reuses them
+    report_final(final, final_parts_.at(name));
   };
   embedder_backward("time_in", s.time, s.time.x);
   if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);
   embedder_backward("vector_in", s.vector, s.y_in.defined() ? s.y_in : inputs_.y);
-  reduce_partial_grads();
+  if (!final) reduce_partial_grads(0, partial_.size());  // (with `final`: block by block)
   params_->finish_grads();  // every gradient written (overwritten first, since zero_grads)
 }
 

@@ -6,11 +6,13 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "model/arena.h"
 #include "model/block_common.h"
 #include "model/double_block.h"
+#include "model/final_gradients.h"
 #include "model/single_block.h"
 #include "model/tensor_parallel.h"
 
@@ -114,7 +116,12 @@ class FluxModel {
   // Returns pred [B, Li, out_channels], valid until the next forward.
   Tensor forward(const FluxInputs& in);
   // Accumulates the parameter gradients of a loss whose gradient w.r.t. pred is dpred.
-  void backward(const Tensor& dpred);
+  // `final`: this backward is the step's last (its last micro-batch); `final` hears of each part
+  // of the model whose gradients are then complete — after each block, the final layer, the input
+  // Linears and each embedder. Under tensor parallelism the blocks' partial QK-norm gradients are
+  // then summed over the group block by block (the same sums as the one all-reduce otherwise), so
+  // that a block's gradients are final when its backward ends.
+  void backward(const Tensor& dpred, FinalGradients* final = nullptr);
 
   // Per rank of a tensor-parallel group of tp_size ranks (1: the whole model).
   static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape,
@@ -144,7 +151,17 @@ class FluxModel {
   // by the blocks into partial_grads_, this backward's part alone, which the end of the
   // backward sums over the group (one all-reduce for all of them) and adds to the gradients.
   void bind_partial_grads();
-  void reduce_partial_grads();
+  // partial_[first, first + count): the scales of one block when the backward reports final
+  // gradients (block by block), all of them otherwise.
+  void reduce_partial_grads(size_t first, size_t count);
+  // Tells `final` (when set) that the parameters of `part` are final, after summing the part's
+  // partial gradients over the tensor-parallel group.
+  struct FinalPart {
+    std::vector<size_t> params;                   // layout indices
+    size_t partial_first = 0, partial_count = 0;  // its QK-norm scales in partial_
+  };
+  void report_final(FinalGradients* final, const FinalPart& part);
+  void plan_final_parts();
   // Tensor parallelism runs collectives between the blocks' ops, which a step graph
   // (backend/step_graph.h, cuda_graph) would neither capture nor replay: refused with it.
   void check_no_step_graph() const;
@@ -168,6 +185,11 @@ class FluxModel {
   void* partial_grads_ = nullptr;
   Tensor partial_flat_;
   std::vector<PartialGrad> partial_;
+  // The parts of the model whose gradients become final together: each block's, and by name the
+  // final layer's ("final_layer"), the input Linears' ("inputs": img_in, txt_in) and each
+  // embedder's ("time_in", ...).
+  std::vector<FinalPart> double_parts_, single_parts_;
+  std::unordered_map<std::string, FinalPart> final_parts_;
   Arena saved_arena_, scratch_arena_;
   StepShape planned_{0, 0, 0};
   StepShape shape_{0, 0, 0};

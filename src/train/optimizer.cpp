@@ -192,7 +192,7 @@ StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
   StepStats s;
   s.lr = lr;
   const Tensor grads = store_.flat_grads(), params = store_.flat_params();
-  dp_->reduce_scatter_gradients(grads, sharding_);
+  if (!caller_reduces_) dp_->reduce_scatter_gradients(grads, sharding_);
   s.grad_norm = std::sqrt(job_sum_squares(owned_, {}));
   if (!std::isfinite(s.grad_norm)) return s;
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
@@ -205,7 +205,7 @@ StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
 
 StepStats AdamWOptimizer::step(int64_t step, double lr, std::span<const Backend::ParamCast> casts) {
   if (sharded_) return sharded_step(step, lr);
-  if (dp_) dp_->all_reduce_gradients(store_.flat_grads());
+  if (dp_ && !caller_reduces_) dp_->all_reduce_gradients(store_.flat_grads());
   StepStats s;
   s.lr = lr;
   // The per-sample Linears' gradients may be kept as factors (ParamStore::keep_low_rank_grads):

@@ -62,6 +62,10 @@ class AdamWOptimizer {
   // bf16 operand copies are then made afresh from them, at their first use). Call before the
   // first step; the moments start at zero.
   void set_data_parallel(DataParallel* dp, bool distributed);
+  // The caller sums the gradients over the data-parallel group before each step()
+  // (train/gradient_buckets.h, overlapped with the backward): step() then takes them as summed —
+  // the whole buffer, or sharded the owned() range — and runs no reduction of its own.
+  void set_gradients_reduced_by_caller(bool reduced) { caller_reduces_ = reduced; }
   // Tensor parallelism: `tp` reduces over the model's tensor-parallel group, whose ranks hold
   // the shards of the split parameters and the same replicated ones: the gradient norm counts
   // every shard once and every replicated tensor once.
@@ -127,6 +131,7 @@ class AdamWOptimizer {
   // With tp_: the flat buffer's runs of split parameters (adjacent ones merged), for the norm.
   std::vector<FlatRange> split_runs_;
   bool sharded_ = false;
+  bool caller_reduces_ = false;
   FlatSharding sharding_;
   FlatRange owned_;
   Tensor full_m_, full_v_;

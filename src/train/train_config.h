@@ -77,8 +77,10 @@ struct TrainConfig {
   int pipeline_parallel = 1, context_parallel = 1;
   bool distributed_optimizer = false;  // use_distributed_optimizer
   bool offload_masters = false;        // optimizer_offload: cpu (the f32 master weights in host memory)
-  bool overlap_grad_reduce = false, overlap_param_gather = false;  // accepted; no overlap (docs/DISTRIBUTED.md)
-  double distributed_timeout_s = 600;                              // distributed_timeout_minutes
+  // overlap_grad_reduce: gradient buckets reduced during the backward (train/gradient_buckets.h);
+  // overlap_param_gather: accepted, the weights are gathered after the update (docs/DISTRIBUTED.md).
+  bool overlap_grad_reduce = false, overlap_param_gather = false;
+  double distributed_timeout_s = 600;  // distributed_timeout_minutes
 
   std::string config_yaml;  // the resolved config (Config::dump), for the checkpoints
   // What the config sets to no effect, or what flux8 honours differently from Megatron, one

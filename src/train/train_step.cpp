@@ -85,12 +85,13 @@ Tensor StepBuffers::losses(int64_t n) {
 
 namespace {
 // One micro-batch's forward, loss (into the device f64 `loss`) and backward, in a graph region.
+// `last`: the step's last micro-batch, whose backward tells ctx.final_gradients as it goes.
 void micro_batch_gradients(const StepContext& ctx, const FluxInputs& in, Tensor target, Tensor dpred, Tensor loss,
-                           double share) {
+                           double share, bool last) {
   StepGraph::Region region(ctx.graph);
   const Tensor pred = ctx.model.forward(in);
   ctx.model.backend().mse_loss_into(loss, dpred, pred, target, share);
-  ctx.model.backward(dpred);
+  ctx.model.backward(dpred, last ? ctx.final_gradients : nullptr);
   region.end();
 }
 
@@ -131,7 +132,8 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, const std::vector<Sam
     HostBatch& hb = ctx.buffers.host;
     make_train_batch(hb, part, ctx.cfg, ctx.obj, ctx.empty, ctx.seed, step, 0, first_index + first);
     const FluxInputs& in = ctx.buffers.upload(hb, ctx.cfg, ctx.seed);
-    micro_batch_gradients(ctx, in, ctx.buffers.target, ctx.buffers.dpred, loss_of_part(losses, part_index), share);
+    micro_batch_gradients(ctx, in, ctx.buffers.target, ctx.buffers.dpred, loss_of_part(losses, part_index), share,
+                          part_index == parts - 1);
     count_micro_batch(out, hb, ctx.cfg);
   }
   if (ctx.data_parallel) ctx.data_parallel->all_reduce(losses);
@@ -156,7 +158,7 @@ StepLoss accumulate_step_gradients(const StepContext& ctx, BatchPipeline& pipeli
     const HostBatch& hb = *mb.host;  // the slot's: read before release() lets it be refilled
     count_micro_batch(out, hb, ctx.cfg);
     out.data += mb.timing;
-    micro_batch_gradients(ctx, *mb.in, mb.target, mb.dpred, loss_of_part(losses, part), share);
+    micro_batch_gradients(ctx, *mb.in, mb.target, mb.dpred, loss_of_part(losses, part), share, part == parts - 1);
     pipeline.release();
     if (loader_after) *loader_after = mb.loader_after;
   }

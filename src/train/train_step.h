@@ -65,6 +65,9 @@ struct StepContext {
   StepGraph* graph = nullptr;
   // The data-parallel group (null: one rank): the step's losses are summed over it.
   Communicator* data_parallel = nullptr;
+  // Told which gradients are final during the backward of each step's last micro-batch
+  // (FluxModel::backward): the data-parallel gradient buckets (train/gradient_buckets.h).
+  FinalGradients* final_gradients = nullptr;
 };
 
 struct StepLoss {

@@ -30,6 +30,7 @@
 #include "train/checkpoint_shards.h"
 #include "train/data_parallel.h"
 #include "train/fp8_report.h"
+#include "train/gradient_buckets.h"
 #include "train/mlperf_log.h"
 #include "train/objective.h"
 #include "train/optimizer.h"
@@ -80,6 +81,9 @@ struct Run {
   std::unique_ptr<StepGraph> graph;
   std::unique_ptr<FluxModel> model;
   std::unique_ptr<AdamWOptimizer> opt;
+  // Data parallelism: the gradients' reduction, bucket by bucket (overlap_grad_reduce); null on
+  // one data-parallel rank.
+  std::unique_ptr<GradientBuckets> buckets;
   TrainerState state;
   EmptyPrompt empty;
   std::vector<Sample> val;
@@ -152,13 +156,34 @@ void join_job(Run& r) {
         digest);
 }
 
+bool overlaps_grad_reduce(const Run& r) { return r.cfg.overlap_grad_reduce && r.dp->size() > 1; }
+
+// The data-parallel gradient reduction in buckets, started during the last micro-batch's backward
+// or after it; the optimizer then reduces nothing itself. The distributed optimizer's buckets go
+// to the ranks that own them, on its sharding of the flat buffer.
+void add_gradient_buckets(Run& r) {
+  if (r.dp->size() == 1) return;
+  std::optional<FlatSharding> sharding;
+  if (r.opt->sharded()) {
+    sharding = FlatSharding::of(r.model->params().layout().total(), r.dp->size());
+    const FlatRange own = sharding->owned(r.dp->rank()), updated = r.opt->owned();
+    FLUX8_CHECK(own.begin == updated.begin && own.count == updated.count,
+                "gradient buckets: this rank owns [{}, {}) of the buffer, the optimizer updates [{}, {})", own.begin,
+                own.end(), updated.begin, updated.end());
+  }
+  r.buckets = std::make_unique<GradientBuckets>(r.model->params(), *r.dp, sharding, overlaps_grad_reduce(r));
+  r.opt->set_gradients_reduced_by_caller(true);
+}
+
 void build_model(Run& r) {
   join_job(r);
   // cuda_graph: each micro-batch's forward and backward recorded and launched as CUDA graphs
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
   // A graph cannot hold the tensor-parallel collectives inside the blocks, nor the uploads of
   // offloaded master weights for FP8 casts: op by op there.
-  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1 && !r.cfg.offload_masters)
+  // overlap_grad_reduce starts the data-parallel collectives inside the last micro-batch's backward.
+  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1 && !r.cfg.offload_masters &&
+      !overlaps_grad_reduce(r))
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
   if (r.cfg.offload_masters) r.host_memory = make_backend("cpu");
   r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute,
@@ -170,6 +195,7 @@ void build_model(Run& r) {
   // stay as factors (ParamStore::keep_low_rank_grads) — on one data-parallel rank, where the
   // gradient buffer need not be reduced.
   r.model->params().keep_low_rank_grads(r.dp->size() > 1 ? 0 : r.cfg.global_batch);
+  add_gradient_buckets(r);
   // FP8: every rank's amaxes max-reduced before the delayed-scaling update, so every rank holds
   // the scales one process would.
   if (r.model->fp8() && r.groups->distributed())
@@ -246,6 +272,24 @@ void open_metrics(Run& r) {
 
 void note(Run& r, const std::string& line) { r.progress->note(line); }
 
+// "gradients: summed over the data-parallel group in 711 buckets of up to 16.8M elements, each
+// all-reduced, started during the last micro-batch's backward as each bucket's gradients are final
+// (overlap_grad_reduce); 711 collectives a step"
+std::string gradient_reduction_line(const Run& r) {
+  const GradientBuckets& b = *r.buckets;
+  const size_t n = b.buckets().size(), collectives = b.collectives_per_step();
+  return fmt::format(
+      "gradients: summed over the data-parallel group in {} bucket{} of up to {:.1f}M elements, {}, {}; {} "
+      "collective{} a step",
+      n, n == 1 ? "" : "s", static_cast<double>(DataParallel::kBucketElements) / 1e6,
+      r.opt->sharded() ? "each reduced to the ranks whose shards it meets (use_distributed_optimizer)"
+                       : "each all-reduced",
+      overlaps_grad_reduce(r) ? "started during the last micro-batch's backward as each bucket's gradients are final "
+                                "(overlap_grad_reduce)"
+                              : "started after the last micro-batch's backward (overlap_grad_reduce: false)",
+      collectives, collectives == 1 ? "" : "s");
+}
+
 // What the run is and how it computes, at its start.
 void announce_run(Run& r) {
   const ParamStore& params = r.model->params();
@@ -266,10 +310,11 @@ void announce_run(Run& r) {
                                            "(use_distributed_optimizer)"
                                          : "",
                         r.groups->dp().describe()));
-  if (r.cfg.overlap_grad_reduce || r.cfg.overlap_param_gather)
+  if (r.buckets) note(r, gradient_reduction_line(r));
+  if (r.cfg.overlap_param_gather && r.opt->sharded())
     note(r,
-         "overlap_grad_reduce / overlap_param_gather: accepted, but the gradients are reduced after the step's last "
-         "backward and the weights gathered right after the update (no overlap with compute)");
+         "overlap_param_gather: accepted, but the updated weights are all-gathered right after the update, before "
+         "the next forward (no overlap with compute)");
   if (params.grad_dtype() != params.dtype())
     note(r, fmt::format("gradients: stored in {} (grad_precision); master weights in {}",
                         dtype_name(params.grad_dtype()), dtype_name(params.dtype())));
@@ -295,6 +340,10 @@ void announce_run(Run& r) {
              std::to_string(r.graph->graph_options().segment_ops) + " ops)");
   else if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() > 1)
     note(r, "cuda_graph: off under tensor parallelism (a graph cannot hold the collectives inside the blocks)");
+  else if (r.cfg.cuda_graph && r.be->can_capture() && overlaps_grad_reduce(r))
+    note(r,
+         "cuda_graph: off with overlap_grad_reduce (a graph cannot hold the gradient buckets' collectives started "
+         "inside the backward); set overlap_grad_reduce: false to keep the graphs");
   else if (r.cfg.cuda_graph && r.cfg.cuda_graph_set)
     note(r, "cuda_graph: the " + r.be->name() + " backend has no graphs; running op by op");
   if (!r.be->repeats_bit_for_bit())
@@ -663,7 +712,9 @@ void take_step(Run& r, const StepContext& ctx, const TrainOptions& opt) {
   const bool report_fp8 = fp8 && r.cfg.fp8.stats_interval > 0 && (step + 1) % r.cfg.fp8.stats_interval == 0;
   if (fp8) fp8->set_collect_stats(report_fp8);
   LoaderState ls;  // the loader's position after this step's samples (the pipeline reads ahead)
+  if (r.buckets) r.buckets->begin_step();
   const StepLoss sl = accumulate_step_gradients(ctx, *r.pipeline, step, &ls);
+  if (r.buckets) r.buckets->finish_step();
   if (!opt.nan_gradient.param.empty()) inject_nan_gradient(r, opt.nan_gradient, step);
   const double lr = r.cfg.schedule.at(step + 1);
   // FP8: one delayed-scaling update for all tensors (an inf/NaN amax keeps the old scale),
@@ -727,8 +778,9 @@ bool after_step(Run& r, const TrainOptions& opt) {
 }
 
 void step_loop(Run& r, const TrainOptions& opt) {
-  const StepContext ctx{*r.model, r.cfg.model,  r.cfg.objective, r.empty,
-                        *r.buf,   r.state.seed, r.graph.get(),   r.dp->size() > 1 ? &r.dp->group() : nullptr};
+  const StepContext ctx{*r.model,       r.cfg.model,  r.cfg.objective, r.empty,
+                        *r.buf,         r.state.seed, r.graph.get(),   r.dp->size() > 1 ? &r.dp->group() : nullptr,
+                        r.buckets.get()};
   restart_energy(r);
   while (r.state.step < r.cfg.train_iters) {
     take_step(r, ctx, opt);

@@ -124,6 +124,28 @@ TEST_P(CommunicatorConformance, ReduceScatterSumsEachRanksSlice) {
     }
 }
 
+TEST_P(CommunicatorConformance, ReduceSumsOnTheRootAndLeavesTheOthers) {
+  const int size = comm->size(), rank = comm->rank();
+  for (int root = 0; root < size; ++root)
+    for (DType t : kReduceTypes)
+      for (int64_t n : kCounts) {
+        BackendBuffer buf(*be, t, n);
+        const std::vector<double> mine = input(rank, n, 8 + root, t);
+        upload(*be, buf.t, mine);
+        comm->reduce(buf.t, root);
+        std::vector<double> want = mine;
+        if (rank == root)
+          for (int64_t i = 0; i < n; ++i) {
+            double acc = value(0, i, 8 + root, t);
+            for (int r = 1; r < size; ++r) acc += value(r, i, 8 + root, t);
+            want[static_cast<size_t>(i)] = acc;
+          }
+        expect_equal(
+            download(*be, buf.t), want,
+            label(*comm, fmt::format("reduce to {}{}", root, rank == root ? "" : " (not the root)").c_str(), t, n));
+      }
+}
+
 TEST_P(CommunicatorConformance, AllGatherOutOfPlaceAndInPlace) {
   const int size = comm->size(), rank = comm->rank();
   for (DType t : kMoveTypes)
@@ -238,7 +260,8 @@ TEST_P(CommunicatorConformance, AsyncCollectivesSeeEarlierOpsAndJoinOrdersLaterO
   const int64_t n = 1000003;
   BackendBuffer src(*be, DType::f32, n), a(*be, DType::f32, n), b(*be, DType::f32, n),
       gathered(*be, DType::f32, n * size), scattered(*be, DType::f32, n), wide(*be, DType::f32, n * size),
-      after(*be, DType::f32, n);
+      after(*be, DType::f32, n), rooted(*be, DType::f32, n), rooted_after(*be, DType::f32, n);
+  const int root = size - 1;
   upload(*be, src.t, input(rank, n, 6, DType::f32));
   upload(*be, wide.t, input(rank, n * size, 7, DType::f32));
   // The inputs are written by ops queued just before each collective: no synchronisation between.
@@ -247,8 +270,11 @@ TEST_P(CommunicatorConformance, AsyncCollectivesSeeEarlierOpsAndJoinOrdersLaterO
   be->copy(b.t, src.t);
   comm->all_gather(gathered.t, b.t, true);
   comm->reduce_scatter(scattered.t, wide.t, true);
+  be->copy(rooted.t, src.t);
+  comm->reduce(rooted.t, root, true);
   comm->join();
   be->copy(after.t, a.t);  // queued after join(): sees the sum
+  be->copy(rooted_after.t, rooted.t);
 
   std::vector<double> sum(static_cast<size_t>(n), 0.0), scatter(static_cast<size_t>(n), 0.0), gather;
   for (int r = 0; r < size; ++r) {
@@ -262,6 +288,8 @@ TEST_P(CommunicatorConformance, AsyncCollectivesSeeEarlierOpsAndJoinOrdersLaterO
   expect_equal(download(*be, after.t), sum, label(*comm, "async all_reduce, then join", DType::f32, n));
   expect_equal(download(*be, gathered.t), gather, label(*comm, "async all_gather, then join", DType::f32, n));
   expect_equal(download(*be, scattered.t), scatter, label(*comm, "async reduce_scatter, then join", DType::f32, n));
+  expect_equal(download(*be, rooted_after.t), rank == root ? sum : input(rank, n, 6, DType::f32),
+               label(*comm, "async reduce, then join", DType::f32, n));
 }
 
 }  // namespace flux8::testing

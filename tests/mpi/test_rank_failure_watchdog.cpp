@@ -129,6 +129,7 @@ class SlowCommunicator final : public Communicator {
   std::string describe() const override { return "data-parallel group (MPI, rank 1 of 2)"; }
   void all_reduce(const Tensor&, ReduceOp, bool) override { std::this_thread::sleep_for(takes_); }
   void reduce_scatter(const Tensor&, const Tensor&, bool) override {}
+  void reduce(const Tensor&, int, bool) override {}
   void all_gather(const Tensor&, const Tensor&, bool) override {}
   void broadcast(const Tensor&, int) override {}
   void barrier() override {}

@@ -38,6 +38,7 @@ class NcclCommunicator final : public Communicator, public WatchedQueue {
 
   void all_reduce(const Tensor& t, ReduceOp op, bool async) override;
   void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override;
+  void reduce(const Tensor& t, int root, bool async) override;
   void all_gather(const Tensor& out, const Tensor& in, bool async) override;
   void broadcast(const Tensor& t, int root) override;
   void join() override;
@@ -233,6 +234,15 @@ void NcclCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, bool 
   nccl_type("reduce_scatter", out, true);
   enqueue("reduce_scatter", async, [&] {
     return ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), type, ncclSum, comm_, stream_);
+  });
+}
+
+void NcclCommunicator::reduce(const Tensor& t, int root, bool async) {
+  const ncclDataType_t type = nccl_type("reduce", t, true);
+  if (root < 0 || root >= size_) fail("{}: root {} is not a rank of the group", where("reduce"), root);
+  // In place: the other ranks only send, their t stays as it was.
+  enqueue("reduce", async, [&] {
+    return ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), type, ncclSum, root, comm_, stream_);
   });
 }
 
