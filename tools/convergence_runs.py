@@ -288,7 +288,18 @@ def expected_run_s(plan: Plan, run: Run) -> float:
     return max(own) if own else min(times.values(), default=0.0)
 
 
-def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=lambda m: print(m, file=sys.stderr),
+_say_lock = threading.Lock()
+
+
+def say_line(message: str) -> None:
+    """One line to stderr, whole: print() writes the text and its newline separately, so lines of
+    runs finishing at once could interleave."""
+    with _say_lock:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+
+def run_all(plan: Plan, runs: list, jobs: int, gpus: list, say=say_line,
             budget_s: float | None = None) -> None:
     """Runs what is not finished yet, `jobs` at a time, each on a GPU of `gpus` that no other run
     holds (all of them on the default device when gpus is empty). After a failure no new run
