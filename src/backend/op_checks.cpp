@@ -331,6 +331,14 @@ std::vector<Backend::LowRankGrad> check(std::string_view op, const op::GradientS
   return check_low_rank_grads(op, a.grads.numel(), a.low_rank);
 }
 
+void check(std::string_view op, const op::RangesSumSquares& a) {
+  require_defined(op, {"x", a.x});
+  require_contiguous(op, {"x", a.x});
+  for (const ElementRange& r : a.ranges)
+    if (r.begin < 0 || r.count < 0 || r.end() > a.x.numel())
+      fail("{}: range [{}, {}) is not inside x {} of {} elements", op, r.begin, r.end(), a.x.str(), a.x.numel());
+}
+
 void check(std::string_view op, const op::TransposeCodes& a) {
   if (!a.dst.defined() || !a.src.defined() || a.dst.scaling != Fp8Scaling::per_tensor ||
       a.src.scaling != Fp8Scaling::per_tensor || !a.dst.scale_inv || !a.src.scale_inv)

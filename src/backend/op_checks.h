@@ -162,6 +162,8 @@ std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int6
                                                        std::span<const Backend::LowRankGrad> low_rank);
 // gradient_sum_squares: its low-rank gradients inside `grads`. Returns them by offset.
 std::vector<Backend::LowRankGrad> check(std::string_view op, const op::GradientSumSquares& a);
+// ranges_sum_squares: contiguous x, every range inside it (count >= 0).
+void check(std::string_view op, const op::RangesSumSquares& a);
 // transpose_codes: per-tensor codes, dst [cols, rows] of src [rows, cols], one format.
 void check(std::string_view op, const op::TransposeCodes& a);
 // Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined); or bf16 where
