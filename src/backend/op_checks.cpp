@@ -458,6 +458,19 @@ bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& 
   return true;
 }
 
+void check_quantize_spec(std::string_view op, const QuantizeSpec& q) {
+  if (q.whole_amax && (q.delayed_scale || q.scaling != Fp8Scaling::per_tensor))
+    fail("{}: whole_amax is for current per-tensor scaling; this cast has {}{}", op, fp8_scaling_name(q.scaling),
+         q.delayed_scale ? " with a delayed scale" : " scaling");
+}
+
+void check(std::string_view op, const op::CastAmax& a, std::initializer_list<DType> x_types) {
+  check_cast_input(op, a.in);
+  check_quantize(op, QTensor{}, QTensor{}, a.in.x, x_types);
+  if (!a.amax.defined() || a.amax.dtype != DType::f32 || a.amax.numel() != 1 || !a.amax.contiguous())
+    fail("{}: amax {} must be one contiguous f32 element", op, a.amax.str());
+}
+
 namespace {
 
 // A defined per-tensor cast with its scale_inv, or an error naming it (`what`: "FP8 tensor 'q'").

@@ -207,6 +207,10 @@ bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& 
 inline bool check(std::string_view op, const op::Quantize& a, std::initializer_list<DType> x_types = {DType::f32}) {
   return check_quantize(op, a.rowwise, a.columnwise, a.x, x_types);
 }
+// QuantizeSpec: whole_amax only with current per-tensor scaling (no delayed_scale).
+void check_quantize_spec(std::string_view op, const QuantizeSpec& q);
+// cast_amax: amax one contiguous f32 element; in as check_cast_input, x of one of `x_types`.
+void check(std::string_view op, const op::CastAmax& a, std::initializer_list<DType> x_types = {DType::f32});
 
 // delayed_scaling_update: contiguous f32 amax_history [L, n] (rank 2, L >= 1) and scale,
 // scale_inv, fp8_max vectors of n. Returns {L, n}.

@@ -85,6 +85,7 @@
   X(GradientSumSquares, gradient_sum_squares)                  \
   X(Adamw, adamw)                                              \
   X(Quantize, quantize)                                        \
+  X(CastAmax, cast_amax)                                       \
   X(TransposeCodes, transpose_codes)                           \
   X(DelayedScalingUpdate, delayed_scaling_update)              \
   X(Dequantize, dequantize)                                    \
