@@ -225,9 +225,10 @@ TEST(TpModel, FiveAdamWStepsEqualOneRank) {
 }
 
 TEST(TpModel, Fp8LinearsAndAttentionRunSharded) {
-  // FP8 at two ranks: each rank casts its own shards with its own amaxes (reducing them across
-  // the ranks is the FP8 runtime's), so the result is not the one-rank model's bits but within
-  // FP8's error of it, as the one-rank FP8 model is of the f32 one.
+  // FP8 at two ranks without the delayed recipe's amax all-reduce (the trainer's): each rank
+  // scales its shards by their own amaxes, so the result is not the one-rank model's bits but
+  // within FP8's error of it, as the one-rank FP8 model is of the f32 one. (tests/mpi's
+  // TensorParallelFp8 checks the scales with the reduction.)
   const FluxConfig cfg = tp_config(1, 1);
   for (const bool attention : {false, true}) {
     SCOPED_TRACE(attention ? "FP8 attention" : "FP8 Linears");
@@ -242,6 +243,28 @@ TEST(TpModel, Fp8LinearsAndAttentionRunSharded) {
     EXPECT_GT(fp8_error, 0.0);
     EXPECT_EQ(two[1].pred, two[0].pred);
     EXPECT_LE(testing::max_rel_error(two[0].pred, exact.pred), 2 * fp8_error + 1e-3);
+  }
+}
+
+// Block recipes: tp_config's rank shares (12 attention and 30 MLP columns at two ranks) are no
+// whole 128- or 32-element blocks, so a rank's block scales would not be the whole tensor's.
+TEST(TpModel, BlockScalesThatWouldStraddleShardsAreRefused) {
+  const FluxConfig cfg = tp_config(1, 0);
+  for (const Fp8Recipe recipe : {Fp8Recipe::blockwise, Fp8Recipe::mxfp8}) {
+    Fp8Config fp8 = testing::delayed_hybrid_fp8();
+    fp8.recipe = recipe;
+    const std::vector<std::string> messages = run_ranks<std::string>(2, [&](TensorParallel tp) {
+      auto be = make_backend("cpu");
+      return testing::error_of([&] { FluxModel model(cfg, *be, DType::f32, &fp8, Recompute::none, tp); });
+    });
+    for (const std::string& m : messages) {
+      EXPECT_NE(m.find(fmt::format("fp8_recipe {} at tensor_model_parallel_size 2", fp8_recipe_name(recipe))),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("(12 of hidden_size 24) and of the MLP width (30 of 60)"), std::string::npos) << m;
+    }
+    auto be = make_backend("cpu");
+    EXPECT_NO_THROW({ FluxModel whole(cfg, *be, DType::f32, &fp8); }) << "one rank holds whole tensors";
   }
 }
 

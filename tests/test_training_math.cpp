@@ -357,6 +357,28 @@ TEST(Optimizer, LowRankGradientsReadFromTheirFactors) {
   EXPECT_THROW(be->gradient_sum_squares(Tensor(g64.data(), DType::f64, Shape{n}), lr), Error);
 }
 
+// The tensor-parallel gradient norm's split runs in one op: on the CPU the sum of sum_squares of
+// each range's slice in list order, bit for bit, whatever the threads; ranges outside are refused.
+TEST(Optimizer, RangesSumSquaresIsTheSumOfEachRangesSumSquares) {
+  std::vector<double> x(200003);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = rng_normal(5, 0, i) * (1.0 + static_cast<double>(i % 7));
+  const Tensor t(x.data(), DType::f64, Shape{static_cast<int64_t>(x.size())});
+  const std::vector<Backend::ElementRange> ranges{{7, 70001}, {90000, 0}, {100001, 99999}, {1, 5}, {3, 3}};
+  BackendOptions one, four;
+  one.threads = 1;
+  four.threads = 4;
+  for (const BackendOptions& o : {one, four}) {
+    auto be = make_backend("cpu", o);
+    double want = 0;
+    for (const Backend::ElementRange& r : ranges)
+      want += be->sum_squares(Tensor(x.data() + r.begin, DType::f64, Shape{r.count}));
+    EXPECT_EQ(be->ranges_sum_squares(t, ranges), want) << o.threads << " threads";
+    EXPECT_EQ(be->ranges_sum_squares(t, {}), 0.0);
+    testing::expect_refused("is not inside x", [&] { be->ranges_sum_squares(t, {{200000, 4}}); });
+    testing::expect_refused("is not inside x", [&] { be->ranges_sum_squares(t, {{5, -1}}); });
+  }
+}
+
 TEST(Optimizer, SumSquaresIsThreadIndependent) {
   std::vector<float> x(100003);
   for (size_t i = 0; i < x.size(); ++i) x[i] = rng_normal(3, 0, i);

@@ -331,6 +331,14 @@ std::vector<Backend::LowRankGrad> check(std::string_view op, const op::GradientS
   return check_low_rank_grads(op, a.grads.numel(), a.low_rank);
 }
 
+void check(std::string_view op, const op::RangesSumSquares& a) {
+  require_defined(op, {"x", a.x});
+  require_contiguous(op, {"x", a.x});
+  for (const ElementRange& r : a.ranges)
+    if (r.begin < 0 || r.count < 0 || r.end() > a.x.numel())
+      fail("{}: range [{}, {}) is not inside x {} of {} elements", op, r.begin, r.end(), a.x.str(), a.x.numel());
+}
+
 void check(std::string_view op, const op::TransposeCodes& a) {
   if (!a.dst.defined() || !a.src.defined() || a.dst.scaling != Fp8Scaling::per_tensor ||
       a.src.scaling != Fp8Scaling::per_tensor || !a.dst.scale_inv || !a.src.scale_inv)
@@ -448,6 +456,19 @@ bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& 
     fail("{}: columnwise output [{}, {}] must be the transpose of input {}", op, columnwise.rows, columnwise.cols,
          x.str());
   return true;
+}
+
+void check_quantize_spec(std::string_view op, const QuantizeSpec& q) {
+  if (q.whole_amax && (q.delayed_scale || q.scaling != Fp8Scaling::per_tensor))
+    fail("{}: whole_amax is for current per-tensor scaling; this cast has {}{}", op, fp8_scaling_name(q.scaling),
+         q.delayed_scale ? " with a delayed scale" : " scaling");
+}
+
+void check(std::string_view op, const op::CastAmax& a, std::initializer_list<DType> x_types) {
+  check_cast_input(op, a.in);
+  check_quantize(op, QTensor{}, QTensor{}, a.in.x, x_types);
+  if (!a.amax.defined() || a.amax.dtype != DType::f32 || a.amax.numel() != 1 || !a.amax.contiguous())
+    fail("{}: amax {} must be one contiguous f32 element", op, a.amax.str());
 }
 
 namespace {

@@ -162,6 +162,8 @@ std::vector<Backend::LowRankGrad> check_low_rank_grads(std::string_view op, int6
                                                        std::span<const Backend::LowRankGrad> low_rank);
 // gradient_sum_squares: its low-rank gradients inside `grads`. Returns them by offset.
 std::vector<Backend::LowRankGrad> check(std::string_view op, const op::GradientSumSquares& a);
+// ranges_sum_squares: contiguous x, every range inside it (count >= 0).
+void check(std::string_view op, const op::RangesSumSquares& a);
 // transpose_codes: per-tensor codes, dst [cols, rows] of src [rows, cols], one format.
 void check(std::string_view op, const op::TransposeCodes& a);
 // Quantize::column_sums: a contiguous f32 vector of `cols` elements (when defined); or bf16 where
@@ -205,6 +207,10 @@ bool check_quantize(std::string_view op, const QTensor& rowwise, const QTensor& 
 inline bool check(std::string_view op, const op::Quantize& a, std::initializer_list<DType> x_types = {DType::f32}) {
   return check_quantize(op, a.rowwise, a.columnwise, a.x, x_types);
 }
+// QuantizeSpec: whole_amax only with current per-tensor scaling (no delayed_scale).
+void check_quantize_spec(std::string_view op, const QuantizeSpec& q);
+// cast_amax: amax one contiguous f32 element; in as check_cast_input, x of one of `x_types`.
+void check(std::string_view op, const op::CastAmax& a, std::initializer_list<DType> x_types = {DType::f32});
 
 // delayed_scaling_update: contiguous f32 amax_history [L, n] (rank 2, L >= 1) and scale,
 // scale_inv, fp8_max vectors of n. Returns {L, n}.

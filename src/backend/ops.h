@@ -81,9 +81,11 @@
   X(FlowMatchInputs, flow_match_inputs)                        \
   X(MseLoss, mse_loss)                                         \
   X(SumSquares, sum_squares)                                   \
+  X(RangesSumSquares, ranges_sum_squares)                      \
   X(GradientSumSquares, gradient_sum_squares)                  \
   X(Adamw, adamw)                                              \
   X(Quantize, quantize)                                        \
+  X(CastAmax, cast_amax)                                       \
   X(TransposeCodes, transpose_codes)                           \
   X(DelayedScalingUpdate, delayed_scaling_update)              \
   X(Dequantize, dequantize)                                    \
@@ -172,6 +174,7 @@ class Ops : FLUX8_OPS(FLUX8_OP_POSITIONAL_BASE_) public PositionalCallsEnd {
   using CastInput = flux8::CastInput;
   using CopyPair = flux8::CopyPair;
   using LowRankGrad = flux8::LowRankGrad;
+  using ElementRange = flux8::ElementRange;
   using ParamCopy = flux8::ParamCopy;
   using ParamCast = flux8::ParamCast;
   using Fp8Heads = flux8::Fp8Heads;

@@ -29,7 +29,9 @@ SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scr
   s.cast_t = allocate_qtensor(scratch, x.cols(), x.rows(), fp8->format(Operand::input), fp8->scaling(Operand::input),
                               SlotKind::workspace);
   const NoFp8Recording quiet(fp8);
-  be.quantize(QTensor{}, s.cast_t, x, fp8->quantize_args(site, Operand::input));
+  Backend::CastInput in;
+  in.x = x;
+  be.quantize(QTensor{}, s.cast_t, x, fp8->cast_args(site, Operand::input, in));
   return s;
 }
 
@@ -52,7 +54,7 @@ SavedLinearInput recompute_linear_input_of(Backend& be, Fp8Runtime* fp8, Arena& 
   s.cast_t = allocate_qtensor(scratch, in.cols(), in.x.rows(), fp8->format(Operand::input),
                               fp8->scaling(Operand::input), SlotKind::workspace);
   const NoFp8Recording quiet(fp8);
-  be.quantize_fused(QTensor{}, s.cast_t, in, fp8->quantize_args(site, Operand::input));
+  be.quantize_fused(QTensor{}, s.cast_t, in, fp8->cast_args(site, Operand::input, in));
   return s;
 }
 

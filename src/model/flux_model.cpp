@@ -200,7 +200,8 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
   plan_final_parts();
   if (fp8 && fp8->enabled) {
     if (dtype_ != DType::f32) fail("FP8 training runs the model in f32 (the CPU emulation's working type)");
-    fp8_ = std::make_unique<Fp8Runtime>(*fp8, be_);
+    check_fp8_tensor_parallel(cfg_, *fp8, tp_.size());
+    fp8_ = std::make_unique<Fp8Runtime>(*fp8, be_, tp_);
     std::vector<LinearSite*> all;
     const int64_t blocks = cfg_.num_blocks();
     int64_t index = 0;

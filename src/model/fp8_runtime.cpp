@@ -8,13 +8,17 @@
 
 namespace flux8 {
 
-Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend)
-    : cfg_(cfg), be_(backend), registry_(static_cast<int>(cfg.amax_history_len)) {}
+Fp8Runtime::Fp8Runtime(const Fp8Config& cfg, Backend& backend, TensorParallel tp)
+    : cfg_(cfg), be_(backend), tp_(tp), registry_(static_cast<int>(cfg.amax_history_len)) {
+  if (tp_.sharded() && cfg_.recipe == Fp8Recipe::tensorwise)
+    whole_amax_dev_ = Tensor(be_.allocate(sizeof(float)), DType::f32, Shape{1});
+}
 
 Fp8Runtime::~Fp8Runtime() {
   try {
     be_.synchronize();
     release_state();
+    if (whole_amax_dev_.defined()) be_.release(whole_amax_dev_.data);
   } catch (const std::exception&) {
     // A failing device is reported by whatever runs next; a destructor must not throw.
   }
@@ -181,6 +185,25 @@ Backend::Quantize Fp8Runtime::quantize_args(const LinearSite& site, Operand o) {
   return q;
 }
 
+bool Fp8Runtime::split_over_group(const LinearSite& site, Operand o) const {
+  if (!tp_.sharded()) return false;
+  switch (o) {
+    case Operand::weight: return site.split != ShardSplit::replicated;
+    case Operand::input: return site.split == ShardSplit::cols;
+    case Operand::grad_output: return site.split == ShardSplit::rows;
+  }
+  return false;
+}
+
+Backend::Quantize Fp8Runtime::cast_args(const LinearSite& site, Operand o, const Backend::CastInput& in) {
+  Backend::Quantize q = quantize_args(site, o);
+  if (q.scaling != Fp8Scaling::per_tensor || q.delayed_scale || !split_over_group(site, o)) return q;
+  be_.cast_amax(whole_amax_dev_, in);
+  tp_.group->all_reduce(whole_amax_dev_, ReduceOp::max);
+  q.whole_amax = whole_amax_dev_.ptr<float>();
+  return q;
+}
+
 void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
   sites_.clear();
   for (LinearSite* s : sites)
@@ -211,7 +234,9 @@ void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
 void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
   if (site.w_version == weight_version_ && (site.w_recorded || !recording_) && (site.w_counted || !collect_stats_))
     return;
-  be_.quantize(site.w_row, site.w_col, site.w_master(), quantize_args(site, Operand::weight));
+  Backend::CastInput w;
+  w.x = site.w_master();
+  be_.quantize(site.w_row, site.w_col, w.x, cast_args(site, Operand::weight, w));
   site.w_version = weight_version_;
   site.w_recorded = recording_;
   site.w_counted = collect_stats_;
@@ -280,7 +305,9 @@ void Fp8Runtime::end_step() {
 float Fp8Runtime::scale_of(int site, Operand o) {
   if (cfg_.recipe == Fp8Recipe::delayed)
     return current_registry().scale(first_slot_[static_cast<size_t>(site)] + static_cast<int>(o));
-  if (cfg_.recipe == Fp8Recipe::tensorwise && static_cast<size_t>(site) < last_stats_.size())
+  const auto it = std::find_if(sites_.begin(), sites_.end(), [&](const LinearSite* s) { return s->index == site; });
+  const bool whole = it == sites_.end() || !split_over_group(**it, o);
+  if (cfg_.recipe == Fp8Recipe::tensorwise && whole && static_cast<size_t>(site) < last_stats_.size())
     return current_scale(last_stats_[static_cast<size_t>(site)].op[static_cast<int>(o)].amax, fp8_max(format(o)),
                          cfg_.power_of_2_scales);
   return 0.0f;  // block scales: one per block, no single value

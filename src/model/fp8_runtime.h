@@ -13,6 +13,7 @@
 #include "model/arena.h"
 #include "model/linear_site.h"
 #include "model/params.h"
+#include "model/tensor_parallel.h"
 
 namespace flux8 {
 
@@ -24,7 +25,8 @@ namespace flux8 {
 // checkpoint) uploads it before the next cast.
 class Fp8Runtime {
  public:
-  Fp8Runtime(const Fp8Config& cfg, Backend& backend);
+  // `tp`: the tensor-parallel group whose ranks split the sites' tensors (LinearSite::split).
+  Fp8Runtime(const Fp8Config& cfg, Backend& backend, TensorParallel tp = {});
   // Synchronises the backend first: casts may still hold pointers to this runtime's registry
   // and statistics (a backend may deliver them late, Backend::Quantize).
   ~Fp8Runtime();
@@ -73,6 +75,18 @@ class Fp8Runtime {
     return cfg_.fprop_fast_accumulation ? Fp8Accumulation::fast : Fp8Accumulation::fp32;
   }
   Backend::Quantize quantize_args(const LinearSite& site, Operand o);
+  // quantize_args for the cast of `in` (the tensor as the cast reads it) as operand `o` of `site`.
+  // Where that tensor is this rank's part of one split over the tensor-parallel group
+  // (split_over_group) and its scale is current per-tensor (tensorwise), the whole tensor's amax
+  // comes first: in's amax (Backend::cast_amax) max-reduced over the group in stream order, which
+  // the cast scales by (QuantizeSpec::whole_amax) — every rank casts with one process's scale, as
+  // Transformer Engine reduces amaxes over its tensor-parallel group. Every rank of the group
+  // must make the same casts in the same order (the model's code does).
+  Backend::Quantize cast_args(const LinearSite& site, Operand o, const Backend::CastInput& in);
+  // Whether operand `o` of `site` is split over the tensor-parallel group: the weight of a split
+  // Linear, the input of a row-parallel one (split along K), the output gradient of a
+  // column-parallel one (split along its columns).
+  bool split_over_group(const LinearSite& site, Operand o) const;
 
   // The rowwise casts of every FP8 site's new weight for AdamW to write (Backend::ParamCast),
   // with the next step's scales: the delayed recipe only (end_step() has run; other recipes
@@ -119,12 +133,17 @@ class Fp8Runtime {
     const CastStats* of(AttentionTensor t) const { return const_cast<AttentionCastStats*>(this)->of(t); }
   };
   const std::vector<AttentionCastStats>& last_attention_stats() const { return last_attention_stats_; }
-  // The scale the next cast of (site, operand) uses; for current scaling the last one used.
+  // The scale the next cast of (site, operand) uses; for current scaling the last one used. 0
+  // where no single value is known here: block scales, and a tensorwise cast of a tensor split
+  // over the tensor-parallel group (its scale came from the group's amax, its statistics are this
+  // rank's part's).
   float scale_of(int site, Operand o);
 
  private:
   Fp8Config cfg_;
   Backend& be_;
+  TensorParallel tp_;
+  Tensor whole_amax_dev_;  // one f32 in backend memory: the amax cast_args reduces over the group
   Fp8MetaRegistry registry_;
   std::vector<SiteStats> stats_, last_stats_;
   std::vector<int> first_slot_;      // registry slot of the site's input (weight +1, grad +2)

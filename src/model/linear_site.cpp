@@ -15,6 +15,7 @@ LinearSite LinearSite::bind(ParamStore& store, const std::string& prefix) {
   s.store = &store;
   s.w = store.param(prefix + ".weight");
   s.dw = store.grad(prefix + ".weight");
+  if (const ParamShard& w = store.layout().at(prefix + ".weight").shard; w.sharded()) s.split = w.split;
   if (store.layout().find(prefix + ".bias")) {
     s.b = store.param(prefix + ".bias");
     s.db = store.grad(prefix + ".bias");
@@ -81,17 +82,19 @@ QTensor cast_site_input(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite
   if (saved.full.defined()) {
     if (in.op != Backend::CastInput::Op::identity || in.head.defined() || in.x.data != saved.full.data)
       be.produce(saved.full, in);
-    be.quantize(x_row, saved.cast_t, saved.full, fp8.quantize_args(site, Operand::input));
+    Backend::CastInput stored;
+    stored.x = saved.full;
+    be.quantize(x_row, saved.cast_t, saved.full, fp8.cast_args(site, Operand::input, stored));
     return x_row;
   }
   if (in.op == Backend::CastInput::Op::identity && !in.head.defined()) {  // a plain cast (the profiler's "quantize")
-    be.quantize(x_row, saved.cast_t, in.x, fp8.quantize_args(site, Operand::input));
+    be.quantize(x_row, saved.cast_t, in.x, fp8.cast_args(site, Operand::input, in));
     return x_row;
   }
   // The row statistics, kept for the backward (unless the gated residual before wrote them).
   if (in.op == Backend::CastInput::Op::layernorm_modulate && !in.statistics_ready)
     be.layernorm_modulate(Tensor{}, in.mean, in.rstd, in.x, in.shift, in.scale, in.eps);
-  be.quantize_fused(x_row, saved.cast_t, in, fp8.quantize_args(site, Operand::input));
+  be.quantize_fused(x_row, saved.cast_t, in, fp8.cast_args(site, Operand::input, in));
   return x_row;
 }
 
@@ -162,7 +165,7 @@ void site_backward_fp8(Backend& be, Fp8Runtime& fp8, Arena& scratch, LinearSite&
   const QTensor dy_row = dx.defined() ? allocate_qtensor(scratch, N, M, f, sc, SlotKind::workspace) : QTensor{};
   const QTensor dy_col = fp8_wgrad ? allocate_qtensor(scratch, M, N, f, sc, SlotKind::workspace) : QTensor{};
   const bool accumulate = site.accumulate_grads();
-  Backend::Quantize q = fp8.quantize_args(site, Operand::grad_output);
+  Backend::Quantize q = fp8.cast_args(site, Operand::grad_output, dy);
   q.column_sums = site.db;  // the bias gradient, summed in the pass that casts dy
   q.column_sums_accumulate = accumulate;
   be.quantize_fused(dy_row, dy_col, dy, q);

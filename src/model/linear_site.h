@@ -35,6 +35,10 @@ struct LinearSite {
   // A row-parallel Linear's bias is added by rank 0 of its tensor-parallel group alone (before
   // the all-reduce that sums the ranks' partial outputs); false on the other ranks.
   bool bias_in_forward = true;
+  // How the weight is split over the tensor-parallel group (replicated: not split, or one rank).
+  // rows: a column-parallel Linear, whose output (and its gradient) is split by columns too;
+  // cols: a row-parallel one, whose input is split by columns too.
+  ShardSplit split = ShardSplit::replicated;
 
   static LinearSite bind(ParamStore& store, const std::string& prefix);
   // For the backward about to write dw and db: false when it is their first write of the step

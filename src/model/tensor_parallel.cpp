@@ -18,6 +18,21 @@ void check_tensor_parallel(const FluxConfig& cfg, int tp_size) {
         cfg.name, cfg.mlp_hidden(), cfg.hidden_size, cfg.mlp_ratio, tp_size, cfg.mlp_hidden());
 }
 
+void check_fp8_tensor_parallel(const FluxConfig& cfg, const Fp8Config& fp8, int tp_size) {
+  if (!fp8.enabled || tp_size <= 1) return;
+  const int64_t block = fp8.recipe == Fp8Recipe::blockwise ? 128 : fp8.recipe == Fp8Recipe::mxfp8 ? 32 : 0;
+  if (block == 0) return;
+  const BlockWidths w = BlockWidths::of(cfg, tp_size);
+  if (w.attention % block == 0 && w.mlp % block == 0) return;
+  fail(
+      "model '{}' with fp8_recipe {} at tensor_model_parallel_size {}: a rank's share of the attention width ({} of "
+      "hidden_size {}) and of the MLP width ({} of {}) must be multiples of the recipe's {}-element scaling blocks, "
+      "or a rank's block scales would differ from the whole tensor's; choose a tensor-parallel size that leaves "
+      "multiples of {}, or fp8_recipe tensorwise or delayed (their amaxes are reduced over the ranks)",
+      cfg.name, fp8_recipe_name(fp8.recipe), tp_size, w.attention, cfg.hidden_size, w.mlp, cfg.mlp_hidden(), block,
+      block);
+}
+
 BlockWidths BlockWidths::of(const FluxConfig& cfg, int tp_size) {
   check_tensor_parallel(cfg, tp_size);
   BlockWidths w;

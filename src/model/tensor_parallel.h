@@ -11,6 +11,7 @@
 
 #include "backend/communicator.h"
 #include "core/tensor.h"
+#include "fp8/fp8_config.h"
 #include "model/flux_config.h"
 
 namespace flux8 {
@@ -46,5 +47,14 @@ struct BlockWidths {
 // Whether `cfg` splits over tp_size tensor-parallel ranks: fails naming the model, the number
 // that does not divide and what to change.
 void check_tensor_parallel(const FluxConfig& cfg, int tp_size);
+
+// Whether the FP8 recipe's scales of a rank's shards are the whole tensors' at tp_size ranks.
+// Per-block scales (blockwise: blocks of 128 along the split dimensions; mxfp8: 32) are when
+// every block of a shard is a block of the whole tensor: when each rank's share of the attention
+// width (H / T: the qkv and linear1 rows of each of q, k, v, and the proj and linear2 columns) and
+// of the MLP width (M / T) is a multiple of the block length. Fails naming the model, the widths
+// and what to change when it is not. Per-tensor recipes always are (the amaxes are reduced over
+// the group: Fp8Runtime::cast_args, and the delayed recipe's amax all-reduce).
+void check_fp8_tensor_parallel(const FluxConfig& cfg, const Fp8Config& fp8, int tp_size);
 
 }  // namespace flux8

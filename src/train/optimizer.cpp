@@ -175,12 +175,15 @@ double AdamWOptimizer::job_sum_squares(FlatRange range, const std::vector<Backen
   Backend& be = store_.backend();
   const Tensor grads = store_.flat_grads();
   // [0]: everything in range; [1]: the split parameters' part of it, to be summed over the
-  // tensor-parallel group while the replicated rest counts once.
-  std::vector<double> local{be.gradient_sum_squares(flat_slice(grads, range), low_rank), 0.0};
+  // tensor-parallel group while the replicated rest counts once (one op for all the runs: one
+  // read-back, not one a run).
+  std::vector<Backend::ElementRange> runs;
   for (const FlatRange& run : split_runs_) {
     const int64_t begin = std::max(run.begin, range.begin), end = std::min(run.end(), range.end());
-    if (end > begin) local[1] += be.sum_squares(flat_slice(grads, {begin, end - begin}));
+    if (end > begin) runs.push_back({begin, end - begin});
   }
+  std::vector<double> local{be.gradient_sum_squares(flat_slice(grads, range), low_rank),
+                            runs.empty() ? 0.0 : be.ranges_sum_squares(grads, runs)};
   if (sharded_) dp_->sum(local);  // the data-parallel shards of the buffer
   if (!tp_) return local[0];
   std::vector<double> split{local[1]};

@@ -69,6 +69,44 @@ const Cases kFp8Cases({
                                  .amax = r.scalars("amax", 1, 0.5f),
                                  .column_sums = r.update("column_sums", {C}, 103, 1.0, 0, Role::gradient)}};
      }},
+    {.op = "quantize",
+     .name = "per_tensor_scale_from_whole_amax",
+     .why = "the scale from the given amax on every backend: bit for bit",
+     .judge = Judge::cpu_f32,
+     .build = [](Run& r) -> AnyOp {
+       // x's own amax (~3·3.5) lies below the whole tensor's 40: the codes use 448/40.
+       return op::Quantize{.rowwise = r.qtensor("rowwise", R, C),
+                           .columnwise = r.qtensor("columnwise", C, R),
+                           .x = r.input({R, C}, 115, 3.0, 2),
+                           .q = {.whole_amax = r.scalars("", 1, 40.0f), .amax = r.scalars("amax", 1, 0.0f)}};
+     }},
+    {.op = "cast_amax",
+     .name = "window_overwritten",
+     .why = "a max: exact on every backend",
+     .judge = Judge::cpu_f32,
+     .build = [](Run& r) -> AnyOp {
+       return op::CastAmax{.amax = Tensor(r.scalars("amax", 1, 1e30f), DType::f32, Shape{1}),
+                           .in = CastInput{.x = r.input({R, C}, 116, 3.0, 3)}};
+     }},
+    {.op = "cast_amax",
+     .name = "gelu",
+     .f32_terms = 16,
+     .bf16_steps = 1,
+     .why = "the GELU (tanhf) may round an ulp apart from the CPU's, and then to another bf16 value",
+     .judge = Judge::cpu_f32,
+     .build = [](Run& r) -> AnyOp {
+       return op::CastAmax{.amax = Tensor(r.scalars("amax", 1, 0.0f), DType::f32, Shape{1}),
+                           .in = CastInput::gelu_tanh_of(r.input({R, 70}, 117, 3.0, 1))};
+     }},
+    {.op = "cast_amax",
+     .name = "gelu_with_larger_head",
+     .why = "the head's values, read as they are, hold the max (stddev 8 against the GELU's 2): exact",
+     .judge = Judge::cpu_f32,
+     .build = [](Run& r) -> AnyOp {
+       return op::CastAmax{
+           .amax = Tensor(r.scalars("amax", 1, 0.0f), DType::f32, Shape{1}),
+           .in = CastInput::gelu_tanh_of(r.input({R, 70}, 118, 2.0, 1)).with_head(r.input({R, 19}, 119, 8.0, 2))};
+     }},
     {.op = "transpose_codes",
      .name = "odd_shape",
      .why = "data movement: exact",

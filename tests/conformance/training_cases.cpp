@@ -77,6 +77,18 @@ const Cases kTrainingCases({
      .build = [](Run& r) -> AnyOp {
        return op::SumSquares{.x = r.input({13, 37}, 89, 1.0, 0, Role::parameter)};
      }},
+    {.op = "ranges_sum_squares",
+     .name = "unaligned_empty_and_long_ranges",
+     .f32_terms = 1,
+     .why = "squares of the same values summed in double: the order only",
+     .with_bf16 = false,
+     .build = [](Run& r) -> AnyOp {
+       // Ranges that start and end off 16-byte boundaries, an empty one, one longer than a
+       // CUDA block's chunk (65,536), and one out of order.
+       return op::RangesSumSquares{
+           .x = r.input({70001}, 79, 1.0, 0, Role::gradient),
+           .ranges = List<ElementRange>{{3, 517}, {600, 0}, {1001, 65999}, {67001, 2999}, {0, 1}}};
+     }},
     {.op = "gradient_sum_squares",
      .name = "flat",
      .f32_terms = 1,

@@ -74,16 +74,18 @@ std::vector<float> dequantize_view(const QTensor& q, const Ctx& c) {
 
 void CpuBackend::execute(const op::Quantize& args) {
   const bool any_copy = ops::check("quantize", args);
+  ops::check_quantize_spec("quantize", args.q);
   ops::check_column_sums("quantize", args.q.column_sums, args.x.cols());
   const Ctx c = make_ctx(options_, DType::f32);
   const int64_t R = args.x.rows(), C = args.x.cols();
   if (any_copy) {
     const std::vector<float> xr = gather(args.x, false, c);
-    // One scale for both copies under per-tensor scaling: the registry's (delayed) or this
-    // tensor's current scale.
+    // One scale for both copies under per-tensor scaling: the registry's (delayed) or the
+    // current scale of this tensor, or of the whole tensor it is a part of.
     const float amax = tensor_amax(xr.data(), R * C);
-    const float scale =
-        args.q.delayed_scale ? *args.q.delayed_scale : current_scale(amax, fp8_max(args.q.format), args.q.pow2);
+    const float scale = args.q.delayed_scale ? *args.q.delayed_scale
+                                             : current_scale(args.q.whole_amax ? *args.q.whole_amax : amax,
+                                                             fp8_max(args.q.format), args.q.pow2);
     CastStats st;
     if (args.rowwise.defined()) store(args.rowwise, cast(xr, R, C, args.q, scale, &st), "rowwise");
     if (args.columnwise.defined())
@@ -96,6 +98,20 @@ void CpuBackend::execute(const op::Quantize& args) {
     if (!args.q.column_sums_accumulate) fill(args.q.column_sums, 0.0);
     add_column_sums<float>(args.q.column_sums, args.x, c);
   }
+}
+
+void CpuBackend::execute(const op::CastAmax& args) {
+  ops::check("cast_amax", args);
+  const Ctx c = make_ctx(options_, DType::f32);
+  Tensor x = args.in.x;
+  std::vector<float> produced;  // the fused op's output, as quantize_fused produces it
+  if (args.in.op != CastInput::Op::identity || args.in.head.defined()) {
+    produced.resize(static_cast<size_t>(x.rows() * args.in.cols()));
+    x = Tensor(produced.data(), DType::f32, args.in.shape());
+    produce(x, args.in);
+  }
+  const std::vector<float> xr = gather(x, false, c);
+  *args.amax.ptr<float>() = tensor_amax(xr.data(), static_cast<int64_t>(xr.size()));
 }
 
 void CpuBackend::execute(const op::TransposeCodes& args) {

@@ -124,6 +124,20 @@ double CpuBackend::execute(const op::SumSquares& args) {
   return s;
 }
 
+// Each range as sum_squares sums its slice, the ranges' sums added in order.
+double CpuBackend::execute(const op::RangesSumSquares& args) {
+  const auto [dt, c] = begin_call(options_, args);
+  ops::check("ranges_sum_squares", args);
+  double s = 0;
+  dispatch(dt, [&]<typename T>(T) {
+    for (const ElementRange& r : args.ranges) {
+      const T* p = args.x.ptr<T>() + r.begin;
+      s += ordered_sum(r.count, c, [&](int64_t i) { return static_cast<double>(p[i]) * static_cast<double>(p[i]); });
+    }
+  });
+  return s;
+}
+
 double CpuBackend::execute(const op::GradientSumSquares& args) {
   constexpr std::string_view op = "gradient_sum_squares";
   const auto [dt, c] = begin_call(options_, args);

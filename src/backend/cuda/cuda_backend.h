@@ -149,7 +149,7 @@ class CudaBackend final : public Backend {
   uint64_t scratch_generation_ = 0;  // reallocations of the four scratch buffers
 
   // A table of per-block chunks of the flat parameter buffers on the device (adamw,
-  // gradient_sum_squares: training.cu) and the layout it was made for (n, the outputs, the
+  // gradient_sum_squares, ranges_sum_squares: training.cu) and the layout it was made for (n, the outputs, the
   // low-rank gradients): made again only when that changes (a trainer passes the same every step).
   struct ChunkTable {
     std::vector<int64_t> layout;
@@ -158,7 +158,7 @@ class CudaBackend final : public Backend {
     int64_t count = 0;
     int64_t first_low_rank = 0;  // the flat-gradient chunks come first, then the low-rank ones
   };
-  ChunkTable adamw_table_, squares_table_;
+  ChunkTable adamw_table_, squares_table_, ranges_table_;
   // Uploads `flat_count` then `low_rank_count` chunks of `chunk_bytes` each as t's table.
   void upload_chunk_table(ChunkTable& t, size_t chunk_bytes, const void* flat, int64_t flat_count, const void* low_rank,
                           int64_t low_rank_count, std::vector<int64_t> layout);

@@ -711,9 +711,11 @@ __global__ void __launch_bounds__(kCastThreads)
   }
 }
 
-// Pass 2: the tensor's amax and current scale (left on the device for the cast kernel).
+// Pass 2: the tensor's amax and current scale (left on the device for the cast kernel); either
+// output may be null (cast_amax wants the amax, a cast given its whole tensor's amax the scale of
+// its one partial).
 __global__ void __launch_bounds__(kCastThreads)
-    current_scale_kernel(const float* partial, int n, Fp8Format f, bool pow2, float* scale) {
+    current_scale_kernel(const float* partial, int n, Fp8Format f, bool pow2, float* scale, float* amax) {
   __shared__ float sh[kWarps];
   float m = 0.0f;
   for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, partial[i]);
@@ -722,7 +724,8 @@ __global__ void __launch_bounds__(kCastThreads)
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sh[w]);
-    *scale = current_scale(m, fp8_max(f), pow2);
+    if (scale) *scale = current_scale(m, fp8_max(f), pow2);
+    if (amax) *amax = m;
   }
 }
 
@@ -1015,6 +1018,7 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
   if (args.in.head.defined()) ops::check_cast_input(op, args.in);
   const Tensor whole = args.in.head.defined() ? Tensor(x.data, x.dtype, Shape{x.rows(), args.in.cols()}) : x;
   const bool any_copy = ops::check_quantize(op, args.rowwise, args.columnwise, whole, {DType::f32, DType::bf16});
+  ops::check_quantize_spec(op, args.q);
   ops::check_column_sums(op, args.q.column_sums, whole.cols(), /*bf16_ok=*/true);
   const int64_t R = x.rows(), C = whole.cols(), split = args.in.head_cols();
   // The per-tensor kernel takes a head where no tile straddles it, for the GELU casts the model
@@ -1049,11 +1053,15 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
     // Nothing to cast; a per-tensor copy still records its scale_inv, as on the CPU.
     if (per_tensor) {
       const float* delayed = args.q.delayed_scale;
-      const float current_inv = scale_inverse(current_scale(0.0f, fmax, args.q.pow2));
+      const float* whole_amax = args.q.whole_amax;
+      const bool pow2 = args.q.pow2;
+      const float current_inv = scale_inverse(current_scale(0.0f, fmax, pow2));
       float* rp = args.rowwise.defined() ? args.rowwise.scale_inv : nullptr;
       float* cp = args.columnwise.defined() ? args.columnwise.scale_inv : nullptr;
       for_each(*this, 1, [=] __device__(int64_t) {
-        const float inv = delayed ? scale_inverse(*delayed) : current_inv;
+        const float inv = delayed      ? scale_inverse(*delayed)
+                          : whole_amax ? scale_inverse(current_scale(*whole_amax, fmax, pow2))
+                                       : current_inv;
         if (rp) *rp = inv;
         if (cp) *cp = inv;
       });
@@ -1078,12 +1086,16 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
           ? static_cast<double*>(reduction_scratch(static_cast<size_t>(row_tiles * C) * sizeof(double)))
           : nullptr;
   with_source([&]<typename T>(const Source<T>& src) {
-    if (current) {
+    if (current && args.q.whole_amax) {  // the whole tensor's amax is given: its scale alone
+      current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(args.q.whole_amax, 1, args.q.format, args.q.pow2,
+                                                             scale_dev, nullptr);
+      FLUX8_LAUNCH_CHECK(current_scale_kernel);
+    } else if (current) {
       float* amax_partial = reinterpret_cast<float*>(s + off_partial_amax);
       amax_partials_kernel<<<amax_blocks, kCastThreads, 0, stream()>>>(src, R, C, amax_partial);
       FLUX8_LAUNCH_CHECK(amax_partials_kernel);
       current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(amax_partial, amax_blocks, args.q.format, args.q.pow2,
-                                                             scale_dev);
+                                                             scale_dev, nullptr);
       FLUX8_LAUNCH_CHECK(current_scale_kernel);
     }
 
@@ -1101,6 +1113,31 @@ void CudaBackend::execute(const op::QuantizeFused& args) {
       column_partials_total(*this, 1, C, row_tiles, column_partials, out, C, args.q.column_sums_accumulate);
     });
   if (args.q.stats) total_cast_stats(partials, tiles, R * C, args.q);  // else the amax went to q.amax by atomics
+}
+
+void CudaBackend::execute(const op::CastAmax& args) {
+  using namespace cuda;
+  constexpr std::string_view op = "cast_amax";
+  ops::check(op, args, {DType::f32, DType::bf16});
+  const FusedInput fused = check_fused_input(op, args.in);
+  const int64_t R = args.in.x.rows(), C = args.in.cols();
+  float* out = args.amax.ptr<float>();
+  if (R == 0 || C == 0) {
+    FLUX8_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), stream()));
+    return;
+  }
+  const int blocks = static_cast<int>(R < kAmaxBlocks ? R : kAmaxBlocks);
+  float* partial = static_cast<float*>(scratch(static_cast<size_t>(blocks) * sizeof(float)));
+  const auto launch = [&](const auto& src) {
+    amax_partials_kernel<<<blocks, kCastThreads, 0, stream()>>>(src, R, C, partial);
+    FLUX8_LAUNCH_CHECK(amax_partials_kernel);
+    current_scale_kernel<<<1, kCastThreads, 0, stream()>>>(partial, blocks, Fp8Format::e4m3, false, nullptr, out);
+    FLUX8_LAUNCH_CHECK(current_scale_kernel);
+  };
+  if (fused.bf16)
+    launch(source_of<__nv_bfloat16>(args.in, fused.per_sample));
+  else
+    launch(source_of<float>(args.in, fused.per_sample));
 }
 
 void CudaBackend::total_cast_stats(const void* partials, int64_t n, int64_t elements, const Quantize& q) {

@@ -83,7 +83,7 @@ CudaBackend::~CudaBackend() {
   if (epilogue_scratch_) cudaFree(epilogue_scratch_);
   if (reduction_scratch_) cudaFree(reduction_scratch_);
   if (pinned_) cudaFreeHost(pinned_);
-  for (ChunkTable* t : {&adamw_table_, &squares_table_})
+  for (ChunkTable* t : {&adamw_table_, &squares_table_, &ranges_table_})
     if (t->data) cudaFree(t->data);
   if (stats_dev_) cudaFree(stats_dev_);
   if (stats_host_) cudaFreeHost(stats_host_);

@@ -457,6 +457,36 @@ double CudaBackend::execute(const op::GradientSumSquares& args) {
   return total_of_partials(*this, partial, blocks);
 }
 
+// The ranges cut into chunks of kSquaresChunk elements, each a block of gradient_squares_kernel
+// (the flat path: 16-byte loads from the buffer's base, aligned however the ranges fall), then
+// the fixed-order total of their partials: one read-back for every range.
+double CudaBackend::execute(const op::RangesSumSquares& args) {
+  constexpr std::string_view op = "ranges_sum_squares";
+  grads_in_bf16(args);  // f32, or bf16 (grad_precision: bf16)
+  ops::check(op, args);
+  if (!aligned16(args.x.data)) fail("{}: the buffer {} must be 16-byte aligned", op, args.x.str());
+  std::vector<int64_t> layout{args.x.numel()};
+  for (const ElementRange& r : args.ranges) layout.insert(layout.end(), {r.begin, r.count});
+  if (layout != ranges_table_.layout) {
+    std::vector<SquaresChunk> chunks;  // none: no elements, and no table to upload
+    for (const ElementRange& r : args.ranges)
+      for (int64_t at = r.begin; at < r.end(); at += kSquaresChunk)
+        chunks.push_back(SquaresChunk{at, std::min(r.end(), at + kSquaresChunk), LowRankChunk{}, 0, 0});
+    upload_chunk_table(ranges_table_, sizeof(SquaresChunk), chunks.data(), static_cast<int64_t>(chunks.size()), nullptr,
+                       0, std::move(layout));
+  }
+  const int64_t blocks = ranges_table_.count;
+  if (blocks == 0) return 0.0;  // no elements
+  double* partial = static_cast<double*>(reduction_scratch(static_cast<size_t>(blocks + 1) * sizeof(double)));
+  const auto* table = static_cast<const SquaresChunk*>(ranges_table_.data);
+  if (args.x.dtype == DType::bf16)
+    launch_chunks(gradient_squares_kernel<false, __nv_bfloat16>, blocks, stream_, table, args.x.ptr<__nv_bfloat16>(),
+                  partial);
+  else
+    launch_chunks(gradient_squares_kernel<false, float>, blocks, stream_, table, args.x.ptr<float>(), partial);
+  return total_of_partials(*this, partial, blocks);
+}
+
 namespace {
 
 // ---- AdamW ----------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ struct QuantizeSpec {
   Fp8Scaling scaling = Fp8Scaling::per_tensor;
   bool pow2 = false;                     // current/blockwise scales rounded down to 2^k
   const float* delayed_scale = nullptr;  // backend memory
+  // Current per-tensor scaling only (no delayed_scale): the scale comes from *whole_amax (backend
+  // memory) instead of x's own amax — the amax of the whole tensor x is one rank's part of, max-
+  // reduced over the ranks that hold the parts (cast_amax), so every part is cast as the whole
+  // tensor's cast would cast it. x's own amax still goes to *amax and *stats.
+  const float* whole_amax = nullptr;
   float* amax = nullptr;                 // backend memory
   CastStats* stats = nullptr;            // host memory
   // Defined: column_sums[c] += Σ_r x[r, c] — the bias gradient of the Linear whose output gradient
@@ -31,7 +36,7 @@ struct QuantizeSpec {
   // f32, or bf16); = instead of += when column_sums_accumulate is false (old contents never read).
   Tensor column_sums;
   bool column_sums_accumulate = true;
-  FLUX8_FIELDS(format, scaling, pow2, delayed_scale, amax, stats, column_sums, column_sums_accumulate)
+  FLUX8_FIELDS(format, scaling, pow2, delayed_scale, whole_amax, amax, stats, column_sums, column_sums_accumulate)
 };
 FLUX8_CHECK_FIELDS(QuantizeSpec);
 
@@ -105,6 +110,11 @@ namespace op {
 // transpose: xᵀ's blocks run along x's columns); either may be undefined. With per-tensor scaling
 // both copies share one scale; 128x128 tiles transpose with their scales.
 FLUX8_OP(Quantize, quantize, void, (QTensor, rowwise), (QTensor, columnwise), (Tensor, x), (QuantizeSpec, q))
+// amax (one f32 in backend memory) = max |v| over the tensor a cast of `in` quantizes — [head |
+// op(x)], the op's output rounded as quantize_fused rounds it — NaN ignored, ±inf kept
+// (amax_accumulate); overwritten. The amax a current per-tensor cast takes its scale from: a
+// tensor split over ranks is cast with the max of its parts' amaxes (QuantizeSpec::whole_amax).
+FLUX8_OP(CastAmax, cast_amax, void, (Tensor, amax), (CastInput, in))
 // dst [cols, rows] = src [rows, cols] transposed, codes and (per-tensor) scale_inv: the columnwise
 // copy of a weight whose rowwise cast adamw wrote (ParamCast).
 FLUX8_OP(TransposeCodes, transpose_codes, void, (QTensor, dst), (QTensor, src))

@@ -79,6 +79,14 @@ struct ParamCast {
 };
 FLUX8_CHECK_FIELDS(ParamCast);
 
+// Elements [begin, begin + count) of a flat buffer.
+struct ElementRange {
+  int64_t begin = 0, count = 0;
+  int64_t end() const { return begin + count; }
+  FLUX8_FIELDS(begin, count)
+};
+FLUX8_CHECK_FIELDS(ElementRange);
+
 namespace op {
 
 // Rectified flow: for sample b of x0 [B, ...], ε[b, i] = rng_normal(seed, streams[b], i),
@@ -101,6 +109,11 @@ FLUX8_OP(MseLossInto, mse_loss_into, void, (Tensor, loss), (Tensor, dpred), (Ten
          (double, grad_scale))
 // Σ x² in double, summed in a fixed order (independent of thread count). NaN/inf propagate.
 FLUX8_OP(SumSquares, sum_squares, double, (Tensor, x))
+// Σ x² over the elements of `ranges` (inside the contiguous x; any may be empty) in double, in an
+// order fixed by x's size and the ranges; NaN/inf propagate. On the CPU: sum_squares of each
+// range's slice, added in list order, bit for bit. One read-back for all of them (the
+// tensor-parallel gradient norm's runs of split parameters, a few hundred a step).
+FLUX8_OP(RangesSumSquares, ranges_sum_squares, double, (Tensor, x), (List<ElementRange>, ranges))
 // Σ g² over the flat gradients `grads` in double, where each `low_rank` range adds the squared norm
 // of its gradient from the factors' Gram matrices instead of its elements,
 //   ‖Σ_r a_r ⊗ b_r‖² = Σ_{r,s} (a_r·a_s)(b_r·b_s)      (dot products in double)
