@@ -20,6 +20,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -513,18 +514,37 @@ std::string write_checkpoint_dir(const std::string& root, const TrainerState& st
 
 std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:07d}", step); }
 
-std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
+CheckpointFlats CheckpointFlats::of(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+                                   Backend* moments_on) {
+  return {store.flat_params(), adam_m, adam_v, &store.masters_backend(), moments_on ? moments_on : &store.backend()};
+}
+
+namespace {
+void check_flats(const ParamStore& store, const CheckpointFlats& f, const char* what) {
+  check_moments(store, f.adam_m, f.adam_v, what);
+  if (store.masters_sharded() && f.params.data == store.flat_params().data)
+    fail(
+        "internal error: {}: this rank holds its shard of the master weights only; pass the whole-buffer masters "
+        "gathered for the checkpoint (AdamWOptimizer::gather_moments, full_masters)",
+        what);
+  FLUX8_CHECK(f.params.numel() == store.layout().total() && f.params_on && f.moments_on, "{}: flats of {} for {}",
+              what, f.params.str(), store.layout().total());
+}
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig&,
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
                             const Fp8MetaRegistry* fp8, Backend* moments_backend) {
-  check_moments(store, adam_m, adam_v, "save_checkpoint");
-  Backend& be = store.masters_backend();
-  Backend& mb = moments_backend ? *moments_backend : store.backend();
-  const std::vector<ParamInfo>& params = store.layout().params();
-  const SafetensorsWriter model = model_writer(state, params, FlatSource::on_backend(be, store.flat_params()));
-  const SafetensorsWriter optimizer =
-      optimizer_writer(state, params, FlatSource::on_backend(mb, adam_m), FlatSource::on_backend(mb, adam_v));
-  const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
-  return write_checkpoint_dir(root, state, model, optimizer, fp8_file ? &*fp8_file : nullptr, keep_last);
+  return save_checkpoint(root, state, store, CheckpointFlats::of(store, adam_m, adam_v, moments_backend), keep_last,
+                         fp8);
+}
+
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const ParamStore& store,
+                            const CheckpointFlats& f, int keep_last, const Fp8MetaRegistry* fp8) {
+  check_flats(store, f, "save_checkpoint");
+  return save_checkpoint(root, state, store.layout().params(), FlatSource::on_backend(*f.params_on, f.params),
+                         FlatSource::on_backend(*f.moments_on, f.adam_m), FlatSource::on_backend(*f.moments_on, f.adam_v),
+                         keep_last, fp8);
 }
 
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const std::vector<ParamInfo>& params,
@@ -581,12 +601,17 @@ void CheckpointSnapshot::reserve(const ParamStore& store, DType moment_dtype) {
 
 void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,
                               const Tensor& adam_v, const Fp8MetaRegistry* fp8) {
-  check_moments(store, adam_m, adam_v, "CheckpointSnapshot::take");
-  const Tensor flat = store.flat_params();
-  for (const auto& [host, t] : {std::pair{&params_, &flat}, std::pair{&m_, &adam_m}, std::pair{&v_, &adam_v}}) {
+  take(state, store, CheckpointFlats::of(store, adam_m, adam_v), fp8);
+}
+
+void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const CheckpointFlats& f,
+                              const Fp8MetaRegistry* fp8) {
+  check_flats(store, f, "CheckpointSnapshot::take");
+  for (const auto& [host, t, on] : {std::tuple{&params_, &f.params, f.params_on}, std::tuple{&m_, &f.adam_m, f.moments_on},
+                                    std::tuple{&v_, &f.adam_v, f.moments_on}}) {
     host->reserve(static_cast<size_t>(t->numel()) * dtype_size(t->dtype), /*touch=*/false);
     host->dtype = t->dtype;
-    (t == &flat ? store.masters_backend() : store.backend()).download(host->data.get(), t->data, host->bytes);
+    on->download(host->data.get(), t->data, host->bytes);
   }
   state_ = state;
   params_layout_ = store.layout().params();

@@ -56,6 +56,22 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state, 
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
                             const Fp8MetaRegistry* fp8 = nullptr, Backend* moments_backend = nullptr);
 
+// The flat buffers a checkpoint writes, laid out like a store's parameters, each on the backend
+// whose memory holds it: the store's masters and moments, or (the distributed optimizer) the
+// whole-buffer masters and moments its group's rank 0 gathered into host memory
+// (AdamWOptimizer::gather_moments, full_masters).
+struct CheckpointFlats {
+  Tensor params, adam_m, adam_v;
+  Backend* params_on = nullptr;
+  Backend* moments_on = nullptr;
+  // The store's masters (whole on this rank) with these moments (null: on the store's backend).
+  static CheckpointFlats of(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+                            Backend* moments_on = nullptr);
+};
+// save_checkpoint from `flats`, which store.layout() lays out.
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const ParamStore& store,
+                            const CheckpointFlats& flats, int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
+
 // The same files from flat buffers laid out like `params`, on a backend or in host memory: the
 // checkpoint of a tensor-parallel job, whose whole tensors world rank 0 assembled from the
 // ranks' shards (train/checkpoint_shards.h). `params` holds whole tensors (a one-rank layout).
@@ -85,6 +101,8 @@ class CheckpointSnapshot {
   void reserve(const ParamStore& store, DType moment_dtype);
   // Copies the state as save_checkpoint would write it now (same arguments).
   void take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+            const Fp8MetaRegistry* fp8);
+  void take(const TrainerState& state, const ParamStore& store, const CheckpointFlats& flats,
             const Fp8MetaRegistry* fp8);
   // Writes ROOT/step-N from the copy: the same files, byte for byte, as save_checkpoint at
   // take()'s moment, with the same atomic rename and pruning. Uses no backend: any thread.

@@ -19,6 +19,7 @@
 #include "model/flux_config.h"
 #include "model/params.h"
 #include "model/weights_io.h"
+#include "train/checkpoint.h"
 #include "train/trainer_state.h"
 
 namespace flux8 {
@@ -38,6 +39,12 @@ namespace flux8 {
 std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& root, const TrainerState& state,
                                    const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
                                    const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
+// The same from `flats` (the distributed optimizer's whole-buffer state, gathered into the host
+// memory of each data-parallel group's rank 0): a flat in host memory goes up to the backend a
+// split tensor's shard at a time for the tensor-parallel gather.
+std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& root, const TrainerState& state,
+                                   const FluxConfig& cfg, const ParamStore& store, const CheckpointFlats& flats,
+                                   int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
 
 // Uploads into `t` (parameter p's tensor, or its slice of a moment buffer) this rank's part of
 // the file's whole tensor `name`: all of it for a tensor held whole, p.shard's part of it for a
