@@ -130,6 +130,10 @@ class ParamStore {
     int64_t first = 0;
   };
   HeldPart held_part(const ParamInfo& p) const;
+  // Sharded: the elements of one window of refresh_device_forms' gather (a window of one
+  // parameter larger than this is that parameter): a bounded backend buffer, and few
+  // collectives a step.
+  static constexpr int64_t kFormsWindowElements = int64_t{1} << 24;
   Tensor param(std::string_view name) const;
   Tensor grad(std::string_view name) const;
   Tensor flat_params() const;  // [total]
@@ -213,8 +217,11 @@ class ParamStore {
   // valid until the next call.
   Tensor master_on_device(const Tensor& w);
   // Offloaded or sharded masters: after params_changed(), rebuilds every device form from the
-  // masters (a no-op when current, and without forms). Sharded, a collective of the group.
+  // masters (a no-op when current, and without forms). Sharded, a collective of the group: the
+  // optimizer refreshes them with its update, so that a forward one rank runs alone (rank 0's
+  // sample previews) finds them current (device_forms_current()).
   void refresh_device_forms();
+  bool device_forms_current() const { return !device_forms() || forms_version_ == params_version_; }
   // Offloaded masters: the residents of the parameters inside the `count` elements of the flat
   // buffer from `begin`, as copies from `chunk_on_device` (those masters on the backend), for the
   // optimizer to issue after updating them. A parameter must lie wholly inside or outside.

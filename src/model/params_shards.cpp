@@ -10,12 +10,6 @@
 
 namespace flux8 {
 
-namespace {
-// The elements of one window of the forms' gather (a window of whole parameters may pass it by
-// the largest parameter): a bounded backend buffer, and few enough collectives a step.
-constexpr int64_t kWindowElements = int64_t{1} << 24;
-}  // namespace
-
 void ParamStore::shard_masters(MasterShards shards) {
   const int ranks = shards.group->size(), me = shards.group->rank();
   const std::vector<int64_t>& b = shards.begins;
@@ -91,7 +85,7 @@ void ParamStore::refresh_sharded_forms() {
   for (size_t i = 0; i < layout_.params().size(); ++i) {
     if (!has_form(i)) continue;
     const ParamInfo& p = layout_.params()[i];
-    if (windows.empty() || p.offset + p.shape.numel() - windows.back().first > kWindowElements)
+    if (windows.empty() || p.offset + p.shape.numel() - windows.back().first > kFormsWindowElements)
       windows.push_back({p.offset, {}});
     windows.back().second.push_back(i);
     largest = std::max(largest, p.offset + p.shape.numel() - windows.back().first);

@@ -182,6 +182,8 @@ void expect_sharded_masters_change_nothing(const RunSetup& s, const std::string&
     const StepStats a = whole.step(step), b = sharded.step(step);
     EXPECT_EQ(a.applied, step != s.nan_step) << "step " << step;
     EXPECT_EQ(b.applied, a.applied) << "step " << step;
+    // Made with the update: a forward rank 0 runs alone (a sample preview) needs no collective.
+    EXPECT_TRUE(sharded.model().params().device_forms_current()) << "step " << step;
   }
   expect_same_bits(sharded.losses, whole.losses, "losses");
   const auto finite = [](std::vector<double> v) {  // the skipped step's NaN norm, whatever its payload
