@@ -58,16 +58,18 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   p.masters = 4.0 * P;
   p.gradients = (p.bf16_grads ? 2.0 : 4.0) * P;
   const double moment_bytes = p.bf16_moments ? 4.0 : 8.0;  // two moments
-  int64_t largest = 0, small = 0, largest_split = 0;
+  int64_t largest = 0, small = 0, largest_split = 0, largest_shard = 0;
   for (const ParamInfo& info : layout.params()) {
     largest = std::max(largest, info.shape.numel());
     if (!info.linear_weight) small += info.shape.numel();
-    if (info.shard.sharded()) largest_split = std::max(largest_split, info.shard.full.numel());
+    if (!info.shard.sharded()) continue;
+    largest_split = std::max(largest_split, info.shard.full.numel());
+    largest_shard = std::max(largest_shard, info.shape.numel());
   }
   const int64_t offload_chunk = config.get_int("optimizer_offload_chunk");
   // Tensor parallelism: a save stages the largest split tensor's shards from every rank (and, for
   // state gathered into host memory, this rank's shard of it).
-  const double tp_staging = largest_split > 0 ? 4.0 * static_cast<double>(largest_split + largest) : 0.0;
+  const double tp_staging = 4.0 * static_cast<double>(largest_split);
   p.checkpoint_buffers = tp_staging;
   if (parallel.moments_sharded()) {
     const FlatSharding sharding = FlatSharding::of(p.rank_params, parallel.dp);
@@ -80,7 +82,8 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     // The save's gather buffer (AdamWOptimizer::gather_to_lead): a piece of every rank's shard.
     const int64_t piece = std::max<int64_t>(
         64, std::min(offload_chunk / parallel.dp, (p.moment_elements + 63) / 64 * 64) / 64 * 64);
-    p.checkpoint_buffers = std::max(tp_staging, 4.0 * static_cast<double>(piece * parallel.dp));
+    p.checkpoint_buffers =
+        std::max(tp_staging + 4.0 * static_cast<double>(largest_shard), 4.0 * static_cast<double>(piece * parallel.dp));
     p.host_checkpoint = (4.0 + moment_bytes) * P;
   } else {
     p.moment_elements = p.rank_params;

@@ -86,9 +86,9 @@ void print_memory_plan(const MemoryPlan& p, double gpu_bytes) {
   print_recompute_rows(p, gpu_bytes);
   if (p.host_checkpoint > 0)
     fmt::print(
-        "  (a checkpoint save gathers the shards of the f32 master weights and the AdamW moments to\n"
-        "   data-parallel rank 0's host memory, {}, through a GPU buffer of {}; a resume reads the\n"
-        "   whole moments into host memory on every rank and keeps its shard)\n",
+        "  (a checkpoint save gathers the shards of the f32 master weights and the AdamW moments\n"
+        "   to data-parallel rank 0's host memory, {}, through a GPU buffer of {};\n"
+        "   a resume reads the whole moments into host memory on every rank and keeps its shard)\n",
         gib(p.host_checkpoint), gib(p.checkpoint_buffers));
   else if (p.checkpoint_buffers > 0)
     fmt::print("  (a checkpoint save stages the largest split tensor's shards on the GPU: {})\n",
