@@ -88,7 +88,7 @@ void print_memory_plan(const MemoryPlan& p, double gpu_bytes) {
     fmt::print(
         "  (a checkpoint save gathers the shards of the f32 master weights and the AdamW moments\n"
         "   to data-parallel rank 0's host memory, {}, through a GPU buffer of {};\n"
-        "   a resume reads the whole moments into host memory on every rank and keeps its shard)\n",
+        "   a resume reads each rank's part of the files into its shard)\n",
         gib(p.host_checkpoint), gib(p.checkpoint_buffers));
   else if (p.checkpoint_buffers > 0)
     fmt::print("  (a checkpoint save stages the largest split tensor's shards on the GPU: {})\n",

@@ -32,6 +32,7 @@
 #include "io/safetensors.h"
 #include "model/weights_io.h"
 #include "train/checkpoint_manifest.h"
+#include "train/data_parallel.h"
 #include "train/checkpoint_shards.h"
 
 namespace flux8 {
@@ -237,20 +238,16 @@ std::string checkpoint_problem(const std::string& dir, bool hash) {
 
 std::vector<int64_t> dims(const Shape& s) { return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank); }
 
-// The view of one parameter inside a flat buffer laid out like the parameters.
-Tensor slice_of(const Tensor& flat, const ParamInfo& p) {
-  return Tensor(static_cast<char*>(flat.data) + static_cast<size_t>(p.offset) * dtype_size(flat.dtype), flat.dtype,
-                p.shape);
-}
-
-void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what) {
+void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what,
+                   int64_t elements = -1) {
+  if (elements < 0) elements = store.layout().total();
   for (const auto& [t, name] : {std::pair{&m, "adam_m"}, std::pair{&v, "adam_v"}}) {
-    if (!t->defined() || t->numel() != store.layout().total() || !t->contiguous() ||
+    if (!t->defined() || t->numel() != elements || !t->contiguous() ||
         (t->dtype != DType::f32 && t->dtype != DType::f64 && t->dtype != DType::bf16))
       fail(
           "{}: {} must be a contiguous f32/f64/bf16 buffer of {} elements laid out like the "
           "parameters, got {}",
-          what, name, store.layout().total(), t->str());
+          what, name, elements, t->str());
   }
 }
 
@@ -282,8 +279,9 @@ SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<
   return writer;
 }
 
+// The moments of flat range `range` into adam_m and adam_v, which hold those elements.
 void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
-                    Backend& be) {
+                    Backend& be, FlatRange range) {
   const SafetensorsReader file(path);
   std::vector<std::string> problems;
   size_t expected = 0;
@@ -305,7 +303,22 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
       if (file.tensor(name).shape != dims(p.shard.full))
         fail("safetensors file '{}', tensor '{}': shape is [{}] but [{}] was expected", path, name,
              fmt::join(file.tensor(name).shape, ", "), fmt::join(dims(p.shard.full), ", "));
-      upload_file_shard(be, file, name, p, slice_of(*flat, p), buffers);  // bf16 moments: rounded on the way
+      const int64_t n = p.shape.numel();
+      const int64_t begin = std::max(p.offset, range.begin), end = std::min(p.offset + n, range.end());
+      if (end <= begin) continue;
+      const size_t es = dtype_size(flat->dtype);
+      char* first = static_cast<char*>(flat->data) + static_cast<size_t>(begin - range.begin) * es;
+      if (begin == p.offset && end == p.offset + n) {  // bf16 moments: rounded on the way
+        upload_file_shard(be, file, name, p, Tensor(first, flat->dtype, p.shape), buffers);
+        continue;
+      }
+      // A parameter across the range's edge: this rank's part of its (shard's) elements.
+      std::vector<double>& whole = buffers.f64;
+      whole.resize(static_cast<size_t>(p.shard.full.numel()));
+      file.read_f64(name, whole.data());
+      const std::vector<double> mine = p.shard.sharded() ? take_shard(p.shard, p.shard.rank, whole) : whole;
+      from_host(be, Tensor(first, flat->dtype, Shape{end - begin}),
+                std::vector<double>(mine.begin() + (begin - p.offset), mine.begin() + (end - p.offset)));
     }
 }
 
@@ -707,8 +720,12 @@ std::string chosen_checkpoint(const std::string& path) {
 
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8, std::string* fp8_note,
-                     CheckpointVerify verify, Backend* moments_backend) {
-  check_moments(store, adam_m, adam_v, "load_checkpoint");
+                     CheckpointVerify verify, Backend* moments_backend, std::optional<FlatRange> moments_range) {
+  const FlatRange range = moments_range.value_or(FlatRange{0, store.layout().total()});
+  if (range.begin < 0 || range.end() > store.layout().total())
+    fail("load_checkpoint: the moments' range [{}, {}) is outside the {} parameters", range.begin, range.end(),
+         store.layout().total());
+  check_moments(store, adam_m, adam_v, "load_checkpoint", range.count);
   verify_checkpoint(dir, verify == CheckpointVerify::digests);
   const std::string state_path = (fs::path(dir) / kStateFile).string();
   TrainerState loaded = trainer_state_from_json(read_text_or_fail(state_path, "trainer state"), state_path);
@@ -717,7 +734,7 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
     fail("checkpoint {}: {} says step {}, {} says step {}", dir, kStateFile, loaded.step, kManifestFile, m.step);
   load_weights(store, cfg, (fs::path(dir) / kModelFile).string());
   load_optimizer((fs::path(dir) / kOptimizerFile).string(), store, adam_m, adam_v,
-                 moments_backend ? *moments_backend : store.backend());
+                 moments_backend ? *moments_backend : store.backend(), range);
   const bool has_fp8 = m.files.count(kFp8File) != 0;
   std::string note;
   if (fp8 && has_fp8)

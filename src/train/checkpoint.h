@@ -25,6 +25,7 @@
 #include "model/flux_config.h"
 #include "model/params.h"
 #include "model/weights_io.h"
+#include "train/data_parallel.h"
 #include "train/trainer_state.h"
 
 namespace flux8 {
@@ -155,10 +156,13 @@ enum class CheckpointVerify { digests, sizes };
 // fresh when the checkpoint has none (a BF16 run); a BF16 run ignores a checkpoint's FP8 state.
 // What happened is described in *fp8_note. The moments are on `moments_backend` (null: the
 // store's).
+// moments_range: adam_m and adam_v hold the moments of that range of the flat buffer only (the
+// distributed optimizer's shard, AdamWOptimizer::owned(): each rank reads its part of the file,
+// no whole-buffer moments anywhere); a store with sharded masters loads the part it holds.
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8 = nullptr,
                      std::string* fp8_note = nullptr, CheckpointVerify verify = CheckpointVerify::digests,
-                     Backend* moments_backend = nullptr);
+                     Backend* moments_backend = nullptr, std::optional<FlatRange> moments_range = std::nullopt);
 
 // For --init-from: a checkpoint directory -> its model.safetensors, checked against the
 // manifest; a file inside a checkpoint directory (step-N/model.safetensors) -> itself, checked

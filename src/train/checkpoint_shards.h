@@ -5,10 +5,12 @@
 // any tensor × data-parallel layout (resharding) and in diffusers or ComfyUI as before.
 //
 // Saving: the ranks of tensor-parallel group 0 bring their shards to world rank 0, which
-// assembles the whole tensors in host memory and writes the directory. Loading:
-// load_checkpoint (train/checkpoint.h) reads the whole tensors on every rank and keeps each
-// rank's shard of the parameters and of the moments (upload_file_shard); a ZeRO optimizer then
-// takes its part of them with scatter_moments().
+// assembles the whole tensors in host memory and writes the directory (with the distributed
+// optimizer, each data-parallel group's rank 0 first gathers its group's shards of the masters
+// and moments into host memory: AdamWOptimizer::gather_moments). Loading: load_checkpoint
+// (train/checkpoint.h) reads the file's whole tensors on every rank and keeps this rank's part:
+// its tensor-parallel shard of each (upload_file_shard), and of that the elements whose masters
+// and moments it holds (load_checkpoint's moments_range).
 #include <string>
 
 #include "backend/backend.h"

@@ -180,18 +180,6 @@ void AdamWOptimizer::gather_to_lead(const Tensor& mine, Backend& mine_on, const 
   be.release(buffer.data);
 }
 
-void AdamWOptimizer::scatter_moments() {
-  if (!sharded_) return;
-  for (auto [mine, full] : {std::pair{m_, full_m_}, std::pair{v_, full_v_}}) {
-    const Tensor part = flat_slice(full, owned_);
-    const size_t bytes = static_cast<size_t>(owned_.count) * dtype_size(mine.dtype);
-    if (host_)
-      std::memcpy(mine.data, part.data, bytes);
-    else
-      store_.backend().upload(mine.data, part.data, bytes);
-  }
-}
-
 void AdamWOptimizer::release_full_moments() {
   for (Tensor* t : {&full_m_, &full_v_, &full_p_})
     if (t->defined()) {

@@ -90,12 +90,9 @@ class AdamWOptimizer {
   // rank 0 into host memory, a bounded piece at a time through one backend buffer (every rank
   // takes part; no rank holds a whole buffer on the backend), which full_exp_avg()/
   // full_exp_avg_sq()/full_masters() return there until release_full_moments() (undefined on
-  // the other ranks). Without sharding they are the moments and flat_params() themselves. For a
-  // load, allocate_full_moments() gives every rank host buffers of the whole size, and after a
-  // checkpoint has been loaded into them scatter_moments() takes this rank's shard.
+  // the other ranks). Without sharding they are the moments and flat_params() themselves. A load
+  // reads each rank's part into exp_avg()/exp_avg_sq() (load_checkpoint's moments_range owned()).
   void gather_moments();
-  void allocate_full_moments();
-  void scatter_moments();
   void release_full_moments();
   Tensor full_exp_avg() const { return sharded_ ? full_m_ : m_; }
   Tensor full_exp_avg_sq() const { return sharded_ ? full_v_ : v_; }
@@ -122,6 +119,7 @@ class AdamWOptimizer {
   // group's rank 0 only: undefined elsewhere), a piece of each rank's shard at a time through
   // one backend buffer.
   void gather_to_lead(const Tensor& mine, Backend& mine_on, const Tensor& full);
+  void allocate_full_moments();
   // This rank's masters of flat range r (inside owned() where they are sharded).
   Tensor masters(FlatRange r) const;
   // The squared norm of the whole model's gradient, from this rank's gradients in `range` (all of

@@ -200,13 +200,11 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
       r.resume.verify_seconds = seconds_since(t0);
       const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
-      // Whole-buffer moments (a sharded optimizer's are gathered space, then scattered).
-      r.opt->allocate_full_moments();
-      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
-                      registry, &r.resume.fp8_note, CheckpointVerify::sizes,  // its digests were just verified
-                      &r.opt->full_state_backend());
-      r.opt->scatter_moments();
-      r.opt->release_full_moments();
+      // Each rank reads the moments of its range (a distributed optimizer's shard) and the master
+      // weights it holds.
+      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), registry,
+                      &r.resume.fp8_note, CheckpointVerify::sizes,  // its digests were just verified
+                      &r.opt->moments_backend(), r.opt->owned());
       r.state.config_yaml = r.cfg.config_yaml;  // the config of this run goes into its checkpoints
       r.resume.from = *dir;
       r.resume.load_seconds = seconds_since(t1);

@@ -295,12 +295,10 @@ TEST(ShardedMasters, CheckpointIsTheOneRankCheckpointAndResumes) {
   MPI_Barrier(MPI_COMM_WORLD);
 
   Trainee b(cfg, &groups.dp(), Trainee::Kind::sharded_masters, s);
-  b.opt().allocate_full_moments();
   TrainerState loaded;
-  load_checkpoint(dir / "sharded/step-0000003", loaded, cfg, b.model().params(), b.opt().full_exp_avg(),
-                  b.opt().full_exp_avg_sq(), nullptr, nullptr, CheckpointVerify::digests, &b.opt().full_state_backend());
-  b.opt().scatter_moments();
-  b.opt().release_full_moments();
+  load_checkpoint(dir / "sharded/step-0000003", loaded, cfg, b.model().params(), b.opt().exp_avg(),
+                  b.opt().exp_avg_sq(), nullptr, nullptr, CheckpointVerify::digests, &b.opt().moments_backend(),
+                  b.opt().owned());
   EXPECT_EQ(loaded.step, 3);
   for (int64_t step = 4; step <= 5; ++step) {
     a.step(step);
