@@ -78,10 +78,10 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     // buffer of the largest (init, FP8 casts of gathered masters) and the forms' gather window
     // (ParamStore MasterShards).
     p.masters = 4.0 * static_cast<double>(p.moment_elements + small + largest +
-                                           std::max(ParamStore::kFormsWindowElements, largest));
+                                          std::max(ParamStore::kFormsWindowElements, largest));
     // The save's gather buffer (AdamWOptimizer::gather_to_lead): a piece of every rank's shard.
-    const int64_t piece = std::max<int64_t>(
-        64, std::min(offload_chunk / parallel.dp, (p.moment_elements + 63) / 64 * 64) / 64 * 64);
+    const int64_t piece =
+        std::max<int64_t>(64, std::min(offload_chunk / parallel.dp, (p.moment_elements + 63) / 64 * 64) / 64 * 64);
     p.checkpoint_buffers =
         std::max(tp_staging + 4.0 * static_cast<double>(largest_shard), 4.0 * static_cast<double>(piece * parallel.dp));
     p.host_checkpoint = (4.0 + moment_bytes) * P;

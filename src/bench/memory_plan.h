@@ -50,10 +50,10 @@ struct MemoryPlan {
   // sharded (the distributed optimizer): this rank's shard, the small ones' residents, the
   // staging buffer of the largest and the window the device forms are gathered through.
   double masters = 0;
-  double gradients = 0;       // the whole local gradient buffer (reduce-scattered in place)
-  double moments = 0;         // exp_avg and exp_avg_sq of moment_elements (offload: the device's chunk of each)
-  double host_moments = 0;    // offload: the rank's moments in host memory
-  double host_masters = 0;    // offload_masters: the rank's f32 master weights in host memory
+  double gradients = 0;     // the whole local gradient buffer (reduce-scattered in place)
+  double moments = 0;       // exp_avg and exp_avg_sq of moment_elements (offload: the device's chunk of each)
+  double host_moments = 0;  // offload: the rank's moments in host memory
+  double host_masters = 0;  // offload_masters: the rank's f32 master weights in host memory
   // A checkpoint of the distributed optimizer: the whole-buffer masters and moments its
   // data-parallel rank 0 gathers into host memory.
   double host_checkpoint = 0;

@@ -22,7 +22,7 @@ std::vector<StateRow> state_rows(const MemoryPlan& p) {
   return {
       {"bf16 weight copies", p.operand_copies},
       {"FP8 weight casts", p.fp8_casts},
-      {p.offload_masters                ? "f32 weights (small, chunk, staging)"
+      {p.offload_masters              ? "f32 weights (small, chunk, staging)"
        : p.parallel.moments_sharded() ? "f32 masters (shard; small, staging)"
                                       : "f32 master weights",
        p.masters},

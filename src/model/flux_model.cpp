@@ -193,8 +193,7 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
   norm_stats_in_residual_ = norm_stats_in_residual_from_environment();
   act_dtype_ = be_.activation_dtype(dtype_);
   heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
-  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size(), masters,
-                                         std::move(shards));
+  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size(), masters, std::move(shards));
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i) double_params_.push_back(DoubleBlockParams::bind(*params_, i));
   for (int64_t i = 0; i < cfg_.num_single_blocks; ++i) single_params_.push_back(SingleBlockParams::bind(*params_, i));
   if (tp_.sharded()) bind_partial_grads();

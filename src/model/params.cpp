@@ -202,7 +202,8 @@ void ParamStore::init(uint64_t seed) {
         backend_.copy(h.view, Tensor(static_cast<char*>(local.data) + static_cast<size_t>(h.first) * dtype_size(dtype_),
                                      dtype_, h.view.shape));
     } else if (staged) {
-      backend_.download(view(params_, dtype_, p).data, local.data, static_cast<size_t>(p.shape.numel()) * dtype_size(dtype_));
+      backend_.download(view(params_, dtype_, p).data, local.data,
+                        static_cast<size_t>(p.shape.numel()) * dtype_size(dtype_));
     }
   }
   if (full_buffer) masters_.release(full_buffer);

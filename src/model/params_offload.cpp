@@ -72,9 +72,10 @@ Tensor ParamStore::offloaded_operand(const Tensor& p, std::optional<DType> out) 
   const Tensor copy = operands_.empty() ? Tensor{} : operands_[i].copy;
   if (copy.defined() && (!out || copy.dtype == *out)) return copy;
   if (residents_[i].defined()) return residents_[i];
-  fail("internal error: parameter '{}' has no copy on the device for the model to read (offloaded or sharded master "
-       "weights)",
-       layout_.params()[i].name);
+  fail(
+      "internal error: parameter '{}' has no copy on the device for the model to read (offloaded or sharded master "
+      "weights)",
+      layout_.params()[i].name);
 }
 
 Tensor ParamStore::device_param(std::string_view name) {

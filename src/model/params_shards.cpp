@@ -67,8 +67,8 @@ void ParamStore::gather_masters(int64_t begin, int64_t count, const Tensor& out)
     if (e <= b) continue;
     const Tensor piece(static_cast<char*>(out.data) + static_cast<size_t>(b - begin) * es, dtype_, Shape{e - b});
     if (r == group.rank())
-      backend_.copy(piece, Tensor(static_cast<char*>(held_) + static_cast<size_t>(b - held_begin_) * es, dtype_,
-                                  Shape{e - b}));
+      backend_.copy(
+          piece, Tensor(static_cast<char*>(held_) + static_cast<size_t>(b - held_begin_) * es, dtype_, Shape{e - b}));
     group.broadcast(piece, r);
   }
 }
@@ -77,8 +77,7 @@ void ParamStore::refresh_sharded_forms() {
   // Windows of whole parameters that have a form, in flat order (the layout's), each gathered
   // once into window_ and its forms written from there.
   const auto has_form = [&](size_t i) {
-    return (i < residents_.size() && residents_[i].defined()) ||
-           (i < operands_.size() && operands_[i].copy.defined());
+    return (i < residents_.size() && residents_[i].defined()) || (i < operands_.size() && operands_[i].copy.defined());
   };
   std::vector<std::pair<int64_t, std::vector<size_t>>> windows;  // (begin, parameters)
   int64_t largest = 0;

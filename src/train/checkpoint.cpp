@@ -32,8 +32,8 @@
 #include "io/safetensors.h"
 #include "model/weights_io.h"
 #include "train/checkpoint_manifest.h"
-#include "train/data_parallel.h"
 #include "train/checkpoint_shards.h"
+#include "train/data_parallel.h"
 
 namespace flux8 {
 
@@ -238,8 +238,7 @@ std::string checkpoint_problem(const std::string& dir, bool hash) {
 
 std::vector<int64_t> dims(const Shape& s) { return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank); }
 
-void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what,
-                   int64_t elements = -1) {
+void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what, int64_t elements = -1) {
   if (elements < 0) elements = store.layout().total();
   for (const auto& [t, name] : {std::pair{&m, "adam_m"}, std::pair{&v, "adam_v"}}) {
     if (!t->defined() || t->numel() != elements || !t->contiguous() ||
@@ -528,7 +527,7 @@ std::string write_checkpoint_dir(const std::string& root, const TrainerState& st
 std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:07d}", step); }
 
 CheckpointFlats CheckpointFlats::of(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
-                                   Backend* moments_on) {
+                                    Backend* moments_on) {
   return {store.flat_params(), adam_m, adam_v, &store.masters_backend(), moments_on ? moments_on : &store.backend()};
 }
 
@@ -540,8 +539,8 @@ void check_flats(const ParamStore& store, const CheckpointFlats& f, const char* 
         "internal error: {}: this rank holds its shard of the master weights only; pass the whole-buffer masters "
         "gathered for the checkpoint (AdamWOptimizer::gather_moments, full_masters)",
         what);
-  FLUX8_CHECK(f.params.numel() == store.layout().total() && f.params_on && f.moments_on, "{}: flats of {} for {}",
-              what, f.params.str(), store.layout().total());
+  FLUX8_CHECK(f.params.numel() == store.layout().total() && f.params_on && f.moments_on, "{}: flats of {} for {}", what,
+              f.params.str(), store.layout().total());
 }
 }  // namespace
 
@@ -556,8 +555,8 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state, 
                             const CheckpointFlats& f, int keep_last, const Fp8MetaRegistry* fp8) {
   check_flats(store, f, "save_checkpoint");
   return save_checkpoint(root, state, store.layout().params(), FlatSource::on_backend(*f.params_on, f.params),
-                         FlatSource::on_backend(*f.moments_on, f.adam_m), FlatSource::on_backend(*f.moments_on, f.adam_v),
-                         keep_last, fp8);
+                         FlatSource::on_backend(*f.moments_on, f.adam_m),
+                         FlatSource::on_backend(*f.moments_on, f.adam_v), keep_last, fp8);
 }
 
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const std::vector<ParamInfo>& params,
@@ -620,8 +619,9 @@ void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store
 void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const CheckpointFlats& f,
                               const Fp8MetaRegistry* fp8) {
   check_flats(store, f, "CheckpointSnapshot::take");
-  for (const auto& [host, t, on] : {std::tuple{&params_, &f.params, f.params_on}, std::tuple{&m_, &f.adam_m, f.moments_on},
-                                    std::tuple{&v_, &f.adam_v, f.moments_on}}) {
+  for (const auto& [host, t, on] :
+       {std::tuple{&params_, &f.params, f.params_on}, std::tuple{&m_, &f.adam_m, f.moments_on},
+        std::tuple{&v_, &f.adam_v, f.moments_on}}) {
     host->reserve(static_cast<size_t>(t->numel()) * dtype_size(t->dtype), /*touch=*/false);
     host->dtype = t->dtype;
     on->download(host->data.get(), t->data, host->bytes);

@@ -135,9 +135,9 @@ std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& roo
   const bool any_on_host = flats.params_on != &be || flats.moments_on != &be;
   const Staging mine_staging(be, any_on_host ? local_staging_bytes(store.layout(), all) : 0);
   WholeFlat values, m, v;
-  for (const auto& [flat, on, host] : {std::tuple{&flats.params, flats.params_on, &values},
-                                       std::tuple{&flats.adam_m, flats.moments_on, &m},
-                                       std::tuple{&flats.adam_v, flats.moments_on, &v}}) {
+  for (const auto& [flat, on, host] :
+       {std::tuple{&flats.params, flats.params_on, &values}, std::tuple{&flats.adam_m, flats.moments_on, &m},
+        std::tuple{&flats.adam_v, flats.moments_on, &v}}) {
     if (writer) {
       host->dtype = flat->dtype;
       host->data.reset(new std::byte[static_cast<size_t>(whole.total()) * dtype_size(flat->dtype)]);

@@ -151,8 +151,7 @@ void AdamWOptimizer::gather_to_lead(const Tensor& mine, Backend& mine_on, const 
   Backend& be = store_.backend();
   const int ranks = sharding_.ranks;
   const int64_t longest = sharding_.owned(ranks - 1).count;
-  const int64_t piece =
-      std::max<int64_t>(64, std::min(cfg_.offload_chunk / ranks, (longest + 63) / 64 * 64) / 64 * 64);
+  const int64_t piece = std::max<int64_t>(64, std::min(cfg_.offload_chunk / ranks, (longest + 63) / 64 * 64) / 64 * 64);
   const size_t es = dtype_size(mine.dtype);
   const Tensor buffer(be.allocate(static_cast<size_t>(piece) * ranks * es), mine.dtype, Shape{piece * ranks});
   const FlatSharding pieces = FlatSharding::of(piece * ranks, ranks);
@@ -266,8 +265,7 @@ void AdamWOptimizer::update(StepStats& s, FlatRange range, const Backend::AdamW&
   if (!host_) {
     Backend::AdamW at = h;
     at.index_base = range.begin;
-    store_.backend().adamw(masters(range), flat_slice(store_.flat_grads(), range), m_, v_, at,
-                           copies, casts, low_rank);
+    store_.backend().adamw(masters(range), flat_slice(store_.flat_grads(), range), m_, v_, at, copies, casts, low_rank);
     return;
   }
   // Copies, casts and low-rank gradients cover whole parameters: their chunks end at parameter

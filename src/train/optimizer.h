@@ -98,9 +98,7 @@ class AdamWOptimizer {
   Tensor full_exp_avg_sq() const { return sharded_ ? full_v_ : v_; }
   Tensor full_masters() const { return store_.masters_sharded() ? full_p_ : store_.flat_params(); }
   Backend& full_state_backend() const { return sharded_ ? *full_host_ : moments_backend(); }
-  Backend& full_masters_backend() const {
-    return store_.masters_sharded() ? *full_host_ : store_.masters_backend();
-  }
+  Backend& full_masters_backend() const { return store_.masters_sharded() ? *full_host_ : store_.masters_backend(); }
 
  private:
   StepStats sharded_step(int64_t step, double lr);

@@ -157,14 +157,13 @@ void build_model(Run& r) {
   // cuda_graph: each micro-batch's forward and backward recorded and launched as CUDA graphs
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
   // A graph cannot hold the tensor-parallel collectives inside the blocks, nor the uploads of
-  // offloaded master weights for FP8 casts: op by op there.
+  // offloaded master weights for FP8 casts, nor the gathers of sharded ones: op by op there.
   // The distributed optimizer: each data-parallel rank holds the f32 masters of its shard only
   // (ParamStore MasterShards), and the FP8 casts gather theirs over the group at first use.
-  MasterShards shards = AdamWOptimizer::master_shards(
-      r.dp.get(), r.cfg.distributed_optimizer,
-      ParamLayout::build(r.cfg.model, r.groups->tp_rank(), r.groups->tp_size()).total());
-  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1 && !r.cfg.offload_masters &&
-      !shards.group)
+  MasterShards shards =
+      AdamWOptimizer::master_shards(r.dp.get(), r.cfg.distributed_optimizer,
+                                    ParamLayout::build(r.cfg.model, r.groups->tp_rank(), r.groups->tp_size()).total());
+  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1 && !r.cfg.offload_masters && !shards.group)
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
   if (r.cfg.offload_masters) r.host_memory = make_backend("cpu");
   r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute,
@@ -604,10 +603,10 @@ void report_saved_in_line(Run& r, double secs) {
 // training.
 void save_tensor_parallel(Run& r) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string dir = save_checkpoint_shards(
-      *r.groups, r.cfg.save_dir, r.state, r.cfg.model, r.model->params(),
-      r.groups->dp_rank() == 0 ? checkpoint_flats(r) : CheckpointFlats{}, static_cast<int>(r.cfg.keep_last_checkpoints),
-      lead_rank(r) ? fp8_state(r) : nullptr);
+  const std::string dir =
+      save_checkpoint_shards(*r.groups, r.cfg.save_dir, r.state, r.cfg.model, r.model->params(),
+                             r.groups->dp_rank() == 0 ? checkpoint_flats(r) : CheckpointFlats{},
+                             static_cast<int>(r.cfg.keep_last_checkpoints), lead_rank(r) ? fp8_state(r) : nullptr);
   r.opt->release_full_moments();
   if (!lead_rank(r)) return;
   r.result.last_checkpoint = dir;

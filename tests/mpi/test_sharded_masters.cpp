@@ -58,9 +58,9 @@ class Trainee {
       : cfg_(cfg), setup_(s), be_(make_backend("cpu")), empty_(testing::zero_prompt(cfg)), buf_(*be_, s.dtype) {
     if (group) dp_ = std::make_unique<DataParallel>(*group, *be_);
     const int64_t total = ParamLayout::build(cfg).total();
-    model_ = std::make_unique<FluxModel>(
-        cfg, *be_, s.dtype, s.fp8, Recompute::none, TensorParallel{}, nullptr,
-        AdamWOptimizer::master_shards(dp_.get(), kind == Kind::sharded_masters, total));
+    model_ =
+        std::make_unique<FluxModel>(cfg, *be_, s.dtype, s.fp8, Recompute::none, TensorParallel{}, nullptr,
+                                    AdamWOptimizer::master_shards(dp_.get(), kind == Kind::sharded_masters, total));
     testing::randomize_params(model_->params(), 3);
     AdamWConfig ac;
     ac.clip_grad = 0.05;  // small enough to clip: the norm spans every shard
@@ -82,8 +82,8 @@ class Trainee {
     const int64_t share = kGlobal / ranks;
     StepContext ctx{*model_, cfg_, obj_, empty_, buf_, 77};
     if (dp_) ctx.data_parallel = &dp_->group();
-    const std::vector<Sample> samples = testing::demo_batch(
-        cfg_, static_cast<int>(share), static_cast<int>((step - 1) * kGlobal + rank * share));
+    const std::vector<Sample> samples =
+        testing::demo_batch(cfg_, static_cast<int>(share), static_cast<int>((step - 1) * kGlobal + rank * share));
     const StepLoss sl =
         accumulate_step_gradients(ctx, samples, 2, static_cast<uint64_t>(step - 1), rank * share, kGlobal);
     losses.push_back(sl.loss);
@@ -281,8 +281,8 @@ TEST(ShardedMasters, CheckpointIsTheOneRankCheckpointAndResumes) {
     const CheckpointFlats f = a.flats();
     FluxModel one(cfg, *be, DType::f32);
     from_host(*be, one.params().flat_params(), to_host(*f.params_on, f.params));
-    const std::string one_dir = save_checkpoint(dir / "one", state, cfg, one.params(), f.adam_m, f.adam_v, 0, nullptr,
-                                                f.moments_on);
+    const std::string one_dir =
+        save_checkpoint(dir / "one", state, cfg, one.params(), f.adam_m, f.adam_v, 0, nullptr, f.moments_on);
     size_t files = 0;
     for (const fs::directory_entry& e : fs::directory_iterator(one_dir)) {
       ++files;
