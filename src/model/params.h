@@ -209,12 +209,13 @@ class ParamStore {
   // the GEMM would otherwise round from b on every call), else b itself.
   Tensor bias_operand(const Tensor& b, const Tensor& out);
   // The tensor an op reads for a parameter it takes as it is stored (a norm scale): param(name),
-  // or with offloaded masters its f32 resident, kept current by refresh_device_forms() and the
-  // optimizer (the tensor stays the same, so a block may bind it once).
+  // or with offloaded or sharded masters its f32 resident, kept current by refresh_device_forms()
+  // and the optimizer (the tensor stays the same, so a block may bind it once).
   Tensor device_param(std::string_view name);
   // `w`'s current values on the backend, for an op that reads the master itself (an FP8 cast):
   // w, or with offloaded masters its resident or a copy staged in a buffer of the store's —
-  // valid until the next call.
+  // valid until the next call. Sharded masters without a resident are gathered into that buffer
+  // from their holders: a collective of the group.
   Tensor master_on_device(const Tensor& w);
   // Offloaded or sharded masters: after params_changed(), rebuilds every device form from the
   // masters (a no-op when current, and without forms). Sharded, a collective of the group: the
