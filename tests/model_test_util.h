@@ -50,6 +50,13 @@ inline void randomize_params(ParamStore& store, uint64_t seed, double std = 0.3)
     std::vector<double> v(static_cast<size_t>(p.shape.numel()));
     for (size_t j = 0; j < v.size(); ++j)
       v[j] = (is_scale ? 1.0 : 0.0) + (is_scale ? 0.2 : std) * rng_normal(seed, i, j);
+    if (store.masters_sharded()) {  // the masters of the part this rank holds
+      const ParamStore::HeldPart h = store.held_part(p);
+      if (h.view.defined())
+        from_host(store.masters_backend(), h.view,
+                  std::vector<double>(v.begin() + h.first, v.begin() + h.first + h.view.numel()));
+      continue;
+    }
     from_host(store.masters_backend(), store.param(p.name), v);
   }
   store.params_changed();

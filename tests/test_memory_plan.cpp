@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "bench/memory_plan.h"
 #include "config/config.h"
@@ -54,7 +55,8 @@ TEST(MemoryPlan, OneGpuIsTheSingleGpuBreakdown) {
       EXPECT_EQ(bytes["master_weights"], today["fp32 master weights"][column]);
       EXPECT_EQ(bytes["gradients"], today["fp32 gradients"][column]);
       EXPECT_EQ(bytes["adam_moments"], today["AdamW moments (fp32)"][column]);
-      EXPECT_EQ(bytes["gathered_moments"], 0.0);
+      EXPECT_EQ(bytes["checkpoint_buffers"], 0.0);
+      EXPECT_EQ(bytes["host_checkpoint"], 0.0);
       EXPECT_EQ(bytes["attention_workspace"], j["deterministic_attention_workspace_bytes"]);
       const nlohmann::json& r = plan["recompute"][recompute];
       EXPECT_EQ(r["activations_bytes"], today["activations"][column]);
@@ -131,26 +133,40 @@ TEST(MemoryPlan, WeightsTransposedInTheBackwardKeepOneCast) {
   EXPECT_DOUBLE_EQ(bf16.operand_copies, a.operand_copies + a.fp8_casts);  // every Linear's bf16 copy
 }
 
-TEST(MemoryPlan, DistributedOptimizerShardsTheMomentsOnly) {
+TEST(MemoryPlan, DistributedOptimizerShardsTheMastersWithTheMoments) {
   const Config config = Config::load(kDev, {"image_size=256"});
   const MemoryPlan whole = MemoryPlan::of(config, {2, 16, false}), sharded = MemoryPlan::of(config, {2, 16, true});
   const int64_t P = whole.rank_params;
   EXPECT_EQ(whole.moment_elements, P);
   EXPECT_EQ(whole.moments, 8.0 * static_cast<double>(P));
-  EXPECT_EQ(whole.gathered_moments, 0.0);
+  EXPECT_EQ(whole.masters, 4.0 * static_cast<double>(P));
+  EXPECT_EQ(whole.host_checkpoint, 0.0);
   EXPECT_EQ(sharded.moment_elements, FlatSharding::of(P, 16).owned(15).count);
   EXPECT_EQ(sharded.moments, 8.0 * static_cast<double>(sharded.moment_elements));
   EXPECT_NEAR(sharded.moments / whole.moments, 1.0 / 16, 1e-6);
-  // What the optimizer shards today: the moments. Master weights and the gradient buffer stay
-  // whole on every data-parallel rank, and a checkpoint gathers the whole moments.
+  // The masters of the same shard, beside the small parameters' residents, a staging buffer of
+  // the largest parameter and the forms' gather window (ParamStore MasterShards).
+  int64_t largest = 0, small = 0;
+  const ParamLayout layout = ParamLayout::build(FluxConfig::from_config(config), 0, 2);
+  for (const ParamInfo& p : layout.params()) {
+    largest = std::max(largest, p.shape.numel());
+    if (!p.linear_weight) small += p.shape.numel();
+  }
+  EXPECT_EQ(sharded.masters, 4.0 * static_cast<double>(sharded.moment_elements + small + largest +
+                                                       std::max(ParamStore::kFormsWindowElements, largest)));
+  EXPECT_LT(sharded.masters, whole.masters / 2);
+  // The gradient buffer and the device forms stay whole on every data-parallel rank.
   const MemoryPlan one_rank = MemoryPlan::of(config, {2, 1, false});
-  EXPECT_EQ(sharded.masters, one_rank.masters);
   EXPECT_EQ(sharded.gradients, one_rank.gradients);
   EXPECT_EQ(sharded.operand_copies + sharded.fp8_casts, one_rank.operand_copies + one_rank.fp8_casts);
-  EXPECT_EQ(sharded.gathered_moments, whole.moments);
-  EXPECT_EQ(sharded.peak(Recompute::full), sharded.step_total(Recompute::full) + whole.moments);
+  // A save gathers masters and moments into rank 0's host memory through a bounded GPU buffer.
+  EXPECT_EQ(sharded.host_checkpoint, 12.0 * static_cast<double>(P));
+  EXPECT_GT(sharded.checkpoint_buffers, 0.0);
+  EXPECT_LE(sharded.checkpoint_buffers, 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
+  EXPECT_EQ(sharded.peak(Recompute::full), sharded.step_total(Recompute::full) + sharded.checkpoint_buffers);
   // One data-parallel rank has nothing to shard over (AdamWOptimizer::set_data_parallel).
   EXPECT_EQ(MemoryPlan::of(config, {2, 1, true}).moments, whole.moments);
+  EXPECT_EQ(MemoryPlan::of(config, {2, 1, true}).masters, whole.masters);
   // bf16 moments: 4 bytes an element for the two.
   const MemoryPlan bf16 = MemoryPlan::of(Config::load(kDev, {"adam_moment_precision=bf16"}), {2, 16, true});
   EXPECT_EQ(bf16.moments, 4.0 * static_cast<double>(sharded.moment_elements));
@@ -158,24 +174,33 @@ TEST(MemoryPlan, DistributedOptimizerShardsTheMomentsOnly) {
 
 // The plans docs/DISTRIBUTED.md quotes: flux_12b_dev at 1024 px, micro-batch 1, FP8 (delayed),
 // distributed optimizer. TP=2 x DP=1 fits two 141 GB GPUs with full recompute only; TP=2 x DP=16
-// does not fit 40 GB with any setting, since the masters and gradients stay whole.
+// fits 40 GB (37.25 GiB) with full recompute and grad_precision: bf16, the masters sharded with
+// the moments — not with f32 gradients.
 TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
-  const Config config = Config::load(kDev, {"image_size=1024", "micro_batch_size=1", "fp8=hybrid", "fp8_recipe=delayed",
-                                            "use_distributed_optimizer=true"});
+  const std::vector<std::string> base{"image_size=1024", "micro_batch_size=1", "fp8=hybrid", "fp8_recipe=delayed",
+                                      "use_distributed_optimizer=true"};
+  std::vector<std::string> bf16_grads = base;
+  bf16_grads.push_back("grad_precision=bf16");
+  const Config config = Config::load(kDev, base), lean = Config::load(kDev, bf16_grads);
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-  const double gpu_141gb = 141e9, gpu_40gb = 40e9;
+  const double gpu_141gb = 141e9, gpu_40gb = 37.25 * kGiB;
   const MemoryPlan two = MemoryPlan::of(config, {2, 1, true}), many = MemoryPlan::of(config, {2, 16, true});
   EXPECT_GT(two.peak(Recompute::selective), gpu_141gb);
   EXPECT_LE(two.peak(Recompute::full), gpu_141gb);
-  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 129.96, 0.005);
-  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 76.89, 0.005);
-  EXPECT_NEAR(many.peak(Recompute::full) / kGiB, 133.49, 0.005);
-  EXPECT_GT(many.masters + many.gradients, gpu_40gb);
+  EXPECT_NEAR(two.step_total(Recompute::full) / kGiB, 129.96, 0.005);
+  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 130.20, 0.005);
+  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 50.79, 0.005);
+  EXPECT_GT(many.peak(Recompute::full), gpu_40gb);
+  const MemoryPlan fits = MemoryPlan::of(lean, {2, 16, true});
+  EXPECT_NEAR(fits.step_total(Recompute::full) / kGiB, 36.64, 0.005);
+  EXPECT_NEAR(fits.peak(Recompute::full) / kGiB, 37.01, 0.005);
+  EXPECT_LE(fits.peak(Recompute::full), gpu_40gb);
+  EXPECT_GT(fits.peak(Recompute::selective), gpu_40gb);
 }
 
 // optimizer_offload: moments moves the moments (a rank's shard, with the distributed optimizer) to
-// host memory; the GPU keeps one chunk of each, of at least the largest parameter, and a checkpoint
-// gathers the moments into host memory instead of the GPU's.
+// host memory; the GPU keeps one chunk of each, of at least the largest parameter; a checkpoint
+// gathers them through the same GPU buffer as moments kept there.
 TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
   const Config on_gpu = Config::load(kDev, {"adam_moment_precision=bf16"});
   const Config offloaded = Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments"});
@@ -187,7 +212,7 @@ TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
     EXPECT_TRUE(b.offload);
     EXPECT_EQ(b.host_moments, a.moments);
     EXPECT_EQ(b.moments, 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
-    EXPECT_EQ(b.gathered_moments, 0.0);
+    EXPECT_EQ(b.checkpoint_buffers, a.checkpoint_buffers);
     EXPECT_EQ(a.state() - b.state(), a.moments - b.moments);
   }
 }

@@ -16,7 +16,7 @@ double MemoryPlan::step_total(Recompute r) const {
   return state() + activations[static_cast<size_t>(r)] + attention_workspace;
 }
 
-double MemoryPlan::peak(Recompute r) const { return step_total(r) + gathered_moments; }
+double MemoryPlan::peak(Recompute r) const { return step_total(r) + checkpoint_buffers; }
 
 MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   if (parallel.tp < 1 || parallel.dp < 1)
@@ -63,10 +63,33 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   p.masters = 4.0 * P;
   p.gradients = (p.bf16_grads ? 2.0 : 4.0) * P;
   const double moment_bytes = p.bf16_moments ? 4.0 : 8.0;  // two moments
+  int64_t largest = 0, small = 0, largest_split = 0, largest_shard = 0;
+  for (const ParamInfo& info : layout.params()) {
+    largest = std::max(largest, info.shape.numel());
+    if (!info.linear_weight) small += info.shape.numel();
+    if (!info.shard.sharded()) continue;
+    largest_split = std::max(largest_split, info.shard.full.numel());
+    largest_shard = std::max(largest_shard, info.shape.numel());
+  }
+  const int64_t offload_chunk = config.get_int("optimizer_offload_chunk");
+  // Tensor parallelism: a save stages the largest split tensor's shards from every rank (and, for
+  // state gathered into host memory, this rank's shard of it).
+  const double tp_staging = 4.0 * static_cast<double>(largest_split);
+  p.checkpoint_buffers = tp_staging;
   if (parallel.moments_sharded()) {
     const FlatSharding sharding = FlatSharding::of(p.rank_params, parallel.dp);
     p.moment_elements = sharding.owned(parallel.dp - 1).count;
-    p.gathered_moments = moment_bytes * P;
+    // The masters of this rank's shard; the f32 residents of the small parameters, the staging
+    // buffer of the largest (init, FP8 casts of gathered masters) and the forms' gather window
+    // (ParamStore MasterShards).
+    p.masters = 4.0 * static_cast<double>(p.moment_elements + small + largest +
+                                          std::max(ParamStore::kFormsWindowElements, largest));
+    // The save's gather buffer (AdamWOptimizer::gather_to_lead): a piece of every rank's shard.
+    const int64_t piece =
+        std::max<int64_t>(64, std::min(offload_chunk / parallel.dp, (p.moment_elements + 63) / 64 * 64) / 64 * 64);
+    p.checkpoint_buffers =
+        std::max(tp_staging + 4.0 * static_cast<double>(largest_shard), 4.0 * static_cast<double>(piece * parallel.dp));
+    p.host_checkpoint = (4.0 + moment_bytes) * P;
   } else {
     p.moment_elements = p.rank_params;
   }
@@ -75,15 +98,9 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   p.offload_masters = config.get_string("optimizer_offload") == "cpu";
   if (p.offload) {
     // AdamWOptimizer's device chunk: offload_chunk elements, passed by up to a parameter.
-    int64_t largest = 0, small = 0;
-    for (const ParamInfo& info : layout.params()) {
-      largest = std::max(largest, info.shape.numel());
-      if (!info.linear_weight) small += info.shape.numel();
-    }
-    const int64_t chunk = std::min(p.moment_elements, config.get_int("optimizer_offload_chunk") + largest);
+    const int64_t chunk = std::min(p.moment_elements, offload_chunk + largest);
     p.host_moments = p.moments;
     p.moments = moment_bytes * static_cast<double>(chunk);
-    p.gathered_moments = 0;
     if (p.offload_masters) {
       // ParamStore's f32 residents of the small parameters, the staging buffer of the largest
       // (FP8 casts, operand copies) and the optimizer's chunk of masters.

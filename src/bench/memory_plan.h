@@ -1,8 +1,9 @@
 #pragma once
 // The device memory one GPU of a tensor × data-parallel training job holds (`flux8 info --tp T
 // --dp D`), from the code that allocates it: the rank's parameters from ParamLayout at the
-// tensor-parallel size, the AdamW moments from the distributed optimizer's FlatSharding, the
-// activations from FluxModel::estimate_activations at the tensor-parallel size. Buffers are
+// tensor-parallel size, the AdamW moments and (sharded with them) the f32 master weights from the
+// distributed optimizer's FlatSharding, the activations from FluxModel::estimate_activations at
+// the tensor-parallel size. Buffers are
 // counted as the CUDA backend allocates them (the "today" columns of `flux8 info`): bf16
 // operand copies of the Linear weights its BF16 GEMMs read, FP8 casts of the block Linears'
 // weights, f32 master weights, gradients in grad_precision, moments in adam_moment_precision.
@@ -21,8 +22,8 @@ struct ParallelShape {
   int dp = 1;                          // data-parallel ranks (the job's ranks / tp)
   bool distributed_optimizer = false;  // use_distributed_optimizer
   int world() const { return tp * dp; }
-  // The AdamW moments are sharded only over a data-parallel group of more than one rank
-  // (AdamWOptimizer::set_data_parallel).
+  // The AdamW moments — and with them the f32 master weights (AdamWOptimizer::master_shards) —
+  // are sharded only over a data-parallel group of more than one rank.
   bool moments_sharded() const { return distributed_optimizer && dp > 1; }
 };
 
@@ -45,18 +46,23 @@ struct MemoryPlan {
   // Bytes on one GPU.
   double operand_copies = 0;  // bf16 copies of the Linear weights not run in FP8
   double fp8_casts = 0;       // E4M3 weight and its transpose, per FP8 block-Linear weight (fp8_weight_transpose)
-  double masters = 0;         // f32 parameters (offload_masters: the small ones, a chunk and a staging buffer)
-  double gradients = 0;       // the whole local gradient buffer (reduce-scattered in place)
-  double moments = 0;         // exp_avg and exp_avg_sq of moment_elements (offload: the device's chunk of each)
-  double host_moments = 0;    // offload: the rank's moments in host memory
-  double host_masters = 0;    // offload_masters: the rank's f32 master weights in host memory
+  // f32 parameters: all of them; offload_masters: the small ones, a chunk and a staging buffer;
+  // sharded (the distributed optimizer): this rank's shard, the small ones' residents, the
+  // staging buffer of the largest and the window the device forms are gathered through.
+  double masters = 0;
+  double gradients = 0;     // the whole local gradient buffer (reduce-scattered in place)
+  double moments = 0;       // exp_avg and exp_avg_sq of moment_elements (offload: the device's chunk of each)
+  double host_moments = 0;  // offload: the rank's moments in host memory
+  double host_masters = 0;  // offload_masters: the rank's f32 master weights in host memory
+  // A checkpoint of the distributed optimizer: the whole-buffer masters and moments its
+  // data-parallel rank 0 gathers into host memory.
+  double host_checkpoint = 0;
   std::array<double, kRecomputeSettings> activations{};  // saved tensors + one block's backward scratch
   double attention_workspace = 0;  // cuDNN's deterministic attention backward: dP of this rank's heads
-  // A checkpoint save gathers the whole buffer's moments on every rank of a sharded optimizer
-  // (AdamWOptimizer::gather_moments) beside everything else; a resume allocates the same
-  // (allocate_full_moments) before the first step reserves the activations. Offloaded, they are
-  // gathered into host memory (host_moments grows to the whole buffer's then) and this is 0.
-  double gathered_moments = 0;
+  // A checkpoint save's buffers on the GPU beside everything else: a sharded optimizer's gather
+  // buffer (AdamWOptimizer::gather_moments: optimizer_offload_chunk elements of f32), and under
+  // tensor parallelism the staging of the largest split tensor (train/checkpoint_shards.h).
+  double checkpoint_buffers = 0;
 
   double state() const { return operand_copies + fp8_casts + masters + gradients + moments; }
   double step_total(Recompute r) const;  // a training step

@@ -22,7 +22,10 @@ std::vector<StateRow> state_rows(const MemoryPlan& p) {
   return {
       {"bf16 weight copies", p.operand_copies},
       {"FP8 weight casts", p.fp8_casts},
-      {p.offload_masters ? "f32 weights (small, chunk, staging)" : "f32 master weights", p.masters},
+      {p.offload_masters              ? "f32 weights (small, chunk, staging)"
+       : p.parallel.moments_sharded() ? "f32 masters (shard; small, staging)"
+                                      : "f32 master weights",
+       p.masters},
       {p.bf16_grads ? "gradients (bf16)" : "gradients (f32)", p.gradients},
       {std::string(p.bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (f32)") + (p.offload ? ", a chunk" : ""),
        p.moments},
@@ -44,7 +47,7 @@ std::string moments_line(const MemoryPlan& p) {
   if (s.moments_sharded())
     return fmt::format(
         "{} elements on this GPU, its shard over the {} data-parallel ranks\n"
-        "    (use_distributed_optimizer)",
+        "    (use_distributed_optimizer), with the f32 master weights of the same shard",
         with_commas(p.moment_elements), s.dp);
   if (s.distributed_optimizer) return "whole on the GPU (use_distributed_optimizer with one data-parallel rank)";
   return s.dp > 1 ? "whole on every GPU (use_distributed_optimizer: false)" : "whole on the GPU";
@@ -59,7 +62,7 @@ void print_recompute_rows(const MemoryPlan& p, double gpu_bytes) {
   };
   row("activations", [&](Recompute r) { return gib(p.activations[static_cast<size_t>(r)]); });
   row("total, a training step", [&](Recompute r) { return gib(p.step_total(r)); });
-  if (p.gathered_moments > 0) row("peak, a checkpoint save", [&](Recompute r) { return gib(p.peak(r)); });
+  if (p.checkpoint_buffers > 0) row("peak, a checkpoint save", [&](Recompute r) { return gib(p.peak(r)); });
   const std::string fits = fmt::format("fits {}", gib(gpu_bytes));
   row(fits.c_str(), [&](Recompute r) { return p.peak(r) <= gpu_bytes ? "yes" : "no"; });
 }
@@ -81,11 +84,15 @@ void print_memory_plan(const MemoryPlan& p, double gpu_bytes) {
   fmt::print("  {:<36} {:>12}\n", "model state", gib(p.state()));
   fmt::print("  {:<36} {:>12}\n", "attention backward workspace", gib(p.attention_workspace));
   print_recompute_rows(p, gpu_bytes);
-  if (p.gathered_moments > 0)
+  if (p.host_checkpoint > 0)
     fmt::print(
-        "  (a checkpoint save gathers the whole buffer's AdamW moments, {}, on every rank beside the\n"
-        "   training state and the activations; a resume allocates them before the first step)\n",
-        gib(p.gathered_moments));
+        "  (a checkpoint save gathers the shards of the f32 master weights and the AdamW moments\n"
+        "   to data-parallel rank 0's host memory, {}, through a GPU buffer of {};\n"
+        "   a resume reads each rank's part of the files into its shard)\n",
+        gib(p.host_checkpoint), gib(p.checkpoint_buffers));
+  else if (p.checkpoint_buffers > 0)
+    fmt::print("  (a checkpoint save stages the largest split tensor's shards on the GPU: {})\n",
+               gib(p.checkpoint_buffers));
   fmt::print(
       "  (activations in {} (activation_precision); the attention workspace is cuDNN's deterministic\n"
       "   backward's dP (deterministic_attention: true; none in FP8 attention); not counted: the CUDA\n"
@@ -109,7 +116,8 @@ nlohmann::json memory_plan_json(const MemoryPlan& p, double gpu_bytes) {
                 {"adam_moments", p.moments},
                 {"model_state", p.state()},
                 {"attention_workspace", p.attention_workspace},
-                {"gathered_moments", p.gathered_moments},
+                {"checkpoint_buffers", p.checkpoint_buffers},
+                {"host_checkpoint", p.host_checkpoint},
                 {"optimizer_offload", p.offload},
                 {"offload_masters", p.offload_masters},
                 {"host_moments", p.host_moments},

@@ -177,9 +177,9 @@ std::vector<KeySpec> training_keys() {
                  "parameter less than moments; not with use_distributed_optimizer. Neither with "
                  "tensor_model_parallel_size > 1"),
       int_key("training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
-              "optimizer_offload: elements of each moment (and of the masters, with cpu) the device holds at a time "
-              "(whole parameters: a chunk "
-              "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies"),
+              "optimizer_offload: elements of each moment (and of the masters, with cpu) the device holds at a time (whole parameters: a chunk "
+              "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies. With "
+              "use_distributed_optimizer also the elements of the device buffer a checkpoint gathers the shards through"),
       choice_key("training", "exp_avg_dtype", "fp32", {"fp32", "bf16"},
                  "Megatron's name for adam_moment_precision (fp32 = f32): setting it sets that key; with "
                  "exp_avg_sq_dtype both must agree (flux8 stores the two moments in one type)"),
@@ -349,8 +349,9 @@ std::vector<KeySpec> parallel_keys() {
       int_key("parallel", "context_parallel_size", 1, between(1, 1024),
               "ranks that split a sequence: 1 (sequences are not split; other values are refused)"),
       bool_key("parallel", "use_distributed_optimizer", false,
-               "ZeRO-1: each data-parallel rank keeps and updates only its shard of the AdamW moments; gradients "
-               "are reduce-scattered and the updated weights all-gathered"),
+               "Megatron's distributed optimizer: each data-parallel rank keeps and updates only its shard of the "
+               "f32 master weights and the AdamW moments; gradients are reduce-scattered and every rank's device "
+               "forms of the weights made from the updated masters, gathered a window at a time"),
       bool_key("parallel", "overlap_grad_reduce", false,
                "data parallelism: each 2^24-element gradient bucket's reduction starts during the step's last "
                "backward as soon as the bucket's gradients are final (off: after that backward); the same "

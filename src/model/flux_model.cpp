@@ -186,14 +186,14 @@ Recompute recompute_from_name(const std::string& name) {
 }
 
 FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const Fp8Config* fp8,
-                     RecomputePolicy recompute, TensorParallel tp, Backend* masters)
+                     RecomputePolicy recompute, TensorParallel tp, Backend* masters, MasterShards shards)
     : cfg_(cfg), be_(backend), tp_(tp), dtype_(dtype), act_dtype_(dtype), heads_dtype_(dtype), recompute_(recompute) {
   cfg_.validate("model config");
   widths_ = BlockWidths::of(cfg_, tp_.size());
   norm_stats_in_residual_ = norm_stats_in_residual_from_environment();
   act_dtype_ = be_.activation_dtype(dtype_);
   heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
-  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size(), masters);
+  params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size(), masters, std::move(shards));
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i) double_params_.push_back(DoubleBlockParams::bind(*params_, i));
   for (int64_t i = 0; i < cfg_.num_single_blocks; ++i) single_params_.push_back(SingleBlockParams::bind(*params_, i));
   if (tp_.sharded()) bind_partial_grads();

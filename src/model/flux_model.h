@@ -96,9 +96,12 @@ class FluxModel {
   // and the same output gradient, and gets the same prediction; the gradients it leaves are
   // its shards' and the replicated tensors' whole ones (the same on every rank).
   // masters: a host backend to keep the f32 master weights on (optimizer_offload: cpu; null: the
-  // backend keeps them) — the model then reads their device forms (ParamStore).
+  // backend keeps them) — the model then reads their device forms (ParamStore). shards: the
+  // masters sharded over a data-parallel group (use_distributed_optimizer), read through their
+  // device forms too.
   FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype = DType::f32, const Fp8Config* fp8 = nullptr,
-            RecomputePolicy recompute = Recompute::none, TensorParallel tp = {}, Backend* masters = nullptr);
+            RecomputePolicy recompute = Recompute::none, TensorParallel tp = {}, Backend* masters = nullptr,
+            MasterShards shards = {});
   ~FluxModel();
 
   const FluxConfig& config() const { return cfg_; }

@@ -100,7 +100,8 @@ const ParamInfo& ParamLayout::at(std::string_view name) const {
   return *p;
 }
 
-ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank, int tp_size, Backend* masters)
+ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank, int tp_size, Backend* masters,
+                       MasterShards shards)
     : layout_(ParamLayout::build(cfg, tp_rank, tp_size)),
       backend_(backend),
       masters_(masters ? *masters : backend),
@@ -108,14 +109,20 @@ ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int
       grad_dtype_(backend.gradient_dtype(dtype)) {
   if (masters_offloaded() && !masters_.memory_is_host())
     fail("internal error: offloaded master weights need a backend whose memory is host memory");
+  if (masters_offloaded() && shards.group)
+    fail("internal error: master weights are either offloaded to host memory or sharded, not both");
   const size_t elements = static_cast<size_t>(layout_.total());
-  params_ = masters_.allocate(elements * dtype_size(dtype));
+  held_count_ = layout_.total();
+  if (shards.group)
+    shard_masters(std::move(shards));
+  else
+    params_ = masters_.allocate(elements * dtype_size(dtype));
   grads_ = backend.allocate(elements * dtype_size(grad_dtype_));
   for (size_t i = 0; i < layout_.params().size(); ++i) by_offset_.emplace(layout_.params()[i].offset, i);
   written_.assign(layout_.params().size(), 1);  // the buffer starts zero-filled: a valid gradient
-  if (masters_offloaded()) {
-    // Page-locked where the backend can: the optimizer moves them over PCIe every step.
+  if (masters_offloaded())  // page-locked where the backend can: the optimizer moves them over PCIe every step
     masters_pinned_ = backend_.register_host_memory(params_, elements * dtype_size(dtype));
+  if (device_forms()) {
     // Every parameter but the Linear weights (which get operand copies or FP8 casts) is read by
     // the model as it is stored: those keep an f32 resident on the backend.
     std::vector<size_t> small;
@@ -127,7 +134,7 @@ ParamStore::ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int
 
 ParamStore::~ParamStore() {
   if (masters_pinned_) backend_.unregister_host_memory(params_);
-  masters_.release(params_);
+  release_masters();
   backend_.release(grads_);
   if (operand_buffer_) backend_.release(operand_buffer_);
   if (low_rank_buffer_) backend_.release(low_rank_buffer_);
@@ -170,15 +177,15 @@ void ParamStore::init(uint64_t seed) {
   // seconds of host generation and upload. Each value is a pure function of (seed, stream, j).
   // Offloaded masters are drawn on the backend too, a tensor at a time in the staging buffer, and
   // downloaded: the host's cores draw them far slower.
-  const bool staged = masters_offloaded() && largest_split == 0;
+  // Sharded masters are drawn a tensor at a time in the staging buffer too, and this rank keeps
+  // the part it holds.
+  const bool staged = (masters_offloaded() && largest_split == 0) || masters_sharded();
   Backend& be = staged ? backend_ : masters_;
   for (size_t i = 0; i < layout_.params().size(); ++i) {
     const ParamInfo& p = layout_.params()[i];
     const uint64_t stream = rng_stream(0x706172616d73ull /*"params"*/, i);
-    const Tensor local = view(params_, dtype_, p);
-    const Tensor t = p.shard.sharded() ? Tensor(full_buffer, dtype_, p.shard.full)
-                     : staged          ? Tensor(staging_for(p.shape.numel()).data, dtype_, p.shape)
-                                       : local;
+    const Tensor local = staged ? Tensor(staging_for(p.shape.numel()).data, dtype_, p.shape) : view(params_, dtype_, p);
+    const Tensor t = p.shard.sharded() ? Tensor(full_buffer, dtype_, p.shard.full) : local;
     switch (p.init) {
       case ParamInit::zeros: be.fill(t, 0.0); break;
       case ParamInit::ones: be.fill(t, 1.0); break;
@@ -189,8 +196,15 @@ void ParamStore::init(uint64_t seed) {
                        std::sqrt(6.0 / static_cast<double>(p.shard.full[0] + p.shard.full[1])));
         break;
     }
-    if (p.shard.sharded()) copy_shard_on_backend(masters_, p.shard, t, local);
-    if (staged) backend_.download(local.data, t.data, static_cast<size_t>(p.shape.numel()) * dtype_size(dtype_));
+    if (p.shard.sharded()) copy_shard_on_backend(be, p.shard, t, local);
+    if (masters_sharded()) {
+      if (const HeldPart h = held_part(p); h.view.defined())
+        backend_.copy(h.view, Tensor(static_cast<char*>(local.data) + static_cast<size_t>(h.first) * dtype_size(dtype_),
+                                     dtype_, h.view.shape));
+    } else if (staged) {
+      backend_.download(view(params_, dtype_, p).data, local.data,
+                        static_cast<size_t>(p.shape.numel()) * dtype_size(dtype_));
+    }
   }
   if (full_buffer) masters_.release(full_buffer);
 }
@@ -212,7 +226,7 @@ size_t ParamStore::index_in(const void* buffer, const Tensor& view) const {
 
 void ParamStore::use_operand_copies(const std::vector<std::string>& names) {
   const DType t = backend_.weight_operand_dtype(dtype_);
-  if (t == dtype_ && masters_offloaded() && residents_.size() == layout_.params().size()) {
+  if (t == dtype_ && device_forms() && residents_.size() == layout_.params().size()) {
     // No operand type (the CPU backend): the weights the GEMMs read as stored need residents.
     std::vector<size_t> which;
     for (const std::string& name : names) {
@@ -252,11 +266,13 @@ Tensor ParamStore::current(OperandCopy& c, const Tensor& p) {
 }
 
 Tensor ParamStore::operand(const Tensor& w) {
+  if (masters_sharded()) return offloaded_operand(w, std::nullopt);
   OperandCopy* c = operand_copy_of(w);
   return c ? current(*c, w) : w;
 }
 
 Tensor ParamStore::bias_operand(const Tensor& b, const Tensor& out) {
+  if (masters_sharded()) return offloaded_operand(b, out.dtype);
   OperandCopy* c = operand_copy_of(b);
   return c && c->copy.dtype == out.dtype ? current(*c, b) : b;
 }

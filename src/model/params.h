@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/communicator.h"
 #include "core/tensor.h"
 #include "model/flux_config.h"
 #include "model/param_shard.h"
@@ -75,6 +76,14 @@ class ParamLayout {
   int64_t total_ = 0;
 };
 
+// Master weights sharded over a data-parallel group (use_distributed_optimizer): rank r of
+// `group` holds the masters of the flat range [begins[r], begins[r + 1]) — its optimizer's owned
+// range (train/data_parallel.h FlatSharding: one contiguous range a rank).
+struct MasterShards {
+  Communicator* group = nullptr;  // null: every rank holds all the masters
+  std::vector<int64_t> begins;    // group->size() + 1 entries, from 0 to the layout's total
+};
+
 // Owns the flat parameter and gradient buffers on a backend.
 //
 // Offloaded master weights (optimizer_offload: cpu): the flat parameter buffer — the f32 master
@@ -90,8 +99,9 @@ class ParamStore {
  public:
   // tp_rank, tp_size: this rank's shard of a tensor-parallel model (ParamLayout::build).
   // masters: the backend holding the master weights (null: `backend`).
+  // shards: the masters sharded over a data-parallel group (not with `masters`).
   ParamStore(const FluxConfig& cfg, Backend& backend, DType dtype, int tp_rank = 0, int tp_size = 1,
-             Backend* masters = nullptr);
+             Backend* masters = nullptr, MasterShards shards = {});
   ~ParamStore();
   ParamStore(const ParamStore&) = delete;
   ParamStore& operator=(const ParamStore&) = delete;
@@ -105,6 +115,25 @@ class ParamStore {
   // Where param() and flat_params() live: backend(), or the host backend of offloaded masters.
   Backend& masters_backend() const { return masters_; }
   bool masters_offloaded() const { return &masters_ != &backend_; }
+  bool masters_sharded() const { return shards_.group != nullptr; }
+  // Whether the model reads device forms of the parameters (offloaded or sharded masters).
+  bool device_forms() const { return masters_offloaded() || masters_sharded(); }
+  // The flat range [held_begin(), held_begin() + held_count()) whose masters this rank holds (all
+  // of it unless sharded), and those masters on masters_backend().
+  int64_t held_begin() const { return held_begin_; }
+  int64_t held_count() const { return held_count_; }
+  Tensor held_masters() const;
+  // The elements [first, first + view.numel()) of parameter p (its flat elements) this rank
+  // holds, as a 1-D view of their masters; an empty view when it holds none of p.
+  struct HeldPart {
+    Tensor view;
+    int64_t first = 0;
+  };
+  HeldPart held_part(const ParamInfo& p) const;
+  // Sharded: the elements of one window of refresh_device_forms' gather (a window of one
+  // parameter larger than this is that parameter): a bounded backend buffer, and few
+  // collectives a step.
+  static constexpr int64_t kFormsWindowElements = int64_t{1} << 24;
   Tensor param(std::string_view name) const;
   Tensor grad(std::string_view name) const;
   Tensor flat_params() const;  // [total]
@@ -180,16 +209,20 @@ class ParamStore {
   // the GEMM would otherwise round from b on every call), else b itself.
   Tensor bias_operand(const Tensor& b, const Tensor& out);
   // The tensor an op reads for a parameter it takes as it is stored (a norm scale): param(name),
-  // or with offloaded masters its f32 resident, kept current by refresh_device_forms() and the
-  // optimizer (the tensor stays the same, so a block may bind it once).
+  // or with offloaded or sharded masters its f32 resident, kept current by refresh_device_forms()
+  // and the optimizer (the tensor stays the same, so a block may bind it once).
   Tensor device_param(std::string_view name);
   // `w`'s current values on the backend, for an op that reads the master itself (an FP8 cast):
   // w, or with offloaded masters its resident or a copy staged in a buffer of the store's —
-  // valid until the next call.
+  // valid until the next call. Sharded masters without a resident are gathered into that buffer
+  // from their holders: a collective of the group.
   Tensor master_on_device(const Tensor& w);
-  // Offloaded masters: after params_changed(), uploads the masters and rebuilds every device form
-  // (a no-op when current, and without offload).
+  // Offloaded or sharded masters: after params_changed(), rebuilds every device form from the
+  // masters (a no-op when current, and without forms). Sharded, a collective of the group: the
+  // optimizer refreshes them with its update, so that a forward one rank runs alone (rank 0's
+  // sample previews) finds them current (device_forms_current()).
   void refresh_device_forms();
+  bool device_forms_current() const { return !device_forms() || forms_version_ == params_version_; }
   // Offloaded masters: the residents of the parameters inside the `count` elements of the flat
   // buffer from `begin`, as copies from `chunk_on_device` (those masters on the backend), for the
   // optimizer to issue after updating them. A parameter must lie wholly inside or outside.
@@ -251,6 +284,18 @@ class ParamStore {
   bool masters_pinned_ = false;  // registered with the backend (Device::register_host_memory)
   int64_t forms_version_ = -1;
   Tensor staging_;
+  // Sharded masters (params_shards.cpp): the group, this rank's range, its masters, and the
+  // parameters of each window of the forms' gather with its flat range.
+  MasterShards shards_;
+  int64_t held_begin_ = 0, held_count_ = 0;
+  void* held_ = nullptr;
+  Tensor window_;  // refresh_device_forms' gather of a window of parameters
+  void shard_masters(MasterShards shards);
+  void release_masters();
+  // The masters of the flat range [begin, begin + count) from their holders into `out` (on the
+  // backend, count elements): a collective of the group.
+  void gather_masters(int64_t begin, int64_t count, const Tensor& out);
+  void refresh_sharded_forms();
   void allocate_residents(const std::vector<size_t>& which);
   Tensor stage(const ParamInfo& p);
   Tensor staging_for(int64_t elements);  // the staging buffer, of at least `elements`

@@ -46,7 +46,11 @@ Tensor ParamStore::stage(const ParamInfo& p) {
 }
 
 void ParamStore::refresh_device_forms() {
-  if (!masters_offloaded() || forms_version_ == params_version_) return;
+  if (!device_forms() || forms_version_ == params_version_) return;
+  if (masters_sharded()) {
+    refresh_sharded_forms();
+    return;
+  }
   for (size_t i = 0; i < layout_.params().size(); ++i) {
     const ParamInfo& p = layout_.params()[i];
     const size_t bytes = static_cast<size_t>(p.shape.numel()) * dtype_size(dtype_);
@@ -68,14 +72,16 @@ Tensor ParamStore::offloaded_operand(const Tensor& p, std::optional<DType> out) 
   const Tensor copy = operands_.empty() ? Tensor{} : operands_[i].copy;
   if (copy.defined() && (!out || copy.dtype == *out)) return copy;
   if (residents_[i].defined()) return residents_[i];
-  fail("internal error: parameter '{}' has no copy on the device for the model to read (offloaded master weights)",
-       layout_.params()[i].name);
+  fail(
+      "internal error: parameter '{}' has no copy on the device for the model to read (offloaded or sharded master "
+      "weights)",
+      layout_.params()[i].name);
 }
 
 Tensor ParamStore::device_param(std::string_view name) {
   const ParamInfo& p = layout_.at(name);
   const Tensor master = param(name);
-  if (!masters_offloaded()) return master;
+  if (!device_forms()) return master;
   const Tensor& resident = residents_[static_cast<size_t>(&p - layout_.params().data())];
   if (!resident.defined())
     fail("internal error: parameter '{}' has no f32 resident on the device (offloaded master weights)", name);
@@ -83,14 +89,18 @@ Tensor ParamStore::device_param(std::string_view name) {
 }
 
 Tensor ParamStore::master_on_device(const Tensor& w) {
-  if (!masters_offloaded()) return w;
+  if (!device_forms()) return w;
   const size_t i = index_in(params_, w);
   if (i == kNoParam) fail("ParamStore::master_on_device: tensor {} is not a whole parameter of this model", w.str());
   if (residents_[i].defined()) {
     refresh_device_forms();
     return residents_[i];
   }
-  return stage(layout_.params()[i]);
+  const ParamInfo& p = layout_.params()[i];
+  if (!masters_sharded()) return stage(p);
+  const Tensor staged(staging_for(p.shape.numel()).data, dtype_, p.shape);
+  gather_masters(p.offset, p.shape.numel(), staged);
+  return staged;
 }
 
 std::vector<Backend::CopyPair> ParamStore::resident_copies(int64_t begin, int64_t count,

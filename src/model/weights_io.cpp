@@ -29,6 +29,15 @@ void load_weights(ParamStore& store, const FluxConfig& cfg, const std::string& p
   UploadBuffers buffers;
   std::vector<double> values;
   for (const ParamInfo& p : store.layout().params()) {
+    if (store.masters_sharded()) {  // the part of the tensor this rank holds the masters of
+      const ParamStore::HeldPart part = store.held_part(p);
+      if (!part.view.defined()) continue;
+      source.read_param(full.at(p.name), cfg, values);
+      const std::vector<double> mine = p.shard.sharded() ? take_shard(p.shard, p.shard.rank, values) : values;
+      from_host(be, part.view,
+                std::vector<double>(mine.begin() + part.first, mine.begin() + part.first + part.view.numel()));
+      continue;
+    }
     const Tensor t = store.param(p.name);
     if (const std::string name = source.stored_as_is(p.name); !name.empty() && !p.shard.sharded()) {
       upload_file_tensor(be, source.files().file_of(name), name, t, buffers);
@@ -109,6 +118,11 @@ SafetensorsWriter reference_weights_writer(const std::vector<ParamInfo>& params,
 void save_weights(const ParamStore& store, const FluxConfig& cfg, const std::string& path, DType file_dtype,
                   WeightNaming naming, const std::map<std::string, std::string>& metadata) {
   check_whole_tensors(store.layout().params(), "save_weights " + path);
+  if (store.masters_sharded())
+    fail(
+        "save_weights {}: this rank holds its shard of the master weights only (use_distributed_optimizer); save a "
+        "checkpoint, whose model.safetensors holds every tensor, or export from one",
+        path);
   if (naming == WeightNaming::reference) {
     reference_weights_writer(store.layout().params(),
                              FlatSource::on_backend(store.masters_backend(), store.flat_params()), file_dtype, metadata)

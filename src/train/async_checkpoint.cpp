@@ -79,13 +79,18 @@ std::optional<AsyncCheckpointer::Finished> AsyncCheckpointer::wait() {
 AsyncCheckpointer::Started AsyncCheckpointer::start(const TrainerState& state, const ParamStore& store,
                                                     const Tensor& adam_m, const Tensor& adam_v,
                                                     const Fp8MetaRegistry* fp8) {
+  return start(state, store, CheckpointFlats::of(store, adam_m, adam_v), fp8);
+}
+
+AsyncCheckpointer::Started AsyncCheckpointer::start(const TrainerState& state, const ParamStore& store,
+                                                    const CheckpointFlats& flats, const Fp8MetaRegistry* fp8) {
   Started s;
   const auto t0 = std::chrono::steady_clock::now();
   if (preparing_.valid()) preparing_.get();  // throws what the allocation threw
   if (pending_.valid()) s.previous = collect();
   s.wait_seconds = seconds_since(t0);
   const auto t1 = std::chrono::steady_clock::now();
-  snapshot_.take(state, store, adam_m, adam_v, fp8);
+  snapshot_.take(state, store, flats, fp8);
   s.snapshot_seconds = seconds_since(t1);
   s.snapshot_bytes = snapshot_.bytes();
   s.dir = (fs::path(root_) / checkpoint_dir_name(state.step)).string();

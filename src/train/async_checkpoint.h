@@ -51,6 +51,8 @@ class AsyncCheckpointer {
   // arguments) and starts writing it.
   Started start(const TrainerState& state, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
                 const Fp8MetaRegistry* fp8);
+  Started start(const TrainerState& state, const ParamStore& store, const CheckpointFlats& flats,
+                const Fp8MetaRegistry* fp8);
 
   // The save that finished since the last call, if one did; throws if it failed.
   std::optional<Finished> poll();

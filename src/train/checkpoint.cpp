@@ -20,6 +20,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -32,6 +33,7 @@
 #include "model/weights_io.h"
 #include "train/checkpoint_manifest.h"
 #include "train/checkpoint_shards.h"
+#include "train/data_parallel.h"
 
 namespace flux8 {
 
@@ -236,20 +238,15 @@ std::string checkpoint_problem(const std::string& dir, bool hash) {
 
 std::vector<int64_t> dims(const Shape& s) { return std::vector<int64_t>(s.d.begin(), s.d.begin() + s.rank); }
 
-// The view of one parameter inside a flat buffer laid out like the parameters.
-Tensor slice_of(const Tensor& flat, const ParamInfo& p) {
-  return Tensor(static_cast<char*>(flat.data) + static_cast<size_t>(p.offset) * dtype_size(flat.dtype), flat.dtype,
-                p.shape);
-}
-
-void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what) {
+void check_moments(const ParamStore& store, const Tensor& m, const Tensor& v, const char* what, int64_t elements = -1) {
+  if (elements < 0) elements = store.layout().total();
   for (const auto& [t, name] : {std::pair{&m, "adam_m"}, std::pair{&v, "adam_v"}}) {
-    if (!t->defined() || t->numel() != store.layout().total() || !t->contiguous() ||
+    if (!t->defined() || t->numel() != elements || !t->contiguous() ||
         (t->dtype != DType::f32 && t->dtype != DType::f64 && t->dtype != DType::bf16))
       fail(
           "{}: {} must be a contiguous f32/f64/bf16 buffer of {} elements laid out like the "
           "parameters, got {}",
-          what, name, store.layout().total(), t->str());
+          what, name, elements, t->str());
   }
 }
 
@@ -281,8 +278,9 @@ SafetensorsWriter optimizer_writer(const TrainerState& state, const std::vector<
   return writer;
 }
 
+// The moments of flat range `range` into adam_m and adam_v, which hold those elements.
 void load_optimizer(const std::string& path, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
-                    Backend& be) {
+                    Backend& be, FlatRange range) {
   const SafetensorsReader file(path);
   std::vector<std::string> problems;
   size_t expected = 0;
@@ -304,7 +302,22 @@ void load_optimizer(const std::string& path, const ParamStore& store, const Tens
       if (file.tensor(name).shape != dims(p.shard.full))
         fail("safetensors file '{}', tensor '{}': shape is [{}] but [{}] was expected", path, name,
              fmt::join(file.tensor(name).shape, ", "), fmt::join(dims(p.shard.full), ", "));
-      upload_file_shard(be, file, name, p, slice_of(*flat, p), buffers);  // bf16 moments: rounded on the way
+      const int64_t n = p.shape.numel();
+      const int64_t begin = std::max(p.offset, range.begin), end = std::min(p.offset + n, range.end());
+      if (end <= begin) continue;
+      const size_t es = dtype_size(flat->dtype);
+      char* first = static_cast<char*>(flat->data) + static_cast<size_t>(begin - range.begin) * es;
+      if (begin == p.offset && end == p.offset + n) {  // bf16 moments: rounded on the way
+        upload_file_shard(be, file, name, p, Tensor(first, flat->dtype, p.shape), buffers);
+        continue;
+      }
+      // A parameter across the range's edge: this rank's part of its (shard's) elements.
+      std::vector<double>& whole = buffers.f64;
+      whole.resize(static_cast<size_t>(p.shard.full.numel()));
+      file.read_f64(name, whole.data());
+      const std::vector<double> mine = p.shard.sharded() ? take_shard(p.shard, p.shard.rank, whole) : whole;
+      from_host(be, Tensor(first, flat->dtype, Shape{end - begin}),
+                std::vector<double>(mine.begin() + (begin - p.offset), mine.begin() + (end - p.offset)));
     }
 }
 
@@ -513,18 +526,37 @@ std::string write_checkpoint_dir(const std::string& root, const TrainerState& st
 
 std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:07d}", step); }
 
-std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig& cfg,
+CheckpointFlats CheckpointFlats::of(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+                                    Backend* moments_on) {
+  return {store.flat_params(), adam_m, adam_v, &store.masters_backend(), moments_on ? moments_on : &store.backend()};
+}
+
+namespace {
+void check_flats(const ParamStore& store, const CheckpointFlats& f, const char* what) {
+  check_moments(store, f.adam_m, f.adam_v, what);
+  if (store.masters_sharded() && f.params.data == store.flat_params().data)
+    fail(
+        "internal error: {}: this rank holds its shard of the master weights only; pass the whole-buffer masters "
+        "gathered for the checkpoint (AdamWOptimizer::gather_moments, full_masters)",
+        what);
+  FLUX8_CHECK(f.params.numel() == store.layout().total() && f.params_on && f.moments_on, "{}: flats of {} for {}", what,
+              f.params.str(), store.layout().total());
+}
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const FluxConfig&,
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
                             const Fp8MetaRegistry* fp8, Backend* moments_backend) {
-  check_moments(store, adam_m, adam_v, "save_checkpoint");
-  Backend& be = store.masters_backend();
-  Backend& mb = moments_backend ? *moments_backend : store.backend();
-  const std::vector<ParamInfo>& params = store.layout().params();
-  const SafetensorsWriter model = model_writer(state, params, FlatSource::on_backend(be, store.flat_params()));
-  const SafetensorsWriter optimizer =
-      optimizer_writer(state, params, FlatSource::on_backend(mb, adam_m), FlatSource::on_backend(mb, adam_v));
-  const std::optional<SafetensorsWriter> fp8_file = fp8 ? std::optional(fp8_state_writer(*fp8)) : std::nullopt;
-  return write_checkpoint_dir(root, state, model, optimizer, fp8_file ? &*fp8_file : nullptr, keep_last);
+  return save_checkpoint(root, state, store, CheckpointFlats::of(store, adam_m, adam_v, moments_backend), keep_last,
+                         fp8);
+}
+
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const ParamStore& store,
+                            const CheckpointFlats& f, int keep_last, const Fp8MetaRegistry* fp8) {
+  check_flats(store, f, "save_checkpoint");
+  return save_checkpoint(root, state, store.layout().params(), FlatSource::on_backend(*f.params_on, f.params),
+                         FlatSource::on_backend(*f.moments_on, f.adam_m),
+                         FlatSource::on_backend(*f.moments_on, f.adam_v), keep_last, fp8);
 }
 
 std::string save_checkpoint(const std::string& root, const TrainerState& state, const std::vector<ParamInfo>& params,
@@ -581,12 +613,18 @@ void CheckpointSnapshot::reserve(const ParamStore& store, DType moment_dtype) {
 
 void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m,
                               const Tensor& adam_v, const Fp8MetaRegistry* fp8) {
-  check_moments(store, adam_m, adam_v, "CheckpointSnapshot::take");
-  const Tensor flat = store.flat_params();
-  for (const auto& [host, t] : {std::pair{&params_, &flat}, std::pair{&m_, &adam_m}, std::pair{&v_, &adam_v}}) {
+  take(state, store, CheckpointFlats::of(store, adam_m, adam_v), fp8);
+}
+
+void CheckpointSnapshot::take(const TrainerState& state, const ParamStore& store, const CheckpointFlats& f,
+                              const Fp8MetaRegistry* fp8) {
+  check_flats(store, f, "CheckpointSnapshot::take");
+  for (const auto& [host, t, on] :
+       {std::tuple{&params_, &f.params, f.params_on}, std::tuple{&m_, &f.adam_m, f.moments_on},
+        std::tuple{&v_, &f.adam_v, f.moments_on}}) {
     host->reserve(static_cast<size_t>(t->numel()) * dtype_size(t->dtype), /*touch=*/false);
     host->dtype = t->dtype;
-    (t == &flat ? store.masters_backend() : store.backend()).download(host->data.get(), t->data, host->bytes);
+    on->download(host->data.get(), t->data, host->bytes);
   }
   state_ = state;
   params_layout_ = store.layout().params();
@@ -682,8 +720,12 @@ std::string chosen_checkpoint(const std::string& path) {
 
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8, std::string* fp8_note,
-                     CheckpointVerify verify, Backend* moments_backend) {
-  check_moments(store, adam_m, adam_v, "load_checkpoint");
+                     CheckpointVerify verify, Backend* moments_backend, std::optional<FlatRange> moments_range) {
+  const FlatRange range = moments_range.value_or(FlatRange{0, store.layout().total()});
+  if (range.begin < 0 || range.end() > store.layout().total())
+    fail("load_checkpoint: the moments' range [{}, {}) is outside the {} parameters", range.begin, range.end(),
+         store.layout().total());
+  check_moments(store, adam_m, adam_v, "load_checkpoint", range.count);
   verify_checkpoint(dir, verify == CheckpointVerify::digests);
   const std::string state_path = (fs::path(dir) / kStateFile).string();
   TrainerState loaded = trainer_state_from_json(read_text_or_fail(state_path, "trainer state"), state_path);
@@ -692,7 +734,7 @@ void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConf
     fail("checkpoint {}: {} says step {}, {} says step {}", dir, kStateFile, loaded.step, kManifestFile, m.step);
   load_weights(store, cfg, (fs::path(dir) / kModelFile).string());
   load_optimizer((fs::path(dir) / kOptimizerFile).string(), store, adam_m, adam_v,
-                 moments_backend ? *moments_backend : store.backend());
+                 moments_backend ? *moments_backend : store.backend(), range);
   const bool has_fp8 = m.files.count(kFp8File) != 0;
   std::string note;
   if (fp8 && has_fp8)

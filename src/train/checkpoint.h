@@ -25,6 +25,7 @@
 #include "model/flux_config.h"
 #include "model/params.h"
 #include "model/weights_io.h"
+#include "train/data_parallel.h"
 #include "train/trainer_state.h"
 
 namespace flux8 {
@@ -56,6 +57,22 @@ std::string save_checkpoint(const std::string& root, const TrainerState& state, 
                             const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v, int keep_last,
                             const Fp8MetaRegistry* fp8 = nullptr, Backend* moments_backend = nullptr);
 
+// The flat buffers a checkpoint writes, laid out like a store's parameters, each on the backend
+// whose memory holds it: the store's masters and moments, or (the distributed optimizer) the
+// whole-buffer masters and moments its group's rank 0 gathered into host memory
+// (AdamWOptimizer::gather_moments, full_masters).
+struct CheckpointFlats {
+  Tensor params, adam_m, adam_v;
+  Backend* params_on = nullptr;
+  Backend* moments_on = nullptr;
+  // The store's masters (whole on this rank) with these moments (null: on the store's backend).
+  static CheckpointFlats of(const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+                            Backend* moments_on = nullptr);
+};
+// save_checkpoint from `flats`, which store.layout() lays out.
+std::string save_checkpoint(const std::string& root, const TrainerState& state, const ParamStore& store,
+                            const CheckpointFlats& flats, int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
+
 // The same files from flat buffers laid out like `params`, on a backend or in host memory: the
 // checkpoint of a tensor-parallel job, whose whole tensors world rank 0 assembled from the
 // ranks' shards (train/checkpoint_shards.h). `params` holds whole tensors (a one-rank layout).
@@ -85,6 +102,8 @@ class CheckpointSnapshot {
   void reserve(const ParamStore& store, DType moment_dtype);
   // Copies the state as save_checkpoint would write it now (same arguments).
   void take(const TrainerState& state, const ParamStore& store, const Tensor& adam_m, const Tensor& adam_v,
+            const Fp8MetaRegistry* fp8);
+  void take(const TrainerState& state, const ParamStore& store, const CheckpointFlats& flats,
             const Fp8MetaRegistry* fp8);
   // Writes ROOT/step-N from the copy: the same files, byte for byte, as save_checkpoint at
   // take()'s moment, with the same atomic rename and pruning. Uses no backend: any thread.
@@ -137,10 +156,13 @@ enum class CheckpointVerify { digests, sizes };
 // fresh when the checkpoint has none (a BF16 run); a BF16 run ignores a checkpoint's FP8 state.
 // What happened is described in *fp8_note. The moments are on `moments_backend` (null: the
 // store's).
+// moments_range: adam_m and adam_v hold the moments of that range of the flat buffer only (the
+// distributed optimizer's shard, AdamWOptimizer::owned(): each rank reads its part of the file,
+// no whole-buffer moments anywhere); a store with sharded masters loads the part it holds.
 void load_checkpoint(const std::string& dir, TrainerState& state, const FluxConfig& cfg, ParamStore& store,
                      const Tensor& adam_m, const Tensor& adam_v, Fp8MetaRegistry* fp8 = nullptr,
                      std::string* fp8_note = nullptr, CheckpointVerify verify = CheckpointVerify::digests,
-                     Backend* moments_backend = nullptr);
+                     Backend* moments_backend = nullptr, std::optional<FlatRange> moments_range = std::nullopt);
 
 // For --init-from: a checkpoint directory -> its model.safetensors, checked against the
 // manifest; a file inside a checkpoint directory (step-N/model.safetensors) -> itself, checked

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "backend/transfer.h"
@@ -68,24 +69,28 @@ void check_store(const ProcessGroups& groups, const ParamStore& store) {
           groups.world_rank(), p.name, p.shard.rank, p.shard.size, groups.tp_rank(), groups.tp_size());
 }
 
-// Brings `flat` (this rank's shard of every tensor, laid out like `local`) to tensor-parallel
-// rank 0 as the whole model laid out like `whole`: split tensors all-gathered one at a time
-// through `staging`, the rest downloaded by rank 0 alone. `out` is filled on rank 0 only.
+// Brings `flat` (this rank's shard of every tensor, laid out like `local`, on `flat_on`) to
+// tensor-parallel rank 0 as the whole model laid out like `whole`: split tensors all-gathered one
+// at a time through `staging` (a flat in host memory goes up through `mine` first), the rest
+// downloaded by rank 0 alone. `out` is filled on rank 0 only.
 void gather_flat(Communicator& tp, Backend& be, const ParamLayout& local, const ParamLayout& whole, const Tensor& flat,
-                 const Staging& staging, WholeFlat* out) {
+                 Backend& flat_on, const Staging& staging, const Staging& mine_staging, WholeFlat* out) {
   const size_t esize = dtype_size(flat.dtype);
   std::vector<std::byte> shards;  // rank 0: one split tensor's shards, downloaded
   for (const ParamInfo& p : local.params()) {
     const int64_t n = p.shape.numel();
     std::byte* full = out ? out->data.get() + static_cast<size_t>(whole.at(p.name).offset) * esize : nullptr;
-    const auto* mine = static_cast<const std::byte*>(flat.data) + static_cast<size_t>(p.offset) * esize;
+    auto* mine = static_cast<std::byte*>(flat.data) + static_cast<size_t>(p.offset) * esize;
     if (!p.shard.sharded()) {
-      if (out) be.download(full, mine, static_cast<size_t>(n) * esize);
+      if (out) flat_on.download(full, mine, static_cast<size_t>(n) * esize);
       continue;
     }
+    if (&flat_on != &be) {
+      be.upload(mine_staging.data(), mine, static_cast<size_t>(n) * esize);
+      mine = static_cast<std::byte*>(mine_staging.data());
+    }
     const int64_t gathered = n * p.shard.size;
-    tp.all_gather(flat_view(staging.data(), flat.dtype, gathered),
-                  flat_view(const_cast<std::byte*>(mine), flat.dtype, n));
+    tp.all_gather(flat_view(staging.data(), flat.dtype, gathered), flat_view(mine, flat.dtype, n));
     if (!out) continue;
     shards.resize(static_cast<size_t>(gathered) * esize);
     be.download(shards.data(), staging.data(), shards.size());
@@ -94,27 +99,50 @@ void gather_flat(Communicator& tp, Backend& be, const ParamLayout& local, const 
   }
 }
 
+// The bytes of the largest split tensor's local shard, in the widest type (the upload of a shard
+// kept in host memory).
+size_t local_staging_bytes(const ParamLayout& local, const std::vector<const Tensor*>& flats) {
+  int64_t most = 0;
+  for (const ParamInfo& p : local.params())
+    if (p.shard.sharded()) most = std::max(most, p.shape.numel());
+  size_t widest = 0;
+  for (const Tensor* f : flats) widest = std::max(widest, dtype_size(f->dtype));
+  return static_cast<size_t>(most) * widest;
+}
+
 }  // namespace
 
 std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& root, const TrainerState& state,
                                    const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
                                    const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8) {
+  return save_checkpoint_shards(groups, root, state, cfg, store, CheckpointFlats::of(store, adam_m, adam_v), keep_last,
+                                fp8);
+}
+
+std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& root, const TrainerState& state,
+                                   const FluxConfig& cfg, const ParamStore& store, const CheckpointFlats& flats,
+                                   int keep_last, const Fp8MetaRegistry* fp8) {
   if (groups.dp_rank() != 0) return "";
   check_store(groups, store);
-  const Tensor params = store.flat_params();
-  check_buffer(groups, store, adam_m, "adam_m");
-  check_buffer(groups, store, adam_v, "adam_v");
+  check_buffer(groups, store, flats.params, "the master weights");
+  check_buffer(groups, store, flats.adam_m, "adam_m");
+  check_buffer(groups, store, flats.adam_v, "adam_v");
   const bool writer = groups.tp_rank() == 0;
   Backend& be = store.backend();
   const ParamLayout whole = ParamLayout::build(cfg);
-  const Staging staging(be, staging_bytes(store.layout(), {&params, &adam_m, &adam_v}));
+  const std::vector<const Tensor*> all{&flats.params, &flats.adam_m, &flats.adam_v};
+  const Staging staging(be, staging_bytes(store.layout(), all));
+  const bool any_on_host = flats.params_on != &be || flats.moments_on != &be;
+  const Staging mine_staging(be, any_on_host ? local_staging_bytes(store.layout(), all) : 0);
   WholeFlat values, m, v;
-  for (const auto& [flat, host] : {std::pair{&params, &values}, std::pair{&adam_m, &m}, std::pair{&adam_v, &v}}) {
+  for (const auto& [flat, on, host] :
+       {std::tuple{&flats.params, flats.params_on, &values}, std::tuple{&flats.adam_m, flats.moments_on, &m},
+        std::tuple{&flats.adam_v, flats.moments_on, &v}}) {
     if (writer) {
       host->dtype = flat->dtype;
       host->data.reset(new std::byte[static_cast<size_t>(whole.total()) * dtype_size(flat->dtype)]);
     }
-    gather_flat(groups.tp(), be, store.layout(), whole, *flat, staging, writer ? host : nullptr);
+    gather_flat(groups.tp(), be, store.layout(), whole, *flat, *on, staging, mine_staging, writer ? host : nullptr);
   }
   if (!writer) return "";
   return save_checkpoint(root, state, whole.params(), values.source(), m.source(), v.source(), keep_last, fp8);

@@ -5,10 +5,12 @@
 // any tensor × data-parallel layout (resharding) and in diffusers or ComfyUI as before.
 //
 // Saving: the ranks of tensor-parallel group 0 bring their shards to world rank 0, which
-// assembles the whole tensors in host memory and writes the directory. Loading:
-// load_checkpoint (train/checkpoint.h) reads the whole tensors on every rank and keeps each
-// rank's shard of the parameters and of the moments (upload_file_shard); a ZeRO optimizer then
-// takes its part of them with scatter_moments().
+// assembles the whole tensors in host memory and writes the directory (with the distributed
+// optimizer, each data-parallel group's rank 0 first gathers its group's shards of the masters
+// and moments into host memory: AdamWOptimizer::gather_moments). Loading: load_checkpoint
+// (train/checkpoint.h) reads the file's whole tensors on every rank and keeps this rank's part:
+// its tensor-parallel shard of each (upload_file_shard), and of that the elements whose masters
+// and moments it holds (load_checkpoint's moments_range).
 #include <string>
 
 #include "backend/backend.h"
@@ -19,6 +21,7 @@
 #include "model/flux_config.h"
 #include "model/params.h"
 #include "model/weights_io.h"
+#include "train/checkpoint.h"
 #include "train/trainer_state.h"
 
 namespace flux8 {
@@ -38,6 +41,12 @@ namespace flux8 {
 std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& root, const TrainerState& state,
                                    const FluxConfig& cfg, const ParamStore& store, const Tensor& adam_m,
                                    const Tensor& adam_v, int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
+// The same from `flats` (the distributed optimizer's whole-buffer state, gathered into the host
+// memory of each data-parallel group's rank 0): a flat in host memory goes up to the backend a
+// split tensor's shard at a time for the tensor-parallel gather.
+std::string save_checkpoint_shards(ProcessGroups& groups, const std::string& root, const TrainerState& state,
+                                   const FluxConfig& cfg, const ParamStore& store, const CheckpointFlats& flats,
+                                   int keep_last, const Fp8MetaRegistry* fp8 = nullptr);
 
 // Uploads into `t` (parameter p's tensor, or its slice of a moment buffer) this rank's part of
 // the file's whole tensor `name`: all of it for a tensor held whole, p.shard's part of it for a

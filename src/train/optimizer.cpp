@@ -87,53 +87,86 @@ void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
         "optimizer_offload: cpu keeps every rank's whole f32 master weights in its host memory, which "
         "use_distributed_optimizer would shard: set optimizer_offload: moments to offload each rank's shard of the "
         "moments, or turn use_distributed_optimizer off");
-  if (shard == sharded_) return;
-  sharded_ = shard;
-  release_moment(m_);
-  release_moment(v_);
-  const int64_t total = store_.layout().total();
-  sharding_ = FlatSharding::of(total, shard ? dp_->size() : 1);
-  owned_ = shard ? sharding_.owned(dp_->rank()) : FlatRange{0, total};
-  m_ = allocate_moment(owned_.count);
-  v_ = allocate_moment(owned_.count);
+  if (shard != sharded_) {
+    sharded_ = shard;
+    release_moment(m_);
+    release_moment(v_);
+    const int64_t total = store_.layout().total();
+    sharding_ = FlatSharding::of(total, shard ? dp_->size() : 1);
+    owned_ = shard ? sharding_.owned(dp_->rank()) : FlatRange{0, total};
+    m_ = allocate_moment(owned_.count);
+    v_ = allocate_moment(owned_.count);
+    if (shard && !full_host_) full_host_ = make_backend("cpu");
+  }
+  if (store_.masters_sharded() &&
+      (!sharded_ || store_.held_begin() != owned_.begin || store_.held_count() != owned_.count))
+    fail(
+        "internal error: the model holds the master weights of flat range [{}, {}), the optimizer updates [{}, {}): "
+        "build the model with AdamWOptimizer::master_shards of the same data-parallel group",
+        store_.held_begin(), store_.held_begin() + store_.held_count(), owned_.begin, owned_.end());
 }
+
+MasterShards AdamWOptimizer::master_shards(DataParallel* dp, bool distributed, int64_t total) {
+  if (!dp || dp->size() < 2 || !distributed) return {};
+  const FlatSharding s = FlatSharding::of(total, dp->size());
+  MasterShards m{&dp->group(), {}};
+  for (int r = 0; r < s.ranks; ++r) m.begins.push_back(s.owned(r).begin);
+  m.begins.push_back(total);
+  return m;
+}
+
+Tensor AdamWOptimizer::masters(FlatRange r) const {
+  if (!store_.masters_sharded()) return flat_slice(store_.flat_params(), r);
+  return flat_slice(store_.held_masters(), {r.begin - store_.held_begin(), r.count});
+}
+
+namespace {
+Tensor allocate_on(Backend& be, int64_t n, DType dt) {
+  return Tensor(be.allocate(static_cast<size_t>(n) * dtype_size(dt)), dt, Shape{n});
+}
+}  // namespace
 
 void AdamWOptimizer::allocate_full_moments() {
   if (!sharded_ || full_m_.defined()) return;
-  full_m_ = allocate_moment(sharding_.total, false);
-  full_v_ = allocate_moment(sharding_.total, false);
+  full_m_ = allocate_on(*full_host_, sharding_.total, m_.dtype);
+  full_v_ = allocate_on(*full_host_, sharding_.total, v_.dtype);
 }
 
 void AdamWOptimizer::gather_moments() {
   if (!sharded_) return;
-  allocate_full_moments();
-  Backend& be = moments_backend();
-  for (auto [mine, full] : {std::pair{m_, full_m_}, std::pair{v_, full_v_}}) {
-    if (host_) {
-      gather_offloaded(mine, full);
-      continue;
-    }
-    be.copy(flat_slice(full, owned_), mine);
-    dp_->all_gather_params(full, sharding_);
+  release_full_moments();
+  if (dp_->rank() == 0) {
+    allocate_full_moments();
+    if (store_.masters_sharded()) full_p_ = allocate_on(*full_host_, sharding_.total, store_.dtype());
   }
+  gather_to_lead(m_, moments_backend(), full_m_);
+  gather_to_lead(v_, moments_backend(), full_v_);
+  if (store_.masters_sharded()) gather_to_lead(store_.held_masters(), store_.backend(), full_p_);
 }
 
-void AdamWOptimizer::gather_offloaded(const Tensor& mine, const Tensor& full) {
+void AdamWOptimizer::gather_to_lead(const Tensor& mine, Backend& mine_on, const Tensor& full) {
   // Round k brings every rank's k-th piece of its shard: piece j of the group's gather buffer is
   // rank j's, the shorter ones (past the end of a shard) padded. The last rank's shard is the
-  // longest (it owns the tail).
+  // longest (it owns the tail). The buffer holds optimizer_offload_chunk elements of all ranks.
   Backend& be = store_.backend();
   const int ranks = sharding_.ranks;
   const int64_t longest = sharding_.owned(ranks - 1).count;
-  const int64_t piece = std::max<int64_t>(64, std::min(cfg_.offload_chunk, (longest + 63) / 64 * 64) / 64 * 64);
+  const int64_t piece = std::max<int64_t>(64, std::min(cfg_.offload_chunk / ranks, (longest + 63) / 64 * 64) / 64 * 64);
   const size_t es = dtype_size(mine.dtype);
   const Tensor buffer(be.allocate(static_cast<size_t>(piece) * ranks * es), mine.dtype, Shape{piece * ranks});
   const FlatSharding pieces = FlatSharding::of(piece * ranks, ranks);
-  std::vector<std::byte> host(static_cast<size_t>(piece) * ranks * es);
+  std::vector<std::byte> host(full.defined() ? static_cast<size_t>(piece) * ranks * es : 0);
   for (int64_t at = 0; at < longest; at += piece) {
     const int64_t n = std::clamp<int64_t>(owned_.count - at, 0, piece);
-    if (n > 0) be.upload(flat_slice(buffer, {piece * dp_->rank(), n}).data, flat_slice(mine, {at, n}).data, n * es);
+    if (n > 0) {
+      const Tensor dst = flat_slice(buffer, {piece * dp_->rank(), n}), src = flat_slice(mine, {at, n});
+      if (&mine_on == &be)
+        be.copy(dst, src);
+      else
+        be.upload(dst.data, src.data, static_cast<size_t>(n) * es);
+    }
     dp_->all_gather_params(buffer, pieces);
+    if (!full.defined()) continue;
     be.download(host.data(), buffer.data, host.size());
     for (int r = 0; r < ranks; ++r) {
       const FlatRange theirs = sharding_.owned(r);
@@ -146,16 +179,12 @@ void AdamWOptimizer::gather_offloaded(const Tensor& mine, const Tensor& full) {
   be.release(buffer.data);
 }
 
-void AdamWOptimizer::scatter_moments() {
-  if (!sharded_) return;
-  Backend& be = moments_backend();
-  be.copy(m_, flat_slice(full_m_, owned_));
-  be.copy(v_, flat_slice(full_v_, owned_));
-}
-
 void AdamWOptimizer::release_full_moments() {
-  release_moment(full_m_);
-  release_moment(full_v_);
+  for (Tensor* t : {&full_m_, &full_v_, &full_p_})
+    if (t->defined()) {
+      full_host_->release(t->data);
+      *t = Tensor{};
+    }
 }
 
 void AdamWOptimizer::set_tensor_parallel(DataParallel* tp) {
@@ -194,14 +223,17 @@ double AdamWOptimizer::job_sum_squares(FlatRange range, const std::vector<Backen
 StepStats AdamWOptimizer::sharded_step(int64_t step, double lr) {
   StepStats s;
   s.lr = lr;
-  const Tensor grads = store_.flat_grads(), params = store_.flat_params();
+  const Tensor grads = store_.flat_grads();
   if (!caller_reduces_) dp_->reduce_scatter_gradients(grads, sharding_);
   s.grad_norm = std::sqrt(job_sum_squares(owned_, {}));
   if (!std::isfinite(s.grad_norm)) return s;
   const double scale = cfg_.clip_grad > 0 && s.grad_norm > cfg_.clip_grad ? cfg_.clip_grad / s.grad_norm : 1.0;
   update(s, owned_, Backend::AdamW{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, scale, step}, {}, {}, {});
-  dp_->all_gather_params(params, sharding_);
-  store_.params_changed();  // operand copies are made again from the gathered weights
+  store_.params_changed();
+  if (store_.masters_sharded())
+    store_.refresh_device_forms();  // every rank's forms from the updated masters, a window at a time
+  else
+    dp_->all_gather_params(store_.flat_params(), sharding_);  // operand copies are made again at first use
   s.applied = true;
   return s;
 }
@@ -236,8 +268,7 @@ void AdamWOptimizer::update(StepStats& s, FlatRange range, const Backend::AdamW&
   if (!host_) {
     Backend::AdamW at = h;
     at.index_base = range.begin;
-    store_.backend().adamw(flat_slice(store_.flat_params(), range), flat_slice(store_.flat_grads(), range), m_, v_, at,
-                           copies, casts, low_rank);
+    store_.backend().adamw(masters(range), flat_slice(store_.flat_grads(), range), m_, v_, at, copies, casts, low_rank);
     return;
   }
   // Copies, casts and low-rank gradients cover whole parameters: their chunks end at parameter
@@ -309,9 +340,9 @@ void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW 
   const Tensor dm = flat_slice(dm_, {0, chunk.count}), dv = flat_slice(dv_, {0, chunk.count});
   // Offloaded masters come up with their moments and go back with them; the residents the model
   // reads are copied from the updated chunk.
-  const Tensor masters = flat_slice(store_.flat_params(), chunk);
-  const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(masters.dtype);
-  const Tensor params = store_.masters_offloaded() ? flat_slice(dp_chunk_, {0, chunk.count}) : masters;
+  const Tensor held = masters(chunk);
+  const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(held.dtype);
+  const Tensor params = store_.masters_offloaded() ? flat_slice(dp_chunk_, {0, chunk.count}) : held;
   auto t = std::chrono::steady_clock::now();
   const auto lap = [&t](double& total) {
     const auto now = std::chrono::steady_clock::now();
@@ -322,7 +353,7 @@ void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW 
   t = std::chrono::steady_clock::now();
   be.upload(dm.data, flat_slice(m_, mine).data, bytes);
   be.upload(dv.data, flat_slice(v_, mine).data, bytes);
-  if (store_.masters_offloaded()) be.upload(params.data, masters.data, master_bytes);
+  if (store_.masters_offloaded()) be.upload(params.data, held.data, master_bytes);
   lap(s.transfer_s);
   h.index_base = chunk.begin;
   be.adamw(params, flat_slice(store_.flat_grads(), chunk), dm, dv, h, chunk_copies, chunk_casts, chunk_low_rank);
@@ -330,7 +361,7 @@ void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW 
   if (!residents.empty()) be.copy_batch(residents);
   be.synchronize();
   lap(s.update_s);
-  if (store_.masters_offloaded()) be.download(masters.data, params.data, master_bytes);
+  if (store_.masters_offloaded()) be.download(held.data, params.data, master_bytes);
   be.download(flat_slice(m_, mine).data, dm.data, bytes);
   be.download(flat_slice(v_, mine).data, dv.data, bytes);
   lap(s.transfer_s);

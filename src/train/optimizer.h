@@ -56,16 +56,23 @@ class AdamWOptimizer {
   StepStats step(int64_t step, double lr, std::span<const Backend::ParamCast> casts = {});
 
   // Data parallelism: step() first sums the gradients over `dp`'s group. With `distributed`
-  // (use_distributed_optimizer, ZeRO-1) this rank keeps the moments of its shard of the flat
-  // buffer only (FlatSharding): the gradients are reduce-scattered, the norm is summed over the
-  // shards, AdamW updates the shard, and the new weights are all-gathered (the FP8 casts and
-  // bf16 operand copies are then made afresh from them, at their first use). Call before the
-  // first step; the moments start at zero.
+  // (use_distributed_optimizer) this rank keeps the moments of its shard of the flat buffer only
+  // (FlatSharding::owned): the gradients are reduce-scattered, the norm is summed over the
+  // shards and AdamW updates the shard. Where the store's masters are sharded the same way
+  // (ParamStore MasterShards, master_shards(): what the trainer does) this rank holds the f32
+  // masters of its shard only, and the store rebuilds every rank's device forms (bf16 operand
+  // copies, f32 residents) from the updated masters gathered a window at a time; the FP8 casts
+  // are made afresh from gathered masters at their first use. Otherwise (whole masters) the new
+  // weights are all-gathered into every rank's flat buffer. Call before the first step; the
+  // moments start at zero.
   void set_data_parallel(DataParallel* dp, bool distributed);
   // The caller sums the gradients over the data-parallel group before each step()
   // (train/gradient_buckets.h, overlapped with the backward): step() then takes them as summed —
   // the whole buffer, or sharded the owned() range — and runs no reduction of its own.
   void set_gradients_reduced_by_caller(bool reduced) { caller_reduces_ = reduced; }
+  // The master shards a store needs for the distributed optimizer over `dp` (no group: whole
+  // masters): each rank's owned range of the flat buffer of `total` elements.
+  static MasterShards master_shards(DataParallel* dp, bool distributed, int64_t total);
   // Tensor parallelism: `tp` reduces over the model's tensor-parallel group, whose ranks hold
   // the shards of the split parameters and the same replicated ones: the gradient norm counts
   // every shard once and every replicated tensor once.
@@ -82,17 +89,20 @@ class AdamWOptimizer {
   Tensor exp_avg() const { return m_; }
   Tensor exp_avg_sq() const { return v_; }
   FlatRange owned() const { return owned_; }
-  // Whole-buffer moments for checkpoints (on moments_backend()). gather_moments(): the group's
-  // shards all-gathered into buffers of the whole size (every rank takes part), which
-  // full_exp_avg()/full_exp_avg_sq() return until release_full_moments(); without sharding they
-  // are the moments themselves. After a checkpoint has been loaded into them, scatter_moments()
-  // takes this rank's shard.
+  // Whole-buffer state for checkpoints, on full_state_backend(). gather_moments(): the group's
+  // shards of the moments — and of the masters where they are sharded — brought to the group's
+  // rank 0 into host memory, a bounded piece at a time through one backend buffer (every rank
+  // takes part; no rank holds a whole buffer on the backend), which full_exp_avg()/
+  // full_exp_avg_sq()/full_masters() return there until release_full_moments() (undefined on
+  // the other ranks). Without sharding they are the moments and flat_params() themselves. A load
+  // reads each rank's part into exp_avg()/exp_avg_sq() (load_checkpoint's moments_range owned()).
   void gather_moments();
-  void allocate_full_moments();
-  void scatter_moments();
   void release_full_moments();
   Tensor full_exp_avg() const { return sharded_ ? full_m_ : m_; }
   Tensor full_exp_avg_sq() const { return sharded_ ? full_v_ : v_; }
+  Tensor full_masters() const { return store_.masters_sharded() ? full_p_ : store_.flat_params(); }
+  Backend& full_state_backend() const { return sharded_ ? *full_host_ : moments_backend(); }
+  Backend& full_masters_backend() const { return store_.masters_sharded() ? *full_host_ : store_.masters_backend(); }
 
  private:
   StepStats sharded_step(int64_t step, double lr);
@@ -107,9 +117,13 @@ class AdamWOptimizer {
   // buffers for the largest.
   std::vector<FlatRange> offload_chunks(FlatRange range, bool whole_params) const;
   void allocate_device_chunk(int64_t elements);
-  // Offload with sharding: the group's shards of host moment `mine` into `full`, through the
-  // device buffers.
-  void gather_offloaded(const Tensor& mine, const Tensor& full);
+  // Sharded: the group's shards `mine` (this rank's, on `mine_on`) into `full` (host memory, the
+  // group's rank 0 only: undefined elsewhere), a piece of each rank's shard at a time through
+  // one backend buffer.
+  void gather_to_lead(const Tensor& mine, Backend& mine_on, const Tensor& full);
+  void allocate_full_moments();
+  // This rank's masters of flat range r (inside owned() where they are sharded).
+  Tensor masters(FlatRange r) const;
   // The squared norm of the whole model's gradient, from this rank's gradients in `range` (all of
   // the buffer, or its owned shard after a reduce-scatter) and `low_rank`.
   double job_sum_squares(FlatRange range, const std::vector<Backend::LowRankGrad>& low_rank);
@@ -134,7 +148,8 @@ class AdamWOptimizer {
   bool caller_reduces_ = false;
   FlatSharding sharding_;
   FlatRange owned_;
-  Tensor full_m_, full_v_;
+  Tensor full_m_, full_v_, full_p_;
+  std::unique_ptr<Backend> full_host_;  // sharded: the host memory of the whole-buffer state
 };
 
 }  // namespace flux8

@@ -180,14 +180,19 @@ void build_model(Run& r) {
   // cuda_graph: each micro-batch's forward and backward recorded and launched as CUDA graphs
   // (backend/step_graph.h); a backend without graphs runs op by op, as it says at the start.
   // A graph cannot hold the tensor-parallel collectives inside the blocks, nor the uploads of
-  // offloaded master weights for FP8 casts: op by op there.
+  // offloaded master weights for FP8 casts, nor the gathers of sharded ones: op by op there.
   // overlap_grad_reduce starts the data-parallel collectives inside the last micro-batch's backward.
-  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1 && !r.cfg.offload_masters &&
+  // The distributed optimizer: each data-parallel rank holds the f32 masters of its shard only
+  // (ParamStore MasterShards), and the FP8 casts gather theirs over the group at first use.
+  MasterShards shards =
+      AdamWOptimizer::master_shards(r.dp.get(), r.cfg.distributed_optimizer,
+                                    ParamLayout::build(r.cfg.model, r.groups->tp_rank(), r.groups->tp_size()).total());
+  if (r.cfg.cuda_graph && r.be->can_capture() && r.groups->tp_size() == 1 && !r.cfg.offload_masters && !shards.group &&
       !overlaps_grad_reduce(r))
     r.graph = std::make_unique<StepGraph>(*r.be, StepGraph::Options::from_environment());
   if (r.cfg.offload_masters) r.host_memory = make_backend("cpu");
   r.model = std::make_unique<FluxModel>(r.cfg.model, *r.be, DType::f32, &r.cfg.fp8, r.cfg.recompute,
-                                        TensorParallel{&r.groups->tp()}, r.host_memory.get());
+                                        TensorParallel{&r.groups->tp()}, r.host_memory.get(), std::move(shards));
   r.opt = std::make_unique<AdamWOptimizer>(r.model->params(), r.cfg.adam);
   r.opt->set_data_parallel(r.dp.get(), r.cfg.distributed_optimizer);
   r.opt->set_tensor_parallel(r.tp.get());
@@ -220,13 +225,11 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
       r.resume.verify_seconds = seconds_since(t0);
       const auto t1 = std::chrono::steady_clock::now();
       Fp8MetaRegistry* registry = r.model->fp8() ? &r.model->fp8()->registry() : nullptr;
-      // Whole-buffer moments (a sharded optimizer's are gathered space, then scattered).
-      r.opt->allocate_full_moments();
-      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
-                      registry, &r.resume.fp8_note, CheckpointVerify::sizes,  // its digests were just verified
-                      &r.opt->moments_backend());
-      r.opt->scatter_moments();
-      r.opt->release_full_moments();
+      // Each rank reads the moments of its range (a distributed optimizer's shard) and the master
+      // weights it holds.
+      load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), registry,
+                      &r.resume.fp8_note, CheckpointVerify::sizes,  // its digests were just verified
+                      &r.opt->moments_backend(), r.opt->owned());
       r.state.config_yaml = r.cfg.config_yaml;  // the config of this run goes into its checkpoints
       r.resume.from = *dir;
       r.resume.load_seconds = seconds_since(t1);
@@ -606,9 +609,14 @@ void report_saved(Run& r, const AsyncCheckpointer::Finished& f) {
                      {"async", true}});
 }
 
+// The whole-buffer state the checkpoint writes (on a sharded optimizer's rank 0, as gathered).
+CheckpointFlats checkpoint_flats(Run& r) {
+  return {r.opt->full_masters(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(), &r.opt->full_masters_backend(),
+          &r.opt->full_state_backend()};
+}
+
 void save_behind(Run& r) {
-  const AsyncCheckpointer::Started s =
-      r.saver->start(r.state, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(), fp8_state(r));
+  const AsyncCheckpointer::Started s = r.saver->start(r.state, r.model->params(), checkpoint_flats(r), fp8_state(r));
   if (s.previous) report_saved(r, *s.previous);
   r.result.last_checkpoint = s.dir;
   std::string waited;  // for the previous save, or (the first save) for the copy's memory to be mapped
@@ -644,9 +652,10 @@ void report_saved_in_line(Run& r, double secs) {
 // training.
 void save_tensor_parallel(Run& r) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string dir = save_checkpoint_shards(
-      *r.groups, r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(),
-      r.opt->full_exp_avg_sq(), static_cast<int>(r.cfg.keep_last_checkpoints), lead_rank(r) ? fp8_state(r) : nullptr);
+  const std::string dir =
+      save_checkpoint_shards(*r.groups, r.cfg.save_dir, r.state, r.cfg.model, r.model->params(),
+                             r.groups->dp_rank() == 0 ? checkpoint_flats(r) : CheckpointFlats{},
+                             static_cast<int>(r.cfg.keep_last_checkpoints), lead_rank(r) ? fp8_state(r) : nullptr);
   r.opt->release_full_moments();
   if (!lead_rank(r)) return;
   r.result.last_checkpoint = dir;
@@ -673,9 +682,8 @@ void save(Run& r) {
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  r.result.last_checkpoint = save_checkpoint(
-      r.cfg.save_dir, r.state, r.cfg.model, r.model->params(), r.opt->full_exp_avg(), r.opt->full_exp_avg_sq(),
-      static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r), &r.opt->moments_backend());
+  r.result.last_checkpoint = save_checkpoint(r.cfg.save_dir, r.state, r.model->params(), checkpoint_flats(r),
+                                             static_cast<int>(r.cfg.keep_last_checkpoints), fp8_state(r));
   r.opt->release_full_moments();
   report_saved_in_line(r, seconds_since(t0));
 }
