@@ -33,6 +33,8 @@ namespace flux8 {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::file_bytes;
+using testing::SharedDir;
 using testing::tp_config;
 using testing::Values;
 using testing::world_rank;
@@ -135,31 +137,6 @@ Values shards_of(const ParamStore& store, const Values& whole) {
   return out;
 }
 
-// A directory every rank of the job names the same (rank 0's pid), removed at the end.
-class SharedDir {
- public:
-  explicit SharedDir(const std::string& tag) {
-    int pid = static_cast<int>(::getpid());
-    MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    path_ = fs::temp_directory_path() / ("flux8_ckpt_shards_" + tag + "_" + std::to_string(pid));
-    if (world_rank() == 0) fs::remove_all(path_);
-    MPI_Barrier(MPI_COMM_WORLD);
-  }
-  ~SharedDir() {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(path_);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
-std::string file_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 // Every file of checkpoint `got` has the bytes of the same file of `want`, and no file is missing.
 void expect_same_files(const std::string& got, const std::string& want) {
   size_t files = 0;
@@ -206,7 +183,7 @@ void expect_tp_checkpoint_is_the_one_rank_checkpoint(int tp, DType moments) {
   RankState mine(cfg, world_rank() % tp, tp, moments);
   mine.fill(w);
   ProcessGroups groups(MPI_COMM_WORLD, ParallelSizes{.tp = tp}, *mine.be);
-  const SharedDir root("tp" + std::to_string(tp));
+  const SharedDir root("ckpt_shards_tp" + std::to_string(tp));
 
   const std::string saved = save_checkpoint_shards(groups, root / "tp", state, cfg, mine.store, mine.m, mine.v, 0);
   EXPECT_EQ(saved.empty(), world_rank() != 0);
@@ -268,7 +245,7 @@ TEST(CheckpointShards, ShardedOptimizerResumesBitExactly) {
   const FluxConfig cfg = tp_config(1, 1);
   auto group_be = make_backend("cpu");
   ProcessGroups groups(MPI_COMM_WORLD, ParallelSizes{.tp = 2}, *group_be);
-  const SharedDir root("zero");
+  const SharedDir root("ckpt_shards_zero");
   ZeroRank a(cfg, groups);
   RankState filled(cfg, groups.tp_rank(), 2, DType::f32);
   filled.fill(random_f32_state(cfg));
@@ -303,7 +280,7 @@ TEST(CheckpointShards, StoreOfAnotherLayoutIsRefused) {
   const FluxConfig cfg = tp_config(1, 1);
   RankState whole(cfg, 0, 1, DType::f32);
   ProcessGroups groups(MPI_COMM_WORLD, ParallelSizes{.tp = 2}, *whole.be);
-  const SharedDir root("refused");
+  const SharedDir root("ckpt_shards_refused");
   if (groups.dp_rank() != 0) return;  // returns at once: nothing of group 0's state is theirs
   const std::string e = testing::error_of(
       [&] { save_checkpoint_shards(groups, root / "ckpt", test_state(), cfg, whole.store, whole.m, whole.v, 0); });

@@ -36,6 +36,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
+using testing::file_bytes;
+using testing::SharedDir;
 using testing::world_rank;
 using testing::world_size;
 
@@ -232,31 +234,6 @@ TEST(ShardedMasters, TrainAsWholeMastersInFp8) {
   }
 }
 
-// A directory every rank of the job names the same (rank 0's pid), removed at the end.
-class SharedDir {
- public:
-  explicit SharedDir(const std::string& tag) {
-    int pid = static_cast<int>(::getpid());
-    MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    path_ = fs::temp_directory_path() / ("flux8_sharded_masters_" + tag + "_" + std::to_string(pid));
-    if (world_rank() == 0) fs::remove_all(path_);
-    MPI_Barrier(MPI_COMM_WORLD);
-  }
-  ~SharedDir() {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(path_);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
-std::string file_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 // The checkpoint of sharded masters and moments, gathered to rank 0's host memory, has the bytes
 // of the one-rank save of the same state, file for file; loaded into sharded masters it resumes
 // bit for bit.
@@ -265,7 +242,7 @@ TEST(ShardedMasters, CheckpointIsTheOneRankCheckpointAndResumes) {
   auto be = make_backend("cpu");
   ProcessGroups groups(MPI_COMM_WORLD, ParallelSizes{}, *be);
   if (kGlobal % (2 * world_size())) GTEST_SKIP() << "8 samples do not split into micro-batches of 2 over this job";
-  const SharedDir dir("ckpt");
+  const SharedDir dir("sharded_masters_ckpt");
   const RunSetup s{DType::f32, DType::bf16, nullptr, 0};
   Trainee a(cfg, &groups.dp(), Trainee::Kind::sharded_masters, s);
   for (int64_t step = 1; step <= 3; ++step) a.step(step);
