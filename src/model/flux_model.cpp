@@ -193,14 +193,17 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
   norm_stats_in_residual_ = norm_stats_in_residual_from_environment();
   act_dtype_ = be_.activation_dtype(dtype_);
   heads_dtype_ = be_.attention_heads_dtype(act_dtype_, cfg_.head_dim());
+  // Refusals before the first allocation: the destructor does not run for a constructor that throws.
+  if (fp8 && fp8->enabled) {
+    if (dtype_ != DType::f32) fail("FP8 training runs the model in f32 (the CPU emulation's working type)");
+    check_fp8_tensor_parallel(cfg_, *fp8, tp_.size());
+  }
   params_ = std::make_unique<ParamStore>(cfg_, be_, dtype_, tp_.rank(), tp_.size(), masters, std::move(shards));
   for (int64_t i = 0; i < cfg_.num_double_blocks; ++i) double_params_.push_back(DoubleBlockParams::bind(*params_, i));
   for (int64_t i = 0; i < cfg_.num_single_blocks; ++i) single_params_.push_back(SingleBlockParams::bind(*params_, i));
   if (tp_.sharded()) bind_partial_grads();
   plan_final_parts();
   if (fp8 && fp8->enabled) {
-    if (dtype_ != DType::f32) fail("FP8 training runs the model in f32 (the CPU emulation's working type)");
-    check_fp8_tensor_parallel(cfg_, *fp8, tp_.size());
     fp8_ = std::make_unique<Fp8Runtime>(*fp8, be_, tp_);
     std::vector<LinearSite*> all;
     const int64_t blocks = cfg_.num_blocks();
@@ -507,7 +510,8 @@ void FluxModel::run_blocks() {
         }
       }
       const size_t mark = scratch_arena_.mark();
-      if (blk.recompute.heads) blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);  // q, k, v: this forward only
+      if (blk.recompute.heads)
+        blk.place_recomputed(scratch_arena_, widths_, sh, heads_dtype_);  // q, k, v: this forward only
       double_block_forward(ctx, double_params_[i], blk, s.txt_at[i], s.img_at[i], s.txt_at[i + 1], s.img_at[i + 1],
                            next_txt, next_img);
       scratch_arena_.release_to(mark);
@@ -642,7 +646,7 @@ void FluxModel::backward(const Tensor& dpred, FinalGradients* final) {
   if (c.guidance_embed) embedder_backward("guidance_in", s.guidance, s.guidance.x);
   embedder_backward("vector_in", s.vector, s.y_in.defined() ? s.y_in : inputs_.y);
   if (!final) reduce_partial_grads(0, partial_.size());  // (with `final`: block by block)
-  params_->finish_grads();  // every gradient written (overwritten first, since zero_grads)
+  params_->finish_grads();                               // every gradient written (overwritten first, since zero_grads)
 }
 
 }  // namespace flux8
