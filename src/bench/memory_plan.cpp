@@ -18,6 +18,11 @@ double MemoryPlan::step_total(Recompute r) const {
 
 double MemoryPlan::peak(Recompute r) const { return step_total(r) + checkpoint_buffers; }
 
+double fp8_weight_cast_bytes(const Config& config, int64_t block_linear, int64_t largest) {
+  if (config.get_string("fp8_weight_transpose") == "keep") return 2.0 * static_cast<double>(block_linear);
+  return static_cast<double>(block_linear + largest);
+}
+
 MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   if (parallel.tp < 1 || parallel.dp < 1)
     fail("a memory plan needs at least one tensor-parallel and one data-parallel rank (got {} x {})", parallel.tp,
@@ -55,10 +60,7 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   // The CUDA backend's buffers: FP8 block Linears keep their weight's E4M3 cast and its transpose
   // (or, fp8_weight_transpose: in_backward, one transpose buffer of the largest) instead of a bf16
   // copy; every other Linear weight keeps a bf16 copy.
-  const bool keep_transposes = config.get_string("fp8_weight_transpose") == "keep";
-  p.fp8_casts = !p.fp8            ? 0.0
-                : keep_transposes ? 2.0 * static_cast<double>(block_linear)
-                                  : static_cast<double>(block_linear + largest_block_linear);
+  p.fp8_casts = p.fp8 ? fp8_weight_cast_bytes(config, block_linear, largest_block_linear) : 0.0;
   p.operand_copies = 2.0 * static_cast<double>(linear_weight - block_linear * (p.fp8 ? 1 : 0));
   p.masters = 4.0 * P;
   p.gradients = (p.bf16_grads ? 2.0 : 4.0) * P;

@@ -16,6 +16,11 @@ namespace flux8 {
 
 class Config;
 
+// The FP8 weight casts' bytes of block Linears of `block_linear` parameters, the largest of
+// `largest`: the E4M3 cast and its transpose, or with fp8_weight_transpose: in_backward the cast
+// and one transpose buffer of the largest.
+double fp8_weight_cast_bytes(const Config& config, int64_t block_linear, int64_t largest);
+
 // How a job splits over its GPUs.
 struct ParallelShape {
   int tp = 1;                          // tensor_model_parallel_size

@@ -10,6 +10,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "bench/memory_plan.h"
 #include "cli/commands.h"
 #include "cli/memory_plan_report.h"
 #include "cli/text_format.h"
@@ -69,10 +70,7 @@ Memory step_memory(const Config& config, const InfoReport& r, const ActivationEs
   // every Linear in BF16, those outside the FP8 block Linears in FP8).
   const double fp8_copies = 2.0 * static_cast<double>(block_linear_params);
   const double bf16_linears = 2.0 * static_cast<double>(linear_weight_params);
-  // fp8_weight_transpose: in_backward keeps one cast and one transpose buffer of the largest.
-  const double fp8_casts_today = config.get_string("fp8_weight_transpose") == "keep"
-                                     ? fp8_copies
-                                     : static_cast<double>(block_linear_params + largest_block_linear);
+  const double fp8_casts_today = fp8_weight_cast_bytes(config, block_linear_params, largest_block_linear);
   m.rows = {
       {"weights (bf16)", 2 * P, 2 * P, bf16_linears, bf16_linears - fp8_copies},
       {"fp8 weight copies", 0, fp8_copies, 0, fp8_casts_today},
