@@ -290,9 +290,9 @@ def run_pass(args, built, work, batch, workers):
     stages = dict(clock.seconds)
     stages["other"] = max(0.0, seconds - sum(stages.values()))
     result = {"batch": batch, "workers": workers, "images": images,
-              "skipped": sum(s["skipped"] for s in shards.values()), "seconds": round(seconds, 4),
+              "skipped": sum(s["skipped"] for s in shards.values()), "seconds": round(seconds, 6),
               "images_per_s": round(images / seconds, 3),
-              "stages": {k: {"seconds": round(stages.get(k, 0.0), 4),
+              "stages": {k: {"seconds": round(stages.get(k, 0.0), 6),
                              "images_per_s": round(images / stages[k], 3) if stages.get(k) else None}
                          for k in STAGES + ("other",)},
               "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(args.device) / GiB, 3) if cuda else None,
