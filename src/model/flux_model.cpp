@@ -224,6 +224,7 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
     for (size_t i = 0; i < single_params_.size(); ++i)
       add_block(single_params_[i].sites(), single_params_[i].fp8_attention, fmt::format("single_blocks.{}", i));
     fp8_->allocate_weight_casts(all);
+    if (params_->masters_sharded()) params_->set_cast_forms(fp8_->cast_forms(*params_));
   }
   // Every Linear weight whose GEMMs run on the backend's weight operand type (all but the FP8
   // sites' weights) keeps a per-step copy in that type (ParamStore::operand). With bf16
@@ -242,15 +243,22 @@ FluxModel::FluxModel(const FluxConfig& cfg, Backend& backend, DType dtype, const
 }
 
 void FluxModel::before_optimizer_step() {
-  if (fp8_) fp8_->end_step();
+  if (!fp8_) return;
+  fp8_->end_step();
+  fp8_->weights_changing();
 }
 
 std::vector<Backend::ParamCast> FluxModel::weight_casts() {
   return fp8_ ? fp8_->weight_casts(*params_) : std::vector<Backend::ParamCast>{};
 }
 
-void FluxModel::after_optimizer_step(bool casts_written) {
-  if (fp8_) fp8_->weights_updated(casts_written);
+void FluxModel::after_optimizer_step(bool casts_written, bool applied) {
+  if (!fp8_) return;
+  // Sharded masters: an update writes the casts with the forms (ParamStore::CastForms); a step
+  // without one still moved the scales, so every rank casts its weights again now — a forward
+  // one rank runs alone must find them current.
+  if (!applied) params_->rewrite_cast_forms();
+  fp8_->weights_updated(casts_written);
 }
 
 FluxModel::~FluxModel() {

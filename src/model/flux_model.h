@@ -138,12 +138,14 @@ class FluxModel {
   //     amaxes are all in), so the next step's scales are known when the weights change;
   //   weight_casts(): the FP8 casts of the new weights for AdamW to write with them (delayed
   //     recipe; empty otherwise), with the next step's scales;
-  //   after_optimizer_step(casts_written): those casts made the weights' current ones (their
-  //     columnwise copies transposed from them), or, when AdamW did not write them (no update,
-  //     another recipe), the weights cast afresh at their first use.
+  //   after_optimizer_step(casts_written, applied): those casts made the weights' current ones
+  //     (their columnwise copies transposed from them), or, when AdamW did not write them (no
+  //     update, another recipe), the weights cast afresh at their first use. With sharded
+  //     masters the update's refresh of the device forms casts them (Fp8Runtime::cast_forms),
+  //     and a step without an update (applied false) casts them again with the new scales.
   void before_optimizer_step();
   std::vector<Backend::ParamCast> weight_casts();
-  void after_optimizer_step(bool casts_written);
+  void after_optimizer_step(bool casts_written, bool applied = true);
 
  private:
   // Parts of forward(), on shape_ and saved_.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "fp8/recipe.h"
@@ -232,7 +233,7 @@ void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
 }
 
 void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
-  if (site.w_version == weight_version_ && (site.w_recorded || !recording_) && (site.w_counted || !collect_stats_))
+  if (site.w_version == weight_version_ && (!recording_ || (site.w_recorded && (site.w_counted || !collect_stats_))))
     return;
   Backend::CastInput w;
   w.x = site.w_master();
@@ -240,6 +241,30 @@ void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
   site.w_version = weight_version_;
   site.w_recorded = recording_;
   site.w_counted = collect_stats_;
+}
+
+bool Fp8Runtime::weight_casts_current() const {
+  return std::all_of(sites_.begin(), sites_.end(),
+                     [&](const LinearSite* s) { return s->w_version == weight_version_; });
+}
+
+ParamStore::CastForms Fp8Runtime::cast_forms(const ParamStore& store) {
+  ParamStore::CastForms forms;
+  std::unordered_map<int64_t, LinearSite*> by_offset;
+  for (LinearSite* s : sites_) {
+    forms.offsets.push_back(store.offset_of(s->w));
+    by_offset.emplace(forms.offsets.back(), s);
+  }
+  forms.write = [this, by_offset = std::move(by_offset)](int64_t offset, const Tensor& value) {
+    LinearSite& site = *by_offset.at(offset);
+    Backend::CastInput w;
+    w.x = value;
+    be_.quantize(site.w_row, site.w_col, w.x, cast_args(site, Operand::weight, w));
+    site.w_version = weight_version_;
+    site.w_recorded = recording_;
+    site.w_counted = collect_stats_;
+  };
+  return forms;
 }
 
 QTensor Fp8Runtime::dgrad_weight(const LinearSite& site) {
@@ -266,8 +291,14 @@ std::vector<Backend::ParamCast> Fp8Runtime::weight_casts(ParamStore& store) {
   return casts;
 }
 
-void Fp8Runtime::weights_updated(bool cast_by_update) {
+void Fp8Runtime::weights_changing() {
   ++weight_version_;
+  weights_changing_ = true;
+}
+
+void Fp8Runtime::weights_updated(bool cast_by_update) {
+  if (!weights_changing_) ++weight_version_;
+  weights_changing_ = false;
   if (!cast_by_update) return;
   for (LinearSite* s : sites_) {
     if (s->w_col.defined()) be_.transpose_codes(s->w_col, s->w_row);

@@ -92,12 +92,25 @@ class Fp8Runtime {
   // with the next step's scales: the delayed recipe only (end_step() has run; other recipes
   // derive the scale from the new weight itself), else empty.
   std::vector<Backend::ParamCast> weight_casts(ParamStore& store);
-  // Weights changed (optimizer step): casts are redone on first use — or, cast_by_update, AdamW
-  // wrote the weight_casts() and they are completed here (columnwise copies) and kept.
+  // Around an optimizer update: weights_changing() before it (the casts made so far are of the
+  // old weights; those made from here on, cast_from_masters', are of the new ones) and
+  // weights_updated() after it. Without weights_changing(), weights_updated() alone marks every
+  // cast stale. Casts not made by then are redone at first use — or, cast_by_update, AdamW wrote
+  // the weight_casts() and they are completed here (columnwise copies) and kept.
+  void weights_changing();
   void weights_updated(bool cast_by_update = false);
+  // Sharded masters: the writer of the sites' weight casts that ParamStore::refresh_device_forms
+  // calls with each weight's gathered masters (ParamStore::CastForms), so the update makes the
+  // next step's casts and no forward gathers a master — a forward one rank runs alone (a sample
+  // preview) makes no collective.
+  ParamStore::CastForms cast_forms(const ParamStore& store);
   // Casts a site's weight unless this step's cast is in place (and recorded, and counted when
-  // the step counts telemetry).
+  // the step counts telemetry; a cast that records nothing, in validation or a preview, needs
+  // neither).
   void ensure_weight_cast(LinearSite& site);
+  // Whether every site's weight cast is of the current weights (ensure_weight_cast casts none
+  // in a forward that records nothing).
+  bool weight_casts_current() const;
   // The dgrad operand of a site whose forward cast its weight this step: its kept columnwise
   // cast, or (fp8_weight_transpose: in_backward) the rowwise cast transposed into the buffer
   // every site shares — valid until the next call.
@@ -153,6 +166,7 @@ class Fp8Runtime {
   Arena weight_arena_;
   QTensor shared_col_;  // in_backward: the largest site's columnwise cast, reused by every site
   int64_t weight_version_ = 0;
+  bool weights_changing_ = false;  // between weights_changing() and weights_updated()
   bool recording_ = true;
   bool collect_stats_ = true;
   bool stats_pending_ = false;  // a cast of this step was given a stats_/attention_stats_ target

@@ -6,6 +6,7 @@
 // reference name, model/param_shard.h), which lets `flux8 info` count a 12B model without
 // allocating it.
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -223,6 +224,18 @@ class ParamStore {
   // sample previews) finds them current (device_forms_current()).
   void refresh_device_forms();
   bool device_forms_current() const { return !device_forms() || forms_version_ == params_version_; }
+  // Sharded masters: forms the store does not make itself — the FP8 weights' casts — written by
+  // refresh_device_forms from the gathered masters of each listed parameter (`offsets` in the
+  // flat buffer) in the window that holds them, so that a master is gathered once a step.
+  // `write(offset, value)`: value is the parameter's masters on the backend, valid for the call.
+  struct CastForms {
+    std::vector<int64_t> offsets;
+    std::function<void(int64_t offset, const Tensor& value)> write;
+  };
+  void set_cast_forms(CastForms forms);
+  // Sharded masters: the cast forms alone made again from gathered masters (a collective of the
+  // group), for a step whose masters did not change but whose FP8 scales did.
+  void rewrite_cast_forms();
   // Offloaded masters: the residents of the parameters inside the `count` elements of the flat
   // buffer from `begin`, as copies from `chunk_on_device` (those masters on the backend), for the
   // optimizer to issue after updating them. A parameter must lie wholly inside or outside.
@@ -290,12 +303,15 @@ class ParamStore {
   int64_t held_begin_ = 0, held_count_ = 0;
   void* held_ = nullptr;
   Tensor window_;  // refresh_device_forms' gather of a window of parameters
+  CastForms cast_forms_;
+  std::vector<uint8_t> has_cast_;  // per parameter: listed in cast_forms_
   void shard_masters(MasterShards shards);
   void release_masters();
   // The masters of the flat range [begin, begin + count) from their holders into `out` (on the
   // backend, count elements): a collective of the group.
   void gather_masters(int64_t begin, int64_t count, const Tensor& out);
-  void refresh_sharded_forms();
+  // casts_only: the cast forms alone (rewrite_cast_forms).
+  void refresh_sharded_forms(bool casts_only = false);
   void allocate_residents(const std::vector<size_t>& which);
   Tensor stage(const ParamInfo& p);
   Tensor staging_for(int64_t elements);  // the staging buffer, of at least `elements`

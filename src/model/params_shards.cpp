@@ -73,10 +73,28 @@ void ParamStore::gather_masters(int64_t begin, int64_t count, const Tensor& out)
   }
 }
 
-void ParamStore::refresh_sharded_forms() {
+void ParamStore::set_cast_forms(CastForms forms) {
+  if (!masters_sharded()) fail("internal error: cast forms are written from gathered masters (sharded masters only)");
+  has_cast_.assign(layout_.params().size(), 0);
+  for (const int64_t offset : forms.offsets) {
+    const auto it = by_offset_.find(offset);
+    if (it == by_offset_.end()) fail("internal error: no parameter starts at flat offset {} for a cast form", offset);
+    has_cast_[it->second] = 1;
+  }
+  cast_forms_ = std::move(forms);
+}
+
+void ParamStore::rewrite_cast_forms() {
+  if (masters_sharded() && cast_forms_.write) refresh_sharded_forms(true);
+}
+
+void ParamStore::refresh_sharded_forms(bool casts_only) {
   // Windows of whole parameters that have a form, in flat order (the layout's), each gathered
   // once into window_ and its forms written from there.
+  const auto has_cast = [&](size_t i) { return i < has_cast_.size() && has_cast_[i]; };
   const auto has_form = [&](size_t i) {
+    if (has_cast(i)) return true;
+    if (casts_only) return false;
     return (i < residents_.size() && residents_[i].defined()) || (i < operands_.size() && operands_[i].copy.defined());
   };
   std::vector<std::pair<int64_t, std::vector<size_t>>> windows;  // (begin, parameters)
@@ -102,6 +120,8 @@ void ParamStore::refresh_sharded_forms() {
       const ParamInfo& p = layout_.params()[i];
       const Tensor value(static_cast<char*>(window_.data) + static_cast<size_t>(p.offset - begin) * dtype_size(dtype_),
                          dtype_, p.shape);
+      if (has_cast(i)) cast_forms_.write(p.offset, value);
+      if (casts_only) continue;
       if (residents_[i].defined()) backend_.copy(residents_[i], value);
       if (i < operands_.size() && operands_[i].copy.defined()) {
         backend_.copy(operands_[i].copy, value);  // rounded from the f32 master, as with whole masters
@@ -109,7 +129,7 @@ void ParamStore::refresh_sharded_forms() {
       }
     }
   }
-  forms_version_ = params_version_;
+  if (!casts_only) forms_version_ = params_version_;
 }
 
 }  // namespace flux8

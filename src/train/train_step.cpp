@@ -173,7 +173,7 @@ StepStats apply_optimizer_step(FluxModel& model, AdamWOptimizer& opt, int64_t st
   model.before_optimizer_step();
   const std::vector<Backend::ParamCast> casts = model.weight_casts();
   const StepStats st = finite_loss ? opt.step(step, lr, casts) : StepStats{NAN, lr, false};
-  model.after_optimizer_step(st.applied && st.casts_written);
+  model.after_optimizer_step(st.applied && st.casts_written, st.applied);
   return st;
 }
 

@@ -183,7 +183,8 @@ void build_model(Run& r) {
   // offloaded master weights for FP8 casts, nor the gathers of sharded ones: op by op there.
   // overlap_grad_reduce starts the data-parallel collectives inside the last micro-batch's backward.
   // The distributed optimizer: each data-parallel rank holds the f32 masters of its shard only
-  // (ParamStore MasterShards), and the FP8 casts gather theirs over the group at first use.
+  // (ParamStore MasterShards); the update gathers them over the group to write every device form,
+  // the FP8 weights' casts included.
   MasterShards shards =
       AdamWOptimizer::master_shards(r.dp.get(), r.cfg.distributed_optimizer,
                                     ParamLayout::build(r.cfg.model, r.groups->tp_rank(), r.groups->tp_size()).total());
@@ -717,7 +718,10 @@ void take_step(Run& r, const StepContext& ctx, const TrainOptions& opt) {
   const int64_t step = r.state.step;  // 0-based index of the step being taken
   Fp8Runtime* fp8 = r.model->fp8();
   // FP8 telemetry counts only on the steps that report them (report_fp8_stats below).
-  const bool report_fp8 = fp8 && r.cfg.fp8.stats_interval > 0 && (step + 1) % r.cfg.fp8.stats_interval == 0;
+  const auto reports_fp8 = [&](int64_t index) {
+    return fp8 && r.cfg.fp8.stats_interval > 0 && (index + 1) % r.cfg.fp8.stats_interval == 0;
+  };
+  const bool report_fp8 = reports_fp8(step);
   if (fp8) fp8->set_collect_stats(report_fp8);
   LoaderState ls;  // the loader's position after this step's samples (the pipeline reads ahead)
   if (r.buckets) r.buckets->begin_step();
@@ -726,7 +730,9 @@ void take_step(Run& r, const StepContext& ctx, const TrainOptions& opt) {
   if (!opt.nan_gradient.param.empty()) inject_nan_gradient(r, opt.nan_gradient, step);
   const double lr = r.cfg.schedule.at(step + 1);
   // FP8: one delayed-scaling update for all tensors (an inf/NaN amax keeps the old scale),
-  // then the update, which also writes the new weights' casts (delayed recipe).
+  // then the update, which also writes the new weights' casts (delayed recipe; with sharded
+  // masters every recipe's, counted as the next step counts its casts).
+  if (fp8) fp8->set_collect_stats(reports_fp8(step + 1));
   const StepStats st = apply_optimizer_step(*r.model, *r.opt, step + 1, lr, std::isfinite(sl.loss));
   if (!st.applied)
     handle_skipped_step(r, step, sl.loss);

@@ -3,7 +3,8 @@
 // ranks. It trains as the distributed optimizer over whole masters does, bit for bit — f64 and
 // f32, bf16 moments, FP8 with delayed and tensorwise scaling, with gradient clipping and a
 // skipped non-finite step — and within 1e-12 of one process in f64; every rank's device forms
-// (the residents the CPU backend's model reads) hold the gathered masters; its checkpoint,
+// (the residents the CPU backend's model reads) hold the gathered masters, each gathered once an
+// update and never in a forward, and the FP8 casts are current after every step; its checkpoint,
 // gathered to rank 0's host memory, has the bytes of a one-rank save of the same state and
 // resumes bit for bit. Runs at any job size.
 #include <fmt/format.h>
@@ -51,6 +52,32 @@ struct RunSetup {
   int64_t nan_step = 3;  // 1-based: that step's gradient gets a NaN and the step is skipped
 };
 
+// A data-parallel group that counts the elements its broadcasts carry (the sharded masters'
+// gathers: each holder broadcasts its part), passing every collective on to `inner`.
+class CountingGroup final : public Communicator {
+ public:
+  explicit CountingGroup(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string describe() const override { return inner_.describe(); }
+  void all_reduce(const Tensor& t, ReduceOp op, bool async) override { inner_.all_reduce(t, op, async); }
+  void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override {
+    inner_.reduce_scatter(out, in, async);
+  }
+  void reduce(const Tensor& t, int root, bool async) override { inner_.reduce(t, root, async); }
+  void all_gather(const Tensor& out, const Tensor& in, bool async) override { inner_.all_gather(out, in, async); }
+  void broadcast(const Tensor& t, int root) override {
+    broadcast_elements += t.numel();
+    inner_.broadcast(t, root);
+  }
+  void join() override { inner_.join(); }
+  void barrier() override { inner_.barrier(); }
+  int64_t broadcast_elements = 0;
+
+ private:
+  Communicator& inner_;
+};
+
 // One rank's model and optimizer: one process (no group), the distributed optimizer over whole
 // masters, or over sharded ones.
 class Trainee {
@@ -58,7 +85,10 @@ class Trainee {
   enum class Kind { one_process, whole_masters, sharded_masters };
   Trainee(const FluxConfig& cfg, Communicator* group, Kind kind, const RunSetup& s)
       : cfg_(cfg), setup_(s), be_(make_backend("cpu")), empty_(testing::zero_prompt(cfg)), buf_(*be_, s.dtype) {
-    if (group) dp_ = std::make_unique<DataParallel>(*group, *be_);
+    if (group) {
+      counting_ = std::make_unique<CountingGroup>(*group);
+      dp_ = std::make_unique<DataParallel>(*counting_, *be_);
+    }
     const int64_t total = ParamLayout::build(cfg).total();
     model_ =
         std::make_unique<FluxModel>(cfg, *be_, s.dtype, s.fp8, Recompute::none, TensorParallel{}, nullptr,
@@ -86,8 +116,10 @@ class Trainee {
     if (dp_) ctx.data_parallel = &dp_->group();
     const std::vector<Sample> samples =
         testing::demo_batch(cfg_, static_cast<int>(share), static_cast<int>((step - 1) * kGlobal + rank * share));
+    const int64_t before = broadcast_elements();
     const StepLoss sl =
         accumulate_step_gradients(ctx, samples, 2, static_cast<uint64_t>(step - 1), rank * share, kGlobal);
+    gathered_in_passes.push_back(broadcast_elements() - before);
     losses.push_back(sl.loss);
     if (step == setup_.nan_step) {
       const Tensor g = model_->params().grad(kNanParam);
@@ -95,7 +127,9 @@ class Trainee {
       v.at(0) = std::numeric_limits<double>::quiet_NaN();
       from_host(*be_, g, v);
     }
+    const int64_t before_update = broadcast_elements();
     const StepStats st = apply_optimizer_step(*model_, *opt_, step, 1e-2);
+    gathered_in_updates.push_back(broadcast_elements() - before_update);
     norms.push_back(st.grad_norm);
     return st;
   }
@@ -139,11 +173,15 @@ class Trainee {
   AdamWOptimizer& opt() { return *opt_; }
   DataParallel* dp() { return dp_.get(); }
   std::vector<double> losses, norms;
+  // Per step: the elements the group broadcast in the forwards and backwards, and in the update.
+  std::vector<int64_t> gathered_in_passes, gathered_in_updates;
 
  private:
+  int64_t broadcast_elements() const { return counting_ ? counting_->broadcast_elements : 0; }
   const FluxConfig& cfg_;
   RunSetup setup_;
   std::unique_ptr<Backend> be_;
+  std::unique_ptr<CountingGroup> counting_;
   std::unique_ptr<DataParallel> dp_;
   std::unique_ptr<FluxModel> model_;
   std::unique_ptr<AdamWOptimizer> opt_;
@@ -184,8 +222,21 @@ void expect_sharded_masters_change_nothing(const RunSetup& s, const std::string&
     const StepStats a = whole.step(step), b = sharded.step(step);
     EXPECT_EQ(a.applied, step != s.nan_step) << "step " << step;
     EXPECT_EQ(b.applied, a.applied) << "step " << step;
-    // Made with the update: a forward rank 0 runs alone (a sample preview) needs no collective.
+    // Made with the update: a forward rank 0 runs alone (a sample preview) needs no collective —
+    // the FP8 weights' casts too, after a skipped step as well (made again with the new scales).
     EXPECT_TRUE(sharded.model().params().device_forms_current()) << "step " << step;
+    if (sharded.model().fp8() && sharded.model().params().masters_sharded())
+      EXPECT_TRUE(sharded.model().fp8()->weight_casts_current()) << "step " << step;
+  }
+  if (world_size() > 1) {  // every master gathered once by each update, none by the passes but the first
+    const int64_t total = sharded.model().params().layout().total();
+    for (size_t i = 0; i < sharded.gathered_in_passes.size(); ++i) {
+      const bool applied = static_cast<int64_t>(i) + 1 != s.nan_step;
+      // The first forward makes the forms of the initialised masters.
+      EXPECT_EQ(sharded.gathered_in_passes[i], i == 0 ? total : 0) << "step " << i + 1;
+      if (applied) EXPECT_EQ(sharded.gathered_in_updates[i], total) << "step " << i + 1;
+      if (!applied) EXPECT_LE(sharded.gathered_in_updates[i], s.fp8 ? total : 0) << "step " << i + 1;
+    }
   }
   expect_same_bits(sharded.losses, whole.losses, "losses");
   const auto finite = [](std::vector<double> v) {  // the skipped step's NaN norm, whatever its payload
