@@ -12,6 +12,7 @@
 
 #include "bench/memory_plan.h"
 #include "config/config.h"
+#include "fp8/fp8_config.h"
 #include "model/params.h"
 #include "test_util.h"
 #include "train/data_parallel.h"
@@ -121,10 +122,20 @@ TEST(MemoryPlan, RecomputeElementwiseKeepsLess) {
 
 // fp8_weight_transpose: in_backward keeps one byte an FP8 block-Linear parameter instead of two,
 // plus one transpose buffer of the largest (flux_12b_dev: a single block's linear1, 3072 x 21504).
+// auto, the default, is in_backward with the per-tensor recipes and keep with the block-scaled.
 TEST(MemoryPlan, WeightsTransposedInTheBackwardKeepOneCast) {
-  const Config keep = Config::load(kDev, {"image_size=512", "fp8=hybrid"});
+  const Config keep = Config::load(kDev, {"image_size=512", "fp8=hybrid", "fp8_weight_transpose=keep"});
   const Config in_backward = Config::load(kDev, {"image_size=512", "fp8=hybrid", "fp8_weight_transpose=in_backward"});
   const MemoryPlan a = MemoryPlan::of(keep, {}), b = MemoryPlan::of(in_backward, {});
+  for (const char* recipe : {"delayed", "tensorwise", "blockwise", "mxfp8"}) {
+    const Config dflt = Config::load(kDev, {"image_size=512", "fp8=hybrid", std::string("fp8_recipe=") + recipe});
+    const bool per_tensor = std::string(recipe) == "delayed" || std::string(recipe) == "tensorwise";
+    EXPECT_EQ(Fp8Config::from_config(dflt).weight_transpose_in_backward, per_tensor) << recipe;
+    const Config same =
+        Config::load(kDev, {"image_size=512", "fp8=hybrid", std::string("fp8_recipe=") + recipe,
+                            per_tensor ? "fp8_weight_transpose=in_backward" : "fp8_weight_transpose=keep"});
+    EXPECT_DOUBLE_EQ(MemoryPlan::of(dflt, {}).fp8_casts, MemoryPlan::of(same, {}).fp8_casts) << recipe;
+  }
   EXPECT_DOUBLE_EQ(b.fp8_casts, a.fp8_casts / 2 + 3072.0 * 21504.0);
   EXPECT_DOUBLE_EQ(b.operand_copies, a.operand_copies);
   EXPECT_DOUBLE_EQ(a.state() - b.state(), a.fp8_casts - b.fp8_casts);
@@ -187,13 +198,13 @@ TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
   const MemoryPlan two = MemoryPlan::of(config, {2, 1, true}), many = MemoryPlan::of(config, {2, 16, true});
   EXPECT_GT(two.peak(Recompute::selective), gpu_141gb);
   EXPECT_LE(two.peak(Recompute::full), gpu_141gb);
-  EXPECT_NEAR(two.step_total(Recompute::full) / kGiB, 129.96, 0.005);
-  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 130.20, 0.005);
-  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 50.79, 0.005);
+  EXPECT_NEAR(two.step_total(Recompute::full) / kGiB, 125.98, 0.005);
+  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 126.23, 0.005);
+  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 46.81, 0.005);
   EXPECT_GT(many.peak(Recompute::full), gpu_40gb);
   const MemoryPlan fits = MemoryPlan::of(lean, {2, 16, true});
-  EXPECT_NEAR(fits.step_total(Recompute::full) / kGiB, 36.64, 0.005);
-  EXPECT_NEAR(fits.peak(Recompute::full) / kGiB, 37.01, 0.005);
+  EXPECT_NEAR(fits.step_total(Recompute::full) / kGiB, 32.66, 0.005);
+  EXPECT_NEAR(fits.peak(Recompute::full) / kGiB, 33.03, 0.005);
   EXPECT_LE(fits.peak(Recompute::full), gpu_40gb);
   EXPECT_GT(fits.peak(Recompute::selective), gpu_40gb);
 }

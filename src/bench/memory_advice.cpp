@@ -8,6 +8,7 @@
 
 #include "config/config.h"
 #include "core/error.h"
+#include "fp8/fp8_config.h"
 
 namespace flux8 {
 
@@ -49,7 +50,7 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
   if (cfg.get_string("adam_moment_precision") == "f32")
     add("adam_moment_precision: bf16", "", peak_with(cfg, parallel, {{"adam_moment_precision", "bf16"}}));
   const std::string recipe = cfg.get_string("fp8_recipe");
-  if (cfg.get_string("fp8") != "none" && cfg.get_string("fp8_weight_transpose") == "keep" &&
+  if (cfg.get_string("fp8") != "none" && !weights_transposed_in_backward(cfg) &&
       (recipe == "delayed" || recipe == "tensorwise"))
     add("fp8_weight_transpose: in_backward", "the dgrad's transposed weight casts made in the backward",
         peak_with(cfg, parallel, {{"fp8_weight_transpose", "in_backward"}}));

@@ -19,7 +19,7 @@ double MemoryPlan::step_total(Recompute r) const {
 double MemoryPlan::peak(Recompute r) const { return step_total(r) + checkpoint_buffers; }
 
 double fp8_weight_cast_bytes(const Config& config, int64_t block_linear, int64_t largest) {
-  if (config.get_string("fp8_weight_transpose") == "keep") return 2.0 * static_cast<double>(block_linear);
+  if (!weights_transposed_in_backward(config)) return 2.0 * static_cast<double>(block_linear);
   return static_cast<double>(block_linear + largest);
 }
 

@@ -176,10 +176,12 @@ std::vector<KeySpec> training_keys() {
                  "weights only as the model reads them (bf16 copies, FP8 casts, the small f32 tensors) — 4 bytes a "
                  "parameter less than moments; not with use_distributed_optimizer. Neither with "
                  "tensor_model_parallel_size > 1"),
-      int_key("training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
-              "optimizer_offload: elements of each moment (and of the masters, with cpu) the device holds at a time (whole parameters: a chunk "
-              "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies. With "
-              "use_distributed_optimizer also the elements of the device buffer a checkpoint gathers the shards through"),
+      int_key(
+          "training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
+          "optimizer_offload: elements of each moment (and of the masters, with cpu) the device holds at a time (whole "
+          "parameters: a chunk "
+          "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies. With "
+          "use_distributed_optimizer also the elements of the device buffer a checkpoint gathers the shards through"),
       choice_key("training", "exp_avg_dtype", "fp32", {"fp32", "bf16"},
                  "Megatron's name for adam_moment_precision (fp32 = f32): setting it sets that key; with "
                  "exp_avg_sq_dtype both must agree (flux8 stores the two moments in one type)"),
@@ -299,10 +301,10 @@ std::vector<KeySpec> fp8_keys() {
                  "delayed: amax from the history window's max or the newest value"),
       bool_key("fp8", "fp8_wgrad", true, "compute weight gradients in FP8; false = from the BF16 operands"),
       choice_key(
-          "fp8", "fp8_weight_transpose", "keep", {"keep", "in_backward"},
+          "fp8", "fp8_weight_transpose", "auto", {"auto", "keep", "in_backward"},
           "the dgrad operand of each FP8 weight: keep its transposed cast from the weight's cast (1 byte a "
           "parameter), or transpose the rowwise cast into one shared buffer in each Linear's backward (per-tensor "
-          "recipes: delayed, tensorwise)"),
+          "recipes: delayed, tensorwise); auto: in_backward with a per-tensor recipe, else keep"),
       choice_key("fp8", "fp8_scale_rounding", "auto", {"auto", "power_of_2", "exact"},
                  "tensorwise/blockwise scales: auto = power_of_2 for blockwise, exact for tensorwise"),
       bool_key("fp8", "fp8_modulation", false, "also run the modulation Linears in FP8 (they see one row per sample)"),

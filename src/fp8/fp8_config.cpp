@@ -24,6 +24,11 @@ bool per_tensor_recipe(Fp8Recipe r) { return r == Fp8Recipe::delayed || r == Fp8
 
 }  // namespace
 
+bool weights_transposed_in_backward(const Config& c) {
+  const std::string how = c.get_string("fp8_weight_transpose"), recipe = c.get_string("fp8_recipe");
+  return how == "in_backward" || (how == "auto" && (recipe == "delayed" || recipe == "tensorwise"));
+}
+
 Fp8Config Fp8Config::from_config(const Config& c) {
   Fp8Config f;
   const std::string fmt = c.get_string("fp8");
@@ -70,10 +75,10 @@ Fp8Config Fp8Config::from_config(const Config& c) {
         "{} has no effect: it applies to the per-tensor recipes (delayed, tensorwise); {} GEMMs accumulate each "
         "128-wide block in fp32 (fp8_recipe {}, {})",
         where("fp8_fprop_fast_accumulation"), recipe, recipe, c.source("fp8_recipe")));
-  f.weight_transpose_in_backward = c.get_string("fp8_weight_transpose") == "in_backward";
+  f.weight_transpose_in_backward = weights_transposed_in_backward(c);
   // A block-scaled cast's transpose has scales of its own (1x32 blocks along the other axis) or
   // tiles to move with their scales; only the per-tensor codes transpose as they are.
-  if (f.weight_transpose_in_backward && !per_tensor)
+  if (c.get_string("fp8_weight_transpose") == "in_backward" && !per_tensor)
     fail(
         "{} needs a per-tensor recipe (delayed, tensorwise), but the recipe is {} ({}); use fp8_weight_transpose: "
         "keep, or a per-tensor recipe",

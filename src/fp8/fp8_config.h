@@ -21,8 +21,9 @@ struct Fp8Config {
   bool power_of_2_scales = false;      // tensorwise / blockwise scales rounded down to 2^k
   bool modulation = false;             // modulation Linears in FP8 too
   bool dot_product_attention = false;  // attention of the FP8 blocks in FP8 (cuDNN's FP8 SDPA)
-  // fp8_weight_transpose: in_backward — no transposed weight cast is kept; each Linear's backward
-  // transposes the rowwise cast into a buffer shared by all (per-tensor recipes only).
+  // fp8_weight_transpose: in_backward (auto's choice with a per-tensor recipe) — no transposed
+  // weight cast is kept; each Linear's backward transposes the rowwise cast into a buffer shared
+  // by all (per-tensor recipes only).
   bool weight_transpose_in_backward = false;
   // Forward GEMMs with the tensor cores' fast accumulation (Fp8Accumulation::fast), as
   // Transformer Engine's fprop; per-tensor recipes only (false for blockwise and mxfp8).
@@ -46,5 +47,8 @@ struct Fp8Config {
 };
 
 const char* fp8_recipe_name(Fp8Recipe r);
+// fp8_weight_transpose resolved: in_backward, or auto with a per-tensor recipe (delayed,
+// tensorwise), whose transposed codes are the transposed cast's bytes; keep otherwise.
+bool weights_transposed_in_backward(const Config& c);
 
 }  // namespace flux8
