@@ -60,6 +60,24 @@ TEST(DataParallelTrain, TwoRanksFollowOneProcess) {
   }
 }
 
+// FP8 (delayed): every checkpoint compares the ranks' scales and amax histories with rank 0's
+// (the copy the checkpoint keeps), logged once and recorded in the metrics at every save.
+TEST(DataParallelTrain, Fp8RanksAgreeAtEveryCheckpoint) {
+  const testing::RunDir dir("dp_fp8_agree");
+  std::string log;
+  ASSERT_EQ(0, run_mpi(2, train_args(dir, "fp8", "--set fp8=hybrid --set save_interval=3"), dir.root / "fp8.log", &log))
+      << log;
+  EXPECT_NE(log.find("scales and amax histories) identical on all 2 ranks at step 3"), std::string::npos) << log;
+  std::vector<int64_t> steps;
+  for (const nlohmann::json& rec : testing::read_jsonl(dir.root / "fp8" / "metrics.jsonl"))
+    if (rec.value("event", "") == "fp8_ranks_agree") {
+      steps.push_back(rec["step"].get<int64_t>());
+      EXPECT_EQ(rec["ranks"], 2);
+      EXPECT_TRUE(rec["differing_ranks"].empty());
+    }
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 6}));
+}
+
 // A checkpoint of a 2-rank job with the distributed optimizer resumes bit for bit at 2 ranks, and
 // at 1 rank (one process, the same files) goes on where one process would.
 TEST(DataParallelTrain, CheckpointResumesAtTheSameAndAnotherJobSize) {

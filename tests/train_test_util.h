@@ -52,14 +52,19 @@ struct RunDir {
   }
 };
 
-inline std::vector<double> step_losses(const fs::path& metrics) {
-  std::vector<double> out;
+// Every record of a metrics.jsonl.
+inline std::vector<nlohmann::json> read_jsonl(const fs::path& metrics) {
+  std::vector<nlohmann::json> out;
   std::ifstream in(metrics);
   std::string line;
-  while (std::getline(in, line)) {
-    const auto j = nlohmann::json::parse(line);
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+inline std::vector<double> step_losses(const fs::path& metrics) {
+  std::vector<double> out;
+  for (const nlohmann::json& j : read_jsonl(metrics))
     if (j.contains("loss")) out.push_back(j["loss"].get<double>());
-  }
   return out;
 }
 

@@ -54,6 +54,22 @@ void DataParallel::broadcast(std::span<double> values, int root) {
   through_scratch(values, [&](const Tensor& t) { group_.broadcast(t, root); });
 }
 
+std::vector<int> DataParallel::ranks_differing_from_lead(const std::string& digest) {
+  if (digest.size() < 12) fail("internal error: a digest of 12 hex digits or more is compared, not '{}'", digest);
+  // Two 24-bit halves: exact in doubles.
+  const std::vector<double> mine{static_cast<double>(std::stoull(digest.substr(0, 6), nullptr, 16)),
+                                 static_cast<double>(std::stoull(digest.substr(6, 6), nullptr, 16))};
+  std::vector<double> lead = mine;
+  broadcast(lead, 0);
+  std::vector<double> differ(static_cast<size_t>(size()), 0.0);
+  differ[static_cast<size_t>(rank())] = lead != mine ? 1.0 : 0.0;
+  max(differ);
+  std::vector<int> ranks;
+  for (int k = 0; k < size(); ++k)
+    if (differ[static_cast<size_t>(k)] > 0) ranks.push_back(k);
+  return ranks;
+}
+
 void DataParallel::all_reduce_gradients(const Tensor& grads) {
   if (group_.size() == 1) return;
   const int64_t n = grads.numel();

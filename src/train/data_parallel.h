@@ -5,6 +5,8 @@
 // communicators take device tensors only.
 #include <functional>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/communicator.h"
@@ -48,6 +50,10 @@ class DataParallel {
   void max(std::span<double> values);
   // root's values on every rank.
   void broadcast(std::span<double> values, int root);
+  // The ranks whose `digest` (a hex string: its first 12 digits are compared) differs from rank
+  // 0's, ascending — the same list on every rank. For state that must agree over the group (the
+  // resolved config, FP8 scales).
+  std::vector<int> ranks_differing_from_lead(const std::string& digest);
 
   // The sum over the group of every gradient in `grads` (the flat buffer or a range of it), in
   // buckets of kBucketElements from the end (the order the backward finishes them).

@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -98,6 +99,7 @@ struct Run {
   EnergyWindow energy;
   int64_t start_step = 0;
   int consecutive_skips = 0;
+  bool fp8_ranks_checked = false;  // check_fp8_ranks_agree has said so once
   TrainResult result;
   int64_t resume_step() const { return resume.from.empty() ? -1 : start_step; }
 };
@@ -145,11 +147,8 @@ void join_job(Run& r) {
   // The resolved config's hash against rank 0's: ranks that read different files (or got other
   // --set values) would train different models and deadlock on the first mismatched collective.
   const std::string digest = sha256_hex(r.cfg.config_yaml).substr(0, 12);
-  std::vector<double> mine{static_cast<double>(std::stoull(digest.substr(0, 6), nullptr, 16)),
-                           static_cast<double>(std::stoull(digest.substr(6, 6), nullptr, 16))};
-  std::vector<double> lead = mine;
-  r.world->broadcast(lead, 0);
-  if (lead != mine)
+  const std::vector<int> apart = r.world->ranks_differing_from_lead(digest);
+  if (std::find(apart.begin(), apart.end(), r.groups->world_rank()) != apart.end())
     fail(
         "the resolved config differs between ranks (hash {} here; rank 0 has another): every rank must read the same "
         "config files with the same --set values (`flux8 config -c FILE` prints the resolved config)",
@@ -663,11 +662,42 @@ void save_tensor_parallel(Run& r) {
   report_saved_in_line(r, seconds_since(t0));
 }
 
+// FP8 in a job of several ranks: every rank's delayed-scaling state (scales, amax histories)
+// against rank 0's, compared by digest at each checkpoint — the checkpoint keeps rank 0's copy,
+// which stands for every rank's only while they agree (the amax reductions keep them identical).
+// A disagreement is logged naming the ranks; the metrics record the check either way.
+void check_fp8_ranks_agree(Run& r) {
+  Fp8Runtime* fp8 = r.model->fp8();
+  if (!fp8 || !r.groups->distributed() || fp8->config().recipe != Fp8Recipe::delayed) return;
+  const Fp8MetaRegistry& reg = fp8->current_registry();
+  std::string bytes;
+  for (const std::vector<float>* v : {&reg.scales(), &reg.scale_invs(), &reg.amax_history()})
+    bytes.append(reinterpret_cast<const char*>(v->data()), v->size() * sizeof(float));
+  const std::vector<int> apart = r.world->ranks_differing_from_lead(sha256_hex(bytes));
+  const int ranks = r.groups->world_size();
+  if (!lead_rank(r)) return;
+  const std::string line =
+      apart.empty() ? fmt::format("FP8 state ({} scales and amax histories) identical on all {} ranks at step {}",
+                                  reg.size(), ranks, r.state.step)
+                    : fmt::format(
+                          "FP8 state of rank(s) {} differs from rank 0's at step {}: the ranks cast with "
+                          "different scales, and the checkpoint keeps rank 0's; report this with the config",
+                          fmt::join(apart, ", "), r.state.step);
+  // Agreement is said once; the metrics keep every check.
+  r.progress->event(apart.empty() && r.fp8_ranks_checked ? "" : line, RecordKind::run,
+                    {{"event", apart.empty() ? "fp8_ranks_agree" : "fp8_ranks_differ"},
+                     {"step", r.state.step},
+                     {"ranks", ranks},
+                     {"differing_ranks", apart}});
+  r.fp8_ranks_checked = true;
+}
+
 // The checkpoint of the whole job: every rank takes part in gathering the state (a sharded
 // optimizer's moments), rank 0 writes it. A rank that fails here ends the job (src/cli/main.cpp),
 // so no rank goes on past a checkpoint that was not written; the atomic rename keeps the previous
 // one the newest.
 void save(Run& r) {
+  check_fp8_ranks_agree(r);
   r.opt->gather_moments();
   if (r.groups->tp_size() > 1) {
     save_tensor_parallel(r);

@@ -96,6 +96,21 @@ void expect_same_on_every_rank(DataParallel& dp, const std::vector<double>& mine
       << "rank " << world_rank() << " holds other weights than rank 0";
 }
 
+// The ranks whose digest differs from rank 0's, the same list on every rank: none when all agree;
+// the odd ranks when they hold another digest (only the first 12 hex digits count).
+TEST(DataParallel, RanksDifferingFromLeadAreNamedOnEveryRank) {
+  auto be = make_backend("cpu");
+  ProcessGroups groups(MPI_COMM_WORLD, ParallelSizes{}, *be);
+  DataParallel world(groups.world(), *be);
+  EXPECT_TRUE(world.ranks_differing_from_lead("0123456789abcdef").empty());
+  const int me = world_rank();
+  EXPECT_TRUE(world.ranks_differing_from_lead(me % 2 ? "0123456789abffff" : "0123456789ab0000").empty());
+  std::vector<int> odd;
+  for (int k = 1; k < world_size(); k += 2) odd.push_back(k);
+  EXPECT_EQ(world.ranks_differing_from_lead(me % 2 ? "fedcba987654" : "0123456789ab"), odd);
+  EXPECT_EQ(world.ranks_differing_from_lead(me % 2 ? "0123456789ab" : "0123456789ac"), odd);
+}
+
 TEST(DataParallel, EqualsOneProcessInF64) {
   const FluxConfig cfg = testing::tiny_demo_model();
   auto be = make_backend("cpu");
