@@ -2,7 +2,10 @@
 // sizes, and the errors of a misconfigured job. The CPU backend, two ranks of one OpenMP thread.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -156,6 +159,33 @@ TEST(DataParallelTrain, ShardedAndOffloadedMomentsFollowWholeOnes) {
       testing::expect_same_tensors((dir.root / run / "step-0000006" / file).string(),
                                    (dir.root / base / "step-0000006" / file).string());
   }
+}
+
+// `flux8 bench` under mpirun runs the trainer's data parallelism: the distributed optimizer's
+// sharded masters and the gradient buckets. Its first loss is one process's (the same weights and
+// synthetic data on every rank), and every step's loss stays finite.
+TEST(DataParallelTrain, BenchUnderALauncherReducesAsTheTrainer) {
+  const testing::RunDir dir("dp_bench");
+  const std::string bench = std::string(FLUX8_BINARY) + " bench -c " + (dir.root / "exp.yaml").string() +
+                            " --backend cpu --precision bf16 --steps 2 --warmup 1 --set threads=1 --json ";
+  std::string log;
+  ASSERT_EQ(0,
+            std::system((bench + (dir.root / "one.json").string() + " > " + (dir.root / "one.log").string()).c_str()));
+  ASSERT_EQ(0, run_mpi(2, bench + (dir.root / "two.json").string() + " --set use_distributed_optimizer=true",
+                       dir.root / "two.log", &log))
+      << log;
+  const auto read = [&](const char* name) {
+    std::ifstream in(dir.root / name);
+    return nlohmann::json::parse(in)["steps"].at(0);
+  };
+  const nlohmann::json one = read("one.json"), two = read("two.json");
+  EXPECT_EQ(two["parallel"], "TP=1 x DP=2 (2 ranks)");
+  EXPECT_EQ(one["gradient_buckets"], 0);
+  EXPECT_GE(two["gradient_buckets"].get<int>(), 1);
+  EXPECT_LE(two["buckets_started_in_backward"].get<int>(), two["gradient_buckets"].get<int>());
+  EXPECT_EQ(two["losses"].at(0), one["losses"].at(0));
+  for (const nlohmann::json& l : two["losses"]) EXPECT_TRUE(std::isfinite(l.get<double>())) << two["losses"];
+  testing::expect_mentions(log, {"gradients summed in"});
 }
 
 TEST(DataParallelTrain, RefusesRanksWithDifferentConfigs) {

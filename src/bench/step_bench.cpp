@@ -22,6 +22,7 @@
 #include "model/flux_model.h"
 #include "model/input_batch.h"
 #include "train/data_parallel.h"
+#include "train/gradient_buckets.h"
 #include "train/optimizer.h"
 #include "train/train_step.h"
 
@@ -291,9 +292,16 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     tp = std::make_unique<DataParallel>(groups->tp(), device);
   }
   const int tp_size = groups ? groups->tp_size() : 1;
+  const bool data_parallel = dp && dp->size() > 1;
+  const bool overlap = data_parallel && spec.overlap_grad_reduce;
+  MasterShards shards =
+      AdamWOptimizer::master_shards(dp.get(), spec.distributed_optimizer,
+                                    ParamLayout::build(spec.model, groups ? groups->tp_rank() : 0, tp_size).total());
   std::unique_ptr<StepGraph> graph;
-  // (As the trainer: no graphs around the uploads of offloaded master weights.)
-  if (spec.cuda_graph && !profiler && device.can_capture() && tp_size == 1 && !spec.adam.offload_masters)
+  // (As the trainer: no graphs around the uploads of offloaded master weights, the gathers of
+  // sharded ones, or gradient buckets started inside the backward.)
+  if (spec.cuda_graph && !profiler && device.can_capture() && tp_size == 1 && !spec.adam.offload_masters &&
+      !shards.group && !overlap)
     graph = std::make_unique<StepGraph>(device, StepGraph::Options::from_environment());
   const std::unique_ptr<Backend> host_memory = spec.adam.offload_masters ? make_backend("cpu") : nullptr;
   Backend& be = device;  // the profiler or the graph recorder, when made, intercept its ops
@@ -302,12 +310,19 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   r.precision = spec.fp8.enabled ? "FP8 " + spec.fp8.describe() : "BF16";
   if (groups) r.parallel = groups->describe();
   FluxModel model(spec.model, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute,
-                  TensorParallel{groups ? &groups->tp() : nullptr}, host_memory.get());
+                  TensorParallel{groups ? &groups->tp() : nullptr}, host_memory.get(), std::move(shards));
   model.params().init(spec.seed);
   model.plan(spec.shape);
   AdamWOptimizer opt(model.params(), spec.adam);
   opt.set_data_parallel(dp.get(), spec.distributed_optimizer);
   opt.set_tensor_parallel(tp.get());
+  std::unique_ptr<GradientBuckets> buckets;
+  if (data_parallel) {
+    std::optional<FlatSharding> sharding;
+    if (spec.distributed_optimizer) sharding = FlatSharding::of(model.params().layout().total(), dp->size());
+    buckets = std::make_unique<GradientBuckets>(model.params(), *dp, sharding, overlap);
+    opt.set_gradients_reduced_by_caller(true);
+  }
   // As the trainer: W2's 2 samples keep them (one data-parallel rank).
   model.params().keep_low_rank_grads(dp && dp->size() > 1 ? 0 : spec.shape.batch);
   be.synchronize();
@@ -343,11 +358,13 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     const auto ts = Clock::now();
     be.flow_match_inputs(data.in.img, data.target, data.x0, data.in.timesteps, spec.seed, data.streams);
     model.params().zero_grads();
+    if (buckets) buckets->begin_step();
     StepGraph::Region region(graph.get());
     const Tensor pred = model.forward(data.in);
     be.mse_loss_into(loss_buf.t, data.dpred, pred, data.target, 1.0);
-    model.backward(data.dpred);
+    model.backward(data.dpred, buckets.get());
     region.end();
+    if (buckets) buckets->finish_step();
     if (s + 1 == total) energy_busy = be.power_reading();  // the step still running on the device
     double loss = 0;
     be.download(&loss, loss_buf.t.data, sizeof loss);
@@ -372,6 +389,10 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     r.losses.push_back(loss);
     if (!std::isfinite(loss)) ++r.non_finite_steps;
     if (s >= spec.warmup) r.step_ms.push_back(ms);
+    if (buckets) {
+      r.gradient_buckets = buckets->buckets().size();
+      r.buckets_started_in_backward = buckets->started_in_backward();
+    }
     if (profiler && s + 1 == spec.warmup) profiler->reset();  // count the timed steps only
     if (graph && s + 1 == spec.warmup) graph->reset_stats();
   }

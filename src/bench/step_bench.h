@@ -46,8 +46,11 @@ struct StepBenchSpec {
   // Under a launcher (mpirun, srun) every rank runs the step on its GPU: the model split over
   // tensor_parallel ranks, the gradients summed over the rest (data parallelism, synthetic data
   // the same on every rank), AdamW's moments sharded with distributed_optimizer.
+  // As the trainer: the distributed optimizer shards the f32 masters with the moments, and the
+  // gradients are reduced in buckets, started during the backward with overlap_grad_reduce.
   int tensor_parallel = 1;
   bool distributed_optimizer = false;
+  bool overlap_grad_reduce = true;
 };
 
 struct OpTime {
@@ -57,7 +60,10 @@ struct OpTime {
 
 struct StepBenchResult {
   std::string workload, precision;
-  std::string parallel;         // "TP=2 x DP=4 (8 ranks)" under a launcher, else ""
+  std::string parallel;  // "TP=2 x DP=4 (8 ranks)" under a launcher, else ""
+  // Data parallelism: the gradient buckets of a step, and of them the ones started during the
+  // backward (overlap_grad_reduce), as the last step ran them.
+  size_t gradient_buckets = 0, buckets_started_in_backward = 0;
   std::vector<double> step_ms;  // every timed step
   double median_ms = 0, tflops = 0, model_tflop = 0;
   double setup_s = 0;       // backend ready -> model built, parameters initialised, memory planned

@@ -260,6 +260,7 @@ RunPlan plan_runs(const BenchOptions& o) {
     s.seed = static_cast<uint64_t>(plan.keys.get_int("seed"));  // init, data and noise (tools/convergence.py)
     s.tensor_parallel = static_cast<int>(plan.keys.get_int("tensor_model_parallel_size"));
     s.distributed_optimizer = plan.keys.get_bool("use_distributed_optimizer");
+    s.overlap_grad_reduce = plan.keys.get_bool("overlap_grad_reduce");
   }
   if (plan.keys.get_bool("cuda_graph") && o.profile && plan.keys.source("cuda_graph") != "default")
     fmt::print("note: cuda_graph is off under --profile (its per-op timing marks need every op issued on its own)\n");
@@ -365,6 +366,8 @@ json run_json(const StepBenchResult& r, const StepBenchSpec& s, const std::strin
           {"fp8_format", precision == "bf16" ? "" : o.format},
           {"describe", r.precision},
           {"parallel", r.parallel},
+          {"gradient_buckets", r.gradient_buckets},
+          {"buckets_started_in_backward", r.buckets_started_in_backward},
           {"batch", s.shape.batch},
           {"txt_tokens", s.shape.txt_tokens},
           {"img_tokens", s.shape.img_tokens},
@@ -425,8 +428,11 @@ std::vector<WorkloadRun> run_workload(StepBenchSpec s, const RunPlan& plan, cons
                r.activation_gib);
     if (!r.parallel.empty())
       fmt::print(
-          "  {}: each rank's step on its own micro-batch (a tensor-parallel group shares one); memory per rank\n",
-          r.parallel);
+          "  {}: each rank's step on its own micro-batch (a tensor-parallel group shares one); memory per rank{}\n",
+          r.parallel,
+          r.gradient_buckets == 0 ? ""
+                                  : fmt::format("; gradients summed in {} buckets, {} started during the backward",
+                                                r.gradient_buckets, r.buckets_started_in_backward));
     print_run_notes(r, o.backend);
     const std::vector<RooflinePart> parts =
         r.ops.empty() ? std::vector<RooflinePart>{} : roofline_parts(r.ops, model_flops(s.model, s.shape));
