@@ -671,8 +671,13 @@ void check_fp8_ranks_agree(Run& r) {
   if (!fp8 || !r.groups->distributed() || fp8->config().recipe != Fp8Recipe::delayed) return;
   const Fp8MetaRegistry& reg = fp8->current_registry();
   std::string bytes;
-  for (const std::vector<float>* v : {&reg.scales(), &reg.scale_invs(), &reg.amax_history()})
+  for (const std::vector<float>* v : {&reg.scales(), &reg.scale_invs()})
     bytes.append(reinterpret_cast<const char*>(v->data()), v->size() * sizeof(float));
+  // The history past its staging row (row 0): that row holds this rank's amaxes of the casts made
+  // since the last update (a tensor-parallel rank's of its shards), reduced over the job before use.
+  const std::vector<float>& history = reg.amax_history();
+  const size_t staging = std::min(history.size(), static_cast<size_t>(reg.size()));
+  bytes.append(reinterpret_cast<const char*>(history.data() + staging), (history.size() - staging) * sizeof(float));
   const std::vector<int> apart = r.world->ranks_differing_from_lead(sha256_hex(bytes));
   const int ranks = r.groups->world_size();
   if (!lead_rank(r)) return;
