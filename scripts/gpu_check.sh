@@ -17,6 +17,10 @@
 #   disttrain (not a default stage) scripts/dist_train_check.sh on the GPU: the demo trained by one
 #          rank, and by 2 or 4 ranks sharing GPU 0 (FLUX8_COMM=mpi) at DP=2, DP=2 with the
 #          distributed optimizer, TP=2 and TP=2 x DP=2 -> $OUT/disttrain.txt
+#   multigpu (not a default stage) tools/multi_gpu_check.py, the checks of a machine with several
+#          GPUs (correctness over NCCL, data-parallel scaling, the big model at TP=2, a killed rank;
+#          GPU_CHECK_MULTIGPU_ARGS adds options, e.g. --parts) -> $OUT/multigpu.txt,
+#          multi_gpu.json, multigpu_logs.tar.gz
 #   dist   (not a default stage) the GPU collective conformance suite (tests/gpu/dist) under the
 #          build's mpiexec: one rank (NCCL and MPI staged through the host), two ranks sharing
 #          GPU 0 with FLUX8_COMM=mpi, and, where the machine has several GPUs, one rank per GPU
@@ -270,6 +274,22 @@ if has disttrain; then
   stage disttrain
   scripts/dist_train_check.sh cuda "${GPU_CHECK_DISTTRAIN_STEPS:-20}" | tee "$OUT/disttrain.txt" ||
     die "the distributed training check failed (runs/dist_check.*.log)"
+fi
+
+if has multigpu; then
+  stage multigpu
+  [ -x build/flux8 ] || die "no build/flux8: run the build stage"
+  mpiexec=$(sed -n 's/^MPIEXEC_EXECUTABLE:FILEPATH=//p' build/CMakeCache.txt)
+  [ -x "$mpiexec" ] || die "build/CMakeCache.txt names no mpiexec (MPIEXEC_EXECUTABLE): the build found no Open MPI"
+  set +e
+  # shellcheck disable=SC2086  # GPU_CHECK_MULTIGPU_ARGS: the tool's options, split into words
+  PYTHONUNBUFFERED=1 "$python" tools/multi_gpu_check.py --flux8 build/flux8 --mpirun "$mpiexec" \
+      --out runs/multi_gpu ${GPU_CHECK_MULTIGPU_ARGS:-} 2>&1 | tee "$OUT/multigpu.txt"
+  rc=${PIPESTATUS[0]}
+  set -e
+  cp runs/multi_gpu/multi_gpu.json "$OUT/" 2>/dev/null || true
+  tar czf "$OUT/multigpu_logs.tar.gz" -C runs/multi_gpu logs 2>/dev/null || true
+  [ "$rc" -eq 0 ] || die "tools/multi_gpu_check.py: a check not met or a job failed (status $rc): see multigpu.txt"
 fi
 
 if has demo; then

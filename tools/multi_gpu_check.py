@@ -1,0 +1,474 @@
+#!/usr/bin/env python3
+"""The checks of a machine with several GPUs, in one call (docs/DISTRIBUTED.md, "On several GPUs").
+
+    tools/multi_gpu_check.py [--flux8 build/flux8] [--out DIR] [--parts correct,scaling,big,failure]
+
+Each part runs `flux8` jobs under mpirun, one rank a GPU (NCCL); with fewer GPUs than ranks the
+ranks share GPU 0 through the host-staged communicator (FLUX8_COMM=mpi), and with `--backend cpu`
+they run on the CPU backend (the tool's own test: tests/python/test_multi_gpu_check.py).
+
+  correct  the demo, --steps steps, one rank against DP=2, DP=2 with the distributed optimizer and
+           TP=2, in the config's precision and in FP8 (delayed, hybrid): each step's loss against one
+           rank's, the final validation loss, and in FP8 every checkpoint's check that the ranks'
+           scales agree (metrics `fp8_ranks_agree`). A TP=2 job stopped half way and resumed at
+           TP=2 (its losses and final model.safetensors tensors bit for bit those of the straight job) and
+           at TP=1 (its losses against the straight job's).
+  scaling  `flux8 bench` of each workload at one rank and at DP=N (N: --gpus), BF16 and FP8
+           delayed: the throughput ratio N x t(1) / t(N), and at DP=N the step with
+           overlap_grad_reduce off: the time the overlap hides.
+  big      the big model (--big-config, flux_12b_dev at 1024 px, micro-batch 1) at TP=2 x DP=N/2
+           with the distributed optimizer: the first of --big-settings that `flux8 info` plans to
+           fit the GPU's memory, timed in BF16 and FP8 (delayed, hybrid); each GPU's peak against
+           the plan; with 4 GPUs or more also TP=2 x DP=1 on two of them (the scaling).
+  failure  a DP=2 demo job saving every 5 steps, rank 1 killed (SIGKILL) after step 12: how long
+           the job takes to end, that it names the rank, and the last checkpoint resumed.
+
+Writes DIR/multi_gpu.json (every number, the commands, the verdicts), DIR/multi_gpu.txt (the
+summary printed) and DIR/logs/ (each job's output).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+STOPPED = 75  # flux8 train's exit status when --stop-after stops it (src/train/signals.h)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def in_repo(path):
+    """A config path as given, or else relative to the repository."""
+    return path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--flux8", default="build/flux8")
+    p.add_argument("--out", default=os.environ.get("OUT", "runs/multi_gpu"))
+    p.add_argument("--backend", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: every GPU nvidia-smi lists)")
+    p.add_argument("--parts", default="correct,scaling,big,failure")
+    p.add_argument("--mpirun", default=os.environ.get("FLUX8_MPIRUN", "mpirun"))
+    p.add_argument("--steps", type=int, default=20, help="steps of the demo jobs (correct)")
+    p.add_argument("--demo-set", action="append", default=[], help="KEY=VALUE for every demo job")
+    p.add_argument("--workloads", default="", help="scaling: W1,W2 (default W1,W2 at 2 GPUs, W1 beyond)")
+    p.add_argument("--bench-config", default="", help="scaling: a config instead of the workloads")
+    p.add_argument("--bench-set", action="append", default=[], help="KEY=VALUE for every bench job")
+    p.add_argument("--bench-steps", type=int, default=10)
+    p.add_argument("--big-config", default="configs/models/flux_12b_dev.yaml")
+    p.add_argument("--big-steps", type=int, default=20)
+    p.add_argument("--big-settings", default="recompute_granularity=full;"
+                   "recompute_granularity=full,grad_precision=bf16;"
+                   "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16",
+                   help="';'-separated candidate settings (comma-separated KEY=VALUE), the first that fits is run")
+    p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="big: the memory to plan for (default: the GPU's)")
+    return p.parse_args(argv)
+
+
+class Checker:
+    def __init__(self, a):
+        self.a = a
+        self.flux8 = os.path.abspath(a.flux8)
+        self.out = os.path.abspath(a.out)
+        self.logs = os.path.join(self.out, "logs")
+        self.runs = os.path.join(self.out, "runs")
+        for d in (self.logs, self.runs):
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
+        self.gpus = a.gpus or (gpu_count() if a.backend == "cuda" else 2)
+        self.result = {"backend": a.backend, "gpus": self.gpus, "device": device_name(a.backend),
+                       "parts": {}, "verdicts": [], "commands": []}
+        self.lines: list[str] = []
+
+    # ---- running jobs --------------------------------------------------------------------------
+
+    def env(self, ranks):
+        e = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                 OMPI_MCA_btl_vader_single_copy_mechanism="none", OMP_NUM_THREADS="1")
+        if self.a.backend == "cuda" and ranks > self.gpus:
+            e["FLUX8_COMM"] = "mpi"  # ranks sharing a GPU: NCCL needs one GPU a rank
+        return e
+
+    def command(self, ranks, args):
+        cmd = [self.flux8] + args
+        if ranks > 1:
+            cmd = [self.a.mpirun, "-np", str(ranks), "--oversubscribe"] + cmd
+        return cmd
+
+    def run(self, name, ranks, args, ok=(0,)):
+        cmd = self.command(ranks, args)
+        self.result["commands"].append(" ".join(cmd))
+        log = os.path.join(self.logs, name + ".log")
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(ranks))
+        if rc not in ok:
+            raise SystemExit(f"multi_gpu_check: {name} exited with {rc} (expected {ok}): see {log}\n" + tail(log))
+        return rc, time.monotonic() - t0
+
+    def verdict(self, part, what, value, limit, met, judged=True):
+        """judged False: a speed or memory target, which only the GPU backend is held to (met: null)."""
+        met = bool(met) if judged else None
+        self.result["verdicts"].append({"part": part, "check": what, "value": value, "limit": limit, "met": met})
+        self.say(f"  [{'not judged on the CPU' if met is None else 'met' if met else 'NOT MET'}] {what}: {value} "
+                 f"(limit {limit})")
+
+    @property
+    def on_gpu(self):
+        return self.a.backend == "cuda"
+
+    def say(self, line):
+        print(line, flush=True)
+        self.lines.append(line)
+
+    # ---- correct -------------------------------------------------------------------------------
+
+    def demo_args(self, name, extra):
+        sets = [f"backend={self.a.backend}", f"train_iters={self.a.steps}", "micro_batch_size=4",
+                "global_batch_size=16", "eval_interval=0", "sample_prompts=", "log_interval=1",
+                f"save_interval={max(1, self.a.steps // 2)}", f"save_dir={os.path.join(self.runs, name)}"]
+        if self.a.backend == "cpu":
+            sets.append("threads=1")
+        sets += self.a.demo_set + extra
+        return ["train", "-c", in_repo("configs/demo.yaml")] + [x for s in sets for x in ("--set", s)]
+
+    def correct(self):
+        self.say("== correct: the demo at one rank against DP=2, DP=2 with the distributed optimizer, TP=2")
+        layouts = [("dp2", 2, []), ("dp2_zero", 2, ["use_distributed_optimizer=true"]),
+                   ("tp2", 2, ["tensor_model_parallel_size=2"])]
+        part = {"steps": self.a.steps, "runs": {}}
+        for prec, psets in (("default", []), ("fp8", ["fp8=hybrid", "fp8_recipe=delayed"])):
+            self.run(f"one_{prec}", 1, self.demo_args(f"one_{prec}", psets))
+            one = read_metrics(os.path.join(self.runs, f"one_{prec}"))
+            for name, ranks, sets in layouts:
+                run = f"{name}_{prec}"
+                self.run(run, ranks, self.demo_args(run, psets + sets))
+                m = read_metrics(os.path.join(self.runs, run))
+                rel = max_rel(m["losses"], one["losses"])
+                entry = {"ranks": ranks, "last_loss": m["losses"][-1], "max_rel_loss_diff": rel,
+                         "val_loss": m["val_loss"], "val_rel_diff": rel_diff(m["val_loss"], one["val_loss"])}
+                if prec == "fp8":
+                    entry["fp8_checks"] = m["fp8_checks"]
+                    agree = len(m["fp8_checks"]) > 0 and all(c["agree"] for c in m["fp8_checks"])
+                    self.verdict("correct", f"{run}: FP8 scales identical on every rank at each checkpoint",
+                                 f"{sum(c['agree'] for c in m['fp8_checks'])} of {len(m['fp8_checks'])} saves", "all",
+                                 agree)
+                part["runs"][run] = entry
+                self.verdict("correct", f"{run}: step losses against one rank (largest relative difference)",
+                             f"{rel:.3g}", 1e-2, len(m["losses"]) == len(one["losses"]) and rel <= 1e-2)
+        # A TP=2 job stopped half way, resumed at TP=2 and at TP=1.
+        half = max(1, self.a.steps // 2)
+        tp = ["tensor_model_parallel_size=2"]
+        self.run("tp2_stop", 2, self.demo_args("tp2_stop", tp) + ["--stop-after", str(half)], ok=(STOPPED,))
+        for copy in ("tp2_resumed", "tp1_resumed"):
+            shutil.copytree(os.path.join(self.runs, "tp2_stop"), os.path.join(self.runs, copy))
+        self.run("tp2_resumed", 2, self.demo_args("tp2_resumed", tp) + ["--resume"])
+        self.run("tp1_resumed", 1, self.demo_args("tp1_resumed", []) + ["--resume"])
+        straight = read_metrics(os.path.join(self.runs, "tp2_default"))
+        resumed = read_metrics(os.path.join(self.runs, "tp2_resumed"))
+        alone = read_metrics(os.path.join(self.runs, "tp1_resumed"))
+        final = f"step-{self.a.steps:07d}/model.safetensors"
+        same_model = tensors_bytes(os.path.join(self.runs, "tp2_default", final)) == tensors_bytes(
+            os.path.join(self.runs, "tp2_resumed", final))
+        tp1_rel = max_rel(alone["losses"][half:], straight["losses"][half:])
+        part["checkpoint"] = {"stopped_at": half, "tp2_resumed_losses_identical": resumed["losses"] == straight["losses"],
+                              "tp2_resumed_model_identical": same_model, "tp1_resumed_max_rel_loss_diff": tp1_rel}
+        self.verdict("correct", f"TP=2 checkpoint of step {half} resumed at TP=2: losses and {final} bit for bit",
+                     f"losses {'identical' if resumed['losses'] == straight['losses'] else 'differ'}, model "
+                     f"{'identical' if same_model else 'differs'}", "identical",
+                     resumed["losses"] == straight["losses"] and same_model)
+        self.verdict("correct", f"the same checkpoint resumed at TP=1: steps {half + 1}-{self.a.steps} against TP=2's",
+                     f"{tp1_rel:.3g}", 1e-2, len(alone["losses"]) == len(straight["losses"]) and tp1_rel <= 1e-2)
+        self.result["parts"]["correct"] = part
+
+    # ---- scaling -------------------------------------------------------------------------------
+
+    def bench(self, name, ranks, what, sets, precisions, steps, profile=False):
+        path = os.path.join(self.runs, name + ".json")
+        args = ["bench"] + what + ["--backend", self.a.backend, "--precision", precisions, "--steps", str(steps),
+                                   "--warmup", "3", "--json", path]
+        if profile:
+            args.append("--profile")
+        for s in self.a.bench_set + sets:
+            args += ["--set", s]
+        self.run(name, ranks, args)
+        with open(path) as f:
+            return json.load(f)["steps"]
+
+    def scaling(self):
+        n = self.gpus
+        if n < 2:
+            self.say("== scaling: needs 2 GPUs or more (--gpus)")
+            return
+        if self.a.bench_config:
+            targets = [("config", ["-c", in_repo(self.a.bench_config)], 0.95 * n if n == 2 else 0.925 * n)]
+        else:
+            names = self.a.workloads.split(",") if self.a.workloads else (["W1", "W2"] if n == 2 else ["W1"])
+            limits = {"W1": 0.95 * n if n == 2 else 0.925 * n, "W2": 0.925 * n}
+            targets = [(w, ["--workload", w], limits.get(w, 0.9 * n)) for w in names]
+        self.say(f"== scaling: one rank against DP={n}, one rank a GPU")
+        part = {}
+        for label, what, limit in targets:
+            one = self.bench(f"scaling_{label}_1", 1, what, [], "bf16,delayed", self.a.bench_steps)
+            many = self.bench(f"scaling_{label}_{n}", n, what, [], "bf16,delayed", self.a.bench_steps)
+            serial = self.bench(f"scaling_{label}_{n}_no_overlap", n, what, ["overlap_grad_reduce=false"],
+                                "bf16,delayed", self.a.bench_steps)
+            for a, b, c in zip(one, many, serial):
+                ratio = n * a["median_step_ms"] / b["median_step_ms"]
+                part[f"{label} {a['precision']}"] = {
+                    "ms_1": a["median_step_ms"], f"ms_{n}": b["median_step_ms"], "ratio": ratio,
+                    f"ms_{n}_no_overlap": c["median_step_ms"],
+                    "hidden_by_overlap_ms": c["median_step_ms"] - b["median_step_ms"],
+                    "gradient_buckets": b.get("gradient_buckets"),
+                    "buckets_started_in_backward": b.get("buckets_started_in_backward"),
+                    "peak_gib_1": a["peak_allocated_gib"], f"peak_gib_{n}": b["peak_allocated_gib"]}
+                self.say(f"  {label} {a['precision']}: {a['median_step_ms']:.2f} ms at 1 rank, "
+                         f"{b['median_step_ms']:.2f} ms at DP={n} ({c['median_step_ms']:.2f} ms without the overlap; "
+                         f"{b.get('buckets_started_in_backward')} of {b.get('gradient_buckets')} buckets started "
+                         "in the backward)")
+                self.verdict("scaling", f"{label} {a['precision']} at DP={n}: throughput against one GPU",
+                             f"{ratio:.2f}x", f"{limit:.2f}x", ratio >= limit, self.on_gpu)
+        self.result["parts"]["scaling"] = part
+
+    # ---- big model -----------------------------------------------------------------------------
+
+    def big(self):
+        n = self.gpus
+        if n < 2:
+            self.say("== big: needs 2 GPUs or more (--gpus)")
+            return
+        layouts = [(n, n // 2)] + ([(2, 1)] if n >= 4 else [])
+        self.say(f"== big: {self.a.big_config} at TP=2, distributed optimizer")
+        gib = self.a.gpu_memory_gib or gpu_memory_gib(self.a.backend)
+        part = {"config": self.a.big_config, "gpu_memory_gib": gib, "layouts": {}}
+        for ranks, dp in layouts:
+            chosen = None
+            for cand in [c for c in self.a.big_settings.split(";") if c.strip()]:
+                sets = [s for s in cand.split(",") if s]
+                plan = self.plan(sets, dp, gib)
+                if plan["fits"]:
+                    chosen = (sets, plan)
+                    break
+            key = f"TP=2 x DP={dp}"
+            if chosen is None:
+                part["layouts"][key] = {"fits": False}
+                self.verdict("big", f"{key}: a setting that `flux8 info` plans to fit {gib:.1f} GiB", "none of "
+                             f"{self.a.big_settings}", "one", False)
+                continue
+            sets, plan = chosen
+            runs = self.bench(f"big_tp2_dp{dp}", ranks, ["-c", in_repo(self.a.big_config)],
+                              ["tensor_model_parallel_size=2", "use_distributed_optimizer=true"] + sets, "bf16,delayed",
+                              self.a.big_steps)
+            entry = {"settings": sets, "plan_step_gib": plan["step_gib"], "runs": {}}
+            for r in runs:
+                tokens = (r["txt_tokens"] + r["img_tokens"]) * r["batch"] * dp
+                step_s = r["median_step_ms"] / 1e3
+                entry["runs"][r["precision"]] = {
+                    "median_step_ms": r["median_step_ms"], "tokens_per_s": tokens / step_s,
+                    # the model's FLOPs of the job's step (each data-parallel group's micro-batch) a GPU
+                    "model_tflops_per_gpu": r["model_tflop_per_step"] * dp / step_s / ranks,
+                    "peak_allocated_gib": r["peak_allocated_gib"],
+                    "peak_against_plan": r["peak_allocated_gib"] / plan["step_gib"], "losses": r.get("losses")}
+                self.say(f"  {key} {r['precision']} ({', '.join(sets)}): {r['median_step_ms']:.1f} ms a step, "
+                         f"{r['peak_allocated_gib']:.2f} GiB peak a GPU against a plan of {plan['step_gib']:.2f} GiB")
+                self.verdict("big", f"{key} {r['precision']}: each GPU's peak within 5% of the plan",
+                             f"{r['peak_allocated_gib'] / plan['step_gib']:.3f} of it", "0.95-1.05",
+                             abs(r["peak_allocated_gib"] / plan["step_gib"] - 1) <= 0.05, self.on_gpu)
+            ms = {p: e["median_step_ms"] for p, e in entry["runs"].items()}
+            if "bf16" in ms and "delayed" in ms:
+                self.verdict("big", f"{key}: the FP8 step against BF16's", f"{ms['delayed'] / ms['bf16']:.3f}",
+                             0.7, ms["delayed"] / ms["bf16"] <= 0.7, self.on_gpu)
+            part["layouts"][key] = entry
+        if len(part["layouts"]) == 2 and all("runs" in e for e in part["layouts"].values()):
+            many, two = part["layouts"][f"TP=2 x DP={n // 2}"]["runs"], part["layouts"]["TP=2 x DP=1"]["runs"]
+            for p in many:
+                if p in two:
+                    ratio = many[p]["tokens_per_s"] / two[p]["tokens_per_s"]
+                    self.verdict("big", f"{p}: TP=2 x DP={n // 2} throughput against TP=2 x DP=1", f"{ratio:.2f}x",
+                                 f"{0.925 * n / 2:.2f}x", ratio >= 0.925 * n / 2, self.on_gpu)
+        self.result["parts"]["big"] = part
+
+    def plan(self, sets, dp, gib):
+        args = ["info", "-c", in_repo(self.a.big_config), "--tp", "2", "--dp", str(dp), "--distributed-optimizer",
+                "--gpu-memory", f"{gib:.2f}", "--json", "--set", "fp8=hybrid"]
+        for s in self.a.bench_set + sets:
+            args += ["--set", s]
+        out = subprocess.run([self.flux8] + args, capture_output=True, text=True, check=True).stdout
+        plan = json.loads(out)["memory_plan"]
+        granularity = next((s.split("=", 1)[1] for s in sets if s.startswith("recompute_granularity=")), "none")
+        r = plan["recompute"][granularity]
+        return {"fits": r["fits"], "step_gib": r["step_total_bytes"] / 2**30}
+
+    # ---- failure -------------------------------------------------------------------------------
+
+    def failure(self):
+        self.say("== failure: rank 1 of a DP=2 job killed after step 12")
+        run = os.path.join(self.runs, "killed")
+        args = self.demo_args("killed", ["train_iters=1000000", "save_interval=5"])
+        cmd = self.command(2, args)
+        self.result["commands"].append(" ".join(cmd))
+        log = os.path.join(self.logs, "killed.log")
+        with open(log, "w") as f:
+            job = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(2))
+        deadline = time.monotonic() + 600
+        while last_step(run) < 12:
+            if job.poll() is not None or time.monotonic() > deadline:
+                job.kill()
+                raise SystemExit("multi_gpu_check: the job to kill did not reach step 12:\n" + tail(log))
+            time.sleep(0.2)
+        victim = rank_pid(1, run)
+        if victim is None:
+            job.kill()
+            raise SystemExit("multi_gpu_check: rank 1's process was not found")
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        try:
+            rc = job.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            rc = None
+        seconds = time.monotonic() - killed_at
+        text = open(log, errors="replace").read()
+        named = "rank 1" in text
+        saved = sorted(d for d in os.listdir(run) if d.startswith("step-"))
+        self.run("killed_resume", 2, args + ["--resume", "--stop-after", "1"], ok=(STOPPED,))
+        resumed = "resumed from" in open(os.path.join(self.logs, "killed_resume.log"), errors="replace").read()
+        self.result["parts"]["failure"] = {"seconds_to_end": seconds, "exit_status": rc, "names_rank": named,
+                                           "last_checkpoint": saved[-1] if saved else None, "resumed": resumed}
+        self.verdict("failure", "the job ends after rank 1 is killed", f"{seconds:.1f} s, exit {rc}", "60 s, non-zero",
+                     rc not in (None, 0) and seconds <= 60)
+        self.verdict("failure", "its output names the rank", "yes" if named else "no", "yes", named)
+        self.verdict("failure", f"the last checkpoint ({saved[-1] if saved else 'none'}) verified and resumed",
+                     "yes" if resumed else "no", "yes", bool(saved) and resumed)
+
+    def finish(self):
+        with open(os.path.join(self.out, "multi_gpu.json"), "w") as f:
+            json.dump(self.result, f, indent=1)
+        judged = [v for v in self.result["verdicts"] if v["met"] is not None]
+        self.say(f"{sum(v['met'] for v in judged)} of {len(judged)} checks met")
+        with open(os.path.join(self.out, "multi_gpu.txt"), "w") as f:
+            f.write("\n".join(self.lines) + "\n")
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def device_name(backend):
+    if backend == "cpu":
+        return "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+        return f"{len(out)} x {out[0]}" if out else "no GPU"
+    except (OSError, subprocess.CalledProcessError):
+        return "no GPU"
+
+
+def gpu_memory_gib(backend):
+    if backend == "cpu":
+        return 64.0
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    return float(out[0]) / 1024.0  # MiB
+
+
+def read_metrics(run):
+    losses, val, fp8 = [], None, []
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") == "step" and "loss" in r:
+                losses.append(r["loss"])
+            if "val_loss" in r:
+                val = r["val_loss"]
+            if r.get("event") in ("fp8_ranks_agree", "fp8_ranks_differ"):
+                fp8.append({"step": r["step"], "agree": r["event"] == "fp8_ranks_agree",
+                            "differing_ranks": r.get("differing_ranks", [])})
+    return {"losses": losses, "val_loss": val, "fp8_checks": fp8}
+
+
+def last_step(run):
+    try:
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            steps = [json.loads(line).get("step", 0) for line in f if line.strip().endswith("}")]
+        return max(steps, default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+def rank_pid(rank, marker):
+    """The process of `rank` (Open MPI's OMPI_COMM_WORLD_RANK) whose command line holds `marker`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if marker in cmdline and "mpirun" not in cmdline.split(" ")[0] and \
+                f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def max_rel(a, b):
+    if not a or len(a) != len(b):
+        return float("inf")
+    return max(rel_diff(x, y) for x, y in zip(a, b))
+
+
+def rel_diff(a, b):
+    if a is None or b is None:
+        return float("inf")
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def tensors_bytes(path):
+    """A safetensors file's tensors — their header entries and data — without its metadata (which
+    holds the run's resolved config, save_dir included)."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    header.pop("__metadata__", None)
+    return json.dumps(header, sort_keys=True).encode() + blob[8 + n:]
+
+
+def tail(path, n=20):
+    try:
+        return "".join(open(path, errors="replace").readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def main(argv):
+    a = parse_args(argv)
+    c = Checker(a)
+    parts = [p for p in a.parts.split(",") if p]
+    unknown = set(parts) - {"correct", "scaling", "big", "failure"}
+    if unknown:
+        raise SystemExit(f"multi_gpu_check: unknown part(s) {sorted(unknown)}: correct, scaling, big, failure")
+    if a.backend == "cuda" and c.gpus == 0:
+        raise SystemExit("multi_gpu_check: nvidia-smi lists no GPU (use --backend cpu on a machine without one)")
+    c.say(f"multi_gpu_check: {c.result['device']}, {c.gpus} GPUs used, parts {', '.join(parts)}")
+    try:
+        for p in parts:
+            getattr(c, p)()
+    finally:
+        c.finish()
+    return 0 if all(v["met"] is not False for v in c.result["verdicts"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
