@@ -43,11 +43,10 @@ struct StepBenchSpec {
   // Also time the trainer's host work before each step at this shape (data_assemble_ms,
   // data_upload_ms): MLPerf-like samples assembled into a batch and uploaded.
   bool data_path = false;
-  // Under a launcher (mpirun, srun) every rank runs the step on its GPU: the model split over
-  // tensor_parallel ranks, the gradients summed over the rest (data parallelism, synthetic data
-  // the same on every rank), AdamW's moments sharded with distributed_optimizer.
-  // As the trainer: the distributed optimizer shards the f32 masters with the moments, and the
-  // gradients are reduced in buckets, started during the backward with overlap_grad_reduce.
+  // Under a launcher (mpirun, srun) every rank runs the step on its GPU, as the trainer does: the
+  // model split over tensor_parallel ranks, the gradients summed over the rest (data parallelism,
+  // synthetic data the same on every rank) in buckets, started during the backward with
+  // overlap_grad_reduce; distributed_optimizer shards AdamW's moments and f32 masters.
   int tensor_parallel = 1;
   bool distributed_optimizer = false;
   bool overlap_grad_reduce = true;

@@ -179,9 +179,9 @@ std::vector<KeySpec> training_keys() {
       int_key(
           "training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
           "optimizer_offload: elements of each moment (and of the masters, with cpu) the device holds at a time (whole "
-          "parameters: a chunk "
-          "grows past this to end at a parameter's end); larger chunks mean fewer, longer copies. With "
-          "use_distributed_optimizer also the elements of the device buffer a checkpoint gathers the shards through"),
+          "parameters: a chunk grows past this to end at a parameter's end); larger chunks mean fewer, longer "
+          "copies. With use_distributed_optimizer also the elements of the device buffer a checkpoint gathers the "
+          "shards through"),
       choice_key("training", "exp_avg_dtype", "fp32", {"fp32", "bf16"},
                  "Megatron's name for adam_moment_precision (fp32 = f32): setting it sets that key; with "
                  "exp_avg_sq_dtype both must agree (flux8 stores the two moments in one type)"),

@@ -93,7 +93,7 @@ class Fp8Runtime {
   // derive the scale from the new weight itself), else empty.
   std::vector<Backend::ParamCast> weight_casts(ParamStore& store);
   // Around an optimizer update: weights_changing() before it (the casts made so far are of the
-  // old weights; those made from here on, cast_from_masters', are of the new ones) and
+  // old weights; those made from here on, by cast_forms' writer, are of the new ones) and
   // weights_updated() after it. Without weights_changing(), weights_updated() alone marks every
   // cast stale. Casts not made by then are redone at first use — or, cast_by_update, AdamW wrote
   // the weight_casts() and they are completed here (columnwise copies) and kept.
