@@ -128,6 +128,27 @@ TEST(BenchCli, ProfileTimesEveryOpOfTheStep) {
   EXPECT_NE(cli.log.find("roofline parts"), std::string::npos) << cli.log;
 }
 
+// --micro-batches N: gradient accumulation, N forward and backward passes a step — N times the
+// attention and GEMM calls of one, the model FLOPs of N, one optimizer update.
+TEST(BenchCli, MicroBatchesAccumulateGradientsWithinAStep) {
+  Cli cli;
+  const auto calls = [](const nlohmann::json& step, const std::string& op) {
+    for (const auto& o : step["ops"])
+      if (o["op"] == op) return o["calls_per_step"].get<double>();
+    return 0.0;
+  };
+  const nlohmann::json one = cli.bench("--precision bf16 --steps 2 --warmup 1 --profile")["steps"][0];
+  const nlohmann::json three =
+      cli.bench("--precision bf16 --steps 2 --warmup 1 --profile --micro-batches 3")["steps"][0];
+  EXPECT_EQ(one["micro_batches"], 1);
+  EXPECT_EQ(three["micro_batches"], 3);
+  ASSERT_GT(calls(one, "attention_backward"), 0.0) << one["ops"].dump();
+  EXPECT_EQ(calls(three, "attention_backward"), 3 * calls(one, "attention_backward"));
+  ASSERT_GT(calls(one, "adamw"), 0.0) << one["ops"].dump();
+  EXPECT_EQ(calls(three, "adamw"), calls(one, "adamw")) << three["ops"].dump();
+  EXPECT_DOUBLE_EQ(three["model_tflop_per_step"].get<double>(), 3 * one["model_tflop_per_step"].get<double>());
+}
+
 // --data-path: the trainer's host work before a step (batch assembly, upload) timed at the shape
 // and reported beside the step; without it the fields are null. --set cuda_graph=true on the CPU:
 // no graphs there, the run says so in its JSON.

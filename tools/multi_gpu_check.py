@@ -61,7 +61,12 @@ def parse_args(argv):
     p.add_argument("--bench-set", action="append", default=[], help="KEY=VALUE for every bench job")
     p.add_argument("--bench-steps", type=int, default=10)
     p.add_argument("--big-config", default="configs/models/flux_12b_dev.yaml")
-    p.add_argument("--big-steps", type=int, default=20)
+    p.add_argument("--big-steps", type=int, default=0, help="big: timed steps (default 20; 30 from 8 GPUs on)")
+    p.add_argument("--big-global-batch", type=int, default=0,
+                   help="big: samples a step over the data-parallel ranks at micro-batch 1, the rest gradient "
+                        "accumulation (default: one micro-batch a rank; 32 from 8 GPUs on)")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="big: the GPU's dense BF16 peak for the model FLOP utilisation (H100/H200 SXM: 989)")
     p.add_argument("--big-settings", default="recompute_granularity=full;"
                    "recompute_granularity=full,grad_precision=bf16;"
                    "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16",
@@ -188,10 +193,11 @@ class Checker:
 
     # ---- scaling -------------------------------------------------------------------------------
 
-    def bench(self, name, ranks, what, sets, precisions, steps, profile=False):
+    def bench(self, name, ranks, what, sets, precisions, steps, profile=False, micro_batches=1):
         path = os.path.join(self.runs, name + ".json")
         args = ["bench"] + what + ["--backend", self.a.backend, "--precision", precisions, "--steps", str(steps),
-                                   "--warmup", "3", "--json", path]
+                                   "--warmup", "1" if profile else "3", "--micro-batches", str(micro_batches),
+                                   "--json", path]
         if profile:
             args.append("--profile")
         for s in self.a.bench_set + sets:
@@ -243,9 +249,16 @@ class Checker:
             self.say("== big: needs 2 GPUs or more (--gpus)")
             return
         layouts = [(n, n // 2)] + ([(2, 1)] if n >= 4 else [])
-        self.say(f"== big: {self.a.big_config} at TP=2, distributed optimizer")
+        steps = self.a.big_steps or (30 if n >= 8 else 20)
+        global_batch = self.a.big_global_batch or (32 if n >= 8 else n // 2)
+        # Every layout accumulates as many micro-batches a rank as the largest needs for the global
+        # batch, so that their throughputs compare like for like.
+        micro = max(1, global_batch // (n // 2))
+        self.say(f"== big: {self.a.big_config} at TP=2, distributed optimizer, {micro} micro-batch(es) of 1 a "
+                 f"rank and step, {steps} steps")
         gib = self.a.gpu_memory_gib or gpu_memory_gib(self.a.backend)
-        part = {"config": self.a.big_config, "gpu_memory_gib": gib, "layouts": {}}
+        part = {"config": self.a.big_config, "gpu_memory_gib": gib, "steps": steps, "micro_batches": micro,
+                "layouts": {}}
         for ranks, dp in layouts:
             chosen = None
             for cand in [c for c in self.a.big_settings.split(";") if c.strip()]:
@@ -261,24 +274,35 @@ class Checker:
                              f"{self.a.big_settings}", "one", False)
                 continue
             sets, plan = chosen
-            runs = self.bench(f"big_tp2_dp{dp}", ranks, ["-c", in_repo(self.a.big_config)],
-                              ["tensor_model_parallel_size=2", "use_distributed_optimizer=true"] + sets, "bf16,delayed",
-                              self.a.big_steps)
-            entry = {"settings": sets, "plan_step_gib": plan["step_gib"], "runs": {}}
-            for r in runs:
-                tokens = (r["txt_tokens"] + r["img_tokens"]) * r["batch"] * dp
+            what = ["-c", in_repo(self.a.big_config)]
+            sets = ["tensor_model_parallel_size=2", "use_distributed_optimizer=true", "micro_batch_size=1"] + sets
+            runs = self.bench(f"big_tp2_dp{dp}", ranks, what, sets, "bf16,delayed", steps, micro_batches=micro)
+            # The tensor-parallel collectives' share of a step: a profiled run of a few steps.
+            profiled = self.bench(f"big_tp2_dp{dp}_profile", ranks, what, sets, "bf16,delayed", 3, profile=True,
+                                  micro_batches=micro)
+            entry = {"settings": sets[3:], "plan_step_gib": plan["step_gib"], "runs": {}}
+            for r, prof in zip(runs, profiled):
+                planned = plan["step_gib"][r["precision"]]
+                tokens = (r["txt_tokens"] + r["img_tokens"]) * r["batch"] * micro * dp
                 step_s = r["median_step_ms"] / 1e3
+                tflops = r["model_tflop_per_step"] * dp / step_s / ranks  # the job's model FLOPs a GPU
+                collectives = {o["op"]: o["ms_per_step"] for o in prof.get("ops", [])
+                               if o["op"].startswith(("tensor-parallel ", "data-parallel "))}
                 entry["runs"][r["precision"]] = {
                     "median_step_ms": r["median_step_ms"], "tokens_per_s": tokens / step_s,
-                    # the model's FLOPs of the job's step (each data-parallel group's micro-batch) a GPU
-                    "model_tflops_per_gpu": r["model_tflop_per_step"] * dp / step_s / ranks,
+                    "model_tflops_per_gpu": tflops, "mfu": tflops / self.a.peak_tflops,
                     "peak_allocated_gib": r["peak_allocated_gib"],
-                    "peak_against_plan": r["peak_allocated_gib"] / plan["step_gib"], "losses": r.get("losses")}
-                self.say(f"  {key} {r['precision']} ({', '.join(sets)}): {r['median_step_ms']:.1f} ms a step, "
-                         f"{r['peak_allocated_gib']:.2f} GiB peak a GPU against a plan of {plan['step_gib']:.2f} GiB")
+                    "peak_against_plan": r["peak_allocated_gib"] / planned,
+                    "profiled_step_ms": prof["median_step_ms"], "collectives_ms_per_step": collectives,
+                    "losses": r.get("losses")}
+                self.say(f"  {key} {r['precision']} ({', '.join(sets[3:])}): {r['median_step_ms']:.1f} ms a step, "
+                         f"{tokens / step_s:.0f} tokens/s, {tflops:.1f} model TFLOP/s a GPU "
+                         f"(MFU {tflops / self.a.peak_tflops:.1%}), {r['peak_allocated_gib']:.2f} GiB peak a GPU "
+                         f"against a plan of {planned:.2f} GiB; collectives (profiled, ms a step): "
+                         + (", ".join(f"{k} {v:.1f}" for k, v in collectives.items()) or "none"))
                 self.verdict("big", f"{key} {r['precision']}: each GPU's peak within 5% of the plan",
-                             f"{r['peak_allocated_gib'] / plan['step_gib']:.3f} of it", "0.95-1.05",
-                             abs(r["peak_allocated_gib"] / plan["step_gib"] - 1) <= 0.05, self.on_gpu)
+                             f"{r['peak_allocated_gib'] / planned:.3f} of it", "0.95-1.05",
+                             abs(r["peak_allocated_gib"] / planned - 1) <= 0.05, self.on_gpu)
             ms = {p: e["median_step_ms"] for p, e in entry["runs"].items()}
             if "bf16" in ms and "delayed" in ms:
                 self.verdict("big", f"{key}: the FP8 step against BF16's", f"{ms['delayed'] / ms['bf16']:.3f}",
@@ -294,15 +318,21 @@ class Checker:
         self.result["parts"]["big"] = part
 
     def plan(self, sets, dp, gib):
-        args = ["info", "-c", in_repo(self.a.big_config), "--tp", "2", "--dp", str(dp), "--distributed-optimizer",
-                "--gpu-memory", f"{gib:.2f}", "--json", "--set", "fp8=hybrid"]
-        for s in self.a.bench_set + sets:
-            args += ["--set", s]
-        out = subprocess.run([self.flux8] + args, capture_output=True, text=True, check=True).stdout
-        plan = json.loads(out)["memory_plan"]
+        """`flux8 info`'s plan of one GPU at micro-batch 1, BF16 and FP8: whether both fit `gib`."""
         granularity = next((s.split("=", 1)[1] for s in sets if s.startswith("recompute_granularity=")), "none")
-        r = plan["recompute"][granularity]
-        return {"fits": r["fits"], "step_gib": r["step_total_bytes"] / 2**30}
+        fits, step_gib = True, {}
+        for precision, fp8 in (("bf16", []), ("delayed", ["fp8=hybrid", "fp8_recipe=delayed"])):
+            args = ["info", "-c", in_repo(self.a.big_config), "--batch", "1", "--tp", "2", "--dp", str(dp),
+                    "--distributed-optimizer", "--gpu-memory", f"{gib:.2f}", "--json"]
+            for s in self.a.bench_set + fp8 + sets:
+                args += ["--set", s]
+            p = subprocess.run([self.flux8] + args, capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"multi_gpu_check: flux8 {' '.join(args)} failed:\n{p.stderr}")
+            r = json.loads(p.stdout)["memory_plan"]["recompute"][granularity]
+            fits = fits and r["fits"]
+            step_gib[precision] = r["step_total_bytes"] / 2**30
+        return {"fits": fits, "step_gib": step_gib}
 
     # ---- failure -------------------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ std::string OpProfiler::row_name(const AnyOp& op) {
 
 template <typename F>
 void OpProfiler::timed(std::string op, F&& f) {
-  if (paused_) {
+  if (paused_ || inside_call_ > 0) {
     f();
     return;
   }
@@ -65,6 +65,19 @@ void OpProfiler::timed(std::string op, F&& f) {
   const int64_t end = be_.timing_mark();
   pending_.push_back(Pending{std::move(op), last_end_, begin, end});
   last_end_ = end;
+}
+
+void OpProfiler::time_call(std::string row, const std::function<void()>& f) {
+  timed(std::move(row), [&] {
+    ++inside_call_;
+    try {
+      f();
+    } catch (...) {
+      --inside_call_;
+      throw;
+    }
+    --inside_call_;
+  });
 }
 
 double OpProfiler::intercept(Ops& ops, AnyOp&& op) {

@@ -53,6 +53,11 @@ class OpProfiler final : public OpInterceptor {
   // forward FP8 GEMMs (fast accumulation) apart.
   static std::string row_name(const AnyOp& op);
 
+  // Times `f` — a collective, which the backend does not see as an op — as one call of row
+  // `row`: the device time between a mark before it and one after it, the ops it issues itself
+  // (a host-staged collective's copies) counted in it, not apart.
+  void time_call(std::string row, const std::function<void()>& f);
+
   // OpInterceptor: each op runs at once between two timing marks; upload and download are timed
   // as rows of their own; synchronize reads the marks into the rows.
   double intercept(Ops& ops, AnyOp&& op) override;
@@ -69,6 +74,7 @@ class OpProfiler final : public OpInterceptor {
   };
   Backend& be_;
   bool paused_ = false;
+  int inside_call_ = 0;    // time_call's depth: the ops issued inside a timed call are its own
   int64_t last_end_ = -1;  // the last timed op's end mark (−1 after a pause or reset)
   std::map<std::string, Row> totals_;
   std::map<std::string, Row> idle_before_;  // kIdle by the op after the wait

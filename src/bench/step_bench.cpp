@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <memory>
 
 #include "backend/energy.h"
@@ -31,6 +32,47 @@ namespace flux8 {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// A group whose blocking collectives the profiler times as rows of their own ("tensor-parallel
+// all_reduce", ...): the collectives are the communicator's, not the backend's ops, so the
+// profile would otherwise count their time as the device idle or in the op after them. The
+// asynchronous ones (gradient buckets) run untimed: their start returns at once.
+class ProfiledGroup final : public Communicator {
+ public:
+  ProfiledGroup(Communicator& inner, OpProfiler& profiler, std::string name)
+      : inner_(inner), profiler_(profiler), name_(std::move(name)) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string describe() const override { return inner_.describe(); }
+  void all_reduce(const Tensor& t, ReduceOp op, bool async) override {
+    timed("all_reduce", async, [&] { inner_.all_reduce(t, op, async); });
+  }
+  void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override {
+    timed("reduce_scatter", async, [&] { inner_.reduce_scatter(out, in, async); });
+  }
+  void reduce(const Tensor& t, int root, bool async) override {
+    timed("reduce", async, [&] { inner_.reduce(t, root, async); });
+  }
+  void all_gather(const Tensor& out, const Tensor& in, bool async) override {
+    timed("all_gather", async, [&] { inner_.all_gather(out, in, async); });
+  }
+  void broadcast(const Tensor& t, int root) override {
+    timed("broadcast", false, [&] { inner_.broadcast(t, root); });
+  }
+  void join() override { inner_.join(); }
+  void barrier() override { inner_.barrier(); }
+
+ private:
+  void timed(const char* what, bool async, const std::function<void()>& f) {
+    if (async)
+      f();
+    else
+      profiler_.time_call(name_ + " " + what, f);
+  }
+  Communicator& inner_;
+  OpProfiler& profiler_;
+  std::string name_;
+};
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -265,7 +307,7 @@ void summarize_run(Backend& be, const StepBenchSpec& spec, const StepGraph* grap
       r.idle_before.push_back(OpTime{row.op, static_cast<double>(row.calls) / spec.steps, row.ms / spec.steps});
   }
   r.median_ms = median(r.step_ms);
-  r.model_tflop = model_flops(spec.model, spec.shape).training() / 1e12;
+  r.model_tflop = model_flops(spec.model, spec.shape).training() * spec.micro_batches / 1e12;
   r.tflops = r.median_ms > 0 ? r.model_tflop / (r.median_ms / 1e3) : 0;
   const MemoryUse mu = be.memory_use();
   r.peak_allocated_gib = static_cast<double>(mu.peak_allocated) / 1073741824.0;
@@ -291,6 +333,15 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     dp = std::make_unique<DataParallel>(groups->dp(), device);
     tp = std::make_unique<DataParallel>(groups->tp(), device);
   }
+  // With --profile the groups' blocking collectives are rows of the profile too.
+  std::unique_ptr<ProfiledGroup> tp_group, dp_group;
+  if (groups && profiler) {
+    tp_group = std::make_unique<ProfiledGroup>(groups->tp(), *profiler, "tensor-parallel");
+    dp_group = std::make_unique<ProfiledGroup>(groups->dp(), *profiler, "data-parallel");
+    dp = std::make_unique<DataParallel>(*dp_group, device);
+    tp = std::make_unique<DataParallel>(*tp_group, device);
+  }
+  Communicator* tp_comm = tp_group ? tp_group.get() : groups ? &groups->tp() : nullptr;
   const int tp_size = groups ? groups->tp_size() : 1;
   const bool data_parallel = dp && dp->size() > 1;
   const bool overlap = data_parallel && spec.overlap_grad_reduce;
@@ -310,7 +361,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   r.precision = spec.fp8.enabled ? "FP8 " + spec.fp8.describe() : "BF16";
   if (groups) r.parallel = groups->describe();
   FluxModel model(spec.model, be, DType::f32, spec.fp8.enabled ? &spec.fp8 : nullptr, spec.recompute,
-                  TensorParallel{groups ? &groups->tp() : nullptr}, host_memory.get(), std::move(shards));
+                  TensorParallel{tp_comm}, host_memory.get(), std::move(shards));
   model.params().init(spec.seed);
   model.plan(spec.shape);
   AdamWOptimizer opt(model.params(), spec.adam);
@@ -324,7 +375,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     opt.set_gradients_reduced_by_caller(true);
   }
   // As the trainer: W2's 2 samples keep them (one data-parallel rank).
-  model.params().keep_low_rank_grads(dp && dp->size() > 1 ? 0 : spec.shape.batch);
+  model.params().keep_low_rank_grads(dp && dp->size() > 1 ? 0 : spec.shape.batch * spec.micro_batches);
   be.synchronize();
   // What a training launch does before its first step (the synthetic data below is the
   // benchmark's own and is not counted).
@@ -359,11 +410,13 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     be.flow_match_inputs(data.in.img, data.target, data.x0, data.in.timesteps, spec.seed, data.streams);
     model.params().zero_grads();
     if (buckets) buckets->begin_step();
-    StepGraph::Region region(graph.get());
-    const Tensor pred = model.forward(data.in);
-    be.mse_loss_into(loss_buf.t, data.dpred, pred, data.target, 1.0);
-    model.backward(data.dpred, buckets.get());
-    region.end();
+    for (int m = 0; m < spec.micro_batches; ++m) {  // (one batch for every micro-batch: its cost, not its data)
+      StepGraph::Region region(graph.get());
+      const Tensor pred = model.forward(data.in);
+      be.mse_loss_into(loss_buf.t, data.dpred, pred, data.target, 1.0 / spec.micro_batches);
+      model.backward(data.dpred, m + 1 == spec.micro_batches ? buckets.get() : nullptr);
+      region.end();
+    }
     if (buckets) buckets->finish_step();
     if (s + 1 == total) energy_busy = be.power_reading();  // the step still running on the device
     double loss = 0;

@@ -31,6 +31,9 @@ struct StepBenchSpec {
   StepShape shape;
   Fp8Config fp8;  // enabled = false: the non-FP8 path
   int warmup = 3, steps = 10;
+  // Gradient accumulation: forward and backward passes of `shape` a step, each rank (the
+  // trainer's global_batch_size / (micro_batch_size x data-parallel ranks)).
+  int micro_batches = 1;
   uint64_t seed = 1234;
   double lr = 1e-4;  // constant learning rate of the AdamW steps
   RecomputePolicy recompute = Recompute::none;

@@ -38,7 +38,7 @@ struct BenchOptions {
   std::vector<std::string> precisions{"bf16", "delayed", "tensorwise", "blockwise"};
   std::string format = "hybrid", backend = "cuda", json_file, config, data = "prototypes", peer;
   std::vector<std::string> overrides;
-  int steps = 10, warmup = 3;
+  int steps = 10, warmup = 3, micro_batches = 1;
   double lr = 1e-4;
   bool gemm = false, profile = false, data_path = false;
 };
@@ -60,6 +60,9 @@ void add_bench_options(CLI::App* cmd, BenchOptions& o) {
   cmd->add_option("--fp8-format", o.format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
   cmd->add_option("--steps", o.steps, "timed steps (median reported)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", o.warmup, "untimed steps first")->check(CLI::Range(0, 100000));
+  cmd->add_option("--micro-batches", o.micro_batches,
+                  "gradient accumulation: forward and backward passes a step, each rank (default 1)")
+      ->check(CLI::Range(1, 4096));
   cmd->add_option("--lr", o.lr, "constant learning rate of the AdamW steps")->check(CLI::PositiveNumber);
   cmd->add_option("--backend", o.backend, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
   cmd->add_option("--data", o.data,
@@ -256,6 +259,7 @@ RunPlan plan_runs(const BenchOptions& o) {
     s.data_path = o.data_path;
     s.data = o.data == "structured" ? BenchData::structured : BenchData::prototypes;
     s.steps = o.steps;
+    s.micro_batches = o.micro_batches;
     s.warmup = o.warmup;
     s.seed = static_cast<uint64_t>(plan.keys.get_int("seed"));  // init, data and noise (tools/convergence.py)
     s.tensor_parallel = static_cast<int>(plan.keys.get_int("tensor_model_parallel_size"));
@@ -369,6 +373,7 @@ json run_json(const StepBenchResult& r, const StepBenchSpec& s, const std::strin
           {"gradient_buckets", r.gradient_buckets},
           {"buckets_started_in_backward", r.buckets_started_in_backward},
           {"batch", s.shape.batch},
+          {"micro_batches", s.micro_batches},
           {"txt_tokens", s.shape.txt_tokens},
           {"img_tokens", s.shape.img_tokens},
           {"median_step_ms", r.median_ms},

@@ -9,7 +9,8 @@ Needs mpirun (Open MPI); exit 77 without it. Checks:
      1e-6 on the CPU; every FP8 job's checkpoints found the ranks' scales identical; a TP=2
      checkpoint resumed at TP=2 bit for bit and at TP=1 within 1e-6), `scaling` (one rank and
      DP=2, with and without overlap_grad_reduce, the buckets reported), `big` (the first setting
-     the plan fits, timed in BF16 and FP8) and `failure` (rank 1 killed: the job ends within 60 s
+     the plan fits, timed in BF16 and FP8 with 2 micro-batches a step, its tensor-parallel
+     all-reduces profiled) and `failure` (rank 1 killed: the job ends within 60 s
      naming it, the last checkpoint resumes).
   2. Speed and memory targets are recorded but not judged on the CPU (met: null); every judged
      check is met, the exit status is 0 and multi_gpu.txt ends with the count.
@@ -46,7 +47,7 @@ def main():
         out = os.path.join(tmp, "out")
         args = [sys.executable, TOOL, "--flux8", FLUX8, "--backend", "cpu", "--out", out, "--steps", "6",
                 "--bench-config", "configs/demo.yaml", "--bench-steps", "2", "--big-config", "configs/demo.yaml",
-                "--big-steps", "2", "--bench-set", "backend=cpu", "--bench-set", "threads=1"]
+                "--big-steps", "2", "--big-global-batch", "2", "--bench-set", "backend=cpu", "--bench-set", "threads=1"]
         for s in SHRINK + ["demo_train_samples=64", "demo_val_samples=16"]:
             args += ["--demo-set", s]
         for s in SHRINK:
@@ -79,11 +80,18 @@ def main():
               all(e["ratio"] > 0 and e["gradient_buckets"] >= 1 and e["ms_2_no_overlap"] > 0 for e in sc.values()),
               "scaling: BF16 and FP8 at one rank and DP=2, without the overlap too, with the buckets reported")
 
-        big = r["parts"]["big"]["layouts"]
+        bp = r["parts"]["big"]
+        big = bp["layouts"]
         e = big.get("TP=2 x DP=1", {})
         check(list(big) == ["TP=2 x DP=1"] and e.get("settings") == ["recompute_granularity=full"] and
-              set(e.get("runs", {})) == {"bf16", "delayed"} and e["plan_step_gib"] > 0,
-              "big: TP=2 x DP=1 with the first setting the plan fits, timed in BF16 and FP8")
+              set(e.get("runs", {})) == {"bf16", "delayed"} and set(e["plan_step_gib"]) == {"bf16", "delayed"} and
+              all(v > 0 for v in e["plan_step_gib"].values()),
+              "big: TP=2 x DP=1 with the first setting the plan fits in BF16 and FP8, timed in both")
+        runs_big = e.get("runs", {}).values()
+        check(bp["micro_batches"] == 2 and all(x["tokens_per_s"] > 0 and x["model_tflops_per_gpu"] > 0 for x in runs_big),
+              "big: 2 micro-batches a step (global batch 2), tokens/s and model TFLOP/s a GPU")
+        check(all(x["collectives_ms_per_step"].get("tensor-parallel all_reduce", 0) > 0 for x in runs_big),
+              "big: the profiled run times the tensor-parallel all-reduces")
 
         fl = r["parts"]["failure"]
         check(fl["seconds_to_end"] < 60 and fl["exit_status"] not in (None, 0) and fl["names_rank"] and fl["resumed"],
