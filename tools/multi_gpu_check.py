@@ -24,7 +24,8 @@ they run on the CPU backend (the tool's own test: tests/python/test_multi_gpu_ch
            the job takes to end, that it names the rank, and the last checkpoint resumed.
 
 Writes DIR/multi_gpu.json (every number, the commands, the verdicts), DIR/multi_gpu.txt (the
-summary printed) and DIR/logs/ (each job's output).
+summary printed) and DIR/logs/ (each job's output). Exit status: 0 when every judged check is met,
+1 when one is not (or a job failed), 3 when --deadline left parts not run.
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ def parse_args(argv):
                    "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16",
                    help="';'-separated candidate settings (comma-separated KEY=VALUE), the first that fits is run")
     p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="big: the memory to plan for (default: the GPU's)")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds from the start after which no job runs: a job is stopped there, the parts not "
+                        "begun are listed as not run (exit status 3); 0: none")
+    p.add_argument("--job-timeout", type=float, default=1800.0, help="seconds any one job may take")
     return p.parse_args(argv)
 
 
@@ -89,6 +94,13 @@ class Checker:
         self.result = {"backend": a.backend, "gpus": self.gpus, "device": device_name(a.backend),
                        "parts": {}, "verdicts": [], "commands": []}
         self.lines: list[str] = []
+        self.t0 = time.monotonic()
+
+    def seconds_left(self):
+        """What a job may still take: --job-timeout, or less before --deadline."""
+        if not self.a.deadline:
+            return self.a.job_timeout
+        return min(self.a.job_timeout, self.a.deadline - (time.monotonic() - self.t0))
 
     # ---- running jobs --------------------------------------------------------------------------
 
@@ -111,7 +123,13 @@ class Checker:
         log = os.path.join(self.logs, name + ".log")
         t0 = time.monotonic()
         with open(log, "w") as f:
-            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(ranks))
+            job = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(ranks), start_new_session=True)
+            try:
+                rc = job.wait(timeout=max(1.0, self.seconds_left()))
+            except subprocess.TimeoutExpired:
+                stop(job)
+                raise SystemExit(f"multi_gpu_check: {name} still ran after {time.monotonic() - t0:.0f} s "
+                                 f"(--job-timeout, --deadline): stopped; see {log}\n" + tail(log))
         if rc not in ok:
             raise SystemExit(f"multi_gpu_check: {name} exited with {rc} (expected {ok}): see {log}\n" + tail(log))
         return rc, time.monotonic() - t0
@@ -344,23 +362,23 @@ class Checker:
         self.result["commands"].append(" ".join(cmd))
         log = os.path.join(self.logs, "killed.log")
         with open(log, "w") as f:
-            job = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(2))
-        deadline = time.monotonic() + 600
+            job = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(2), start_new_session=True)
+        until = time.monotonic() + min(600.0, self.seconds_left())
         while last_step(run) < 12:
-            if job.poll() is not None or time.monotonic() > deadline:
-                job.kill()
+            if job.poll() is not None or time.monotonic() > until:
+                stop(job)
                 raise SystemExit("multi_gpu_check: the job to kill did not reach step 12:\n" + tail(log))
             time.sleep(0.2)
         victim = rank_pid(1, run)
         if victim is None:
-            job.kill()
+            stop(job)
             raise SystemExit("multi_gpu_check: rank 1's process was not found")
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         try:
             rc = job.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            job.kill()
+            stop(job)
             rc = None
         seconds = time.monotonic() - killed_at
         text = open(log, errors="replace").read()
@@ -386,6 +404,15 @@ class Checker:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+def stop(job):
+    """Ends a job started in a session of its own: the launcher and every rank."""
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    job.wait()
+
 
 def gpu_count():
     try:
@@ -492,12 +519,19 @@ def main(argv):
     if a.backend == "cuda" and c.gpus == 0:
         raise SystemExit("multi_gpu_check: nvidia-smi lists no GPU (use --backend cpu on a machine without one)")
     c.say(f"multi_gpu_check: {c.result['device']}, {c.gpus} GPUs used, parts {', '.join(parts)}")
+    c.result["not_run"] = []
     try:
         for p in parts:
+            if a.deadline and c.seconds_left() < 30:
+                c.result["not_run"].append(p)
+                c.say(f"== {p}: not run, {max(0.0, c.seconds_left()):.0f} s left before --deadline")
+                continue
             getattr(c, p)()
     finally:
         c.finish()
-    return 0 if all(v["met"] is not False for v in c.result["verdicts"]) else 1
+    if not all(v["met"] is not False for v in c.result["verdicts"]):
+        return 1
+    return 3 if c.result["not_run"] else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Needs mpirun (Open MPI); exit 77 without it. Checks:
      naming it, the last checkpoint resumes).
   2. Speed and memory targets are recorded but not judged on the CPU (met: null); every judged
      check is met, the exit status is 0 and multi_gpu.txt ends with the count.
-  3. An unknown part is refused by name.
+  3. A --deadline too close to begin a part lists the parts as not run (exit 3); an unknown part
+     is refused by name.
 """
 from __future__ import annotations
 
@@ -108,6 +109,13 @@ def main():
         check(text.rstrip().endswith(f"{len(judged)} of {len(judged)} checks met"), "multi_gpu.txt ends with the count")
         check(len(r["commands"]) >= 16 and any(cmd.startswith("mpirun -np 2") for cmd in r["commands"]),
               "the commands are recorded")
+
+        late = subprocess.run([sys.executable, TOOL, "--flux8", FLUX8, "--backend", "cpu", "--out", out,
+                               "--parts", "correct,failure", "--deadline", "10"], capture_output=True, text=True, cwd=tmp)
+        with open(os.path.join(out, "multi_gpu.json")) as f:
+            not_run = json.load(f).get("not_run")
+        check(late.returncode == 3 and not_run == ["correct", "failure"] and "not run" in late.stdout,
+              f"--deadline too close for a part: the parts listed as not run, exit 3 (got {late.returncode}, {not_run})")
 
         bad = subprocess.run([sys.executable, TOOL, "--flux8", FLUX8, "--backend", "cpu", "--out", out,
                               "--parts", "correct,speed"], capture_output=True, text=True, cwd=tmp)
