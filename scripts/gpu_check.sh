@@ -78,9 +78,9 @@
 # with the time of day in gpu_check.log): step times drift up within a run of steps.
 # Everything printed also goes to $OUT/gpu_check.log. More than 8 files under $OUT (the device
 # tool's limit) leave gpu_check.log, ctest.log and the first *.txt/*.md/*.json as they are and
-# pack the rest into $OUT/more.tar.gz. GPU_CHECK_DEADLINE (seconds from start,
-# default 570) bounds the table, encode, converge and multigpu stages so that their partial results still come
-# back before the device tool's 600 s limit. Any failure stops the script with a message and a
+# pack the rest into $OUT/more.tar.gz. GPU_CHECK_DEADLINE (seconds from start, default 570)
+# bounds the table, encode, converge and multigpu stages so that their partial results still
+# come back before the device tool's 600 s limit. Any failure stops the script with a message and a
 # non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
