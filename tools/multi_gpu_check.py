@@ -70,7 +70,9 @@ def parse_args(argv):
                    help="big: the GPU's dense BF16 peak for the model FLOP utilisation (H100/H200 SXM: 989)")
     p.add_argument("--big-settings", default="recompute_granularity=full;"
                    "recompute_granularity=full,grad_precision=bf16;"
-                   "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16",
+                   "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16;"
+                   "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16,"
+                   "optimizer_offload=moments",
                    help="';'-separated candidate settings (comma-separated KEY=VALUE), the first that fits is run")
     p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="big: the memory to plan for (default: the GPU's)")
     p.add_argument("--deadline", type=float, default=0.0,

@@ -56,11 +56,11 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
         peak_with(cfg, parallel, {{"fp8_weight_transpose", "in_backward"}}));
   if (cfg.get_string("activation_precision") == "f32")
     add("activation_precision: bf16", "", peak_with(cfg, parallel, {{"activation_precision", "bf16"}}));
-  // (Offload is refused under tensor parallelism: TrainConfig.)
-  if (cfg.get_string("optimizer_offload") == "none" && parallel.tp == 1)
+  if (cfg.get_string("optimizer_offload") == "none")
     add("optimizer_offload: moments", "the AdamW moments in host memory",
         peak_with(cfg, parallel, {{"optimizer_offload", "moments"}}));
-  // (cpu keeps every rank's whole master weights on its host: not with the distributed optimizer.)
+  // (cpu keeps every rank's whole master weights on its host: not with the distributed optimizer;
+  // a tensor-parallel rank's masters stay on its device: TrainConfig.)
   if (cfg.get_string("optimizer_offload") != "cpu" && parallel.tp == 1 && !parallel.distributed_optimizer)
     add("optimizer_offload: cpu", "the f32 master weights and the AdamW moments in host memory",
         peak_with(cfg, parallel, {{"optimizer_offload", "cpu"}}));

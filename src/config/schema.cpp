@@ -174,7 +174,7 @@ std::vector<KeySpec> training_keys() {
                  "of moving it over PCIe twice a step. moments: the AdamW moments (with use_distributed_optimizer "
                  "each rank offloads its shard). cpu: the moments and the f32 master weights; the device keeps the "
                  "weights only as the model reads them (bf16 copies, FP8 casts, the small f32 tensors) — 4 bytes a "
-                 "parameter less than moments; not with use_distributed_optimizer. Neither with "
+                 "parameter less than moments; not with use_distributed_optimizer nor with "
                  "tensor_model_parallel_size > 1"),
       int_key(
           "training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),

@@ -201,12 +201,11 @@ TrainConfig TrainConfig::from_config(const Config& cfg) {
   t.distributed_optimizer = cfg.get_bool("use_distributed_optimizer");
   const std::string offload = cfg.get_string("optimizer_offload");
   t.offload_masters = offload == "cpu";
-  if (offload != "none" && t.tensor_parallel > 1)
+  if (t.offload_masters && t.tensor_parallel > 1)
     fail(
-        "optimizer_offload: {} ({}) with tensor_model_parallel_size {}: a tensor-parallel job's checkpoints gather "
-        "the weights and moments through the devices, which offloaded ones are not on; set optimizer_offload: none, "
-        "or tensor_model_parallel_size: 1 with use_distributed_optimizer to split the moments instead",
-        offload, cfg.source("optimizer_offload"), t.tensor_parallel);
+        "optimizer_offload: cpu ({}) with tensor_model_parallel_size {}: the master weights of a tensor-parallel "
+        "rank stay on its device; set optimizer_offload: moments to offload each rank's moments",
+        cfg.source("optimizer_offload"), t.tensor_parallel);
   if (t.offload_masters && t.distributed_optimizer)
     fail(
         "optimizer_offload: cpu ({}) with use_distributed_optimizer: cpu keeps every rank's whole f32 master "
