@@ -66,6 +66,10 @@ def parse_args(argv):
     p.add_argument("--big-global-batch", type=int, default=0,
                    help="big: samples a step over the data-parallel ranks at micro-batch 1, the rest gradient "
                         "accumulation (default: one micro-batch a rank; 32 from 8 GPUs on)")
+    p.add_argument("--big-dp", default="",
+                   help="big: the data-parallel sizes to run at TP=2 (default: N/2, and 1 from 4 GPUs on), so that "
+                        "the layouts can go in calls of their own")
+    p.add_argument("--big-precisions", default="bf16,delayed", help="big: the precisions (flux8 bench --precision)")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="big: the GPU's dense BF16 peak for the model FLOP utilisation (H100/H200 SXM: 989)")
     p.add_argument("--big-settings", default="recompute_granularity=full;"
@@ -268,7 +272,10 @@ class Checker:
         if n < 2:
             self.say("== big: needs 2 GPUs or more (--gpus)")
             return
-        layouts = [(n, n // 2)] + ([(2, 1)] if n >= 4 else [])
+        dps = [int(d) for d in self.a.big_dp.split(",")] if self.a.big_dp else [n // 2] + ([1] if n >= 4 else [])
+        if any(d < 1 or 2 * d > n for d in dps):
+            raise SystemExit(f"multi_gpu_check: --big-dp {self.a.big_dp}: TP=2 x DP needs 2 x DP <= {n} GPUs")
+        layouts = [(2 * d, d) for d in dps]
         steps = self.a.big_steps or (30 if n >= 8 else 20)
         global_batch = self.a.big_global_batch or (32 if n >= 8 else n // 2)
         # Every layout accumulates as many micro-batches a rank as the largest needs for the global
@@ -296,9 +303,9 @@ class Checker:
             sets, plan = chosen
             what = ["-c", in_repo(self.a.big_config)]
             sets = ["tensor_model_parallel_size=2", "use_distributed_optimizer=true", "micro_batch_size=1"] + sets
-            runs = self.bench(f"big_tp2_dp{dp}", ranks, what, sets, "bf16,delayed", steps, micro_batches=micro)
+            runs = self.bench(f"big_tp2_dp{dp}", ranks, what, sets, self.a.big_precisions, steps, micro_batches=micro)
             # The tensor-parallel collectives' share of a step: a profiled run of a few steps.
-            profiled = self.bench(f"big_tp2_dp{dp}_profile", ranks, what, sets, "bf16,delayed", 3, profile=True,
+            profiled = self.bench(f"big_tp2_dp{dp}_profile", ranks, what, sets, self.a.big_precisions, 3, profile=True,
                                   micro_batches=micro)
             entry = {"settings": sets[3:], "plan_step_gib": plan["step_gib"], "runs": {}}
             for r, prof in zip(runs, profiled):
@@ -328,13 +335,13 @@ class Checker:
                 self.verdict("big", f"{key}: the FP8 step against BF16's", f"{ms['delayed'] / ms['bf16']:.3f}",
                              0.7, ms["delayed"] / ms["bf16"] <= 0.7, self.on_gpu)
             part["layouts"][key] = entry
-        if len(part["layouts"]) == 2 and all("runs" in e for e in part["layouts"].values()):
-            many, two = part["layouts"][f"TP=2 x DP={n // 2}"]["runs"], part["layouts"]["TP=2 x DP=1"]["runs"]
-            for p in many:
-                if p in two:
-                    ratio = many[p]["tokens_per_s"] / two[p]["tokens_per_s"]
-                    self.verdict("big", f"{p}: TP=2 x DP={n // 2} throughput against TP=2 x DP=1", f"{ratio:.2f}x",
-                                 f"{0.925 * n / 2:.2f}x", ratio >= 0.925 * n / 2, self.on_gpu)
+        two = part["layouts"].get("TP=2 x DP=1", {}).get("runs", {})
+        for d in (d for d in dps if d > 1):
+            many = part["layouts"].get(f"TP=2 x DP={d}", {}).get("runs", {})
+            for p in (p for p in many if p in two):
+                ratio = many[p]["tokens_per_s"] / two[p]["tokens_per_s"]
+                self.verdict("big", f"{p}: TP=2 x DP={d} throughput against TP=2 x DP=1", f"{ratio:.2f}x",
+                             f"{0.925 * d:.2f}x", ratio >= 0.925 * d, self.on_gpu)
         self.result["parts"]["big"] = part
 
     def plan(self, sets, dp, gib):

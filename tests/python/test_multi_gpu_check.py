@@ -14,7 +14,8 @@ Needs mpirun (Open MPI); exit 77 without it. Checks:
      naming it, the last checkpoint resumes).
   2. Speed and memory targets are recorded but not judged on the CPU (met: null); every judged
      check is met, the exit status is 0 and multi_gpu.txt ends with the count.
-  3. A --deadline too close to begin a part lists the parts as not run (exit 3); an unknown part
+  3. --big-dp 2,1 over 4 ranks: both layouts, and the throughput of one against the other.
+  4. A --deadline too close to begin a part lists the parts as not run (exit 3); an unknown part
      is refused by name.
 """
 from __future__ import annotations
@@ -109,6 +110,16 @@ def main():
         check(text.rstrip().endswith(f"{len(judged)} of {len(judged)} checks met"), "multi_gpu.txt ends with the count")
         check(len(r["commands"]) >= 16 and any(cmd.startswith("mpirun -np 2") for cmd in r["commands"]),
               "the commands are recorded")
+
+        four = subprocess.run(args + ["--parts", "big", "--gpus", "4", "--big-dp", "2,1", "--big-precisions", "bf16",
+                                      "--big-global-batch", "0"], capture_output=True, text=True, cwd=tmp, timeout=900)
+        with open(os.path.join(out, "multi_gpu.json")) as f:
+            r4 = json.load(f)
+        lay = r4["parts"]["big"]["layouts"]
+        scaled = [v for v in r4["verdicts"] if "TP=2 x DP=2 throughput against TP=2 x DP=1" in v["check"]]
+        check(four.returncode == 0 and list(lay) == ["TP=2 x DP=2", "TP=2 x DP=1"] and
+              all(set(e["runs"]) == {"bf16"} for e in lay.values()) and len(scaled) == 1 and scaled[0]["met"] is None,
+              "big at 4 ranks, --big-dp 2,1, BF16 only: both layouts and the DP=2 against DP=1 throughput")
 
         late = subprocess.run([sys.executable, TOOL, "--flux8", FLUX8, "--backend", "cpu", "--out", out,
                                "--parts", "correct,failure", "--deadline", "10"], capture_output=True, text=True, cwd=tmp)
