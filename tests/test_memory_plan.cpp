@@ -226,6 +226,14 @@ TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
     EXPECT_EQ(b.checkpoint_buffers, a.checkpoint_buffers);
     EXPECT_EQ(a.state() - b.state(), a.moments - b.moments);
   }
+  // optimizer_offload_update: host (with cpu): AdamW on the host, no chunk of the moments on the GPU.
+  const MemoryPlan streamed = MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu"}), {});
+  const MemoryPlan on_host =
+      MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_update=host"}), {});
+  EXPECT_GT(streamed.moments, 0.0);
+  EXPECT_EQ(on_host.moments, 0.0);
+  EXPECT_EQ(on_host.host_moments, streamed.host_moments);
+  EXPECT_EQ(streamed.state() - on_host.state(), streamed.moments);
 }
 
 // optimizer_offload: cpu moves the f32 master weights to host memory too: the GPU keeps the small

@@ -2,7 +2,8 @@
 // weights (cpu), in host memory, streamed through the backend in chunks, give the same training bit
 // for bit as state kept on the backend — with f32 and with stochastically rounded bf16 moments,
 // with FP8 weight casts written by the update or cast from staged masters, across a checkpoint and
-// a resume — and the update of a slice rounds as the update of the whole buffer.
+// a resume, AdamW on the device or on the host — and the update of a slice rounds as the update of
+// the whole buffer.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -25,7 +26,9 @@ using testing::RunDir;
 // Straight runs with the moments on the backend and offloaded in chunks of 256 elements (the
 // tiny model's largest parameter has 576: chunks of one parameter and of several); the offloaded
 // one stops after step 3 and resumes.
-void expect_offload_changes_nothing(const std::string& offload, const std::vector<std::string>& extra) {
+// `offloaded_only`: keys of the offloaded run alone.
+void expect_offload_changes_nothing(const std::string& offload, const std::vector<std::string>& extra,
+                                    const std::vector<std::string>& offloaded_only = {}) {
   const RunDir dir("offload");
   auto options = [&](const char* save, bool offloaded) {
     TrainOptions o = dir.options(save);
@@ -34,6 +37,7 @@ void expect_offload_changes_nothing(const std::string& offload, const std::vecto
     if (offloaded) {
       o.overrides.push_back("optimizer_offload=" + offload);
       o.overrides.push_back("optimizer_offload_chunk=256");
+      o.overrides.insert(o.overrides.end(), offloaded_only.begin(), offloaded_only.end());
     }
     return o;
   };
@@ -64,6 +68,27 @@ TEST(OptimizerOffload, SameTrainingWithMastersInHostMemory) { expect_offload_cha
 TEST(OptimizerOffload, SameTrainingWithMastersInHostMemoryAndFp8) {
   expect_offload_changes_nothing("cpu", {"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"});
   expect_offload_changes_nothing("cpu", {"fp8=e4m3", "fp8_recipe=tensorwise", "grad_precision=bf16"});
+}
+
+// optimizer_offload_update: host — AdamW on the host's cores, the gradients down and the masters
+// up, the device writing the forms from them — trains as the update on the backend: f32 and bf16
+// moments, FP8 casts written with the update (delayed) and cast from staged masters (tensorwise).
+TEST(OptimizerOffload, HostUpdateTrainsAsTheUpdateOnTheBackend) {
+  const std::vector<std::string> host{"optimizer_offload_update=host"};
+  expect_offload_changes_nothing("cpu", {}, host);
+  expect_offload_changes_nothing("cpu", {"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"}, host);
+  expect_offload_changes_nothing("cpu", {"fp8=e4m3", "fp8_recipe=tensorwise"}, host);
+}
+
+TEST(OptimizerOffload, HostUpdateNeedsTheMastersInHostMemory) {
+  for (const char* offload : {"none", "moments"}) {
+    const RunDir dir("offload_host_update");
+    TrainOptions o = dir.options("run");
+    o.overrides.push_back(std::string("optimizer_offload=") + offload);
+    o.overrides.push_back("optimizer_offload_update=host");
+    const std::string e = testing::error_of([&] { run_training(o); });
+    testing::expect_mentions(e, {"optimizer_offload_update: host", "optimizer_offload: cpu"});
+  }
 }
 
 TEST(OptimizerOffload, MastersInHostMemoryRefusedWithTheDistributedOptimizer) {

@@ -103,6 +103,9 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     const int64_t chunk = std::min(p.moment_elements, offload_chunk + largest);
     p.host_moments = p.moments;
     p.moments = moment_bytes * static_cast<double>(chunk);
+    // optimizer_offload_update: host — the moments never come to the device.
+    p.host_update = p.offload_masters && config.get_string("optimizer_offload_update") == "host";
+    if (p.host_update) p.moments = 0;
     if (p.offload_masters) {
       // ParamStore's f32 residents of the small parameters, the staging buffer of the largest
       // (FP8 casts, operand copies) and the optimizer's chunk of masters.

@@ -44,6 +44,7 @@ struct MemoryPlan {
   bool recompute_elementwise = true;  // the blocks that keep activations recompute element-wise results
   bool offload = false;          // optimizer_offload: moments or cpu — the moments in host memory, a chunk on the GPU
   bool offload_masters = false;  // optimizer_offload: cpu — the f32 master weights too
+  bool host_update = false;      // optimizer_offload_update: host — AdamW on the host, no moments on the GPU
   int64_t model_params = 0;      // the whole model
   int64_t rank_params = 0;       // one tensor-parallel rank's (every rank of the group holds as many)
   int64_t moment_elements = 0;   // the moments of the rank that keeps most (the last rank owns the tail)

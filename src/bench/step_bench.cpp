@@ -392,7 +392,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   // ms of a mostly idle device each), and its clock while the last one runs.
   PowerReading energy_start, energy_busy;
   Clock::time_point window_start{};
-  std::vector<double> transfer_ms, update_ms;  // optimizer_offload, per timed step
+  std::vector<double> transfer_ms, update_ms, host_update_ms;  // optimizer_offload, per timed step
   for (int s = 0; s < total; ++s) {
     if (profiler) profiler->pause(true);
     data.load(s);
@@ -426,6 +426,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     if (opt.offloaded() && s >= spec.warmup) {
       transfer_ms.push_back(1e3 * st.transfer_s);
       update_ms.push_back(1e3 * st.update_s);
+      host_update_ms.push_back(1e3 * st.host_update_s);
     }
     const double ms = 1e3 * seconds_since(ts);
     if (s == 0) {
@@ -455,6 +456,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
   if (!transfer_ms.empty()) {
     r.offload_transfer_ms = median(transfer_ms);
     r.offload_update_ms = median(update_ms);
+    r.offload_host_update_ms = median(host_update_ms);
   }
   if (spec.data_path) time_data_path(device, spec, r);  // after the memory peak: its buffers are extra
   return r;

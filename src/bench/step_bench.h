@@ -90,9 +90,10 @@ struct StepBenchResult {
   // data_path: median ms a step of make_train_batch (VAE posterior draws, patches, T5 and CLIP
   // features into the batch) and of StepBuffers::upload (the copies and the noise), or −1.
   double data_assemble_ms = -1, data_upload_ms = -1;
-  // optimizer_offload: median ms a timed step of the optimizer's transfers and of its chunks'
-  // updates (StepStats::transfer_s, update_s), or −1.
-  double offload_transfer_ms = -1, offload_update_ms = -1;
+  // optimizer_offload: median ms a timed step of the optimizer's transfers, of its chunks'
+  // updates on the device and of AdamW on the host (StepStats::transfer_s, update_s,
+  // host_update_s; optimizer_offload_update: host), or −1.
+  double offload_transfer_ms = -1, offload_update_ms = -1, offload_host_update_ms = -1;
 };
 
 // The benchmark's fixed workloads: W1 (flux_535m, 256 px, batch 32) and W2 (12B-width slice: 2

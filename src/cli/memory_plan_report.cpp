@@ -27,7 +27,9 @@ std::vector<StateRow> state_rows(const MemoryPlan& p) {
                                       : "f32 master weights",
        p.masters},
       {p.bf16_grads ? "gradients (bf16)" : "gradients (f32)", p.gradients},
-      {std::string(p.bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (f32)") + (p.offload ? ", a chunk" : ""),
+      {std::string(p.bf16_moments ? "AdamW moments (bf16)" : "AdamW moments (f32)") + (p.host_update ? ", none"
+                                                                                       : p.offload   ? ", a chunk"
+                                                                                                     : ""),
        p.moments},
   };
 }
@@ -37,8 +39,10 @@ std::string moments_line(const MemoryPlan& p) {
   if (p.offload_masters)
     return fmt::format(
         "{} elements, in host memory ({}; optimizer_offload: cpu) with the f32 master\n"
-        "    weights ({}), streamed through the GPU a chunk at a time",
-        with_commas(p.moment_elements), gib(p.host_moments), gib(p.host_masters));
+        "    weights ({}), {}",
+        with_commas(p.moment_elements), gib(p.host_moments), gib(p.host_masters),
+        p.host_update ? "updated there by the host's cores (optimizer_offload_update: host)"
+                      : "streamed through the GPU a chunk at a time");
   if (p.offload)
     return fmt::format(
         "{} elements{}, in host memory ({}; optimizer_offload: moments),\n"

@@ -176,6 +176,10 @@ std::vector<KeySpec> training_keys() {
                  "weights only as the model reads them (bf16 copies, FP8 casts, the small f32 tensors) — 4 bytes a "
                  "parameter less than moments; not with use_distributed_optimizer nor with "
                  "tensor_model_parallel_size > 1"),
+      choice_key("training", "optimizer_offload_update", "device", {"device", "host"},
+                 "optimizer_offload: cpu — where AdamW runs: device streams each chunk's masters and moments "
+                 "through the device and back; host runs it on the host's cores where they live, the gradients "
+                 "coming down and the new masters going up (a third of the PCIe bytes), bit for bit the same"),
       int_key(
           "training", "optimizer_offload_chunk", int64_t{1} << 26, between(64, int64_t{1} << 34),
           "optimizer_offload: elements of each moment (and of the masters, with cpu) the device holds at a time (whole "

@@ -25,6 +25,7 @@ AdamWConfig AdamWConfig::from_config(const Config& c) {
   a.offload = offload != "none";
   a.offload_masters = offload == "cpu";
   a.offload_chunk = c.get_int("optimizer_offload_chunk");
+  a.host_update = c.get_string("optimizer_offload_update") == "host";
   return a;
 }
 
@@ -37,6 +38,8 @@ AdamWOptimizer::AdamWOptimizer(ParamStore& store, AdamWConfig cfg) : store_(stor
     fail("optimizer offload: a chunk of {} elements is below the minimum of 64", cfg.offload_chunk);
   if (cfg.offload_masters != store.masters_offloaded())
     fail("internal error: optimizer_offload: cpu needs the model's master weights in host memory, and only then");
+  if (cfg.host_update && !cfg.offload_masters)
+    fail("optimizer_offload_update: host runs AdamW where the master weights are: it needs optimizer_offload: cpu");
   // The host memory of offloaded moments: a CPU backend's, so that checkpoints read and write them
   // through the same Backend calls as moments on the device.
   if (cfg.offload_masters) {
@@ -77,6 +80,8 @@ AdamWOptimizer::~AdamWOptimizer() {
     store_.backend().release(dv_.data);
   }
   if (dp_chunk_.defined()) store_.backend().release(dp_chunk_.data);
+  release_moment(host_grads_);
+  release_moment(host_grads_raw_);
 }
 
 void AdamWOptimizer::set_data_parallel(DataParallel* dp, bool distributed) {
@@ -277,6 +282,10 @@ void AdamWOptimizer::update(StepStats& s, FlatRange range, const Backend::AdamW&
   int64_t longest = 0;
   for (const FlatRange& c : chunks) longest = std::max(longest, c.count);
   allocate_device_chunk(longest);
+  if (cfg_.host_update) {
+    for (const FlatRange& c : chunks) update_chunk_on_host(s, c, h, copies, casts, low_rank);
+    return;
+  }
   for (const FlatRange& c : chunks) update_chunk(s, c, h, copies, casts, low_rank);
 }
 
@@ -303,8 +312,25 @@ std::vector<FlatRange> AdamWOptimizer::offload_chunks(FlatRange range, bool whol
 }
 
 void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
-  if (dm_.defined() && dm_.numel() >= elements) return;
   Backend& be = store_.backend();
+  if (cfg_.host_update) {  // the device holds the masters' chunk alone; the gradients' comes to the host
+    if (dp_chunk_.defined() && dp_chunk_.numel() >= elements) return;
+    if (dp_chunk_.defined()) be.release(dp_chunk_.data);
+    release_moment(host_grads_);
+    release_moment(host_grads_raw_);
+    const DType dt = store_.dtype(), stored = store_.grad_dtype();
+    dp_chunk_ = Tensor(be.allocate(static_cast<size_t>(elements) * dtype_size(dt)), dt, Shape{elements});
+    const auto pinned = [&](DType t) {
+      const size_t bytes = static_cast<size_t>(elements) * dtype_size(t);
+      const Tensor out(host_->allocate(bytes), t, Shape{elements});
+      if (be.register_host_memory(out.data, bytes)) pinned_.push_back(out.data);
+      return out;
+    };
+    host_grads_ = pinned(dt);
+    if (stored != dt) host_grads_raw_ = pinned(stored);
+    return;
+  }
+  if (dm_.defined() && dm_.numel() >= elements) return;
   if (dm_.defined()) {
     be.release(dm_.data);
     be.release(dv_.data);
@@ -318,22 +344,36 @@ void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
                        Shape{elements});
 }
 
+namespace {
+
+// The items of an adamw list (copies, casts, low-rank gradients) inside `chunk`, their offsets
+// counted from the chunk's start, as adamw counts them from its param tensor.
+template <typename Items>
+auto in_chunk(const Items& items, FlatRange chunk) {
+  std::vector<std::decay_t<decltype(*items.begin())>> out;
+  for (auto item : items)
+    if (item.offset >= chunk.begin && item.offset < chunk.end()) {
+      item.offset -= chunk.begin;
+      out.push_back(item);
+    }
+  return out;
+}
+
+// Host seconds since `t`, added to `total`; `t` moves on.
+void lap(std::chrono::steady_clock::time_point& t, double& total) {
+  const auto now = std::chrono::steady_clock::now();
+  total += std::chrono::duration<double>(now - t).count();
+  t = now;
+}
+
+}  // namespace
+
 void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h,
                                   std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
                                   const std::vector<Backend::LowRankGrad>& low_rank) {
-  // adamw's lists count offsets from its param tensor: from the chunk's start here.
-  const auto in_chunk = [&](const auto& items) {
-    std::vector<std::decay_t<decltype(*items.begin())>> out;
-    for (auto item : items)
-      if (item.offset >= chunk.begin && item.offset < chunk.end()) {
-        item.offset -= chunk.begin;
-        out.push_back(item);
-      }
-    return out;
-  };
-  const auto chunk_copies = in_chunk(copies);
-  const auto chunk_casts = in_chunk(casts);
-  const auto chunk_low_rank = in_chunk(low_rank);
+  const auto chunk_copies = in_chunk(copies, chunk);
+  const auto chunk_casts = in_chunk(casts, chunk);
+  const auto chunk_low_rank = in_chunk(low_rank, chunk);
   Backend& be = store_.backend();
   const FlatRange mine{chunk.begin - owned_.begin, chunk.count};  // in this rank's moments
   const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
@@ -343,28 +383,79 @@ void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW 
   const Tensor held = masters(chunk);
   const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(held.dtype);
   const Tensor params = store_.masters_offloaded() ? flat_slice(dp_chunk_, {0, chunk.count}) : held;
-  auto t = std::chrono::steady_clock::now();
-  const auto lap = [&t](double& total) {
-    const auto now = std::chrono::steady_clock::now();
-    total += std::chrono::duration<double>(now - t).count();
-    t = now;
-  };
   be.synchronize();  // the step's backward, not this chunk's transfers
-  t = std::chrono::steady_clock::now();
+  auto t = std::chrono::steady_clock::now();
   be.upload(dm.data, flat_slice(m_, mine).data, bytes);
   be.upload(dv.data, flat_slice(v_, mine).data, bytes);
   if (store_.masters_offloaded()) be.upload(params.data, held.data, master_bytes);
-  lap(s.transfer_s);
+  lap(t, s.transfer_s);
   h.index_base = chunk.begin;
   be.adamw(params, flat_slice(store_.flat_grads(), chunk), dm, dv, h, chunk_copies, chunk_casts, chunk_low_rank);
   const std::vector<Backend::CopyPair> residents = store_.resident_copies(chunk.begin, chunk.count, params);
   if (!residents.empty()) be.copy_batch(residents);
   be.synchronize();
-  lap(s.update_s);
+  lap(t, s.update_s);
   if (store_.masters_offloaded()) be.download(held.data, params.data, master_bytes);
   be.download(flat_slice(m_, mine).data, dm.data, bytes);
   be.download(flat_slice(v_, mine).data, dv.data, bytes);
-  lap(s.transfer_s);
+  lap(t, s.transfer_s);
+}
+
+void AdamWOptimizer::update_chunk_on_host(StepStats& s, FlatRange chunk, Backend::AdamW h,
+                                          std::span<const Backend::ParamCopy> copies,
+                                          std::span<const Backend::ParamCast> casts,
+                                          const std::vector<Backend::LowRankGrad>& low_rank) {
+  Backend& be = store_.backend();
+  const Tensor held = masters(chunk);  // in host memory (offload_masters)
+  const Tensor params = flat_slice(dp_chunk_, {0, chunk.count});
+  const Tensor grads = flat_slice(store_.flat_grads(), chunk), g = flat_slice(host_grads_, {0, chunk.count});
+  be.synchronize();  // the step's backward, not this chunk's transfers
+  auto t = std::chrono::steady_clock::now();
+  if (grads.dtype == g.dtype) {
+    be.download(g.data, grads.data, grads.bytes());
+  } else {  // bf16 gradients come down as they are and are widened on the host (exactly)
+    const Tensor raw = flat_slice(host_grads_raw_, {0, chunk.count});
+    be.download(raw.data, grads.data, grads.bytes());
+    host_->copy(g, raw);
+  }
+  // Kept low-rank gradients (per-sample Linears) come down as their factors, a few rows each: the
+  // host's AdamW forms each element from them as the device's would.
+  std::vector<Backend::LowRankGrad> factors = in_chunk(low_rank, chunk);
+  std::vector<std::vector<float>> factor_bytes;
+  for (Backend::LowRankGrad& f : factors)
+    for (Tensor* t : {&f.a, &f.b}) {
+      factor_bytes.emplace_back(static_cast<size_t>(t->numel()));
+      be.download(factor_bytes.back().data(), t->data, t->bytes());
+      *t = Tensor(factor_bytes.back().data(), t->dtype, t->shape);
+    }
+  lap(t, s.transfer_s);
+  h.index_base = chunk.begin;
+  const FlatRange mine{chunk.begin - owned_.begin, chunk.count};
+  // The host backend's AdamW: the same operations in the same order as the device's kernel, so
+  // the same bits (backend/ops/training.h).
+  host_->adamw(held, g, flat_slice(m_, mine), flat_slice(v_, mine), h, {}, {}, factors);
+  lap(t, s.host_update_s);
+  be.upload(params.data, held.data, params.bytes());
+  lap(t, s.transfer_s);
+  // The forms the device update writes with the weights, from the uploaded masters: the bf16
+  // copies rounded to nearest even, the FP8 casts as quantize() makes them with their delayed
+  // scales (ParamCopy, ParamCast), the small parameters' f32 residents.
+  const auto at = [&](int64_t offset, Shape shape) {
+    return Tensor(static_cast<char*>(params.data) + static_cast<size_t>(offset) * dtype_size(params.dtype),
+                  params.dtype, shape);
+  };
+  for (const Backend::ParamCopy& c : in_chunk(copies, chunk)) be.copy(c.copy, at(c.offset, c.copy.shape));
+  for (const Backend::ParamCast& c : in_chunk(casts, chunk)) {
+    Backend::Quantize q;
+    q.format = c.codes.format;
+    q.delayed_scale = c.scale;
+    q.amax = c.amax;
+    be.quantize(c.codes, QTensor{}, at(c.offset, Shape{c.codes.rows, c.codes.cols}), q);
+  }
+  const std::vector<Backend::CopyPair> residents = store_.resident_copies(chunk.begin, chunk.count, params);
+  if (!residents.empty()) be.copy_batch(residents);
+  be.synchronize();
+  lap(t, s.update_s);
 }
 
 }  // namespace flux8

@@ -30,6 +30,11 @@ struct AdamWConfig {
   bool offload_masters = false;
   // Elements of a chunk (a chunk of whole parameters is at least the largest parameter).
   int64_t offload_chunk = int64_t{1} << 26;
+  // optimizer_offload_update: host (with offload_masters) — AdamW runs on the host's cores where
+  // the masters and moments live: each chunk's gradients come down, its new masters go up and the
+  // device writes the forms the model reads from them, instead of the moments and masters making
+  // the round trip through the device.
+  bool host_update = false;
   static AdamWConfig from_config(const Config& cfg);
 };
 
@@ -41,6 +46,9 @@ struct StepStats {
   // Offload: host seconds this update spent moving state over PCIe (uploads and downloads, which
   // return when done) and running the chunks' updates (AdamW and the copies it writes, waited for).
   double transfer_s = 0, update_s = 0;
+  // optimizer_offload_update: host — the host seconds of AdamW on the host's cores (update_s is
+  // then the device writing the forms from the new masters).
+  double host_update_s = 0;
 };
 
 class AdamWOptimizer {
@@ -113,6 +121,11 @@ class AdamWOptimizer {
               std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
   void update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
                     std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
+  // host_update: the chunk's AdamW on the host, then its forms written on the device from the
+  // uploaded masters — the copies, casts and residents the device update writes, bit for bit.
+  void update_chunk_on_host(StepStats& s, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
+                            std::span<const Backend::ParamCast> casts,
+                            const std::vector<Backend::LowRankGrad>& low_rank);
   // Offload: the chunks of `range` — whole parameters, starting at even indices — and the device
   // buffers for the largest.
   std::vector<FlatRange> offload_chunks(FlatRange range, bool whole_params) const;
@@ -140,6 +153,9 @@ class AdamWOptimizer {
   Tensor m_, v_;
   Tensor dm_, dv_;   // offload: one chunk of each moment on the parameters' backend
   Tensor dp_chunk_;  // offloaded masters: one chunk of them on the parameters' backend
+  // host_update: one chunk of the gradients in host memory, in the parameters' type, and, for
+  // gradients the device keeps in another type (bf16), their bytes as downloaded.
+  Tensor host_grads_, host_grads_raw_;
   DataParallel* dp_ = nullptr;
   DataParallel* tp_ = nullptr;
   // With tp_: the flat buffer's runs of split parameters (adjacent ones merged), for the norm.

@@ -206,6 +206,11 @@ TrainConfig TrainConfig::from_config(const Config& cfg) {
         "optimizer_offload: cpu ({}) with tensor_model_parallel_size {}: the master weights of a tensor-parallel "
         "rank stay on its device; set optimizer_offload: moments to offload each rank's moments",
         cfg.source("optimizer_offload"), t.tensor_parallel);
+  if (cfg.get_string("optimizer_offload_update") == "host" && !t.offload_masters)
+    fail(
+        "optimizer_offload_update: host ({}) runs AdamW on the host where the master weights and moments live, but "
+        "optimizer_offload is {} ({}): set optimizer_offload: cpu, or optimizer_offload_update: device",
+        cfg.source("optimizer_offload_update"), offload, cfg.source("optimizer_offload"));
   if (t.offload_masters && t.distributed_optimizer)
     fail(
         "optimizer_offload: cpu ({}) with use_distributed_optimizer: cpu keeps every rank's whole f32 master "

@@ -324,10 +324,13 @@ void announce_run(Run& r) {
   if (params.masters_offloaded())
     note(r,
          fmt::format("optimizer_offload: the f32 master weights ({:.2f} GB) and the AdamW moments ({:.2f} GB) live in "
-                     "host memory and stream through the device for each update; the device keeps the weights "
-                     "only as the model reads them (bf16 copies, FP8 casts, small f32 tensors); CUDA graphs off",
+                     "host memory and {}; the device keeps the weights only as the model reads them (bf16 copies, "
+                     "FP8 casts, small f32 tensors); CUDA graphs off",
                      static_cast<double>(params.layout().total()) * dtype_size(params.dtype()) / 1e9,
-                     2.0 * static_cast<double>(r.opt->owned().count) * dtype_size(r.opt->moment_dtype()) / 1e9));
+                     2.0 * static_cast<double>(r.opt->owned().count) * dtype_size(r.opt->moment_dtype()) / 1e9,
+                     r.cfg.adam.host_update ? "are updated there by the host's cores, the gradients coming down and "
+                                              "the new weights going up (optimizer_offload_update: host)"
+                                            : "stream through the device for each update"));
   else if (r.opt->offloaded())
     note(r, fmt::format("optimizer_offload: the AdamW moments ({:.2f} GB) live in host memory and stream through the "
                         "device for each update",
