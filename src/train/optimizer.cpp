@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "config/config.h"
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace flux8 {
@@ -414,9 +415,15 @@ void AdamWOptimizer::update_chunk_on_host(StepStats& s, FlatRange chunk, Backend
   if (grads.dtype == g.dtype) {
     be.download(g.data, grads.data, grads.bytes());
   } else {  // bf16 gradients come down as they are and are widened on the host (exactly)
+    if (grads.dtype != DType::bf16 || g.dtype != DType::f32)
+      fail("internal error: optimizer_offload_update: host widens bf16 gradients to f32, not {} to {}",
+           dtype_name(grads.dtype), dtype_name(g.dtype));
     const Tensor raw = flat_slice(host_grads_raw_, {0, chunk.count});
     be.download(raw.data, grads.data, grads.bytes());
-    host_->copy(g, raw);
+    const uint16_t* bits = static_cast<const uint16_t*>(raw.data);
+    float* wide = static_cast<float*>(g.data);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < chunk.count; ++i) wide[i] = bf16_bits_to_f32(bits[i]);
   }
   // Kept low-rank gradients (per-sample Linears) come down as their factors, a few rows each: the
   // host's AdamW forms each element from them as the device's would.
@@ -424,6 +431,8 @@ void AdamWOptimizer::update_chunk_on_host(StepStats& s, FlatRange chunk, Backend
   std::vector<std::vector<float>> factor_bytes;
   for (Backend::LowRankGrad& f : factors)
     for (Tensor* t : {&f.a, &f.b}) {
+      if (t->dtype != DType::f32 || !t->contiguous())
+        fail("internal error: low-rank gradient factors are contiguous f32, not {}", t->str());
       factor_bytes.emplace_back(static_cast<size_t>(t->numel()));
       be.download(factor_bytes.back().data(), t->data, t->bytes());
       *t = Tensor(factor_bytes.back().data(), t->dtype, t->shape);
