@@ -11,15 +11,17 @@ they run on the CPU backend (the tool's own test: tests/python/test_multi_gpu_ch
            TP=2, in the config's precision and in FP8 (delayed, hybrid): each step's loss against one
            rank's, the final validation loss, and in FP8 every checkpoint's check that the ranks'
            scales agree (metrics `fp8_ranks_agree`). A TP=2 job stopped half way and resumed at
-           TP=2 (its losses and final model.safetensors tensors bit for bit those of the straight job) and
-           at TP=1 (its losses against the straight job's).
+           TP=2 (its losses and final model.safetensors tensors bit for bit the straight job's)
+           and at TP=1 (its losses against the straight job's).
   scaling  `flux8 bench` of each workload at one rank and at DP=N (N: --gpus), BF16 and FP8
            delayed: the throughput ratio N x t(1) / t(N), and at DP=N the step with
            overlap_grad_reduce off: the time the overlap hides.
   big      the big model (--big-config, flux_12b_dev at 1024 px, micro-batch 1) at TP=2 x DP=N/2
            with the distributed optimizer: the first of --big-settings that `flux8 info` plans to
-           fit the GPU's memory, timed in BF16 and FP8 (delayed, hybrid); each GPU's peak against
-           the plan; with 4 GPUs or more also TP=2 x DP=1 on two of them (the scaling).
+           fit the GPU's memory, timed in BF16 and FP8 (delayed, hybrid) with the micro-batches of
+           --big-global-batch accumulated; each GPU's peak against the plan, tokens/s, model
+           TFLOP/s a GPU, and the collectives' time from a profiled run; with 4 GPUs or more also
+           TP=2 x DP=1 on two of them (the scaling). --big-dp picks layouts for calls of their own.
   failure  a DP=2 demo job saving every 5 steps, rank 1 killed (SIGKILL) after step 12: how long
            the job takes to end, that it names the rank, and the last checkpoint resumed.
 
