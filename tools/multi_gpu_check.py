@@ -12,7 +12,9 @@ they run on the CPU backend (the tool's own test: tests/python/test_multi_gpu_ch
            rank's, the final validation loss, and in FP8 every checkpoint's check that the ranks'
            scales agree (metrics `fp8_ranks_agree`). A TP=2 job stopped half way and resumed at
            TP=2 (its losses and final model.safetensors tensors bit for bit the straight job's)
-           and at TP=1 (its losses against the straight job's).
+           and at TP=1 (its losses against the straight job's). From 4 GPUs on, TP=2 x DP=N/2 with
+           the distributed optimizer over every GPU: its saves' time and size, its checkpoint
+           resumed at that layout (bit for bit), at TP=2 x DP=1 and at TP=1.
   scaling  `flux8 bench` of each workload at one rank and at DP=N (N: --gpus), BF16 and FP8
            delayed: the throughput ratio N x t(1) / t(N), and at DP=N the step with
            overlap_grad_reduce off: the time the overlap hides.
@@ -215,7 +217,41 @@ class Checker:
                      resumed["losses"] == straight["losses"] and same_model)
         self.verdict("correct", f"the same checkpoint resumed at TP=1: steps {half + 1}-{self.a.steps} against TP=2's",
                      f"{tp1_rel:.3g}", 1e-2, len(alone["losses"]) == len(straight["losses"]) and tp1_rel <= 1e-2)
+        part["saves"] = {"tp2": straight["saves"]}
+        if self.gpus >= 4:
+            part["checkpoint_all_ranks"] = self.checkpoint_at_every_rank(half)
         self.result["parts"]["correct"] = part
+
+    def checkpoint_at_every_rank(self, half):
+        """TP=2 x DP=N/2 with the distributed optimizer on every GPU: its saves (time, size), its
+        checkpoint of step `half` resumed at that layout (bit for bit), at TP=2 x DP=1 and at TP=1."""
+        n = self.gpus - self.gpus % 2
+        dp = n // 2
+        key = f"tp2_dp{dp}"
+        sets = ["tensor_model_parallel_size=2", "use_distributed_optimizer=true"]
+        self.say(f"== correct: the checkpoints of TP=2 x DP={dp} ({n} ranks)")
+        self.run(key, n, self.demo_args(key, sets))
+        self.run(f"{key}_stop", n, self.demo_args(f"{key}_stop", sets) + ["--stop-after", str(half)], ok=(STOPPED,))
+        for copy in (f"{key}_resumed", f"{key}_at_tp2", f"{key}_at_tp1"):
+            shutil.copytree(os.path.join(self.runs, f"{key}_stop"), os.path.join(self.runs, copy))
+        self.run(f"{key}_resumed", n, self.demo_args(f"{key}_resumed", sets) + ["--resume"])
+        self.run(f"{key}_at_tp2", 2, self.demo_args(f"{key}_at_tp2", sets) + ["--resume"])
+        self.run(f"{key}_at_tp1", 1, self.demo_args(f"{key}_at_tp1", []) + ["--resume"])
+        straight = read_metrics(os.path.join(self.runs, key))
+        resumed = read_metrics(os.path.join(self.runs, f"{key}_resumed"))
+        final = f"step-{self.a.steps:07d}/model.safetensors"
+        same = resumed["losses"] == straight["losses"] and tensors_bytes(
+            os.path.join(self.runs, key, final)) == tensors_bytes(os.path.join(self.runs, f"{key}_resumed", final))
+        out = {"ranks": n, "saves": straight["saves"], "resumed_identical": same}
+        self.verdict("correct", f"TP=2 x DP={dp}: its checkpoint of step {half} resumed at that layout, bit for bit",
+                     "identical" if same else "differs", "identical", same)
+        for layout, run in (("TP=2 x DP=1", f"{key}_at_tp2"), ("TP=1", f"{key}_at_tp1")):
+            other = read_metrics(os.path.join(self.runs, run))
+            rel = max_rel(other["losses"][half:], straight["losses"][half:])
+            out[f"max_rel_loss_diff_at_{layout}"] = rel
+            self.verdict("correct", f"TP=2 x DP={dp}'s checkpoint loaded at {layout}: steps {half + 1}-{self.a.steps}",
+                         f"{rel:.3g}", 1e-2, len(other["losses"]) == len(straight["losses"]) and rel <= 1e-2)
+        return out
 
     # ---- scaling -------------------------------------------------------------------------------
 
@@ -453,7 +489,7 @@ def gpu_memory_gib(backend):
 
 
 def read_metrics(run):
-    losses, val, fp8 = [], None, []
+    losses, val, fp8, saves = [], None, [], []
     with open(os.path.join(run, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
@@ -464,7 +500,9 @@ def read_metrics(run):
             if r.get("event") in ("fp8_ranks_agree", "fp8_ranks_differ"):
                 fp8.append({"step": r["step"], "agree": r["event"] == "fp8_ranks_agree",
                             "differing_ranks": r.get("differing_ranks", [])})
-    return {"losses": losses, "val_loss": val, "fp8_checks": fp8}
+            if r.get("event") == "checkpoint":  # a save written in line: its bytes and seconds
+                saves.append({"step": r["step"], "bytes": r.get("bytes"), "seconds": r.get("seconds")})
+    return {"losses": losses, "val_loss": val, "fp8_checks": fp8, "saves": saves}
 
 
 def last_step(run):

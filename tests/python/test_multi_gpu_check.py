@@ -14,7 +14,9 @@ Needs mpirun (Open MPI); exit 77 without it. Checks:
      naming it, the last checkpoint resumes).
   2. Speed and memory targets are recorded but not judged on the CPU (met: null); every judged
      check is met, the exit status is 0 and multi_gpu.txt ends with the count.
-  3. --big-dp 2,1 over 4 ranks: both layouts, and the throughput of one against the other.
+  3. Over 4 ranks: TP=2 x DP=2's checkpoints (saves timed and sized, resumed bit for bit, loaded
+     at TP=2 x DP=1 and at TP=1); with --big-dp 2,1 both big layouts and the throughput of one
+     against the other.
   4. A --deadline too close to begin a part lists the parts as not run (exit 3); an unknown part
      is refused by name.
 """
@@ -111,8 +113,9 @@ def main():
         check(len(r["commands"]) >= 16 and any(cmd.startswith("mpirun -np 2") for cmd in r["commands"]),
               "the commands are recorded")
 
-        four = subprocess.run(args + ["--parts", "big", "--gpus", "4", "--big-dp", "2,1", "--big-precisions", "bf16",
-                                      "--big-global-batch", "0"], capture_output=True, text=True, cwd=tmp, timeout=900)
+        four = subprocess.run(args + ["--parts", "correct,big", "--gpus", "4", "--steps", "4", "--big-dp", "2,1",
+                                      "--big-precisions", "bf16", "--big-global-batch", "0"],
+                              capture_output=True, text=True, cwd=tmp, timeout=900)
         with open(os.path.join(out, "multi_gpu.json")) as f:
             r4 = json.load(f)
         lay = r4["parts"]["big"]["layouts"]
@@ -120,6 +123,13 @@ def main():
         check(four.returncode == 0 and list(lay) == ["TP=2 x DP=2", "TP=2 x DP=1"] and
               all(set(e["runs"]) == {"bf16"} for e in lay.values()) and len(scaled) == 1 and scaled[0]["met"] is None,
               "big at 4 ranks, --big-dp 2,1, BF16 only: both layouts and the DP=2 against DP=1 throughput")
+        every = r4["parts"]["correct"].get("checkpoint_all_ranks", {})
+        saves = every.get("saves", [])
+        check(every.get("ranks") == 4 and every.get("resumed_identical") and
+              every.get("max_rel_loss_diff_at_TP=2 x DP=1", 1) < 1e-6 and every.get("max_rel_loss_diff_at_TP=1", 1) < 1e-6
+              and [x["step"] for x in saves] == [2, 4] and all(x["bytes"] > 0 and x["seconds"] >= 0 for x in saves),
+              "correct at 4 ranks: TP=2 x DP=2's saves (time, size), resumed bit for bit, loaded at TP=2 x DP=1 and "
+              "TP=1 within 1e-6")
 
         late = subprocess.run([sys.executable, TOOL, "--flux8", FLUX8, "--backend", "cpu", "--out", out,
                                "--parts", "correct,failure", "--deadline", "10"], capture_output=True, text=True, cwd=tmp)
