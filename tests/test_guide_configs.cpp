@@ -283,6 +283,17 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
   bool zero = false;
   for (const MemoryKnob& k : b.knobs) zero = zero || k.setting == "use_distributed_optimizer: true";
   EXPECT_EQ(zero, zero_peak < b.peak);
+
+  // Under tensor parallelism the moments may go to host memory, the master weights may not.
+  const ParallelShape tp2{2, 1, false};
+  const MemoryAdvice c = memory_advice(cfg, tp2);
+  bool moments = false, cpu = false;
+  for (const MemoryKnob& k : c.knobs) {
+    moments = moments || k.setting == "optimizer_offload: moments";
+    cpu = cpu || k.setting == "optimizer_offload: cpu";
+  }
+  EXPECT_TRUE(moments);
+  EXPECT_FALSE(cpu);
 }
 
 }  // namespace
