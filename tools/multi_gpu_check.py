@@ -82,7 +82,8 @@ def parse_args(argv):
                    "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16,"
                    "optimizer_offload=moments",
                    help="';'-separated candidate settings (comma-separated KEY=VALUE), the first that fits is run")
-    p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="big: the memory to plan for (default: the GPU's)")
+    p.add_argument("--gpu-memory-gib", type=float, default=0.0,
+                   help="big: the memory to plan for (default: the GPU's, less 1 GiB)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="seconds from the start after which no job runs: a job is stopped there, the parts not "
                         "begun are listed as not run (exit status 3); 0: none")
@@ -321,7 +322,8 @@ class Checker:
         micro = max(1, global_batch // (n // 2))
         self.say(f"== big: {self.a.big_config} at TP=2, distributed optimizer, {micro} micro-batch(es) of 1 a "
                  f"rank and step, {steps} steps")
-        gib = self.a.gpu_memory_gib or gpu_memory_gib(self.a.backend)
+        # (Less 1 GiB for what the plan leaves out: the CUDA context, cuBLASLt's and NCCL's buffers.)
+        gib = self.a.gpu_memory_gib or gpu_memory_gib(self.a.backend) - 1.0
         part = {"config": self.a.big_config, "gpu_memory_gib": gib, "steps": steps, "micro_batches": micro,
                 "layouts": {}}
         for ranks, dp in layouts:
