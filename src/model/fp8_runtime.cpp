@@ -235,8 +235,12 @@ void Fp8Runtime::allocate_weight_casts(std::vector<LinearSite*>& sites) {
 void Fp8Runtime::ensure_weight_cast(LinearSite& site) {
   if (site.w_version == weight_version_ && (!recording_ || (site.w_recorded && (site.w_counted || !collect_stats_))))
     return;
+  cast_weight(site, site.w_master());
+}
+
+void Fp8Runtime::cast_weight(LinearSite& site, const Tensor& master) {
   Backend::CastInput w;
-  w.x = site.w_master();
+  w.x = master;
   be_.quantize(site.w_row, site.w_col, w.x, cast_args(site, Operand::weight, w));
   site.w_version = weight_version_;
   site.w_recorded = recording_;
@@ -256,13 +260,7 @@ ParamStore::CastForms Fp8Runtime::cast_forms(const ParamStore& store) {
     by_offset.emplace(forms.offsets.back(), s);
   }
   forms.write = [this, by_offset = std::move(by_offset)](int64_t offset, const Tensor& value) {
-    LinearSite& site = *by_offset.at(offset);
-    Backend::CastInput w;
-    w.x = value;
-    be_.quantize(site.w_row, site.w_col, w.x, cast_args(site, Operand::weight, w));
-    site.w_version = weight_version_;
-    site.w_recorded = recording_;
-    site.w_counted = collect_stats_;
+    cast_weight(*by_offset.at(offset), value);
   };
   return forms;
 }

@@ -171,6 +171,8 @@ class Fp8Runtime {
   bool collect_stats_ = true;
   bool stats_pending_ = false;  // a cast of this step was given a stats_/attention_stats_ target
   CastStats scratch_stats_;
+  // Casts site's weight from `master` (its f32 values on the backend) as this step's cast.
+  void cast_weight(LinearSite& site, const Tensor& master);
 
   // The registry's state in backend memory: amax_history [L, n], scale, scale_inv, fp8_max
   // [n] (of each slot's format), and a scratch amax for casts that must not record.
