@@ -51,6 +51,31 @@ class Communicator {
   virtual void barrier() = 0;
 };
 
+// A group that passes every call on to `inner`, which outlives it: the base of a group that
+// counts or times another's collectives, overriding those calls alone.
+class ForwardingCommunicator : public Communicator {
+ public:
+  explicit ForwardingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string describe() const override { return inner_.describe(); }
+  void all_reduce(const Tensor& t, ReduceOp op, bool async) override { inner_.all_reduce(t, op, async); }
+  void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override {
+    inner_.reduce_scatter(out, in, async);
+  }
+  void reduce(const Tensor& t, int root, bool async) override { inner_.reduce(t, root, async); }
+  void all_gather(const Tensor& out, const Tensor& in, bool async) override { inner_.all_gather(out, in, async); }
+  void broadcast(const Tensor& t, int root) override { inner_.broadcast(t, root); }
+  void join() override { inner_.join(); }
+  void barrier() override { inner_.barrier(); }
+
+ protected:
+  Communicator& inner() const { return inner_; }
+
+ private:
+  Communicator& inner_;
+};
+
 // The group of one rank: every collective is the identity (a copy where in and out differ), no
 // process is involved. Its copies (of any dtype, FP8 codes too) go through host memory: no
 // training path copies between different tensors in a group of one.

@@ -37,30 +37,25 @@ using Clock = std::chrono::steady_clock;
 // all_reduce", ...): the collectives are the communicator's, not the backend's ops, so the
 // profile would otherwise count their time as the device idle or in the op after them. The
 // asynchronous ones (gradient buckets) run untimed: their start returns at once.
-class ProfiledGroup final : public Communicator {
+class ProfiledGroup final : public ForwardingCommunicator {
  public:
   ProfiledGroup(Communicator& inner, OpProfiler& profiler, std::string name)
-      : inner_(inner), profiler_(profiler), name_(std::move(name)) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string describe() const override { return inner_.describe(); }
+      : ForwardingCommunicator(inner), profiler_(profiler), name_(std::move(name)) {}
   void all_reduce(const Tensor& t, ReduceOp op, bool async) override {
-    timed("all_reduce", async, [&] { inner_.all_reduce(t, op, async); });
+    timed("all_reduce", async, [&] { inner().all_reduce(t, op, async); });
   }
   void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override {
-    timed("reduce_scatter", async, [&] { inner_.reduce_scatter(out, in, async); });
+    timed("reduce_scatter", async, [&] { inner().reduce_scatter(out, in, async); });
   }
   void reduce(const Tensor& t, int root, bool async) override {
-    timed("reduce", async, [&] { inner_.reduce(t, root, async); });
+    timed("reduce", async, [&] { inner().reduce(t, root, async); });
   }
   void all_gather(const Tensor& out, const Tensor& in, bool async) override {
-    timed("all_gather", async, [&] { inner_.all_gather(out, in, async); });
+    timed("all_gather", async, [&] { inner().all_gather(out, in, async); });
   }
   void broadcast(const Tensor& t, int root) override {
-    timed("broadcast", false, [&] { inner_.broadcast(t, root); });
+    timed("broadcast", false, [&] { inner().broadcast(t, root); });
   }
-  void join() override { inner_.join(); }
-  void barrier() override { inner_.barrier(); }
 
  private:
   void timed(const char* what, bool async, const std::function<void()>& f) {
@@ -69,7 +64,6 @@ class ProfiledGroup final : public Communicator {
     else
       profiler_.time_call(name_ + " " + what, f);
   }
-  Communicator& inner_;
   OpProfiler& profiler_;
   std::string name_;
 };
@@ -375,7 +369,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
     opt.set_gradients_reduced_by_caller(true);
   }
   // As the trainer: W2's 2 samples keep them (one data-parallel rank).
-  model.params().keep_low_rank_grads(dp && dp->size() > 1 ? 0 : spec.shape.batch * spec.micro_batches);
+  model.params().keep_low_rank_grads(data_parallel ? 0 : spec.shape.batch * spec.micro_batches);
   be.synchronize();
   // What a training launch does before its first step (the synthetic data below is the
   // benchmark's own and is not counted).

@@ -54,28 +54,14 @@ struct RunSetup {
 
 // A data-parallel group that counts the elements its broadcasts carry (the sharded masters'
 // gathers: each holder broadcasts its part), passing every collective on to `inner`.
-class CountingGroup final : public Communicator {
+class CountingGroup final : public ForwardingCommunicator {
  public:
-  explicit CountingGroup(Communicator& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string describe() const override { return inner_.describe(); }
-  void all_reduce(const Tensor& t, ReduceOp op, bool async) override { inner_.all_reduce(t, op, async); }
-  void reduce_scatter(const Tensor& out, const Tensor& in, bool async) override {
-    inner_.reduce_scatter(out, in, async);
-  }
-  void reduce(const Tensor& t, int root, bool async) override { inner_.reduce(t, root, async); }
-  void all_gather(const Tensor& out, const Tensor& in, bool async) override { inner_.all_gather(out, in, async); }
+  explicit CountingGroup(Communicator& inner) : ForwardingCommunicator(inner) {}
   void broadcast(const Tensor& t, int root) override {
     broadcast_elements += t.numel();
-    inner_.broadcast(t, root);
+    inner().broadcast(t, root);
   }
-  void join() override { inner_.join(); }
-  void barrier() override { inner_.barrier(); }
   int64_t broadcast_elements = 0;
-
- private:
-  Communicator& inner_;
 };
 
 // One rank's model and optimizer: one process (no group), the distributed optimizer over whole
