@@ -198,30 +198,45 @@ class Checker:
         # A TP=2 job stopped half way, resumed at TP=2 and at TP=1.
         half = max(1, self.a.steps // 2)
         tp = ["tensor_model_parallel_size=2"]
-        self.run("tp2_stop", 2, self.demo_args("tp2_stop", tp) + ["--stop-after", str(half)], ok=(STOPPED,))
-        for copy in ("tp2_resumed", "tp1_resumed"):
-            shutil.copytree(os.path.join(self.runs, "tp2_stop"), os.path.join(self.runs, copy))
-        self.run("tp2_resumed", 2, self.demo_args("tp2_resumed", tp) + ["--resume"])
-        self.run("tp1_resumed", 1, self.demo_args("tp1_resumed", []) + ["--resume"])
-        straight = read_metrics(os.path.join(self.runs, "tp2_default"))
-        resumed = read_metrics(os.path.join(self.runs, "tp2_resumed"))
-        alone = read_metrics(os.path.join(self.runs, "tp1_resumed"))
+        straight, same_losses, same_model, rel = self.stop_and_resume("tp2_default", "tp2", 2, tp, half,
+                                                                      [("at_tp1", 1, [])])
         final = f"step-{self.a.steps:07d}/model.safetensors"
-        same_model = tensors_bytes(os.path.join(self.runs, "tp2_default", final)) == tensors_bytes(
-            os.path.join(self.runs, "tp2_resumed", final))
-        tp1_rel = max_rel(alone["losses"][half:], straight["losses"][half:])
-        part["checkpoint"] = {"stopped_at": half, "tp2_resumed_losses_identical": resumed["losses"] == straight["losses"],
+        tp1_rel = rel["at_tp1"]
+        part["checkpoint"] = {"stopped_at": half, "tp2_resumed_losses_identical": same_losses,
                               "tp2_resumed_model_identical": same_model, "tp1_resumed_max_rel_loss_diff": tp1_rel}
         self.verdict("correct", f"TP=2 checkpoint of step {half} resumed at TP=2: losses and {final} bit for bit",
-                     f"losses {'identical' if resumed['losses'] == straight['losses'] else 'differ'}, model "
-                     f"{'identical' if same_model else 'differs'}", "identical",
-                     resumed["losses"] == straight["losses"] and same_model)
+                     f"losses {'identical' if same_losses else 'differ'}, model "
+                     f"{'identical' if same_model else 'differs'}", "identical", same_losses and same_model)
         self.verdict("correct", f"the same checkpoint resumed at TP=1: steps {half + 1}-{self.a.steps} against TP=2's",
-                     f"{tp1_rel:.3g}", 1e-2, len(alone["losses"]) == len(straight["losses"]) and tp1_rel <= 1e-2)
+                     f"{tp1_rel:.3g}", 1e-2, tp1_rel <= 1e-2)
         part["saves"] = {"tp2": straight["saves"]}
         if self.gpus >= 4:
             part["checkpoint_all_ranks"] = self.checkpoint_at_every_rank(half)
         self.result["parts"]["correct"] = part
+
+    def stop_and_resume(self, straight, key, ranks, sets, half, elsewhere):
+        """`key`_stop (`ranks`, `sets`) stopped after step `half`; copies of it resumed at its own
+        layout (`key`_resumed) and at each of `elsewhere` ((name, ranks, sets): `key`_name). Returns
+        the straight run's metrics, whether the own-layout resume repeated its losses and final
+        model tensors, and each other resume's largest relative loss difference past `half`
+        (infinite where the step counts differ)."""
+        stop = f"{key}_stop"
+        self.run(stop, ranks, self.demo_args(stop, sets) + ["--stop-after", str(half)], ok=(STOPPED,))
+        resumes = [(f"{key}_resumed", ranks, sets)] + [(f"{key}_{name}", r, s) for name, r, s in elsewhere]
+        for run, r, s in resumes:
+            shutil.copytree(os.path.join(self.runs, stop), os.path.join(self.runs, run))
+            self.run(run, r, self.demo_args(run, s) + ["--resume"])
+        base = read_metrics(os.path.join(self.runs, straight))
+        own = resumes[0][0]
+        final = f"step-{self.a.steps:07d}/model.safetensors"
+        same_model = tensors_bytes(os.path.join(self.runs, straight, final)) == tensors_bytes(
+            os.path.join(self.runs, own, final))
+        rel = {}
+        for (name, _, _), (run, _, _) in zip(elsewhere, resumes[1:]):
+            other = read_metrics(os.path.join(self.runs, run))["losses"]
+            rel[name] = max_rel(other[half:], base["losses"][half:]) if len(other) == len(base["losses"]) \
+                else float("inf")
+        return base, read_metrics(os.path.join(self.runs, own))["losses"] == base["losses"], same_model, rel
 
     def checkpoint_at_every_rank(self, half):
         """TP=2 x DP=N/2 with the distributed optimizer on every GPU: its saves (time, size), its
@@ -232,26 +247,16 @@ class Checker:
         sets = ["tensor_model_parallel_size=2", "use_distributed_optimizer=true"]
         self.say(f"== correct: the checkpoints of TP=2 x DP={dp} ({n} ranks)")
         self.run(key, n, self.demo_args(key, sets))
-        self.run(f"{key}_stop", n, self.demo_args(f"{key}_stop", sets) + ["--stop-after", str(half)], ok=(STOPPED,))
-        for copy in (f"{key}_resumed", f"{key}_at_tp2", f"{key}_at_tp1"):
-            shutil.copytree(os.path.join(self.runs, f"{key}_stop"), os.path.join(self.runs, copy))
-        self.run(f"{key}_resumed", n, self.demo_args(f"{key}_resumed", sets) + ["--resume"])
-        self.run(f"{key}_at_tp2", 2, self.demo_args(f"{key}_at_tp2", sets) + ["--resume"])
-        self.run(f"{key}_at_tp1", 1, self.demo_args(f"{key}_at_tp1", []) + ["--resume"])
-        straight = read_metrics(os.path.join(self.runs, key))
-        resumed = read_metrics(os.path.join(self.runs, f"{key}_resumed"))
-        final = f"step-{self.a.steps:07d}/model.safetensors"
-        same = resumed["losses"] == straight["losses"] and tensors_bytes(
-            os.path.join(self.runs, key, final)) == tensors_bytes(os.path.join(self.runs, f"{key}_resumed", final))
+        straight, same_losses, same_model, rel = self.stop_and_resume(
+            key, key, n, sets, half, [("at_tp2", 2, sets), ("at_tp1", 1, [])])
+        same = same_losses and same_model
         out = {"ranks": n, "saves": straight["saves"], "resumed_identical": same}
         self.verdict("correct", f"TP=2 x DP={dp}: its checkpoint of step {half} resumed at that layout, bit for bit",
                      "identical" if same else "differs", "identical", same)
-        for layout, run in (("TP=2 x DP=1", f"{key}_at_tp2"), ("TP=1", f"{key}_at_tp1")):
-            other = read_metrics(os.path.join(self.runs, run))
-            rel = max_rel(other["losses"][half:], straight["losses"][half:])
-            out[f"max_rel_loss_diff_at_{layout}"] = rel
+        for layout, name in (("TP=2 x DP=1", "at_tp2"), ("TP=1", "at_tp1")):
+            out[f"max_rel_loss_diff_at_{layout}"] = rel[name]
             self.verdict("correct", f"TP=2 x DP={dp}'s checkpoint loaded at {layout}: steps {half + 1}-{self.a.steps}",
-                         f"{rel:.3g}", 1e-2, len(other["losses"]) == len(straight["losses"]) and rel <= 1e-2)
+                         f"{rel[name]:.3g}", 1e-2, rel[name] <= 1e-2)
         return out
 
     # ---- scaling -------------------------------------------------------------------------------
@@ -455,7 +460,7 @@ class Checker:
 # ---- helpers -----------------------------------------------------------------------------------
 
 def stop(job):
-    """Ends a job started in a session of its own: the launcher and every rank."""
+    """Ends a job started as a process group of its own: the launcher and every rank."""
     try:
         os.killpg(job.pid, signal.SIGKILL)
     except ProcessLookupError:
