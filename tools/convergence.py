@@ -95,6 +95,10 @@ def parse_args(argv):
                    help="start a run only while it can end within SECONDS of this call's start (its length taken from "
                    "OUT/timings.tsv: its variant's longest run, else the shortest run); what is left is reported and a later call with the same "
                    "arguments runs it (exit status 3)")
+    p.add_argument("--reference", default="bf16", metavar="VARIANT",
+                   help="the row every Δ is taken against (default bf16). Another row (a recipe x format such as "
+                   "delayed_hybrid, or a --variant) compares candidates with it, paired seed by seed, and leaves "
+                   "the bf16 runs out")
     p.add_argument("--tolerance", type=float, default=1.0, help="the ±%% band of the 'within' column (default 1)")
     p.add_argument("--smooth", type=int, default=None,
                    help="moving-average window of the plotted training loss (default steps / 50, at least 1)")
@@ -127,7 +131,7 @@ def parse_variant(text: str) -> Variant:
 
 
 def variants_of(args) -> list:
-    out = [Variant("bf16", [])]
+    out = [Variant("bf16", [])] if args.reference == "bf16" else []
     recipes = [] if args.recipes == "none" else args.recipes.split(",")
     formats = args.formats.split(",")
     for r in recipes:
@@ -142,6 +146,9 @@ def variants_of(args) -> list:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise HarnessError(f"variant names used twice: {', '.join(dup)}")
+    if args.reference not in names:
+        raise HarnessError(f"--reference {args.reference}: no such row among {', '.join(names)}: name a recipe x "
+                           "format that --recipes and --formats select, or a --variant")
     return out
 
 
@@ -296,11 +303,12 @@ def main(argv) -> int:
                            "take): give more time")
     runs = [r for r in runs if r.result is not None]
     variants = [v for v in variants if any(r.variant.name == v.name for r in runs)]
-    if not any(v.name == "bf16" for v in variants):
-        raise HarnessError("the bf16 reference has no finished run yet: call again with the same arguments")
-    summary = report.summarize(variants, runs, "bf16", args.tolerance)
+    if not any(v.name == args.reference for v in variants):
+        raise HarnessError(f"the {args.reference} reference has no finished run yet: call again with the same "
+                           "arguments")
+    summary = report.summarize(variants, runs, args.reference, args.tolerance)
     meta = {"title": args.title or f"{args.tier} tier", "tier": args.tier, "what": what, "steps": steps,
-            "seeds": seeds, "reference": "bf16", "tolerance_pct": args.tolerance,
+            "seeds": seeds, "reference": args.reference, "tolerance_pct": args.tolerance,
             "final_metric": runs[0].result["final_metric"], "command": ["tools/convergence.py"] + list(argv),
             "not_run": missing}
     data = report.results_json(meta, runs, summary)

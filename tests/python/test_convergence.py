@@ -14,8 +14,9 @@ missing). Checks:
      delayed/blockwise x e4m3/hybrid: results.json (every run's curves, the summary equal to the
      statistics of the validation losses in each metrics.jsonl), table.md, curves.png,
      timings.tsv.
-  4. A second call reruns nothing; a call with another variant runs only that one; an
-     unfinished run is rerun; a folder made with other arguments is refused.
+  4. A second call reruns nothing; a call with another variant runs only that one; --reference
+     compares against another row and leaves bf16 out; an unfinished run is rerun; a folder
+     made with other arguments is refused.
   5. A failing run (a misspelt key) is an error naming the run and its log; --set seed and more
      jobs than --gpus are refused.
   6. The bench tier (flux8 bench --data structured) on the shrunk demo model, its runs spread
@@ -194,6 +195,21 @@ def check_resume(out, first_stdout):
     started = sorted(line.split()[1].rstrip(":") for line in res.stderr.splitlines() if "started" in line)
     assert started == ["bf16_moments_seed1", "bf16_moments_seed2"], res.stderr
     assert "| bf16_moments | 2 |" in res.stdout, res.stdout
+    # --reference: candidates against another row, seed by seed, without the bf16 runs.
+    res = harness(out, *demo_args("--recipes", "delayed", "--formats", "hybrid", "--reference", "delayed_hybrid",
+                                  "--variant", "bf16_moments: adam_moment_precision=bf16"))
+    assert "started" not in res.stderr, res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    assert "| Δ vs delayed_hybrid [95% CI] |" in rows[0], rows[0]
+    assert [row.split(" | ")[0][2:] for row in rows[1:]] == ["delayed_hybrid", "bf16_moments"], rows
+    with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    finals = {(r["variant"], r["seed"]): r["final_loss"] for r in data["runs"]}
+    d = [finals[("bf16_moments", s)] - finals[("delayed_hybrid", s)] for s in (1, 2)]
+    c = data["summary"][1]["vs_reference"]
+    assert data["meta"]["reference"] == "delayed_hybrid" and c["used"] == "paired" and close(c["diff"], sum(d) / 2), c
+    res = harness(out, *demo_args("--reference", "tensorwise_e4m3"), expect_ok=False)
+    assert "--reference tensorwise_e4m3: no such row" in res.stderr, res.stderr
     # --time-budget: runs that could not end in time are not started (every run so far took longer
     # than 0 s); the finished ones make the table and the call says what is left (exit status 3).
     res = harness(out, *demo_args("--variant", "late: adam_moment_precision=bf16", "--time-budget", "0"),
