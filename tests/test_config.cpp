@@ -113,11 +113,11 @@ TEST(Config, PrecisionKeysReachTheBackendOptions) {
   ConfigFiles files;
   const BackendOptions defaults = BackendOptions::from_config(Config::load(files.write("d.yaml", "# defaults\n"), {}));
   EXPECT_TRUE(defaults.bf16_activations);
-  EXPECT_FALSE(defaults.bf16_grads);
+  EXPECT_TRUE(defaults.bf16_grads);
+  EXPECT_EQ(make_backend("cpu", defaults)->gradient_dtype(DType::f32), DType::f32);  // the CPU keeps f32
   const BackendOptions o =
-      BackendOptions::from_config(Config::load(files.write("g.yaml", "grad_precision: bf16\n"), {}));
-  EXPECT_TRUE(o.bf16_grads);
-  EXPECT_EQ(make_backend("cpu", o)->gradient_dtype(DType::f32), DType::f32);
+      BackendOptions::from_config(Config::load(files.write("g.yaml", "grad_precision: f32\n"), {}));
+  EXPECT_FALSE(o.bf16_grads);
   flux8::testing::expect_refused("grad_precision",
                                  [&] { Config::load(files.write("b.yaml", "grad_precision: fp16\n"), {}); });
 }

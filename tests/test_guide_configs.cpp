@@ -201,10 +201,14 @@ TEST(GuideConfigs, PrimusTurboEnvironmentNamesAreAliases) {
 }
 
 // The advice of an out-of-memory error: each setting with the saving `flux8 info`'s plan gives
-// it, largest first, and which ones alone fit the device.
+// it, largest first, and which ones alone fit the device. (f32 gradients and moments, so that
+// their bf16 defaults are advised too.)
 TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
-  Config cfg = Config::load(std::string(FLUX8_SOURCE_DIR) + "/configs/models/flux_12b_schnell.yaml",
-                            {"image_size=1024", "micro_batch_size=2"});
+  const std::string schnell = std::string(FLUX8_SOURCE_DIR) + "/configs/models/flux_12b_schnell.yaml";
+  for (const MemoryKnob& k : memory_advice(Config::load(schnell, {"image_size=1024"}), ParallelShape{}).knobs)
+    EXPECT_EQ(k.setting.find("_precision: bf16"), std::string::npos) << "advised a default: " << k.setting;
+  Config cfg = Config::load(
+      schnell, {"image_size=1024", "micro_batch_size=2", "grad_precision=f32", "adam_moment_precision=f32"});
   const ParallelShape one;
   const MemoryPlan plan = MemoryPlan::of(cfg, one);
   const MemoryAdvice a = memory_advice(cfg, one);
@@ -228,7 +232,8 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
       ADD_FAILURE() << "no advice '" << setting << "' with recompute_elementwise: false";
       return 0.0;
     };
-    EXPECT_DOUBLE_EQ(saving("recompute_granularity: selective"), p.peak(Recompute::none) - p.peak(Recompute::selective));
+    EXPECT_DOUBLE_EQ(saving("recompute_granularity: selective"),
+                     p.peak(Recompute::none) - p.peak(Recompute::selective));
     EXPECT_DOUBLE_EQ(saving("recompute_elementwise: true"), p.peak(Recompute::none) - plan.peak(Recompute::none));
   }
   if (const MemoryKnob* k = knob("recompute_granularity: full"))

@@ -54,8 +54,8 @@ TEST(MemoryPlan, OneGpuIsTheSingleGpuBreakdown) {
       EXPECT_EQ(bytes["bf16_weight_copies"], today["weights (bf16)"][column]);
       EXPECT_EQ(bytes["fp8_weight_casts"], today["fp8 weight copies"][column]);
       EXPECT_EQ(bytes["master_weights"], today["fp32 master weights"][column]);
-      EXPECT_EQ(bytes["gradients"], today["fp32 gradients"][column]);
-      EXPECT_EQ(bytes["adam_moments"], today["AdamW moments (fp32)"][column]);
+      EXPECT_EQ(bytes["gradients"], today["gradients (bf16)"][column]);  // the defaults
+      EXPECT_EQ(bytes["adam_moments"], today["AdamW moments (bf16)"][column]);
       EXPECT_EQ(bytes["checkpoint_buffers"], 0.0);
       EXPECT_EQ(bytes["host_checkpoint"], 0.0);
       EXPECT_EQ(bytes["attention_workspace"], j["deterministic_attention_workspace_bytes"]);
@@ -85,7 +85,7 @@ TEST(MemoryPlan, TensorParallelRankHoldsItsLayoutAndActivations) {
   EXPECT_EQ(two.rank_params, ParamLayout::build(cfg, 1, 2).total());
   EXPECT_LT(two.rank_params, one.rank_params);
   EXPECT_EQ(two.masters, 4.0 * static_cast<double>(two.rank_params));
-  EXPECT_EQ(two.gradients, two.masters);
+  EXPECT_EQ(two.gradients, two.masters / 2);  // bf16, the default
   for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
     const ActivationEstimate act = FluxModel::estimate_activations(cfg, two.shape, r, 2);
     EXPECT_EQ(two.activations[static_cast<size_t>(r)], act.gpu_bytes(false));
@@ -145,7 +145,7 @@ TEST(MemoryPlan, WeightsTransposedInTheBackwardKeepOneCast) {
 }
 
 TEST(MemoryPlan, DistributedOptimizerShardsTheMastersWithTheMoments) {
-  const Config config = Config::load(kDev, {"image_size=256"});
+  const Config config = Config::load(kDev, {"image_size=256", "adam_moment_precision=f32"});
   const MemoryPlan whole = MemoryPlan::of(config, {2, 16, false}), sharded = MemoryPlan::of(config, {2, 16, true});
   const int64_t P = whole.rank_params;
   EXPECT_EQ(whole.moment_elements, P);
@@ -179,17 +179,22 @@ TEST(MemoryPlan, DistributedOptimizerShardsTheMastersWithTheMoments) {
   EXPECT_EQ(MemoryPlan::of(config, {2, 1, true}).moments, whole.moments);
   EXPECT_EQ(MemoryPlan::of(config, {2, 1, true}).masters, whole.masters);
   // bf16 moments: 4 bytes an element for the two.
-  const MemoryPlan bf16 = MemoryPlan::of(Config::load(kDev, {"adam_moment_precision=bf16"}), {2, 16, true});
+  const MemoryPlan bf16 = MemoryPlan::of(Config::load(kDev), {2, 16, true});  // the default
   EXPECT_EQ(bf16.moments, 4.0 * static_cast<double>(sharded.moment_elements));
 }
 
 // The plans docs/DISTRIBUTED.md quotes: flux_12b_dev at 1024 px, micro-batch 1, FP8 (delayed),
-// distributed optimizer. TP=2 x DP=1 fits two 141 GB GPUs with full recompute only; TP=2 x DP=16
-// fits 40 GB (37.25 GiB) with full recompute and grad_precision: bf16, the masters sharded with
-// the moments — not with f32 gradients.
+// distributed optimizer, f32 moments. With f32 gradients TP=2 x DP=1 fits two 141 GB GPUs with
+// full recompute only; TP=2 x DP=16 fits 40 GB (37.25 GiB) with full recompute and
+// grad_precision: bf16, the masters sharded with the moments — not with f32 gradients.
 TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
-  const std::vector<std::string> base{"image_size=1024", "micro_batch_size=1", "fp8=hybrid", "fp8_recipe=delayed",
-                                      "use_distributed_optimizer=true"};
+  const std::vector<std::string> base{"image_size=1024",
+                                      "micro_batch_size=1",
+                                      "fp8=hybrid",
+                                      "fp8_recipe=delayed",
+                                      "use_distributed_optimizer=true",
+                                      "grad_precision=f32",
+                                      "adam_moment_precision=f32"};
   std::vector<std::string> bf16_grads = base;
   bf16_grads.push_back("grad_precision=bf16");
   const Config config = Config::load(kDev, base), lean = Config::load(kDev, bf16_grads);

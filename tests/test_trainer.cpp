@@ -375,7 +375,9 @@ TEST(Trainer, ResumeWithBf16MomentsIsBitExact) {
   const std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_NE(out.find("AdamW moments: stored in bf16"), std::string::npos) << out;
   EXPECT_EQ(straight.steps_done, 6);
-  run_training(dir.options("f32"));
+  TrainOptions with_f32 = dir.options("f32");
+  with_f32.overrides.push_back("adam_moment_precision=f32");
+  run_training(with_f32);
   TrainOptions first = with_bf16("resumed");
   first.stop_after = 3;
   EXPECT_TRUE(run_training(first).stopped_early);

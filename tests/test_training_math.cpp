@@ -255,13 +255,13 @@ TEST(Optimizer, Bf16MomentsFollowADecayThatRoundingToNearestLoses) {
   for (uint16_t b : m) ASSERT_EQ(b, 0);
 }
 
-// adam_moment_precision reaches the optimizer: bf16 moments take 2 bytes each; f64 parameters
-// (gradient checks) refuse them.
+// adam_moment_precision reaches the optimizer: bf16 (the default) moments take 2 bytes each; f64
+// parameters (gradient checks) refuse them.
 TEST(Optimizer, MomentPrecisionKey) {
-  EXPECT_EQ(AdamWConfig::from_config(Config{}).moment_dtype, DType::f32);
-  Config c;
-  c.apply_override("adam_moment_precision=bf16");
-  const AdamWConfig bf16 = AdamWConfig::from_config(c);
+  const AdamWConfig bf16 = AdamWConfig::from_config(Config{});
+  Config f32;
+  f32.apply_override("adam_moment_precision=f32");
+  EXPECT_EQ(AdamWConfig::from_config(f32).moment_dtype, DType::f32);
   EXPECT_EQ(bf16.moment_dtype, DType::bf16);
   testing::expect_refused("adam_moment_precision", [&] { Config{}.apply_override("adam_moment_precision=fp8"); });
   auto be = make_backend("cpu");

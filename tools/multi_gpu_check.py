@@ -77,10 +77,7 @@ def parse_args(argv):
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="big: the GPU's dense BF16 peak for the model FLOP utilisation (H100/H200 SXM: 989)")
     p.add_argument("--big-settings", default="recompute_granularity=full;"
-                   "recompute_granularity=full,grad_precision=bf16;"
-                   "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16;"
-                   "recompute_granularity=full,grad_precision=bf16,adam_moment_precision=bf16,"
-                   "optimizer_offload=moments",
+                   "recompute_granularity=full,optimizer_offload=moments",
                    help="';'-separated candidate settings (comma-separated KEY=VALUE), the first that fits is run")
     p.add_argument("--gpu-memory-gib", type=float, default=0.0,
                    help="big: the memory to plan for (default: the GPU's, less 1 GiB)")

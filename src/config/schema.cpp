@@ -98,11 +98,12 @@ std::vector<KeySpec> runtime_keys() {
                  "GEMMs then take bf16 operands); parameters, gradients and optimizer state stay f32 (but see "
                  "grad_precision). The CPU's twin is round_activations_to_bf16"),
       choice_key(
-          "runtime", "grad_precision", "f32", {"f32", "bf16"},
+          "runtime", "grad_precision", "bf16", {"f32", "bf16"},
           "CUDA: storage type of the parameter gradients. bf16: each gradient GEMM and column sum rounds its fp32 sum "
           "to bf16 as it stores it (what PyTorch autocast and torchao give a bf16 weight's gradient; micro-batches add "
           "in fp32 and round once more each), halving the gradients' memory and the gradient norm's and AdamW's reads "
-          "of them; master weights and AdamW moments stay f32. The CPU keeps f32 gradients"),
+          "of them; master weights stay f32. Trains as f32 does within the noise (docs/FP8.md, defaults). The CPU "
+          "keeps f32 gradients"),
       bool_key(
           "runtime", "cuda_graph", true,
           "CUDA: run each micro-batch's forward, loss and backward as CUDA graphs: the op calls are recorded with "
@@ -162,12 +163,13 @@ std::vector<KeySpec> training_keys() {
       float_key("training", "adam_beta1", 0.9, Range{0, 1}, "AdamW beta1"),
       float_key("training", "adam_beta2", 0.95, Range{0, 1}, "AdamW beta2"),
       float_key("training", "adam_eps", 1e-8, above(0), "AdamW epsilon"),
-      choice_key("training", "adam_moment_precision", "f32", {"f32", "bf16"},
+      choice_key("training", "adam_moment_precision", "bf16", {"f32", "bf16"},
                  "storage type of the AdamW moments exp_avg and exp_avg_sq (Megatron's --exp-avg-dtype and "
                  "--exp-avg-sq-dtype). bf16: each update reads them widened, computes in fp32 and stores them rounded "
                  "stochastically (unbiased to 1/512 of a bf16 ulp, so a small beta2 step is not lost; the random bits "
                  "are a hash of step and element: reproducible, the same on CPU and GPU) — 4 bytes a parameter less "
-                 "memory and 8 less AdamW traffic; master weights stay f32 and checkpoints store the moments as F32"),
+                 "memory and 8 less AdamW traffic; trains as f32 does within the noise (docs/FP8.md, defaults); master "
+                 "weights stay f32 and checkpoints store the moments as F32"),
       choice_key("training", "optimizer_offload", "none", {"none", "moments", "cpu"},
                  "what of the optimizer's state lives in host memory (after DeepSpeed's ZeRO-Offload), streamed "
                  "through the device a chunk at a time for each update: the same update, bit for bit, at the cost "
@@ -186,10 +188,10 @@ std::vector<KeySpec> training_keys() {
           "parameters: a chunk grows past this to end at a parameter's end); larger chunks mean fewer, longer "
           "copies. With use_distributed_optimizer also the elements of the device buffer a checkpoint gathers the "
           "shards through"),
-      choice_key("training", "exp_avg_dtype", "fp32", {"fp32", "bf16"},
+      choice_key("training", "exp_avg_dtype", "bf16", {"fp32", "bf16"},
                  "Megatron's name for adam_moment_precision (fp32 = f32): setting it sets that key; with "
                  "exp_avg_sq_dtype both must agree (flux8 stores the two moments in one type)"),
-      choice_key("training", "exp_avg_sq_dtype", "fp32", {"fp32", "bf16"},
+      choice_key("training", "exp_avg_sq_dtype", "bf16", {"fp32", "bf16"},
                  "Megatron's name for adam_moment_precision, as exp_avg_dtype"),
       float_key("training", "weight_decay", 0.1, at_least(0), "AdamW decoupled weight decay"),
       float_key("training", "clip_grad", 1.0, at_least(0), "clip the global gradient norm to this; 0 = no clipping"),
