@@ -286,11 +286,34 @@ TEST(Trainer, ResumeAfterInterruptionIsBitExact) {
   };
   EXPECT_EQ(first_steps("straight"), (std::vector<int64_t>{1}));
   EXPECT_EQ(first_steps("resumed"), (std::vector<int64_t>{1, 4}));
+  EXPECT_EQ(testing::resume_records(dir.root / "resumed" / "metrics.jsonl").at(0)["changed_settings"],
+            nlohmann::json::array())
+      << "the same settings as the checkpoint's run";
   testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "model.safetensors").string(),
                                (dir.root / "resumed" / "step-0000006" / "model.safetensors").string());
   testing::expect_same_tensors((dir.root / "straight" / "step-0000006" / "optimizer.safetensors").string(),
                                (dir.root / "resumed" / "step-0000006" / "optimizer.safetensors").string());
   EXPECT_EQ(straight.last_val_loss, b.last_val_loss);
+}
+
+// A resume under other settings than the checkpoint's run — here the moments' precision, whose
+// default a newer flux8 may have changed — names each in the log and in the resume record.
+TEST(Trainer, ResumeNamesTheSettingsThatDifferFromTheCheckpoint) {
+  const testing::RunDir dir("trainer_changed_settings");
+  TrainOptions first = dir.options("run");
+  first.overrides.push_back("adam_moment_precision=f32");
+  first.stop_after = 3;
+  EXPECT_TRUE(run_training(first).stopped_early);
+  TrainOptions second = dir.options("run");
+  second.overrides.push_back("train_iters=7");
+  second.resume = true;
+  ::testing::internal::CaptureStdout();
+  EXPECT_EQ(run_training(second).steps_done, 7);
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  testing::expect_mentions(out, {"resumed with settings other than the checkpoint's run: ", "train_iters: 7 (was 6)",
+                                 "adam_moment_precision: bf16 (was f32)"});
+  const nlohmann::json changed = testing::resume_records(dir.root / "run" / "metrics.jsonl").at(0)["changed_settings"];
+  EXPECT_EQ(changed, (nlohmann::json{"train_iters: 7 (was 6)", "adam_moment_precision: bf16 (was f32)"}));
 }
 
 // Each step's record says its model FLOPs rate: the step's FLOPs (model/flops.h, docs/WORKLOADS.md's

@@ -68,6 +68,14 @@ inline std::vector<double> step_losses(const fs::path& metrics) {
   return out;
 }
 
+// The records of a metrics.jsonl's resume events, in order.
+inline std::vector<nlohmann::json> resume_records(const fs::path& metrics) {
+  std::vector<nlohmann::json> out;
+  for (const nlohmann::json& j : read_jsonl(metrics))
+    if (j.value("event", "") == "resume") out.push_back(j);
+  return out;
+}
+
 inline void expect_same_tensors(const std::string& a, const std::string& b) {
   const SafetensorsReader fa(a), fb(b);
   ASSERT_EQ(fa.names(), fb.names());

@@ -396,6 +396,16 @@ std::vector<double> Config::get_float_list(const std::string& key) const {
   return typed<std::vector<double>>(get(key), key, "get_float_list");
 }
 
+std::vector<std::string> changed_keys(const Config& before, const Config& now) {
+  std::vector<std::string> out;
+  for (const KeySpec& k : config_keys()) {
+    if (find_key_alias(k.name) || before.get(k.name) == now.get(k.name)) continue;
+    out.push_back(fmt::format("{}: {} (was {})", k.name, format_key_value(k, now.get(k.name)),
+                              format_key_value(k, before.get(k.name))));
+  }
+  return out;
+}
+
 std::string Config::dump() const {
   std::string out = "# flux8 resolved config; trailing comments say where each value came from\n";
   std::string section;

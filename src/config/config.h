@@ -91,6 +91,11 @@ class Config {
   std::vector<std::string> warnings_;
 };
 
+// The keys whose values differ between two configs, in table order, each as "key: value (was
+// old)" (aliases left out: their key is compared). What a resume reports against the
+// checkpoint's resolved config.
+std::vector<std::string> changed_keys(const Config& before, const Config& now);
+
 // A Primus experiment file (config/primus.h) as a flux8 config: its includes, the module's
 // `overrides:` keys flux8 knows (values checked), and a comment listing the keys left out
 // (`flux8 config --from-primus FILE`). Include paths stay relative to FILE's directory.

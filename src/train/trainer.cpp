@@ -61,6 +61,7 @@ struct EnergyWindow {
 struct Resume {
   std::string from;  // the checkpoint, "" when the run starts fresh
   std::string fp8_note;
+  std::vector<std::string> changed;  // settings other than the checkpoint's run (changed_settings)
   double verify_seconds = 0, load_seconds = 0;
 };
 
@@ -213,6 +214,20 @@ void build_model(Run& r) {
   r.state.config_yaml = r.cfg.config_yaml;
 }
 
+// The settings of this run that differ from those of the run that wrote the checkpoint (its
+// resolved config): a resume may change any of them, and a default that moved between versions
+// changes one unasked. A config this version cannot read (a key it lacks) is said so instead.
+std::vector<std::string> changed_settings(const std::string& checkpoint_yaml, const std::string& run_yaml,
+                                          const std::string& dir) {
+  if (checkpoint_yaml.empty()) return {};
+  try {
+    return changed_keys(Config::load_text(checkpoint_yaml, dir + "/trainer_state.json:config_yaml"),
+                        Config::load_text(run_yaml, "this run's config"));
+  } catch (const Error& e) {
+    return {fmt::format("(not compared: {})", e.what())};
+  }
+}
+
 // --resume: the newest checkpoint that verifies (--resume PATH: that one), if any; otherwise
 // fresh weights (or --init-from's). Checkpoints of which none verifies stop the run here, before metrics.jsonl or
 // any checkpoint is touched.
@@ -230,6 +245,7 @@ void restore_or_init(Run& r, const TrainOptions& opt) {
       load_checkpoint(*dir, r.state, r.cfg.model, r.model->params(), r.opt->exp_avg(), r.opt->exp_avg_sq(), registry,
                       &r.resume.fp8_note, CheckpointVerify::sizes,  // its digests were just verified
                       &r.opt->moments_backend(), r.opt->owned());
+      r.resume.changed = changed_settings(r.state.config_yaml, r.cfg.config_yaml, *dir);
       r.state.config_yaml = r.cfg.config_yaml;  // the config of this run goes into its checkpoints
       r.resume.from = *dir;
       r.resume.load_seconds = seconds_since(t1);
@@ -370,7 +386,10 @@ void announce_run(Run& r) {
                        {"step", r.state.step},
                        {"checkpoint", res.from},
                        {"verify_seconds", res.verify_seconds},
-                       {"load_seconds", res.load_seconds}});
+                       {"load_seconds", res.load_seconds},
+                       {"changed_settings", res.changed}});
+    if (!res.changed.empty())
+      note(r, fmt::format("resumed with settings other than the checkpoint's run: {}", fmt::join(res.changed, "; ")));
     if (!res.fp8_note.empty()) note(r, res.fp8_note);
   }
 }
