@@ -30,8 +30,10 @@ Examples:
 Writes into --out: one folder per run (<variant>_seed<S>/: metrics.jsonl or bench.json) and its
 log (<variant>_seed<S>.log), timings.tsv (each run's wall seconds), results.json (every run's
 curves and command, and the summary), table.md (the markdown table, also printed) and
-curves.png. A run whose folder shows it finished with the same arguments is not run again, so an
-interrupted or extended call (more seeds, more variants) redoes only what is missing.
+curves.png. A run whose folder shows it finished with the same arguments and the same resolved
+settings (a digest of `flux8 config`, defaults included) is not run again, so an interrupted or
+extended call (more seeds, more variants) redoes only what is missing, and a flux8 whose
+defaults changed refuses the old runs instead of mixing them in.
 
 Table columns: final loss mean ± sample std over the seeds; Δ vs BF16 = mean(variant) −
 mean(BF16) with its 95% interval: "paired" (Student t over the per-seed differences, n − 1
@@ -44,6 +46,7 @@ non-finite loss or gradient and non-finite logged losses, summed over the seeds.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -223,14 +226,36 @@ def make_plan(args, flux8: str) -> tuple:
     return plan, steps, what, {}
 
 
+def resolved_digest(plan: Plan, variant: Variant) -> str:
+    """The digest of the settings a variant's runs resolve to (`flux8 config` of the run's config,
+    or of no config for the bench's workload, with --set and the variant's keys): defaults
+    included, so a run made by a flux8 whose defaults differ is not taken for this one."""
+    config = plan.config
+    if not config:
+        config = os.path.join(plan.out, "defaults.yaml")
+        os.makedirs(plan.out, exist_ok=True)
+        with open(config, "w", encoding="utf-8") as f:
+            f.write("# empty: flux8's defaults\n")
+    try:
+        values = resolved_config(plan.flux8, config, plan.sets + variant.sets)
+    except HarnessError:
+        return "unresolved"  # a key flux8 refuses: the run itself fails, naming it
+    text = "\n".join(f"{k}={v}" for k, v in sorted(values.items()) if k not in ("save_dir", "seed", "threads"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def make_runs(plan: Plan, variants: list, seeds: list, threads: int) -> list:
     """Seed by seed, so that a call cut short by --time-budget leaves whole seeds: paired
     differences need every variant of a seed."""
     runs = []
+    resolved = {}  # variant -> digest of its resolved config
     for seed in seeds:
         for v in variants:
             name = runs_mod.run_name(v, seed)
             run = Run(v, seed, os.path.join(plan.out, name), os.path.join(plan.out, name + ".log"), threads=threads)
+            if v.name not in resolved:
+                resolved[v.name] = resolved_digest(plan, v)
+            run.resolved = resolved[v.name]
             if plan.runner == "train":
                 run.command = runs_mod.train_command(plan, run) + ["--set", f"threads={threads}"]
             else:

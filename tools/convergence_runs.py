@@ -46,6 +46,9 @@ class Run:
     command: list = dataclasses.field(default_factory=list)
     threads: int = 1
     result: dict | None = None
+    # The settings the run resolves to beyond its command: the digest of flux8's resolved config
+    # (its defaults included), so that a run made by a flux8 with other defaults is not reused.
+    resolved: str = ""
 
     @property
     def name(self) -> str:
@@ -99,6 +102,12 @@ def bench_command(plan: Plan, run: Run) -> list:
         if kv.partition("=")[0] not in ("fp8", "fp8_recipe"):
             cmd += ["--set", kv]
     return cmd
+
+
+def run_identity(run: Run) -> list:
+    """What decides a run's result: its command less the binary's path and the threads, and the
+    digest of the config it resolves to."""
+    return identity(run.command) + ([f"resolved-config={run.resolved}"] if run.resolved else [])
 
 
 def identity(command: list) -> list:
@@ -210,10 +219,11 @@ def reusable(plan: Plan, run: Run) -> bool:
         return False
     with open(stamp, encoding="utf-8") as f:
         made_with = json.load(f).get("identity")
-    if made_with != identity(run.command):
+    if made_with != run_identity(run):
         raise HarnessError(
-            f"{run.folder} holds run {run.name} made with other arguments:\n  then: {' '.join(made_with or [])}\n"
-            f"  now:  {' '.join(identity(run.command))}\nuse another --out, or delete {run.folder} to rerun it")
+            f"{run.folder} holds run {run.name} made with other arguments or other resolved settings (a flux8 with "
+            f"other defaults):\n  then: {' '.join(made_with or [])}\n  now:  {' '.join(run_identity(run))}\n"
+            f"use another --out, or delete {run.folder} to rerun it")
     run.result = read_result(plan, run)
     return run.result is not None
 
@@ -223,7 +233,7 @@ def start_fresh(run: Run) -> None:
     shutil.rmtree(run.folder, ignore_errors=True)
     os.makedirs(run.folder, exist_ok=True)
     with open(os.path.join(run.folder, RUN_FILE), "w", encoding="utf-8") as f:
-        json.dump({"identity": identity(run.command), "command": run.command}, f, indent=1)
+        json.dump({"identity": run_identity(run), "command": run.command}, f, indent=1)
 
 
 _live, _live_lock = set(), threading.Lock()  # the flux8 processes under way

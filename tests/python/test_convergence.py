@@ -16,7 +16,7 @@ missing). Checks:
      timings.tsv.
   4. A second call reruns nothing; a call with another variant runs only that one; --reference
      compares against another row and leaves bf16 out; an unfinished run is rerun; a folder
-     made with other arguments is refused.
+     made with other arguments, or resolving to other settings, is refused.
   5. A failing run (a misspelt key) is an error naming the run and its log; --set seed and more
      jobs than --gpus are refused.
   6. The bench tier (flux8 bench --data structured) on the shrunk demo model, its runs spread
@@ -230,6 +230,20 @@ def check_resume(out, first_stdout):
     assert started == ["delayed_hybrid_seed2"] and res.stdout == first_stdout, res.stderr
     res = harness(out, *demo_args("--steps", "5"), expect_ok=False)
     assert "bf16_seed1 made with other arguments" in res.stderr and "train_iters=5" in res.stderr, res.stderr
+    # A run made by a flux8 whose resolved settings differ (another default) is not reused either:
+    # its stamp holds the digest of the config it resolved to.
+    stamp = os.path.join(out, "bf16_seed1", runs.RUN_FILE)
+    with open(stamp, encoding="utf-8") as f:
+        made = json.load(f)
+    digests = [a for a in made["identity"] if a.startswith("resolved-config=")]
+    assert len(digests) == 1 and len(digests[0]) == len("resolved-config=") + 16, made["identity"]
+    changed = dict(made, identity=[a if a not in digests else "resolved-config=0000000000000000" for a in made["identity"]])
+    with open(stamp, "w", encoding="utf-8") as f:
+        json.dump(changed, f)
+    res = harness(out, *demo_args(), expect_ok=False)
+    assert "bf16_seed1 made with other arguments or other resolved settings" in res.stderr, res.stderr
+    with open(stamp, "w", encoding="utf-8") as f:
+        json.dump(made, f)
 
 
 def check_failures(tmp):
