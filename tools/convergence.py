@@ -24,7 +24,7 @@ Examples:
   python3 tools/convergence.py --tier demo --seeds 1234,7,42 --jobs 9 --out runs/conv_demo
   python3 tools/convergence.py --tier w1 --seeds 1,2,3 --formats hybrid --out runs/conv_w1
   python3 tools/convergence.py --tier demo --recipes delayed --formats hybrid \\
-      --variant "delayed_hybrid_bf16_grads: fp8=hybrid fp8_recipe=delayed grad_precision=bf16"
+      --variant "delayed_hybrid_f32_grads: fp8=hybrid fp8_recipe=delayed grad_precision=f32"
   python3 tools/convergence.py --plot-from runs/conv_w1/results.json   # the PNG on another machine
 
 Writes into --out: one folder per run (<variant>_seed<S>/: metrics.jsonl or bench.json) and its
