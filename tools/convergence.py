@@ -81,7 +81,7 @@ def parse_args(argv):
     p.add_argument("--formats", default=",".join(FORMATS), help="FP8 formats: e4m3, hybrid (default both)")
     p.add_argument("--variant", action="append", default=[], metavar="'NAME: key=value ...'",
                    help="an extra variant: a name, a colon and its --set overrides separated by spaces, e.g. "
-                   "'bf16_moments: adam_moment_precision=bf16' or 'delayed_hybrid_fp8_attention: fp8=hybrid "
+                   "'f32_moments: adam_moment_precision=f32' or 'delayed_hybrid_fp8_attention: fp8=hybrid "
                    "fp8_recipe=delayed fp8_dot_product_attention=true' (repeatable)")
     p.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
                    help="a config override for every run, e.g. backend=cpu (repeatable; not seed: use --seeds)")

@@ -191,21 +191,21 @@ def check_resume(out, first_stdout):
     res = harness(out, *demo_args())
     assert res.stdout == first_stdout and mtimes(out) == before, "a second call reran finished runs"
     assert res.stderr.count("reused") == 10 and "started" not in res.stderr, res.stderr
-    res = harness(out, *demo_args("--variant", "bf16_moments: adam_moment_precision=bf16"))
+    res = harness(out, *demo_args("--variant", "f32_moments: adam_moment_precision=f32"))
     started = sorted(line.split()[1].rstrip(":") for line in res.stderr.splitlines() if "started" in line)
-    assert started == ["bf16_moments_seed1", "bf16_moments_seed2"], res.stderr
-    assert "| bf16_moments | 2 |" in res.stdout, res.stdout
+    assert started == ["f32_moments_seed1", "f32_moments_seed2"], res.stderr
+    assert "| f32_moments | 2 |" in res.stdout, res.stdout
     # --reference: candidates against another row, seed by seed, without the bf16 runs.
     res = harness(out, *demo_args("--recipes", "delayed", "--formats", "hybrid", "--reference", "delayed_hybrid",
-                                  "--variant", "bf16_moments: adam_moment_precision=bf16"))
+                                  "--variant", "f32_moments: adam_moment_precision=f32"))
     assert "started" not in res.stderr, res.stderr
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
     assert "| Δ vs delayed_hybrid [95% CI] |" in rows[0], rows[0]
-    assert [row.split(" | ")[0][2:] for row in rows[1:]] == ["delayed_hybrid", "bf16_moments"], rows
+    assert [row.split(" | ")[0][2:] for row in rows[1:]] == ["delayed_hybrid", "f32_moments"], rows
     with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
         data = json.load(f)
     finals = {(r["variant"], r["seed"]): r["final_loss"] for r in data["runs"]}
-    d = [finals[("bf16_moments", s)] - finals[("delayed_hybrid", s)] for s in (1, 2)]
+    d = [finals[("f32_moments", s)] - finals[("delayed_hybrid", s)] for s in (1, 2)]
     c = data["summary"][1]["vs_reference"]
     assert data["meta"]["reference"] == "delayed_hybrid" and c["used"] == "paired" and close(c["diff"], sum(d) / 2), c
     res = harness(out, *demo_args("--reference", "tensorwise_e4m3"), expect_ok=False)
