@@ -8,10 +8,10 @@ Needs mpirun (Open MPI); exit 77 without it. Checks:
      distributed optimizer and TP=2 against one rank, in the config's precision and FP8, within
      1e-6 (DP) and 1e-5 (TP) on the CPU; every FP8 job's checkpoints found the ranks' scales
      identical; a TP=2 checkpoint resumed at TP=2 bit for bit and at TP=1 within 1e-5),
-     `scaling` (one rank and DP=2, with and without overlap_grad_reduce, the buckets reported), `big` (the first setting
-     the plan fits, timed in BF16 and FP8 with 2 micro-batches a step, its tensor-parallel
-     all-reduces profiled) and `failure` (rank 1 killed: the job ends within 60 s
-     naming it, the last checkpoint resumes).
+     `scaling` (one rank and DP=2, with and without overlap_grad_reduce, the buckets reported),
+     `big` (the first setting the plan fits, timed in BF16 and FP8 with 2 micro-batches a step,
+     its tensor-parallel all-reduces profiled) and `failure` (rank 1 killed: the job ends within
+     60 s naming it, the last checkpoint resumes).
   2. Speed and memory targets are recorded but not judged on the CPU (met: null); every judged
      check is met, the exit status is 0 and multi_gpu.txt ends with the count.
   3. Over 4 ranks: TP=2 x DP=2's checkpoints (saves timed and sized, resumed bit for bit, loaded
