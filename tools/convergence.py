@@ -227,16 +227,22 @@ def make_plan(args, flux8: str) -> tuple:
     return plan, steps, what, {}
 
 
-def resolved_digest(plan: Plan, variant: Variant) -> str:
-    """The digest of the settings a variant's runs resolve to (`flux8 config` of the run's config,
-    or of no config for the bench's workload, with --set and the variant's keys): defaults
-    included, so a run made by a flux8 whose defaults differ is not taken for this one."""
-    config = plan.config
-    if not config:
-        config = os.path.join(plan.out, "defaults.yaml")
-        os.makedirs(plan.out, exist_ok=True)
-        with open(config, "w", encoding="utf-8") as f:
-            f.write("# empty: flux8's defaults\n")
+def resolving_config(plan: Plan) -> str:
+    """The config `flux8 config` resolves the runs' settings from: the runs' own, or for the
+    bench's workload an empty one (flux8's defaults), written once into the output folder."""
+    if plan.config:
+        return plan.config
+    config = os.path.join(plan.out, "defaults.yaml")
+    os.makedirs(plan.out, exist_ok=True)
+    with open(config, "w", encoding="utf-8") as f:
+        f.write("# empty: flux8's defaults\n")
+    return config
+
+
+def resolved_digest(plan: Plan, config: str, variant: Variant) -> str:
+    """The digest of the settings a variant's runs resolve to (`flux8 config` of `config`, with
+    --set and the variant's keys): defaults included, so a run made by a flux8 whose defaults
+    differ is not taken for this one."""
     try:
         values = resolved_config(plan.flux8, config, plan.sets + variant.sets)
     except HarnessError:
@@ -249,13 +255,12 @@ def make_runs(plan: Plan, variants: list, seeds: list, threads: int) -> list:
     """Seed by seed, so that a call cut short by --time-budget leaves whole seeds: paired
     differences need every variant of a seed."""
     runs = []
-    resolved = {}  # variant -> digest of its resolved config
+    config = resolving_config(plan)
+    resolved = {v.name: resolved_digest(plan, config, v) for v in variants}
     for seed in seeds:
         for v in variants:
             name = runs_mod.run_name(v, seed)
             run = Run(v, seed, os.path.join(plan.out, name), os.path.join(plan.out, name + ".log"), threads=threads)
-            if v.name not in resolved:
-                resolved[v.name] = resolved_digest(plan, v)
             run.resolved = resolved[v.name]
             if plan.runner == "train":
                 run.command = runs_mod.train_command(plan, run) + ["--set", f"threads={threads}"]
