@@ -74,8 +74,10 @@ def main():
               "correct: DP=2, DP=2 distributed optimizer and TP=2, each in the config's precision and FP8")
         # TP=2 sums the split GEMMs in another order: ~1e-7 apart, which the bf16 moments' stochastic
         # rounding turns into a moment an ulp apart where a value lies at a rounding boundary.
-        check(all(e["max_rel_loss_diff"] < bound and e["val_rel_diff"] < bound
-                  for name, e in runs.items() for bound in [1e-5 if name.startswith("tp2") else 1e-6]),
+        def bound(name):
+            return 1e-5 if name.startswith("tp2") else 1e-6
+        check(all(e["max_rel_loss_diff"] < bound(name) and e["val_rel_diff"] < bound(name)
+                  for name, e in runs.items()),
               "correct: step and validation losses within 1e-6 (DP) and 1e-5 (TP) of one rank's on the CPU "
               f"({max(e['max_rel_loss_diff'] for e in runs.values()):.2g})")
         fp8 = [runs[f"{n}_fp8"]["fp8_checks"] for n in ("dp2", "dp2_zero", "tp2")]
