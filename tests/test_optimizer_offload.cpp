@@ -74,6 +74,14 @@ TEST(OptimizerOffload, SameTrainingWithMastersInHostMemoryAndFp8) {
   expect_offload_changes_nothing("cpu", {"fp8=e4m3", "fp8_recipe=tensorwise", "adam_moment_precision=f32"});
 }
 
+// optimizer_offload_overlap (the default, on with more than one chunk) passes the chunks through
+// two device slots; off, through one, each chunk's copies and update in turn.
+TEST(OptimizerOffload, ChunksOneAfterAnotherTrainAsStateOnTheBackend) {
+  const std::vector<std::string> sequential{"optimizer_offload_overlap=false"};
+  expect_offload_changes_nothing("moments", {"adam_moment_precision=f32"}, sequential);
+  expect_offload_changes_nothing("cpu", {"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"}, sequential);
+}
+
 // optimizer_offload_update: host — AdamW on the host's cores, the gradients down and the masters
 // up, the device writing the forms from them — trains as the update on the backend: f32 and bf16
 // moments, FP8 casts written with the update (delayed) and cast from staged masters (tensorwise).

@@ -74,6 +74,11 @@ class Device {
     // Host -> backend memory, after what the queue waits for; host_src may be reused once upload()
     // returns. Called from one host thread at a time (any thread).
     virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+    // Backend memory -> host, after what the queue waits for; host_dst holds the bytes once
+    // synchronize() returns. Copies of registered host memory (register_host_memory) run beside
+    // the host; others may return only when done.
+    virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
+    virtual void synchronize() = 0;               // the host waits for the copies queued so far
     virtual void record_event(Event& e) = 0;      // after the copies queued so far
     virtual void wait_event(const Event& e) = 0;  // later copies start after e's point
     // True when the copies run beside the backend's ops (a CUDA copy stream).

@@ -102,15 +102,17 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     // AdamWOptimizer's device chunk: offload_chunk elements, passed by up to a parameter.
     const int64_t chunk = std::min(p.moment_elements, offload_chunk + largest);
     p.host_moments = p.moments;
-    p.moments = moment_bytes * static_cast<double>(chunk);
     // optimizer_offload_update: host — the moments never come to the device.
     p.host_update = p.offload_masters && config.get_string("optimizer_offload_update") == "host";
-    if (p.host_update) p.moments = 0;
+    // optimizer_offload_overlap: two chunks' buffers, where there is more than one chunk.
+    const double slots =
+        !p.host_update && config.get_bool("optimizer_offload_overlap") && chunk < p.moment_elements ? 2 : 1;
+    p.moments = p.host_update ? 0 : slots * moment_bytes * static_cast<double>(chunk);
     if (p.offload_masters) {
       // ParamStore's f32 residents of the small parameters, the staging buffer of the largest
-      // (FP8 casts, operand copies) and the optimizer's chunk of masters.
+      // (FP8 casts, operand copies) and the optimizer's chunk(s) of masters.
       p.host_masters = p.masters;
-      p.masters = 4.0 * static_cast<double>(small + largest + chunk);
+      p.masters = 4.0 * (static_cast<double>(small + largest) + slots * static_cast<double>(chunk));
     }
   }
 

@@ -421,6 +421,7 @@ StepBenchResult run_step_bench(Backend& device, const StepBenchSpec& spec) {
       transfer_ms.push_back(1e3 * st.transfer_s);
       update_ms.push_back(1e3 * st.update_s);
       host_update_ms.push_back(1e3 * st.host_update_s);
+      r.offload_overlapped = st.overlapped;
     }
     const double ms = 1e3 * seconds_since(ts);
     if (s == 0) {

@@ -94,6 +94,7 @@ struct StepBenchResult {
   // updates on the device and of AdamW on the host (StepStats::transfer_s, update_s,
   // host_update_s; optimizer_offload_update: host), or −1.
   double offload_transfer_ms = -1, offload_update_ms = -1, offload_host_update_ms = -1;
+  bool offload_overlapped = false;  // StepStats::overlapped: offload_update_ms holds the transfers too
 };
 
 // The benchmark's fixed workloads: W1 (flux_535m, 256 px, batch 32) and W2 (12B-width slice: 2

@@ -296,6 +296,11 @@ void print_run_notes(const StepBenchResult& r, const std::string& backend) {
         "  optimizer_offload: of the step, {:.1f} ms moving gradients and master weights over PCIe, {:.1f} ms "
         "of AdamW on the host and {:.1f} ms writing the weights' device forms\n",
         r.offload_transfer_ms, r.offload_host_update_ms, r.offload_update_ms);
+  else if (r.offload_overlapped)
+    fmt::print(
+        "  optimizer_offload (overlapped): of the step, {:.1f} ms moving optimizer state over PCIe and updating its "
+        "chunks on the device, at once\n",
+        r.offload_update_ms);
   else if (r.offload_transfer_ms >= 0)
     fmt::print(
         "  optimizer_offload: of the step, {:.1f} ms moving optimizer state over PCIe and {:.1f} ms updating "
@@ -411,6 +416,7 @@ json run_json(const StepBenchResult& r, const StepBenchSpec& s, const std::strin
           {"offload_transfer_ms", number_or_null(r.offload_transfer_ms)},
           {"offload_update_ms", number_or_null(r.offload_update_ms)},
           {"offload_host_update_ms", number_or_null(r.offload_host_update_ms)},
+          {"offload_overlapped", r.offload_overlapped},
           {"ops", ops},
           {"idle_before", idle_before},
           {"roofline", roofline},

@@ -27,6 +27,7 @@ AdamWConfig AdamWConfig::from_config(const Config& c) {
   a.offload_masters = offload == "cpu";
   a.offload_chunk = c.get_int("optimizer_offload_chunk");
   a.host_update = c.get_string("optimizer_offload_update") == "host";
+  a.overlap = c.get_bool("optimizer_offload_overlap");
   return a;
 }
 
@@ -76,11 +77,7 @@ AdamWOptimizer::~AdamWOptimizer() {
   release_full_moments();
   release_moment(m_);
   release_moment(v_);
-  if (dm_.defined()) {
-    store_.backend().release(dm_.data);
-    store_.backend().release(dv_.data);
-  }
-  if (dp_chunk_.defined()) store_.backend().release(dp_chunk_.data);
+  release_slots();
   release_moment(host_grads_);
   release_moment(host_grads_raw_);
 }
@@ -282,11 +279,13 @@ void AdamWOptimizer::update(StepStats& s, FlatRange range, const Backend::AdamW&
   const std::vector<FlatRange> chunks = offload_chunks(range, !sharded_);
   int64_t longest = 0;
   for (const FlatRange& c : chunks) longest = std::max(longest, c.count);
-  allocate_device_chunk(longest);
+  const bool overlap = cfg_.overlap && !cfg_.host_update && chunks.size() > 1;
+  allocate_device_chunk(longest, overlap ? 2 : 1);
   if (cfg_.host_update) {
     for (const FlatRange& c : chunks) update_chunk_on_host(s, c, h, copies, casts, low_rank);
     return;
   }
+  if (overlap) return update_overlapped(s, chunks, h, copies, casts, low_rank);
   for (const FlatRange& c : chunks) update_chunk(s, c, h, copies, casts, low_rank);
 }
 
@@ -312,15 +311,28 @@ std::vector<FlatRange> AdamWOptimizer::offload_chunks(FlatRange range, bool whol
   return chunks;
 }
 
-void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
+void AdamWOptimizer::release_slots() {
+  for (DeviceSlot& slot : slots_)
+    for (Tensor* t : {&slot.m, &slot.v, &slot.p})
+      if (t->defined()) {
+        store_.backend().release(t->data);
+        *t = Tensor{};
+      }
+}
+
+void AdamWOptimizer::allocate_device_chunk(int64_t elements, int slots) {
   Backend& be = store_.backend();
+  const auto fits = [&](const Tensor& t) { return t.defined() && t.numel() >= elements; };
+  const auto on_device = [&](DType dt) {
+    return Tensor(be.allocate(static_cast<size_t>(elements) * dtype_size(dt)), dt, Shape{elements});
+  };
   if (cfg_.host_update) {  // the device holds the masters' chunk alone; the gradients' comes to the host
-    if (dp_chunk_.defined() && dp_chunk_.numel() >= elements) return;
-    if (dp_chunk_.defined()) be.release(dp_chunk_.data);
+    if (fits(slots_[0].p)) return;
+    release_slots();
     release_moment(host_grads_);
     release_moment(host_grads_raw_);
     const DType dt = store_.dtype(), stored = store_.grad_dtype();
-    dp_chunk_ = Tensor(be.allocate(static_cast<size_t>(elements) * dtype_size(dt)), dt, Shape{elements});
+    slots_[0].p = on_device(dt);
     const auto pinned = [&](DType t) {
       const size_t bytes = static_cast<size_t>(elements) * dtype_size(t);
       const Tensor out(host_->allocate(bytes), t, Shape{elements});
@@ -331,18 +343,13 @@ void AdamWOptimizer::allocate_device_chunk(int64_t elements) {
     if (stored != dt) host_grads_raw_ = pinned(stored);
     return;
   }
-  if (dm_.defined() && dm_.numel() >= elements) return;
-  if (dm_.defined()) {
-    be.release(dm_.data);
-    be.release(dv_.data);
+  if (fits(slots_[0].m) && (slots < 2 || fits(slots_[1].m))) return;
+  release_slots();
+  for (int i = 0; i < slots; ++i) {
+    slots_[i].m = on_device(m_.dtype);
+    slots_[i].v = on_device(m_.dtype);
+    if (store_.masters_offloaded()) slots_[i].p = on_device(store_.dtype());
   }
-  if (dp_chunk_.defined()) be.release(dp_chunk_.data);
-  const size_t bytes = static_cast<size_t>(elements) * dtype_size(m_.dtype);
-  dm_ = Tensor(be.allocate(bytes), m_.dtype, Shape{elements});
-  dv_ = Tensor(be.allocate(bytes), m_.dtype, Shape{elements});
-  if (store_.masters_offloaded())
-    dp_chunk_ = Tensor(be.allocate(static_cast<size_t>(elements) * dtype_size(store_.dtype())), store_.dtype(),
-                       Shape{elements});
 }
 
 namespace {
@@ -369,37 +376,88 @@ void lap(std::chrono::steady_clock::time_point& t, double& total) {
 
 }  // namespace
 
+void AdamWOptimizer::apply_chunk(int slot, FlatRange chunk, Backend::AdamW h,
+                                 std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
+                                 const std::vector<Backend::LowRankGrad>& low_rank) {
+  Backend& be = store_.backend();
+  const DeviceSlot& d = slots_[slot];
+  const Tensor params = store_.masters_offloaded() ? flat_slice(d.p, {0, chunk.count}) : masters(chunk);
+  h.index_base = chunk.begin;
+  be.adamw(params, flat_slice(store_.flat_grads(), chunk), flat_slice(d.m, {0, chunk.count}),
+           flat_slice(d.v, {0, chunk.count}), h, in_chunk(copies, chunk), in_chunk(casts, chunk),
+           in_chunk(low_rank, chunk));
+  // The residents the model reads are copied from the updated chunk.
+  const std::vector<Backend::CopyPair> residents = store_.resident_copies(chunk.begin, chunk.count, params);
+  if (!residents.empty()) be.copy_batch(residents);
+}
+
 void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h,
                                   std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
                                   const std::vector<Backend::LowRankGrad>& low_rank) {
-  const auto chunk_copies = in_chunk(copies, chunk);
-  const auto chunk_casts = in_chunk(casts, chunk);
-  const auto chunk_low_rank = in_chunk(low_rank, chunk);
   Backend& be = store_.backend();
   const FlatRange mine{chunk.begin - owned_.begin, chunk.count};  // in this rank's moments
   const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
-  const Tensor dm = flat_slice(dm_, {0, chunk.count}), dv = flat_slice(dv_, {0, chunk.count});
-  // Offloaded masters come up with their moments and go back with them; the residents the model
-  // reads are copied from the updated chunk.
+  const DeviceSlot& d = slots_[0];
+  // Offloaded masters come up with their moments and go back with them.
   const Tensor held = masters(chunk);
   const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(held.dtype);
-  const Tensor params = store_.masters_offloaded() ? flat_slice(dp_chunk_, {0, chunk.count}) : held;
   be.synchronize();  // the step's backward, not this chunk's transfers
   auto t = std::chrono::steady_clock::now();
-  be.upload(dm.data, flat_slice(m_, mine).data, bytes);
-  be.upload(dv.data, flat_slice(v_, mine).data, bytes);
-  if (store_.masters_offloaded()) be.upload(params.data, held.data, master_bytes);
+  be.upload(d.m.data, flat_slice(m_, mine).data, bytes);
+  be.upload(d.v.data, flat_slice(v_, mine).data, bytes);
+  if (store_.masters_offloaded()) be.upload(d.p.data, held.data, master_bytes);
   lap(t, s.transfer_s);
-  h.index_base = chunk.begin;
-  be.adamw(params, flat_slice(store_.flat_grads(), chunk), dm, dv, h, chunk_copies, chunk_casts, chunk_low_rank);
-  const std::vector<Backend::CopyPair> residents = store_.resident_copies(chunk.begin, chunk.count, params);
-  if (!residents.empty()) be.copy_batch(residents);
+  apply_chunk(0, chunk, h, copies, casts, low_rank);
   be.synchronize();
   lap(t, s.update_s);
-  if (store_.masters_offloaded()) be.download(held.data, params.data, master_bytes);
-  be.download(flat_slice(m_, mine).data, dm.data, bytes);
-  be.download(flat_slice(v_, mine).data, dv.data, bytes);
+  if (store_.masters_offloaded()) be.download(held.data, d.p.data, master_bytes);
+  be.download(flat_slice(m_, mine).data, d.m.data, bytes);
+  be.download(flat_slice(v_, mine).data, d.v.data, bytes);
   lap(t, s.transfer_s);
+}
+
+void AdamWOptimizer::update_overlapped(StepStats& s, const std::vector<FlatRange>& chunks, const Backend::AdamW& h,
+                                       std::span<const Backend::ParamCopy> copies,
+                                       std::span<const Backend::ParamCast> casts,
+                                       const std::vector<Backend::LowRankGrad>& low_rank) {
+  Backend& be = store_.backend();
+  if (!up_) {
+    up_ = be.make_copy_queue();
+    down_ = be.make_copy_queue();
+    for (auto* events : {&uploaded_, &updated_, &downloaded_})
+      for (auto& e : *events) e = be.make_event();
+  }
+  be.synchronize();  // the step's backward
+  auto t = std::chrono::steady_clock::now();
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    const FlatRange chunk = chunks[k];
+    const int slot = static_cast<int>(k % 2);
+    const DeviceSlot& d = slots_[slot];
+    const FlatRange mine{chunk.begin - owned_.begin, chunk.count};
+    const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
+    const Tensor held = masters(chunk);
+    const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(held.dtype);
+    // Up, once the slot's previous chunk (k - 2) has gone down.
+    if (k >= 2) up_->wait_event(*downloaded_[slot]);
+    up_->upload(d.m.data, flat_slice(m_, mine).data, bytes);
+    up_->upload(d.v.data, flat_slice(v_, mine).data, bytes);
+    if (store_.masters_offloaded()) up_->upload(d.p.data, held.data, master_bytes);
+    up_->record_event(*uploaded_[slot]);
+    // The update, once it is up; then down, once it is updated.
+    be.wait_event(*uploaded_[slot]);
+    apply_chunk(slot, chunk, h, copies, casts, low_rank);
+    be.record_event(*updated_[slot]);
+    down_->wait_event(*updated_[slot]);
+    if (store_.masters_offloaded()) down_->download(held.data, d.p.data, master_bytes);
+    down_->download(flat_slice(m_, mine).data, d.m.data, bytes);
+    down_->download(flat_slice(v_, mine).data, d.v.data, bytes);
+    down_->record_event(*downloaded_[slot]);
+  }
+  // The host reads the moments and masters next (a checkpoint, the next update): all down.
+  down_->synchronize();
+  be.synchronize();
+  lap(t, s.update_s);
+  s.overlapped = true;
 }
 
 void AdamWOptimizer::update_chunk_on_host(StepStats& s, FlatRange chunk, Backend::AdamW h,
@@ -408,7 +466,7 @@ void AdamWOptimizer::update_chunk_on_host(StepStats& s, FlatRange chunk, Backend
                                           const std::vector<Backend::LowRankGrad>& low_rank) {
   Backend& be = store_.backend();
   const Tensor held = masters(chunk);  // in host memory (offload_masters)
-  const Tensor params = flat_slice(dp_chunk_, {0, chunk.count});
+  const Tensor params = flat_slice(slots_[0].p, {0, chunk.count});
   const Tensor grads = flat_slice(store_.flat_grads(), chunk), g = flat_slice(host_grads_, {0, chunk.count});
   be.synchronize();  // the step's backward, not this chunk's transfers
   auto t = std::chrono::steady_clock::now();

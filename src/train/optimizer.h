@@ -3,6 +3,7 @@
 // two more flat buffers laid out like the parameters (on the CPU backend the f32 parameters
 // are themselves the master weights), in the parameters' type or, with adam_moment_precision
 // bf16, in bf16 (stochastically rounded: Backend::AdamW).
+#include <array>
 #include <memory>
 #include <span>
 #include <vector>
@@ -35,6 +36,9 @@ struct AdamWConfig {
   // device writes the forms the model reads from them, instead of the moments and masters making
   // the round trip through the device.
   bool host_update = false;
+  // optimizer_offload_overlap: the device update's chunks through two device slots, transfers and
+  // updates at once (AdamWOptimizer::update_overlapped).
+  bool overlap = true;
   static AdamWConfig from_config(const Config& cfg);
 };
 
@@ -46,6 +50,9 @@ struct StepStats {
   // Offload: host seconds this update spent moving state over PCIe (uploads and downloads, which
   // return when done) and running the chunks' updates (AdamW and the copies it writes, waited for).
   double transfer_s = 0, update_s = 0;
+  // optimizer_offload_overlap: the chunks' transfers ran beside each other and beside the
+  // updates; update_s is then all of it and transfer_s 0.
+  bool overlapped = false;
   // optimizer_offload_update: host — the host seconds of AdamW on the host's cores (update_s is
   // then the device writing the forms from the new masters).
   double host_update_s = 0;
@@ -115,12 +122,21 @@ class AdamWOptimizer {
  private:
   StepStats sharded_step(int64_t step, double lr);
   // AdamW over the parameters `range` (inside owned()): in place, or with offload a chunk of
-  // `chunks` at a time through the device buffers dm_/dv_. copies/casts/low_rank as adamw takes
+  // `chunks` at a time through the device buffers slots_. copies/casts/low_rank as adamw takes
   // them for the whole flat buffer.
   void update(StepStats& s, FlatRange range, const Backend::AdamW& h, std::span<const Backend::ParamCopy> copies,
               std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
   void update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
                     std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
+  // optimizer_offload_overlap: the chunks through the two device slots in turn, uploads on one
+  // copy queue and downloads on another, so that chunk k + 1 comes up while chunk k is updated and
+  // chunk k − 1 goes down. The same kernels on the same bytes: the same bits as update_chunk.
+  void update_overlapped(StepStats& s, const std::vector<FlatRange>& chunks, const Backend::AdamW& h,
+                         std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
+                         const std::vector<Backend::LowRankGrad>& low_rank);
+  // The chunk's AdamW on the device from slot `slot`, and the resident copies it writes.
+  void apply_chunk(int slot, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
+                   std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
   // host_update: the chunk's AdamW on the host, then its forms written on the device from the
   // uploaded masters — the copies, casts and residents the device update writes, bit for bit.
   void update_chunk_on_host(StepStats& s, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
@@ -129,7 +145,7 @@ class AdamWOptimizer {
   // Offload: the chunks of `range` — whole parameters, starting at even indices — and the device
   // buffers for the largest.
   std::vector<FlatRange> offload_chunks(FlatRange range, bool whole_params) const;
-  void allocate_device_chunk(int64_t elements);
+  void allocate_device_chunk(int64_t elements, int slots);
   // Sharded: the group's shards `mine` (this rank's, on `mine_on`) into `full` (host memory, the
   // group's rank 0 only: undefined elsewhere), a piece of each rank's shard at a time through
   // one backend buffer.
@@ -151,8 +167,17 @@ class AdamWOptimizer {
   Backend* host_ = nullptr;            // offload: the moments' memory
   std::unique_ptr<Backend> own_host_;  // host_ when the masters are not offloaded
   Tensor m_, v_;
-  Tensor dm_, dv_;   // offload: one chunk of each moment on the parameters' backend
-  Tensor dp_chunk_;  // offloaded masters: one chunk of them on the parameters' backend
+  // Offload: the device buffers of a chunk — of each moment and, with offloaded masters, of the
+  // masters. Slot 1 only with optimizer_offload_overlap.
+  struct DeviceSlot {
+    Tensor m, v, p;
+  };
+  std::array<DeviceSlot, 2> slots_;
+  void release_slots();
+  // optimizer_offload_overlap: the upload and download queues, and per slot the points its
+  // chunk's upload, update and download reach.
+  std::unique_ptr<Backend::CopyQueue> up_, down_;
+  std::array<std::unique_ptr<Backend::Event>, 2> uploaded_, updated_, downloaded_;
   // host_update: one chunk of the gradients in host memory, in the parameters' type, and, for
   // gradients the device keeps in another type (bf16), their bytes as downloaded.
   Tensor host_grads_, host_grads_raw_;

@@ -39,12 +39,16 @@ void CpuBackend::do_upload(void* dst, const void* host_src, size_t bytes) {
 }
 
 namespace {
-// Host memory to host memory, done before upload() returns (any thread: no shared state).
+// Host memory to host memory, done before upload() or download() returns (any thread: no shared state).
 class CpuCopyQueue final : public Backend::CopyQueue {
  public:
   void upload(void* dst, const void* host_src, size_t bytes) override {
     if (bytes) std::memcpy(dst, host_src, bytes);
   }
+  void download(void* host_dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(host_dst, src, bytes);
+  }
+  void synchronize() override {}
   void record_event(Backend::Event&) override {}
   void wait_event(const Backend::Event&) override {}
   bool asynchronous() const override { return false; }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 
 #include "backend/cuda/attention.h"
@@ -248,11 +249,13 @@ cudaEvent_t cuda_event(const Backend::Event& e) {
   return c->event;
 }
 
-// A stream of its own and its own pinned chunks: another thread's uploads run beside the
-// backend's ops.
+// A stream of its own and its own pinned chunks: another thread's uploads, or the offloaded
+// optimizer's transfers, run beside the backend's ops. Registered host memory is copied directly
+// and asynchronously; other memory stages through the chunks.
 class CudaCopyQueue final : public Backend::CopyQueue {
  public:
-  explicit CudaCopyQueue(int device) : device_(device) {
+  CudaCopyQueue(int device, std::function<bool(const void*, size_t)> registered)
+      : device_(device), registered_(std::move(registered)) {
     FLUX8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   ~CudaCopyQueue() override {
@@ -263,8 +266,24 @@ class CudaCopyQueue final : public Backend::CopyQueue {
   CudaCopyQueue& operator=(const CudaCopyQueue&) = delete;
 
   void upload(void* dst, const void* host_src, size_t bytes) override {
+    if (!bytes) return;
     FLUX8_CUDA_CHECK(cudaSetDevice(device_));  // the calling thread's device may be another
-    staging_.copy(dst, host_src, bytes, stream_);
+    if (registered_(host_src, bytes))
+      FLUX8_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+    else
+      staging_.copy(dst, host_src, bytes, stream_);
+  }
+  void download(void* host_dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    FLUX8_CUDA_CHECK(cudaSetDevice(device_));
+    if (registered_(host_dst, bytes))
+      FLUX8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    else
+      staging_.copy_to_host(host_dst, src, bytes, stream_);  // done when it returns
+  }
+  void synchronize() override {
+    FLUX8_CUDA_CHECK(cudaSetDevice(device_));
+    FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void record_event(Backend::Event& e) override {
     FLUX8_CUDA_CHECK(cudaSetDevice(device_));
@@ -278,6 +297,7 @@ class CudaCopyQueue final : public Backend::CopyQueue {
 
  private:
   int device_ = 0;
+  std::function<bool(const void*, size_t)> registered_;
   cudaStream_t stream_ = nullptr;
   PinnedStaging staging_;  // freed after the destructor has drained the stream
 };
@@ -285,7 +305,10 @@ class CudaCopyQueue final : public Backend::CopyQueue {
 
 std::unique_ptr<Backend::Event> CudaBackend::make_event() { return std::make_unique<CudaEvent>(); }
 cudaEvent_t CudaBackend::native_event(const Event& e) { return cuda_event(e); }
-std::unique_ptr<Backend::CopyQueue> CudaBackend::make_copy_queue() { return std::make_unique<CudaCopyQueue>(device_); }
+std::unique_ptr<Backend::CopyQueue> CudaBackend::make_copy_queue() {
+  return std::make_unique<CudaCopyQueue>(device_,
+                                         [this](const void* p, size_t bytes) { return registered_range(p, bytes); });
+}
 
 void CudaBackend::do_record_event(Event& e) {
   if (capturing_) fail("cuda backend: record_event while a CUDA graph is being captured");
