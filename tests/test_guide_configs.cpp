@@ -249,6 +249,21 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
     EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - MemoryPlan::of(offloaded, one).peak(Recompute::none));
   knob("micro_batch_size: 1");
   if (const MemoryKnob* k = knob("tensor_model_parallel_size: 2")) EXPECT_EQ(k->note, "on 2 GPUs");
+  for (const MemoryKnob& k : a.knobs) EXPECT_NE(k.setting, "optimizer_offload_overlap: false");  // nothing offloaded
+  {
+    // Offloaded and overlapped: one chunk's buffers instead of two are advised, with their bytes.
+    const MemoryAdvice o = memory_advice(offloaded, one);
+    Config single = offloaded;
+    single.set("optimizer_offload_overlap", "false");
+    bool advised = false;
+    for (const MemoryKnob& k : o.knobs)
+      if (k.setting == "optimizer_offload_overlap: false") {
+        advised = true;
+        EXPECT_DOUBLE_EQ(k.saving, o.peak - MemoryPlan::of(single, one).peak(Recompute::none));
+        EXPECT_GT(k.saving, 0.0);
+      }
+    EXPECT_TRUE(advised);
+  }
   for (size_t i = 1; i < a.knobs.size(); ++i) EXPECT_GE(a.knobs[i - 1].saving, a.knobs[i].saving);
 
   // A device just above the peak with full recomputation; the failed allocation lacked 1 GiB.

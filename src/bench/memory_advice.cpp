@@ -64,6 +64,11 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
   if (cfg.get_string("optimizer_offload") != "cpu" && parallel.tp == 1 && !parallel.distributed_optimizer)
     add("optimizer_offload: cpu", "the f32 master weights and the AdamW moments in host memory",
         peak_with(cfg, parallel, {{"optimizer_offload", "cpu"}}));
+  // The overlapped offload's second chunk of device buffers (the device update only).
+  if (cfg.get_string("optimizer_offload") != "none" && cfg.get_bool("optimizer_offload_overlap") &&
+      cfg.get_string("optimizer_offload_update") == "device")
+    add("optimizer_offload_overlap: false", "one chunk's buffers; the transfers and updates one after another",
+        peak_with(cfg, parallel, {{"optimizer_offload_overlap", "false"}}));
   if (parallel.dp > 1 && !parallel.distributed_optimizer) {
     ParallelShape zero = parallel;
     zero.distributed_optimizer = true;
