@@ -252,7 +252,9 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
   for (const MemoryKnob& k : a.knobs) EXPECT_NE(k.setting, "optimizer_offload_overlap: false");  // nothing offloaded
   {
     // Offloaded and overlapped: one chunk's buffers instead of two are advised, with their bytes.
-    const MemoryAdvice o = memory_advice(offloaded, one);
+    Config overlapped = offloaded;
+    overlapped.set("optimizer_offload_overlap", "true");
+    const MemoryAdvice o = memory_advice(overlapped, one);
     Config single = offloaded;
     single.set("optimizer_offload_overlap", "false");
     bool advised = false;

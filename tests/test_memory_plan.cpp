@@ -228,19 +228,17 @@ TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
     const MemoryPlan a = MemoryPlan::of(on_gpu, shape), b = MemoryPlan::of(offloaded, shape);
     EXPECT_TRUE(b.offload);
     EXPECT_EQ(b.host_moments, a.moments);
-    // Two chunks (optimizer_offload_overlap); one without the overlap.
-    EXPECT_EQ(b.moments, 2 * 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
+    EXPECT_EQ(b.moments, 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
     EXPECT_EQ(b.checkpoint_buffers, a.checkpoint_buffers);
     EXPECT_EQ(a.state() - b.state(), a.moments - b.moments);
-    const MemoryPlan one = MemoryPlan::of(Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments",
-                                                              "optimizer_offload_overlap=false"}),
+    // optimizer_offload_overlap: two chunks.
+    const MemoryPlan two = MemoryPlan::of(Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments",
+                                                              "optimizer_offload_overlap=true"}),
                                           shape);
-    EXPECT_EQ(one.moments, 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
+    EXPECT_EQ(two.moments, 2 * 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
   }
   // optimizer_offload_update: host (with cpu): AdamW on the host, no chunk of the moments on the GPU.
-  // (One slot: the host update has one chunk of masters on the GPU, the overlapped device update two.)
-  const MemoryPlan streamed =
-      MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_overlap=false"}), {});
+  const MemoryPlan streamed = MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu"}), {});
   const MemoryPlan on_host =
       MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_update=host"}), {});
   EXPECT_GT(streamed.moments, 0.0);
@@ -250,7 +248,7 @@ TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
 }
 
 // optimizer_offload: cpu moves the f32 master weights to host memory too: the GPU keeps the small
-// parameters in f32, a staging buffer of the largest and the optimizer's chunks of masters.
+// parameters in f32, a staging buffer of the largest and the optimizer's chunk of masters.
 TEST(MemoryPlan, OffloadedMastersLeaveTheSmallParametersAndAChunkOnTheGpu) {
   const Config moments = Config::load(kDev, {"optimizer_offload=moments"});
   const Config masters = Config::load(kDev, {"optimizer_offload=cpu"});
@@ -266,7 +264,11 @@ TEST(MemoryPlan, OffloadedMastersLeaveTheSmallParametersAndAChunkOnTheGpu) {
   EXPECT_TRUE(b.offload_masters);
   EXPECT_FALSE(a.offload_masters);
   EXPECT_EQ(b.host_masters, 4.0 * static_cast<double>(layout.total()));
-  EXPECT_EQ(b.masters, 4.0 * static_cast<double>(small + largest + 2 * chunk));  // two chunks: the overlap
+  EXPECT_EQ(b.masters, 4.0 * static_cast<double>(small + largest + chunk));
+  // optimizer_offload_overlap: two chunks of masters.
+  const MemoryPlan two =
+      MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_overlap=true"}), {});
+  EXPECT_EQ(two.masters, 4.0 * static_cast<double>(small + largest + 2 * chunk));
   EXPECT_EQ(b.host_moments, a.host_moments);
   EXPECT_EQ(a.state() - b.state(), a.masters - b.masters);
   EXPECT_LT(b.masters, 0.1 * a.masters);

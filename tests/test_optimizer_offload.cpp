@@ -74,12 +74,12 @@ TEST(OptimizerOffload, SameTrainingWithMastersInHostMemoryAndFp8) {
   expect_offload_changes_nothing("cpu", {"fp8=e4m3", "fp8_recipe=tensorwise", "adam_moment_precision=f32"});
 }
 
-// optimizer_offload_overlap (the default, on with more than one chunk) passes the chunks through
-// two device slots; off, through one, each chunk's copies and update in turn.
-TEST(OptimizerOffload, ChunksOneAfterAnotherTrainAsStateOnTheBackend) {
-  const std::vector<std::string> sequential{"optimizer_offload_overlap=false"};
-  expect_offload_changes_nothing("moments", {"adam_moment_precision=f32"}, sequential);
-  expect_offload_changes_nothing("cpu", {"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"}, sequential);
+// optimizer_offload_overlap passes the chunks through two device slots, uploads and downloads on
+// copy queues of their own (the default, off: one slot, each chunk's copies and update in turn).
+TEST(OptimizerOffload, OverlappedChunksTrainAsStateOnTheBackend) {
+  const std::vector<std::string> overlapped{"optimizer_offload_overlap=true"};
+  expect_offload_changes_nothing("moments", {"adam_moment_precision=f32"}, overlapped);
+  expect_offload_changes_nothing("cpu", {"adam_moment_precision=bf16", "fp8=hybrid", "fp8_recipe=delayed"}, overlapped);
 }
 
 // optimizer_offload_update: host — AdamW on the host's cores, the gradients down and the masters

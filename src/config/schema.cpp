@@ -182,7 +182,7 @@ std::vector<KeySpec> training_keys() {
                  "optimizer_offload: cpu — where AdamW runs: device streams each chunk's masters and moments "
                  "through the device and back; host runs it on the host's cores where they live, the gradients "
                  "coming down and the new masters going up (a third of the PCIe bytes), bit for bit the same"),
-      bool_key("training", "optimizer_offload_overlap", true,
+      bool_key("training", "optimizer_offload_overlap", false,
                "optimizer_offload with the device update — true: the chunks pass through two device buffers in "
                "turn, one chunk coming up while the one before is updated and the one before that goes down (both "
                "PCIe directions at once); false: one buffer, each chunk's transfers and update one after another, "

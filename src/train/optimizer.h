@@ -38,7 +38,7 @@ struct AdamWConfig {
   bool host_update = false;
   // optimizer_offload_overlap: the device update's chunks through two device slots, transfers and
   // updates at once (AdamWOptimizer::update_overlapped).
-  bool overlap = true;
+  bool overlap = false;
   static AdamWConfig from_config(const Config& cfg);
 };
 
