@@ -42,12 +42,7 @@ void expect_offload_changes_nothing(const std::string& offload, const std::vecto
     return o;
   };
   run_training(options("device", false));
-  TrainOptions off = options("host", true);
-  off.stop_after = 3;
-  EXPECT_TRUE(run_training(off).stopped_early);
-  off.resume = true;
-  off.stop_after = 0;
-  EXPECT_EQ(run_training(off).steps_done, 6);
+  testing::train_across_a_resume(options("host", true), 3, 6);
   const std::vector<double> a = testing::step_losses(dir.root / "device" / "metrics.jsonl");
   ASSERT_EQ(a.size(), 6u);
   EXPECT_EQ(testing::step_losses(dir.root / "host" / "metrics.jsonl"), a);

@@ -90,6 +90,16 @@ inline void expect_same_tensors(const std::string& a, const std::string& b) {
 // after step 3 — the producer has read step 4's samples by then — and resumes: the same losses,
 // final validation loss and step-6 checkpoint bit for bit. Both take the `extra` overrides and
 // save under dir.root / "off" and "on".
+// Trains `o` for `stop` steps, stops (save_interval must checkpoint there), resumes and trains to
+// its end, `total` steps: the run that crosses a checkpoint and a resume.
+inline void train_across_a_resume(TrainOptions o, int64_t stop, int64_t total) {
+  o.stop_after = stop;
+  EXPECT_TRUE(run_training(o).stopped_early);
+  o.resume = true;
+  o.stop_after = 0;
+  EXPECT_EQ(run_training(o).steps_done, total);
+}
+
 inline void expect_overlap_changes_nothing(const RunDir& dir, const std::vector<std::string>& extra,
                                            const std::string& overlap) {
   auto options = [&](const char* save, const std::string& value) {

@@ -30,12 +30,8 @@ void expect_offload_matches_the_device(const std::string& offload, const std::ve
   };
   run_training(options("device", {}));
   run_training(options("sequential", {"optimizer_offload=" + offload, "optimizer_offload_overlap=false"}));
-  TrainOptions overlapped = options("overlapped", {"optimizer_offload=" + offload, "optimizer_offload_overlap=true"});
-  overlapped.stop_after = 3;
-  EXPECT_TRUE(run_training(overlapped).stopped_early);
-  overlapped.resume = true;
-  overlapped.stop_after = 0;
-  EXPECT_EQ(run_training(overlapped).steps_done, 6);
+  testing::train_across_a_resume(
+      options("overlapped", {"optimizer_offload=" + offload, "optimizer_offload_overlap=true"}), 3, 6);
   const std::vector<double> losses = testing::step_losses(dir.root / "device" / "metrics.jsonl");
   ASSERT_EQ(losses.size(), 6u);
   for (const char* run : {"sequential", "overlapped"}) {
