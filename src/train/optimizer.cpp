@@ -391,28 +391,33 @@ void AdamWOptimizer::apply_chunk(int slot, FlatRange chunk, Backend::AdamW h,
   if (!residents.empty()) be.copy_batch(residents);
 }
 
+std::vector<AdamWOptimizer::ChunkCopy> AdamWOptimizer::chunk_copies(int slot, FlatRange chunk) const {
+  const DeviceSlot& d = slots_[slot];
+  const FlatRange mine{chunk.begin - owned_.begin, chunk.count};  // in this rank's moments
+  const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
+  std::vector<ChunkCopy> out{{flat_slice(m_, mine).data, d.m.data, bytes},
+                             {flat_slice(v_, mine).data, d.v.data, bytes}};
+  // Offloaded masters come up with their moments and go back with them.
+  if (store_.masters_offloaded()) {
+    const Tensor held = masters(chunk);
+    out.push_back({held.data, d.p.data, held.bytes()});
+  }
+  return out;
+}
+
 void AdamWOptimizer::update_chunk(StepStats& s, FlatRange chunk, Backend::AdamW h,
                                   std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
                                   const std::vector<Backend::LowRankGrad>& low_rank) {
   Backend& be = store_.backend();
-  const FlatRange mine{chunk.begin - owned_.begin, chunk.count};  // in this rank's moments
-  const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
-  const DeviceSlot& d = slots_[0];
-  // Offloaded masters come up with their moments and go back with them.
-  const Tensor held = masters(chunk);
-  const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(held.dtype);
+  const std::vector<ChunkCopy> state = chunk_copies(0, chunk);
   be.synchronize();  // the step's backward, not this chunk's transfers
   auto t = std::chrono::steady_clock::now();
-  be.upload(d.m.data, flat_slice(m_, mine).data, bytes);
-  be.upload(d.v.data, flat_slice(v_, mine).data, bytes);
-  if (store_.masters_offloaded()) be.upload(d.p.data, held.data, master_bytes);
+  for (const ChunkCopy& c : state) be.upload(c.device, c.host, c.bytes);
   lap(t, s.transfer_s);
   apply_chunk(0, chunk, h, copies, casts, low_rank);
   be.synchronize();
   lap(t, s.update_s);
-  if (store_.masters_offloaded()) be.download(held.data, d.p.data, master_bytes);
-  be.download(flat_slice(m_, mine).data, d.m.data, bytes);
-  be.download(flat_slice(v_, mine).data, d.v.data, bytes);
+  for (const ChunkCopy& c : state) be.download(c.host, c.device, c.bytes);
   lap(t, s.transfer_s);
 }
 
@@ -430,32 +435,23 @@ void AdamWOptimizer::update_overlapped(StepStats& s, const std::vector<FlatRange
   be.synchronize();  // the step's backward
   auto t = std::chrono::steady_clock::now();
   for (size_t k = 0; k < chunks.size(); ++k) {
-    const FlatRange chunk = chunks[k];
     const int slot = static_cast<int>(k % 2);
-    const DeviceSlot& d = slots_[slot];
-    const FlatRange mine{chunk.begin - owned_.begin, chunk.count};
-    const size_t bytes = static_cast<size_t>(chunk.count) * dtype_size(m_.dtype);
-    const Tensor held = masters(chunk);
-    const size_t master_bytes = static_cast<size_t>(chunk.count) * dtype_size(held.dtype);
+    const std::vector<ChunkCopy> state = chunk_copies(slot, chunks[k]);
     // Up, once the slot's previous chunk (k - 2) has gone down.
     if (k >= 2) up_->wait_event(*downloaded_[slot]);
-    up_->upload(d.m.data, flat_slice(m_, mine).data, bytes);
-    up_->upload(d.v.data, flat_slice(v_, mine).data, bytes);
-    if (store_.masters_offloaded()) up_->upload(d.p.data, held.data, master_bytes);
+    for (const ChunkCopy& c : state) up_->upload(c.device, c.host, c.bytes);
     up_->record_event(*uploaded_[slot]);
     // The update, once it is up; then down, once it is updated.
     be.wait_event(*uploaded_[slot]);
-    apply_chunk(slot, chunk, h, copies, casts, low_rank);
+    apply_chunk(slot, chunks[k], h, copies, casts, low_rank);
     be.record_event(*updated_[slot]);
     down_->wait_event(*updated_[slot]);
-    if (store_.masters_offloaded()) down_->download(held.data, d.p.data, master_bytes);
-    down_->download(flat_slice(m_, mine).data, d.m.data, bytes);
-    down_->download(flat_slice(v_, mine).data, d.v.data, bytes);
+    for (const ChunkCopy& c : state) down_->download(c.host, c.device, c.bytes);
     down_->record_event(*downloaded_[slot]);
   }
-  // The host reads the moments and masters next (a checkpoint, the next update): all down.
+  // The host reads the moments and masters next (a checkpoint, the next update): all down, and
+  // with them every update they waited for.
   down_->synchronize();
-  be.synchronize();
   lap(t, s.update_s);
   s.overlapped = true;
 }

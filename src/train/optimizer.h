@@ -134,6 +134,14 @@ class AdamWOptimizer {
   void update_overlapped(StepStats& s, const std::vector<FlatRange>& chunks, const Backend::AdamW& h,
                          std::span<const Backend::ParamCopy> copies, std::span<const Backend::ParamCast> casts,
                          const std::vector<Backend::LowRankGrad>& low_rank);
+  // A chunk's optimizer state in host memory and its place in device slot `slot`: the moments
+  // and, offloaded, the masters.
+  struct ChunkCopy {
+    void* host;
+    void* device;
+    size_t bytes;
+  };
+  std::vector<ChunkCopy> chunk_copies(int slot, FlatRange chunk) const;
   // The chunk's AdamW on the device from slot `slot`, and the resident copies it writes.
   void apply_chunk(int slot, FlatRange chunk, Backend::AdamW h, std::span<const Backend::ParamCopy> copies,
                    std::span<const Backend::ParamCast> casts, const std::vector<Backend::LowRankGrad>& low_rank);
