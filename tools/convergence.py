@@ -31,10 +31,10 @@ Writes into --out: one folder per run (<variant>_seed<S>/: metrics.jsonl or benc
 log (<variant>_seed<S>.log), timings.tsv (each run's wall seconds), results.json (every run's
 curves and command, and the summary), table.md (the markdown table, also printed),
 curves.png and, for the w1 tier without -c, defaults.yaml (an empty config: what `flux8 config`
-resolves the bench's settings from). A run whose folder shows it finished with the same arguments and the same resolved
-settings (a digest of `flux8 config`, defaults included) is not run again, so an interrupted or
-extended call (more seeds, more variants) redoes only what is missing, and a flux8 whose
-defaults changed refuses the old runs instead of mixing them in.
+resolves the bench's settings from). A run whose folder shows it finished with the same
+arguments and the same resolved settings (a digest of `flux8 config`, defaults included) is not
+run again, so an interrupted or extended call (more seeds, more variants) redoes only what is
+missing, and a flux8 whose defaults changed refuses the old runs instead of mixing them in.
 
 Table columns: final loss mean ± sample std over the seeds; Δ vs BF16 = mean(variant) −
 mean(BF16) with its 95% interval: "paired" (Student t over the per-seed differences, n − 1
