@@ -126,10 +126,11 @@ struct ModelRunOptions {
 struct ModelRun {
   std::vector<double> pred;
   std::vector<std::pair<std::string, std::vector<double>>> grads;  // (name, values), layout order
-  std::vector<int64_t> cast_elements;  // FP8: elements each (site, operand) cast in the last step
-  std::vector<float> scales, history;  // FP8 delayed scaling: the registry's state at the end
-  DType moment_dtype = DType::f32;     // with an optimizer: the type its moments were stored in
-  StepGraph::Stats graph;              // with graph_segment_ops: the StepGraph's counts
+  std::vector<int64_t> cast_elements;             // FP8: elements each (site, operand) cast in the last step
+  std::vector<float> scales, history;             // FP8 delayed scaling: the registry's state at the end
+  DType moment_dtype = DType::f32;                // with an optimizer: the type its moments were stored in
+  StepGraph::Stats graph;                         // with graph_segment_ops: the StepGraph's counts
+  size_t scratch_reserved = 0, scratch_peak = 0;  // FluxModel's block scratch, bytes
 };
 
 // FP8 delayed scaling, hybrid formats, a 4-step amax history: the whole-model tests' FP8 recipe
@@ -214,6 +215,8 @@ inline ModelRun run_model(Backend& device, const FluxConfig& cfg, const ModelRun
     r.history = reg.amax_history();
   }
   if (graph) r.graph = graph->stats();
+  r.scratch_reserved = model.scratch_reserved();
+  r.scratch_peak = model.scratch_peak();
   return r;
 }
 

@@ -109,7 +109,7 @@ TEST(ConfigLimits, DerivedSizesOfTheLargestAcceptedModelFit) {
   EXPECT_TRUE(std::isfinite(model_flops(m, shape).training()));
   const ActivationEstimate act = FluxModel::estimate_activations(m, shape, Recompute::none);
   EXPECT_GT(act.gpu_bytes(false), 0.0);
-  EXPECT_GT(act.workspace_elements, 0);
+  EXPECT_GT(act.workspace.bf16, 0.0);
 }
 
 TEST(ConfigLimits, AStepBeyondWhatFlux8PlansIsRefusedNamingItsKeys) {

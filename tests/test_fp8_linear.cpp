@@ -81,9 +81,10 @@ void check_recipe(Case c) {
   {
     Arena m1, m2;
     allocate_linear_input(m1, site, &rt, x.shape, DType::f32);
-    plan_site_scratch(m2, &rt, N, std::max(K, M));
+    plan_site_forward(m2, &rt.config(), N, K);
+    plan_site_backward(m2, &rt.config(), N, M);
     saved_arena.reserve(*be, m1.peak());
-    scratch.reserve(*be, m2.peak() + (1 << 20));
+    scratch.reserve(*be, m2.peak());
   }
   // Reference: the full-precision Linear.
   Tensor y_ref = buf.zeros(Shape{N, M}), dx_ref = buf.zeros(Shape{N, K}), dw_ref = buf.zeros(Shape{M, K}),

@@ -116,7 +116,7 @@ TEST(MemoryPlan, RecomputeElementwiseKeepsLess) {
   const FluxConfig cfg = FluxConfig::from_config(on);
   const ActivationEstimate e = FluxModel::estimate_activations(cfg, a.shape, Recompute::none);
   EXPECT_EQ(act(a, Recompute::none), e.gpu_bytes(true));
-  EXPECT_EQ(e.gpu_bytes(true), e.gpu_bytes(false));
+  EXPECT_EQ(e.saved.gpu_bytes(true), e.saved.gpu_bytes(false));  // no Linear input kept: the same tensors
   EXPECT_LT(a.step_total(Recompute::none), b.step_total(Recompute::none));
 }
 
@@ -204,13 +204,13 @@ TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
   const MemoryPlan two = MemoryPlan::of(config, {2, 1, true}), many = MemoryPlan::of(config, {2, 16, true});
   EXPECT_GT(two.peak(Recompute::selective), gpu_141gb);
   EXPECT_LE(two.peak(Recompute::full), gpu_141gb);
-  EXPECT_NEAR(two.step_total(Recompute::full) / kGiB, 125.98, 0.005);
-  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 126.23, 0.005);
-  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 46.81, 0.005);
+  EXPECT_NEAR(two.step_total(Recompute::full) / kGiB, 126.01, 0.005);
+  EXPECT_NEAR(two.peak(Recompute::full) / kGiB, 126.25, 0.005);
+  EXPECT_NEAR(many.step_total(Recompute::full) / kGiB, 46.84, 0.005);
   EXPECT_GT(many.peak(Recompute::full), gpu_40gb);
   const MemoryPlan fits = MemoryPlan::of(lean, {2, 16, true});
-  EXPECT_NEAR(fits.step_total(Recompute::full) / kGiB, 32.66, 0.005);
-  EXPECT_NEAR(fits.peak(Recompute::full) / kGiB, 33.03, 0.005);
+  EXPECT_NEAR(fits.step_total(Recompute::full) / kGiB, 32.69, 0.005);
+  EXPECT_NEAR(fits.peak(Recompute::full) / kGiB, 33.06, 0.005);
   EXPECT_LE(fits.peak(Recompute::full), gpu_40gb);
   EXPECT_GT(fits.peak(Recompute::selective), gpu_40gb);
 }

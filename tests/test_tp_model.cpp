@@ -289,7 +289,7 @@ TEST(TpModel, ModelSizesAndActivationsArePerRank) {
   const ActivationEstimate one = FluxModel::estimate_activations(cfg, shape);
   const ActivationEstimate two = FluxModel::estimate_activations(cfg, shape, Recompute::none, 2);
   EXPECT_LT(two.saved.gpu_bytes(false), one.saved.gpu_bytes(false));
-  EXPECT_LT(two.workspace_elements, one.workspace_elements);
+  EXPECT_LT(two.workspace.bf16, one.workspace.bf16);
   const std::vector<BlockWidths> widths = run_ranks<BlockWidths>(2, [&](TensorParallel tp) {
     auto be = make_backend("cpu");
     const FluxModel model(cfg, *be, DType::f32, nullptr, Recompute::none, tp);

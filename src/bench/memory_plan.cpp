@@ -38,7 +38,8 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   check_tensor_parallel(cfg, parallel.tp);
   p.shape =
       StepShape{config.get_int("micro_batch_size"), cfg.text_seq_len, cfg.image_tokens(config.get_int("image_size"))};
-  p.fp8 = Fp8Config::from_config(config).enabled;
+  const Fp8Config fp8 = Fp8Config::from_config(config);
+  p.fp8 = fp8.enabled;
   p.fp8_attention = p.fp8 && config.get_bool("fp8_dot_product_attention");
   p.bf16_activations = config.get_string("activation_precision") == "bf16";
   p.bf16_grads = config.get_string("grad_precision") == "bf16";
@@ -119,7 +120,8 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   p.recompute_elementwise = config.get_bool("recompute_elementwise");
   for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
     const RecomputePolicy policy{r, std::numeric_limits<int64_t>::max(), p.recompute_elementwise};
-    const ActivationEstimate act = FluxModel::estimate_activations(cfg, p.shape, policy, parallel.tp);
+    const ActivationEstimate act =
+        FluxModel::estimate_activations(cfg, p.shape, policy, parallel.tp, p.fp8 ? &fp8 : nullptr);
     p.activations[static_cast<size_t>(r)] =
         p.bf16_activations ? act.gpu_bytes(p.fp8, p.fp8_attention) : act.f32_bytes(p.fp8);
   }

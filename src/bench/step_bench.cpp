@@ -307,7 +307,8 @@ void summarize_run(Backend& be, const StepBenchSpec& spec, const StepGraph* grap
   r.peak_allocated_gib = static_cast<double>(mu.peak_allocated) / 1073741824.0;
   r.device_used_gib = static_cast<double>(mu.device_used) / 1073741824.0;
   // The estimate in the storage type the step ran with (flux8 info's "today" column).
-  const ActivationEstimate est = FluxModel::estimate_activations(spec.model, spec.shape, spec.recompute);
+  const ActivationEstimate est = FluxModel::estimate_activations(spec.model, spec.shape, spec.recompute, 1,
+                                                                 spec.fp8.enabled ? &spec.fp8 : nullptr);
   const bool bf16_storage = be.activation_dtype(DType::f32) == DType::bf16;
   r.activation_gib = (bf16_storage ? est.gpu_bytes(spec.fp8.enabled, spec.fp8.dot_product_attention)
                                    : est.f32_bytes(spec.fp8.enabled)) /

@@ -16,6 +16,7 @@
 #include "cli/text_format.h"
 #include "config/config.h"
 #include "core/error.h"
+#include "fp8/fp8_config.h"
 #include "model/flops.h"
 #include "model/flux_model.h"
 #include "model/params.h"
@@ -131,7 +132,9 @@ InfoReport compute_info(const Config& config) {
   r.recompute_elementwise = config.get_bool("recompute_elementwise");
   const RecomputePolicy policy{recompute_from_name(r.recompute), std::numeric_limits<int64_t>::max(),
                                r.recompute_elementwise};
-  const ActivationEstimate act = FluxModel::estimate_activations(cfg, r.shape, policy);
+  // The FP8 columns' scratch plans the casts of the config's recipe (delayed E4M3 without fp8).
+  const Fp8Config fp8 = Fp8Config::from_config(config);
+  const ActivationEstimate act = FluxModel::estimate_activations(cfg, r.shape, policy, 1, fp8.enabled ? &fp8 : nullptr);
   r.bf16_storage = config.get_string("activation_precision") == "bf16";
   // The FP8 columns with the config's fp8_dot_product_attention (FP8 q, k, v, o kept).
   r.fp8_attention = config.get_bool("fp8_dot_product_attention");
@@ -179,10 +182,10 @@ void print_memory_text(const InfoReport& r) {
              gib(m.total.today_bf16), gib(m.total.today_fp8));
   fmt::print(
       "  (BF16/FP8: the design, activations in bf16; today: what the CUDA backend allocates now,\n"
-      "   activations and block scratch in {} (activation_precision), bf16 copies of the Linear\n"
-      "   weights its BF16 GEMMs read (in FP8 those outside the block Linears); not\n"
-      "   counted: FP8 cast scratch, cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32;\n"
-      "   FP8 saves Linear inputs in 1 byte (none where recomputed); recompute_granularity {} (none,\n"
+      "   activations and block scratch in {} (activation_precision), in FP8 with the casts' scratch,\n"
+      "   bf16 copies of the Linear weights its BF16 GEMMs read (in FP8 those outside the block\n"
+      "   Linears); not counted: cuBLASLt/cuDNN workspaces, the CUDA context; statistics fp32; FP8\n"
+      "   saves Linear inputs in 1 byte (none where recomputed); recompute_granularity {} (none,\n"
       "   selective, full), recompute_elementwise {}; no optimizer sharding; see docs/MEMORY.md)\n",
       r.bf16_storage ? "bf16" : "f32", r.recompute, r.recompute_elementwise);
   if (r.fp8_attention)

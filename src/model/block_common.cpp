@@ -58,9 +58,10 @@ SavedLinearInput recompute_linear_input_of(Backend& be, Fp8Runtime* fp8, Arena& 
   return s;
 }
 
-void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols) {
-  if (!fp8 || !fp8->config().enabled || !fp8->config().wgrad) return;
-  allocate_qtensor(scratch, cols, rows, fp8->format(Operand::input), fp8->scaling(Operand::input), SlotKind::workspace);
+void plan_recompute_linear_input(Arena& scratch, const Fp8Config* fp8, int64_t rows, int64_t cols) {
+  if (!fp8 || !fp8->enabled || !fp8->wgrad) return;
+  allocate_qtensor(scratch, cols, rows, operand_format(*fp8, Operand::input), operand_scaling(*fp8, Operand::input),
+                   SlotKind::workspace);
 }
 
 }  // namespace flux8

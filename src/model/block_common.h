@@ -132,6 +132,6 @@ SavedLinearInput recompute_linear_input(Backend& be, Fp8Runtime* fp8, Arena& scr
 SavedLinearInput recompute_linear_input_of(Backend& be, Fp8Runtime* fp8, Arena& scratch, const LinearSite& site,
                                            const Backend::CastInput& in, DType dtype);
 // Scratch recompute_linear_input takes for a rows x cols input, besides `x` (planning).
-void plan_recompute_linear_input(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t cols);
+void plan_recompute_linear_input(Arena& scratch, const Fp8Config* fp8, int64_t rows, int64_t cols);
 
 }  // namespace flux8

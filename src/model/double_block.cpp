@@ -201,7 +201,10 @@ void stream_post_attention_backward(const BlockContext& ctx, DoubleStreamParams&
   const bool gelu_fused = gelu_in_epilogues(p.mlp_in, p.mlp_out, ctx.fp8);
   Tensor d_h = a.alloc(ctx.dtype, tok, SlotKind::workspace);  // reused for every [B,Ls,H] grad
   Tensor d_m = gelu_fused ? Tensor{} : a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
-  Tensor d_m2 = a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace);
+  // d_m2: mlp_in's output gradient, stored where a BF16 GEMM reads it (its wgrad, or the epilogue's dgrad).
+  Tensor d_m2 = gelu_fused || !wgrad_in_fp8(p.mlp_in, ctx.fp8)
+                    ? a.alloc(ctx.dtype, Shape{B, Ls, M}, SlotKind::workspace)
+                    : Tensor{};
   const double eps = ctx.cfg.layernorm_eps;
   Tensor x_mid = s.x_mid;
   if (joint.recompute.norms) {  // the forward's gated residual, one fused multiply-add an element
@@ -349,64 +352,84 @@ void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const 
   a.release_to(mark);
 }
 
-void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
-                               BlockRecompute r, bool fp8_sites) {
-  // What double_block_backward holds throughout, then the largest of what each of its parts takes
-  // on top and releases (the stream parts at the longer stream's tokens), and apart from it the
-  // block's forward: the peak of the simultaneous use, allocation by allocation (an overflow
-  // would fail loudly in Arena::alloc).
+void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Config* fp8,
+                               BlockRecompute r) {
+  // double_block_backward's allocations in its order (the stream parts at the longer stream's
+  // tokens), then apart from it the block's forward's: the arena's peak is their simultaneous use
+  // (an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, H = w.hidden, A = w.attention, M = w.mlp;
   const int64_t rows = B * std::max(sh.txt_tokens, sh.img_tokens);
   const Shape heads = heads_shape(w, sh);
+  const bool fp8_sites = fp8 != nullptr;
+  const bool wgrad8 = fp8 && fp8->wgrad;  // wgrad_in_fp8 of the block's Linears
+  const bool attention8 = fp8 && fp8->dot_product_attention;
+  const Fp8Config* mod8 = fp8 && fp8->modulation ? fp8 : nullptr;
   auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
-  auto site = [&] { plan_site_scratch(a, fp8, rows, std::max({3 * A, M, H})); };
-  auto recomputed_input = [&](int64_t cols) {  // a Linear input the block did not keep, with its FP8 cast
-    tokens(cols);
-    plan_recompute_linear_input(a, fp8, rows, cols);
+  auto head_tensors = [&](int n) {
+    for (int i = 0; i < n; ++i) a.alloc(t, heads, SlotKind::workspace);
   };
-  auto heads_scratch = [&] {  // q, k, v, where the block recomputes them (BlockRecompute::heads)
-    if (r.heads)
-      for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  // A Linear input the block did not keep, rebuilt for the backward: with FP8 wgrad its cast alone
+  // (recompute_linear_input_of), else the input itself.
+  auto recomputed_input = [&](int64_t cols) {
+    if (wgrad8)
+      plan_recompute_linear_input(a, fp8, rows, cols);
+    else
+      tokens(cols);
   };
   const size_t start = a.mark();
   for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);  // dmod of each stream
-  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);            // dO, dq, dk, dv
-  // FP8 attention: the backward's FP8 dO, dq, dk, dv instead (the bf16 heads above stay planned
-  // for blocks without it).
-  if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
+  if (attention8)
+    Fp8AttentionGrads::allocate(a, w, sh, *fp8);
+  else
+    head_tensors(4);  // dO, dq, dk, dv
   const size_t base = a.mark();
-  // After attention, a stream: d_h, d_m where GELU's backward is not in a dgrad epilogue (FP8
-  // sites), d_m2 and x_mid; then mlp_out's recomputed input, released before mlp_in's and proj's.
+  // After attention, a stream: d_h, d_m (GELU's backward not in a dgrad epilogue), d_m2 (mlp_in's
+  // stored output gradient), x_mid; mlp_out's recomputed input and casts, released before
+  // mlp_in's; then d_attn, and proj's input (o's tokens, and the cast) and casts.
   tokens(H);
-  if (fp8 || fp8_sites) tokens(M);
-  tokens(M);
+  if (fp8_sites) tokens(M);
+  if (!wgrad8) tokens(M);
   if (r.norms) tokens(H);
   const size_t stream = a.mark();
   if (r.copies) recomputed_input(M);
-  site();
+  plan_site_backward(a, fp8, rows, H);
   a.release_to(stream);
   if (r.norms) recomputed_input(H);
-  tokens(A);  // d_attn
-  if (r.copies) recomputed_input(A);
-  site();
+  plan_site_backward(a, fp8, rows, M);
+  tokens(A);
+  if (r.copies) {
+    tokens(A);
+    plan_recompute_linear_input(a, fp8, rows, A);
+  }
+  plan_site_backward(a, fp8, rows, H);
   a.release_to(base);
   // The joint attention's backward: q, k, v recomputed (FP8 attention recomputes none).
-  heads_scratch();
+  if (r.heads && !attention8) head_tensors(3);
   a.release_to(base);
-  // Before attention, a stream: d_qkv, d_h and qkv's recomputed input.
+  // Before attention, a stream: d_qkv, d_h, qkv's recomputed input and casts, the modulation's.
   tokens(3 * A);
   tokens(H);
   if (r.norms) recomputed_input(H);
-  site();
+  plan_site_backward(a, fp8, rows, 3 * A);
+  plan_site_backward(a, mod8, B, 6 * H);
   a.release_to(start);
-  // The forward: q, k, v in scratch, the Linear inputs and x_mid the block does not keep (and the
-  // buffer of an FP8 Linear's input that is kept only as a cast).
-  heads_scratch();
-  tokens(A);
-  tokens(H);
-  tokens(M);
-  tokens(H);
-  site();
+  // The forward: q, k, v in scratch where recomputed; before attention the modulation's and qkv's
+  // input casts and qkv's input where stored; after it the Linear inputs it does not keep where a
+  // site stores its input, x_mid where not kept, o's tokens for an FP8 proj, and the input casts.
+  if (r.heads && !attention8) head_tensors(3);
+  const size_t forward = a.mark();
+  plan_site_forward(a, mod8, B, H);
+  if (r.norms && !wgrad8) tokens(H);
+  plan_site_forward(a, fp8, rows, H);
+  a.release_to(forward);
+  if (r.copies && !wgrad8) tokens(A);
+  if (r.norms && !wgrad8) tokens(H);
+  if (r.copies && !wgrad8) tokens(M);
+  if (r.norms) tokens(H);
+  if (wgrad8) tokens(A);
+  plan_site_forward(a, fp8, rows, A);
+  plan_site_forward(a, fp8, rows, H);
+  plan_site_forward(a, fp8, rows, M);
 }
 
 }  // namespace flux8

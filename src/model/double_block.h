@@ -66,9 +66,10 @@ void double_block_forward(const BlockContext& ctx, DoubleBlockParams& p, DoubleB
 void double_block_backward(const BlockContext& ctx, DoubleBlockParams& p, const DoubleBlockSaved& saved, Tensor dtxt,
                            Tensor dimg);
 
-// Scratch memory the block needs at most (planning).
-// fp8_sites: plan as if the block's Linears ran in FP8 without an Fp8Runtime (estimates).
+// Scratch memory the block needs at most (planning): its forward's and backward's allocations, in
+// their order. fp8: the (enabled) FP8 config of a block whose Linears run in FP8, their casts
+// planned too; null for a BF16 block.
 void double_block_plan_scratch(Arena& scratch, const BlockWidths& widths, StepShape shape, DType dtype,
-                               const Fp8Runtime* fp8, BlockRecompute recompute = {}, bool fp8_sites = false);
+                               const Fp8Config* fp8, BlockRecompute recompute = {});
 
 }  // namespace flux8

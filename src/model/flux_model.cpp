@@ -129,27 +129,39 @@ namespace {
 
 // Scratch needed besides the blocks': the model-level backward buffers.
 void plan_model_scratch(Arena& a, const FluxConfig& c, const BlockWidths& w, StepShape sh, DType t,
-                        const Fp8Runtime* fp8, const RecomputePolicy& recompute, bool fp8_sites = false) {
+                        const Fp8Config* fp8, const RecomputePolicy& recompute) {
   // The kept blocks' recomputation (the first's, and where the policy applies to some blocks
   // only, the last's too): the larger of the two kinds of block.
   const BlockRecompute first = recompute.saved_by_block(0);
   const BlockRecompute last = recompute.saved_by_block(c.num_blocks() - 1);
   const int64_t B = sh.batch, H = c.hidden_size;
-  a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted
+  a.alloc(t, Shape{B, sh.img_tokens, c.out_channels}, SlotKind::workspace);  // dpred converted (if it must be)
   a.alloc(t, Shape{B, sh.txt_tokens, H}, SlotKind::workspace);               // dtxt
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);               // dimg
   a.alloc(t, Shape{B, sh.tokens(), H}, SlotKind::workspace);                 // dz
   a.alloc(t, Shape{B, sh.img_tokens, H}, SlotKind::workspace);               // final dxm
-  for (int i = 0; i < 6; ++i) a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);
-  const size_t mark = a.mark();  // blocks run one at a time: the larger of the counts
-  double_block_plan_scratch(a, w, sh, t, fp8, first, fp8_sites);
-  a.release_to(mark);
-  single_block_plan_scratch(a, w, sh, t, fp8, first);
-  if (last == first) return;
-  a.release_to(mark);
-  double_block_plan_scratch(a, w, sh, t, fp8, last, fp8_sites);
-  a.release_to(mark);
-  single_block_plan_scratch(a, w, sh, t, fp8, last);
+  a.alloc(t, Shape{B, 2 * H}, SlotKind::workspace);                          // the final layer's dmod
+  for (int i = 0; i < 4; ++i) a.alloc(t, Shape{B, H}, SlotKind::workspace);  // d_silu_vec, dvec, dact, dhidden
+  // Blocks run one at a time: the largest of the blocks' plans, each kind of block under each
+  // recompute setting in each precision a block runs in — FP8 blocks with their casts, and BF16
+  // blocks (a BF16 run, or first_last_layers_bf16) without.
+  std::vector<const Fp8Config*> precisions;
+  bool bf16_blocks = fp8 == nullptr;
+  if (fp8) {
+    bool fp8_blocks = false;
+    for (int64_t i = 0; i < c.num_blocks(); ++i)
+      (fp8->block_in_fp8(i, c.num_blocks()) ? fp8_blocks : bf16_blocks) = true;
+    if (fp8_blocks) precisions.push_back(fp8);
+  }
+  if (bf16_blocks) precisions.push_back(nullptr);
+  const size_t mark = a.mark();
+  for (const BlockRecompute r : {first, last})
+    for (const Fp8Config* f : precisions) {
+      double_block_plan_scratch(a, w, sh, t, f, r);
+      a.release_to(mark);
+      single_block_plan_scratch(a, w, sh, t, f, r);
+      a.release_to(mark);
+    }
 }
 
 // FLUX8_FUSED_NORM_STATS: 0 makes every LayerNorm compute its own statistics again (the gated
@@ -352,9 +364,9 @@ BlockContext FluxModel::block_context(const Tensor& d_silu_vec) {
 }
 
 ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepShape shape, RecomputePolicy recompute,
-                                                   int tp_size) {
+                                                   int tp_size, const Fp8Config* fp8) {
   const BlockWidths w = BlockWidths::of(cfg, tp_size);
-  Arena saved, scratch;  // measuring arenas
+  Arena saved;  // measuring arenas
   // BF16 plan: default sites are not FP8.
   const std::vector<DoubleBlockParams> dp(static_cast<size_t>(cfg.num_double_blocks));
   const std::vector<SingleBlockParams> sp(static_cast<size_t>(cfg.num_single_blocks));
@@ -367,18 +379,32 @@ ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepSh
   for (SingleBlockParams& p : sp8) p.fp8_attention = 0;
   ModelSaved::allocate(saved_fp8_attention, cfg, w, shape, DType::f32, DType::f32, DType::f32, dp8, sp8, nullptr,
                        recompute);
-  plan_model_scratch(scratch, cfg, w, shape, DType::f32, nullptr, recompute);
-  Arena scratch_fp8;
-  plan_model_scratch(scratch_fp8, cfg, w, shape, DType::f32, nullptr, recompute, /*fp8_sites=*/true);
-  return {saved.peak_usage(), saved_fp8_attention.peak_usage(), static_cast<int64_t>(scratch.peak() / 4),
-          static_cast<int64_t>(scratch_fp8.peak() / 4)};
+  Fp8Config linears = fp8 ? *fp8 : Fp8Config{};
+  linears.enabled = true;
+  linears.dot_product_attention = false;
+  Fp8Config attention = linears;
+  attention.dot_product_attention = true;
+  auto scratch = [&](const Fp8Config* blocks) {
+    ActivationEstimate::Scratch s;
+    for (const DType t : {DType::bf16, DType::f32}) {
+      Arena a;
+      plan_model_scratch(a, cfg, w, shape, t, blocks, recompute);
+      (t == DType::bf16 ? s.bf16 : s.f32) = static_cast<double>(a.peak());
+    }
+    return s;
+  };
+  ActivationEstimate e{saved.peak_usage(), saved_fp8_attention.peak_usage()};
+  e.workspace = scratch(nullptr);
+  e.workspace_fp8 = scratch(&linears);
+  e.workspace_fp8_attention = scratch(&attention);
+  return e;
 }
 
 void FluxModel::plan(StepShape s) {
   Arena saved, scratch;
   ModelSaved::allocate(saved, cfg_, widths_, s, dtype_, act_dtype_, heads_dtype_, double_params_, single_params_,
                        fp8_.get(), recompute_);
-  plan_model_scratch(scratch, cfg_, widths_, s, act_dtype_, fp8_.get(), recompute_);
+  plan_model_scratch(scratch, cfg_, widths_, s, act_dtype_, fp8_ ? &fp8_->config() : nullptr, recompute_);
   saved_arena_.reserve(be_, saved.peak());
   scratch_arena_.reserve(be_, scratch.peak());
   planned_ = s;

@@ -33,17 +33,23 @@ struct FluxInputs {
 struct ActivationEstimate {
   ArenaUsage saved;                // kept from forward to backward
   ArenaUsage saved_fp8_attention;  // ... with fp8_dot_product_attention in every block
-  int64_t workspace_elements;      // peak temporaries of one block's backward, BF16 Linears
-  int64_t workspace_elements_fp8;  // ... with FP8 Linears: GELU's output gradient outside the GEMMs
-                                   // (the casts' own scratch is not counted, as before)
-  int64_t workspace(bool fp8) const { return fp8 ? workspace_elements_fp8 : workspace_elements; }
+  // The block scratch FluxModel::plan reserves (bytes: the backward's temporaries, one block at a
+  // time, and the model's backward buffers), with bf16 and with f32 activations: BF16 Linears;
+  // FP8 Linears, their casts included (the recipe estimate_activations was given); the same with
+  // FP8 attention.
+  struct Scratch {
+    double bf16 = 0, f32 = 0;
+  };
+  Scratch workspace, workspace_fp8, workspace_fp8_attention;
+  const Scratch& scratch(bool fp8, bool fp8_attention = false) const {
+    return !fp8 ? workspace : fp8_attention ? workspace_fp8_attention : workspace_fp8;
+  }
   double gpu_bytes(bool fp8, bool fp8_attention = false) const {
-    return (fp8 && fp8_attention ? saved_fp8_attention : saved).gpu_bytes(fp8) +
-           2.0 * static_cast<double>(workspace(fp8));
+    return (fp8 && fp8_attention ? saved_fp8_attention : saved).gpu_bytes(fp8) + scratch(fp8, fp8_attention).bf16;
   }
   // With f32 activation storage (activation_precision: f32): f32 activations and workspace (an
   // upper bound: on the cuDNN path the attention heads q, k, v, o are bf16 all the same).
-  double f32_bytes(bool fp8) const { return saved.bytes(4.0, fp8) + 4.0 * static_cast<double>(workspace(fp8)); }
+  double f32_bytes(bool fp8) const { return saved.bytes(4.0, fp8) + scratch(fp8).f32; }
 };
 
 struct EmbedderSaved;
@@ -115,6 +121,9 @@ class FluxModel {
   // Reserves activation memory for steps up to this shape. forward() re-plans if a larger
   // shape arrives; training plans once so the step never allocates.
   void plan(StepShape max_shape);
+  // Bytes of the block scratch arena: what plan() reserved, and the most in use at once since.
+  size_t scratch_reserved() const { return scratch_arena_.capacity(); }
+  size_t scratch_peak() const { return scratch_arena_.peak(); }
 
   // Returns pred [B, Li, out_channels], valid until the next forward.
   Tensor forward(const FluxInputs& in);
@@ -126,9 +135,11 @@ class FluxModel {
   // that a block's gradients are final when its backward ends.
   void backward(const Tensor& dpred, FinalGradients* final = nullptr);
 
-  // Per rank of a tensor-parallel group of tp_size ranks (1: the whole model).
+  // Per rank of a tensor-parallel group of tp_size ranks (1: the whole model). fp8: the recipe
+  // whose casts the FP8 scratch plans (null: delayed scaling, E4M3, fp8_wgrad on).
   static ActivationEstimate estimate_activations(const FluxConfig& cfg, StepShape shape,
-                                                 RecomputePolicy recompute = Recompute::none, int tp_size = 1);
+                                                 RecomputePolicy recompute = Recompute::none, int tp_size = 1,
+                                                 const Fp8Config* fp8 = nullptr);
   const RecomputePolicy& recompute() const { return recompute_; }
 
   // FP8 state (null in BF16 runs).

@@ -26,8 +26,8 @@ Fp8AttentionSaved Fp8AttentionSaved::allocate(Arena& a, const BlockWidths& w, St
   return s;
 }
 
-Fp8AttentionGrads Fp8AttentionGrads::allocate(Arena& a, const BlockWidths& w, StepShape sh, const Fp8Runtime& fp8) {
-  const Fp8Format g = fp8.attention_format(T::dout);
+Fp8AttentionGrads Fp8AttentionGrads::allocate(Arena& a, const BlockWidths& w, StepShape sh, const Fp8Config& fp8) {
+  const Fp8Format g = operand_format(fp8, Operand::grad_output);  // Fp8Runtime::attention_format of the gradients
   Fp8AttentionGrads d;
   d.dout = heads_cast(a, w, sh, g, SlotKind::workspace);
   d.dq = heads_cast(a, w, sh, g, SlotKind::workspace);
@@ -39,7 +39,7 @@ Fp8AttentionGrads Fp8AttentionGrads::allocate(Arena& a, const BlockWidths& w, St
 AttentionHeadGrads AttentionHeadGrads::allocate(const BlockContext& ctx, bool fp8_attention) {
   AttentionHeadGrads g;
   if (fp8_attention) {
-    g.fp8 = Fp8AttentionGrads::allocate(ctx.scratch, ctx.widths, ctx.shape, *ctx.fp8);
+    g.fp8 = Fp8AttentionGrads::allocate(ctx.scratch, ctx.widths, ctx.shape, ctx.fp8->config());
   } else {
     g.o = ctx.scratch.alloc(ctx.heads_dtype, heads_shape(ctx), SlotKind::workspace);
     allocate_heads_qkv(ctx.scratch, ctx.widths, ctx.shape, ctx.heads_dtype, SlotKind::workspace, g.q, g.k, g.v);

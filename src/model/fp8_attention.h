@@ -25,7 +25,7 @@ struct Fp8AttentionSaved {
 struct Fp8AttentionGrads {
   QTensor dout, dq, dk, dv;
   bool defined() const { return dout.defined(); }
-  static Fp8AttentionGrads allocate(Arena& scratch, const BlockWidths& widths, StepShape shape, const Fp8Runtime& fp8);
+  static Fp8AttentionGrads allocate(Arena& scratch, const BlockWidths& widths, StepShape shape, const Fp8Config& fp8);
 };
 
 // A block's attention head gradients for its backward, in ctx.scratch: dO, dq, dk, dv as heads

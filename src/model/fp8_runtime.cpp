@@ -147,19 +147,9 @@ Backend::Fp8AttentionScales Fp8Runtime::attention_scales(int index) {
   return sc;
 }
 
-Fp8Format Fp8Runtime::format(Operand o) const {
-  return o == Operand::grad_output && cfg_.hybrid ? Fp8Format::e5m2 : Fp8Format::e4m3;
-}
+Fp8Format Fp8Runtime::format(Operand o) const { return operand_format(cfg_, o); }
 
-Fp8Scaling Fp8Runtime::scaling(Operand o) const {
-  switch (cfg_.recipe) {
-    case Fp8Recipe::delayed:
-    case Fp8Recipe::tensorwise: return Fp8Scaling::per_tensor;
-    case Fp8Recipe::blockwise: return o == Operand::weight ? Fp8Scaling::block_128x128 : Fp8Scaling::block_1x128;
-    case Fp8Recipe::mxfp8: return Fp8Scaling::mx_1x32;
-  }
-  return Fp8Scaling::per_tensor;
-}
+Fp8Scaling Fp8Runtime::scaling(Operand o) const { return operand_scaling(cfg_, o); }
 
 float* Fp8Runtime::amax_target(int slot) {
   if (!recording_) return scratch_amax_dev_.ptr<float>();

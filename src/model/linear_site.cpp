@@ -234,14 +234,36 @@ Backend::CastInput gated_branch_backward(Backend& be, const LinearSite& site, co
   return in;
 }
 
-void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols) {
-  if (!fp8 || !fp8->config().enabled) return;
-  // What one site holds at once, with the scales: the two casts of the output gradient in the
-  // backward (the forward holds one, the input's rowwise cast). The input buffer of a cast-only
-  // saved input is the block's (its plan has "a Linear's input buffer"); counting it here too,
-  // with a third cast, would over-reserve a cast's worth of each site.
-  for (int i = 0; i < 2; ++i)
-    allocate_qtensor(scratch, rows, max_cols, Fp8Format::e4m3, Fp8Scaling::block_1x128, SlotKind::workspace);
+Fp8Format operand_format(const Fp8Config& fp8, Operand o) {
+  return o == Operand::grad_output && fp8.hybrid ? Fp8Format::e5m2 : Fp8Format::e4m3;
+}
+
+Fp8Scaling operand_scaling(const Fp8Config& fp8, Operand o) {
+  switch (fp8.recipe) {
+    case Fp8Recipe::delayed:
+    case Fp8Recipe::tensorwise: return Fp8Scaling::per_tensor;
+    case Fp8Recipe::blockwise: return o == Operand::weight ? Fp8Scaling::block_128x128 : Fp8Scaling::block_1x128;
+    case Fp8Recipe::mxfp8: return Fp8Scaling::mx_1x32;
+  }
+  return Fp8Scaling::per_tensor;
+}
+
+void plan_site_forward(Arena& scratch, const Fp8Config* fp8, int64_t rows, int64_t in_cols) {
+  if (!fp8 || !fp8->enabled) return;
+  const size_t mark = scratch.mark();
+  allocate_qtensor(scratch, rows, in_cols, operand_format(*fp8, Operand::input), operand_scaling(*fp8, Operand::input),
+                   SlotKind::workspace);
+  scratch.release_to(mark);
+}
+
+void plan_site_backward(Arena& scratch, const Fp8Config* fp8, int64_t rows, int64_t out_cols) {
+  if (!fp8 || !fp8->enabled) return;
+  const size_t mark = scratch.mark();
+  const Fp8Format f = operand_format(*fp8, Operand::grad_output);
+  const Fp8Scaling sc = operand_scaling(*fp8, Operand::grad_output);
+  allocate_qtensor(scratch, rows, out_cols, f, sc, SlotKind::workspace);
+  if (fp8->wgrad) allocate_qtensor(scratch, out_cols, rows, f, sc, SlotKind::workspace);
+  scratch.release_to(mark);
 }
 
 }  // namespace flux8

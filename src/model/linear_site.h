@@ -21,6 +21,12 @@ class Fp8Runtime;
 
 enum class Operand : uint8_t { input = 0, weight = 1, grad_output = 2 };
 
+// The FP8 format and scaling of an operand's casts under a recipe (Fp8Runtime::format, scaling):
+// E5M2 gradients with hybrid; per-tensor scales (delayed, tensorwise), 1x128 blocks (128x128 for
+// weights) under blockwise, 1x32 E8M0 blocks under mxfp8.
+Fp8Format operand_format(const Fp8Config& fp8, Operand o);
+Fp8Scaling operand_scaling(const Fp8Config& fp8, Operand o);
+
 // A Linear's weight, bias and their gradients (views into the flat buffers), and its FP8 state.
 struct LinearSite {
   std::string name;  // reference prefix, e.g. "double_blocks.0.img_attn.qkv"
@@ -135,7 +141,11 @@ inline bool gelu_in_epilogues(const LinearSite& first, const LinearSite& second,
   return !fp8 || (!first.fp8 && !second.fp8);
 }
 
-// Scratch bytes site_forward/backward need at most for a `rows x max_cols` Linear.
-void plan_site_scratch(Arena& scratch, const Fp8Runtime* fp8, int64_t rows, int64_t max_cols);
+// The scratch an FP8 site takes for rows x cols and gives back (planning; nothing with fp8 null,
+// a BF16 site): the forward's rowwise cast of its `in_cols` input (cast_site_input), the
+// backward's casts of its `out_cols` output gradient (site_backward_fp8: rowwise for the dgrad,
+// columnwise with FP8 wgrad).
+void plan_site_forward(Arena& scratch, const Fp8Config* fp8, int64_t rows, int64_t in_cols);
+void plan_site_backward(Arena& scratch, const Fp8Config* fp8, int64_t rows, int64_t out_cols);
 
 }  // namespace flux8

@@ -52,13 +52,23 @@ SingleBlockSaved SingleBlockSaved::allocate(Arena& a, const BlockWidths& w, Step
 namespace {
 
 // recompute.copies: linear2's input as single_block_forward made it — the attention output in token
-// layout next to GELU(u's MLP part) — in scratch, FP8-cast again where the site keeps a cast.
+// layout next to GELU(u's MLP part) — in scratch; where the site keeps only an FP8 cast, the cast
+// alone, the GELU run inside it with o's tokens as its head (the forward's op: same codes).
 SavedLinearInput recompute_cat(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& s) {
   const int64_t A = ctx.widths.attention, M = ctx.widths.mlp;
-  const Tensor cat = ctx.scratch.alloc(ctx.dtype, Shape{s.z_in.shape[0], s.z_in.shape[1], A + M}, SlotKind::workspace);
+  const Shape tok{s.z_in.shape[0], s.z_in.shape[1], A};
+  Arena& a = ctx.scratch;
+  if (wgrad_in_fp8(p.linear2, ctx.fp8)) {  // as the forward: the GELU inside the cast, o's tokens as its head
+    const Tensor o_tokens = a.alloc(ctx.dtype, tok, SlotKind::workspace);
+    attention_output_to_tokens(ctx.be, o_tokens, s.att8, s.o, 0);
+    return recompute_linear_input_of(ctx.be, ctx.fp8, a, p.linear2,
+                                     Backend::CastInput::gelu_tanh_of(s.u.cols_slice(3 * A, M)).with_head(o_tokens),
+                                     ctx.dtype);
+  }
+  const Tensor cat = a.alloc(ctx.dtype, Shape{tok[0], tok[1], A + M}, SlotKind::workspace);
   attention_output_to_tokens(ctx.be, cat.cols_slice(0, A), s.att8, s.o, 0);
   ctx.be.gelu_tanh(cat.cols_slice(A, M), s.u.cols_slice(3 * A, M));
-  return recompute_linear_input(ctx.be, ctx.fp8, ctx.scratch, p.linear2, cat);
+  return recompute_linear_input(ctx.be, ctx.fp8, a, p.linear2, cat);
 }
 
 // q, k, v (column windows of u) into the head-major q, k, v of `s`: QK-norm, RoPE and the
@@ -141,7 +151,6 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   Arena& a = ctx.scratch;
   const size_t mark = a.mark();
   Tensor dmod = a.alloc(ctx.dtype, Shape{B, 3 * H}, SlotKind::workspace);
-  Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
   // d_u: u's gradient [dq dk dv | MLP part] (A = the attention width, H / T under tensor
   // parallelism). linear2's input gradient is [d_attn | d(GELU output)]. BF16: GELU's backward in
   // the dgrad GEMM's epilogue writes d_u's MLP part and d_attn is a buffer of its own. FP8: the
@@ -153,12 +162,12 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   const bool gelu_epilogue = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * A + M}, SlotKind::workspace);
   Tensor d_attn = gelu_epilogue ? a.alloc(ctx.dtype, Shape{B, L, A}, SlotKind::workspace) : d_u.cols_slice(2 * A, A);
-  // The head gradients: bf16 (or f32) heads, or with FP8 attention only their FP8 casts.
-  const bool fp8_attention = s.att8.defined();
-  const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
+  // linear2's output gradient gate ⊙ dz: inside its FP8 casts, or written to a buffer its BF16
+  // wgrad reads, which later takes linear1's input gradient (d_h).
+  const bool d_out_stored = !wgrad_in_fp8(p.linear2, ctx.fp8);
+  Tensor d_h = d_out_stored ? a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace) : Tensor{};
   SingleBlockSaved r = s;  // views; recompute.heads without FP8 attention: q, k, v rebuilt in scratch
 
-  // linear2's output gradient gate ⊙ dz: inside its FP8 casts, or written to d_h.
   const Backend::CastInput d_out = gated_branch_backward(be, p.linear2, ctx.fp8, d_h, dmod.cols_slice(2 * H, H), dz,
                                                          s.out, s.mod.cols_slice(2 * H, H));
   const size_t cat_mark = a.mark();
@@ -168,6 +177,11 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   else
     site_backward_fused(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * A, A + M), d_out, d_h, cat, false);
   a.release_to(cat_mark);
+  // The head gradients (bf16 or f32 heads, or with FP8 attention only their FP8 casts) live from
+  // the attention's dO to QK-norm's backward, after linear2's recomputed input and before
+  // linear1's casts.
+  const bool fp8_attention = s.att8.defined();
+  const auto [d_o, d_q, d_k, d_v, d8] = AttentionHeadGrads::allocate(ctx, fp8_attention);
   const size_t qkv_mark = a.mark();
   if (fp8_attention) {
     fp8_attention_dout(ctx, p.fp8_attention, d8, d_attn, 0);
@@ -191,6 +205,8 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
     be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, A), d_u.cols_slice(A, A), d_u.cols_slice(2 * A, A), p.q_norm.ds,
                                       p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, A), s.u.cols_slice(A, A), s.q_rstd,
                                       s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
+  a.release_to(cat_mark);  // the head gradients
+  if (!d_h.defined()) d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
   const SavedLinearInput zm = s.recompute.norms
                                   ? recompute_linear_input_of(be, ctx.fp8, a, p.linear1,
                                                               Backend::CastInput::layernorm_modulate_of(
@@ -213,52 +229,60 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   a.release_to(mark);
 }
 
-void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Runtime* fp8,
+void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DType t, const Fp8Config* fp8,
                                BlockRecompute r) {
-  // What single_block_backward holds throughout, then the largest of what each of its parts takes
-  // on top and releases, and apart from it the block's forward: the peak of the simultaneous use,
-  // allocation by allocation (an overflow would fail loudly in Arena::alloc).
+  // single_block_backward's allocations in its order, then apart from it the block's forward's:
+  // the arena's peak is their simultaneous use (an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, L = sh.tokens(), H = w.hidden, A = w.attention, M = w.mlp;
   const int64_t rows = B * L;
   const Shape heads = heads_shape(w, sh);
+  const bool fp8_sites = fp8 != nullptr;
+  const bool wgrad8 = fp8 && fp8->wgrad;  // wgrad_in_fp8 of the block's Linears
+  const bool attention8 = fp8 && fp8->dot_product_attention;
+  const Fp8Config* mod8 = fp8 && fp8->modulation ? fp8 : nullptr;
   auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
-  auto site = [&] { plan_site_scratch(a, fp8, rows, std::max(3 * A + M, H)); };
-  auto recomputed_input = [&](int64_t cols) {  // a Linear input the block did not keep, with its FP8 cast
-    tokens(cols);
-    plan_recompute_linear_input(a, fp8, rows, cols);
-  };
-  auto heads_scratch = [&] {  // q, k, v, where the block recomputes them (BlockRecompute::heads)
-    if (r.heads)
-      for (int i = 0; i < 3; ++i) a.alloc(t, heads, SlotKind::workspace);
+  auto head_tensors = [&](int n) {
+    for (int i = 0; i < n; ++i) a.alloc(t, heads, SlotKind::workspace);
   };
   const size_t start = a.mark();
-  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);                    // dmod
-  tokens(H);                                                           // d_h
-  tokens(3 * A + M);                                                   // d_u
-  tokens(A);                                                           // d_attn (BF16 MLPs)
-  for (int i = 0; i < 4; ++i) a.alloc(t, heads, SlotKind::workspace);  // dO, dq, dk, dv
-  // FP8 attention: the backward's FP8 dO, dq, dk, dv instead (the bf16 heads above stay planned
-  // for blocks without it).
-  if (fp8 && fp8->attentions() > 0) Fp8AttentionGrads::allocate(a, w, sh, *fp8);
-  const size_t base = a.mark();
-  // linear2's backward: its recomputed input.
-  if (r.copies) recomputed_input(A + M);
-  site();
-  a.release_to(base);
-  // The attention's backward: q, k, v recomputed (FP8 attention recomputes none).
-  heads_scratch();
-  a.release_to(base);
-  // linear1's backward: its recomputed input.
-  if (r.norms) recomputed_input(H);
-  site();
+  a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);  // dmod
+  tokens(3 * A + M);                                 // d_u
+  if (!fp8_sites) tokens(A);                         // d_attn (GELU's backward in an epilogue)
+  if (!wgrad8) tokens(H);                            // d_h, first linear2's stored output gradient
+  const size_t part = a.mark();
+  // linear2's backward: its recomputed input (with FP8 wgrad o's tokens and the cast), its casts.
+  if (r.copies && wgrad8) {
+    tokens(A);
+    plan_recompute_linear_input(a, fp8, rows, A + M);
+  } else if (r.copies) {
+    tokens(A + M);
+  }
+  plan_site_backward(a, fp8, rows, H);
+  a.release_to(part);
+  // The head gradients, and in the attention's backward q, k, v where recomputed.
+  if (attention8)
+    Fp8AttentionGrads::allocate(a, w, sh, *fp8);
+  else
+    head_tensors(r.heads ? 7 : 4);
+  a.release_to(part);
+  // linear1's backward: d_h (FP8 wgrad), its recomputed input, its casts; the modulation's.
+  if (wgrad8) tokens(H);
+  if (r.norms && wgrad8)
+    plan_recompute_linear_input(a, fp8, rows, H);
+  else if (r.norms)
+    tokens(H);
+  plan_site_backward(a, fp8, rows, 3 * A + M);
+  plan_site_backward(a, mod8, B, 3 * H);
   a.release_to(start);
-  // The forward: q, k, v in scratch, linear1's and linear2's inputs where not kept, the attention
-  // output's tokens (FP8 MLPs).
-  heads_scratch();
-  tokens(H);
-  tokens(A + M);
-  tokens(A);
-  site();
+  // The forward: q, k, v in scratch where recomputed, the Linear inputs it does not keep where a
+  // site stores its input, o's tokens (FP8 MLPs), and each FP8 site's input cast.
+  if (r.heads && !attention8) head_tensors(3);
+  plan_site_forward(a, mod8, B, H);
+  if (r.norms && !wgrad8) tokens(H);
+  if (r.copies && !wgrad8) tokens(A + M);
+  plan_site_forward(a, fp8, rows, H);
+  if (fp8_sites) tokens(A);
+  plan_site_forward(a, fp8, rows, A + M);
 }
 
 }  // namespace flux8

@@ -45,7 +45,8 @@ void single_block_forward(const BlockContext& ctx, SingleBlockParams& p, SingleB
 // dz: gradient of the output in, of the input out. Parameter grads, d_silu_vec accumulated.
 void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const SingleBlockSaved& saved, Tensor dz);
 
+// Scratch memory the block needs at most (planning), as double_block_plan_scratch.
 void single_block_plan_scratch(Arena& scratch, const BlockWidths& widths, StepShape shape, DType dtype,
-                               const Fp8Runtime* fp8, BlockRecompute recompute = {});
+                               const Fp8Config* fp8, BlockRecompute recompute = {});
 
 }  // namespace flux8
