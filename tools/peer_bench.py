@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Times the PyTorch way of training Flux at flux8's benchmark workloads: the peer of `flux8 bench --peer`.
 
-    python3 tools/peer_bench.py --out peer.json [--workload W1,W2] [--mode eager,compile,torchao-fp8]
+    python3 tools/peer_bench.py --out peer.json [--workload W1,W2,U1] [--mode eager,compile,torchao-fp8]
                                 [--steps 10] [--warmup 3]
     python3 tools/peer_bench.py --tiny --out peer.json    # a tiny model on the CPU, for tests
 
 The model is diffusers' FluxTransformer2DModel at the sizes of configs/models/ (W1: flux_535m,
 32 samples of 256 px with 256 text tokens; W2: flux_12b_dev cut to 2 double + 4 single blocks,
-2 samples of 1024 px with 512 text tokens, as src/bench/step_bench.cpp's workload_spec), trained
+2 samples of 1024 px with 512 text tokens, as src/bench/step_bench.cpp's workload_spec; U1, a
+shape flux8 is not tuned for: flux_535m, 8 samples of 512 px with 256 text tokens, written under
+the model's name as `flux8 bench -c configs/models/flux_535m.yaml --set image_size=512 --set
+micro_batch_size=8` names its run), trained
 the usual PyTorch way: fp32 master weights, bf16 autocast, fused AdamW (flux8's defaults: betas
 0.9, 0.95, weight decay 0.1, lr 1e-4), the global gradient norm clipped to 1.0, on random data
 of the workload's shape with the rectified-flow objective of flux8's bench (x_t = (1 - t) x0 +
@@ -45,6 +48,8 @@ WORKLOADS = {
     "W1": dict(config="flux_535m.yaml", overrides={}, name=None, batch=32, image_size=256, text_seq_len=256),
     "W2": dict(config="flux_12b_dev.yaml", overrides={"num_double_blocks": 2, "num_single_blocks": 4},
                name="flux_12b_width_slice", batch=2, image_size=1024, text_seq_len=512),
+    "U1": dict(config="flux_535m.yaml", overrides={}, name=None, batch=8, image_size=512, text_seq_len=256,
+               as_model=True),
 }
 TINY = dict(config="flux_tiny_demo.yaml", overrides={}, name=None, batch=2, image_size=16, text_seq_len=8)
 
@@ -200,7 +205,8 @@ def time_mode(mode: str, cfg: dict, device, steps: int, warmup: int) -> dict:
 
 def run_workload(name: str, spec: dict, args, device, diffusers_error: str | None) -> dict:
     cfg = load_model_config(args.source, spec)
-    out = {"workload": name if name else cfg["workload_model"], "model": cfg["workload_model"],
+    workload = cfg["workload_model"] if not name or spec.get("as_model") else name
+    out = {"workload": workload, "model": cfg["workload_model"],
            "batch": cfg["batch"], "txt_tokens": cfg["txt_tokens"], "img_tokens": cfg["img_tokens"], "modes": []}
     for mode in args.mode:
         why = diffusers_error or why_not(mode, device)
@@ -239,7 +245,7 @@ def versions(diffusers_error: str | None) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="the JSON file to write")
-    p.add_argument("--workload", default="W1,W2", help="W1 and/or W2, comma-separated (not with --tiny)")
+    p.add_argument("--workload", default="W1,W2", help="W1, W2 and/or U1, comma-separated (not with --tiny)")
     p.add_argument("--mode", default=None, help="eager, compile, torchao-fp8, comma-separated (default: all three; "
                    "eager with --tiny)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (their median is reported)")
@@ -253,7 +259,7 @@ def parse_args(argv):
             p.error(f"--mode {m}: choose from {', '.join(MODES)}")
     for w in args.workload.split(","):
         if w not in WORKLOADS:
-            p.error(f"--workload {w}: choose W1 or W2")
+            p.error(f"--workload {w}: choose W1, W2 or U1")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
     return args

@@ -57,6 +57,12 @@ def main(argv):
         assert vs["ratios"][0]["memory_ratio"] is None, vs
         assert vs["skipped"] and vs["skipped"][0].startswith("torchao-fp8 ("), vs
         assert "BF16: PyTorch's step / flux8's:" in log, log
+
+    # U1, the shape flux8 is not tuned for, goes under the model's name at the shape of
+    # `flux8 bench -c configs/models/flux_535m.yaml --set image_size=512 --set micro_batch_size=8`.
+    u1 = peer_bench.load_model_config(src, peer_bench.WORKLOADS["U1"])
+    assert (u1["workload_model"], u1["batch"], u1["txt_tokens"], u1["img_tokens"]) == ("flux_535m", 8, 256, 1024), u1
+    assert peer_bench.parse_args(["--out", "x", "--workload", "W1,U1"]).workload == "W1,U1"
     print("ok")
     return 0
 
