@@ -162,21 +162,22 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
   const bool gelu_epilogue = gelu_in_epilogues(p.linear1, p.linear2, ctx.fp8);
   Tensor d_u = a.alloc(ctx.dtype, Shape{B, L, 3 * A + M}, SlotKind::workspace);
   Tensor d_attn = gelu_epilogue ? a.alloc(ctx.dtype, Shape{B, L, A}, SlotKind::workspace) : d_u.cols_slice(2 * A, A);
-  // linear2's output gradient gate ⊙ dz: inside its FP8 casts, or written to a buffer its BF16
-  // wgrad reads, which later takes linear1's input gradient (d_h).
-  const bool d_out_stored = !wgrad_in_fp8(p.linear2, ctx.fp8);
-  Tensor d_h = d_out_stored ? a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace) : Tensor{};
   SingleBlockSaved r = s;  // views; recompute.heads without FP8 attention: q, k, v rebuilt in scratch
 
-  const Backend::CastInput d_out = gated_branch_backward(be, p.linear2, ctx.fp8, d_h, dmod.cols_slice(2 * H, H), dz,
-                                                         s.out, s.mod.cols_slice(2 * H, H));
-  const size_t cat_mark = a.mark();
+  // linear2's backward. Its output gradient gate ⊙ dz runs inside its FP8 casts, or is stored for
+  // a BF16 wgrad; that buffer and linear2's recomputed input live for this backward only.
+  const size_t linear2_mark = a.mark();
+  const Tensor d_out_buffer =
+      wgrad_in_fp8(p.linear2, ctx.fp8) ? Tensor{} : a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
+  const Backend::CastInput d_out = gated_branch_backward(
+      be, p.linear2, ctx.fp8, d_out_buffer, dmod.cols_slice(2 * H, H), dz, s.out, s.mod.cols_slice(2 * H, H));
   const SavedLinearInput cat = s.recompute.copies ? recompute_cat(ctx, p, r) : s.cat;
   if (gelu_epilogue)
-    site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * A, M), s.u.cols_slice(3 * A, M), d_h, cat);
+    site_backward_gelu(be, ctx.fp8, p.linear2, d_attn, d_u.cols_slice(3 * A, M), s.u.cols_slice(3 * A, M), d_out_buffer,
+                       cat);
   else
-    site_backward_fused(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * A, A + M), d_out, d_h, cat, false);
-  a.release_to(cat_mark);
+    site_backward_fused(be, ctx.fp8, a, p.linear2, d_u.cols_slice(2 * A, A + M), d_out, d_out_buffer, cat, false);
+  a.release_to(linear2_mark);
   // The head gradients (bf16 or f32 heads, or with FP8 attention only their FP8 casts) live from
   // the attention's dO to QK-norm's backward, after linear2's recomputed input and before
   // linear1's casts.
@@ -205,8 +206,8 @@ void single_block_backward(const BlockContext& ctx, SingleBlockParams& p, const 
     be.qk_norm_rope_to_heads_backward(d_u.cols_slice(0, A), d_u.cols_slice(A, A), d_u.cols_slice(2 * A, A), p.q_norm.ds,
                                       p.k_norm.ds, d_q, d_k, d_v, s.u.cols_slice(0, A), s.u.cols_slice(A, A), s.q_rstd,
                                       s.k_rstd, p.q_norm.s, p.k_norm.s, ctx.pe, 0);
-  a.release_to(cat_mark);  // the head gradients
-  if (!d_h.defined()) d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);
+  a.release_to(linear2_mark);                                                  // the head gradients
+  const Tensor d_h = a.alloc(ctx.dtype, Shape{B, L, H}, SlotKind::workspace);  // linear1's input gradient
   const SavedLinearInput zm = s.recompute.norms
                                   ? recompute_linear_input_of(be, ctx.fp8, a, p.linear1,
                                                               Backend::CastInput::layernorm_modulate_of(
@@ -248,9 +249,10 @@ void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);  // dmod
   tokens(3 * A + M);                                 // d_u
   if (!fp8_sites) tokens(A);                         // d_attn (GELU's backward in an epilogue)
-  if (!wgrad8) tokens(H);                            // d_h, first linear2's stored output gradient
   const size_t part = a.mark();
-  // linear2's backward: its recomputed input (with FP8 wgrad o's tokens and the cast), its casts.
+  // linear2's backward: its stored output gradient (BF16 wgrad), its recomputed input (with FP8
+  // wgrad o's tokens and the cast), its casts.
+  if (!wgrad8) tokens(H);
   if (r.copies && wgrad8) {
     tokens(A);
     plan_recompute_linear_input(a, fp8, rows, A + M);
@@ -265,8 +267,8 @@ void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   else
     head_tensors(r.heads ? 7 : 4);
   a.release_to(part);
-  // linear1's backward: d_h (FP8 wgrad), its recomputed input, its casts; the modulation's.
-  if (wgrad8) tokens(H);
+  // linear1's backward: its input gradient, its recomputed input, its casts; the modulation's.
+  tokens(H);
   if (r.norms && wgrad8)
     plan_recompute_linear_input(a, fp8, rows, H);
   else if (r.norms)
