@@ -61,6 +61,10 @@ TEST(MemoryPlan, OneGpuIsTheSingleGpuBreakdown) {
       EXPECT_EQ(bytes["attention_workspace"], j["deterministic_attention_workspace_bytes"]);
       const nlohmann::json& r = plan["recompute"][recompute];
       EXPECT_EQ(r["activations_bytes"], today["activations"][column]);
+      // The block scratch is part of the activations (the rest is kept from forward to backward).
+      const double scratch = j["block_scratch_bytes"][std::string("today_") + column].get<double>();
+      EXPECT_GT(scratch, 0.0);
+      EXPECT_LT(scratch, today["activations"][column].get<double>());
       EXPECT_DOUBLE_EQ(
           r["step_total_bytes"].get<double>(),
           today["total"][column].get<double>() + j["deterministic_attention_workspace_bytes"].get<double>());

@@ -35,6 +35,7 @@ struct Memory {
   std::vector<Row> rows;
   Row total{"total", 0, 0, 0, 0};
   double attention_workspace = 0, checkpoint_bytes = 0, host_copy_bytes = 0;
+  Row block_scratch{"block scratch", 0, 0, 0, 0};  // of the activations: FluxModel's scratch arena
   std::optional<uint64_t> host_available;
   bool copy_fits = false;
 };
@@ -84,6 +85,12 @@ Memory step_memory(const Config& config, const InfoReport& r, const ActivationEs
        bf16_storage ? act.gpu_bytes(false) : act.f32_bytes(false),
        bf16_storage ? act.gpu_bytes(true, fp8_attention) : act.f32_bytes(true)},
   };
+  const auto scratch = [&](bool fp8, bool today) {
+    const ActivationEstimate::Scratch& s = act.scratch(fp8, fp8 && fp8_attention);
+    return !today || bf16_storage ? s.bf16 : s.f32;
+  };
+  m.block_scratch = {"block scratch", scratch(false, false), scratch(true, false), scratch(false, true),
+                     scratch(true, true)};
   // Outside the table: cuDNN's deterministic BF16 attention backward keeps dP, B·heads·L² bf16
   // values, in its workspace (one, reused by every block; the atomic backward has none,
   // docs/PERFORMANCE.md). FP8 attention has no such workspace.
@@ -163,6 +170,10 @@ nlohmann::json info_json(const InfoReport& r) {
     j["memory_bytes_cuda_today"][row.name] = {{"bf16", row.today_bf16}, {"fp8", row.today_fp8}};
   }
   j["deterministic_attention_workspace_bytes"] = m.attention_workspace;
+  j["block_scratch_bytes"] = {{"bf16", m.block_scratch.bf16},
+                              {"fp8", m.block_scratch.fp8},
+                              {"today_bf16", m.block_scratch.today_bf16},
+                              {"today_fp8", m.block_scratch.today_fp8}};
   j["checkpoint_bytes"] = m.checkpoint_bytes;
   j["async_save_host_copy_bytes"] = m.host_copy_bytes;
   j["async_save_copy_fits_this_host"] = m.copy_fits;
@@ -188,6 +199,11 @@ void print_memory_text(const InfoReport& r) {
       "   saves Linear inputs in 1 byte (none where recomputed); recompute_granularity {} (none,\n"
       "   selective, full), recompute_elementwise {}; no optimizer sharding; see docs/MEMORY.md)\n",
       r.bf16_storage ? "bf16" : "f32", r.recompute, r.recompute_elementwise);
+  fmt::print(
+      "  (of the activations, the block scratch: one block's backward at a time and the model's\n"
+      "   backward buffers, {} / {} / {} / {})\n",
+      gib(m.block_scratch.bf16), gib(m.block_scratch.fp8), gib(m.block_scratch.today_bf16),
+      gib(m.block_scratch.today_fp8));
   if (r.fp8_attention)
     fmt::print(
         "  (fp8_dot_product_attention: the FP8 columns keep every block's attention q, k, v, o as FP8\n"
