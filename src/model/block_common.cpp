@@ -64,4 +64,27 @@ void plan_recompute_linear_input(Arena& scratch, const Fp8Config* fp8, int64_t r
                    SlotKind::workspace);
 }
 
+BlockScratchPlan::BlockScratchPlan(Arena& arena, const BlockWidths& widths, StepShape shape, DType t,
+                                   const Fp8Config* f, int64_t token_rows)
+    : a(arena),
+      fp8(f),
+      modulation(f && f->modulation ? f : nullptr),
+      fp8_sites(f != nullptr),
+      wgrad8(f && f->wgrad),
+      attention8(f && f->dot_product_attention),
+      rows(token_rows),
+      dtype(t),
+      heads(heads_shape(widths, shape)) {}
+
+void BlockScratchPlan::head_tensors(int n) const {
+  for (int i = 0; i < n; ++i) a.alloc(dtype, heads, SlotKind::workspace);
+}
+
+void BlockScratchPlan::recomputed_input(int64_t cols) const {
+  if (wgrad8)
+    plan_recompute_linear_input(a, fp8, rows, cols);
+  else
+    tokens(cols);
+}
+
 }  // namespace flux8

@@ -134,4 +134,23 @@ SavedLinearInput recompute_linear_input_of(Backend& be, Fp8Runtime* fp8, Arena& 
 // Scratch recompute_linear_input takes for a rows x cols input, besides `x` (planning).
 void plan_recompute_linear_input(Arena& scratch, const Fp8Config* fp8, int64_t rows, int64_t cols);
 
+// What a block's scratch plan allocates, `rows` tokens at a time, for a block whose Linears run
+// in FP8 under `fp8` (their casts planned too), or in BF16 (fp8 null).
+struct BlockScratchPlan {
+  BlockScratchPlan(Arena& arena, const BlockWidths& widths, StepShape shape, DType dtype, const Fp8Config* fp8,
+                   int64_t rows);
+  Arena& a;
+  const Fp8Config* fp8;
+  const Fp8Config* modulation;         // the modulation Linear's casts (fp8_modulation), else null
+  bool fp8_sites, wgrad8, attention8;  // FP8 Linears; their wgrad in FP8 (wgrad_in_fp8); FP8 attention
+  int64_t rows;
+  DType dtype;
+  Shape heads;
+  void tokens(int64_t cols) const { a.alloc(dtype, Shape{rows, cols}, SlotKind::workspace); }
+  void head_tensors(int n) const;
+  // A Linear input the block did not keep, rebuilt for the backward: with FP8 wgrad its cast alone
+  // (recompute_linear_input_of), else the input itself.
+  void recomputed_input(int64_t cols) const;
+};
+
 }  // namespace flux8

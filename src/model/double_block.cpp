@@ -359,74 +359,58 @@ void double_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   // (an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, H = w.hidden, A = w.attention, M = w.mlp;
   const int64_t rows = B * std::max(sh.txt_tokens, sh.img_tokens);
-  const Shape heads = heads_shape(w, sh);
-  const bool fp8_sites = fp8 != nullptr;
-  const bool wgrad8 = fp8 && fp8->wgrad;  // wgrad_in_fp8 of the block's Linears
-  const bool attention8 = fp8 && fp8->dot_product_attention;
-  const Fp8Config* mod8 = fp8 && fp8->modulation ? fp8 : nullptr;
-  auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
-  auto head_tensors = [&](int n) {
-    for (int i = 0; i < n; ++i) a.alloc(t, heads, SlotKind::workspace);
-  };
-  // A Linear input the block did not keep, rebuilt for the backward: with FP8 wgrad its cast alone
-  // (recompute_linear_input_of), else the input itself.
-  auto recomputed_input = [&](int64_t cols) {
-    if (wgrad8)
-      plan_recompute_linear_input(a, fp8, rows, cols);
-    else
-      tokens(cols);
-  };
+  const BlockScratchPlan p(a, w, sh, t, fp8, rows);
   const size_t start = a.mark();
   for (int i = 0; i < 2; ++i) a.alloc(t, Shape{B, 6 * H}, SlotKind::workspace);  // dmod of each stream
-  if (attention8)
+  if (p.attention8)
     Fp8AttentionGrads::allocate(a, w, sh, *fp8);
   else
-    head_tensors(4);  // dO, dq, dk, dv
+    p.head_tensors(4);  // dO, dq, dk, dv
   const size_t base = a.mark();
   // After attention, a stream: d_h, d_m (GELU's backward not in a dgrad epilogue), d_m2 (mlp_in's
   // stored output gradient), x_mid; mlp_out's recomputed input and casts, released before
   // mlp_in's; then d_attn, and proj's input (o's tokens, and the cast) and casts.
-  tokens(H);
-  if (fp8_sites) tokens(M);
-  if (!wgrad8) tokens(M);
-  if (r.norms) tokens(H);
+  p.tokens(H);
+  if (p.fp8_sites) p.tokens(M);
+  if (!p.wgrad8) p.tokens(M);
+  if (r.norms) p.tokens(H);
   const size_t stream = a.mark();
-  if (r.copies) recomputed_input(M);
+  if (r.copies) p.recomputed_input(M);
   plan_site_backward(a, fp8, rows, H);
   a.release_to(stream);
-  if (r.norms) recomputed_input(H);
+  if (r.norms) p.recomputed_input(H);
   plan_site_backward(a, fp8, rows, M);
-  tokens(A);
+  p.tokens(A);
   if (r.copies) {
-    tokens(A);
+    p.tokens(A);
     plan_recompute_linear_input(a, fp8, rows, A);
   }
   plan_site_backward(a, fp8, rows, H);
   a.release_to(base);
   // The joint attention's backward: q, k, v recomputed (FP8 attention recomputes none).
-  if (r.heads && !attention8) head_tensors(3);
+  if (r.heads && !p.attention8) p.head_tensors(3);
   a.release_to(base);
   // Before attention, a stream: d_qkv, d_h, qkv's recomputed input and casts, the modulation's.
-  tokens(3 * A);
-  tokens(H);
-  if (r.norms) recomputed_input(H);
+  p.tokens(3 * A);
+  p.tokens(H);
+  if (r.norms) p.recomputed_input(H);
   plan_site_backward(a, fp8, rows, 3 * A);
-  plan_site_backward(a, mod8, B, 6 * H);
+  plan_site_backward(a, p.modulation, B, 6 * H);
   a.release_to(start);
   // The forward: q, k, v in scratch where recomputed; before attention the modulation's and qkv's
   // input casts and qkv's input where stored; after it the Linear inputs it does not keep where a
   // site stores its input, x_mid where not kept, o's tokens for an FP8 proj, and the input casts.
-  if (r.heads && !attention8) head_tensors(3);
+  if (r.heads && !p.attention8) p.head_tensors(3);
   const size_t forward = a.mark();
-  plan_site_forward(a, mod8, B, H);
-  if (r.norms && !wgrad8) tokens(H);
+  plan_site_forward(a, p.modulation, B, H);
+  if (r.norms && !p.wgrad8) p.tokens(H);
   plan_site_forward(a, fp8, rows, H);
   a.release_to(forward);
-  if (r.copies && !wgrad8) tokens(A);
-  if (r.norms && !wgrad8) tokens(H);
-  if (r.copies && !wgrad8) tokens(M);
-  if (r.norms) tokens(H);
-  if (wgrad8) tokens(A);
+  if (r.copies && !p.wgrad8) p.tokens(A);
+  if (r.norms && !p.wgrad8) p.tokens(H);
+  if (r.copies && !p.wgrad8) p.tokens(M);
+  if (r.norms) p.tokens(H);
+  if (p.wgrad8) p.tokens(A);
   plan_site_forward(a, fp8, rows, A);
   plan_site_forward(a, fp8, rows, H);
   plan_site_forward(a, fp8, rows, M);

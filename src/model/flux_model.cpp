@@ -154,8 +154,10 @@ void plan_model_scratch(Arena& a, const FluxConfig& c, const BlockWidths& w, Ste
     if (fp8_blocks) precisions.push_back(fp8);
   }
   if (bf16_blocks) precisions.push_back(nullptr);
+  std::vector<BlockRecompute> settings{first};
+  if (last != first) settings.push_back(last);
   const size_t mark = a.mark();
-  for (const BlockRecompute r : {first, last})
+  for (const BlockRecompute r : settings)
     for (const Fp8Config* f : precisions) {
       double_block_plan_scratch(a, w, sh, t, f, r);
       a.release_to(mark);

@@ -236,54 +236,43 @@ void single_block_plan_scratch(Arena& a, const BlockWidths& w, StepShape sh, DTy
   // the arena's peak is their simultaneous use (an overflow would fail loudly in Arena::alloc).
   const int64_t B = sh.batch, L = sh.tokens(), H = w.hidden, A = w.attention, M = w.mlp;
   const int64_t rows = B * L;
-  const Shape heads = heads_shape(w, sh);
-  const bool fp8_sites = fp8 != nullptr;
-  const bool wgrad8 = fp8 && fp8->wgrad;  // wgrad_in_fp8 of the block's Linears
-  const bool attention8 = fp8 && fp8->dot_product_attention;
-  const Fp8Config* mod8 = fp8 && fp8->modulation ? fp8 : nullptr;
-  auto tokens = [&](int64_t cols) { a.alloc(t, Shape{rows, cols}, SlotKind::workspace); };
-  auto head_tensors = [&](int n) {
-    for (int i = 0; i < n; ++i) a.alloc(t, heads, SlotKind::workspace);
-  };
+  const BlockScratchPlan p(a, w, sh, t, fp8, rows);
   const size_t start = a.mark();
   a.alloc(t, Shape{B, 3 * H}, SlotKind::workspace);  // dmod
-  tokens(3 * A + M);                                 // d_u
-  if (!fp8_sites) tokens(A);                         // d_attn (GELU's backward in an epilogue)
+  p.tokens(3 * A + M);                               // d_u
+  if (!p.fp8_sites) p.tokens(A);                     // d_attn (GELU's backward in an epilogue)
   const size_t part = a.mark();
   // linear2's backward: its stored output gradient (BF16 wgrad), its recomputed input (with FP8
   // wgrad o's tokens and the cast), its casts.
-  if (!wgrad8) tokens(H);
-  if (r.copies && wgrad8) {
-    tokens(A);
+  if (!p.wgrad8) p.tokens(H);
+  if (r.copies && p.wgrad8) {
+    p.tokens(A);
     plan_recompute_linear_input(a, fp8, rows, A + M);
   } else if (r.copies) {
-    tokens(A + M);
+    p.tokens(A + M);
   }
   plan_site_backward(a, fp8, rows, H);
   a.release_to(part);
   // The head gradients, and in the attention's backward q, k, v where recomputed.
-  if (attention8)
+  if (p.attention8)
     Fp8AttentionGrads::allocate(a, w, sh, *fp8);
   else
-    head_tensors(r.heads ? 7 : 4);
+    p.head_tensors(r.heads ? 7 : 4);
   a.release_to(part);
   // linear1's backward: its input gradient, its recomputed input, its casts; the modulation's.
-  tokens(H);
-  if (r.norms && wgrad8)
-    plan_recompute_linear_input(a, fp8, rows, H);
-  else if (r.norms)
-    tokens(H);
+  p.tokens(H);
+  if (r.norms) p.recomputed_input(H);
   plan_site_backward(a, fp8, rows, 3 * A + M);
-  plan_site_backward(a, mod8, B, 3 * H);
+  plan_site_backward(a, p.modulation, B, 3 * H);
   a.release_to(start);
   // The forward: q, k, v in scratch where recomputed, the Linear inputs it does not keep where a
   // site stores its input, o's tokens (FP8 MLPs), and each FP8 site's input cast.
-  if (r.heads && !attention8) head_tensors(3);
-  plan_site_forward(a, mod8, B, H);
-  if (r.norms && !wgrad8) tokens(H);
-  if (r.copies && !wgrad8) tokens(A + M);
+  if (r.heads && !p.attention8) p.head_tensors(3);
+  plan_site_forward(a, p.modulation, B, H);
+  if (r.norms && !p.wgrad8) p.tokens(H);
+  if (r.copies && !p.wgrad8) p.tokens(A + M);
   plan_site_forward(a, fp8, rows, H);
-  if (fp8_sites) tokens(A);
+  if (p.fp8_sites) p.tokens(A);
   plan_site_forward(a, fp8, rows, A + M);
 }
 
