@@ -249,6 +249,16 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
     EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - MemoryPlan::of(offloaded, one).peak(Recompute::none));
   knob("micro_batch_size: 1");
   if (const MemoryKnob* k = knob("tensor_model_parallel_size: 2")) EXPECT_EQ(k->note, "on 2 GPUs");
+  // The deterministic attention backward's dP (2 x 24 heads x 4,352^2 bf16: 1.69 GiB) in calls
+  // of 6 heads (217 MiB each).
+  Config bounded = cfg;
+  bounded.set("deterministic_attention_workspace_mib", "256");
+  if (const MemoryKnob* k = knob("deterministic_attention_workspace_mib: 256")) {
+    EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - MemoryPlan::of(bounded, one).peak(Recompute::none));
+    EXPECT_DOUBLE_EQ(k->saving, 2.0 * 4352 * 4352 * (48 - 6));
+  }
+  for (const MemoryKnob& k : memory_advice(bounded, one).knobs)
+    EXPECT_EQ(k.setting.find("deterministic_attention_workspace_mib"), std::string::npos) << "advised again";
   for (const MemoryKnob& k : a.knobs) EXPECT_NE(k.setting, "optimizer_offload_overlap: false");  // nothing offloaded
   {
     // Offloaded and overlapped: one chunk's buffers instead of two are advised, with their bytes.

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/attention_workspace.h"
 #include "bench/memory_plan.h"
 #include "config/config.h"
 #include "fp8/fp8_config.h"
@@ -101,6 +102,42 @@ TEST(MemoryPlan, TensorParallelRankHoldsItsLayoutAndActivations) {
   const MemoryPlan dev = MemoryPlan::of(Config::load(kDev), {2, 1, false});
   EXPECT_EQ(dev.model_params, 11'901'408'320);
   EXPECT_EQ(dev.rank_params, 8'608'346'112 / 2 + 3'293'062'208);
+}
+
+// deterministic_attention_workspace_mib: the deterministic attention backward runs as calls over
+// consecutive (sample, head) pairs, as many a call as the bound's dP holds and dividing batch x
+// heads; the plan counts one call's dP.
+TEST(MemoryPlan, DeterministicAttentionWorkspaceSplitsTheBackwardOverHeads) {
+  const double pair = 2.0 * 4608 * 4608;  // one (sample, head) pair's dP at 1024 px: 40.5 MiB
+  auto expect_split = [](AttentionBackwardSplit s, int64_t pairs_per_call, int64_t calls, double dp) {
+    EXPECT_EQ(s.pairs_per_call, pairs_per_call);
+    EXPECT_EQ(s.calls, calls);
+    EXPECT_EQ(s.dp_bytes, dp);
+  };
+  expect_split(split_attention_backward(2, 24, 4608, 0), 48, 1, 48 * pair);  // no bound
+  expect_split(split_attention_backward(2, 24, 4608, 512ull << 20), 12, 4, 12 * pair);
+  expect_split(split_attention_backward(2, 24, 4608, 1ull << 30), 24, 2, 24 * pair);
+  expect_split(split_attention_backward(32, 24, 512, 512ull << 20), 768, 1, 768 * 2.0 * 512 * 512);  // fits
+  expect_split(split_attention_backward(1, 7, 1000, 6'000'000), 1, 7, 2e6);  // 7 is prime: one pair a call
+  expect_split(split_attention_backward(2, 3, 1000, 1), 1, 6, 2e6);          // one pair over the bound
+  expect_split(split_attention_backward(0, 24, 4608, 1), 0, 0, 0);
+
+  for (const int tp : {1, 2}) {
+    const std::vector<std::string> w2 = {"image_size=1024", "micro_batch_size=2"};
+    std::vector<std::string> bounded = w2;
+    bounded.push_back("deterministic_attention_workspace_mib=512");
+    const MemoryPlan all = MemoryPlan::of(Config::load(kDev, w2), {tp, 1, false});
+    const MemoryPlan part = MemoryPlan::of(Config::load(kDev, bounded), {tp, 1, false});
+    EXPECT_EQ(all.attention_workspace, 48 / tp * pair) << "tp " << tp;
+    EXPECT_EQ(part.attention_workspace, 12 * pair) << "tp " << tp;
+    EXPECT_DOUBLE_EQ(all.peak(Recompute::none) - part.peak(Recompute::none), (48 / tp - 12) * pair);
+  }
+  InfoCli cli;
+  const std::string w2 = " --image-size 1024 --batch 2 --set deterministic_attention_workspace_mib=512";
+  ASSERT_EQ(testing::run_flux8("info -c " + kDev + w2 + " --json", cli.dir.file("log.txt"), &cli.log), 0) << cli.log;
+  EXPECT_EQ(nlohmann::json::parse(cli.log)["deterministic_attention_workspace_bytes"].get<double>(), 12 * pair);
+  ASSERT_EQ(testing::run_flux8("info -c " + kDev + w2, cli.dir.file("log.txt"), &cli.log), 0) << cli.log;
+  testing::expect_mentions(cli.log, {"keeps dP in a workspace of 0.47 GiB", "12 (sample, head) pairs", "4 calls"});
 }
 
 // recompute_elementwise plans what the blocks keep with it: by default `none` keeps what

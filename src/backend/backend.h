@@ -28,6 +28,9 @@ struct BackendOptions {
   // false: its faster backward, whose dq sums with atomics in a varying order). The CPU always
   // repeats bit for bit.
   bool deterministic_attention = true;
+  // CUDA: the most bytes the deterministic backward keeps dP in (0: no bound); a larger backward
+  // runs as several calls over (sample, head) pairs (backend/attention_workspace.h).
+  uint64_t attention_workspace_limit = 0;
   // CUDA: the GPU, by index among the visible ones (-1: the current device, 0 unless set). A rank
   // of a job passes its index among the job's ranks on its node; more ranks than GPUs is an error
   // unless `share_device` (the host-staged communicator's tests: several ranks on one GPU), when
@@ -36,8 +39,8 @@ struct BackendOptions {
   bool share_device = false;
 
   // From the config keys threads, round_activations_to_bf16, gemm_precision,
-  // activation_precision, grad_precision and deterministic_attention (which
-  // FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides).
+  // activation_precision, grad_precision, deterministic_attention (which
+  // FLUX8_ATTENTION_DETERMINISTIC=0 or 1 overrides) and deterministic_attention_workspace_mib.
   static BackendOptions from_config(const Config& cfg);
 };
 

@@ -54,6 +54,11 @@ MemoryAdvice memory_advice(const Config& cfg, ParallelShape parallel) {
       (recipe == "delayed" || recipe == "tensorwise"))
     add("fp8_weight_transpose: in_backward", "the dgrad's transposed weight casts made in the backward",
         peak_with(cfg, parallel, {{"fp8_weight_transpose", "in_backward"}}));
+  // The deterministic attention backward's dP, in calls of at most 256 MiB each.
+  const int64_t dp_mib = cfg.get_int("deterministic_attention_workspace_mib");
+  if (plan.attention_workspace > 256.0 * (1 << 20) && (dp_mib == 0 || dp_mib > 256))
+    add("deterministic_attention_workspace_mib: 256", "the attention backward in calls over fewer heads",
+        peak_with(cfg, parallel, {{"deterministic_attention_workspace_mib", "256"}}));
   if (cfg.get_string("activation_precision") == "f32")
     add("activation_precision: bf16", "", peak_with(cfg, parallel, {{"activation_precision", "bf16"}}));
   if (cfg.get_string("optimizer_offload") == "none")

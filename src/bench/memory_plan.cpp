@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "backend/attention_workspace.h"
 #include "config/config.h"
 #include "core/error.h"
 #include "fp8/fp8_config.h"
@@ -125,12 +126,14 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
     p.activations[static_cast<size_t>(r)] =
         p.bf16_activations ? act.gpu_bytes(p.fp8, p.fp8_attention) : act.f32_bytes(p.fp8);
   }
-  // cuDNN's deterministic BF16 attention backward keeps dP (batch x the rank's heads x L^2 bf16)
-  // in one workspace; FP8 attention keeps none.
-  const double L = static_cast<double>(p.shape.txt_tokens + p.shape.img_tokens);
-  const double heads = static_cast<double>(cfg.num_heads / parallel.tp);
+  // cuDNN's deterministic BF16 attention backward keeps dP (batch x the rank's heads x L^2 bf16,
+  // or one call's share under deterministic_attention_workspace_mib) in one workspace; FP8
+  // attention keeps none.
   if (config.get_bool("deterministic_attention") && !p.fp8_attention)
-    p.attention_workspace = 2.0 * static_cast<double>(p.shape.batch) * heads * L * L;
+    p.attention_workspace =
+        split_attention_backward(p.shape.batch, cfg.num_heads / parallel.tp, p.shape.txt_tokens + p.shape.img_tokens,
+                                 static_cast<uint64_t>(config.get_int("deterministic_attention_workspace_mib")) << 20)
+            .dp_bytes;
   return p;
 }
 

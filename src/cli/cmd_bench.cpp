@@ -54,7 +54,8 @@ void add_bench_options(CLI::App* cmd, BenchOptions& o) {
                   "activation_precision (bf16, f32), grad_precision (f32, bf16) and the AdamW keys (adam_*, "
                   "weight_decay, clip_grad; adam_moment_precision f32 or bf16), cuda_graph (true: the forward and "
                   "backward as CUDA graphs; not with --profile), deterministic_attention (false: cuDNN's faster "
-                  "attention backward, with atomics) for the runs, or any key with -c");
+                  "attention backward, with atomics), deterministic_attention_workspace_mib (the most MiB the "
+                  "deterministic backward's dP takes) for the runs, or any key with -c");
   cmd->add_option("--precision", o.precisions, "bf16, delayed, tensorwise, blockwise, mxfp8 (comma-separated)")
       ->delimiter(',');
   cmd->add_option("--fp8-format", o.format, "FP8 format of the FP8 runs")->check(CLI::IsMember({"e4m3", "hybrid"}));
@@ -229,6 +230,7 @@ BackendOptions backend_options(const Config& keys) {
   bo.bf16_activations = keyed.bf16_activations;
   bo.bf16_grads = keyed.bf16_grads;
   bo.deterministic_attention = keyed.deterministic_attention;
+  bo.attention_workspace_limit = keyed.attention_workspace_limit;
   return bo;
 }
 
@@ -405,6 +407,7 @@ json run_json(const StepBenchResult& r, const StepBenchSpec& s, const std::strin
           {"activation_precision", bo.bf16_activations && cuda ? "bf16" : "f32"},
           {"grad_precision", bo.bf16_grads && cuda ? "bf16" : "f32"},
           {"deterministic_attention", bo.deterministic_attention || !cuda},
+          {"deterministic_attention_workspace_mib", bo.attention_workspace_limit >> 20},
           {"adam_moment_precision", dtype_name(s.adam.moment_dtype)},
           {"cuda_graph", r.cuda_graph},
           {"graph_segments_per_step", r.graph_segments_per_step},

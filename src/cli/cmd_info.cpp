@@ -10,6 +10,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "backend/attention_workspace.h"
 #include "bench/memory_plan.h"
 #include "cli/commands.h"
 #include "cli/memory_plan_report.h"
@@ -35,6 +36,7 @@ struct Memory {
   std::vector<Row> rows;
   Row total{"total", 0, 0, 0, 0};
   double attention_workspace = 0, checkpoint_bytes = 0, host_copy_bytes = 0;
+  AttentionBackwardSplit attention_split;
   Row block_scratch{"block scratch", 0, 0, 0, 0};  // of the activations: FluxModel's scratch arena
   std::optional<uint64_t> host_available;
   bool copy_fits = false;
@@ -92,12 +94,12 @@ Memory step_memory(const Config& config, const InfoReport& r, const ActivationEs
   m.block_scratch = {"block scratch", scratch(false, false), scratch(true, false), scratch(false, true),
                      scratch(true, true)};
   // Outside the table: cuDNN's deterministic BF16 attention backward keeps dP, B·heads·L² bf16
-  // values, in its workspace (one, reused by every block; the atomic backward has none,
-  // docs/PERFORMANCE.md). FP8 attention has no such workspace.
-  const double L = static_cast<double>(r.shape.txt_tokens + r.shape.img_tokens);
-  m.attention_workspace = config.get_bool("deterministic_attention")
-                              ? 2.0 * static_cast<double>(r.batch) * static_cast<double>(r.cfg.num_heads) * L * L
-                              : 0.0;
+  // values or one call's share of them, in its workspace (one, reused by every block; the atomic
+  // backward has none, docs/PERFORMANCE.md). FP8 attention has no such workspace.
+  m.attention_split =
+      split_attention_backward(r.batch, r.cfg.num_heads, r.shape.txt_tokens + r.shape.img_tokens,
+                               static_cast<uint64_t>(config.get_int("deterministic_attention_workspace_mib")) << 20);
+  m.attention_workspace = config.get_bool("deterministic_attention") ? m.attention_split.dp_bytes : 0.0;
   // Checkpoints: the files hold f32 weights and f32 moments (12 B a parameter); async_save's
   // host copy holds the f32 master weights and the moments as stored, and is made only where
   // it fits in half the host memory available (train/async_checkpoint.h).
@@ -211,8 +213,13 @@ void print_memory_text(const InfoReport& r) {
   if (m.attention_workspace > 0)
     fmt::print(
         "  (not in the table: cuDNN's deterministic attention backward (deterministic_attention: true)\n"
-        "   keeps dP in a workspace of {}, batch x heads x L^2 bf16; false: none; FP8 attention: none)\n",
-        gib(m.attention_workspace));
+        "   keeps dP in a workspace of {}, {}; false: none; FP8 attention: none)\n",
+        gib(m.attention_workspace),
+        m.attention_split.calls > 1
+            ? fmt::format(
+                  "{} (sample, head) pairs x L^2 bf16 a call, {} calls\n   (deterministic_attention_workspace_mib)",
+                  m.attention_split.pairs_per_call, m.attention_split.calls)
+            : std::string("batch x heads x L^2 bf16"));
   fmt::print(
       "\ncheckpoints: {:.2f} GB of files (f32 weights and AdamW moments); with a GPU written behind\n"
       "  training (async_save) from a host copy of {:.2f} GB, {}\n",

@@ -116,6 +116,11 @@ std::vector<KeySpec> runtime_keys() {
                "varies from run to run, as PyTorch's SDPA does: faster, and without the deterministic backward's dP "
                "workspace, docs/PERFORMANCE.md; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 "
                "overrides it. The CPU ignores it"),
+      int_key("runtime", "deterministic_attention_workspace_mib", 0, between(0, 1 << 20),
+              "CUDA: the most MiB that cuDNN's deterministic attention backward keeps dP in (batch x heads x L^2 "
+              "bf16 values): a larger backward runs as several calls over groups of (sample, head) pairs, each "
+              "pair's gradients the same bit for bit; 0 = one call, however large (docs/MEMORY.md). The CPU, FP8 "
+              "attention and the atomic backward (deterministic_attention: false) keep no dP"),
       int_key("runtime", "threads", 0, between(0, 4096), "CPU threads (OpenMP and OpenBLAS); 0 = all cores"),
 
   };

@@ -395,7 +395,9 @@ ActivationEstimate FluxModel::estimate_activations(const FluxConfig& cfg, StepSh
     }
     return s;
   };
-  ActivationEstimate e{saved.peak_usage(), saved_fp8_attention.peak_usage()};
+  ActivationEstimate e;
+  e.saved = saved.peak_usage();
+  e.saved_fp8_attention = saved_fp8_attention.peak_usage();
   e.workspace = scratch(nullptr);
   e.workspace_fp8 = scratch(&linears);
   e.workspace_fp8_attention = scratch(&attention);

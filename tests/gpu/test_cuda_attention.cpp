@@ -2,9 +2,13 @@
 // backend, on random data at odd sequence lengths and the head dims Flux and the tests use.
 // The path is chosen per test with cuda::set_attention_path; AttentionCounters show which
 // path ran and that cuDNN plans are built once per shape.
+#include <fmt/core.h>
+
 #include <cmath>
 #include <cstdio>
 #include <iterator>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/attention.h"
@@ -300,6 +304,55 @@ TEST(CudaAttention, DeterministicBackwardRepeatsBitForBit) {
       else
         EXPECT_EQ(got[i], first[i]) << "gradient " << i << ", run " << run;
     }
+  }
+}
+
+// A bound on the deterministic backward's dP (deterministic_attention_workspace_mib): the
+// backward runs as calls over consecutive (sample, head) pairs — 3 pairs a call, or one (a bound
+// below one pair's dP) — and gives the unbounded backward's bits, for f32 and bf16 heads and for
+// partial gradients. The calls' lse start 921 and 307 floats apart: not 16-byte aligned, staged.
+TEST(CudaAttention, DeterministicBackwardSplitOverHeadsGivesTheSameBits) {
+  FLUX8_REQUIRE_GPU();
+  PathScope path(AttentionPath::cudnn);
+  const Heads h{2, 3, 300 + 7, 64};
+  const uint64_t pair_dp = 2 * 307 * 307;
+  Pair q(h.shape()), k(h.shape()), v(h.shape()), o(h.shape()), dout(h.shape()), lse({h.B, h.n, h.L});
+  q.randn(51), k.randn(52), v.randn(53), dout.randn(54);
+  for (Pair* p : {&q, &k, &v, &dout}) round_host_to_bf16(*p);
+  Bf16Dev q16(h.shape()), k16(h.shape()), v16(h.shape()), o16(h.shape()), do16(h.shape());
+  q16.up(q.host.mem), k16.up(k.host.mem), v16.up(v.host.mem), do16.up(dout.host.mem);
+  const double scale = 0.125;
+  gpu().attention(o.dev, lse.dev, q.dev, k.dev, v.dev, scale);
+  gpu().attention(o16.t, lse.dev, q16.t, k16.t, v16.t, scale);
+  Pair dq(h.shape()), dk(h.shape()), dv(h.shape());
+  Bf16Dev dq16(h.shape()), dk16(h.shape()), dv16(h.shape());
+  gpu().attention_backward(dq.dev, dk.dev, dv.dev, dout.dev, q.dev, k.dev, v.dev, o.dev, lse.dev, scale);
+  gpu().attention_backward(dq16.t, dk16.t, dv16.t, do16.t, q16.t, k16.t, v16.t, o16.t, lse.dev, scale);
+  const std::vector<float> want[3] = {dq.down(), dk.down(), dv.down()};
+  const std::vector<uint16_t> want16[3] = {dq16.bits(), dk16.bits(), dv16.bits()};
+
+  for (const auto& [limit, calls] : {std::pair<uint64_t, int64_t>{3 * pair_dp, 2}, {pair_dp - 1, 6}}) {
+    SCOPED_TRACE(fmt::format("dP bound {} bytes", limit));
+    BackendOptions opts;
+    opts.attention_workspace_limit = limit;
+    const std::unique_ptr<Backend> bounded = make_cuda_backend(opts);
+    Pair gq(h.shape()), gk(h.shape()), gv(h.shape());
+    const int64_t before = cuda::attention_counters().cudnn_calls;
+    bounded->attention_backward(gq.dev, gk.dev, gv.dev, dout.dev, q.dev, k.dev, v.dev, o.dev, lse.dev, scale);
+    bounded->synchronize();
+    EXPECT_EQ(cuda::attention_counters().cudnn_calls - before, calls);
+    EXPECT_EQ(gq.down(), want[0]) << "dq";
+    EXPECT_EQ(gk.down(), want[1]) << "dk";
+    EXPECT_EQ(gv.down(), want[2]) << "dv";
+    Bf16Dev gq16(h.shape()), gk16(h.shape()), gv16(h.shape()), dv_only(h.shape());
+    bounded->attention_backward(gq16.t, gk16.t, gv16.t, do16.t, q16.t, k16.t, v16.t, o16.t, lse.dev, scale);
+    bounded->attention_backward(Tensor{}, Tensor{}, dv_only.t, do16.t, q16.t, k16.t, v16.t, o16.t, lse.dev, scale);
+    bounded->synchronize();
+    EXPECT_EQ(gq16.bits(), want16[0]) << "dq, bf16 heads";
+    EXPECT_EQ(gk16.bits(), want16[1]) << "dk, bf16 heads";
+    EXPECT_EQ(gv16.bits(), want16[2]) << "dv, bf16 heads";
+    EXPECT_EQ(dv_only.bits(), want16[2]) << "dv alone";
+    expect_within(compare_with_cpu(h, 1.0, 61, *bounded), kCudnnTolForward, kCudnnTolLse, kCudnnTolGrad);
   }
 }
 

@@ -34,6 +34,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/attention_workspace.h"
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/common.cuh"
@@ -205,16 +206,26 @@ std::string static_refusal(const AttentionShape& s) {
 
 // ---- Attention -------------------------------------------------------------------------
 
-Attention::Attention(cudaStream_t stream, bool deterministic)
-    : stream_(stream), deterministic_(deterministic), cudnn_(std::make_unique<Cudnn>(stream)) {}
+Attention::Attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes)
+    : stream_(stream),
+      deterministic_(deterministic),
+      dp_limit_bytes_(dp_limit_bytes),
+      cudnn_(std::make_unique<Cudnn>(stream)) {}
 
 Attention::~Attention() {
   cudnn_.reset();
   if (delta_) cudaFree(delta_);
 }
 
-std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic) {
-  return std::make_unique<Attention>(stream, deterministic);
+std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes) {
+  return std::make_unique<Attention>(stream, deterministic, dp_limit_bytes);
+}
+
+AttentionShape Attention::backward_call_shape(const AttentionShape& s) const {
+  if (!deterministic_ || dp_limit_bytes_ == 0) return s;
+  const AttentionBackwardSplit split = split_attention_backward(s.batch, s.heads, s.seq, dp_limit_bytes_);
+  if (split.calls <= 1) return s;
+  return AttentionShape{1, split.pairs_per_call, s.seq, s.head_dim};
 }
 
 CudnnPlan& Attention::bf16_plan(const AttentionShape& s, Direction d) {
@@ -226,7 +237,8 @@ CudnnPlan& Attention::bf16_plan(const AttentionShape& s, Direction d) {
   });
 }
 
-Attention::PrefetchWait Attention::prefetch_backward(const AttentionShape& s) {
+Attention::PrefetchWait Attention::prefetch_backward(const AttentionShape& shape) {
+  const AttentionShape s = backward_call_shape(shape);
   if (attention_path() == AttentionPath::reference || !static_refusal(s).empty()) return {};
   const bool deterministic = deterministic_;
   const Direction d = deterministic ? Direction::backward_deterministic : Direction::backward;
@@ -238,7 +250,7 @@ std::string Attention::cudnn_unsupported_reason(const AttentionShape& s) {
   if (std::string why = static_refusal(s); !why.empty()) return why;
   const Direction backward = deterministic_ ? Direction::backward_deterministic : Direction::backward;
   for (Direction d : {Direction::forward, backward})
-    if (const CudnnPlan& p = bf16_plan(s, d); !p.refused.empty())
+    if (const CudnnPlan& p = bf16_plan(d == Direction::forward ? s : backward_call_shape(s), d); !p.refused.empty())
       return fmt::format("{}: {}", d == Direction::forward ? "forward" : "backward", p.refused);
   return "";
 }
@@ -354,6 +366,26 @@ void Attention::forward(void* o, float* lse, const void* q, const void* k, const
 void Attention::backward(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k, const void* v,
                          const void* o, const float* lse, bool bf16, const AttentionShape& s, double scale) {
   if (s.numel() == 0 || (!dq && !dk && !dv)) return;
+  const AttentionShape part = backward_call_shape(s);
+  if (part.key() == s.key()) {
+    backward_call(dq, dk, dv, dout, q, k, v, o, lse, bf16, s, scale);
+    return;
+  }
+  // Consecutive (sample, head) pairs of the dense [B, n, L, D] heads: each call's tensors start
+  // `c` parts further in, its lse `c` parts' rows further.
+  const int64_t head_bytes = part.numel() * static_cast<int64_t>(bf16 ? sizeof(__nv_bfloat16) : sizeof(float));
+  const int64_t calls = s.batch * s.heads / part.heads;
+  for (int64_t c = 0; c < calls; ++c) {
+    auto in = [&](const void* p) { return p ? static_cast<const char*>(p) + c * head_bytes : nullptr; };
+    auto out = [&](void* p) { return p ? static_cast<char*>(p) + c * head_bytes : nullptr; };
+    backward_call(out(dq), out(dk), out(dv), in(dout), in(q), in(k), in(v), in(o), lse + c * part.rows(), bf16, part,
+                  scale);
+  }
+}
+
+void Attention::backward_call(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k,
+                              const void* v, const void* o, const float* lse, bool bf16, const AttentionShape& s,
+                              double scale) {
   const int64_t n = s.numel();
   const Direction dir = deterministic_ ? Direction::backward_deterministic : Direction::backward;
   if (!use_cudnn(s, dir)) {

@@ -80,8 +80,10 @@ class Attention {
   // budgets B·n·L² bf16 values for it) and is slower (docs/PERFORMANCE.md, GEMMs and attention at
   // Flux shapes). The reference kernel is always deterministic. The backend passes
   // BackendOptions::deterministic_attention (the config key of that name; true by default: runs
-  // repeat bit for bit, resume is exact).
-  Attention(cudaStream_t stream, bool deterministic);
+  // repeat bit for bit, resume is exact). `dp_limit_bytes` (0: none) bounds the deterministic
+  // backward's dP: a larger call runs as several over consecutive (sample, head) pairs
+  // (split_attention_backward), with the same results.
+  Attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes = 0);
   ~Attention();
   Attention(const Attention&) = delete;
   Attention& operator=(const Attention&) = delete;
@@ -167,16 +169,22 @@ class Attention {
   CudnnPlan& fp8_backward_plan(const Fp8Backward& a);
   // True when cuDNN should run this call; false means the reference kernel.
   bool use_cudnn(const AttentionShape& s, Direction d);
+  // The shape of each call a backward of `s` runs as: `s`, or with a dP bound that it exceeds,
+  // [1, pairs a call, L, D] (deterministic backward only).
+  AttentionShape backward_call_shape(const AttentionShape& s) const;
+  void backward_call(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k, const void* v,
+                     const void* o, const float* lse, bool bf16, const AttentionShape& s, double scale);
   void* delta_scratch(size_t bytes);
 
   cudaStream_t stream_;
   bool deterministic_;  // the BF16 backward: cuDNN's deterministic one (the FP8 backward has one kind)
+  uint64_t dp_limit_bytes_;
   std::unique_ptr<Cudnn> cudnn_;
   void* delta_ = nullptr;
   size_t delta_bytes_ = 0;
   uint64_t delta_moves_ = 0;
 };
 
-std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic);
+std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes = 0);
 
 }  // namespace flux8::cuda

@@ -66,7 +66,7 @@ CudaBackend::CudaBackend(const BackendOptions& options) : options_(options) {
   try {
     FLUX8_CUDA_CHECK(cudaMallocHost(&pinned_, 4096));
     gemm_ = std::make_unique<Gemm>(stream_);  // may refuse a bad FLUX8_GEMM_AUTOTUNE
-    attention_ = make_attention(stream_, options.deterministic_attention);
+    attention_ = make_attention(stream_, options.deterministic_attention, options.attention_workspace_limit);
   } catch (...) {  // the destructor does not run for a constructor that throws
     gemm_.reset();
     if (pinned_) cudaFreeHost(pinned_);
