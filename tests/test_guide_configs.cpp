@@ -249,13 +249,13 @@ TEST(MemoryAdvice, ListsTheSettingsThatFitWithTheirPlannedSaving) {
     EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - MemoryPlan::of(offloaded, one).peak(Recompute::none));
   knob("micro_batch_size: 1");
   if (const MemoryKnob* k = knob("tensor_model_parallel_size: 2")) EXPECT_EQ(k->note, "on 2 GPUs");
-  // The deterministic attention backward's dP (2 x 24 heads x 4,352^2 bf16: 1.69 GiB) in calls
-  // of 6 heads (217 MiB each).
+  // The deterministic attention backward's dP (2 x 24 heads x 4,352^2 bf16: 1.69 GiB; by default
+  // in 2 calls of 24 heads, 0.85 GiB) in calls of 6 heads (217 MiB each).
   Config bounded = cfg;
   bounded.set("deterministic_attention_workspace_mib", "256");
   if (const MemoryKnob* k = knob("deterministic_attention_workspace_mib: 256")) {
     EXPECT_DOUBLE_EQ(k->saving, plan.peak(Recompute::none) - MemoryPlan::of(bounded, one).peak(Recompute::none));
-    EXPECT_DOUBLE_EQ(k->saving, 2.0 * 4352 * 4352 * (48 - 6));
+    EXPECT_DOUBLE_EQ(k->saving, 2.0 * 4352 * 4352 * (24 - 6));
   }
   for (const MemoryKnob& k : memory_advice(bounded, one).knobs)
     EXPECT_EQ(k.setting.find("deterministic_attention_workspace_mib"), std::string::npos) << "advised again";

@@ -123,9 +123,10 @@ TEST(MemoryPlan, DeterministicAttentionWorkspaceSplitsTheBackwardOverHeads) {
   expect_split(split_attention_backward(0, 24, 4608, 1), 0, 0, 0);
 
   for (const int tp : {1, 2}) {
-    const std::vector<std::string> w2 = {"image_size=1024", "micro_batch_size=2"};
+    const std::vector<std::string> w2 = {"image_size=1024", "micro_batch_size=2",
+                                         "deterministic_attention_workspace_mib=0"};
     std::vector<std::string> bounded = w2;
-    bounded.push_back("deterministic_attention_workspace_mib=512");
+    bounded.back() = "deterministic_attention_workspace_mib=512";
     const MemoryPlan all = MemoryPlan::of(Config::load(kDev, w2), {tp, 1, false});
     const MemoryPlan part = MemoryPlan::of(Config::load(kDev, bounded), {tp, 1, false});
     EXPECT_EQ(all.attention_workspace, 48 / tp * pair) << "tp " << tp;
@@ -261,7 +262,8 @@ TEST(MemoryPlan, Flux12bDevOnTwoAndThirtyTwoGpus) {
 // gathers them through the same GPU buffer as moments kept there.
 TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
   const Config on_gpu = Config::load(kDev, {"adam_moment_precision=bf16"});
-  const Config offloaded = Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments"});
+  const Config offloaded = Config::load(
+      kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments", "optimizer_offload_overlap=false"});
   int64_t largest = 0;
   const ParamLayout layout = ParamLayout::build(FluxConfig::from_config(on_gpu));
   for (const ParamInfo& p : layout.params()) largest = std::max(largest, p.shape.numel());
@@ -272,14 +274,14 @@ TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
     EXPECT_EQ(b.moments, 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
     EXPECT_EQ(b.checkpoint_buffers, a.checkpoint_buffers);
     EXPECT_EQ(a.state() - b.state(), a.moments - b.moments);
-    // optimizer_offload_overlap: two chunks.
-    const MemoryPlan two = MemoryPlan::of(Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments",
-                                                              "optimizer_offload_overlap=true"}),
-                                          shape);
+    // optimizer_offload_overlap (the default): two chunks.
+    const MemoryPlan two =
+        MemoryPlan::of(Config::load(kDev, {"adam_moment_precision=bf16", "optimizer_offload=moments"}), shape);
     EXPECT_EQ(two.moments, 2 * 4.0 * static_cast<double>((int64_t{1} << 26) + largest));
   }
   // optimizer_offload_update: host (with cpu): AdamW on the host, no chunk of the moments on the GPU.
-  const MemoryPlan streamed = MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu"}), {});
+  const MemoryPlan streamed =
+      MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_overlap=false"}), {});
   const MemoryPlan on_host =
       MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_update=host"}), {});
   EXPECT_GT(streamed.moments, 0.0);
@@ -291,8 +293,8 @@ TEST(MemoryPlan, OffloadKeepsAChunkOfTheMomentsOnTheGpu) {
 // optimizer_offload: cpu moves the f32 master weights to host memory too: the GPU keeps the small
 // parameters in f32, a staging buffer of the largest and the optimizer's chunk of masters.
 TEST(MemoryPlan, OffloadedMastersLeaveTheSmallParametersAndAChunkOnTheGpu) {
-  const Config moments = Config::load(kDev, {"optimizer_offload=moments"});
-  const Config masters = Config::load(kDev, {"optimizer_offload=cpu"});
+  const Config moments = Config::load(kDev, {"optimizer_offload=moments", "optimizer_offload_overlap=false"});
+  const Config masters = Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_overlap=false"});
   int64_t largest = 0, small = 0;
   const ParamLayout layout = ParamLayout::build(FluxConfig::from_config(masters));
   for (const ParamInfo& p : layout.params()) {
@@ -306,9 +308,8 @@ TEST(MemoryPlan, OffloadedMastersLeaveTheSmallParametersAndAChunkOnTheGpu) {
   EXPECT_FALSE(a.offload_masters);
   EXPECT_EQ(b.host_masters, 4.0 * static_cast<double>(layout.total()));
   EXPECT_EQ(b.masters, 4.0 * static_cast<double>(small + largest + chunk));
-  // optimizer_offload_overlap: two chunks of masters.
-  const MemoryPlan two =
-      MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu", "optimizer_offload_overlap=true"}), {});
+  // optimizer_offload_overlap (the default): two chunks of masters.
+  const MemoryPlan two = MemoryPlan::of(Config::load(kDev, {"optimizer_offload=cpu"}), {});
   EXPECT_EQ(two.masters, 4.0 * static_cast<double>(small + largest + 2 * chunk));
   EXPECT_EQ(b.host_moments, a.host_moments);
   EXPECT_EQ(a.state() - b.state(), a.masters - b.masters);

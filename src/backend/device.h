@@ -22,7 +22,9 @@
 
 namespace flux8 {
 
-// Memory handed out by allocate() (parameters, gradients, moments, arenas, buffers).
+// Memory handed out by allocate() (parameters, gradients, moments, arenas, buffers) and, on CUDA,
+// what the backend holds for itself (cuBLASLt's workspace, the attention's staging and dP
+// region, op scratch): what a framework's caching allocator would count.
 struct MemoryUse {
   size_t allocated = 0, peak_allocated = 0;
   size_t device_used = 0;  // CUDA: all device memory in use (context and library workspaces too)

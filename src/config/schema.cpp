@@ -116,7 +116,7 @@ std::vector<KeySpec> runtime_keys() {
                "varies from run to run, as PyTorch's SDPA does: faster, and without the deterministic backward's dP "
                "workspace, docs/PERFORMANCE.md; FP8 attention has only that one). FLUX8_ATTENTION_DETERMINISTIC=0 or 1 "
                "overrides it. The CPU ignores it"),
-      int_key("runtime", "deterministic_attention_workspace_mib", 0, between(0, 1 << 20),
+      int_key("runtime", "deterministic_attention_workspace_mib", 1024, between(0, 1 << 20),
               "CUDA: the most MiB that cuDNN's deterministic attention backward keeps dP in (batch x heads x L^2 "
               "bf16 values): a larger backward runs as several calls over groups of (sample, head) pairs, each "
               "pair's gradients the same bit for bit; 0 = one call, however large (docs/MEMORY.md). The CPU, FP8 "
@@ -187,7 +187,7 @@ std::vector<KeySpec> training_keys() {
                  "optimizer_offload: cpu — where AdamW runs: device streams each chunk's masters and moments "
                  "through the device and back; host runs it on the host's cores where they live, the gradients "
                  "coming down and the new masters going up (a third of the PCIe bytes), bit for bit the same"),
-      bool_key("training", "optimizer_offload_overlap", false,
+      bool_key("training", "optimizer_offload_overlap", true,
                "optimizer_offload with the device update — true: the chunks pass through two device buffers in "
                "turn, one chunk coming up while the one before is updated and the one before that goes down (both "
                "PCIe directions at once); false: one buffer, each chunk's transfers and update one after another, "

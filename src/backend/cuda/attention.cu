@@ -206,19 +206,21 @@ std::string static_refusal(const AttentionShape& s) {
 
 // ---- Attention -------------------------------------------------------------------------
 
-Attention::Attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes)
+Attention::Attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes, BufferHooks hooks)
     : stream_(stream),
       deterministic_(deterministic),
       dp_limit_bytes_(dp_limit_bytes),
-      cudnn_(std::make_unique<Cudnn>(stream)) {}
+      hooks_(std::move(hooks)),
+      cudnn_(std::make_unique<Cudnn>(stream, hooks_)) {}
 
 Attention::~Attention() {
   cudnn_.reset();
   if (delta_) cudaFree(delta_);
 }
 
-std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes) {
-  return std::make_unique<Attention>(stream, deterministic, dp_limit_bytes);
+std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes,
+                                          BufferHooks hooks) {
+  return std::make_unique<Attention>(stream, deterministic, dp_limit_bytes, std::move(hooks));
 }
 
 AttentionShape Attention::backward_call_shape(const AttentionShape& s) const {
@@ -285,10 +287,12 @@ void* Attention::delta_scratch(size_t bytes) {
   if (bytes > delta_bytes_) {
     if (delta_) {
       FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      hooks_.on_released(delta_);
       FLUX8_CUDA_CHECK(cudaFree(delta_));
       delta_ = nullptr;
     }
     FLUX8_CUDA_CHECK(cudaMalloc(&delta_, bytes));
+    hooks_.on_allocated(delta_, bytes);
     delta_bytes_ = bytes;
     ++delta_moves_;
   }

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -72,6 +73,20 @@ void reference_attention_backward(float* dq, float* dk, float* dv, const float* 
 constexpr int64_t kReferenceMaxHeadDim = 256;
 
 // ---- the dispatcher, owned by the CUDA backend ---------------------------------------------
+// Told of each device buffer the dispatcher allocates or frees for itself (cuDNN's staging and
+// workspace region, the reference kernel's δ): the backend counts them with its own allocations,
+// so a step's peak memory includes the attention's workspace. Either may be empty.
+struct BufferHooks {
+  std::function<void(void*, size_t)> allocated;
+  std::function<void(void*)> released;
+  void on_allocated(void* p, size_t bytes) const {
+    if (allocated) allocated(p, bytes);
+  }
+  void on_released(void* p) const {
+    if (released) released(p);
+  }
+};
+
 class Attention {
  public:
   // `deterministic`: the BF16 backward. cuDNN's usual backward sums dq's contributions of
@@ -83,7 +98,7 @@ class Attention {
   // repeat bit for bit, resume is exact). `dp_limit_bytes` (0: none) bounds the deterministic
   // backward's dP: a larger call runs as several over consecutive (sample, head) pairs
   // (split_attention_backward), with the same results.
-  Attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes = 0);
+  Attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes = 0, BufferHooks hooks = {});
   ~Attention();
   Attention(const Attention&) = delete;
   Attention& operator=(const Attention&) = delete;
@@ -179,12 +194,14 @@ class Attention {
   cudaStream_t stream_;
   bool deterministic_;  // the BF16 backward: cuDNN's deterministic one (the FP8 backward has one kind)
   uint64_t dp_limit_bytes_;
+  BufferHooks hooks_;
   std::unique_ptr<Cudnn> cudnn_;
   void* delta_ = nullptr;
   size_t delta_bytes_ = 0;
   uint64_t delta_moves_ = 0;
 };
 
-std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes = 0);
+std::unique_ptr<Attention> make_attention(cudaStream_t stream, bool deterministic, uint64_t dp_limit_bytes = 0,
+                                          BufferHooks hooks = {});
 
 }  // namespace flux8::cuda

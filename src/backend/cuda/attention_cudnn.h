@@ -208,7 +208,9 @@ struct Attention::Cudnn {
   cudnnHandle_t helper = nullptr;
   std::mutex helper_mutex;
 
-  explicit Cudnn(cudaStream_t s) : stream(s) {}
+  const BufferHooks& hooks;  // the Attention's: told of the staging buffer
+
+  Cudnn(cudaStream_t s, const BufferHooks& h) : stream(s), hooks(h) {}
   ~Cudnn() {
     for (auto& [key, p] : plans)
       if (p->pending.valid()) p->pending.wait();
@@ -366,10 +368,12 @@ struct Attention::Cudnn {
     if (bytes > staging_bytes) {
       if (staging) {
         FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream));  // queued work may still use it
+        hooks.on_released(staging);
         FLUX8_CUDA_CHECK(cudaFree(staging));
         staging = nullptr;
       }
       FLUX8_CUDA_CHECK(cudaMalloc(&staging, bytes));
+      hooks.on_allocated(staging, bytes);
       staging_bytes = bytes;
       ++staging_moves;
     }

@@ -147,6 +147,8 @@ class CudaBackend final : public Backend {
   int64_t qk_norm_rope_vector_calls_ = 0;
   bool capturing_ = false;
   uint64_t scratch_generation_ = 0;  // reallocations of the four scratch buffers
+  // A scratch buffer of at least `want` bytes (grown by a quarter more; counted as allocated).
+  void* grow(void*& buf, size_t& have, size_t want);
 
   // A table of per-block chunks of the flat parameter buffers on the device (adamw,
   // gradient_sum_squares, ranges_sum_squares: training.cu) and the layout it was made for (n, the outputs, the

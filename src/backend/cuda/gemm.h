@@ -115,6 +115,8 @@ class Gemm {
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
+  // cuBLASLt's workspace, held for the Gemm's life (the backend counts it as allocated).
+  size_t workspace_size() const { return workspace_bytes_; }
 
   void run(const GemmDesc& d, const GemmArgs& args);
   // "" when cuBLASLt has an algorithm for this description on this GPU, else the reason

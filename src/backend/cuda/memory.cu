@@ -66,7 +66,13 @@ CudaBackend::CudaBackend(const BackendOptions& options) : options_(options) {
   try {
     FLUX8_CUDA_CHECK(cudaMallocHost(&pinned_, 4096));
     gemm_ = std::make_unique<Gemm>(stream_);  // may refuse a bad FLUX8_GEMM_AUTOTUNE
-    attention_ = make_attention(stream_, options.deterministic_attention, options.attention_workspace_limit);
+    // The libraries' workspaces count as allocated, as a framework's allocator counts them: a
+    // step's peak includes cuBLASLt's workspace and the attention's staging and dP regions.
+    track_allocation(gemm_.get(), gemm_->workspace_size());
+    cuda::BufferHooks hooks{[this](void* p, size_t n) { track_allocation(p, n); },
+                            [this](void* p) { track_release(p); }};
+    attention_ =
+        make_attention(stream_, options.deterministic_attention, options.attention_workspace_limit, std::move(hooks));
   } catch (...) {  // the destructor does not run for a constructor that throws
     gemm_.reset();
     if (pinned_) cudaFreeHost(pinned_);
@@ -336,30 +342,26 @@ void CudaBackend::do_synchronize() {
   flush_cast_stats();
 }
 
-namespace {
-void* grow(void*& buf, size_t& have, size_t want, cudaStream_t s, uint64_t& moves) {
+void* CudaBackend::grow(void*& buf, size_t& have, size_t want) {
   if (want <= have && buf) return buf;
-  FLUX8_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (buf) FLUX8_CUDA_CHECK(cudaFree(buf));
+  FLUX8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (buf) {
+    track_release(buf);
+    FLUX8_CUDA_CHECK(cudaFree(buf));
+  }
   buf = nullptr;
   const size_t n = std::max<size_t>(want + want / 4, 1 << 20);
   FLUX8_CUDA_CHECK(cudaMalloc(&buf, n));
+  track_allocation(buf, n);
   have = n;
-  ++moves;
+  ++scratch_generation_;
   return buf;
 }
-}  // namespace
 
-void* CudaBackend::scratch(size_t bytes) { return grow(scratch_, scratch_bytes_, bytes, stream_, scratch_generation_); }
-void* CudaBackend::scratch2(size_t bytes) {
-  return grow(scratch2_, scratch2_bytes_, bytes, stream_, scratch_generation_);
-}
-void* CudaBackend::epilogue_scratch(size_t bytes) {
-  return grow(epilogue_scratch_, epilogue_scratch_bytes_, bytes, stream_, scratch_generation_);
-}
-void* CudaBackend::reduction_scratch(size_t bytes) {
-  return grow(reduction_scratch_, reduction_scratch_bytes_, bytes, stream_, scratch_generation_);
-}
+void* CudaBackend::scratch(size_t bytes) { return grow(scratch_, scratch_bytes_, bytes); }
+void* CudaBackend::scratch2(size_t bytes) { return grow(scratch2_, scratch2_bytes_, bytes); }
+void* CudaBackend::epilogue_scratch(size_t bytes) { return grow(epilogue_scratch_, epilogue_scratch_bytes_, bytes); }
+void* CudaBackend::reduction_scratch(size_t bytes) { return grow(reduction_scratch_, reduction_scratch_bytes_, bytes); }
 
 // ---- graphs ----------------------------------------------------------------------------------
 namespace {
