@@ -2,7 +2,7 @@
 """Times the PyTorch way of training Flux at flux8's benchmark workloads: the peer of `flux8 bench --peer`.
 
     python3 tools/peer_bench.py --out peer.json [--workload W1,W2,U1] [--mode eager,compile,torchao-fp8]
-                                [--steps 10] [--warmup 3]
+                                [--steps 10] [--warmup 3] [--processes auto|one|per-mode]
     python3 tools/peer_bench.py --tiny --out peer.json    # a tiny model on the CPU, for tests
 
 The model is diffusers' FluxTransformer2DModel at the sizes of configs/models/ (W1: flux_535m,
@@ -24,7 +24,10 @@ Each mode gets a fresh model and optimizer, --warmup untimed steps (compilation 
 then --steps steps, each timed between CUDA events; the JSON holds their median and the peak of
 torch.cuda.max_memory_allocated over the mode (weights, gradients, AdamW moments, activations).
 A mode that cannot run here (its library missing, no GPU for float8, an error) is written as
-skipped, with the reason. `--tiny` runs configs/models/flux_tiny_demo.yaml at 2 samples of
+skipped, with the reason. On the GPU each workload's mode runs in a process of its own
+(`--processes per-mode`, what `auto` picks there): a CUDA error leaves the process's context
+unusable, and would otherwise skip every mode after the one that hit it; the peak is then that
+mode's alone too. `--processes one` runs them all in this process (`auto` with --tiny). `--tiny` runs configs/models/flux_tiny_demo.yaml at 2 samples of
 16 px with 8 text tokens on the CPU (wall-clock times, no memory peak): the shape of the tests'
 `flux8 bench -c` config, under the model's name as workload.
 """
@@ -36,7 +39,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -203,6 +208,29 @@ def time_mode(mode: str, cfg: dict, device, steps: int, warmup: int) -> dict:
             "steps": len(step_ms), "step_ms": step_ms, "warmup": warmup, "warmup_s": warmup_s}
 
 
+def per_mode_processes(args, device) -> bool:
+    return args.processes == "per-mode" or (args.processes == "auto" and device.type == "cuda")
+
+
+def run_in_own_process(name: str | None, mode: str, args) -> tuple[dict | None, str | None]:
+    """One mode of one workload timed by a child process of this script: (its result, None), or
+    (None, why) where the child failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "mode.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", out, "--mode", mode, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--source", args.source, "--processes", "one"]
+        cmd += ["--tiny"] if args.tiny else ["--workload", name]
+        child = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(child.stderr)
+        if child.returncode == 0 and os.path.exists(out):
+            with open(out, encoding="utf-8") as f:
+                [w] = json.load(f)["workloads"]
+            [result] = w["modes"]
+            return (result, None) if result["status"] == "ran" else (None, result["why"])
+        last = next((line for line in reversed(child.stderr.splitlines()) if line.strip()), "")
+        return None, f"failed: its process exited with status {child.returncode}: {last}"
+
+
 def run_workload(name: str, spec: dict, args, device, diffusers_error: str | None) -> dict:
     cfg = load_model_config(args.source, spec)
     workload = cfg["workload_model"] if not name or spec.get("as_model") else name
@@ -210,7 +238,9 @@ def run_workload(name: str, spec: dict, args, device, diffusers_error: str | Non
            "batch": cfg["batch"], "txt_tokens": cfg["txt_tokens"], "img_tokens": cfg["img_tokens"], "modes": []}
     for mode in args.mode:
         why = diffusers_error or why_not(mode, device)
-        if why is None:
+        if why is None and per_mode_processes(args, device):
+            result, why = run_in_own_process(name, mode, args)
+        elif why is None:
             try:
                 result = time_mode(mode, cfg, device, args.steps, args.warmup)
             except Exception as e:  # an error in one mode leaves the others' numbers
@@ -252,6 +282,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens there)")
     p.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (tests)")
     p.add_argument("--source", default=ROOT, help="the flux8 repository (its configs/models/)")
+    p.add_argument("--processes", default="auto", choices=("auto", "one", "per-mode"),
+                   help="per-mode: each workload's mode in a process of its own; one: all in this one; auto "
+                   "(default): per-mode on the GPU, one with --tiny")
     args = p.parse_args(argv)
     args.mode = (args.mode or ("eager" if args.tiny else ",".join(MODES))).split(",")
     for m in args.mode:

@@ -15,7 +15,7 @@ import tempfile
 def main(argv):
     try:
         import diffusers  # noqa: F401
-        import torch  # noqa: F401
+        import torch
     except Exception as e:
         print(f"skipped: torch and diffusers are needed ({type(e).__name__}: {e})")
         return 77
@@ -40,6 +40,19 @@ def main(argv):
         assert eager["peak_gib"] is None, "the CPU has no allocator peak"
         # float8 training needs a GPU (or torchao): reported, not a crash.
         assert fp8["mode"] == "torchao-fp8" and fp8["status"] == "skipped" and fp8["why"], fp8
+
+        # Each mode in a process of its own (the GPU's default): the same record from the child.
+        own = os.path.join(tmp, "own.json")
+        subprocess.run([sys.executable, os.path.join(src, "tools", "peer_bench.py"), "--tiny", "--mode", "eager",
+                        "--steps", "2", "--warmup", "1", "--processes", "per-mode", "--out", own], check=True)
+        with open(own, encoding="utf-8") as f:
+            [w_own] = json.load(f)["workloads"]
+        [eager_own] = w_own["modes"]
+        assert {k: w_own[k] for k in w_own if k != "modes"} == {k: w[k] for k in w if k != "modes"}, w_own
+        assert eager_own["status"] == "ran" and eager_own["steps"] == 2 and eager_own["median_ms"] > 0, eager_own
+        assert set(eager_own) == set(eager), (eager_own, eager)
+        assert peer_bench.per_mode_processes(peer_bench.parse_args(["--out", "x"]), torch.device("cuda", 0))
+        assert not peer_bench.per_mode_processes(peer_bench.parse_args(["--out", "x", "--tiny"]), torch.device("cpu"))
 
         # The same device and shape: flux8's run of the tiny config gets its ratio to the peer.
         config = os.path.join(tmp, "tiny.yaml")
