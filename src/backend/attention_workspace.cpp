@@ -1,8 +1,13 @@
 #include "backend/attention_workspace.h"
 
+#include "config/config.h"
 #include "core/error.h"
 
 namespace flux8 {
+
+uint64_t attention_workspace_limit(const Config& cfg) {
+  return static_cast<uint64_t>(cfg.get_int("deterministic_attention_workspace_mib")) << 20;
+}
 
 AttentionBackwardSplit split_attention_backward(int64_t batch, int64_t heads, int64_t seq, uint64_t limit_bytes) {
   FLUX8_CHECK(batch >= 0 && heads >= 0 && seq >= 0, "split_attention_backward: negative size [{}, {}, {}]", batch,

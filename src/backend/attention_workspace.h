@@ -9,6 +9,11 @@
 
 namespace flux8 {
 
+class Config;
+
+// deterministic_attention_workspace_mib in bytes (0: no bound).
+uint64_t attention_workspace_limit(const Config& cfg);
+
 struct AttentionBackwardSplit {
   int64_t pairs_per_call = 0;  // (sample, head) pairs of one call: a divisor of batch × heads
   int64_t calls = 0;           // batch × heads / pairs_per_call

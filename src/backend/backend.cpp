@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "backend/attention_workspace.h"
 #include "backend/op_checks.h"
 #include "config/config.h"
 #include "core/error.h"
@@ -233,7 +234,7 @@ BackendOptions BackendOptions::from_config(const Config& cfg) {
   o.bf16_activations = cfg.get_string("activation_precision") == "bf16";
   o.bf16_grads = cfg.get_string("grad_precision") == "bf16";
   o.deterministic_attention = deterministic_attention_choice(cfg.get_bool("deterministic_attention"));
-  o.attention_workspace_limit = static_cast<uint64_t>(cfg.get_int("deterministic_attention_workspace_mib")) << 20;
+  o.attention_workspace_limit = flux8::attention_workspace_limit(cfg);
   return o;
 }
 

@@ -132,7 +132,7 @@ MemoryPlan MemoryPlan::of(const Config& config, ParallelShape parallel) {
   if (config.get_bool("deterministic_attention") && !p.fp8_attention)
     p.attention_workspace =
         split_attention_backward(p.shape.batch, cfg.num_heads / parallel.tp, p.shape.txt_tokens + p.shape.img_tokens,
-                                 static_cast<uint64_t>(config.get_int("deterministic_attention_workspace_mib")) << 20)
+                                 attention_workspace_limit(config))
             .dp_bytes;
   return p;
 }

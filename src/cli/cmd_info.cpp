@@ -96,9 +96,8 @@ Memory step_memory(const Config& config, const InfoReport& r, const ActivationEs
   // Outside the table: cuDNN's deterministic BF16 attention backward keeps dP, B·heads·L² bf16
   // values or one call's share of them, in its workspace (one, reused by every block; the atomic
   // backward has none, docs/PERFORMANCE.md). FP8 attention has no such workspace.
-  m.attention_split =
-      split_attention_backward(r.batch, r.cfg.num_heads, r.shape.txt_tokens + r.shape.img_tokens,
-                               static_cast<uint64_t>(config.get_int("deterministic_attention_workspace_mib")) << 20);
+  m.attention_split = split_attention_backward(r.batch, r.cfg.num_heads, r.shape.txt_tokens + r.shape.img_tokens,
+                                               attention_workspace_limit(config));
   m.attention_workspace = config.get_bool("deterministic_attention") ? m.attention_split.dp_bytes : 0.0;
   // Checkpoints: the files hold f32 weights and f32 moments (12 B a parameter); async_save's
   // host copy holds the f32 master weights and the moments as stored, and is made only where
